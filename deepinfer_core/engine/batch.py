@@ -1,0 +1,38 @@
+"""Plain data objects that cross the scheduler / model-runner boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SeqChunk:
+    """One request's share of a forward step.
+
+    Attributes:
+        seq_slot: the request's per-sequence state slot (window ring, compressor buffers),
+            from :meth:`KVCacheManager.allocate_slot`.
+        token_ids: the new tokens to run this step (a prefill chunk, or one decode token).
+        start_pos: how many tokens of this request are already in the cache, i.e. the
+            position of ``token_ids[0]``.
+        block_table: page ids covering positions ``[0, start_pos + len(token_ids))``; page
+            ``j`` holds positions ``[j*page_size, (j+1)*page_size)``.
+        sample: whether the logits of the last token are needed (the chunk completes the
+            prompt, or it is a decode step).
+    """
+
+    seq_slot: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool = True
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new tokens in this chunk."""
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        """Number of tokens in the cache once this chunk has run."""
+        return self.start_pos + len(self.token_ids)

@@ -1,0 +1,230 @@
+"""DeepSeek-V4 model configuration, parsed from a checkpoint's ``config.json``.
+
+Accepts both the HF-transformers layout (``layer_types``, ``compress_rates``,
+``mlp_layer_types``, nested ``rope_parameters``) and the native DeepSeek layout
+(``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat ``rope_scaling``),
+normalising to one form.  Validation errors name the offending field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from deepinfer_core.errors import ConfigError
+
+SLIDING = "sliding_attention"
+CSA = "compressed_sparse_attention"
+HCA = "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+class RopeParams(BaseModel):
+    """Rotary parameters of one rope family (``main`` or ``compress``)."""
+
+    model_config = ConfigDict(extra="ignore")
+    rope_type: Literal["default", "yarn"] = "default"
+    rope_theta: float = 10000.0
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+class DeepseekV4Config(BaseModel):
+    """Architecture hyper-parameters of a DeepSeek-V4 checkpoint (HF field names)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model_type: str = "deepseek_v4"
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: Literal["sqrtsoftplus", "softmax", "sigmoid"] = "sqrtsoftplus"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    layer_types: list[str]
+    compress_rates: dict[str, int]
+    mlp_layer_types: list[str]
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    bos_token_id: int | None = 0
+    eos_token_id: int | list[int] | None = 1
+    pad_token_id: int | None = None
+    tie_word_embeddings: bool = False
+    partial_rotary_factor: float
+    rope_main: RopeParams
+    rope_compress: RopeParams
+    torch_dtype: str | None = None
+    quantization_config: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _normalise(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        d = dict(data)
+        n = int(d.get("num_hidden_layers", cls.model_fields["num_hidden_layers"].default))
+        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
+        if "compress_rate_csa" in d:
+            rates[CSA] = d.pop("compress_rate_csa")
+        if "compress_rate_hca" in d:
+            rates[HCA] = d.pop("compress_rate_hca")
+        d["compress_rates"] = rates
+        ratios = d.pop("compress_ratios", None)
+        if d.get("layer_types") is None and ratios is not None:
+            inv = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA, **_RATIO_TO_TYPE}
+            d["layer_types"] = [inv[int(r)] for r in ratios[:n]]
+        if d.get("layer_types") is None:
+            inter = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            d["layer_types"] = [HCA] * min(n, 2) + inter
+        if d.get("mlp_layer_types") is None:
+            n_hash = int(d.pop("num_hash_layers", 3))
+            d["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        head_dim = int(d.get("head_dim", 512))
+        if d.get("partial_rotary_factor") is None:
+            rope_dim = d.pop("qk_rope_head_dim", None)
+            d["partial_rotary_factor"] = (rope_dim / head_dim) if rope_dim is not None else 64 / 512
+        rp = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
+            main, comp = dict(rp["main"]), dict(rp["compress"])
+        else:
+            yarn = {k: v for k, v in rp.items() if k not in ("main", "compress")}
+            if "type" in yarn and "rope_type" not in yarn:
+                yarn["rope_type"] = yarn.pop("type")
+            main = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+            comp = {**yarn, "rope_theta": d.get("compress_rope_theta", 160000.0)}
+            comp.setdefault("rope_type", "default")
+            if comp["rope_type"] == "yarn":
+                comp.setdefault("attention_factor", 1.0)
+        d["rope_main"], d["rope_compress"] = main, comp
+        return d
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepseekV4Config:
+        n = self.num_hidden_layers
+        for name, types, allowed in (
+            ("layer_types", self.layer_types, LAYER_TYPES),
+            ("mlp_layer_types", self.mlp_layer_types, ("hash_moe", "moe")),
+        ):
+            if len(types) != n:
+                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}")
+            bad = sorted({t for t in types if t not in allowed})
+            if bad:
+                raise ValueError(f"{name} entries must be one of {allowed}; got {bad}")
+        if self.num_key_value_heads != 1:
+            raise ValueError("DeepSeek-V4 uses one shared KV head; num_key_value_heads must be 1")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise ValueError("num_attention_heads*head_dim must be divisible by o_groups")
+        if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
+            raise ValueError(f"rope dim head_dim*partial_rotary_factor={self.rope_dim} must be even and <= head_dim")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError("num_experts_per_tok exceeds n_routed_experts")
+        return self
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def rope_dim(self) -> int:
+        """Number of trailing channels per head that carry (interleaved) RoPE."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def compress_ratio(self, layer: int) -> int:
+        """Compression ratio of ``layer`` (0 for sliding-only layers)."""
+        t = self.layer_types[layer]
+        return 0 if t == SLIDING else int(self.compress_rates[t])
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids as a list (``eos_token_id`` may be an int or a list)."""
+        e = self.eos_token_id
+        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+
+    def inv_freq(self, family: Literal["main", "compress"]) -> tuple[list[float], float]:
+        """Inverse frequencies (one per rotated pair) and the cos/sin scale of a rope family.
+
+        Matches transformers' default and YaRN computations (``attention_factor`` is 1.0 for
+        V4's compressed layers).
+        """
+        p = self.rope_main if family == "main" else self.rope_compress
+        dim = self.rope_dim
+        base = p.rope_theta
+        pos = [base ** (i / dim) for i in range(0, dim, 2)]
+        extra = [1.0 / f for f in pos]
+        if p.rope_type == "default":
+            return extra, 1.0
+        factor = p.factor if p.factor is not None else 1.0
+        orig = p.original_max_position_embeddings or self.max_position_embeddings
+        attn = p.attention_factor
+        if attn is None:
+            attn = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+        beta_fast, beta_slow = p.beta_fast or 32, p.beta_slow or 1
+
+        def corr(rot: float) -> float:
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = corr(beta_fast), corr(beta_slow)
+        if p.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        inter = [1.0 / (factor * f) for f in pos]
+        out = []
+        for i in range(dim // 2):
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            e = 1.0 - ramp  # extrapolation weight
+            out.append(inter[i] * (1 - e) + extra[i] * e)
+        return out, float(attn)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV4Config:
+        """Parse and validate; raise :class:`ConfigError` naming ``source`` and the bad field."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+            raise ConfigError(f"invalid DeepSeek-V4 config in {source}: {msgs}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> DeepseekV4Config:
+        """Read ``config.json`` (or a model directory containing it)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            raise ConfigError(f"no config.json at {p}: a model directory needs config.json and safetensors")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        if "text_config" in data and data.get("model_type") != "deepseek_v4":
+            data = data["text_config"]
+        return cls.from_dict(data, source=str(p))

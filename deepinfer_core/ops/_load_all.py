@@ -1,0 +1,1 @@
+"""Imports every op family module so that their ops are registered."""

@@ -1,0 +1,114 @@
+"""The op contract: every op the models call, with a documented signature and a reference.
+
+An *op* is a pure function on tensors.  Each op is defined once, here in the core, by its
+pure-PyTorch reference implementation, whose docstring is the contract (shapes, dtypes,
+layout, semantics).  Backends override ops one by one with :class:`OpImpl` objects, each
+with an optional ``supports`` predicate that receives exactly the op's arguments and
+returns ``True`` when the backend kernel handles that case.
+
+Ops marked ``batch_invariant`` must give bitwise-identical results for a row regardless of
+the other rows in the batch when the engine runs with ``batch_invariant=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SampleCases = Callable[[torch.Generator, torch.dtype], list[tuple[tuple, dict]]]
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One op of the contract.
+
+    Attributes:
+        name: unique op name, e.g. ``"rms_norm"``.
+        family: module family (``norm``, ``linear``, ``attention``, ``moe``, ``rope``, ``mhc``...).
+        reference: the pure-PyTorch reference implementation; its docstring is the contract.
+        batch_invariant: whether the op must honour batch invariance (see module docs).
+        sample_cases: ``(generator, dtype) -> [(args, kwargs), ...]`` small inputs used by the
+            conformance suite (:mod:`deepinfer_core.testing`) to compare a backend against
+            the reference.
+        tolerances: ``{dtype: (atol, rtol)}`` used by the conformance suite.
+    """
+
+    name: str
+    family: str
+    reference: Callable[..., Any]
+    batch_invariant: bool = False
+    sample_cases: SampleCases | None = None
+    tolerances: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def doc(self) -> str:
+        """The contract text (the reference implementation's docstring)."""
+        return (self.reference.__doc__ or "").strip()
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """A backend's implementation of one op.
+
+    Attributes:
+        fn: callable with exactly the reference signature.
+        supports: optional predicate called with the op's arguments; returns ``True`` when
+            ``fn`` handles the case.  A ``False`` (or a string giving the reason) makes the
+            engine use the reference implementation for that call (logged once per op).
+    """
+
+    fn: Callable[..., Any]
+    supports: Callable[..., bool | str] | None = None
+
+
+_OPS: dict[str, OpSpec] = {}
+
+DEFAULT_TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def define_op(
+    name: str,
+    family: str,
+    *,
+    batch_invariant: bool = False,
+    sample_cases: SampleCases | None = None,
+    tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator registering a reference implementation as the definition of op ``name``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if name in _OPS and _OPS[name].reference is not fn:
+            raise ValueError(f"op {name!r} is defined twice ({_OPS[name].reference} and {fn})")
+        _OPS[name] = OpSpec(
+            name=name,
+            family=family,
+            reference=fn,
+            batch_invariant=batch_invariant,
+            sample_cases=sample_cases,
+            tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})},
+        )
+        return fn
+
+    return wrap
+
+
+def all_ops() -> dict[str, OpSpec]:
+    """Every op of the contract, by name (imports the op modules on first call)."""
+    from deepinfer_core.ops import _load_all  # noqa: F401  (registers the op modules)
+
+    return dict(_OPS)
+
+
+def get_op(name: str) -> OpSpec:
+    """The spec of op ``name``; raises ``KeyError`` naming the known ops when unknown."""
+    ops = all_ops()
+    if name not in ops:
+        raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(ops))}")
+    return ops[name]

@@ -1,0 +1,100 @@
+"""Resolved op tables: what the model calls at run time.
+
+An :class:`OpTable` maps every op name to one callable, chosen once at engine start: the
+backend's implementation when it provides the op, else the reference.  When a backend
+implementation has a ``supports`` predicate, each call checks it and falls back to the
+reference for cases it rejects (logged once per op; an error under ``strict_ops``).
+Model code calls ops as attributes: ``ops.rms_norm(x, w, eps)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from deepinfer_core.errors import OpNotSupportedError
+
+from .registry import OpImpl, all_ops
+
+logger = logging.getLogger("deepinfer.ops")
+
+
+class OpTable:
+    """The ops of one engine, resolved against a backend.
+
+    Args:
+        impls: the backend's op implementations by name (may be empty).
+        backend: the backend name (for log and error messages).
+        strict: raise :class:`OpNotSupportedError` instead of falling back to the reference.
+    """
+
+    def __init__(self, impls: Mapping[str, OpImpl], backend: str = "reference", strict: bool = False):
+        specs = all_ops()
+        unknown = sorted(set(impls) - set(specs))
+        if unknown:
+            raise OpNotSupportedError(
+                f"backend {backend!r} provides ops that are not in the op contract: {unknown}; "
+                f"known ops: {sorted(specs)}"
+            )
+        self.backend = backend
+        self.strict = strict
+        self.sources: dict[str, str] = {}  # op name -> "backend" | "reference" | "backend+fallback"
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._logged: set[str] = set()
+        missing = [name for name in specs if name not in impls]
+        if missing and backend != "reference":
+            if strict:
+                raise OpNotSupportedError(
+                    f"backend {backend!r} does not provide ops {missing} and strict_ops=True forbids "
+                    "falling back to the reference; implement them or set strict_ops=False"
+                )
+            logger.warning(
+                "backend %r does not provide ops %s: using the reference implementations", backend, missing
+            )
+        for name, spec in specs.items():
+            impl = impls.get(name)
+            if impl is None:
+                self._fns[name] = spec.reference
+                self.sources[name] = "reference"
+            elif impl.supports is None:
+                self._fns[name] = impl.fn
+                self.sources[name] = "backend"
+            else:
+                self._fns[name] = self._guarded(name, impl, spec.reference)
+                self.sources[name] = "backend+fallback"
+
+    def _guarded(self, name: str, impl: OpImpl, reference: Callable[..., Any]) -> Callable[..., Any]:
+        supports = impl.supports
+        assert supports is not None
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            verdict = supports(*args, **kwargs)
+            if verdict is True:
+                return impl.fn(*args, **kwargs)
+            reason = verdict if isinstance(verdict, str) else "case not supported"
+            if self.strict:
+                raise OpNotSupportedError(
+                    f"backend {self.backend!r} rejects this case of op {name!r} ({reason}) and "
+                    "strict_ops=True forbids falling back to the reference"
+                )
+            if name not in self._logged:
+                self._logged.add(name)
+                logger.warning("op %r: backend %r rejects a case (%s); using the reference", name,
+                               self.backend, reason)
+            return reference(*args, **kwargs)
+
+        call.__name__ = name
+        call.__doc__ = reference.__doc__
+        return call
+
+    @classmethod
+    def reference(cls) -> OpTable:
+        """A table of the pure-PyTorch reference implementations only."""
+        return cls({}, backend="reference")
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        try:
+            return self.__dict__["_fns"][name]
+        except KeyError:
+            raise AttributeError(f"no op {name!r} in the op contract") from None
