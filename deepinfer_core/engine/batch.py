@@ -19,6 +19,8 @@ class SeqChunk:
             ``j`` holds positions ``[j*page_size, (j+1)*page_size)``.
         sample: whether the logits of the last token are needed (the chunk completes the
             prompt, or it is a decode step).
+        all_logits: return the logits of every token of the chunk (prompt logprobs, tests),
+            in order, instead of only the last one.
     """
 
     seq_slot: int
@@ -26,6 +28,7 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]
     sample: bool = True
+    all_logits: bool = False
 
     @property
     def num_tokens(self) -> int:

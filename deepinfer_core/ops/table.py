@@ -80,8 +80,9 @@ class OpTable:
                 )
             if name not in self._logged:
                 self._logged.add(name)
-                logger.warning("op %r: backend %r rejects a case (%s); using the reference", name,
-                               self.backend, reason)
+                logger.warning(
+                    "op %r: backend %r rejects a case (%s); using the reference", name, self.backend, reason
+                )
             return reference(*args, **kwargs)
 
         call.__name__ = name

@@ -9,7 +9,6 @@ normalising to one form.  Validation errors name the offending field.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -145,7 +144,9 @@ class DeepseekV4Config(BaseModel):
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ValueError("num_attention_heads*head_dim must be divisible by o_groups")
         if self.rope_dim % 2 or not 0 < self.rope_dim <= self.head_dim:
-            raise ValueError(f"rope dim head_dim*partial_rotary_factor={self.rope_dim} must be even and <= head_dim")
+            raise ValueError(
+                f"rope dim head_dim*partial_rotary_factor={self.rope_dim} must be even and <= head_dim"
+            )
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError("num_experts_per_tok exceeds n_routed_experts")
         return self
@@ -167,50 +168,15 @@ class DeepseekV4Config(BaseModel):
         e = self.eos_token_id
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
-    def inv_freq(self, family: Literal["main", "compress"]) -> tuple[list[float], float]:
-        """Inverse frequencies (one per rotated pair) and the cos/sin scale of a rope family.
-
-        Matches transformers' default and YaRN computations (``attention_factor`` is 1.0 for
-        V4's compressed layers).
-        """
-        p = self.rope_main if family == "main" else self.rope_compress
-        dim = self.rope_dim
-        base = p.rope_theta
-        pos = [base ** (i / dim) for i in range(0, dim, 2)]
-        extra = [1.0 / f for f in pos]
-        if p.rope_type == "default":
-            return extra, 1.0
-        factor = p.factor if p.factor is not None else 1.0
-        orig = p.original_max_position_embeddings or self.max_position_embeddings
-        attn = p.attention_factor
-        if attn is None:
-            attn = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
-        beta_fast, beta_slow = p.beta_fast or 32, p.beta_slow or 1
-
-        def corr(rot: float) -> float:
-            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = corr(beta_fast), corr(beta_slow)
-        if p.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        inter = [1.0 / (factor * f) for f in pos]
-        out = []
-        for i in range(dim // 2):
-            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
-            e = 1.0 - ramp  # extrapolation weight
-            out.append(inter[i] * (1 - e) + extra[i] * e)
-        return out, float(attn)
-
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV4Config:
         """Parse and validate; raise :class:`ConfigError` naming ``source`` and the bad field."""
         try:
             return cls.model_validate(data)
         except ValidationError as e:
-            msgs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+            msgs = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
+            )
             raise ConfigError(f"invalid DeepSeek-V4 config in {source}: {msgs}") from None
 
     @classmethod

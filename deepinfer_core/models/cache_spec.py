@@ -1,0 +1,125 @@
+"""Cache specs: what each layer of a hybrid-attention model keeps between steps.
+
+A model declares, per layer, a list of specs; :class:`HybridCache` allocates them.  Three
+kinds cover DeepSeek-V4 and leave room for V4.1:
+
+* :class:`RingSpec` -- a per-sequence ring of the last ``width`` token rows (the sliding
+  window).  Row of position ``p`` for slot ``s``: ``s*width + p % width``.
+* :class:`PagedSpec` -- entries produced every ``ratio`` tokens (compressed KV, indexer
+  keys), stored in pages shared by all layers: page ``j`` of a request covers positions
+  ``[j*page_size, (j+1)*page_size)`` and holds ``page_size // ratio`` entries per layer.
+  Row of entry ``e``: ``page*(page_size//ratio) + (e*ratio % page_size)//ratio``.
+* :class:`SlotStateSpec` -- fixed-size per-sequence state (the compressor's partial window
+  and overlap carry), ``[num_slots, *shape]``.
+
+Any spec may set ``alias_of=(layer, name)`` to read another layer's storage instead of
+owning one (V4.1's decoder layers read a source layer's compressed cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Sliding-window ring of ``width`` rows of ``dim`` per sequence slot."""
+
+    name: str
+    width: int
+    dim: int
+    dtype: torch.dtype | None = None  # None: the model dtype
+    alias_of: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """Paged entries, one per ``ratio`` positions, of ``dim`` channels."""
+
+    name: str
+    ratio: int
+    dim: int
+    dtype: torch.dtype | None = None
+    alias_of: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class SlotStateSpec:
+    """Per-sequence state tensor of ``shape`` (after the slot dimension)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+    alias_of: tuple[int, str] | None = None
+
+
+CacheSpec = RingSpec | PagedSpec | SlotStateSpec
+
+
+def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes the spec costs ``(per page, per sequence slot)``."""
+    if spec.alias_of is not None:
+        return 0, 0
+    item = torch.empty((), dtype=spec.dtype or model_dtype).element_size()
+    if isinstance(spec, PagedSpec):
+        return (page_size // spec.ratio) * spec.dim * item, 0
+    if isinstance(spec, RingSpec):
+        return 0, spec.width * spec.dim * item
+    n = 1
+    for s in spec.shape:
+        n *= s
+    return 0, n * item
+
+
+class HybridCache:
+    """The tensors of every layer's cache specs.
+
+    Args:
+        specs: ``specs[layer]`` is that layer's list of specs.
+        num_pages, page_size, num_slots: pool geometry (see :class:`KVCacheManager`).
+        dtype, device: model dtype (for specs without their own) and device.
+    """
+
+    def __init__(
+        self,
+        specs: list[list[CacheSpec]],
+        num_pages: int,
+        page_size: int,
+        num_slots: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self._tensors: dict[tuple[int, str], torch.Tensor] = {}
+        for layer, layer_specs in enumerate(specs):
+            for spec in layer_specs:
+                if spec.alias_of is not None:
+                    continue
+                dt = spec.dtype or dtype
+                if isinstance(spec, PagedSpec):
+                    if page_size % spec.ratio:
+                        raise ValueError(f"page_size {page_size} is not a multiple of ratio {spec.ratio}")
+                    shape: tuple[int, ...] = (num_pages * (page_size // spec.ratio), spec.dim)
+                elif isinstance(spec, RingSpec):
+                    shape = (num_slots * spec.width, spec.dim)
+                else:
+                    shape = (num_slots, *spec.shape)
+                self._tensors[(layer, spec.name)] = torch.zeros(shape, dtype=dt, device=device)
+        for layer, layer_specs in enumerate(specs):
+            for spec in layer_specs:
+                if spec.alias_of is not None:
+                    self._tensors[(layer, spec.name)] = self._tensors[spec.alias_of]
+
+    def get(self, layer: int, name: str) -> torch.Tensor:
+        """The tensor of ``layer``'s spec ``name``."""
+        return self._tensors[(layer, name)]
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes held (aliases counted once)."""
+        seen = {id(t): t for t in self._tensors.values()}
+        return sum(t.numel() * t.element_size() for t in seen.values())

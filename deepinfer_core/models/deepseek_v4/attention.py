@@ -1,0 +1,85 @@
+"""DeepSeek-V4 attention block: shared-KV MQA over a sliding window plus compressed entries.
+
+Per query at position ``t``: keys are the window ``t-W+1..t`` (from the slot's ring for
+earlier steps, from this step's rows otherwise) plus, on CSA layers, the Lightning
+Indexer's top-k compressed entries among those closed by ``t`` and, on HCA layers, all of
+them; a per-head sink joins the softmax.  K = V, so the output's rope slice is rotated back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.models.cache_spec import CacheSpec, RingSpec
+from deepinfer_core.ops import OpTable
+
+from .compressor import Compressor
+from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .metadata import StepMetadata
+
+
+class Attention:
+    """Attention of layer ``layer`` (weights bound from the model's tensor dict)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, torch.Tensor]):
+        p = f"model.layers.{layer}.self_attn."
+        self.cfg, self.layer = cfg, layer
+        self.kind = cfg.layer_types[layer]
+        self.rope_family = "main" if self.kind == SLIDING else "compress"
+        self.wq_a, self.q_norm = w[p + "q_a_proj.weight"], w[p + "q_a_norm.weight"]
+        self.wq_b, self.wkv = w[p + "q_b_proj.weight"], w[p + "kv_proj.weight"]
+        self.kv_norm, self.sinks = w[p + "kv_norm.weight"], w[p + "sinks"].float()
+        self.wo_a, self.wo_b = w[p + "o_a_proj.weight"], w[p + "o_b_proj.weight"]
+        self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+        self.compressor = self.indexer = None
+        if self.kind in (CSA, HCA):
+            r = cfg.compress_rates[self.kind]
+            self.ratio = r
+            c = p + "compressor."
+            self.compressor = Compressor(c, w, r, cfg.head_dim, self.kind == CSA, "ckv", self.eps)
+            if self.kind == CSA:
+                self.indexer = Compressor(c + "indexer.", w, r, cfg.index_head_dim, True, "ikv", self.eps)
+                self.wi_q = w[c + "indexer.q_b_proj.weight"]
+                self.wi_w = w[c + "indexer.scorer.weights_proj.weight"]
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """Window ring, plus the compressor's (and indexer's) pools and slot state."""
+        specs: list[CacheSpec] = [RingSpec("window", self.cfg.sliding_window, self.head_dim)]
+        for comp in (self.compressor, self.indexer):
+            if comp is not None:
+                specs += comp.cache_specs()
+        return specs
+
+    def __call__(
+        self, x: torch.Tensor, md: StepMetadata, cache_get, ops: OpTable, rope: dict
+    ) -> torch.Tensor:
+        """``x`` ``[T, D]`` (normed block input) -> ``[T, D]`` attention output."""
+        cfg, t = self.cfg, x.shape[0]
+        cos, sin = rope[self.rope_family]
+        q_res = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)
+        q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
+        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
+        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
+        ring = cache_get("window")
+        pools = [ring, kv]
+        idx = [md.window_ring, md.window_chunk]
+        if self.compressor is not None:
+            inv_rope = rope["compress_freqs"]
+            ckv = self.compressor(x, md, cache_get, ops, inv_rope)
+            cand = md.plans[self.ratio].candidates
+            if self.indexer is not None and cand.shape[1] > cfg.index_topk:
+                ikv = self.indexer(x, md, cache_get, ops, inv_rope)
+                iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
+                iq = ops.apply_rope(iq, *rope["compress"])
+                iw = ops.linear(x, self.wi_w).float() * cfg.index_n_heads**-0.5
+                cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
+            elif self.indexer is not None:
+                self.indexer(x, md, cache_get, ops, inv_rope)  # keep the indexer keys current
+            pools.append(ckv)
+            idx.append(cand)
+        out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
+        ring[md.ring_rows] = kv[md.ring_tokens]
+        out = ops.apply_rope(out, cos, -sin)
+        g = cfg.o_groups
+        out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
+        return ops.linear(out, self.wo_b)

@@ -1,0 +1,107 @@
+"""DeepSeek-V4 over a flat varlen batch and a paged hybrid KV cache.
+
+The model is plain Python over a dict of tensors (HF names, see :mod:`.params`); every
+computation goes through the resolved :class:`~deepinfer_core.ops.OpTable`, so backends
+swap kernels without touching this code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+from deepinfer_core.ops import OpTable
+
+from .attention import Attention
+from .config import DeepseekV4Config
+from .metadata import StepMetadata
+from .moe import MoE
+from .rope import inv_freq
+
+
+class DecoderLayer:
+    """One block: mHC-wrapped attention then mHC-wrapped MoE."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, torch.Tensor]):
+        p = f"model.layers.{layer}."
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg, layer, w)
+        self.moe = MoE(cfg, layer, w)
+        self.attn_norm, self.ffn_norm = (
+            w[p + "input_layernorm.weight"],
+            w[p + "post_attention_layernorm.weight"],
+        )
+        self.attn_hc = (w[p + "attn_hc.fn"], w[p + "attn_hc.base"], w[p + "attn_hc.scale"])
+        self.ffn_hc = (w[p + "ffn_hc.fn"], w[p + "ffn_hc.base"], w[p + "ffn_hc.scale"])
+
+    def __call__(
+        self, h: torch.Tensor, md: StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
+    ) -> torch.Tensor:
+        """``h`` ``[T, N, D]`` streams -> updated streams."""
+        cfg = self.cfg
+        eps, it = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters
+
+        def cache_get(name: str) -> torch.Tensor:
+            return cache.get(self.layer, name)
+
+        post, comb, x = ops.hc_pre(h, *self.attn_hc, eps, cfg.hc_eps, it)
+        a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache_get, ops, rope)
+        h = ops.hc_post(a, h, post, comb)
+        post, comb, x = ops.hc_pre(h, *self.ffn_hc, eps, cfg.hc_eps, it)
+        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), md.input_ids, ops)
+        return ops.hc_post(m, h, post, comb)
+
+
+class DeepseekV4Model:
+    """DeepSeek-V4 causal LM.
+
+    Args:
+        cfg: the architecture.
+        weights: every tensor of :func:`~.params.parameter_specs`, by HF name, already in
+            the run dtype and on the run device.
+        ops: the resolved op table.
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], ops: OpTable):
+        self.cfg, self.ops, self.w = cfg, ops, weights
+        self.layers = [DecoderLayer(cfg, i, weights) for i in range(cfg.num_hidden_layers)]
+        dev = weights["model.embed_tokens.weight"].device
+        self.rope_params = {}
+        for fam in ("main", "compress"):
+            inv, scale = inv_freq(cfg, fam)
+            self.rope_params[fam] = (inv.to(dev), scale)
+        self.ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (that of the embedding table)."""
+        return self.w["model.embed_tokens.weight"].dtype
+
+    def cache_specs(self) -> list[list[CacheSpec]]:
+        """Per layer, the caches it keeps between steps."""
+        return [layer.attn.cache_specs() for layer in self.layers]
+
+    @torch.inference_mode()
+    def forward(self, md: StepMetadata, cache: HybridCache) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[len(md.sample_rows), vocab]``."""
+        ops, cfg, w = self.ops, self.cfg, self.w
+        x = ops.embedding(md.input_ids, w["model.embed_tokens.weight"])
+        rope = {}
+        for fam, (inv, scale) in self.rope_params.items():
+            rope[fam] = ops.rope_cos_sin(md.positions, inv, scale, x.dtype)
+        rope["compress_freqs"] = self.rope_params["compress"]
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            h = layer(h, md, cache, ops, rope)
+        h = h[md.sample_rows]
+        eps = cfg.rms_norm_eps
+        x = ops.hc_head(
+            h,
+            w["model.hc_head.hc_fn"],
+            w["model.hc_head.hc_base"],
+            w["model.hc_head.hc_scale"],
+            eps,
+            cfg.hc_eps,
+        )
+        x = ops.rms_norm(x, w["model.norm.weight"], eps)
+        return ops.linear(x, w["lm_head.weight"]).float()

@@ -1,0 +1,66 @@
+"""Dense projections and embeddings."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._cases import randn
+from .registry import define_op
+
+
+def _linear_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [((randn(g, 7, 64, dtype=dtype), randn(g, 48, 64, dtype=dtype, scale=0.1)), {})]
+
+
+@define_op("linear", "linear", batch_invariant=True, sample_cases=_linear_cases)
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``y = x @ weight.T``.
+
+    Args:
+        x: ``[T, K]`` (or ``[..., K]``) activations in the model dtype.
+        weight: ``[N, K]`` weight in the model dtype (row-major, HF layout).
+
+    Returns:
+        ``[T, N]`` in ``x.dtype``.
+    """
+    return F.linear(x, weight)
+
+
+def _grouped_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [((randn(g, 5, 2, 64, dtype=dtype), randn(g, 2 * 16, 64, dtype=dtype, scale=0.1)), {})]
+
+
+@define_op("grouped_linear", "linear", batch_invariant=True, sample_cases=_grouped_cases)
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal projection: group ``g`` of ``x`` times block ``g`` of ``weight``.
+
+    Args:
+        x: ``[T, G, K]``.
+        weight: ``[G*N, K]``; rows ``g*N:(g+1)*N`` are group ``g``'s ``[N, K]`` block
+            (V4's grouped output projection ``o_a_proj``).
+
+    Returns:
+        ``[T, G, N]`` in ``x.dtype``.
+    """
+    groups = x.shape[1]
+    w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, K, N]
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
+
+
+def _embed_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [((torch.randint(0, 50, (9,), generator=g), randn(g, 50, 32, dtype=dtype)), {})]
+
+
+@define_op("embedding", "linear", batch_invariant=True, sample_cases=_embed_cases)
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Row lookup: ``weight[ids]``.
+
+    Args:
+        ids: ``[T]`` int64 token ids.
+        weight: ``[V, D]`` embedding table.
+
+    Returns:
+        ``[T, D]`` in ``weight.dtype``.
+    """
+    return F.embedding(ids, weight)

@@ -1,0 +1,145 @@
+"""Manifold-constrained hyper-connections (mHC): V4's multi-stream residual."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._cases import randn
+from .registry import define_op
+
+
+def _hc_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d = 4, 16
+    return [
+        (
+            (
+                randn(g, 5, n, d, dtype=dtype),
+                randn(g, (2 + n) * n, n * d, scale=0.1),
+                randn(g, (2 + n) * n),
+                1 + randn(g, 3, scale=0.1),
+                1e-6,
+                1e-6,
+                20,
+            ),
+            {},
+        )
+    ]
+
+
+@define_op("hc_pre", "mhc", batch_invariant=True, sample_cases=_hc_pre_cases)
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mHC mixing weights for one block and the collapsed block input.
+
+    Args:
+        streams: ``[T, N, D]`` residual streams (model dtype).
+        fn: ``[(2+N)*N, N*D]`` float32 projection; base: ``[(2+N)*N]``; scale: ``[3]``.
+        norm_eps: eps of the unweighted RMS norm over the flattened streams.
+        hc_eps: floor added to ``pre`` / ``comb`` and to the Sinkhorn denominators.
+        sinkhorn_iters: Sinkhorn-Knopp iterations making ``comb`` doubly stochastic.
+
+    Returns:
+        ``(post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, D] in streams.dtype)`` with
+        ``pre = sigmoid(.)+eps`` (consumed: ``collapsed = sum_n pre_n * streams_n``),
+        ``post = 2*sigmoid(.)`` and ``comb`` = Sinkhorn(softmax(.)+eps), columns first.
+    """
+    t, n, d = streams.shape
+    flat = streams.reshape(t, n * d).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+def _hc_post_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d = 4, 16
+    return [
+        (
+            (
+                randn(g, 5, d, dtype=dtype),
+                randn(g, 5, n, d, dtype=dtype),
+                randn(g, 5, n).sigmoid(),
+                randn(g, 5, n, n).softmax(-1),
+            ),
+            {},
+        )
+    ]
+
+
+@define_op("hc_post", "mhc", batch_invariant=True, sample_cases=_hc_post_cases)
+def hc_post(
+    block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """Expand a block's output back into the streams and mix the residual.
+
+    Args:
+        block_out: ``[T, D]`` attention or MoE output.
+        streams: ``[T, N, D]`` the block's input streams.
+        post: ``[T, N]``; comb: ``[T, N, N]`` from :func:`hc_pre`.
+
+    Returns:
+        ``[T, N, D]``: ``post_n * block_out + sum_j comb[j, n] * streams_j`` (in streams.dtype).
+    """
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+def _hc_head_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d = 4, 16
+    return [
+        (
+            (
+                randn(g, 5, n, d, dtype=dtype),
+                randn(g, n, n * d, scale=0.1),
+                randn(g, n),
+                randn(g, 1).abs(),
+                1e-6,
+                1e-6,
+            ),
+            {},
+        )
+    ]
+
+
+@define_op("hc_head", "mhc", batch_invariant=True, sample_cases=_hc_head_cases)
+def hc_head(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+) -> torch.Tensor:
+    """Final collapse of the streams before the last norm.
+
+    Args:
+        streams: ``[T, N, D]``; fn: ``[N, N*D]`` fp32; base: ``[N]``; scale: ``[1]``.
+        norm_eps: eps of the unweighted RMS norm; hc_eps: floor added to the weights.
+
+    Returns:
+        ``[T, D]`` in streams.dtype: ``sum_n (sigmoid(mix_n*scale+base_n)+eps) * streams_n``.
+    """
+    t, n, d = streams.shape
+    flat = streams.reshape(t, n * d).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

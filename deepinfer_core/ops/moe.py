@@ -1,0 +1,142 @@
+"""Mixture-of-experts ops: routing and expert computation (SwiGLU with clamp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._cases import randn
+from .registry import define_op
+
+_SCORE_FNS = {
+    "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
+    "sigmoid": torch.sigmoid,
+    "softmax": lambda x: torch.softmax(x, dim=-1),
+}
+
+
+def _route_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [
+        ((randn(g, 6, 8, dtype=dtype), randn(g, 8, scale=0.1), None, 2, "sqrtsoftplus", 1.5), {}),
+        (
+            (
+                randn(g, 6, 8, dtype=dtype),
+                None,
+                torch.randint(0, 8, (6, 2), generator=g),
+                2,
+                "sqrtsoftplus",
+                1.5,
+            ),
+            {},
+        ),
+    ]
+
+
+@define_op("moe_route", "moe", batch_invariant=True, sample_cases=_route_cases)
+def moe_route(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None,
+    top_k: int,
+    scoring: str,
+    routed_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick experts and their weights (``noaux_tc`` top-k, or hash routing).
+
+    Args:
+        logits: ``[T, E]`` router logits.
+        correction_bias: ``[E]`` float32 bias added to the scores for *selection only*
+            (``noaux_tc``); ``None`` when ``fixed_ids`` is given.
+        fixed_ids: ``[T, k]`` int64 expert ids from the hash table (``tid2eid[token]``), or
+            ``None`` for learned top-k.
+        top_k: experts per token; scoring: ``sqrtsoftplus`` | ``sigmoid`` | ``softmax``.
+        routed_scale: multiplier of the renormalised weights.
+
+    Returns:
+        ``(weights [T, k] in the scores' dtype, ids [T, k] int64)``; weights are the
+        uncorrected scores of the chosen experts, renormalised to sum 1, times
+        ``routed_scale``.  Top-k ties resolve toward the lower expert id.
+    """
+    scores = _SCORE_FNS[scoring](logits)
+    if fixed_ids is None:
+        biased = scores + correction_bias if correction_bias is not None else scores
+        ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    else:
+        ids = fixed_ids.long()
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scale, ids
+
+
+def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    e, d, i = 4, 16, 8
+    ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(5)])
+    return [
+        (
+            (
+                randn(g, 5, d, dtype=dtype),
+                ids,
+                randn(g, 5, 2).abs(),
+                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
+                randn(g, e, d, i, dtype=dtype, scale=0.3),
+                10.0,
+            ),
+            {},
+        )
+    ]
+
+
+@define_op("moe_experts", "moe", batch_invariant=True, sample_cases=_experts_cases)
+def moe_experts(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """Routed experts: ``sum_j weights[t,j] * down_e(silu(min(g,L)) * clamp(u,-L,L))``.
+
+    Args:
+        x: ``[T, D]`` tokens; ids: ``[T, k]`` int64 expert ids; weights: ``[T, k]``.
+        gate_up: ``[E, 2I, D]`` (gate rows first, then up rows); down: ``[E, D, I]``.
+        limit: SwiGLU clamp (gate clamped above, up clamped both sides).
+
+    Returns:
+        ``[T, D]`` in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        tok = token_of[start : start + c]
+        start += c
+        h = F.linear(x[tok], gate_up[e])
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        h = F.linear(h, down[e]) * weights.reshape(-1)[sel, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+def _swiglu_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [((randn(g, 5, 16, dtype=dtype, scale=6), randn(g, 5, 16, dtype=dtype, scale=6), 10.0), {})]
+
+
+@define_op("swiglu", "moe", batch_invariant=True, sample_cases=_swiglu_cases)
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU activation: ``silu(min(gate, L)) * clamp(up, -L, L)``.
+
+    Args:
+        gate, up: ``[T, I]``; limit: the clamp ``L``.
+
+    Returns:
+        ``[T, I]`` in gate's dtype.
+    """
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)

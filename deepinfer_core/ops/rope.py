@@ -1,0 +1,63 @@
+"""Rotary position embedding (V4's partial, interleaved RoPE)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._cases import randn
+from .registry import define_op
+
+
+def _cos_sin_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    return [((torch.arange(0, 40, 3), inv, 1.0, dtype), {})]
+
+
+@define_op("rope_cos_sin", "rope", batch_invariant=True, sample_cases=_cos_sin_cases)
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cos/sin tables for positions.
+
+    Args:
+        positions: ``[T]`` int64 absolute positions.
+        inv_freq: ``[R/2]`` float32 inverse frequencies (one per rotated pair).
+        scale: multiplier of cos and sin (YaRN attention factor; 1.0 for V4).
+        dtype: dtype of the returned tables (the activation dtype).
+
+    Returns:
+        ``(cos, sin)``, each ``[T, R/2]`` in ``dtype``: ``cos(pos*inv_freq)*scale``.
+    """
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
+def _rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    cos = randn(g, 6, 4, dtype=dtype)
+    sin = randn(g, 6, 4, dtype=dtype)
+    return [((randn(g, 6, 3, 32, dtype=dtype), cos, sin), {}), ((randn(g, 6, 16, dtype=dtype), cos, sin), {})]
+
+
+@define_op("apply_rope", "rope", batch_invariant=True, sample_cases=_rope_cases)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``R = 2*cos.shape[-1]`` channels of each vector, pairs interleaved.
+
+    Channel pairs ``(2i, 2i+1)`` of the rope slice rotate by angle ``i``; leading channels
+    pass through.  Pass ``-sin`` to undo a rotation (V4's attention output).
+
+    Args:
+        x: ``[T, D]`` or ``[T, H, D]``.
+        cos, sin: ``[T, R/2]`` from :func:`rope_cos_sin`.
+
+    Returns:
+        Same shape and dtype as ``x``; the rotation is computed in fp32.
+    """
+    c = cos.repeat_interleave(2, dim=-1)
+    s = sin.repeat_interleave(2, dim=-1)
+    if x.dim() == 3:
+        c, s = c[:, None], s[:, None]
+    r = c.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    out = (rope.float() * c + rotated.float() * s).to(x.dtype)
+    return torch.cat([nope, out], dim=-1)
