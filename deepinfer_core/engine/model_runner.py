@@ -1,0 +1,129 @@
+"""The model runner: loads a checkpoint, owns the model and its cache, runs steps.
+
+``execute(chunks)`` turns the scheduler's chunks into one flat varlen batch (host-side
+index plans, :mod:`deepinfer_core.models.deepseek_v4.metadata`), runs the model and
+returns the logits of the rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.cache_spec import HybridCache, spec_bytes
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.metadata import build_metadata
+from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer_core.ops import OpTable
+from deepinfer_core.weights import load_checkpoint
+
+from .batch import SeqChunk
+from .kv_cache import KVCacheManager
+
+if TYPE_CHECKING:
+    from deepinfer_core.config import EngineConfig
+
+logger = logging.getLogger("deepinfer.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``"auto"`` -> float32 on CPU, bfloat16 elsewhere; else the named dtype."""
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+def default_page_size(ratios: list[int]) -> int:
+    """The smallest multiple of 16 divisible by every compress ratio."""
+    size = 16
+    for r in ratios:
+        size = size * r // math.gcd(size, r)
+    return size
+
+
+class ModelRunner:
+    """Loads ``model_dir`` and runs forward steps over a paged hybrid KV cache.
+
+    Args:
+        model_dir: checkpoint directory (``config.json`` + safetensors).
+        config: the engine configuration (dtype, device, max_num_seqs, max_model_len,
+            page_size, num_cache_pages / kv_cache_memory_gb).
+        ops: the resolved op table.
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, ops: OpTable):
+        self.model_config = cfg = DeepseekV4Config.from_file(model_dir)
+        self.device = torch.device(config.device or "cpu")
+        self.dtype = resolve_dtype(config.dtype, self.device.type)
+        self.ops = ops
+        weights = load_checkpoint(model_dir, cfg, self.dtype, self.device)
+        self.model = DeepseekV4Model(cfg, weights, ops)
+        ratios = self.model.ratios
+        self.page_size = config.page_size or default_page_size(ratios)
+        bad = [r for r in ratios if self.page_size % r]
+        if bad:
+            raise ConfigError(
+                f"page_size={self.page_size} must be a multiple of every compress ratio of the model "
+                f"(ratios {ratios}; {bad} do not divide it); try page_size={default_page_size(ratios)}"
+            )
+        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        specs = self.model.cache_specs()
+        per_page = per_slot = 0
+        for layer_specs in specs:
+            for spec in layer_specs:
+                p, s = spec_bytes(spec, self.page_size, self.dtype)
+                per_page, per_slot = per_page + p, per_slot + s
+        num_pages = self._num_pages(config, per_page)
+        self.kv_cache = KVCacheManager(num_pages, self.page_size, config.max_num_seqs)
+        self.cache = HybridCache(
+            specs, num_pages, self.page_size, config.max_num_seqs, self.dtype, self.device
+        )
+        logger.info(
+            "KV cache: %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq state)",
+            num_pages,
+            self.page_size,
+            num_pages * self.page_size,
+            num_pages * per_page / 2**20,
+            config.max_num_seqs * per_slot / 2**20,
+        )
+
+    def _num_pages(self, config: EngineConfig, per_page: int) -> int:
+        if config.num_cache_pages is not None:
+            return config.num_cache_pages
+        if config.kv_cache_memory_gb is not None:
+            return max(1, int(config.kv_cache_memory_gb * 2**30 // max(per_page, 1)))
+        return config.max_num_seqs * -(-self.max_model_len // self.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Token positions the paged cache can hold."""
+        return self.kv_cache.num_pages * self.page_size
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run one step; float32 logits of every sampling row, in chunk order.
+
+        A chunk contributes its last row when ``sample`` is set, or all its rows when
+        ``all_logits`` is set.
+        """
+        for c in chunks:
+            if len(c.block_table) * self.page_size < c.end_pos:
+                raise ValueError(
+                    f"slot {c.seq_slot}: block table of {len(c.block_table)} pages cannot hold "
+                    f"{c.end_pos} positions (page_size {self.page_size})"
+                )
+        md = build_metadata(
+            chunks,
+            self.model_config.sliding_window,
+            self.model.ratios,
+            self.page_size,
+            self.kv_cache.num_slots,
+            self.device,
+        )
+        return self.model.forward(md, self.cache)
