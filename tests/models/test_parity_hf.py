@@ -1,0 +1,86 @@
+"""Parity of the reference engine with HF transformers' DeepseekV4ForCausalLM (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.ops import OpTable
+
+from tests.models.hf_oracle import CONFIGS, build_hf_model, save_hf_model
+
+pytest.importorskip("transformers")
+
+LOGIT_ATOL = 1e-4  # fp32: differences come only from summation order
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hf_case(request, tmp_path_factory):
+    model = build_hf_model(request.param)
+    path = save_hf_model(model, tmp_path_factory.mktemp(request.param))
+    return request.param, model, path
+
+
+def _runner(path, **kw) -> ModelRunner:
+    cfg = EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, **kw)
+    return ModelRunner(path, cfg, OpTable.reference())
+
+
+def _prompt_logits(runner: ModelRunner, ids: list[int], chunk: int, slot: int = 0) -> torch.Tensor:
+    kv = runner.kv_cache
+    pages = kv.allocate_pages(kv.pages_needed(len(ids)))
+    out = []
+    for s in range(0, len(ids), chunk):
+        part = ids[s : s + chunk]
+        out.append(runner.execute([SeqChunk(slot, part, s, pages, sample=True, all_logits=True)]))
+    kv.free_pages(pages)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("chunk", [1000, 7, 1])
+def test_full_prompt_logits_match_hf(hf_case, chunk):
+    name, model, path = hf_case
+    runner = _runner(path, page_size=16 if name != "all_types" else 32)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 300, (83,), generator=g).tolist()  # > window, many compress windows
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    ours = _prompt_logits(runner, ids, chunk)
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=LOGIT_ATOL, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_batched_chunks_of_different_requests_match_hf(hf_case):
+    """Several requests in one flat batch, at different offsets, each equals its own HF run."""
+    name, model, path = hf_case
+    runner = _runner(path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 40, 67)]
+    kv = runner.kv_cache
+    tables = [kv.allocate_pages(kv.pages_needed(len(p))) for p in prompts]
+    done = [0, 0, 0]
+    outs: list[list[torch.Tensor]] = [[], [], []]
+    step = 0
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        chunks, owners = [], []
+        for i, p in enumerate(prompts):
+            if done[i] < len(p):
+                n = [3, 9, 13][(i + step) % 3]
+                part = p[done[i] : done[i] + n]
+                chunks.append(SeqChunk(i, part, done[i], tables[i], sample=True, all_logits=True))
+                owners.append((i, len(part)))
+                done[i] += len(part)
+        logits = runner.execute(chunks)
+        row = 0
+        for i, n in owners:
+            outs[i].append(logits[row : row + n])
+            row += n
+        step += 1
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = model(torch.tensor([p])).logits[0]
+        torch.testing.assert_close(torch.cat(outs[i]), ref, atol=LOGIT_ATOL, rtol=0)
