@@ -9,7 +9,6 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.ops import OpTable
-
 from tests.models.hf_oracle import CONFIGS, build_hf_model, save_hf_model
 
 pytest.importorskip("transformers")
@@ -84,3 +83,57 @@ def test_batched_chunks_of_different_requests_match_hf(hf_case):
         with torch.no_grad():
             ref = model(torch.tensor([p])).logits[0]
         torch.testing.assert_close(torch.cat(outs[i]), ref, atol=LOGIT_ATOL, rtol=0)
+
+
+def test_greedy_generation_through_continuous_batching_matches_hf(hf_case):
+    """>= 8 prompts of different lengths, chunked prefill under a small token budget,
+    continuous batching with fewer slots than prompts: every token equals HF's greedy."""
+    from deepinfer_core import LLM, SamplingParams
+
+    name, model, path = hf_case
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 9, 17, 26, 33, 41, 58, 70]
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in lengths]
+    llm = LLM(
+        model=str(path), backend="reference", dtype="float32", max_num_seqs=5, max_num_batched_tokens=24
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    for p, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False)[0, len(p) :].tolist()
+        assert out.outputs[0].token_ids == ref, f"{name}: prompt of {len(p)} tokens diverged"
+        assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
+def test_native_fp8_fp4_checkpoint_matches_hf_on_dequantised_weights(tmp_path, scale_dtype):
+    """A native-name checkpoint with FP8 block-scaled linears and packed FP4 experts,
+    quantised from an HF model, equals HF run on the dequantised weights."""
+    from transformers import DeepseekV4ForCausalLM
+
+    from deepinfer_core.weights import load_checkpoint, save_checkpoint
+
+    model = build_hf_model("all_types")
+    cfg_dict = model.config.to_dict()
+    save_checkpoint(
+        {k: v.clone() for k, v in model.state_dict().items()},
+        cfg_dict,
+        tmp_path,
+        names="native",
+        fp8_linear=True,
+        fp4_experts=True,
+        scale_dtype=scale_dtype,
+    )
+    runner = _runner(tmp_path)
+    deq = load_checkpoint(tmp_path, runner.model_config, torch.float32)
+    assert any(not torch.equal(deq[k], v) for k, v in model.state_dict().items()), "nothing was quantised"
+    oracle = DeepseekV4ForCausalLM(model.config).eval()
+    missing, unexpected = oracle.load_state_dict(deq, strict=False)
+    assert not unexpected and all("inv_freq" in m for m in missing)
+    ids = torch.randint(2, 300, (75,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = oracle(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_prompt_logits(runner, ids, 16), ref, atol=LOGIT_ATOL, rtol=0)

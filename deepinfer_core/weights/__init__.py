@@ -1,0 +1,12 @@
+"""Checkpoint weights: safetensors shards, native/HF names, FP8/FP4 formats, load and save.
+
+``load_checkpoint(model_dir, cfg, dtype)`` returns ``{HF name: tensor}`` validated against
+:func:`deepinfer_core.models.deepseek_v4.params.parameter_specs`; ``save_checkpoint`` writes the
+inverse (HF or native names, optionally FP8/FP4, optionally sharded).
+"""
+
+from .loader import load_checkpoint
+from .quant import QuantizedTensor
+from .writer import save_checkpoint
+
+__all__ = ["QuantizedTensor", "load_checkpoint", "save_checkpoint"]

@@ -1,0 +1,238 @@
+"""Load a DeepSeek-V4 checkpoint directory into HF-named tensors checked against the model spec.
+
+``load_checkpoint`` reads HF-named or native-named safetensors (detected automatically),
+dequantises FP8 / FP4 weights, stacks native per-expert tensors into HF's ``[E, out, in]``
+stacks, converts to each parameter's target dtype and validates names, shapes and dtypes
+against :func:`parameter_specs`.  Tensors are read one at a time; expert stacks are filled
+in place, so peak memory is the result plus one tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.errors import WeightLoadError
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
+
+from .names import ExpertSlice, is_ignorable, native_to_hf, scale_candidates, scale_owner
+from .quant import DEFAULT_FP8_BLOCK, FP4_STORAGE_DTYPES, FP8_DTYPE, dequant_fp4, dequant_fp8
+from .safetensors_io import TensorSource, discover_shards
+
+logger = logging.getLogger(__name__)
+_MAX_LISTED = 5
+_FP4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
+
+
+@dataclass
+class _Plan:
+    """Where each model parameter comes from in the checkpoint."""
+
+    scheme: str
+    direct: dict[str, str] = field(default_factory=dict)  # storage name -> HF name
+    experts: dict[str, ExpertSlice] = field(default_factory=dict)  # storage name -> slice
+    scales: dict[str, str] = field(default_factory=dict)  # weight storage name -> scale name
+
+
+def _listing(names: list[str], shard_of: dict[str, Path]) -> str:
+    shown = ", ".join(f"{n!r} (in {shard_of[n].name})" for n in names[:_MAX_LISTED])
+    more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return shown + more
+
+
+def _detect_scheme(names: list[str], specs: dict[str, ParamSpec], shard_of: dict[str, Path]) -> str:
+    hf_only = [n for n in names if n in specs and native_to_hf(n) is None]
+    native_only = [n for n in names if n not in specs and native_to_hf(n) is not None]
+    if hf_only and native_only:
+        raise WeightLoadError(
+            "checkpoint mixes HF names ("
+            + _listing(hf_only, shard_of)
+            + ") with native DeepSeek names ("
+            + _listing(native_only, shard_of)
+            + "); a checkpoint must use one naming scheme. "
+            "Re-export it with one scheme."
+        )
+    return "native" if native_only else "hf"
+
+
+def _plan(shard_of: dict[str, Path], specs: dict[str, ParamSpec]) -> _Plan:
+    all_names = frozenset(shard_of)
+    weights: list[str] = []
+    scales: dict[str, str] = {}
+    for name in shard_of:
+        owner = scale_owner(name, all_names)
+        if owner is not None:
+            scales[owner] = name
+        elif is_ignorable(name):
+            logger.debug("skipping %s in %s (MTP layer or rotary buffer)", name, shard_of[name])
+        else:
+            weights.append(name)
+    plan = _Plan(_detect_scheme(weights, specs, shard_of), scales=scales)
+    unexpected: list[str] = []
+    source_of: dict[object, str] = {}
+    for name in weights:
+        target = name if plan.scheme == "hf" else native_to_hf(name)
+        if isinstance(target, ExpertSlice):
+            spec = specs.get(target.hf_name)
+            ok = spec is not None and spec.kind == "experts" and target.expert < spec.shape[0]
+        else:
+            ok = target in specs
+        if not ok:
+            unexpected.append(name)
+            continue
+        key = target if isinstance(target, str) else (target.hf_name, target.expert, target.part)
+        if key in source_of:
+            raise WeightLoadError(
+                f"tensors {source_of[key]!r} ({shard_of[source_of[key]].name}) and {name!r} "
+                f"({shard_of[name].name}) both provide {key!r}; remove one of them."
+            )
+        source_of[key] = name
+        if isinstance(target, ExpertSlice):
+            plan.experts[name] = target
+        else:
+            plan.direct[name] = target
+    if unexpected:
+        raise WeightLoadError(
+            f"unexpected tensors in {plan.scheme}-named checkpoint: {_listing(unexpected, shard_of)}. "
+            "They are not parameters of this model config (wrong config.json, or a different model)."
+        )
+    return plan
+
+
+def _missing(plan: _Plan, specs: dict[str, ParamSpec], cfg: DeepseekV4Config) -> list[str]:
+    present = set(plan.direct.values())
+    slices = {(s.hf_name, s.expert, s.part) for s in plan.experts.values()}
+    missing: list[str] = []
+    for name, spec in specs.items():
+        if name in present or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if plan.scheme == "native" and spec.kind == "experts":
+            parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
+            absent = [
+                f"expert {e} {p}" for e in range(spec.shape[0]) for p in parts if (name, e, p) not in slices
+            ]
+            if absent:
+                missing.append(f"{name} ({', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''})")
+        else:
+            missing.append(name)
+    return missing
+
+
+def _read(src: TensorSource, name: str, scale_name: str | None, spec: ParamSpec, block: tuple[int, int]):
+    """Read one stored tensor, dequantised to float32 if quantised; check its dtype class."""
+    t = src.get(name)
+    where = f"tensor {name!r} in {src.shard_of[name]}"
+    quantised = (
+        t.dtype == FP8_DTYPE or t.dtype in FP4_STORAGE_DTYPES or (_FP4_X2 is not None and t.dtype == _FP4_X2)
+    )
+    if spec.dtype_class == "int":
+        if t.dtype.is_floating_point or t.dtype == torch.bool or scale_name is not None:
+            raise WeightLoadError(f"{where} has dtype {t.dtype}, but this parameter is an integer table.")
+        return t
+    if scale_name is None:
+        if quantised:
+            raise WeightLoadError(
+                f"{where} has dtype {t.dtype} (quantised or integer) but no scale tensor "
+                f"(looked for {', '.join(scale_candidates(name))}); this parameter needs a float tensor."
+            )
+        if not t.dtype.is_floating_point:
+            raise WeightLoadError(
+                f"{where} has integer dtype {t.dtype}, but this parameter is floating point."
+            )
+        return t
+    scale = src.get(scale_name)
+    try:
+        if t.dtype == FP8_DTYPE:
+            return dequant_fp8(t, scale, block)
+        if quantised:
+            packed = t.view(torch.uint8)
+            group = max(1, (2 * packed.shape[-1]) // max(1, scale.shape[-1]))
+            return dequant_fp4(packed, scale, group)
+    except WeightLoadError as e:
+        raise WeightLoadError(f"{where} with scale {scale_name!r}: {e}") from None
+    raise WeightLoadError(
+        f"{where} has dtype {t.dtype} yet a scale tensor {scale_name!r}; only FP8 e4m3 and packed FP4 "
+        "weights carry scales."
+    )
+
+
+def _check_shape(found: torch.Size, expected: tuple[int, ...], what: str, path: Path) -> None:
+    if tuple(found) != tuple(expected):
+        raise WeightLoadError(
+            f"{what} in {path} has shape {tuple(found)}, expected {tuple(expected)}; "
+            "the checkpoint does not match config.json."
+        )
+
+
+def _expert_slice_shape(spec: ParamSpec, part: str) -> tuple[int, int]:
+    _, rows, cols = spec.shape
+    return (rows // 2, cols) if part in ("gate", "up") else (rows, cols)
+
+
+def load_checkpoint(
+    model_dir: str | Path,
+    cfg: DeepseekV4Config,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    *,
+    keep_quantized: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Load the checkpoint in ``model_dir`` as ``{HF name: tensor}`` matching ``parameter_specs(cfg)``.
+
+    Each tensor is converted to ``target_dtype(spec, dtype)`` and moved to ``device``; FP8 and
+    FP4 weights are dequantised.  ``mtp.*`` tensors and rotary ``inv_freq`` buffers are skipped.
+    A missing ``lm_head.weight`` is allowed only when ``cfg.tie_word_embeddings`` (the result then
+    holds the embedding under both names).  ``keep_quantized=True`` is reserved for backends
+    with FP8/FP4 kernels, which will receive :class:`~deepinfer_core.weights.quant.QuantizedTensor`
+    values; it is not implemented yet.
+
+    Raises :class:`WeightLoadError` naming the tensor and file for missing, unexpected,
+    mis-shaped or wrongly-typed tensors and for unreadable or unsafe shards.
+    """
+    if keep_quantized:
+        raise NotImplementedError(
+            "keep_quantized=True is reserved for quantised backends; not implemented yet"
+        )
+    shard_of = discover_shards(model_dir)
+    specs = parameter_specs(cfg)
+    plan = _plan(shard_of, specs)
+    missing = _missing(plan, specs, cfg)
+    if missing:
+        files = sorted({p.name for p in shard_of.values()})
+        shown = ", ".join(missing[:_MAX_LISTED]) + (" ..." if len(missing) > _MAX_LISTED else "")
+        raise WeightLoadError(
+            f"checkpoint {model_dir} lacks {len(missing)} tensor(s) of this model: {shown} (searched "
+            f"{len(files)} file(s): {', '.join(files[:_MAX_LISTED])}). Check that config.json matches the "
+            "weights and that the download is complete."
+        )
+    qcfg = cfg.quantization_config or {}
+    block = tuple(qcfg.get("weight_block_size") or DEFAULT_FP8_BLOCK)
+    result: dict[str, torch.Tensor] = {}
+    with TensorSource(shard_of) as src:
+        for path, names in src.names_by_shard():
+            for name in names:
+                if name in plan.direct:
+                    hf = plan.direct[name]
+                    spec = specs[hf]
+                    t = _read(src, name, plan.scales.get(name), spec, block)
+                    _check_shape(t.shape, spec.shape, f"tensor {name!r} (model parameter {hf})", path)
+                    result[hf] = t.to(device=device, dtype=target_dtype(spec, dtype))
+                elif name in plan.experts:
+                    sl = plan.experts[name]
+                    spec = specs[sl.hf_name]
+                    t = _read(src, name, plan.scales.get(name), spec, block)
+                    _check_shape(t.shape, _expert_slice_shape(spec, sl.part), f"expert tensor {name!r}", path)
+                    if sl.hf_name not in result:
+                        result[sl.hf_name] = torch.empty(
+                            spec.shape, dtype=target_dtype(spec, dtype), device=device
+                        )
+                    rows = t.shape[0]
+                    start = rows if sl.part == "up" else 0
+                    result[sl.hf_name][sl.expert, start : start + rows].copy_(t)
+    if "lm_head.weight" not in result and cfg.tie_word_embeddings:
+        result["lm_head.weight"] = result["model.embed_tokens.weight"]
+    return {name: result[name] for name in specs}
