@@ -81,7 +81,9 @@ def build_hf_model(name: str, seed: int = 0):
             gate = layer.mlp.gate
             if hasattr(gate, "tid2eid"):
                 e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-                gate.tid2eid.copy_(torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(cfg.vocab_size)]))
+                gate.tid2eid.copy_(
+                    torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(cfg.vocab_size)])
+                )
             else:
                 gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=g) * 0.1)
     return model

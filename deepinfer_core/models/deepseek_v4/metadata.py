@@ -4,13 +4,15 @@ Built once per step on the host from the scheduled chunks and shared by every la
 the sliding-window key lists, and per compress ratio the compressor's window plan (which
 rows form each closed window, where the overlap carry comes from, where entries are
 written) and each query's causal candidate entries.  All index tensors are int64 with
-``-1`` for "none".
+``-1`` for "none"; they are computed with numpy (cheaper than torch for small host-side
+integer work) and handed over as tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer_core.engine.batch import SeqChunk
@@ -66,35 +68,32 @@ def build_metadata(
     device: torch.device | str = "cpu",
 ) -> StepMetadata:
     """Build the index plans of one step (see module docs)."""
-    lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.long)
-    start = torch.tensor([c.start_pos for c in chunks], dtype=torch.long)
-    slot = torch.tensor([c.seq_slot for c in chunks], dtype=torch.long)
-    r_ids = torch.arange(len(chunks))
-    tok_req = torch.repeat_interleave(r_ids, lens)
-    offset = torch.cumsum(lens, 0) - lens
+    lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
+    start = np.fromiter((c.start_pos for c in chunks), np.int64, len(chunks))
+    slot = np.fromiter((c.seq_slot for c in chunks), np.int64, len(chunks))
+    tok_req = np.repeat(np.arange(len(chunks)), lens)
+    offset = np.cumsum(lens) - lens
     t = int(lens.sum())
-    tok_idx = torch.arange(t)
+    tok_idx = np.arange(t)
     pos = start[tok_req] + tok_idx - offset[tok_req]
     end = start + lens
-    ids = torch.tensor([x for c in chunks for x in c.token_ids], dtype=torch.long)
+    ids = np.fromiter((x for c in chunks for x in c.token_ids), np.int64, t)
 
     # sliding window: keys at positions pos-W+1 .. pos
-    kpos = pos[:, None] - (window - 1) + torch.arange(window)
+    kpos = pos[:, None] - (window - 1) + np.arange(window)
     valid = kpos >= 0
-    in_chunk = kpos >= start[tok_req][:, None]
-    chunk_rows = offset[tok_req][:, None] + kpos - start[tok_req][:, None]
-    ring_rows_q = slot[tok_req][:, None] * window + kpos.remainder(window)
-    window_chunk = torch.where(valid & in_chunk, chunk_rows, -1)
-    window_ring = torch.where(valid & ~in_chunk, ring_rows_q, -1)
+    tok_start = start[tok_req][:, None]
+    in_chunk = kpos >= tok_start
+    window_chunk = np.where(valid & in_chunk, offset[tok_req][:, None] + kpos - tok_start, -1)
+    window_ring = np.where(valid & ~in_chunk, slot[tok_req][:, None] * window + kpos % window, -1)
     keep = pos >= (end[tok_req] - window)
     ring_tokens = tok_idx[keep]
-    ring_rows = slot[tok_req][keep] * window + pos[keep].remainder(window)
+    ring_rows = slot[tok_req][keep] * window + pos[keep] % window
 
     max_pages = max((len(c.block_table) for c in chunks), default=0)
-    table = torch.full((len(chunks), max(max_pages, 1)), -1, dtype=torch.long)
+    table = np.full((len(chunks), max(max_pages, 1)), -1, dtype=np.int64)
     for i, c in enumerate(chunks):
-        if c.block_table:
-            table[i, : len(c.block_table)] = torch.tensor(c.block_table, dtype=torch.long)
+        table[i, : len(c.block_table)] = c.block_table
 
     plans = {}
     for r in sorted(set(ratios)):
@@ -105,13 +104,14 @@ def build_metadata(
             sample.extend(range(int(offset[i]), int(offset[i] + lens[i])))
         elif c.sample:
             sample.append(int(offset[i] + lens[i] - 1))
+    t_ = _tensor
     md = StepMetadata(
-        input_ids=ids,
-        positions=pos,
-        window_ring=window_ring,
-        window_chunk=window_chunk,
-        ring_rows=ring_rows,
-        ring_tokens=ring_tokens,
+        input_ids=t_(ids),
+        positions=t_(pos),
+        window_ring=t_(window_ring),
+        window_chunk=t_(window_chunk),
+        ring_rows=t_(ring_rows),
+        ring_tokens=t_(ring_tokens),
         plans=plans,
         sample_rows=torch.tensor(sample, dtype=torch.long),
         num_slots=num_slots,
@@ -119,9 +119,11 @@ def build_metadata(
     return md if str(device) == "cpu" else _to(md, device)
 
 
-def _entry_rows(
-    req: torch.Tensor, entry: torch.Tensor, r: int, table: torch.Tensor, page_size: int
-) -> torch.Tensor:
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+
+def _entry_rows(req: np.ndarray, entry: np.ndarray, r: int, table: np.ndarray, page_size: int) -> np.ndarray:
     tok0 = entry * r
     page = table[req, tok0 // page_size]
     return page * (page_size // r) + (tok0 % page_size) // r
@@ -129,51 +131,52 @@ def _entry_rows(
 
 def _window_plan(
     r: int,
-    pos: torch.Tensor,
-    tok_req: torch.Tensor,
-    start: torch.Tensor,
-    end: torch.Tensor,
-    slot: torch.Tensor,
-    offset: torch.Tensor,
-    table: torch.Tensor,
+    pos: np.ndarray,
+    tok_req: np.ndarray,
+    start: np.ndarray,
+    end: np.ndarray,
+    slot: np.ndarray,
+    offset: np.ndarray,
+    table: np.ndarray,
     page_size: int,
     num_slots: int,
 ) -> WindowPlan:
     w0 = start // r
     m = end // r - w0  # windows closed this step per request
-    win_req = torch.repeat_interleave(torch.arange(len(start)), m)
-    first = torch.cumsum(m, 0) - m
-    j = torch.arange(int(m.sum())) - first[win_req]
+    win_req = np.repeat(np.arange(len(start)), m)
+    first = np.cumsum(m) - m
+    j = np.arange(int(m.sum())) - first[win_req]
     w = w0[win_req] + j
-    q = w[:, None] * r + torch.arange(r)
+    q = w[:, None] * r + np.arange(r)
     from_buf = q < start[win_req][:, None]
-    staging_tok0 = num_slots * r
-    windows = torch.where(
+    windows = np.where(
         from_buf,
-        slot[win_req][:, None] * r + q.remainder(r),
-        staging_tok0 + offset[win_req][:, None] + q - start[win_req][:, None],
-    )
+        slot[win_req][:, None] * r + q % r,
+        num_slots * r + offset[win_req][:, None] + q - start[win_req][:, None],
+    ).reshape(-1, r)
     n_win = windows.shape[0]
-    win_idx = torch.arange(n_win)
-    prev = torch.where(j > 0, num_slots + win_idx - 1, torch.where(w > 0, slot[win_req], num_slots + n_win))
+    win_idx = np.arange(n_win)
+    prev = np.where(j > 0, num_slots + win_idx - 1, np.where(w > 0, slot[win_req], num_slots + n_win))
     dest = _entry_rows(win_req, w, r, table, page_size)
     has = m > 0
-    carry_slot = slot[has]
-    carry_window = (first + m - 1)[has]
     tail = pos >= (end[tok_req] // r) * r
-    buf_tokens = torch.nonzero(tail).flatten()
-    buf_rows = slot[tok_req][tail] * r + pos[tail].remainder(r)
     # causal candidates: entry e visible to the query at pos p iff e < (p+1)//r
     count = (pos + 1) // r
-    cmax = int(count.max()) if count.numel() else 0
-    e = torch.arange(cmax)
-    ok = e[None, :] < count[:, None]
-    rows = _entry_rows(
-        tok_req[:, None].expand(-1, cmax), e[None, :].expand(len(pos), -1), r, table, page_size
-    )
-    candidates = torch.where(ok, rows, -1)
+    cmax = int(count.max()) if count.size else 0
+    e = np.arange(cmax)
+    rows = _entry_rows(tok_req[:, None], e[None, :], r, table, page_size)
+    t_ = _tensor
     return WindowPlan(
-        r, windows, prev, w * r, dest, carry_slot, carry_window, buf_rows, buf_tokens, candidates
+        ratio=r,
+        windows=t_(windows),
+        prev=t_(prev),
+        positions=t_(w * r),
+        dest=t_(dest),
+        carry_slot=t_(slot[has]),
+        carry_window=t_((first + m - 1)[has]),
+        buf_rows=t_(slot[tok_req][tail] * r + pos[tail] % r),
+        buf_tokens=t_(np.nonzero(tail)[0]),
+        candidates=t_(np.where(e[None, :] < count[:, None], rows, -1)),
     )
 
 

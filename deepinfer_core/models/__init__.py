@@ -1,0 +1,1 @@
+"""Model families. Each registers through the ``deepinfer_register_models`` hook."""

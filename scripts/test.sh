@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up .venv with the test extras (see scripts/setup.sh), then run the whole test suite
+# and the linters.  Extra arguments go to pytest, e.g. `bash scripts/test.sh -k tiny`.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh --test
+VENV="${VENV:-.venv}"
+# pytest exits 5 when it collected no test; `set -e` turns that into a failure too.
+"$VENV/bin/python" -m pytest -q "$@"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .

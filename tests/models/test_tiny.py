@@ -1,0 +1,132 @@
+"""The built-in tiny DeepSeek-V4 checkpoint: complete, loadable by transformers, deterministic."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from deepinfer_core.models.deepseek_v4 import tiny
+from deepinfer_core.models.deepseek_v4.config import LAYER_TYPES, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.params import parameter_specs, target_dtype
+from deepinfer_core.tokenizer import load_tokenizer
+
+PROMPT = (
+    "The lighthouse keeper woke before the gulls. He climbed the spiral stair, counted the "
+    "steps as he always did, and wiped the salt from the great glass lens."
+)
+
+
+def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})  # noqa: SIM118 (safe_open is not a dict)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny.make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def test_config_parses_in_both_parsers_and_covers_every_block_kind() -> None:
+    ours = DeepseekV4Config.from_dict(tiny.TINY_CONFIG)
+    assert set(ours.layer_types) == set(LAYER_TYPES)
+    assert set(ours.mlp_layer_types) == {"hash_moe", "moe"}
+    assert ours.rope_compress.rope_type == "yarn" and ours.rope_main.rope_type == "default"
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.DeepseekV4Config(**tiny.TINY_CONFIG)
+    assert theirs.layer_types == ours.layer_types and theirs.compress_rates == ours.compress_rates
+    assert theirs.rope_parameters["compress"]["factor"] == ours.rope_compress.factor
+
+
+def test_checkpoint_holds_every_parameter_with_its_shape_and_dtype(tiny_dir: Path) -> None:
+    cfg = DeepseekV4Config.from_file(tiny_dir)
+    specs, tensors = parameter_specs(cfg), _read_tensors(tiny_dir)
+    assert list(tensors) and set(tensors) == set(specs)
+    for name, spec in specs.items():
+        assert tuple(tensors[name].shape) == spec.shape, name
+        assert tensors[name].dtype == target_dtype(spec, torch.float32), name
+        if spec.dtype_class == "float":
+            assert tensors[name].isfinite().all(), name
+
+
+def test_hash_routing_table_picks_distinct_valid_experts(tiny_dir: Path) -> None:
+    tensors = _read_tensors(tiny_dir)
+    tables = [v for k, v in tensors.items() if k.endswith("gate.tid2eid")]
+    assert tables
+    for t in tables:
+        assert t.min() >= 0 and t.max() < tiny.TINY_CONFIG["n_routed_experts"]
+        assert (t.sort(dim=-1).values.diff(dim=-1) != 0).all()  # no repeated expert in a row
+
+
+def test_tokenizer_matches_config_special_ids(tiny_dir: Path) -> None:
+    tok, cfg = load_tokenizer(tiny_dir), DeepseekV4Config.from_file(tiny_dir)
+    assert tok.vocab_size == cfg.vocab_size
+    assert tok.bos_token_id == cfg.bos_token_id and tok.eos_token_ids == cfg.eos_token_ids
+    text = "Tiny models, big plans: ünïcödé 🙂"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]).endswith(tiny.ASSISTANT_TOKEN)
+
+
+def test_transformers_loads_it_and_logits_are_finite_and_separated(tiny_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids = load_tokenizer(tiny_dir).encode(PROMPT)
+    assert len(ids) > 2 * tiny.TINY_CONFIG["compress_rates"]["heavily_compressed_attention"]
+    with torch.inference_mode():
+        logits = model.eval()(torch.tensor([ids])).logits[0]
+    assert logits.shape == (len(ids), tiny.TINY_VOCAB_SIZE)
+    assert logits.isfinite().all()
+    top2 = logits.topk(2, dim=-1).values
+    gap = top2[:, 0] - top2[:, 1]
+    assert (gap > 1e-3).float().mean() >= 0.9, gap
+    assert logits.std(dim=-1).mean() > 0.3  # not a flat distribution
+
+
+def test_same_seed_gives_byte_identical_files(tiny_dir: Path, tmp_path: Path) -> None:
+    again = tiny.make_tiny(tmp_path / "again")
+    names = sorted(p.name for p in tiny_dir.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    for name in names:
+        assert (tiny_dir / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_other_seed_and_dtype_change_the_weights(tiny_dir: Path, tmp_path: Path) -> None:
+    base = _read_tensors(tiny_dir)
+    other = _read_tensors(tiny.make_tiny(tmp_path / "s1", seed=1))
+    assert not torch.equal(base["lm_head.weight"], other["lm_head.weight"])
+    bf16 = _read_tensors(tiny.make_tiny(tmp_path / "bf16", dtype=torch.bfloat16))
+    assert bf16["lm_head.weight"].dtype == torch.bfloat16
+    assert torch.equal(bf16["lm_head.weight"], base["lm_head.weight"].bfloat16())  # same draw, rounded
+    assert bf16["model.norm.weight"].dtype == torch.float32
+
+
+def test_builtin_dir_is_cached_and_safe_under_concurrency(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(tiny.builtin_tiny_model_dir())) for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and len(set(results)) == 1
+    model_dir = results[0]
+    assert model_dir.parent == tmp_path and model_dir.name.startswith("tiny-v4-")
+    assert [p.name for p in tmp_path.iterdir()] == [model_dir.name]  # no temporary leftovers
+    assert (model_dir / "config.json").is_file() and (model_dir / "tokenizer.json").is_file()
+
+    def fail(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("the cached model must not be rebuilt")
+
+    monkeypatch.setattr(tiny, "make_tiny", fail)
+    assert tiny.builtin_tiny_model_dir() == model_dir
