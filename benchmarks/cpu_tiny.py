@@ -69,12 +69,15 @@ def run_hf(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[
 
     model = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     input_ids = torch.tensor(prompts)
-    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=model.config.eos_token_id)
+    # No EOS at all (rather than min_new_tokens, which masks the EOS logit and so changes the
+    # greedy choice): exactly ``max_tokens`` unconstrained greedy tokens, like ignore_eos.
+    model.generation_config.eos_token_id = None
+    kwargs: dict[str, Any] = dict(do_sample=False, pad_token_id=0)
 
     def generate(ids: torch.Tensor, n: int) -> torch.Tensor:
         with torch.inference_mode():
             mask = torch.ones_like(ids)
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, **kwargs)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=n, **kwargs)
 
     generate(input_ids[:2], 2)  # warm-up
     start = time.perf_counter()

@@ -1,0 +1,51 @@
+"""The core's own registrations, made through the same hooks as any third-party plugin.
+
+- backend ``reference``: the pure-PyTorch reference implementation of every op; runs on any
+  device torch supports, lowest priority (0) so that ``backend="auto"`` prefers any available
+  hardware backend.
+- model type ``deepseek_v4``: :mod:`deepinfer_core.models.deepseek_v4`, imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from deepinfer_core.backends.base import BackendSpec
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.ops.registry import OpImpl, all_ops
+
+DEEPINFER_API = ">=1.0,<2"
+
+
+def _reference_ops() -> dict[str, OpImpl]:
+    return {name: OpImpl(fn=spec.reference) for name, spec in all_ops().items()}
+
+
+def _deepseek_v4() -> ModuleType:
+    return importlib.import_module("deepinfer_core.models.deepseek_v4")
+
+
+@hookimpl
+def deepinfer_register_backends(register):
+    """Register the ``reference`` backend."""
+    register(
+        BackendSpec(
+            name="reference",
+            device_type="cpu",
+            priority=0,
+            ops=_reference_ops,
+            supports_graph_capture=False,
+            description="pure-PyTorch reference implementation of every op (any device torch supports)",
+        )
+    )
+
+
+@hookimpl
+def deepinfer_register_models(register):
+    """Register the DeepSeek-V4 architecture."""
+    register(
+        "deepseek_v4",
+        _deepseek_v4,
+        description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
+    )

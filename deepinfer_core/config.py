@@ -1,0 +1,289 @@
+"""Engine configuration: one pydantic model, four sources.
+
+Precedence, lowest to highest (documented in ``docs/configuration.md``):
+
+1. the defaults of :class:`EngineConfig`;
+2. a config file (TOML ``.toml`` or YAML ``.yaml``/``.yml``) of top-level ``field = value`` keys;
+3. ``DEEPINFER_<FIELD>`` environment variables (``DEEPINFER_MAX_NUM_SEQS=8``), parsed by field type;
+4. keyword arguments (``LLM(max_num_seqs=8)``) and CLI flags.
+
+A keyword argument of ``None`` means "not given" and does not override a lower source.
+Every error is a :class:`~deepinfer_core.errors.ConfigError` naming the field and the source
+that supplied the bad value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from deepinfer_core.errors import ConfigError
+
+ENV_PREFIX = "DEEPINFER_"
+DEFAULT_MAX_MODEL_LEN = 8192
+PAGE_SIZE_QUANTUM = 16
+
+# where each field's value came from, for error messages (set by EngineConfig.validated)
+_ORIGIN: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
+    "engine_config_origin", default=None
+)
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine.  See ``docs/configuration.md`` for each field.
+
+    Build one with :meth:`load` to merge a config file, environment variables and keyword
+    arguments; constructing it directly validates only the given values.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = None
+    """Model directory (``config.json`` + safetensors); ``None`` = the built-in tiny model."""
+    tokenizer: str | None = None
+    """Tokenizer directory; ``None`` = the model directory."""
+    backend: str = "auto"
+    """``"auto"`` (highest-priority available backend), ``"reference"`` or a registered name."""
+    strict_ops: bool = False
+    """Raise instead of falling back to the reference op when the backend lacks an op or case."""
+    dtype: Dtype = "auto"
+    """Activation/weight dtype; ``auto`` = bfloat16 on accelerator backends, float32 on CPU."""
+    device: str | None = None
+    """torch device string; ``None`` = the backend's device type (``cuda`` -> ``cuda:0``...)."""
+    max_num_seqs: int = 64
+    """Most requests running at once (also the number of per-sequence cache slots)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    max_model_len: int | None = None
+    """Longest prompt + completion; ``None`` = min(model max_position_embeddings, 8192)."""
+    page_size: int | None = None
+    """Token positions per cache page; ``None`` = smallest multiple of 16 and of every compress ratio."""
+    num_cache_pages: int | None = None
+    """Pages in the cache pool; ``None`` = from ``kv_cache_memory_gb``, else enough for
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
+    kv_cache_memory_gb: float | None = None
+    """Memory budget of the paged cache in GiB, used when ``num_cache_pages`` is unset."""
+    seed: int = 0
+    """Engine seed: requests without their own seed draw from (seed, request index)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts into chunks that share steps with decodes."""
+    log_level: LogLevel = "warning"
+    """Level of the ``deepinfer`` logger."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(_format_errors(e, data, _ORIGIN.get() or {})) from None
+
+    @field_validator(
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_cache_pages"
+    )
+    @classmethod
+    def _positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("kv_cache_memory_gb")
+    @classmethod
+    def _positive_float(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0:
+            raise ValueError("must be > 0")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not 0 <= value < 2**63:
+            raise ValueError("must be in [0, 2**63)")
+        return value
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must be 'auto', 'reference' or a registered backend name")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len is not None
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                f"with enable_chunked_prefill=False, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}) so that any prompt fits one step"
+            )
+        return self
+
+    # ---- derived values, resolved against the model and the backend ----------------------
+    def resolved_max_model_len(self, max_position_embeddings: int) -> int:
+        """``max_model_len``, defaulted and checked against the model's positions."""
+        if self.max_model_len is None:
+            return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if self.max_model_len > max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                f"{max_position_embeddings}; lower max_model_len"
+            )
+        return self.max_model_len
+
+    def resolved_page_size(self, compress_ratios: Iterable[int]) -> int:
+        """``page_size``, defaulted to the smallest multiple of 16 and of every (non-zero) compress
+        ratio, and checked to be a multiple of each ratio (a page must hold whole compressed entries)."""
+        ratios = sorted({int(r) for r in compress_ratios if r})
+        if self.page_size is None:
+            return math.lcm(PAGE_SIZE_QUANTUM, *ratios)
+        bad = [r for r in ratios if self.page_size % r]
+        if bad:
+            raise ConfigError(
+                f"page_size={self.page_size} is not a multiple of the model's compress ratios {bad}; "
+                f"use a multiple of {math.lcm(*ratios)}"
+            )
+        return self.page_size
+
+    def resolved_dtype(self, device_type: str) -> str:
+        """The concrete dtype: ``auto`` is float32 on ``cpu``, bfloat16 elsewhere."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if device_type == "cpu" else "bfloat16"
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        config_file: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """Merge defaults < ``config_file`` < ``DEEPINFER_*`` in ``env`` < ``overrides``.
+
+        Args:
+            config_file: a ``.toml``, ``.yaml`` or ``.yml`` file of top-level keys.
+            env: environment to read ``DEEPINFER_*`` variables from (default ``os.environ``).
+            overrides: field values; ``None`` values are ignored (treated as not given).
+
+        Raises:
+            ConfigError: unknown key, unreadable file, or invalid value — naming the field and source.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        origin: dict[str, str] = {}
+        if config_file is not None:
+            for key, value in read_config_file(config_file).items():
+                values[key], origin[key] = value, f"config file {config_file}"
+        for key, (value, var) in _env_values(env).items():
+            values[key], origin[key] = value, f"environment variable {var}"
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if key not in cls.model_fields:
+                raise ConfigError(f"unknown engine option {key!r}; known options: {sorted(cls.model_fields)}")
+            values[key], origin[key] = value, "argument"
+        return cls.validated(values, origin)
+
+    @classmethod
+    def validated(cls, values: Mapping[str, Any], origin: Mapping[str, str] | None = None) -> EngineConfig:
+        """Validate ``values``, turning pydantic errors into a :class:`ConfigError` naming each
+        bad field and (via ``origin``: field -> description) where its value came from."""
+        token = _ORIGIN.set(dict(origin or {}))
+        try:
+            return cls(**values)
+        finally:
+            _ORIGIN.reset(token)
+
+
+def _format_errors(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
+    msgs = []
+    for err in e.errors():
+        field = ".".join(map(str, err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        if field:
+            where = f" (from {origin[field]})" if field in origin else ""
+            msgs.append(f"{field}={values.get(field)!r}{where}: {msg}")
+        else:
+            sources = sorted({origin[k] for k in origin if k in msg})
+            msgs.append(msg + (f" (from {', '.join(sources)})" if sources else ""))
+    return "invalid engine config: " + "; ".join(msgs)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML or YAML engine config file; unknown keys are an error naming key and file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    suffix = p.suffix.lower()
+    try:
+        if suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+
+            data = tomllib.loads(p.read_text())
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(p.read_text()) or {}
+        else:
+            raise ConfigError(f"config file {p}: unsupported extension {suffix!r}; use .toml, .yaml or .yml")
+    except ConfigError:
+        raise
+    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError
+        raise ConfigError(f"config file {p} could not be parsed: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {p} must hold a table of key = value pairs, got {type(data).__name__}"
+        )
+    unknown = sorted(k for k in data if k not in EngineConfig.model_fields)
+    if unknown:
+        raise ConfigError(
+            f"config file {p}: unknown key(s) {unknown}; known keys: {sorted(EngineConfig.model_fields)}"
+        )
+    return data
+
+
+def env_var_name(field: str) -> str:
+    """The environment variable of a field: ``max_num_seqs`` -> ``DEEPINFER_MAX_NUM_SEQS``."""
+    return ENV_PREFIX + field.upper()
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """Field values from ``DEEPINFER_<FIELD>`` variables.  Other ``DEEPINFER_*`` variables (plugin
+    allow-lists and the like) are not engine fields and are left alone."""
+    out: dict[str, tuple[Any, str]] = {}
+    for field, info in EngineConfig.model_fields.items():
+        var = env_var_name(field)
+        if var not in env:
+            continue
+        raw = env[var].strip()
+        optional = not info.is_required() and info.default is None
+        if optional and raw.lower() in ("", "none", "null"):
+            value: Any = None
+        elif info.annotation is bool:
+            low = raw.lower()
+            if low not in _TRUE | _FALSE:
+                raise ConfigError(
+                    f"environment variable {var}={raw!r}: expected one of 1/0, true/false, yes/no"
+                )
+            value = low in _TRUE
+        else:
+            value = raw  # pydantic parses numeric strings by field type and reports bad ones
+        out[field] = (value, var)
+    return out

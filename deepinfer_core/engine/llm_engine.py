@@ -1,0 +1,272 @@
+"""The engine loop: requests in, one scheduled + executed + sampled step at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.request import Request, RequestStatus
+from deepinfer_core.engine.scheduler import Scheduler
+from deepinfer_core.errors import ConfigError, RequestError
+from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.sampler import Sampler, SamplingBatch, derive_seed, make_generator
+
+logger = logging.getLogger("deepinfer.engine")
+
+
+@dataclass
+class StepStats:
+    """Statistics of one step, passed to the ``deepinfer_step_stats`` hook."""
+
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_decode_seqs: int
+    num_preempted: int
+    num_finished: int
+    cache_usage: float
+    step_time_s: float
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """The model directory: ``model``, or the built-in tiny model when ``None``."""
+    if model is None:
+        from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
+
+        return builtin_tiny_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ConfigError(
+            f"model={model!r}: no such directory; pass a directory holding config.json and safetensors "
+            "(or omit model to use the built-in tiny model)"
+        )
+    return path
+
+
+class LLMEngine:
+    """Owns the scheduler, the model runner, the sampler and the tokenizer.
+
+    Args:
+        config: the validated engine configuration (``config.model`` ``None`` = built-in tiny model).
+        plugins: the plugin manager (default: the process-wide one).
+
+    Attributes:
+        config: the configuration with ``dtype``, ``device``, ``max_model_len`` and ``page_size``
+            resolved.
+        backend: the chosen :class:`~deepinfer_core.backends.BackendSpec`.
+        ops: the resolved :class:`~deepinfer_core.ops.OpTable`.
+        runner: the :class:`~deepinfer_core.engine.model_runner.ModelRunner`.
+        tokenizer: the tokenizer, or ``None`` when the model directory has none (then only
+            token-id prompts work and ``text`` is empty).
+    """
+
+    def __init__(self, config: EngineConfig, plugins: Any = None):
+        from deepinfer_core.backends.resolve import resolve_backend
+        from deepinfer_core.engine.model_runner import ModelRunner
+        from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+
+        if plugins is None:
+            from deepinfer_core.plugins import get_plugins
+
+            plugins = get_plugins()
+        self.plugins = plugins
+        plugins.configure(config)
+        model_dir = resolve_model_dir(config.model)
+        model_config = DeepseekV4Config.from_file(model_dir)
+        self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
+        ratios = [model_config.compress_ratio(i) for i in range(model_config.num_hidden_layers)]
+        self.config = config.model_copy(
+            update={
+                "model": str(model_dir),
+                "dtype": config.resolved_dtype(self.backend.device_type),
+                "device": config.device or self.backend.device_type,
+                "max_model_len": config.resolved_max_model_len(model_config.max_position_embeddings),
+                "page_size": config.resolved_page_size(ratios),
+            }
+        )
+        logger.info(
+            "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d",
+            model_dir,
+            self.backend.name,
+            self.config.device,
+            self.config.dtype,
+            self.config.max_model_len,
+            self.config.page_size,
+        )
+        self.runner = ModelRunner(model_dir, self.config, self.ops)
+        self.model_config = self.runner.model_config
+        self.tokenizer, self._tokenizer_error = self._load_tokenizer(Path(config.tokenizer or model_dir))
+        eos = list(self.model_config.eos_token_ids)
+        if self.tokenizer is not None:
+            eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]
+        self.eos_token_ids = eos
+        self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
+        self.scheduler = Scheduler(
+            self.runner.kv_cache,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler()
+        self._num_added = 0
+        self._num_steps = 0
+        self._errored: list[Request] = []
+        self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
+        plugins.engine_started(self)
+
+    @staticmethod
+    def _load_tokenizer(path: Path) -> tuple[Any, str | None]:
+        from deepinfer_core.tokenizer import load_tokenizer
+
+        try:
+            return load_tokenizer(path), None
+        except ConfigError as e:
+            logger.warning("no tokenizer (%s): only token-id prompts can be served", e)
+            return None, str(e)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt."""
+        if self.tokenizer is None:
+            raise RequestError(
+                f"a text prompt needs a tokenizer: {self._tokenizer_error}; pass prompt_token_ids"
+            )
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Detokenize (special tokens skipped); empty without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        sample_index: int = 0,
+    ) -> Request:
+        """Queue one request (one sample: ``params.n`` is handled by :class:`~deepinfer_core.LLM`).
+
+        A request that cannot be served (empty prompt, prompt longer than ``max_model_len``,
+        token id outside the vocabulary) is finished at once with ``finish_reason="error"`` and
+        returned by the next :meth:`step`; it never disturbs the others.
+
+        Args:
+            sample_index: which of the ``n`` samples of a prompt this is; seeds the request's
+                generator with ``derive_seed(params.seed, sample_index)`` when ``params.seed`` is set.
+        """
+        index = self._num_added
+        self._num_added += 1
+        if params.greedy:
+            generator = None
+        elif params.seed is not None:
+            generator = make_generator(derive_seed(params.seed, sample_index))
+        else:
+            generator = make_generator(derive_seed(self.config.seed, index))
+        req = Request(request_id, prompt_token_ids, params, prompt=prompt, generator=generator)
+        error = self._check_prompt(req)
+        if error is not None:
+            req.finish("error", error)
+            self._errored.append(req)
+        else:
+            self.scheduler.add(req)
+        return req
+
+    def _check_prompt(self, req: Request) -> str | None:
+        n, vocab = req.num_prompt_tokens, self.model_config.vocab_size
+        if n == 0:
+            return f"request {req.request_id!r}: the prompt is empty; give at least one token"
+        if n > self.max_model_len:
+            return (
+                f"request {req.request_id!r}: the prompt has {n} tokens, more than max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
+        bad = [t for t in req.prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            return (
+                f"request {req.request_id!r}: prompt token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {vocab})"
+            )
+        if not self.scheduler.can_ever_fit(n):
+            return (
+                f"request {req.request_id!r}: the prompt's {n} tokens do not fit in the cache of "
+                f"{self.runner.kv_cache.num_pages} pages; raise num_cache_pages or kv_cache_memory_gb"
+            )
+        return None
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is still queued, running, or finished but not yet returned."""
+        return bool(self._errored) or self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of the requests that finished during it."""
+        t0 = time.perf_counter()
+        finished, self._errored = self._errored, []
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            logits = self.runner.execute(sched.chunks)
+            rows = sched.sampling_requests
+            batch = SamplingBatch(
+                temperatures=[r.params.temperature for r in rows],
+                top_ps=[r.params.top_p for r in rows],
+                top_ks=[r.params.top_k for r in rows],
+                generators=[r.generator for r in rows],
+                num_logprobs=[r.params.logprobs for r in rows],
+            )
+            sampled = self.sampler(logits, batch)
+            finished += self.scheduler.postprocess(
+                sched, sampled.token_ids.tolist(), sampled.logprobs, self.eos_token_ids, self.max_model_len
+            )
+        else:
+            finished += sched.finished
+            if self.scheduler.has_unfinished() and not finished:  # only a scheduler bug gets here
+                raise RuntimeError(
+                    f"scheduler made no progress with running requests {self.scheduler.running}"
+                )
+        self._num_steps += 1
+        if self._want_stats:
+            self.plugins.step_stats(
+                StepStats(
+                    step=self._num_steps,
+                    num_seqs=len(sched.chunks),
+                    num_tokens=sched.num_tokens,
+                    num_decode_seqs=sum(c.num_tokens == 1 and c.start_pos > 0 for c in sched.chunks),
+                    num_preempted=len(sched.preempted),
+                    num_finished=len(finished),
+                    cache_usage=self.runner.kv_cache.usage(),
+                    step_time_s=time.perf_counter() - t0,
+                )
+            )
+        return [self.make_output(r) for r in finished]
+
+    def abort_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every unfinished request with ``finish_reason="error"`` and free its cache."""
+        done, self._errored = self._errored, []
+        done += self.scheduler.abort_all(reason)
+        return [self.make_output(r) for r in done]
+
+    def make_output(self, req: Request) -> RequestOutput:
+        """The user-facing output of a request (text detokenized, stop token excluded from it)."""
+        ids = list(req.output_token_ids)
+        text_ids = ids[:-1] if req.finish_reason == "stop" and ids else ids
+        completion = CompletionOutput(
+            index=0,
+            text=self.decode(text_ids) if text_ids else "",
+            token_ids=ids,
+            finish_reason=req.finish_reason,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=req.status is RequestStatus.FINISHED,
+            error=req.error,
+        )

@@ -1,0 +1,255 @@
+"""Continuous batching with chunked prefill.
+
+Each :meth:`Scheduler.schedule` fills a budget of ``max_num_batched_tokens`` tokens over at
+most ``max_num_seqs`` running requests, in this order:
+
+1. running requests that decode (one token each), in admission order;
+2. running requests still prefilling (or recomputing after preemption): one chunk each, as
+   large as the remaining budget and the free cache pages allow;
+3. waiting requests in FIFO order (preempted ones first), while a slot and the pages of their
+   first chunk are free; admission stops at the first request that does not fit, so a long
+   prompt is not starved by short ones behind it.
+
+Pages are allocated as sequences grow.  When a running request cannot get even one token's
+worth of pages, the most recently admitted request not yet scheduled this step is preempted:
+its pages and slot are freed and it goes back to the front of the waiting queue with
+``num_computed_tokens = 0`` (its prompt and generated tokens are recomputed when readmitted).
+A request that cannot fit in the whole cache finishes with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.engine.kv_cache import KVCacheManager
+from deepinfer_core.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs.
+
+    Attributes:
+        chunks: the :class:`SeqChunk` of each scheduled request, in order.
+        requests: the request each chunk belongs to (same order).
+        preempted: requests sent back to WAITING while scheduling this step.
+        finished: requests that failed while scheduling (e.g. do not fit in the cache).
+    """
+
+    chunks: list[SeqChunk] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled this step."""
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sampling_requests(self) -> list[Request]:
+        """Requests whose chunk samples a token, in chunk order (= rows of the logits)."""
+        return [r for r, c in zip(self.requests, self.chunks, strict=True) if c.sample]
+
+    @property
+    def is_empty(self) -> bool:
+        """Whether nothing runs this step."""
+        return not self.chunks
+
+
+class Scheduler:
+    """Decides which requests run each step and manages their cache pages and slots.
+
+    Args:
+        kv_cache: page and slot allocator (its ``num_slots`` bounds the running requests too).
+        max_num_seqs: most running requests.
+        max_num_batched_tokens: token budget per step.
+        enable_chunked_prefill: when ``False`` a prompt is only scheduled whole.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ):
+        self.kv_cache = kv_cache
+        self.max_num_seqs = min(max_num_seqs, kv_cache.num_slots)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.num_preemptions = 0
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request (FIFO)."""
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens fits in the whole cache."""
+        return self.kv_cache.pages_needed(num_tokens) <= self.kv_cache.num_pages
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks (see the module docstring)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[int] = set()
+        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for req in decoding + prefilling:
+            if budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = self._fit_running(req, budget, scheduled, out)
+            if n:
+                self._emit(req, n, out)
+                scheduled.add(id(req))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.can_ever_fit(req.num_tokens):
+                self.waiting.popleft()
+                self._fail_too_long(req, out)
+                continue
+            n = self._chunk_size(req, budget)
+            if n == 0 or self.kv_cache.num_free_slots == 0:
+                break
+            if not self.kv_cache.can_allocate(self.kv_cache.pages_needed(n)):
+                break
+            self.waiting.popleft()
+            req.seq_slot = self.kv_cache.allocate_slot()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._grow(req, n)
+            self._emit(req, n, out)
+            scheduled.add(id(req))
+            budget -= n
+        return out
+
+    def _chunk_size(self, req: Request, budget: int) -> int:
+        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit)."""
+        remaining = req.num_uncomputed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.enable_chunked_prefill else 0
+
+    def _fit_running(self, req: Request, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Chunk size for a running request, allocating its pages; preempts others if needed."""
+        n = self._chunk_size(req, budget)
+        if n == 0:
+            return 0
+        while True:
+            free_tokens = (len(req.block_table) + self.kv_cache.num_free_pages) * self.kv_cache.page_size
+            fit = min(n, free_tokens - req.num_computed_tokens)
+            if fit == n or (fit >= 1 and self.enable_chunked_prefill):
+                self._grow(req, fit)
+                return fit
+            victim = next(
+                (r for r in reversed(self.running) if id(r) not in scheduled and r is not req), None
+            )
+            if victim is None:
+                if not self.can_ever_fit(req.num_computed_tokens + n):
+                    self._release(req)
+                    self._fail_too_long(req, out)
+                else:
+                    self._preempt(req, out)
+                return 0
+            self._preempt(victim, out)
+
+    def _grow(self, req: Request, n: int) -> None:
+        """Allocate the pages ``req`` needs to hold ``num_computed_tokens + n`` positions."""
+        need = self.kv_cache.pages_needed(req.num_computed_tokens + n) - len(req.block_table)
+        if need > 0:
+            req.block_table.extend(self.kv_cache.allocate_pages(need))
+
+    def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        start = req.num_computed_tokens
+        assert req.seq_slot is not None
+        out.chunks.append(
+            SeqChunk(
+                seq_slot=req.seq_slot,
+                token_ids=req.token_slice(start, start + n),
+                start_pos=start,
+                block_table=list(req.block_table),
+                sample=start + n == req.num_tokens,
+            )
+        )
+        out.requests.append(req)
+
+    def _release(self, req: Request) -> None:
+        """Free a running request's pages and slot and drop it from ``running``."""
+        self.kv_cache.free_pages(req.block_table)
+        req.block_table = []
+        if req.seq_slot is not None:
+            self.kv_cache.free_slot(req.seq_slot)
+            req.seq_slot = None
+        if req in self.running:
+            self.running.remove(req)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _fail_too_long(self, req: Request, out: SchedulerOutput) -> None:
+        pages = self.kv_cache.pages_needed(req.num_tokens)
+        req.finish(
+            "error",
+            f"request {req.request_id!r} needs {pages} cache pages for {req.num_tokens} tokens but the "
+            f"cache has {self.kv_cache.num_pages}; raise num_cache_pages (or kv_cache_memory_gb) or "
+            "lower max_model_len",
+        )
+        out.finished.append(req)
+
+    # ---- after the step ------------------------------------------------------------------------
+    def postprocess(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[int],
+        logprobs: list[dict[int, float] | None],
+        eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> list[Request]:
+        """Advance the scheduled requests after the step ran; returns those that finished.
+
+        Args:
+            out: this step's schedule.
+            token_ids, logprobs: sampled token (and logprobs) per sampling chunk, in chunk order.
+        """
+        finished = list(out.finished)
+        row = 0
+        for req, chunk in zip(out.requests, out.chunks, strict=True):
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.sample:
+                continue
+            tok, lp = token_ids[row], logprobs[row]
+            row += 1
+            if req.append_token(tok, lp, eos_token_ids, max_model_len):
+                self._release(req)
+                finished.append(req)
+        return finished
+
+    def abort_all(self, reason: str) -> list[Request]:
+        """Finish every waiting and running request with ``finish_reason="error"``."""
+        done = []
+        for req in list(self.running) + list(self.waiting):
+            self._release(req)
+            req.finish("error", reason)
+            done.append(req)
+        self.waiting.clear()
+        return done

@@ -1,0 +1,143 @@
+"""Every hook a DeepInfer plugin can implement.
+
+Plugins are Python modules exposed through the entry-point group ``deepinfer`` (see
+:mod:`deepinfer_core.plugins`).  A plugin implements hooks by defining functions with the
+names below, decorated with :data:`hookimpl`::
+
+    from deepinfer_core.hookspecs import hookimpl
+
+    @hookimpl
+    def deepinfer_register_backends(register):
+        register(BackendSpec(name="mine", device_type="cuda", priority=50, ops=load_ops))
+
+Registration hooks receive a ``register`` callback rather than returning values, so the core
+knows which plugin registered what and can report name clashes naming both plugins.  They
+run once, at start-up; the per-token path only calls the plain objects they registered.
+
+Hook implementations may accept a subset of the documented parameters (pluggy passes only
+the arguments a function names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "deepinfer"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# -------------------------------------------------------------------------------------------
+# Registration hooks: called once when the plugins are loaded
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec
+def deepinfer_register_backends(register: Any) -> None:
+    """Register hardware backends.
+
+    :param register: call ``register(spec)`` once per backend, with a
+        :class:`deepinfer_core.backends.BackendSpec` (name, device type, priority, the op
+        implementations or a zero-argument callable returning them, an availability probe
+        returning ``(available, reason)``, graph capture support, description).  The plugin
+        name is filled in by the core.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_models(register: Any) -> None:
+    """Register model architectures by ``model_type`` (the field of the model's ``config.json``).
+
+    :param register: call ``register(model_type, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning the model's module (it imports
+        lazily, so registering costs nothing); ``is_available`` an optional zero-argument
+        probe returning ``(available, reason)``.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_samplers(register: Any) -> None:
+    """Register sampler stages (logits processors and sampling strategies).
+
+    :param register: call ``register(name, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning the sampler stage class or object.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_drafters(register: Any) -> None:
+    """Register speculative-decoding drafters and their verifiers.
+
+    :param register: call ``register(name, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning the drafter class.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_structured_backends(register: Any) -> None:
+    """Register structured-output (grammar / JSON schema / regex) backends.
+
+    :param register: call ``register(name, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning the grammar backend class.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_schedulers(register: Any) -> None:
+    """Register request schedulers (selected by name in the engine configuration).
+
+    :param register: call ``register(name, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning the scheduler class.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+# -------------------------------------------------------------------------------------------
+# Lifecycle hooks: called by the engine
+# -------------------------------------------------------------------------------------------
+
+
+@hookspec(historic=True)
+def deepinfer_configure(config: Any) -> None:
+    """Called once with the validated engine configuration, before the engine is built.
+
+    :param config: the :class:`deepinfer_core.config.EngineConfig` (treat it as read-only).
+
+    Historic: a plugin registered after the call still receives it.  Not ``firstresult``.
+    """
+
+
+@hookspec
+def deepinfer_engine_started(engine: Any) -> None:
+    """Called once the engine has loaded the weights and resolved its backend.
+
+    :param engine: the running engine; ``engine.config``, ``engine.backend`` (the chosen
+        :class:`BackendSpec`) and ``engine.ops`` (the resolved :class:`OpTable`) are stable.
+
+    Not ``firstresult``: every plugin's implementation is called.
+    """
+
+
+@hookspec
+def deepinfer_step_stats(stats: Any) -> None:
+    """Called after each engine step with that step's statistics.
+
+    :param stats: a plain data object (tokens scheduled, batch size, step time, cache usage).
+        Keep implementations cheap: this runs on the engine loop.
+
+    Not ``firstresult``: every plugin's implementation is called.
+    """

@@ -1,0 +1,33 @@
+"""The ``ascend950`` backend: availability probe (torch_npu + a visible NPU) and ops."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+NOT_INSTALLED = "torch_npu is not installed (pip install deepinfer-ascend950[npu] on a machine with CANN)"
+
+
+def is_available() -> tuple[bool, str | None]:
+    """``(True, None)`` when an Ascend NPU is usable here, else ``(False, reason)``.
+
+    ``torch_npu`` is imported only when :func:`importlib.util.find_spec` finds it: importing
+    it registers the ``npu`` device with torch and fails without the CANN runtime.
+    """
+    if importlib.util.find_spec("torch_npu") is None:
+        return False, NOT_INSTALLED
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # typically a missing or mismatched CANN runtime
+        return False, f"torch_npu is installed but failed to import ({type(exc).__name__}: {exc}); check CANN"
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available():
+        return False, "torch_npu imported but torch.npu.is_available() is False: no NPU is visible"
+    return True, None
+
+
+def load_ops() -> dict:
+    """The op implementations (none yet: every op falls back to the reference)."""
+    return {}

@@ -1,0 +1,23 @@
+"""DeepInfer hooks of the ``ascend950`` plugin (hooks only; the code lives beside it)."""
+
+from deepinfer_ascend950 import backend
+from deepinfer_core.backends import BackendSpec
+from deepinfer_core.hookspecs import hookimpl
+
+DEEPINFER_API = ">=1.0,<2"
+
+
+@hookimpl
+def deepinfer_register_backends(register):
+    """Register the ``ascend950`` backend (NPU, priority 100)."""
+    register(
+        BackendSpec(
+            name="ascend950",
+            device_type="npu",
+            priority=100,
+            ops=backend.load_ops,
+            is_available=backend.is_available,
+            supports_graph_capture=True,
+            description="Huawei Ascend 950 NPUs via torch_npu (kernels not implemented yet)",
+        )
+    )

@@ -1,0 +1,54 @@
+"""The ascend950 plugin registers its backend without importing torch_npu."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+from deepinfer_ascend950 import backend, plugin
+
+from deepinfer_core.plugins import PluginManager, get_plugins
+
+HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
+
+
+def test_plugin_registers_ascend950_backend():
+    manager = PluginManager()
+    manager.load_entry_points(allow="", eps=[])
+    info = manager.add_plugin(plugin, "ascend950")
+    assert info.status == "loaded", info.errors
+    spec = manager.get_backend("ascend950")
+    assert (spec.device_type, spec.priority, spec.plugin) == ("npu", 100, "ascend950")
+    assert spec.load_ops() == {}
+
+
+def test_entry_point_is_installed():
+    row = next((r for r in get_plugins().report() if r["name"] == "ascend950"), None)
+    assert row is not None, "install the plugin: pip install -e plugins/ascend950"
+    assert row["status"] == "loaded" and row["dist"] == "deepinfer-ascend950"
+
+
+def test_importing_the_plugin_and_listing_plugins_does_not_import_torch_npu():
+    code = (
+        "import sys, deepinfer_ascend950.plugin\n"
+        "from deepinfer_core.plugins import plugins_report\n"
+        "plugins_report()\n"
+        "print('torch_npu' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # the report runs the probe, which imports torch_npu only when it is installed
+    assert done.stdout.strip() == str(HAS_TORCH_NPU)
+
+
+def test_probe_without_torch_npu_says_how_to_install_it():
+    ok, reason = backend.is_available()
+    if HAS_TORCH_NPU:
+        assert ok or "torch_npu" in reason
+    else:
+        assert not ok
+        assert (
+            reason
+            == "torch_npu is not installed (pip install deepinfer-ascend950[npu] on a machine with CANN)"
+        )

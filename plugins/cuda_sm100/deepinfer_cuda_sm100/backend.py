@@ -1,0 +1,32 @@
+"""The ``cuda_sm100`` backend: availability probe (CUDA GPU of capability >= 9.0, Triton) and ops."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from deepinfer_cuda_sm100 import MIN_COMPUTE_CAPABILITY
+
+
+def is_available() -> tuple[bool, str | None]:
+    """``(True, None)`` when the backend can run here, else ``(False, reason)``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return False, f"torch {torch.__version__} was built without CUDA; install a CUDA build of torch"
+        return False, "torch.cuda.is_available() is False: no CUDA GPU or driver is visible to this process"
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < MIN_COMPUTE_CAPABILITY:
+        need = ".".join(map(str, MIN_COMPUTE_CAPABILITY))
+        return False, (
+            f"GPU {torch.cuda.get_device_name()} has compute capability {major}.{minor}; "
+            f"cuda_sm100 needs >= {need}"
+        )
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install deepinfer-cuda-sm100[triton])"
+    return True, None
+
+
+def load_ops() -> dict:
+    """The op implementations (none yet: every op falls back to the reference)."""
+    return {}

@@ -1,0 +1,23 @@
+"""DeepInfer hooks of the ``cuda_sm100`` plugin (hooks only; the code lives beside it)."""
+
+from deepinfer_core.backends import BackendSpec
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_cuda_sm100 import backend
+
+DEEPINFER_API = ">=1.0,<2"
+
+
+@hookimpl
+def deepinfer_register_backends(register):
+    """Register the ``cuda_sm100`` backend (CUDA, priority 100)."""
+    register(
+        BackendSpec(
+            name="cuda_sm100",
+            device_type="cuda",
+            priority=100,
+            ops=backend.load_ops,
+            is_available=backend.is_available,
+            supports_graph_capture=True,
+            description="NVIDIA GPUs of compute capability >= 9.0 (Triton kernels; none implemented yet)",
+        )
+    )

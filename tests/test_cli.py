@@ -1,0 +1,114 @@
+"""The ``deepinfer`` command line: subcommands and error reporting."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_json_matches_the_python_api(capsys):
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        "--backend",
+        "reference",
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "Once upon",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "4",
+        "--logprobs",
+        "2",
+        "--json",
+    )
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    expected = LLM(backend="reference").generate(
+        ["Hello", "Once upon"], SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    )
+    assert [r["token_ids"] for r in records] == [o.outputs[0].token_ids for o in expected]
+    assert [r["text"] for r in records] == [o.outputs[0].text for o in expected]
+    assert all(r["finish_reason"] == "length" and r["error"] is None for r in records)
+    assert all(len(r["logprobs"]) == 4 for r in records)
+
+
+def test_generate_plain_text(capsys):
+    code, out, _ = run_cli(capsys, "generate", "--prompt", "Hi", "--temperature", "0", "--max-tokens", "3")
+    expected = LLM().generate("Hi", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].text
+    assert code == 0 and out == expected + "\n"
+
+
+def test_unknown_backend_is_a_clean_error(capsys):
+    code, out, err = run_cli(capsys, "generate", "--backend", "no-such-backend", "--prompt", "x")
+    assert code == 2 and out == ""
+    assert err.startswith("error: ") and "no-such-backend" in err and "Traceback" not in err
+
+
+def test_bad_config_value_is_a_clean_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--max-num-seqs", "0", "--prompt", "x")
+    assert code == 2 and err.startswith("error: ") and "max_num_seqs=0" in err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_num_seqs: 2\nbatch: 3\n")
+    code, _, err = run_cli(capsys, "generate", "--config", str(cfg), "--prompt", "x")
+    assert code == 2 and "'batch'" in err and str(cfg) in err
+
+
+def test_missing_model_dir_is_a_clean_error(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "--model", str(tmp_path / "missing"), "--prompt", "x")
+    assert code == 2 and err.startswith("error: ") and "missing" in err
+
+
+def test_invalid_sampling_flag_is_a_clean_error(capsys):
+    code, _, err = run_cli(capsys, "generate", "--top-p", "2", "--prompt", "x")
+    assert code == 2 and err.startswith("error: SamplingParams.top_p") and "2.0" in err
+    code, _, err = run_cli(capsys, "generate", "--max-tokens", "lots", "--prompt", "x")
+    assert code == 2 and "--max-tokens" in err  # argparse's own usage error
+
+
+def test_make_tiny_then_generate_from_it(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "make-tiny", str(tmp_path / "tiny"), "--seed", "3")
+    assert code == 0 and out.strip() == str(tmp_path / "tiny")
+    assert (tmp_path / "tiny" / "config.json").is_file()
+    code, out, err = run_cli(
+        capsys, "generate", "--model", str(tmp_path / "tiny"), "--prompt", "Hi", "--max-tokens", "2", "--json"
+    )
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 2
+
+
+def test_plugins_prints_json_with_the_core_plugin(capsys):
+    code, out, _ = run_cli(capsys, "plugins")
+    report = json.loads(out)
+    core = next(p for p in report if p["name"] == "core")
+    assert any(b["name"] == "reference" for b in core["backends"])
+    assert code in (0, 1)
+
+
+def test_console_entry_prints_no_traceback():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepinfer_core.cli", "generate", "--backend", "nope", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
