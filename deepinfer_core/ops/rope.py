@@ -52,12 +52,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         Same shape and dtype as ``x``; the rotation is computed in fp32.
     """
-    c = cos.repeat_interleave(2, dim=-1)
-    s = sin.repeat_interleave(2, dim=-1)
+    half = cos.shape[-1]
+    cis = torch.complex(cos.float(), sin.float())
     if x.dim() == 3:
-        c, s = c[:, None], s[:, None]
-    r = c.shape[-1]
-    nope, rope = x[..., :-r], x[..., -r:]
-    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    out = (rope.float() * c + rotated.float() * s).to(x.dtype)
-    return torch.cat([nope, out], dim=-1)
+        cis = cis[:, None]
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
+    # pairs (2i, 2i+1) as complex numbers: (a+ib)(c+is) = (ac-bs) + i(as+bc)
+    rotated = torch.view_as_real(torch.view_as_complex(rope.float().unflatten(-1, (half, 2))) * cis)
+    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
