@@ -8,13 +8,11 @@ returns the logits of the rows that sample.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.cache_spec import HybridCache, spec_bytes
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.metadata import build_metadata
@@ -33,21 +31,6 @@ logger = logging.getLogger("deepinfer.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``"auto"`` -> float32 on CPU, bfloat16 elsewhere; else the named dtype."""
-    if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    return _DTYPES[name]
-
-
-def default_page_size(ratios: list[int]) -> int:
-    """The smallest multiple of 16 divisible by every compress ratio."""
-    size = 16
-    for r in ratios:
-        size = size * r // math.gcd(size, r)
-    return size
-
-
 class ModelRunner:
     """Loads ``model_dir`` and runs forward steps over a paged hybrid KV cache.
 
@@ -61,19 +44,12 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, config: EngineConfig, ops: OpTable):
         self.model_config = cfg = DeepseekV4Config.from_file(model_dir)
         self.device = torch.device(config.device or "cpu")
-        self.dtype = resolve_dtype(config.dtype, self.device.type)
+        self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
         self.ops = ops
         weights = load_checkpoint(model_dir, cfg, self.dtype, self.device)
         self.model = DeepseekV4Model(cfg, weights, ops)
-        ratios = self.model.ratios
-        self.page_size = config.page_size or default_page_size(ratios)
-        bad = [r for r in ratios if self.page_size % r]
-        if bad:
-            raise ConfigError(
-                f"page_size={self.page_size} must be a multiple of every compress ratio of the model "
-                f"(ratios {ratios}; {bad} do not divide it); try page_size={default_page_size(ratios)}"
-            )
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 8192)
+        self.page_size = config.resolved_page_size(self.model.ratios)
+        self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         specs = self.model.cache_specs()
         per_page = per_slot = 0
         for layer_specs in specs:
