@@ -46,6 +46,7 @@ class Result:
 
     @property
     def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
         return self.new_tokens / self.seconds
 
 

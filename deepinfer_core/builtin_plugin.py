@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 from deepinfer_core.backends.base import BackendSpec
@@ -19,15 +20,17 @@ DEEPINFER_API = ">=1.0,<2"
 
 
 def _reference_ops() -> dict[str, OpImpl]:
+    """Every op of the contract, implemented by its reference."""
     return {name: OpImpl(fn=spec.reference) for name, spec in all_ops().items()}
 
 
 def _deepseek_v4() -> ModuleType:
+    """The DeepSeek-V4 model package, imported on first use."""
     return importlib.import_module("deepinfer_core.models.deepseek_v4")
 
 
 @hookimpl
-def deepinfer_register_backends(register):
+def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None:
     """Register the ``reference`` backend."""
     register(
         BackendSpec(
@@ -42,7 +45,7 @@ def deepinfer_register_backends(register):
 
 
 @hookimpl
-def deepinfer_register_models(register):
+def deepinfer_register_models(register: Callable[..., None]) -> None:
     """Register the DeepSeek-V4 architecture."""
     register(
         "deepseek_v4",

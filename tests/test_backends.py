@@ -13,12 +13,12 @@ from deepinfer_core.errors import BackendError, OpNotSupportedError, PluginError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.ops import OpImpl, get_op
 from deepinfer_core.plugins import PluginManager
+from deepinfer_core.testing import core_only_manager
 
 
 def manager_with(*plugins: tuple[str, list[BackendSpec]]) -> PluginManager:
     """The core plus one plugin per ``(name, backends)``."""
-    manager = PluginManager()
-    manager.load_entry_points(allow="", eps=[])  # no installed plugins: the core only
+    manager = core_only_manager()  # no installed plugins: the core only
     for name, specs in plugins:
         module = types.ModuleType(name)
         module.DEEPINFER_API = ">=1.0,<2"

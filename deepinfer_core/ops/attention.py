@@ -50,12 +50,11 @@ def sparse_attention(
         keys.append(pool[idx.clamp(min=0)])
         valid.append(idx >= 0)
     kv = torch.cat(keys, dim=1).float()  # [T, K, D]
-    ok = torch.cat(valid, dim=1)  # [T, K]
-    logits = torch.einsum("thd,tkd->thk", q.float(), kv) * scale
-    logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+    bias = torch.where(torch.cat(valid, dim=1), 0.0, float("-inf")).unsqueeze(1)  # [T, 1, K]
+    logits = torch.baddbmm(bias, q.float(), kv.transpose(1, 2), alpha=scale)  # [T, H, K]
     sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("thk,tkd->thd", probs, kv).to(q.dtype)
+    return torch.bmm(probs, kv).to(q.dtype)
 
 
 def _pool_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

@@ -106,7 +106,7 @@ def moe_experts(
         ``[T, D]`` in x's dtype.
     """
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
-    if num_experts <= _DENSE_WASTE * top_k:
+    if num_experts <= _DENSE_WASTE * top_k and x.shape[0] * num_experts <= _DENSE_MAX_ROWS:
         return _experts_dense(x, ids, weights, gate_up, down, limit)
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
@@ -128,10 +128,11 @@ def moe_experts(
     return out
 
 
-# With few experts (at most this many times top_k), running every expert on every token
-# costs fewer, larger ops than the per-expert gather loop: the wasted FLOPs are cheaper
-# than the per-op dispatch on small batches.  Unselected experts get weight exactly 0.
+# With few experts (at most this many times top_k) and few tokens, running every expert on
+# every token costs fewer, larger ops than the per-expert gather loop: the wasted FLOPs are
+# cheaper than the per-op dispatch on small batches.  Unselected experts get weight exactly 0.
 _DENSE_WASTE = 4
+_DENSE_MAX_ROWS = 2048  # tokens x experts
 
 
 def _experts_dense(

@@ -122,7 +122,9 @@ def _missing(plan: _Plan, specs: dict[str, ParamSpec], cfg: DeepseekV4Config) ->
     return missing
 
 
-def _read(src: TensorSource, name: str, scale_name: str | None, spec: ParamSpec, block: tuple[int, int]):
+def _read(
+    src: TensorSource, name: str, scale_name: str | None, spec: ParamSpec, block: tuple[int, int]
+) -> torch.Tensor:
     """Read one stored tensor, dequantised to float32 if quantised; check its dtype class."""
     t = src.get(name)
     where = f"tensor {name!r} in {src.shard_of[name]}"

@@ -75,7 +75,10 @@ def _check_scale_shape(scale: torch.Tensor, expected: tuple[int, ...], what: str
 
 
 def dequant_fp8(
-    data: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = DEFAULT_FP8_BLOCK, dtype=torch.float32
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = DEFAULT_FP8_BLOCK,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Dequantise block-scaled FP8 e4m3 ``data`` ``[..., out, in]`` to ``dtype``.
 
@@ -147,7 +150,10 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp4(
-    packed: torch.Tensor, scale: torch.Tensor, group: int = DEFAULT_FP4_GROUP, dtype=torch.float32
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    group: int = DEFAULT_FP4_GROUP,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Dequantise packed e2m1 ``[..., out, in/2]`` with per-``group`` scales ``[..., out, in/group]``."""
     values = unpack_fp4(packed)

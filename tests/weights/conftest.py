@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.weights.writer import save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,6 +51,10 @@ class TinyModel:
     cfg_dict: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
     saved_dir: Path
+
+    def save(self, out: Path, **options: Any) -> list[Path]:
+        """Save this model's state dict and config to ``out`` with :func:`save_checkpoint` ``options``."""
+        return save_checkpoint(self.state_dict, self.cfg_dict, out, **options)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,7 @@ def _load(tiny: Any, path: Path) -> dict[str, torch.Tensor]:
 
 
 def _sharded(tiny: Any, path: Path, names: str = "hf") -> dict[str, Any]:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, path, names=names, max_shard_bytes=200_000)
+    tiny.save(path, names=names, max_shard_bytes=200_000)
     return json.loads((path / INDEX).read_text())
 
 
@@ -67,7 +67,7 @@ def test_symlinked_shard_escaping_model_dir_is_refused(tiny: Any, tmp_path: Path
 
 
 def test_symlink_inside_model_dir_is_fine(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path)
+    tiny.save(tmp_path)
     (tmp_path / "real.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors").symlink_to("real.safetensors")
@@ -75,7 +75,7 @@ def test_symlink_inside_model_dir_is_fine(tiny: Any, tmp_path: Path) -> None:
 
 
 def test_truncated_file_names_the_file(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path)
+    tiny.save(tmp_path)
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(WeightLoadError, match=r"model\.safetensors.*truncated or corrupt"):
@@ -110,7 +110,7 @@ def test_missing_tensor_names_it_and_files_searched(tiny: Any, tmp_path: Path) -
 
 
 def test_missing_native_expert_is_named(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native")
+    tiny.save(tmp_path, names="native")
     from safetensors.torch import load_file
 
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -170,7 +170,7 @@ def test_integer_weight_is_a_dtype_error(tiny: Any, tmp_path: Path) -> None:
 
 
 def test_fp8_weight_without_scale(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native", fp8_linear=True)
+    tiny.save(tmp_path, names="native", fp8_linear=True)
     from safetensors.torch import load_file
 
     tensors = load_file(str(tmp_path / "model.safetensors"))
@@ -192,7 +192,7 @@ def test_mixed_naming_schemes(tiny: Any, tmp_path: Path) -> None:
 
 
 def test_duplicate_spellings_of_one_parameter(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native")
+    tiny.save(tmp_path, names="native")
     save_file({"layers.0.attn.norm.weight": torch.ones(32)}, str(tmp_path / "dup.safetensors"))
     (tmp_path / "model.safetensors").rename(tmp_path / "a.safetensors")
     with pytest.raises(

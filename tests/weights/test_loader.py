@@ -44,13 +44,13 @@ def test_hf_sharded_save_pretrained_loads_to_exact_state_dict(tiny: Any, tmp_pat
 
 @pytest.mark.parametrize("names", ["hf", "native"])
 def test_writer_round_trip_is_exact(tiny: Any, tmp_path: Path, names: str) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names=names, max_shard_bytes=200_000)
+    tiny.save(tmp_path, names=names, max_shard_bytes=200_000)
     got = load_checkpoint(tmp_path, tiny.cfg, torch.float32)
     _assert_equal_dicts(got, tiny.state_dict)
 
 
 def test_native_names_are_written_without_hf_spelling(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native")
+    tiny.save(tmp_path, names="native")
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())  # noqa: SIM118
         w1 = f.get_tensor("layers.1.ffn.experts.3.w1.weight")
@@ -73,9 +73,7 @@ def test_load_converts_to_target_dtypes(tiny: Any) -> None:
 
 @pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
 def test_fp8_fp4_native_checkpoint_loads_dequantised(tiny: Any, tmp_path: Path, scale_dtype: str) -> None:
-    save_checkpoint(
-        tiny.state_dict,
-        tiny.cfg_dict,
+    tiny.save(
         tmp_path,
         names="native",
         fp8_linear=True,
@@ -111,15 +109,13 @@ def test_fp8_fp4_native_checkpoint_loads_dequantised(tiny: Any, tmp_path: Path, 
 
 
 def test_hf_named_fp8_fp4_checkpoint_loads(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="hf", fp8_linear=True, fp4_experts=True)
+    tiny.save(tmp_path, names="hf", fp8_linear=True, fp4_experts=True)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())  # noqa: SIM118
     assert "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in keys
     assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in keys
     native_dir = tmp_path / "native"
-    save_checkpoint(
-        tiny.state_dict, tiny.cfg_dict, native_dir, names="native", fp8_linear=True, fp4_experts=True
-    )
+    tiny.save(native_dir, names="native", fp8_linear=True, fp4_experts=True)
     cfg = DeepseekV4Config.from_file(tmp_path)
     _assert_equal_dicts(
         load_checkpoint(tmp_path, cfg, torch.float32), load_checkpoint(native_dir, cfg, torch.float32)
@@ -145,7 +141,7 @@ def test_tied_lm_head_absence_accepted_only_when_tied(tiny: Any, tmp_path: Path)
 
 
 def test_expert_stacks_are_filled_for_every_expert(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native")
+    tiny.save(tmp_path, names="native")
     got = load_checkpoint(tmp_path, tiny.cfg, torch.bfloat16)
     for name, t in tiny.state_dict.items():
         if is_expert_stack(name):
@@ -156,7 +152,7 @@ def test_expert_stacks_are_filled_for_every_expert(tiny: Any, tmp_path: Path) ->
 def test_fp4_storage_dtypes_are_equivalent(tiny: Any, tmp_path: Path, storage: torch.dtype) -> None:
     from safetensors.torch import load_file, save_file
 
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, fp4_experts=True)
+    tiny.save(tmp_path, fp4_experts=True)
     cfg = DeepseekV4Config.from_file(tmp_path)
     want = load_checkpoint(tmp_path, cfg, torch.float32)
     tensors = load_file(str(tmp_path / "model.safetensors"))

@@ -10,7 +10,6 @@ import pytest
 from safetensors import safe_open
 
 from deepinfer_core.models.deepseek_v4.params import parameter_specs
-from deepinfer_core.weights import save_checkpoint
 from deepinfer_core.weights.names import (
     ExpertSlice,
     expert_native_names,
@@ -54,7 +53,7 @@ def test_every_hf_name_round_trips_through_native(tiny: Any) -> None:
 
 
 def test_written_native_names_match_reference_list(tiny: Any, tmp_path: Path) -> None:
-    save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native")
+    tiny.save(tmp_path, names="native")
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         written = list(f.keys())  # noqa: SIM118
     used = set()

@@ -9,8 +9,6 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from deepinfer_core.weights import save_checkpoint
-
 
 def _dtypes(files: list[Path]) -> dict[str, torch.dtype]:
     out: dict[str, torch.dtype] = {}
@@ -21,7 +19,7 @@ def _dtypes(files: list[Path]) -> dict[str, torch.dtype]:
 
 
 def test_unquantised_checkpoint_has_no_quantization_config(tiny: Any, tmp_path: Path) -> None:
-    files = save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path)
+    files = tiny.save(tmp_path)
     assert files == [tmp_path / "model.safetensors"]
     config = json.loads((tmp_path / "config.json").read_text())
     assert "quantization_config" not in config
@@ -31,9 +29,7 @@ def test_unquantised_checkpoint_has_no_quantization_config(tiny: Any, tmp_path: 
 
 def test_quantised_native_checkpoint_formats_and_config(tiny: Any, tmp_path: Path) -> None:
     before = {k: v.clone() for k, v in tiny.state_dict.items()}
-    files = save_checkpoint(
-        tiny.state_dict,
-        tiny.cfg_dict,
+    files = tiny.save(
         tmp_path,
         names="native",
         fp8_linear=True,
@@ -59,7 +55,7 @@ def test_quantised_native_checkpoint_formats_and_config(tiny: Any, tmp_path: Pat
 
 def test_sharding_respects_max_bytes_and_writes_index(tiny: Any, tmp_path: Path) -> None:
     limit = 150_000
-    files = save_checkpoint(tiny.state_dict, tiny.cfg_dict, tmp_path, names="native", max_shard_bytes=limit)
+    files = tiny.save(tmp_path, names="native", max_shard_bytes=limit)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert len(files) > 2 and sorted(set(index["weight_map"].values())) == [f.name for f in files]
     total = 0

@@ -26,21 +26,25 @@ class Attention:
         self.cfg, self.layer = cfg, layer
         self.kind = cfg.layer_types[layer]
         self.rope_family = "main" if self.kind == SLIDING else "compress"
-        self.wq_a, self.q_norm = w[p + "q_a_proj.weight"], w[p + "q_a_norm.weight"]
-        self.wq_b, self.wkv = w[p + "q_b_proj.weight"], w[p + "kv_proj.weight"]
+        self.q_norm, self.wq_b = w[p + "q_a_norm.weight"], w[p + "q_b_proj.weight"]
         self.kv_norm, self.sinks = w[p + "kv_norm.weight"], w[p + "sinks"].float()
         self.wo_a, self.wo_b = w[p + "o_a_proj.weight"], w[p + "o_b_proj.weight"]
         self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         self.compressor = self.indexer = None
+        # every projection of the block input x runs as one fused matmul, split afterwards
+        in_weights = [w[p + "q_a_proj.weight"], w[p + "kv_proj.weight"]]
         if self.kind in (CSA, HCA):
             r = cfg.compress_rates[self.kind]
             self.ratio = r
             c = p + "compressor."
             self.compressor = Compressor(c, w, r, cfg.head_dim, self.kind == CSA, "ckv", self.eps)
+            in_weights += self.compressor.in_weights
             if self.kind == CSA:
                 self.indexer = Compressor(c + "indexer.", w, r, cfg.index_head_dim, True, "ikv", self.eps)
                 self.wi_q = w[c + "indexer.q_b_proj.weight"]
-                self.wi_w = w[c + "indexer.scorer.weights_proj.weight"]
+                in_weights += [*self.indexer.in_weights, w[c + "indexer.scorer.weights_proj.weight"]]
+        self.w_in = torch.cat(in_weights)
+        self.in_sizes = [t.shape[0] for t in in_weights]
 
     def cache_specs(self) -> list[CacheSpec]:
         """Window ring, plus the compressor's (and indexer's) pools and slot state."""
@@ -56,25 +60,27 @@ class Attention:
         """``x`` ``[T, D]`` (normed block input) -> ``[T, D]`` attention output."""
         cfg, t = self.cfg, x.shape[0]
         cos, sin = rope[self.rope_family]
-        q_res = ops.rms_norm(ops.linear(x, self.wq_a), self.q_norm, self.eps)
-        q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
-        q = ops.apply_rope(ops.rms_norm(q, None, self.eps), cos, sin)
-        kv = ops.apply_rope(ops.rms_norm(ops.linear(x, self.wkv), self.kv_norm, self.eps), cos, sin)
+        q_a, kv, *comp = ops.linear(x, self.w_in).split(self.in_sizes, dim=-1)
+        q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
+        q = ops.rms_norm(ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim), None, self.eps)
+        kv = ops.rms_norm(kv, self.kv_norm, self.eps)
+        # one rotation for the queries and the shared key
+        qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
+        q, kv = qkv[:, : self.heads], qkv[:, self.heads]
         ring = cache_get("window")
         pools = [ring, kv]
         idx = [md.window_ring, md.window_chunk]
         if self.compressor is not None:
             inv_rope = rope["compress_freqs"]
-            ckv = self.compressor(x, md, cache_get, ops, inv_rope)
+            ckv = self.compressor(comp[0], comp[1], md, cache_get, ops, inv_rope)
             cand = md.plans[self.ratio].candidates
-            if self.indexer is not None and cand.shape[1] > cfg.index_topk:
-                ikv = self.indexer(x, md, cache_get, ops, inv_rope)
-                iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
-                iq = ops.apply_rope(iq, *rope["compress"])
-                iw = ops.linear(x, self.wi_w).float() * cfg.index_n_heads**-0.5
-                cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
-            elif self.indexer is not None:
-                self.indexer(x, md, cache_get, ops, inv_rope)  # keep the indexer keys current
+            if self.indexer is not None:
+                ikv = self.indexer(comp[2], comp[3], md, cache_get, ops, inv_rope)
+                if cand.shape[1] > cfg.index_topk:
+                    iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
+                    iq = ops.apply_rope(iq, *rope["compress"])
+                    iw = comp[4].float() * cfg.index_n_heads**-0.5
+                    cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
             pools.append(ckv)
             idx.append(cand)
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)

@@ -39,8 +39,7 @@ class Compressor:
         pool_name: str,
         eps: float,
     ):
-        self.wkv = weights[prefix + "kv_proj.weight"]
-        self.wgate = weights[prefix + "gate_proj.weight"]
+        self.in_weights = [weights[prefix + "kv_proj.weight"], weights[prefix + "gate_proj.weight"]]
         self.bias = weights[prefix + "position_bias"].float()  # [r, coff*dim]
         self.norm = weights[prefix + "kv_norm.weight"]
         self.ratio, self.dim, self.overlap, self.eps = ratio, dim, overlap, eps
@@ -63,15 +62,22 @@ class Compressor:
         return specs
 
     def __call__(
-        self, x: torch.Tensor, md: StepMetadata, cache_get, ops: OpTable, rope: tuple[torch.Tensor, float]
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        md: StepMetadata,
+        cache_get,
+        ops: OpTable,
+        rope: tuple[torch.Tensor, float],
     ) -> torch.Tensor:
-        """Compress this step's closed windows into the pool; returns the pool tensor."""
+        """Compress this step's closed windows into the pool; returns the pool tensor.
+
+        ``kv`` and ``gate`` are this step's projections (``x @ in_weights``), ``[T, width]``.
+        """
         plan: WindowPlan = md.plans[self.ratio]
         n, r = self.pool_name, self.ratio
         pool = cache_get(n)
         buf_kv, buf_gate = cache_get(n + ".buf_kv"), cache_get(n + ".buf_gate")
-        kv = ops.linear(x, self.wkv)
-        gate = ops.linear(x, self.wgate)
         if plan.windows.numel():
             stage_kv = torch.cat([buf_kv.view(-1, self.width), kv])[plan.windows]  # [M, r, C]
             stage_gate = torch.cat([buf_gate.view(-1, self.width), gate])[plan.windows].float() + self.bias

@@ -1,5 +1,7 @@
 """DeepInfer hooks of the ``ascend950`` plugin (hooks only; the code lives beside it)."""
 
+from collections.abc import Callable
+
 from deepinfer_ascend950 import backend
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.hookspecs import hookimpl
@@ -8,7 +10,7 @@ DEEPINFER_API = ">=1.0,<2"
 
 
 @hookimpl
-def deepinfer_register_backends(register):
+def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None:
     """Register the ``ascend950`` backend (NPU, priority 100)."""
     register(
         BackendSpec(

@@ -8,16 +8,14 @@ import sys
 
 from deepinfer_ascend950 import backend, plugin
 
-from deepinfer_core.plugins import PluginManager, get_plugins
+from deepinfer_core.plugins import get_plugins
+from deepinfer_core.testing import manager_with_plugin
 
 HAS_TORCH_NPU = importlib.util.find_spec("torch_npu") is not None
 
 
 def test_plugin_registers_ascend950_backend():
-    manager = PluginManager()
-    manager.load_entry_points(allow="", eps=[])
-    info = manager.add_plugin(plugin, "ascend950")
-    assert info.status == "loaded", info.errors
+    manager = manager_with_plugin(plugin, "ascend950")
     spec = manager.get_backend("ascend950")
     assert (spec.device_type, spec.priority, spec.plugin) == ("npu", 100, "ascend950")
     assert spec.load_ops() == {}

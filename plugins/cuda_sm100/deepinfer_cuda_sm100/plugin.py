@@ -1,5 +1,7 @@
 """DeepInfer hooks of the ``cuda_sm100`` plugin (hooks only; the code lives beside it)."""
 
+from collections.abc import Callable
+
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_cuda_sm100 import backend
@@ -8,7 +10,7 @@ DEEPINFER_API = ">=1.0,<2"
 
 
 @hookimpl
-def deepinfer_register_backends(register):
+def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None:
     """Register the ``cuda_sm100`` backend (CUDA, priority 100)."""
     register(
         BackendSpec(

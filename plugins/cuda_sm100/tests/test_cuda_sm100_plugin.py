@@ -10,14 +10,12 @@ from deepinfer_cuda_sm100 import backend, plugin
 
 from deepinfer_core.backends import resolve_backend
 from deepinfer_core.errors import BackendError
-from deepinfer_core.plugins import PluginManager, get_plugins
+from deepinfer_core.plugins import get_plugins
+from deepinfer_core.testing import manager_with_plugin
 
 
 def test_plugin_registers_cuda_sm100_backend():
-    manager = PluginManager()
-    manager.load_entry_points(allow="", eps=[])
-    info = manager.add_plugin(plugin, "cuda_sm100")
-    assert info.status == "loaded", info.errors
+    manager = manager_with_plugin(plugin, "cuda_sm100")
     spec = manager.get_backend("cuda_sm100")
     assert (spec.device_type, spec.priority, spec.supports_graph_capture, spec.plugin) == (
         "cuda",

@@ -4,43 +4,54 @@ Every registration here is a placeholder: NOT IMPLEMENTED YET.  They are reporte
 unavailable with that reason so that nobody mistakes them for working components.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_samplers import placeholders
 
 DEEPINFER_API = ">=1.0,<2"
 
 
+def _register_placeholder(
+    register: Callable[..., None],
+    name: str,
+    description: str,
+    placeholder: tuple[Callable[[], Any], Callable[[], tuple[bool, str | None]]],
+) -> None:
+    """``register(name, ...)`` with the ``(factory, is_available)`` of a placeholder, said to be one."""
+    factory, probe = placeholder
+    register(name, factory, description=f"NOT IMPLEMENTED YET: {description}", is_available=probe)
+
+
 @hookimpl
-def deepinfer_register_samplers(register):
+def deepinfer_register_samplers(register: Callable[..., None]) -> None:
     """Register the DSpark confidence-scheduled verification stage (placeholder, not implemented)."""
-    factory, probe = placeholders.not_implemented("sampler 'dspark_verify'")
-    register(
+    _register_placeholder(
+        register,
         "dspark_verify",
-        factory,
-        description="NOT IMPLEMENTED YET: DSpark confidence-scheduled speculative verification",
-        is_available=probe,
+        "DSpark confidence-scheduled speculative verification",
+        placeholders.not_implemented("sampler 'dspark_verify'"),
     )
 
 
 @hookimpl
-def deepinfer_register_drafters(register):
+def deepinfer_register_drafters(register: Callable[..., None]) -> None:
     """Register the DSpark block drafter (placeholder, not implemented)."""
-    factory, probe = placeholders.not_implemented("drafter 'dspark'")
-    register(
+    _register_placeholder(
+        register,
         "dspark",
-        factory,
-        description="NOT IMPLEMENTED YET: DSpark 3-layer block drafter with confidence head (mtp.*)",
-        is_available=probe,
+        "DSpark 3-layer block drafter with confidence head (mtp.*)",
+        placeholders.not_implemented("drafter 'dspark'"),
     )
 
 
 @hookimpl
-def deepinfer_register_structured_backends(register):
+def deepinfer_register_structured_backends(register: Callable[..., None]) -> None:
     """Register the llguidance structured-output backend (placeholder, not implemented)."""
-    factory, probe = placeholders.llguidance_placeholder()
-    register(
+    _register_placeholder(
+        register,
         "llguidance",
-        factory,
-        description="NOT IMPLEMENTED YET: regex / JSON schema / EBNF constrained decoding via llguidance",
-        is_available=probe,
+        "regex / JSON schema / EBNF constrained decoding via llguidance",
+        placeholders.llguidance_placeholder(),
     )

@@ -7,14 +7,12 @@ from deepinfer_samplers import plugin
 
 from deepinfer_core.errors import PluginError
 from deepinfer_core.plugins import PluginManager, get_plugins
+from deepinfer_core.testing import manager_with_plugin
 
 
 @pytest.fixture
 def manager() -> PluginManager:
-    manager = PluginManager()
-    manager.load_entry_points(allow="", eps=[])
-    assert manager.add_plugin(plugin, "samplers").status == "loaded"
-    return manager
+    return manager_with_plugin(plugin, "samplers")
 
 
 @pytest.mark.parametrize(

@@ -1,30 +1,10 @@
-"""The plugin manager: loads plugins, collects what they register, reports what happened.
-
-A plugin is a module exposed in the entry-point group ``deepinfer`` of an installed
-distribution; the core itself is the plugin ``core`` (:mod:`deepinfer_core.builtin_plugin`).
-Loading follows these rules:
-
-- ``DEEPINFER_PLUGINS=a,b`` loads only the entry points named ``a`` and ``b`` (and ``core``,
-  always); the others are reported as disabled.
-- A plugin module may declare the core API range it was built for, e.g.
-  ``DEEPINFER_API = ">=1.0,<2"``; a range that excludes :data:`PLUGIN_API_VERSION` is a load
-  error showing both.
-- A plugin that fails to import, declares a bad range, implements an unknown hook, raises in
-  a registration hook or registers a name another plugin already owns is recorded with its
-  error (shown by ``deepinfer plugins`` and logged on ``deepinfer.plugins``); the others load.
-- Two third-party plugins registering the same name: the name is withdrawn and using it
-  raises a :class:`PluginError` naming both.  The core's names cannot be taken over.
-"""
+"""The plugin manager: loads plugins and holds the registries they fill."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import logging
 import os
-import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from importlib.metadata import EntryPoint, entry_points
 from types import ModuleType
 from typing import Any
@@ -34,106 +14,17 @@ import pluggy
 from deepinfer_core import hookspecs
 from deepinfer_core.backends.base import Availability, BackendSpec, always_available
 from deepinfer_core.errors import BackendError, PluginError
-
-PLUGIN_API_VERSION = "1.0"
-"""Version of the plugin API (hooks, BackendSpec, OpImpl) this core implements."""
-
-ENTRY_POINT_GROUP = "deepinfer"
-CORE_PLUGIN = "core"
-ALLOW_ENV = "DEEPINFER_PLUGINS"
-COMPONENT_KINDS = ("models", "samplers", "drafters", "structured_backends", "schedulers")
-
-logger = logging.getLogger("deepinfer.plugins")
-
-
-# ----------------------------------------------------------------------------- version ranges
-
-_CLAUSE_RE = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*$")
-
-
-def parse_version(text: str) -> tuple[int, ...]:
-    """``"1.10"`` -> ``(1, 10)``; raises :class:`PluginError` on anything else."""
-    if not re.fullmatch(r"\d+(\.\d+)*", text.strip()):
-        raise PluginError(f"invalid version {text!r}: expected numbers separated by dots, e.g. '1.0'")
-    return tuple(int(part) for part in text.strip().split("."))
-
-
-def version_in_range(version: str, spec: str) -> bool:
-    """Whether ``version`` satisfies ``spec``, comma-separated clauses like ``">=1.0,<2"``.
-
-    Operators: ``>= <= > < == !=``; versions compare numerically, missing parts count as 0
-    (``"2" == "2.0"``).  Raises :class:`PluginError` when ``spec`` is malformed.
-    """
-    if not isinstance(spec, str) or not spec.strip():
-        raise PluginError(f"invalid API range {spec!r}: expected clauses like '>=1.0,<2'")
-    have = parse_version(version)
-    for clause in spec.split(","):
-        match = _CLAUSE_RE.match(clause)
-        if not match:
-            raise PluginError(
-                f"invalid API range {spec!r}: clause {clause.strip()!r} is not '<op><version>' "
-                "with op one of >= <= > < == !="
-            )
-        op, bound_text = match.groups()
-        bound = parse_version(bound_text)
-        width = max(len(have), len(bound))
-        a, b = have + (0,) * (width - len(have)), bound + (0,) * (width - len(bound))
-        ok = {">=": a >= b, "<=": a <= b, ">": a > b, "<": a < b, "==": a == b, "!=": a != b}[op]
-        if not ok:
-            return False
-    return True
-
-
-# ----------------------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class ComponentSpec:
-    """A model, sampler, drafter, structured-output backend or scheduler registered by a plugin.
-
-    Attributes:
-        name: the name it is selected by (for models, the ``model_type``).
-        factory: zero-argument callable returning the implementation (imports lazily).
-        description: one line shown by ``deepinfer plugins``.
-        is_available: zero-argument probe returning ``(available, reason)``.
-        plugin: the plugin that registered it.
-    """
-
-    name: str
-    factory: Callable[[], Any]
-    description: str = ""
-    is_available: Callable[[], Availability] = always_available
-    plugin: str | None = None
-
-    def availability(self) -> Availability:
-        """Run the probe; a probe that raises counts as unavailable with its error."""
-        try:
-            available, reason = self.is_available()
-        except Exception as exc:
-            return False, f"availability probe raised {type(exc).__name__}: {exc}"
-        return bool(available), (None if available else str(reason or "no reason given"))
-
-
-@dataclass
-class PluginInfo:
-    """What is known about one plugin, loaded or not."""
-
-    name: str
-    dist: str | None = None
-    version: str | None = None
-    module: str | None = None
-    api_range: str | None = None
-    status: str = "loaded"  # "loaded" | "error" | "disabled"
-    errors: list[str] = field(default_factory=list)
-
-    def fail(self, message: str) -> None:
-        """Record a load error (and log it: nothing is skipped silently)."""
-        self.status = "error"
-        self.errors.append(message)
-        logger.error("plugin %r (%s %s): %s", self.name, self.dist, self.version, message)
-
-
-# ----------------------------------------------------------------------------- manager
+from deepinfer_core.plugins.records import (
+    ALLOW_ENV,
+    COMPONENT_KINDS,
+    CORE_PLUGIN,
+    ENTRY_POINT_GROUP,
+    ComponentSpec,
+    PluginInfo,
+    logger,
+)
+from deepinfer_core.plugins.report import report_rows
+from deepinfer_core.plugins.versions import PLUGIN_API_VERSION, version_in_range
 
 
 class PluginManager:
@@ -311,13 +202,17 @@ class PluginManager:
         """The names of every hook spec."""
         return sorted(name for name in dir(hookspecs) if name.startswith("deepinfer_"))
 
-    def get_backend(self, name: str) -> BackendSpec:
-        """The backend registered as ``name``; raises a :class:`DeepInferError` naming the options."""
-        if ("backends", name) in self.clashes:
+    def _raise_if_clashed(self, kind: str, name: str, label: str) -> None:
+        """Raise a :class:`PluginError` naming the plugins when ``name`` was withdrawn by a clash."""
+        if (kind, name) in self.clashes:
             raise PluginError(
-                f"backend {name!r} is registered by several plugins {self.clashes[('backends', name)]}; "
+                f"{label} is registered by several plugins {self.clashes[(kind, name)]}; "
                 f"uninstall one or exclude it with {ALLOW_ENV}"
             )
+
+    def get_backend(self, name: str) -> BackendSpec:
+        """The backend registered as ``name``; raises a :class:`DeepInferError` naming the options."""
+        self._raise_if_clashed("backends", name, f"backend {name!r}")
         if name not in self.backends:
             raise BackendError(
                 f"unknown backend {name!r}; known backends: {['auto', *sorted(self.backends)]} "
@@ -329,11 +224,7 @@ class PluginManager:
         """The component ``name`` of ``kind`` (e.g. ``("models", "deepseek_v4")``)."""
         if kind not in self.components:
             raise PluginError(f"unknown component kind {kind!r}; known kinds: {list(COMPONENT_KINDS)}")
-        if (kind, name) in self.clashes:
-            raise PluginError(
-                f"{kind} name {name!r} is registered by several plugins "
-                f"{self.clashes[(kind, name)]}; uninstall one or exclude it with {ALLOW_ENV}"
-            )
+        self._raise_if_clashed(kind, name, f"{kind} name {name!r}")
         if name not in self.components[kind]:
             raise PluginError(f"unknown {kind} entry {name!r}; known: {sorted(self.components[kind])}")
         return self.components[kind][name]
@@ -356,52 +247,8 @@ class PluginManager:
 
     def report(self) -> list[dict[str, Any]]:
         """One JSON-ready dict per plugin: status, errors, API range, backends and components."""
-        rows = []
-        for info in sorted(self.plugins.values(), key=lambda i: (i.name != CORE_PLUGIN, i.name)):
-            row: dict[str, Any] = {
-                "name": info.name,
-                "dist": info.dist,
-                "version": info.version,
-                "module": info.module,
-                "api_range": info.api_range,
-                "core_api": PLUGIN_API_VERSION,
-                "status": info.status,
-                "errors": list(info.errors),
-                "backends": [_backend_row(b) for b in self.backends.values() if b.plugin == info.name],
-            }
-            for kind in COMPONENT_KINDS:
-                row[kind] = [
-                    _component_row(c) for c in self.components[kind].values() if c.plugin == info.name
-                ]
-            rows.append(row)
-        return rows
+        return report_rows(self.plugins.values(), self.backends.values(), self.components)
 
-
-def _backend_row(spec: BackendSpec) -> dict[str, Any]:
-    available, reason = spec.availability()
-    row: dict[str, Any] = {
-        "name": spec.name,
-        "device_type": spec.device_type,
-        "priority": spec.priority,
-        "available": available,
-        "reason": reason,
-        "supports_graph_capture": spec.supports_graph_capture,
-        "description": spec.description,
-    }
-    try:
-        row["ops"] = sorted(spec.load_ops())
-    except BackendError as exc:
-        row["ops"] = []
-        row["ops_error"] = str(exc)
-    return row
-
-
-def _component_row(spec: ComponentSpec) -> dict[str, Any]:
-    available, reason = spec.availability()
-    return {"name": spec.name, "available": available, "reason": reason, "description": spec.description}
-
-
-# ----------------------------------------------------------------------------- module API
 
 _MANAGER: PluginManager | None = None
 
@@ -420,15 +267,3 @@ def reset_plugins() -> None:
     """Forget the loaded plugins; the next :func:`get_plugins` reloads them (for tests)."""
     global _MANAGER
     _MANAGER = None
-
-
-def plugins_report() -> list[dict[str, Any]]:
-    """What ``deepinfer plugins`` prints: see :meth:`PluginManager.report`."""
-    return get_plugins().report()
-
-
-def cmd_plugins(args: argparse.Namespace | None = None) -> int:
-    """``deepinfer plugins``: print the plugin report as JSON; exit status 1 if a plugin failed."""
-    report = plugins_report()
-    print(json.dumps(report, indent=2))
-    return 1 if any(row["status"] == "error" for row in report) else 0
