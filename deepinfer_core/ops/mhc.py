@@ -72,14 +72,18 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     Runs in an ``[N, N, T]`` layout: both normalisations then broadcast over a leading
     dimension with the token dimension contiguous, which vectorises (the ``[T, N, N]``
     layout broadcasts along tiny inner dimensions and is several times slower for long
-    batches); in-place updates keep the op count at three per normalisation.
+    batches).  The matrices are tiny, so dispatch dominates: updates are in place, sums
+    reuse two buffers and ``eps`` is a tensor (a Python scalar is re-wrapped on every op).
     """
     c = comb.permute(1, 2, 0).contiguous()
-    c = c / (c.sum(dim=0, keepdim=True) + eps)
+    n, _, t = c.shape
+    e = torch.tensor(eps, dtype=c.dtype, device=c.device)
+    rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
+    c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(e))
     for _ in range(iters - 1):
-        c.div_(c.sum(dim=1, keepdim=True).add_(eps))
-        c.div_(c.sum(dim=0, keepdim=True).add_(eps))
-    return c.permute(2, 0, 1)
+        c.div_(torch.sum(c, dim=1, keepdim=True, out=rows).add_(e))
+        c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(e))
+    return c.permute(2, 0, 1).contiguous()
 
 
 def _hc_post_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
@@ -112,8 +116,8 @@ def hc_post(
         ``[T, N, D]``: ``post_n * block_out + sum_j comb[j, n] * streams_j`` (in streams.dtype).
     """
     dtype = streams.dtype
-    expanded = post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2)
-    return torch.baddbmm(expanded, comb.to(dtype).transpose(-1, -2), streams)
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
 
 
 def _hc_head_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
