@@ -52,21 +52,22 @@ def hc_pre(
         ``post = 2*sigmoid(.)`` and ``comb`` = Sinkhorn(softmax(.)+eps), columns first.
     """
     t, n, d = streams.shape
-    flat = streams.reshape(t, n * d).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    mixes = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    # dispatch dominates at decode sizes: fused norm, addcmul, in-place eps as a tensor
+    eps = torch.tensor(hc_eps, dtype=torch.float32, device=streams.device)
+    flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
+    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
     pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w.view(t, n, n) * comb_s + comb_b.view(n, n), dim=-1) + hc_eps
-    comb = _sinkhorn(comb, sinkhorn_iters, hc_eps)
+    pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)).add_(eps)
+    post = torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
+    post = post.add_(post)  # 2*sigmoid, exactly
+    comb = torch.softmax(torch.addcmul(comb_b.view(n, n), comb_w.view(t, n, n), comb_s), dim=-1).add_(eps)
+    comb = _sinkhorn(comb, sinkhorn_iters, eps)
     collapsed = torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
     return post, comb, collapsed
 
 
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+def _sinkhorn(comb: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
     """Sinkhorn-Knopp: columns, then ``iters-1`` rounds of rows and columns, ``x/(sum+eps)``.
 
     Runs in an ``[N, N, T]`` layout: both normalisations then broadcast over a leading
@@ -77,12 +78,11 @@ def _sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """
     c = comb.permute(1, 2, 0).contiguous()
     n, _, t = c.shape
-    e = torch.tensor(eps, dtype=c.dtype, device=c.device)
     rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
-    c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(e))
+    c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(eps))
     for _ in range(iters - 1):
-        c.div_(torch.sum(c, dim=1, keepdim=True, out=rows).add_(e))
-        c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(e))
+        c.div_(torch.sum(c, dim=1, keepdim=True, out=rows).add_(eps))
+        c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(eps))
     return c.permute(2, 0, 1).contiguous()
 
 
