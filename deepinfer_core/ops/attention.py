@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ._cases import randn
 from .registry import define_op
@@ -47,7 +48,7 @@ def sparse_attention(
     """
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
-        keys.append(pool[idx.clamp(min=0)])
+        keys.append(F.embedding(idx.clamp(min=0), pool))  # row gather (fastest on CPU)
         valid.append(idx >= 0)
     kv = torch.cat(keys, dim=1).float()  # [T, K, D]
     bias = torch.where(torch.cat(valid, dim=1), 0.0, float("-inf")).unsqueeze(1)  # [T, 1, K]
@@ -115,7 +116,7 @@ def indexer_topk(
         ``[T, min(k, C)]`` int64 chosen pool rows, best first; ``-1`` where fewer than
         ``k`` valid candidates exist.
     """
-    keys = key_pool[candidates.clamp(min=0)].float()  # [T, C, D]
+    keys = F.embedding(candidates.clamp(min=0), key_pool).float()  # [T, C, D]
     scores = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys)) * scale
     scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
     valid = candidates >= 0

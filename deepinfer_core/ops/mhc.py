@@ -52,31 +52,32 @@ def hc_pre(
         ``post = 2*sigmoid(.)`` and ``comb`` = Sinkhorn(softmax(.)+eps), columns first.
     """
     t, n, d = streams.shape
-    # dispatch dominates at decode sizes: fused norm, addcmul, in-place eps as a tensor
+    # Dispatch dominates at decode sizes, and reductions over tiny inner dimensions are
+    # slow, so the weights are computed token-last ([., T], T contiguous): fused norm,
+    # addcmul, in-place eps as a tensor.
     eps = torch.tensor(hc_eps, dtype=torch.float32, device=streams.device)
     flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    mixes = F.linear(flat, fn.float()).t().contiguous()  # [(2+N)*N, T]
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n])
+    pre_b, post_b, comb_b = base.float().unsqueeze(-1).split([n, n, n * n])
     pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)).add_(eps)
+    pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)).add_(eps)  # [N, T]
     post = torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
     post = post.add_(post)  # 2*sigmoid, exactly
-    comb = torch.softmax(torch.addcmul(comb_b.view(n, n), comb_w.view(t, n, n), comb_s), dim=-1).add_(eps)
-    comb = _sinkhorn(comb, sinkhorn_iters, eps)
-    collapsed = torch.bmm(pre.unsqueeze(1), streams.float()).squeeze(1).to(streams.dtype)
-    return post, comb, collapsed
+    comb = torch.addcmul(comb_b.view(n, n, 1), comb_w.view(n, n, t), comb_s)
+    comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, eps)
+    collapsed = (pre.t().unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post.t(), comb, collapsed
 
 
-def _sinkhorn(comb: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
-    """Sinkhorn-Knopp: columns, then ``iters-1`` rounds of rows and columns, ``x/(sum+eps)``.
+def _sinkhorn(c: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
+    """Sinkhorn-Knopp on ``c`` ``[N, N, T]`` (token-last; updated in place): columns, then
+    ``iters-1`` rounds of rows and columns, each ``x/(sum+eps)``.  Returns ``[T, N, N]``.
 
-    Runs in an ``[N, N, T]`` layout: both normalisations then broadcast over a leading
-    dimension with the token dimension contiguous, which vectorises (the ``[T, N, N]``
-    layout broadcasts along tiny inner dimensions and is several times slower for long
-    batches).  The matrices are tiny, so dispatch dominates: updates are in place, sums
-    reuse two buffers and ``eps`` is a tensor (a Python scalar is re-wrapped on every op).
+    Token-last, both normalisations broadcast over a leading dimension with T contiguous,
+    which vectorises; the matrices are tiny, so dispatch dominates: updates are in place,
+    sums reuse two buffers and ``eps`` is a tensor (a Python scalar is re-wrapped per op).
     """
-    c = comb.permute(1, 2, 0).contiguous()
     n, _, t = c.shape
     rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
     c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(eps))
@@ -117,7 +118,7 @@ def hc_post(
     """
     dtype = streams.dtype
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+    return torch.addcmul(mixed, post.to(dtype).unsqueeze(-1), block_out.unsqueeze(-2))
 
 
 def _hc_head_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

@@ -84,7 +84,7 @@ class Attention:
             pools.append(ckv)
             idx.append(cand)
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ring[md.ring_rows] = kv[md.ring_tokens]
+        ring.index_copy_(0, md.ring_rows, kv.index_select(0, md.ring_tokens))
         out = ops.apply_rope(out, cos, -sin)
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)

@@ -11,6 +11,7 @@ steps in the slot state.  Tokens of the unfinished window wait in the slot buffe
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, SlotStateSpec
 from deepinfer_core.ops import OpTable
@@ -79,26 +80,33 @@ class Compressor:
         pool = cache_get(n)
         buf_kv, buf_gate = cache_get(n + ".buf_kv"), cache_get(n + ".buf_gate")
         if plan.windows.numel():
-            stage_kv = torch.cat([buf_kv.view(-1, self.width), kv])[plan.windows]  # [M, r, C]
-            stage_gate = torch.cat([buf_gate.view(-1, self.width), gate])[plan.windows].float() + self.bias
+            stage_kv = F.embedding(plan.windows, torch.cat([buf_kv.view(-1, self.width), kv]))  # [M, r, C]
+            stage_gate = F.embedding(plan.windows, torch.cat([buf_gate.view(-1, self.width), gate]))
+            stage_gate = stage_gate.float() + self.bias
             if self.overlap:
                 d = self.dim
                 carry_kv, carry_gate = cache_get(n + ".carry_kv"), cache_get(n + ".carry_gate")
                 empty_kv = stage_kv.new_zeros(1, r, d)
                 empty_gate = stage_gate.new_full((1, r, d), float("-inf"))
-                prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv])[plan.prev]
-                prev_gate = torch.cat([carry_gate, stage_gate[..., :d], empty_gate])[plan.prev]
+                prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv]).index_select(0, plan.prev)
+                prev_gate = torch.cat([carry_gate, stage_gate[..., :d], empty_gate]).index_select(
+                    0, plan.prev
+                )
                 win_kv = torch.cat([prev_kv, stage_kv[..., d:]], dim=1)
                 win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
-                carry_kv[plan.carry_slot] = stage_kv[plan.carry_window, :, :d]
-                carry_gate[plan.carry_slot] = stage_gate[plan.carry_window, :, :d]
+                carry_kv.index_copy_(
+                    0, plan.carry_slot, stage_kv[:, :, :d].index_select(0, plan.carry_window)
+                )
+                carry_gate.index_copy_(
+                    0, plan.carry_slot, stage_gate[:, :, :d].index_select(0, plan.carry_window)
+                )
             else:
                 win_kv, win_gate = stage_kv, stage_gate
             entries = ops.rms_norm(ops.compress_pool(win_kv, win_gate), self.norm, self.eps)
             inv_freq, scale = rope
             cos, sin = ops.rope_cos_sin(plan.positions, inv_freq, scale, entries.dtype)
-            pool[plan.dest] = ops.apply_rope(entries, cos, sin).to(pool.dtype)
+            pool.index_copy_(0, plan.dest, ops.apply_rope(entries, cos, sin).to(pool.dtype))
         if plan.buf_tokens.numel():
-            buf_kv.view(-1, self.width)[plan.buf_rows] = kv[plan.buf_tokens]
-            buf_gate.view(-1, self.width)[plan.buf_rows] = gate[plan.buf_tokens]
+            buf_kv.view(-1, self.width).index_copy_(0, plan.buf_rows, kv.index_select(0, plan.buf_tokens))
+            buf_gate.view(-1, self.width).index_copy_(0, plan.buf_rows, gate.index_select(0, plan.buf_tokens))
         return pool

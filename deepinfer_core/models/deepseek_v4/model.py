@@ -93,7 +93,7 @@ class DeepseekV4Model:
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             h = layer(h, md, cache, ops, rope)
-        h = h[md.sample_rows]
+        h = h.index_select(0, md.sample_rows)
         eps = cfg.rms_norm_eps
         x = ops.hc_head(
             h,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer_core.ops import OpTable
 
@@ -28,7 +29,7 @@ class MoE:
         """``x`` ``[T, D]`` -> ``[T, D]``; ``input_ids`` ``[T]`` feed hash routing."""
         cfg = self.cfg
         logits, s_gate, s_up = ops.linear(x, self.w_in).split(self.in_sizes, dim=-1)
-        fixed = self.tid2eid[input_ids] if self.tid2eid is not None else None
+        fixed = F.embedding(input_ids, self.tid2eid) if self.tid2eid is not None else None
         weights, ids = ops.moe_route(
             logits, self.bias, fixed, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
         )
