@@ -117,8 +117,8 @@ def indexer_topk(
         ``k`` valid candidates exist.
     """
     keys = F.embedding(candidates.clamp(min=0), key_pool).float()  # [T, C, D]
-    scores = torch.relu(torch.einsum("thd,tcd->thc", q.float(), keys)) * scale
-    scores = (scores * weights.float().unsqueeze(-1)).sum(dim=1)  # [T, C]
+    scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
+    scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
     valid = candidates >= 0
     scores = scores.masked_fill(~valid, float("-inf"))
     kk = min(k, candidates.shape[1])

@@ -71,20 +71,27 @@ def hc_pre(
 
 
 def _sinkhorn(c: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
-    """Sinkhorn-Knopp on ``c`` ``[N, N, T]`` (token-last; updated in place): columns, then
-    ``iters-1`` rounds of rows and columns, each ``x/(sum+eps)``.  Returns ``[T, N, N]``.
+    """Sinkhorn-Knopp on ``c`` ``[N, N, T]`` (token-last): columns, then ``iters-1`` rounds
+    of rows and columns, each ``x/(sum+eps)``.  Returns ``[T, N, N]``.
 
-    Token-last, both normalisations broadcast over a leading dimension with T contiguous,
-    which vectorises; the matrices are tiny, so dispatch dominates: updates are in place,
-    sums reuse two buffers and ``eps`` is a tensor (a Python scalar is re-wrapped per op).
+    The matrices are tiny, so dispatch, not arithmetic, sets the cost; the layout keeps it
+    at two ops per normalisation.  The matrix sits in an ``[N+1, N+1, T]`` buffer whose
+    extra row and column hold ``eps``: a row (column) sum over the bordered block *is*
+    ``sum + eps``, and only the ``N x N`` block is divided.  Token-last, every broadcast is
+    over a leading dimension with T contiguous, which vectorises.
     """
     n, _, t = c.shape
+    a = c.new_empty(n + 1, n + 1, t)
+    a[n] = eps
+    a[:, n] = eps
+    a[:n, :n] = c
+    block, with_eps_col, with_eps_row = a[:n, :n], a[:n], a[:, :n]
     rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
-    c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(eps))
+    block.div_(torch.sum(with_eps_row, dim=0, keepdim=True, out=cols))
     for _ in range(iters - 1):
-        c.div_(torch.sum(c, dim=1, keepdim=True, out=rows).add_(eps))
-        c.div_(torch.sum(c, dim=0, keepdim=True, out=cols).add_(eps))
-    return c.permute(2, 0, 1).contiguous()
+        block.div_(torch.sum(with_eps_col, dim=1, keepdim=True, out=rows))
+        block.div_(torch.sum(with_eps_row, dim=0, keepdim=True, out=cols))
+    return block.permute(2, 0, 1).contiguous()
 
 
 def _hc_post_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
