@@ -76,6 +76,17 @@ class EngineConfig(BaseModel):
     """Engine seed: requests without their own seed draw from (seed, request index)."""
     enable_chunked_prefill: bool = True
     """Split long prompts into chunks that share steps with decodes."""
+    enable_prefix_caching: bool = True
+    """Reuse cached pages (compressed entries, indexer keys, compressor carry) of a shared
+    prompt prefix; the sliding window is rebuilt by SWA bounded replay."""
+    replay_tail: int | None = None
+    """Tokens recomputed before a prefix-cache hit to rebuild the sliding windows; ``None`` =
+    the exact V4 bound ``align(align(W, page) + (N-1)*W, page)``."""
+    async_scheduling: bool = True
+    """Schedule and prepare step N+1 while step N runs; outputs lag one step."""
+    batch_invariant: bool = False
+    """Make a request's logits and logprobs bitwise independent of the rest of the batch and of
+    the prefill chunk size (slower: fixed-shape tiles for every reduction)."""
     log_level: LogLevel = "warning"
     """Level of the ``deepinfer`` logger."""
 
@@ -86,7 +97,12 @@ class EngineConfig(BaseModel):
             raise ConfigError(_format_errors(e, data, _ORIGIN.get() or {})) from None
 
     @field_validator(
-        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size", "num_cache_pages"
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "page_size",
+        "num_cache_pages",
+        "replay_tail",
     )
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
