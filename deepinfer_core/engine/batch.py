@@ -21,6 +21,12 @@ class SeqChunk:
             prompt, or it is a decode step).
         all_logits: return the logits of every token of the chunk (prompt logprobs, tests),
             in order, instead of only the last one.
+        window_from: first position whose sliding-window keys exist for this slot (the start
+            of the request's computation since it was (re)admitted: 0, or the start of an SWA
+            bounded replay); window keys of earlier positions are treated as absent.
+        cached_until: positions below this already have their paged state in the cache (a
+            prefix-cache hit): their compressor windows are neither recomputed nor rewritten,
+            and the overlap carry at this boundary is restored from the page snapshot.
     """
 
     seq_slot: int
@@ -29,6 +35,8 @@ class SeqChunk:
     block_table: list[int]
     sample: bool = True
     all_logits: bool = False
+    window_from: int = 0
+    cached_until: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -111,6 +111,7 @@ class LLMEngine:
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
             self.config.enable_chunked_prefill,
+            replay_tail=self.runner.replay_tail,
         )
         self.sampler = Sampler()
         self._num_added = 0

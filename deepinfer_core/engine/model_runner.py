@@ -57,7 +57,10 @@ class ModelRunner:
                 p, s = spec_bytes(spec, self.page_size, self.dtype)
                 per_page, per_slot = per_page + p, per_slot + s
         num_pages = self._num_pages(config, per_page)
-        self.kv_cache = KVCacheManager(num_pages, self.page_size, config.max_num_seqs)
+        self.kv_cache = KVCacheManager(
+            num_pages, self.page_size, config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.replay_tail = self._replay_tail(config)
         self.cache = HybridCache(
             specs, num_pages, self.page_size, config.max_num_seqs, self.dtype, self.device
         )
@@ -76,6 +79,23 @@ class ModelRunner:
         if config.kv_cache_memory_gb is not None:
             return max(1, int(config.kv_cache_memory_gb * 2**30 // max(per_page, 1)))
         return config.max_num_seqs * -(-self.max_model_len // self.page_size)
+
+    def _replay_tail(self, config: EngineConfig) -> int:
+        """Tokens recomputed before a prefix-cache hit to rebuild every layer's window.
+
+        A layer's window KV at position ``p`` is exact once the layer below is exact over
+        ``[p - W + 1, p]``, so the receptive field grows by one window per windowed layer:
+        the exact V4 bound is ``align(align(W, P) + (N - 1) * W, P)`` with ``N`` windowed
+        layers and page size ``P``.  ``config.replay_tail`` overrides it (rounded up to a
+        page; a shorter tail gives an approximate window, as V4.1's decoder-side tail does).
+        """
+        p, w = self.page_size, self.model_config.sliding_window
+        n = self.model_config.num_hidden_layers  # every V4 layer has a sliding window
+
+        def align(x: int) -> int:
+            return -(-x // p) * p
+
+        return align(config.replay_tail) if config.replay_tail is not None else align(align(w) + (n - 1) * w)
 
     @property
     def capacity_tokens(self) -> int:

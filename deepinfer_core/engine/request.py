@@ -62,6 +62,10 @@ class Request:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # prefix caching / SWA bounded replay (managed by the scheduler)
+        self.page_hashes: list[int] = []  # chained hashes of the leading full pages, in order
+        self.cached_until = 0  # positions below have cached paged state (a prefix hit)
+        self.window_from = 0  # first position computed since (re)admission: the replay start
 
     def __repr__(self) -> str:
         return (

@@ -13,8 +13,18 @@ most ``max_num_seqs`` running requests, in this order:
 Pages are allocated as sequences grow.  When a running request cannot get even one token's
 worth of pages, the most recently admitted request not yet scheduled this step is preempted:
 its pages and slot are freed and it goes back to the front of the waiting queue with
-``num_computed_tokens = 0`` (its prompt and generated tokens are recomputed when readmitted).
-A request that cannot fit in the whole cache finishes with ``finish_reason="error"``.
+``num_computed_tokens = 0``.  A request that cannot fit in the whole cache finishes with
+``finish_reason="error"``.
+
+Prefix caching and SWA bounded replay: on admission (a new request, or a preempted one being
+resumed) the longest run of cached full pages matching its tokens (prompt and, when resumed,
+its generated tokens) is reused: their compressed entries, indexer keys and page-end carry
+are not recomputed.  The sliding-window KV is not cached; it is rebuilt by *replaying* only
+the ``replay_tail`` tokens before the hit point ``H`` (the first chunk starts at
+``H - replay_tail``, with ``window_from`` there and ``cached_until = H``), never the whole
+prefix, and replayed tokens never rewrite cached pages.  Every page whose positions have all
+been computed is registered in the prefix cache after the step, so a preempted request
+usually resumes with a hit and recomputes only the replay tail.
 """
 
 from __future__ import annotations
@@ -36,12 +46,16 @@ class SchedulerOutput:
         requests: the request each chunk belongs to (same order).
         preempted: requests sent back to WAITING while scheduling this step.
         finished: requests that failed while scheduling (e.g. do not fit in the cache).
+        num_prefix_hit_tokens: prompt positions served from the prefix cache at admission.
+        num_replayed_tokens: of those, positions recomputed to rebuild the sliding windows.
     """
 
     chunks: list[SeqChunk] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
+    num_prefix_hit_tokens: int = 0
+    num_replayed_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +81,8 @@ class Scheduler:
         max_num_seqs: most running requests.
         max_num_batched_tokens: token budget per step.
         enable_chunked_prefill: when ``False`` a prompt is only scheduled whole.
+        replay_tail: tokens recomputed before a prefix-cache hit to rebuild the sliding
+            windows (a multiple of the page size; see :meth:`ModelRunner.replay_tail`).
     """
 
     def __init__(
@@ -75,8 +91,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        replay_tail: int = 0,
     ):
         self.kv_cache = kv_cache
+        self.replay_tail = replay_tail
         self.max_num_seqs = min(max_num_seqs, kv_cache.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -122,11 +140,14 @@ class Scheduler:
                 self.waiting.popleft()
                 self._fail_too_long(req, out)
                 continue
+            hit = self._match_prefix(req)
             n = self._chunk_size(req, budget)
-            if n == 0 or self.kv_cache.num_free_slots == 0:
+            need = self.kv_cache.pages_needed(req.num_computed_tokens + n) - len(req.block_table)
+            if n == 0 or self.kv_cache.num_free_slots == 0 or not self.kv_cache.can_allocate(need):
+                self._reset_progress(req)  # gives the matched pages back; retried next step
                 break
-            if not self.kv_cache.can_allocate(self.kv_cache.pages_needed(n)):
-                break
+            out.num_prefix_hit_tokens += hit
+            out.num_replayed_tokens += hit - req.num_computed_tokens
             self.waiting.popleft()
             req.seq_slot = self.kv_cache.allocate_slot()
             req.status = RequestStatus.RUNNING
@@ -136,6 +157,35 @@ class Scheduler:
             scheduled.add(id(req))
             budget -= n
         return out
+
+    def _match_prefix(self, req: Request) -> int:
+        """Reuse the cached full pages that match ``req``'s tokens and position it for SWA
+        bounded replay; returns the hit length ``H`` in tokens (0 without a hit)."""
+        if getattr(req.params, "prompt_logprobs", None) is not None:
+            return 0  # prompt logprobs need every prompt position computed
+        tokens = req.token_slice(0, req.num_tokens)
+        # keep at least the last token to compute: its logits give the next token
+        pages, hashes = self.kv_cache.match_prefix(tokens, req.num_tokens - 1)
+        hit = len(pages) * self.kv_cache.page_size
+        req.block_table, req.page_hashes = pages, hashes
+        req.cached_until = hit
+        req.window_from = req.num_computed_tokens = max(0, hit - self.replay_tail)
+        return hit
+
+    def _reset_progress(self, req: Request) -> None:
+        """Drop ``req``'s pages and computed state (it will be recomputed, or re-matched)."""
+        self.kv_cache.free_pages(req.block_table)
+        req.block_table, req.page_hashes = [], []
+        req.num_computed_tokens = req.cached_until = req.window_from = 0
+
+    def _register_full_pages(self, req: Request) -> None:
+        """Register each page of ``req`` whose positions have all been computed."""
+        p = self.kv_cache.page_size
+        while len(req.page_hashes) < req.num_computed_tokens // p:
+            j = len(req.page_hashes)
+            prev = req.page_hashes[-1] if req.page_hashes else None
+            tokens = req.token_slice(j * p, (j + 1) * p)
+            req.page_hashes.append(self.kv_cache.register_page(req.block_table[j], prev, tokens))
 
     def _chunk_size(self, req: Request, budget: int) -> int:
         """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit)."""
@@ -183,14 +233,15 @@ class Scheduler:
                 start_pos=start,
                 block_table=list(req.block_table),
                 sample=start + n == req.num_tokens,
+                window_from=req.window_from,
+                cached_until=req.cached_until,
             )
         )
         out.requests.append(req)
 
     def _release(self, req: Request) -> None:
         """Free a running request's pages and slot and drop it from ``running``."""
-        self.kv_cache.free_pages(req.block_table)
-        req.block_table = []
+        self._reset_progress(req)
         if req.seq_slot is not None:
             self.kv_cache.free_slot(req.seq_slot)
             req.seq_slot = None
@@ -200,7 +251,6 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self._release(req)
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -235,6 +285,7 @@ class Scheduler:
         row = 0
         for req, chunk in zip(out.requests, out.chunks, strict=True):
             req.num_computed_tokens += chunk.num_tokens
+            self._register_full_pages(req)
             if not chunk.sample:
                 continue
             tok, lp = token_ids[row], logprobs[row]

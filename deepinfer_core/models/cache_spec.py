@@ -11,6 +11,8 @@ kinds cover DeepSeek-V4 and leave room for V4.1:
   Row of entry ``e``: ``page*(page_size//ratio) + (e*ratio % page_size)//ratio``.
 * :class:`SlotStateSpec` -- fixed-size per-sequence state (the compressor's partial window
   and overlap carry), ``[num_slots, *shape]``.
+* :class:`PageStateSpec` -- fixed-size state per page, ``[num_pages, *shape]`` (the CSA
+  overlap carry at the page's end, so a prefix-cache hit can resume the compressor there).
 
 Any spec may set ``alias_of=(layer, name)`` to read another layer's storage instead of
 owning one (V4.1's decoder layers read a source layer's compressed cache).
@@ -55,7 +57,17 @@ class SlotStateSpec:
     alias_of: tuple[int, str] | None = None
 
 
-CacheSpec = RingSpec | PagedSpec | SlotStateSpec
+@dataclass(frozen=True)
+class PageStateSpec:
+    """Per-page state tensor of ``shape`` (after the page dimension)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+    alias_of: tuple[int, str] | None = None
+
+
+CacheSpec = RingSpec | PagedSpec | SlotStateSpec | PageStateSpec
 
 
 def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tuple[int, int]:
@@ -70,7 +82,7 @@ def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tup
     n = 1
     for s in spec.shape:
         n *= s
-    return 0, n * item
+    return (n * item, 0) if isinstance(spec, PageStateSpec) else (0, n * item)
 
 
 class HybridCache:
@@ -106,6 +118,8 @@ class HybridCache:
                     shape: tuple[int, ...] = (num_pages * (page_size // spec.ratio), spec.dim)
                 elif isinstance(spec, RingSpec):
                     shape = (num_slots * spec.width, spec.dim)
+                elif isinstance(spec, PageStateSpec):
+                    shape = (num_pages, *spec.shape)
                 else:
                     shape = (num_slots, *spec.shape)
                 self._tensors[(layer, spec.name)] = torch.zeros(shape, dtype=dt, device=device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, SlotStateSpec
+from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, PageStateSpec, SlotStateSpec
 from deepinfer_core.ops import OpTable
 
 from .metadata import StepMetadata, WindowPlan
@@ -59,6 +59,8 @@ class Compressor:
             specs += [
                 SlotStateSpec(n + ".carry_kv", (self.ratio, self.dim)),
                 SlotStateSpec(n + ".carry_gate", (self.ratio, self.dim), dtype=torch.float32),
+                PageStateSpec(n + ".page_carry_kv", (self.ratio, self.dim)),
+                PageStateSpec(n + ".page_carry_gate", (self.ratio, self.dim), dtype=torch.float32),
             ]
         return specs
 
@@ -79,6 +81,10 @@ class Compressor:
         n, r = self.pool_name, self.ratio
         pool = cache_get(n)
         buf_kv, buf_gate = cache_get(n + ".buf_kv"), cache_get(n + ".buf_gate")
+        if self.overlap and plan.restore_slot.numel():  # prefix hit: resume at a page boundary
+            for name in ("carry_kv", "carry_gate"):
+                snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
+                cache_get(f"{n}.{name}").index_copy_(0, plan.restore_slot, snapshot)
         if plan.windows.numel():
             stage_kv = F.embedding(plan.windows, torch.cat([buf_kv.view(-1, self.width), kv]))  # [M, r, C]
             stage_gate = F.embedding(plan.windows, torch.cat([buf_gate.view(-1, self.width), gate]))
@@ -94,12 +100,15 @@ class Compressor:
                 )
                 win_kv = torch.cat([prev_kv, stage_kv[..., d:]], dim=1)
                 win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
-                carry_kv.index_copy_(
-                    0, plan.carry_slot, stage_kv[:, :, :d].index_select(0, plan.carry_window)
-                )
-                carry_gate.index_copy_(
-                    0, plan.carry_slot, stage_gate[:, :, :d].index_select(0, plan.carry_window)
-                )
+                for name, staged in (("carry_kv", stage_kv), ("carry_gate", stage_gate)):
+                    first_half = staged[:, :, :d]
+                    cache_get(f"{n}.{name}").index_copy_(
+                        0, plan.carry_slot, first_half.index_select(0, plan.carry_window)
+                    )
+                    if plan.snap_window.numel():  # the carry at each page end, for prefix hits
+                        cache_get(f"{n}.page_{name}").index_copy_(
+                            0, plan.snap_page, first_half.index_select(0, plan.snap_window)
+                        )
             else:
                 win_kv, win_gate = stage_kv, stage_gate
             entries = ops.rms_norm(ops.compress_pool(win_kv, win_gate), self.norm, self.eps)

@@ -29,7 +29,10 @@ class WindowPlan:
     ``dest`` ``[M]`` the pool row of each new entry; ``carry_slot``/``carry_window`` save the
     last closed window of each request; ``buf_rows``/``buf_tokens`` copy the unfinished
     window's tokens into the buffer; ``candidates`` ``[T, C]`` the pool rows each query
-    may see (entries of windows closed at or before it).
+    may see (entries of windows closed at or before it).  Prefix caching: windows closing
+    at or before a chunk's ``cached_until`` are skipped (their entries are cached);
+    ``restore_slot``/``restore_page`` load the overlap carry at that boundary from the page
+    snapshot; ``snap_window``/``snap_page`` save the carry of each window that ends a page.
     """
 
     ratio: int
@@ -42,6 +45,10 @@ class WindowPlan:
     buf_rows: torch.Tensor
     buf_tokens: torch.Tensor
     candidates: torch.Tensor
+    restore_slot: torch.Tensor
+    restore_page: torch.Tensor
+    snap_window: torch.Tensor
+    snap_page: torch.Tensor
 
 
 @dataclass
@@ -71,6 +78,8 @@ def build_metadata(
     lens = np.fromiter((c.num_tokens for c in chunks), np.int64, len(chunks))
     start = np.fromiter((c.start_pos for c in chunks), np.int64, len(chunks))
     slot = np.fromiter((c.seq_slot for c in chunks), np.int64, len(chunks))
+    window_from = np.fromiter((c.window_from for c in chunks), np.int64, len(chunks))
+    cached = np.fromiter((c.cached_until for c in chunks), np.int64, len(chunks))
     tok_req = np.repeat(np.arange(len(chunks)), lens)
     offset = np.cumsum(lens) - lens
     t = int(lens.sum())
@@ -81,7 +90,7 @@ def build_metadata(
 
     # sliding window: keys at positions pos-W+1 .. pos
     kpos = pos[:, None] - (window - 1) + np.arange(window)
-    valid = kpos >= 0
+    valid = kpos >= window_from[tok_req][:, None]
     tok_start = start[tok_req][:, None]
     in_chunk = kpos >= tok_start
     window_chunk = np.where(valid & in_chunk, offset[tok_req][:, None] + kpos - tok_start, -1)
@@ -97,7 +106,9 @@ def build_metadata(
 
     plans = {}
     for r in sorted(set(ratios)):
-        plans[r] = _window_plan(r, pos, tok_req, start, end, slot, offset, table, page_size, num_slots)
+        plans[r] = _window_plan(
+            r, pos, tok_req, start, end, cached, slot, offset, table, page_size, num_slots
+        )
     sample: list[int] = []
     for i, c in enumerate(chunks):
         if c.all_logits:
@@ -135,14 +146,15 @@ def _window_plan(
     tok_req: np.ndarray,
     start: np.ndarray,
     end: np.ndarray,
+    cached: np.ndarray,
     slot: np.ndarray,
     offset: np.ndarray,
     table: np.ndarray,
     page_size: int,
     num_slots: int,
 ) -> WindowPlan:
-    w0 = start // r
-    m = end // r - w0  # windows closed this step per request
+    w0 = np.maximum(start, cached) // r  # cached_until is page- hence window-aligned
+    m = np.maximum(end // r - w0, 0)  # windows closed this step per request
     win_req = np.repeat(np.arange(len(start)), m)
     first = np.cumsum(m) - m
     j = np.arange(int(m.sum())) - first[win_req]
@@ -159,7 +171,9 @@ def _window_plan(
     prev = np.where(j > 0, num_slots + win_idx - 1, np.where(w > 0, slot[win_req], num_slots + n_win))
     dest = _entry_rows(win_req, w, r, table, page_size)
     has = m > 0
-    tail = pos >= (end[tok_req] // r) * r
+    tail = (pos >= (end[tok_req] // r) * r) & (pos >= cached[tok_req])
+    restore = (start < cached) & (cached <= end)
+    snap = (w + 1) * r % page_size == 0
     # causal candidates: entry e visible to the query at pos p iff e < (p+1)//r
     count = (pos + 1) // r
     cmax = int(count.max()) if count.size else 0
@@ -177,6 +191,10 @@ def _window_plan(
         buf_rows=t_(slot[tok_req][tail] * r + pos[tail] % r),
         buf_tokens=t_(np.nonzero(tail)[0]),
         candidates=t_(np.where(e[None, :] < count[:, None], rows, -1)),
+        restore_slot=t_(slot[restore]),
+        restore_page=t_(table[restore, np.maximum(cached[restore] - 1, 0) // page_size]),
+        snap_window=t_(np.nonzero(snap)[0]),
+        snap_page=t_(table[win_req[snap], (w[snap] * r) // page_size]),
     )
 
 
