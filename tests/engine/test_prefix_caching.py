@@ -101,23 +101,24 @@ def test_replay_never_rewrites_cached_pages(model_dir):
     assert len(pages) == 6
     layers = range(runner.model_config.num_hidden_layers)
     names = ("ckv", "ikv", "ckv.page_carry_kv", "ikv.page_carry_kv")
+
+    def page_rows(tensor: torch.Tensor) -> torch.Tensor:
+        per_page = tensor.shape[0] // kv.num_pages
+        return torch.cat([tensor[p * per_page : (p + 1) * per_page] for p in pages])
+
     before = {}
     for layer in layers:
         for name in names:
             try:
-                tensor = runner.cache.get(layer, name)
+                before[layer, name] = page_rows(runner.cache.get(layer, name))
             except KeyError:
                 continue
-            rows_per_page = tensor.shape[0] // kv.num_pages
-            before[layer, name] = torch.cat([tensor[p * rows_per_page : (p + 1) * rows_per_page] for p in pages])
     seen = _record_schedules(llm)
     llm.generate([{"prompt_token_ids": second}], GREEDY)
     assert sum(s.num_prefix_hit_tokens for s in seen) == 96
+    assert before
     for (layer, name), old in before.items():
-        tensor = runner.cache.get(layer, name)
-        rows_per_page = tensor.shape[0] // kv.num_pages
-        new = torch.cat([tensor[p * rows_per_page : (p + 1) * rows_per_page] for p in pages])
-        assert torch.equal(new, old), (layer, name)
+        assert torch.equal(page_rows(runner.cache.get(layer, name)), old), (layer, name)
 
 
 def test_cached_pages_are_evicted_lru_and_never_leak(model_dir):
