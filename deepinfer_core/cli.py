@@ -1,7 +1,8 @@
 """The ``deepinfer`` command line.
 
-Subcommands: ``generate`` (complete prompts), ``plugins`` (JSON report of the loaded plugins),
-``make-tiny`` (write a tiny random DeepSeek-V4 checkpoint).  Every
+Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
+``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
+DeepSeek-V4 checkpoint).  Every
 :class:`~deepinfer_core.errors.DeepInferError` is printed as ``error: <message>`` on stderr with
 exit status 2, never as a traceback.
 """
@@ -24,17 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="complete prompts", description="Complete one or more prompts.")
-    gen.add_argument("--model", help="model directory (default: the built-in tiny model)")
-    gen.add_argument("--config", help="engine config file (.toml / .yaml)")
-    gen.add_argument("--backend", help="'auto', 'reference' or a registered backend name")
-    gen.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
-    gen.add_argument("--device", help="torch device (default: the backend's)")
-    gen.add_argument("--strict-ops", action="store_true", default=None, help="no fallback to reference ops")
-    gen.add_argument("--max-num-seqs", type=int)
-    gen.add_argument("--max-num-batched-tokens", type=int)
-    gen.add_argument("--max-model-len", type=int)
+    _add_engine_args(gen)
     gen.add_argument("--engine-seed", type=int, dest="engine_seed", help="engine seed (EngineConfig.seed)")
-    gen.add_argument("--log-level", help="debug, info, warning or error")
+    gen.add_argument(
+        "--verbose", action="store_true", help="print the KV cache capacity and a progress bar to stderr"
+    )
     gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=16)
     gen.add_argument("--temperature", type=float, default=1.0)
@@ -46,6 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_cmd_generate)
 
+    bench = sub.add_parser(
+        "bench",
+        help="measure offline throughput and latency",
+        description="Run synthetic or file prompts through one generate call; print throughput and "
+        "TTFT / latency percentiles.",
+    )
+    _add_engine_args(bench)
+    bench.add_argument("--num-prompts", type=int, help="requests (default: 16, or every prompt of the file)")
+    bench.add_argument("--input-len", type=int, default=32, help="tokens per synthetic prompt")
+    bench.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
+    bench.add_argument("--prompts-file", help='one prompt per line, or .jsonl with a "prompt" key')
+    bench.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="leading tokens shared by every synthetic prompt"
+    )
+    bench.add_argument("--temperature", type=float, default=1.0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts and the engine")
+    bench.add_argument("--json", dest="json_out", metavar="OUT", help="also write the results as JSON to OUT")
+    bench.set_defaults(func=_cmd_bench)
+
     plug = sub.add_parser("plugins", help="print the loaded plugins as JSON")
     plug.set_defaults(func=_cmd_plugins)
 
@@ -54,6 +68,47 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_cmd_make_tiny)
     return parser
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine options shared by ``generate`` and ``bench`` (``None`` = not given)."""
+    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--config", help="engine config file (.toml / .yaml)")
+    parser.add_argument("--backend", help="'auto', 'reference' or a registered backend name")
+    parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
+    parser.add_argument("--device", help="torch device (default: the backend's)")
+    parser.add_argument(
+        "--strict-ops", action="store_true", default=None, help="no fallback to reference ops"
+    )
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--num-cache-pages", type=int, help="pages in the paged KV cache")
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="enable_prefix_caching=False",
+    )
+    parser.add_argument(
+        "--no-async-scheduling",
+        dest="async_scheduling",
+        action="store_false",
+        default=None,
+        help="async_scheduling=False",
+    )
+    parser.add_argument("--log-level", help="debug, info, warning or error")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The engine options given on the command line, as ``LLM`` keyword arguments."""
+    names = (
+        "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
+        "max_num_batched_tokens", "max_model_len", "num_cache_pages", "enable_prefix_caching",
+        "async_scheduling", "log_level",
+    )  # fmt: skip
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -69,20 +124,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         ignore_eos=args.ignore_eos,
     )
-    llm = LLM(
-        model=args.model,
-        config=args.config,
-        backend=args.backend,
-        dtype=args.dtype,
-        device=args.device,
-        strict_ops=args.strict_ops,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=args.engine_seed,
-        log_level=args.log_level,
-    )
-    outputs = llm.generate(args.prompt, params)
+    llm = LLM(seed=args.engine_seed, **_engine_kwargs(args))
+    if args.verbose:
+        print(f"KV cache capacity: {llm.kv_cache_capacity_tokens} tokens", file=sys.stderr)
+    outputs = llm.generate(args.prompt, params, use_tqdm=args.verbose)
     status = 0
     for out in outputs:
         comp = out.outputs[0]
@@ -105,6 +150,28 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(comp.text)
     return status
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from deepinfer_core.bench import BenchArgs, format_table, run_bench
+
+    result = run_bench(
+        BenchArgs(
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            prompts_file=args.prompts_file,
+            shared_prefix_len=args.shared_prefix_len,
+            seed=args.seed,
+            temperature=args.temperature,
+            engine=_engine_kwargs(args),
+        )
+    )
+    print(format_table(result))
+    if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 1 if result["num_failed_requests"] else 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:

@@ -136,8 +136,10 @@ def deepinfer_engine_started(engine: Any) -> None:
 def deepinfer_step_stats(stats: Any) -> None:
     """Called after each engine step with that step's statistics.
 
-    :param stats: a plain data object (tokens scheduled, batch size, step time, cache usage).
-        Keep implementations cheap: this runs on the engine loop.
+    :param stats: a :class:`deepinfer_core.engine.metrics.StepStats` (tokens scheduled, batch
+        size, prompt / generated / prefix-hit / replayed tokens, preemptions, step time, cache
+        usage).  Keep implementations cheap: this runs on the engine loop.  It may call
+        ``engine.abort_request(...)``; the abort applies at the next step.
 
     Not ``firstresult``: every plugin's implementation is called.
     """

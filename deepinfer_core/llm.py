@@ -1,20 +1,28 @@
-"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, as in vLLM."""
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, as in vLLM.
+
+Also ``chat(messages)`` (the checkpoint's chat template), ``abort(request_ids)``,
+``get_metrics()`` and a progress bar with live output tokens/s on ``generate``.
+"""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import RequestError, SamplingParamsError
 from deepinfer_core.logging_utils import configure_logging
-from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.outputs import RequestMetrics, RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
 
 PromptType = str | Mapping[str, Any]
+Conversation = Sequence[Mapping[str, Any]]
 
 
 class LLM:
@@ -59,6 +67,8 @@ class LLM:
         configure_logging(engine_config.log_level)
         self.engine = LLMEngine(engine_config)
         self._counter = itertools.count()
+        self._in_flight: dict[str, list[str]] = {}  # request id -> engine ids, during generate()
+        self._in_flight_lock = threading.Lock()
 
     @property
     def config(self) -> EngineConfig:
@@ -69,11 +79,84 @@ class LLM:
         """The tokenizer (``None`` when the model directory has none)."""
         return self.engine.tokenizer
 
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Token positions the paged KV cache holds (also logged at INFO when the engine starts)."""
+        return self.engine.runner.capacity_tokens
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Engine totals since start: a plain dict, keys documented in
+        :meth:`deepinfer_core.engine.metrics.Metrics.as_dict` (tokens, prefix hits, replays,
+        preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``)."""
+        return self.engine.metrics.as_dict()
+
+    def abort(self, request_ids: str | Iterable[str] | None = None) -> None:
+        """Abort requests of the running :meth:`generate` / :meth:`chat` call.
+
+        Args:
+            request_ids: ``RequestOutput.request_id`` values (``"0"``, ``"1"``, ... in the order
+                prompts were given to this ``LLM``; every sample of an ``n > 1`` prompt is
+                aborted); ``None`` = every request in flight.
+
+        Safe from another thread (e.g. a ``threading.Timer`` as a timeout) and from a
+        ``deepinfer_step_stats`` hook.  The aborts apply at the engine's next step: the call
+        still returns one output per prompt, aborted ones with ``finish_reason="abort"`` and the
+        tokens generated so far.  Unknown or finished ids are ignored.
+        """
+        with self._in_flight_lock:
+            if request_ids is None:
+                ids = list(self._in_flight)
+            else:
+                ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            sub_ids = [s for rid in ids for s in self._in_flight.get(rid, [rid])]
+        self.engine.abort_request(sub_ids)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the checkpoint's chat template.
+
+        Args:
+            messages: one conversation (``[{"role": "user", "content": "..."}, ...]``) or a list
+                of conversations.
+            sampling_params, use_tqdm: as in :meth:`generate`.
+            add_generation_prompt: end the rendered prompt with the assistant turn's opening.
+            chat_template: a jinja template to use instead of the checkpoint's.
+            chat_template_kwargs: extra variables for the template (e.g. ``tools``).
+
+        The rendered text is tokenized without adding a BOS (the template writes its own).
+        Returns one :class:`RequestOutput` per conversation (``prompt`` is the rendered text).
+
+        Raises:
+            ConfigError: the checkpoint has no chat template (and none is given) or it fails.
+            RequestError: the model has no tokenizer.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise RequestError("LLM.chat needs a tokenizer with a chat template; the model has no tokenizer")
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = chat_template
+        conversations = [messages] if not messages or isinstance(messages[0], Mapping) else list(messages)
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conv), add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {})
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_bos=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Complete every prompt; returns one :class:`RequestOutput` per prompt, in prompt order.
 
@@ -82,44 +165,54 @@ class LLM:
                 ``"prompt"``), or a list mixing both.
             sampling_params: one :class:`SamplingParams` for all prompts, or one per prompt
                 (default: ``SamplingParams()``).
-            use_tqdm: show a progress bar over finished prompts.
+            use_tqdm: show a progress bar on stderr: finished prompts and live output tokens/s.
 
         A prompt that cannot be served (empty, too long) gets ``finish_reason="error"`` and
         ``error`` set; the other prompts are unaffected.
         """
         prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        tokenized = [self._tokenize(prompt, i) for i, prompt in enumerate(prompt_list)]
+        for params in params_list:  # raise before any request is queued
+            self.engine.check_params(params)
         groups: list[list[str]] = []
         meta: list[tuple[str, str | None, list[int]]] = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            text, ids = self._tokenize(prompt, i)
-            rid = str(next(self._counter))
-            sub_ids = []
-            for k in range(params.n):
-                sub_id = rid if params.n == 1 else f"{rid}-{k}"
-                self.engine.add_request(sub_id, ids, params, prompt=text, sample_index=k)
-                sub_ids.append(sub_id)
-            groups.append(sub_ids)
-            meta.append((rid, text, ids))
-        done = self._run(sum(len(g) for g in groups), len(prompt_list) if use_tqdm else 0)
+        try:
+            for (text, ids), params in zip(tokenized, params_list, strict=True):
+                rid = str(next(self._counter))
+                sub_ids = [rid] if params.n == 1 else [f"{rid}-{k}" for k in range(params.n)]
+                with self._in_flight_lock:
+                    self._in_flight[rid] = sub_ids
+                for k, sub_id in enumerate(sub_ids):
+                    self.engine.add_request(sub_id, ids, params, prompt=text, sample_index=k)
+                groups.append(sub_ids)
+                meta.append((rid, text, ids))
+            done = self._run(groups, use_tqdm)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight.clear()
         return [
             self._merge(rid, text, ids, [done[s] for s in sub])
             for (rid, text, ids), sub in zip(meta, groups, strict=True)
         ]
 
-    def _run(self, num_requests: int, tqdm_total: int) -> dict[str, RequestOutput]:
+    def _run(self, groups: list[list[str]], use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step the engine until every request is done; a bar counts prompts whose samples all finished."""
         done: dict[str, RequestOutput] = {}
-        bar = None
-        if tqdm_total:
-            from tqdm import tqdm
-
-            bar = tqdm(total=num_requests, desc="generate", unit="req")
+        left = [len(sub) for sub in groups]  # unfinished samples per prompt
+        prompt_of = {s: i for i, sub in enumerate(groups) for s in sub}
+        bar = _ProgressBar(len(groups), self.engine.metrics) if use_tqdm else None
         try:
             while self.engine.has_unfinished():
+                completed = 0
                 for out in self.engine.step():
                     done[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+                    i = prompt_of.get(out.request_id)
+                    if i is not None:
+                        left[i] -= 1
+                        completed += left[i] == 0
+                if bar is not None:
+                    bar.update(completed)
         except BaseException as e:  # leave the engine clean for the next generate() call
             self.engine.abort_all(f"generate() was interrupted: {type(e).__name__}: {e}")
             raise
@@ -143,6 +236,8 @@ class LLM:
             outputs=outputs,
             finished=all(p.finished for p in parts),
             error=errors[0] if errors else None,
+            metrics=parts[0].metrics if len(parts) == 1 else _merge_metrics([p.metrics for p in parts]),
+            prompt_logprobs=parts[0].prompt_logprobs,
         )
 
     @staticmethod
@@ -183,3 +278,45 @@ class LLM:
             f"prompts[{index}] is a {type(prompt).__name__}; "
             "give a str or a {'prompt_token_ids': [...]} dict"
         )
+
+
+def _merge_metrics(parts: list[RequestMetrics | None]) -> RequestMetrics | None:
+    """One prompt's timestamps from its samples': earliest arrival and first token, latest finish."""
+    ms = [m for m in parts if m is not None]
+    if not ms:
+        return None
+
+    def pick(values: list[float | None], fn: Any) -> float | None:
+        present = [v for v in values if v is not None]
+        return fn(present) if present else None
+
+    return RequestMetrics(
+        arrival_time=min(m.arrival_time for m in ms),
+        first_scheduled_time=pick([m.first_scheduled_time for m in ms], min),
+        first_token_time=pick([m.first_token_time for m in ms], min),
+        last_token_time=pick([m.last_token_time for m in ms], max),
+        finished_time=pick([m.finished_time for m in ms], max),
+    )
+
+
+class _ProgressBar:
+    """A tqdm bar on stderr over finished prompts, with the output tokens/s of this call."""
+
+    def __init__(self, total: int, metrics: Any):
+        from tqdm import tqdm
+
+        self._metrics = metrics
+        self._tokens0 = metrics.num_generated_tokens
+        self._t0 = time.perf_counter()
+        self._bar = tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+        self._bar.set_postfix_str("output 0.0 tok/s", refresh=False)
+
+    def update(self, completed: int) -> None:
+        elapsed = time.perf_counter() - self._t0
+        tokens = self._metrics.num_generated_tokens - self._tokens0
+        rate = tokens / elapsed if elapsed > 0 else 0.0
+        self._bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        self._bar.update(completed)  # redraws at most every mininterval, also for 0
+
+    def close(self) -> None:
+        self._bar.close()

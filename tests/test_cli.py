@@ -112,3 +112,46 @@ def test_console_entry_prints_no_traceback():
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_verbose_generate_reports_capacity_and_progress(capsys):
+    code, out, err = run_cli(
+        capsys, "generate", "--backend", "reference", "--num-cache-pages", "5", "--prompt", "Hi",
+        "--temperature", "0", "--max-tokens", "2", "--verbose",
+    )  # fmt: skip
+    llm = LLM(backend="reference", num_cache_pages=5)
+    assert (
+        code == 0
+        and out
+        == llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0].text
+        + "\n"
+    )
+    assert f"KV cache capacity: {5 * llm.engine.runner.kv_cache.page_size} tokens" in err
+    assert "tok/s" in err
+    code, _, err = run_cli(
+        capsys, "generate", "--backend", "reference", "--prompt", "Hi", "--max-tokens", "2"
+    )
+    assert code == 0 and err == ""  # quiet without --verbose
+
+
+def test_engine_flags_become_llm_arguments():
+    from deepinfer_core.cli import _engine_kwargs, build_parser
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--no-prefix-caching",
+            "--no-async-scheduling",
+            "--max-num-seqs",
+            "3",
+            "--num-cache-pages",
+            "9",
+        ]
+    )
+    assert _engine_kwargs(args) == {
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+        "max_num_seqs": 3,
+        "num_cache_pages": 9,
+    }
+    assert _engine_kwargs(build_parser().parse_args(["bench"])) == {}

@@ -213,3 +213,72 @@ def test_lifecycle_hooks_are_called():
         llm.get_tokenizer().encode(PROMPTS[0])
     )
     assert [s.num_tokens for s in calls["stats"][1:]] == [1, 1]
+
+
+# ---- abort -------------------------------------------------------------------------------------
+def test_engine_abort_frees_the_cache_and_returns_tokens_so_far(solo):
+    llm = LLM(backend="reference", max_num_seqs=2)
+    engine, tok = llm.engine, llm.get_tokenizer()
+    long = SamplingParams(temperature=0, max_tokens=6)
+    for rid, prompt in zip("abc", PROMPTS[:3], strict=True):  # "c" waits: 2 slots
+        engine.add_request(rid, tok.encode(prompt), long)
+    outs = {}
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step())
+    assert not outs
+    engine.abort_request(["b", "c", "no-such-id"])
+    aborted = {o.request_id: o for o in engine.step()}
+    assert set(aborted) == {"b", "c"}
+    b, c = aborted["b"].outputs[0], aborted["c"].outputs[0]
+    assert b.finish_reason == c.finish_reason == "abort" and aborted["b"].finished
+    assert b.token_ids == solo[1][:3]  # its three steps so far, exactly as if run alone
+    assert c.token_ids == []  # it never got a slot
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert set(outs) == {"a"} and outs["a"].outputs[0].token_ids == solo[0]
+    kv = engine.runner.kv_cache
+    assert kv.num_free_pages == kv.num_pages and kv.num_free_slots == kv.num_slots
+    assert not engine.scheduler.has_unfinished()
+
+
+def test_llm_abort_from_a_step_hook(solo):
+    """The offline pattern: a callback (here the step-stats hook) aborts prompts mid-generate."""
+    holder: dict[str, LLM] = {}
+
+    def on_step(stats):
+        if stats.step == 2:
+            holder["llm"].abort("1")
+        if stats.step == 4:
+            holder["llm"].abort()  # everything still in flight
+
+    reset_plugins()
+    try:
+        get_plugins().add_plugin(
+            types.SimpleNamespace(deepinfer_step_stats=hookimpl(on_step)), name="test-abort"
+        )
+        holder["llm"] = llm = LLM(backend="reference")
+        outs = llm.generate(
+            [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+            [SamplingParams(temperature=0, max_tokens=2), GREEDY, GREEDY],
+            use_tqdm=False,
+        )
+    finally:
+        reset_plugins()
+    assert [o.request_id for o in outs] == ["0", "1", "2"]
+    assert outs[0].outputs[0].finish_reason == "length" and outs[0].outputs[0].token_ids == solo[0][:2]
+    assert outs[1].outputs[0].finish_reason == "abort" and outs[1].outputs[0].token_ids == solo[1][:2]
+    assert outs[2].outputs[0].finish_reason == "abort" and outs[2].outputs[0].token_ids == solo[2][:4]
+    again = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0]  # the engine is clean afterwards
+    assert again.outputs[0].token_ids == solo[1]
+
+
+# ---- progress bar ------------------------------------------------------------------------------
+def test_progress_bar_shows_tokens_per_second_only_when_asked(llm, capsys):
+    capsys.readouterr()
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    llm.generate(PROMPTS[:2], GREEDY)  # use_tqdm defaults to True, as in vLLM
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "2/2" in err and "tok/s" in err
+    rate = float(err.rsplit("output ", 1)[1].split(" tok/s")[0])
+    assert rate > 0

@@ -27,6 +27,9 @@ class SeqChunk:
         cached_until: positions below this already have their paged state in the cache (a
             prefix-cache hit): their compressor windows are neither recomputed nor rewritten,
             and the overlap carry at this boundary is restored from the page snapshot.
+        prev_row: async scheduling: when ``>= 0`` the chunk is one decode token whose value
+            the host does not know yet: it is row ``prev_row`` of the previous step's sampled
+            tokens (still on the device), and ``token_ids`` holds a placeholder.
     """
 
     seq_slot: int
@@ -37,6 +40,7 @@ class SeqChunk:
     all_logits: bool = False
     window_from: int = 0
     cached_until: int = 0
+    prev_row: int = -1
 
     @property
     def num_tokens(self) -> int:

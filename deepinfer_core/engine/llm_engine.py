@@ -3,34 +3,27 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
-from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.errors import ConfigError, RequestError
-from deepinfer_core.outputs import CompletionOutput, RequestOutput
+from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
+from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import Sampler, SamplingBatch, derive_seed, make_generator
+from deepinfer_core.sampling.prompt_logprobs import logit_rows, record_prompt_logprobs
+from deepinfer_core.sampling.random import derive_seed
+from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger("deepinfer.engine")
 
-
-@dataclass
-class StepStats:
-    """Statistics of one step, passed to the ``deepinfer_step_stats`` hook."""
-
-    step: int
-    num_seqs: int
-    num_tokens: int
-    num_decode_seqs: int
-    num_preempted: int
-    num_finished: int
-    cache_usage: float
-    step_time_s: float
+__all__ = ["LLMEngine", "StepStats", "resolve_model_dir"]
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -116,7 +109,11 @@ class LLMEngine:
         self.sampler = Sampler()
         self._num_added = 0
         self._num_steps = 0
-        self._errored: list[Request] = []
+        self._errored: list[Request] = []  # finished before scheduling (failed, aborted)
+        self._abort_ids: list[str] = []  # aborts asked for, applied at the start of the next step
+        self._abort_lock = threading.Lock()
+        self._req_metrics: dict[str, RequestMetrics] = {}
+        self.metrics = Metrics(self.runner.capacity_tokens)
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         plugins.engine_started(self)
 
@@ -158,18 +155,28 @@ class LLMEngine:
         returned by the next :meth:`step`; it never disturbs the others.
 
         Args:
-            sample_index: which of the ``n`` samples of a prompt this is; seeds the request's
-                generator with ``derive_seed(params.seed, sample_index)`` when ``params.seed`` is set.
+            sample_index: which of the ``n`` samples of a prompt this is; the request's sampling
+                seed is ``derive_seed(params.seed, sample_index)`` when ``params.seed`` is set, else
+                ``derive_seed(engine seed, index of the request in this engine)``.
+
+        Raises:
+            SamplingParamsError: ``params`` names token ids outside the model's vocabulary, or
+                has stop strings but the engine has no tokenizer.
         """
+        self.check_params(params)
         index = self._num_added
         self._num_added += 1
-        if params.greedy:
-            generator = None
-        elif params.seed is not None:
-            generator = make_generator(derive_seed(params.seed, sample_index))
+        if params.seed is not None:
+            seed = derive_seed(params.seed, sample_index)
         else:
-            generator = make_generator(derive_seed(self.config.seed, index))
-        req = Request(request_id, prompt_token_ids, params, prompt=prompt, generator=generator)
+            seed = derive_seed(self.config.seed, index)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        req = Request(
+            request_id, prompt_token_ids, params, prompt=prompt, sampling_seed=seed, detokenizer=detok
+        )
+        self._req_metrics[request_id] = RequestMetrics(arrival_time=time.monotonic())
         error = self._check_prompt(req)
         if error is not None:
             req.finish("error", error)
@@ -177,6 +184,16 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
         return req
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer
+        for stop strings); raises :class:`SamplingParamsError` naming the field."""
+        params.verify_vocab(self.model_config.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise SamplingParamsError(
+                f"SamplingParams.stop={params.stop!r} needs a tokenizer, and the engine has none "
+                f"({self._tokenizer_error}); use stop_token_ids"
+            )
 
     def _check_prompt(self, req: Request) -> str | None:
         n, vocab = req.num_prompt_tokens, self.model_config.vocab_size
@@ -208,18 +225,17 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of the requests that finished during it."""
         t0 = time.perf_counter()
+        self._apply_aborts()
         finished, self._errored = self._errored, []
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             logits = self.runner.execute(sched.chunks)
-            rows = sched.sampling_requests
-            batch = SamplingBatch(
-                temperatures=[r.params.temperature for r in rows],
-                top_ps=[r.params.top_p for r in rows],
-                top_ks=[r.params.top_k for r in rows],
-                generators=[r.generator for r in rows],
-                num_logprobs=[r.params.logprobs for r in rows],
-            )
+            sample_rows, first_rows = logit_rows(sched.chunks)
+            if any(f is not None for f in first_rows):  # prompt logprobs: all rows of some chunks
+                record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
+                logits = logits[sample_rows]
+            positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
+            batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
             sampled = self.sampler(logits, batch)
             finished += self.scheduler.postprocess(
                 sched, sampled.token_ids.tolist(), sampled.logprobs, self.eos_token_ids, self.max_model_len
@@ -230,38 +246,92 @@ class LLMEngine:
                 raise RuntimeError(
                     f"scheduler made no progress with running requests {self.scheduler.running}"
                 )
-        self._num_steps += 1
-        if self._want_stats:
-            self.plugins.step_stats(
-                StepStats(
-                    step=self._num_steps,
-                    num_seqs=len(sched.chunks),
-                    num_tokens=sched.num_tokens,
-                    num_decode_seqs=sum(c.num_tokens == 1 and c.start_pos > 0 for c in sched.chunks),
-                    num_preempted=len(sched.preempted),
-                    num_finished=len(finished),
-                    cache_usage=self.runner.kv_cache.usage(),
-                    step_time_s=time.perf_counter() - t0,
-                )
-            )
+        self._record_step(sched, finished, t0)
         return [self.make_output(r) for r in finished]
+
+    def _record_step(self, sched: SchedulerOutput, finished: list[Request], t0: float) -> None:
+        """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
+        now = time.monotonic()
+        for req in sched.requests:
+            m = self._req_metrics.get(req.request_id)
+            if m is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+        sampled = sched.sampling_requests
+        num_prompt_tokens = 0
+        for req in sampled:
+            m = self._req_metrics.get(req.request_id)
+            if m is not None and req.output_token_ids:
+                m.last_token_time = now
+                if m.first_token_time is None:
+                    m.first_token_time = now
+            if len(req.output_token_ids) == 1:  # the step that completed its prompt
+                num_prompt_tokens += req.num_prompt_tokens
+        self._num_steps += 1
+        stats = StepStats(
+            step=self._num_steps,
+            num_seqs=len(sched.chunks),
+            num_tokens=sched.num_tokens,
+            num_decode_seqs=sum(c.num_tokens == 1 and c.start_pos > 0 for c in sched.chunks),
+            num_preempted=len(sched.preempted),
+            num_finished=len(finished),
+            cache_usage=self.runner.kv_cache.usage(),
+            step_time_s=time.perf_counter() - t0,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generated_tokens=len(sampled),
+            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+            num_replayed_tokens=sched.num_replayed_tokens,
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+        )
+        self.metrics.update(stats)
+        if self._want_stats:
+            self.plugins.step_stats(stats)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several, as vLLM's ``LLMEngine.abort_request``.
+
+        Safe to call from another thread or from a ``deepinfer_step_stats`` hook: the abort is
+        applied at the start of the next :meth:`step`, which frees the request's cache pages and
+        slot and returns its output with ``finish_reason="abort"`` and the tokens generated so
+        far.  Ids that are unknown or already finished are ignored (the request may have just
+        completed).
+        """
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._abort_lock:
+            self._abort_ids.extend(ids)
+
+    def _apply_aborts(self) -> None:
+        with self._abort_lock:
+            ids, self._abort_ids = set(self._abort_ids), []
+        if not ids:
+            return
+        sched = self.scheduler
+        for req in [r for r in list(sched.running) + list(sched.waiting) if r.request_id in ids]:
+            if req in sched.waiting:
+                sched.waiting.remove(req)
+            sched._release(req)  # frees pages and slot; leaves ``running``
+            req.finish("abort")
+            self._errored.append(req)
 
     def abort_all(self, reason: str) -> list[RequestOutput]:
         """Finish every unfinished request with ``finish_reason="error"`` and free its cache."""
         done, self._errored = self._errored, []
+        with self._abort_lock:
+            self._abort_ids = []
         done += self.scheduler.abort_all(reason)
         return [self.make_output(r) for r in done]
 
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing output of a request (text detokenized, stop token excluded from it)."""
-        ids = list(req.output_token_ids)
-        text_ids = ids[:-1] if req.finish_reason == "stop" and ids else ids
+        want_logprobs = req.params.logprobs is not None
         completion = CompletionOutput(
             index=0,
-            text=self.decode(text_ids) if text_ids else "",
-            token_ids=ids,
+            text=req.output_text,
+            token_ids=list(req.output_token_ids),
             finish_reason=req.finish_reason,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            logprobs=list(req.logprobs) if want_logprobs else None,
+            cumulative_logprob=req.cumulative_logprob if want_logprobs else None,
+            stop_reason=req.stop_reason,
         )
         return RequestOutput(
             request_id=req.request_id,
@@ -270,4 +340,15 @@ class LLMEngine:
             outputs=[completion],
             finished=req.status is RequestStatus.FINISHED,
             error=req.error,
+            metrics=self._request_metrics(req),
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
+
+    def _request_metrics(self, req: Request) -> RequestMetrics | None:
+        """The request's timestamps; a finished request's are stamped and forgotten."""
+        if not req.is_finished:
+            return self._req_metrics.get(req.request_id)
+        m = self._req_metrics.pop(req.request_id, None)
+        if m is not None and m.finished_time is None:
+            m.finished_time = time.monotonic()
+        return m

@@ -8,6 +8,7 @@ returns the logits of the rows that sample.
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.metadata import build_metadata
 from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.modes import batch_invariant_mode
 from deepinfer_core.weights import load_checkpoint
 
 from .batch import SeqChunk
@@ -46,6 +48,7 @@ class ModelRunner:
         self.device = torch.device(config.device or "cpu")
         self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
         self.ops = ops
+        self.batch_invariant = config.batch_invariant
         weights = load_checkpoint(model_dir, cfg, self.dtype, self.device)
         self.model = DeepseekV4Model(cfg, weights, ops)
         self.page_size = config.resolved_page_size(self.model.ratios)
@@ -102,11 +105,13 @@ class ModelRunner:
         """Token positions the paged cache can hold."""
         return self.kv_cache.num_pages * self.page_size
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def execute(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step; float32 logits of every sampling row, in chunk order.
 
         A chunk contributes its last row when ``sample`` is set, or all its rows when
-        ``all_logits`` is set.
+        ``all_logits`` is set.  ``prev_tokens`` (async scheduling) are the previous step's
+        sampled tokens, still on the device: chunks with ``prev_row >= 0`` take their token
+        from it, so no host round trip separates two steps.
         """
         for c in chunks:
             if len(c.block_table) * self.page_size < c.end_pos:
@@ -122,4 +127,13 @@ class ModelRunner:
             self.kv_cache.num_slots,
             self.device,
         )
-        return self.model.forward(md, self.cache)
+        pending = [(i, c.prev_row) for i, c in enumerate(chunks) if c.prev_row >= 0]
+        if pending:
+            if prev_tokens is None:
+                raise ValueError("chunks refer to the previous step's tokens but none were given")
+            starts = list(accumulate((c.num_tokens for c in chunks), initial=0))
+            rows = torch.tensor([starts[i] for i, _ in pending], device=md.input_ids.device)
+            src = torch.tensor([r for _, r in pending], device=prev_tokens.device)
+            md.input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src).to(md.input_ids))
+        with batch_invariant_mode(self.batch_invariant):
+            return self.model.forward(md, self.cache)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Collection
 
-import torch
-
+from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.stop import check_stop
 from deepinfer_core.sampling.params import SamplingParams
 
 
@@ -31,10 +31,16 @@ class Request:
         prompt: the prompt text, if given as text.
         prompt_token_ids: the prompt's tokens.
         params: its sampling parameters.
-        generator: the request's own RNG (``None`` for greedy requests).
+        sampling_seed: keys the counter-based sampling noise (with the position of each token);
+            the engine derives it from ``params.seed`` or from the engine seed.
+        detokenizer: builds the output text incrementally (``None`` without a tokenizer).
         output_token_ids: generated tokens so far.
         logprobs: per generated token ``{token_id: logprob}`` when ``params.logprobs`` is set.
+        cumulative_logprob: sum of the sampled tokens' logprobs (when ``params.logprobs`` is set).
+        prompt_logprobs: when ``params.prompt_logprobs`` is set, ``None`` then one
+            ``{token_id: logprob}`` per prompt token after the first, filled as prefill runs.
         status, finish_reason (``"stop"``, ``"length"``, ``"error"``), error (message).
+        stop_reason: the stop token id or stop string that finished it, else ``None``.
         seq_slot: the cache slot while RUNNING, else ``None``.
         block_table: cache page ids covering the computed positions.
         num_preemptions: how often it was sent back to WAITING.
@@ -46,17 +52,24 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
-        generator: torch.Generator | None = None,
+        sampling_seed: int = 0,
+        detokenizer: IncrementalDetokenizer | None = None,
     ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        self.sampling_seed = sampling_seed
+        self.detokenizer = detokenizer
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.seq_slot: int | None = None
         self.block_table: list[int] = []
@@ -89,6 +102,26 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def output_text(self) -> str:
+        """The generated text so far (``""`` without a tokenizer)."""
+        return self.detokenizer.output_text if self.detokenizer is not None else ""
+
+    def needs_prompt_logits(self, start: int, end: int) -> bool:
+        """Whether a chunk over positions ``[start, end)`` must return every row's logits: some
+        position ``p`` in it predicts a prompt token ``p + 1`` whose logprobs are still missing."""
+        if self.prompt_logprobs is None:
+            return False
+        first_missing = len(self.prompt_logprobs) - 1  # the position predicting the next entry
+        return first_missing < self.num_prompt_tokens - 1 and start <= first_missing < end
+
+    def add_prompt_logprobs(self, start: int, entries: list[dict[int, float]]) -> None:
+        """Record ``entries[j]``, the logprobs of prompt token ``start + j + 1``, where missing."""
+        assert self.prompt_logprobs is not None
+        for j, entry in enumerate(entries):
+            if start + j + 1 == len(self.prompt_logprobs) < self.num_prompt_tokens:
+                self.prompt_logprobs.append(entry)
+
+    @property
     def is_finished(self) -> bool:
         """Whether the request is done (completed, capped or failed)."""
         return self.status is RequestStatus.FINISHED
@@ -113,19 +146,34 @@ class Request:
         eos_token_ids: Collection[int],
         max_model_len: int,
     ) -> bool:
-        """Append a sampled token and decide whether the request is done; returns ``True`` if so.
+        """Append a sampled token, detokenise it and decide whether the request is done (``True``).
 
-        Finishes with ``"stop"`` on an EOS token (unless ``ignore_eos``) or a ``stop_token_ids``
-        token, else with ``"length"`` at ``max_tokens`` or when the sequence reaches
-        ``max_model_len`` tokens.
+        The finish check is :func:`deepinfer_core.engine.stop.check_stop`: EOS (unless
+        ``ignore_eos``), stop ids and stop strings once ``min_tokens`` are generated give
+        ``"stop"``; ``max_tokens`` or ``max_model_len`` give ``"length"``.
         """
         self.output_token_ids.append(token_id)
         if logprobs is not None:
             self.logprobs.append(logprobs)
-        if (
-            token_id in eos_token_ids and not self.params.ignore_eos
-        ) or token_id in self.params.stop_token_ids:
-            self.finish("stop")
-        elif len(self.output_token_ids) >= self.params.max_tokens or self.num_tokens >= max_model_len:
-            self.finish("length")
-        return self.is_finished
+            self.cumulative_logprob += logprobs[token_id]
+        new_text = self.detokenizer.step([token_id]) if self.detokenizer is not None else ""
+        decision = check_stop(
+            self.params,
+            token_id,
+            len(self.output_token_ids),
+            self.num_tokens,
+            self.output_text,
+            len(new_text),
+            eos_token_ids,
+            max_model_len,
+        )
+        if decision.finish_reason is None:
+            return False
+        if self.detokenizer is not None:
+            if decision.truncate_to is not None:
+                self.detokenizer.truncate(decision.truncate_to)
+            elif decision.finish_reason == "length":
+                self.detokenizer.flush()
+        self.stop_reason = decision.stop_reason
+        self.finish(decision.finish_reason)
+        return True

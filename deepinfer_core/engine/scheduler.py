@@ -233,6 +233,7 @@ class Scheduler:
                 start_pos=start,
                 block_table=list(req.block_table),
                 sample=start + n == req.num_tokens,
+                all_logits=req.needs_prompt_logits(start, start + n),
                 window_from=req.window_from,
                 cached_until=req.cached_until,
             )

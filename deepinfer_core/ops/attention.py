@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row_padded
 from .registry import define_op
 
 
@@ -26,6 +27,7 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 
 
 @define_op("sparse_attention", "attention", batch_invariant=True, sample_cases=_attn_cases)
+@row_padded({"q": 0.0, "indices": -1})
 def sparse_attention(
     q: torch.Tensor,
     kv_pools: Sequence[torch.Tensor],
@@ -45,7 +47,14 @@ def sparse_attention(
     Returns:
         ``[T, H, D]`` in q's dtype: ``sum_k softmax([s_k..., sink])_k * v_k``; logits and
         softmax in fp32.  A query with no valid key returns zeros.
+
+    Batch invariance: a query's result depends only on the sequence of its *valid* keys
+    (sources in order, then columns), never on where or how many ``-1`` slots there are:
+    the mode compacts the valid keys to the front and reduces them in fixed blocks of
+    ``KEY_BLOCK`` keys with an online softmax (see :func:`_sparse_attention_blocked`).
     """
+    if batch_invariant_enabled():
+        return _sparse_attention_blocked(q, kv_pools, indices, sinks, scale)
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
         keys.append(F.embedding(idx.clamp(min=0), pool))  # row gather (fastest on CPU)
@@ -58,6 +67,50 @@ def sparse_attention(
     return torch.bmm(probs, kv).to(q.dtype)
 
 
+def _sparse_attention_blocked(
+    q: torch.Tensor,
+    kv_pools: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor],
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Batch-invariant :func:`sparse_attention` (split-KV with a fixed split size).
+
+    Each query's valid keys are compacted, in source-then-column order, to the front of its
+    list (for the V4 window that is position order, however the window is split between
+    the ring and this step's rows), padded to whole blocks of ``KEY_BLOCK`` keys and
+    reduced block by block with an online softmax that starts from the sink (``m = sink``,
+    ``l = 1``).  A block of padding leaves ``m``, ``l`` and the output bitwise unchanged, so
+    the longest list in the batch does not matter.
+    """
+    keys, valid = [], []
+    for pool, idx in zip(kv_pools, indices, strict=True):
+        keys.append(F.embedding(idx.clamp(min=0), pool))
+        valid.append(idx >= 0)
+    kv, ok = torch.cat(keys, dim=1).float(), torch.cat(valid, dim=1)  # [T, K, D], [T, K]
+    t, h, d = q.shape
+    order = torch.sort((~ok).to(torch.uint8), dim=1, stable=True).indices  # valid first
+    nb = max(1, padded_len(ok.shape[1], KEY_BLOCK) // KEY_BLOCK)
+    order = pad_cols(order, nb * KEY_BLOCK, 0)
+    ok = pad_cols(ok.gather(1, order[:, : ok.shape[1]]), nb * KEY_BLOCK, False)
+    kv = kv.gather(1, order.unsqueeze(-1).expand(-1, -1, d))  # [T, nb*KB, D]
+    kv = kv.view(t, nb, KEY_BLOCK, d).transpose(0, 1).contiguous()  # [nb, T, KB, D]
+    bias = torch.where(ok, 0.0, float("-inf")).view(t, nb, 1, KEY_BLOCK).transpose(0, 1).contiguous()
+    qf = q.float()
+    m = sinks.float().view(1, h, 1).expand(t, h, 1).contiguous()
+    den = torch.ones_like(m)
+    acc = qf.new_zeros(t, h, d)
+    for b in range(nb):
+        logits = torch.baddbmm(bias[b], qf, kv[b].transpose(1, 2), alpha=scale)  # [T, H, KB]
+        m_new = torch.maximum(m, logits.amax(dim=-1, keepdim=True))
+        p = torch.exp(logits - m_new)
+        alpha = torch.exp(m - m_new)
+        den = den * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, kv[b])
+        m = m_new
+    return (acc / den).to(q.dtype)
+
+
 def _pool_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     gate = randn(g, 3, 8, 16)
     gate[0, :4] = float("-inf")
@@ -65,6 +118,7 @@ def _pool_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 
 
 @define_op("compress_pool", "attention", batch_invariant=True, sample_cases=_pool_cases)
+@row_padded({"kv": 0.0, "gate": 0.0})
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Softmax-gated pooling of compressor windows.
 
@@ -91,6 +145,7 @@ def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 
 
 @define_op("indexer_topk", "attention", batch_invariant=True, sample_cases=_topk_cases)
+@row_padded({"q": 0.0, "weights": 0.0, "candidates": -1})
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -114,14 +169,40 @@ def indexer_topk(
 
     Returns:
         ``[T, min(k, C)]`` int64 chosen pool rows, best first; ``-1`` where fewer than
-        ``k`` valid candidates exist.
+        ``k`` valid candidates exist.  In batch-invariant mode the picks come in candidate
+        column order instead, so attention sees the same key sequence whether a query's
+        entries went through the indexer or (every query having at most ``k``) not; the
+        scores are computed in fixed blocks of ``KEY_BLOCK`` candidates.
     """
-    keys = F.embedding(candidates.clamp(min=0), key_pool).float()  # [T, C, D]
-    scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
-    scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
+    if batch_invariant_enabled():
+        scores = _indexer_scores_blocked(q, weights, key_pool, candidates, scale)
+    else:
+        keys = F.embedding(candidates.clamp(min=0), key_pool).float()  # [T, C, D]
+        scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
+        scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
     valid = candidates >= 0
     scores = scores.masked_fill(~valid, float("-inf"))
     kk = min(k, candidates.shape[1])
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :kk]
+    if batch_invariant_enabled():  # picks in column order: see the docstring
+        order = order.sort(dim=-1).values
     picked = candidates.gather(1, order)
     return torch.where(valid.gather(1, order), picked, torch.full_like(picked, -1))
+
+
+def _indexer_scores_blocked(
+    q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, candidates: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Indexer scores ``[T, C]`` computed in fixed blocks of ``KEY_BLOCK`` candidate columns,
+    so a score's GEMMs have the same shape whatever the batch's widest candidate list."""
+    t, c = candidates.shape
+    nb = max(1, padded_len(c, KEY_BLOCK) // KEY_BLOCK)
+    cand = pad_cols(candidates, nb * KEY_BLOCK, -1)
+    keys = F.embedding(cand.clamp(min=0), key_pool).float()  # [T, nb*KB, D]
+    keys = keys.view(t, nb, KEY_BLOCK, -1).transpose(0, 1).contiguous()  # [nb, T, KB, D]
+    qf, wf = q.float(), weights.float().unsqueeze(1)  # [T, H, D], [T, 1, H]
+    blocks = []
+    for b in range(nb):
+        s = torch.bmm(qf, keys[b].transpose(1, 2)).relu_().mul_(scale)  # [T, H, KB]
+        blocks.append(torch.bmm(wf, s).squeeze(1))  # [T, KB]
+    return torch.cat(blocks, dim=1)[:, :c]

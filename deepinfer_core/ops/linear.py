@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .modes import batch_invariant_enabled, tiled_linear
 from .registry import define_op
 
 
@@ -23,7 +24,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Returns:
         ``[T, N]`` in ``x.dtype``.
+
+    Batch invariance: a row's result must not depend on the number of rows (the reference
+    runs fixed ``[ROW_TILE, K]`` GEMM tiles in the mode, see :mod:`.modes`).
     """
+    if batch_invariant_enabled():
+        return tiled_linear(x, weight)
     return F.linear(x, weight)
 
 
@@ -44,6 +50,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ``[T, G, N]`` in ``x.dtype``.
     """
     groups = x.shape[1]
+    if batch_invariant_enabled():  # one fixed-tile GEMM per group
+        blocks = weight.view(groups, -1, x.shape[-1])
+        return torch.stack([tiled_linear(x[:, g], blocks[g]) for g in range(groups)], dim=1)
     w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, K, N]
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .modes import batch_invariant_enabled, row_padded, tiled_linear
 from .registry import define_op
 
 
@@ -28,6 +29,7 @@ def _hc_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, d
 
 
 @define_op("hc_pre", "mhc", batch_invariant=True, sample_cases=_hc_pre_cases)
+@row_padded({"streams": 0.0})
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -57,7 +59,8 @@ def hc_pre(
     # addcmul, in-place eps as a tensor.
     eps = torch.tensor(hc_eps, dtype=torch.float32, device=streams.device)
     flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
-    mixes = F.linear(flat, fn.float()).t().contiguous()  # [(2+N)*N, T]
+    linear = tiled_linear if batch_invariant_enabled() else F.linear
+    mixes = linear(flat, fn.float()).t().contiguous()  # [(2+N)*N, T]
     pre_w, post_w, comb_w = mixes.split([n, n, n * n])
     pre_b, post_b, comb_b = base.float().unsqueeze(-1).split([n, n, n * n])
     pre_s, post_s, comb_s = scale.unbind(0)
@@ -110,6 +113,7 @@ def _hc_post_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
 
 
 @define_op("hc_post", "mhc", batch_invariant=True, sample_cases=_hc_post_cases)
+@row_padded({"block_out": 0.0, "streams": 0.0, "post": 0.0, "comb": 0.0})
 def hc_post(
     block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
@@ -146,6 +150,7 @@ def _hc_head_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
 
 
 @define_op("hc_head", "mhc", batch_invariant=True, sample_cases=_hc_head_cases)
+@row_padded({"streams": 0.0})
 def hc_head(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -166,5 +171,6 @@ def hc_head(
     t, n, d = streams.shape
     flat = streams.reshape(t, n * d).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    linear = tiled_linear if batch_invariant_enabled() else F.linear
+    pre = torch.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .modes import batch_invariant_enabled, pad_rows, padded_len, row_padded, tiled_linear
 from .registry import define_op
 
 _SCORE_FNS = {
@@ -33,6 +34,7 @@ def _route_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, di
 
 
 @define_op("moe_route", "moe", batch_invariant=True, sample_cases=_route_cases)
+@row_padded({"logits": 0.0, "fixed_ids": 0})
 def moe_route(
     logits: torch.Tensor,
     correction_bias: torch.Tensor | None,
@@ -87,6 +89,7 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
 
 
 @define_op("moe_experts", "moe", batch_invariant=True, sample_cases=_experts_cases)
+@row_padded({"x": 0.0, "ids": 0, "weights": 0.0})
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -104,8 +107,13 @@ def moe_experts(
 
     Returns:
         ``[T, D]`` in x's dtype.
+
+    Batch invariance: a token's result must not depend on which other tokens chose the same
+    experts; its expert contributions are added in ascending expert order.
     """
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    if batch_invariant_enabled():
+        return _experts_tiled(x, ids, weights, gate_up, down, limit)
     if num_experts <= _DENSE_WASTE * top_k and x.shape[0] * num_experts <= _DENSE_MAX_ROWS:
         return _experts_dense(x, ids, weights, gate_up, down, limit)
     out = torch.zeros_like(x)
@@ -152,11 +160,46 @@ def _experts_dense(
     return (y * dense_w.t().unsqueeze(-1).to(y.dtype)).sum(dim=0).to(x.dtype)
 
 
+def _experts_tiled(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The per-expert loop of the batch-invariant mode: each expert's rows, however many,
+    are zero-padded to whole ``ROW_TILE`` tiles (fixed-shape GEMMs and no SIMD tails), and
+    the contributions reach each token in ascending expert order (one ``index_add_`` per
+    expert, single-threaded)."""
+    out = torch.zeros_like(x)
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    flat_w = weights.reshape(-1)
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        start += c
+        rows = padded_len(c)
+        tok = sel // top_k
+        h = tiled_linear(pad_rows(x.index_select(0, tok), rows), gate_up[e])
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+        h = tiled_linear(h, down[e]) * pad_rows(flat_w.index_select(0, sel), rows).unsqueeze(-1)
+        out.index_add_(0, tok, h[:c].to(out.dtype))
+    return out
+
+
 def _swiglu_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     return [((randn(g, 5, 16, dtype=dtype, scale=6), randn(g, 5, 16, dtype=dtype, scale=6), 10.0), {})]
 
 
 @define_op("swiglu", "moe", batch_invariant=True, sample_cases=_swiglu_cases)
+@row_padded({"gate": 0.0, "up": 0.0})
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """Clamped SwiGLU activation: ``silu(min(gate, L)) * clamp(up, -L, L)``.
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .modes import row_padded
 from .registry import define_op
 
 
@@ -17,6 +18,7 @@ def _rms_norm_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple,
 
 
 @define_op("rms_norm", "norm", batch_invariant=True, sample_cases=_rms_norm_cases)
+@row_padded({"x": 0.0})
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMS normalisation over the last dimension.
 

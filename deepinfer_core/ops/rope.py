@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._cases import randn
+from .modes import row_padded
 from .registry import define_op
 
 
@@ -14,6 +15,7 @@ def _cos_sin_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
 
 
 @define_op("rope_cos_sin", "rope", batch_invariant=True, sample_cases=_cos_sin_cases)
+@row_padded({"positions": 0})
 def rope_cos_sin(
     positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +41,7 @@ def _rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 
 
 @define_op("apply_rope", "rope", batch_invariant=True, sample_cases=_rope_cases)
+@row_padded({"x": 0.0, "cos": 0.0, "sin": 0.0})
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the trailing ``R = 2*cos.shape[-1]`` channels of each vector, pairs interleaved.
 

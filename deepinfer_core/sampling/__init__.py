@@ -1,7 +1,8 @@
-"""Sampling: per-request parameters and the batched sampler."""
+"""Sampling: per-request parameters, logit processing and the batched counter-based sampler."""
 
 from .params import SamplingParams
-from .sampler import Sampler, SamplerOutput, SamplingBatch, derive_seed, make_generator, top_k_top_p_keep
+from .random import derive_seed, gumbel_noise
+from .sampler import Sampler, SamplerOutput, SamplingBatch, top_k_top_p_keep, top_logprobs
 
 __all__ = [
     "Sampler",
@@ -9,6 +10,7 @@ __all__ = [
     "SamplingBatch",
     "SamplingParams",
     "derive_seed",
-    "make_generator",
+    "gumbel_noise",
     "top_k_top_p_keep",
+    "top_logprobs",
 ]

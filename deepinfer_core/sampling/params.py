@@ -12,20 +12,16 @@ from deepinfer_core.errors import SamplingParamsError
 # vLLM fields that DeepInfer will accept in a later release; named in the error so that users
 # know the option exists but is not implemented yet.
 _NOT_YET = (
-    "min_p",
-    "min_tokens",
-    "stop",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "logit_bias",
-    "prompt_logprobs",
+    "best_of",
     "structured_outputs",
     "bad_words",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "allowed_token_ids",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "logits_processors",
 )
+
+# vLLM clamps logit biases to this range.
+_MAX_BIAS = 100.0
 
 
 @dataclass(init=False)
@@ -45,7 +41,23 @@ class SamplingParams:
         ignore_eos: keep generating after the model's EOS token.
         logprobs: return, for each generated token, the log-probabilities of the ``logprobs``
             most likely tokens plus the sampled one, from the model's raw distribution
-            (``log_softmax`` of the logits, before temperature / top-k / top-p). ``None`` = off.
+            (``log_softmax`` of the logits, before penalties, temperature, top-k...). ``None`` = off.
+        min_p: keep only tokens whose probability (after temperature) is at least ``min_p``
+            times the most likely token's; ``0`` = off.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already generated.
+        frequency_penalty: in [-2, 2]; subtracted once per occurrence in the generated tokens.
+        repetition_penalty: > 0; for tokens in the prompt or generated, positive logits are
+            divided by it and negative ones multiplied; ``1`` = off.
+        logit_bias: ``{token_id: bias}`` added to the logits (biases clamped to [-100, 100]).
+        allowed_token_ids: if set, only these tokens can be generated.
+        stop: strings that end the completion (``finish_reason="stop"``, ``stop_reason`` the
+            string); the text is cut before the string unless ``include_stop_str_in_output``.
+        include_stop_str_in_output: keep the stop string (or stop token's text) in ``text``.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed, and stop strings ignored, until
+            this many tokens were generated.
+        prompt_logprobs: for every prompt token after the first, ``{token_id: logprob}`` of the
+            actual token plus the ``prompt_logprobs`` most likely ones; ``None`` = off.
+        skip_special_tokens: leave special tokens out of ``text``.
 
     Raises:
         SamplingParamsError: an unknown keyword or an invalid value, naming field and value.
@@ -60,6 +72,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __init__(
         self,
@@ -72,6 +95,17 @@ class SamplingParams:
         stop_token_ids: list[int] | None = None,
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        min_p: float = 0.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+        allowed_token_ids: list[int] | None = None,
+        stop: str | list[str] | None = None,
+        include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
+        prompt_logprobs: int | None = None,
+        skip_special_tokens: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -90,6 +124,21 @@ class SamplingParams:
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else []
         self.ignore_eos = ignore_eos
         self.logprobs = logprobs
+        self.min_p = min_p
+        self.presence_penalty = presence_penalty
+        self.frequency_penalty = frequency_penalty
+        self.repetition_penalty = repetition_penalty
+        self.logit_bias = _bias_dict(logit_bias)
+        self.allowed_token_ids = (
+            list(allowed_token_ids) if isinstance(allowed_token_ids, tuple) else allowed_token_ids
+        )
+        if stop is None:
+            stop = []
+        self.stop = [stop] if isinstance(stop, str) else (list(stop) if isinstance(stop, tuple) else stop)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
+        self.prompt_logprobs = prompt_logprobs
+        self.skip_special_tokens = skip_special_tokens
         self._validate()
 
     @staticmethod
@@ -101,6 +150,30 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request is sampled greedily (``temperature == 0``)."""
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the presence / frequency / repetition penalties is active."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check the token ids in ``logit_bias``, ``allowed_token_ids`` and ``stop_token_ids``
+        against the model's vocabulary ``[0, vocab_size)``.
+
+        Raises:
+            SamplingParamsError: naming the field and the first out-of-range ids.
+        """
+        for name, ids in (
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamsError(
+                    f"SamplingParams.{name} has token id(s) {bad[:5]} outside the vocabulary "
+                    f"[0, {vocab_size})"
+                )
 
     def replace(self, **changes: Any) -> SamplingParams:
         """A validated copy with ``changes`` applied."""
@@ -136,3 +209,51 @@ class SamplingParams:
             raise bad("ignore_eos", self.ignore_eos, "a bool")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise bad("logprobs", self.logprobs, "None or an int >= 0")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "None or an int >= 0")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "a number in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2 <= value <= 2:
+                raise bad(name, value, "a number in [-2, 2]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "None or a {token_id: bias} dict")
+            for tok, b in self.logit_bias.items():
+                if not is_int(tok) or tok < 0 or not is_num(b):
+                    raise bad("logit_bias", {tok: b}, "a {token_id: finite number} dict with token ids >= 0")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+        ):
+            raise bad(
+                "allowed_token_ids", self.allowed_token_ids, "None or a non-empty list of token ids >= 0"
+            )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", self.stop, "None, a non-empty str or a list of non-empty strs")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "a bool")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
+
+
+def _bias_dict(logit_bias: Any) -> Any:
+    """``logit_bias`` with string keys (as from JSON) made ints and biases clamped to [-100, 100];
+    anything that is not a dict is returned as is (rejected by validation)."""
+    if not isinstance(logit_bias, dict):
+        return logit_bias
+    out: dict[Any, Any] = {}
+    for tok, b in logit_bias.items():
+        if isinstance(tok, str) and tok.strip().isdigit():
+            tok = int(tok)
+        if isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b):
+            b = max(-_MAX_BIAS, min(_MAX_BIAS, float(b)))
+        out[tok] = b
+    return out

@@ -1,0 +1,203 @@
+"""``deepinfer bench``: offline throughput and latency of one ``LLM.generate`` call.
+
+Prompts are synthetic (random token ids, optionally sharing a prefix to exercise prefix
+caching) or read from a file.  All requests arrive at once, as in vLLM's offline
+throughput benchmark; every request generates exactly ``output_len`` tokens
+(``ignore_eos=True``).  Latencies come from each output's
+:class:`~deepinfer_core.outputs.RequestMetrics`: TTFT = first token - arrival, latency =
+finish - arrival.  Prefix-hit, replayed and preempted counts come from
+:meth:`~deepinfer_core.LLM.get_metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.outputs import RequestOutput
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class BenchArgs:
+    """What to run (the flags of ``deepinfer bench``).
+
+    Attributes:
+        num_prompts: requests to send (``None`` = 16 synthetic, or every prompt of the file).
+        input_len: tokens per synthetic prompt (shared prefix included).
+        output_len: tokens generated per request.
+        prompts_file: one prompt per line, or ``.jsonl`` objects with a ``"prompt"`` key.
+        shared_prefix_len: leading tokens common to every synthetic prompt.
+        seed: seeds the synthetic prompts and the engine (``EngineConfig.seed``).
+        temperature: sampling temperature of every request.
+        engine: :class:`~deepinfer_core.LLM` keyword arguments (engine options).
+    """
+
+    num_prompts: int | None = None
+    input_len: int = 32
+    output_len: int = 16
+    prompts_file: str | None = None
+    shared_prefix_len: int = 0
+    seed: int = 0
+    temperature: float = 1.0
+    engine: dict[str, Any] = field(default_factory=dict)
+
+
+def synthetic_prompts(
+    num_prompts: int, input_len: int, shared_prefix_len: int, token_ids: Sequence[int], seed: int
+) -> list[list[int]]:
+    """``num_prompts`` random prompts of ``input_len`` ids drawn from ``token_ids``; the first
+    ``shared_prefix_len`` ids are the same in every prompt."""
+    if input_len < 1:
+        raise ConfigError(f"--input-len={input_len}: must be >= 1")
+    if not 0 <= shared_prefix_len <= input_len:
+        raise ConfigError(f"--shared-prefix-len={shared_prefix_len}: must be in [0, --input-len={input_len}]")
+    rng = random.Random(seed)
+    prefix = [rng.choice(token_ids) for _ in range(shared_prefix_len)]
+    return [
+        prefix + [rng.choice(token_ids) for _ in range(input_len - shared_prefix_len)]
+        for _ in range(num_prompts)
+    ]
+
+
+def read_prompts_file(path: str | Path) -> list[str]:
+    """Prompts of a file: ``.jsonl`` lines ``{"prompt": ...}``, else one prompt per non-empty line."""
+    p = Path(path)
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except OSError as e:
+        raise ConfigError(f"--prompts-file {path}: cannot read it ({e.strerror})") from None
+    if p.suffix != ".jsonl":
+        return lines
+    prompts = []
+    for i, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--prompts-file {path}, line {i}: invalid JSON ({e.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ConfigError(f'--prompts-file {path}, line {i}: expected an object with a string "prompt"')
+        prompts.append(record["prompt"])
+    return prompts
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """Mean and p50/p90/p99 (linear interpolation between order statistics) of ``values``."""
+    xs = sorted(values)
+    if not xs:
+        return {"mean": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
+    out = {"mean": sum(xs) / len(xs)}
+    for q in PERCENTILES:
+        pos = (len(xs) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{q}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
+
+
+def run_bench(args: BenchArgs) -> dict[str, Any]:
+    """Build the engine, run every prompt through one ``generate`` call; returns the results."""
+    from deepinfer_core.llm import LLM
+    from deepinfer_core.sampling.params import SamplingParams
+
+    if args.output_len < 1:
+        raise ConfigError(f"--output-len={args.output_len}: must be >= 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ConfigError(f"--num-prompts={args.num_prompts}: must be >= 1")
+    llm = LLM(seed=args.seed, **args.engine)
+    prompts: list[Any]
+    if args.prompts_file is not None:
+        texts = read_prompts_file(args.prompts_file)
+        if not texts:
+            raise ConfigError(f"--prompts-file {args.prompts_file}: holds no prompt")
+        n = args.num_prompts or len(texts)
+        prompts = [texts[i % len(texts)] for i in range(n)]
+    else:
+        vocab = llm.engine.model_config.vocab_size
+        tok = llm.get_tokenizer()
+        special = tok.special_token_ids if tok is not None else set()
+        ids = [t for t in range(vocab) if t not in special]
+        prompts = [
+            {"prompt_token_ids": p}
+            for p in synthetic_prompts(
+                args.num_prompts or 16, args.input_len, args.shared_prefix_len, ids, args.seed
+            )
+        ]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
+    llm.engine.metrics.reset()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    duration = time.perf_counter() - t0
+    return summarize(outputs, duration, llm.get_metrics(), args)
+
+
+def summarize(
+    outputs: list[RequestOutput], duration_s: float, metrics: dict[str, Any], args: BenchArgs
+) -> dict[str, Any]:
+    """The benchmark's numbers from the outputs, the wall time and the engine metrics."""
+    ok = [o for o in outputs if o.error is None]
+    num_in = sum(len(o.prompt_token_ids) for o in ok)
+    num_out = sum(len(c.token_ids) for o in ok for c in o.outputs)
+    ttft = [o.metrics.ttft * 1e3 for o in ok if o.metrics is not None and o.metrics.ttft is not None]
+    latency = [o.metrics.latency * 1e3 for o in ok if o.metrics is not None and o.metrics.latency is not None]
+    return {
+        "num_requests": len(outputs),
+        "num_failed_requests": len(outputs) - len(ok),
+        "num_input_tokens": num_in,
+        "num_output_tokens": num_out,
+        "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s,
+        "output_throughput": num_out / duration_s,
+        "total_token_throughput": (num_in + num_out) / duration_s,
+        "ttft_ms": percentiles(ttft),
+        "latency_ms": percentiles(latency),
+        "num_prefix_hit_tokens": metrics["num_prefix_hit_tokens"],
+        "num_replayed_tokens": metrics["num_replayed_tokens"],
+        "num_preemptions": metrics["num_preemptions"],
+        "num_steps": metrics["num_steps"],
+        "peak_cache_usage": metrics["peak_cache_usage"],
+        "kv_cache_capacity_tokens": metrics["kv_cache_capacity_tokens"],
+        "args": {
+            "num_prompts": len(outputs),
+            "input_len": None if args.prompts_file else args.input_len,
+            "output_len": args.output_len,
+            "prompts_file": args.prompts_file,
+            "shared_prefix_len": args.shared_prefix_len,
+            "seed": args.seed,
+            "temperature": args.temperature,
+            **args.engine,
+        },
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The results as an aligned two-column table."""
+    rows: list[tuple[str, str]] = [
+        ("Requests (failed)", f"{result['num_requests']} ({result['num_failed_requests']})"),
+        ("Input tokens", str(result["num_input_tokens"])),
+        ("Output tokens", str(result["num_output_tokens"])),
+        ("Duration (s)", f"{result['duration_s']:.3f}"),
+        ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
+        ("Output throughput (tok/s)", f"{result['output_throughput']:.2f}"),
+        ("Total throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
+    ]
+    for key, name in (("ttft_ms", "TTFT (ms)"), ("latency_ms", "Latency (ms)")):
+        stats = result[key]
+        rows.append((f"{name} mean", f"{stats['mean']:.2f}"))
+        rows += [(f"{name} p{q}", f"{stats[f'p{q}']:.2f}") for q in PERCENTILES]
+    rows += [
+        ("Prefix-hit tokens", str(result["num_prefix_hit_tokens"])),
+        ("Replayed tokens", str(result["num_replayed_tokens"])),
+        ("Preemptions", str(result["num_preemptions"])),
+        ("Peak cache usage", f"{result['peak_cache_usage']:.1%}"),
+        ("KV cache capacity (tokens)", str(result["kv_cache_capacity_tokens"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
