@@ -6,8 +6,11 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +25,17 @@ from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
 
 logger = logging.getLogger("deepinfer.engine")
+
+
+@dataclass
+class _Launched:
+    """A step that ran (or, on an accelerator, is running) and whose outputs are not processed."""
+
+    sched: SchedulerOutput
+    token_ids: torch.Tensor  # sampled token per sampling chunk, on the device
+    logprobs: list[dict[int, float] | None]
+    t0: float
+
 
 __all__ = ["LLMEngine", "StepStats", "resolve_model_dir"]
 
@@ -105,7 +119,9 @@ class LLMEngine:
             self.config.max_num_batched_tokens,
             self.config.enable_chunked_prefill,
             replay_tail=self.runner.replay_tail,
+            max_model_len=self.max_model_len,
         )
+        self._inflight: _Launched | None = None  # async: the step whose outputs are pending
         self.sampler = Sampler()
         self._num_added = 0
         self._num_steps = 0
@@ -218,36 +234,61 @@ class LLMEngine:
         return None
 
     def has_unfinished(self) -> bool:
-        """Whether any request is still queued, running, or finished but not yet returned."""
-        return bool(self._errored) or self.scheduler.has_unfinished()
+        """Whether any request is still queued, running, in flight, or finished but not returned."""
+        return bool(self._errored) or self._inflight is not None or self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of the requests that finished during it."""
+        """Run one step; returns the outputs of the requests that finished.
+
+        Synchronous mode: schedule, execute, sample, process the outputs.  Async mode
+        (``async_scheduling``, the default): schedule and launch step N+1 *before* processing
+        step N's outputs; N+1's decode inputs are N's sampled tokens taken on the device (no
+        host round trip between the steps), so on an accelerator the host work overlaps the
+        device work.  Outputs therefore lag one step; the tokens and texts are identical to
+        synchronous mode because sampling (penalties, min_tokens, the counter-based draw) runs
+        after the previous step's tokens are appended.
+        """
         t0 = time.perf_counter()
         self._apply_aborts()
         finished, self._errored = self._errored, []
+        previous, self._inflight = self._inflight, None
         sched = self.scheduler.schedule()
+        finished += sched.finished
+        logits = None
         if not sched.is_empty:
-            logits = self.runner.execute(sched.chunks)
-            sample_rows, first_rows = logit_rows(sched.chunks)
-            if any(f is not None for f in first_rows):  # prompt logprobs: all rows of some chunks
-                record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
-                logits = logits[sample_rows]
-            positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
-            batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
-            sampled = self.sampler(logits, batch)
-            finished += self.scheduler.postprocess(
-                sched, sampled.token_ids.tolist(), sampled.logprobs, self.eos_token_ids, self.max_model_len
-            )
-        else:
-            finished += sched.finished
-            if self.scheduler.has_unfinished() and not finished:  # only a scheduler bug gets here
-                raise RuntimeError(
-                    f"scheduler made no progress with running requests {self.scheduler.running}"
-                )
-        self._record_step(sched, finished, t0)
+            prev_tokens = previous.token_ids if previous is not None else None
+            logits = self.runner.execute(sched.chunks, prev_tokens)
+        if previous is not None:
+            finished += self._complete(previous)
+        if logits is not None:
+            launched = self._sample(sched, logits, t0)
+            if self.config.async_scheduling:
+                self._inflight = launched
+            else:
+                finished += self._complete(launched)
+        elif previous is None and not finished and self.scheduler.has_unfinished():
+            raise RuntimeError(f"scheduler made no progress with running requests {self.scheduler.running}")
         return [self.make_output(r) for r in finished]
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, t0: float) -> _Launched:
+        """Prompt logprobs and the sampled tokens of a step (tokens stay on the device)."""
+        sample_rows, first_rows = logit_rows(sched.chunks)
+        if any(f is not None for f in first_rows):  # prompt logprobs: all rows of some chunks
+            record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
+            logits = logits[sample_rows]
+        positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
+        batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
+        sampled = self.sampler(logits, batch)
+        return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
+
+    def _complete(self, step: _Launched) -> list[Request]:
+        """Process a launched step's outputs (the only host sync on its sampled tokens)."""
+        finished = self.scheduler.complete(
+            step.sched, step.token_ids.tolist(), step.logprobs, self.eos_token_ids
+        )
+        self._record_step(step.sched, finished, step.t0)
+        return finished
 
     def _record_step(self, sched: SchedulerOutput, finished: list[Request], t0: float) -> None:
         """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
@@ -316,6 +357,7 @@ class LLMEngine:
     def abort_all(self, reason: str) -> list[RequestOutput]:
         """Finish every unfinished request with ``finish_reason="error"`` and free its cache."""
         done, self._errored = self._errored, []
+        self._inflight = None  # its requests are aborted below; its outputs are dropped
         with self._abort_lock:
             self._abort_ids = []
         done += self.scheduler.abort_all(reason)

@@ -79,6 +79,9 @@ class Request:
         self.page_hashes: list[int] = []  # chained hashes of the leading full pages, in order
         self.cached_until = 0  # positions below have cached paged state (a prefix hit)
         self.window_from = 0  # first position computed since (re)admission: the replay start
+        # async scheduling: a token sampled by a step whose outputs are not processed yet
+        self.num_pending = 0  # 0, 1, or 2 between scheduling step N+1 and processing step N
+        self.pending_row = -1  # its row in that step's sampled-token tensor
 
     def __repr__(self) -> str:
         return (
@@ -98,8 +101,16 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens not yet in the cache (1 while decoding)."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens not yet in the cache (1 while decoding), counting a pending sampled token."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
+
+    def will_finish_by_length(self, max_model_len: int) -> bool:
+        """Whether the pending token already completes ``max_tokens`` or ``max_model_len``
+        (so the request needs no further step)."""
+        if not self.num_pending:
+            return False
+        n_out = len(self.output_token_ids) + self.num_pending
+        return n_out >= self.params.max_tokens or self.num_tokens + self.num_pending >= max_model_len
 
     @property
     def output_text(self) -> str:

@@ -25,6 +25,15 @@ the ``replay_tail`` tokens before the hit point ``H`` (the first chunk starts at
 prefix, and replayed tokens never rewrite cached pages.  Every page whose positions have all
 been computed is registered in the prefix cache after the step, so a preempted request
 usually resumes with a hit and recomputes only the replay tail.
+
+Async scheduling: :meth:`schedule` may run while the previous step is still executing.  A
+request whose last step sampled a token that is not processed yet (``num_pending``) gets a
+decode chunk whose token is a placeholder filled on the device from that step's sampled
+tokens (``SeqChunk.prev_row``); one whose pending token reaches ``max_tokens`` or
+``max_model_len`` gets none.  ``num_computed_tokens`` advances when a chunk is scheduled;
+:meth:`complete` appends the sampled tokens when the step's outputs are processed, finishes
+requests (discarding the token of a step that ran after its request had already finished)
+and registers newly full pages in the prefix cache.
 """
 
 from __future__ import annotations
@@ -92,9 +101,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         replay_tail: int = 0,
+        max_model_len: int | None = None,
     ):
         self.kv_cache = kv_cache
         self.replay_tail = replay_tail
+        self.max_model_len = max_model_len if max_model_len is not None else 1 << 62
         self.max_num_seqs = min(max_num_seqs, kv_cache.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -122,8 +133,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        decoding = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        active = [r for r in self.running if not r.will_finish_by_length(self.max_model_len)]
+        decoding = [r for r in active if r.num_uncomputed_tokens == 1]
+        prefilling = [r for r in active if r.num_uncomputed_tokens > 1]
         for req in decoding + prefilling:
             if budget <= 0:
                 break
@@ -136,6 +148,8 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending:  # preempted while its last step ran: wait for its token
+                break
             if not self.can_ever_fit(req.num_tokens):
                 self.waiting.popleft()
                 self._fail_too_long(req, out)
@@ -178,10 +192,10 @@ class Scheduler:
         req.block_table, req.page_hashes = [], []
         req.num_computed_tokens = req.cached_until = req.window_from = 0
 
-    def _register_full_pages(self, req: Request) -> None:
-        """Register each page of ``req`` whose positions have all been computed."""
+    def _register_full_pages(self, req: Request, computed: int) -> None:
+        """Register each page of ``req`` below position ``computed`` (all computed)."""
         p = self.kv_cache.page_size
-        while len(req.page_hashes) < req.num_computed_tokens // p:
+        while len(req.page_hashes) < min(computed, req.num_tokens) // p:
             j = len(req.page_hashes)
             prev = req.page_hashes[-1] if req.page_hashes else None
             tokens = req.token_slice(j * p, (j + 1) * p)
@@ -224,21 +238,28 @@ class Scheduler:
             req.block_table.extend(self.kv_cache.allocate_pages(need))
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        start = req.num_computed_tokens
-        assert req.seq_slot is not None
+        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        known = min(end, req.num_tokens)
+        pending = end - known  # 1 when the chunk's token is the unprocessed sampled one
+        assert req.seq_slot is not None and pending <= req.num_pending
         out.chunks.append(
             SeqChunk(
                 seq_slot=req.seq_slot,
-                token_ids=req.token_slice(start, start + n),
+                token_ids=req.token_slice(start, known) + [0] * pending,
                 start_pos=start,
                 block_table=list(req.block_table),
-                sample=start + n == req.num_tokens,
-                all_logits=req.needs_prompt_logits(start, start + n),
+                sample=end == req.num_tokens + req.num_pending,
+                all_logits=req.needs_prompt_logits(start, end),
                 window_from=req.window_from,
                 cached_until=req.cached_until,
+                prev_row=req.pending_row if pending else -1,
             )
         )
         out.requests.append(req)
+        req.num_computed_tokens = end
+        if out.chunks[-1].sample:  # its token stays pending until :meth:`complete`
+            req.num_pending += 1
+            req.pending_row = sum(c.sample for c in out.chunks) - 1
 
     def _release(self, req: Request) -> None:
         """Free a running request's pages and slot and drop it from ``running``."""
@@ -268,32 +289,42 @@ class Scheduler:
         out.finished.append(req)
 
     # ---- after the step ------------------------------------------------------------------------
-    def postprocess(
+    def complete(
         self,
         out: SchedulerOutput,
         token_ids: list[int],
         logprobs: list[dict[int, float] | None],
         eos_token_ids: list[int],
-        max_model_len: int,
     ) -> list[Request]:
-        """Advance the scheduled requests after the step ran; returns those that finished.
+        """Process a step's outputs; returns the requests that finished.
+
+        Appends each sampling chunk's token (finish checks in :meth:`Request.append_token`),
+        registers pages the step completed, and frees finished requests.  Requests that
+        finished (or were aborted) before this step's outputs arrived keep their state: the
+        token the step computed for them is discarded.
 
         Args:
-            out: this step's schedule.
+            out: the step's schedule.
             token_ids, logprobs: sampled token (and logprobs) per sampling chunk, in chunk order.
         """
-        finished = list(out.finished)
-        row = 0
+        finished = []
+        row = -1
         for req, chunk in zip(out.requests, out.chunks, strict=True):
-            req.num_computed_tokens += chunk.num_tokens
-            self._register_full_pages(req)
-            if not chunk.sample:
+            row += chunk.sample
+            if req.is_finished:
                 continue
-            tok, lp = token_ids[row], logprobs[row]
-            row += 1
-            if req.append_token(tok, lp, eos_token_ids, max_model_len):
-                self._release(req)
-                finished.append(req)
+            # register the pages the step computed for the request as it is now (not ones
+            # given up by a preemption while the step ran)
+            held = req.block_table[: len(chunk.block_table)] == chunk.block_table
+            if req.status is RequestStatus.RUNNING and held:
+                self._register_full_pages(req, chunk.end_pos)
+            if chunk.sample:
+                req.num_pending -= 1
+                if req.append_token(token_ids[row], logprobs[row], eos_token_ids, self.max_model_len):
+                    if req in self.waiting:  # preempted while this step ran
+                        self.waiting.remove(req)
+                    self._release(req)
+                    finished.append(req)
         return finished
 
     def abort_all(self, reason: str) -> list[Request]:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer_core.config import EngineConfig
@@ -44,11 +43,6 @@ def _run(engine: LLMEngine, requests: dict, aborts: dict[int, list[str]], max_st
     return outs
 
 
-@pytest.fixture(scope="module")
-def unconstrained():
-    return _engine(num_pages=64, budget=256)
-
-
 @st.composite
 def workloads(draw):
     n = draw(st.integers(2, 6))
@@ -77,11 +71,11 @@ def workloads(draw):
     return requests, aborts, num_pages, budget
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(workloads())
-def test_random_workloads_finish_without_leaks_and_match_an_unconstrained_run(unconstrained, workload):
+def test_random_workloads_finish_without_leaks_and_match_an_unconstrained_run(workload):
     requests, aborts, num_pages, budget = workload
-    want = _run(unconstrained, {f"u{k}": v for k, v in requests.items()}, {}, max_steps=10_000)
+    want = _run(_engine(num_pages=64, budget=256), {f"u{k}": v for k, v in requests.items()}, {}, 10_000)
     engine = _engine(num_pages, budget)
     total = sum(len(p) + sp.max_tokens for p, sp in requests.values())
     got = _run(engine, requests, aborts, max_steps=50 * total)

@@ -46,7 +46,7 @@ def run(
 ) -> tuple[Scheduler, list[list]]:
     """Drive the scheduler to completion, checking per-step invariants; returns it and the steps."""
     kv = KVCacheManager(num_pages=num_pages, page_size=page_size, num_slots=max_num_seqs)
-    sched = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=chunked)
+    sched = Scheduler(kv, max_num_seqs, budget, enable_chunked_prefill=chunked, max_model_len=max_model_len)
     for r in reqs:
         sched.add(r)
     steps = []
@@ -68,14 +68,14 @@ def run(
         tokens = []
         for req, chunk in zip(out.requests, out.chunks, strict=True):
             assert req.status is RequestStatus.RUNNING
-            assert chunk.start_pos == req.num_computed_tokens
+            assert chunk.end_pos == req.num_computed_tokens  # advanced when scheduled
             assert chunk.token_ids == req.token_slice(chunk.start_pos, chunk.end_pos)
             assert chunk.block_table == req.block_table
             assert len(chunk.block_table) == kv.pages_needed(chunk.end_pos), (
                 "pages not allocated incrementally"
             )
             assert chunk.seq_slot == req.seq_slot
-            assert chunk.sample == (chunk.end_pos == req.num_tokens)
+            assert chunk.sample == (chunk.end_pos == req.num_tokens)  # sync flow: nothing pending before
             if chunk.sample:
                 tokens.append(next_token(req.token_slice(0, chunk.end_pos)))
         steps.append(
@@ -84,7 +84,7 @@ def run(
                 for r, c in zip(out.requests, out.chunks, strict=True)
             ]
         )
-        sched.postprocess(out, tokens, [None] * len(tokens), EOS, max_model_len)
+        sched.complete(out, tokens, [None] * len(tokens), EOS)
     else:
         raise AssertionError("scheduler did not finish all requests")
     assert kv.num_free_pages == num_pages and kv.num_free_slots == max_num_seqs
@@ -172,7 +172,7 @@ def test_decode_without_free_page_preempts_most_recently_admitted():
     for _ in range(2):  # prefill both (2 pages each), then one decode each within those pages
         out = sched.schedule()
         assert out.requests == [a, b] and not out.preempted
-        sched.postprocess(out, [1] * len(out.chunks), [None] * len(out.chunks), EOS, 1000)
+        sched.complete(out, [1] * len(out.chunks), [None] * len(out.chunks), EOS)
     out = sched.schedule()  # a needs a 3rd page for position 8: none free
     assert out.preempted == [b]
     assert out.requests == [a]
