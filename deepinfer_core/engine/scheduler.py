@@ -57,6 +57,7 @@ class SchedulerOutput:
         finished: requests that failed while scheduling (e.g. do not fit in the cache).
         num_prefix_hit_tokens: prompt positions served from the prefix cache at admission.
         num_replayed_tokens: of those, positions recomputed to rebuild the sliding windows.
+        num_sampling: chunks that sample a token (rows of the step's sampled tokens).
     """
 
     chunks: list[SeqChunk] = field(default_factory=list)
@@ -65,6 +66,7 @@ class SchedulerOutput:
     finished: list[Request] = field(default_factory=list)
     num_prefix_hit_tokens: int = 0
     num_replayed_tokens: int = 0
+    num_sampling: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -259,7 +261,8 @@ class Scheduler:
         req.num_computed_tokens = end
         if out.chunks[-1].sample:  # its token stays pending until :meth:`complete`
             req.num_pending += 1
-            req.pending_row = sum(c.sample for c in out.chunks) - 1
+            req.pending_row = out.num_sampling
+            out.num_sampling += 1
 
     def _release(self, req: Request) -> None:
         """Free a running request's pages and slot and drop it from ``running``."""

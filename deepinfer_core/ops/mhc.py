@@ -57,7 +57,7 @@ def hc_pre(
     # Dispatch dominates at decode sizes, and reductions over tiny inner dimensions are
     # slow, so the weights are computed token-last ([., T], T contiguous): fused norm,
     # addcmul, in-place eps as a tensor.
-    eps = torch.tensor(hc_eps, dtype=torch.float32, device=streams.device)
+    eps = _scalar(hc_eps, streams.device)
     flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
     linear = tiled_linear if batch_invariant_enabled() else F.linear
     mixes = linear(flat, fn.float()).t().contiguous()  # [(2+N)*N, T]
@@ -71,6 +71,17 @@ def hc_pre(
     comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, eps)
     collapsed = (pre.t().unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return post.t(), comb, collapsed
+
+
+_SCALARS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def _scalar(value: float, device: torch.device) -> torch.Tensor:
+    """A cached float32 0-dim tensor (creating one per call costs a dispatch)."""
+    key = (value, device)
+    if key not in _SCALARS:
+        _SCALARS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return _SCALARS[key]
 
 
 def _sinkhorn(c: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,8 @@ class OpTable:
             else:
                 self._fns[name] = self._guarded(name, impl, spec.reference)
                 self.sources[name] = "backend+fallback"
+        # plain instance attributes: the per-op call on the hot path is one dict lookup
+        self.__dict__.update(self._fns)
 
     def _guarded(self, name: str, impl: OpImpl, reference: Callable[..., Any]) -> Callable[..., Any]:
         supports = impl.supports

@@ -134,7 +134,7 @@ def min_tokens_banned(
 
 @dataclass
 class SamplerOutput:
-    """Sampled tokens ``[B]`` (int64, CPU) and per row ``{token_id: logprob}`` or ``None``."""
+    """Sampled tokens ``[B]`` (int64, on the logits' device) and per row ``{token_id: logprob}`` or ``None``."""
 
     token_ids: torch.Tensor
     logprobs: list[dict[int, float] | None]
@@ -225,8 +225,9 @@ class Sampler:
                 [batch.seeds[i] for i in idx],
                 [batch.positions[i] for i in idx],
             )
-        token_ids = out.cpu()
-        return SamplerOutput(token_ids, top_logprobs(raw, token_ids, _rows_or(batch.num_logprobs, B, None)))
+        # token ids stay on the device: async scheduling feeds them to the next step without a
+        # host round trip (only rows that asked for logprobs read them back here)
+        return SamplerOutput(out, top_logprobs(raw, out, _rows_or(batch.num_logprobs, B, None)))
 
     @staticmethod
     def _draw(
@@ -259,6 +260,7 @@ def top_logprobs(
     if not rows:
         return result
     logp = torch.log_softmax(logits[rows].float(), dim=-1).cpu()
+    token_ids = token_ids.cpu()
     kmax = max(int(num_logprobs[i] or 0) for i in rows)
     top_vals, top_ids = torch.topk(logp, min(kmax, logp.shape[-1]), dim=-1) if kmax else (None, None)
     for j, i in enumerate(rows):
