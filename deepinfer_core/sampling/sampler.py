@@ -134,7 +134,8 @@ def min_tokens_banned(
 
 @dataclass
 class SamplerOutput:
-    """Sampled tokens ``[B]`` (int64, on the logits' device) and per row ``{token_id: logprob}`` or ``None``."""
+    """Sampled tokens ``[B]`` (int64, on the logits' device) and per row ``{token_id: logprob}``
+    or ``None``."""
 
     token_ids: torch.Tensor
     logprobs: list[dict[int, float] | None]
