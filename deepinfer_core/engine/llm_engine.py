@@ -346,13 +346,7 @@ class LLMEngine:
             ids, self._abort_ids = set(self._abort_ids), []
         if not ids:
             return
-        sched = self.scheduler
-        for req in [r for r in list(sched.running) + list(sched.waiting) if r.request_id in ids]:
-            if req in sched.waiting:
-                sched.waiting.remove(req)
-            sched._release(req)  # frees pages and slot; leaves ``running``
-            req.finish("abort")
-            self._errored.append(req)
+        self._errored += self.scheduler.finish_requests(ids, "abort")
 
     def abort_all(self, reason: str) -> list[RequestOutput]:
         """Finish every unfinished request with ``finish_reason="error"`` and free its cache."""

@@ -39,6 +39,7 @@ and registers newly full pages in the prefix cache.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from deepinfer_core.engine.batch import SeqChunk
@@ -329,6 +330,17 @@ class Scheduler:
                     self._release(req)
                     finished.append(req)
         return finished
+
+    def finish_requests(self, request_ids: Collection[str], reason: str) -> list[Request]:
+        """Finish the waiting or running requests with these ids (``reason``, e.g. ``"abort"``),
+        freeing their pages and slots; returns them.  Unknown ids are ignored."""
+        done = [r for r in (*self.running, *self.waiting) if r.request_id in request_ids]
+        for req in done:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            self._release(req)
+            req.finish(reason)
+        return done
 
     def abort_all(self, reason: str) -> list[Request]:
         """Finish every waiting and running request with ``finish_reason="error"``."""
