@@ -116,6 +116,8 @@ def moe_experts(
         return _experts_tiled(x, ids, weights, gate_up, down, limit)
     if num_experts <= _DENSE_WASTE * top_k and x.shape[0] * num_experts <= _DENSE_MAX_ROWS:
         return _experts_dense(x, ids, weights, gate_up, down, limit)
+    if _HAS_GROUPED_MM and x.device.type == "cpu":
+        return _experts_grouped(x, ids, weights, gate_up, down, limit)
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -158,6 +160,33 @@ def _experts_dense(
     y = torch.bmm(h.transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
     dense_w = weights.new_zeros(t, e).scatter_add_(1, ids, weights)  # duplicate ids add up
     return (y * dense_w.t().unsqueeze(-1).to(y.dtype)).sum(dim=0).to(x.dtype)
+
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _experts_grouped(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """The per-expert computation as two grouped GEMMs over the (token, expert) pairs sorted
+    by expert (``torch._grouped_mm``, exact per group): no wasted FLOPs and no per-expert
+    dispatch.  Contributions reach each token in ascending expert order, as in the loop."""
+    top_k, num_experts = ids.shape[1], gate_up.shape[0]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    tok = order // top_k
+    h = torch._grouped_mm(x.index_select(0, tok), gate_up.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
+    y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
 
 
 def _experts_tiled(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -53,10 +54,12 @@ def _experts_loop_oracle(x, ids, w, gate_up, down, limit):
     return out
 
 
-def test_moe_experts_dense_and_loop_paths_equal_the_definition():
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_moe_experts_dense_grouped_and_loop_paths_equal_the_definition(monkeypatch, grouped_mm):
+    monkeypatch.setattr(moe, "_HAS_GROUPED_MM", grouped_mm and moe._HAS_GROUPED_MM)
     g = torch.Generator().manual_seed(1)
     d, i = 16, 8
-    for e in (4, 40):  # 4 experts x top-2: dense path; 40: per-expert loop
+    for e in (4, 40):  # 4 experts x top-2: dense path; 40: grouped GEMM (or per-expert loop)
         x = torch.randn(7, d, generator=g)
         ids = torch.randint(0, e, (7, 2), generator=g)
         ids[0] = torch.tensor([1, 1])  # a duplicated expert adds up twice
