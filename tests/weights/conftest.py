@@ -12,35 +12,15 @@ import torch
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.weights.writer import save_checkpoint
+from tests.models.hf_oracle import BASE, CONFIGS
 
 transformers = pytest.importorskip("transformers")
 
-TINY_HF_KWARGS: dict[str, Any] = dict(
-    vocab_size=300,
-    hidden_size=64,
-    moe_intermediate_size=32,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    head_dim=32,
-    q_lora_rank=32,
-    partial_rotary_factor=0.25,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    layer_types=[
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-        "compressed_sparse_attention",
-    ],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    sliding_window=8,
-    o_groups=2,
-    o_lora_rank=16,
-    index_n_heads=8,
-    index_head_dim=16,
-    index_topk=4,
-)
+# the parity tests' "all_types" model (every layer type, hash and top-k MoE), default rope
+TINY_HF_KWARGS: dict[str, Any] = {
+    **BASE,
+    **{k: v for k, v in CONFIGS["all_types"].items() if k != "rope_parameters"},
+}
 
 
 @dataclass(frozen=True)
