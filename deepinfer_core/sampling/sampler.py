@@ -208,6 +208,9 @@ class Sampler:
         B = raw.shape[0]
         processed = self.process_logits(raw, batch)
         device = raw.device
+        if all(t == 0 for t in batch.temperatures):  # all greedy: no draw, no per-row routing
+            out = torch.argmax(processed, dim=-1)
+            return SamplerOutput(out, top_logprobs(raw, out, _rows_or(batch.num_logprobs, B, None)))
         out = torch.empty(B, dtype=torch.int64, device=device)
         temps = torch.tensor(batch.temperatures, dtype=torch.float32, device=device)
         greedy = temps == 0
