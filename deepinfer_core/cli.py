@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="sampling seed of every prompt (SamplingParams.seed)")
     gen.add_argument("--logprobs", type=int, help="top-K logprobs per generated token")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--min-tokens", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     gen.set_defaults(func=_cmd_generate)
 
@@ -98,6 +104,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="async_scheduling=False",
     )
+    parser.add_argument("--replay-tail", type=int, help="tokens replayed before a prefix-cache hit")
+    parser.add_argument("--batch-invariant", action="store_true", default=None, help="batch_invariant=True")
     parser.add_argument("--log-level", help="debug, info, warning or error")
 
 
@@ -106,7 +114,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     names = (
         "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len", "num_cache_pages", "enable_prefix_caching",
-        "async_scheduling", "log_level",
+        "async_scheduling", "replay_tail", "batch_invariant", "log_level",
     )  # fmt: skip
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
@@ -123,6 +131,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         logprobs=args.logprobs,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
     )
     llm = LLM(seed=args.engine_seed, **_engine_kwargs(args))
     if args.verbose:

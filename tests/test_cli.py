@@ -155,3 +155,50 @@ def test_engine_flags_become_llm_arguments():
         "num_cache_pages": 9,
     }
     assert _engine_kwargs(build_parser().parse_args(["bench"])) == {}
+
+
+def test_generate_sampling_flags_reach_the_request(capsys):
+    """--stop / penalties / min-p / min-tokens on the command line behave as the Python API."""
+    from deepinfer_core import LLM, SamplingParams
+
+    argv = [
+        "generate",
+        "--prompt",
+        "Once upon",
+        "--max-tokens",
+        "20",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "1",
+        "--stop",
+        "e",
+        "--repetition-penalty",
+        "1.3",
+        "--min-p",
+        "0.05",
+        "--min-tokens",
+        "2",
+        "--json",
+    ]
+    assert main(argv) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    ref = (
+        LLM()
+        .generate(
+            ["Once upon"],
+            SamplingParams(
+                max_tokens=20,
+                temperature=0.8,
+                seed=1,
+                stop=["e"],
+                repetition_penalty=1.3,
+                min_p=0.05,
+                min_tokens=2,
+            ),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+    )
+    assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
+    assert got["finish_reason"] == ref.finish_reason
