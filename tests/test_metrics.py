@@ -125,3 +125,21 @@ def test_metrics_accumulator_rates_and_peak():
     assert d["last_step"]["step"] == 3 and d["kv_cache_capacity_tokens"] == 64
     m.reset()
     assert m.as_dict()["num_steps"] == 0 and m.kv_cache_capacity_tokens == 64
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_unpredictable_stops_are_counted_once(async_scheduling):
+    """A stop token cannot be foreseen: in async mode the request already ran one more step,
+    whose token is discarded and must not count as generated (nor its prompt twice)."""
+    llm = LLM(backend="reference", enable_prefix_caching=False, async_scheduling=async_scheduling)
+    greedy = llm.generate(PROMPTS, params(), use_tqdm=False)
+    llm.engine.metrics.reset()
+    stopping = [
+        SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[g.outputs[0].token_ids[0]])
+        for g in greedy
+    ]
+    outs = llm.generate(PROMPTS, stopping, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "stop" and len(o.outputs[0].token_ids) == 1 for o in outs)
+    m = llm.get_metrics()
+    assert m["num_generated_tokens"] == len(PROMPTS)
+    assert m["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)

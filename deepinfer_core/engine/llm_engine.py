@@ -297,7 +297,8 @@ class LLMEngine:
             m = self._req_metrics.get(req.request_id)
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        sampled = sched.sampling_requests
+        dropped = {id(r) for r in sched.discarded}  # async: ran after they had finished
+        sampled = [r for r in sched.sampling_requests if id(r) not in dropped]
         num_prompt_tokens = 0
         for req in sampled:
             m = self._req_metrics.get(req.request_id)

@@ -59,6 +59,8 @@ class SchedulerOutput:
         num_prefix_hit_tokens: prompt positions served from the prefix cache at admission.
         num_replayed_tokens: of those, positions recomputed to rebuild the sliding windows.
         num_sampling: chunks that sample a token (rows of the step's sampled tokens).
+        discarded: set by :meth:`Scheduler.complete`: requests that had finished before the
+            step's outputs arrived, whose computed tokens were dropped.
     """
 
     chunks: list[SeqChunk] = field(default_factory=list)
@@ -68,6 +70,7 @@ class SchedulerOutput:
     num_prefix_hit_tokens: int = 0
     num_replayed_tokens: int = 0
     num_sampling: int = 0
+    discarded: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -316,6 +319,7 @@ class Scheduler:
         for req, chunk in zip(out.requests, out.chunks, strict=True):
             row += chunk.sample
             if req.is_finished:
+                out.discarded.append(req)
                 continue
             # register the pages the step computed for the request as it is now (not ones
             # given up by a preemption while the step ran)
