@@ -181,7 +181,7 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> int:
         """Reuse the cached full pages that match ``req``'s tokens and position it for SWA
         bounded replay; returns the hit length ``H`` in tokens (0 without a hit)."""
-        if getattr(req.params, "prompt_logprobs", None) is not None:
+        if req.params.prompt_logprobs is not None:
             return 0  # prompt logprobs need every prompt position computed
         tokens = req.token_slice(0, req.num_tokens)
         # keep at least the last token to compute: its logits give the next token
