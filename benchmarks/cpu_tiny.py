@@ -97,9 +97,10 @@ def run_deepinfer(
 
     llm = LLM(model=str(model_dir), backend="reference", dtype="float32", max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=2))
+    warmup = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warmup, use_tqdm=False)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     prompt_tokens = sum(map(len, prompts))

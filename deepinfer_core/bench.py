@@ -12,6 +12,7 @@ finish - arrival.  Prefix-hit, replayed and preempted counts come from
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -88,6 +89,19 @@ def read_prompts_file(path: str | Path) -> list[str]:
     return prompts
 
 
+def check_writable(path: str | Path, flag: str) -> None:
+    """Fail early (before a long run) when ``path`` cannot be written: its folder is missing or
+    read-only, or it names a folder."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable")
+
+
 def percentiles(values: Sequence[float]) -> dict[str, float]:
     """Mean and p50/p90/p99 (linear interpolation between order statistics) of ``values``."""
     xs = sorted(values)
@@ -135,13 +149,39 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - t0
-    return summarize(outputs, duration, llm.get_metrics(), args)
+    return summarize(outputs, duration, llm.get_metrics(), args, engine_settings(llm))
+
+
+def engine_settings(llm: Any) -> dict[str, Any]:
+    """What decides a benchmark's numbers besides its workload: the resolved engine options,
+    the chosen backend and the software versions."""
+    import torch
+
+    from deepinfer_core import __version__
+
+    cfg = llm.config
+    fields = (
+        "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size",
+        "enable_prefix_caching", "async_scheduling", "batch_invariant", "strict_ops",
+    )  # fmt: skip
+    return {
+        "backend": llm.engine.backend.name,
+        **{name: getattr(cfg, name) for name in fields},
+        "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
+        "deepinfer_version": __version__,
+        "torch_version": torch.__version__,
+    }
 
 
 def summarize(
-    outputs: list[RequestOutput], duration_s: float, metrics: dict[str, Any], args: BenchArgs
+    outputs: list[RequestOutput],
+    duration_s: float,
+    metrics: dict[str, Any],
+    args: BenchArgs,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The benchmark's numbers from the outputs, the wall time and the engine metrics."""
+    """The benchmark's numbers from the outputs, the wall time, the engine metrics and the
+    engine's settings (:func:`engine_settings`, stored under ``"engine"``)."""
     ok = [o for o in outputs if o.error is None]
     num_in = sum(len(o.prompt_token_ids) for o in ok)
     num_out = sum(len(c.token_ids) for o in ok for c in o.outputs)
@@ -174,6 +214,7 @@ def summarize(
             "temperature": args.temperature,
             **args.engine,
         },
+        "engine": engine or {},
     }
 
 

@@ -2,26 +2,45 @@
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
-DeepSeek-V4 checkpoint).  Every
-:class:`~deepinfer_core.errors.DeepInferError` is printed as ``error: <message>`` on stderr with
-exit status 2, never as a traceback.
+DeepSeek-V4 checkpoint).  No command prints a traceback: a
+:class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
+``error: <message>`` line on stderr with exit status 2; a failed prompt of ``generate`` is shown
+in its place among the results and the status is 1; anything else is a bug, reported as one
+``error: internal error ...`` line with status 3 (``DEEPINFER_TRACEBACK=1`` re-raises it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
 
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import ConfigError, DeepInferError
 
-EXIT_USAGE = 2
+EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt failed (its error is printed in order)
+EXIT_USAGE = 2  # bad flag, option, path, config file or environment variable
+EXIT_INTERNAL = 3  # a bug in DeepInfer or a plugin; DEEPINFER_TRACEBACK=1 shows the traceback
+EXIT_INTERRUPTED = 130
+TRACEBACK_ENV = "DEEPINFER_TRACEBACK"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one ``error:`` line (no usage dump), status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message}; see '{self.prog} --help'\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``deepinfer``."""
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference engine")
+    from deepinfer_core import __version__
+
+    parser = _Parser(prog="deepinfer", description="DeepSeek-V4 inference engine")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="complete prompts", description="Complete one or more prompts.")
@@ -44,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument(
+        "--json", action="store_true", help="print one JSON object per prompt (text, ids, logprobs, error)"
+    )
     gen.set_defaults(func=_cmd_generate)
 
     bench = sub.add_parser(
@@ -106,6 +127,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replay-tail", type=int, help="tokens replayed before a prefix-cache hit")
     parser.add_argument("--batch-invariant", action="store_true", default=None, help="batch_invariant=True")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", default=None, help="enforce_eager=True: no device graphs"
+    )
     parser.add_argument("--log-level", help="debug, info, warning or error")
 
 
@@ -114,7 +138,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     names = (
         "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len", "num_cache_pages", "enable_prefix_caching",
-        "async_scheduling", "replay_tail", "batch_invariant", "log_level",
+        "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager", "log_level",
     )  # fmt: skip
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
@@ -142,33 +166,70 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.verbose:
         print(f"KV cache capacity: {llm.kv_cache_capacity_tokens} tokens", file=sys.stderr)
     outputs = llm.generate(args.prompt, params, use_tqdm=args.verbose)
-    status = 0
-    for out in outputs:
-        comp = out.outputs[0]
-        if out.error:
-            status = 1
+    tokenizer = llm.get_tokenizer()
+    for i, out in enumerate(outputs):
         if args.json:
-            record = {
-                "prompt": out.prompt,
-                "prompt_token_ids": out.prompt_token_ids,
-                "text": comp.text,
-                "token_ids": comp.token_ids,
-                "finish_reason": comp.finish_reason,
-                "error": out.error,
-            }
-            if comp.logprobs is not None:
-                record["logprobs"] = [{str(k): v for k, v in lp.items()} for lp in comp.logprobs]
-            print(json.dumps(record))
-        elif out.error:
-            print(f"error: {out.error}", file=sys.stderr)
+            print(json.dumps(_output_record(out)))
         else:
-            print(comp.text)
-    return status
+            print(_format_output(out, i if len(outputs) > 1 else None, tokenizer))
+    failed = sum(out.error is not None for out in outputs)
+    if failed:
+        print(
+            f"error: {failed} of {len(outputs)} prompt(s) failed (errors shown in order above)",
+            file=sys.stderr,
+        )
+        return EXIT_REQUEST_FAILED
+    return 0
+
+
+def _output_record(out: Any) -> dict[str, Any]:
+    """One prompt's result as the JSON object ``generate --json`` prints."""
+    comp = out.outputs[0]
+    record = {
+        "prompt": out.prompt,
+        "prompt_token_ids": out.prompt_token_ids,
+        "text": comp.text,
+        "token_ids": comp.token_ids,
+        "finish_reason": comp.finish_reason,
+        "error": out.error,
+    }
+    if comp.logprobs is not None:
+        record["logprobs"] = [{str(k): v for k, v in lp.items()} for lp in comp.logprobs]
+    return record
+
+
+def _format_output(out: Any, index: int | None, tokenizer: Any) -> str:
+    """One prompt's result as text: the completion (or ``error: ...``), then, when logprobs were
+    asked for, one line per generated token with its logprob and the top alternatives.  With
+    several prompts every result starts with ``[i]`` (the prompt's index) and its further lines
+    are indented, so results stay matched to prompts even when one fails or spans lines."""
+    comp = out.outputs[0]
+    lines = [f"error: {out.error}"] if out.error else comp.text.split("\n")
+    if out.error is None and comp.logprobs is not None:
+        for pos, (token, lp) in enumerate(zip(comp.token_ids, comp.logprobs, strict=False)):
+            top = ", ".join(f"{_token_str(t, tokenizer)} {v:.4f}" for t, v in lp.items())
+            chosen = lp.get(token, float("nan"))
+            lines.append(f"  logprobs[{pos}]: {_token_str(token, tokenizer)} {chosen:.4f} | top: {top}")
+    if index is None:
+        return "\n".join(lines)
+    prefix = f"[{index}] "
+    return "\n".join(
+        prefix + lines[0] if k == 0 else " " * len(prefix) + line for k, line in enumerate(lines)
+    )
+
+
+def _token_str(token_id: int, tokenizer: Any) -> str:
+    """A token shown as ``id:'text'`` (just the id without a tokenizer)."""
+    if tokenizer is None:
+        return str(token_id)
+    return f"{token_id}:{tokenizer.decode([token_id], skip_special_tokens=False)!r}"
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deepinfer_core.bench import BenchArgs, format_table, run_bench
+    from deepinfer_core.bench import BenchArgs, check_writable, format_table, run_bench
 
+    if args.json_out:
+        check_writable(args.json_out, "--json")  # before the benchmark runs, not after
     result = run_bench(
         BenchArgs(
             num_prompts=args.num_prompts,
@@ -197,7 +258,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from deepinfer_core.models.deepseek_v4.tiny import make_tiny
 
-    path = make_tiny(args.outdir, seed=args.seed)
+    out = Path(args.outdir)
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"make-tiny --seed={args.seed}: must be in [0, 2**63)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"make-tiny {out}: a file of that name exists; give a directory path")
+    try:
+        path = make_tiny(out, seed=args.seed)
+    except OSError as e:
+        raise ConfigError(f"make-tiny {out}: cannot write the checkpoint there ({e.strerror or e})") from None
     print(path)
     return 0
 
@@ -207,13 +276,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # --help, or a usage error already printed by argparse
+    except SystemExit as e:  # --help, --version, or a usage error already printed by argparse
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
         return int(args.func(args))
     except DeepInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as e:  # a path the user named: unreadable, unwritable, missing
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug: still one line, with how to get the traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(
+            f"error: internal error ({type(e).__name__}: {e}); please report it, with the traceback that "
+            f"{TRACEBACK_ENV}=1 prints",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

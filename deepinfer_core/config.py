@@ -28,6 +28,7 @@ from deepinfer_core.errors import ConfigError
 ENV_PREFIX = "DEEPINFER_"
 DEFAULT_MAX_MODEL_LEN = 8192
 PAGE_SIZE_QUANTUM = 16
+MAX_INT_OPTION = 2**31  # sizes and counts beyond this are typos, and overflow int32 indices
 
 # where each field's value came from, for error messages (set by EngineConfig.validated)
 _ORIGIN: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar(
@@ -87,6 +88,9 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = False
     """Make a request's logits and logprobs bitwise independent of the rest of the batch and of
     the prefill chunk size (slower: fixed-shape tiles for every reduction)."""
+    enforce_eager: bool = False
+    """Never capture device graphs: run every step eagerly.  By default a backend that supports
+    graph capture on a device with a graph runtime (CUDA) runs decode steps as graphs."""
     log_level: LogLevel = "warning"
     """Level of the ``deepinfer`` logger."""
 
@@ -108,6 +112,8 @@ class EngineConfig(BaseModel):
     def _positive(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be >= 1")
+        if value is not None and value >= MAX_INT_OPTION:
+            raise ValueError(f"must be < 2**31 ({MAX_INT_OPTION})")
         return value
 
     @field_validator("kv_cache_memory_gb")
@@ -296,7 +302,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
             low = raw.lower()
             if low not in _TRUE | _FALSE:
                 raise ConfigError(
-                    f"environment variable {var}={raw!r}: expected one of 1/0, true/false, yes/no"
+                    f"environment variable {var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"
                 )
             value = low in _TRUE
         else:

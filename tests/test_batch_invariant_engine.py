@@ -21,11 +21,6 @@ DECODES = 3
 CHUNK_SIZES = (1, 2, 5, 9, 3)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 def _runner(path: Path, batch_invariant: bool) -> ModelRunner:
     cfg = EngineConfig(
         model=str(path), dtype="float32", max_num_seqs=32, max_model_len=256, batch_invariant=batch_invariant
@@ -87,7 +82,15 @@ def target_alone(invariant_runner: ModelRunner) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("prefill_chunk", "num_others"),
-    [(1, 0), (5, 0), (TARGET_LEN, 1), (TARGET_LEN, 7), (5, 7), (TARGET_LEN, 31), (1, 31)],
+    [
+        pytest.param(1, 0, marks=pytest.mark.slow),  # one token per step: the most model calls
+        (5, 0),
+        (TARGET_LEN, 1),
+        (TARGET_LEN, 7),
+        (5, 7),
+        pytest.param(TARGET_LEN, 31, marks=pytest.mark.slow),
+        pytest.param(1, 31, marks=pytest.mark.slow),
+    ],
 )
 def test_logits_bitwise_equal_alone_batched_and_chunked(
     invariant_runner, target_alone, prefill_chunk, num_others
@@ -125,3 +128,36 @@ def test_llm_logprobs_identical_alone_and_batched(tiny_dir: Path):
     assert alone.token_ids == batched.token_ids
     assert alone.logprobs is not None and len(alone.logprobs) == 8
     assert alone.logprobs == batched.logprobs  # float values compared exactly
+
+
+def test_batch_invariance_is_refused_where_the_backend_does_not_declare_it():
+    from deepinfer_core.backends import BackendSpec
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.errors import ConfigError
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.ops.norm import rms_norm
+    from deepinfer_core.testing.managers import manager_with_plugin
+
+    class Plugin:
+        @hookimpl
+        def deepinfer_register_backends(self, register):
+            register(BackendSpec(name="no_bi", device_type="cpu", priority=5, ops={"rms_norm": rms_norm}))
+            register(
+                BackendSpec(
+                    name="bi_cpu",
+                    device_type="cpu",
+                    priority=4,
+                    ops={"rms_norm": rms_norm},
+                    batch_invariant_devices=("cpu",),
+                )
+            )
+
+    manager = manager_with_plugin(Plugin(), "bi_test")
+    with pytest.raises(ConfigError, match="backend 'no_bi' does not guarantee batch invariance on cpu"):
+        LLMEngine(EngineConfig(backend="no_bi", batch_invariant=True), plugins=manager)
+    # declared on cpu, and its fallback ops are the reference, which holds on cpu too
+    assert LLMEngine(
+        EngineConfig(backend="bi_cpu", batch_invariant=True), plugins=manager
+    ).config.batch_invariant
+    assert LLMEngine(EngineConfig(backend="no_bi"), plugins=manager).backend.name == "no_bi"

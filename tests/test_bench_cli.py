@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ KEYS = {
     "num_requests", "num_failed_requests", "num_input_tokens", "num_output_tokens", "duration_s",
     "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms", "latency_ms",
     "num_prefix_hit_tokens", "num_replayed_tokens", "num_preemptions", "num_steps", "peak_cache_usage",
-    "kv_cache_capacity_tokens", "args",
+    "kv_cache_capacity_tokens", "args", "engine",
 }  # fmt: skip
 
 
@@ -35,6 +36,10 @@ def test_synthetic_bench_counts_and_percentiles(capsys, tmp_path):
         "--shared-prefix-len", "16", "--max-num-seqs", "3",
     )  # fmt: skip
     assert set(result) == KEYS
+    engine = result["engine"]  # the resolved settings, not only the flags given
+    assert engine["backend"] == "reference" and engine["dtype"] == "float32" and engine["device"] == "cpu"
+    assert engine["max_num_seqs"] == 3 and Path(engine["model"]).is_dir()
+    assert engine["kv_cache_capacity_tokens"] == result["kv_cache_capacity_tokens"]
     assert result["num_requests"] == 5 and result["num_failed_requests"] == 0
     assert result["num_input_tokens"] == 5 * 20 and result["num_output_tokens"] == 5 * 3
     for key in ("ttft_ms", "latency_ms"):

@@ -202,3 +202,57 @@ def test_generate_sampling_flags_reach_the_request(capsys):
     )
     assert got["token_ids"] == ref.token_ids and got["text"] == ref.text
     assert got["finish_reason"] == ref.finish_reason
+
+
+def test_generate_prints_every_prompt_in_order_with_failures_in_place(capsys):
+    long_prompt = "a much longer prompt that cannot fit in eight tokens at all"
+    code, out, err = run_cli(
+        capsys, "generate", "--max-model-len", "8", "--temperature", "0", "--max-tokens", "2",
+        "--prompt", "Hi", "--prompt", long_prompt, "--prompt", "Yo",
+    )  # fmt: skip
+    want = LLM(max_model_len=8).generate(
+        ["Hi", long_prompt, "Yo"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )
+    assert code == 1 and err.startswith("error: 1 of 3 prompt(s) failed")
+    results = [line for line in out.splitlines() if line[:1] == "["]
+    assert results[0] == f"[0] {want[0].outputs[0].text}" and results[2] == f"[2] {want[2].outputs[0].text}"
+    assert results[1] == f"[1] error: {want[1].error}" and "max_model_len=8" in results[1]
+
+
+def test_generate_shows_logprobs_without_json(capsys):
+    code, out, _ = run_cli(
+        capsys, "generate", "--prompt", "Hi", "--temperature", "0", "--max-tokens", "3", "--logprobs", "2"
+    )
+    want = LLM().generate("Hi", SamplingParams(temperature=0, max_tokens=3, logprobs=2), use_tqdm=False)
+    comp = want[0].outputs[0]
+    lines = out.splitlines()
+    assert code == 0 and lines[0] == comp.text and len(lines) == 4
+    for pos, (line, token, lp) in enumerate(zip(lines[1:], comp.token_ids, comp.logprobs, strict=True)):
+        assert line.startswith(f"  logprobs[{pos}]: {token}:") and f"{lp[token]:.4f} | top: " in line
+
+
+def test_cache_too_small_for_max_model_len_is_refused_at_start_up(capsys):
+    code, out, err = run_cli(
+        capsys, "generate", "--num-cache-pages", "1", "--max-model-len", "100", "--prompt", "Hi"
+    )
+    assert code == 2 and out == ""
+    assert err.startswith("error: max_model_len=100 needs 7 cache pages") and "at least 7" in err
+    llm = LLM(num_cache_pages=1)  # max_model_len not given: lowered to what the cache holds
+    assert llm.engine.max_model_len == llm.kv_cache_capacity_tokens == 16
+
+
+def test_version_flag(capsys):
+    from deepinfer_core import __version__
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0 and out.strip() == f"deepinfer {__version__}"
+
+
+def test_make_tiny_writes_world_readable_files(tmp_path, capsys):
+    umask = os.umask(0o022)
+    try:
+        assert run_cli(capsys, "make-tiny", str(tmp_path / "t"))[0] == 0
+    finally:
+        os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "t").iterdir()}
+    assert set(modes.values()) == {0o644}, modes

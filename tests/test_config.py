@@ -77,8 +77,9 @@ def test_env_vars_are_parsed_by_field_type():
     c = EngineConfig.load(env=env)
     assert c.max_num_seqs == 8 and c.strict_ops is True and c.enable_chunked_prefill is False
     assert c.kv_cache_memory_gb == 1.5 and c.max_model_len is None and c.backend == "reference"
-    with pytest.raises(ConfigError, match="DEEPINFER_STRICT_OPS"):
+    with pytest.raises(ConfigError, match="DEEPINFER_STRICT_OPS='maybe'.*yes/no, on/off"):
         EngineConfig.load(env={"DEEPINFER_STRICT_OPS": "maybe"})
+    assert EngineConfig.load(env={"DEEPINFER_ASYNC_SCHEDULING": "off"}).async_scheduling is False
     assert env_var_name("max_num_seqs") == "DEEPINFER_MAX_NUM_SEQS"
 
 

@@ -7,7 +7,8 @@ import torch
 
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.errors import BackendError
-from deepinfer_core.ops import OpImpl, all_ops, get_op
+from deepinfer_core.ops import OpImpl, OpSpec, all_ops, get_op, registry
+from deepinfer_core.ops._cases import randn
 from deepinfer_core.testing import check_backend, conformance_cases
 from deepinfer_core.testing.conformance import compare
 
@@ -109,11 +110,148 @@ def test_backend_that_raises_fails_with_the_exception():
     assert "RuntimeError: kernel launch failed" in report.failures[0].message
 
 
-def test_cases_rejected_by_supports_are_skipped_not_failed():
+def test_cases_rejected_by_supports_are_skipped_when_another_case_runs():
+    def weighted_only(x, weight, eps):
+        return True if weight is not None else "no unweighted norm"
+
+    report = check_backend(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=weighted_only)))
+    assert report.passed, report.summary()
+    assert [r.status for r in report.results] == ["passed", "skipped"]
+    assert "no unweighted norm" in report.results[1].message and not report.never_ran
+
+
+def test_op_whose_every_case_supports_rejects_fails_with_the_reasons():
     impl = OpImpl(fn=lambda x, weight, eps: x * 0, supports=lambda x, weight, eps: "no unweighted norm")
+    report = check_backend(backend(rms_norm=impl), dtypes=(torch.float32, torch.bfloat16))
+    assert {r.status for r in report.results} == {"skipped"} and not report.failures
+    assert not report.passed
+    assert report.never_ran == {"rms_norm": ["supports() rejects: no unweighted norm"]}
+    assert "FAILED rms_norm: supports() rejected every case" in report.summary()
+    assert "no unweighted norm" in report.summary()
+
+
+def test_a_false_verdict_is_shown_as_what_supports_returned():
+    impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: False)
     report = check_backend(backend(rms_norm=impl))
-    assert report.passed and {r.status for r in report.results} == {"skipped"}
-    assert "no unweighted norm" in report.results[0].message
+    assert not report.passed and "supports() returned False" in report.summary()
+
+
+def test_supports_that_raises_fails_the_case():
+    def broken(x, weight, eps):
+        raise ValueError("bad predicate")
+
+    report = check_backend(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=broken)))
+    assert not report.passed and "supports() raised ValueError: bad predicate" in report.failures[0].message
+
+
+def test_pytest_items_of_an_op_whose_every_case_is_rejected_include_a_failing_one():
+    impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: "needs a CUDA tensor")
+    cases = conformance_cases(backend(rms_norm=impl))
+    assert [str(c) for c in cases] == [
+        "under_test-rms_norm-float32-0",
+        "under_test-rms_norm-float32-1",
+        "under_test-rms_norm-coverage",
+    ]
+    for case in cases[:2]:
+        with pytest.raises(pytest.skip.Exception, match="needs a CUDA tensor"):
+            case.check()
+    with pytest.raises(AssertionError, match="rejected every case.*needs a CUDA tensor"):
+        cases[2].check()
+
+
+def test_no_coverage_item_when_some_case_runs():
+    impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: weight is not None)
+    assert [str(c) for c in conformance_cases(backend(rms_norm=impl))] == [
+        "under_test-rms_norm-float32-0",
+        "under_test-rms_norm-float32-1",
+    ]
+
+
+def wide_rows(g, dtype):
+    """A shape the op's own cases miss: rows of 256."""
+    return [((randn(g, 3, 256, dtype=dtype), 1 + randn(g, 256, scale=0.1), 1e-6), {})]
+
+
+def first_64_columns_only(x, weight, eps):
+    """A wrong kernel that normalises with the mean square of the first 64 columns only."""
+    head = x[..., :64].float()
+    y = x.float() * torch.rsqrt(head.square().mean(-1, keepdim=True) + eps)
+    return (y * weight.float() if weight is not None else y).to(x.dtype)
+
+
+def test_backend_supplied_cases_run_in_addition_to_the_ops_own():
+    wrong = backend(rms_norm=first_64_columns_only)
+    assert check_backend(wrong).passed  # the op's own cases are 64 and 32 wide
+    report = check_backend(wrong, cases={"rms_norm": wide_rows}, dtypes=(torch.float32, torch.bfloat16))
+    assert not report.passed
+    assert [r.label for r in report.failures] == ["float32#own0", "bfloat16#own0"]
+    assert "FAILED rms_norm[float32#own0]: output" in report.summary()
+    assert sum(r.status == "passed" for r in report.results) == 4  # the op's own cases still ran
+    assert check_backend(backend(rms_norm=rms_norm_ref), cases={"rms_norm": wide_rows}).passed
+
+
+def test_backend_supplied_cases_are_pytest_items_too():
+    wrong = backend(rms_norm=first_64_columns_only)
+    cases = conformance_cases(wrong, cases={"rms_norm": wide_rows})
+    assert [str(c) for c in cases][-1] == "under_test-rms_norm-float32-own0"
+    cases[0].check()
+    with pytest.raises(AssertionError, match="under_test-rms_norm-float32-own0: output"):
+        cases[-1].check()
+
+
+def test_kernel_for_its_own_shapes_only_passes_on_the_cases_it_supplies():
+    def wide_only(x, weight, eps):
+        return True if x.shape[-1] >= 256 else f"width {x.shape[-1]} < 256"
+
+    impl = OpImpl(fn=rms_norm_ref, supports=wide_only)
+    assert not check_backend(backend(rms_norm=impl)).passed
+    report = check_backend(backend(rms_norm=impl), cases={"rms_norm": wide_rows})
+    assert report.passed, report.summary()
+    assert [r.status for r in report.results] == ["skipped", "skipped", "passed"]
+
+
+def test_cases_registered_with_the_op_run_whenever_the_backend_is_checked():
+    wrong = backend(rms_norm=OpImpl(fn=first_64_columns_only, sample_cases=wide_rows))
+    report = check_backend(wrong)  # no cases= argument: the registration carries them
+    assert [r.label for r in report.failures] == ["float32#own0"]
+    assert [str(c) for c in conformance_cases(wrong)][-1] == "under_test-rms_norm-float32-own0"
+    right = backend(rms_norm=OpImpl(fn=rms_norm_ref, sample_cases=wide_rows))
+    assert check_backend(right).passed
+
+
+def test_cases_for_an_op_the_backend_does_not_provide_are_an_error():
+    with pytest.raises(BackendError, match=r"does not provide: \['linaer'\]"):
+        check_backend(backend(rms_norm=rms_norm_ref), cases={"linaer": wide_rows})
+
+
+@pytest.fixture
+def op_without_cases(monkeypatch):
+    """A contract op ``double`` with no sample cases (removed after the test)."""
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        """``2 * x``."""
+        return 2 * x
+
+    monkeypatch.setitem(registry._OPS, "double", OpSpec("double", "test", double))
+    return "double"
+
+
+def test_op_without_sample_cases_is_untested_and_fails_unless_the_backend_supplies_cases(op_without_cases):
+    under_test = backend(double=lambda x: x + x)
+    report = check_backend(under_test)
+    assert not report.passed and report.untested_ops == ["double"] and not report.results
+    assert "UNTESTED double" in report.summary()
+    [item] = conformance_cases(under_test)
+    assert str(item) == "under_test-double-coverage"
+    with pytest.raises(AssertionError, match="no sample case"):
+        item.check()
+
+    def supplied(g, dtype):
+        return [((randn(g, 4, dtype=dtype),), {})]
+
+    report = check_backend(under_test, cases={"double": supplied})
+    assert report.passed and report.untested_ops == [] and [r.status for r in report.results] == ["passed"]
+    assert not check_backend(backend(double=lambda x: 3 * x), cases={"double": supplied}).passed
 
 
 def test_backend_inputs_are_copies_so_in_place_kernels_cannot_fool_the_reference():

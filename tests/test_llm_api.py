@@ -22,11 +22,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(backend="reference")
-
-
-@pytest.fixture(scope="module")
 def solo(llm):
     """Greedy output of each prompt run alone (the engine's batch-of-one result)."""
     return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]

@@ -22,11 +22,6 @@ CONV = [
 ]
 
 
-@pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(backend="reference")
-
-
 def render_independently(messages, add_generation_prompt=True, template=None) -> tuple[str, list[int]]:
     """Render with plain jinja2 from tokenizer_config.json and encode with HF `tokenizers`."""
     model_dir = builtin_tiny_model_dir()

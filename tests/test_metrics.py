@@ -143,3 +143,16 @@ def test_unpredictable_stops_are_counted_once(async_scheduling):
     m = llm.get_metrics()
     assert m["num_generated_tokens"] == len(PROMPTS)
     assert m["num_prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+
+
+def test_finished_requests_count_rejected_and_aborted_prompts():
+    """``num_finished_requests`` counts completed, failed (rejected at submission included) and
+    aborted requests: every output the engine returns."""
+    llm = LLM(backend="reference", max_model_len=32)
+    outs = llm.generate(
+        [{"prompt_token_ids": [1] * 40}, {"prompt_token_ids": []}, "Hi"],
+        SamplingParams(max_tokens=2),
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error", "length"]
+    assert llm.get_metrics()["num_finished_requests"] == 3

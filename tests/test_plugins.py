@@ -136,6 +136,20 @@ def test_allow_list_env_var_disables_unlisted_plugins(monkeypatch):
     assert unwanted.status == "disabled" and "DEEPINFER_PLUGINS" in unwanted.errors[0]
 
 
+def test_allow_list_naming_no_installed_plugin_warns(caplog):
+    manager = PluginManager()
+    with caplog.at_level("WARNING", logger="deepinfer"):
+        manager.load_entry_points(
+            allow="nosuch, wanted", eps=[EntryPoint("core", "deepinfer_core.builtin_plugin", "deepinfer")]
+        )
+    messages = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert (
+        len(messages) == 1
+        and "'nosuch', 'wanted'" in messages[0]
+        and "installed plugins: core" in messages[0]
+    )
+
+
 def test_plugin_raising_in_a_register_hook_is_recorded_and_others_load():
     def deepinfer_register_backends(register):
         raise RuntimeError("kernel library exploded")

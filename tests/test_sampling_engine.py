@@ -18,11 +18,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(backend="reference")
-
-
-@pytest.fixture(scope="module")
 def small() -> LLM:
     """Tiny token budget (chunked prefill), 2 sequences, a cache too small for all: preemptions."""
     return LLM(backend="reference", max_num_seqs=2, max_num_batched_tokens=5, num_cache_pages=3, page_size=16)

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-backend-plugin.md"
 DIST = "deepinfer-toy"
 
+pytestmark = pytest.mark.slow  # pip-installs a package and runs each check in a fresh interpreter
+
 
 def doc_files() -> dict[str, str]:
     """The package files of the doc: ``{relative path: text}``."""

@@ -40,7 +40,12 @@ class BackendSpec:
         is_available: zero-argument probe returning ``(True, None)`` or ``(False, reason)``;
             the reason says what is missing and how to get it.  It must not raise when the
             hardware or its libraries are absent.
-        supports_graph_capture: whether the ops may be captured in device graphs.
+        supports_graph_capture: whether the ops may be captured in device graphs (no host
+            syncs, shapes from arguments only); the engine then captures decode steps on
+            devices with a graph runtime unless ``enforce_eager``.
+        batch_invariant_devices: device types on which the ops honour batch-invariant mode
+            (a row's result bitwise independent of the batch); ``batch_invariant=True`` on
+            any other device is refused at start-up rather than silently not held.
         description: one line shown by ``deepinfer plugins``.
         plugin: name of the plugin that registered the backend (filled in by the core).
     """
@@ -51,6 +56,7 @@ class BackendSpec:
     ops: OpsMapping | Callable[[], OpsMapping] = field(default_factory=dict)
     is_available: Callable[[], Availability] = always_available
     supports_graph_capture: bool = False
+    batch_invariant_devices: tuple[str, ...] = ()
     description: str = ""
     plugin: str | None = None
     _ops_cache: dict[str, OpImpl] = field(default_factory=dict, init=False, repr=False, compare=False)

@@ -30,6 +30,9 @@ class SeqChunk:
         prev_row: async scheduling: when ``>= 0`` the chunk is one decode token whose value
             the host does not know yet: it is row ``prev_row`` of the previous step's sampled
             tokens (still on the device), and ``token_ids`` holds a placeholder.
+        table_key: identifies ``block_table``'s lineage: it changes whenever the request's
+            table is replaced rather than appended to (admission, preemption), so the model
+            runner sends the device only the pages appended since it last saw the same key.
     """
 
     seq_slot: int
@@ -41,6 +44,7 @@ class SeqChunk:
     window_from: int = 0
     cached_until: int = 0
     prev_row: int = -1
+    table_key: tuple[str, int] = ("", 0)
 
     @property
     def num_tokens(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.devices import check_device
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
@@ -96,6 +97,9 @@ class LLMEngine:
                 "page_size": config.resolved_page_size(ratios),
             }
         )
+        check_device(self.config.device)
+        if self.config.batch_invariant:
+            self._check_batch_invariance(torch.device(self.config.device).type)
         logger.info(
             "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d",
             model_dir,
@@ -105,7 +109,21 @@ class LLMEngine:
             self.config.max_model_len,
             self.config.page_size,
         )
-        self.runner = ModelRunner(model_dir, self.config, self.ops)
+        try:
+            self.runner = ModelRunner(model_dir, self.config, self.ops)
+        except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
+            if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            raise ConfigError(
+                f"not enough memory on {self.config.device} for the model, its KV cache and step buffers "
+                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); lower max_num_seqs, "
+                "max_num_batched_tokens, max_model_len or num_cache_pages / kv_cache_memory_gb"
+            ) from None
+        self.config = self.config.model_copy(
+            update={"max_model_len": self._fit_max_model_len(config.max_model_len is not None)}
+        )
+        self.runner.max_model_len = self.config.max_model_len
+        self._capture_graphs()
         self.model_config = self.runner.model_config
         self.tokenizer, self._tokenizer_error = self._load_tokenizer(Path(config.tokenizer or model_dir))
         eos = list(self.model_config.eos_token_ids)
@@ -132,6 +150,76 @@ class LLMEngine:
         self.metrics = Metrics(self.runner.capacity_tokens)
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         plugins.engine_started(self)
+
+    def _check_batch_invariance(self, device_type: str) -> None:
+        """Refuse ``batch_invariant=True`` where the ops in use do not honour it on this device
+        (the backend's own, and the reference for the ops that fall back to it)."""
+        backend = self.backend
+        if device_type not in backend.batch_invariant_devices:
+            honoured = ", ".join(backend.batch_invariant_devices) or "no device"
+            raise ConfigError(
+                f"batch_invariant=True: backend {backend.name!r} does not guarantee batch invariance on "
+                f"{device_type} (it does on: {honoured}); run on such a device, pick another backend, or "
+                "turn batch_invariant off"
+            )
+        fallback = sorted(n for n, src in self.ops.sources.items() if src != "backend")
+        reference = self.plugins.get_backend("reference")
+        if fallback and backend.name != "reference" and device_type not in reference.batch_invariant_devices:
+            raise ConfigError(
+                f"batch_invariant=True: backend {backend.name!r} leaves ops {fallback} to the reference "
+                f"implementation, which does not guarantee batch invariance on {device_type}; turn "
+                "batch_invariant off or use strict_ops=True with a backend covering every op"
+            )
+
+    def _capture_graphs(self) -> None:
+        """Capture the decode graphs when the backend supports it (``enforce_eager`` off), and
+        log what was decided."""
+        if self.config.enforce_eager:
+            logger.info("device graphs off: enforce_eager=True")
+            return
+        if not self.backend.supports_graph_capture:
+            logger.info("device graphs off: backend %r does not support graph capture", self.backend.name)
+            return
+        t0 = time.perf_counter()
+        reason = self.runner.capture_graphs()
+        if reason is None:
+            logger.info(
+                "captured %d decode graphs (batch sizes %s) in %.1f s",
+                len(self.runner.graphs),
+                sorted(self.runner.graphs),
+                time.perf_counter() - t0,
+            )
+        elif self.runner.device.type == "cpu":
+            logger.debug("device graphs off: %s", reason)
+        else:
+            logger.warning("device graphs off, decode runs eagerly: %s", reason)
+
+    def _fit_max_model_len(self, explicit: bool) -> int:
+        """``max_model_len`` checked against the cache: a sequence of that length must fit in the
+        whole cache, or the configuration could never serve it.  An explicit value that does not
+        fit is an error; a defaulted one is lowered to the cache's capacity (with a warning)."""
+        wanted: int = self.config.max_model_len  # type: ignore[assignment]
+        page, pages = self.runner.page_size, self.runner.kv_cache.num_pages
+        capacity = pages * page
+        if wanted <= capacity:
+            return wanted
+        needed = -(-wanted // page)
+        fix = f"raise num_cache_pages to at least {needed} (or kv_cache_memory_gb)"
+        if explicit:
+            raise ConfigError(
+                f"max_model_len={wanted} needs {needed} cache pages of {page} tokens, but the cache has "
+                f"{pages} ({capacity} tokens); {fix} or lower max_model_len to {capacity}"
+            )
+        logger.warning(
+            "max_model_len lowered from %d to %d: the cache has %d pages of %d tokens; %s for longer "
+            "sequences",
+            wanted,
+            capacity,
+            pages,
+            page,
+            fix,
+        )
+        return capacity
 
     @staticmethod
     def _load_tokenizer(path: Path) -> tuple[Any, str | None]:
@@ -269,6 +357,7 @@ class LLMEngine:
                 finished += self._complete(launched)
         elif previous is None and not finished and self.scheduler.has_unfinished():
             raise RuntimeError(f"scheduler made no progress with running requests {self.scheduler.running}")
+        self.metrics.record_finished(len(finished))
         return [self.make_output(r) for r in finished]
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, t0: float) -> _Launched:
@@ -356,6 +445,7 @@ class LLMEngine:
         with self._abort_lock:
             self._abort_ids = []
         done += self.scheduler.abort_all(reason)
+        self.metrics.record_finished(len(done))
         return [self.make_output(r) for r in done]
 
     def make_output(self, req: Request) -> RequestOutput:

@@ -26,7 +26,8 @@ class StepStats:
         num_tokens: tokens run through the model this step (prefill chunks, replays, decodes).
         num_decode_seqs: scheduled requests decoding one token.
         num_preempted: requests preempted while scheduling this step.
-        num_finished: requests finished this step (completed, failed or aborted).
+        num_finished: requests whose last token this step produced (``num_finished_requests``
+            of :class:`Metrics` also counts failed and aborted requests).
         cache_usage: fraction of cache pages in use after the step, in ``[0, 1]``.
         step_time_s: wall time of the step in seconds.
         num_prompt_tokens: prompt lengths of the requests that sampled their first token this step.
@@ -82,7 +83,6 @@ class Metrics:
     def update(self, stats: StepStats) -> None:
         """Add one step's statistics."""
         self.num_steps += 1
-        self.num_finished_requests += stats.num_finished
         self.num_prompt_tokens += stats.num_prompt_tokens
         self.num_generated_tokens += stats.num_generated_tokens
         self.num_scheduled_tokens += stats.num_tokens
@@ -93,6 +93,11 @@ class Metrics:
         self.cache_usage = stats.cache_usage
         self.peak_cache_usage = max(self.peak_cache_usage, stats.cache_usage)
         self.last_step = stats
+
+    def record_finished(self, num_requests: int) -> None:
+        """Count requests returned as finished: completed, failed (also those rejected at
+        submission, which never run a step) and aborted."""
+        self.num_finished_requests += num_requests
 
     @property
     def generation_tokens_per_s(self) -> float:

@@ -1,14 +1,14 @@
 """The model runner: loads a checkpoint, owns the model and its cache, runs steps.
 
-``execute(chunks)`` turns the scheduler's chunks into one flat varlen batch (host-side
-index plans, :mod:`deepinfer_core.models.deepseek_v4.metadata`), runs the model and
+``execute(chunks)`` sends the scheduler's chunks to the device as O(batch) scalars and
+block-table deltas (:mod:`~deepinfer_core.engine.step_inputs`), lets the model derive its
+per-token plans there (:mod:`deepinfer_core.models.deepseek_v4.metadata`), runs the model and
 returns the logits of the rows that sample.
 """
 
 from __future__ import annotations
 
 import logging
-from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,9 @@ from deepinfer_core.ops.modes import batch_invariant_mode
 from deepinfer_core.weights import load_checkpoint
 
 from .batch import SeqChunk
+from .graphs import DeviceGraph, GraphFactory, batch_buckets, device_graph_factory
 from .kv_cache import KVCacheManager
+from .step_inputs import StepInputBuffers, StepInputs
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
@@ -51,6 +53,8 @@ class ModelRunner:
         self.batch_invariant = config.batch_invariant
         weights = load_checkpoint(model_dir, cfg, self.dtype, self.device)
         self.model = DeepseekV4Model(cfg, weights, ops)
+        del weights
+        logger.info("weights: %.2f GiB on %s", self.model.weight_bytes() / 2**30, self.device)
         self.page_size = config.resolved_page_size(self.model.ratios)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         specs = self.model.cache_specs()
@@ -67,6 +71,17 @@ class ModelRunner:
         self.cache = HybridCache(
             specs, num_pages, self.page_size, config.max_num_seqs, self.dtype, self.device
         )
+        self.inputs = StepInputBuffers(
+            max_tokens=config.max_num_batched_tokens + config.max_num_seqs,
+            max_reqs=config.max_num_seqs + 1,
+            num_slots=config.max_num_seqs,
+            max_pages=max(-(-self.max_model_len // self.page_size), 1) + 1,
+            trash_page=self.cache.trash_page,
+            device=self.device,
+        )
+        # previous step's sampled tokens, copied here for graph replays (a fixed address)
+        self.prev_buf = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs: dict[int, DeviceGraph] = {}
         logger.info(
             "KV cache: %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq state)",
             num_pages,
@@ -119,21 +134,84 @@ class ModelRunner:
                     f"slot {c.seq_slot}: block table of {len(c.block_table)} pages cannot hold "
                     f"{c.end_pos} positions (page_size {self.page_size})"
                 )
+        if prev_tokens is None and any(c.prev_row >= 0 for c in chunks):
+            raise ValueError("chunks refer to the previous step's tokens but none were given")
+        bucket = self._graph_bucket(chunks)
+        if bucket is not None:
+            if prev_tokens is not None:
+                self.prev_buf[: prev_tokens.shape[0]].copy_(prev_tokens)
+            self.inputs.prepare(
+                chunks, list(range(bucket)), self.prev_buf, bucket, bucket + 1, self.max_model_len
+            )
+            return self.graphs[bucket].replay()[: len(chunks)]
+        inputs = self.inputs.prepare(chunks, sample_rows(chunks), prev_tokens)
+        return self._forward(inputs)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Derive the step's plans on the device and run the model: the work a graph records."""
         md = build_metadata(
-            chunks,
+            inputs,
             self.model_config.sliding_window,
             self.model.ratios,
             self.page_size,
             self.kv_cache.num_slots,
-            self.device,
+            self.cache.trash_page,
         )
-        pending = [(i, c.prev_row) for i, c in enumerate(chunks) if c.prev_row >= 0]
-        if pending:
-            if prev_tokens is None:
-                raise ValueError("chunks refer to the previous step's tokens but none were given")
-            starts = list(accumulate((c.num_tokens for c in chunks), initial=0))
-            rows = torch.tensor([starts[i] for i, _ in pending], device=md.input_ids.device)
-            src = torch.tensor([r for _, r in pending], device=prev_tokens.device)
-            md.input_ids.index_copy_(0, rows, prev_tokens.index_select(0, src).to(md.input_ids))
         with batch_invariant_mode(self.batch_invariant):
             return self.model.forward(md, self.cache)
+
+    # ---- device graphs -----------------------------------------------------------------------
+    def capture_graphs(self, factory: GraphFactory | None = None, pool: object | None = None) -> str | None:
+        """Capture one decode graph per batch bucket (:mod:`~deepinfer_core.engine.graphs`).
+
+        Args:
+            factory: the graph implementation; ``None`` = the device's own (CUDA graphs).
+            pool: the memory pool the graphs share (``None`` with an explicit factory).
+
+        Returns:
+            ``None`` when the graphs are captured, else why not (the runner stays eager).
+        """
+        if factory is None:
+            factory, pool, reason = device_graph_factory(self.device)
+            if factory is None:
+                return reason
+        buckets = batch_buckets(self.kv_cache.num_slots)
+        graphs = {}
+        try:
+            for b in sorted(buckets, reverse=True):  # largest first: the others reuse its pool
+                inputs = self.inputs.prepare([], list(range(b)), self.prev_buf, b, b + 1, self.max_model_len)
+
+                def step(inputs: StepInputs = inputs) -> torch.Tensor:
+                    return self._forward(inputs)
+
+                step()  # warm-up: lazy initialisation, kernel compilation, autotuning
+                graph = factory(pool)
+                graph.capture(step)
+                graphs[b] = graph
+        except Exception as e:  # an op that cannot be captured: run eagerly, and say so
+            return f"capturing the batch-{b} decode graph failed ({type(e).__name__}: {e})"
+        self.graphs = graphs
+        return None
+
+    def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
+        """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where
+        every request decodes one token and wants only its logits."""
+        if not self.graphs or len(chunks) > max(self.graphs):
+            return None
+        if any(c.num_tokens != 1 or not c.sample or c.all_logits for c in chunks):
+            return None
+        return min(b for b in self.graphs if b >= len(chunks))
+
+
+def sample_rows(chunks: list[SeqChunk]) -> list[int]:
+    """Token rows whose logits a step returns: every row of ``all_logits`` chunks, the last
+    row of the other sampling chunks, in chunk order."""
+    rows: list[int] = []
+    offset = 0
+    for c in chunks:
+        if c.all_logits:
+            rows.extend(range(offset, offset + c.num_tokens))
+        elif c.sample:
+            rows.append(offset + c.num_tokens - 1)
+        offset += c.num_tokens
+    return rows

@@ -73,6 +73,7 @@ class Request:
         self.error: str | None = None
         self.seq_slot: int | None = None
         self.block_table: list[int] = []
+        self.table_version = 0  # bumped whenever block_table is replaced (not appended to)
         self.num_computed_tokens = 0
         self.num_preemptions = 0
         # prefix caching / SWA bounded replay (managed by the scheduler)

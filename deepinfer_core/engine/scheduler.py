@@ -158,7 +158,7 @@ class Scheduler:
                 break
             if not self.can_ever_fit(req.num_tokens):
                 self.waiting.popleft()
-                self._fail_too_long(req, out)
+                self._fail_too_long(req, out, req.num_tokens)
                 continue
             hit = self._match_prefix(req)
             n = self._chunk_size(req, budget)
@@ -188,6 +188,7 @@ class Scheduler:
         pages, hashes = self.kv_cache.match_prefix(tokens, req.num_tokens - 1)
         hit = len(pages) * self.kv_cache.page_size
         req.block_table, req.page_hashes = pages, hashes
+        req.table_version += 1
         req.cached_until = hit
         req.window_from = req.num_computed_tokens = max(0, hit - self.replay_tail)
         return hit
@@ -196,6 +197,7 @@ class Scheduler:
         """Drop ``req``'s pages and computed state (it will be recomputed, or re-matched)."""
         self.kv_cache.free_pages(req.block_table)
         req.block_table, req.page_hashes = [], []
+        req.table_version += 1
         req.num_computed_tokens = req.cached_until = req.window_from = 0
 
     def _register_full_pages(self, req: Request, computed: int) -> None:
@@ -231,7 +233,7 @@ class Scheduler:
             if victim is None:
                 if not self.can_ever_fit(req.num_computed_tokens + n):
                     self._release(req)
-                    self._fail_too_long(req, out)
+                    self._fail_too_long(req, out, req.num_computed_tokens + n)
                 else:
                     self._preempt(req, out)
                 return 0
@@ -259,6 +261,7 @@ class Scheduler:
                 window_from=req.window_from,
                 cached_until=req.cached_until,
                 prev_row=req.pending_row if pending else -1,
+                table_key=(req.request_id, req.table_version),
             )
         )
         out.requests.append(req)
@@ -285,13 +288,14 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    def _fail_too_long(self, req: Request, out: SchedulerOutput) -> None:
-        pages = self.kv_cache.pages_needed(req.num_tokens)
+    def _fail_too_long(self, req: Request, out: SchedulerOutput, num_tokens: int) -> None:
+        """Fail ``req``: ``num_tokens`` positions (the count that did not fit) exceed the cache."""
+        pages = self.kv_cache.pages_needed(num_tokens)
         req.finish(
             "error",
-            f"request {req.request_id!r} needs {pages} cache pages for {req.num_tokens} tokens but the "
-            f"cache has {self.kv_cache.num_pages}; raise num_cache_pages (or kv_cache_memory_gb) or "
-            "lower max_model_len",
+            f"request {req.request_id!r} needs {pages} cache pages for {num_tokens} tokens but the "
+            f"cache has only {self.kv_cache.num_pages}; raise num_cache_pages to at least {pages} "
+            "(or kv_cache_memory_gb) or lower max_model_len",
         )
         out.finished.append(req)
 

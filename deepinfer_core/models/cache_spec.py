@@ -16,6 +16,10 @@ kinds cover DeepSeek-V4 and leave room for V4.1:
 
 Any spec may set ``alias_of=(layer, name)`` to read another layer's storage instead of
 owning one (V4.1's decoder layers read a source layer's compressed cache).
+
+Every tensor has one extra *trash* slot (``num_slots``) and page (``num_pages``) beyond
+what the cache manager hands out: fixed-shape step plans send the writes they do not need
+there, so no step has to filter its rows by value.
 """
 
 from __future__ import annotations
@@ -90,7 +94,8 @@ class HybridCache:
 
     Args:
         specs: ``specs[layer]`` is that layer's list of specs.
-        num_pages, page_size, num_slots: pool geometry (see :class:`KVCacheManager`).
+        num_pages, page_size, num_slots: pool geometry (see :class:`KVCacheManager`); one trash
+            page and slot are added.
         dtype, device: model dtype (for specs without their own) and device.
     """
 
@@ -106,6 +111,8 @@ class HybridCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_slots = num_slots
+        self.trash_slot, self.trash_page = num_slots, num_pages
+        num_pages, num_slots = num_pages + 1, num_slots + 1  # the trash rows
         self._tensors: dict[tuple[int, str], torch.Tensor] = {}
         for layer, layer_specs in enumerate(specs):
             for spec in layer_specs:

@@ -1,13 +1,17 @@
 """Attention ops: sparse multi-source MQA with sinks, compressor pooling, indexer top-k.
 
-V4 attention is MQA with one shared K=V head.  Each query attends to an explicit list of
-key rows drawn from several *sources* (the sliding-window ring, the current chunk's keys,
-the compressed-entry pool), FlashMLA-sparse style: an index ``-1`` marks an unused slot.
+V4 attention is MQA with one shared K=V head.  Each query attends to key rows drawn from
+several *sources* (the sliding-window ring, the current chunk's keys, the compressed-entry
+pool).  A source's rows are given either as an explicit list per query, FlashMLA-sparse style
+(an index ``-1`` marks an unused slot), or as a :class:`PagedIndex`: the first ``counts[t]``
+entries of a paged pool, located through a block table, as FlashMLA's and DeepGEMM's paged
+kernels read them (no per-query list that grows with the context).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,13 +21,68 @@ from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row
 from .registry import define_op
 
 
+@dataclass(frozen=True)
+class PagedIndex:
+    """Entries ``0 .. counts[t]-1`` of a paged pool, for each query ``t``.
+
+    Entry ``e`` of query ``t`` lives in pool row
+    ``block_table[token_rows[t], e // entries_per_page] * entries_per_page + e % entries_per_page``.
+
+    Attributes:
+        block_table: ``[R, P]`` int64 page ids, one row per request.
+        token_rows: ``[T]`` int64 row of ``block_table`` of each query.
+        counts: ``[T]`` int64 visible entries of each query (clamped to ``max_count``).
+        entries_per_page: pool rows per page (``page_size // ratio``).
+        max_count: a static upper bound of ``counts`` (a Python int: shapes derive from it,
+            never from tensor values).
+    """
+
+    block_table: torch.Tensor
+    token_rows: torch.Tensor
+    counts: torch.Tensor
+    entries_per_page: int
+    max_count: int
+
+    def rows(self) -> torch.Tensor:
+        """The explicit ``[T, max_count]`` pool rows (``-1`` past each query's count)."""
+        e = torch.arange(self.max_count, device=self.counts.device)
+        cols = (e // self.entries_per_page).clamp(max=self.block_table.shape[1] - 1)
+        pages = self.block_table.index_select(0, self.token_rows).index_select(1, cols)
+        rows = pages * self.entries_per_page + e % self.entries_per_page
+        return torch.where(e[None, :] < self.counts[:, None], rows, -1)
+
+    def select(self, rows: torch.Tensor) -> PagedIndex:
+        """The index of the queries ``rows`` (for callers that pad or split the queries)."""
+        return PagedIndex(
+            self.block_table, self.token_rows[rows], self.counts[rows], self.entries_per_page, self.max_count
+        )
+
+
+def _as_rows(index: torch.Tensor | PagedIndex) -> torch.Tensor:
+    """An explicit ``[T, K]`` row list from either form of a source's index."""
+    return index.rows() if isinstance(index, PagedIndex) else index
+
+
+def _paged_case(g: torch.Generator, t: int, n_pages: int, epp: int) -> PagedIndex:
+    """A random paged index over ``n_pages`` pages of ``epp`` entries (pages shuffled)."""
+    table = torch.randperm(n_pages, generator=g).view(1, -1).repeat(2, 1)
+    table[1] = table[1].flip(0)
+    counts = torch.randint(0, n_pages * epp + 1, (t,), generator=g)
+    return PagedIndex(table, torch.randint(0, 2, (t,), generator=g), counts, epp, n_pages * epp)
+
+
 def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     t, h, d = 6, 4, 32
     pool_a, pool_b = randn(g, 20, d, dtype=dtype), randn(g, 9, d, dtype=dtype)
     idx_a = torch.randint(-1, 20, (t, 5), generator=g)
     idx_b = torch.randint(-1, 9, (t, 3), generator=g)
     idx_a[:, 0] = 0  # at least one valid key per query
-    return [((randn(g, t, h, d, dtype=dtype), [pool_a, pool_b], [idx_a, idx_b], randn(g, h), d**-0.5), {})]
+    paged = _paged_case(g, t, 3, 4)
+    pool_c = randn(g, 12, d, dtype=dtype)
+    return [
+        ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_b], [idx_a, idx_b], randn(g, h), d**-0.5), {}),
+        ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_c], [idx_a, paged], randn(g, h), d**-0.5), {}),
+    ]
 
 
 @define_op("sparse_attention", "attention", batch_invariant=True, sample_cases=_attn_cases)
@@ -31,7 +90,7 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 def sparse_attention(
     q: torch.Tensor,
     kv_pools: Sequence[torch.Tensor],
-    indices: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor | PagedIndex],
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -40,7 +99,8 @@ def sparse_attention(
     Args:
         q: ``[T, H, D]`` queries.
         kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype.
-        indices: per source, ``[T, K_i]`` int64 row indices into that pool; ``-1`` = no key.
+        indices: per source, ``[T, K_i]`` int64 row indices into that pool (``-1`` = no key),
+            or a :class:`PagedIndex` (its entries in entry order, as if listed explicitly).
         sinks: ``[H]`` float32 sink logits: joined to each head's softmax, then dropped.
         scale: softmax scale (``D**-0.5`` for V4).
 
@@ -53,6 +113,7 @@ def sparse_attention(
     the mode compacts the valid keys to the front and reduces them in fixed blocks of
     ``KEY_BLOCK`` keys with an online softmax (see :func:`_sparse_attention_blocked`).
     """
+    indices = [_as_rows(idx) for idx in indices]
     if batch_invariant_enabled():
         return _sparse_attention_blocked(q, kv_pools, indices, sinks, scale)
     keys, valid = [], []
@@ -139,8 +200,13 @@ def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
     cand = torch.arange(n).repeat(t, 1)
     cand[1, 6:] = -1
     cand[2, 2:] = -1
+    paged = _paged_case(g, t, 3, 4)
     return [
-        ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), randn(g, n, d, dtype=dtype), cand, 4, d**-0.5), {})
+        ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), randn(g, n, d, dtype=dtype), cand, 4, d**-0.5), {}),
+        (
+            (randn(g, t, h, d, dtype=dtype), randn(g, t, h), randn(g, n, d, dtype=dtype), paged, 4, d**-0.5),
+            {},
+        ),
     ]
 
 
@@ -150,7 +216,7 @@ def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
     key_pool: torch.Tensor,
-    candidates: torch.Tensor,
+    candidates: torch.Tensor | PagedIndex,
     k: int,
     scale: float,
 ) -> torch.Tensor:
@@ -164,7 +230,8 @@ def indexer_topk(
     Args:
         q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` float32 head weights.
         key_pool: ``[N, D]`` indexer keys.
-        candidates: ``[T, C]`` int64 rows of ``key_pool`` each query may pick (``-1`` = none).
+        candidates: ``[T, C]`` int64 rows of ``key_pool`` each query may pick (``-1`` = none),
+            or a :class:`PagedIndex` (columns = entries in order, ``C = max_count``).
         k: how many to keep; scale: score scale (``D**-0.5``).
 
     Returns:
@@ -174,6 +241,7 @@ def indexer_topk(
         entries went through the indexer or (every query having at most ``k``) not; the
         scores are computed in fixed blocks of ``KEY_BLOCK`` candidates.
     """
+    candidates = _as_rows(candidates)
     if batch_invariant_enabled():
         scores = _indexer_scores_blocked(q, weights, key_pool, candidates, scale)
     else:

@@ -108,6 +108,11 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.bmm(xp, w).view(tiles * ROW_TILE, -1)[:t].view(*lead, weight.shape[0])
 
 
+def _explicit(a: Any) -> torch.Tensor:
+    """A tensor argument as is; a structured index (``PagedIndex``) as its explicit rows."""
+    return a if isinstance(a, torch.Tensor) else a.rows()
+
+
 def row_padded(pad_values: Mapping[str, float]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator for an op whose named arguments are row-indexed (dim 0; lists: each item).
 
@@ -132,9 +137,9 @@ def row_padded(pad_values: Mapping[str, float]) -> Callable[[Callable[..., Any]]
             for name, value in pad_values.items():
                 a = bound.arguments[name]
                 if isinstance(a, list | tuple):
-                    bound.arguments[name] = [pad_rows(i, rows, value).contiguous() for i in a]
+                    bound.arguments[name] = [pad_rows(_explicit(i), rows, value).contiguous() for i in a]
                 elif a is not None:
-                    bound.arguments[name] = pad_rows(a, rows, value).contiguous()
+                    bound.arguments[name] = pad_rows(_explicit(a), rows, value).contiguous()
             out = fn(*bound.args, **bound.kwargs)
             if t == rows:
                 return out

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ._cases import randn
-from .modes import batch_invariant_enabled, pad_rows, padded_len, row_padded, tiled_linear
+from .modes import ROW_TILE, batch_invariant_enabled, row_padded
 from .registry import define_op
 
 _SCORE_FNS = {
@@ -110,39 +112,34 @@ def moe_experts(
 
     Batch invariance: a token's result must not depend on which other tokens chose the same
     experts; its expert contributions are added in ascending expert order.
+
+    No host sync on any path (capturable in a CUDA graph): the path is chosen from shapes,
+    dtypes and the device, and the per-expert groups are found on the device.
     """
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
     if batch_invariant_enabled():
         return _experts_tiled(x, ids, weights, gate_up, down, limit)
     if num_experts <= _DENSE_WASTE * top_k and x.shape[0] * num_experts <= _DENSE_MAX_ROWS:
         return _experts_dense(x, ids, weights, gate_up, down, limit)
-    if _HAS_GROUPED_MM and x.device.type == "cpu":
+    if _grouped_mm_supported(x, gate_up, down):
         return _experts_grouped(x, ids, weights, gate_up, down, limit)
-    out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    token_of = order // top_k
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start : start + c]
-        tok = token_of[start : start + c]
-        start += c
-        h = F.linear(x[tok], gate_up[e])
-        gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-        h = F.linear(h, down[e]) * weights.reshape(-1)[sel, None]
-        out.index_add_(0, tok, h.to(out.dtype))
-    return out
+    return _experts_dense_chunked(x, ids, weights, gate_up, down, limit)
 
+
+# No path reads a tensor value on the host (no ``.tolist()`` / ``.item()``, no ``bincount``,
+# which syncs on CUDA to size its output): the choice between them and every loop depend on
+# shapes, dtypes and the device only, so a step that runs them can be captured in a CUDA graph.
+# Per-expert groups are found on the device from the expert-sorted (token, expert) pairs:
+# ``searchsorted(sorted_ids, e, right=True)`` is the number of pairs with an expert <= e.
 
 # With few experts (at most this many times top_k) and few tokens, running every expert on
-# every token costs fewer, larger ops than the per-expert gather loop: the wasted FLOPs are
+# every token costs fewer, larger ops than grouping the tokens by expert: the wasted FLOPs are
 # cheaper than the per-op dispatch on small batches.  Unselected experts get weight exactly 0.
 _DENSE_WASTE = 4
 _DENSE_MAX_ROWS = 2048  # tokens x experts
+# The fallback where grouped GEMMs are not available runs every expert on chunks of at most
+# this many tokens x experts rows (bounds the [tokens, experts, 2I] intermediate).
+_FALLBACK_MAX_ROWS = 16384
 
 
 def _experts_dense(
@@ -162,7 +159,56 @@ def _experts_dense(
     return (y * dense_w.t().unsqueeze(-1).to(y.dtype)).sum(dim=0).to(x.dtype)
 
 
+def _experts_dense_chunked(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor:
+    """:func:`_experts_dense` over chunks of tokens: the sync-free fallback where
+    ``torch._grouped_mm`` does not run without a host sync (CUDA other than bf16 on sm90 /
+    sm100, float64, other devices)."""
+    chunk = max(1, _FALLBACK_MAX_ROWS // gate_up.shape[0])
+    if x.shape[0] <= chunk:
+        return _experts_dense(x, ids, weights, gate_up, down, limit)
+    parts = zip(x.split(chunk), ids.split(chunk), weights.split(chunk), strict=True)
+    return torch.cat([_experts_dense(xc, ic, wc, gate_up, down, limit) for xc, ic, wc in parts])
+
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+@functools.cache
+def _cuda_major(index: int | None) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs these operands exactly and without a host sync.
+
+    On CPU it takes fp32 / bf16 / fp16 (not float64).  On CUDA only the bf16 kernels of sm90 /
+    sm100 (with 16-byte aligned rows) take the group offsets on the device: every other case
+    falls back to a per-group loop that copies the offsets to the host.
+    """
+    if not _HAS_GROUPED_MM or not x.dtype == gate_up.dtype == down.dtype:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
+        return x.dtype == torch.bfloat16 and aligned and _cuda_major(x.device.index) in (9, 10)
+    return False
+
+
+def _expert_groups(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs sorted by expert (stable: by token, then slot, within one):
+    ``(sorted expert ids [P], pair order [P], group ends [E])``, where ``ends[e]`` counts the
+    pairs with an expert <= e (``bincount(...).cumsum(0)`` without its host sync)."""
+    sorted_ids, order = torch.sort(ids.reshape(-1).long(), stable=True)
+    experts = torch.arange(num_experts, dtype=torch.int64, device=ids.device)
+    return sorted_ids, order, torch.searchsorted(sorted_ids, experts, right=True)
 
 
 def _experts_grouped(
@@ -174,12 +220,11 @@ def _experts_grouped(
     limit: float,
 ) -> torch.Tensor:
     """The per-expert computation as two grouped GEMMs over the (token, expert) pairs sorted
-    by expert (``torch._grouped_mm``, exact per group): no wasted FLOPs and no per-expert
-    dispatch.  Contributions reach each token in ascending expert order, as in the loop."""
+    by expert (``torch._grouped_mm`` with the group offsets on the device, exact per group): no
+    wasted FLOPs and no per-expert dispatch."""
     top_k, num_experts = ids.shape[1], gate_up.shape[0]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    offs = torch.bincount(flat, minlength=num_experts).cumsum(0).to(torch.int32)
+    _, order, ends = _expert_groups(ids, num_experts)
+    offs = ends.to(torch.int32)
     tok = order // top_k
     h = torch._grouped_mm(x.index_select(0, tok), gate_up.transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
@@ -187,6 +232,10 @@ def _experts_grouped(
     y = torch._grouped_mm(h, down.transpose(1, 2), offs=offs)
     y = y * weights.reshape(-1).index_select(0, order).unsqueeze(1).to(y.dtype)
     return torch.zeros_like(x).index_add_(0, tok, y.to(x.dtype))
+
+
+# Batch-invariant mode: weights of at most this many elements are gathered for one bmm.
+_TILE_WEIGHT_BUDGET = 1 << 24
 
 
 def _experts_tiled(
@@ -197,30 +246,64 @@ def _experts_tiled(
     down: torch.Tensor,
     limit: float,
 ) -> torch.Tensor:
-    """The per-expert loop of the batch-invariant mode: each expert's rows, however many,
-    are zero-padded to whole ``ROW_TILE`` tiles (fixed-shape GEMMs and no SIMD tails), and
-    the contributions reach each token in ascending expert order (one ``index_add_`` per
-    expert, single-threaded)."""
-    out = torch.zeros_like(x)
-    top_k = ids.shape[1]
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    """The experts of the batch-invariant mode: each expert's rows, however many, are
+    zero-padded to whole ``ROW_TILE`` tiles, every tile is one item of a ``bmm`` against its
+    expert's weights (fixed-shape GEMMs and no SIMD tails), and the contributions reach each
+    token in ascending expert order (then slot order), added one at a time.
+
+    Without a host sync: the pairs go to their slots in a buffer of ``n_tiles`` tiles, a bound
+    on ``sum_e ceil(count_e / ROW_TILE)`` from the shapes alone (tiles past the used ones hold
+    zeros and are never read back); which expert each tile belongs to is found on the device.
+    """
+    T, top_k = ids.shape
+    E, D, I = gate_up.shape[0], x.shape[1], down.shape[2]
+    P, R = T * top_k, ROW_TILE
+    if P == 0:
+        return torch.zeros_like(x)
+    dev = x.device
+    sorted_ids, order, ends = _expert_groups(ids, E)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    tiles = (counts + R - 1) // R
+    tile_end = torch.cumsum(tiles, 0)
+    # slot of the s-th sorted pair: its expert's first tile row + its rank among the expert's pairs
+    rank = torch.arange(P, device=dev) - (ends - counts).index_select(0, sorted_ids)
+    slot = (tile_end - tiles).index_select(0, sorted_ids) * R + rank
+    n_tiles = (P + (R - 1) * min(E, P)) // R
+    tile_expert = torch.searchsorted(tile_end, torch.arange(n_tiles, device=dev), right=True)
+    tile_expert = tile_expert.clamp_(max=E - 1)  # tiles past the used ones: zeros, any expert
+    xs = x.new_zeros(n_tiles * R, D).index_copy_(0, slot, x.index_select(0, order // top_k))
     flat_w = weights.reshape(-1)
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        sel = order[start : start + c]
-        start += c
-        rows = padded_len(c)
-        tok = sel // top_k
-        h = tiled_linear(pad_rows(x.index_select(0, tok), rows), gate_up[e])
-        gate, up = h.chunk(2, dim=-1)
+    ws = flat_w.new_zeros(n_tiles * R).index_copy_(0, slot, flat_w.index_select(0, order))
+    per_chunk = max(1, _TILE_WEIGHT_BUDGET // (gate_up[0].numel() + down[0].numel()))
+    ys = []
+    for start in range(0, n_tiles, per_chunk):
+        n = min(per_chunk, n_tiles - start)
+        experts = tile_expert[start : start + n]
+        rows = slice(start * R, (start + n) * R)
+        h = torch.bmm(xs[rows].view(n, R, D), gate_up.index_select(0, experts).transpose(1, 2))
+        gate, up = h.view(n * R, 2 * I).chunk(2, dim=-1)
         h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-        h = tiled_linear(h, down[e]) * pad_rows(flat_w.index_select(0, sel), rows).unsqueeze(-1)
-        out.index_add_(0, tok, h[:c].to(out.dtype))
-    return out
+        y = torch.bmm(h.view(n, R, I), down.index_select(0, experts).transpose(1, 2)).view(n * R, D)
+        ys.append(y * ws[rows].unsqueeze(-1))
+    y = ys[0] if len(ys) == 1 else torch.cat(ys)
+    # each token's contributions in ascending expert order (stable: duplicates in slot order)
+    pair_slot = torch.empty_like(slot).index_copy_(0, order, slot).view(T, top_k)
+    token_ids, by_expert = torch.sort(ids, dim=1, stable=True)
+    contrib = y.index_select(0, pair_slot.gather(1, by_expert).reshape(-1)).view(T, top_k, D).to(x.dtype)
+    if x.dtype in (torch.float32, torch.float64):
+        out = torch.zeros_like(x)
+        for j in range(top_k):
+            out += contrib[:, j]
+        return out
+    # lower precision: one rounding per expert, a duplicated expert's contributions summed in
+    # fp32 first (what one ``index_add_`` per expert does)
+    acc = torch.zeros_like(x, dtype=torch.float32)
+    for j in range(top_k):
+        if j:
+            same = (token_ids[:, j] == token_ids[:, j - 1])[:, None]
+            acc = torch.where(same, acc, acc.to(x.dtype).float())
+        acc = acc + contrib[:, j].float()
+    return acc.to(x.dtype)
 
 
 def _swiglu_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

@@ -58,10 +58,14 @@ class OpImpl:
         supports: optional predicate called with the op's arguments; returns ``True`` when
             ``fn`` handles the case.  A ``False`` (or a string giving the reason) makes the
             engine use the reference implementation for that call (logged once per op).
+        sample_cases: optional ``(generator, dtype) -> [(args, kwargs), ...]`` of the shapes the
+            kernel targets (the form of :attr:`OpSpec.sample_cases`); the conformance suite
+            runs them against the reference in addition to the op's own cases.
     """
 
     fn: Callable[..., Any]
     supports: Callable[..., bool | str] | None = None
+    sample_cases: SampleCases | None = None
 
 
 _OPS: dict[str, OpSpec] = {}

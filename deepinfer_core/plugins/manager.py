@@ -82,6 +82,15 @@ class PluginManager:
                 info.fail(f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}")
                 continue
             self._register_module(module, info)
+        unknown = sorted(allowed - set(self.plugins) - {CORE_PLUGIN})
+        if unknown:
+            logger.warning(
+                "%s=%r names %s that no installed plugin has; installed plugins: %s",
+                ALLOW_ENV,
+                allow,
+                ", ".join(map(repr, unknown)),
+                ", ".join(sorted(self.plugins)) or "none",
+            )
         if CORE_PLUGIN not in self.plugins:  # running from a source tree without `pip install -e`
             from deepinfer_core import builtin_plugin
 

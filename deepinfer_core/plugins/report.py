@@ -47,6 +47,7 @@ def backend_row(spec: BackendSpec) -> dict[str, Any]:
         "available": available,
         "reason": reason,
         "supports_graph_capture": spec.supports_graph_capture,
+        "batch_invariant_devices": list(spec.batch_invariant_devices),
         "description": spec.description,
     }
     try:

@@ -1,8 +1,10 @@
 """Logit processing before temperature: allowed tokens, logit bias, min-tokens bans, penalties.
 
-All functions take fp32 logits ``[B, V]`` and return a new tensor (the input is not modified);
-per-row parameters come as Python lists with one entry per row, ``None`` meaning "off".
-The semantics are vLLM's:
+All functions take fp32 logits ``[B, V]`` and return a new tensor (the input is not modified).
+The ``*_padded`` ones are what the sampler runs: their per-row parameters are device tensors
+(token id lists padded with the id ``V``, a column that is dropped) and they do pure device work,
+with no host sync, so they can run inside a captured step.  The others take Python lists with
+one entry per row (``None`` meaning "off"), pack them and call those.  The semantics are vLLM's:
 
 - ``allowed_token_ids``: every other token gets ``-inf``.
 - ``logit_bias``: ``{token_id: bias}`` added to the logits.
@@ -21,6 +23,54 @@ from collections.abc import Sequence
 import torch
 
 
+def pad_token_rows(rows: Sequence[Sequence[int] | None], pad: int, min_width: int = 1) -> list[list[int]]:
+    """Ragged id lists as equal-length rows, padded with ``pad`` (at least ``min_width`` wide)."""
+    width = max(min_width, max((len(r) for r in rows if r), default=0))
+    return [[*r, *[pad] * (width - len(r))] if r else [pad] * width for r in rows]
+
+
+def _id_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` bool: True at each row's ids (``ids`` padded with ``V``)."""
+    mask = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+    return mask.scatter_(1, ids, True)[:, :vocab_size]
+
+
+def apply_allowed_bias_bans_padded(
+    logits: torch.Tensor,
+    allowed: tuple[torch.Tensor, torch.Tensor] | None,
+    bias: tuple[torch.Tensor, torch.Tensor] | None,
+    banned_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mask to the allowed ids, add the logit bias, ban the min-tokens ids.
+
+    Args:
+        logits: ``[B, V]`` fp32.
+        allowed: ``(ids [B, W] int64, on [B] bool)``: rows whose ``on`` is set keep only their
+            ids; or ``None`` (no row restricts).
+        bias: ``(ids [B, W] int64, values [B, W] fp32)`` (ids distinct within a row), or ``None``.
+        banned_ids: ``[B, W]`` int64, or ``None``.
+
+    Masked tokens end at ``-inf`` whatever their bias (as masking first, then adding, does).
+    """
+    V = logits.shape[1]
+    out = logits
+    if bias is not None:
+        ids, values = bias
+        dense = torch.zeros(ids.shape[0], V + 1, dtype=logits.dtype, device=logits.device)
+        dense = dense.scatter_(1, ids, values.to(logits.dtype))[:, :V]
+        out = torch.where(_id_mask(ids, V), out + dense, out)  # biased tokens only: exact x + b
+    drop = None
+    if allowed is not None:
+        ids, on = allowed
+        drop = ~_id_mask(ids, V) & on[:, None]
+    if banned_ids is not None:
+        banned = _id_mask(banned_ids, V)
+        drop = banned if drop is None else drop | banned
+    if drop is not None:
+        out = out.masked_fill(drop, float("-inf"))
+    return out.clone() if out is logits else out
+
+
 def apply_allowed_bias_bans(
     logits: torch.Tensor,
     allowed_token_ids: Sequence[Sequence[int] | None],
@@ -28,38 +78,74 @@ def apply_allowed_bias_bans(
     banned_token_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """Mask to the allowed ids, add the logit bias, ban the min-tokens ids (in that order)."""
-    out = logits.clone()
+    B, V = logits.shape
     device = logits.device
-    for i, allowed in enumerate(allowed_token_ids):
-        if allowed is not None:
-            keep = torch.zeros(logits.shape[1], dtype=torch.bool, device=device)
-            keep[torch.tensor(list(allowed), dtype=torch.int64, device=device)] = True
-            out[i].masked_fill_(~keep, float("-inf"))
-    for i, bias in enumerate(logit_bias):
-        if bias:
-            ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
-            out[i, ids] += torch.tensor(list(bias.values()), dtype=out.dtype, device=device)
-    for i, banned in enumerate(banned_token_ids):
-        if banned:
-            out[i, torch.tensor(list(banned), dtype=torch.int64, device=device)] = float("-inf")
-    return out
+
+    def ids(rows: Sequence[Sequence[int] | None]) -> torch.Tensor:
+        return torch.tensor(pad_token_rows(rows, V), dtype=torch.int64, device=device)
+
+    allowed = None
+    if any(a is not None for a in allowed_token_ids):
+        on = torch.tensor([a is not None for a in allowed_token_ids], device=device)
+        allowed = (ids(allowed_token_ids), on)
+    bias = None
+    if any(logit_bias):
+        rows = [list(b) if b else [] for b in logit_bias]
+        values = [list(b.values()) if b else [] for b in logit_bias]
+        width = max(1, max(len(r) for r in rows))
+        values = [v + [0.0] * (width - len(v)) for v in values]
+        bias = (ids(rows), torch.tensor(values, dtype=logits.dtype, device=device))
+    banned = ids(banned_token_ids) if any(banned_token_ids) else None
+    return apply_allowed_bias_bans_padded(logits, allowed, bias, banned)
+
+
+def token_counts_padded(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Occurrences ``[B, V]`` (int64) of each token in each row of ``ids`` (``[B, W]`` int64,
+    padded with ``V``), by one batched scatter."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids))
+    return counts[:, :vocab_size]
 
 
 def token_counts(
     token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device | str
 ) -> torch.Tensor:
     """Occurrences ``[B, V]`` (int64) of each token in each row's list, by one batched scatter."""
-    B = len(token_ids)
-    width = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros(B, vocab_size + 1, dtype=torch.int64, device=device)  # column V: padding
-    if width:
-        padded = torch.full((B, width), vocab_size, dtype=torch.int64)
-        for i, t in enumerate(token_ids):
-            if t:
-                padded[i, : len(t)] = torch.tensor(list(t), dtype=torch.int64)
-        padded = padded.to(device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab_size]
+    padded = torch.tensor(pad_token_rows(token_ids, vocab_size), dtype=torch.int64)
+    return token_counts_padded(padded.to(device), vocab_size)
+
+
+def apply_penalties_padded(
+    logits: torch.Tensor,
+    output_ids: torch.Tensor,
+    prompt_ids: torch.Tensor | None,
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties, vectorised over the batch.
+
+    Args:
+        logits: ``[B, V]`` fp32.
+        output_ids, prompt_ids: ``[B, W]`` int64 padded with ``V``; ``prompt_ids`` only when the
+            repetition penalty is applied.
+        presence_penalties, frequency_penalties: ``[B]`` in the logits' dtype.
+        repetition_penalties: ``[B]``, or ``None`` to skip that stage (every row's is 1).
+    """
+    B, V = logits.shape
+    out_counts = token_counts_padded(output_ids, V)
+    out_seen = out_counts > 0
+    freq = frequency_penalties.to(logits.dtype)[:, None]
+    pres = presence_penalties.to(logits.dtype)[:, None]
+    out = logits
+    if repetition_penalties is not None:
+        if prompt_ids is None:
+            raise ValueError("the repetition penalty needs the rows' prompt ids")
+        rep = repetition_penalties.to(logits.dtype)[:, None]
+        seen = out_seen | _id_mask(prompt_ids, V)
+        factor = torch.where(seen, rep.expand(B, V), torch.ones_like(logits))
+        out = torch.where(out > 0, out / factor, out * factor)
+    return out - freq * out_counts.to(logits.dtype) - pres * out_seen.to(logits.dtype)
 
 
 def apply_penalties(
@@ -73,14 +159,18 @@ def apply_penalties(
     """Repetition, then frequency and presence penalties, vectorised over the batch."""
     B, V = logits.shape
     device = logits.device
-    out_counts = token_counts(output_token_ids, V, device)
-    out_seen = out_counts > 0
-    rep = torch.tensor(list(repetition_penalties), dtype=logits.dtype, device=device)[:, None]
-    freq = torch.tensor(list(frequency_penalties), dtype=logits.dtype, device=device)[:, None]
-    pres = torch.tensor(list(presence_penalties), dtype=logits.dtype, device=device)[:, None]
-    out = logits
-    if bool((rep != 1).any()):
-        seen = out_seen | (token_counts(prompt_token_ids, V, device) > 0)
-        factor = torch.where(seen, rep.expand(B, V), torch.ones_like(logits))
-        out = torch.where(out > 0, out / factor, out * factor)
-    return out - freq * out_counts.to(logits.dtype) - pres * out_seen.to(logits.dtype)
+
+    def per_row(values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=logits.dtype, device=device)
+
+    rep = per_row(repetition_penalties)
+    use_rep = bool((rep != 1).any())  # list API: the sampler decides this on the host
+    prompt = torch.tensor(pad_token_rows(prompt_token_ids, V), dtype=torch.int64, device=device)
+    return apply_penalties_padded(
+        logits,
+        torch.tensor(pad_token_rows(output_token_ids, V), dtype=torch.int64, device=device),
+        prompt if use_rep else None,
+        per_row(presence_penalties),
+        per_row(frequency_penalties),
+        rep if use_rep else None,
+    )

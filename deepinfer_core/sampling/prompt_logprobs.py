@@ -5,6 +5,10 @@ model runner then returns every row of that chunk (in order) instead of only the
 Row ``j`` of a chunk starting at position ``s`` is the distribution of the token at position
 ``s + j + 1``; for prompt tokens that gives ``{actual token: logprob}`` plus the top-k, from
 ``log_softmax`` of the raw logits (as vLLM).  The sampling row of such a chunk is its last row.
+
+The values are computed on the logits' device (no host sync); the host reads each request's
+``[rows, 2k + 2]`` results in one copy when they are recorded (prefill chunks with
+``prompt_logprobs`` only, never a decode step).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.sampling.sampler import top_logprobs
+from deepinfer_core.sampling.sampler import host_to_device, top_logprobs
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.batch import SeqChunk
@@ -61,7 +65,7 @@ def record_prompt_logprobs(
         if lo >= hi:
             continue
         rows = logits[first + lo - chunk.start_pos : first + hi - chunk.start_pos]
-        targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1], dtype=torch.int64)
+        targets = host_to_device(req.prompt_token_ids[lo + 1 : hi + 1], logits.device).long()
         k = req.params.prompt_logprobs
-        entries = top_logprobs(rows, targets, [k] * (hi - lo))
-        req.add_prompt_logprobs(lo, [e for e in entries if e is not None])
+        entries = top_logprobs(rows, targets, [k] * (hi - lo))  # computed on the device ...
+        req.add_prompt_logprobs(lo, [e for e in entries if e is not None])  # ... read here

@@ -12,7 +12,8 @@ takes ``argmax(logits / T + gumbel)`` over the tokens that survive filtering, wh
 sample of the renormalised filtered distribution (the Gumbel-max trick).
 
 The hash is computed elementwise in int64 torch ops on the logits' device: the row key (two
-32-bit words from SplitMix64 of seed and position) is mixed with the token id by two rounds of
+32-bit words from SplitMix64 of seed and position, computed on the host from host data and
+shipped with the step's other sampling parameters) is mixed with the token id by two rounds of
 MurmurHash3's 32-bit finaliser.  32-bit products are split into 16-bit halves and masked so
 that no int64 operation overflows, on any device.
 """
@@ -69,23 +70,42 @@ def hash_u32(
     give distinct hashes (both mixing steps are bijections for a fixed key).
     """
     k1, k2 = row_keys(seeds, positions)
-    key1 = torch.tensor(k1, dtype=torch.int64, device=device)[:, None]
-    key2 = torch.tensor(k2, dtype=torch.int64, device=device)[:, None]
-    tokens = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]
-    h = (_mul32(tokens, 0x9E3779B1) + key1) & _MASK32
+    key1 = torch.tensor(k1, dtype=torch.int64, device=device)
+    key2 = torch.tensor(k2, dtype=torch.int64, device=device)
+    return hash_u32_from_keys(key1, key2, vocab_size)
+
+
+def hash_u32_from_keys(key1: torch.Tensor, key2: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """:func:`hash_u32` from the rows' keys (:func:`row_keys`) already on the device: ``[B]``
+    int64 each.  Pure device work (no host sync), so it can run inside a captured step."""
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=key1.device)[None, :]
+    h = (_mul32(tokens, 0x9E3779B1) + key1[:, None]) & _MASK32
     h = _fmix32(h)
-    return _fmix32(h ^ key2)
+    return _fmix32(h ^ key2[:, None])
 
 
 def uniform_noise(
     seeds: list[int], positions: list[int], vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Uniforms ``[B, V]`` float64 in the open interval (0, 1): ``(hash + 0.5) / 2**32``."""
-    return (hash_u32(seeds, positions, vocab_size, device).double() + 0.5) / 2.0**32
+    return _uniform(hash_u32(seeds, positions, vocab_size, device))
 
 
 def gumbel_noise(
     seeds: list[int], positions: list[int], vocab_size: int, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """Standard Gumbel noise ``[B, V]`` float64, ``-log(-log(u))`` of :func:`uniform_noise`."""
-    return -torch.log(-torch.log(uniform_noise(seeds, positions, vocab_size, device)))
+    return _gumbel(uniform_noise(seeds, positions, vocab_size, device))
+
+
+def gumbel_noise_from_keys(key1: torch.Tensor, key2: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """:func:`gumbel_noise` from the rows' keys on the device (bitwise the same values)."""
+    return _gumbel(_uniform(hash_u32_from_keys(key1, key2, vocab_size)))
+
+
+def _uniform(h: torch.Tensor) -> torch.Tensor:
+    return (h.double() + 0.5) / 2.0**32
+
+
+def _gumbel(u: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(u))

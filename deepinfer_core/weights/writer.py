@@ -8,6 +8,7 @@ sharded with a ``model.safetensors.index.json``.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -149,17 +150,27 @@ def save_checkpoint(
         config["quantization_config"] = _quantization_config(fp8_linear, fp4_experts, scale_dtype)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if max_shard_bytes is None:
-        save_file(stored, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        _save_shard(stored, out / SINGLE_FILE)
         return [out / SINGLE_FILE]
     groups = _shards(stored, max_shard_bytes)
     files: list[Path] = []
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups, start=1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file(group, str(out / fname), metadata={"format": "pt"})
+        _save_shard(group, out / fname)
         files.append(out / fname)
         weight_map.update(dict.fromkeys(group, fname))
     total = sum(t.numel() * t.element_size() for t in stored.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return files
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write one safetensors file with the permissions of any other new file (safetensors
+    creates it 0600 through a temporary file; the config and tokenizer files are 0644 under
+    the usual umask)."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)

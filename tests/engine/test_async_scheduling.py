@@ -70,7 +70,11 @@ def _max_logprob_gap(a, b) -> float:
     return gap
 
 
-@pytest.mark.parametrize("cache", [{}, {"num_cache_pages": 8, "page_size": 16}], ids=["roomy", "preempting"])
+@pytest.mark.parametrize(
+    "cache",
+    [{}, pytest.param({"num_cache_pages": 8, "page_size": 16}, marks=pytest.mark.slow)],
+    ids=["roomy", "preempting"],
+)
 def test_async_outputs_equal_sync_outputs(cache):
     """Same tokens, texts and finish reasons; logprobs equal up to the batch composition (an
     async step also runs requests whose finish is only known one step later)."""
@@ -83,6 +87,7 @@ def test_async_outputs_equal_sync_outputs(cache):
     assert sum(c.prev_row >= 0 for c in async_chunks) > 20
 
 
+@pytest.mark.slow
 def test_async_is_bitwise_equal_to_sync_with_batch_invariance():
     sync, _ = _run(False, batch_invariant=True)
     asyn, _ = _run(True, batch_invariant=True)

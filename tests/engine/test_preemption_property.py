@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,7 @@ def _engine(num_pages: int, budget: int, max_seqs: int = 4) -> LLMEngine:
         max_num_batched_tokens=budget,
         page_size=PAGE,
         num_cache_pages=num_pages,
-        max_model_len=MAX_LEN,
+        max_model_len=min(MAX_LEN, num_pages * PAGE),  # a longer one could never be served
     )
     return LLMEngine(cfg)
 
@@ -71,6 +72,7 @@ def workloads(draw):
     return requests, aborts, num_pages, budget
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(workloads())
 def test_random_workloads_finish_without_leaks_and_match_an_unconstrained_run(workload):

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from tests.models.hf_oracle import build_hf_model, save_hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_hf_model(build_hf_model("all_types"), tmp_path_factory.mktemp("prefix"))
+def model_dir(hf_model):
+    return hf_model("all_types")[1]
 
 
 def _prompts(seed: int, prefix_len: int, suffix_lens: list[int]) -> list[list[int]]:
@@ -52,7 +51,7 @@ def _expected_replay(llm: LLM) -> int:
     return align(align(w) + (n - 1) * w)
 
 
-@pytest.mark.parametrize("budget", [64, 24, 7])
+@pytest.mark.parametrize("budget", [64, 24, pytest.param(7, marks=pytest.mark.slow)])
 def test_prefix_hit_equals_cold_run_and_replays_only_the_window_bound(model_dir, budget):
     first, second = _prompts(0, 131, [9, 14])
     cold = _llm(model_dir, enable_prefix_caching=False, max_num_batched_tokens=budget)
@@ -76,6 +75,7 @@ def test_prefix_hit_equals_cold_run_and_replays_only_the_window_bound(model_dir,
     assert prefill == len(second) - (hit - replayed)  # measurably cheaper than len(second)
 
 
+@pytest.mark.slow
 def test_prefix_hit_matches_hf_greedy(model_dir):
     from transformers import DeepseekV4ForCausalLM
 

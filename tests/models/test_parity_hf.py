@@ -9,7 +9,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.ops import OpTable
-from tests.models.hf_oracle import CONFIGS, build_hf_model, save_hf_model
+from tests.models.hf_oracle import CONFIGS, build_hf_model
 
 pytest.importorskip("transformers")
 
@@ -17,9 +17,8 @@ LOGIT_ATOL = 1e-4  # fp32: differences come only from summation order
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def hf_case(request, tmp_path_factory):
-    model = build_hf_model(request.param)
-    path = save_hf_model(model, tmp_path_factory.mktemp(request.param))
+def hf_case(request, hf_model):
+    model, path = hf_model(request.param)
     return request.param, model, path
 
 
@@ -39,7 +38,7 @@ def _prompt_logits(runner: ModelRunner, ids: list[int], chunk: int, slot: int = 
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("chunk", [1000, 7, 1])
+@pytest.mark.parametrize("chunk", [1000, 7, pytest.param(1, marks=pytest.mark.slow)])
 def test_full_prompt_logits_match_hf(hf_case, chunk):
     name, model, path = hf_case
     runner = _runner(path, page_size=16 if name != "all_types" else 32)
@@ -85,6 +84,7 @@ def test_batched_chunks_of_different_requests_match_hf(hf_case):
         torch.testing.assert_close(torch.cat(outs[i]), ref, atol=LOGIT_ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_greedy_generation_through_continuous_batching_matches_hf(hf_case):
     """>= 8 prompts of different lengths, chunked prefill under a small token budget,
     continuous batching with fewer slots than prompts: every token equals HF's greedy."""

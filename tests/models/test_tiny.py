@@ -28,11 +28,6 @@ def _read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny.make_tiny(tmp_path_factory.mktemp("tiny"))
-
-
 def test_config_parses_in_both_parsers_and_covers_every_block_kind() -> None:
     ours = DeepseekV4Config.from_dict(tiny.TINY_CONFIG)
     assert set(ours.layer_types) == set(LAYER_TYPES)
@@ -130,3 +125,19 @@ def test_builtin_dir_is_cached_and_safe_under_concurrency(
 
     monkeypatch.setattr(tiny, "make_tiny", fail)
     assert tiny.builtin_tiny_model_dir() == model_dir
+
+
+def test_weights_are_held_once():
+    """Fused projections replace their parts: the model holds exactly the checkpoint's bytes."""
+    from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer_core.models.deepseek_v4.params import parameter_specs
+    from deepinfer_core.models.deepseek_v4.tiny import TINY_CONFIG, random_weights
+    from deepinfer_core.ops import OpTable
+
+    cfg = DeepseekV4Config.from_dict(dict(TINY_CONFIG), source="TINY_CONFIG")
+    weights = random_weights(cfg, 0, torch.float32)
+    expected = sum(t.numel() * t.element_size() for t in weights.values())
+    assert set(weights) == set(parameter_specs(cfg))
+    model = DeepseekV4Model(cfg, weights, OpTable.reference())
+    assert model.weight_bytes() == expected

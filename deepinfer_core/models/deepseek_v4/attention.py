@@ -32,17 +32,19 @@ class Attention:
         self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         self.compressor = self.indexer = None
         # every projection of the block input x runs as one fused matmul, split afterwards
-        in_weights = [w[p + "q_a_proj.weight"], w[p + "kv_proj.weight"]]
+        # (the parts are popped from ``w``: the fused copy is the only one kept)
+        in_weights = [w.pop(p + "q_a_proj.weight"), w.pop(p + "kv_proj.weight")]
         if self.kind in (CSA, HCA):
             r = cfg.compress_rates[self.kind]
             self.ratio = r
             c = p + "compressor."
             self.compressor = Compressor(c, w, r, cfg.head_dim, self.kind == CSA, "ckv", self.eps)
-            in_weights += self.compressor.in_weights
+            in_weights += self.compressor.pop_in_weights(w)
             if self.kind == CSA:
                 self.indexer = Compressor(c + "indexer.", w, r, cfg.index_head_dim, True, "ikv", self.eps)
                 self.wi_q = w[c + "indexer.q_b_proj.weight"]
-                in_weights += [*self.indexer.in_weights, w[c + "indexer.scorer.weights_proj.weight"]]
+                in_weights += self.indexer.pop_in_weights(w)
+                in_weights.append(w.pop(c + "indexer.scorer.weights_proj.weight"))
         self.w_in = torch.cat(in_weights)
         self.in_sizes = [t.shape[0] for t in in_weights]
 
@@ -73,10 +75,10 @@ class Attention:
         if self.compressor is not None:
             inv_rope = rope["compress_freqs"]
             ckv = self.compressor(comp[0], comp[1], md, cache_get, ops, inv_rope)
-            cand = md.plans[self.ratio].candidates
+            cand = md.plans[self.ratio].entries
             if self.indexer is not None:
                 ikv = self.indexer(comp[2], comp[3], md, cache_get, ops, inv_rope)
-                if cand.shape[1] > cfg.index_topk:
+                if cand.max_count > cfg.index_topk:  # a static bound, not a tensor value
                     iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
                     iq = ops.apply_rope(iq, *rope["compress"])
                     iw = comp[4].float() * cfg.index_n_heads**-0.5
@@ -84,7 +86,7 @@ class Attention:
             pools.append(ckv)
             idx.append(cand)
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ring.index_copy_(0, md.ring_rows, kv.index_select(0, md.ring_tokens))
+        ops.cache_write(ring, md.ring_rows, kv)
         out = ops.apply_rope(out, cos, -sin)
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)

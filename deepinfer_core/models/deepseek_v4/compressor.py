@@ -40,12 +40,17 @@ class Compressor:
         pool_name: str,
         eps: float,
     ):
-        self.in_weights = [weights[prefix + "kv_proj.weight"], weights[prefix + "gate_proj.weight"]]
+        self.prefix = prefix
         self.bias = weights[prefix + "position_bias"].float()  # [r, coff*dim]
         self.norm = weights[prefix + "kv_norm.weight"]
         self.ratio, self.dim, self.overlap, self.eps = ratio, dim, overlap, eps
         self.pool_name = pool_name
         self.width = (2 if overlap else 1) * dim
+
+    def pop_in_weights(self, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The kv and gate projections, removed from ``weights``: the attention block fuses them
+        into its input projection, so only the fused copy is kept."""
+        return [weights.pop(self.prefix + "kv_proj.weight"), weights.pop(self.prefix + "gate_proj.weight")]
 
     def cache_specs(self) -> list[CacheSpec]:
         """The paged entry pool plus the slot buffers (and the overlap carry for CSA)."""
@@ -75,19 +80,20 @@ class Compressor:
     ) -> torch.Tensor:
         """Compress this step's closed windows into the pool; returns the pool tensor.
 
-        ``kv`` and ``gate`` are this step's projections (``x @ in_weights``), ``[T, width]``.
+        ``kv`` and ``gate`` are this step's projections (see :meth:`pop_in_weights`), ``[T, width]``.
         """
         plan: WindowPlan = md.plans[self.ratio]
-        n, r = self.pool_name, self.ratio
+        n, r, write = self.pool_name, self.ratio, ops.cache_write
         pool = cache_get(n)
-        buf_kv, buf_gate = cache_get(n + ".buf_kv"), cache_get(n + ".buf_gate")
-        if self.overlap and plan.restore_slot.numel():  # prefix hit: resume at a page boundary
+        buf_kv = cache_get(n + ".buf_kv").view(-1, self.width)
+        buf_gate = cache_get(n + ".buf_gate").view(-1, self.width)
+        if self.overlap:  # prefix hit: resume at a page boundary (trash rows for the others)
             for name in ("carry_kv", "carry_gate"):
                 snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
-                cache_get(f"{n}.{name}").index_copy_(0, plan.restore_slot, snapshot)
-        if plan.windows.numel():
-            stage_kv = F.embedding(plan.windows, torch.cat([buf_kv.view(-1, self.width), kv]))  # [M, r, C]
-            stage_gate = F.embedding(plan.windows, torch.cat([buf_gate.view(-1, self.width), gate]))
+                write(cache_get(f"{n}.{name}"), plan.restore_slot, snapshot)
+        if plan.windows.shape[0]:  # a static shape: zero only when the step has no tokens
+            stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, kv]))  # [M, r, C]
+            stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, gate]))
             stage_gate = stage_gate.float() + self.bias
             if self.overlap:
                 d = self.dim
@@ -102,20 +108,16 @@ class Compressor:
                 win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
                 for name, staged in (("carry_kv", stage_kv), ("carry_gate", stage_gate)):
                     first_half = staged[:, :, :d]
-                    cache_get(f"{n}.{name}").index_copy_(
-                        0, plan.carry_slot, first_half.index_select(0, plan.carry_window)
-                    )
-                    if plan.snap_window.numel():  # the carry at each page end, for prefix hits
-                        cache_get(f"{n}.page_{name}").index_copy_(
-                            0, plan.snap_page, first_half.index_select(0, plan.snap_window)
-                        )
+                    last = first_half.index_select(0, plan.carry_window)
+                    write(cache_get(f"{n}.{name}"), plan.carry_slot, last)
+                    # the carry at each page end, for prefix hits
+                    write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
             else:
                 win_kv, win_gate = stage_kv, stage_gate
             entries = ops.rms_norm(ops.compress_pool(win_kv, win_gate), self.norm, self.eps)
             inv_freq, scale = rope
             cos, sin = ops.rope_cos_sin(plan.positions, inv_freq, scale, entries.dtype)
-            pool.index_copy_(0, plan.dest, ops.apply_rope(entries, cos, sin).to(pool.dtype))
-        if plan.buf_tokens.numel():
-            buf_kv.view(-1, self.width).index_copy_(0, plan.buf_rows, kv.index_select(0, plan.buf_tokens))
-            buf_gate.view(-1, self.width).index_copy_(0, plan.buf_rows, gate.index_select(0, plan.buf_tokens))
+            write(pool, plan.dest, ops.apply_rope(entries, cos, sin))
+        write(buf_kv, plan.buf_rows, kv)
+        write(buf_gate, plan.buf_rows, gate)
         return pool

@@ -58,7 +58,8 @@ class DeepseekV4Model:
     Args:
         cfg: the architecture.
         weights: every tensor of :func:`~.params.parameter_specs`, by HF name, already in
-            the run dtype and on the run device.
+            the run dtype and on the run device.  The model takes the dict over: projections
+            it fuses into one matmul are removed from it, so each weight is held once.
         ops: the resolved op table.
     """
 
@@ -71,6 +72,23 @@ class DeepseekV4Model:
             inv, scale = inv_freq(cfg, fam)
             self.rope_params[fam] = (inv.to(dev), scale)
         self.ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds, each storage counted once."""
+        seen: dict[int, int] = {}
+        stack: list[object] = [self.w, self.layers]
+        while stack:
+            obj = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif isinstance(obj, list | tuple):
+                stack.extend(obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, DeepseekV4Config | type):
+                stack.extend(vars(obj).values())
+        return sum(seen.values())
 
     @property
     def dtype(self) -> torch.dtype:

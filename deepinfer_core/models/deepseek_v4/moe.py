@@ -21,7 +21,7 @@ class MoE:
         self.gate_up, self.down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
         s = p + "shared_experts."
         # router and shared-expert gate/up read the same input: one fused matmul
-        parts = [w[p + "gate.weight"], w[s + "gate_proj.weight"], w[s + "up_proj.weight"]]
+        parts = [w.pop(p + "gate.weight"), w.pop(s + "gate_proj.weight"), w.pop(s + "up_proj.weight")]
         self.w_in, self.in_sizes = torch.cat(parts), [t.shape[0] for t in parts]
         self.s_down = w[s + "down_proj.weight"]
 

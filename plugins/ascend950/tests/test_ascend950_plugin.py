@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
 from deepinfer_ascend950 import backend, plugin
 
 from deepinfer_core.plugins import get_plugins
@@ -27,6 +28,7 @@ def test_entry_point_is_installed():
     assert row["status"] == "loaded" and row["dist"] == "deepinfer-ascend950"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_importing_the_plugin_and_listing_plugins_does_not_import_torch_npu():
     code = (
         "import sys, deepinfer_ascend950.plugin\n"
