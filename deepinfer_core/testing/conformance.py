@@ -43,6 +43,7 @@ backend gives one skipped test with the probe's reason)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -420,6 +421,9 @@ def _to_device(obj: Any, device: torch.device) -> Any:
         return [_to_device(x, device) for x in obj]
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # e.g. a PagedIndex
+        fields = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return dataclasses.replace(obj, **fields)
     return obj
 
 
