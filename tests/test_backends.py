@@ -178,3 +178,54 @@ def test_backend_providing_an_op_outside_the_contract_is_refused():
     manager = manager_with(("vendor", [cpu("odd", ops={"not_an_op": lambda: None})]))
     with pytest.raises(OpNotSupportedError, match="not_an_op"):
         resolve_backend("odd", plugins=manager)
+
+
+@pytest.fixture
+def extension_op(monkeypatch):
+    """A plugin-defined op ``vendor.scaled_add`` with its reference (registry restored after)."""
+    from deepinfer_core.ops import registry
+
+    monkeypatch.setattr(registry, "_OPS", dict(registry.all_ops()))
+
+    def scaled_add(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+        """``x + alpha * y``."""
+        return x + alpha * y
+
+    scaled_add.__module__ = "vendor_plugin.ops"
+
+    def cases(g, dtype):
+        return [
+            ((torch.randn(3, 5, generator=g).to(dtype), torch.randn(3, 5, generator=g).to(dtype), 0.5), {})
+        ]
+
+    registry.define_op("vendor.scaled_add", "vendor", sample_cases=cases)(scaled_add)
+    return "vendor.scaled_add"
+
+
+def test_extension_op_resolves_like_a_core_op_and_is_checked_by_conformance(extension_op, caplog):
+    from deepinfer_core.testing import check_backend
+
+    kernel = OpImpl(fn=lambda x, y, alpha: torch.add(x, y, alpha=alpha))
+    manager = manager_with(("vendor", [cpu("ext", ops={extension_op: kernel})]))
+    with caplog.at_level(logging.WARNING, logger="deepinfer.ops"):
+        _, ops = resolve_backend("ext", plugins=manager)
+    assert ops[extension_op] is kernel.fn and ops.sources[extension_op] == "backend"
+    assert all(extension_op not in r.getMessage() for r in caplog.records)  # not "missing" elsewhere
+    _, reference = resolve_backend("reference", plugins=manager)
+    assert reference[extension_op] is get_op(extension_op).reference
+    assert check_backend(manager.get_backend("ext"), ops=[extension_op]).passed
+    wrong = cpu("wrong", ops={extension_op: OpImpl(fn=lambda x, y, alpha: x - alpha * y)})
+    assert not check_backend(wrong, ops=[extension_op]).passed
+    with pytest.raises(KeyError, match="no op 'vendor.nope'"):
+        ops["vendor.nope"]
+
+
+def test_extension_ops_need_a_namespace_and_core_ops_must_not_have_one():
+    from deepinfer_core.ops import define_op
+
+    def plain(x):
+        return x
+
+    plain.__module__ = "vendor_plugin.ops"
+    with pytest.raises(ValueError, match="namespaced name"):
+        define_op("plain", "vendor")(plain)

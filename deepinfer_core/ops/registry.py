@@ -8,6 +8,15 @@ returns ``True`` when the backend kernel handles that case.
 
 Ops marked ``batch_invariant`` must give bitwise-identical results for a row regardless of
 the other rows in the batch when the engine runs with ``batch_invariant=True``.
+
+**Extension ops.**  A plugin may define ops of its own the same way, with a reference in its
+own package; their names are namespaced ``"<namespace>.<op>"`` (core ops have no dot).  They
+join the contract when their module is imported (e.g. from a backend's ``load_ops``): every
+:class:`~deepinfer_core.ops.OpTable` resolves them (a backend's kernel, else the plugin's
+reference), code that knows them calls ``ops["namespace.op"]``, and the conformance suite
+checks them against their reference like core ops.  No backend is expected to provide
+another plugin's extension ops, so their absence is neither logged nor refused by
+``strict_ops``.
 """
 
 from __future__ import annotations
@@ -88,6 +97,12 @@ def define_op(
     """Decorator registering a reference implementation as the definition of op ``name``."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        in_core = fn.__module__.startswith("deepinfer_core.ops")
+        if in_core == is_extension(name):
+            raise ValueError(
+                f"op {name!r} ({fn.__module__}): core ops have plain names; an op defined outside "
+                "deepinfer_core.ops needs a namespaced name '<namespace>.<op>'"
+            )
         if name in _OPS and _OPS[name].reference is not fn:
             raise ValueError(f"op {name!r} is defined twice ({_OPS[name].reference} and {fn})")
         _OPS[name] = OpSpec(
@@ -101,6 +116,11 @@ def define_op(
         return fn
 
     return wrap
+
+
+def is_extension(name: str) -> bool:
+    """Whether ``name`` is a plugin-defined (namespaced) op rather than a core op."""
+    return "." in name
 
 
 def all_ops() -> dict[str, OpSpec]:

@@ -15,7 +15,7 @@ from typing import Any
 
 from deepinfer_core.errors import OpNotSupportedError
 
-from .registry import OpImpl, all_ops
+from .registry import OpImpl, all_ops, is_extension
 
 logger = logging.getLogger("deepinfer.ops")
 
@@ -42,7 +42,7 @@ class OpTable:
         self.sources: dict[str, str] = {}  # op name -> "backend" | "reference" | "backend+fallback"
         self._fns: dict[str, Callable[..., Any]] = {}
         self._logged: set[str] = set()
-        missing = [name for name in specs if name not in impls]
+        missing = [name for name in specs if name not in impls and not is_extension(name)]
         if missing and backend != "reference":
             if strict:
                 raise OpNotSupportedError(
@@ -95,6 +95,13 @@ class OpTable:
     def reference(cls) -> OpTable:
         """A table of the pure-PyTorch reference implementations only."""
         return cls({}, backend="reference")
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        """The resolved callable of op ``name``, core or extension (``ops["vendor.op"]``)."""
+        try:
+            return self._fns[name]
+        except KeyError:
+            raise KeyError(f"no op {name!r}; known ops: {', '.join(sorted(self._fns))}") from None
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         try:
