@@ -34,7 +34,10 @@ if [[ ! -f "$stamp" ]]; then
         "${PIP[@]}" "$TORCH_SPEC"
     fi
     editable=(-e ".$EXTRA")
-    for p in "${PLUGINS[@]}"; do editable+=(-e "$p"); done
+    for p in "${PLUGINS[@]}"; do
+        # the cuda_sm100 tests run its Triton kernels in Triton's CPU interpreter: [test] adds triton
+        if [[ -n "$EXTRA" && "$p" == plugins/cuda_sm100 ]]; then editable+=(-e "$p[test]"); else editable+=(-e "$p"); fi
+    done
     "${PIP[@]}" "${editable[@]}"
     rm -f "$VENV"/.deepinfer-setup-*
     touch "$stamp"

@@ -28,5 +28,10 @@ def is_available() -> tuple[bool, str | None]:
 
 
 def load_ops() -> dict:
-    """The op implementations (none yet: every op falls back to the reference)."""
-    return {}
+    """The op implementations: Triton kernels (:mod:`deepinfer_cuda_sm100.ops`; imports Triton).
+
+    The ops it does not list fall back to the core's reference implementations.
+    """
+    from deepinfer_cuda_sm100.ops import load_ops as triton_ops
+
+    return triton_ops()

@@ -20,6 +20,6 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=True,
-            description="NVIDIA GPUs of compute capability >= 9.0 (Triton kernels; none implemented yet)",
+            description="NVIDIA GPUs of compute capability >= 9.0 (Triton kernels)",
         )
     )

@@ -23,7 +23,16 @@ def test_plugin_registers_cuda_sm100_backend():
         True,
         "cuda_sm100",
     )
-    assert spec.load_ops() == {}  # no kernels yet: every op falls back to the reference
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_load_ops_provides_the_kernels():
+    from deepinfer_cuda_sm100.ops import PROVIDED_OPS
+
+    spec = manager_with_plugin(plugin, "cuda_sm100").get_backend("cuda_sm100")
+    ops = spec.load_ops()
+    assert sorted(ops) == sorted(PROVIDED_OPS)
+    assert all(impl.supports is not None and impl.sample_cases is not None for impl in ops.values())
 
 
 def test_entry_point_is_installed():

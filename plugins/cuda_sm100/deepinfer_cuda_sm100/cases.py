@@ -1,0 +1,155 @@
+"""Conformance cases for the shapes the kernels target: DeepSeek-V4-Flash, or a scaled copy.
+
+:func:`own_cases` returns ``{op name: (generator, dtype) -> [(args, kwargs), ...]}`` (the
+form of ``OpImpl.sample_cases``) for a :class:`Shapes`: :data:`V4_FLASH` on the GPU,
+:data:`SMALL` (same structure, narrow) under Triton's CPU interpreter.  The cases follow the
+model's calls (``deepinfer_core/models/deepseek_v4``): norms of the hidden state, of the
+query LoRA and of the per-head queries, strided views of a fused projection, the rope of
+queries + shared key and its inverse, and the mHC ops with ``hc_mult`` streams; each with a
+single token (decode), a token block and a ragged count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Cases = list[tuple[tuple, dict]]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Model widths and token counts of one family of cases."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    hc_mult: int
+    q_lora: int
+    index_heads: int
+    index_head_dim: int
+    tokens: tuple[int, ...]
+    long_row: int
+    """Width of an extra ``rms_norm`` row longer than one kernel tile (multi-tile path)."""
+
+
+V4_FLASH = Shapes(
+    hidden=4096,
+    heads=64,
+    head_dim=512,
+    rope_dim=64,
+    hc_mult=4,
+    q_lora=1024,
+    index_heads=64,
+    index_head_dim=128,
+    tokens=(1, 16, 37),
+    long_row=16384,
+)
+SMALL = Shapes(
+    hidden=256,
+    heads=4,
+    head_dim=64,
+    rope_dim=16,
+    hc_mult=4,
+    q_lora=128,
+    index_heads=4,
+    index_head_dim=32,
+    tokens=(1, 5, 19),
+    long_row=4100,
+)
+
+
+def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _cos_sin(g: torch.Generator, t: int, rope_dim: int, theta: float, dtype: torch.dtype):
+    """Rope tables of ``t`` random positions, as ``rope_cos_sin`` builds them."""
+    positions = torch.randint(0, 65536, (t,), generator=g)
+    inv = 1.0 / (theta ** (torch.arange(0, rope_dim, 2).float() / rope_dim))
+    freqs = positions.float()[:, None] * inv
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def own_cases(s: Shapes) -> dict[str, object]:
+    """The sample-case functions of every op, for shapes ``s``."""
+    t_one, t_block, t_ragged = s.tokens
+    n, d = s.hc_mult, s.hidden
+
+    def rms_norm(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        fused = _randn(g, t_block, s.q_lora + s.head_dim + s.rope_dim, dtype=dtype)
+        q_a = fused[:, : s.q_lora]  # strided views of a fused projection, as the model passes
+        kv = fused[:, s.q_lora : s.q_lora + s.head_dim]
+        return [
+            ((_randn(g, t_block, d, dtype=dtype), 1 + _randn(g, d, scale=0.1), 1e-6), {}),
+            ((_randn(g, t_one, d, dtype=dtype), 1 + _randn(g, d, scale=0.1), 1e-6), {}),
+            ((q_a, 1 + _randn(g, s.q_lora, scale=0.1), 1e-6), {}),
+            ((kv, 1 + _randn(g, s.head_dim, scale=0.1), 1e-6), {}),
+            (
+                (
+                    _randn(g, t_one, s.head_dim, dtype=dtype),
+                    (1 + _randn(g, 2 * s.head_dim, scale=0.1))[::2],
+                    1e-6,
+                ),
+                {},
+            ),
+            ((_randn(g, t_ragged, s.heads, s.head_dim, dtype=dtype), None, 1e-6), {}),
+            ((_randn(g, 3, s.long_row, dtype=dtype, scale=3.0), None, 1e-6), {}),
+            ((_randn(g, 3, s.long_row, dtype=dtype), 1 + _randn(g, s.long_row, scale=0.1), 1e-5), {}),
+        ]
+
+    def apply_rope(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        cos, sin = _cos_sin(g, t_block, s.rope_dim, 10000.0, dtype)
+        icos, isin = _cos_sin(g, t_ragged, s.rope_dim, 160000.0, dtype)
+        qkv = _randn(g, t_block, s.heads + 1, s.head_dim, dtype=dtype)
+        return [
+            ((qkv, cos, sin), {}),  # queries and the shared key
+            ((qkv[:, : s.heads], cos, -sin), {}),  # strided; the inverse rotation
+            ((_randn(g, t_ragged, s.index_heads, s.index_head_dim, dtype=dtype), icos, isin), {}),
+            ((_randn(g, t_ragged, s.head_dim, dtype=dtype), icos, isin), {}),  # compressor entries
+            ((_randn(g, t_block, s.rope_dim, dtype=dtype), cos, sin), {}),  # all channels rotate
+        ]
+
+    def hc_pre(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        m, k = (2 + n) * n, n * d
+        cases = []
+        for t in s.tokens:
+            fn = _randn(g, m, k, scale=k**-0.5)
+            base, scale = _randn(g, m), 1 + _randn(g, 3, scale=0.1)
+            cases.append(((_randn(g, t, n, d, dtype=dtype), fn, base, scale, 1e-6, 1e-6, 20), {}))
+        return cases
+
+    def hc_post(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        cases = []
+        for t in s.tokens:
+            post = 2 * _randn(g, n, t).sigmoid().t()  # transposed, as hc_pre's reference returns it
+            comb = _randn(g, t, n, n).softmax(-1)
+            cases.append(((_randn(g, t, d, dtype=dtype), _randn(g, t, n, d, dtype=dtype), post, comb), {}))
+        return cases
+
+    def hc_head(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        k = n * d
+        return [
+            (
+                (
+                    _randn(g, t, n, d, dtype=dtype),
+                    _randn(g, n, k, scale=k**-0.5),
+                    _randn(g, n),
+                    _randn(g, 1).abs(),
+                    1e-6,
+                    1e-6,
+                ),
+                {},
+            )
+            for t in s.tokens
+        ]
+
+    return {
+        "rms_norm": rms_norm,
+        "apply_rope": apply_rope,
+        "hc_pre": hc_pre,
+        "hc_post": hc_post,
+        "hc_head": hc_head,
+    }

@@ -1,0 +1,49 @@
+"""Helpers shared by the kernel modules: interpreter detection, exact casts, block sizes."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
+"""Whether ``@triton.jit`` kernels defined now run in Triton's CPU interpreter (on CPU tensors)."""
+
+_MANUAL_BF16 = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def cast_to(x, dtype: tl.constexpr):
+    """``x`` (fp32) converted to ``dtype`` with round-to-nearest-even, like ``tensor.to(dtype)``.
+
+    On the GPU this is the hardware conversion.  Triton's interpreter truncates fp32 to
+    bf16 instead of rounding, so there the rounding is done on the bits (finite values; NaN
+    stays NaN).
+    """
+    if _MANUAL_BF16 and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + ((bits >> 16) & 1) + 0x7FFF
+        y = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        y = tl.where(x != x, x.to(tl.bfloat16), y)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def round_through(x, dtype: tl.constexpr):
+    """``x.to(dtype).float()``: fp32 ``x`` rounded to ``dtype``'s precision (identity for fp32)."""
+    if dtype == tl.float32:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        y = x
+    else:
+        y = cast_to(x, dtype).to(tl.float32)
+    return y
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= ``max(n, 1)``."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for non-negative ints."""
+    return -(-a // b)

@@ -1,0 +1,800 @@
+"""``sparse_attention``: multi-source MQA with per-head sinks (contract: ``deepinfer_core.ops.attention``).
+
+FlashMLA-style decoding kernel.  All ``H`` query heads of a token share one K=V row per key,
+so a program takes one token and ``BLOCK_H`` heads, loads each key row once per block of
+``BLOCK_N`` keys and runs ``[BLOCK_H, D] x [D, BLOCK_N]`` (logits) and
+``[BLOCK_H, BLOCK_N] x [BLOCK_N, D]`` (values) through ``tl.dot``, with an online softmax in
+fp32 (base-2 exponentials of logits pre-multiplied by ``log2(e)``).
+
+**Key order.**  A small prologue kernel compacts each query's *valid* keys: for every
+explicit source (``[T, K]`` rows, ``-1`` = none) it writes the valid rows, in column order,
+to a ``[T, sum K]`` int32 scratch and counts them; a :class:`PagedIndex` source contributes
+its first ``min(counts[t], max_count)`` entries, located through the block table inside the
+main kernel (no per-query list is materialised for it).  Query ``t`` then sees the sequence
+``source 0's valid keys, source 1's, ...`` of length ``L_t``, and reduces it in *chunks* of
+``CHUNK`` keys (each a multiple of ``BLOCK_N``): a chunk's partial ``(m, l, acc)`` starts
+from ``m = -inf`` and is merged, chunk after chunk in order, into a running state that
+starts from the sink (``m = sink``, ``l = 1``).  Two launch shapes run the same arithmetic:
+
+- *direct*: grid ``(T, head blocks)``; a program loops over its query's chunks and writes
+  the output;
+- *split-KV* (decode with few tokens and long contexts): grid ``(T, head blocks, splits)``,
+  one chunk per program, partials to an fp32 scratch; a combine kernel merges them (in the
+  same order, with the same merge helper) and writes the output.
+
+The choice between them and ``CHUNK`` depend only on static shapes (``T``, ``H``, the widest
+key list), never on tensor values.  In batch-invariant mode ``CHUNK`` is fixed
+(:data:`BI_CHUNK`) and the result of a query depends only on its valid key sequence: not on
+``T``, the other queries, the split between sources or where and how many ``-1`` slots
+there are (blocks past ``L_t`` are never visited).
+
+**KV format.**  The key load is isolated in :func:`_load_kv` behind the ``KV_FORMAT``
+constexpr: :data:`KV_PLAIN` (rows in the pool's dtype: fp32 / bf16 / fp16) is implemented;
+:data:`KV_FP8_V4` (FlashMLA's V4 layout: 448 fp8 e4m3 values with per-64 UE8M0 scales, then
+64 bf16 rope values) is reserved for a later step.
+
+Loops whose trip count is a tensor value are written twice: a ``for`` (compiled: the
+software pipeliner needs it) and a ``while`` for Triton's CPU interpreter, whose ``range``
+cannot take a run-time bound with NumPy 2.  Everything is CUDA-graph capturable: no host
+synchronisation, grids and scratch sizes from shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.modes import batch_invariant_enabled
+
+from ._common import INTERPRETED, cast_to, cdiv, pow2
+
+KV_PLAIN = 0
+"""Key rows stored in the pool's floating dtype (fp32, bf16 or fp16)."""
+KV_FP8_V4 = 1
+"""Reserved: FlashMLA's V4 FP8 row layout (448 e4m3 + per-64 UE8M0 scales + 64 bf16 rope)."""
+
+SRC_NONE, SRC_ROWS, SRC_PAGED = 0, 1, 2
+MAX_SOURCES = 4
+"""Key sources per call (V4 uses 2 or 3: window ring, this step's rows, compressed entries)."""
+
+MAX_HEAD_DIM = 1024
+"""Widest head dimension (one ``[BLOCK_H, D]`` query tile per program)."""
+
+BI_CHUNK = 32 if INTERPRETED else 512
+"""Keys per chunk in batch-invariant mode (fixed, whatever the batch; small when interpreted so
+that the small test shapes span several chunks)."""
+
+MIN_SPLIT_KEYS = 32 if INTERPRETED else 256
+"""Fewest keys a split-KV program gets (below that the partials' traffic dominates)."""
+
+LOG2E = 1.4426950408889634
+
+_INTERP = tl.constexpr(INTERPRETED)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shapes and launch parameters of the main kernel (static per ``(H, D, dtype)``)."""
+
+    block_h: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(h: int, d: int, dtype: torch.dtype) -> AttentionConfig:
+    """The tiles for ``H`` heads of width ``D``: a function of static shapes only."""
+    block_d = max(16, pow2(d))
+    if INTERPRETED:
+        return AttentionConfig(block_h=max(16, min(pow2(h), 64)), block_n=16, num_warps=4, num_stages=1)
+    block_h = max(16, min(pow2(h), 64))
+    wide = block_d * (4 if dtype == torch.float32 else 2)  # bytes of one key row
+    block_n = 32 if wide >= 1024 else 64
+    warps = 8 if block_h * block_d >= 64 * 256 else 4
+    return AttentionConfig(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=2)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: small, so that small tests exercise the split-KV path
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# ---------------------------------------------------------------------------------------------
+# prologue: count each source's valid keys, compact the explicit sources' rows
+
+
+@triton.jit
+def _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_C)
+    r = tl.load(idx_ptr + t * s_t + cols * s_c, mask=cols < K, other=-1)
+    ok = r >= 0
+    oki = ok.to(tl.int32)
+    pos = n + tl.cumsum(oki, 0) - oki
+    tl.store(dst_ptr + pos, r.to(tl.int32), mask=ok)
+    return n + tl.sum(oki, 0)
+
+
+@triton.jit
+def _count_source(
+    KIND: tl.constexpr, idx_ptr, s_t, s_c, K, t, dst_ptr, BLOCK_C: tl.constexpr, INTERP: tl.constexpr
+):
+    """Valid keys of one source for query ``t``; explicit rows are compacted to ``dst_ptr``."""
+    n = tl.zeros((), tl.int32)
+    if KIND == 1:
+        if INTERP:
+            c0 = 0
+            while c0 < K:
+                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
+                c0 += BLOCK_C
+        else:
+            for c0 in range(0, K, BLOCK_C):
+                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
+    elif KIND == 2:  # paged: idx_ptr = counts, K = max_count
+        c = tl.load(idx_ptr + t * s_t)
+        n = tl.minimum(tl.maximum(c, 0), K).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _prologue_kernel(
+    nvalid_ptr,
+    compact_ptr,
+    KE,
+    i0,
+    t0,
+    c0,
+    k0,
+    i1,
+    t1,
+    c1,
+    k1,
+    i2,
+    t2,
+    c2,
+    k2,
+    i3,
+    t3,
+    c3,
+    k3,
+    KIND0: tl.constexpr,
+    KIND1: tl.constexpr,
+    KIND2: tl.constexpr,
+    KIND3: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row = compact_ptr + t * KE
+    n0 = _count_source(KIND0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
+    e1 = n0 if KIND0 == 1 else 0
+    n1 = _count_source(KIND1, i1, t1, c1, k1, t, row + e1, BLOCK_C, INTERP)
+    e2 = e1 + (n1 if KIND1 == 1 else 0)
+    n2 = _count_source(KIND2, i2, t2, c2, k2, t, row + e2, BLOCK_C, INTERP)
+    e3 = e2 + (n2 if KIND2 == 1 else 0)
+    n3 = _count_source(KIND3, i3, t3, c3, k3, t, row + e3, BLOCK_C, INTERP)
+    base = nvalid_ptr + t * 4
+    tl.store(base, n0)
+    tl.store(base + 1, n1)
+    tl.store(base + 2, n2)
+    tl.store(base + 3, n3)
+
+
+# ---------------------------------------------------------------------------------------------
+# main kernel
+
+
+@triton.jit
+def _source_ptrs(
+    KIND: tl.constexpr,
+    ptrs,
+    p,
+    off,
+    n,
+    ce,
+    crow_ptr,
+    pool,
+    ps,
+    bt,
+    bt0,
+    bt1,
+    npages,
+    trow,
+    epp,
+):
+    """Row pointers of the compact positions ``p`` that fall in this source (others kept)."""
+    if KIND == 1:
+        inside = (p >= off) & (p < off + n)
+        r = tl.load(crow_ptr + ce + (p - off), mask=inside, other=0)
+        ptrs = tl.where(inside, pool + r.to(tl.int64) * ps, ptrs)
+    elif KIND == 2:
+        inside = (p >= off) & (p < off + n)
+        e = (p - off).to(tl.int64)
+        e = tl.where(inside, e, 0)
+        col = tl.minimum(e // epp, npages - 1)
+        page = tl.load(bt + trow * bt0 + col * bt1, mask=inside, other=0)
+        r = page.to(tl.int64) * epp + e % epp
+        ptrs = tl.where(inside, pool + r * ps, ptrs)
+    return ptrs
+
+
+@triton.jit
+def _load_kv(ptrs, d, ok, dmask, KV_FORMAT: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D]`` tile of key(=value) rows (zeros where not ``ok``)."""
+    tl.static_assert(KV_FORMAT == 0, "only KV_PLAIN pools are implemented")
+    return tl.load(ptrs[:, None] + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    if IEEE:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        r = tl.dot(a, b, input_precision="ieee")
+    else:
+        r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _block(
+    q,
+    m,
+    l,
+    acc,
+    p0,
+    hi,
+    t,
+    crow_ptr,
+    qk_scale,
+    o0,
+    n0,
+    ce0,
+    pool0,
+    ps0,
+    bt_0,
+    bta0,
+    btb0,
+    np0,
+    tr0,
+    epp0,
+    o1,
+    n1,
+    ce1,
+    pool1,
+    ps1,
+    bt_1,
+    bta1,
+    btb1,
+    np1,
+    tr1,
+    epp1,
+    o2,
+    n2,
+    ce2,
+    pool2,
+    ps2,
+    bt_2,
+    bta2,
+    btb2,
+    np2,
+    tr2,
+    epp2,
+    o3,
+    n3,
+    ce3,
+    pool3,
+    ps3,
+    bt_3,
+    bta3,
+    btb3,
+    np3,
+    tr3,
+    epp3,
+    d,
+    dmask,
+    KIND0: tl.constexpr,
+    KIND1: tl.constexpr,
+    KIND2: tl.constexpr,
+    KIND3: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One block of ``BLOCK_N`` compact positions ``p0 ..`` (``< hi``) into ``(m, l, acc)``."""
+    p = p0 + tl.arange(0, BLOCK_N)
+    ptrs = pool0 + tl.zeros([BLOCK_N], tl.int64)
+    ptrs = _source_ptrs(KIND0, ptrs, p, o0, n0, ce0, crow_ptr, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0)
+    ptrs = _source_ptrs(KIND1, ptrs, p, o1, n1, ce1, crow_ptr, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1)
+    ptrs = _source_ptrs(KIND2, ptrs, p, o2, n2, ce2, crow_ptr, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2)
+    ptrs = _source_ptrs(KIND3, ptrs, p, o3, n3, ce3, crow_ptr, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3)
+    ok = p < hi
+    kv = _load_kv(ptrs, d, ok, dmask, KV_FORMAT)
+    if DOT_FP32:
+        kv = kv.to(tl.float32)
+    s = _dot(q, tl.trans(kv), IEEE) * qk_scale  # [BLOCK_H, BLOCK_N] logits, log2 units
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    pr = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(pr, 1)
+    acc = acc * alpha[:, None] + _dot(pr.to(kv.dtype), kv, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
+def _merge(m, l, acc, mi, li, acci):
+    """Fold a chunk's partial ``(mi, li, acci)`` into the running state (explicit FMAs, so
+    the direct kernel and the combine kernel round alike)."""
+    mn = tl.maximum(m, mi)
+    a = tl.exp2(m - mn)
+    b = tl.exp2(mi - mn)
+    l = tl.math.fma(l, a, li * b)
+    acc = tl.math.fma(acc, a[:, None], acci * b[:, None])
+    return mn, l, acc
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr,
+    sq_t,
+    sq_h,
+    sink_ptr,
+    out_ptr,
+    so_t,
+    so_h,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    nvalid_ptr,
+    compact_ptr,
+    KE,
+    H,
+    D,
+    CHUNK,
+    NSPLIT,
+    qk_scale,
+    pool0,
+    ps0,
+    bt_0,
+    bta0,
+    btb0,
+    np0,
+    tr_0,
+    trs0,
+    epp0,
+    pool1,
+    ps1,
+    bt_1,
+    bta1,
+    btb1,
+    np1,
+    tr_1,
+    trs1,
+    epp1,
+    pool2,
+    ps2,
+    bt_2,
+    bta2,
+    btb2,
+    np2,
+    tr_2,
+    trs2,
+    epp2,
+    pool3,
+    ps3,
+    bt_3,
+    bta3,
+    btb3,
+    np3,
+    tr_3,
+    trs3,
+    epp3,
+    KIND0: tl.constexpr,
+    KIND1: tl.constexpr,
+    KIND2: tl.constexpr,
+    KIND3: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    q = tl.load(
+        q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    nv = nvalid_ptr + t * 4
+    n0 = tl.load(nv)
+    n1 = tl.load(nv + 1)
+    n2 = tl.load(nv + 2)
+    n3 = tl.load(nv + 3)
+    o0 = tl.zeros((), tl.int32)
+    o1 = o0 + n0
+    o2 = o1 + n1
+    o3 = o2 + n2
+    total = o3 + n3
+    ce0 = tl.zeros((), tl.int32)
+    ce1 = ce0 + (n0 if KIND0 == 1 else 0)
+    ce2 = ce1 + (n1 if KIND1 == 1 else 0)
+    ce3 = ce2 + (n2 if KIND2 == 1 else 0)
+    tr0 = tl.load(tr_0 + t * trs0) if KIND0 == 2 else 0
+    tr1 = tl.load(tr_1 + t * trs1) if KIND1 == 2 else 0
+    tr2 = tl.load(tr_2 + t * trs2) if KIND2 == 2 else 0
+    tr3 = tl.load(tr_3 + t * trs3) if KIND3 == 2 else 0
+    crow = compact_ptr + t * KE
+    nchunks = (total + CHUNK - 1) // CHUNK
+
+    if SPLIT:
+        c = tl.program_id(2)
+        if c < nchunks:
+            lo = c * CHUNK
+            hi = tl.minimum(total, lo + CHUNK)
+            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_H], tl.float32)
+            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            if INTERP:
+                p0 = lo
+                while p0 < hi:
+                    m, l, acc = _block(
+                        q, m, l, acc, p0, hi, t, crow, qk_scale,
+                        o0, n0, ce0, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0,
+                        o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
+                        o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
+                        o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
+                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                    )  # fmt: skip
+                    p0 += BLOCK_N
+            else:
+                for p0 in range(lo, hi, BLOCK_N):
+                    m, l, acc = _block(
+                        q, m, l, acc, p0, hi, t, crow, qk_scale,
+                        o0, n0, ce0, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0,
+                        o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
+                        o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
+                        o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
+                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                    )  # fmt: skip
+            pidx = (t * NSPLIT + c) * H + heads
+            tl.store(part_m_ptr + pidx, m, mask=hmask)
+            tl.store(part_l_ptr + pidx, l, mask=hmask)
+            tl.store(part_acc_ptr + pidx[:, None] * D + d[None, :], acc, mask=hmask[:, None] & dmask[None, :])
+    else:
+        m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+        l = tl.full([BLOCK_H], 1.0, tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        if INTERP:
+            c = 0
+            while c < nchunks:
+                lo = c * CHUNK
+                hi = tl.minimum(total, lo + CHUNK)
+                mi = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                li = tl.zeros([BLOCK_H], tl.float32)
+                acci = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                p0 = lo
+                while p0 < hi:
+                    mi, li, acci = _block(
+                        q, mi, li, acci, p0, hi, t, crow, qk_scale,
+                        o0, n0, ce0, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0,
+                        o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
+                        o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
+                        o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
+                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                    )  # fmt: skip
+                    p0 += BLOCK_N
+                m, l, acc = _merge(m, l, acc, mi, li, acci)
+                c += 1
+        else:
+            for c in range(0, nchunks):
+                lo = c * CHUNK
+                hi = tl.minimum(total, lo + CHUNK)
+                mi = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                li = tl.zeros([BLOCK_H], tl.float32)
+                acci = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                for p0 in range(lo, hi, BLOCK_N):
+                    mi, li, acci = _block(
+                        q, mi, li, acci, p0, hi, t, crow, qk_scale,
+                        o0, n0, ce0, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0,
+                        o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
+                        o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
+                        o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
+                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                    )  # fmt: skip
+                m, l, acc = _merge(m, l, acc, mi, li, acci)
+        out = tl.math.div_rn(acc, l[:, None])
+        tl.store(
+            out_ptr + t * so_t + heads[:, None] * so_h + d[None, :],
+            cast_to(out, out_ptr.dtype.element_ty),
+            mask=hmask[:, None] & dmask[None, :],
+        )
+
+
+@triton.jit
+def _combine_kernel(
+    sink_ptr,
+    out_ptr,
+    so_t,
+    so_h,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    nvalid_ptr,
+    H,
+    D,
+    CHUNK,
+    NSPLIT,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    nv = nvalid_ptr + t * 4
+    total = tl.load(nv) + tl.load(nv + 1) + tl.load(nv + 2) + tl.load(nv + 3)
+    nchunks = (total + CHUNK - 1) // CHUNK
+    m = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * 1.4426950408889634
+    l = tl.full([BLOCK_H], 1.0, tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    amask = hmask[:, None] & dmask[None, :]
+    if INTERP:
+        c = 0
+        while c < nchunks:
+            pidx = (t * NSPLIT + c) * H + heads
+            mi = tl.load(part_m_ptr + pidx, mask=hmask, other=0.0)
+            li = tl.load(part_l_ptr + pidx, mask=hmask, other=0.0)
+            acci = tl.load(part_acc_ptr + pidx[:, None] * D + d[None, :], mask=amask, other=0.0)
+            m, l, acc = _merge(m, l, acc, mi, li, acci)
+            c += 1
+    else:
+        for c in range(0, nchunks):
+            pidx = (t * NSPLIT + c) * H + heads
+            mi = tl.load(part_m_ptr + pidx, mask=hmask, other=0.0)
+            li = tl.load(part_l_ptr + pidx, mask=hmask, other=0.0)
+            acci = tl.load(part_acc_ptr + pidx[:, None] * D + d[None, :], mask=amask, other=0.0)
+            m, l, acc = _merge(m, l, acc, mi, li, acci)
+    out = tl.math.div_rn(acc, l[:, None])
+    tl.store(
+        out_ptr + t * so_t + heads[:, None] * so_h + d[None, :],
+        cast_to(out, out_ptr.dtype.element_ty),
+        mask=amask,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a call is launched: ``split`` (split-KV + combine) or direct, ``chunk`` keys per chunk."""
+
+    split: bool
+    chunk: int
+    nsplit: int
+
+
+def plan_launch(t: int, h: int, max_keys: int, cfg: AttentionConfig, device: torch.device) -> Plan:
+    """Launch shape from static shapes only (``T``, ``H``, the widest key list).
+
+    Batch-invariant mode: chunks of :data:`BI_CHUNK` keys whatever the batch (either launch
+    shape gives the same bits).  Otherwise one chunk per query (direct) when the programs
+    fill at least half the GPU, else split-KV with chunks of at least :data:`MIN_SPLIT_KEYS`
+    keys.
+    """
+    hb = cdiv(h, cfg.block_h)
+    progs = t * hb
+    sms = _num_sms(device)
+    max_keys = max(max_keys, 1)
+    if batch_invariant_enabled():
+        chunk = max(BI_CHUNK, cfg.block_n)
+        nsplit = cdiv(max_keys, chunk)
+        # split only while the partials stay small; both shapes round alike
+        split = nsplit > 1 and progs < sms
+        return Plan(split=split, chunk=chunk, nsplit=nsplit if split else 1)
+    whole = cdiv(max_keys, cfg.block_n) * cfg.block_n
+    # H200, V4-Flash decode (640 keys): at 32 tokens split-KV (3 chunks) halves the time, at
+    # 128 tokens (128 programs on 132 SMs) the direct launch is already faster
+    if 2 * progs > sms:
+        return Plan(split=False, chunk=whole, nsplit=1)
+    want = min(cdiv(2 * sms, progs), cdiv(max_keys, MIN_SPLIT_KEYS))
+    if want <= 1:
+        return Plan(split=False, chunk=whole, nsplit=1)
+    chunk = cdiv(cdiv(max_keys, want), cfg.block_n) * cfg.block_n
+    return Plan(split=True, chunk=chunk, nsplit=cdiv(max_keys, chunk))
+
+
+def _kv_format(pool: torch.Tensor) -> int:
+    return KV_PLAIN
+
+
+def sparse_attention_impl(
+    q: torch.Tensor,
+    kv_pools: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor | PagedIndex],
+    sinks: torch.Tensor,
+    scale: float,
+    *,
+    config: AttentionConfig | None = None,
+    plan: Plan | None = None,
+) -> torch.Tensor:
+    """:func:`sparse_attention` with optional tile ``config`` / launch ``plan`` overrides (tests,
+    benchmarks)."""
+    t, h, d = q.shape
+    out = torch.empty((t, h, d), dtype=q.dtype, device=q.device)
+    if t == 0 or h == 0:
+        return out
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    cfg = config or default_config(h, d, q.dtype)
+    kinds, idx_args, src_args = [], [], []
+    ke, max_keys = 0, 0
+    placeholder = torch.zeros(1, dtype=torch.int64, device=q.device)
+    for pool, index in zip(kv_pools, indices, strict=True):
+        if pool.stride(1) != 1:
+            pool = pool.contiguous()
+        if isinstance(index, PagedIndex):
+            bt = index.block_table
+            kinds.append(SRC_PAGED)
+            idx_args += [index.counts, index.counts.stride(0), 0, int(index.max_count)]
+            src_args += [pool, pool.stride(0), bt, bt.stride(0), bt.stride(1), max(bt.shape[1], 1)]
+            src_args += [index.token_rows, index.token_rows.stride(0), int(index.entries_per_page)]
+            max_keys += int(index.max_count)
+        else:
+            k = index.shape[1]
+            kinds.append(SRC_ROWS if k > 0 else SRC_NONE)
+            idx_args += [index, index.stride(0), index.stride(1), k]
+            src_args += [pool, pool.stride(0), placeholder, 0, 0, 1, placeholder, 0, 1]
+            ke += k
+            max_keys += k
+    while len(kinds) < MAX_SOURCES:
+        kinds.append(SRC_NONE)
+        idx_args += [placeholder, 0, 0, 0]
+        src_args += [src_args[0], 0, placeholder, 0, 0, 1, placeholder, 0, 1]
+
+    nvalid = torch.empty((t, 4), dtype=torch.int32, device=q.device)
+    compact = torch.empty((t, max(ke, 1)), dtype=torch.int32, device=q.device)
+    widest = max([a for a, k in zip(idx_args[3::4], kinds, strict=True) if k == SRC_ROWS] + [1])
+    _prologue_kernel[(t,)](
+        nvalid,
+        compact,
+        compact.stride(0),
+        *idx_args,
+        KIND0=kinds[0],
+        KIND1=kinds[1],
+        KIND2=kinds[2],
+        KIND3=kinds[3],
+        BLOCK_C=min(max(16, pow2(widest)), 1024),
+        INTERP=INTERPRETED,
+        num_warps=4,
+    )
+
+    pl = plan or plan_launch(t, h, max_keys, cfg, q.device)
+    block_d = max(16, pow2(d))
+    hb = cdiv(h, cfg.block_h)
+    fp32 = q.dtype == torch.float32
+    common = dict(
+        KIND0=kinds[0],
+        KIND1=kinds[1],
+        KIND2=kinds[2],
+        KIND3=kinds[3],
+        KV_FORMAT=_kv_format(kv_pools[0]),
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d,
+        DOT_FP32=INTERPRETED or fp32,
+        IEEE=fp32 and not INTERPRETED,
+        INTERP=INTERPRETED,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    sinks = sinks.float()
+    qk_scale = float(scale) * LOG2E
+    if pl.split:
+        part_m = torch.empty((t, pl.nsplit, h), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((t, pl.nsplit, h, d), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = sinks
+    _attn_kernel[(t, hb, pl.nsplit if pl.split else 1)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        sinks,
+        out,
+        out.stride(0),
+        out.stride(1),
+        part_m,
+        part_l,
+        part_acc,
+        nvalid,
+        compact,
+        compact.stride(0),
+        h,
+        d,
+        pl.chunk,
+        pl.nsplit,
+        qk_scale,
+        *src_args,
+        SPLIT=pl.split,
+        **common,
+    )
+    if pl.split:
+        _combine_kernel[(t, hb)](
+            sinks,
+            out,
+            out.stride(0),
+            out.stride(1),
+            part_m,
+            part_l,
+            part_acc,
+            nvalid,
+            h,
+            d,
+            pl.chunk,
+            pl.nsplit,
+            BLOCK_H=cfg.block_h,
+            BLOCK_D=block_d,
+            INTERP=INTERPRETED,
+            num_warps=cfg.num_warps,
+        )
+    return out
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    kv_pools: Sequence[torch.Tensor],
+    indices: Sequence[torch.Tensor | PagedIndex],
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton ``sparse_attention``: the reference's signature, shapes and semantics.
+
+    ``q`` ``[T, H, D]`` (fp32 / bf16 / fp16, any row and head strides), up to
+    :data:`MAX_SOURCES` pools ``[N_i, D]`` of q's dtype with ``[T, K_i]`` row lists or
+    :class:`PagedIndex` entries, ``sinks`` ``[H]``.  Returns a contiguous ``[T, H, D]``.
+    """
+    return sparse_attention_impl(q, kv_pools, indices, sinks, scale)
+
+
+def max_keys_of(indices: Sequence[torch.Tensor | PagedIndex]) -> int:
+    """The static bound on a query's key count (sum of list widths and ``max_count``)."""
+    return sum(int(i.max_count) if isinstance(i, PagedIndex) else i.shape[1] for i in indices)
+
+
+__all__ = [
+    "BI_CHUNK",
+    "KV_FP8_V4",
+    "KV_PLAIN",
+    "MAX_HEAD_DIM",
+    "MAX_SOURCES",
+    "AttentionConfig",
+    "Plan",
+    "default_config",
+    "max_keys_of",
+    "plan_launch",
+    "sparse_attention",
+    "sparse_attention_impl",
+]

@@ -1,0 +1,501 @@
+"""``indexer_topk``: Lightning-indexer scores and top-k selection (contract: ``ops/attention.py``).
+
+Two kernels, no full sort:
+
+1. **Scores** (grid ``(T, candidate groups)``): a program loads one token's ``[H, Di]``
+   indexer query once and, for each block of ``BLOCK_C`` candidates (explicit rows, or the
+   entries of a :class:`PagedIndex` located through its block table), gathers the key rows and
+   computes ``sum_h w[t,h] * relu(q[t,h] . key) * scale`` with ``tl.dot`` over
+   ``[H, Di] x [Di, BLOCK_C]``, in fp32.  Invalid candidates score ``-inf``; ``-0.0`` becomes
+   ``+0.0`` so that equal scores compare equal as bits.  The scores go to a ``[T, C]`` fp32
+   scratch.
+2. **Select** (grid ``(T,)``): a radix select of the ``k``-th largest score on an
+   order-preserving integer image of the fp32 bits, four 256-bin histogram passes (8 bits
+   each) over the row; then one pass in column order keeps every candidate above the
+   threshold and the earliest ones equal to it (the reference's tie rule: stable descending
+   sort).  Default mode sorts only the ``k`` picks (bitonic ``tl.sort`` of
+   ``(score bits, ~column)`` keys: best first, ties to the earlier column); batch-invariant
+   mode keeps them in column order, as the contract asks.
+
+A candidate's score is computed the same way whatever the batch (fixed ``BLOCK_C`` tiles,
+one token per program) and the selection is exact on those scores, so a row's picks never
+depend on the other rows or on trailing ``-1`` padding.  Graph-capturable: grids and
+scratch sizes from shapes only, no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.modes import batch_invariant_enabled
+
+from ._common import INTERPRETED, cdiv, pow2
+
+CAND_IDENTITY, CAND_ROWS, CAND_PAGED = 0, 1, 2
+"""Candidate forms: column = pool row (scores given directly), explicit rows, paged entries."""
+
+MAX_HEADS = 128
+MAX_INDEX_DIM = 512
+MAX_TOPK = 4096
+"""Largest ``min(k, C)``: the picks are sorted in one program (bitonic sort in registers)."""
+
+_SIGN = tl.constexpr(-(2**31))  # int32 sign bit
+_I64_MIN = tl.constexpr(-(2**63))
+_LOW32 = tl.constexpr(2**32 - 1)
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Tiles of the score kernel and the select kernel (static per ``(H, Di)``)."""
+
+    block_c: int
+    blocks_per_prog: int
+    score_warps: int
+    sel_block: int
+    sel_warps: int
+
+
+def default_config(h: int, di: int) -> IndexerConfig:
+    """Tiles from static shapes only (never ``T`` or ``C``: a score's tile is fixed)."""
+    if INTERPRETED:
+        return IndexerConfig(block_c=32, blocks_per_prog=2, score_warps=4, sel_block=32, sel_warps=4)
+    # measured on an H200 (scripts/bench_attention.py --tune): 128 x 4 candidates per program
+    return IndexerConfig(block_c=128, blocks_per_prog=4, score_warps=4, sel_block=2048, sel_warps=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# candidates -> pool rows
+
+
+@triton.jit
+def _cand_rows(
+    KIND: tl.constexpr, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+):
+    """Pool rows of candidate columns ``cols`` (``-1`` where invalid or not ``ok``)."""
+    if KIND == 0:
+        r = tl.where(ok, cols.to(tl.int64), -1)
+    elif KIND == 1:
+        r = tl.load(cand_ptr + t * sc_t + cols * sc_c, mask=ok, other=-1).to(tl.int64)
+    else:
+        v = ok & (cols < count)
+        e = tl.where(v, cols, 0).to(tl.int64)
+        page = tl.load(bt_ptr + trow * bt0 + tl.minimum(e // epp, npages - 1) * bt1, mask=v, other=0)
+        r = tl.where(v, page.to(tl.int64) * epp + e % epp, -1)
+    return r
+
+
+@triton.jit
+def _paged_scalars(KIND: tl.constexpr, t, trow_ptr, trs, cnt_ptr, cs, max_count):
+    if KIND == 2:
+        trow = tl.load(trow_ptr + t * trs)
+        count = tl.minimum(tl.maximum(tl.load(cnt_ptr + t * cs), 0), max_count)
+    else:
+        trow = 0
+        count = 0
+    return trow, count
+
+
+# ---------------------------------------------------------------------------------------------
+# scores
+
+
+@triton.jit
+def _score_kernel(
+    q_ptr,
+    sq_t,
+    sq_h,
+    w_ptr,
+    sw_t,
+    sw_h,
+    key_ptr,
+    sk,
+    cand_ptr,
+    sc_t,
+    sc_c,
+    bt_ptr,
+    bt0,
+    bt1,
+    npages,
+    trow_ptr,
+    trs,
+    cnt_ptr,
+    cs,
+    max_count,
+    epp,
+    scores_ptr,
+    ss_t,
+    C,
+    H,
+    DI,
+    scale,
+    KIND: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < DI
+    q = tl.load(
+        q_ptr + t * sq_t + heads[:, None] * sq_h + d[None, :], mask=hmask[:, None] & dmask[None, :], other=0.0
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    qt = tl.trans(q)  # [BLOCK_D, BLOCK_H]
+    w = tl.load(w_ptr + t * sw_t + heads * sw_h, mask=hmask, other=0.0).to(tl.float32)
+    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    for i in range(BLOCKS):
+        cols = (g * BLOCKS + i) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = cols < C
+        rows = _cand_rows(
+            KIND, cols, inside, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+        )
+        valid = rows >= 0
+        k = tl.load(
+            key_ptr + tl.where(valid, rows, 0)[:, None] * sk + d[None, :],
+            mask=valid[:, None] & dmask[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        # [BLOCK_C, BLOCK_H]: candidates as the MMA's rows, heads as its columns, so that the
+        # weighted sum over heads stays within a few threads of each row
+        if IEEE:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+            s = tl.dot(k, qt, input_precision="ieee")
+        else:
+            s = tl.dot(k, qt)
+        s = tl.maximum(s, 0.0) * scale
+        score = tl.sum(s * w[None, :], 1)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: equal scores, equal bits
+        score = tl.where(valid, score, float("-inf"))
+        tl.store(scores_ptr + t * ss_t + cols, score, mask=inside)
+
+
+# ---------------------------------------------------------------------------------------------
+# selection
+
+
+@triton.jit
+def _ordered(s):
+    """fp32 -> int32 bit pattern whose *unsigned* order is the float order (``-0 < +0``)."""
+    b = s.to(tl.int32, bitcast=True)
+    return tl.where(b >= 0, b ^ _SIGN, ~b)
+
+
+@triton.jit
+def _hist_block(
+    row_ptr, C, c0, prefix, PMASK: tl.constexpr, SHIFT: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr
+):
+    cols = c0 + tl.arange(0, BLOCK)
+    inside = cols < C
+    o = _ordered(tl.load(row_ptr + cols, mask=inside, other=0.0))
+    m = inside & ((o & PMASK) == prefix)
+    digit = (o >> SHIFT) & (NB - 1)
+    return tl.histogram(digit, NB, mask=m)
+
+
+@triton.jit
+def _radix_pass(
+    row_ptr,
+    C,
+    prefix,
+    remaining,
+    PMASK: tl.constexpr,
+    SHIFT: tl.constexpr,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Fix the next digit of the threshold: the largest digit ``d`` such that at least
+    ``remaining`` candidates (matching ``prefix``) have a digit ``>= d``."""
+    hist = tl.zeros([NB], tl.int32)
+    if INTERP:
+        c0 = 0
+        while c0 < C:
+            hist += _hist_block(row_ptr, C, c0, prefix, PMASK, SHIFT, NB, BLOCK)
+            c0 += BLOCK
+    else:
+        for c0 in range(0, C, BLOCK):
+            hist += _hist_block(row_ptr, C, c0, prefix, PMASK, SHIFT, NB, BLOCK)
+    bins = tl.arange(0, NB)
+    at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # candidates with digit >= bin
+    digit = tl.max(tl.where(at_least >= remaining, bins, -1), 0)
+    above = tl.sum(tl.where(bins > digit, hist, 0), 0)
+    return prefix | (digit << SHIFT), remaining - above
+
+
+@triton.jit
+def _gather_block(
+    row_ptr,
+    C,
+    c0,
+    thr,
+    need_eq,
+    eq_seen,
+    npicked,
+    t,
+    out_ptr,
+    so_t,
+    tmp_ptr,
+    KIND: tl.constexpr,
+    cand_ptr,
+    sc_t,
+    sc_c,
+    bt_ptr,
+    bt0,
+    bt1,
+    npages,
+    trow,
+    count,
+    epp,
+    COLUMN_ORDER: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    cols = c0 + tl.arange(0, BLOCK)
+    inside = cols < C
+    o = _ordered(tl.load(row_ptr + cols, mask=inside, other=0.0))
+    key = o ^ _SIGN  # signed order = float order
+    gt = inside & (key > (thr ^ _SIGN))
+    eq = inside & (o == thr)
+    eqi = eq.to(tl.int32)
+    eq_rank = eq_seen + tl.cumsum(eqi, 0) - eqi
+    sel = gt | (eq & (eq_rank < need_eq))
+    seli = sel.to(tl.int32)
+    pos = npicked + tl.cumsum(seli, 0) - seli
+    if COLUMN_ORDER:
+        rows = _cand_rows(
+            KIND, cols, sel, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+        )
+        tl.store(out_ptr + t * so_t + pos, rows, mask=sel)
+    else:
+        low = tl.full([BLOCK], _LOW32, tl.int64) - cols.to(tl.int64)  # earlier column: larger
+        packed = (key.to(tl.int64) << 32) | low
+        tl.store(tmp_ptr + pos, packed, mask=sel)
+    return eq_seen + tl.sum(eqi, 0), npicked + tl.sum(seli, 0)
+
+
+@triton.jit
+def _select_kernel(
+    scores_ptr,
+    ss_t,
+    C,
+    KK,
+    out_ptr,
+    so_t,
+    tmp_ptr,
+    cand_ptr,
+    sc_t,
+    sc_c,
+    bt_ptr,
+    bt0,
+    bt1,
+    npages,
+    trow_ptr,
+    trs,
+    cnt_ptr,
+    cs,
+    max_count,
+    epp,
+    KIND: tl.constexpr,
+    COLUMN_ORDER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    row_ptr = scores_ptr + t * ss_t
+    prefix = tl.zeros((), tl.int32)
+    remaining = tl.zeros((), tl.int32) + KK
+    # four 8-bit digits, most significant first (PMASK: the bits fixed by earlier passes)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, 0, 24, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -16777216, 16, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -65536, 8, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -256, 0, 256, BLOCK, INTERP)
+    # prefix: the k-th largest score's bits; remaining: how many equal to it are kept
+    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    tmp_row = tmp_ptr + t * BLOCK_K
+    eq_seen = tl.zeros((), tl.int32)
+    npicked = tl.zeros((), tl.int32)
+    if INTERP:
+        c0 = 0
+        while c0 < C:
+            eq_seen, npicked = _gather_block(
+                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_ptr, so_t, tmp_row,
+                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
+            )  # fmt: skip
+            c0 += BLOCK
+    else:
+        for c0 in range(0, C, BLOCK):
+            eq_seen, npicked = _gather_block(
+                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_ptr, so_t, tmp_row,
+                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
+            )  # fmt: skip
+    if not COLUMN_ORDER:
+        tl.debug_barrier()  # the picks were written by other threads of this program
+        i = tl.arange(0, BLOCK_K)
+        packed = tl.load(tmp_row + i, mask=i < KK, other=_I64_MIN)
+        packed = tl.sort(packed, descending=True)
+        low32 = tl.full([BLOCK_K], _LOW32, tl.int64)
+        cols = low32 - (packed & low32)
+        ok = i < KK
+        rows = _cand_rows(KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp)
+        tl.store(out_ptr + t * so_t + i, rows, mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def _candidate_args(
+    candidates: torch.Tensor | PagedIndex | None, device: torch.device
+) -> tuple[int, int, list]:
+    """``(kind, C, kernel args)`` for the candidate form."""
+    ph = torch.zeros(1, dtype=torch.int64, device=device)
+    if isinstance(candidates, PagedIndex):
+        bt = candidates.block_table
+        args = [ph, 0, 0, bt, bt.stride(0), bt.stride(1), max(bt.shape[1], 1)]
+        args += [candidates.token_rows, candidates.token_rows.stride(0), candidates.counts]
+        args += [candidates.counts.stride(0), int(candidates.max_count), int(candidates.entries_per_page)]
+        return CAND_PAGED, int(candidates.max_count), args
+    tail = [ph, 0, 0, 1, ph, 0, ph, 0, 0, 1]
+    if candidates is None:
+        return CAND_IDENTITY, 0, [ph, 0, 0, *tail]
+    return CAND_ROWS, candidates.shape[1], [candidates, candidates.stride(0), candidates.stride(1), *tail]
+
+
+def select_topk(
+    scores: torch.Tensor,
+    k: int,
+    candidates: torch.Tensor | PagedIndex | None = None,
+    *,
+    column_order: bool | None = None,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """Top-``k`` of each row of ``scores`` ``[T, C]`` fp32 (ties to the earlier column).
+
+    Returns ``[T, min(k, C)]`` int64: the candidates' pool rows (``candidates=None``: the
+    columns), ``-1`` for invalid candidates; best first, or in column order.  ``-0.0`` ranks
+    below ``+0.0`` here (the score kernel never produces it).
+    """
+    t, c = scores.shape
+    kk = min(int(k), c)
+    out = torch.empty((t, kk), dtype=torch.int64, device=scores.device)
+    if t == 0 or kk == 0:
+        return out
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    cfg = config or default_config(16, 16)
+    if config is None and not INTERPRETED and c >= 65536:  # long rows: wider steps (exact either way)
+        cfg = IndexerConfig(cfg.block_c, cfg.blocks_per_prog, cfg.score_warps, 4096, 8)
+    kind, _, args = _candidate_args(candidates, scores.device)
+    column_order = batch_invariant_enabled() if column_order is None else column_order
+    block_k = pow2(kk)
+    tmp = torch.empty((t, block_k), dtype=torch.int64, device=scores.device) if not column_order else out
+    _select_kernel[(t,)](
+        scores,
+        scores.stride(0),
+        c,
+        kk,
+        out,
+        out.stride(0),
+        tmp,
+        *args,
+        KIND=kind,
+        COLUMN_ORDER=column_order,
+        BLOCK=cfg.sel_block,
+        BLOCK_K=block_k,
+        INTERP=INTERPRETED,
+        num_warps=cfg.sel_warps,
+    )
+    return out
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    candidates: torch.Tensor | PagedIndex,
+    scale: float,
+    *,
+    config: IndexerConfig | None = None,
+) -> torch.Tensor:
+    """The ``[T, C]`` fp32 scores (``-inf`` for invalid candidates) of :func:`indexer_topk`."""
+    t, h, di = q.shape
+    kind, c, args = _candidate_args(candidates, q.device)
+    scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
+    if t == 0 or c == 0:
+        return scores
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if key_pool.stride(1) != 1:
+        key_pool = key_pool.contiguous()
+    cfg = config or default_config(h, di)
+    per_prog = cfg.block_c * cfg.blocks_per_prog
+    fp32 = q.dtype == torch.float32
+    _score_kernel[(t, cdiv(c, per_prog))](
+        q,
+        q.stride(0),
+        q.stride(1),
+        weights,
+        weights.stride(0),
+        weights.stride(1),
+        key_pool,
+        key_pool.stride(0),
+        *args,
+        scores,
+        scores.stride(0),
+        c,
+        h,
+        di,
+        float(scale),
+        KIND=kind,
+        BLOCK_H=max(16, pow2(h)),
+        BLOCK_D=max(16, pow2(di)),
+        BLOCK_C=cfg.block_c,
+        BLOCKS=cfg.blocks_per_prog,
+        DOT_FP32=INTERPRETED or fp32,
+        IEEE=fp32 and not INTERPRETED,
+        num_warps=cfg.score_warps,
+    )
+    return scores
+
+
+def indexer_topk(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    candidates: torch.Tensor | PagedIndex,
+    k: int,
+    scale: float,
+) -> torch.Tensor:
+    """Triton ``indexer_topk``: the reference's signature, shapes and semantics.
+
+    ``q`` ``[T, H, Di]``, ``weights`` ``[T, H]`` fp32, ``key_pool`` ``[N, Di]`` of q's dtype,
+    ``candidates`` ``[T, C]`` rows or a :class:`PagedIndex`.  Returns ``[T, min(k, C)]`` int64
+    pool rows, best first (batch-invariant mode: in column order), ``-1`` past the valid ones.
+    """
+    scores = indexer_scores(q, weights, key_pool, candidates, scale)
+    return select_topk(scores, k, candidates)
+
+
+__all__ = [
+    "MAX_HEADS",
+    "MAX_INDEX_DIM",
+    "MAX_TOPK",
+    "IndexerConfig",
+    "default_config",
+    "indexer_scores",
+    "indexer_topk",
+    "select_topk",
+]

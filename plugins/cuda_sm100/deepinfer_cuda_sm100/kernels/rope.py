@@ -1,0 +1,104 @@
+"""``apply_rope``: V4's partial, interleaved rotary embedding (contract: ``deepinfer_core.ops.rope``).
+
+For each token ``t`` and head ``h`` of ``x [T, H, D]`` the leading ``D - R`` channels are
+copied and the trailing ``R = 2 * cos.shape[-1]`` channels rotate in interleaved pairs:
+``(x[2i], x[2i+1]) -> (x[2i] c_i - x[2i+1] s_i, x[2i] s_i + x[2i+1] c_i)``, in fp32.  One
+program handles one token and ``BLOCK_H`` heads; it reads the token's cos/sin once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cast_to, cdiv, pow2
+
+_TILE_ELEMS = 4096  # channels a program copies per step (BLOCK_H heads x BLOCK_C channels)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    H,
+    D,
+    HALF,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    NOPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < H
+    x_base = x_ptr + t * stride_xt + heads[:, None] * stride_xh
+    o_base = out_ptr + (t * H + heads[:, None]) * D
+    dtype = out_ptr.dtype.element_ty
+
+    # pass-through channels: a plain copy
+    cols = tl.arange(0, BLOCK_C)
+    for c0 in range(0, NOPE, BLOCK_C):
+        c = c0 + cols
+        m = head_mask[:, None] & (c < NOPE)[None, :]
+        tl.store(o_base + c[None, :], tl.load(x_base + c[None, :], mask=m), mask=m)
+
+    # rotated channels: pairs (NOPE + 2i, NOPE + 2i + 1) by angle i
+    i = tl.arange(0, BLOCK_HALF)
+    i_mask = i < HALF
+    cos = tl.load(cos_ptr + t * stride_ct + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + t * stride_st + i, mask=i_mask, other=0.0).to(tl.float32)[None, :]
+    m = head_mask[:, None] & i_mask[None, :]
+    even = NOPE + 2 * i[None, :]
+    a = tl.load(x_base + even, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(x_base + even + 1, mask=m, other=0.0).to(tl.float32)
+    tl.store(o_base + even, cast_to(a * cos - b * sin, dtype), mask=m)
+    tl.store(o_base + even + 1, cast_to(a * sin + b * cos, dtype), mask=m)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Triton ``apply_rope``: same signature, shapes and numerics as the reference.
+
+    ``x`` ``[T, D]`` or ``[T, H, D]`` (fp32, bf16 or fp16; any strides, a non-unit channel
+    stride is copied first), ``cos`` / ``sin`` ``[T, R/2]`` (any float dtype).  Returns a new
+    contiguous tensor shaped and typed like ``x``.
+    """
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    if cos.stride(-1) != 1:
+        cos = cos.contiguous()
+    if sin.stride(-1) != 1:
+        sin = sin.contiguous()
+    t, h, d = x3.shape
+    half = cos.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_c = min(pow2(d - 2 * half), 1024)
+    block_h = max(1, min(pow2(h), _TILE_ELEMS // max(block_c, 2 * pow2(half))))
+    _rope_kernel[(t, cdiv(h, block_h))](
+        x3,
+        cos,
+        sin,
+        out,
+        h,
+        d,
+        half,
+        x3.stride(0),
+        x3.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NOPE=d - 2 * half,
+        BLOCK_H=block_h,
+        BLOCK_C=block_c,
+        BLOCK_HALF=pow2(half),
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,209 @@
+"""The op table of the ``cuda_sm100`` backend: Triton kernels wrapped in ``OpImpl``.
+
+:func:`load_ops` imports the kernel modules (and so Triton); nothing else in the package
+does.  Each op has a ``supports`` predicate that looks only at shapes, dtypes, strides and
+devices (never at values, so it costs no device synchronisation) and returns ``True`` or
+the reason the kernel cannot take the call, and ``sample_cases`` for the shapes the kernels
+target (:mod:`deepinfer_cuda_sm100.cases`).
+
+Kernels compiled for the GPU take CUDA tensors.  With ``TRITON_INTERPRET=1`` set before the
+kernel modules are imported they run in Triton's CPU interpreter and take CPU tensors
+instead (the interpreter tests use this).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.ops import OpImpl
+
+FUSED_OPS = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head")
+"""The norm, rope and mHC ops (:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, mhc)."""
+
+ATTENTION_OPS = ("sparse_attention", "indexer_topk")
+"""The attention-side ops (:mod:`deepinfer_cuda_sm100.attention_ops`)."""
+
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS
+"""The ops this backend implements (every other op falls back to the reference, logged)."""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Activation dtypes the kernels take."""
+
+MAX_STREAMS = 8
+"""Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
+
+Verdict = bool | str
+
+
+def _first_problem(*checks: tuple[bool, str]) -> Verdict:
+    """``True`` if every ``(ok, reason)`` holds, else the first failing reason."""
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    return True
+
+
+def _device_checks(interpreted: bool, **tensors: torch.Tensor | None) -> Verdict:
+    """The tensors are on one device of the kind the kernels run on."""
+    want = "cpu" if interpreted else "cuda"
+    present = {name: t for name, t in tensors.items() if t is not None}
+    for name, t in present.items():
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is a {type(t).__name__}, not a tensor"
+        if t.device.type != want:
+            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
+            return f"{name} is on {t.device}: the kernels run in {how} on {want} tensors"
+    devices = {t.device for t in present.values()}
+    if len(devices) > 1:
+        return f"inputs are on several devices: {sorted(map(str, devices))}"
+    if devices and not interpreted:  # Triton launches on the current device
+        (device,) = devices
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            return f"inputs are on {device} but the current CUDA device is cuda:{current}"
+    return True
+
+
+def _activation(name: str, t: torch.Tensor) -> tuple[bool, str]:
+    return t.dtype in FLOAT_DTYPES, f"{name} dtype {t.dtype} is not one of float32, bfloat16, float16"
+
+
+def _float(name: str, t: torch.Tensor) -> tuple[bool, str]:
+    return t.is_floating_point(), f"{name} dtype {t.dtype} is not a floating-point dtype"
+
+
+def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
+    return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
+
+
+def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
+    """The ``supports`` predicates, for kernels that are ``interpreted`` (CPU) or compiled (CUDA)."""
+
+    def rms_norm(x, weight, eps) -> Verdict:
+        dev = _device_checks(interpreted, x=x, weight=weight)
+        if dev is not True:
+            return dev
+        checks = [_activation("x", x), (x.dim() >= 1, "x is a 0-dim tensor")]
+        if weight is not None and x.dim() >= 1:
+            checks += [_float("weight", weight), _shape("weight", weight, (x.shape[-1],))]
+        return _first_problem(*checks)
+
+    def apply_rope(x, cos, sin) -> Verdict:
+        dev = _device_checks(interpreted, x=x, cos=cos, sin=sin)
+        if dev is not True:
+            return dev
+        ok = _first_problem(
+            _activation("x", x),
+            (x.dim() in (2, 3), f"x has {x.dim()} dims, expected [T, D] or [T, H, D]"),
+            _float("cos", cos),
+            _float("sin", sin),
+            (cos.dim() == 2, f"cos has {cos.dim()} dims, expected [T, R/2]"),
+        )
+        if ok is not True:
+            return ok
+        t, half = x.shape[0], cos.shape[1]
+        return _first_problem(
+            _shape("cos", cos, (t, half)),
+            _shape("sin", sin, (t, half)),
+            (half >= 1, "cos has no rotated pair (R = 0)"),
+            (2 * half <= x.shape[-1], f"rope width {2 * half} exceeds x's last dim {x.shape[-1]}"),
+        )
+
+    def streams_checks(streams) -> Verdict:
+        return _first_problem(
+            _activation("streams", streams),
+            (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
+            (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
+        )
+
+    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
+        dev = _device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        _, n, d = streams.shape
+        m = (2 + n) * n
+        return _first_problem(
+            _float("fn", fn),
+            _float("base", base),
+            _float("scale", scale),
+            _shape("fn", fn, (m, n * d)),
+            _shape("base", base, (m,)),
+            _shape("scale", scale, (3,)),
+            (
+                isinstance(sinkhorn_iters, int) and not isinstance(sinkhorn_iters, bool),
+                f"sinkhorn_iters is a {type(sinkhorn_iters).__name__}, not an int",
+            ),
+        )
+
+    def hc_head(streams, fn, base, scale, norm_eps, hc_eps) -> Verdict:
+        dev = _device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        _, n, d = streams.shape
+        return _first_problem(
+            _float("fn", fn),
+            _float("base", base),
+            _float("scale", scale),
+            _shape("fn", fn, (n, n * d)),
+            _shape("base", base, (n,)),
+            _shape("scale", scale, (1,)),
+        )
+
+    def hc_post(block_out, streams, post, comb) -> Verdict:
+        dev = _device_checks(interpreted, block_out=block_out, streams=streams, post=post, comb=comb)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        t, n, d = streams.shape
+        return _first_problem(
+            (
+                block_out.dtype == streams.dtype,
+                f"block_out dtype {block_out.dtype} differs from streams dtype {streams.dtype}",
+            ),
+            _shape("block_out", block_out, (t, d)),
+            _float("post", post),
+            _float("comb", comb),
+            _shape("post", post, (t, n)),
+            _shape("comb", comb, (t, n, n)),
+        )
+
+    return {
+        "rms_norm": rms_norm,
+        "apply_rope": apply_rope,
+        "hc_pre": hc_pre,
+        "hc_post": hc_post,
+        "hc_head": hc_head,
+    }
+
+
+def load_ops() -> dict[str, OpImpl]:
+    """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
+    from deepinfer_cuda_sm100 import cases
+    from deepinfer_cuda_sm100.kernels import _common, mhc, norm, rope
+
+    interpreted = _common.INTERPRETED
+    supports = make_supports(interpreted)
+    own = cases.own_cases(cases.SMALL if interpreted else cases.V4_FLASH)
+    fns = {
+        "rms_norm": norm.rms_norm,
+        "apply_rope": rope.apply_rope,
+        "hc_pre": mhc.hc_pre,
+        "hc_post": mhc.hc_post,
+        "hc_head": mhc.hc_head,
+    }
+    from deepinfer_cuda_sm100.attention_ops import attention_ops
+
+    impls = {
+        name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name]) for name in FUSED_OPS
+    }
+    return {**impls, **attention_ops()}

@@ -1,0 +1,365 @@
+"""GPU benchmark of the ``cuda_sm100`` attention kernels (``sparse_attention``, ``indexer_topk``).
+
+Run on a CUDA machine (written for an H200)::
+
+    python plugins/cuda_sm100/scripts/bench_attention.py            # everything
+    python plugins/cuda_sm100/scripts/bench_attention.py --only attention --batches 32,256
+    python plugins/cuda_sm100/scripts/bench_attention.py --tune      # also sweep the kernel tiles
+
+**Attention decode** at DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16), one query
+per request, for each batch and context: a CSA layer (sliding window of 128 split between
+the ring (127 keys) and this step's row, plus the indexer's top-512 compressed entries) and an
+HCA layer (the window plus every compressed entry of ratio 128 through a paged index).  Each
+time is compared with the roofline ``max(bytes / 4.24e12, flops / 790e12)`` (the H200's
+measured copy bandwidth and bf16 matrix rate), bytes counting the key rows, queries,
+outputs and index lists once.
+
+**Indexer top-k** (64 heads of dim 128, k = 512) on ``T x C`` candidates: ``128 x 16384``,
+``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
+request's entries); the fused kernel (scores + selection) and its selection alone against
+``torch.topk`` on the same scores.
+
+Timing: each op captured in a CUDA graph (``--no-graphs``: plain launches) with an L2 flush
+before every call (the flush's own time subtracted), CUDA events, after warm-up.  Prints a
+table and writes JSON (default ``benchmarks/results/bench_attention.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
+
+from deepinfer_core.ops.attention import PagedIndex  # noqa: E402
+
+DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
+PEAK_BYTES = 4.24e12  # B/s: H200 device-to-device copy, measured
+PEAK_FLOPS = 790e12  # FLOP/s: H200 dense bf16 matrix product, measured
+
+HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
+CSA_RATIO, HCA_RATIO, PAGE = 4, 128, 256
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 64, 128, 512
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
+    )
+    p.add_argument("--only", choices=["attention", "indexer"], help="run one of the two benchmarks")
+    p.add_argument("--batches", default="32,64,128,256", help="decode batch sizes (comma-separated)")
+    p.add_argument("--contexts", default="4096,65536", help="context lengths (comma-separated)")
+    p.add_argument(
+        "--indexer-shapes",
+        default="128x16384,128x262144,8192x2048",
+        help="indexer T x C shapes (comma-separated)",
+    )
+    p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before capturing")
+    p.add_argument(
+        "--no-graphs", action="store_true", help="time plain launches instead of CUDA graph replays"
+    )
+    p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between calls")
+    p.add_argument("--tune", action="store_true", help="also sweep the attention tiles at each shape")
+    p.add_argument("--check", action="store_true", help="compare each output with the reference op first")
+    p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON file to write")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+class Timer:
+    """Milliseconds per call of ``fn``: CUDA-graph replays (or launches), L2 flushed before each."""
+
+    def __init__(self, iters: int, warmup: int, graphs: bool, flush: bool):
+        self.iters, self.warmup, self.graphs = iters, warmup, graphs
+        self.scratch = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if flush else None
+        self._flush_ms: float | None = None
+
+    def _flush(self) -> None:
+        if self.scratch is not None:
+            self.scratch.zero_()
+
+    def _run(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            self._flush()
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self.graphs:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+                for _ in range(self.iters):
+                    self._flush()
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph.replay()
+            torch.cuda.synchronize()
+            start.record()
+            graph.replay()
+            end.record()
+        else:
+            start.record()
+            for _ in range(self.iters):
+                self._flush()
+                fn()
+            end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / self.iters
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        """Time per call, less the flush's own time."""
+        if self.scratch is None:
+            return self._run(fn)
+        if self._flush_ms is None:
+            self._flush_ms = self._run(lambda: None)
+        return max(self._run(fn) - self._flush_ms, 1e-4)
+
+
+def roofline_ms(bytes_: float, flops: float) -> float:
+    return 1e3 * max(bytes_ / PEAK_BYTES, flops / PEAK_FLOPS)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+
+
+def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """One decode query per request at position ``context - 1`` (see the module docstring)."""
+    dev = "cuda"
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g, device=dev).to(dtype)
+    ring = torch.randn(batch * WINDOW, HEAD_DIM, generator=g, device=dev).to(dtype)
+    kv = torch.randn(batch, HEAD_DIM, generator=g, device=dev).to(dtype)
+    slots = torch.arange(batch, device=dev)
+    ring_idx = slots[:, None] * WINDOW + torch.arange(WINDOW, device=dev)[None, :]
+    ring_idx[:, -1] = -1  # the newest key is this step's row
+    chunk_idx = torch.full((batch, WINDOW), -1, dtype=torch.int64, device=dev)
+    chunk_idx[:, -1] = torch.arange(batch, device=dev)
+    sinks = torch.randn(HEADS, generator=g, device=dev)
+    ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
+    entries = context // ratio
+    epp = PAGE // ratio
+    pages = -(-entries // epp)
+    table = torch.randperm(batch * pages, generator=g, device=dev).view(batch, pages)
+    ckv = torch.randn(batch * pages * epp, HEAD_DIM, generator=g, device=dev).to(dtype)
+    if layer == "csa":
+        picks = torch.rand(batch, entries, generator=g, device=dev).argsort(dim=1)[:, :TOPK]
+        e = picks
+        third = table.gather(1, e // epp) * epp + e % epp
+        keys = WINDOW + min(TOPK, entries)
+        index_bytes = 8 * batch * (2 * WINDOW + TOPK)
+    else:
+        third = PagedIndex(table, slots, torch.full((batch,), entries, device=dev), epp, entries)
+        keys = WINDOW + entries
+        index_bytes = 8 * batch * (2 * WINDOW + pages)
+    elem = torch.finfo(dtype).bits // 8
+    bytes_ = batch * keys * HEAD_DIM * elem + 2 * batch * HEADS * HEAD_DIM * elem + index_bytes
+    flops = 4 * batch * HEADS * HEAD_DIM * keys
+    args = (q, [ring, kv, ckv], [ring_idx, chunk_idx, third], sinks, HEAD_DIM**-0.5)
+    return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
+
+
+def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request)."""
+    dev = "cuda"
+    q = torch.randn(t, INDEX_HEADS, INDEX_DIM, generator=g, device=dev).to(dtype)
+    w = torch.randn(t, INDEX_HEADS, generator=g, device=dev) * INDEX_HEADS**-0.5
+    epp = PAGE // CSA_RATIO
+    pages = -(-c // epp)
+    requests = t if t <= 1024 else 1
+    table = torch.randperm(requests * pages, generator=g, device=dev).view(requests, pages)
+    keys = torch.randn(requests * pages * epp, INDEX_DIM, generator=g, device=dev).to(dtype)
+    rows = torch.arange(t, device=dev) % requests
+    cand = PagedIndex(table, rows, torch.full((t,), c, device=dev), epp, c)
+    elem = torch.finfo(dtype).bits // 8
+    distinct_keys = requests * c * INDEX_DIM * elem
+    bytes_ = distinct_keys + t * INDEX_HEADS * (INDEX_DIM * elem + 4) + t * INDEX_TOPK * 8
+    flops = 2 * t * c * INDEX_HEADS * INDEX_DIM
+    return {"args": (q, w, keys, cand, INDEX_TOPK, INDEX_DIM**-0.5), "bytes": bytes_, "flops": flops}
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks
+
+
+def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
+    from deepinfer_cuda_sm100.kernels import attention as ka
+
+    from deepinfer_core.ops.attention import sparse_attention as reference
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ctx in [int(x) for x in a.contexts.split(",")]:
+        for batch in [int(x) for x in a.batches.split(",")]:
+            for layer in ("csa", "hca"):
+                inp = decode_inputs(batch, ctx, layer, torch.bfloat16, g)
+                args = inp["args"]
+                row = {
+                    "op": "sparse_attention",
+                    "layer": layer,
+                    "batch": batch,
+                    "context": ctx,
+                    "keys": inp["keys"],
+                }
+                if a.check:
+                    err = (ka.sparse_attention(*args).float() - reference(*args).float()).abs().max().item()
+                    row["max_abs_err"] = err
+                cfg = ka.default_config(HEADS, HEAD_DIM, torch.bfloat16)
+                plan = ka.plan_launch(batch, HEADS, ka.max_keys_of(args[2]), cfg, args[0].device)
+                row["plan"] = f"{'split' if plan.split else 'direct'} chunk={plan.chunk} x{plan.nsplit}"
+                row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
+                row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+                row["gbps"] = inp["bytes"] / row["ms"] / 1e6
+                if a.tune:
+                    row["tune"] = tune_attention(args, timer)
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
+def tune_attention(args: tuple, timer: Timer) -> list[dict]:
+    from deepinfer_cuda_sm100.kernels import attention as ka
+
+    out = []
+    for block_h, block_n, warps, stages in (
+        (64, 32, 8, 2),
+        (64, 64, 8, 2),
+        (64, 32, 4, 2),
+        (32, 64, 4, 2),
+        (32, 32, 4, 3),
+        (16, 64, 4, 2),
+        (64, 16, 4, 2),
+    ):
+        cfg = ka.AttentionConfig(block_h, block_n, warps, stages)
+        try:
+            ms = timer.ms(lambda cfg=cfg: ka.sparse_attention_impl(*args, config=cfg))
+        except Exception as exc:  # out of resources, ...
+            out.append(
+                {"config": [block_h, block_n, warps, stages], "error": f"{type(exc).__name__}: {exc}"[:200]}
+            )
+            continue
+        out.append({"config": [block_h, block_n, warps, stages], "ms": ms})
+        print(f"    tune {cfg}: {ms:.4f} ms")
+    return out
+
+
+def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for shape in a.indexer_shapes.split(","):
+        t, c = (int(x) for x in shape.lower().split("x"))
+        inp = indexer_inputs(t, c, torch.bfloat16, g)
+        args = inp["args"]
+        q, w, keys, cand, k, scale = args
+        row = {"op": "indexer_topk", "T": t, "C": c, "k": k}
+        scores = ki.indexer_scores(q, w, keys, cand, scale)
+        if a.check:
+            got = ki.select_topk(scores, k, cand)
+            want = torch.topk(scores, k, dim=1, sorted=True)
+            rows_want = cand.block_table[cand.token_rows[:, None], want.indices // cand.entries_per_page]
+            rows_want = rows_want * cand.entries_per_page + want.indices % cand.entries_per_page
+            row["picks_equal_torch_topk_sets"] = bool(
+                torch.equal(got.sort(dim=1).values, rows_want.sort(dim=1).values)
+            )
+        row["ms"] = timer.ms(lambda args=args: ki.indexer_topk(*args))
+        row["score_ms"] = timer.ms(lambda args=args: ki.indexer_scores(*args[:4], args[5]))
+        row["select_ms"] = timer.ms(lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c))
+        row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
+        row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+        if a.tune:
+            row["tune"] = tune_indexer(args, scores, timer)
+        rows.append(row)
+        print_row(row)
+    return rows
+
+
+def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    q, w, keys, cand, k, scale = args
+    out = []
+    for block_c, blocks, warps, sel_block, sel_warps in (
+        (64, 8, 4, 2048, 8),
+        (128, 4, 4, 1024, 4),
+        (128, 4, 8, 4096, 8),
+        (64, 4, 4, 2048, 4),
+        (32, 8, 4, 1024, 8),
+    ):
+        cfg = ki.IndexerConfig(block_c, blocks, warps, sel_block, sel_warps)
+        try:
+            score_ms = timer.ms(lambda cfg=cfg: ki.indexer_scores(q, w, keys, cand, scale, config=cfg))
+            select_ms = timer.ms(lambda cfg=cfg: ki.select_topk(scores, k, cand, config=cfg))
+        except Exception as exc:  # out of resources, ...
+            out.append({"config": list(cfg.__dict__.values()), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        out.append({"config": list(cfg.__dict__.values()), "score_ms": score_ms, "select_ms": select_ms})
+        print(f"    tune {cfg}: scores {score_ms:.4f} ms, select {select_ms:.4f} ms")
+    return out
+
+
+def print_row(r: dict) -> None:
+    if r["op"] == "sparse_attention":
+        print(
+            f"attention {r['layer']:3} batch {r['batch']:4} ctx {r['context']:6} keys {r['keys']:5}: "
+            f"{r['ms']:8.4f} ms  roofline {r['roofline_ms']:8.4f} ms  "
+            f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)  {r['gbps']:7.1f} GB/s  [{r['plan']}]"
+            + (f"  err {r['max_abs_err']:.2e}" if "max_abs_err" in r else "")
+        )
+    else:
+        print(
+            f"indexer T {r['T']:5} C {r['C']:6} k {r['k']}: {r['ms']:8.4f} ms (scores {r['score_ms']:.4f}, "
+            f"select {r['select_ms']:.4f}; torch.topk {r['torch_topk_ms']:.4f})  roofline "
+            f"{r['roofline_ms']:.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
+            + (
+                f"  sets==topk {r['picks_equal_torch_topk_sets']}"
+                if "picks_equal_torch_topk_sets" in r
+                else ""
+            )
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA GPU is visible; run this on a GPU machine", file=sys.stderr)
+        return 2
+    timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "graphs": not a.no_graphs,
+        "l2_flush": not a.no_flush,
+        "peak_bytes_per_s": PEAK_BYTES,
+        "peak_flops": PEAK_FLOPS,
+    }
+    import triton
+
+    results["triton"] = triton.__version__
+    if a.only in (None, "attention"):
+        results["attention"] = bench_attention(a, timer)
+    if a.only in (None, "indexer"):
+        results["indexer"] = bench_indexer(a, timer)
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    a.output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {a.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,212 @@
+"""Time the ``cuda_sm100`` Triton kernels against the core's reference ops on a GPU.
+
+Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash widths
+(hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4).  Each implementation is timed with
+CUDA events two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls
+(GPU time per call, launch overhead excluded), and eagerly (what a Python loop costs,
+launches included).  Prints a table and writes JSON (default
+``benchmarks/results/cuda_sm100_small_ops.json`` at the repository root).
+
+    python plugins/cuda_sm100/scripts/bench_small_ops.py [--tokens 1,16,64,256] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from deepinfer_core.ops import all_ops
+
+REPO = Path(__file__).resolve().parents[3]
+HIDDEN, HEADS, HEAD_DIM, ROPE_DIM, HC, Q_LORA = 4096, 64, 512, 64, 4, 1024
+
+
+def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
+    """``(op, label, args)`` of the calls one V4-Flash layer makes with ``t`` tokens."""
+    dev = "cuda"
+
+    def randn(*shape, dt=dtype, scale=1.0):
+        return (torch.randn(*shape, device=dev) * scale).to(dt)
+
+    pos = torch.randint(0, 65536, (t,), device=dev).float()
+    inv = 1.0 / (10000.0 ** (torch.arange(0, ROPE_DIM, 2, device=dev).float() / ROPE_DIM))
+    cos, sin = (pos[:, None] * inv).cos().to(dtype), (pos[:, None] * inv).sin().to(dtype)
+    k, m = HC * HIDDEN, (2 + HC) * HC
+    fused = randn(t, Q_LORA + HEAD_DIM + ROPE_DIM)
+    return [
+        (
+            "rms_norm",
+            f"[{t},{HIDDEN}] w",
+            (randn(t, HIDDEN), 1 + randn(HIDDEN, dt=torch.float32, scale=0.1), 1e-6),
+        ),
+        (
+            "rms_norm",
+            f"q_a [{t},{Q_LORA}] strided",
+            (fused[:, :Q_LORA], randn(Q_LORA, dt=torch.float32), 1e-6),
+        ),
+        ("rms_norm", f"[{t},{HEADS},{HEAD_DIM}]", (randn(t, HEADS, HEAD_DIM), None, 1e-6)),
+        ("apply_rope", f"[{t},{HEADS + 1},{HEAD_DIM}]", (randn(t, HEADS + 1, HEAD_DIM), cos, sin)),
+        (
+            "hc_pre",
+            f"[{t},{HC},{HIDDEN}]",
+            (
+                randn(t, HC, HIDDEN),
+                randn(m, k, dt=torch.float32, scale=k**-0.5),
+                randn(m, dt=torch.float32),
+                1 + randn(3, dt=torch.float32, scale=0.1),
+                1e-6,
+                1e-6,
+                20,
+            ),
+        ),
+        (
+            "hc_post",
+            f"[{t},{HC},{HIDDEN}]",
+            (
+                randn(t, HIDDEN),
+                randn(t, HC, HIDDEN),
+                2 * randn(t, HC, dt=torch.float32).sigmoid(),
+                randn(t, HC, HC, dt=torch.float32).softmax(-1),
+            ),
+        ),
+        (
+            "hc_head",
+            f"[{t},{HC},{HIDDEN}]",
+            (
+                randn(t, HC, HIDDEN),
+                randn(HC, k, dt=torch.float32, scale=k**-0.5),
+                randn(HC, dt=torch.float32),
+                randn(1, dt=torch.float32).abs(),
+                1e-6,
+                1e-6,
+            ),
+        ),
+    ]
+
+
+def time_graph(fn: Callable, args: tuple, calls: int, replays: int) -> float | None:
+    """Microseconds per call, replaying a CUDA graph of ``calls`` calls; ``None`` if capture fails."""
+    try:
+        fn(*args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # a reference op that cannot be captured: report, keep going
+        print(f"  (graph capture failed: {type(exc).__name__}: {exc})")
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def time_eager(fn: Callable, args: tuple, iters: int) -> float:
+    """Microseconds per call of a plain Python loop of calls (launch overhead included)."""
+    for _ in range(5):
+        fn(*args)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def max_err(a, b) -> float:
+    """Largest absolute difference over (nested) outputs."""
+    if isinstance(a, (tuple, list)):
+        return max(max_err(x, y) for x, y in zip(a, b, strict=True))
+    return float((a.double() - b.double()).abs().max())
+
+
+def main() -> None:
+    """Parse the arguments, time every workload, print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,16,64,256", help="comma-separated token counts")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--calls-per-graph", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--eager-iters", type=int, default=200)
+    parser.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "cuda_sm100_small_ops.json"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU: this benchmark times GPU kernels")
+    from deepinfer_cuda_sm100.backend import is_available
+    from deepinfer_cuda_sm100.ops import load_ops
+
+    ok, reason = is_available()
+    if not ok:
+        raise SystemExit(f"cuda_sm100 is unavailable: {reason}")
+    dtype = getattr(torch, args.dtype)
+    kernels, refs = load_ops(), all_ops()
+    torch.manual_seed(0)
+    rows = []
+    header = (
+        f"{'op':<10} {'shape':<28} {'ref graph us':>12} {'triton graph us':>15} {'speedup':>8} "
+        f"{'ref eager us':>12} {'triton eager us':>15} {'max err':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for t in (int(x) for x in args.tokens.split(",")):
+        for op, label, call_args in workloads(t, dtype):
+            impl, ref = kernels[op], refs[op].reference
+            verdict = impl.supports(*call_args) if impl.supports else True
+            if verdict is not True:
+                print(f"{op:<10} {label:<28} kernel refuses: {verdict}")
+                continue
+            row = {"op": op, "shape": label, "tokens": t, "dtype": args.dtype}
+            row["max_abs_err"] = max_err(impl.fn(*call_args), ref(*call_args))
+            row["ref_graph_us"] = time_graph(ref, call_args, args.calls_per_graph, args.replays)
+            row["triton_graph_us"] = time_graph(impl.fn, call_args, args.calls_per_graph, args.replays)
+            row["ref_eager_us"] = time_eager(ref, call_args, args.eager_iters)
+            row["triton_eager_us"] = time_eager(impl.fn, call_args, args.eager_iters)
+            rg, kg = row["ref_graph_us"], row["triton_graph_us"]
+            row["graph_speedup"] = rg / kg if rg and kg else None
+
+            def fmt(v, width, spec=".1f"):
+                return f"{v:>{width}{spec}}" if v is not None else f"{'n/a':>{width}}"
+
+            print(
+                f"{op:<10} {label:<28} {fmt(rg, 12)} {fmt(kg, 15)} {fmt(row['graph_speedup'], 7, '.2f')}x "
+                f"{fmt(row['ref_eager_us'], 12)} {fmt(row['triton_eager_us'], 15)} {row['max_abs_err']:>9.2g}"
+            )
+            rows.append(row)
+    import triton
+
+    result = {
+        "benchmark": "cuda_sm100 small ops vs reference",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "calls_per_graph": args.calls_per_graph,
+        "replays": args.replays,
+        "eager_iters": args.eager_iters,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Checks beyond the conformance suite, shared by the interpreter and the GPU tests.
+
+- :func:`batch_invariance_problems`: a row's output is bitwise the same whether the op runs
+  on the whole batch or on a slice of it (other batch sizes, other positions in a tile).
+- :func:`graph_replay_problems`: an op captured in a CUDA graph and replayed on new input
+  values gives bitwise what an eager call gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from deepinfer_cuda_sm100.cases import Shapes, own_cases
+
+ROW_ARGS = {
+    "rms_norm": (0,),
+    "apply_rope": (0, 1, 2),
+    "hc_pre": (0,),
+    "hc_post": (0, 1, 2, 3),
+    "hc_head": (0,),
+}
+"""The positional arguments of each op that are indexed by token (dim 0)."""
+
+INVARIANCE_CASES = {"rms_norm": (0, 5), "apply_rope": (2,), "hc_pre": (2,), "hc_post": (2,), "hc_head": (2,)}
+"""Which of :func:`~deepinfer_cuda_sm100.cases.own_cases`'s cases each op is checked on."""
+
+
+def _outputs(out) -> tuple[torch.Tensor, ...]:
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _case(op: str, shapes: Shapes, dtype: torch.dtype, index: int, device: str) -> tuple:
+    args, _ = own_cases(shapes)[op](torch.Generator().manual_seed(0), dtype)[index]
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def batch_invariance_problems(
+    op: str, fn: Callable, shapes: Shapes, dtype: torch.dtype, device: str
+) -> list[str]:
+    """Run ``fn`` on whole batches and on row slices of them; describe every row that changed."""
+    problems = []
+    for index in INVARIANCE_CASES[op]:
+        args = _case(op, shapes, dtype, index, device)
+        t = args[0].shape[0]
+        full = _outputs(fn(*args))
+        for a, b in ((0, 1), (t - 2, t), (1, min(t, 8))):
+            sub = tuple(x[a:b].clone() if i in ROW_ARGS[op] else x for i, x in enumerate(args))
+            for k, (whole, part) in enumerate(zip(full, _outputs(fn(*sub)), strict=True)):
+                if not torch.equal(whole[a:b], part):
+                    err = (whole[a:b].double() - part.double()).abs().max().item()
+                    problems.append(
+                        f"case {index}, output {k}: rows {a}:{b} of {t} differ alone (max {err:.3g})"
+                    )
+    return problems
+
+
+def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dtype) -> list[str]:
+    """Capture ``fn`` in a CUDA graph, replay it on fresh input values, compare with eager calls."""
+    args = _case(op, shapes, dtype, 0, "cuda")
+    fn(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _outputs(fn(*args))
+    problems = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for replay in range(2):
+        for i in ROW_ARGS[op]:  # new activations, in place (the static inputs)
+            fresh = torch.randn(args[i].shape, generator=gen, device="cuda", dtype=torch.float32)
+            args[i].copy_(fresh.abs() if op == "hc_post" and i in (2, 3) else fresh)
+        graph.replay()
+        expected = _outputs(fn(*args))
+        for k, (got, want) in enumerate(zip(captured, expected, strict=True)):
+            if not torch.equal(got, want):
+                problems.append(f"replay {replay}, output {k}: differs from an eager call")
+    return problems

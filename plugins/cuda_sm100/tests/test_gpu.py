@@ -1,0 +1,63 @@
+"""The compiled kernels on a GPU: the conformance suite with V4-Flash shapes, batch invariance
+and CUDA-graph replay.  Skipped, with the reason, where the backend cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+from cuda_sm100_checks import batch_invariance_problems, graph_replay_problems
+from deepinfer_cuda_sm100 import backend
+from deepinfer_cuda_sm100.cases import V4_FLASH
+from deepinfer_cuda_sm100.ops import FUSED_OPS, PROVIDED_OPS
+
+from deepinfer_core.testing import check_backend
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed: pip install -e 'plugins/cuda_sm100[test]'"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels would run in Triton's CPU interpreter"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: torch.cuda.is_available() is False"
+    ok, reason = backend.is_available()
+    return None if ok else f"cuda_sm100 is unavailable: {reason}"
+
+
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+
+
+@pytest.fixture(scope="module")
+def impls():
+    from deepinfer_core.plugins import get_plugins
+
+    return get_plugins().get_backend("cuda_sm100").load_ops()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conformance_v4_flash_shapes(dtype):
+    report = check_backend("cuda_sm100", dtypes=(dtype,))
+    assert report.passed, report.summary()
+    skipped = [f"{r.op}[{r.label}]: {r.message}" for r in report.results if r.status == "skipped"]
+    assert not skipped, "supports() rejected cases the kernels target: " + "; ".join(skipped)
+    assert set(PROVIDED_OPS) <= {r.op for r in report.results}
+
+
+@pytest.mark.parametrize("op", FUSED_OPS)
+def test_batch_invariance(impls, op):
+    problems = [
+        f"{dtype}: {p}"
+        for dtype in (torch.bfloat16, torch.float32)
+        for p in batch_invariance_problems(op, impls[op].fn, V4_FLASH, dtype, "cuda")
+    ]
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.parametrize("op", FUSED_OPS)
+def test_cuda_graph_replay(impls, op):
+    problems = graph_replay_problems(op, impls[op].fn, V4_FLASH, torch.bfloat16)
+    assert not problems, "; ".join(problems)
