@@ -2,7 +2,7 @@
 
 The core is hardware-neutral: the pure-PyTorch reference ops run on any torch device.  This
 script (run on a CUDA machine) builds the parity tests' tiny random model, runs it with
-``backend="reference", device="cuda"`` and checks, on the GPU:
+``backend="reference"`` (or ``--backend NAME``), ``device="cuda"`` and checks, on the GPU:
 
 - full-prompt logits against HF ``DeepseekV4ForCausalLM`` on the same device (fp32);
 - greedy generation through the engine (continuous batching, chunked prefill, prefix
@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.backends import resolve_backend  # noqa: E402
 from deepinfer_core.config import EngineConfig  # noqa: E402
 from deepinfer_core.engine.batch import SeqChunk  # noqa: E402
 from deepinfer_core.engine.model_runner import ModelRunner  # noqa: E402
@@ -38,7 +39,7 @@ from tests.models.hf_oracle import CONFIGS, build_hf_model, save_hf_model  # noq
 RESULTS = Path(__file__).parent / "results" / "gpu_reference_check.json"
 
 
-def _check_config(name: str, device: str, work: Path) -> dict:
+def _check_config(name: str, device: str, work: Path, backend: str = "reference") -> dict:
     model = build_hf_model(name)
     path = save_hf_model(model, work / name)
     model = model.to(device)
@@ -47,7 +48,7 @@ def _check_config(name: str, device: str, work: Path) -> dict:
     with torch.no_grad():
         ref = model(torch.tensor([ids], device=device)).logits[0].float()
     cfg = EngineConfig(model=str(path), dtype="float32", device=device, max_num_seqs=4, page_size=16)
-    runner = ModelRunner(path, cfg, OpTable.reference())
+    runner = ModelRunner(path, cfg, resolve_backend(backend)[1])
     pages = runner.kv_cache.allocate_pages(runner.kv_cache.pages_needed(len(ids)))
     ours = torch.cat(
         [
@@ -60,7 +61,7 @@ def _check_config(name: str, device: str, work: Path) -> dict:
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (3, 17, 33, 58, 70)]
     llm = LLM(
         model=str(path),
-        backend="reference",
+        backend=backend,
         device=device,
         dtype="float32",
         max_num_seqs=3,
@@ -79,7 +80,13 @@ def _check_config(name: str, device: str, work: Path) -> dict:
                 torch.tensor([p], device=device), max_new_tokens=24, do_sample=False, pad_token_id=0
             )[0, len(p) :].tolist()
         same += out.outputs[0].token_ids == want
-    return {"config": name, "max_logit_err": logit_err, "greedy_equal": f"{same}/{len(prompts)}"}
+    return {
+        "config": name,
+        "backend": backend,
+        "max_logit_err": logit_err,
+        "greedy_equal": f"{same}/{len(prompts)}",
+        "graphs": sorted(llm.engine.runner.graphs),
+    }
 
 
 def _decode_step_ms(device: str, work: Path, batch: int = 64) -> float:
@@ -104,15 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the checks on ``--device``; print a table; write JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default="reference", help="the DeepInfer backend to check against HF")
+    ap.add_argument("--skip-timing", action="store_true", help="leave out the eager decode-step timing")
     ap.add_argument("--output", default=str(RESULTS))
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [_check_config(name, args.device, Path(tmp)) for name in sorted(CONFIGS)]
-        step_ms = _decode_step_ms(args.device, Path(tmp))
+        rows = [_check_config(name, args.device, Path(tmp), args.backend) for name in sorted(CONFIGS)]
+        step_ms = None if args.skip_timing else _decode_step_ms(args.device, Path(tmp))
     print(f"{'config':18s} {'max |logit err|':>16s} {'greedy == HF':>13s}")
     for r in rows:
         print(f"{r['config']:18s} {r['max_logit_err']:16.2e} {r['greedy_equal']:>13s}")
-    print(f"eager reference decode step, batch 64, tiny model: {step_ms:.2f} ms")
+    if step_ms is not None:
+        print(f"eager reference decode step, batch 64, tiny model: {step_ms:.2f} ms")
     report = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
         "torch": torch.__version__,
