@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.cli import main
 
@@ -101,6 +103,7 @@ def test_plugins_prints_json_with_the_core_plugin(capsys):
     assert code in (0, 1)
 
 
+@pytest.mark.slow
 def test_console_entry_prints_no_traceback():
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
@@ -155,6 +158,9 @@ def test_engine_flags_become_llm_arguments():
         "num_cache_pages": 9,
     }
     assert _engine_kwargs(build_parser().parse_args(["bench"])) == {}
+    for flag, value in (("--keep-quantized", True), ("--no-keep-quantized", False)):
+        args = build_parser().parse_args(["generate", "--prompt", "x", flag])
+        assert _engine_kwargs(args) == {"keep_quantized": value}
 
 
 def test_generate_sampling_flags_reach_the_request(capsys):
