@@ -162,7 +162,7 @@ def engine_settings(llm: Any) -> dict[str, Any]:
     cfg = llm.config
     fields = (
         "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size",
-        "enable_prefix_caching", "async_scheduling", "batch_invariant", "strict_ops",
+        "enable_prefix_caching", "async_scheduling", "batch_invariant", "strict_ops", "keep_quantized",
     )  # fmt: skip
     return {
         "backend": llm.engine.backend.name,

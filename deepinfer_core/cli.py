@@ -112,6 +112,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--num-cache-pages", type=int, help="pages in the paged KV cache")
     parser.add_argument(
+        "--kv-cache-dtype",
+        help="auto (the model dtype) or fp8 (packed FP8 window ring and compressed entries)",
+    )
+    parser.add_argument(
         "--no-prefix-caching",
         dest="enable_prefix_caching",
         action="store_false",
@@ -130,6 +134,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", default=None, help="enforce_eager=True: no device graphs"
     )
+    parser.add_argument(
+        "--keep-quantized",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep_quantized: hold FP8/FP4 checkpoint weights quantised (default: if the backend "
+        "declares quantised kernels)",
+    )
     parser.add_argument("--log-level", help="debug, info, warning or error")
 
 
@@ -137,8 +148,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = (
         "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
-        "max_num_batched_tokens", "max_model_len", "num_cache_pages", "enable_prefix_caching",
-        "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager", "log_level",
+        "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
+        "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
+        "keep_quantized", "log_level",
     )  # fmt: skip
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 

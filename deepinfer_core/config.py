@@ -36,6 +36,7 @@ _ORIGIN: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextV
 )
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDtype = Literal["auto", "fp8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 
 
@@ -73,6 +74,12 @@ class EngineConfig(BaseModel):
     ``max_num_seqs`` sequences of ``max_model_len`` tokens."""
     kv_cache_memory_gb: float | None = None
     """Memory budget of the paged cache in GiB, used when ``num_cache_pages`` is unset."""
+    kv_cache_dtype: KVCacheDtype = "auto"
+    """Storage of the attention KV caches (window ring, compressed entries): ``auto`` = the model
+    ``dtype``; ``fp8`` = packed FP8 rows as FlashMLA's V4 layout (e4m3 nope values with one
+    power-of-two UE8M0 scale per 64, bfloat16 rope values: 584 bytes per 512-wide row), so the
+    same ``kv_cache_memory_gb`` holds more tokens.  The indexer keys and compressor state stay
+    in ``dtype``."""
     seed: int = 0
     """Engine seed: requests without their own seed draw from (seed, request index)."""
     enable_chunked_prefill: bool = True
@@ -91,6 +98,12 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = False
     """Never capture device graphs: run every step eagerly.  By default a backend that supports
     graph capture on a device with a graph runtime (CUDA) runs decode steps as graphs."""
+    keep_quantized: bool | None = None
+    """Keep the checkpoint's quantised weights quantised in device memory (FP8 e4m3 dense weights
+    with 128x128 block scales, FP4 e2m1 experts with one scale per 32 inputs) and hand them to the
+    ops as ``QuantizedTensor``; ``False`` dequantises them at load to ``dtype``.  ``None`` = keep
+    the formats the backend declares in ``BackendSpec.quantized_weights`` (none for the
+    reference, which dequantises per call when this is ``True``)."""
     log_level: LogLevel = "warning"
     """Level of the ``deepinfer`` logger."""
 
@@ -175,6 +188,16 @@ class EngineConfig(BaseModel):
                 f"use a multiple of {math.lcm(*ratios)}"
             )
         return self.page_size
+
+    def resolved_quantized_formats(self, backend_formats: Iterable[str] = ()) -> tuple[str, ...]:
+        """The weight formats to keep quantised: every one the loader can keep when
+        ``keep_quantized`` is ``True``, none when ``False``, the backend's declared
+        ``quantized_weights`` (``backend_formats``) when ``None``."""
+        from deepinfer_core.weights.quant import QUANTIZED_FORMATS
+
+        if self.keep_quantized is None:
+            return tuple(f for f in QUANTIZED_FORMATS if f in set(backend_formats))
+        return QUANTIZED_FORMATS if self.keep_quantized else ()
 
     def resolved_dtype(self, device_type: str) -> str:
         """The concrete dtype: ``auto`` is float32 on ``cpu``, bfloat16 elsewhere."""
@@ -298,7 +321,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
         optional = not info.is_required() and info.default is None
         if optional and raw.lower() in ("", "none", "null"):
             value: Any = None
-        elif info.annotation is bool:
+        elif info.annotation is bool or info.annotation == (bool | None):
             low = raw.lower()
             if low not in _TRUE | _FALSE:
                 raise ConfigError(

@@ -39,6 +39,7 @@ def test_synthetic_bench_counts_and_percentiles(capsys, tmp_path):
     engine = result["engine"]  # the resolved settings, not only the flags given
     assert engine["backend"] == "reference" and engine["dtype"] == "float32" and engine["device"] == "cpu"
     assert engine["max_num_seqs"] == 3 and Path(engine["model"]).is_dir()
+    assert engine["keep_quantized"] is False  # resolved: the reference declares no quantised formats
     assert engine["kv_cache_capacity_tokens"] == result["kv_cache_capacity_tokens"]
     assert result["num_requests"] == 5 and result["num_failed_requests"] == 0
     assert result["num_input_tokens"] == 5 * 20 and result["num_output_tokens"] == 5 * 3

@@ -43,7 +43,10 @@ ENGINE_FLAGS: dict[str, list[str]] = {
     "--replay-tail": BAD_INTS,
     "--log-level": ["debug", "loud", ""],
 }
-SWITCHES = ["--strict-ops", "--no-prefix-caching", "--no-async-scheduling", "--batch-invariant"]
+SWITCHES = [
+    "--strict-ops", "--no-prefix-caching", "--no-async-scheduling", "--batch-invariant", "--keep-quantized",
+    "--no-keep-quantized",
+]  # fmt: skip
 GENERATE_FLAGS: dict[str, list[str]] = {
     "--max-tokens": BAD_INTS,
     "--temperature": BAD_FLOATS,
@@ -69,7 +72,7 @@ BENCH_FLAGS: dict[str, list[str]] = {
 }
 ENV_FIELDS = [
     "MAX_NUM_SEQS", "DTYPE", "DEVICE", "BACKEND", "ASYNC_SCHEDULING", "BATCH_INVARIANT", "SEED",
-    "KV_CACHE_MEMORY_GB", "PAGE_SIZE", "MODEL", "LOG_LEVEL", "PLUGINS",
+    "KV_CACHE_MEMORY_GB", "PAGE_SIZE", "MODEL", "LOG_LEVEL", "PLUGINS", "KEEP_QUANTIZED",
 ]  # fmt: skip
 
 

@@ -80,6 +80,15 @@ def test_env_vars_are_parsed_by_field_type():
     with pytest.raises(ConfigError, match="DEEPINFER_STRICT_OPS='maybe'.*yes/no, on/off"):
         EngineConfig.load(env={"DEEPINFER_STRICT_OPS": "maybe"})
     assert EngineConfig.load(env={"DEEPINFER_ASYNC_SCHEDULING": "off"}).async_scheduling is False
+    # an optional bool: on/off as the others, or none for "not set" (the backend decides)
+    assert EngineConfig.load(env={"DEEPINFER_KEEP_QUANTIZED": "on"}).keep_quantized is True
+    assert EngineConfig.load(env={"DEEPINFER_KEEP_QUANTIZED": "0"}).keep_quantized is False
+    assert EngineConfig.load(env={"DEEPINFER_KEEP_QUANTIZED": "none"}).keep_quantized is None
+    assert (
+        EngineConfig.load(env={"DEEPINFER_KEEP_QUANTIZED": "1"}, keep_quantized=False).keep_quantized is False
+    )
+    with pytest.raises(ConfigError, match="DEEPINFER_KEEP_QUANTIZED='fp8'"):
+        EngineConfig.load(env={"DEEPINFER_KEEP_QUANTIZED": "fp8"})
     assert env_var_name("max_num_seqs") == "DEEPINFER_MAX_NUM_SEQS"
 
 
@@ -125,3 +134,7 @@ def test_resolved_values():
         EngineConfig(max_model_len=5000).resolved_max_model_len(4096)
     assert c.resolved_dtype("cpu") == "float32" and c.resolved_dtype("cuda") == "bfloat16"
     assert EngineConfig(dtype="float16").resolved_dtype("cpu") == "float16"
+    assert c.keep_quantized is None and c.resolved_quantized_formats() == ()
+    assert c.resolved_quantized_formats(("fp4_experts",)) == ("fp4_experts",)
+    assert EngineConfig(keep_quantized=True).resolved_quantized_formats() == ("fp8_block", "fp4_experts")
+    assert EngineConfig(keep_quantized=False).resolved_quantized_formats(("fp8_block",)) == ()

@@ -11,6 +11,7 @@ from deepinfer_core.ops import OpImpl, OpSpec, all_ops, get_op, registry
 from deepinfer_core.ops._cases import randn
 from deepinfer_core.testing import check_backend, conformance_cases
 from deepinfer_core.testing.conformance import compare
+from deepinfer_core.weights.quant import QuantizedTensor
 
 REFERENCE = BackendSpec(
     name="reference_copy",
@@ -283,3 +284,52 @@ def test_cases_can_be_limited_to_some_ops_and_have_readable_ids():
 def test_unknown_backend_name_is_a_backend_error():
     with pytest.raises(BackendError, match="unknown backend 'no_such_backend'"):
         check_backend("no_such_backend")
+
+
+def _plain_weight(w):
+    return w.dequantize(torch.float32) if isinstance(w, QuantizedTensor) else w
+
+
+def test_quantised_weight_cases_catch_a_kernel_that_ignores_the_scales():
+    """linear / grouped_linear / moe_experts have QuantizedTensor cases (keep_quantized): a kernel
+    that reads the FP8 codes without their block scales fails them, one that dequantises passes."""
+    linear_ref = get_op("linear").reference
+
+    def unscaled(x, weight):
+        if isinstance(weight, QuantizedTensor):
+            return torch.nn.functional.linear(x, weight.data.to(x.dtype))
+        return linear_ref(x, weight)
+
+    def dequantising(x, weight):
+        return torch.nn.functional.linear(x, _plain_weight(weight).to(x.dtype))
+
+    bad = check_backend(backend(linear=unscaled), dtypes=(torch.float32, torch.bfloat16))
+    assert not bad.passed and {r.index for r in bad.failures} == {1, 2}
+    assert check_backend(backend(linear=dequantising), dtypes=(torch.float32, torch.bfloat16)).passed
+
+
+def test_a_kernel_may_leave_quantised_weights_to_the_reference_through_supports():
+    def plain_only(x, weight):
+        return True if isinstance(weight, torch.Tensor) else "quantised weights are not supported"
+
+    def plain_experts(x, ids, weights, gate_up, down, limit):
+        return True if isinstance(gate_up, torch.Tensor) else "FP4 experts are not supported"
+
+    spec = backend(
+        linear=OpImpl(get_op("linear").reference, supports=plain_only),
+        moe_experts=OpImpl(get_op("moe_experts").reference, supports=plain_experts),
+    )
+    report = check_backend(spec)
+    assert report.passed, report.summary()
+    skipped = {(r.op, r.index) for r in report.results if r.status == "skipped"}
+    assert skipped == {("linear", 1), ("linear", 2), ("moe_experts", 1), ("moe_experts", 2)}
+
+
+def test_quantised_weights_reach_the_backend_as_copies():
+    def scribbles(x, weight):
+        y = get_op("linear").reference(x, weight)
+        if isinstance(weight, QuantizedTensor):
+            weight.scale.zero_()
+        return y
+
+    assert check_backend(backend(linear=scribbles)).passed

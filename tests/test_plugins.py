@@ -296,6 +296,7 @@ def test_report_lists_backend_ops_and_availability_reason():
     assert backend["ops"] == ["rms_norm"] and backend["device_type"] == "cuda" and backend["priority"] == 50
     [reference] = rows["core"]["backends"]
     assert "rms_norm" in reference["ops"] and "linear" in reference["ops"]
+    assert reference["quantized_weights"] == [] and backend["quantized_weights"] == []
     assert rows["core"]["core_api"] == PLUGIN_API_VERSION
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from deepinfer_core.errors import BackendError, PluginError
 from deepinfer_core.ops.registry import OpImpl
+from deepinfer_core.weights.quant import QUANTIZED_FORMATS
 
 OpsMapping = Mapping[str, OpImpl | Callable[..., Any]]
 Availability = tuple[bool, str | None]
@@ -46,6 +47,15 @@ class BackendSpec:
         batch_invariant_devices: device types on which the ops honour batch-invariant mode
             (a row's result bitwise independent of the batch); ``batch_invariant=True`` on
             any other device is refused at start-up rather than silently not held.
+        quantized_weights: the checkpoint weight formats whose ops the backend implements
+            natively, from :data:`~deepinfer_core.weights.quant.QUANTIZED_FORMATS`:
+            ``"fp8_block"`` (``linear`` / ``grouped_linear`` take FP8 e4m3 weights with
+            128x128 block scales) and ``"fp4_experts"`` (``moe_experts`` takes FP4 e2m1 expert
+            stacks with one scale per 32 inputs).  With the engine option ``keep_quantized``
+            left at ``None`` the weights of these formats stay quantised in device memory and
+            reach the ops as :class:`~deepinfer_core.weights.quant.QuantizedTensor`; the others
+            are dequantised at load.  Empty (the reference's): everything is dequantised at
+            load unless ``keep_quantized=True``.
         description: one line shown by ``deepinfer plugins``.
         plugin: name of the plugin that registered the backend (filled in by the core).
     """
@@ -57,6 +67,7 @@ class BackendSpec:
     is_available: Callable[[], Availability] = always_available
     supports_graph_capture: bool = False
     batch_invariant_devices: tuple[str, ...] = ()
+    quantized_weights: tuple[str, ...] = ()
     description: str = ""
     plugin: str | None = None
     _ops_cache: dict[str, OpImpl] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -73,6 +84,17 @@ class BackendSpec:
             raise PluginError(f"backend {self.name!r}: priority must be an int, got {self.priority!r}")
         if not callable(self.is_available):
             raise PluginError(f"backend {self.name!r}: is_available must be a zero-argument callable")
+        formats = self.quantized_weights
+        if not isinstance(formats, tuple) or not all(isinstance(f, str) for f in formats):
+            raise PluginError(
+                f"backend {self.name!r}: quantized_weights must be a tuple of format names, got {formats!r}"
+            )
+        unknown = sorted(set(formats) - set(QUANTIZED_FORMATS))
+        if unknown:
+            raise PluginError(
+                f"backend {self.name!r}: unknown quantized_weights formats {unknown}; known formats: "
+                f"{list(QUANTIZED_FORMATS)}"
+            )
 
     def availability(self) -> Availability:
         """Run the availability probe; a probe that raises counts as unavailable with its error."""

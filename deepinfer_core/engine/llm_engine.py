@@ -88,9 +88,11 @@ class LLMEngine:
         model_config = DeepseekV4Config.from_file(model_dir)
         self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
         ratios = [model_config.compress_ratio(i) for i in range(model_config.num_hidden_layers)]
+        quantized_formats = config.resolved_quantized_formats(self.backend.quantized_weights)
         self.config = config.model_copy(
             update={
                 "model": str(model_dir),
+                "keep_quantized": bool(quantized_formats),
                 "dtype": config.resolved_dtype(self.backend.device_type),
                 "device": config.device or self.backend.device_type,
                 "max_model_len": config.resolved_max_model_len(model_config.max_position_embeddings),
@@ -101,16 +103,19 @@ class LLMEngine:
         if self.config.batch_invariant:
             self._check_batch_invariance(torch.device(self.config.device).type)
         logger.info(
-            "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d",
+            "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
+            "quantised weights kept: %s%s",
             model_dir,
             self.backend.name,
             self.config.device,
             self.config.dtype,
             self.config.max_model_len,
             self.config.page_size,
+            ", ".join(quantized_formats) or "none",
+            " (the backend's declaration)" if config.keep_quantized is None else "",
         )
         try:
-            self.runner = ModelRunner(model_dir, self.config, self.ops)
+            self.runner = ModelRunner(model_dir, self.config, self.ops, quantized_formats=quantized_formats)
         except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
             if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise

@@ -41,23 +41,41 @@ class ModelRunner:
     Args:
         model_dir: checkpoint directory (``config.json`` + safetensors).
         config: the engine configuration (dtype, device, max_num_seqs, max_model_len,
-            page_size, num_cache_pages / kv_cache_memory_gb).
+            page_size, num_cache_pages / kv_cache_memory_gb, kv_cache_dtype).
         ops: the resolved op table.
+        quantized_formats: the weight formats kept quantised (``QUANTIZED_FORMATS`` names);
+            ``None`` = from ``config.keep_quantized`` alone (``True``: all, else none).
     """
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig, ops: OpTable):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig,
+        ops: OpTable,
+        quantized_formats: tuple[str, ...] | None = None,
+    ):
         self.model_config = cfg = DeepseekV4Config.from_file(model_dir)
         self.device = torch.device(config.device or "cpu")
         self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
         self.ops = ops
         self.batch_invariant = config.batch_invariant
-        weights = load_checkpoint(model_dir, cfg, self.dtype, self.device)
+        if quantized_formats is None:
+            quantized_formats = config.resolved_quantized_formats()
+        weights = load_checkpoint(model_dir, cfg, self.dtype, self.device, keep_quantized=quantized_formats)
         self.model = DeepseekV4Model(cfg, weights, ops)
         del weights
-        logger.info("weights: %.2f GiB on %s", self.model.weight_bytes() / 2**30, self.device)
+        total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
+        logger.info(
+            "weights: %s on %s, %s of it quantised (%s)",
+            _size(total),
+            self.device,
+            _size(quantized),
+            f"kept: {', '.join(quantized_formats)}" if quantized_formats else "keep_quantized off",
+        )
         self.page_size = config.resolved_page_size(self.model.ratios)
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
-        specs = self.model.cache_specs()
+        self.kv_cache_dtype = config.kv_cache_dtype
+        specs = self.model.cache_specs(config.kv_cache_dtype)
         per_page = per_slot = 0
         for layer_specs in specs:
             for spec in layer_specs:
@@ -83,7 +101,9 @@ class ModelRunner:
         self.prev_buf = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs: dict[int, DeviceGraph] = {}
         logger.info(
-            "KV cache: %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq state)",
+            "KV cache (%s): %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq "
+            "state)",
+            "fp8 window and compressed entries" if config.kv_cache_dtype == "fp8" else "model dtype",
             num_pages,
             self.page_size,
             num_pages * self.page_size,
@@ -201,6 +221,11 @@ class ModelRunner:
         if any(c.num_tokens != 1 or not c.sample or c.all_logits for c in chunks):
             return None
         return min(b for b in self.graphs if b >= len(chunks))
+
+
+def _size(nbytes: int) -> str:
+    """A byte count for the log: GiB from 1 GiB up, MiB below."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def sample_rows(chunks: list[SeqChunk]) -> list[int]:

@@ -17,6 +17,13 @@ kinds cover DeepSeek-V4 and leave room for V4.1:
 Any spec may set ``alias_of=(layer, name)`` to read another layer's storage instead of
 owning one (V4.1's decoder layers read a source layer's compressed cache).
 
+A ring or paged spec may set ``kv_format="fp8"`` (with ``rope_dim``, the trailing channels
+``apply_rope`` rotates): its rows are then stored packed, an
+:class:`~deepinfer_core.ops.kv_format.Fp8KVPool` (e4m3 nope values with one UE8M0 scale per
+64, bfloat16 rope values: FlashMLA's V4 layout, 584 bytes per 512-wide row) instead of a
+tensor in the spec dtype; the model sets it on the caches ``sparse_attention`` reads when the
+engine runs with ``kv_cache_dtype="fp8"``.
+
 Every tensor has one extra *trash* slot (``num_slots``) and page (``num_pages``) beyond
 what the cache manager hands out: fixed-shape step plans send the writes they do not need
 there, so no step has to filter its rows by value.
@@ -25,8 +32,15 @@ there, so no step has to filter its rows by value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+from deepinfer_core.ops.kv_format import Fp8KVPool, KVPool, fp8_row_bytes
+
+KVFormat = Literal["plain", "fp8"]
+"""Storage of a ring / paged spec's rows: ``plain`` (a tensor in the spec dtype) or ``fp8``
+(packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` rows)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,8 @@ class RingSpec:
     dim: int
     dtype: torch.dtype | None = None  # None: the model dtype
     alias_of: tuple[int, str] | None = None
+    kv_format: KVFormat = "plain"
+    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format
 
 
 @dataclass(frozen=True)
@@ -49,6 +65,8 @@ class PagedSpec:
     dim: int
     dtype: torch.dtype | None = None
     alias_of: tuple[int, str] | None = None
+    kv_format: KVFormat = "plain"
+    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format
 
 
 @dataclass(frozen=True)
@@ -78,15 +96,25 @@ def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tup
     """Bytes the spec costs ``(per page, per sequence slot)``."""
     if spec.alias_of is not None:
         return 0, 0
+    if isinstance(spec, PagedSpec | RingSpec):
+        row = _row_bytes(spec, model_dtype)
+        if isinstance(spec, PagedSpec):
+            return (page_size // spec.ratio) * row, 0
+        return 0, spec.width * row
     item = torch.empty((), dtype=spec.dtype or model_dtype).element_size()
-    if isinstance(spec, PagedSpec):
-        return (page_size // spec.ratio) * spec.dim * item, 0
-    if isinstance(spec, RingSpec):
-        return 0, spec.width * spec.dim * item
     n = 1
     for s in spec.shape:
         n *= s
     return (n * item, 0) if isinstance(spec, PageStateSpec) else (0, n * item)
+
+
+def _row_bytes(spec: RingSpec | PagedSpec, model_dtype: torch.dtype) -> int:
+    """Bytes of one row of a ring or paged spec (packed rows for ``kv_format="fp8"``)."""
+    if spec.kv_format == "fp8":
+        return fp8_row_bytes(spec.dim, spec.rope_dim)
+    if spec.kv_format != "plain":
+        raise ValueError(f"cache spec {spec.name!r}: unknown kv_format {spec.kv_format!r}")
+    return spec.dim * torch.empty((), dtype=spec.dtype or model_dtype).element_size()
 
 
 class HybridCache:
@@ -113,7 +141,7 @@ class HybridCache:
         self.num_slots = num_slots
         self.trash_slot, self.trash_page = num_slots, num_pages
         num_pages, num_slots = num_pages + 1, num_slots + 1  # the trash rows
-        self._tensors: dict[tuple[int, str], torch.Tensor] = {}
+        self._tensors: dict[tuple[int, str], KVPool] = {}
         for layer, layer_specs in enumerate(specs):
             for spec in layer_specs:
                 if spec.alias_of is not None:
@@ -129,18 +157,26 @@ class HybridCache:
                     shape = (num_pages, *spec.shape)
                 else:
                     shape = (num_slots, *spec.shape)
-                self._tensors[(layer, spec.name)] = torch.zeros(shape, dtype=dt, device=device)
+                if isinstance(spec, PagedSpec | RingSpec) and spec.kv_format != "plain":
+                    _row_bytes(spec, dtype)  # rejects an unknown format
+                    pool = Fp8KVPool.zeros(shape[0], spec.dim, spec.rope_dim, device)
+                    self._tensors[(layer, spec.name)] = pool
+                else:
+                    self._tensors[(layer, spec.name)] = torch.zeros(shape, dtype=dt, device=device)
         for layer, layer_specs in enumerate(specs):
             for spec in layer_specs:
                 if spec.alias_of is not None:
                     self._tensors[(layer, spec.name)] = self._tensors[spec.alias_of]
 
-    def get(self, layer: int, name: str) -> torch.Tensor:
-        """The tensor of ``layer``'s spec ``name``."""
+    def get(self, layer: int, name: str) -> KVPool:
+        """The storage of ``layer``'s spec ``name``: a tensor, or an ``Fp8KVPool`` for a spec of
+        ``kv_format="fp8"``."""
         return self._tensors[(layer, name)]
 
     @property
     def nbytes(self) -> int:
         """Total bytes held (aliases counted once)."""
         seen = {id(t): t for t in self._tensors.values()}
-        return sum(t.numel() * t.element_size() for t in seen.values())
+        return sum(
+            t.nbytes if isinstance(t, Fp8KVPool) else t.numel() * t.element_size() for t in seen.values()
+        )

@@ -5,7 +5,9 @@ several *sources* (the sliding-window ring, the current chunk's keys, the compre
 pool).  A source's rows are given either as an explicit list per query, FlashMLA-sparse style
 (an index ``-1`` marks an unused slot), or as a :class:`PagedIndex`: the first ``counts[t]``
 entries of a paged pool, located through a block table, as FlashMLA's and DeepGEMM's paged
-kernels read them (no per-query list that grows with the context).
+kernels read them (no per-query list that grows with the context).  A pool may be a plain
+``[N, D]`` tensor or a packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`
+(``kv_cache_dtype="fp8"``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .kv_format import Fp8KVPool, KVPool
 from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row_padded
 from .registry import define_op
 
@@ -63,6 +66,14 @@ def _as_rows(index: torch.Tensor | PagedIndex) -> torch.Tensor:
     return index.rows() if isinstance(index, PagedIndex) else index
 
 
+def _gather(pool: KVPool, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``idx`` (``-1`` read as row 0: the caller masks them) of ``pool``, ``[*idx.shape, D]``:
+    a plain pool's rows as they are, a packed pool's dequantised to ``dtype``."""
+    if isinstance(pool, Fp8KVPool):
+        return pool.dequantize_rows(idx.clamp(min=0), dtype)
+    return F.embedding(idx.clamp(min=0), pool)  # row gather (fastest on CPU)
+
+
 def _paged_case(g: torch.Generator, t: int, n_pages: int, epp: int) -> PagedIndex:
     """A random paged index over ``n_pages`` pages of ``epp`` entries (pages shuffled)."""
     table = torch.randperm(n_pages, generator=g).view(1, -1).repeat(2, 1)
@@ -79,9 +90,23 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
     idx_a[:, 0] = 0  # at least one valid key per query
     paged = _paged_case(g, t, 3, 4)
     pool_c = randn(g, 12, d, dtype=dtype)
+    # packed FP8 pools (kv_cache_dtype="fp8": 8 of the 32 channels are rope, in bf16): a ring,
+    # this step's rows in the model dtype, and paged entries
+    ring8 = Fp8KVPool.from_values(randn(g, 20, d, dtype=dtype, scale=2.0), rope_dim=8)
+    ckv8 = Fp8KVPool.from_values(randn(g, 12, d, dtype=dtype), rope_dim=8)
     return [
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_b], [idx_a, idx_b], randn(g, h), d**-0.5), {}),
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_c], [idx_a, paged], randn(g, h), d**-0.5), {}),
+        (
+            (
+                randn(g, t, h, d, dtype=dtype),
+                [ring8, pool_b, ckv8],
+                [idx_a, idx_b, paged],
+                randn(g, h),
+                d**-0.5,
+            ),
+            {},
+        ),
     ]
 
 
@@ -89,7 +114,7 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 @row_padded({"q": 0.0, "indices": -1})
 def sparse_attention(
     q: torch.Tensor,
-    kv_pools: Sequence[torch.Tensor],
+    kv_pools: Sequence[KVPool],
     indices: Sequence[torch.Tensor | PagedIndex],
     sinks: torch.Tensor,
     scale: float,
@@ -98,7 +123,10 @@ def sparse_attention(
 
     Args:
         q: ``[T, H, D]`` queries.
-        kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype.
+        kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype, or an
+            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` of ``N_i`` packed rows of ``D``
+            values (``kv_cache_dtype="fp8"``), whose rows count as their dequantised values
+            in q's dtype (exact: an e4m3 value times a power of two, and bfloat16 rope values).
         indices: per source, ``[T, K_i]`` int64 row indices into that pool (``-1`` = no key),
             or a :class:`PagedIndex` (its entries in entry order, as if listed explicitly).
         sinks: ``[H]`` float32 sink logits: joined to each head's softmax, then dropped.
@@ -118,7 +146,7 @@ def sparse_attention(
         return _sparse_attention_blocked(q, kv_pools, indices, sinks, scale)
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
-        keys.append(F.embedding(idx.clamp(min=0), pool))  # row gather (fastest on CPU)
+        keys.append(_gather(pool, idx, q.dtype))
         valid.append(idx >= 0)
     kv = torch.cat(keys, dim=1).float()  # [T, K, D]
     bias = torch.where(torch.cat(valid, dim=1), 0.0, float("-inf")).unsqueeze(1)  # [T, 1, K]
@@ -130,7 +158,7 @@ def sparse_attention(
 
 def _sparse_attention_blocked(
     q: torch.Tensor,
-    kv_pools: Sequence[torch.Tensor],
+    kv_pools: Sequence[KVPool],
     indices: Sequence[torch.Tensor],
     sinks: torch.Tensor,
     scale: float,
@@ -146,7 +174,7 @@ def _sparse_attention_blocked(
     """
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
-        keys.append(F.embedding(idx.clamp(min=0), pool))
+        keys.append(_gather(pool, idx, q.dtype))  # dequantising is exact per element: no batch effect
         valid.append(idx >= 0)
     kv, ok = torch.cat(keys, dim=1).float(), torch.cat(valid, dim=1)  # [T, K, D], [T, K]
     t, h, d = q.shape

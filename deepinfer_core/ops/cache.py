@@ -6,29 +6,50 @@ from __future__ import annotations
 import torch
 
 from ._cases import randn
+from .kv_format import Fp8KVPool, KVPool
 from .registry import define_op
 
 
 def _write_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     cache = randn(g, 10, 8, dtype=dtype)
     rows = torch.randperm(10, generator=g)[:4]
-    return [((cache, rows, randn(g, 4, 8, dtype=dtype)), {}), ((cache, rows[:0], randn(g, 0, 8)), {})]
+    # packed FP8 pools: V4-Flash's row (448 nope + 64 rope) and a narrow one whose nope part
+    # is not a whole scale group; values of very different magnitudes per group
+    fp8 = Fp8KVPool.from_values(randn(g, 12, 512, dtype=dtype, scale=3.0), rope_dim=64)
+    vals = randn(g, 3, 512, dtype=dtype) * torch.tensor([1e-3, 1.0, 50.0]).to(dtype).view(3, 1)
+    narrow = Fp8KVPool.zeros(6, 40, rope_dim=8)
+    return [
+        ((cache, rows, randn(g, 4, 8, dtype=dtype)), {}),
+        ((cache, rows[:0], randn(g, 0, 8)), {}),
+        ((fp8, torch.tensor([7, 0, 11]), vals), {}),
+        ((narrow, torch.tensor([5, 2]), randn(g, 2, 40, dtype=dtype)), {}),
+    ]
 
 
-# not marked batch_invariant: it does no arithmetic (each row is a copy), so there is
-# nothing a batch could change
+# not marked batch_invariant: each row is stored independently of the others (a copy, or a
+# per-row quantisation), so there is nothing a batch could change
 @define_op("cache_write", "cache", sample_cases=_write_cases)
-def cache_write(cache: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """Store rows in place: ``cache[rows[i]] = values[i]``, cast to the cache's dtype.
+def cache_write(cache: KVPool, rows: torch.Tensor, values: torch.Tensor) -> KVPool:
+    """Store rows in place: ``cache[rows[i]] = values[i]``, cast to the cache's format.
 
     Args:
-        cache: ``[N, ...]`` a cache tensor (a window ring, an entry pool, a slot state).
+        cache: ``[N, ...]`` a cache tensor (a window ring, an entry pool, a slot state), or an
+            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` of ``N`` rows of ``D`` values
+            (a pool of ``kv_cache_dtype="fp8"``).
         rows: ``[M]`` int64 destination rows.  Distinct, except rows of the cache's trash
             slot / page (fixed-shape plans send unneeded writes there; which of several writes
             to a trash row survives is unspecified, as nothing reads it).
-        values: ``[M, ...]`` the rows to store (any float dtype).
+        values: ``[M, ...]`` the rows to store (any float dtype); ``[M, D]`` for a packed pool.
 
     Returns:
         ``cache`` (written in place).
+
+    A plain tensor takes ``values`` cast to its dtype.  A packed FP8 pool takes them quantised
+    as :mod:`deepinfer_core.ops.kv_format` defines, exactly (the same bytes: per row, the
+    nope values in e4m3 with one power-of-two UE8M0 scale per 64, the trailing rope values in
+    bfloat16); no host synchronisation either way.
     """
+    if isinstance(cache, Fp8KVPool):
+        cache.data.index_copy_(0, rows, cache.quantize(values))
+        return cache
     return cache.index_copy_(0, rows, values.to(cache.dtype))

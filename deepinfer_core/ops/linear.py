@@ -5,50 +5,73 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._cases import randn
+from deepinfer_core.weights.quant import QuantizedTensor
+
+from ._cases import randn, randn_fp8
 from .modes import batch_invariant_enabled, tiled_linear
 from .registry import define_op
 
 
 def _linear_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-    return [((randn(g, 7, 64, dtype=dtype), randn(g, 48, 64, dtype=dtype, scale=0.1)), {})]
+    return [
+        ((randn(g, 7, 64, dtype=dtype), randn(g, 48, 64, dtype=dtype, scale=0.1)), {}),
+        # FP8 128x128 blocks (keep_quantized): whole tiles, then partial edge tiles and ue8m0 scales
+        ((randn(g, 7, 256, dtype=dtype), randn_fp8(g, 256, 256, scale=0.1)), {}),
+        ((randn(g, 5, 320, dtype=dtype), randn_fp8(g, 192, 320, scale=0.1, scale_dtype="ue8m0")), {}),
+    ]
+
+
+def _dense(weight: torch.Tensor | QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight as a tensor: a :class:`QuantizedTensor` dequantised (per call) to ``dtype``."""
+    return weight.dequantize(dtype) if isinstance(weight, QuantizedTensor) else weight
 
 
 @define_op("linear", "linear", batch_invariant=True, sample_cases=_linear_cases)
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     """``y = x @ weight.T``.
 
     Args:
         x: ``[T, K]`` (or ``[..., K]``) activations in the model dtype.
-        weight: ``[N, K]`` weight in the model dtype (row-major, HF layout).
+        weight: ``[N, K]`` weight in the model dtype (row-major, HF layout), or, with the
+            engine option ``keep_quantized``, a
+            :class:`~deepinfer_core.weights.quant.QuantizedTensor` of logical shape ``[N, K]``
+            (``fmt="fp8"``: ``float8_e4m3fn`` data with block scales, 128x128 in V4).
 
     Returns:
-        ``[T, N]`` in ``x.dtype``.
+        ``[T, N]`` in ``x.dtype``.  A quantised weight counts as its dequantised value
+        ``weight.dequantize(x.dtype)`` (the reference dequantises per call).
 
     Batch invariance: a row's result must not depend on the number of rows (the reference
     runs fixed ``[ROW_TILE, K]`` GEMM tiles in the mode, see :mod:`.modes`).
     """
+    weight = _dense(weight, x.dtype)
     if batch_invariant_enabled():
         return tiled_linear(x, weight)
     return F.linear(x, weight)
 
 
 def _grouped_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-    return [((randn(g, 5, 2, 64, dtype=dtype), randn(g, 2 * 16, 64, dtype=dtype, scale=0.1)), {})]
+    return [
+        ((randn(g, 5, 2, 64, dtype=dtype), randn(g, 2 * 16, 64, dtype=dtype, scale=0.1)), {}),
+        ((randn(g, 5, 2, 256, dtype=dtype), randn_fp8(g, 2 * 128, 256, scale=0.1)), {}),
+    ]
 
 
 @define_op("grouped_linear", "linear", batch_invariant=True, sample_cases=_grouped_cases)
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> torch.Tensor:
     """Block-diagonal projection: group ``g`` of ``x`` times block ``g`` of ``weight``.
 
     Args:
         x: ``[T, G, K]``.
         weight: ``[G*N, K]``; rows ``g*N:(g+1)*N`` are group ``g``'s ``[N, K]`` block
-            (V4's grouped output projection ``o_a_proj``).
+            (V4's grouped output projection ``o_a_proj``).  With ``keep_quantized`` it may be
+            a :class:`~deepinfer_core.weights.quant.QuantizedTensor` (FP8 blocks), as for
+            :func:`linear`.
 
     Returns:
-        ``[T, G, N]`` in ``x.dtype``.
+        ``[T, G, N]`` in ``x.dtype`` (a quantised weight counts as ``weight.dequantize(x.dtype)``).
     """
+    weight = _dense(weight, x.dtype)
     groups = x.shape[1]
     if batch_invariant_enabled():  # one fixed-tile GEMM per group
         blocks = weight.view(groups, -1, x.shape[-1])

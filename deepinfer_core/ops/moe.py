@@ -7,9 +7,13 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ._cases import randn
+from deepinfer_core.weights.quant import QuantizedTensor
+
+from ._cases import randn, randn_fp4
 from .modes import ROW_TILE, batch_invariant_enabled, row_padded
 from .registry import define_op
+
+Experts = torch.Tensor | QuantizedTensor
 
 _SCORE_FNS = {
     "sqrtsoftplus": lambda x: F.softplus(x).sqrt(),
@@ -86,7 +90,31 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
                 10.0,
             ),
             {},
-        )
+        ),
+        # FP4 e2m1 experts, one scale per 32 inputs (keep_quantized): every path's dequantisation
+        # (the dense one for few tokens x experts; grouped / per-expert tiles otherwise)
+        (
+            (
+                randn(g, 5, 64, dtype=dtype),
+                ids,
+                randn(g, 5, 2).abs(),
+                randn_fp4(g, e, 2 * 32, 64, scale=0.3),
+                randn_fp4(g, e, 64, 32, scale=0.3),
+                10.0,
+            ),
+            {},
+        ),
+        (
+            (
+                randn(g, 3, 64, dtype=dtype),
+                torch.stack([torch.randperm(40, generator=g)[:2] for _ in range(3)]),
+                randn(g, 3, 2).abs(),
+                randn_fp4(g, 40, 2 * 32, 64, scale=0.3, scale_dtype="ue8m0"),
+                randn_fp4(g, 40, 64, 32, scale=0.3, scale_dtype="ue8m0"),
+                10.0,
+            ),
+            {},
+        ),
     ]
 
 
@@ -96,19 +124,24 @@ def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | QuantizedTensor,
+    down: torch.Tensor | QuantizedTensor,
     limit: float,
 ) -> torch.Tensor:
     """Routed experts: ``sum_j weights[t,j] * down_e(silu(min(g,L)) * clamp(u,-L,L))``.
 
     Args:
         x: ``[T, D]`` tokens; ids: ``[T, k]`` int64 expert ids; weights: ``[T, k]``.
-        gate_up: ``[E, 2I, D]`` (gate rows first, then up rows); down: ``[E, D, I]``.
+        gate_up: ``[E, 2I, D]`` (gate rows first, then up rows); down: ``[E, D, I]``.  With
+            the engine option ``keep_quantized`` either may be a
+            :class:`~deepinfer_core.weights.quant.QuantizedTensor` of that logical shape
+            (``fmt="fp4"``: packed e2m1 bytes ``[E, out, in/2]``, one scale per 32 inputs).
         limit: SwiGLU clamp (gate clamped above, up clamped both sides).
 
     Returns:
-        ``[T, D]`` in x's dtype.
+        ``[T, D]`` in x's dtype.  Quantised experts count as their dequantised values
+        (``dequantize(x.dtype)``); the reference dequantises per call only the experts the
+        call routes to when there are fewer (token, expert) pairs than experts, else all.
 
     Batch invariance: a token's result must not depend on which other tokens chose the same
     experts; its expert contributions are added in ascending expert order.
@@ -117,13 +150,65 @@ def moe_experts(
     dtypes and the device, and the per-expert groups are found on the device.
     """
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    quantized = isinstance(gate_up, QuantizedTensor) or isinstance(down, QuantizedTensor)
     if batch_invariant_enabled():
+        if quantized:
+            ids, gate_up, down = _used_experts(ids, gate_up, down, x.dtype)
         return _experts_tiled(x, ids, weights, gate_up, down, limit)
     if num_experts <= _DENSE_WASTE * top_k and x.shape[0] * num_experts <= _DENSE_MAX_ROWS:
+        # runs every expert on every token: all of them are needed
+        gate_up, down = _dequantized(gate_up, x.dtype), _dequantized(down, x.dtype)
         return _experts_dense(x, ids, weights, gate_up, down, limit)
-    if _grouped_mm_supported(x, gate_up, down):
+    if _grouped_mm_supported(x, _dequantized_meta(gate_up, x.dtype), _dequantized_meta(down, x.dtype)):
+        if quantized:
+            ids, gate_up, down = _used_experts(ids, gate_up, down, x.dtype)
         return _experts_grouped(x, ids, weights, gate_up, down, limit)
+    gate_up, down = _dequantized(gate_up, x.dtype), _dequantized(down, x.dtype)
     return _experts_dense_chunked(x, ids, weights, gate_up, down, limit)
+
+
+# ---- quantised experts (keep_quantized) ------------------------------------------------------
+# Each path runs on the dequantised weights exactly as on plain ones, so a quantised stack gives
+# bitwise the result of its dequantised copy.  The grouped and tiled paths compute each expert's
+# rows on their own, so they can run on just the experts the call routes to (renumbered in
+# ascending order, which keeps every group, tile and summation order); the dense paths run every
+# expert on every token and take the whole stack.
+
+
+def _dequantized(w: Experts, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, QuantizedTensor) else w
+
+
+def _dequantized_meta(w: Experts, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in with the shape, dtype and device the dequantised ``w`` will have (for path choices)."""
+    if isinstance(w, QuantizedTensor):
+        return torch.empty(w.shape, dtype=dtype, device="meta")
+    return w
+
+
+def _used_experts(
+    ids: torch.Tensor, gate_up: Experts, down: Experts, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(local ids, gate_up, down)`` with the stacks dequantised: when the call has fewer
+    (token, expert) pairs ``P`` than experts ``E``, only the ``P`` slots of the experts it routes
+    to (ascending, the unused slots repeating expert 0 and routed to by no pair), else all.
+
+    From shapes alone (no host sync): the distinct experts are ranked on the device.
+    """
+    num_experts, pairs = gate_up.shape[0], ids.numel()
+    if pairs >= num_experts:
+        return ids, _dequantized(gate_up, dtype), _dequantized(down, dtype)
+    sorted_ids = torch.sort(ids.reshape(-1).long()).values
+    new = torch.ones_like(sorted_ids)
+    new[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
+    rank = torch.cumsum(new, 0) - 1  # the local id of each sorted pair's expert
+    used = torch.zeros_like(sorted_ids).scatter_(0, rank, sorted_ids)  # equal values per rank
+    local = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_(0, sorted_ids, rank)
+    stacks = []
+    for w in (gate_up, down):
+        w = w.index_select(used) if isinstance(w, QuantizedTensor) else w.index_select(0, used)
+        stacks.append(_dequantized(w, dtype))
+    return local.index_select(0, ids.reshape(-1).long()).view(ids.shape), stacks[0], stacks[1]
 
 
 # No path reads a tensor value on the host (no ``.tolist()`` / ``.item()``, no ``bincount``,

@@ -48,6 +48,7 @@ def backend_row(spec: BackendSpec) -> dict[str, Any]:
         "reason": reason,
         "supports_graph_capture": spec.supports_graph_capture,
         "batch_invariant_devices": list(spec.batch_invariant_devices),
+        "quantized_weights": list(spec.quantized_weights),
         "description": spec.description,
     }
     try:

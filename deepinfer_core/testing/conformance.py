@@ -394,6 +394,23 @@ def compare(
         return _max(
             [compare(actual[k], expected[k], atol, rtol, f"{path}[{k!r}]", problems) for k in expected]
         )
+    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):  # e.g. an Fp8KVPool
+        if type(actual) is not type(expected):
+            problems.append(f"{path}: expected a {type(expected).__name__}, got {_describe(actual)}")
+            return None
+        return _max(
+            [
+                compare(
+                    getattr(actual, f.name),
+                    getattr(expected, f.name),
+                    atol,
+                    rtol,
+                    f"{path}.{f.name}",
+                    problems,
+                )
+                for f in dataclasses.fields(expected)
+            ]
+        )
     if actual != expected:
         problems.append(f"{path}: expected {expected!r}, got {actual!r}")
     return None

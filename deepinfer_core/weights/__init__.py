@@ -1,7 +1,8 @@
 """Checkpoint weights: safetensors shards, native/HF names, FP8/FP4 formats, load and save.
 
 ``load_checkpoint(model_dir, cfg, dtype)`` returns ``{HF name: tensor}`` validated against
-:func:`deepinfer_core.models.deepseek_v4.params.parameter_specs`; ``save_checkpoint`` writes the
+:func:`deepinfer_core.models.deepseek_v4.params.parameter_specs` (with ``keep_quantized``, FP8
+dense weights and FP4 experts as :class:`QuantizedTensor`); ``save_checkpoint`` writes the
 inverse (HF or native names, optionally FP8/FP4, optionally sharded).
 """
 

@@ -1,15 +1,17 @@
 """Load a DeepSeek-V4 checkpoint directory into HF-named tensors checked against the model spec.
 
 ``load_checkpoint`` reads HF-named or native-named safetensors (detected automatically),
-dequantises FP8 / FP4 weights, stacks native per-expert tensors into HF's ``[E, out, in]``
-stacks, converts to each parameter's target dtype and validates names, shapes and dtypes
-against :func:`parameter_specs`.  Tensors are read one at a time; expert stacks are filled
-in place, so peak memory is the result plus one tensor.
+dequantises FP8 / FP4 weights (or, with ``keep_quantized``, keeps FP8 block-scaled dense weights
+and FP4 experts as :class:`~deepinfer_core.weights.quant.QuantizedTensor`), stacks native
+per-expert tensors into HF's ``[E, out, in]`` stacks, converts to each parameter's target dtype
+and validates names, shapes and dtypes against :func:`parameter_specs`.  Tensors are read one
+at a time; expert stacks are filled in place, so peak memory is the result plus one tensor.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,12 +22,27 @@ from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
 
 from .names import ExpertSlice, is_ignorable, native_to_hf, scale_candidates, scale_owner
-from .quant import DEFAULT_FP8_BLOCK, FP4_STORAGE_DTYPES, FP8_DTYPE, dequant_fp4, dequant_fp8
+from .quant import (
+    _FP4_X2,
+    DEFAULT_FP8_BLOCK,
+    FP4_EXPERTS,
+    FP4_STORAGE_DTYPES,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    QUANTIZED_FORMATS,
+    UE8M0_DTYPE,
+    QuantizedTensor,
+    Weight,
+    dequant_fp4,
+    dequant_fp8,
+)
 from .safetensors_io import TensorSource, discover_shards
 
 logger = logging.getLogger(__name__)
 _MAX_LISTED = 5
-_FP4_X2 = getattr(torch, "float4_e2m1fn_x2", None)
+# parameter kinds (ParamSpec.kind) whose FP8 weights ``keep_quantized`` keeps: the dense matmul
+# weights the ``linear`` / ``grouped_linear`` ops take
+_DENSE_KINDS = frozenset({"linear", "linear_bf16"})
 
 
 @dataclass
@@ -123,9 +140,16 @@ def _missing(plan: _Plan, specs: dict[str, ParamSpec], cfg: DeepseekV4Config) ->
 
 
 def _read(
-    src: TensorSource, name: str, scale_name: str | None, spec: ParamSpec, block: tuple[int, int]
-) -> torch.Tensor:
-    """Read one stored tensor, dequantised to float32 if quantised; check its dtype class."""
+    src: TensorSource,
+    name: str,
+    scale_name: str | None,
+    spec: ParamSpec,
+    block: tuple[int, int],
+    keep: frozenset[str] = frozenset(),
+) -> Weight:
+    """Read one stored tensor, dequantised to float32 if quantised (unless its format is in
+    ``keep`` and the parameter is of the kind that format serves: then a :class:`QuantizedTensor`);
+    check its dtype class."""
     t = src.get(name)
     where = f"tensor {name!r} in {src.shard_of[name]}"
     quantised = (
@@ -147,12 +171,18 @@ def _read(
             )
         return t
     scale = src.get(scale_name)
+    if scale.is_floating_point() and scale.dtype not in (torch.float32, UE8M0_DTYPE):
+        scale = scale.float()  # bf16 / fp16 scales: exact in float32, as dequantising reads them
     try:
         if t.dtype == FP8_DTYPE:
+            if FP8_BLOCK in keep and spec.kind in _DENSE_KINDS:
+                return QuantizedTensor(t, scale, "fp8", block)
             return dequant_fp8(t, scale, block)
         if quantised:
             packed = t.view(torch.uint8)
             group = max(1, (2 * packed.shape[-1]) // max(1, scale.shape[-1]))
+            if FP4_EXPERTS in keep and spec.kind == "experts":
+                return QuantizedTensor(packed, scale, "fp4", (1, group))
             return dequant_fp4(packed, scale, group)
     except WeightLoadError as e:
         raise WeightLoadError(f"{where} with scale {scale_name!r}: {e}") from None
@@ -181,24 +211,31 @@ def load_checkpoint(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     *,
-    keep_quantized: bool = False,
-) -> dict[str, torch.Tensor]:
+    keep_quantized: bool | Collection[str] = False,
+) -> dict[str, Weight]:
     """Load the checkpoint in ``model_dir`` as ``{HF name: tensor}`` matching ``parameter_specs(cfg)``.
 
     Each tensor is converted to ``target_dtype(spec, dtype)`` and moved to ``device``; FP8 and
     FP4 weights are dequantised.  ``mtp.*`` tensors and rotary ``inv_freq`` buffers are skipped.
     A missing ``lm_head.weight`` is allowed only when ``cfg.tie_word_embeddings`` (the result then
-    holds the embedding under both names).  ``keep_quantized=True`` is reserved for backends
-    with FP8/FP4 kernels, which will receive :class:`~deepinfer_core.weights.quant.QuantizedTensor`
-    values; it is not implemented yet.
+    holds the embedding under both names).
+
+    ``keep_quantized`` keeps weights in their checkpoint format instead, as
+    :class:`~deepinfer_core.weights.quant.QuantizedTensor` (data and scales moved to ``device``,
+    scales in their stored dtype): ``True`` = every format of
+    :data:`~deepinfer_core.weights.quant.QUANTIZED_FORMATS`, or a collection of their names.
+    ``"fp8_block"`` keeps FP8 e4m3 dense weights (``linear`` kinds) with their block scales
+    (``block`` from ``quantization_config.weight_block_size``, default 128x128);
+    ``"fp4_experts"`` keeps FP4 e2m1 routed-expert stacks with their per-group scales (native
+    per-expert tensors are stacked into ``[E, 2I, D/2]`` / ``[E, D, I/2]`` bytes).  Every other
+    stored format is dequantised as usual, and a checkpoint without quantised tensors loads
+    exactly as without the option.  ``QuantizedTensor.dequantize(dtype)`` gives bitwise the
+    tensor this function returns without the option.
 
     Raises :class:`WeightLoadError` naming the tensor and file for missing, unexpected,
     mis-shaped or wrongly-typed tensors and for unreadable or unsafe shards.
     """
-    if keep_quantized:
-        raise NotImplementedError(
-            "keep_quantized=True is reserved for quantised backends; not implemented yet"
-        )
+    keep = _keep_formats(keep_quantized)
     shard_of = discover_shards(model_dir)
     specs = parameter_specs(cfg)
     plan = _plan(shard_of, specs)
@@ -213,28 +250,70 @@ def load_checkpoint(
         )
     qcfg = cfg.quantization_config or {}
     block = tuple(qcfg.get("weight_block_size") or DEFAULT_FP8_BLOCK)
-    result: dict[str, torch.Tensor] = {}
+    result: dict[str, Weight] = {}
     with TensorSource(shard_of) as src:
         for path, names in src.names_by_shard():
             for name in names:
                 if name in plan.direct:
                     hf = plan.direct[name]
                     spec = specs[hf]
-                    t = _read(src, name, plan.scales.get(name), spec, block)
+                    t = _read(src, name, plan.scales.get(name), spec, block, keep)
                     _check_shape(t.shape, spec.shape, f"tensor {name!r} (model parameter {hf})", path)
-                    result[hf] = t.to(device=device, dtype=target_dtype(spec, dtype))
+                    if isinstance(t, QuantizedTensor):
+                        result[hf] = t.to(device)
+                    else:
+                        result[hf] = t.to(device=device, dtype=target_dtype(spec, dtype))
                 elif name in plan.experts:
                     sl = plan.experts[name]
                     spec = specs[sl.hf_name]
-                    t = _read(src, name, plan.scales.get(name), spec, block)
+                    t = _read(src, name, plan.scales.get(name), spec, block, keep)
                     _check_shape(t.shape, _expert_slice_shape(spec, sl.part), f"expert tensor {name!r}", path)
                     if sl.hf_name not in result:
-                        result[sl.hf_name] = torch.empty(
-                            spec.shape, dtype=target_dtype(spec, dtype), device=device
-                        )
-                    rows = t.shape[0]
-                    start = rows if sl.part == "up" else 0
-                    result[sl.hf_name][sl.expert, start : start + rows].copy_(t)
+                        result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
+                    _put_expert(result[sl.hf_name], sl, t, name, path)
     if "lm_head.weight" not in result and cfg.tie_word_embeddings:
         result["lm_head.weight"] = result["model.embed_tokens.weight"]
     return {name: result[name] for name in specs}
+
+
+def _keep_formats(keep_quantized: bool | Collection[str]) -> frozenset[str]:
+    if isinstance(keep_quantized, bool):
+        return frozenset(QUANTIZED_FORMATS if keep_quantized else ())
+    formats = frozenset(keep_quantized)
+    unknown = sorted(formats - set(QUANTIZED_FORMATS))
+    if unknown:
+        raise ValueError(f"keep_quantized: unknown formats {unknown}; known: {list(QUANTIZED_FORMATS)}")
+    return formats
+
+
+def _empty_stack(first: Weight, spec: ParamSpec, dtype: torch.dtype, device: str | torch.device) -> Weight:
+    """The ``[E, out, in]`` stack an expert tensor goes into: plain in the target dtype, or (for a
+    kept FP4 slice) packed bytes and scales of the slice's format."""
+    if not isinstance(first, QuantizedTensor):
+        return torch.empty(spec.shape, dtype=target_dtype(spec, dtype), device=device)
+    e, rows, cols = spec.shape
+    group = first.block[1]
+    data = torch.empty((e, rows, cols // 2), dtype=torch.uint8, device=device)
+    scale = torch.empty((e, rows, cols // group), dtype=first.scale.dtype, device=device)
+    return QuantizedTensor(data, scale, first.fmt, first.block)
+
+
+def _put_expert(stack: Weight, sl: ExpertSlice, t: Weight, name: str, path: Path) -> None:
+    """Copy expert slice ``t`` into its rows of ``stack``."""
+    rows = t.shape[0]
+    start = rows if sl.part == "up" else 0
+    if isinstance(stack, QuantizedTensor) != isinstance(t, QuantizedTensor) or (
+        isinstance(stack, QuantizedTensor)
+        and isinstance(t, QuantizedTensor)
+        and (t.block, t.scale.dtype) != (stack.block, stack.scale.dtype)
+    ):
+        raise WeightLoadError(
+            f"expert tensor {name!r} in {path} is stored in another format than the other experts of "
+            f"{sl.hf_name}; keep_quantized needs one format per expert stack (load with "
+            "keep_quantized=False to dequantise them all)"
+        )
+    if isinstance(stack, QuantizedTensor) and isinstance(t, QuantizedTensor):
+        stack.data[sl.expert, start : start + rows].copy_(t.data)
+        stack.scale[sl.expert, start : start + rows].copy_(t.scale)
+    else:
+        stack[sl.expert, start : start + rows].copy_(t)

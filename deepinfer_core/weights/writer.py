@@ -33,15 +33,18 @@ def _scale_name(name: str, names: str) -> str:
 
 
 def _quantised(
-    name: str, t: torch.Tensor, fmt: str | None, names: str, scale_dtype: str
+    name: str,
+    t: torch.Tensor,
+    fmt: str | None,
+    names: str,
+    scale_dtype: str,
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
 ) -> dict[str, torch.Tensor]:
     """``{name: data, scale name: scale}`` for ``fmt`` in ``fp8``/``fp4``, else ``{name: t}``."""
     if fmt is None:
         return {name: t}
     data, scale = (
-        quant_fp8(t, DEFAULT_FP8_BLOCK, scale_dtype)
-        if fmt == "fp8"
-        else quant_fp4(t, DEFAULT_FP4_GROUP, scale_dtype)
+        quant_fp8(t, fp8_block, scale_dtype) if fmt == "fp8" else quant_fp4(t, DEFAULT_FP4_GROUP, scale_dtype)
     )
     return {name: data, _scale_name(name, names): scale}
 
@@ -53,6 +56,7 @@ def _convert(
     fp8: bool,
     fp4: bool,
     scale_dtype: str,
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
 ) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for hf, t in tensors.items():
@@ -66,7 +70,7 @@ def _convert(
                 parts = expert_native_names(hf, e)
                 pieces = {"gate": t[e, :half], "up": t[e, half:]} if "gate" in parts else {"down": t[e]}
                 for part, native in parts.items():
-                    out.update(_quantised(native, pieces[part].clone(), fmt, names, scale_dtype))
+                    out.update(_quantised(native, pieces[part].clone(), fmt, names, scale_dtype, fp8_block))
             continue
         if names == "native":
             try:
@@ -75,7 +79,7 @@ def _convert(
                 target = hf  # not a model parameter (e.g. an ``mtp.*`` tensor): written as given
         else:
             target = hf
-        out.update(_quantised(target, t, fmt, names, scale_dtype))
+        out.update(_quantised(target, t, fmt, names, scale_dtype, fp8_block))
     return out
 
 
@@ -104,13 +108,15 @@ def _shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, 
     return shards
 
 
-def _quantization_config(fp8: bool, fp4: bool, scale_dtype: str) -> dict[str, Any]:
+def _quantization_config(
+    fp8: bool, fp4: bool, scale_dtype: str, fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK
+) -> dict[str, Any]:
     return {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "scale_fmt": "ue8m0" if scale_dtype == "ue8m0" else "float",
-        "weight_block_size": list(DEFAULT_FP8_BLOCK),
+        "weight_block_size": list(fp8_block),
         "linear_dtype": "fp8" if fp8 else "unquantized",
         "expert_dtype": "fp4" if fp4 else "unquantized",
         "expert_group_size": DEFAULT_FP4_GROUP,
@@ -126,6 +132,7 @@ def save_checkpoint(
     fp8_linear: bool = False,
     fp4_experts: bool = False,
     scale_dtype: Literal["fp32", "ue8m0"] = "fp32",
+    fp8_block: tuple[int, int] = DEFAULT_FP8_BLOCK,
     max_shard_bytes: int | None = None,
 ) -> list[Path]:
     """Write ``tensors`` (HF names) and ``config.json`` to ``out_dir``; return the safetensors files.
@@ -133,7 +140,9 @@ def save_checkpoint(
     ``names="native"`` writes DeepSeek names with per-expert ``w1/w2/w3`` tensors.
     ``fp8_linear`` stores ``linear``-kind weights (except ``lm_head``) as FP8 e4m3 with 128x128
     block scales; ``fp4_experts`` stores routed experts as packed e2m1 with one scale per 32
-    inputs; scales are float32 or ue8m0 (``scale_dtype``).  Unquantised tensors keep their
+    inputs; scales are float32 or ue8m0 (``scale_dtype``).  ``fp8_block`` changes the FP8 block
+    (recorded as ``quantization_config.weight_block_size``; tests use small blocks to exercise
+    the tiny model's tile edges and fusions).  Unquantised tensors keep their
     dtype.  With ``max_shard_bytes`` the tensors are split into
     ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``; tensors
     unknown to the config are written unchanged under their given name.
@@ -144,10 +153,11 @@ def save_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     cfg = DeepseekV4Config.from_dict(cfg_dict, source="save_checkpoint(cfg_dict)")
     kinds = {n: s.kind for n, s in parameter_specs(cfg).items()}
-    stored = _untie(_convert(tensors, kinds, names, fp8_linear, fp4_experts, scale_dtype))
+    block = (int(fp8_block[0]), int(fp8_block[1]))
+    stored = _untie(_convert(tensors, kinds, names, fp8_linear, fp4_experts, scale_dtype, block))
     config = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}
     if fp8_linear or fp4_experts:
-        config["quantization_config"] = _quantization_config(fp8_linear, fp4_experts, scale_dtype)
+        config["quantization_config"] = _quantization_config(fp8_linear, fp4_experts, scale_dtype, block)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if max_shard_bytes is None:
         _save_shard(stored, out / SINGLE_FILE)

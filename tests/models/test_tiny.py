@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 
@@ -34,7 +35,9 @@ def test_config_parses_in_both_parsers_and_covers_every_block_kind() -> None:
     assert set(ours.mlp_layer_types) == {"hash_moe", "moe"}
     assert ours.rope_compress.rope_type == "yarn" and ours.rope_main.rope_type == "default"
     transformers = pytest.importorskip("transformers")
-    theirs = transformers.DeepseekV4Config(**tiny.TINY_CONFIG)
+    # a deep copy: transformers adds keys to the nested rope_parameters dict it is given, and a
+    # mutated TINY_CONFIG would change every later make_tiny of the session
+    theirs = transformers.DeepseekV4Config(**copy.deepcopy(tiny.TINY_CONFIG))
     assert theirs.layer_types == ours.layer_types and theirs.compress_rates == ours.compress_rates
     assert theirs.rope_parameters["compress"]["factor"] == ours.rope_compress.factor
 
@@ -141,3 +144,36 @@ def test_weights_are_held_once():
     assert set(weights) == set(parameter_specs(cfg))
     model = DeepseekV4Model(cfg, weights, OpTable.reference())
     assert model.weight_bytes() == expected
+    assert model.quantized_weight_bytes() == 0
+
+
+@pytest.mark.parametrize("block", [(32, 32), (128, 128)])
+def test_quantised_weights_are_held_once(block):
+    """With keep_quantized: a QuantizedTensor counts its data and scales, fused quantised parts
+    are concatenated (32x32 blocks: every tiny part is whole blocks) and held once; parts that
+    cannot be (128x128: 32-row parts) are held once too, dequantised."""
+    from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+    from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+    from deepinfer_core.models.deepseek_v4.params import parameter_specs
+    from deepinfer_core.models.deepseek_v4.tiny import TINY_CONFIG, random_weights
+    from deepinfer_core.ops import OpTable
+    from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4, quant_fp8
+
+    cfg = DeepseekV4Config.from_dict(dict(TINY_CONFIG), source="TINY_CONFIG")
+    weights: dict = random_weights(cfg, 0, torch.float32)
+    for name, spec in parameter_specs(cfg).items():
+        if spec.kind == "linear" and name != "lm_head.weight":
+            weights[name] = QuantizedTensor(*quant_fp8(weights[name], block), "fp8", block)
+        elif spec.kind == "experts":
+            weights[name] = QuantizedTensor(*quant_fp4(weights[name], 32, "ue8m0"), "fp4", (1, 32))
+    fused = ("self_attn.q_a_proj.weight", "self_attn.kv_proj.weight", "mlp.shared_experts.gate_proj.weight")
+    fused += ("mlp.shared_experts.up_proj.weight",)
+    parts = [weights[f"model.layers.{i}.{n}"] for i in range(cfg.num_hidden_layers) for n in fused]
+    # what fusion dequantises at load (128x128 only): these parts' bytes, as float32 values instead
+    forced_q = sum(w.nbytes for w in parts) if block == (128, 128) else 0
+    forced_plain = sum(w.shape.numel() * 4 for w in parts) if block == (128, 128) else 0
+    quantized = sum(w.nbytes for w in weights.values() if isinstance(w, QuantizedTensor))
+    plain = sum(w.numel() * w.element_size() for w in weights.values() if isinstance(w, torch.Tensor))
+    model = DeepseekV4Model(cfg, weights, OpTable.reference())
+    assert model.weight_bytes() == plain + quantized - forced_q + forced_plain
+    assert model.quantized_weight_bytes() == quantized - forced_q

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from deepinfer_core.ops import all_ops, get_op
+from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
+from deepinfer_core.weights.quant import QuantizedTensor
 
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 64, 65, 130)
 H, D, N_STREAMS, E, TOPK = 4, 32, 4, 8, 2
@@ -55,6 +57,21 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
         (0, 2),
     ),
     "compress_pool": lambda g, t: ((_randn(g, t, 8, D), _randn(g, t, 8, D)), (0, 1)),
+    # window i writes pool row i (row 0 of its one-row pool alone: see _row)
+    "compress_entries": lambda g, t: (
+        (
+            _randn(g, t, 8, D),
+            _randn(g, t, 8, D),
+            1 + _randn(g, D, scale=0.1),
+            1e-6,
+            torch.randint(0, 5000, (t,), generator=g) * 4,
+            1.0 / (1e4 ** (torch.arange(0, 8, 2) / 8.0)),
+            1.0,
+            torch.zeros(t, D),
+            torch.arange(t),
+        ),
+        (0, 1, 4, 7, 8),
+    ),
     "indexer_topk": lambda g, t: (
         (_randn(g, t, 8, 16), _randn(g, t, 8), _randn(g, 30, 16), _indices(g, t, 30, 20), 4, 0.25),
         (0, 1, 3),
@@ -120,6 +137,8 @@ def _row(args: tuple, rows: tuple[int, ...], i: int) -> tuple:
             out[p] = [torch.cat([x[i : i + 1], torch.full((1, 3), -1)], dim=1) for x in a]
         elif a.dtype == torch.int64 and a.dim() == 2 and p == 3:  # indexer candidates
             out[p] = torch.cat([a[i : i + 1], torch.full((1, 70), -1)], dim=1)
+        elif a.dtype == torch.int64 and a.dim() == 1 and p == 8:  # compress_entries' pool rows
+            out[p] = torch.zeros(1, dtype=torch.int64)
         else:
             out[p] = a[i : i + 1]
     return tuple(out)
@@ -141,11 +160,51 @@ def test_every_batch_invariant_op_has_a_case():
     assert marked == set(CASES)
 
 
+# The weight-taking ops with quantised weights (keep_quantized): dequantised, then the same tiles.
+QUANTISED_CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
+    "linear": lambda g, t: ((_randn(g, t, 256), randn_fp8(g, 200, 256, scale=0.1)), (0,)),
+    "grouped_linear": lambda g, t: (
+        (_randn(g, t, 2, 128), randn_fp8(g, 2 * 64, 128, scale=0.1, block=(64, 128))),
+        (0,),
+    ),
+    "moe_experts": lambda g, t: (
+        (
+            _randn(g, t, 64),
+            torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)]),
+            _randn(g, t, TOPK).abs(),
+            randn_fp4(g, E, 64, 64, scale=0.2),
+            randn_fp4(g, E, 64, 32, scale=0.2, scale_dtype="ue8m0"),
+            10.0,
+        ),
+        (0, 1, 2),
+    ),
+}
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_op_row_is_bitwise_independent_of_the_batch(name):
+    _check_rows_independent_of_the_batch(name, CASES[name])
+
+
+@pytest.mark.parametrize("name", sorted(QUANTISED_CASES))
+def test_op_row_is_bitwise_independent_of_the_batch_with_quantised_weights(name):
+    _check_rows_independent_of_the_batch(name, QUANTISED_CASES[name])
+
+
+@pytest.mark.parametrize("name", sorted(QUANTISED_CASES))
+def test_quantised_weights_give_bitwise_their_dequantised_values_in_the_mode(name):
+    g = torch.Generator().manual_seed(2)
+    fn = get_op(name).reference
+    args, _ = QUANTISED_CASES[name](g, 37)
+    plain = tuple(a.dequantize() if isinstance(a, QuantizedTensor) else a for a in args)
+    with batch_invariant_mode():
+        assert torch.equal(fn(*args), fn(*plain))
+
+
+def _check_rows_independent_of_the_batch(name: str, make: Callable[[torch.Generator, int], Case]) -> None:
     g = torch.Generator().manual_seed(0)
     fn = get_op(name).reference
-    args, rows = CASES[name](g, max(BATCHES))
+    args, rows = make(g, max(BATCHES))
     with batch_invariant_mode():
         alone = [_rows_of(fn(*_row(args, rows, i)), 0) for i in range(max(BATCHES))]
         for b in BATCHES:
@@ -185,15 +244,17 @@ def test_mode_is_scoped_and_restores_threads():
     assert torch.get_num_threads() == threads
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_invariant_mode_stays_close_to_the_normal_path(name):
+@pytest.mark.parametrize(
+    ("name", "quantised"), [(n, False) for n in sorted(CASES)] + [(n, True) for n in sorted(QUANTISED_CASES)]
+)
+def test_invariant_mode_stays_close_to_the_normal_path(name, quantised):
     g = torch.Generator().manual_seed(1)
     fn = get_op(name).reference
-    args, _ = CASES[name](g, 37)
-    normal = fn(*args)
+    args, _ = (QUANTISED_CASES if quantised else CASES)[name](g, 37)
+    as_tuple = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731
+    normal = tuple(o.clone() for o in as_tuple(fn(*args)))  # a copy: an op may return its (in-place) cache
     with batch_invariant_mode():
         inv = fn(*args)
-    as_tuple = lambda o: o if isinstance(o, tuple) else (o,)  # noqa: E731
     for a, b in zip(as_tuple(normal), as_tuple(inv), strict=True):
         if a.is_floating_point():
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """``moe_experts`` makes no host sync on any of its paths (dense, grouped GEMM, the chunked dense
-fallback, the batch-invariant tiles), and the sync-free batch-invariant path gives bitwise the
-results of the per-expert loop it replaces.
+fallback, the batch-invariant tiles), with plain or quantised (FP4, ``keep_quantized``) experts,
+and the sync-free batch-invariant path gives bitwise the results of the per-expert loop it
+replaces.
 
 On CPU the syncs are recorded as the ops that would make one on CUDA (``sync_check``); with a
 CUDA device the same runs happen under ``torch.cuda.set_sync_debug_mode("error")`` and inside a
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.ops import moe
 from deepinfer_core.ops.modes import ROW_TILE, batch_invariant_mode, pad_rows, padded_len, tiled_linear
+from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4
 from tests.ops.sync_check import record_host_syncs
 
 HAS_CUDA = torch.cuda.is_available()
@@ -98,14 +100,53 @@ def test_batch_invariant_path_makes_no_host_sync(dup):
     torch.testing.assert_close(got.double(), _oracle(x, ids, w, gate_up, down, 10.0), atol=1e-4, rtol=1e-4)
 
 
+def _fp4(w: torch.Tensor, scale_dtype: str = "fp32") -> QuantizedTensor:
+    """``w`` as packed FP4 experts with one scale per 8 inputs (the tests' widths are small)."""
+    return QuantizedTensor(*quant_fp4(w, 8, scale_dtype), "fp4", (1, 8))
+
+
+QUANTISED_PATHS = {
+    **PATHS,
+    "grouped_few_pairs": dict(t=3, e=40, k=2),  # 6 pairs < 40 experts: only the routed ones
+    "grouped_many_pairs": dict(t=30, e=40, k=2),  # 60 pairs >= 40 experts: the whole stacks
+}
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("name", sorted(QUANTISED_PATHS))
+def test_quantised_experts_make_no_host_sync_and_equal_their_dequantised_values(name, invariant):
+    x, ids, w, gate_up, down = _case(**QUANTISED_PATHS[name])
+    q_gate_up, q_down = _fp4(gate_up), _fp4(down, "ue8m0")
+    with batch_invariant_mode(invariant):
+        with record_host_syncs() as syncs:
+            got = moe.moe_experts(x, ids, w, q_gate_up, q_down, 3.0)
+        want = moe.moe_experts(x, ids, w, q_gate_up.dequantize(x.dtype), q_down.dequantize(x.dtype), 3.0)
+    assert syncs == []
+    assert torch.equal(got, want)  # only the routed experts or all: the same per-expert GEMMs
+
+
+def test_few_pairs_dequantise_only_the_routed_experts(monkeypatch):
+    x, ids, w, gate_up, down = _case(t=2, e=40, k=2, dup=True)
+    seen = []
+    inner = QuantizedTensor.dequantize
+    monkeypatch.setattr(
+        QuantizedTensor, "dequantize", lambda self, dtype: seen.append(self.shape) or inner(self, dtype)
+    )
+    moe.moe_experts(x, ids, w, _fp4(gate_up), _fp4(down), 3.0)
+    assert [s[0] for s in seen] == [4, 4]  # 4 pairs: 4 expert slots of 40, each stack
+
+
 def test_chunked_dense_fallback_makes_no_host_sync(monkeypatch):
     monkeypatch.setattr(moe, "_HAS_GROUPED_MM", False)
     monkeypatch.setattr(moe, "_FALLBACK_MAX_ROWS", 100)  # 40 experts: chunks of 2 tokens
     x, ids, w, gate_up, down = _case(t=9, e=40, k=2)
     with record_host_syncs() as syncs:
         got = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
+        quantised = moe.moe_experts(x, ids, w, _fp4(gate_up), _fp4(down), 3.0)
     assert syncs == []
     torch.testing.assert_close(got.double(), _oracle(x, ids, w, gate_up, down, 3.0), atol=1e-4, rtol=1e-4)
+    plain = _fp4(gate_up).dequantize(), _fp4(down).dequantize()
+    assert torch.equal(quantised, moe.moe_experts(x, ids, w, *plain, 3.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -163,10 +204,13 @@ def _cuda_cases():
 
 
 @needs_cuda
+@pytest.mark.parametrize("quantised", [False, True])
 @pytest.mark.parametrize("invariant", [False, True])
-def test_moe_experts_on_cuda_makes_no_host_sync_and_replays_in_a_graph(invariant):
+def test_moe_experts_on_cuda_makes_no_host_sync_and_replays_in_a_graph(invariant, quantised):
     for name, kw in _cuda_cases():
         args = [a.cuda() for a in _case(**kw)]
+        if quantised:  # FP4 experts dequantised per call, inside the graph too
+            args[3:] = [_fp4(a.float()).to("cuda") for a in args[3:]]
         with batch_invariant_mode(invariant):
             eager = moe.moe_experts(*args, 3.0)  # warm-up (lazy init may sync), outside the check
             torch.cuda.synchronize()
@@ -186,7 +230,8 @@ def test_moe_experts_on_cuda_makes_no_host_sync_and_replays_in_a_graph(invariant
             graph.replay()
         torch.cuda.synchronize()
         tol = 3e-2 if kw.get("dtype") == torch.bfloat16 else 1e-3
-        want = _oracle(*[a.cpu() for a in args], 3.0)
+        cpu = [a.cpu() if isinstance(a, torch.Tensor) else a.to("cpu").dequantize() for a in args]
+        want = _oracle(*cpu, 3.0)
         torch.testing.assert_close(eager.cpu().double(), want, atol=tol, rtol=tol, msg=name)
         assert torch.equal(again, eager), name
         assert torch.equal(captured, eager), name

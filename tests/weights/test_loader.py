@@ -172,6 +172,8 @@ def test_bf16_checkpoint_loads_into_float32(tiny: Any, tmp_path: Path) -> None:
         assert torch.equal(got[name], t.to(got[name].dtype)), name
 
 
-def test_keep_quantized_is_reserved(tiny: Any) -> None:
-    with pytest.raises(NotImplementedError, match="keep_quantized"):
-        load_checkpoint(tiny.saved_dir, tiny.cfg, torch.float32, keep_quantized=True)
+def test_keep_quantized_on_an_unquantised_checkpoint_is_a_plain_load(tiny: Any) -> None:
+    """Nothing to keep: the option changes nothing (tests/weights/test_loader_keep_quantized.py covers
+    the quantised checkpoints)."""
+    got = load_checkpoint(tiny.saved_dir, tiny.cfg, torch.float32, keep_quantized=True)
+    _assert_equal_dicts(got, tiny.state_dict)

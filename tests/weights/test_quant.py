@@ -9,6 +9,8 @@ from deepinfer_core.errors import WeightLoadError
 from deepinfer_core.weights.quant import (
     E2M1_MAGNITUDES,
     QuantizedTensor,
+    concat_problem,
+    concat_quantized,
     dequant_fp4,
     dequant_fp8,
     encode_e2m1,
@@ -117,3 +119,71 @@ def test_quantized_tensor_dequantizes_like_the_functions() -> None:
         QuantizedTensor(packed, s4, "fp4", (1, 32)).dequantize(torch.bfloat16),
         dequant_fp4(packed, s4, 32, torch.bfloat16),
     )
+
+
+def test_every_e2m1_code_decodes_to_its_table_value_with_the_sign_of_zero() -> None:
+    codes = torch.arange(16, dtype=torch.uint8)
+    got = unpack_fp4(pack_fp4(codes).view(1, -1)).view(-1)
+    want = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)])
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())  # code 8 is -0.0
+
+
+def test_quantized_tensor_checks_its_shapes_and_dtypes() -> None:
+    q, s = quant_fp8(torch.randn(130, 64))
+    qt = QuantizedTensor(q, s, "fp8", (128, 128))
+    assert qt.shape == (130, 64) and qt.nbytes == 130 * 64 + 2 * 4 and qt.device.type == "cpu"
+    with pytest.raises(WeightLoadError, match="scale has shape"):
+        QuantizedTensor(q[:64], s, "fp8", (128, 128))
+    with pytest.raises(WeightLoadError, match="float8_e4m3fn"):
+        QuantizedTensor(q.float(), s, "fp8", (128, 128))
+    with pytest.raises(WeightLoadError, match="unknown format"):
+        QuantizedTensor(q, s, "int4", (128, 128))
+    packed, s4 = quant_fp4(torch.randn(2, 8, 64))
+    as_int8 = QuantizedTensor(packed.view(torch.int8), s4, "fp4", (1, 32))
+    assert as_int8.data.dtype == torch.uint8 and as_int8.shape == (2, 8, 64)
+    with pytest.raises(WeightLoadError, match="block"):
+        QuantizedTensor(packed, s4, "fp4", (2, 32))
+
+
+@pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
+def test_concatenated_parts_dequantise_to_the_concatenated_weights(scale_dtype: str) -> None:
+    torch.manual_seed(6)
+    parts = [QuantizedTensor(*quant_fp8(torch.randn(n, 200), (128, 128), scale_dtype), "fp8", (128, 128))
+             for n in (256, 128, 72)]  # fmt: skip
+    assert concat_problem(parts) is None  # only the last part ends in a partial tile
+    fused = concat_quantized(parts)
+    assert fused.shape == (456, 200) and fused.scale.dtype == parts[0].scale.dtype
+    assert torch.equal(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    assert "not multiples of the FP8 block rows 128" in concat_problem(parts[::-1])
+    other = QuantizedTensor(*quant_fp8(torch.randn(128, 200), (64, 64)), "fp8", (64, 64))
+    assert "formats differ" in concat_problem([parts[0], other])
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        concat_quantized([parts[2], parts[0]])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_index_select_takes_whole_experts(fmt: str) -> None:
+    torch.manual_seed(7)
+    w = torch.randn(6, 40, 64)
+    if fmt == "fp8":
+        qt = QuantizedTensor(*quant_fp8(w, (16, 32), "ue8m0"), "fp8", (16, 32))
+    else:
+        qt = QuantizedTensor(*quant_fp4(w, 32, "ue8m0"), "fp4", (1, 32))
+    idx = torch.tensor([4, 0, 4])
+    assert torch.equal(qt.index_select(idx).dequantize(), qt.dequantize()[idx])
+
+
+@pytest.mark.parametrize(("fmt", "shape"), [("fp8", (300, 96)), ("fp8", (5, 40, 64)), ("fp4", (7, 24, 64))])
+def test_dequantising_in_slices_is_bitwise_the_whole(monkeypatch, fmt: str, shape: tuple[int, ...]) -> None:
+    """Large weights dequantise slice by slice (whole FP8 block rows for 2-D): same bits."""
+    from deepinfer_core.weights import quant
+
+    torch.manual_seed(8)
+    w = torch.randn(shape)
+    if fmt == "fp8":
+        qt = QuantizedTensor(*quant_fp8(w, (64, 32), "ue8m0"), "fp8", (64, 32))
+    else:
+        qt = QuantizedTensor(*quant_fp4(w, 32), "fp4", (1, 32))
+    whole = qt.dequantize(torch.bfloat16)
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMENTS", 100)  # a slice of one row / expert / block
+    assert torch.equal(qt.dequantize(torch.bfloat16), whole)

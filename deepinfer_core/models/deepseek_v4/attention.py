@@ -8,20 +8,25 @@ them; a per-head sink joins the softmax.  K = V, so the output's rope slice is r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from deepinfer_core.models.cache_spec import CacheSpec, RingSpec
+from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, RingSpec
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_core.weights.quant import Weight
 
 from .compressor import Compressor
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
+from .fused import FusedProjection
 from .metadata import StepMetadata
 
 
 class Attention:
     """Attention of layer ``layer`` (weights bound from the model's tensor dict)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
         p = f"model.layers.{layer}.self_attn."
         self.cfg, self.layer = cfg, layer
         self.kind = cfg.layer_types[layer]
@@ -31,30 +36,47 @@ class Attention:
         self.wo_a, self.wo_b = w[p + "o_a_proj.weight"], w[p + "o_b_proj.weight"]
         self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         self.compressor = self.indexer = None
-        # every projection of the block input x runs as one fused matmul, split afterwards
-        # (the parts are popped from ``w``: the fused copy is the only one kept)
-        in_weights = [w.pop(p + "q_a_proj.weight"), w.pop(p + "kv_proj.weight")]
+        # every projection of the block input x runs as one fused matmul (or one per run of
+        # parts of one format, see .fused), split afterwards; the parts are popped from ``w``:
+        # the fused copy is the only one kept
+        in_weights = [(n, w.pop(p + n)) for n in ("q_a_proj.weight", "kv_proj.weight")]
         if self.kind in (CSA, HCA):
             r = cfg.compress_rates[self.kind]
             self.ratio = r
             c = p + "compressor."
             self.compressor = Compressor(c, w, r, cfg.head_dim, self.kind == CSA, "ckv", self.eps)
-            in_weights += self.compressor.pop_in_weights(w)
+            in_weights += [("compressor." + n, t) for n, t in self.compressor.pop_in_weights(w)]
             if self.kind == CSA:
                 self.indexer = Compressor(c + "indexer.", w, r, cfg.index_head_dim, True, "ikv", self.eps)
                 self.wi_q = w[c + "indexer.q_b_proj.weight"]
-                in_weights += self.indexer.pop_in_weights(w)
-                in_weights.append(w.pop(c + "indexer.scorer.weights_proj.weight"))
-        self.w_in = torch.cat(in_weights)
-        self.in_sizes = [t.shape[0] for t in in_weights]
+                in_weights += [("compressor.indexer." + n, t) for n, t in self.indexer.pop_in_weights(w)]
+                scorer = "compressor.indexer.scorer.weights_proj.weight"
+                in_weights.append((scorer, w.pop(p + scorer)))
+        self.w_in = FusedProjection(in_weights, dtype, p.removesuffix("."))
 
-    def cache_specs(self) -> list[CacheSpec]:
-        """Window ring, plus the compressor's (and indexer's) pools and slot state."""
+    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[CacheSpec]:
+        """Window ring, plus the compressor's (and indexer's) pools and slot state.
+
+        ``kv_cache_dtype="fp8"`` stores what ``sparse_attention`` reads from the cache -- the
+        ring and the compressed entries (``ckv``) -- as packed FP8 rows whose trailing
+        ``rope_dim`` channels stay bfloat16; the indexer keys and the compressor state keep
+        the model dtype.
+        """
         specs: list[CacheSpec] = [RingSpec("window", self.cfg.sliding_window, self.head_dim)]
         for comp in (self.compressor, self.indexer):
             if comp is not None:
                 specs += comp.cache_specs()
-        return specs
+        if kv_cache_dtype == "auto":
+            return specs
+        if kv_cache_dtype != "fp8":
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+        attended = {"window"} | ({self.compressor.pool_name} if self.compressor is not None else set())
+        return [
+            replace(s, kv_format="fp8", rope_dim=self.cfg.rope_dim)
+            if isinstance(s, RingSpec | PagedSpec) and s.name in attended
+            else s
+            for s in specs
+        ]
 
     def __call__(
         self, x: torch.Tensor, md: StepMetadata, cache_get, ops: OpTable, rope: dict
@@ -62,7 +84,7 @@ class Attention:
         """``x`` ``[T, D]`` (normed block input) -> ``[T, D]`` attention output."""
         cfg, t = self.cfg, x.shape[0]
         cos, sin = rope[self.rope_family]
-        q_a, kv, *comp = ops.linear(x, self.w_in).split(self.in_sizes, dim=-1)
+        q_a, kv, *comp = self.w_in(x, ops)
         q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
         q = ops.rms_norm(ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim), None, self.eps)
         kv = ops.rms_norm(kv, self.kv_norm, self.eps)
@@ -70,7 +92,14 @@ class Attention:
         qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
         q, kv = qkv[:, : self.heads], qkv[:, self.heads]
         ring = cache_get("window")
-        pools = [ring, kv]
+        chunk = kv
+        if isinstance(ring, Fp8KVPool):
+            # this step's keys in the ring's format too: a key reads the same whether it comes
+            # from the ring or from this step's rows, so chunking changes nothing (batch
+            # invariance), and a kernel sees one format for every source
+            chunk = Fp8KVPool.zeros(t, ring.dim, ring.rope_dim, kv.device)
+            ops.cache_write(chunk, torch.arange(t, device=kv.device), kv)
+        pools = [ring, chunk]
         idx = [md.window_ring, md.window_chunk]
         if self.compressor is not None:
             inv_rope = rope["compress_freqs"]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, PageStateSpec, SlotStateSpec
 from deepinfer_core.ops import OpTable
+from deepinfer_core.weights.quant import Weight
 
 from .metadata import StepMetadata, WindowPlan
 
@@ -33,7 +34,7 @@ class Compressor:
     def __init__(
         self,
         prefix: str,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         ratio: int,
         dim: int,
         overlap: bool,
@@ -47,10 +48,10 @@ class Compressor:
         self.pool_name = pool_name
         self.width = (2 if overlap else 1) * dim
 
-    def pop_in_weights(self, weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The kv and gate projections, removed from ``weights``: the attention block fuses them
-        into its input projection, so only the fused copy is kept."""
-        return [weights.pop(self.prefix + "kv_proj.weight"), weights.pop(self.prefix + "gate_proj.weight")]
+    def pop_in_weights(self, weights: dict[str, Weight]) -> list[tuple[str, Weight]]:
+        """The kv and gate projections ``(name, weight)``, removed from ``weights``: the attention
+        block fuses them into its input projection, so only the fused copy is kept."""
+        return [(n, weights.pop(self.prefix + n)) for n in ("kv_proj.weight", "gate_proj.weight")]
 
     def cache_specs(self) -> list[CacheSpec]:
         """The paged entry pool plus the slot buffers (and the overlap carry for CSA)."""
@@ -114,10 +115,10 @@ class Compressor:
                     write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
             else:
                 win_kv, win_gate = stage_kv, stage_gate
-            entries = ops.rms_norm(ops.compress_pool(win_kv, win_gate), self.norm, self.eps)
             inv_freq, scale = rope
-            cos, sin = ops.rope_cos_sin(plan.positions, inv_freq, scale, entries.dtype)
-            write(pool, plan.dest, ops.apply_rope(entries, cos, sin))
+            ops.compress_entries(
+                win_kv, win_gate, self.norm, self.eps, plan.positions, inv_freq, scale, pool, plan.dest
+            )
         write(buf_kv, plan.buf_rows, kv)
         write(buf_gate, plan.buf_rows, gate)
         return pool

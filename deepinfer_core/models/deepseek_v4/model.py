@@ -7,10 +7,13 @@ swap kernels without touching this code.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
 from deepinfer_core.ops import OpTable
+from deepinfer_core.weights.quant import QuantizedTensor, Weight
 
 from .attention import Attention
 from .config import DeepseekV4Config
@@ -18,15 +21,17 @@ from .metadata import StepMetadata
 from .moe import MoE
 from .rope import inv_freq
 
+logger = logging.getLogger("deepinfer.model")
+
 
 class DecoderLayer:
     """One block: mHC-wrapped attention then mHC-wrapped MoE."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, torch.Tensor]):
+    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
         p = f"model.layers.{layer}."
         self.cfg, self.layer = cfg, layer
-        self.attn = Attention(cfg, layer, w)
-        self.moe = MoE(cfg, layer, w)
+        self.attn = Attention(cfg, layer, w, dtype)
+        self.moe = MoE(cfg, layer, w, dtype)
         self.attn_norm, self.ffn_norm = (
             w[p + "input_layernorm.weight"],
             w[p + "post_attention_layernorm.weight"],
@@ -58,14 +63,25 @@ class DeepseekV4Model:
     Args:
         cfg: the architecture.
         weights: every tensor of :func:`~.params.parameter_specs`, by HF name, already in
-            the run dtype and on the run device.  The model takes the dict over: projections
-            it fuses into one matmul are removed from it, so each weight is held once.
+            the run dtype and on the run device; with ``keep_quantized`` some are
+            :class:`~deepinfer_core.weights.quant.QuantizedTensor` (handed to the ops as they
+            are).  The model takes the dict over: projections it fuses into one matmul are
+            removed from it, so each weight is held once.
         ops: the resolved op table.
     """
 
-    def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], ops: OpTable):
+    def __init__(self, cfg: DeepseekV4Config, weights: dict[str, Weight], ops: OpTable):
         self.cfg, self.ops, self.w = cfg, ops, weights
-        self.layers = [DecoderLayer(cfg, i, weights) for i in range(cfg.num_hidden_layers)]
+        dtype = weights["model.embed_tokens.weight"].dtype
+        self.layers = [DecoderLayer(cfg, i, weights, dtype) for i in range(cfg.num_hidden_layers)]
+        forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
+        forced = [note for note in forced if note is not None]
+        if forced:
+            logger.info(
+                "fusing projections forced dequantisation at load of %d fused input projection(s): %s",
+                len(forced),
+                "; ".join(forced),
+            )
         dev = weights["model.embed_tokens.weight"].device
         self.rope_params = {}
         for fam in ("main", "compress"):
@@ -73,31 +89,44 @@ class DeepseekV4Model:
             self.rope_params[fam] = (inv.to(dev), scale)
         self.ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
 
-    def weight_bytes(self) -> int:
-        """Bytes of every weight the model holds, each storage counted once."""
-        seen: dict[int, int] = {}
-        stack: list[object] = [self.w, self.layers]
+    def _storages(self) -> dict[int, tuple[int, bool]]:
+        """Every storage of a weight the model holds: ``{data_ptr: (bytes, quantised)}``, where
+        quantised storages are the data and scales of :class:`QuantizedTensor` weights."""
+        seen: dict[int, tuple[int, bool]] = {}
+        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False)]
         while stack:
-            obj = stack.pop()
+            obj, quantized = stack.pop()
             if isinstance(obj, torch.Tensor):
                 st = obj.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
+                seen[st.data_ptr()] = (st.nbytes(), quantized)
+            elif isinstance(obj, QuantizedTensor):
+                stack += [(obj.data, True), (obj.scale, True)]
             elif isinstance(obj, dict):
-                stack.extend(obj.values())
+                stack.extend((v, quantized) for v in obj.values())
             elif isinstance(obj, list | tuple):
-                stack.extend(obj)
+                stack.extend((v, quantized) for v in obj)
             elif hasattr(obj, "__dict__") and not isinstance(obj, DeepseekV4Config | type):
-                stack.extend(vars(obj).values())
-        return sum(seen.values())
+                stack.extend((v, quantized) for v in vars(obj).values())
+        return seen
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight the model holds, each storage counted once (a
+        :class:`QuantizedTensor` counts its data and its scales)."""
+        return sum(n for n, _ in self._storages().values())
+
+    def quantized_weight_bytes(self) -> int:
+        """The part of :meth:`weight_bytes` held quantised (``QuantizedTensor`` data and scales)."""
+        return sum(n for n, q in self._storages().values() if q)
 
     @property
     def dtype(self) -> torch.dtype:
         """The activation dtype (that of the embedding table)."""
         return self.w["model.embed_tokens.weight"].dtype
 
-    def cache_specs(self) -> list[list[CacheSpec]]:
-        """Per layer, the caches it keeps between steps."""
-        return [layer.attn.cache_specs() for layer in self.layers]
+    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[list[CacheSpec]]:
+        """Per layer, the caches it keeps between steps; ``kv_cache_dtype="fp8"`` stores the
+        attention KV caches (window ring, compressed entries) packed (see ``EngineConfig``)."""
+        return [layer.attn.cache_specs(kv_cache_dtype) for layer in self.layers]
 
     @torch.inference_mode()
     def forward(self, md: StepMetadata, cache: HybridCache) -> torch.Tensor:

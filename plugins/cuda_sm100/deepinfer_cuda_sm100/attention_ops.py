@@ -25,12 +25,18 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import Fp8KVPool
 
 Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Activation / KV dtypes the kernels take (KV_PLAIN pools)."""
+
+FP8_KV_REFUSAL = "the FP8 KV-cache format is not implemented yet"
+"""In ``supports``' reason for packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` pools
+(``kv_cache_dtype="fp8"``): the reference runs those calls, and the conformance checks expect
+these cases to be refused, not run."""
 
 MAX_SOURCES = 4
 MAX_HEAD_DIM = 1024
@@ -155,6 +161,12 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return "kv_pools and indices must be lists"
         if len(kv_pools) != len(indices) or not 1 <= len(kv_pools) <= MAX_SOURCES:
             return f"{len(kv_pools)} pools / {len(indices)} index lists: 1..{MAX_SOURCES} pairs are supported"
+        for i, pool in enumerate(kv_pools):
+            if isinstance(pool, Fp8KVPool):  # kv_cache_dtype="fp8": the reference dequantises it
+                return (
+                    f"kv_pools[{i}] is a packed Fp8KVPool (kv_cache_dtype='fp8'): the kernel reads "
+                    f"plain KV pools only ({FP8_KV_REFUSAL})"
+                )
         named = [("q", q), ("sinks", sinks)]
         named += [(f"kv_pools[{i}]", p) for i, p in enumerate(kv_pools)]
         for i, index in enumerate(indices):

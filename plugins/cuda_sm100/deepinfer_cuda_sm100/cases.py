@@ -6,7 +6,9 @@ form of ``OpImpl.sample_cases``) for a :class:`Shapes`: :data:`V4_FLASH` on the 
 model's calls (``deepinfer_core/models/deepseek_v4``): norms of the hidden state, of the
 query LoRA and of the per-head queries, strided views of a fused projection, the rope of
 queries + shared key and its inverse, and the mHC ops with ``hc_mult`` streams; each with a
-single token (decode), a token block and a ragged count.
+single token (decode), a token block and a ragged count; and the compressor's entries
+(``compress_entries``) of CSA windows (``2r`` rows, the first window's first half empty), of
+HCA windows (``r`` rows) and of the indexer's keys.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ class Shapes:
     tokens: tuple[int, ...]
     long_row: int
     """Width of an extra ``rms_norm`` row longer than one kernel tile (multi-tile path)."""
+    csa_ratio: int
+    """Compress ratio of CSA layers (overlapping windows of ``2 * csa_ratio`` rows)."""
+    hca_ratio: int
+    """Compress ratio of HCA layers (windows of ``hca_ratio`` rows)."""
 
 
 V4_FLASH = Shapes(
@@ -46,6 +52,8 @@ V4_FLASH = Shapes(
     index_head_dim=128,
     tokens=(1, 16, 37),
     long_row=16384,
+    csa_ratio=4,
+    hca_ratio=128,
 )
 SMALL = Shapes(
     hidden=256,
@@ -58,6 +66,8 @@ SMALL = Shapes(
     index_head_dim=32,
     tokens=(1, 5, 19),
     long_row=4100,
+    csa_ratio=4,
+    hca_ratio=8,
 )
 
 
@@ -146,10 +156,42 @@ def own_cases(s: Shapes) -> dict[str, object]:
             for t in s.tokens
         ]
 
+    def compress_entries(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        inv = 1.0 / (160000.0 ** (torch.arange(0, s.rope_dim, 2).float() / s.rope_dim))
+
+        def case(m: int, length: int, dim: int, ratio: int, scale: float, strided: bool = False) -> tuple:
+            # a strided kv: the second-half series of CSA's [M, L, 2D] staging rows, as sliced
+            kv = _randn(g, m, length, 2 * dim, dtype=dtype)[..., dim:] if strided else None
+            gate = _randn(g, m, length, dim, scale=2.0)
+            if length == 2 * ratio:  # CSA: the first window has no previous window's half
+                gate[0, :ratio] = float("-inf")
+            n = m + 7
+            return (
+                kv if strided else _randn(g, m, length, dim, dtype=dtype),
+                gate,
+                1 + _randn(g, dim, scale=0.1),
+                1e-6,
+                torch.randint(0, 65536 // ratio, (m,), generator=g) * ratio,
+                inv,
+                scale,
+                _randn(g, n, dim, dtype=dtype),
+                torch.randperm(n, generator=g)[:m],
+            )
+
+        csa, hca = s.csa_ratio, s.hca_ratio
+        return [
+            (case(t_block, 2 * csa, s.head_dim, csa, 1.0), {}),  # CSA main entries
+            (case(t_one, 2 * csa, s.head_dim, csa, 1.0, strided=True), {}),
+            (case(t_ragged, 2 * csa, s.index_head_dim, csa, 1.0), {}),  # indexer keys
+            (case(t_one, hca, s.head_dim, hca, 1.0), {}),  # HCA: one window closes at decode
+            (case(3, hca, s.head_dim, hca, 1.2), {}),  # a YaRN cos/sin scale
+        ]
+
     return {
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
         "hc_head": hc_head,
+        "compress_entries": compress_entries,
     }

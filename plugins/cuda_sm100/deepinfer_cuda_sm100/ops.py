@@ -25,7 +25,11 @@ FUSED_OPS = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head")
 ATTENTION_OPS = ("sparse_attention", "indexer_topk")
 """The attention-side ops (:mod:`deepinfer_cuda_sm100.attention_ops`)."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS
+COMPRESSOR_OPS = ("compress_entries",)
+"""The KV compressor's entries: pooling, norm, rope and store in one kernel
+(:mod:`deepinfer_cuda_sm100.kernels.compressor`)."""
+
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -33,6 +37,9 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 MAX_STREAMS = 8
 """Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
+
+MAX_ENTRY_DIM = 4096
+"""Widest compressor entry (``D``) ``compress_entries`` takes: the row lives in registers."""
 
 Verdict = bool | str
 
@@ -76,6 +83,16 @@ def _float(name: str, t: torch.Tensor) -> tuple[bool, str]:
 
 def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
     return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
+
+
+def _int_vector(name: str, t: torch.Tensor, n: int) -> Verdict:
+    return _first_problem(
+        (
+            not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
+            f"{name} dtype {t.dtype} is not an integer dtype",
+        ),
+        _shape(name, t, (n,)),
+    )
 
 
 def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
@@ -177,19 +194,71 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             _shape("comb", comb, (t, n, n)),
         )
 
+    def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest) -> Verdict:
+        if not isinstance(pool, torch.Tensor):
+            return (
+                f"pool is a {type(pool).__name__}: the kernel stores into plain tensor pools "
+                "(packed formats take the reference)"
+            )
+        dev = _device_checks(
+            interpreted,
+            kv=kv,
+            gate=gate,
+            norm_weight=norm_weight,
+            positions=positions,
+            inv_freq=inv_freq,
+            pool=pool,
+            dest=dest,
+        )
+        if dev is not True:
+            return dev
+        ok = _first_problem(
+            _activation("kv", kv),
+            (kv.dim() == 3, f"kv has {kv.dim()} dims, expected [M, L, D]"),
+            _activation("pool", pool),
+            (pool.dim() == 2, f"pool has {pool.dim()} dims, expected [N, D]"),
+            _float("norm_weight", norm_weight),
+            _float("inv_freq", inv_freq),
+            (inv_freq.dim() == 1, f"inv_freq has {inv_freq.dim()} dims, expected [R/2]"),
+        )
+        if ok is not True:
+            return ok
+        m, length, d = kv.shape
+        ok = _first_problem(
+            (gate.dtype == torch.float32, f"gate dtype {gate.dtype} is not float32"),
+            _shape("gate", gate, (m, length, d)),
+            (length >= 1, "kv has windows of no rows (L = 0)"),
+            (
+                d % 2 == 0 and 2 <= d <= MAX_ENTRY_DIM,
+                f"entry width D={d} is not even in [2, {MAX_ENTRY_DIM}]",
+            ),
+            _shape("norm_weight", norm_weight, (d,)),
+            (1 <= 2 * inv_freq.shape[0] <= d, f"rope width {2 * inv_freq.shape[0]} is not in [2, D={d}]"),
+            (pool.shape[1] == d, f"pool rows have {pool.shape[1]} channels, expected D={d}"),
+            (pool.stride(1) == 1, f"pool has channel stride {pool.stride(1)}, expected 1"),
+        )
+        if ok is not True:
+            return ok
+        for name, t in (("positions", positions), ("dest", dest)):
+            ok = _int_vector(name, t, m)
+            if ok is not True:
+                return ok
+        return True
+
     return {
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
         "hc_head": hc_head,
+        "compress_entries": compress_entries,
     }
 
 
 def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
-    from deepinfer_cuda_sm100.kernels import _common, mhc, norm, rope
+    from deepinfer_cuda_sm100.kernels import _common, compressor, mhc, norm, rope
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -200,10 +269,12 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_pre": mhc.hc_pre,
         "hc_post": mhc.hc_post,
         "hc_head": mhc.hc_head,
+        "compress_entries": compressor.compress_entries,
     }
     from deepinfer_cuda_sm100.attention_ops import attention_ops
 
     impls = {
-        name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name]) for name in FUSED_OPS
+        name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
+        for name in FUSED_OPS + COMPRESSOR_OPS
     }
     return {**impls, **attention_ops()}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_cuda_sm100.cases import SMALL, own_cases
-from deepinfer_cuda_sm100.ops import FUSED_OPS, make_supports
+from deepinfer_cuda_sm100.ops import COMPRESSOR_OPS, FUSED_OPS, make_supports
 
 CUDA_KERNELS = make_supports(interpreted=False)
 CPU_KERNELS = make_supports(interpreted=True)
@@ -67,3 +67,64 @@ def test_the_interpreter_refuses_other_devices():
 def test_refusals_name_the_reason(op, args, reason):
     verdict = CPU_KERNELS[op](*args)
     assert isinstance(verdict, str) and reason in verdict, verdict
+
+
+# compress_entries (COMPRESSOR_OPS): the kernel's own cases, and the refusals
+
+
+class _PackedPool:
+    """Stands for a packed cache format (an ``Fp8KVPool``): not a plain tensor."""
+
+
+def _entries_call(**changes):
+    m, length, d = 3, 8, 32
+    call = {
+        "kv": torch.zeros(m, length, d, dtype=torch.bfloat16),
+        "gate": torch.zeros(m, length, d),
+        "norm_weight": torch.ones(d),
+        "eps": 1e-6,
+        "positions": torch.zeros(m, dtype=torch.int64),
+        "inv_freq": torch.ones(4),
+        "rope_scale": 1.0,
+        "pool": torch.zeros(10, d, dtype=torch.bfloat16),
+        "dest": torch.arange(m),
+    }
+    return {**call, **changes}
+
+
+@pytest.mark.parametrize("op", COMPRESSOR_OPS)
+def test_compressor_kernel_takes_its_own_cases_and_refuses_cpu_when_compiled(op):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for args, kwargs in _cases(op, dtype):
+            assert CPU_KERNELS[op](*args, **kwargs) is True
+    verdict = CUDA_KERNELS[op](**_entries_call())
+    assert isinstance(verdict, str) and "is on cpu" in verdict and "cuda" in verdict
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({}, None),
+        ({"pool": _PackedPool()}, "_PackedPool"),
+        ({"kv": torch.zeros(3, 8, 32)}, None),
+        ({"kv": torch.zeros(3, 8, 32, dtype=torch.float64)}, "kv dtype torch.float64"),
+        ({"kv": torch.zeros(3, 32, dtype=torch.bfloat16)}, "expected [M, L, D]"),
+        ({"gate": torch.zeros(3, 8, 32, dtype=torch.bfloat16)}, "gate dtype"),
+        ({"gate": torch.zeros(3, 4, 32)}, "gate has shape"),
+        ({"kv": torch.zeros(3, 8, 31), "gate": torch.zeros(3, 8, 31)}, "not even"),
+        ({"kv": torch.zeros(3, 8, 8192), "gate": torch.zeros(3, 8, 8192)}, "not even in [2, 4096]"),
+        ({"norm_weight": torch.ones(16)}, "norm_weight has shape"),
+        ({"inv_freq": torch.ones(17)}, "rope width 34"),
+        ({"pool": torch.zeros(10, 16, dtype=torch.bfloat16)}, "pool rows have 16 channels"),
+        ({"pool": torch.zeros(32, 10, dtype=torch.bfloat16).t()}, "channel stride"),
+        ({"pool": torch.zeros(10, 32, dtype=torch.float8_e4m3fn)}, "pool dtype"),
+        ({"positions": torch.zeros(3)}, "positions dtype"),
+        ({"dest": torch.arange(4)}, "dest has shape (4,)"),
+    ],
+)
+def test_compressor_refusals_name_the_reason(changes, reason):
+    verdict = CPU_KERNELS["compress_entries"](**_entries_call(**changes))
+    if reason is None:
+        assert verdict is True
+    else:
+        assert isinstance(verdict, str) and reason in verdict, verdict

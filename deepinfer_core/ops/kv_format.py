@@ -1,0 +1,219 @@
+"""KV-cache storage formats: the packed FP8 rows of FlashMLA's DeepSeek-V4 layout.
+
+A plain KV pool is an ``[N, D]`` tensor in the model dtype.  An :class:`Fp8KVPool` holds the
+same ``N`` logical rows of ``D = head_dim`` values packed into ``row_bytes`` bytes each
+(``data``: ``uint8 [N, row_bytes]``); with ``R = rope_dim`` (the trailing channels that
+``apply_rope`` rotates):
+
+=====================  =========================================  ======================
+bytes                  content                                    V4-Flash (D=512, R=64)
+=====================  =========================================  ======================
+``[0, D-R)``           the "nope" values, ``float8_e4m3fn``        ``[0, 448)``
+``[ro, ro + 2R)``      the rope values, ``bfloat16`` (``ro`` =     ``[448, 576)``
+                       ``D-R`` rounded up to even)
+``[so, so + G)``       one UE8M0 scale per 64 nope values          ``[576, 583)``
+                       (``G = ceil((D-R)/64)``, ``so = ro + 2R``)
+``[so + G, row)``      zero padding to a multiple of 8 bytes       ``[583, 584)``
+=====================  =========================================  ======================
+
+so V4-Flash takes 584 bytes per row against 1024 in bfloat16.  Each row's first 576 bytes
+(nope then rope) and its 8 scale bytes are FlashMLA's ``MODEL1_FP8Sparse`` per-token
+payload; FlashMLA groups a page's scale bytes after the page's payloads, whereas here every
+row keeps its own (the window ring is addressed by row, not by page).
+
+**Quantisation** (the exact definition; a backend's ``cache_write`` must store the same
+bytes).  For each group ``g`` of up to 64 nope values with ``amax = max |x|`` (fp32), the
+scale is the power of two ``2**e`` with ``e`` the smallest integer such that
+``amax <= 448 * 2**e`` (``2**ceil(log2(amax / 448))`` computed exactly: from
+``frexp(amax) = (m, k)``, ``e = k - 9`` if ``m <= 0.875`` else ``k - 8``), clamped to
+``[-126, 126]``; the scale byte is ``e + 127`` (UE8M0, ``torch.float8_e8m0fnu``).  The
+stored value is ``float8_e4m3fn(x * 2**-e)``, rounded to nearest even (the product is exact:
+a power-of-two scaling, and ``|x * 2**-e| <= 448``).  The rope values are rounded to
+bfloat16.  **Dequantisation** is ``float(fp8) * 2**(byte - 127)`` (exact in fp32, and in
+bfloat16 barring underflow) and the bfloat16 rope values as they are.
+
+Error bound: e4m3 keeps 3 mantissa bits and its subnormal step is ``2**-9``, so a nope value
+comes back within ``max(2**-4 * |x|, 2**-10 * 2**e)`` of ``x``, where ``2**e < amax / 224``
+(``e`` is the smallest exponent that fits, so ``amax > 448 * 2**(e-1)``); a rope value within
+``2**-9 * |x|`` (bfloat16 rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` value."""
+SCALE_GROUP = 64
+"""Nope values per UE8M0 scale."""
+ROW_ALIGN = 8
+"""Packed rows are padded to a multiple of this many bytes."""
+_E_MIN, _E_MAX = -126, 126  # scale exponents kept: 2**e and 2**-e are normal fp32 numbers
+
+
+@dataclass(frozen=True)
+class Fp8RowLayout:
+    """Byte offsets of one packed row (see the module docstring)."""
+
+    dim: int
+    rope_dim: int
+    nope: int  # nope values (= bytes), at [0, nope)
+    rope_offset: int  # bf16 rope values at [rope_offset, rope_offset + 2*rope_dim)
+    scale_offset: int  # UE8M0 scales at [scale_offset, scale_offset + groups)
+    groups: int
+    row_bytes: int
+
+
+def fp8_row_layout(dim: int, rope_dim: int) -> Fp8RowLayout:
+    """The packed row layout of ``dim`` values whose trailing ``rope_dim`` stay in bfloat16."""
+    if not 0 <= rope_dim <= dim or dim < 1:
+        raise ValueError(f"rope_dim={rope_dim} must be in [0, dim={dim}] (dim >= 1)")
+    nope = dim - rope_dim
+    rope_offset = nope + nope % 2
+    scale_offset = rope_offset + 2 * rope_dim
+    groups = -(-nope // SCALE_GROUP)
+    row_bytes = -(-(scale_offset + groups) // ROW_ALIGN) * ROW_ALIGN
+    return Fp8RowLayout(dim, rope_dim, nope, rope_offset, scale_offset, groups, row_bytes)
+
+
+def fp8_row_bytes(dim: int, rope_dim: int) -> int:
+    """Bytes of one packed row (584 for V4-Flash's ``dim=512, rope_dim=64``)."""
+    return fp8_row_layout(dim, rope_dim).row_bytes
+
+
+def quantize_fp8_rows(values: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """``values`` ``[..., D]`` (any float dtype) packed as ``uint8 [..., row_bytes]``.
+
+    Shapes only, no host synchronisation (capturable in a device graph).
+    """
+    lay = fp8_row_layout(values.shape[-1], rope_dim)
+    lead = values.shape[:-1]
+    x = values.reshape(-1, lay.dim).float()
+    m = x.shape[0]
+    nope = F.pad(x[:, : lay.nope], (0, lay.groups * SCALE_GROUP - lay.nope)).view(m, lay.groups, SCALE_GROUP)
+    mant, expo = torch.frexp(nope.abs().amax(dim=-1))  # amax = mant * 2**expo, mant in [0.5, 1)
+    e = (expo - 9 + (mant > 0.875).to(expo.dtype)).clamp(_E_MIN, _E_MAX)  # amax <= 448 * 2**e
+    inv = _pow2(-e)
+    q = (nope * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = q.view(torch.uint8).view(m, lay.groups * SCALE_GROUP)[:, : lay.nope]
+    rope = x[:, lay.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)
+    scales = (e + 127).to(torch.uint8)
+    parts = [q]
+    if lay.rope_offset > lay.nope:
+        parts.append(q.new_zeros(m, lay.rope_offset - lay.nope))
+    parts += [rope, scales]
+    tail = lay.row_bytes - lay.scale_offset - lay.groups
+    if tail:
+        parts.append(q.new_zeros(m, tail))
+    return torch.cat(parts, dim=1).view(*lead, lay.row_bytes)
+
+
+def dequantize_fp8_rows(
+    packed: torch.Tensor, dim: int, rope_dim: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Packed rows ``uint8 [..., row_bytes]`` back to ``[..., dim]`` values in ``dtype``."""
+    lay = fp8_row_layout(dim, rope_dim)
+    if packed.shape[-1] != lay.row_bytes:
+        raise ValueError(f"packed rows have {packed.shape[-1]} bytes, expected {lay.row_bytes}")
+    lead = packed.shape[:-1]
+    p = packed.reshape(-1, lay.row_bytes)
+    m = p.shape[0]
+    scales = _pow2(p[:, lay.scale_offset : lay.scale_offset + lay.groups].to(torch.int32) - 127)
+    scales = scales.unsqueeze(-1).expand(m, lay.groups, SCALE_GROUP).reshape(m, lay.groups * SCALE_GROUP)
+    scales = scales[:, : lay.nope]
+    nope = p[:, : lay.nope].view(torch.float8_e4m3fn).float() * scales
+    rope = p[:, lay.rope_offset : lay.rope_offset + 2 * lay.rope_dim].contiguous().view(torch.bfloat16)
+    return torch.cat([nope.to(dtype), rope.to(dtype)], dim=1).view(*lead, dim)
+
+
+def _pow2(e: torch.Tensor) -> torch.Tensor:
+    """``2.0**e`` (float32) of int exponents in [-126, 127], exactly: built from the bits."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8KVPool:
+    """A KV pool of ``N`` rows of ``dim`` values in the packed FP8 format (module docstring).
+
+    Ops take it wherever the contract says a pool may be packed (``cache_write``'s ``cache``,
+    ``sparse_attention``'s ``kv_pools``); everything else reads it through
+    :meth:`dequantize_rows`.
+
+    Attributes:
+        data: ``uint8 [N, row_bytes]`` the packed rows.
+        dim: logical row width ``D``.
+        rope_dim: trailing channels ``R`` stored in bfloat16.
+    """
+
+    data: torch.Tensor
+    dim: int
+    rope_dim: int
+
+    def __post_init__(self) -> None:
+        want = fp8_row_bytes(self.dim, self.rope_dim)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != want:
+            raise ValueError(
+                f"Fp8KVPool data must be uint8 [N, {want}] for dim={self.dim}, rope_dim={self.rope_dim}; "
+                f"got {self.data.dtype} {tuple(self.data.shape)}"
+            )
+
+    @classmethod
+    def zeros(cls, rows: int, dim: int, rope_dim: int, device: torch.device | str = "cpu") -> Fp8KVPool:
+        """A pool of ``rows`` zero rows (every value dequantises to 0)."""
+        data = torch.zeros(rows, fp8_row_bytes(dim, rope_dim), dtype=torch.uint8, device=device)
+        return cls(data, dim, rope_dim)
+
+    @classmethod
+    def from_values(cls, values: torch.Tensor, rope_dim: int) -> Fp8KVPool:
+        """A pool holding ``values`` ``[N, D]``, quantised."""
+        return cls(quantize_fp8_rows(values, rope_dim), values.shape[-1], rope_dim)
+
+    @property
+    def layout(self) -> Fp8RowLayout:
+        """Byte offsets of a row."""
+        return fp8_row_layout(self.dim, self.rope_dim)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical shape ``(N, dim)``."""
+        return (self.data.shape[0], self.dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.data.numel()
+
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[M, dim]`` as packed rows ``uint8 [M, row_bytes]`` of this pool's format."""
+        if values.shape[-1] != self.dim:
+            raise ValueError(f"values have {values.shape[-1]} channels, the pool holds {self.dim}")
+        return quantize_fp8_rows(values, self.rope_dim)
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``rows`` (int64 of any shape, each in ``[0, N)``) as ``[*rows.shape, dim]`` in ``dtype``."""
+        packed = self.data.index_select(0, rows.reshape(-1)).view(*rows.shape, self.data.shape[1])
+        return dequantize_fp8_rows(packed, self.dim, self.rope_dim, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Every row, ``[N, dim]`` in ``dtype``."""
+        return dequantize_fp8_rows(self.data, self.dim, self.rope_dim, dtype)
+
+    def scales(self) -> torch.Tensor:
+        """The UE8M0 scales, ``float8_e8m0fnu [N, groups]`` (a view of ``data``)."""
+        lay = self.layout
+        return self.data[:, lay.scale_offset : lay.scale_offset + lay.groups].view(torch.float8_e8m0fnu)
+
+    def __repr__(self) -> str:
+        rows, dev = self.data.shape[0], self.device
+        return f"Fp8KVPool(rows={rows}, dim={self.dim}, rope_dim={self.rope_dim}, device={dev})"
+
+
+KVPool = torch.Tensor | Fp8KVPool
+"""What an op accepts as a KV pool: a plain ``[N, D]`` tensor or a packed FP8 pool."""
