@@ -183,6 +183,8 @@ def summarize(
     """The benchmark's numbers from the outputs, the wall time, the engine metrics and the
     engine's settings (:func:`engine_settings`, stored under ``"engine"``)."""
     ok = [o for o in outputs if o.error is None]
+    errors = [o.error for o in outputs if o.error is not None]
+    duration_s = max(duration_s, 1e-9)  # a run whose every request was rejected takes ~0 s
     num_in = sum(len(o.prompt_token_ids) for o in ok)
     num_out = sum(len(c.token_ids) for o in ok for c in o.outputs)
     ttft = [o.metrics.ttft * 1e3 for o in ok if o.metrics is not None and o.metrics.ttft is not None]
@@ -190,6 +192,7 @@ def summarize(
     return {
         "num_requests": len(outputs),
         "num_failed_requests": len(outputs) - len(ok),
+        "first_error": errors[0] if errors else None,
         "num_input_tokens": num_in,
         "num_output_tokens": num_out,
         "duration_s": duration_s,

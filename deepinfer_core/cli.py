@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from deepinfer_core.errors import ConfigError, DeepInferError
 
-EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt failed (its error is printed in order)
+EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt / request failed (one error line says so)
 EXIT_USAGE = 2  # bad flag, option, path, config file or environment variable
 EXIT_INTERNAL = 3  # a bug in DeepInfer or a plugin; DEEPINFER_TRACEBACK=1 shows the traceback
 EXIT_INTERRUPTED = 130
@@ -258,7 +258,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
-    return 1 if result["num_failed_requests"] else 0
+    failed = result["num_failed_requests"]
+    if failed:
+        total, first = result["num_requests"], result["first_error"]
+        print(f"error: {failed} of {total} request(s) failed; the first: {first}", file=sys.stderr)
+        return EXIT_REQUEST_FAILED
+    return 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ KEYS = {
     "num_requests", "num_failed_requests", "num_input_tokens", "num_output_tokens", "duration_s",
     "request_throughput", "output_throughput", "total_token_throughput", "ttft_ms", "latency_ms",
     "num_prefix_hit_tokens", "num_replayed_tokens", "num_preemptions", "num_steps", "peak_cache_usage",
-    "kv_cache_capacity_tokens", "args", "engine",
+    "kv_cache_capacity_tokens", "args", "engine", "first_error",
 }  # fmt: skip
 
 

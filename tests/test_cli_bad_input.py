@@ -1,8 +1,9 @@
 """Property test: no ``deepinfer`` subcommand prints a traceback, whatever the flags, paths,
 config files and ``DEEPINFER_*`` values.
 
-Every run must end with status 0 (it worked), 1 (``generate`` ran and some prompt failed:
-its error is shown in its place) or 2 (bad input: exactly one ``error:`` line on stderr), and
+Every run must end with status 0 (it worked), 1 (``generate`` or ``bench`` ran and some request
+failed: one ``error:`` line says so; ``generate`` also shows each failed prompt's error in its
+place) or 2 (bad input: exactly one ``error:`` line on stderr), and
 never with an internal error (status 3) or an exception escaping ``main``.
 """
 
@@ -174,9 +175,12 @@ def test_no_subcommand_prints_a_traceback(paths, tmp_path, data):
     assert code in (0, 1, 2), (argv, env, code, err)
     if code == 2:
         assert sum(line.startswith("error: ") for line in lines) == 1, (argv, env, err)
-    if code == 1:  # generate ran; every prompt has its result line, failed ones as their error
-        assert argv[0] == "generate" and "prompt(s) failed" in err, (argv, env, err)
-        assert out.count("error: ") >= 1
+    if code == 1:  # the engine ran and some request failed: one error line says so
+        assert sum(line.startswith("error: ") for line in lines) == 1, (argv, env, err)
+        if argv[0] == "generate":  # every prompt has its result line, failed ones as their error
+            assert "prompt(s) failed" in err and out.count("error: ") >= 1, (argv, env, err)
+        else:
+            assert argv[0] == "bench" and "request(s) failed; the first: " in err, (argv, env, err)
 
 
 @pytest.mark.parametrize(
