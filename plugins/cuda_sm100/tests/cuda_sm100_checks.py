@@ -4,11 +4,19 @@
   on the whole batch or on a slice of it (other batch sizes, other positions in a tile).
 - :func:`graph_replay_problems`: an op captured in a CUDA graph and replayed on new input
   values gives bitwise what an eager call gives.
+- :func:`interpreter_report`: run a test module's report in a fresh interpreter with
+  ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
+  a pytest session that also runs the GPU tests).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from deepinfer_cuda_sm100.cases import Shapes, own_cases
@@ -75,3 +83,22 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
             if not torch.equal(got, want):
                 problems.append(f"replay {replay}, output {k}: differs from an eager call")
     return problems
+
+
+def interpreter_report(script: Path) -> dict:
+    """Run ``script --interpreter-report`` in a fresh interpreter with ``TRITON_INTERPRET=1``
+    (the repo and the plugin on its path) and return the JSON of its last output line."""
+    plugin = script.resolve().parent.parent
+    repo = plugin.parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), str(plugin), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, str(script), "--interpreter-report"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=script.parent,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,8 +29,6 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve()
-PLUGIN = HERE.parent.parent
-REPO = PLUGIN.parent.parent
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -167,18 +164,9 @@ slow = pytest.mark.slow  # they read the report of a fresh interpreter running t
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(PLUGIN), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, str(HERE), "--interpreter-report"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=HERE.parent,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from cuda_sm100_checks import interpreter_report
+
+    return interpreter_report(HERE)
 
 
 @slow
