@@ -39,6 +39,10 @@ class Shapes:
     """Compress ratio of CSA layers (overlapping windows of ``2 * csa_ratio`` rows)."""
     hca_ratio: int
     """Compress ratio of HCA layers (windows of ``hca_ratio`` rows)."""
+    linear_shapes: tuple[tuple[int, int], ...] = ()
+    """``(K, N)`` of the FP8 ``linear`` cases (V4-Flash's dense projections, or small ones)."""
+    linear_tokens: tuple[int, ...] = ()
+    """Token counts ``M`` of the ``linear`` cases: decode launches (``M <= 64``) and prefill."""
 
 
 V4_FLASH = Shapes(
@@ -54,6 +58,8 @@ V4_FLASH = Shapes(
     long_row=16384,
     csa_ratio=4,
     hca_ratio=128,
+    linear_shapes=((4096, 1024), (1024, 32768), (4096, 512), (2048, 4096)),
+    linear_tokens=(1, 16, 64, 128),
 )
 SMALL = Shapes(
     hidden=256,
@@ -68,6 +74,8 @@ SMALL = Shapes(
     long_row=4100,
     csa_ratio=4,
     hca_ratio=8,
+    linear_shapes=((256, 128), (128, 384), (384, 256), (320, 192)),
+    linear_tokens=(1, 16, 64, 70),
 )
 
 
@@ -187,7 +195,17 @@ def own_cases(s: Shapes) -> dict[str, object]:
             (case(3, hca, s.head_dim, hca, 1.2), {}),  # a YaRN cos/sin scale
         ]
 
+    def linear(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        from deepinfer_core.ops._cases import randn_fp8
+
+        cases = []
+        for i, (k, n) in enumerate(s.linear_shapes):
+            w = randn_fp8(g, n, k, scale=k**-0.5, scale_dtype="ue8m0" if i % 2 else "fp32")
+            cases += [((_randn(g, m, k, dtype=dtype), w), {}) for m in s.linear_tokens]
+        return cases
+
     return {
+        "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
         "hc_pre": hc_pre,

@@ -29,7 +29,11 @@ COMPRESSOR_OPS = ("compress_entries",)
 """The KV compressor's entries: pooling, norm, rope and store in one kernel
 (:mod:`deepinfer_cuda_sm100.kernels.compressor`)."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS
+GEMM_OPS = ("linear",)
+"""The FP8 block-scaled GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`): ``linear`` with a
+:class:`~deepinfer_core.weights.quant.QuantizedTensor` FP8 weight (``keep_quantized``)."""
+
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -40,6 +44,11 @@ MAX_STREAMS = 8
 
 MAX_ENTRY_DIM = 4096
 """Widest compressor entry (``D``) ``compress_entries`` takes: the row lives in registers."""
+
+PLAIN_WEIGHT_REFUSAL = "plain tensor weight: cuBLAS (the reference) runs dense GEMMs"
+"""In ``linear``'s reason for a plain-tensor weight (the FP8 kernel takes only quantised ones)."""
+
+BATCH_INVARIANT_REFUSAL = "batch-invariant mode: the FP8 GEMM's tiles and split-K depend on M"
 
 Verdict = bool | str
 
@@ -245,7 +254,38 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
                 return ok
         return True
 
+    def linear(x, weight) -> Verdict:
+        from deepinfer_core.ops.modes import batch_invariant_enabled
+        from deepinfer_core.weights.quant import FP8_DTYPE, QuantizedTensor
+
+        if not isinstance(weight, QuantizedTensor):
+            return PLAIN_WEIGHT_REFUSAL
+        if weight.fmt != "fp8" or tuple(weight.block) != (128, 128):
+            return f"weight is a {weight.fmt} QuantizedTensor with block {weight.block}: needs fp8 128x128"
+        if batch_invariant_enabled():
+            return BATCH_INVARIANT_REFUSAL
+        dev = _device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
+        if dev is not True:
+            return dev
+        ok = _first_problem(
+            _activation("x", x),
+            (x.dim() >= 1, "x is a 0-dim tensor"),
+            (weight.data.dim() == 2, f"weight has {weight.data.dim()} dims, expected [N, K]"),
+            (weight.data.dtype == FP8_DTYPE, f"weight data dtype {weight.data.dtype} is not float8_e4m3fn"),
+        )
+        if ok is not True:
+            return ok
+        n, k = weight.data.shape
+        return _first_problem(
+            (x.shape[-1] == k, f"x has {x.shape[-1]} channels, the weight takes K={k}"),
+            (x.stride(-1) == 1 or x.shape[-1] <= 1, f"x has channel stride {x.stride(-1)}, expected 1"),
+            (k % 16 == 0 and k > 0, f"K={k} is not a positive multiple of 16"),
+            (n % 16 == 0 and n > 0, f"N={n} is not a positive multiple of 16"),
+            (weight.data.stride(-1) == 1, f"weight data has stride {weight.data.stride(-1)} along K"),
+        )
+
     return {
+        "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
         "hc_pre": hc_pre,
@@ -258,7 +298,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
 def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
-    from deepinfer_cuda_sm100.kernels import _common, compressor, mhc, norm, rope
+    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -270,11 +310,12 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_post": mhc.hc_post,
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
+        "linear": fp8_gemm.linear_fp8,
     }
     from deepinfer_cuda_sm100.attention_ops import attention_ops
 
     impls = {
         name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
-        for name in FUSED_OPS + COMPRESSOR_OPS
+        for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS
     }
     return {**impls, **attention_ops()}
