@@ -43,10 +43,11 @@ ENGINE_FLAGS: dict[str, list[str]] = {
     "--num-cache-pages": BAD_INTS,
     "--replay-tail": BAD_INTS,
     "--log-level": ["debug", "loud", ""],
+    "--kv-cache-dtype": ["auto", "fp8", "int4", ""],
 }
 SWITCHES = [
     "--strict-ops", "--no-prefix-caching", "--no-async-scheduling", "--batch-invariant", "--keep-quantized",
-    "--no-keep-quantized",
+    "--no-keep-quantized", "--enforce-eager",
 ]  # fmt: skip
 GENERATE_FLAGS: dict[str, list[str]] = {
     "--max-tokens": BAD_INTS,
@@ -161,7 +162,7 @@ def run(argv: list[str], env: dict[str, str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_no_subcommand_prints_a_traceback(paths, tmp_path, data):
     argv, env = data.draw(invocations(sorted(paths)))
