@@ -21,6 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "deepinfer_core.llm",
     "SamplingParams": "deepinfer_core.sampling.params",
+    "StructuredOutputsParams": "deepinfer_core.sampling.params",
     "EngineConfig": "deepinfer_core.config",
     "RequestOutput": "deepinfer_core.outputs",
     "CompletionOutput": "deepinfer_core.outputs",
@@ -33,6 +34,7 @@ __all__ = [
     "EngineConfig",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "__version__",
     "hookimpl",
 ]
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from deepinfer_core.hookspecs import hookimpl
     from deepinfer_core.llm import LLM
     from deepinfer_core.outputs import CompletionOutput, RequestOutput
-    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument(
+        "--choice", action="append", help="structured outputs: the text is one of these (repeatable)"
+    )
+    gen.add_argument("--regex", help="structured outputs: the text matches this regular expression")
+    gen.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt (text, ids, logprobs, error)"
     )
     gen.set_defaults(func=_cmd_generate)
@@ -157,8 +161,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer_core.llm import LLM
-    from deepinfer_core.sampling.params import SamplingParams
+    from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
 
+    structured = None
+    if args.choice is not None or args.regex is not None:
+        structured = StructuredOutputsParams(choice=args.choice, regex=args.regex)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -173,6 +180,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty,
         repetition_penalty=args.repetition_penalty,
         stop=args.stop,
+        structured_outputs=structured,
     )
     llm = LLM(seed=args.engine_seed, **_engine_kwargs(args))
     if args.verbose:

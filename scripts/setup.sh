@@ -36,7 +36,10 @@ if [[ ! -f "$stamp" ]]; then
     editable=(-e ".$EXTRA")
     for p in "${PLUGINS[@]}"; do
         # the cuda_sm100 tests run its Triton kernels in Triton's CPU interpreter: [test] adds triton
-        if [[ -n "$EXTRA" && "$p" == plugins/cuda_sm100 ]]; then editable+=(-e "$p[test]"); else editable+=(-e "$p"); fi
+        # the samplers tests run structured outputs through llguidance: [structured] adds it
+        if [[ -n "$EXTRA" && "$p" == plugins/cuda_sm100 ]]; then editable+=(-e "$p[test]")
+        elif [[ -n "$EXTRA" && "$p" == plugins/samplers ]]; then editable+=(-e "$p[structured]")
+        else editable+=(-e "$p"); fi
     done
     "${PIP[@]}" "${editable[@]}"
     rm -f "$VENV"/.deepinfer-setup-*

@@ -153,6 +153,7 @@ class LLMEngine:
         self._abort_lock = threading.Lock()
         self._req_metrics: dict[str, RequestMetrics] = {}
         self.metrics = Metrics(self.runner.capacity_tokens)
+        self._structured: dict[str, Any] = {}  # grammar backend (or why not) by name
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         plugins.engine_started(self)
 
@@ -287,12 +288,78 @@ class LLMEngine:
         )
         self._req_metrics[request_id] = RequestMetrics(arrival_time=time.monotonic())
         error = self._check_prompt(req)
+        if error is None and params.structured_outputs is not None:
+            error = self._attach_matcher(req)
         if error is not None:
             req.finish("error", error)
             self._errored.append(req)
         else:
             self.scheduler.add(req)
         return req
+
+    def _structured_backend(self, name: str) -> Any:
+        """The grammar backend ``name`` (built once per engine); raises :class:`RuntimeError`
+        naming what to install when it is unknown or unavailable."""
+        cached = self._structured.get(name)
+        if cached is None:
+            spec = self.plugins.components["structured_backends"].get(name)
+            if spec is None:
+                known = sorted(self.plugins.components["structured_backends"])
+                cached = RuntimeError(
+                    f"structured outputs backend {name!r} is not registered (known: {known}); "
+                    "pip install deepinfer-samplers[structured] for 'llguidance'"
+                )
+            else:
+                available, reason = spec.availability()
+                if not available:
+                    cached = RuntimeError(
+                        f"structured outputs backend {name!r} is unavailable: {reason} "
+                        "(pip install deepinfer-samplers[structured])"
+                    )
+                elif self.tokenizer is None:
+                    cached = RuntimeError(
+                        "structured outputs need a tokenizer, and the engine has none "
+                        f"({self._tokenizer_error})"
+                    )
+                else:
+                    try:
+                        backend_cls = spec.factory()
+                        cached = backend_cls(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+                    except Exception as e:
+                        cached = RuntimeError(f"structured outputs backend {name!r} failed to start: {e}")
+            self._structured[name] = cached
+        if isinstance(cached, Exception):
+            raise cached
+        return cached
+
+    def _attach_matcher(self, req: Request) -> str | None:
+        """Give ``req`` its grammar matcher (``req.structured_matcher``); the error message if
+        the backend is missing or the grammar invalid."""
+        spec = req.params.structured_outputs
+        assert spec is not None
+        try:
+            req.structured_matcher = self._structured_backend(spec.backend).matcher(spec)
+        except Exception as e:
+            return f"request {req.request_id!r}: structured outputs: {e}"
+        return None
+
+    def _structured_allowed(self, batch: SamplingBatch, requests: list[Request]) -> None:
+        """Restrict the rows of requests with structured outputs to the ids their grammar allows
+        next.  The matcher first consumes the tokens appended since the last step: sampling runs
+        after the previous step was completed (also in async mode, see :meth:`step`), so the
+        host knows them."""
+        if batch.allowed_token_ids is None:
+            batch.allowed_token_ids = [None] * len(requests)
+        for i, req in enumerate(requests):
+            matcher = req.structured_matcher
+            if matcher is None:
+                continue
+            matcher.consume(req.output_token_ids[matcher.num_consumed :])
+            allowed = matcher.allowed_token_ids() or list(self.eos_token_ids)
+            if req.params.allowed_token_ids is not None:
+                extra = set(req.params.allowed_token_ids)
+                allowed = [t for t in allowed if t in extra] or allowed
+            batch.allowed_token_ids[i] = allowed
 
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer
@@ -373,6 +440,8 @@ class LLMEngine:
             logits = logits[sample_rows]
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
         batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
+        if any(r.structured_matcher is not None for r in sched.sampling_requests):
+            self._structured_allowed(batch, list(sched.sampling_requests))
         sampled = self.sampler(logits, batch)
         return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection
+from typing import Any
 
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.stop import check_stop
@@ -62,6 +63,8 @@ class Request:
         self.sampling_seed = sampling_seed
         self.detokenizer = detokenizer
         self.output_token_ids: list[int] = []
+        # grammar state of a request with structured outputs (set by the engine), else None
+        self.structured_matcher: Any = None
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

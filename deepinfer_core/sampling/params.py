@@ -13,7 +13,6 @@ from deepinfer_core.errors import SamplingParamsError
 # know the option exists but is not implemented yet.
 _NOT_YET = (
     "best_of",
-    "structured_outputs",
     "bad_words",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
@@ -22,6 +21,58 @@ _NOT_YET = (
 
 # vLLM clamps logit biases to this range.
 _MAX_BIAS = 100.0
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a completion to a grammar (vLLM's ``StructuredOutputsParams``); exactly one of:
+
+    Attributes:
+        choice: the completion is exactly one of these strings.
+        regex: the completion matches this regular expression (llguidance's Rust regex syntax).
+        json: the completion is JSON matching this schema (a dict or its JSON text).
+
+    The engine compiles it with the grammar backend registered under ``backend`` through
+    ``deepinfer_register_structured_backends`` (default ``"llguidance"``, from
+    ``pip install deepinfer-samplers[structured]``).  EOS is allowed only where the grammar
+    accepts, and is the only token allowed once the grammar is finished.
+
+    Raises:
+        SamplingParamsError: not exactly one of ``choice`` / ``regex`` / ``json``, or a bad value.
+    """
+
+    choice: list[str] | None = None
+    regex: str | None = None
+    json: dict[str, Any] | str | None = None
+    backend: str = "llguidance"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [n for n in ("choice", "regex", "json") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                f"StructuredOutputsParams needs exactly one of choice / regex / json, got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise SamplingParamsError(
+                "StructuredOutputsParams.choice must be a non-empty list of non-empty strs, "
+                f"got {self.choice!r}"
+            )
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise SamplingParamsError(f"StructuredOutputsParams.regex must be a str, got {self.regex!r}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise SamplingParamsError(
+                f"StructuredOutputsParams.json must be a dict or a JSON str, got {self.json!r}"
+            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise SamplingParamsError(
+                f"StructuredOutputsParams.backend must be a non-empty str, got {self.backend!r}"
+            )
 
 
 @dataclass(init=False)
@@ -58,6 +109,8 @@ class SamplingParams:
         prompt_logprobs: for every prompt token after the first, ``{token_id: logprob}`` of the
             actual token plus the ``prompt_logprobs`` most likely ones; ``None`` = off.
         skip_special_tokens: leave special tokens out of ``text``.
+        structured_outputs: a :class:`StructuredOutputsParams` constraining the completion
+            (``choice`` / ``regex`` / ``json``), or ``None``.
 
     Raises:
         SamplingParamsError: an unknown keyword or an invalid value, naming field and value.
@@ -83,6 +136,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __init__(
         self,
@@ -106,6 +160,7 @@ class SamplingParams:
         min_tokens: int = 0,
         prompt_logprobs: int | None = None,
         skip_special_tokens: bool = True,
+        structured_outputs: StructuredOutputsParams | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -139,6 +194,7 @@ class SamplingParams:
         self.min_tokens = min_tokens
         self.prompt_logprobs = prompt_logprobs
         self.skip_special_tokens = skip_special_tokens
+        self.structured_outputs = structured_outputs
         self._validate()
 
     @staticmethod
@@ -240,6 +296,10 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "a bool")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"an int in [0, max_tokens={self.max_tokens}]")
 

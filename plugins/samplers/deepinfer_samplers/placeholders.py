@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -19,19 +18,6 @@ def not_implemented(name: str) -> tuple[Callable[[], Any], Callable[[], tuple[bo
         raise PluginError(f"{name} cannot be used: {reason}; choose another component or wait for it")
 
     def is_available() -> tuple[bool, str | None]:
-        return False, reason
-
-    return factory, is_available
-
-
-def llguidance_placeholder() -> tuple[Callable[[], Any], Callable[[], tuple[bool, str | None]]]:
-    """Placeholder of the llguidance structured-output backend; its reason also covers the library."""
-    factory, _ = not_implemented("structured outputs 'llguidance'")
-
-    def is_available() -> tuple[bool, str | None]:
-        reason = NOT_IMPLEMENTED.format(name="structured outputs 'llguidance'")
-        if importlib.util.find_spec("llguidance") is None:
-            reason += "; it will also need llguidance (pip install deepinfer-samplers[structured])"
         return False, reason
 
     return factory, is_available

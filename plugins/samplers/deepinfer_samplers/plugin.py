@@ -1,9 +1,11 @@
 """DeepInfer hooks of the ``samplers`` plugin (hooks only; the code lives beside it).
 
-Every registration here is a placeholder: NOT IMPLEMENTED YET.  They are reported as
-unavailable with that reason so that nobody mistakes them for working components.
+The DSpark registrations are placeholders: NOT IMPLEMENTED YET.  They are reported as
+unavailable with that reason so that nobody mistakes them for working components.  The
+``llguidance`` structured-output backend is real (it needs ``deepinfer-samplers[structured]``).
 """
 
+import importlib.util
 from collections.abc import Callable
 from typing import Any
 
@@ -48,10 +50,21 @@ def deepinfer_register_drafters(register: Callable[..., None]) -> None:
 
 @hookimpl
 def deepinfer_register_structured_backends(register: Callable[..., None]) -> None:
-    """Register the llguidance structured-output backend (placeholder, not implemented)."""
-    _register_placeholder(
-        register,
+    """Register the llguidance structured-output backend (choice / regex / JSON schema)."""
+
+    def factory() -> Any:
+        from deepinfer_samplers.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
+
+    def is_available() -> tuple[bool, str | None]:
+        if importlib.util.find_spec("llguidance") is None:
+            return False, "llguidance is not installed: pip install deepinfer-samplers[structured]"
+        return True, None
+
+    register(
         "llguidance",
-        "regex / JSON schema / EBNF constrained decoding via llguidance",
-        placeholders.llguidance_placeholder(),
+        factory,
+        description="choice / regex / JSON schema constrained decoding via llguidance",
+        is_available=is_available,
     )

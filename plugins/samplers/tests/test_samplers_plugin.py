@@ -17,7 +17,7 @@ def manager() -> PluginManager:
 
 @pytest.mark.parametrize(
     ("kind", "name"),
-    [("drafters", "dspark"), ("samplers", "dspark_verify"), ("structured_backends", "llguidance")],
+    [("drafters", "dspark"), ("samplers", "dspark_verify")],
 )
 def test_placeholder_is_reported_unavailable_as_not_implemented(manager, kind, name):
     row = next(r for r in manager.report() if r["name"] == "samplers")

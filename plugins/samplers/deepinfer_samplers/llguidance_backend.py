@@ -1,0 +1,81 @@
+"""The llguidance structured-output backend: ``choice`` / ``regex`` / ``json`` -> per-step token masks.
+
+The engine builds one :class:`LLGuidanceBackend` per tokenizer (building llguidance's tokenizer
+costs about a second) and one :class:`LLGuidanceMatcher` per request.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import llguidance
+
+
+class LLGuidanceBackend:
+    """Compiles :class:`~deepinfer_core.StructuredOutputsParams` into matchers.
+
+    Args:
+        tokenizer: the engine's :class:`~deepinfer_core.tokenizer.Tokenizer` (an HF fast tokenizer).
+        vocab_size: the model's vocabulary size (the mask's width).
+        eos_token_ids: the model's EOS ids (allowed where the grammar accepts).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self._tok = llguidance.LLTokenizer(
+            tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
+        )
+
+    def matcher(self, spec: Any) -> LLGuidanceMatcher:
+        """A fresh matcher for ``spec``; raises :class:`ValueError` when the grammar is invalid."""
+        if spec.choice is not None:
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+            )
+        elif spec.regex is not None:
+            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        else:
+            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return LLGuidanceMatcher(m, self.vocab_size)
+
+
+class LLGuidanceMatcher:
+    """One request's grammar state; :attr:`num_consumed` output tokens consumed so far."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._m = matcher
+        self.vocab_size = vocab_size
+        self.num_consumed = 0
+
+    def consume(self, token_ids: Sequence[int]) -> None:
+        """Advance over sampled tokens (tokens after the grammar finished are ignored)."""
+        for t in token_ids:
+            self.num_consumed += 1
+            if not self._m.is_stopped():
+                self._m.consume_token(int(t))
+
+    def allowed_token_ids(self) -> list[int]:
+        """The ids the grammar allows next (EOS only where it accepts; only EOS once it is finished);
+        empty when the matcher is in an error state."""
+        if self._m.is_error():
+            return []
+        mask = self._m.compute_bitmask()
+        out = []
+        for byte_index, byte in enumerate(mask):
+            if byte:
+                base = byte_index * 8
+                out.extend(base + b for b in range(8) if byte >> b & 1 and base + b < self.vocab_size)
+        return out
+
+    def is_stopped(self) -> bool:
+        return self._m.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self._m.get_error() if self._m.is_error() else None
