@@ -68,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--regex", help="structured outputs: the text matches this regular expression")
     gen.add_argument(
+        "--json-schema", metavar="FILE", help="structured outputs: the text is JSON matching this schema file"
+    )
+    gen.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="structured outputs: the text matches this Lark or GBNF grammar file",
+    )
+    gen.add_argument(
         "--json", action="store_true", help="print one JSON object per prompt (text, ids, logprobs, error)"
     )
     gen.set_defaults(func=_cmd_generate)
@@ -159,13 +167,49 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
+def _read_text_file(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise ConfigError(f"{flag} {path}: cannot read the file ({reason})") from None
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
 
     structured = None
-    if args.choice is not None or args.regex is not None:
-        structured = StructuredOutputsParams(choice=args.choice, regex=args.regex)
+    given = [
+        flag
+        for flag, value in (
+            ("--choice", args.choice),
+            ("--regex", args.regex),
+            ("--json-schema", args.json_schema),
+            ("--grammar", args.grammar),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"generate: {' and '.join(given)} are mutually exclusive; give one")
+    if given:
+        schema = grammar = None
+        if args.json_schema is not None:
+            schema = _read_text_file("--json-schema", args.json_schema)
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ConfigError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ConfigError(f"--json-schema {args.json_schema}: must hold a JSON object")
+        if args.grammar is not None:
+            grammar = _read_text_file("--grammar", args.grammar)
+            if not grammar.strip():
+                raise ConfigError(f"--grammar {args.grammar}: the file is empty")
+        structured = StructuredOutputsParams(
+            choice=args.choice, regex=args.regex, json=schema, grammar=grammar
+        )
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

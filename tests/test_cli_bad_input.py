@@ -62,6 +62,8 @@ GENERATE_FLAGS: dict[str, list[str]] = {
     "--repetition-penalty": BAD_FLOATS,
     "--stop": ["", "e", "\x7f"],
     "--engine-seed": BAD_INTS,
+    "--json-schema": ["{path}"],
+    "--grammar": ["{path}"],
 }
 BENCH_FLAGS: dict[str, list[str]] = {
     "--num-prompts": BAD_INTS,

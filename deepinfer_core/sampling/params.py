@@ -23,6 +23,10 @@ _NOT_YET = (
 _MAX_BIAS = 100.0
 
 
+DEFAULT_JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,4}"
+"""The whitespace allowed between JSON tokens when ``whitespace_pattern`` is not given."""
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain a completion to a grammar (vLLM's ``StructuredOutputsParams``); exactly one of:
@@ -31,6 +35,12 @@ class StructuredOutputsParams:
         choice: the completion is exactly one of these strings.
         regex: the completion matches this regular expression (llguidance's Rust regex syntax).
         json: the completion is JSON matching this schema (a dict or its JSON text).
+        grammar: the completion matches this grammar: Lark (llguidance's format, start rule
+            ``start``) or GBNF (detected by ``::=``, start rule ``root``; converted to Lark).
+        disable_any_whitespace: JSON only: no whitespace at all outside strings (compact JSON).
+        whitespace_pattern: JSON only: regex for the whitespace allowed between JSON tokens.
+            ``None`` (default) = at most :data:`DEFAULT_JSON_WHITESPACE` (up to 4 spaces, tabs or
+            newlines per gap), so a weak model cannot emit whitespace until ``max_tokens``.
 
     The engine compiles it with the grammar backend registered under ``backend`` through
     ``deepinfer_register_structured_backends`` (default ``"llguidance"``, from
@@ -38,21 +48,44 @@ class StructuredOutputsParams:
     accepts, and is the only token allowed once the grammar is finished.
 
     Raises:
-        SamplingParamsError: not exactly one of ``choice`` / ``regex`` / ``json``, or a bad value.
+        SamplingParamsError: not exactly one of ``choice`` / ``regex`` / ``json`` / ``grammar``,
+            or a bad value.
     """
 
     choice: list[str] | None = None
     regex: str | None = None
     json: dict[str, Any] | str | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
     backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, tuple):
             self.choice = list(self.choice)
-        given = [n for n in ("choice", "regex", "json") if getattr(self, n) is not None]
+        given = [n for n in ("choice", "regex", "json", "grammar") if getattr(self, n) is not None]
         if len(given) != 1:
             raise SamplingParamsError(
-                f"StructuredOutputsParams needs exactly one of choice / regex / json, got {given or 'none'}"
+                "StructuredOutputsParams needs exactly one of choice / regex / json / grammar, "
+                f"got {given or 'none'}"
+            )
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise SamplingParamsError(
+                "StructuredOutputsParams.grammar must be a non-empty str (Lark or GBNF), "
+                f"got {self.grammar!r}"
+            )
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError(
+                "StructuredOutputsParams.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise SamplingParamsError(
+                f"StructuredOutputsParams.whitespace_pattern must be a str, got {self.whitespace_pattern!r}"
+            )
+        if self.disable_any_whitespace and self.whitespace_pattern is not None:
+            raise SamplingParamsError(
+                "StructuredOutputsParams: disable_any_whitespace and whitespace_pattern are exclusive"
             )
         if self.choice is not None and (
             not isinstance(self.choice, list)

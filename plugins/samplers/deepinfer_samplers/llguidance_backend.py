@@ -1,4 +1,4 @@
-"""The llguidance structured-output backend: ``choice`` / ``regex`` / ``json`` -> per-step token masks.
+"""The llguidance structured-output backend: ``choice`` / ``regex`` / ``json`` / ``grammar`` -> token masks.
 
 The engine builds one :class:`LLGuidanceBackend` per tokenizer (building llguidance's tokenizer
 costs about a second) and one :class:`LLGuidanceMatcher` per request.
@@ -36,13 +36,40 @@ class LLGuidanceBackend:
             )
         elif spec.regex is not None:
             grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+        elif spec.grammar is not None:
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
         else:
             schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
             raise ValueError(m.get_error())
         return LLGuidanceMatcher(m, self.vocab_size)
+
+
+def lark_grammar(text: str) -> str:
+    """``text`` as Lark: GBNF (it has ``::=``) is converted with llguidance's converter."""
+    if "::=" not in text:
+        return text
+    try:
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+    except ImportError:  # pragma: no cover - older llguidance
+        raise ValueError("GBNF grammars need llguidance with gbnf_to_lark; give a Lark grammar") from None
+    try:
+        return gbnf_to_lark(text)
+    except Exception as e:
+        raise ValueError(f"invalid GBNF grammar: {e}") from None
+
+
+def json_options(spec: Any) -> dict[str, Any]:
+    """llguidance JSON compile options for the spec's whitespace settings (they override the
+    schema's ``x-guidance``)."""
+    if spec.disable_any_whitespace:
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    from deepinfer_core.sampling.params import DEFAULT_JSON_WHITESPACE
+
+    pattern = spec.whitespace_pattern if spec.whitespace_pattern is not None else DEFAULT_JSON_WHITESPACE
+    return {"whitespace_flexible": True, "whitespace_pattern": pattern}
 
 
 class LLGuidanceMatcher:

@@ -61,7 +61,12 @@ def test_seeded_choices_vary_and_stay_valid(llm):
 
 
 def test_json_schema(llm):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     out = llm.generate(
         ["Hello"], _params(StructuredOutputsParams(json=schema), False, seed=1, max_tokens=64), use_tqdm=False
     )[0]
@@ -92,9 +97,105 @@ def test_unknown_backend_fails_at_submission_naming_what_to_install(llm):
     assert outs[1].outputs[0].text in CHOICES
 
 
+LARK = 'start: "a" ("b" | "c")+'
+GBNF = 'root ::= "a" ("b" | "c")+'
+NESTED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        "inner": {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}},
+            "required": ["ok"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "color", "tags", "inner"],
+    "additionalProperties": False,
+}
+
+
+def _check_nested(obj) -> None:
+    """A small explicit validation of NESTED_SCHEMA (jsonschema is not installed)."""
+    assert isinstance(obj, dict) and set(obj) == {"name", "color", "tags", "inner"}, obj
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8
+    assert obj["color"] in ("red", "green", "blue")
+    assert isinstance(obj["tags"], list) and len(obj["tags"]) <= 3
+    assert all(isinstance(t, int) and not isinstance(t, bool) for t in obj["tags"])
+    assert set(obj["inner"]) == {"ok"} and isinstance(obj["inner"]["ok"], bool)
+
+
+def _outside_strings(text: str) -> str:
+    return re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+
+
+@pytest.mark.parametrize("grammar", [LARK, GBNF], ids=["lark", "gbnf"])
+def test_grammar_lark_and_gbnf(llm, grammar):
+    params = [
+        _params(StructuredOutputsParams(grammar=grammar), False, seed=s, max_tokens=12) for s in range(4)
+    ]
+    outs = llm.generate(["Hello"] * 4, params, use_tqdm=False)
+    for out in outs:
+        assert out.error is None
+        text = out.outputs[0].text
+        # a length finish leaves a valid prefix; a stop finish a full match
+        assert re.fullmatch("a[bc]*", text), text
+        if out.outputs[0].finish_reason == "stop":
+            assert re.fullmatch("a[bc]+", text), text
+
+
+def test_invalid_grammar_fails_only_that_request(llm):
+    params = [
+        _params(StructuredOutputsParams(grammar="start: ("), True),
+        _params(StructuredOutputsParams(grammar="root ::= ("), True),
+        _params(StructuredOutputsParams(choice=CHOICES), True),
+    ]
+    outs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
+    assert outs[1].outputs[0].finish_reason == "error" and outs[1].error
+    assert outs[2].outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize(
+    "ws",
+    [{}, {"disable_any_whitespace": True}, {"whitespace_pattern": " ?"}],
+    ids=["default", "none", "pattern"],
+)
+def test_nested_json_schema_validates_and_whitespace_is_bounded(llm, ws):
+    params = [
+        _params(StructuredOutputsParams(json=NESTED_SCHEMA, **ws), False, seed=s, max_tokens=200)
+        for s in range(4)
+    ]
+    outs = llm.generate(["Hello"] * 4, params, use_tqdm=False)
+    bound = {"default": 4, "none": 0, "pattern": 1}[
+        "none" if ws.get("disable_any_whitespace") else "pattern" if ws else "default"
+    ]
+    for out in outs:
+        text = out.outputs[0].text
+        assert out.error is None and out.outputs[0].finish_reason == "stop", (text, out.error)
+        _check_nested(json.loads(text))
+        runs = re.findall(r"\s+", _outside_strings(text))
+        assert max((len(r) for r in runs), default=0) <= bound, text
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [{}, {"choice": ["a"], "regex": "a"}, {"choice": []}, {"choice": [""]}, {"regex": 3}, {"json": 1}],
+    [
+        {},
+        {"choice": ["a"], "regex": "a"},
+        {"choice": []},
+        {"choice": [""]},
+        {"regex": 3},
+        {"json": 1},
+        {"grammar": ""},
+        {"grammar": 3},
+        {"regex": "a", "grammar": LARK},
+        {"json": {}, "disable_any_whitespace": 1},
+        {"json": {}, "whitespace_pattern": 3},
+        {"json": {}, "disable_any_whitespace": True, "whitespace_pattern": " "},
+    ],
 )
 def test_structured_outputs_params_validation(kwargs):
     with pytest.raises(SamplingParamsError, match="StructuredOutputsParams"):
@@ -117,4 +218,56 @@ def test_cli_choice_and_regex(capsys):
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert all(re.fullmatch("[0-9]{2}x", r["text"]) for r in records)
     assert main([*argv, "--choice", "A", "--regex", "a"]) != 0
-    assert "exactly one of choice / regex / json" in capsys.readouterr().err
+    assert "--choice and --regex are mutually exclusive" in capsys.readouterr().err
+
+
+def test_cli_json_schema_and_grammar_files(capsys, tmp_path):
+    from deepinfer_core.cli import main
+
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(NESTED_SCHEMA))
+    lark_file, gbnf_file = tmp_path / "g.lark", tmp_path / "g.gbnf"
+    lark_file.write_text(LARK)
+    gbnf_file.write_text(GBNF)
+    argv = ["generate", "--prompt", "Hi", "--prompt", "Yo", "--temperature", "0", "--json"]
+    assert main([*argv, "--max-tokens", "200", "--json-schema", str(schema_file)]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 2
+    for r in records:
+        _check_nested(json.loads(r["text"]))
+    for f in (lark_file, gbnf_file):
+        assert main([*argv, "--max-tokens", "8", "--grammar", str(f)]) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(records) == 2 and all(re.fullmatch("a[bc]*", r["text"]) for r in records), records
+
+
+@pytest.mark.parametrize(
+    ("flag", "content", "message"),
+    [
+        ("--json-schema", None, "cannot read the file"),
+        ("--json-schema", "{not json", "not valid JSON"),
+        ("--json-schema", "[1]", "must hold a JSON object"),
+        ("--grammar", None, "cannot read the file"),
+        ("--grammar", "  \n", "the file is empty"),
+    ],
+)
+def test_cli_bad_structured_file_is_one_error_line(capsys, tmp_path, flag, content, message):
+    from deepinfer_core.cli import main
+
+    path = tmp_path / "f"
+    if content is not None:
+        path.write_text(content)
+    assert main(["generate", "--prompt", "Hi", flag, str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and flag in err[0] and str(path) in err[0], err
+    assert message in err[0]
+
+
+def test_cli_structured_flags_are_mutually_exclusive(capsys, tmp_path):
+    from deepinfer_core.cli import main
+
+    path = tmp_path / "g.lark"
+    path.write_text(LARK)
+    assert main(["generate", "--prompt", "Hi", "--choice", "A", "--grammar", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "--choice and --grammar" in err[0], err
