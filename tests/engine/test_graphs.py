@@ -21,6 +21,15 @@ def _with_graphs(llm: LLM) -> LLM:
     return llm
 
 
+def _record_replays(llm: LLM) -> list[int]:
+    """The batch buckets of the graphs ``llm`` replays from now on, in order (filled as it runs)."""
+    replays: list[int] = []
+    for b, graph in llm.engine.runner.graphs.items():
+        inner = graph.replay
+        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    return replays
+
+
 PROMPTS = [
     {"prompt_token_ids": list(range(5 + 7 * i, 5 + 7 * i + n))} for i, n in enumerate((3, 17, 40, 9, 70))
 ]
@@ -38,10 +47,7 @@ def test_graph_decode_equals_eager_bitwise_in_batch_invariant_mode(async_schedul
     kw = {"batch_invariant": True, "async_scheduling": async_scheduling}
     want = _llm(**kw).generate(PROMPTS, params, use_tqdm=False)
     llm = _with_graphs(_llm(**kw))
-    replays = []
-    for b, graph in llm.engine.runner.graphs.items():
-        inner = graph.replay
-        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    replays = _record_replays(llm)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert replays and set(replays) <= {4, 8}  # 5 requests pad to 8; 4 or fewer to 4
     for w, g in zip(want, got, strict=True):
@@ -56,10 +62,7 @@ def test_graph_decode_equals_eager_bitwise_with_the_fp8_kv_cache():
     kw = {"batch_invariant": True, "kv_cache_dtype": "fp8"}
     want = _llm(**kw).generate(PROMPTS, params, use_tqdm=False)
     llm = _with_graphs(_llm(**kw))
-    replays = []
-    for b, graph in llm.engine.runner.graphs.items():
-        inner = graph.replay
-        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    replays = _record_replays(llm)
     got = llm.generate(PROMPTS, params, use_tqdm=False)
     assert replays
     for w, g in zip(want, got, strict=True):
