@@ -15,6 +15,7 @@ from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.ops import OpTable
+from tests.engine.test_graphs import _record_replays
 
 TARGET_LEN = 70  # > window (8), many CSA (4) and HCA (16) windows, indexer top-k active
 DECODES = 3
@@ -161,3 +162,99 @@ def test_batch_invariance_is_refused_where_the_backend_does_not_declare_it():
         EngineConfig(backend="bi_cpu", batch_invariant=True), plugins=manager
     ).config.batch_invariant
     assert LLMEngine(EngineConfig(backend="no_bi"), plugins=manager).backend.name == "no_bi"
+
+
+def test_the_mode_runs_its_gemms_on_the_backends_tile_matmul(tiny_dir: Path):
+    """The engine hands the table's ``tile_matmul`` to the mode: a backend providing it sees
+    every fixed-tile product (and only in the mode), and the tokens are the reference's."""
+    from deepinfer_core.backends import BackendSpec
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.ops.linear import tile_matmul
+    from deepinfer_core.testing.managers import manager_with_plugin
+
+    calls: list[tuple[int, ...]] = []
+
+    def counting(a, b):
+        calls.append(tuple(a.shape))
+        return tile_matmul(a, b)
+
+    class Plugin:
+        @hookimpl
+        def deepinfer_register_backends(self, register):
+            register(
+                BackendSpec(
+                    name="tiles",
+                    device_type="cpu",
+                    priority=5,
+                    ops={"tile_matmul": counting},
+                    batch_invariant_devices=("cpu",),
+                )
+            )
+
+    manager = manager_with_plugin(Plugin(), "tiles_test")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": _ids(7, 20)}
+    tokens = {}
+    for bi in (False, True):
+        calls.clear()
+        engine = LLMEngine(
+            EngineConfig(model=str(tiny_dir), backend="tiles", batch_invariant=bi), plugins=manager
+        )
+        engine.add_request("r", prompt["prompt_token_ids"], params)
+        finished = []
+        while engine.has_unfinished():
+            finished += engine.step()
+        tokens[bi] = finished[0].outputs[0].token_ids
+        assert bool(calls) == bi
+    assert all(shape[1] == 64 for shape in calls)  # ROW_TILE rows per tile
+    reference = LLM(model=str(tiny_dir), backend="reference", batch_invariant=True)
+    assert reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == tokens[True]
+
+
+def _cuda_sm100_problem() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: torch.cuda.is_available() is False"
+    from deepinfer_core.plugins import get_plugins
+
+    try:
+        ok, reason = get_plugins().get_backend("cuda_sm100").is_available()
+    except Exception as exc:  # noqa: BLE001 - the plugin is not installed: the message says so
+        return str(exc)
+    return None if ok else reason
+
+
+_GPU_PROBLEM = _cuda_sm100_problem()
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_sm100_logprobs_identical_alone_batched_and_chunked_with_graphs(tiny_dir: Path, dtype: str):
+    """On the GPU with the ``cuda_sm100`` backend and CUDA graphs on: a request's logprobs are
+    bitwise the same alone, among 31 others, and with another prefill chunk size."""
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    target = {"prompt_token_ids": _ids(7, 90)}
+    others = [{"prompt_token_ids": _ids(300 + j, 5 + 11 * j)} for j in range(31)]
+    results = {}
+    for label, chunk, batch in (("alone", 64, []), ("batched", 64, others), ("chunked", 24, others[:9])):
+        llm = LLM(
+            model=str(tiny_dir),
+            backend="cuda_sm100",
+            device="cuda",
+            dtype=dtype,
+            batch_invariant=True,
+            max_num_seqs=32,
+            max_num_batched_tokens=chunk,
+        )
+        assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+        replays = _record_replays(llm)
+        prompts = [*batch[:5], target, *batch[5:]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[label] = outs[min(5, len(batch))].outputs[0]
+        assert replays, f"{label}: no decode step replayed a CUDA graph"
+        del llm
+    alone = results["alone"]
+    assert alone.logprobs is not None and len(alone.logprobs) == 12
+    for label in ("batched", "chunked"):
+        assert results[label].token_ids == alone.token_ids, label
+        assert results[label].logprobs == alone.logprobs, f"{label}: logprobs differ from alone"

@@ -158,8 +158,13 @@ class LLMEngine:
         plugins.engine_started(self)
 
     def _check_batch_invariance(self, device_type: str) -> None:
-        """Refuse ``batch_invariant=True`` where the ops in use do not honour it on this device
-        (the backend's own, and the reference for the ops that fall back to it)."""
+        """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
+
+        The backend's declaration covers its whole table as the engine runs it: its kernels,
+        and the reference ops it leaves to fall back, whose fixed-tile GEMMs run on the table's
+        ``tile_matmul``.  So a backend declaring a device the reference does not hold on must
+        provide ``tile_matmul`` itself.
+        """
         backend = self.backend
         if device_type not in backend.batch_invariant_devices:
             honoured = ", ".join(backend.batch_invariant_devices) or "no device"
@@ -168,13 +173,16 @@ class LLMEngine:
                 f"{device_type} (it does on: {honoured}); run on such a device, pick another backend, or "
                 "turn batch_invariant off"
             )
-        fallback = sorted(n for n, src in self.ops.sources.items() if src != "backend")
         reference = self.plugins.get_backend("reference")
-        if fallback and backend.name != "reference" and device_type not in reference.batch_invariant_devices:
+        if (
+            self.ops.sources.get("tile_matmul") == "reference"
+            and device_type not in reference.batch_invariant_devices
+        ):
             raise ConfigError(
-                f"batch_invariant=True: backend {backend.name!r} leaves ops {fallback} to the reference "
-                f"implementation, which does not guarantee batch invariance on {device_type}; turn "
-                "batch_invariant off or use strict_ops=True with a backend covering every op"
+                f"batch_invariant=True: backend {backend.name!r} declares batch invariance on {device_type} "
+                "but leaves op 'tile_matmul' (the GEMM every batch-invariant product runs on) to the "
+                f"reference, which does not hold on {device_type}; provide 'tile_matmul' in the backend "
+                "or turn batch_invariant off"
             )
 
     def _capture_graphs(self) -> None:

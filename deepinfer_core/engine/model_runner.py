@@ -59,6 +59,7 @@ class ModelRunner:
         self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
         self.ops = ops
         self.batch_invariant = config.batch_invariant
+        self._tile_matmul = ops["tile_matmul"]  # the GEMM of batch-invariant mode (ops/modes.py)
         if quantized_formats is None:
             quantized_formats = config.resolved_quantized_formats()
         weights = load_checkpoint(model_dir, cfg, self.dtype, self.device, keep_quantized=quantized_formats)
@@ -177,7 +178,7 @@ class ModelRunner:
             self.kv_cache.num_slots,
             self.cache.trash_page,
         )
-        with batch_invariant_mode(self.batch_invariant):
+        with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.forward(md, self.cache)
 
     # ---- device graphs -----------------------------------------------------------------------

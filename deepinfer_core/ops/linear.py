@@ -80,6 +80,39 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor | QuantizedTensor) -> t
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
+def _tile_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    shared = randn(g, 40, 96, dtype=dtype, scale=0.1)
+    return [
+        ((randn(g, 3, 64, 96, dtype=dtype), randn(g, 3, 40, 96, dtype=dtype, scale=0.1)), {}),
+        # one weight for every tile (stride 0 over the items, as ``tiled_linear`` passes it)
+        ((randn(g, 2, 64, 96, dtype=dtype), shared.unsqueeze(0).expand(2, -1, -1)), {}),
+        ((randn(g, 1, 5, 33, dtype=dtype), randn(g, 1, 17, 33, dtype=dtype, scale=0.1)), {}),
+    ]
+
+
+@define_op("tile_matmul", "linear", batch_invariant=True, sample_cases=_tile_cases)
+def tile_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The GEMM of batch-invariant mode: ``a @ b.transpose(1, 2)`` item by item.
+
+    Args:
+        a: ``[n, R, K]`` tiles of rows (the mode uses ``R = ROW_TILE``).
+        b: ``[n, N, K]`` one weight per tile, in the weight layout of :func:`linear` (may be a
+            stride-0 expansion of one ``[N, K]`` weight, or any other strides).
+
+    Returns:
+        ``[n, R, N]`` in ``a.dtype``.
+
+    Batch invariance: every item, and every row of it, must get bits that do not depend on
+    ``n``, on the other items or rows, or on the strides of ``b``; ``float32`` inputs are
+    multiplied in full fp32 (no TF32).  Every fixed-tile product of the mode goes through this
+    op (:func:`~deepinfer_core.ops.modes.mode_matmul`), so a backend that provides it makes
+    the reference's GEMM-bearing ops (``linear``, ``grouped_linear``, ``moe_experts``,
+    ``hc_pre``, ``hc_head``) batch invariant on its device.  The reference (``torch.bmm``) is
+    batch invariant on CPU only: cuBLAS chooses kernels and split-K by the whole shape.
+    """
+    return torch.bmm(a, b.transpose(1, 2))
+
+
 def _embed_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     return [((torch.randint(0, 50, (9,), generator=g), randn(g, 50, 32, dtype=dtype)), {})]
 

@@ -19,6 +19,12 @@ on CPU (torch 2.13, MKL), three things otherwise make a row's bits depend on the
   points that depend on the tensor size.  The mode runs with one intra-op thread (restored
   on exit); on the tiny CPU model that is also the faster setting.
 
+On other devices the same structure holds once every fixed tile runs through a GEMM whose
+per-row bits do not depend on the tile count (cuBLAS picks kernels and split-K by the whole
+``bmm`` shape): the mode takes that GEMM as ``matmul`` (the engine passes its op table's
+``tile_matmul``, which a backend may provide; the reference is ``torch.bmm``), and every
+fixed-tile product of the mode goes through :func:`mode_matmul`.
+
 Reductions whose length depends on the batch (attention over the keys, indexer scores over
 the candidates) run in fixed blocks of :data:`KEY_BLOCK` over the valid entries in a
 canonical order; all-padding blocks are exact no-ops (see ``ops/attention.py``).
@@ -44,6 +50,9 @@ KEY_BLOCK = 64
 
 _ENABLED: ContextVar[bool] = ContextVar("deepinfer_batch_invariant", default=False)
 
+TileMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_MATMUL: ContextVar[TileMatmul | None] = ContextVar("deepinfer_tile_matmul", default=None)
+
 
 def batch_invariant_enabled() -> bool:
     """Whether the calling context runs in batch-invariant mode."""
@@ -51,13 +60,19 @@ def batch_invariant_enabled() -> bool:
 
 
 @contextmanager
-def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
+def batch_invariant_mode(enabled: bool = True, matmul: TileMatmul | None = None) -> Iterator[None]:
     """Run the enclosed ops batch-invariantly (``enabled=False``: a cheap no-op scope).
+
+    Args:
+        enabled: whether the mode is on in the scope.
+        matmul: the fixed-tile GEMM the mode's products run on (the ``tile_matmul`` op's
+            signature); ``None``: ``torch.bmm``, batch invariant on CPU only.
 
     Enabling also sets torch's intra-op threads to 1 for the scope (process-wide, restored
     on exit): see the module docstring.
     """
     token = _ENABLED.set(enabled)
+    matmul_token = _MATMUL.set(matmul)
     threads = torch.get_num_threads()
     if enabled and threads != 1:
         torch.set_num_threads(1)
@@ -66,7 +81,18 @@ def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
     finally:
         if enabled and threads != 1:
             torch.set_num_threads(threads)
+        _MATMUL.reset(matmul_token)
         _ENABLED.reset(token)
+
+
+def mode_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b.transpose(1, 2)`` for ``a [n, R, K]`` and ``b [n, N, K]`` on the mode's GEMM
+    (see :func:`batch_invariant_mode`): item ``i`` of the result, and each of its rows, has
+    bits that do not depend on ``n`` or on the other items."""
+    fn = _MATMUL.get()
+    if fn is None:
+        return torch.bmm(a, b.transpose(1, 2))
+    return fn(a, b)
 
 
 def padded_len(n: int, multiple: int = ROW_TILE) -> int:
@@ -96,16 +122,16 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with every GEMM on a ``[ROW_TILE, K] x [K, N]`` tile.
 
     ``x`` is ``[..., K]``; the rows are zero-padded to a multiple of :data:`ROW_TILE` and run
-    as the items of one ``bmm`` against the (stride-0 expanded) weight, so a row's result
-    does not depend on how many rows there are or where it sits.
+    as the items of one :func:`mode_matmul` against the (stride-0 expanded) weight, so a
+    row's result does not depend on how many rows there are or where it sits.
     """
     lead, k = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     t = flat.shape[0]
     tiles = padded_len(max(t, 1)) // ROW_TILE
     xp = pad_rows(flat, tiles * ROW_TILE).view(tiles, ROW_TILE, k)
-    w = weight.t().unsqueeze(0).expand(tiles, -1, -1)
-    return torch.bmm(xp, w).view(tiles * ROW_TILE, -1)[:t].view(*lead, weight.shape[0])
+    w = weight.unsqueeze(0).expand(tiles, -1, -1)
+    return mode_matmul(xp, w).reshape(tiles * ROW_TILE, -1)[:t].view(*lead, weight.shape[0])
 
 
 def _explicit(a: Any) -> torch.Tensor:

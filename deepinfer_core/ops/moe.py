@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from ._cases import randn, randn_fp4
-from .modes import ROW_TILE, batch_invariant_enabled, row_padded
+from .modes import ROW_TILE, batch_invariant_enabled, mode_matmul, row_padded
 from .registry import define_op
 
 Experts = torch.Tensor | QuantizedTensor
@@ -365,10 +365,10 @@ def _experts_tiled(
         n = min(per_chunk, n_tiles - start)
         experts = tile_expert[start : start + n]
         rows = slice(start * R, (start + n) * R)
-        h = torch.bmm(xs[rows].view(n, R, D), gate_up.index_select(0, experts).transpose(1, 2))
-        gate, up = h.view(n * R, 2 * I).chunk(2, dim=-1)
+        h = mode_matmul(xs[rows].view(n, R, D), gate_up.index_select(0, experts))
+        gate, up = h.reshape(n * R, 2 * I).chunk(2, dim=-1)
         h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-        y = torch.bmm(h.view(n, R, I), down.index_select(0, experts).transpose(1, 2)).view(n * R, D)
+        y = mode_matmul(h.view(n, R, I), down.index_select(0, experts)).reshape(n * R, D)
         ys.append(y * ws[rows].unsqueeze(-1))
     y = ys[0] if len(ys) == 1 else torch.cat(ys)
     # each token's contributions in ascending expert order (stable: duplicates in slot order)

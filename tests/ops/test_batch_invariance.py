@@ -1,6 +1,10 @@
-"""Batch invariance of the reference ops: under ``batch_invariant_mode`` row ``i`` of an op on
-``B`` rows is bitwise the op on row ``i`` alone (and, for index lists, with other ``-1``
-padding), for every op the contract marks ``batch_invariant``."""
+"""Batch invariance of the ops: under ``batch_invariant_mode`` row ``i`` of an op on ``B`` rows
+is bitwise the op on row ``i`` alone (and, for index lists, with other ``-1`` padding), for
+every op the contract marks ``batch_invariant``.
+
+Each check runs on two op tables: the reference on CPU, and the ``cuda_sm100`` backend's
+table on a GPU (its kernels, the reference ops it leaves to fall back, and the mode's GEMM on
+its ``tile_matmul``, as the engine runs them; skipped, with the reason, without a GPU)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from deepinfer_core.ops import all_ops, get_op
+from deepinfer_core.ops import OpTable, all_ops, get_op
 from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
+from deepinfer_core.testing.conformance import _to_device
 from deepinfer_core.weights.quant import QuantizedTensor
 
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 64, 65, 130)
@@ -34,6 +39,8 @@ Case = tuple[tuple, tuple[int, ...]]
 CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
     "rms_norm": lambda g, t: ((_randn(g, t, 64), 1 + _randn(g, 64, scale=0.1), 1e-6), (0,)),
     "linear": lambda g, t: ((_randn(g, t, 64), _randn(g, 200, 64, scale=0.1)), (0,)),
+    # items as rows, each with its own weight
+    "tile_matmul": lambda g, t: ((_randn(g, t, 64, 48), _randn(g, t, 40, 48, scale=0.1)), (0, 1)),
     "grouped_linear": lambda g, t: ((_randn(g, t, 2, 64), _randn(g, 2 * 16, 64, scale=0.1)), (0,)),
     "embedding": lambda g, t: ((torch.randint(0, 50, (t,), generator=g), _randn(g, 50, 32)), (0,)),
     "rope_cos_sin": lambda g, t: (
@@ -127,6 +134,42 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
 }
 
 
+def _cuda_sm100_problem() -> str | None:
+    """Why the ``cuda_sm100`` table cannot run here (``None`` when it can)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU: torch.cuda.is_available() is False"
+    from deepinfer_core.plugins import get_plugins
+
+    try:
+        spec = get_plugins().get_backend("cuda_sm100")
+    except Exception as exc:  # noqa: BLE001 - not installed: the reason is the message
+        return str(exc)
+    ok, reason = spec.is_available()
+    return None if ok else reason
+
+
+_CUDA_PROBLEM = _cuda_sm100_problem()
+TARGETS = [
+    pytest.param(("reference", "cpu"), id="reference-cpu"),
+    pytest.param(
+        ("cuda_sm100", "cuda"),
+        id="cuda_sm100-cuda",
+        marks=pytest.mark.skipif(_CUDA_PROBLEM is not None, reason=_CUDA_PROBLEM or ""),
+    ),
+]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def target(request) -> tuple[OpTable, torch.device]:
+    """``(op table, device)`` the checks run on."""
+    backend, device = request.param
+    if backend == "reference":
+        return OpTable.reference(), torch.device(device)
+    from deepinfer_core.plugins import get_plugins
+
+    return OpTable(get_plugins().get_backend(backend).load_ops(), backend=backend), torch.device(device)
+
+
 def _row(args: tuple, rows: tuple[int, ...], i: int) -> tuple:
     """The arguments of row ``i`` alone; index lists get extra ``-1`` columns, so the row
     also sees different padding than in the batch."""
@@ -182,13 +225,13 @@ QUANTISED_CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_op_row_is_bitwise_independent_of_the_batch(name):
-    _check_rows_independent_of_the_batch(name, CASES[name])
+def test_op_row_is_bitwise_independent_of_the_batch(name, target):
+    _check_rows_independent_of_the_batch(name, CASES[name], *target)
 
 
 @pytest.mark.parametrize("name", sorted(QUANTISED_CASES))
-def test_op_row_is_bitwise_independent_of_the_batch_with_quantised_weights(name):
-    _check_rows_independent_of_the_batch(name, QUANTISED_CASES[name])
+def test_op_row_is_bitwise_independent_of_the_batch_with_quantised_weights(name, target):
+    _check_rows_independent_of_the_batch(name, QUANTISED_CASES[name], *target)
 
 
 @pytest.mark.parametrize("name", sorted(QUANTISED_CASES))
@@ -201,12 +244,16 @@ def test_quantised_weights_give_bitwise_their_dequantised_values_in_the_mode(nam
         assert torch.equal(fn(*args), fn(*plain))
 
 
-def _check_rows_independent_of_the_batch(name: str, make: Callable[[torch.Generator, int], Case]) -> None:
+def _check_rows_independent_of_the_batch(
+    name: str, make: Callable[[torch.Generator, int], Case], table: OpTable, device: torch.device
+) -> None:
     g = torch.Generator().manual_seed(0)
-    fn = get_op(name).reference
+    fn = table[name]
     args, rows = make(g, max(BATCHES))
-    with batch_invariant_mode():
-        alone = [_rows_of(fn(*_row(args, rows, i)), 0) for i in range(max(BATCHES))]
+    singles = [_to_device(_row(args, rows, i), device) for i in range(max(BATCHES))]
+    args = _to_device(args, device)
+    with batch_invariant_mode(matmul=table["tile_matmul"]):
+        alone = [_rows_of(fn(*single), 0) for single in singles]
         for b in BATCHES:
             sub = tuple(
                 [x[:b] for x in a]

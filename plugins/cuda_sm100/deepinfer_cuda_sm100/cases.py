@@ -204,7 +204,25 @@ def own_cases(s: Shapes) -> dict[str, object]:
             cases += [((_randn(g, m, k, dtype=dtype), w), {}) for m in s.linear_tokens]
         return cases
 
+    def tile_matmul(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        # the mode's tiles: ROW_TILE rows against one shared weight (linear), per-expert
+        # weights (moe_experts), and a ragged shape with partial blocks everywhere
+        k = s.hidden
+        shared = _randn(g, s.q_lora, k, dtype=dtype, scale=k**-0.5)
+        return [
+            ((_randn(g, 2, 64, k, dtype=dtype), shared.unsqueeze(0).expand(2, -1, -1)), {}),
+            (
+                (
+                    _randn(g, 3, 64, k, dtype=dtype),
+                    _randn(g, 3, 2 * s.index_head_dim, k, dtype=dtype, scale=k**-0.5),
+                ),
+                {},
+            ),
+            ((_randn(g, 2, 5, 33, dtype=dtype), _randn(g, 2, 17, 33, dtype=dtype, scale=0.2)), {}),
+        ]
+
     return {
+        "tile_matmul": tile_matmul,
         "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,

@@ -33,7 +33,11 @@ GEMM_OPS = ("linear",)
 """The FP8 block-scaled GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`): ``linear`` with a
 :class:`~deepinfer_core.weights.quant.QuantizedTensor` FP8 weight (``keep_quantized``)."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS
+INVARIANT_OPS = ("tile_matmul",)
+"""The GEMM of batch-invariant mode (:mod:`deepinfer_cuda_sm100.kernels.tile_gemm`): with it the
+reference's GEMM-bearing ops that this backend leaves to fall back are batch invariant on the GPU."""
+
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,7 +288,25 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             (weight.data.stride(-1) == 1, f"weight data has stride {weight.data.stride(-1)} along K"),
         )
 
+    def tile_matmul(a, b) -> Verdict:
+        dev = _device_checks(interpreted, a=a, b=b)
+        if dev is not True:
+            return dev
+        ok = _first_problem(
+            _activation("a", a),
+            (a.dim() == 3, f"a has {a.dim()} dims, expected [n, R, K]"),
+            (b.dim() == 3, f"b has {b.dim()} dims, expected [n, N, K]"),
+            (b.dtype == a.dtype, f"b dtype {b.dtype} differs from a dtype {a.dtype}"),
+        )
+        if ok is not True:
+            return ok
+        return _first_problem(
+            (b.shape[0] == a.shape[0], f"b has {b.shape[0]} items, a has {a.shape[0]}"),
+            (b.shape[2] == a.shape[2], f"b has K={b.shape[2]}, a has K={a.shape[2]}"),
+        )
+
     return {
+        "tile_matmul": tile_matmul,
         "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
@@ -298,7 +320,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
 def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
-    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope
+    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope, tile_gemm
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -311,11 +333,12 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
         "linear": fp8_gemm.linear_fp8,
+        "tile_matmul": tile_gemm.tile_matmul,
     }
     from deepinfer_cuda_sm100.attention_ops import attention_ops
 
     impls = {
         name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
-        for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS
+        for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
     }
     return {**impls, **attention_ops()}

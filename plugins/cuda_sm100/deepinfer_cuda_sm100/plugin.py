@@ -20,6 +20,10 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=True,
+            # the kernels, and the reference ops left to fall back with the mode's GEMM on this
+            # backend's tile_matmul: tested bitwise on the GPU (tests/ops/test_batch_invariance.py,
+            # plugins/cuda_sm100/tests/test_gpu_batch_invariance.py)
+            batch_invariant_devices=("cuda",),
             description="NVIDIA GPUs of compute capability >= 9.0 (Triton kernels)",
         )
     )
