@@ -15,6 +15,7 @@ from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.ops import OpTable
+from deepinfer_core.testing import backend_unavailable_reason
 from tests.engine.test_graphs import _record_replays
 
 TARGET_LEN = 70  # > window (8), many CSA (4) and HCA (16) windows, indexer top-k active
@@ -212,19 +213,7 @@ def test_the_mode_runs_its_gemms_on_the_backends_tile_matmul(tiny_dir: Path):
     assert reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == tokens[True]
 
 
-def _cuda_sm100_problem() -> str | None:
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: torch.cuda.is_available() is False"
-    from deepinfer_core.plugins import get_plugins
-
-    try:
-        ok, reason = get_plugins().get_backend("cuda_sm100").is_available()
-    except Exception as exc:  # noqa: BLE001 - the plugin is not installed: the message says so
-        return str(exc)
-    return None if ok else reason
-
-
-_GPU_PROBLEM = _cuda_sm100_problem()
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
 
 
 @pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")

@@ -18,6 +18,7 @@ from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import PluginError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.models.deepseek_v4 import tiny
+from deepinfer_core.testing import backend_unavailable_reason
 from deepinfer_core.testing.managers import manager_with_plugin
 from deepinfer_core.weights.quant import QuantizedTensor
 
@@ -183,3 +184,37 @@ def test_backend_spec_checks_its_quantized_weights() -> None:
         BackendSpec(name="q", device_type="cuda", quantized_weights=("fp8",))
     with pytest.raises(PluginError, match="must be a tuple"):
         BackendSpec(name="q", device_type="cuda", quantized_weights="fp8_block")
+
+
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_sm100_keeps_weights_quantised_and_gives_the_dequantised_references_tokens(
+    fp_dir: Path, dtype: str
+) -> None:
+    """On the GPU, ``cuda_sm100`` with the FP8 / FP4 weights kept quantised (its FP8 GEMM on the
+    128x128-block linears, CUDA graphs on) gives the greedy tokens of the reference backend on
+    the dequantised weights on the CPU, and holds fewer weight bytes."""
+    gpu = LLM(
+        model=str(fp_dir),
+        backend="cuda_sm100",
+        device="cuda",
+        dtype=dtype,
+        max_num_seqs=4,
+        keep_quantized=True,
+    )
+    cpu = _llm(fp_dir, dtype=dtype, keep_quantized=False)
+    model = gpu.engine.runner.model
+    assert isinstance(model.layers[1].moe.gate_up, QuantizedTensor)
+    assert model.quantized_weight_bytes() > 0
+    assert model.weight_bytes() < cpu.engine.runner.model.weight_bytes()
+    assert gpu.engine.runner.graphs, "CUDA graphs were not captured"
+    got, want = _completions(gpu), _completions(cpu)
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        # the sampled tokens' logprobs: fp32 within summation order, bf16 within its rounding
+        tol = 1e-3 if dtype == "float32" else 5e-2
+        for token, g_top, w_top in zip(w.token_ids, g.logprobs, w.logprobs, strict=True):
+            assert abs(g_top[token] - w_top[token]) < tol

@@ -16,6 +16,7 @@ import torch
 from deepinfer_core.ops import OpTable, all_ops, get_op
 from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
+from deepinfer_core.testing import backend_unavailable_reason
 from deepinfer_core.testing.conformance import _to_device
 from deepinfer_core.weights.quant import QuantizedTensor
 
@@ -134,21 +135,7 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
 }
 
 
-def _cuda_sm100_problem() -> str | None:
-    """Why the ``cuda_sm100`` table cannot run here (``None`` when it can)."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: torch.cuda.is_available() is False"
-    from deepinfer_core.plugins import get_plugins
-
-    try:
-        spec = get_plugins().get_backend("cuda_sm100")
-    except Exception as exc:  # noqa: BLE001 - not installed: the reason is the message
-        return str(exc)
-    ok, reason = spec.is_available()
-    return None if ok else reason
-
-
-_CUDA_PROBLEM = _cuda_sm100_problem()
+_CUDA_PROBLEM = backend_unavailable_reason("cuda_sm100")
 TARGETS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
     pytest.param(
