@@ -138,10 +138,10 @@ def _fp8_gemm_kernel(
         else:
             if FP32_DOT:
                 part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            elif out_dtype == tl.float32:
+            elif x.dtype == tl.float32:  # the activations' dtype (split-K stores fp32 for any)
                 part = tl.dot(x, w.to(tl.float32), input_precision="ieee")
             else:
-                part = tl.dot(x, w.to(out_dtype))
+                part = tl.dot(x, w.to(x.dtype))
             acc += part * w_scale
     out = y_ptr + pid_s * stride_split + rows[:, None] * stride_ym + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
