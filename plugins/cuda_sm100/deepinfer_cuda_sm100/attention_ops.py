@@ -8,9 +8,11 @@ interpreter.  The cases follow the model's calls (``deepinfer_core/models/deepse
 sliding window split between the slot's ring and this step's rows (a strided view of the
 fused q/kv tensor), plus the indexer's top-k picks (CSA) or a paged index over every
 compressed entry (HCA), for a single decode token, a block of tokens and a ragged count; a
-long paged context that takes the split-KV path; and indexer selections on integer-valued
-data (exact scores, many ties: the picks must equal the reference's bit for bit) and on
-random data.
+long paged context that takes the split-KV path; the same calls with every pool a packed
+:class:`~deepinfer_core.ops.kv_format.Fp8KVPool` (``kv_cache_dtype="fp8"``, which packs the
+ring, this step's rows and the compressed entries alike) and two that mix plain and packed
+pools; and indexer selections on integer-valued data (exact scores, many ties: the picks
+must equal the reference's bit for bit) and on random data.
 
 Importing this module does not import Triton; :func:`attention_ops` does.
 """
@@ -18,7 +20,7 @@ Importing this module does not import Triton; :func:`attention_ops` does.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +33,7 @@ Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Activation / KV dtypes the kernels take (KV_PLAIN pools)."""
-
-FP8_KV_REFUSAL = "the FP8 KV-cache format is not implemented yet"
-"""In ``supports``' reason for packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` pools
-(``kv_cache_dtype="fp8"``): the reference runs those calls, and the conformance checks expect
-these cases to be refused, not run."""
+"""Activation dtypes the kernels take, and the dtypes of plain (``[N, D]`` tensor) KV pools."""
 
 MAX_SOURCES = 4
 MAX_HEAD_DIM = 1024
@@ -52,6 +49,8 @@ class AttnShapes:
 
     heads: int
     head_dim: int
+    rope_dim: int
+    """Trailing channels a packed FP8 pool keeps in bfloat16 (``kv_cache_dtype="fp8"``)."""
     window: int
     topk: int
     index_heads: int
@@ -70,6 +69,7 @@ class AttnShapes:
 V4_FLASH = AttnShapes(
     heads=64,
     head_dim=512,
+    rope_dim=64,
     window=128,
     topk=512,
     index_heads=64,
@@ -85,6 +85,7 @@ V4_FLASH = AttnShapes(
 SMALL = AttnShapes(
     heads=8,
     head_dim=64,
+    rope_dim=16,
     window=8,
     topk=16,
     index_heads=4,
@@ -161,14 +162,11 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return "kv_pools and indices must be lists"
         if len(kv_pools) != len(indices) or not 1 <= len(kv_pools) <= MAX_SOURCES:
             return f"{len(kv_pools)} pools / {len(indices)} index lists: 1..{MAX_SOURCES} pairs are supported"
-        for i, pool in enumerate(kv_pools):
-            if isinstance(pool, Fp8KVPool):  # kv_cache_dtype="fp8": the reference dequantises it
-                return (
-                    f"kv_pools[{i}] is a packed Fp8KVPool (kv_cache_dtype='fp8'): the kernel reads "
-                    f"plain KV pools only ({FP8_KV_REFUSAL})"
-                )
         named = [("q", q), ("sinks", sinks)]
-        named += [(f"kv_pools[{i}]", p) for i, p in enumerate(kv_pools)]
+        for i, p in enumerate(kv_pools):  # a packed pool: its bytes
+            named.append(
+                (f"kv_pools[{i}].data", p.data) if isinstance(p, Fp8KVPool) else (f"kv_pools[{i}]", p)
+            )
         for i, index in enumerate(indices):
             named += [(f"indices[{i}]" + (f".{n}" if n else ""), x) for n, x in _tensors_of(index)]
         problem = _device_problem(interpreted, named)
@@ -179,9 +177,25 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         t, h, d = q.shape
         if not 1 <= d <= MAX_HEAD_DIM:
             return f"head dim {d} is outside 1..{MAX_HEAD_DIM}"
+        packed = None
         for i, pool in enumerate(kv_pools):
+            if isinstance(pool, Fp8KVPool):  # kv_cache_dtype="fp8": dequantised in the kernel
+                if pool.dim != d:
+                    return f"kv_pools[{i}] is an Fp8KVPool of {pool.dim} values per row, expected {d}"
+                if packed is not None and pool.rope_dim != packed.rope_dim:
+                    return (
+                        f"kv_pools[{i}] is an Fp8KVPool with rope_dim={pool.rope_dim}, an earlier one has "
+                        f"{packed.rope_dim}: the packed pools of a call must share one row layout"
+                    )
+                if pool.data.shape[0] > _INT32_MAX:
+                    return f"kv_pools[{i}] has {pool.data.shape[0]} rows (int32 row ids)"
+                packed = pool
+                continue
             if pool.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8):
-                return f"kv_pools[{i}] is {pool.dtype}: the FP8 KV-cache format is not implemented yet"
+                return (
+                    f"kv_pools[{i}] is a plain {pool.dtype} tensor: FP8 KV rows must come packed as an "
+                    "Fp8KVPool (kv_cache_dtype='fp8')"
+                )
             if pool.dtype != q.dtype:
                 return f"kv_pools[{i}] dtype {pool.dtype} differs from q's {q.dtype}"
             if pool.dim() != 2 or pool.shape[1] != d:
@@ -306,10 +320,37 @@ def _topk_rows(g: torch.Generator, b: _Batch, ratio: int, k: int, n_rows: int) -
     return torch.where(holes, -1, rows)
 
 
-def attention_cases(s: AttnShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
-    """``sparse_attention`` cases of shapes ``s`` (see the module docstring)."""
+KV_CASE_SETS = ("plain", "fp8", "all")
+"""What :func:`attention_cases` makes: plain pools only, packed FP8 pools only, or both plus
+mixed calls."""
 
-    def cases(g: torch.Generator, dtype: torch.dtype) -> Cases:
+
+def packed_case(
+    case: tuple[tuple, dict], rope_dim: int, which: Sequence[int] | None = None
+) -> tuple[tuple, dict]:
+    """``case`` with its pools ``which`` (all by default) packed into ``Fp8KVPool`` pools, as
+    ``kv_cache_dtype="fp8"`` stores them (this step's rows too: the model packs them)."""
+    (q, pools, idx, sinks, scale), kwargs = case
+    pools = [
+        Fp8KVPool.from_values(p, rope_dim) if which is None or i in which else p for i, p in enumerate(pools)
+    ]
+    return (q, pools, idx, sinks, scale), kwargs
+
+
+def attention_cases(s: AttnShapes, kv: str = "all") -> Callable[[torch.Generator, torch.dtype], Cases]:
+    """``sparse_attention`` cases of shapes ``s`` (see the module docstring).
+
+    ``kv="plain"``: every pool an ``[N, D]`` tensor of the activation dtype -- a sliding-window
+    case, then CSA and HCA for each token count, then the long split-KV decode (the last
+    three: the largest batch's CSA and HCA, and the split-KV case); ``"fp8"``: the same cases
+    (same values) with every pool packed (``kv_cache_dtype="fp8"``, :data:`AttnShapes.rope_dim`
+    channels in bfloat16); ``"all"``: the plain cases, the packed ones, then two mixes (a plain
+    window with packed compressed entries; packed paged entries first, then a plain window).
+    """
+    if kv not in KV_CASE_SETS:
+        raise ValueError(f"kv must be one of {KV_CASE_SETS}, got {kv!r}")
+
+    def plain(g: torch.Generator, dtype: torch.dtype) -> Cases:
         h, d, w = s.heads, s.head_dim, s.window
         out: Cases = []
         for i, t in enumerate(s.tokens):
@@ -343,6 +384,16 @@ def attention_cases(s: AttnShapes) -> Callable[[torch.Generator, torch.dtype], C
         sinks = _randn(g, h)
         out.append(((q, [ckv, ring, kv], [paged, ring_idx, chunk_idx], sinks, d**-0.5), {}))
         return out
+
+    def cases(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        base = plain(g, dtype)
+        if kv == "plain":
+            return base
+        fp8 = [packed_case(c, s.rope_dim) for c in base]
+        if kv == "fp8":
+            return fp8
+        mixed = [packed_case(base[-2], s.rope_dim, [2]), packed_case(base[-1], s.rope_dim, [0])]
+        return base + fp8 + mixed
 
     return cases
 

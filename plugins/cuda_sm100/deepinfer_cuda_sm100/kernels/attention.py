@@ -28,10 +28,29 @@ key list), never on tensor values.  In batch-invariant mode ``CHUNK`` is fixed
 ``T``, the other queries, the split between sources or where and how many ``-1`` slots
 there are (blocks past ``L_t`` are never visited).
 
-**KV format.**  The key load is isolated in :func:`_load_kv` behind the ``KV_FORMAT``
-constexpr: :data:`KV_PLAIN` (rows in the pool's dtype: fp32 / bf16 / fp16) is implemented;
-:data:`KV_FP8_V4` (FlashMLA's V4 layout: 448 fp8 e4m3 values with per-64 UE8M0 scales, then
-64 bf16 rope values) is reserved for a later step.
+**KV formats.**  Each source's pool has its own format, a constexpr of the kernel
+(``FMT0..3``), and the key load (:func:`_load_kv`) is the only code that depends on it:
+
+- :data:`KV_PLAIN`: rows ``[N, D]`` in q's dtype (fp32 / bf16 / fp16), loaded as they are;
+- :data:`KV_FP8_V4`: an :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, FlashMLA's V4 rows
+  (``uint8 [N, row_bytes]``: ``D-R`` float8 e4m3 "nope" values, ``R`` bfloat16 rope values, one
+  UE8M0 scale byte per 64 nope values; 584 bytes per row on V4-Flash).  The kernel loads the
+  row bytes and dequantises in registers: nope ``= float(e4m3 byte) * 2**(scale byte - 127)``
+  (the power of two built from the scale byte's bits), rope ``=`` the bfloat16 bits shifted
+  into an fp32, both exact, then converted to q's dtype (exact too, barring underflow) -- the
+  values the reference dequantises to -- before the same ``tl.dot`` as a plain tile.  Row
+  pointers are built as ``base + row * (stride / 8) * 8`` so that the compiler sees 8-byte
+  aligned rows (the host re-lays a pool whose rows are not) and loads the nope bytes and the
+  rope values in wide (pipelined) copies; a row's scale bytes are one 8-byte word when they
+  fit one (V4: 7 bytes at 576), spread over the channels with shifts.
+
+A block of keys that spans sources of both formats (``kv_cache_dtype="fp8"`` packs the
+window ring, this step's rows and the compressed entries alike, but tests mix a plain
+window with a packed pool) loads the plain rows and the packed rows under complementary
+masks and selects per key; a call whose pools share one format loads once.  The packed
+pools of one call share one row layout (``dim``, ``rope_dim``: constexprs of the kernel).
+With fp32 queries and packed pools the tiles take 16 keys and one pipeline stage
+(:func:`default_config`: shared memory).
 
 Loops whose trip count is a tensor value are written twice: a ``for`` (compiled: the
 software pipeliner needs it) and a ``while`` for Triton's CPU interpreter, whose ``range``
@@ -50,14 +69,16 @@ import triton
 import triton.language as tl
 
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import Fp8KVPool, Fp8RowLayout, KVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2
 
 KV_PLAIN = 0
-"""Key rows stored in the pool's floating dtype (fp32, bf16 or fp16)."""
+"""Key rows stored in the pool's floating dtype (fp32, bf16 or fp16): a ``[N, D]`` tensor."""
 KV_FP8_V4 = 1
-"""Reserved: FlashMLA's V4 FP8 row layout (448 e4m3 + per-64 UE8M0 scales + 64 bf16 rope)."""
+"""Packed FP8 rows, FlashMLA's V4 layout (:class:`~deepinfer_core.ops.kv_format.Fp8KVPool`:
+e4m3 nope values with a UE8M0 scale per 64, then bf16 rope values)."""
 
 SRC_NONE, SRC_ROWS, SRC_PAGED = 0, 1, 2
 MAX_SOURCES = 4
@@ -88,8 +109,9 @@ class AttentionConfig:
     num_stages: int
 
 
-def default_config(h: int, d: int, dtype: torch.dtype) -> AttentionConfig:
-    """The tiles for ``H`` heads of width ``D``: a function of static shapes only."""
+def default_config(h: int, d: int, dtype: torch.dtype, packed: bool = False) -> AttentionConfig:
+    """The tiles for ``H`` heads of width ``D`` (``packed``: some pool is an ``Fp8KVPool``): a
+    function of static shapes only."""
     block_d = max(16, pow2(d))
     if INTERPRETED:
         return AttentionConfig(block_h=max(16, min(pow2(h), 64)), block_n=16, num_warps=4, num_stages=1)
@@ -97,6 +119,10 @@ def default_config(h: int, d: int, dtype: torch.dtype) -> AttentionConfig:
     wide = block_d * (4 if dtype == torch.float32 else 2)  # bytes of one key row
     block_n = 32 if wide >= 1024 else 64
     warps = 8 if block_h * block_d >= 64 * 256 else 4
+    if packed and dtype == torch.float32 and wide >= 1024:
+        # fp32 tiles dequantised from packed rows: at D=512 the 32-key tiles (and a second
+        # pipeline stage) need more than the 227 KiB of shared memory of an SM90 / SM100 block
+        return AttentionConfig(block_h=block_h, block_n=16, num_warps=warps, num_stages=1)
     return AttentionConfig(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=2)
 
 
@@ -198,7 +224,10 @@ def _prologue_kernel(
 @triton.jit
 def _source_ptrs(
     KIND: tl.constexpr,
-    ptrs,
+    FMT: tl.constexpr,
+    pptrs,
+    fptrs,
+    fsel,
     p,
     off,
     n,
@@ -213,27 +242,82 @@ def _source_ptrs(
     trow,
     epp,
 ):
-    """Row pointers of the compact positions ``p`` that fall in this source (others kept)."""
-    if KIND == 1:
+    """Row pointers of the compact positions ``p`` that fall in this source (others kept):
+    into ``pptrs`` for a plain pool (``ps``: its row stride), into ``fptrs`` (and marked in
+    ``fsel``) for a packed one (``ps``: its row stride in 8-byte words)."""
+    if KIND != 0:
         inside = (p >= off) & (p < off + n)
-        r = tl.load(crow_ptr + ce + (p - off), mask=inside, other=0)
-        ptrs = tl.where(inside, pool + r.to(tl.int64) * ps, ptrs)
-    elif KIND == 2:
-        inside = (p >= off) & (p < off + n)
-        e = (p - off).to(tl.int64)
-        e = tl.where(inside, e, 0)
-        col = tl.minimum(e // epp, npages - 1)
-        page = tl.load(bt + trow * bt0 + col * bt1, mask=inside, other=0)
-        r = page.to(tl.int64) * epp + e % epp
-        ptrs = tl.where(inside, pool + r * ps, ptrs)
-    return ptrs
+        if KIND == 1:
+            r = tl.load(crow_ptr + ce + (p - off), mask=inside, other=0).to(tl.int64)
+        else:  # paged
+            e = (p - off).to(tl.int64)
+            e = tl.where(inside, e, 0)
+            col = tl.minimum(e // epp, npages - 1)
+            page = tl.load(bt + trow * bt0 + col * bt1, mask=inside, other=0)
+            r = page.to(tl.int64) * epp + e % epp
+        if FMT == 0:
+            pptrs = tl.where(inside, pool + r * ps, pptrs)
+        else:  # ps in 8-byte units: the compiler sees 8-byte aligned rows (wide loads)
+            fptrs = tl.where(inside, pool + (r * ps) * 8, fptrs)
+            fsel = fsel | inside
+    return pptrs, fptrs, fsel
 
 
 @triton.jit
-def _load_kv(ptrs, d, ok, dmask, KV_FORMAT: tl.constexpr):
-    """A ``[BLOCK_N, BLOCK_D]`` tile of key(=value) rows (zeros where not ``ok``)."""
-    tl.static_assert(KV_FORMAT == 0, "only KV_PLAIN pools are implemented")
-    return tl.load(ptrs[:, None] + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+def _load_fp8_rows(rows, d, ok, dmask, NOPE: tl.constexpr, ROPE_OFF: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D]`` fp32 tile dequantised from packed rows (byte pointers ``rows``,
+    8-byte aligned; zeros where not ``ok``): channel ``c < NOPE`` is ``e4m3(byte c) *
+    2**(byte[SCALE_OFF + c // 64] - 127)``, channel ``c >= NOPE`` the bfloat16 at byte
+    ``ROPE_OFF + 2 (c - NOPE)``.  The nope bytes and the rope values are contiguous runs (wide
+    loads); a row's scale bytes, when they fit one aligned 8-byte word (V4: 7 at byte 576), are
+    one load per row, spread over the channels with shifts."""
+    is_nope = d < NOPE
+    nmask = ok[:, None] & is_nope[None, :]
+    q8 = tl.load(rows[:, None] + d[None, :], mask=nmask, other=0)
+    group = d // 64
+    if SCALE_OFF % 8 == 0 and NOPE > 0 and NOPE <= 512:  # (NOPE = 0: no scale byte in the row)
+        word = tl.load((rows + SCALE_OFF).to(tl.pointer_type(tl.uint64)), mask=ok, other=0)
+        shift = (8 * tl.minimum(group, 7)).to(tl.uint64)
+        sb = (word[:, None] >> shift[None, :]) & 0xFF
+    else:
+        sb = tl.load(rows[:, None] + (SCALE_OFF + group)[None, :], mask=nmask, other=0)
+    scale = (sb.to(tl.uint32) << 23).to(tl.float32, bitcast=True)  # 2**(byte - 127), exactly
+    nope = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
+    rmask = ok[:, None] & (dmask & ~is_nope)[None, :]
+    rope_ptrs = (rows + ROPE_OFF).to(tl.pointer_type(tl.uint16))  # ROPE_OFF is even
+    bits = tl.load(rope_ptrs[:, None] + (d - NOPE)[None, :], mask=rmask, other=0)
+    rope = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)  # bf16 -> fp32, exactly
+    return tl.where(is_nope[None, :], nope, rope)
+
+
+@triton.jit
+def _load_kv(
+    pptrs,
+    fptrs,
+    fsel,
+    d,
+    ok,
+    dmask,
+    ANY_PLAIN: tl.constexpr,
+    ANY_FP8: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+):
+    """A ``[BLOCK_N, BLOCK_D]`` tile of key(=value) rows in q's dtype (``pptrs``' element type;
+    zeros where not ``ok``): plain rows as they are, packed rows (``fsel``) dequantised."""
+    if ANY_FP8:
+        fok = (ok & fsel) if ANY_PLAIN else ok
+        x = _load_fp8_rows(fptrs, d, fok, dmask, NOPE, ROPE_OFF, SCALE_OFF)
+        x = cast_to(x, pptrs.dtype.element_ty)
+    if ANY_PLAIN:
+        pok = (ok & ~fsel) if ANY_FP8 else ok
+        kv = tl.load(pptrs[:, None] + d[None, :], mask=pok[:, None] & dmask[None, :], other=0.0)
+        if ANY_FP8:
+            kv = tl.where(fsel[:, None], x, kv)
+    else:
+        kv = x
+    return kv
 
 
 @triton.jit
@@ -302,24 +386,43 @@ def _block(
     epp3,
     d,
     dmask,
+    pbase,
+    fbase,
     KIND0: tl.constexpr,
     KIND1: tl.constexpr,
     KIND2: tl.constexpr,
     KIND3: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
+    FMT0: tl.constexpr,
+    FMT1: tl.constexpr,
+    FMT2: tl.constexpr,
+    FMT3: tl.constexpr,
+    ANY_PLAIN: tl.constexpr,
+    ANY_FP8: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """One block of ``BLOCK_N`` compact positions ``p0 ..`` (``< hi``) into ``(m, l, acc)``."""
     p = p0 + tl.arange(0, BLOCK_N)
-    ptrs = pool0 + tl.zeros([BLOCK_N], tl.int64)
-    ptrs = _source_ptrs(KIND0, ptrs, p, o0, n0, ce0, crow_ptr, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0)
-    ptrs = _source_ptrs(KIND1, ptrs, p, o1, n1, ce1, crow_ptr, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1)
-    ptrs = _source_ptrs(KIND2, ptrs, p, o2, n2, ce2, crow_ptr, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2)
-    ptrs = _source_ptrs(KIND3, ptrs, p, o3, n3, ce3, crow_ptr, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3)
+    zero = tl.zeros([BLOCK_N], tl.int64)
+    pp, fp, fs = pbase + zero, fbase + zero, p < 0  # plain rows, packed rows, "packed" flags
+    pp, fp, fs = _source_ptrs(
+        KIND0, FMT0, pp, fp, fs, p, o0, n0, ce0, crow_ptr, pool0, ps0, bt_0, bta0, btb0, np0, tr0, epp0
+    )
+    pp, fp, fs = _source_ptrs(
+        KIND1, FMT1, pp, fp, fs, p, o1, n1, ce1, crow_ptr, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1
+    )
+    pp, fp, fs = _source_ptrs(
+        KIND2, FMT2, pp, fp, fs, p, o2, n2, ce2, crow_ptr, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2
+    )
+    pp, fp, fs = _source_ptrs(
+        KIND3, FMT3, pp, fp, fs, p, o3, n3, ce3, crow_ptr, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3
+    )
     ok = p < hi
-    kv = _load_kv(ptrs, d, ok, dmask, KV_FORMAT)
+    kv = _load_kv(pp, fp, fs, d, ok, dmask, ANY_PLAIN, ANY_FP8, NOPE, ROPE_OFF, SCALE_OFF)
     if DOT_FP32:
         kv = kv.to(tl.float32)
     s = _dot(q, tl.trans(kv), IEEE) * qk_scale  # [BLOCK_H, BLOCK_N] logits, log2 units
@@ -400,11 +503,21 @@ def _attn_kernel(
     tr_3,
     trs3,
     epp3,
+    pbase,
+    fbase,
     KIND0: tl.constexpr,
     KIND1: tl.constexpr,
     KIND2: tl.constexpr,
     KIND3: tl.constexpr,
-    KV_FORMAT: tl.constexpr,
+    FMT0: tl.constexpr,
+    FMT1: tl.constexpr,
+    FMT2: tl.constexpr,
+    FMT3: tl.constexpr,
+    ANY_PLAIN: tl.constexpr,
+    ANY_FP8: tl.constexpr,
+    NOPE: tl.constexpr,
+    ROPE_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
     SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -462,7 +575,8 @@ def _attn_kernel(
                         o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
                         o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
                         o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
-                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                        d, dmask, pbase, fbase, KIND0, KIND1, KIND2, KIND3, FMT0, FMT1, FMT2, FMT3,
+                        ANY_PLAIN, ANY_FP8, NOPE, ROPE_OFF, SCALE_OFF, BLOCK_N, DOT_FP32, IEEE,
                     )  # fmt: skip
                     p0 += BLOCK_N
             else:
@@ -473,7 +587,8 @@ def _attn_kernel(
                         o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
                         o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
                         o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
-                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                        d, dmask, pbase, fbase, KIND0, KIND1, KIND2, KIND3, FMT0, FMT1, FMT2, FMT3,
+                        ANY_PLAIN, ANY_FP8, NOPE, ROPE_OFF, SCALE_OFF, BLOCK_N, DOT_FP32, IEEE,
                     )  # fmt: skip
             pidx = (t * NSPLIT + c) * H + heads
             tl.store(part_m_ptr + pidx, m, mask=hmask)
@@ -499,7 +614,8 @@ def _attn_kernel(
                         o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
                         o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
                         o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
-                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                        d, dmask, pbase, fbase, KIND0, KIND1, KIND2, KIND3, FMT0, FMT1, FMT2, FMT3,
+                        ANY_PLAIN, ANY_FP8, NOPE, ROPE_OFF, SCALE_OFF, BLOCK_N, DOT_FP32, IEEE,
                     )  # fmt: skip
                     p0 += BLOCK_N
                 m, l, acc = _merge(m, l, acc, mi, li, acci)
@@ -518,7 +634,8 @@ def _attn_kernel(
                         o1, n1, ce1, pool1, ps1, bt_1, bta1, btb1, np1, tr1, epp1,
                         o2, n2, ce2, pool2, ps2, bt_2, bta2, btb2, np2, tr2, epp2,
                         o3, n3, ce3, pool3, ps3, bt_3, bta3, btb3, np3, tr3, epp3,
-                        d, dmask, KIND0, KIND1, KIND2, KIND3, KV_FORMAT, BLOCK_N, DOT_FP32, IEEE,
+                        d, dmask, pbase, fbase, KIND0, KIND1, KIND2, KIND3, FMT0, FMT1, FMT2, FMT3,
+                        ANY_PLAIN, ANY_FP8, NOPE, ROPE_OFF, SCALE_OFF, BLOCK_N, DOT_FP32, IEEE,
                     )  # fmt: skip
                 m, l, acc = _merge(m, l, acc, mi, li, acci)
         out = tl.math.div_rn(acc, l[:, None])
@@ -626,13 +743,46 @@ def plan_launch(t: int, h: int, max_keys: int, cfg: AttentionConfig, device: tor
     return Plan(split=True, chunk=chunk, nsplit=cdiv(max_keys, chunk))
 
 
-def _kv_format(pool: torch.Tensor) -> int:
-    return KV_PLAIN
+@dataclass(frozen=True)
+class _Pools:
+    """The pools of a call as the kernel takes them: per source the tensor it reads (a packed
+    pool's ``data``) and its format; the base pointers of the two row-pointer vectors; the
+    packed rows' layout (constexprs)."""
+
+    tensors: list[torch.Tensor]
+    formats: list[int]
+    plain_base: torch.Tensor
+    fp8_base: torch.Tensor
+    layout: Fp8RowLayout | None
+
+
+def _pools(q: torch.Tensor, kv_pools: Sequence[KVPool], placeholder: torch.Tensor) -> _Pools:
+    tensors, formats, layout = [], [], None
+    for i, pool in enumerate(kv_pools):
+        if isinstance(pool, Fp8KVPool):
+            if layout is None:
+                layout = pool.layout
+            elif (pool.dim, pool.rope_dim) != (layout.dim, layout.rope_dim):
+                raise ValueError(
+                    f"kv_pools[{i}] packs dim={pool.dim}, rope_dim={pool.rope_dim}; an earlier packed pool "
+                    f"dim={layout.dim}, rope_dim={layout.rope_dim} (one row layout per call)"
+                )
+            data = pool.data
+            if data.stride(1) != 1 or data.stride(0) % 8 or data.data_ptr() % 8:  # not a cache's layout
+                data = data.clone(memory_format=torch.contiguous_format)  # 8-byte aligned rows
+            tensors.append(data)
+            formats.append(KV_FP8_V4)
+        else:
+            tensors.append(pool if pool.stride(1) == 1 else pool.contiguous())
+            formats.append(KV_PLAIN)
+    plain = [x for x, f in zip(tensors, formats, strict=True) if f == KV_PLAIN]
+    packed = [x for x, f in zip(tensors, formats, strict=True) if f == KV_FP8_V4]
+    return _Pools(tensors, formats, plain[0] if plain else q, packed[0] if packed else placeholder, layout)
 
 
 def sparse_attention_impl(
     q: torch.Tensor,
-    kv_pools: Sequence[torch.Tensor],
+    kv_pools: Sequence[KVPool],
     indices: Sequence[torch.Tensor | PagedIndex],
     sinks: torch.Tensor,
     scale: float,
@@ -648,31 +798,36 @@ def sparse_attention_impl(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    cfg = config or default_config(h, d, q.dtype)
-    kinds, idx_args, src_args = [], [], []
-    ke, max_keys = 0, 0
     placeholder = torch.zeros(1, dtype=torch.int64, device=q.device)
-    for pool, index in zip(kv_pools, indices, strict=True):
-        if pool.stride(1) != 1:
-            pool = pool.contiguous()
+    pools = _pools(q, kv_pools, placeholder)
+    cfg = config or default_config(h, d, q.dtype, packed=pools.layout is not None)
+    kinds, fmts, idx_args, src_args = [], [], [], []
+    ke, max_keys = 0, 0
+    for pool, fmt, index in zip(pools.tensors, pools.formats, indices, strict=True):
+        fmts.append(fmt)
+        ps = pool.stride(0) // 8 if fmt == KV_FP8_V4 else pool.stride(0)  # packed: 8-byte words
         if isinstance(index, PagedIndex):
             bt = index.block_table
             kinds.append(SRC_PAGED)
             idx_args += [index.counts, index.counts.stride(0), 0, int(index.max_count)]
-            src_args += [pool, pool.stride(0), bt, bt.stride(0), bt.stride(1), max(bt.shape[1], 1)]
+            src_args += [pool, ps, bt, bt.stride(0), bt.stride(1), max(bt.shape[1], 1)]
             src_args += [index.token_rows, index.token_rows.stride(0), int(index.entries_per_page)]
             max_keys += int(index.max_count)
         else:
             k = index.shape[1]
             kinds.append(SRC_ROWS if k > 0 else SRC_NONE)
             idx_args += [index, index.stride(0), index.stride(1), k]
-            src_args += [pool, pool.stride(0), placeholder, 0, 0, 1, placeholder, 0, 1]
+            src_args += [pool, ps, placeholder, 0, 0, 1, placeholder, 0, 1]
             ke += k
             max_keys += k
     while len(kinds) < MAX_SOURCES:
         kinds.append(SRC_NONE)
+        fmts.append(KV_PLAIN)
         idx_args += [placeholder, 0, 0, 0]
         src_args += [src_args[0], 0, placeholder, 0, 0, 1, placeholder, 0, 1]
+    used = {f for f, k in zip(fmts, kinds, strict=True) if k != SRC_NONE}
+    any_fp8 = KV_FP8_V4 in used
+    lay = pools.layout
 
     nvalid = torch.empty((t, 4), dtype=torch.int32, device=q.device)
     compact = torch.empty((t, max(ke, 1)), dtype=torch.int32, device=q.device)
@@ -700,7 +855,15 @@ def sparse_attention_impl(
         KIND1=kinds[1],
         KIND2=kinds[2],
         KIND3=kinds[3],
-        KV_FORMAT=_kv_format(kv_pools[0]),
+        FMT0=fmts[0],
+        FMT1=fmts[1],
+        FMT2=fmts[2],
+        FMT3=fmts[3],
+        ANY_PLAIN=KV_PLAIN in used or not any_fp8,  # no key at all: a (never run) plain load
+        ANY_FP8=any_fp8,
+        NOPE=lay.nope if lay else 0,
+        ROPE_OFF=lay.rope_offset if lay else 0,
+        SCALE_OFF=lay.scale_offset if lay else 0,
         BLOCK_H=cfg.block_h,
         BLOCK_N=cfg.block_n,
         BLOCK_D=block_d,
@@ -738,6 +901,8 @@ def sparse_attention_impl(
         pl.nsplit,
         qk_scale,
         *src_args,
+        pools.plain_base,
+        pools.fp8_base,
         SPLIT=pl.split,
         **common,
     )
@@ -765,7 +930,7 @@ def sparse_attention_impl(
 
 def sparse_attention(
     q: torch.Tensor,
-    kv_pools: Sequence[torch.Tensor],
+    kv_pools: Sequence[KVPool],
     indices: Sequence[torch.Tensor | PagedIndex],
     sinks: torch.Tensor,
     scale: float,
@@ -773,8 +938,10 @@ def sparse_attention(
     """Triton ``sparse_attention``: the reference's signature, shapes and semantics.
 
     ``q`` ``[T, H, D]`` (fp32 / bf16 / fp16, any row and head strides), up to
-    :data:`MAX_SOURCES` pools ``[N_i, D]`` of q's dtype with ``[T, K_i]`` row lists or
-    :class:`PagedIndex` entries, ``sinks`` ``[H]``.  Returns a contiguous ``[T, H, D]``.
+    :data:`MAX_SOURCES` pools -- ``[N_i, D]`` tensors of q's dtype or packed
+    :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` pools of ``D`` values per row (all of
+    one ``rope_dim``), in any mix -- with ``[T, K_i]`` row lists or :class:`PagedIndex` entries,
+    ``sinks`` ``[H]``.  Returns a contiguous ``[T, H, D]``.
     """
     return sparse_attention_impl(q, kv_pools, indices, sinks, scale)
 
