@@ -17,6 +17,7 @@ from deepinfer_core.models.cache_spec import PagedSpec, RingSpec, spec_bytes
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.ops.kv_format import Fp8KVPool, dequantize_fp8_rows, fp8_row_bytes, quantize_fp8_rows
+from deepinfer_core.testing import backend_unavailable_reason
 from tests.engine.test_preemption_property import _run
 from tests.ops.sync_check import record_host_syncs
 
@@ -189,3 +190,30 @@ def test_preempted_requests_resume_through_replay_and_match():
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
     kv = small.runner.kv_cache
     assert kv.num_free_pages == kv.num_pages and kv.num_free_slots == kv.num_slots
+
+
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+def test_cuda_sm100_reads_the_fp8_cache_in_its_kernel_and_gives_the_references_tokens(caplog):
+    """On the GPU, ``cuda_sm100`` with ``kv_cache_dtype="fp8"`` runs its attention kernel on the
+    packed pools (no fallback logged for ``sparse_attention``), CUDA graphs on, and gives the
+    greedy tokens of the reference on the CPU with the same cache format (fp32 tiny model)."""
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=2, ignore_eos=True)
+    prompts = _prompts(3, (5, 40, 90, 17))
+    with caplog.at_level("INFO", logger="deepinfer"):
+        gpu = LLM(backend="cuda_sm100", device="cuda", dtype="float32", max_num_seqs=8, kv_cache_dtype="fp8")
+        got = [o.outputs[0] for o in gpu.generate(prompts, params, use_tqdm=False)]
+    assert gpu.engine.runner.graphs, "CUDA graphs were not captured"
+    assert not [
+        r for r in caplog.records if "sparse_attention" in r.getMessage() and "rejects" in r.getMessage()
+    ]
+    want = [
+        o.outputs[0]
+        for o in _llm(dtype="float32", kv_cache_dtype="fp8").generate(prompts, params, use_tqdm=False)
+    ]
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for token, g_top, w_top in zip(w.token_ids, g.logprobs, w.logprobs, strict=True):
+            assert abs(g_top[token] - w_top[token]) < 2e-2
