@@ -376,6 +376,8 @@ class Bench:
             max_num_batched_tokens=chunk,
             max_model_len=self.max_model_len,
             enforce_eager=a.enforce_eager,
+            keep_quantized=a.keep_quantized,
+            kv_cache_dtype=a.kv_cache_dtype,
             seed=a.seed,
         )
         self.sync()
@@ -386,6 +388,9 @@ class Bench:
             "backend": getattr(getattr(llm.engine, "backend", None), "name", None),
             "build_s": time.perf_counter() - t0,
             "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
+            "keep_quantized": llm.config.keep_quantized,
+            "kv_cache_dtype": llm.config.kv_cache_dtype,
+            "weight_gib": llm.engine.runner.model.weight_bytes() / 2**30,
             "graph_buckets": sorted(getattr(llm.engine.runner, "graphs", {}) or []),
         }
         if self.device.type == "cuda":
@@ -754,6 +759,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", help="torch device (default cuda when available, else cpu; --smoke: cpu)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 (--smoke: float32)")
     ap.add_argument("--enforce-eager", action="store_true", help="LLM(enforce_eager=True): no device graphs")
+    ap.add_argument(
+        "--keep-quantized",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="LLM(keep_quantized=None|True|False): FP8/FP4 weights kept quantised for the kernels",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="LLM(kv_cache_dtype=...)"
+    )
     ap.add_argument("--layers", type=int, default=4, help="decoder layers [sliding, CSA, HCA, CSA, ...]")
     ap.add_argument("--experts", type=int, help="routed experts (default 64; --smoke 8)")
     ap.add_argument("--batch-sizes", type=_ints, help="decode batch sizes (default 1,16,64,256)")
@@ -813,6 +827,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.gen_device = args.gen_device or args.device
+    args.keep_quantized = {"auto": None, "on": True, "off": False}[args.keep_quantized]
     if args.out is None:
         args.out = DEFAULT_OUT.with_name("gpu_e2e_smoke.json") if args.smoke else DEFAULT_OUT
     if args.pareto_png is None:
