@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops import OpImpl
+from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 
 FUSED_OPS = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head")
 """The norm, rope and mHC ops (:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, mhc)."""
@@ -37,7 +38,7 @@ INVARIANT_OPS = ("tile_matmul",)
 """The GEMM of batch-invariant mode (:mod:`deepinfer_cuda_sm100.kernels.tile_gemm`): with it the
 reference's GEMM-bearing ops that this backend leaves to fall back are batch invariant on the GPU."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -341,4 +342,6 @@ def load_ops() -> dict[str, OpImpl]:
         name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
         for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
     }
-    return {**impls, **attention_ops()}
+    from deepinfer_cuda_sm100.moe_ops import moe_ops
+
+    return {**impls, **attention_ops(), **moe_ops()}

@@ -138,7 +138,11 @@ def w8a8_problems(device: str) -> list[str]:
         exact = x.float() @ w.dequantize(torch.float32).T
         tight = (got - emulated).abs().max().item()
         scale = exact.abs().max().item()
-        if tight > 1e-4 * scale:  # only the fp32 summation order differs from the emulation
+        # the CPU interpreter: only the fp32 summation order differs from the emulation.  On
+        # Hopper an FP8 wgmma (the 64-row prefill tile) accumulates its 128-long K-block with
+        # ~14 mantissa bits before the fp32 promotion (DeepGEMM's note): measured 1.2e-3 x scale
+        rel = 1e-4 if device == "cpu" else 4e-3
+        if tight > rel * scale:
             problems.append(f"M={m} K={k} N={n}: {tight:.3g} from the emulated W8A8 product")
         # e4m3 rounds each activation by <= 2**-4 relative; |err| <= 2**-4 * sum_k |x_k w_k|
         bound = 2.0**-4 * (x.float().abs() @ w.dequantize(torch.float32).abs().T) + 1e-5

@@ -1,0 +1,583 @@
+"""``moe_experts``: routed experts as grouped GEMMs over expert-sorted (token, slot) pairs.
+
+Contract: ``deepinfer_core.ops.moe.moe_experts``: ``sum_j w[t,j] * down_e(silu(min(g,L)) *
+clamp(u,-L,L))`` with ``[g | u] = gate_up_e @ x[t]``.  The expert stacks are plain tensors in
+``x``'s dtype or FP4 e2m1 :class:`~deepinfer_core.weights.quant.QuantizedTensor` values (packed
+``[E, out, in/2]``, low nibble = even input; one float32 or ue8m0 scale per ``group`` inputs),
+dequantised in the kernels: each packed byte is split into its two codes, each code becomes
+its e2m1 value (exactly, through an fp16 bit pattern) times its group's scale, rounded to
+``x``'s dtype, which is bitwise :meth:`QuantizedTensor.dequantize` ``(x.dtype)``.
+
+Four launches, no host synchronisation (CUDA-graph capturable; shapes decide the grids only):
+
+1. :func:`_layout_kernel` (one program per expert) sorts the ``P = T * k`` pairs by expert
+   into a buffer of ``n_tiles`` tiles of ``BLOCK_M`` rows: each expert's pairs (in pair order
+   ``t * k + j``) fill whole tiles of their own, padded with ``-1``; ``tile_expert`` names the
+   expert of each tile (``E`` for the tiles past the used ones).  ``n_tiles`` is the bound
+   ``(P + (BLOCK_M - 1) * min(E, P)) // BLOCK_M`` on ``sum_e ceil(count_e / BLOCK_M)``.  This
+   is the layout expert parallelism can dispatch into later.
+2. :func:`_gate_up_kernel`, a program per (tile, block of the intermediate dim): the tile's
+   token rows times the expert's gate and up rows, fp32 accumulation, then the clamped SwiGLU;
+   the activations ``h`` (``x``'s dtype) are stored per sorted row.  An expert's weight tile
+   is read once per tile of its rows (once per call at decode, where every expert gets one
+   tile).
+3. :func:`_down_kernel`, a program per (tile, block of the model dim): ``h`` times the expert's
+   down rows, times the routing weight; each pair's contribution (``x``'s dtype) is stored at
+   its pair index.
+4. :func:`_combine_kernel`, a program per (token, block of the model dim): the token's ``k``
+   contributions added in fp32 in ascending expert order (a duplicated expert in slot
+   order), stored in ``x``'s dtype.
+
+Rounding points follow the reference, so that on the same dequantised weights the kernels
+agree with it to the last bit wherever the fp32 accumulation order does: gate / up,
+``silu(min(g, L))``, ``h`` and the down output are each rounded to ``x``'s dtype; in the
+default mode the routing weight is rounded to ``x``'s dtype before it scales the output
+(the reference's dense and grouped paths), in the batch-invariant mode it scales in fp32 and
+the running sum is rounded to ``x``'s dtype before each new expert (the reference's tiled
+path: one rounding per expert, a duplicated expert's contributions summed in fp32 first).
+
+Batch invariance: a pair's row is computed alone within its tile (no row mixes with another
+in a ``tl.dot``), with a K order and tile shapes that do not depend on the call, so a token's
+result does not depend on the other tokens of the call as long as ``BLOCK_M`` stays the same:
+:func:`tile_rows` keeps it fixed in the batch-invariant mode (default mode: wider tiles when
+many pairs share each expert, i.e. prefill).
+
+Expert ids outside ``[0, E)`` get no row and contribute nothing (the reference raises).
+
+Cost (offline compile for sm_90, decode tiles: 16 rows, 4 warps, 3 stages): ~100 registers, no
+spills, ``cp.async`` pipelining; the FP4 main loop issues ~11 instructions per weight element
+(nibble split, fp16 bit pattern, conversion, scale, bf16 packing), so on an H200 the FP4
+kernels are expected to be issue-bound near ~1.4 TB/s of packed weights rather than at HBM
+bandwidth (a PRMT lookup-table conversion in inline PTX, or sm_100's native e2m1 conversion,
+would lift that).
+
+Under Triton's CPU interpreter ``tl.dot`` on bf16 / fp16 operands is unreliable, so operands
+are converted to fp32 (exactly: they are rounded to ``x``'s dtype first) and bf16 stores are
+rounded on the bits (:func:`~._common.cast_to`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
+
+DECODE_BLOCK_M = 16
+"""Rows per tile at decode and in the batch-invariant mode (the smallest ``tl.dot`` M)."""
+MAX_BLOCK_M = 64
+"""Rows per tile when many pairs share each expert (default mode only)."""
+FP4_BLOCK_K = 128
+"""Inputs per K step for FP4 weights (64 packed bytes per weight row)."""
+DENSE_BLOCK_K = 64
+"""Inputs per K step for plain weights."""
+BLOCK_N = 64
+"""Output columns (of the intermediate dim, or of the model dim) per program."""
+COMBINE_BLOCK_D = 1024
+"""Model-dim columns per combine program."""
+MAX_TOP_K = 16
+"""Most experts per token the combine kernel takes (its slots sit in one register tile)."""
+
+_FP32_DOT = tl.constexpr(INTERPRETED)
+_LAYOUT_BLOCK_P = 1024  # pairs per step of the layout kernel's scans
+
+
+def tile_rows(pairs: int, experts: int, batch_invariant: bool) -> int:
+    """``BLOCK_M`` for ``pairs`` (token, slot) pairs over ``experts`` experts (shapes only).
+
+    Fixed at :data:`DECODE_BLOCK_M` in the batch-invariant mode; otherwise wider tiles once
+    the average expert has more rows than that, so fewer tiles re-read the same expert.
+    """
+    if batch_invariant:
+        return DECODE_BLOCK_M
+    per_expert = pairs / max(experts, 1)
+    bm = DECODE_BLOCK_M
+    while bm < MAX_BLOCK_M and per_expert >= 2 * bm:
+        bm *= 2
+    return bm
+
+
+def tile_count(pairs: int, experts: int, block_m: int) -> int:
+    """Tiles of the sorted layout: a bound on ``sum_e ceil(count_e / block_m)`` from shapes."""
+    return (pairs + (block_m - 1) * min(experts, pairs)) // block_m
+
+
+# ---------------------------------------------------------------------------------------------
+# device helpers
+
+
+@triton.jit
+def _e2m1_scaled(codes):
+    """``2**-14`` times the values of 4-bit e2m1 codes (``s e e m``, 0..15), in fp32, exact: the
+    code's bits placed in an fp16 (sign -> bit 15, ``e e m`` -> bits 11..9) read as a number
+    (``e e = 0``: a subnormal).  Callers fold the ``2**14`` into the group scale."""
+    c = codes.to(tl.uint16)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1(codes):
+    """fp32 values of 4-bit e2m1 codes (``s e e m``, 0..15), exact."""
+    return _e2m1_scaled(codes) * 16384.0
+
+
+@triton.jit
+def _operand(v, dtype: tl.constexpr, FP32_DOT: tl.constexpr):
+    """fp32 ``v`` as a ``tl.dot`` operand in ``dtype`` (interpreter: rounded, kept fp32)."""
+    if FP32_DOT:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        out = round_through(v, dtype)
+    else:
+        out = v.to(dtype)
+    return out
+
+
+@triton.jit
+def _dot(a, b, acc, dtype: tl.constexpr, FP32_DOT: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation (IEEE fp32 products for fp32 operands).
+
+    Interpreter: an explicit fp32 product-sum, because its ``tl.dot`` (numpy's matmul) gives
+    a row's bits that depend on the row's position in the tile (which the sorted layout changes
+    with the batch); on the GPU a row's MMA result does not depend on its position.
+    """
+    if FP32_DOT:
+        prod = a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :]
+        out = acc + tl.sum(prod, axis=1)
+    elif dtype == tl.float32:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _fp4_operands(
+    w_ptr,
+    w_rows,
+    n_ok,
+    s_ptr,
+    s_rows,
+    k0,
+    K: tl.constexpr,
+    dtype: tl.constexpr,
+    UE8M0: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """The dequantised weights of inputs ``k0 .. k0 + BLOCK_K`` of ``BLOCK_N`` FP4 rows, as two
+    ``[BLOCK_K / 2, BLOCK_N]`` dot operands: the even inputs (low nibbles) and the odd ones.
+
+    The packed bytes load as ``[BLOCK_N, groups, bytes per group]`` so that each run of bytes
+    sharing a scale is contiguous; the scales load once per group and broadcast over it.
+    """
+    HALF: tl.constexpr = BLOCK_K // 2
+    RUN: tl.constexpr = HALF_GROUP if HALF_GROUP < HALF else HALF  # bytes of one scale in a step
+    RUNS: tl.constexpr = HALF // RUN
+    run = tl.arange(0, RUNS)
+    first = k0 // 2 + run * RUN  # first byte of each run
+    byte = first[:, None] + tl.arange(0, RUN)[None, :]
+    mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]
+    packed = tl.load(w_ptr + w_rows[:, None, None] + byte[None, :, :], mask=mask, other=0)
+    s_mask = n_ok[:, None] & (first < K // 2)[None, :]
+    s = tl.load(s_ptr + s_rows[:, None] + (first // HALF_GROUP)[None, :], mask=s_mask, other=0)
+    if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
+        s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    s = (s * 16384.0)[:, :, None]  # exact; each product below rounds once, as value * scale
+    lo = tl.reshape(_e2m1_scaled(packed & 15) * s, (BLOCK_N, HALF))
+    hi = tl.reshape(_e2m1_scaled(packed >> 4) * s, (BLOCK_N, HALF))
+    return tl.trans(_operand(lo, dtype, FP32_DOT)), tl.trans(_operand(hi, dtype, FP32_DOT))
+
+
+@triton.jit
+def _rows_times_expert(
+    a_ptr,
+    a_rows,
+    a_ok,
+    K: tl.constexpr,
+    w_ptr,
+    w_rows0,
+    w_rows1,
+    s_ptr,
+    s_rows0,
+    s_rows1,
+    n_ok0,
+    n_ok1,
+    dtype: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Two fp32 ``[BLOCK_M, BLOCK_N]`` products: rows ``a_ptr + a_rows`` (``[BLOCK_M]`` offsets,
+    masked by ``a_ok``) times the weight rows ``w_ptr + w_rows0`` and ``w_ptr + w_rows1``
+    (``[BLOCK_N]`` offsets each, masked by ``n_ok0`` / ``n_ok1``) over ``K`` inputs, in K steps
+    of ``BLOCK_K`` (one loop: each ``a`` tile is loaded once for both).
+
+    FP4: ``w_rows*`` address packed bytes and ``s_rows*`` the rows' scales; the even inputs
+    (low nibbles) and the odd ones (high nibbles) are two dots against the strided halves of
+    the ``a`` tile.
+    """
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FP4:
+        j = tl.arange(0, BLOCK_K // 2)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + 2 * j  # the even inputs of the step (K is even)
+            a_mask = a_ok[:, None] & (kk < K)[None, :]
+            a_even = tl.load(a_ptr + a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(a_ptr + a_rows[:, None] + (kk + 1)[None, :], mask=a_mask, other=0.0)
+            lo, hi = _fp4_operands(
+                w_ptr, w_rows0, n_ok0, s_ptr, s_rows0, k0, K,
+                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT,
+            )  # fmt: skip
+            acc0 = _dot(a_even, lo, acc0, dtype, FP32_DOT)
+            acc0 = _dot(a_odd, hi, acc0, dtype, FP32_DOT)
+            lo, hi = _fp4_operands(
+                w_ptr, w_rows1, n_ok1, s_ptr, s_rows1, k0, K,
+                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT,
+            )  # fmt: skip
+            acc1 = _dot(a_even, lo, acc1, dtype, FP32_DOT)
+            acc1 = _dot(a_odd, hi, acc1, dtype, FP32_DOT)
+    else:
+        kr = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + kr
+            k_ok = kk < K
+            a = tl.load(a_ptr + a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+            w0 = tl.load(
+                w_ptr + w_rows0[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok0[None, :], other=0.0
+            )
+            w1 = tl.load(
+                w_ptr + w_rows1[None, :] + kk[:, None], mask=k_ok[:, None] & n_ok1[None, :], other=0.0
+            )
+            acc0 = _dot(a, w0, acc0, dtype, FP32_DOT)
+            acc1 = _dot(a, w1, acc1, dtype, FP32_DOT)
+    return acc0, acc1
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+
+
+@triton.jit
+def _layout_kernel(
+    ids_ptr,
+    stride_ids,
+    tile_expert_ptr,
+    slot_pair_ptr,
+    P,
+    TOP_K,
+    E,
+    n_tiles,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Program ``e``: count every expert's pairs (a histogram over all ``P``), place ``e``'s
+    tiles after those of the lower experts, write its pairs' indices (in pair order) into its
+    rows and ``-1`` into its padding rows; the last program marks the unused tiles ``E``."""
+    e = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    lanes = tl.arange(0, BLOCK_P)
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    p0 = 0
+    while p0 < P:  # (while loops: runtime trip counts, which the interpreter's `range` rejects)
+        p = p0 + lanes
+        ok = p < P
+        ex = tl.load(ids_ptr + (p // TOP_K).to(tl.int64) * stride_ids + p % TOP_K, mask=ok, other=-1)
+        ex = tl.where((ex >= 0) & (ex < E), ex, E).to(tl.int32)  # bin E: padding and foreign ids
+        counts += tl.histogram(ex, BINS)
+        p0 += BLOCK_P
+    tiles = tl.where(bins < E, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    first_tile = tl.sum(tl.where(bins < e, tiles, 0))
+    my_tiles = tl.sum(tl.where(bins == e, tiles, 0))
+    my_count = tl.sum(tl.where(bins == e, counts, 0))
+    base = first_tile.to(tl.int64) * BLOCK_M
+    seen = tl.zeros((), dtype=tl.int32)
+    p0 = 0
+    while p0 < P:
+        p = p0 + lanes
+        ok = p < P
+        ex = tl.load(ids_ptr + (p // TOP_K).to(tl.int64) * stride_ids + p % TOP_K, mask=ok, other=-1)
+        match = ok & (ex == e)
+        rank = seen + tl.cumsum(match.to(tl.int32), 0) - 1
+        tl.store(slot_pair_ptr + base + rank, p, mask=match)
+        seen += tl.sum(match.to(tl.int32))
+        p0 += BLOCK_P
+    rows = tl.arange(0, BLOCK_M)
+    pad = my_count + rows  # the rest of e's last tile
+    tl.store(slot_pair_ptr + base + pad, -1, mask=pad < my_tiles * BLOCK_M)
+    i0 = 0
+    while i0 < my_tiles:
+        i = i0 + rows
+        tl.store(tile_expert_ptr + first_tile + i, e, mask=i < my_tiles)
+        i0 += BLOCK_M
+    if e == E - 1:
+        i0 = tl.sum(tiles)  # the used tiles
+        while i0 < n_tiles:
+            i = i0 + lanes
+            tl.store(tile_expert_ptr + i, E, mask=i < n_tiles)
+            i0 += BLOCK_P
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    stride_x,
+    tile_expert_ptr,
+    slot_pair_ptr,
+    w_ptr,
+    stride_we,
+    stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    h_ptr,
+    E,
+    TOP_K,
+    limit,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Tile ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N``: ``h`` rows."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < E:  # tiles past the used ones read nothing
+        dtype = h_ptr.dtype.element_ty
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        e = expert.to(tl.int64)
+        slots = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(slot_pair_ptr + slots)
+        row_ok = pair >= 0
+        a_rows = (tl.maximum(pair, 0) // TOP_K).to(tl.int64) * stride_x
+        n_ok = cols < I
+        w_gate = e * stride_we + cols.to(tl.int64) * stride_wn
+        w_up = w_gate + I * stride_wn
+        s_gate = e * stride_se + cols.to(tl.int64) * stride_sn
+        s_up = s_gate + I * stride_sn
+        g, u = _rows_times_expert(
+            x_ptr, a_rows, row_ok, D, w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
+            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+        )  # fmt: skip
+        g = tl.minimum(round_through(g, dtype), limit)
+        u = tl.minimum(tl.maximum(round_through(u, dtype), -limit), limit)
+        act = round_through(g / (1.0 + tl.exp(-g)), dtype)
+        out = h_ptr + slots[:, None] * I + cols[None, :]
+        tl.store(out, cast_to(act * u, dtype), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    tile_expert_ptr,
+    slot_pair_ptr,
+    w_ptr,
+    stride_we,
+    stride_wn,
+    s_ptr,
+    stride_se,
+    stride_sn,
+    rw_ptr,
+    stride_rw,
+    y_ptr,
+    E,
+    TOP_K,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    BI_ROUNDING: tl.constexpr,
+    FP4: tl.constexpr,
+    UE8M0: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    """Tile ``program_id(0)``, model columns ``program_id(1) * 2 * BLOCK_N`` (two blocks of
+    ``BLOCK_N``): the weighted contributions."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < E:
+        dtype = y_ptr.dtype.element_ty
+        cols = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+        e = expert.to(tl.int64)
+        slots = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(slot_pair_ptr + slots)
+        row_ok = pair >= 0
+        cols1 = cols + BLOCK_N
+        w_rows = e * stride_we + cols.to(tl.int64) * stride_wn
+        s_rows = e * stride_se + cols.to(tl.int64) * stride_sn
+        acc0, acc1 = _rows_times_expert(
+            h_ptr, slots * I, row_ok, I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
+            s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols < D, cols1 < D,
+            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+        )  # fmt: skip
+        p = tl.maximum(pair, 0)
+        rw = tl.load(rw_ptr + (p // TOP_K).to(tl.int64) * stride_rw + p % TOP_K, mask=row_ok, other=0.0)
+        rw = rw.to(tl.float32)
+        if not BI_ROUNDING:  # the reference's default paths scale by the weight in x's dtype
+            rw = round_through(rw, dtype)
+        rw = rw[:, None]
+        out = y_ptr + p.to(tl.int64)[:, None] * D
+        mask = row_ok[:, None] & (cols < D)[None, :]
+        tl.store(out + cols[None, :], cast_to(round_through(acc0, dtype) * rw, dtype), mask=mask)
+        mask = row_ok[:, None] & (cols1 < D)[None, :]
+        tl.store(out + cols1[None, :], cast_to(round_through(acc1, dtype) * rw, dtype), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    ids_ptr,
+    stride_ids,
+    out_ptr,
+    stride_out,
+    D,
+    E,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BI_ROUNDING: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Token ``program_id(0)``: its contributions in ascending (expert, slot) order, in fp32
+    (``BI_ROUNDING``: rounded to the output dtype before each new expert's contributions)."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = cols < D
+    dtype = out_ptr.dtype.element_ty
+    slot = tl.arange(0, K_PAD)
+    ex = tl.load(ids_ptr + t * stride_ids + slot, mask=slot < TOP_K, other=-1).to(tl.int64)
+    done = 1 << 62  # above every real key
+    key = tl.where((slot < TOP_K) & (ex >= 0) & (ex < E), ex * K_PAD + slot, done)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    prev = -1
+    for _ in tl.static_range(TOP_K):
+        m = tl.min(key, axis=0)
+        if BI_ROUNDING:
+            expert = m // K_PAD
+            acc = tl.where((prev >= 0) & (expert != prev) & (m < done), round_through(acc, dtype), acc)
+            prev = expert
+        row = t * TOP_K + m % K_PAD
+        acc += tl.load(y_ptr + row * D + cols, mask=d_ok & (m < done), other=0.0).to(tl.float32)
+        key = tl.where(key == m, done, key)
+    tl.store(out_ptr + t * stride_out + cols, cast_to(acc, dtype), mask=d_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+
+
+def _weight_args(w) -> tuple[torch.Tensor, int, int, torch.Tensor, int, int, bool, bool, int]:
+    """``(data, stride_e, stride_n, scale, stride_se, stride_sn, fp4, ue8m0, half_group)``."""
+    if isinstance(w, torch.Tensor):
+        if w.stride(-1) != 1:
+            w = w.contiguous()
+        return w, w.stride(0), w.stride(1), w, 0, 0, False, False, 1
+    data, scale = w.data, w.scale
+    ue8m0 = scale.dtype != torch.float32
+    if ue8m0:
+        scale = scale.view(torch.uint8)
+    return (
+        data,
+        data.stride(0),
+        data.stride(1),
+        scale,
+        scale.stride(0),
+        scale.stride(1),
+        True,
+        ue8m0,
+        w.block[1] // 2,
+    )
+
+
+def sorted_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tile_expert [n_tiles] int32, slot_pair [n_tiles * block_m] int32)``: the pairs
+    ``t * k + j`` sorted by expert into whole tiles of one expert each (see the module
+    docstring), computed on the device by one launch of :func:`_layout_kernel`."""
+    t, k = ids.shape
+    pairs = t * k
+    n_tiles = tile_count(pairs, num_experts, block_m)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=ids.device)
+    slot_pair = torch.empty(n_tiles * block_m, dtype=torch.int32, device=ids.device)
+    if n_tiles:
+        _layout_kernel[(num_experts,)](
+            ids, ids.stride(0), tile_expert, slot_pair, pairs, k, num_experts, n_tiles,
+            BLOCK_M=block_m, BINS=pow2(num_experts + 1), BLOCK_P=_LAYOUT_BLOCK_P,
+        )  # fmt: skip
+    return tile_expert, slot_pair
+
+
+def moe_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, limit: float
+) -> torch.Tensor:
+    """``moe_experts`` (the core contract) on Triton kernels: FP4 or plain expert stacks.
+
+    ``x`` ``[T, D]``; ``ids`` / ``weights`` ``[T, k]``; ``gate_up`` ``[E, 2I, D]`` and ``down``
+    ``[E, D, I]``, each a tensor in ``x``'s dtype or an FP4 ``QuantizedTensor``.  Returns
+    ``[T, D]`` in ``x``'s dtype.  See the module docstring for the launches and the rounding.
+    """
+    from deepinfer_core.ops.modes import batch_invariant_enabled
+
+    t, d = x.shape
+    top_k = ids.shape[1]
+    num_experts, inter = gate_up.shape[0], down.shape[2]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if t == 0:
+        return out
+    if top_k == 0 or num_experts == 0:
+        return out.zero_()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if ids.stride(1) != 1:
+        ids = ids.contiguous()
+    if weights.stride(1) != 1:
+        weights = weights.contiguous()
+    pairs = t * top_k
+    bi = batch_invariant_enabled()
+    bm = tile_rows(pairs, num_experts, bi)
+    tile_expert, slot_pair = sorted_layout(ids, num_experts, bm)
+    n_tiles = tile_expert.shape[0]
+    warps = 4 if bm <= 32 else 8
+    stages = 1 if INTERPRETED else 3
+
+    gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, gu_fp4, gu_ue8m0, gu_half = _weight_args(gate_up)
+    h = torch.empty(n_tiles * bm, inter, dtype=x.dtype, device=x.device)
+    bn = max(16, min(BLOCK_N, pow2(inter)))
+    bk = max(32, min(FP4_BLOCK_K if gu_fp4 else DENSE_BLOCK_K, pow2(d)))
+    _gate_up_kernel[(n_tiles, cdiv(inter, bn))](
+        x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
+        num_experts, top_k, float(limit), D=d, I=inter,
+        FP4=gu_fp4, UE8M0=gu_ue8m0, HALF_GROUP=gu_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        FP32_DOT=_FP32_DOT, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+    dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
+    y = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
+    bn = max(16, min(BLOCK_N, pow2(d)))
+    bk = max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
+    _down_kernel[(n_tiles, cdiv(d, 2 * bn))](
+        h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y,
+        num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,
+        FP4=dn_fp4, UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        FP32_DOT=_FP32_DOT, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+    bd = min(COMBINE_BLOCK_D, pow2(d))
+    _combine_kernel[(t, cdiv(d, bd))](
+        y, ids, ids.stride(0), out, out.stride(0), d, num_experts,
+        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi, BLOCK_D=bd, num_warps=4,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,194 @@
+"""Time the ``cuda_sm100`` MoE kernels (``moe_experts``) at decode on a GPU.
+
+DeepSeek-V4-Flash's routed experts: ``E`` (default 256) experts of ``hidden x inter`` (4096 x
+2048: gate_up ``[E, 4096, 4096]``, down ``[E, 4096, 2048]``), top-6, random routing (distinct
+experts per token, uniform).  For each token count ``T`` it times (CUDA events, replaying a
+CUDA graph of ``--calls-per-graph`` back-to-back calls, each with its own routing, so launch
+overhead is excluded and consecutive calls touch different experts):
+
+* ``triton fp4``: the registered kernels on FP4 e2m1 experts (ue8m0 scales, one per 32 inputs:
+  the checkpoint format kept with ``keep_quantized``);
+* ``triton bf16``: the same kernels on the dequantised bf16 experts;
+* ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
+  expert-sorted pairs: the path that runs today).
+
+The bandwidth is the effective weight-read rate: the bytes of the distinct experts a call
+routes to (data and scales), averaged over the calls of the graph, divided by the time.
+Prints a table and writes JSON (default ``benchmarks/results/bench_moe.json`` at the
+repository root).
+
+    python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,16,64,128,256] [--experts 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+TOKENS = "1,16,64,128,256"
+LIMIT = 10.0
+
+
+def time_graph(fn: Callable[[int], object], calls: int, replays: int) -> float | None:
+    """Microseconds per call, replaying a CUDA graph of ``fn(0) ... fn(calls - 1)``; ``None`` if
+    it fails."""
+    try:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # report, keep going
+        print(f"  ({getattr(fn, '__name__', 'call')} failed: {type(exc).__name__}: {str(exc)[:160]})")
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def random_fp4(e: int, out: int, inp: int, seed: int):
+    """An FP4 stack of random codes with ue8m0 scales near ``1 / (3 sqrt(inp))``, built on the GPU."""
+    from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    data = torch.randint(0, 256, (e, out, inp // 2), dtype=torch.uint8, device="cuda", generator=g)
+    base = round(float(torch.log2(torch.tensor(1.0 / (3 * inp**0.5)))))
+    jitter = torch.randint(-1, 2, (e, out, inp // 32), device="cuda", generator=g)
+    return QuantizedTensor(data, torch.exp2((base + jitter).float()).to(UE8M0_DTYPE), "fp4", (1, 32))
+
+
+def routings(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` routings of ``t`` tokens: ``(ids [t, k] int64, weights [t, k] fp32)``, distinct experts."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=-1).indices
+        w = torch.rand(t, k, device="cuda", generator=g) + 0.1
+        out.append((ids, 1.5 * w / w.sum(-1, keepdim=True)))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default=TOKENS, help=f"token counts T (default {TOKENS})")
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--inter", type=int, default=2048)
+    parser.add_argument("--top-k", type=int, default=6)
+    parser.add_argument("--calls-per-graph", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+
+    from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
+    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
+
+    from deepinfer_core.ops.moe import moe_experts as reference
+
+    e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+    gate_up, down = random_fp4(e, 2 * i, d, 1), random_fp4(e, d, i, 2)
+    gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
+    fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
+    bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
+    names = ("triton_fp4", "triton_bf16", "grouped_mm")
+    print(
+        f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
+        f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"
+    )
+    head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
+    head += f" {'fp4 TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9} {'err':>9}"
+    print(head)
+    rows = []
+    for t in [int(v) for v in args.tokens.split(",")]:
+        routes = routings(t, e, k, args.calls_per_graph, seed=t)
+        x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
+        distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / len(routes)
+        calls = {
+            "triton_fp4": lambda j, routes=routes, x=x: triton_moe(x, *routes[j], gate_up, down, LIMIT),
+            "triton_bf16": lambda j, routes=routes, x=x: triton_moe(
+                x, *routes[j], gate_up_bf16, down_bf16, LIMIT
+            ),
+            "grouped_mm": lambda j, routes=routes, x=x: reference(
+                x, *routes[j], gate_up_bf16, down_bf16, LIMIT
+            ),
+        }
+        times = {name: time_graph(fn, args.calls_per_graph, args.replays) for name, fn in calls.items()}
+        got = triton_moe(x, *routes[0], gate_up, down, LIMIT).float()
+        want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
+        err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+
+        def tbps(us, per_expert, distinct=distinct):
+            return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
+
+        bm = tile_rows(t * k, e, False)
+        row = {
+            "T": t,
+            "distinct_experts": distinct,
+            "tile_rows": bm,
+            "tiles": tile_count(t * k, e, bm),
+            **{f"{name}_us": v for name, v in times.items()},
+            "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),
+            "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
+            "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
+            "fp4_max_rel_err_vs_reference": err,
+        }
+        rows.append(row)
+
+        def fmt(v, width=15, spec=".1f"):
+            return f"{'-':>{width}}" if v is None else f"{v:>{width}{spec}}"
+
+        print(
+            f"{t:>5} {distinct:>8.1f} {row['tiles']:>6} "
+            + " ".join(fmt(times[n]) for n in names)
+            + "".join(
+                f" {fmt(row[c], 9, '.2f')}"
+                for c in ("triton_fp4_weight_TBps", "triton_bf16_weight_TBps", "grouped_mm_weight_TBps")
+            )
+            + f" {err:>9.2g}"
+        )
+    import triton
+
+    result = {
+        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 / bf16 vs torch._grouped_mm bf16",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "experts": e,
+        "hidden": d,
+        "inter": i,
+        "top_k": k,
+        "calls_per_graph": args.calls_per_graph,
+        "replays": args.replays,
+        "fp4_expert_bytes": fp4_expert_bytes,
+        "bf16_expert_bytes": bf16_expert_bytes,
+        "note": "TB/s = bytes of the distinct experts routed to per call / time; each call of a graph "
+        "has its own routing; err = max |triton fp4 - reference on the dequantised experts| / max |ref|",
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

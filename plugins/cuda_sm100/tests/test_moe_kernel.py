@@ -1,0 +1,614 @@
+"""The ``cuda_sm100`` MoE kernels (``moe_experts``: FP4 or plain experts) against the reference.
+
+**Interpreter.**  ``TRITON_INTERPRET=1`` must be set before Triton is imported and must not
+leak into this pytest process, so the interpreter checks run in a child: ``python
+test_moe_kernel.py --interpreter-report`` prints a JSON report and each test below reads one
+part of it.  On small shapes it runs
+
+- the conformance suite (``check_backend``) on a CPU ``BackendSpec`` holding the op: the core's
+  cases and the kernel's (:data:`deepinfer_cuda_sm100.moe_ops.SMALL`: FP4 experts with float32
+  and ue8m0 scales, plain experts, a mix; T=1, duplicate ids in a token, tokens sharing
+  experts, T > E*k) in float32, bfloat16 and float16, in the default and the batch-invariant
+  mode;
+- the launches (float32; bfloat16 with one expert taking every token): every tile height
+  (16 / 32 / 64 rows), top-1, a single expert, widths that are not powers of two, scale groups
+  of 16 and 64, more experts than (token, slot) pairs;
+- the sorted layout the first launch builds (every pair once, tiles of one expert each);
+- the kernels' e2m1 decoding of every byte against ``unpack_fp4``;
+- batch invariance (bitwise, batch-invariant mode): a token's row computed with the whole
+  batch or with a slice of it.
+
+**Compile** (no GPU needed): the kernels compile for sm_90 and sm_100 through Triton's NVIDIA
+backend (catches what the interpreter lets through: type changes across branches, bad layouts).
+
+**GPU** (skipped without CUDA): conformance at the plugin's GPU cases, the full V4-Flash widths
+(D=4096, I=2048, E=64..256, top-6, T in 1, 16, 64, 256) against the reference, batch invariance
+and the replay of a captured CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve()
+
+pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
+
+import triton  # noqa: E402  (after the skip: the kernels need it)
+import triton.language as tl  # noqa: E402
+from deepinfer_cuda_sm100.kernels.moe import _e2m1  # noqa: E402
+
+OP = "moe_experts"
+
+
+@triton.jit
+def _decode_bytes(b_ptr, out_ptr):
+    """Both nibbles of 256 bytes through the kernels' e2m1 decoding (even, then odd input)."""
+    i = tl.arange(0, 256)
+    b = tl.load(b_ptr + i)
+    tl.store(out_ptr + 2 * i, _e2m1(b & 15))
+    tl.store(out_ptr + 2 * i + 1, _e2m1(b >> 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# checks shared by the interpreter child and the GPU tests
+
+
+def _impl():
+    from deepinfer_cuda_sm100.moe_ops import moe_ops
+
+    return moe_ops()[OP]
+
+
+def _spec(device: str):
+    from deepinfer_core.backends import BackendSpec
+
+    return BackendSpec(name="cuda_sm100_moe", device_type=device, ops=lambda: {OP: _impl()})
+
+
+def _rows(report, mode: str) -> list[dict]:
+    rows = [
+        {"mode": mode, "case": r.label, "status": r.status, "message": r.message, "own": r.own}
+        for r in report.results
+    ]
+    rows += [{"mode": mode, "case": "*", "status": "failed", "message": "untested", "own": False}] * len(
+        report.untested_ops
+    )
+    rows += [
+        {"mode": mode, "case": "*", "status": "failed", "message": str(why), "own": False}
+        for why in report.never_ran.values()
+    ]
+    return rows
+
+
+def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
+    """The conformance suite on the op alone, in the default and the batch-invariant mode."""
+    from deepinfer_core.ops.modes import batch_invariant_mode
+    from deepinfer_core.testing import check_backend
+
+    rows = _rows(check_backend(_spec(device), dtypes=dtypes), "default")
+    with batch_invariant_mode():
+        rows += _rows(check_backend(_spec(device), dtypes=dtypes), "bi")
+    return rows
+
+
+def _experts(g, e: int, out: int, inp: int, scale: float, kind: str, dtype: torch.dtype, group: int = 32):
+    """An expert stack: ``kind`` ``fp32`` / ``ue8m0`` (FP4 scales) or ``plain`` (``dtype``)."""
+    from deepinfer_core.ops._cases import randn_fp4
+
+    if kind == "plain":
+        return (torch.randn(e, out, inp, generator=g) * scale).to(dtype)
+    return randn_fp4(g, e, out, inp, scale=scale, group=group, scale_dtype=kind)
+
+
+def _to(w, device: str):
+    return w.to(device)
+
+
+def _routing(g, t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, weights)`` of ``t`` tokens: distinct experts (repeats only where ``k > e``)."""
+    if k > e:
+        ids = torch.randint(0, e, (t, k), generator=g)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g) + 0.1
+    return ids, 1.5 * w / w.sum(-1, keepdim=True)
+
+
+LAUNCHES = (
+    # (label, T, D, I, E, k, gate_up kind, down kind, group)
+    ("decode T=1", 1, 64, 32, 8, 3, "fp32", "ue8m0", 32),
+    ("tiles of 32 rows", 200, 64, 32, 8, 3, "ue8m0", "fp32", 32),
+    ("tiles of 64 rows", 400, 64, 32, 8, 3, "fp32", "plain", 32),
+    ("top-1", 9, 64, 32, 4, 1, "fp32", "fp32", 32),
+    ("one expert", 7, 64, 32, 1, 2, "ue8m0", "ue8m0", 32),
+    ("widths not powers of two", 6, 96, 64, 5, 2, "fp32", "fp32", 32),
+    ("plain, widths not powers of two", 6, 80, 40, 5, 2, "plain", "plain", 32),
+    ("scale groups of 16", 5, 64, 32, 4, 2, "fp32", "ue8m0", 16),
+    ("scale groups of 64", 5, 128, 64, 4, 2, "ue8m0", "fp32", 64),
+    ("more experts than pairs", 4, 64, 32, 64, 6, "ue8m0", "ue8m0", 32),
+)
+
+
+def launch_problems(dtype: torch.dtype, device: str, shared: bool = False) -> list[str]:
+    """Each launch of :data:`LAUNCHES` against the reference, within the op's tolerances
+    relative to the largest output (the reference's own paths differ by an ulp of it: which
+    of them runs depends on the shapes, and some round the running sum after every pair).
+
+    ``shared``: every token also routes to expert 0 (one expert takes every token).
+    """
+    from deepinfer_core.ops.moe import moe_experts as reference
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    atol, rtol = DEFAULT_TOLERANCES[dtype]
+    impl = _impl()
+    g = torch.Generator().manual_seed(7)
+    problems = []
+    for label, t, d, i, e, k, gu_kind, dn_kind, group in LAUNCHES:
+        gate_up = _experts(g, e, 2 * i, d, 1.5 * d**-0.5, gu_kind, dtype, group)
+        down = _experts(g, e, d, i, i**-0.5, dn_kind, dtype, group)
+        ids, weights = _routing(g, t, e, k)
+        if shared:
+            ids[:, 0] = 0
+        x = torch.randn(t, d, generator=g).to(dtype)
+        args = [
+            x.to(device),
+            ids.to(device),
+            weights.to(device),
+            _to(gate_up, device),
+            _to(down, device),
+            10.0,
+        ]
+        verdict = impl.supports(*args)
+        if verdict is not True:
+            problems.append(f"{label}: refused: {verdict}")
+            continue
+        got, want = impl.fn(*args).float(), reference(*args).float()
+        bound = atol * max(1.0, want.abs().max().item())
+        if got.shape != want.shape or not torch.allclose(got, want, atol=bound, rtol=rtol):
+            err = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
+            problems.append(f"{label}{' (shared)' if shared else ''}: max abs err {err:.3g}")
+    return problems
+
+
+def layout_problems(device: str) -> list[str]:
+    """The sorted layout: each pair in exactly one row, tiles of one expert in ascending
+    expert order, pairs in pair order within an expert, ``-1`` padding, unused tiles ``E``."""
+    from deepinfer_cuda_sm100.kernels.moe import sorted_layout, tile_count
+
+    g = torch.Generator().manual_seed(3)
+    problems = []
+    for t, k, e, bm in ((1, 6, 256, 16), (5, 2, 4, 16), (40, 3, 8, 16), (300, 2, 5, 32), (70, 6, 3, 64)):
+        ids = torch.randint(0, e, (t, k), generator=g)
+        ids[0, -1] = ids[0, 0]  # a duplicate
+        tile_expert, slot_pair = (v.cpu() for v in sorted_layout(ids.to(device), e, bm))
+        label = f"T={t} k={k} E={e} rows={bm}"
+        if tile_expert.shape != (tile_count(t * k, e, bm),):
+            problems.append(f"{label}: {tile_expert.shape[0]} tiles")
+            continue
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=e)
+        want_tiles = torch.repeat_interleave(torch.arange(e), (counts + bm - 1) // bm)
+        used = want_tiles.shape[0]
+        if not torch.equal(tile_expert[:used].long(), want_tiles) or bool((tile_expert[used:] != e).any()):
+            problems.append(f"{label}: tile experts {tile_expert.tolist()}")
+            continue
+        rows = slot_pair[: used * bm].view(used, bm).long()
+        for expert in range(e):
+            mine = rows[want_tiles == expert].reshape(-1)
+            want = (flat == expert).nonzero().reshape(-1)
+            if not torch.equal(mine[: want.shape[0]], want) or bool((mine[want.shape[0] :] != -1).any()):
+                problems.append(f"{label}: expert {expert} rows {mine.tolist()}, want {want.tolist()}")
+    return problems
+
+
+def e2m1_problems() -> list[str]:
+    """The kernels' decoding of both nibbles of every byte against ``unpack_fp4`` (interpreter)."""
+    from deepinfer_core.weights.quant import unpack_fp4
+
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(512)
+    _decode_bytes[(1,)](packed, out)
+    want = unpack_fp4(packed)
+    bad = (out != want).nonzero().reshape(-1).tolist()
+    return [f"byte {i // 2} nibble {i % 2}: {out[i].item()} != {want[i].item()}" for i in bad]
+
+
+def invariance_problems(dtype: torch.dtype, device: str) -> list[str]:
+    """Batch-invariant mode: a token's row is bitwise the same computed alone and in batches of
+    several sizes (its pairs sit at other rows of other tiles), with strided activations."""
+    from deepinfer_cuda_sm100.moe_ops import SMALL, V4_FLASH_LIKE, moe_cases
+
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    shapes = SMALL if device == "cpu" else V4_FLASH_LIKE
+    fn = _impl().fn
+    problems = []
+    cases = moe_cases(shapes)(torch.Generator().manual_seed(0), dtype)
+    with batch_invariant_mode():
+        for c in (1, 3):  # duplicate ids, FP4 ue8m0; T > E * k, FP4 gate_up + plain down
+            x, ids, w, gate_up, down, limit = (a.to(device) if hasattr(a, "to") else a for a in cases[c][0])
+            t = x.shape[0]
+            rows = sorted({0, 1, 2, t - 3, t - 2, t - 1} & set(range(t)))  # first and last rows of tiles
+            alone = {i: fn(x[i : i + 1], ids[i : i + 1], w[i : i + 1], gate_up, down, limit) for i in rows}
+            for b in sorted({2, 7, t} & set(range(1, t + 1))):
+                wide = torch.cat([x[:b], x[:b]], dim=1)[:, : x.shape[1]]  # strided rows
+                out = fn(wide, ids[:b], w[:b], gate_up, down, limit)
+                for i in (i for i in rows if i < b):
+                    if not torch.equal(out[i : i + 1], alone[i]):
+                        err = (out[i] - alone[i][0]).abs().max().item()
+                        problems.append(f"case {c}: row {i} of a batch of {b} differs alone (max {err:.3g})")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# the interpreter child
+
+
+def interpreter_report() -> dict:
+    """Every interpreter check, as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from deepinfer_cuda_sm100.kernels import _common
+
+    start = time.perf_counter()
+    report: dict = {"interpreted": _common.INTERPRETED}
+    report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16, torch.float16))
+    report["launches"] = launch_problems(torch.float32, "cpu") + launch_problems(torch.bfloat16, "cpu", True)
+    report["layout"] = layout_problems("cpu")
+    report["e2m1"] = e2m1_problems()
+    report["invariance"] = invariance_problems(torch.float32, "cpu") + invariance_problems(
+        torch.bfloat16, "cpu"
+    )
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+slow = pytest.mark.slow  # they read the report of a fresh interpreter running the kernels
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    from cuda_sm100_checks import interpreter_report
+
+    return interpreter_report(HERE)
+
+
+@slow
+def test_kernel_ran_interpreted(report):
+    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
+
+
+@slow
+@pytest.mark.parametrize("mode", ["default", "bi"])
+def test_interpreter_conformance(report, mode):
+    rows = [r for r in report["conformance"] if r["mode"] == mode]
+    assert any(r["own"] and r["status"] == "passed" for r in rows), "the kernel's own cases did not run"
+    assert any(not r["own"] and r["status"] == "passed" for r in rows), "the core's cases did not run"
+    bad = [f"{r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    assert not bad, "\n".join(bad)
+
+
+@slow
+def test_interpreter_launches(report):
+    assert not report["launches"], "\n".join(report["launches"])
+
+
+@slow
+def test_interpreter_sorted_layout(report):
+    assert not report["layout"], "\n".join(report["layout"])
+
+
+@slow
+def test_interpreter_e2m1_decoding(report):
+    assert not report["e2m1"], "\n".join(report["e2m1"])
+
+
+@slow
+def test_interpreter_batch_invariance(report):
+    assert not report["invariance"], "\n".join(report["invariance"])
+
+
+@slow
+def test_interpreter_checks_are_quick(report):
+    assert report["seconds"] < 90, f"the interpreter checks took {report['seconds']:.1f} s"
+
+
+# ---------------------------------------------------------------------------------------------
+# launch shapes and supports (no kernel runs)
+
+
+def test_tile_rows_depend_on_shapes_only():
+    from deepinfer_cuda_sm100.kernels.moe import DECODE_BLOCK_M, MAX_BLOCK_M, tile_count, tile_rows
+
+    assert tile_rows(6, 256, False) == DECODE_BLOCK_M  # decode: one short tile per expert
+    assert tile_rows(256 * 6, 256, False) == DECODE_BLOCK_M
+    assert tile_rows(8192 * 6, 256, False) == MAX_BLOCK_M  # prefill: 192 pairs per expert
+    assert tile_rows(8192 * 6, 256, True) == DECODE_BLOCK_M  # batch-invariant: fixed
+    assert tile_count(6, 256, 16) == 6  # every pair on its own expert at worst
+    assert tile_count(64 * 6, 256, 16) == (384 + 15 * 256) // 16
+    assert tile_count(0, 8, 16) == 0
+
+
+CPU = {"interpreted": True}
+
+
+def _supports(interpreted: bool):
+    from deepinfer_cuda_sm100.moe_ops import make_supports
+
+    return make_supports(interpreted)
+
+
+def _case(dtype=torch.bfloat16, kind="ue8m0", t=3, d=64, i=32, e=4, k=2):
+    g = torch.Generator().manual_seed(0)
+    ids, w = _routing(g, t, e, k)
+    x = torch.randn(t, d, generator=g).to(dtype)
+    return [
+        x,
+        ids,
+        w,
+        _experts(g, e, 2 * i, d, 0.1, kind, dtype),
+        _experts(g, e, d, i, 0.1, kind, dtype),
+        10.0,
+    ]
+
+
+def test_supports_takes_fp4_and_plain_experts():
+    sup = _supports(True)
+    for kind in ("fp32", "ue8m0", "plain"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            assert sup(*_case(dtype, kind)) is True, (kind, dtype)
+    args = _case()
+    args[3] = _case(kind="plain")[3]  # plain gate_up, FP4 down
+    assert sup(*args) is True
+    args = _case()
+    args[0] = torch.randn(3, 72)[:, 4:68].to(torch.bfloat16)  # a strided x
+    assert sup(*args) is True
+
+
+def test_supports_refuses_with_reasons():
+    from deepinfer_core.ops._cases import randn_fp8
+
+    sup = _supports(True)
+    g = torch.Generator().manual_seed(1)
+
+    def with_(index, value):
+        args = _case()
+        args[index] = value
+        return sup(*args)
+
+    assert "fp8" in with_(3, randn_fp8(g, 64, 64))
+    fp8_stack = _case()[3]
+    fp8_stack.fmt = "fp8"  # a stack in another format (only the format is looked at)
+    assert "FP4" in with_(3, fp8_stack)
+    assert "tensor or QuantizedTensor" in with_(4, [1, 2])
+    assert "dtype" in with_(3, _case(torch.float32, "plain")[3])  # plain stack, not x's dtype
+    assert "shape" in with_(4, _case(d=32, i=32)[4])
+    assert "x must be" in with_(0, torch.randn(3, 64, dtype=torch.float64))
+    assert "ids" in with_(1, torch.zeros(3, 2))
+    assert "weights" in with_(2, torch.zeros(3, 3))
+    assert "top-k" in sup(*_case(k=17, e=20))
+    assert "limit" in with_(5, float("nan"))
+    assert "empty" in sup(*_case(d=0, kind="plain"))
+    args = _case(d=96)
+    args[3] = _experts(g, 4, 64, 96, 0.1, "fp32", torch.bfloat16, group=48)
+    assert "groups" in sup(*args)
+    assert "GPU" in _supports(False)(*_case())  # CPU tensors for the compiled kernels
+
+
+def test_supports_takes_the_batch_invariant_mode():
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    with batch_invariant_mode():
+        assert _supports(True)(*_case()) is True
+
+
+# ---------------------------------------------------------------------------------------------
+# compile for the GPU (no GPU needed)
+
+_DIV16 = [["tt.divisibility", 16]]
+
+
+def _compile(fn, args: dict[str, str], constexprs: dict, arch: int, **options):
+    """``fn`` compiled for ``sm_<arch>``: ``args`` maps each runtime argument to its Triton type
+    (``"*bf16"``, ``"i32"``, ...; pointers and ``stride*`` arguments get the 16-divisibility
+    hint the launcher gives aligned values)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    names = list(fn.arg_names)
+    signature = {name: signature[name] for name in names}
+    attrs = {
+        (names.index(n),): _DIV16 for n, ty in args.items() if ty.startswith("*") or n.startswith("stride_")
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def _gemm_args(kind: str, dtype: str, first: str) -> dict[str, str]:
+    w = "*u8" if kind != "plain" else f"*{dtype}"
+    s = {"fp32": "*fp32", "ue8m0": "*u8", "plain": f"*{dtype}"}[kind]
+    common = {"w_ptr": w, "stride_we": "i64", "stride_wn": "i32", "s_ptr": s, "stride_se": "i32"}
+    common |= {
+        "stride_sn": "i32",
+        "tile_expert_ptr": "*i32",
+        "slot_pair_ptr": "*i32",
+        "E": "i32",
+        "TOP_K": "i32",
+    }
+    if first == "gate_up":
+        return common | {"x_ptr": f"*{dtype}", "stride_x": "i32", "h_ptr": f"*{dtype}", "limit": "fp32"}
+    return common | {"h_ptr": f"*{dtype}", "rw_ptr": "*fp32", "stride_rw": "i32", "y_ptr": f"*{dtype}"}
+
+
+def _compilable() -> str | None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return "Triton's NVIDIA backend is not installed"
+    return None
+
+
+@slow
+@pytest.mark.skipif(_compilable() is not None, reason=_compilable() or "")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernels_compile_for_the_gpu(arch):
+    from deepinfer_cuda_sm100.kernels import moe
+
+    _compile(
+        moe._layout_kernel,
+        {"ids_ptr": "*i64", "stride_ids": "i32", "tile_expert_ptr": "*i32", "slot_pair_ptr": "*i32"}
+        | {"P": "i32", "TOP_K": "i32", "E": "i32", "n_tiles": "i32"},
+        {"BLOCK_M": 16, "BINS": 512, "BLOCK_P": 1024},
+        arch,
+    )
+    configs = (
+        ("ue8m0", "bf16", 16, 4),
+        ("fp32", "fp32", 16, 4),
+        ("plain", "bf16", 64, 8),
+        ("fp32", "fp16", 32, 4),
+    )
+    for kind, dtype, bm, warps in configs:
+        consts = {"D": 4096, "I": 2048, "FP4": kind != "plain", "UE8M0": kind == "ue8m0", "HALF_GROUP": 16}
+        consts |= {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64 if kind == "plain" else 128, "FP32_DOT": False}
+        down_consts = consts | {"BI_ROUNDING": kind == "ue8m0"}
+        for name, kernel, cs in (
+            ("gate_up", moe._gate_up_kernel, consts),
+            ("down", moe._down_kernel, down_consts),
+        ):
+            compiled = _compile(
+                kernel, _gemm_args(kind, dtype, name), cs, arch, num_warps=warps, num_stages=3
+            )
+            if dtype != "fp32":  # fp32 runs IEEE products (FMA), bf16 / fp16 the tensor cores
+                assert "mma" in compiled.asm["ptx"], f"{name} {kind} {dtype}: no tensor-core MMA"
+    _compile(
+        moe._combine_kernel,
+        {"y_ptr": "*bf16", "ids_ptr": "*i64", "stride_ids": "i32", "out_ptr": "*bf16", "stride_out": "i32"}
+        | {"D": "i32", "E": "i32"},
+        {"TOP_K": 6, "K_PAD": 8, "BI_ROUNDING": True, "BLOCK_D": 1024},
+        arch,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    reason="needs a CUDA GPU (none visible) and compiled kernels (TRITON_INTERPRET unset)",
+)
+
+V4_D, V4_I, V4_K = 4096, 2048, 6
+
+
+def _random_fp4(e: int, out: int, inp: int, scale_dtype: str, device: str = "cuda"):
+    """An FP4 stack of random codes, built on the device (quantising 256 experts of 4096 x 4096
+    would need a lot of memory): scales ``2**-j`` near ``1 / (3 sqrt(inp))``."""
+    from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor
+
+    g = torch.Generator(device=device).manual_seed(e * 7 + out)
+    data = torch.randint(0, 256, (e, out, inp // 2), dtype=torch.uint8, device=device, generator=g)
+    base = round(torch.log2(torch.tensor(1.0 / (3 * inp**0.5))).item())
+    jitter = torch.randint(-1, 2, (e, out, inp // 32), device=device, generator=g)
+    scale = torch.exp2((base + jitter).float())
+    if scale_dtype == "ue8m0":
+        scale = scale.to(UE8M0_DTYPE)
+    return QuantizedTensor(data, scale, "fp4", (1, 32))
+
+
+@pytest.fixture(scope="module")
+def v4_stacks():
+    """V4-Flash-width FP4 expert stacks of 256 experts (the first ``E`` are used by a case)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _random_fp4(256, 2 * V4_I, V4_D, "ue8m0"), _random_fp4(256, V4_D, V4_I, "fp32")
+
+
+def _first(w, e: int):
+    from deepinfer_core.weights.quant import QuantizedTensor
+
+    return QuantizedTensor(w.data[:e], w.scale[:e], w.fmt, w.block)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_conformance(dtype):
+    rows = [r for r in _conformance("cuda", (dtype,))]
+    assert any(r["own"] and r["status"] == "passed" for r in rows)
+    bad = [f"{r['mode']} {r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    assert not bad, "\n".join(bad)
+
+
+@needs_cuda
+@pytest.mark.parametrize("experts", [64, 256])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256])
+def test_gpu_v4_flash_widths(v4_stacks, experts, tokens):
+    from deepinfer_core.ops.moe import moe_experts as reference
+
+    g = torch.Generator().manual_seed(tokens)
+    gate_up, down = (_first(w, experts) for w in v4_stacks)
+    ids, weights = _routing(g, tokens, experts, V4_K)
+    if tokens > 1:
+        ids[1, 1] = ids[1, 0]  # a duplicate
+    x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16)
+    args = [x.cuda(), ids.cuda(), weights.cuda(), gate_up, down, 10.0]
+    assert _impl().supports(*args) is True
+    got, want = _impl().fn(*args).float(), reference(*args).float()
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert scale > 0.1, "degenerate outputs"
+    assert torch.allclose(got, want, atol=2e-2 * scale, rtol=2e-2), (
+        f"max abs err {err:.3g} (outputs to {scale:.3g})"
+    )
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_launches_and_layout(dtype):
+    problems = launch_problems(dtype, "cuda") + launch_problems(dtype, "cuda", shared=True)
+    problems += layout_problems("cuda")
+    assert not problems, "\n".join(problems)
+
+
+@needs_cuda
+def test_gpu_batch_invariance():
+    problems = invariance_problems(torch.bfloat16, "cuda") + invariance_problems(torch.float32, "cuda")
+    assert not problems, "\n".join(problems)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 64, 256])
+def test_gpu_graph_capture(v4_stacks, tokens):
+    fn = _impl().fn
+    g = torch.Generator().manual_seed(11)
+    gate_up, down = v4_stacks
+    ids, weights = (v.cuda() for v in _routing(g, tokens, 256, V4_K))
+    x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
+    fn(x, ids, weights, gate_up, down, 10.0)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn(x, ids, weights, gate_up, down, 10.0)
+    for replay in range(2):  # new activations and new routing, in place
+        x.copy_(torch.randn_like(x))
+        new_ids, new_w = _routing(g, tokens, 256, V4_K)
+        ids.copy_(new_ids)
+        weights.copy_(new_w)
+        graph.replay()
+        assert torch.equal(y, fn(x, ids, weights, gate_up, down, 10.0)), (
+            f"replay {replay}: differs from eager"
+        )
+
+
+if __name__ == "__main__" and "--interpreter-report" in sys.argv:
+    print(json.dumps(interpreter_report()))
