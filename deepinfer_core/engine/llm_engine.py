@@ -21,6 +21,7 @@ from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 from deepinfer_core.sampling.prompt_logprobs import logit_rows, record_prompt_logprobs
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
@@ -352,22 +353,32 @@ class LLMEngine:
         return None
 
     def _structured_allowed(self, batch: SamplingBatch, requests: list[Request]) -> None:
-        """Restrict the rows of requests with structured outputs to the ids their grammar allows
-        next.  The matcher first consumes the tokens appended since the last step: sampling runs
-        after the previous step was completed (also in async mode, see :meth:`step`), so the
-        host knows them."""
-        if batch.allowed_token_ids is None:
-            batch.allowed_token_ids = [None] * len(requests)
+        """Restrict the rows of requests with structured outputs to the tokens their grammar
+        allows next, as a packed ``[B, ceil(V/32)]`` int32 bitmask the matchers fill in place on
+        the host (sent to the device in one copy, unpacked there by the sampler).
+
+        The matcher first consumes the tokens appended since the last step.  In async mode this
+        runs after the step's forward was launched and the previous step completed (see
+        :meth:`step`), so the masks are computed while the device runs the forward.  A row whose
+        grammar allows nothing (an error state) may end with EOS; a request's own
+        ``allowed_token_ids`` intersect the grammar's, or, where they share no token, yield to it.
+        """
+        vocab = self.model_config.vocab_size
+        bitmask = torch.full((len(requests), bitmask_words(vocab)), -1, dtype=torch.int32)
+        allowed_lists = batch.allowed_token_ids
         for i, req in enumerate(requests):
             matcher = req.structured_matcher
             if matcher is None:
                 continue
             matcher.consume(req.output_token_ids[matcher.num_consumed :])
-            allowed = matcher.allowed_token_ids() or list(self.eos_token_ids)
-            if req.params.allowed_token_ids is not None:
-                extra = set(req.params.allowed_token_ids)
-                allowed = [t for t in allowed if t in extra] or allowed
-            batch.allowed_token_ids[i] = allowed
+            row = bitmask[i]
+            matcher.fill_bitmask(row)
+            if not bool(row.any()):
+                row[:] = bitmask_of(self.eos_token_ids, vocab)
+            extra = allowed_lists[i] if allowed_lists is not None else None
+            if extra is not None and not any(bitmask_has(row, t) for t in extra):
+                allowed_lists[i] = None  # no common token: the grammar's own choice
+        batch.token_bitmask = bitmask
 
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer

@@ -18,7 +18,7 @@ one entry per row (``None`` meaning "off"), pack them and call those.  The seman
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -35,13 +35,40 @@ def _id_mask(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return mask.scatter_(1, ids, True)[:, :vocab_size]
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a packed token bitmask over ``vocab_size`` ids."""
+    return -(-vocab_size // 32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[B, V]`` bool from a packed ``[B, ceil(V/32)]`` int32 bitmask: bit ``t % 32`` of word
+    ``t // 32`` set = token ``t`` allowed (llguidance's / xgrammar's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def bitmask_of(token_ids: Iterable[int], vocab_size: int) -> torch.Tensor:
+    """``[ceil(V/32)]`` int32 packed bitmask with exactly ``token_ids`` set."""
+    words = [0] * bitmask_words(vocab_size)
+    for t in token_ids:
+        words[t >> 5] |= 1 << (t & 31)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def bitmask_has(row: torch.Tensor, token_id: int) -> bool:
+    """Whether the packed bitmask ``row`` (``[ceil(V/32)]`` int32, CPU) allows ``token_id``."""
+    return bool((int(row[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
 def apply_allowed_bias_bans_padded(
     logits: torch.Tensor,
     allowed: tuple[torch.Tensor, torch.Tensor] | None,
     bias: tuple[torch.Tensor, torch.Tensor] | None,
     banned_ids: torch.Tensor | None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Mask to the allowed ids, add the logit bias, ban the min-tokens ids.
+    """Mask to the allowed ids (and the token bitmask), add the logit bias, ban the min-tokens ids.
 
     Args:
         logits: ``[B, V]`` fp32.
@@ -49,6 +76,8 @@ def apply_allowed_bias_bans_padded(
             ids; or ``None`` (no row restricts).
         bias: ``(ids [B, W] int64, values [B, W] fp32)`` (ids distinct within a row), or ``None``.
         banned_ids: ``[B, W]`` int64, or ``None``.
+        bitmask: ``[B, ceil(V/32)]`` int32 packed allowed tokens (:func:`unpack_bitmask`; all
+            bits set on rows it does not restrict), or ``None``.
 
     Masked tokens end at ``-inf`` whatever their bias (as masking first, then adding, does).
     """
@@ -66,6 +95,9 @@ def apply_allowed_bias_bans_padded(
     if banned_ids is not None:
         banned = _id_mask(banned_ids, V)
         drop = banned if drop is None else drop | banned
+    if bitmask is not None:
+        outside = ~unpack_bitmask(bitmask, V)
+        drop = outside if drop is None else drop | outside
     if drop is not None:
         out = out.masked_fill(drop, float("-inf"))
     return out.clone() if out is logits else out

@@ -2,8 +2,9 @@
 
 Order per row, as in vLLM:
 
-1. ``allowed_token_ids`` (every other token -> ``-inf``), ``logit_bias`` (added), and while
-   fewer than ``min_tokens`` tokens were generated, EOS and ``stop_token_ids`` -> ``-inf``;
+1. ``allowed_token_ids`` and the structured-output token bitmask (every other token ->
+   ``-inf``), ``logit_bias`` (added), and while fewer than ``min_tokens`` tokens were
+   generated, EOS and ``stop_token_ids`` -> ``-inf``;
 2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
 3. greedy rows (``temperature == 0``) take the argmax of these processed logits
    (``torch.argmax`` returns the first maximum, so ties go to the lowest token id);
@@ -43,6 +44,7 @@ from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.penalties import (
     apply_allowed_bias_bans_padded,
     apply_penalties_padded,
+    bitmask_words,
     pad_token_rows,
 )
 from deepinfer_core.sampling.random import derive_seed, gumbel_noise_from_keys, row_keys
@@ -88,6 +90,9 @@ class SamplingBatch:
         logit_bias: per row ``{token_id: bias}`` or ``None``.
         allowed_token_ids: per row list or ``None``.
         banned_token_ids: per row ids forced to ``-inf`` (min_tokens not reached yet).
+        token_bitmask: ``[B, ceil(V/32)]`` int32 CPU tensor of packed allowed tokens (structured
+            outputs: filled by the grammar matchers; all bits set on unconstrained rows), or
+            ``None``.  Sent to the device in one copy and unpacked there.
     """
 
     temperatures: list[float]
@@ -105,6 +110,7 @@ class SamplingBatch:
     logit_bias: list[dict[int, float] | None] | None = None
     allowed_token_ids: list[list[int] | None] | None = None
     banned_token_ids: list[list[int]] | None = None
+    token_bitmask: torch.Tensor | None = None
 
     @classmethod
     def from_requests(
@@ -217,6 +223,13 @@ class SamplingBatch:
 
         tensors = pack.to(device)
         t = {name: tensors[i] for name, i in seg.items()}
+        if self.token_bitmask is not None:
+            want = (B, bitmask_words(V))
+            if tuple(self.token_bitmask.shape) != want:
+                raise ValueError(
+                    f"token_bitmask has shape {tuple(self.token_bitmask.shape)}, expected {want}"
+                )
+            t["bitmask"] = tensor_to_device(self.token_bitmask, device)
         return SamplingTensors(
             num_rows=B,
             vocab_size=V,
@@ -242,6 +255,7 @@ class SamplingTensors:
     Per sampled row (``[n]``): ``temperatures`` fp32, ``top_ks`` int64 (``<= 0`` off, clamped to
     ``V``), ``top_ps``, ``min_ps`` fp32, ``key1`` / ``key2`` the counter-based draw's row keys.
     Per row (``[B]`` / ``[B, W]``, id lists padded with ``V``): ``allowed_ids`` + ``allowed_on``,
+    ``bitmask`` (``[B, ceil(V/32)]`` int32, packed allowed tokens),
     ``bias_ids`` + ``bias_values``, ``banned_ids``, ``presence`` / ``frequency`` /
     ``repetition`` penalties and the ``output_ids`` / ``prompt_ids`` they count.
     """
@@ -264,6 +278,7 @@ class SamplingTensors:
     key2: torch.Tensor | None = None
     allowed_ids: torch.Tensor | None = None
     allowed_on: torch.Tensor | None = None
+    bitmask: torch.Tensor | None = None
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
     banned_ids: torch.Tensor | None = None
@@ -444,9 +459,14 @@ def host_to_device(values: array | Sequence[float], device: torch.device | str) 
     """Host values as a float64 tensor on ``device``: on CUDA by a non-blocking copy from pinned
     memory (no host sync; the caching host allocator keeps the buffer until the copy is done),
     on CPU without a copy."""
-    device = torch.device(device)
     data = values if isinstance(values, array) and values.typecode == "d" else array("d", values)
     host = torch.frombuffer(data, dtype=torch.float64) if len(data) else torch.empty(0, dtype=torch.float64)
+    return tensor_to_device(host, device)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on ``device``, as :func:`host_to_device` (pinned, non-blocking on CUDA)."""
+    device = torch.device(device)
     if device.type == "cpu":
         return host
     if device.type == "cuda":
@@ -499,8 +519,8 @@ class Sampler:
     def _process(out: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
         allowed = (prep.allowed_ids, prep.allowed_on) if prep.allowed_ids is not None else None
         bias = (prep.bias_ids, prep.bias_values) if prep.bias_ids is not None else None
-        if allowed is not None or bias is not None or prep.banned_ids is not None:
-            out = apply_allowed_bias_bans_padded(out, allowed, bias, prep.banned_ids)  # type: ignore[arg-type]
+        if allowed is not None or bias is not None or prep.banned_ids is not None or prep.bitmask is not None:
+            out = apply_allowed_bias_bans_padded(out, allowed, bias, prep.banned_ids, prep.bitmask)  # type: ignore[arg-type]
         if prep.use_penalties:
             assert prep.output_ids is not None and prep.presence is not None and prep.frequency is not None
             out = apply_penalties_padded(

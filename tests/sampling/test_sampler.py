@@ -292,3 +292,55 @@ def test_batch_from_requests_positions_bans_and_penalty_inputs():
     assert b.banned_token_ids == [[0], []]  # row 1 has min_tokens=0
     assert b.presence_penalties == [0.0, 0.5] and b.output_token_ids == [[9], []]
     assert SamplingBatch.from_requests(rows[:1], [0]).presence_penalties is None  # no penalty work
+
+
+def test_token_bitmask_roundtrip_and_unpack_match_the_id_sets():
+    from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words, unpack_bitmask
+
+    vocab = 70  # three words, the last one partial
+    g = torch.Generator().manual_seed(0)
+    sets = [sorted(set(torch.randint(0, vocab, (n,), generator=g).tolist())) for n in (1, 5, 40)]
+    sets.append([31, 63, 69])  # the sign bit of a word, and the last id
+    rows = torch.stack([bitmask_of(s, vocab) for s in sets])
+    assert rows.shape == (4, bitmask_words(vocab)) and rows.dtype == torch.int32
+    dense = unpack_bitmask(rows, vocab)
+    for i, s in enumerate(sets):
+        assert dense[i].nonzero().flatten().tolist() == s
+        assert [t for t in range(vocab) if bitmask_has(rows[i], t)] == s
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_bitmask_restricts_rows_and_leaves_full_rows_alone(temperature):
+    """Rows with a bitmask sample only its tokens (greedy or drawn); an all-ones row samples as
+    without a mask, bit for bit; the bitmask and allowed_token_ids intersect."""
+    from deepinfer_core.sampling.penalties import bitmask_of, bitmask_words
+
+    vocab, rows = 50, 4
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, vocab, generator=g)
+    allowed = [[7, 8, 31, 49], None, [2, 33], [5, 6, 7]]
+    mask = torch.full((rows, bitmask_words(vocab)), -1, dtype=torch.int32)
+    for i, a in enumerate(allowed):
+        if a is not None:
+            mask[i] = bitmask_of(a, vocab)
+
+    def batch(bitmask, allowed_ids=None):
+        return SamplingBatch(
+            temperatures=[temperature] * rows,
+            top_ps=[1.0] * rows,
+            top_ks=[0] * rows,
+            seeds=[11 + i for i in range(rows)],
+            positions=[5] * rows,
+            allowed_token_ids=allowed_ids,
+            token_bitmask=bitmask,
+        )
+
+    sampler = Sampler()
+    got = sampler(logits, batch(mask)).token_ids.tolist()
+    plain = sampler(logits, batch(None)).token_ids.tolist()
+    for i, a in enumerate(allowed):
+        assert got[i] == plain[i] if a is None else got[i] in a
+    both = sampler(logits, batch(mask, [[8, 49], None, [2], None])).token_ids.tolist()
+    assert both[0] in (8, 49) and both[2] == 2
+    with pytest.raises(ValueError, match="token_bitmask has shape"):
+        sampler(logits, batch(mask[:, :1]))

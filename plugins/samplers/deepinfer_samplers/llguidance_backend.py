@@ -87,6 +87,15 @@ class LLGuidanceMatcher:
             if not self._m.is_stopped():
                 self._m.consume_token(int(t))
 
+    def fill_bitmask(self, row: Any) -> None:
+        """Write the tokens the grammar allows next into ``row`` (a contiguous CPU int32 tensor
+        of ``ceil(V/32)`` words, bit ``t % 32`` of word ``t // 32`` for token ``t``): EOS only
+        where the grammar accepts, only EOS once it is finished; all zeros in an error state."""
+        if self._m.is_error():
+            row.zero_()
+            return
+        self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+
     def allowed_token_ids(self) -> list[int]:
         """The ids the grammar allows next (EOS only where it accepts; only EOS once it is finished);
         empty when the matcher is in an error state."""
