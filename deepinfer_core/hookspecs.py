@@ -64,10 +64,13 @@ def deepinfer_register_models(register: Any) -> None:
 
 @hookspec
 def deepinfer_register_samplers(register: Any) -> None:
-    """Register sampler stages (logits processors and sampling strategies).
+    """Register logits processors, selected per request by name
+    (``SamplingParams(logits_processors={"name": {...}})``).
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
-        ``factory`` is a zero-argument callable returning the sampler stage class or object.
+        ``factory`` is a zero-argument callable returning a
+        :class:`~deepinfer_core.sampling.logits_processors.LogitsProcessor` subclass, which the
+        engine instantiates once with ``(vocab_size, device)`` on first use.
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """

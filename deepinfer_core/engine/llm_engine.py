@@ -20,6 +20,7 @@ from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_core.sampling.logits_processors import LogitsProcessor
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 from deepinfer_core.sampling.prompt_logprobs import logit_rows, record_prompt_logprobs
@@ -155,6 +156,7 @@ class LLMEngine:
         self._req_metrics: dict[str, RequestMetrics] = {}
         self.metrics = Metrics(self.runner.capacity_tokens)
         self._structured: dict[str, Any] = {}  # grammar backend (or why not) by name
+        self._processors: dict[str, Any] = {}  # logits processor instance (or why not) by name
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         plugins.engine_started(self)
 
@@ -299,6 +301,8 @@ class LLMEngine:
         error = self._check_prompt(req)
         if error is None and params.structured_outputs is not None:
             error = self._attach_matcher(req)
+        if error is None and params.logits_processors:
+            error = self._attach_processors(req)
         if error is not None:
             req.finish("error", error)
             self._errored.append(req)
@@ -351,6 +355,67 @@ class LLMEngine:
         except Exception as e:
             return f"request {req.request_id!r}: structured outputs: {e}"
         return None
+
+    def _logits_processor(self, name: str) -> LogitsProcessor:
+        """The engine's instance of logits processor ``name`` (built on first use); raises
+        :class:`RuntimeError` naming the registered ones when it is unknown or unavailable."""
+        cached = self._processors.get(name)
+        if cached is None:
+            spec = self.plugins.components["samplers"].get(name)
+            if spec is None:
+                known = sorted(self.plugins.components["samplers"])
+                cached = RuntimeError(f"logits processor {name!r} is not registered (known: {known})")
+            else:
+                available, reason = spec.availability()
+                if not available:
+                    cached = RuntimeError(f"logits processor {name!r} is unavailable: {reason}")
+                else:
+                    try:
+                        cached = spec.factory()(self.model_config.vocab_size, self.runner.device)
+                    except Exception as e:
+                        cached = RuntimeError(f"logits processor {name!r} failed to start: {e}")
+            self._processors[name] = cached
+        if isinstance(cached, Exception):
+            raise cached
+        return cached
+
+    def _attach_processors(self, req: Request) -> str | None:
+        """Register ``req`` with the logits processors it selects; the error message if one is
+        unknown or rejects its arguments (the processors it already joined release it)."""
+        assert req.params.logits_processors is not None
+        for name, args in req.params.logits_processors.items():
+            try:
+                self._logits_processor(name).add_request(req.request_id, args, req.prompt_token_ids)
+            except Exception as e:
+                self._release_processors(req)
+                return f"request {req.request_id!r}: logits processor {name!r}: {e}"
+            req.logits_processors.append(name)
+        return None
+
+    def _release_processors(self, req: Request) -> None:
+        """Tell the processors ``req`` joined that it is finished (once)."""
+        names, req.logits_processors = req.logits_processors, []
+        for name in names:
+            self._processors[name].remove_request(req.request_id)
+
+    def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Feed each processor its requests' new tokens, then run it once on the batch (rows of
+        other requests as ``None``), in each request's order of selection."""
+        order: list[str] = []
+        for req in requests:
+            if req.logits_processors:
+                new = req.output_token_ids[req.processed_tokens :]
+                req.processed_tokens = len(req.output_token_ids)
+                for name in req.logits_processors:
+                    if new:
+                        self._processors[name].on_tokens(req.request_id, new)
+                    if name not in order:
+                        order.append(name)
+        with torch.inference_mode():  # the logits are inference tensors: in-place edits allowed
+            for name in order:
+                rows = [r.request_id if name in r.logits_processors else None for r in requests]
+                logits = self._processors[name].apply(logits, rows)
+        return logits
 
     def _structured_allowed(self, batch: SamplingBatch, requests: list[Request]) -> None:
         """Restrict the rows of requests with structured outputs to the tokens their grammar
@@ -461,6 +526,8 @@ class LLMEngine:
         batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
         if any(r.structured_matcher is not None for r in sched.sampling_requests):
             self._structured_allowed(batch, list(sched.sampling_requests))
+        if any(r.logits_processors for r in sched.sampling_requests):
+            logits = self._apply_processors(logits.float(), list(sched.sampling_requests))
         sampled = self.sampler(logits, batch)
         return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
 
@@ -543,6 +610,8 @@ class LLMEngine:
 
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing output of a request (text detokenized, stop token excluded from it)."""
+        if req.logits_processors and req.is_finished:
+            self._release_processors(req)
         want_logprobs = req.params.logprobs is not None
         completion = CompletionOutput(
             index=0,

@@ -65,6 +65,8 @@ class Request:
         self.output_token_ids: list[int] = []
         # grammar state of a request with structured outputs (set by the engine), else None
         self.structured_matcher: Any = None
+        self.logits_processors: list[str] = []  # names of the processors it joined (engine)
+        self.processed_tokens = 0  # output tokens already passed to their on_tokens
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[dict[int, float] | None] | None = (

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_core.errors import SamplingParamsError
+from deepinfer_core.sampling.logits_processors import normalize_processor_args
 
 # vLLM fields that DeepInfer will accept in a later release; named in the error so that users
 # know the option exists but is not implemented yet.
@@ -16,7 +17,6 @@ _NOT_YET = (
     "bad_words",
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
-    "logits_processors",
 )
 
 # vLLM clamps logit biases to this range.
@@ -144,6 +144,10 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of ``text``.
         structured_outputs: a :class:`StructuredOutputsParams` constraining the completion
             (``choice`` / ``regex`` / ``json``), or ``None``.
+        logits_processors: custom logits processors registered by plugins, by name: a dict
+            ``{name: {args}}`` or a list of names (stored as the dict); see
+            :mod:`deepinfer_core.sampling.logits_processors`.  An unknown name fails the request
+            at submission.
 
     Raises:
         SamplingParamsError: an unknown keyword or an invalid value, naming field and value.
@@ -170,6 +174,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logits_processors: dict[str, dict[str, Any]] | None = None
 
     def __init__(
         self,
@@ -194,6 +199,7 @@ class SamplingParams:
         prompt_logprobs: int | None = None,
         skip_special_tokens: bool = True,
         structured_outputs: StructuredOutputsParams | None = None,
+        logits_processors: dict[str, dict[str, Any]] | list[str] | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -228,6 +234,12 @@ class SamplingParams:
         self.prompt_logprobs = prompt_logprobs
         self.skip_special_tokens = skip_special_tokens
         self.structured_outputs = structured_outputs
+        try:
+            self.logits_processors = normalize_processor_args(logits_processors)
+        except ValueError as e:
+            raise SamplingParamsError(
+                f"SamplingParams.logits_processors={logits_processors!r}: {e}"
+            ) from None
         self._validate()
 
     @staticmethod

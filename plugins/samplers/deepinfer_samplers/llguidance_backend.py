@@ -1,16 +1,43 @@
 """The llguidance structured-output backend: ``choice`` / ``regex`` / ``json`` / ``grammar`` -> token masks.
 
 The engine builds one :class:`LLGuidanceBackend` per tokenizer (building llguidance's tokenizer
-costs about a second) and one :class:`LLGuidanceMatcher` per request.
+costs about a second) and one :class:`LLGuidanceMatcher` per request.  The backend keeps a
+bounded LRU cache of compiled grammars keyed by the spec's canonical text, so a repeated spec
+(the common case: many requests with one schema) costs a ``deep_copy()`` of a compiled,
+never-advanced ``llguidance.LLMatcher`` instead of a compile; an invalid spec is cached as its
+error message, so a repeated bad spec fails fast with the same message.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+
+DEFAULT_CACHE_SIZE = 256
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """The compiled-grammar cache's counters (:meth:`LLGuidanceBackend.cache_info`).
+
+    Attributes:
+        hits: :meth:`~LLGuidanceBackend.matcher` calls answered from the cache (a valid spec's
+            copied matcher or an invalid spec's cached error).
+        misses: calls that compiled (including every call while the cache is disabled).
+        size: entries held now (valid and invalid specs).
+        maxsize: the bound (:attr:`LLGuidanceBackend.cache_size`); ``0`` disables the cache.
+    """
+
+    hits: int
+    misses: int
+    size: int
+    maxsize: int
 
 
 class LLGuidanceBackend:
@@ -20,6 +47,11 @@ class LLGuidanceBackend:
         tokenizer: the engine's :class:`~deepinfer_core.tokenizer.Tokenizer` (an HF fast tokenizer).
         vocab_size: the model's vocabulary size (the mask's width).
         eos_token_ids: the model's EOS ids (allowed where the grammar accepts).
+
+    Attributes:
+        cache_size: how many compiled specs the LRU cache keeps (default
+            :data:`DEFAULT_CACHE_SIZE`); set it at any time, ``0`` disables caching.  Lowering it
+            evicts the least recently used entries on the next :meth:`matcher` call.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
@@ -27,24 +59,103 @@ class LLGuidanceBackend:
         self._tok = llguidance.LLTokenizer(
             tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
+        self.cache_size = DEFAULT_CACHE_SIZE
+        # key -> a compiled, never-advanced LLMatcher, or the error message (str) of an invalid spec
+        self._cache: OrderedDict[tuple[str, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
 
     def matcher(self, spec: Any) -> LLGuidanceMatcher:
-        """A fresh matcher for ``spec``; raises :class:`ValueError` when the grammar is invalid."""
-        if spec.choice is not None:
-            grammar = llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in spec.choice)
-            )
-        elif spec.regex is not None:
-            grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
-        elif spec.grammar is not None:
-            grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
-        else:
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
+        """A fresh matcher for ``spec``; raises :class:`ValueError` when the grammar is invalid.
+
+        The compiled grammar comes from the cache when an equal spec (same canonical key, see
+        :func:`cache_key`) was compiled before; every request gets its own ``deep_copy()``.
+        """
+        key = cache_key(spec)
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+            else:
+                self._misses += 1
+        if entry is None:
+            # compile outside the lock (llguidance drops the GIL while it builds the grammar)
+            entry = self._compile(spec)
+            with self._lock:
+                if self.cache_size > 0:
+                    self._cache[key] = entry
+                    self._cache.move_to_end(key)
+                self._evict()
+        if isinstance(entry, str):
+            raise ValueError(entry)
+        return LLGuidanceMatcher(entry.deep_copy(), self.vocab_size)
+
+    def cache_info(self) -> CacheInfo:
+        """The cache's hit / miss counters, its size and bound."""
+        with self._lock:
+            return CacheInfo(self._hits, self._misses, len(self._cache), self.cache_size)
+
+    def cache_clear(self) -> None:
+        """Drop every cached grammar and reset the counters."""
+        with self._lock:
+            self._cache.clear()
+            self._hits = self._misses = 0
+
+    def _evict(self) -> None:
+        while len(self._cache) > max(self.cache_size, 0):
+            self._cache.popitem(last=False)
+
+    def _compile(self, spec: Any) -> Any:
+        """A compiled, never-advanced ``llguidance.LLMatcher`` for ``spec``, or the error message."""
+        try:
+            if spec.choice is not None:
+                grammar = llguidance.LLMatcher.grammar_from_lark(
+                    "start: " + " | ".join(json.dumps(c) for c in spec.choice)
+                )
+            elif spec.regex is not None:
+                grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
+            elif spec.grammar is not None:
+                grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    json_text(spec.json), overrides=json_options(spec)
+                )
+        except ValueError as e:
+            return str(e)
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
-            raise ValueError(m.get_error())
-        return LLGuidanceMatcher(m, self.vocab_size)
+            return m.get_error()
+        return m
+
+
+def json_text(schema: dict[str, Any] | str) -> str:
+    """``schema`` as compact JSON text, its key order kept (llguidance emits an object's
+    properties in the schema's order, so reordering keys would change the grammar); a str that
+    is not valid JSON is returned unchanged (the compile reports it).  Raises :class:`ValueError`
+    for a dict that is not JSON-serialisable."""
+    if isinstance(schema, str):
+        try:
+            return json.dumps(json.loads(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            return schema
+    try:
+        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the JSON schema is not JSON-serialisable: {e}") from None
+
+
+def cache_key(spec: Any) -> tuple[str, ...]:
+    """The canonical cache key of ``spec``: its kind and canonical text, plus the whitespace
+    options for JSON (``json=dict`` and ``json=`` its JSON text share a key)."""
+    if spec.choice is not None:
+        return ("choice", json.dumps(list(spec.choice)))
+    if spec.regex is not None:
+        return ("regex", spec.regex)
+    if spec.grammar is not None:
+        return ("grammar", spec.grammar)
+    return ("json", json_text(spec.json), json.dumps(json_options(spec), sort_keys=True))
 
 
 def lark_grammar(text: str) -> str:

@@ -1,6 +1,6 @@
 """DeepInfer hooks of the ``samplers`` plugin (hooks only; the code lives beside it).
 
-The DSpark registrations are placeholders: NOT IMPLEMENTED YET.  They are reported as
+The DSpark drafter registration is a placeholder: NOT IMPLEMENTED YET.  They are reported as
 unavailable with that reason so that nobody mistakes them for working components.  The
 ``llguidance`` structured-output backend is real (it needs ``deepinfer-samplers[structured]``).
 """
@@ -28,12 +28,17 @@ def _register_placeholder(
 
 @hookimpl
 def deepinfer_register_samplers(register: Callable[..., None]) -> None:
-    """Register the DSpark confidence-scheduled verification stage (placeholder, not implemented)."""
-    _register_placeholder(
-        register,
-        "dspark_verify",
-        "DSpark confidence-scheduled speculative verification",
-        placeholders.not_implemented("sampler 'dspark_verify'"),
+    """Register the ``no_repeat_ngram`` logits processor."""
+
+    def factory() -> Any:
+        from deepinfer_samplers.no_repeat_ngram import NoRepeatNgram
+
+        return NoRepeatNgram
+
+    register(
+        "no_repeat_ngram",
+        factory,
+        description="bans tokens that would repeat an n-gram of prompt + output (HF no_repeat_ngram_size)",
     )
 
 
