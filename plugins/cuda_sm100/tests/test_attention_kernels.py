@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -448,7 +447,6 @@ def interpreter_report() -> dict:
     from deepinfer_cuda_sm100.attention_ops import SMALL
     from deepinfer_cuda_sm100.kernels import _common
 
-    start = time.perf_counter()
     report: dict = {"interpreted": _common.INTERPRETED}
     report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16), (torch.bfloat16,))
     report["tie_break"] = tie_break_problems("cpu")
@@ -459,7 +457,6 @@ def interpreter_report() -> dict:
     report["launches"] += launch_problems(SMALL, torch.bfloat16, "cpu", "fp8")
     report["fp8_dequant"] = fp8_dequant_problems("cpu", (torch.float32, torch.bfloat16))
     report["fp8_cases"] = _fp8_case_count(SMALL)
-    report["seconds"] = time.perf_counter() - start
     return report
 
 
@@ -531,10 +528,6 @@ def test_interpreter_launch_shapes(report):
 
 
 @slow
-def test_interpreter_checks_are_quick(report):
-    assert report["seconds"] < 60, f"the interpreter checks took {report['seconds']:.1f} s"
-
-
 # ---------------------------------------------------------------------------------------------
 # supports (no kernel runs: the predicates only look at the arguments)
 

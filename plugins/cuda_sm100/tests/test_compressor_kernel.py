@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -150,12 +149,10 @@ def interpreter_report() -> dict:
     from deepinfer_cuda_sm100.cases import SMALL
     from deepinfer_cuda_sm100.kernels import _common
 
-    start = time.perf_counter()
     report: dict = {"interpreted": _common.INTERPRETED}
     report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16, torch.float16))
     report["invariance"] = invariance_problems(SMALL, torch.bfloat16, "cpu")
     report["launches"] = launch_problems(torch.float32, "cpu") + launch_problems(torch.bfloat16, "cpu")
-    report["seconds"] = time.perf_counter() - start
     return report
 
 
@@ -194,10 +191,6 @@ def test_interpreter_launch_shapes(report):
 
 
 @slow
-def test_interpreter_checks_are_quick(report):
-    assert report["seconds"] < 20, f"the interpreter checks took {report['seconds']:.1f} s"
-
-
 def test_block_sizes_depend_on_shapes_only():
     from deepinfer_cuda_sm100.kernels.compressor import MAX_DIM, block_sizes
     from deepinfer_cuda_sm100.ops import MAX_ENTRY_DIM

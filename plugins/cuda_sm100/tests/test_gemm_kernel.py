@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -165,12 +164,10 @@ def interpreter_report() -> dict:
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from deepinfer_cuda_sm100.kernels import _common
 
-    start = time.perf_counter()
     report: dict = {"interpreted": _common.INTERPRETED}
     report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16, torch.float16))
     report["launches"] = launch_problems(torch.float32, "cpu") + launch_problems(torch.bfloat16, "cpu")
     report["w8a8"] = w8a8_problems("cpu")
-    report["seconds"] = time.perf_counter() - start
     return report
 
 
@@ -230,10 +227,6 @@ def test_interpreter_w8a8_error_is_bounded(report):
 
 
 @slow
-def test_interpreter_checks_are_quick(report):
-    assert report["seconds"] < 20, f"the interpreter checks took {report['seconds']:.1f} s"
-
-
 # ---------------------------------------------------------------------------------------------
 # launch shapes and supports (no kernel runs)
 
