@@ -36,9 +36,10 @@ if [[ ! -f "$stamp" ]]; then
     editable=(-e ".$EXTRA")
     for p in "${PLUGINS[@]}"; do
         # the cuda_sm100 tests run its Triton kernels in Triton's CPU interpreter: [test] adds triton
-        # the samplers tests run structured outputs through llguidance: [structured] adds it
+        # the samplers tests run structured outputs through llguidance and validate with
+        # jsonschema: [test] adds both
         if [[ -n "$EXTRA" && "$p" == plugins/cuda_sm100 ]]; then editable+=(-e "$p[test]")
-        elif [[ -n "$EXTRA" && "$p" == plugins/samplers ]]; then editable+=(-e "$p[structured]")
+        elif [[ -n "$EXTRA" && "$p" == plugins/samplers ]]; then editable+=(-e "$p[test]")
         else editable+=(-e "$p"); fi
     done
     "${PIP[@]}" "${editable[@]}"

@@ -80,6 +80,7 @@ class LLGuidanceBackend:
                 self._hits += 1
             else:
                 self._misses += 1
+            self._evict()
         if entry is None:
             # compile outside the lock (llguidance drops the GIL while it builds the grammar)
             entry = self._compile(spec)
@@ -104,6 +105,7 @@ class LLGuidanceBackend:
             self._hits = self._misses = 0
 
     def _evict(self) -> None:
+        """Drop least recently used entries over :attr:`cache_size` (under the lock)."""
         while len(self._cache) > max(self.cache_size, 0):
             self._cache.popitem(last=False)
 
@@ -119,9 +121,12 @@ class LLGuidanceBackend:
             elif spec.grammar is not None:
                 grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
             else:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                    json_text(spec.json), overrides=json_options(spec)
-                )
+                schema = json_text(spec.json)
+                if schema == "true":  # the schema that accepts any value; options need an object
+                    schema = "{}"
+                elif schema == "false":
+                    return "the JSON schema false accepts no value"
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
         except ValueError as e:
             return str(e)
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
@@ -208,17 +213,14 @@ class LLGuidanceMatcher:
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def allowed_token_ids(self) -> list[int]:
-        """The ids the grammar allows next (EOS only where it accepts; only EOS once it is finished);
-        empty when the matcher is in an error state."""
-        if self._m.is_error():
-            return []
-        mask = self._m.compute_bitmask()
-        out = []
-        for byte_index, byte in enumerate(mask):
-            if byte:
-                base = byte_index * 8
-                out.extend(base + b for b in range(8) if byte >> b & 1 and base + b < self.vocab_size)
-        return out
+        """The ids :meth:`fill_bitmask` allows, as a list (for inspection and tests)."""
+        import torch
+
+        from deepinfer_core.sampling.penalties import bitmask_words, unpack_bitmask
+
+        row = torch.zeros(bitmask_words(self.vocab_size), dtype=torch.int32)
+        self.fill_bitmask(row)
+        return unpack_bitmask(row[None], self.vocab_size)[0].nonzero().flatten().tolist()
 
     def is_stopped(self) -> bool:
         return self._m.is_stopped()

@@ -325,3 +325,122 @@ UNSUPPORTED: list[tuple[str, dict[str, Any]]] = [
     ("propertyNames", {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}}),
     ("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]}}),
 ]
+
+# --- regular expressions: (name, pattern); the completion must re.fullmatch the pattern (each
+# pattern means the same in llguidance's Rust regex syntax and Python's re) --------------------
+REGEXES: list[tuple[str, str]] = [
+    ("us_phone", r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"),
+    ("iso_date", r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"),
+    ("time_24h", r"([01][0-9]|2[0-3]):[0-5][0-9]"),
+    ("hex_literal", r"0x[0-9A-F]{2,8}"),
+    ("alternation_plural", r"(cat|dog|bird)s?"),
+    ("dotted_quad", r"([0-9]{1,3}\.){3}[0-9]{1,3}"),
+    ("signed_decimal", r"[+-]?[0-9]{1,6}(\.[0-9]{1,3})?"),
+    ("identifier", r"[A-Za-z_][A-Za-z0-9_]{0,11}"),
+    ("csv_ints", r"[0-9]{1,3}(,[0-9]{1,3}){0,4}"),
+    ("simple_email", r"[a-z]{1,8}@[a-z]{1,8}\.(com|org|net)"),
+    ("semver", r"(0|[1-9][0-9]?)\.(0|[1-9][0-9]?)\.(0|[1-9][0-9]?)(-(alpha|beta|rc)(\.[0-9])?)?"),
+    ("quoted", r'"[^"\\\n]{0,10}"'),
+    ("multiline", r"line[0-9]\n(line[0-9]\n){0,2}end"),
+    ("case_insensitive", r"(?i:yes|no)!"),
+    ("uuid_lower", r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"),
+    ("unbounded_letters", r"[a-z]+"),
+]
+
+
+def _is_arithmetic(text: str) -> bool:
+    """``text`` is an arithmetic expression of integer literals, + - * / and parentheses."""
+    import ast
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return False
+    allowed = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div)
+    return all(isinstance(node, allowed) for node in ast.walk(tree)) and "**" not in text
+
+
+def _is_balanced(text: str) -> bool:
+    """``text`` is a (possibly empty) sequence of balanced ``()`` / ``[]`` groups."""
+    stack: list[str] = []
+    for ch in text:
+        if ch in "([":
+            stack.append(")" if ch == "(" else "]")
+        elif not stack or stack.pop() != ch:
+            return False
+    return not stack
+
+
+def _is_result_json(text: str) -> bool:
+    import json
+
+    if not text.startswith("Result: "):
+        return False
+    try:
+        value = json.loads(text[len("Result: ") :])
+    except ValueError:
+        return False
+    return isinstance(value, dict) and set(value) == {"n"} and type(value["n"]) is int
+
+
+_ARITH_LARK = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /0|[1-9][0-9]{0,2}/
+"""
+
+_ARITH_GBNF = r"""
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= number | "(" expr ")"
+number ::= "0" | [1-9] [0-9]{0,2}
+"""
+
+# --- grammars: (name, Lark or GBNF text, check); check is a regex the completion must
+# re.fullmatch, or a predicate on the completion ---------------------------------------------
+GRAMMARS: list[tuple[str, str, Any]] = [
+    ("lark_arith", _ARITH_LARK, _is_arithmetic),
+    ("gbnf_arith", _ARITH_GBNF, _is_arithmetic),
+    ("lark_balanced", 'start: group*\ngroup: "(" group* ")" | "[" group* "]"', _is_balanced),
+    (
+        "lark_key_values",
+        'start: item ("," item)*\nitem: KEY "=" VALUE\nKEY: /[a-z]{1,4}/\nVALUE: /[0-9]{1,3}/',
+        r"[a-z]{1,4}=[0-9]{1,3}(,[a-z]{1,4}=[0-9]{1,3})*",
+    ),
+    (
+        "lark_sql_select",
+        'start: "SELECT " cols " FROM " TABLE ";"\ncols: COL (", " COL)*\nCOL: "id" | "name" | "age"\n'
+        "TABLE: /[a-z]{2,6}/",
+        r"SELECT (id|name|age)(, (id|name|age))* FROM [a-z]{2,6};",
+    ),
+    (
+        "lark_embedded_json",
+        'start: "Result: " %json {"type": "object", "properties": {"n": {"type": "integer"}}, '
+        '"required": ["n"], "additionalProperties": false, "x-guidance": {"whitespace_flexible": false, '
+        '"item_separator": ",", "key_separator": ":"}}',
+        _is_result_json,
+    ),
+    ("lark_repeat_range", 'start: item ~ 2..3 "."\nitem: "ab" | "cd"', r"(ab|cd){2,3}\."),
+    ("lark_case_insensitive", 'start: "select"i " " /[a-z]{1,5}/', r"(?i:select) [a-z]{1,5}"),
+    ("lark_optional", 'start: "a" ["b"] "c"? "d"', r"ab?c?d"),
+    (
+        "lark_ignore_spaces",
+        'start: NUM ("+" NUM)*\nNUM: /[0-9]{1,2}/\n%ignore " "',
+        r" *[0-9]{1,2}( *\+ *[0-9]{1,2})* *",
+    ),
+    ("gbnf_classes", 'root ::= [A-Z] [a-z]{2,5} "-" [0-9]{1,3}', r"[A-Z][a-z]{2,5}-[0-9]{1,3}"),
+    ("gbnf_negated_class", 'root ::= "<" [^<>]{1,8} ">"', r"<[^<>]{1,8}>"),
+    (
+        "gbnf_rules",
+        'root ::= greeting " " name "!"\ngreeting ::= "hi" | "hello" | "hey"\nname ::= [a-z]{1,6}',
+        r"(hi|hello|hey) [a-z]{1,6}!",
+    ),
+    (
+        "gbnf_string_list",
+        'root ::= "[" (item ("," item)*)? "]"\nitem ::= "\\"" [a-z]{1,4} "\\""',
+        r'\[("[a-z]{1,4}"(,"[a-z]{1,4}")*)?\]',
+    ),
+]

@@ -118,7 +118,8 @@ NESTED_SCHEMA = {
 
 
 def _check_nested(obj) -> None:
-    """A small explicit validation of NESTED_SCHEMA (jsonschema is not installed)."""
+    """A small explicit validation of NESTED_SCHEMA (without jsonschema: these tests run without
+    the `test` extra; test_structured_corpus.py validates with it)."""
     assert isinstance(obj, dict) and set(obj) == {"name", "color", "tags", "inner"}, obj
     assert isinstance(obj["name"], str) and len(obj["name"]) <= 8
     assert obj["color"] in ("red", "green", "blue")
