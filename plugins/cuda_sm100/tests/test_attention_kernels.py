@@ -527,7 +527,6 @@ def test_interpreter_launch_shapes(report):
     assert not report["launches"], "\n".join(report["launches"])
 
 
-@slow
 # ---------------------------------------------------------------------------------------------
 # supports (no kernel runs: the predicates only look at the arguments)
 

@@ -226,7 +226,6 @@ def test_interpreter_w8a8_error_is_bounded(report):
     assert not report["w8a8"], "\n".join(report["w8a8"])
 
 
-@slow
 # ---------------------------------------------------------------------------------------------
 # launch shapes and supports (no kernel runs)
 

@@ -312,7 +312,6 @@ def test_interpreter_batch_invariance(report):
     assert not report["invariance"], "\n".join(report["invariance"])
 
 
-@slow
 # ---------------------------------------------------------------------------------------------
 # launch shapes and supports (no kernel runs)
 
