@@ -53,7 +53,6 @@ MAX_ENTRY_DIM = 4096
 PLAIN_WEIGHT_REFUSAL = "plain tensor weight: cuBLAS (the reference) runs dense GEMMs"
 """In ``linear``'s reason for a plain-tensor weight (the FP8 kernel takes only quantised ones)."""
 
-BATCH_INVARIANT_REFUSAL = "batch-invariant mode: the FP8 GEMM's tiles and split-K depend on M"
 
 Verdict = bool | str
 
@@ -260,15 +259,12 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         return True
 
     def linear(x, weight) -> Verdict:
-        from deepinfer_core.ops.modes import batch_invariant_enabled
         from deepinfer_core.weights.quant import FP8_DTYPE, QuantizedTensor
 
         if not isinstance(weight, QuantizedTensor):
             return PLAIN_WEIGHT_REFUSAL
         if weight.fmt != "fp8" or tuple(weight.block) != (128, 128):
             return f"weight is a {weight.fmt} QuantizedTensor with block {weight.block}: needs fp8 128x128"
-        if batch_invariant_enabled():
-            return BATCH_INVARIANT_REFUSAL
         dev = _device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
         if dev is not True:
             return dev

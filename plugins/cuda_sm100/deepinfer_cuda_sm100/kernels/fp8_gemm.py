@@ -14,8 +14,9 @@ Launch shapes, from static shapes only (CUDA-graph capturable, no host syncs):
   of K ranges (chosen from N and K) into an fp32 workspace, summed in a fixed order;
 * prefill (``M > 64``): ``64 x 128`` tiles, no split.
 
-The choice depends on M, so the op is not batch invariant (``supports`` refuses the
-batch-invariant mode).
+The choice depends on M; in batch-invariant mode every call takes the one launch shape
+:data:`INVARIANT_TILE` with no split, so a row's result does not depend on M (the tile's rows
+are computed alike: the same assumption as the mode's ``tile_matmul``).
 
 :func:`linear_fp8_w8a8` (opt-in, not registered): DeepGEMM-style W8A8.  The prologue of each
 K-block quantises the ``x`` tile per token (amax / 448 fp32 scale per ``(row, k-block)``) to
@@ -33,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer_core.ops.modes import batch_invariant_enabled
+
 from ._common import INTERPRETED, cast_to, cdiv
 
 BLOCK_K = 128
@@ -42,6 +45,8 @@ DECODE_MAX_M = 64
 """The largest ``M`` that takes the decode launch (split-K over many programs)."""
 DECODE_TILE = (16, 64)
 PREFILL_TILE = (64, 128)
+INVARIANT_TILE = (64, 64)
+"""The batch-invariant mode's tile: one launch shape for every M, K walked from 0 (no split)."""
 MAX_SPLITS = 8
 TARGET_PROGRAMS = 264
 """Decode: split K until about this many programs run (two per SM of an H200)."""
@@ -50,8 +55,11 @@ _FP32_DOT = tl.constexpr(INTERPRETED)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def launch_shape(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)`` for an ``[m, k] x [k, n]`` GEMM (shapes only)."""
+def launch_shape(m: int, n: int, k: int, invariant: bool = False) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, splits)`` for an ``[m, k] x [k, n]`` GEMM (shapes only); with
+    ``invariant`` (batch-invariant mode) :data:`INVARIANT_TILE` and no split, whatever ``m``."""
+    if invariant:
+        return (*INVARIANT_TILE, 1)
     k_blocks = cdiv(k, BLOCK_K)
     if m <= DECODE_MAX_M:
         bm, bn = DECODE_TILE
@@ -169,7 +177,7 @@ def _run(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool) -
     if scale.dtype != torch.float32:  # ue8m0: a bare power of two, exact in fp32
         scale = scale.float()
     scale = scale.contiguous()
-    bm, bn, splits = launch_shape(m, n, k)
+    bm, bn, splits = launch_shape(m, n, k, invariant=batch_invariant_enabled())
     k_blocks = cdiv(k, BLOCK_K)
     per_split = cdiv(k_blocks, splits)
     splits = cdiv(k_blocks, per_split)
