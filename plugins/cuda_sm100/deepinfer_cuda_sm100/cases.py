@@ -43,6 +43,8 @@ class Shapes:
     """``(K, N)`` of the FP8 ``linear`` cases (V4-Flash's dense projections, or small ones)."""
     linear_tokens: tuple[int, ...] = ()
     """Token counts ``M`` of the ``linear`` cases: decode launches (``M <= 64``) and prefill."""
+    grouped_shape: tuple[int, int, int] = (1, 128, 128)
+    """``(G, K, N)`` of the FP8 ``grouped_linear`` cases (V4-Flash's output projection ``o_a``)."""
 
 
 V4_FLASH = Shapes(
@@ -60,6 +62,7 @@ V4_FLASH = Shapes(
     hca_ratio=128,
     linear_shapes=((4096, 1024), (1024, 32768), (4096, 512), (2048, 4096)),
     linear_tokens=(1, 16, 64, 128),
+    grouped_shape=(8, 4096, 1024),
 )
 SMALL = Shapes(
     hidden=256,
@@ -76,6 +79,7 @@ SMALL = Shapes(
     hca_ratio=8,
     linear_shapes=((256, 128), (128, 384), (384, 256), (320, 192)),
     linear_tokens=(1, 16, 64, 70),
+    grouped_shape=(2, 256, 128),
 )
 
 
@@ -221,8 +225,19 @@ def own_cases(s: Shapes) -> dict[str, object]:
             ((_randn(g, 2, 5, 33, dtype=dtype), _randn(g, 2, 17, 33, dtype=dtype, scale=0.2)), {}),
         ]
 
+    def grouped_linear(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        from deepinfer_core.ops._cases import randn_fp8
+
+        groups, k, n = s.grouped_shape
+        cases = []
+        for i, m in enumerate(s.linear_tokens):
+            w = randn_fp8(g, groups * n, k, scale=k**-0.5, scale_dtype="ue8m0" if i % 2 else "fp32")
+            cases.append(((_randn(g, m, groups, k, dtype=dtype), w), {}))
+        return cases
+
     return {
         "tile_matmul": tile_matmul,
+        "grouped_linear": grouped_linear,
         "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,

@@ -30,8 +30,9 @@ COMPRESSOR_OPS = ("compress_entries",)
 """The KV compressor's entries: pooling, norm, rope and store in one kernel
 (:mod:`deepinfer_cuda_sm100.kernels.compressor`)."""
 
-GEMM_OPS = ("linear",)
-"""The FP8 block-scaled GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`): ``linear`` with a
+GEMM_OPS = ("linear", "grouped_linear")
+"""The FP8 block-scaled GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`): ``linear`` and the
+grouped output projection ``grouped_linear`` (every group in one launch) with a
 :class:`~deepinfer_core.weights.quant.QuantizedTensor` FP8 weight (``keep_quantized``)."""
 
 INVARIANT_OPS = ("tile_matmul",)
@@ -285,6 +286,25 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             (weight.data.stride(-1) == 1, f"weight data has stride {weight.data.stride(-1)} along K"),
         )
 
+    def grouped_linear(x, weight) -> Verdict:
+        from deepinfer_core.weights.quant import QuantizedTensor
+
+        if not isinstance(weight, QuantizedTensor):
+            return PLAIN_WEIGHT_REFUSAL
+        if x.dim() != 3:
+            return f"x has {x.dim()} dims, expected [T, G, K]"
+        ok = linear(x[:, 0], weight)
+        if ok is not True:
+            return ok
+        rows, groups = weight.data.shape[0], x.shape[1]
+        return _first_problem(
+            (groups >= 1 and rows % groups == 0, f"weight rows {rows} do not split into G={groups} groups"),
+            (
+                groups >= 1 and (rows // max(groups, 1)) % 128 == 0,
+                f"group width N={rows // max(groups, 1)} is not a multiple of 128",
+            ),
+        )
+
     def tile_matmul(a, b) -> Verdict:
         dev = _device_checks(interpreted, a=a, b=b)
         if dev is not True:
@@ -305,6 +325,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
     return {
         "tile_matmul": tile_matmul,
         "linear": linear,
+        "grouped_linear": grouped_linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
         "hc_pre": hc_pre,
@@ -330,6 +351,7 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
         "linear": fp8_gemm.linear_fp8,
+        "grouped_linear": fp8_gemm.grouped_linear_fp8,
         "tile_matmul": tile_gemm.tile_matmul,
     }
     from deepinfer_cuda_sm100.attention_ops import attention_ops

@@ -46,9 +46,14 @@ def _impl():
 
 
 def _spec(device: str):
+    """The GEMM ops alone: ``linear`` and the grouped output projection ``grouped_linear``."""
+    from deepinfer_cuda_sm100.ops import GEMM_OPS, load_ops
+
     from deepinfer_core.backends import BackendSpec
 
-    return BackendSpec(name="cuda_sm100_gemm", device_type=device, ops=lambda: {OP: _impl()})
+    return BackendSpec(
+        name="cuda_sm100_gemm", device_type=device, ops=lambda: {op: load_ops()[op] for op in GEMM_OPS}
+    )
 
 
 def _rows(report, mode: str) -> list[dict]:

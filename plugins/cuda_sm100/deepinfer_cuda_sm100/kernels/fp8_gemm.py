@@ -97,11 +97,13 @@ def _fp8_gemm_kernel(
     N,
     K,
     stride_xm,
+    stride_xg,
     stride_wn,
     stride_sn,
     stride_ym,
     stride_split,
     K_BLOCKS_PER_SPLIT: tl.constexpr,
+    GROUP_N: tl.constexpr,
     W8A8: tl.constexpr,
     out_dtype: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -119,6 +121,7 @@ def _fp8_gemm_kernel(
     row_ok = rows < M
     col_ok = cols < N
     n_block = (pid_n * BLOCK_N) // SCALE_BLOCK
+    x_ptr += ((pid_n * BLOCK_N) // GROUP_N) * stride_xg  # grouped: this tile's group of x
     k_blocks = tl.cdiv(K, BLOCK_K)
     kb_start = pid_s * K_BLOCKS_PER_SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -159,14 +162,19 @@ def _fp8_gemm_kernel(
         tl.store(out, cast_to(acc, out_dtype), mask=mask)
 
 
-def _run(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool) -> torch.Tensor:
+def _run(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool, groups: int = 0
+) -> torch.Tensor:
+    """``x [..., K] @ W.T`` (``groups == 0``), or with ``groups`` G: ``x [T, G, K]``, group ``g``
+    of x times rows ``g*N:(g+1)*N`` of W, out ``[T, G*N]`` (one launch for every group)."""
     k = x.shape[-1]
     n = data.shape[0]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    lead = x.shape[:-1] if not groups else x.shape[:1]
+    x2 = x.reshape(-1, k) if not groups else x
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    group_n, stride_xg = (n // groups, x2.stride(1)) if groups else (n, 0)
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
@@ -193,11 +201,13 @@ def _run(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool) -
         n,
         k,
         x2.stride(0),
+        stride_xg,
         data.stride(0),
         scale.stride(0),
         n,
         m * n,
         per_split,
+        GROUP_N=group_n,
         W8A8=w8a8,
         out_dtype=out_dtype,
         BLOCK_M=bm,
@@ -216,6 +226,15 @@ def _run(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool) -
 def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     """``linear(x, weight)`` for an FP8 128x128-block :class:`QuantizedTensor` weight (W8A16)."""
     return _run(x, weight.data, weight.scale, w8a8=False)
+
+
+def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
+    """``grouped_linear(x [T, G, K], weight [G*N, K])`` for an FP8 128x128-block weight, all
+    groups in one launch (each column tile reads its group's slice of x; ``N`` a multiple of
+    the 128-row scale block, so no tile or scale block straddles two groups)."""
+    groups = x.shape[1]
+    y = _run(x, weight.data, weight.scale, w8a8=False, groups=groups)
+    return y.view(x.shape[0], groups, -1)
 
 
 def linear_fp8_w8a8(x: torch.Tensor, weight) -> torch.Tensor:
