@@ -54,9 +54,11 @@ def deepinfer_register_models(register: Any) -> None:
     """Register model architectures by ``model_type`` (the field of the model's ``config.json``).
 
     :param register: call ``register(model_type, factory, description="", is_available=None)``;
-        ``factory`` is a zero-argument callable returning the model's module (it imports
-        lazily, so registering costs nothing); ``is_available`` an optional zero-argument
-        probe returning ``(available, reason)``.
+        ``factory`` is a zero-argument callable returning the architecture's
+        :class:`~deepinfer_core.models.registry.ModelFamily` (it imports lazily, so registering
+        costs nothing); ``is_available`` an optional zero-argument probe returning
+        ``(available, reason)``.  The engine resolves a checkpoint's family by its
+        ``config.json`` ``model_type`` among these (docs/writing-a-model-plugin.md).
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """
@@ -92,7 +94,12 @@ def deepinfer_register_structured_backends(register: Any) -> None:
     """Register structured-output (grammar / JSON schema / regex) backends.
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
-        ``factory`` is a zero-argument callable returning the grammar backend class.
+        ``factory`` is a zero-argument callable returning the grammar backend class, built once
+        per engine as ``cls(tokenizer, vocab_size, eos_token_ids)``; the engine calls its
+        ``matcher(spec)`` per request (a :class:`~deepinfer_core.StructuredOutputsParams`; raise
+        ``ValueError`` for an invalid spec) and, each step, ``fill_bitmasks([(matcher, row)],
+        bitmask)`` to write the allowed tokens of those rows into a packed CPU int32
+        ``[B, ceil(V/32)]`` bitmask; a matcher has ``num_consumed`` and ``consume(token_ids)``.
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """

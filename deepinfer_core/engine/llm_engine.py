@@ -70,6 +70,8 @@ class LLMEngine:
             resolved.
         backend: the chosen :class:`~deepinfer_core.backends.BackendSpec`.
         ops: the resolved :class:`~deepinfer_core.ops.OpTable`.
+        family: the :class:`~deepinfer_core.models.registry.ModelFamily` of the checkpoint's
+            ``model_type``, resolved through the plugins (``deepinfer_register_models``).
         runner: the :class:`~deepinfer_core.engine.model_runner.ModelRunner`.
         tokenizer: the tokenizer, or ``None`` when the model directory has none (then only
             token-id prompts work and ``text`` is empty).
@@ -78,7 +80,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: Any = None):
         from deepinfer_core.backends.resolve import resolve_backend
         from deepinfer_core.engine.model_runner import ModelRunner
-        from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+        from deepinfer_core.models.registry import resolve_family
 
         if plugins is None:
             from deepinfer_core.plugins import get_plugins
@@ -87,9 +89,9 @@ class LLMEngine:
         self.plugins = plugins
         plugins.configure(config)
         model_dir = resolve_model_dir(config.model)
-        model_config = DeepseekV4Config.from_file(model_dir)
+        self.family, model_config = resolve_family(model_dir, plugins)
         self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
-        ratios = [model_config.compress_ratio(i) for i in range(model_config.num_hidden_layers)]
+        ratios = self.family.cache_ratios(model_config)
         quantized_formats = config.resolved_quantized_formats(self.backend.quantized_weights)
         self.config = config.model_copy(
             update={
@@ -105,9 +107,10 @@ class LLMEngine:
         if self.config.batch_invariant:
             self._check_batch_invariance(torch.device(self.config.device).type)
         logger.info(
-            "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
+            "engine: model %s (%s), backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
             "quantised weights kept: %s%s",
             model_dir,
+            self.family.model_type,
             self.backend.name,
             self.config.device,
             self.config.dtype,
@@ -117,7 +120,14 @@ class LLMEngine:
             " (the backend's declaration)" if config.keep_quantized is None else "",
         )
         try:
-            self.runner = ModelRunner(model_dir, self.config, self.ops, quantized_formats=quantized_formats)
+            self.runner = ModelRunner(
+                model_dir,
+                self.config,
+                self.ops,
+                quantized_formats=quantized_formats,
+                family=self.family,
+                model_config=model_config,
+            )
         except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
             if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise
@@ -419,8 +429,9 @@ class LLMEngine:
 
     def _structured_allowed(self, batch: SamplingBatch, requests: list[Request]) -> None:
         """Restrict the rows of requests with structured outputs to the tokens their grammar
-        allows next, as a packed ``[B, ceil(V/32)]`` int32 bitmask the matchers fill in place on
-        the host (sent to the device in one copy, unpacked there by the sampler).
+        allows next, as a packed ``[B, ceil(V/32)]`` int32 bitmask each grammar backend fills in
+        place on the host in one batched call (``fill_bitmasks``), sent to the device in one
+        copy and unpacked there by the sampler.
 
         The matcher first consumes the tokens appended since the last step.  In async mode this
         runs after the step's forward was launched and the previous step completed (see
@@ -430,18 +441,21 @@ class LLMEngine:
         """
         vocab = self.model_config.vocab_size
         bitmask = torch.full((len(requests), bitmask_words(vocab)), -1, dtype=torch.int32)
-        allowed_lists = batch.allowed_token_ids
+        by_backend: dict[str, list[tuple[Any, int]]] = {}
         for i, req in enumerate(requests):
             matcher = req.structured_matcher
-            if matcher is None:
-                continue
-            matcher.consume(req.output_token_ids[matcher.num_consumed :])
-            row = bitmask[i]
-            matcher.fill_bitmask(row)
-            if not bool(row.any()):
-                row[:] = bitmask_of(self.eos_token_ids, vocab)
+            if matcher is not None:
+                matcher.consume(req.output_token_ids[matcher.num_consumed :])
+                by_backend.setdefault(req.params.structured_outputs.backend, []).append((matcher, i))
+        for name, pairs in by_backend.items():  # one batched fill per grammar backend
+            self._structured_backend(name).fill_bitmasks(pairs, bitmask)
+        rows = [i for pairs in by_backend.values() for _, i in pairs]
+        allowed_lists = batch.allowed_token_ids
+        for i in (torch.tensor(rows)[~bitmask[rows].any(dim=1)]).tolist():
+            bitmask[i] = bitmask_of(self.eos_token_ids, vocab)  # the grammar allows nothing: end
+        for i in rows:
             extra = allowed_lists[i] if allowed_lists is not None else None
-            if extra is not None and not any(bitmask_has(row, t) for t in extra):
+            if extra is not None and not any(bitmask_has(bitmask[i], t) for t in extra):
                 allowed_lists[i] = None  # no common token: the grammar's own choice
         batch.token_bitmask = bitmask
 

@@ -65,6 +65,22 @@ class LLGuidanceBackend:
         self._lock = threading.Lock()
         self._hits = 0
         self._misses = 0
+        self._executor = llguidance.LLExecutor()
+
+    def fill_bitmasks(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: Any) -> None:
+        """Fill row ``i`` of ``bitmask`` (a contiguous CPU int32 ``[B, ceil(V/32)]`` tensor) for
+        each ``(matcher, i)``, all rows in one call that llguidance spreads over its threads
+        (:meth:`LLGuidanceMatcher.fill_bitmask` says what a row holds)."""
+        import llguidance.torch
+
+        ready = []
+        for m, i in matchers:
+            if m._m.is_error():
+                bitmask[i].zero_()
+            else:
+                ready.append((m._m, i))
+        if ready:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, ready, bitmask)
 
     def matcher(self, spec: Any) -> LLGuidanceMatcher:
         """A fresh matcher for ``spec``; raises :class:`ValueError` when the grammar is invalid.
