@@ -19,6 +19,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
+from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
 FUSED_OPS = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head")
 """The norm, rope and mHC ops (:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, mhc)."""
@@ -39,7 +40,7 @@ INVARIANT_OPS = ("tile_matmul",)
 """The GEMM of batch-invariant mode (:mod:`deepinfer_cuda_sm100.kernels.tile_gemm`): with it the
 reference's GEMM-bearing ops that this backend leaves to fall back are batch invariant on the GPU."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS
+PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS + ROUTING_OPS
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -361,5 +362,6 @@ def load_ops() -> dict[str, OpImpl]:
         for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
     }
     from deepinfer_cuda_sm100.moe_ops import moe_ops
+    from deepinfer_cuda_sm100.routing_ops import routing_ops
 
-    return {**impls, **attention_ops(), **moe_ops()}
+    return {**impls, **attention_ops(), **moe_ops(), **routing_ops()}
