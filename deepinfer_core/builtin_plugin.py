@@ -3,18 +3,22 @@
 - backend ``reference``: the pure-PyTorch reference implementation of every op; runs on any
   device torch supports, lowest priority (0) so that ``backend="auto"`` prefers any available
   hardware backend.
-- model type ``deepseek_v4``: :mod:`deepinfer_core.models.deepseek_v4`, imported on first use.
+- model type ``deepseek_v4``: the :class:`~deepinfer_core.models.registry.ModelFamily` of
+  :mod:`deepinfer_core.models.deepseek_v4.family`, imported on first use.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from types import ModuleType
+from typing import TYPE_CHECKING
 
 from deepinfer_core.backends.base import BackendSpec
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.ops.registry import OpImpl, all_ops
+
+if TYPE_CHECKING:
+    from deepinfer_core.models.registry import ModelFamily
 
 DEEPINFER_API = ">=1.0,<2"
 
@@ -24,9 +28,9 @@ def _reference_ops() -> dict[str, OpImpl]:
     return {name: OpImpl(fn=spec.reference) for name, spec in all_ops().items()}
 
 
-def _deepseek_v4() -> ModuleType:
-    """The DeepSeek-V4 model package, imported on first use."""
-    return importlib.import_module("deepinfer_core.models.deepseek_v4")
+def _deepseek_v4() -> ModelFamily:
+    """The DeepSeek-V4 model family, imported on first use."""
+    return importlib.import_module("deepinfer_core.models.deepseek_v4.family").FAMILY
 
 
 @hookimpl

@@ -75,7 +75,7 @@ def test_core_registers_reference_backend_and_deepseek_v4():
     assert manager.get_backend("reference").priority == 0
     model = manager.get_component("models", "deepseek_v4")
     assert model.plugin == "core"
-    assert model.factory().__name__ == "deepinfer_core.models.deepseek_v4"
+    assert model.factory().model_type == "deepseek_v4"
 
 
 def test_incompatible_api_range_is_a_load_error_showing_both_versions(caplog):

@@ -70,6 +70,8 @@ class LLMEngine:
             resolved.
         backend: the chosen :class:`~deepinfer_core.backends.BackendSpec`.
         ops: the resolved :class:`~deepinfer_core.ops.OpTable`.
+        family: the :class:`~deepinfer_core.models.registry.ModelFamily` of the checkpoint's
+            ``model_type``, resolved through the plugins (``deepinfer_register_models``).
         runner: the :class:`~deepinfer_core.engine.model_runner.ModelRunner`.
         tokenizer: the tokenizer, or ``None`` when the model directory has none (then only
             token-id prompts work and ``text`` is empty).
@@ -78,7 +80,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, plugins: Any = None):
         from deepinfer_core.backends.resolve import resolve_backend
         from deepinfer_core.engine.model_runner import ModelRunner
-        from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+        from deepinfer_core.models.registry import resolve_family
 
         if plugins is None:
             from deepinfer_core.plugins import get_plugins
@@ -87,9 +89,9 @@ class LLMEngine:
         self.plugins = plugins
         plugins.configure(config)
         model_dir = resolve_model_dir(config.model)
-        model_config = DeepseekV4Config.from_file(model_dir)
+        self.family, model_config = resolve_family(model_dir, plugins)
         self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
-        ratios = [model_config.compress_ratio(i) for i in range(model_config.num_hidden_layers)]
+        ratios = self.family.cache_ratios(model_config)
         quantized_formats = config.resolved_quantized_formats(self.backend.quantized_weights)
         self.config = config.model_copy(
             update={
@@ -105,9 +107,10 @@ class LLMEngine:
         if self.config.batch_invariant:
             self._check_batch_invariance(torch.device(self.config.device).type)
         logger.info(
-            "engine: model %s, backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
+            "engine: model %s (%s), backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
             "quantised weights kept: %s%s",
             model_dir,
+            self.family.model_type,
             self.backend.name,
             self.config.device,
             self.config.dtype,
@@ -117,7 +120,14 @@ class LLMEngine:
             " (the backend's declaration)" if config.keep_quantized is None else "",
         )
         try:
-            self.runner = ModelRunner(model_dir, self.config, self.ops, quantized_formats=quantized_formats)
+            self.runner = ModelRunner(
+                model_dir,
+                self.config,
+                self.ops,
+                quantized_formats=quantized_formats,
+                family=self.family,
+                model_config=model_config,
+            )
         except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
             if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
                 raise

@@ -1,26 +1,25 @@
 """The model runner: loads a checkpoint, owns the model and its cache, runs steps.
 
+The architecture is the :class:`~deepinfer_core.models.registry.ModelFamily` of the
+checkpoint's ``model_type``, registered by a plugin; the runner uses only that interface.
 ``execute(chunks)`` sends the scheduler's chunks to the device as O(batch) scalars and
 block-table deltas (:mod:`~deepinfer_core.engine.step_inputs`), lets the model derive its
-per-token plans there (:mod:`deepinfer_core.models.deepseek_v4.metadata`), runs the model and
-returns the logits of the rows that sample.
+per-token plans there (``Model.step_metadata``), runs the model and returns the logits of the
+rows that sample.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer_core.models.cache_spec import HybridCache, spec_bytes
-from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.metadata import build_metadata
-from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
+from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.modes import batch_invariant_mode
-from deepinfer_core.weights import load_checkpoint
 
 from .batch import SeqChunk
 from .graphs import DeviceGraph, GraphFactory, batch_buckets, device_graph_factory
@@ -45,6 +44,10 @@ class ModelRunner:
         ops: the resolved op table.
         quantized_formats: the weight formats kept quantised (``QUANTIZED_FORMATS`` names);
             ``None`` = from ``config.keep_quantized`` alone (``True``: all, else none).
+        family, model_config: the model family and its parsed config; ``None`` = resolved from
+            ``config.json``'s ``model_type`` through the plugins
+            (:func:`~deepinfer_core.models.registry.resolve_family`).
+        plugins: the plugin manager that resolves the family (default: the process-wide one).
     """
 
     def __init__(
@@ -53,8 +56,17 @@ class ModelRunner:
         config: EngineConfig,
         ops: OpTable,
         quantized_formats: tuple[str, ...] | None = None,
+        *,
+        family: ModelFamily | None = None,
+        model_config: Any = None,
+        plugins: Any = None,
     ):
-        self.model_config = cfg = DeepseekV4Config.from_file(model_dir)
+        if family is None:
+            family, model_config = resolve_family(model_dir, plugins)
+        elif model_config is None:
+            model_config = family.from_file(model_dir)
+        self.family: ModelFamily = family
+        self.model_config = cfg = model_config
         self.device = torch.device(config.device or "cpu")
         self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
         self.ops = ops
@@ -62,8 +74,8 @@ class ModelRunner:
         self._tile_matmul = ops["tile_matmul"]  # the GEMM of batch-invariant mode (ops/modes.py)
         if quantized_formats is None:
             quantized_formats = config.resolved_quantized_formats()
-        weights = load_checkpoint(model_dir, cfg, self.dtype, self.device, keep_quantized=quantized_formats)
-        self.model = DeepseekV4Model(cfg, weights, ops)
+        weights = family.load_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
+        self.model = family.build_model(cfg, weights, ops)
         del weights
         total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
         logger.info(
@@ -73,7 +85,7 @@ class ModelRunner:
             _size(quantized),
             f"kept: {', '.join(quantized_formats)}" if quantized_formats else "keep_quantized off",
         )
-        self.page_size = config.resolved_page_size(self.model.ratios)
+        self.page_size = config.resolved_page_size(family.cache_ratios(cfg))
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.kv_cache_dtype = config.kv_cache_dtype
         specs = self.model.cache_specs(config.kv_cache_dtype)
@@ -120,21 +132,15 @@ class ModelRunner:
         return config.max_num_seqs * -(-self.max_model_len // self.page_size)
 
     def _replay_tail(self, config: EngineConfig) -> int:
-        """Tokens recomputed before a prefix-cache hit to rebuild every layer's window.
-
-        A layer's window KV at position ``p`` is exact once the layer below is exact over
-        ``[p - W + 1, p]``, so the receptive field grows by one window per windowed layer:
-        the exact V4 bound is ``align(align(W, P) + (N - 1) * W, P)`` with ``N`` windowed
-        layers and page size ``P``.  ``config.replay_tail`` overrides it (rounded up to a
-        page; a shorter tail gives an approximate window, as V4.1's decoder-side tail does).
+        """Tokens recomputed before a prefix-cache hit to rebuild every layer's window: the
+        family's exact bound (``ModelFamily.replay_tail``; for V4 one window per windowed
+        layer, page-aligned).  ``config.replay_tail`` overrides it (rounded up to a page; a
+        shorter tail gives an approximate window, as V4.1's decoder-side tail does).
         """
-        p, w = self.page_size, self.model_config.sliding_window
-        n = self.model_config.num_hidden_layers  # every V4 layer has a sliding window
-
-        def align(x: int) -> int:
-            return -(-x // p) * p
-
-        return align(config.replay_tail) if config.replay_tail is not None else align(align(w) + (n - 1) * w)
+        p = self.page_size
+        if config.replay_tail is not None:
+            return -(-config.replay_tail // p) * p
+        return self.family.replay_tail(self.model_config, p)
 
     @property
     def capacity_tokens(self) -> int:
@@ -170,14 +176,7 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Derive the step's plans on the device and run the model: the work a graph records."""
-        md = build_metadata(
-            inputs,
-            self.model_config.sliding_window,
-            self.model.ratios,
-            self.page_size,
-            self.kv_cache.num_slots,
-            self.cache.trash_page,
-        )
+        md = self.model.step_metadata(inputs, self.page_size, self.kv_cache.num_slots, self.cache.trash_page)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.forward(md, self.cache)
 

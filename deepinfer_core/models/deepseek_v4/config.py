@@ -4,11 +4,19 @@ Accepts both the HF-transformers layout (``layer_types``, ``compress_rates``,
 ``mlp_layer_types``, nested ``rope_parameters``) and the native DeepSeek layout
 (``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``, flat ``rope_scaling``),
 normalising to one form.  Validation errors name the offending field.
+
+:meth:`DeepseekV4Config.from_dict` checks ``model_type`` (``deepseek_v4``) and requires every
+field that decides a tensor or cache shape (:data:`SHAPE_FIELDS`, each satisfied by one of its
+layouts' names); a missing one is an error naming it and the file.  The other fields (norm
+epsilons, rope thetas and scaling, routing constants, token ids, ``max_position_embeddings``)
+keep V4-Flash defaults.  Keys this config does not know are accepted and listed once per
+parse at DEBUG level on ``deepinfer.model``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,6 +29,52 @@ CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+MODEL_TYPE = "deepseek_v4"
+
+SHAPE_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("vocab_size",),
+    ("hidden_size",),
+    ("moe_intermediate_size",),
+    ("num_hidden_layers",),
+    ("num_attention_heads",),
+    ("head_dim",),
+    ("q_lora_rank",),
+    ("o_lora_rank",),
+    ("o_groups",),
+    ("n_routed_experts",),
+    ("n_shared_experts",),
+    ("num_experts_per_tok",),
+    ("hc_mult",),
+    ("sliding_window",),
+    ("index_n_heads",),
+    ("index_head_dim",),
+    ("index_topk",),
+    ("layer_types", "compress_ratios"),
+    ("mlp_layer_types", "num_hash_layers"),
+    ("partial_rotary_factor", "qk_rope_head_dim"),
+)
+"""Fields that decide shapes, each as the names that can give it (HF layout first, then
+native); with HF ``layer_types``, the rate of each compressed type present is required too
+(``compress_rates`` or ``compress_rate_csa`` / ``compress_rate_hca``)."""
+
+# names of the native layout (and of HF's derived fields) consumed by the normalisation, and
+# HF's bookkeeping keys: known, so not listed as unknown
+_LAYOUT_KEYS = frozenset(
+    {
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "compress_ratios",
+        "compress_rate_csa",
+        "compress_rate_hca",
+        "num_hash_layers",
+        "qk_rope_head_dim",
+        "rope_parameters",
+        "rope_scaling",
+    }
+)
+
+logger = logging.getLogger("deepinfer.model")
 
 
 class RopeParams(BaseModel):
@@ -38,21 +92,25 @@ class RopeParams(BaseModel):
 
 
 class DeepseekV4Config(BaseModel):
-    """Architecture hyper-parameters of a DeepSeek-V4 checkpoint (HF field names)."""
+    """Architecture hyper-parameters of a DeepSeek-V4 checkpoint (HF field names).
+
+    Fields without a default decide shapes (:data:`SHAPE_FIELDS`); build one with
+    :meth:`from_dict` / :meth:`from_file`, which check them and ``model_type`` first.
+    """
 
     model_config = ConfigDict(extra="ignore")
     model_type: str = "deepseek_v4"
-    vocab_size: int = 129280
-    hidden_size: int = 4096
-    moe_intermediate_size: int = 2048
-    num_hidden_layers: int = 43
-    num_attention_heads: int = 64
+    vocab_size: int
+    hidden_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
     num_key_value_heads: int = 1
-    head_dim: int = 512
-    q_lora_rank: int = 1024
-    num_experts_per_tok: int = 6
-    n_routed_experts: int = 256
-    n_shared_experts: int = 1
+    head_dim: int
+    q_lora_rank: int
+    num_experts_per_tok: int
+    n_routed_experts: int
+    n_shared_experts: int
     scoring_func: Literal["sqrtsoftplus", "softmax", "sigmoid"] = "sqrtsoftplus"
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.5
@@ -62,16 +120,16 @@ class DeepseekV4Config(BaseModel):
     layer_types: list[str]
     compress_rates: dict[str, int]
     mlp_layer_types: list[str]
-    hc_mult: int = 4
+    hc_mult: int
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     swiglu_limit: float = 10.0
-    sliding_window: int = 128
-    o_groups: int = 8
-    o_lora_rank: int = 1024
-    index_n_heads: int = 64
-    index_head_dim: int = 128
-    index_topk: int = 512
+    sliding_window: int
+    o_groups: int
+    o_lora_rank: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
     num_nextn_predict_layers: int = 1
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
@@ -91,8 +149,8 @@ class DeepseekV4Config(BaseModel):
         if not isinstance(data, dict):
             return data
         d = dict(data)
-        n = int(d.get("num_hidden_layers", cls.model_fields["num_hidden_layers"].default))
-        rates = dict(d.get("compress_rates") or {CSA: 4, HCA: 128})
+        n = int(d.get("num_hidden_layers") or 0)  # required: a missing one is reported below
+        rates = {CSA: 4, HCA: 128, **(d.get("compress_rates") or {})}
         if "compress_rate_csa" in d:
             rates[CSA] = d.pop("compress_rate_csa")
         if "compress_rate_hca" in d:
@@ -101,6 +159,9 @@ class DeepseekV4Config(BaseModel):
         ratios = d.pop("compress_ratios", None)
         if d.get("layer_types") is None and ratios is not None:
             inv = {0: SLIDING, rates[CSA]: CSA, rates[HCA]: HCA, **_RATIO_TO_TYPE}
+            bad = sorted({int(r) for r in ratios[:n]} - set(inv))
+            if bad:
+                raise ValueError(f"compress_ratios has {bad}, neither 0 nor a CSA/HCA rate of {rates}")
             d["layer_types"] = [inv[int(r)] for r in ratios[:n]]
         if d.get("layer_types") is None:
             inter = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
@@ -108,7 +169,7 @@ class DeepseekV4Config(BaseModel):
         if d.get("mlp_layer_types") is None:
             n_hash = int(d.pop("num_hash_layers", 3))
             d["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-        head_dim = int(d.get("head_dim", 512))
+        head_dim = int(d.get("head_dim") or 512)
         if d.get("partial_rotary_factor") is None:
             rope_dim = d.pop("qk_rope_head_dim", None)
             d["partial_rotary_factor"] = (rope_dim / head_dim) if rope_dim is not None else 64 / 512
@@ -170,7 +231,12 @@ class DeepseekV4Config(BaseModel):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV4Config:
-        """Parse and validate; raise :class:`ConfigError` naming ``source`` and the bad field."""
+        """Parse and validate; raise :class:`ConfigError` naming ``source`` and the bad field.
+
+        ``model_type`` must be ``deepseek_v4`` and every :data:`SHAPE_FIELDS` entry present;
+        unknown keys are listed at DEBUG level.
+        """
+        _check_keys(data, source)
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -191,6 +257,35 @@ class DeepseekV4Config(BaseModel):
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p} is not valid JSON: {e}") from None
-        if "text_config" in data and data.get("model_type") != "deepseek_v4":
+        if "text_config" in data and data.get("model_type") != MODEL_TYPE:
             data = data["text_config"]
         return cls.from_dict(data, source=str(p))
+
+
+def _check_keys(data: dict[str, Any], source: str) -> None:
+    """``model_type`` and the shape fields of ``data`` checked; its unknown keys logged."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid DeepSeek-V4 config in {source}: expected a JSON object")
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise ConfigError(f"{source} has no model_type; a DeepSeek-V4 config says model_type {MODEL_TYPE!r}")
+    if model_type != MODEL_TYPE:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not a DeepSeek-V4 config (expected {MODEL_TYPE!r})"
+        )
+    missing = [
+        " or ".join(names) for names in SHAPE_FIELDS if not any(data.get(n) is not None for n in names)
+    ]
+    if data.get("compress_ratios") is None and isinstance(data.get("layer_types"), list):
+        rates = data.get("compress_rates") or {}
+        for kind, flat in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
+            if kind in data["layer_types"] and rates.get(kind) is None and data.get(flat) is None:
+                missing.append(f"compress_rates[{kind!r}] or {flat}")
+    if missing:
+        raise ConfigError(
+            f"invalid DeepSeek-V4 config in {source}: missing {', '.join(missing)} "
+            "(fields that decide the model's shapes have no default)"
+        )
+    unknown = sorted(k for k in data if k not in DeepseekV4Config.model_fields and k not in _LAYOUT_KEYS)
+    if unknown:
+        logger.debug("%s: keys a DeepSeek-V4 config does not use, ignored: %s", source, ", ".join(unknown))

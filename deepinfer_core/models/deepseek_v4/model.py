@@ -11,13 +11,14 @@ import logging
 
 import torch
 
+from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import QuantizedTensor, Weight
 
 from .attention import Attention
 from .config import DeepseekV4Config
-from .metadata import StepMetadata
+from .metadata import StepMetadata, build_metadata
 from .moe import MoE
 from .rope import inv_freq
 
@@ -127,6 +128,12 @@ class DeepseekV4Model:
         """Per layer, the caches it keeps between steps; ``kv_cache_dtype="fp8"`` stores the
         attention KV caches (window ring, compressed entries) packed (see ``EngineConfig``)."""
         return [layer.attn.cache_specs(kv_cache_dtype) for layer in self.layers]
+
+    def step_metadata(
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int
+    ) -> StepMetadata:
+        """The step's per-token plans (:func:`~.metadata.build_metadata`), derived on the device."""
+        return build_metadata(inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page)
 
     @torch.inference_mode()
     def forward(self, md: StepMetadata, cache: HybridCache) -> torch.Tensor:

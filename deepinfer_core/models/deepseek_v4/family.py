@@ -1,0 +1,71 @@
+"""The ``deepseek_v4`` model family: DeepSeek-V4 behind the core's model interface.
+
+Registered by the core's builtin plugin (:mod:`deepinfer_core.builtin_plugin`) through the
+``deepinfer_register_models`` hook, like any third-party architecture; the engine reaches
+the model only through :data:`FAMILY` (see :mod:`deepinfer_core.models.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.models.registry import ModelFamily
+from deepinfer_core.ops import OpTable
+
+from .config import DeepseekV4Config
+
+
+def parse_config(data: dict[str, Any], source: str) -> DeepseekV4Config:
+    """Validate ``config.json``'s dict; :class:`ConfigError` naming ``source`` and the field."""
+    return DeepseekV4Config.from_dict(data, source=source)
+
+
+def load_weights(
+    model_dir: Path, cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+) -> dict[str, Any]:
+    """HF-named tensors of the checkpoint, validated against the parameter inventory."""
+    from deepinfer_core.weights import load_checkpoint
+
+    return load_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
+
+
+def build_model(cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable) -> Any:
+    """The :class:`~.model.DeepseekV4Model` over ``weights`` (which it takes over)."""
+    from .model import DeepseekV4Model
+
+    return DeepseekV4Model(cfg, weights, ops)
+
+
+def cache_ratios(cfg: DeepseekV4Config) -> list[int]:
+    """The compress ratios of the CSA / HCA layers (a page holds whole entries of each)."""
+    return sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+
+
+def replay_tail(cfg: DeepseekV4Config, page_size: int) -> int:
+    """Tokens recomputed before a prefix-cache hit to rebuild every layer's window exactly.
+
+    A layer's window KV at position ``p`` is exact once the layer below is exact over
+    ``[p - W + 1, p]``, so the receptive field grows by one window per windowed layer (every
+    V4 layer has one): ``align(align(W, P) + (N - 1) * W, P)`` with ``N`` layers, page ``P``.
+    """
+    w, n = cfg.sliding_window, cfg.num_hidden_layers
+
+    def align(x: int) -> int:
+        return -(-x // page_size) * page_size
+
+    return align(align(w) + (n - 1) * w)
+
+
+FAMILY = ModelFamily(
+    model_type="deepseek_v4",
+    parse_config=parse_config,
+    load_weights=load_weights,
+    build_model=build_model,
+    cache_ratios=cache_ratios,
+    replay_tail=replay_tail,
+    description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
+)

@@ -1,0 +1,183 @@
+"""Model families: the interface between the engine and an architecture.
+
+An architecture is a plugin of the core.  A plugin registers it by ``model_type`` (the field
+of the checkpoint's ``config.json``) through the ``deepinfer_register_models`` hook, with a
+zero-argument factory returning a :class:`ModelFamily`::
+
+    @hookimpl
+    def deepinfer_register_models(register):
+        register("my_arch", lambda: MY_FAMILY, description="...")
+
+The engine reads ``config.json``, resolves the family of its ``model_type``
+(:func:`resolve_family`) and uses only this interface: the family parses the config
+(:class:`ModelConfig`), loads the weights and builds the model (:class:`Model`), and states
+the cache geometry the scheduler needs (compress ratios, replay tail).  The core's own
+``deepseek_v4`` family is :data:`deepinfer_core.models.deepseek_v4.family.FAMILY`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from deepinfer_core.errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.step_inputs import StepInputs
+    from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+    from deepinfer_core.ops import OpTable
+
+PLUGIN_HINT = "a plugin registering it through the deepinfer_register_models hook would add it"
+
+
+class ModelConfig(Protocol):
+    """What the engine reads from a parsed model config (anything else is the family's own)."""
+
+    model_type: str
+    vocab_size: int
+    max_position_embeddings: int
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The EOS ids of ``config.json`` (the tokenizer's are added by the engine)."""
+        ...
+
+
+class Model(Protocol):
+    """What the model runner calls on a built model."""
+
+    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[list[CacheSpec]]:
+        """Per layer, the caches it keeps between steps (:mod:`~deepinfer_core.models.cache_spec`)."""
+        ...
+
+    def step_metadata(self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int) -> Any:
+        """The step's per-token plans, derived on the device from ``inputs`` (graph-capturable)."""
+        ...
+
+    def forward(self, md: Any, cache: HybridCache) -> torch.Tensor:
+        """Run one step; float32 logits of the sampling rows."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held."""
+        ...
+
+    def quantized_weight_bytes(self) -> int:
+        """The part of :meth:`weight_bytes` held quantised."""
+        ...
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One architecture, as the engine uses it.
+
+    Attributes:
+        model_type: the ``config.json`` ``model_type`` it serves.
+        parse_config: ``(data, source) -> ModelConfig``; raises :class:`ConfigError` naming
+            ``source`` (the file) and the bad or missing field.
+        load_weights: ``(model_dir, cfg, dtype, device, keep_quantized) -> {name: weight}``
+            (``keep_quantized``: the ``QUANTIZED_FORMATS`` names to keep quantised).
+        build_model: ``(cfg, weights, ops) -> Model``.
+        cache_ratios: ``cfg -> ratios``: every page must hold whole entries of each (the
+            default page size is a multiple of all of them); ``[]`` for a model without
+            compressed caches.
+        replay_tail: ``(cfg, page_size) -> tokens`` recomputed before a prefix-cache hit to
+            rebuild the sliding-window caches exactly (0 for a model without windows).
+        description: one line for ``deepinfer plugins``.
+    """
+
+    model_type: str
+    parse_config: Callable[[dict[str, Any], str], ModelConfig]
+    load_weights: Callable[[Path, Any, torch.dtype, torch.device, Collection[str]], dict[str, Any]]
+    build_model: Callable[[Any, dict[str, Any], OpTable], Model]
+    cache_ratios: Callable[[Any], list[int]]
+    replay_tail: Callable[[Any, int], int]
+    description: str = ""
+
+    def from_file(self, model_dir: str | Path) -> Any:
+        """Parse ``config.json`` (or a directory holding it), checking its ``model_type``."""
+        data, path = read_config_json(model_dir)
+        data = _text_config(data, {self.model_type})
+        model_type = data.get("model_type")
+        if model_type != self.model_type:
+            raise ConfigError(f"{path}: model_type is {model_type!r}, expected {self.model_type!r}")
+        return self.parse_config(data, str(path))
+
+
+def read_config_json(model_dir: str | Path) -> tuple[dict[str, Any], Path]:
+    """The ``config.json`` of ``model_dir`` (or that file itself) as a dict, and its path."""
+    p = Path(model_dir)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"no config.json at {p}: a model directory needs config.json and safetensors")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a JSON object, got {type(data).__name__}")
+    return data, p
+
+
+def _text_config(data: dict[str, Any], known: Collection[str]) -> dict[str, Any]:
+    """A wrapper config (``text_config`` of a multimodal checkpoint) unwrapped when its own
+    ``model_type`` is not a known family and the text config's is."""
+    inner = data.get("text_config")
+    if data.get("model_type") not in known and isinstance(inner, dict) and inner.get("model_type") in known:
+        return inner
+    return data
+
+
+def get_family(plugins: Any, model_type: str, source: str = "config.json") -> ModelFamily:
+    """The registered family of ``model_type``; a one-line :class:`ConfigError` listing the
+    registered families when none is."""
+    registry = plugins.components["models"]
+    if model_type not in registry and ("models", model_type) not in plugins.clashes:
+        raise ConfigError(
+            f"{source}: model_type {model_type!r} is not supported; registered model families: "
+            f"{sorted(registry) or 'none'} ({PLUGIN_HINT})"
+        )
+    spec = plugins.get_component("models", model_type)  # raises naming both plugins on a clash
+    available, reason = spec.availability()
+    if not available:
+        raise ConfigError(
+            f"{source}: model family {model_type!r} (plugin {spec.plugin!r}) is unavailable: {reason}"
+        )
+    family = spec.factory()
+    if not isinstance(family, ModelFamily) or family.model_type != model_type:
+        raise PluginError(
+            f"plugin {spec.plugin!r} registered model_type {model_type!r} with a factory returning "
+            f"{family!r}; expected a ModelFamily with model_type {model_type!r}"
+        )
+    return family
+
+
+def resolve_family(model_dir: str | Path, plugins: Any = None) -> tuple[ModelFamily, Any]:
+    """The family of ``model_dir``'s ``config.json`` (by its ``model_type``) and the parsed config.
+
+    Args:
+        model_dir: the checkpoint directory (or its ``config.json``).
+        plugins: the plugin manager (default: the process-wide one).
+    """
+    if plugins is None:
+        from deepinfer_core.plugins import get_plugins
+
+        plugins = get_plugins()
+    data, path = read_config_json(model_dir)
+    data = _text_config(data, plugins.components["models"])
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise ConfigError(
+            f"{path} has no model_type; set it to one of the registered model families: "
+            f"{sorted(plugins.components['models'])}"
+        )
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{path}: model_type must be a string, got {model_type!r}")
+    family = get_family(plugins, model_type, str(path))
+    return family, family.parse_config(data, str(path))
