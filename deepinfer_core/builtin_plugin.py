@@ -58,3 +58,15 @@ def deepinfer_register_models(register: Callable[..., None]) -> None:
         _deepseek_v4,
         description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
     )
+
+
+def _fcfs() -> type:
+    from deepinfer_core.engine.scheduler import Scheduler
+
+    return Scheduler
+
+
+@hookimpl
+def deepinfer_register_schedulers(register: Callable[..., None]) -> None:
+    """Register the core's first-come-first-served scheduler (``scheduler="fcfs"``)."""
+    register("fcfs", _fcfs, description="first come, first served; preempts the newest running request")

@@ -146,6 +146,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", default=None, help="enforce_eager=True: no device graphs"
     )
+    parser.add_argument("--scheduler", help="request scheduler by registered name (default fcfs)")
     parser.add_argument(
         "--keep-quantized",
         action=argparse.BooleanOptionalAction,
@@ -162,7 +163,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
         "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
-        "keep_quantized", "log_level",
+        "scheduler", "keep_quantized", "log_level",
     )  # fmt: skip
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 

@@ -95,6 +95,9 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = False
     """Make a request's logits and logprobs bitwise independent of the rest of the batch and of
     the prefill chunk size (slower: fixed-shape tiles for every reduction)."""
+    scheduler: str = "fcfs"
+    """Request scheduler by registered name (``deepinfer_register_schedulers``); the core's
+    ``fcfs`` admits waiting requests first come, first served, preempting the newest."""
     enforce_eager: bool = False
     """Never capture device graphs: run every step eagerly.  By default a backend that supports
     graph capture on a device with a graph runtime (CUDA) runs decode steps as graphs."""
@@ -148,6 +151,13 @@ class EngineConfig(BaseModel):
     def _backend(cls, value: str) -> str:
         if not value:
             raise ValueError("must be 'auto', 'reference' or a registered backend name")
+        return value
+
+    @field_validator("scheduler")
+    @classmethod
+    def _scheduler(cls, value: str) -> str:
+        if not value:
+            raise ValueError("must be a registered scheduler name ('fcfs' is the core's)")
         return value
 
     @model_validator(mode="after")

@@ -107,10 +107,12 @@ def deepinfer_register_structured_backends(register: Any) -> None:
 
 @hookspec
 def deepinfer_register_schedulers(register: Any) -> None:
-    """Register request schedulers (selected by name in the engine configuration).
+    """Register request schedulers, selected by ``EngineConfig.scheduler`` (``--scheduler``).
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
-        ``factory`` is a zero-argument callable returning the scheduler class.
+        ``factory`` is a zero-argument callable returning the scheduler class: a subclass of
+        :class:`~deepinfer_core.engine.scheduler.Scheduler` (same constructor arguments), which
+        typically overrides its admission order or preemption choice.
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """

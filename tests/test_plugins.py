@@ -226,7 +226,7 @@ def test_component_registrations_are_reported_per_plugin_with_availability():
         register("eagle", lambda: "Eagle", is_available=lambda: (False, "needs eagle weights"))
 
     def deepinfer_register_schedulers(register):
-        register("fcfs", lambda: "FCFS")
+        register("priority", lambda: "Priority")
 
     plugin = make_plugin(
         "spec",
@@ -241,7 +241,7 @@ def test_component_registrations_are_reported_per_plugin_with_availability():
         "ngram": (True, None),
         "eagle": (False, "needs eagle weights"),
     }
-    assert [s["name"] for s in row["schedulers"]] == ["fcfs"]
+    assert [s["name"] for s in row["schedulers"]] == ["priority"]
     assert manager.get_component("drafters", "ngram").factory() == "NgramDrafter"
     with pytest.raises(PluginError, match="unknown drafters entry 'nope'"):
         manager.get_component("drafters", "nope")

@@ -148,7 +148,7 @@ class LLMEngine:
             eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]
         self.eos_token_ids = eos
         self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler_class()(
             self.runner.kv_cache,
             self.config.max_num_seqs,
             self.config.max_num_batched_tokens,
@@ -365,6 +365,25 @@ class LLMEngine:
         except Exception as e:
             return f"request {req.request_id!r}: structured outputs: {e}"
         return None
+
+    def _scheduler_class(self) -> type[Scheduler]:
+        """The scheduler class registered as ``config.scheduler``; :class:`ConfigError` naming the
+        registered ones when it is unknown, unavailable or not a :class:`Scheduler`."""
+        name = self.config.scheduler
+        spec = self.plugins.components["schedulers"].get(name)
+        known = sorted(self.plugins.components["schedulers"])
+        if spec is None:
+            raise ConfigError(f"scheduler {name!r} is not registered (known: {known})")
+        available, reason = spec.availability()
+        if not available:
+            raise ConfigError(f"scheduler {name!r} is unavailable: {reason}")
+        cls = spec.factory()
+        if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+            raise ConfigError(
+                f"scheduler {name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
+                "deepinfer_core.engine.scheduler.Scheduler"
+            )
+        return cls
 
     def _logits_processor(self, name: str) -> LogitsProcessor:
         """The engine's instance of logits processor ``name`` (built on first use); raises
