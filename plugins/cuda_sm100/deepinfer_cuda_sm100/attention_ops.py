@@ -28,6 +28,7 @@ import torch
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 
 Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
@@ -110,31 +111,12 @@ def _tensors_of(a) -> list[tuple[str, object]]:
     return [("", a)]
 
 
-def _device_problem(interpreted: bool, named: list[tuple[str, object]]) -> str | None:
-    want = "cpu" if interpreted else "cuda"
-    devices = set()
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is a {type(t).__name__}, not a tensor"
-        if t.device.type != want:
-            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
-            return f"{name} is on {t.device}: the kernels run in {how} on {want} tensors"
-        devices.add(t.device)
-    if len(devices) > 1:
-        return f"inputs are on several devices: {sorted(map(str, devices))}"
-    return None
-
-
-def _is_int_tensor(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-
-
 def _index_problem(name: str, index, t: int) -> str | None:
     """Shape and dtype problems of a ``[T, K]`` row list or a :class:`PagedIndex` of ``t`` queries."""
     if isinstance(index, PagedIndex):
         bt, rows, counts = index.block_table, index.token_rows, index.counts
         for part, x, dims in (("block_table", bt, 2), ("token_rows", rows, 1), ("counts", counts, 1)):
-            if x.dim() != dims or not _is_int_tensor(x):
+            if x.dim() != dims or not is_int_tensor(x):
                 return f"{name}.{part} must be a {dims}-D integer tensor, got {x.dim()}-D {x.dtype}"
         if rows.shape[0] != t or counts.shape[0] != t:
             return f"{name}: token_rows / counts have {rows.shape[0]} / {counts.shape[0]} rows, expected {t}"
@@ -145,7 +127,7 @@ def _index_problem(name: str, index, t: int) -> str | None:
         return None
     if not isinstance(index, torch.Tensor):
         return f"{name} is a {type(index).__name__}, not a tensor or PagedIndex"
-    if index.dim() != 2 or not _is_int_tensor(index):
+    if index.dim() != 2 or not is_int_tensor(index):
         return f"{name} must be a [T, K] integer tensor, got {index.dim()}-D {index.dtype}"
     if index.shape[0] != t:
         return f"{name} has {index.shape[0]} rows, expected T={t}"
@@ -169,7 +151,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             )
         for i, index in enumerate(indices):
             named += [(f"indices[{i}]" + (f".{n}" if n else ""), x) for n, x in _tensors_of(index)]
-        problem = _device_problem(interpreted, named)
+        problem = device_problem(interpreted, named)
         if problem:
             return problem
         if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:
@@ -215,7 +197,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
     def indexer_topk(q, weights, key_pool, candidates, k, scale) -> Verdict:
         named = [("q", q), ("weights", weights), ("key_pool", key_pool)]
         named += [("candidates" + (f".{n}" if n else ""), x) for n, x in _tensors_of(candidates)]
-        problem = _device_problem(interpreted, named)
+        problem = device_problem(interpreted, named)
         if problem:
             return problem
         if q.dim() != 3 or q.dtype not in FLOAT_DTYPES:

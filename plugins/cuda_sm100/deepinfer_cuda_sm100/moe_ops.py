@@ -22,6 +22,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.weights.quant import QuantizedTensor
+from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 
 Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
@@ -63,30 +64,6 @@ SMALL = MoeShapes(hidden=64, inter=32, experts=8, top_k=3, tokens=(1, 5, 19))
 # supports
 
 
-def _device_problem(interpreted: bool, named: list[tuple[str, torch.Tensor]]) -> str | None:
-    want = "cpu" if interpreted else "cuda"
-    devices = set()
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is a {type(t).__name__}, not a tensor"
-        if t.device.type != want:
-            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
-            return f"{name} is on {t.device}: the kernels run in {how} on {want} tensors"
-        devices.add(t.device)
-    if len(devices) > 1:
-        return f"inputs are on several devices: {sorted(map(str, devices))}"
-    if devices and not interpreted:  # Triton launches on the current device
-        (device,) = devices
-        current = torch.cuda.current_device()
-        if device.index is not None and device.index != current:
-            return f"inputs are on {device} but the current CUDA device is cuda:{current}"
-    return None
-
-
-def _is_int(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-
-
 def _stack_tensors(name: str, w) -> list[tuple[str, object]]:
     if isinstance(w, QuantizedTensor):
         return [(f"{name}.data", w.data), (f"{name}.scale", w.scale)]
@@ -123,13 +100,13 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
                 return f"{name} is a {w.fmt} QuantizedTensor: the kernels read FP4 (e2m1) experts"
         named = [("x", x), ("ids", ids), ("weights", weights)]
         named += _stack_tensors("gate_up", gate_up) + _stack_tensors("down", down)
-        problem = _device_problem(interpreted, named)
+        problem = device_problem(interpreted, named)
         if problem:
             return problem
         if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
             return f"x must be [T, D] float32/bfloat16/float16, got {x.dim()}-D {x.dtype}"
         t, d = x.shape
-        if ids.dim() != 2 or not _is_int(ids) or ids.shape[0] != t:
+        if ids.dim() != 2 or not is_int_tensor(ids) or ids.shape[0] != t:
             return f"ids must be a [T={t}, k] integer tensor, got {tuple(ids.shape)} {ids.dtype}"
         k = ids.shape[1]
         if not weights.is_floating_point() or tuple(weights.shape) != (t, k):

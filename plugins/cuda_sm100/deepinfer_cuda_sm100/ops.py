@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops import OpImpl
+from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
@@ -68,24 +69,9 @@ def _first_problem(*checks: tuple[bool, str]) -> Verdict:
 
 
 def _device_checks(interpreted: bool, **tensors: torch.Tensor | None) -> Verdict:
-    """The tensors are on one device of the kind the kernels run on."""
-    want = "cpu" if interpreted else "cuda"
-    present = {name: t for name, t in tensors.items() if t is not None}
-    for name, t in present.items():
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is a {type(t).__name__}, not a tensor"
-        if t.device.type != want:
-            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
-            return f"{name} is on {t.device}: the kernels run in {how} on {want} tensors"
-    devices = {t.device for t in present.values()}
-    if len(devices) > 1:
-        return f"inputs are on several devices: {sorted(map(str, devices))}"
-    if devices and not interpreted:  # Triton launches on the current device
-        (device,) = devices
-        current = torch.cuda.current_device()
-        if device.index is not None and device.index != current:
-            return f"inputs are on {device} but the current CUDA device is cuda:{current}"
-    return True
+    """The given (non-``None``) tensors are on one device of the kind the kernels run on."""
+    present = [(name, t) for name, t in tensors.items() if t is not None]
+    return device_problem(interpreted, present) or True
 
 
 def _activation(name: str, t: torch.Tensor) -> tuple[bool, str]:
@@ -103,7 +89,7 @@ def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, st
 def _int_vector(name: str, t: torch.Tensor, n: int) -> Verdict:
     return _first_problem(
         (
-            not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool,
+            is_int_tensor(t),
             f"{name} dtype {t.dtype} is not an integer dtype",
         ),
         _shape(name, t, (n,)),

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.ops import OpImpl
+from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 
 Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
@@ -62,30 +63,6 @@ SMALL = RouteShapes(experts=256, top_k=6, tokens=(1, 16, 37))
 # supports
 
 
-def _device_problem(interpreted: bool, named: list[tuple[str, object]]) -> str | None:
-    want = "cpu" if interpreted else "cuda"
-    devices = set()
-    for name, t in named:
-        if not isinstance(t, torch.Tensor):
-            return f"{name} is a {type(t).__name__}, not a tensor"
-        if t.device.type != want:
-            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
-            return f"{name} is on {t.device}: the kernel runs in {how} on {want} tensors"
-        devices.add(t.device)
-    if len(devices) > 1:
-        return f"inputs are on several devices: {sorted(map(str, devices))}"
-    if devices and not interpreted:  # Triton launches on the current device
-        (device,) = devices
-        current = torch.cuda.current_device()
-        if device.index is not None and device.index != current:
-            return f"inputs are on {device} but the current CUDA device is cuda:{current}"
-    return None
-
-
-def _is_int(t: torch.Tensor) -> bool:
-    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
-
-
 def _is_number(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
@@ -104,7 +81,7 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
             named.append(("fixed_ids", fixed_ids))
         elif correction_bias is not None:  # hash routing ignores the bias, as the reference
             named.append(("correction_bias", correction_bias))
-        problem = _device_problem(interpreted, named)
+        problem = device_problem(interpreted, named)
         if problem:
             return problem
         if logits.dim() != 2 or logits.dtype not in FLOAT_DTYPES:
@@ -113,7 +90,7 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
         if not 1 <= e <= MAX_EXPERTS:
             return f"{e} experts: 1..{MAX_EXPERTS} are supported (a token's scores are one register row)"
         if fixed_ids is not None:
-            if fixed_ids.dim() != 2 or not _is_int(fixed_ids) or fixed_ids.shape[0] != t:
+            if fixed_ids.dim() != 2 or not is_int_tensor(fixed_ids) or fixed_ids.shape[0] != t:
                 got = f"{tuple(fixed_ids.shape)} {fixed_ids.dtype}"
                 return f"fixed_ids must be a [T={t}, k] integer tensor, got {got}"
             k = fixed_ids.shape[1]

@@ -4,6 +4,8 @@
   on the whole batch or on a slice of it (other batch sizes, other positions in a tile).
 - :func:`graph_replay_problems`: an op captured in a CUDA graph and replayed on new input
   values gives bitwise what an eager call gives.
+- :func:`conformance_rows`: the conformance suite on a backend spec in the default and the
+  batch-invariant mode, flattened into JSON-able rows (the interpreter children report them).
 - :func:`interpreter_report`: run a test module's report in a fresh interpreter with
   ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
   a pytest session that also runs the GPU tests).
@@ -83,6 +85,42 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
             if not torch.equal(got, want):
                 problems.append(f"replay {replay}, output {k}: differs from an eager call")
     return problems
+
+
+def conformance_rows(
+    spec, dtypes: tuple[torch.dtype, ...], bi_dtypes: tuple[torch.dtype, ...] | None = None
+) -> list[dict]:
+    """``check_backend(spec)`` in the default mode (``dtypes``) and the batch-invariant mode
+    (``bi_dtypes``, default ``dtypes``): one row per case (``mode``, ``op``, ``case``, ``status``,
+    ``message``, ``own``), plus a failed ``case="*"`` row per op left untested and per op whose
+    cases all were refused (the reasons as the message)."""
+    from deepinfer_core.ops.modes import batch_invariant_mode
+    from deepinfer_core.testing import check_backend
+
+    rows: list[dict] = []
+    for bi in (False, True):
+        mode = "bi" if bi else "default"
+        with batch_invariant_mode(bi):
+            report = check_backend(spec, dtypes=(bi_dtypes or dtypes) if bi else dtypes)
+        rows += [
+            {
+                "mode": mode,
+                "op": r.op,
+                "case": r.label,
+                "status": r.status,
+                "message": r.message,
+                "own": r.own,
+            }
+            for r in report.results
+        ]
+        failed = [(op, "untested") for op in report.untested_ops] + [
+            (op, str(why)) for op, why in report.never_ran.items()
+        ]
+        rows += [
+            {"mode": mode, "op": op, "case": "*", "status": "failed", "message": why, "own": False}
+            for op, why in failed
+        ]
+    return rows
 
 
 def interpreter_report(script: Path) -> dict:

@@ -54,48 +54,13 @@ def _conformance(
     device: str, dtypes: tuple[torch.dtype, ...], bi_dtypes: tuple[torch.dtype, ...] | None = None
 ) -> list[dict]:
     """The conformance suite in the default mode (``dtypes``) and batch-invariant mode (``bi_dtypes``)."""
+    from cuda_sm100_checks import conformance_rows
     from deepinfer_cuda_sm100.attention_ops import attention_ops
 
     from deepinfer_core.backends import BackendSpec
-    from deepinfer_core.ops.modes import batch_invariant_mode
-    from deepinfer_core.testing import check_backend
 
     spec = BackendSpec(name="cuda_sm100_attention", device_type=device, ops=attention_ops)
-    rows = []
-    for bi in (False, True):
-        with batch_invariant_mode(bi):
-            report = check_backend(spec, dtypes=(bi_dtypes or dtypes) if bi else dtypes)
-        rows += [
-            {
-                "mode": "bi" if bi else "default",
-                "op": r.op,
-                "case": r.label,
-                "status": r.status,
-                "message": r.message,
-            }
-            for r in report.results
-        ]
-        rows += [
-            {
-                "mode": "bi" if bi else "default",
-                "op": op,
-                "case": "*",
-                "status": "failed",
-                "message": "untested",
-            }
-            for op in report.untested_ops
-        ]
-        rows += [
-            {
-                "mode": "bi" if bi else "default",
-                "op": op,
-                "case": "*",
-                "status": "failed",
-                "message": str(why),
-            }
-            for op, why in report.never_ran.items()
-        ]
-    return rows
+    return conformance_rows(spec, dtypes, bi_dtypes)
 
 
 def _moved_conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:

@@ -55,28 +55,12 @@ def _cases(shapes, dtype: torch.dtype, device: str) -> list[tuple]:
 
 def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
     """The conformance suite on the op alone, in the default and the batch-invariant mode."""
+    from cuda_sm100_checks import conformance_rows
+
     from deepinfer_core.backends import BackendSpec
-    from deepinfer_core.ops.modes import batch_invariant_mode
-    from deepinfer_core.testing import check_backend
 
     spec = BackendSpec(name="cuda_sm100_compressor", device_type=device, ops=lambda: {OP: _impl()})
-    rows = []
-    for bi in (False, True):
-        mode = "bi" if bi else "default"
-        with batch_invariant_mode(bi):
-            report = check_backend(spec, dtypes=dtypes)
-        rows += [
-            {"mode": mode, "case": r.label, "status": r.status, "message": r.message} for r in report.results
-        ]
-        rows += [
-            {"mode": mode, "case": "*", "status": "failed", "message": "untested"}
-            for _ in report.untested_ops
-        ]
-        rows += [
-            {"mode": mode, "case": "*", "status": "failed", "message": str(why)}
-            for why in report.never_ran.values()
-        ]
-    return rows
+    return conformance_rows(spec, dtypes)
 
 
 def invariance_problems(shapes, dtype: torch.dtype, device: str) -> list[str]:

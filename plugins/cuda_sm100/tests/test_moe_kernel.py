@@ -72,30 +72,11 @@ def _spec(device: str):
     return BackendSpec(name="cuda_sm100_moe", device_type=device, ops=lambda: {OP: _impl()})
 
 
-def _rows(report, mode: str) -> list[dict]:
-    rows = [
-        {"mode": mode, "case": r.label, "status": r.status, "message": r.message, "own": r.own}
-        for r in report.results
-    ]
-    rows += [{"mode": mode, "case": "*", "status": "failed", "message": "untested", "own": False}] * len(
-        report.untested_ops
-    )
-    rows += [
-        {"mode": mode, "case": "*", "status": "failed", "message": str(why), "own": False}
-        for why in report.never_ran.values()
-    ]
-    return rows
-
-
 def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
     """The conformance suite on the op alone, in the default and the batch-invariant mode."""
-    from deepinfer_core.ops.modes import batch_invariant_mode
-    from deepinfer_core.testing import check_backend
+    from cuda_sm100_checks import conformance_rows
 
-    rows = _rows(check_backend(_spec(device), dtypes=dtypes), "default")
-    with batch_invariant_mode():
-        rows += _rows(check_backend(_spec(device), dtypes=dtypes), "bi")
-    return rows
+    return conformance_rows(_spec(device), dtypes)
 
 
 def _experts(g, e: int, out: int, inp: int, scale: float, kind: str, dtype: torch.dtype, group: int = 32):

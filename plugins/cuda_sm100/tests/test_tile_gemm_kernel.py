@@ -35,16 +35,12 @@ def _impl():
 
 
 def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
+    from cuda_sm100_checks import conformance_rows
+
     from deepinfer_core.backends import BackendSpec
-    from deepinfer_core.testing import check_backend
 
     spec = BackendSpec(name="cuda_sm100_tile", device_type=device, ops=lambda: {OP: _impl()})
-    report = check_backend(spec, dtypes=dtypes)
-    rows = [{"case": r.label, "status": r.status, "message": r.message, "own": r.own} for r in report.results]
-    rows += [
-        {"case": "*", "status": "failed", "message": str(w), "own": False} for w in report.never_ran.values()
-    ]
-    return rows
+    return conformance_rows(spec, dtypes)
 
 
 def invariance_problems(

@@ -1,0 +1,34 @@
+"""Argument checks shared by the ``supports`` predicates of every op module (no Triton import)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def device_problem(interpreted: bool, named: Iterable[tuple[str, object]]) -> str | None:
+    """Why the named arguments are not tensors on one device of the kind the kernels run on
+    (CPU under ``TRITON_INTERPRET=1``, else the current CUDA device), or ``None``."""
+    want = "cpu" if interpreted else "cuda"
+    devices = set()
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            return f"{name} is a {type(t).__name__}, not a tensor"
+        if t.device.type != want:
+            how = "Triton's CPU interpreter (TRITON_INTERPRET=1)" if interpreted else "the GPU"
+            return f"{name} is on {t.device}: the kernels run in {how} on {want} tensors"
+        devices.add(t.device)
+    if len(devices) > 1:
+        return f"inputs are on several devices: {sorted(map(str, devices))}"
+    if devices and not interpreted:  # Triton launches on the current device
+        (device,) = devices
+        current = torch.cuda.current_device()
+        if device.index is not None and device.index != current:
+            return f"inputs are on {device} but the current CUDA device is cuda:{current}"
+    return None
+
+
+def is_int_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds integers (not floating point, complex or bool)."""
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
