@@ -26,33 +26,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from graph_timing import time_graph
 
 REPO = Path(__file__).resolve().parents[3]
 SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
 TOKENS = "1,16,64,128,256,1024,4096,8192"
-
-
-def time_graph(fn: Callable, calls: int, replays: int) -> float | None:
-    """Microseconds per call, replaying a CUDA graph of ``calls`` calls; ``None`` if it fails."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # report, keep going
-        print(f"  ({getattr(fn, '__name__', 'call')} failed: {type(exc).__name__}: {str(exc)[:160]})")
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +110,11 @@ def main() -> None:
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
             }
             times = {
-                name: (time_graph(fn, args.calls_per_graph, args.replays) if fn is not None else None)
+                name: (
+                    time_graph(lambda i, fn=fn: fn(), args.calls_per_graph, args.replays)
+                    if fn is not None
+                    else None
+                )
                 for name, fn in calls.items()
             }
             err = float((linear_fp8(x, w).float() - (x @ dense.t()).float()).abs().max())

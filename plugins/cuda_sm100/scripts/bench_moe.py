@@ -26,39 +26,14 @@ import argparse
 import datetime
 import json
 import platform
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from graph_timing import time_graph
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENS = "1,16,64,128,256"
 LIMIT = 10.0
-
-
-def time_graph(fn: Callable[[int], object], calls: int, replays: int) -> float | None:
-    """Microseconds per call, replaying a CUDA graph of ``fn(0) ... fn(calls - 1)``; ``None`` if
-    it fails."""
-    try:
-        for i in range(calls):
-            fn(i)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(calls):
-                fn(i)
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # report, keep going
-        print(f"  ({getattr(fn, '__name__', 'call')} failed: {type(exc).__name__}: {str(exc)[:160]})")
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def random_fp4(e: int, out: int, inp: int, seed: int):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from graph_timing import time_graph
 
 from deepinfer_core.ops import all_ops
 
@@ -90,29 +91,6 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
     ]
 
 
-def time_graph(fn: Callable, args: tuple, calls: int, replays: int) -> float | None:
-    """Microseconds per call, replaying a CUDA graph of ``calls`` calls; ``None`` if capture fails."""
-    try:
-        fn(*args)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn(*args)
-        graph.replay()
-        torch.cuda.synchronize()
-    except Exception as exc:  # a reference op that cannot be captured: report, keep going
-        print(f"  (graph capture failed: {type(exc).__name__}: {exc})")
-        return None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
-
-
 def time_eager(fn: Callable, args: tuple, iters: int) -> float:
     """Microseconds per call of a plain Python loop of calls (launch overhead included)."""
     for _ in range(5):
@@ -173,8 +151,12 @@ def main() -> None:
                 continue
             row = {"op": op, "shape": label, "tokens": t, "dtype": args.dtype}
             row["max_abs_err"] = max_err(impl.fn(*call_args), ref(*call_args))
-            row["ref_graph_us"] = time_graph(ref, call_args, args.calls_per_graph, args.replays)
-            row["triton_graph_us"] = time_graph(impl.fn, call_args, args.calls_per_graph, args.replays)
+            row["ref_graph_us"] = time_graph(
+                lambda i, f=ref, a=call_args: f(*a), args.calls_per_graph, args.replays
+            )
+            row["triton_graph_us"] = time_graph(
+                lambda i, f=impl.fn, a=call_args: f(*a), args.calls_per_graph, args.replays
+            )
             row["ref_eager_us"] = time_eager(ref, call_args, args.eager_iters)
             row["triton_eager_us"] = time_eager(impl.fn, call_args, args.eager_iters)
             rg, kg = row["ref_graph_us"], row["triton_graph_us"]

@@ -1,0 +1,32 @@
+"""CUDA-graph timing shared by the kernel benchmark scripts of this folder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def time_graph(fn: Callable[[int], object], calls: int, replays: int) -> float | None:
+    """Microseconds per call, replaying a CUDA graph of ``fn(0) ... fn(calls - 1)`` (each also run
+    once eagerly first, which compiles); ``None``, with the reason printed, if that fails."""
+    try:
+        for i in range(calls):
+            fn(i)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                fn(i)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # report, keep going
+        print(f"  ({getattr(fn, '__name__', 'call')} failed: {type(exc).__name__}: {str(exc)[:160]})")
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * calls)
