@@ -6,6 +6,7 @@
   values gives bitwise what an eager call gives.
 - :func:`conformance_rows`: the conformance suite on a backend spec in the default and the
   batch-invariant mode, flattened into JSON-able rows (the interpreter children report them).
+- :func:`failed_rows`: those rows that did not pass, as lines for an assertion message.
 - :func:`interpreter_report`: run a test module's report in a fresh interpreter with
   ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
   a pytest session that also runs the GPU tests).
@@ -121,6 +122,17 @@ def conformance_rows(
             for op, why in failed
         ]
     return rows
+
+
+def failed_rows(rows: list[dict], allowed_skip: str | None = None) -> list[str]:
+    """The :func:`conformance_rows` that did not pass, described one per line; a skipped row
+    whose reason contains ``allowed_skip`` (a refusal the test expects) does not count."""
+    return [
+        f"{r.get('mode', '')} {r['case']}: {r['status']} {r['message']}"
+        for r in rows
+        if r["status"] != "passed"
+        and not (allowed_skip is not None and r["status"] == "skipped" and allowed_skip in r["message"])
+    ]
 
 
 def interpreter_report(script: Path) -> dict:

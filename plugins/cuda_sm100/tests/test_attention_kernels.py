@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -460,7 +461,7 @@ def test_kernels_ran_interpreted(report):
 def test_interpreter_conformance(report, op, mode):
     rows = [r for r in report["conformance"] if r["op"] == op and r["mode"] == mode]
     assert rows, f"no conformance case of {op} ran"
-    bad = [f"{r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)  # packed FP8 pools included: none is refused
     if op == "sparse_attention":
         counts = report["fp8_cases"]
@@ -758,7 +759,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_conformance_at_v4_flash_shapes(op):
     rows = [r for r in _moved_conformance("cuda", (torch.float32, torch.bfloat16)) if r["op"] == op]
     assert rows
-    bad = [f"{r['mode']} {r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 

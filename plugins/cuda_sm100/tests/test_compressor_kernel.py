@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -160,7 +161,7 @@ def test_kernel_ran_interpreted(report):
 def test_interpreter_conformance(report, mode):
     rows = [r for r in report["conformance"] if r["mode"] == mode]
     assert any("own" in r["case"] for r in rows), "the kernel's own (V4-Flash-like) cases did not run"
-    bad = [f"{r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 
@@ -195,7 +196,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_conformance_at_v4_flash_shapes():
     rows = _conformance("cuda", (torch.float32, torch.bfloat16))
     assert any("own" in r["case"] for r in rows)
-    bad = [f"{r['mode']} {r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 

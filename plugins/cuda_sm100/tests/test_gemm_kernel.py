@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -179,11 +180,7 @@ def test_interpreter_conformance(report):
     rows = [r for r in report["conformance"] if r["mode"] == "default"]
     assert any(r["own"] and r["status"] == "passed" for r in rows), "the kernel's own cases did not run"
     assert any(not r["own"] and r["status"] == "passed" for r in rows), "the core's FP8 cases did not run"
-    bad = [
-        f"{r['case']}: {r['status']} {r['message']}"
-        for r in rows
-        if r["status"] != "passed" and not (r["status"] == "skipped" and PLAIN_WEIGHT_REFUSAL in r["message"])
-    ]
+    bad = failed_rows(rows, PLAIN_WEIGHT_REFUSAL)
     assert not bad, "\n".join(bad)
 
 
@@ -193,11 +190,7 @@ def test_interpreter_conforms_in_batch_invariant_mode(report):
 
     rows = [r for r in report["conformance"] if r["mode"] == "bi"]
     assert any(r["status"] == "passed" for r in rows)
-    bad = [
-        f"{r['case']}: {r['status']} {r['message']}"
-        for r in rows
-        if r["status"] != "passed" and not (r["status"] == "skipped" and PLAIN_WEIGHT_REFUSAL in r["message"])
-    ]
+    bad = failed_rows(rows, PLAIN_WEIGHT_REFUSAL)
     assert not bad, "\n".join(bad)
 
 
@@ -296,11 +289,7 @@ def test_gpu_conformance_at_v4_flash_shapes(dtype):
 
     rows = [r for r in _conformance("cuda", (dtype,)) if r["mode"] == "default"]
     assert any(r["own"] and r["status"] == "passed" for r in rows)
-    bad = [
-        f"{r['case']}: {r['status']} {r['message']}"
-        for r in rows
-        if r["status"] != "passed" and not (r["status"] == "skipped" and PLAIN_WEIGHT_REFUSAL in r["message"])
-    ]
+    bad = failed_rows(rows, PLAIN_WEIGHT_REFUSAL)
     assert not bad, "\n".join(bad)
 
 

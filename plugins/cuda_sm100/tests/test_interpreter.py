@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cuda_sm100_checks import failed_rows
 from deepinfer_cuda_sm100.ops import FUSED_OPS
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
@@ -56,7 +57,7 @@ def test_conformance_in_interpreter(report, op):
     assert op not in report["never_ran"], report["never_ran"].get(op)
     own = [r for r in results if "own" in r["case"]]
     assert own, f"{op}: the kernels' own (V4-Flash-like) cases did not run"
-    bad = [f"{r['case']} {r['status']}: {r['message']}" for r in results if r["status"] != "passed"]
+    bad = failed_rows(results)
     assert not bad, f"{op}: " + "; ".join(bad)
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -269,7 +270,7 @@ def test_interpreter_conformance(report, mode):
     rows = [r for r in report["conformance"] if r["mode"] == mode]
     assert any(r["own"] and r["status"] == "passed" for r in rows), "the kernel's own cases did not run"
     assert any(not r["own"] and r["status"] == "passed" for r in rows), "the core's cases did not run"
-    bad = [f"{r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 
@@ -518,7 +519,7 @@ def _first(w, e: int):
 def test_gpu_conformance(dtype):
     rows = [r for r in _conformance("cuda", (dtype,))]
     assert any(r["own"] and r["status"] == "passed" for r in rows)
-    bad = [f"{r['mode']} {r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 

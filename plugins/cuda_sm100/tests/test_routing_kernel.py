@@ -42,6 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -435,7 +436,7 @@ def test_interpreter_conformance(report, mode):
     rows = [r for r in report["conformance"] if r["mode"] == mode]
     assert any(r["own"] and r["status"] == "passed" for r in rows), "the kernel's own cases did not run"
     assert any(not r["own"] and r["status"] == "passed" for r in rows), "the core's cases did not run"
-    bad = [f"{r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 
@@ -623,7 +624,7 @@ needs_cuda = pytest.mark.skipif(
 def test_gpu_conformance(dtype):
     rows = _conformance("cuda", (dtype,))
     assert any(r["own"] and r["status"] == "passed" for r in rows)
-    bad = [f"{r['mode']} {r['case']}: {r['status']} {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "\n".join(bad)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_sm100_checks import failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -95,7 +96,7 @@ def test_conformance_in_interpreter(report):
     assert report["interpreted"]
     rows = report["conformance"]
     assert any(r["own"] for r in rows) and any(not r["own"] for r in rows), rows
-    bad = [f"{r['case']} {r['status']}: {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert not bad, "; ".join(bad)
 
 
@@ -126,7 +127,7 @@ gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_conformance_on_gpu(dtype):
     rows = _conformance("cuda", (dtype,))
-    bad = [f"{r['case']} {r['status']}: {r['message']}" for r in rows if r["status"] != "passed"]
+    bad = failed_rows(rows)
     assert rows and not bad, "; ".join(bad)
 
 
