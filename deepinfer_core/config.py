@@ -15,6 +15,7 @@ that supplied the bad value.
 from __future__ import annotations
 
 import contextvars
+import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -38,6 +39,55 @@ _ORIGIN: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextV
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+NEXTN_ENV = "DEEPINFER_USE_NEXTN_DECODE"
+"""The seed's switch: speculative decoding with at most this many draft tokens (0 = off)."""
+
+
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding (``EngineConfig.speculative``): a drafter proposes tokens, one target
+    forward verifies them, and the accepted prefix plus the target's own next token are kept.
+    See ``docs/speculative_decoding.md``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: Literal["dspark", "fixed"] = "dspark"
+    """How many drafts each request verifies per step: ``fixed`` = all the drafter proposed (up
+    to ``max_draft_tokens``); ``dspark`` = confidence-scheduled: the length whose expected
+    accepted tokens per unit of measured step cost is best, from the drafts' confidences."""
+    drafter: str = "ngram"
+    """Drafter by registered name (``deepinfer_register_drafters``); the core's ``ngram`` looks
+    the last tokens up in the prompt and output (prompt lookup decoding, no weights)."""
+    max_draft_tokens: int = 5
+    """Most draft tokens verified per request and step (``DEEPINFER_USE_NEXTN_DECODE``)."""
+    acceptance: Literal["match", "rejection"] = "match"
+    """``match``: the target draws its token at every verified position with the counter-based
+    randomness of plain decoding and drafts are accepted while equal to it, so outputs are
+    identical with and without speculation; ``rejection``: rejection sampling against the
+    drafter's distribution (distribution-exact, not token-identical)."""
+    ngram_min: int = 1
+    """``ngram`` drafter: shortest suffix matched."""
+    ngram_max: int = 4
+    """``ngram`` drafter: longest suffix matched (longer matches are tried first)."""
+
+    @field_validator("max_draft_tokens")
+    @classmethod
+    def _draft_len(cls, value: int) -> int:
+        if not 1 <= value <= 16:
+            raise ValueError("must be in [1, 16]")
+        return value
+
+    @field_validator("ngram_min", "ngram_max")
+    @classmethod
+    def _ngram(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @model_validator(mode="after")
+    def _ngram_order(self) -> SpeculativeConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -107,6 +157,9 @@ class EngineConfig(BaseModel):
     ops as ``QuantizedTensor``; ``False`` dequantises them at load to ``dtype``.  ``None`` = keep
     the formats the backend declares in ``BackendSpec.quantized_weights`` (none for the
     reference, which dequantises per call when this is ``True``)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (:class:`SpeculativeConfig`, or a dict / JSON object of its fields;
+    ``DEEPINFER_USE_NEXTN_DECODE=N`` turns it on with ``max_draft_tokens=N``); ``None`` = off."""
     log_level: LogLevel = "warning"
     """Level of the ``deepinfer`` logger."""
 
@@ -159,6 +212,22 @@ class EngineConfig(BaseModel):
         if not value:
             raise ValueError("must be a registered scheduler name ('fcfs' is the core's)")
         return value
+
+    @field_validator("speculative", mode="before")
+    @classmethod
+    def _speculative(cls, value: Any) -> Any:
+        if isinstance(value, str):  # an environment variable or a CLI flag: a JSON object
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"expected a JSON object of SpeculativeConfig fields ({e})") from None
+        return value
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Most draft tokens of a verify step (0 without speculative decoding): the cache keeps
+        that many extra rows so a rejected draft leaves no trace."""
+        return self.speculative.max_draft_tokens if self.speculative is not None else 0
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -241,6 +310,7 @@ class EngineConfig(BaseModel):
                 values[key], origin[key] = value, f"config file {config_file}"
         for key, (value, var) in _env_values(env).items():
             values[key], origin[key] = value, f"environment variable {var}"
+        _apply_nextn_env(env, values, origin)
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -266,8 +336,9 @@ def _format_errors(e: ValidationError, values: Mapping[str, Any], origin: Mappin
         field = ".".join(map(str, err["loc"]))
         msg = err["msg"].removeprefix("Value error, ")
         if field:
-            where = f" (from {origin[field]})" if field in origin else ""
-            msgs.append(f"{field}={values.get(field)!r}{where}: {msg}")
+            top = str(err["loc"][0])
+            where = f" (from {origin[top]})" if top in origin else ""
+            msgs.append(f"{field}={err.get('input', values.get(field))!r}{where}: {msg}")
         else:
             sources = sorted({origin[k] for k in origin if k in msg})
             msgs.append(msg + (f" (from {', '.join(sources)})" if sources else ""))
@@ -308,6 +379,27 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"config file {p}: unknown key(s) {unknown}; known keys: {sorted(EngineConfig.model_fields)}"
         )
     return data
+
+
+def _apply_nextn_env(env: Mapping[str, str], values: dict[str, Any], origin: dict[str, str]) -> None:
+    """``DEEPINFER_USE_NEXTN_DECODE=N``: speculative decoding with ``max_draft_tokens=N`` (other
+    fields from ``speculative`` if given, else the defaults); ``0`` turns it off."""
+    raw = env.get(NEXTN_ENV)
+    if raw is None or not raw.strip():
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {NEXTN_ENV}={raw!r}: expected an integer (0 = off)") from None
+    spec = values.get("speculative")
+    if isinstance(spec, str):
+        spec = json.loads(spec) if spec.strip() else None
+    if n == 0:
+        values["speculative"] = None
+    else:
+        spec = dict(spec) if isinstance(spec, Mapping) else (spec.model_dump() if spec is not None else {})
+        values["speculative"] = {**spec, "max_draft_tokens": n}
+    origin["speculative"] = f"environment variable {NEXTN_ENV}"
 
 
 def env_var_name(field: str) -> str:
