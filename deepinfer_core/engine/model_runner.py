@@ -88,7 +88,10 @@ class ModelRunner:
         self.page_size = config.resolved_page_size(family.cache_ratios(cfg))
         self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
         self.kv_cache_dtype = config.kv_cache_dtype
-        specs = self.model.cache_specs(config.kv_cache_dtype)
+        # the most draft tokens of a verify step: the per-slot caches keep room for them, so a
+        # rejected draft is rolled back by position alone (Model.cache_specs / step_metadata)
+        self.num_spec_tokens = config.num_spec_tokens
+        specs = self.model.cache_specs(config.kv_cache_dtype, num_spec_tokens=self.num_spec_tokens)
         per_page = per_slot = 0
         for layer_specs in specs:
             for spec in layer_specs:
@@ -176,7 +179,13 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Derive the step's plans on the device and run the model: the work a graph records."""
-        md = self.model.step_metadata(inputs, self.page_size, self.kv_cache.num_slots, self.cache.trash_page)
+        md = self.model.step_metadata(
+            inputs,
+            self.page_size,
+            self.kv_cache.num_slots,
+            self.cache.trash_page,
+            num_spec_tokens=self.num_spec_tokens,
+        )
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.forward(md, self.cache)
 

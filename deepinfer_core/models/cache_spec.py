@@ -4,13 +4,17 @@ A model declares, per layer, a list of specs; :class:`HybridCache` allocates the
 kinds cover DeepSeek-V4 and leave room for V4.1:
 
 * :class:`RingSpec` -- a per-sequence ring of the last ``width`` token rows (the sliding
-  window).  Row of position ``p`` for slot ``s``: ``s*width + p % width``.
+  window), plus ``spare`` rows for speculative decoding (``spare`` = the most draft tokens
+  of a verify step, 0 without speculation): ``rows = width + spare`` per slot, and the row of
+  position ``p`` for slot ``s`` is ``s*rows + p % rows``.  Queries still read only the last
+  ``width`` positions; the spare rows are where rejected draft positions land, so they never
+  overwrite a position the window still needs and a rollback needs no cache operation.
 * :class:`PagedSpec` -- entries produced every ``ratio`` tokens (compressed KV, indexer
   keys), stored in pages shared by all layers: page ``j`` of a request covers positions
   ``[j*page_size, (j+1)*page_size)`` and holds ``page_size // ratio`` entries per layer.
   Row of entry ``e``: ``page*(page_size//ratio) + (e*ratio % page_size)//ratio``.
-* :class:`SlotStateSpec` -- fixed-size per-sequence state (the compressor's partial window
-  and overlap carry), ``[num_slots, *shape]``.
+* :class:`SlotStateSpec` -- fixed-size per-sequence state (the compressor's partial windows
+  and overlap carries), ``[num_slots, *shape]``.
 * :class:`PageStateSpec` -- fixed-size state per page, ``[num_pages, *shape]`` (the CSA
   overlap carry at the page's end, so a prefix-cache hit can resume the compressor there).
 
@@ -45,7 +49,8 @@ KVFormat = Literal["plain", "fp8"]
 
 @dataclass(frozen=True)
 class RingSpec:
-    """Sliding-window ring of ``width`` rows of ``dim`` per sequence slot."""
+    """Sliding-window ring of ``dim``-wide rows per sequence slot: a window of ``width``
+    positions, stored in ``width + spare`` rows (:attr:`rows`; see the module docstring)."""
 
     name: str
     width: int
@@ -54,6 +59,12 @@ class RingSpec:
     alias_of: tuple[int, str] | None = None
     kv_format: KVFormat = "plain"
     rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format
+    spare: int = 0  # rows beyond the window: the most draft tokens of a verify step
+
+    @property
+    def rows(self) -> int:
+        """Rows per slot: the row of position ``p`` of slot ``s`` is ``s*rows + p % rows``."""
+        return self.width + self.spare
 
 
 @dataclass(frozen=True)
@@ -100,7 +111,7 @@ def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tup
         row = _row_bytes(spec, model_dtype)
         if isinstance(spec, PagedSpec):
             return (page_size // spec.ratio) * row, 0
-        return 0, spec.width * row
+        return 0, spec.rows * row
     item = torch.empty((), dtype=spec.dtype or model_dtype).element_size()
     n = 1
     for s in spec.shape:
@@ -152,7 +163,7 @@ class HybridCache:
                         raise ValueError(f"page_size {page_size} is not a multiple of ratio {spec.ratio}")
                     shape: tuple[int, ...] = (num_pages * (page_size // spec.ratio), spec.dim)
                 elif isinstance(spec, RingSpec):
-                    shape = (num_slots * spec.width, spec.dim)
+                    shape = (num_slots * spec.rows, spec.dim)
                 elif isinstance(spec, PageStateSpec):
                     shape = (num_pages, *spec.shape)
                 else:

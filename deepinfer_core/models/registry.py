@@ -51,12 +51,23 @@ class ModelConfig(Protocol):
 class Model(Protocol):
     """What the model runner calls on a built model."""
 
-    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[list[CacheSpec]]:
-        """Per layer, the caches it keeps between steps (:mod:`~deepinfer_core.models.cache_spec`)."""
+    def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
+        """Per layer, the caches it keeps between steps (:mod:`~deepinfer_core.models.cache_spec`).
+
+        ``num_spec_tokens`` (``S``): the most draft tokens of a speculative verify step (0
+        without speculation).  The engine rolls a verify step back by position alone -- it
+        accepts positions ``p..p+a`` of the chunk ``p..p+k`` (``k <= S``) and runs the next
+        step from ``p+a+1`` -- so the per-sequence state must be sized such that nothing the
+        rejected positions write is read before it is rewritten (V4: ``S`` spare ring rows,
+        ``1 + ceil(S/r)`` compressor windows per slot).
+        """
         ...
 
-    def step_metadata(self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int) -> Any:
-        """The step's per-token plans, derived on the device from ``inputs`` (graph-capturable)."""
+    def step_metadata(
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
+    ) -> Any:
+        """The step's per-token plans, derived on the device from ``inputs`` (graph-capturable);
+        ``num_spec_tokens`` is the value :meth:`cache_specs` was given."""
         ...
 
     def forward(self, md: Any, cache: HybridCache) -> torch.Tensor:

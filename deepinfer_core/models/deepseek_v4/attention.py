@@ -1,7 +1,8 @@
 """DeepSeek-V4 attention block: shared-KV MQA over a sliding window plus compressed entries.
 
 Per query at position ``t``: keys are the window ``t-W+1..t`` (from the slot's ring for
-earlier steps, from this step's rows otherwise) plus, on CSA layers, the Lightning
+earlier steps -- ``W+S`` rows per slot with ``S`` spare rows for speculative drafts, see
+:mod:`.metadata` -- from this step's rows otherwise) plus, on CSA layers, the Lightning
 Indexer's top-k compressed entries among those closed by ``t`` and, on HCA layers, all of
 them; a per-head sink joins the softmax.  K = V, so the output's rope slice is rotated back.
 """
@@ -54,18 +55,21 @@ class Attention:
                 in_weights.append((scorer, w.pop(p + scorer)))
         self.w_in = FusedProjection(in_weights, dtype, p.removesuffix("."))
 
-    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[CacheSpec]:
+    def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[CacheSpec]:
         """Window ring, plus the compressor's (and indexer's) pools and slot state.
 
         ``kv_cache_dtype="fp8"`` stores what ``sparse_attention`` reads from the cache -- the
         ring and the compressed entries (``ckv``) -- as packed FP8 rows whose trailing
         ``rope_dim`` channels stay bfloat16; the indexer keys and the compressor state keep
-        the model dtype.
+        the model dtype.  ``num_spec_tokens`` (``S``, the most draft tokens of a verify step)
+        gives the ring ``S`` spare rows and the compressor state room for the windows
+        rejected drafts close (see :mod:`.metadata`).
         """
-        specs: list[CacheSpec] = [RingSpec("window", self.cfg.sliding_window, self.head_dim)]
+        ring = RingSpec("window", self.cfg.sliding_window, self.head_dim, spare=num_spec_tokens)
+        specs: list[CacheSpec] = [ring]
         for comp in (self.compressor, self.indexer):
             if comp is not None:
-                specs += comp.cache_specs()
+                specs += comp.cache_specs(num_spec_tokens)
         if kv_cache_dtype == "auto":
             return specs
         if kv_cache_dtype != "fp8":

@@ -6,6 +6,15 @@ to the window's first position.  CSA (``overlap=True``) projects two series per 
 entry ``w`` pools window ``w-1``'s first-half series with window ``w``'s second-half
 series (width ``2r``, stride ``r``), so the previous window's first half is carried across
 steps in the slot state.  Tokens of the unfinished window wait in the slot buffer.
+
+Slot state geometry, with ``nb = 1 + ceil(S/r)`` (:func:`~.metadata.buffer_windows`, ``S``
+the most draft tokens of a speculative verify step, 0 without speculation, hence ``nb = 1``):
+the buffers ``buf_kv``/``buf_gate`` hold ``nb`` windows per slot, ``[slot, nb*r, width]``,
+position ``q`` at row ``q % (nb*r)``; the carries ``carry_kv``/``carry_gate`` hold ``nb``
+windows' first halves per slot, ``[slot, nb, r, dim]``, window ``w``'s at index ``w % nb``.
+Rejected draft tokens that close windows thus leave the state the accepted tokens need in
+place (the per-step row plans are in :mod:`.metadata`).  The page snapshots
+``page_carry_*`` keep one carry per page.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, PageStateSpec
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
-from .metadata import StepMetadata, WindowPlan
+from .metadata import StepMetadata, WindowPlan, buffer_windows
 
 
 class Compressor:
@@ -53,18 +62,20 @@ class Compressor:
         block fuses them into its input projection, so only the fused copy is kept."""
         return [(n, weights.pop(self.prefix + n)) for n in ("kv_proj.weight", "gate_proj.weight")]
 
-    def cache_specs(self) -> list[CacheSpec]:
-        """The paged entry pool plus the slot buffers (and the overlap carry for CSA)."""
-        n = self.pool_name
+    def cache_specs(self, num_spec_tokens: int = 0) -> list[CacheSpec]:
+        """The paged entry pool plus the slot buffers (and the overlap carries for CSA), sized for
+        verify steps of up to ``num_spec_tokens`` drafts (see the module docstring)."""
+        n, r = self.pool_name, self.ratio
+        nb = buffer_windows(r, num_spec_tokens)
         specs: list[CacheSpec] = [
-            PagedSpec(n, self.ratio, self.dim),
-            SlotStateSpec(n + ".buf_kv", (self.ratio, self.width)),
-            SlotStateSpec(n + ".buf_gate", (self.ratio, self.width)),
+            PagedSpec(n, r, self.dim),
+            SlotStateSpec(n + ".buf_kv", (nb * r, self.width)),
+            SlotStateSpec(n + ".buf_gate", (nb * r, self.width)),
         ]
         if self.overlap:
             specs += [
-                SlotStateSpec(n + ".carry_kv", (self.ratio, self.dim)),
-                SlotStateSpec(n + ".carry_gate", (self.ratio, self.dim), dtype=torch.float32),
+                SlotStateSpec(n + ".carry_kv", (nb, r, self.dim)),
+                SlotStateSpec(n + ".carry_gate", (nb, r, self.dim), dtype=torch.float32),
                 PageStateSpec(n + ".page_carry_kv", (self.ratio, self.dim)),
                 PageStateSpec(n + ".page_carry_gate", (self.ratio, self.dim), dtype=torch.float32),
             ]
@@ -88,17 +99,19 @@ class Compressor:
         pool = cache_get(n)
         buf_kv = cache_get(n + ".buf_kv").view(-1, self.width)
         buf_gate = cache_get(n + ".buf_gate").view(-1, self.width)
+        d = self.dim
+        carry = {}  # carry rows of all slots, [slots * nb, r, dim]
         if self.overlap:  # prefix hit: resume at a page boundary (trash rows for the others)
             for name in ("carry_kv", "carry_gate"):
+                carry[name] = cache_get(f"{n}.{name}").view(-1, r, d)
                 snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
-                write(cache_get(f"{n}.{name}"), plan.restore_slot, snapshot)
+                write(carry[name], plan.restore_rows, snapshot)
         if plan.windows.shape[0]:  # a static shape: zero only when the step has no tokens
             stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, kv]))  # [M, r, C]
             stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, gate]))
             stage_gate = stage_gate.float() + self.bias
             if self.overlap:
-                d = self.dim
-                carry_kv, carry_gate = cache_get(n + ".carry_kv"), cache_get(n + ".carry_gate")
+                carry_kv, carry_gate = carry["carry_kv"], carry["carry_gate"]
                 empty_kv = stage_kv.new_zeros(1, r, d)
                 empty_gate = stage_gate.new_full((1, r, d), float("-inf"))
                 prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv]).index_select(0, plan.prev)
@@ -109,8 +122,7 @@ class Compressor:
                 win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
                 for name, staged in (("carry_kv", stage_kv), ("carry_gate", stage_gate)):
                     first_half = staged[:, :, :d]
-                    last = first_half.index_select(0, plan.carry_window)
-                    write(cache_get(f"{n}.{name}"), plan.carry_slot, last)
+                    write(carry[name], plan.carry_rows, first_half)
                     # the carry at each page end, for prefix hits
                     write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
             else:

@@ -8,6 +8,27 @@ bound on positions), never on tensor values, and nothing reads a value back to t
 a decode step can be captured in a CUDA graph.  Rows that a plan does not need (tokens that
 leave no ring row, windows beyond those closed this step, requests without a carry to
 restore) point at the cache's *trash* slot / page instead of being filtered out.
+
+Speculative decoding.  A verify step runs ``1+k`` tokens of a request (positions
+``p..p+k``, ``k <= S`` with ``S = num_spec_tokens``); the engine then accepts a prefix
+``p..p+a`` and simply continues at ``p+a+1``: no cache operation undoes what the rejected
+positions wrote.  So the per-slot state is laid out such that nothing a rejected position
+writes is read before it is rewritten (with ``S = 0`` every formula below reduces to the
+plain layout, bit for bit):
+
+* window ring: ``W + S`` rows per slot, row of position ``q``: ``slot*(W+S) + q % (W+S)``;
+  queries still see the last ``W`` positions, and a step writes the rows of its last
+  ``W + S`` positions, so a rejected position never lands on a row the window still needs.
+* compressor partial-window buffer (per ratio ``r``): ``nb = 1 + ceil(S/r)`` windows per
+  slot (:func:`buffer_windows`), ``nb*r`` rows, row ``slot*nb*r + q % (nb*r)``; a step
+  writes every token of the last ``nb`` windows it touches (``q >= (end//r - nb + 1)*r``),
+  so the accepted tokens of a window that rejected tokens closed are still buffered.
+* CSA overlap carry: ``nb`` carries per slot, window ``w``'s at row ``slot*nb + w % nb``;
+  a step saves the carries of the last ``nb`` windows it closes per request (others go to
+  the trash slot), and window ``w`` reads ``w-1``'s at ``(w-1) % nb``.
+* compressed entries and indexer keys need nothing: an entry of a window closed by rejected
+  tokens is invisible to every query (position ``t`` sees entries ``w < (t+1)//r``) until
+  the window closes again and rewrites it.
 """
 
 from __future__ import annotations
@@ -24,18 +45,25 @@ from deepinfer_core.ops.attention import PagedIndex
 class WindowPlan:
     """The compressor work of one step for one compress ratio ``r`` (``M`` window rows).
 
-    Staging rows are ``[buffer rows of all slots ((S+1)*r) ; this step's token rows]``.
-    ``windows`` ``[M, r]`` are the staging rows of each window closed this step (padding
-    windows read row 0 and write to the trash page); ``prev`` ``[M]`` indexes
-    ``[carry of all slots (S+1) ; windows' own first-half rows (M) ; empty]`` for the overlap
-    series; ``positions`` ``[M]`` the first position of each window; ``dest`` ``[M]`` the pool
-    row of each new entry; per request ``[R]``, ``carry_slot``/``carry_window`` save the last
-    closed window's first half; per token ``[T]``, ``buf_rows`` is where its projections go
-    in the partial-window buffer (the trash slot for tokens of closed windows); ``entries``
-    each query's visible entries (those of windows closed at or before it).  Prefix caching:
-    windows closing at or before a request's ``cached`` boundary are skipped (their entries
-    are cached); ``restore_slot``/``restore_page`` load the overlap carry at that boundary
-    from the page snapshot; ``snap_page`` saves the carry of each window that ends a page.
+    Each slot buffers ``nb`` windows (``nb*r`` rows, :func:`buffer_windows`) and keeps ``nb``
+    overlap carries (see the module docstring); ``N`` = real slots + the trash slot.  Staging
+    rows are ``[buffer rows of all slots (N*nb*r) ; this step's token rows]``.  ``windows``
+    ``[M, r]`` are the staging rows of each window closed this step (position ``q`` of an
+    earlier step: buffer row ``slot*nb*r + q % (nb*r)``; padding windows read row 0 and write
+    to the trash page); ``prev`` ``[M]`` indexes ``[carries of all slots (N*nb) ; windows' own
+    first-half rows (M) ; empty]`` for the overlap series (window ``w`` reads carry row
+    ``slot*nb + (w-1) % nb`` when ``w-1`` closed in an earlier step); ``positions`` ``[M]``
+    the first position of each window; ``dest`` ``[M]`` the pool row of each new entry;
+    ``carry_rows`` ``[M]`` the carry row ``slot*nb + w % nb`` each window's first half is
+    saved to (the trash slot's for padding windows and for all but the last ``nb`` windows
+    its request closes, so the writes are distinct); per token ``[T]``, ``buf_rows`` is where
+    its projections go in the partial-window buffer (tokens of the last ``nb`` windows the
+    chunk touches; the trash slot for the others); ``entries`` each query's visible entries
+    (those of windows closed at or before it).  Prefix caching: windows closing at or before
+    a request's ``cached`` boundary are skipped (their entries are cached);
+    ``restore_rows``/``restore_page`` load the overlap carry at that boundary from the page
+    snapshot into carry row ``slot*nb + (cached//r - 1) % nb``; ``snap_page`` saves the
+    carry of each window that ends a page.
     """
 
     ratio: int
@@ -43,11 +71,10 @@ class WindowPlan:
     prev: torch.Tensor
     positions: torch.Tensor
     dest: torch.Tensor
-    carry_slot: torch.Tensor
-    carry_window: torch.Tensor
+    carry_rows: torch.Tensor
     buf_rows: torch.Tensor
     entries: PagedIndex
-    restore_slot: torch.Tensor
+    restore_rows: torch.Tensor
     restore_page: torch.Tensor
     snap_page: torch.Tensor
 
@@ -58,7 +85,7 @@ class StepMetadata:
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    window_ring: torch.Tensor  # [T, W] ring rows (-1 none)
+    window_ring: torch.Tensor  # [T, W] ring rows (-1 none); the ring has W+S rows per slot
     window_chunk: torch.Tensor  # [T, W] token rows of this step (-1 none)
     ring_rows: torch.Tensor  # [T] ring row each token's key is written to (trash if none)
     plans: dict[int, WindowPlan]
@@ -66,10 +93,27 @@ class StepMetadata:
     num_slots: int  # real slots; slot num_slots is the trash slot
 
 
+def buffer_windows(ratio: int, num_spec_tokens: int) -> int:
+    """Windows of ratio ``ratio`` each slot buffers (and CSA carries it keeps): ``1 +
+    ceil(S/r)``, enough that the windows a verify step's rejected tokens close never
+    displace one the accepted tokens still need (see the module docstring)."""
+    return 1 + -(-num_spec_tokens // ratio)
+
+
 def build_metadata(
-    inputs: StepInputs, window: int, ratios: list[int], page_size: int, num_slots: int, trash_page: int
+    inputs: StepInputs,
+    window: int,
+    ratios: list[int],
+    page_size: int,
+    num_slots: int,
+    trash_page: int,
+    num_spec_tokens: int = 0,
 ) -> StepMetadata:
-    """Derive the step's plans on the inputs' device (see the module docstring)."""
+    """Derive the step's plans on the inputs' device (see the module docstring).
+
+    ``num_spec_tokens`` (``S``): the most draft tokens of a verify step; it sets the ring's
+    and the compressor state's geometry and must equal the value the caches were built with.
+    """
     t, r_ = inputs.num_tokens, inputs.num_reqs
     req = inputs.req
     dev = inputs.input_ids.device
@@ -95,13 +139,26 @@ def build_metadata(
     in_chunk = kpos >= start_t[:, None]
     none = torch.full_like(kpos, -1)
     window_chunk = torch.where(valid & in_chunk, offset_t[:, None] + kpos - start_t[:, None], none)
-    window_ring = torch.where(valid & ~in_chunk, slot_t[:, None] * window + kpos % window, none)
-    keep = pos >= end[tok_req] - window
-    ring_rows = torch.where(keep, slot_t, num_slots) * window + pos % window
+    rows = window + num_spec_tokens  # ring rows per slot: W + S
+    window_ring = torch.where(valid & ~in_chunk, slot_t[:, None] * rows + kpos % rows, none)
+    keep = pos >= end[tok_req] - rows  # a chunk's last W+S positions: distinct rows
+    ring_rows = torch.where(keep, slot_t, num_slots) * rows + pos % rows
 
     tables = inputs.block_tables.index_select(0, slot)  # [R, P]
     plans = {
-        r: _window_plan(r, inputs, tables, pos, tok_req, offset, end, num_slots, page_size, trash_page)
+        r: _window_plan(
+            r,
+            buffer_windows(r, num_spec_tokens),
+            inputs,
+            tables,
+            pos,
+            tok_req,
+            offset,
+            end,
+            num_slots,
+            page_size,
+            trash_page,
+        )
         for r in sorted(set(ratios))
     }
     return StepMetadata(
@@ -118,6 +175,7 @@ def build_metadata(
 
 def _window_plan(
     r: int,
+    nb: int,
     inputs: StepInputs,
     tables: torch.Tensor,
     pos: torch.Tensor,
@@ -148,21 +206,28 @@ def _window_plan(
     q = w[:, None] * r + torch.arange(r, device=dev)
     win_slot, win_start = slot[win_req][:, None], start[win_req][:, None]
     from_buf = q < win_start
+    span = nb * r  # buffer rows per slot
     windows = torch.where(
-        from_buf, win_slot * r + q % r, (num_slots + 1) * r + offset[win_req][:, None] + q - win_start
+        from_buf,
+        win_slot * span + q % span,
+        (num_slots + 1) * span + offset[win_req][:, None] + q - win_start,
     )
     windows = torch.where(live[:, None], windows, 0)
-    empty = num_slots + 1 + m_max
-    prev = torch.where(j > 0, num_slots + 1 + k - 1, torch.where(w > 0, slot[win_req], empty))
+    carries = (num_slots + 1) * nb
+    empty = carries + m_max
+    prev_carry = slot[win_req] * nb + (w - 1) % nb
+    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
     page = tables[win_req, (w * r) // page_size]
     dest = torch.where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
-    has = m > 0
-    carry_slot = torch.where(has, slot, trash)
-    carry_window = (first + m - 1).clamp(min=0)
-    tail = (pos >= (end[tok_req] // r) * r) & (pos >= cached[tok_req])
-    buf_rows = torch.where(tail, slot[tok_req], trash) * r + pos % r
+    # the last nb windows each request closes keep their carry (distinct rows w % nb)
+    saved = live & (j >= m[win_req] - nb)
+    carry_rows = torch.where(saved, slot[win_req] * nb + w % nb, trash * nb)
+    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows)
+    tail = (pos >= (end[tok_req] // r - nb + 1) * r) & (pos >= cached[tok_req])
+    buf_rows = torch.where(tail, slot[tok_req], trash) * span + pos % span
     restore = (start < cached) & (cached <= end)
     restore_page = tables.gather(1, ((cached - 1).clamp(min=0) // page_size)[:, None]).squeeze(1)
+    restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
     snap = live & ((w + 1) * r % page_size == 0)
     snap_page = torch.where(snap, page, trash_page)
     entries = PagedIndex(
@@ -178,11 +243,10 @@ def _window_plan(
         prev=prev,
         positions=w * r,
         dest=dest,
-        carry_slot=carry_slot,
-        carry_window=carry_window,
+        carry_rows=carry_rows,
         buf_rows=buf_rows,
         entries=entries,
-        restore_slot=torch.where(restore, slot, trash),
+        restore_rows=restore_rows,
         restore_page=torch.where(restore, restore_page, trash_page),
         snap_page=snap_page,
     )

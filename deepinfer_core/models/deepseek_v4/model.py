@@ -124,16 +124,21 @@ class DeepseekV4Model:
         """The activation dtype (that of the embedding table)."""
         return self.w["model.embed_tokens.weight"].dtype
 
-    def cache_specs(self, kv_cache_dtype: str = "auto") -> list[list[CacheSpec]]:
+    def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
         """Per layer, the caches it keeps between steps; ``kv_cache_dtype="fp8"`` stores the
-        attention KV caches (window ring, compressed entries) packed (see ``EngineConfig``)."""
-        return [layer.attn.cache_specs(kv_cache_dtype) for layer in self.layers]
+        attention KV caches (window ring, compressed entries) packed (see ``EngineConfig``);
+        ``num_spec_tokens`` sizes the per-slot state so a speculative verify step of up to that
+        many drafts can be rolled back by position alone (see :mod:`.metadata`)."""
+        return [layer.attn.cache_specs(kv_cache_dtype, num_spec_tokens) for layer in self.layers]
 
     def step_metadata(
-        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
     ) -> StepMetadata:
-        """The step's per-token plans (:func:`~.metadata.build_metadata`), derived on the device."""
-        return build_metadata(inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page)
+        """The step's per-token plans (:func:`~.metadata.build_metadata`), derived on the device;
+        ``num_spec_tokens`` must be the value :meth:`cache_specs` was given."""
+        return build_metadata(
+            inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
+        )
 
     @torch.inference_mode()
     def forward(self, md: StepMetadata, cache: HybridCache) -> torch.Tensor:
