@@ -3,6 +3,7 @@
 - backend ``reference``: the pure-PyTorch reference implementation of every op; runs on any
   device torch supports, lowest priority (0) so that ``backend="auto"`` prefers any available
   hardware backend.
+- drafter ``ngram``: prompt lookup decoding for speculative decoding (no weights).
 - model type ``deepseek_v4``: the :class:`~deepinfer_core.models.registry.ModelFamily` of
   :mod:`deepinfer_core.models.deepseek_v4.family`, imported on first use.
 """
@@ -70,3 +71,19 @@ def _fcfs() -> type:
 def deepinfer_register_schedulers(register: Callable[..., None]) -> None:
     """Register the core's first-come-first-served scheduler (``scheduler="fcfs"``)."""
     register("fcfs", _fcfs, description="first come, first served; preempts the newest running request")
+
+
+def _ngram() -> type:
+    from deepinfer_core.speculative.ngram import NgramDrafter
+
+    return NgramDrafter
+
+
+@hookimpl
+def deepinfer_register_drafters(register: Callable[..., None]) -> None:
+    """Register the core's ``ngram`` drafter (prompt lookup decoding, no weights)."""
+    register(
+        "ngram",
+        _ngram,
+        description="prompt lookup: proposes what followed the last match of the suffix n-gram",
+    )

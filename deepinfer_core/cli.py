@@ -154,7 +154,26 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="keep_quantized: hold FP8/FP4 checkpoint weights quantised (default: if the backend "
         "declares quantised kernels)",
     )
+    spec = parser.add_argument_group("speculative decoding (any of these turns it on)")
+    spec.add_argument(
+        "--speculative-method", choices=("dspark", "fixed"), help="verify lengths (default dspark)"
+    )
+    spec.add_argument("--drafter", help="drafter by registered name (default ngram)")
+    spec.add_argument(
+        "--max-draft-tokens", type=int, help="most drafts verified per request and step (default 5)"
+    )
+    spec.add_argument(
+        "--spec-acceptance", choices=("match", "rejection"), help="draft acceptance rule (default match)"
+    )
     parser.add_argument("--log-level", help="debug, info, warning or error")
+
+
+_SPEC_FLAGS = {
+    "speculative_method": "method",
+    "drafter": "drafter",
+    "max_draft_tokens": "max_draft_tokens",
+    "spec_acceptance": "acceptance",
+}
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -165,7 +184,15 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
         "scheduler", "keep_quantized", "log_level",
     )  # fmt: skip
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    spec = {
+        field: getattr(args, flag)
+        for flag, field in _SPEC_FLAGS.items()
+        if getattr(args, flag, None) is not None
+    }
+    if spec:
+        kwargs["speculative"] = spec
+    return kwargs
 
 
 def _read_text_file(flag: str, path: str) -> str:

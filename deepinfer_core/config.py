@@ -390,7 +390,9 @@ def _apply_nextn_env(env: Mapping[str, str], values: dict[str, Any], origin: dic
     try:
         n = int(raw)
     except ValueError:
-        raise ConfigError(f"environment variable {NEXTN_ENV}={raw!r}: expected an integer (0 = off)") from None
+        raise ConfigError(
+            f"environment variable {NEXTN_ENV}={raw!r}: expected an integer (0 = off)"
+        ) from None
     spec = values.get("speculative")
     if isinstance(spec, str):
         spec = json.loads(spec) if spec.strip() else None

@@ -80,10 +80,13 @@ def deepinfer_register_samplers(register: Any) -> None:
 
 @hookspec
 def deepinfer_register_drafters(register: Any) -> None:
-    """Register speculative-decoding drafters and their verifiers.
+    """Register speculative-decoding drafters, selected by ``SpeculativeConfig.drafter``.
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
-        ``factory`` is a zero-argument callable returning the drafter class.
+        ``factory`` is a zero-argument callable returning a
+        :class:`~deepinfer_core.speculative.Drafter` subclass, which the engine instantiates
+        once with ``(speculative_config, vocab_size)`` and asks for drafts every step
+        (:mod:`deepinfer_core.engine.speculative`).
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """
@@ -99,7 +102,10 @@ def deepinfer_register_structured_backends(register: Any) -> None:
         ``matcher(spec)`` per request (a :class:`~deepinfer_core.StructuredOutputsParams`; raise
         ``ValueError`` for an invalid spec) and, each step, ``fill_bitmasks([(matcher, row)],
         bitmask)`` to write the allowed tokens of those rows into a packed CPU int32
-        ``[B, ceil(V/32)]`` bitmask; a matcher has ``num_consumed`` and ``consume(token_ids)``.
+        ``[B, ceil(V/32)]`` bitmask; a matcher has ``num_consumed`` and ``consume(token_ids)``,
+        and for speculative decoding ``num_valid(token_ids)`` (how many leading tokens the
+        grammar accepts) and ``rollback(num_tokens)`` (a matcher without them decodes its
+        request without drafts).
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """

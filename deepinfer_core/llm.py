@@ -65,7 +65,17 @@ class LLM:
             **kwargs,
         )
         configure_logging(engine_config.log_level)
-        self.engine = LLMEngine(engine_config)
+        self._attach(LLMEngine(engine_config))
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """An ``LLM`` over an engine built by hand (e.g. with a custom plugin manager)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self._counter = itertools.count()
         self._in_flight: dict[str, list[str]] = {}  # request id -> engine ids, during generate()
         self._in_flight_lock = threading.Lock()
@@ -87,8 +97,14 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         """Engine totals since start: a plain dict, keys documented in
         :meth:`deepinfer_core.engine.metrics.Metrics.as_dict` (tokens, prefix hits, replays,
-        preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``)."""
-        return self.engine.metrics.as_dict()
+        preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``); with speculative
+        decoding also ``speculative``: drafts, draft / accepted tokens, mean acceptance length,
+        acceptance per position and the histogram of verify lengths
+        (:meth:`deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`)."""
+        metrics = self.engine.metrics.as_dict()
+        if self.engine.spec is not None:
+            metrics["speculative"] = self.engine.spec.metrics.as_dict()
+        return metrics
 
     def abort(self, request_ids: str | Iterable[str] | None = None) -> None:
         """Abort requests of the running :meth:`generate` / :meth:`chat` call.

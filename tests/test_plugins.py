@@ -222,7 +222,7 @@ def test_third_party_cannot_take_over_a_core_name():
 
 def test_component_registrations_are_reported_per_plugin_with_availability():
     def deepinfer_register_drafters(register):
-        register("ngram", lambda: "NgramDrafter", description="n-gram drafter")
+        register("lookahead", lambda: "Lookahead", description="lookahead drafter")
         register("eagle", lambda: "Eagle", is_available=lambda: (False, "needs eagle weights"))
 
     def deepinfer_register_schedulers(register):
@@ -238,11 +238,11 @@ def test_component_registrations_are_reported_per_plugin_with_availability():
     row = next(r for r in manager.report() if r["name"] == "spec")
     assert row["dist"] == "deepinfer-spec" and row["version"] == "0.3" and row["status"] == "loaded"
     assert {d["name"]: (d["available"], d["reason"]) for d in row["drafters"]} == {
-        "ngram": (True, None),
+        "lookahead": (True, None),
         "eagle": (False, "needs eagle weights"),
     }
     assert [s["name"] for s in row["schedulers"]] == ["priority"]
-    assert manager.get_component("drafters", "ngram").factory() == "NgramDrafter"
+    assert manager.get_component("drafters", "lookahead").factory() == "Lookahead"
     with pytest.raises(PluginError, match="unknown drafters entry 'nope'"):
         manager.get_component("drafters", "nope")
 

@@ -30,6 +30,9 @@ class SeqChunk:
         prev_row: async scheduling: when ``>= 0`` the chunk is one decode token whose value
             the host does not know yet: it is row ``prev_row`` of the previous step's sampled
             tokens (still on the device), and ``token_ids`` holds a placeholder.
+        num_draft: speculative decoding: the last ``num_draft`` of ``token_ids`` are draft
+            tokens to verify; the logits of the chunk's last ``1 + num_draft`` rows are returned
+            (each verified position's distribution).
         table_key: identifies ``block_table``'s lineage: it changes whenever the request's
             table is replaced rather than appended to (admission, preemption), so the model
             runner sends the device only the pages appended since it last saw the same key.
@@ -44,12 +47,21 @@ class SeqChunk:
     window_from: int = 0
     cached_until: int = 0
     prev_row: int = -1
+    num_draft: int = 0
     table_key: tuple[str, int] = ("", 0)
 
     @property
     def num_tokens(self) -> int:
         """Number of new tokens in this chunk."""
         return len(self.token_ids)
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the chunk returns: all of them with ``all_logits``, else one per
+        sampled position (``1 + num_draft``) when it samples, else none."""
+        if self.all_logits:
+            return self.num_tokens
+        return 1 + self.num_draft if self.sample else 0
 
     @property
     def end_pos(self) -> int:

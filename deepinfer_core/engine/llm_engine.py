@@ -18,6 +18,7 @@ from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.sampling.logits_processors import LogitsProcessor
@@ -38,6 +39,7 @@ class _Launched:
     token_ids: torch.Tensor  # sampled token per sampling chunk, on the device
     logprobs: list[dict[int, float] | None]
     t0: float
+    verified: VerifyResult | None = None  # speculative decoding: tokens emitted per chunk
 
 
 __all__ = ["LLMEngine", "StepStats", "resolve_model_dir"]
@@ -168,7 +170,18 @@ class LLMEngine:
         self._structured: dict[str, Any] = {}  # grammar backend (or why not) by name
         self._processors: dict[str, Any] = {}  # logits processor instance (or why not) by name
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
+        self.spec = self._speculative()
         plugins.engine_started(self)
+
+    def _speculative(self) -> SpeculativeDecoder | None:
+        """Speculative decoding when configured (steps then run synchronously: the drafts of a
+        step need the previous step's tokens on the host)."""
+        if self.config.speculative is None:
+            return None
+        if self.config.async_scheduling:
+            logger.info("speculative decoding: async scheduling off (drafts need each step's tokens)")
+            self.config = self.config.model_copy(update={"async_scheduling": False})
+        return SpeculativeDecoder(self)
 
     def _check_batch_invariance(self, device_type: str) -> None:
         """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
@@ -211,9 +224,12 @@ class LLMEngine:
         reason = self.runner.capture_graphs()
         if reason is None:
             logger.info(
-                "captured %d decode graphs (batch sizes %s) in %.1f s",
+                "captured %d decode graphs (batch sizes %s) and %d verify graphs (%d tokens per request) "
+                "in %.1f s",
                 len(self.runner.graphs),
                 sorted(self.runner.graphs),
+                len(self.runner.verify_graphs),
+                1 + self.runner.num_spec_tokens,
                 time.perf_counter() - t0,
             )
         elif self.runner.device.type == "cpu":
@@ -530,6 +546,8 @@ class LLMEngine:
         self._apply_aborts()
         finished, self._errored = self._errored, []
         previous, self._inflight = self._inflight, None
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         finished += sched.finished
         logits = None
@@ -555,6 +573,9 @@ class LLMEngine:
         if any(f is not None for f in first_rows):  # prompt logprobs: all rows of some chunks
             record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
             logits = logits[sample_rows]
+        if self.spec is not None:
+            verified = self.spec.sample(sched, logits)
+            return _Launched(sched, logits.new_empty(0), [], t0, verified)
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
         batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
         if any(r.structured_matcher is not None for r in sched.sampling_requests):
@@ -566,13 +587,22 @@ class LLMEngine:
 
     def _complete(self, step: _Launched) -> list[Request]:
         """Process a launched step's outputs (the only host sync on its sampled tokens)."""
-        finished = self.scheduler.complete(
-            step.sched, step.token_ids.tolist(), step.logprobs, self.eos_token_ids
-        )
-        self._record_step(step.sched, finished, step.t0)
+        if step.verified is not None:
+            v = step.verified
+            finished = self.scheduler.complete_tokens(step.sched, v.token_ids, v.logprobs, self.eos_token_ids)
+        else:
+            finished = self.scheduler.complete(
+                step.sched, step.token_ids.tolist(), step.logprobs, self.eos_token_ids
+            )
+        emitted = None if step.verified is None else sum(map(len, step.verified.token_ids))
+        self._record_step(step.sched, finished, step.t0, emitted)
+        if self.spec is not None:
+            self.spec.observe_step(step.sched, time.perf_counter() - step.t0)
         return finished
 
-    def _record_step(self, sched: SchedulerOutput, finished: list[Request], t0: float) -> None:
+    def _record_step(
+        self, sched: SchedulerOutput, finished: list[Request], t0: float, num_emitted: int | None = None
+    ) -> None:
         """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
         now = time.monotonic()
         for req in sched.requests:
@@ -595,13 +625,13 @@ class LLMEngine:
             step=self._num_steps,
             num_seqs=len(sched.chunks),
             num_tokens=sched.num_tokens,
-            num_decode_seqs=sum(c.num_tokens == 1 and c.start_pos > 0 for c in sched.chunks),
+            num_decode_seqs=sum(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks),
             num_preempted=len(sched.preempted),
             num_finished=len(finished),
             cache_usage=self.runner.kv_cache.usage(),
             step_time_s=time.perf_counter() - t0,
             num_prompt_tokens=num_prompt_tokens,
-            num_generated_tokens=len(sampled),
+            num_generated_tokens=len(sampled) if num_emitted is None else num_emitted,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
             num_replayed_tokens=sched.num_replayed_tokens,
             num_waiting=len(self.scheduler.waiting),
@@ -645,6 +675,8 @@ class LLMEngine:
         """The user-facing output of a request (text detokenized, stop token excluded from it)."""
         if req.logits_processors and req.is_finished:
             self._release_processors(req)
+        if self.spec is not None and req.is_finished:
+            self.spec.release(req)
         want_logprobs = req.params.logprobs is not None
         completion = CompletionOutput(
             index=0,

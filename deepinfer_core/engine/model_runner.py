@@ -10,7 +10,9 @@ rows that sample.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +117,8 @@ class ModelRunner:
         )
         # previous step's sampled tokens, copied here for graph replays (a fixed address)
         self.prev_buf = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self.graphs: dict[int, DeviceGraph] = {}
+        self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
+        self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
         logger.info(
             "KV cache (%s): %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq "
             "state)",
@@ -166,6 +169,13 @@ class ModelRunner:
                 )
         if prev_tokens is None and any(c.prev_row >= 0 for c in chunks):
             raise ValueError("chunks refer to the previous step's tokens but none were given")
+        verify = self._verify_bucket(chunks)
+        if verify is not None:
+            t = verify * (1 + self.num_spec_tokens)
+            rows = sample_rows(chunks)
+            rows += [t - 1] * (t - len(rows))  # fixed shape: padding rows after the real ones
+            self.inputs.prepare(chunks, rows, None, t, verify + 1, self.max_model_len)
+            return self.verify_graphs[verify].replay()[: sum(c.num_logit_rows for c in chunks)]
         bucket = self._graph_bucket(chunks)
         if bucket is not None:
             if prev_tokens is not None:
@@ -189,6 +199,39 @@ class ModelRunner:
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.forward(md, self.cache)
 
+    def time_step(self, batch: int, tokens_per_request: int, repeats: int = 5) -> float:
+        """Seconds of one step of ``batch`` requests x ``tokens_per_request`` tokens, every
+        row's logits returned (a verify step's shape), measured on padding rows of the trash
+        slot (no request's cache is touched): the fastest of ``repeats`` runs after a warm-up
+        (the least disturbed by other work on the machine).
+        Speculative decoding's DSpark policy weighs drafts against these costs."""
+        t = batch * tokens_per_request
+        graphs = self.graphs if tokens_per_request == 1 else self.verify_graphs
+        bucket = min((b for b in graphs if b >= batch), default=None)
+        if bucket is not None and tokens_per_request > 1 + self.num_spec_tokens:
+            bucket = None
+        times = []
+        for i in range(repeats + 1):
+            if bucket is not None:  # the graph this step would replay (padded to its shape)
+                n = bucket * (1 if tokens_per_request == 1 else 1 + self.num_spec_tokens)
+                prev = self.prev_buf if tokens_per_request == 1 else None
+                self.inputs.prepare([], list(range(n)), prev, n, bucket + 1, self.max_model_len)
+                run = graphs[bucket].replay
+            else:
+                inputs = self.inputs.prepare([], list(range(t)), None, t, 1)
+                run = functools.partial(self._forward, inputs)
+            self._sync()
+            t0 = time.perf_counter()
+            run()
+            self._sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- device graphs -----------------------------------------------------------------------
     def capture_graphs(self, factory: GraphFactory | None = None, pool: object | None = None) -> str | None:
         """Capture one decode graph per batch bucket (:mod:`~deepinfer_core.engine.graphs`).
@@ -205,10 +248,18 @@ class ModelRunner:
             if factory is None:
                 return reason
         buckets = batch_buckets(self.kv_cache.num_slots)
-        graphs = {}
+        graphs: dict[int, DeviceGraph] = {}
+        verify: dict[int, DeviceGraph] = {}
+        t = 1 + self.num_spec_tokens  # tokens per request of a verify step
+        plans = [(b, 1, graphs) for b in buckets]
+        if self.num_spec_tokens:
+            plans += [(b, t, verify) for b in buckets if b * t <= self.inputs.max_tokens]
         try:
-            for b in sorted(buckets, reverse=True):  # largest first: the others reuse its pool
-                inputs = self.inputs.prepare([], list(range(b)), self.prev_buf, b, b + 1, self.max_model_len)
+            # largest first: the others reuse its pool
+            for b, tokens, into in sorted(plans, key=lambda p: -p[0] * p[1]):
+                n = b * tokens
+                prev = self.prev_buf if tokens == 1 else None
+                inputs = self.inputs.prepare([], list(range(n)), prev, n, b + 1, self.max_model_len)
 
                 def step(inputs: StepInputs = inputs) -> torch.Tensor:
                     return self._forward(inputs)
@@ -216,11 +267,26 @@ class ModelRunner:
                 step()  # warm-up: lazy initialisation, kernel compilation, autotuning
                 graph = factory(pool)
                 graph.capture(step)
-                graphs[b] = graph
+                into[b] = graph
         except Exception as e:  # an op that cannot be captured: run eagerly, and say so
-            return f"capturing the batch-{b} decode graph failed ({type(e).__name__}: {e})"
-        self.graphs = graphs
+            what = "decode" if tokens == 1 else f"{tokens}-token verify"
+            return f"capturing the batch-{b} {what} graph failed ({type(e).__name__}: {e})"
+        self.graphs, self.verify_graphs = graphs, verify
         return None
+
+    def _verify_bucket(self, chunks: list[SeqChunk]) -> int | None:
+        """The bucket whose verify graph runs this step, or ``None``: verify graphs run steps
+        where every request decodes one token plus at most ``num_spec_tokens`` drafts (and
+        some have drafts)."""
+        if not self.verify_graphs or len(chunks) > max(self.verify_graphs):
+            return None
+        if not any(c.num_draft for c in chunks):
+            return None
+        if any(
+            c.num_tokens - c.num_draft != 1 or not c.sample or c.all_logits or c.prev_row >= 0 for c in chunks
+        ):
+            return None
+        return min(b for b in self.verify_graphs if b >= len(chunks))
 
     def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where
@@ -239,13 +305,12 @@ def _size(nbytes: int) -> str:
 
 def sample_rows(chunks: list[SeqChunk]) -> list[int]:
     """Token rows whose logits a step returns: every row of ``all_logits`` chunks, the last
-    row of the other sampling chunks, in chunk order."""
+    ``1 + num_draft`` rows (the verified positions) of the other sampling chunks, in chunk
+    order."""
     rows: list[int] = []
     offset = 0
     for c in chunks:
-        if c.all_logits:
-            rows.extend(range(offset, offset + c.num_tokens))
-        elif c.sample:
-            rows.append(offset + c.num_tokens - 1)
+        n = c.num_logit_rows
+        rows.extend(range(offset + c.num_tokens - n, offset + c.num_tokens))
         offset += c.num_tokens
     return rows

@@ -88,6 +88,8 @@ class Request:
         # async scheduling: a token sampled by a step whose outputs are not processed yet
         self.num_pending = 0  # 0, 1, or 2 between scheduling step N+1 and processing step N
         self.pending_row = -1  # its row in that step's sampled-token tensor
+        # speculative decoding: tokens proposed to verify in the next step (set by the engine)
+        self.draft_token_ids: list[int] = []
 
     def __repr__(self) -> str:
         return (

@@ -210,8 +210,11 @@ class Scheduler:
             req.page_hashes.append(self.kv_cache.register_page(req.block_table[j], prev, tokens))
 
     def _chunk_size(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit)."""
+        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit);
+        a decoding request's draft tokens come on top of its token (cut to the budget)."""
         remaining = req.num_uncomputed_tokens
+        if remaining == 1 and req.draft_token_ids:
+            return min(1 + len(req.draft_token_ids), budget)
         if remaining <= budget:
             return remaining
         return budget if self.enable_chunked_prefill else 0
@@ -224,7 +227,8 @@ class Scheduler:
         while True:
             free_tokens = (len(req.block_table) + self.kv_cache.num_free_pages) * self.kv_cache.page_size
             fit = min(n, free_tokens - req.num_computed_tokens)
-            if fit == n or (fit >= 1 and self.enable_chunked_prefill):
+            # a short cache cuts a prefill chunk (when chunking) or a decode's drafts, never more
+            if fit == n or (fit >= 1 and (self.enable_chunked_prefill or req.draft_token_ids)):
                 self._grow(req, fit)
                 return fit
             victim = next(
@@ -248,15 +252,18 @@ class Scheduler:
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
         known = min(end, req.num_tokens)
-        pending = end - known  # 1 when the chunk's token is the unprocessed sampled one
+        # beyond the known tokens: draft tokens to verify, or (async) the unprocessed sampled one
+        drafts = req.draft_token_ids = req.draft_token_ids[: end - known] if known == req.num_tokens else []
+        pending = end - known - len(drafts)
         assert req.seq_slot is not None and pending <= req.num_pending
         out.chunks.append(
             SeqChunk(
                 seq_slot=req.seq_slot,
-                token_ids=req.token_slice(start, known) + [0] * pending,
+                token_ids=req.token_slice(start, known) + [0] * pending + drafts,
                 start_pos=start,
                 block_table=list(req.block_table),
-                sample=end == req.num_tokens + req.num_pending,
+                sample=end == req.num_tokens + req.num_pending + len(drafts),
+                num_draft=len(drafts),
                 all_logits=req.needs_prompt_logits(start, end),
                 window_from=req.window_from,
                 cached_until=req.cached_until,
@@ -318,6 +325,25 @@ class Scheduler:
             out: the step's schedule.
             token_ids, logprobs: sampled token (and logprobs) per sampling chunk, in chunk order.
         """
+        return self.complete_tokens(out, [[t] for t in token_ids], [[lp] for lp in logprobs], eos_token_ids)
+
+    def complete_tokens(
+        self,
+        out: SchedulerOutput,
+        token_ids: list[list[int]],
+        logprobs: list[list[dict[int, float] | None]],
+        eos_token_ids: list[int],
+    ) -> list[Request]:
+        """:meth:`complete` for steps that may emit several tokens per chunk (speculative
+        decoding): ``token_ids[row]`` are the tokens a sampling chunk emits, in order — for a
+        chunk that verified ``num_draft`` drafts, the accepted drafts then the target's own
+        token, so ``1 .. 1 + num_draft`` of them.  The chunk's positions after the accepted
+        ones were computed for rejected drafts: ``num_computed_tokens`` is set back to the
+        accepted end (the next step overwrites what they wrote; see
+        :mod:`deepinfer_core.models.deepseek_v4.metadata` for why nothing reads it before) and
+        only pages of accepted positions are registered in the prefix cache.  Tokens after one
+        that finishes the request are dropped.
+        """
         finished = []
         row = -1
         for req, chunk in zip(out.requests, out.chunks, strict=True):
@@ -328,15 +354,28 @@ class Scheduler:
             # register the pages the step computed for the request as it is now (not ones
             # given up by a preemption while the step ran)
             held = req.block_table[: len(chunk.block_table)] == chunk.block_table
-            if req.status is RequestStatus.RUNNING and held:
-                self._register_full_pages(req, chunk.end_pos)
+            computed = chunk.end_pos
+            if chunk.num_draft and chunk.sample:
+                computed = chunk.end_pos - chunk.num_draft - 1 + len(token_ids[row])
+                if req.status is RequestStatus.RUNNING and held:
+                    req.num_computed_tokens = computed
+                req.draft_token_ids = []
+            if req.status is RequestStatus.RUNNING and held and not chunk.num_draft:
+                self._register_full_pages(req, computed)
             if chunk.sample:
                 req.num_pending -= 1
-                if req.append_token(token_ids[row], logprobs[row], eos_token_ids, self.max_model_len):
+                done = False
+                for token, lp in zip(token_ids[row], logprobs[row], strict=True):
+                    done = req.append_token(token, lp, eos_token_ids, self.max_model_len)
+                    if done:
+                        break
+                if done:
                     if req in self.waiting:  # preempted while this step ran
                         self.waiting.remove(req)
                     self._release(req)
                     finished.append(req)
+                elif chunk.num_draft and req.status is RequestStatus.RUNNING and held:
+                    self._register_full_pages(req, computed)  # the accepted tokens are in now
         return finished
 
     def finish_requests(self, request_ids: Collection[str], reason: str) -> list[Request]:

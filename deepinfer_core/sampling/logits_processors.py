@@ -16,6 +16,13 @@ model's vocabulary size and the device, and for each request that selects it:
    must come back unchanged);
 3. :meth:`LogitsProcessor.remove_request` when the request finishes (any reason).
 
+Speculative decoding verifies several positions of a request in one step: the engine then
+calls ``apply`` once per verified position ``i`` (rows of the other positions ``None``),
+after passing the draft tokens before ``i`` to ``on_tokens``, and finally
+:meth:`LogitsProcessor.on_rollback` with the number of draft tokens it passed; the accepted
+ones come again through ``on_tokens`` before the next step.  A processor that cannot roll
+back (``supports_rollback = False``, the default) makes its requests decode without drafts.
+
 The processed logits then go through the sampler's own stages (allowed ids, bias, penalties,
 temperature...); processors run in the order the request lists them, each on the whole batch.
 Logprobs are computed from the logits after the processors (as HF's ``logits_processor``).
@@ -39,6 +46,9 @@ class LogitsProcessor:
         device: the device the logits live on.
     """
 
+    supports_rollback: bool = False
+    """Whether :meth:`on_rollback` is implemented (speculative decoding needs it)."""
+
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
         self.device = device
@@ -49,6 +59,11 @@ class LogitsProcessor:
 
     def on_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Tokens appended to the request's output since the last call, in order."""
+
+    def on_rollback(self, request_id: str, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` tokens given to :meth:`on_tokens` (draft tokens of a
+        verify step); only called when :attr:`supports_rollback` is true."""
+        raise NotImplementedError
 
     def remove_request(self, request_id: str) -> None:
         """The request finished (stop, length, abort or error): drop its state."""

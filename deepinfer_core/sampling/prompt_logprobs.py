@@ -29,23 +29,18 @@ def logit_rows(chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int | None]]
     """Where each chunk's logits are in the runner's output.
 
     Returns:
-        ``(sample_rows, first_rows)``: the row of each sampling chunk's last token, in chunk
-        order; and per chunk the first of its rows when it has ``all_logits``, else ``None``.
+        ``(sample_rows, first_rows)``: the rows each sampling chunk samples from, in chunk
+        order (its last token's; with ``num_draft`` drafts, one per verified position); and
+        per chunk the first of its rows when it has ``all_logits``, else ``None``.
     """
     sample_rows: list[int] = []
     first_rows: list[int | None] = []
     row = 0
     for c in chunks:
-        if c.all_logits:
-            first_rows.append(row)
-            row += c.num_tokens
-            if c.sample:
-                sample_rows.append(row - 1)
-        else:
-            first_rows.append(None)
-            if c.sample:
-                sample_rows.append(row)
-                row += 1
+        first_rows.append(row if c.all_logits else None)
+        row += c.num_logit_rows
+        if c.sample:
+            sample_rows.extend(range(row - 1 - c.num_draft, row))
     return sample_rows, first_rows
 
 

@@ -515,6 +515,39 @@ class Sampler:
             logprobs = device_top_logprobs(rows, tokens, max(prep.num_logprobs))
         return out, logprobs
 
+    def distribution(self, raw: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
+        """The distribution each row's draw samples from, ``[B, V]`` float64: for sampling rows
+        ``softmax`` of the processed, temperature-scaled logits over the tokens that survive
+        top-k / top-p / min-p; for greedy rows one-hot on the argmax.  (Speculative decoding's
+        rejection test compares it with the drafter's.)"""
+        processed = self._process(raw, prep)
+        probs = torch.zeros(processed.shape, dtype=torch.float64, device=processed.device)
+        probs.scatter_(1, torch.argmax(processed, dim=-1, keepdim=True), 1.0)
+        if prep.sample_rows:
+            assert prep.temperatures is not None
+            index = prep.sample_index
+            rows = processed if index is None else processed.index_select(0, index)
+            scaled = rows / prep.temperatures[:, None]
+            keep = self._keep(scaled, prep)
+            if keep is not None:
+                scaled = scaled.masked_fill(~keep, float("-inf"))
+            sampled = torch.softmax(scaled.double(), dim=-1)
+            probs = sampled if index is None else probs.index_copy_(0, index, sampled)
+        return probs
+
+    @staticmethod
+    def _keep(scaled: torch.Tensor, prep: SamplingTensors) -> torch.Tensor | None:
+        """The tokens of the sampled rows that survive top-k / top-p and min-p (``None``: all)."""
+        keep = None
+        if prep.use_top_k_top_p:
+            assert prep.top_ks is not None and prep.top_ps is not None
+            keep = top_k_top_p_keep(scaled, prep.top_ks, prep.top_ps)
+        if prep.use_min_p:
+            assert prep.min_ps is not None
+            by_min_p = min_p_keep(scaled, prep.min_ps)
+            keep = by_min_p if keep is None else keep & by_min_p
+        return keep
+
     @staticmethod
     def _process(out: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
         allowed = (prep.allowed_ids, prep.allowed_on) if prep.allowed_ids is not None else None
@@ -528,17 +561,10 @@ class Sampler:
             )
         return out
 
-    @staticmethod
-    def _draw(scaled: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
+    @classmethod
+    def _draw(cls, scaled: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
         assert prep.key1 is not None and prep.key2 is not None
-        keep = None
-        if prep.use_top_k_top_p:
-            assert prep.top_ks is not None and prep.top_ps is not None
-            keep = top_k_top_p_keep(scaled, prep.top_ks, prep.top_ps)
-        if prep.use_min_p:
-            assert prep.min_ps is not None
-            by_min_p = min_p_keep(scaled, prep.min_ps)
-            keep = by_min_p if keep is None else keep & by_min_p
+        keep = cls._keep(scaled, prep)
         noisy = scaled.double() + gumbel_noise_from_keys(prep.key1, prep.key2, scaled.shape[1])
         if keep is not None:
             noisy = noisy.masked_fill(~keep, float("-inf"))

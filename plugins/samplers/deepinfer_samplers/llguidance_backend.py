@@ -219,6 +219,18 @@ class LLGuidanceMatcher:
             if not self._m.is_stopped():
                 self._m.consume_token(int(t))
 
+    def num_valid(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts from the current state (draft
+        tokens of speculative decoding), without consuming them."""
+        if self._m.is_stopped() or self._m.is_error():
+            return 0
+        return int(self._m.validate_tokens([int(t) for t in token_ids]))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` :meth:`consume` d tokens (rejected drafts)."""
+        self._m.rollback(num_tokens)
+        self.num_consumed -= num_tokens
+
     def fill_bitmask(self, row: Any) -> None:
         """Write the tokens the grammar allows next into ``row`` (a contiguous CPU int32 tensor
         of ``ceil(V/32)`` words, bit ``t % 32`` of word ``t // 32`` for token ``t``): EOS only

@@ -23,14 +23,26 @@ class _State:
         self.size = size
         self.tokens: list[int] = []
         self.followers: defaultdict[tuple[int, ...], set[int]] = defaultdict(set)
+        self.added: list[bool] = []  # per token: whether it added a new follower (for rollback)
         self.extend(prompt)
 
     def extend(self, token_ids: Sequence[int]) -> None:
         n = self.size
         for t in token_ids:
             self.tokens.append(int(t))
+            new = False
             if len(self.tokens) >= n:
-                self.followers[tuple(self.tokens[-n:-1])].add(self.tokens[-1])
+                followers = self.followers[tuple(self.tokens[-n:-1])]
+                new = self.tokens[-1] not in followers
+                followers.add(self.tokens[-1])
+            self.added.append(new)
+
+    def rollback(self, num_tokens: int) -> None:
+        n = self.size
+        for _ in range(num_tokens):
+            if self.added.pop():
+                self.followers[tuple(self.tokens[-n:-1])].discard(self.tokens[-1])
+            self.tokens.pop()
 
     def banned(self) -> set[int]:
         n = self.size
@@ -42,6 +54,8 @@ class _State:
 
 class NoRepeatNgram(LogitsProcessor):
     """Ban tokens that would repeat an n-gram of the prompt + output (argument ``size`` >= 1)."""
+
+    supports_rollback = True
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         super().__init__(vocab_size, device)
@@ -58,6 +72,9 @@ class NoRepeatNgram(LogitsProcessor):
 
     def on_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._states[request_id].extend(token_ids)
+
+    def on_rollback(self, request_id: str, num_tokens: int) -> None:
+        self._states[request_id].rollback(num_tokens)
 
     def remove_request(self, request_id: str) -> None:
         self._states.pop(request_id, None)

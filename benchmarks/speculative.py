@@ -1,0 +1,181 @@
+"""Speculative decoding: DSpark vs fixed-length verification vs none, tokens per target forward
+and throughput, on a workload with repetition.
+
+The workload: ``B`` prompts (``--prompt-len`` random tokens, each a random block repeated, so
+the n-gram drafter finds matches in the prompt too), decoded greedily with
+``presence_penalty=--presence-penalty`` (negative: tokens already present are favoured, so
+even the random-weight tiny model produces repetitive text, some requests looping, others
+wandering) plus ``--sampled`` seeded-sampling requests mixed in.  Every mode produces the same
+tokens (checked): speculation changes only the work.
+
+For each batch size ``B`` (``--batch-sizes``) and mode (``none``, ``fixed``, ``dspark``; the
+drafter is ``--drafter``, default ``ngram``, with at most ``--max-draft-tokens``): wall time of
+``llm.generate`` (median of ``--repeats`` after a warm-up), generated tok/s, target forwards
+(engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length.
+
+    OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
+    python benchmarks/speculative.py --model DIR --backend cuda_sm100 --batch-sizes 1,16,64
+
+Prints a table and writes JSON (default ``benchmarks/results/speculative.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``num`` prompts of ``length`` tokens: a random block of a quarter of the length, repeated."""
+    rng = random.Random(seed)
+    block = max(1, length // 4)
+    out = []
+    for _ in range(num):
+        b = [rng.randrange(3, vocab) for _ in range(block)]
+        out.append((b * (length // block + 1))[:length])
+    return out
+
+
+def workload_params(num: int, args: argparse.Namespace) -> list[SamplingParams]:
+    """Greedy requests with a presence penalty, every ``args.sampled``-th one seeded sampling."""
+    params = []
+    for i in range(num):
+        sampled = args.sampled and i % args.sampled == args.sampled - 1
+        params.append(
+            SamplingParams(
+                temperature=0.8 if sampled else 0.0,
+                seed=i if sampled else None,
+                presence_penalty=args.presence_penalty,
+                max_tokens=args.max_tokens,
+                ignore_eos=True,
+            )
+        )
+    return params
+
+
+def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    spec = None if mode == "none" else {
+        "method": mode, "drafter": args.drafter, "max_draft_tokens": args.max_draft_tokens,
+    }  # fmt: skip
+    kw: dict[str, Any] = {"max_num_seqs": batch, "speculative": spec}
+    if args.model:
+        kw["model"] = args.model
+    if args.backend:
+        kw["backend"] = args.backend
+    llm = LLM(**kw)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(batch, args.prompt_len, vocab, args.seed)]
+    params = workload_params(batch, args)
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up
+    times, outs = [], None
+    for _ in range(args.repeats):
+        llm.engine.metrics.reset()
+        if llm.engine.spec is not None:
+            llm.engine.spec.metrics.reset()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    assert outs is not None
+    m = llm.get_metrics()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    wall = statistics.median(times)
+    decode_steps = m["num_steps"]
+    row = {
+        "batch": batch,
+        "mode": mode,
+        "wall_s": wall,
+        "tok_per_s": tokens / wall,
+        "generated_tokens": tokens,
+        "target_forwards": decode_steps,
+        "tokens_per_forward": tokens / decode_steps if decode_steps else 0.0,
+        "token_ids": [o.outputs[0].token_ids for o in outs],
+    }
+    if "speculative" in m:
+        s = m["speculative"]
+        row.update(
+            acceptance_rate=s["acceptance_rate"],
+            mean_acceptance_length=s["mean_acceptance_length"],
+            draft_tokens=s["num_draft_tokens"],
+            verify_length_histogram=s["verify_length_histogram"],
+        )
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    parser.add_argument("--backend", help="backend (default auto)")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--modes", default="none,fixed,dspark")
+    parser.add_argument("--drafter", default="ngram")
+    parser.add_argument("--max-draft-tokens", type=int, default=5)
+    parser.add_argument("--prompt-len", type=int, default=48)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--presence-penalty", type=float, default=-2.0)
+    parser.add_argument("--sampled", type=int, default=4, help="every N-th request samples (0: none)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speculative.json")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    print(
+        f"{'B':>4} {'mode':>7} {'tok/s':>9} {'forwards':>9} {'tok/fwd':>8} {'accept':>7} {'mean len':>8} "
+        f"{'vs none':>8}",
+        flush=True,
+    )
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        base = None
+        for mode in args.modes.split(","):
+            row = run_mode(mode, b, args)
+            if base is None:
+                base = row
+            elif row["token_ids"] != base["token_ids"]:
+                print(f"  warning: {mode} tokens differ from {base['mode']}'s", file=sys.stderr)
+            row["same_tokens_as_first_mode"] = row["token_ids"] == base["token_ids"]
+            row["speedup_vs_first_mode"] = row["tok_per_s"] / base["tok_per_s"]
+            rows.append(row)
+            print(
+                f"{b:>4} {mode:>7} {row['tok_per_s']:>9.1f} {row['target_forwards']:>9} "
+                f"{row['tokens_per_forward']:>8.2f} {row.get('acceptance_rate', 0.0):>7.2f} "
+                f"{row.get('mean_acceptance_length', 0.0):>8.2f} {row['speedup_vs_first_mode']:>7.2f}x",
+                flush=True,
+            )
+    for r in rows:
+        del r["token_ids"]
+    result = {
+        "benchmark": "speculative decoding: dspark vs fixed vs none",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": platform.platform(),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""Speculative decoding in the engine step: draft, schedule the verify, sample every verified
+position, accept.
+
+Per step (the engine runs steps synchronously while speculating: the drafts of step N+1 need
+step N's tokens on the host):
+
+1. :meth:`SpeculativeDecoder.propose` asks the drafter for the decoding requests' drafts and
+   lets the policy (``fixed`` / ``dspark``, :mod:`deepinfer_core.speculative.policy`) choose
+   how many each verifies; they go to ``Request.draft_token_ids``, and the scheduler emits
+   ``[last token, drafts...]`` as one chunk (``SeqChunk.num_draft``), cut to the token budget
+   and the free pages (drafts never preempt anyone).
+2. The forward returns the logits of every verified position.
+3. :meth:`SpeculativeDecoder.sample` processes row ``i`` of a chunk as plain decoding would
+   after ``d1 .. di``: penalties and ``min_tokens`` count them, grammar matchers advance over
+   them (then roll back), logits processors get them (then roll back); the sampler draws
+   the target's token at each row with the usual counter-based keys; then
+   :mod:`deepinfer_core.speculative.verify` accepts (``match`` or ``rejection``).
+4. :meth:`~deepinfer_core.engine.scheduler.Scheduler.complete_tokens` appends the emitted
+   tokens and sets ``num_computed_tokens`` back to the accepted end (the caches keep room for
+   the drafts, so rejected ones leave no trace: ``EngineConfig.num_spec_tokens``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
+from deepinfer_core.sampling.random import row_keys
+from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
+from deepinfer_core.speculative.drafter import Draft, DraftContext, Drafter
+from deepinfer_core.speculative.policy import StepCost, cumulative, dspark_lengths, fixed_lengths
+from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
+from deepinfer_core.speculative.verify import (
+    accept_match,
+    accept_rejection,
+    acceptance_uniform,
+    residual_draws,
+)
+
+if TYPE_CHECKING:
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.engine.request import Request
+    from deepinfer_core.engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger("deepinfer.engine")
+
+
+@dataclass
+class _RowView:
+    """A request as one verified position sees it: its output extended by the drafts before."""
+
+    params: Any
+    sampling_seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass
+class VerifyResult:
+    """Per sampling chunk, the tokens it emits and their logprobs (``None`` entries when not
+    asked for)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, float] | None]]
+
+
+class SpeculativeDecoder:
+    """The engine's speculative decoding (see the module docstring).
+
+    Args:
+        engine: the engine (its config's ``speculative``, plugins, scheduler, sampler, runner).
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        cfg = engine.config.speculative
+        assert cfg is not None
+        self.engine = engine
+        self.config = cfg
+        self.drafter = self._build_drafter(engine)
+        self.metrics = SpeculativeMetrics(cfg.max_draft_tokens)
+        self.global_stats = AcceptanceStats(cfg.max_draft_tokens)
+        self._stats: dict[str, AcceptanceStats] = {}
+        self._proposed: dict[str, int] = {}
+        self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self.cost: StepCost | None = None
+        if cfg.method == "dspark":
+            self.cost = self._profile_cost()
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _build_drafter(self, engine: LLMEngine) -> Drafter:
+        name = self.config.drafter
+        registry = engine.plugins.components["drafters"]
+        spec = registry.get(name)
+        if spec is None:
+            raise ConfigError(f"speculative.drafter={name!r} is not registered (known: {sorted(registry)})")
+        available, reason = spec.availability()
+        if not available:
+            raise ConfigError(f"speculative.drafter={name!r} is unavailable: {reason}")
+        cls = spec.factory()
+        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+            raise ConfigError(
+                f"speculative.drafter={name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
+                "deepinfer_core.speculative.Drafter"
+            )
+        return cls(self.config, engine.model_config.vocab_size)
+
+    def _profile_cost(self) -> StepCost:
+        """Time steps of ``B`` requests x ``t`` tokens (``t`` = 1, the middle, ``1 + k``) for a
+        few batch sizes up to ``max_num_seqs`` — the cost curve DSpark weighs drafts against."""
+        runner, k = self.engine.runner, self.config.max_draft_tokens
+        budget = self.engine.config.max_num_batched_tokens
+        batches = sorted(
+            {b for b in (1, 4, 16, 64, runner.kv_cache.num_slots) if b <= runner.kv_cache.num_slots}
+        )
+        table: dict[tuple[int, int], float] = {}
+        t0 = time.perf_counter()
+        for b in batches:
+            for t in sorted({1, 1 + (k + 1) // 2, 1 + k}):
+                if b * t <= budget + runner.kv_cache.num_slots:
+                    table[(b, t)] = runner.time_step(b, t)
+        logger.info(
+            "speculative decoding (%s, drafter %r, up to %d drafts): step cost profiled in %.2f s: %s",
+            self.config.method,
+            self.config.drafter,
+            k,
+            time.perf_counter() - t0,
+            ", ".join(f"B={b} t={t}: {1e3 * s:.2f} ms" for (b, t), s in sorted(table.items())),
+        )
+        return StepCost(table)
+
+    # ---- before the step -------------------------------------------------------------------------
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set the drafts each decoding request verifies this step (``Request.draft_token_ids``)."""
+        engine = self.engine
+        k = self.config.max_draft_tokens
+        contexts, reqs = [], []
+        for req in running:
+            req.draft_token_ids = []
+            if req.num_uncomputed_tokens != 1 or req.is_finished:
+                continue
+            room = min(
+                k,
+                req.params.max_tokens - len(req.output_token_ids) - 1,
+                engine.max_model_len - req.num_tokens - 1,
+            )
+            if room < 1 or not self._can_roll_back(req):
+                continue
+            tokens = req.token_slice(0, req.num_tokens)
+            contexts.append(DraftContext(req.request_id, tokens, req.num_prompt_tokens, room))
+            reqs.append(req)
+        if not contexts:
+            return
+        drafts = self.drafter.propose(contexts)
+        if len(drafts) != len(contexts):
+            raise RuntimeError(
+                f"drafter {self.config.drafter!r} returned {len(drafts)} drafts for {len(contexts)} requests"
+            )
+        vocab = engine.model_config.vocab_size
+        proposed = []
+        for ctx, draft in zip(contexts, drafts, strict=True):
+            bad = [t for t in draft.token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+            if bad:
+                raise RuntimeError(
+                    f"drafter {self.config.drafter!r} proposed token ids {bad[:5]} outside the vocabulary "
+                    f"[0, {vocab}) for request {ctx.request_id!r}"
+                )
+            del draft.token_ids[ctx.max_tokens :]
+            proposed.append(len(draft.token_ids))
+        budget = engine.config.max_num_batched_tokens - len(reqs)
+        if self.config.method == "fixed":
+            lengths = fixed_lengths(proposed, budget)
+        else:
+            assert self.cost is not None
+            confidences = [self._confidence(r, d) for r, d in zip(reqs, drafts, strict=True)]
+            lengths = dspark_lengths(confidences, budget, self.cost)
+        for req, draft, n in zip(reqs, drafts, lengths, strict=True):
+            req.draft_token_ids = list(draft.token_ids[:n])
+            self._proposed[req.request_id] = len(draft.token_ids)
+        self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
+
+    def _confidence(self, req: Request, draft: Draft) -> list[float]:
+        """Cumulative acceptance probabilities of ``draft``'s prefixes: the drafter's own
+        confidence, else the request's running rates shrunk towards the engine's."""
+        n = len(draft.token_ids)
+        if draft.confidence is not None:
+            return cumulative(draft.confidence[:n])
+        stats = self._stats.setdefault(req.request_id, AcceptanceStats(self.config.max_draft_tokens))
+        g = self.global_stats
+        rates = [stats.rate(i, g.rate(i, 0.5)) for i in range(n)]
+        return cumulative(rates)
+
+    def _can_roll_back(self, req: Request) -> bool:
+        """Whether ``req``'s grammar matcher and logits processors can take drafts back."""
+        m = req.structured_matcher
+        if m is not None and not hasattr(m, "rollback"):
+            return False
+        return all(self.engine._processors[n].supports_rollback for n in req.logits_processors)
+
+    # ---- after the forward -----------------------------------------------------------------------
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> VerifyResult:
+        """The tokens each sampling chunk emits (see the module docstring); ``logits`` has one
+        row per verified position of each sampling chunk, in order."""
+        engine = self.engine
+        reqs = sched.sampling_requests
+        chunks = [c for c in sched.chunks if c.sample]
+        rows: list[_RowView] = []
+        positions: list[int] = []
+        owner: list[tuple[int, int]] = []  # (chunk index, position in the chunk) per row
+        drafts: list[list[int]] = []
+        for ci, (req, c) in enumerate(zip(reqs, chunks, strict=True)):
+            d = c.token_ids[c.num_tokens - c.num_draft :] if c.num_draft else []
+            drafts.append(d)
+            for i in range(1 + c.num_draft):
+                out = req.output_token_ids + d[:i] if i else req.output_token_ids
+                rows.append(_RowView(req.params, req.sampling_seed, req.prompt_token_ids, out))
+                positions.append(c.end_pos - c.num_draft + i)
+                owner.append((ci, i))
+        batch = SamplingBatch.from_requests(rows, engine.eos_token_ids, positions)
+        if any(r.structured_matcher is not None for r in reqs):
+            self._structured_rows(batch, reqs, drafts, owner)
+        if any(r.logits_processors for r in reqs):
+            logits = self._processor_rows(logits.float(), reqs, drafts, owner)
+        sampled = engine.sampler(logits, batch)
+        targets = sampled.token_ids.tolist()
+        if self.config.acceptance == "rejection" and any(drafts):
+            emitted = self._rejection(logits, batch, reqs, rows, positions, owner, drafts, targets)
+            logprobs = self._emitted_logprobs(logits, batch, drafts, emitted)
+        else:
+            emitted, logprobs = [], []
+            base = 0
+            for d in drafts:
+                a = accept_match(targets[base : base + len(d) + 1], d)
+                emitted.append(targets[base : base + a + 1])
+                logprobs.append([sampled.logprobs[base + i] for i in range(a + 1)])
+                base += len(d) + 1
+        for req, c, d, e in zip(reqs, chunks, drafts, emitted, strict=True):
+            if c.num_tokens - c.num_draft == 1 and c.start_pos >= req.num_prompt_tokens:  # a decode
+                self._record(req, len(d), len(e) - 1 if d else 0)
+        return VerifyResult(emitted, logprobs)
+
+    def _rejection(
+        self,
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        reqs: list[Request],
+        rows: list[_RowView],
+        positions: list[int],
+        owner: list[tuple[int, int]],
+        drafts: list[list[int]],
+        targets: list[int],
+    ) -> list[list[int]]:
+        """``rejection`` acceptance for every chunk (:mod:`deepinfer_core.speculative.verify`)."""
+        device, vocab = logits.device, logits.shape[1]
+        probs = self.engine.sampler.distribution(logits.float(), batch.prepare(device, vocab))
+        tested = torch.tensor(
+            [drafts[ci][i] if i < len(drafts[ci]) else 0 for ci, i in owner], dtype=torch.int64
+        ).to(device)
+        k1, k2 = row_keys([r.sampling_seed for r in rows], positions)
+        key1 = torch.tensor(k1, dtype=torch.int64).to(device)
+        key2 = torch.tensor(k2, dtype=torch.int64).to(device)
+        q = self._draft_q(reqs, owner, drafts, vocab, device)
+        resid = residual_draws(probs, tested, q, key1, key2).tolist()
+        p_d = probs.gather(1, tested[:, None]).squeeze(1).tolist()
+        q_d = [1.0] * len(owner) if q is None else q.gather(1, tested[:, None]).squeeze(1).tolist()
+        emitted: list[list[int]] = []
+        base = 0
+        for d in drafts:
+            k = len(d)
+            u = [acceptance_uniform(rows[base + i].sampling_seed, positions[base + i]) for i in range(k)]
+            a = accept_rejection(p_d[base : base + k], q_d[base : base + k], u)
+            last = resid[base + a] if a < k else targets[base + k]
+            emitted.append(list(d[:a]) + [last])
+            base += k + 1
+        return emitted
+
+    def _draft_q(
+        self,
+        reqs: list[Request],
+        owner: list[tuple[int, int]],
+        drafts: list[list[int]],
+        vocab: int,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """The drafters' distributions ``q`` per row (``[n, V]``), or ``None`` when every draft
+        is deterministic (one-hot ``q``)."""
+        probs = [self._draft_probs.get(r.request_id) for r in reqs]
+        if all(p is None for p in probs):
+            return None
+        q = torch.zeros(len(owner), vocab, dtype=torch.float64, device=device)
+        for row, (ci, i) in enumerate(owner):
+            if i < len(drafts[ci]):
+                p = probs[ci]
+                if p is None:
+                    q[row, drafts[ci][i]] = 1.0
+                else:
+                    q[row] = p[i].to(device, torch.float64)
+        return q
+
+    @staticmethod
+    def _emitted_logprobs(
+        logits: torch.Tensor,
+        batch: SamplingBatch,
+        drafts: list[list[int]],
+        emitted: list[list[int]],
+    ) -> list[list[dict[int, float] | None]]:
+        """Logprobs of the emitted tokens (rejection acceptance may emit a token other than the
+        row's draw), from the raw logits of their rows."""
+        n = sum(len(d) + 1 for d in drafts)
+        ks = batch.num_logprobs or [None] * n
+        pick, tokens, want = [], [], []
+        base = 0
+        for d, e in zip(drafts, emitted, strict=True):
+            for i, t in enumerate(e):
+                pick.append(base + i)
+                tokens.append(t)
+                want.append(ks[base + i])
+            base += len(d) + 1
+        if not any(k is not None for k in want):
+            return [[None] * len(e) for e in emitted]
+        index = torch.tensor(pick, dtype=torch.int64).to(logits.device)
+        entries = top_logprobs(logits.float().index_select(0, index), torch.tensor(tokens), want)
+        out: list[list[dict[int, float] | None]] = []
+        j = 0
+        for e in emitted:
+            out.append([entries[j + i] for i in range(len(e))])
+            j += len(e)
+        return out
+
+    # ---- grammar masks and logits processors per verified position ----------------------------
+    def _structured_rows(
+        self, batch: SamplingBatch, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]
+    ) -> None:
+        """The packed token bitmask of every row: a request's matcher is advanced over its
+        drafts one at a time (as far as the grammar accepts them) between the rows' fills,
+        then rolled back.  Rows after a draft the grammar rejects stay unconstrained: that
+        draft cannot be accepted, so their tokens are never used."""
+        engine = self.engine
+        vocab = engine.model_config.vocab_size
+        bitmask = torch.full((len(owner), bitmask_words(vocab)), -1, dtype=torch.int32)
+        first_row = _first_rows(owner)
+        valid = {}
+        for ci, req in enumerate(reqs):
+            m = req.structured_matcher
+            if m is not None:
+                m.consume(req.output_token_ids[m.num_consumed :])
+                valid[ci] = m.num_valid(drafts[ci]) if drafts[ci] else 0
+        constrained: list[int] = []
+        for i in range(1 + max((len(d) for d in drafts), default=0)):
+            by_backend: dict[str, list[tuple[Any, int]]] = {}
+            for ci, n_valid in valid.items():
+                if i <= n_valid and i <= len(drafts[ci]):
+                    req = reqs[ci]
+                    if i:
+                        req.structured_matcher.consume([drafts[ci][i - 1]])
+                    row = first_row[ci] + i
+                    by_backend.setdefault(req.params.structured_outputs.backend, []).append(
+                        (req.structured_matcher, row)
+                    )
+                    constrained.append(row)
+            for name, pairs in by_backend.items():
+                engine._structured_backend(name).fill_bitmasks(pairs, bitmask)
+        for ci, n_valid in valid.items():
+            if n_valid:
+                reqs[ci].structured_matcher.rollback(min(n_valid, len(drafts[ci])))
+        allowed_lists = batch.allowed_token_ids
+        for row in constrained:
+            if not bool(bitmask[row].any()):
+                bitmask[row] = bitmask_of(engine.eos_token_ids, vocab)
+            extra = allowed_lists[row] if allowed_lists is not None else None
+            if extra is not None and not any(bitmask_has(bitmask[row], t) for t in extra):
+                allowed_lists[row] = None
+        batch.token_bitmask = bitmask
+
+    def _processor_rows(
+        self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Logits processors on every row: each gets a request's new output tokens, then per
+        verified position ``i`` its draft ``d_i`` and one ``apply`` over the rows at ``i``;
+        afterwards the drafts are rolled back (``on_rollback``)."""
+        procs = self.engine._processors
+        order: list[str] = []
+        for req in reqs:
+            if req.logits_processors:
+                new = req.output_token_ids[req.processed_tokens :]
+                req.processed_tokens = len(req.output_token_ids)
+                for name in req.logits_processors:
+                    if new:
+                        procs[name].on_tokens(req.request_id, new)
+                    if name not in order:
+                        order.append(name)
+        first_row = _first_rows(owner)
+        with torch.inference_mode():
+            for i in range(1 + max((len(d) for d in drafts), default=0)):
+                for name in order:
+                    ids: list[str | None] = [None] * len(owner)
+                    any_row = False
+                    for ci, req in enumerate(reqs):
+                        if name in req.logits_processors and i <= len(drafts[ci]):
+                            if i:
+                                procs[name].on_tokens(req.request_id, [drafts[ci][i - 1]])
+                            ids[first_row[ci] + i] = req.request_id
+                            any_row = True
+                    if any_row:
+                        logits = procs[name].apply(logits, ids)
+        for ci, req in enumerate(reqs):
+            if drafts[ci]:
+                for name in req.logits_processors:
+                    procs[name].on_rollback(req.request_id, len(drafts[ci]))
+        return logits
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def _record(self, req: Request, verified: int, accepted: int) -> None:
+        proposed = self._proposed.pop(req.request_id, 0)
+        self.metrics.record(proposed, verified, accepted)
+        if verified:
+            self._stats.setdefault(req.request_id, AcceptanceStats(self.config.max_draft_tokens)).record(
+                verified, accepted
+            )
+            self.global_stats.record(verified, accepted)
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Refine the cost model with a step that only decoded (``B`` requests, ``t`` tokens
+        per request on average)."""
+        if self.cost is None or not sched.chunks:
+            return
+        if all(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks):
+            b = len(sched.chunks)
+            self.cost.observe(b, sched.num_tokens / b, seconds)
+
+    def release(self, req: Request) -> None:
+        """Forget a finished request."""
+        self._stats.pop(req.request_id, None)
+        self._proposed.pop(req.request_id, None)
+        self.drafter.on_finished(req.request_id)
+
+
+def _first_rows(owner: list[tuple[int, int]]) -> dict[int, int]:
+    """The first logits row of each chunk, from the rows' ``(chunk, position)``."""
+    first: dict[int, int] = {}
+    for row, (ci, _) in enumerate(owner):
+        first.setdefault(ci, row)
+    return first

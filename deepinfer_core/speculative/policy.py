@@ -1,0 +1,132 @@
+"""How many of its drafts each request verifies this step.
+
+* ``fixed``: every draft the drafter proposed (up to ``max_draft_tokens``), as long as the
+  step's token budget lasts.
+* ``dspark`` (confidence-scheduled verification, as DeepSeek's DSpark): request ``r``'s
+  ``j``-th draft is accepted (with all before it) with probability
+  ``c_r(j) = prod_{i <= j} a_r(i)``, from the drafter's per-token confidence where it gives
+  one, else the request's running acceptance rates (:class:`~.stats.AcceptanceStats`, shrunk
+  towards the engine-wide rates).  Verifying it adds ``c_r(j)`` expected tokens and one token
+  of work.  With ``B`` decoding requests and ``n`` drafts verified the step is expected to
+  emit ``B + sum c`` tokens in ``cost(B, 1 + n / B)`` seconds, from :class:`StepCost`
+  (measured at start per batch size and tokens per request, then refined by the steps run).
+  The policy takes the drafts in order of decreasing ``c`` (a request's ``c`` never grows
+  with ``j``, so each request verifies a prefix) and keeps the count that maximises expected
+  tokens per second — a longer verify only where it is expected to pay.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+EMA = 0.2
+"""Weight of a newly measured step in :meth:`StepCost.observe`."""
+
+
+class StepCost:
+    """Seconds per step by batch size ``B`` and tokens per request ``t`` (``1 + drafts``).
+
+    Args:
+        table: measured forward times ``{(B, t): seconds}``; at least one entry.  ``cost``
+            interpolates linearly in ``t`` and in ``B`` between measured points (clamped at the
+            ends, proportional in ``B`` beyond the largest, constant in ``t`` where one ``t``
+            was measured), plus :attr:`overhead`.
+
+    Attributes:
+        overhead: the host time a step adds to its forward (scheduling, sampling, drafting),
+            learned by :meth:`observe` from the steps the engine runs; the same for every
+            ``t``, so it makes verifying more drafts relatively cheaper.
+    """
+
+    def __init__(self, table: dict[tuple[int, int], float]) -> None:
+        if not table:
+            raise ValueError("StepCost needs at least one measured (batch, tokens) point")
+        self.table = dict(table)
+        self.batches = sorted({b for b, _ in self.table})
+        self.tokens = {b: sorted(t for bb, t in self.table if bb == b) for b in self.batches}
+        self.overhead = 0.0
+        self._observed = False
+
+    def _at_batch(self, b: int, t: float) -> float:
+        ts = self.tokens[b]
+        if len(ts) == 1 or t <= ts[0]:
+            return self.table[(b, ts[0])]
+        if t >= ts[-1]:
+            t0, t1 = ts[-2], ts[-1]
+        else:
+            j = bisect.bisect_right(ts, t)
+            t0, t1 = ts[j - 1], ts[j]
+        c0, c1 = self.table[(b, t0)], self.table[(b, t1)]
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
+
+    def forward(self, batch: int, tokens_per_request: float) -> float:
+        """The measured forward time, interpolated (no overhead)."""
+        bs = self.batches
+        if batch <= bs[0]:
+            return self._at_batch(bs[0], tokens_per_request)
+        if batch >= bs[-1]:
+            return self._at_batch(bs[-1], tokens_per_request) * batch / bs[-1]
+        j = bisect.bisect_right(bs, batch)
+        b0, b1 = bs[j - 1], bs[j]
+        c0, c1 = self._at_batch(b0, tokens_per_request), self._at_batch(b1, tokens_per_request)
+        return c0 + (c1 - c0) * (batch - b0) / (b1 - b0)
+
+    def cost(self, batch: int, tokens_per_request: float) -> float:
+        """Estimated seconds of a step of ``batch`` requests of ``tokens_per_request`` tokens."""
+        return self.forward(batch, tokens_per_request) + self.overhead
+
+    def observe(self, batch: int, tokens_per_request: float, seconds: float) -> None:
+        """Fold a measured step into :attr:`overhead` (an exponential moving average of the
+        step time beyond the forward's estimate, never negative)."""
+        extra = max(seconds - self.forward(batch, tokens_per_request), 0.0)
+        self.overhead = extra if not self._observed else (1 - EMA) * self.overhead + EMA * extra
+        self._observed = True
+
+
+def fixed_lengths(proposed: Sequence[int], budget: int) -> list[int]:
+    """``fixed``: every proposed draft, in request order while ``budget`` extra tokens last."""
+    out = []
+    for n in proposed:
+        take = min(n, max(budget, 0))
+        out.append(take)
+        budget -= take
+    return out
+
+
+def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: StepCost) -> list[int]:
+    """``dspark``: drafts to verify per request (see the module docstring).
+
+    Args:
+        confidences: per request, the cumulative acceptance probability of each draft prefix
+            (``c_r(1) >= c_r(2) >= ...``), one entry per proposed draft.
+        budget: most draft tokens the step can add.
+        cost: the step cost model.
+    """
+    b = len(confidences)
+    if b == 0:
+        return []
+    cands = sorted(
+        ((c, r, j) for r, cs in enumerate(confidences) for j, c in enumerate(cs)),
+        key=lambda x: (-x[0], x[2], x[1]),
+    )
+    best_value, best_n = b / cost.cost(b, 1.0), 0
+    expected = float(b)
+    for n, (c, _, _) in enumerate(cands[: max(budget, 0)], start=1):
+        expected += c
+        value = expected / cost.cost(b, 1.0 + n / b)
+        if value > best_value:
+            best_value, best_n = value, n
+    lengths = [0] * b
+    for _, r, j in cands[:best_n]:
+        lengths[r] = max(lengths[r], j + 1)
+    return lengths
+
+
+def cumulative(rates: Sequence[float]) -> list[float]:
+    """Cumulative products ``[a1, a1 a2, ...]`` of per-position acceptance rates."""
+    out, acc = [], 1.0
+    for a in rates:
+        acc *= min(max(a, 0.0), 1.0)
+        out.append(acc)
+    return out

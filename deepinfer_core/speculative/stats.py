@@ -1,0 +1,86 @@
+"""Acceptance statistics (per request, for DSpark's estimates) and the engine's speculative
+metrics (``LLM.get_metrics()["speculative"]``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PRIOR_WEIGHT = 2.0
+"""Pseudo-observations of the engine-wide rate a request's own estimate starts from."""
+
+
+class AcceptanceStats:
+    """Per draft position ``i`` (1-based): how often a draft there was verified with every
+    earlier draft accepted, and how often it was accepted — the conditional acceptance rate
+    ``P(d_i accepted | d_<i accepted)``."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.tried = [0] * max_draft_tokens
+        self.accepted = [0] * max_draft_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verify of ``num_drafts`` drafts of which the first ``num_accepted`` were accepted."""
+        for i in range(min(num_drafts, num_accepted + 1)):
+            self.tried[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    def rate(self, i: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """Estimated acceptance rate at 0-based position ``i``, shrunk towards ``prior``."""
+        return (self.accepted[i] + weight * prior) / (self.tried[i] + weight)
+
+
+class SpeculativeMetrics:
+    """Engine totals of speculative decoding (see :meth:`as_dict`)."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.max_draft_tokens = max_draft_tokens
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every total."""
+        k = self.max_draft_tokens
+        self.num_drafts = 0  # verifies of at least one draft token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_proposed_tokens = 0  # what the drafter proposed (before the policy cut)
+        self.accepted_per_position = [0] * k
+        self.verified_per_position = [0] * k
+        self.verify_length_histogram = [0] * (k + 1)  # drafts verified per decode: 0..k
+
+    def record(self, proposed: int, verified: int, accepted: int) -> None:
+        """One decoding request in a step: drafts ``proposed``, ``verified`` of them, ``accepted``."""
+        self.num_proposed_tokens += proposed
+        self.verify_length_histogram[verified] += 1
+        if verified:
+            self.num_drafts += 1
+            self.num_draft_tokens += verified
+            self.num_accepted_tokens += accepted
+            for i in range(verified):
+                self.verified_per_position[i] += 1
+                self.accepted_per_position[i] += i < accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify of at least one draft: ``1 + accepted / drafts``."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``num_proposed_tokens``,
+        ``acceptance_rate`` (accepted / verified draft tokens), ``mean_acceptance_length``,
+        ``acceptance_per_position`` (rate at each draft position, of the drafts verified
+        there), ``verify_length_histogram`` (decodes by drafts verified, 0..k)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_proposed_tokens": self.num_proposed_tokens,
+            "acceptance_rate": (
+                self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+            ),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_per_position": [
+                a / v if v else 0.0
+                for a, v in zip(self.accepted_per_position, self.verified_per_position, strict=True)
+            ],
+            "verify_length_histogram": list(self.verify_length_histogram),
+        }

@@ -1,0 +1,124 @@
+"""DSpark / fixed verify lengths against a brute-force optimum, the step-cost model, the
+acceptance statistics and the n-gram drafter against a direct search."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from deepinfer_core.config import SpeculativeConfig
+from deepinfer_core.speculative.drafter import DraftContext
+from deepinfer_core.speculative.ngram import NgramDrafter, lookup
+from deepinfer_core.speculative.policy import StepCost, cumulative, dspark_lengths, fixed_lengths
+from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
+
+
+def _value(lengths, confidences, cost):
+    b = len(confidences)
+    expected = b + sum(sum(c[:n]) for c, n in zip(confidences, lengths, strict=True))
+    return expected / cost.cost(b, 1 + sum(lengths) / b)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dspark_lengths_maximise_expected_tokens_per_second(seed):
+    """The greedy choice equals the best of every prefix-closed assignment (brute force)."""
+    rng = random.Random(seed)
+    b, k = rng.randint(1, 3), rng.randint(1, 4)
+    per_token = rng.choice([0.0, 0.05, 0.3, 1.0])
+    cost = StepCost(
+        {(bb, t): 1.0 + per_token * bb * (t - 1) + 0.01 * bb for bb in (1, 4) for t in range(1, k + 2)}
+    )
+    confidences = [cumulative([rng.random() for _ in range(rng.randint(0, k))]) for _ in range(b)]
+    budget = rng.randint(0, 2 * k)
+    got = dspark_lengths(confidences, budget, cost)
+    best = max(
+        (
+            lengths
+            for lengths in itertools.product(*[range(len(c) + 1) for c in confidences])
+            if sum(lengths) <= budget
+        ),
+        key=lambda lengths: _value(lengths, confidences, cost),
+    )
+    assert sum(got) <= budget
+    assert _value(got, confidences, cost) == pytest.approx(_value(best, confidences, cost), rel=1e-12)
+
+
+def test_dspark_verifies_only_where_it_pays():
+    """Free extra tokens: every draft with a chance is verified; expensive ones: none."""
+    conf = [cumulative([0.9, 0.9, 0.1]), cumulative([0.2])]
+    free = StepCost({(1, 1): 1.0, (1, 4): 1.0})
+    assert dspark_lengths(conf, 10, free) == [3, 1]
+    dear = StepCost({(1, 1): 1.0, (1, 4): 4.0})
+    assert dspark_lengths(conf, 10, dear) == [0, 0]
+    assert dspark_lengths(conf, 1, free) == [1, 0]  # the budget takes the likeliest first
+
+
+def test_fixed_lengths_respect_the_budget():
+    assert fixed_lengths([3, 2, 4], 6) == [3, 2, 1]
+    assert fixed_lengths([3, 2], 0) == [0, 0]
+
+
+def test_step_cost_interpolates_and_learns_the_overhead():
+    cost = StepCost({(1, 1): 1.0, (1, 3): 3.0, (4, 1): 2.0, (4, 3): 6.0, (8, 1): 2.5})
+    assert cost.cost(1, 2) == pytest.approx(2.0)
+    assert cost.cost(2, 1) == pytest.approx(1.0 + (2.0 - 1.0) / 3)
+    assert cost.cost(16, 1) == pytest.approx(5.0)  # proportional beyond the largest batch
+    assert cost.cost(8, 3) == pytest.approx(2.5)  # one t measured there: constant in t
+    cost.observe(1, 1, 2.0)  # a whole step took 1 s more than the forward
+    assert cost.overhead == pytest.approx(1.0)
+    cost.observe(1, 2, 1.5)  # faster than the forward's estimate: no negative overhead
+    assert cost.overhead == pytest.approx(0.8)
+    assert cost.cost(1, 3) == pytest.approx(3.8)
+
+
+def test_acceptance_stats_are_conditional_rates():
+    s = AcceptanceStats(3)
+    s.record(3, 1)  # d1 accepted, d2 rejected, d3 never tested
+    s.record(2, 2)
+    assert s.tried == [2, 2, 0] and s.accepted == [2, 1, 0]
+    assert s.rate(1, prior=0.5, weight=0.0) == 0.5
+    assert s.rate(2, prior=0.3) == pytest.approx(0.3)  # no data: the prior
+
+
+def test_speculative_metrics():
+    m = SpeculativeMetrics(3)
+    m.record(proposed=3, verified=3, accepted=2)
+    m.record(proposed=2, verified=1, accepted=0)
+    m.record(proposed=0, verified=0, accepted=0)
+    d = m.as_dict()
+    assert d["num_drafts"] == 2 and d["num_draft_tokens"] == 4 and d["num_accepted_tokens"] == 2
+    assert d["mean_acceptance_length"] == 2.0
+    assert d["acceptance_per_position"] == [0.5, 1.0, 0.0]
+    assert d["verify_length_histogram"] == [1, 1, 0, 1]
+
+
+def _naive_lookup(tokens, n_min, n_max, k):
+    for n in range(n_max, n_min - 1, -1):
+        if n >= len(tokens):
+            continue
+        suffix = tokens[-n:]
+        starts = [i for i in range(len(tokens) - n) if tokens[i : i + n] == suffix]
+        if starts:
+            i = starts[-1]
+            return tokens[i + n : i + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ngram_lookup_matches_a_direct_search(seed):
+    rng = random.Random(seed)
+    tokens = [rng.randint(0, 4) for _ in range(rng.randint(1, 40))]
+    n_min = rng.randint(1, 3)
+    n_max = n_min + rng.randint(0, 3)
+    k = rng.randint(1, 6)
+    assert lookup(tokens, n_min, n_max, k) == _naive_lookup(tokens, n_min, n_max, k)
+
+
+def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
+    drafter = NgramDrafter(SpeculativeConfig(ngram_min=2, ngram_max=3), vocab_size=100)
+    ctx = DraftContext("r", [5, 6, 7, 8, 9, 1, 5, 6, 7], num_prompt_tokens=9, max_tokens=3)
+    assert drafter.propose([ctx])[0].token_ids == [8, 9, 1]
+    none = DraftContext("s", [1, 2, 3], num_prompt_tokens=3, max_tokens=3)
+    assert drafter.propose([none])[0].token_ids == []

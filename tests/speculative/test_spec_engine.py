@@ -1,0 +1,205 @@
+"""Speculative decoding in the engine, lossless: a third-party test plugin registers an
+*oracle* drafter that proposes the tokens plain decoding produced (some deliberately wrong),
+so verify steps accept, reject and roll back; every output equals the non-speculative run
+token for token (greedy and seeded sampling, penalties, logprobs, stop strings, ``n > 1``,
+prefix caching, preemption, structured outputs, batch invariance bitwise)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.speculative import Draft, Drafter
+from deepinfer_core.testing.managers import manager_with_plugin
+
+PROMPTS = [
+    [5, 9, 23, 7, 7, 41, 3],
+    [88, 12, 4],
+    [17] * 11,
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72],
+]
+
+
+class OracleDrafter(Drafter):
+    """Proposes the reference continuation (``script``: prompt -> tokens of plain decoding),
+    with every third proposal's ``(len(output) % 3)``-th token wrong, so acceptance lengths
+    vary from 0 to the whole draft."""
+
+    script: dict[tuple[int, ...], list[int]] = {}
+    calls = 0
+
+    def propose(self, contexts):
+        OracleDrafter.calls += 1
+        drafts = []
+        for c in contexts:
+            prompt = tuple(c.token_ids[: c.num_prompt_tokens])
+            out = list(c.token_ids[c.num_prompt_tokens :])
+            ref = self.script.get(prompt, [])
+            tokens = []
+            if ref[: len(out)] == out:
+                tokens = list(ref[len(out) : len(out) + c.max_tokens])
+            if tokens and len(out) % 3 == 0:
+                j = len(out) % len(tokens)
+                tokens[j] = (tokens[j] + 1) % self.vocab_size
+            drafts.append(Draft(tokens))
+        return drafts
+
+
+class Plugin:
+    @hookimpl
+    def deepinfer_register_drafters(self, register):
+        register("oracle", lambda: OracleDrafter, description="test oracle")
+        register("broken", lambda: OracleDrafter, is_available=lambda: (False, "needs a unicorn"))
+
+
+def _llm(tiny_dir: Path, speculative=None, **kw) -> LLM:
+    manager = manager_with_plugin(Plugin(), "spec_test")
+    config = EngineConfig(model=str(tiny_dir), max_num_seqs=8, speculative=speculative, **kw)
+    return LLM.from_engine(LLMEngine(config, plugins=manager))
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def _script(prompts, outs):
+    OracleDrafter.script = {
+        tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)
+    }
+
+
+PARAMS = {
+    "greedy": SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=11, max_tokens=24, ignore_eos=True),
+    "penalties": SamplingParams(
+        temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, repetition_penalty=1.3,
+        presence_penalty=0.5, frequency_penalty=0.4, min_tokens=20,
+    ),
+    "logprobs": SamplingParams(temperature=0.7, seed=5, max_tokens=20, ignore_eos=True, logprobs=3),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("method", ["fixed", "dspark"])
+@pytest.mark.parametrize("kind", sorted(PARAMS))
+def test_outputs_equal_plain_decoding(tiny_dir, kind, method):
+    params = PARAMS[kind]
+    ref = _llm(tiny_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "method": method, "max_draft_tokens": 4})
+    outs = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert _tokens(outs) == _tokens(ref)
+    if params.logprobs is not None:
+        for a, b in zip(outs, ref, strict=True):
+            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert la.keys() == lb.keys()
+                assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+    m = spec.get_metrics()["speculative"]
+    assert m["num_accepted_tokens"] > 0, m  # drafts were accepted ...
+    assert m["num_accepted_tokens"] < m["num_draft_tokens"], m  # ... and some rejected
+    assert m["mean_acceptance_length"] > 1.0
+    assert spec.get_metrics()["num_generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def test_fewer_target_forwards_with_good_drafts(tiny_dir):
+    params = PARAMS["greedy"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    base = _llm(tiny_dir)
+    ref = base.generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "method": "fixed", "max_draft_tokens": 4})
+    spec.generate(prompts, params)
+    assert spec.get_metrics()["num_steps"] < base.get_metrics()["num_steps"]
+
+
+def test_stop_strings_n_and_prefix_caching(tiny_dir):
+    """Stop strings cut inside an accepted run, ``n > 1`` samples, and a prefix-cache hit on a
+    prompt that shares pages with an earlier request's rolled-back verify steps."""
+    shared = [3 + (i * 7) % 50 for i in range(40)]
+    prompts = [shared + [1, 2], shared + [9]]
+    base = _llm(tiny_dir)
+    probe = base.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=16))
+    stop = probe[0].outputs[0].text[4:7] or None
+    params = SamplingParams(temperature=0.8, seed=2, n=2, max_tokens=16, stop=[stop] if stop else None)
+    ref = base.generate([{"prompt_token_ids": p} for p in prompts], params)
+    _script(prompts, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 3})
+    outs = []
+    for p in prompts:  # one after the other: the second hits the first's cached pages
+        outs += spec.generate([{"prompt_token_ids": p}], params)
+    assert _tokens(outs) == _tokens(ref)
+    assert [[c.text for c in o.outputs] for o in outs] == [[c.text for c in o.outputs] for o in ref]
+    assert spec.get_metrics()["num_prefix_hit_tokens"] > 0
+
+
+def test_preemption(tiny_dir):
+    """A cache too small for every request: preempted requests resume and still match."""
+    params = SamplingParams(temperature=0.6, seed=4, max_tokens=30, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir, num_cache_pages=6).generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 4}, num_cache_pages=6)
+    outs = spec.generate(prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    assert spec.get_metrics()["num_preemptions"] > 0
+
+
+def test_batch_invariant_bitwise(tiny_dir):
+    """With ``batch_invariant=True`` the logprobs are bitwise those of plain decoding."""
+    params = SamplingParams(temperature=0.9, seed=8, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir, batch_invariant=True).generate(prompts, params)
+    _script(PROMPTS, ref)
+    outs = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 4}, batch_invariant=True).generate(
+        prompts, params
+    )
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
+
+
+def test_ngram_drafter_is_lossless(tiny_dir):
+    """The core's n-gram drafter; a negative presence penalty makes the random model repeat."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=-2.0)
+    prompts = [{"prompt_token_ids": [4, 5, 6, 7] * 6}, {"prompt_token_ids": [9, 9, 9, 9, 9]}]
+    ref = _llm(tiny_dir).generate(prompts, params)
+    spec = _llm(tiny_dir, {"drafter": "ngram", "max_draft_tokens": 5})
+    assert _tokens(spec.generate(prompts, params)) == _tokens(ref)
+    assert spec.get_metrics()["speculative"]["num_draft_tokens"] > 0
+
+
+def test_drafter_errors_name_the_drafter(tiny_dir):
+    with pytest.raises(ConfigError, match="'nope' is not registered.*oracle"):
+        _llm(tiny_dir, {"drafter": "nope"})
+    with pytest.raises(ConfigError, match="'broken' is unavailable: needs a unicorn"):
+        _llm(tiny_dir, {"drafter": "broken"})
+
+
+def test_verify_steps_replay_graphs_bitwise(tiny_dir):
+    """Verify steps of ``1 + max_draft_tokens`` tokens per request run through the captured
+    (here emulated) verify graphs, padded to the bucket, with results bitwise equal to plain
+    eager decoding in batch-invariant mode."""
+    from deepinfer_core.engine.graphs import EmulatedGraph
+
+    params = SamplingParams(temperature=0.8, seed=6, max_tokens=20, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    ref = _llm(tiny_dir, batch_invariant=True, enforce_eager=True).generate(prompts, params)
+    _script(PROMPTS[:3], ref)
+    spec = _llm(
+        tiny_dir, {"drafter": "oracle", "max_draft_tokens": 3}, batch_invariant=True, enforce_eager=True
+    )
+    runner = spec.engine.runner
+    assert runner.capture_graphs(EmulatedGraph) is None
+    assert sorted(runner.verify_graphs) == [1, 2, 4, 8]
+    replays: list[int] = []
+    for b, graph in runner.verify_graphs.items():
+        inner = graph.replay
+        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    outs = spec.generate(prompts, params)
+    assert replays and set(replays) <= {1, 2, 4}
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
