@@ -1,8 +1,10 @@
 """Speculative decoding: DSpark vs fixed-length verification vs none, tokens per target forward
 and throughput, on a workload with repetition.
 
-The workload: ``B`` prompts (``--prompt-len`` random tokens, each a random block repeated, so
-the n-gram drafter finds matches in the prompt too), decoded greedily with
+The workload: ``B * --requests-per-slot`` prompts served with ``max_num_seqs=B`` (continuous
+batching refills a slot as soon as its request finishes, so a request whose drafts keep
+failing does not hold the whole batch back), each ``--prompt-len`` random tokens (a random
+block repeated, so the n-gram drafter finds matches in the prompt too), decoded greedily with
 ``presence_penalty=--presence-penalty`` (negative: tokens already present are favoured, so
 even the random-weight tiny model produces repetitive text, some requests looping, others
 wandering) plus ``--sampled`` seeded-sampling requests mixed in.  Every mode produces the same
@@ -78,8 +80,9 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         kw["backend"] = args.backend
     llm = LLM(**kw)
     vocab = llm.engine.model_config.vocab_size
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(batch, args.prompt_len, vocab, args.seed)]
-    params = workload_params(batch, args)
+    num = batch * args.requests_per_slot
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(num, args.prompt_len, vocab, args.seed)]
+    params = workload_params(num, args)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     times, outs = [], None
     for _ in range(args.repeats):
@@ -129,6 +132,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--presence-penalty", type=float, default=-2.0)
     parser.add_argument("--sampled", type=int, default=4, help="every N-th request samples (0: none)")
+    parser.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=4,
+        help="requests per batch slot (continuous batching refills)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")

@@ -16,6 +16,7 @@ from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.speculative import Draft, Drafter
+from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.testing.managers import manager_with_plugin
 
 PROMPTS = [
@@ -203,3 +204,32 @@ def test_verify_steps_replay_graphs_bitwise(tiny_dir):
     assert replays and set(replays) <= {1, 2, 4}
     assert _tokens(outs) == _tokens(ref)
     assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
+
+
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_verify_graphs_equal_plain_decoding_bitwise(tiny_dir, dtype):
+    """On the GPU (``cuda_sm100``, real CUDA graphs, batch invariant): verify steps replay the
+    captured verify graphs and every request's tokens and logprobs are bitwise those of plain
+    decoding with decode graphs."""
+    params = SamplingParams(temperature=0.9, seed=6, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    kw = {"backend": "cuda_sm100", "device": "cuda", "dtype": dtype, "batch_invariant": True}
+    ref = _llm(tiny_dir, **kw).generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 4}, **kw)
+    runner = spec.engine.runner
+    assert runner.graphs and runner.verify_graphs, "CUDA graphs were not captured"
+    replays: list[int] = []
+    for b, graph in runner.verify_graphs.items():
+        inner = graph.replay
+        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    outs = spec.generate(prompts, params)
+    assert replays, "no verify step replayed a CUDA graph"
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
+    m = spec.get_metrics()["speculative"]
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
