@@ -15,6 +15,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.plugins import PluginManager
 from deepinfer_core.speculative import Draft, Drafter
 from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.testing.managers import manager_with_plugin
@@ -60,7 +61,12 @@ class Plugin:
 
 
 def _llm(tiny_dir: Path, speculative=None, **kw) -> LLM:
-    manager = manager_with_plugin(Plugin(), "spec_test")
+    if kw.get("backend", "reference") == "reference":
+        manager = manager_with_plugin(Plugin(), "spec_test")
+    else:  # the installed backend plugins too
+        manager = PluginManager()
+        manager.load_entry_points(allow="")
+        manager.add_plugin(Plugin(), "spec_test")
     config = EngineConfig(model=str(tiny_dir), max_num_seqs=8, speculative=speculative, **kw)
     return LLM.from_engine(LLMEngine(config, plugins=manager))
 
