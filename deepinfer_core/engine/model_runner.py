@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -264,15 +265,32 @@ class ModelRunner:
                 def step(inputs: StepInputs = inputs) -> torch.Tensor:
                     return self._forward(inputs)
 
-                step()  # warm-up: lazy initialisation, kernel compilation, autotuning
-                graph = factory(pool)
-                graph.capture(step)
-                into[b] = graph
+                into[b] = self._capture(factory, pool, step)
         except Exception as e:  # an op that cannot be captured: run eagerly, and say so
             what = "decode" if tokens == 1 else f"{tokens}-token verify"
             return f"capturing the batch-{b} {what} graph failed ({type(e).__name__}: {e})"
         self.graphs, self.verify_graphs = graphs, verify
         return None
+
+    @staticmethod
+    def _capture(factory: GraphFactory, pool: object | None, step: Callable[[], torch.Tensor]) -> DeviceGraph:
+        """Warm ``step`` up (lazy initialisation, kernel compilation) and capture it; a failed
+        capture is retried once after another warm-up.  (Measured on the H200 with an empty
+        Triton cache: a capture can fail with ``cudaErrorStreamCaptureInvalidated`` although its
+        warm-up ran; the second attempt, with every kernel loaded, succeeds.)"""
+        for attempt in (1, 2):
+            step()
+            graph = factory(pool)
+            try:
+                graph.capture(step)
+                return graph
+            except Exception as e:
+                if attempt == 2:
+                    raise
+                logger.info(
+                    "graph capture failed (%s: %s); warming up again and retrying", type(e).__name__, e
+                )
+        raise AssertionError("unreachable")
 
     def _verify_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose verify graph runs this step, or ``None``: verify graphs run steps
