@@ -272,25 +272,18 @@ class ModelRunner:
         self.graphs, self.verify_graphs = graphs, verify
         return None
 
-    @staticmethod
-    def _capture(factory: GraphFactory, pool: object | None, step: Callable[[], torch.Tensor]) -> DeviceGraph:
-        """Warm ``step`` up (lazy initialisation, kernel compilation) and capture it; a failed
-        capture is retried once after another warm-up.  (Measured on the H200 with an empty
-        Triton cache: a capture can fail with ``cudaErrorStreamCaptureInvalidated`` although its
-        warm-up ran; the second attempt, with every kernel loaded, succeeds.)"""
-        for attempt in (1, 2):
-            step()
-            graph = factory(pool)
-            try:
-                graph.capture(step)
-                return graph
-            except Exception as e:
-                if attempt == 2:
-                    raise
-                logger.info(
-                    "graph capture failed (%s: %s); warming up again and retrying", type(e).__name__, e
-                )
-        raise AssertionError("unreachable")
+    def _capture(
+        self, factory: GraphFactory, pool: object | None, step: Callable[[], torch.Tensor]
+    ) -> DeviceGraph:
+        """Warm ``step`` up (lazy initialisation, kernel compilation), wait for the device to
+        finish it, and capture it.  (Measured on the H200: with an empty Triton cache, capturing
+        right after a warm-up that compiled kernels failed with
+        ``cudaErrorStreamCaptureInvalidated``; after a device synchronisation it succeeds.)"""
+        step()
+        self._sync()
+        graph = factory(pool)
+        graph.capture(step)
+        return graph
 
     def _verify_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose verify graph runs this step, or ``None``: verify graphs run steps
