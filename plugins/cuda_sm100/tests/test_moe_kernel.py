@@ -19,7 +19,9 @@ part of it.  On small shapes it runs
   batch or with a slice of it.
 
 **Compile** (no GPU needed): the kernels compile for sm_90 and sm_100 through Triton's NVIDIA
-backend (catches what the interpreter lets through: type changes across branches, bad layouts).
+backend (catches what the interpreter lets through: type changes across branches, bad layouts),
+FP4 ones with the inline-PTX e2m1 decoding, which ptxas assembles there (the interpreter cannot
+run it; ``test_moe_e2m1_ptx.py`` emulates its instructions).
 
 **GPU** (skipped without CUDA): conformance at the plugin's GPU cases, the full V4-Flash widths
 (D=4096, I=2048, E=64..256, top-6, T in 1, 16, 64, 256) against the reference, batch invariance
@@ -310,6 +312,17 @@ def test_tile_rows_depend_on_shapes_only():
     assert tile_count(0, 8, 16) == 0
 
 
+def test_e2m1_ptx_takes_tiles_of_whole_instances():
+    """The PTX decoding (4 packed bytes an instance) only for tiles of >= 4 bytes per thread."""
+    from deepinfer_cuda_sm100.kernels import moe
+
+    assert moe.e2m1_ptx(64, 128, 4) is (not moe.INTERPRETED)  # decode tiles: 32 bytes a thread
+    assert moe.e2m1_ptx(64, 128, 8) is (not moe.INTERPRETED)
+    assert moe.e2m1_ptx(32, 32, 4) is (not moe.INTERPRETED)  # exactly 4
+    assert moe.e2m1_ptx(16, 32, 4) is False  # 2 bytes a thread: the arithmetic decoding
+    assert moe.e2m1_ptx(32, 32, 8) is False
+
+
 CPU = {"interpreted": True}
 
 
@@ -455,6 +468,7 @@ def test_kernels_compile_for_the_gpu(arch):
     for kind, dtype, bm, warps in configs:
         consts = {"D": 4096, "I": 2048, "FP4": kind != "plain", "UE8M0": kind == "ue8m0", "HALF_GROUP": 16}
         consts |= {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64 if kind == "plain" else 128, "FP32_DOT": False}
+        consts |= {"E2M1_PTX": kind != "plain"}
         down_consts = consts | {"BI_ROUNDING": kind == "ue8m0"}
         for name, kernel, cs in (
             ("gate_up", moe._gate_up_kernel, consts),
@@ -463,8 +477,13 @@ def test_kernels_compile_for_the_gpu(arch):
             compiled = _compile(
                 kernel, _gemm_args(kind, dtype, name), cs, arch, num_warps=warps, num_stages=3
             )
+            ptx = compiled.asm["ptx"]
             if dtype != "fp32":  # fp32 runs IEEE products (FMA), bf16 / fp16 the tensor cores
-                assert "mma" in compiled.asm["ptx"], f"{name} {kind} {dtype}: no tensor-core MMA"
+                assert "mma" in ptx, f"{name} {kind} {dtype}: no tensor-core MMA"
+            if kind != "plain":  # the e2m1 decoding in PTX (and bf16 x ue8m0: bf16x2 products)
+                assert "prmt.b32 h01, 0xBFBFBF80" in ptx, f"{name} {kind} {dtype}: no PTX decoding"
+                bf16_products = kind == "ue8m0" and dtype == "bf16"
+                assert ("mul.rn.bf16x2" in ptx) == bf16_products, f"{name} {kind} {dtype}"
     _compile(
         moe._combine_kernel,
         {"y_ptr": "*bf16", "ids_ptr": "*i64", "stride_ids": "i32", "out_ptr": "*bf16", "stride_out": "i32"}

@@ -4,9 +4,14 @@ Contract: ``deepinfer_core.ops.moe.moe_experts``: ``sum_j w[t,j] * down_e(silu(m
 clamp(u,-L,L))`` with ``[g | u] = gate_up_e @ x[t]``.  The expert stacks are plain tensors in
 ``x``'s dtype or FP4 e2m1 :class:`~deepinfer_core.weights.quant.QuantizedTensor` values (packed
 ``[E, out, in/2]``, low nibble = even input; one float32 or ue8m0 scale per ``group`` inputs),
-dequantised in the kernels: each packed byte is split into its two codes, each code becomes
-its e2m1 value (exactly, through an fp16 bit pattern) times its group's scale, rounded to
-``x``'s dtype, which is bitwise :meth:`QuantizedTensor.dequantize` ``(x.dtype)``.
+dequantised in the kernels: each code becomes its e2m1 value (exact) times its group's scale
+(the fp32 product, exact for a ue8m0 scale) rounded to ``x``'s dtype, which is bitwise
+:meth:`QuantizedTensor.dequantize` ``(x.dtype)`` (but for ue8m0 bytes 0 and 255, taken as 0 and
+inf where torch reads 2**-127 and NaN).  On the GPU the values come from a lookup-table
+conversion in inline PTX (:data:`_E2M1_BF16_PTX`: 4 packed bytes to 8 exact bf16 values in 15
+instructions) and, for bf16 activations with ue8m0 scales, one ``mul.rn.bf16x2`` per two
+weights; under Triton's interpreter, which cannot run inline assembly, the same values come
+from arithmetic on an fp16 bit pattern.
 
 Four launches, no host synchronisation (CUDA-graph capturable; shapes decide the grids only):
 
@@ -44,12 +49,20 @@ many pairs share each expert, i.e. prefill).
 
 Expert ids outside ``[0, E)`` get no row and contribute nothing (the reference raises).
 
-Cost (offline compile for sm_90, decode tiles: 16 rows, 4 warps, 3 stages): ~100 registers, no
-spills, ``cp.async`` pipelining; the FP4 main loop issues ~11 instructions per weight element
-(nibble split, fp16 bit pattern, conversion, scale, bf16 packing), so on an H200 the FP4
-kernels are expected to be issue-bound near ~1.4 TB/s of packed weights rather than at HBM
-bandwidth (a PRMT lookup-table conversion in inline PTX, or sm_100's native e2m1 conversion,
-would lift that).
+Cost (offline compile for sm_90 with Triton 3.6, decode tiles: 16 rows, 4 warps, 3 stages; gate /
+up kernel, bf16 activations, ue8m0 scales): ~104 registers, no spills; the packed bytes arrive by
+``cp.async`` through shared memory straight in the MMA operand layout, where the PTX decodes
+them; the activation tile loads contiguous and splits into its even and odd inputs in registers;
+the scales load a K step ahead.  The main loop issues ~580 instructions per K step of 128 inputs
+(~4.5 per weight element, ~3.3 of them decoding and scaling: the 15 PTX instructions per 8
+values, a bf16x2 multiply per 2, the scale bytes' conversion and ~0.7 copies of the lookup
+tables into registers that ptxas emits per use) against ~1450 (~11.4: nibble split, fp16 bit
+pattern, conversion, fp32 scale, bf16 packing) with the arithmetic decoding; ~280 of them go to
+the integer pipe (PRMT / LOP3 / SHF at half rate), which with the issue slots bounds the loop
+near ~580 cycles per warp and K step.  Measured before the change on an H200
+(``scripts/bench_moe.py``: 256 experts 4096 x 2048, top-6): FP4 ~0.9 TB/s of packed weights,
+bf16 experts 4.3 TB/s.  The FP4 rate with the PTX decoding is to be measured.  (sm_100's native
+``cvt.rn.bf16x2.e2m1x2`` would cut the decoding further.)
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 / fp16 operands is unreliable, so operands
 are converted to fp32 (exactly: they are rounded to ``x``'s dtype first) and bf16 stores are
@@ -98,6 +111,14 @@ def tile_rows(pairs: int, experts: int, batch_invariant: bool) -> int:
     return bm
 
 
+def e2m1_ptx(block_n: int, block_k: int, warps: int) -> bool:
+    """Whether the FP4 launches with these tiles decode e2m1 in inline PTX: on the GPU (the
+    interpreter cannot run it), for tiles of at least 4 packed bytes per thread (an instance
+    takes 4 and Triton needs their count per thread to divide by it; the counts are powers of
+    two at least ``BLOCK_N * BLOCK_K / 2 / threads``)."""
+    return not INTERPRETED and block_n * block_k // 2 >= 4 * 32 * warps
+
+
 def tile_count(pairs: int, experts: int, block_m: int) -> int:
     """Tiles of the sorted layout: a bound on ``sum_e ceil(count_e / block_m)`` from shapes."""
     return (pairs + (block_m - 1) * min(experts, pairs)) // block_m
@@ -105,6 +126,93 @@ def tile_count(pairs: int, experts: int, block_m: int) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # device helpers
+
+
+# The e2m1 decoding on the GPU, in inline PTX (Triton's CPU interpreter cannot run it: there
+# the arithmetic of :func:`_e2m1_scaled` runs instead).  ``tl.inline_asm_elementwise`` with
+# ``pack=4`` hands one instance four packed bytes in one 32-bit register ($4; element k of the
+# four in byte k) and takes each bf16 result back as two bf16x2 registers (elements 0, 1 in
+# the low / high half of the first, 2, 3 in the second): the low nibbles' values in $0, $1,
+# the high nibbles' in $2, $3.  The instance is elementwise (element k of each result depends
+# on byte k only), so which four elements Triton groups does not matter; being a pure unary
+# op, Triton decodes in the dot operand's register layout (the packed bytes go through shared
+# memory, the bf16 values straight into the MMA).
+#
+# Byte k of $4 holds nibbles 2k (bits 8k..8k+3, the even input) and 2k + 1 (the odd one):
+# the 32-bit word is nibbles n0..n7 = lo0 hi0 lo1 hi1 lo2 hi2 lo3 hi3, each a code ``s e e m``
+# (sign bit 3, magnitude index ``i = e e m`` in bits 0..2).
+#
+# bf16 of the 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: 0x0000 3F00 3F80 3FC0 4000 4040 4080 40C0,
+# every one exact: low bytes L[i] = 00 00 80 C0 00 40 80 C0, high bytes H[i] = 00 3F 3F 3F 40 40
+# 40 40 (sign bit clear).  ``prmt.b32 d, a, b, c`` (generic mode) sets byte j of d to byte
+# (nibble j of c) & 7 of the 8 bytes {b, a} (0..3 from a, 4..7 from b), or, when bit 3 of that
+# nibble is set, to bit 7 of that byte replicated.  With an 8-byte table in (a, b) and
+# magnitude indices as the nibbles of c, one prmt looks up 4 bytes:
+#
+#   m   = $4 & 0x77777777        the indices (sign bits cleared: no replication)
+#   mh  = m >> 16                indices of n4..n7 in the 4 selector nibbles
+#   xh  = $4 >> 16               raw codes of n4..n7 likewise
+#   l01 = prmt(L, m)             L[i] of n0 n1 n2 n3       (L = 0xC0800000, 0xC0804000)
+#   h01 = prmt(H + 0x80, m)      H[i] + 0x80 of n0..n3    (0xBFBFBF80, 0xC0C0C0C0)
+#   l23, h23 likewise from mh    ... of n4..n7
+#   s01 = prmt(0x01 x 8, $4)     per nibble 1 if its sign bit is clear, else 0 (the sign bit is
+#   s23 = prmt(0x01 x 8, xh)     the replicate flag, and bit 7 of 0x01 is 0)
+#   h01 = h01 - 128 * s01        per byte H[i] for a positive code, H[i] | 0x80 for a negative
+#   h23 = h23 - 128 * s23        one (each byte >= 0x80 loses 0 or 0x80: no borrows; mad.lo, on
+#                                the FMA pipe rather than the integer one the prmts load)
+#   $0 = prmt(l01, h01, 0x6240)  bytes L(n0) H(n0) L(n2) H(n2): bf16x2 (lo0, lo1)
+#   $2 = prmt(l01, h01, 0x7351)  bytes L(n1) H(n1) L(n3) H(n3): bf16x2 (hi0, hi1)
+#   $1 = prmt(l23, h23, 0x6240)  (lo2, lo3)
+#   $3 = prmt(l23, h23, 0x7351)  (hi2, hi3)
+#
+# 13 integer-pipe instructions and 2 IMADs for 8 values, each value exact and signed (code 8
+# gives -0.0, as the reference decoding does).  tests/test_moe_e2m1_ptx.py runs this very text
+# through an emulator of each instruction over every byte in every position.
+_E2M1_BF16_PTX = tl.constexpr(
+    """{
+    .reg .b32 m, mh, xh, h01, l01, h23, l23, s01, s23;
+    and.b32 m, $4, 0x77777777;
+    shr.u32 mh, m, 16;
+    shr.u32 xh, $4, 16;
+    prmt.b32 h01, 0xBFBFBF80, 0xC0C0C0C0, m;
+    prmt.b32 l01, 0xC0800000, 0xC0804000, m;
+    prmt.b32 h23, 0xBFBFBF80, 0xC0C0C0C0, mh;
+    prmt.b32 l23, 0xC0800000, 0xC0804000, mh;
+    prmt.b32 s01, 0x01010101, 0x01010101, $4;
+    prmt.b32 s23, 0x01010101, 0x01010101, xh;
+    mad.lo.u32 h01, s01, -128, h01;
+    mad.lo.u32 h23, s23, -128, h23;
+    prmt.b32 $0, l01, h01, 0x6240;
+    prmt.b32 $1, l23, h23, 0x6240;
+    prmt.b32 $2, l01, h01, 0x7351;
+    prmt.b32 $3, l23, h23, 0x7351;
+}"""
+)
+_E2M1_BF16_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r")
+
+# bf16 products, two per instruction: ``mul.rn.bf16x2`` (sm_90+) rounds the exact product once
+# to nearest even, keeping subnormals; for an e2m1 value times a power of two (a ue8m0 scale,
+# exact in bf16) that is bitwise the reference's fp32 product (exact) rounded to bf16.
+_MUL_BF16X2_PTX = tl.constexpr("mul.rn.bf16x2 $0, $1, $2;")
+_MUL_BF16X2_CONSTRAINTS = tl.constexpr("=r,r,r")
+
+
+@triton.jit
+def _e2m1_bf16_ptx(packed):
+    """``(lo, hi)``: the exact bf16 e2m1 values of the low and the high nibbles of uint8
+    ``packed`` (GPU only: inline PTX, see :data:`_E2M1_BF16_PTX`)."""
+    return tl.inline_asm_elementwise(
+        _E2M1_BF16_PTX, _E2M1_BF16_CONSTRAINTS, [packed],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mul_bf16_ptx(a, b):
+    """``a * b`` for bf16 ``a``, ``b``: round to nearest even, two per instruction (GPU only)."""
+    return tl.inline_asm_elementwise(
+        _MUL_BF16X2_PTX, _MUL_BF16X2_CONSTRAINTS, [a, b], dtype=tl.bfloat16, is_pure=True, pack=2
+    )
 
 
 @triton.jit
@@ -152,12 +260,31 @@ def _dot(a, b, acc, dtype: tl.constexpr, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _fp4_scales(
+    s_ptr,
+    s_rows,
+    n_ok,
+    k0,
+    K: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The raw scales (float32 or ue8m0 bytes) of inputs ``k0 .. k0 + BLOCK_K`` of ``BLOCK_N`` FP4
+    rows: ``[BLOCK_N, runs]``, one per run of :func:`_fp4_operands` (0 past ``K``)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    RUNS: tl.constexpr = HALF // HALF_GROUP if HALF_GROUP < HALF else 1
+    group = k0 // (2 * HALF_GROUP) + tl.arange(0, RUNS)  # a run lies within one group
+    mask = n_ok[:, None] & (group < K // (2 * HALF_GROUP))[None, :]
+    return tl.load(s_ptr + s_rows[:, None] + group[None, :], mask=mask, other=0)
+
+
+@triton.jit
 def _fp4_operands(
     w_ptr,
     w_rows,
     n_ok,
-    s_ptr,
-    s_rows,
+    s,
     k0,
     K: tl.constexpr,
     dtype: tl.constexpr,
@@ -166,12 +293,21 @@ def _fp4_operands(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
 ):
     """The dequantised weights of inputs ``k0 .. k0 + BLOCK_K`` of ``BLOCK_N`` FP4 rows, as two
     ``[BLOCK_K / 2, BLOCK_N]`` dot operands: the even inputs (low nibbles) and the odd ones.
 
     The packed bytes load as ``[BLOCK_N, groups, bytes per group]`` so that each run of bytes
-    sharing a scale is contiguous; the scales load once per group and broadcast over it.
+    sharing a scale is contiguous; ``s`` (:func:`_fp4_scales`) holds one scale per run, which
+    broadcasts over it.
+
+    Each weight is ``value * scale`` (the reference's fp32 product, exact for a ue8m0 scale)
+    rounded to ``dtype``.  ``E2M1_PTX`` (GPU):
+    the values come exact in bf16 from :func:`_e2m1_bf16_ptx`; bf16 operands with ue8m0 scales
+    then take one bf16x2 multiply per two weights (the scale, a power of two, is exact in bf16,
+    so the single rounding of the exact product is the same), the others the fp32 product.
+    Otherwise (the interpreter) the arithmetic decoding of :func:`_e2m1_scaled`.
     """
     HALF: tl.constexpr = BLOCK_K // 2
     RUN: tl.constexpr = HALF_GROUP if HALF_GROUP < HALF else HALF  # bytes of one scale in a step
@@ -181,14 +317,27 @@ def _fp4_operands(
     byte = first[:, None] + tl.arange(0, RUN)[None, :]
     mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]
     packed = tl.load(w_ptr + w_rows[:, None, None] + byte[None, :, :], mask=mask, other=0)
-    s_mask = n_ok[:, None] & (first < K // 2)[None, :]
-    s = tl.load(s_ptr + s_rows[:, None] + (first // HALF_GROUP)[None, :], mask=s_mask, other=0)
-    if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
-        s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    s = (s * 16384.0)[:, :, None]  # exact; each product below rounds once, as value * scale
-    lo = tl.reshape(_e2m1_scaled(packed & 15) * s, (BLOCK_N, HALF))
-    hi = tl.reshape(_e2m1_scaled(packed >> 4) * s, (BLOCK_N, HALF))
-    return tl.trans(_operand(lo, dtype, FP32_DOT)), tl.trans(_operand(hi, dtype, FP32_DOT))
+    if E2M1_PTX:
+        lo, hi = _e2m1_bf16_ptx(packed)
+        if UE8M0 and dtype == tl.bfloat16:  # the byte is the bf16 exponent field
+            s = (s.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)[:, :, None]
+            lo = _mul_bf16_ptx(lo, s)
+            hi = _mul_bf16_ptx(hi, s)
+        else:
+            if UE8M0:  # the byte is the fp32 exponent field
+                s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+            s = s[:, :, None]
+            lo = (lo.to(tl.float32) * s).to(dtype)
+            hi = (hi.to(tl.float32) * s).to(dtype)
+        lo = tl.reshape(lo, (BLOCK_N, HALF))
+        hi = tl.reshape(hi, (BLOCK_N, HALF))
+    else:
+        if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
+            s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        s = (s * 16384.0)[:, :, None]  # exact; each product below rounds once, as value * scale
+        lo = _operand(tl.reshape(_e2m1_scaled(packed & 15) * s, (BLOCK_N, HALF)), dtype, FP32_DOT)
+        hi = _operand(tl.reshape(_e2m1_scaled(packed >> 4) * s, (BLOCK_N, HALF)), dtype, FP32_DOT)
+    return tl.trans(lo), tl.trans(hi)
 
 
 @triton.jit
@@ -213,6 +362,7 @@ def _rows_times_expert(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
 ):
     """Two fp32 ``[BLOCK_M, BLOCK_N]`` products: rows ``a_ptr + a_rows`` (``[BLOCK_M]`` offsets,
     masked by ``a_ok``) times the weight rows ``w_ptr + w_rows0`` and ``w_ptr + w_rows1``
@@ -220,30 +370,39 @@ def _rows_times_expert(
     of ``BLOCK_K`` (one loop: each ``a`` tile is loaded once for both).
 
     FP4: ``w_rows*`` address packed bytes and ``s_rows*`` the rows' scales; the even inputs
-    (low nibbles) and the odd ones (high nibbles) are two dots against the strided halves of
-    the ``a`` tile.
+    (low nibbles) and the odd ones (high nibbles) are two dots against the even and odd halves
+    of the ``a`` tile (loaded contiguous, split in registers); the scales load a K step ahead of
+    their use, so that their latency hides behind a step of work.
     """
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FP4:
-        j = tl.arange(0, BLOCK_K // 2)
+        kr = tl.arange(0, BLOCK_K)
+        s0 = _fp4_scales(s_ptr, s_rows0, n_ok0, 0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
+        s1 = _fp4_scales(s_ptr, s_rows1, n_ok1, 0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + 2 * j  # the even inputs of the step (K is even)
-            a_mask = a_ok[:, None] & (kk < K)[None, :]
-            a_even = tl.load(a_ptr + a_rows[:, None] + kk[None, :], mask=a_mask, other=0.0)
-            a_odd = tl.load(a_ptr + a_rows[:, None] + (kk + 1)[None, :], mask=a_mask, other=0.0)
+            # the next step's scales, a step ahead (too small for the pipeliner's async copies)
+            s0_next = _fp4_scales(s_ptr, s_rows0, n_ok0, k0 + BLOCK_K, K, HALF_GROUP, BLOCK_N, BLOCK_K)
+            s1_next = _fp4_scales(s_ptr, s_rows1, n_ok1, k0 + BLOCK_K, K, HALF_GROUP, BLOCK_N, BLOCK_K)
+            kk = k0 + kr
+            a = tl.load(
+                a_ptr + a_rows[:, None] + kk[None, :], mask=a_ok[:, None] & (kk < K)[None, :], other=0.0
+            )
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))  # K is even
             lo, hi = _fp4_operands(
-                w_ptr, w_rows0, n_ok0, s_ptr, s_rows0, k0, K,
-                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT,
+                w_ptr, w_rows0, n_ok0, s0, k0, K,
+                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
             )  # fmt: skip
             acc0 = _dot(a_even, lo, acc0, dtype, FP32_DOT)
             acc0 = _dot(a_odd, hi, acc0, dtype, FP32_DOT)
             lo, hi = _fp4_operands(
-                w_ptr, w_rows1, n_ok1, s_ptr, s_rows1, k0, K,
-                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT,
+                w_ptr, w_rows1, n_ok1, s1, k0, K,
+                dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
             )  # fmt: skip
             acc1 = _dot(a_even, lo, acc1, dtype, FP32_DOT)
             acc1 = _dot(a_odd, hi, acc1, dtype, FP32_DOT)
+            s0 = s0_next
+            s1 = s1_next
     else:
         kr = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
@@ -351,6 +510,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
 ):
     """Tile ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N``: ``h`` rows."""
     tile = tl.program_id(0)
@@ -370,7 +530,7 @@ def _gate_up_kernel(
         s_up = s_gate + I * stride_sn
         g, u = _rows_times_expert(
             x_ptr, a_rows, row_ok, D, w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
-            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
         )  # fmt: skip
         g = tl.minimum(round_through(g, dtype), limit)
         u = tl.minimum(tl.maximum(round_through(u, dtype), -limit), limit)
@@ -405,6 +565,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
 ):
     """Tile ``program_id(0)``, model columns ``program_id(1) * 2 * BLOCK_N`` (two blocks of
     ``BLOCK_N``): the weighted contributions."""
@@ -423,7 +584,7 @@ def _down_kernel(
         acc0, acc1 = _rows_times_expert(
             h_ptr, slots * I, row_ok, I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
             s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols < D, cols1 < D,
-            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
         )  # fmt: skip
         p = tl.maximum(pair, 0)
         rw = tl.load(rw_ptr + (p // TOP_K).to(tl.int64) * stride_rw + p % TOP_K, mask=row_ok, other=0.0)
@@ -561,7 +722,7 @@ def moe_experts(
         x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
         num_experts, top_k, float(limit), D=d, I=inter,
         FP4=gu_fp4, UE8M0=gu_ue8m0, HALF_GROUP=gu_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, num_warps=warps, num_stages=stages,
+        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and gu_fp4, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
@@ -572,7 +733,7 @@ def moe_experts(
         h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y,
         num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,
         FP4=dn_fp4, UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, num_warps=warps, num_stages=stages,
+        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and dn_fp4, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
     bd = min(COMBINE_BLOCK_D, pow2(d))
