@@ -1,0 +1,97 @@
+"""The ``deepseek_v41`` model family: DeepSeek-V4.1's text backbone behind the core's model interface.
+
+Registered by the core's builtin plugin (:mod:`deepinfer_core.builtin_plugin`) through the
+``deepinfer_register_models`` hook.  What is not served yet is refused with a one-line
+:class:`~deepinfer_core.errors.ConfigError` saying ``not implemented yet: <what>``, never run
+approximately: checkpoints with Engram layers, the release's packed FP8/FP4 KV cache formats
+(``kv_cache_dtype="fp8"``), the DSpark drafter.  See ``docs/deepseek_v41.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.registry import ModelFamily
+from deepinfer_core.ops import OpTable
+
+from . import ops as _ops  # noqa: F401  (registers the deepseek_v41.* ops before the op table is built)
+from .config import MODEL_TYPE, DeepseekV41Config
+
+DESCRIPTION = "DeepSeek-V4.1 (causal encoder-decoder: shared compressed KV, two-level top-k, single-pass mHC)"
+
+
+def parse_config(data: dict[str, Any], source: str) -> DeepseekV41Config:
+    """Validate ``config.json``'s dict (the wrapper or the text config); :class:`ConfigError`
+    naming ``source`` and the field."""
+    return DeepseekV41Config.from_dict(data, source=source)
+
+
+def unsupported(cfg: DeepseekV41Config) -> str | None:
+    """What of ``cfg`` the engine cannot run yet (``None``: nothing)."""
+    if cfg.engram_layer_ids:
+        return f"Engram (engram_layer_ids {cfg.engram_layer_ids})"
+    if not cfg.norm_topk_prob or cfg.num_experts_per_tok < 2:
+        return "routing without renormalised top-k weights (norm_topk_prob false or num_experts_per_tok 1)"
+    return None
+
+
+def _refuse(cfg: DeepseekV41Config) -> None:
+    missing = unsupported(cfg)
+    if missing is not None:
+        raise ConfigError(f"model family {MODEL_TYPE!r}: not implemented yet: {missing}")
+
+
+def load_weights(
+    model_dir: Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+) -> dict[str, Any]:
+    """The checkpoint's tensors by inventory name (:mod:`.weights`)."""
+    _refuse(cfg)
+    from .weights import load_weights as load
+
+    return load(model_dir, cfg, dtype, device, keep_quantized=keep)
+
+
+def build_model(cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable) -> Any:
+    """The :class:`~.model.DeepseekV41Model` over ``weights`` (which it takes over)."""
+    _refuse(cfg)
+    from .model import DeepseekV41Model
+
+    return DeepseekV41Model(cfg, weights, ops)
+
+
+def cache_ratios(cfg: DeepseekV41Config) -> list[int]:
+    """The compress ratios of the entry pools (1 and 2 in the release): a page holds whole
+    entries of each."""
+    return sorted(set(cfg.compress_ratios) - {0})
+
+
+def replay_tail(cfg: DeepseekV41Config, page_size: int, extra_layers: int = 0) -> int:
+    """Tokens recomputed before a prefix-cache hit to rebuild every layer's window exactly.
+
+    Every V4.1 layer keeps a window, so the receptive field grows one window per layer as in
+    V4: ``align(align(W, P) + (N - 1) * W, P)``.  (The release's bounded replay -- encoder
+    side exact from the cached shared KV, decoder side on each request's last tokens only -- is
+    not implemented yet; this bound is exact and longer.)
+    """
+    w, n = cfg.sliding_window, cfg.num_hidden_layers + extra_layers
+
+    def align(x: int) -> int:
+        return -(-x // page_size) * page_size
+
+    return align(align(w) + (n - 1) * w)
+
+
+FAMILY = ModelFamily(
+    model_type=MODEL_TYPE,
+    parse_config=parse_config,
+    load_weights=load_weights,
+    build_model=build_model,
+    cache_ratios=cache_ratios,
+    replay_tail=replay_tail,
+    description=DESCRIPTION,
+)

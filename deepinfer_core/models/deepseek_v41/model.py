@@ -1,0 +1,379 @@
+"""DeepSeek-V4.1's text backbone over a flat varlen batch and a paged hybrid KV cache.
+
+The causal encoder-decoder (CED) of the release, layer by layer:
+
+- every layer keeps its own sliding window of ``sliding_window`` K=V rows (an FP8 record in
+  the release: :func:`~.ops.kv_qdq` ``fp8_ue8m0``) and attends to it, with a per-head sink;
+- layers with ``compress_ratios[i] == 0`` (the first two) attend to their window only, with
+  the ``main`` rope;
+- a kv-source layer owns a compressor: ratio 2 (the "encoder" sources) pools each two tokens
+  with a softmax gate, ratio 1 (the "decoder" source) projects one entry per token; the latent
+  is RMS-normed, its indexer key (``k_norm(wk(latent))``, FP4) and its rotated main entry
+  (FP4) go to the group's two paged pools, which the group's other layers read through
+  ``alias_of`` cache specs (one allocation per group);
+- an index source scores the group's keys with its own queries and keeps the top
+  ``index_topk`` visible entries; the other layers of the group reuse its picks ("Reuse"), a
+  later index source re-scores ("Reindex");
+- the candidate source (the last kv source in the release) also keeps each query's best
+  ``candidate_topk_blocks`` blocks of ``candidate_block_size`` entries; every later index
+  source scores only inside them (the hierarchical two-level top-k);
+- the residual is ``hc_mult`` streams mixed by single-pass mHC (:func:`~.ops.hc_mix`): a site
+  collapses its streams with the previous site's ``pre``; the last ``pre`` collapses the final
+  streams (no ``hc_head``);
+- the MoE is V4's top-k routed one (no hash routing), with the router temperature.
+
+Every computation goes through the op table; the ops V4 has none for are
+:mod:`deepinfer_core.models.deepseek_v41.ops`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.engine.step_inputs import StepInputs
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, RingSpec, SlotStateSpec
+from deepinfer_core.models.deepseek_v4.fused import FusedProjection
+from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
+from deepinfer_core.models.deepseek_v4.rope import inv_freq
+from deepinfer_core.ops import OpTable
+from deepinfer_core.weights.quant import QuantizedTensor, Weight
+
+from .config import DeepseekV41Config
+from .metadata import V41StepMetadata, build_v41_metadata
+from .ops import op
+
+logger = logging.getLogger("deepinfer.model")
+
+WINDOW_KV_FORMAT = ("fp8_ue8m0", 32)
+"""The release's window record: every channel (rope included) e4m3, one ue8m0 scale per 32."""
+COMPRESSED_KV_FORMAT = ("fp4_e4m3", 16)
+"""The release's compressed entries: e2m1, one e4m3 scale per 16 channels."""
+INDEXER_FORMAT = ("fp4_ue8m0", 32)
+"""The release's indexer keys and queries: e2m1, one ue8m0 scale per 32 channels."""
+
+
+class Attention:
+    """Attention of layer ``layer``: window + (for compressed layers) the group's shared entries."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
+        p = f"layers.{layer}.attn."
+        self.cfg, self.layer = cfg, layer
+        self.ratio = cfg.compress_ratio(layer)
+        self.rope_family = "compress" if self.ratio else "main"
+        self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+        self.q_norm, self.wq_b = w[p + "q_norm.weight"], w[p + "wq_b.weight"]
+        self.kv_norm, self.sinks = w[p + "kv_norm.weight"], w[p + "attn_sink"].float()
+        self.wo_a, self.wo_b = w[p + "wo_a.weight"], w[p + "wo_b.weight"]
+        self.source = cfg.kv_source(layer) if self.ratio else None
+        self.is_kv_source = cfg.is_kv_source(layer)
+        self.is_index_source = cfg.is_index_source(layer)
+        in_weights = [(n, w.pop(p + n)) for n in ("wq_a.weight", "wkv.weight")]
+        self.parts = ["q_a", "kv"]
+        if self.is_kv_source:
+            c = p + "compressor."
+            self.c_norm = w[c + "norm.weight"]
+            in_weights.append(("compressor.wkv.weight", w.pop(c + "wkv.weight")))
+            self.parts.append("c_kv")
+            if self.ratio > 1:
+                in_weights.append(("compressor.wgate.weight", w.pop(c + "wgate.weight")))
+                self.parts.append("c_gate")
+        if self.is_index_source:
+            x = p + "indexer."
+            self.wi_q = w[x + "wq_b.weight"]
+            in_weights.append(("indexer.weights_proj.weight", w.pop(x + "weights_proj.weight")))
+            self.parts.append("i_w")
+            if self.is_kv_source:
+                self.wi_k, self.i_k_norm = w[x + "wk.weight"], w[x + "k_norm.weight"]
+        self.w_in = FusedProjection(in_weights, dtype, p.removesuffix("."))
+
+    def cache_specs(self, num_spec_tokens: int = 0) -> list[CacheSpec]:
+        """The window ring; for a compressed layer the group's entry pools (owned by the kv
+        source, ``alias_of`` it elsewhere) and, for a pooling kv source, its partial windows."""
+        cfg = self.cfg
+        specs: list[CacheSpec] = [
+            RingSpec("window", cfg.sliding_window, self.head_dim, spare=num_spec_tokens)
+        ]
+        if not self.ratio:
+            return specs
+        r, src = self.ratio, self.source
+        own = self.is_kv_source
+        specs.append(PagedSpec("ckv", r, self.head_dim, alias_of=None if own else (src, "ckv")))
+        if self.is_index_source:
+            specs.append(PagedSpec("ikv", r, cfg.index_head_dim, alias_of=None if own else (src, "ikv")))
+        if own and r > 1:
+            nb = buffer_windows(r, num_spec_tokens)
+            specs += [
+                SlotStateSpec("ckv.buf_kv", (nb * r, self.head_dim)),
+                SlotStateSpec("ckv.buf_gate", (nb * r, self.head_dim)),
+            ]
+        return specs
+
+    def __call__(
+        self, x: torch.Tensor, md: V41StepMetadata, cache: HybridCache, ops: OpTable, rope: dict, shared: dict
+    ) -> torch.Tensor:
+        """``x`` ``[T, D]`` (normed block input) -> ``[T, D]``; ``shared`` carries the step's
+        picks and candidate blocks from the index sources to the layers after them."""
+        t = x.shape[0]
+        part = dict(zip(self.parts, self.w_in(x, ops), strict=True))
+        qdq = op(ops, "kv_qdq")
+        q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
+        q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
+        kv = ops.rms_norm(part["kv"], self.kv_norm, self.eps)
+        cos, sin = rope[self.rope_family]
+        qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
+        q, kv = qkv[:, : self.heads], qdq(qkv[:, self.heads], *WINDOW_KV_FORMAT)
+        ring = cache.get(self.layer, "window")
+        pools: list[Any] = [ring, kv]
+        idx: list[Any] = [md.v4.window_ring, md.v4.window_chunk]
+        if self.ratio:
+            if self.is_kv_source:
+                self._compress(part, md, cache, ops, rope)
+            if self.is_index_source:
+                shared["picks"] = self._index(q_res, part["i_w"], md, cache, ops, rope, shared)
+            pools.append(cache.get(self.layer, "ckv"))
+            idx.append(shared["picks"])
+        out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
+        ops.cache_write(ring, md.v4.ring_rows, kv)
+        out = ops.apply_rope(out, cos, -sin)
+        g = self.cfg.o_groups
+        out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
+        return ops.linear(out, self.wo_b)
+
+    def _compress(
+        self, part: dict, md: V41StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
+    ) -> None:
+        """This step's new entries into the group's pools: ratio 1, one per token; ratio ``r``,
+        one per window of ``r`` tokens closed this step (softmax-gated pooling, no position
+        bias), the tokens of unfinished windows buffered per slot (V4's plan)."""
+        r, layer, write = self.ratio, self.layer, ops.cache_write
+        if r == 1:
+            latent = ops.rms_norm(part["c_kv"], self.c_norm, self.eps)
+            assert md.full is not None
+            dest = md.full.dest
+            cos, sin = rope["compress"]
+        else:
+            plan = md.v4.plans[r]
+            buf_kv = cache.get(layer, "ckv.buf_kv").view(-1, self.head_dim)
+            buf_gate = cache.get(layer, "ckv.buf_gate").view(-1, self.head_dim)
+            latent = None
+            if plan.windows.shape[0]:  # a static shape: zero only when the step has no tokens
+                stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, part["c_kv"]]))  # [M, r, hd]
+                stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, part["c_gate"]])).float()
+                latent = ops.rms_norm(ops.compress_pool(stage_kv, stage_gate), self.c_norm, self.eps)
+                dest = plan.dest
+                inv, scale = rope["compress_freqs"]
+                cos, sin = ops.rope_cos_sin(plan.positions, inv, scale, latent.dtype)
+            write(buf_kv, plan.buf_rows, part["c_kv"])
+            write(buf_gate, plan.buf_rows, part["c_gate"])
+            if latent is None:
+                return
+        qdq = op(ops, "kv_qdq")
+        if self.is_index_source:  # the group's indexer keys, from the pre-rope latent
+            k = ops.rms_norm(ops.linear(latent, self.wi_k), self.i_k_norm, self.eps)
+            write(cache.get(layer, "ikv"), dest, qdq(ops.apply_rope(k, cos, sin), *INDEXER_FORMAT))
+        write(cache.get(layer, "ckv"), dest, qdq(ops.apply_rope(latent, cos, sin), *COMPRESSED_KV_FORMAT))
+
+    def _index(
+        self,
+        q_res: torch.Tensor,
+        weights: torch.Tensor,
+        md: V41StepMetadata,
+        cache: HybridCache,
+        ops: OpTable,
+        rope: dict,
+        shared: dict,
+    ) -> Any:
+        """The entries this layer (and the group's layers up to the next index source) attend to."""
+        cfg, t = self.cfg, q_res.shape[0]
+        entries = md.entries(self.ratio)
+        keys = cache.get(self.layer, "ikv")
+        iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
+        iq = op(ops, "kv_qdq")(ops.apply_rope(iq, *rope["compress"]), *INDEXER_FORMAT)
+        iw = weights.float() * cfg.index_n_heads**-0.5
+        scale = cfg.index_head_dim**-0.5
+        if self.layer == cfg.candidate_source_layer_id:
+            nb, bs = cfg.candidate_topk_blocks, cfg.candidate_block_size
+            # a static bound: with at most nb blocks visible every block is a candidate
+            shared["candidates"] = (
+                op(ops, "candidate_blocks")(iq, iw, keys, entries, nb, bs, scale)
+                if entries.max_count > nb * bs
+                else None
+            )
+        candidates = shared.get("candidates") if cfg.uses_candidates(self.layer) else None
+        if candidates is None and entries.max_count <= cfg.index_topk:
+            return entries  # every visible entry (a static bound, not a tensor value)
+        pool = entries if candidates is None else candidates
+        return ops.indexer_topk(iq, iw, keys, pool, cfg.index_topk, scale)
+
+
+class MoE:
+    """The MoE block of layer ``layer``: ``noaux_tc`` top-k routed experts plus a shared expert."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
+        p = f"layers.{layer}.ffn."
+        self.cfg = cfg
+        self.bias = w[p + "gate.bias"]
+        self.gate_up, self.down = w[p + "experts.gate_up"], w[p + "experts.down"]
+        names = ("gate.weight", "shared_experts.w1.weight", "shared_experts.w3.weight")
+        self.w_in = FusedProjection([(n, w.pop(p + n)) for n in names], dtype, p.removesuffix("."))
+        self.s_down = w[p + "shared_experts.w2.weight"]
+
+    def __call__(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
+        cfg = self.cfg
+        logits, s_gate, s_up = self.w_in(x, ops)
+        if cfg.gate_temp != 1.0:
+            logits = logits / cfg.gate_temp
+        weights, ids = ops.moe_route(
+            logits, self.bias, None, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
+        )
+        routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
+        return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
+
+
+class DecoderLayer:
+    """One block: single-pass-mHC-wrapped attention then MoE."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
+        p = f"layers.{layer}."
+        self.cfg, self.layer = cfg, layer
+        self.attn = Attention(cfg, layer, w, dtype)
+        self.moe = MoE(cfg, layer, w, dtype)
+        self.attn_norm, self.ffn_norm = w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"]
+        self.attn_hc = tuple(w[p + f"hc_attn_{k}"] for k in ("fn", "base", "scale"))
+        self.ffn_hc = tuple(w[p + f"hc_ffn_{k}"] for k in ("fn", "base", "scale"))
+
+    def __call__(
+        self,
+        h: torch.Tensor,
+        pre: torch.Tensor,
+        md: V41StepMetadata,
+        cache: HybridCache,
+        ops: OpTable,
+        rope: dict,
+        shared: dict,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(streams [T, N, D], previous site's pre [T, N])`` -> the same after this block."""
+        cfg = self.cfg
+        eps, hc_eps, it = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        mix = op(ops, "hc_mix")
+        attn_pre, post, comb, x = mix(h, pre, *self.attn_hc, eps, hc_eps, it)
+        a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache, ops, rope, shared)
+        h = ops.hc_post(a, h, post, comb)
+        ffn_pre, post, comb, x = mix(h, attn_pre, *self.ffn_hc, eps, hc_eps, it)
+        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ops)
+        return ops.hc_post(m, h, post, comb), ffn_pre
+
+
+class DeepseekV41Model:
+    """DeepSeek-V4.1 causal LM (text backbone, without Engram).
+
+    Args:
+        cfg: the architecture.
+        weights: every tensor of :func:`~.params.parameter_specs`, in the run dtype on the run
+            device (some :class:`~deepinfer_core.weights.quant.QuantizedTensor` with
+            ``keep_quantized``); the model takes the dict over (fused projections are popped).
+        ops: the resolved op table.
+    """
+
+    def __init__(self, cfg: DeepseekV41Config, weights: dict[str, Weight], ops: OpTable):
+        if cfg.engram_layer_ids:
+            raise ConfigError(
+                f"deepseek_v41: not implemented yet: Engram (engram_layer_ids {cfg.engram_layer_ids})"
+            )
+        self.cfg, self.ops, self.w = cfg, ops, weights
+        dtype = weights["embed.weight"].dtype
+        self.layers = [DecoderLayer(cfg, i, weights, dtype) for i in range(cfg.num_hidden_layers)]
+        forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
+        forced = [note for note in forced if note is not None]
+        if forced:
+            logger.info("fusing projections forced dequantisation at load of: %s", "; ".join(forced))
+        dev = weights["embed.weight"].device
+        self.rope_params = {}
+        for fam in ("main", "compress"):
+            inv, scale = inv_freq(cfg, fam)  # type: ignore[arg-type]  (V4's rope, same fields)
+            self.rope_params[fam] = (inv.to(dev), scale)
+        self.ratios = sorted(set(cfg.compress_ratios) - {0})
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w["embed.weight"].dtype
+
+    def _storages(self) -> dict[int, tuple[int, bool]]:
+        seen: dict[int, tuple[int, bool]] = {}
+        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False)]
+        while stack:
+            obj, quantized = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                st = obj.untyped_storage()
+                seen[st.data_ptr()] = (st.nbytes(), quantized)
+            elif isinstance(obj, QuantizedTensor):
+                stack += [(obj.data, True), (obj.scale, True)]
+            elif isinstance(obj, dict):
+                stack.extend((v, quantized) for v in obj.values())
+            elif isinstance(obj, list | tuple):
+                stack.extend((v, quantized) for v in obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, DeepseekV41Config | type):
+                stack.extend((v, quantized) for v in vars(obj).values())
+        return seen
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight held, each storage once."""
+        return sum(n for n, _ in self._storages().values())
+
+    def quantized_weight_bytes(self) -> int:
+        """The part of :meth:`weight_bytes` held quantised."""
+        return sum(n for n, q in self._storages().values() if q)
+
+    def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
+        """Per layer: its window ring; per kv-source group one entry pool and one indexer-key pool
+        (``alias_of`` the source in the group's other layers) and the source's partial windows."""
+        if kv_cache_dtype != "auto":
+            raise ConfigError(
+                f"deepseek_v41: not implemented yet: kv_cache_dtype={kv_cache_dtype!r} (the release's "
+                "FP8 window / FP4 entry cache formats; the model applies their numerics to a cache in the "
+                "model dtype)"
+            )
+        return [layer.attn.cache_specs(num_spec_tokens) for layer in self.layers]
+
+    def step_metadata(
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
+    ) -> V41StepMetadata:
+        """The step's plans (:func:`~.metadata.build_v41_metadata`), derived on the device."""
+        return build_v41_metadata(
+            inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
+        )
+
+    def _rope(self, md: V41StepMetadata, dtype: torch.dtype) -> dict:
+        rope: dict = {
+            fam: self.ops.rope_cos_sin(md.positions, inv, s, dtype)
+            for fam, (inv, s) in self.rope_params.items()
+        }
+        rope["compress_freqs"] = self.rope_params["compress"]
+        return rope
+
+    @torch.inference_mode()
+    def forward(
+        self, md: V41StepMetadata, cache: HybridCache, hidden_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one step; float32 logits ``[len(md.sample_rows), vocab]``."""
+        ops, cfg, w = self.ops, self.cfg, self.w
+        x = ops.embedding(md.input_ids, w["embed.weight"])
+        rope = self._rope(md, x.dtype)
+        t, n = x.shape[0], cfg.hc_mult
+        h = x.unsqueeze(1).expand(-1, n, -1).contiguous()
+        pre = torch.zeros(t, n, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0 (all streams start equal)
+        shared: dict = {}
+        for layer in self.layers:
+            h, pre = layer(h, pre, md, cache, ops, rope, shared)
+        if hidden_out is not None:
+            hidden_out[: h.shape[0]].copy_(h)
+        rows = md.sample_rows
+        x = op(ops, "hc_collapse")(h.index_select(0, rows), pre.index_select(0, rows))
+        x = ops.rms_norm(x, w["norm.weight"], cfg.rms_norm_eps)
+        return ops.linear(x, w["head.weight"]).float()

@@ -1,0 +1,320 @@
+"""DeepSeek-V4.1's own ops: extension ops of the contract, namespaced ``deepseek_v41.*``.
+
+V4.1 reuses the core ops wherever its math is V4's (sparse attention, the indexer's top-k,
+compressor pooling, rope, norms, MoE, ``hc_post``).  What V4 has no op for is here, each
+defined by its pure-PyTorch reference (the docstring is the contract) with conformance cases,
+as :func:`~deepinfer_core.ops.registry.define_op` asks of plugin ops:
+
+- ``hc_mix``: single-pass mHC.  One projection of the streams gives a site's ``pre``,
+  ``post`` and ``comb``; the site collapses its streams with the *previous* site's ``pre``.
+- ``hc_collapse``: the final collapse with the last site's ``pre`` (V4.1 has no ``hc_head``).
+- ``candidate_blocks``: level one of the hierarchical two-level top-k.
+- ``kv_qdq``: the KV numerics of the release (FP8 window records, FP4 compressed entries and
+  indexer keys / queries) as quantise-dequantise.
+
+The ops join the contract when this module is imported (the family module imports it, so an
+:class:`~deepinfer_core.ops.OpTable` built after the family was resolved has them); the model
+falls back to these references for a table built before (:func:`op`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer_core.ops import OpTable
+from deepinfer_core.ops._cases import randn
+from deepinfer_core.ops.attention import PagedIndex, _paged_case
+from deepinfer_core.ops.modes import (
+    KEY_BLOCK,
+    batch_invariant_enabled,
+    pad_cols,
+    padded_len,
+    row_padded,
+    tiled_linear,
+)
+from deepinfer_core.ops.registry import define_op, get_op
+
+NAMESPACE = "deepseek_v41"
+
+
+def op(ops: OpTable, name: str) -> Callable[..., Any]:
+    """The resolved ``deepseek_v41.<name>`` of ``ops`` (its reference when ``ops`` predates this
+    module's import)."""
+    full = f"{NAMESPACE}.{name}"
+    try:
+        return ops[full]
+    except KeyError:
+        return get_op(full).reference
+
+
+# ---- single-pass mHC ---------------------------------------------------------------------------
+def _hc_mix_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d = 4, 16
+    prev = torch.rand(5, n, generator=g) + 1e-6
+    onehot = torch.zeros(3, n)
+    onehot[:, 0] = 1.0
+    return [
+        (
+            (
+                randn(g, 5, n, d, dtype=dtype),
+                prev,
+                randn(g, (2 + n) * n, n * d, scale=0.1),
+                randn(g, (2 + n) * n),
+                1 + randn(g, 3, scale=0.1),
+                1e-6,
+                1e-6,
+                20,
+            ),
+            {},
+        ),
+        (
+            (
+                randn(g, 3, n, d, dtype=dtype),
+                onehot,
+                randn(g, (2 + n) * n, n * d, scale=0.1),
+                randn(g, (2 + n) * n),
+                1 + randn(g, 3, scale=0.1),
+                1e-20,
+                1e-6,
+                3,
+            ),
+            {},
+        ),
+    ]
+
+
+@define_op(f"{NAMESPACE}.hc_mix", "mhc", batch_invariant=True, sample_cases=_hc_mix_cases)
+@row_padded({"streams": 0.0, "prev_pre": 0.0})
+def hc_mix(
+    streams: torch.Tensor,
+    prev_pre: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Single-pass mHC at one site (attention or MoE) of a V4.1 block.
+
+    Args:
+        streams: ``[T, N, D]`` residual streams (model dtype).
+        prev_pre: ``[T, N]`` float32 ``pre`` weights of the previous site (a one-hot on stream 0
+            before the first block).
+        fn: ``[(2+N)*N, N*D]`` float32 projection; base: ``[(2+N)*N]``; scale: ``[3]``.
+        norm_eps: eps of the unweighted RMS norm over the flattened ``N*D`` streams.
+        hc_eps: floor added to ``pre`` / ``comb`` and to the Sinkhorn denominators.
+        sinkhorn_iters: Sinkhorn-Knopp iterations (the first normalises columns only).
+
+    Returns:
+        ``(pre [T, N], post [T, N], comb [T, N, N], collapsed [T, D])``, the weights float32:
+        with ``m = rmsnorm(flatten(streams)) @ fn.T`` (fp32), ``pre = sigmoid(m[:N]*scale[0] +
+        base[:N]) + hc_eps`` (for the *next* site), ``post = 2*sigmoid(m[N:2N]*scale[1] +
+        base[N:2N])``, ``comb`` = Sinkhorn(softmax over ``k`` of ``m[2N:]*scale[2] + base[2N:]``
+        viewed ``[j, k]``, plus ``hc_eps``): columns (``x / (sum_j x + eps)``), then
+        ``sinkhorn_iters - 1`` rounds of rows then columns; ``collapsed = sum_n prev_pre[n] *
+        streams[n]`` (fp32, cast to ``streams.dtype``): this site's block input.
+    """
+    t, n, d = streams.shape
+    flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
+    linear = tiled_linear if batch_invariant_enabled() else F.linear
+    mixes = linear(flat, fn.float())
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mixes[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    comb = (mixes[:, 2 * n :] * scale[2] + base[2 * n :]).view(t, n, n)
+    comb = torch.softmax(comb, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb, hc_collapse(streams, prev_pre)
+
+
+def _collapse_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    return [((randn(g, 5, 4, 16, dtype=dtype), torch.rand(5, 4, generator=g)), {})]
+
+
+@define_op(f"{NAMESPACE}.hc_collapse", "mhc", batch_invariant=True, sample_cases=_collapse_cases)
+@row_padded({"streams": 0.0, "pre": 0.0})
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Collapse the streams: ``sum_n pre[:, n] * streams[:, n]`` in fp32, cast to ``streams.dtype``.
+
+    Args:
+        streams: ``[T, N, D]``; pre: ``[T, N]`` float32 weights.
+
+    Returns:
+        ``[T, D]`` in ``streams.dtype``.
+    """
+    return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+# ---- hierarchical top-k: candidate blocks --------------------------------------------------------
+def _candidate_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    t, h, d, n = 5, 8, 16, 12
+    paged = _paged_case(g, t, 3, 4)
+    rows = torch.arange(n).repeat(t, 1)
+    rows[1, 7:] = -1
+    rows[2, 1:] = -1
+    rows[3, :] = -1
+    keys = randn(g, n, d, dtype=dtype)
+    return [
+        ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, paged, 2, 3, d**-0.5), {}),
+        ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, rows, 2, 2, d**-0.5), {}),
+        ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, rows, 8, 4, d**-0.5), {}),
+    ]
+
+
+def _scores(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, rows: torch.Tensor, scale: float):
+    """Indexer scores ``[T, C]`` of candidate ``rows`` (``-inf`` where ``-1``): ``sum_h weights[t, h]
+    * relu(q[t, h] . key[c]) * scale`` in fp32, as the core ``indexer_topk`` computes them (in
+    fixed blocks of ``KEY_BLOCK`` candidates in batch-invariant mode)."""
+    t, c = rows.shape
+    if batch_invariant_enabled():
+        nb = max(1, padded_len(c, KEY_BLOCK) // KEY_BLOCK)
+        cand = pad_cols(rows, nb * KEY_BLOCK, -1)
+        keys = F.embedding(cand.clamp(min=0), key_pool).float()
+        keys = keys.view(t, nb, KEY_BLOCK, -1).transpose(0, 1).contiguous()
+        qf, wf = q.float(), weights.float().unsqueeze(1)
+        blocks = []
+        for b in range(nb):
+            s = torch.bmm(qf, keys[b].transpose(1, 2)).relu_().mul_(scale)
+            blocks.append(torch.bmm(wf, s).squeeze(1))
+        scores = torch.cat(blocks, dim=1)[:, :c]
+    else:
+        keys = F.embedding(rows.clamp(min=0), key_pool).float()
+        scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)
+        scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)
+    return scores.masked_fill(rows < 0, float("-inf"))
+
+
+@define_op(f"{NAMESPACE}.candidate_blocks", "attention", batch_invariant=True, sample_cases=_candidate_cases)
+@row_padded({"q": 0.0, "weights": 0.0, "entries": -1})
+def candidate_blocks(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    entries: torch.Tensor | PagedIndex,
+    num_blocks: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Level one of V4.1's two-level top-k: each query's best blocks of entries.
+
+    Entry columns ``[b*block_size, (b+1)*block_size)`` of ``entries`` form block ``b``.  A block
+    scores the max of its valid entries' indexer scores (as ``indexer_topk``: ``sum_h
+    weights[t, h] * relu(q[t, h] . key) * scale``, fp32); a block without a valid entry is out;
+    the block holding the query's last valid column is always kept (it is the newest, maybe
+    only partly filled).  The ``num_blocks`` best blocks are kept, ties toward the lower block.
+
+    Args:
+        q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` float32 head weights.
+        key_pool: ``[N, D]`` indexer keys.
+        entries: ``[T, C]`` int64 pool rows in entry order (``-1`` = none; the valid ones a
+            prefix), or a :class:`~deepinfer_core.ops.attention.PagedIndex` (``C = max_count``).
+        num_blocks: blocks to keep; block_size: entries per block; scale: score scale.
+
+    Returns:
+        ``[T, min(num_blocks, ceil(C / block_size)) * block_size]`` int64: the pool rows of the
+        kept blocks' valid entries, in entry order (ascending block), ``-1`` elsewhere.  The
+        later index sources pick their top-k among these (``indexer_topk``), so both levels
+        break ties toward the earlier entry.
+    """
+    rows = entries.rows() if isinstance(entries, PagedIndex) else entries
+    t, c = rows.shape
+    nblk = -(-c // block_size)
+    keep = min(num_blocks, nblk)
+    scores = _scores(q, weights, key_pool, rows, scale)
+    padded = F.pad(scores, (0, nblk * block_size - c), value=float("-inf"))
+    block_scores = padded.view(t, nblk, block_size).amax(dim=-1)
+    valid = rows >= 0
+    last = (valid.sum(dim=1) - 1).div(block_size, rounding_mode="floor")  # -1 when none
+    pinned = torch.arange(nblk, device=rows.device).unsqueeze(0) == last.unsqueeze(1)
+    block_scores = block_scores.masked_fill(pinned, float("inf"))
+    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[:, :keep]
+    chosen = block_scores.gather(1, order) > float("-inf")
+    order = torch.where(chosen, order, nblk)  # dropped picks sort last
+    blocks = order.sort(dim=-1).values  # ascending block: entry order
+    cols = blocks.unsqueeze(-1) * block_size + torch.arange(block_size, device=rows.device)
+    cols = cols.view(t, keep * block_size)
+    in_range = (blocks.unsqueeze(-1) < nblk).expand(-1, -1, block_size).reshape(t, -1) & (cols < c)
+    picked = rows.gather(1, cols.clamp(max=c - 1))
+    return torch.where(in_range, picked, torch.full_like(picked, -1))
+
+
+# ---- KV numerics of the release ----------------------------------------------------------------
+KVFormat = Literal["fp8_ue8m0", "fp4_ue8m0", "fp4_e4m3"]
+_FP8_MAX, _FP4_MAX = 448.0, 6.0
+_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_E2M1_TIES_UP = (False, True, False, True, False, True, False)  # toward the even code
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """``2**ceil(log2(x))`` for float32 ``x > 0``, from the IEEE bits (a power of two stays)."""
+    bits = x.contiguous().view(torch.int32)
+    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.exp2(k.to(torch.float32))
+
+
+def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (already within ``[-6, 6]``) rounded to the nearest e2m1 value, ties to even."""
+    mag = x.abs()
+    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
+    ties_up = torch.tensor(_E2M1_TIES_UP, device=x.device)
+    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, float("inf"))))
+    code = (mag.unsqueeze(-1) >= thresholds).sum(-1)
+    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=x.device)[code]
+    return torch.where(torch.signbit(x), -values, values)
+
+
+def _qdq_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    x = randn(g, 6, 64, dtype=dtype, scale=3.0) * torch.tensor([1e-3, 1.0, 50.0, 1.0, 1e-6, 0.0]).view(
+        6, 1
+    ).to(dtype)
+    return [
+        ((x, "fp8_ue8m0", 32), {}),
+        ((x, "fp4_ue8m0", 32), {}),
+        ((x, "fp4_e4m3", 16), {}),
+        ((randn(g, 3, 2, 32, dtype=dtype), "fp8_ue8m0", 32), {}),
+        ((randn(g, 3, 24, dtype=dtype), "fp4_e4m3", 16), {}),  # not a whole block: unchanged
+    ]
+
+
+@define_op(f"{NAMESPACE}.kv_qdq", "cache", sample_cases=_qdq_cases)
+def kv_qdq(x: torch.Tensor, fmt: KVFormat, block: int) -> torch.Tensor:
+    """Quantise-dequantise ``x`` as the release stores it: per ``block`` trailing channels one scale.
+
+    - ``fp8_ue8m0`` (window KV records, block 32): ``s = 2**ceil(log2(max(amax, 1e-4) / 448))``,
+      ``x -> e4m3(clamp(x / s, ±448)) * s``.
+    - ``fp4_ue8m0`` (indexer keys and queries, block 32): ``s = 2**ceil(log2(max(amax, 6*2**-126)
+      / 6))``, ``x -> e2m1(clamp(x / s, ±6)) * s``.
+    - ``fp4_e4m3`` (compressed KV entries, block 16): ``s = e4m3(max(amax, 6*2**-9) / 6)``, then
+      as ``fp4_ue8m0``.
+
+    ``e2m1`` rounds to the nearest of ``0, .5, 1, 1.5, 2, 3, 4, 6`` (signed), ties to the even
+    code; ``e4m3`` is torch's round-to-nearest-even cast.  All in fp32; returns ``x``'s shape
+    and dtype.  When the last dim is not a multiple of ``block`` ``x`` is returned unchanged
+    (the release's shapes always are; tiny test shapes may not be).  Each row is independent.
+    """
+    n = x.shape[-1]
+    if n % block:
+        return x
+    blocks = x.float().reshape(*x.shape[:-1], n // block, block)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    if fmt == "fp8_ue8m0":
+        s = _pow2_ceil(amax.clamp_min(1e-4) * (1.0 / _FP8_MAX))
+        q = (blocks / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).float()
+    elif fmt in ("fp4_ue8m0", "fp4_e4m3"):
+        if fmt == "fp4_ue8m0":
+            s = _pow2_ceil(amax.clamp_min(_FP4_MAX * 2.0**-126) * (1.0 / _FP4_MAX))
+        else:
+            s = (amax.clamp_min(_FP4_MAX * 2.0**-9) / _FP4_MAX).to(torch.float8_e4m3fn).float()
+        q = _e2m1_round((blocks / s).clamp(-_FP4_MAX, _FP4_MAX))
+    else:
+        raise ValueError(f"kv_qdq: unknown format {fmt!r}")
+    return (q * s).reshape(x.shape).to(x.dtype)

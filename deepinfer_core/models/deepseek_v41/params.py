@@ -1,0 +1,101 @@
+"""The parameter inventory of DeepSeek-V4.1's text backbone, by native checkpoint name.
+
+The single source of truth of the loader (names, shapes, dtypes), ``make-tiny --arch
+deepseek_v41`` and the model.  Names are the released checkpoint's (no ``model.`` prefix):
+``embed.weight``, ``head.weight``, ``norm.weight`` and per layer ``layers.{i}.attn.*``,
+``layers.{i}.ffn.*``, ``layers.{i}.attn_norm.weight`` / ``ffn_norm.weight`` and the mHC
+parameters ``layers.{i}.hc_attn_{fn,base,scale}`` / ``hc_ffn_*``.  The routed experts are
+stored per expert (``layers.{i}.ffn.experts.{e}.w1|w2|w3.weight``); the model holds them
+stacked as the core ``moe_experts`` op takes them, under the inventory names
+``layers.{i}.ffn.experts.gate_up`` ``[E, 2I, D]`` (``w1`` rows then ``w3`` rows) and
+``layers.{i}.ffn.experts.down`` ``[E, D, I]`` (:data:`EXPERT_STACKS`).
+
+Which attention tensors a layer has follows the CED layout: every layer its window
+projections; a kv source its compressor (``wgate`` only above ratio 1); an index source its
+indexer queries (``wq_b``, ``weights_proj``), and a kv source's indexer also the key projection
+(``wk``, ``k_norm``) its whole group scores against.
+"""
+
+from __future__ import annotations
+
+from deepinfer_core.models.deepseek_v4.params import ParamSpec, target_dtype
+
+from .config import DeepseekV41Config
+
+__all__ = ["EXPERT_STACKS", "IGNORED_PREFIXES", "ParamSpec", "parameter_specs", "target_dtype"]
+
+EXPERT_STACKS = {"w1": ("gate_up", "gate"), "w3": ("gate_up", "up"), "w2": ("down", "down")}
+"""Native per-expert projection -> (stacked inventory tensor, part): ``gate_up[e] = cat(w1, w3)``."""
+
+IGNORED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+"""Checkpoint tensors the text model does not load: the DSpark draft layers, the vision tower and
+aligner, the image delimiter embeddings (as transformers' ``_keys_to_ignore_on_load_unexpected``);
+also every ``ffn.gate.bias_vl`` (the router bias of image tokens)."""
+
+
+def is_ignored(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is one the text model skips (:data:`IGNORED_PREFIXES`)."""
+    bare = name.removeprefix("model.")
+    return bare.startswith(IGNORED_PREFIXES) or bare.endswith(".gate.bias_vl") or bare.endswith("inv_freq")
+
+
+def parameter_specs(cfg: DeepseekV41Config) -> dict[str, ParamSpec]:
+    """All parameters of the text model, in a stable order, keyed by inventory name."""
+    D, V = cfg.hidden_size, cfg.vocab_size
+    s: dict[str, ParamSpec] = {"embed.weight": ParamSpec((V, D), "embedding")}
+    for i in range(cfg.num_hidden_layers):
+        s.update(layer_specs(cfg, i))
+    s["norm.weight"] = ParamSpec((D,), "fp32")
+    s["head.weight"] = ParamSpec((V, D), "linear")
+    return s
+
+
+def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
+    """The parameters of decoder layer ``i`` (prefix ``layers.{i}.``)."""
+    D, N = cfg.hidden_size, cfg.hc_mult
+    H, hd, ql = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol = cfg.o_groups, cfg.o_lora_rank
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    p = f"layers.{i}."
+    a = p + "attn."
+    s: dict[str, ParamSpec] = {
+        a + "wq_a.weight": ParamSpec((ql, D), "linear"),
+        a + "q_norm.weight": ParamSpec((ql,), "fp32"),
+        a + "wq_b.weight": ParamSpec((H * hd, ql), "linear"),
+        a + "wkv.weight": ParamSpec((hd, D), "linear"),
+        a + "kv_norm.weight": ParamSpec((hd,), "fp32"),
+        a + "wo_a.weight": ParamSpec((G * ol, H * hd // G), "linear"),
+        a + "wo_b.weight": ParamSpec((D, G * ol), "linear"),
+        a + "attn_sink": ParamSpec((H,), "fp32"),
+    }
+    r = cfg.compress_ratio(i)
+    if cfg.is_kv_source(i):
+        c = a + "compressor."
+        s[c + "wkv.weight"] = ParamSpec((hd, D), "linear_bf16" if r > 1 else "linear")
+        if r > 1:
+            s[c + "wgate.weight"] = ParamSpec((hd, D), "linear_bf16")
+        s[c + "norm.weight"] = ParamSpec((hd,), "fp32")
+    if cfg.is_index_source(i):
+        x = a + "indexer."
+        s[x + "wq_b.weight"] = ParamSpec((ih * ihd, ql), "linear")
+        s[x + "weights_proj.weight"] = ParamSpec((ih, D), "linear_bf16")
+        if cfg.is_kv_source(i):
+            s[x + "wk.weight"] = ParamSpec((ihd, hd), "linear")
+            s[x + "k_norm.weight"] = ParamSpec((ihd,), "fp32")
+    f = p + "ffn."
+    s[f + "gate.weight"] = ParamSpec((E, D), "linear_bf16")
+    s[f + "gate.bias"] = ParamSpec((E,), "fp32")
+    s[f + "experts.gate_up"] = ParamSpec((E, 2 * inter, D), "experts")
+    s[f + "experts.down"] = ParamSpec((E, D, inter), "experts")
+    s[f + "shared_experts.w1.weight"] = ParamSpec((inter, D), "linear")
+    s[f + "shared_experts.w3.weight"] = ParamSpec((inter, D), "linear")
+    s[f + "shared_experts.w2.weight"] = ParamSpec((D, inter), "linear")
+    s[p + "attn_norm.weight"] = ParamSpec((D,), "fp32")
+    s[p + "ffn_norm.weight"] = ParamSpec((D,), "fp32")
+    mix = (2 + N) * N
+    for site in ("attn", "ffn"):
+        s[p + f"hc_{site}_fn"] = ParamSpec((mix, N * D), "fp32")
+        s[p + f"hc_{site}_base"] = ParamSpec((mix,), "fp32")
+        s[p + f"hc_{site}_scale"] = ParamSpec((3,), "fp32")
+    return s

@@ -1,0 +1,59 @@
+"""Fixtures of the DeepSeek-V4.1 tests: tiny checkpoints and an engine over them.
+
+``v41_dir`` is ``make-tiny --arch deepseek_v41`` (head and indexer dims are whole blocks of the
+release's KV formats, so the FP8/FP4 KV numerics run); ``v41_plain_dir`` shrinks the head dims
+below a block, so the numerics are skipped as transformers skips them for such shapes and the
+engine can be compared with the oracle at float32 round-off.  Comparisons on ``v41_dir`` run
+in batch-invariant mode: a quantisation rounding decided by the last bit of an fp32 sum would
+otherwise make two equally right runs differ.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.llm import LLM
+from deepinfer_core.models.deepseek_v41.family import FAMILY
+from deepinfer_core.models.deepseek_v41.tiny import make_tiny, tiny_config
+from deepinfer_core.testing.managers import core_only_manager, manager_with_plugin
+
+PLAIN_CHANGES = {"head_dim": 24, "index_head_dim": 16}
+
+
+@pytest.fixture(scope="session")
+def v41_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("v41"))
+
+
+@pytest.fixture(scope="session")
+def v41_plain_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("v41_plain"), config=tiny_config(**PLAIN_CHANGES))
+
+
+def v41_plugins() -> Any:
+    """The core's plugin manager, with the ``deepseek_v41`` family added when the core does not
+    register it."""
+    manager = core_only_manager()
+    if "deepseek_v41" in manager.components["models"]:
+        return manager
+    module = types.ModuleType("v41_models")
+    module.DEEPINFER_API = ">=1.0,<2"
+
+    def deepinfer_register_models(register):
+        register("deepseek_v41", lambda: FAMILY, description=FAMILY.description)
+
+    module.deepinfer_register_models = hookimpl(deepinfer_register_models)
+    return manager_with_plugin(module, "v41")
+
+
+def v41_llm(model_dir: Path, **options: Any) -> LLM:
+    """An ``LLM`` (reference backend, float32) over a tiny V4.1 checkpoint."""
+    cfg = EngineConfig(model=str(model_dir), backend="reference", dtype="float32", **options)
+    return LLM.from_engine(LLMEngine(cfg, plugins=v41_plugins()))
