@@ -65,11 +65,10 @@ def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
 
 
 # ---- checkpoint ----------------------------------------------------------------------------------
-def _dequant(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _dequant(t: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
     s = scale.float()
-    if t.dtype == torch.float8_e4m3fn:  # block scales: repeat each over its tile
-        br = math.ceil(t.shape[0] / s.shape[0])
-        bc = math.ceil(t.shape[1] / s.shape[1])
+    if t.dtype == torch.float8_e4m3fn:  # block scales: repeat each over its tile (edge tiles partial)
+        br, bc = block
         full = s.repeat_interleave(br, 0)[: t.shape[0]].repeat_interleave(bc, 1)[:, : t.shape[1]]
         return t.float() * full
     u = t.view(torch.uint8)  # packed e2m1, low nibble first
@@ -85,6 +84,7 @@ def read_checkpoint(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     text = cfg.get("text_config", cfg)
+    block = (cfg.get("quantization_config") or {}).get("weight_block_size", [128, 128])
     raw: dict[str, torch.Tensor] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -95,7 +95,7 @@ def read_checkpoint(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor
         if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in raw:
             continue
         sk = k.removesuffix(".weight") + ".scale"
-        out[k] = _dequant(t, raw[sk]) if k.endswith(".weight") and sk in raw else t.float()
+        out[k] = _dequant(t, raw[sk], block) if k.endswith(".weight") and sk in raw else t.float()
     return text, out
 
 
@@ -245,9 +245,9 @@ class OracleV41:
             return (F.silu(gate) * up) @ w[pre + "w2.weight"].T
 
         out = expert(p + "shared_experts.", x)
-        for t in range(x.shape[0]):
-            for j in range(k):
-                out[t] += wts[t, j] * expert(f"{p}experts.{int(ids[t, j])}.", x[t : t + 1])[0]
+        for e in range(c["n_routed_experts"]):  # every expert on every token, weighted by the routing
+            weight = (wts * (ids == e)).sum(-1, keepdim=True)
+            out = out + weight * expert(f"{p}experts.{e}.", x)
         return out
 
     def _mixes(self, h: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
