@@ -3,7 +3,8 @@
 - backend ``reference``: the pure-PyTorch reference implementation of every op; runs on any
   device torch supports, lowest priority (0) so that ``backend="auto"`` prefers any available
   hardware backend.
-- drafter ``ngram``: prompt lookup decoding for speculative decoding (no weights).
+- drafters ``ngram`` (prompt lookup decoding, no weights) and ``mtp`` (the checkpoint's
+  multi-token-prediction layer) for speculative decoding.
 - model type ``deepseek_v4``: the :class:`~deepinfer_core.models.registry.ModelFamily` of
   :mod:`deepinfer_core.models.deepseek_v4.family`, imported on first use.
 """
@@ -79,11 +80,23 @@ def _ngram() -> type:
     return NgramDrafter
 
 
+def _mtp() -> type:
+    from deepinfer_core.speculative.mtp import MtpDrafter
+
+    return MtpDrafter
+
+
 @hookimpl
 def deepinfer_register_drafters(register: Callable[..., None]) -> None:
-    """Register the core's ``ngram`` drafter (prompt lookup decoding, no weights)."""
+    """Register the core's ``ngram`` drafter (prompt lookup decoding, no weights) and ``mtp``
+    drafter (the checkpoint's multi-token-prediction layer)."""
     register(
         "ngram",
         _ngram,
         description="prompt lookup: proposes what followed the last match of the suffix n-gram",
+    )
+    register(
+        "mtp",
+        _mtp,
+        description="the checkpoint's multi-token-prediction layer (num_nextn_predict_layers, mtp.* tensors)",
     )

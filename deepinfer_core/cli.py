@@ -158,7 +158,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--speculative-method", choices=("dspark", "fixed"), help="verify lengths (default dspark)"
     )
-    spec.add_argument("--drafter", help="drafter by registered name (default ngram)")
+    spec.add_argument("--drafter", help="drafter by registered name: ngram (default), mtp, ...")
     spec.add_argument(
         "--max-draft-tokens", type=int, help="most drafts verified per request and step (default 5)"
     )

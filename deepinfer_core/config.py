@@ -56,7 +56,8 @@ class SpeculativeConfig(BaseModel):
     accepted tokens per unit of measured step cost is best, from the drafts' confidences."""
     drafter: str = "ngram"
     """Drafter by registered name (``deepinfer_register_drafters``); the core's ``ngram`` looks
-    the last tokens up in the prompt and output (prompt lookup decoding, no weights)."""
+    the last tokens up in the prompt and output (prompt lookup decoding, no weights), its
+    ``mtp`` runs the checkpoint's multi-token-prediction layer (``num_nextn_predict_layers``)."""
     max_draft_tokens: int = 5
     """Most draft tokens verified per request and step (``DEEPINFER_USE_NEXTN_DECODE``)."""
     acceptance: Literal["match", "rejection"] = "match"

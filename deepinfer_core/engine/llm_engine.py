@@ -18,7 +18,7 @@ from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
-from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult
+from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult, drafter_class
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.sampling.logits_processors import LogitsProcessor
@@ -121,6 +121,9 @@ class LLMEngine:
             ", ".join(quantized_formats) or "none",
             " (the backend's declaration)" if config.keep_quantized is None else "",
         )
+        drafter_cls = None
+        if self.config.speculative is not None:  # before the runner: the mtp drafter's layer loads with it
+            drafter_cls = drafter_class(self.config.speculative, plugins)
         try:
             self.runner = ModelRunner(
                 model_dir,
@@ -129,6 +132,7 @@ class LLMEngine:
                 quantized_formats=quantized_formats,
                 family=self.family,
                 model_config=model_config,
+                mtp=drafter_cls is not None and drafter_cls.uses_mtp_layers,
             )
         except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
             if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
@@ -170,10 +174,10 @@ class LLMEngine:
         self._structured: dict[str, Any] = {}  # grammar backend (or why not) by name
         self._processors: dict[str, Any] = {}  # logits processor instance (or why not) by name
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
-        self.spec = self._speculative()
+        self.spec = self._speculative(drafter_cls)
         plugins.engine_started(self)
 
-    def _speculative(self) -> SpeculativeDecoder | None:
+    def _speculative(self, drafter_cls: type | None) -> SpeculativeDecoder | None:
         """Speculative decoding when configured (steps then run synchronously: the drafts of a
         step need the previous step's tokens on the host)."""
         if self.config.speculative is None:
@@ -181,7 +185,7 @@ class LLMEngine:
         if self.config.async_scheduling:
             logger.info("speculative decoding: async scheduling off (drafts need each step's tokens)")
             self.config = self.config.model_copy(update={"async_scheduling": False})
-        return SpeculativeDecoder(self)
+        return SpeculativeDecoder(self, drafter_cls)
 
     def _check_batch_invariance(self, device_type: str) -> None:
         """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
@@ -598,6 +602,7 @@ class LLMEngine:
         self._record_step(step.sched, finished, step.t0, emitted)
         if self.spec is not None:
             self.spec.observe_step(step.sched, time.perf_counter() - step.t0)
+            self.spec.observe(step.sched)
         return finished
 
     def _record_step(

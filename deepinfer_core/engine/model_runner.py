@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer_core.models.cache_spec import HybridCache, spec_bytes
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.cache_spec import HybridCache, PagedSpec, PageStateSpec, spec_bytes
 from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.modes import batch_invariant_mode
@@ -51,6 +52,10 @@ class ModelRunner:
             ``config.json``'s ``model_type`` through the plugins
             (:func:`~deepinfer_core.models.registry.resolve_family`).
         plugins: the plugin manager that resolves the family (default: the process-wide one).
+        mtp: also load the checkpoint's multi-token-prediction layer (the ``mtp`` drafter,
+            through ``ModelFamily.load_mtp_weights``), give it its caches, and keep every step's
+            hidden states in :attr:`hidden` for it (:meth:`execute_mtp`); a one-line
+            :class:`ConfigError` when the family or the checkpoint has none.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class ModelRunner:
         family: ModelFamily | None = None,
         model_config: Any = None,
         plugins: Any = None,
+        mtp: bool = False,
     ):
         if family is None:
             family, model_config = resolve_family(model_dir, plugins)
@@ -78,6 +84,16 @@ class ModelRunner:
         if quantized_formats is None:
             quantized_formats = config.resolved_quantized_formats()
         weights = family.load_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
+        self.mtp = mtp
+        if mtp:
+            if family.load_mtp_weights is None:
+                raise ConfigError(
+                    f"speculative.drafter='mtp': model family {family.model_type!r} has no multi-token-"
+                    "prediction layers (ModelFamily.load_mtp_weights); use another drafter"
+                )
+            weights.update(
+                family.load_mtp_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
+            )
         self.model = family.build_model(cfg, weights, ops)
         del weights
         total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
@@ -118,6 +134,15 @@ class ModelRunner:
         )
         # previous step's sampled tokens, copied here for graph replays (a fixed address)
         self.prev_buf = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        # with the MTP layer: every row's hidden state of the latest step (a fixed address, so
+        # the graphs write it too), in the step's row order (chunks in order, padding last)
+        self.hidden: torch.Tensor | None = None
+        # whether the MTP layer writes paged state (a compressed MTP layer): its draft rows must
+        # then stay within a request's allocated pages
+        self.mtp_paged = mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
+        if mtp:
+            shape = (self.inputs.max_tokens, *self.model.hidden_shape)
+            self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
         self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
         logger.info(
@@ -147,6 +172,8 @@ class ModelRunner:
         p = self.page_size
         if config.replay_tail is not None:
             return -(-config.replay_tail // p) * p
+        if self.mtp:  # the MTP layer's window reads the last layer's output: one more window
+            return self.family.replay_tail(self.model_config, p, extra_layers=1)
         return self.family.replay_tail(self.model_config, p)
 
     @property
@@ -198,7 +225,35 @@ class ModelRunner:
             num_spec_tokens=self.num_spec_tokens,
         )
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
+            if self.hidden is not None:
+                return self.model.forward(md, self.cache, hidden_out=self.hidden)
             return self.model.forward(md, self.cache)
+
+    def execute_mtp(
+        self, chunks: list[SeqChunk], hidden: torch.Tensor, logit_rows: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager step of the multi-token-prediction layer (runner built with ``mtp=True``).
+
+        ``chunks`` describe its rows as a target step's do (slot, positions, block table,
+        ``window_from`` / ``cached_until``), with ``token_ids`` the token *after* each row's
+        position (the MTP embeds the next token); ``hidden`` ``[T, *hidden_shape]`` is each
+        row's input hidden state (the target's at that position, from :attr:`hidden`, or the
+        MTP's own output one position earlier when drafting recursively).  The rows write the
+        MTP layer's caches at their positions, rolled back by position like the target's.
+        Returns float32 logits of ``logit_rows`` and every row's output hidden state.
+        """
+        if self.hidden is None:
+            raise RuntimeError("execute_mtp needs a runner built with mtp=True")
+        inputs = self.inputs.prepare(chunks, logit_rows, None)
+        md = self.model.mtp_step_metadata(
+            inputs,
+            self.page_size,
+            self.kv_cache.num_slots,
+            self.cache.trash_page,
+            num_spec_tokens=self.num_spec_tokens,
+        )
+        with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
+            return self.model.mtp_forward(md, self.cache, hidden)
 
     def time_step(self, batch: int, tokens_per_request: int, repeats: int = 5) -> float:
         """Seconds of one step of ``batch`` requests x ``tokens_per_request`` tokens, every

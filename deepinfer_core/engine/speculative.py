@@ -18,6 +18,8 @@ step N's tokens on the host):
 4. :meth:`~deepinfer_core.engine.scheduler.Scheduler.complete_tokens` appends the emitted
    tokens and sets ``num_computed_tokens`` back to the accepted end (the caches keep room for
    the drafts, so rejected ones leave no trace: ``EngineConfig.num_spec_tokens``).
+5. :meth:`SpeculativeDecoder.observe` tells a drafter that follows the target (the ``mtp``
+   drafter, whose MTP layer reads the target's hidden states) which positions were kept.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer_core.engine.request import RequestStatus
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
-from deepinfer_core.speculative.drafter import Draft, DraftContext, Drafter
+from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
 from deepinfer_core.speculative.policy import StepCost, cumulative, dspark_lengths, fixed_lengths
 from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
 from deepinfer_core.speculative.verify import (
@@ -45,6 +48,7 @@ from deepinfer_core.speculative.verify import (
 )
 
 if TYPE_CHECKING:
+    from deepinfer_core.config import SpeculativeConfig
     from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.engine.request import Request
     from deepinfer_core.engine.scheduler import SchedulerOutput
@@ -82,12 +86,16 @@ class SpeculativeDecoder:
         engine: the engine (its config's ``speculative``, plugins, scheduler, sampler, runner).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, drafter_cls: type[Drafter] | None = None) -> None:
         cfg = engine.config.speculative
         assert cfg is not None
         self.engine = engine
         self.config = cfg
-        self.drafter = self._build_drafter(engine)
+        if drafter_cls is None:
+            drafter_cls = drafter_class(cfg, engine.plugins)
+        self.drafter = drafter_cls(cfg, engine.model_config.vocab_size)
+        self.drafter.bind(engine.runner)
+        self._observes = type(self.drafter).observe is not Drafter.observe
         self.metrics = SpeculativeMetrics(cfg.max_draft_tokens)
         self.global_stats = AcceptanceStats(cfg.max_draft_tokens)
         self._stats: dict[str, AcceptanceStats] = {}
@@ -98,23 +106,6 @@ class SpeculativeDecoder:
             self.cost = self._profile_cost()
 
     # ---- set-up ------------------------------------------------------------------------------
-    def _build_drafter(self, engine: LLMEngine) -> Drafter:
-        name = self.config.drafter
-        registry = engine.plugins.components["drafters"]
-        spec = registry.get(name)
-        if spec is None:
-            raise ConfigError(f"speculative.drafter={name!r} is not registered (known: {sorted(registry)})")
-        available, reason = spec.availability()
-        if not available:
-            raise ConfigError(f"speculative.drafter={name!r} is unavailable: {reason}")
-        cls = spec.factory()
-        if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-            raise ConfigError(
-                f"speculative.drafter={name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
-                "deepinfer_core.speculative.Drafter"
-            )
-        return cls(self.config, engine.model_config.vocab_size)
-
     def _profile_cost(self) -> StepCost:
         """Time steps of ``B`` requests x ``t`` tokens (``t`` = 1, the middle, ``1 + k``) for a
         few batch sizes up to ``max_num_seqs`` — the cost curve DSpark weighs drafts against."""
@@ -438,11 +429,66 @@ class SpeculativeDecoder:
             b = len(sched.chunks)
             self.cost.observe(b, sched.num_tokens / b, seconds)
 
+    def observe(self, sched: SchedulerOutput) -> None:
+        """Tell the drafter (when it observes) which positions each running request computed
+        and kept in the step just completed (:class:`~deepinfer_core.speculative.ComputedChunk`)."""
+        if not self._observes:
+            return
+        computed: list[ComputedChunk] = []
+        row = 0
+        for req, c in zip(sched.requests, sched.chunks, strict=True):
+            first, row = row, row + c.num_tokens
+            if (
+                req.status is not RequestStatus.RUNNING
+                or req.block_table[: len(c.block_table)] != c.block_table
+            ):
+                continue  # finished, or preempted since
+            end = min(c.end_pos, req.num_computed_tokens)
+            if end <= c.start_pos:
+                continue
+            assert req.seq_slot is not None
+            computed.append(
+                ComputedChunk(
+                    request_id=req.request_id,
+                    start_pos=c.start_pos,
+                    token_ids=req.token_slice(c.start_pos + 1, end + 1),
+                    hidden_row=first,
+                    sampled=c.sample and end == req.num_tokens - 1,
+                    seq_slot=req.seq_slot,
+                    block_table=list(req.block_table),
+                    table_key=(req.request_id, req.table_version),
+                    window_from=c.window_from,
+                    cached_until=c.cached_until,
+                )
+            )
+        self.drafter.observe(computed)
+
     def release(self, req: Request) -> None:
         """Forget a finished request."""
         self._stats.pop(req.request_id, None)
         self._proposed.pop(req.request_id, None)
         self.drafter.on_finished(req.request_id)
+
+
+def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
+    """The drafter class ``config.drafter`` names among the registered ones
+    (``deepinfer_register_drafters``); a one-line :class:`ConfigError` when it is unknown,
+    unavailable or not a :class:`Drafter`."""
+    name = config.drafter
+    registry = plugins.components["drafters"]
+    spec = registry.get(name)
+    if spec is None:
+        raise ConfigError(f"speculative.drafter={name!r} is not registered (known: {sorted(registry)})")
+    available, reason = spec.availability()
+    if not available:
+        raise ConfigError(f"speculative.drafter={name!r} is unavailable: {reason}")
+    cls = spec.factory()
+    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
+        raise ConfigError(
+            f"speculative.drafter={name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
+            "deepinfer_core.speculative.Drafter"
+        )
+    return cls
 
 
 def _first_rows(owner: list[tuple[int, int]]) -> dict[int, int]:

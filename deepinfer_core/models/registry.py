@@ -71,7 +71,15 @@ class Model(Protocol):
         ...
 
     def forward(self, md: Any, cache: HybridCache) -> torch.Tensor:
-        """Run one step; float32 logits of the sampling rows."""
+        """Run one step; float32 logits of the sampling rows.
+
+        A model with multi-token-prediction layers (its family has ``load_mtp_weights``) also
+        takes ``hidden_out``: a persistent ``[rows, *hidden_shape]`` buffer that receives every
+        row's hidden state (for V4 the last layer's streams before ``hc_head``); it then also
+        provides ``hidden_shape``, ``mtp_step_metadata`` (as :meth:`step_metadata`) and
+        ``mtp_forward(md, cache, hidden) -> (logits of the sampling rows, output hidden states)``,
+        and its :meth:`cache_specs` include the MTP layer's caches after the main layers'.
+        """
         ...
 
     def weight_bytes(self) -> int:
@@ -100,6 +108,12 @@ class ModelFamily:
         replay_tail: ``(cfg, page_size) -> tokens`` recomputed before a prefix-cache hit to
             rebuild the sliding-window caches exactly (0 for a model without windows).
         description: one line for ``deepinfer plugins``.
+        load_mtp_weights: ``(model_dir, cfg, dtype, device, keep_quantized) -> {name: weight}``,
+            the checkpoint's multi-token-prediction layer (``None``: the family has none).  The
+            ``mtp`` drafter needs it: the runner then merges these weights into
+            ``build_model``'s, calls ``replay_tail(cfg, page_size, extra_layers=1)`` and uses
+            the model's MTP members (see :meth:`Model.forward`); it raises a one-line
+            :class:`ConfigError` when the checkpoint lacks the layer.
     """
 
     model_type: str
@@ -107,8 +121,11 @@ class ModelFamily:
     load_weights: Callable[[Path, Any, torch.dtype, torch.device, Collection[str]], dict[str, Any]]
     build_model: Callable[[Any, dict[str, Any], OpTable], Model]
     cache_ratios: Callable[[Any], list[int]]
-    replay_tail: Callable[[Any, int], int]
+    replay_tail: Callable[..., int]
     description: str = ""
+    load_mtp_weights: (
+        Callable[[Path, Any, torch.dtype, torch.device, Collection[str]], dict[str, Any]] | None
+    ) = None
 
     def from_file(self, model_dir: str | Path) -> Any:
         """Parse ``config.json`` (or a directory holding it), checking its ``model_type``."""

@@ -7,13 +7,20 @@ and, before every step, calls :meth:`Drafter.propose` once with the requests tha
 this step; the drafts it returns are verified in that step's forward (see
 :mod:`deepinfer_core.engine.speculative`), so a drafter never needs to be right: a wrong
 draft only costs the verify work.  :meth:`Drafter.on_finished` says when a request is done.
+
+A drafter that follows the target's computation overrides :meth:`Drafter.observe`: after
+every step the engine tells it which positions each request computed and kept
+(:class:`ComputedChunk`).  One that runs the checkpoint's multi-token-prediction layer (the
+core's ``mtp``) sets :attr:`Drafter.uses_mtp_layers`: the engine then builds the model runner
+with that layer, its caches and the target's hidden states of every step
+(``ModelRunner(mtp=True)``), and hands the runner to :meth:`Drafter.bind` before the first step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -58,6 +65,43 @@ class Draft:
     probs: torch.Tensor | None = None
 
 
+@dataclass
+class ComputedChunk:
+    """The positions one request computed in a step and kept (:meth:`Drafter.observe`).
+
+    Attributes:
+        request_id: the request's id.
+        start_pos: position of the chunk's first row.
+        token_ids: for each kept position ``start_pos + i``, the token at the *next* position
+            (the prompt's next token, an accepted draft, or the token the step emitted); the
+            kept positions are ``start_pos .. start_pos + len(token_ids) - 1`` (a verify step's
+            rejected drafts are not among them).
+        hidden_row: the row of ``start_pos`` in the runner's hidden states of the step
+            (``ModelRunner.hidden``, kept with ``uses_mtp_layers``); the kept positions follow it.
+        sampled: the last kept position is the request's last computed one and its next token
+            the one the step emitted: the request decodes from there next step.
+        seq_slot, block_table, table_key, window_from, cached_until: the request's cache
+            geometry, as in its :class:`~deepinfer_core.engine.batch.SeqChunk` (for a drafter
+            that runs layers over the engine's cache).
+    """
+
+    request_id: str
+    start_pos: int
+    token_ids: list[int]
+    hidden_row: int
+    sampled: bool
+    seq_slot: int
+    block_table: list[int]
+    table_key: tuple[str, int]
+    window_from: int = 0
+    cached_until: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Kept positions."""
+        return len(self.token_ids)
+
+
 class Drafter:
     """Base class of a drafter (see the module docstring).
 
@@ -66,13 +110,28 @@ class Drafter:
         vocab_size: the target model's vocabulary size (drafts must be ids below it).
     """
 
+    uses_mtp_layers: ClassVar[bool] = False
+    """The drafter runs the checkpoint's multi-token-prediction layer: the engine loads it into
+    the model runner (a one-line ``ConfigError`` when the checkpoint has none), keeps the
+    target's hidden states of every step and calls :meth:`bind` with the runner."""
+
     def __init__(self, config: SpeculativeConfig, vocab_size: int) -> None:
         self.config = config
         self.vocab_size = vocab_size
 
+    def bind(self, runner: Any) -> None:
+        """Called once before the first step with the engine's
+        :class:`~deepinfer_core.engine.model_runner.ModelRunner` (drafters with
+        :attr:`uses_mtp_layers`)."""
+
     def propose(self, contexts: Sequence[DraftContext]) -> list[Draft]:
         """One :class:`Draft` per context, in order."""
         raise NotImplementedError
+
+    def observe(self, chunks: Sequence[ComputedChunk]) -> None:
+        """After every step (its tokens appended, its rejected drafts rolled back): the
+        positions each still-running request computed and kept.  Called only for drafters
+        that override it."""
 
     def on_finished(self, request_id: str) -> None:
         """The request finished (any reason): drop any state kept for it."""

@@ -3,11 +3,12 @@
 ``load_checkpoint(model_dir, cfg, dtype)`` returns ``{HF name: tensor}`` validated against
 :func:`deepinfer_core.models.deepseek_v4.params.parameter_specs` (with ``keep_quantized``, FP8
 dense weights and FP4 experts as :class:`QuantizedTensor`); ``save_checkpoint`` writes the
-inverse (HF or native names, optionally FP8/FP4, optionally sharded).
+inverse (HF or native names, optionally FP8/FP4, optionally sharded).  ``load_mtp_checkpoint``
+reads the first multi-token-prediction layer (native ``mtp.0.*``) for the ``mtp`` drafter.
 """
 
-from .loader import load_checkpoint
+from .loader import load_checkpoint, load_mtp_checkpoint
 from .quant import QuantizedTensor
 from .writer import save_checkpoint
 
-__all__ = ["QuantizedTensor", "load_checkpoint", "save_checkpoint"]
+__all__ = ["QuantizedTensor", "load_checkpoint", "load_mtp_checkpoint", "save_checkpoint"]

@@ -17,11 +17,29 @@ from pathlib import Path
 
 import torch
 
-from deepinfer_core.errors import WeightLoadError
+from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
+from deepinfer_core.models.deepseek_v4.params import (
+    MTP_PREFIX,
+    MTP_SHARED,
+    ParamSpec,
+    mtp_parameter_specs,
+    parameter_specs,
+    target_dtype,
+)
 
-from .names import ExpertSlice, is_ignorable, native_to_hf, scale_candidates, scale_owner
+from .names import (
+    ExpertSlice,
+    expert_native_names,
+    hf_to_native,
+    is_expert_stack,
+    is_ignorable,
+    is_mtp,
+    mtp_layer,
+    native_to_hf,
+    scale_candidates,
+    scale_owner,
+)
 from .quant import (
     _FP4_X2,
     DEFAULT_FP8_BLOCK,
@@ -76,7 +94,12 @@ def _detect_scheme(names: list[str], specs: dict[str, ParamSpec], shard_of: dict
     return "native" if native_only else "hf"
 
 
-def _plan(shard_of: dict[str, Path], specs: dict[str, ParamSpec]) -> _Plan:
+def _plan(
+    shard_of: dict[str, Path], specs: dict[str, ParamSpec], mtp_layers: frozenset[int] = frozenset()
+) -> _Plan:
+    """Where each parameter of ``specs`` comes from.  Without ``mtp_layers`` the main model's
+    tensors (MTP layers and rotary buffers skipped); with them, only the tensors of those
+    multi-token-prediction layers (native ``mtp.{i}.*`` or HF-style ``model.mtp.{i}.*``)."""
     all_names = frozenset(shard_of)
     weights: list[str] = []
     scales: dict[str, str] = {}
@@ -84,15 +107,23 @@ def _plan(shard_of: dict[str, Path], specs: dict[str, ParamSpec]) -> _Plan:
         owner = scale_owner(name, all_names)
         if owner is not None:
             scales[owner] = name
-        elif is_ignorable(name):
-            logger.debug("skipping %s in %s (MTP layer or rotary buffer)", name, shard_of[name])
+        elif mtp_layers and is_mtp(name):
+            if mtp_layer(name) in mtp_layers:
+                weights.append(name)
+        elif mtp_layers or is_ignorable(name):
+            if not mtp_layers:
+                logger.debug("skipping %s in %s (MTP layer or rotary buffer)", name, shard_of[name])
         else:
             weights.append(name)
-    plan = _Plan(_detect_scheme(weights, specs, shard_of), scales=scales)
+    scheme = "mtp" if mtp_layers else _detect_scheme(weights, specs, shard_of)
+    plan = _Plan(scheme, scales=scales)
     unexpected: list[str] = []
     source_of: dict[object, str] = {}
     for name in weights:
-        target = name if plan.scheme == "hf" else native_to_hf(name)
+        if plan.scheme == "mtp":  # either spelling: HF-style names are ours, native ones DeepSeek's
+            target = name if name in specs else native_to_hf(name)
+        else:
+            target = name if plan.scheme == "hf" else native_to_hf(name)
         if isinstance(target, ExpertSlice):
             spec = specs.get(target.hf_name)
             ok = spec is not None and spec.kind == "experts" and target.expert < spec.shape[0]
@@ -113,8 +144,9 @@ def _plan(shard_of: dict[str, Path], specs: dict[str, ParamSpec]) -> _Plan:
         else:
             plan.direct[name] = target
     if unexpected:
+        what = "MTP tensors" if plan.scheme == "mtp" else f"tensors in {plan.scheme}-named checkpoint"
         raise WeightLoadError(
-            f"unexpected tensors in {plan.scheme}-named checkpoint: {_listing(unexpected, shard_of)}. "
+            f"unexpected {what}: {_listing(unexpected, shard_of)}. "
             "They are not parameters of this model config (wrong config.json, or a different model)."
         )
     return plan
@@ -127,7 +159,7 @@ def _missing(plan: _Plan, specs: dict[str, ParamSpec], cfg: DeepseekV4Config) ->
     for name, spec in specs.items():
         if name in present or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
-        if plan.scheme == "native" and spec.kind == "experts":
+        if plan.scheme != "hf" and spec.kind == "experts":
             parts = ("gate", "up") if name.endswith("gate_up_proj") else ("down",)
             absent = [
                 f"expert {e} {p}" for e in range(spec.shape[0]) for p in parts if (name, e, p) not in slices
@@ -248,6 +280,81 @@ def load_checkpoint(
             f"{len(files)} file(s): {', '.join(files[:_MAX_LISTED])}). Check that config.json matches the "
             "weights and that the download is complete."
         )
+    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
+    if "lm_head.weight" not in result and cfg.tie_word_embeddings:
+        result["lm_head.weight"] = result["model.embed_tokens.weight"]
+    return {name: result[name] for name in specs}
+
+
+def load_mtp_checkpoint(
+    model_dir: str | Path,
+    cfg: DeepseekV4Config,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    *,
+    keep_quantized: bool | Collection[str] = False,
+) -> dict[str, Weight]:
+    """The checkpoint's first multi-token-prediction layer, for the ``mtp`` drafter:
+    ``{HF-style name: tensor}`` matching ``mtp_parameter_specs(cfg, range(1))``
+    (``model.mtp.0.*``), read from native ``mtp.0.*`` (or HF-style) tensors as
+    :func:`load_checkpoint` reads the main ones (same dtypes, quantised formats and
+    ``keep_quantized``).  Its own embedding and output head may be absent
+    (:data:`~deepinfer_core.models.deepseek_v4.params.MTP_SHARED`): the layer then shares the main
+    model's.  Tensors of further MTP layers are not read (the drafter recurses through layer 0).
+
+    Raises :class:`ConfigError` (one line) when ``config.json`` declares no MTP layer
+    (``num_nextn_predict_layers`` 0) or the checkpoint lacks tensors of layer 0, naming them
+    (native spelling); :class:`WeightLoadError` for unexpected, mis-shaped or mistyped ones.
+    """
+    if cfg.num_nextn_predict_layers < 1:
+        raise ConfigError(
+            f"speculative.drafter='mtp' needs the checkpoint's multi-token-prediction layers, but "
+            f"{model_dir}/config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers}; use "
+            "another drafter (e.g. 'ngram')"
+        )
+    keep = _keep_formats(keep_quantized)
+    shard_of = discover_shards(model_dir)
+    specs = mtp_parameter_specs(cfg, range(1))
+    plan = _plan(shard_of, specs, frozenset({0}))
+    shared = {MTP_PREFIX + "0." + n for n in MTP_SHARED}
+    missing = [n for n in _missing(plan, specs, cfg) if n.split(" ")[0] not in shared]
+    if missing:
+        shown = [_native_spelling(n) for n in missing[:_MAX_LISTED]]
+        more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+        raise ConfigError(
+            f"speculative.drafter='mtp': checkpoint {model_dir} lacks {len(missing)} tensor(s) of "
+            f"multi-token-prediction layer 0 (config.json has num_nextn_predict_layers="
+            f"{cfg.num_nextn_predict_layers}): {', '.join(shown)}{more}; use a checkpoint with its "
+            "mtp.* tensors or another drafter"
+        )
+    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
+    return {name: result[name] for name in specs if name in result}
+
+
+def _native_spelling(missing: str) -> str:
+    """A :func:`_missing` entry (an HF-style name, or a stacked expert tensor with the absent
+    experts after it) in native spelling, for error messages."""
+    name, _, rest = missing.partition(" ")
+    try:
+        if is_expert_stack(name):
+            native = next(iter(expert_native_names(name, 0).values())).replace(".experts.0.", ".experts.*.")
+        else:
+            native = hf_to_native(name)
+    except KeyError:
+        native = name
+    return f"{native} {rest}".rstrip()
+
+
+def _read_plan(
+    plan: _Plan,
+    shard_of: dict[str, Path],
+    specs: dict[str, ParamSpec],
+    cfg: DeepseekV4Config,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    keep: frozenset[str],
+) -> dict[str, Weight]:
+    """Read every tensor of ``plan``, shard by shard, into ``{HF name: weight}``."""
     qcfg = cfg.quantization_config or {}
     block = tuple(qcfg.get("weight_block_size") or DEFAULT_FP8_BLOCK)
     result: dict[str, Weight] = {}
@@ -271,9 +378,7 @@ def load_checkpoint(
                     if sl.hf_name not in result:
                         result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
                     _put_expert(result[sl.hf_name], sl, t, name, path)
-    if "lm_head.weight" not in result and cfg.tie_word_embeddings:
-        result["lm_head.weight"] = result["model.embed_tokens.weight"]
-    return {name: result[name] for name in specs}
+    return result
 
 
 def _keep_formats(keep_quantized: bool | Collection[str]) -> frozenset[str]:

@@ -7,6 +7,12 @@ names (``layers.0.attn.wq_a.weight``, per-expert ``layers.i.ffn.experts.e.w1.wei
 transformers' ``conversion_mapping["deepseek_v4"]``; the tables below state that mapping as
 data.  ``w1`` is the gate, ``w3`` the up projection: ``gate_up_proj[e] = cat(w1, w3, dim=0)``.
 
+Multi-token-prediction layers (native ``mtp.{i}.*``, loaded only for the ``mtp`` drafter) map
+to ``model.mtp.{i}.*`` (:data:`MTP`): their decoder block uses a main layer's sub-names
+(:data:`LAYER`, per-expert tensors stacked the same way), the rest is :data:`MTP_ONLY`.  HF
+transformers has no MTP; these HF-style names are DeepInfer's, and its ``DeepseekV4ForCausalLM``
+ignores them (``_keys_to_ignore_on_load_unexpected``).
+
 transformers' ``save_pretrained`` writes a hybrid of the two (``model.`` prefix kept,
 ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``attn.norm.weight`` for the KV
 norm); those spellings are accepted as read-only aliases of the native scheme.
@@ -68,6 +74,22 @@ LAYER: dict[str, str] = {
 }
 LAYER_ALIASES: dict[str, str] = {"attn.norm.weight": "self_attn.kv_norm.weight"}
 
+# Multi-token-prediction layers: native ``mtp.{i}.<rest>`` -> HF-style ``model.mtp.{i}.<rest'>``
+# with ``rest'`` from :data:`LAYER` for the decoder block, else from this table.
+MTP_ONLY: dict[str, str] = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "e_proj.weight": "e_proj.weight",
+    "h_proj.weight": "h_proj.weight",
+    "hc_head_fn": "hc_head.hc_fn",
+    "hc_head_base": "hc_head.hc_base",
+    "hc_head_scale": "hc_head.hc_scale",
+    "norm.weight": "norm.weight",
+    "head.weight": "lm_head.weight",
+    "emb.tok_emb.weight": "embed_tokens.weight",
+}
+MTP = "model.mtp."  # HF-style prefix of the MTP layers (``params.MTP_PREFIX``)
+
 # Routed experts: native projection -> (HF stacked tensor, part).
 EXPERT_PARTS: dict[str, tuple[str, str]] = {
     "w1": ("gate_up_proj", "gate"),
@@ -76,11 +98,12 @@ EXPERT_PARTS: dict[str, tuple[str, str]] = {
 }
 _PART_TO_NATIVE = {part: proj for proj, (_, part) in EXPERT_PARTS.items()}
 
-_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^(?:model\.)?(layers|mtp)\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.weight$")
-_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_EXPERT_RE = re.compile(r"^model\.(layers|mtp)\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_HF_LAYER_RE = re.compile(r"^model\.(layers|mtp)\.(\d+)\.(.+)$")
 _HF_TO_LAYER = {hf: native for native, hf in LAYER.items()}
+_HF_TO_MTP = {hf: native for native, hf in MTP_ONLY.items()}
 _HF_TO_TOP = {hf: native for native, hf in TOP_LEVEL.items()}
 
 
@@ -110,15 +133,17 @@ def native_to_hf(name: str) -> str | ExpertSlice | None:
     m = _LAYER_RE.match(name)
     if m is None:
         return None
-    layer, rest = int(m.group(1)), m.group(2)
+    group, layer, rest = m.group(1), int(m.group(2)), m.group(3)
     hf_rest = LAYER.get(rest) or LAYER_ALIASES.get(rest)
+    if hf_rest is None and group == "mtp":
+        hf_rest = MTP_ONLY.get(rest)
     if hf_rest is not None:
-        return f"model.layers.{layer}.{hf_rest}"
+        return f"model.{group}.{layer}.{hf_rest}"
     e = _EXPERT_RE.match(rest)
     if e is None:
         return None
     stacked, part = EXPERT_PARTS[e.group(2)]
-    return ExpertSlice(f"model.layers.{layer}.mlp.experts.{stacked}", int(e.group(1)), part)
+    return ExpertSlice(f"model.{group}.{layer}.mlp.experts.{stacked}", int(e.group(1)), part)
 
 
 def hf_to_native(hf_name: str) -> str:
@@ -126,8 +151,11 @@ def hf_to_native(hf_name: str) -> str:
     if hf_name in _HF_TO_TOP:
         return _HF_TO_TOP[hf_name]
     m = _HF_LAYER_RE.match(hf_name)
-    if m is not None and m.group(2) in _HF_TO_LAYER:
-        return f"layers.{m.group(1)}.{_HF_TO_LAYER[m.group(2)]}"
+    if m is not None:
+        group, layer, rest = m.groups()
+        native = _HF_TO_LAYER.get(rest) or (_HF_TO_MTP.get(rest) if group == "mtp" else None)
+        if native is not None:
+            return f"{group}.{layer}.{native}"
     raise KeyError(hf_name)
 
 
@@ -140,9 +168,9 @@ def expert_native_names(hf_name: str, expert: int) -> dict[str, str]:
     m = _HF_EXPERT_RE.match(hf_name)
     if m is None:
         raise KeyError(hf_name)
-    layer, stacked = m.group(1), m.group(2)
+    group, layer, stacked = m.groups()
     parts = ("gate", "up") if stacked == "gate_up_proj" else ("down",)
-    return {p: f"layers.{layer}.ffn.experts.{expert}.{_PART_TO_NATIVE[p]}.weight" for p in parts}
+    return {p: f"{group}.{layer}.ffn.experts.{expert}.{_PART_TO_NATIVE[p]}.weight" for p in parts}
 
 
 def is_expert_stack(hf_name: str) -> bool:
@@ -183,11 +211,20 @@ def scale_owner(name: str, all_names: set[str] | frozenset[str]) -> str | None:
     return None
 
 
-def is_ignorable(name: str) -> bool:
-    """Tensors a checkpoint may carry that the model does not load.
+def is_mtp(name: str) -> bool:
+    """Whether ``name`` is a multi-token-prediction tensor (native ``mtp.{i}.*`` or HF-style
+    ``model.mtp.{i}.*``), loaded only for the ``mtp`` drafter."""
+    return name.removeprefix("model.").startswith("mtp.")
 
-    Native multi-token-prediction layers (``mtp.*``, for speculative decoding later) and
-    rotary ``inv_freq`` buffers.
-    """
-    bare = name.removeprefix("model.")
-    return bare.startswith("mtp.") or name.endswith("inv_freq")
+
+def mtp_layer(name: str) -> int | None:
+    """The MTP layer index of an MTP tensor name (:func:`is_mtp`), else ``None``."""
+    m = _LAYER_RE.match(name)
+    return int(m.group(2)) if m is not None and m.group(1) == "mtp" else None
+
+
+def is_ignorable(name: str) -> bool:
+    """Tensors a checkpoint may carry that the model does not load: rotary ``inv_freq``
+    buffers, and the multi-token-prediction layers (``mtp.*``, :func:`is_mtp`) unless the
+    ``mtp`` drafter asks for them."""
+    return is_mtp(name) or name.endswith("inv_freq")

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.params import parameter_specs
+from deepinfer_core.models.deepseek_v4.params import mtp_parameter_specs, parameter_specs
 
 from .names import expert_native_names, hf_to_native, is_expert_stack
 from .quant import DEFAULT_FP4_GROUP, DEFAULT_FP8_BLOCK, quant_fp4, quant_fp8
@@ -61,7 +61,8 @@ def _convert(
     out: dict[str, torch.Tensor] = {}
     for hf, t in tensors.items():
         kind = kinds.get(hf)
-        fmt = "fp8" if fp8 and kind == "linear" and hf not in _NEVER_QUANTISED else None
+        never = hf in _NEVER_QUANTISED or hf.endswith(".lm_head.weight")  # the MTP layers' heads too
+        fmt = "fp8" if fp8 and kind == "linear" and not never else None
         if kind == "experts" and fp4:
             fmt = "fp4"
         if names == "native" and is_expert_stack(hf):
@@ -76,7 +77,7 @@ def _convert(
             try:
                 target = hf_to_native(hf)
             except KeyError:
-                target = hf  # not a model parameter (e.g. an ``mtp.*`` tensor): written as given
+                target = hf  # not a model parameter: written as given
         else:
             target = hf
         out.update(_quantised(target, t, fmt, names, scale_dtype, fp8_block))
@@ -138,7 +139,9 @@ def save_checkpoint(
     """Write ``tensors`` (HF names) and ``config.json`` to ``out_dir``; return the safetensors files.
 
     ``names="native"`` writes DeepSeek names with per-expert ``w1/w2/w3`` tensors.
-    ``fp8_linear`` stores ``linear``-kind weights (except ``lm_head``) as FP8 e4m3 with 128x128
+    Multi-token-prediction tensors (``model.mtp.{i}.*``, see ``params.mtp_parameter_specs``) are
+    written like the others (native: ``mtp.{i}.*``).
+    ``fp8_linear`` stores ``linear``-kind weights (except the output heads) as FP8 e4m3 with 128x128
     block scales; ``fp4_experts`` stores routed experts as packed e2m1 with one scale per 32
     inputs; scales are float32 or ue8m0 (``scale_dtype``).  ``fp8_block`` changes the FP8 block
     (recorded as ``quantization_config.weight_block_size``; tests use small blocks to exercise
@@ -152,7 +155,7 @@ def save_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = DeepseekV4Config.from_dict(cfg_dict, source="save_checkpoint(cfg_dict)")
-    kinds = {n: s.kind for n, s in parameter_specs(cfg).items()}
+    kinds = {n: s.kind for n, s in {**parameter_specs(cfg), **mtp_parameter_specs(cfg)}.items()}
     block = (int(fp8_block[0]), int(fp8_block[1]))
     stored = _untie(_convert(tensors, kinds, names, fp8_linear, fp4_experts, scale_dtype, block))
     config = {k: v for k, v in cfg_dict.items() if k != "quantization_config"}

@@ -12,7 +12,12 @@ from safetensors import safe_open
 
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import LAYER_TYPES, DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.params import parameter_specs, target_dtype
+from deepinfer_core.models.deepseek_v4.params import (
+    MTP_SHARED,
+    mtp_parameter_specs,
+    parameter_specs,
+    target_dtype,
+)
 from deepinfer_core.tokenizer import load_tokenizer
 
 PROMPT = (
@@ -43,9 +48,13 @@ def test_config_parses_in_both_parsers_and_covers_every_block_kind() -> None:
 
 
 def test_checkpoint_holds_every_parameter_with_its_shape_and_dtype(tiny_dir: Path) -> None:
+    """Every parameter, and the MTP layer's except its embedding and head (shared)."""
     cfg = DeepseekV4Config.from_file(tiny_dir)
-    specs, tensors = parameter_specs(cfg), _read_tensors(tiny_dir)
+    assert cfg.num_nextn_predict_layers == 1
+    mtp = {n: s for n, s in mtp_parameter_specs(cfg).items() if not n.endswith(MTP_SHARED)}
+    specs, tensors = {**parameter_specs(cfg), **mtp}, _read_tensors(tiny_dir)
     assert list(tensors) and set(tensors) == set(specs)
+    assert any(n.startswith("model.mtp.0.mlp.experts.") for n in tensors)
     for name, spec in specs.items():
         assert tuple(tensors[name].shape) == spec.shape, name
         assert tensors[name].dtype == target_dtype(spec, torch.float32), name
@@ -131,7 +140,8 @@ def test_builtin_dir_is_cached_and_safe_under_concurrency(
 
 
 def test_weights_are_held_once():
-    """Fused projections replace their parts: the model holds exactly the checkpoint's bytes."""
+    """Fused projections replace their parts: the model holds exactly the checkpoint's bytes
+    (the MTP layer's included; it shares the main embedding and head)."""
     from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
     from deepinfer_core.models.deepseek_v4.model import DeepseekV4Model
     from deepinfer_core.models.deepseek_v4.params import parameter_specs
@@ -141,8 +151,9 @@ def test_weights_are_held_once():
     cfg = DeepseekV4Config.from_dict(dict(TINY_CONFIG), source="TINY_CONFIG")
     weights = random_weights(cfg, 0, torch.float32)
     expected = sum(t.numel() * t.element_size() for t in weights.values())
-    assert set(weights) == set(parameter_specs(cfg))
+    assert set(parameter_specs(cfg)) < set(weights)  # and the MTP layer's
     model = DeepseekV4Model(cfg, weights, OpTable.reference())
+    assert model.mtp is not None
     assert model.weight_bytes() == expected
     assert model.quantized_weight_bytes() == 0
 

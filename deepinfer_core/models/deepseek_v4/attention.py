@@ -27,10 +27,19 @@ from .metadata import StepMetadata
 class Attention:
     """Attention of layer ``layer`` (weights bound from the model's tensor dict)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
-        p = f"model.layers.{layer}.self_attn."
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        w: dict[str, Weight],
+        dtype: torch.dtype,
+        prefix: str | None = None,
+    ):
+        # ``prefix``: the block's weight-name prefix (default ``model.layers.{layer}.``; an MTP
+        # layer's is ``model.mtp.{i}.`` with ``layer = num_hidden_layers + i``)
+        p = (prefix or f"model.layers.{layer}.") + "self_attn."
         self.cfg, self.layer = cfg, layer
-        self.kind = cfg.layer_types[layer]
+        self.kind = cfg.layer_type(layer)
         self.rope_family = "main" if self.kind == SLIDING else "compress"
         self.q_norm, self.wq_b = w[p + "q_a_norm.weight"], w[p + "q_b_proj.weight"]
         self.kv_norm, self.sinks = w[p + "kv_norm.weight"], w[p + "sinks"].float()

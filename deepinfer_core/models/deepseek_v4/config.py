@@ -131,6 +131,7 @@ class DeepseekV4Config(BaseModel):
     index_head_dim: int
     index_topk: int
     num_nextn_predict_layers: int = 1
+    mtp_layer_types: list[str] | None = None
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     bos_token_id: int | None = 0
@@ -163,9 +164,20 @@ class DeepseekV4Config(BaseModel):
             if bad:
                 raise ValueError(f"compress_ratios has {bad}, neither 0 nor a CSA/HCA rate of {rates}")
             d["layer_types"] = [inv[int(r)] for r in ratios[:n]]
+            if d.get("mtp_layer_types") is None and len(ratios) > n:
+                # the native list may go on with the MTP layers' ratios (0 = sliding window)
+                n_mtp = int(d.get("num_nextn_predict_layers", 1) or 0)
+                extra = [int(r) for r in ratios[n : n + n_mtp]]
+                bad = sorted(set(extra) - set(inv))
+                if bad:
+                    raise ValueError(f"compress_ratios has {bad}, neither 0 nor a CSA/HCA rate of {rates}")
+                d["mtp_layer_types"] = [inv[r] for r in extra]
         if d.get("layer_types") is None:
             inter = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
             d["layer_types"] = [HCA] * min(n, 2) + inter
+        n_mtp = int(d.get("num_nextn_predict_layers", 1) or 0)
+        mtp = list(d.get("mtp_layer_types") or [])
+        d["mtp_layer_types"] = mtp + [SLIDING] * max(0, n_mtp - len(mtp))
         if d.get("mlp_layer_types") is None:
             n_hash = int(d.pop("num_hash_layers", 3))
             d["mlp_layer_types"] = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
@@ -200,6 +212,17 @@ class DeepseekV4Config(BaseModel):
             bad = sorted({t for t in types if t not in allowed})
             if bad:
                 raise ValueError(f"{name} entries must be one of {allowed}; got {bad}")
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError("num_nextn_predict_layers must be >= 0")
+        mtp = self.mtp_layer_types or []
+        if len(mtp) != self.num_nextn_predict_layers:
+            raise ValueError(
+                f"mtp_layer_types has {len(mtp)} entries but num_nextn_predict_layers is "
+                f"{self.num_nextn_predict_layers}"
+            )
+        bad = sorted({t for t in mtp if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"mtp_layer_types entries must be one of {LAYER_TYPES}; got {bad}")
         if self.num_key_value_heads != 1:
             raise ValueError("DeepSeek-V4 uses one shared KV head; num_key_value_heads must be 1")
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
@@ -218,9 +241,17 @@ class DeepseekV4Config(BaseModel):
         """Number of trailing channels per head that carry (interleaved) RoPE."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def layer_type(self, layer: int) -> str:
+        """Attention kind of ``layer``: a main layer's ``layer_types`` entry, or for ``layer =
+        num_hidden_layers + i`` that of multi-token-prediction layer ``i`` (``mtp_layer_types``,
+        from the native ``compress_ratios[num_hidden_layers + i]``; sliding window by default)."""
+        n = self.num_hidden_layers
+        return self.layer_types[layer] if layer < n else (self.mtp_layer_types or [])[layer - n]
+
     def compress_ratio(self, layer: int) -> int:
-        """Compression ratio of ``layer`` (0 for sliding-only layers)."""
-        t = self.layer_types[layer]
+        """Compression ratio of ``layer`` (0 for sliding-only layers; MTP layers count from
+        ``num_hidden_layers``, see :meth:`layer_type`)."""
+        t = self.layer_type(layer)
         return 0 if t == SLIDING else int(self.compress_rates[t])
 
     @property

@@ -33,6 +33,16 @@ def load_weights(
     return load_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
 
 
+def load_mtp_weights(
+    model_dir: Path, cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+) -> dict[str, Any]:
+    """The first multi-token-prediction layer's tensors (``model.mtp.0.*``), for the ``mtp``
+    drafter; a one-line :class:`ConfigError` when the checkpoint has none."""
+    from deepinfer_core.weights import load_mtp_checkpoint
+
+    return load_mtp_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
+
+
 def build_model(cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable) -> Any:
     """The :class:`~.model.DeepseekV4Model` over ``weights`` (which it takes over)."""
     from .model import DeepseekV4Model
@@ -41,18 +51,22 @@ def build_model(cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable) ->
 
 
 def cache_ratios(cfg: DeepseekV4Config) -> list[int]:
-    """The compress ratios of the CSA / HCA layers (a page holds whole entries of each)."""
-    return sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+    """The compress ratios of the CSA / HCA layers, MTP layers included (a page holds whole
+    entries of each)."""
+    layers = range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    return sorted({cfg.compress_ratio(i) for i in layers} - {0})
 
 
-def replay_tail(cfg: DeepseekV4Config, page_size: int) -> int:
+def replay_tail(cfg: DeepseekV4Config, page_size: int, extra_layers: int = 0) -> int:
     """Tokens recomputed before a prefix-cache hit to rebuild every layer's window exactly.
 
     A layer's window KV at position ``p`` is exact once the layer below is exact over
     ``[p - W + 1, p]``, so the receptive field grows by one window per windowed layer (every
     V4 layer has one): ``align(align(W, P) + (N - 1) * W, P)`` with ``N`` layers, page ``P``.
+    ``extra_layers``: windowed layers stacked on the last one (the MTP layer, which reads the
+    last layer's output, when the ``mtp`` drafter runs) count too.
     """
-    w, n = cfg.sliding_window, cfg.num_hidden_layers
+    w, n = cfg.sliding_window, cfg.num_hidden_layers + extra_layers
 
     def align(x: int) -> int:
         return -(-x // page_size) * page_size
@@ -67,5 +81,6 @@ FAMILY = ModelFamily(
     build_model=build_model,
     cache_ratios=cache_ratios,
     replay_tail=replay_tail,
+    load_mtp_weights=load_mtp_weights,
     description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
 )

@@ -20,19 +20,32 @@ from .attention import Attention
 from .config import DeepseekV4Config
 from .metadata import StepMetadata, build_metadata
 from .moe import MoE
+from .params import MTP_PREFIX
 from .rope import inv_freq
 
 logger = logging.getLogger("deepinfer.model")
 
 
 class DecoderLayer:
-    """One block: mHC-wrapped attention then mHC-wrapped MoE."""
+    """One block: mHC-wrapped attention then mHC-wrapped MoE.
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
-        p = f"model.layers.{layer}."
+    ``layer`` indexes the cache (and the attention kind, :meth:`DeepseekV4Config.layer_type`);
+    ``prefix`` is the weights' name prefix, ``model.layers.{layer}.`` by default (a
+    multi-token-prediction layer's block: ``model.mtp.{i}.``, ``layer = num_hidden_layers + i``).
+    """
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        w: dict[str, Weight],
+        dtype: torch.dtype,
+        prefix: str | None = None,
+    ):
+        p = prefix or f"model.layers.{layer}."
         self.cfg, self.layer = cfg, layer
-        self.attn = Attention(cfg, layer, w, dtype)
-        self.moe = MoE(cfg, layer, w, dtype)
+        self.attn = Attention(cfg, layer, w, dtype, p)
+        self.moe = MoE(cfg, layer, w, dtype, p)
         self.attn_norm, self.ffn_norm = (
             w[p + "input_layernorm.weight"],
             w[p + "post_attention_layernorm.weight"],
@@ -75,7 +88,10 @@ class DeepseekV4Model:
         self.cfg, self.ops, self.w = cfg, ops, weights
         dtype = weights["model.embed_tokens.weight"].dtype
         self.layers = [DecoderLayer(cfg, i, weights, dtype) for i in range(cfg.num_hidden_layers)]
-        forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
+        # the first multi-token-prediction layer, when its weights were loaded (the mtp drafter)
+        self.mtp = MtpLayer(cfg, 0, weights, dtype) if MtpLayer.present(weights, 0) else None
+        blocks = self.layers + ([self.mtp.block] if self.mtp is not None else [])
+        forced = [f.dequantized for layer in blocks for f in (layer.attn.w_in, layer.moe.w_in)]
         forced = [note for note in forced if note is not None]
         if forced:
             logger.info(
@@ -89,12 +105,13 @@ class DeepseekV4Model:
             inv, scale = inv_freq(cfg, fam)
             self.rope_params[fam] = (inv.to(dev), scale)
         self.ratios = sorted({cfg.compress_ratio(i) for i in range(cfg.num_hidden_layers)} - {0})
+        self.mtp_ratios = sorted({cfg.compress_ratio(self.mtp.layer)} - {0}) if self.mtp is not None else []
 
     def _storages(self) -> dict[int, tuple[int, bool]]:
         """Every storage of a weight the model holds: ``{data_ptr: (bytes, quantised)}``, where
         quantised storages are the data and scales of :class:`QuantizedTensor` weights."""
         seen: dict[int, tuple[int, bool]] = {}
-        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False)]
+        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False), (self.mtp, False)]
         while stack:
             obj, quantized = stack.pop()
             if isinstance(obj, torch.Tensor):
@@ -129,7 +146,16 @@ class DeepseekV4Model:
         attention KV caches (window ring, compressed entries) packed (see ``EngineConfig``);
         ``num_spec_tokens`` sizes the per-slot state so a speculative verify step of up to that
         many drafts can be rolled back by position alone (see :mod:`.metadata`)."""
-        return [layer.attn.cache_specs(kv_cache_dtype, num_spec_tokens) for layer in self.layers]
+        specs = [layer.attn.cache_specs(kv_cache_dtype, num_spec_tokens) for layer in self.layers]
+        if self.mtp is not None:  # the MTP layer's own caches, at index num_hidden_layers
+            specs.append(self.mtp.block.attn.cache_specs(kv_cache_dtype, num_spec_tokens))
+        return specs
+
+    @property
+    def hidden_shape(self) -> tuple[int, int]:
+        """Shape of one token's hidden state as :meth:`forward` keeps it (``hidden_out``): the
+        ``hc_mult`` residual streams of the last layer, ``[N, D]``."""
+        return (self.cfg.hc_mult, self.cfg.hidden_size)
 
     def step_metadata(
         self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
@@ -140,18 +166,31 @@ class DeepseekV4Model:
             inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
         )
 
+    def _rope(self, md: StepMetadata, dtype: torch.dtype) -> dict:
+        rope: dict = {}
+        for fam, (inv, scale) in self.rope_params.items():
+            rope[fam] = self.ops.rope_cos_sin(md.positions, inv, scale, dtype)
+        rope["compress_freqs"] = self.rope_params["compress"]
+        return rope
+
     @torch.inference_mode()
-    def forward(self, md: StepMetadata, cache: HybridCache) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[len(md.sample_rows), vocab]``."""
+    def forward(
+        self, md: StepMetadata, cache: HybridCache, hidden_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[len(md.sample_rows), vocab]``.
+
+        ``hidden_out`` (``[>= T, N, D]``, a persistent buffer): also keep every row's last-layer
+        streams (before ``hc_head``) there, the hidden states the MTP layer reads; one copy into
+        a fixed address, so a captured graph keeps it.
+        """
         ops, cfg, w = self.ops, self.cfg, self.w
         x = ops.embedding(md.input_ids, w["model.embed_tokens.weight"])
-        rope = {}
-        for fam, (inv, scale) in self.rope_params.items():
-            rope[fam] = ops.rope_cos_sin(md.positions, inv, scale, x.dtype)
-        rope["compress_freqs"] = self.rope_params["compress"]
+        rope = self._rope(md, x.dtype)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             h = layer(h, md, cache, ops, rope)
+        if hidden_out is not None:
+            hidden_out[: h.shape[0]].copy_(h)
         h = h.index_select(0, md.sample_rows)
         eps = cfg.rms_norm_eps
         x = ops.hc_head(
@@ -164,3 +203,85 @@ class DeepseekV4Model:
         )
         x = ops.rms_norm(x, w["model.norm.weight"], eps)
         return ops.linear(x, w["lm_head.weight"]).float()
+
+    # ---- multi-token prediction ------------------------------------------------------------
+    def mtp_step_metadata(
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
+    ) -> StepMetadata:
+        """The plans of an MTP step (:meth:`mtp_forward`): as :meth:`step_metadata`, for the
+        MTP layer's compress ratio only (none for a sliding-window MTP layer)."""
+        return build_metadata(
+            inputs,
+            self.cfg.sliding_window,
+            self.mtp_ratios,
+            page_size,
+            num_slots,
+            trash_page,
+            num_spec_tokens,
+        )
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self, md: StepMetadata, cache: HybridCache, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step of the MTP layer (see :class:`MtpLayer`): row ``j`` at position
+        ``t = md.positions[j]`` combines the hidden streams ``hidden[j]`` (``[T, N, D]``: the
+        target's last-layer streams at ``t``, or the MTP's own output at ``t - 1`` when drafting
+        recursively) with the embedding of ``md.input_ids[j]`` (the token at ``t + 1``), runs
+        the MTP block over the MTP layer's own caches at ``t`` and predicts the token at
+        ``t + 2``.  Returns float32 logits of ``md.sample_rows`` and the output streams of
+        every row ``[T, N, D]`` (the next depth's ``hidden``)."""
+        if self.mtp is None:
+            raise RuntimeError("the model was built without its multi-token-prediction layer")
+        rope = self._rope(md, hidden.dtype)
+        return self.mtp(hidden, md, cache, self.ops, rope)
+
+
+class MtpLayer:
+    """DeepSeek-V4 multi-token-prediction layer ``index`` (weights ``model.mtp.{index}.*``, see
+    :func:`~.params.mtp_parameter_specs`), as vLLM's ``DeepSeekV4MultiTokenPredictorLayer``.
+
+    For a row at position ``t`` with hidden streams ``h`` ``[N, D]`` and next-token embedding
+    ``e`` (zeroed at ``t == 0``)::
+
+        x = h_proj(hnorm(h)) + e_proj(enorm(e))      # per stream; e broadcast over the N streams
+        x = block(x)                                  # a V4 decoder block (cache layer N_layers + index)
+        logits = head(norm(hc_head(x)))               # predicts the token at t + 2
+
+    ``x`` (the block's output streams) is also the hidden state of the next draft depth.  The
+    embedding and head are the layer's own when the checkpoint has them, else the main model's.
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, index: int, w: dict[str, Weight], dtype: torch.dtype):
+        p = f"{MTP_PREFIX}{index}."
+        self.cfg, self.index = cfg, index
+        self.layer = cfg.num_hidden_layers + index  # its cache layer
+        self.embed = (
+            w[p + "embed_tokens.weight"] if p + "embed_tokens.weight" in w else w["model.embed_tokens.weight"]
+        )
+        self.head = w[p + "lm_head.weight"] if p + "lm_head.weight" in w else w["lm_head.weight"]
+        self.enorm, self.hnorm = w[p + "enorm.weight"], w[p + "hnorm.weight"]
+        self.e_proj, self.h_proj = w[p + "e_proj.weight"], w[p + "h_proj.weight"]
+        self.hc_head = (w[p + "hc_head.hc_fn"], w[p + "hc_head.hc_base"], w[p + "hc_head.hc_scale"])
+        self.norm = w[p + "norm.weight"]
+        self.block = DecoderLayer(cfg, self.layer, w, dtype, p)
+
+    @staticmethod
+    def present(w: dict[str, Weight], index: int) -> bool:
+        """Whether ``w`` holds MTP layer ``index``'s weights."""
+        return f"{MTP_PREFIX}{index}.e_proj.weight" in w
+
+    def __call__(
+        self, hidden: torch.Tensor, md: StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        t, n, d = hidden.shape
+        e = ops.embedding(md.input_ids, self.embed)
+        e = torch.where((md.positions == 0).unsqueeze(-1), torch.zeros_like(e), e)  # as vLLM: no input at 0
+        e = ops.linear(ops.rms_norm(e, self.enorm, eps), self.e_proj)
+        h = ops.linear(ops.rms_norm(hidden, self.hnorm, eps).reshape(t * n, d), self.h_proj).view(t, n, d)
+        x = self.block(h + e.unsqueeze(1), md, cache, ops, rope)
+        y = ops.hc_head(x.index_select(0, md.sample_rows), *self.hc_head, eps, cfg.hc_eps)
+        y = ops.rms_norm(y, self.norm, eps)
+        return ops.linear(y, self.head).float(), x

@@ -15,8 +15,15 @@ from .fused import FusedProjection
 class MoE:
     """The MoE block of layer ``layer``."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
-        p = f"model.layers.{layer}.mlp."
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        layer: int,
+        w: dict[str, Weight],
+        dtype: torch.dtype,
+        prefix: str | None = None,
+    ):
+        p = (prefix or f"model.layers.{layer}.") + "mlp."
         self.cfg = cfg
         self.tid2eid = w.get(p + "gate.tid2eid")
         self.bias = w.get(p + "gate.e_score_correction_bias")

@@ -1,9 +1,10 @@
 """A tiny, random DeepSeek-V4 checkpoint for tests, examples and CPU benchmarks.
 
-:data:`TINY_CONFIG` covers every layer type (sliding, CSA, HCA) and both MoE kinds (hash
-and top-k routed) at a size that runs in milliseconds on a CPU.  :func:`make_tiny` writes a
-complete checkpoint directory — config, random weights, a byte-level BPE tokenizer trained
-on a built-in corpus, tokenizer and generation configs — deterministically from a seed, and
+:data:`TINY_CONFIG` covers every layer type (sliding, CSA, HCA), both MoE kinds (hash
+and top-k routed) and one multi-token-prediction layer (the ``mtp`` drafter's) at a size
+that runs in milliseconds on a CPU.  :func:`make_tiny` writes a complete checkpoint
+directory — config, random weights, a byte-level BPE tokenizer trained on a built-in corpus,
+tokenizer and generation configs — deterministically from a seed, and
 :func:`builtin_tiny_model_dir` caches one on disk.  Nothing is ever downloaded.
 """
 
@@ -25,7 +26,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from deepinfer_core.weights import save_checkpoint, writer
 
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
-from .params import ParamSpec, parameter_specs, target_dtype
+from .params import MTP_SHARED, ParamSpec, mtp_parameter_specs, parameter_specs, target_dtype
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -90,7 +91,7 @@ TINY_CONFIG: dict[str, Any] = {
         "beta_slow": 1,
     },
     "max_position_embeddings": 1024,  # = factor * original, as YaRN expects
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,  # one MTP layer (sliding window), sharing embedding and head
     "bos_token_id": 0,
     "eos_token_id": 1,
     "tie_word_embeddings": False,
@@ -156,14 +157,17 @@ def write_tokenizer_files(outdir: str | Path) -> Path:
 def random_weights(
     cfg: DeepseekV4Config, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """Random weights for every entry of :func:`parameter_specs`, by HF name.
+    """Random weights for every entry of :func:`parameter_specs`, by HF name, then those of the
+    multi-token-prediction layers (:func:`mtp_parameter_specs`) except their own embedding and
+    head (:data:`MTP_SHARED`: the MTP layers share the main model's).
 
     Each tensor has its own generator seeded from ``seed`` and its name, so adding a
     parameter never changes the others.  Scales keep activations O(1) and spread the
     logits (standard deviation ~1) so greedy decoding is not decided by near-ties.
     """
     out: dict[str, torch.Tensor] = {}
-    for name, spec in parameter_specs(cfg).items():
+    mtp = {n: s for n, s in mtp_parameter_specs(cfg).items() if not n.endswith(MTP_SHARED)}
+    for name, spec in {**parameter_specs(cfg), **mtp}.items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         out[name] = _init_param(name, spec, cfg, g).to(target_dtype(spec, dtype)).contiguous()
     return out

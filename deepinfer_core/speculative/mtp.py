@@ -1,0 +1,143 @@
+"""The ``mtp`` drafter: the checkpoint's own multi-token-prediction layer (DeepSeek-V4's
+``num_nextn_predict_layers`` block, native tensors ``mtp.0.*``).
+
+The MTP layer reads, for a position ``t``, the target's last-layer hidden streams at ``t`` and
+the embedding of the token at ``t + 1``, runs one V4 block over its own KV cache and predicts
+the token at ``t + 2`` (:class:`~deepinfer_core.models.deepseek_v4.model.MtpLayer`).  So the
+drafter keeps the MTP layer's cache in step with the target's:
+
+* :meth:`MtpDrafter.observe` (after every step): one MTP forward over every position each
+  running request computed and kept in the step (prompt chunks, the accepted part of verify
+  steps), from the target's hidden states of that step (``ModelRunner.hidden``) and the token
+  after each position.  The last such row of a request that decodes next gives its first draft
+  (the argmax of the MTP logits: the guess for the token after the one the step emitted) and
+  the MTP output streams the recursion starts from.
+* :meth:`MtpDrafter.propose` (before the step): drafts ``2 .. k`` recursively, DeepSeek-V3
+  style: depth ``j`` runs the MTP layer at the next position on the previous depth's output
+  streams and the token it drafted, one batched single-row step per depth.
+
+Drafts are greedy; :attr:`Draft.confidence` is the MTP's softmax probability of each drafted
+token (DSpark schedules verify lengths on it).  The draft steps write the MTP cache at
+speculative positions (at most ``k - 1`` past the accepted end, within the ``num_spec_tokens``
+spare rows every cache keeps): the next catch-up rewrites them, a rollback by position as the
+target's.  A compressed (CSA/HCA) MTP layer writes paged entries, so its drafts stop at the end
+of the request's allocated pages; V4's MTP layer is sliding-window only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer_core.engine.batch import SeqChunk
+
+from .drafter import ComputedChunk, Draft, DraftContext, Drafter
+
+
+@dataclass
+class _Next:
+    """A request's first draft, from the MTP row at ``pos`` (its last computed position)."""
+
+    pos: int
+    token: int
+    prob: float
+    hidden: torch.Tensor  # [N, D]: the MTP output streams of that row (depth 2's input)
+    chunk: ComputedChunk  # cache geometry (slot, pages, window_from, cached_until)
+
+
+class MtpDrafter(Drafter):
+    """DeepSeek multi-token prediction (see the module docstring)."""
+
+    uses_mtp_layers = True
+
+    def __init__(self, config: Any, vocab_size: int) -> None:
+        super().__init__(config, vocab_size)
+        self.runner: Any = None
+        self._next: dict[str, _Next] = {}
+
+    def bind(self, runner: Any) -> None:
+        if runner.hidden is None:
+            raise RuntimeError("the mtp drafter needs a model runner built with mtp=True")
+        self.runner = runner
+
+    # ---- after a step: catch the MTP cache up with the kept positions ---------------------------
+    def observe(self, chunks: Sequence[ComputedChunk]) -> None:
+        for c in chunks:
+            self._next.pop(c.request_id, None)
+        chunks = [c for c in chunks if c.num_rows]
+        if not chunks:
+            return
+        runner = self.runner
+        rows: list[int] = []
+        seqs: list[SeqChunk] = []
+        last_rows: list[int] = []
+        for c in chunks:
+            rows.extend(range(c.hidden_row, c.hidden_row + c.num_rows))
+            seqs.append(_seq(c, c.start_pos, c.token_ids))
+            if c.sampled:
+                last_rows.append(len(rows) - 1)
+        index = torch.tensor(rows, dtype=torch.int64).to(runner.device)
+        logits, streams = runner.execute_mtp(seqs, runner.hidden.index_select(0, index), last_rows)
+        if not last_rows:
+            return
+        prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
+        last = streams.index_select(0, torch.tensor(last_rows, dtype=torch.int64).to(streams.device))
+        sampled = [c for c in chunks if c.sampled]
+        for j, (c, t, p) in enumerate(zip(sampled, token.tolist(), prob.tolist(), strict=True)):
+            self._next[c.request_id] = _Next(c.start_pos + c.num_rows - 1, t, p, last[j], c)
+
+    # ---- before a step: the drafts ------------------------------------------------------------
+    def propose(self, contexts: Sequence[DraftContext]) -> list[Draft]:
+        drafts: list[Draft] = []
+        states: dict[int, _Next] = {}
+        for i, ctx in enumerate(contexts):
+            st = self._next.get(ctx.request_id)
+            if st is None or st.pos != len(ctx.token_ids) - 2:  # not caught up: no drafts
+                drafts.append(Draft([]))
+                continue
+            drafts.append(Draft([st.token], confidence=[st.prob]))
+            states[i] = st
+        hidden = {i: st.hidden for i, st in states.items()}
+        depth = 1
+        while True:
+            active = [i for i in hidden if contexts[i].max_tokens > depth and self._fits(states[i], depth)]
+            if not active:
+                break
+            seqs = [_seq(states[i].chunk, states[i].pos + depth, drafts[i].token_ids[-1:]) for i in active]
+            h = torch.stack([hidden[i] for i in active])
+            logits, streams = self.runner.execute_mtp(seqs, h, list(range(len(active))))
+            prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
+            hidden = {}
+            for j, (i, t, p) in enumerate(zip(active, token.tolist(), prob.tolist(), strict=True)):
+                drafts[i].token_ids.append(t)
+                assert drafts[i].confidence is not None
+                drafts[i].confidence.append(p)
+                hidden[i] = streams[j]
+            depth += 1
+        return drafts
+
+    def _fits(self, st: _Next, depth: int) -> bool:
+        """Whether the draft step at ``st.pos + depth`` may run: always for a sliding-window MTP
+        layer; within the request's allocated pages for one that writes paged entries."""
+        if not self.runner.mtp_paged:
+            return True
+        return st.pos + depth < len(st.chunk.block_table) * self.runner.page_size
+
+    def on_finished(self, request_id: str) -> None:
+        self._next.pop(request_id, None)
+
+
+def _seq(c: ComputedChunk, start: int, next_tokens: list[int]) -> SeqChunk:
+    """The MTP rows at positions ``start ..`` of ``c``'s request, embedding ``next_tokens``."""
+    return SeqChunk(
+        seq_slot=c.seq_slot,
+        token_ids=list(next_tokens),
+        start_pos=start,
+        block_table=c.block_table,
+        window_from=c.window_from,
+        cached_until=c.cached_until,
+        table_key=c.table_key,
+    )
