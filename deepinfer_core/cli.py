@@ -111,7 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine options shared by ``generate`` and ``bench`` (``None`` = not given)."""
-    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    parser.add_argument(
+        "--model",
+        help="model directory or Hugging Face Hub repo id org/name[@revision] "
+        "(default: the built-in tiny model, no download)",
+    )
+    parser.add_argument("--revision", help="Hub revision (branch, tag or commit) of a --model repo id")
+    parser.add_argument("--download-dir", help="Hugging Face cache directory for Hub repos")
     parser.add_argument("--config", help="engine config file (.toml / .yaml)")
     parser.add_argument("--backend", help="'auto', 'reference' or a registered backend name")
     parser.add_argument("--dtype", help="auto, float32, bfloat16 or float16")
@@ -179,8 +185,8 @@ _SPEC_FLAGS = {
 def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The engine options given on the command line, as ``LLM`` keyword arguments."""
     names = (
-        "model", "config", "backend", "dtype", "device", "strict_ops", "max_num_seqs",
-        "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
+        "model", "revision", "download_dir", "config", "backend", "dtype", "device", "strict_ops",
+        "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
         "scheduler", "keep_quantized", "log_level",
     )  # fmt: skip

@@ -101,9 +101,16 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str | None = None
-    """Model directory (``config.json`` + safetensors); ``None`` = the built-in tiny model."""
+    """Model directory (``config.json`` + safetensors), or a Hugging Face Hub repo id
+    (``org/name[@revision]``, fetched into the HF cache: :mod:`deepinfer_core.hub`); ``None`` =
+    the built-in tiny model (no download)."""
     tokenizer: str | None = None
-    """Tokenizer directory; ``None`` = the model directory."""
+    """Tokenizer directory or Hub repo id; ``None`` = the model directory."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a ``model`` given as a repo id; ``None`` = ``main``."""
+    download_dir: str | None = None
+    """Hugging Face cache directory for Hub repos; ``None`` = ``$HF_HUB_CACHE``, ``$HF_HOME/hub``
+    or ``~/.cache/huggingface/hub``."""
     backend: str = "auto"
     """``"auto"`` (highest-priority available backend), ``"reference"`` or a registered name."""
     strict_ops: bool = False

@@ -29,8 +29,11 @@ class LLM:
     """An engine for offline batched generation.
 
     Args:
-        model: model directory (``config.json``, safetensors, ``tokenizer.json``); ``None`` = the
-            built-in tiny model (created and cached on first use).
+        model: model directory (``config.json``, safetensors, ``tokenizer.json``), or a Hugging
+            Face Hub repo id ``org/name[@revision]`` fetched into the HF cache (``revision``,
+            ``download_dir`` and ``HF_HUB_OFFLINE=1`` apply; e.g. the production checkpoint
+            ``deepseek-ai/DeepSeek-V4.1-Flash-1017``); ``None`` = the built-in tiny model
+            (created and cached on first use, no download).
         config: a TOML / YAML engine config file.
         backend, dtype, max_num_seqs, max_num_batched_tokens, seed: common engine options.
         kwargs: any other :class:`~deepinfer_core.config.EngineConfig` field.
@@ -39,7 +42,8 @@ class LLM:
     an argument left at ``None`` does not override the lower sources.
 
     Raises:
-        ConfigError: invalid option, missing model directory, unreadable config file.
+        ConfigError: invalid option, missing model directory, a Hub repo that cannot be had
+            (offline and uncached, no network, unknown repo or revision), unreadable config file.
         BackendError: unknown or unavailable backend.
     """
 

@@ -3,7 +3,7 @@
 # the three bundled plugins, editable.  `--test` adds the core's [test] extra.
 #
 #   bash scripts/setup.sh          # runtime only
-#   bash scripts/setup.sh --test   # + pytest, hypothesis, transformers, ruff
+#   bash scripts/setup.sh --test   # + pytest, hypothesis, transformers, huggingface_hub, ruff
 #
 # Environment: VENV (default .venv), PYTHON (default python3), TORCH_SPEC (default
 # torch==2.13.0), TORCH_INDEX_URL (an index to take torch from, e.g. PyTorch's CPU index;

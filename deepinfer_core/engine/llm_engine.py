@@ -42,20 +42,58 @@ class _Launched:
     verified: VerifyResult | None = None  # speculative decoding: tokens emitted per chunk
 
 
-__all__ = ["LLMEngine", "StepStats", "resolve_model_dir"]
+__all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir"]
 
 
-def resolve_model_dir(model: str | None) -> Path:
-    """The model directory: ``model``, or the built-in tiny model when ``None``."""
+def resolve_model_dir(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> Path:
+    """The model directory that ``model`` names.
+
+    * ``None``: the built-in tiny model, made locally on first use (never a download).
+    * an existing local directory: that directory (``revision`` does not apply: a warning).
+    * otherwise, a Hugging Face Hub repo id ``org/name`` or ``org/name@revision`` (e.g.
+      ``deepseek-ai/DeepSeek-V4.1-Flash-1017``): its snapshot directory, fetched by
+      ``huggingface_hub.snapshot_download`` (configs, safetensors and tokenizer files, never
+      pickles) into ``download_dir`` or the HF cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``);
+      with ``HF_HUB_OFFLINE=1`` the cache alone is read.  The only case that uses the network.
+      See :mod:`deepinfer_core.hub`.
+
+    Raises:
+        ConfigError: a missing local path that is not a Hub id; a Hub id that cannot be had
+            (uncached offline, no network, unknown repo or revision, ``huggingface_hub`` not
+            installed) — one line naming the id and how to point at a local copy.
+    """
     if model is None:
         from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
         return builtin_tiny_model_dir()
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ConfigError(
-            f"model={model!r}: no such directory; pass a directory holding config.json and safetensors "
-            "(or omit model to use the built-in tiny model)"
+    if path.is_dir():
+        if revision is not None:
+            logger.warning("revision=%r ignored: model %s is a local directory", revision, path)
+        return path
+    from deepinfer_core.hub import parse_repo_id, snapshot_dir
+
+    if not path.exists() and parse_repo_id(model) is not None:
+        return snapshot_dir(model, revision=revision, download_dir=download_dir)
+    raise ConfigError(
+        f"model={model!r}: no such directory; pass a directory holding config.json and safetensors, "
+        "a Hugging Face Hub repo id (org/name), or omit model to use the built-in tiny model"
+    )
+
+
+def resolve_tokenizer_dir(tokenizer: str | None, model_dir: Path, download_dir: str | None = None) -> Path:
+    """The tokenizer directory: ``model_dir`` when ``tokenizer`` is ``None``, a local path as
+    given, or the snapshot of a Hub repo id (``org/name[@revision]``; tokenizer files only)."""
+    if tokenizer is None:
+        return model_dir
+    path = Path(tokenizer).expanduser()
+    from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
+
+    if not path.exists() and parse_repo_id(tokenizer) is not None:
+        return snapshot_dir(
+            tokenizer, download_dir=download_dir, what="tokenizer", patterns=TOKENIZER_PATTERNS
         )
     return path
 
@@ -90,7 +128,8 @@ class LLMEngine:
             plugins = get_plugins()
         self.plugins = plugins
         plugins.configure(config)
-        model_dir = resolve_model_dir(config.model)
+        model_dir = resolve_model_dir(config.model, config.revision, config.download_dir)
+        tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, model_dir, config.download_dir)
         self.family, model_config = resolve_family(model_dir, plugins)
         self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
         ratios = self.family.cache_ratios(model_config)
@@ -148,7 +187,7 @@ class LLMEngine:
         self.runner.max_model_len = self.config.max_model_len
         self._capture_graphs()
         self.model_config = self.runner.model_config
-        self.tokenizer, self._tokenizer_error = self._load_tokenizer(Path(config.tokenizer or model_dir))
+        self.tokenizer, self._tokenizer_error = self._load_tokenizer(tokenizer_dir)
         eos = list(self.model_config.eos_token_ids)
         if self.tokenizer is not None:
             eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]

@@ -7,7 +7,9 @@ Only the safetensors format is read (never pickle).  A model directory holds eit
 * one or more ``*.safetensors`` files without an index (their headers are scanned).
 
 Every shard path must stay inside the model directory: absolute paths, ``..`` and symlinks
-that escape it are refused.  Errors are :class:`WeightLoadError` naming the file and tensor.
+that escape it are refused — except the Hugging Face cache's own layout, where a snapshot
+``models--org--name/snapshots/<commit>/`` holds symlinks into ``models--org--name/blobs/``.
+Errors are :class:`WeightLoadError` naming the file and tensor.
 """
 
 from __future__ import annotations
@@ -36,12 +38,24 @@ def _resolve_inside(model_dir: Path, entry: str, origin: str) -> Path:
             "Fix the index so it names files inside the model directory."
         )
     path = (root / entry).resolve()
-    if not path.is_relative_to(root):
+    if not path.is_relative_to(root) and not _hf_cache_blob(root, entry, path):
         raise WeightLoadError(
             f"{origin} lists shard {entry!r}, which resolves to {path}, outside the model directory "
             f"{root} (via '..' or a symlink); refusing to read it. Copy the shard into the model directory."
         )
     return path
+
+
+def _hf_cache_blob(root: Path, entry: str, path: Path) -> bool:
+    """``root`` is a Hugging Face cache snapshot (``models--*/snapshots/<commit>``), ``entry``
+    names a file inside it (no ``..``) and ``path`` (its resolved target) is one of that repo's
+    ``blobs``: how ``huggingface_hub.snapshot_download`` lays out every download."""
+    repo = root.parent.parent
+    if root.parent.name != "snapshots" or not repo.name.startswith("models--"):
+        return False
+    if ".." in Path(entry).parts:
+        return False
+    return path.parent == repo / "blobs"
 
 
 def _read_index(model_dir: Path) -> dict[str, Path]:
