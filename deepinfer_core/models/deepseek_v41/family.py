@@ -3,8 +3,8 @@
 Registered by the core's builtin plugin (:mod:`deepinfer_core.builtin_plugin`) through the
 ``deepinfer_register_models`` hook.  What is not served yet is refused with a one-line
 :class:`~deepinfer_core.errors.ConfigError` saying ``not implemented yet: <what>``, never run
-approximately: checkpoints with Engram layers, the release's packed FP8/FP4 KV cache formats
-(``kv_cache_dtype="fp8"``), the DSpark drafter.  See ``docs/deepseek_v41.md``.
+approximately: the release's packed FP8/FP4 KV cache formats (``kv_cache_dtype="fp8"``), the
+DSpark drafter.  See ``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ def parse_config(data: dict[str, Any], source: str) -> DeepseekV41Config:
 
 def unsupported(cfg: DeepseekV41Config) -> str | None:
     """What of ``cfg`` the engine cannot run yet (``None``: nothing)."""
-    if cfg.engram_layer_ids:
-        return f"Engram (engram_layer_ids {cfg.engram_layer_ids})"
     if not cfg.norm_topk_prob or cfg.num_experts_per_tok < 2:
         return "routing without renormalised top-k weights (norm_topk_prob false or num_experts_per_tok 1)"
     return None
@@ -49,11 +47,37 @@ def _refuse(cfg: DeepseekV41Config) -> None:
 def load_weights(
     model_dir: Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
 ) -> dict[str, Any]:
-    """The checkpoint's tensors by inventory name (:mod:`.weights`)."""
+    """The checkpoint's tensors by inventory name (:mod:`.weights`); with Engram layers also
+    ``engram.token_map``, each token id's normalised id, from the checkpoint's ``tokenizer.json``
+    (:func:`~.engram.compressed_token_map`), checked against ``engram_compressed_vocab_size``."""
     _refuse(cfg)
     from .weights import load_weights as load
 
-    return load(model_dir, cfg, dtype, device, keep_quantized=keep)
+    token_map = _engram_token_map(Path(model_dir), cfg) if cfg.engram_layer_ids else None
+    weights = load(model_dir, cfg, dtype, device, keep_quantized=keep)
+    if token_map is not None:
+        weights["engram.token_map"] = token_map.to(device)
+    return weights
+
+
+def _engram_token_map(model_dir: Path, cfg: DeepseekV41Config) -> torch.Tensor:
+    from .engram import EngramLayout, compressed_token_map, token_map_for_vocab
+
+    EngramLayout.from_config(cfg).check(cfg, str(model_dir / "config.json"))
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{model_dir}: the Engram layers hash normalised token ids, which come from the checkpoint's "
+            "tokenizer.json; there is none"
+        )
+    token_map, size = compressed_token_map(path)
+    if size != cfg.engram_compressed_vocab_size:
+        raise ConfigError(
+            f"{path}: the tokenizer's normalised vocabulary has {size} ids but "
+            f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size}; every Engram hash "
+            "would address the wrong rows"
+        )
+    return token_map_for_vocab(token_map, cfg.vocab_size, cfg.engram_pad_id)
 
 
 def build_model(cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable) -> Any:

@@ -5,7 +5,8 @@ query's visible entries, are exactly V4's (:func:`~deepinfer_core.models.deepsee
 build_metadata`: V4.1's ratio-2 compressor is V4's non-overlapping one without a position
 bias).  A ratio-1 kv source (the CED decoder's, layer 20 of the release) projects one entry per
 token: :class:`FullPlan` gives each token's pool row and each query's visible entries (those of
-positions ``<= t``).  Everything is derived on the device from shapes alone, as V4's plans.
+positions ``<= t``).  Engram layers read each token's look-back ids: :class:`LookbackPlan`.
+Everything is derived on the device from shapes alone, as V4's plans.
 """
 
 from __future__ import annotations
@@ -34,11 +35,31 @@ class FullPlan:
 
 
 @dataclass
+class LookbackPlan:
+    """Where each token's Engram look-back ids come from.
+
+    The ids of a request's last ``R = K + S`` positions (``K`` look-back ids, ``S`` draft tokens)
+    wait in a per-slot ring (``[slots + 1, R]``, position ``q`` at ``slot*R + q % R``), so each
+    request carries its own history: interleaved requests never share one, and with async
+    scheduling the ids stay on the device.  ``src`` ``[T, K]``: for look-back ``s`` (column
+    ``s - 1``) of each token, an index into ``[this step's ids (T) ; the flat ring]``, or ``-1``
+    (the pad id) before the request's start or its replay start (``window_from``);
+    ``ring_rows`` ``[T]``: the ring row each token's id is written to (the trash slot's for all
+    but a chunk's last ``R`` positions, so the writes are distinct).
+    """
+
+    src: torch.Tensor
+    ring_rows: torch.Tensor
+
+
+@dataclass
 class V41StepMetadata:
-    """V4's plans (``v4``: window rows, ratio > 1 compressor plans) plus the ratio-1 plan."""
+    """V4's plans (``v4``: window rows, ratio > 1 compressor plans) plus the ratio-1 plan and the
+    Engram look-back plan."""
 
     v4: StepMetadata
     full: FullPlan | None
+    lookback: LookbackPlan | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -68,20 +89,24 @@ def build_v41_metadata(
     num_slots: int,
     trash_page: int,
     num_spec_tokens: int = 0,
+    lookback: int = 0,
 ) -> V41StepMetadata:
-    """The step's plans for compress ``ratios`` (0 and duplicates ignored)."""
+    """The step's plans for compress ``ratios`` (0 and duplicates ignored) and, with
+    ``lookback > 0``, the Engram look-back of that many ids (:class:`LookbackPlan`)."""
     pooled = sorted({r for r in ratios if r > 1})
     v4 = build_metadata(inputs, window, pooled, page_size, num_slots, trash_page, num_spec_tokens)
+    if 1 not in ratios and lookback == 0:
+        return V41StepMetadata(v4=v4, full=None)
+    t, n_req = inputs.num_tokens, inputs.num_reqs
+    req = inputs.req
+    dev = inputs.input_ids.device
+    cum = torch.cumsum(req["len"], 0)
+    tok = torch.arange(t, device=dev)
+    tok_req = torch.searchsorted(cum, tok, right=True).clamp_(max=max(n_req - 1, 0))
+    pos = v4.positions
     full = None
     if 1 in ratios:
-        t, n_req = inputs.num_tokens, inputs.num_reqs
-        req = inputs.req
-        dev = inputs.input_ids.device
-        cum = torch.cumsum(req["len"], 0)
-        tok = torch.arange(t, device=dev)
-        tok_req = torch.searchsorted(cum, tok, right=True).clamp_(max=max(n_req - 1, 0))
         tables = inputs.block_tables.index_select(0, req["slot"])  # [R, P]
-        pos = v4.positions
         col = (pos // page_size).clamp(max=tables.shape[1] - 1)
         page = tables[tok_req, col]
         live = pos >= req["cached"][tok_req]
@@ -94,4 +119,16 @@ def build_v41_metadata(
             max_count=inputs.max_end,
         )
         full = FullPlan(dest=dest, entries=entries)
-    return V41StepMetadata(v4=v4, full=full)
+    plan = None
+    if lookback:
+        rows = lookback + num_spec_tokens  # ring rows per slot
+        slot, start = req["slot"][tok_req], req["start"][tok_req]
+        end = start + req["len"][tok_req]
+        q = pos[:, None] - torch.arange(1, lookback + 1, device=dev)  # [T, K]
+        in_chunk = q >= start[:, None]
+        in_ring = ~in_chunk & (q >= req["window_from"][tok_req][:, None]) & (q >= 0)
+        ring = t + slot[:, None] * rows + q % rows
+        src = torch.where(in_chunk, tok[:, None] - (pos[:, None] - q), torch.where(in_ring, ring, -1))
+        ring_rows = torch.where(pos >= end - rows, slot, num_slots) * rows + pos % rows
+        plan = LookbackPlan(src=src, ring_rows=ring_rows)
+    return V41StepMetadata(v4=v4, full=full, lookback=plan)

@@ -20,7 +20,9 @@ The causal encoder-decoder (CED) of the release, layer by layer:
 - the residual is ``hc_mult`` streams mixed by single-pass mHC (:func:`~.ops.hc_mix`): a site
   collapses its streams with the previous site's ``pre``; the last ``pre`` collapses the final
   streams (no ``hc_head``);
-- the MoE is V4's top-k routed one (no hash routing), with the router temperature.
+- the MoE is V4's top-k routed one (no hash routing), with the router temperature;
+- an Engram layer first adds its hashed n-gram lookup to every stream, gated per stream
+  (:mod:`.engram`); each request's look-back ids are carried in a per-slot ring.
 
 Every computation goes through the op table; the ops V4 has none for are
 :mod:`deepinfer_core.models.deepseek_v41.ops`.
@@ -44,6 +46,7 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import QuantizedTensor, Weight
 
 from .config import DeepseekV41Config
+from .engram import EngramLayout, hash_multipliers
 from .metadata import V41StepMetadata, build_v41_metadata
 from .ops import op
 
@@ -235,12 +238,41 @@ class MoE:
         return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
 
 
-class DecoderLayer:
-    """One block: single-pass-mHC-wrapped attention then MoE."""
+class Engram:
+    """The Engram memory of layer ``layer``: hashed n-gram lookups gated into every stream."""
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], layout: EngramLayout, mult):
+        p = f"layers.{layer}.engram."
+        i = cfg.engram_layer_ids.index(layer)
+        dev = w[p + "q_weight"].device
+        self.table, self.wkv = w[p + "embed.weight"], w[p + "wkv.weight"]
+        self.q_weight, self.k_weight = w[p + "q_weight"], w[p + "k_weight"]
+        self.multipliers = mult[i].to(dev)
+        self.primes = torch.tensor([x for per_n in layout.primes[i] for x in per_n], device=dev)
+        self.offsets = torch.tensor(layout.offsets[i], device=dev)
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, ops: OpTable) -> torch.Tensor:
+        """``h`` ``[T, N, D]`` streams, ``tokens`` ``[T, ngram]`` compressed ids -> updated streams."""
+        rows = op(ops, "engram_hash")(tokens, self.multipliers, self.primes, self.offsets)
+        kv = ops.linear(op(ops, "engram_rows")(self.table, rows, h.dtype), self.wkv)
+        return op(ops, "engram_mix")(h, kv, self.q_weight, self.k_weight, self.eps)
+
+
+class DecoderLayer:
+    """One block: (Engram, then) single-pass-mHC-wrapped attention then MoE."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        layer: int,
+        w: dict[str, Weight],
+        dtype: torch.dtype,
+        engram: Engram | None = None,
+    ):
         p = f"layers.{layer}."
         self.cfg, self.layer = cfg, layer
+        self.engram = engram
         self.attn = Attention(cfg, layer, w, dtype)
         self.moe = MoE(cfg, layer, w, dtype)
         self.attn_norm, self.ffn_norm = w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"]
@@ -260,6 +292,8 @@ class DecoderLayer:
         """``(streams [T, N, D], previous site's pre [T, N])`` -> the same after this block."""
         cfg = self.cfg
         eps, hc_eps, it = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        if self.engram is not None:
+            h = self.engram(h, shared["engram_tokens"], ops)
         mix = op(ops, "hc_mix")
         attn_pre, post, comb, x = mix(h, pre, *self.attn_hc, eps, hc_eps, it)
         a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache, ops, rope, shared)
@@ -270,24 +304,40 @@ class DecoderLayer:
 
 
 class DeepseekV41Model:
-    """DeepSeek-V4.1 causal LM (text backbone, without Engram).
+    """DeepSeek-V4.1 causal LM (text backbone).
 
     Args:
         cfg: the architecture.
         weights: every tensor of :func:`~.params.parameter_specs`, in the run dtype on the run
             device (some :class:`~deepinfer_core.weights.quant.QuantizedTensor` with
             ``keep_quantized``); the model takes the dict over (fused projections are popped).
+            With Engram layers it also holds ``engram.token_map`` (``[vocab]`` int64: each token's
+            normalised id, built from the tokenizer by ``family.load_weights``).
         ops: the resolved op table.
     """
 
     def __init__(self, cfg: DeepseekV41Config, weights: dict[str, Weight], ops: OpTable):
-        if cfg.engram_layer_ids:
-            raise ConfigError(
-                f"deepseek_v41: not implemented yet: Engram (engram_layer_ids {cfg.engram_layer_ids})"
-            )
         self.cfg, self.ops, self.w = cfg, ops, weights
         dtype = weights["embed.weight"].dtype
-        self.layers = [DecoderLayer(cfg, i, weights, dtype) for i in range(cfg.num_hidden_layers)]
+        engrams: dict[int, Engram] = {}
+        self.lookback = 0
+        if cfg.engram_layer_ids:
+            if "engram.token_map" not in weights:
+                raise ConfigError(
+                    "deepseek_v41: the Engram layers need engram.token_map (see family.load_weights)"
+                )
+            layout = EngramLayout.from_config(cfg)
+            layout.check(cfg)
+            self.lookback = cfg.engram_max_ngram_size - 1
+            self.token_map = weights.pop("engram.token_map")
+            self.engram_pad = self.token_map[cfg.engram_pad_id].clone()
+            mult = hash_multipliers(
+                cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_compressed_vocab_size
+            )
+            engrams = {i: Engram(cfg, i, weights, layout, mult) for i in cfg.engram_layer_ids}
+        self.layers = [
+            DecoderLayer(cfg, i, weights, dtype, engrams.get(i)) for i in range(cfg.num_hidden_layers)
+        ]
         forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
         forced = [note for note in forced if note is not None]
         if forced:
@@ -338,14 +388,27 @@ class DeepseekV41Model:
                 "FP8 window / FP4 entry cache formats; the model applies their numerics to a cache in the "
                 "model dtype)"
             )
-        return [layer.attn.cache_specs(num_spec_tokens) for layer in self.layers]
+        specs = [layer.attn.cache_specs(num_spec_tokens) for layer in self.layers]
+        if self.lookback:  # the Engram look-back ring, kept with the first Engram layer's caches
+            first = self.cfg.engram_layer_ids[0]
+            specs[first].append(
+                SlotStateSpec("engram.ids", (self.lookback + num_spec_tokens,), dtype=torch.int64)
+            )
+        return specs
 
     def step_metadata(
         self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
     ) -> V41StepMetadata:
         """The step's plans (:func:`~.metadata.build_v41_metadata`), derived on the device."""
         return build_v41_metadata(
-            inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
+            inputs,
+            self.cfg.sliding_window,
+            self.ratios,
+            page_size,
+            num_slots,
+            trash_page,
+            num_spec_tokens,
+            lookback=self.lookback,
         )
 
     def _rope(self, md: V41StepMetadata, dtype: torch.dtype) -> dict:
@@ -355,6 +418,19 @@ class DeepseekV41Model:
         }
         rope["compress_freqs"] = self.rope_params["compress"]
         return rope
+
+    def _lookback(self, md: V41StepMetadata, cache: HybridCache) -> torch.Tensor:
+        """``[T, 1 + K]`` compressed ids of each token and its ``K`` predecessors (the pad id where
+        its request has none), from this step's ids and the slot's look-back ring; then this
+        step's ids go to the ring (:class:`~.metadata.LookbackPlan`)."""
+        plan = md.lookback
+        assert plan is not None
+        ring = cache.get(self.cfg.engram_layer_ids[0], "engram.ids").view(-1)
+        cur = self.token_map.index_select(0, md.input_ids)
+        back = torch.cat([cur, ring]).index_select(0, plan.src.clamp(min=0).view(-1)).view(plan.src.shape)
+        back = torch.where(plan.src >= 0, back, self.engram_pad)
+        self.ops.cache_write(ring, plan.ring_rows, cur)
+        return torch.cat([cur.unsqueeze(1), back], dim=1)
 
     @torch.inference_mode()
     def forward(
@@ -369,6 +445,8 @@ class DeepseekV41Model:
         pre = torch.zeros(t, n, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0 (all streams start equal)
         shared: dict = {}
+        if self.lookback:
+            shared["engram_tokens"] = self._lookback(md, cache)
         for layer in self.layers:
             h, pre = layer(h, pre, md, cache, ops, rope, shared)
         if hidden_out is not None:

@@ -318,3 +318,125 @@ def kv_qdq(x: torch.Tensor, fmt: KVFormat, block: int) -> torch.Tensor:
     else:
         raise ValueError(f"kv_qdq: unknown format {fmt!r}")
     return (q * s).reshape(x.shape).to(x.dtype)
+
+
+# ---- Engram --------------------------------------------------------------------------------------
+def _hash_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    tokens = torch.randint(0, 99092, (6, 4), generator=g)
+    tokens[0, 1:] = 7  # pad look-back
+    mult = torch.randint(0, 2**40, (4,), generator=g) * 2 + 1
+    primes = torch.tensor([101, 103, 107, 109, 113, 127])
+    offsets = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.long), primes[:-1]]), 0)
+    return [((tokens, mult, primes, offsets), {})]
+
+
+@define_op(f"{NAMESPACE}.engram_hash", "engram", batch_invariant=True, sample_cases=_hash_cases)
+def engram_hash(
+    tokens: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """Engram table rows of each position's n-grams (one Engram layer).
+
+    Args:
+        tokens: ``[T, N]`` int64 normalised (compressed) ids: column 0 the position's own, column
+            ``s`` the one ``s`` positions back (the pad id where there is none).
+        multipliers: ``[N]`` int64 odd hash multipliers of the layer.
+        primes: ``[(N - 1) * heads]`` int64, n-gram-major: the bucket sizes of (n-gram ``n = 2..N``,
+            head); offsets: ``[(N - 1) * heads]`` int64 where each bucket range starts in the table.
+
+    Returns:
+        ``[T, (N - 1) * heads]`` int64 rows: with ``x_s = tokens[:, s] * multipliers[s]`` (int64,
+        no overflow by construction) and ``h_n = x_0 ^ x_1 ^ ... ^ x_{n-1}`` (XOR), column
+        ``(n - 2) * heads + j`` is ``h_n % primes[c] + offsets[c]``.  Rows are independent.
+    """
+    n = tokens.shape[1]
+    heads = primes.shape[0] // (n - 1)
+    products = tokens.long() * multipliers.long()
+    rolling, cols = products[:, 0], []
+    for s in range(1, n):
+        rolling = torch.bitwise_xor(rolling, products[:, s])
+        cols.append(rolling.unsqueeze(-1).expand(-1, heads))
+    return torch.cat(cols, dim=1) % primes.long() + offsets.long()
+
+
+def _rows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
+
+    table = randn(g, 50, 64)
+    data, scale = quant_fp8(table, (1, 32), "ue8m0")
+    ids = torch.randint(0, 50, (5, 3), generator=g)
+    return [
+        ((table.to(dtype), ids, dtype), {}),
+        ((QuantizedTensor(data, scale, "fp8", (1, 32)), ids, dtype), {}),
+    ]
+
+
+@define_op(f"{NAMESPACE}.engram_rows", "engram", batch_invariant=True, sample_cases=_rows_cases)
+def engram_rows(table: Any, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gather Engram table rows.
+
+    Args:
+        table: ``[rows, E]``: a float tensor, or a
+            :class:`~deepinfer_core.weights.quant.QuantizedTensor` (``fmt="fp8"``, block ``(1, g)``:
+            e4m3 rows with one scale per ``g`` channels, the release's tables) of which only the
+            gathered rows are dequantised.
+        ids: ``[T, C]`` int64 rows; dtype: the result dtype.
+
+    Returns:
+        ``[T, C * E]`` in ``dtype``: the rows side by side (a quantised row as ``data * scale``
+        in fp32, then cast).
+    """
+    from deepinfer_core.weights.quant import QuantizedTensor
+
+    flat = ids.reshape(-1)
+    if isinstance(table, QuantizedTensor):
+        data = table.data.view(torch.uint8).index_select(0, flat).view(table.data.dtype).float()
+        group = table.block[1]
+        scale = table.scale.index_select(0, flat).float().repeat_interleave(group, dim=-1)
+        rows = (data * scale[:, : data.shape[1]]).to(dtype)
+    else:
+        rows = F.embedding(flat, table).to(dtype)
+    return rows.view(ids.shape[0], -1)
+
+
+def _mix_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d = 4, 16
+    return [
+        (
+            (
+                randn(g, 5, n, d, dtype=dtype),
+                randn(g, 5, (n + 1) * d, dtype=dtype),
+                1 + randn(g, n, d, scale=0.1),
+                1 + randn(g, n, d, scale=0.1),
+                1e-20,
+            ),
+            {},
+        )
+    ]
+
+
+@define_op(f"{NAMESPACE}.engram_mix", "engram", batch_invariant=True, sample_cases=_mix_cases)
+@row_padded({"streams": 0.0, "kv": 0.0})
+def engram_mix(
+    streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """Gate an Engram lookup into every residual stream.
+
+    Args:
+        streams: ``[T, N, D]`` residual streams; kv: ``[T, (N + 1) * D]`` the projected lookup
+            (``wkv`` of the gathered rows): a key per stream, then one value.
+        q_weight, k_weight: ``[N, D]`` float32 (only their product is used); eps: norm eps.
+
+    Returns:
+        ``[T, N, D]`` in ``streams.dtype``, all in fp32: per stream ``n``, with ``h`` the stream and
+        ``k`` its key, ``dot = sum_d h*q_weight*k_weight*k * rsqrt(mean(h²)+eps) * rsqrt(mean(k²)+eps)
+        / sqrt(D)``, ``gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6)))``, result ``h + gate * value``.
+    """
+    t, n, d = streams.shape
+    key = kv[:, : n * d].float().view(t, n, d)
+    value = kv[:, n * d :].float()
+    h = streams.float()
+    weight = q_weight.float() * k_weight.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * weight * key).sum(-1) * rstd * d**-0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return (h + gate.unsqueeze(-1) * value.unsqueeze(1)).to(streams.dtype)

@@ -10,6 +10,11 @@ stacked as the core ``moe_experts`` op takes them, under the inventory names
 ``layers.{i}.ffn.experts.gate_up`` ``[E, 2I, D]`` (``w1`` rows then ``w3`` rows) and
 ``layers.{i}.ffn.experts.down`` ``[E, D, I]`` (:data:`EXPERT_STACKS`).
 
+An Engram layer also has ``layers.{i}.engram.embed.weight`` (the table, ``engram_num_embeddings``
+rows of ``engram_head_dim``; e4m3 with ``embed.scale`` per 32 channels in the release, kept so:
+only looked-up rows are dequantised), ``engram.wkv.weight`` and ``engram.q_weight`` /
+``k_weight`` (transformers-main's module names; the release's own spelling is not known here).
+
 Which attention tensors a layer has follows the CED layout: every layer its window
 projections; a kv source its compressor (``wgate`` only above ratio 1); an index source its
 indexer queries (``wq_b``, ``weights_proj``), and a kv source's indexer also the key projection
@@ -93,6 +98,14 @@ def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
     s[f + "shared_experts.w2.weight"] = ParamSpec((D, inter), "linear")
     s[p + "attn_norm.weight"] = ParamSpec((D,), "fp32")
     s[p + "ffn_norm.weight"] = ParamSpec((D,), "fp32")
+    if i in cfg.engram_layer_ids:
+        e = p + "engram."
+        rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        s[e + "embed.weight"] = ParamSpec((rows, cfg.engram_head_dim), "engram_table")
+        s[e + "wkv.weight"] = ParamSpec(((N + 1) * D, cols * cfg.engram_head_dim), "linear")
+        s[e + "q_weight"] = ParamSpec((N, D), "fp32")
+        s[e + "k_weight"] = ParamSpec((N, D), "fp32")
     mix = (2 + N) * N
     for site in ("attn", "ffn"):
         s[p + f"hc_{site}_fn"] = ParamSpec((mix, N * D), "fp32")

@@ -21,10 +21,11 @@ layer  ratio  role
 with ``index_topk`` 4 and 3 candidate blocks of 2 entries, so both levels of the top-k select
 within a few dozen tokens; head and indexer dims are whole blocks of the release's KV formats
 (FP8 window records per 32, FP4 entries per 16, FP4 indexer keys per 32), so their numerics
-are exercised.  Weights use the native names (:mod:`.params`), routed experts stored per
-expert; ``fp8_linear`` / ``fp4_experts`` write the release's MXFP8 (32x32 ue8m0 block scales)
-dense linears and MXFP4 experts.  The tokenizer is the V4 tiny one.  Engram is not in the
-tiny model yet (the engine does not serve it).
+are exercised.  Layers 1 and 4 have Engram tables (2..4-grams x 2 heads of 16 channels; the
+table sizes and the normalised vocabulary follow from the config and the tokenizer).  Weights
+use the native names (:mod:`.params`), routed experts stored per expert; ``fp8_linear`` /
+``fp4_experts`` write the release's MXFP8 (32x32 ue8m0 block scales) dense linears, e4m3
+Engram rows and MXFP4 experts.  The tokenizer is the V4 tiny one.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.models.deepseek_v4.tiny import TINY_VOCAB_SIZE, write_tokenizer_files
-from deepinfer_core.weights.quant import quant_fp4, quant_fp8
+from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4, quant_fp8
 
 from .config import DeepseekV41Config
 from .params import EXPERT_STACKS, ParamSpec, parameter_specs, target_dtype
@@ -89,7 +90,14 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "hc_mult": 4,
     "hc_sinkhorn_iters": 20,
     "hc_eps": 1e-6,
-    "engram_layer_ids": [],
+    "engram_layer_ids": [1, 4],  # a sliding-only layer and a kv source, as the release's 1 and 14
+    "engram_vocab_size": 100,
+    "engram_num_embeddings": [660, 864],  # the sums of each layer's primes (EngramLayout)
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 2,
+    "engram_head_dim": 16,
+    "engram_pad_id": 2,
+    "engram_compressed_vocab_size": 421,  # the tiny tokenizer's normalised vocabulary
     "num_nextn_predict_layers": 1,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-20,
@@ -134,7 +142,7 @@ def _init_param(name: str, spec: ParamSpec, g: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, generator=g) * std
 
     leaf = name.rsplit(".", 1)[-1]
-    if spec.kind == "embedding":
+    if spec.kind in ("embedding", "engram_table"):
         return noise(1.0)
     if spec.kind in ("linear", "linear_bf16", "experts"):
         return noise(shape[-1] ** -0.5)  # fan-in scaling
@@ -150,6 +158,8 @@ def _init_param(name: str, spec: ParamSpec, g: torch.Generator) -> torch.Tensor:
         return noise(0.1)
     if leaf == "bias":
         return noise(0.01)
+    if leaf in ("q_weight", "k_weight"):
+        return 1.0 + noise(0.1)
     raise ValueError(f"tiny init has no rule for fp32 parameter {name}")
 
 
@@ -183,6 +193,9 @@ def native_tensors(
         elif fp8_linear and spec.kind == "linear":
             data, scale = quant_fp8(t.float(), MXFP8_BLOCK, "ue8m0")
             out[name], out[name.removesuffix(".weight") + ".scale"] = data, scale
+        elif fp8_linear and spec.kind == "engram_table":  # e4m3 rows, a scale per 32 channels
+            data, scale = quant_fp8(t.float(), (1, min(32, t.shape[1])), "ue8m0")
+            out[name], out[name.removesuffix(".weight") + ".scale"] = data, scale
         else:
             out[name] = t
     return out
@@ -194,7 +207,8 @@ def dequantized_weights(model_dir: str | Path, dtype: torch.dtype = torch.float3
     from .weights import load_weights
 
     cfg = parse_config(json.loads((Path(model_dir) / "config.json").read_text()), str(model_dir))
-    return load_weights(model_dir, cfg, dtype)  # type: ignore[return-value]
+    weights = load_weights(model_dir, cfg, dtype)
+    return {k: v.dequantize(dtype) if isinstance(v, QuantizedTensor) else v for k, v in weights.items()}
 
 
 def make_tiny(
@@ -213,8 +227,6 @@ def make_tiny(
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = copy.deepcopy(config if config is not None else TINY_CONFIG)
     cfg = DeepseekV41Config.from_dict(cfg_dict, source="tiny config")
-    if cfg.engram_layer_ids:
-        raise ValueError("the tiny DeepSeek-V4.1 has no Engram tables yet")
     write_tokenizer_files(out)
     weights = random_weights(cfg, seed, dtype)
     tensors = native_tensors(weights, cfg, fp8_linear, fp4_experts)

@@ -3,12 +3,14 @@
 The released checkpoint uses DeepSeek's native names (:mod:`.params`) with block scales as
 sibling tensors ``X.scale``: dense linears MXFP8 (e4m3 with one ue8m0 scale per
 ``quantization_config.weight_block_size`` tile, 32x32), routed experts MXFP4 (packed e2m1 with
-one scale per 32 inputs).  Quantised tensors are dequantised to the model dtype, or, with
-``keep_quantized``, kept as :class:`~deepinfer_core.weights.quant.QuantizedTensor` exactly as
-the V4 loader keeps them (the same per-tensor reader is used); per-expert tensors are stacked
-into ``[E, 2I, D]`` / ``[E, D, I]``.  An optional ``model.`` prefix is accepted.  Tensors of the
-parts the text model does not serve (DSpark ``mtp.*``, vision, image embeddings, the image
-router bias ``bias_vl``) are skipped (:func:`~.params.is_ignored`).
+one scale per 32 inputs), Engram tables e4m3 rows with a scale per 32 channels (always kept
+quantised: a step dequantises only the rows it looks up).  Other quantised tensors are
+dequantised to the model dtype, or, with ``keep_quantized``, kept as
+:class:`~deepinfer_core.weights.quant.QuantizedTensor` exactly as the V4 loader keeps them (the
+same per-tensor reader is used); per-expert tensors are stacked into ``[E, 2I, D]`` /
+``[E, D, I]``.  An optional ``model.`` prefix is accepted.  Tensors of the parts the text model
+does not serve (DSpark ``mtp.*``, vision, image embeddings, the image router bias ``bias_vl``)
+are skipped (:func:`~.params.is_ignored`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from deepinfer_core.errors import WeightLoadError
 from deepinfer_core.weights.loader import _check_shape, _empty_stack, _keep_formats, _put_expert, _read
 from deepinfer_core.weights.names import ExpertSlice, scale_owner
-from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, QuantizedTensor, Weight
+from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
 from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards
 
 from .config import DeepseekV41Config
@@ -50,6 +52,23 @@ def _target(name: str, specs: dict[str, ParamSpec]) -> str | ExpertSlice | None:
 def _listing(names: list[str]) -> str:
     more = f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
     return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def _engram_table(
+    src: TensorSource, name: str, scale_name: str, spec: ParamSpec, path: Path
+) -> QuantizedTensor:
+    """An e4m3 Engram table with one scale per ``g`` channels, kept quantised: only the rows a
+    step looks up are dequantised (``deepseek_v41.engram_rows``)."""
+    data, scale = src.get(name), src.get(scale_name)
+    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
+    if data.dtype != FP8_DTYPE or scale.dim() != 2 or spec.shape[1] % max(scale.shape[1], 1):
+        raise WeightLoadError(
+            f"Engram table {name!r} in {path}: expected float8_e4m3fn rows with [rows, channels/g] "
+            f"scales, got {data.dtype} {tuple(data.shape)} with scale {tuple(scale.shape)}"
+        )
+    if scale.is_floating_point() and scale.dtype not in (torch.float32, UE8M0_DTYPE):
+        scale = scale.float()
+    return QuantizedTensor(data, scale, "fp8", (1, spec.shape[1] // scale.shape[1]))
 
 
 def load_weights(
@@ -124,6 +143,9 @@ def load_weights(
                 if name in direct:
                     target = direct[name]
                     spec = specs[target]
+                    if spec.kind == "engram_table" and name in scales:
+                        result[target] = _engram_table(src, name, scales[name], spec, path).to(device)
+                        continue
                     t = _read(src, name, scales.get(name), spec, block, keep)
                     _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
                     if isinstance(t, QuantizedTensor):

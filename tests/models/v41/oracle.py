@@ -17,6 +17,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -67,6 +68,8 @@ def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
 # ---- checkpoint ----------------------------------------------------------------------------------
 def _dequant(t: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
     s = scale.float()
+    if t.dtype == torch.float8_e4m3fn and s.shape[0] == t.shape[0]:  # Engram rows: a scale per group
+        return t.float() * s.repeat_interleave(t.shape[1] // s.shape[1], dim=1)
     if t.dtype == torch.float8_e4m3fn:  # block scales: repeat each over its tile (edge tiles partial)
         br, bc = block
         full = s.repeat_interleave(br, 0)[: t.shape[0]].repeat_interleave(bc, 1)[:, : t.shape[1]]
@@ -116,6 +119,7 @@ class OracleV41:
         rd = c["qk_rope_head_dim"]
         self.inv_main = 1.0 / (c.get("rope_theta", 10000.0) ** (torch.arange(0, rd, 2).float() / rd))
         self.inv_comp, self.comp_scale = self._yarn(c, rd)
+        self._engram_setup(Path(model_dir))
 
     @staticmethod
     def _yarn(c: dict, rd: int) -> tuple[torch.Tensor, float]:
@@ -250,6 +254,81 @@ class OracleV41:
             out = out + weight * expert(f"{p}experts.{e}.", x)
         return out
 
+    # ---- Engram ------------------------------------------------------------------------------
+    def _engram_setup(self, model_dir: Path) -> None:
+        c = self.c
+        self.e_layers = c.get("engram_layer_ids") or []
+        if not self.e_layers:
+            return
+        from tokenizers import Regex, Tokenizer, normalizers
+
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        keep_space = "\ue000"
+        steps = [normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase()]
+        steps += [
+            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+            normalizers.Replace(Regex(r"^ $"), keep_space),
+        ]
+        steps += [normalizers.Strip(), normalizers.Replace(keep_space, " ")]
+        norm = normalizers.Sequence(steps)
+        keys: dict[str, int] = {}
+        ids = []
+        for t in range(tok.get_vocab_size(with_added_tokens=True)):
+            text = tok.decode([t], skip_special_tokens=False)
+            key = tok.id_to_token(t) if "\ufffd" in text else (norm.normalize_str(text) or text)
+            ids.append(keys.setdefault(key, len(keys)))
+        assert len(keys) == c["engram_compressed_vocab_size"]
+        self.e_map = torch.tensor(ids)
+        n, heads = c["engram_max_ngram_size"], c["engram_n_heads"]
+        used: set[int] = set()
+        self.e_primes = {}
+        for layer in self.e_layers:
+            primes = []
+            for _ in range(n - 1):
+                p = c["engram_vocab_size"] - 1
+                for _ in range(heads):
+                    p += 1
+                    while p in used or any(p % d == 0 for d in range(2, int(p**0.5) + 1)):
+                        p += 1
+                    used.add(p)
+                    primes.append(p)
+            self.e_primes[layer] = primes
+        bound = (np.iinfo(np.int64).max // len(keys)) // 2
+        self.e_mult = {
+            layer: torch.from_numpy(
+                np.random.default_rng(10007 * layer).integers(0, bound, size=(n,), dtype=np.int64)
+            )
+            * 2
+            + 1
+            for layer in self.e_layers
+        }
+
+    def _engram(self, i: int, h: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        c, w, p = self.c, self.w, f"layers.{i}.engram."
+        n, heads, s = c["engram_max_ngram_size"], c["engram_n_heads"], len(ids)
+        comp = self.e_map[torch.tensor(ids)]
+        pad = int(self.e_map[c["engram_pad_id"]])
+        primes, mult = self.e_primes[i], self.e_mult[i]
+        starts = [sum(primes[:k]) for k in range(len(primes))]
+        hashes = torch.zeros(s, len(primes), dtype=torch.long)
+        for t in range(s):
+            grams = [int(comp[t - k]) if t - k >= 0 else pad for k in range(n)]
+            acc = grams[0] * int(mult[0])
+            for k in range(1, n):
+                acc ^= grams[k] * int(mult[k])
+                for j in range(heads):
+                    col = (k - 1) * heads + j
+                    hashes[t, col] = acc % primes[col] + starts[col]
+        rows = w[p + "embed.weight"][hashes].flatten(1)  # [S, cols * E]
+        kv = rows @ w[p + "wkv.weight"].T
+        hc, d = c["hc_mult"], c["hidden_size"]
+        key, value = kv[:, : hc * d].view(s, hc, d), kv[:, hc * d :]
+        inner = (h * w[p + "q_weight"] * w[p + "k_weight"] * key).sum(-1)
+        rms = torch.rsqrt(h.pow(2).mean(-1) + self.eps) * torch.rsqrt(key.pow(2).mean(-1) + self.eps)
+        dot = inner * rms / d**0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return h + gate[..., None] * value[:, None]
+
     def _mixes(self, h: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c, w = self.c, self.w
         n, eps = c["hc_mult"], c.get("hc_eps", 1e-6)
@@ -275,6 +354,8 @@ class OracleV41:
         state: dict = {}
         for i in range(self.n):
             lp = f"layers.{i}."
+            if i in self.e_layers:
+                h = self._engram(i, h, ids)
             a_pre, post, comb = self._mixes(h, lp + "hc_attn")
             x = self._rms((pre[..., None] * h).sum(1), w[lp + "attn_norm.weight"])
             a = self._attention(i, x, pos, state)

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v41.config import SHAPE_FIELDS, DeepseekV41Config
@@ -137,15 +138,37 @@ def test_the_candidate_source_defaults_to_the_last_kv_source():
 
 
 def test_the_family_refuses_what_it_cannot_run_yet_in_one_line(tmp_path):
-    cfg = FAMILY.parse_config(released(), "config.json")
+    data = released()
+    data["text_config"]["norm_topk_prob"] = False
+    cfg = FAMILY.parse_config(data, "config.json")
     for call in (
         lambda: FAMILY.build_model(cfg, {}, None),
         lambda: FAMILY.load_weights(tmp_path, cfg, None, None, ()),
     ):
         with pytest.raises(ConfigError) as e:
             call()
-        expected = "model family 'deepseek_v41': not implemented yet: Engram (engram_layer_ids [1, 14])"
-        assert str(e.value) == expected
+        assert str(e.value).startswith("model family 'deepseek_v41': not implemented yet: routing without")
+        assert "\n" not in str(e.value)
+
+
+def test_the_engram_hash_layout_reproduces_the_released_table_sizes(tmp_path):
+    """Primes drawn in order above engram_vocab_size, never reused: each layer's table has the sum
+    of its 3 n-gram sizes x 8 heads primes -- exactly the released engram_num_embeddings."""
+    from deepinfer_core.models.deepseek_v41.engram import EngramLayout, hash_multipliers
+
+    cfg = DeepseekV41Config.from_dict(released(), "config.json")
+    layout = EngramLayout.from_config(cfg)
+    assert list(layout.rows) == cfg.engram_num_embeddings == [384006168, 384016682]
+    flat = [p for layer in layout.primes for per_n in layer for p in per_n]
+    assert len(set(flat)) == 48 and min(flat) > 16000000 and flat == sorted(flat)
+    mult = hash_multipliers(cfg.engram_layer_ids, 4, cfg.engram_compressed_vocab_size)
+    assert mult.shape == (2, 4) and bool((mult % 2 == 1).all())
+    assert bool((mult < torch.iinfo(torch.int64).max // cfg.engram_compressed_vocab_size).all())
+    data = released()
+    data["text_config"]["engram_num_embeddings"] = [384006168, 1]
+    bad = DeepseekV41Config.from_dict(data, "config.json")
+    with pytest.raises(ConfigError, match="does not match the hash layout's table sizes"):
+        FAMILY.load_weights(tmp_path, bad, None, None, ())
 
 
 def test_the_tiny_config_covers_every_layer_kind():

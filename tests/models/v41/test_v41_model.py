@@ -18,7 +18,7 @@ import torch
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
-from deepinfer_core.models.cache_spec import PagedSpec, spec_bytes
+from deepinfer_core.models.cache_spec import PagedSpec, SlotStateSpec, spec_bytes
 from deepinfer_core.models.deepseek_v41.family import FAMILY
 from deepinfer_core.models.deepseek_v41.tiny import dequantized_weights, make_tiny, native_tensors
 from deepinfer_core.ops import OpTable
@@ -59,6 +59,17 @@ def test_prompt_logits_match_the_oracle(v41_plain_dir, chunk):
     ref = OracleV41(v41_plain_dir).logits(ids)
     torch.testing.assert_close(ours, ref, atol=LOGIT_ATOL, rtol=0)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_engram_is_live_in_the_oracle_comparison(v41_plain_dir):
+    """The tiny model's Engram layers (1 and 4) move its logits: without their lookups the engine
+    no longer agrees with the oracle; and a look-back ring that leaked another request's ids would
+    break the continuous-batching tests below."""
+    ids = _ids(1, 40)
+    ops = OpTable.reference()
+    ops._fns["deepseek_v41.engram_mix"] = lambda streams, kv, q, k, eps: streams
+    ours = _prompt_logits(_runner(v41_plain_dir, ops=ops), ids, 1000)
+    assert (ours - OracleV41(v41_plain_dir).logits(ids)).abs().amax(-1).min() > 1e-2
 
 
 def test_kv_numerics_match_the_oracle(v41_dir):
@@ -164,7 +175,9 @@ def test_one_cache_allocation_per_source_group(v41_dir):
     cache = runner.cache
     for layer, src in ((3, 2), (5, 4), (9, 6)):
         assert cache.get(layer, "ckv") is cache.get(src, "ckv")
-    assert not specs[0][1:] and not specs[1][1:]  # sliding-only layers: just their window
+    assert not specs[0][1:]  # a sliding-only layer: just its window
+    # the Engram look-back ring (3 ids per slot), with the first Engram layer's caches
+    assert specs[1][1:] == [SlotStateSpec("engram.ids", (3,), dtype=torch.int64)]
 
 
 @pytest.mark.parametrize("keep_quantized", [False, True])
