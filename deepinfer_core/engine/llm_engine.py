@@ -429,20 +429,7 @@ class LLMEngine:
         """The scheduler class registered as ``config.scheduler``; :class:`ConfigError` naming the
         registered ones when it is unknown, unavailable or not a :class:`Scheduler`."""
         name = self.config.scheduler
-        spec = self.plugins.components["schedulers"].get(name)
-        known = sorted(self.plugins.components["schedulers"])
-        if spec is None:
-            raise ConfigError(f"scheduler {name!r} is not registered (known: {known})")
-        available, reason = spec.availability()
-        if not available:
-            raise ConfigError(f"scheduler {name!r} is unavailable: {reason}")
-        cls = spec.factory()
-        if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-            raise ConfigError(
-                f"scheduler {name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
-                "deepinfer_core.engine.scheduler.Scheduler"
-            )
-        return cls
+        return self.plugins.component_class("schedulers", name, Scheduler, f"scheduler {name!r}")
 
     def _logits_processor(self, name: str) -> LogitsProcessor:
         """The engine's instance of logits processor ``name`` (built on first use); raises

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepinfer_core.engine.request import RequestStatus
-from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
@@ -475,20 +474,7 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     (``deepinfer_register_drafters``); a one-line :class:`ConfigError` when it is unknown,
     unavailable or not a :class:`Drafter`."""
     name = config.drafter
-    registry = plugins.components["drafters"]
-    spec = registry.get(name)
-    if spec is None:
-        raise ConfigError(f"speculative.drafter={name!r} is not registered (known: {sorted(registry)})")
-    available, reason = spec.availability()
-    if not available:
-        raise ConfigError(f"speculative.drafter={name!r} is unavailable: {reason}")
-    cls = spec.factory()
-    if not (isinstance(cls, type) and issubclass(cls, Drafter)):
-        raise ConfigError(
-            f"speculative.drafter={name!r} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
-            "deepinfer_core.speculative.Drafter"
-        )
-    return cls
+    return plugins.component_class("drafters", name, Drafter, f"speculative.drafter={name!r}")
 
 
 def _first_rows(owner: list[tuple[int, int]]) -> dict[int, int]:

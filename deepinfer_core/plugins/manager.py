@@ -238,6 +238,28 @@ class PluginManager:
             raise PluginError(f"unknown {kind} entry {name!r}; known: {sorted(self.components[kind])}")
         return self.components[kind][name]
 
+    def component_class(self, kind: str, name: str, base: type, label: str) -> type:
+        """The class registered as ``name`` of ``kind`` (its factory's result), checked to be
+        a subclass of ``base``; a one-line :class:`~deepinfer_core.errors.ConfigError` (starting
+        with ``label``, e.g. ``"scheduler 'x'"``) when it is unknown, unavailable or of the
+        wrong type."""
+        from deepinfer_core.errors import ConfigError
+
+        registry = self.components[kind]
+        spec = registry.get(name)
+        if spec is None:
+            raise ConfigError(f"{label} is not registered (known: {sorted(registry)})")
+        available, reason = spec.availability()
+        if not available:
+            raise ConfigError(f"{label} is unavailable: {reason}")
+        cls = spec.factory()
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(
+                f"{label} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
+                f"{base.__module__}.{base.__qualname__}"
+            )
+        return cls
+
     # -- lifecycle hooks
 
     def configure(self, config: Any) -> None:
