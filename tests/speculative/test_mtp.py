@@ -35,6 +35,7 @@ from deepinfer_core.models.deepseek_v4.params import mtp_parameter_specs, parame
 from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
+from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.weights import load_checkpoint, load_mtp_checkpoint, save_checkpoint
 from deepinfer_core.weights.names import hf_to_native, is_expert_stack
 
@@ -457,3 +458,30 @@ def test_replay_tail_covers_the_mtp_window(tiny_dir: Path) -> None:
     assert FAMILY.replay_tail(cfg, 8, extra_layers=1) == FAMILY.replay_tail(cfg, 8) + W
     runner = _runner(tiny_dir)
     assert runner.replay_tail == FAMILY.replay_tail(cfg, runner.page_size, extra_layers=1)
+
+
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.parametrize("which", ["tiny", "bigram"])
+def test_cuda_mtp_outputs_equal_plain_decoding(tiny_dir: Path, bigram_dir: Path, which: str) -> None:
+    """On the GPU (``cuda_sm100``, CUDA decode and verify graphs, fp32, batch invariant): the MTP
+    drafter's runs give plain decoding's tokens and logprobs bitwise; the pass-through MTP of
+    the bigram model gets its drafts accepted."""
+    model_dir = tiny_dir if which == "tiny" else bigram_dir
+    kw = {"backend": "cuda_sm100", "device": "cuda", "dtype": "float32", "batch_invariant": True}
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, logprobs=2)
+    if which == "bigram":
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(model_dir, **kw).generate(prompts, params)
+    spec = _llm(model_dir, {"drafter": "mtp", "method": "fixed", "max_draft_tokens": 4}, **kw)
+    assert spec.engine.runner.verify_graphs, "no verify graph captured"
+    outs = spec.generate(prompts, params)
+    assert _tokens(outs) == _tokens(ref)
+    assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
+    m = spec.get_metrics()["speculative"]
+    assert m["num_draft_tokens"] > 0
+    if which == "bigram":
+        assert m["acceptance_rate"] > 0.95, m
