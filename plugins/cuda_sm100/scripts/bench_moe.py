@@ -7,7 +7,10 @@ CUDA graph of ``--calls-per-graph`` back-to-back calls, each with its own routin
 overhead is excluded and consecutive calls touch different experts):
 
 * ``triton fp4``: the registered kernels on FP4 e2m1 experts (ue8m0 scales, one per 32 inputs:
-  the checkpoint format kept with ``keep_quantized``);
+  the checkpoint format kept with ``keep_quantized``), in the default ``bf16`` math;
+* ``triton fp4 fp8math``: the same with ``DEEPINFER_MOE_MATH=fp8`` (e2m1 as e4m3, activations
+  quantised per token and 32 inputs to e4m3, e4m3 MMAs; its error against the reference is
+  reported next to the default math's);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
@@ -25,7 +28,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -45,6 +50,32 @@ def random_fp4(e: int, out: int, inp: int, seed: int):
     base = round(float(torch.log2(torch.tensor(1.0 / (3 * inp**0.5)))))
     jitter = torch.randint(-1, 2, (e, out, inp // 32), device="cuda", generator=g)
     return QuantizedTensor(data, torch.exp2((base + jitter).float()).to(UE8M0_DTYPE), "fp4", (1, 32))
+
+
+@contextmanager
+def moe_math(value: str):
+    """``DEEPINFER_MOE_MATH=value`` for the calls (and graph captures) inside."""
+    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV
+
+    old = os.environ.get(MOE_MATH_ENV)
+    os.environ[MOE_MATH_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[MOE_MATH_ENV]
+        else:
+            os.environ[MOE_MATH_ENV] = old
+
+
+def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """``(max |got - want| / max |want|, ||got - want|| / ||want||)``."""
+    got, want = got.float(), want.float()
+    diff = got - want
+    return (
+        float(diff.abs().max() / want.abs().max().clamp(min=1e-6)),
+        float(diff.norm() / want.norm().clamp(min=1e-30)),
+    )
 
 
 def routings(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -82,13 +113,13 @@ def main() -> None:
     gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
-    names = ("triton_fp4", "triton_bf16", "grouped_mm")
+    names = ("triton_fp4", "triton_fp4_fp8math", "triton_bf16", "grouped_mm")
     print(
         f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
         f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
-    head += f" {'fp4 TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9} {'err':>9}"
+    head += f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9} {'err':>9} {'fp8m err':>9}"
     print(head)
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -104,10 +135,16 @@ def main() -> None:
                 x, *routes[j], gate_up_bf16, down_bf16, LIMIT
             ),
         }
-        times = {name: time_graph(fn, args.calls_per_graph, args.replays) for name, fn in calls.items()}
-        got = triton_moe(x, *routes[0], gate_up, down, LIMIT).float()
+        times = {}
+        for name, fn in calls.items():
+            times[name] = time_graph(fn, args.calls_per_graph, args.replays)
+            if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
+                with moe_math("fp8"):
+                    times["triton_fp4_fp8math"] = time_graph(fn, args.calls_per_graph, args.replays)
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
-        err = float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+        err, rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
+        with moe_math("fp8"):
+            fp8_err, fp8_rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
 
         def tbps(us, per_expert, distinct=distinct):
             return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
@@ -120,9 +157,13 @@ def main() -> None:
             "tiles": tile_count(t * k, e, bm),
             **{f"{name}_us": v for name, v in times.items()},
             "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),
+            "triton_fp4_fp8math_weight_TBps": tbps(times["triton_fp4_fp8math"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
+            "fp4_rel_rms_err_vs_reference": rms,
+            "fp4_fp8math_max_rel_err_vs_reference": fp8_err,
+            "fp4_fp8math_rel_rms_err_vs_reference": fp8_rms,
         }
         rows.append(row)
 
@@ -134,14 +175,20 @@ def main() -> None:
             + " ".join(fmt(times[n]) for n in names)
             + "".join(
                 f" {fmt(row[c], 9, '.2f')}"
-                for c in ("triton_fp4_weight_TBps", "triton_bf16_weight_TBps", "grouped_mm_weight_TBps")
+                for c in (
+                    "triton_fp4_weight_TBps",
+                    "triton_fp4_fp8math_weight_TBps",
+                    "triton_bf16_weight_TBps",
+                    "grouped_mm_weight_TBps",
+                )
             )
-            + f" {err:>9.2g}"
+            + f" {err:>9.2g} {fp8_err:>9.2g}"
         )
     import triton
 
     result = {
-        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 / bf16 vs torch._grouped_mm bf16",
+        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / bf16 vs "
+        "torch._grouped_mm bf16",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
@@ -157,7 +204,8 @@ def main() -> None:
         "fp4_expert_bytes": fp4_expert_bytes,
         "bf16_expert_bytes": bf16_expert_bytes,
         "note": "TB/s = bytes of the distinct experts routed to per call / time; each call of a graph "
-        "has its own routing; err = max |triton fp4 - reference on the dequantised experts| / max |ref|",
+        "has its own routing; err = max |triton fp4 - reference on the dequantised experts| / max |ref| "
+        "(rms: ||diff|| / ||ref||), fp8math: DEEPINFER_MOE_MATH=fp8",
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

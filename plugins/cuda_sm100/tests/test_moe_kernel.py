@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,143 @@ def invariance_problems(dtype: torch.dtype, device: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# the fp8 math (DEEPINFER_MOE_MATH=fp8) against an emulation of its quantisation
+
+
+@contextmanager
+def moe_math(value: str):
+    """``DEEPINFER_MOE_MATH=value`` for the calls inside (read at each call)."""
+    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV
+
+    old = os.environ.get(MOE_MATH_ENV)
+    os.environ[MOE_MATH_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[MOE_MATH_ENV]
+        else:
+            os.environ[MOE_MATH_ENV] = old
+
+
+def fp8_quantise(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantisation: ``a [R, K]`` (``K`` a multiple of 32) per row and
+    per 32 inputs to e4m3 with the smallest power-of-two scale ``s`` that keeps ``amax / s <=
+    448``: ``(values [R, K/32, 32] fp32 (e4m3 values), scales [R, K/32] fp32)``."""
+    r, k = a.shape
+    g = a.float().reshape(r, k // 32, 32)
+    bits = g.abs().amax(-1).clamp(min=2.0**-100).view(torch.int32)
+    e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).int()  # the scale's biased exponent
+    scale, inv = (e << 23).view(torch.float32), ((254 - e) << 23).view(torch.float32)
+    return (g * inv[..., None]).to(torch.float8_e4m3fn).float(), scale
+
+
+def _emulated_linear(a: torch.Tensor, w, dtype: torch.dtype) -> torch.Tensor:
+    """``a [R, K] @ w.T`` in float64 as the kernels compute it: the fp8 math (activations
+    quantised, exact e2m1 x e4m3 products, each group of 32 scaled by its activation and weight
+    scales) for the stacks it takes, else the weights dequantised to ``dtype`` (exact products)."""
+    from deepinfer_cuda_sm100.kernels.moe import fp8_math_applies
+
+    from deepinfer_core.weights.quant import unpack_fp4
+
+    if not fp8_math_applies(w):
+        dense = w if isinstance(w, torch.Tensor) else w.dequantize(dtype)
+        return a.double() @ dense.double().T
+    q, sx = fp8_quantise(a)
+    codes = unpack_fp4(w.data).double()  # [N, K]
+    n, k = codes.shape
+    sw = w.scale.float().double().repeat_interleave(w.block[1] // 32, dim=1)  # [N, K/32]
+    part = torch.einsum("rgk,ngk->rng", q.double(), codes.view(n, k // 32, 32))
+    return (part * sx.double()[:, None, :] * sw[None, :, :]).sum(-1)
+
+
+def fp8_math_emulation(x, ids, weights, gate_up, down, limit: float) -> torch.Tensor:
+    """``moe_experts`` as the kernels compute it in the ``fp8`` math (default mode): each pair's
+    GEMMs by :func:`_emulated_linear` and the reference's rounding points (gate / up, ``silu``,
+    ``h`` and the down output rounded to ``x``'s dtype, ``h`` then quantised, the routing weight
+    rounded to it), a token's contributions summed in fp32 in ascending (expert, slot) order."""
+    from deepinfer_core.weights.quant import QuantizedTensor
+
+    def expert(w, e):
+        return w[e] if isinstance(w, torch.Tensor) else QuantizedTensor(w.data[e], w.scale[e], w.fmt, w.block)
+
+    def rnd(v):
+        return v.to(x.dtype).float()
+
+    t, d = x.shape
+    out = torch.zeros(t, d, device=x.device)
+    ids_cpu = ids.cpu()
+    for tok in range(t):
+        acc = torch.zeros(d, device=x.device)
+        for j in sorted(range(ids.shape[1]), key=lambda j: (int(ids_cpu[tok, j]), j)):
+            e = int(ids_cpu[tok, j])
+            gu = _emulated_linear(x[tok : tok + 1].float(), expert(gate_up, e), x.dtype).float()[0]
+            i = gu.shape[0] // 2
+            g = torch.clamp(rnd(gu[:i]), max=limit)
+            u = torch.clamp(rnd(gu[i:]), -limit, limit)
+            h = rnd(rnd(g / (1 + torch.exp(-g))) * u)
+            y = rnd(_emulated_linear(h[None], expert(down, e), x.dtype).float()[0])
+            acc += rnd(y * rnd(weights[tok, j].float()))
+        out[tok] = acc
+    return out.to(x.dtype)
+
+
+FP8_LAUNCHES = (
+    # (label, T, D, I, E, k, gate_up kind, down kind, group)
+    ("decode T=1, ue8m0", 1, 64, 32, 8, 3, "ue8m0", "ue8m0", 32),
+    ("fp32 scales, groups of 64, K not a power of two", 6, 192, 192, 5, 2, "fp32", "fp32", 64),
+    ("tiles of 32 rows", 200, 64, 32, 8, 3, "ue8m0", "fp32", 32),
+    ("fp4 gate_up, plain down", 9, 64, 32, 4, 2, "ue8m0", "plain", 32),
+    ("plain gate_up, fp4 down", 9, 64, 32, 4, 2, "plain", "ue8m0", 32),
+    ("groups of 16: the bf16 math", 5, 64, 32, 4, 2, "ue8m0", "ue8m0", 16),
+)
+
+
+def fp8_math_problems(dtype: torch.dtype, device: str) -> tuple[list[str], list[dict]]:
+    """``DEEPINFER_MOE_MATH=fp8``: each of :data:`FP8_LAUNCHES` against
+    :func:`fp8_math_emulation` (the interpreter: the same quantisation and products, only fp32
+    sums in another order; the GPU: also the e4m3 MMAs' accumulation), and the error of the fp8
+    math against the reference, which must stay bounded (returned per case)."""
+    from deepinfer_core.ops.moe import moe_experts as reference
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    atol, rtol = DEFAULT_TOLERANCES[dtype]
+    if dtype == torch.float32:
+        atol, rtol = (1e-5, 1e-5) if device == "cpu" else (2e-3, 2e-3)
+    impl = _impl()
+    g = torch.Generator().manual_seed(9)
+    problems, errors = [], []
+    for label, t, d, i, e, k, gu_kind, dn_kind, group in FP8_LAUNCHES:
+        gate_up = _experts(g, e, 2 * i, d, 1.5 * d**-0.5, gu_kind, dtype, group)
+        down = _experts(g, e, d, i, i**-0.5, dn_kind, dtype, group)
+        ids, weights = _routing(g, t, e, k)
+        ids[:, 0] = 0  # expert 0 takes every token (several tiles of it past 16 tokens)
+        x = torch.randn(t, d, generator=g).to(dtype)
+        args = [x, ids, weights, gate_up, down, 10.0]
+        args = [a.to(device) if hasattr(a, "to") else a for a in args]
+        with moe_math("fp8"):
+            got = impl.fn(*args).float()
+        with moe_math("bf16"):
+            bf16_math = impl.fn(*args).float()
+        want = fp8_math_emulation(*args).float()
+        exact = reference(*args).float()
+        scale = max(1.0, exact.abs().max().item())
+        if not torch.allclose(got, want, atol=atol * scale, rtol=rtol):
+            problems.append(f"{label}: max abs err {(got - want).abs().max().item():.3g} from the emulation")
+        err = (got - exact).abs().max().item() / scale
+        rms = ((got - exact).norm() / exact.norm().clamp(min=1e-30)).item()
+        errors.append({"case": label, "dtype": str(dtype), "max_err_vs_reference": err, "rel_rms": rms})
+        if err > 0.15:
+            problems.append(f"{label}: the fp8 math is {err:.3g} (of the largest output) off the reference")
+        fp8_taken = any(kind != "plain" and group >= 32 for kind in (gu_kind, dn_kind))
+        if fp8_taken and dtype == torch.float32 and torch.equal(got, bf16_math):
+            problems.append(f"{label}: DEEPINFER_MOE_MATH=fp8 gave the bf16 math's result")
+        if not fp8_taken and not torch.equal(got, bf16_math):
+            problems.append(f"{label}: a stack the fp8 math does not take changed with it")
+    return problems, errors
+
+
+# ---------------------------------------------------------------------------------------------
 # the interpreter child
 
 
@@ -248,6 +386,13 @@ def interpreter_report() -> dict:
     report["invariance"] = invariance_problems(torch.float32, "cpu") + invariance_problems(
         torch.bfloat16, "cpu"
     )
+    report["fp8_math"], report["fp8_math_errors"] = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        problems, errors = fp8_math_problems(dtype, "cpu")
+        report["fp8_math"] += problems
+        report["fp8_math_errors"] += errors
+    with moe_math("fp8"):
+        report["fp8_invariance"] = invariance_problems(torch.bfloat16, "cpu")
     return report
 
 
@@ -296,6 +441,19 @@ def test_interpreter_batch_invariance(report):
     assert not report["invariance"], "\n".join(report["invariance"])
 
 
+@slow
+def test_interpreter_fp8_math_matches_its_emulation(report):
+    """``DEEPINFER_MOE_MATH=fp8``: the kernels against a torch emulation of the same activation
+    quantisation with exact products (tight), and within a bound of the reference."""
+    assert len(report["fp8_math_errors"]) == 2 * len(FP8_LAUNCHES)
+    assert not report["fp8_math"], "\n".join(report["fp8_math"])
+
+
+@slow
+def test_interpreter_fp8_math_is_batch_invariant(report):
+    assert not report["fp8_invariance"], "\n".join(report["fp8_invariance"])
+
+
 # ---------------------------------------------------------------------------------------------
 # launch shapes and supports (no kernel runs)
 
@@ -321,6 +479,44 @@ def test_e2m1_ptx_takes_tiles_of_whole_instances():
     assert moe.e2m1_ptx(32, 32, 4) is (not moe.INTERPRETED)  # exactly 4
     assert moe.e2m1_ptx(16, 32, 4) is False  # 2 bytes a thread: the arithmetic decoding
     assert moe.e2m1_ptx(32, 32, 8) is False
+
+
+def test_moe_math_switch(monkeypatch):
+    """``DEEPINFER_MOE_MATH``: read at each call, ``bf16`` by default, anything else refused."""
+    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV, moe_math
+
+    monkeypatch.delenv(MOE_MATH_ENV, raising=False)
+    assert moe_math() == "bf16"
+    monkeypatch.setenv(MOE_MATH_ENV, " FP8 ")
+    assert moe_math() == "fp8"
+    monkeypatch.setenv(MOE_MATH_ENV, "")
+    assert moe_math() == "bf16"
+    monkeypatch.setenv(MOE_MATH_ENV, "fp4")
+    with pytest.raises(ValueError, match=MOE_MATH_ENV):
+        moe_math()
+
+
+def test_fp8_math_takes_fp4_stacks_in_groups_of_32():
+    from deepinfer_cuda_sm100.kernels.moe import fp8_math_applies
+
+    g = torch.Generator().manual_seed(2)
+    assert fp8_math_applies(_experts(g, 2, 8, 64, 0.1, "ue8m0", torch.bfloat16, 32))
+    assert fp8_math_applies(_experts(g, 2, 8, 128, 0.1, "fp32", torch.bfloat16, 64))
+    assert not fp8_math_applies(_experts(g, 2, 8, 64, 0.1, "ue8m0", torch.bfloat16, 16))
+    assert not fp8_math_applies(_experts(g, 2, 8, 64, 0.1, "plain", torch.bfloat16))
+
+
+def test_fp8_quantise_emulation_bounds():
+    """The emulated activation quantisation: power-of-two scales, ``|value / scale| <= 448``,
+    relative error at most 2**-4 for normal e4m3 values."""
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * torch.logspace(-8, 8, 96)
+    q, s = fp8_quantise(x)
+    assert bool((torch.frexp(s).mantissa == 0.5).all())  # powers of two
+    assert q.abs().amax().item() <= 448 and q.abs().amax(-1).min().item() >= 224  # (224, 448] rounded
+    back = (q * s[..., None]).reshape(5, 96)
+    normal = (x.abs().reshape(5, 3, 32) >= s[..., None] * 2.0**-6).reshape(5, 96)
+    rel = ((back - x).abs() / x.abs())[normal]
+    assert rel.max().item() <= 2.0**-4
 
 
 CPU = {"interpreted": True}
@@ -432,8 +628,22 @@ def _gemm_args(kind: str, dtype: str, first: str) -> dict[str, str]:
         "TOP_K": "i32",
     }
     if first == "gate_up":
-        return common | {"x_ptr": f"*{dtype}", "stride_x": "i32", "h_ptr": f"*{dtype}", "limit": "fp32"}
-    return common | {"h_ptr": f"*{dtype}", "rw_ptr": "*fp32", "stride_rw": "i32", "y_ptr": f"*{dtype}"}
+        return common | {
+            "x_ptr": f"*{dtype}",
+            "stride_x": "i32",
+            "h_ptr": f"*{dtype}",
+            "xq_ptr": "*u8",
+            "xs_ptr": "*fp32",
+            "hs_ptr": "*fp32",
+            "limit": "fp32",
+        }
+    return common | {
+        "h_ptr": f"*{dtype}",
+        "rw_ptr": "*fp32",
+        "stride_rw": "i32",
+        "y_ptr": f"*{dtype}",
+        "hs_ptr": "*fp32",
+    }
 
 
 def _compilable() -> str | None:
@@ -459,31 +669,45 @@ def test_kernels_compile_for_the_gpu(arch):
         {"BLOCK_M": 16, "BINS": 512, "BLOCK_P": 1024},
         arch,
     )
-    configs = (
-        ("ue8m0", "bf16", 16, 4),
-        ("fp32", "fp32", 16, 4),
-        ("plain", "bf16", 64, 8),
-        ("fp32", "fp16", 32, 4),
+    configs = (  # (scales, dtype, rows, warps, fp8 math, h quantised)
+        ("ue8m0", "bf16", 16, 4, False, False),
+        ("fp32", "fp32", 16, 4, False, False),
+        ("plain", "bf16", 64, 8, False, True),  # plain gate_up storing h for an fp8-math down
+        ("fp32", "fp16", 32, 4, False, False),
+        ("ue8m0", "bf16", 16, 4, True, True),  # DEEPINFER_MOE_MATH=fp8 at decode
+        ("fp32", "fp32", 64, 8, True, False),  # ... prefill tiles, fp32 scales, a plain down
     )
-    for kind, dtype, bm, warps in configs:
+    for kind, dtype, bm, warps, fp8, h_fp8 in configs:
         consts = {"D": 4096, "I": 2048, "FP4": kind != "plain", "UE8M0": kind == "ue8m0", "HALF_GROUP": 16}
         consts |= {"BLOCK_M": bm, "BLOCK_N": 64, "BLOCK_K": 64 if kind == "plain" else 128, "FP32_DOT": False}
-        consts |= {"E2M1_PTX": kind != "plain"}
-        down_consts = consts | {"BI_ROUNDING": kind == "ue8m0"}
+        consts |= {"E2M1_PTX": kind != "plain", "FP8_MATH": fp8}
+        down_consts = consts | {"BI_ROUNDING": kind == "ue8m0", "FP8_MATH": fp8 and h_fp8}
         for name, kernel, cs in (
-            ("gate_up", moe._gate_up_kernel, consts),
+            ("gate_up", moe._gate_up_kernel, consts | {"H_FP8": h_fp8}),
             ("down", moe._down_kernel, down_consts),
         ):
-            compiled = _compile(
-                kernel, _gemm_args(kind, dtype, name), cs, arch, num_warps=warps, num_stages=3
-            )
+            args = _gemm_args(kind, dtype, name)
+            if name == "gate_up" and h_fp8 or name == "down" and cs["FP8_MATH"]:
+                args["h_ptr"] = "*u8"  # h as e4m3 codes
+            compiled = _compile(kernel, args, cs, arch, num_warps=warps, num_stages=3)
             ptx = compiled.asm["ptx"]
+            label = f"{name} {kind} {dtype} fp8={cs['FP8_MATH']}"
+            if cs["FP8_MATH"]:  # e4m3 MMAs (wgmma on sm_90, tcgen05 on sm_100), PTX e2m1 -> e4m3
+                assert ".e4m3" in ptx or "kind::f8f6f4" in ptx, f"{label}: no e4m3 MMA"
+                assert "prmt.b32 m, 0xBCB8B080" in ptx, f"{label}: no PTX e2m1 -> e4m3 decoding"
+                continue
             if dtype != "fp32":  # fp32 runs IEEE products (FMA), bf16 / fp16 the tensor cores
-                assert "mma" in ptx, f"{name} {kind} {dtype}: no tensor-core MMA"
+                assert "mma" in ptx, f"{label}: no tensor-core MMA"
             if kind != "plain":  # the e2m1 decoding in PTX (and bf16 x ue8m0: bf16x2 products)
-                assert "prmt.b32 h01, 0xBFBFBF80" in ptx, f"{name} {kind} {dtype}: no PTX decoding"
+                assert "prmt.b32 h01, 0xBFBFBF80" in ptx, f"{label}: no PTX decoding"
                 bf16_products = kind == "ue8m0" and dtype == "bf16"
-                assert ("mul.rn.bf16x2" in ptx) == bf16_products, f"{name} {kind} {dtype}"
+                assert ("mul.rn.bf16x2" in ptx) == bf16_products, label
+    _compile(
+        moe._quantise_kernel,
+        {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*u8", "qs_ptr": "*fp32"},
+        {"D": 4096, "BLOCK_G": 32, "FP32_DOT": False},
+        arch,
+    )
     _compile(
         moe._combine_kernel,
         {"y_ptr": "*bf16", "ids_ptr": "*i64", "stride_ids": "i32", "out_ptr": "*bf16", "stride_out": "i32"}
@@ -577,6 +801,56 @@ def test_gpu_launches_and_layout(dtype):
 def test_gpu_batch_invariance():
     problems = invariance_problems(torch.bfloat16, "cuda") + invariance_problems(torch.float32, "cuda")
     assert not problems, "\n".join(problems)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_fp8_math_launches(dtype):
+    problems, _ = fp8_math_problems(dtype, "cuda")
+    assert not problems, "\n".join(problems)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 16, 64])
+def test_gpu_fp8_math_v4_flash_widths(v4_stacks, tokens):
+    """``DEEPINFER_MOE_MATH=fp8`` at the full V4-Flash widths (64 experts): against the emulation
+    of its quantisation (1% of the largest output: the MMAs' fp32 accumulation, and a bf16
+    rounding of ``h`` it flips moving that value's e4m3 rounding) and the reference (10%)."""
+    from deepinfer_core.ops.moe import moe_experts as reference
+
+    g = torch.Generator().manual_seed(tokens)
+    gate_up, down = (_first(w, 64) for w in v4_stacks)
+    ids, weights = _routing(g, tokens, 64, V4_K)
+    x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16)
+    args = [x.cuda(), ids.cuda(), weights.cuda(), gate_up, down, 10.0]
+    with moe_math("fp8"):
+        got = _impl().fn(*args).float()
+    want = fp8_math_emulation(*args).float()
+    exact = reference(*args).float()
+    scale = exact.abs().max().item()
+    assert scale > 0.1, "degenerate outputs"
+    err = (got - want).abs().max().item()
+    assert err <= 1e-2 * scale, f"max abs err {err:.3g} from the emulation (outputs to {scale:.3g})"
+    err = (got - exact).abs().max().item()
+    assert err <= 0.1 * scale, f"max abs err {err:.3g} from the reference (outputs to {scale:.3g})"
+
+
+@needs_cuda
+def test_gpu_fp8_math_graph_capture(v4_stacks):
+    fn = _impl().fn
+    g = torch.Generator().manual_seed(12)
+    gate_up, down = v4_stacks
+    ids, weights = (v.cuda() for v in _routing(g, 16, 256, V4_K))
+    x = torch.randn(16, V4_D, generator=g).to(torch.bfloat16).cuda()
+    with moe_math("fp8"):
+        fn(x, ids, weights, gate_up, down, 10.0)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = fn(x, ids, weights, gate_up, down, 10.0)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert torch.equal(y, fn(x, ids, weights, gate_up, down, 10.0)), "replay differs from eager"
 
 
 @needs_cuda

@@ -39,6 +39,21 @@ def round_through(x, dtype: tl.constexpr):
     return y
 
 
+@triton.jit
+def round_e4m3(v):
+    """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), kept in fp32.
+
+    For the interpreter, whose fp32 -> e4m3 conversion mis-rounds at binade boundaries (31.07
+    becomes 16).  Normals keep 3 mantissa bits; below 2**-6 the step is 2**-9 (subnormals).
+    """
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + ((bits >> 20) & 1) + 0x7FFFF) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    magic = 24576.0  # 1.5 * 2**14: adding and subtracting it rounds to a multiple of 2**-9
+    sub = (v + magic) - magic
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
 def pow2(n: int) -> int:
     """The smallest power of two >= ``max(n, 1)``."""
     return triton.next_power_of_2(max(int(n), 1))

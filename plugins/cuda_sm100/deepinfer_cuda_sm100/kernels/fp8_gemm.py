@@ -37,6 +37,7 @@ import triton.language as tl
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cast_to, cdiv
+from ._common import round_e4m3 as _round_e4m3
 
 BLOCK_K = 128
 """K tile: one weight-scale block."""
@@ -70,21 +71,6 @@ def launch_shape(m: int, n: int, k: int, invariant: bool = False) -> tuple[int, 
         return bm, bn, splits
     bm, bn = PREFILL_TILE
     return bm, bn, 1
-
-
-@triton.jit
-def _round_e4m3(v):
-    """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), kept in fp32.
-
-    For the interpreter, whose fp32 -> e4m3 conversion mis-rounds at binade boundaries (31.07
-    becomes 16).  Normals keep 3 mantissa bits; below 2**-6 the step is 2**-9 (subnormals).
-    """
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + ((bits >> 20) & 1) + 0x7FFFF) & 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
-    magic = 24576.0  # 1.5 * 2**14: adding and subtracting it rounds to a multiple of 2**-9
-    sub = (v + magic) - magic
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit

@@ -13,7 +13,8 @@ instructions) and, for bf16 activations with ue8m0 scales, one ``mul.rn.bf16x2``
 weights; under Triton's interpreter, which cannot run inline assembly, the same values come
 from arithmetic on an fp16 bit pattern.
 
-Four launches, no host synchronisation (CUDA-graph capturable; shapes decide the grids only):
+Four launches (five in the FP8 math, below), no host synchronisation (CUDA-graph capturable;
+shapes decide the grids only):
 
 1. :func:`_layout_kernel` (one program per expert) sorts the ``P = T * k`` pairs by expert
    into a buffer of ``n_tiles`` tiles of ``BLOCK_M`` rows: each expert's pairs (in pair order
@@ -64,18 +65,53 @@ near ~580 cycles per warp and K step.  Measured before the change on an H200
 bf16 experts 4.3 TB/s.  The FP4 rate with the PTX decoding is to be measured.  (sm_100's native
 ``cvt.rn.bf16x2.e2m1x2`` would cut the decoding further.)
 
+**FP8 math** (opt-in: ``DEEPINFER_MOE_MATH=fp8``, read at each call by :func:`moe_math`; default
+``bf16``, the dequantised-weight math above).  For FP4 stacks whose scale groups are multiples of
+32 inputs (:func:`fp8_math_applies`; the others keep the default math):
+
+* the activations are quantised per token (per pair row for ``h``) and per 32 inputs to e4m3
+  with a power-of-two fp32 scale, the smallest that keeps ``amax / scale <= 448`` (exact
+  division; :func:`_fp8_quantise`): ``x`` by :func:`_quantise_kernel` (a fifth launch), ``h`` by
+  the gate / up kernel's epilogue after its rounding to ``x``'s dtype (codes and scales
+  instead of ``h``);
+* the e2m1 codes become e4m3 codes (every e2m1 value is exact in e4m3) in inline PTX
+  (:data:`_E2M1_E4M3_PTX`: 4 codes in 4 instructions);
+* per group of 32 inputs one e4m3 ``tl.dot`` with the weights as the MMA's M (64 rows) and
+  the tile's rows as its N (an fp8 ``wgmma`` on sm_90, ``tcgen05`` on sm_100: Triton's
+  ``mma.sync`` path would widen e4m3 to fp16), its fp32 result times the group's weight scale
+  times its activation scale added to the fp32 accumulator (:func:`_rows_times_expert_fp8`).
+
+Its results differ from the reference by the activation quantisation: e4m3 keeps 3 mantissa
+bits, so each product is off by up to ``2**-4`` of itself, which does not average down
+relative to a dot product of random signs.  Measured under the interpreter on random data
+(``tests/test_moe_kernel.py``): relative RMS error of the output ~3-5 % and the largest error
+4-8 % of the largest output (the ``bf16`` math: ~0.2 % and ~0.6 % in bf16), as expected of
+e4m3 activations (DeepSeek-V3's FP8 GEMMs quantise activations the same way, per 1x128).
+Offline sm_90 SASS (decode tile, 16 rows, ue8m0, 4 warps, 3 stages): the gate / up main loop
+issues ~655 instructions per 128 inputs (bf16 math: ~580) with 164 registers (bf16 math: 104):
+the e4m3 decoding is cheaper (~6 instructions per 4 weights with the table copies ptxas
+re-materialises, against ~10), but each group of 32 pays a ``wgmma`` wait, fences for its
+shared-memory operand and the accumulator scaling (2 fp32 operations per accumulator element),
+so it is not expected to be faster at decode; to be measured (``scripts/bench_moe.py``'s
+``triton_fp4_fp8math`` column).  Not the default: slower or not, it is outside the op's bf16
+tolerance.
+
 Under Triton's CPU interpreter ``tl.dot`` on bf16 / fp16 operands is unreliable, so operands
 are converted to fp32 (exactly: they are rounded to ``x``'s dtype first) and bf16 stores are
-rounded on the bits (:func:`~._common.cast_to`).
+rounded on the bits (:func:`~._common.cast_to`); the FP8 math's e4m3 values are kept as fp32
+values (rounded by :func:`~._common.round_e4m3`: the interpreter's fp32 -> e4m3 conversion
+mis-rounds) and its group products are explicit fp32 product-sums.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
+from ._common import INTERPRETED, cast_to, cdiv, pow2, round_e4m3, round_through
 
 DECODE_BLOCK_M = 16
 """Rows per tile at decode and in the batch-invariant mode (the smallest ``tl.dot`` M)."""
@@ -92,8 +128,44 @@ COMBINE_BLOCK_D = 1024
 MAX_TOP_K = 16
 """Most experts per token the combine kernel takes (its slots sit in one register tile)."""
 
+MOE_MATH_ENV = "DEEPINFER_MOE_MATH"
+"""Environment variable choosing the FP4 experts' math, read at each call: ``bf16`` (default) or
+``fp8`` (see :func:`moe_math`)."""
+MOE_MATHS = ("bf16", "fp8")
+FP8_GROUP = 32
+"""FP8 math: inputs per activation scale and per ``tl.dot`` (one e4m3 MMA K step)."""
+
 _FP32_DOT = tl.constexpr(INTERPRETED)
 _LAYOUT_BLOCK_P = 1024  # pairs per step of the layout kernel's scans
+_QUANT_BLOCK_G = 32  # groups of 32 inputs per program of the quantisation kernel
+
+
+def moe_math() -> str:
+    """The FP4 experts' math, from :data:`MOE_MATH_ENV` (read now, so a benchmark can flip it
+    between calls; a CUDA graph keeps the math of its capture):
+
+    * ``bf16`` (default): each FP4 weight dequantised to ``x``'s dtype, bitwise the reference's
+      dequantisation, ``tl.dot`` in that dtype, fp32 accumulation;
+    * ``fp8``: e4m3 math (:func:`fp8_math_applies` says for which stacks): the e2m1 codes become
+      e4m3 (exact), the activations are quantised per token and per :data:`FP8_GROUP` inputs
+      to e4m3 with a power-of-two fp32 scale, the e4m3 ``tl.dot`` of each group is scaled by the
+      activation and weight scales and summed in fp32.  Not the reference's numerics: the
+      activation rounding (3 mantissa bits) adds an error of up to ``2**-4`` of each product.
+    """
+    value = os.environ.get(MOE_MATH_ENV, "").strip().lower() or "bf16"
+    if value not in MOE_MATHS:
+        raise ValueError(f"{MOE_MATH_ENV}={value!r}: expected one of {', '.join(MOE_MATHS)}")
+    return value
+
+
+def fp8_math_applies(w) -> bool:
+    """Whether the ``fp8`` math takes the expert stack ``w``: FP4 stacks whose scale groups are
+    whole multiples of :data:`FP8_GROUP` inputs (and whose input count is, then, too); the others
+    keep the ``bf16`` math (an e4m3 MMA takes 32 inputs a step)."""
+    if isinstance(w, torch.Tensor):
+        return False
+    group = w.block[1]
+    return group % FP8_GROUP == 0 and w.shape[-1] % FP8_GROUP == 0
 
 
 def tile_rows(pairs: int, experts: int, batch_invariant: bool) -> int:
@@ -421,6 +493,188 @@ def _rows_times_expert(
 
 
 # ---------------------------------------------------------------------------------------------
+# FP8 math (opt-in: DEEPINFER_MOE_MATH=fp8)
+
+
+# e2m1 to e4m3 in inline PTX: like :data:`_E2M1_BF16_PTX`, one ``prmt`` looks up 4 bytes, here
+# the e4m3 codes of the 8 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: 00 30 38 3C 40 44 48 4C (every
+# one exact), with the sign bit 0x80 set in the table (0xBCB8B080, 0xCCC8C4C0) and cleared
+# again for the positive codes by subtracting 0x80 * s, ``s`` being 1 per byte whose sign bit is
+# clear (0x01 0x01 ... looked up with the raw codes as selectors: a set selector bit 3
+# replicates bit 7 of 0x01, i.e. gives 0).  The four packed bytes $2 (element k in byte k)
+# give their eight codes in input order (n0 .. n7 = lo0 hi0 lo1 hi1 ...: the word's nibbles),
+# which is the order of the result registers' bytes: each result element is a uint16 holding
+# the byte's two e4m3 codes, the low nibble's in its low byte (elements 0, 1 in $0; 2, 3 in
+# $1).  7 integer-pipe instructions and 2 IMADs for 8 values; code 8 gives 0x80 (-0).
+_E2M1_E4M3_PTX = tl.constexpr(
+    """{
+    .reg .b32 x, m, s;
+    cvt.u32.u16 x, $1;
+    and.b32 m, x, 0x7777;
+    prmt.b32 m, 0xBCB8B080, 0xCCC8C4C0, m;
+    prmt.b32 s, 0x01010101, 0x01010101, x;
+    mad.lo.u32 $0, s, -128, m;
+}"""
+)
+_E2M1_E4M3_CONSTRAINTS = tl.constexpr("=r,h")
+
+
+@triton.jit
+def _e2m1_e4m3_ptx(packed):
+    """uint16 ``lo | hi << 8``: the e4m3 codes of the low and the high nibbles of uint8
+    ``packed`` (GPU only: inline PTX, see :data:`_E2M1_E4M3_PTX`)."""
+    return tl.inline_asm_elementwise(
+        _E2M1_E4M3_PTX, _E2M1_E4M3_CONSTRAINTS, [packed], dtype=tl.uint16, is_pure=True, pack=2
+    )
+
+
+@triton.jit
+def _pow2_scale(amax):
+    """``(scale, inv)``: the smallest power of two ``scale`` with ``amax / scale <= 448`` (the
+    largest e4m3 value) and ``1 / scale``, both exact, from the bits of ``amax`` (fp32, >= 0,
+    taken as at least ``2**-100``).  ``amax = 1.f * 2**e``: ``scale = 2**(e - 8)`` while
+    ``1.f <= 1.75`` (``448 = 1.75 * 2**8``), else ``2**(e - 7)``."""
+    bits = tl.maximum(amax, 7.888609052210118e-31).to(tl.uint32, bitcast=True)  # 2**-100
+    e = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.uint32)  # the scale's biased exponent
+    scale = (e << 23).to(tl.float32, bitcast=True)
+    inv = ((254 - e) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _fp8_quantise(v, FP32_DOT: tl.constexpr):
+    """``v [R, 32]`` fp32 quantised per row: ``(q [R, 32], scale [R] fp32)`` with ``v ~ q * scale``:
+    ``q`` the e4m3 rounding of ``v / scale`` (exact but for that rounding: the scale is a power
+    of two, :func:`_pow2_scale`), as uint8 codes (fp32 values under the interpreter, whose
+    fp32 -> e4m3 conversion mis-rounds)."""
+    scale, inv = _pow2_scale(tl.max(tl.abs(v), axis=1))
+    v = v * inv[:, None]
+    if FP32_DOT:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        q = round_e4m3(v)
+    else:
+        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return q, scale
+
+
+@triton.jit
+def _fp8_weights(
+    w_ptr,
+    w_rows,
+    n_ok,
+    k0,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
+):
+    """The FP4 weights of inputs ``k0 .. k0 + 32`` of ``BLOCK_N`` rows as e4m3 in input order,
+    ``[BLOCK_N, 32]`` (fp32 values under the interpreter)."""
+    byte = k0 // 2 + tl.arange(0, 16)
+    mask = n_ok[:, None] & (byte < K // 2)[None, :]
+    packed = tl.load(w_ptr + w_rows[:, None] + byte[None, :], mask=mask, other=0)
+    if E2M1_PTX:
+        codes = _e2m1_e4m3_ptx(packed)  # [BLOCK_N, 16] uint16: two e4m3 codes each
+        lo = (codes & 0xFF).to(tl.uint8)
+        hi = (codes >> 8).to(tl.uint8)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, 32)).to(tl.float8e4nv, bitcast=True)
+    else:
+        w = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BLOCK_N, 32))
+        if not FP32_DOT:  # the GPU on tiles too small for the PTX (exact: e2m1 is in e4m3)
+            w = w.to(tl.float8e4nv)
+    return w
+
+
+@triton.jit
+def _fp8_scales(s_ptr, s_rows, n_ok, k0, K: tl.constexpr, UE8M0: tl.constexpr, HALF_GROUP: tl.constexpr):
+    """The weight scale of inputs ``k0 .. k0 + 32`` of each row, fp32 (0 past ``K``)."""
+    s = tl.load(s_ptr + s_rows + k0 // (2 * HALF_GROUP), mask=n_ok & (k0 < K), other=0)
+    if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
+        s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _fp8_group(acc, w, q, sw, sx, FP32_DOT: tl.constexpr):
+    """``acc + (w @ q) * sw[:, None] * sx[None, :]``: one group of 32 inputs, ``w [N, 32]`` and
+    ``q [32, M]`` e4m3 (exact products, fp32 sums; the interpreter: an explicit product-sum,
+    see :func:`_dot`), scaled by the weight and the activation scales."""
+    if FP32_DOT:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        part = tl.sum(w[:, :, None] * q[None, :, :], axis=1)
+    else:
+        part = tl.dot(w, q)
+    return acc + part * (sw[:, None] * sx[None, :])
+
+
+@triton.jit
+def _rows_times_expert_fp8(
+    q_ptr,
+    q_rows,
+    qs_ptr,
+    qs_rows,
+    a_ok,
+    K: tl.constexpr,
+    w_ptr,
+    w_rows0,
+    w_rows1,
+    s_ptr,
+    s_rows0,
+    s_rows1,
+    n_ok0,
+    n_ok1,
+    UE8M0: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    E2M1_PTX: tl.constexpr,
+):
+    """:func:`_rows_times_expert` for FP4 weights in the ``fp8`` math, on quantised activations:
+    rows ``q_ptr + q_rows`` of e4m3 codes (fp32 values under the interpreter) with one fp32
+    scale per 32 inputs at ``qs_ptr + qs_rows`` (:func:`_fp8_quantise`).  K steps of ``BLOCK_K``
+    inputs, each ``BLOCK_K / 32`` groups of 32 (unrolled): per group the weights' codes in e4m3
+    (:func:`_fp8_weights`), one e4m3 ``tl.dot`` with the weights as the MMA's M (``BLOCK_N``
+    rows) and the tile's rows as its N, scaled by the weight scale times the activation scale
+    and added to an fp32 accumulator ``[BLOCK_N, BLOCK_M]``.  Returns ``[BLOCK_M, BLOCK_N]`` fp32
+    twice, as :func:`_rows_times_expert`."""
+    acc0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for g in tl.static_range(BLOCK_K // 32):
+            kg = k0 + g * 32
+            kk = kg + tl.arange(0, 32)
+            # [32, BLOCK_M], each row's 32 codes contiguous (K-major: an MMA operand as it lands)
+            q_mask = a_ok[None, :] & (kk < K)[:, None]
+            q = tl.load(q_ptr + q_rows[None, :] + kk[:, None], mask=q_mask, other=0)
+            if not FP32_DOT:
+                q = q.to(tl.float8e4nv, bitcast=True)
+            sx = tl.load(qs_ptr + qs_rows + kg // 32, mask=a_ok & (kg < K), other=0.0)
+            w = _fp8_weights(w_ptr, w_rows0, n_ok0, kg, K, BLOCK_N, FP32_DOT, E2M1_PTX)
+            sw = _fp8_scales(s_ptr, s_rows0, n_ok0, kg, K, UE8M0, HALF_GROUP)
+            acc0 = _fp8_group(acc0, w, q, sw, sx, FP32_DOT)
+            w = _fp8_weights(w_ptr, w_rows1, n_ok1, kg, K, BLOCK_N, FP32_DOT, E2M1_PTX)
+            sw = _fp8_scales(s_ptr, s_rows1, n_ok1, kg, K, UE8M0, HALF_GROUP)
+            acc1 = _fp8_group(acc1, w, q, sw, sx, FP32_DOT)
+    return tl.trans(acc0), tl.trans(acc1)
+
+
+@triton.jit
+def _quantise_kernel(
+    x_ptr, stride_x, q_ptr, qs_ptr, D: tl.constexpr, BLOCK_G: tl.constexpr, FP32_DOT: tl.constexpr
+):
+    """Token ``program_id(0)``, groups ``program_id(1) * BLOCK_G ..`` of 32 inputs: ``x``
+    quantised per group (:func:`_fp8_quantise`) into ``q [T, D]`` and ``qs [T, D / 32]``."""
+    t = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    col = grp[:, None] * 32 + tl.arange(0, 32)[None, :]
+    ok = grp < D // 32
+    v = tl.load(x_ptr + t * stride_x + col, mask=ok[:, None], other=0.0).to(tl.float32)
+    q, scale = _fp8_quantise(v, FP32_DOT)
+    tl.store(q_ptr + t * D + col, q, mask=ok[:, None])
+    tl.store(qs_ptr + t * (D // 32) + grp, scale, mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
 # kernels
 
 
@@ -498,6 +752,9 @@ def _gate_up_kernel(
     stride_se,
     stride_sn,
     h_ptr,
+    xq_ptr,
+    xs_ptr,
+    hs_ptr,
     E,
     TOP_K,
     limit,
@@ -511,12 +768,19 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
+    FP8_MATH: tl.constexpr,
+    H_FP8: tl.constexpr,
 ):
-    """Tile ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N``: ``h`` rows."""
+    """Tile ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N``: ``h`` rows.
+
+    ``FP8_MATH``: FP4 weights in the ``fp8`` math (:func:`_rows_times_expert_fp8`) on ``x``
+    quantised (``xq``, ``xs``: :func:`_quantise_kernel`).  ``H_FP8`` (the down GEMM in the
+    ``fp8`` math): ``h`` (rounded to ``x``'s dtype) is stored quantised per 32 columns, codes in
+    ``h_ptr`` and scales in ``hs_ptr`` (``BLOCK_N`` a multiple of 32)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:  # tiles past the used ones read nothing
-        dtype = h_ptr.dtype.element_ty
+        dtype = x_ptr.dtype.element_ty
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         e = expert.to(tl.int64)
         slots = tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -528,15 +792,33 @@ def _gate_up_kernel(
         w_up = w_gate + I * stride_wn
         s_gate = e * stride_se + cols.to(tl.int64) * stride_sn
         s_up = s_gate + I * stride_sn
-        g, u = _rows_times_expert(
-            x_ptr, a_rows, row_ok, D, w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
-            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
-        )  # fmt: skip
+        if FP8_MATH:
+            token = (tl.maximum(pair, 0) // TOP_K).to(tl.int64)
+            g, u = _rows_times_expert_fp8(
+                xq_ptr, token * D, xs_ptr, token * (D // 32), row_ok, D,
+                w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
+                UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
+            )  # fmt: skip
+        else:
+            g, u = _rows_times_expert(
+                x_ptr, a_rows, row_ok, D, w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
+                dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
+            )  # fmt: skip
         g = tl.minimum(round_through(g, dtype), limit)
         u = tl.minimum(tl.maximum(round_through(u, dtype), -limit), limit)
         act = round_through(g / (1.0 + tl.exp(-g)), dtype)
         out = h_ptr + slots[:, None] * I + cols[None, :]
-        tl.store(out, cast_to(act * u, dtype), mask=row_ok[:, None] & n_ok[None, :])
+        h = cast_to(act * u, dtype)
+        if H_FP8:
+            GROUPS: tl.constexpr = BLOCK_N // 32
+            q, scale = _fp8_quantise(tl.reshape(h.to(tl.float32), (BLOCK_M * GROUPS, 32)), FP32_DOT)
+            tl.store(out, tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=row_ok[:, None] & n_ok[None, :])
+            grp = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+            s_out = hs_ptr + slots[:, None] * (I // 32) + grp[None, :]
+            s_mask = row_ok[:, None] & (grp < I // 32)[None, :]
+            tl.store(s_out, tl.reshape(scale, (BLOCK_M, GROUPS)), mask=s_mask)
+        else:
+            tl.store(out, h, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -553,6 +835,7 @@ def _down_kernel(
     rw_ptr,
     stride_rw,
     y_ptr,
+    hs_ptr,
     E,
     TOP_K,
     D: tl.constexpr,
@@ -566,9 +849,11 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
+    FP8_MATH: tl.constexpr,
 ):
     """Tile ``program_id(0)``, model columns ``program_id(1) * 2 * BLOCK_N`` (two blocks of
-    ``BLOCK_N``): the weighted contributions."""
+    ``BLOCK_N``): the weighted contributions (``FP8_MATH``: the ``fp8`` math on ``h`` quantised
+    by :func:`_gate_up_kernel`, codes in ``h_ptr``, scales in ``hs_ptr``)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
@@ -581,11 +866,19 @@ def _down_kernel(
         cols1 = cols + BLOCK_N
         w_rows = e * stride_we + cols.to(tl.int64) * stride_wn
         s_rows = e * stride_se + cols.to(tl.int64) * stride_sn
-        acc0, acc1 = _rows_times_expert(
-            h_ptr, slots * I, row_ok, I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
-            s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols < D, cols1 < D,
-            dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
-        )  # fmt: skip
+        if FP8_MATH:
+            acc0, acc1 = _rows_times_expert_fp8(
+                h_ptr, slots * I, hs_ptr, slots * (I // 32), row_ok, I,
+                w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
+                s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols < D, cols1 < D,
+                UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
+            )  # fmt: skip
+        else:
+            acc0, acc1 = _rows_times_expert(
+                h_ptr, slots * I, row_ok, I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
+                s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols < D, cols1 < D,
+                dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
+            )  # fmt: skip
         p = tl.maximum(pair, 0)
         rw = tl.load(rw_ptr + (p // TOP_K).to(tl.int64) * stride_rw + p % TOP_K, mask=row_ok, other=0.0)
         rw = rw.to(tl.float32)
@@ -708,6 +1001,8 @@ def moe_experts(
         weights = weights.contiguous()
     pairs = t * top_k
     bi = batch_invariant_enabled()
+    fp8 = moe_math() == "fp8"
+    gu_fp8, dn_fp8 = fp8 and fp8_math_applies(gate_up), fp8 and fp8_math_applies(down)
     bm = tile_rows(pairs, num_experts, bi)
     tile_expert, slot_pair = sorted_layout(ids, num_experts, bm)
     n_tiles = tile_expert.shape[0]
@@ -715,14 +1010,28 @@ def moe_experts(
     stages = 1 if INTERPRETED else 3
 
     gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, gu_fp4, gu_ue8m0, gu_half = _weight_args(gate_up)
-    h = torch.empty(n_tiles * bm, inter, dtype=x.dtype, device=x.device)
+    q_dtype = torch.float32 if INTERPRETED else torch.uint8  # e4m3 codes (interpreter: values)
+    xq, xs = x, x  # (unused)
+    if gu_fp8:
+        xq = torch.empty(t, d, dtype=q_dtype, device=x.device)
+        xs = torch.empty(t, d // FP8_GROUP, dtype=torch.float32, device=x.device)
+        _quantise_kernel[(t, cdiv(d // FP8_GROUP, _QUANT_BLOCK_G))](
+            x, x.stride(0), xq, xs, D=d, BLOCK_G=_QUANT_BLOCK_G, FP32_DOT=_FP32_DOT, num_warps=4
+        )
+    if dn_fp8:  # h quantised: codes and one scale per 32 columns
+        h = torch.empty(n_tiles * bm, inter, dtype=q_dtype, device=x.device)
+        hs = torch.empty(n_tiles * bm, inter // FP8_GROUP, dtype=torch.float32, device=x.device)
+    else:
+        h = torch.empty(n_tiles * bm, inter, dtype=x.dtype, device=x.device)
+        hs = h  # (unused)
     bn = max(16, min(BLOCK_N, pow2(inter)))
     bk = max(32, min(FP4_BLOCK_K if gu_fp4 else DENSE_BLOCK_K, pow2(d)))
     _gate_up_kernel[(n_tiles, cdiv(inter, bn))](
-        x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
+        x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h, xq, xs, hs,
         num_experts, top_k, float(limit), D=d, I=inter,
         FP4=gu_fp4, UE8M0=gu_ue8m0, HALF_GROUP=gu_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and gu_fp4, num_warps=warps, num_stages=stages,
+        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and gu_fp4, FP8_MATH=gu_fp8,
+        H_FP8=dn_fp8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
@@ -730,10 +1039,11 @@ def moe_experts(
     bn = max(16, min(BLOCK_N, pow2(d)))
     bk = max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
     _down_kernel[(n_tiles, cdiv(d, 2 * bn))](
-        h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y,
+        h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y, hs,
         num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,
         FP4=dn_fp4, UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and dn_fp4, num_warps=warps, num_stages=stages,
+        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and dn_fp4, FP8_MATH=dn_fp8,
+        num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
     bd = min(COMBINE_BLOCK_D, pow2(d))
