@@ -5,8 +5,10 @@
   hardware backend.
 - drafters ``ngram`` (prompt lookup decoding, no weights) and ``mtp`` (the checkpoint's
   multi-token-prediction layer) for speculative decoding.
-- model type ``deepseek_v4``: the :class:`~deepinfer_core.models.registry.ModelFamily` of
-  :mod:`deepinfer_core.models.deepseek_v4.family`, imported on first use.
+- model types ``deepseek_v4`` and ``deepseek_v41``: the
+  :class:`~deepinfer_core.models.registry.ModelFamily` of
+  :mod:`deepinfer_core.models.deepseek_v4.family` and
+  :mod:`deepinfer_core.models.deepseek_v41.family`, imported on first use.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def _deepseek_v4() -> ModelFamily:
     return importlib.import_module("deepinfer_core.models.deepseek_v4.family").FAMILY
 
 
+def _deepseek_v41() -> ModelFamily:
+    """The DeepSeek-V4.1 model family, imported on first use."""
+    return importlib.import_module("deepinfer_core.models.deepseek_v41.family").FAMILY
+
+
 @hookimpl
 def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None:
     """Register the ``reference`` backend."""
@@ -54,11 +61,16 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
 
 @hookimpl
 def deepinfer_register_models(register: Callable[..., None]) -> None:
-    """Register the DeepSeek-V4 architecture."""
+    """Register the DeepSeek-V4 and DeepSeek-V4.1 architectures."""
     register(
         "deepseek_v4",
         _deepseek_v4,
         description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
+    )
+    register(
+        "deepseek_v41",
+        _deepseek_v41,
+        description="DeepSeek-V4.1 text (causal encoder-decoder, Engram; no DSpark, no packed KV yet)",
     )
 
 

@@ -2,8 +2,8 @@
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
-DeepSeek-V4 checkpoint).  No command prints a traceback: a
-:class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
+DeepSeek-V4 checkpoint, with ``--arch deepseek_v41`` a DeepSeek-V4.1 one).  No command prints a
+traceback: a :class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
 ``error: <message>`` line on stderr with exit status 2; a failed prompt of ``generate`` is shown
 in its place among the results and the status is 1; anything else is a bug, reported as one
 ``error: internal error ...`` line with status 3 (``DEEPINFER_TRACEBACK=1`` re-raises it).
@@ -102,9 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     plug = sub.add_parser("plugins", help="print the loaded plugins as JSON")
     plug.set_defaults(func=_cmd_plugins)
 
-    tiny = sub.add_parser("make-tiny", help="write a tiny random DeepSeek-V4 checkpoint")
+    tiny = sub.add_parser("make-tiny", help="write a tiny random DeepSeek-V4 (or V4.1) checkpoint")
     tiny.add_argument("outdir")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--arch", choices=("deepseek_v4", "deepseek_v41"), default="deepseek_v4", help="the architecture"
+    )
+    tiny.add_argument(
+        "--quantized",
+        action="store_true",
+        help="deepseek_v41 only: MXFP8 (32x32 ue8m0) dense linears and Engram rows, MXFP4 experts",
+    )
     tiny.set_defaults(func=_cmd_make_tiny)
     return parser
 
@@ -359,15 +367,23 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
-    from deepinfer_core.models.deepseek_v4.tiny import make_tiny
+    if args.arch == "deepseek_v41":
+        from deepinfer_core.models.deepseek_v41.tiny import make_tiny
 
+        options = {"fp8_linear": args.quantized, "fp4_experts": args.quantized}
+    else:
+        from deepinfer_core.models.deepseek_v4.tiny import make_tiny
+
+        options = {}
+        if args.quantized:
+            raise ConfigError("make-tiny --quantized: only with --arch deepseek_v41")
     out = Path(args.outdir)
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"make-tiny --seed={args.seed}: must be in [0, 2**63)")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"make-tiny {out}: a file of that name exists; give a directory path")
     try:
-        path = make_tiny(out, seed=args.seed)
+        path = make_tiny(out, seed=args.seed, **options)
     except OSError as e:
         raise ConfigError(f"make-tiny {out}: cannot write the checkpoint there ({e.strerror or e})") from None
     print(path)

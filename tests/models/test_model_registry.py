@@ -129,7 +129,7 @@ def test_unknown_model_type_lists_the_families(tiny_dir, tmp_path):
         resolve_family(llama, plugins)
     message = str(err.value)
     assert "\n" not in message and "'llama'" in message and str(llama / "config.json") in message
-    assert "['deepseek_v4', 'toy_v4']" in message and "plugin" in message
+    assert "['deepseek_v4', 'deepseek_v41', 'toy_v4']" in message and "plugin" in message
     with pytest.raises(ConfigError, match="'llama'"):
         engine_on(llama, core_only_manager())
 

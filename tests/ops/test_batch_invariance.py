@@ -16,6 +16,7 @@ import torch
 from deepinfer_core.ops import OpTable, all_ops, get_op
 from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
+from deepinfer_core.ops.registry import is_extension
 from deepinfer_core.testing import backend_unavailable_reason
 from deepinfer_core.testing.conformance import _to_device
 from deepinfer_core.weights.quant import QuantizedTensor
@@ -186,7 +187,8 @@ def _rows_of(out, i: int):
 
 
 def test_every_batch_invariant_op_has_a_case():
-    marked = {name for name, spec in all_ops().items() if spec.batch_invariant}
+    # extension ops (a plugin's ``namespace.op``) are checked by their plugin's own tests
+    marked = {name for name, spec in all_ops().items() if spec.batch_invariant and not is_extension(name)}
     assert marked == set(CASES)
 
 

@@ -4,7 +4,8 @@ The released checkpoint uses DeepSeek's native names (:mod:`.params`) with block
 sibling tensors ``X.scale``: dense linears MXFP8 (e4m3 with one ue8m0 scale per
 ``quantization_config.weight_block_size`` tile, 32x32), routed experts MXFP4 (packed e2m1 with
 one scale per 32 inputs), Engram tables e4m3 rows with a scale per 32 channels (always kept
-quantised: a step dequantises only the rows it looks up).  Other quantised tensors are
+quantised and, on a CPU device, memory-mapped from the file rather than copied: a step
+dequantises only the rows it looks up).  Other quantised tensors are
 dequantised to the model dtype, or, with ``keep_quantized``, kept as
 :class:`~deepinfer_core.weights.quant.QuantizedTensor` exactly as the V4 loader keeps them (the
 same per-tensor reader is used); per-expert tensors are stacked into ``[E, 2I, D]`` /
@@ -15,10 +16,13 @@ are skipped (:func:`~.params.is_ignored`).
 
 from __future__ import annotations
 
+import json
 import re
+import warnings
 from collections.abc import Collection
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from deepinfer_core.errors import WeightLoadError
@@ -54,12 +58,56 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
+_ST_DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+}
+
+
+def mmap_tensor(path: Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of safetensors file ``path`` as a read-only view of the file mapped into
+    memory (no copy: pages are read when rows are touched), or ``None`` for a dtype not mapped."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(size))[name]
+    dtype = _ST_DTYPES.get(meta["dtype"])
+    if dtype is None:
+        return None
+    begin, end = meta["data_offsets"]
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size + begin, shape=(end - begin,))
+    with warnings.catch_warnings():  # read-only by design: the model never writes its weights
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(data)
+    return flat.view(dtype).view(meta["shape"])
+
+
 def _engram_table(
-    src: TensorSource, name: str, scale_name: str, spec: ParamSpec, path: Path
-) -> QuantizedTensor:
-    """An e4m3 Engram table with one scale per ``g`` channels, kept quantised: only the rows a
-    step looks up are dequantised (``deepseek_v41.engram_rows``)."""
-    data, scale = src.get(name), src.get(scale_name)
+    src: TensorSource,
+    name: str,
+    scale_name: str | None,
+    spec: ParamSpec,
+    path: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> Weight:
+    """An Engram table, memory-mapped from its file on a CPU device (the release's are ~98 GB):
+    e4m3 rows with one scale per ``g`` channels are kept quantised (only the rows a step looks up
+    are dequantised, ``deepseek_v41.engram_rows``); a float table is mapped when stored in the
+    model dtype.  On other devices the table is copied there."""
+    on_cpu = torch.device(device).type == "cpu"
+    mapped = mmap_tensor(path, name) if on_cpu else None
+    if scale_name is None:
+        t = (
+            mapped
+            if mapped is not None and mapped.dtype == dtype
+            else src.get(name).to(device=device, dtype=dtype)
+        )
+        _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
+        return t
+    data = mapped if mapped is not None else src.get(name)
+    scale = src.get(scale_name)
     _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
     if data.dtype != FP8_DTYPE or scale.dim() != 2 or spec.shape[1] % max(scale.shape[1], 1):
         raise WeightLoadError(
@@ -68,7 +116,8 @@ def _engram_table(
         )
     if scale.is_floating_point() and scale.dtype not in (torch.float32, UE8M0_DTYPE):
         scale = scale.float()
-    return QuantizedTensor(data, scale, "fp8", (1, spec.shape[1] // scale.shape[1]))
+    table = QuantizedTensor(data, scale, "fp8", (1, spec.shape[1] // scale.shape[1]))
+    return table if on_cpu else table.to(device)
 
 
 def load_weights(
@@ -143,8 +192,8 @@ def load_weights(
                 if name in direct:
                     target = direct[name]
                     spec = specs[target]
-                    if spec.kind == "engram_table" and name in scales:
-                        result[target] = _engram_table(src, name, scales[name], spec, path).to(device)
+                    if spec.kind == "engram_table":
+                        result[target] = _engram_table(src, name, scales.get(name), spec, path, dtype, device)
                         continue
                     t = _read(src, name, scales.get(name), spec, block, keep)
                     _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)

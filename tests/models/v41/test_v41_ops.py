@@ -127,3 +127,41 @@ def test_hc_mix_collapses_with_the_previous_pre_and_is_batch_invariant():
         part = v41_ops.hc_mix(streams[2:3], prev[2:3], fn, base, scale, 1e-20, 1e-6, 20)
     for a, b in zip(full, part, strict=True):
         assert torch.equal(a[2:3], b)
+
+
+# row-indexed arguments of each batch-invariant op (the others are shared by every row)
+ROW_ARGS = {
+    "hc_mix": (0, 1),
+    "hc_collapse": (0, 1),
+    "candidate_blocks": (0, 1, 3),
+    "engram_hash": (0,),
+    "engram_rows": (1,),
+    "engram_mix": (0, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_ARGS))
+def test_every_batch_invariant_op_gives_a_row_the_same_bits_alone(name):
+    spec = all_ops()[f"deepseek_v41.{name}"]
+    assert spec.batch_invariant
+    for args, kwargs in spec.sample_cases(torch.Generator().manual_seed(7), torch.float32):
+        with batch_invariant_mode():
+            full = spec.reference(*args, **kwargs)
+            outs = full if isinstance(full, tuple) else (full,)
+            for i in range(outs[0].shape[0]):
+                one = list(args)
+                for p in ROW_ARGS[name]:
+                    a = args[p]
+                    one[p] = a.select(torch.tensor([i])) if isinstance(a, PagedIndex) else a[i : i + 1]
+                alone = spec.reference(*one, **kwargs)
+                for o, a in zip(outs, alone if isinstance(alone, tuple) else (alone,), strict=True):
+                    assert torch.equal(o[i : i + 1], a), (name, i)
+
+
+def test_batch_invariant_ops_are_exactly_those_checked():
+    marked = {
+        n.split(".", 1)[1]
+        for n, s in all_ops().items()
+        if n.startswith("deepseek_v41.") and s.batch_invariant
+    }
+    assert marked == set(ROW_ARGS)
