@@ -12,10 +12,16 @@ overhead is excluded):
   runs, with every error printed in full);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight.
 
-Prints a table (us per call, TB/s of weight bytes read, TFLOP/s) and writes JSON (default
+Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
+scaled_mm's time over ours (all points, and M <= 64) and writes JSON (default
 ``benchmarks/results/bench_fp8_gemm.json`` at the repository root).
 
-    python plugins/cuda_sm100/scripts/bench_fp8_gemm.py [--m 1,16,64] [--shapes 4096x1024,...]
+``--sweep``: for each shape at each decode M (<= 64) also time a grid of decode launches
+(tile width 64 / 32 / 16, 1-16 K splits, the splits summed in the kernel; the chosen launch
+also with torch summing them, ``DEEPINFER_FP8_SPLITK=separate``) and print the fastest next to
+the chosen one (JSON ``sweep``): data to tune :func:`launch_config` with.
+
+    python plugins/cuda_sm100/scripts/bench_fp8_gemm.py [--m 1,16,64] [--shapes 4096x1024,...] [--sweep]
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 from collections.abc import Callable
 from pathlib import Path
@@ -175,6 +182,51 @@ def _report(label: str, message: str) -> None:
     print(f"    {label}: {message}")
 
 
+def sweep_decode(x: torch.Tensor, w, calls: int, replays: int) -> dict:
+    """Time a grid of decode launches of ``x @ w.T`` (see the module docstring): ``{"chosen":
+    ..., "chosen_separate_us": ..., "best": ..., "points": [...]}``, each point ``{"block_n",
+    "splits", "warps", "stages", "us"}``."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+
+    m, k = x.shape
+    n = w.data.shape[0]
+    k_blocks = -(-k // fp8_gemm.BLOCK_K)
+    chosen = fp8_gemm.launch_config(m, n, k, sms=fp8_gemm.sm_count(x.device))
+
+    def timed(launch, reduction="fused"):
+        def call(i, launch=launch):
+            return fp8_gemm._run(x, w.data, w.scale, False, 0, launch, reduction)
+
+        return time_graph(call, calls, replays)
+
+    points, seen = [], set()
+    for bn in fp8_gemm.DECODE_BLOCK_NS:
+        for splits in (1, 2, 3, 4, 6, 8, 11, 16):
+            if splits > 1 and -(-k_blocks // splits) < 1:
+                continue
+            real = -(-k_blocks // -(-k_blocks // splits))  # as _run balances them
+            stages = min(fp8_gemm.MAX_STAGES, max(2, -(-k_blocks // real)))
+            launch = fp8_gemm.Launch(16, bn, real, 4, stages)
+            if launch in seen:
+                continue
+            seen.add(launch)
+            points.append({**launch._asdict(), "us": timed(launch)})
+    timed_points = [p for p in points if p["us"] is not None]
+    best = min(timed_points, key=lambda p: p["us"]) if timed_points else None
+    same = [p["us"] for p in points if all(p[key] == value for key, value in chosen._asdict().items())]
+    chosen_us = same[0] if same else timed(chosen)
+    return {
+        "chosen": {**chosen._asdict(), "us": chosen_us},
+        "chosen_separate_us": timed(chosen, "separate") if chosen.splits > 1 else None,
+        "best": best,
+        "points": points,
+    }
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default=TOKENS, help=f"token counts M (default {TOKENS})")
@@ -182,11 +234,12 @@ def main() -> None:
     parser.add_argument("--calls-per-graph", type=int, default=20)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_fp8_gemm.json")
+    parser.add_argument("--sweep", action="store_true", help="also time a grid of decode launches")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
 
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import launch_shape, linear_fp8, linear_fp8_w8a8
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import launch_shape, linear_fp8, linear_fp8_w8a8, sm_count
 
     from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
 
@@ -219,8 +272,12 @@ def main() -> None:
                 )
                 for name, fn in calls.items()
             }
-            err = float((linear_fp8(x, w).float() - (x @ dense.t()).float()).abs().max())
-            bm, bn, splits = launch_shape(m, n, k)
+            try:
+                err = float((linear_fp8(x, w).float() - (x @ dense.t()).float()).abs().max())
+            except Exception as exc:  # reported; the other columns kept
+                print(f"  (triton w8a16 failed: {type(exc).__name__}: {str(exc)[:300]})")
+                err = float("nan")
+            bm, bn, splits = launch_shape(m, n, k, sms=sm_count(x.device))
             t = times["triton_w8a16"]
             weight_bytes = n * k + scale.numel() * 4
             row = {
@@ -248,6 +305,30 @@ def main() -> None:
                 + f" {fmt(row['w8a16_weight_TBps'], 10, '.2f')} {fmt(row['w8a16_TFLOPps'], 10, '.1f')}"
                 + f" {err:>8.3g}"
             )
+            if args.sweep and m <= 64:
+                row["sweep"] = sweep = sweep_decode(x, w, args.calls_per_graph, args.replays)
+                best, chosen = sweep["best"], sweep["chosen"]
+                if best is not None:
+                    print(
+                        f"    sweep: chosen 16x{chosen['block_n']}/{chosen['splits']}"
+                        f" {fmt(chosen['us'], 0)} us (torch-summed splits"
+                        f" {fmt(sweep['chosen_separate_us'], 0)}), fastest"
+                        f" 16x{best['block_n']}/{best['splits']} {best['us']:.1f} us"
+                    )
+    ratios = {
+        label: geomean(
+            [
+                r["scaled_mm_us"] / r["triton_w8a16_us"]
+                for r in rows
+                if keep(r["M"]) and r["scaled_mm_us"] and r["triton_w8a16_us"]
+            ]
+        )
+        for label, keep in (("all", lambda m: True), ("M<=64", lambda m: m <= 64), ("M>64", lambda m: m > 64))
+    }
+    print(
+        "geomean scaled_mm time / triton w8a16 time: "
+        + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in ratios.items())
+    )
     import triton
 
     result = {
@@ -261,6 +342,8 @@ def main() -> None:
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
         "note": "scaled_mm times the GEMM on pre-quantised activations; triton w8a8 quantises in-kernel",
+        "sms": sm_count(torch.device("cuda")),
+        "geomean_scaled_mm_over_triton_w8a16": ratios,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

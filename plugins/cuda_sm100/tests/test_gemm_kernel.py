@@ -9,13 +9,17 @@ part of it.  On the small shapes of :data:`deepinfer_cuda_sm100.cases.SMALL` it 
   cases (the plain-tensor one is refused) and the kernel's (decode and prefill launches,
   float32 and ue8m0 scales, partial edge tiles) in float32, bfloat16 and float16;
 - the batch-invariant mode: every case refused with the reason;
-- the launch shapes: every split count of the decode launch and the prefill launch, against
-  the reference within the op's tolerance;
+- the launch shapes: the decode launch's choices (tile widths 64 / 32 / 16, even and uneven
+  K splits) and the prefill launch, against the reference within the op's tolerance;
+- split-K: explicit launches (several row tiles, each tile width, 2-11 splits, grouped) with
+  the splits summed in the kernel (the tile's last program) and by torch after it, the tile
+  counters back at zero after each call, and the same bits from two calls;
 - the opt-in W8A8 variant against an emulation of its activation quantisation (tight) and
   against the reference (bounded by the quantisation error).
 
-**GPU** (skipped without CUDA): conformance at DeepSeek-V4-Flash shapes, the W8A8 bound and
-the replay of a captured CUDA graph (decode split-K and prefill).
+**GPU** (skipped without CUDA): conformance at DeepSeek-V4-Flash shapes, the W8A8 bound, the
+split-K checks at V4-Flash shapes and the replay of a captured CUDA graph (decode split-K, both
+reductions, and prefill).
 """
 
 from __future__ import annotations
@@ -100,6 +104,63 @@ def launch_problems(dtype: torch.dtype, device: str) -> list[str]:
     return problems
 
 
+SPLIT_LAUNCHES = (
+    # (M, K, N, groups, (BLOCK_N, splits)): row tiles, tile widths, even and uneven splits
+    (1, 1280, 64, 0, (64, 2)),
+    (3, 1280, 96, 0, (32, 3)),  # uneven: 4 + 4 + 2 blocks; N not a multiple of the tile
+    (20, 640, 48, 0, (16, 5)),  # two row tiles, one block a split
+    (64, 1152, 128, 0, (64, 4)),  # four row tiles; 9 blocks in 4 splits: 3 splits of 3 are run
+    (2, 512, 128, 2, (32, 2)),  # grouped: two groups of 128 output rows
+)
+
+
+def split_problems(dtype: torch.dtype, device: str, shapes=SPLIT_LAUNCHES) -> list[str]:
+    """Explicit split-K launches (``shapes``), the splits summed in the kernel and by torch:
+    each within the op's tolerance of the reference, the kernel's sum the same bits on a second
+    call, the tile counters all zero after each call."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+
+    from deepinfer_core.ops.linear import linear as reference
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    atol, rtol = DEFAULT_TOLERANCES[dtype]
+    if dtype == torch.float32 and device != "cpu":
+        atol, rtol = 1e-4, 1e-4  # tf32-free fp32 MMAs, summed in another order
+    g = torch.Generator().manual_seed(5)
+    problems = []
+    for m, k, n, groups, (bn, splits) in shapes:
+        w = _to(_weight(g, n * max(groups, 1), k, "ue8m0" if m % 2 else "fp32"), device)
+        x = torch.randn(m, max(groups, 1), k, generator=g).to(dtype).to(device)
+        x = x if groups else x[:, 0]
+        want = reference(x.reshape(m * max(groups, 1), k), w) if not groups else None
+        if groups:  # group j of x times rows j*n:(j+1)*n of w
+            parts = [reference(x[:, j], _rows(w, j * n, (j + 1) * n)) for j in range(groups)]
+            want = torch.cat(parts, dim=1)
+        want = want.float().reshape(m, -1)
+        launch = fp8_gemm.Launch(16, bn, splits, 4, 3)
+        label = f"M={m} K={k} N={n} groups={groups} tile 16x{bn}, {splits} splits"
+        for reduction in ("fused", "separate"):
+            got = fp8_gemm._run(x, w.data, w.scale, False, groups, launch, reduction).float().reshape(m, -1)
+            if not torch.allclose(got, want, atol=atol, rtol=rtol):
+                err = (got - want).abs().max().item()
+                problems.append(f"{label}, {reduction}: max abs err {err:.3g}")
+            if reduction == "fused":
+                again = fp8_gemm._run(x, w.data, w.scale, False, groups, launch, reduction).float()
+                if not torch.equal(again.reshape(m, -1), got):
+                    problems.append(f"{label}: a second call gave other bits")
+            busy = [int(c.count_nonzero()) for c in fp8_gemm._COUNTERS.values()]
+            if any(busy):
+                problems.append(f"{label}, {reduction}: {sum(busy)} tile counters left non-zero")
+    return problems
+
+
+def _rows(w, start: int, stop: int):
+    """Rows ``start:stop`` of a 128x128-block FP8 weight (whole scale blocks)."""
+    from deepinfer_core.weights.quant import QuantizedTensor
+
+    return QuantizedTensor(w.data[start:stop], w.scale[start // 128 : -(-stop // 128)], w.fmt, w.block)
+
+
 def _emulated_w8a8(x: torch.Tensor, w) -> torch.Tensor:
     """The W8A8 product in float32: x quantised per (row, 128 channels), amax / 448 scales."""
     m, k = x.shape
@@ -154,6 +215,7 @@ def interpreter_report() -> dict:
     report: dict = {"interpreted": _common.INTERPRETED}
     report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16, torch.float16))
     report["launches"] = launch_problems(torch.float32, "cpu") + launch_problems(torch.bfloat16, "cpu")
+    report["splits"] = split_problems(torch.float32, "cpu") + split_problems(torch.bfloat16, "cpu")
     report["w8a8"] = w8a8_problems("cpu")
     return report
 
@@ -200,6 +262,11 @@ def test_interpreter_launch_shapes(report):
 
 
 @slow
+def test_interpreter_split_k(report):
+    assert not report["splits"], "\n".join(report["splits"])
+
+
+@slow
 def test_interpreter_w8a8_error_is_bounded(report):
     assert not report["w8a8"], "\n".join(report["w8a8"])
 
@@ -208,14 +275,62 @@ def test_interpreter_w8a8_error_is_bounded(report):
 # launch shapes and supports (no kernel runs)
 
 
-def test_launch_shape_depends_on_static_shapes_only():
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, MAX_SPLITS, launch_shape
+V4_FLASH_PROJECTIONS = ((4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096))
+"""``(K, N)`` of DeepSeek-V4-Flash's FP8 projections (the benchmark's shapes)."""
 
-    assert launch_shape(1, 1024, 4096) == (16, 64, 8)  # 16 N tiles: split K eight ways
-    assert launch_shape(DECODE_MAX_M, 32768, 1024) == (16, 64, 1)  # 512 N tiles: no split
-    assert launch_shape(16, 512, 4096)[2] == MAX_SPLITS
+
+def test_launch_shape_depends_on_static_shapes_only():
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, launch_shape
+
+    assert launch_shape(1, 1024, 4096) == (16, 32, 11)  # 32 tiles x 11 splits of 3 blocks
+    assert launch_shape(DECODE_MAX_M, 32768, 1024) == (16, 64, 1)  # 2048 tiles: no split
+    assert launch_shape(1, 512, 4096) == (16, 16, 11)  # the narrowest tile
     assert launch_shape(1, 64, 128)[2] == 1  # one K block: nothing to split
+    assert launch_shape(1, 64, 256)[2] == 1  # two: a split would hold one
     assert launch_shape(DECODE_MAX_M + 1, 1024, 4096) == (64, 128, 1)  # prefill
+
+
+@pytest.mark.parametrize("sms", [132, 148, 78])
+def test_decode_launch_fills_the_gpu(sms):
+    """At M <= 64 every V4-Flash projection runs >= 2 programs per SM, K splits of >= 2 blocks
+    of 128 (but the last), the fewest splits that get there at the widest tile that does."""
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import (
+        BLOCK_K,
+        DECODE_BLOCK_NS,
+        MAX_STAGES,
+        MIN_SPLIT_BLOCKS,
+        PROGRAMS_PER_SM,
+        launch_config,
+    )
+
+    for m in (1, 2, 16, 17, 64):
+        for k, n in V4_FLASH_PROJECTIONS:
+            bm, bn, splits, warps, stages = launch_config(m, n, k, sms=sms)
+            k_blocks = -(-k // BLOCK_K)
+            per_split = -(-k_blocks // splits)
+            programs = -(-m // bm) * -(-n // bn) * splits
+            label = f"M={m} K={k} N={n} on {sms} SMs: 16x{bn}, {splits} splits, {programs} programs"
+            assert (bm, warps) == (16, 4) and bn in DECODE_BLOCK_NS and 128 % bn == 0, label
+            assert programs >= PROGRAMS_PER_SM * sms, label
+            assert splits == 1 or per_split >= MIN_SPLIT_BLOCKS, label
+            assert -(-k_blocks // per_split) == splits, label  # balanced: no empty split
+            assert 2 <= stages <= MAX_STAGES, label
+            if splits > 1 and bn == DECODE_BLOCK_NS[0]:  # no fewer balanced splits would do
+                for fewer in range(1, splits):
+                    balanced = -(-k_blocks // -(-k_blocks // fewer))
+                    assert -(-m // bm) * -(-n // bn) * balanced < PROGRAMS_PER_SM * sms, label
+
+
+def test_split_reduction_switch(monkeypatch):
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import SPLITK_ENV, split_reduction
+
+    monkeypatch.delenv(SPLITK_ENV, raising=False)
+    assert split_reduction() == "fused"
+    monkeypatch.setenv(SPLITK_ENV, "Separate")
+    assert split_reduction() == "separate"
+    monkeypatch.setenv(SPLITK_ENV, "atomic")
+    with pytest.raises(ValueError, match=SPLITK_ENV):
+        split_reduction()
 
 
 def test_batch_invariant_launch_shape_ignores_m():
@@ -274,6 +389,64 @@ def test_supports_refuses_with_reasons():
 
 
 # ---------------------------------------------------------------------------------------------
+# compile for the GPU (no GPU needed)
+
+
+def _compilable() -> str | None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return "Triton's NVIDIA backend is not installed"
+    return None
+
+
+@slow
+@pytest.mark.skipif(_compilable() is not None, reason=_compilable() or "")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernel_compiles_for_the_gpu(arch):
+    """The decode launches (each tile width; splits summed in the kernel: one acq_rel atomic per
+    program, L2 reads of the partials; or by torch), prefill, W8A8 compile for sm_90 / sm_100."""
+    import triton
+    import triton.language as tl
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = fp8_gemm._fp8_gemm_kernel
+    args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32"}
+    args |= {"cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xg": "i32"}
+    args |= {"stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_split": "i32"}
+    aligned = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_split"}  # as the launcher sees them
+    names = list(fn.arg_names)
+    attrs = {
+        (names.index(a),): [["tt.divisibility", 16]] for a, ty in args.items() if ty[0] == "*" or a in aligned
+    }
+    configs = (  # (BLOCK_M, BLOCK_N, fused splits, W8A8, warps, stages)
+        (16, 64, 5, False, 4, 4),
+        (16, 32, 11, False, 4, 3),
+        (16, 16, 11, True, 4, 3),
+        (16, 64, 1, False, 4, 3),
+        (64, 128, 1, False, 8, 3),
+        (64, 64, 1, True, 8, 3),
+    )
+    for bm, bn, fused, w8a8, warps, stages in configs:
+        consts = {"K_BLOCKS_PER_SPLIT": 3, "FUSED_SPLITS": fused, "GROUP_N": 1024, "W8A8": w8a8}
+        consts |= {"out_dtype": tl.bfloat16, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128}
+        consts |= {"SCALE_BLOCK": 128, "FP32_DOT": False}
+        signature = {name: args.get(name, "constexpr") for name in names}
+        src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+        target = GPUTarget("cuda", arch, 32)
+        ptx = triton.compile(src, target=target, options={"num_warps": warps, "num_stages": stages}).asm[
+            "ptx"
+        ]
+        label = f"{bm}x{bn} fused={fused} w8a8={w8a8} sm_{arch}"
+        assert ("atom.global.gpu.acq_rel.add" in ptx) == (fused > 1), label
+        assert ("ld.global.cg" in ptx) == (fused > 1), label
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 
 needs_cuda = pytest.mark.skipif(
@@ -301,14 +474,37 @@ def test_gpu_launch_shapes(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_split_k(dtype):
+    """The split-K checks on explicit launches, and at V4-Flash shapes with the decode launch's
+    own choice (several tile widths and split counts on this GPU's SM count)."""
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import launch_shape, sm_count
+
+    sms = sm_count(torch.device("cuda"))
+    v4 = []
+    for m in (1, 16, 64):
+        for k, n in V4_FLASH_PROJECTIONS:
+            bm, bn, splits = launch_shape(m, n, k, sms=sms)
+            if splits > 1:
+                v4.append((m, k, n, 0, (bn, splits)))
+    assert v4, "no V4-Flash shape splits K"
+    problems = split_problems(dtype, "cuda") + split_problems(dtype, "cuda", tuple(v4))
+    assert not problems, "\n".join(problems)
+
+
+@needs_cuda
 def test_gpu_w8a8_error_is_bounded():
     problems = w8a8_problems("cuda")
     assert not problems, "\n".join(problems)
 
 
 @needs_cuda
+@pytest.mark.parametrize("reduction", ["fused", "separate"])
 @pytest.mark.parametrize("m", [1, 16, 64, 128])
-def test_gpu_graph_replay(m):
+def test_gpu_graph_replay(m, reduction, monkeypatch):
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import SPLITK_ENV
+
+    monkeypatch.setenv(SPLITK_ENV, reduction)
     fn = _impl().fn
     g = torch.Generator().manual_seed(6)
     for k, n in ((4096, 1024), (4096, 512), (2048, 4096)):
@@ -319,7 +515,7 @@ def test_gpu_graph_replay(m):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             y = fn(x, w)
-        for replay in range(2):
+        for replay in range(3):
             x.copy_(torch.randn(m, k, device="cuda"))
             graph.replay()
             assert torch.equal(y, fn(x, w)), f"M={m} K={k} N={n}, replay {replay}: differs from eager"

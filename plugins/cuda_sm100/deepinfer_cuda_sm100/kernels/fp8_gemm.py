@@ -8,10 +8,17 @@ its weight scale (one per ``(n-block, k-block)``: ``BLOCK_N`` divides 128, so a 
 scale) before it is added (DeepGEMM's promotion).  Partial edge tiles (K or N not a multiple
 of 128) are masked.  The output is in ``x``'s dtype.
 
-Launch shapes, from static shapes only (CUDA-graph capturable, no host syncs):
+Launch shapes, from static shapes and the device's SM count only (CUDA-graph capturable, no
+host syncs; :func:`launch_config`):
 
-* decode (``M <= 64``): ``16 x 64`` tiles, many programs over N; split-K over a fixed number
-  of K ranges (chosen from N and K) into an fp32 workspace, summed in a fixed order;
+* decode (``M <= 64``): ``16 x BLOCK_N`` tiles, ``BLOCK_N`` 64, 32 or 16 (the widest that gets
+  there), K split into ``splits`` ranges of whole 128-blocks, at least 2 each (the last may be
+  shorter), so that about :data:`PROGRAMS_PER_SM` programs per SM run: the fewest splits that
+  reach ``2 x SMs`` programs (every DeepSeek-V4-Flash projection does at M <= 64 on 132 SMs);
+  4 warps, up to 4 pipeline stages.  The splits' fp32 partial products go to a workspace; the
+  last program of a tile to arrive (an atomic counter per tile, reset by that program) sums
+  them in split order (deterministic) and stores the output: one launch.  ``DEEPINFER_FP8_SPLITK=
+  separate`` (read at each call) sums them with torch after the launch instead (two more launches);
 * prefill (``M > 64``): ``64 x 128`` tiles, no split.
 
 The choice depends on M; in batch-invariant mode every call takes the one launch shape
@@ -30,6 +37,10 @@ are converted to fp32 first (exact), and bf16 stores are rounded on the bits (:f
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -44,33 +55,111 @@ BLOCK_K = 128
 SCALE_BLOCK = 128
 DECODE_MAX_M = 64
 """The largest ``M`` that takes the decode launch (split-K over many programs)."""
-DECODE_TILE = (16, 64)
+DECODE_BLOCK_M = 16
+DECODE_BLOCK_NS = (64, 32, 16)
+"""Decode tile widths, in order of preference (each divides the 128-row scale block)."""
+MIN_SPLIT_BLOCKS = 2
+"""Decode: K blocks (of 128) per split at least (but the last split's)."""
+PROGRAMS_PER_SM = 2
+"""Decode: split K (and narrow the tiles) until this many programs per SM run."""
+DEFAULT_SMS = 132
+"""SM count taken off the GPU (the interpreter, unit tests): an H100 / H200's."""
+MAX_STAGES = 4
 PREFILL_TILE = (64, 128)
 INVARIANT_TILE = (64, 64)
 """The batch-invariant mode's tile: one launch shape for every M, K walked from 0 (no split)."""
-MAX_SPLITS = 8
-TARGET_PROGRAMS = 264
-"""Decode: split K until about this many programs run (two per SM of an H200)."""
+SPLITK_ENV = "DEEPINFER_FP8_SPLITK"
+"""``fused`` (default: the last program of a tile sums the splits) or ``separate`` (torch sums
+them after the launch), read at each call."""
 
 _FP32_DOT = tl.constexpr(INTERPRETED)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_COUNTER_SLOTS = 1 << 16  # split-K tile counters per (device, stream) buffer (grown if short)
+_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
-def launch_shape(m: int, n: int, k: int, invariant: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_M, BLOCK_N, splits)`` for an ``[m, k] x [k, n]`` GEMM (shapes only); with
-    ``invariant`` (batch-invariant mode) :data:`INVARIANT_TILE` and no split, whatever ``m``."""
+class Launch(NamedTuple):
+    """A launch of :func:`_fp8_gemm_kernel`: tile, K splits, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    splits: int
+    warps: int
+    stages: int
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The SM count of ``device`` (cached), :data:`DEFAULT_SMS` off the GPU."""
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _balanced_splits(k_blocks: int, want: int) -> int:
+    """The fewest splits, at least ``want``, of ``k_blocks`` into equal ranges of at least
+    :data:`MIN_SPLIT_BLOCKS` blocks (but the last), or the most such ranges there are."""
+    most = max(1, cdiv(k_blocks, MIN_SPLIT_BLOCKS)) if k_blocks >= 2 * MIN_SPLIT_BLOCKS else 1
+    for splits in range(max(1, want), most + 1):
+        got = cdiv(k_blocks, cdiv(k_blocks, splits))  # equal ranges: this many are non-empty
+        if got >= want:
+            return got
+    return most
+
+
+def launch_config(m: int, n: int, k: int, invariant: bool = False, sms: int = DEFAULT_SMS) -> Launch:
+    """The :class:`Launch` of an ``[m, k] x [k, n]`` GEMM on ``sms`` SMs (shapes only; see the
+    module docstring); with ``invariant`` (batch-invariant mode) :data:`INVARIANT_TILE` and no
+    split, whatever ``m``."""
+    stages = 1 if INTERPRETED else 3
     if invariant:
-        return (*INVARIANT_TILE, 1)
+        return Launch(*INVARIANT_TILE, 1, 8, stages)
+    if m > DECODE_MAX_M:
+        return Launch(*PREFILL_TILE, 1, 8, stages)
     k_blocks = cdiv(k, BLOCK_K)
-    if m <= DECODE_MAX_M:
-        bm, bn = DECODE_TILE
-        tiles = cdiv(n, bn)
-        splits = 1
-        while splits * 2 <= min(MAX_SPLITS, k_blocks) and tiles * splits * 2 <= TARGET_PROGRAMS:
-            splits *= 2
-        return bm, bn, splits
-    bm, bn = PREFILL_TILE
-    return bm, bn, 1
+    target = PROGRAMS_PER_SM * sms
+    m_tiles = cdiv(m, DECODE_BLOCK_M)
+    for bn in DECODE_BLOCK_NS:
+        tiles = m_tiles * cdiv(n, bn)
+        splits = _balanced_splits(k_blocks, cdiv(target, tiles))
+        if tiles * splits >= target:
+            break
+    per_split = cdiv(k_blocks, splits)
+    stages = 1 if INTERPRETED else min(MAX_STAGES, max(2, per_split))
+    return Launch(DECODE_BLOCK_M, bn, splits, 4, stages)
+
+
+def launch_shape(
+    m: int, n: int, k: int, invariant: bool = False, sms: int = DEFAULT_SMS
+) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, splits)`` of :func:`launch_config`."""
+    return launch_config(m, n, k, invariant, sms)[:3]
+
+
+def split_reduction() -> str:
+    """How split-K partial products are summed: ``fused`` (default) or ``separate``
+    (:data:`SPLITK_ENV`)."""
+    value = os.environ.get(SPLITK_ENV, "").strip().lower() or "fused"
+    if value not in ("fused", "separate"):
+        raise ValueError(f"{SPLITK_ENV}={value!r}: expected fused or separate")
+    return value
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per output tile, for the fused split-K reduction: a buffer per
+    (device, stream) kept between calls (each counting program resets its counter to 0, so
+    launches on one stream can share it; launches on different streams get their own)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, _COUNTER_SLOTS), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 @triton.jit
@@ -79,6 +168,8 @@ def _fp8_gemm_kernel(
     w_ptr,
     s_ptr,
     y_ptr,
+    ws_ptr,
+    cnt_ptr,
     M,
     N,
     K,
@@ -89,6 +180,7 @@ def _fp8_gemm_kernel(
     stride_ym,
     stride_split,
     K_BLOCKS_PER_SPLIT: tl.constexpr,
+    FUSED_SPLITS: tl.constexpr,
     GROUP_N: tl.constexpr,
     W8A8: tl.constexpr,
     out_dtype: tl.constexpr,
@@ -140,19 +232,43 @@ def _fp8_gemm_kernel(
             else:
                 part = tl.dot(x, w.to(x.dtype))
             acc += part * w_scale
-    out = y_ptr + pid_s * stride_split + rows[:, None] * stride_ym + cols[None, :]
+    offs = rows[:, None] * stride_ym + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if out_dtype == tl.float32:
-        tl.store(out, acc, mask=mask)
+    if FUSED_SPLITS > 1:
+        # split-K in one launch: the partial product to the workspace; the tile's last program to
+        # arrive sums the tile's FUSED_SPLITS partials in split order (deterministic), stores
+        # the output and resets the tile's counter for the next launch
+        tl.store(ws_ptr + pid_s * stride_split + offs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == FUSED_SPLITS - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(FUSED_SPLITS):  # .cg: from L2, where the other programs' stores are
+                total += tl.load(ws_ptr + s * stride_split + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + offs, cast_to(total, out_dtype), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
     else:
-        tl.store(out, cast_to(acc, out_dtype), mask=mask)
+        out = y_ptr + pid_s * stride_split + offs
+        if out_dtype == tl.float32:
+            tl.store(out, acc, mask=mask)
+        else:
+            tl.store(out, cast_to(acc, out_dtype), mask=mask)
 
 
 def _run(
-    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, w8a8: bool, groups: int = 0
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    w8a8: bool,
+    groups: int = 0,
+    launch: Launch | None = None,
+    reduction: str | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T`` (``groups == 0``), or with ``groups`` G: ``x [T, G, K]``, group ``g``
-    of x times rows ``g*N:(g+1)*N`` of W, out ``[T, G*N]`` (one launch for every group)."""
+    of x times rows ``g*N:(g+1)*N`` of W, out ``[T, G*N]`` (one launch for every group).
+    ``launch`` / ``reduction`` override :func:`launch_config` / :func:`split_reduction` (the
+    benchmark's sweep, the tests)."""
     k = x.shape[-1]
     n = data.shape[0]
     lead = x.shape[:-1] if not groups else x.shape[:1]
@@ -171,18 +287,28 @@ def _run(
     if scale.dtype != torch.float32:  # ue8m0: a bare power of two, exact in fp32
         scale = scale.float()
     scale = scale.contiguous()
-    bm, bn, splits = launch_shape(m, n, k, invariant=batch_invariant_enabled())
+    if launch is None:
+        launch = launch_config(m, n, k, invariant=batch_invariant_enabled(), sms=sm_count(x.device))
+    bm, bn, splits, warps, stages = launch
     k_blocks = cdiv(k, BLOCK_K)
     per_split = cdiv(k_blocks, splits)
     splits = cdiv(k_blocks, per_split)
-    target = y if splits == 1 else torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-    out_dtype = _TL_DTYPES[x.dtype] if splits == 1 else tl.float32
     grid = (cdiv(m, bm), cdiv(n, bn), splits)
+    fused = splits > 1 and (reduction or split_reduction()) == "fused"
+    target, ws, counters, out_dtype = y, y, y, _TL_DTYPES[x.dtype]
+    if splits > 1:
+        ws = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
+        if fused:
+            counters = _counters(x.device, grid[0] * grid[1])
+        else:
+            target, out_dtype = ws, tl.float32
     _fp8_gemm_kernel[grid](
         x2,
         data,
         scale,
         target,
+        ws,
+        counters,
         m,
         n,
         k,
@@ -193,6 +319,7 @@ def _run(
         n,
         m * n,
         per_split,
+        FUSED_SPLITS=splits if fused else 1,
         GROUP_N=group_n,
         W8A8=w8a8,
         out_dtype=out_dtype,
@@ -201,11 +328,11 @@ def _run(
         BLOCK_K=BLOCK_K,
         SCALE_BLOCK=SCALE_BLOCK,
         FP32_DOT=_FP32_DOT,
-        num_warps=4 if bm * bn <= 16 * 64 else 8,
-        num_stages=1 if INTERPRETED else 3,
+        num_warps=warps,
+        num_stages=1 if INTERPRETED else stages,
     )
-    if splits > 1:
-        y.copy_(target.sum(0))  # fixed order over the splits; rounds once to x's dtype
+    if splits > 1 and not fused:
+        y.copy_(ws.sum(0))  # fixed order over the splits; rounds once to x's dtype
     return y.reshape(*lead, n)
 
 
