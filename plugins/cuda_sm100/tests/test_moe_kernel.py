@@ -479,6 +479,9 @@ def test_e2m1_ptx_takes_tiles_of_whole_instances():
     assert moe.e2m1_ptx(32, 32, 4) is (not moe.INTERPRETED)  # exactly 4
     assert moe.e2m1_ptx(16, 32, 4) is False  # 2 bytes a thread: the arithmetic decoding
     assert moe.e2m1_ptx(32, 32, 8) is False
+    assert moe.fp8_e2m1_ptx(64, 4) is (not moe.INTERPRETED)  # fp8 math: 16 bytes a row, 2 an instance
+    assert moe.fp8_e2m1_ptx(16, 4) is (not moe.INTERPRETED)
+    assert moe.fp8_e2m1_ptx(16, 8) is False
 
 
 def test_moe_math_switch(monkeypatch):

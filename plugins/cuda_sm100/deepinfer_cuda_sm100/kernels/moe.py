@@ -191,6 +191,12 @@ def e2m1_ptx(block_n: int, block_k: int, warps: int) -> bool:
     return not INTERPRETED and block_n * block_k // 2 >= 4 * 32 * warps
 
 
+def fp8_e2m1_ptx(block_n: int, warps: int) -> bool:
+    """:func:`e2m1_ptx` for the ``fp8`` math, whose steps load ``BLOCK_N x 16`` packed bytes (a
+    group of 32 inputs) and whose PTX takes them two at a time."""
+    return not INTERPRETED and block_n * 16 >= 2 * 32 * warps
+
+
 def tile_count(pairs: int, experts: int, block_m: int) -> int:
     """Tiles of the sorted layout: a bound on ``sum_e ceil(count_e / block_m)`` from shapes."""
     return (pairs + (block_m - 1) * min(experts, pairs)) // block_m
@@ -1030,7 +1036,8 @@ def moe_experts(
         x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h, xq, xs, hs,
         num_experts, top_k, float(limit), D=d, I=inter,
         FP4=gu_fp4, UE8M0=gu_ue8m0, HALF_GROUP=gu_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and gu_fp4, FP8_MATH=gu_fp8,
+        FP32_DOT=_FP32_DOT, FP8_MATH=gu_fp8,
+        E2M1_PTX=(fp8_e2m1_ptx(bn, warps) if gu_fp8 else e2m1_ptx(bn, bk, warps)) and gu_fp4,
         H_FP8=dn_fp8, num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
@@ -1042,7 +1049,8 @@ def moe_experts(
         h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y, hs,
         num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,
         FP4=dn_fp4, UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        FP32_DOT=_FP32_DOT, E2M1_PTX=e2m1_ptx(bn, bk, warps) and dn_fp4, FP8_MATH=dn_fp8,
+        FP32_DOT=_FP32_DOT, FP8_MATH=dn_fp8,
+        E2M1_PTX=(fp8_e2m1_ptx(bn, warps) if dn_fp8 else e2m1_ptx(bn, bk, warps)) and dn_fp4,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
