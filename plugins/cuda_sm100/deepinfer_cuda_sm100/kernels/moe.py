@@ -76,10 +76,11 @@ bf16 experts 4.3 TB/s.  The FP4 rate with the PTX decoding is to be measured.  (
   instead of ``h``);
 * the e2m1 codes become e4m3 codes (every e2m1 value is exact in e4m3) in inline PTX
   (:data:`_E2M1_E4M3_PTX`: 4 codes in 4 instructions);
-* per group of 32 inputs one e4m3 ``tl.dot`` with the weights as the MMA's M (64 rows) and
-  the tile's rows as its N (an fp8 ``wgmma`` on sm_90, ``tcgen05`` on sm_100: Triton's
-  ``mma.sync`` path would widen e4m3 to fp16), its fp32 result times the group's weight scale
-  times its activation scale added to the fp32 accumulator (:func:`_rows_times_expert_fp8`).
+* K steps of 128 inputs, 4 groups of 32, each one e4m3 ``tl.dot`` with the weights as the
+  MMA's M (64 rows) and the tile's rows as its N (an fp8 ``wgmma`` on sm_90, ``tcgen05`` on
+  sm_100: Triton's ``mma.sync`` path would widen e4m3 to fp16), its fp32 result times the
+  group's weight scale times its activation scale added to the fp32 accumulator
+  (:func:`_rows_times_expert_fp8`).
 
 Its results differ from the reference by the activation quantisation: e4m3 keeps 3 mantissa
 bits, so each product is off by up to ``2**-4`` of itself, which does not average down
@@ -88,13 +89,16 @@ relative to a dot product of random signs.  Measured under the interpreter on ra
 4-8 % of the largest output (the ``bf16`` math: ~0.2 % and ~0.6 % in bf16), as expected of
 e4m3 activations (DeepSeek-V3's FP8 GEMMs quantise activations the same way, per 1x128).
 Offline sm_90 SASS (decode tile, 16 rows, ue8m0, 4 warps, 3 stages): the gate / up main loop
-issues ~655 instructions per 128 inputs (bf16 math: ~580) with 164 registers (bf16 math: 104):
+issues ~700 instructions per 128 inputs (bf16 math: ~580) with 170 registers (bf16 math: 104):
 the e4m3 decoding is cheaper (~6 instructions per 4 weights with the table copies ptxas
 re-materialises, against ~10), but each group of 32 pays a ``wgmma`` wait, fences for its
 shared-memory operand and the accumulator scaling (2 fp32 operations per accumulator element),
-so it is not expected to be faster at decode; to be measured (``scripts/bench_moe.py``'s
-``triton_fp4_fp8math`` column).  Not the default: slower or not, it is outside the op's bf16
-tolerance.
+and the 12 scale vectors of a step load a step ahead.  So it is not expected to be faster at
+decode; to be measured (``scripts/bench_moe.py``'s ``triton_fp4_fp8math`` column).  Variants
+tried offline: the scales loaded where used (~655 instructions, 164 registers, their latency
+exposed) or as ``[rows, 4]`` tiles a step ahead with the group's column picked in registers
+(~710, 101 registers, but 48 barriers a step for the layout conversions).  Not the default:
+slower or not, it is outside the op's bf16 tolerance.
 
 Under Triton's CPU interpreter ``tl.dot`` on bf16 / fp16 operands is unreliable, so operands
 are converted to fp32 (exactly: they are rounded to ``x``'s dtype first) and bf16 stores are
@@ -591,12 +595,37 @@ def _fp8_weights(
 
 
 @triton.jit
-def _fp8_scales(s_ptr, s_rows, n_ok, k0, K: tl.constexpr, UE8M0: tl.constexpr, HALF_GROUP: tl.constexpr):
-    """The weight scale of inputs ``k0 .. k0 + 32`` of each row, fp32 (0 past ``K``)."""
-    s = tl.load(s_ptr + s_rows + k0 // (2 * HALF_GROUP), mask=n_ok & (k0 < K), other=0)
+def _fp8_scales(s_ptr, s_rows, ok, k0, K: tl.constexpr, UE8M0: tl.constexpr, HALF_GROUP: tl.constexpr):
+    """The scales of the 4 groups of 32 inputs from ``k0`` of each row, 4 ``[rows]`` fp32 tensors
+    (0 past ``K``): weight scales (float32 or ue8m0 bytes, one per ``2 * HALF_GROUP`` inputs)
+    or, with ``HALF_GROUP`` 16 and not ``UE8M0``, the activations' fp32 scales."""
+    s0 = _fp8_scale(s_ptr, s_rows, ok, k0, K, UE8M0, HALF_GROUP)
+    s1 = _fp8_scale(s_ptr, s_rows, ok, k0 + 32, K, UE8M0, HALF_GROUP)
+    s2 = _fp8_scale(s_ptr, s_rows, ok, k0 + 64, K, UE8M0, HALF_GROUP)
+    s3 = _fp8_scale(s_ptr, s_rows, ok, k0 + 96, K, UE8M0, HALF_GROUP)
+    return s0, s1, s2, s3
+
+
+@triton.jit
+def _fp8_scale(s_ptr, s_rows, ok, k0, K: tl.constexpr, UE8M0: tl.constexpr, HALF_GROUP: tl.constexpr):
+    s = tl.load(s_ptr + s_rows + k0 // (2 * HALF_GROUP), mask=ok & (k0 < K), other=0)
     if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
         s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     return s.to(tl.float32)
+
+
+@triton.jit
+def _pick(g: tl.constexpr, s0, s1, s2, s3):
+    """``(s0, s1, s2, s3)[g]``."""
+    if g == 0:
+        out = s0
+    elif g == 1:
+        out = s1
+    elif g == 2:
+        out = s2
+    else:
+        out = s3
+    return out
 
 
 @triton.jit
@@ -643,10 +672,18 @@ def _rows_times_expert_fp8(
     rows) and the tile's rows as its N, scaled by the weight scale times the activation scale
     and added to an fp32 accumulator ``[BLOCK_N, BLOCK_M]``.  Returns ``[BLOCK_M, BLOCK_N]`` fp32
     twice, as :func:`_rows_times_expert`."""
+    tl.static_assert(BLOCK_K == 128, "the fp8 math takes K steps of 4 groups of 32")
     acc0 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    x0, x1, x2, x3 = _fp8_scales(qs_ptr, qs_rows, a_ok, 0, K, False, 16)
+    a0, a1, a2, a3 = _fp8_scales(s_ptr, s_rows0, n_ok0, 0, K, UE8M0, HALF_GROUP)
+    b0, b1, b2, b3 = _fp8_scales(s_ptr, s_rows1, n_ok1, 0, K, UE8M0, HALF_GROUP)
     for k0 in range(0, K, BLOCK_K):
-        for g in tl.static_range(BLOCK_K // 32):
+        # the next step's scales, a step ahead (too small for the pipeliner's async copies)
+        nx0, nx1, nx2, nx3 = _fp8_scales(qs_ptr, qs_rows, a_ok, k0 + BLOCK_K, K, False, 16)
+        na0, na1, na2, na3 = _fp8_scales(s_ptr, s_rows0, n_ok0, k0 + BLOCK_K, K, UE8M0, HALF_GROUP)
+        nb0, nb1, nb2, nb3 = _fp8_scales(s_ptr, s_rows1, n_ok1, k0 + BLOCK_K, K, UE8M0, HALF_GROUP)
+        for g in tl.static_range(4):
             kg = k0 + g * 32
             kk = kg + tl.arange(0, 32)
             # [32, BLOCK_M], each row's 32 codes contiguous (K-major: an MMA operand as it lands)
@@ -654,13 +691,14 @@ def _rows_times_expert_fp8(
             q = tl.load(q_ptr + q_rows[None, :] + kk[:, None], mask=q_mask, other=0)
             if not FP32_DOT:
                 q = q.to(tl.float8e4nv, bitcast=True)
-            sx = tl.load(qs_ptr + qs_rows + kg // 32, mask=a_ok & (kg < K), other=0.0)
+            sx = _pick(g, x0, x1, x2, x3)
             w = _fp8_weights(w_ptr, w_rows0, n_ok0, kg, K, BLOCK_N, FP32_DOT, E2M1_PTX)
-            sw = _fp8_scales(s_ptr, s_rows0, n_ok0, kg, K, UE8M0, HALF_GROUP)
-            acc0 = _fp8_group(acc0, w, q, sw, sx, FP32_DOT)
+            acc0 = _fp8_group(acc0, w, q, _pick(g, a0, a1, a2, a3), sx, FP32_DOT)
             w = _fp8_weights(w_ptr, w_rows1, n_ok1, kg, K, BLOCK_N, FP32_DOT, E2M1_PTX)
-            sw = _fp8_scales(s_ptr, s_rows1, n_ok1, kg, K, UE8M0, HALF_GROUP)
-            acc1 = _fp8_group(acc1, w, q, sw, sx, FP32_DOT)
+            acc1 = _fp8_group(acc1, w, q, _pick(g, b0, b1, b2, b3), sx, FP32_DOT)
+        x0, x1, x2, x3 = nx0, nx1, nx2, nx3
+        a0, a1, a2, a3 = na0, na1, na2, na3
+        b0, b1, b2, b3 = nb0, nb1, nb2, nb3
     return tl.trans(acc0), tl.trans(acc1)
 
 
@@ -1031,7 +1069,7 @@ def moe_experts(
         h = torch.empty(n_tiles * bm, inter, dtype=x.dtype, device=x.device)
         hs = h  # (unused)
     bn = max(16, min(BLOCK_N, pow2(inter)))
-    bk = max(32, min(FP4_BLOCK_K if gu_fp4 else DENSE_BLOCK_K, pow2(d)))
+    bk = FP4_BLOCK_K if gu_fp8 else max(32, min(FP4_BLOCK_K if gu_fp4 else DENSE_BLOCK_K, pow2(d)))
     _gate_up_kernel[(n_tiles, cdiv(inter, bn))](
         x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h, xq, xs, hs,
         num_experts, top_k, float(limit), D=d, I=inter,
@@ -1044,7 +1082,7 @@ def moe_experts(
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
     y = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
     bn = max(16, min(BLOCK_N, pow2(d)))
-    bk = max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
+    bk = FP4_BLOCK_K if dn_fp8 else max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
     _down_kernel[(n_tiles, cdiv(d, 2 * bn))](
         h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y, hs,
         num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,
