@@ -854,6 +854,7 @@ def _gate_up_kernel(
         out = h_ptr + slots[:, None] * I + cols[None, :]
         h = cast_to(act * u, dtype)
         if H_FP8:
+            tl.static_assert(BLOCK_N % 32 == 0, "h is quantised per 32 columns")
             GROUPS: tl.constexpr = BLOCK_N // 32
             q, scale = _fp8_quantise(tl.reshape(h.to(tl.float32), (BLOCK_M * GROUPS, 32)), FP32_DOT)
             tl.store(out, tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=row_ok[:, None] & n_ok[None, :])
