@@ -624,15 +624,14 @@ class LLMEngine:
             finished = self.scheduler.complete(
                 step.sched, step.token_ids.tolist(), step.logprobs, self.eos_token_ids
             )
-        emitted = None if step.verified is None else sum(map(len, step.verified.token_ids))
-        self._record_step(step.sched, finished, step.t0, emitted)
+        self._record_step(step.sched, finished, step.t0, step.verified)
         if self.spec is not None:
             self.spec.observe_step(step.sched, time.perf_counter() - step.t0)
             self.spec.observe(step.sched)
         return finished
 
     def _record_step(
-        self, sched: SchedulerOutput, finished: list[Request], t0: float, num_emitted: int | None = None
+        self, sched: SchedulerOutput, finished: list[Request], t0: float, verified: VerifyResult | None = None
     ) -> None:
         """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
         now = time.monotonic()
@@ -662,7 +661,9 @@ class LLMEngine:
             cache_usage=self.runner.kv_cache.usage(),
             step_time_s=time.perf_counter() - t0,
             num_prompt_tokens=num_prompt_tokens,
-            num_generated_tokens=len(sampled) if num_emitted is None else num_emitted,
+            num_generated_tokens=len(sampled) if verified is None else sum(map(len, verified.token_ids)),
+            num_draft_tokens=sum(c.num_draft for c in sched.chunks),
+            num_accepted_tokens=0 if verified is None else verified.num_accepted,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
             num_replayed_tokens=sched.num_replayed_tokens,
             num_waiting=len(self.scheduler.waiting),

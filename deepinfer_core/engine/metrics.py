@@ -36,6 +36,8 @@ class StepStats:
         num_replayed_tokens: tokens recomputed to rebuild sliding windows (SWA bounded replay).
         num_waiting: requests queued (or preempted) after the step.
         num_running: requests holding cache after the step.
+        num_draft_tokens: speculative decoding: draft tokens verified this step.
+        num_accepted_tokens: speculative decoding: of those, the accepted ones.
     """
 
     step: int
@@ -52,6 +54,8 @@ class StepStats:
     num_replayed_tokens: int = 0
     num_waiting: int = 0
     num_running: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Metrics:

@@ -76,6 +76,7 @@ class VerifyResult:
 
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, float] | None]]
+    num_accepted: int = 0  # draft tokens accepted over the step's chunks
 
 
 class SpeculativeDecoder:
@@ -237,7 +238,8 @@ class SpeculativeDecoder:
         for req, c, d, e in zip(reqs, chunks, drafts, emitted, strict=True):
             if c.num_tokens - c.num_draft == 1 and c.start_pos >= req.num_prompt_tokens:  # a decode
                 self._record(req, len(d), len(e) - 1 if d else 0)
-        return VerifyResult(emitted, logprobs)
+        accepted = sum(len(e) - 1 for d, e in zip(drafts, emitted, strict=True) if d)
+        return VerifyResult(emitted, logprobs, accepted)
 
     def _rejection(
         self,

@@ -119,6 +119,31 @@ def test_outputs_equal_plain_decoding(tiny_dir, kind, method):
     assert spec.get_metrics()["num_generated_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs)
 
 
+def test_step_stats_count_drafts(tiny_dir):
+    """The ``deepinfer_step_stats`` hook sees each step's verified and accepted draft tokens; their
+    totals are the speculative metrics'."""
+    params = PARAMS["greedy"]
+    ref = _llm(tiny_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    _script(PROMPTS, ref)
+    seen = []
+
+    class Stats:
+        @hookimpl
+        def deepinfer_step_stats(self, stats):
+            seen.append(stats)
+
+    manager = manager_with_plugin(Plugin(), "spec_test")
+    manager.add_plugin(Stats(), "stats_test")
+    config = EngineConfig(
+        model=str(tiny_dir), max_num_seqs=8, speculative={"drafter": "oracle", "method": "fixed"}
+    )
+    llm = LLM.from_engine(LLMEngine(config, plugins=manager))
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    m = llm.get_metrics()["speculative"]
+    assert sum(s.num_draft_tokens for s in seen) == m["num_draft_tokens"] > 0
+    assert sum(s.num_accepted_tokens for s in seen) == m["num_accepted_tokens"] > 0
+
+
 def test_fewer_target_forwards_with_good_drafts(tiny_dir):
     params = PARAMS["greedy"]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
