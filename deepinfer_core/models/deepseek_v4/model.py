@@ -13,8 +13,9 @@ import torch
 
 from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
-from deepinfer_core.weights.quant import QuantizedTensor, Weight
+from deepinfer_core.weights.quant import Weight
 
 from .attention import Attention
 from .config import DeepseekV4Config
@@ -108,33 +109,17 @@ class DeepseekV4Model:
         self.mtp_ratios = sorted({cfg.compress_ratio(self.mtp.layer)} - {0}) if self.mtp is not None else []
 
     def _storages(self) -> dict[int, tuple[int, bool]]:
-        """Every storage of a weight the model holds: ``{data_ptr: (bytes, quantised)}``, where
-        quantised storages are the data and scales of :class:`QuantizedTensor` weights."""
-        seen: dict[int, tuple[int, bool]] = {}
-        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False), (self.mtp, False)]
-        while stack:
-            obj, quantized = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = (st.nbytes(), quantized)
-            elif isinstance(obj, QuantizedTensor):
-                stack += [(obj.data, True), (obj.scale, True)]
-            elif isinstance(obj, dict):
-                stack.extend((v, quantized) for v in obj.values())
-            elif isinstance(obj, list | tuple):
-                stack.extend((v, quantized) for v in obj)
-            elif hasattr(obj, "__dict__") and not isinstance(obj, DeepseekV4Config | type):
-                stack.extend((v, quantized) for v in vars(obj).values())
-        return seen
+        """Every storage of a weight the model holds (see :func:`weight_storages`)."""
+        return weight_storages([self.w, self.layers, self.mtp], skip=(DeepseekV4Config,))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight the model holds, each storage counted once (a
         :class:`QuantizedTensor` counts its data and its scales)."""
-        return sum(n for n, _ in self._storages().values())
+        return weight_bytes(self._storages())
 
     def quantized_weight_bytes(self) -> int:
         """The part of :meth:`weight_bytes` held quantised (``QuantizedTensor`` data and scales)."""
-        return sum(n for n, q in self._storages().values() if q)
+        return weight_bytes(self._storages(), quantized_only=True)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -42,8 +42,9 @@ from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, 
 from deepinfer_core.models.deepseek_v4.fused import FusedProjection
 from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
 from deepinfer_core.models.deepseek_v4.rope import inv_freq
+from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
-from deepinfer_core.weights.quant import QuantizedTensor, Weight
+from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
 from .engram import EngramLayout, hash_multipliers
@@ -354,30 +355,16 @@ class DeepseekV41Model:
         return self.w["embed.weight"].dtype
 
     def _storages(self) -> dict[int, tuple[int, bool]]:
-        seen: dict[int, tuple[int, bool]] = {}
-        stack: list[tuple[object, bool]] = [(self.w, False), (self.layers, False)]
-        while stack:
-            obj, quantized = stack.pop()
-            if isinstance(obj, torch.Tensor):
-                st = obj.untyped_storage()
-                seen[st.data_ptr()] = (st.nbytes(), quantized)
-            elif isinstance(obj, QuantizedTensor):
-                stack += [(obj.data, True), (obj.scale, True)]
-            elif isinstance(obj, dict):
-                stack.extend((v, quantized) for v in obj.values())
-            elif isinstance(obj, list | tuple):
-                stack.extend((v, quantized) for v in obj)
-            elif hasattr(obj, "__dict__") and not isinstance(obj, DeepseekV41Config | type):
-                stack.extend((v, quantized) for v in vars(obj).values())
-        return seen
+        """Every storage of a weight the model holds (see :func:`weight_storages`)."""
+        return weight_storages([self.w, self.layers], skip=(DeepseekV41Config,))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight held, each storage once."""
-        return sum(n for n, _ in self._storages().values())
+        return weight_bytes(self._storages())
 
     def quantized_weight_bytes(self) -> int:
         """The part of :meth:`weight_bytes` held quantised."""
-        return sum(n for n, q in self._storages().values() if q)
+        return weight_bytes(self._storages(), quantized_only=True)
 
     def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
         """Per layer: its window ring; per kv-source group one entry pool and one indexer-key pool
