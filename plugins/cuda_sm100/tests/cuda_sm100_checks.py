@@ -152,3 +152,16 @@ def interpreter_report(script: Path) -> dict:
     )
     assert proc.returncode == 0, f"the interpreter child failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compile_problem() -> str | None:
+    """Why the kernels cannot be compiled ahead of time for a GPU here (the offline compile
+    tests), or ``None``: under ``TRITON_INTERPRET`` they are interpreter functions, and
+    Triton's NVIDIA backend must be installed."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        return "Triton's NVIDIA backend is not installed"
+    return None

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_sm100_checks import failed_rows
+from cuda_sm100_checks import compile_problem, failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -649,16 +649,6 @@ _TRITON_TYPES = {
 }
 
 
-def _compilable() -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return "Triton's NVIDIA backend is not installed"
-    return None
-
-
 def _recorded_main_launches(call: tuple, monkeypatch) -> list[tuple[tuple, dict]]:
     """The ``(args, kwargs)`` the host wrapper passes ``_attn_kernel`` for ``call`` (CPU
     tensors; no kernel runs)."""
@@ -719,7 +709,7 @@ def _compile_launch(fn, args: tuple, kwargs: dict, arch: int):
 
 
 @slow
-@pytest.mark.skipif(_compilable() is not None, reason=_compilable() or "")
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_attention_kernel_compiles_for_the_gpu(arch, monkeypatch):
     """At V4-Flash shapes, packed FP8 pools (all packed; plain and packed mixed) through the

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_sm100_checks import failed_rows
+from cuda_sm100_checks import compile_problem, failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -649,18 +649,8 @@ def _gemm_args(kind: str, dtype: str, first: str) -> dict[str, str]:
     }
 
 
-def _compilable() -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return "Triton's NVIDIA backend is not installed"
-    return None
-
-
 @slow
-@pytest.mark.skipif(_compilable() is not None, reason=_compilable() or "")
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_kernels_compile_for_the_gpu(arch):
     from deepinfer_cuda_sm100.kernels import moe

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_sm100_checks import failed_rows
+from cuda_sm100_checks import compile_problem, failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -558,16 +558,6 @@ def test_supports_takes_the_batch_invariant_mode():
 # compile for the GPU (no GPU needed)
 
 
-def _compilable() -> str | None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set: the kernels are interpreter functions"
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        return "Triton's NVIDIA backend is not installed"
-    return None
-
-
 def _compile(fn, args: dict[str, str], constexprs: dict, arch: int, **options):
     """``fn`` compiled for ``sm_<arch>`` (``args``: each runtime argument's Triton type)."""
     from triton.backends.compiler import GPUTarget
@@ -580,7 +570,7 @@ def _compile(fn, args: dict[str, str], constexprs: dict, arch: int, **options):
 
 
 @slow
-@pytest.mark.skipif(_compilable() is not None, reason=_compilable() or "")
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_kernel_compiles_for_the_gpu(arch):
     from deepinfer_cuda_sm100.kernels import routing
