@@ -217,17 +217,22 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Derive the step's plans on the device and run the model: the work a graph records."""
-        md = self.model.step_metadata(
+        md = self._metadata(self.model.step_metadata, inputs)
+        with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
+            if self.hidden is not None:
+                return self.model.forward(md, self.cache, hidden_out=self.hidden)
+            return self.model.forward(md, self.cache)
+
+    def _metadata(self, build: Any, inputs: StepInputs) -> Any:
+        """The step's per-token plans from ``build`` (the model's ``step_metadata`` or
+        ``mtp_step_metadata``) with the runner's cache geometry."""
+        return build(
             inputs,
             self.page_size,
             self.kv_cache.num_slots,
             self.cache.trash_page,
             num_spec_tokens=self.num_spec_tokens,
         )
-        with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
-            if self.hidden is not None:
-                return self.model.forward(md, self.cache, hidden_out=self.hidden)
-            return self.model.forward(md, self.cache)
 
     def execute_mtp(
         self, chunks: list[SeqChunk], hidden: torch.Tensor, logit_rows: list[int]
@@ -245,13 +250,7 @@ class ModelRunner:
         if self.hidden is None:
             raise RuntimeError("execute_mtp needs a runner built with mtp=True")
         inputs = self.inputs.prepare(chunks, logit_rows, None)
-        md = self.model.mtp_step_metadata(
-            inputs,
-            self.page_size,
-            self.kv_cache.num_slots,
-            self.cache.trash_page,
-            num_spec_tokens=self.num_spec_tokens,
-        )
+        md = self._metadata(self.model.mtp_step_metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.mtp_forward(md, self.cache, hidden)
 
