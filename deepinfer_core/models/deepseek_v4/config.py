@@ -20,9 +20,10 @@ import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.config_utils import eos_list, validate_config
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -257,8 +258,7 @@ class DeepseekV4Config(BaseModel):
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (``eos_token_id`` may be an int or a list)."""
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+        return eos_list(self.eos_token_id)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV4Config:
@@ -268,13 +268,7 @@ class DeepseekV4Config(BaseModel):
         unknown keys are listed at DEBUG level.
         """
         _check_keys(data, source)
-        try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            msgs = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
-            )
-            raise ConfigError(f"invalid DeepSeek-V4 config in {source}: {msgs}") from None
+        return validate_config(cls, data, source, "DeepSeek-V4")
 
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV4Config:

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.config_utils import eos_list, validate_config
 from deepinfer_core.models.deepseek_v4.config import RopeParams
 
 MODEL_TYPE = "deepseek_v41"
@@ -364,8 +365,7 @@ class DeepseekV41Config(BaseModel):
     @property
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (``eos_token_id`` may be an int or a list)."""
-        e = self.eos_token_id
-        return [] if e is None else ([e] if isinstance(e, int) else list(e))
+        return eos_list(self.eos_token_id)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV41Config:
@@ -377,13 +377,7 @@ class DeepseekV41Config(BaseModel):
         """
         text = _unwrap(data, source)
         _check_keys(text, source)
-        try:
-            return cls.model_validate(text)
-        except ValidationError as e:
-            msgs = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors()
-            )
-            raise ConfigError(f"invalid DeepSeek-V4.1 config in {source}: {msgs}") from None
+        return validate_config(cls, text, source, "DeepSeek-V4.1")
 
 
 def _unwrap(data: Any, source: str) -> dict[str, Any]:
