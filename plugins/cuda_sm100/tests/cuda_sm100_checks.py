@@ -135,6 +135,19 @@ def failed_rows(rows: list[dict], allowed_skip: str | None = None) -> list[str]:
     ]
 
 
+def conformance_problems(
+    rows: list[dict], allowed_skip: str | None = None, core: str = "core's"
+) -> list[str]:
+    """What is wrong with a kernel's :func:`conformance_rows`: none of its own cases passed,
+    none of the ``core`` cases passed, or rows that failed (:func:`failed_rows`)."""
+    problems = []
+    if not any(r["own"] and r["status"] == "passed" for r in rows):
+        problems.append("the kernel's own cases did not run")
+    if not any(not r["own"] and r["status"] == "passed" for r in rows):
+        problems.append(f"the {core} cases did not run")
+    return problems + failed_rows(rows, allowed_skip)
+
+
 def interpreter_report(script: Path) -> dict:
     """Run ``script --interpreter-report`` in a fresh interpreter with ``TRITON_INTERPRET=1``
     (the repo and the plugin on its path) and return the JSON of its last output line."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, failed_rows
+from cuda_sm100_checks import compile_problem, conformance_problems, failed_rows
 
 HERE = Path(__file__).resolve()
 
@@ -434,9 +434,7 @@ def test_kernel_ran_interpreted(report):
 @pytest.mark.parametrize("mode", ["default", "bi"])
 def test_interpreter_conformance(report, mode):
     rows = [r for r in report["conformance"] if r["mode"] == mode]
-    assert any(r["own"] and r["status"] == "passed" for r in rows), "the kernel's own cases did not run"
-    assert any(not r["own"] and r["status"] == "passed" for r in rows), "the core's cases did not run"
-    bad = failed_rows(rows)
+    bad = conformance_problems(rows)
     assert not bad, "\n".join(bad)
 
 
