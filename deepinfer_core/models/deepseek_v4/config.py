@@ -15,7 +15,6 @@ parse at DEBUG level on ``deepinfer.model``.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any, Literal
@@ -273,15 +272,9 @@ class DeepseekV4Config(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV4Config:
         """Read ``config.json`` (or a model directory containing it)."""
-        p = Path(path)
-        if p.is_dir():
-            p = p / "config.json"
-        if not p.is_file():
-            raise ConfigError(f"no config.json at {p}: a model directory needs config.json and safetensors")
-        try:
-            data = json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{p} is not valid JSON: {e}") from None
+        from deepinfer_core.models.registry import read_config_json
+
+        data, p = read_config_json(path)
         if "text_config" in data and data.get("model_type") != MODEL_TYPE:
             data = data["text_config"]
         return cls.from_dict(data, source=str(p))
