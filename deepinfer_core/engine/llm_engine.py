@@ -473,9 +473,10 @@ class LLMEngine:
         for name in names:
             self._processors[name].remove_request(req.request_id)
 
-    def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Feed each processor its requests' new tokens, then run it once on the batch (rows of
-        other requests as ``None``), in each request's order of selection."""
+    def _feed_processors(self, requests: list[Request]) -> list[str]:
+        """Give each processor its requests' output tokens appended since the last call
+        (``on_tokens``); returns the processors these requests selected, in their order of
+        selection."""
         order: list[str] = []
         for req in requests:
             if req.logits_processors:
@@ -486,6 +487,12 @@ class LLMEngine:
                         self._processors[name].on_tokens(req.request_id, new)
                     if name not in order:
                         order.append(name)
+        return order
+
+    def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Feed each processor its requests' new tokens, then run it once on the batch (rows of
+        other requests as ``None``), in each request's order of selection."""
+        order = self._feed_processors(requests)
         with torch.inference_mode():  # the logits are inference tensors: in-place edits allowed
             for name in order:
                 rows = [r.request_id if name in r.logits_processors else None for r in requests]
@@ -514,9 +521,15 @@ class LLMEngine:
                 by_backend.setdefault(req.params.structured_outputs.backend, []).append((matcher, i))
         for name, pairs in by_backend.items():  # one batched fill per grammar backend
             self._structured_backend(name).fill_bitmasks(pairs, bitmask)
-        rows = [i for pairs in by_backend.values() for _, i in pairs]
+        self._finish_bitmask(batch, bitmask, [i for pairs in by_backend.values() for _, i in pairs])
+
+    def _finish_bitmask(self, batch: SamplingBatch, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Hand ``bitmask`` to ``batch`` once its grammar-constrained ``rows`` are filled: a row
+        the grammar allows nothing in (an error state) may end with EOS; a row's own
+        ``allowed_token_ids`` intersect the grammar's or, sharing no token with it, yield."""
+        vocab = self.model_config.vocab_size
         allowed_lists = batch.allowed_token_ids
-        for i in (torch.tensor(rows)[~bitmask[rows].any(dim=1)]).tolist():
+        for i in (torch.tensor(rows, dtype=torch.int64)[~bitmask[rows].any(dim=1)]).tolist():
             bitmask[i] = bitmask_of(self.eos_token_ids, vocab)  # the grammar allows nothing: end
         for i in rows:
             extra = allowed_lists[i] if allowed_lists is not None else None

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepinfer_core.engine.request import RequestStatus
-from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
+from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
@@ -365,14 +365,7 @@ class SpeculativeDecoder:
         for ci, n_valid in valid.items():
             if n_valid:
                 reqs[ci].structured_matcher.rollback(min(n_valid, len(drafts[ci])))
-        allowed_lists = batch.allowed_token_ids
-        for row in constrained:
-            if not bool(bitmask[row].any()):
-                bitmask[row] = bitmask_of(engine.eos_token_ids, vocab)
-            extra = allowed_lists[row] if allowed_lists is not None else None
-            if extra is not None and not any(bitmask_has(bitmask[row], t) for t in extra):
-                allowed_lists[row] = None
-        batch.token_bitmask = bitmask
+        engine._finish_bitmask(batch, bitmask, constrained)
 
     def _processor_rows(
         self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]
@@ -381,16 +374,7 @@ class SpeculativeDecoder:
         verified position ``i`` its draft ``d_i`` and one ``apply`` over the rows at ``i``;
         afterwards the drafts are rolled back (``on_rollback``)."""
         procs = self.engine._processors
-        order: list[str] = []
-        for req in reqs:
-            if req.logits_processors:
-                new = req.output_token_ids[req.processed_tokens :]
-                req.processed_tokens = len(req.output_token_ids)
-                for name in req.logits_processors:
-                    if new:
-                        procs[name].on_tokens(req.request_id, new)
-                    if name not in order:
-                        order.append(name)
+        order = self.engine._feed_processors(reqs)
         first_row = _first_rows(owner)
         with torch.inference_mode():
             for i in range(1 + max((len(d) for d in drafts), default=0)):
