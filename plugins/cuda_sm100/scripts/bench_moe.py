@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,22 +48,6 @@ def random_fp4(e: int, out: int, inp: int, seed: int):
     base = round(float(torch.log2(torch.tensor(1.0 / (3 * inp**0.5)))))
     jitter = torch.randint(-1, 2, (e, out, inp // 32), device="cuda", generator=g)
     return QuantizedTensor(data, torch.exp2((base + jitter).float()).to(UE8M0_DTYPE), "fp4", (1, 32))
-
-
-@contextmanager
-def moe_math(value: str):
-    """``DEEPINFER_MOE_MATH=value`` for the calls (and graph captures) inside."""
-    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV
-
-    old = os.environ.get(MOE_MATH_ENV)
-    os.environ[MOE_MATH_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[MOE_MATH_ENV]
-        else:
-            os.environ[MOE_MATH_ENV] = old
 
 
 def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -104,7 +86,7 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
-    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
+    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows, using_moe_math
 
     from deepinfer_core.ops.moe import moe_experts as reference
 
@@ -139,13 +121,13 @@ def main() -> None:
         for name, fn in calls.items():
             times[name] = time_graph(fn, args.calls_per_graph, args.replays)
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
-                with moe_math("fp8"):
+                with using_moe_math("fp8"):
                     times["triton_fp4_fp8math"] = time_graph(fn, args.calls_per_graph, args.replays)
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
         err, rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
         fp8_err = fp8_rms = None
         try:  # (a failure of the opt-in math is reported, the other columns kept)
-            with moe_math("fp8"):
+            with using_moe_math("fp8"):
                 fp8_err, fp8_rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
         except Exception as exc:
             print(f"  (fp8 math failed: {type(exc).__name__}: {str(exc)[:300]})")

@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -236,20 +235,12 @@ def invariance_problems(dtype: torch.dtype, device: str) -> list[str]:
 # the fp8 math (DEEPINFER_MOE_MATH=fp8) against an emulation of its quantisation
 
 
-@contextmanager
-def moe_math(value: str):
-    """``DEEPINFER_MOE_MATH=value`` for the calls inside (read at each call)."""
-    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV
+def using_moe_math(value: str):
+    """The kernel module's ``using_moe_math`` (imported when called: the interpreter report
+    must import the kernels only after ``TRITON_INTERPRET`` is set)."""
+    from deepinfer_cuda_sm100.kernels.moe import using_moe_math as use
 
-    old = os.environ.get(MOE_MATH_ENV)
-    os.environ[MOE_MATH_ENV] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[MOE_MATH_ENV]
-        else:
-            os.environ[MOE_MATH_ENV] = old
+    return use(value)
 
 
 def fp8_quantise(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,9 +338,9 @@ def fp8_math_problems(dtype: torch.dtype, device: str) -> tuple[list[str], list[
         x = torch.randn(t, d, generator=g).to(dtype)
         args = [x, ids, weights, gate_up, down, 10.0]
         args = [a.to(device) if hasattr(a, "to") else a for a in args]
-        with moe_math("fp8"):
+        with using_moe_math("fp8"):
             got = impl.fn(*args).float()
-        with moe_math("bf16"):
+        with using_moe_math("bf16"):
             bf16_math = impl.fn(*args).float()
         want = fp8_math_emulation(*args).float()
         exact = reference(*args).float()
@@ -391,7 +382,7 @@ def interpreter_report() -> dict:
         problems, errors = fp8_math_problems(dtype, "cpu")
         report["fp8_math"] += problems
         report["fp8_math_errors"] += errors
-    with moe_math("fp8"):
+    with using_moe_math("fp8"):
         report["fp8_invariance"] = invariance_problems(torch.bfloat16, "cpu")
     return report
 
@@ -814,7 +805,7 @@ def test_gpu_fp8_math_v4_flash_widths(v4_stacks, tokens):
     ids, weights = _routing(g, tokens, 64, V4_K)
     x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16)
     args = [x.cuda(), ids.cuda(), weights.cuda(), gate_up, down, 10.0]
-    with moe_math("fp8"):
+    with using_moe_math("fp8"):
         got = _impl().fn(*args).float()
     want = fp8_math_emulation(*args).float()
     exact = reference(*args).float()
@@ -833,7 +824,7 @@ def test_gpu_fp8_math_graph_capture(v4_stacks):
     gate_up, down = v4_stacks
     ids, weights = (v.cuda() for v in _routing(g, 16, 256, V4_K))
     x = torch.randn(16, V4_D, generator=g).to(torch.bfloat16).cuda()
-    with moe_math("fp8"):
+    with using_moe_math("fp8"):
         fn(x, ids, weights, gate_up, down, 10.0)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -110,6 +110,8 @@ mis-rounds) and its group products are explicit fp32 product-sums.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -160,6 +162,21 @@ def moe_math() -> str:
     if value not in MOE_MATHS:
         raise ValueError(f"{MOE_MATH_ENV}={value!r}: expected one of {', '.join(MOE_MATHS)}")
     return value
+
+
+@contextmanager
+def using_moe_math(value: str) -> Iterator[None]:
+    """``DEEPINFER_MOE_MATH=value`` (:data:`MOE_MATH_ENV`) for the calls and graph captures
+    inside, restored afterwards (benchmarks and tests compare the maths this way)."""
+    old = os.environ.get(MOE_MATH_ENV)
+    os.environ[MOE_MATH_ENV] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[MOE_MATH_ENV]
+        else:
+            os.environ[MOE_MATH_ENV] = old
 
 
 def fp8_math_applies(w) -> bool:
