@@ -91,6 +91,49 @@ class SpeculativeConfig(BaseModel):
         return self
 
 
+class EPLBConfig(BaseModel):
+    """Expert-parallel load balancing (``EngineConfig.eplb``): per-expert load statistics over a
+    sliding window of steps, and a periodic rebalancing that replicates the hottest experts into
+    ``num_redundant_experts`` extra slots and repacks experts onto ranks.  See
+    ``docs/distributed.md``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_steps: int = 1000
+    """Steps of routing statistics the rebalancing looks at (a sliding window)."""
+    rebalance_interval: int = 3000
+    """Rebalance every this many steps (weights move between two steps; the engine keeps running)."""
+    num_redundant_experts: int = 0
+    """Extra physical expert slots over all ranks, filled with replicas of the hottest experts
+    (``num_experts + num_redundant_experts`` must divide by the EP size)."""
+    policy: Literal["hierarchical", "global"] = "hierarchical"
+    """``hierarchical``: expert groups packed onto nodes, then replicas and GPUs within each node
+    (DeepSeek's EPLB for prefill-sized EP); ``global``: replicate and pack over all ranks at once."""
+    num_nodes: int | None = None
+    """Nodes of the hierarchical policy; ``None`` = from the launch (hosts of the world)."""
+
+    @field_validator("window_steps", "rebalance_interval")
+    @classmethod
+    def _steps(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+    @field_validator("num_redundant_experts")
+    @classmethod
+    def _redundant(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must be >= 0")
+        return value
+
+    @field_validator("num_nodes")
+    @classmethod
+    def _nodes(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be >= 1")
+        return value
+
+
 class EngineConfig(BaseModel):
     """Everything that shapes one engine.  See ``docs/configuration.md`` for each field.
 
@@ -168,6 +211,27 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (:class:`SpeculativeConfig`, or a dict / JSON object of its fields;
     ``DEEPINFER_USE_NEXTN_DECODE=N`` turns it on with ``max_draft_tokens=N``); ``None`` = off."""
+    data_parallel_size: int = 1
+    """Attention data-parallel replicas: each rank runs its own scheduler (prefix cache, async
+    scheduling, preemption) over the requests it is given; ``LLM`` on one host starts one worker
+    process per extra rank, ``torchrun -m deepinfer_core.launch`` runs it across hosts."""
+    enable_expert_parallel: bool = False
+    """Shard the routed experts over every rank (expert parallelism; each rank loads only its
+    experts) instead of replicating them; tokens go to their experts' ranks and back by the
+    ``moe_dispatch`` / ``moe_combine`` ops."""
+    context_parallel_size: int = 1
+    """Ranks per data-parallel replica that share its long prefills (balanced context
+    parallelism: the chunk split into ``2 * C`` zig-zag pieces); world size =
+    ``data_parallel_size * context_parallel_size``."""
+    distributed_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
+    """``torch.distributed`` backend of the device collectives; ``auto`` = ``nccl`` on CUDA,
+    ``hccl`` on Ascend, ``gloo`` on CPU."""
+    distributed_timeout_s: float = 600.0
+    """Seconds a collective may wait (a rank that died or hangs) before the run ends with an
+    error naming the rank."""
+    eplb: EPLBConfig | None = None
+    """Expert-parallel load balancing (:class:`EPLBConfig`, or a dict / JSON object of its
+    fields); ``None`` = off.  Needs ``enable_expert_parallel``."""
     log_level: LogLevel = "warning"
     """Level of the ``deepinfer`` logger."""
 
@@ -184,6 +248,8 @@ class EngineConfig(BaseModel):
         "page_size",
         "num_cache_pages",
         "replay_tail",
+        "data_parallel_size",
+        "context_parallel_size",
     )
     @classmethod
     def _positive(cls, value: int | None) -> int | None:
@@ -193,7 +259,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"must be < 2**31 ({MAX_INT_OPTION})")
         return value
 
-    @field_validator("kv_cache_memory_gb")
+    @field_validator("kv_cache_memory_gb", "distributed_timeout_s")
     @classmethod
     def _positive_float(cls, value: float | None) -> float | None:
         if value is not None and not value > 0:
@@ -221,14 +287,14 @@ class EngineConfig(BaseModel):
             raise ValueError("must be a registered scheduler name ('fcfs' is the core's)")
         return value
 
-    @field_validator("speculative", mode="before")
+    @field_validator("speculative", "eplb", mode="before")
     @classmethod
     def _speculative(cls, value: Any) -> Any:
         if isinstance(value, str):  # an environment variable or a CLI flag: a JSON object
             try:
                 value = json.loads(value) if value.strip() else None
             except json.JSONDecodeError as e:
-                raise ValueError(f"expected a JSON object of SpeculativeConfig fields ({e})") from None
+                raise ValueError(f"expected a JSON object of the option's fields ({e})") from None
         return value
 
     @property
@@ -248,7 +314,14 @@ class EngineConfig(BaseModel):
                 f"with enable_chunked_prefill=False, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be >= max_model_len ({self.max_model_len}) so that any prompt fits one step"
             )
+        if self.eplb is not None and not self.enable_expert_parallel:
+            raise ValueError("eplb needs enable_expert_parallel=True (it balances experts over the EP ranks)")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """Processes of a distributed run: ``data_parallel_size * context_parallel_size``."""
+        return self.data_parallel_size * self.context_parallel_size
 
     # ---- derived values, resolved against the model and the backend ----------------------
     def resolved_max_model_len(self, max_position_embeddings: int) -> int:

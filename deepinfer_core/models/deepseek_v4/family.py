@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
 
@@ -43,11 +44,13 @@ def load_mtp_weights(
     return load_mtp_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
 
 
-def build_model(cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable) -> Any:
+def build_model(
+    cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
+) -> Any:
     """The :class:`~.model.DeepseekV4Model` over ``weights`` (which it takes over)."""
     from .model import DeepseekV4Model
 
-    return DeepseekV4Model(cfg, weights, ops)
+    return DeepseekV4Model(cfg, weights, ops, parallel=parallel)
 
 
 def cache_ratios(cfg: DeepseekV4Config) -> list[int]:

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
 from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
@@ -42,11 +43,12 @@ class DecoderLayer:
         w: dict[str, Weight],
         dtype: torch.dtype,
         prefix: str | None = None,
+        parallel: ParallelState | None = None,
     ):
         p = prefix or f"model.layers.{layer}."
         self.cfg, self.layer = cfg, layer
         self.attn = Attention(cfg, layer, w, dtype, p)
-        self.moe = MoE(cfg, layer, w, dtype, p)
+        self.moe = MoE(cfg, layer, w, dtype, p, parallel=parallel)
         self.attn_norm, self.ffn_norm = (
             w[p + "input_layernorm.weight"],
             w[p + "post_attention_layernorm.weight"],
@@ -83,12 +85,23 @@ class DeepseekV4Model:
             are).  The model takes the dict over: projections it fuses into one matmul are
             removed from it, so each weight is held once.
         ops: the resolved op table.
+        parallel: this process's place in a distributed run (``None`` = a single process):
+            with expert parallelism ``weights`` hold only this rank's experts.
     """
 
-    def __init__(self, cfg: DeepseekV4Config, weights: dict[str, Weight], ops: OpTable):
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        weights: dict[str, Weight],
+        ops: OpTable,
+        parallel: ParallelState | None = None,
+    ):
         self.cfg, self.ops, self.w = cfg, ops, weights
+        self.parallel = parallel
         dtype = weights["model.embed_tokens.weight"].dtype
-        self.layers = [DecoderLayer(cfg, i, weights, dtype) for i in range(cfg.num_hidden_layers)]
+        self.layers = [
+            DecoderLayer(cfg, i, weights, dtype, parallel=parallel) for i in range(cfg.num_hidden_layers)
+        ]
         # the first multi-token-prediction layer, when its weights were loaded (the mtp drafter)
         self.mtp = MtpLayer(cfg, 0, weights, dtype) if MtpLayer.present(weights, 0) else None
         blocks = self.layers + ([self.mtp.block] if self.mtp is not None else [])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
@@ -22,9 +23,11 @@ class MoE:
         w: dict[str, Weight],
         dtype: torch.dtype,
         prefix: str | None = None,
+        parallel: ParallelState | None = None,
     ):
         p = (prefix or f"model.layers.{layer}.") + "mlp."
         self.cfg = cfg
+        self.parallel = parallel  # expert parallelism: the experts held are this rank's
         self.tid2eid = w.get(p + "gate.tid2eid")
         self.bias = w.get(p + "gate.e_score_correction_bias")
         self.gate_up, self.down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
