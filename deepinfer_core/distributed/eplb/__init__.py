@@ -1,0 +1,18 @@
+"""Expert-parallel load balancing (EPLB): per-expert load statistics over a sliding window of
+steps (:class:`ExpertLoadWindow`), placement policies with redundant experts
+(:func:`rebalance_experts`: ``hierarchical`` or ``global``), and the runtime that rebalances
+between engine steps and moves the expert weights between ranks (:mod:`.rebalance`).
+See ``docs/distributed.md`` (EPLB)."""
+
+from .policy import balanced_packing, gpu_loads, imbalance, log2phy_from, rebalance_experts, replicate_experts
+from .stats import ExpertLoadWindow
+
+__all__ = [
+    "ExpertLoadWindow",
+    "balanced_packing",
+    "gpu_loads",
+    "imbalance",
+    "log2phy_from",
+    "rebalance_experts",
+    "replicate_experts",
+]
