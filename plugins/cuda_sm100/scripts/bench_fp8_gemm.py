@@ -223,6 +223,36 @@ def sweep_decode(x: torch.Tensor, w, calls: int, replays: int) -> dict:
     }
 
 
+PREFILL_GRID = [(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (3, 4)]
+
+
+def sweep_prefill(x: torch.Tensor, w, calls: int, replays: int) -> dict:
+    """Time prefill launches of ``x @ w.T``: the W8A8 kernel on pre-quantised activations (the
+    activation quantisation kernel included) and the W8A16 kernel, over :data:`PREFILL_GRID`
+    (``BLOCK_M``, ``BLOCK_N``, warps, stages): ``{"w8a8": best, "w8a16": best, "points": [...]}``."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+
+    points = []
+    for variant, w8a8 in (("w8a8", True), ("w8a16", False)):
+        for bm, bn, warps, stages in PREFILL_GRID:
+            launch = fp8_gemm.Launch(bm, bn, 1, warps, stages)
+
+            def call(i, launch=launch, w8a8=w8a8):
+                return fp8_gemm._run(x, w.data, w.scale, w8a8, 0, launch, prequant=w8a8)
+
+            try:
+                us = time_graph(call, calls, replays)
+            except Exception as exc:  # e.g. out of shared memory: reported, the grid goes on
+                print(f"    {variant} {launch}: {type(exc).__name__}: {str(exc)[:120]}")
+                us = None
+            points.append({"variant": variant, **launch._asdict(), "us": us})
+    best = {}
+    for variant in ("w8a8", "w8a16"):
+        timed = [p for p in points if p["variant"] == variant and p["us"] is not None]
+        best[variant] = min(timed, key=lambda p: p["us"]) if timed else None
+    return {**best, "points": points}
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -234,7 +264,9 @@ def main() -> None:
     parser.add_argument("--calls-per-graph", type=int, default=20)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_fp8_gemm.json")
-    parser.add_argument("--sweep", action="store_true", help="also time a grid of decode launches")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time a grid of decode (M <= 64) and prefill launches"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -315,6 +347,16 @@ def main() -> None:
                         f" {fmt(sweep['chosen_separate_us'], 0)}), fastest"
                         f" 16x{best['block_n']}/{best['splits']} {best['us']:.1f} us"
                     )
+            if args.sweep and m > 64:
+                row["sweep"] = sweep = sweep_prefill(x, w, args.calls_per_graph, args.replays)
+                for variant in ("w8a8", "w8a16"):
+                    b = sweep[variant]
+                    if b is not None:
+                        tf = 2 * m * n * k / (b["us"] * 1e-6) / 1e12
+                        print(
+                            f"    sweep {variant}: fastest {b['block_m']}x{b['block_n']} w{b['warps']}"
+                            f" s{b['stages']} {b['us']:.1f} us ({tf:.0f} TFLOP/s)"
+                        )
     ratios = {
         label: geomean(
             [

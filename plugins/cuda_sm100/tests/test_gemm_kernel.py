@@ -395,7 +395,8 @@ def test_supports_refuses_with_reasons():
 @pytest.mark.parametrize("arch", [90, 100])
 def test_kernel_compiles_for_the_gpu(arch):
     """The decode launches (each tile width; splits summed in the kernel: one acq_rel atomic per
-    program, L2 reads of the partials; or by torch), prefill, W8A8 compile for sm_90 / sm_100."""
+    program, L2 reads of the partials; or by torch), prefill (W8A16, and W8A8 on pre-quantised
+    activations), W8A8 compile for sm_90 / sm_100."""
     import triton
     import triton.language as tl
     from deepinfer_cuda_sm100.kernels import fp8_gemm
@@ -403,24 +404,28 @@ def test_kernel_compiles_for_the_gpu(arch):
     from triton.compiler import ASTSource
 
     fn = fp8_gemm._fp8_gemm_kernel
-    args = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "ws_ptr": "*fp32"}
-    args |= {"cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_xg": "i32"}
-    args |= {"stride_wn": "i32", "stride_sn": "i32", "stride_ym": "i32", "stride_split": "i32"}
+    args = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
+    args |= {"ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+    args |= {"stride_xg": "i32", "stride_xsm": "i32", "stride_xsg": "i32", "stride_wn": "i32"}
+    args |= {"stride_sn": "i32", "stride_ym": "i32", "stride_split": "i32"}
     aligned = {"N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_split"}  # as the launcher sees them
     names = list(fn.arg_names)
     attrs = {
         (names.index(a),): [["tt.divisibility", 16]] for a, ty in args.items() if ty[0] == "*" or a in aligned
     }
-    configs = (  # (BLOCK_M, BLOCK_N, fused splits, W8A8, warps, stages)
-        (16, 64, 5, False, 4, 4),
-        (16, 32, 11, False, 4, 3),
-        (16, 16, 11, True, 4, 3),
-        (16, 64, 1, False, 4, 3),
-        (64, 128, 1, False, 8, 3),
-        (64, 64, 1, True, 8, 3),
+    configs = (  # (BLOCK_M, BLOCK_N, fused splits, W8A8, pre-quantised x, warps, stages)
+        (16, 64, 5, False, False, 4, 4),
+        (16, 32, 11, False, False, 4, 3),
+        (16, 16, 11, True, False, 4, 3),
+        (16, 64, 1, False, False, 4, 3),
+        (64, 128, 1, False, False, 8, 3),
+        (64, 64, 1, True, False, 8, 3),
+        (128, 128, 1, True, True, 8, 3),
     )
-    for bm, bn, fused, w8a8, warps, stages in configs:
-        consts = {"K_BLOCKS_PER_SPLIT": 3, "FUSED_SPLITS": fused, "GROUP_N": 1024, "W8A8": w8a8}
+    for bm, bn, fused, w8a8, a_fp8, warps, stages in configs:
+        args["x_ptr"] = "*fp8e4nv" if a_fp8 else "*bf16"
+        consts = {"K_BLOCKS_PER_SPLIT": 3, "FUSED_SPLITS": fused, "GROUP_N": 1024}
+        consts |= {"W8A8": w8a8, "A_FP8": a_fp8}
         consts |= {"out_dtype": tl.bfloat16, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128}
         consts |= {"SCALE_BLOCK": 128, "FP32_DOT": False}
         signature = {name: args.get(name, "constexpr") for name in names}

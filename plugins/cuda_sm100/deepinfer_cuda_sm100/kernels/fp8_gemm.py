@@ -165,6 +165,7 @@ def _counters(device: torch.device, tiles: int) -> torch.Tensor:
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     s_ptr,
     y_ptr,
@@ -175,6 +176,8 @@ def _fp8_gemm_kernel(
     K,
     stride_xm,
     stride_xg,
+    stride_xsm,
+    stride_xsg,
     stride_wn,
     stride_sn,
     stride_ym,
@@ -183,6 +186,7 @@ def _fp8_gemm_kernel(
     FUSED_SPLITS: tl.constexpr,
     GROUP_N: tl.constexpr,
     W8A8: tl.constexpr,
+    A_FP8: tl.constexpr,
     out_dtype: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -200,6 +204,7 @@ def _fp8_gemm_kernel(
     col_ok = cols < N
     n_block = (pid_n * BLOCK_N) // SCALE_BLOCK
     x_ptr += ((pid_n * BLOCK_N) // GROUP_N) * stride_xg  # grouped: this tile's group of x
+    xs_ptr += ((pid_n * BLOCK_N) // GROUP_N) * stride_xsg
     k_blocks = tl.cdiv(K, BLOCK_K)
     kb_start = pid_s * K_BLOCKS_PER_SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -214,7 +219,14 @@ def _fp8_gemm_kernel(
             w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
         )  # [BLOCK_K, BLOCK_N] fp8
         w_scale = tl.load(s_ptr + n_block * stride_sn + kb, mask=kb < k_blocks, other=0.0).to(tl.float32)
-        if W8A8:
+        if A_FP8:  # activations quantised by _act_quant_kernel: e4m3 tile + one scale per row
+            x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_ok & (kb < k_blocks), other=0.0)
+            if FP32_DOT:
+                part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, w)
+            acc += part * (x_scale[:, None] * w_scale)
+        elif W8A8:
             xf = x.to(tl.float32)
             amax = tl.max(tl.abs(xf), axis=1)
             x_scale = tl.maximum(amax, 1e-12) / 448.0
@@ -256,6 +268,66 @@ def _fp8_gemm_kernel(
             tl.store(out, cast_to(acc, out_dtype), mask=mask)
 
 
+ACT_QUANT_BLOCKS = 4
+"""128-channel blocks each program of :func:`_act_quant_kernel` quantises."""
+_ROUND_E4M3 = tl.constexpr(INTERPRETED)
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    stride_xm,
+    stride_qm,
+    stride_sm,
+    BLOCKS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    ks = kb[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+    ok = ks < K
+    v = tl.load(x_ptr + row * stride_xm + ks, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12) / 448.0
+    q = v / scale[:, None]
+    if ROUND:  # the interpreter's fp32 -> e4m3 conversion misrounds at binade boundaries
+        q = _round_e4m3(q)
+    tl.store(q_ptr + row * stride_qm + ks, q.to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + row * stride_sm + kb, scale, mask=kb * BLOCK_K < K)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` as e4m3 with one fp32 scale per (row, 128 channels), DeepSeek's activation
+    quantisation: ``scale = max(amax, 1e-12) / 448``, ``q = x / scale`` rounded to nearest.
+
+    Returns ``(q [..., K] float8_e4m3fn, scales [..., ceil(K/128)] float32)``, both contiguous.
+    """
+    k = x.shape[-1]
+    x2 = x.contiguous().view(-1, k)
+    rows, k_blocks = x2.shape[0], cdiv(k, BLOCK_K)
+    q = torch.empty(x2.shape, device=x.device, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(rows, k_blocks, device=x.device, dtype=torch.float32)
+    if rows and k:
+        grid = (rows, cdiv(k_blocks, ACT_QUANT_BLOCKS))
+        _act_quant_kernel[grid](
+            x2,
+            q,
+            scales,
+            k,
+            x2.stride(0),
+            q.stride(0),
+            scales.stride(0),
+            BLOCKS=ACT_QUANT_BLOCKS,
+            BLOCK_K=BLOCK_K,
+            ROUND=_ROUND_E4M3,
+            num_warps=4,
+        )
+    return q.view(x.shape), scales.view(*x.shape[:-1], k_blocks)
+
+
 def _run(
     x: torch.Tensor,
     data: torch.Tensor,
@@ -264,11 +336,12 @@ def _run(
     groups: int = 0,
     launch: Launch | None = None,
     reduction: str | None = None,
+    prequant: bool | None = None,
 ) -> torch.Tensor:
     """``x [..., K] @ W.T`` (``groups == 0``), or with ``groups`` G: ``x [T, G, K]``, group ``g``
     of x times rows ``g*N:(g+1)*N`` of W, out ``[T, G*N]`` (one launch for every group).
-    ``launch`` / ``reduction`` override :func:`launch_config` / :func:`split_reduction` (the
-    benchmark's sweep, the tests)."""
+    ``launch`` / ``reduction`` / ``prequant`` override :func:`launch_config` /
+    :func:`split_reduction` / :func:`prefill_quantizes` (the benchmark's sweep, the tests)."""
     k = x.shape[-1]
     n = data.shape[0]
     lead = x.shape[:-1] if not groups else x.shape[:1]
@@ -290,6 +363,13 @@ def _run(
     if launch is None:
         launch = launch_config(m, n, k, invariant=batch_invariant_enabled(), sms=sm_count(x.device))
     bm, bn, splits, warps, stages = launch
+    if prequant is None:
+        prequant = w8a8 and m > DECODE_MAX_M and not batch_invariant_enabled()
+    xs, stride_xs = x2, (0, 0)
+    if prequant:  # W8A8 prefill: activations quantised once, not once per column tile
+        x2, xs = quantize_activations(x2)
+        stride_xg = x2.stride(1) if groups else 0
+        stride_xs = (xs.stride(0), xs.stride(1) if groups else 0)
     k_blocks = cdiv(k, BLOCK_K)
     per_split = cdiv(k_blocks, splits)
     splits = cdiv(k_blocks, per_split)
@@ -304,6 +384,7 @@ def _run(
             target, out_dtype = ws, tl.float32
     _fp8_gemm_kernel[grid](
         x2,
+        xs,
         data,
         scale,
         target,
@@ -314,6 +395,7 @@ def _run(
         k,
         x2.stride(0),
         stride_xg,
+        *stride_xs,
         data.stride(0),
         scale.stride(0),
         n,
@@ -322,6 +404,7 @@ def _run(
         FUSED_SPLITS=splits if fused else 1,
         GROUP_N=group_n,
         W8A8=w8a8,
+        A_FP8=prequant,
         out_dtype=out_dtype,
         BLOCK_M=bm,
         BLOCK_N=bn,
