@@ -371,24 +371,32 @@ def _experts_tiled(
         y = mode_matmul(h.view(n, R, I), down.index_select(0, experts)).reshape(n * R, D)
         ys.append(y * ws[rows].unsqueeze(-1))
     y = ys[0] if len(ys) == 1 else torch.cat(ys)
-    # each token's contributions in ascending expert order (stable: duplicates in slot order)
-    pair_slot = torch.empty_like(slot).index_copy_(0, order, slot).view(T, top_k)
+    pair_slot = torch.empty_like(slot).index_copy_(0, order, slot)
+    return expert_order_sum(y.index_select(0, pair_slot).view(T, top_k, D).to(x.dtype), ids)
+
+
+def expert_order_sum(contrib: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's expert contributions ``contrib [T, k, D]`` (slot order, in the output
+    dtype) added in ascending expert order of ``ids [T, k]`` (stable: duplicates in slot
+    order): sequential adds from zero in fp32 / fp64; in lower precisions an fp32 sum rounded
+    once per expert, a duplicated expert's contributions summed in fp32 first (what one
+    ``index_add_`` per expert does).  The batch-invariant ``moe_experts`` and ``moe_combine``
+    (expert parallelism) share it, so both give the same bits."""
+    T, top_k, D = contrib.shape
     token_ids, by_expert = torch.sort(ids, dim=1, stable=True)
-    contrib = y.index_select(0, pair_slot.gather(1, by_expert).reshape(-1)).view(T, top_k, D).to(x.dtype)
-    if x.dtype in (torch.float32, torch.float64):
-        out = torch.zeros_like(x)
+    contrib = contrib.gather(1, by_expert.unsqueeze(-1).expand(T, top_k, D))
+    if contrib.dtype in (torch.float32, torch.float64):
+        out = contrib.new_zeros(T, D)
         for j in range(top_k):
             out += contrib[:, j]
         return out
-    # lower precision: one rounding per expert, a duplicated expert's contributions summed in
-    # fp32 first (what one ``index_add_`` per expert does)
-    acc = torch.zeros_like(x, dtype=torch.float32)
+    acc = contrib.new_zeros(T, D, dtype=torch.float32)
     for j in range(top_k):
         if j:
             same = (token_ids[:, j] == token_ids[:, j - 1])[:, None]
-            acc = torch.where(same, acc, acc.to(x.dtype).float())
+            acc = torch.where(same, acc, acc.to(contrib.dtype).float())
         acc = acc + contrib[:, j].float()
-    return acc.to(x.dtype)
+    return acc.to(contrib.dtype)
 
 
 def _swiglu_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

@@ -1,10 +1,19 @@
-"""DeepSeek-V4 MoE block: hash-routed or ``noaux_tc`` top-k experts plus a shared expert."""
+"""DeepSeek-V4 MoE block: hash-routed or ``noaux_tc`` top-k experts plus a shared expert.
+
+With expert parallelism (``parallel.expert_parallel``) the block holds only its rank's routed
+experts (the physical slots of :class:`~deepinfer_core.distributed.placement.ExpertPlacement`,
+stacked ``[S, 2I, D]`` / ``[S, D, I]``); routed pairs go to their experts' ranks and back through
+the ``moe_dispatch`` / ``moe_combine`` ops.  The shared expert runs locally.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 
+from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
@@ -12,9 +21,22 @@ from deepinfer_core.weights.quant import Weight
 from .config import DeepseekV4Config
 from .fused import FusedProjection
 
+FP8_DISPATCH_ENV = "DEEPINFER_EP_FP8_DISPATCH"
+"""``1``: expert-parallel dispatch sends the token rows as FP8 e4m3 with one scale per 128
+channels (``moe_dispatch(fp8=True)``); read when the model is built."""
+
 
 class MoE:
-    """The MoE block of layer ``layer``."""
+    """The MoE block of layer ``layer``.
+
+    Attributes:
+        gate_up, down: the routed experts held here: every expert, or with expert parallelism
+            this rank's physical slots (EPLB replaces their rows in place between steps).
+        placement: the model's shared :class:`ExpertPlacement` (``None`` without expert
+            parallelism); read at every call, so a rebalanced layout takes effect at the next step.
+        expert_load: ``None``, or a ``[L, E]`` int64 tensor on the device to which each call
+            adds the (token, logical expert) pairs it routes (row ``layer``), without a host sync.
+    """
 
     def __init__(
         self,
@@ -28,6 +50,16 @@ class MoE:
         p = (prefix or f"model.layers.{layer}.") + "mlp."
         self.cfg = cfg
         self.parallel = parallel  # expert parallelism: the experts held are this rank's
+        self.layer = layer
+        ep = parallel is not None and parallel.expert_parallel
+        self.placement: ExpertPlacement | None = w.get(EXPERT_PLACEMENT_KEY) if ep else None  # type: ignore[assignment]
+        if ep and self.placement is None:
+            raise ValueError(
+                f"MoE layer {layer}: expert parallelism needs the weights loaded with parallel= "
+                f"(no {EXPERT_PLACEMENT_KEY!r} in them)"
+            )
+        self.fp8_dispatch = os.environ.get(FP8_DISPATCH_ENV, "0") not in ("", "0")
+        self.expert_load: torch.Tensor | None = None
         self.tid2eid = w.get(p + "gate.tid2eid")
         self.bias = w.get(p + "gate.e_score_correction_bias")
         self.gate_up, self.down = w[p + "experts.gate_up_proj"], w[p + "experts.down_proj"]
@@ -45,5 +77,28 @@ class MoE:
         weights, ids = ops.moe_route(
             logits, self.bias, fixed, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
         )
-        routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
+        if self.expert_load is not None and self.layer < self.expert_load.shape[0]:
+            flat = ids.reshape(-1)
+            self.expert_load[self.layer].index_add_(0, flat, torch.ones_like(flat))
+        if self.placement is not None:
+            routed = self._expert_parallel(x, ids, weights, ops)
+        else:
+            routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
         return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
+
+    def _expert_parallel(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops: OpTable
+    ) -> torch.Tensor:
+        """The routed experts over the EP group: logical ids -> physical slots -> dispatch ->
+        this rank's experts (one per received row) -> combine (in logical expert order)."""
+        parallel, placement = self.parallel, self.placement
+        assert parallel is not None and placement is not None
+        group = parallel.ep_group if parallel.ep_group is not None else parallel.device_group
+        slots = placement.physical(self.layer, ids, salt=parallel.ep_rank)
+        recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
+            x, slots, weights, placement.slots_per_rank, group, fp8=self.fp8_dispatch
+        )
+        y = ops.moe_experts(
+            recv_x, recv_ids[:, None], recv_w[:, None], self.gate_up, self.down, self.cfg.swiglu_limit
+        )
+        return ops.moe_combine(y, handle, ids)
