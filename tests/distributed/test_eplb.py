@@ -4,10 +4,15 @@ weight move of a rebalancing in a gloo world (the oracle: the checkpoint's own t
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from deepinfer_core.backends.resolve import resolve_backend
+from deepinfer_core.config import EPLBConfig
 from deepinfer_core.distributed.eplb.policy import (
     balanced_packing,
     gpu_loads,
@@ -16,7 +21,22 @@ from deepinfer_core.distributed.eplb.policy import (
     rebalance_experts,
     replicate_experts,
 )
+from deepinfer_core.distributed.eplb.rebalance import (
+    EplbController,
+    _parts,
+    align_placement,
+    local_expert_weights,
+    plan_layer_moves,
+)
 from deepinfer_core.distributed.eplb.stats import ExpertLoadWindow
+from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
+from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.models.deepseek_v4 import tiny
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.moe import MoE
+from deepinfer_core.ops.modes import batch_invariant_mode
+from deepinfer_core.weights import load_checkpoint
+from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor, Weight
 
 
 # ---- synthetic loads -------------------------------------------------------------------------
@@ -185,6 +205,71 @@ def test_rebalance_experts_rejects_bad_shapes() -> None:
         rebalance_experts(w, 8, 8, 1, 2, "random")  # type: ignore[arg-type]
 
 
+def _needs(old: list[int], new: list[int], ranks: int) -> int:
+    """(rank, expert) pairs a move from ``old`` to ``new`` must transfer (brute force)."""
+    per = len(old) // ranks
+    return sum(
+        len(set(new[r * per : (r + 1) * per]) - set(old[r * per : (r + 1) * per])) for r in range(ranks)
+    )
+
+
+def gpu_sets(phy2log: torch.Tensor, per: int) -> list[list[int]]:
+    """The sorted expert multisets of the GPUs of a placement row (or rows), sorted."""
+    return sorted(sorted(g) for g in phy2log.reshape(-1, per).tolist())
+
+
+def _overlap(a: list[int], b: list[int]) -> int:
+    return sum(min(a.count(e), b.count(e)) for e in set(a))
+
+
+@pytest.mark.parametrize(("gpus", "nodes"), [(4, 1), (4, 2), (2, 1)])
+def test_align_placement_keeps_loads_and_moves_less(gpus: int, nodes: int) -> None:
+    experts, num_phy, layers = 16, 16 + gpus, 4
+    old = rebalance_experts(zipf_loads(layers, experts, seed=1), num_phy, experts, nodes, gpus)[0]
+    w = zipf_loads(layers, experts, seed=2)
+    new = rebalance_experts(w, num_phy, experts, nodes, gpus)[0]
+    aligned = align_placement(old, new, gpus, nodes)
+    per, per_node = num_phy // gpus, num_phy // nodes
+    for layer in range(layers):
+        for n in range(nodes):  # the same expert sets on each node's GPUs, only permuted
+            part = slice(n * per_node, (n + 1) * per_node)
+            assert gpu_sets(aligned[layer, part], per) == gpu_sets(new[layer, part], per)
+        o, a, x = old[layer].tolist(), aligned[layer].tolist(), new[layer].tolist()
+        assert _needs(o, a, gpus) <= _needs(o, x, gpus)
+        for g in range(gpus):  # every expert a GPU keeps stays in its slot
+            og, ag = o[g * per : (g + 1) * per], a[g * per : (g + 1) * per]
+            assert sum(u == v for u, v in zip(og, ag, strict=True)) == _overlap(og, ag)
+    assert torch.allclose(gpu_loads(w, aligned, gpus).sort(1).values, gpu_loads(w, new, gpus).sort(1).values)
+    # a placement permuted within and across GPUs aligns back to the old one: nothing moves
+    shuffled = old.view(layers, gpus, per).flip(1).flip(2).reshape(layers, -1)
+    assert torch.equal(align_placement(old, shuffled, gpus, 1), old)
+
+
+def test_plan_layer_moves_against_brute_force() -> None:
+    """Every receiver gets exactly the experts it lacks, from a rank that holds them, each once;
+    senders are spread over the holders."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(30):
+        ranks, per, experts = 4, 3, 8
+        old = torch.cat(
+            [torch.arange(experts), torch.randint(0, experts, (ranks * per - experts,), generator=g)]
+        )
+        old = old[torch.randperm(ranks * per, generator=g)].tolist()
+        new = torch.cat(
+            [torch.arange(experts), torch.randint(0, experts, (ranks * per - experts,), generator=g)]
+        )
+        new = new[torch.randperm(ranks * per, generator=g)].tolist()
+        moves = plan_layer_moves(old, new, ranks)
+        for r in range(ranks):
+            lacks = set(new[r * per : (r + 1) * per]) - set(old[r * per : (r + 1) * per])
+            got = [e for (s, d), es in moves.items() if d == r for e in es]
+            assert sorted(got) == sorted(lacks)
+        for (s, d), es in moves.items():
+            assert s != d and es == sorted(es)
+            assert all(e in old[s * per : (s + 1) * per] for e in es)
+        assert sum(map(len, moves.values())) == _needs(old, new, ranks)
+
+
 # ---- the load window --------------------------------------------------------------------------
 def test_load_window_sums_the_last_steps() -> None:
     g = torch.Generator().manual_seed(0)
@@ -200,3 +285,216 @@ def test_load_window_sums_the_last_steps() -> None:
         win.record(torch.zeros(3, 7, dtype=torch.int64))
     win.clear()
     assert int(win.load().sum()) == 0 and win.steps == 0
+
+
+# ---- the weight move in a gloo world ---------------------------------------------------------
+LAYERS, EXPERTS, D, INTER = 3, 8, 64, 16
+
+
+def checkpoint_experts(seed: int = 0) -> list[list[Weight]]:
+    """Per layer the full expert stacks of a stand-in checkpoint: an FP4 ``QuantizedTensor``
+    (packed data, e8m0 scales), a bf16 stack and an fp32 per-expert vector."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for _ in range(LAYERS):
+        codes = torch.randint(0, 256, (EXPERTS, 2 * INTER, D // 2), generator=g, dtype=torch.uint8)
+        scale = torch.randint(120, 130, (EXPERTS, 2 * INTER, D // 32), generator=g, dtype=torch.uint8)
+        gate_up = QuantizedTensor(codes, scale.view(UE8M0_DTYPE), "fp4", (1, 32))
+        down = torch.randn(EXPERTS, D, INTER, generator=g).to(torch.bfloat16)
+        bias = torch.randn(EXPERTS, 4, generator=g)
+        layers.append([gate_up, down, bias])
+    return layers
+
+
+def select_experts(
+    layers: list[list[Weight]], phy2log: torch.Tensor, rank: int, per: int
+) -> list[list[Weight]]:
+    """The local stacks of ``rank`` under ``phy2log``, taken from the full stacks (the oracle)."""
+    out = []
+    for layer, ws in enumerate(layers):
+        ids = phy2log[layer, rank * per : (rank + 1) * per]
+        out.append(
+            [
+                QuantizedTensor(w.data[ids].clone(), w.scale[ids].clone(), w.fmt, w.block)
+                if isinstance(w, QuantizedTensor)
+                else w[ids].clone()
+                for w in ws
+            ]
+        )
+    return out
+
+
+def _same(a: list[list[Weight]], b: list[list[Weight]]) -> bool:
+    def parts(w: Weight) -> list[torch.Tensor]:
+        return [w.data, w.scale.view(torch.uint8)] if isinstance(w, QuantizedTensor) else [w]
+
+    return all(
+        torch.equal(x, y)
+        for wa, wb in zip(a, b, strict=True)
+        for u, v in zip(wa, wb, strict=True)
+        for x, y in zip(parts(u), parts(v), strict=True)
+    )
+
+
+def rank_counts(rank: int, step: int, phase: int) -> torch.Tensor:
+    """The ``[L, E]`` tokens rank ``rank`` routes at ``step``: skewed to a few experts that
+    differ per layer and per ``phase`` (so a second rebalancing moves weights again)."""
+    g = torch.Generator().manual_seed(1000 * phase + 10 * rank + step)
+    w = torch.randint(0, 5, (LAYERS, EXPERTS), generator=g)
+    for layer in range(LAYERS):
+        w[layer, (3 * layer + phase) % EXPERTS] += 60 + 10 * rank
+        w[layer, (3 * layer + phase + 5) % EXPERTS] += 25
+    return w
+
+
+class StandInModel:
+    """What the EPLB controller needs of a model: local expert stacks and a step counts buffer."""
+
+    def __init__(self, experts: list[list[Weight]]):
+        self.experts = experts
+        self.expert_counts = torch.zeros(LAYERS, EXPERTS, dtype=torch.int64)
+
+    def expert_weights(self) -> list[list[Weight]]:
+        return self.experts
+
+
+def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int | None) -> None:
+    """One rank: two phases of skewed loads, each ending in a rebalancing; after each, the local
+    stacks must be the checkpoint's experts of the new placement, in the same storage."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        redundant = world
+        per = (EXPERTS + redundant) // world
+        full = checkpoint_experts()
+        placement = ExpertPlacement.default(LAYERS, EXPERTS, world, redundant)
+        model = StandInModel(select_experts(full, placement.phy2log, rank, per))
+        storage = [[p.data_ptr() for w in ws for p in _parts(w)] for ws in model.experts]
+        layout = ParallelState.layout(rank, world, 1, True)
+        parallel = ParallelState(**layout, ep_group=dist.group.WORLD)
+        cfg = EPLBConfig(
+            window_steps=3,
+            rebalance_interval=3,
+            num_redundant_experts=redundant,
+            policy=policy,
+            num_nodes=nodes,
+        )
+        ctl = EplbController(cfg, placement, model, parallel)
+        assert ctl.num_nodes == (nodes or 1)
+        for phase in (0, 1):
+            old = placement.phy2log.clone()
+            for step in range(3):
+                model.expert_counts += rank_counts(rank, step, phase)
+                assert ctl.step() == (step == 2), f"rank {rank}: rebalanced at step {step}"
+            total = sum(rank_counts(r, s, phase) for r in range(world) for s in range(3))
+            new = placement.phy2log
+            assert imbalance(total, new, world) < imbalance(total, old, world)
+            assert ctl.last_ratio == pytest.approx(
+                (imbalance(total, old, world), imbalance(total, new, world))
+            )
+            # the policy's per-GPU expert sets, on the GPUs where they move the fewest experts
+            ref = rebalance_experts(total, EXPERTS + redundant, EXPERTS, nodes or 1, world, policy)[0]
+            assert all(gpu_sets(new[i], per) == gpu_sets(ref[i], per) for i in range(LAYERS))
+            assert _same(model.experts, select_experts(full, new, rank, per)), f"rank {rank} phase {phase}"
+            assert [[p.data_ptr() for w in ws for p in _parts(w)] for ws in model.experts] == storage
+            assert int(model.expert_counts.abs().sum()) == 0
+            received = torch.tensor([ctl.last_received])
+            dist.all_reduce(received)
+            assert int(received) > 0  # weights did travel
+        assert ctl.rebalances == 2
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "policy", "nodes"), [(2, "global", None), (4, "hierarchical", 2)])
+def test_rebalance_moves_weights_between_ranks(world: int, policy: str, nodes: int | None, tmp_path) -> None:
+    """A gloo world on CPU: a skewed load triggers two rebalancings; every rank's expert stacks
+    (FP4 data and e8m0 scales, bf16, fp32) equal the checkpoint's tensors of its new logical
+    experts (oracle: selected from the full stacks directly)."""
+    mp.spawn(
+        _rebalance_worker, args=(world, f"file://{tmp_path}/store", policy, nodes), nprocs=world, join=True
+    )
+
+
+# ---- the real MoE blocks of the tiny model, before and after a rebalancing -----------------------
+def _moe_worker(rank: int, world: int, init: str, ckpt: str, quantized: bool, batch_invariant: bool) -> None:
+    """One rank of a DP+EP world: the tiny model's MoE blocks holding this rank's experts run
+    their tokens over the EP group before and after a rebalancing (a synthetic hot expert per
+    layer added to the real routed counts); the outputs equal the single-process blocks' (all
+    experts; bitwise under batch invariance) and the local stacks the checkpoint's experts."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        cfg = DeepseekV4Config.from_file(f"{ckpt}/config.json")
+        keep = ("fp4_experts",) if quantized else ()
+        full = load_checkpoint(ckpt, cfg, torch.float32, "cpu", keep_quantized=keep)
+        ops = resolve_backend("reference")[1]
+        layers, experts, redundant = cfg.num_hidden_layers, cfg.n_routed_experts, 2 * world
+        per = (experts + redundant) // world
+        placement = ExpertPlacement.default(layers, experts, world, redundant)
+        parallel = ParallelState(
+            **ParallelState.layout(rank, world, 1, True),
+            device_group=dist.group.WORLD,
+            ep_group=dist.group.WORLD,
+        )
+        experts_of = {  # the checkpoint's stacks, per layer (the oracle)
+            i: [full[f"model.layers.{i}.mlp.experts.{n}"] for n in ("gate_up_proj", "down_proj")]
+            for i in range(layers)
+        }
+        local = select_experts(list(experts_of.values()), placement.phy2log, rank, per)
+        assert isinstance(local[0][0], QuantizedTensor) == quantized
+        w = dict(full)
+        for i in range(layers):
+            w[f"model.layers.{i}.mlp.experts.gate_up_proj"], w[f"model.layers.{i}.mlp.experts.down_proj"] = (
+                local[i]
+            )
+        w[EXPERT_PLACEMENT_KEY] = placement
+        blocks = [MoE(cfg, i, w, torch.float32, parallel=parallel) for i in range(layers)]
+        single = [MoE(cfg, i, dict(full), torch.float32) for i in range(layers)]
+        model = types.SimpleNamespace(layers=[types.SimpleNamespace(moe=b) for b in blocks])
+        g = torch.Generator().manual_seed(rank)
+        tokens = 5 + 3 * rank
+        x = torch.randn(tokens, cfg.hidden_size, generator=g)
+        ids = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+        cfg_eplb = EPLBConfig(window_steps=2, rebalance_interval=2, num_redundant_experts=redundant)
+        ctl = EplbController(cfg_eplb, None, model, parallel)
+        assert ctl.placement is placement and all(b.expert_load is ctl.counts for b in blocks)
+
+        def run() -> list[torch.Tensor]:
+            with batch_invariant_mode(batch_invariant):
+                return [b(x, ids, ops) for b in blocks]
+
+        with batch_invariant_mode(batch_invariant):
+            want = [b(x, ids, ops) for b in single]
+        for step in range(2):
+            got = run()
+            for i in range(layers):
+                ctl.counts[i, (2 * i + 1) % experts] += 40  # a hot expert per layer
+            assert ctl.step() == (step == 1)
+        changed = got
+        for a, b in zip(changed, want, strict=True):
+            assert torch.equal(a, b) if batch_invariant else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(
+            placement.phy2log, ExpertPlacement.default(layers, experts, world, redundant).phy2log
+        )
+        assert _same(
+            local_expert_weights(model),
+            select_experts(list(experts_of.values()), placement.phy2log, rank, per),
+        )
+        for a, b in zip(run(), want, strict=True):  # the new placement routes to the moved weights
+            assert torch.equal(a, b) if batch_invariant else torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert ctl.last_ratio is not None and ctl.last_ratio[1] < ctl.last_ratio[0]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "quantized", "batch_invariant"), [(2, True, True), (4, False, False)])
+def test_rebalanced_moe_outputs_equal_single_process(
+    world: int, quantized: bool, batch_invariant: bool, tmp_path
+) -> None:
+    """The tiny model's MoE blocks under EP, with and without FP4 experts kept quantised."""
+    ckpt = tiny.make_tiny(tmp_path / "tiny", fp4_experts=quantized)
+    args = (world, f"file://{tmp_path}/store", str(ckpt), quantized, batch_invariant)
+    mp.spawn(_moe_worker, args=args, nprocs=world, join=True)

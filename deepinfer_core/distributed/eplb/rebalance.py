@@ -1,0 +1,381 @@
+"""The EPLB runtime: rebalance the expert placement between engine steps and move the weights.
+
+:class:`EplbController` is built by the engine when ``EngineConfig.eplb`` is set and called
+after every step.  Each step it records the MoE's per-layer per-expert token counts into an
+:class:`~.stats.ExpertLoadWindow` (device ops only).  Every ``rebalance_interval`` steps it
+
+1. all-reduces the window's load over the expert-parallel group (the same step on every rank:
+   the ranks of an expert-parallel run step in lockstep),
+2. computes a new placement with :func:`~.policy.rebalance_experts` (the configured policy,
+   ``num_gpus`` = the EP size) and aligns it with the current one (:func:`align_placement`:
+   the same per-GPU sets, permuted so that experts already on a rank keep their slot),
+3. moves the weights (:func:`move_expert_weights`): each rank receives the logical experts its
+   new slots need and it lacks, point to point from a current holder, and rewrites its local
+   expert stacks in place (same storage, so captured device graphs keep reading them),
+4. swaps the placement (:meth:`ExpertPlacement.update`, in place as well).
+
+Everything runs between two steps on the step's stream; the engine keeps its requests,
+caches and schedule.  The loads, policy and plan are computed identically on every rank, so
+no rank needs to tell another what it sends.
+
+**What the model must expose** (duck-typed, see :func:`local_expert_weights` and
+:func:`step_counts`): per MoE layer (placement layer ``l``), its local expert stacks — tensors
+or :class:`~deepinfer_core.weights.quant.QuantizedTensor` (data and scale) whose leading
+dimension is the rank's ``slots_per_rank`` slots in slot order; and an ``[L, E]`` int64 device
+buffer of tokens routed to each logical expert that the MoE adds to during a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer_core.weights.quant import QuantizedTensor, Weight
+
+from .policy import imbalance, rebalance_experts
+from .stats import ExpertLoadWindow
+
+logger = logging.getLogger("deepinfer.eplb")
+
+
+# ---- the model's side --------------------------------------------------------------------------
+def _moe_blocks(model: Any) -> list[Any]:
+    """The MoE blocks of ``model.layers[i].moe`` (the DeepSeek-V4 models'), in layer order."""
+    layers = getattr(model, "layers", None)
+    if layers is None or not all(hasattr(layer, "moe") for layer in layers):
+        raise TypeError(f"EPLB: {type(model).__name__} has neither expert_weights() nor layers[i].moe")
+    return [layer.moe for layer in layers]
+
+
+def local_expert_weights(model: Any) -> list[list[Weight]]:
+    """Per MoE layer, the local expert stacks of ``model`` (leading dimension: local slots).
+
+    ``model.expert_weights()`` when the model defines it; else ``[moe.gate_up, moe.down]`` of
+    every ``model.layers[i].moe`` (the DeepSeek-V4 models' MoE blocks)."""
+    if hasattr(model, "expert_weights"):
+        return [list(ws) for ws in model.expert_weights()]
+    return [[moe.gate_up, moe.down] for moe in _moe_blocks(model)]
+
+
+def model_placement(model: Any) -> Any:
+    """The expert placement the model's MoE blocks share (``model.layers[i].moe.placement``)."""
+    placement = getattr(model, "placement", None)
+    if placement is None:
+        placement = next((m.placement for m in _moe_blocks(model) if m.placement is not None), None)
+    if placement is None:
+        raise TypeError(f"EPLB: {type(model).__name__} has no expert placement (is expert parallelism on?)")
+    return placement
+
+
+def step_counts(model: Any, num_layers: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    """The ``[L, E]`` int64 buffer the MoE adds each step's routed (token, logical expert)
+    pairs to: ``model.expert_counts`` when the model has one; else the ``expert_load`` of the
+    ``model.layers[i].moe`` blocks, a zeroed buffer attached to all of them when they have none
+    (attach before capturing device graphs, so the captured steps count too)."""
+    counts = getattr(model, "expert_counts", None)
+    if isinstance(counts, torch.Tensor):
+        return counts
+    blocks = _moe_blocks(model)
+    counts = next((m.expert_load for m in blocks if m.expert_load is not None), None)
+    if counts is None:
+        counts = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+    for m in blocks:
+        m.expert_load = counts
+    return counts
+
+
+def _parts(w: Weight) -> list[torch.Tensor]:
+    """The tensors of a weight, each with the local slots as leading dimension."""
+    return [w.data, w.scale] if isinstance(w, QuantizedTensor) else [w]
+
+
+# ---- placement alignment -----------------------------------------------------------------------
+def _overlap(a: list[int], b: list[int]) -> int:
+    """Size of the multiset intersection of ``a`` and ``b``."""
+    rest, n = list(b), 0
+    for x in a:
+        if x in rest:
+            rest.remove(x)
+            n += 1
+    return n
+
+
+def align_placement(old: torch.Tensor, new: torch.Tensor, num_gpus: int, num_nodes: int = 1) -> torch.Tensor:
+    """``new`` ``[L, P]`` rearranged to move as few weights as possible from ``old``, with the
+    same per-GPU multisets of experts (so the same loads and node membership).
+
+    Per layer and node, the new GPUs' expert sets are assigned to the node's old GPUs by
+    greedy largest overlap (ties: lower new GPU, then lower old GPU); then inside each GPU an
+    expert that the GPU already held keeps its old slot, the others fill the free slots in
+    ascending order.  Deterministic.
+    """
+    layers, num_phy = new.shape
+    per_gpu, gpus_per_node = num_phy // num_gpus, num_gpus // num_nodes
+    out = torch.empty_like(new)
+    for layer in range(layers):
+        o = old[layer].view(num_gpus, per_gpu).tolist()
+        n = new[layer].view(num_gpus, per_gpu).tolist()
+        for node in range(num_nodes):
+            gpus = range(node * gpus_per_node, (node + 1) * gpus_per_node)
+            pairs = sorted(
+                ((-_overlap(n[a], o[b]), a, b) for a in gpus for b in gpus), key=lambda t: (t[0], t[1], t[2])
+            )
+            target: dict[int, int] = {}
+            used: set[int] = set()
+            for _, a, b in pairs:
+                if a not in target and b not in used:
+                    target[a] = b
+                    used.add(b)
+            for a, b in target.items():
+                slots: list[int | None] = [None] * per_gpu
+                rest = list(n[a])
+                for k, e in enumerate(o[b]):
+                    if e in rest:
+                        slots[k] = e
+                        rest.remove(e)
+                rest.sort()
+                for k in range(per_gpu):
+                    if slots[k] is None:
+                        slots[k] = rest.pop(0)
+                out[layer, b * per_gpu : (b + 1) * per_gpu] = torch.tensor(slots, dtype=new.dtype)
+    return out
+
+
+# ---- the weight move ---------------------------------------------------------------------------
+def plan_layer_moves(
+    old_row: list[int], new_row: list[int], ep_size: int
+) -> dict[tuple[int, int], list[int]]:
+    """The transfers of one layer: ``{(sender, receiver): [logical experts, ascending]}``.
+
+    A rank receives each logical expert that its new slots hold and its old slots do not, once;
+    the sender is one of the expert's old holders, chosen deterministically and spread: the
+    ``i``-th receiver of an expert (by rank) gets it from holder ``i mod holders``."""
+    per = len(old_row) // ep_size
+    old_local = [set(old_row[r * per : (r + 1) * per]) for r in range(ep_size)]
+    needs = [sorted(set(new_row[r * per : (r + 1) * per]) - old_local[r]) for r in range(ep_size)]
+    moves: dict[tuple[int, int], list[int]] = {}
+    for e in sorted({e for need in needs for e in need}):
+        holders = [r for r in range(ep_size) if e in old_local[r]]
+        receivers = [r for r in range(ep_size) if e in needs[r]]
+        for i, r in enumerate(receivers):
+            moves.setdefault((holders[i % len(holders)], r), []).append(e)
+    return moves
+
+
+def _peer(group: Any, rank: int) -> int:
+    """The default-group rank of ``group``'s rank ``rank``."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def move_expert_weights(
+    old_phy2log: torch.Tensor,
+    new_phy2log: torch.Tensor,
+    local_weights: Sequence[Sequence[Weight]],
+    ep_rank: int,
+    ep_size: int,
+    group: Any = None,
+) -> int:
+    """Rewrite this rank's local expert stacks from placement ``old_phy2log`` to ``new_phy2log``
+    (both ``[L, P]``, rank ``r`` holding slots ``[r * S, (r + 1) * S)``), in place.
+
+    Every rank of the EP ``group`` calls this with the same placements.  Per layer, each rank
+    sends to each peer one byte buffer of the experts the peer lacks and this rank was chosen
+    to send (:func:`plan_layer_moves`), receives its own the same way (``batch_isend_irecv``),
+    then fills its new slots from its old slots or the received experts and copies the result
+    into the existing tensors (``QuantizedTensor`` data and scale alike).
+
+    Args:
+        local_weights: per layer, the local expert stacks (leading dimension ``S``).
+        ep_rank, ep_size: this rank in the EP group, and its size.
+        group: the EP process group (``None``: the default group).
+
+    Returns:
+        The number of experts this rank received.
+    """
+    layers, num_phy = new_phy2log.shape
+    per = num_phy // ep_size
+    if len(local_weights) != layers:
+        raise ValueError(
+            f"move_expert_weights: {len(local_weights)} layers of weights for {layers} placement layers"
+        )
+    received = 0
+    for layer in range(layers):
+        old_row, new_row = old_phy2log[layer].tolist(), new_phy2log[layer].tolist()
+        if old_row == new_row:
+            continue
+        parts = [t for w in local_weights[layer] for t in _parts(w)]
+        for t in parts:
+            if t.shape[0] != per:
+                raise ValueError(
+                    f"move_expert_weights: layer {layer} has a local expert stack of {t.shape[0]} slots, "
+                    f"the placement gives each rank {per}"
+                )
+        sizes = [t[0].numel() * t.element_size() for t in parts]
+        expert_bytes = sum(sizes)
+        old_local = old_row[ep_rank * per : (ep_rank + 1) * per]
+        new_local = new_row[ep_rank * per : (ep_rank + 1) * per]
+        moves = plan_layer_moves(old_row, new_row, ep_size)
+        ops: list[dist.P2POp] = []
+        recv_bufs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for (src, dst), experts in sorted(moves.items()):
+            if src == ep_rank:
+                rows = [old_local.index(e) for e in experts]
+                buf = torch.cat([_bytes(t[k]) for k in rows for t in parts])
+                ops.append(dist.P2POp(dist.isend, buf, _peer(group, dst), group))
+            elif dst == ep_rank:
+                device = parts[0].device
+                buf = torch.empty(len(experts) * expert_bytes, dtype=torch.uint8, device=device)
+                recv_bufs[src] = (buf, experts)
+                ops.append(dist.P2POp(dist.irecv, buf, _peer(group, src), group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        if old_local == new_local:
+            continue
+        incoming: dict[int, list[torch.Tensor]] = {}  # expert -> its parts, from the buffers
+        for buf, experts in recv_bufs.values():
+            offset = 0
+            for e in experts:
+                pieces = []
+                for t, size in zip(parts, sizes, strict=True):
+                    pieces.append(buf[offset : offset + size].view(t.dtype).view(t.shape[1:]))
+                    offset += size
+                incoming[e] = pieces
+        received += len(incoming)
+        for i, t in enumerate(parts):
+            fresh = torch.empty_like(t)
+            for k, e in enumerate(new_local):
+                fresh[k] = t[old_local.index(e)] if e in old_local else incoming[e][i]
+            t.copy_(fresh)
+    return received
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, flat (any dtype, float8 included, travels as uint8)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ---- the controller ----------------------------------------------------------------------------
+def infer_num_nodes(world_size: int) -> int:
+    """Nodes of the launch: ``world_size / LOCAL_WORLD_SIZE`` under ``torchrun`` (1 when the
+    variable is missing or does not divide the world)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
+        return world_size // int(local)
+    return 1
+
+
+class EplbController:
+    """Expert-parallel load balancing of one rank: load window, periodic rebalancing and
+    weight move (see the module docstring).
+
+    Args:
+        config: the :class:`~deepinfer_core.config.EPLBConfig`.
+        placement: the model's :class:`~deepinfer_core.distributed.placement.ExpertPlacement`
+            (updated in place); ``None`` = the one its MoE blocks share (:func:`model_placement`).
+        model: the model, exposing its local expert stacks (:func:`local_expert_weights`) and
+            its step counts buffer (:func:`step_counts`), unless ``counts`` is given.
+        parallel: this rank's :class:`~deepinfer_core.distributed.state.ParallelState`
+            (``ep_rank``, ``ep_size``, ``ep_group``, ``world_size``).
+        counts: the ``[L, E]`` int64 step buffer; ``None`` = found on the model or placement.
+        num_groups: expert groups of the hierarchical policy (``None`` = one per expert: V4
+            routes without group limits).
+
+    Attributes:
+        window: the :class:`ExpertLoadWindow`.
+        steps: steps seen.
+        rebalances: rebalancings done.
+        last_ratio: ``(before, after)`` max/mean GPU load of the last rebalancing's window,
+            under the old and the new placement.
+        last_received: experts this rank received in the last weight move.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        placement: Any,
+        model: Any,
+        parallel: Any,
+        counts: torch.Tensor | None = None,
+        num_groups: int | None = None,
+    ):
+        if placement is None:
+            placement = model_placement(model)
+        self.config, self.placement, self.model, self.parallel = config, placement, model, parallel
+        if config.num_redundant_experts != placement.num_redundant:
+            raise ValueError(
+                f"eplb.num_redundant_experts={config.num_redundant_experts} but the expert placement has "
+                f"{placement.num_redundant} redundant slots"
+            )
+        L, E = placement.num_layers, placement.num_experts
+        weights = local_expert_weights(model)
+        if len(weights) != L:
+            raise ValueError(f"EPLB: the model has {len(weights)} MoE layers, the expert placement {L}")
+        device = _parts(weights[0][0])[0].device
+        self.counts = counts if counts is not None else step_counts(model, L, E, device)
+        if tuple(self.counts.shape) != (L, E):
+            raise ValueError(
+                f"EPLB: expert counts have shape {tuple(self.counts.shape)}, the placement is {(L, E)}"
+            )
+        self.window = ExpertLoadWindow(config.window_steps, L, E, self.counts.device)
+        self.num_groups = num_groups or E
+        ep = parallel.ep_size
+        nodes = config.num_nodes if config.num_nodes is not None else infer_num_nodes(ep)
+        if config.policy == "hierarchical" and (ep % nodes or self.num_groups % nodes):
+            if config.num_nodes is not None:
+                raise ValueError(
+                    f"eplb.num_nodes={nodes} must divide the EP size ({ep}) and the expert groups "
+                    f"({self.num_groups}); use policy='global'"
+                )
+            nodes = 1
+        self.num_nodes = nodes
+        self.steps = 0
+        self.rebalances = 0
+        self.last_ratio: tuple[float, float] | None = None
+        self.last_received = 0
+
+    def step(self) -> bool:
+        """Record the step's counts; rebalance when the interval is reached.  Returns whether
+        this call rebalanced."""
+        self.window.record(self.counts, reset=True)
+        self.steps += 1
+        if self.steps % self.config.rebalance_interval:
+            return False
+        return self.rebalance()
+
+    def rebalance(self) -> bool:
+        """Rebalance now (every EP rank at once).  Returns whether the placement changed."""
+        par = self.parallel
+        load = self.window.global_load(par.ep_group if par.ep_size > 1 else None).cpu()
+        if int(load.sum()) == 0:
+            return False
+        old = self.placement.phy2log.clone()
+        new, _, _ = rebalance_experts(
+            load, self.placement.num_slots, self.num_groups, self.num_nodes, par.ep_size, self.config.policy
+        )
+        new = align_placement(old, new, par.ep_size, self.num_nodes)
+        before, after = imbalance(load, old, par.ep_size), imbalance(load, new, par.ep_size)
+        self.last_ratio = (before, after)
+        if after >= before:  # keep the layout (and the weights) when it is no better
+            logger.info("EPLB: kept the placement (max/mean load %.3f, a new one %.3f)", before, after)
+            return False
+        self.last_received = got = move_expert_weights(
+            old, new, local_expert_weights(self.model), par.ep_rank, par.ep_size, par.ep_group
+        )
+        self.placement.update(new)
+        self.rebalances += 1
+        logger.info(
+            "EPLB: rebalanced at step %d: max/mean load %.3f -> %.3f, %d experts received",
+            self.steps,
+            before,
+            after,
+            got,
+        )
+        return True
