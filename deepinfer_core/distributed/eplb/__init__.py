@@ -5,7 +5,13 @@ between engine steps and moves the expert weights between ranks (:mod:`.rebalanc
 See ``docs/distributed.md`` (EPLB)."""
 
 from .policy import balanced_packing, gpu_loads, imbalance, log2phy_from, rebalance_experts, replicate_experts
-from .rebalance import EplbController, align_placement, move_expert_weights, plan_layer_moves
+from .rebalance import (
+    EplbController,
+    align_placement,
+    initial_placement,
+    move_expert_weights,
+    plan_layer_moves,
+)
 from .stats import ExpertLoadWindow
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "balanced_packing",
     "gpu_loads",
     "imbalance",
+    "initial_placement",
     "log2phy_from",
     "rebalance_experts",
     "replicate_experts",

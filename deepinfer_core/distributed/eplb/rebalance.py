@@ -94,6 +94,17 @@ def _parts(w: Weight) -> list[torch.Tensor]:
     return [w.data, w.scale] if isinstance(w, QuantizedTensor) else [w]
 
 
+def initial_placement(model_config: Any, ep_size: int, num_redundant: int) -> Any:
+    """The placement an EPLB run loads its experts by: the default one
+    (:meth:`ExpertPlacement.default`, experts in order, the redundant slots replicas of experts
+    ``0, 1, ...``) over the model's MoE layers (``num_hidden_layers``) and routed experts
+    (``n_routed_experts``)."""
+    from deepinfer_core.distributed.placement import ExpertPlacement
+
+    layers, experts = model_config.num_hidden_layers, model_config.n_routed_experts
+    return ExpertPlacement.default(layers, experts, ep_size, num_redundant)
+
+
 # ---- placement alignment -----------------------------------------------------------------------
 def _overlap(a: list[int], b: list[int]) -> int:
     """Size of the multiset intersection of ``a`` and ``b``."""
