@@ -41,7 +41,15 @@ class ExpertPlacement:
         phy2log: ``[L, P]`` int64, the logical expert of each slot.
         log2phy: ``[L, E, R]`` int64, each expert's slots ascending, ``-1`` padded.
         logcnt: ``[L, E]`` int64, each expert's number of slots.
+
+    No ``__dict__`` (slots): the model's weight accounting, which walks object attributes,
+    does not count the layout's small tables as weights.
     """
+
+    __slots__ = (
+        "num_layers", "num_experts", "ep_size", "num_slots", "num_redundant", "slots_per_rank",
+        "phy2log", "log2phy", "logcnt", "_device",
+    )  # fmt: skip
 
     def __init__(self, phy2log: torch.Tensor, num_experts: int, ep_size: int):
         """Validate ``phy2log`` (``[L, P]`` integer, every expert of ``[0, num_experts)`` in

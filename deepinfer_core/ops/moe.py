@@ -236,7 +236,7 @@ def _experts_dense(
     limit: float,
 ) -> torch.Tensor:
     t, e = x.shape[0], gate_up.shape[0]
-    h = F.linear(x, gate_up.reshape(-1, x.shape[1])).view(t, e, -1)
+    h = F.linear(x, gate_up.reshape(-1, x.shape[1])).view(t, e, gate_up.shape[1])
     gate, up = h.chunk(2, dim=-1)
     h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)  # [T, E, I]
     y = torch.bmm(h.transpose(0, 1), down.transpose(1, 2))  # [E, T, D]

@@ -11,7 +11,8 @@ at a time; expert stacks are filled in place, so peak memory is the result plus 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,10 @@ _MAX_LISTED = 5
 # parameter kinds (ParamSpec.kind) whose FP8 weights ``keep_quantized`` keeps: the dense matmul
 # weights the ``linear`` / ``grouped_linear`` ops take
 _DENSE_KINDS = frozenset({"linear", "linear_bf16"})
+_LAYER_STACK_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.")
+LocalExperts = Mapping[int, Sequence[int]]
+"""Expert parallelism: ``{layer: the logical expert of each local slot}`` (an
+:class:`~deepinfer_core.distributed.placement.ExpertPlacement`'s ``local_logical``)."""
 
 
 @dataclass
@@ -178,11 +183,17 @@ def _read(
     spec: ParamSpec,
     block: tuple[int, int],
     keep: frozenset[str] = frozenset(),
+    rows: list[int] | None = None,
 ) -> Weight:
     """Read one stored tensor, dequantised to float32 if quantised (unless its format is in
     ``keep`` and the parameter is of the kind that format serves: then a :class:`QuantizedTensor`);
-    check its dtype class."""
-    t = src.get(name)
+    check its dtype class.  ``rows``: read only these indices of dim 0 (of the tensor and its
+    scale: an HF expert stack's local experts)."""
+
+    def get(n: str) -> torch.Tensor:
+        return src.get(n) if rows is None else src.get_rows(n, rows)
+
+    t = get(name)
     where = f"tensor {name!r} in {src.shard_of[name]}"
     quantised = (
         t.dtype == FP8_DTYPE or t.dtype in FP4_STORAGE_DTYPES or (_FP4_X2 is not None and t.dtype == _FP4_X2)
@@ -202,7 +213,7 @@ def _read(
                 f"{where} has integer dtype {t.dtype}, but this parameter is floating point."
             )
         return t
-    scale = src.get(scale_name)
+    scale = get(scale_name)
     if scale.is_floating_point() and scale.dtype not in (torch.float32, UE8M0_DTYPE):
         scale = scale.float()  # bf16 / fp16 scales: exact in float32, as dequantising reads them
     try:
@@ -244,6 +255,7 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     *,
     keep_quantized: bool | Collection[str] = False,
+    local_experts: LocalExperts | None = None,
 ) -> dict[str, Weight]:
     """Load the checkpoint in ``model_dir`` as ``{HF name: tensor}`` matching ``parameter_specs(cfg)``.
 
@@ -264,12 +276,19 @@ def load_checkpoint(
     exactly as without the option.  ``QuantizedTensor.dequantize(dtype)`` gives bitwise the
     tensor this function returns without the option.
 
+    ``local_experts`` (expert parallelism: ``{layer: logical expert of each local slot}``, every
+    MoE layer) loads only those routed experts: each layer's stacks are ``[S, 2I, D]`` /
+    ``[S, D, I]`` with slot ``s`` holding expert ``local_experts[layer][s]``, and the other
+    experts' tensors are never read (native per-expert tensors are skipped, HF stacks read
+    row by row); dense weights load whole.
+
     Raises :class:`WeightLoadError` naming the tensor and file for missing, unexpected,
     mis-shaped or wrongly-typed tensors and for unreadable or unsafe shards.
     """
     keep = _keep_formats(keep_quantized)
     shard_of = discover_shards(model_dir)
     specs = parameter_specs(cfg)
+    local = _check_local_experts(local_experts, specs) if local_experts is not None else None
     plan = _plan(shard_of, specs)
     missing = _missing(plan, specs, cfg)
     if missing:
@@ -280,7 +299,7 @@ def load_checkpoint(
             f"{len(files)} file(s): {', '.join(files[:_MAX_LISTED])}). Check that config.json matches the "
             "weights and that the download is complete."
         )
-    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
+    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep, local)
     if "lm_head.weight" not in result and cfg.tie_word_embeddings:
         result["lm_head.weight"] = result["model.embed_tokens.weight"]
     return {name: result[name] for name in specs}
@@ -345,6 +364,31 @@ def _native_spelling(missing: str) -> str:
     return f"{native} {rest}".rstrip()
 
 
+def _check_local_experts(local: LocalExperts, specs: dict[str, ParamSpec]) -> dict[str, list[int]]:
+    """``{expert stack HF name: logical expert of each local slot}`` from ``{layer: slots}``;
+    a one-line ``ValueError`` naming the layer for a missing layer or an expert out of range."""
+    out: dict[str, list[int]] = {}
+    for name, spec in specs.items():
+        m = _LAYER_STACK_RE.match(name)
+        if m is None or spec.kind != "experts":
+            continue
+        layer = int(m.group(1))
+        if layer not in local:
+            raise ValueError(f"local_experts: no entry for MoE layer {layer}")
+        experts = [int(e) for e in local[layer]]
+        bad = [e for e in experts if not 0 <= e < spec.shape[0]]
+        if bad or not experts:
+            raise ValueError(
+                f"local_experts[{layer}] = {experts}: needs at least one expert, each in [0, {spec.shape[0]})"
+            )
+        out[name] = experts
+    return out
+
+
+def _local_spec(spec: ParamSpec, slots: int) -> ParamSpec:
+    return ParamSpec((slots, *spec.shape[1:]), spec.kind)
+
+
 def _read_plan(
     plan: _Plan,
     shard_of: dict[str, Path],
@@ -353,8 +397,11 @@ def _read_plan(
     dtype: torch.dtype,
     device: str | torch.device,
     keep: frozenset[str],
+    local: dict[str, list[int]] | None = None,
 ) -> dict[str, Weight]:
-    """Read every tensor of ``plan``, shard by shard, into ``{HF name: weight}``."""
+    """Read every tensor of ``plan``, shard by shard, into ``{HF name: weight}``; with
+    ``local`` (:func:`_check_local_experts`) only the listed experts of each stack."""
+    local = local or {}
     qcfg = cfg.quantization_config or {}
     block = tuple(qcfg.get("weight_block_size") or DEFAULT_FP8_BLOCK)
     result: dict[str, Weight] = {}
@@ -363,8 +410,10 @@ def _read_plan(
             for name in names:
                 if name in plan.direct:
                     hf = plan.direct[name]
-                    spec = specs[hf]
-                    t = _read(src, name, plan.scales.get(name), spec, block, keep)
+                    spec, rows = specs[hf], local.get(plan.direct[name])
+                    if rows is not None:  # an HF expert stack: this rank's experts only
+                        spec = _local_spec(spec, len(rows))
+                    t = _read(src, name, plan.scales.get(name), spec, block, keep, rows)
                     _check_shape(t.shape, spec.shape, f"tensor {name!r} (model parameter {hf})", path)
                     if isinstance(t, QuantizedTensor):
                         result[hf] = t.to(device)
@@ -372,12 +421,18 @@ def _read_plan(
                         result[hf] = t.to(device=device, dtype=target_dtype(spec, dtype))
                 elif name in plan.experts:
                     sl = plan.experts[name]
-                    spec = specs[sl.hf_name]
+                    spec, slots = specs[sl.hf_name], [sl.expert]
+                    if sl.hf_name in local:  # expert parallelism: only this rank's experts
+                        slots = [s for s, e in enumerate(local[sl.hf_name]) if e == sl.expert]
+                        if not slots:
+                            continue  # another rank's expert: not read
+                        spec = _local_spec(spec, len(local[sl.hf_name]))
                     t = _read(src, name, plan.scales.get(name), spec, block, keep)
                     _check_shape(t.shape, _expert_slice_shape(spec, sl.part), f"expert tensor {name!r}", path)
                     if sl.hf_name not in result:
                         result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
-                    _put_expert(result[sl.hf_name], sl, t, name, path)
+                    for slot in slots:
+                        _put_expert(result[sl.hf_name], sl, t, name, path, slot)
     return result
 
 
@@ -403,8 +458,11 @@ def _empty_stack(first: Weight, spec: ParamSpec, dtype: torch.dtype, device: str
     return QuantizedTensor(data, scale, first.fmt, first.block)
 
 
-def _put_expert(stack: Weight, sl: ExpertSlice, t: Weight, name: str, path: Path) -> None:
-    """Copy expert slice ``t`` into its rows of ``stack``."""
+def _put_expert(
+    stack: Weight, sl: ExpertSlice, t: Weight, name: str, path: Path, slot: int | None = None
+) -> None:
+    """Copy expert slice ``t`` into its rows of ``stack``'s slot ``slot`` (default: its expert's)."""
+    slot = sl.expert if slot is None else slot
     rows = t.shape[0]
     start = rows if sl.part == "up" else 0
     if isinstance(stack, QuantizedTensor) != isinstance(t, QuantizedTensor) or (
@@ -418,7 +476,7 @@ def _put_expert(stack: Weight, sl: ExpertSlice, t: Weight, name: str, path: Path
             "keep_quantized=False to dequantise them all)"
         )
     if isinstance(stack, QuantizedTensor) and isinstance(t, QuantizedTensor):
-        stack.data[sl.expert, start : start + rows].copy_(t.data)
-        stack.scale[sl.expert, start : start + rows].copy_(t.scale)
+        stack.data[slot, start : start + rows].copy_(t.data)
+        stack.scale[slot, start : start + rows].copy_(t.scale)
     else:
-        stack[sl.expert, start : start + rows].copy_(t)
+        stack[slot, start : start + rows].copy_(t)

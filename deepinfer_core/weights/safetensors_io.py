@@ -197,6 +197,17 @@ class TensorSource:
                 f"cannot read tensor {name!r} from {path}: {e}. The file is corrupt."
             ) from None
 
+    def get_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        """Rows ``rows`` (indices along dim 0) of tensor ``name``, reading only those rows."""
+        handle, path = self._checked(name)
+        try:
+            part = handle.get_slice(name)
+            return torch.stack([part[r : r + 1][0] for r in rows]) if rows else part[0:0]
+        except Exception as e:
+            raise WeightLoadError(
+                f"cannot read rows of tensor {name!r} from {path}: {e}. The file is corrupt."
+            ) from None
+
     def dtype_of(self, name: str) -> str:
         """The safetensors dtype string (e.g. ``"F8_E4M3"``) of ``name`` without reading its data."""
         handle, _ = self._checked(name)

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
 
@@ -26,12 +28,41 @@ def parse_config(data: dict[str, Any], source: str) -> DeepseekV4Config:
 
 
 def load_weights(
-    model_dir: Path, cfg: DeepseekV4Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+    model_dir: Path,
+    cfg: DeepseekV4Config,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep: Collection[str],
+    parallel: ParallelState | None = None,
+    placement: ExpertPlacement | None = None,
 ) -> dict[str, Any]:
-    """HF-named tensors of the checkpoint, validated against the parameter inventory."""
+    """HF-named tensors of the checkpoint, validated against the parameter inventory.
+
+    With expert parallelism (``parallel.expert_parallel``) only this rank's routed experts are
+    read: the physical slots ``placement`` gives the rank (default
+    :meth:`ExpertPlacement.default`: experts in order over the ranks, no replicas), stacked per
+    layer; the placement is returned under :data:`EXPERT_PLACEMENT_KEY` for the MoE blocks
+    (shared, so EPLB can swap it).  Dense weights are replicated.
+    """
     from deepinfer_core.weights import load_checkpoint
 
-    return load_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
+    if parallel is None or not parallel.expert_parallel:
+        return load_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
+    layers, experts = cfg.num_hidden_layers, cfg.n_routed_experts
+    if placement is None:
+        placement = ExpertPlacement.default(layers, experts, parallel.ep_size)
+    shape = (placement.num_layers, placement.num_experts, placement.ep_size)
+    if shape != (layers, experts, parallel.ep_size):
+        raise ConfigError(
+            f"expert placement {placement!r} does not fit the model ({layers} MoE layers, {experts} experts) "
+            f"on {parallel.ep_size} EP ranks"
+        )
+    local = {layer: placement.local_logical(layer, parallel.ep_rank) for layer in range(layers)}
+    weights: dict[str, Any] = load_checkpoint(
+        model_dir, cfg, dtype, device, keep_quantized=keep, local_experts=local
+    )
+    weights[EXPERT_PLACEMENT_KEY] = placement
+    return weights
 
 
 def load_mtp_weights(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
@@ -44,12 +45,28 @@ def _refuse(cfg: DeepseekV41Config) -> None:
         raise ConfigError(f"model family {MODEL_TYPE!r}: not implemented yet: {missing}")
 
 
+def _refuse_expert_parallel(parallel: ParallelState | None) -> None:
+    if parallel is not None and parallel.expert_parallel:
+        raise ConfigError(
+            f"model family {MODEL_TYPE!r}: enable_expert_parallel is not implemented yet for its MoE "
+            "(data_parallel_size alone replicates the experts)"
+        )
+
+
 def load_weights(
-    model_dir: Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+    model_dir: Path,
+    cfg: DeepseekV41Config,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep: Collection[str],
+    parallel: ParallelState | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's tensors by inventory name (:mod:`.weights`); with Engram layers also
     ``engram.token_map``, each token id's normalised id, from the checkpoint's ``tokenizer.json``
-    (:func:`~.engram.compressed_token_map`), checked against ``engram_compressed_vocab_size``."""
+    (:func:`~.engram.compressed_token_map`), checked against ``engram_compressed_vocab_size``.
+    ``parallel``: a distributed run's layout; expert parallelism is refused (one-line
+    :class:`ConfigError`), data parallelism loads every weight on every rank."""
+    _refuse_expert_parallel(parallel)
     _refuse(cfg)
     from .weights import load_weights as load
 
@@ -80,8 +97,12 @@ def _engram_token_map(model_dir: Path, cfg: DeepseekV41Config) -> torch.Tensor:
     return token_map_for_vocab(token_map, cfg.vocab_size, cfg.engram_pad_id)
 
 
-def build_model(cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable) -> Any:
-    """The :class:`~.model.DeepseekV41Model` over ``weights`` (which it takes over)."""
+def build_model(
+    cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
+) -> Any:
+    """The :class:`~.model.DeepseekV41Model` over ``weights`` (which it takes over); refuses
+    expert parallelism like :func:`load_weights`."""
+    _refuse_expert_parallel(parallel)
     _refuse(cfg)
     from .model import DeepseekV41Model
 
