@@ -205,7 +205,7 @@ def _ops_worker(rank: int, world: int) -> None:
                     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=what)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dispatch_combine_over_gloo(world: int) -> None:
     _spawn(_ops_worker, world)
 
@@ -244,7 +244,7 @@ def _moe_worker(rank: int, world: int, model_dir: str) -> None:
     assert int(load.sum()) == t * cfg.num_experts_per_tok * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_block_expert_parallel_matches_single_process(tiny_dir: Path, world: int) -> None:
     _spawn(_moe_worker, world, str(tiny_dir))
 
