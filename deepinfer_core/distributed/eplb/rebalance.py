@@ -276,7 +276,8 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 # ---- the controller ----------------------------------------------------------------------------
 def infer_num_nodes(world_size: int) -> int:
     """Nodes of the launch: ``world_size / LOCAL_WORLD_SIZE`` under ``torchrun`` (1 when the
-    variable is missing or does not divide the world)."""
+    variable is missing or does not divide the world).  The controller takes the largest value
+    over the EP ranks, so all of them agree."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local and local.isdigit() and int(local) > 0 and world_size % int(local) == 0:
         return world_size // int(local)
@@ -294,7 +295,9 @@ class EplbController:
         model: the model, exposing its local expert stacks (:func:`local_expert_weights`) and
             its step counts buffer (:func:`step_counts`), unless ``counts`` is given.
         parallel: this rank's :class:`~deepinfer_core.distributed.state.ParallelState`
-            (``ep_rank``, ``ep_size``, ``ep_group``, ``world_size``).
+            (``ep_rank``, ``ep_size``, ``ep_group``).  Every EP rank builds its controller at
+            the same point: without ``config.num_nodes`` the constructor all-reduces the nodes
+            each rank infers (:func:`infer_num_nodes`) over the EP group.
         counts: the ``[L, E]`` int64 step buffer; ``None`` = found on the model or placement.
         num_groups: expert groups of the hierarchical policy (``None`` = one per expert: V4
             routes without group limits).
@@ -338,7 +341,13 @@ class EplbController:
         self.window = ExpertLoadWindow(config.window_steps, L, E, self.counts.device)
         self.num_groups = num_groups or E
         ep = parallel.ep_size
-        nodes = config.num_nodes if config.num_nodes is not None else infer_num_nodes(ep)
+        nodes = config.num_nodes
+        if nodes is None:
+            nodes = infer_num_nodes(ep)
+            if ep > 1:  # every rank must compute the same placements: agree on the launch's nodes
+                agreed = torch.tensor([nodes], dtype=torch.int64, device=self.counts.device)
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel.ep_group)
+                nodes = int(agreed)
         if config.policy == "hierarchical" and (ep % nodes or self.num_groups % nodes):
             if config.num_nodes is not None:
                 raise ValueError(
