@@ -22,8 +22,8 @@ local id) and the summation order of the combine are the contract; the handle is
 (a :class:`DispatchHandle` or a subclass).  ``capacity`` asks for the fixed-shape exchange a
 CUDA graph can capture: every rank sends ``capacity`` rows to every rank (real pairs first,
 then zero rows), the split sizes are static and nothing reads a device value on the host; the
-caller chooses one ``capacity`` for every rank of the group (at least the most pairs one rank
-sends to one rank, e.g. ``max_num_batched_tokens * k``).  The dynamic exchange (``capacity``
+caller chooses one ``capacity`` for every rank of the group, at least every rank's ``T * k``
+(e.g. ``max_num_batched_tokens * k``).  The dynamic exchange (``capacity``
 ``None``) first exchanges the per-rank counts and reads them on the host (a sync).
 """
 
@@ -123,8 +123,10 @@ def moe_dispatch(
         fp8: quantise the rows for the exchange (FP8 e4m3, one fp32 scale per 128 channels;
             dequantised to ``x.dtype`` on arrival): half the bytes of bf16, a quarter of fp32;
             each element off by at most ``2**-4 |x| + 2**-10 s`` (``s = amax / 448`` of its group).
-        capacity: rows sent to each rank in the fixed-shape (graph-capturable) exchange, or
-            ``None`` for the dynamic one (counts exchanged, one host sync).
+        capacity: rows sent to each rank in the fixed-shape (graph-capturable) exchange, the
+            same on every rank of the group and at least ``T * k`` on each (e.g.
+            ``max_num_batched_tokens * k``), or ``None`` for the dynamic one (counts exchanged,
+            one host sync).
 
     Returns:
         ``(recv_x [N, D] in x's dtype, recv_ids [N] int64 local expert ids, recv_weights [N],
@@ -155,18 +157,19 @@ def moe_dispatch(
         n_recv = sum(recv_list)
         pair_pos = torch.empty_like(send_order).index_copy_(0, send_order, torch.arange(pairs, device=dev))
     else:
-        if capacity < 1:
-            raise ValueError(f"moe_dispatch: capacity ({capacity}) must be >= 1")
+        if capacity < max(pairs, 1):  # from shapes: a rank sends at most T * k pairs to one rank
+            raise ValueError(
+                f"moe_dispatch: capacity ({capacity}) must be >= the {pairs} (token, expert) pairs of this "
+                "rank (the most it may send to one rank)"
+            )
         send_list = recv_list = None
         n_recv = world * capacity
         # each pair's row: its destination's block + its rank among the pairs to that destination
         within = torch.arange(pairs, device=dev) - starts.index_select(0, dest_sorted)
         pos = dest_sorted * capacity + within
-        pos = torch.where(within < capacity, pos, torch.full_like(pos, n_recv))  # overflow: dropped
-        buf_x = x.new_zeros(n_recv + 1, x.shape[1]).index_copy_(0, pos, rows)
-        buf_w = weights.new_zeros(n_recv + 1).index_copy_(0, pos, send_w)
-        buf_ids = torch.full((n_recv + 1,), -1, dtype=torch.int64, device=dev).index_copy_(0, pos, send_ids)
-        rows, send_w, send_ids = buf_x[:n_recv], buf_w[:n_recv], buf_ids[:n_recv]
+        rows = x.new_zeros(n_recv, x.shape[1]).index_copy_(0, pos, rows)
+        send_w = weights.new_zeros(n_recv).index_copy_(0, pos, send_w)
+        send_ids = torch.full((n_recv,), -1, dtype=torch.int64, device=dev).index_copy_(0, pos, send_ids)
         pair_pos = torch.empty_like(pos).index_copy_(0, send_order, pos)
     if fp8:
         data, scale = quant_fp8(rows, FP8_DISPATCH_BLOCK)
@@ -177,8 +180,7 @@ def moe_dispatch(
         recv_x = _exchange(rows, n_recv, recv_list, send_list, group)
     recv_w = _exchange(send_w, n_recv, recv_list, send_list, group)
     recv_ids = _exchange(send_ids, n_recv, recv_list, send_list, group)
-    pad = recv_ids < 0
-    key = torch.where(pad, torch.full_like(recv_ids, slots_per_rank), recv_ids)
+    key = torch.where(recv_ids < 0, torch.full_like(recv_ids, slots_per_rank), recv_ids)  # padding last
     key, recv_order = torch.sort(key, stable=True)
     recv_ids = key.clamp(max=slots_per_rank - 1)
     handle = DispatchHandle(
@@ -192,10 +194,8 @@ def moe_dispatch(
         recv_order=recv_order,
         capacity=capacity,
     )
-    recv_x = recv_x.index_select(0, recv_order)
-    if capacity is not None:  # padding rows: zeros (dequantised FP8 zeros are zeros too)
-        recv_x = recv_x.masked_fill(pad.index_select(0, recv_order)[:, None], 0)
-    return recv_x, recv_ids, recv_w.index_select(0, recv_order), handle
+    # padding rows (capacity) arrive as zeros: FP8 zeros dequantise to zeros
+    return recv_x.index_select(0, recv_order), recv_ids, recv_w.index_select(0, recv_order), handle
 
 
 def _combine_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

@@ -115,6 +115,8 @@ def test_dispatch_combine_single_process_bitwise() -> None:
         moe_dispatch(x, ids[:5], w, E, None)
     with pytest.raises(ValueError, match="moe_combine: ids"):
         moe_combine(rx, h, ids[:5])
+    with pytest.raises(ValueError, match=r"capacity \(73\) must be >= the 74 \(token, expert\) pairs"):
+        moe_dispatch(x, ids, w, E, None, capacity=73)
 
 
 # ---- ops over gloo -------------------------------------------------------------------------------
