@@ -200,6 +200,45 @@ def w8a8_problems(device: str) -> list[str]:
         bf = linear_fp8_w8a8(xb, w)
         if bf.dtype != torch.bfloat16 or bf.shape != (m, n):
             problems.append(f"M={m}: bf16 output {bf.dtype} {tuple(bf.shape)}")
+    return problems + prefill_switch_problems(device)
+
+
+def prefill_switch_problems(device: str) -> list[str]:
+    """``DEEPINFER_FP8_PREFILL=w8a8`` runs the registered ``linear`` / ``grouped_linear`` at
+    prefill sizes of 16-bit activations as the W8A8 kernel (bitwise), decode and fp32 as W8A16."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+
+    g = torch.Generator().manual_seed(8)
+    w = _to(_weight(g, 256, 256), device)
+    problems = []
+    old = os.environ.get(fp8_gemm.PREFILL_ENV)
+    try:
+        os.environ[fp8_gemm.PREFILL_ENV] = "w8a8"
+        for m, dtype, w8a8 in (
+            (70, torch.bfloat16, True),
+            (16, torch.bfloat16, False),
+            (70, torch.float32, False),
+        ):
+            x = torch.randn(m, 256, generator=g).to(dtype).to(device)
+            want = fp8_gemm._run(x, w.data, w.scale, w8a8=w8a8)
+            if not torch.equal(fp8_gemm.linear_fp8(x, w), want):
+                problems.append(f"M={m} {dtype}: linear is not the {'W8A8' if w8a8 else 'W8A16'} kernel")
+        xg = torch.randn(70, 2, 256, generator=g).to(torch.bfloat16).to(device)
+        got = fp8_gemm.grouped_linear_fp8(xg, w).reshape(70, -1)
+        if not torch.equal(got, fp8_gemm._run(xg, w.data, w.scale, w8a8=True, groups=2)):
+            problems.append("grouped_linear at M=70 is not the W8A8 kernel")
+        os.environ[fp8_gemm.PREFILL_ENV] = "fp4"
+        try:
+            fp8_gemm.prefill_math()
+            problems.append("DEEPINFER_FP8_PREFILL=fp4 was accepted")
+        except ValueError as e:
+            if fp8_gemm.PREFILL_ENV not in str(e):
+                problems.append(f"the error does not name the variable: {e}")
+    finally:
+        if old is None:
+            os.environ.pop(fp8_gemm.PREFILL_ENV, None)
+        else:
+            os.environ[fp8_gemm.PREFILL_ENV] = old
     return problems
 
 
@@ -278,14 +317,14 @@ V4_FLASH_PROJECTIONS = ((4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), 
 
 
 def test_launch_shape_depends_on_static_shapes_only():
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, launch_shape
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, PREFILL_TILE, launch_shape
 
     assert launch_shape(1, 1024, 4096) == (16, 32, 11)  # 32 tiles x 11 splits of 3 blocks
     assert launch_shape(DECODE_MAX_M, 32768, 1024) == (16, 64, 1)  # 2048 tiles: no split
     assert launch_shape(1, 512, 4096) == (16, 16, 11)  # the narrowest tile
     assert launch_shape(1, 64, 128)[2] == 1  # one K block: nothing to split
     assert launch_shape(1, 64, 256)[2] == 1  # two: a split would hold one
-    assert launch_shape(DECODE_MAX_M + 1, 1024, 4096) == (64, 128, 1)  # prefill
+    assert launch_shape(DECODE_MAX_M + 1, 1024, 4096) == (*PREFILL_TILE, 1)  # prefill
 
 
 @pytest.mark.parametrize("sms", [132, 148, 78])

@@ -19,7 +19,11 @@ host syncs; :func:`launch_config`):
   last program of a tile to arrive (an atomic counter per tile, reset by that program) sums
   them in split order (deterministic) and stores the output: one launch.  ``DEEPINFER_FP8_SPLITK=
   separate`` (read at each call) sums them with torch after the launch instead (two more launches);
-* prefill (``M > 64``): ``64 x 128`` tiles, no split.
+* prefill (``M > 64``): ``128 x 128`` tiles, 8 warps, 4 stages, no split.  With
+  ``DEEPINFER_FP8_PREFILL=w8a8`` (:data:`PREFILL_ENV`) 16-bit activations are first quantised
+  per token per 128 channels by :func:`quantize_activations` (one kernel) and the dot runs
+  e4m3 x e4m3, the partial product scaled by the row's activation scale times the tile's weight
+  scale (DeepGEMM's W8A8 scheme, 2.6-3x the W8A16 tile's speed on the H200).
 
 The choice depends on M; in batch-invariant mode every call takes the one launch shape
 :data:`INVARIANT_TILE` with no split, so a row's result does not depend on M (the tile's rows
@@ -65,7 +69,15 @@ PROGRAMS_PER_SM = 2
 DEFAULT_SMS = 132
 """SM count taken off the GPU (the interpreter, unit tests): an H100 / H200's."""
 MAX_STAGES = 4
-PREFILL_TILE = (64, 128)
+PREFILL_TILE = (128, 128)
+"""Prefill tile, 8 warps, 4 stages: the fastest of the W8A16 and W8A8 sweeps on the H200 at
+M = 4096 (``bench_fp8_gemm.py --sweep``; docs/benchmarks.md)."""
+PREFILL_STAGES = 4
+PREFILL_ENV = "DEEPINFER_FP8_PREFILL"
+"""Prefill (``M > 64``, 16-bit activations) math, read at each call: ``w8a16`` (default: the
+weight tiles converted to the activations' dtype, the reference's numerics to bf16 rounding) or
+``w8a8`` (DeepGEMM's: activations quantised per token per 128 channels to e4m3 by one kernel,
+then an e4m3 x e4m3 dot; 2.6-3x faster on the H200, error of the activation quantisation)."""
 INVARIANT_TILE = (64, 64)
 """The batch-invariant mode's tile: one launch shape for every M, K walked from 0 (no split)."""
 SPLITK_ENV = "DEEPINFER_FP8_SPLITK"
@@ -119,7 +131,7 @@ def launch_config(m: int, n: int, k: int, invariant: bool = False, sms: int = DE
     if invariant:
         return Launch(*INVARIANT_TILE, 1, 8, stages)
     if m > DECODE_MAX_M:
-        return Launch(*PREFILL_TILE, 1, 8, stages)
+        return Launch(*PREFILL_TILE, 1, 8, 1 if INTERPRETED else PREFILL_STAGES)
     k_blocks = cdiv(k, BLOCK_K)
     target = PROGRAMS_PER_SM * sms
     m_tiles = cdiv(m, DECODE_BLOCK_M)
@@ -419,9 +431,29 @@ def _run(
     return y.reshape(*lead, n)
 
 
+def prefill_math() -> str:
+    """``w8a16`` or ``w8a8``: the prefill math :data:`PREFILL_ENV` selects (read at each call)."""
+    value = os.environ.get(PREFILL_ENV, "w8a16").strip().lower() or "w8a16"
+    if value not in ("w8a16", "w8a8"):
+        raise ValueError(f"{PREFILL_ENV}={value!r}: expected 'w8a16' (default) or 'w8a8'")
+    return value
+
+
+def _prefill_w8a8(x: torch.Tensor) -> bool:
+    """Whether this call runs the W8A8 prefill (:data:`PREFILL_ENV`)."""
+    m = x.numel() // max(x.shape[-1], 1)
+    return (
+        m > DECODE_MAX_M
+        and x.dtype != torch.float32
+        and not batch_invariant_enabled()
+        and prefill_math() == "w8a8"
+    )
+
+
 def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
-    """``linear(x, weight)`` for an FP8 128x128-block :class:`QuantizedTensor` weight (W8A16)."""
-    return _run(x, weight.data, weight.scale, w8a8=False)
+    """``linear(x, weight)`` for an FP8 128x128-block :class:`QuantizedTensor` weight (W8A16; at
+    prefill W8A8 when :data:`PREFILL_ENV` says so)."""
+    return _run(x, weight.data, weight.scale, w8a8=_prefill_w8a8(x))
 
 
 def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
@@ -429,7 +461,7 @@ def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     groups in one launch (each column tile reads its group's slice of x; ``N`` a multiple of
     the 128-row scale block, so no tile or scale block straddles two groups)."""
     groups = x.shape[1]
-    y = _run(x, weight.data, weight.scale, w8a8=False, groups=groups)
+    y = _run(x, weight.data, weight.scale, w8a8=_prefill_w8a8(x[:, 0]), groups=groups)
     return y.view(x.shape[0], groups, -1)
 
 
