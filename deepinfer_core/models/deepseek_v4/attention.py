@@ -94,7 +94,13 @@ class Attention:
     def __call__(
         self, x: torch.Tensor, md: StepMetadata, cache_get, ops: OpTable, rope: dict
     ) -> torch.Tensor:
-        """``x`` ``[T, D]`` (normed block input) -> ``[T, D]`` attention output."""
+        """``x`` ``[T, D]`` (normed block input) -> ``[T, D]`` attention output.
+
+        With a context-parallel plan (``md.cp``) ``x`` holds this rank's ``L`` local rows
+        (``rope`` is theirs too): the values the caches take from every row -- the window key
+        and the compressors' projections -- are all-gathered into natural order, so the caches
+        get exactly what a single process writes; the queries are the local rows only.
+        """
         cfg, t = self.cfg, x.shape[0]
         cos, sin = rope[self.rope_family]
         q_a, kv, *comp = self.w_in(x, ops)
@@ -104,20 +110,25 @@ class Attention:
         # one rotation for the queries and the shared key
         qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
         q, kv = qkv[:, : self.heads], qkv[:, self.heads]
+        queries = md  # the per-query plans (window rows, visible entries) of the rows of x
+        if md.cp is not None:
+            kv, comp = self._gather_rows(md, kv, comp)
+            queries = md.local
+        n = kv.shape[0]  # every row of the step
         ring = cache_get("window")
         chunk = kv
         if isinstance(ring, Fp8KVPool):
             # this step's keys in the ring's format too: a key reads the same whether it comes
             # from the ring or from this step's rows, so chunking changes nothing (batch
             # invariance), and a kernel sees one format for every source
-            chunk = Fp8KVPool.zeros(t, ring.dim, ring.rope_dim, kv.device)
-            ops.cache_write(chunk, torch.arange(t, device=kv.device), kv)
+            chunk = Fp8KVPool.zeros(n, ring.dim, ring.rope_dim, kv.device)
+            ops.cache_write(chunk, torch.arange(n, device=kv.device), kv)
         pools = [ring, chunk]
-        idx = [md.window_ring, md.window_chunk]
+        idx = [queries.window_ring, queries.window_chunk]
         if self.compressor is not None:
             inv_rope = rope["compress_freqs"]
             ckv = self.compressor(comp[0], comp[1], md, cache_get, ops, inv_rope)
-            cand = md.plans[self.ratio].entries
+            cand = md.plans[self.ratio].entries if md.local is None else md.local.entries[self.ratio]
             if self.indexer is not None:
                 ikv = self.indexer(comp[2], comp[3], md, cache_get, ops, inv_rope)
                 if cand.max_count > cfg.index_topk:  # a static bound, not a tensor value
@@ -133,3 +144,19 @@ class Attention:
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         return ops.linear(out, self.wo_b)
+
+    def _gather_rows(
+        self, md: StepMetadata, kv: torch.Tensor, comp: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Context parallelism: the window keys ``kv`` and the compressors' kv / gate
+        projections of every row of the step in natural order (one all-gather over the CP
+        group), from this rank's local rows; the indexer's per-query head weights stay local."""
+        cp = md.cp
+        shared = 0 if self.compressor is None else 2 if self.indexer is None else 4
+        parts = [kv, *comp[:shared]]
+        if len({p.dtype for p in parts}) > 1:  # not one tensor: one gather each
+            full = [cp.gather(p) for p in parts]
+        else:
+            sizes = [p.shape[-1] for p in parts]
+            full = list(cp.gather(torch.cat(parts, dim=-1)).split(sizes, dim=-1))
+        return full[0], [*full[1:], *comp[shared:]]

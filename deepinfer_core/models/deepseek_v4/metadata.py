@@ -33,10 +33,11 @@ plain layout, bit for bit):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from deepinfer_core.distributed.context_parallel import CPPlan, plan_step
 from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.ops.attention import PagedIndex
 
@@ -91,6 +92,23 @@ class StepMetadata:
     plans: dict[int, WindowPlan]
     sample_rows: torch.Tensor  # [S] token rows whose logits are wanted
     num_slots: int  # real slots; slot num_slots is the trash slot
+    # context parallelism (None: this rank computes every row): the step's row split, and the
+    # per-query plans of this rank's local rows (see with_context_parallel)
+    cp: CPPlan | None = None
+    local: LocalRows | None = None
+
+
+@dataclass
+class LocalRows:
+    """The per-query plans of a context-parallel rank's ``L`` local rows (:attr:`CPPlan.local_rows`):
+    the rows of :class:`StepMetadata`'s per-token tensors that this rank computes.  Everything a
+    cache needs (window keys, compressor plans) stays in natural order over all ``T`` rows."""
+
+    input_ids: torch.Tensor  # [L]
+    positions: torch.Tensor  # [L]
+    window_ring: torch.Tensor  # [L, W]
+    window_chunk: torch.Tensor  # [L, W] rows of the step (natural order, all ranks' rows)
+    entries: dict[int, PagedIndex]  # per ratio, the local queries' visible entries
 
 
 def buffer_windows(ratio: int, num_spec_tokens: int) -> int:
@@ -171,6 +189,39 @@ def build_metadata(
         sample_rows=inputs.sample_rows,
         num_slots=num_slots,
     )
+
+
+def with_context_parallel(
+    md: StepMetadata, inputs: StepInputs, cp_size: int, cp_rank: int, group, min_tokens: int
+) -> StepMetadata:
+    """``md`` with a context-parallel plan when the step holds a chunk of at least ``min_tokens``
+    rows of a real request (not the trash slot's padding): such chunks are split zig-zag over
+    the ``cp_size`` ranks of ``group`` (:func:`~deepinfer_core.distributed.context_parallel.plan_step`);
+    ``md`` unchanged otherwise.
+
+    Needs the chunk lengths on the host: one small device-to-host copy, made only when the step
+    has at least ``min_tokens`` tokens at all (never in a decode step, never under graph capture).
+    """
+    if cp_size <= 1 or inputs.num_tokens < min_tokens:
+        return md
+    dev = md.positions.device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return md
+    lengths = inputs.req["len"].tolist()
+    slots = inputs.req["slot"].tolist()
+    split = [n >= min_tokens and s != md.num_slots for n, s in zip(lengths, slots, strict=True)]
+    if not any(split):
+        return md
+    plan = plan_step(lengths, split, md.sample_rows, cp_size, cp_rank, group, dev)
+    rows = plan.local_rows
+    local = LocalRows(
+        input_ids=md.input_ids.index_select(0, rows),
+        positions=md.positions.index_select(0, rows),
+        window_ring=md.window_ring.index_select(0, rows),
+        window_chunk=md.window_chunk.index_select(0, rows),
+        entries={r: p.entries.select(rows) for r, p in md.plans.items()},
+    )
+    return replace(md, cp=plan, local=local)
 
 
 def _window_plan(

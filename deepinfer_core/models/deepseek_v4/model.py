@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from deepinfer_core.distributed.context_parallel import cp_min_tokens
 from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
@@ -20,7 +21,7 @@ from deepinfer_core.weights.quant import Weight
 
 from .attention import Attention
 from .config import DeepseekV4Config
-from .metadata import StepMetadata, build_metadata
+from .metadata import StepMetadata, build_metadata, with_context_parallel
 from .moe import MoE
 from .params import MTP_PREFIX
 from .rope import inv_freq
@@ -70,7 +71,8 @@ class DecoderLayer:
         a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache_get, ops, rope)
         h = ops.hc_post(a, h, post, comb)
         post, comb, x = ops.hc_pre(h, *self.ffn_hc, eps, cfg.hc_eps, it)
-        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), md.input_ids, ops)
+        ids = md.input_ids if md.local is None else md.local.input_ids
+        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ids, ops)
         return ops.hc_post(m, h, post, comb)
 
 
@@ -86,7 +88,13 @@ class DeepseekV4Model:
             removed from it, so each weight is held once.
         ops: the resolved op table.
         parallel: this process's place in a distributed run (``None`` = a single process):
-            with expert parallelism ``weights`` hold only this rank's experts.
+            with expert parallelism ``weights`` hold only this rank's experts; with
+            ``cp_size > 1`` a step holding a prefill chunk of at least :attr:`cp_min_tokens`
+            tokens splits it over the CP group (see :mod:`deepinfer_core.distributed.context_parallel`).
+
+    Attributes:
+        cp_min_tokens: the shortest chunk split over a CP group
+            (:func:`~deepinfer_core.distributed.context_parallel.cp_min_tokens` at build time).
     """
 
     def __init__(
@@ -98,6 +106,7 @@ class DeepseekV4Model:
     ):
         self.cfg, self.ops, self.w = cfg, ops, weights
         self.parallel = parallel
+        self.cp_min_tokens = cp_min_tokens()
         dtype = weights["model.embed_tokens.weight"].dtype
         self.layers = [
             DecoderLayer(cfg, i, weights, dtype, parallel=parallel) for i in range(cfg.num_hidden_layers)
@@ -159,15 +168,22 @@ class DeepseekV4Model:
         self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
     ) -> StepMetadata:
         """The step's per-token plans (:func:`~.metadata.build_metadata`), derived on the device;
-        ``num_spec_tokens`` must be the value :meth:`cache_specs` was given."""
-        return build_metadata(
+        ``num_spec_tokens`` must be the value :meth:`cache_specs` was given.  On a rank of a
+        context-parallel group, a step holding a long prefill chunk also gets the group's row
+        split (:func:`~.metadata.with_context_parallel`)."""
+        md = build_metadata(
             inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
         )
+        p = self.parallel
+        if p is not None and p.cp_size > 1:
+            md = with_context_parallel(md, inputs, p.cp_size, p.cp_rank, p.cp_group, self.cp_min_tokens)
+        return md
 
     def _rope(self, md: StepMetadata, dtype: torch.dtype) -> dict:
         rope: dict = {}
+        positions = md.positions if md.local is None else md.local.positions
         for fam, (inv, scale) in self.rope_params.items():
-            rope[fam] = self.ops.rope_cos_sin(md.positions, inv, scale, dtype)
+            rope[fam] = self.ops.rope_cos_sin(positions, inv, scale, dtype)
         rope["compress_freqs"] = self.rope_params["compress"]
         return rope
 
@@ -180,16 +196,26 @@ class DeepseekV4Model:
         ``hidden_out`` (``[>= T, N, D]``, a persistent buffer): also keep every row's last-layer
         streams (before ``hc_head``) there, the hidden states the MTP layer reads; one copy into
         a fixed address, so a captured graph keeps it.
+
+        With a context-parallel plan (``md.cp``) the rows are this rank's local rows; the
+        sampling rows' streams (or every row's, for ``hidden_out``) are gathered from their
+        owners, so every rank of the group returns the same logits.
         """
         ops, cfg, w = self.ops, self.cfg, self.w
-        x = ops.embedding(md.input_ids, w["model.embed_tokens.weight"])
+        ids = md.input_ids if md.local is None else md.local.input_ids
+        x = ops.embedding(ids, w["model.embed_tokens.weight"])
         rope = self._rope(md, x.dtype)
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         for layer in self.layers:
             h = layer(h, md, cache, ops, rope)
-        if hidden_out is not None:
-            hidden_out[: h.shape[0]].copy_(h)
-        h = h.index_select(0, md.sample_rows)
+        if md.cp is not None and hidden_out is None:
+            h = md.cp.gather_samples(h)  # only the sampling rows travel
+        else:
+            if md.cp is not None:
+                h = md.cp.gather(h)  # every row, in natural order
+            if hidden_out is not None:
+                hidden_out[: h.shape[0]].copy_(h)
+            h = h.index_select(0, md.sample_rows)
         eps = cfg.rms_norm_eps
         x = ops.hc_head(
             h,
