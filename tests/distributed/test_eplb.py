@@ -360,9 +360,11 @@ class StandInModel:
         return self.experts
 
 
-def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int | None) -> None:
-    """One rank: two phases of skewed loads, each ending in a rebalancing; after each, the local
-    stacks must be the checkpoint's experts of the new placement, in the same storage."""
+def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int | None, spread: bool) -> None:
+    """One rank: two phases of skewed loads (one with ``spread``), each ending in a rebalancing;
+    after each, the local stacks must be the checkpoint's experts of the new placement, in the
+    same storage.  ``spread``: the move takes one layer a step, and after every step the stacks
+    are those of the half-moved placement the MoE then routes by."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     if nodes is None:  # one rank sees a launch of one process a node: the ranks agree on the most nodes
@@ -385,13 +387,22 @@ def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int 
             policy=policy,
             num_nodes=nodes,
         )
-        ctl = EplbController(cfg, placement, model, parallel)
+        ctl = EplbController(cfg, placement, model, parallel, layers_per_step=1 if spread else None)
         assert ctl.num_nodes == (nodes or world)
-        for phase in (0, 1):
+        phases = (0,) if spread else (0, 1)
+        for phase in phases:
             old = placement.phy2log.clone()
             for step in range(3):
                 model.expert_counts += rank_counts(rank, step, phase)
                 assert ctl.step() == (step == 2), f"rank {rank}: rebalanced at step {step}"
+            assert ctl.moving == spread
+            halfway = 0
+            while ctl.moving:  # one more layer a step; the stacks always match the placement
+                mixed = placement.phy2log
+                halfway += not torch.equal(mixed, old)
+                assert _same(model.experts, select_experts(full, mixed, rank, per)), f"rank {rank}"
+                assert ctl.step()
+            assert halfway == (2 if spread else 0)  # every layer changed: two steps half way
             total = sum(rank_counts(r, s, phase) for r in range(world) for s in range(3))
             new = placement.phy2log
             assert imbalance(total, new, world) < imbalance(total, old, world)
@@ -407,19 +418,26 @@ def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int 
             received = torch.tensor([ctl.last_received])
             dist.all_reduce(received)
             assert int(received) > 0  # weights did travel
-        assert ctl.rebalances == 2
+        assert ctl.rebalances == len(phases)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "policy", "nodes"), [(2, "global", None), (4, "hierarchical", 2)])
-def test_rebalance_moves_weights_between_ranks(world: int, policy: str, nodes: int | None, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("world", "policy", "nodes", "spread"), [(2, "global", None, True), (4, "hierarchical", 2, False)]
+)
+def test_rebalance_moves_weights_between_ranks(
+    world: int, policy: str, nodes: int | None, spread: bool, tmp_path
+) -> None:
     """A gloo world on CPU: a skewed load triggers two rebalancings; every rank's expert stacks
     (FP4 data and e8m0 scales, bf16, fp32) equal the checkpoint's tensors of its new logical
     experts (oracle: selected from the full stacks directly)."""
     mp.spawn(
-        _rebalance_worker, args=(world, f"file://{tmp_path}/store", policy, nodes), nprocs=world, join=True
+        _rebalance_worker,
+        args=(world, f"file://{tmp_path}/store", policy, nodes, spread),
+        nprocs=world,
+        join=True,
     )
 
 

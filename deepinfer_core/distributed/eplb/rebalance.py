@@ -15,7 +15,9 @@ after every step.  Each step it records the MoE's per-layer per-expert token cou
 4. swaps the placement (:meth:`ExpertPlacement.update`, in place as well).
 
 Everything runs between two steps on the step's stream; the engine keeps its requests,
-caches and schedule.  The loads, policy and plan are computed identically on every rank, so
+caches and schedule.  With ``layers_per_step`` the move is spread over the following steps, a
+few layers after each, the placement published layer by layer (a rebalancing that falls due
+while a move is in progress is skipped).  The loads, policy and plan are computed identically on every rank, so
 no rank needs to tell another what it sends.
 
 **What the model must expose** (duck-typed, see :func:`local_expert_weights` and
@@ -301,6 +303,9 @@ class EplbController:
         counts: the ``[L, E]`` int64 step buffer; ``None`` = found on the model or placement.
         num_groups: expert groups of the hierarchical policy (``None`` = one per expert: V4
             routes without group limits).
+        layers_per_step: spread a rebalancing's weight move over steps, this many changed
+            layers after each (the placement updated layer by layer, so every step routes by
+            weights in place); ``None`` = every layer at once.
 
     Attributes:
         window: the :class:`ExpertLoadWindow`.
@@ -309,6 +314,7 @@ class EplbController:
         last_ratio: ``(before, after)`` max/mean GPU load of the last rebalancing's window,
             under the old and the new placement.
         last_received: experts this rank received in the last weight move.
+        moving: whether a spread move is in progress.
     """
 
     def __init__(
@@ -319,6 +325,7 @@ class EplbController:
         parallel: Any,
         counts: torch.Tensor | None = None,
         num_groups: int | None = None,
+        layers_per_step: int | None = None,
     ):
         if placement is None:
             placement = model_placement(model)
@@ -360,21 +367,35 @@ class EplbController:
         self.rebalances = 0
         self.last_ratio: tuple[float, float] | None = None
         self.last_received = 0
+        if layers_per_step is not None and layers_per_step < 1:
+            raise ValueError(f"EPLB: layers_per_step={layers_per_step} must be >= 1")
+        self.layers_per_step = layers_per_step
+        self._pending: torch.Tensor | None = None  # the placement a spread move is heading to
 
     def step(self) -> bool:
-        """Record the step's counts; rebalance when the interval is reached.  Returns whether
-        this call rebalanced."""
+        """Record the step's counts; continue a move in progress (``layers_per_step``), or
+        rebalance when the interval is reached.  Returns whether this call changed the
+        placement."""
         self.window.record(self.counts, reset=True)
         self.steps += 1
+        if self._pending is not None:
+            self._move_next()
+            return True
         if self.steps % self.config.rebalance_interval:
             return False
         return self.rebalance()
 
+    @property
+    def moving(self) -> bool:
+        """Whether a rebalancing's weight move is still spread over the coming steps."""
+        return self._pending is not None
+
     def rebalance(self) -> bool:
-        """Rebalance now (every EP rank at once).  Returns whether the placement changed."""
+        """Rebalance now (every EP rank at once).  Returns whether the placement changed (with
+        ``layers_per_step``: whether a move started; its first layers moved already)."""
         par = self.parallel
         load = self.window.global_load(par.ep_group if par.ep_size > 1 else None).cpu()
-        if int(load.sum()) == 0:
+        if int(load.sum()) == 0 or self._pending is not None:
             return False
         old = self.placement.phy2log.clone()
         new, _, _ = rebalance_experts(
@@ -386,16 +407,27 @@ class EplbController:
         if after >= before:  # keep the layout (and the weights) when it is no better
             logger.info("EPLB: kept the placement (max/mean load %.3f, a new one %.3f)", before, after)
             return False
-        self.last_received = got = move_expert_weights(
-            old, new, local_expert_weights(self.model), par.ep_rank, par.ep_size, par.ep_group
-        )
-        self.placement.update(new)
+        self.last_received = 0
+        self._pending = new
+        self._move_next()
         self.rebalances += 1
-        logger.info(
-            "EPLB: rebalanced at step %d: max/mean load %.3f -> %.3f, %d experts received",
-            self.steps,
-            before,
-            after,
-            got,
-        )
+        logger.info("EPLB: rebalancing at step %d: max/mean load %.3f -> %.3f", self.steps, before, after)
         return True
+
+    def _move_next(self) -> None:
+        """Move the next ``layers_per_step`` changed layers (all of them without it) to the
+        pending placement and publish them (the placement's other layers stay as they were)."""
+        assert self._pending is not None
+        current = self.placement.phy2log
+        changed = [i for i in range(current.shape[0]) if not torch.equal(current[i], self._pending[i])]
+        take = changed if self.layers_per_step is None else changed[: self.layers_per_step]
+        target = current.clone()
+        target[take] = self._pending[take]
+        par = self.parallel
+        self.last_received += move_expert_weights(
+            current, target, local_expert_weights(self.model), par.ep_rank, par.ep_size, par.ep_group
+        )
+        self.placement.update(target)
+        if len(take) == len(changed):
+            self._pending = None
+            logger.info("EPLB: weights moved (%d experts received)", self.last_received)
