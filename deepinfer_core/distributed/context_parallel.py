@@ -183,7 +183,9 @@ def all_gather_rows(x: torch.Tensor, size: int, group: Any) -> torch.Tensor:
 
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    # all_gather_single: all_gather_into_tensor's name from torch 2.13 on (the old one warns)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
     return out
 
 

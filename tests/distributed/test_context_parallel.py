@@ -12,8 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.distributed.context_parallel import (
+    CP_MIN_TOKENS_ENV,
     balanced_pieces,
     contiguous_pieces,
     piece_bounds,
@@ -224,3 +226,66 @@ def test_cp_ranks_match_one_process(dp: int, cp: int, bi: bool, tiny_dir: Path, 
             for when in ("after_prefill", "end"):
                 for name, t in lead[when].items():
                     assert torch.equal(results[r][when][name], t), f"rank {r} {when} cache {name}"
+
+
+# ---- the engine: LLM(context_parallel_size=...) vs one process -----------------------------
+_SHARED = [(5 * j) % 300 + 4 for j in range(96)]  # a prefix two prompts share (prefix-cache hits)
+ENGINE_PROMPTS = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 200 + 2 for j in range(40 + 60 * i)]} for i in range(4)
+]
+ENGINE_PROMPTS += [
+    {"prompt_token_ids": _SHARED + [(11 * j + i) % 90 + 2 for j in range(50)]} for i in range(2)
+]
+ENGINE_PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+
+
+def _generate(model_dir: Path, bi: bool, **options: Any) -> tuple[list[Any], int]:
+    """Greedy outputs of ``ENGINE_PROMPTS``, and how many steps rank 0 split over its CP group."""
+    with LLM(
+        model=str(model_dir),
+        backend="reference",
+        dtype="float32",
+        batch_invariant=bi,
+        max_num_batched_tokens=128,  # chunked prefill: prompts of up to 220 tokens in CP chunks
+        **options,
+    ) as llm:
+        model = llm.engine.runner.model
+        assert model.cp_min_tokens == CP_MIN
+        split = [0]
+        forward = model.forward
+
+        def observed(md, cache, hidden_out=None):
+            split[0] += md.cp is not None
+            return forward(md, cache, hidden_out)
+
+        model.forward = observed
+        return [o.outputs[0] for o in llm.generate(ENGINE_PROMPTS, ENGINE_PARAMS, use_tqdm=False)], split[0]
+
+
+@pytest.mark.parametrize(
+    ("dp", "cp", "bi"),
+    [
+        (1, 2, True),
+        pytest.param(1, 2, False, marks=pytest.mark.slow),
+        pytest.param(2, 2, True, marks=pytest.mark.slow),
+    ],
+)
+def test_llm_with_context_parallelism_matches_one_process(
+    dp: int, cp: int, bi: bool, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``LLM(context_parallel_size=C[, data_parallel_size=2])``: greedy tokens and top logprobs
+    equal one process's (bitwise with ``batch_invariant``, within 1e-5 otherwise), and rank 0
+    did split prefill chunks over its group."""
+    monkeypatch.setenv(CP_MIN_TOKENS_ENV, str(CP_MIN))  # the workers inherit it
+    want, none = _generate(tiny_dir, bi)
+    assert none == 0
+    got, split = _generate(tiny_dir, bi, data_parallel_size=dp, context_parallel_size=cp)
+    assert split > 0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"prompt {i}"
+        assert len(g.logprobs) == len(w.logprobs)
+        for step, (a, b) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
+            assert set(a) == set(b), f"prompt {i} step {step}"
+            for tok in b:
+                x, y = float(getattr(a[tok], "logprob", a[tok])), float(getattr(b[tok], "logprob", b[tok]))
+                assert x == y if bi else abs(x - y) <= 1e-5, f"prompt {i} step {step} token {tok}: {x} vs {y}"
