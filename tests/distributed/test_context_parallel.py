@@ -26,6 +26,7 @@ from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.kv_format import Fp8KVPool
 
 CP_MIN = 64  # the tests' threshold: prompts of 100-300 tokens are split, short chunks are not
 
@@ -79,8 +80,19 @@ def test_step_plan_keeps_short_chunks_on_every_rank_and_gathers_in_natural_order
 
 
 # ---- the model: CP ranks vs one process ----------------------------------------------------
-def _runner(model_dir: Path, batch_invariant: bool, parallel: ParallelState | None = None) -> ModelRunner:
-    cfg = EngineConfig(model=str(model_dir), dtype="float32", max_num_seqs=4, batch_invariant=batch_invariant)
+def _runner(
+    model_dir: Path,
+    batch_invariant: bool,
+    parallel: ParallelState | None = None,
+    kv_cache_dtype: str = "auto",
+) -> ModelRunner:
+    cfg = EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        max_num_seqs=4,
+        batch_invariant=batch_invariant,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     runner = ModelRunner(model_dir, cfg, OpTable.reference(), parallel=parallel)
     runner.model.cp_min_tokens = CP_MIN
     return runner
@@ -90,7 +102,8 @@ def _cache_state(runner: ModelRunner) -> dict[str, torch.Tensor]:
     out = {}
     for layer, specs in enumerate(runner.model.cache_specs()):
         for spec in specs:
-            out[f"{layer}.{spec.name}"] = runner.cache.get(layer, spec.name).clone()
+            t = runner.cache.get(layer, spec.name)
+            out[f"{layer}.{spec.name}"] = (t.data if isinstance(t, Fp8KVPool) else t).clone()
     return out
 
 
@@ -140,7 +153,7 @@ def _script(runner: ModelRunner) -> dict[str, Any]:
     return {"logits": logits, "after_prefill": after_prefill, "end": _cache_state(runner)}
 
 
-def _cp_worker(rank: int, dp: int, cp: int, init: str, model_dir: str, out: str, bi: bool) -> None:
+def _cp_worker(rank: int, dp: int, cp: int, init: str, model_dir: str, out: str, bi: bool, kv: str) -> None:
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=dp * cp, timeout=timeout)
@@ -152,7 +165,7 @@ def _cp_worker(rank: int, dp: int, cp: int, init: str, model_dir: str, out: str,
             if replica == layout["dp_rank"]:
                 group = g
         parallel = ParallelState(**layout, device_group=dist.group.WORLD, cp_group=group)
-        runner = _runner(Path(model_dir), bi, parallel)
+        runner = _runner(Path(model_dir), bi, parallel, kv)
         splits: list[tuple[int, int, list]] = []
         forward = runner.model.forward
 
@@ -169,13 +182,13 @@ def _cp_worker(rank: int, dp: int, cp: int, init: str, model_dir: str, out: str,
         dist.destroy_process_group()
 
 
-_ORACLE: dict[bool, dict[str, Any]] = {}
+_ORACLE: dict[tuple[bool, str], dict[str, Any]] = {}
 
 
-def _oracle(model_dir: Path, bi: bool) -> dict[str, Any]:
-    if bi not in _ORACLE:
-        _ORACLE[bi] = _script(_runner(model_dir, bi))
-    return _ORACLE[bi]
+def _oracle(model_dir: Path, bi: bool, kv: str) -> dict[str, Any]:
+    if (bi, kv) not in _ORACLE:
+        _ORACLE[bi, kv] = _script(_runner(model_dir, bi, kv_cache_dtype=kv))
+    return _ORACLE[bi, kv]
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
@@ -185,24 +198,28 @@ def _equal(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
 
 
 @pytest.mark.parametrize(
-    ("dp", "cp", "bi"),
+    ("dp", "cp", "bi", "kv"),
     [
-        (1, 2, True),
-        (1, 2, False),
-        pytest.param(1, 4, True),
-        pytest.param(2, 2, True, marks=pytest.mark.slow),
-        pytest.param(1, 4, False, marks=pytest.mark.slow),
+        (1, 2, True, "auto"),
+        (1, 2, False, "auto"),
+        (1, 4, True, "auto"),
+        pytest.param(1, 2, True, "fp8", marks=pytest.mark.slow),
+        pytest.param(2, 2, True, "auto", marks=pytest.mark.slow),
+        pytest.param(1, 4, False, "auto", marks=pytest.mark.slow),
     ],
 )
-def test_cp_ranks_match_one_process(dp: int, cp: int, bi: bool, tiny_dir: Path, tmp_path: Path) -> None:
+def test_cp_ranks_match_one_process(
+    dp: int, cp: int, bi: bool, kv: str, tiny_dir: Path, tmp_path: Path
+) -> None:
     """Every rank of every CP group returns the single process's logits in every step (bitwise
     with ``batch_invariant``, else within 1e-5) and holds its cache -- window rings, compressed
-    entries, indexer keys, compressor buffers and carries, page snapshots -- after the two CP
-    prefill chunks and at the end (after decodes and a prefix-cache hit); the ranks of a group
-    agree with each other bitwise in both modes (mirrors)."""
-    args = (dp, cp, f"file://{tmp_path}/store", str(tiny_dir), str(tmp_path), bi)
+    entries (packed FP8 with ``kv_cache_dtype="fp8"``), indexer keys, compressor buffers and
+    carries, page snapshots -- after the two CP prefill chunks and at the end (after decodes and
+    a prefix-cache hit); the ranks of a group agree with each other bitwise in both modes
+    (mirrors)."""
+    args = (dp, cp, f"file://{tmp_path}/store", str(tiny_dir), str(tmp_path), bi, kv)
     mp.spawn(_cp_worker, args=args, nprocs=dp * cp, join=True)
-    ref = _oracle(tiny_dir, bi)
+    ref = _oracle(tiny_dir, bi, kv)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(dp * cp)]
     for r, res in enumerate(results):
         # the CP chunks were split (A's two chunks, C's chunk), the rest was not
