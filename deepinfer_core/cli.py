@@ -179,6 +179,33 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--spec-acceptance", choices=("match", "rejection"), help="draft acceptance rule (default match)"
     )
+    dist = parser.add_argument_group("distributed (docs/distributed.md)")
+    dist.add_argument(
+        "--data-parallel-size",
+        type=int,
+        help="attention data-parallel replicas (LLM starts one worker process per extra rank; "
+        "or launch with torchrun -m deepinfer_core.launch)",
+    )
+    dist.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        default=None,
+        help="shard the routed experts over every rank (enable_expert_parallel=True)",
+    )
+    dist.add_argument(
+        "--context-parallel-size", type=int, help="ranks per replica that share its long prefills"
+    )
+    dist.add_argument(
+        "--distributed-backend", help="auto (nccl on CUDA, hccl on Ascend, gloo on CPU), gloo, nccl or hccl"
+    )
+    dist.add_argument(
+        "--distributed-timeout-s",
+        type=float,
+        help="seconds a collective may wait before the run ends with an error naming the rank",
+    )
+    dist.add_argument(
+        "--eplb", metavar="JSON", help="expert-parallel load balancing: a JSON object of its fields"
+    )
     parser.add_argument("--log-level", help="debug, info, warning or error")
 
 
@@ -196,7 +223,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "model", "revision", "download_dir", "config", "backend", "dtype", "device", "strict_ops",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
-        "scheduler", "keep_quantized", "log_level",
+        "scheduler", "keep_quantized", "log_level", "data_parallel_size", "enable_expert_parallel",
+        "context_parallel_size", "distributed_backend", "distributed_timeout_s", "eplb",
     )  # fmt: skip
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     spec = {

@@ -38,3 +38,8 @@ class SamplingParamsError(DeepInferError, ValueError):
 
 class RequestError(DeepInferError):
     """A single request cannot be served (e.g. its prompt exceeds ``max_model_len``)."""
+
+
+class DistributedError(DeepInferError):
+    """A distributed run failed: a rank died, a collective failed or timed out, or a worker's
+    engine could not start.  The message names the rank and where its log is."""

@@ -36,7 +36,11 @@ class LLM:
             (created and cached on first use, no download).
         config: a TOML / YAML engine config file.
         backend, dtype, max_num_seqs, max_num_batched_tokens, seed: common engine options.
-        kwargs: any other :class:`~deepinfer_core.config.EngineConfig` field.
+        kwargs: any other :class:`~deepinfer_core.config.EngineConfig` field; with
+            ``data_parallel_size`` / ``context_parallel_size`` above 1 this process becomes
+            rank 0 of a distributed run and starts the other ranks as worker processes
+            itself (under torchrun it joins the launched world instead); see
+            ``docs/distributed.md`` and :meth:`shutdown`.
 
     Options are merged as defaults < ``config`` file < ``DEEPINFER_*`` environment < arguments;
     an argument left at ``None`` does not override the lower sources.
@@ -69,7 +73,23 @@ class LLM:
             **kwargs,
         )
         configure_logging(engine_config.log_level)
-        self._attach(LLMEngine(engine_config))
+        if engine_config.world_size > 1:
+            self._attach_distributed(engine_config)
+        else:
+            self._attach(LLMEngine(engine_config))
+
+    def _attach_distributed(self, config: EngineConfig) -> None:
+        """Rank 0 of a distributed run drives it (:mod:`deepinfer_core.distributed.coordinator`);
+        another rank of a launched world (torchrun) serves it and exits when it ends."""
+        from deepinfer_core.distributed.coordinator import Coordinator
+        from deepinfer_core.distributed.init import launched_by_torchrun
+
+        if launched_by_torchrun() and os.environ.get("RANK") != "0":
+            from deepinfer_core.distributed.worker import serve_rank
+
+            raise SystemExit(serve_rank(config))
+        coordinator = Coordinator.start(config)
+        self._attach(coordinator.engine, coordinator)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -78,8 +98,11 @@ class LLM:
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine) -> None:
+    def _attach(self, engine: LLMEngine, coordinator: Any = None) -> None:
         self.engine = engine
+        # what generate() drives: the engine, or the coordinator of a distributed run (rank 0)
+        self._coordinator = coordinator
+        self._driver: Any = engine if coordinator is None else coordinator
         self._counter = itertools.count()
         self._in_flight: dict[str, list[str]] = {}  # request id -> engine ids, during generate()
         self._in_flight_lock = threading.Lock()
@@ -95,8 +118,24 @@ class LLM:
 
     @property
     def kv_cache_capacity_tokens(self) -> int:
-        """Token positions the paged KV cache holds (also logged at INFO when the engine starts)."""
+        """Token positions the paged KV cache holds (also logged at INFO when the engine starts);
+        in a distributed run, the data-parallel replicas' caches together."""
+        if self._coordinator is not None:
+            return self._coordinator.kv_cache_capacity_tokens
         return self.engine.runner.capacity_tokens
+
+    def shutdown(self) -> None:
+        """End a distributed run: the worker ranks exit (killed if they do not within a few
+        seconds).  Idempotent; also runs at interpreter exit and at the end of a ``with LLM(...)``
+        block.  A no-op for a single process."""
+        if self._coordinator is not None:
+            self._coordinator.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_metrics(self) -> dict[str, Any]:
         """Engine totals since start: a plain dict, keys documented in
@@ -104,7 +143,13 @@ class LLM:
         preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``); with speculative
         decoding also ``speculative``: drafts, draft / accepted tokens, mean acceptance length,
         acceptance per position and the histogram of verify lengths
-        (:meth:`deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`)."""
+        (:meth:`deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`).
+
+        In a distributed run the counters are summed over the data-parallel replicas and
+        ``per_rank`` holds every rank's own dict
+        (:func:`deepinfer_core.distributed.coordinator.merge_metrics`)."""
+        if self._coordinator is not None:
+            return self._coordinator.get_metrics()
         metrics = self.engine.metrics.as_dict()
         if self.engine.spec is not None:
             metrics["speculative"] = self.engine.spec.metrics.as_dict()
@@ -129,7 +174,7 @@ class LLM:
             else:
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             sub_ids = [s for rid in ids for s in self._in_flight.get(rid, [rid])]
-        self.engine.abort_request(sub_ids)
+        self._driver.abort_request(sub_ids)
 
     def chat(
         self,
@@ -204,7 +249,7 @@ class LLM:
                 with self._in_flight_lock:
                     self._in_flight[rid] = sub_ids
                 for k, sub_id in enumerate(sub_ids):
-                    self.engine.add_request(sub_id, ids, params, prompt=text, sample_index=k)
+                    self._driver.add_request(sub_id, ids, params, prompt=text, sample_index=k)
                 groups.append(sub_ids)
                 meta.append((rid, text, ids))
             done = self._run(groups, use_tqdm)
@@ -221,11 +266,12 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         left = [len(sub) for sub in groups]  # unfinished samples per prompt
         prompt_of = {s: i for i, sub in enumerate(groups) for s in sub}
-        bar = _ProgressBar(len(groups), self.engine.metrics) if use_tqdm else None
+        driver = self._driver
+        bar = _ProgressBar(len(groups), driver.metrics) if use_tqdm else None
         try:
-            while self.engine.has_unfinished():
+            while driver.has_unfinished():
                 completed = 0
-                for out in self.engine.step():
+                for out in driver.step():
                     done[out.request_id] = out
                     i = prompt_of.get(out.request_id)
                     if i is not None:
@@ -234,7 +280,7 @@ class LLM:
                 if bar is not None:
                     bar.update(completed)
         except BaseException as e:  # leave the engine clean for the next generate() call
-            self.engine.abort_all(f"generate() was interrupted: {type(e).__name__}: {e}")
+            driver.abort_all(f"generate() was interrupted: {type(e).__name__}: {e}")
             raise
         finally:
             if bar is not None:

@@ -14,6 +14,7 @@ import torch
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.devices import check_device
+from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
@@ -104,6 +105,11 @@ class LLMEngine:
     Args:
         config: the validated engine configuration (``config.model`` ``None`` = built-in tiny model).
         plugins: the plugin manager (default: the process-wide one).
+        parallel: this process's place in a distributed run
+            (:class:`~deepinfer_core.distributed.state.ParallelState`; ``None`` = a single
+            process).  With expert parallelism every :meth:`step` runs exactly one forward,
+            a dummy one (:meth:`ModelRunner.execute_dummy`) when nothing is scheduled, so the
+            ranks' expert-parallel collectives line up.
 
     Attributes:
         config: the configuration with ``dtype``, ``device``, ``max_model_len`` and ``page_size``
@@ -117,7 +123,7 @@ class LLMEngine:
             token-id prompts work and ``text`` is empty).
     """
 
-    def __init__(self, config: EngineConfig, plugins: Any = None):
+    def __init__(self, config: EngineConfig, plugins: Any = None, parallel: ParallelState | None = None):
         from deepinfer_core.backends.resolve import resolve_backend
         from deepinfer_core.engine.model_runner import ModelRunner
         from deepinfer_core.models.registry import resolve_family
@@ -127,6 +133,7 @@ class LLMEngine:
 
             plugins = get_plugins()
         self.plugins = plugins
+        self.parallel = parallel
         plugins.configure(config)
         model_dir = resolve_model_dir(config.model, config.revision, config.download_dir)
         tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, model_dir, config.download_dir)
@@ -163,6 +170,8 @@ class LLMEngine:
         drafter_cls = None
         if self.config.speculative is not None:  # before the runner: the mtp drafter's layer loads with it
             drafter_cls = drafter_class(self.config.speculative, plugins)
+        if parallel is not None and parallel.world_size > 1:
+            self._check_parallel(drafter_cls)
         try:
             self.runner = ModelRunner(
                 model_dir,
@@ -172,6 +181,7 @@ class LLMEngine:
                 family=self.family,
                 model_config=model_config,
                 mtp=drafter_cls is not None and drafter_cls.uses_mtp_layers,
+                parallel=parallel,
             )
         except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
             if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
@@ -185,6 +195,11 @@ class LLMEngine:
             update={"max_model_len": self._fit_max_model_len(config.max_model_len is not None)}
         )
         self.runner.max_model_len = self.config.max_model_len
+        self.eplb = None  # expert-parallel load balancing, stepped after every step (before graph capture)
+        if self.config.eplb is not None and parallel is not None and parallel.expert_parallel:
+            from deepinfer_core.distributed.eplb import EplbController
+
+            self.eplb = EplbController(self.config.eplb, None, self.runner.model, parallel)
         self._capture_graphs()
         self.model_config = self.runner.model_config
         self.tokenizer, self._tokenizer_error = self._load_tokenizer(tokenizer_dir)
@@ -215,6 +230,19 @@ class LLMEngine:
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         self.spec = self._speculative(drafter_cls)
         plugins.engine_started(self)
+
+    def _check_parallel(self, drafter_cls: type | None) -> None:
+        """Refuse what a distributed run cannot do (one-line :class:`ConfigError` saying why)."""
+        from deepinfer_core.distributed.init import check_parallel_config
+
+        check_parallel_config(self.config)
+        assert self.parallel is not None
+        if drafter_cls is not None and drafter_cls.uses_mtp_layers and self.parallel.expert_parallel:
+            raise ConfigError(
+                f"speculative.drafter={self.config.speculative.drafter!r} runs the MTP layer, whose extra "  # type: ignore[union-attr]
+                "forwards would not line up with the other ranks' expert-parallel collectives; use a "
+                "drafter without model layers ('ngram') or turn enable_expert_parallel off"
+            )
 
     def _speculative(self, drafter_cls: type | None) -> SpeculativeDecoder | None:
         """Speculative decoding when configured (steps then run synchronously: the drafts of a
@@ -337,6 +365,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         sample_index: int = 0,
+        seed_index: int | None = None,
     ) -> Request:
         """Queue one request (one sample: ``params.n`` is handled by :class:`~deepinfer_core.LLM`).
 
@@ -348,6 +377,9 @@ class LLMEngine:
             sample_index: which of the ``n`` samples of a prompt this is; the request's sampling
                 seed is ``derive_seed(params.seed, sample_index)`` when ``params.seed`` is set, else
                 ``derive_seed(engine seed, index of the request in this engine)``.
+            seed_index: the index to derive an unseeded request's seed from instead of its
+                index in this engine (a data-parallel replica gets the index the request has
+                in the whole run, so sampled outputs equal a single process's).
 
         Raises:
             SamplingParamsError: ``params`` names token ids outside the model's vocabulary, or
@@ -359,7 +391,7 @@ class LLMEngine:
         if params.seed is not None:
             seed = derive_seed(params.seed, sample_index)
         else:
-            seed = derive_seed(self.config.seed, index)
+            seed = derive_seed(self.config.seed, index if seed_index is None else seed_index)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -597,6 +629,8 @@ class LLMEngine:
         if not sched.is_empty:
             prev_tokens = previous.token_ids if previous is not None else None
             logits = self.runner.execute(sched.chunks, prev_tokens)
+        elif self.parallel is not None and self.parallel.expert_parallel:
+            self.runner.execute_dummy()  # the other ranks' MoE collectives wait for this rank's
         if previous is not None:
             finished += self._complete(previous)
         if logits is not None:
@@ -607,6 +641,8 @@ class LLMEngine:
                 finished += self._complete(launched)
         elif previous is None and not finished and self.scheduler.has_unfinished():
             raise RuntimeError(f"scheduler made no progress with running requests {self.scheduler.running}")
+        if self.eplb is not None:
+            self.eplb.step()  # between two steps: may rebalance and move expert weights
         self.metrics.record_finished(len(finished))
         return [self.make_output(r) for r in finished]
 

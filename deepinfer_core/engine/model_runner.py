@@ -32,6 +32,7 @@ from .step_inputs import StepInputBuffers, StepInputs
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
+    from deepinfer_core.distributed.state import ParallelState
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -56,6 +57,9 @@ class ModelRunner:
             through ``ModelFamily.load_mtp_weights``), give it its caches, and keep every step's
             hidden states in :attr:`hidden` for it (:meth:`execute_mtp`); a one-line
             :class:`ConfigError` when the family or the checkpoint has none.
+        parallel: this process's place in a distributed run (``None`` = a single process);
+            with more than one rank it is passed to the family's ``load_weights`` (each rank
+            loads only its experts) and ``build_model``.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class ModelRunner:
         model_config: Any = None,
         plugins: Any = None,
         mtp: bool = False,
+        parallel: ParallelState | None = None,
     ):
         if family is None:
             family, model_config = resolve_family(model_dir, plugins)
@@ -83,7 +88,18 @@ class ModelRunner:
         self._tile_matmul = ops["tile_matmul"]  # the GEMM of batch-invariant mode (ops/modes.py)
         if quantized_formats is None:
             quantized_formats = config.resolved_quantized_formats()
-        weights = family.load_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
+        self.parallel = parallel
+        # the parallel keyword only in a distributed run: single-process families need not take it
+        distributed = parallel is not None and parallel.world_size > 1
+        dist_kw: dict[str, Any] = {"parallel": parallel} if distributed else {}
+        load_kw = dict(dist_kw)
+        if distributed and parallel.expert_parallel and config.eplb is not None:  # EPLB's redundant slots
+            from deepinfer_core.distributed.eplb import initial_placement
+
+            load_kw["placement"] = initial_placement(cfg, parallel.ep_size, config.eplb.num_redundant_experts)
+        weights = family.load_weights(
+            Path(model_dir), cfg, self.dtype, self.device, quantized_formats, **load_kw
+        )
         self.mtp = mtp
         if mtp:
             if family.load_mtp_weights is None:
@@ -94,7 +110,7 @@ class ModelRunner:
             weights.update(
                 family.load_mtp_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
             )
-        self.model = family.build_model(cfg, weights, ops)
+        self.model = family.build_model(cfg, weights, ops, **dist_kw)
         del weights
         total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
         logger.info(
@@ -253,6 +269,14 @@ class ModelRunner:
         md = self._metadata(self.model.mtp_step_metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.mtp_forward(md, self.cache, hidden)
+
+    def execute_dummy(self) -> None:
+        """One forward of a single padding row on the trash slot (no request's cache is
+        touched, the logits are dropped): the step of an expert-parallel rank with nothing
+        scheduled, so that every rank runs the same number of forwards and the MoE's
+        dispatch / combine collectives line up."""
+        inputs = self.inputs.prepare([], [0], None, 1, 1)
+        self._forward(inputs)
 
     def time_step(self, batch: int, tokens_per_request: int, repeats: int = 5) -> float:
         """Seconds of one step of ``batch`` requests x ``tokens_per_request`` tokens, every

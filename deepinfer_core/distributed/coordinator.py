@@ -1,0 +1,606 @@
+"""The lockstep protocol of a distributed run: rank 0 drives, every rank steps.
+
+Each global step the driver (rank 0, where ``LLM`` lives) broadcasts one :class:`StepMessage`
+over the gloo ``cpu_group``: the new requests, each assigned to a data-parallel replica (the one
+with the fewest outstanding requests, ties to the lower replica), the aborts, or shutdown.
+Every rank of the replica's context-parallel group adds the same requests (the followers mirror
+their leader: same requests, same deterministic scheduler), every rank calls
+``engine.step()`` once, and the replies (finished outputs of the CP leaders, whether the rank
+has unfinished work, its metrics, an error if its step failed) are gathered to rank 0.  Steps
+continue while any rank has unfinished work.  With expert parallelism every ``step()`` runs one
+forward (a dummy one when the rank has nothing scheduled), so the MoE collectives line up.
+
+A worker that dies (the driver polls its processes every step), a collective that fails or
+exceeds ``distributed_timeout_s``, or a worker whose engine fails to start ends the run with one
+:class:`~deepinfer_core.errors.DistributedError` naming the rank and its log file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from deepinfer_core.errors import DistributedError
+
+from .init import default_store, destroy_parallel, init_parallel
+from .state import ParallelState
+
+if TYPE_CHECKING:
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.outputs import RequestOutput
+    from deepinfer_core.sampling.params import SamplingParams
+
+    from .worker import WorkerProcess
+
+logger = logging.getLogger("deepinfer.distributed")
+
+ERROR_KEY = "deepinfer/error/"  # + rank: a rank's last words, left in the rendezvous store
+FAULT_ENV = "DEEPINFER_TEST_WORKER_EXIT_AT_STEP"
+"""Test-only fault injector: ``RANK:STEP`` makes that worker exit (status 17, no goodbye) on
+receiving its STEP-th step message, as a crashed or killed worker would."""
+_EXIT_POLL_S = 5.0  # after a failed collective: how long to wait for a dead worker's exit status
+
+
+@dataclass
+class AddRequest:
+    """One request (one sample) for a replica, with the arguments of ``LLMEngine.add_request``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    sample_index: int
+    seed_index: int
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts each global step."""
+
+    adds: list[tuple[int, AddRequest]] = field(default_factory=list)  # (replica, request)
+    aborts: list[str] = field(default_factory=list)
+    abort_all: str | None = None  # finish every request with this reason instead of stepping
+    shutdown: bool = False
+
+
+def build_engine(config: EngineConfig, parallel: ParallelState) -> LLMEngine:
+    """This rank's engine: ``config`` on the rank's device, with its :class:`ParallelState`."""
+    from deepinfer_core.engine.llm_engine import LLMEngine
+
+    return LLMEngine(config.model_copy(update={"device": str(parallel.device)}), parallel=parallel)
+
+
+def handle_message(engine: LLMEngine, parallel: ParallelState, msg: StepMessage) -> dict[str, Any]:
+    """Apply one :class:`StepMessage` on a rank and return its reply (errors as text, so the
+    protocol stays in step; rank 0 re-raises its own)."""
+    reply: dict[str, Any] = {"rank": parallel.rank, "outputs": [], "error": None}
+    try:
+        if msg.abort_all is not None:
+            outputs = engine.abort_all(msg.abort_all)
+        else:
+            if msg.aborts:
+                engine.abort_request(msg.aborts)
+            for replica, req in msg.adds:
+                if replica == parallel.dp_rank:
+                    engine.add_request(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        req.params,
+                        prompt=req.prompt,
+                        sample_index=req.sample_index,
+                        seed_index=req.seed_index,
+                    )
+            outputs = engine.step()
+        if parallel.is_cp_leader:
+            reply["outputs"] = outputs
+    except Exception as e:
+        reply["error"] = f"{type(e).__name__}: {e}"
+        reply["exception"] = e if parallel.is_driver else None
+        logger.error("step failed:\n%s", traceback.format_exc())
+    reply["unfinished"] = engine.has_unfinished()
+    reply["metrics"] = rank_metrics(engine)
+    return reply
+
+
+def rank_metrics(engine: LLMEngine) -> dict[str, Any]:
+    """One engine's ``get_metrics()`` dict."""
+    metrics = engine.metrics.as_dict()
+    if engine.spec is not None:
+        metrics["speculative"] = engine.spec.metrics.as_dict()
+    return metrics
+
+
+def broadcast(msg: Any, parallel: ParallelState) -> Any:
+    """Rank 0's ``msg`` on every rank (over the gloo ``cpu_group``)."""
+    import torch.distributed as dist
+
+    box = [msg]
+    dist.broadcast_object_list(box, src=0, group=parallel.cpu_group)
+    return box[0]
+
+
+def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
+    """Every rank's ``obj`` on rank 0 (in rank order), ``None`` elsewhere."""
+    import torch.distributed as dist
+
+    out = [None] * parallel.world_size if parallel.is_driver else None
+    dist.gather_object(obj, out, dst=0, group=parallel.cpu_group)
+    return out
+
+
+def report_error(parallel: ParallelState | None, text: str) -> None:
+    """Leave ``text`` in the rendezvous store for rank 0 (best effort): the cause it names
+    when a collective with this rank fails."""
+    store = default_store()
+    if store is None or parallel is None:
+        return
+    with contextlib.suppress(Exception):
+        store.set(f"{ERROR_KEY}{parallel.rank}", text[-2000:])
+
+
+# ---- worker side --------------------------------------------------------------------------------
+def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | None = None) -> int:
+    """A non-driver rank: join the world, build the engine from rank 0's configuration, serve
+    step messages until rank 0 shuts down.  Returns the exit status (0 on a clean shutdown)."""
+    parallel = init_parallel(config, env)
+    fault = _fault_step(parallel.rank)
+    try:
+        config_json = broadcast(None, parallel)
+        from deepinfer_core.config import EngineConfig
+
+        config = EngineConfig(**json.loads(config_json))
+        engine, error = None, None
+        try:
+            engine = build_engine(config, parallel)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            logger.error("engine failed to start:\n%s", traceback.format_exc())
+        hello = {
+            "rank": parallel.rank,
+            "error": error,
+            "log": log_path,
+            "pid": os.getpid(),
+            "capacity": engine.runner.capacity_tokens if engine is not None else 0,
+        }
+        gather(hello, parallel)
+        steps = 0
+        while True:
+            msg = broadcast(None, parallel)
+            if msg.shutdown:
+                return 0 if engine is not None else 1
+            steps += 1
+            if fault is not None and steps == fault:
+                os._exit(17)  # the test-only fault injector (FAULT_ENV): die without a word
+            if engine is None:  # nothing to step; the driver shuts down after the hello
+                gather({"rank": parallel.rank, "error": error, "outputs": [], "unfinished": False}, parallel)
+                continue
+            gather(handle_message(engine, parallel, msg), parallel)
+    except BaseException as e:
+        report_error(parallel, f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        destroy_parallel()
+
+
+def _fault_step(rank: int) -> int | None:
+    raw = os.environ.get(FAULT_ENV, "")
+    if not raw:
+        return None
+    try:
+        want, step = (int(x) for x in raw.split(":"))
+    except ValueError:
+        logger.warning("%s=%r ignored: expected RANK:STEP", FAULT_ENV, raw)
+        return None
+    return step if want == rank else None
+
+
+# ---- driver side --------------------------------------------------------------------------------
+class Coordinator:
+    """Rank 0's side of the protocol, with the engine interface ``LLM`` drives
+    (``add_request``, ``step``, ``has_unfinished``, ``abort_request``, ``abort_all``,
+    ``metrics``).
+
+    Build it with :meth:`start`; end it with :meth:`shutdown` (also at interpreter exit).
+
+    Attributes:
+        engine: rank 0's own engine (replica 0; also the tokenizer and parameter checks).
+        parallel: rank 0's :class:`ParallelState`.
+        log_dir: the directory of the workers' ``rank<k>.log`` files.
+    """
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        parallel: ParallelState,
+        procs: dict[int, WorkerProcess],
+        logs: dict[int, str],
+        log_dir: str,
+        capacities: list[int],
+    ):
+        self.engine = engine
+        self.parallel = parallel
+        self.procs = procs
+        self.logs = logs
+        self.log_dir = log_dir
+        self.capacities = capacities
+        self._dp = parallel.dp_size
+        self._outstanding = [0] * self._dp  # requests sent to each replica and not finished
+        self._owner: dict[str, int] = {}  # request id -> replica
+        self._pending: list[tuple[int, AddRequest]] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._unfinished = [False] * parallel.world_size
+        self._rank_metrics: list[dict[str, Any]] = [rank_metrics(engine)] * parallel.world_size
+        self._num_added = 0
+        self._broken: str | None = None  # why the protocol cannot continue
+        self._closed = False
+        self.metrics = _MergedTokens(self)
+        atexit.register(self.shutdown)
+
+    # ---- start -------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, config: EngineConfig) -> Coordinator:
+        """Start (or, under torchrun, join) the world of ``config.world_size`` ranks as rank 0,
+        build every rank's engine and check they all started.
+
+        Raises:
+            ConfigError: bad parallel options or rendezvous variables.
+            DistributedError: a worker died or its engine failed to start (naming the rank).
+        """
+        from . import worker as worker_mod
+        from .init import check_parallel_config, launched_by_torchrun
+
+        check_parallel_config(config)
+        procs: dict[int, WorkerProcess] = {}
+        if launched_by_torchrun():
+            env, log_dir = dict(os.environ), worker_mod.torchrun_log_dir()
+        else:
+            log_dir = worker_mod.new_log_dir()
+            env, procs = worker_mod.spawn_workers(config, log_dir)
+            logger.info(
+                "distributed run: %d ranks on this host, worker logs in %s", config.world_size, log_dir
+            )
+        logs = {k: str(Path(log_dir) / f"rank{k}.log") for k in range(1, config.world_size)}
+        try:
+            parallel = _init_watching(config, env, procs, logs)
+        except BaseException:
+            worker_mod.stop_workers(procs)
+            raise
+        try:
+            return cls._build(config, parallel, procs, logs, log_dir)
+        except BaseException:
+            worker_mod.stop_workers(procs)
+            destroy_parallel()
+            raise
+
+    @classmethod
+    def _build(
+        cls,
+        config: EngineConfig,
+        parallel: ParallelState,
+        procs: dict[int, WorkerProcess],
+        logs: dict[int, str],
+        log_dir: str,
+    ) -> Coordinator:
+        broadcast(config.model_dump_json(), parallel)
+        engine, own_error = None, None
+        try:
+            engine = build_engine(config, parallel)
+        except Exception as e:
+            own_error = e
+        hello = {"rank": 0, "error": None, "log": "", "capacity": 0}
+        if engine is not None:
+            hello["capacity"] = engine.runner.capacity_tokens
+        try:
+            hellos = gather(hello, parallel)
+        except Exception as e:
+            raise _diagnose(e, procs, logs, parallel, "while the engines started") from None
+        assert hellos is not None
+        for h in hellos[1:]:
+            if h.get("log"):
+                logs[h["rank"]] = h["log"]
+        failed = [h for h in hellos[1:] if h["error"]]
+        if own_error is not None or failed:
+            with contextlib.suppress(Exception):
+                broadcast(StepMessage(shutdown=True), parallel)
+            if own_error is not None:
+                raise own_error
+            h = failed[0]
+            raise DistributedError(
+                f"rank {h['rank']}: the engine failed to start: {h['error']} "
+                f"(log: {logs.get(h['rank'], '?')})"
+            )
+        assert engine is not None
+        return cls(engine, parallel, procs, logs, log_dir, [h["capacity"] for h in hellos])
+
+    # ---- the engine interface ------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        sample_index: int = 0,
+    ) -> None:
+        """Queue a request for the next step, assigned to the replica with the fewest
+        outstanding requests (ties to the lower replica)."""
+        self._check_usable()
+        replica = min(range(self._dp), key=lambda r: (self._outstanding[r], r))
+        self._outstanding[replica] += 1
+        self._owner[request_id] = replica
+        req = AddRequest(request_id, list(prompt_token_ids), params, prompt, sample_index, self._num_added)
+        self._num_added += 1
+        self._pending.append((replica, req))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Abort requests at the next step, on whichever rank holds them (thread-safe)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            self._aborts.extend(ids)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued here or unfinished on any rank."""
+        return bool(self._pending) or any(self._outstanding) or any(self._unfinished)
+
+    def step(self) -> list[RequestOutput]:
+        """One global step; the outputs of the requests that finished on any replica."""
+        self._check_usable()
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+        pending, self._pending = self._pending, []
+        return self._round(StepMessage(adds=pending, aborts=aborts))
+
+    def abort_all(self, reason: str) -> list[RequestOutput]:
+        """Finish every request on every rank with ``finish_reason="error"`` (no step runs)."""
+        self._pending, self._aborts = [], []
+        if self._broken is not None or self._closed:
+            return []
+        outputs = self._round(StepMessage(abort_all=reason))
+        self._outstanding = [0] * self._dp
+        self._owner.clear()
+        return outputs
+
+    def _round(self, msg: StepMessage) -> list[RequestOutput]:
+        """Broadcast ``msg``, handle it here, gather the replies; raise the first error."""
+        done = False
+        try:
+            broadcast(msg, self.parallel)
+            reply = handle_message(self.engine, self.parallel, msg)
+            own_exception = reply.pop("exception", None)  # raised after the gather, kept out of it
+            replies = gather(reply, self.parallel)
+            done = True
+        except Exception as e:
+            raise self._fail(_diagnose(e, self.procs, self.logs, self.parallel, "in a step")) from None
+        finally:
+            if not done and self._broken is None:  # interrupted mid-protocol (KeyboardInterrupt)
+                self._broken = "a step was interrupted"
+                self.shutdown()
+        assert replies is not None
+        outputs: list[RequestOutput] = []
+        for rep in replies:
+            rank = rep["rank"]
+            self._unfinished[rank] = rep["unfinished"]
+            if "metrics" in rep:
+                self._rank_metrics[rank] = rep["metrics"]
+            outputs += rep["outputs"]
+        for out in outputs:
+            replica = self._owner.pop(out.request_id, None)
+            if replica is not None:
+                self._outstanding[replica] -= 1
+        for rep in replies:
+            if rep["error"]:
+                if rep["rank"] == 0 and own_exception is not None:
+                    raise own_exception
+                raise DistributedError(
+                    f"rank {rep['rank']}: its step failed: {rep['error']} "
+                    f"(log: {self.logs.get(rep['rank'], '?')})"
+                )
+        return outputs
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise DistributedError(f"the distributed run has ended ({self._broken}); create a new LLM")
+        if self._closed:
+            raise DistributedError("the distributed run was shut down (LLM.shutdown()); create a new LLM")
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        """Raise (and end the run) when a worker process has exited."""
+        for rank, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise self._fail(DistributedError(_death_message(rank, code, self.logs)))
+
+    def _fail(self, error: DistributedError) -> DistributedError:
+        self._broken = str(error)
+        self.shutdown()
+        return error
+
+    # ---- metrics -------------------------------------------------------------------------------
+    def get_metrics(self) -> dict[str, Any]:
+        """The run's metrics: counters summed over the replicas (the CP leaders), rates from the
+        summed counters over the longest rank's step time, the peak cache use of any rank, and
+        ``per_rank``: every rank's own ``get_metrics()`` dict (as of the last step)."""
+        return merge_metrics(self._rank_metrics, self.parallel.cp_size)
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Token positions of the replicas' caches together."""
+        return sum(self.capacities[:: self.parallel.cp_size])
+
+    # ---- end -----------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Tell the workers to exit, stop the ones that do not within a few seconds, and leave
+        the world.  Idempotent; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        from .worker import stop_workers
+
+        if self._broken is None:
+            try:
+                broadcast(StepMessage(shutdown=True), self.parallel)
+            except Exception as e:
+                logger.debug("shutdown message not delivered: %s", e)
+        stop_workers(self.procs)
+        destroy_parallel()
+
+
+class _MergedTokens:
+    """The one figure ``LLM``'s progress bar reads from ``metrics``: generated tokens, summed."""
+
+    def __init__(self, coordinator: Coordinator):
+        self._c = coordinator
+
+    @property
+    def num_generated_tokens(self) -> int:
+        cp = self._c.parallel.cp_size
+        return sum(m["num_generated_tokens"] for m in self._c._rank_metrics[::cp])
+
+
+_MAX_KEYS = ("peak_cache_usage", "num_steps")
+
+
+def merge_metrics(per_rank: list[dict[str, Any]], cp_size: int = 1) -> dict[str, Any]:
+    """One ``get_metrics()`` dict from every rank's: integer counters summed over the CP
+    leaders (the followers repeat their leader's work), ``elapsed_s`` and ``num_steps`` the
+    largest, tokens/s from the sums, ``cache_usage`` the mean, ``peak_cache_usage`` the
+    largest, ``last_step`` rank 0's; ``per_rank`` holds the ranks' own dicts."""
+    leaders = per_rank[::cp_size]
+    merged: dict[str, Any] = {}
+    for key, value in leaders[0].items():
+        if key in ("last_step", "speculative"):
+            continue
+        values = [m[key] for m in leaders]
+        if key in _MAX_KEYS or key == "elapsed_s":
+            merged[key] = max(values)
+        elif key == "cache_usage":
+            merged[key] = sum(values) / len(values)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            merged[key] = sum(values)
+    elapsed = merged.get("elapsed_s", 0.0)
+    merged["generation_tokens_per_s"] = merged["num_generated_tokens"] / elapsed if elapsed > 0 else 0.0
+    merged["tokens_per_s"] = merged["num_scheduled_tokens"] / elapsed if elapsed > 0 else 0.0
+    merged["last_step"] = per_rank[0].get("last_step")
+    if "speculative" in leaders[0]:
+        merged["speculative"] = _merge_speculative([m["speculative"] for m in leaders])
+    merged["per_rank"] = per_rank
+    return merged
+
+
+def _merge_speculative(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in parts[0] if k.startswith("num_")}
+    drafts = out.get("num_drafts", 0)
+    out["acceptance_rate"] = (
+        out["num_accepted_tokens"] / out["num_draft_tokens"] if out["num_draft_tokens"] else 0.0
+    )
+
+    def weighted(key: str) -> float:
+        return sum(p[key] * p["num_drafts"] for p in parts) / drafts if drafts else 0.0
+
+    out["mean_acceptance_length"] = weighted("mean_acceptance_length")
+    width = len(parts[0]["acceptance_per_position"])
+    out["acceptance_per_position"] = [
+        sum(p["acceptance_per_position"][i] * p["num_drafts"] for p in parts) / drafts if drafts else 0.0
+        for i in range(width)
+    ]
+    out["verify_length_histogram"] = [
+        sum(x) for x in zip(*(p["verify_length_histogram"] for p in parts), strict=False)
+    ]
+    return out
+
+
+# ---- diagnosis ----------------------------------------------------------------------------------
+def _death_message(rank: int, code: int, logs: dict[int, str]) -> str:
+    log = logs.get(rank, "?")
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    last = _last_line(log)
+    return f"rank {rank} {how}; its log: {log}" + (f" (last line: {last})" if last else "")
+
+
+def _last_line(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        return lines[-1][:300] if lines else ""
+    except OSError:
+        return ""
+
+
+def _diagnose(
+    error: BaseException,
+    procs: dict[int, WorkerProcess],
+    logs: dict[int, str],
+    parallel: ParallelState | None,
+    when: str,
+) -> DistributedError:
+    """The one error of a failed collective: a worker that exited (waiting up to a few seconds
+    for its status), else a rank's report in the store, else the collective's own error."""
+    deadline = time.monotonic() + (_EXIT_POLL_S if procs else 0.0)
+    while True:
+        dead = [(rank, p.poll()) for rank, p in procs.items() if p.poll() is not None]
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if dead:
+        rank, code = dead[0]
+        return DistributedError(_death_message(rank, code, logs) + f" ({when})")  # type: ignore[arg-type]
+    store = default_store()
+    if store is not None and parallel is not None:
+        for rank in range(1, parallel.world_size):
+            key = f"{ERROR_KEY}{rank}"
+            try:
+                if store.check([key]):
+                    text = store.get(key).decode(errors="replace")
+                    return DistributedError(f"rank {rank} failed {when}: {text} (log: {logs.get(rank, '?')})")
+            except Exception:
+                break
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    timeout = parallel is not None and "timed out" in str(error).lower()
+    what = "timed out (distributed_timeout_s)" if timeout else "failed"
+    return DistributedError(
+        f"a collective on rank 0 {what} {when}: {first}; a rank died or hung — see the worker logs "
+        f"{', '.join(f'rank {k}: {v}' for k, v in sorted(logs.items()))}"
+    )
+
+
+def _init_watching(
+    config: EngineConfig, env: dict[str, str], procs: dict[int, WorkerProcess], logs: dict[int, str]
+) -> ParallelState:
+    """``init_parallel`` for rank 0, in a thread, while this one watches the workers: one that
+    exits before joining ends the start with its error instead of a wait for the timeout."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["state"] = init_parallel(config, env)
+        except BaseException as e:
+            result["error"] = e
+
+    thread = threading.Thread(target=target, name="deepinfer-init", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        for rank, proc in procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise DistributedError(_death_message(rank, code, logs) + " (before joining the world)")
+    if "error" in result:
+        err = result["error"]
+        if isinstance(err, RuntimeError) and not isinstance(err, DistributedError):
+            raise _diagnose(err, procs, logs, None, "while joining the world") from None
+        raise err
+    return result["state"]
