@@ -280,23 +280,26 @@ def _generate(model_dir: Path, bi: bool, **options: Any) -> tuple[list[Any], int
 
 
 @pytest.mark.parametrize(
-    ("dp", "cp", "bi"),
+    ("dp", "cp", "bi", "ep"),
     [
-        (1, 2, True),
-        pytest.param(1, 2, False, marks=pytest.mark.slow),
-        pytest.param(2, 2, True, marks=pytest.mark.slow),
+        (1, 2, True, False),
+        pytest.param(1, 2, False, False, marks=pytest.mark.slow),
+        pytest.param(2, 2, True, False, marks=pytest.mark.slow),
+        pytest.param(2, 2, True, True, marks=pytest.mark.slow),
     ],
 )
 def test_llm_with_context_parallelism_matches_one_process(
-    dp: int, cp: int, bi: bool, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+    dp: int, cp: int, bi: bool, ep: bool, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``LLM(context_parallel_size=C[, data_parallel_size=2])``: greedy tokens and top logprobs
-    equal one process's (bitwise with ``batch_invariant``, within 1e-5 otherwise), and rank 0
-    did split prefill chunks over its group."""
+    """``LLM(context_parallel_size=C[, data_parallel_size=2][, enable_expert_parallel=True])``:
+    greedy tokens and top logprobs equal one process's (bitwise with ``batch_invariant``, within
+    1e-5 otherwise), and rank 0 did split prefill chunks over its group (with expert
+    parallelism its MoE dispatches only its local rows)."""
     monkeypatch.setenv(CP_MIN_TOKENS_ENV, str(CP_MIN))  # the workers inherit it
     want, none = _generate(tiny_dir, bi)
     assert none == 0
-    got, split = _generate(tiny_dir, bi, data_parallel_size=dp, context_parallel_size=cp)
+    options = {"data_parallel_size": dp, "context_parallel_size": cp, "enable_expert_parallel": ep}
+    got, split = _generate(tiny_dir, bi, **options)
     assert split > 0
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"prompt {i}"
