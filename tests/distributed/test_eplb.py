@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends.resolve import resolve_backend
 from deepinfer_core.config import EPLBConfig
 from deepinfer_core.distributed.eplb.policy import (
@@ -522,6 +523,48 @@ def test_rebalanced_moe_outputs_equal_single_process(
     ckpt = tiny.make_tiny(tmp_path / "tiny", fp4_experts=quantized)
     args = (world, f"file://{tmp_path}/store", str(ckpt), quantized, batch_invariant)
     mp.spawn(_moe_worker, args=args, nprocs=world, join=True)
+
+
+# ---- the engine: DP + EP with EPLB against a single process ----------------------------------------
+ENGINE_PROMPTS = [
+    "hello world",
+    "the quick brown fox jumps over",
+    "a b c d e",
+    "once upon a time there",
+    "1 2 3",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "policy", "nodes"), [(2, "global", None), (4, "hierarchical", 2)])
+def test_engine_eplb_outputs_equal_single_process(world: int, policy: str, nodes: int | None) -> None:
+    """``LLM`` with DP + EP over ``world`` ranks and EPLB rebalancing every 2 steps (``world``
+    redundant experts): greedy tokens and logprobs bitwise equal to a single process with
+    ``batch_invariant=True``, while the rebalancings lower the window's max/mean GPU load and
+    move weights."""
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    with LLM(backend="reference", batch_invariant=True) as llm:
+        want = llm.generate(ENGINE_PROMPTS, params)
+    eplb = {"rebalance_interval": 2, "window_steps": 2, "num_redundant_experts": world, "policy": policy}
+    if nodes is not None:
+        eplb["num_nodes"] = nodes
+    with LLM(
+        backend="reference",
+        data_parallel_size=world,
+        enable_expert_parallel=True,
+        batch_invariant=True,
+        eplb=eplb,
+    ) as llm:
+        got = llm.generate(ENGINE_PROMPTS, params)
+        ctl = llm.engine.eplb
+        assert ctl is not None and ctl.rebalances >= 2 and ctl.num_nodes == (nodes or 1)
+        before, after = ctl.last_ratio
+        assert after < before
+        default = ExpertPlacement.default(ctl.placement.num_layers, ctl.placement.num_experts, world, world)
+        assert not torch.equal(ctl.placement.phy2log, default.phy2log)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
 def test_infer_num_nodes(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,8 +17,8 @@ after every step.  Each step it records the MoE's per-layer per-expert token cou
 Everything runs between two steps on the step's stream; the engine keeps its requests,
 caches and schedule.  With ``layers_per_step`` the move is spread over the following steps, a
 few layers after each, the placement published layer by layer (a rebalancing that falls due
-while a move is in progress is skipped).  The loads, policy and plan are computed identically on every rank, so
-no rank needs to tell another what it sends.
+while a move is in progress is skipped).  The loads, policy and plan are computed identically
+on every rank, so no rank needs to tell another what it sends.
 
 **What the model must expose** (duck-typed, see :func:`local_expert_weights` and
 :func:`step_counts`): per MoE layer (placement layer ``l``), its local expert stacks — tensors
