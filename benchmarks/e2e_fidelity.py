@@ -4,7 +4,8 @@ The model of ``benchmarks/gpu_e2e.py`` (DeepSeek-V4-Flash widths, native FP8 / F
 The oracle is the ``reference`` backend in float32 on the dequantised weights (``keep_quantized``
 off, CUDA graphs off); the candidate is ``--backend`` (default ``cuda_sm100``) in bfloat16 with
 the checkpoint's FP8 / FP4 weights kept quantised, once per FP8 prefill math
-(``DEEPINFER_FP8_PREFILL`` = ``w8a16``, ``w8a8``).  Both run the same prompts greedily with
+(``DEEPINFER_FP8_PREFILL`` = ``w8a16``, ``w8a8``); the reference itself in bfloat16 is the
+floor (what bf16 rounding alone costs on this model).  Both run the same prompts greedily with
 ``prompt_logprobs`` and ``logprobs`` (top ``--top``), so every prompt position and every
 generated position is compared:
 
@@ -117,21 +118,22 @@ def main() -> int:
     ids = prompts(args.prompts, args.prompt_len, cfg_dict["vocab_size"], args.seed)
     common = {"max_num_seqs": args.prompts, "max_model_len": args.prompt_len + args.new_tokens + 16}
     t0 = time.perf_counter()
-    ref_llm = LLM(
-        str(args.model_dir),
-        backend="reference",
-        dtype="float32",
-        keep_quantized=False,
-        enforce_eager=True,
-        **common,
-    )
+    oracle = {"backend": "reference", "dtype": "float32", "keep_quantized": False, "enforce_eager": True}
+    ref_llm = LLM(str(args.model_dir), **oracle, **common)
     ref = run(ref_llm, ids, args.new_tokens, args.top)
     del ref_llm
     gc.collect()
     torch.cuda.empty_cache()
     print(f"reference (float32, dequantised weights): {time.perf_counter() - t0:.1f} s", flush=True)
-    llm = LLM(str(args.model_dir), backend=args.backend, dtype="bfloat16", keep_quantized=True, **common)
     rows = []
+    # the floor: the reference itself in bfloat16 (same dequantised weights, graphs off)
+    bf16_ref = LLM(str(args.model_dir), **(oracle | {"dtype": "bfloat16"}), **common)
+    rows.append({"backend": "reference", "dtype": "bfloat16", "fp8_prefill": "-"})
+    rows[-1] |= compare(ref, run(bf16_ref, ids, args.new_tokens, args.top), args.top)
+    del bf16_ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = LLM(str(args.model_dir), backend=args.backend, dtype="bfloat16", keep_quantized=True, **common)
     for math in ("w8a16", "w8a8"):
         os.environ["DEEPINFER_FP8_PREFILL"] = math
         row = {"backend": args.backend, "dtype": "bfloat16", "fp8_prefill": math}
@@ -140,7 +142,8 @@ def main() -> int:
     os.environ.pop("DEEPINFER_FP8_PREFILL", None)
     print(f"{'candidate':<34} {'max|dlp|':>9} {'p99|dlp|':>9} {'mean|dlp|':>9} {'top1':>7} {'greedy eq':>10}")
     for r in rows:
-        label = f"{r['backend']} bf16 FP8/FP4 kept, {r['fp8_prefill']}"
+        kept = "dequantised" if r["backend"] == "reference" else f"FP8/FP4 kept, {r['fp8_prefill']}"
+        label = f"{r['backend']} bf16 {kept}"
         print(
             f"{label:<34} {r['max_abs_dlogprob']:>9.4f} {r['p99_abs_dlogprob']:>9.4f} "
             f"{r['mean_abs_dlogprob']:>9.4f} {r['top1_agreement']:>7.3f} "
