@@ -13,10 +13,11 @@ rank).  See ``docs/distributed.md``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
@@ -25,7 +26,8 @@ _ENGINE_COMMANDS = ("generate", "bench")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run this rank's part of ``deepinfer <argv>``; returns the exit status."""
+    """Run this rank's part of ``deepinfer <argv>``; returns the exit status on an error before
+    the run, else ends the process with it."""
     from deepinfer_core import cli
     from deepinfer_core.errors import DeepInferError
 
@@ -55,10 +57,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: environment variable WORLD_SIZE: {e}", file=sys.stderr)
         return cli.EXIT_USAGE
     if rank == 0 or config is None:
-        return cli.main(argv) if rank == 0 else 0
-    from deepinfer_core.distributed.worker import serve_rank
+        code = cli.main(argv) if rank == 0 else 0
+    else:
+        from deepinfer_core.distributed.worker import serve_rank
 
-    return serve_rank(config)
+        code = serve_rank(config)
+    return _end(code)
+
+
+def _end(code: int) -> NoReturn:
+    """End this rank now, after the run: the workers are told to exit (``LLM.shutdown``), the
+    streams flushed, and the process left without the interpreter's teardown (measured: torch's
+    static destructors sometimes abort with "terminate called without an active exception"
+    when a torchrun rank's process groups were torn down just before, turning a finished run
+    into a failure that torchrun reports)."""
+    from deepinfer_core.distributed.coordinator import shutdown_all
+
+    try:
+        shutdown_all()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

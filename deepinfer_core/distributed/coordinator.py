@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,8 @@ logger = logging.getLogger("deepinfer.distributed")
 ERROR_KEY = "deepinfer/error/"  # + rank: a rank's last words, left in the rendezvous store
 FAULT_ENV = "DEEPINFER_TEST_WORKER_EXIT_AT_STEP"
 """Test-only fault injector: ``RANK:STEP`` makes that worker exit (status 17, no goodbye) on
-receiving its STEP-th step message, as a crashed or killed worker would."""
+receiving its STEP-th step message, as a crashed or killed worker would; ``RANK:0`` makes its
+engine fail to start instead."""
 _EXIT_POLL_S = 5.0  # after a failed collective: how long to wait for a dead worker's exit status
 
 
@@ -161,6 +163,8 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
         config = EngineConfig(**json.loads(config_json))
         engine, error = None, None
         try:
+            if fault == 0:
+                raise RuntimeError(f"engine start failure injected by {FAULT_ENV} (a test)")
             engine = build_engine(config, parallel)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -246,6 +250,7 @@ class Coordinator:
         self._closed = False
         self.metrics = _MergedTokens(self)
         atexit.register(self.shutdown)
+        _LIVE.add(self)
 
     # ---- start -------------------------------------------------------------------------------
     @classmethod
@@ -455,6 +460,15 @@ class Coordinator:
                 logger.debug("shutdown message not delivered: %s", e)
         stop_workers(self.procs)
         destroy_parallel()
+
+
+def shutdown_all() -> None:
+    """Shut down every coordinator of this process that is still running."""
+    for coordinator in list(_LIVE):
+        coordinator.shutdown()
+
+
+_LIVE: weakref.WeakSet[Coordinator] = weakref.WeakSet()
 
 
 class _MergedTokens:

@@ -1,0 +1,102 @@
+"""Attention data parallelism end to end on the built-in tiny model in fp32 on CPU (gloo):
+``LLM(data_parallel_size=N)`` (N = 2, 4: the ranks are worker processes the LLM starts) gives
+the outputs of a single-process ``LLM()`` on the same prompts — greedy tokens and logprobs
+bitwise with ``batch_invariant=True``, within 1e-5 otherwise — and for seeded and unseeded
+sampled requests and ``n > 1``; an invalid request fails alone; the metrics add up over ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.engine.llm_engine import LLMEngine
+
+OPTIONS: dict[str, Any] = {"backend": "reference", "max_num_seqs": 4, "max_model_len": 256}
+# 14 prompts of 1 .. 92 tokens: every rank of 4 gets several, some prefill in two chunks
+PROMPTS: list[Any] = [
+    {"prompt_token_ids": [(7 * i + 3 * j) % 200 + 2 for j in range(1 + 7 * i)]} for i in range(14)
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+SAMPLED = [
+    SamplingParams(temperature=0.8, max_tokens=5, seed=1234, ignore_eos=True),  # seeded
+    SamplingParams(temperature=1.0, top_k=20, max_tokens=5, ignore_eos=True),  # from the engine seed
+    SamplingParams(temperature=0.9, max_tokens=4, n=3, ignore_eos=True),  # n > 1
+]
+TOO_LONG = {"prompt_token_ids": [5] * 300}  # longer than max_model_len: fails alone
+
+
+def _workload() -> tuple[list[Any], list[SamplingParams]]:
+    prompts = [*PROMPTS, PROMPTS[3], PROMPTS[5], PROMPTS[7], TOO_LONG, PROMPTS[2]]
+    params = [GREEDY] * len(PROMPTS) + [*SAMPLED, GREEDY, GREEDY]
+    return prompts, params
+
+
+def _generate(**options: Any) -> tuple[list[Any], dict[str, Any]]:
+    prompts, params = _workload()
+    with LLM(**OPTIONS, **options) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return outputs, llm.get_metrics()
+
+
+def _check(got: list[Any], want: list[Any], exact: bool) -> None:
+    assert [o.request_id for o in got] == [o.request_id for o in want]
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.error == w.error, f"prompt {i}"
+        assert len(g.outputs) == len(w.outputs), f"prompt {i}"
+        for k, (a, b) in enumerate(zip(g.outputs, w.outputs, strict=True)):
+            assert a.token_ids == b.token_ids, f"prompt {i} sample {k}"
+            assert a.finish_reason == b.finish_reason, f"prompt {i} sample {k}"
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for step, (x, y) in enumerate(zip(a.logprobs or [], b.logprobs or [], strict=True)):
+                assert set(x) == set(y), f"prompt {i} step {step}"
+                for tok in y:
+                    if exact:
+                        assert x[tok] == y[tok], (
+                            f"prompt {i} step {step} token {tok}: {x[tok]!r} != {y[tok]!r}"
+                        )
+                    else:
+                        assert abs(x[tok] - y[tok]) <= 1e-5, f"prompt {i} step {step} token {tok}"
+
+
+def _check_metrics(metrics: dict[str, Any], want: dict[str, Any], world: int) -> None:
+    per_rank = metrics["per_rank"]
+    assert len(per_rank) == world
+    assert all(m["num_finished_requests"] >= 3 for m in per_rank), "every rank serves several requests"
+    for key in ("num_finished_requests", "num_generated_tokens", "num_prompt_tokens"):
+        assert metrics[key] == sum(m[key] for m in per_rank) == want[key], key
+
+
+def test_dp2_equals_single_process_bitwise() -> None:
+    want, want_metrics = _generate(batch_invariant=True)
+    got, metrics = _generate(batch_invariant=True, data_parallel_size=2)
+    _check(got, want, exact=True)
+    assert got[-2].error is not None and "max_model_len" in got[-2].error  # the invalid one
+    assert got[-2].outputs[0].finish_reason == "error"
+    _check_metrics(metrics, want_metrics, 2)
+
+
+@pytest.mark.slow
+def test_dp4_equals_single_process() -> None:
+    want, want_metrics = _generate()
+    got, metrics = _generate(data_parallel_size=4)
+    _check(got, want, exact=False)
+    _check_metrics(metrics, want_metrics, 4)
+
+
+def test_dummy_forward_touches_no_request() -> None:
+    """``ModelRunner.execute_dummy`` (the step of an expert-parallel rank with nothing to do)
+    between every step of an engine leaves its outputs bitwise unchanged."""
+    llm = LLM(**OPTIONS, batch_invariant=True)
+    want = llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
+    engine: LLMEngine = LLM(**OPTIONS, batch_invariant=True).engine
+    for i, prompt in enumerate(PROMPTS[:6]):
+        engine.add_request(str(i), prompt["prompt_token_ids"], GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        engine.runner.execute_dummy()
+        done.update({o.request_id: o for o in engine.step()})
+    for i, w in enumerate(want):
+        assert done[str(i)].outputs[0].token_ids == w.outputs[0].token_ids
+        assert done[str(i)].outputs[0].logprobs == w.outputs[0].logprobs
