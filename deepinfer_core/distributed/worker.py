@@ -154,29 +154,39 @@ class _PrefixWriter:
 
 
 def setup_rank_logging(rank: int, level: str, log_file: str | None = None) -> None:
-    """Prefix this process's stdout, stderr and ``deepinfer`` log lines with ``[rank k]``;
-    with ``log_file`` also copy them there (a torchrun rank, whose streams are the console)."""
+    """Prefix this process's stdout, stderr and ``deepinfer`` log lines with ``[rank k]``.
+
+    Without ``log_file`` (a worker ``LLM`` started: its streams are its log file) the logger
+    runs at ``level``.  With ``log_file`` (a torchrun rank: its streams are the console) the
+    lines also go to that file, and the file gets ``info`` records even when the console's
+    ``level`` is higher."""
     import faulthandler
 
-    targets_err: list[Any] = [sys.__stderr__]
-    targets_out: list[Any] = [sys.__stdout__]
+    prefix = f"[rank {rank}] "
+    console_err = _PrefixWriter(prefix, [sys.__stderr__])  # type: ignore[list-item]
+    handlers: list[tuple[Any, str]] = [(console_err, level)]
     if log_file is not None:
         f = open(log_file, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - lives as long as the process
-        targets_err.append(f)
-        targets_out.append(f)
+        to_file = _PrefixWriter(prefix, [f])
+        handlers.append((to_file, worker_level(level)))
         faulthandler.enable(file=f)
+        sys.stderr = _PrefixWriter(prefix, [sys.__stderr__, f])  # type: ignore[list-item,assignment]
+        sys.stdout = _PrefixWriter(prefix, [sys.__stdout__, f])  # type: ignore[list-item,assignment]
     else:
         faulthandler.enable(file=sys.__stderr__)
-    sys.stderr = _PrefixWriter(f"[rank {rank}] ", targets_err)  # type: ignore[assignment]
-    sys.stdout = _PrefixWriter(f"[rank {rank}] ", targets_out)  # type: ignore[assignment]
+        sys.stderr = console_err  # type: ignore[assignment]
+        sys.stdout = _PrefixWriter(prefix, [sys.__stdout__])  # type: ignore[list-item,assignment]
     log = logging.getLogger("deepinfer")
-    log.setLevel(level.upper())
     for h in list(log.handlers):
         log.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.set_name("deepinfer-default")  # configure_logging leaves it in place
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    log.addHandler(handler)
+    levels = ["DEBUG", "INFO", "WARNING", "ERROR"]
+    log.setLevel(min((lv.upper() for _, lv in handlers), key=levels.index))
+    for stream, lv in handlers:
+        handler = logging.StreamHandler(stream)
+        handler.setLevel(lv.upper())
+        handler.set_name("deepinfer-default")  # configure_logging() then adds no handler of its own
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
     log.propagate = False
 
 
