@@ -73,6 +73,9 @@ PREFILL_TILE = (128, 128)
 """Prefill tile, 8 warps, 4 stages: the fastest of the W8A16 and W8A8 sweeps on the H200 at
 M = 4096 (``bench_fp8_gemm.py --sweep``; docs/benchmarks.md)."""
 PREFILL_STAGES = 4
+PREFILL_STAGES_FP32 = 2
+"""Pipeline stages of the prefill tile on fp32 activations (a 128 x 128 fp32 x tile is 64 KiB:
+four stages would not fit the SM's shared memory)."""
 PREFILL_ENV = "DEEPINFER_FP8_PREFILL"
 """Prefill (``M > 64``, 16-bit activations) math, read at each call: ``w8a16`` (default: the
 weight tiles converted to the activations' dtype, the reference's numerics to bf16 rounding) or
@@ -123,15 +126,19 @@ def _balanced_splits(k_blocks: int, want: int) -> int:
     return most
 
 
-def launch_config(m: int, n: int, k: int, invariant: bool = False, sms: int = DEFAULT_SMS) -> Launch:
+def launch_config(
+    m: int, n: int, k: int, invariant: bool = False, sms: int = DEFAULT_SMS, x_bytes: int = 2
+) -> Launch:
     """The :class:`Launch` of an ``[m, k] x [k, n]`` GEMM on ``sms`` SMs (shapes only; see the
     module docstring); with ``invariant`` (batch-invariant mode) :data:`INVARIANT_TILE` and no
-    split, whatever ``m``."""
+    split, whatever ``m``.  ``x_bytes``: bytes per activation element (fp32 prefill tiles run
+    fewer pipeline stages)."""
     stages = 1 if INTERPRETED else 3
     if invariant:
         return Launch(*INVARIANT_TILE, 1, 8, stages)
     if m > DECODE_MAX_M:
-        return Launch(*PREFILL_TILE, 1, 8, 1 if INTERPRETED else PREFILL_STAGES)
+        stages = PREFILL_STAGES if x_bytes <= 2 else PREFILL_STAGES_FP32
+        return Launch(*PREFILL_TILE, 1, 8, 1 if INTERPRETED else stages)
     k_blocks = cdiv(k, BLOCK_K)
     target = PROGRAMS_PER_SM * sms
     m_tiles = cdiv(m, DECODE_BLOCK_M)
@@ -373,7 +380,8 @@ def _run(
         scale = scale.float()
     scale = scale.contiguous()
     if launch is None:
-        launch = launch_config(m, n, k, invariant=batch_invariant_enabled(), sms=sm_count(x.device))
+        invariant = batch_invariant_enabled()
+        launch = launch_config(m, n, k, invariant, sm_count(x.device), x.element_size())
     bm, bn, splits, warps, stages = launch
     if prequant is None:
         prequant = w8a8 and m > DECODE_MAX_M and not batch_invariant_enabled()
