@@ -46,10 +46,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("deepinfer.distributed")
 
 ERROR_KEY = "deepinfer/error/"  # + rank: a rank's last words, left in the rendezvous store
+STEP_KEY = "deepinfer/step/"  # + rank: the last step message the rank handled
 FAULT_ENV = "DEEPINFER_TEST_WORKER_EXIT_AT_STEP"
 """Test-only fault injector: ``RANK:STEP`` makes that worker exit (status 17, no goodbye) on
-receiving its STEP-th step message, as a crashed or killed worker would; ``RANK:0`` makes its
-engine fail to start instead."""
+receiving its STEP-th step message, as a crashed or killed worker would; ``RANK:STEP:hang``
+makes it hang there instead (alive, never answering); ``RANK:0`` makes its engine fail to
+start."""
 _EXIT_POLL_S = 5.0  # after a failed collective: how long to wait for a dead worker's exit status
 
 
@@ -155,7 +157,8 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
     """A non-driver rank: join the world, build the engine from rank 0's configuration, serve
     step messages until rank 0 shuts down.  Returns the exit status (0 on a clean shutdown)."""
     parallel = init_parallel(config, env)
-    fault = _fault_step(parallel.rank)
+    fault_at, hang = _fault_step(parallel.rank) or (None, False)
+    store = default_store()
     try:
         config_json = broadcast(None, parallel)
         from deepinfer_core.config import EngineConfig
@@ -163,7 +166,7 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
         config = EngineConfig(**json.loads(config_json))
         engine, error = None, None
         try:
-            if fault == 0:
+            if fault_at == 0:
                 raise RuntimeError(f"engine start failure injected by {FAULT_ENV} (a test)")
             engine = build_engine(config, parallel)
         except Exception as e:
@@ -183,12 +186,17 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
             if msg.shutdown:
                 return 0 if engine is not None else 1
             steps += 1
-            if fault is not None and steps == fault:
-                os._exit(17)  # the test-only fault injector (FAULT_ENV): die without a word
+            if steps == fault_at:  # the test-only fault injector (FAULT_ENV)
+                while hang:
+                    time.sleep(1.0)
+                os._exit(17)  # die without a word
             if engine is None:  # nothing to step; the driver shuts down after the hello
                 gather({"rank": parallel.rank, "error": error, "outputs": [], "unfinished": False}, parallel)
                 continue
-            gather(handle_message(engine, parallel, msg), parallel)
+            reply = handle_message(engine, parallel, msg)
+            if store is not None:  # progress for rank 0's diagnosis of a collective that times out
+                store.set(f"{STEP_KEY}{parallel.rank}", str(steps))
+            gather(reply, parallel)
     except BaseException as e:
         report_error(parallel, f"{type(e).__name__}: {e}")
         raise
@@ -196,16 +204,21 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
         destroy_parallel()
 
 
-def _fault_step(rank: int) -> int | None:
+def _fault_step(rank: int) -> tuple[int, bool] | None:
+    """This rank's injected fault (:data:`FAULT_ENV`): the step, and whether to hang there."""
     raw = os.environ.get(FAULT_ENV, "")
     if not raw:
         return None
+    parts = raw.split(":")
     try:
-        want, step = (int(x) for x in raw.split(":"))
-    except ValueError:
-        logger.warning("%s=%r ignored: expected RANK:STEP", FAULT_ENV, raw)
+        want, step = int(parts[0]), int(parts[1])
+        hang = parts[2:] == ["hang"]
+        if len(parts) > 3 or (len(parts) == 3 and not hang):
+            raise ValueError(raw)
+    except (ValueError, IndexError):
+        logger.warning("%s=%r ignored: expected RANK:STEP or RANK:STEP:hang", FAULT_ENV, raw)
         return None
-    return step if want == rank else None
+    return (step, hang) if want == rank else None
 
 
 # ---- driver side --------------------------------------------------------------------------------
@@ -246,6 +259,7 @@ class Coordinator:
         self._unfinished = [False] * parallel.world_size
         self._rank_metrics: list[dict[str, Any]] = [rank_metrics(engine)] * parallel.world_size
         self._num_added = 0
+        self._rounds = 0  # step messages sent (the workers count the same)
         self._broken: str | None = None  # why the protocol cannot continue
         self._closed = False
         self.metrics = _MergedTokens(self)
@@ -378,6 +392,7 @@ class Coordinator:
     def _round(self, msg: StepMessage) -> list[RequestOutput]:
         """Broadcast ``msg``, handle it here, gather the replies; raise the first error."""
         done = False
+        self._rounds += 1
         try:
             broadcast(msg, self.parallel)
             reply = handle_message(self.engine, self.parallel, msg)
@@ -385,7 +400,10 @@ class Coordinator:
             replies = gather(reply, self.parallel)
             done = True
         except Exception as e:
-            raise self._fail(_diagnose(e, self.procs, self.logs, self.parallel, "in a step")) from None
+            diagnosis = _diagnose(
+                e, self.procs, self.logs, self.parallel, f"in step {self._rounds}", self._rounds
+            )
+            raise self._fail(diagnosis) from None
         finally:
             if not done and self._broken is None:  # interrupted mid-protocol (KeyboardInterrupt)
                 self._broken = "a step was interrupted"
@@ -458,8 +476,11 @@ class Coordinator:
                 broadcast(StepMessage(shutdown=True), self.parallel)
             except Exception as e:
                 logger.debug("shutdown message not delivered: %s", e)
-        stop_workers(self.procs)
-        destroy_parallel()
+            stop_workers(self.procs)
+            destroy_parallel()
+        else:  # the workers wait in a collective that will not complete: stop them now
+            stop_workers(self.procs, wait_s=0.5, warn=False)
+            destroy_parallel()
 
 
 def shutdown_all() -> None:
@@ -560,10 +581,14 @@ def _diagnose(
     logs: dict[int, str],
     parallel: ParallelState | None,
     when: str,
+    round_no: int | None = None,
 ) -> DistributedError:
     """The one error of a failed collective: a worker that exited (waiting up to a few seconds
-    for its status), else a rank's report in the store, else the collective's own error."""
-    deadline = time.monotonic() + (_EXIT_POLL_S if procs else 0.0)
+    for its status), else a rank's report in the store, else a rank that did not finish step
+    ``round_no`` (hung), else the collective's own error."""
+    timeout = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    # a closed connection: the peer probably died; give its exit status a moment to show
+    deadline = time.monotonic() + (_EXIT_POLL_S if procs and not timeout else 0.0)
     while True:
         dead = [(rank, p.poll()) for rank, p in procs.items() if p.poll() is not None]
         if dead or time.monotonic() >= deadline:
@@ -582,9 +607,20 @@ def _diagnose(
                     return DistributedError(f"rank {rank} failed {when}: {text} (log: {logs.get(rank, '?')})")
             except Exception:
                 break
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    timeout = parallel is not None and "timed out" in str(error).lower()
     what = "timed out (distributed_timeout_s)" if timeout else "failed"
+    if store is not None and parallel is not None and round_no:
+        for rank in range(1, parallel.world_size):
+            key = f"{STEP_KEY}{rank}"
+            try:
+                last = int(store.get(key)) if store.check([key]) else 0
+            except Exception:
+                break
+            if last < round_no:
+                return DistributedError(
+                    f"rank {rank} did not finish step {round_no} (the last it finished: {last}); "
+                    f"a collective on rank 0 {what}; its log: {logs.get(rank, '?')}"
+                )
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
     return DistributedError(
         f"a collective on rank 0 {what} {when}: {first}; a rank died or hung — see the worker logs "
         f"{', '.join(f'rank {k}: {v}' for k, v in sorted(logs.items()))}"

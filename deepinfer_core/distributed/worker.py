@@ -105,15 +105,18 @@ def spawn_workers(config: EngineConfig, log_dir: str) -> tuple[dict[str, str], d
     return {**base, "RANK": "0", "LOCAL_RANK": "0"}, procs
 
 
-def stop_workers(procs: dict[int, WorkerProcess], wait_s: float = _STOP_WAIT_S) -> None:
-    """Wait up to ``wait_s`` for the workers to exit, then kill the rest (and reap them)."""
+def stop_workers(procs: dict[int, WorkerProcess], wait_s: float = _STOP_WAIT_S, warn: bool = True) -> None:
+    """Wait up to ``wait_s`` for the workers to exit, then kill the rest (and reap them);
+    ``warn``: log a warning for each one killed."""
     deadline = time.monotonic() + wait_s
     for proc in procs.values():
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(max(0.0, deadline - time.monotonic()))
     for rank, proc in procs.items():
         if proc.poll() is None:
-            logger.warning("rank %d did not exit; killing it (pid %d)", rank, proc.pid)
+            (logger.warning if warn else logger.debug)(
+                "rank %d did not exit; killing it (pid %d)", rank, proc.pid
+            )
             proc.kill()
             proc.wait()
 
