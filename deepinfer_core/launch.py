@@ -13,11 +13,10 @@ rank).  See ``docs/distributed.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
@@ -29,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run this rank's part of ``deepinfer <argv>``; returns the exit status on an error before
     the run, else ends the process with it."""
     from deepinfer_core import cli
+    from deepinfer_core.distributed.worker import exit_rank
     from deepinfer_core.errors import DeepInferError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -62,24 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from deepinfer_core.distributed.worker import serve_rank
 
         code = serve_rank(config)
-    return _end(code)
-
-
-def _end(code: int) -> NoReturn:
-    """End this rank now, after the run: the workers are told to exit (``LLM.shutdown``), the
-    streams flushed, and the process left without the interpreter's teardown (measured: torch's
-    static destructors sometimes abort with "terminate called without an active exception"
-    when a torchrun rank's process groups were torn down just before, turning a finished run
-    into a failure that torchrun reports)."""
-    from deepinfer_core.distributed.coordinator import shutdown_all
-
-    try:
-        shutdown_all()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(code)
+    exit_rank(code)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -80,14 +80,15 @@ class LLM:
 
     def _attach_distributed(self, config: EngineConfig) -> None:
         """Rank 0 of a distributed run drives it (:mod:`deepinfer_core.distributed.coordinator`);
-        another rank of a launched world (torchrun) serves it and exits when it ends."""
+        another rank of a launched world (torchrun) serves it and ends its process when the run
+        ends (:func:`~deepinfer_core.distributed.worker.exit_rank`)."""
         from deepinfer_core.distributed.coordinator import Coordinator
         from deepinfer_core.distributed.init import launched_by_torchrun
 
         if launched_by_torchrun() and os.environ.get("RANK") != "0":
-            from deepinfer_core.distributed.worker import serve_rank
+            from deepinfer_core.distributed.worker import exit_rank, serve_rank
 
-            raise SystemExit(serve_rank(config))
+            exit_rank(serve_rank(config))
         coordinator = Coordinator.start(config)
         self._attach(coordinator.engine, coordinator)
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
@@ -237,6 +237,23 @@ def serve_rank(config: EngineConfig) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a torchrun rank's process after its run: every coordinator of the process shut down
+    (the workers told to exit), the streams flushed, and the process left without the
+    interpreter's teardown (measured: torch's static destructors sometimes abort with
+    "terminate called without an active exception" right after a torchrun rank's process
+    groups were torn down, turning a finished run into a failure that torchrun reports)."""
+    from .coordinator import shutdown_all
+
+    try:
+        shutdown_all()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(code)
 
 
 def main() -> int:

@@ -100,3 +100,20 @@ def test_dummy_forward_touches_no_request() -> None:
     for i, w in enumerate(want):
         assert done[str(i)].outputs[0].token_ids == w.outputs[0].token_ids
         assert done[str(i)].outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_abort_reaches_the_replica_holding_the_request() -> None:
+    """An abort rank 0 gets applies on whichever rank holds the request; the others finish."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    with LLM(**OPTIONS, data_parallel_size=2) as llm:
+        coordinator = llm._coordinator
+        for i in range(4):  # replicas 0, 1, 0, 1 (fewest outstanding, ties to the lower)
+            coordinator.add_request(str(i), PROMPTS[i + 1]["prompt_token_ids"], params)
+        done = {o.request_id: o for _ in range(3) for o in coordinator.step()}
+        coordinator.abort_request(["1", "2"])  # one on each replica
+        while coordinator.has_unfinished():
+            done.update({o.request_id: o for o in coordinator.step()})
+        reasons = {rid: out.outputs[0].finish_reason for rid, out in done.items()}
+        assert reasons == {"0": "length", "1": "abort", "2": "abort", "3": "length"}
+        assert 0 < len(done["1"].outputs[0].token_ids) < 30
+        assert llm.kv_cache_capacity_tokens == 2 * llm.engine.runner.capacity_tokens
