@@ -51,7 +51,8 @@ class MoE:
         self.cfg = cfg
         self.parallel = parallel  # expert parallelism: the experts held are this rank's
         self.layer = layer
-        ep = parallel is not None and parallel.expert_parallel
+        # expert parallelism shards the main layers' experts; an MTP layer (layer >= L) keeps all
+        ep = parallel is not None and parallel.expert_parallel and layer < cfg.num_hidden_layers
         self.placement: ExpertPlacement | None = w.get(EXPERT_PLACEMENT_KEY) if ep else None  # type: ignore[assignment]
         if ep and self.placement is None:
             raise ValueError(
