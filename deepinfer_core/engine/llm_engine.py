@@ -291,6 +291,9 @@ class LLMEngine:
         if not self.backend.supports_graph_capture:
             logger.info("device graphs off: backend %r does not support graph capture", self.backend.name)
             return
+        if self.parallel is not None and self.parallel.expert_parallel:  # moe_dispatch syncs on counts
+            logger.info("device graphs off: expert parallelism's dispatch exchanges its counts on the host")
+            return
         t0 = time.perf_counter()
         reason = self.runner.capture_graphs()
         if reason is None:

@@ -151,6 +151,11 @@ def moe_dispatch(
     rows = x.index_select(0, send_order // top_k)
     send_w, send_ids = weights.reshape(-1).index_select(0, send_order), local.index_select(0, send_order)
     if capacity is None:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "moe_dispatch: the dynamic exchange reads the per-rank counts on the host and cannot be "
+                "captured in a CUDA graph; pass capacity= for the fixed-shape one"
+            )
         send_splits = torch.diff(ends, prepend=ends.new_zeros(1))
         recv_splits = _exchange(send_splits, world, None, None, group)
         send_list, recv_list = send_splits.tolist(), recv_splits.tolist()  # the dynamic exchange's sync
