@@ -284,6 +284,13 @@ class Coordinator:
         if launched_by_torchrun():
             env, log_dir = dict(os.environ), worker_mod.torchrun_log_dir()
         else:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                raise DistributedError(
+                    "torch.distributed is already initialized in this process (another LLM's distributed "
+                    "run?); call its shutdown() first, or launch with torchrun"
+                )
             log_dir = worker_mod.new_log_dir()
             env, procs = worker_mod.spawn_workers(config, log_dir)
             logger.info(

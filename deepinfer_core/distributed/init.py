@@ -28,6 +28,7 @@ logger = logging.getLogger("deepinfer.distributed")
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_OWNED = False  # whether init_parallel initialized the default group (and so destroys it)
 
 
 def launched_by_torchrun(env: Mapping[str, str] | None = None) -> bool:
@@ -142,7 +143,15 @@ def init_parallel(config: EngineConfig, env: Mapping[str, str] | None = None) ->
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.distributed_timeout_s)
-    if not dist.is_initialized():
+    global _OWNED
+    if dist.is_initialized():  # the application's own world (torchrun script): used as it is
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world):
+            raise ConfigError(
+                f"torch.distributed is already initialized in this process as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but this run is rank {rank} of {world}; shut the other run "
+                "down (LLM.shutdown()) or destroy its process group first"
+            )
+    else:
         dist.init_process_group(
             backend,
             init_method=f"tcp://{env['MASTER_ADDR']}:{int(env['MASTER_PORT'])}",
@@ -150,6 +159,7 @@ def init_parallel(config: EngineConfig, env: Mapping[str, str] | None = None) ->
             world_size=world,
             timeout=timeout,
         )
+        _OWNED = True
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     layout = ParallelState.layout(rank, dp, cp, config.enable_expert_parallel)
     cp_group = None
@@ -184,10 +194,13 @@ def init_parallel(config: EngineConfig, env: Mapping[str, str] | None = None) ->
 
 
 def destroy_parallel() -> None:
-    """Leave the ``torch.distributed`` world (no-op when not in one)."""
+    """Leave the ``torch.distributed`` world that :func:`init_parallel` joined (no-op when not
+    in one, or when the application had initialized it itself)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    global _OWNED
+    if dist.is_initialized() and _OWNED:
+        _OWNED = False
         try:
             dist.destroy_process_group()
         except Exception as e:  # a broken world (a rank died): nothing left to tear down cleanly

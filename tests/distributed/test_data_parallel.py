@@ -12,6 +12,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.errors import DistributedError
 
 OPTIONS: dict[str, Any] = {"backend": "reference", "max_num_seqs": 4, "max_model_len": 256}
 # 14 prompts of 1 .. 92 tokens: every rank of 4 gets several, some prefill in two chunks
@@ -117,3 +118,5 @@ def test_abort_reaches_the_replica_holding_the_request() -> None:
         assert reasons == {"0": "length", "1": "abort", "2": "abort", "3": "length"}
         assert 0 < len(done["1"].outputs[0].token_ids) < 30
         assert llm.kv_cache_capacity_tokens == 2 * llm.engine.runner.capacity_tokens
+        with pytest.raises(DistributedError, match="already initialized in this process"):
+            LLM(**OPTIONS, data_parallel_size=2)  # one run at a time in a process
