@@ -14,7 +14,7 @@ See ``docs/distributed.md`` ("Context parallelism") and :mod:`deepinfer_core.mod
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +28,10 @@ environment variable :data:`CP_MIN_TOKENS_ENV` overrides it when a model is buil
 CP_MIN_TOKENS_ENV = "DEEPINFER_CP_MIN_TOKENS"
 
 
-def cp_min_tokens(env: dict[str, str] | None = None) -> int:
-    """The CP threshold: ``$DEEPINFER_CP_MIN_TOKENS`` when set, else :data:`CP_MIN_TOKENS`."""
-    env = os.environ if env is None else env  # type: ignore[assignment]
+def cp_min_tokens(env: Mapping[str, str] | None = None) -> int:
+    """The CP threshold: ``$DEEPINFER_CP_MIN_TOKENS`` in ``env`` (default ``os.environ``) when
+    set, else :data:`CP_MIN_TOKENS`; a one-line error naming the variable when not an integer >= 1."""
+    env = os.environ if env is None else env
     raw = env.get(CP_MIN_TOKENS_ENV)
     if raw is None or not raw.strip():
         return CP_MIN_TOKENS

@@ -15,9 +15,11 @@ import torch.multiprocessing as mp
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.distributed.context_parallel import (
+    CP_MIN_TOKENS,
     CP_MIN_TOKENS_ENV,
     balanced_pieces,
     contiguous_pieces,
+    cp_min_tokens,
     piece_bounds,
     plan_step,
     rank_costs,
@@ -77,6 +79,14 @@ def test_step_plan_keeps_short_chunks_on_every_rank_and_gathers_in_natural_order
         assert torch.equal(stacked.index_select(0, p.gather_index), torch.arange(t))
         assert torch.equal(p.sample_index, p.gather_index[samples])
     assert all(int(plans[0].gather_index[j]) < plans[0].num_local for j in shared)  # from rank 0
+
+
+def test_cp_min_tokens_default_and_environment_override() -> None:
+    assert cp_min_tokens({}) == CP_MIN_TOKENS
+    assert cp_min_tokens({CP_MIN_TOKENS_ENV: " 64 "}) == 64
+    for bad in ("lots", "0"):
+        with pytest.raises(ValueError, match=CP_MIN_TOKENS_ENV):
+            cp_min_tokens({CP_MIN_TOKENS_ENV: bad})
 
 
 # ---- the model: CP ranks vs one process ----------------------------------------------------

@@ -200,15 +200,15 @@ def with_context_parallel(
     ``md`` unchanged otherwise.
 
     Needs the chunk lengths on the host: one small device-to-host copy, made only when the step
-    has at least ``min_tokens`` tokens at all (never in a decode step, never under graph capture).
+    has at least ``min_tokens`` tokens at all (so not in ordinary decode steps) and never under
+    graph capture.
     """
     if cp_size <= 1 or inputs.num_tokens < min_tokens:
         return md
     dev = md.positions.device
     if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return md
-    lengths = inputs.req["len"].tolist()
-    slots = inputs.req["slot"].tolist()
+    lengths, slots = torch.stack([inputs.req["len"], inputs.req["slot"]]).tolist()
     split = [n >= min_tokens and s != md.num_slots for n, s in zip(lengths, slots, strict=True)]
     if not any(split):
         return md
