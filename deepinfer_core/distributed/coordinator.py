@@ -25,6 +25,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,8 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("deepinfer.distributed")
 
-ERROR_KEY = "deepinfer/error/"  # + rank: a rank's last words, left in the rendezvous store
-STEP_KEY = "deepinfer/step/"  # + rank: the last step message the rank handled
+# keys in the rendezvous store, under deepinfer/<run id>/ (a torchrun store outlives one run):
+ERROR_KEY = "error/"  # + rank: a rank's last words
+STEP_KEY = "step/"  # + rank: the last step message the rank handled
 FAULT_ENV = "DEEPINFER_TEST_WORKER_EXIT_AT_STEP"
 """Test-only fault injector: ``RANK:STEP`` makes that worker exit (status 17, no goodbye) on
 receiving its STEP-th step message, as a crashed or killed worker would; ``RANK:STEP:hang``
@@ -142,14 +144,19 @@ def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
     return out
 
 
-def report_error(parallel: ParallelState | None, text: str) -> None:
+def store_key(run_id: str, what: str, rank: int) -> str:
+    """The rendezvous-store key of ``what`` (:data:`ERROR_KEY`, :data:`STEP_KEY`) of ``rank``."""
+    return f"deepinfer/{run_id}/{what}{rank}"
+
+
+def report_error(parallel: ParallelState | None, text: str, run_id: str) -> None:
     """Leave ``text`` in the rendezvous store for rank 0 (best effort): the cause it names
     when a collective with this rank fails."""
     store = default_store()
     if store is None or parallel is None:
         return
     with contextlib.suppress(Exception):
-        store.set(f"{ERROR_KEY}{parallel.rank}", text[-2000:])
+        store.set(store_key(run_id, ERROR_KEY, parallel.rank), text[-2000:])
 
 
 # ---- worker side --------------------------------------------------------------------------------
@@ -159,8 +166,9 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
     parallel = init_parallel(config, env)
     fault_at, hang = _fault_step(parallel.rank) or (None, False)
     store = default_store()
+    run_id = ""
     try:
-        config_json = broadcast(None, parallel)
+        config_json, run_id = broadcast(None, parallel)
         from deepinfer_core.config import EngineConfig
 
         config = EngineConfig(**json.loads(config_json))
@@ -195,10 +203,10 @@ def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | N
                 continue
             reply = handle_message(engine, parallel, msg)
             if store is not None:  # progress for rank 0's diagnosis of a collective that times out
-                store.set(f"{STEP_KEY}{parallel.rank}", str(steps))
+                store.set(store_key(run_id, STEP_KEY, parallel.rank), str(steps))
             gather(reply, parallel)
     except BaseException as e:
-        report_error(parallel, f"{type(e).__name__}: {e}")
+        report_error(parallel, f"{type(e).__name__}: {e}", run_id)
         raise
     finally:
         destroy_parallel()
@@ -243,8 +251,10 @@ class Coordinator:
         logs: dict[int, str],
         log_dir: str,
         capacities: list[int],
+        run_id: str = "",
     ):
         self.engine = engine
+        self.run_id = run_id  # names this run's keys in the rendezvous store
         self.parallel = parallel
         self.procs = procs
         self.logs = logs
@@ -318,7 +328,8 @@ class Coordinator:
         logs: dict[int, str],
         log_dir: str,
     ) -> Coordinator:
-        broadcast(config.model_dump_json(), parallel)
+        run_id = uuid.uuid4().hex[:12]
+        broadcast((config.model_dump_json(), run_id), parallel)
         engine, own_error = None, None
         try:
             engine = build_engine(config, parallel)
@@ -330,7 +341,7 @@ class Coordinator:
         try:
             hellos = gather(hello, parallel)
         except Exception as e:
-            raise _diagnose(e, procs, logs, parallel, "while the engines started") from None
+            raise _diagnose(e, procs, logs, parallel, "while the engines started", run_id) from None
         assert hellos is not None
         for h in hellos[1:]:
             if h.get("log"):
@@ -347,7 +358,7 @@ class Coordinator:
                 f"(log: {logs.get(h['rank'], '?')})"
             )
         assert engine is not None
-        return cls(engine, parallel, procs, logs, log_dir, [h["capacity"] for h in hellos])
+        return cls(engine, parallel, procs, logs, log_dir, [h["capacity"] for h in hellos], run_id)
 
     # ---- the engine interface ------------------------------------------------------------------
     def add_request(
@@ -407,9 +418,8 @@ class Coordinator:
             replies = gather(reply, self.parallel)
             done = True
         except Exception as e:
-            diagnosis = _diagnose(
-                e, self.procs, self.logs, self.parallel, f"in step {self._rounds}", self._rounds
-            )
+            when = f"in step {self._rounds}"
+            diagnosis = _diagnose(e, self.procs, self.logs, self.parallel, when, self.run_id, self._rounds)
             raise self._fail(diagnosis) from None
         finally:
             if not done and self._broken is None:  # interrupted mid-protocol (KeyboardInterrupt)
@@ -588,6 +598,7 @@ def _diagnose(
     logs: dict[int, str],
     parallel: ParallelState | None,
     when: str,
+    run_id: str = "",
     round_no: int | None = None,
 ) -> DistributedError:
     """The one error of a failed collective: a worker that exited (waiting up to a few seconds
@@ -607,7 +618,7 @@ def _diagnose(
     store = default_store()
     if store is not None and parallel is not None:
         for rank in range(1, parallel.world_size):
-            key = f"{ERROR_KEY}{rank}"
+            key = store_key(run_id, ERROR_KEY, rank)
             try:
                 if store.check([key]):
                     text = store.get(key).decode(errors="replace")
@@ -617,7 +628,7 @@ def _diagnose(
     what = "timed out (distributed_timeout_s)" if timeout else "failed"
     if store is not None and parallel is not None and round_no:
         for rank in range(1, parallel.world_size):
-            key = f"{STEP_KEY}{rank}"
+            key = store_key(run_id, STEP_KEY, rank)
             try:
                 last = int(store.get(key)) if store.check([key]) else 0
             except Exception:
