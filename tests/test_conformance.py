@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer_core.backends import BackendSpec
-from deepinfer_core.errors import BackendError
+from deepinfer_core.errors import BackendError, OpNotSupportedError
 from deepinfer_core.ops import OpImpl, OpSpec, all_ops, get_op, registry
 from deepinfer_core.ops._cases import randn
 from deepinfer_core.testing import check_backend, conformance_cases
@@ -322,7 +322,44 @@ def test_a_kernel_may_leave_quantised_weights_to_the_reference_through_supports(
     report = check_backend(spec)
     assert report.passed, report.summary()
     skipped = {(r.op, r.index) for r in report.results if r.status == "skipped"}
-    assert skipped == {("linear", 1), ("linear", 2), ("moe_experts", 1), ("moe_experts", 2)}
+    # moe_experts case 1 gives `shared`, which this (older-style) predicate does not take
+    assert skipped == {
+        ("linear", 1),
+        ("linear", 2),
+        ("moe_experts", 1),
+        ("moe_experts", 2),
+        ("moe_experts", 3),
+    }
+
+
+def test_an_implementation_predating_an_optional_argument_gets_the_reference_for_it(caplog):
+    """A backend op written before the contract gained an optional argument (``moe_experts``'s
+    ``shared``): calls giving it run on the reference (logged once), others on the backend."""
+    from deepinfer_core.ops import OpTable
+
+    calls = []
+    ref = get_op("moe_experts").reference
+
+    def old_kernel(x, ids, weights, gate_up, down, limit):
+        calls.append(x.shape[0])
+        return ref(x, ids, weights, gate_up, down, limit)
+
+    table = OpTable({"moe_experts": OpImpl(old_kernel)}, backend="old")
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(3, 16, generator=g), torch.tensor([[0, 1], [1, 2], [3, 0]])
+    w = torch.rand(3, 2, generator=g)
+    gu, dn = torch.randn(4, 16, 16, generator=g) * 0.3, torch.randn(4, 16, 8, generator=g) * 0.3
+    shared = torch.randn(3, 16, generator=g)
+    with caplog.at_level("WARNING", logger="deepinfer.ops"):
+        fused = table.moe_experts(x, ids, w, gu, dn, 10.0, shared=shared)
+        plain = table.moe_experts(x, ids, w, gu, dn, 10.0, shared=None)
+    assert calls == [3]  # the call with `shared` went to the reference
+    assert torch.equal(fused, ref(x, ids, w, gu, dn, 10.0) + shared)
+    assert torch.equal(plain, ref(x, ids, w, gu, dn, 10.0))
+    assert "takes no ['shared']" in caplog.text
+    table.strict = True  # strict_ops: no reference for it
+    with pytest.raises(OpNotSupportedError, match="takes no"):
+        table.moe_experts(x, ids, w, gu, dn, 10.0, shared=shared)
 
 
 def test_quantised_weights_reach_the_backend_as_copies():

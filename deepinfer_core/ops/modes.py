@@ -161,7 +161,7 @@ def row_padded(pad_values: Mapping[str, float]) -> Callable[[Callable[..., Any]]
             # contiguous too: a strided view (a split of a fused projection) takes other
             # (per-row scalar) loops than the padded copy would
             for name, value in pad_values.items():
-                a = bound.arguments[name]
+                a = bound.arguments.get(name)  # an optional argument left out: not padded
                 if isinstance(a, list | tuple):
                     bound.arguments[name] = [pad_rows(_explicit(i), rows, value).contiguous() for i in a]
                 elif a is not None:

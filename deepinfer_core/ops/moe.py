@@ -91,6 +91,18 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
             ),
             {},
         ),
+        # the shared expert's output added (fused into the combine by kernels)
+        (
+            (
+                randn(g, 5, d, dtype=dtype),
+                ids,
+                randn(g, 5, 2).abs(),
+                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
+                randn(g, e, d, i, dtype=dtype, scale=0.3),
+                10.0,
+            ),
+            {"shared": randn(g, 5, d, dtype=dtype)},
+        ),
         # FP4 e2m1 experts, one scale per 32 inputs (keep_quantized): every path's dequantisation
         # (the dense one for few tokens x experts; grouped / per-expert tiles otherwise)
         (
@@ -119,7 +131,7 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
 
 
 @define_op("moe_experts", "moe", batch_invariant=True, sample_cases=_experts_cases)
-@row_padded({"x": 0.0, "ids": 0, "weights": 0.0})
+@row_padded({"x": 0.0, "ids": 0, "weights": 0.0, "shared": 0.0})
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -127,6 +139,7 @@ def moe_experts(
     gate_up: torch.Tensor | QuantizedTensor,
     down: torch.Tensor | QuantizedTensor,
     limit: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts: ``sum_j weights[t,j] * down_e(silu(min(g,L)) * clamp(u,-L,L))``.
 
@@ -137,6 +150,9 @@ def moe_experts(
             :class:`~deepinfer_core.weights.quant.QuantizedTensor` of that logical shape
             (``fmt="fp4"``: packed e2m1 bytes ``[E, out, in/2]``, one scale per 32 inputs).
         limit: SwiGLU clamp (gate clamped above, up clamped both sides).
+        shared: optional ``[T, D]`` in x's dtype added to the result (the shared expert's
+            output): ``routed + shared``, the routed sum rounded to x's dtype first, so a
+            kernel fusing the add into its combine gives the reference's bits for it.
 
     Returns:
         ``[T, D]`` in x's dtype.  Quantised experts count as their dequantised values
@@ -149,6 +165,14 @@ def moe_experts(
     No host sync on any path (capturable in a CUDA graph): the path is chosen from shapes,
     dtypes and the device, and the per-expert groups are found on the device.
     """
+    routed = _routed_experts(x, ids, weights, gate_up, down, limit)
+    return routed if shared is None else routed + shared
+
+
+def _routed_experts(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Experts, down: Experts, limit: float
+) -> torch.Tensor:
+    """The routed sum of :func:`moe_experts` (its path chosen from shapes, dtypes, device)."""
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
     quantized = isinstance(gate_up, QuantizedTensor) or isinstance(down, QuantizedTensor)
     if batch_invariant_enabled():

@@ -21,6 +21,7 @@ another plugin's extension ops, so their absence is neither logged nor refused b
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -136,3 +137,21 @@ def get_op(name: str) -> OpSpec:
     if name not in ops:
         raise KeyError(f"unknown op {name!r}; known ops: {', '.join(sorted(ops))}")
     return ops[name]
+
+
+def unaccepted_params(fn: Callable[..., Any] | None, reference: Callable[..., Any]) -> frozenset[str]:
+    """The reference's optional parameters that ``fn`` cannot take (no such parameter and no
+    ``**kwargs``): an implementation written before an op gained an optional argument.  Calls
+    that give such an argument (not ``None``) run on the reference; ``None`` ones are dropped."""
+    if fn is None:
+        return frozenset()
+    try:
+        params = inspect.signature(fn).parameters
+        ref = inspect.signature(reference).parameters
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: assume it takes all
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return frozenset()
+    return frozenset(
+        name for name, p in ref.items() if p.default is not inspect.Parameter.empty and name not in params
+    )

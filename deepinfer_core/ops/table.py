@@ -15,7 +15,7 @@ from typing import Any
 
 from deepinfer_core.errors import OpNotSupportedError
 
-from .registry import OpImpl, all_ops, is_extension
+from .registry import OpImpl, all_ops, is_extension, unaccepted_params
 
 logger = logging.getLogger("deepinfer.ops")
 
@@ -41,7 +41,7 @@ class OpTable:
         self.strict = strict
         self.sources: dict[str, str] = {}  # op name -> "backend" | "reference" | "backend+fallback"
         self._fns: dict[str, Callable[..., Any]] = {}
-        self._logged: set[str] = set()
+        self._logged: set[Any] = set()
         missing = [name for name in specs if name not in impls and not is_extension(name)]
         if missing and backend != "reference":
             if strict:
@@ -63,6 +63,12 @@ class OpTable:
             else:
                 self._fns[name] = self._guarded(name, impl, spec.reference)
                 self.sources[name] = "backend+fallback"
+            if impl is not None:
+                older = unaccepted_params(impl.fn, spec.reference) | unaccepted_params(
+                    impl.supports, spec.reference
+                )
+                if older:
+                    self._fns[name] = self._compatible(name, self._fns[name], older, spec.reference)
         # plain instance attributes: the per-op call on the hot path is one dict lookup
         self.__dict__.update(self._fns)
 
@@ -86,6 +92,36 @@ class OpTable:
                     "op %r: backend %r rejects a case (%s); using the reference", name, self.backend, reason
                 )
             return reference(*args, **kwargs)
+
+        call.__name__ = name
+        call.__doc__ = reference.__doc__
+        return call
+
+    def _compatible(
+        self, name: str, fn: Callable[..., Any], older: frozenset[str], reference: Callable[..., Any]
+    ) -> Callable[..., Any]:
+        """``fn`` for an implementation that lacks the op's optional parameters ``older``: calls
+        that give one of them run on the reference (logged once), ``None`` ones are dropped."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            given = sorted(k for k in older if kwargs.get(k) is not None)
+            if given:
+                if self.strict:
+                    raise OpNotSupportedError(
+                        f"backend {self.backend!r}'s op {name!r} takes no {given} (optional arguments added "
+                        "to the op contract) and strict_ops=True forbids the reference; update the backend"
+                    )
+                if (name, "compat") not in self._logged:
+                    self._logged.add((name, "compat"))
+                    logger.warning(
+                        "op %r: backend %r takes no %s (optional arguments of the op contract it predates); "
+                        "such calls use the reference",
+                        name,
+                        self.backend,
+                        given,
+                    )
+                return reference(*args, **kwargs)
+            return fn(*args, **{k: v for k, v in kwargs.items() if k not in older})
 
         call.__name__ = name
         call.__doc__ = reference.__doc__

@@ -81,11 +81,11 @@ class MoE:
         if self.expert_load is not None and self.layer < self.expert_load.shape[0]:
             flat = ids.reshape(-1)
             self.expert_load[self.layer].index_add_(0, flat, torch.ones_like(flat))
+        shared = ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
         if self.placement is not None:
-            routed = self._expert_parallel(x, ids, weights, ops)
-        else:
-            routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
-        return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
+            return self._expert_parallel(x, ids, weights, ops) + shared
+        # the shared expert's output joins the routed sum in the op (a kernel fuses the add)
+        return ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit, shared=shared)
 
     def _expert_parallel(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops: OpTable

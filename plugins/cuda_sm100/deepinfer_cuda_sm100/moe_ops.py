@@ -92,7 +92,7 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
     Looks at shapes, dtypes, strides and devices only (never at values: no device sync).
     """
 
-    def moe_experts(x, ids, weights, gate_up, down, limit) -> Verdict:
+    def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> Verdict:
         for name, w in (("gate_up", gate_up), ("down", down)):
             if not isinstance(w, torch.Tensor | QuantizedTensor):
                 return f"{name} is a {type(w).__name__}, not a tensor or QuantizedTensor"
@@ -131,6 +131,15 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
             return f"{t * k} (token, slot) pairs: past the kernels' int32 pair indices"
         if isinstance(limit, bool) or not isinstance(limit, int | float) or math.isnan(limit):
             return f"limit must be a number, got {limit!r}"
+        if shared is not None:
+            if not isinstance(shared, torch.Tensor):
+                return f"shared must be a [{t}, {d}] {x.dtype} tensor, got {type(shared).__name__}"
+            if tuple(shared.shape) != (t, d) or shared.dtype != x.dtype:
+                got = f"{tuple(shared.shape)} {shared.dtype}"
+                return f"shared must be a [{t}, {d}] {x.dtype} tensor, got {got}"
+            problem = device_problem(interpreted, [("shared", shared)])
+            if problem:
+                return problem
         return True
 
     return moe_experts

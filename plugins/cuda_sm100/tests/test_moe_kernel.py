@@ -690,13 +690,20 @@ def test_kernels_compile_for_the_gpu(arch):
         {"D": 4096, "BLOCK_G": 32, "FP32_DOT": False},
         arch,
     )
-    _compile(
-        moe._combine_kernel,
-        {"y_ptr": "*bf16", "ids_ptr": "*i64", "stride_ids": "i32", "out_ptr": "*bf16", "stride_out": "i32"}
-        | {"D": "i32", "E": "i32"},
-        {"TOP_K": 6, "K_PAD": 8, "BI_ROUNDING": True, "BLOCK_D": 1024},
-        arch,
-    )
+    for shared in (False, True):  # the shared expert's output added in the combine
+        _compile(
+            moe._combine_kernel,
+            {
+                "y_ptr": "*bf16",
+                "ids_ptr": "*i64",
+                "stride_ids": "i32",
+                "out_ptr": "*bf16",
+                "stride_out": "i32",
+            }
+            | {"sh_ptr": "*bf16", "stride_sh": "i32", "D": "i32", "E": "i32"},
+            {"TOP_K": 6, "K_PAD": 8, "BI_ROUNDING": True, "SHARED": shared, "BLOCK_D": 1024},
+            arch,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -959,6 +959,8 @@ def _combine_kernel(
     y_ptr,
     ids_ptr,
     stride_ids,
+    sh_ptr,
+    stride_sh,
     out_ptr,
     stride_out,
     D,
@@ -966,10 +968,13 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     BI_ROUNDING: tl.constexpr,
+    SHARED: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """Token ``program_id(0)``: its contributions in ascending (expert, slot) order, in fp32
-    (``BI_ROUNDING``: rounded to the output dtype before each new expert's contributions)."""
+    (``BI_ROUNDING``: rounded to the output dtype before each new expert's contributions);
+    with ``SHARED`` the routed sum is rounded to the output dtype and the shared expert's row
+    added (the reference's ``routed + shared``)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = cols < D
@@ -989,6 +994,9 @@ def _combine_kernel(
         row = t * TOP_K + m % K_PAD
         acc += tl.load(y_ptr + row * D + cols, mask=d_ok & (m < done), other=0.0).to(tl.float32)
         key = tl.where(key == m, done, key)
+    if SHARED:
+        acc = round_through(acc, dtype)
+        acc += tl.load(sh_ptr + t * stride_sh + cols, mask=d_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_out + cols, cast_to(acc, dtype), mask=d_ok)
 
 
@@ -1037,13 +1045,21 @@ def sorted_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
 
 
 def moe_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down, limit: float
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up,
+    down,
+    limit: float,
+    shared: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` (the core contract) on Triton kernels: FP4 or plain expert stacks.
 
     ``x`` ``[T, D]``; ``ids`` / ``weights`` ``[T, k]``; ``gate_up`` ``[E, 2I, D]`` and ``down``
-    ``[E, D, I]``, each a tensor in ``x``'s dtype or an FP4 ``QuantizedTensor``.  Returns
-    ``[T, D]`` in ``x``'s dtype.  See the module docstring for the launches and the rounding.
+    ``[E, D, I]``, each a tensor in ``x``'s dtype or an FP4 ``QuantizedTensor``; ``shared``
+    (optional ``[T, D]``, x's dtype): the shared expert's output, added in the combine kernel.
+    Returns ``[T, D]`` in ``x``'s dtype.  See the module docstring for the launches and the
+    rounding.
     """
     from deepinfer_core.ops.modes import batch_invariant_enabled
 
@@ -1054,7 +1070,7 @@ def moe_experts(
     if t == 0:
         return out
     if top_k == 0 or num_experts == 0:
-        return out.zero_()
+        return out.zero_() if shared is None else out.copy_(shared)
     if x.stride(1) != 1:
         x = x.contiguous()
     if ids.stride(1) != 1:
@@ -1111,8 +1127,12 @@ def moe_experts(
     )  # fmt: skip
 
     bd = min(COMBINE_BLOCK_D, pow2(d))
+    if shared is not None and shared.stride(1) != 1:
+        shared = shared.contiguous()
+    sh, sh_stride = (shared, shared.stride(0)) if shared is not None else (out, 0)
     _combine_kernel[(t, cdiv(d, bd))](
-        y, ids, ids.stride(0), out, out.stride(0), d, num_experts,
-        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi, BLOCK_D=bd, num_warps=4,
+        y, ids, ids.stride(0), sh, sh_stride, out, out.stride(0), d, num_experts,
+        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi, SHARED=shared is not None, BLOCK_D=bd,
+        num_warps=4,
     )  # fmt: skip
     return out
