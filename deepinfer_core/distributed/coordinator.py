@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer_core.errors import DistributedError
 
-from .init import default_store, destroy_parallel, init_parallel
+from .init import default_store, destroy_parallel, init_parallel, listening_store
 from .state import ParallelState
 
 if TYPE_CHECKING:
@@ -160,10 +160,13 @@ def report_error(parallel: ParallelState | None, text: str, run_id: str) -> None
 
 
 # ---- worker side --------------------------------------------------------------------------------
-def run_worker(config: EngineConfig, log_path: str = "", env: dict[str, str] | None = None) -> int:
-    """A non-driver rank: join the world, build the engine from rank 0's configuration, serve
-    step messages until rank 0 shuts down.  Returns the exit status (0 on a clean shutdown)."""
-    parallel = init_parallel(config, env)
+def run_worker(
+    config: EngineConfig, log_path: str = "", env: dict[str, str] | None = None, store: Any = None
+) -> int:
+    """A non-driver rank: join the world (through ``store`` when given), build the engine from
+    rank 0's configuration, serve step messages until rank 0 shuts down.  Returns the exit
+    status (0 on a clean shutdown)."""
+    parallel = init_parallel(config, env, store)
     fault_at, hang = _fault_step(parallel.rank) or (None, False)
     store = default_store()
     run_id = ""
@@ -291,6 +294,7 @@ class Coordinator:
 
         check_parallel_config(config)
         procs: dict[int, WorkerProcess] = {}
+        store = None
         if launched_by_torchrun():
             env, log_dir = dict(os.environ), worker_mod.torchrun_log_dir()
         else:
@@ -302,13 +306,14 @@ class Coordinator:
                     "run?); call its shutdown() first, or launch with torchrun"
                 )
             log_dir = worker_mod.new_log_dir()
-            env, procs = worker_mod.spawn_workers(config, log_dir)
+            store = listening_store(config.world_size, config.distributed_timeout_s)
+            env, procs = worker_mod.spawn_workers(config, log_dir, port=store.port)
             logger.info(
                 "distributed run: %d ranks on this host, worker logs in %s", config.world_size, log_dir
             )
         logs = {k: str(Path(log_dir) / f"rank{k}.log") for k in range(1, config.world_size)}
         try:
-            parallel = _init_watching(config, env, procs, logs)
+            parallel = _init_watching(config, env, procs, logs, store)
         except BaseException:
             worker_mod.stop_workers(procs)
             raise
@@ -646,7 +651,11 @@ def _diagnose(
 
 
 def _init_watching(
-    config: EngineConfig, env: dict[str, str], procs: dict[int, WorkerProcess], logs: dict[int, str]
+    config: EngineConfig,
+    env: dict[str, str],
+    procs: dict[int, WorkerProcess],
+    logs: dict[int, str],
+    store: Any = None,
 ) -> ParallelState:
     """``init_parallel`` for rank 0, in a thread, while this one watches the workers: one that
     exits before joining ends the start with its error instead of a wait for the timeout."""
@@ -654,7 +663,7 @@ def _init_watching(
 
     def target() -> None:
         try:
-            result["state"] = init_parallel(config, env)
+            result["state"] = init_parallel(config, env, store)
         except BaseException as e:
             result["error"] = e
 

@@ -108,9 +108,13 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
         raise ConfigError(f"environment variable {name}={raw!r}: expected an integer") from None
 
 
-def init_parallel(config: EngineConfig, env: Mapping[str, str] | None = None) -> ParallelState:
+def init_parallel(
+    config: EngineConfig, env: Mapping[str, str] | None = None, store: Any = None
+) -> ParallelState:
     """Join the ``torch.distributed`` world described by ``env`` (default ``os.environ``) and
-    build this rank's :class:`ParallelState`.
+    build this rank's :class:`ParallelState`.  ``store``: rank 0's rendezvous store, already
+    listening (``LLM`` binds it to a free port before it starts the workers), instead of one
+    made from ``MASTER_ADDR`` / ``MASTER_PORT``.
 
     Every rank must call it, with the same parallel options: it creates the groups collectively
     (a gloo ``cpu_group`` when the device backend is not gloo, one CP group per DP replica in
@@ -152,13 +156,12 @@ def init_parallel(config: EngineConfig, env: Mapping[str, str] | None = None) ->
                 "down (LLM.shutdown()) or destroy its process group first"
             )
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{env['MASTER_ADDR']}:{int(env['MASTER_PORT'])}",
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
+        where: dict[str, Any] = (
+            {"store": store}
+            if store is not None
+            else {"init_method": f"tcp://{env['MASTER_ADDR']}:{int(env['MASTER_PORT'])}"}
         )
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **where)
         _OWNED = True
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     layout = ParallelState.layout(rank, dp, cp, config.enable_expert_parallel)
@@ -205,6 +208,35 @@ def destroy_parallel() -> None:
             dist.destroy_process_group()
         except Exception as e:  # a broken world (a rank died): nothing left to tear down cleanly
             logger.debug("destroy_process_group: %s", e)
+
+
+def listening_store(world_size: int, timeout_s: float) -> Any:
+    """A rendezvous store (rank 0's server) bound to a free port of this host, chosen by the OS
+    as it binds: no other process can take the port between choosing and binding it."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def client_store(env: Mapping[str, str], world_size: int, timeout_s: float) -> Any:
+    """A client of the rendezvous store at ``MASTER_ADDR:MASTER_PORT`` (a worker ``LLM``
+    started: it meets rank 0's :func:`listening_store`)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size,
+        False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def default_store() -> Any:

@@ -63,15 +63,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_workers(config: EngineConfig, log_dir: str) -> tuple[dict[str, str], dict[int, WorkerProcess]]:
-    """Start ranks ``1 .. world_size-1`` of ``config`` on this host.
+def spawn_workers(
+    config: EngineConfig, log_dir: str, port: int | None = None
+) -> tuple[dict[str, str], dict[int, WorkerProcess]]:
+    """Start ranks ``1 .. world_size-1`` of ``config`` on this host, meeting at ``port``
+    (rank 0's listening store; ``None`` = a port free now).
 
     Returns rank 0's rendezvous environment and the worker processes by rank.
     """
     world = config.world_size
     base = {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(free_port() if port is None else port),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
     }
@@ -280,9 +283,11 @@ def main() -> int:
     log_path = str(Path(os.environ.get(LOG_DIR_ENV, ".")) / f"rank{rank}.log")
     logger.info("worker of rank %d started (pid %d), log %s", rank, os.getpid(), log_path)
     from .coordinator import run_worker
+    from .init import client_store
 
     try:
-        return run_worker(config, log_path)
+        store = client_store(os.environ, config.world_size, config.distributed_timeout_s)
+        return run_worker(config, log_path, store=store)
     except BaseException as e:
         logger.error("worker failed: %s: %s", type(e).__name__, e, exc_info=True)
         return 1
