@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):  # the core, and _gpu_model beside this script
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
@@ -241,36 +242,12 @@ def flash_config_dict(layers: int, experts: int) -> dict[str, Any]:
     alternating (21 CSA + 20 HCA); the HF default pattern (V4-Pro's: 2 HCA, then HCA/CSA) moves
     one CSA layer's cost by < 3 % of a step.
     """
-    if layers == 4 or layers < 43:
-        types = [SLIDING] + [CSA if i % 2 == 0 else HCA for i in range(layers - 1)]
-    else:
-        types = [SLIDING] * 2 + [CSA if i % 2 == 0 else HCA for i in range(layers - 2)]
-    return {
-        "model_type": "deepseek_v4",
-        "vocab_size": 129280,
-        "hidden_size": 4096,
-        "moe_intermediate_size": 2048,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 1,
-        "head_dim": 512,
-        "q_lora_rank": 1024,
-        "partial_rotary_factor": 64 / 512,
-        "n_routed_experts": experts,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 6,
-        "layer_types": types,
-        "compress_rates": {CSA: 4, HCA: 128},
-        "mlp_layer_types": ["hash_moe"] * min(3, layers) + ["moe"] * max(0, layers - 3),
-        "sliding_window": 128,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "index_topk": 512,
-        "hc_mult": 4,
-        "num_nextn_predict_layers": 0,
-    }
+    from _gpu_model import flash_config  # the e2e benchmark model's config
+
+    cfg = flash_config(layers, experts)
+    if layers >= 43:  # V4-Flash's own pattern: two sliding layers first
+        cfg["layer_types"] = [SLIDING] * 2 + [CSA if i % 2 == 0 else HCA for i in range(layers - 2)]
+    return cfg
 
 
 def v4_flash() -> ModelShape:
