@@ -79,30 +79,21 @@ def moe_route(
 def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     e, d, i = 4, 16, 8
     ids = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(5)])
+
+    def plain() -> tuple:
+        return (
+            randn(g, 5, d, dtype=dtype),
+            ids,
+            randn(g, 5, 2).abs(),
+            randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
+            randn(g, e, d, i, dtype=dtype, scale=0.3),
+            10.0,
+        )
+
     return [
-        (
-            (
-                randn(g, 5, d, dtype=dtype),
-                ids,
-                randn(g, 5, 2).abs(),
-                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
-                randn(g, e, d, i, dtype=dtype, scale=0.3),
-                10.0,
-            ),
-            {},
-        ),
+        (plain(), {}),
         # the shared expert's output added (fused into the combine by kernels)
-        (
-            (
-                randn(g, 5, d, dtype=dtype),
-                ids,
-                randn(g, 5, 2).abs(),
-                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
-                randn(g, e, d, i, dtype=dtype, scale=0.3),
-                10.0,
-            ),
-            {"shared": randn(g, 5, d, dtype=dtype)},
-        ),
+        (plain(), {"shared": randn(g, 5, d, dtype=dtype)}),
         # FP4 e2m1 experts, one scale per 32 inputs (keep_quantized): every path's dequantisation
         # (the dense one for few tokens x experts; grouped / per-expert tiles otherwise)
         (
