@@ -63,6 +63,8 @@ def test_dead_worker_ends_the_run_with_one_error_naming_it(monkeypatch: pytest.M
         assert "rank 1 exited with status 17" in msg and "\n" not in msg
         log = msg.split("its log: ")[1].split(" ")[0]
         assert Path(log).name == "rank1.log" and Path(log).is_file()
+        lines = Path(log).read_text().splitlines()  # the worker's stdout, stderr and log records
+        assert lines and all(line.startswith("[rank 1] ") for line in lines)
         with pytest.raises(DistributedError, match="has ended"):  # the LLM says so from then on
             llm.generate(["hi"], use_tqdm=False)
         for proc in llm._coordinator.procs.values():
