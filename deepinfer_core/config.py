@@ -111,6 +111,10 @@ class EPLBConfig(BaseModel):
     (DeepSeek's EPLB for prefill-sized EP); ``global``: replicate and pack over all ranks at once."""
     num_nodes: int | None = None
     """Nodes of the hierarchical policy; ``None`` = from the launch (hosts of the world)."""
+    layers_per_step: int | None = None
+    """Spread a rebalancing's weight move over steps, this many changed MoE layers after each
+    step (each layer's placement published once its weights are in place); ``None`` = every
+    layer at once, between two steps."""
 
     @field_validator("window_steps", "rebalance_interval")
     @classmethod
@@ -126,7 +130,7 @@ class EPLBConfig(BaseModel):
             raise ValueError("must be >= 0")
         return value
 
-    @field_validator("num_nodes")
+    @field_validator("num_nodes", "layers_per_step")
     @classmethod
     def _nodes(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
@@ -223,6 +227,10 @@ class EngineConfig(BaseModel):
     """Ranks per data-parallel replica that share its long prefills (balanced context
     parallelism: the chunk split into ``2 * C`` zig-zag pieces); world size =
     ``data_parallel_size * context_parallel_size``."""
+    context_parallel_min_tokens: int | None = None
+    """The shortest prefill chunk a context-parallel group splits over its ranks (shorter ones
+    are computed by every rank); ``None`` = ``$DEEPINFER_CP_MIN_TOKENS`` or the default 1024
+    (:func:`deepinfer_core.distributed.context_parallel.cp_min_tokens`)."""
     distributed_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     """``torch.distributed`` backend of the device collectives; ``auto`` = ``nccl`` on CUDA,
     ``hccl`` on Ascend, ``gloo`` on CPU."""
@@ -250,6 +258,7 @@ class EngineConfig(BaseModel):
         "replay_tail",
         "data_parallel_size",
         "context_parallel_size",
+        "context_parallel_min_tokens",
     )
     @classmethod
     def _positive(cls, value: int | None) -> int | None:

@@ -10,12 +10,15 @@ slot) and replays the smallest bucket that fits, as nano-vllm and SGLang do.
 The graph mechanism itself is per device type (:func:`device_graph_factory`): CUDA graphs on
 ``cuda``; an Ascend backend adds ``npu`` (``torch_npu``'s ``NPUGraph`` has the same shape).
 :class:`EmulatedGraph` replays by re-running the captured function; it exercises the whole
-fixed-shape path (buckets, padding, trash rows) on machines without a graph runtime (tests).
+fixed-shape path (buckets, padding, trash rows) on machines without a graph runtime (tests);
+:data:`EMULATE_GRAPHS_ENV` makes :func:`device_graph_factory` hand it out for every device
+(so an engine built in another process, a distributed worker, captures emulated graphs).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -71,10 +74,16 @@ class EmulatedGraph:
 
 GraphFactory = Callable[[object | None], DeviceGraph]
 
+EMULATE_GRAPHS_ENV = "DEEPINFER_TEST_EMULATE_GRAPHS"
+"""Test-only: ``1`` makes :func:`device_graph_factory` return :class:`EmulatedGraph` on every
+device (the engine then runs the padded fixed-shape graph path without a graph runtime)."""
+
 
 def device_graph_factory(device: torch.device) -> tuple[GraphFactory | None, object | None, str]:
     """``(factory, shared memory pool, reason)`` for ``device``; factory ``None`` when the
     device type has no graph runtime here (``reason`` says why)."""
+    if os.environ.get(EMULATE_GRAPHS_ENV, "0") not in ("", "0"):
+        return EmulatedGraph, None, ""
     if device.type == "cuda":
         return CudaGraph, torch.cuda.graph_pool_handle(), ""
     return None, None, f"no device-graph runtime for device type {device.type!r}"

@@ -199,8 +199,13 @@ class LLMEngine:
         if self.config.eplb is not None and parallel is not None and parallel.expert_parallel:
             from deepinfer_core.distributed.eplb import EplbController
 
-            self.eplb = EplbController(self.config.eplb, None, self.runner.model, parallel)
+            eplb = self.config.eplb
+            self.eplb = EplbController(
+                eplb, None, self.runner.model, parallel, layers_per_step=eplb.layers_per_step
+            )
         self._capture_graphs()
+        if self.eplb is not None:  # the captures' forwards routed padding rows: not load
+            self.eplb.counts.zero_()
         self.model_config = self.runner.model_config
         self.tokenizer, self._tokenizer_error = self._load_tokenizer(tokenizer_dir)
         eos = list(self.model_config.eos_token_ids)
@@ -290,9 +295,6 @@ class LLMEngine:
             return
         if not self.backend.supports_graph_capture:
             logger.info("device graphs off: backend %r does not support graph capture", self.backend.name)
-            return
-        if self.parallel is not None and self.parallel.expert_parallel:  # moe_dispatch syncs on counts
-            logger.info("device graphs off: expert parallelism's dispatch exchanges its counts on the host")
             return
         t0 = time.perf_counter()
         reason = self.runner.capture_graphs()

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.cache_spec import HybridCache, PagedSpec, PageStateSpec, spec_bytes
 from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.expert_parallel import fixed_dispatch_rows
 from deepinfer_core.ops.modes import batch_invariant_mode
 
 from .batch import SeqChunk
@@ -112,6 +114,8 @@ class ModelRunner:
             )
         self.model = family.build_model(cfg, weights, ops, **dist_kw)
         del weights
+        if config.context_parallel_min_tokens is not None:  # else the model's default (environment)
+            self.model.cp_min_tokens = config.context_parallel_min_tokens
         total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
         logger.info(
             "weights: %s on %s, %s of it quantised (%s)",
@@ -161,6 +165,12 @@ class ModelRunner:
             self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
         self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
+        # expert parallelism: decode graphs run the fixed-shape dispatch, their bucket agreed per step
+        self._ep_graphs = parallel is not None and parallel.expert_parallel
+        self.ep_graph_stats = {"replayed": 0, "padded_to_peer": 0, "dummy": 0, "eager": 0}
+        """Expert parallelism with graphs: steps whose agreed bucket was replayed (``replayed``;
+        ``padded_to_peer`` of them to a larger bucket than this rank needed, ``dummy`` of them
+        on padding rows only) and steps agreed to run eagerly (``eager``)."""
         logger.info(
             "KV cache (%s): %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq "
             "state)",
@@ -221,6 +231,8 @@ class ModelRunner:
             self.inputs.prepare(chunks, rows, None, t, verify + 1, self.max_model_len)
             return self.verify_graphs[verify].replay()[: sum(c.num_logit_rows for c in chunks)]
         bucket = self._graph_bucket(chunks)
+        if self._ep_graphs and self.graphs:  # every EP rank replays the same bucket, or none does
+            bucket = self._agree_bucket(bucket)
         if bucket is not None:
             if prev_tokens is not None:
                 self.prev_buf[: prev_tokens.shape[0]].copy_(prev_tokens)
@@ -274,9 +286,39 @@ class ModelRunner:
         """One forward of a single padding row on the trash slot (no request's cache is
         touched, the logits are dropped): the step of an expert-parallel rank with nothing
         scheduled, so that every rank runs the same number of forwards and the MoE's
-        dispatch / combine collectives line up."""
+        dispatch / combine collectives line up.  With decode graphs under expert parallelism
+        it takes part in the step's bucket agreement (:meth:`_agree_bucket`) and replays the
+        agreed bucket's graph on padding rows when the others replay one."""
+        if self._ep_graphs and self.graphs:
+            bucket = self._agree_bucket(min(self.graphs))
+            if bucket is not None:
+                self.inputs.prepare(
+                    [], list(range(bucket)), self.prev_buf, bucket, bucket + 1, self.max_model_len
+                )
+                self.graphs[bucket].replay()
+                self.ep_graph_stats["dummy"] += 1
+                return
         inputs = self.inputs.prepare([], [0], None, 1, 1)
         self._forward(inputs)
+
+    def _agree_bucket(self, want: int | None) -> int | None:
+        """The decode-graph bucket every expert-parallel rank replays this step: the largest
+        bucket any rank needs (``want``: this rank's, ``None`` = its step must run eagerly), or
+        ``None`` when some rank runs eagerly (then every rank runs eagerly, with the dynamic
+        dispatch).  One all-reduce MAX of one integer over the gloo ``cpu_group``: the graphs'
+        fixed-shape dispatch needs the same capacity (``bucket * k`` rows) on every rank."""
+        assert self.parallel is not None
+        eager = max(self.graphs) + 1
+        t = torch.tensor([eager if want is None else want], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.parallel.cpu_group)
+        agreed = int(t.item())
+        if agreed == eager:
+            self.ep_graph_stats["eager"] += 1
+            return None
+        self.ep_graph_stats["replayed"] += 1
+        if want is not None and agreed > want:
+            self.ep_graph_stats["padded_to_peer"] += 1
+        return agreed
 
     def time_step(self, batch: int, tokens_per_request: int, repeats: int = 5) -> float:
         """Seconds of one step of ``batch`` requests x ``tokens_per_request`` tokens, every
@@ -331,24 +373,45 @@ class ModelRunner:
         verify: dict[int, DeviceGraph] = {}
         t = 1 + self.num_spec_tokens  # tokens per request of a verify step
         plans = [(b, 1, graphs) for b in buckets]
-        if self.num_spec_tokens:
+        # verify graphs under expert parallelism: not captured (their steps run eagerly, agreed)
+        if self.num_spec_tokens and not self._ep_graphs:
             plans += [(b, t, verify) for b in buckets if b * t <= self.inputs.max_tokens]
-        try:
-            # largest first: the others reuse its pool
-            for b, tokens, into in sorted(plans, key=lambda p: -p[0] * p[1]):
-                n = b * tokens
-                prev = self.prev_buf if tokens == 1 else None
-                inputs = self.inputs.prepare([], list(range(n)), prev, n, b + 1, self.max_model_len)
+        # largest first: the others reuse its pool
+        for b, tokens, into in sorted(plans, key=lambda p: -p[0] * p[1]):
+            n = b * tokens
+            prev = self.prev_buf if tokens == 1 else None
+            inputs = self.inputs.prepare([], list(range(n)), prev, n, b + 1, self.max_model_len)
 
-                def step(inputs: StepInputs = inputs) -> torch.Tensor:
+            # under expert parallelism: the fixed-shape dispatch, n rows a rank (every rank
+            # replays the same bucket, _agree_bucket), so nothing reads a count on the host
+            rows = n if self._ep_graphs else None
+
+            def step(inputs: StepInputs = inputs, rows: int | None = rows) -> torch.Tensor:
+                with fixed_dispatch_rows(rows):
                     return self._forward(inputs)
 
+            error = None
+            try:
                 into[b] = self._capture(factory, pool, step)
-        except Exception as e:  # an op that cannot be captured: run eagerly, and say so
-            what = "decode" if tokens == 1 else f"{tokens}-token verify"
-            return f"capturing the batch-{b} {what} graph failed ({type(e).__name__}: {e})"
+            except Exception as e:  # an op that cannot be captured: run eagerly, and say so
+                error = f"{type(e).__name__}: {e}"
+            if self._ep_graphs:  # every EP rank keeps its graphs, or none does (their collectives)
+                error = self._agree_captured(error)
+            if error is not None:
+                what = "decode" if tokens == 1 else f"{tokens}-token verify"
+                return f"capturing the batch-{b} {what} graph failed ({error})"
         self.graphs, self.verify_graphs = graphs, verify
         return None
+
+    def _agree_captured(self, error: str | None) -> str | None:
+        """Under expert parallelism, after each graph's capture: ``error``, or when this rank
+        captured but another did not, a text saying so (an all-reduce MIN over ``cpu_group``)."""
+        assert self.parallel is not None
+        t = torch.tensor([0 if error is not None else 1], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.cpu_group)
+        if error is None and not t.item():
+            return "another expert-parallel rank failed to capture it; every rank runs eagerly"
+        return error
 
     def _capture(
         self, factory: GraphFactory, pool: object | None, step: Callable[[], torch.Tensor]

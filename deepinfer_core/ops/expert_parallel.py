@@ -25,10 +25,18 @@ then zero rows), the split sizes are static and nothing reads a device value on 
 caller chooses one ``capacity`` for every rank of the group, at least every rank's ``T * k``
 (e.g. ``max_num_batched_tokens * k``).  The dynamic exchange (``capacity``
 ``None``) first exchanges the per-rank counts and reads them on the host (a sync).
+
+**Fixed-shape steps.**  A model runner that replays a device graph of ``rows`` rows on every
+rank of the group (a decode graph of one batch bucket) runs the forward inside
+:func:`fixed_dispatch_rows` ``(rows)``; an MoE block reads :func:`dispatch_rows` and then asks
+for ``capacity = rows * k`` (a rank sends at most ``T * k <= rows * k`` pairs to one rank).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,6 +50,25 @@ from .registry import define_op
 
 FP8_DISPATCH_BLOCK = (1, 128)
 """FP8 dispatch quantisation: each row in groups of 128 channels, one fp32 scale a group."""
+
+_FIXED_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("fixed_dispatch_rows", default=None)
+
+
+@contextlib.contextmanager
+def fixed_dispatch_rows(rows: int | None) -> Iterator[None]:
+    """Within the block, expert-parallel MoE blocks use the fixed-shape (capturable) exchange
+    sized for ``rows`` token rows a rank (``None``: the dynamic exchange).  Every rank of the
+    group must run the same forward under the same ``rows``, at least its own row count."""
+    token = _FIXED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _FIXED_ROWS.reset(token)
+
+
+def dispatch_rows() -> int | None:
+    """The ``rows`` of the enclosing :func:`fixed_dispatch_rows`, or ``None`` (dynamic exchange)."""
+    return _FIXED_ROWS.get()
 
 
 class DispatchHandle:

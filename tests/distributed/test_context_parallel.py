@@ -266,8 +266,13 @@ ENGINE_PROMPTS += [
 ENGINE_PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
 
 
-def _generate(model_dir: Path, bi: bool, **options: Any) -> tuple[list[Any], int]:
-    """Greedy outputs of ``ENGINE_PROMPTS``, and how many steps rank 0 split over its CP group."""
+def _generate(
+    model_dir: Path, bi: bool, min_tokens: int | None = None, **options: Any
+) -> tuple[list[Any], int]:
+    """Greedy outputs of ``ENGINE_PROMPTS``, and how many steps rank 0 split over its CP group
+    (``min_tokens``: the ``context_parallel_min_tokens`` option; ``None`` = the environment's)."""
+    if min_tokens is not None:
+        options["context_parallel_min_tokens"] = min_tokens
     with LLM(
         model=str(model_dir),
         backend="reference",
@@ -277,7 +282,7 @@ def _generate(model_dir: Path, bi: bool, **options: Any) -> tuple[list[Any], int
         **options,
     ) as llm:
         model = llm.engine.runner.model
-        assert model.cp_min_tokens == CP_MIN
+        assert model.cp_min_tokens == (CP_MIN if min_tokens is None else min_tokens)
         split = [0]
         forward = model.forward
 
@@ -319,3 +324,20 @@ def test_llm_with_context_parallelism_matches_one_process(
             for tok in b:
                 x, y = float(getattr(a[tok], "logprob", a[tok])), float(getattr(b[tok], "logprob", b[tok]))
                 assert x == y if bi else abs(x - y) <= 1e-5, f"prompt {i} step {step} token {tok}: {x} vs {y}"
+
+
+def test_context_parallel_min_tokens_option(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EngineConfig.context_parallel_min_tokens`` sets every rank's ``model.cp_min_tokens``
+    over the environment's: at ``CP_MIN`` rank 0 splits chunks and the greedy outputs equal one
+    process's bitwise (``batch_invariant``); at 10**6 (the environment saying ``CP_MIN``) none
+    is split."""
+    monkeypatch.delenv(CP_MIN_TOKENS_ENV, raising=False)
+    want, _ = _generate(tiny_dir, True, min_tokens=CP_MIN)
+    got, split = _generate(tiny_dir, True, min_tokens=CP_MIN, context_parallel_size=2)
+    assert split > 0
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g.token_ids, g.logprobs) == (w.token_ids, w.logprobs), f"prompt {i}"
+    monkeypatch.setenv(CP_MIN_TOKENS_ENV, str(CP_MIN))  # the workers inherit it; the option wins
+    got, split = _generate(tiny_dir, True, min_tokens=10**6, context_parallel_size=2)
+    assert split == 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

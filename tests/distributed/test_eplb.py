@@ -567,6 +567,40 @@ def test_engine_eplb_outputs_equal_single_process(world: int, policy: str, nodes
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
 
 
+@pytest.mark.slow
+def test_engine_eplb_layers_per_step_outputs_equal_single_process() -> None:
+    """``eplb.layers_per_step=1`` reaches the controller: each rebalancing's move is spread over
+    the following steps (one layer a step), and the greedy tokens and logprobs stay bitwise a
+    single process's (``batch_invariant=True``)."""
+    params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
+    with LLM(backend="reference", batch_invariant=True) as llm:
+        want = llm.generate(ENGINE_PROMPTS, params)
+    eplb = {"rebalance_interval": 2, "window_steps": 2, "num_redundant_experts": 2, "layers_per_step": 1}
+    with LLM(
+        backend="reference",
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        batch_invariant=True,
+        eplb=eplb,
+    ) as llm:
+        ctl = llm.engine.eplb
+        assert ctl is not None and ctl.layers_per_step == 1
+        moving: list[bool] = []
+        step = ctl.step
+
+        def recording_step() -> bool:
+            changed = step()
+            moving.append(ctl.moving)
+            return changed
+
+        ctl.step = recording_step  # type: ignore[method-assign]
+        got = llm.generate(ENGINE_PROMPTS, params)
+        assert ctl.rebalances >= 1 and any(moving), (ctl.rebalances, moving)
+    for a, b in zip(want, got, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_infer_num_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert infer_num_nodes(8) == 1

@@ -3,7 +3,10 @@
 With expert parallelism (``parallel.expert_parallel``) the block holds only its rank's routed
 experts (the physical slots of :class:`~deepinfer_core.distributed.placement.ExpertPlacement`,
 stacked ``[S, 2I, D]`` / ``[S, D, I]``); routed pairs go to their experts' ranks and back through
-the ``moe_dispatch`` / ``moe_combine`` ops.  The shared expert runs locally.
+the ``moe_dispatch`` / ``moe_combine`` ops.  The shared expert runs locally.  Inside
+:func:`~deepinfer_core.ops.expert_parallel.fixed_dispatch_rows` ``(rows)`` (a decode graph of
+``rows`` rows on every rank) the dispatch is the fixed-shape one with ``capacity = rows * k``
+(no host sync: capturable); otherwise it is the dynamic one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.expert_parallel import dispatch_rows
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV4Config
@@ -96,8 +100,10 @@ class MoE:
         assert parallel is not None and placement is not None
         group = parallel.ep_group if parallel.ep_group is not None else parallel.device_group
         slots = placement.physical(self.layer, ids, salt=parallel.ep_rank)
+        rows = dispatch_rows()  # a fixed-shape step: every rank sends rows * k rows to every rank
+        capacity = None if rows is None else rows * ids.shape[1]
         recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(
-            x, slots, weights, placement.slots_per_rank, group, fp8=self.fp8_dispatch
+            x, slots, weights, placement.slots_per_rank, group, fp8=self.fp8_dispatch, capacity=capacity
         )
         y = ops.moe_experts(
             recv_x, recv_ids[:, None], recv_w[:, None], self.gate_up, self.down, self.cfg.swiglu_limit
