@@ -145,7 +145,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
             )
         ]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
-    llm.engine.metrics.reset()
+    llm.reset_metrics()  # every rank's, in a distributed run
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - t0

@@ -156,6 +156,14 @@ class LLM:
             metrics["speculative"] = self.engine.spec.metrics.as_dict()
         return metrics
 
+    def reset_metrics(self) -> None:
+        """Zero the totals :meth:`get_metrics` reports (e.g. after a warm-up): this engine's,
+        or in a distributed run every rank's (one message round, no step)."""
+        if self._coordinator is not None:
+            self._coordinator.reset_metrics()
+        else:
+            self.engine.reset_metrics()
+
     def abort(self, request_ids: str | Iterable[str] | None = None) -> None:
         """Abort requests of the running :meth:`generate` / :meth:`chat` call.
 

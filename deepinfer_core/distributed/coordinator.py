@@ -76,6 +76,7 @@ class StepMessage:
     adds: list[tuple[int, AddRequest]] = field(default_factory=list)  # (replica, request)
     aborts: list[str] = field(default_factory=list)
     abort_all: str | None = None  # finish every request with this reason instead of stepping
+    reset_metrics: bool = False  # zero every rank's metrics instead of stepping
     shutdown: bool = False
 
 
@@ -93,6 +94,9 @@ def handle_message(engine: LLMEngine, parallel: ParallelState, msg: StepMessage)
     try:
         if msg.abort_all is not None:
             outputs = engine.abort_all(msg.abort_all)
+        elif msg.reset_metrics:
+            engine.reset_metrics()
+            outputs = []
         else:
             if msg.aborts:
                 engine.abort_request(msg.aborts)
@@ -411,6 +415,12 @@ class Coordinator:
         self._outstanding = [0] * self._dp
         self._owner.clear()
         return outputs
+
+    def reset_metrics(self) -> None:
+        """Zero every rank's metrics (:meth:`LLMEngine.reset_metrics`; no step runs, requests
+        not yet sent stay pending)."""
+        self._check_usable()
+        self._round(StepMessage(reset_metrics=True))
 
     def _round(self, msg: StepMessage) -> list[RequestOutput]:
         """Broadcast ``msg``, handle it here, gather the replies; raise the first error."""

@@ -606,6 +606,13 @@ class LLMEngine:
             )
         return None
 
+    def reset_metrics(self) -> None:
+        """Zero the engine totals (:attr:`metrics`) and speculative decoding's, e.g. after a
+        warm-up; the running requests and the caches stay."""
+        self.metrics.reset()
+        if self.spec is not None:
+            self.spec.metrics.reset()
+
     def has_unfinished(self) -> bool:
         """Whether any request is still queued, running, in flight, or finished but not returned."""
         return bool(self._errored) or self._inflight is not None or self.scheduler.has_unfinished()

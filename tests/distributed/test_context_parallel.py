@@ -27,6 +27,7 @@ from deepinfer_core.distributed.context_parallel import (
 from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
@@ -341,3 +342,17 @@ def test_context_parallel_min_tokens_option(tiny_dir: Path, monkeypatch: pytest.
     got, split = _generate(tiny_dir, True, min_tokens=10**6, context_parallel_size=2)
     assert split == 0
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_v41_refuses_context_parallelism(tiny_dir: Path) -> None:
+    """DeepSeek-V4.1's family refuses ``context_parallel_size > 1`` with one line, in the
+    loader and in ``build_model``, as it refuses expert parallelism."""
+    from deepinfer_core.models.deepseek_v41.family import build_model, load_weights
+
+    cp2 = ParallelState(rank=1, world_size=2, cp_rank=1, cp_size=2)
+    message = r"'deepseek_v41': context_parallel_size=2 is not implemented yet"
+    with pytest.raises(ConfigError, match=message) as err:
+        load_weights(tiny_dir, None, torch.float32, torch.device("cpu"), (), parallel=cp2)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=message):
+        build_model(None, {}, None, parallel=cp2)  # type: ignore[arg-type]

@@ -120,3 +120,26 @@ def test_abort_reaches_the_replica_holding_the_request() -> None:
         assert llm.kv_cache_capacity_tokens == 2 * llm.engine.runner.capacity_tokens
         with pytest.raises(DistributedError, match="already initialized in this process"):
             LLM(**OPTIONS, data_parallel_size=2)  # one run at a time in a process
+
+
+def test_reset_metrics_zeroes_every_rank() -> None:
+    """``LLM.reset_metrics()`` on DP 2 zeroes every rank's totals (no step runs); the totals of
+    the next ``generate`` then equal a single process's for that call alone."""
+    warm, prompts = PROMPTS[:4], PROMPTS[4:10]
+    with LLM(**OPTIONS) as llm:
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        want = llm.get_metrics()
+    with LLM(**OPTIONS, data_parallel_size=2) as llm:
+        llm.generate(warm, GREEDY, use_tqdm=False)
+        assert all(m["num_generated_tokens"] > 0 for m in llm.get_metrics()["per_rank"])
+        llm.reset_metrics()
+        zeroed = llm.get_metrics()
+        for key in ("num_steps", "num_finished_requests", "num_generated_tokens", "num_prompt_tokens"):
+            assert zeroed[key] == 0 and all(m[key] == 0 for m in zeroed["per_rank"]), key
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+        _check_metrics_of(llm.get_metrics(), want)
+
+
+def _check_metrics_of(metrics: dict[str, Any], want: dict[str, Any]) -> None:
+    for key in ("num_finished_requests", "num_generated_tokens", "num_prompt_tokens"):
+        assert metrics[key] == sum(m[key] for m in metrics["per_rank"]) == want[key], key

@@ -45,11 +45,19 @@ def _refuse(cfg: DeepseekV41Config) -> None:
         raise ConfigError(f"model family {MODEL_TYPE!r}: not implemented yet: {missing}")
 
 
-def _refuse_expert_parallel(parallel: ParallelState | None) -> None:
+def _refuse_parallel(parallel: ParallelState | None) -> None:
+    """One-line :class:`ConfigError` for what a distributed V4.1 cannot do yet: expert
+    parallelism (its MoE block is its own) and context parallelism (its step plans are its
+    own, so its mirrors would compute every row: the extra ranks would only cost)."""
     if parallel is not None and parallel.expert_parallel:
         raise ConfigError(
             f"model family {MODEL_TYPE!r}: enable_expert_parallel is not implemented yet for its MoE "
             "(data_parallel_size alone replicates the experts)"
+        )
+    if parallel is not None and parallel.cp_size > 1:
+        raise ConfigError(
+            f"model family {MODEL_TYPE!r}: context_parallel_size={parallel.cp_size} is not implemented yet "
+            "(its step plans do not split prefills); use data_parallel_size alone"
         )
 
 
@@ -64,9 +72,9 @@ def load_weights(
     """The checkpoint's tensors by inventory name (:mod:`.weights`); with Engram layers also
     ``engram.token_map``, each token id's normalised id, from the checkpoint's ``tokenizer.json``
     (:func:`~.engram.compressed_token_map`), checked against ``engram_compressed_vocab_size``.
-    ``parallel``: a distributed run's layout; expert parallelism is refused (one-line
-    :class:`ConfigError`), data parallelism loads every weight on every rank."""
-    _refuse_expert_parallel(parallel)
+    ``parallel``: a distributed run's layout; expert and context parallelism are refused
+    (one-line :class:`ConfigError`), data parallelism loads every weight on every rank."""
+    _refuse_parallel(parallel)
     _refuse(cfg)
     from .weights import load_weights as load
 
@@ -101,8 +109,8 @@ def build_model(
     cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
 ) -> Any:
     """The :class:`~.model.DeepseekV41Model` over ``weights`` (which it takes over); refuses
-    expert parallelism like :func:`load_weights`."""
-    _refuse_expert_parallel(parallel)
+    expert and context parallelism like :func:`load_weights`."""
+    _refuse_parallel(parallel)
     _refuse(cfg)
     from .model import DeepseekV41Model
 
