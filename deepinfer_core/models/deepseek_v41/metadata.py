@@ -6,12 +6,14 @@ build_metadata`: V4.1's ratio-2 compressor is V4's non-overlapping one without a
 bias).  A ratio-1 kv source (the CED decoder's, layer 20 of the release) projects one entry per
 token: :class:`FullPlan` gives each token's pool row and each query's visible entries (those of
 positions ``<= t``).  Engram layers read each token's look-back ids: :class:`LookbackPlan`.
-Everything is derived on the device from shapes alone, as V4's plans.
+With the decoder-side prefill tail on, the layers after the last kv source run only on some of
+the step's rows: :class:`TailPlan`.  Everything is derived on the device from shapes alone, as
+V4's plans.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,6 +62,7 @@ class V41StepMetadata:
     v4: StepMetadata
     full: FullPlan | None
     lookback: LookbackPlan | None = None
+    tail: TailPlan | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -81,6 +84,92 @@ class V41StepMetadata:
         return self.v4.plans[ratio].entries
 
 
+@dataclass
+class TailPlan:
+    """The rows the decoder layers (those after the last kv source) run on in a step with the
+    decoder-side prefill tail (see :func:`tail_plan`).
+
+    ``rows`` ``[K]``: the step rows kept, in step order (padding past the real ones: row 0,
+    which sees no window key and writes the trash slot's ring); ``md``: the plans of the kept
+    rows for those layers: window keys renumbered into the kept rows (and masked below each
+    request's tail start), ring rows, visible entries, and ``sample_rows`` as kept-row indices.
+    Its compressor plans are the step's and serve no layer (decoder layers are no kv sources).
+    """
+
+    rows: torch.Tensor
+    md: V41StepMetadata
+
+
+def tail_plan(
+    inputs: StepInputs, md: V41StepMetadata, window: int, tail: int, num_slots: int, num_spec_tokens: int = 0
+) -> TailPlan | None:
+    """Which rows the decoder layers run on, keeping at most ``tail`` rows of each request.
+
+    Request ``i`` (chunk ``[start, end)``) keeps the rows at positions ``>= k0 = min(end - tail,
+    first sampled position)``: its chunk's last ``tail`` rows, and every row whose logits are
+    wanted (prompt logprobs: every row, the exact full prefill).  When ``k0 > start`` the tail
+    starts inside the chunk and the decoder layers' window keys below ``k0`` are treated as
+    absent (they were never computed); otherwise the request's window is the usual one (keys
+    from ``window_from``: a chunk shorter than the tail reads the previous chunk's last
+    ``tail >= W`` rows, all computed).  ``None`` when every row is kept whatever the values
+    (the step has at most ``tail`` tokens, or as many logit rows as tokens: decode and verify
+    steps, graphs included), so those steps run unchanged.  The kept rows are gathered into a
+    static ``K = min(T, R * tail + N)`` rows (``R`` requests, ``N`` logit rows: a request keeps
+    at most ``tail`` rows plus its logit rows, which are a suffix of its chunk): no host sync.
+    """
+    t, n_req, n_s = inputs.num_tokens, inputs.num_reqs, inputs.sample_rows.shape[0]
+    if t <= tail or n_s >= t or n_req == 0:
+        return None
+    k = min(t, n_req * tail + n_s)
+    req = inputs.req
+    dev = inputs.input_ids.device
+    slot, start = req["slot"], req["start"]
+    end = start + req["len"]
+    cum = torch.cumsum(req["len"], 0)
+    offset = cum - req["len"]
+    tok_req = torch.searchsorted(cum, torch.arange(t, device=dev), right=True).clamp_(max=n_req - 1)
+    pos = md.positions
+    srows = inputs.sample_rows
+    s_req, s_pos = tok_req.index_select(0, srows), pos.index_select(0, srows)
+    first = end.clone().scatter_reduce_(0, s_req, s_pos, "amin")  # first logit row's position
+    k0 = torch.minimum(end - tail, first)
+    lo = torch.maximum(k0, start)  # first kept position
+    keys_from = torch.where(k0 > start, k0, req["window_from"])
+    kept = end - lo
+    kcum = torch.cumsum(kept, 0)
+    koff = kcum - kept
+    j = torch.arange(k, device=dev)
+    jreq = torch.searchsorted(kcum, j, right=True).clamp_(max=n_req - 1)
+    live = j < kcum[-1]
+    jpos = torch.where(live, lo[jreq] + j - koff[jreq], pos[0])
+    rows = torch.where(live, offset[jreq] + jpos - start[jreq], 0)
+    kpos = jpos[:, None] - (window - 1) + torch.arange(window, device=dev)
+    valid = live[:, None] & (kpos >= keys_from[jreq][:, None])
+    in_chunk = kpos >= start[jreq][:, None]
+    none = torch.full_like(kpos, -1)
+    window_chunk = torch.where(valid & in_chunk, koff[jreq][:, None] + kpos - lo[jreq][:, None], none)
+    ring_n = window + num_spec_tokens
+    window_ring = torch.where(valid & ~in_chunk, slot[jreq][:, None] * ring_n + kpos % ring_n, none)
+    ring_rows = torch.where(live, md.v4.ring_rows.index_select(0, rows), num_slots * ring_n)
+    samples = koff.index_select(0, s_req) + s_pos - lo.index_select(0, s_req)
+    v4 = replace(
+        md.v4,
+        input_ids=md.v4.input_ids.index_select(0, rows),
+        positions=jpos,
+        window_ring=window_ring,
+        window_chunk=window_chunk,
+        ring_rows=ring_rows,
+        plans={r: replace(p, entries=p.entries.select(rows)) for r, p in md.v4.plans.items()},
+        sample_rows=samples,
+        cp=None,
+        local=None,
+    )
+    full = None
+    if md.full is not None:
+        full = FullPlan(dest=md.full.dest.index_select(0, rows), entries=md.full.entries.select(rows))
+    return TailPlan(rows=rows, md=V41StepMetadata(v4=v4, full=full))
+
+
 def build_v41_metadata(
     inputs: StepInputs,
     window: int,
@@ -90,9 +179,27 @@ def build_v41_metadata(
     trash_page: int,
     num_spec_tokens: int = 0,
     lookback: int = 0,
+    tail: int | None = None,
 ) -> V41StepMetadata:
-    """The step's plans for compress ``ratios`` (0 and duplicates ignored) and, with
-    ``lookback > 0``, the Engram look-back of that many ids (:class:`LookbackPlan`)."""
+    """The step's plans for compress ``ratios`` (0 and duplicates ignored); with ``lookback >
+    0`` the Engram look-back of that many ids (:class:`LookbackPlan`); with ``tail`` the rows
+    the decoder layers run on (:func:`tail_plan`)."""
+    md = _build(inputs, window, ratios, page_size, num_slots, trash_page, num_spec_tokens, lookback)
+    if tail is not None:
+        md.tail = tail_plan(inputs, md, window, tail, num_slots, num_spec_tokens)
+    return md
+
+
+def _build(
+    inputs: StepInputs,
+    window: int,
+    ratios: list[int],
+    page_size: int,
+    num_slots: int,
+    trash_page: int,
+    num_spec_tokens: int,
+    lookback: int,
+) -> V41StepMetadata:
     pooled = sorted({r for r in ratios if r > 1})
     v4 = build_metadata(inputs, window, pooled, page_size, num_slots, trash_page, num_spec_tokens)
     if 1 not in ratios and lookback == 0:

@@ -26,11 +26,17 @@ The causal encoder-decoder (CED) of the release, layer by layer:
 
 Every computation goes through the op table; the ops V4 has none for are
 :mod:`deepinfer_core.models.deepseek_v41.ops`.
+
+The decoder-side prefill tail (``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS``, off by default: it is
+approximate): in a prefill step the layers after the last kv source run only on each request's
+last ``tail`` rows (and the rows whose logits are wanted); see :func:`prefill_tail_setting` and
+:func:`~.metadata.tail_plan`.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -44,6 +50,7 @@ from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
 from deepinfer_core.models.deepseek_v4.rope import inv_freq
 from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
@@ -59,6 +66,36 @@ COMPRESSED_KV_FORMAT = ("fp4_e4m3", 16)
 """The release's compressed entries: e2m1, one e4m3 scale per 16 channels."""
 INDEXER_FORMAT = ("fp4_ue8m0", 32)
 """The release's indexer keys and queries: e2m1, one ue8m0 scale per 32 channels."""
+
+
+TAIL_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
+"""Rows per request the decoder layers run on during prefill: unset / ``0`` / ``off`` = every
+row (exact, the default); ``auto`` = ``sliding_window + num_spec_tokens``; ``N`` = ``N``
+(at least ``sliding_window``).  The seed's engine uses 140."""
+
+
+def prefill_tail_setting(cfg: DeepseekV41Config, raw: str | None = None) -> int | str | None:
+    """The decoder-side prefill tail from :data:`TAIL_ENV` (``raw`` overrides the environment):
+    ``None`` (off), ``"auto"`` (``sliding_window + num_spec_tokens``, resolved per step) or a
+    row count ``>= sliding_window``; a one-line :class:`ConfigError` naming the variable for
+    anything else."""
+    raw = os.environ.get(TAIL_ENV, "") if raw is None else raw
+    value = raw.strip().lower()
+    if value in ("", "0", "off", "false", "no"):
+        return None
+    if value == "auto":
+        return "auto"
+    w = cfg.sliding_window
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < w:
+        raise ConfigError(
+            f"environment variable {TAIL_ENV}={raw!r}: expected 0/off, auto, or a token count >= the "
+            f"sliding window ({w}): the decoder layers' windows must be rebuilt by the tail"
+        )
+    return n
 
 
 class Attention:
@@ -349,6 +386,27 @@ class DeepseekV41Model:
             inv, scale = inv_freq(cfg, fam)  # type: ignore[arg-type]  (V4's rope, same fields)
             self.rope_params[fam] = (inv.to(dev), scale)
         self.ratios = sorted(set(cfg.compress_ratios) - {0})
+        # the first layer after the last kv source (the CED decoder): the prefill tail starts there
+        last_source = max(cfg.kv_source_layer_ids, default=cfg.num_hidden_layers)
+        self.first_decoder = last_source + 1
+        self.prefill_tail = prefill_tail_setting(cfg)
+        if self.prefill_tail is not None and self.first_decoder < cfg.num_hidden_layers:
+            logger.info(
+                "%s=%s: layers %d..%d run during prefill only on each request's last tokens (approximate)",
+                TAIL_ENV,
+                self.prefill_tail,
+                self.first_decoder,
+                cfg.num_hidden_layers - 1,
+            )
+
+    def tail_tokens(self, num_spec_tokens: int = 0) -> int | None:
+        """Rows per request the decoder layers run on during prefill (``None``: all rows, also
+        when the model has no layer after its last kv source)."""
+        if self.prefill_tail is None or self.first_decoder >= self.cfg.num_hidden_layers:
+            return None
+        if self.prefill_tail == "auto":
+            return self.cfg.sliding_window + num_spec_tokens
+        return int(self.prefill_tail)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -396,6 +454,7 @@ class DeepseekV41Model:
             trash_page,
             num_spec_tokens,
             lookback=self.lookback,
+            tail=self.tail_tokens(num_spec_tokens),
         )
 
     def _rope(self, md: V41StepMetadata, dtype: torch.dtype) -> dict:
@@ -423,7 +482,9 @@ class DeepseekV41Model:
     def forward(
         self, md: V41StepMetadata, cache: HybridCache, hidden_out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Run one step; float32 logits ``[len(md.sample_rows), vocab]``."""
+        """Run one step; float32 logits ``[len(md.sample_rows), vocab]``.  With a tail plan
+        (``md.tail``) the layers after the last kv source run on its rows only; ``hidden_out``
+        (every row's final streams) turns it off."""
         ops, cfg, w = self.ops, self.cfg, self.w
         x = ops.embedding(md.input_ids, w["embed.weight"])
         rope = self._rope(md, x.dtype)
@@ -434,7 +495,11 @@ class DeepseekV41Model:
         shared: dict = {}
         if self.lookback:
             shared["engram_tokens"] = self._lookback(md, cache)
-        for layer in self.layers:
+        tail = md.tail if hidden_out is None else None
+        for i, layer in enumerate(self.layers):
+            if tail is not None and i == self.first_decoder:  # the decoder layers: the kept rows only
+                h, pre, rope, shared = _select_rows(tail.rows, h, pre, rope, shared)
+                md = tail.md
             h, pre = layer(h, pre, md, cache, ops, rope, shared)
         if hidden_out is not None:
             hidden_out[: h.shape[0]].copy_(h)
@@ -442,3 +507,22 @@ class DeepseekV41Model:
         x = op(ops, "hc_collapse")(h.index_select(0, rows), pre.index_select(0, rows))
         x = ops.rms_norm(x, w["norm.weight"], cfg.rms_norm_eps)
         return ops.linear(x, w["head.weight"]).float()
+
+
+def _select_rows(
+    rows: torch.Tensor, h: torch.Tensor, pre: torch.Tensor, rope: dict, shared: dict
+) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """The streams, ``pre``, per-row rope tables and shared per-row plans (picks, candidate
+    blocks, Engram ids) of ``rows`` only."""
+
+    def sel(v: Any) -> Any:
+        if isinstance(v, PagedIndex):
+            return v.select(rows)
+        if isinstance(v, torch.Tensor):
+            return v.index_select(0, rows)
+        if isinstance(v, tuple):
+            return tuple(sel(x) for x in v)
+        return v
+
+    rope = {k: (v if k == "compress_freqs" else sel(v)) for k, v in rope.items()}
+    return sel(h), sel(pre), rope, {k: sel(v) for k, v in shared.items()}
