@@ -204,3 +204,23 @@ def test_prefix_cache_hit_with_the_tail(v41_dir, monkeypatch):
     [ref] = cold.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
     assert hit.outputs[0].logprobs == ref.outputs[0].logprobs
+
+
+def test_speculative_decoding_with_the_tail_is_lossless(v41_dir, monkeypatch):
+    """With 4 draft tokens ``auto`` is ``W + 4``; verify steps keep every row (no plan), so ngram
+    speculative decoding gives the tokens of plain decoding with the same tail."""
+    from deepinfer_core.config import SpeculativeConfig
+
+    base = [5, 17, 42, 99, 7, 256, 311, 5, 64, 128, 3]
+    prompts = [{"prompt_token_ids": base * 3}, {"prompt_token_ids": _ids(11, 37) + base * 2}]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    spec = SpeculativeConfig(method="fixed", drafter="ngram", max_draft_tokens=4)
+    monkeypatch.setenv(TAIL_ENV, "auto")
+    fast = v41_llm(v41_dir, batch_invariant=True, max_num_seqs=2, speculative=spec)
+    assert fast.engine.runner.model.tail_tokens(fast.engine.runner.num_spec_tokens) == W + 4
+    outs = fast.generate(prompts, params, use_tqdm=False)
+    assert fast.get_metrics()["speculative"]["num_draft_tokens"] > 0
+    monkeypatch.setenv(TAIL_ENV, str(W + 4))
+    plain = v41_llm(v41_dir, batch_invariant=True, max_num_seqs=2).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(outs, plain, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
