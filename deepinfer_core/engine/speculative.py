@@ -37,7 +37,15 @@ from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
-from deepinfer_core.speculative.policy import StepCost, cumulative, dspark_lengths, fixed_lengths
+from deepinfer_core.speculative.policy import (
+    EMA,
+    PROBE_INTERVAL,
+    StepCost,
+    cumulative,
+    drafting_pays,
+    dspark_lengths,
+    fixed_lengths,
+)
 from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
 from deepinfer_core.speculative.verify import (
     accept_match,
@@ -102,6 +110,9 @@ class SpeculativeDecoder:
         self._proposed: dict[str, int] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self.cost: StepCost | None = None
+        self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
+        self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
+        self._since_probe = 0  # dspark: steps without drafting since the last draft
         if cfg.method == "dspark":
             self.cost = self._profile_cost()
 
@@ -135,6 +146,7 @@ class SpeculativeDecoder:
         """Set the drafts each decoding request verifies this step (``Request.draft_token_ids``)."""
         engine = self.engine
         k = self.config.max_draft_tokens
+        self._step_draft_seconds = 0.0
         contexts, reqs = [], []
         for req in running:
             req.draft_token_ids = []
@@ -152,7 +164,16 @@ class SpeculativeDecoder:
             reqs.append(req)
         if not contexts:
             return
+        budget = engine.config.max_num_batched_tokens - len(reqs)
+        if self.cost is not None and not self._drafting_pays(reqs, contexts, budget):
+            self.metrics.num_steps_without_drafting += 1
+            return
+        t0 = time.perf_counter()
         drafts = self.drafter.propose(contexts)
+        self._step_draft_seconds = elapsed = time.perf_counter() - t0
+        self.draft_seconds = (
+            elapsed if not self.draft_seconds else (1 - EMA) * self.draft_seconds + EMA * elapsed
+        )
         if len(drafts) != len(contexts):
             raise RuntimeError(
                 f"drafter {self.config.drafter!r} returned {len(drafts)} drafts for {len(contexts)} requests"
@@ -168,7 +189,6 @@ class SpeculativeDecoder:
                 )
             del draft.token_ids[ctx.max_tokens :]
             proposed.append(len(draft.token_ids))
-        budget = engine.config.max_num_batched_tokens - len(reqs)
         if self.config.method == "fixed":
             lengths = fixed_lengths(proposed, budget)
         else:
@@ -180,16 +200,34 @@ class SpeculativeDecoder:
             self._proposed[req.request_id] = len(draft.token_ids)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
 
+    def _drafting_pays(self, reqs: list[Request], contexts: list[DraftContext], budget: int) -> bool:
+        """``dspark``: whether to ask the drafter this step (:func:`drafting_pays` on the
+        requests' running acceptance rates and the drafter's measured time; a probe every
+        :data:`PROBE_INTERVAL` steps without drafting)."""
+        assert self.cost is not None
+        estimates = [self._rate_confidence(r, ctx.max_tokens) for r, ctx in zip(reqs, contexts, strict=True)]
+        if self._since_probe >= PROBE_INTERVAL or drafting_pays(
+            estimates, budget, self.cost, self.draft_seconds
+        ):
+            self._since_probe = 0
+            return True
+        self._since_probe += 1
+        return False
+
     def _confidence(self, req: Request, draft: Draft) -> list[float]:
         """Cumulative acceptance probabilities of ``draft``'s prefixes: the drafter's own
         confidence, else the request's running rates shrunk towards the engine's."""
         n = len(draft.token_ids)
         if draft.confidence is not None:
             return cumulative(draft.confidence[:n])
+        return self._rate_confidence(req, n)
+
+    def _rate_confidence(self, req: Request, n: int) -> list[float]:
+        """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
+        rates shrunk towards the engine's."""
         stats = self._stats.setdefault(req.request_id, AcceptanceStats(self.config.max_draft_tokens))
         g = self.global_stats
-        rates = [stats.rate(i, g.rate(i, 0.5)) for i in range(n)]
-        return cumulative(rates)
+        return cumulative([stats.rate(i, g.rate(i, 0.5)) for i in range(n)])
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""
@@ -411,8 +449,8 @@ class SpeculativeDecoder:
         if self.cost is None or not sched.chunks:
             return
         if all(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks):
-            b = len(sched.chunks)
-            self.cost.observe(b, sched.num_tokens / b, seconds)
+            b = len(sched.chunks)  # the drafter's time is modelled apart (draft_seconds)
+            self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
 
     def observe(self, sched: SchedulerOutput) -> None:
         """Tell the drafter (when it observes) which positions each running request computed

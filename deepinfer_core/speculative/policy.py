@@ -12,7 +12,12 @@
   (measured at start per batch size and tokens per request, then refined by the steps run).
   The policy takes the drafts in order of decreasing ``c`` (a request's ``c`` never grows
   with ``j``, so each request verifies a prefix) and keeps the count that maximises expected
-  tokens per second — a longer verify only where it is expected to pay.
+  tokens per second — a longer verify only where it is expected to pay.  Drafting itself
+  costs time (the ``mtp`` drafter runs its layer once per draft depth): before asking the
+  drafter, :func:`drafting_pays` weighs the best verify lengths the requests' running
+  acceptance rates allow, plus the drafter's measured time, against a step without drafts;
+  when drafting does not pay the step runs without proposing, with a probe every
+  :data:`PROBE_INTERVAL` such steps so the rates can recover.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import bisect
 from collections.abc import Sequence
 
 EMA = 0.2
-"""Weight of a newly measured step in :meth:`StepCost.observe`."""
+"""Weight of a newly measured step in :meth:`StepCost.observe` (and of a drafter call in the
+engine's drafting-time estimate)."""
+PROBE_INTERVAL = 8
+"""``dspark``: steps without drafting (it did not pay) before the next probe drafts anyway."""
 
 
 class StepCost:
@@ -121,6 +129,32 @@ def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: St
     for _, r, j in cands[:best_n]:
         lengths[r] = max(lengths[r], j + 1)
     return lengths
+
+
+def drafting_pays(
+    confidences: Sequence[Sequence[float]], budget: int, cost: StepCost, draft_seconds: float
+) -> bool:
+    """``dspark``: whether proposing drafts this step is expected to pay.
+
+    Args:
+        confidences: per decoding request, the estimated cumulative acceptance probability of
+            each draft prefix it could verify (the running acceptance rates: the drafts
+            themselves are not known yet).
+        budget: most draft tokens the step can add.
+        cost: the step cost model (its :attr:`StepCost.overhead` excludes drafting).
+        draft_seconds: the drafter's measured time per call.
+
+    Returns:
+        ``True`` when the best verify lengths (:func:`dspark_lengths`) give more expected
+        tokens per second, counting ``draft_seconds``, than a step without drafts.
+    """
+    b = len(confidences)
+    lengths = dspark_lengths(confidences, budget, cost)
+    n = sum(lengths)
+    if n == 0:
+        return False
+    expected = b + sum(sum(cs[:length]) for cs, length in zip(confidences, lengths, strict=True))
+    return expected / (cost.cost(b, 1.0 + n / b) + draft_seconds) > b / cost.cost(b, 1.0)
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:

@@ -46,6 +46,7 @@ class SpeculativeMetrics:
         self.accepted_per_position = [0] * k
         self.verified_per_position = [0] * k
         self.verify_length_histogram = [0] * (k + 1)  # drafts verified per decode: 0..k
+        self.num_steps_without_drafting = 0  # dspark: steps drafting was not expected to pay
 
     def record(self, proposed: int, verified: int, accepted: int) -> None:
         """One decoding request in a step: drafts ``proposed``, ``verified`` of them, ``accepted``."""
@@ -68,7 +69,9 @@ class SpeculativeMetrics:
         """``num_drafts``, ``num_draft_tokens``, ``num_accepted_tokens``, ``num_proposed_tokens``,
         ``acceptance_rate`` (accepted / verified draft tokens), ``mean_acceptance_length``,
         ``acceptance_per_position`` (rate at each draft position, of the drafts verified
-        there), ``verify_length_histogram`` (decodes by drafts verified, 0..k)."""
+        there), ``verify_length_histogram`` (decodes by drafts verified, 0..k),
+        ``num_steps_without_drafting`` (``dspark``: decode steps that did not ask the drafter,
+        drafting not being expected to pay)."""
         return {
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
@@ -78,6 +81,7 @@ class SpeculativeMetrics:
                 self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
             ),
             "mean_acceptance_length": self.mean_acceptance_length,
+            "num_steps_without_drafting": self.num_steps_without_drafting,
             "acceptance_per_position": [
                 a / v if v else 0.0
                 for a, v in zip(self.accepted_per_position, self.verified_per_position, strict=True)

@@ -11,7 +11,13 @@ import pytest
 from deepinfer_core.config import SpeculativeConfig
 from deepinfer_core.speculative.drafter import DraftContext
 from deepinfer_core.speculative.ngram import NgramDrafter, lookup
-from deepinfer_core.speculative.policy import StepCost, cumulative, dspark_lengths, fixed_lengths
+from deepinfer_core.speculative.policy import (
+    StepCost,
+    cumulative,
+    drafting_pays,
+    dspark_lengths,
+    fixed_lengths,
+)
 from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
 
 
@@ -53,6 +59,19 @@ def test_dspark_verifies_only_where_it_pays():
     dear = StepCost({(1, 1): 1.0, (1, 4): 4.0})
     assert dspark_lengths(conf, 10, dear) == [0, 0]
     assert dspark_lengths(conf, 1, free) == [1, 0]  # the budget takes the likeliest first
+
+
+def test_drafting_pays_counts_the_drafters_time():
+    """Drafting pays when the expected extra tokens outweigh the verify cost plus the drafter's
+    time; never when no draft is worth verifying."""
+    conf = [cumulative([0.9, 0.8]), cumulative([0.9])]
+    cost = StepCost({(2, 1): 1.0, (2, 3): 1.2})
+    assert drafting_pays(conf, 10, cost, draft_seconds=0.0)
+    # (2 + 0.9 + 0.72 + 0.9) / (1.15 + d) > 2 / 1.0  <=>  d < 1.11
+    assert drafting_pays(conf, 10, cost, draft_seconds=1.0)
+    assert not drafting_pays(conf, 10, cost, draft_seconds=1.2)
+    assert not drafting_pays([cumulative([0.0, 0.0])] * 2, 10, cost, draft_seconds=0.0)
+    assert not drafting_pays(conf, 0, cost, draft_seconds=0.0)  # no budget for drafts
 
 
 def test_fixed_lengths_respect_the_budget():

@@ -54,10 +54,22 @@ class OracleDrafter(Drafter):
         return drafts
 
 
+class WrongDrafter(OracleDrafter):
+    """Proposes the reference continuation with every token shifted by one: never accepted."""
+
+    calls = 0
+
+    def propose(self, contexts):
+        WrongDrafter.calls += 1
+        drafts = super().propose(contexts)
+        return [Draft([(t + 1) % self.vocab_size for t in d.token_ids] or [0]) for d in drafts]
+
+
 class Plugin:
     @hookimpl
     def deepinfer_register_drafters(self, register):
         register("oracle", lambda: OracleDrafter, description="test oracle")
+        register("wrong", lambda: WrongDrafter, description="test drafter that is never right")
         register("broken", lambda: OracleDrafter, is_available=lambda: (False, "needs a unicorn"))
 
 
@@ -153,6 +165,30 @@ def test_fewer_target_forwards_with_good_drafts(tiny_dir):
     spec = _llm(tiny_dir, {"drafter": "oracle", "method": "fixed", "max_draft_tokens": 4})
     spec.generate(prompts, params)
     assert spec.get_metrics()["num_steps"] < base.get_metrics()["num_steps"]
+
+
+def test_dspark_stops_asking_a_drafter_that_never_pays(tiny_dir):
+    """With drafts that are never accepted, DSpark stops calling the drafter (a probe every
+    PROBE_INTERVAL steps), while ``fixed`` calls it every step; outputs stay those of plain
+    decoding."""
+    from deepinfer_core.speculative.policy import PROBE_INTERVAL
+
+    params = PARAMS["greedy"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir).generate(prompts, params)
+    _script(PROMPTS, ref)
+    calls = {}
+    for method in ("fixed", "dspark"):
+        WrongDrafter.calls = 0
+        spec = _llm(tiny_dir, {"drafter": "wrong", "method": method, "max_draft_tokens": 4})
+        assert _tokens(spec.generate(prompts, params)) == _tokens(ref)
+        calls[method] = WrongDrafter.calls
+        m = spec.get_metrics()["speculative"]
+        assert m["num_accepted_tokens"] == 0, m
+    assert m["num_steps_without_drafting"] > 0, m
+    decode_steps = params.max_tokens - 2  # decode steps with room for a draft
+    assert calls["fixed"] == decode_steps
+    assert calls["dspark"] <= decode_steps // 2 + decode_steps // PROBE_INTERVAL, calls
 
 
 def test_stop_strings_n_and_prefix_caching(tiny_dir):

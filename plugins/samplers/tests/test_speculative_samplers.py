@@ -16,6 +16,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.speculative import Draft, Drafter
+from deepinfer_core.speculative.policy import StepCost
 from deepinfer_core.testing.managers import manager_with_plugin
 
 pytest.importorskip("llguidance")
@@ -50,7 +51,12 @@ class OraclePlugin:
 def _llm(speculative=None) -> LLM:
     manager = manager_with_plugin(samplers_plugin, "samplers")
     manager.add_plugin(OraclePlugin(), "oracle_test")
-    return LLM.from_engine(LLMEngine(EngineConfig(max_num_seqs=8, speculative=speculative), plugins=manager))
+    llm = LLM.from_engine(LLMEngine(EngineConfig(max_num_seqs=8, speculative=speculative), plugins=manager))
+    if llm.engine.spec is not None and llm.engine.spec.cost is not None:
+        # DSpark weighs drafts against step times measured at start, noise on a busy machine:
+        # fixed here (a verified token costs 5 % of a step), as in tests/speculative
+        llm.engine.spec.cost = StepCost({(b, t): 1.0 + 0.05 * b * (t - 1) for b in (1, 8) for t in (1, 6)})
+    return llm
 
 
 def _run(llm, prompts, params):
