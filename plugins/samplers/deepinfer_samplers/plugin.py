@@ -2,7 +2,9 @@
 
 The DSpark drafter registration is a placeholder: NOT IMPLEMENTED YET.  They are reported as
 unavailable with that reason so that nobody mistakes them for working components.  The
-``llguidance`` structured-output backend is real (it needs ``deepinfer-samplers[structured]``).
+``llguidance`` structured-output backend is real (it needs ``deepinfer-samplers[structured]``),
+and so is ``xgrammar`` (it needs ``deepinfer-samplers[xgrammar]``; without it the backend is
+registered as unavailable, its probe saying what is missing).
 """
 
 import importlib.util
@@ -55,7 +57,7 @@ def deepinfer_register_drafters(register: Callable[..., None]) -> None:
 
 @hookimpl
 def deepinfer_register_structured_backends(register: Callable[..., None]) -> None:
-    """Register the llguidance structured-output backend (choice / regex / JSON schema)."""
+    """Register the structured-output backends: ``llguidance`` (the default) and ``xgrammar``."""
 
     def factory() -> Any:
         from deepinfer_samplers.llguidance_backend import LLGuidanceBackend
@@ -73,3 +75,31 @@ def deepinfer_register_structured_backends(register: Callable[..., None]) -> Non
         description="choice / regex / JSON schema constrained decoding via llguidance",
         is_available=is_available,
     )
+
+    def xgrammar_factory() -> Any:
+        from deepinfer_samplers.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend
+
+    register(
+        "xgrammar",
+        xgrammar_factory,
+        description="choice / regex / JSON schema / GBNF / Lark constrained decoding via xgrammar",
+        is_available=_xgrammar_available,
+    )
+
+
+# what `import xgrammar` needs besides torch (xgrammar installed with --no-deps lacks them)
+_XGRAMMAR_MODULES = ("xgrammar", "tvm_ffi", "transformers", "pydantic", "numpy")
+
+
+def _xgrammar_available() -> tuple[bool, str | None]:
+    """Whether xgrammar and the modules it imports are installed (found, not imported: importing
+    xgrammar takes seconds); the reason naming the missing ones and the extra to install."""
+    missing = [m for m in _XGRAMMAR_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        return False, (
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
+            "pip install deepinfer-samplers[xgrammar]"
+        )
+    return True, None
