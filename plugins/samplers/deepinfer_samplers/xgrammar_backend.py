@@ -33,10 +33,11 @@ import xgrammar
 
 DEFAULT_CACHE_SIZE = 256
 
-# the JSON-schema `format` values xgrammar 0.2.9 turns into a grammar (others: any string)
+# the JSON-schema `format` values xgrammar 0.2.9 turns into a grammar (others: any string); not
+# `ipv4`, whose grammar lets leading zeros through (`1.2.3.000`), which RFC 2673 / jsonschema refuse
 FORMATS = frozenset(
     {
-        "date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uri",
+        "date-time", "time", "date", "duration", "email", "hostname", "ipv6", "uri",
         "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
     }
 )  # fmt: skip
@@ -380,6 +381,11 @@ _SCHEMA_ONE = (
     "items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
     "propertyNames", "additionalItems",
 )  # fmt: skip
+# what may stand beside anyOf / oneOf (xgrammar ignores the rest there)
+_BESIDE_ANY_OF = frozenset(
+    {"anyOf", "oneOf", "$defs", "definitions", "title", "description", "$schema", "$id", "$comment",
+     "default", "examples"}
+)  # fmt: skip
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 
 
@@ -393,6 +399,12 @@ def unenforced(schema: Any, path: str = "#") -> str | None:
     for kw in UNENFORCED_KEYWORDS:
         if kw in schema:
             return f"JSON-schema keyword {kw!r} (at {path}) is not implemented"
+    beside = sorted(set(schema) - _BESIDE_ANY_OF) if ("anyOf" in schema or "oneOf" in schema) else []
+    if beside:  # xgrammar compiles only the branches (`{"type": "integer", "anyOf": [...]}` gives null)
+        return (
+            f"keywords {beside} beside anyOf / oneOf (at {path}) are ignored by xgrammar; "
+            "move them into the branches"
+        )
     if schema.get("uniqueItems") is True:
         return f"JSON-schema keyword 'uniqueItems' (at {path}) is not implemented"
     fmt = schema.get("format")

