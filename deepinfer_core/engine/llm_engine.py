@@ -431,9 +431,8 @@ class LLMEngine:
             else:
                 available, reason = spec.availability()
                 if not available:
-                    cached = RuntimeError(
-                        f"structured outputs backend {name!r} is unavailable: {reason} "
-                        "(pip install deepinfer-samplers[structured])"
+                    cached = RuntimeError(  # the plugin's reason says what to install
+                        f"structured outputs backend {name!r} is unavailable: {reason}"
                     )
                 elif self.tokenizer is None:
                     cached = RuntimeError(

@@ -97,6 +97,34 @@ def test_unknown_backend_fails_at_submission_naming_what_to_install(llm):
     assert outs[1].outputs[0].text in CHOICES
 
 
+def test_unavailable_backend_fails_with_the_plugins_reason():
+    """A registered but unavailable backend fails its request with the plugin's own reason (which
+    names what to install), the other requests unaffected."""
+    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.engine.llm_engine import LLMEngine
+    from deepinfer_core.hookspecs import hookimpl
+    from deepinfer_core.testing.managers import manager_with_plugin
+
+    class Unicorn:
+        @hookimpl
+        def deepinfer_register_structured_backends(self, register):
+            register("unicorn", lambda: None, is_available=lambda: (False, "needs unicorn-grammar>=2"))
+
+    import deepinfer_samplers.plugin as samplers_plugin
+
+    manager = manager_with_plugin(samplers_plugin, "samplers")
+    manager.add_plugin(Unicorn(), "unicorn_test")
+    llm = LLM.from_engine(LLMEngine(EngineConfig(max_num_seqs=4), plugins=manager))
+    params = [
+        _params(StructuredOutputsParams(choice=CHOICES, backend="unicorn"), True),
+        _params(StructuredOutputsParams(choice=CHOICES), True),
+    ]
+    outs = llm.generate(["Hello"] * 2, params, use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[0].error.endswith("'unicorn' is unavailable: needs unicorn-grammar>=2"), outs[0].error
+    assert outs[1].outputs[0].text in CHOICES
+
+
 LARK = 'start: "a" ("b" | "c")+'
 GBNF = 'root ::= "a" ("b" | "c")+'
 NESTED_SCHEMA = {
