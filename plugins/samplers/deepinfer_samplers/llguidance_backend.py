@@ -19,6 +19,8 @@ from typing import Any
 
 import llguidance
 
+from deepinfer_samplers import specs
+
 DEFAULT_CACHE_SIZE = 256
 
 
@@ -152,31 +154,14 @@ class LLGuidanceBackend:
 
 
 def json_text(schema: dict[str, Any] | str) -> str:
-    """``schema`` as compact JSON text, its key order kept (llguidance emits an object's
-    properties in the schema's order, so reordering keys would change the grammar); a str that
-    is not valid JSON is returned unchanged (the compile reports it).  Raises :class:`ValueError`
-    for a dict that is not JSON-serialisable."""
-    if isinstance(schema, str):
-        try:
-            return json.dumps(json.loads(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except ValueError:
-            return schema
-    try:
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"the JSON schema is not JSON-serialisable: {e}") from None
+    """:func:`deepinfer_samplers.specs.json_text` for this backend."""
+    return specs.json_text(schema, "llguidance")
 
 
 def cache_key(spec: Any) -> tuple[str, ...]:
-    """The canonical cache key of ``spec``: its kind and canonical text, plus the whitespace
-    options for JSON (``json=dict`` and ``json=`` its JSON text share a key)."""
-    if spec.choice is not None:
-        return ("choice", json.dumps(list(spec.choice)))
-    if spec.regex is not None:
-        return ("regex", spec.regex)
-    if spec.grammar is not None:
-        return ("grammar", spec.grammar)
-    return ("json", json_text(spec.json), json.dumps(json_options(spec), sort_keys=True))
+    """The canonical cache key of ``spec`` (:func:`deepinfer_samplers.specs.cache_key`) with this
+    backend's JSON whitespace options."""
+    return specs.cache_key(spec, json_options(spec), "llguidance")
 
 
 def lark_grammar(text: str) -> str:

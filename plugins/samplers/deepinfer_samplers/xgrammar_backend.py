@@ -31,6 +31,8 @@ from typing import Any
 
 import xgrammar
 
+from deepinfer_samplers import specs
+
 DEFAULT_CACHE_SIZE = 256
 
 # the JSON-schema `format` values xgrammar 0.2.9 turns into a grammar (others: any string); not
@@ -305,30 +307,14 @@ def ebnf_literal(text: str) -> str:
 
 
 def json_text(schema: dict[str, Any] | str) -> str:
-    """``schema`` as compact JSON text, its key order kept (xgrammar emits an object's
-    properties in the schema's order); a str that is not valid JSON is returned unchanged (the
-    compile reports it).  Raises :class:`ValueError` for a dict that is not JSON-serialisable."""
-    if isinstance(schema, str):
-        try:
-            return json.dumps(json.loads(schema), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        except ValueError:
-            return schema
-    try:
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"xgrammar: the JSON schema is not JSON-serialisable: {e}") from None
+    """:func:`deepinfer_samplers.specs.json_text` for this backend."""
+    return specs.json_text(schema, "xgrammar")
 
 
 def cache_key(spec: Any) -> tuple[str, ...]:
-    """The canonical cache key of ``spec``: its kind and canonical text, plus the whitespace
-    options for JSON (``json=dict`` and ``json=`` its JSON text share a key)."""
-    if spec.choice is not None:
-        return ("choice", json.dumps(list(spec.choice)))
-    if spec.regex is not None:
-        return ("regex", spec.regex)
-    if spec.grammar is not None:
-        return ("grammar", spec.grammar)
-    return ("json", json_text(spec.json), json.dumps([spec.disable_any_whitespace, spec.whitespace_pattern]))
+    """The canonical cache key of ``spec`` (:func:`deepinfer_samplers.specs.cache_key`) with this
+    backend's JSON whitespace options."""
+    return specs.cache_key(spec, [spec.disable_any_whitespace, spec.whitespace_pattern], "xgrammar")
 
 
 def json_options(spec: Any) -> dict[str, Any]:
