@@ -11,38 +11,25 @@ error message, so a repeated bad spec fails fast with the same message.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 
 from deepinfer_samplers import specs
+from deepinfer_samplers.specs import DEFAULT_CACHE_SIZE, CacheInfo
 
-DEFAULT_CACHE_SIZE = 256
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    """The compiled-grammar cache's counters (:meth:`LLGuidanceBackend.cache_info`).
-
-    Attributes:
-        hits: :meth:`~LLGuidanceBackend.matcher` calls answered from the cache (a valid spec's
-            copied matcher or an invalid spec's cached error).
-        misses: calls that compiled (including every call while the cache is disabled).
-        size: entries held now (valid and invalid specs).
-        maxsize: the bound (:attr:`LLGuidanceBackend.cache_size`); ``0`` disables the cache.
-    """
-
-    hits: int
-    misses: int
-    size: int
-    maxsize: int
+__all__ = [
+    "DEFAULT_CACHE_SIZE",
+    "CacheInfo",
+    "LLGuidanceBackend",
+    "LLGuidanceMatcher",
+    "cache_key",
+    "json_text",
+]
 
 
-class LLGuidanceBackend:
+class LLGuidanceBackend(specs.GrammarCache):
     """Compiles :class:`~deepinfer_core.StructuredOutputsParams` into matchers.
 
     Args:
@@ -50,10 +37,8 @@ class LLGuidanceBackend:
         vocab_size: the model's vocabulary size (the mask's width).
         eos_token_ids: the model's EOS ids (allowed where the grammar accepts).
 
-    Attributes:
-        cache_size: how many compiled specs the LRU cache keeps (default
-            :data:`DEFAULT_CACHE_SIZE`); set it at any time, ``0`` disables caching.  Lowering it
-            evicts the least recently used entries on the next :meth:`matcher` call.
+    The compiled grammars are cached (:class:`~deepinfer_samplers.specs.GrammarCache`:
+    ``cache_size``, ``cache_info()``, ``cache_clear()``).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
@@ -61,12 +46,7 @@ class LLGuidanceBackend:
         self._tok = llguidance.LLTokenizer(
             tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
         )
-        self.cache_size = DEFAULT_CACHE_SIZE
-        # key -> a compiled, never-advanced LLMatcher, or the error message (str) of an invalid spec
-        self._cache: OrderedDict[tuple[str, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self._hits = 0
-        self._misses = 0
+        super().__init__()  # entries: compiled, never-advanced LLMatchers (or an error message)
         self._executor = llguidance.LLExecutor()
 
     def fill_bitmasks(self, matchers: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: Any) -> None:
@@ -90,42 +70,8 @@ class LLGuidanceBackend:
         The compiled grammar comes from the cache when an equal spec (same canonical key, see
         :func:`cache_key`) was compiled before; every request gets its own ``deep_copy()``.
         """
-        key = cache_key(spec)
-        with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None:
-                self._cache.move_to_end(key)
-                self._hits += 1
-            else:
-                self._misses += 1
-            self._evict()
-        if entry is None:
-            # compile outside the lock (llguidance drops the GIL while it builds the grammar)
-            entry = self._compile(spec)
-            with self._lock:
-                if self.cache_size > 0:
-                    self._cache[key] = entry
-                    self._cache.move_to_end(key)
-                self._evict()
-        if isinstance(entry, str):
-            raise ValueError(entry)
+        entry = self.compiled(cache_key(spec), lambda: self._compile(spec))
         return LLGuidanceMatcher(entry.deep_copy(), self.vocab_size)
-
-    def cache_info(self) -> CacheInfo:
-        """The cache's hit / miss counters, its size and bound."""
-        with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._cache), self.cache_size)
-
-    def cache_clear(self) -> None:
-        """Drop every cached grammar and reset the counters."""
-        with self._lock:
-            self._cache.clear()
-            self._hits = self._misses = 0
-
-    def _evict(self) -> None:
-        """Drop least recently used entries over :attr:`cache_size` (under the lock)."""
-        while len(self._cache) > max(self.cache_size, 0):
-            self._cache.popitem(last=False)
 
     def _compile(self, spec: Any) -> Any:
         """A compiled, never-advanced ``llguidance.LLMatcher`` for ``spec``, or the error message."""

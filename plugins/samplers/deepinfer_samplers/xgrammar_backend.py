@@ -24,16 +24,12 @@ import re
 import sys
 import tempfile
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xgrammar
 
 from deepinfer_samplers import specs
-
-DEFAULT_CACHE_SIZE = 256
 
 # the JSON-schema `format` values xgrammar 0.2.9 turns into a grammar (others: any string); not
 # `ipv4`, whose grammar lets leading zeros through (`1.2.3.000`), which RFC 2673 / jsonschema refuse
@@ -57,17 +53,6 @@ _STDERR_LOCK = threading.Lock()
 # The grammar is re-read from its EBNF with the class of its unbounded strings instead.
 _LOOSE_STRING_CHAR = '([^\\"\\\\\\r\\n])'
 _JSON_STRING_CHAR = '([^\\0-\\x1f\\"\\\\])'
-
-
-@dataclass(frozen=True)
-class CacheInfo:
-    """The compiled-grammar cache's counters (:meth:`XGrammarBackend.cache_info`), as
-    :class:`deepinfer_samplers.llguidance_backend.CacheInfo`."""
-
-    hits: int
-    misses: int
-    size: int
-    maxsize: int
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> Any:
@@ -99,7 +84,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]
     )
 
 
-class XGrammarBackend:
+class XGrammarBackend(specs.GrammarCache):
     """Compiles :class:`~deepinfer_core.StructuredOutputsParams` into matchers with xgrammar.
 
     Args:
@@ -107,10 +92,8 @@ class XGrammarBackend:
         vocab_size: the model's vocabulary size (the mask's width).
         eos_token_ids: the model's EOS ids (allowed where the grammar accepts).
 
-    Attributes:
-        cache_size: how many compiled specs the LRU cache keeps (default
-            :data:`DEFAULT_CACHE_SIZE`); ``0`` disables caching; lowering it evicts the least
-            recently used entries on the next :meth:`matcher` call.
+    The compiled grammars are cached (:class:`~deepinfer_samplers.specs.GrammarCache`:
+    ``cache_size``, ``cache_info()``, ``cache_clear()``).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
@@ -123,12 +106,7 @@ class XGrammarBackend:
         )
         self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
         self._eos_row = bitmask_of(eos_token_ids, vocab_size)
-        self.cache_size = DEFAULT_CACHE_SIZE
-        # key -> a CompiledGrammar, or the error message (str) of an invalid spec
-        self._cache: OrderedDict[tuple[str, ...], Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self._hits = 0
-        self._misses = 0
+        super().__init__()  # entries: CompiledGrammars (or an error message)
 
     def fill_bitmasks(self, matchers: Sequence[tuple[XGrammarMatcher, int]], bitmask: Any) -> None:
         """Fill row ``i`` of ``bitmask`` (a contiguous CPU int32 ``[B, ceil(V/32)]`` tensor) for
@@ -152,41 +130,9 @@ class XGrammarBackend:
 
         The compiled grammar comes from the cache when an equal spec (same :func:`cache_key`)
         was compiled before; every request gets its own matcher over it."""
-        key = cache_key(spec)
-        with self._lock:
-            entry = self._cache.get(key)
-            if entry is not None:
-                self._cache.move_to_end(key)
-                self._hits += 1
-            else:
-                self._misses += 1
-            self._evict()
-        if entry is None:
-            entry = self._compile(spec)  # outside the lock: xgrammar drops the GIL while compiling
-            with self._lock:
-                if self.cache_size > 0:
-                    self._cache[key] = entry
-                    self._cache.move_to_end(key)
-                self._evict()
-        if isinstance(entry, str):
-            raise ValueError(entry)
+        # compiled outside the cache lock: xgrammar drops the GIL while compiling
+        entry = self.compiled(cache_key(spec), lambda: self._compile(spec))
         return XGrammarMatcher(xgrammar.GrammarMatcher(entry), self.vocab_size, self._eos_row)
-
-    def cache_info(self) -> CacheInfo:
-        """The cache's hit / miss counters, its size and bound."""
-        with self._lock:
-            return CacheInfo(self._hits, self._misses, len(self._cache), self.cache_size)
-
-    def cache_clear(self) -> None:
-        """Drop every cached grammar and reset the counters."""
-        with self._lock:
-            self._cache.clear()
-            self._hits = self._misses = 0
-
-    def _evict(self) -> None:
-        """Drop least recently used entries over :attr:`cache_size` (under the lock)."""
-        while len(self._cache) > max(self.cache_size, 0):
-            self._cache.popitem(last=False)
 
     def _compile(self, spec: Any) -> Any:
         """A ``CompiledGrammar`` for ``spec``, or the error message (one line, ``xgrammar: ...``)."""
