@@ -28,7 +28,7 @@ from deepinfer_core.models.deepseek_v41.model import TAIL_ENV, prefill_tail_sett
 from deepinfer_core.models.deepseek_v41.tiny import TINY_CONFIG
 from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.params import SamplingParams
-from tests.models.v41.conftest import v41_llm
+from tests.models.v41.conftest import prefix_hit_and_cold_run, v41_llm
 
 W, DECODER = 8, (7, 8, 9)  # the tiny model's window and its layers after the last kv source
 EXACT = len(DECODER) * (W - 1) + 1  # 22: the tail from which the last-token logits are exact
@@ -194,14 +194,8 @@ def test_prefix_cache_hit_with_the_tail(v41_dir, monkeypatch):
     tokens and logprobs as a cold run with the tail."""
     shared = _ids(7, 128)
     first, second = shared + _ids(8, 5), shared + _ids(9, 30)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
     monkeypatch.setenv(TAIL_ENV, "auto")
-    warm = v41_llm(v41_dir, batch_invariant=True, enable_prefix_caching=True, max_num_seqs=1)
-    warm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
-    [hit] = warm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
-    assert warm.get_metrics()["num_prefix_hit_tokens"] > 0
-    cold = v41_llm(v41_dir, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=1)
-    [ref] = cold.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
+    hit, ref = prefix_hit_and_cold_run(v41_dir, first, second)
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
     assert hit.outputs[0].logprobs == ref.outputs[0].logprobs
 

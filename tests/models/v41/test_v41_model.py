@@ -23,7 +23,7 @@ from deepinfer_core.models.deepseek_v41.family import FAMILY
 from deepinfer_core.models.deepseek_v41.tiny import dequantized_weights, make_tiny, native_tensors
 from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.params import SamplingParams
-from tests.models.v41.conftest import v41_llm
+from tests.models.v41.conftest import prefix_hit_and_cold_run, v41_llm
 from tests.models.v41.oracle import OracleV41
 
 LOGIT_ATOL = 1e-4  # float32: the engine and the oracle differ only in summation order
@@ -140,13 +140,7 @@ def test_prefix_cache_hit_equals_cold_run_bitwise(v41_dir):
     logprobs as a cold engine."""
     shared = _ids(5, 128)
     first, second = shared + _ids(6, 5), shared + _ids(7, 9)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    warm = v41_llm(v41_dir, batch_invariant=True, enable_prefix_caching=True, max_num_seqs=1)
-    warm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
-    [hit] = warm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
-    assert warm.get_metrics()["num_prefix_hit_tokens"] > 0
-    cold = v41_llm(v41_dir, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=1)
-    [ref] = cold.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
+    hit, ref = prefix_hit_and_cold_run(v41_dir, first, second)
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
     assert hit.outputs[0].logprobs == ref.outputs[0].logprobs
 
