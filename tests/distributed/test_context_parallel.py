@@ -30,6 +30,7 @@ from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import Fp8KVPool
+from tests.distributed.outputs import assert_same_completions
 
 CP_MIN = 64  # the tests' threshold: prompts of 100-300 tokens are split, short chunks are not
 
@@ -317,14 +318,7 @@ def test_llm_with_context_parallelism_matches_one_process(
     options = {"data_parallel_size": dp, "context_parallel_size": cp, "enable_expert_parallel": ep}
     got, split = _generate(tiny_dir, bi, **options)
     assert split > 0
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.token_ids == w.token_ids, f"prompt {i}"
-        assert len(g.logprobs) == len(w.logprobs)
-        for step, (a, b) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
-            assert set(a) == set(b), f"prompt {i} step {step}"
-            for tok in b:
-                x, y = float(getattr(a[tok], "logprob", a[tok])), float(getattr(b[tok], "logprob", b[tok]))
-                assert x == y if bi else abs(x - y) <= 1e-5, f"prompt {i} step {step} token {tok}: {x} vs {y}"
+    assert_same_completions(got, want, exact=bi)
 
 
 def test_context_parallel_min_tokens_option(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

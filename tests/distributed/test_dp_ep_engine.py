@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
+from tests.distributed.outputs import assert_same_completions
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 200 + 2 for j in range(5 + 9 * i)]} for i in range(6)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
@@ -25,34 +26,16 @@ def _run(model_dir: Path, **options: Any) -> list[Any]:
         return [out.outputs[0] for out in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
-def _check(got: list[Any], want: list[Any], exact: bool) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.token_ids == w.token_ids, f"prompt {i}"
-        assert g.logprobs is not None and len(g.logprobs) == len(w.logprobs)
-        for step, (a, b) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
-            assert set(a) == set(b), f"prompt {i} step {step}: top ids {sorted(a)} vs {sorted(b)}"
-            for tok in b:
-                x, y = _value(a[tok]), _value(b[tok])
-                if exact:
-                    assert x == y, f"prompt {i} step {step} token {tok}: {x!r} != {y!r}"
-                else:
-                    assert abs(x - y) <= 1e-5, f"prompt {i} step {step} token {tok}: {x!r} vs {y!r}"
-
-
-def _value(lp: Any) -> float:
-    return float(getattr(lp, "logprob", lp))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_dp2_ep_matches_single_process(tiny_dir: Path, batch_invariant: bool) -> None:
     want = _run(tiny_dir, batch_invariant=batch_invariant)
     got = _run(tiny_dir, batch_invariant=batch_invariant, data_parallel_size=2, enable_expert_parallel=True)
-    _check(got, want, exact=batch_invariant)
+    assert_same_completions(got, want, exact=batch_invariant)
 
 
 @pytest.mark.slow
 def test_dp4_ep_matches_single_process_bitwise(tiny_dir: Path) -> None:
     want = _run(tiny_dir, batch_invariant=True)
     got = _run(tiny_dir, batch_invariant=True, data_parallel_size=4, enable_expert_parallel=True)
-    _check(got, want, exact=True)
+    assert_same_completions(got, want, exact=True)

@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.distributed.context_parallel import CP_MIN_TOKENS_ENV  # noqa: E402
+from tests.distributed.outputs import assert_same_completions  # noqa: E402
 
 CPU_ENV = "DEEPINFER_NCCL_TEST_ON_CPU"
 ON_CPU = os.environ.get(CPU_ENV) == "1"
@@ -138,24 +139,6 @@ def single_gpu(tiny_dir: Path, target: Target) -> list[Any]:
         return _outputs(llm)
 
 
-def _value(lp: Any) -> float:
-    return float(getattr(lp, "logprob", lp))
-
-
-def _check(got: list[Any], want: list[Any], exact: bool) -> None:
-    for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.token_ids == w.token_ids, f"prompt {i}: tokens {g.token_ids} != single GPU {w.token_ids}"
-        assert g.logprobs is not None and len(g.logprobs) == len(w.logprobs), f"prompt {i}"
-        for step, (a, b) in enumerate(zip(g.logprobs, w.logprobs, strict=True)):
-            assert set(a) == set(b), f"prompt {i} step {step}: top ids {sorted(a)} vs {sorted(b)}"
-            for tok in b:
-                x, y = _value(a[tok]), _value(b[tok])
-                if exact:
-                    assert x == y, f"prompt {i} step {step} token {tok}: {x!r} != {y!r} (batch_invariant)"
-                else:
-                    assert abs(x - y) <= TOLERANCE, f"prompt {i} step {step} token {tok}: {x!r} vs {y!r}"
-
-
 def _check_world(llm: LLM, target: Target, run: str) -> None:
     """The run's process groups and devices: NCCL (gloo for host messages), rank 0 on device 0,
     the worker on device 1 (read from its log)."""
@@ -206,4 +189,4 @@ def test_two_ranks_match_one_device(
         assert split[0] > 0, "context parallelism never split a prefill chunk"
     else:
         assert split[0] == 0
-    _check(got, single_gpu, exact=target.batch_invariant)
+    assert_same_completions(got, single_gpu, exact=target.batch_invariant, tolerance=TOLERANCE)
