@@ -250,14 +250,19 @@ class LLMEngine:
             )
 
     def _speculative(self, drafter_cls: type | None) -> SpeculativeDecoder | None:
-        """Speculative decoding when configured (steps then run synchronously: the drafts of a
-        step need the previous step's tokens on the host)."""
+        """Speculative decoding when configured.  A step that verifies drafts runs
+        synchronously (its drafts need the previous step's tokens on the host); steps without
+        drafts stay asynchronous, unless the drafter follows every step (``mtp``)."""
         if self.config.speculative is None:
             return None
-        if self.config.async_scheduling:
-            logger.info("speculative decoding: async scheduling off (drafts need each step's tokens)")
+        spec = SpeculativeDecoder(self, drafter_cls)
+        if self.config.async_scheduling and spec.drafter_observes:
+            logger.info(
+                "speculative decoding: async scheduling off (drafter %r follows every step's hidden states)",
+                self.config.speculative.drafter,
+            )
             self.config = self.config.model_copy(update={"async_scheduling": False})
-        return SpeculativeDecoder(self, drafter_cls)
+        return spec
 
     def _check_batch_invariance(self, device_type: str) -> None:
         """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
@@ -633,6 +638,9 @@ class LLMEngine:
         finished, self._errored = self._errored, []
         previous, self._inflight = self._inflight, None
         if self.spec is not None:
+            if self.spec.wants_drafts(self.scheduler.running) and previous is not None:
+                finished += self._complete(previous)  # the drafts need its tokens
+                previous = None
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         finished += sched.finished
@@ -643,10 +651,10 @@ class LLMEngine:
         elif self.parallel is not None and self.parallel.expert_parallel:
             self.runner.execute_dummy()  # the other ranks' MoE collectives wait for this rank's
         if previous is not None:
-            finished += self._complete(previous)
+            finished += self._complete(previous, t0)
         if logits is not None:
             launched = self._sample(sched, logits, t0)
-            if self.config.async_scheduling:
+            if self.config.async_scheduling and launched.verified is None:
                 self._inflight = launched
             else:
                 finished += self._complete(launched)
@@ -664,8 +672,10 @@ class LLMEngine:
             record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
             logits = logits[sample_rows]
         if self.spec is not None:
-            verified = self.spec.sample(sched, logits)
-            return _Launched(sched, logits.new_empty(0), [], t0, verified)
+            if any(c.num_draft for c in sched.chunks):
+                verified = self.spec.sample(sched, logits)
+                return _Launched(sched, logits.new_empty(0), [], t0, verified)
+            self.spec.record_without_drafts(sched)
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
         batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
         if any(r.structured_matcher is not None for r in sched.sampling_requests):
@@ -675,8 +685,10 @@ class LLMEngine:
         sampled = self.sampler(logits, batch)
         return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
 
-    def _complete(self, step: _Launched) -> list[Request]:
-        """Process a launched step's outputs (the only host sync on its sampled tokens)."""
+    def _complete(self, step: _Launched, next_launch: float | None = None) -> list[Request]:
+        """Process a launched step's outputs (the only host sync on its sampled tokens);
+        ``next_launch``: when the step after it started, for a step processed after that one
+        was launched (its period then ends there)."""
         if step.verified is not None:
             v = step.verified
             finished = self.scheduler.complete_tokens(step.sched, v.token_ids, v.logprobs, self.eos_token_ids)
@@ -686,7 +698,8 @@ class LLMEngine:
             )
         self._record_step(step.sched, finished, step.t0, step.verified)
         if self.spec is not None:
-            self.spec.observe_step(step.sched, time.perf_counter() - step.t0)
+            end = time.perf_counter() if next_launch is None else next_launch
+            self.spec.observe_step(step.sched, end - step.t0, overlapped=next_launch is not None)
             self.spec.observe(step.sched)
         return finished
 

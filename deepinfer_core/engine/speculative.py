@@ -103,7 +103,6 @@ class SpeculativeDecoder:
             drafter_cls = drafter_class(cfg, engine.plugins)
         self.drafter = drafter_cls(cfg, engine.model_config.vocab_size)
         self.drafter.bind(engine.runner)
-        self._observes = type(self.drafter).observe is not Drafter.observe
         self.metrics = SpeculativeMetrics(cfg.max_draft_tokens)
         self.global_stats = AcceptanceStats(cfg.max_draft_tokens)
         self._stats: dict[str, AcceptanceStats] = {}
@@ -113,6 +112,8 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._since_probe = 0  # dspark: steps without drafting since the last draft
+        self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
+        self.drafter_observes = type(self.drafter).observe is not Drafter.observe
         if cfg.method == "dspark":
             self.cost = self._profile_cost()
 
@@ -142,32 +143,57 @@ class SpeculativeDecoder:
         return StepCost(table)
 
     # ---- before the step -------------------------------------------------------------------------
-    def propose(self, running: Sequence[Request]) -> None:
-        """Set the drafts each decoding request verifies this step (``Request.draft_token_ids``)."""
-        engine = self.engine
-        k = self.config.max_draft_tokens
-        self._step_draft_seconds = 0.0
-        contexts, reqs = [], []
+    def _candidates(self, running: Sequence[Request]) -> list[tuple[Request, int]]:
+        """The decoding requests that could verify drafts this step, with the most drafts each
+        has room for (``max_draft_tokens``, ``max_tokens``, ``max_model_len``)."""
+        engine, k = self.engine, self.config.max_draft_tokens
+        out = []
         for req in running:
-            req.draft_token_ids = []
             if req.num_uncomputed_tokens != 1 or req.is_finished:
                 continue
             room = min(
                 k,
-                req.params.max_tokens - len(req.output_token_ids) - 1,
-                engine.max_model_len - req.num_tokens - 1,
+                req.params.max_tokens - len(req.output_token_ids) - req.num_pending - 1,
+                engine.max_model_len - req.num_tokens - req.num_pending - 1,
             )
-            if room < 1 or not self._can_roll_back(req):
-                continue
-            tokens = req.token_slice(0, req.num_tokens)
-            contexts.append(DraftContext(req.request_id, tokens, req.num_prompt_tokens, room))
-            reqs.append(req)
-        if not contexts:
+            if room >= 1 and self._can_roll_back(req):
+                out.append((req, room))
+        return out
+
+    def wants_drafts(self, running: Sequence[Request]) -> bool:
+        """Whether this step asks the drafter; called once per step, before :meth:`propose`
+        and, with async scheduling, before the step still in flight is processed (a step that
+        drafts needs its tokens first; one that does not runs asynchronously like plain
+        decoding).  ``False`` when no decoding request has room for a draft, and for ``dspark``
+        when drafting is not expected to pay (:meth:`_drafting_pays`)."""
+        cands = self._candidates(running)
+        self._drafting = bool(cands)
+        if cands and self.cost is not None:
+            budget = self.engine.config.max_num_batched_tokens - len(cands)
+            if not self._drafting_pays(cands, budget):
+                self.metrics.num_steps_without_drafting += 1
+                self._drafting = False
+        return self._drafting
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Set the drafts each decoding request verifies this step (``Request.draft_token_ids``;
+        none unless :meth:`wants_drafts` said so)."""
+        engine = self.engine
+        self._step_draft_seconds = 0.0
+        for req in running:
+            req.draft_token_ids = []
+        if not self._drafting:
             return
+        self._drafting = False
+        cands = self._candidates(running)  # again: the tokens of the step just processed are in
+        if not cands:
+            return
+        reqs = [req for req, _ in cands]
+        contexts = [
+            DraftContext(req.request_id, req.token_slice(0, req.num_tokens), req.num_prompt_tokens, room)
+            for req, room in cands
+        ]
         budget = engine.config.max_num_batched_tokens - len(reqs)
-        if self.cost is not None and not self._drafting_pays(reqs, contexts, budget):
-            self.metrics.num_steps_without_drafting += 1
-            return
         t0 = time.perf_counter()
         drafts = self.drafter.propose(contexts)
         self._step_draft_seconds = elapsed = time.perf_counter() - t0
@@ -200,12 +226,13 @@ class SpeculativeDecoder:
             self._proposed[req.request_id] = len(draft.token_ids)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
 
-    def _drafting_pays(self, reqs: list[Request], contexts: list[DraftContext], budget: int) -> bool:
+    def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_pays` on the
-        requests' running acceptance rates and the drafter's measured time; a probe every
-        :data:`PROBE_INTERVAL` steps without drafting)."""
+        requests' running acceptance rates and the drafter's measured time, against a step
+        without drafts as such steps run; a probe every :data:`PROBE_INTERVAL` steps without
+        drafting)."""
         assert self.cost is not None
-        estimates = [self._rate_confidence(r, ctx.max_tokens) for r, ctx in zip(reqs, contexts, strict=True)]
+        estimates = [self._rate_confidence(req, room) for req, room in cands]
         if self._since_probe >= PROBE_INTERVAL or drafting_pays(
             estimates, budget, self.cost, self.draft_seconds
         ):
@@ -443,19 +470,31 @@ class SpeculativeDecoder:
             )
             self.global_stats.record(verified, accepted)
 
-    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+    def record_without_drafts(self, sched: SchedulerOutput) -> None:
+        """Count a step that verified no draft (sampled by the engine's plain path): each of
+        its decodes verified none."""
+        for req, c in zip(sched.sampling_requests, (c for c in sched.chunks if c.sample), strict=True):
+            if c.num_tokens == 1 and c.start_pos >= req.num_prompt_tokens:
+                self._record(req, 0, 0)
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float, overlapped: bool = False) -> None:
         """Refine the cost model with a step that only decoded (``B`` requests, ``t`` tokens
-        per request on average)."""
+        per request on average; ``seconds`` from its launch to the next step's when it ran
+        ``overlapped`` with that launch (async), else to its outputs): a step that verified
+        drafts refines :attr:`StepCost.overhead`, one without :attr:`StepCost.plain_overhead`."""
         if self.cost is None or not sched.chunks:
             return
         if all(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks):
             b = len(sched.chunks)  # the drafter's time is modelled apart (draft_seconds)
-            self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
+            if any(c.num_draft for c in sched.chunks):
+                self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
+            else:
+                self.cost.observe_plain(b, seconds - self._step_draft_seconds, overlapped)
 
     def observe(self, sched: SchedulerOutput) -> None:
         """Tell the drafter (when it observes) which positions each running request computed
         and kept in the step just completed (:class:`~deepinfer_core.speculative.ComputedChunk`)."""
-        if not self._observes:
+        if not self.drafter_observes:
             return
         computed: list[ComputedChunk] = []
         row = 0

@@ -15,7 +15,9 @@
   tokens per second — a longer verify only where it is expected to pay.  Drafting itself
   costs time (the ``mtp`` drafter runs its layer once per draft depth): before asking the
   drafter, :func:`drafting_pays` weighs the best verify lengths the requests' running
-  acceptance rates allow, plus the drafter's measured time, against a step without drafts;
+  acceptance rates allow, plus the drafter's measured time, against a step without drafts
+  as such steps run (with async scheduling they overlap the host work with the device's,
+  while a verify step needs the previous step's tokens first: :meth:`StepCost.plain_cost`);
   when drafting does not pay the step runs without proposing, with a probe every
   :data:`PROBE_INTERVAL` such steps so the rates can recover.
 """
@@ -42,9 +44,14 @@ class StepCost:
             was measured), plus :attr:`overhead`.
 
     Attributes:
-        overhead: the host time a step adds to its forward (scheduling, sampling, drafting),
-            learned by :meth:`observe` from the steps the engine runs; the same for every
-            ``t``, so it makes verifying more drafts relatively cheaper.
+        overhead: the host time a step that verifies drafts adds to its forward (scheduling,
+            sampling; such steps run synchronously), learned by :meth:`observe` from the steps
+            the engine runs; the same for every ``t``, so it makes verifying more drafts
+            relatively cheaper.
+        plain_overhead: the same for a step without drafts, learned by :meth:`observe_plain`;
+            with async scheduling such steps overlap the host work with the device's, so it
+            may be negative (the period between two launches below the synchronously
+            measured forward).
     """
 
     def __init__(self, table: dict[tuple[int, int], float]) -> None:
@@ -55,6 +62,7 @@ class StepCost:
         self.tokens = {b: sorted(t for bb, t in self.table if bb == b) for b in self.batches}
         self.overhead = 0.0
         self._observed = False
+        self.plain_overhead: float | None = None
 
     def _at_batch(self, b: int, t: float) -> float:
         ts = self.tokens[b]
@@ -90,6 +98,24 @@ class StepCost:
         extra = max(seconds - self.forward(batch, tokens_per_request), 0.0)
         self.overhead = extra if not self._observed else (1 - EMA) * self.overhead + EMA * extra
         self._observed = True
+
+    def plain_cost(self, batch: int) -> float:
+        """Estimated seconds of a step of ``batch`` requests without drafts, as such steps run
+        (:attr:`plain_overhead` once observed, else :attr:`overhead`); never below a tenth of
+        the forward."""
+        fwd = self.forward(batch, 1.0)
+        extra = self.overhead if self.plain_overhead is None else self.plain_overhead
+        return max(fwd + extra, 0.1 * fwd)
+
+    def observe_plain(self, batch: int, seconds: float, overlapped: bool) -> None:
+        """Fold a measured step without drafts into :attr:`plain_overhead` (an exponential
+        moving average of the step time beyond the forward's estimate; below zero only for a
+        step that ran ``overlapped`` with the next one's launch, i.e. asynchronously)."""
+        extra = seconds - self.forward(batch, 1.0)
+        if not overlapped:
+            extra = max(extra, 0.0)
+        prev = self.plain_overhead
+        self.plain_overhead = extra if prev is None else (1 - EMA) * prev + EMA * extra
 
 
 def fixed_lengths(proposed: Sequence[int], budget: int) -> list[int]:
@@ -146,7 +172,8 @@ def drafting_pays(
 
     Returns:
         ``True`` when the best verify lengths (:func:`dspark_lengths`) give more expected
-        tokens per second, counting ``draft_seconds``, than a step without drafts.
+        tokens per second, counting ``draft_seconds``, than a step without drafts as such
+        steps run (:meth:`StepCost.plain_cost`: asynchronously where the engine can).
     """
     b = len(confidences)
     lengths = dspark_lengths(confidences, budget, cost)
@@ -154,7 +181,7 @@ def drafting_pays(
     if n == 0:
         return False
     expected = b + sum(sum(cs[:length]) for cs, length in zip(confidences, lengths, strict=True))
-    return expected / (cost.cost(b, 1.0 + n / b) + draft_seconds) > b / cost.cost(b, 1.0)
+    return expected / (cost.cost(b, 1.0 + n / b) + draft_seconds) > b / cost.plain_cost(b)
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:

@@ -92,6 +92,27 @@ def test_step_cost_interpolates_and_learns_the_overhead():
     assert cost.cost(1, 3) == pytest.approx(3.8)
 
 
+def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
+    """A step without drafts that ran asynchronously may cost less than the synchronously
+    measured forward (negative :attr:`plain_overhead`); a synchronous one may not.  Drafting
+    is weighed against the plain step as it runs: verifying two sure drafts triples the
+    tokens of a step costing 1.5x a synchronous plain one, but not of one that overlaps."""
+    cost = StepCost({(1, 1): 1.0, (1, 3): 1.5})
+    assert cost.plain_cost(1) == pytest.approx(1.0)  # nothing observed: the verify steps' model
+    cost.observe_plain(1, 0.5, overlapped=False)
+    assert cost.plain_overhead == 0.0
+    assert drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 tokens / 1.5 s > 1 token / 1 s
+    cost.plain_overhead = None
+    cost.observe_plain(1, 0.4, overlapped=True)
+    assert cost.plain_overhead == pytest.approx(-0.6)
+    assert cost.plain_cost(1) == pytest.approx(0.4)
+    assert not drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 / 1.5 s < 1 / 0.4 s
+    cost.observe_plain(1, 0.0, overlapped=True)
+    assert cost.plain_cost(1) == pytest.approx(0.32)  # EMA: -0.6 * 0.8 - 1.0 * 0.2 = -0.68
+    cost.plain_overhead = -2.0
+    assert cost.plain_cost(1) == pytest.approx(0.1)  # never below a tenth of the forward
+
+
 def test_acceptance_stats_are_conditional_rates():
     s = AcceptanceStats(3)
     s.record(3, 1)  # d1 accepted, d2 rejected, d3 never tested

@@ -110,13 +110,19 @@ PARAMS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("method", ["fixed", "dspark"])
+@pytest.mark.parametrize("method", ["fixed", "dspark", "dspark-sync"])
 @pytest.mark.parametrize("kind", sorted(PARAMS))
 def test_outputs_equal_plain_decoding(tiny_dir, kind, method):
+    """``dspark`` with async scheduling (steps without drafts overlap: measured faster than the
+    fixed step costs, so it drafts mostly at probes) and without (drafts weighed every step)."""
     params = PARAMS[kind]
     ref = _llm(tiny_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     _script(PROMPTS, ref)
-    spec = _llm(tiny_dir, {"drafter": "oracle", "method": method, "max_draft_tokens": 4})
+    spec = _llm(
+        tiny_dir,
+        {"drafter": "oracle", "method": method.removesuffix("-sync"), "max_draft_tokens": 4},
+        async_scheduling=not method.endswith("-sync"),
+    )
     outs = spec.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert _tokens(outs) == _tokens(ref)
     if params.logprobs is not None:
@@ -189,6 +195,33 @@ def test_dspark_stops_asking_a_drafter_that_never_pays(tiny_dir):
     decode_steps = params.max_tokens - 2  # decode steps with room for a draft
     assert calls["fixed"] == decode_steps
     assert calls["dspark"] <= decode_steps // 2 + decode_steps // PROBE_INTERVAL, calls
+
+
+def test_steps_without_drafts_run_asynchronously(tiny_dir):
+    """With async scheduling on, a step that verifies no draft is launched before the previous
+    step's outputs are processed, as in plain decoding; one that drafts processes them first
+    (its drafts need them) and runs synchronously.  DSpark with a drafter that never pays
+    thus runs mostly asynchronously, and the seeded tokens equal plain decoding's."""
+    params = PARAMS["seeded"]
+    ref = _llm(tiny_dir).generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    _script(PROMPTS, ref)
+    llm = _llm(tiny_dir, {"drafter": "wrong", "method": "dspark", "max_draft_tokens": 4})
+    engine = llm.engine
+    assert engine.config.async_scheduling  # kept: the drafter does not follow the steps
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    outs, overlapped, drafted = {}, 0, 0
+    while engine.has_unfinished():
+        verified_before = llm.get_metrics()["speculative"]["num_draft_tokens"]
+        outs.update((o.request_id, o) for o in engine.step())
+        if llm.get_metrics()["speculative"]["num_draft_tokens"] > verified_before:
+            drafted += 1
+            assert engine._inflight is None  # a verify step: processed before returning
+        overlapped += engine._inflight is not None
+    assert drafted > 0 and overlapped > 2 * drafted, (drafted, overlapped)
+    assert [outs[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+        o.outputs[0].token_ids for o in ref
+    ]
 
 
 def test_stop_strings_n_and_prefix_caching(tiny_dir):
