@@ -30,7 +30,13 @@ subset (``--schemas``) of the structured-outputs test corpus,
    the llguidance backend's compiled-grammar cache misses: ``cold``), the same spec again
    (``cached``), and no grammar (``unconstrained``); medians of ``--ttft-repeats``.  The
    backend's ``cache_info()`` hits and misses over each kind are recorded as proof.
-3. With ``--profile``: cProfile of ``--repeats`` runs of each mode (but ``len-matched``) at
+3. Continuous batching (``--queue-factor`` Q, default 16; 0 skips it): Q x B requests given at
+   once with at most B running (the scheduler's ``max_num_seqs`` set to B), so requests whose
+   grammar finishes early are replaced from the queue and the batch stays full until it
+   drains — the throughput a server at concurrency B sees; ``unconstrained``, ``json`` and
+   ``len-matched`` (each request as long as its ``json`` twin: the same prefills and tokens,
+   so ``json`` vs ``len-matched`` is the grammar's cost under continuous batching).
+4. With ``--profile``: cProfile of ``--repeats`` runs of each mode (but ``len-matched``) at
    the largest batch size, the time split into the model forward, the grammar (mask fill,
    token consumption, matcher creation) and the sampler (which copies, unpacks and applies
    the bitmask); cProfile's per-call cost inflates the Python-heavy parts, so read the parts
@@ -202,8 +208,67 @@ def bench_throughput(llm: LLM, args: argparse.Namespace, schemas: list[tuple[str
     return rows
 
 
+def bench_served(llm: LLM, args: argparse.Namespace, schemas: list[tuple[str, dict]]) -> list[dict]:
+    """Continuous batching: ``--queue-factor`` x B requests at once with at most B running
+    (``max_num_seqs`` = B), so a request that finishes early is replaced by a waiting one and
+    the batch stays full until the queue drains: the throughput a server at concurrency B
+    sees.  Modes ``unconstrained``, ``json`` and ``len-matched`` as above; the median of
+    ``--repeats``."""
+    rows = []
+    scheduler = llm.engine.scheduler
+    saved = scheduler.max_num_seqs
+    try:
+        for batch in args.batch_sizes:
+            scheduler.max_num_seqs = batch
+            n = args.queue_factor * batch
+            prompts = make_prompts(llm, n, args.prompt_len)
+            params = {m: mode_params(m, n, schemas, args.max_tokens) for m in ("unconstrained", "json")}
+            warm = {m: timed_generate(llm, prompts, params[m]) for m in params}
+            lengths = warm["json"]["lengths"]
+            params["len-matched"] = [
+                SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in lengths
+            ]
+            runs: dict[str, list[dict]] = {m: [] for m in params}
+            for _ in range(args.repeats):
+                for m in params:
+                    runs[m].append(timed_generate(llm, prompts, params[m]))
+            med = {m: sorted(r, key=lambda x: x["seconds"])[len(r) // 2] for m, r in runs.items()}
+            for m in params:
+                row = {k: v for k, v in med[m].items() if k != "lengths"}
+                row.update(batch=batch, mode=m, requests=n, all_seconds=[r["seconds"] for r in runs[m]])
+                row["ms_per_step"] = 1e3 * row["seconds"] / row["steps"]
+                row["slowdown"] = med["unconstrained"]["tok_s"] / row["tok_s"] - 1
+                if m == "json":
+                    row["equal_work_ref"] = "len-matched"
+                    row["equal_work_slowdown"] = row["seconds"] / med["len-matched"]["seconds"] - 1
+                rows.append(row)
+                log(f"served batch {batch:3d} {m:13s} {row['tok_s']:8.1f} tok/s ({n} requests)")
+    finally:
+        scheduler.max_num_seqs = saved
+    return rows
+
+
+def print_served(rows: list[dict], factor: int) -> None:
+    print(f"\ncontinuous batching: {factor} x B requests, at most B running")
+    print(
+        f"{'batch':>5} {'mode':<13} {'requests':>8} {'wall s':>7} {'new tok':>7} {'tok/s':>8} "
+        f"{'steps':>5} {'ms/step':>7} {'tok/s slowdown':>14} {'equal-work slowdown':>24}"
+    )
+    for r in rows:
+        slow = f"{100 * r['slowdown']:+13.1f}%" if r["mode"] != "unconstrained" else f"{'-':>14}"
+        eq = (
+            f"{100 * r['equal_work_slowdown']:+7.1f}% vs {r['equal_work_ref']:<13s}"
+            if "equal_work_slowdown" in r
+            else f"{'-':>24}"
+        )
+        print(
+            f"{r['batch']:>5} {r['mode']:<13} {r['requests']:>8} {r['seconds']:>7.3f} {r['new_tokens']:>7} "
+            f"{r['tok_s']:>8.1f} {r['steps']:>5} {r['ms_per_step']:>7.2f} {slow} {eq}"
+        )
+
+
 def bench_ttft(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
-    backend = llm.engine._structured_backend("llguidance")  # private; the only path to cache_info()
+    backend = llm.engine.structured.backend("llguidance")  # private; the only path to cache_info()
     schema = dict(load_schema_corpus().SCHEMAS)[args.ttft_schema]
     prompt = make_prompts(llm, 1, args.prompt_len)
     counter = itertools.count()
@@ -254,7 +319,7 @@ PROFILE_PARTS: list[tuple[str, tuple[str, str]]] = [
     ("engine step (total)", ("engine/llm_engine.py", "step")),
     ("model forward (runner.execute)", ("engine/model_runner.py", "execute")),
     ("_sample (grammar masks + sampler)", ("engine/llm_engine.py", "_sample")),
-    ("  _structured_allowed (grammar, total)", ("engine/llm_engine.py", "_structured_allowed")),
+    ("  structured.apply (wait for / fill the masks)", ("engine/structured.py", "apply")),
     ("    matcher.fill_bitmask (mask compute)", ("llguidance_backend.py", "fill_bitmask")),
     ("    matcher.consume (advance grammar)", ("llguidance_backend.py", "consume")),
     ("  sampler (bitmask copy, unpack, apply)", ("sampling/sampler.py", "__call__")),
@@ -337,9 +402,10 @@ def print_throughput(rows: list[dict]) -> None:
         )
 
 
-def target_verdict(rows: list[dict]) -> dict[str, Any] | None:
-    """The issue's bound at batch 32: ``json`` tok/s vs unconstrained, and the two equal-work
-    comparisons (``json`` wall vs ``len-matched``, ``json-full`` vs unconstrained)."""
+def target_verdict(rows: list[dict], served: list[dict]) -> dict[str, Any] | None:
+    """The issue's bound at batch 32: ``json`` tok/s vs unconstrained (closed batch, and
+    continuous batching where measured), and the two equal-work comparisons (``json`` wall vs
+    ``len-matched``, ``json-full`` vs unconstrained)."""
     at = {r["mode"]: r for r in rows if r["batch"] == TARGET_BATCH}
     if "json" not in at:
         return None
@@ -348,6 +414,10 @@ def target_verdict(rows: list[dict]) -> dict[str, Any] | None:
         "json wall vs len-matched": at["json"]["equal_work_slowdown"],
         "json-full vs unconstrained": at["json-full"]["equal_work_slowdown"],
     }
+    served_at = {r["mode"]: r for r in served if r["batch"] == TARGET_BATCH}
+    if "json" in served_at:
+        checks["served json tok/s vs unconstrained"] = served_at["json"]["slowdown"]
+        checks["served json wall vs len-matched"] = served_at["json"]["equal_work_slowdown"]
     return {
         "bound": TARGET_SLOWDOWN,
         "batch": TARGET_BATCH,
@@ -369,6 +439,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ttft-repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--profile", action="store_true", help="cProfile each mode at the largest batch size")
+    ap.add_argument(
+        "--queue-factor",
+        type=int,
+        default=16,
+        help="continuous batching: this many x B requests with at most B running (0: skip)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     if args.threads > 0:
@@ -411,9 +487,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile:
         log(f"profile: every mode at batch {max_batch}")
         report["profile"] = profile_run(llm, args, schemas)
-    report["target"] = target_verdict(report["throughput"])
+    report["served"] = []
+    if args.queue_factor > 0:
+        log("continuous batching")
+        report["served"] = bench_served(llm, args, schemas)
+    report["target"] = target_verdict(report["throughput"], report["served"])
 
     print_throughput(report["throughput"])
+    if report["served"]:
+        print_served(report["served"], args.queue_factor)
     t = report["ttft"]
     print(f"\nfirst-token latency, schema {t['schema']!r}, median of {t['repeats']} (max_tokens=1)")
     print(f"{'request':<14} {'TTFT ms':>8} {'generate ms':>11} {'cache hits':>10} {'misses':>6}")

@@ -128,9 +128,11 @@ class LLM:
     def shutdown(self) -> None:
         """End a distributed run: the worker ranks exit (killed if they do not within a few
         seconds).  Idempotent; also runs at interpreter exit and at the end of a ``with LLM(...)``
-        block.  A no-op for a single process."""
+        block.  For a single process it only stops the grammar worker thread (see
+        :mod:`deepinfer_core.engine.structured`)."""
         if self._coordinator is not None:
             self._coordinator.shutdown()
+        self.engine.structured.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,11 @@ from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult, drafter_class
+from deepinfer_core.engine.structured import MaskFill, StructuredOutputs
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.sampling.logits_processors import LogitsProcessor
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 from deepinfer_core.sampling.prompt_logprobs import logit_rows, record_prompt_logprobs
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
@@ -230,7 +231,14 @@ class LLMEngine:
         self._abort_lock = threading.Lock()
         self._req_metrics: dict[str, RequestMetrics] = {}
         self.metrics = Metrics(self.runner.capacity_tokens)
-        self._structured: dict[str, Any] = {}  # grammar backend (or why not) by name
+        self.structured = StructuredOutputs(
+            plugins,
+            self.tokenizer,
+            self._tokenizer_error,
+            self.model_config.vocab_size,
+            self.eos_token_ids,
+            overlap=self.runner.device.type == "cpu",  # the forward runs on this thread
+        )
         self._processors: dict[str, Any] = {}  # logits processor instance (or why not) by name
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         self.spec = self._speculative(drafter_cls)
@@ -411,7 +419,7 @@ class LLMEngine:
         self._req_metrics[request_id] = RequestMetrics(arrival_time=time.monotonic())
         error = self._check_prompt(req)
         if error is None and params.structured_outputs is not None:
-            error = self._attach_matcher(req)
+            error = self.structured.attach(req)
         if error is None and params.logits_processors:
             error = self._attach_processors(req)
         if error is not None:
@@ -420,51 +428,6 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
         return req
-
-    def _structured_backend(self, name: str) -> Any:
-        """The grammar backend ``name`` (built once per engine); raises :class:`RuntimeError`
-        naming what to install when it is unknown or unavailable."""
-        cached = self._structured.get(name)
-        if cached is None:
-            spec = self.plugins.components["structured_backends"].get(name)
-            if spec is None:
-                known = sorted(self.plugins.components["structured_backends"])
-                cached = RuntimeError(
-                    f"structured outputs backend {name!r} is not registered (known: {known}); "
-                    "pip install deepinfer-samplers[structured] for 'llguidance'"
-                )
-            else:
-                available, reason = spec.availability()
-                if not available:
-                    cached = RuntimeError(  # the plugin's reason says what to install
-                        f"structured outputs backend {name!r} is unavailable: {reason}"
-                    )
-                elif self.tokenizer is None:
-                    cached = RuntimeError(
-                        "structured outputs need a tokenizer, and the engine has none "
-                        f"({self._tokenizer_error})"
-                    )
-                else:
-                    try:
-                        backend_cls = spec.factory()
-                        cached = backend_cls(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-                    except Exception as e:
-                        cached = RuntimeError(f"structured outputs backend {name!r} failed to start: {e}")
-            self._structured[name] = cached
-        if isinstance(cached, Exception):
-            raise cached
-        return cached
-
-    def _attach_matcher(self, req: Request) -> str | None:
-        """Give ``req`` its grammar matcher (``req.structured_matcher``); the error message if
-        the backend is missing or the grammar invalid."""
-        spec = req.params.structured_outputs
-        assert spec is not None
-        try:
-            req.structured_matcher = self._structured_backend(spec.backend).matcher(spec)
-        except Exception as e:
-            return f"request {req.request_id!r}: structured outputs: {e}"
-        return None
 
     def _scheduler_class(self) -> type[Scheduler]:
         """The scheduler class registered as ``config.scheduler``; :class:`ConfigError` naming the
@@ -540,44 +503,6 @@ class LLMEngine:
                 logits = self._processors[name].apply(logits, rows)
         return logits
 
-    def _structured_allowed(self, batch: SamplingBatch, requests: list[Request]) -> None:
-        """Restrict the rows of requests with structured outputs to the tokens their grammar
-        allows next, as a packed ``[B, ceil(V/32)]`` int32 bitmask each grammar backend fills in
-        place on the host in one batched call (``fill_bitmasks``), sent to the device in one
-        copy and unpacked there by the sampler.
-
-        The matcher first consumes the tokens appended since the last step.  In async mode this
-        runs after the step's forward was launched and the previous step completed (see
-        :meth:`step`), so the masks are computed while the device runs the forward.  A row whose
-        grammar allows nothing (an error state) may end with EOS; a request's own
-        ``allowed_token_ids`` intersect the grammar's, or, where they share no token, yield to it.
-        """
-        vocab = self.model_config.vocab_size
-        bitmask = torch.full((len(requests), bitmask_words(vocab)), -1, dtype=torch.int32)
-        by_backend: dict[str, list[tuple[Any, int]]] = {}
-        for i, req in enumerate(requests):
-            matcher = req.structured_matcher
-            if matcher is not None:
-                matcher.consume(req.output_token_ids[matcher.num_consumed :])
-                by_backend.setdefault(req.params.structured_outputs.backend, []).append((matcher, i))
-        for name, pairs in by_backend.items():  # one batched fill per grammar backend
-            self._structured_backend(name).fill_bitmasks(pairs, bitmask)
-        self._finish_bitmask(batch, bitmask, [i for pairs in by_backend.values() for _, i in pairs])
-
-    def _finish_bitmask(self, batch: SamplingBatch, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Hand ``bitmask`` to ``batch`` once its grammar-constrained ``rows`` are filled: a row
-        the grammar allows nothing in (an error state) may end with EOS; a row's own
-        ``allowed_token_ids`` intersect the grammar's or, sharing no token with it, yield."""
-        vocab = self.model_config.vocab_size
-        allowed_lists = batch.allowed_token_ids
-        for i in (torch.tensor(rows, dtype=torch.int64)[~bitmask[rows].any(dim=1)]).tolist():
-            bitmask[i] = bitmask_of(self.eos_token_ids, vocab)  # the grammar allows nothing: end
-        for i in rows:
-            extra = allowed_lists[i] if allowed_lists is not None else None
-            if extra is not None and not any(bitmask_has(bitmask[i], t) for t in extra):
-                allowed_lists[i] = None  # no common token: the grammar's own choice
-        batch.token_bitmask = bitmask
-
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer
         for stop strings); raises :class:`SamplingParamsError` naming the field."""
@@ -637,6 +562,9 @@ class LLMEngine:
         self._apply_aborts()
         finished, self._errored = self._errored, []
         previous, self._inflight = self._inflight, None
+        if previous is not None and self.structured.wants_tokens_first(self.scheduler.running):
+            finished += self._complete(previous, t0)  # CPU: the grammar masks overlap the forward
+            previous = None
         if self.spec is not None:
             if self.spec.wants_drafts(self.scheduler.running) and previous is not None:
                 finished += self._complete(previous)  # the drafts need its tokens
@@ -645,15 +573,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         finished += sched.finished
         logits = None
+        masks = None
         if not sched.is_empty:
             prev_tokens = previous.token_ids if previous is not None else None
+            if not any(c.num_draft for c in sched.chunks):
+                masks = self.structured.start(sched.sampling_requests)  # runs with the forward
             logits = self.runner.execute(sched.chunks, prev_tokens)
         elif self.parallel is not None and self.parallel.expert_parallel:
             self.runner.execute_dummy()  # the other ranks' MoE collectives wait for this rank's
         if previous is not None:
             finished += self._complete(previous, t0)
         if logits is not None:
-            launched = self._sample(sched, logits, t0)
+            launched = self._sample(sched, logits, t0, masks)
             if self.config.async_scheduling and launched.verified is None:
                 self._inflight = launched
             else:
@@ -665,8 +596,11 @@ class LLMEngine:
         self.metrics.record_finished(len(finished))
         return [self.make_output(r) for r in finished]
 
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, t0: float) -> _Launched:
-        """Prompt logprobs and the sampled tokens of a step (tokens stay on the device)."""
+    def _sample(
+        self, sched: SchedulerOutput, logits: torch.Tensor, t0: float, masks: Future[MaskFill] | None = None
+    ) -> _Launched:
+        """Prompt logprobs and the sampled tokens of a step (tokens stay on the device);
+        ``masks``: the grammar masks already being filled on the worker thread."""
         sample_rows, first_rows = logit_rows(sched.chunks)
         if any(f is not None for f in first_rows):  # prompt logprobs: all rows of some chunks
             record_prompt_logprobs(sched.requests, sched.chunks, logits, first_rows)
@@ -678,8 +612,7 @@ class LLMEngine:
             self.spec.record_without_drafts(sched)
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
         batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
-        if any(r.structured_matcher is not None for r in sched.sampling_requests):
-            self._structured_allowed(batch, list(sched.sampling_requests))
+        self.structured.apply(batch, sched.sampling_requests, masks)
         if any(r.logits_processors for r in sched.sampling_requests):
             logits = self._apply_processors(logits.float(), list(sched.sampling_requests))
         sampled = self.sampler(logits, batch)

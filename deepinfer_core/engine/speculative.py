@@ -426,11 +426,11 @@ class SpeculativeDecoder:
                     )
                     constrained.append(row)
             for name, pairs in by_backend.items():
-                engine._structured_backend(name).fill_bitmasks(pairs, bitmask)
+                engine.structured.backend(name).fill_bitmasks(pairs, bitmask)
         for ci, n_valid in valid.items():
             if n_valid:
                 reqs[ci].structured_matcher.rollback(min(n_valid, len(drafts[ci])))
-        engine._finish_bitmask(batch, bitmask, constrained)
+        engine.structured.finish(batch, bitmask, constrained)
 
     def _processor_rows(
         self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]

@@ -34,7 +34,7 @@ def llm() -> LLM:
 @pytest.fixture
 def backend(llm) -> LLGuidanceBackend:
     """The engine's backend with an empty cache and the default bound."""
-    be = llm.engine._structured_backend("llguidance")
+    be = llm.engine.structured.backend("llguidance")
     be.cache_size = DEFAULT_CACHE_SIZE
     be.cache_clear()
     yield be

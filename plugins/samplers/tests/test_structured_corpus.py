@@ -104,7 +104,7 @@ def llm(request) -> LLM:
 
 
 def _backend(llm: LLM):
-    return llm.engine._structured_backend("llguidance")
+    return llm.engine.structured.backend("llguidance")
 
 
 def _sampling(spec: StructuredOutputsParams | None, seed: int | None, max_tokens: int) -> SamplingParams:

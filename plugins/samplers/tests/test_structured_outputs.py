@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 
@@ -52,6 +53,44 @@ def test_choice_and_regex_mixed_with_unconstrained_requests(llm, greedy):
     # the unconstrained request is the same as when it runs alone
     alone = llm.generate(["Hello"], [params[1]], use_tqdm=False)[0]
     assert alone.outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_masks_filled_alongside_the_forward_change_nothing(llm):
+    """On the CPU the grammar masks are filled on a worker thread while the forward runs;
+    seeded tokens (constrained and not, mixed) equal those of filling them after it, and the
+    worker did run."""
+    params = [
+        _params(StructuredOutputsParams(choice=CHOICES), False, seed=1),
+        _params(
+            StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}}),
+            False,
+            2,
+        ),
+        _params(None, False, seed=3, max_tokens=12),
+        _params(StructuredOutputsParams(regex=PATTERN), False, seed=4),
+    ]
+    prompts = ["Hello", "Data:", "Hello", "The code is"]
+    structured = llm.engine.structured
+    assert structured.overlap  # the built-in model runs on the CPU
+    try:
+        structured.overlap = False
+        after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        structured.overlap = True
+    seen = []
+    fill_rows = structured._fill_rows
+
+    def recording(*args):
+        seen.append(threading.current_thread().name)
+        return fill_rows(*args)
+
+    structured._fill_rows = recording
+    try:
+        alongside = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        del structured._fill_rows
+    assert alongside == after
+    assert seen and all(name.startswith("deepinfer-grammar") for name in seen), seen
 
 
 def test_seeded_choices_vary_and_stay_valid(llm):

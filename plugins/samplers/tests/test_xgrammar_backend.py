@@ -96,8 +96,8 @@ def _run_corpus(llm: LLM, cases, max_tokens: int, replay: bool = True) -> float:
             params.append(_sampling(ll_spec, i, 40))
             labels.append(("llguidance", i, ll_spec, _check_regex(ll_spec.regex)))
     outs = llm.generate(prompts, params, use_tqdm=False)
-    llg = llm.engine._structured_backend("llguidance")
-    vocab_bytes = llm.engine._structured_backend("xgrammar")._info.decoded_vocab
+    llg = llm.engine.structured.backend("llguidance")
+    vocab_bytes = llm.engine.structured.backend("xgrammar")._info.decoded_vocab
 
     def token_bytes(ids: list[int]) -> bytes:
         return b"".join(vocab_bytes[t] for t in ids)
@@ -221,7 +221,7 @@ def test_choice_with_characters_that_need_escaping(llm):
 
 
 def test_special_tokens_are_never_allowed_and_eos_only_where_the_grammar_accepts(llm):
-    backend = llm.engine._structured_backend("xgrammar")
+    backend = llm.engine.structured.backend("xgrammar")
     tok = llm.get_tokenizer()
     eos = set(llm.engine.eos_token_ids)
     special = set(tok.special_token_ids) - eos
@@ -242,7 +242,7 @@ def _token_texts(llm) -> dict[int, str]:
 
 
 def test_json_whitespace_bounded_by_default_and_per_option(llm):
-    backend = llm.engine._structured_backend("xgrammar")
+    backend = llm.engine.structured.backend("xgrammar")
     tok = llm.get_tokenizer()
     texts = _token_texts(llm)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -298,7 +298,7 @@ def test_an_invalid_or_unenforceable_spec_fails_that_request_alone(llm):
 
 
 def test_compiled_grammars_are_cached_per_spec(llm):
-    backend = llm.engine._structured_backend("xgrammar")
+    backend = llm.engine.structured.backend("xgrammar")
     backend.cache_clear()
     schema = {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}
     a = backend.matcher(_xg(json=schema))
@@ -317,7 +317,7 @@ def test_num_valid_and_rollback_restore_the_state(llm):
     """Draft validation leaves the state untouched; consuming then rolling back returns the
     state of never having consumed (same allowed tokens, same later acceptance), also across
     a rejected token and across the finishing EOS."""
-    backend = llm.engine._structured_backend("xgrammar")
+    backend = llm.engine.structured.backend("xgrammar")
     tok = llm.get_tokenizer()
     eos = llm.engine.eos_token_ids[0]
     spec = _xg(json={"type": "array", "items": {"type": "integer"}, "maxItems": 3})
