@@ -71,7 +71,9 @@ def test_masks_filled_alongside_the_forward_change_nothing(llm):
     ]
     prompts = ["Hello", "Data:", "Hello", "The code is"]
     structured = llm.engine.structured
-    assert structured.overlap  # the built-in model runs on the CPU
+    if llm.engine.runner.device.type != "cpu":
+        pytest.skip("on an accelerator the masks are filled while the launched forward runs")
+    assert structured.overlap
     try:
         structured.overlap = False
         after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
