@@ -24,9 +24,11 @@ Prints a table and writes JSON (default ``benchmarks/results/speculative.json``)
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -86,14 +88,19 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     llm.generate(prompts, params, use_tqdm=False)  # warm-up
     times, outs = [], None
     for _ in range(args.repeats):
-        llm.engine.metrics.reset()
-        if llm.engine.spec is not None:
-            llm.engine.spec.metrics.reset()
+        llm.reset_metrics()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
+    profile = None
+    if args.profile:  # one more run, profiled (not timed)
+        prof = cProfile.Profile()
+        prof.enable()
+        llm.generate(prompts, params, use_tqdm=False)
+        prof.disable()
+        profile = top_functions(prof, args.profile, llm.get_metrics()["num_steps"])
     assert outs is not None
     m = llm.get_metrics()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -116,8 +123,25 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
             mean_acceptance_length=s["mean_acceptance_length"],
             draft_tokens=s["num_draft_tokens"],
             verify_length_histogram=s["verify_length_histogram"],
+            steps_without_drafting=s["num_steps_without_drafting"],
         )
+    if profile is not None:
+        row["profile"] = profile
     return row
+
+
+def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[str, Any]]:
+    """The ``count`` functions of the most cumulative time in ``prof``, in ms per engine step
+    (``steps`` = the profiled run's steps and the one before it: metrics were not reset)."""
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_, calls, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({"function": f"{Path(path).name}:{line}({name})", "calls": calls, "cum_s": cum})
+    rows.sort(key=lambda r: -r["cum_s"])
+    per_step = max(steps // 2, 1)
+    for r in rows:
+        r["ms_per_step"] = 1e3 * r["cum_s"] / per_step
+    return rows[:count]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -142,6 +166,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "speculative.json")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile one more run per mode and batch; print (and store) the top N functions",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
@@ -167,6 +198,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{row.get('mean_acceptance_length', 0.0):>8.2f} {row['speedup_vs_first_mode']:>7.2f}x",
                 flush=True,
             )
+            for f in row.get("profile", []):
+                print(f"        {f['ms_per_step']:8.3f} ms/step {f['calls']:>8} calls  {f['function']}")
     for r in rows:
         del r["token_ids"]
     result = {

@@ -39,6 +39,7 @@ from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
 from deepinfer_core.speculative.policy import (
     EMA,
+    PLAIN_PROBE_INTERVAL,
     PROBE_INTERVAL,
     StepCost,
     cumulative,
@@ -112,6 +113,7 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._since_probe = 0  # dspark: steps without drafting since the last draft
+        self._drafted_in_a_row = 0  # dspark: drafting steps since the last step without
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
         self.drafter_observes = type(self.drafter).observe is not Drafter.observe
         if cfg.method == "dspark":
@@ -229,13 +231,21 @@ class SpeculativeDecoder:
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_pays` on the
         requests' running acceptance rates and the drafter's measured time, against a step
-        without drafts as such steps run; a probe every :data:`PROBE_INTERVAL` steps without
-        drafting)."""
+        without drafts as such steps run).  Both sides stay measured: after
+        :data:`PROBE_INTERVAL` steps without drafting one drafts anyway (so the acceptance
+        rates can recover), after :data:`PLAIN_PROBE_INTERVAL` drafting steps one runs without
+        (so the cost of a plain step, asynchronous where the engine can, stays known)."""
         assert self.cost is not None
         estimates = [self._rate_confidence(req, room) for req, room in cands]
-        if self._since_probe >= PROBE_INTERVAL or drafting_pays(
-            estimates, budget, self.cost, self.draft_seconds
-        ):
+        if drafting_pays(estimates, budget, self.cost, self.draft_seconds):
+            self._since_probe = 0
+            self._drafted_in_a_row += 1
+            if self._drafted_in_a_row > PLAIN_PROBE_INTERVAL:
+                self._drafted_in_a_row = 0
+                return False
+            return True
+        self._drafted_in_a_row = 0
+        if self._since_probe >= PROBE_INTERVAL:
             self._since_probe = 0
             return True
         self._since_probe += 1
@@ -480,16 +490,16 @@ class SpeculativeDecoder:
     def observe_step(self, sched: SchedulerOutput, seconds: float, overlapped: bool = False) -> None:
         """Refine the cost model with a step that only decoded (``B`` requests, ``t`` tokens
         per request on average; ``seconds`` from its launch to the next step's when it ran
-        ``overlapped`` with that launch (async), else to its outputs): a step that verified
-        drafts refines :attr:`StepCost.overhead`, one without :attr:`StepCost.plain_overhead`."""
+        ``overlapped`` with that launch (async, then without drafts:
+        :meth:`StepCost.observe_plain`), else to its outputs (:meth:`StepCost.observe`))."""
         if self.cost is None or not sched.chunks:
             return
         if all(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks):
             b = len(sched.chunks)  # the drafter's time is modelled apart (draft_seconds)
-            if any(c.num_draft for c in sched.chunks):
-                self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
+            if overlapped:
+                self.cost.observe_plain(b, seconds)
             else:
-                self.cost.observe_plain(b, seconds - self._step_draft_seconds, overlapped)
+                self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
 
     def observe(self, sched: SchedulerOutput) -> None:
         """Tell the drafter (when it observes) which positions each running request computed

@@ -19,7 +19,11 @@
   as such steps run (with async scheduling they overlap the host work with the device's,
   while a verify step needs the previous step's tokens first: :meth:`StepCost.plain_cost`);
   when drafting does not pay the step runs without proposing, with a probe every
-  :data:`PROBE_INTERVAL` such steps so the rates can recover.
+  :data:`PROBE_INTERVAL` such steps so the rates can recover (and, the other way, a step
+  without drafts after :data:`PLAIN_PROBE_INTERVAL` drafting ones, so the plain step's cost
+  stays measured).
+  The overhead the host adds to a step grows with its rows (every verified row is sampled),
+  so :class:`StepCost` fits it per step and per row from the steps run.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ EMA = 0.2
 engine's drafting-time estimate)."""
 PROBE_INTERVAL = 8
 """``dspark``: steps without drafting (it did not pay) before the next probe drafts anyway."""
+PLAIN_PROBE_INTERVAL = 32
+"""``dspark``: drafting steps in a row before one runs without drafts anyway (to keep the cost
+of a plain step measured; rarer than :data:`PROBE_INTERVAL`, as it gives up a draft's gain)."""
 
 
 class StepCost:
@@ -41,17 +48,20 @@ class StepCost:
         table: measured forward times ``{(B, t): seconds}``; at least one entry.  ``cost``
             interpolates linearly in ``t`` and in ``B`` between measured points (clamped at the
             ends, proportional in ``B`` beyond the largest, constant in ``t`` where one ``t``
-            was measured), plus :attr:`overhead`.
+            was measured), plus :meth:`overhead`.
+
+    The host adds to every step's forward some work per step (scheduling) and some per
+    verified row (building every row's sampling inputs, sampling, acceptance), which the
+    profiled forwards do not contain.  :meth:`observe` learns it from the synchronous steps
+    the engine runs as ``overhead(rows) = step_overhead + row_overhead * rows``, an
+    exponentially weighted least-squares line through their ``(rows, step time - forward)``
+    points (both terms non-negative; a flat line while the rows have not varied).
 
     Attributes:
-        overhead: the host time a step that verifies drafts adds to its forward (scheduling,
-            sampling; such steps run synchronously), learned by :meth:`observe` from the steps
-            the engine runs; the same for every ``t``, so it makes verifying more drafts
-            relatively cheaper.
-        plain_overhead: the same for a step without drafts, learned by :meth:`observe_plain`;
-            with async scheduling such steps overlap the host work with the device's, so it
-            may be negative (the period between two launches below the synchronously
-            measured forward).
+        step_overhead, row_overhead: the fitted line.
+        plain_overhead: the time beyond the forward of a step without drafts that ran
+            asynchronously (overlapping the host work with the device's, so it may be
+            negative), learned by :meth:`observe_plain`; ``None`` until one was observed.
     """
 
     def __init__(self, table: dict[tuple[int, int], float]) -> None:
@@ -60,8 +70,9 @@ class StepCost:
         self.table = dict(table)
         self.batches = sorted({b for b, _ in self.table})
         self.tokens = {b: sorted(t for bb, t in self.table if bb == b) for b in self.batches}
-        self.overhead = 0.0
-        self._observed = False
+        self.step_overhead = 0.0
+        self.row_overhead = 0.0
+        self._moments: list[float] | None = None  # EMA of rows, extra, rows^2, rows * extra
         self.plain_overhead: float | None = None
 
     def _at_batch(self, b: int, t: float) -> float:
@@ -88,32 +99,44 @@ class StepCost:
         c0, c1 = self._at_batch(b0, tokens_per_request), self._at_batch(b1, tokens_per_request)
         return c0 + (c1 - c0) * (batch - b0) / (b1 - b0)
 
+    def overhead(self, rows: float) -> float:
+        """The host time a synchronous step of ``rows`` tokens adds to its forward."""
+        return self.step_overhead + self.row_overhead * rows
+
     def cost(self, batch: int, tokens_per_request: float) -> float:
-        """Estimated seconds of a step of ``batch`` requests of ``tokens_per_request`` tokens."""
-        return self.forward(batch, tokens_per_request) + self.overhead
+        """Estimated seconds of a synchronous step of ``batch`` requests of
+        ``tokens_per_request`` tokens."""
+        return self.forward(batch, tokens_per_request) + self.overhead(batch * tokens_per_request)
 
     def observe(self, batch: int, tokens_per_request: float, seconds: float) -> None:
-        """Fold a measured step into :attr:`overhead` (an exponential moving average of the
-        step time beyond the forward's estimate, never negative)."""
-        extra = max(seconds - self.forward(batch, tokens_per_request), 0.0)
-        self.overhead = extra if not self._observed else (1 - EMA) * self.overhead + EMA * extra
-        self._observed = True
+        """Fold a measured synchronous step into the overhead line (its time beyond the
+        forward's estimate, never negative, at ``batch * tokens_per_request`` rows)."""
+        x = batch * tokens_per_request
+        y = max(seconds - self.forward(batch, tokens_per_request), 0.0)
+        point = [x, y, x * x, x * y]
+        m = self._moments
+        if m is not None:
+            point = [(1 - EMA) * a + EMA * p for a, p in zip(m, point, strict=True)]
+        self._moments = m = point
+        mx, my, mxx, mxy = m
+        var = mxx - mx * mx
+        slope = (mxy - mx * my) / var if var > 1e-9 * max(mxx, 1.0) else 0.0
+        self.row_overhead = max(slope, 0.0)
+        self.step_overhead = max(my - self.row_overhead * mx, 0.0)
 
     def plain_cost(self, batch: int) -> float:
         """Estimated seconds of a step of ``batch`` requests without drafts, as such steps run
-        (:attr:`plain_overhead` once observed, else :attr:`overhead`); never below a tenth of
-        the forward."""
+        (:attr:`plain_overhead` once observed, else a synchronous step's); never below a tenth
+        of the forward."""
         fwd = self.forward(batch, 1.0)
-        extra = self.overhead if self.plain_overhead is None else self.plain_overhead
+        extra = self.overhead(batch) if self.plain_overhead is None else self.plain_overhead
         return max(fwd + extra, 0.1 * fwd)
 
-    def observe_plain(self, batch: int, seconds: float, overlapped: bool) -> None:
-        """Fold a measured step without drafts into :attr:`plain_overhead` (an exponential
-        moving average of the step time beyond the forward's estimate; below zero only for a
-        step that ran ``overlapped`` with the next one's launch, i.e. asynchronously)."""
+    def observe_plain(self, batch: int, seconds: float) -> None:
+        """Fold a measured step without drafts that ran asynchronously (its period: from its
+        launch to the next one's) into :attr:`plain_overhead` (an exponential moving average of
+        the time beyond the forward's estimate, which may be negative)."""
         extra = seconds - self.forward(batch, 1.0)
-        if not overlapped:
-            extra = max(extra, 0.0)
         prev = self.plain_overhead
         self.plain_overhead = extra if prev is None else (1 - EMA) * prev + EMA * extra
 
@@ -167,7 +190,7 @@ def drafting_pays(
             each draft prefix it could verify (the running acceptance rates: the drafts
             themselves are not known yet).
         budget: most draft tokens the step can add.
-        cost: the step cost model (its :attr:`StepCost.overhead` excludes drafting).
+        cost: the step cost model (its overhead excludes drafting).
         draft_seconds: the drafter's measured time per call.
 
     Returns:

@@ -79,38 +79,48 @@ def test_fixed_lengths_respect_the_budget():
     assert fixed_lengths([3, 2], 0) == [0, 0]
 
 
-def test_step_cost_interpolates_and_learns_the_overhead():
+def test_step_cost_interpolates_and_fits_the_overhead_per_step_and_row():
     cost = StepCost({(1, 1): 1.0, (1, 3): 3.0, (4, 1): 2.0, (4, 3): 6.0, (8, 1): 2.5})
     assert cost.cost(1, 2) == pytest.approx(2.0)
     assert cost.cost(2, 1) == pytest.approx(1.0 + (2.0 - 1.0) / 3)
     assert cost.cost(16, 1) == pytest.approx(5.0)  # proportional beyond the largest batch
     assert cost.cost(8, 3) == pytest.approx(2.5)  # one t measured there: constant in t
     cost.observe(1, 1, 2.0)  # a whole step took 1 s more than the forward
-    assert cost.overhead == pytest.approx(1.0)
+    assert (cost.step_overhead, cost.row_overhead) == (pytest.approx(1.0), 0.0)  # one point: flat
+    assert cost.cost(1, 3) == pytest.approx(4.0)
     cost.observe(1, 2, 1.5)  # faster than the forward's estimate: no negative overhead
-    assert cost.overhead == pytest.approx(0.8)
-    assert cost.cost(1, 3) == pytest.approx(3.8)
+    # the line through the two (falling with the rows) is flattened: the weighted mean
+    assert cost.overhead(1) == pytest.approx(0.8) and cost.overhead(2) == pytest.approx(0.8)
+    # steps whose host time is 0.5 s + 0.25 s per row: the fit converges to that line
+    for _ in range(60):
+        for b, t in ((4, 1), (4, 3), (1, 3), (4, 2)):
+            cost.observe(b, t, cost.forward(b, t) + 0.5 + 0.25 * b * t)
+    assert cost.step_overhead == pytest.approx(0.5, abs=1e-3)
+    assert cost.row_overhead == pytest.approx(0.25, abs=1e-4)
+    assert cost.cost(4, 3) == pytest.approx(6.0 + 0.5 + 3.0, abs=1e-2)
 
 
 def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
     """A step without drafts that ran asynchronously may cost less than the synchronously
-    measured forward (negative :attr:`plain_overhead`); a synchronous one may not.  Drafting
-    is weighed against the plain step as it runs: verifying two sure drafts triples the
-    tokens of a step costing 1.5x a synchronous plain one, but not of one that overlaps."""
+    measured forward (negative :attr:`plain_overhead`).  Drafting is weighed against the
+    plain step as it runs: verifying two sure drafts triples the tokens of a step costing
+    1.5x a synchronous plain one, but not of one that overlaps; and the per-row overhead makes
+    verifying rows dearer."""
     cost = StepCost({(1, 1): 1.0, (1, 3): 1.5})
-    assert cost.plain_cost(1) == pytest.approx(1.0)  # nothing observed: the verify steps' model
-    cost.observe_plain(1, 0.5, overlapped=False)
-    assert cost.plain_overhead == 0.0
+    assert cost.plain_cost(1) == pytest.approx(1.0)  # nothing observed: a synchronous step
     assert drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 tokens / 1.5 s > 1 token / 1 s
-    cost.plain_overhead = None
-    cost.observe_plain(1, 0.4, overlapped=True)
+    cost.observe_plain(1, 0.4)
     assert cost.plain_overhead == pytest.approx(-0.6)
     assert cost.plain_cost(1) == pytest.approx(0.4)
     assert not drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 / 1.5 s < 1 / 0.4 s
-    cost.observe_plain(1, 0.0, overlapped=True)
+    cost.observe_plain(1, 0.0)
     assert cost.plain_cost(1) == pytest.approx(0.32)  # EMA: -0.6 * 0.8 - 1.0 * 0.2 = -0.68
     cost.plain_overhead = -2.0
     assert cost.plain_cost(1) == pytest.approx(0.1)  # never below a tenth of the forward
+    sync = StepCost({(1, 1): 1.0, (1, 3): 1.5})
+    assert drafting_pays([[0.3, 0.09]], 2, sync, 0.0)  # one draft: 1.3 tokens / 1.25 s > 1 / 1 s
+    sync.row_overhead = 1.0  # each verified row costs a second of host time
+    assert not drafting_pays([[0.3, 0.09]], 2, sync, 0.0)  # 1.3 / (1.25 + 2) s < 1 / (1 + 1) s
 
 
 def test_acceptance_stats_are_conditional_rates():
