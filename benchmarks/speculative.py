@@ -94,15 +94,16 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - t0)
+    assert outs is not None
+    m = llm.get_metrics()
     profile = None
     if args.profile:  # one more run, profiled (not timed)
+        llm.reset_metrics()
         prof = cProfile.Profile()
         prof.enable()
         llm.generate(prompts, params, use_tqdm=False)
         prof.disable()
         profile = top_functions(prof, args.profile, llm.get_metrics()["num_steps"])
-    assert outs is not None
-    m = llm.get_metrics()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     wall = statistics.median(times)
     decode_steps = m["num_steps"]
@@ -132,13 +133,13 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[str, Any]]:
     """The ``count`` functions of the most cumulative time in ``prof``, in ms per engine step
-    (``steps`` = the profiled run's steps and the one before it: metrics were not reset)."""
+    (``steps``: the profiled run's)."""
     stats = pstats.Stats(prof)
     rows = []
     for (path, line, name), (_, calls, _, cum, _) in stats.stats.items():  # type: ignore[attr-defined]
         rows.append({"function": f"{Path(path).name}:{line}({name})", "calls": calls, "cum_s": cum})
     rows.sort(key=lambda r: -r["cum_s"])
-    per_step = max(steps // 2, 1)
+    per_step = max(steps, 1)
     for r in rows:
         r["ms_per_step"] = 1e3 * r["cum_s"] / per_step
     return rows[:count]

@@ -221,7 +221,8 @@ class SpeculativeDecoder:
             lengths = fixed_lengths(proposed, budget)
         else:
             assert self.cost is not None
-            confidences = [self._confidence(r, d) for r, d in zip(reqs, drafts, strict=True)]
+            prior = self._global_rates()
+            confidences = [self._confidence(r, d, prior) for r, d in zip(reqs, drafts, strict=True)]
             lengths = dspark_lengths(confidences, budget, self.cost)
         for req, draft, n in zip(reqs, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
@@ -236,7 +237,8 @@ class SpeculativeDecoder:
         rates can recover), after :data:`PLAIN_PROBE_INTERVAL` drafting steps one runs without
         (so the cost of a plain step, asynchronous where the engine can, stays known)."""
         assert self.cost is not None
-        estimates = [self._rate_confidence(req, room) for req, room in cands]
+        prior = self._global_rates()
+        estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
         if drafting_pays(estimates, budget, self.cost, self.draft_seconds):
             self._since_probe = 0
             self._drafted_in_a_row += 1
@@ -251,20 +253,26 @@ class SpeculativeDecoder:
         self._since_probe += 1
         return False
 
-    def _confidence(self, req: Request, draft: Draft) -> list[float]:
+    def _confidence(self, req: Request, draft: Draft, prior: list[float]) -> list[float]:
         """Cumulative acceptance probabilities of ``draft``'s prefixes: the drafter's own
-        confidence, else the request's running rates shrunk towards the engine's."""
+        confidence, else the request's running rates shrunk towards the engine's (``prior``)."""
         n = len(draft.token_ids)
         if draft.confidence is not None:
             return cumulative(draft.confidence[:n])
-        return self._rate_confidence(req, n)
+        return self._rate_confidence(req, n, prior)
 
-    def _rate_confidence(self, req: Request, n: int) -> list[float]:
-        """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
-        rates shrunk towards the engine's."""
-        stats = self._stats.setdefault(req.request_id, AcceptanceStats(self.config.max_draft_tokens))
+    def _global_rates(self) -> list[float]:
+        """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""
         g = self.global_stats
-        return cumulative([stats.rate(i, g.rate(i, 0.5)) for i in range(n)])
+        return [g.rate(i, 0.5) for i in range(self.config.max_draft_tokens)]
+
+    def _rate_confidence(self, req: Request, n: int, prior: list[float]) -> list[float]:
+        """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
+        rates shrunk towards the engine's (``prior``, :meth:`_global_rates`)."""
+        stats = self._stats.get(req.request_id)
+        if stats is None:
+            return cumulative(prior[:n])
+        return cumulative([stats.rate(i, prior[i]) for i in range(n)])
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""

@@ -124,6 +124,24 @@ class StepCost:
         self.row_overhead = max(slope, 0.0)
         self.step_overhead = max(my - self.row_overhead * mx, 0.0)
 
+    def costs(self, batch: int, max_extra: int) -> list[float]:
+        """``[cost(batch, 1 + n / batch) for n in 0 .. max_extra]``, computed once per knot: the
+        cost is piecewise linear in ``n`` (the forward between the measured ``t``, the overhead
+        in the rows), so it is evaluated at the knots and interpolated between them."""
+        near = [b for b in self.batches if b <= batch][-1:] + [b for b in self.batches if b >= batch][:1]
+        knots = {0.0, float(max_extra)}
+        knots.update((t - 1) * batch for b in near for t in self.tokens[b] if 0 < (t - 1) * batch < max_extra)
+        xs = sorted(knots)
+        ys = [self.cost(batch, 1.0 + x / batch) for x in xs]
+        out, seg = [], 0
+        for n in range(max_extra + 1):
+            while seg + 1 < len(xs) - 1 and n > xs[seg + 1]:
+                seg += 1
+            x0, x1 = xs[seg], xs[min(seg + 1, len(xs) - 1)]
+            y0, y1 = ys[seg], ys[min(seg + 1, len(xs) - 1)]
+            out.append(y0 if x1 == x0 else y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        return out
+
     def plain_cost(self, batch: int) -> float:
         """Estimated seconds of a step of ``batch`` requests without drafts, as such steps run
         (:attr:`plain_overhead` once observed, else a synchronous step's); never below a tenth
@@ -167,11 +185,13 @@ def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: St
         ((c, r, j) for r, cs in enumerate(confidences) for j, c in enumerate(cs)),
         key=lambda x: (-x[0], x[2], x[1]),
     )
-    best_value, best_n = b / cost.cost(b, 1.0), 0
+    cands = cands[: max(budget, 0)]
+    costs = cost.costs(b, len(cands))
+    best_value, best_n = b / costs[0], 0
     expected = float(b)
-    for n, (c, _, _) in enumerate(cands[: max(budget, 0)], start=1):
+    for n, (c, _, _) in enumerate(cands, start=1):
         expected += c
-        value = expected / cost.cost(b, 1.0 + n / b)
+        value = expected / costs[n]
         if value > best_value:
             best_value, best_n = value, n
     lengths = [0] * b

@@ -172,3 +172,16 @@ def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
     assert drafter.propose([ctx])[0].token_ids == [8, 9, 1]
     none = DraftContext("s", [1, 2, 3], num_prompt_tokens=3, max_tokens=3)
     assert drafter.propose([none])[0].token_ids == []
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4, 6, 8, 20])
+def test_step_cost_curve_equals_pointwise_costs(batch):
+    """:meth:`StepCost.costs` (evaluated at the knots, interpolated between) equals
+    :meth:`StepCost.cost` at every draft count, between, beyond and at the measured points."""
+    table = {(1, 1): 1.0, (1, 3): 3.0, (1, 6): 4.0, (4, 1): 2.0, (4, 3): 6.0, (8, 1): 2.5, (8, 6): 9.0}
+    cost = StepCost(table)
+    cost.step_overhead, cost.row_overhead = 0.3, 0.05
+    curve = cost.costs(batch, 7 * batch)
+    assert len(curve) == 7 * batch + 1
+    for n, c in enumerate(curve):
+        assert c == pytest.approx(cost.cost(batch, 1 + n / batch), rel=1e-9), n
