@@ -80,6 +80,8 @@ def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
         kw["model"] = args.model
     if args.backend:
         kw["backend"] = args.backend
+    if args.keep_quantized != "auto":
+        kw["keep_quantized"] = args.keep_quantized == "on"
     llm = LLM(**kw)
     vocab = llm.engine.model_config.vocab_size
     num = batch * args.requests_per_slot
@@ -152,6 +154,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-sizes", default="1,4,16")
     parser.add_argument("--modes", default="none,fixed,dspark")
     parser.add_argument("--drafter", default="ngram")
+    parser.add_argument(
+        "--keep-quantized",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept quantised",
+    )
     parser.add_argument("--max-draft-tokens", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=96)
