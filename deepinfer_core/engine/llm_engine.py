@@ -313,12 +313,13 @@ class LLMEngine:
         reason = self.runner.capture_graphs()
         if reason is None:
             logger.info(
-                "captured %d decode graphs (batch sizes %s) and %d verify graphs (%d tokens per request) "
-                "in %.1f s",
+                "captured %d decode graphs (batch sizes %s), %d verify graphs (%d tokens per request) "
+                "and %d MTP graphs in %.1f s",
                 len(self.runner.graphs),
                 sorted(self.runner.graphs),
                 len(self.runner.verify_graphs),
                 1 + self.runner.num_spec_tokens,
+                len(self.runner.mtp_graphs),
                 time.perf_counter() - t0,
             )
         elif self.runner.device.type == "cpu":

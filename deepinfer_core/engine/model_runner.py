@@ -160,11 +160,16 @@ class ModelRunner:
         # whether the MTP layer writes paged state (a compressed MTP layer): its draft rows must
         # then stay within a request's allocated pages
         self.mtp_paged = mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
+        self._mtp_in: torch.Tensor | None = None  # MTP graphs' input hidden states (fixed address)
         if mtp:
             shape = (self.inputs.max_tokens, *self.model.hidden_shape)
             self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._mtp_in = torch.zeros(
+                (config.max_num_seqs, *self.model.hidden_shape), dtype=self.dtype, device=self.device
+            )
         self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
         self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
+        self.mtp_graphs: dict[int, DeviceGraph] = {}  # MTP-layer steps of one row per request
         # expert parallelism: decode graphs run the fixed-shape dispatch, their bucket agreed per step
         self._ep_graphs = parallel is not None and parallel.expert_parallel
         self.ep_graph_stats = {"replayed": 0, "padded_to_peer": 0, "dummy": 0, "eager": 0}
@@ -277,10 +282,34 @@ class ModelRunner:
         """
         if self.hidden is None:
             raise RuntimeError("execute_mtp needs a runner built with mtp=True")
+        bucket = self._mtp_bucket(chunks)
+        if bucket is not None:  # one row per request: replay the bucket's graph on padded rows
+            assert self._mtp_in is not None
+            n = len(chunks)
+            self._mtp_in[:n].copy_(hidden)
+            self.inputs.prepare(chunks, list(range(bucket)), None, bucket, bucket + 1, self.max_model_len)
+            logits, streams = self.mtp_graphs[bucket].replay()
+            index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
+            return logits.index_select(0, index), streams[:n].clone()
         inputs = self.inputs.prepare(chunks, logit_rows, None)
+        return self._mtp_forward(inputs, hidden)
+
+    def _mtp_forward(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Derive an MTP step's plans on the device and run the MTP layer (what an MTP graph
+        records)."""
         md = self._metadata(self.model.mtp_step_metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.mtp_forward(md, self.cache, hidden)
+
+    def _mtp_bucket(self, chunks: list[SeqChunk]) -> int | None:
+        """The bucket whose MTP graph runs these rows, or ``None`` (eager): MTP graphs run steps
+        of exactly one row per request (a draft depth, or the catch-up after a step that kept
+        one position per request)."""
+        if not self.mtp_graphs or len(chunks) > max(self.mtp_graphs):
+            return None
+        if any(c.num_tokens != 1 for c in chunks):
+            return None
+        return min(b for b in self.mtp_graphs if b >= len(chunks))
 
     def execute_dummy(self) -> None:
         """One forward of a single padding row on the trash slot (no request's cache is
@@ -400,7 +429,35 @@ class ModelRunner:
             if error is not None:
                 what = "decode" if tokens == 1 else f"{tokens}-token verify"
                 return f"capturing the batch-{b} {what} graph failed ({error})"
+        if self._mtp_in is not None and not self._ep_graphs:
+            error = self._capture_mtp_graphs(factory, pool, buckets)
+            if error is not None:
+                return error
         self.graphs, self.verify_graphs = graphs, verify
+        return None
+
+    def _capture_mtp_graphs(
+        self, factory: GraphFactory, pool: object | None, buckets: list[int]
+    ) -> str | None:
+        """One graph per bucket of the MTP layer's one-row-per-request steps (into
+        :attr:`mtp_graphs`; the rows' input hidden states are copied into a fixed buffer
+        first); ``None``, or why a capture failed."""
+        assert self._mtp_in is not None
+        if self._mtp_in.shape[0] < max(buckets):
+            self._mtp_in = self._mtp_in.new_zeros((max(buckets), *self._mtp_in.shape[1:]))
+        graphs: dict[int, DeviceGraph] = {}
+        for b in sorted(buckets, reverse=True):
+            inputs = self.inputs.prepare([], list(range(b)), None, b, b + 1, self.max_model_len)
+
+            def step(inputs: StepInputs = inputs, b: int = b) -> Any:
+                assert self._mtp_in is not None
+                return self._mtp_forward(inputs, self._mtp_in[:b])
+
+            try:
+                graphs[b] = self._capture(factory, pool, step)
+            except Exception as e:
+                return f"capturing the batch-{b} MTP graph failed ({type(e).__name__}: {e})"
+        self.mtp_graphs = graphs
         return None
 
     def _agree_captured(self, error: str | None) -> str | None:

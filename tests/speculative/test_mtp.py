@@ -415,24 +415,26 @@ def test_a_right_mtp_gets_its_drafts_accepted(bigram_dir: Path) -> None:
 
 
 def test_graph_replays_keep_the_hidden_states(tiny_dir: Path) -> None:
-    """Decode and verify steps replayed from (emulated) graphs, padded to their bucket, leave
-    the same hidden states as eager steps: the drafts and outputs are bitwise those of an eager
-    run (batch invariant)."""
+    """Decode, verify and MTP steps (draft depths, one-row catch-ups) replayed from (emulated)
+    graphs, padded to their bucket, leave the same hidden states as eager steps: the drafts
+    and outputs are bitwise those of an eager run (batch invariant)."""
     from deepinfer_core.engine.graphs import EmulatedGraph
 
     params = SamplingParams(temperature=0.8, seed=6, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     spec = {"drafter": "mtp", "method": "fixed", "max_draft_tokens": 3}
 
-    def run(graphs: bool) -> tuple[list[list[int]], list, int]:
+    def run(graphs: bool) -> tuple[list[list[int]], list, list[str]]:
         llm = _llm(tiny_dir, spec, batch_invariant=True, enforce_eager=True)
         runner, drafter = llm.engine.runner, llm.engine.spec.drafter
-        replays = []
+        replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            for graph in [*runner.graphs.values(), *runner.verify_graphs.values()]:
-                inner = graph.replay
-                graph.replay = lambda inner=inner: replays.append(1) or inner()
+            kinds = {"decode": runner.graphs, "verify": runner.verify_graphs, "mtp": runner.mtp_graphs}
+            for kind, by_bucket in kinds.items():
+                for graph in by_bucket.values():
+                    inner = graph.replay
+                    graph.replay = lambda inner=inner, kind=kind: replays.append(kind) or inner()
         proposed: list = []
         propose = drafter.propose
 
@@ -442,10 +444,10 @@ def test_graph_replays_keep_the_hidden_states(tiny_dir: Path) -> None:
             return drafts
 
         drafter.propose = record
-        return _tokens(llm.generate(prompts, params)), proposed, len(replays)
+        return _tokens(llm.generate(prompts, params)), proposed, replays
 
     eager, graphed = run(False), run(True)
-    assert graphed[2] > 0
+    assert {"verify", "mtp"} <= set(graphed[2]), set(graphed[2])
     assert graphed[0] == eager[0]
     assert graphed[1] == eager[1]
 
