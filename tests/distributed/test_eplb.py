@@ -290,6 +290,37 @@ def test_load_window_sums_the_last_steps() -> None:
     assert int(win.load().sum()) == 0 and win.steps == 0
 
 
+def test_expert_load_counts_only_request_rows(tiny_dir) -> None:
+    """The MoE's load counts are the (token, expert) pairs of requests' rows: decode steps
+    replayed from (emulated) graphs padded to their bucket route the padding rows too, but
+    those are not load (3 requests run in the bucket of 4)."""
+    from deepinfer_core.distributed.eplb.rebalance import step_counts
+    from deepinfer_core.engine.graphs import EmulatedGraph
+
+    llm = LLM(
+        model=str(tiny_dir),
+        enforce_eager=True,
+        async_scheduling=False,
+        enable_prefix_caching=False,
+        max_num_seqs=8,
+    )
+    runner = llm.engine.runner
+    assert runner.capture_graphs(EmulatedGraph) is None
+    cfg = llm.engine.model_config
+    counts = step_counts(runner.model, cfg.num_hidden_layers, cfg.n_routed_experts, runner.device)
+    counts.zero_()
+    replays: list[int] = []
+    for b, graph in runner.graphs.items():
+        inner = graph.replay
+        graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
+    prompts = [[5, 9, 23, 7], [88, 12, 4, 6, 1], [17] * 6]
+    new = 6
+    llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=new, ignore_eos=True))
+    assert replays and set(replays) == {4}  # every decode step padded one row
+    rows = sum(len(p) + new - 1 for p in prompts)  # the last sampled token is never forwarded
+    assert counts.sum(dim=1).tolist() == [rows * cfg.num_experts_per_tok] * cfg.num_hidden_layers
+
+
 # ---- the weight move in a gloo world ---------------------------------------------------------
 LAYERS, EXPERTS, D, INTER = 3, 8, 64, 16
 

@@ -92,6 +92,7 @@ class StepMetadata:
     plans: dict[int, WindowPlan]
     sample_rows: torch.Tensor  # [S] token rows whose logits are wanted
     num_slots: int  # real slots; slot num_slots is the trash slot
+    real_tokens: torch.Tensor | None = None  # [T] bool: the row belongs to a request (not padding)
     # context parallelism (None: this rank computes every row): the step's row split, and the
     # per-query plans of this rank's local rows (see with_context_parallel)
     cp: CPPlan | None = None
@@ -108,6 +109,7 @@ class LocalRows:
     positions: torch.Tensor  # [L]
     window_ring: torch.Tensor  # [L, W]
     window_chunk: torch.Tensor  # [L, W] rows of the step (natural order, all ranks' rows)
+    real_tokens: torch.Tensor | None  # [L] bool: the row belongs to a request (not padding)
     entries: dict[int, PagedIndex]  # per ratio, the local queries' visible entries
 
 
@@ -188,6 +190,7 @@ def build_metadata(
         plans=plans,
         sample_rows=inputs.sample_rows,
         num_slots=num_slots,
+        real_tokens=slot_t < num_slots,
     )
 
 
@@ -219,6 +222,7 @@ def with_context_parallel(
         positions=md.positions.index_select(0, rows),
         window_ring=md.window_ring.index_select(0, rows),
         window_chunk=md.window_chunk.index_select(0, rows),
+        real_tokens=None if md.real_tokens is None else md.real_tokens.index_select(0, rows),
         entries={r: p.entries.select(rows) for r, p in md.plans.items()},
     )
     return replace(md, cp=plan, local=local)

@@ -71,8 +71,10 @@ class DecoderLayer:
         a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache_get, ops, rope)
         h = ops.hc_post(a, h, post, comb)
         post, comb, x = ops.hc_pre(h, *self.ffn_hc, eps, cfg.hc_eps, it)
-        ids = md.input_ids if md.local is None else md.local.input_ids
-        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ids, ops)
+        ids, real = (
+            (md.input_ids, md.real_tokens) if md.local is None else (md.local.input_ids, md.local.real_tokens)
+        )
+        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ids, ops, real)
         return ops.hc_post(m, h, post, comb)
 
 

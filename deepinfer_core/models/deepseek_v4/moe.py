@@ -39,7 +39,8 @@ class MoE:
         placement: the model's shared :class:`ExpertPlacement` (``None`` without expert
             parallelism); read at every call, so a rebalanced layout takes effect at the next step.
         expert_load: ``None``, or a ``[L, E]`` int64 tensor on the device to which each call
-            adds the (token, logical expert) pairs it routes (row ``layer``), without a host sync.
+            adds the (token, logical expert) pairs it routes for requests' rows (row
+            ``layer``; padding rows are not load), without a host sync.
     """
 
     def __init__(
@@ -74,8 +75,12 @@ class MoE:
         self.w_in = FusedProjection([(n, w.pop(p + n)) for n in names], dtype, p.removesuffix("."))
         self.s_down = w[p + "shared_experts.down_proj.weight"]
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, ops: OpTable) -> torch.Tensor:
-        """``x`` ``[T, D]`` -> ``[T, D]``; ``input_ids`` ``[T]`` feed hash routing."""
+    def __call__(
+        self, x: torch.Tensor, input_ids: torch.Tensor, ops: OpTable, real: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x`` ``[T, D]`` -> ``[T, D]``; ``input_ids`` ``[T]`` feed hash routing; ``real``
+        ``[T]`` bool marks the rows of requests (padding rows of a graph replay or a dummy
+        step are routed too, but not counted in :attr:`expert_load`)."""
         cfg = self.cfg
         logits, s_gate, s_up = self.w_in(x, ops)
         fixed = F.embedding(input_ids, self.tid2eid) if self.tid2eid is not None else None
@@ -84,7 +89,12 @@ class MoE:
         )
         if self.expert_load is not None and self.layer < self.expert_load.shape[0]:
             flat = ids.reshape(-1)
-            self.expert_load[self.layer].index_add_(0, flat, torch.ones_like(flat))
+            ones = (
+                torch.ones_like(flat)
+                if real is None
+                else real.to(flat.dtype).repeat_interleave(ids.shape[-1])
+            )
+            self.expert_load[self.layer].index_add_(0, flat, ones)
         shared = ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
         if self.placement is not None:
             return self._expert_parallel(x, ids, weights, ops) + shared
