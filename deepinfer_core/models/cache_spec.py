@@ -26,7 +26,12 @@ A ring or paged spec may set ``kv_format="fp8"`` (with ``rope_dim``, the trailin
 :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` (e4m3 nope values with one UE8M0 scale per
 64, bfloat16 rope values: FlashMLA's V4 layout, 584 bytes per 512-wide row) instead of a
 tensor in the spec dtype; the model sets it on the caches ``sparse_attention`` reads when the
-engine runs with ``kv_cache_dtype="fp8"``.
+engine runs with ``kv_cache_dtype="fp8"``.  The block-scaled formats of DeepSeek-V4.1's release
+(``kv_format`` ``"fp8_ue8m0"``, ``"fp4_e4m3"``, ``"fp4_ue8m0"``: one scale byte per block of 32 /
+16 / 32 values, ``dim`` a whole number of blocks) store a
+:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` (528 / 288 bytes per 512-wide
+row, 68 per 128-wide one).  Memory accounting (:func:`spec_bytes`, :attr:`HybridCache.nbytes`)
+counts the packed bytes.
 
 Every tensor has one extra *trash* slot (``num_slots``) and page (``num_pages``) beyond
 what the cache manager hands out: fixed-shape step plans send the writes they do not need
@@ -40,11 +45,13 @@ from typing import Literal
 
 import torch
 
-from deepinfer_core.ops.kv_format import Fp8KVPool, KVPool, fp8_row_bytes
+from deepinfer_core.ops.kv_blockscaled import BLOCK_FORMATS, BlockScaledKVPool, block_row_bytes
+from deepinfer_core.ops.kv_format import Fp8KVPool, KVPool, PackedKVPool, fp8_row_bytes
 
-KVFormat = Literal["plain", "fp8"]
-"""Storage of a ring / paged spec's rows: ``plain`` (a tensor in the spec dtype) or ``fp8``
-(packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` rows)."""
+KVFormat = Literal["plain", "fp8", "fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0"]
+"""Storage of a ring / paged spec's rows: ``plain`` (a tensor in the spec dtype), ``fp8``
+(packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` rows, V4) or a block-scaled format
+(:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` rows, V4.1's release)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +65,7 @@ class RingSpec:
     dtype: torch.dtype | None = None  # None: the model dtype
     alias_of: tuple[int, str] | None = None
     kv_format: KVFormat = "plain"
-    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format
+    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format (only)
     spare: int = 0  # rows beyond the window: the most draft tokens of a verify step
 
     @property
@@ -77,7 +84,7 @@ class PagedSpec:
     dtype: torch.dtype | None = None
     alias_of: tuple[int, str] | None = None
     kv_format: KVFormat = "plain"
-    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format
+    rope_dim: int = 0  # trailing channels kept in bfloat16 by the fp8 format (only)
 
 
 @dataclass(frozen=True)
@@ -120,12 +127,24 @@ def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tup
 
 
 def _row_bytes(spec: RingSpec | PagedSpec, model_dtype: torch.dtype) -> int:
-    """Bytes of one row of a ring or paged spec (packed rows for ``kv_format="fp8"``)."""
+    """Bytes of one row of a ring or paged spec (packed rows for a packed ``kv_format``)."""
     if spec.kv_format == "fp8":
         return fp8_row_bytes(spec.dim, spec.rope_dim)
+    if spec.kv_format in BLOCK_FORMATS:
+        try:
+            return block_row_bytes(spec.kv_format, spec.dim)
+        except ValueError as e:
+            raise ValueError(f"cache spec {spec.name!r}: {e}") from None
     if spec.kv_format != "plain":
         raise ValueError(f"cache spec {spec.name!r}: unknown kv_format {spec.kv_format!r}")
     return spec.dim * torch.empty((), dtype=spec.dtype or model_dtype).element_size()
+
+
+def _packed_zeros(spec: RingSpec | PagedSpec, rows: int, device: torch.device | str) -> PackedKVPool:
+    """The zeroed packed pool of ``rows`` rows of a spec of a packed ``kv_format``."""
+    if spec.kv_format == "fp8":
+        return Fp8KVPool.zeros(rows, spec.dim, spec.rope_dim, device)
+    return BlockScaledKVPool.zeros(rows, spec.dim, spec.kv_format, device)
 
 
 class HybridCache:
@@ -169,9 +188,8 @@ class HybridCache:
                 else:
                     shape = (num_slots, *spec.shape)
                 if isinstance(spec, PagedSpec | RingSpec) and spec.kv_format != "plain":
-                    _row_bytes(spec, dtype)  # rejects an unknown format
-                    pool = Fp8KVPool.zeros(shape[0], spec.dim, spec.rope_dim, device)
-                    self._tensors[(layer, spec.name)] = pool
+                    _row_bytes(spec, dtype)  # rejects an unknown format, a row of partial blocks
+                    self._tensors[(layer, spec.name)] = _packed_zeros(spec, shape[0], device)
                 else:
                     self._tensors[(layer, spec.name)] = torch.zeros(shape, dtype=dt, device=device)
         for layer, layer_specs in enumerate(specs):
@@ -180,8 +198,8 @@ class HybridCache:
                     self._tensors[(layer, spec.name)] = self._tensors[spec.alias_of]
 
     def get(self, layer: int, name: str) -> KVPool:
-        """The storage of ``layer``'s spec ``name``: a tensor, or an ``Fp8KVPool`` for a spec of
-        ``kv_format="fp8"``."""
+        """The storage of ``layer``'s spec ``name``: a tensor, or a packed pool (an ``Fp8KVPool``,
+        a ``BlockScaledKVPool``) for a spec of a packed ``kv_format``."""
         return self._tensors[(layer, name)]
 
     @property
@@ -189,5 +207,5 @@ class HybridCache:
         """Total bytes held (aliases counted once)."""
         seen = {id(t): t for t in self._tensors.values()}
         return sum(
-            t.nbytes if isinstance(t, Fp8KVPool) else t.numel() * t.element_size() for t in seen.values()
+            t.nbytes if isinstance(t, PackedKVPool) else t.numel() * t.element_size() for t in seen.values()
         )

@@ -6,8 +6,10 @@ pool).  A source's rows are given either as an explicit list per query, FlashMLA
 (an index ``-1`` marks an unused slot), or as a :class:`PagedIndex`: the first ``counts[t]``
 entries of a paged pool, located through a block table, as FlashMLA's and DeepGEMM's paged
 kernels read them (no per-query list that grows with the context).  A pool may be a plain
-``[N, D]`` tensor or a packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`
-(``kv_cache_dtype="fp8"``).
+``[N, D]`` tensor or a packed :class:`~deepinfer_core.ops.kv_format.PackedKVPool`
+(``kv_cache_dtype="fp8"``: V4's :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, V4.1's
+:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`), read as its rows dequantised to
+the queries' dtype; so may the indexer's key pool.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
-from .kv_format import Fp8KVPool, KVPool
+from .kv_blockscaled import BlockScaledKVPool
+from .kv_format import Fp8KVPool, KVPool, PackedKVPool
 from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row_padded
 from .registry import define_op
 
@@ -66,10 +69,10 @@ def _as_rows(index: torch.Tensor | PagedIndex) -> torch.Tensor:
     return index.rows() if isinstance(index, PagedIndex) else index
 
 
-def _gather(pool: KVPool, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def gather_rows(pool: KVPool, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``idx`` (``-1`` read as row 0: the caller masks them) of ``pool``, ``[*idx.shape, D]``:
     a plain pool's rows as they are, a packed pool's dequantised to ``dtype``."""
-    if isinstance(pool, Fp8KVPool):
+    if isinstance(pool, PackedKVPool):
         return pool.dequantize_rows(idx.clamp(min=0), dtype)
     return F.embedding(idx.clamp(min=0), pool)  # row gather (fastest on CPU)
 
@@ -94,6 +97,9 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
     # this step's rows in the model dtype, and paged entries
     ring8 = Fp8KVPool.from_values(randn(g, 20, d, dtype=dtype, scale=2.0), rope_dim=8)
     ckv8 = Fp8KVPool.from_values(randn(g, 12, d, dtype=dtype), rope_dim=8)
+    # V4.1's block-scaled pools: an MXFP8 ring, this step's rows plain, NVFP4-like entries
+    ring_mx = BlockScaledKVPool.from_values(randn(g, 20, d, dtype=dtype, scale=2.0), "fp8_ue8m0")
+    ckv_nv = BlockScaledKVPool.from_values(randn(g, 12, d, dtype=dtype), "fp4_e4m3")
     return [
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_b], [idx_a, idx_b], randn(g, h), d**-0.5), {}),
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_c], [idx_a, paged], randn(g, h), d**-0.5), {}),
@@ -101,6 +107,16 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
             (
                 randn(g, t, h, d, dtype=dtype),
                 [ring8, pool_b, ckv8],
+                [idx_a, idx_b, paged],
+                randn(g, h),
+                d**-0.5,
+            ),
+            {},
+        ),
+        (
+            (
+                randn(g, t, h, d, dtype=dtype),
+                [ring_mx, pool_b, ckv_nv],
                 [idx_a, idx_b, paged],
                 randn(g, h),
                 d**-0.5,
@@ -123,10 +139,12 @@ def sparse_attention(
 
     Args:
         q: ``[T, H, D]`` queries.
-        kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype, or an
-            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` of ``N_i`` packed rows of ``D``
-            values (``kv_cache_dtype="fp8"``), whose rows count as their dequantised values
-            in q's dtype (exact: an e4m3 value times a power of two, and bfloat16 rope values).
+        kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype, or a packed
+            :class:`~deepinfer_core.ops.kv_format.PackedKVPool` of ``N_i`` rows of ``D`` values
+            (``kv_cache_dtype="fp8"``: an ``Fp8KVPool`` or a ``BlockScaledKVPool``), whose rows
+            count as their dequantised values in q's dtype (``PackedKVPool.dequantize_rows``:
+            for ``Fp8KVPool`` exact, an e4m3 value times a power of two and bfloat16 rope values;
+            for a block-scaled pool the fp32 product of element and scale, cast).
         indices: per source, ``[T, K_i]`` int64 row indices into that pool (``-1`` = no key),
             or a :class:`PagedIndex` (its entries in entry order, as if listed explicitly).
         sinks: ``[H]`` float32 sink logits: joined to each head's softmax, then dropped.
@@ -146,7 +164,7 @@ def sparse_attention(
         return _sparse_attention_blocked(q, kv_pools, indices, sinks, scale)
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
-        keys.append(_gather(pool, idx, q.dtype))
+        keys.append(gather_rows(pool, idx, q.dtype))
         valid.append(idx >= 0)
     kv = torch.cat(keys, dim=1).float()  # [T, K, D]
     bias = torch.where(torch.cat(valid, dim=1), 0.0, float("-inf")).unsqueeze(1)  # [T, 1, K]
@@ -174,7 +192,7 @@ def _sparse_attention_blocked(
     """
     keys, valid = [], []
     for pool, idx in zip(kv_pools, indices, strict=True):
-        keys.append(_gather(pool, idx, q.dtype))  # dequantising is exact per element: no batch effect
+        keys.append(gather_rows(pool, idx, q.dtype))  # dequantising is exact per element: no batch effect
         valid.append(idx >= 0)
     kv, ok = torch.cat(keys, dim=1).float(), torch.cat(valid, dim=1)  # [T, K, D], [T, K]
     t, h, d = q.shape
@@ -229,12 +247,14 @@ def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
     cand[1, 6:] = -1
     cand[2, 2:] = -1
     paged = _paged_case(g, t, 3, 4)
+    keys_mx = BlockScaledKVPool.from_values(randn(g, n, 32, dtype=dtype), "fp4_ue8m0")  # V4.1's MXFP4 keys
     return [
         ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), randn(g, n, d, dtype=dtype), cand, 4, d**-0.5), {}),
         (
             (randn(g, t, h, d, dtype=dtype), randn(g, t, h), randn(g, n, d, dtype=dtype), paged, 4, d**-0.5),
             {},
         ),
+        ((randn(g, t, h, 32, dtype=dtype), randn(g, t, h), keys_mx, paged, 4, 32**-0.5), {}),
     ]
 
 
@@ -243,7 +263,7 @@ def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
 def indexer_topk(
     q: torch.Tensor,
     weights: torch.Tensor,
-    key_pool: torch.Tensor,
+    key_pool: KVPool,
     candidates: torch.Tensor | PagedIndex,
     k: int,
     scale: float,
@@ -257,7 +277,9 @@ def indexer_topk(
 
     Args:
         q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` float32 head weights.
-        key_pool: ``[N, D]`` indexer keys.
+        key_pool: ``[N, D]`` indexer keys, or a packed
+            :class:`~deepinfer_core.ops.kv_format.PackedKVPool` of ``N`` rows of ``D`` (V4.1's
+            MXFP4 keys with ``kv_cache_dtype="fp8"``), read as its rows dequantised to q's dtype.
         candidates: ``[T, C]`` int64 rows of ``key_pool`` each query may pick (``-1`` = none),
             or a :class:`PagedIndex` (columns = entries in order, ``C = max_count``).
         k: how many to keep; scale: score scale (``D**-0.5``).
@@ -273,7 +295,7 @@ def indexer_topk(
     if batch_invariant_enabled():
         scores = _indexer_scores_blocked(q, weights, key_pool, candidates, scale)
     else:
-        keys = F.embedding(candidates.clamp(min=0), key_pool).float()  # [T, C, D]
+        keys = gather_rows(key_pool, candidates, q.dtype).float()  # [T, C, D]
         scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
         scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
     valid = candidates >= 0
@@ -287,14 +309,14 @@ def indexer_topk(
 
 
 def _indexer_scores_blocked(
-    q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, candidates: torch.Tensor, scale: float
+    q: torch.Tensor, weights: torch.Tensor, key_pool: KVPool, candidates: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Indexer scores ``[T, C]`` computed in fixed blocks of ``KEY_BLOCK`` candidate columns,
     so a score's GEMMs have the same shape whatever the batch's widest candidate list."""
     t, c = candidates.shape
     nb = max(1, padded_len(c, KEY_BLOCK) // KEY_BLOCK)
     cand = pad_cols(candidates, nb * KEY_BLOCK, -1)
-    keys = F.embedding(cand.clamp(min=0), key_pool).float()  # [T, nb*KB, D]
+    keys = gather_rows(key_pool, cand, q.dtype).float()  # [T, nb*KB, D]
     keys = keys.view(t, nb, KEY_BLOCK, -1).transpose(0, 1).contiguous()  # [nb, T, KB, D]
     qf, wf = q.float(), weights.float().unsqueeze(1)  # [T, H, D], [T, 1, H]
     blocks = []

@@ -1,6 +1,16 @@
-"""KV-cache storage formats: the packed FP8 rows of FlashMLA's DeepSeek-V4 layout.
+"""KV-cache storage formats: the packed-pool interface, and the packed FP8 rows of FlashMLA's
+DeepSeek-V4 layout.
 
-A plain KV pool is an ``[N, D]`` tensor in the model dtype.  An :class:`Fp8KVPool` holds the
+A plain KV pool is an ``[N, D]`` tensor in the model dtype.  A packed pool holds ``N`` logical
+rows of ``D`` values as bytes, ``data: uint8 [N, row_bytes]``; every packed format derives from
+:class:`PackedKVPool`, the interface the ops rely on (``cache_write`` stores
+:meth:`~PackedKVPool.quantize`'s bytes at rows of ``data``, the readers call
+:meth:`~PackedKVPool.dequantize_rows`).  The formats: :class:`Fp8KVPool` (below; V4,
+``kv_cache_dtype="fp8"``) and the block-scaled formats of DeepSeek-V4.1's release
+(:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`: MXFP8 window records, NVFP4-like
+compressed entries, MXFP4 indexer keys).
+
+An :class:`Fp8KVPool` holds the
 same ``N`` logical rows of ``D = head_dim`` values packed into ``row_bytes`` bytes each
 (``data``: ``uint8 [N, row_bytes]``); with ``R = rope_dim`` (the trailing channels that
 ``apply_rope`` rotates):
@@ -40,6 +50,7 @@ comes back within ``max(2**-4 * |x|, 2**-10 * 2**e)`` of ``x``, where ``2**e < a
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -134,8 +145,59 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+class PackedKVPool(ABC):
+    """A KV pool of ``N`` rows of ``dim`` values stored packed: ``data`` ``uint8 [N, row_bytes]``.
+
+    The interface every packed format implements (a frozen dataclass holding ``data``, ``dim``
+    and its format's parameters); ops test ``isinstance(pool, PackedKVPool)`` and use only this:
+    ``cache_write`` stores :meth:`quantize`'s bytes at rows of ``data``, readers dequantise the
+    rows they read (:meth:`dequantize_rows`).  Each row is packed independently of the others,
+    and neither direction synchronises with the host.
+    """
+
+    data: torch.Tensor
+    dim: int
+
+    @abstractmethod
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[M, dim]`` (any float dtype) as packed rows ``uint8 [M, row_bytes]`` of
+        this pool's format."""
+
+    @abstractmethod
+    def unpack(self, packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Packed rows ``uint8 [..., row_bytes]`` of this format as ``[..., dim]`` values in ``dtype``."""
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``rows`` (int64 of any shape, each in ``[0, N)``) as ``[*rows.shape, dim]`` in ``dtype``."""
+        packed = self.data.index_select(0, rows.reshape(-1)).view(*rows.shape, self.data.shape[1])
+        return self.unpack(packed, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Every row, ``[N, dim]`` in ``dtype``."""
+        return self.unpack(self.data, dtype)
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one packed row."""
+        return self.data.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical shape ``(N, dim)``."""
+        return (self.data.shape[0], self.dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.data.numel()
+
+
 @dataclass(frozen=True, eq=False)
-class Fp8KVPool:
+class Fp8KVPool(PackedKVPool):
     """A KV pool of ``N`` rows of ``dim`` values in the packed FP8 format (module docstring).
 
     Ops take it wherever the contract says a pool may be packed (``cache_write``'s ``cache``,
@@ -176,34 +238,15 @@ class Fp8KVPool:
         """Byte offsets of a row."""
         return fp8_row_layout(self.dim, self.rope_dim)
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        """The logical shape ``(N, dim)``."""
-        return (self.data.shape[0], self.dim)
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held."""
-        return self.data.numel()
-
     def quantize(self, values: torch.Tensor) -> torch.Tensor:
         """``values`` ``[M, dim]`` as packed rows ``uint8 [M, row_bytes]`` of this pool's format."""
         if values.shape[-1] != self.dim:
             raise ValueError(f"values have {values.shape[-1]} channels, the pool holds {self.dim}")
         return quantize_fp8_rows(values, self.rope_dim)
 
-    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows ``rows`` (int64 of any shape, each in ``[0, N)``) as ``[*rows.shape, dim]`` in ``dtype``."""
-        packed = self.data.index_select(0, rows.reshape(-1)).view(*rows.shape, self.data.shape[1])
+    def unpack(self, packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Packed rows ``uint8 [..., row_bytes]`` as ``[..., dim]`` values in ``dtype``."""
         return dequantize_fp8_rows(packed, self.dim, self.rope_dim, dtype)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Every row, ``[N, dim]`` in ``dtype``."""
-        return dequantize_fp8_rows(self.data, self.dim, self.rope_dim, dtype)
 
     def scales(self) -> torch.Tensor:
         """The UE8M0 scales, ``float8_e8m0fnu [N, groups]`` (a view of ``data``)."""
@@ -215,5 +258,6 @@ class Fp8KVPool:
         return f"Fp8KVPool(rows={rows}, dim={self.dim}, rope_dim={self.rope_dim}, device={dev})"
 
 
-KVPool = torch.Tensor | Fp8KVPool
-"""What an op accepts as a KV pool: a plain ``[N, D]`` tensor or a packed FP8 pool."""
+KVPool = torch.Tensor | PackedKVPool
+"""What an op accepts as a KV pool: a plain ``[N, D]`` tensor or a packed pool (an
+:class:`Fp8KVPool`, a :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`)."""

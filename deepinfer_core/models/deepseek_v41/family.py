@@ -3,8 +3,9 @@
 Registered by the core's builtin plugin (:mod:`deepinfer_core.builtin_plugin`) through the
 ``deepinfer_register_models`` hook.  What is not served yet is refused with a one-line
 :class:`~deepinfer_core.errors.ConfigError` saying ``not implemented yet: <what>``, never run
-approximately: the release's packed FP8/FP4 KV cache formats (``kv_cache_dtype="fp8"``), the
-DSpark drafter.  See ``docs/deepseek_v41.md``.
+approximately: the DSpark drafter.  ``kv_cache_dtype="fp8"`` stores the caches in the
+release's packed FP8/FP4 formats (:mod:`deepinfer_core.ops.kv_blockscaled`).  See
+``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations

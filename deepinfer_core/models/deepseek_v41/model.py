@@ -4,6 +4,9 @@ The causal encoder-decoder (CED) of the release, layer by layer:
 
 - every layer keeps its own sliding window of ``sliding_window`` K=V rows (an FP8 record in
   the release: :func:`~.ops.kv_qdq` ``fp8_ue8m0``) and attends to it, with a per-head sink;
+  with ``kv_cache_dtype="fp8"`` the window, the compressed entries and the indexer keys are
+  stored in the release's byte formats (:func:`kv_specs`), otherwise as their ``kv_qdq``
+  values in the model dtype -- the same values either way;
 - layers with ``compress_ratios[i] == 0`` (the first two) attend to their window only, with
   the ``main`` rope;
 - a kv-source layer owns a compressor: ratio 2 (the "encoder" sources) pools each two tokens
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -51,6 +55,8 @@ from deepinfer_core.models.deepseek_v4.rope import inv_freq
 from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_blockscaled import block_format, packs
+from deepinfer_core.ops.kv_format import KVPool, PackedKVPool
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
@@ -66,6 +72,43 @@ COMPRESSED_KV_FORMAT = ("fp4_e4m3", 16)
 """The release's compressed entries: e2m1, one e4m3 scale per 16 channels."""
 INDEXER_FORMAT = ("fp4_ue8m0", 32)
 """The release's indexer keys and queries: e2m1, one ue8m0 scale per 32 channels."""
+KV_FORMATS = {"window": WINDOW_KV_FORMAT, "ckv": COMPRESSED_KV_FORMAT, "ikv": INDEXER_FORMAT}
+"""The release's format of each cache a V4.1 layer keeps rows of (a ``kv_qdq`` format and block,
+also the name of the packed ``kv_format`` of ``kv_cache_dtype="fp8"``)."""
+
+
+def kv_specs(specs: list[CacheSpec], kv_cache_dtype: str) -> tuple[list[CacheSpec], list[str]]:
+    """``specs`` with the window / ``ckv`` / ``ikv`` rows in the release's packed formats when
+    ``kv_cache_dtype="fp8"`` (``kv_format`` = their :data:`KV_FORMATS` name: MXFP8 window
+    records, NVFP4-like entries, MXFP4 indexer keys), and the names of those kept plain because
+    their width is not a whole number of blocks (``kv_qdq`` leaves such rows unchanged, so a
+    plain cache holds exactly their values).  ``"auto"``: unchanged."""
+    if kv_cache_dtype == "auto":
+        return specs, []
+    if kv_cache_dtype != "fp8":
+        raise ConfigError(f"deepseek_v41: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
+    out: list[CacheSpec] = []
+    plain: list[str] = []
+    for s in specs:
+        if isinstance(s, RingSpec | PagedSpec) and s.name in KV_FORMATS:
+            fmt, block = KV_FORMATS[s.name]
+            assert block_format(fmt).block == block, (fmt, block)  # the pool's block is kv_qdq's
+            if packs(fmt, s.dim):
+                s = replace(s, kv_format=fmt)
+            else:
+                plain.append(f"{s.name} ({s.dim} values, {fmt} blocks of {block})")
+        out.append(s)
+    return out, plain
+
+
+def store_kv(ops: OpTable, pool: KVPool, rows: torch.Tensor, values: torch.Tensor, fmt: tuple) -> None:
+    """``values`` into ``pool`` at ``rows`` with the release's numerics ``fmt``: a packed pool
+    quantises them itself (``cache_write``, bit for bit ``kv_qdq``'s values once dequantised), a
+    plain one takes their ``kv_qdq`` values.  Never both: a second ``fp4_e4m3`` quantisation of
+    ``kv_qdq``'s output is not always a no-op (:mod:`deepinfer_core.ops.kv_blockscaled`)."""
+    if not isinstance(pool, PackedKVPool):
+        values = op(ops, "kv_qdq")(values, *fmt)
+    ops.cache_write(pool, rows, values)
 
 
 TAIL_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
@@ -134,7 +177,8 @@ class Attention:
 
     def cache_specs(self, num_spec_tokens: int = 0) -> list[CacheSpec]:
         """The window ring; for a compressed layer the group's entry pools (owned by the kv
-        source, ``alias_of`` it elsewhere) and, for a pooling kv source, its partial windows."""
+        source, ``alias_of`` it elsewhere) and, for a pooling kv source, its partial windows
+        (plain formats: :func:`kv_specs` packs them for ``kv_cache_dtype="fp8"``)."""
         cfg = self.cfg
         specs: list[CacheSpec] = [
             RingSpec("window", cfg.sliding_window, self.head_dim, spare=num_spec_tokens)
@@ -167,7 +211,8 @@ class Attention:
         kv = ops.rms_norm(part["kv"], self.kv_norm, self.eps)
         cos, sin = rope[self.rope_family]
         qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
-        q, kv = qkv[:, : self.heads], qdq(qkv[:, self.heads], *WINDOW_KV_FORMAT)
+        q, key = qkv[:, : self.heads], qkv[:, self.heads]
+        kv = qdq(key, *WINDOW_KV_FORMAT)  # this step's rows, as the ring gives them back
         ring = cache.get(self.layer, "window")
         pools: list[Any] = [ring, kv]
         idx: list[Any] = [md.v4.window_ring, md.v4.window_chunk]
@@ -179,7 +224,7 @@ class Attention:
             pools.append(cache.get(self.layer, "ckv"))
             idx.append(shared["picks"])
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ops.cache_write(ring, md.v4.ring_rows, kv)
+        ops.cache_write(ring, md.v4.ring_rows, key if isinstance(ring, PackedKVPool) else kv)
         out = ops.apply_rope(out, cos, -sin)
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
@@ -213,11 +258,10 @@ class Attention:
             write(buf_gate, plan.buf_rows, part["c_gate"])
             if latent is None:
                 return
-        qdq = op(ops, "kv_qdq")
         if self.is_index_source:  # the group's indexer keys, from the pre-rope latent
             k = ops.rms_norm(ops.linear(latent, self.wi_k), self.i_k_norm, self.eps)
-            write(cache.get(layer, "ikv"), dest, qdq(ops.apply_rope(k, cos, sin), *INDEXER_FORMAT))
-        write(cache.get(layer, "ckv"), dest, qdq(ops.apply_rope(latent, cos, sin), *COMPRESSED_KV_FORMAT))
+            store_kv(ops, cache.get(layer, "ikv"), dest, ops.apply_rope(k, cos, sin), INDEXER_FORMAT)
+        store_kv(ops, cache.get(layer, "ckv"), dest, ops.apply_rope(latent, cos, sin), COMPRESSED_KV_FORMAT)
 
     def _index(
         self,
@@ -426,14 +470,25 @@ class DeepseekV41Model:
 
     def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
         """Per layer: its window ring; per kv-source group one entry pool and one indexer-key pool
-        (``alias_of`` the source in the group's other layers) and the source's partial windows."""
-        if kv_cache_dtype != "auto":
-            raise ConfigError(
-                f"deepseek_v41: not implemented yet: kv_cache_dtype={kv_cache_dtype!r} (the release's "
-                "FP8 window / FP4 entry cache formats; the model applies their numerics to a cache in the "
-                "model dtype)"
+        (``alias_of`` the source in the group's other layers) and the source's partial windows.
+
+        ``kv_cache_dtype="fp8"``: the window, entry and indexer-key rows in the release's byte
+        formats (:func:`kv_specs`; at the release's widths 528 bytes per window row, 288 per
+        compressed entry, 68 per indexer key), a width that is not a whole number of blocks kept
+        in the model dtype (logged)."""
+        specs: list[list[CacheSpec]] = []
+        plain: set[str] = set()
+        for layer in self.layers:
+            layer_specs, kept = kv_specs(layer.attn.cache_specs(num_spec_tokens), kv_cache_dtype)
+            specs.append(layer_specs)
+            plain.update(kept)
+        if plain:
+            logger.info(
+                "kv_cache_dtype=%r: %s kept in the model dtype (kv_qdq leaves rows of partial blocks "
+                "unchanged, so the values are the same)",
+                kv_cache_dtype,
+                ", ".join(sorted(plain)),
             )
-        specs = [layer.attn.cache_specs(num_spec_tokens) for layer in self.layers]
         if self.lookback:  # the Engram look-back ring, kept with the first Engram layer's caches
             first = self.cfg.engram_layer_ids[0]
             specs[first].append(

@@ -10,7 +10,9 @@ as :func:`~deepinfer_core.ops.registry.define_op` asks of plugin ops:
 - ``hc_collapse``: the final collapse with the last site's ``pre`` (V4.1 has no ``hc_head``).
 - ``candidate_blocks``: level one of the hierarchical two-level top-k.
 - ``kv_qdq``: the KV numerics of the release (FP8 window records, FP4 compressed entries and
-  indexer keys / queries) as quantise-dequantise.
+  indexer keys / queries) as quantise-dequantise: what a plain cache (``kv_cache_dtype="auto"``)
+  stores, and bit for bit what the packed pools of ``kv_cache_dtype="fp8"``
+  (:mod:`deepinfer_core.ops.kv_blockscaled`) dequantise to.
 
 The ops join the contract when this module is imported (the family module imports it, so an
 :class:`~deepinfer_core.ops.OpTable` built after the family was resolved has them); the model
@@ -27,7 +29,9 @@ import torch.nn.functional as F
 
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops._cases import randn
-from deepinfer_core.ops.attention import PagedIndex, _paged_case
+from deepinfer_core.ops.attention import PagedIndex, _paged_case, gather_rows
+from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
+from deepinfer_core.ops.kv_format import KVPool
 from deepinfer_core.ops.modes import (
     KEY_BLOCK,
     batch_invariant_enabled,
@@ -162,22 +166,25 @@ def _candidate_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple
     rows[2, 1:] = -1
     rows[3, :] = -1
     keys = randn(g, n, d, dtype=dtype)
+    keys_mx = BlockScaledKVPool.from_values(randn(g, n, 32, dtype=dtype), "fp4_ue8m0")  # kv_cache_dtype="fp8"
     return [
         ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, paged, 2, 3, d**-0.5), {}),
         ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, rows, 2, 2, d**-0.5), {}),
         ((randn(g, t, h, d, dtype=dtype), randn(g, t, h), keys, rows, 8, 4, d**-0.5), {}),
+        ((randn(g, t, h, 32, dtype=dtype), randn(g, t, h), keys_mx, paged, 2, 3, 32**-0.5), {}),
     ]
 
 
-def _scores(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, rows: torch.Tensor, scale: float):
+def _scores(q: torch.Tensor, weights: torch.Tensor, key_pool: KVPool, rows: torch.Tensor, scale: float):
     """Indexer scores ``[T, C]`` of candidate ``rows`` (``-inf`` where ``-1``): ``sum_h weights[t, h]
     * relu(q[t, h] . key[c]) * scale`` in fp32, as the core ``indexer_topk`` computes them (in
-    fixed blocks of ``KEY_BLOCK`` candidates in batch-invariant mode)."""
+    fixed blocks of ``KEY_BLOCK`` candidates in batch-invariant mode; a packed key pool's rows
+    dequantised to q's dtype)."""
     t, c = rows.shape
     if batch_invariant_enabled():
         nb = max(1, padded_len(c, KEY_BLOCK) // KEY_BLOCK)
         cand = pad_cols(rows, nb * KEY_BLOCK, -1)
-        keys = F.embedding(cand.clamp(min=0), key_pool).float()
+        keys = gather_rows(key_pool, cand, q.dtype).float()
         keys = keys.view(t, nb, KEY_BLOCK, -1).transpose(0, 1).contiguous()
         qf, wf = q.float(), weights.float().unsqueeze(1)
         blocks = []
@@ -186,7 +193,7 @@ def _scores(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, rows
             blocks.append(torch.bmm(wf, s).squeeze(1))
         scores = torch.cat(blocks, dim=1)[:, :c]
     else:
-        keys = F.embedding(rows.clamp(min=0), key_pool).float()
+        keys = gather_rows(key_pool, rows, q.dtype).float()
         scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)
         scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)
     return scores.masked_fill(rows < 0, float("-inf"))
@@ -197,7 +204,7 @@ def _scores(q: torch.Tensor, weights: torch.Tensor, key_pool: torch.Tensor, rows
 def candidate_blocks(
     q: torch.Tensor,
     weights: torch.Tensor,
-    key_pool: torch.Tensor,
+    key_pool: KVPool,
     entries: torch.Tensor | PagedIndex,
     num_blocks: int,
     block_size: int,
@@ -213,7 +220,9 @@ def candidate_blocks(
 
     Args:
         q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` float32 head weights.
-        key_pool: ``[N, D]`` indexer keys.
+        key_pool: ``[N, D]`` indexer keys, or a packed
+            :class:`~deepinfer_core.ops.kv_format.PackedKVPool` (the MXFP4 keys of
+            ``kv_cache_dtype="fp8"``) read as its rows dequantised to q's dtype.
         entries: ``[T, C]`` int64 pool rows in entry order (``-1`` = none; the valid ones a
             prefix), or a :class:`~deepinfer_core.ops.attention.PagedIndex` (``C = max_count``).
         num_blocks: blocks to keep; block_size: entries per block; scale: score scale.

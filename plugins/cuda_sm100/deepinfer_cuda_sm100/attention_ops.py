@@ -14,6 +14,11 @@ ring, this step's rows and the compressed entries alike) and two that mix plain 
 pools; and indexer selections on integer-valued data (exact scores, many ties: the picks
 must equal the reference's bit for bit) and on random data.
 
+The kernels read plain pools and ``Fp8KVPool`` rows only: any other packed pool (DeepSeek-V4.1's
+block-scaled :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`, ``kv_cache_dtype="fp8"``),
+and any packed indexer key pool, is refused by ``supports`` with :data:`PACKED_KV_REFUSAL` in the
+reason, so the op table runs the reference for that call (logged once per op).
+
 Importing this module does not import Triton; :func:`attention_ops` does.
 """
 
@@ -27,7 +32,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.ops.attention import PagedIndex
-from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 
 Verdict = bool | str
@@ -42,6 +47,10 @@ MAX_INDEX_HEADS = 128
 MAX_INDEX_DIM = 512
 MAX_TOPK = 4096
 _INT32_MAX = 2**31 - 1
+
+PACKED_KV_REFUSAL = "the kernel does not read this packed KV format (the reference dequantises it)"
+"""In ``supports``' reason for a packed pool the kernels do not read (a ``BlockScaledKVPool`` in
+``sparse_attention``, any packed ``key_pool`` in ``indexer_topk``): the reference takes the call."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +153,9 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return "kv_pools and indices must be lists"
         if len(kv_pools) != len(indices) or not 1 <= len(kv_pools) <= MAX_SOURCES:
             return f"{len(kv_pools)} pools / {len(indices)} index lists: 1..{MAX_SOURCES} pairs are supported"
+        for i, p in enumerate(kv_pools):  # before the device checks: only Fp8KVPool bytes are read
+            if isinstance(p, PackedKVPool) and not isinstance(p, Fp8KVPool):
+                return f"kv_pools[{i}] is a {type(p).__name__}: {PACKED_KV_REFUSAL}"
         named = [("q", q), ("sinks", sinks)]
         for i, p in enumerate(kv_pools):  # a packed pool: its bytes
             named.append(
@@ -195,6 +207,8 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         return True
 
     def indexer_topk(q, weights, key_pool, candidates, k, scale) -> Verdict:
+        if isinstance(key_pool, PackedKVPool):
+            return f"key_pool is a {type(key_pool).__name__}: {PACKED_KV_REFUSAL}"
         named = [("q", q), ("weights", weights), ("key_pool", key_pool)]
         named += [("candidates" + (f".{n}" if n else ""), x) for n, x in _tensors_of(candidates)]
         problem = device_problem(interpreted, named)

@@ -128,3 +128,65 @@ def test_compressor_refusals_name_the_reason(changes, reason):
         assert verdict is True
     else:
         assert isinstance(verdict, str) and reason in verdict, verdict
+
+
+# DeepSeek-V4.1's block-scaled KV pools (kv_cache_dtype="fp8"): no kernel reads them
+
+
+def _block_scaled_calls():
+    from deepinfer_core.ops.attention import PagedIndex
+    from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
+
+    g = torch.Generator().manual_seed(0)
+    t, h, d = 3, 4, 32
+    q = torch.randn(t, h, d, generator=g)
+    ring = BlockScaledKVPool.from_values(torch.randn(10, d, generator=g), "fp8_ue8m0")
+    ckv = BlockScaledKVPool.from_values(torch.randn(8, d, generator=g), "fp4_e4m3")
+    keys = BlockScaledKVPool.from_values(torch.randn(8, d, generator=g), "fp4_ue8m0")
+    rows = torch.randint(0, 10, (t, 4), generator=g)
+    paged = PagedIndex(
+        torch.arange(2).view(1, 2), torch.zeros(t, dtype=torch.int64), torch.full((t,), 8), 4, 8
+    )
+    attention = (
+        q,
+        [ring, torch.randn(t, d, generator=g), ckv],
+        [rows, rows[:, :2] % t, paged],
+        torch.randn(h),
+        0.2,
+    )
+    indexer = (q, torch.randn(t, h, generator=g), keys, paged, 3, 0.2)
+    return {"sparse_attention": attention, "indexer_topk": indexer}
+
+
+@pytest.mark.parametrize("op", ["sparse_attention", "indexer_topk"])
+def test_block_scaled_pools_are_refused_and_the_reference_takes_the_call(op, caplog):
+    """Interpreted and compiled kernels refuse them by name (before any device check), and an op table runs
+    the reference for the call, logging the rejection once; nothing reaches the kernel."""
+    from deepinfer_cuda_sm100.attention_ops import PACKED_KV_REFUSAL
+    from deepinfer_cuda_sm100.attention_ops import make_supports as attention_supports
+
+    from deepinfer_core.ops import OpImpl, OpTable, get_op
+
+    call = _block_scaled_calls()[op]
+    for interpreted in (True, False):
+        verdict = attention_supports(interpreted)[op](*call)
+        assert isinstance(verdict, str) and PACKED_KV_REFUSAL in verdict and "BlockScaledKVPool" in verdict
+
+    def kernel(*args):
+        raise AssertionError("the kernel was handed a block-scaled pool")
+
+    table = OpTable({op: OpImpl(fn=kernel, supports=attention_supports(True)[op])}, backend="cuda_sm100")
+    with caplog.at_level("WARNING", logger="deepinfer.ops"):
+        got = table[op](*call)
+    assert torch.equal(got, get_op(op).reference(*call))
+    assert (
+        f"op '{op}': backend 'cuda_sm100' rejects a case" in caplog.text and PACKED_KV_REFUSAL in caplog.text
+    )
+
+
+def test_the_compressor_kernel_refuses_a_block_scaled_entry_pool():
+    from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
+
+    pool = BlockScaledKVPool.zeros(10, 32, "fp4_e4m3")
+    verdict = CPU_KERNELS["compress_entries"](**_entries_call(pool=pool))
+    assert isinstance(verdict, str) and "BlockScaledKVPool" in verdict and "reference" in verdict

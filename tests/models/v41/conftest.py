@@ -59,17 +59,19 @@ def v41_llm(model_dir: Path, **options: Any) -> LLM:
     return LLM.from_engine(LLMEngine(cfg, plugins=v41_plugins()))
 
 
-def prefix_hit_and_cold_run(model_dir: Path, first: list[int], second: list[int]) -> tuple[Any, Any]:
+def prefix_hit_and_cold_run(
+    model_dir: Path, first: list[int], second: list[int], **options: Any
+) -> tuple[Any, Any]:
     """``second``'s output from a prefix-caching engine that served ``first`` before (a cache
     hit, asserted) and from a cold engine without prefix caching: greedy, 4 tokens, logprobs,
-    batch invariant."""
+    batch invariant; ``options``: more engine options of both."""
     from deepinfer_core.sampling.params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
-    warm = v41_llm(model_dir, batch_invariant=True, enable_prefix_caching=True, max_num_seqs=1)
+    warm = v41_llm(model_dir, batch_invariant=True, enable_prefix_caching=True, max_num_seqs=1, **options)
     warm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
     [hit] = warm.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
     assert warm.get_metrics()["num_prefix_hit_tokens"] > 0
-    cold = v41_llm(model_dir, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=1)
+    cold = v41_llm(model_dir, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=1, **options)
     [ref] = cold.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
     return hit, ref
