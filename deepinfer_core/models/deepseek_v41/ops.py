@@ -264,10 +264,11 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """``2**ceil(log2(x))`` for float32 ``x > 0``, from the IEEE bits (a power of two stays)."""
+    """``2**ceil(log2(x))`` for float32 ``x > 0``, from the IEEE bits (a power of two stays), built
+    from the bits too (exact on every device: no ``exp2``; infinity past ``2**127``)."""
     bits = x.contiguous().view(torch.int32)
-    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return torch.exp2(k.to(torch.float32))
+    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2 x) + 127
+    return (biased.clamp(max=255) << 23).view(torch.float32)
 
 
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
