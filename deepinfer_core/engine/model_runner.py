@@ -179,7 +179,7 @@ class ModelRunner:
         logger.info(
             "KV cache (%s): %d pages x %d tokens = %d token capacity (%.1f MiB paged, %.1f MiB per-seq "
             "state)",
-            "fp8 window and compressed entries" if config.kv_cache_dtype == "fp8" else "model dtype",
+            "packed: the model's fp8 / fp4 formats" if config.kv_cache_dtype == "fp8" else "model dtype",
             num_pages,
             self.page_size,
             num_pages * self.page_size,
