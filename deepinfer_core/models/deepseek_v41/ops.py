@@ -272,13 +272,17 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (already within ``[-6, 6]``) rounded to the nearest e2m1 value, ties to even."""
+    """``x`` (already within ``[-6, 6]``) rounded to the nearest e2m1 value, ties to even.
+
+    Only comparisons with Python scalars and elementwise arithmetic (no tensor built from host
+    data, so a device graph can capture it): the code is the number of midpoints at or past
+    ``|x|`` (a midpoint whose tie goes down counts only when passed), its value
+    ``_E2M1_VALUES[code]`` is ``code / 2`` up to code 4, then 3, 4, 6."""
     mag = x.abs()
-    bounds = torch.tensor(_E2M1_BOUNDS, dtype=torch.float32, device=x.device)
-    ties_up = torch.tensor(_E2M1_TIES_UP, device=x.device)
-    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, float("inf"))))
-    code = (mag.unsqueeze(-1) >= thresholds).sum(-1)
-    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=x.device)[code]
+    code = torch.zeros_like(mag)
+    for bound, up in zip(_E2M1_BOUNDS, _E2M1_TIES_UP, strict=True):
+        code += (mag >= bound) if up else (mag > bound)
+    values = torch.where(code > 4, code - 2 + (code == 7).to(code.dtype), code * 0.5)
     return torch.where(torch.signbit(x), -values, values)
 
 

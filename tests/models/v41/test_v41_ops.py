@@ -55,6 +55,21 @@ def test_kv_qdq_equals_the_oracle_bitwise_with_ties_and_extremes(fmt, block, ora
         assert torch.equal(v41_ops.kv_qdq(ours, fmt, block), ours)
 
 
+def test_kv_qdq_builds_no_tensor_from_host_data(monkeypatch):
+    """``kv_qdq`` runs in every V4.1 step: built from elementwise ops and scalars only (no
+    ``torch.tensor`` of host data, which a CUDA graph cannot capture), with the same values."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 3
+    formats = (("fp8_ue8m0", 32), ("fp4_ue8m0", 32), ("fp4_e4m3", 16))
+    want = [v41_ops.kv_qdq(x, f, b) for f, b in formats]
+
+    def host_tensor(*args, **kwargs):
+        raise AssertionError("kv_qdq built a tensor from host data")
+
+    monkeypatch.setattr(torch, "tensor", host_tensor)
+    for (f, b), w in zip(formats, want, strict=True):
+        assert torch.equal(v41_ops.kv_qdq(x, f, b), w)
+
+
 def test_kv_qdq_skips_shapes_that_are_not_whole_blocks():
     x = torch.randn(3, 24)
     assert v41_ops.kv_qdq(x, "fp8_ue8m0", 32) is x and v41_ops.kv_qdq(x, "fp4_e4m3", 16) is x
