@@ -195,7 +195,7 @@ def load_weights(
                     if spec.kind == "engram_table":
                         result[target] = _engram_table(src, name, scales.get(name), spec, path, dtype, device)
                         continue
-                    t = _read(src, name, scales.get(name), spec, block, keep)
+                    t = _read(src, name, scales.get(name), spec, block, keep, device=device)
                     _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
                     if isinstance(t, QuantizedTensor):
                         result[target] = t.to(device)
@@ -204,7 +204,7 @@ def load_weights(
                 elif name in experts:
                     sl = experts[name]
                     spec = specs[sl.hf_name]
-                    t = _read(src, name, scales.get(name), spec, block, keep)
+                    t = _read(src, name, scales.get(name), spec, block, keep, device=device)
                     _, rows, cols = spec.shape
                     want = (rows // 2, cols) if sl.part in ("gate", "up") else (rows, cols)
                     _check_shape(t.shape, want, f"expert tensor {name!r}", path)
