@@ -199,12 +199,7 @@ class BlockScaledKVPool(PackedKVPool):
     fmt: str
 
     def __post_init__(self) -> None:
-        want = block_row_bytes(self.fmt, self.dim)
-        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != want:
-            raise ValueError(
-                f"BlockScaledKVPool data must be uint8 [N, {want}] for {self.fmt} rows of {self.dim} values; "
-                f"got {self.data.dtype} {tuple(self.data.shape)}"
-            )
+        self._check_data(block_row_bytes(self.fmt, self.dim), f"{self.fmt} rows of {self.dim} values")
 
     @classmethod
     def zeros(cls, rows: int, dim: int, fmt: str, device: torch.device | str = "cpu") -> BlockScaledKVPool:

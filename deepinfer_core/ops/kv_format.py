@@ -167,6 +167,15 @@ class PackedKVPool(ABC):
     def unpack(self, packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Packed rows ``uint8 [..., row_bytes]`` of this format as ``[..., dim]`` values in ``dtype``."""
 
+    def _check_data(self, want: int, what: str) -> None:
+        """Raise a :class:`ValueError` unless ``data`` is ``uint8 [N, want]`` (``what``: the
+        format's rows, for the message)."""
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != want:
+            raise ValueError(
+                f"{type(self).__name__} data must be uint8 [N, {want}] for {what}; "
+                f"got {self.data.dtype} {tuple(self.data.shape)}"
+            )
+
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``rows`` (int64 of any shape, each in ``[0, N)``) as ``[*rows.shape, dim]`` in ``dtype``."""
         packed = self.data.index_select(0, rows.reshape(-1)).view(*rows.shape, self.data.shape[1])
@@ -215,12 +224,7 @@ class Fp8KVPool(PackedKVPool):
     rope_dim: int
 
     def __post_init__(self) -> None:
-        want = fp8_row_bytes(self.dim, self.rope_dim)
-        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or self.data.shape[1] != want:
-            raise ValueError(
-                f"Fp8KVPool data must be uint8 [N, {want}] for dim={self.dim}, rope_dim={self.rope_dim}; "
-                f"got {self.data.dtype} {tuple(self.data.shape)}"
-            )
+        self._check_data(fp8_row_bytes(self.dim, self.rope_dim), f"dim={self.dim}, rope_dim={self.rope_dim}")
 
     @classmethod
     def zeros(cls, rows: int, dim: int, rope_dim: int, device: torch.device | str = "cpu") -> Fp8KVPool:

@@ -5,6 +5,8 @@ batch invariance."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -136,12 +138,22 @@ def test_cache_write_quantises_only_the_given_rows_in_place():
     assert torch.equal(pool.data[keep], before[keep])
 
 
-def _attention_case(seed: int, t: int = 7, h: int = 4, d: int = 32, r: int = 8):
+def attention_case(
+    seed: int,
+    ring: Callable[[torch.Tensor], Any],
+    ckv: Callable[[torch.Tensor], Any],
+    chunk: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
+    t: int = 7,
+    h: int = 4,
+    d: int = 32,
+):
+    """``sparse_attention`` arguments over a window ring of 20 rows, this step's ``t`` rows and
+    12 paged entries: ``ring`` / ``ckv`` build the two pools from their values (packed, for
+    the tests of a KV format), ``chunk`` maps this step's rows."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(t, h, d, generator=g)
-    ring = Fp8KVPool.from_values(torch.randn(20, d, generator=g) * 2, r)
-    chunk = torch.randn(t, d, generator=g)
-    ckv = Fp8KVPool.from_values(torch.randn(12, d, generator=g), r)
+    pools = [ring(torch.randn(20, d, generator=g) * 2), chunk(torch.randn(t, d, generator=g))]
+    pools.append(ckv(torch.randn(12, d, generator=g)))
     idx_ring = torch.randint(-1, 20, (t, 6), generator=g)
     idx_ring[:, 0] = torch.randint(0, 20, (t,), generator=g)
     idx_chunk = torch.randint(-1, t, (t, 3), generator=g)
@@ -149,7 +161,16 @@ def _attention_case(seed: int, t: int = 7, h: int = 4, d: int = 32, r: int = 8):
     paged = PagedIndex(
         table, torch.randint(0, 2, (t,), generator=g), torch.randint(0, 13, (t,), generator=g), 4, 12
     )
-    return q, [ring, chunk, ckv], [idx_ring, idx_chunk, paged], torch.randn(h, generator=g), d**-0.5
+    return q, pools, [idx_ring, idx_chunk, paged], torch.randn(h, generator=g), d**-0.5
+
+
+def _attention_case(seed: int, t: int = 7):
+    """FP8 ring and entry pools (rope_dim 8)."""
+
+    def fp8(x: torch.Tensor) -> Fp8KVPool:
+        return Fp8KVPool.from_values(x, 8)
+
+    return attention_case(seed, fp8, fp8, t=t)
 
 
 @pytest.mark.parametrize("invariant", [False, True])

@@ -22,6 +22,7 @@ from deepinfer_core.ops.kv_blockscaled import (
 from deepinfer_core.ops.kv_format import PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_mode
 from tests.ops.sync_check import record_host_syncs
+from tests.ops.test_kv_format import attention_case
 
 FORMATS = sorted(BLOCK_FORMATS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -186,20 +187,17 @@ def test_cache_write_packs_only_the_given_rows_without_host_syncs(fmt):
         pool.quantize(torch.zeros(2, 8 * block))
 
 
-def _attention_case(seed: int, t: int = 9, h: int = 4, d: int = 64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(t, h, d, generator=g)
-    ring = BlockScaledKVPool.from_values(torch.randn(20, d, generator=g) * 3, "fp8_ue8m0")
-    chunk = kv_qdq(torch.randn(t, d, generator=g), "fp8_ue8m0", 32)  # this step's rows, plain
-    ckv = BlockScaledKVPool.from_values(torch.randn(12, d, generator=g), "fp4_e4m3")
-    idx_ring = torch.randint(-1, 20, (t, 6), generator=g)
-    idx_ring[:, 0] = torch.randint(0, 20, (t,), generator=g)
-    idx_chunk = torch.randint(-1, t, (t, 3), generator=g)
-    table = torch.randperm(3, generator=g).view(1, -1).repeat(2, 1)
-    paged = PagedIndex(
-        table, torch.randint(0, 2, (t,), generator=g), torch.randint(0, 13, (t,), generator=g), 4, 12
+def _attention_case(seed: int):
+    """The release's formats: an ``fp8_ue8m0`` ring, ``fp4_e4m3`` entries, this step's rows
+    quantise-dequantised as the window records are."""
+    return attention_case(
+        seed,
+        lambda x: BlockScaledKVPool.from_values(x, "fp8_ue8m0"),
+        lambda x: BlockScaledKVPool.from_values(x, "fp4_e4m3"),
+        lambda x: kv_qdq(x, "fp8_ue8m0", 32),
+        t=9,
+        d=64,
     )
-    return q, [ring, chunk, ckv], [idx_ring, idx_chunk, paged], torch.randn(h, generator=g), d**-0.5
 
 
 @pytest.mark.parametrize("invariant", [False, True])
