@@ -18,8 +18,10 @@ no padding.  An e2m1 code is ``s e e m`` (sign bit 3); a UE8M0 byte ``b`` means 
 ``D`` must be a multiple of ``B``.
 
 **Quantisation** is exactly DeepSeek-V4.1's ``kv_qdq`` op (the reference that defines these
-numerics, :func:`deepinfer_core.models.deepseek_v41.ops.kv_qdq`), so a stored row dequantises to
-bit for bit what ``kv_qdq`` returns for it.  All in fp32, per block with ``amax = max |x|``:
+numerics, :func:`deepinfer_core.models.deepseek_v41.ops.kv_qdq`, which computes its scales and
+e2m1 rounding with this module's :func:`block_scales` and :func:`e2m1_codes`), so a stored row
+dequantises to bit for bit what ``kv_qdq`` returns for it (``tests/models/v41`` checks both
+against an independent oracle).  All in fp32, per block with ``amax = max |x|``:
 
 - ``fp8_ue8m0``: ``s = 2**ceil(log2(max(amax, 1e-4) * (1/448)))`` (the product rounded to
   fp32, the power of two read from its bits), stored as the UE8M0 byte; element
@@ -53,7 +55,7 @@ import torch
 
 from deepinfer_core.weights.quant import unpack_fp4
 
-from .kv_format import PackedKVPool
+from .kv_format import FP8_MAX, PackedKVPool
 
 BlockFormat = Literal["fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0"]
 """The block-scaled formats, named as ``kv_qdq`` names them."""
@@ -80,7 +82,8 @@ BLOCK_FORMATS: dict[str, BlockFormatInfo] = {
 }
 """Every block-scaled format by name."""
 
-_FP8_MAX, _FP4_MAX = 448.0, 6.0
+FP4_MAX = 6.0
+"""Largest e2m1 magnitude."""
 
 
 def block_format(fmt: str) -> BlockFormatInfo:
@@ -119,7 +122,7 @@ def _ue8m0_value(byte: torch.Tensor) -> torch.Tensor:
     return (byte.to(torch.int32) << 23).view(torch.float32)
 
 
-def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """The 4-bit e2m1 codes (``uint8``) of float32 ``y`` (already within ``[-6, 6]``): the nearest
     e2m1 value, ties to the even code, the sign bit of ``y`` kept."""
     mag = y.abs()
@@ -133,6 +136,27 @@ def _e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return code | (torch.signbit(y).to(torch.uint8) << 3)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 values of 4-bit e2m1 ``codes`` (sign bit 3): magnitude code ``c`` is ``c / 2``
+    up to 4, then 3, 4, 6 (elementwise arithmetic only: capturable)."""
+    c = (codes & 7).float()
+    mag = torch.where(c > 4, c - 2 + (c == 7).float(), c * 0.5)
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def block_scales(amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of format ``fmt``, from its float32 ``amax = max |x|``: the scale (float32) and
+    the byte that stores it (``uint8``: UE8M0 exponent or e4m3) — the module docstring's rule."""
+    info = BLOCK_FORMATS[fmt]
+    if info.ue8m0:
+        qmax = FP8_MAX if info.bits == 8 else FP4_MAX
+        floor = 1e-4 if info.bits == 8 else FP4_MAX * 2.0**-126
+        byte = _ue8m0_byte(amax.clamp_min(floor) * (1.0 / qmax))
+        return _ue8m0_value(byte), byte.to(torch.uint8)
+    s8 = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn)
+    return s8.float(), s8.view(torch.uint8)
+
+
 def quantize_block_rows(values: torch.Tensor, fmt: str) -> torch.Tensor:
     """``values`` ``[..., D]`` (any float dtype) packed as ``uint8 [..., row_bytes]`` in ``fmt``."""
     dim = values.shape[-1]
@@ -142,20 +166,12 @@ def quantize_block_rows(values: torch.Tensor, fmt: str) -> torch.Tensor:
     nb = dim // info.block
     blocks = values.float().reshape(-1, nb, info.block)
     m = blocks.shape[0]
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    if info.ue8m0:
-        qmax = _FP8_MAX if info.bits == 8 else _FP4_MAX
-        floor = 1e-4 if info.bits == 8 else _FP4_MAX * 2.0**-126
-        byte = _ue8m0_byte(amax.clamp_min(floor) * (1.0 / qmax))
-        scale, scale_bytes = _ue8m0_value(byte), byte.to(torch.uint8)
-    else:
-        s8 = (amax.clamp_min(_FP4_MAX * 2.0**-9) / _FP4_MAX).to(torch.float8_e4m3fn)
-        scale, scale_bytes = s8.float(), s8.view(torch.uint8)
+    scale, scale_bytes = block_scales(blocks.abs().amax(dim=-1, keepdim=True), fmt)
     y = blocks / scale
     if info.bits == 8:
-        elements = y.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).view(m, dim)
+        elements = y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8).view(m, dim)
     else:
-        codes = _e2m1_codes(y.clamp(-_FP4_MAX, _FP4_MAX)).view(m, dim)
+        codes = e2m1_codes(y.clamp(-FP4_MAX, FP4_MAX)).view(m, dim)
         elements = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return torch.cat([elements, scale_bytes.view(m, nb)], dim=1).view(*lead, row)
 

@@ -30,8 +30,15 @@ import torch.nn.functional as F
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops._cases import randn
 from deepinfer_core.ops.attention import PagedIndex, _paged_case, gather_rows
-from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
-from deepinfer_core.ops.kv_format import KVPool
+from deepinfer_core.ops.kv_blockscaled import (
+    BLOCK_FORMATS,
+    FP4_MAX,
+    BlockScaledKVPool,
+    block_scales,
+    e2m1_codes,
+    e2m1_values,
+)
+from deepinfer_core.ops.kv_format import FP8_MAX, KVPool
 from deepinfer_core.ops.modes import (
     KEY_BLOCK,
     batch_invariant_enabled,
@@ -257,33 +264,6 @@ def candidate_blocks(
 
 # ---- KV numerics of the release ----------------------------------------------------------------
 KVFormat = Literal["fp8_ue8m0", "fp4_ue8m0", "fp4_e4m3"]
-_FP8_MAX, _FP4_MAX = 448.0, 6.0
-_E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-_E2M1_TIES_UP = (False, True, False, True, False, True, False)  # toward the even code
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
-    """``2**ceil(log2(x))`` for float32 ``x > 0``, from the IEEE bits (a power of two stays), built
-    from the bits too (exact on every device: no ``exp2``; infinity past ``2**127``)."""
-    bits = x.contiguous().view(torch.int32)
-    biased = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)  # ceil(log2 x) + 127
-    return (biased.clamp(max=255) << 23).view(torch.float32)
-
-
-def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (already within ``[-6, 6]``) rounded to the nearest e2m1 value, ties to even.
-
-    Only comparisons with Python scalars and elementwise arithmetic (no tensor built from host
-    data, so a device graph can capture it): the code is the number of midpoints at or past
-    ``|x|`` (a midpoint whose tie goes down counts only when passed), its value
-    ``_E2M1_VALUES[code]`` is ``code / 2`` up to code 4, then 3, 4, 6."""
-    mag = x.abs()
-    code = torch.zeros_like(mag)
-    for bound, up in zip(_E2M1_BOUNDS, _E2M1_TIES_UP, strict=True):
-        code += (mag >= bound) if up else (mag > bound)
-    values = torch.where(code > 4, code - 2 + (code == 7).to(code.dtype), code * 0.5)
-    return torch.where(torch.signbit(x), -values, values)
 
 
 def _qdq_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
@@ -318,19 +298,14 @@ def kv_qdq(x: torch.Tensor, fmt: KVFormat, block: int) -> torch.Tensor:
     n = x.shape[-1]
     if n % block:
         return x
-    blocks = x.float().reshape(*x.shape[:-1], n // block, block)
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    if fmt == "fp8_ue8m0":
-        s = _pow2_ceil(amax.clamp_min(1e-4) * (1.0 / _FP8_MAX))
-        q = (blocks / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).float()
-    elif fmt in ("fp4_ue8m0", "fp4_e4m3"):
-        if fmt == "fp4_ue8m0":
-            s = _pow2_ceil(amax.clamp_min(_FP4_MAX * 2.0**-126) * (1.0 / _FP4_MAX))
-        else:
-            s = (amax.clamp_min(_FP4_MAX * 2.0**-9) / _FP4_MAX).to(torch.float8_e4m3fn).float()
-        q = _e2m1_round((blocks / s).clamp(-_FP4_MAX, _FP4_MAX))
-    else:
+    if fmt not in BLOCK_FORMATS:
         raise ValueError(f"kv_qdq: unknown format {fmt!r}")
+    blocks = x.float().reshape(*x.shape[:-1], n // block, block)
+    s, _ = block_scales(blocks.abs().amax(dim=-1, keepdim=True), fmt)  # the packed pools' scales
+    if fmt == "fp8_ue8m0":
+        q = (blocks / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        q = e2m1_values(e2m1_codes((blocks / s).clamp(-FP4_MAX, FP4_MAX)))
     return (q * s).reshape(x.shape).to(x.dtype)
 
 
