@@ -305,11 +305,10 @@ class ModelRunner:
         """The bucket whose MTP graph runs these rows, or ``None`` (eager): MTP graphs run steps
         of exactly one row per request (a draft depth, or the catch-up after a step that kept
         one position per request)."""
-        if not self.mtp_graphs or len(chunks) > max(self.mtp_graphs):
+        bucket = smallest_bucket(self.mtp_graphs, len(chunks))
+        if bucket is None or any(c.num_tokens != 1 for c in chunks):
             return None
-        if any(c.num_tokens != 1 for c in chunks):
-            return None
-        return min(b for b in self.mtp_graphs if b >= len(chunks))
+        return bucket
 
     def execute_dummy(self) -> None:
         """One forward of a single padding row on the trash slot (no request's cache is
@@ -357,7 +356,7 @@ class ModelRunner:
         Speculative decoding's DSpark policy weighs drafts against these costs."""
         t = batch * tokens_per_request
         graphs = self.graphs if tokens_per_request == 1 else self.verify_graphs
-        bucket = min((b for b in graphs if b >= batch), default=None)
+        bucket = smallest_bucket(graphs, batch)
         if bucket is not None and tokens_per_request > 1 + self.num_spec_tokens:
             bucket = None
         times = []
@@ -487,24 +486,27 @@ class ModelRunner:
         """The bucket whose verify graph runs this step, or ``None``: verify graphs run steps
         where every request decodes one token plus at most ``num_spec_tokens`` drafts (and
         some have drafts)."""
-        if not self.verify_graphs or len(chunks) > max(self.verify_graphs):
-            return None
-        if not any(c.num_draft for c in chunks):
+        bucket = smallest_bucket(self.verify_graphs, len(chunks))
+        if bucket is None or not any(c.num_draft for c in chunks):
             return None
         if any(
             c.num_tokens - c.num_draft != 1 or not c.sample or c.all_logits or c.prev_row >= 0 for c in chunks
         ):
             return None
-        return min(b for b in self.verify_graphs if b >= len(chunks))
+        return bucket
 
     def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where
         every request decodes one token and wants only its logits."""
-        if not self.graphs or len(chunks) > max(self.graphs):
+        bucket = smallest_bucket(self.graphs, len(chunks))
+        if bucket is None or any(c.num_tokens != 1 or not c.sample or c.all_logits for c in chunks):
             return None
-        if any(c.num_tokens != 1 or not c.sample or c.all_logits for c in chunks):
-            return None
-        return min(b for b in self.graphs if b >= len(chunks))
+        return bucket
+
+
+def smallest_bucket(graphs: dict[int, DeviceGraph], n: int) -> int | None:
+    """The smallest captured batch bucket holding ``n`` requests, or ``None`` (none does)."""
+    return min((b for b in graphs if b >= n), default=None)
 
 
 def _size(nbytes: int) -> str:
