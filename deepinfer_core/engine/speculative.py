@@ -57,6 +57,7 @@ from deepinfer_core.speculative.verify import (
 
 if TYPE_CHECKING:
     from deepinfer_core.config import SpeculativeConfig
+    from deepinfer_core.engine.batch import SeqChunk
     from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.engine.request import Request
     from deepinfer_core.engine.scheduler import SchedulerOutput
@@ -319,7 +320,7 @@ class SpeculativeDecoder:
                 logprobs.append([sampled.logprobs[base + i] for i in range(a + 1)])
                 base += len(d) + 1
         for req, c, d, e in zip(reqs, chunks, drafts, emitted, strict=True):
-            if c.num_tokens - c.num_draft == 1 and c.start_pos >= req.num_prompt_tokens:  # a decode
+            if _is_decode(req, c):
                 self._record(req, len(d), len(e) - 1 if d else 0)
         accepted = sum(len(e) - 1 for d, e in zip(drafts, emitted, strict=True) if d)
         return VerifyResult(emitted, logprobs, accepted)
@@ -492,7 +493,7 @@ class SpeculativeDecoder:
         """Count a step that verified no draft (sampled by the engine's plain path): each of
         its decodes verified none."""
         for req, c in zip(sched.sampling_requests, (c for c in sched.chunks if c.sample), strict=True):
-            if c.num_tokens == 1 and c.start_pos >= req.num_prompt_tokens:
+            if _is_decode(req, c):
                 self._record(req, 0, 0)
 
     def observe_step(self, sched: SchedulerOutput, seconds: float, overlapped: bool = False) -> None:
@@ -556,6 +557,12 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     unavailable or not a :class:`Drafter`."""
     name = config.drafter
     return plugins.component_class("drafters", name, Drafter, f"speculative.drafter={name!r}")
+
+
+def _is_decode(req: Request, c: SeqChunk) -> bool:
+    """Whether sampling chunk ``c`` of ``req`` decodes (one known token after the prompt, plus
+    any drafts it verifies) rather than ending a prefill."""
+    return c.num_tokens - c.num_draft == 1 and c.start_pos >= req.num_prompt_tokens
 
 
 def _first_rows(owner: list[tuple[int, int]]) -> dict[int, int]:
