@@ -117,6 +117,7 @@ from deepinfer_core.distributed.context_parallel import (  # noqa: E402
     cp_min_tokens,
 )
 from deepinfer_core.distributed.worker import LOG_DIR_ENV  # noqa: E402
+from deepinfer_core.testing.observe import counting_context_parallel_forwards  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_distributed.json"
 PARTS = ("decode", "cp", "equality")
@@ -549,15 +550,7 @@ class Bench:
         """One long prompt at a time: TTFT and prompt tok/s, best of ``cp_repeats``."""
         a = self.args
         model = llm.engine.runner.model
-        split = [0]
-        forward = model.forward
-
-        def observed(md: Any, *args: Any, **kwargs: Any) -> Any:
-            split[0] += getattr(md, "cp", None) is not None
-            return forward(md, *args, **kwargs)
-
-        model.forward = observed
-        try:
+        with counting_context_parallel_forwards(model) as split:
             self.warmup(llm, "cp", 1, a.cp_prompt_len, a.cp_new_tokens)
             split[0] = 0
             ttfts, tokens = [], []
@@ -566,8 +559,6 @@ class Bench:
                 m = outs[0].metrics
                 ttfts.append(m.first_token_time - m.arrival_time)
                 tokens.append(list(outs[0].outputs[0].token_ids))
-        finally:
-            del model.forward  # the instance attribute: the class method shows again
         mode = "1gpu" if world == 1 else "cp2"
         name = f"prefill.{mode}.{a.cp_prompt_len}"
         best = min(ttfts)

@@ -30,6 +30,7 @@ from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_core.testing.observe import counting_context_parallel_forwards
 from tests.distributed.outputs import assert_same_completions
 
 CP_MIN = 64  # the tests' threshold: prompts of 100-300 tokens are split, short chunks are not
@@ -285,15 +286,9 @@ def _generate(
     ) as llm:
         model = llm.engine.runner.model
         assert model.cp_min_tokens == (CP_MIN if min_tokens is None else min_tokens)
-        split = [0]
-        forward = model.forward
-
-        def observed(md, cache, hidden_out=None):
-            split[0] += md.cp is not None
-            return forward(md, cache, hidden_out)
-
-        model.forward = observed
-        return [o.outputs[0] for o in llm.generate(ENGINE_PROMPTS, ENGINE_PARAMS, use_tqdm=False)], split[0]
+        with counting_context_parallel_forwards(model) as split:
+            outs = llm.generate(ENGINE_PROMPTS, ENGINE_PARAMS, use_tqdm=False)
+        return [o.outputs[0] for o in outs], split[0]
 
 
 @pytest.mark.parametrize(

@@ -46,6 +46,7 @@ import torch.distributed as dist  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.distributed.context_parallel import CP_MIN_TOKENS_ENV  # noqa: E402
+from deepinfer_core.testing.observe import counting_context_parallel_forwards  # noqa: E402
 from tests.distributed.outputs import assert_same_completions  # noqa: E402
 
 CPU_ENV = "DEEPINFER_NCCL_TEST_ON_CPU"
@@ -175,16 +176,8 @@ def test_two_ranks_match_one_device(
             assert moe.gate_up.shape[0] * 2 == model.cfg.n_routed_experts
         else:
             assert moe.gate_up.shape[0] == model.cfg.n_routed_experts
-        split = [0]
-        forward = model.forward
-
-        def observed(md: Any, *args: Any, **kwargs: Any) -> Any:
-            split[0] += getattr(md, "cp", None) is not None
-            return forward(md, *args, **kwargs)
-
-        model.forward = observed
-        got = _outputs(llm)
-        del model.forward
+        with counting_context_parallel_forwards(model) as split:
+            got = _outputs(llm)
     if options.get("context_parallel_size", 1) > 1:
         assert split[0] > 0, "context parallelism never split a prefill chunk"
     else:
