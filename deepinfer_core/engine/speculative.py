@@ -116,6 +116,7 @@ class SpeculativeDecoder:
         self._since_probe = 0  # dspark: steps without drafting since the last draft
         self._drafted_in_a_row = 0  # dspark: drafting steps since the last step without
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
+        self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
         self.drafter_observes = type(self.drafter).observe is not Drafter.observe
         if cfg.method == "dspark":
             self.cost = self._profile_cost()
@@ -170,6 +171,9 @@ class SpeculativeDecoder:
         decoding).  ``False`` when no decoding request has room for a draft, and for ``dspark``
         when drafting is not expected to pay (:meth:`_drafting_pays`)."""
         cands = self._candidates(running)
+        # reused by propose() unless a step still in flight (a request has a pending token)
+        # may be processed in between
+        self._cands = None if any(req.num_pending for req in running) else cands
         self._drafting = bool(cands)
         if cands and self.cost is not None:
             budget = self.engine.config.max_num_batched_tokens - len(cands)
@@ -188,7 +192,7 @@ class SpeculativeDecoder:
         if not self._drafting:
             return
         self._drafting = False
-        cands = self._candidates(running)  # again: the tokens of the step just processed are in
+        cands = self._cands if self._cands is not None else self._candidates(running)
         if not cands:
             return
         reqs = [req for req, _ in cands]
