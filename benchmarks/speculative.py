@@ -12,7 +12,9 @@ tokens (checked): speculation changes only the work.
 
 For each batch size ``B`` (``--batch-sizes``) and mode (``none``, ``fixed``, ``dspark``; the
 drafter is ``--drafter``, default ``ngram``, with at most ``--max-draft-tokens``): wall time of
-``llm.generate`` (median of ``--repeats`` after a warm-up), generated tok/s, target forwards
+``llm.generate`` (median of ``--repeats`` after a warm-up; the modes' engines of one batch
+size are built first and their runs interleaved, so drifting machine load hits each alike),
+generated tok/s, target forwards
 (engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length.
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
@@ -71,66 +73,79 @@ def workload_params(num: int, args: argparse.Namespace) -> list[SamplingParams]:
     return params
 
 
-def run_mode(mode: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    spec = None if mode == "none" else {
-        "method": mode, "drafter": args.drafter, "max_draft_tokens": args.max_draft_tokens,
-    }  # fmt: skip
-    kw: dict[str, Any] = {"max_num_seqs": batch, "speculative": spec}
-    if args.model:
-        kw["model"] = args.model
-    if args.backend:
-        kw["backend"] = args.backend
-    if args.keep_quantized != "auto":
-        kw["keep_quantized"] = args.keep_quantized == "on"
-    llm = LLM(**kw)
-    vocab = llm.engine.model_config.vocab_size
-    num = batch * args.requests_per_slot
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(num, args.prompt_len, vocab, args.seed)]
-    params = workload_params(num, args)
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up
-    times, outs = [], None
-    for _ in range(args.repeats):
-        llm.reset_metrics()
+class ModeRun:
+    """One mode's engine for one batch size, warmed up; :meth:`timed` runs the workload once."""
+
+    def __init__(self, mode: str, batch: int, args: argparse.Namespace) -> None:
+        spec = None if mode == "none" else {
+            "method": mode, "drafter": args.drafter, "max_draft_tokens": args.max_draft_tokens,
+        }  # fmt: skip
+        kw: dict[str, Any] = {"max_num_seqs": batch, "speculative": spec}
+        if args.model:
+            kw["model"] = args.model
+        if args.backend:
+            kw["backend"] = args.backend
+        if args.keep_quantized != "auto":
+            kw["keep_quantized"] = args.keep_quantized == "on"
+        self.mode, self.batch = mode, batch
+        self.llm = LLM(**kw)
+        vocab = self.llm.engine.model_config.vocab_size
+        num = batch * args.requests_per_slot
+        self.prompts = [{"prompt_token_ids": p} for p in make_prompts(num, args.prompt_len, vocab, args.seed)]
+        self.params = workload_params(num, args)
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)  # warm-up
+        self.times: list[float] = []
+        self.outs: Any = None
+        self.metrics: dict[str, Any] = {}
+
+    def timed(self) -> None:
+        """Run the workload once; its wall time joins :attr:`times`, its metrics replace the last."""
+        self.llm.reset_metrics()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-    assert outs is not None
-    m = llm.get_metrics()
-    profile = None
-    if args.profile:  # one more run, profiled (not timed)
-        llm.reset_metrics()
-        prof = cProfile.Profile()
-        prof.enable()
-        llm.generate(prompts, params, use_tqdm=False)
-        prof.disable()
-        profile = top_functions(prof, args.profile, llm.get_metrics()["num_steps"])
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    wall = statistics.median(times)
-    decode_steps = m["num_steps"]
-    row = {
-        "batch": batch,
-        "mode": mode,
-        "wall_s": wall,
-        "tok_per_s": tokens / wall,
-        "generated_tokens": tokens,
-        "target_forwards": decode_steps,
-        "tokens_per_forward": tokens / decode_steps if decode_steps else 0.0,
-        "token_ids": [o.outputs[0].token_ids for o in outs],
-    }
-    if "speculative" in m:
-        s = m["speculative"]
-        row.update(
-            acceptance_rate=s["acceptance_rate"],
-            mean_acceptance_length=s["mean_acceptance_length"],
-            draft_tokens=s["num_draft_tokens"],
-            verify_length_histogram=s["verify_length_histogram"],
-            steps_without_drafting=s["num_steps_without_drafting"],
-        )
-    if profile is not None:
-        row["profile"] = profile
-    return row
+        self.outs = self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        self.times.append(time.perf_counter() - t0)
+        self.metrics = self.llm.get_metrics()
+
+    def row(self, profile_top: int) -> dict[str, Any]:
+        """The mode's result row (median wall time; metrics of the last timed run); with
+        ``profile_top``, one more run under cProfile (not timed) and its top functions."""
+        m, outs = self.metrics, self.outs
+        profile = None
+        if profile_top:
+            self.llm.reset_metrics()
+            prof = cProfile.Profile()
+            prof.enable()
+            self.llm.generate(self.prompts, self.params, use_tqdm=False)
+            prof.disable()
+            profile = top_functions(prof, profile_top, self.llm.get_metrics()["num_steps"])
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        wall = statistics.median(self.times)
+        decode_steps = m["num_steps"]
+        row = {
+            "batch": self.batch,
+            "mode": self.mode,
+            "wall_s": wall,
+            "wall_s_runs": list(self.times),
+            "tok_per_s": tokens / wall,
+            "generated_tokens": tokens,
+            "target_forwards": decode_steps,
+            "tokens_per_forward": tokens / decode_steps if decode_steps else 0.0,
+            "token_ids": [o.outputs[0].token_ids for o in outs],
+        }
+        if "speculative" in m:
+            s = m["speculative"]
+            row.update(
+                acceptance_rate=s["acceptance_rate"],
+                mean_acceptance_length=s["mean_acceptance_length"],
+                draft_tokens=s["num_draft_tokens"],
+                verify_length_histogram=s["verify_length_histogram"],
+                steps_without_drafting=s["num_steps_without_drafting"],
+            )
+        if profile is not None:
+            row["profile"] = profile
+        return row
 
 
 def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[str, Any]]:
@@ -191,9 +206,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         flush=True,
     )
     for b in [int(x) for x in args.batch_sizes.split(",")]:
+        runs = [ModeRun(mode, b, args) for mode in args.modes.split(",")]
+        for _ in range(args.repeats):  # interleaved, so drifting machine load hits every mode alike
+            for run in runs:
+                run.timed()
         base = None
-        for mode in args.modes.split(","):
-            row = run_mode(mode, b, args)
+        for run in runs:
+            row = run.row(args.profile)
+            mode = run.mode
             if base is None:
                 base = row
             elif row["token_ids"] != base["token_ids"]:
@@ -209,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             for f in row.get("profile", []):
                 print(f"        {f['ms_per_step']:8.3f} ms/step {f['calls']:>8} calls  {f['function']}")
+        del runs
     for r in rows:
         del r["token_ids"]
     result = {

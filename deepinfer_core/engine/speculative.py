@@ -36,11 +36,10 @@ from deepinfer_core.engine.request import RequestStatus
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
-from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
+from deepinfer_core.speculative.drafter import ComputedChunk, DraftContext, Drafter
 from deepinfer_core.speculative.policy import (
     EMA,
-    PLAIN_PROBE_INTERVAL,
-    PROBE_INTERVAL,
+    ProbeSchedule,
     StepCost,
     cumulative,
     drafting_pays,
@@ -113,10 +112,10 @@ class SpeculativeDecoder:
         self.cost: StepCost | None = None
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
-        self._since_probe = 0  # dspark: steps without drafting since the last draft
-        self._drafted_in_a_row = 0  # dspark: drafting steps since the last step without
+        self._probes = ProbeSchedule()  # dspark: when to draft (or not) against the estimate
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
         self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
+        self._estimates: list[list[float]] | None = None  # and their confidences (dspark)
         self.drafter_observes = type(self.drafter).observe is not Drafter.observe
         if cfg.method == "dspark":
             self.cost = self._profile_cost()
@@ -174,6 +173,7 @@ class SpeculativeDecoder:
         # reused by propose() unless a step still in flight (a request has a pending token)
         # may be processed in between
         self._cands = None if any(req.num_pending for req in running) else cands
+        self._estimates = None
         self._drafting = bool(cands)
         if cands and self.cost is not None:
             budget = self.engine.config.max_num_batched_tokens - len(cands)
@@ -192,6 +192,7 @@ class SpeculativeDecoder:
         if not self._drafting:
             return
         self._drafting = False
+        estimates = self._estimates if self._cands is not None else None
         cands = self._cands if self._cands is not None else self._candidates(running)
         if not cands:
             return
@@ -226,8 +227,14 @@ class SpeculativeDecoder:
             lengths = fixed_lengths(proposed, budget)
         else:
             assert self.cost is not None
-            prior = self._global_rates()
-            confidences = [self._confidence(r, d, prior) for r, d in zip(reqs, drafts, strict=True)]
+            if estimates is None:
+                prior = self._global_rates()
+                estimates = [self._rate_confidence(r, room, prior) for r, room in cands]
+            # the drafter's own confidence where it gives one, else the running rates
+            confidences = [
+                cumulative(d.confidence[:n]) if d.confidence is not None else est[:n]
+                for d, est, n in zip(drafts, estimates, proposed, strict=True)
+            ]
             lengths = dspark_lengths(confidences, budget, self.cost)
         for req, draft, n in zip(reqs, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
@@ -237,34 +244,16 @@ class SpeculativeDecoder:
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_pays` on the
         requests' running acceptance rates and the drafter's measured time, against a step
-        without drafts as such steps run).  Both sides stay measured: after
-        :data:`PROBE_INTERVAL` steps without drafting one drafts anyway (so the acceptance
-        rates can recover), after :data:`PLAIN_PROBE_INTERVAL` drafting steps one runs without
-        (so the cost of a plain step, asynchronous where the engine can, stays known)."""
+        without drafts as such steps run).  Both sides stay measured: now and then a step
+        drafts although it does not pay (so the acceptance rates can recover) or runs without
+        drafts although drafting pays (so the cost of a plain step, asynchronous where the
+        engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
         assert self.cost is not None
         prior = self._global_rates()
         estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
-        if drafting_pays(estimates, budget, self.cost, self.draft_seconds):
-            self._since_probe = 0
-            self._drafted_in_a_row += 1
-            if self._drafted_in_a_row > PLAIN_PROBE_INTERVAL:
-                self._drafted_in_a_row = 0
-                return False
-            return True
-        self._drafted_in_a_row = 0
-        if self._since_probe >= PROBE_INTERVAL:
-            self._since_probe = 0
-            return True
-        self._since_probe += 1
-        return False
-
-    def _confidence(self, req: Request, draft: Draft, prior: list[float]) -> list[float]:
-        """Cumulative acceptance probabilities of ``draft``'s prefixes: the drafter's own
-        confidence, else the request's running rates shrunk towards the engine's (``prior``)."""
-        n = len(draft.token_ids)
-        if draft.confidence is not None:
-            return cumulative(draft.confidence[:n])
-        return self._rate_confidence(req, n, prior)
+        if self._cands is not None:
+            self._estimates = estimates  # propose() takes the drafts' prefixes of them
+        return self._probes.decide(drafting_pays(estimates, budget, self.cost, self.draft_seconds))
 
     def _global_rates(self) -> list[float]:
         """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""

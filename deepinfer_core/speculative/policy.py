@@ -18,10 +18,11 @@
   acceptance rates allow, plus the drafter's measured time, against a step without drafts
   as such steps run (with async scheduling they overlap the host work with the device's,
   while a verify step needs the previous step's tokens first: :meth:`StepCost.plain_cost`);
-  when drafting does not pay the step runs without proposing, with a probe every
+  when drafting does not pay the step runs without proposing, with a probe after
   :data:`PROBE_INTERVAL` such steps so the rates can recover (and, the other way, a step
   without drafts after :data:`PLAIN_PROBE_INTERVAL` drafting ones, so the plain step's cost
-  stays measured).
+  stays measured); a probe that does not change the decision doubles its interval
+  (:class:`ProbeSchedule`), so a settled decision costs ever fewer probes.
   The overhead the host adds to a step grows with its rows (every verified row is sampled),
   so :class:`StepCost` fits it per step and per row from the steps run.
 """
@@ -39,6 +40,46 @@ PROBE_INTERVAL = 8
 PLAIN_PROBE_INTERVAL = 32
 """``dspark``: drafting steps in a row before one runs without drafts anyway (to keep the cost
 of a plain step measured; rarer than :data:`PROBE_INTERVAL`, as it gives up a draft's gain)."""
+PROBE_BACKOFF_CAP = 8
+"""``dspark``: a probe interval grows (doubling while probes confirm the decision) to at most
+this many times its start (:class:`ProbeSchedule`)."""
+
+
+class ProbeSchedule:
+    """When ``dspark`` overrides its own decision to keep both sides of it measured.
+
+    After :data:`PROBE_INTERVAL` steps in a row without drafting (it did not pay) one drafts
+    anyway, so the acceptance rates can recover; after :data:`PLAIN_PROBE_INTERVAL` drafting
+    steps in a row one runs without drafts, so the cost of a plain step stays known.  A probe
+    whose next decision is the same as before it (it did not change the estimate enough to
+    flip) doubles that side's interval, up to :data:`PROBE_BACKOFF_CAP` times its start; a
+    flip resets both intervals.  A settled decision thus pays ever fewer probes, while a
+    changed workload is noticed within the base interval after the flip.
+    """
+
+    def __init__(self) -> None:
+        self.draft_interval = PROBE_INTERVAL  # steps without drafting before a draft probe
+        self.plain_interval = PLAIN_PROBE_INTERVAL  # drafting steps before a plain probe
+        self._run = 0  # steps in a row with the same decision
+        self._last: bool | None = None  # the last decision (before any override)
+        self._probed = False  # the previous step was a probe
+
+    def decide(self, pays: bool) -> bool:
+        """Whether this step drafts, given whether drafting is expected to pay."""
+        if self._last is not None and pays != self._last:
+            self.draft_interval, self.plain_interval = PROBE_INTERVAL, PLAIN_PROBE_INTERVAL
+            self._run = 0
+        elif self._probed:  # the probe confirmed the decision: back off
+            if pays:
+                self.plain_interval = min(2 * self.plain_interval, PROBE_BACKOFF_CAP * PLAIN_PROBE_INTERVAL)
+            else:
+                self.draft_interval = min(2 * self.draft_interval, PROBE_BACKOFF_CAP * PROBE_INTERVAL)
+        self._last, self._probed = pays, False
+        self._run += 1
+        if self._run > (self.plain_interval if pays else self.draft_interval):
+            self._run, self._probed = 0, True
+            return not pays
+        return pays
 
 
 class StepCost:
@@ -74,6 +115,8 @@ class StepCost:
         self.row_overhead = 0.0
         self._moments: list[float] | None = None  # EMA of rows, extra, rows^2, rows * extra
         self.plain_overhead: float | None = None
+        # costs() by batch, with the overhead line they were computed for
+        self._curves: dict[int, tuple[float, float, list[float]]] = {}
 
     def _at_batch(self, b: int, t: float) -> float:
         ts = self.tokens[b]
@@ -127,7 +170,17 @@ class StepCost:
     def costs(self, batch: int, max_extra: int) -> list[float]:
         """``[cost(batch, 1 + n / batch) for n in 0 .. max_extra]``, computed once per knot: the
         cost is piecewise linear in ``n`` (the forward between the measured ``t``, the overhead
-        in the rows), so it is evaluated at the knots and interpolated between them."""
+        in the rows), so it is evaluated at the knots and interpolated between them.  Kept
+        per batch while the overhead line stays (a shorter curve is a prefix of a longer one),
+        so the policy's calls within one step compute it once."""
+        line = (self.step_overhead, self.row_overhead)
+        kept = self._curves.get(batch)
+        if kept is None or kept[:2] != line or len(kept[2]) <= max_extra:
+            kept = self._curves[batch] = (*line, self._curve(batch, max_extra))
+        return kept[2][: max_extra + 1]
+
+    def _curve(self, batch: int, max_extra: int) -> list[float]:
+        """:meth:`costs` computed afresh."""
         near = [b for b in self.batches if b <= batch][-1:] + [b for b in self.batches if b >= batch][:1]
         knots = {0.0, float(max_extra)}
         knots.update((t - 1) * batch for b in near for t in self.tokens[b] if 0 < (t - 1) * batch < max_extra)
@@ -224,7 +277,7 @@ def drafting_pays(
     if n == 0:
         return False
     expected = b + sum(sum(cs[:length]) for cs, length in zip(confidences, lengths, strict=True))
-    return expected / (cost.cost(b, 1.0 + n / b) + draft_seconds) > b / cost.plain_cost(b)
+    return expected / (cost.costs(b, n)[n] + draft_seconds) > b / cost.plain_cost(b)
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:

@@ -12,6 +12,10 @@ from deepinfer_core.config import SpeculativeConfig
 from deepinfer_core.speculative.drafter import DraftContext
 from deepinfer_core.speculative.ngram import NgramDrafter, lookup
 from deepinfer_core.speculative.policy import (
+    PLAIN_PROBE_INTERVAL,
+    PROBE_BACKOFF_CAP,
+    PROBE_INTERVAL,
+    ProbeSchedule,
     StepCost,
     cumulative,
     drafting_pays,
@@ -123,6 +127,29 @@ def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
     assert not drafting_pays([[0.3, 0.09]], 2, sync, 0.0)  # 1.3 / (1.25 + 2) s < 1 / (1 + 1) s
 
 
+def _probe_gaps(schedule, pays, steps):
+    """Steps between the overrides (probes) of ``schedule`` under a constant decision."""
+    gaps, last = [], -1
+    for i in range(steps):
+        if schedule.decide(pays) != pays:
+            gaps.append(i - last - 1)
+            last = i
+    return gaps
+
+
+@pytest.mark.parametrize(("pays", "base"), [(True, PLAIN_PROBE_INTERVAL), (False, PROBE_INTERVAL)])
+def test_probes_back_off_while_they_confirm_the_decision(pays, base):
+    """Under a constant decision the probes come after ``base`` steps, then twice, four
+    times... as many, up to the cap; a flip of the decision resets the interval."""
+    schedule = ProbeSchedule()
+    cap = PROBE_BACKOFF_CAP * base
+    steps = sum(min(base * 2**i, cap) + 1 for i in range(6))
+    gaps = _probe_gaps(schedule, pays, steps)
+    assert gaps == [min(base * 2**i, cap) for i in range(6)]
+    assert schedule.decide(not pays) == (not pays)  # the flip itself is never overridden
+    assert _probe_gaps(schedule, pays, base + 1) == [base]  # reset to the base interval
+
+
 def test_acceptance_stats_are_conditional_rates():
     s = AcceptanceStats(3)
     s.record(3, 1)  # d1 accepted, d2 rejected, d3 never tested
@@ -184,4 +211,10 @@ def test_step_cost_curve_equals_pointwise_costs(batch):
     curve = cost.costs(batch, 7 * batch)
     assert len(curve) == 7 * batch + 1
     for n, c in enumerate(curve):
+        assert c == pytest.approx(cost.cost(batch, 1 + n / batch), rel=1e-9), n
+    # a shorter curve is the kept longer one's prefix; a new overhead line recomputes it
+    short = cost.costs(batch, 2 * batch)
+    assert short == curve[: 2 * batch + 1]
+    cost.row_overhead = 0.5
+    for n, c in enumerate(cost.costs(batch, 3 * batch)):
         assert c == pytest.approx(cost.cost(batch, 1 + n / batch), rel=1e-9), n
