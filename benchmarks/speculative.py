@@ -143,6 +143,8 @@ class ModeRun:
                 verify_length_histogram=s["verify_length_histogram"],
                 steps_without_drafting=s["num_steps_without_drafting"],
             )
+            if "cost_model" in s:
+                row["cost_model"] = s["cost_model"]
         if profile is not None:
             row["profile"] = profile
         return row

@@ -145,8 +145,8 @@ class LLM:
         :meth:`deepinfer_core.engine.metrics.Metrics.as_dict` (tokens, prefix hits, replays,
         preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``); with speculative
         decoding also ``speculative``: drafts, draft / accepted tokens, mean acceptance length,
-        acceptance per position and the histogram of verify lengths
-        (:meth:`deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`).
+        acceptance per position and the histogram of verify lengths, and for ``dspark`` its
+        cost model (:meth:`deepinfer_core.engine.speculative.SpeculativeDecoder.metrics_dict`).
 
         In a distributed run the counters are summed over the data-parallel replicas and
         ``per_rank`` holds every rank's own dict
@@ -155,7 +155,7 @@ class LLM:
             return self._coordinator.get_metrics()
         metrics = self.engine.metrics.as_dict()
         if self.engine.spec is not None:
-            metrics["speculative"] = self.engine.spec.metrics.as_dict()
+            metrics["speculative"] = self.engine.spec.metrics_dict()
         return metrics
 
     def reset_metrics(self) -> None:

@@ -126,7 +126,7 @@ def rank_metrics(engine: LLMEngine) -> dict[str, Any]:
     """One engine's ``get_metrics()`` dict."""
     metrics = engine.metrics.as_dict()
     if engine.spec is not None:
-        metrics["speculative"] = engine.spec.metrics.as_dict()
+        metrics["speculative"] = engine.spec.metrics_dict()
     return metrics
 
 

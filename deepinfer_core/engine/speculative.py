@@ -120,6 +120,27 @@ class SpeculativeDecoder:
         if cfg.method == "dspark":
             self.cost = self._profile_cost()
 
+    def metrics_dict(self) -> dict[str, Any]:
+        """``LLM.get_metrics()["speculative"]``: the totals
+        (:meth:`~deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`) and, for
+        ``dspark``, ``cost_model``: what the policy currently believes — the profiled forward
+        per ``"B x t"`` and the fitted host overheads in ms, the drafter's time per call, the
+        engine-wide acceptance rate per draft position (shrunk towards 0.5) and the probe
+        intervals."""
+        out = self.metrics.as_dict()
+        cost = self.cost
+        if cost is not None:
+            out["cost_model"] = {
+                "forward_ms": {f"{b}x{t}": 1e3 * v for (b, t), v in sorted(cost.table.items())},
+                "step_overhead_ms": 1e3 * cost.step_overhead,
+                "row_overhead_ms": 1e3 * cost.row_overhead,
+                "plain_overhead_ms": None if cost.plain_overhead is None else 1e3 * cost.plain_overhead,
+                "draft_ms": 1e3 * self.draft_seconds,
+                "acceptance_estimate": self._global_rates(),
+                "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
+            }
+        return out
+
     # ---- set-up ------------------------------------------------------------------------------
     def _profile_cost(self) -> StepCost:
         """Time steps of ``B`` requests x ``t`` tokens (``t`` = 1, the middle, ``1 + k``) for a
@@ -223,7 +244,7 @@ class SpeculativeDecoder:
                 )
             del draft.token_ids[ctx.max_tokens :]
             proposed.append(len(draft.token_ids))
-        if self.config.method == "fixed":
+        if self.config.method == "fixed" or self._probes.probing:  # a probe verifies every draft
             lengths = fixed_lengths(proposed, budget)
         else:
             assert self.cost is not None

@@ -54,7 +54,9 @@ class ProbeSchedule:
     whose next decision is the same as before it (it did not change the estimate enough to
     flip) doubles that side's interval, up to :data:`PROBE_BACKOFF_CAP` times its start; a
     flip resets both intervals.  A settled decision thus pays ever fewer probes, while a
-    changed workload is noticed within the base interval after the flip.
+    changed workload is noticed within the base interval after the flip.  A draft probe
+    verifies every draft proposed (as ``fixed``): verifying only those the current estimates
+    favour would verify none and teach nothing.
     """
 
     def __init__(self) -> None:
@@ -63,6 +65,8 @@ class ProbeSchedule:
         self._run = 0  # steps in a row with the same decision
         self._last: bool | None = None  # the last decision (before any override)
         self._probed = False  # the previous step was a probe
+        self.probing = False
+        """The last :meth:`decide` overrode the decision (this step is a probe)."""
 
     def decide(self, pays: bool) -> bool:
         """Whether this step drafts, given whether drafting is expected to pay."""
@@ -76,7 +80,8 @@ class ProbeSchedule:
                 self.draft_interval = min(2 * self.draft_interval, PROBE_BACKOFF_CAP * PROBE_INTERVAL)
         self._last, self._probed = pays, False
         self._run += 1
-        if self._run > (self.plain_interval if pays else self.draft_interval):
+        self.probing = self._run > (self.plain_interval if pays else self.draft_interval)
+        if self.probing:
             self._run, self._probed = 0, True
             return not pays
         return pays

@@ -197,6 +197,29 @@ def test_dspark_stops_asking_a_drafter_that_never_pays(tiny_dir):
     assert calls["dspark"] <= decode_steps // 2 + decode_steps // PROBE_INTERVAL, calls
 
 
+def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
+    """Where DSpark's estimates say drafting does not pay, its probes still verify every draft
+    proposed (verifying only what the estimates favour would verify nothing and never learn
+    that the drafts are right); ``get_metrics`` shows the cost model it decided with."""
+    import deepinfer_core.engine.speculative as engine_spec
+
+    monkeypatch.setattr(engine_spec, "drafting_pays", lambda *a: False)  # a pessimistic estimate
+    monkeypatch.setattr(engine_spec, "dspark_lengths", lambda confidences, *a: [0] * len(confidences))
+    params = PARAMS["greedy"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir).generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "method": "dspark", "max_draft_tokens": 4})
+    assert _tokens(spec.generate(prompts, params)) == _tokens(ref)
+    m = spec.get_metrics()["speculative"]
+    assert m["num_steps_without_drafting"] > 0, m
+    assert m["num_accepted_tokens"] > 0, m  # the probes verified (and accepted) drafts
+    assert sum(m["verify_length_histogram"][1:]) == m["num_drafts"] > 0, m
+    cm = m["cost_model"]
+    assert "1x1" in cm["forward_ms"] and cm["draft_ms"] >= 0, cm
+    assert len(cm["acceptance_estimate"]) == 4 and cm["acceptance_estimate"][0] > 0.5, cm
+
+
 def test_steps_without_drafts_run_asynchronously(tiny_dir):
     """With async scheduling on, a step that verifies no draft is launched before the previous
     step's outputs are processed, as in plain decoding; one that drafts processes them first
