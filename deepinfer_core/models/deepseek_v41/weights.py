@@ -188,13 +188,18 @@ def load_dspark_weights(
     ``confidence_head.weight``; the combiner (``main_proj``, ``main_norm``) and the head stack
     (``norm``, ``markov_head.*``, ``confidence_head``) are accepted under any stage prefix but
     exactly once (held under stage 0 and the last stage).  A checkpoint without the confidence
-    head loads without it (logged).  A one-line :class:`ConfigError` names the field or the first
-    ``mtp.*`` tensor missing; other problems are :class:`WeightLoadError` as in :func:`load_weights`.
+    head loads without it (logged).  A one-line :class:`ConfigError` says when there is no ``mtp.*``
+    tensor at all, or names the bad ``dspark_*`` field or the first missing ``mtp.*`` tensor; other
+    problems are :class:`WeightLoadError` as in :func:`load_weights`.
     """
-    source = str(Path(model_dir) / "config.json")
-    cfg.check_dspark(source)
-    specs = dspark_parameter_specs(cfg)
     m = cfg.num_nextn_predict_layers
+    if not any(name.removeprefix("model.").startswith("mtp.") for name in discover_shards(model_dir)):
+        raise ConfigError(
+            f"{model_dir}: speculative.drafter='dspark' needs the DSpark draft layers, but the checkpoint "
+            f"has no mtp.* tensor (num_nextn_predict_layers={m})"
+        )
+    cfg.check_dspark(str(Path(model_dir) / "config.json"))
+    specs = dspark_parameter_specs(cfg)
 
     def resolve(name: str) -> str | ExpertSlice | None:
         bare = name.removeprefix("model.")
