@@ -187,3 +187,26 @@ def test_right_drafts_are_accepted(bigram_dir, kind, monkeypatch):
         hist = m["verify_length_histogram"]
         assert hist[5] > 0 and hist[5] >= sum(hist[1:5]), (method, m)  # c ≈ 1: dspark verifies all
     assert min(confidences) > 0.9999
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["default", "mixed"])
+def test_with_the_prefill_tail_drafts_read_tail_rows_and_outputs_stay_lossless(
+    v41_dspark_dir, v41_dspark_mixed_dir, which, monkeypatch
+):
+    """``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS=16``: a prefill's decoder layers (7..9, the
+    drafter's target layers) run on its last 16 rows only; the context is written for those
+    rows (the block reads only the last ``W``); ``mixed``: target layer 5 runs on every row, its
+    features are cut to the tail rows.  The drafts then come from the approximate
+    tail, but speculative outputs equal plain decoding under the same setting."""
+    from deepinfer_core.models.deepseek_v41.model import TAIL_ENV
+
+    monkeypatch.setenv(TAIL_ENV, "16")  # the same tail with and without speculation
+    model_dir = v41_dspark_dir if which == "default" else v41_dspark_mixed_dir
+    prompts = [{"prompt_token_ids": _ids(30 + i, n)} for i, n in enumerate((40, 27))]
+    params = PARAMS["greedy"]
+    ref = _tokens(v41_llm(model_dir, max_num_seqs=2).generate(prompts, params, use_tqdm=False))
+    llm = v41_llm(model_dir, max_num_seqs=2, speculative={"method": "fixed", "drafter": "dspark"})
+    assert llm.engine.runner.model.tail_tokens(llm.engine.runner.num_spec_tokens) == 16
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == ref
+    assert llm.get_metrics()["speculative"]["num_draft_tokens"] > 0

@@ -223,6 +223,17 @@ def test_drafts_match_the_oracle_at_every_decode_step(v41_dspark_dir, recorded):
 
 
 @pytest.mark.slow
+def test_drafts_match_the_oracle_with_target_layers_before_the_decoder_and_at_l(
+    v41_dspark_mixed_dir, recorded
+):
+    llm = v41_llm(v41_dspark_mixed_dir, speculative=SPEC, max_num_seqs=2)
+    llm.generate(
+        [{"prompt_token_ids": _ids(1, 3)}, {"prompt_token_ids": _ids(2, 11)}], GREEDY, use_tqdm=False
+    )
+    _assert_oracle(v41_dspark_mixed_dir, recorded)
+
+
+@pytest.mark.slow
 def test_drafts_match_the_oracle_after_chunked_prefill(v41_dspark_dir, recorded):
     llm = v41_llm(v41_dspark_dir, speculative=SPEC, max_num_seqs=2, max_num_batched_tokens=16)
     prompts = [{"prompt_token_ids": _ids(3, 37)}, {"prompt_token_ids": _ids(4, 23)}]
