@@ -25,6 +25,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v41.tiny import make_tiny, tiny_config
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.speculative.dspark import DSparkDrafter
+from deepinfer_core.testing.observe import record_replays
 from tests.models.test_spec_rollback import _ids
 from tests.models.v41.conftest import PLAIN_CHANGES, v41_llm
 
@@ -101,16 +102,13 @@ def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
 
     spec = {"method": "fixed", "drafter": "dspark", "max_draft_tokens": 4}
 
-    def run(graphs: bool) -> tuple[list, list, set]:
+    def run(graphs: bool) -> tuple[list, list, list[str]]:
         llm = v41_llm(v41_dspark_dir, max_num_seqs=4, speculative=spec, batch_invariant=True)
         runner, drafter = llm.engine.runner, llm.engine.spec.drafter
-        replays: set = set()
+        replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            for kind, by_bucket in (("decode", runner.graphs), ("verify", runner.verify_graphs)):
-                for graph in by_bucket.values():
-                    inner = graph.replay
-                    graph.replay = lambda inner=inner, kind=kind: replays.add(kind) or inner()
+            record_replays({"decode": runner.graphs, "verify": runner.verify_graphs}, replays)
         proposed: list = []
         propose = drafter.propose
 
