@@ -208,3 +208,32 @@ def test_with_the_prefill_tail_drafts_read_tail_rows_and_outputs_stay_lossless(
     assert llm.engine.runner.model.tail_tokens(llm.engine.runner.num_spec_tokens) == 16
     assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == ref
     assert llm.get_metrics()["speculative"]["num_draft_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_quantised_checkpoint_with_packed_draft_rings(tmp_path, monkeypatch):
+    """The release's formats: MXFP8 / MXFP4 weights kept quantised, FP8 window records (head dim
+    32: whole blocks).  With ``kv_cache_dtype="fp8"`` the draft rings are packed too; batch
+    invariant, the drafts are bitwise those of the plain cache (same values), and outputs equal
+    plain decoding."""
+    path = make_tiny(tmp_path / "q", dspark=True, fp8_linear=True, fp4_experts=True)
+    proposed: list = []
+    propose = DSparkDrafter.propose
+
+    def record(self, contexts):
+        drafts = propose(self, contexts)
+        proposed.append([(d.token_ids, d.confidence) for d in drafts])
+        return drafts
+
+    monkeypatch.setattr(DSparkDrafter, "propose", record)
+    runs = {}
+    for kv in ("auto", "fp8"):
+        opts = {"kv_cache_dtype": kv, "batch_invariant": True, "keep_quantized": True, "max_num_seqs": 4}
+        ref = _tokens(v41_llm(path, **opts).generate(PROMPTS, PARAMS["seeded"], use_tqdm=False))
+        proposed.clear()
+        llm = v41_llm(path, speculative={"method": "fixed", "drafter": "dspark"}, **opts)
+        assert _tokens(llm.generate(PROMPTS, PARAMS["seeded"], use_tqdm=False)) == ref
+        packed = llm.engine.runner.cache.get(10, "window")
+        assert (kv == "fp8") == (type(packed).__name__ == "BlockScaledKVPool")
+        runs[kv] = list(proposed)
+    assert runs["auto"] == runs["fp8"] and runs["auto"]
