@@ -79,6 +79,9 @@ class Model(Protocol):
         provides ``hidden_shape``, ``mtp_step_metadata`` (as :meth:`step_metadata`) and
         ``mtp_forward(md, cache, hidden) -> (logits of the sampling rows, output hidden states)``,
         and its :meth:`cache_specs` include the MTP layer's caches after the main layers'.
+        A family with ``mtp_kind="dspark"`` instead sets ``keeps_hidden = False`` (its forward
+        writes the drafter's context itself) and provides ``dspark_step_metadata`` and
+        ``dspark_forward(md, cache) -> (base logits, collapsed hidden)`` of every block row.
         """
         ...
 

@@ -20,7 +20,8 @@ walk, one position at a time on the device:
   multiplies them into prefix survival probabilities), or ``None`` without the head.
 
 The block always runs all ``γ`` rows (they attend to each other); more than ``γ`` drafts per
-step are not possible, so ``max_draft_tokens > γ`` proposes ``γ`` (logged once).
+step are not possible, so ``max_draft_tokens > γ`` proposes ``γ`` (logged once).  A context
+without a sequence slot (``DraftContext.seq_slot < 0``: no cache to read) gets no drafts.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any
 import torch
 
 from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.engine.speculative import RowView
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
 
@@ -134,9 +137,6 @@ class DSparkDrafter(Drafter):
         """The sampling rows of draft ``k``: each request as the verifier's row for position
         ``P + k`` sees it (its output extended by drafts ``1 .. k-1``), keyed by that position;
         under ``rejection`` with the request's seed salted (independent noise)."""
-        from deepinfer_core.engine.speculative import RowView
-        from deepinfer_core.sampling.params import SamplingParams
-
         rows, positions = [], []
         for c, d in zip(contexts, drawn, strict=True):
             params = c.params if c.params is not None else SamplingParams(temperature=0.0)
