@@ -240,7 +240,9 @@ class SpeculativeDecoder:
             assert self.cost is not None
             prior = self._global_rates()
             confidences = [self._confidence(r, d, prior) for r, d in zip(reqs, drafts, strict=True)]
-            lengths = dspark_lengths(confidences, budget, self.cost)
+            # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
+            causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
+            lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
         for req, draft, n in zip(reqs, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = len(draft.token_ids)

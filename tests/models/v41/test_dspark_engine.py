@@ -92,6 +92,19 @@ def test_rejection_acceptance_gets_the_draft_distributions(v41_dspark_dir, monke
     for d in seen:  # each draft is a token its distribution gives mass
         assert all(float(d.probs[i, t]) > 0 for i, t in enumerate(d.token_ids))
         torch.testing.assert_close(d.probs.sum(-1), torch.ones(len(d.token_ids), dtype=d.probs.dtype))
+    # method="dspark" schedules such drafts with Algorithm 1's early stop
+    import deepinfer_core.engine.speculative as engine_spec
+
+    calls: list[bool] = []
+    lengths = engine_spec.dspark_lengths
+    monkeypatch.setattr(
+        engine_spec,
+        "dspark_lengths",
+        lambda *a, causal=False: calls.append(causal) or lengths(*a, causal=causal),
+    )
+    llm = v41_llm(v41_dspark_dir, max_num_seqs=4, speculative={**spec, "method": "dspark"})
+    llm.generate(PROMPTS, PARAMS["seeded"], use_tqdm=False)
+    assert calls and all(calls)
 
 
 @pytest.mark.slow
