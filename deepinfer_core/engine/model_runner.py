@@ -108,8 +108,9 @@ class ModelRunner:
         if mtp:
             if family.load_mtp_weights is None:
                 raise ConfigError(
-                    f"speculative.drafter='mtp': model family {family.model_type!r} has no multi-token-"
-                    "prediction layers (ModelFamily.load_mtp_weights); use another drafter"
+                    f"speculative drafter with model layers ('mtp', 'dspark'): model family "
+                    f"{family.model_type!r} has no draft layers (ModelFamily.load_mtp_weights); "
+                    "use another drafter"
                 )
             weights.update(
                 family.load_mtp_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
