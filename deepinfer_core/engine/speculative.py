@@ -209,6 +209,7 @@ class SpeculativeDecoder:
                 window_from=req.window_from,
                 params=req.params,
                 sampling_seed=req.sampling_seed,
+                eos_token_ids=engine.eos_token_ids,
             )
             for req, room in cands
         ]

@@ -45,6 +45,8 @@ class DraftContext:
         params: the request's :class:`~deepinfer_core.sampling.params.SamplingParams`
             (``None``: greedy), for a drafter that draws as the verifier does.
         sampling_seed: the request's sampling seed (the verifier's counter-based noise key).
+        eos_token_ids: the engine's EOS ids (model and tokenizer), which the verifier bans while
+            the request's ``min_tokens`` is not reached.
     """
 
     request_id: str
@@ -55,6 +57,7 @@ class DraftContext:
     window_from: int = 0
     params: Any = None
     sampling_seed: int = 0
+    eos_token_ids: Sequence[int] = ()
 
 
 @dataclass

@@ -145,6 +145,7 @@ class DSparkDrafter(Drafter):
             out = tokens[c.num_prompt_tokens :] + d
             rows.append(RowView(params, seed, tokens[: c.num_prompt_tokens], out))
             positions.append(len(tokens) - 1 + k)
-        batch = SamplingBatch.from_requests(rows, self.eos_token_ids, positions)
+        eos = contexts[0].eos_token_ids or self.eos_token_ids  # the engine's, else the model's
+        batch = SamplingBatch.from_requests(rows, eos, positions)
         batch.num_logprobs = None  # drafts need no logprobs
         return batch
