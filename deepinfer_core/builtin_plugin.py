@@ -3,8 +3,9 @@
 - backend ``reference``: the pure-PyTorch reference implementation of every op; runs on any
   device torch supports, lowest priority (0) so that ``backend="auto"`` prefers any available
   hardware backend.
-- drafters ``ngram`` (prompt lookup decoding, no weights) and ``mtp`` (the checkpoint's
-  multi-token-prediction layer) for speculative decoding.
+- drafters ``ngram`` (prompt lookup decoding, no weights), ``mtp`` (DeepSeek-V4's
+  multi-token-prediction layer) and ``dspark`` (DeepSeek-V4.1's DSpark block drafter) for
+  speculative decoding.
 - model types ``deepseek_v4`` and ``deepseek_v41``: the
   :class:`~deepinfer_core.models.registry.ModelFamily` of
   :mod:`deepinfer_core.models.deepseek_v4.family` and
@@ -70,7 +71,7 @@ def deepinfer_register_models(register: Callable[..., None]) -> None:
     register(
         "deepseek_v41",
         _deepseek_v41,
-        description="DeepSeek-V4.1 text (causal encoder-decoder, Engram; no DSpark, no packed KV yet)",
+        description="DeepSeek-V4.1 text (causal encoder-decoder, Engram; DSpark drafter 'dspark')",
     )
 
 
@@ -98,10 +99,17 @@ def _mtp() -> type:
     return MtpDrafter
 
 
+def _dspark() -> type:
+    from deepinfer_core.speculative.dspark import DSparkDrafter
+
+    return DSparkDrafter
+
+
 @hookimpl
 def deepinfer_register_drafters(register: Callable[..., None]) -> None:
-    """Register the core's ``ngram`` drafter (prompt lookup decoding, no weights) and ``mtp``
-    drafter (the checkpoint's multi-token-prediction layer)."""
+    """Register the core's ``ngram`` drafter (prompt lookup decoding, no weights), ``mtp``
+    drafter (DeepSeek-V4's multi-token-prediction layer) and ``dspark`` drafter (DeepSeek-V4.1's
+    DSpark block drafter)."""
     register(
         "ngram",
         _ngram,
@@ -111,4 +119,9 @@ def deepinfer_register_drafters(register: Callable[..., None]) -> None:
         "mtp",
         _mtp,
         description="the checkpoint's multi-token-prediction layer (num_nextn_predict_layers, mtp.* tensors)",
+    )
+    register(
+        "dspark",
+        _dspark,
+        description="DeepSeek-V4.1's DSpark block drafter: draft layers, Markov and confidence heads (mtp.*)",
     )

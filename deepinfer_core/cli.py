@@ -2,8 +2,9 @@
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
-DeepSeek-V4 checkpoint, with ``--arch deepseek_v41`` a DeepSeek-V4.1 one).  No command prints a
-traceback: a :class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
+DeepSeek-V4 checkpoint, with ``--arch deepseek_v41`` a DeepSeek-V4.1 one, ``--dspark`` with its
+DSpark drafter).  No command prints a traceback: a
+:class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
 ``error: <message>`` line on stderr with exit status 2; a failed prompt of ``generate`` is shown
 in its place among the results and the status is 1; anything else is a bug, reported as one
 ``error: internal error ...`` line with status 3 (``DEEPINFER_TRACEBACK=1`` re-raises it).
@@ -112,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantized",
         action="store_true",
         help="deepseek_v41 only: MXFP8 (32x32 ue8m0) dense linears and Engram rows, MXFP4 experts",
+    )
+    tiny.add_argument(
+        "--dspark",
+        action="store_true",
+        help="deepseek_v41 only: with the DSpark block drafter's layers (mtp.*, drafter 'dspark')",
     )
     tiny.set_defaults(func=_cmd_make_tiny)
     return parser
@@ -398,13 +404,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.arch == "deepseek_v41":
         from deepinfer_core.models.deepseek_v41.tiny import make_tiny
 
-        options = {"fp8_linear": args.quantized, "fp4_experts": args.quantized}
+        options = {"fp8_linear": args.quantized, "fp4_experts": args.quantized, "dspark": args.dspark}
     else:
         from deepinfer_core.models.deepseek_v4.tiny import make_tiny
 
         options = {}
-        if args.quantized:
-            raise ConfigError("make-tiny --quantized: only with --arch deepseek_v41")
+        for flag in ("quantized", "dspark"):
+            if getattr(args, flag):
+                raise ConfigError(f"make-tiny --{flag}: only with --arch deepseek_v41")
     out = Path(args.outdir)
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"make-tiny --seed={args.seed}: must be in [0, 2**63)")

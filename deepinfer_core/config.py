@@ -57,7 +57,9 @@ class SpeculativeConfig(BaseModel):
     drafter: str = "ngram"
     """Drafter by registered name (``deepinfer_register_drafters``); the core's ``ngram`` looks
     the last tokens up in the prompt and output (prompt lookup decoding, no weights), its
-    ``mtp`` runs the checkpoint's multi-token-prediction layer (``num_nextn_predict_layers``)."""
+    ``mtp`` runs DeepSeek-V4's multi-token-prediction layer (``num_nextn_predict_layers``), its
+    ``dspark`` DeepSeek-V4.1's DSpark block drafter (``mtp.*``; at most ``dspark_block_size``
+    drafts per step).  (``method="dspark"`` is the verify-length policy, usable with any drafter.)"""
     max_draft_tokens: int = 5
     """Most draft tokens verified per request and step (``DEEPINFER_USE_NEXTN_DECODE``)."""
     acceptance: Literal["match", "rejection"] = "match"

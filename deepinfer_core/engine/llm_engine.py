@@ -20,7 +20,12 @@ from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
-from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult, drafter_class
+from deepinfer_core.engine.speculative import (
+    SpeculativeDecoder,
+    VerifyResult,
+    check_draft_layers,
+    drafter_class,
+)
 from deepinfer_core.engine.structured import MaskFill, StructuredOutputs
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -173,6 +178,8 @@ class LLMEngine:
             drafter_cls = drafter_class(self.config.speculative, plugins)
         if parallel is not None and parallel.world_size > 1:
             self._check_parallel(drafter_cls)
+        if drafter_cls is not None and drafter_cls.uses_mtp_layers:
+            check_draft_layers(self.family, self.config.speculative.drafter, drafter_cls.mtp_kind)  # type: ignore[union-attr]
         try:
             self.runner = ModelRunner(
                 model_dir,

@@ -58,7 +58,9 @@ class ModelRunner:
         mtp: also load the checkpoint's multi-token-prediction layer (the ``mtp`` drafter,
             through ``ModelFamily.load_mtp_weights``), give it its caches, and keep every step's
             hidden states in :attr:`hidden` for it (:meth:`execute_mtp`); a one-line
-            :class:`ConfigError` when the family or the checkpoint has none.
+            :class:`ConfigError` when the family or the checkpoint has none.  For a family whose
+            draft layers are DSpark's (``mtp_kind == "dspark"``) the model writes the drafter's
+            context itself (no hidden states kept) and :meth:`execute_dspark` runs its block.
         parallel: this process's place in a distributed run (``None`` = a single process);
             with more than one rank it is passed to the family's ``load_weights`` (each rank
             loads only its experts) and ``build_model``.
@@ -106,8 +108,9 @@ class ModelRunner:
         if mtp:
             if family.load_mtp_weights is None:
                 raise ConfigError(
-                    f"speculative.drafter='mtp': model family {family.model_type!r} has no multi-token-"
-                    "prediction layers (ModelFamily.load_mtp_weights); use another drafter"
+                    f"speculative drafter with model layers ('mtp', 'dspark'): model family "
+                    f"{family.model_type!r} has no draft layers (ModelFamily.load_mtp_weights); "
+                    "use another drafter"
                 )
             weights.update(
                 family.load_mtp_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
@@ -161,7 +164,7 @@ class ModelRunner:
         # then stay within a request's allocated pages
         self.mtp_paged = mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
         self._mtp_in: torch.Tensor | None = None  # MTP graphs' input hidden states (fixed address)
-        if mtp:
+        if mtp and getattr(self.model, "keeps_hidden", True):
             shape = (self.inputs.max_tokens, *self.model.hidden_shape)
             self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self._mtp_in = torch.zeros(
@@ -300,6 +303,19 @@ class ModelRunner:
         md = self._metadata(self.model.mtp_step_metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.mtp_forward(md, self.cache, hidden)
+
+    def execute_dspark(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One eager DSpark block step (runner built with ``mtp=True`` over a model with the
+        DSpark drafter, ``family.mtp_kind == "dspark"``): each chunk is one request's block,
+        ``token_ids`` = the anchor then noise tokens, ``start_pos`` = the anchor's position,
+        ``seq_slot`` / ``window_from`` the request's (no pages are read: ``block_table`` may be
+        empty).  Returns every row's float32 base logits ``[T, V]`` and collapsed hidden
+        ``[T, D]`` (``Model.dspark_forward``); no request's cache is written."""
+        rows = list(range(sum(c.num_tokens for c in chunks)))
+        inputs = self.inputs.prepare(chunks, rows, None, block_tables=False)
+        md = self._metadata(self.model.dspark_step_metadata, inputs)
+        with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
+            return self.model.dspark_forward(md, self.cache)
 
     def _mtp_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose MTP graph runs these rows, or ``None`` (eager): MTP graphs run steps

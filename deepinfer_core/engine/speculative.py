@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from deepinfer_core.engine.request import RequestStatus
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
@@ -65,8 +66,10 @@ logger = logging.getLogger("deepinfer.engine")
 
 
 @dataclass
-class _RowView:
-    """A request as one verified position sees it: its output extended by the drafts before."""
+class RowView:
+    """A request as one verified position sees it: its output extended by the drafts before
+    (a :class:`~deepinfer_core.sampling.sampler.SamplingRow`; the ``dspark`` drafter draws its
+    drafts on the same rows)."""
 
     params: Any
     sampling_seed: int
@@ -219,7 +222,17 @@ class SpeculativeDecoder:
             return
         reqs = [req for req, _ in cands]
         contexts = [
-            DraftContext(req.request_id, req.token_slice(0, req.num_tokens), req.num_prompt_tokens, room)
+            DraftContext(
+                req.request_id,
+                req.token_slice(0, req.num_tokens),
+                req.num_prompt_tokens,
+                room,
+                seq_slot=-1 if req.seq_slot is None else req.seq_slot,
+                window_from=req.window_from,
+                params=req.params,
+                sampling_seed=req.sampling_seed,
+                eos_token_ids=engine.eos_token_ids,
+            )
             for req, room in cands
         ]
         budget = engine.config.max_num_batched_tokens - len(reqs)
@@ -256,7 +269,9 @@ class SpeculativeDecoder:
                 cumulative(d.confidence[:n]) if d.confidence is not None else est[:n]
                 for d, est, n in zip(drafts, estimates, proposed, strict=True)
             ]
-            lengths = dspark_lengths(confidences, budget, self.cost)
+            # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
+            causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
+            lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
         for req, draft, n in zip(reqs, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = len(draft.token_ids)
@@ -303,7 +318,7 @@ class SpeculativeDecoder:
         engine = self.engine
         reqs = sched.sampling_requests
         chunks = [c for c in sched.chunks if c.sample]
-        rows: list[_RowView] = []
+        rows: list[RowView] = []
         positions: list[int] = []
         owner: list[tuple[int, int]] = []  # (chunk index, position in the chunk) per row
         drafts: list[list[int]] = []
@@ -312,7 +327,7 @@ class SpeculativeDecoder:
             drafts.append(d)
             for i in range(1 + c.num_draft):
                 out = req.output_token_ids + d[:i] if i else req.output_token_ids
-                rows.append(_RowView(req.params, req.sampling_seed, req.prompt_token_ids, out))
+                rows.append(RowView(req.params, req.sampling_seed, req.prompt_token_ids, out))
                 positions.append(c.end_pos - c.num_draft + i)
                 owner.append((ci, i))
         batch = SamplingBatch.from_requests(rows, engine.eos_token_ids, positions)
@@ -344,7 +359,7 @@ class SpeculativeDecoder:
         logits: torch.Tensor,
         batch: SamplingBatch,
         reqs: list[Request],
-        rows: list[_RowView],
+        rows: list[RowView],
         positions: list[int],
         owner: list[tuple[int, int]],
         drafts: list[list[int]],
@@ -571,6 +586,22 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     unavailable or not a :class:`Drafter`."""
     name = config.drafter
     return plugins.component_class("drafters", name, Drafter, f"speculative.drafter={name!r}")
+
+
+def check_draft_layers(family: Any, drafter: str, kind: str) -> None:
+    """A one-line :class:`ConfigError` when drafter ``drafter`` runs draft layers of ``kind``
+    (:attr:`Drafter.mtp_kind`) but the model family's checkpoints hold another kind
+    (``ModelFamily.mtp_kind``): it names the drafter to use (the core's drafter of each kind has
+    the kind's name)."""
+    have = getattr(family, "mtp_kind", "mtp")
+    if kind == have or getattr(family, "load_mtp_weights", None) is None:
+        return  # the same kind, or no draft layers at all (the model runner says so)
+    what = {"mtp": "an MTP layer", "dspark": "DSpark block-drafter layers"}
+    extra = " (DeepSeek-V4-0731's DSpark, with hc_head, is not implemented)" if kind == "dspark" else ""
+    raise ConfigError(
+        f"speculative.drafter={drafter!r} runs {what.get(kind, kind)}, but model family "
+        f"{family.model_type!r} has {what.get(have, have)} (mtp.*){extra}: use drafter={have!r}"
+    )
 
 
 def _is_decode(req: Request, c: SeqChunk) -> bool:

@@ -96,10 +96,13 @@ class StepInputBuffers:
         num_tokens: int | None = None,
         num_reqs: int | None = None,
         max_end: int | None = None,
+        block_tables: bool = True,
     ) -> StepInputs:
         """Pack ``chunks`` (and padding up to ``num_tokens``/``num_reqs``) and send them.
 
         ``max_end`` overrides the bound on positions (CUDA graphs use ``max_model_len``).
+        ``block_tables=False``: the step reads no page (a DSpark block), so the chunks' block
+        tables are ignored and the device's are left as they are.
         """
         real_t = sum(c.num_tokens for c in chunks)
         t = real_t if num_tokens is None else num_tokens
@@ -135,7 +138,8 @@ class StepInputBuffers:
         if self._pin:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
-        self._update_block_tables(chunks)
+        if block_tables:
+            self._update_block_tables(chunks)
         dev = self._dev
         base = t
         req = {}

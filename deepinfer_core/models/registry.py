@@ -79,6 +79,9 @@ class Model(Protocol):
         provides ``hidden_shape``, ``mtp_step_metadata`` (as :meth:`step_metadata`) and
         ``mtp_forward(md, cache, hidden) -> (logits of the sampling rows, output hidden states)``,
         and its :meth:`cache_specs` include the MTP layer's caches after the main layers'.
+        A family with ``mtp_kind="dspark"`` instead sets ``keeps_hidden = False`` (its forward
+        writes the drafter's context itself) and provides ``dspark_step_metadata`` and
+        ``dspark_forward(md, cache) -> (base logits, collapsed hidden)`` of every block row.
         """
         ...
 
@@ -114,6 +117,12 @@ class ModelFamily:
             ``build_model``'s, calls ``replay_tail(cfg, page_size, extra_layers=1)`` and uses
             the model's MTP members (see :meth:`Model.forward`); it raises a one-line
             :class:`ConfigError` when the checkpoint lacks the layer.
+        mtp_kind: what ``load_mtp_weights`` loads: ``"mtp"`` (DeepSeek-V4's multi-token-prediction
+            layer, the core's ``mtp`` drafter) or ``"dspark"`` (DeepSeek-V4.1's DSpark block
+            drafter, the core's ``dspark`` drafter; its model writes the drafter's context itself
+            and keeps no hidden states: ``Model.keeps_hidden = False``).  A drafter whose
+            :attr:`~deepinfer_core.speculative.Drafter.mtp_kind` differs is refused (one-line
+            :class:`ConfigError` naming the drafter to use).
     """
 
     model_type: str
@@ -126,6 +135,7 @@ class ModelFamily:
     load_mtp_weights: (
         Callable[[Path, Any, torch.dtype, torch.device, Collection[str]], dict[str, Any]] | None
     ) = None
+    mtp_kind: str = "mtp"
 
     def from_file(self, model_dir: str | Path) -> Any:
         """Parse ``config.json`` (or a directory holding it), checking its ``model_type``."""

@@ -4,6 +4,8 @@
   the ``deepinfer_register_drafters`` hook and chosen by ``SpeculativeConfig.drafter``;
 * :mod:`.ngram` — the core's ``ngram`` drafter (prompt lookup, no weights);
 * :mod:`.mtp` — the core's ``mtp`` drafter (the checkpoint's multi-token-prediction layer);
+* :mod:`.dspark` — the core's ``dspark`` drafter (DeepSeek-V4.1's DSpark block drafter; imported
+  on first use);
 * :mod:`.policy` — how many drafts each request verifies per step: ``fixed`` or ``dspark``
   (confidence-scheduled against the measured step cost);
 * :mod:`.verify` — acceptance: ``match`` (token-identical to plain decoding) and ``rejection``

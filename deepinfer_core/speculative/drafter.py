@@ -38,12 +38,26 @@ class DraftContext:
         num_prompt_tokens: how many of ``token_ids`` are the prompt.
         max_tokens: most draft tokens worth proposing (the config's ``max_draft_tokens``, fewer
             near ``max_tokens`` / ``max_model_len``); at least 1.
+        seq_slot: the request's sequence slot in the runner's caches (``-1``: not given), for a
+            drafter that reads them (``dspark``).
+        window_from: first position whose window keys exist for that slot (as
+            :attr:`~deepinfer_core.engine.batch.SeqChunk.window_from`).
+        params: the request's :class:`~deepinfer_core.sampling.params.SamplingParams`
+            (``None``: greedy), for a drafter that draws as the verifier does.
+        sampling_seed: the request's sampling seed (the verifier's counter-based noise key).
+        eos_token_ids: the engine's EOS ids (model and tokenizer), which the verifier bans while
+            the request's ``min_tokens`` is not reached.
     """
 
     request_id: str
     token_ids: Sequence[int]
     num_prompt_tokens: int
     max_tokens: int
+    seq_slot: int = -1
+    window_from: int = 0
+    params: Any = None
+    sampling_seed: int = 0
+    eos_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -114,6 +128,11 @@ class Drafter:
     """The drafter runs the checkpoint's multi-token-prediction layer: the engine loads it into
     the model runner (a one-line ``ConfigError`` when the checkpoint has none), keeps the
     target's hidden states of every step and calls :meth:`bind` with the runner."""
+
+    mtp_kind: ClassVar[str] = "mtp"
+    """With :attr:`uses_mtp_layers`: which draft layers it runs, ``"mtp"`` (DeepSeek-V4's MTP
+    layer) or ``"dspark"`` (DeepSeek-V4.1's DSpark block drafter); the engine refuses a model
+    family whose ``ModelFamily.mtp_kind`` differs (one-line ``ConfigError``)."""
 
     def __init__(self, config: SpeculativeConfig, vocab_size: int) -> None:
         self.config = config

@@ -227,7 +227,9 @@ def fixed_lengths(proposed: Sequence[int], budget: int) -> list[int]:
     return out
 
 
-def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: StepCost) -> list[int]:
+def dspark_lengths(
+    confidences: Sequence[Sequence[float]], budget: int, cost: StepCost, causal: bool = False
+) -> list[int]:
     """``dspark``: drafts to verify per request (see the module docstring).
 
     Args:
@@ -235,6 +237,12 @@ def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: St
             (``c_r(1) >= c_r(2) >= ...``), one entry per proposed draft.
         budget: most draft tokens the step can add.
         cost: the step cost model.
+        causal: stop at the first candidate that does not raise the expected tokens per
+            second (DSpark's Algorithm 1) instead of taking the best count over all of them.
+            Needed for ``rejection`` acceptance of sampled drafts whose confidences depend on
+            the drafts drawn before (the DSpark drafter): a global search may admit draft ``1``
+            because of draft ``2``'s confidence, which depends on the realised draft ``1``,
+            and so bias the output distribution (the paper's Appendix A).
     """
     b = len(confidences)
     if b == 0:
@@ -252,6 +260,8 @@ def dspark_lengths(confidences: Sequence[Sequence[float]], budget: int, cost: St
         value = expected / costs[n]
         if value > best_value:
             best_value, best_n = value, n
+        elif causal:
+            break
     lengths = [0] * b
     for _, r, j in cands[:best_n]:
         lengths[r] = max(lengths[r], j + 1)

@@ -24,3 +24,12 @@ def counting_context_parallel_forwards(model: Any) -> Iterator[list[int]]:
         yield count
     finally:
         del model.forward  # the instance attribute: the class's method shows again
+
+
+def record_replays(graphs_by_kind: dict[str, dict[int, Any]], into: list[str]) -> None:
+    """Append ``kind`` to ``into`` on every replay of the graphs of each kind (``{kind: {bucket:
+    graph}}``, e.g. a runner's decode / verify / MTP graphs); the graphs replay as before."""
+    for kind, by_bucket in graphs_by_kind.items():
+        for graph in by_bucket.values():
+            inner = graph.replay
+            graph.replay = lambda inner=inner, kind=kind: into.append(kind) or inner()

@@ -122,13 +122,16 @@ def run_pair(
     steps: list[Step],
     neighbour: list[int] | None = None,
     slots: tuple[int, int] = (1, 0),
+    state=None,
 ) -> tuple[list[int], list[int]]:
     """Run ``steps`` of one request on A (with the rejected drafts) and B (without them);
     assert every step's accepted logits and the live state after it bitwise equal.
 
     ``neighbour``: another request (slot 2 on both) running one token per step beside it.
-    Returns the block tables of the request on A and B.
+    ``state``: ``(runner, slot, table, end) -> {name: rows}``, the live state compared
+    (default :func:`live_state`).  Returns the block tables of the request on A and B.
     """
+    state = state or live_state
     total = sum(n + k for n, k in steps)
     tables = []
     for runner in (a, b):
@@ -157,15 +160,13 @@ def run_pair(
             assert torch.equal(la[-1], lb[-1]), f"step {i}: the neighbour's logits differ"
         done += n
         assert_same_state(
-            live_state(a, slots[0], tables[0], done),
-            live_state(b, slots[1], tables[1], done),
+            state(a, slots[0], tables[0], done),
+            state(b, slots[1], tables[1], done),
             f"after step {i}",
         )
         if neighbour is not None:
             m = min(i + 1, len(neighbour))
-            assert_same_state(
-                live_state(a, 2, n_tab[0], m), live_state(b, 2, n_tab[1], m), f"neighbour, step {i}"
-            )
+            assert_same_state(state(a, 2, n_tab[0], m), state(b, 2, n_tab[1], m), f"neighbour, step {i}")
     return tables[0], tables[1]
 
 

@@ -36,6 +36,7 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
 from deepinfer_core.testing.availability import backend_unavailable_reason
+from deepinfer_core.testing.observe import record_replays
 from deepinfer_core.weights import load_checkpoint, load_mtp_checkpoint, save_checkpoint
 from deepinfer_core.weights.names import hf_to_native, is_expert_stack
 
@@ -431,10 +432,7 @@ def test_graph_replays_keep_the_hidden_states(tiny_dir: Path) -> None:
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
             kinds = {"decode": runner.graphs, "verify": runner.verify_graphs, "mtp": runner.mtp_graphs}
-            for kind, by_bucket in kinds.items():
-                for graph in by_bucket.values():
-                    inner = graph.replay
-                    graph.replay = lambda inner=inner, kind=kind: replays.append(kind) or inner()
+            record_replays(kinds, replays)
         proposed: list = []
         propose = drafter.propose
 

@@ -65,6 +65,19 @@ def test_dspark_verifies_only_where_it_pays():
     assert dspark_lengths(conf, 1, free) == [1, 0]  # the budget takes the likeliest first
 
 
+def test_causal_dspark_lengths_stop_at_the_first_non_improving_draft():
+    """Algorithm 1's early stop (``causal``): a first draft that does not pay on its own is not
+    admitted because a second one would make the pair pay (the global search admits both: with
+    sampled drafts under rejection acceptance, the second's confidence depends on the realised
+    first draft, so admitting the first through it biases the output -- the paper's Appendix A)."""
+    cost = StepCost({(1, 1): 1.0, (1, 2): 2.0, (1, 3): 2.0})  # the first extra row costs, the second not
+    conf = [cumulative([0.9, 1.0])]
+    assert dspark_lengths(conf, 10, cost) == [2]  # (1 + 0.9 + 0.9) / 2 > 1
+    assert dspark_lengths(conf, 10, cost, causal=True) == [0]  # (1 + 0.9) / 2 < 1: stop there
+    cheap = StepCost({(1, 1): 1.0, (1, 3): 1.2})
+    assert dspark_lengths(conf, 10, cheap, causal=True) == dspark_lengths(conf, 10, cheap) == [2]
+
+
 def test_drafting_pays_counts_the_drafters_time():
     """Drafting pays when the expected extra tokens outweigh the verify cost plus the drafter's
     time; never when no draft is worth verifying."""

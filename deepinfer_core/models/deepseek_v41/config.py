@@ -191,7 +191,7 @@ class DeepseekV41Config(BaseModel):
     engram_head_dim: int = 256
     engram_pad_id: int = 2
     engram_compressed_vocab_size: int = 99092
-    # ---- DSpark draft layers (parsed; the drafter is not served yet)
+    # ---- DSpark draft layers (``mtp.{j}.*``; validated by :meth:`check_dspark` when the drafter loads)
     num_nextn_predict_layers: int = 3
     dspark_block_size: int = 5
     dspark_noise_token_id: int = 128799
@@ -337,8 +337,39 @@ class DeepseekV41Config(BaseModel):
 
     def compress_ratio(self, layer: int) -> int:
         """0: sliding window only; 1: full-resolution shared KV (CED decoder); r > 1: r tokens
-        pooled per entry (CED encoder)."""
-        return self.compress_ratios[layer]
+        pooled per entry (CED encoder).  Layers from ``num_hidden_layers`` on are the DSpark draft
+        layers (always 0)."""
+        return self.compress_ratios[layer] if layer < self.num_hidden_layers else 0
+
+    @property
+    def dspark_num_layers(self) -> int:
+        """Draft layers of the DSpark drafter (``num_nextn_predict_layers``)."""
+        return self.num_nextn_predict_layers
+
+    def check_dspark(self, source: str = "config") -> None:
+        """The DSpark fields a drafter needs (checked when it loads, not at parse time, so
+        configs without a drafter still parse); a one-line :class:`ConfigError` naming ``source``
+        and the field."""
+        n, v = self.num_hidden_layers, self.vocab_size
+        ids = self.dspark_target_layer_ids or []
+        problems = []
+        if self.num_nextn_predict_layers < 1:
+            problems.append("num_nextn_predict_layers must be >= 1 (no DSpark draft layers)")
+        if not ids or any(i < 0 or i > n for i in ids) or ids != sorted(set(ids)):
+            problems.append(f"dspark_target_layer_ids must be strictly increasing ids in [0, {n}], got {ids}")
+        if not 0 <= self.dspark_noise_token_id < v:
+            problems.append(f"dspark_noise_token_id {self.dspark_noise_token_id} not in the vocab [0, {v})")
+        if self.dspark_block_size < 1:
+            problems.append(f"dspark_block_size must be >= 1, got {self.dspark_block_size}")
+        if self.dspark_markov_rank < 1:
+            problems.append(f"dspark_markov_rank must be >= 1, got {self.dspark_markov_rank}")
+        if not 1 <= self.dspark_num_experts_per_tok <= self.dspark_n_routed_experts:
+            problems.append(
+                f"dspark_num_experts_per_tok ({self.dspark_num_experts_per_tok}) must be in [1, "
+                f"dspark_n_routed_experts ({self.dspark_n_routed_experts})]"
+            )
+        if problems:
+            raise ConfigError(f"{source}: DSpark drafter: {problems[0]}")
 
     def kv_source(self, layer: int) -> int:
         """The kv-source layer whose compressed cache ``layer`` reads (the closest at or before

@@ -3,9 +3,10 @@
 Registered by the core's builtin plugin (:mod:`deepinfer_core.builtin_plugin`) through the
 ``deepinfer_register_models`` hook.  What is not served yet is refused with a one-line
 :class:`~deepinfer_core.errors.ConfigError` saying ``not implemented yet: <what>``, never run
-approximately: the DSpark drafter.  ``kv_cache_dtype="fp8"`` stores the caches in the
-release's packed FP8/FP4 formats (:mod:`deepinfer_core.ops.kv_blockscaled`).  See
-``docs/deepseek_v41.md``.
+approximately.  The DSpark block drafter's layers (``mtp.*``) load with
+``speculative.drafter="dspark"`` (:func:`load_mtp_weights`, :mod:`.dspark`).
+``kv_cache_dtype="fp8"`` stores the caches in the release's packed FP8/FP4 formats
+(:mod:`deepinfer_core.ops.kv_blockscaled`).  See ``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,16 @@ def _engram_token_map(model_dir: Path, cfg: DeepseekV41Config) -> torch.Tensor:
     return token_map_for_vocab(token_map, cfg.vocab_size, cfg.engram_pad_id)
 
 
+def load_mtp_weights(
+    model_dir: Path, cfg: DeepseekV41Config, dtype: torch.dtype, device: torch.device, keep: Collection[str]
+) -> dict[str, Any]:
+    """The DSpark drafter's tensors (``mtp.*``, :func:`~.weights.load_dspark_weights`), for the
+    ``dspark`` drafter; a one-line :class:`ConfigError` when the checkpoint lacks them."""
+    from .weights import load_dspark_weights
+
+    return load_dspark_weights(model_dir, cfg, dtype, device, keep_quantized=keep)
+
+
 def build_model(
     cfg: DeepseekV41Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
 ) -> Any:
@@ -148,4 +159,6 @@ FAMILY = ModelFamily(
     cache_ratios=cache_ratios,
     replay_tail=replay_tail,
     description=DESCRIPTION,
+    load_mtp_weights=load_mtp_weights,
+    mtp_kind="dspark",
 )

@@ -7,8 +7,9 @@ bias).  A ratio-1 kv source (the CED decoder's, layer 20 of the release) project
 token: :class:`FullPlan` gives each token's pool row and each query's visible entries (those of
 positions ``<= t``).  Engram layers read each token's look-back ids: :class:`LookbackPlan`.
 With the decoder-side prefill tail on, the layers after the last kv source run only on some of
-the step's rows: :class:`TailPlan`.  Everything is derived on the device from shapes alone, as
-V4's plans.
+the step's rows: :class:`TailPlan`.  A DSpark block step (the drafter's rows, non-causal inside
+a block) has its own window plan: :func:`build_dspark_metadata`.  Everything is derived on the
+device from shapes alone, as V4's plans.
 """
 
 from __future__ import annotations
@@ -239,3 +240,41 @@ def _build(
         ring_rows = torch.where(pos >= end - rows, slot, num_slots) * rows + pos % rows
         plan = LookbackPlan(src=src, ring_rows=ring_rows)
     return V41StepMetadata(v4=v4, full=full, lookback=plan)
+
+
+def build_dspark_metadata(
+    inputs: StepInputs,
+    window: int,
+    block: int,
+    page_size: int,
+    num_slots: int,
+    trash_page: int,
+    num_spec_tokens: int = 0,
+) -> V41StepMetadata:
+    """The plans of a DSpark block step: each chunk is one request's block (at most ``block``
+    rows) anchored at its start ``P`` (the anchor's position; ``window_from`` as in a target step).
+
+    Every row of a request sees the same context keys, its draft rings' rows of positions
+    ``[max(P - W, window_from, 0), P - 1]`` (``window_ring``, ``[T, W]``), and every row of its
+    block (``window_chunk``, ``[T, block]``: non-causal inside the block).  ``ring_rows`` are
+    the trash slot's (the block writes no request's ring); ``sample_rows`` are the inputs'.
+    """
+    v4 = build_metadata(inputs, window, [], page_size, num_slots, trash_page, num_spec_tokens)
+    t, n_req = inputs.num_tokens, inputs.num_reqs
+    req = inputs.req
+    dev = inputs.input_ids.device
+    cum = torch.cumsum(req["len"], 0)
+    offset = cum - req["len"]
+    tok_req = torch.searchsorted(cum, torch.arange(t, device=dev), right=True).clamp_(max=max(n_req - 1, 0))
+    anchor = req["start"][tok_req]
+    kpos = anchor[:, None] - window + torch.arange(window, device=dev)  # P-W .. P-1
+    valid = (kpos >= req["window_from"][tok_req][:, None]) & (kpos >= 0)
+    rows = window + num_spec_tokens
+    none = torch.full_like(kpos, -1)
+    window_ring = torch.where(valid, req["slot"][tok_req][:, None] * rows + kpos % rows, none)
+    j = torch.arange(block, device=dev)
+    in_block = j[None, :] < req["len"][tok_req][:, None]
+    window_chunk = torch.where(in_block, offset[tok_req][:, None] + j, -1)
+    ring_rows = num_slots * rows + v4.positions % rows
+    v4 = replace(v4, window_ring=window_ring, window_chunk=window_chunk, ring_rows=ring_rows)
+    return V41StepMetadata(v4=v4, full=None)

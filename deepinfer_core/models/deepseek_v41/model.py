@@ -61,7 +61,7 @@ from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
 from .engram import EngramLayout, hash_multipliers
-from .metadata import V41StepMetadata, build_v41_metadata
+from .metadata import V41StepMetadata, build_dspark_metadata, build_v41_metadata
 from .ops import op
 
 logger = logging.getLogger("deepinfer.model")
@@ -111,6 +111,11 @@ def store_kv(ops: OpTable, pool: KVPool, rows: torch.Tensor, values: torch.Tenso
     ops.cache_write(pool, rows, values)
 
 
+MTP_ON_V41 = (
+    "speculative.drafter='mtp': DeepSeek-V4.1 has no MTP layer; its draft layers (mtp.*) are the DSpark "
+    "block drafter's: use drafter='dspark'"
+)
+
 TAIL_ENV = "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"
 """Rows per request the decoder layers run on during prefill: unset / ``0`` / ``off`` = every
 row (exact, the default); ``auto`` = ``sliding_window + num_spec_tokens``; ``N`` = ``N``
@@ -142,10 +147,16 @@ def prefill_tail_setting(cfg: DeepseekV41Config, raw: str | None = None) -> int 
 
 
 class Attention:
-    """Attention of layer ``layer``: window + (for compressed layers) the group's shared entries."""
+    """Attention of layer ``layer``: window + (for compressed layers) the group's shared entries.
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
-        p = f"layers.{layer}.attn."
+    ``prefix``: the block's tensors' prefix (default ``layers.{layer}.``; a DSpark draft layer's is
+    ``mtp.{j}.`` with ``layer = num_hidden_layers + j``, its cache layer).  A draft layer projects
+    ``wkv`` apart from ``wq_a``: its context keys (:meth:`write_context`) need only ``wkv``."""
+
+    def __init__(
+        self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype, prefix: str = ""
+    ):
+        p = (prefix or f"layers.{layer}.") + "attn."
         self.cfg, self.layer = cfg, layer
         self.ratio = cfg.compress_ratio(layer)
         self.rope_family = "compress" if self.ratio else "main"
@@ -158,6 +169,10 @@ class Attention:
         self.is_index_source = cfg.is_index_source(layer)
         in_weights = [(n, w.pop(p + n)) for n in ("wq_a.weight", "wkv.weight")]
         self.parts = ["q_a", "kv"]
+        self.w_kv: FusedProjection | None = None  # a draft layer's wkv, apart
+        if layer >= cfg.num_hidden_layers:
+            self.w_kv = FusedProjection(in_weights[1:], dtype, p + "wkv")
+            in_weights, self.parts = in_weights[:1], ["q_a"]
         if self.is_kv_source:
             c = p + "compressor."
             self.c_norm = w[c + "norm.weight"]
@@ -205,6 +220,8 @@ class Attention:
         picks and candidate blocks from the index sources to the layers after them."""
         t = x.shape[0]
         part = dict(zip(self.parts, self.w_in(x, ops), strict=True))
+        if self.w_kv is not None:
+            part["kv"] = self.w_kv(x, ops)[0]
         qdq = op(ops, "kv_qdq")
         q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
@@ -229,6 +246,17 @@ class Attention:
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         return ops.linear(out, self.wo_b)
+
+    def write_context(
+        self, m: torch.Tensor, ring_rows: torch.Tensor, cache: HybridCache, ops: OpTable, rope: dict
+    ) -> None:
+        """A DSpark draft layer's context keys: ``RMSNorm(wkv m)`` rotated at each row's position
+        (``main`` rope) into its window ring at ``ring_rows``, as :meth:`__call__` stores a
+        step's own keys (the window record's numerics)."""
+        assert self.w_kv is not None, "only a draft layer writes context keys"
+        kv = ops.rms_norm(self.w_kv(m, ops)[0], self.kv_norm, self.eps)
+        key = ops.apply_rope(kv.unsqueeze(1), *rope["main"])[:, 0]
+        store_kv(ops, cache.get(self.layer, "window"), ring_rows, key, WINDOW_KV_FORMAT)
 
     def _compress(
         self, part: dict, md: V41StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
@@ -297,11 +325,22 @@ class Attention:
 
 
 class MoE:
-    """The MoE block of layer ``layer``: ``noaux_tc`` top-k routed experts plus a shared expert."""
+    """The MoE block of layer ``layer``: ``noaux_tc`` top-k routed experts plus a shared expert.
+    ``prefix`` / ``top_k``: a DSpark draft layer's (``mtp.{j}.``, ``dspark_num_experts_per_tok``;
+    its expert count is its stacks')."""
 
-    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype):
-        p = f"layers.{layer}.ffn."
+    def __init__(
+        self,
+        cfg: DeepseekV41Config,
+        layer: int,
+        w: dict[str, Weight],
+        dtype: torch.dtype,
+        prefix: str = "",
+        top_k: int | None = None,
+    ):
+        p = (prefix or f"layers.{layer}.") + "ffn."
         self.cfg = cfg
+        self.top_k = cfg.num_experts_per_tok if top_k is None else top_k
         self.bias = w[p + "gate.bias"]
         self.gate_up, self.down = w[p + "experts.gate_up"], w[p + "experts.down"]
         names = ("gate.weight", "shared_experts.w1.weight", "shared_experts.w3.weight")
@@ -314,7 +353,7 @@ class MoE:
         if cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         weights, ids = ops.moe_route(
-            logits, self.bias, None, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
+            logits, self.bias, None, self.top_k, cfg.scoring_func, cfg.routed_scaling_factor
         )
         routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
         return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
@@ -342,7 +381,8 @@ class Engram:
 
 
 class DecoderLayer:
-    """One block: (Engram, then) single-pass-mHC-wrapped attention then MoE."""
+    """One block: (Engram, then) single-pass-mHC-wrapped attention then MoE.  ``prefix`` /
+    ``top_k``: a DSpark draft layer's (see :class:`Attention` and :class:`MoE`)."""
 
     def __init__(
         self,
@@ -351,12 +391,14 @@ class DecoderLayer:
         w: dict[str, Weight],
         dtype: torch.dtype,
         engram: Engram | None = None,
+        prefix: str = "",
+        top_k: int | None = None,
     ):
-        p = f"layers.{layer}."
+        p = prefix or f"layers.{layer}."
         self.cfg, self.layer = cfg, layer
         self.engram = engram
-        self.attn = Attention(cfg, layer, w, dtype)
-        self.moe = MoE(cfg, layer, w, dtype)
+        self.attn = Attention(cfg, layer, w, dtype, prefix=p)
+        self.moe = MoE(cfg, layer, w, dtype, prefix=p, top_k=top_k)
         self.attn_norm, self.ffn_norm = w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"]
         self.attn_hc = tuple(w[p + f"hc_attn_{k}"] for k in ("fn", "base", "scale"))
         self.ffn_hc = tuple(w[p + f"hc_ffn_{k}"] for k in ("fn", "base", "scale"))
@@ -394,9 +436,14 @@ class DeepseekV41Model:
             device (some :class:`~deepinfer_core.weights.quant.QuantizedTensor` with
             ``keep_quantized``); the model takes the dict over (fused projections are popped).
             With Engram layers it also holds ``engram.token_map`` (``[vocab]`` int64: each token's
-            normalised id, built from the tokenizer by ``family.load_weights``).
+            normalised id, built from the tokenizer by ``family.load_weights``).  With the DSpark
+            drafter's tensors (``mtp.*``, ``family.load_mtp_weights``) the model also holds the
+            drafter (:attr:`dspark`): its forward then writes the drafter's context keys.
         ops: the resolved op table.
     """
+
+    keeps_hidden = False
+    """The runner keeps no hidden states for the drafter: the forward writes its context itself."""
 
     def __init__(self, cfg: DeepseekV41Config, weights: dict[str, Weight], ops: OpTable):
         self.cfg, self.ops, self.w = cfg, ops, weights
@@ -420,6 +467,12 @@ class DeepseekV41Model:
         self.layers = [
             DecoderLayer(cfg, i, weights, dtype, engrams.get(i)) for i in range(cfg.num_hidden_layers)
         ]
+        self.dspark: Any = None
+        """The DSpark drafter (:class:`~.dspark.DSparkHead`) when its weights were given."""
+        if "mtp.0.main_proj.weight" in weights:
+            from .dspark import DSparkHead
+
+            self.dspark = DSparkHead(cfg, weights, dtype)
         forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
         forced = [note for note in forced if note is not None]
         if forced:
@@ -458,7 +511,7 @@ class DeepseekV41Model:
 
     def _storages(self) -> dict[int, tuple[int, bool]]:
         """Every storage of a weight the model holds (see :func:`weight_storages`)."""
-        return weight_storages([self.w, self.layers], skip=(DeepseekV41Config,))
+        return weight_storages([self.w, self.layers, self.dspark], skip=(DeepseekV41Config,))
 
     def weight_bytes(self) -> int:
         """Bytes of every weight held, each storage once."""
@@ -470,7 +523,8 @@ class DeepseekV41Model:
 
     def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[list[CacheSpec]]:
         """Per layer: its window ring; per kv-source group one entry pool and one indexer-key pool
-        (``alias_of`` the source in the group's other layers) and the source's partial windows.
+        (``alias_of`` the source in the group's other layers) and the source's partial windows;
+        with the DSpark drafter, then one window ring per draft layer.
 
         ``kv_cache_dtype="fp8"``: the window, entry and indexer-key rows in the release's byte
         formats (:func:`kv_specs`; at the release's widths 528 bytes per window row, 288 per
@@ -478,8 +532,11 @@ class DeepseekV41Model:
         in the model dtype (logged)."""
         specs: list[list[CacheSpec]] = []
         plain: set[str] = set()
-        for layer in self.layers:
-            layer_specs, kept = kv_specs(layer.attn.cache_specs(num_spec_tokens), kv_cache_dtype)
+        per_layer = [layer.attn.cache_specs(num_spec_tokens) for layer in self.layers]
+        if self.dspark is not None:  # the draft layers' context rings (cache layers L .. L+M-1)
+            per_layer += self.dspark.cache_specs(num_spec_tokens)
+        for layer_spec in per_layer:
+            layer_specs, kept = kv_specs(layer_spec, kv_cache_dtype)
             specs.append(layer_specs)
             plain.update(kept)
         if plain:
@@ -512,6 +569,38 @@ class DeepseekV41Model:
             tail=self.tail_tokens(num_spec_tokens),
         )
 
+    def dspark_step_metadata(
+        self, inputs: StepInputs, page_size: int, num_slots: int, trash_page: int, num_spec_tokens: int = 0
+    ) -> V41StepMetadata:
+        """The plans of a DSpark block step (:func:`~.metadata.build_dspark_metadata`): every
+        chunk is one request's block of ``dspark_block_size`` rows anchored at its start."""
+        assert self.dspark is not None
+        return build_dspark_metadata(
+            inputs,
+            self.cfg.sliding_window,
+            self.dspark.block_size,
+            page_size,
+            num_slots,
+            trash_page,
+            num_spec_tokens,
+        )
+
+    @torch.inference_mode()
+    def dspark_forward(self, md: V41StepMetadata, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The DSpark block over ``md`` (:meth:`dspark_step_metadata`): float32 base logits
+        ``[T, V]`` and collapsed hidden ``[T, D]`` of every row (:meth:`~.dspark.DSparkHead.block`)."""
+        if self.dspark is None:
+            raise ConfigError("deepseek_v41: the model was built without the DSpark drafter's weights")
+        return self.dspark.block(md, cache, self.ops, self._rope(md, self.dtype))
+
+    def mtp_step_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """V4.1 has no MTP layer: a one-line :class:`ConfigError` (its draft layers are DSpark's)."""
+        raise ConfigError(MTP_ON_V41)
+
+    def mtp_forward(self, *args: Any, **kwargs: Any) -> Any:
+        """V4.1 has no MTP layer: a one-line :class:`ConfigError` (its draft layers are DSpark's)."""
+        raise ConfigError(MTP_ON_V41)
+
     def _rope(self, md: V41StepMetadata, dtype: torch.dtype) -> dict:
         rope: dict = {
             fam: self.ops.rope_cos_sin(md.positions, inv, s, dtype)
@@ -539,7 +628,8 @@ class DeepseekV41Model:
     ) -> torch.Tensor:
         """Run one step; float32 logits ``[len(md.sample_rows), vocab]``.  With a tail plan
         (``md.tail``) the layers after the last kv source run on its rows only; ``hidden_out``
-        (every row's final streams) turns it off."""
+        (every row's final streams) turns it off.  With the DSpark drafter, the step's rows'
+        context keys go to its rings too (with the rows and ring plan the last layer ran on)."""
         ops, cfg, w = self.ops, self.cfg, self.w
         x = ops.embedding(md.input_ids, w["embed.weight"])
         rope = self._rope(md, x.dtype)
@@ -551,11 +641,21 @@ class DeepseekV41Model:
         if self.lookback:
             shared["engram_tokens"] = self._lookback(md, cache)
         tail = md.tail if hidden_out is None else None
+        capture = set(self.dspark.target_layer_ids) if self.dspark is not None else set()
+        features: dict[int, torch.Tensor] = {}  # the DSpark drafter's: stream means entering layers
         for i, layer in enumerate(self.layers):
             if tail is not None and i == self.first_decoder:  # the decoder layers: the kept rows only
                 h, pre, rope, shared = _select_rows(tail.rows, h, pre, rope, shared)
+                features = {k: v.index_select(0, tail.rows) for k, v in features.items()}
                 md = tail.md
+            if i in capture:
+                features[i] = h.mean(1)
             h, pre = layer(h, pre, md, cache, ops, rope, shared)
+        if self.dspark is not None:
+            if len(self.layers) in capture:  # id L: the last layer's output streams
+                features[len(self.layers)] = h.mean(1)
+            feats = [features[i] for i in self.dspark.target_layer_ids]
+            self.dspark.write_context(feats, md, cache, ops, rope)
         if hidden_out is not None:
             hidden_out[: h.shape[0]].copy_(h)
         rows = md.sample_rows

@@ -15,6 +15,9 @@ rows of ``engram_head_dim``; e4m3 with ``embed.scale`` per 32 channels in the re
 only looked-up rows are dequantised), ``engram.wkv.weight`` and ``engram.q_weight`` /
 ``k_weight`` (transformers-main's module names; the release's own spelling is not known here).
 
+The DSpark drafter's tensors (``mtp.{j}.*``, not loaded by the text model) are
+:func:`dspark_parameter_specs`.
+
 Which attention tensors a layer has follows the CED layout: every layer its window
 projections; a kv source its compressor (``wgate`` only above ratio 1); an index source its
 indexer queries (``wq_b``, ``weights_proj``), and a kv source's indexer also the key projection
@@ -27,7 +30,14 @@ from deepinfer_core.models.deepseek_v4.params import ParamSpec, target_dtype
 
 from .config import DeepseekV41Config
 
-__all__ = ["EXPERT_STACKS", "IGNORED_PREFIXES", "ParamSpec", "parameter_specs", "target_dtype"]
+__all__ = [
+    "EXPERT_STACKS",
+    "IGNORED_PREFIXES",
+    "ParamSpec",
+    "dspark_parameter_specs",
+    "parameter_specs",
+    "target_dtype",
+]
 
 EXPERT_STACKS = {"w1": ("gate_up", "gate"), "w3": ("gate_up", "up"), "w2": ("down", "down")}
 """Native per-expert projection -> (stacked inventory tensor, part): ``gate_up[e] = cat(w1, w3)``."""
@@ -55,15 +65,16 @@ def parameter_specs(cfg: DeepseekV41Config) -> dict[str, ParamSpec]:
     return s
 
 
-def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
-    """The parameters of decoder layer ``i`` (prefix ``layers.{i}.``)."""
+def window_layer_specs(cfg: DeepseekV41Config, prefix: str, n_experts: int) -> dict[str, ParamSpec]:
+    """The parameters every V4.1 block has, under ``prefix`` (``layers.{i}.`` or ``mtp.{j}.``):
+    the window attention's projections, norms and sinks, the MoE with ``n_experts`` routed
+    experts (and one shared one), the two norms and the mHC mixes -- everything of a layer
+    whose compress ratio is 0 and that has no Engram (a DSpark draft layer)."""
     D, N = cfg.hidden_size, cfg.hc_mult
     H, hd, ql = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
     G, ol = cfg.o_groups, cfg.o_lora_rank
-    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
-    p = f"layers.{i}."
-    a = p + "attn."
+    inter = cfg.moe_intermediate_size
+    a, f = prefix + "attn.", prefix + "ffn."
     s: dict[str, ParamSpec] = {
         a + "wq_a.weight": ParamSpec((ql, D), "linear"),
         a + "q_norm.weight": ParamSpec((ql,), "fp32"),
@@ -73,7 +84,32 @@ def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
         a + "wo_a.weight": ParamSpec((G * ol, H * hd // G), "linear"),
         a + "wo_b.weight": ParamSpec((D, G * ol), "linear"),
         a + "attn_sink": ParamSpec((H,), "fp32"),
+        f + "gate.weight": ParamSpec((n_experts, D), "linear_bf16"),
+        f + "gate.bias": ParamSpec((n_experts,), "fp32"),
+        f + "experts.gate_up": ParamSpec((n_experts, 2 * inter, D), "experts"),
+        f + "experts.down": ParamSpec((n_experts, D, inter), "experts"),
+        f + "shared_experts.w1.weight": ParamSpec((inter, D), "linear"),
+        f + "shared_experts.w3.weight": ParamSpec((inter, D), "linear"),
+        f + "shared_experts.w2.weight": ParamSpec((D, inter), "linear"),
+        prefix + "attn_norm.weight": ParamSpec((D,), "fp32"),
+        prefix + "ffn_norm.weight": ParamSpec((D,), "fp32"),
     }
+    mix = (2 + N) * N
+    for site in ("attn", "ffn"):
+        s[prefix + f"hc_{site}_fn"] = ParamSpec((mix, N * D), "fp32")
+        s[prefix + f"hc_{site}_base"] = ParamSpec((mix,), "fp32")
+        s[prefix + f"hc_{site}_scale"] = ParamSpec((3,), "fp32")
+    return s
+
+
+def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
+    """The parameters of decoder layer ``i`` (prefix ``layers.{i}.``)."""
+    D, N = cfg.hidden_size, cfg.hc_mult
+    hd, ql = cfg.head_dim, cfg.q_lora_rank
+    ih, ihd = cfg.index_n_heads, cfg.index_head_dim
+    p = f"layers.{i}."
+    a = p + "attn."
+    s = window_layer_specs(cfg, p, cfg.n_routed_experts)
     r = cfg.compress_ratio(i)
     if cfg.is_kv_source(i):
         c = a + "compressor."
@@ -88,16 +124,6 @@ def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
         if cfg.is_kv_source(i):
             s[x + "wk.weight"] = ParamSpec((ihd, hd), "linear")
             s[x + "k_norm.weight"] = ParamSpec((ihd,), "fp32")
-    f = p + "ffn."
-    s[f + "gate.weight"] = ParamSpec((E, D), "linear_bf16")
-    s[f + "gate.bias"] = ParamSpec((E,), "fp32")
-    s[f + "experts.gate_up"] = ParamSpec((E, 2 * inter, D), "experts")
-    s[f + "experts.down"] = ParamSpec((E, D, inter), "experts")
-    s[f + "shared_experts.w1.weight"] = ParamSpec((inter, D), "linear")
-    s[f + "shared_experts.w3.weight"] = ParamSpec((inter, D), "linear")
-    s[f + "shared_experts.w2.weight"] = ParamSpec((D, inter), "linear")
-    s[p + "attn_norm.weight"] = ParamSpec((D,), "fp32")
-    s[p + "ffn_norm.weight"] = ParamSpec((D,), "fp32")
     if i in cfg.engram_layer_ids:
         e = p + "engram."
         rows = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)]
@@ -106,9 +132,43 @@ def layer_specs(cfg: DeepseekV41Config, i: int) -> dict[str, ParamSpec]:
         s[e + "wkv.weight"] = ParamSpec(((N + 1) * D, cols * cfg.engram_head_dim), "linear")
         s[e + "q_weight"] = ParamSpec((N, D), "fp32")
         s[e + "k_weight"] = ParamSpec((N, D), "fp32")
-    mix = (2 + N) * N
-    for site in ("attn", "ffn"):
-        s[p + f"hc_{site}_fn"] = ParamSpec((mix, N * D), "fp32")
-        s[p + f"hc_{site}_base"] = ParamSpec((mix,), "fp32")
-        s[p + f"hc_{site}_scale"] = ParamSpec((3,), "fp32")
     return s
+
+
+CONFIDENCE_HEAD = "confidence_head.weight"
+"""The confidence head's leaf under the last draft stage (vllm-ascend's reading); the loader also
+accepts vLLM-nvidia's module path ``confidence_head.proj.weight`` (:data:`DSPARK_ALIASES`)."""
+DSPARK_ALIASES = {"confidence_head.proj.weight": CONFIDENCE_HEAD}
+"""Other checkpoint spellings of DSpark head leaves -> the inventory's."""
+DSPARK_COMBINER = ("main_proj.weight", "main_norm.weight")
+"""Leaves of the context combiner, held under stage 0 (the checkpoint may put them under any)."""
+DSPARK_HEADS = ("norm.weight", "markov_head.embed.weight", "markov_head.head.weight", CONFIDENCE_HEAD)
+"""Leaves of the head stack, held under the last stage (the checkpoint may put them under any)."""
+
+
+def dspark_parameter_specs(cfg: DeepseekV41Config) -> dict[str, ParamSpec]:
+    """The DSpark drafter's parameters (native names ``mtp.{j}.*``, ``j < num_nextn_predict_layers``):
+    per stage a window-only block with ``dspark_n_routed_experts`` experts; the context combiner
+    (``main_proj`` ``[D, |T_ids| D]`` BF16, ``main_norm``) under stage 0; the drafter's final norm,
+    the Markov head (``embed`` ``[V, r]``, ``head`` ``[V, r]`` float32) and the confidence head
+    (``[1, D + r]`` float32, optional: :func:`dspark_optional`) under the last stage.  The
+    embedding and the output head are the target's."""
+    D, V, r, m = cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank, cfg.num_nextn_predict_layers
+    s: dict[str, ParamSpec] = {}
+    for j in range(m):
+        s.update(window_layer_specs(cfg, f"mtp.{j}.", cfg.dspark_n_routed_experts))
+    ids = cfg.dspark_target_layer_ids or []
+    s["mtp.0.main_proj.weight"] = ParamSpec((D, len(ids) * D), "linear_bf16")
+    s["mtp.0.main_norm.weight"] = ParamSpec((D,), "fp32")
+    last = f"mtp.{m - 1}."
+    s[last + "norm.weight"] = ParamSpec((D,), "fp32")
+    s[last + "markov_head.embed.weight"] = ParamSpec((V, r), "embedding")
+    s[last + "markov_head.head.weight"] = ParamSpec((V, r), "fp32")
+    s[last + CONFIDENCE_HEAD] = ParamSpec((1, D + r), "fp32")
+    return s
+
+
+def dspark_optional(cfg: DeepseekV41Config) -> frozenset[str]:
+    """DSpark parameters a checkpoint may lack: the confidence head (the drafter then reports no
+    confidence and the engine falls back to running acceptance rates)."""
+    return frozenset({f"mtp.{cfg.num_nextn_predict_layers - 1}.{CONFIDENCE_HEAD}"})

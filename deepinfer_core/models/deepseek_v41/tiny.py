@@ -43,7 +43,7 @@ from deepinfer_core.models.deepseek_v4.tiny import TINY_VOCAB_SIZE, write_tokeni
 from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4, quant_fp8
 
 from .config import DeepseekV41Config
-from .params import EXPERT_STACKS, ParamSpec, parameter_specs, target_dtype
+from .params import EXPERT_STACKS, ParamSpec, dspark_parameter_specs, parameter_specs, target_dtype
 
 TINY_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "deepseek_v41_text",
@@ -114,6 +114,17 @@ TINY_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 MXFP8_BLOCK = (32, 32)
+TINY_DSPARK_CHANGES: dict[str, Any] = {
+    "num_nextn_predict_layers": 3,
+    "compress_ratios": [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0],  # + the three draft layers
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": TINY_VOCAB_SIZE - 2,  # 510 (511 is image_token_id)
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2,
+}
+"""Text-config changes of a tiny checkpoint with the DSpark drafter (``make_tiny(dspark=True)``);
+``dspark_target_layer_ids`` keeps its default, ``[7, 8, 9]`` (the last three non-source layers)."""
 
 
 def tiny_config(**text_changes: Any) -> dict[str, Any]:
@@ -123,13 +134,23 @@ def tiny_config(**text_changes: Any) -> dict[str, Any]:
     return cfg
 
 
+def all_specs(cfg: DeepseekV41Config, dspark: bool = False) -> dict[str, ParamSpec]:
+    """:func:`~.params.parameter_specs`, with ``dspark`` also the drafter's
+    (:func:`~.params.dspark_parameter_specs`)."""
+    specs = parameter_specs(cfg)
+    if dspark:
+        specs.update(dspark_parameter_specs(cfg))
+    return specs
+
+
 def random_weights(
-    cfg: DeepseekV41Config, seed: int = 0, dtype: torch.dtype = torch.float32
+    cfg: DeepseekV41Config, seed: int = 0, dtype: torch.dtype = torch.float32, dspark: bool = False
 ) -> dict[str, torch.Tensor]:
     """Random weights for every entry of :func:`~.params.parameter_specs` (inventory names),
-    each from its own generator seeded by ``seed`` and its name."""
+    with ``dspark`` also the drafter's, each from its own generator seeded by ``seed`` and its
+    name."""
     out: dict[str, torch.Tensor] = {}
-    for name, spec in parameter_specs(cfg).items():
+    for name, spec in all_specs(cfg, dspark).items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         out[name] = _init_param(name, spec, g).to(target_dtype(spec, dtype)).contiguous()
     return out
@@ -144,6 +165,8 @@ def _init_param(name: str, spec: ParamSpec, g: torch.Generator) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if spec.kind in ("embedding", "engram_table"):
         return noise(1.0)
+    if name.endswith(("markov_head.head.weight", "confidence_head.weight")):  # fp32 matmul weights
+        return noise(shape[-1] ** -0.5)
     if spec.kind in ("linear", "linear_bf16", "experts"):
         return noise(shape[-1] ** -0.5)  # fan-in scaling
     if leaf == "weight":  # RMSNorm gains
@@ -169,11 +192,11 @@ def native_tensors(
     fp8_linear: bool = False,
     fp4_experts: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors of ``weights`` (inventory names): expert stacks split per expert
-    (``w1``/``w3``/``w2``), and optionally quantised as the release stores them: dense
-    ``linear`` weights MXFP8 (e4m3, ue8m0 scales per 32x32 tile, ``X.scale``) and routed experts
-    MXFP4 (packed e2m1, one ue8m0 scale per 32 inputs)."""
-    specs = parameter_specs(cfg)
+    """The checkpoint's tensors of ``weights`` (inventory names, the drafter's ``mtp.*`` too):
+    expert stacks split per expert (``w1``/``w3``/``w2``), and optionally quantised as the
+    release stores them: dense ``linear`` weights MXFP8 (e4m3, ue8m0 scales per 32x32 tile,
+    ``X.scale``) and routed experts MXFP4 (packed e2m1, one ue8m0 scale per 32 inputs)."""
+    specs = all_specs(cfg, dspark=any(name.startswith("mtp.") for name in weights))
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
         spec = specs[name]
@@ -219,16 +242,25 @@ def make_tiny(
     config: dict[str, Any] | None = None,
     fp8_linear: bool = False,
     fp4_experts: bool = False,
+    dspark: bool = False,
 ) -> Path:
     """Write a complete tiny DeepSeek-V4.1 checkpoint (config, native-named weights, tokenizer) to
     ``outdir``; same arguments give the same files.  ``config``: another wrapper config (default
-    :data:`TINY_CONFIG`)."""
+    :data:`TINY_CONFIG`).  ``dspark``: with the DSpark drafter's ``mtp.*`` tensors, its text
+    config changed by :data:`TINY_DSPARK_CHANGES` (the keys ``config`` leaves at the tiny defaults)."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = copy.deepcopy(config if config is not None else TINY_CONFIG)
+    if dspark:
+        text = cfg_dict["text_config"]
+        for key, value in TINY_DSPARK_CHANGES.items():
+            if text.get(key) == TINY_TEXT_CONFIG.get(key):  # not set otherwise by ``config``
+                text[key] = copy.deepcopy(value)
     cfg = DeepseekV41Config.from_dict(cfg_dict, source="tiny config")
+    if dspark:
+        cfg.check_dspark("tiny config")
     write_tokenizer_files(out)
-    weights = random_weights(cfg, seed, dtype)
+    weights = random_weights(cfg, seed, dtype, dspark=dspark)
     tensors = native_tensors(weights, cfg, fp8_linear, fp4_experts)
     if fp8_linear or fp4_experts:
         cfg_dict["quantization_config"] = {

@@ -11,31 +11,46 @@ dequantised to the model dtype, or, with ``keep_quantized``, kept as
 same per-tensor reader is used); per-expert tensors are stacked into ``[E, 2I, D]`` /
 ``[E, D, I]``.  An optional ``model.`` prefix is accepted.  Tensors of the parts the text model
 does not serve (DSpark ``mtp.*``, vision, image embeddings, the image router bias ``bias_vl``)
-are skipped (:func:`~.params.is_ignored`).
+are skipped (:func:`~.params.is_ignored`); the DSpark drafter's ``mtp.*`` load apart
+(:func:`load_dspark_weights`, for ``speculative.drafter="dspark"``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from deepinfer_core.errors import WeightLoadError
+from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.weights.loader import _check_shape, _empty_stack, _keep_formats, _put_expert, _read
 from deepinfer_core.weights.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
 from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards
 
 from .config import DeepseekV41Config
-from .params import EXPERT_STACKS, ParamSpec, is_ignored, parameter_specs, target_dtype
+from .params import (
+    DSPARK_ALIASES,
+    DSPARK_COMBINER,
+    DSPARK_HEADS,
+    EXPERT_STACKS,
+    ParamSpec,
+    dspark_optional,
+    dspark_parameter_specs,
+    is_ignored,
+    parameter_specs,
+    target_dtype,
+)
 
-_EXPERT_RE = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_EXPERT_RE = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
 _MAX_LISTED = 5
+logger = logging.getLogger("deepinfer.model")
 
 
 def _target(name: str, specs: dict[str, ParamSpec]) -> str | ExpertSlice | None:
@@ -45,12 +60,12 @@ def _target(name: str, specs: dict[str, ParamSpec]) -> str | ExpertSlice | None:
     m = _EXPERT_RE.match(bare)
     if m is None:
         return None
-    stack, part = EXPERT_STACKS[m.group(3)]
-    target = f"layers.{m.group(1)}.ffn.experts.{stack}"
+    stack, part = EXPERT_STACKS[m.group(4)]
+    target = f"{m.group(1)}.{m.group(2)}.ffn.experts.{stack}"
     spec = specs.get(target)
-    if spec is None or int(m.group(2)) >= spec.shape[0]:
+    if spec is None or int(m.group(3)) >= spec.shape[0]:
         return None
-    return ExpertSlice(target, int(m.group(2)), part)
+    return ExpertSlice(target, int(m.group(3)), part)
 
 
 def _listing(names: list[str]) -> str:
@@ -120,6 +135,10 @@ def _engram_table(
     return table if on_cpu else table.to(device)
 
 
+_SKIP = ""
+"""What a name resolver returns for a tensor the loader skips (another part's)."""
+
+
 def load_weights(
     model_dir: str | Path,
     cfg: DeepseekV41Config,
@@ -132,44 +151,142 @@ def load_weights(
     Raises :class:`WeightLoadError` naming the tensor (and file) for missing, unexpected,
     duplicated, mis-shaped or mistyped tensors.
     """
-    keep = _keep_formats(keep_quantized)
-    shard_of = discover_shards(model_dir)
     specs = parameter_specs(cfg)
-    all_names = frozenset(shard_of)
-    direct: dict[str, str] = {}
-    experts: dict[str, ExpertSlice] = {}
-    scales: dict[str, str] = {}
-    unexpected: list[str] = []
-    seen: dict[object, str] = {}
-    for name in shard_of:
-        owner = scale_owner(name, all_names)
-        if owner is not None:
-            scales[owner] = name
-            continue
-        if is_ignored(name):
-            continue
-        target = _target(name, specs)
-        if target is None:
-            unexpected.append(name)
-            continue
-        key = target if isinstance(target, str) else (target.hf_name, target.expert, target.part)
-        if key in seen:
-            raise WeightLoadError(
-                f"tensors {seen[key]!r} and {name!r} both provide {key!r}; remove one of them."
-            )
-        seen[key] = name
-        if isinstance(target, ExpertSlice):
-            experts[name] = target
-        else:
-            direct[name] = target
+
+    def resolve(name: str) -> str | ExpertSlice | None:
+        return _SKIP if is_ignored(name) else _target(name, specs)
+
+    plan = _plan(model_dir, specs, resolve)
+    unexpected = plan.unexpected
     if unexpected:
         raise WeightLoadError(
             f"unexpected tensors in {model_dir}: {_listing(sorted(unexpected))}. They are not parameters of "
             "this DeepSeek-V4.1 config (wrong config.json, or a different model)."
         )
+    missing = _missing(specs, plan.seen, skip={"head.weight"} if cfg.tie_word_embeddings else set())
+    if missing:
+        raise WeightLoadError(
+            f"checkpoint {model_dir} lacks {len(missing)} tensor(s) of this model: {_listing(missing)}. "
+            "Check that config.json matches the weights and that the download is complete."
+        )
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    if "head.weight" not in result and cfg.tie_word_embeddings:
+        result["head.weight"] = result["embed.weight"]
+    return {name: result[name] for name in specs}
+
+
+def load_dspark_weights(
+    model_dir: str | Path,
+    cfg: DeepseekV41Config,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    keep_quantized: bool | Collection[str] = False,
+) -> dict[str, Weight]:
+    """The DSpark drafter's tensors (``mtp.*``, :func:`~.params.dspark_parameter_specs`) by
+    inventory name, read as :func:`load_weights` reads the text model's (quantised formats kept
+    alike, experts stacked).  ``confidence_head.proj.weight`` is read as
+    ``confidence_head.weight``; the combiner (``main_proj``, ``main_norm``) and the head stack
+    (``norm``, ``markov_head.*``, ``confidence_head``) are accepted under any stage prefix but
+    exactly once (held under stage 0 and the last stage).  A checkpoint without the confidence
+    head loads without it (logged).  A one-line :class:`ConfigError` says when there is no ``mtp.*``
+    tensor at all, or names the bad ``dspark_*`` field or the first missing ``mtp.*`` tensor; other
+    problems are :class:`WeightLoadError` as in :func:`load_weights`.
+    """
+    m = cfg.num_nextn_predict_layers
+    if not any(name.removeprefix("model.").startswith("mtp.") for name in discover_shards(model_dir)):
+        raise ConfigError(
+            f"{model_dir}: speculative.drafter='dspark' needs the DSpark draft layers, but the checkpoint "
+            f"has no mtp.* tensor (num_nextn_predict_layers={m})"
+        )
+    cfg.check_dspark(str(Path(model_dir) / "config.json"))
+    specs = dspark_parameter_specs(cfg)
+
+    def resolve(name: str) -> str | ExpertSlice | None:
+        bare = name.removeprefix("model.")
+        if not bare.startswith("mtp."):
+            return _SKIP
+        stage, _, leaf = bare.removeprefix("mtp.").partition(".")
+        leaf = DSPARK_ALIASES.get(leaf, leaf)
+        if stage.isdigit() and int(stage) < m:
+            if leaf in DSPARK_COMBINER:
+                return f"mtp.0.{leaf}"
+            if leaf in DSPARK_HEADS:
+                return f"mtp.{m - 1}.{leaf}"
+            bare = f"mtp.{stage}.{leaf}"
+        return _target(bare, specs)
+
+    plan = _plan(model_dir, specs, resolve)
+    if plan.unexpected:
+        raise WeightLoadError(
+            f"unexpected DSpark tensors in {model_dir}: {_listing(sorted(plan.unexpected))}. They are not "
+            f"parameters of this config's drafter (num_nextn_predict_layers={m}; V4-0731's DSpark with "
+            "hc_head is not implemented)."
+        )
+    optional = dspark_optional(cfg)
+    missing = _missing(specs, plan.seen, skip=optional)
+    if missing:
+        raise ConfigError(
+            f"{model_dir}: speculative.drafter='dspark' needs the DSpark draft layers "
+            f"(num_nextn_predict_layers={m}), but the checkpoint lacks {missing[0]}"
+            + (f" and {len(missing) - 1} more mtp.* tensor(s)" if len(missing) > 1 else "")
+        )
+    for name in sorted(optional - set(plan.seen)):
+        logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    return {name: result[name] for name in specs if name in result}
+
+
+@dataclass
+class _Plan:
+    """Which checkpoint tensor goes where: ``direct`` (name -> inventory name), ``experts``
+    (name -> slice of a stack), ``scales`` (owner -> its scale tensor), ``seen`` (inventory key
+    -> the name providing it), ``unexpected`` names; ``shard_of`` every tensor's file."""
+
+    shard_of: dict[str, Path]
+    direct: dict[str, str] = field(default_factory=dict)
+    experts: dict[str, ExpertSlice] = field(default_factory=dict)
+    scales: dict[str, str] = field(default_factory=dict)
+    seen: dict[object, str] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _plan(
+    model_dir: str | Path, specs: dict[str, ParamSpec], resolve: Callable[[str], str | ExpertSlice | None]
+) -> _Plan:
+    """Map every tensor of the checkpoint through ``resolve`` (an inventory name, an expert
+    slice, ``None`` = unexpected, :data:`_SKIP` = not this part's); two tensors providing the
+    same parameter are a :class:`WeightLoadError`."""
+    plan = _Plan(discover_shards(model_dir))
+    all_names = frozenset(plan.shard_of)
+    for name in plan.shard_of:
+        owner = scale_owner(name, all_names)
+        if owner is not None:
+            plan.scales[owner] = name
+            continue
+        target = resolve(name)
+        if target == _SKIP:
+            continue
+        if target is None:
+            plan.unexpected.append(name)
+            continue
+        key = target if isinstance(target, str) else (target.hf_name, target.expert, target.part)
+        if key in plan.seen:
+            raise WeightLoadError(
+                f"tensors {plan.seen[key]!r} and {name!r} both provide {key!r}; remove one of them."
+            )
+        plan.seen[key] = name
+        if isinstance(target, ExpertSlice):
+            plan.experts[name] = target
+        else:
+            plan.direct[name] = target
+    return plan
+
+
+def _missing(specs: dict[str, ParamSpec], seen: dict[object, str], skip: Collection[str]) -> list[str]:
+    """The parameters of ``specs`` no tensor provides (expert stacks: which experts), but ``skip``."""
     missing = []
     for name, spec in specs.items():
-        if name in seen or (name == "head.weight" and cfg.tie_word_embeddings):
+        if name in seen or name in skip:
             continue
         if spec.kind == "experts":
             parts = ("gate", "up") if name.endswith("gate_up") else ("down",)
@@ -178,19 +295,28 @@ def load_weights(
                 missing.append(f"{name} (experts {', '.join(absent[:4])}{' ...' if len(absent) > 4 else ''})")
         else:
             missing.append(name)
-    if missing:
-        raise WeightLoadError(
-            f"checkpoint {model_dir} lacks {len(missing)} tensor(s) of this model: {_listing(missing)}. "
-            "Check that config.json matches the weights and that the download is complete."
-        )
+    return missing
+
+
+def _read_plan(
+    plan: _Plan,
+    specs: dict[str, ParamSpec],
+    cfg: DeepseekV41Config,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    keep: frozenset[str],
+) -> dict[str, Weight]:
+    """Read every tensor of ``plan``, shard by shard (quantised ones dequantised or kept per
+    ``keep``, per-expert tensors stacked)."""
     quant = cfg.quant
     block = tuple(quant.weight_block_size) if quant is not None else DEFAULT_FP8_BLOCK
+    scales = plan.scales
     result: dict[str, Weight] = {}
-    with TensorSource(shard_of) as src:
+    with TensorSource(plan.shard_of) as src:
         for path, names in src.names_by_shard():
             for name in names:
-                if name in direct:
-                    target = direct[name]
+                if name in plan.direct:
+                    target = plan.direct[name]
                     spec = specs[target]
                     if spec.kind == "engram_table":
                         result[target] = _engram_table(src, name, scales.get(name), spec, path, dtype, device)
@@ -201,8 +327,8 @@ def load_weights(
                         result[target] = t.to(device)
                     else:
                         result[target] = t.to(device=device, dtype=target_dtype(spec, dtype))
-                elif name in experts:
-                    sl = experts[name]
+                elif name in plan.experts:
+                    sl = plan.experts[name]
                     spec = specs[sl.hf_name]
                     t = _read(src, name, scales.get(name), spec, block, keep, device=device)
                     _, rows, cols = spec.shape
@@ -211,6 +337,4 @@ def load_weights(
                     if sl.hf_name not in result:
                         result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
                     _put_expert(result[sl.hf_name], sl, t, name, path)
-    if "head.weight" not in result and cfg.tie_word_embeddings:
-        result["head.weight"] = result["embed.weight"]
-    return {name: result[name] for name in specs}
+    return result

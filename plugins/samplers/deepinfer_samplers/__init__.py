@@ -1,8 +1,7 @@
-"""DeepInfer sampler plugins: DSpark drafting/verification and structured outputs.
+"""DeepInfer sampler plugins: structured outputs and logits processors.
 
 Structured outputs work through :mod:`deepinfer_samplers.llguidance_backend` (extra
-``structured``).  The DSpark components are not implemented yet: :mod:`deepinfer_samplers.plugin`
-registers placeholders whose availability probes say so (``deepinfer plugins`` shows them as
-unavailable with that reason) and whose factories raise :class:`~deepinfer_core.errors.PluginError`
-if called anyway.
+``structured``) and :mod:`deepinfer_samplers.xgrammar_backend` (extra ``xgrammar``); the
+``no_repeat_ngram`` logits processor is :mod:`deepinfer_samplers.no_repeat_ngram`.  The hooks
+are in :mod:`deepinfer_samplers.plugin`.  (The DSpark block drafter is the core's ``dspark``.)
 """

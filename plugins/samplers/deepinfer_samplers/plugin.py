@@ -1,10 +1,9 @@
 """DeepInfer hooks of the ``samplers`` plugin (hooks only; the code lives beside it).
 
-The DSpark drafter registration is a placeholder: NOT IMPLEMENTED YET.  They are reported as
-unavailable with that reason so that nobody mistakes them for working components.  The
-``llguidance`` structured-output backend is real (it needs ``deepinfer-samplers[structured]``),
-and so is ``xgrammar`` (it needs ``deepinfer-samplers[xgrammar]``; without it the backend is
-registered as unavailable, its probe saying what is missing).
+The ``llguidance`` structured-output backend needs ``deepinfer-samplers[structured]``, and
+``xgrammar`` needs ``deepinfer-samplers[xgrammar]`` (without it the backend is registered as
+unavailable, its probe saying what is missing).  The plugin registers no drafter: the DSpark
+block drafter is the core's ``dspark``.
 """
 
 import importlib.util
@@ -12,20 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from deepinfer_core.hookspecs import hookimpl
-from deepinfer_samplers import placeholders
 
 DEEPINFER_API = ">=1.0,<2"
-
-
-def _register_placeholder(
-    register: Callable[..., None],
-    name: str,
-    description: str,
-    placeholder: tuple[Callable[[], Any], Callable[[], tuple[bool, str | None]]],
-) -> None:
-    """``register(name, ...)`` with the ``(factory, is_available)`` of a placeholder, said to be one."""
-    factory, probe = placeholder
-    register(name, factory, description=f"NOT IMPLEMENTED YET: {description}", is_available=probe)
 
 
 @hookimpl
@@ -41,17 +28,6 @@ def deepinfer_register_samplers(register: Callable[..., None]) -> None:
         "no_repeat_ngram",
         factory,
         description="bans tokens that would repeat an n-gram of prompt + output (HF no_repeat_ngram_size)",
-    )
-
-
-@hookimpl
-def deepinfer_register_drafters(register: Callable[..., None]) -> None:
-    """Register the DSpark block drafter (placeholder, not implemented)."""
-    _register_placeholder(
-        register,
-        "dspark",
-        "DSpark 3-layer block drafter with confidence head (mtp.*)",
-        placeholders.not_implemented("drafter 'dspark'"),
     )
 
 

@@ -1,11 +1,11 @@
-"""The samplers plugin registers placeholders that say plainly they are not implemented."""
+"""What the samplers plugin registers: a logits processor and two structured-output backends,
+and no drafter (the DSpark block drafter is the core's ``dspark``)."""
 
 from __future__ import annotations
 
 import pytest
 from deepinfer_samplers import plugin
 
-from deepinfer_core.errors import PluginError
 from deepinfer_core.plugins import PluginManager, get_plugins
 from deepinfer_core.testing import manager_with_plugin
 
@@ -15,22 +15,22 @@ def manager() -> PluginManager:
     return manager_with_plugin(plugin, "samplers")
 
 
-@pytest.mark.parametrize(("kind", "name"), [("drafters", "dspark")])
-def test_placeholder_is_reported_unavailable_as_not_implemented(manager, kind, name):
+def test_registers_its_components_and_no_drafter(manager):
     row = next(r for r in manager.report() if r["name"] == "samplers")
-    [entry] = row[kind]
-    assert entry["name"] == name and entry["available"] is False
-    assert entry["reason"].startswith("not implemented yet")
-    assert entry["description"].startswith("NOT IMPLEMENTED YET")
+    assert [e["name"] for e in row["samplers"]] == ["no_repeat_ngram"]
+    assert sorted(e["name"] for e in row["structured_backends"]) == ["llguidance", "xgrammar"]
+    assert row.get("drafters", []) == []
+    assert not hasattr(plugin, "deepinfer_register_drafters")
 
 
-def test_calling_a_placeholder_factory_raises_a_plugin_error(manager):
-    with pytest.raises(PluginError, match=r"drafter 'dspark' cannot be used: not implemented yet"):
-        manager.get_component("drafters", "dspark").factory()
+def test_the_dspark_drafter_is_the_cores(manager):
+    spec = manager.get_component("drafters", "dspark")
+    assert spec.plugin == "core"
+    assert spec.factory().__module__ == "deepinfer_core.speculative.dspark"
 
 
 def test_entry_point_is_installed():
     row = next((r for r in get_plugins().report() if r["name"] == "samplers"), None)
     assert row is not None, "install the plugin: pip install -e plugins/samplers"
     assert row["status"] == "loaded" and row["dist"] == "deepinfer-samplers"
-    assert [d["name"] for d in row["drafters"]] == ["dspark"]
+    assert row.get("drafters", []) == []

@@ -75,3 +75,19 @@ def prefix_hit_and_cold_run(
     cold = v41_llm(model_dir, batch_invariant=True, enable_prefix_caching=False, max_num_seqs=1, **options)
     [ref] = cold.generate([{"prompt_token_ids": second}], params, use_tqdm=False)
     return hit, ref
+
+
+@pytest.fixture(scope="session")
+def v41_dspark_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny V4.1 checkpoint with the DSpark drafter (``make_tiny(dspark=True)``), head dims
+    below a block (the oracle comparison at float32 round-off, as ``v41_plain_dir``)."""
+    return make_tiny(tmp_path_factory.mktemp("v41_dspark"), config=tiny_config(**PLAIN_CHANGES), dspark=True)
+
+
+@pytest.fixture(scope="session")
+def v41_dspark_mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As ``v41_dspark_dir`` with ``dspark_target_layer_ids = [5, 8, 10]``: an encoder layer
+    (before the prefill tail's decoder layers), a decoder layer and id ``L`` (the last layer's
+    output streams)."""
+    config = tiny_config(**PLAIN_CHANGES, dspark_target_layer_ids=[5, 8, 10])
+    return make_tiny(tmp_path_factory.mktemp("v41_dspark_mixed"), config=config, dspark=True)

@@ -210,8 +210,21 @@ class OracleV41:
                 state["sel"] = self._topk_mask(scores, min(c["index_topk"], n_entries))
             keys.append(state["ckv"])
             masks.append(state["sel"] & visible)
-        kk = torch.cat(keys)
-        mask = torch.cat(masks, dim=1)
+        return self._attend(p, q, torch.cat(keys), torch.cat(masks, dim=1), cos, sin)
+
+    def _attend(
+        self,
+        p: str,
+        q: torch.Tensor,
+        kk: torch.Tensor,
+        mask: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        """Queries ``q`` ``[S, H, hd]`` over keys (= values) ``kk`` where ``mask`` ``[S, K]``,
+        with the sinks, inverse rope and output projections of attention ``p`` (``....attn.``)."""
+        c, w = self.c, self.w
+        s, H, hd = q.shape
         logits = torch.einsum("shd,kd->shk", q, kk) * hd**-0.5
         logits = logits.masked_fill(~mask[:, None], float("-inf"))
         sink = w[p + "attn_sink"].view(1, H, 1).expand(s, H, 1)
@@ -234,11 +247,16 @@ class OracleV41:
         keep = self._topk_mask(blocks, min(nb, n_blocks))
         return keep.repeat_interleave(bs, dim=-1)[:, :e]
 
-    def _moe(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        c, w, p = self.c, self.w, f"layers.{i}.ffn."
+    def _moe(
+        self, i: int, x: torch.Tensor, prefix: str = "", counts: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Layer ``i``'s MoE; ``prefix`` / ``counts`` = (experts, top-k): another block's
+        (a DSpark draft layer's ``mtp.{j}.``)."""
+        c, w = self.c, self.w
+        p = (prefix or f"layers.{i}.") + "ffn."
+        n_exp, k = counts or (c["n_routed_experts"], c["num_experts_per_tok"])
         lim = c.get("swiglu_limit", 10.0)
         scores = F.softplus((x @ w[p + "gate.weight"].T) / c.get("gate_temp", 1.0)).sqrt()
-        k = c["num_experts_per_tok"]
         ids = torch.sort(scores + w[p + "gate.bias"], dim=-1, descending=True, stable=True).indices[:, :k]
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(-1, keepdim=True) + 1e-20) * c.get("routed_scaling_factor", 1.5)
@@ -249,7 +267,7 @@ class OracleV41:
             return (F.silu(gate) * up) @ w[pre + "w2.weight"].T
 
         out = expert(p + "shared_experts.", x)
-        for e in range(c["n_routed_experts"]):  # every expert on every token, weighted by the routing
+        for e in range(n_exp):  # every expert on every token, weighted by the routing
             weight = (wts * (ids == e)).sum(-1, keepdim=True)
             out = out + weight * expert(f"{p}experts.{e}.", x)
         return out
@@ -343,6 +361,23 @@ class OracleV41:
             comb = comb / (comb.sum(-2, keepdim=True) + eps)
         return pre, post, comb
 
+    def _block(
+        self, lp: str, h: torch.Tensor, pre: torch.Tensor, attn, moe
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One mHC-wrapped block ``lp`` (``layers.{i}.``): ``attn`` / ``moe`` map the normed
+        collapsed input to the block's outputs; returns the new streams and the FFN site's pre."""
+        w = self.w
+        a_pre, post, comb = self._mixes(h, lp + "hc_attn")
+        a = attn(self._rms((pre[..., None] * h).sum(1), w[lp + "attn_norm.weight"]))
+        h = post[..., None] * a[:, None] + torch.einsum("sjk,sjd->skd", comb, h)
+        f_pre, post, comb = self._mixes(h, lp + "hc_ffn")
+        m = moe(self._rms((a_pre[..., None] * h).sum(1), w[lp + "ffn_norm.weight"]))
+        return post[..., None] * m[:, None] + torch.einsum("sjk,sjd->skd", comb, h), f_pre
+
+    def _before_layer(self, i: int, h: torch.Tensor) -> None:
+        """Called with the streams ``[S, N, D]`` entering layer ``i`` (``i = n``: the last
+        layer's output); a subclass captures what it needs."""
+
     @torch.no_grad()
     def logits(self, ids: list[int]) -> torch.Tensor:
         c, w = self.c, self.w
@@ -353,17 +388,17 @@ class OracleV41:
         pre[:, 0] = 1.0
         state: dict = {}
         for i in range(self.n):
-            lp = f"layers.{i}."
+            self._before_layer(i, h)
             if i in self.e_layers:
                 h = self._engram(i, h, ids)
-            a_pre, post, comb = self._mixes(h, lp + "hc_attn")
-            x = self._rms((pre[..., None] * h).sum(1), w[lp + "attn_norm.weight"])
-            a = self._attention(i, x, pos, state)
-            h = post[..., None] * a[:, None] + torch.einsum("sjk,sjd->skd", comb, h)
-            f_pre, post, comb = self._mixes(h, lp + "hc_ffn")
-            m = self._moe(i, self._rms((a_pre[..., None] * h).sum(1), w[lp + "ffn_norm.weight"]))
-            h = post[..., None] * m[:, None] + torch.einsum("sjk,sjd->skd", comb, h)
-            pre = f_pre
+            h, pre = self._block(
+                f"layers.{i}.",
+                h,
+                pre,
+                lambda x, i=i: self._attention(i, x, pos, state),
+                lambda x, i=i: self._moe(i, x),
+            )
+        self._before_layer(self.n, h)
         y = self._rms((pre[..., None] * h).sum(1), w["norm.weight"])
         return y @ w["head.weight"].T
 

@@ -18,7 +18,7 @@ def test_the_core_registers_deepseek_v41_and_plugins_shows_it(capsys):
     assert main(["plugins"]) in (0, 1)
     core = next(p for p in json.loads(capsys.readouterr().out) if p["name"] == "core")
     [row] = [m for m in core["models"] if m["name"] == "deepseek_v41"]
-    assert row["available"] and "no DSpark" in row["description"]
+    assert row["available"] and "DSpark drafter 'dspark'" in row["description"]
 
 
 def test_make_tiny_arch_deepseek_v41_writes_a_servable_checkpoint(tmp_path, capsys):
@@ -56,8 +56,21 @@ def test_make_tiny_quantized_writes_the_release_formats(tmp_path, capsys):
         assert str(st.get_tensor("layers.1.engram.embed.weight").dtype) == "torch.float8_e4m3fn"
 
 
+def test_make_tiny_dspark_writes_the_drafter(tmp_path, capsys):
+    out = tmp_path / "d"
+    assert main(["make-tiny", "--arch", "deepseek_v41", "--dspark", str(out)]) == 0
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["num_nextn_predict_layers"], text["dspark_noise_token_id"]) == (3, 510)
+    with safe_open(str(out / "model.safetensors"), "pt") as st:
+        names = set(st.keys())  # noqa: SIM118 (safe_open is not a dict)
+    assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.head.weight", "mtp.2.confidence_head.weight"} < names
+    assert "mtp.1.ffn.experts.3.w2.weight" in names
+
+
 def test_make_tiny_quantized_needs_deepseek_v41(tmp_path, capsys):
     assert main(["make-tiny", "--quantized", str(tmp_path / "x")]) == 2
     assert "only with --arch deepseek_v41" in capsys.readouterr().err
+    assert main(["make-tiny", "--dspark", str(tmp_path / "z")]) == 2
+    assert "--dspark: only with --arch deepseek_v41" in capsys.readouterr().err
     assert main(["make-tiny", "--arch", "llama", str(tmp_path / "y")]) == 2
     assert "invalid choice: 'llama'" in capsys.readouterr().err

@@ -1,0 +1,151 @@
+"""The ``dspark`` drafter: DeepSeek-V4.1's DSpark block drafter (``mtp.{j}.*``).
+
+The model (:mod:`deepinfer_core.models.deepseek_v41.dspark`) keeps the drafter's context keys
+in step with the target by itself: the target's forward writes them for every row it computes,
+with the target's own ring plan, so rejected drafts leave no trace and the drafter observes
+nothing (steps without drafts stay asynchronous).  :meth:`DSparkDrafter.propose` runs one
+batched block per call -- ``γ = dspark_block_size`` rows per request, the anchor (the request's
+last token, at position ``P``) then the noise token, all rows at once
+(:meth:`~deepinfer_core.engine.model_runner.ModelRunner.execute_dspark`) -- then the Markov
+walk, one position at a time on the device:
+
+* draft ``k`` (position ``P + k``) is drawn from ``U_{k-1} + W2 W1[x_{k-1}]``, ``x_0`` the anchor;
+* greedy requests take the argmax of those logits after the request's own logit processing
+  (penalties, bans, bias: :class:`~deepinfer_core.sampling.sampler.Sampler`, as the verifier);
+* sampled requests with ``match`` acceptance draw with the verifier's counter-based noise of
+  the same ``(seed, position)``, so a draft equals the target's own draw wherever the two
+  distributions agree; with ``rejection`` acceptance the noise is independent
+  (``derive_seed(seed, DRAFT_SALT)``) and :attr:`Draft.probs` is the distribution drawn from;
+* :attr:`Draft.confidence` is the confidence head's conditional ``c_k`` per draft (the engine
+  multiplies them into prefix survival probabilities), or ``None`` without the head.
+
+The block always runs all ``γ`` rows (they attend to each other); more than ``γ`` drafts per
+step are not possible, so ``max_draft_tokens > γ`` proposes ``γ`` (logged once).  A context
+without a sequence slot (``DraftContext.seq_slot < 0``: no cache to read) gets no drafts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.engine.speculative import RowView
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.sampling.random import derive_seed
+from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
+
+from .drafter import Draft, DraftContext, Drafter
+
+logger = logging.getLogger("deepinfer.engine")
+
+DRAFT_SALT = 0xD5_9A_4C
+"""Mixed into a request's seed for its drafts' noise under ``rejection`` acceptance (independent
+of the verifier's)."""
+
+
+class DSparkDrafter(Drafter):
+    """DeepSeek-V4.1's DSpark block drafter (see the module docstring)."""
+
+    uses_mtp_layers = True
+    mtp_kind = "dspark"
+
+    def __init__(self, config: Any, vocab_size: int) -> None:
+        super().__init__(config, vocab_size)
+        self.runner: Any = None
+        self.head: Any = None
+        self.sampler = Sampler()
+        self.eos_token_ids: list[int] = []
+
+    def bind(self, runner: Any) -> None:
+        head = getattr(runner.model, "dspark", None)
+        if head is None:
+            raise ConfigError(
+                "speculative.drafter='dspark' needs a DeepSeek-V4.1 model runner built with its DSpark "
+                "draft layers (ModelRunner(mtp=True))"
+            )
+        self.runner, self.head = runner, head
+        self.eos_token_ids = list(runner.model_config.eos_token_ids)
+        if self.config.max_draft_tokens > head.block_size:
+            logger.info(
+                "speculative.drafter='dspark': max_draft_tokens=%d, but a DSpark block drafts at most "
+                "dspark_block_size=%d tokens per step",
+                self.config.max_draft_tokens,
+                head.block_size,
+            )
+
+    def propose(self, contexts: Sequence[DraftContext]) -> list[Draft]:
+        drafts = [Draft([]) for _ in contexts]
+        live = [i for i, c in enumerate(contexts) if c.seq_slot >= 0 and len(c.token_ids) >= 1]
+        if not live:
+            return drafts
+        head, gamma = self.head, self.head.block_size
+        noise = head.noise_token_id
+        chunks = []
+        for i in live:
+            c = contexts[i]
+            anchor = len(c.token_ids) - 1
+            chunks.append(
+                SeqChunk(
+                    c.seq_slot,
+                    [int(c.token_ids[-1])] + [noise] * (gamma - 1),
+                    anchor,
+                    [],
+                    window_from=c.window_from,
+                )
+            )
+        u, y = self.runner.execute_dspark(chunks)
+        b = len(live)
+        u, y = u.view(b, gamma, -1), y.view(b, gamma, -1)
+        n = min(gamma, max(contexts[i].max_tokens for i in live))
+        dev = u.device
+        prev = torch.tensor([int(contexts[i].token_ids[-1]) for i in live], dtype=torch.int64).to(dev)
+        confs: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        drawn: list[list[int]] = [[] for _ in live]
+        rejection = getattr(self.config, "acceptance", "match") == "rejection"
+        for k in range(1, n + 1):
+            e, bias = head.markov(prev)
+            logits = u[:, k - 1] + bias
+            conf = head.confidence(y[:, k - 1], e)
+            if conf is not None:
+                confs.append(conf)
+            batch = self._batch([contexts[i] for i in live], drawn, k, rejection)
+            prev = self.sampler(logits, batch).token_ids.to(torch.int64)
+            if rejection:
+                probs.append(self.sampler.distribution(logits, batch.prepare(dev, logits.shape[1])))
+            for j, t in enumerate(prev.tolist()):
+                drawn[j].append(t)
+        conf_rows = torch.stack(confs, dim=1).tolist() if confs else None
+        prob_rows = torch.stack(probs, dim=1) if probs else None
+        for j, i in enumerate(live):
+            m = min(n, contexts[i].max_tokens)
+            drafts[i] = Draft(
+                drawn[j][:m],
+                confidence=None if conf_rows is None else conf_rows[j][:m],
+                probs=None if prob_rows is None else prob_rows[j, :m],
+            )
+        return drafts
+
+    def _batch(
+        self, contexts: list[DraftContext], drawn: list[list[int]], k: int, rejection: bool
+    ) -> SamplingBatch:
+        """The sampling rows of draft ``k``: each request as the verifier's row for position
+        ``P + k`` sees it (its output extended by drafts ``1 .. k-1``), keyed by that position;
+        under ``rejection`` with the request's seed salted (independent noise)."""
+        rows, positions = [], []
+        for c, d in zip(contexts, drawn, strict=True):
+            params = c.params if c.params is not None else SamplingParams(temperature=0.0)
+            seed = derive_seed(c.sampling_seed, DRAFT_SALT) if rejection else c.sampling_seed
+            tokens = list(c.token_ids)
+            out = tokens[c.num_prompt_tokens :] + d
+            rows.append(RowView(params, seed, tokens[: c.num_prompt_tokens], out))
+            positions.append(len(tokens) - 1 + k)
+        eos = contexts[0].eos_token_ids or self.eos_token_ids  # the engine's, else the model's
+        batch = SamplingBatch.from_requests(rows, eos, positions)
+        batch.num_logprobs = None  # drafts need no logprobs
+        return batch
