@@ -140,6 +140,9 @@ class SpeculativeDecoder:
                 "plain_overhead_ms": None if cost.plain_overhead is None else 1e3 * cost.plain_overhead,
                 "draft_ms": 1e3 * self.draft_seconds,
                 "acceptance_estimate": self._global_rates(),
+                "proposal_estimate": [
+                    self.global_stats.reach(i, 1.0) for i in range(self.config.max_draft_tokens)
+                ],
                 "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
             }
         return out
@@ -167,7 +170,8 @@ class SpeculativeDecoder:
             time.perf_counter() - t0,
             ", ".join(f"B={b} t={t}: {1e3 * s:.2f} ms" for (b, t), s in sorted(table.items())),
         )
-        return StepCost(table)
+        # verify graphs run every verify step of up to their largest bucket padded to 1 + k tokens
+        return StepCost(table, padded_batch=max(runner.verify_graphs, default=0))
 
     # ---- before the step -------------------------------------------------------------------------
     def _candidates(self, running: Sequence[Request]) -> list[tuple[Request, int]]:
@@ -272,9 +276,13 @@ class SpeculativeDecoder:
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
             lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
-        for req, draft, n in zip(reqs, drafts, lengths, strict=True):
+        k = self.config.max_draft_tokens
+        for (req, room), draft, n in zip(cands, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
-            self._proposed[req.request_id] = len(draft.token_ids)
+            self._proposed[req.request_id] = m = len(draft.token_ids)
+            if self.cost is not None:  # dspark: the drafter's reach, for _drafting_pays
+                self._stats.setdefault(req.request_id, AcceptanceStats(k)).record_proposal(room, m)
+                self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
@@ -289,7 +297,22 @@ class SpeculativeDecoder:
         estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
         if self._cands is not None:
             self._estimates = estimates  # propose() takes the drafts' prefixes of them
-        return self._probes.decide(drafting_pays(estimates, budget, self.cost, self.draft_seconds))
+        g = self.global_stats
+        prior_reach = [g.reach(i, 1.0) for i in range(self.config.max_draft_tokens)]
+        reach = [self._reach(req, room, prior_reach) for req, room in cands]
+        pays = drafting_pays(estimates, budget, self.cost, self.draft_seconds, reach)
+        return self._probes.decide(pays)
+
+    def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:
+        """The probability that the drafter proposes a draft at each of ``req``'s first ``n``
+        positions: its running proposal rates shrunk towards the engine's (``prior``), made
+        non-increasing."""
+        stats = self._stats.get(req.request_id)
+        out, acc = [], 1.0
+        for i in range(n):
+            acc = min(acc, prior[i] if stats is None else stats.reach(i, prior[i]))
+            out.append(acc)
+        return out
 
     def _global_rates(self) -> list[float]:
         """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""

@@ -95,6 +95,11 @@ class StepCost:
             interpolates linearly in ``t`` and in ``B`` between measured points (clamped at the
             ends, proportional in ``B`` beyond the largest, constant in ``t`` where one ``t``
             was measured), plus :meth:`overhead`.
+        padded_batch: verify steps of at most this many requests run padded to the longest
+            verify (the runner's fixed-shape verify graphs): any ``t > 1`` costs what the
+            largest measured ``t`` does, so the forward jumps from ``t = 1`` to that and stays
+            flat (interpolating in ``t`` there would price a step with a few drafts as a
+            fraction of the jump).  ``0``: no padding.
 
     The host adds to every step's forward some work per step (scheduling) and some per
     verified row (building every row's sampling inputs, sampling, acceptance), which the
@@ -110,10 +115,11 @@ class StepCost:
             negative), learned by :meth:`observe_plain`; ``None`` until one was observed.
     """
 
-    def __init__(self, table: dict[tuple[int, int], float]) -> None:
+    def __init__(self, table: dict[tuple[int, int], float], padded_batch: int = 0) -> None:
         if not table:
             raise ValueError("StepCost needs at least one measured (batch, tokens) point")
         self.table = dict(table)
+        self.padded_batch = padded_batch
         self.batches = sorted({b for b, _ in self.table})
         self.tokens = {b: sorted(t for bb, t in self.table if bb == b) for b in self.batches}
         self.step_overhead = 0.0
@@ -127,6 +133,8 @@ class StepCost:
         ts = self.tokens[b]
         if len(ts) == 1 or t <= ts[0]:
             return self.table[(b, ts[0])]
+        if t == float("inf"):  # padded (see forward): the longest measured
+            return self.table[(b, ts[-1])]
         if t >= ts[-1]:
             t0, t1 = ts[-2], ts[-1]
         else:
@@ -137,6 +145,8 @@ class StepCost:
 
     def forward(self, batch: int, tokens_per_request: float) -> float:
         """The measured forward time, interpolated (no overhead)."""
+        if tokens_per_request > 1.0 and batch <= self.padded_batch:
+            tokens_per_request = float("inf")  # padded to the longest verify: its cost
         bs = self.batches
         if batch <= bs[0]:
             return self._at_batch(bs[0], tokens_per_request)
@@ -186,6 +196,11 @@ class StepCost:
 
     def _curve(self, batch: int, max_extra: int) -> list[float]:
         """:meth:`costs` computed afresh."""
+        if batch <= self.padded_batch:  # a jump to the padded verify, then linear in the rows
+            verify = self.forward(batch, 2.0)
+            return [self.cost(batch, 1.0)] + [
+                verify + self.overhead(batch + n) for n in range(1, max_extra + 1)
+            ]
         near = [b for b in self.batches if b <= batch][-1:] + [b for b in self.batches if b >= batch][:1]
         knots = {0.0, float(max_extra)}
         knots.update((t - 1) * batch for b in near for t in self.tokens[b] if 0 < (t - 1) * batch < max_extra)
@@ -269,7 +284,11 @@ def dspark_lengths(
 
 
 def drafting_pays(
-    confidences: Sequence[Sequence[float]], budget: int, cost: StepCost, draft_seconds: float
+    confidences: Sequence[Sequence[float]],
+    budget: int,
+    cost: StepCost,
+    draft_seconds: float,
+    reach: Sequence[Sequence[float]] | None = None,
 ) -> bool:
     """``dspark``: whether proposing drafts this step is expected to pay.
 
@@ -280,19 +299,30 @@ def drafting_pays(
         budget: most draft tokens the step can add.
         cost: the step cost model (its overhead excludes drafting).
         draft_seconds: the drafter's measured time per call.
+        reach: per request and position, the probability that the drafter proposes a draft
+            there at all (``None``: always); the expected tokens and verified rows are
+            weighted by it.
 
     Returns:
-        ``True`` when the best verify lengths (:func:`dspark_lengths`) give more expected
-        tokens per second, counting ``draft_seconds``, than a step without drafts as such
-        steps run (:meth:`StepCost.plain_cost`: asynchronously where the engine can).
+        ``True`` when the best verify lengths (:func:`dspark_lengths` on the weighted
+        confidences) give more expected tokens per second, counting ``draft_seconds``, than a
+        step without drafts as such steps run (:meth:`StepCost.plain_cost`: asynchronously
+        where the engine can).
     """
     b = len(confidences)
+    if reach is not None:
+        confidences = [
+            [c * p for c, p in zip(cs, ps, strict=False)] for cs, ps in zip(confidences, reach, strict=True)
+        ]
     lengths = dspark_lengths(confidences, budget, cost)
-    n = sum(lengths)
-    if n == 0:
+    if sum(lengths) == 0:
         return False
+    rows = sum(
+        length if reach is None else sum(ps[:length])
+        for ps, length in zip(reach or confidences, lengths, strict=True)
+    )
     expected = b + sum(sum(cs[:length]) for cs, length in zip(confidences, lengths, strict=True))
-    return expected / (cost.costs(b, n)[n] + draft_seconds) > b / cost.plain_cost(b)
+    return expected / (cost.cost(b, 1.0 + rows / b) + draft_seconds) > b / cost.plain_cost(b)
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:

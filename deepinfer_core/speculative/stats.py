@@ -12,11 +12,26 @@ PRIOR_WEIGHT = 2.0
 class AcceptanceStats:
     """Per draft position ``i`` (1-based): how often a draft there was verified with every
     earlier draft accepted, and how often it was accepted — the conditional acceptance rate
-    ``P(d_i accepted | d_<i accepted)``."""
+    ``P(d_i accepted | d_<i accepted)``; and how often the drafter, asked for at least ``i``
+    drafts, proposed ``i`` or more — its reach ``P(len >= i)`` (a lookup drafter proposes
+    nothing where it finds no match)."""
 
     def __init__(self, max_draft_tokens: int) -> None:
         self.tried = [0] * max_draft_tokens
         self.accepted = [0] * max_draft_tokens
+        self.asked = [0] * max_draft_tokens
+        self.proposed = [0] * max_draft_tokens
+
+    def record_proposal(self, room: int, num_proposed: int) -> None:
+        """One drafter call that could propose up to ``room`` drafts and proposed ``num_proposed``."""
+        for i in range(min(room, len(self.asked))):
+            self.asked[i] += 1
+            self.proposed[i] += i < num_proposed
+
+    def reach(self, i: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
+        """Estimated probability that the drafter proposes a draft at 0-based position ``i``
+        (when asked for that many), shrunk towards ``prior``."""
+        return (self.proposed[i] + weight * prior) / (self.asked[i] + weight)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verify of ``num_drafts`` drafts of which the first ``num_accepted`` were accepted."""

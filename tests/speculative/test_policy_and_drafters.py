@@ -170,6 +170,32 @@ def test_acceptance_stats_are_conditional_rates():
     assert s.tried == [2, 2, 0] and s.accepted == [2, 1, 0]
     assert s.rate(1, prior=0.5, weight=0.0) == 0.5
     assert s.rate(2, prior=0.3) == pytest.approx(0.3)  # no data: the prior
+    # the drafter's reach P(len >= i), counted where it was asked for i drafts
+    s.record_proposal(3, 0)
+    s.record_proposal(3, 2)
+    s.record_proposal(1, 1)
+    assert s.asked == [3, 2, 2] and s.proposed == [2, 1, 0]
+    assert s.reach(0, prior=1.0, weight=0.0) == pytest.approx(2 / 3)
+    assert s.reach(2, prior=1.0, weight=0.0) == 0.0
+
+
+def test_padded_verify_steps_cost_the_longest_verify():
+    """Verify graphs pad every verify step to ``1 + k`` tokens per request: with
+    ``padded_batch``, one draft costs what ``k`` do (no interpolation between ``t = 1`` and
+    the measured ``t``), up to that batch; beyond it the eager steps interpolate."""
+    table = {(4, 1): 1.0, (4, 3): 2.0, (4, 6): 2.0, (8, 1): 1.5, (8, 3): 3.0, (8, 6): 3.5}
+    free, padded = StepCost(table), StepCost(table, padded_batch=4)
+    assert free.forward(4, 1.5) == pytest.approx(1.25)
+    assert padded.forward(4, 1.5) == pytest.approx(2.0) == padded.forward(4, 6.0)
+    assert padded.forward(4, 1.0) == 1.0
+    assert padded.forward(8, 1.5) == free.forward(8, 1.5) == pytest.approx(1.875)
+    padded.row_overhead = 0.01
+    assert padded.costs(4, 3) == pytest.approx([1.04, 2.05, 2.06, 2.07])
+    # one sure draft per request pays where a verify costs twice a plain step only if each
+    # request gets it: a lookup drafter that proposes for one request in ten does not
+    sure = [[1.0, 1.0, 1.0]] * 4
+    assert drafting_pays(sure, 12, padded, 0.0)
+    assert not drafting_pays(sure, 12, padded, 0.0, reach=[[0.1, 0.1, 0.1]] * 4)
 
 
 def test_speculative_metrics():
@@ -214,12 +240,14 @@ def test_ngram_drafter_proposes_the_continuation_of_the_last_match():
     assert drafter.propose([none])[0].token_ids == []
 
 
+@pytest.mark.parametrize("padded_batch", [0, 4])
 @pytest.mark.parametrize("batch", [1, 3, 4, 6, 8, 20])
-def test_step_cost_curve_equals_pointwise_costs(batch):
+def test_step_cost_curve_equals_pointwise_costs(batch, padded_batch):
     """:meth:`StepCost.costs` (evaluated at the knots, interpolated between) equals
-    :meth:`StepCost.cost` at every draft count, between, beyond and at the measured points."""
+    :meth:`StepCost.cost` at every draft count, between, beyond and at the measured points,
+    with and without padded verify steps."""
     table = {(1, 1): 1.0, (1, 3): 3.0, (1, 6): 4.0, (4, 1): 2.0, (4, 3): 6.0, (8, 1): 2.5, (8, 6): 9.0}
-    cost = StepCost(table)
+    cost = StepCost(table, padded_batch=padded_batch)
     cost.step_overhead, cost.row_overhead = 0.3, 0.05
     curve = cost.costs(batch, 7 * batch)
     assert len(curve) == 7 * batch + 1
