@@ -47,7 +47,7 @@ from deepinfer_core.speculative.policy import (
     dspark_lengths,
     fixed_lengths,
 )
-from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
+from deepinfer_core.speculative.stats import REQUEST_DECAY, AcceptanceStats, SpeculativeMetrics
 from deepinfer_core.speculative.verify import (
     accept_match,
     accept_rejection,
@@ -276,12 +276,11 @@ class SpeculativeDecoder:
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
             lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
-        k = self.config.max_draft_tokens
         for (req, room), draft, n in zip(cands, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = m = len(draft.token_ids)
             if self.cost is not None:  # dspark: the drafter's reach, for _drafting_pays
-                self._stats.setdefault(req.request_id, AcceptanceStats(k)).record_proposal(room, m)
+                self._request_stats(req).record_proposal(room, m)
                 self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
 
@@ -313,6 +312,13 @@ class SpeculativeDecoder:
             acc = min(acc, prior[i] if stats is None else stats.reach(i, prior[i]))
             out.append(acc)
         return out
+
+    def _request_stats(self, req: Request) -> AcceptanceStats:
+        """``req``'s own statistics (recency-weighted: :data:`~.stats.REQUEST_DECAY`)."""
+        stats = self._stats.get(req.request_id)
+        if stats is None:
+            stats = self._stats[req.request_id] = AcceptanceStats(self.config.max_draft_tokens, REQUEST_DECAY)
+        return stats
 
     def _global_rates(self) -> list[float]:
         """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""
@@ -536,9 +542,7 @@ class SpeculativeDecoder:
         proposed = self._proposed.pop(req.request_id, 0)
         self.metrics.record(proposed, verified, accepted)
         if verified:
-            self._stats.setdefault(req.request_id, AcceptanceStats(self.config.max_draft_tokens)).record(
-                verified, accepted
-            )
+            self._request_stats(req).record(verified, accepted)
             self.global_stats.record(verified, accepted)
 
     def record_without_drafts(self, sched: SchedulerOutput) -> None:

@@ -7,6 +7,10 @@ from typing import Any
 
 PRIOR_WEIGHT = 2.0
 """Pseudo-observations of the engine-wide rate a request's own estimate starts from."""
+REQUEST_DECAY = 0.75
+"""Weight a request's earlier observations keep at each new one (its estimates follow its
+recent behaviour: a request that starts repeating itself after wandering gets its drafts
+accepted at once, and its all-time rate would hide that)."""
 
 
 class AcceptanceStats:
@@ -14,19 +18,27 @@ class AcceptanceStats:
     earlier draft accepted, and how often it was accepted — the conditional acceptance rate
     ``P(d_i accepted | d_<i accepted)``; and how often the drafter, asked for at least ``i``
     drafts, proposed ``i`` or more — its reach ``P(len >= i)`` (a lookup drafter proposes
-    nothing where it finds no match)."""
+    nothing where it finds no match).
 
-    def __init__(self, max_draft_tokens: int) -> None:
-        self.tried = [0] * max_draft_tokens
-        self.accepted = [0] * max_draft_tokens
-        self.asked = [0] * max_draft_tokens
-        self.proposed = [0] * max_draft_tokens
+    Args:
+        max_draft_tokens: positions tracked.
+        decay: weight the earlier counts keep at each new observation (``1``: all-time counts;
+            below, exponentially weighted towards the recent ones).
+    """
+
+    def __init__(self, max_draft_tokens: int, decay: float = 1.0) -> None:
+        self.decay = decay
+        self.tried = [0.0] * max_draft_tokens
+        self.accepted = [0.0] * max_draft_tokens
+        self.asked = [0.0] * max_draft_tokens
+        self.proposed = [0.0] * max_draft_tokens
 
     def record_proposal(self, room: int, num_proposed: int) -> None:
         """One drafter call that could propose up to ``room`` drafts and proposed ``num_proposed``."""
+        d = self.decay
         for i in range(min(room, len(self.asked))):
-            self.asked[i] += 1
-            self.proposed[i] += i < num_proposed
+            self.asked[i] = d * self.asked[i] + 1
+            self.proposed[i] = d * self.proposed[i] + (i < num_proposed)
 
     def reach(self, i: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         """Estimated probability that the drafter proposes a draft at 0-based position ``i``
@@ -35,9 +47,10 @@ class AcceptanceStats:
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verify of ``num_drafts`` drafts of which the first ``num_accepted`` were accepted."""
+        d = self.decay
         for i in range(min(num_drafts, num_accepted + 1)):
-            self.tried[i] += 1
-            self.accepted[i] += i < num_accepted
+            self.tried[i] = d * self.tried[i] + 1
+            self.accepted[i] = d * self.accepted[i] + (i < num_accepted)
 
     def rate(self, i: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         """Estimated acceptance rate at 0-based position ``i``, shrunk towards ``prior``."""

@@ -177,6 +177,14 @@ def test_acceptance_stats_are_conditional_rates():
     assert s.asked == [3, 2, 2] and s.proposed == [2, 1, 0]
     assert s.reach(0, prior=1.0, weight=0.0) == pytest.approx(2 / 3)
     assert s.reach(2, prior=1.0, weight=0.0) == 0.0
+    # recency-weighted: with decay, the latest observations outweigh an older run of them
+    r = AcceptanceStats(1, decay=0.5)
+    for _ in range(10):
+        r.record(1, 0)
+    r.record(1, 1)
+    r.record(1, 1)
+    assert r.rate(0, prior=0.0, weight=0.0) == pytest.approx(1.5 / (1.5 + 0.25 * (2 - 2**-9)))  # ~0.75
+    assert AcceptanceStats(1).rate(0, prior=0.5) == 0.5
 
 
 def test_padded_verify_steps_cost_the_longest_verify():
