@@ -128,8 +128,8 @@ class SpeculativeDecoder:
         (:meth:`~deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`) and, for
         ``dspark``, ``cost_model``: what the policy currently believes — the profiled forward
         per ``"B x t"`` and the fitted host overheads in ms, the drafter's time per call, the
-        engine-wide acceptance rate per draft position (shrunk towards 0.5) and the probe
-        intervals."""
+        engine-wide acceptance rate per draft position (shrunk towards 0.5), the drafter's
+        reach, the probe intervals and the latest observed steps (kind, batch, rows, ms)."""
         out = self.metrics.as_dict()
         cost = self.cost
         if cost is not None:
@@ -144,6 +144,7 @@ class SpeculativeDecoder:
                     self.global_stats.reach(i, 1.0) for i in range(self.config.max_draft_tokens)
                 ],
                 "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
+                "recent_steps": [[kind, b, rows, 1e3 * sec] for kind, b, rows, sec in cost.recent],
             }
         return out
 

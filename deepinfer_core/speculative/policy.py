@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from collections.abc import Sequence
 
 EMA = 0.2
@@ -40,6 +41,8 @@ PROBE_INTERVAL = 8
 PLAIN_PROBE_INTERVAL = 32
 """``dspark``: drafting steps in a row before one runs without drafts anyway (to keep the cost
 of a plain step measured; rarer than :data:`PROBE_INTERVAL`, as it gives up a draft's gain)."""
+RECENT_STEPS = 64
+"""Observed steps :class:`StepCost` keeps for inspection (``get_metrics``)."""
 PROBE_BACKOFF_CAP = 8
 """``dspark``: a probe interval grows (doubling while probes confirm the decision) to at most
 this many times its start (:class:`ProbeSchedule`)."""
@@ -126,6 +129,8 @@ class StepCost:
         self.row_overhead = 0.0
         self._moments: list[float] | None = None  # EMA of rows, extra, rows^2, rows * extra
         self.plain_overhead: float | None = None
+        self.recent: deque[tuple[str, int, float, float]] = deque(maxlen=RECENT_STEPS)
+        """The latest observed steps: ``("sync" | "plain", batch, rows, seconds)``."""
         # costs() by batch, with the overhead line they were computed for
         self._curves: dict[int, tuple[float, float, list[float]]] = {}
 
@@ -170,6 +175,7 @@ class StepCost:
         """Fold a measured synchronous step into the overhead line (its time beyond the
         forward's estimate, never negative, at ``batch * tokens_per_request`` rows)."""
         x = batch * tokens_per_request
+        self.recent.append(("sync", batch, x, seconds))
         y = max(seconds - self.forward(batch, tokens_per_request), 0.0)
         point = [x, y, x * x, x * y]
         m = self._moments
@@ -227,6 +233,7 @@ class StepCost:
         """Fold a measured step without drafts that ran asynchronously (its period: from its
         launch to the next one's) into :attr:`plain_overhead` (an exponential moving average of
         the time beyond the forward's estimate, which may be negative)."""
+        self.recent.append(("plain", batch, float(batch), seconds))
         extra = seconds - self.forward(batch, 1.0)
         prev = self.plain_overhead
         self.plain_overhead = extra if prev is None else (1 - EMA) * prev + EMA * extra
