@@ -57,16 +57,21 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def workload_params(num: int, args: argparse.Namespace) -> list[SamplingParams]:
-    """Greedy requests with a presence penalty, every ``args.sampled``-th one seeded sampling."""
+    """Greedy requests with a presence penalty, every ``args.sampled``-th one seeded sampling;
+    ``max_tokens`` each, or with ``args.length_spread`` drawn uniformly (seeded) from
+    ``max_tokens * (1 ± spread)``."""
+    rng = random.Random(args.seed + 1)
     params = []
     for i in range(num):
         sampled = args.sampled and i % args.sampled == args.sampled - 1
+        spread = args.length_spread * args.max_tokens
+        length = round(args.max_tokens + rng.uniform(-spread, spread)) if spread else args.max_tokens
         params.append(
             SamplingParams(
                 temperature=0.8 if sampled else 0.0,
                 seed=i if sampled else None,
                 presence_penalty=args.presence_penalty,
-                max_tokens=args.max_tokens,
+                max_tokens=max(length, 1),
                 ignore_eos=True,
             )
         )
@@ -180,6 +185,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-draft-tokens", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=48)
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument(
+        "--length-spread",
+        type=float,
+        default=0.0,
+        help="requests' max_tokens uniform in max_tokens * (1 ± spread) (0: all equal, so without "
+        "speculation they finish together and their successors prefill in one step)",
+    )
     parser.add_argument("--presence-penalty", type=float, default=-2.0)
     parser.add_argument("--sampled", type=int, default=4, help="every N-th request samples (0: none)")
     parser.add_argument(

@@ -2,8 +2,8 @@
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
-DeepSeek-V4 checkpoint, with ``--arch deepseek_v41`` a DeepSeek-V4.1 one, ``--dspark`` with its
-DSpark drafter).  No command prints a traceback: a
+DeepSeek-V4 checkpoint; with ``--arch deepseek_v41`` a DeepSeek-V4.1 one with its DSpark
+drafter's layers, ``--no-dspark`` without).  No command prints a traceback: a
 :class:`~deepinfer_core.errors.DeepInferError` or an unusable path is printed as one
 ``error: <message>`` line on stderr with exit status 2; a failed prompt of ``generate`` is shown
 in its place among the results and the status is 1; anything else is a bug, reported as one
@@ -116,8 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument(
         "--dspark",
-        action="store_true",
-        help="deepseek_v41 only: with the DSpark block drafter's layers (mtp.*, drafter 'dspark')",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deepseek_v41 only: with (the default) or without the DSpark block drafter's layers "
+        "(mtp.*, drafter 'dspark')",
     )
     tiny.set_defaults(func=_cmd_make_tiny)
     return parser
@@ -404,13 +406,14 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.arch == "deepseek_v41":
         from deepinfer_core.models.deepseek_v41.tiny import make_tiny
 
-        options = {"fp8_linear": args.quantized, "fp4_experts": args.quantized, "dspark": args.dspark}
+        dspark = args.dspark is not False  # the drafter's layers unless --no-dspark
+        options = {"fp8_linear": args.quantized, "fp4_experts": args.quantized, "dspark": dspark}
     else:
         from deepinfer_core.models.deepseek_v4.tiny import make_tiny
 
         options = {}
         for flag in ("quantized", "dspark"):
-            if getattr(args, flag):
+            if getattr(args, flag) is not None and getattr(args, flag) is not False:
                 raise ConfigError(f"make-tiny --{flag}: only with --arch deepseek_v41")
     out = Path(args.outdir)
     if not 0 <= args.seed < 2**63:

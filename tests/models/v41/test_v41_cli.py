@@ -56,15 +56,19 @@ def test_make_tiny_quantized_writes_the_release_formats(tmp_path, capsys):
         assert str(st.get_tensor("layers.1.engram.embed.weight").dtype) == "torch.float8_e4m3fn"
 
 
-def test_make_tiny_dspark_writes_the_drafter(tmp_path, capsys):
+def test_make_tiny_writes_the_dspark_drafter_unless_told_not_to(tmp_path, capsys):
     out = tmp_path / "d"
-    assert main(["make-tiny", "--arch", "deepseek_v41", "--dspark", str(out)]) == 0
+    assert main(["make-tiny", "--arch", "deepseek_v41", str(out)]) == 0
     text = json.loads((out / "config.json").read_text())["text_config"]
     assert (text["num_nextn_predict_layers"], text["dspark_noise_token_id"]) == (3, 510)
     with safe_open(str(out / "model.safetensors"), "pt") as st:
         names = set(st.keys())  # noqa: SIM118 (safe_open is not a dict)
     assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.head.weight", "mtp.2.confidence_head.weight"} < names
     assert "mtp.1.ffn.experts.3.w2.weight" in names
+    bare = tmp_path / "n"
+    assert main(["make-tiny", "--arch", "deepseek_v41", "--no-dspark", str(bare)]) == 0
+    with safe_open(str(bare / "model.safetensors"), "pt") as st:
+        assert not any(name.startswith("mtp.") for name in st.keys())  # noqa: SIM118
 
 
 def test_make_tiny_quantized_needs_deepseek_v41(tmp_path, capsys):
