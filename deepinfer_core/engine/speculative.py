@@ -40,10 +40,12 @@ from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, DraftContext, Drafter
 from deepinfer_core.speculative.policy import (
     EMA,
+    SETTLED_GAIN,
+    SETTLED_STEPS,
     ProbeSchedule,
     StepCost,
     cumulative,
-    drafting_pays,
+    drafting_gain,
     dspark_lengths,
     fixed_lengths,
 )
@@ -116,6 +118,8 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._probes = ProbeSchedule()  # dspark: when to draft (or not) against the estimate
+        self._pays = False  # dspark: the last weighed decision ...
+        self._settled = 0  # ... reused for this many more steps (it was clear)
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
         self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
         self._estimates: list[list[float]] | None = None  # and their confidences (dspark)
@@ -286,13 +290,18 @@ class SpeculativeDecoder:
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
-        """``dspark``: whether to ask the drafter this step (:func:`drafting_pays` on the
-        requests' running acceptance rates and the drafter's measured time, against a step
-        without drafts as such steps run).  Both sides stay measured: now and then a step
-        drafts although it does not pay (so the acceptance rates can recover) or runs without
-        drafts although drafting pays (so the cost of a plain step, asynchronous where the
-        engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
+        """``dspark``: whether to ask the drafter this step (:func:`drafting_gain` above 1, on
+        the requests' running acceptance rates weighted by the drafter's reach, and the
+        drafter's measured time, against a step without drafts as such steps run).  A clear
+        decision (gain beyond :data:`SETTLED_GAIN` either way) is reused for the next
+        :data:`SETTLED_STEPS` steps without weighing.  Both sides stay measured: now and then
+        a step drafts although it does not pay (so the acceptance rates can recover) or runs
+        without drafts although drafting pays (so the cost of a plain step, asynchronous where
+        the engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
         assert self.cost is not None
+        if self._settled > 0:  # a clear decision, reused for a few steps (SETTLED_STEPS)
+            self._settled -= 1
+            return self._probes.decide(self._pays)
         prior = self._global_rates()
         estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
         if self._cands is not None:
@@ -300,8 +309,11 @@ class SpeculativeDecoder:
         g = self.global_stats
         prior_reach = [g.reach(i, 1.0) for i in range(self.config.max_draft_tokens)]
         reach = [self._reach(req, room, prior_reach) for req, room in cands]
-        pays = drafting_pays(estimates, budget, self.cost, self.draft_seconds, reach)
-        return self._probes.decide(pays)
+        gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
+        self._pays = gain > 1.0
+        if gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0:
+            self._settled = SETTLED_STEPS
+        return self._probes.decide(self._pays)
 
     def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:
         """The probability that the drafter proposes a draft at each of ``req``'s first ``n``

@@ -14,7 +14,7 @@
   with ``j``, so each request verifies a prefix) and keeps the count that maximises expected
   tokens per second — a longer verify only where it is expected to pay.  Drafting itself
   costs time (the ``mtp`` drafter runs its layer once per draft depth): before asking the
-  drafter, :func:`drafting_pays` weighs the best verify lengths the requests' running
+  drafter, :func:`drafting_gain` weighs the best verify lengths the requests' running
   acceptance rates allow, plus the drafter's measured time, against a step without drafts
   as such steps run (with async scheduling they overlap the host work with the device's,
   while a verify step needs the previous step's tokens first: :meth:`StepCost.plain_cost`);
@@ -43,6 +43,11 @@ PLAIN_PROBE_INTERVAL = 32
 of a plain step measured; rarer than :data:`PROBE_INTERVAL`, as it gives up a draft's gain)."""
 RECENT_STEPS = 64
 """Observed steps :class:`StepCost` keeps for inspection (``get_metrics``)."""
+SETTLED_GAIN = 1.25
+"""``dspark``: a decision whose :func:`drafting_gain` was above this (or below its inverse) is
+reused for the next :data:`SETTLED_STEPS` steps without weighing it again (the estimates
+move by a step's worth of observations at a time; weighing costs host time every step)."""
+SETTLED_STEPS = 3
 PROBE_BACKOFF_CAP = 8
 """``dspark``: a probe interval grows (doubling while probes confirm the decision) to at most
 this many times its start (:class:`ProbeSchedule`)."""
@@ -131,8 +136,9 @@ class StepCost:
         self.plain_overhead: float | None = None
         self.recent: deque[tuple[str, int, float, float]] = deque(maxlen=RECENT_STEPS)
         """The latest observed steps: ``("sync" | "plain", batch, rows, seconds)``."""
+        self._forwards: dict[int, list[float]] = {}  # the forward part of costs() by batch
         # costs() by batch, with the overhead line they were computed for
-        self._curves: dict[int, tuple[float, float, list[float]]] = {}
+        self._curves: dict[int, tuple[tuple[float, float], list[float]]] = {}
 
     def _at_batch(self, b: int, t: float) -> float:
         ts = self.tokens[b]
@@ -189,29 +195,30 @@ class StepCost:
         self.step_overhead = max(my - self.row_overhead * mx, 0.0)
 
     def costs(self, batch: int, max_extra: int) -> list[float]:
-        """``[cost(batch, 1 + n / batch) for n in 0 .. max_extra]``, computed once per knot: the
-        cost is piecewise linear in ``n`` (the forward between the measured ``t``, the overhead
-        in the rows), so it is evaluated at the knots and interpolated between them.  Kept
-        per batch while the overhead line stays (a shorter curve is a prefix of a longer one),
-        so the policy's calls within one step compute it once."""
+        """``[cost(batch, 1 + n / batch) for n in 0 .. max_extra]``: the forward part is
+        piecewise linear in ``n`` between the measured ``t`` (evaluated at the knots and
+        interpolated, kept per batch: the table does not change), the overhead linear in the
+        rows.  Kept per batch while the overhead line stays (a shorter curve is a prefix of a
+        longer one), so the policy's calls within one step compute it once."""
+        fwd = self._forwards.get(batch)
+        if fwd is None or len(fwd) <= max_extra:
+            fwd = self._forwards[batch] = self._forward_curve(batch, max_extra)
         line = (self.step_overhead, self.row_overhead)
         kept = self._curves.get(batch)
-        if kept is None or kept[:2] != line or len(kept[2]) <= max_extra:
-            kept = self._curves[batch] = (*line, self._curve(batch, max_extra))
-        return kept[2][: max_extra + 1]
+        if kept is None or kept[0] != line or len(kept[1]) <= max_extra:
+            base, per_row = self.overhead(batch), self.row_overhead
+            kept = self._curves[batch] = (line, [f + base + per_row * n for n, f in enumerate(fwd)])
+        return kept[1][: max_extra + 1]
 
-    def _curve(self, batch: int, max_extra: int) -> list[float]:
-        """:meth:`costs` computed afresh."""
-        if batch <= self.padded_batch:  # a jump to the padded verify, then linear in the rows
-            verify = self.forward(batch, 2.0)
-            return [self.cost(batch, 1.0)] + [
-                verify + self.overhead(batch + n) for n in range(1, max_extra + 1)
-            ]
+    def _forward_curve(self, batch: int, max_extra: int) -> list[float]:
+        """``[forward(batch, 1 + n / batch) for n in 0 .. max_extra]``, computed once per knot."""
+        if batch <= self.padded_batch:  # a jump to the padded verify, then flat
+            return [self.forward(batch, 1.0)] + [self.forward(batch, 2.0)] * max_extra
         near = [b for b in self.batches if b <= batch][-1:] + [b for b in self.batches if b >= batch][:1]
         knots = {0.0, float(max_extra)}
         knots.update((t - 1) * batch for b in near for t in self.tokens[b] if 0 < (t - 1) * batch < max_extra)
         xs = sorted(knots)
-        ys = [self.cost(batch, 1.0 + x / batch) for x in xs]
+        ys = [self.forward(batch, 1.0 + x / batch) for x in xs]
         out, seg = [], 0
         for n in range(max_extra + 1):
             while seg + 1 < len(xs) - 1 and n > xs[seg + 1]:
@@ -290,14 +297,15 @@ def dspark_lengths(
     return lengths
 
 
-def drafting_pays(
+def drafting_gain(
     confidences: Sequence[Sequence[float]],
     budget: int,
     cost: StepCost,
     draft_seconds: float,
     reach: Sequence[Sequence[float]] | None = None,
-) -> bool:
-    """``dspark``: whether proposing drafts this step is expected to pay.
+) -> float:
+    """``dspark``: expected tokens per second of a step that drafts over those of a step
+    without drafts.
 
     Args:
         confidences: per decoding request, the estimated cumulative acceptance probability of
@@ -311,10 +319,10 @@ def drafting_pays(
             weighted by it.
 
     Returns:
-        ``True`` when the best verify lengths (:func:`dspark_lengths` on the weighted
-        confidences) give more expected tokens per second, counting ``draft_seconds``, than a
-        step without drafts as such steps run (:meth:`StepCost.plain_cost`: asynchronously
-        where the engine can).
+        The expected tokens per second of the best verify lengths (:func:`dspark_lengths` on
+        the weighted confidences), counting ``draft_seconds``, over those of a step without
+        drafts as such steps run (:meth:`StepCost.plain_cost`: asynchronously where the engine
+        can); ``0`` when no draft is worth verifying.
     """
     b = len(confidences)
     if reach is not None:
@@ -323,13 +331,13 @@ def drafting_pays(
         ]
     lengths = dspark_lengths(confidences, budget, cost)
     if sum(lengths) == 0:
-        return False
+        return 0.0
     rows = sum(
         length if reach is None else sum(ps[:length])
         for ps, length in zip(reach or confidences, lengths, strict=True)
     )
     expected = b + sum(sum(cs[:length]) for cs, length in zip(confidences, lengths, strict=True))
-    return expected / (cost.cost(b, 1.0 + rows / b) + draft_seconds) > b / cost.plain_cost(b)
+    return expected / (cost.cost(b, 1.0 + rows / b) + draft_seconds) / (b / cost.plain_cost(b))
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:

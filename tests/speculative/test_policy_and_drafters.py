@@ -18,7 +18,7 @@ from deepinfer_core.speculative.policy import (
     ProbeSchedule,
     StepCost,
     cumulative,
-    drafting_pays,
+    drafting_gain,
     dspark_lengths,
     fixed_lengths,
 )
@@ -83,12 +83,12 @@ def test_drafting_pays_counts_the_drafters_time():
     time; never when no draft is worth verifying."""
     conf = [cumulative([0.9, 0.8]), cumulative([0.9])]
     cost = StepCost({(2, 1): 1.0, (2, 3): 1.2})
-    assert drafting_pays(conf, 10, cost, draft_seconds=0.0)
+    assert drafting_gain(conf, 10, cost, draft_seconds=0.0) > 1
     # (2 + 0.9 + 0.72 + 0.9) / (1.15 + d) > 2 / 1.0  <=>  d < 1.11
-    assert drafting_pays(conf, 10, cost, draft_seconds=1.0)
-    assert not drafting_pays(conf, 10, cost, draft_seconds=1.2)
-    assert not drafting_pays([cumulative([0.0, 0.0])] * 2, 10, cost, draft_seconds=0.0)
-    assert not drafting_pays(conf, 0, cost, draft_seconds=0.0)  # no budget for drafts
+    assert drafting_gain(conf, 10, cost, draft_seconds=1.0) > 1
+    assert not drafting_gain(conf, 10, cost, draft_seconds=1.2) > 1
+    assert not drafting_gain([cumulative([0.0, 0.0])] * 2, 10, cost, draft_seconds=0.0) > 1
+    assert not drafting_gain(conf, 0, cost, draft_seconds=0.0) > 1  # no budget for drafts
 
 
 def test_fixed_lengths_respect_the_budget():
@@ -125,19 +125,19 @@ def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
     verifying rows dearer."""
     cost = StepCost({(1, 1): 1.0, (1, 3): 1.5})
     assert cost.plain_cost(1) == pytest.approx(1.0)  # nothing observed: a synchronous step
-    assert drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 tokens / 1.5 s > 1 token / 1 s
+    assert drafting_gain([[1.0, 1.0]], 2, cost, 0.0) > 1  # 3 tokens / 1.5 s > 1 token / 1 s
     cost.observe_plain(1, 0.4)
     assert cost.plain_overhead == pytest.approx(-0.6)
     assert cost.plain_cost(1) == pytest.approx(0.4)
-    assert not drafting_pays([[1.0, 1.0]], 2, cost, 0.0)  # 3 / 1.5 s < 1 / 0.4 s
+    assert not drafting_gain([[1.0, 1.0]], 2, cost, 0.0) > 1  # 3 / 1.5 s < 1 / 0.4 s
     cost.observe_plain(1, 0.0)
     assert cost.plain_cost(1) == pytest.approx(0.32)  # EMA: -0.6 * 0.8 - 1.0 * 0.2 = -0.68
     cost.plain_overhead = -2.0
     assert cost.plain_cost(1) == pytest.approx(0.1)  # never below a tenth of the forward
     sync = StepCost({(1, 1): 1.0, (1, 3): 1.5})
-    assert drafting_pays([[0.3, 0.09]], 2, sync, 0.0)  # one draft: 1.3 tokens / 1.25 s > 1 / 1 s
+    assert drafting_gain([[0.3, 0.09]], 2, sync, 0.0) > 1  # one draft: 1.3 tokens / 1.25 s > 1 / 1 s
     sync.row_overhead = 1.0  # each verified row costs a second of host time
-    assert not drafting_pays([[0.3, 0.09]], 2, sync, 0.0)  # 1.3 / (1.25 + 2) s < 1 / (1 + 1) s
+    assert not drafting_gain([[0.3, 0.09]], 2, sync, 0.0) > 1  # 1.3 / (1.25 + 2) s < 1 / (1 + 1) s
 
 
 def _probe_gaps(schedule, pays, steps):
@@ -202,8 +202,8 @@ def test_padded_verify_steps_cost_the_longest_verify():
     # one sure draft per request pays where a verify costs twice a plain step only if each
     # request gets it: a lookup drafter that proposes for one request in ten does not
     sure = [[1.0, 1.0, 1.0]] * 4
-    assert drafting_pays(sure, 12, padded, 0.0)
-    assert not drafting_pays(sure, 12, padded, 0.0, reach=[[0.1, 0.1, 0.1]] * 4)
+    assert drafting_gain(sure, 12, padded, 0.0) > 1
+    assert not drafting_gain(sure, 12, padded, 0.0, reach=[[0.1, 0.1, 0.1]] * 4) > 1
 
 
 def test_speculative_metrics():

@@ -203,7 +203,12 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     that the drafts are right); ``get_metrics`` shows the cost model it decided with."""
     import deepinfer_core.engine.speculative as engine_spec
 
-    monkeypatch.setattr(engine_spec, "drafting_pays", lambda *a: False)  # a pessimistic estimate
+    weighed, decided = [], []
+    monkeypatch.setattr(engine_spec, "drafting_gain", lambda *a: weighed.append(1) or 0.0)  # pessimistic
+    decide = engine_spec.SpeculativeDecoder._drafting_pays
+    monkeypatch.setattr(
+        engine_spec.SpeculativeDecoder, "_drafting_pays", lambda *a: decided.append(1) or decide(*a)
+    )
     monkeypatch.setattr(engine_spec, "dspark_lengths", lambda confidences, *a: [0] * len(confidences))
     params = PARAMS["greedy"]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -218,6 +223,8 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     cm = m["cost_model"]
     assert "1x1" in cm["forward_ms"] and cm["draft_ms"] >= 0, cm
     assert len(cm["acceptance_estimate"]) == 4 and cm["acceptance_estimate"][0] > 0.5, cm
+    # a clear decision (gain 0) is reused for SETTLED_STEPS steps before it is weighed again
+    assert 0 < len(weighed) <= len(decided) // (engine_spec.SETTLED_STEPS + 1) + 1, (weighed, decided)
 
 
 def test_steps_without_drafts_run_asynchronously(tiny_dir):
