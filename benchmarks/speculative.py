@@ -92,6 +92,8 @@ class ModeRun:
             kw["backend"] = args.backend
         if args.keep_quantized != "auto":
             kw["keep_quantized"] = args.keep_quantized == "on"
+        if args.mixed_graph_max_tokens:
+            kw["mixed_graph_max_tokens"] = args.mixed_graph_max_tokens
         self.mode, self.batch = mode, batch
         self.llm = LLM(**kw)
         vocab = self.llm.engine.model_config.vocab_size
@@ -181,6 +183,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=("auto", "on", "off"),
         default="auto",
         help="LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept quantised",
+    )
+    parser.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        default=0,
+        help="LLM(mixed_graph_max_tokens=N): steps mixing prefills and decodes in graphs (0: eager)",
     )
     parser.add_argument("--max-draft-tokens", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=48)

@@ -168,6 +168,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enforce-eager", action="store_true", default=None, help="enforce_eager=True: no device graphs"
     )
+    parser.add_argument(
+        "--mixed-graph-max-tokens",
+        type=int,
+        help="also capture graphs of steps mixing prefills and decodes up to this many tokens (0: off)",
+    )
     parser.add_argument("--scheduler", help="request scheduler by registered name (default fcfs)")
     parser.add_argument(
         "--keep-quantized",
@@ -231,8 +236,9 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "model", "revision", "download_dir", "config", "backend", "dtype", "device", "strict_ops",
         "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_cache_pages", "kv_cache_dtype",
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
-        "scheduler", "keep_quantized", "log_level", "data_parallel_size", "enable_expert_parallel",
-        "context_parallel_size", "distributed_backend", "distributed_timeout_s", "eplb",
+        "mixed_graph_max_tokens", "scheduler", "keep_quantized", "log_level", "data_parallel_size",
+        "enable_expert_parallel", "context_parallel_size", "distributed_backend", "distributed_timeout_s",
+        "eplb",
     )  # fmt: skip
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     spec = {

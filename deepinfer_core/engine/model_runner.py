@@ -173,6 +173,9 @@ class ModelRunner:
         self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
         self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
         self.mtp_graphs: dict[int, DeviceGraph] = {}  # MTP-layer steps of one row per request
+        # mixed steps (prefill chunks beside decodes) by token bucket (config.mixed_graph_max_tokens)
+        self.mixed_graphs: dict[int, DeviceGraph] = {}
+        self.mixed_graph_max_tokens = 0 if distributed else config.mixed_graph_max_tokens
         # expert parallelism: decode graphs run the fixed-shape dispatch, their bucket agreed per step
         self._ep_graphs = parallel is not None and parallel.expert_parallel
         self.ep_graph_stats = {"replayed": 0, "padded_to_peer": 0, "dummy": 0, "eager": 0}
@@ -248,7 +251,18 @@ class ModelRunner:
                 chunks, list(range(bucket)), self.prev_buf, bucket, bucket + 1, self.max_model_len
             )
             return self.graphs[bucket].replay()[: len(chunks)]
-        inputs = self.inputs.prepare(chunks, sample_rows(chunks), prev_tokens)
+        rows = sample_rows(chunks)
+        mixed = self._mixed_bucket(chunks, len(rows))
+        if mixed is not None:  # fixed shape: padding rows after the real ones
+            if prev_tokens is not None:
+                self.prev_buf[: prev_tokens.shape[0]].copy_(prev_tokens)
+            n = self._mixed_rows(mixed)
+            self.inputs.prepare(
+                chunks, rows + [mixed - 1] * (n - len(rows)), self.prev_buf, mixed, self.inputs.max_reqs,
+                self.max_model_len,
+            )  # fmt: skip
+            return self.mixed_graphs[mixed].replay()[: len(rows)]
+        inputs = self.inputs.prepare(chunks, rows, prev_tokens)
         return self._forward(inputs)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -449,6 +463,8 @@ class ModelRunner:
             if error is not None:
                 return error
         self.graphs, self.verify_graphs = graphs, verify
+        if self.mixed_graph_max_tokens and not self._ep_graphs:
+            self._capture_mixed_graphs(factory, pool)
         return None
 
     def _capture_mtp_graphs(
@@ -510,6 +526,53 @@ class ModelRunner:
         ):
             return None
         return bucket
+
+    def _mixed_rows(self, tokens: int) -> int:
+        """Logit rows of the mixed graph of ``tokens`` tokens: a verified row per draft and one
+        per request, at most one per token."""
+        return min(tokens, (self.inputs.max_reqs - 1) * (1 + self.num_spec_tokens))
+
+    def _mixed_bucket(self, chunks: list[SeqChunk], num_rows: int) -> int | None:
+        """The token bucket whose mixed graph runs this step, or ``None`` (eager): mixed
+        graphs run steps of at most their tokens and ``max_num_seqs`` requests whose chunks
+        want no prompt logprobs (``all_logits``)."""
+        if not self.mixed_graphs or any(c.all_logits for c in chunks):
+            return None
+        bucket = smallest_bucket(self.mixed_graphs, sum(c.num_tokens for c in chunks))
+        if bucket is None or num_rows > self._mixed_rows(bucket):
+            return None
+        return bucket
+
+    def _capture_mixed_graphs(self, factory: GraphFactory, pool: object | None) -> None:
+        """One graph per token bucket (64, 128, ... below ``mixed_graph_max_tokens`` or the step
+        budget, and that bound itself) of steps mixing prefill chunks and decodes, padded to
+        every sequence slot (:attr:`mixed_graphs`).  A capture that fails leaves these graphs
+        out (logged): such steps run eagerly, the decode and verify graphs are unaffected."""
+        cap = min(self.mixed_graph_max_tokens, self.inputs.max_tokens)
+        buckets = [t for t in (2**i for i in range(6, 31)) if t < cap] + [cap]
+        graphs: dict[int, DeviceGraph] = {}
+        for t in sorted(buckets, reverse=True):  # largest first: the others reuse its pool
+            inputs = self.inputs.prepare(
+                [],
+                list(range(self._mixed_rows(t))),
+                self.prev_buf,
+                t,
+                self.inputs.max_reqs,
+                self.max_model_len,
+            )
+            try:
+                graphs[t] = self._capture(factory, pool, functools.partial(self._forward, inputs))
+            except Exception as e:  # an op that cannot be captured at this shape: eager, and say so
+                logger.warning(
+                    "mixed-step graphs off: capturing the %d-token graph failed (%s: %s)",
+                    t,
+                    type(e).__name__,
+                    e,
+                )
+                return
+        self.mixed_graphs = graphs
+        if graphs:
+            logger.info("mixed-step graphs captured for %s tokens", ", ".join(map(str, sorted(graphs))))
 
     def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where

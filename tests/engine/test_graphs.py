@@ -9,10 +9,12 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.graphs import EmulatedGraph, batch_buckets
+from deepinfer_core.testing.availability import backend_unavailable_reason
+from deepinfer_core.testing.observe import record_replays
 
 
 def _llm(**kw) -> LLM:
-    return LLM(backend="reference", max_num_seqs=8, enforce_eager=True, **kw)
+    return LLM(**{"backend": "reference", "max_num_seqs": 8, "enforce_eager": True, **kw})
 
 
 def _with_graphs(llm: LLM) -> LLM:
@@ -107,3 +109,97 @@ def test_pad_rows_write_only_the_trash_slot(kv_cache_dtype):
         if name == "window":  # ring rows of slots 1 .. num_slots-1
             assert torch.equal(rows(t)[w:-w], before[(layer, name)][w:-w]), (layer, name)
             assert not torch.equal(rows(t)[:w], before[(layer, name)][:w]), (layer, name)
+
+
+def _mixed_llm(**kw) -> tuple[LLM, list[str]]:
+    """An engine with emulated decode and mixed-step graphs, and the kinds it replays."""
+    llm = _llm(**kw)
+    runner = llm.engine.runner
+    assert runner.capture_graphs(EmulatedGraph) is None
+    assert runner.mixed_graphs, "no mixed-step graph captured"
+    replays: list[str] = []
+    record_replays(
+        {"decode": runner.graphs, "verify": runner.verify_graphs, "mixed": runner.mixed_graphs}, replays
+    )
+    return llm, replays
+
+
+MIXED = {"max_num_seqs": 4, "max_num_batched_tokens": 48, "mixed_graph_max_tokens": 64}
+"""Twelve prompts through four slots, chunks of at most 48 tokens: successors are prefilled
+beside the others' decodes (mixed steps of at most 52 tokens: the 52-token mixed graph)."""
+MANY = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))} for i, n in enumerate((5, 30, 70, 12) * 3)]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_mixed_step_graphs_equal_eager_bitwise_in_batch_invariant_mode(async_scheduling):
+    """Steps that prefill a request beside the others' decodes replay the mixed-step graph of
+    their token bucket (padded to every slot, the pad rows on the trash slot) and give the
+    eager steps' tokens and logprobs bit for bit, with async scheduling (decodes taking the
+    previous step's tokens on the device) and without."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2, ignore_eos=True)
+    kw = {**MIXED, "batch_invariant": True, "async_scheduling": async_scheduling}
+    want = _llm(**kw).generate(MANY, params, use_tqdm=False)
+    llm, replays = _mixed_llm(**kw)
+    assert sorted(llm.engine.runner.mixed_graphs) == [52]
+    got = llm.generate(MANY, params, use_tqdm=False)
+    assert replays.count("mixed") >= 8 and "decode" in replays, replays
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+def test_mixed_step_graphs_with_prefix_hits_preemption_and_speculation():
+    """Greedy tokens through mixed-step graphs equal eager steps' with prefix-cache hits (SWA
+    replay chunks), preemption, and n-gram speculation (verify rows in mixed steps); prompt
+    logprobs (every row's logits) stay eager."""
+    # a negative presence penalty makes the random model repeat itself: n-gram drafts then pass
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, presence_penalty=-2.0)
+    shared = list(range(100, 150))
+    prompts = MANY[:6] + [{"prompt_token_ids": shared + [7, 8]}, {"prompt_token_ids": shared + [1]}]
+    for extra in ({"num_cache_pages": 12, "page_size": 16}, {"speculative": {"method": "fixed"}}):
+        kw = {**MIXED, **extra}
+        want = _llm(**kw).generate(prompts, params, use_tqdm=False)
+        llm, replays = _mixed_llm(**kw)
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert "mixed" in replays, (extra, replays)
+        assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want], extra
+        m = llm.get_metrics()
+        if "num_cache_pages" in extra:
+            assert m["num_preemptions"] > 0 and m["num_prefix_hit_tokens"] > 0, m
+        else:
+            assert m["speculative"]["num_accepted_tokens"] > 0, m
+    with_logprobs = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    llm, replays = _mixed_llm(**MIXED)
+    llm.generate(MANY[:2], with_logprobs, use_tqdm=False)
+    assert "mixed" not in replays, replays
+
+
+def test_mixed_graph_max_tokens_is_checked():
+    from deepinfer_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="mixed_graph_max_tokens"):
+        EngineConfig(mixed_graph_max_tokens=-1)
+
+
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_mixed_step_graphs_equal_eager_bitwise(dtype):
+    """On the GPU (``cuda_sm100``, real CUDA graphs, batch invariant): mixed steps replay the
+    captured mixed-step graphs, and every request's tokens and logprobs are bitwise those of
+    an engine that runs them eagerly."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=12, logprobs=2, ignore_eos=True)
+    kw = {"backend": "cuda_sm100", "device": "cuda", "dtype": dtype, "batch_invariant": True, **MIXED}
+    want = LLM(**{**kw, "mixed_graph_max_tokens": 0}).generate(MANY, params, use_tqdm=False)
+    llm = LLM(**kw)
+    runner = llm.engine.runner
+    assert runner.graphs and runner.mixed_graphs, "CUDA graphs were not captured"
+    replays: list[str] = []
+    record_replays({"mixed": runner.mixed_graphs}, replays)
+    got = llm.generate(MANY, params, use_tqdm=False)
+    assert replays, "no mixed step replayed a CUDA graph"
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
