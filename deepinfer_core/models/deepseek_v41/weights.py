@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
+from deepinfer_core.weights.host_mapped import device_view_of_host
 from deepinfer_core.weights.loader import _check_shape, _empty_stack, _keep_formats, _put_expert, _read
 from deepinfer_core.weights.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
@@ -107,18 +108,20 @@ def _engram_table(
     dtype: torch.dtype,
     device: str | torch.device,
 ) -> Weight:
-    """An Engram table, memory-mapped from its file on a CPU device (the release's are ~98 GB):
-    e4m3 rows with one scale per ``g`` channels are kept quantised (only the rows a step looks up
-    are dequantised, ``deepseek_v41.engram_rows``); a float table is mapped when stored in the
-    model dtype.  On other devices the table is copied there."""
+    """An Engram table, memory-mapped from its file (the release's are ~98 GB): e4m3 rows with
+    one scale per ``g`` channels are kept quantised (only the rows a step looks up are
+    dequantised, ``deepseek_v41.engram_rows``); a float table is mapped when stored in the model
+    dtype.  On a CUDA device the mapped rows stay in host memory and the device reads them in
+    place (:func:`~deepinfer_core.weights.host_mapped.device_view_of_host`; the scales, 1/g of
+    the bytes, are copied); where that is not possible the table is copied to the device
+    (logged with the reason)."""
     on_cpu = torch.device(device).type == "cpu"
-    mapped = mmap_tensor(path, name) if on_cpu else None
+    mapped = mmap_tensor(path, name)
     if scale_name is None:
-        t = (
-            mapped
-            if mapped is not None and mapped.dtype == dtype
-            else src.get(name).to(device=device, dtype=dtype)
-        )
+        if mapped is not None and mapped.dtype == dtype:
+            _check_shape(mapped.shape, spec.shape, f"tensor {name!r}", path)
+            return mapped if on_cpu else _in_place_or_copied(mapped, name, device)
+        t = src.get(name).to(device=device, dtype=dtype)
         _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
         return t
     data = mapped if mapped is not None else src.get(name)
@@ -131,8 +134,24 @@ def _engram_table(
         )
     if scale.is_floating_point() and scale.dtype not in (torch.float32, UE8M0_DTYPE):
         scale = scale.float()
-    table = QuantizedTensor(data, scale, "fp8", (1, spec.shape[1] // scale.shape[1]))
-    return table if on_cpu else table.to(device)
+    block = (1, spec.shape[1] // scale.shape[1])
+    if on_cpu:
+        return QuantizedTensor(data, scale, "fp8", block)
+    return QuantizedTensor(_in_place_or_copied(data, name, device), scale.to(device), "fp8", block)
+
+
+def _in_place_or_copied(host: torch.Tensor, name: str, device: str | torch.device) -> torch.Tensor:
+    """``host`` (a memory-mapped table) read in place by ``device`` when it can map host
+    memory, else copied there; either way said in the log, with the size."""
+    view, why = device_view_of_host(host, device, read_only=not host.is_shared())
+    size = host.numel() * host.element_size() / 2**20
+    if view is not None:
+        logger.info(
+            "Engram table %s (%.1f MiB) stays in host memory, read in place by %s", name, size, device
+        )
+        return view
+    logger.info("Engram table %s (%.1f MiB) copied to %s: %s", name, size, device, why)
+    return host.to(device)
 
 
 _SKIP = ""
