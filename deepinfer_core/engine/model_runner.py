@@ -173,6 +173,7 @@ class ModelRunner:
         self.graphs: dict[int, DeviceGraph] = {}  # decode graphs by batch bucket
         self.verify_graphs: dict[int, DeviceGraph] = {}  # (1 + num_spec_tokens)-token verify steps
         self.mtp_graphs: dict[int, DeviceGraph] = {}  # MTP-layer steps of one row per request
+        self.dspark_graphs: dict[int, DeviceGraph] = {}  # DSpark block steps by batch bucket
         # mixed steps (prefill chunks beside decodes) by token bucket (config.mixed_graph_max_tokens)
         self.mixed_graphs: dict[int, DeviceGraph] = {}
         self.mixed_graph_max_tokens = 0 if distributed else config.mixed_graph_max_tokens
@@ -319,17 +320,52 @@ class ModelRunner:
             return self.model.mtp_forward(md, self.cache, hidden)
 
     def execute_dspark(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One eager DSpark block step (runner built with ``mtp=True`` over a model with the
+        """One DSpark block step (runner built with ``mtp=True`` over a model with the
         DSpark drafter, ``family.mtp_kind == "dspark"``): each chunk is one request's block,
         ``token_ids`` = the anchor then noise tokens, ``start_pos`` = the anchor's position,
         ``seq_slot`` / ``window_from`` the request's (no pages are read: ``block_table`` may be
         empty).  Returns every row's float32 base logits ``[T, V]`` and collapsed hidden
-        ``[T, D]`` (``Model.dspark_forward``); no request's cache is written."""
-        rows = list(range(sum(c.num_tokens for c in chunks)))
-        inputs = self.inputs.prepare(chunks, rows, None, block_tables=False)
+        ``[T, D]`` (``Model.dspark_forward``); no request's cache is written.  A step of whole
+        blocks replays the smallest captured DSpark graph holding its requests
+        (:attr:`dspark_graphs`), else runs eagerly."""
+        n = sum(c.num_tokens for c in chunks)
+        gamma = self.model.dspark.block_size
+        bucket = smallest_bucket(self.dspark_graphs, len(chunks))
+        if bucket is not None and all(c.num_tokens == gamma for c in chunks):  # padded to the bucket
+            t = bucket * gamma
+            self.inputs.prepare(
+                chunks, list(range(t)), None, t, bucket + 1, self.max_model_len, block_tables=False
+            )
+            logits, hidden = self.dspark_graphs[bucket].replay()
+            return logits[:n], hidden[:n]
+        return self._dspark_forward(self.inputs.prepare(chunks, list(range(n)), None, block_tables=False))
+
+    def _dspark_forward(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Derive a DSpark block step's plans on the device and run the block (what a DSpark
+        graph records)."""
         md = self._metadata(self.model.dspark_step_metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return self.model.dspark_forward(md, self.cache)
+
+    def _capture_dspark_graphs(
+        self, factory: GraphFactory, pool: object | None, buckets: list[int]
+    ) -> str | None:
+        """One graph per bucket of DSpark block steps (``dspark_block_size`` rows per request,
+        padded to the bucket on the trash slot; into :attr:`dspark_graphs`, all or none);
+        ``None``, or why a capture failed."""
+        gamma = self.model.dspark.block_size
+        graphs: dict[int, DeviceGraph] = {}
+        for b in sorted((b for b in buckets if b * gamma <= self.inputs.max_tokens), reverse=True):
+            t = b * gamma
+            inputs = self.inputs.prepare(
+                [], list(range(t)), None, t, b + 1, self.max_model_len, block_tables=False
+            )
+            try:
+                graphs[b] = self._capture(factory, pool, functools.partial(self._dspark_forward, inputs))
+            except Exception as e:
+                return f"capturing the batch-{b} DSpark graph failed ({type(e).__name__}: {e})"
+        self.dspark_graphs = graphs
+        return None
 
     def _mtp_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose MTP graph runs these rows, or ``None`` (eager): MTP graphs run steps
@@ -462,6 +498,10 @@ class ModelRunner:
             error = self._capture_mtp_graphs(factory, pool, buckets)
             if error is not None:
                 return error
+        if self.mtp and getattr(self.model, "dspark", None) is not None and not self._ep_graphs:
+            error = self._capture_dspark_graphs(factory, pool, buckets)
+            if error is not None:  # the block steps stay eager; the target's graphs are kept
+                logger.warning("DSpark block graphs off: %s", error)
         self.graphs, self.verify_graphs = graphs, verify
         if self.mixed_graph_max_tokens and not self._ep_graphs:
             self._capture_mixed_graphs(factory, pool)

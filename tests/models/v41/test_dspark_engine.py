@@ -114,7 +114,9 @@ def test_rejection_acceptance_gets_the_draft_distributions(v41_dspark_dir, monke
 @pytest.mark.slow
 def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
     """Decode and verify steps replayed from (emulated) graphs write the same context keys as
-    eager steps (the write is part of the captured forward): same drafts, same outputs."""
+    eager steps (the write is part of the captured forward), and the block steps replayed from
+    DSpark graphs (padded to their bucket) read them as the eager block does: same drafts and
+    confidences, same outputs."""
     from deepinfer_core.engine.graphs import EmulatedGraph
 
     spec = {"method": "fixed", "drafter": "dspark", "max_draft_tokens": 4}
@@ -125,7 +127,11 @@ def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
         replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            record_replays({"decode": runner.graphs, "verify": runner.verify_graphs}, replays)
+            assert runner.dspark_graphs, "no DSpark block graph captured"
+            record_replays(
+                {"decode": runner.graphs, "verify": runner.verify_graphs, "dspark": runner.dspark_graphs},
+                replays,
+            )
         proposed: list = []
         propose = drafter.propose
 
@@ -138,7 +144,7 @@ def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
         return _tokens(llm.generate(PROMPTS, PARAMS["seeded"], use_tqdm=False)), proposed, replays
 
     eager, graphed = run(False), run(True)
-    assert "verify" in graphed[2]
+    assert "verify" in graphed[2] and "dspark" in graphed[2]
     assert graphed[:2] == eager[:2]
 
 
