@@ -49,7 +49,12 @@ from deepinfer_core.speculative.policy import (
     dspark_lengths,
     fixed_lengths,
 )
-from deepinfer_core.speculative.stats import REQUEST_DECAY, AcceptanceStats, SpeculativeMetrics
+from deepinfer_core.speculative.stats import (
+    REQUEST_DECAY,
+    AcceptanceStats,
+    ConfidenceCalibration,
+    SpeculativeMetrics,
+)
 from deepinfer_core.speculative.verify import (
     accept_match,
     accept_rejection,
@@ -114,6 +119,8 @@ class SpeculativeDecoder:
         self._stats: dict[str, AcceptanceStats] = {}
         self._proposed: dict[str, int] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
+        self._draft_conf: dict[str, list[float]] = {}  # the drafter's own confidences, by request
+        self.calibration = ConfidenceCalibration(cfg.max_draft_tokens)
         self.cost: StepCost | None = None
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
@@ -148,6 +155,9 @@ class SpeculativeDecoder:
                     self.global_stats.reach(i, 1.0) for i in range(self.config.max_draft_tokens)
                 ],
                 "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
+                "confidence_calibration": [
+                    self.calibration.ratio(i) for i in range(self.config.max_draft_tokens)
+                ],
                 "recent_steps": [[kind, b, rows, 1e3 * sec] for kind, b, rows, sec in cost.recent],
             }
         return out
@@ -273,9 +283,9 @@ class SpeculativeDecoder:
             if estimates is None:
                 prior = self._global_rates()
                 estimates = [self._rate_confidence(r, room, prior) for r, room in cands]
-            # the drafter's own confidence where it gives one, else the running rates
+            # the drafter's own confidence (calibrated online) where it gives one, else the running rates
             confidences = [
-                cumulative(d.confidence[:n]) if d.confidence is not None else est[:n]
+                cumulative(self.calibration.apply(d.confidence[:n])) if d.confidence is not None else est[:n]
                 for d, est, n in zip(drafts, estimates, proposed, strict=True)
             ]
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
@@ -288,6 +298,9 @@ class SpeculativeDecoder:
                 self._request_stats(req).record_proposal(room, m)
                 self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
+        self._draft_conf = {
+            r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
+        }
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_gain` above 1, on
@@ -557,6 +570,9 @@ class SpeculativeDecoder:
         if verified:
             self._request_stats(req).record(verified, accepted)
             self.global_stats.record(verified, accepted)
+            conf = self._draft_conf.pop(req.request_id, None)
+            if conf is not None:
+                self.calibration.record(conf, verified, accepted)
 
     def record_without_drafts(self, sched: SchedulerOutput) -> None:
         """Count a step that verified no draft (sampled by the engine's plain path): each of
@@ -617,6 +633,7 @@ class SpeculativeDecoder:
         """Forget a finished request."""
         self._stats.pop(req.request_id, None)
         self._proposed.pop(req.request_id, None)
+        self._draft_conf.pop(req.request_id, None)
         self.drafter.on_finished(req.request_id)
 
 

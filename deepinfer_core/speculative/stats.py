@@ -57,6 +57,44 @@ class AcceptanceStats:
         return (self.accepted[i] + weight * prior) / (self.tried[i] + weight)
 
 
+CALIBRATION_DECAY = 0.995
+"""Weight the earlier verifies keep in :class:`ConfidenceCalibration` at each new one."""
+CALIBRATION_PRIOR = 4.0
+"""Pseudo-verifies at which a drafter's confidence is taken at its word."""
+
+
+class ConfidenceCalibration:
+    """Online calibration of a drafter's own confidences, per draft position (as vLLM does
+    for DSpark; the paper calibrates offline, and raw confidence heads are over-confident):
+    recency-weighted sums of the predicted conditional acceptance ``c_i`` of every draft that
+    was verified with the ones before it accepted, and of its realised acceptance; the
+    calibrated ``c_i`` is ``c_i * realised / predicted`` (clamped to ``[0, 1]``), starting at
+    ``c_i`` (:data:`CALIBRATION_PRIOR` pseudo-verifies at ratio 1)."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        self.predicted = [0.0] * max_draft_tokens
+        self.realised = [0.0] * max_draft_tokens
+
+    def record(self, confidence: list[float], num_drafts: int, num_accepted: int) -> None:
+        """One verify of ``num_drafts`` drafts (their conditional ``confidence``) of which the
+        first ``num_accepted`` were accepted."""
+        d = CALIBRATION_DECAY
+        for i in range(min(num_drafts, num_accepted + 1, len(confidence), len(self.predicted))):
+            self.predicted[i] = d * self.predicted[i] + float(confidence[i])
+            self.realised[i] = d * self.realised[i] + (i < num_accepted)
+
+    def ratio(self, i: int) -> float:
+        """Realised over predicted acceptance at 0-based position ``i`` (shrunk towards 1)."""
+        w = CALIBRATION_PRIOR
+        return (self.realised[i] + w) / (self.predicted[i] + w)
+
+    def apply(self, confidence: list[float]) -> list[float]:
+        """``confidence`` (conditional, per position) calibrated."""
+        return [
+            min(max(c * self.ratio(i), 0.0), 1.0) for i, c in enumerate(confidence[: len(self.predicted)])
+        ]
+
+
 class SpeculativeMetrics:
     """Engine totals of speculative decoding (see :meth:`as_dict`)."""
 

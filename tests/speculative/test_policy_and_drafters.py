@@ -22,7 +22,12 @@ from deepinfer_core.speculative.policy import (
     dspark_lengths,
     fixed_lengths,
 )
-from deepinfer_core.speculative.stats import AcceptanceStats, SpeculativeMetrics
+from deepinfer_core.speculative.stats import (
+    CALIBRATION_PRIOR,
+    AcceptanceStats,
+    ConfidenceCalibration,
+    SpeculativeMetrics,
+)
 
 
 def _value(lengths, confidences, cost):
@@ -267,3 +272,17 @@ def test_step_cost_curve_equals_pointwise_costs(batch, padded_batch):
     cost.row_overhead = 0.5
     for n, c in enumerate(cost.costs(batch, 3 * batch)):
         assert c == pytest.approx(cost.cost(batch, 1 + n / batch), rel=1e-9), n
+
+
+def test_confidence_calibration_scales_by_realised_over_predicted():
+    """A drafter that claims 0.9 at every position, whose first draft passes half the time and
+    whose second always does when reached: position 1 is scaled towards 0.5 / 0.9, position 2
+    towards 1 / 0.9 (clamped at 1); an unseen position keeps the drafter's word."""
+    cal = ConfidenceCalibration(3)
+    assert cal.apply([0.9, 0.9, 0.9]) == pytest.approx([0.9, 0.9, 0.9])
+    for i in range(400):
+        cal.record([0.9, 0.9, 0.9], 2, 2 if i % 2 else 0)
+    assert cal.ratio(0) == pytest.approx(0.5 / 0.9, rel=0.05)  # recency weights: the last verify passed
+    assert cal.ratio(1) == pytest.approx(1 / 0.9, rel=0.05)
+    assert cal.ratio(2) == 1.0 and CALIBRATION_PRIOR > 0
+    assert cal.apply([0.9, 0.95, 0.3]) == pytest.approx([0.5, 1.0, 0.3], rel=0.05)

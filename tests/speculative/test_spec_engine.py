@@ -65,10 +65,18 @@ class WrongDrafter(OracleDrafter):
         return [Draft([(t + 1) % self.vocab_size for t in d.token_ids] or [0]) for d in drafts]
 
 
+class SureDrafter(OracleDrafter):
+    """The oracle's drafts, each claimed certain (confidence 1 at every position)."""
+
+    def propose(self, contexts):
+        return [Draft(d.token_ids, confidence=[1.0] * len(d.token_ids)) for d in super().propose(contexts)]
+
+
 class Plugin:
     @hookimpl
     def deepinfer_register_drafters(self, register):
         register("oracle", lambda: OracleDrafter, description="test oracle")
+        register("sure", lambda: SureDrafter, description="test oracle claiming certainty")
         register("wrong", lambda: WrongDrafter, description="test drafter that is never right")
         register("broken", lambda: OracleDrafter, is_available=lambda: (False, "needs a unicorn"))
 
@@ -369,3 +377,21 @@ def test_cuda_verify_graphs_equal_plain_decoding_bitwise(tiny_dir, dtype):
     assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
     m = spec.get_metrics()["speculative"]
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"]
+
+
+def test_dspark_calibrates_a_drafters_confidence_online(tiny_dir):
+    """A drafter that claims certainty while a third of its proposals carry a wrong token:
+    DSpark's calibration of its confidences falls below 1 where drafts fail, and the outputs
+    stay plain decoding's."""
+    params = PARAMS["greedy"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir).generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(
+        tiny_dir, {"drafter": "sure", "method": "dspark", "max_draft_tokens": 4}, async_scheduling=False
+    )
+    assert _tokens(spec.generate(prompts, params)) == _tokens(ref)
+    m = spec.get_metrics()["speculative"]
+    ratios = m["cost_model"]["confidence_calibration"]
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"], m
+    assert min(ratios) < 0.95 and all(0 < r <= 1.0 + 1e-9 for r in ratios), ratios
