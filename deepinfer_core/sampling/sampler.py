@@ -289,6 +289,16 @@ class SamplingTensors:
     prompt_ids: torch.Tensor | None = None
     logprob_index: torch.Tensor | None = None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy and no stage changes the logits (no mask, bias, ban or penalty):
+        :meth:`Sampler.sample` is then the argmax of the raw logits."""
+        return (
+            not self.sample_rows
+            and not self.use_penalties
+            and all(t is None for t in (self.allowed_ids, self.bitmask, self.bias_ids, self.banned_ids))
+        )
+
 
 def min_tokens_banned(
     params: SamplingParams, num_output_tokens: int, eos_token_ids: Collection[int]

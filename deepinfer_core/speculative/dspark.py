@@ -104,22 +104,13 @@ class DSparkDrafter(Drafter):
         n = min(gamma, max(contexts[i].max_tokens for i in live))
         dev = u.device
         prev = torch.tensor([int(contexts[i].token_ids[-1]) for i in live], dtype=torch.int64).to(dev)
-        confs: list[torch.Tensor] = []
-        probs: list[torch.Tensor] = []
-        drawn: list[list[int]] = [[] for _ in live]
+        ctxs = [contexts[i] for i in live]
         rejection = getattr(self.config, "acceptance", "match") == "rejection"
-        for k in range(1, n + 1):
-            e, bias = head.markov(prev)
-            logits = u[:, k - 1] + bias
-            conf = head.confidence(y[:, k - 1], e)
-            if conf is not None:
-                confs.append(conf)
-            batch = self._batch([contexts[i] for i in live], drawn, k, rejection)
-            prev = self.sampler(logits, batch).token_ids.to(torch.int64)
-            if rejection:
-                probs.append(self.sampler.distribution(logits, batch.prepare(dev, logits.shape[1])))
-            for j, t in enumerate(prev.tolist()):
-                drawn[j].append(t)
+        first = self._batch(ctxs, [[] for _ in live], 1, rejection).prepare(dev, u.shape[-1])
+        if not rejection and first.plain_greedy:
+            drawn, confs, probs = self._walk_argmax(u, y, prev, n)
+        else:
+            drawn, confs, probs = self._walk_sampled(u, y, prev, n, ctxs, first, rejection)
         conf_rows = torch.stack(confs, dim=1).tolist() if confs else None
         prob_rows = torch.stack(probs, dim=1) if probs else None
         for j, i in enumerate(live):
@@ -130,6 +121,55 @@ class DSparkDrafter(Drafter):
                 probs=None if prob_rows is None else prob_rows[j, :m],
             )
         return drafts
+
+    def _walk_argmax(
+        self, u: torch.Tensor, y: torch.Tensor, prev: torch.Tensor, n: int
+    ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+        """The Markov walk when every request is greedy and its logits unprocessed (no penalty,
+        mask, bias or ban: :attr:`SamplingTensors.plain_greedy`, what the verifier's sampler
+        then does is the argmax): all ``n`` positions on the device, one read-back."""
+        head, steps, confs = self.head, [], []
+        for k in range(1, n + 1):
+            e, bias = head.markov(prev)
+            conf = head.confidence(y[:, k - 1], e)
+            if conf is not None:
+                confs.append(conf)
+            prev = torch.argmax(u[:, k - 1] + bias, dim=-1)
+            steps.append(prev)
+        return torch.stack(steps, dim=1).tolist(), confs, []
+
+    def _walk_sampled(
+        self,
+        u: torch.Tensor,
+        y: torch.Tensor,
+        prev: torch.Tensor,
+        n: int,
+        ctxs: list[DraftContext],
+        first: Any,
+        rejection: bool,
+    ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
+        """The Markov walk through the engine's sampler, position by position: each draft drawn
+        as the verifier draws the token there (the request's penalties, bans, bias, its
+        output extended by the drafts before; ``first``: the prepared rows of draft 1)."""
+        head = self.head
+        drawn: list[list[int]] = [[] for _ in ctxs]
+        confs: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        for k in range(1, n + 1):
+            e, bias = head.markov(prev)
+            logits = u[:, k - 1] + bias
+            conf = head.confidence(y[:, k - 1], e)
+            if conf is not None:
+                confs.append(conf)
+            batch = (
+                first if k == 1 else self._batch(ctxs, drawn, k, rejection).prepare(u.device, logits.shape[1])
+            )
+            prev = self.sampler(logits, batch).token_ids.to(torch.int64)
+            if rejection:
+                probs.append(self.sampler.distribution(logits, batch))
+            for j, t in enumerate(prev.tolist()):
+                drawn[j].append(t)
+        return drawn, confs, probs
 
     def _batch(
         self, contexts: list[DraftContext], drawn: list[list[int]], k: int, rejection: bool

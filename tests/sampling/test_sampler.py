@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -344,3 +345,25 @@ def test_token_bitmask_restricts_rows_and_leaves_full_rows_alone(temperature):
     assert both[0] in (8, 49) and both[2] == 2
     with pytest.raises(ValueError, match="token_bitmask has shape"):
         sampler(logits, batch(mask[:, :1]))
+
+
+def test_plain_greedy_only_where_no_stage_changes_the_logits():
+    """``SamplingTensors.plain_greedy``: every row greedy and no mask, bias, ban or penalty."""
+    from deepinfer_core.sampling.sampler import SamplingBatch
+
+    def prep(*params, outputs=()):
+        rows = [
+            types.SimpleNamespace(
+                params=p, sampling_seed=1, prompt_token_ids=[1, 2], output_token_ids=list(outputs)
+            )
+            for p in params
+        ]
+        return SamplingBatch.from_requests(rows, [0], [3] * len(rows)).prepare(torch.device("cpu"), 16)
+
+    greedy = SamplingParams(temperature=0.0)
+    assert prep(greedy, greedy).plain_greedy
+    assert not prep(greedy, SamplingParams(temperature=0.7, seed=1)).plain_greedy
+    assert not prep(SamplingParams(temperature=0.0, presence_penalty=0.5)).plain_greedy
+    assert not prep(SamplingParams(temperature=0.0, logit_bias={3: 1.0})).plain_greedy
+    assert not prep(SamplingParams(temperature=0.0, min_tokens=4)).plain_greedy  # EOS banned so far
+    assert prep(SamplingParams(temperature=0.0, min_tokens=2), outputs=(5, 6)).plain_greedy

@@ -260,3 +260,40 @@ def test_quantised_checkpoint_with_packed_draft_rings(tmp_path, monkeypatch):
         assert (kv == "fp8") == (type(packed).__name__ == "BlockScaledKVPool")
         runs[kv] = list(proposed)
     assert runs["auto"] == runs["fp8"] and runs["auto"]
+
+
+def test_plain_greedy_walk_on_the_device_equals_the_sampler_walk(v41_dspark_dir, monkeypatch):
+    """Greedy requests without penalties, masks, bias or bans walk the Markov head by argmax on
+    the device (one read-back); the drafts and confidences are those of the walk through the
+    engine's sampler, and the request's outputs plain decoding's."""
+    from deepinfer_core.sampling.sampler import SamplingTensors
+
+    spec = {"method": "fixed", "drafter": "dspark", "max_draft_tokens": 4}
+
+    def run(device_walk: bool) -> tuple[list, list, int]:
+        llm = v41_llm(v41_dspark_dir, max_num_seqs=4, speculative=spec, batch_invariant=True)
+        drafter = llm.engine.spec.drafter
+        proposed, walks = [], {"argmax": 0}
+        propose, walk = drafter.propose, drafter._walk_argmax
+
+        def counted(*a):
+            walks["argmax"] += 1
+            return walk(*a)
+
+        def record(contexts):
+            drafts = propose(contexts)
+            proposed.append([(d.token_ids, d.confidence) for d in drafts])
+            return drafts
+
+        drafter.propose, drafter._walk_argmax = record, counted
+        with monkeypatch.context() as m:
+            if not device_walk:
+                m.setattr(SamplingTensors, "plain_greedy", property(lambda self: False))
+            outs = llm.generate(PROMPTS, PARAMS["greedy"], use_tqdm=False)
+        return _tokens(outs), proposed, walks["argmax"]
+
+    device, sampler = run(True), run(False)
+    assert device[2] > 0 and sampler[2] == 0
+    assert device[:2] == sampler[:2]
+    plain = v41_llm(v41_dspark_dir, max_num_seqs=4, batch_invariant=True)
+    assert device[0] == _tokens(plain.generate(PROMPTS, PARAMS["greedy"], use_tqdm=False))
