@@ -110,6 +110,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
 import gpu_e2e as e2e  # noqa: E402
+from _cli import log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.distributed.context_parallel import (  # noqa: E402
@@ -142,10 +143,6 @@ MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "cp_min_tokens": (None, 64),
 }
 EQ_LOGPROBS = 2  # top-2 (and the sampled token) per generated token in the equality runs
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def die(msg: str) -> SystemExit:
@@ -742,7 +739,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the e2e model's structure at test widths (gpu_e2e's smoke model): a CPU check of the "
         "checkpoint path without --smoke",
     )
-    ap.add_argument("--batch-sizes", type=e2e._ints, help="decode batch sizes per GPU (default 64,256)")
+    ap.add_argument("--batch-sizes", type=positive_ints, help="decode batch sizes per GPU (default 64,256)")
     ap.add_argument("--prompt-len", type=int, help="decode prompts (default 512)")
     ap.add_argument("--new-tokens", type=int, help="tokens per decode request (default 32)")
     ap.add_argument(

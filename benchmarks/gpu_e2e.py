@@ -72,6 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
+from _cli import log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
@@ -103,20 +104,6 @@ MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
 
 
 T_START = time.perf_counter()  # --time-budget counts from here
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -770,7 +757,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--layers", type=int, default=4, help="decoder layers [sliding, CSA, HCA, CSA, ...]")
     ap.add_argument("--experts", type=int, help="routed experts (default 64; --smoke 8)")
-    ap.add_argument("--batch-sizes", type=_ints, help="decode batch sizes (default 1,16,64,256)")
+    ap.add_argument("--batch-sizes", type=positive_ints, help="decode batch sizes (default 1,16,64,256)")
     ap.add_argument("--prompt-len", type=int, help="prompt ids per decode / prefill request (default 512)")
     ap.add_argument("--new-tokens", type=int, help="tokens generated per decode request (default 32)")
     ap.add_argument("--max-num-batched-tokens", type=int, help="DeepInfer step token budget (default 8192)")
@@ -785,10 +772,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     ap.add_argument("--skip-decode", action="store_true", help="leave out the decode rows")
     ap.add_argument("--skip-prefill", action="store_true", help="leave out the prefill rows")
-    ap.add_argument("--hf-batch-sizes", type=_ints, help="HF decode batch sizes (default 1,16)")
+    ap.add_argument("--hf-batch-sizes", type=positive_ints, help="HF decode batch sizes (default 1,16)")
     ap.add_argument("--pareto", action="store_true", help="prefill tok/s vs TTFT sweep and chart")
-    ap.add_argument("--pareto-batch-sizes", type=_ints, help="default 1,2,4,8,16")
-    ap.add_argument("--pareto-chunks", type=_ints, help="max_num_batched_tokens values (default 2048,8192)")
+    ap.add_argument("--pareto-batch-sizes", type=positive_ints, help="default 1,2,4,8,16")
+    ap.add_argument(
+        "--pareto-chunks", type=positive_ints, help="max_num_batched_tokens values (default 2048,8192)"
+    )
     ap.add_argument("--pareto-prompt-len", type=int, help="prompt length of the sweep (default 2048)")
     ap.add_argument("--pareto-png", type=Path, help=f"chart path (default {DEFAULT_PNG.relative_to(ROOT)})")
     ap.add_argument(

@@ -72,7 +72,9 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from _cli import log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir  # noqa: E402
@@ -88,20 +90,6 @@ DEFAULT_SCHEMAS = (
 MODES = ("unconstrained", "json", "json-full")
 TARGET_SLOWDOWN = 0.10  # the bound for "json" vs "unconstrained" at batch 32
 TARGET_BATCH = 32
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def load_schema_corpus() -> ModuleType:
@@ -428,7 +416,7 @@ def target_verdict(rows: list[dict], served: list[dict]) -> dict[str, Any] | Non
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    ap.add_argument("--batch-sizes", type=positive_ints, default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument(

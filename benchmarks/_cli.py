@@ -1,0 +1,22 @@
+"""Small helpers shared by the benchmark scripts' command lines."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def log(msg: str) -> None:
+    """Print ``msg`` with the wall-clock time, flushed (progress lines of a long run)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def positive_ints(text: str) -> list[int]:
+    """``argparse`` type: comma-separated positive integers (``"1,16,64"``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
