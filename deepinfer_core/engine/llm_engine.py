@@ -47,6 +47,7 @@ class _Launched:
     logprobs: list[dict[int, float] | None]
     t0: float
     verified: VerifyResult | None = None  # speculative decoding: tokens emitted per chunk
+    hidden: torch.Tensor | None = None  # its hidden rows, when kept (the ``mtp`` drafter)
 
 
 __all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir"]
@@ -267,17 +268,11 @@ class LLMEngine:
     def _speculative(self, drafter_cls: type | None) -> SpeculativeDecoder | None:
         """Speculative decoding when configured.  A step that verifies drafts runs
         synchronously (its drafts need the previous step's tokens on the host); steps without
-        drafts stay asynchronous, unless the drafter follows every step (``mtp``)."""
+        drafts stay asynchronous (a drafter that follows every step, ``mtp``, observes each one
+        when it is processed, from the hidden rows kept with it)."""
         if self.config.speculative is None:
             return None
-        spec = SpeculativeDecoder(self, drafter_cls)
-        if self.config.async_scheduling and spec.drafter_observes:
-            logger.info(
-                "speculative decoding: async scheduling off (drafter %r follows every step's hidden states)",
-                self.config.speculative.drafter,
-            )
-            self.config = self.config.model_copy(update={"async_scheduling": False})
-        return spec
+        return SpeculativeDecoder(self, drafter_cls)
 
     def _check_batch_invariance(self, device_type: str) -> None:
         """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
@@ -593,6 +588,7 @@ class LLMEngine:
             finished += self._complete(previous, t0)
         if logits is not None:
             launched = self._sample(sched, logits, t0, masks)
+            launched.hidden = self.runner.last_hidden
             if self.config.async_scheduling and launched.verified is None:
                 self._inflight = launched
             else:
@@ -641,7 +637,7 @@ class LLMEngine:
         if self.spec is not None:
             end = time.perf_counter() if next_launch is None else next_launch
             self.spec.observe_step(step.sched, end - step.t0, overlapped=next_launch is not None)
-            self.spec.observe(step.sched)
+            self.spec.observe(step.sched, step.hidden)
         return finished
 
     def _record_step(

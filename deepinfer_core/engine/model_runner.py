@@ -164,9 +164,15 @@ class ModelRunner:
         # then stay within a request's allocated pages
         self.mtp_paged = mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
         self._mtp_in: torch.Tensor | None = None  # MTP graphs' input hidden states (fixed address)
+        # the hidden rows of the latest steps, copied out of :attr:`hidden` after each (two turns:
+        # with async scheduling a step's rows are read after the next step has overwritten it)
+        self._hidden_kept: list[torch.Tensor] = []
+        self.last_hidden: torch.Tensor | None = None
+        """The latest step's hidden rows (a view valid until the step after the next one)."""
         if mtp and getattr(self.model, "keeps_hidden", True):
             shape = (self.inputs.max_tokens, *self.model.hidden_shape)
             self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self._hidden_kept = [torch.zeros_like(self.hidden) for _ in range(2)]
             self._mtp_in = torch.zeros(
                 (config.max_num_seqs, *self.model.hidden_shape), dtype=self.dtype, device=self.device
             )
@@ -225,8 +231,21 @@ class ModelRunner:
         A chunk contributes its last row when ``sample`` is set, or all its rows when
         ``all_logits`` is set.  ``prev_tokens`` (async scheduling) are the previous step's
         sampled tokens, still on the device: chunks with ``prev_row >= 0`` take their token
-        from it, so no host round trip separates two steps.
+        from it, so no host round trip separates two steps.  With the hidden states kept (the
+        ``mtp`` drafter), the step's rows are copied to :attr:`last_hidden` (on the device, in
+        stream order: no sync).
         """
+        logits = self._execute(chunks, prev_tokens)
+        if self._hidden_kept:
+            n = sum(c.num_tokens for c in chunks)
+            kept = self._hidden_kept[0]
+            kept[:n].copy_(self.hidden[:n])
+            self._hidden_kept.reverse()
+            self.last_hidden = kept[:n]
+        return logits
+
+    def _execute(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`execute` but for keeping the hidden rows."""
         for c in chunks:
             if len(c.block_table) * self.page_size < c.end_pos:
                 raise ValueError(

@@ -595,9 +595,10 @@ class SpeculativeDecoder:
             else:
                 self.cost.observe(b, sched.num_tokens / b, seconds - self._step_draft_seconds)
 
-    def observe(self, sched: SchedulerOutput) -> None:
+    def observe(self, sched: SchedulerOutput, hidden: torch.Tensor | None = None) -> None:
         """Tell the drafter (when it observes) which positions each running request computed
-        and kept in the step just completed (:class:`~deepinfer_core.speculative.ComputedChunk`)."""
+        and kept in the step just completed (:class:`~deepinfer_core.speculative.ComputedChunk`;
+        ``hidden``: that step's hidden rows, ``ModelRunner.last_hidden`` when it ran)."""
         if not self.drafter_observes:
             return
         computed: list[ComputedChunk] = []
@@ -625,6 +626,7 @@ class SpeculativeDecoder:
                     table_key=(req.request_id, req.table_version),
                     window_from=c.window_from,
                     cached_until=c.cached_until,
+                    hidden=hidden,
                 )
             )
         self.drafter.observe(computed)

@@ -90,13 +90,17 @@ class ComputedChunk:
             (the prompt's next token, an accepted draft, or the token the step emitted); the
             kept positions are ``start_pos .. start_pos + len(token_ids) - 1`` (a verify step's
             rejected drafts are not among them).
-        hidden_row: the row of ``start_pos`` in the runner's hidden states of the step
-            (``ModelRunner.hidden``, kept with ``uses_mtp_layers``); the kept positions follow it.
+        hidden_row: the row of ``start_pos`` in the hidden states of the step (``hidden``); the
+            kept positions follow it.
         sampled: the last kept position is the request's last computed one and its next token
             the one the step emitted: the request decodes from there next step.
         seq_slot, block_table, table_key, window_from, cached_until: the request's cache
             geometry, as in its :class:`~deepinfer_core.engine.batch.SeqChunk` (for a drafter
             that runs layers over the engine's cache).
+        hidden: the step's hidden states, one row per token in the step's row order (with
+            ``uses_mtp_layers``: ``ModelRunner.last_hidden`` of that step; with async scheduling
+            a step is observed after the next one was launched, so ``ModelRunner.hidden`` may
+            already hold the next step's rows); ``None`` without.
     """
 
     request_id: str
@@ -109,6 +113,7 @@ class ComputedChunk:
     table_key: tuple[str, int]
     window_from: int = 0
     cached_until: int = 0
+    hidden: Any = None
 
     @property
     def num_rows(self) -> int:

@@ -8,10 +8,12 @@ drafter keeps the MTP layer's cache in step with the target's:
 
 * :meth:`MtpDrafter.observe` (after every step): one MTP forward over every position each
   running request computed and kept in the step (prompt chunks, the accepted part of verify
-  steps), from the target's hidden states of that step (``ModelRunner.hidden``) and the token
-  after each position.  The last such row of a request that decodes next gives its first draft
-  (the argmax of the MTP logits: the guess for the token after the one the step emitted) and
-  the MTP output streams the recursion starts from.
+  steps), from the target's hidden states of that step (``ComputedChunk.hidden``: the rows the
+  runner kept of it, so a step that ran asynchronously is observed after the next one was
+  launched, without waiting for the device) and the token after each position.  The last
+  such row of a request that decodes next gives its first draft (the argmax of the MTP
+  logits: the guess for the token after the one the step emitted) and the MTP output streams
+  the recursion starts from.
 * :meth:`MtpDrafter.propose` (before the step): drafts ``2 .. k`` recursively, DeepSeek-V3
   style: depth ``j`` runs the MTP layer at the next position on the previous depth's output
   streams and the token it drafted, one batched single-row step per depth.
@@ -39,11 +41,13 @@ from .drafter import ComputedChunk, Draft, DraftContext, Drafter
 
 @dataclass
 class _Next:
-    """A request's first draft, from the MTP row at ``pos`` (its last computed position)."""
+    """A request's first draft, from the MTP row at ``pos`` (its last computed position); the
+    token and its probability stay on the device until a step drafts (read then, in one go:
+    observing a step that ran asynchronously must not wait for the device)."""
 
     pos: int
-    token: int
-    prob: float
+    token: torch.Tensor  # [] int64
+    prob: torch.Tensor  # [] float32
     hidden: torch.Tensor  # [N, D]: the MTP output streams of that row (depth 2's input)
     chunk: ComputedChunk  # cache geometry (slot, pages, window_from, cached_until)
 
@@ -80,26 +84,30 @@ class MtpDrafter(Drafter):
             if c.sampled:
                 last_rows.append(len(rows) - 1)
         index = torch.tensor(rows, dtype=torch.int64).to(runner.device)
-        logits, streams = runner.execute_mtp(seqs, runner.hidden.index_select(0, index), last_rows)
+        hidden = chunks[0].hidden if chunks[0].hidden is not None else runner.hidden
+        logits, streams = runner.execute_mtp(seqs, hidden.index_select(0, index), last_rows)
         if not last_rows:
             return
         prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
         last = streams.index_select(0, torch.tensor(last_rows, dtype=torch.int64).to(streams.device))
         sampled = [c for c in chunks if c.sampled]
-        for j, (c, t, p) in enumerate(zip(sampled, token.tolist(), prob.tolist(), strict=True)):
-            self._next[c.request_id] = _Next(c.start_pos + c.num_rows - 1, t, p, last[j], c)
+        for j, c in enumerate(sampled):
+            self._next[c.request_id] = _Next(c.start_pos + c.num_rows - 1, token[j], prob[j], last[j], c)
 
     # ---- before a step: the drafts ------------------------------------------------------------
     def propose(self, contexts: Sequence[DraftContext]) -> list[Draft]:
-        drafts: list[Draft] = []
+        drafts: list[Draft] = [Draft([]) for _ in contexts]
         states: dict[int, _Next] = {}
         for i, ctx in enumerate(contexts):
             st = self._next.get(ctx.request_id)
-            if st is None or st.pos != len(ctx.token_ids) - 2:  # not caught up: no drafts
-                drafts.append(Draft([]))
-                continue
-            drafts.append(Draft([st.token], confidence=[st.prob]))
-            states[i] = st
+            if st is not None and st.pos == len(ctx.token_ids) - 2:  # caught up: it drafts
+                states[i] = st
+        if states:  # the first drafts, read from the device in one go
+            firsts = torch.stack(
+                [torch.stack([st.token.double(), st.prob.double()]) for st in states.values()]
+            )
+            for i, (t, p) in zip(states, firsts.tolist(), strict=True):
+                drafts[i] = Draft([int(t)], confidence=[p])
         hidden = {i: st.hidden for i, st in states.items()}
         depth = 1
         while True:
