@@ -40,6 +40,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 NEXTN_ENV = "DEEPINFER_USE_NEXTN_DECODE"
+VARLEN_ENV = "DEEPINFER_ENABLE_MTP_VARLEN"
 """The seed's switch: speculative decoding with at most this many draft tokens (0 = off)."""
 
 
@@ -67,6 +68,10 @@ class SpeculativeConfig(BaseModel):
     randomness of plain decoding and drafts are accepted while equal to it, so outputs are
     identical with and without speculation; ``rejection``: rejection sampling against the
     drafter's distribution (distribution-exact, not token-identical)."""
+    varlen: bool = True
+    """``dspark``: each request verifies its own number of drafts (the varlen verify the seed's
+    kernels take); ``False``: one number for every request of a step, the best uniform length
+    (``DEEPINFER_ENABLE_MTP_VARLEN=0``; for backends whose verify kernels want one length)."""
     ngram_min: int = 1
     """``ngram`` drafter: shortest suffix matched."""
     ngram_max: int = 4
@@ -424,6 +429,7 @@ class EngineConfig(BaseModel):
             if key not in cls.model_fields:
                 raise ConfigError(f"unknown engine option {key!r}; known options: {sorted(cls.model_fields)}")
             values[key], origin[key] = value, "argument"
+        _apply_varlen_env(env, values, origin)
         return cls.validated(values, origin)
 
     @classmethod
@@ -509,6 +515,25 @@ def _apply_nextn_env(env: Mapping[str, str], values: dict[str, Any], origin: dic
         spec = dict(spec) if isinstance(spec, Mapping) else (spec.model_dump() if spec is not None else {})
         values["speculative"] = {**spec, "max_draft_tokens": n}
     origin["speculative"] = f"environment variable {NEXTN_ENV}"
+
+
+def _apply_varlen_env(env: Mapping[str, str], values: dict[str, Any], origin: dict[str, str]) -> None:
+    """``DEEPINFER_ENABLE_MTP_VARLEN=0|1``: ``speculative.varlen``, when speculative decoding is
+    on (from any source) and ``varlen`` was not given there explicitly; ignored otherwise."""
+    raw = env.get(VARLEN_ENV)
+    if raw is None or not raw.strip():
+        return
+    if raw.strip() not in ("0", "1"):
+        raise ConfigError(f"environment variable {VARLEN_ENV}={raw!r}: expected 0 or 1")
+    spec = values.get("speculative")
+    if isinstance(spec, str):
+        spec = json.loads(spec) if spec.strip() else None
+    if isinstance(spec, SpeculativeConfig):
+        spec = None if "varlen" in spec.model_fields_set else spec.model_dump(exclude={"varlen"})
+    if not isinstance(spec, Mapping) or "varlen" in spec:
+        return
+    values["speculative"] = {**spec, "varlen": raw.strip() == "1"}
+    origin.setdefault("speculative", f"environment variable {VARLEN_ENV}")
 
 
 def env_var_name(field: str) -> str:

@@ -48,6 +48,7 @@ from deepinfer_core.speculative.policy import (
     drafting_gain,
     dspark_lengths,
     fixed_lengths,
+    uniform_lengths,
 )
 from deepinfer_core.speculative.stats import (
     REQUEST_DECAY,
@@ -290,7 +291,10 @@ class SpeculativeDecoder:
             ]
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
-            lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
+            if self.config.varlen:
+                lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
+            else:  # one verify length for every request of the step
+                lengths = uniform_lengths(confidences, budget, self.cost, causal=causal)
         for (req, room), draft, n in zip(cands, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = m = len(draft.token_ids)

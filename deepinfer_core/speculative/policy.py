@@ -297,6 +297,37 @@ def dspark_lengths(
     return lengths
 
 
+def uniform_lengths(
+    confidences: Sequence[Sequence[float]], budget: int, cost: StepCost, causal: bool = False
+) -> list[int]:
+    """``dspark`` without varlen verify (``SpeculativeConfig.varlen=False``): one length ``L``
+    for every request (each verifies ``min(L, its drafts)``, in request order while ``budget``
+    lasts), the ``L`` of most expected tokens per second (``L = 0``: none).
+
+    Args:
+        confidences: per request, the cumulative acceptance probability of each draft prefix.
+        budget: most draft tokens the step can add.
+        cost: the step cost model.
+        causal: stop at the first ``L`` that does not improve (whether position ``L`` is
+            verified then depends on no draft after it, as :func:`dspark_lengths`' ``causal``).
+    """
+    b = len(confidences)
+    if b == 0:
+        return []
+    longest = max((len(cs) for cs in confidences), default=0)
+    costs = cost.costs(b, max(min(budget, b * longest), 0))
+    best, best_value = [0] * b, b / costs[0]
+    for length in range(1, longest + 1):
+        lengths = fixed_lengths([min(length, len(cs)) for cs in confidences], budget)
+        expected = b + sum(sum(cs[:n]) for cs, n in zip(confidences, lengths, strict=True))
+        value = expected / costs[sum(lengths)]
+        if value > best_value:
+            best, best_value = lengths, value
+        elif causal:
+            break
+    return best
+
+
 def drafting_gain(
     confidences: Sequence[Sequence[float]],
     budget: int,

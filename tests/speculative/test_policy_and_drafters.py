@@ -21,6 +21,7 @@ from deepinfer_core.speculative.policy import (
     drafting_gain,
     dspark_lengths,
     fixed_lengths,
+    uniform_lengths,
 )
 from deepinfer_core.speculative.stats import (
     CALIBRATION_PRIOR,
@@ -286,3 +287,28 @@ def test_confidence_calibration_scales_by_realised_over_predicted():
     assert cal.ratio(1) == pytest.approx(1 / 0.9, rel=0.05)
     assert cal.ratio(2) == 1.0 and CALIBRATION_PRIOR > 0
     assert cal.apply([0.9, 0.95, 0.3]) == pytest.approx([0.5, 1.0, 0.3], rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_uniform_lengths_are_the_best_single_length(seed):
+    """Without varlen verify every request verifies ``min(L, its drafts)`` for one ``L``: the
+    best such ``L`` by brute force, never better than the per-request optimum."""
+    rng = random.Random(seed)
+    b, k = rng.randint(1, 4), rng.randint(1, 5)
+    cost = StepCost(
+        {(bb, t): 1.0 + rng.choice([0.02, 0.1, 0.4]) * bb * (t - 1) for bb in (1, 4) for t in (1, k + 1)}
+    )
+    confidences = [cumulative([rng.random() for _ in range(rng.randint(0, k))]) for _ in range(b)]
+    budget = rng.randint(0, 2 * k)
+    got = uniform_lengths(confidences, budget, cost)
+    candidates = [
+        fixed_lengths([min(length, len(c)) for c in confidences], budget) for length in range(k + 1)
+    ]
+    assert got in candidates
+    assert _value(got, confidences, cost) == pytest.approx(
+        max(_value(c, confidences, cost) for c in candidates)
+    )
+    assert (
+        _value(got, confidences, cost)
+        <= _value(dspark_lengths(confidences, budget, cost), confidences, cost) + 1e-12
+    )

@@ -403,3 +403,30 @@ def test_dspark_calibrates_a_drafters_confidence_online(tiny_dir):
     ratios = m["cost_model"]["confidence_calibration"]
     assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"], m
     assert min(ratios) < 0.95 and all(0 < r <= 1.0 + 1e-9 for r in ratios), ratios
+
+
+def test_dspark_without_varlen_verifies_one_length_per_step(tiny_dir, monkeypatch):
+    """``speculative.varlen=False``: every verify step gives its requests one length (each
+    verifies ``min(L, its drafts)``), and the outputs stay plain decoding's."""
+    import deepinfer_core.engine.speculative as engine_spec
+
+    chosen = []
+    uniform = engine_spec.uniform_lengths
+
+    def record(confidences, budget, cost, causal=False):
+        lengths = uniform(confidences, budget, cost, causal)
+        chosen.append(([len(c) for c in confidences], lengths))
+        return lengths
+
+    monkeypatch.setattr(engine_spec, "uniform_lengths", record)
+    params = PARAMS["seeded"]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    ref = _llm(tiny_dir).generate(prompts, params)
+    _script(PROMPTS, ref)
+    spec = _llm(tiny_dir, {"drafter": "oracle", "method": "dspark", "max_draft_tokens": 4, "varlen": False})
+    assert _tokens(spec.generate(prompts, params)) == _tokens(ref)
+    assert any(sum(lengths) for _, lengths in chosen), chosen
+    for proposed, lengths in chosen:
+        top = max(lengths, default=0)
+        assert lengths == [min(top, n) for n in proposed], (proposed, lengths)
+    assert spec.get_metrics()["speculative"]["num_accepted_tokens"] > 0
