@@ -192,6 +192,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     spec.add_argument(
         "--spec-acceptance", choices=("match", "rejection"), help="draft acceptance rule (default match)"
     )
+    spec.add_argument(
+        "--spec-varlen",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dspark: a verify length per request (default) or, --no-spec-varlen, one per step",
+    )
     dist = parser.add_argument_group("distributed (docs/distributed.md)")
     dist.add_argument(
         "--data-parallel-size",
@@ -227,6 +233,7 @@ _SPEC_FLAGS = {
     "drafter": "drafter",
     "max_draft_tokens": "max_draft_tokens",
     "spec_acceptance": "acceptance",
+    "spec_varlen": "varlen",
 }
 
 

@@ -161,6 +161,21 @@ def test_engine_flags_become_llm_arguments():
     for flag, value in (("--keep-quantized", True), ("--no-keep-quantized", False)):
         args = build_parser().parse_args(["generate", "--prompt", "x", flag])
         assert _engine_kwargs(args) == {"keep_quantized": value}
+    spec_flags = [
+        "--speculative-method", "fixed", "--drafter", "mtp", "--max-draft-tokens", "3",
+        "--spec-acceptance", "rejection", "--no-spec-varlen", "--mixed-graph-max-tokens", "256",
+    ]  # fmt: skip
+    args = build_parser().parse_args(["bench", *spec_flags])
+    assert _engine_kwargs(args) == {
+        "mixed_graph_max_tokens": 256,
+        "speculative": {
+            "method": "fixed",
+            "drafter": "mtp",
+            "max_draft_tokens": 3,
+            "acceptance": "rejection",
+            "varlen": False,
+        },  # fmt: skip
+    }
 
 
 def test_generate_sampling_flags_reach_the_request(capsys):
