@@ -373,18 +373,19 @@ class ModelRunner:
         padded to the bucket on the trash slot; into :attr:`dspark_graphs`, all or none);
         ``None``, or why a capture failed."""
         gamma = self.model.dspark.block_size
-        graphs: dict[int, DeviceGraph] = {}
-        for b in sorted((b for b in buckets if b * gamma <= self.inputs.max_tokens), reverse=True):
+
+        def make(b: int) -> Callable[[], Any]:
             t = b * gamma
             inputs = self.inputs.prepare(
                 [], list(range(t)), None, t, b + 1, self.max_model_len, block_tables=False
             )
-            try:
-                graphs[b] = self._capture(factory, pool, functools.partial(self._dspark_forward, inputs))
-            except Exception as e:
-                return f"capturing the batch-{b} DSpark graph failed ({type(e).__name__}: {e})"
-        self.dspark_graphs = graphs
-        return None
+            return functools.partial(self._dspark_forward, inputs)
+
+        sizes = [b for b in buckets if b * gamma <= self.inputs.max_tokens]
+        graphs, error = self._capture_each(factory, pool, sizes, make, "batch-{} DSpark")
+        if error is None:
+            self.dspark_graphs = graphs
+        return error
 
     def _mtp_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose MTP graph runs these rows, or ``None`` (eager): MTP graphs run steps
@@ -535,20 +536,41 @@ class ModelRunner:
         assert self._mtp_in is not None
         if self._mtp_in.shape[0] < max(buckets):
             self._mtp_in = self._mtp_in.new_zeros((max(buckets), *self._mtp_in.shape[1:]))
-        graphs: dict[int, DeviceGraph] = {}
-        for b in sorted(buckets, reverse=True):
+
+        def make(b: int) -> Callable[[], Any]:
             inputs = self.inputs.prepare([], list(range(b)), None, b, b + 1, self.max_model_len)
 
-            def step(inputs: StepInputs = inputs, b: int = b) -> Any:
+            def step() -> Any:
                 assert self._mtp_in is not None
                 return self._mtp_forward(inputs, self._mtp_in[:b])
 
+            return step
+
+        graphs, error = self._capture_each(factory, pool, buckets, make, "batch-{} MTP")
+        if error is None:
+            self.mtp_graphs = graphs
+        return error
+
+    def _capture_each(
+        self,
+        factory: GraphFactory,
+        pool: object | None,
+        sizes: list[int],
+        make: Callable[[int], Callable[[], Any]],
+        what: str,
+    ) -> tuple[dict[int, DeviceGraph], str | None]:
+        """Capture ``make(size)`` (which prepares the step's inputs and returns the step) for
+        each of ``sizes``, largest first (the others reuse its memory pool): the graphs by size,
+        and ``None`` or why a capture failed (``what.format(size)`` names the graph; the graphs
+        captured until then are returned too, for the caller to drop)."""
+        graphs: dict[int, DeviceGraph] = {}
+        for size in sorted(sizes, reverse=True):
+            step = make(size)
             try:
-                graphs[b] = self._capture(factory, pool, step)
-            except Exception as e:
-                return f"capturing the batch-{b} MTP graph failed ({type(e).__name__}: {e})"
-        self.mtp_graphs = graphs
-        return None
+                graphs[size] = self._capture(factory, pool, step)
+            except Exception as e:  # an op that cannot be captured at this shape
+                return graphs, f"capturing the {what.format(size)} graph failed ({type(e).__name__}: {e})"
+        return graphs, None
 
     def _agree_captured(self, error: str | None) -> str | None:
         """Under expert parallelism, after each graph's capture: ``error``, or when this rank
@@ -609,29 +631,18 @@ class ModelRunner:
         out (logged): such steps run eagerly, the decode and verify graphs are unaffected."""
         cap = min(self.mixed_graph_max_tokens, self.inputs.max_tokens)
         buckets = [t for t in (2**i for i in range(6, 31)) if t < cap] + [cap]
-        graphs: dict[int, DeviceGraph] = {}
-        for t in sorted(buckets, reverse=True):  # largest first: the others reuse its pool
-            inputs = self.inputs.prepare(
-                [],
-                list(range(self._mixed_rows(t))),
-                self.prev_buf,
-                t,
-                self.inputs.max_reqs,
-                self.max_model_len,
-            )
-            try:
-                graphs[t] = self._capture(factory, pool, functools.partial(self._forward, inputs))
-            except Exception as e:  # an op that cannot be captured at this shape: eager, and say so
-                logger.warning(
-                    "mixed-step graphs off: capturing the %d-token graph failed (%s: %s)",
-                    t,
-                    type(e).__name__,
-                    e,
-                )
-                return
+
+        def make(t: int) -> Callable[[], Any]:
+            rows = list(range(self._mixed_rows(t)))
+            inputs = self.inputs.prepare([], rows, self.prev_buf, t, self.inputs.max_reqs, self.max_model_len)
+            return functools.partial(self._forward, inputs)
+
+        graphs, error = self._capture_each(factory, pool, buckets, make, "{}-token mixed-step")
+        if error is not None:
+            logger.warning("mixed-step graphs off: %s", error)
+            return
         self.mixed_graphs = graphs
-        if graphs:
-            logger.info("mixed-step graphs captured for %s tokens", ", ".join(map(str, sorted(graphs))))
+        logger.info("mixed-step graphs captured for %s tokens", ", ".join(map(str, sorted(graphs))))
 
     def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where
