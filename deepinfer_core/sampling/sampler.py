@@ -290,14 +290,15 @@ class SamplingTensors:
     logprob_index: torch.Tensor | None = None
 
     @property
+    def masks_logits(self) -> bool:
+        """An allowed-token list, grammar bitmask, bias or ban applies to some row."""
+        return any(t is not None for t in (self.allowed_ids, self.bitmask, self.bias_ids, self.banned_ids))
+
+    @property
     def plain_greedy(self) -> bool:
         """Every row greedy and no stage changes the logits (no mask, bias, ban or penalty):
         :meth:`Sampler.sample` is then the argmax of the raw logits."""
-        return (
-            not self.sample_rows
-            and not self.use_penalties
-            and all(t is None for t in (self.allowed_ids, self.bitmask, self.bias_ids, self.banned_ids))
-        )
+        return not self.sample_rows and not self.use_penalties and not self.masks_logits
 
 
 def min_tokens_banned(
@@ -562,7 +563,7 @@ class Sampler:
     def _process(out: torch.Tensor, prep: SamplingTensors) -> torch.Tensor:
         allowed = (prep.allowed_ids, prep.allowed_on) if prep.allowed_ids is not None else None
         bias = (prep.bias_ids, prep.bias_values) if prep.bias_ids is not None else None
-        if allowed is not None or bias is not None or prep.banned_ids is not None or prep.bitmask is not None:
+        if prep.masks_logits:
             out = apply_allowed_bias_bans_padded(out, allowed, bias, prep.banned_ids, prep.bitmask)  # type: ignore[arg-type]
         if prep.use_penalties:
             assert prep.output_ids is not None and prep.presence is not None and prep.frequency is not None
