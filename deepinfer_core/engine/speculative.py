@@ -152,9 +152,7 @@ class SpeculativeDecoder:
                 "plain_overhead_ms": None if cost.plain_overhead is None else 1e3 * cost.plain_overhead,
                 "draft_ms": 1e3 * self.draft_seconds,
                 "acceptance_estimate": self._global_rates(),
-                "proposal_estimate": [
-                    self.global_stats.reach(i, 1.0) for i in range(self.config.max_draft_tokens)
-                ],
+                "proposal_estimate": self._global_reach(),
                 "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
                 "confidence_calibration": [
                     self.calibration.ratio(i) for i in range(self.config.max_draft_tokens)
@@ -302,9 +300,10 @@ class SpeculativeDecoder:
                 self._request_stats(req).record_proposal(room, m)
                 self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
-        self._draft_conf = {
-            r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
-        }
+        if self.cost is not None:  # dspark: the drafter's confidences, for their calibration
+            self._draft_conf = {
+                r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
+            }
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_gain` above 1, on
@@ -323,8 +322,7 @@ class SpeculativeDecoder:
         estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
         if self._cands is not None:
             self._estimates = estimates  # propose() takes the drafts' prefixes of them
-        g = self.global_stats
-        prior_reach = [g.reach(i, 1.0) for i in range(self.config.max_draft_tokens)]
+        prior_reach = self._global_reach()
         reach = [self._reach(req, room, prior_reach) for req, room in cands]
         gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
         self._pays = gain > 1.0
@@ -354,6 +352,12 @@ class SpeculativeDecoder:
         """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""
         g = self.global_stats
         return [g.rate(i, 0.5) for i in range(self.config.max_draft_tokens)]
+
+    def _global_reach(self) -> list[float]:
+        """The engine-wide probability that the drafter proposes a draft at each position
+        (shrunk towards 1)."""
+        g = self.global_stats
+        return [g.reach(i, 1.0) for i in range(self.config.max_draft_tokens)]
 
     def _rate_confidence(self, req: Request, n: int, prior: list[float]) -> list[float]:
         """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
