@@ -23,6 +23,7 @@ from deepinfer_core.models.deepseek_v41.family import FAMILY
 from deepinfer_core.models.deepseek_v41.tiny import dequantized_weights, make_tiny, native_tensors
 from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.params import SamplingParams
+from deepinfer_core.testing.availability import backend_unavailable_reason
 from tests.models.v41.conftest import prefix_hit_and_cold_run, v41_llm
 from tests.models.v41.oracle import OracleV41
 
@@ -201,20 +202,33 @@ def test_mxfp8_mxfp4_checkpoint_equals_the_model_on_its_dequantised_weights(tmp_
     torch.testing.assert_close(ours, OracleV41(quantized).logits(ids), atol=LOGIT_ATOL, rtol=0)
 
 
+_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")),
+    ],
+)
 @pytest.mark.parametrize("quantized", [False, True])
-def test_engram_tables_are_memory_mapped_not_copied(tmp_path, quantized):
-    """On a CPU device the loaded table is a view of the checkpoint file: a change to the file's
-    bytes shows through (nothing was copied); a quantised table stays e4m3 with its scales."""
+def test_engram_tables_are_memory_mapped_not_copied(tmp_path, quantized, device):
+    """The loaded table is a view of the checkpoint file — on a CPU device the mapping itself,
+    on a CUDA device a device view of it (page-locked host memory read in place): a change to
+    the file's bytes shows through (nothing was copied); a quantised table stays e4m3 with its
+    scales."""
     import json
 
     from deepinfer_core.weights.quant import QuantizedTensor
 
     path = make_tiny(tmp_path / "m", fp8_linear=quantized, fp4_experts=quantized)
     cfg = FAMILY.from_file(path)
-    weights = FAMILY.load_weights(path, cfg, torch.float32, torch.device("cpu"), ())
+    weights = FAMILY.load_weights(path, cfg, torch.float32, torch.device(device), ())
     table = weights["layers.4.engram.embed.weight"]
     data = table.data if quantized else table
     assert isinstance(table, QuantizedTensor) == quantized and not data.is_inference()
+    assert data.device.type == device
     assert data.abs().float().sum() > 0
     shard = path / "model.safetensors"
     raw = shard.read_bytes()
