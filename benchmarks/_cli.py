@@ -20,3 +20,12 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+KEEP_QUANTIZED = {"auto": None, "on": True, "off": False}
+"""``--keep-quantized`` choices and the ``LLM(keep_quantized=...)`` each gives."""
+
+
+def add_keep_quantized(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--keep-quantized auto|on|off`` (default ``auto``; :data:`KEEP_QUANTIZED` maps it)."""
+    parser.add_argument("--keep-quantized", choices=tuple(KEEP_QUANTIZED), default="auto", help=help)

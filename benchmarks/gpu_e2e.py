@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
-from _cli import log, positive_ints  # noqa: E402
+from _cli import KEEP_QUANTIZED, add_keep_quantized, log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
@@ -746,11 +746,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", help="torch device (default cuda when available, else cpu; --smoke: cpu)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), help="default bfloat16 (--smoke: float32)")
     ap.add_argument("--enforce-eager", action="store_true", help="LLM(enforce_eager=True): no device graphs")
-    ap.add_argument(
-        "--keep-quantized",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="LLM(keep_quantized=None|True|False): FP8/FP4 weights kept quantised for the kernels",
+    add_keep_quantized(
+        ap, "LLM(keep_quantized=None|True|False): FP8/FP4 weights kept quantised for the kernels"
     )
     ap.add_argument(
         "--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="LLM(kv_cache_dtype=...)"
@@ -816,7 +813,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.gen_device = args.gen_device or args.device
-    args.keep_quantized = {"auto": None, "on": True, "off": False}[args.keep_quantized]
+    args.keep_quantized = KEEP_QUANTIZED[args.keep_quantized]
     if args.out is None:
         args.out = DEFAULT_OUT.with_name("gpu_e2e_smoke.json") if args.smoke else DEFAULT_OUT
     if args.pareto_png is None:

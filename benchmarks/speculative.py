@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _cli import KEEP_QUANTIZED, add_keep_quantized, positive_ints
 
 from deepinfer_core import LLM, SamplingParams
 
@@ -90,8 +91,8 @@ class ModeRun:
             kw["model"] = args.model
         if args.backend:
             kw["backend"] = args.backend
-        if args.keep_quantized != "auto":
-            kw["keep_quantized"] = args.keep_quantized == "on"
+        if KEEP_QUANTIZED[args.keep_quantized] is not None:
+            kw["keep_quantized"] = KEEP_QUANTIZED[args.keep_quantized]
         if args.mixed_graph_max_tokens:
             kw["mixed_graph_max_tokens"] = args.mixed_graph_max_tokens
         self.mode, self.batch = mode, batch
@@ -175,14 +176,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
     parser.add_argument("--backend", help="backend (default auto)")
-    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 16])
     parser.add_argument("--modes", default="none,fixed,dspark")
     parser.add_argument("--drafter", default="ngram")
-    parser.add_argument(
-        "--keep-quantized",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept quantised",
+    add_keep_quantized(
+        parser, "LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept quantised"
     )
     parser.add_argument(
         "--mixed-graph-max-tokens",
@@ -227,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{'vs none':>8}",
         flush=True,
     )
-    for b in [int(x) for x in args.batch_sizes.split(",")]:
+    for b in args.batch_sizes:
         runs = [ModeRun(mode, b, args) for mode in args.modes.split(",")]
         for _ in range(args.repeats):  # interleaved, so drifting machine load hits every mode alike
             for run in runs:
