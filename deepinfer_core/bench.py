@@ -68,13 +68,21 @@ def synthetic_prompts(
     ]
 
 
+def read_text_file(flag: str, path: str | Path) -> str:
+    """The UTF-8 text of the file a command-line ``flag`` names; a one-line :class:`ConfigError`
+    naming flag, path and reason when it cannot be read (missing, a folder, not UTF-8...)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or e
+        raise ConfigError(f"{flag} {path}: cannot read the file ({reason})") from None
+
+
 def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts of a file: ``.jsonl`` lines ``{"prompt": ...}``, else one prompt per non-empty line."""
     p = Path(path)
-    try:
-        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except OSError as e:
-        raise ConfigError(f"--prompts-file {path}: cannot read it ({e.strerror})") from None
+    lines = [line for line in read_text_file("--prompts-file", path).splitlines() if line.strip()]
     if p.suffix != ".jsonl":
         return lines
     prompts = []

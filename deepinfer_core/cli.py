@@ -258,16 +258,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     return kwargs
 
 
-def _read_text_file(flag: str, path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise ConfigError(f"{flag} {path}: cannot read the file ({reason})") from None
-
-
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from deepinfer_core.bench import read_text_file
     from deepinfer_core.llm import LLM
     from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
 
@@ -287,7 +279,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if given:
         schema = grammar = None
         if args.json_schema is not None:
-            schema = _read_text_file("--json-schema", args.json_schema)
+            schema = read_text_file("--json-schema", args.json_schema)
             try:
                 schema = json.loads(schema)
             except ValueError as e:
@@ -295,7 +287,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             if not isinstance(schema, dict):
                 raise ConfigError(f"--json-schema {args.json_schema}: must hold a JSON object")
         if args.grammar is not None:
-            grammar = _read_text_file("--grammar", args.grammar)
+            grammar = read_text_file("--grammar", args.grammar)
             if not grammar.strip():
                 raise ConfigError(f"--grammar {args.grammar}: the file is empty")
         structured = StructuredOutputsParams(

@@ -110,3 +110,9 @@ def test_bad_bench_input_is_a_clean_error(capsys, tmp_path):
         read_prompts_file(bad)
     code = main(["bench", "--prompts-file", str(tmp_path / "missing.txt")])
     assert code == 2 and "missing.txt" in capsys.readouterr().err
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\x80\x81 not utf-8\n")  # found by the CLI property test: was an internal error
+    code = main(["bench", "--prompts-file", str(binary)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --prompts-file {binary}: cannot read the file")
