@@ -29,6 +29,14 @@ def device_count(device_type: str) -> int | None:
         return 0
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (``torch.<type>.synchronize``; nothing on the CPU
+    or for a device type whose module has none)."""
+    module = getattr(torch, device.type, None)
+    if device.type != "cpu" and hasattr(module, "synchronize"):
+        module.synchronize(device)
+
+
 def check_device(device: str, field: str = "device") -> torch.device:
     """Parse ``device`` and check that torch can use it.
 

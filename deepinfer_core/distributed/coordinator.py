@@ -172,6 +172,7 @@ def run_worker(
     status (0 on a clean shutdown)."""
     parallel = init_parallel(config, env, store)
     fault_at, hang = _fault_step(parallel.rank) or (None, False)
+    status = 1  # until a clean shutdown
     store = default_store()
     run_id = ""
     try:
@@ -199,7 +200,10 @@ def run_worker(
         while True:
             msg = broadcast(None, parallel)
             if msg.shutdown:
-                return 0 if engine is not None else 1
+                if engine is not None:  # before the process group goes (see release_graphs)
+                    engine.runner.release_graphs()
+                status = 0 if engine is not None else 1
+                return status
             steps += 1
             if steps == fault_at:  # the test-only fault injector (FAULT_ENV)
                 while hang:
@@ -216,7 +220,9 @@ def run_worker(
         report_error(parallel, f"{type(e).__name__}: {e}", run_id)
         raise
     finally:
-        destroy_parallel()
+        if not destroy_parallel():  # the teardown hung: leave now rather than hang at exit
+            logging.shutdown()
+            os._exit(status)
 
 
 def _fault_step(rank: int) -> tuple[int, bool] | None:
@@ -508,8 +514,11 @@ class Coordinator:
                 broadcast(StepMessage(shutdown=True), self.parallel)
             except Exception as e:
                 logger.debug("shutdown message not delivered: %s", e)
-            stop_workers(self.procs)
+            # the workers release theirs and leave the world meanwhile (a communicator's
+            # teardown may wait for its peers' own)
+            self.engine.runner.release_graphs()
             destroy_parallel()
+            stop_workers(self.procs)
         else:  # the workers wait in a collective that will not complete: stop them now
             stop_workers(self.procs, wait_s=0.5, warn=False)
             destroy_parallel()

@@ -12,7 +12,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,6 +29,8 @@ logger = logging.getLogger("deepinfer.distributed")
 
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _DEVICE_BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+DESTROY_TIMEOUT_S = 30.0
+"""How long :func:`destroy_parallel` waits for the process group's teardown."""
 _OWNED = False  # whether init_parallel initialized the default group (and so destroys it)
 
 
@@ -196,18 +199,57 @@ def init_parallel(
     return state
 
 
-def destroy_parallel() -> None:
+def destroy_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
     """Leave the ``torch.distributed`` world that :func:`init_parallel` joined (no-op when not
-    in one, or when the application had initialized it itself)."""
+    in one, or when the application had initialized it itself).
+
+    The teardown runs on a helper thread and is given ``timeout_s`` seconds: a communicator
+    teardown that hangs (NCCL with collectives of live CUDA graphs, a peer gone) is logged and
+    abandoned instead of hanging the caller.  Returns ``False`` when it timed out (the process
+    group stays initialized: a new run in this process is refused with a clear error)."""
     import torch.distributed as dist
 
     global _OWNED
-    if dist.is_initialized() and _OWNED:
-        _OWNED = False
+    if not (dist.is_initialized() and _OWNED):
+        return True
+    _OWNED = False
+
+    def destroy() -> None:
         try:
             dist.destroy_process_group()
         except Exception as e:  # a broken world (a rank died): nothing left to tear down cleanly
             logger.debug("destroy_process_group: %s", e)
+
+    if not run_bounded(destroy, timeout_s):
+        logger.warning(
+            "leaving the torch.distributed world did not finish within %.0f s (a communicator "
+            "teardown hung); the process group is abandoned",
+            timeout_s,
+        )
+        return False
+    return True
+
+
+def run_bounded(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run ``fn`` on a daemon thread and wait up to ``timeout_s`` seconds for it: ``True`` when
+    it returned in time (its exceptions propagate), ``False`` when it is still running (the
+    thread is left behind)."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=target, name="deepinfer-bounded", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return False
+    if errors:
+        raise errors[0]
+    return True
 
 
 def listening_store(world_size: int, timeout_s: float) -> Any:

@@ -11,6 +11,7 @@ rows that sample.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from deepinfer_core.devices import synchronize
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.cache_spec import HybridCache, PagedSpec, PageStateSpec, spec_bytes
 from deepinfer_core.models.registry import ModelFamily, resolve_family
@@ -468,6 +470,16 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     # ---- device graphs -----------------------------------------------------------------------
+    def release_graphs(self) -> None:
+        """Drop every captured graph (decode, verify, MTP, DSpark, mixed) and wait for the
+        device; the runner runs eagerly afterwards.  A distributed run calls it before leaving
+        its process group: NCCL does not destroy a communicator that live CUDA graphs captured
+        collectives of (the teardown hangs, pytorch/pytorch#115388)."""
+        self.graphs, self.verify_graphs, self.mtp_graphs = {}, {}, {}
+        self.dspark_graphs, self.mixed_graphs = {}, {}
+        gc.collect()  # the graphs' destructors run now, not at some later collection
+        synchronize(self.device)
+
     def capture_graphs(self, factory: GraphFactory | None = None, pool: object | None = None) -> str | None:
         """Capture one decode graph per batch bucket (:mod:`~deepinfer_core.engine.graphs`).
 

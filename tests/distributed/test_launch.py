@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.cli import _engine_kwargs, build_parser
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.distributed.coordinator import FAULT_ENV
-from deepinfer_core.distributed.init import init_parallel
+from deepinfer_core.distributed.init import init_parallel, run_bounded
 from deepinfer_core.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +155,18 @@ def test_cli_flags_and_env_reach_the_config() -> None:
     config = EngineConfig.load(env=env)
     assert config.world_size == 4 and config.enable_expert_parallel and config.eplb.num_redundant_experts == 4
     assert config.distributed_timeout_s == 5.0
+
+
+def test_bounded_teardown_returns_in_time_and_gives_up_on_a_hang() -> None:
+    """``run_bounded`` (how ``destroy_parallel`` leaves the world): a call that returns gives
+    ``True`` and its exception propagates; a call that hangs gives ``False`` after the timeout
+    instead of hanging the caller."""
+    done: list[int] = []
+    assert run_bounded(lambda: done.append(1), 5.0) and done == [1]
+    with pytest.raises(ZeroDivisionError):
+        run_bounded(lambda: 1 / 0, 5.0)
+    release = threading.Event()
+    start = time.monotonic()
+    assert not run_bounded(release.wait, 0.3)
+    assert 0.3 <= time.monotonic() - start < 5.0
+    release.set()

@@ -57,6 +57,25 @@ def test_graph_decode_equals_eager_bitwise_in_batch_invariant_mode(async_schedul
         assert g.outputs[0].logprobs == w.outputs[0].logprobs  # bitwise equal floats
 
 
+def test_released_graphs_are_gone_and_the_runner_runs_eagerly():
+    """``release_graphs`` (a distributed run's shutdown) drops every graph; the engine then
+    steps eagerly with the same results."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, logprobs=2, ignore_eos=True)
+    llm, replays = _mixed_llm(batch_invariant=True, **MIXED)
+    want = llm.generate(MANY, params, use_tqdm=False)
+    assert "decode" in replays and "mixed" in replays
+    runner = llm.engine.runner
+    runner.release_graphs()
+    for name in ("graphs", "verify_graphs", "mtp_graphs", "dspark_graphs", "mixed_graphs"):
+        assert getattr(runner, name) == {}, name
+    replays.clear()
+    got = llm.generate(MANY, params, use_tqdm=False)
+    assert replays == []
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
 def test_graph_decode_equals_eager_bitwise_with_the_fp8_kv_cache():
     """The packed FP8 window ring and compressed entries (``kv_cache_dtype="fp8"``) under the
     fixed-shape graph path: padding rows write the trash rows of the packed pools too."""
