@@ -780,10 +780,10 @@ MEASURED_1GPU: dict[str, list[dict[str, Any]]] = {
 
 # The hook of issue 11's GPU run: DP2+EP2 of the e2e model on the 2-GPU H200 kind.  Fill tok_s
 # (per GPU) when measured; --check prints the model's prediction next to it.
-MEASURED_2GPU: list[dict[str, Any]] = [
-    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 64, "tok_s": None},
-    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 256, "tok_s": None},
-    {"what": "prefill CP2 32k", "fmt": "bf16", "tokens": 32768, "tok_s": None},
+MEASURED_2GPU: list[dict[str, Any]] = [  # 2 x H200 (NVLink), 2026-12-01, gpu_distributed.py
+    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 64, "tok_s": 6329.1},
+    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 256, "tok_s": 14931.9},
+    {"what": "prefill CP2 32k", "fmt": "bf16", "tokens": 32768, "tok_s": 76197.9},
 ]
 
 # anchors.md: DeepEP low-latency dispatch at 128 tokens per rank (hidden 7168, top-8, H800)

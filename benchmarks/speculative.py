@@ -93,7 +93,7 @@ class ModeRun:
             kw["backend"] = args.backend
         if KEEP_QUANTIZED[args.keep_quantized] is not None:
             kw["keep_quantized"] = KEEP_QUANTIZED[args.keep_quantized]
-        if args.mixed_graph_max_tokens:
+        if args.mixed_graph_max_tokens is not None:
             kw["mixed_graph_max_tokens"] = args.mixed_graph_max_tokens
         self.mode, self.batch = mode, batch
         self.llm = LLM(**kw)
@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--mixed-graph-max-tokens",
         type=int,
-        default=0,
-        help="LLM(mixed_graph_max_tokens=N): steps mixing prefills and decodes in graphs (0: eager)",
+        default=None,
+        help="LLM(mixed_graph_max_tokens=N): steps mixing prefills and decodes in graphs (0: eager; "
+        "default: the engine's)",
     )
     parser.add_argument("--max-draft-tokens", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=48)

@@ -171,7 +171,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mixed-graph-max-tokens",
         type=int,
-        help="also capture graphs of steps mixing prefills and decodes up to this many tokens (0: off)",
+        help="graphs of steps mixing prefills and decodes up to this many tokens (default 512; 0: off)",
     )
     parser.add_argument("--scheduler", help="request scheduler by registered name (default fcfs)")
     parser.add_argument(

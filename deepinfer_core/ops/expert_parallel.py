@@ -17,9 +17,9 @@ so that under ``batch_invariant=True`` a distributed run is bitwise a single pro
 
 **Backends.**  A DeepEP-style kernel replaces both ops together (``moe_combine`` only reads
 handles of its own ``moe_dispatch``): the inputs, the outputs' shapes, dtypes and order (rows
-grouped by ascending local expert; padding rows, if any, at the end with weight 0 and the last
-local id) and the summation order of the combine are the contract; the handle is opaque
-(a :class:`DispatchHandle` or a subclass).  ``capacity`` asks for the fixed-shape exchange a
+grouped by ascending local expert; padding rows, if any, at the end with weight 0 and local
+id ``-1``, which ``moe_experts`` skips) and the summation order of the combine are the
+contract; the handle is opaque (a :class:`DispatchHandle` or a subclass).  ``capacity`` asks for the fixed-shape exchange a
 CUDA graph can capture: every rank sends ``capacity`` rows to every rank (real pairs first,
 then zero rows), the split sizes are static and nothing reads a device value on the host; the
 caller chooses one ``capacity`` for every rank of the group, at least every rank's ``T * k``
@@ -159,7 +159,8 @@ def moe_dispatch(
         ``(recv_x [N, D] in x's dtype, recv_ids [N] int64 local expert ids, recv_weights [N],
         handle)``: the pairs every rank sent here, grouped by ascending local expert (within
         one expert by source rank, then source pair order).  With ``capacity``, ``N = world *
-        capacity`` and the padding rows come last (zero rows, weight 0, local id ``S - 1``).
+        capacity`` and the padding rows come last (zero rows, weight 0, local id ``-1``: no
+        expert, so ``moe_experts`` computes nothing for them).
     """
     if slots.dim() != 2 or slots.shape[0] != x.shape[0] or weights.shape != slots.shape:
         raise ValueError(
@@ -214,7 +215,7 @@ def moe_dispatch(
     recv_ids = _exchange(send_ids, n_recv, recv_list, send_list, group)
     key = torch.where(recv_ids < 0, torch.full_like(recv_ids, slots_per_rank), recv_ids)  # padding last
     key, recv_order = torch.sort(key, stable=True)
-    recv_ids = key.clamp(max=slots_per_rank - 1)
+    recv_ids = torch.where(key < slots_per_rank, key, torch.full_like(key, -1))
     handle = DispatchHandle(
         num_tokens=num_tokens,
         top_k=top_k,

@@ -94,6 +94,18 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
         (plain(), {}),
         # the shared expert's output added (fused into the combine by kernels)
         (plain(), {"shared": randn(g, 5, d, dtype=dtype)}),
+        # ids outside [0, E) contribute nothing (an expert-parallel dispatch's padding rows: -1)
+        (
+            (
+                randn(g, 6, d, dtype=dtype),
+                torch.tensor([[2, -1], [-1, -1], [0, 3], [e, 1], [-1, 0], [3, -1]]),
+                randn(g, 6, 2).abs(),
+                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
+                randn(g, e, d, i, dtype=dtype, scale=0.3),
+                10.0,
+            ),
+            {},
+        ),
         # FP4 e2m1 experts, one scale per 32 inputs (keep_quantized): every path's dequantisation
         # (the dense one for few tokens x experts; grouped / per-expert tiles otherwise)
         (
@@ -135,7 +147,9 @@ def moe_experts(
     """Routed experts: ``sum_j weights[t,j] * down_e(silu(min(g,L)) * clamp(u,-L,L))``.
 
     Args:
-        x: ``[T, D]`` tokens; ids: ``[T, k]`` int64 expert ids; weights: ``[T, k]``.
+        x: ``[T, D]`` tokens; ids: ``[T, k]`` int64 expert ids (an id outside ``[0, E)``, e.g.
+            the ``-1`` of an expert-parallel dispatch's padding rows, contributes nothing: a
+            kernel skips its pair); weights: ``[T, k]``.
         gate_up: ``[E, 2I, D]`` (gate rows first, then up rows); down: ``[E, D, I]``.  With
             the engine option ``keep_quantized`` either may be a
             :class:`~deepinfer_core.weights.quant.QuantizedTensor` of that logical shape
@@ -165,6 +179,8 @@ def _routed_experts(
 ) -> torch.Tensor:
     """The routed sum of :func:`moe_experts` (its path chosen from shapes, dtypes, device)."""
     num_experts, top_k = gate_up.shape[0], ids.shape[1]
+    valid = (ids >= 0) & (ids < num_experts)  # other ids contribute nothing (weight 0 on expert 0)
+    ids, weights = torch.where(valid, ids, 0), torch.where(valid, weights, 0.0)
     quantized = isinstance(gate_up, QuantizedTensor) or isinstance(down, QuantizedTensor)
     if batch_invariant_enabled():
         if quantized:

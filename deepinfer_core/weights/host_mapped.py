@@ -32,7 +32,7 @@ class _DeviceArray:
         self.__cuda_array_interface__: dict[str, Any] = {
             "shape": (nbytes,),
             "typestr": "|u1",
-            "data": (ptr, True),
+            "data": (ptr, False),  # torch refuses read-only views; the caller never writes
             "strides": None,
             "version": 3,
         }
@@ -66,8 +66,12 @@ def device_view_of_host(
     code = int(getattr(err, "value", err))
     if code != 0:
         return None, f"cudaHostRegister of {nbytes} bytes failed (cudaError {code}: {err})"
-    with torch.cuda.device(device):
-        flat = torch.as_tensor(_DeviceArray(ptr, nbytes), device=device)
+    try:
+        with torch.cuda.device(device):
+            flat = torch.as_tensor(_DeviceArray(ptr, nbytes), device=device)
+    except Exception as e:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+        return None, f"no device view of the registered memory ({type(e).__name__}: {e})"
     view = flat.view(t.dtype).view(t.shape)
     _KEPT.append((t, view))
     return view, None

@@ -98,6 +98,15 @@ def test_placement_errors(build: Callable[[], Any], message: str) -> None:
 
 
 # ---- ops in one process ---------------------------------------------------------------------------
+def _assert_grouped(recv_ids: torch.Tensor, what: str = "") -> int:
+    """The received rows' layout: the real pairs first, grouped by ascending local expert, then
+    the padding rows (id -1); returns the number of real rows."""
+    n = int((recv_ids >= 0).sum())
+    assert (recv_ids[:n].diff() >= 0).all() and (recv_ids[:n] >= 0).all(), what
+    assert (recv_ids[n:] == -1).all(), what
+    return n
+
+
 def test_dispatch_combine_single_process_bitwise() -> None:
     """Without a group every slot is local: dispatch groups the pairs by expert (stable),
     combine restores them; the experts then match ``moe_experts`` bit for bit in the mode."""
@@ -108,8 +117,11 @@ def test_dispatch_combine_single_process_bitwise() -> None:
     for capacity in (None, 80):
         with batch_invariant_mode():
             rx, rid, rw, h = moe_dispatch(x, ids, w, E, None, capacity=capacity)
-            assert (rid[1:] >= rid[:-1]).all()
-            out = moe_combine(moe_experts(rx, rid[:, None], rw[:, None], gu, dn, LIMIT), h, ids)
+            n = _assert_grouped(rid)
+            assert n == ids.numel() and rid.shape[0] == (capacity or n)
+            y = moe_experts(rx, rid[:, None], rw[:, None], gu, dn, LIMIT)
+            assert not y[n:].any()  # no expert's output on the padding rows
+            out = moe_combine(y, h, ids)
             assert torch.equal(out, moe_experts(x, ids, w, gu, dn, LIMIT))
     with pytest.raises(ValueError, match="moe_dispatch: slots"):
         moe_dispatch(x, ids[:5], w, E, None)
@@ -194,8 +206,9 @@ def _ops_worker(rank: int, world: int) -> None:
                     rx, rid, rw, h = moe_dispatch(
                         x, slots, w, placement.slots_per_rank, group, fp8=fp8, capacity=capacity
                     )
-                    assert (rid[1:] >= rid[:-1]).all(), what
+                    n = _assert_grouped(rid, what)
                     y = moe_experts(rx, rid[:, None], rw[:, None], gu_l, dn_l, LIMIT)
+                    assert not y[n:].any(), what  # no expert's output on the padding rows
                     out = moe_combine(y, h, ids)
                 if capacity is None:  # every pair sent to this rank arrived, none else
                     sent = [placement.physical(0, prob["ids"][r], salt=r) for r in range(world)]

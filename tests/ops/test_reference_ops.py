@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from deepinfer_core.ops import moe, rope
 from deepinfer_core.ops.attention import indexer_topk, sparse_attention
+from deepinfer_core.ops.modes import batch_invariant_mode
 
 
 def test_sparse_attention_equals_dense_masked_softmax_with_sink():
@@ -49,6 +50,8 @@ def _experts_loop_oracle(x, ids, w, gate_up, down, limit):
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
+            if not 0 <= e < gate_up.shape[0]:  # no such expert: no contribution
+                continue
             gate, up = (gate_up[e] @ x[t]).chunk(2)
             out[t] += w[t, j] * (down[e] @ (F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)))
     return out
@@ -63,12 +66,15 @@ def test_moe_experts_dense_grouped_and_loop_paths_equal_the_definition(monkeypat
         x = torch.randn(7, d, generator=g)
         ids = torch.randint(0, e, (7, 2), generator=g)
         ids[0] = torch.tensor([1, 1])  # a duplicated expert adds up twice
+        ids[1, 1], ids[2, 0], ids[3] = -1, e, -1  # ids outside [0, e) add nothing
         w = torch.rand(7, 2, generator=g)
         gate_up, down = torch.randn(e, 2 * i, d, generator=g), torch.randn(e, d, i, generator=g)
-        got = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
-        torch.testing.assert_close(
-            got, _experts_loop_oracle(x, ids, w, gate_up, down, 3.0), atol=1e-4, rtol=1e-5
-        )
+        want = _experts_loop_oracle(x, ids, w, gate_up, down, 3.0)
+        assert not want[3].any()
+        for invariant in (False, True):  # the batch-invariant mode's per-expert tiles too
+            with batch_invariant_mode(invariant):
+                got = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
 
 
 def test_moe_route_bias_selects_but_does_not_weight():

@@ -11,12 +11,10 @@ from typing import Any
 
 import pytest
 
-from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.testing.availability import backend_unavailable_reason
-from tests.models.v41.conftest import v41_llm, v41_plugins
+from tests.models.v41.conftest import v41_llm
 
 _GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
 pytestmark = pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
@@ -25,8 +23,8 @@ PROMPTS = [list(range(7 + 5 * i, 7 + 5 * i + n)) for i, n in enumerate((9, 40, 2
 
 
 def _gpu_llm(model_dir: Path, **options: Any) -> LLM:
-    cfg = EngineConfig(model=str(model_dir), backend="cuda_sm100", device="cuda", dtype="float32", **options)
-    return LLM.from_engine(LLMEngine(cfg, plugins=v41_plugins()))
+    """The installed plugins' ``cuda_sm100`` (the core registers ``deepseek_v41``)."""
+    return LLM(model=str(model_dir), backend="cuda_sm100", device="cuda", dtype="float32", **options)
 
 
 def test_cuda_prompt_logprobs_equal_the_cpu_reference(v41_plain_dir):

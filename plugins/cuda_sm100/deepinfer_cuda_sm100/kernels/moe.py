@@ -48,7 +48,8 @@ result does not depend on the other tokens of the call as long as ``BLOCK_M`` st
 :func:`tile_rows` keeps it fixed in the batch-invariant mode (default mode: wider tiles when
 many pairs share each expert, i.e. prefill).
 
-Expert ids outside ``[0, E)`` get no row and contribute nothing (the reference raises).
+Expert ids outside ``[0, E)`` (an expert-parallel dispatch's padding rows: ``-1``) get no row
+and contribute nothing, as in the reference.
 
 Cost (offline compile for sm_90 with Triton 3.6, decode tiles: 16 rows, 4 warps, 3 stages; gate /
 up kernel, bf16 activations, ue8m0 scales): ~104 registers, no spills; the packed bytes arrive by
