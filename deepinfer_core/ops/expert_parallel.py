@@ -15,15 +15,15 @@ the MoE block routes its ``T`` tokens to ``k`` logical experts each, maps them t
 arithmetic of the single-process ``moe_experts`` (see :func:`~deepinfer_core.ops.moe.expert_order_sum`),
 so that under ``batch_invariant=True`` a distributed run is bitwise a single process.
 
-**Backends.**  A DeepEP-style kernel replaces both ops together (``moe_combine`` only reads
+**Backends.** A DeepEP-style kernel replaces both ops together (``moe_combine`` only reads
 handles of its own ``moe_dispatch``): the inputs, the outputs' shapes, dtypes and order (rows
-grouped by ascending local expert; padding rows, if any, at the end with weight 0 and local
-id ``-1``, which ``moe_experts`` skips) and the summation order of the combine are the
-contract; the handle is opaque (a :class:`DispatchHandle` or a subclass).  ``capacity`` asks for the fixed-shape exchange a
-CUDA graph can capture: every rank sends ``capacity`` rows to every rank (real pairs first,
-then zero rows), the split sizes are static and nothing reads a device value on the host; the
-caller chooses one ``capacity`` for every rank of the group, at least every rank's ``T * k``
-(e.g. ``max_num_batched_tokens * k``).  The dynamic exchange (``capacity``
+grouped by ascending local expert; padding rows, if any, at the end with weight 0 and local id
+``-1``, which ``moe_experts`` skips) and the summation order of the combine are the contract;
+the handle is opaque (a :class:`DispatchHandle` or a subclass). ``capacity`` asks for the
+fixed-shape exchange a CUDA graph can capture: every rank sends ``capacity`` rows to every rank
+(real pairs first, then zero rows), the split sizes are static and nothing reads a device value
+on the host; the caller chooses one ``capacity`` for every rank of the group, at least every
+rank's ``T * k`` (e.g. ``max_num_batched_tokens * k``). The dynamic exchange (``capacity``
 ``None``) first exchanges the per-rank counts and reads them on the host (a sync).
 
 **Fixed-shape steps.**  A model runner that replays a device graph of ``rows`` rows on every
