@@ -27,6 +27,7 @@ backend (a check of the tests themselves where there are no GPUs).
 from __future__ import annotations
 
 import os
+import time
 
 # NVLink multicast off before any process group exists (/work/.library/device/KINDS.md)
 NCCL_SAFE_ENV = {
@@ -72,7 +73,11 @@ RUNS = {
     "dp2_ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
     "dp2": {"data_parallel_size": 2},
     "cp2": {"context_parallel_size": 2},
+    # decode steps replayed from CUDA graphs with the fixed-shape EP exchange captured in them;
+    # the shutdown must release them before NCCL's teardown (it hung otherwise)
+    "dp2_ep2_graphs": {"data_parallel_size": 2, "enable_expert_parallel": True, "enforce_eager": False},
 }
+SHUTDOWN_S = 20.0  # a clean shutdown of a 2-rank run takes about a second
 
 
 @dataclass(frozen=True)
@@ -168,8 +173,10 @@ def test_two_ranks_match_one_device(
     batch invariance), on NCCL, one rank per GPU."""
     monkeypatch.setenv(CP_MIN_TOKENS_ENV, str(CP_MIN))  # read when the model is built; workers inherit it
     options = RUNS[run]
-    with LLM(model=str(tiny_dir), **_options(target), **options) as llm:
+    with LLM(model=str(tiny_dir), **{**_options(target), **options}) as llm:
         _check_world(llm, target, run)
+        if not options.get("enforce_eager", True) and target.device == "cuda":
+            assert llm.engine.runner.graphs, "no decode graphs were captured"
         model = llm.engine.runner.model
         moe = model.layers[0].moe
         if options.get("enable_expert_parallel"):  # rank 0 holds half of the routed experts
@@ -178,6 +185,8 @@ def test_two_ranks_match_one_device(
             assert moe.gate_up.shape[0] == model.cfg.n_routed_experts
         with counting_context_parallel_forwards(model) as split:
             got = _outputs(llm)
+        start = time.monotonic()
+    assert time.monotonic() - start < SHUTDOWN_S, "the distributed run's shutdown took too long"
     if options.get("context_parallel_size", 1) > 1:
         assert split[0] > 0, "context parallelism never split a prefill chunk"
     else:
