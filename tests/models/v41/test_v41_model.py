@@ -229,7 +229,7 @@ def test_engram_tables_are_memory_mapped_not_copied(tmp_path, quantized, device)
     data = table.data if quantized else table
     assert isinstance(table, QuantizedTensor) == quantized and not data.is_inference()
     assert data.device.type == device
-    assert data.abs().float().sum() > 0
+    assert data.view(torch.uint8).any()  # (bytes: CUDA has no abs of e4m3)
     shard = path / "model.safetensors"
     raw = shard.read_bytes()
     size = int.from_bytes(raw[:8], "little")
@@ -237,7 +237,7 @@ def test_engram_tables_are_memory_mapped_not_copied(tmp_path, quantized, device)
     with open(shard, "r+b") as f:
         f.seek(8 + size + begin)
         f.write(bytes(end - begin))
-    assert data.abs().float().sum() == 0
+    assert not data.view(torch.uint8).any()
 
 
 def test_speculative_ngram_decoding_is_lossless(v41_dir):
