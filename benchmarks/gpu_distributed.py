@@ -152,6 +152,12 @@ def die(msg: str) -> SystemExit:
 
 
 # ---- engines ----------------------------------------------------------------------------------------
+DISTRIBUTED_KINDS: dict[str, dict[str, Any]] = {
+    "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
+    "dp2": {"data_parallel_size": 2},
+}
+"""The two-GPU engines, by the name their rows carry."""
+
 class EngineSpec:
     """One engine configuration: a name (``1gpu``, ``dp2ep2``, ``cp2`` ... plus its part) and the
     ``LLM`` options beyond the common ones."""
@@ -370,7 +376,7 @@ class Bench:
         return weight_format(self.args)
 
     # -- engine specs
-    def decode_spec(self, world: int) -> EngineSpec:
+    def decode_spec(self, kind: str) -> EngineSpec:
         a = self.args
         options = {
             "max_num_seqs": max(a.batch_sizes),
@@ -378,9 +384,8 @@ class Bench:
             "max_model_len": max(a.prompt_len + a.new_tokens, a.eq_max_len + a.eq_new_tokens) + 16,
             "enforce_eager": a.enforce_eager,
         }
-        if world == 1:
-            return EngineSpec("decode.1gpu", 1, **options)
-        return EngineSpec("decode.dp2ep2", 2, data_parallel_size=2, enable_expert_parallel=True, **options)
+        extra: dict[str, Any] = DISTRIBUTED_KINDS.get(kind, {})
+        return EngineSpec(f"decode.{kind}", 1 if kind == "1gpu" else 2, **extra, **options)
 
     def cp_spec(self, world: int) -> EngineSpec:
         a = self.args
@@ -404,11 +409,7 @@ class Bench:
             "batch_invariant": bi,
         }
         mode = "bi" if bi else "eager"
-        extra: dict[str, Any] = {
-            "1gpu": {},
-            "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
-            "dp2": {"data_parallel_size": 2},
-        }[kind]
+        extra: dict[str, Any] = DISTRIBUTED_KINDS.get(kind, {})
         return EngineSpec(f"equality.{kind}.{mode}", 1 if kind == "1gpu" else 2, **extra, **options)
 
     # -- parts
@@ -420,14 +421,12 @@ class Bench:
 
     def run_decode(self) -> None:
         a = self.args
-        for world in (1, 2):
-            spec = self.decode_spec(world)
-            mode = spec.name.split(".")[1]
+        for kind in ("1gpu", *a.decode_modes):
+            spec = self.decode_spec(kind)
             for b in a.batch_sizes:
-                self.job(f"decode.{mode}.B{b}", spec, lambda llm, b=b, w=world: self.decode(llm, b, w))
-            kind = "dp2ep2" if world > 1 else None
-            name = f"equality.{mode}.fast" if kind else "equality.1gpu.fast.reference"
-            self.job(name, spec, lambda llm, k=kind: self.equality(llm, "fast", k))
+                self.job(f"decode.{kind}.B{b}", spec, lambda llm, b=b, k=kind: self.decode(llm, b, k))
+            name = "equality.1gpu.fast.reference" if kind == "1gpu" else f"equality.{kind}.fast"
+            self.job(name, spec, lambda llm, k=kind: self.equality(llm, "fast", None if k == "1gpu" else k))
 
     def run_cp(self) -> None:
         a = self.args
@@ -453,9 +452,10 @@ class Bench:
             spec = self.eq_spec(kind, bi)
             self.job(f"equality.{kind}.{mode}", spec, lambda llm, k=kind: self.equality(llm, ref, k))
 
-    def decode(self, llm: LLM, batch: int, world: int) -> None:
+    def decode(self, llm: LLM, batch: int, mode: str) -> None:
         """B requests per GPU (``world * B`` in all); tok/s per GPU from rank 0's steps."""
         a = self.args
+        world = 1 if mode == "1gpu" else 2
         n = batch * world
         self.warmup(llm, f"decode-w{world}-B{batch}", n, min(a.prompt_len, 128), 4)
         prompts = self.prompts(f"decode-B{batch}", n, a.prompt_len)  # one GPU: the first B of them
@@ -463,7 +463,6 @@ class Bench:
         own = outs[::world]  # rank 0's requests: replicas are assigned alternately (fewest outstanding)
         d = e2e.decode_stats(own, steps, batch, a.new_tokens)
         p = e2e.prefill_stats(outs)
-        mode = "1gpu" if world == 1 else "dp2ep2"
         name = f"decode.{mode}.B{batch}"
         row: dict[str, Any] = {"name": name, "value": d["decode_tok_s"], "unit": "tok/s/GPU"}
         row.update(
@@ -718,6 +717,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, reference backend, built-in tiny model")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument(
+        "--decode-modes",
+        default="dp2ep2",
+        help="comma-separated two-GPU engines of the decode part, each against one GPU: dp2ep2 "
+        "(DP2 + EP2), dp2 (two full replicas, no expert parallelism: the EP exchange's cost apart)",
+    )
     ap.add_argument("--backend", help="DeepInfer backend (default cuda_sm100; --smoke: reference)")
     ap.add_argument("--device", help="device type of every rank (default cuda; --smoke: cpu)")
     ap.add_argument("--dtype", choices=sorted(e2e.DTYPES), help="default bfloat16 (--smoke: float32)")
@@ -800,6 +805,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [p for p in args.parts if p not in PARTS]
     if bad or not args.parts:
         ap.error(f"--parts: unknown {bad}; choose from {','.join(PARTS)}")
+    args.decode_modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
+    bad = [m for m in args.decode_modes if m not in DISTRIBUTED_KINDS]
+    if bad or not args.decode_modes:
+        ap.error(f"--decode-modes: unknown {bad}; choose from {','.join(DISTRIBUTED_KINDS)}")
     args.keep_quantized = args.keep_quantized == "on"
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
