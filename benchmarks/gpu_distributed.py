@@ -158,6 +158,7 @@ DISTRIBUTED_KINDS: dict[str, dict[str, Any]] = {
 }
 """The two-GPU engines, by the name their rows carry."""
 
+
 class EngineSpec:
     """One engine configuration: a name (``1gpu``, ``dp2ep2``, ``cp2`` ... plus its part) and the
     ``LLM`` options beyond the common ones."""

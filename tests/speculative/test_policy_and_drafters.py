@@ -112,15 +112,33 @@ def test_step_cost_interpolates_and_fits_the_overhead_per_step_and_row():
     assert (cost.step_overhead, cost.row_overhead) == (pytest.approx(1.0), 0.0)  # one point: flat
     assert cost.cost(1, 3) == pytest.approx(4.0)
     cost.observe(1, 2, 1.5)  # faster than the forward's estimate: no negative overhead
-    # the line through the two (falling with the rows) is flattened: the weighted mean
-    assert cost.overhead(1) == pytest.approx(0.8) and cost.overhead(2) == pytest.approx(0.8)
-    # steps whose host time is 0.5 s + 0.25 s per row: the fit converges to that line
+    # the line through the two (falling with the rows) is flattened: the mean
+    assert cost.overhead(1) == pytest.approx(0.5) and cost.overhead(2) == pytest.approx(0.5)
+    # steps whose host time is 0.5 s + 0.25 s per row: the fit finds that line
     for _ in range(60):
         for b, t in ((4, 1), (4, 3), (1, 3), (4, 2)):
             cost.observe(b, t, cost.forward(b, t) + 0.5 + 0.25 * b * t)
-    assert cost.step_overhead == pytest.approx(0.5, abs=1e-3)
-    assert cost.row_overhead == pytest.approx(0.25, abs=1e-4)
-    assert cost.cost(4, 3) == pytest.approx(6.0 + 0.5 + 3.0, abs=1e-2)
+    assert cost.step_overhead == pytest.approx(0.5, abs=1e-9)
+    assert cost.row_overhead == pytest.approx(0.25, abs=1e-9)
+    assert cost.cost(4, 3) == pytest.approx(6.0 + 0.5 + 3.0, abs=1e-9)
+
+
+def test_step_cost_overhead_line_ignores_slow_outliers_and_a_short_tail():
+    """A few slow steps (a descheduled process) and a run's tail of few requests do not tilt
+    the overhead line: it was an exponentially weighted fit that followed both and priced
+    every verified row at 8x its cost on the CPU."""
+    cost = StepCost({(1, 1): 1.0, (1, 6): 1.2, (16, 1): 2.0, (16, 6): 3.0})
+    rng = random.Random(0)
+
+    def step(b: int, t: int, spike: float = 0.0) -> None:
+        cost.observe(b, t, cost.forward(b, t) + 0.6 + 0.01 * b * t + rng.uniform(-0.02, 0.02) + spike)
+
+    for i in range(100):  # steps of 16 requests verifying 0..5 drafts each
+        step(16, 1 + i % 6, spike=3.0 if i % 25 == 24 else 0.0)
+    for i in range(24):  # the tail: one request left, one slow step among its few
+        step(1, 1 + i % 6, spike=2.0 if i == 20 else 0.0)
+    assert cost.step_overhead == pytest.approx(0.6, abs=0.03)
+    assert cost.row_overhead == pytest.approx(0.01, abs=0.002)
 
 
 def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
