@@ -45,8 +45,8 @@ RECENT_STEPS = 64
 """Observed steps :class:`StepCost` keeps for inspection (``get_metrics``)."""
 OVERHEAD_WINDOW = 128
 """Synchronous steps :class:`StepCost` fits its overhead line to (the latest ones)."""
-REFIT_EVERY = 8
-"""Observed steps between two fits of the overhead line (every one while the window is short)."""
+REFIT_EVERY = 16
+"""Observed steps between two fits of the overhead line (before that: at 2, 4 and 8 steps)."""
 OUTLIER_MADS = 4.0
 """A step whose time is this many (normal-scaled) median absolute deviations off the first
 line is left out of the second fit (a descheduled process, a collection, a page fault)."""
@@ -54,7 +54,7 @@ SETTLED_GAIN = 1.25
 """``dspark``: a decision whose :func:`drafting_gain` was above this (or below its inverse) is
 reused for the next :data:`SETTLED_STEPS` steps without weighing it again (the estimates
 move by a step's worth of observations at a time; weighing costs host time every step)."""
-SETTLED_STEPS = 3
+SETTLED_STEPS = 8
 PROBE_BACKOFF_CAP = 8
 """``dspark``: a probe interval grows (doubling while probes confirm the decision) to at most
 this many times its start (:class:`ProbeSchedule`)."""
@@ -196,7 +196,8 @@ class StepCost:
         self.recent.append(("sync", batch, x, seconds))
         self._points.append((x, max(seconds - self.forward(batch, tokens_per_request), 0.0)))
         self._unfitted += 1
-        if self._unfitted >= REFIT_EVERY or len(self._points) <= 2 * REFIT_EVERY:
+        n = len(self._points)
+        if self._unfitted >= REFIT_EVERY or (n < REFIT_EVERY and n & (n - 1) == 0):
             self._unfitted = 0
             self.step_overhead, self.row_overhead = robust_line(list(self._points))
 
@@ -260,9 +261,15 @@ def robust_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
     def fit(pts: Sequence[tuple[float, float]]) -> tuple[float, float]:
         n = len(pts)
-        mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-        sxx = sum((x - mx) ** 2 for x, _ in pts)
-        slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx > 1e-9 * n * max(mx * mx, 1.0) else 0.0
+        sx = sy = sxx = sxy = 0.0
+        for x, y in pts:
+            sx += x
+            sy += y
+            sxx += x * x
+            sxy += x * y
+        mx, my = sx / n, sy / n
+        var = sxx / n - mx * mx
+        slope = (sxy / n - mx * my) / var if var > 1e-9 * max(mx * mx, 1.0) else 0.0
         slope = max(slope, 0.0)
         return max(my - slope * mx, 0.0), slope
 
