@@ -39,6 +39,7 @@ from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, DraftContext, Drafter
 from deepinfer_core.speculative.policy import (
+    CERTAIN_GAIN,
     EMA,
     SETTLED_GAIN,
     SETTLED_STEPS,
@@ -127,6 +128,7 @@ class SpeculativeDecoder:
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._probes = ProbeSchedule()  # dspark: when to draft (or not) against the estimate
         self._pays = False  # dspark: the last weighed decision ...
+        self._certain = False  # ... whether it pays beyond CERTAIN_GAIN (no plain probes) ...
         self._settled = 0  # ... reused for this many more steps (it was clear)
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
         self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
@@ -317,7 +319,7 @@ class SpeculativeDecoder:
         assert self.cost is not None
         if self._settled > 0:  # a clear decision, reused for a few steps (SETTLED_STEPS)
             self._settled -= 1
-            return self._probes.decide(self._pays)
+            return self._probes.decide(self._pays, self._certain)
         prior = self._global_rates()
         estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
         if self._cands is not None:
@@ -325,10 +327,10 @@ class SpeculativeDecoder:
         prior_reach = self._global_reach()
         reach = [self._reach(req, room, prior_reach) for req, room in cands]
         gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
-        self._pays = gain > 1.0
+        self._pays, self._certain = gain > 1.0, gain > CERTAIN_GAIN
         if gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0:
             self._settled = SETTLED_STEPS
-        return self._probes.decide(self._pays)
+        return self._probes.decide(self._pays, self._certain)
 
     def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:
         """The probability that the drafter proposes a draft at each of ``req``'s first ``n``

@@ -55,6 +55,11 @@ SETTLED_GAIN = 1.25
 reused for the next :data:`SETTLED_STEPS` steps without weighing it again (the estimates
 move by a step's worth of observations at a time; weighing costs host time every step)."""
 SETTLED_STEPS = 8
+CERTAIN_GAIN = 2.0
+"""``dspark``: drafting that is expected to pay more than this is not probed on the plain side
+(:class:`ProbeSchedule`): a step without drafts would have to cost under half its estimate to
+flip the decision, and each such probe gives up a verify step's tokens (at B=1 on the H200,
+where drafting gained 3x, three probes cost DSpark 5 % against ``fixed``)."""
 PROBE_BACKOFF_CAP = 8
 """``dspark``: a probe interval grows (doubling while probes confirm the decision) to at most
 this many times its start (:class:`ProbeSchedule`)."""
@@ -65,7 +70,9 @@ class ProbeSchedule:
 
     After :data:`PROBE_INTERVAL` steps in a row without drafting (it did not pay) one drafts
     anyway, so the acceptance rates can recover; after :data:`PLAIN_PROBE_INTERVAL` drafting
-    steps in a row one runs without drafts, so the cost of a plain step stays known.  A probe
+    steps in a row one runs without drafts, so the cost of a plain step stays known (unless
+    drafting pays so clearly that no plain step's cost could change that:
+    :data:`CERTAIN_GAIN`).  A probe
     whose next decision is the same as before it (it did not change the estimate enough to
     flip) doubles that side's interval, up to :data:`PROBE_BACKOFF_CAP` times its start; a
     flip resets both intervals.  A settled decision thus pays ever fewer probes, while a
@@ -83,8 +90,9 @@ class ProbeSchedule:
         self.probing = False
         """The last :meth:`decide` overrode the decision (this step is a probe)."""
 
-    def decide(self, pays: bool) -> bool:
-        """Whether this step drafts, given whether drafting is expected to pay."""
+    def decide(self, pays: bool, certain: bool = False) -> bool:
+        """Whether this step drafts, given whether drafting is expected to pay (``certain``:
+        by more than :data:`CERTAIN_GAIN`, so no plain probe could flip it)."""
         if self._last is not None and pays != self._last:
             self.draft_interval, self.plain_interval = PROBE_INTERVAL, PLAIN_PROBE_INTERVAL
             self._run = 0
@@ -96,6 +104,7 @@ class ProbeSchedule:
         self._last, self._probed = pays, False
         self._run += 1
         self.probing = self._run > (self.plain_interval if pays else self.draft_interval)
+        self.probing = self.probing and not (pays and certain)
         if self.probing:
             self._run, self._probed = 0, True
             return not pays

@@ -187,6 +187,17 @@ def test_probes_back_off_while_they_confirm_the_decision(pays, base):
     assert _probe_gaps(schedule, pays, base + 1) == [base]  # reset to the base interval
 
 
+def test_certain_drafting_is_not_probed_on_the_plain_side():
+    """Drafting that pays beyond ``CERTAIN_GAIN`` runs no plain probe (none could flip it); a
+    merely profitable decision is probed after the base interval, and a decision that drafting
+    does not pay keeps its draft probes whatever ``certain`` says."""
+    certain = ProbeSchedule()
+    assert all(certain.decide(True, certain=True) for _ in range(10 * PLAIN_PROBE_INTERVAL))
+    assert _probe_gaps(ProbeSchedule(), True, PLAIN_PROBE_INTERVAL + 1) == [PLAIN_PROBE_INTERVAL]
+    unsure = ProbeSchedule()
+    assert [unsure.decide(False, certain=True) for _ in range(PROBE_INTERVAL + 1)][-1] is True
+
+
 def test_acceptance_stats_are_conditional_rates():
     s = AcceptanceStats(3)
     s.record(3, 1)  # d1 accepted, d2 rejected, d3 never tested
