@@ -43,6 +43,7 @@ from deepinfer_core.speculative.policy import (
     EMA,
     SETTLED_GAIN,
     SETTLED_STEPS,
+    UNSETTLED_STEPS,
     ProbeSchedule,
     StepCost,
     cumulative,
@@ -312,7 +313,7 @@ class SpeculativeDecoder:
         the requests' running acceptance rates weighted by the drafter's reach, and the
         drafter's measured time, against a step without drafts as such steps run).  A clear
         decision (gain beyond :data:`SETTLED_GAIN` either way) is reused for the next
-        :data:`SETTLED_STEPS` steps without weighing.  Both sides stay measured: now and then
+        :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`).  Both sides stay measured: now and then
         a step drafts although it does not pay (so the acceptance rates can recover) or runs
         without drafts although drafting pays (so the cost of a plain step, asynchronous where
         the engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
@@ -328,8 +329,8 @@ class SpeculativeDecoder:
         reach = [self._reach(req, room, prior_reach) for req, room in cands]
         gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
         self._pays, self._certain = gain > 1.0, gain > CERTAIN_GAIN
-        if gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0:
-            self._settled = SETTLED_STEPS
+        clear = gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0
+        self._settled = SETTLED_STEPS if clear else UNSETTLED_STEPS
         return self._probes.decide(self._pays, self._certain)
 
     def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:

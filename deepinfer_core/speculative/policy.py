@@ -43,6 +43,8 @@ PLAIN_PROBE_INTERVAL = 32
 of a plain step measured; rarer than :data:`PROBE_INTERVAL`, as it gives up a draft's gain)."""
 RECENT_STEPS = 64
 """Observed steps :class:`StepCost` keeps for inspection (``get_metrics``)."""
+FORWARD_CACHE = 4096
+"""Points :meth:`StepCost.forward` keeps (a step's batch and tokens per request repeat)."""
 OVERHEAD_WINDOW = 128
 """Synchronous steps :class:`StepCost` fits its overhead line to (the latest ones)."""
 REFIT_EVERY = 16
@@ -55,6 +57,9 @@ SETTLED_GAIN = 1.25
 reused for the next :data:`SETTLED_STEPS` steps without weighing it again (the estimates
 move by a step's worth of observations at a time; weighing costs host time every step)."""
 SETTLED_STEPS = 8
+UNSETTLED_STEPS = 1
+"""``dspark``: a decision that is not clear is reused for this many steps (weighing it costs
+host time, ~1 % of a CPU step of the tiny model, and the estimates move slowly)."""
 CERTAIN_GAIN = 2.0
 """``dspark``: drafting that is expected to pay more than this is not probed on the plain side
 (:class:`ProbeSchedule`): a step without drafts would have to cost under half its estimate to
@@ -158,6 +163,7 @@ class StepCost:
         self.recent: deque[tuple[str, int, float, float]] = deque(maxlen=RECENT_STEPS)
         """The latest observed steps: ``("sync" | "plain", batch, rows, seconds)``."""
         self._forwards: dict[int, list[float]] = {}  # the forward part of costs() by batch
+        self._forward_at: dict[tuple[int, float], float] = {}  # forward() by point
         # costs() by batch, with the overhead line they were computed for
         self._curves: dict[int, tuple[tuple[float, float], list[float]]] = {}
 
@@ -176,7 +182,17 @@ class StepCost:
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0)
 
     def forward(self, batch: int, tokens_per_request: float) -> float:
-        """The measured forward time, interpolated (no overhead)."""
+        """The measured forward time, interpolated (no overhead; kept per point asked, as the
+        table does not change)."""
+        key = (batch, tokens_per_request)
+        hit = self._forward_at.get(key)
+        if hit is None:
+            hit = self._forward(batch, tokens_per_request)
+            if len(self._forward_at) < FORWARD_CACHE:
+                self._forward_at[key] = hit
+        return hit
+
+    def _forward(self, batch: int, tokens_per_request: float) -> float:
         if tokens_per_request > 1.0 and batch <= self.padded_batch:
             tokens_per_request = float("inf")  # padded to the longest verify: its cost
         bs = self.batches
