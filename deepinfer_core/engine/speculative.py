@@ -313,7 +313,8 @@ class SpeculativeDecoder:
         the requests' running acceptance rates weighted by the drafter's reach, and the
         drafter's measured time, against a step without drafts as such steps run).  A clear
         decision (gain beyond :data:`SETTLED_GAIN` either way) is reused for the next
-        :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`).  Both sides stay measured: now and then
+        :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`).
+        Both sides stay measured: now and then
         a step drafts although it does not pay (so the acceptance rates can recover) or runs
         without drafts although drafting pays (so the cost of a plain step, asynchronous where
         the engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
