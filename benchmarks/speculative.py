@@ -34,6 +34,7 @@ import pstats
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,12 @@ def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[s
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the built-in tiny model)")
+    parser.add_argument(
+        "--model",
+        help="model directory (default: the built-in tiny model); 'bigram-mtp': the tiny model "
+        "whose MTP layer predicts the target's greedy token after next (written to a temporary "
+        "directory: deepinfer_core.testing.checkpoints.write_bigram_mtp_checkpoint)",
+    )
     parser.add_argument("--backend", help="backend (default auto)")
     parser.add_argument("--batch-sizes", type=positive_ints, default=[1, 4, 16])
     parser.add_argument("--modes", default="none,fixed,dspark")
@@ -220,6 +226,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.model == "bigram-mtp":
+        from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
+
+        args.model = str(write_bigram_mtp_checkpoint(Path(tempfile.mkdtemp(prefix="bigram-mtp-"))))
     rows = []
     print(
         f"{'B':>4} {'mode':>7} {'tok/s':>9} {'forwards':>9} {'tok/fwd':>8} {'accept':>7} {'mean len':>8} "

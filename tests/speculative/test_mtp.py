@@ -36,6 +36,7 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
 from deepinfer_core.testing.availability import backend_unavailable_reason
+from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
 from deepinfer_core.testing.observe import record_replays
 from deepinfer_core.weights import load_checkpoint, load_mtp_checkpoint, save_checkpoint
 from deepinfer_core.weights.names import hf_to_native, is_expert_stack
@@ -385,25 +386,9 @@ def test_prefix_caching_and_preemption(tiny_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def bigram_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with every block's output projections zeroed (attention ``o_b_proj``, the
-    experts' and shared expert's ``down_proj``), main layers and MTP block alike: the streams
-    carry the token embedding through (scaled), so the target's greedy next token is a function
-    of the current token alone.  The MTP layer ignores the hidden state (``h_proj = 0``) and
-    passes the next token's embedding through (``e_proj = I``, ``enorm = 1``, the main model's
-    final norm): it predicts the token after next exactly as the target will decode it."""
-    cfg = _cfg()
-    w = tiny.random_weights(cfg)
-    for name in w:
-        if name.endswith(("o_b_proj.weight", "experts.down_proj", "shared_experts.down_proj.weight")):
-            w[name] = torch.zeros_like(w[name])
-    d = cfg.hidden_size
-    w[P + "h_proj.weight"] = torch.zeros(d, d)
-    w[P + "e_proj.weight"] = torch.eye(d)
-    w[P + "enorm.weight"] = torch.ones(d)
-    w[P + "norm.weight"] = w["model.norm.weight"].clone()
-    out = tmp_path_factory.mktemp("bigram")
-    save_checkpoint(w, dict(tiny.TINY_CONFIG), out, names="native")
-    tiny.write_tokenizer_files(out)
+    """The tiny model whose MTP layer predicts the target's greedy token after next exactly
+    (:func:`~deepinfer_core.testing.checkpoints.write_bigram_mtp_checkpoint`)."""
+    out = write_bigram_mtp_checkpoint(tmp_path_factory.mktemp("bigram"))
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
     return out
 
