@@ -128,6 +128,8 @@ class SpeculativeDecoder:
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._probes = ProbeSchedule()  # dspark: when to draft (or not) against the estimate
+        k = self.config.max_draft_tokens
+        self._halves, self._ones = [0.5] * k, [1.0] * k  # the engine-wide rates' priors
         self._pays = False  # dspark: the last weighed decision ...
         self._certain = False  # ... whether it pays beyond CERTAIN_GAIN (no plain probes) ...
         self._settled = 0  # ... reused for this many more steps (it was clear)
@@ -340,8 +342,8 @@ class SpeculativeDecoder:
         non-increasing."""
         stats = self._stats.get(req.request_id)
         out, acc = [], 1.0
-        for i in range(n):
-            acc = min(acc, prior[i] if stats is None else stats.reach(i, prior[i]))
+        for r in prior[:n] if stats is None else stats.reaches(prior[:n]):
+            acc = min(acc, r)
             out.append(acc)
         return out
 
@@ -354,22 +356,18 @@ class SpeculativeDecoder:
 
     def _global_rates(self) -> list[float]:
         """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""
-        g = self.global_stats
-        return [g.rate(i, 0.5) for i in range(self.config.max_draft_tokens)]
+        return self.global_stats.rates(self._halves)
 
     def _global_reach(self) -> list[float]:
         """The engine-wide probability that the drafter proposes a draft at each position
         (shrunk towards 1)."""
-        g = self.global_stats
-        return [g.reach(i, 1.0) for i in range(self.config.max_draft_tokens)]
+        return self.global_stats.reaches(self._ones)
 
     def _rate_confidence(self, req: Request, n: int, prior: list[float]) -> list[float]:
         """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
         rates shrunk towards the engine's (``prior``, :meth:`_global_rates`)."""
         stats = self._stats.get(req.request_id)
-        if stats is None:
-            return cumulative(prior[:n])
-        return cumulative([stats.rate(i, prior[i]) for i in range(n)])
+        return cumulative(prior[:n] if stats is None else stats.rates(prior[:n]))
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""

@@ -337,23 +337,21 @@ def dspark_lengths(
     b = len(confidences)
     if b == 0:
         return []
-    cands = sorted(
-        ((c, r, j) for r, cs in enumerate(confidences) for j, c in enumerate(cs)),
-        key=lambda x: (-x[0], x[2], x[1]),
-    )
+    # by decreasing c, then position, then request (tuples sort natively: no key function)
+    cands = sorted((-c, j, r) for r, cs in enumerate(confidences) for j, c in enumerate(cs))
     cands = cands[: max(budget, 0)]
     costs = cost.costs(b, len(cands))
     best_value, best_n = b / costs[0], 0
     expected = float(b)
-    for n, (c, _, _) in enumerate(cands, start=1):
-        expected += c
+    for n, (neg_c, _, _) in enumerate(cands, start=1):
+        expected -= neg_c
         value = expected / costs[n]
         if value > best_value:
             best_value, best_n = value, n
         elif causal:
             break
     lengths = [0] * b
-    for _, r, j in cands[:best_n]:
+    for _, j, r in cands[:best_n]:
         lengths[r] = max(lengths[r], j + 1)
     return lengths
 

@@ -45,6 +45,11 @@ class AcceptanceStats:
         (when asked for that many), shrunk towards ``prior``."""
         return (self.proposed[i] + weight * prior) / (self.asked[i] + weight)
 
+    def reaches(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
+        """:meth:`reach` at every position (``prior`` per position)."""
+        pairs = zip(self.proposed, self.asked, prior, strict=False)
+        return [(p + weight * q) / (a + weight) for p, a, q in pairs]
+
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verify of ``num_drafts`` drafts of which the first ``num_accepted`` were accepted."""
         d = self.decay
@@ -55,6 +60,11 @@ class AcceptanceStats:
     def rate(self, i: int, prior: float, weight: float = PRIOR_WEIGHT) -> float:
         """Estimated acceptance rate at 0-based position ``i``, shrunk towards ``prior``."""
         return (self.accepted[i] + weight * prior) / (self.tried[i] + weight)
+
+    def rates(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
+        """:meth:`rate` at every position (``prior`` per position)."""
+        pairs = zip(self.accepted, self.tried, prior, strict=False)
+        return [(a + weight * q) / (t + weight) for a, t, q in pairs]
 
 
 CALIBRATION_DECAY = 0.995

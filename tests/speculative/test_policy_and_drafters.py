@@ -212,6 +212,9 @@ def test_acceptance_stats_are_conditional_rates():
     assert s.asked == [3, 2, 2] and s.proposed == [2, 1, 0]
     assert s.reach(0, prior=1.0, weight=0.0) == pytest.approx(2 / 3)
     assert s.reach(2, prior=1.0, weight=0.0) == 0.0
+    priors = [0.9, 0.5, 0.2]  # every position at once: the same numbers
+    assert s.rates(priors) == [s.rate(i, p) for i, p in enumerate(priors)]
+    assert s.reaches(priors[:2]) == [s.reach(i, p) for i, p in enumerate(priors[:2])]
     # recency-weighted: with decay, the latest observations outweigh an older run of them
     r = AcceptanceStats(1, decay=0.5)
     for _ in range(10):
