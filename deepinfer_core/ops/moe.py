@@ -94,18 +94,6 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
         (plain(), {}),
         # the shared expert's output added (fused into the combine by kernels)
         (plain(), {"shared": randn(g, 5, d, dtype=dtype)}),
-        # ids outside [0, E) contribute nothing (an expert-parallel dispatch's padding rows: -1)
-        (
-            (
-                randn(g, 6, d, dtype=dtype),
-                torch.tensor([[2, -1], [-1, -1], [0, 3], [e, 1], [-1, 0], [3, -1]]),
-                randn(g, 6, 2).abs(),
-                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
-                randn(g, e, d, i, dtype=dtype, scale=0.3),
-                10.0,
-            ),
-            {},
-        ),
         # FP4 e2m1 experts, one scale per 32 inputs (keep_quantized): every path's dequantisation
         # (the dense one for few tokens x experts; grouped / per-expert tiles otherwise)
         (
@@ -126,6 +114,18 @@ def _experts_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
                 randn(g, 3, 2).abs(),
                 randn_fp4(g, 40, 2 * 32, 64, scale=0.3, scale_dtype="ue8m0"),
                 randn_fp4(g, 40, 64, 32, scale=0.3, scale_dtype="ue8m0"),
+                10.0,
+            ),
+            {},
+        ),
+        # ids outside [0, E) contribute nothing (an expert-parallel dispatch's padding rows: -1)
+        (
+            (
+                randn(g, 6, d, dtype=dtype),
+                torch.tensor([[2, -1], [-1, -1], [0, 3], [e, 1], [-1, 0], [3, -1]]),
+                randn(g, 6, 2).abs(),
+                randn(g, e, 2 * i, d, dtype=dtype, scale=0.3),
+                randn(g, e, d, i, dtype=dtype, scale=0.3),
                 10.0,
             ),
             {},
