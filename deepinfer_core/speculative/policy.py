@@ -47,8 +47,9 @@ FORWARD_CACHE = 4096
 """Points :meth:`StepCost.forward` keeps (a step's batch and tokens per request repeat)."""
 OVERHEAD_WINDOW = 128
 """Synchronous steps :class:`StepCost` fits its overhead line to (the latest ones)."""
-REFIT_EVERY = 16
-"""Observed steps between two fits of the overhead line (before that: at 2, 4 and 8 steps)."""
+REFIT_EVERY = 64
+"""Observed steps between two fits of the overhead line (before that: at 1, 2, 4 ... 32 steps;
+a fit of the full window costs ~0.1 ms of host time on the CPU)."""
 OUTLIER_MADS = 4.0
 """A step whose time is this many (normal-scaled) median absolute deviations off the first
 line is left out of the second fit (a descheduled process, a collection, a page fault)."""

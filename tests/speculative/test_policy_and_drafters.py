@@ -135,8 +135,8 @@ def test_step_cost_overhead_line_ignores_slow_outliers_and_a_short_tail():
 
     for i in range(100):  # steps of 16 requests verifying 0..5 drafts each
         step(16, 1 + i % 6, spike=3.0 if i % 25 == 24 else 0.0)
-    for i in range(24):  # the tail: one request left, one slow step among its few
-        step(1, 1 + i % 6, spike=2.0 if i == 20 else 0.0)
+    for i in range(64):  # the tail: one request left, one slow step among its steps
+        step(1, 1 + i % 6, spike=2.0 if i == 50 else 0.0)  # (refitted at step 160, in the tail)
     assert cost.step_overhead == pytest.approx(0.6, abs=0.03)
     assert cost.row_overhead == pytest.approx(0.01, abs=0.002)
 
