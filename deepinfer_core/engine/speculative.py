@@ -37,7 +37,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
-from deepinfer_core.speculative.drafter import ComputedChunk, DraftContext, Drafter
+from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
 from deepinfer_core.speculative.policy import (
     CERTAIN_GAIN,
     EMA,
@@ -284,14 +284,7 @@ class SpeculativeDecoder:
             lengths = fixed_lengths(proposed, budget)
         else:
             assert self.cost is not None
-            if estimates is None:
-                prior = self._global_rates()
-                estimates = [self._rate_confidence(r, room, prior) for r, room in cands]
-            # the drafter's own confidence (calibrated online) where it gives one, else the running rates
-            confidences = [
-                cumulative(self.calibration.apply(d.confidence[:n])) if d.confidence is not None else est[:n]
-                for d, est, n in zip(drafts, estimates, proposed, strict=True)
-            ]
+            confidences = self._confidences(cands, drafts, proposed, estimates)
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
             if self.config.varlen:
@@ -309,6 +302,31 @@ class SpeculativeDecoder:
             self._draft_conf = {
                 r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
             }
+
+    def _confidences(
+        self,
+        cands: list[tuple[Request, int]],
+        drafts: list[Draft],
+        proposed: list[int],
+        estimates: list[list[float]] | None,
+    ) -> list[list[float]]:
+        """``dspark``: each request's cumulative acceptance probability per proposed draft —
+        the drafter's own confidence (calibrated online) where it gives one, else the running
+        rates (``estimates`` when :meth:`_drafting_pays` computed them this step; else computed
+        here, for the requests with drafts only)."""
+        prior: list[float] | None = None
+        out: list[list[float]] = []
+        for i, (draft, n) in enumerate(zip(drafts, proposed, strict=True)):
+            if n == 0:
+                out.append([])
+            elif draft.confidence is not None:
+                out.append(cumulative(self.calibration.apply(draft.confidence[:n])))
+            elif estimates is not None:
+                out.append(estimates[i][:n])
+            else:
+                prior = self._global_rates() if prior is None else prior
+                out.append(self._rate_confidence(cands[i][0], n, prior))
+        return out
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_gain` above 1, on

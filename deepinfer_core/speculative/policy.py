@@ -30,6 +30,8 @@
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from collections import deque
 from collections.abc import Sequence
 
@@ -432,9 +434,6 @@ def drafting_gain(
 
 
 def cumulative(rates: Sequence[float]) -> list[float]:
-    """Cumulative products ``[a1, a1 a2, ...]`` of per-position acceptance rates."""
-    out, acc = [], 1.0
-    for a in rates:
-        acc *= min(max(a, 0.0), 1.0)
-        out.append(acc)
-    return out
+    """Cumulative products ``[a1, a1 a2, ...]`` of per-position acceptance rates (each clamped
+    to ``[0, 1]``)."""
+    return list(itertools.accumulate((min(max(a, 0.0), 1.0) for a in rates), operator.mul))
