@@ -15,7 +15,10 @@ drafter is ``--drafter``, default ``ngram``, with at most ``--max-draft-tokens``
 ``llm.generate`` (median of ``--repeats`` after a warm-up; the modes' engines of one batch
 size are built first and their runs interleaved, so drifting machine load hits each alike),
 generated tok/s, target forwards
-(engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length.
+(engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length;
+with both ``fixed`` and ``dspark``, a line of DSpark's paired per-run throughput ratios to
+``fixed`` (median, mean ± sd, runs at least 1: the issue's target, judged against the noise;
+``vs_fixed_per_run`` in the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
     python benchmarks/speculative.py --model DIR --backend cuda_sm100 --batch-sizes 1,16,64
@@ -173,6 +176,21 @@ def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[s
     return rows[:count]
 
 
+def paired_ratios(base_times: list[float], times: list[float]) -> dict[str, Any]:
+    """Throughput ratios of paired timed runs (run ``i`` of each mode ran back to back, so
+    drifting machine load hits both alike): ``base / time`` per pair, their median, mean and
+    standard deviation, and how many are at least 1."""
+    ratios = [b / t for b, t in zip(base_times, times, strict=True)]
+    return {
+        "ratios": ratios,
+        "runs": len(ratios),
+        "median": statistics.median(ratios),
+        "mean": statistics.fmean(ratios),
+        "sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+        "at_least_1": sum(r >= 1.0 for r in ratios),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -260,6 +278,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             for f in row.get("profile", []):
                 print(f"        {f['ms_per_step']:8.3f} ms/step {f['calls']:>8} calls  {f['function']}")
+        by_mode = {run.mode: run for run in runs}
+        if "dspark" in by_mode and "fixed" in by_mode:
+            paired = paired_ratios(by_mode["fixed"].times, by_mode["dspark"].times)
+            next(r for r in rows if r["batch"] == b and r["mode"] == "dspark")["vs_fixed_per_run"] = paired
+            print(
+                f"{b:>4} dspark/fixed per run: median {paired['median']:.3f}, mean {paired['mean']:.3f}"
+                f" ± {paired['sd']:.3f} (sd), {paired['at_least_1']}/{paired['runs']} runs >= 1",
+                flush=True,
+            )
         del runs
     for r in rows:
         del r["token_ids"]
