@@ -1,0 +1,51 @@
+"""The benchmark scripts still run end to end (small settings, CPU): what they print and write
+is what docs/benchmarks.md is built from, so a script that rots is a defect.  Each run checks
+its own exactness claims too: ``gpu_distributed.py --smoke`` exits 1 unless DP2+EP2 and DP2 with
+batch invariance are bitwise equal to one process, ``speculative.py`` warns when a mode's tokens
+differ from plain decoding's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # fresh interpreters running whole benchmarks (~14 s)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    path = os.pathsep.join([str(ROOT), str(ROOT / "plugins" / "samplers")])
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path)
+    return subprocess.run(
+        [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> None:
+    out = tmp_path / "dist.json"
+    proc = _run([str(ROOT / "benchmarks" / "gpu_distributed.py"), "--smoke", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    for name in ("equality.dp2ep2.bi", "equality.dp2.bi"):
+        assert rows[name]["logprobs_bitwise"] and rows[name]["prompts_token_equal"] == rows[name]["prompts"]
+    assert {"decode.dp2ep2.B2", "prefill.cp2.300"} <= rows.keys()
+
+
+def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    args = ["--batch-sizes", "2", "--repeats", "2", "--max-tokens", "12", "--out", str(out)]
+    proc = _run([str(ROOT / "benchmarks" / "speculative.py"), *args], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tokens differ" not in proc.stderr, proc.stderr
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows.keys() == {"none", "fixed", "dspark"}
+    assert all(r["same_tokens_as_first_mode"] for r in rows.values())
+    paired = rows["dspark"]["vs_fixed_per_run"]
+    assert paired["runs"] == 2 and len(paired["ratios"]) == 2 and paired["median"] > 0
