@@ -160,12 +160,23 @@ def _frame(obj: Any) -> tuple[torch.Tensor, bytes]:
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     frame = torch.zeros(_HEADER + FAST_BYTES, dtype=torch.uint8)
     body = len(payload).to_bytes(_HEADER, "little") + (payload if len(payload) <= FAST_BYTES else b"")
-    frame[: len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    frame[: len(body)] = _tensor_of(body)
     return frame, payload
 
 
+def _tensor_of(data: bytes) -> torch.Tensor:
+    """``data`` as a ``uint8`` tensor (a copy: gloo may write into what it is given)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
 def _length(frame: torch.Tensor) -> int:
+    """The payload length a frame's header gives."""
     return int.from_bytes(frame[:_HEADER].numpy().tobytes(), "little")
+
+
+def _unpickle(data: torch.Tensor) -> Any:
+    """The object a ``uint8`` tensor holds pickled."""
+    return pickle.loads(data.numpy().tobytes())
 
 
 def broadcast(msg: Any, parallel: ParallelState) -> Any:
@@ -181,14 +192,10 @@ def broadcast(msg: Any, parallel: ParallelState) -> Any:
     dist.broadcast(frame, src=0, group=group)
     n = _length(frame)
     if n <= FAST_BYTES:
-        return msg if parallel.is_driver else pickle.loads(frame[_HEADER : _HEADER + n].numpy().tobytes())
-    big = (
-        torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        if parallel.is_driver
-        else torch.empty(n, dtype=torch.uint8)
-    )
+        return msg if parallel.is_driver else _unpickle(frame[_HEADER : _HEADER + n])
+    big = _tensor_of(payload) if parallel.is_driver else torch.empty(n, dtype=torch.uint8)
     dist.broadcast(big, src=0, group=group)
-    return msg if parallel.is_driver else pickle.loads(big.numpy().tobytes())
+    return msg if parallel.is_driver else _unpickle(big)
 
 
 def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
@@ -207,7 +214,7 @@ def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
     if longest > FAST_BYTES:  # every rank sees the lengths: all take the second round
         mine = torch.zeros(longest, dtype=torch.uint8)
         if len(payload) > FAST_BYTES:
-            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            mine[: len(payload)] = _tensor_of(payload)
         bigs = [torch.empty_like(mine) for _ in range(parallel.world_size)]
         dist.all_gather(bigs, mine, group=group)
     if not parallel.is_driver:
@@ -215,7 +222,7 @@ def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
     out = []
     for k, (f, n) in enumerate(zip(frames, lengths, strict=True)):
         data = f[_HEADER : _HEADER + n] if n <= FAST_BYTES else bigs[k][:n]
-        out.append(obj if k == parallel.rank else pickle.loads(data.numpy().tobytes()))
+        out.append(obj if k == parallel.rank else _unpickle(data))
     return out
 
 
