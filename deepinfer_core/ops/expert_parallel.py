@@ -114,13 +114,13 @@ def _world(group: Any) -> tuple[int, int]:
 def _exchange(
     t: torch.Tensor, out_rows: int, out_splits: list[int] | None, in_splits: list[int] | None, group: Any
 ) -> torch.Tensor:
-    """``all_to_all_single`` of ``t``'s rows (FP8 travels as bytes: gloo has no float8)."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    """``all_to_all_single`` of ``t``'s rows (the counts, the packed dispatch rows of
+    :func:`_exchange_packed`, the combine's outputs)."""
+    if _world(group)[1] == 1:
         return t
-    wire = t.view(torch.uint8) if t.dtype.itemsize == 1 and t.is_floating_point() else t
-    out = wire.new_empty((out_rows, *t.shape[1:]))
-    dist.all_to_all_single(out, wire.contiguous(), out_splits, in_splits, group=group)
-    return out.view(t.dtype) if wire is not t else out
+    out = t.new_empty((out_rows, *t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
+    return out
 
 
 def _exchange_packed(
@@ -133,8 +133,9 @@ def _exchange_packed(
     """:func:`_exchange` of several tensors with the same rows in one ``all_to_all_single``:
     each row's bytes side by side (exact: bit-for-bit views), split and viewed back on arrival.
     One collective instead of one per tensor (rows, weights, ids, FP8 scales): each is a
-    kernel launch and a latency-bound transfer of a few bytes a row."""
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+    kernel launch and a latency-bound transfer of a few bytes a row.  (FP8 travels as bytes
+    too: gloo has no float8.)"""
+    if _world(group)[1] == 1:
         return parts
     rows = parts[0].shape[0]
     wires = [t.contiguous().reshape(rows, math.prod(t.shape[1:])).view(torch.uint8) for t in parts]
