@@ -418,7 +418,7 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
         options = {}
         for flag in ("quantized", "dspark"):
-            if getattr(args, flag) is not None and getattr(args, flag) is not False:
+            if getattr(args, flag):  # (--no-dspark asks for nothing)
                 raise ConfigError(f"make-tiny --{flag}: only with --arch deepseek_v41")
     out = Path(args.outdir)
     if not 0 <= args.seed < 2**63:

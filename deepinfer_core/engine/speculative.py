@@ -334,12 +334,12 @@ class SpeculativeDecoder:
         drafter's measured time, against a step without drafts as such steps run).  A clear
         decision (gain beyond :data:`SETTLED_GAIN` either way) is reused for the next
         :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`).
-        Both sides stay measured: now and then
-        a step drafts although it does not pay (so the acceptance rates can recover) or runs
-        without drafts although drafting pays (so the cost of a plain step, asynchronous where
-        the engine can, stays known) — :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
+        Both sides stay measured: now and then a step drafts although it does not pay (so the
+        acceptance rates can recover) or runs without drafts although drafting pays (so the
+        cost of a plain step, asynchronous where the engine can, stays known) —
+        :class:`~deepinfer_core.speculative.policy.ProbeSchedule`."""
         assert self.cost is not None
-        if self._settled > 0:  # a clear decision, reused for a few steps (SETTLED_STEPS)
+        if self._settled > 0:  # the last decision, reused (SETTLED_STEPS / UNSETTLED_STEPS)
             self._settled -= 1
             return self._probes.decide(self._pays, self._certain)
         prior = self._global_rates()

@@ -79,14 +79,13 @@ class ProbeSchedule:
     After :data:`PROBE_INTERVAL` steps in a row without drafting (it did not pay) one drafts
     anyway, so the acceptance rates can recover; after :data:`PLAIN_PROBE_INTERVAL` drafting
     steps in a row one runs without drafts, so the cost of a plain step stays known (unless
-    drafting pays so clearly that no plain step's cost could change that:
-    :data:`CERTAIN_GAIN`).  A probe
-    whose next decision is the same as before it (it did not change the estimate enough to
-    flip) doubles that side's interval, up to :data:`PROBE_BACKOFF_CAP` times its start; a
-    flip resets both intervals.  A settled decision thus pays ever fewer probes, while a
-    changed workload is noticed within the base interval after the flip.  A draft probe
-    verifies every draft proposed (as ``fixed``): verifying only those the current estimates
-    favour would verify none and teach nothing.
+    drafting pays so clearly that no plain step's cost could change that: :data:`CERTAIN_GAIN`).
+    A probe whose next decision is the same as before it (it did not change the estimate enough
+    to flip) doubles that side's interval, up to :data:`PROBE_BACKOFF_CAP` times its start; a
+    flip resets both intervals. A settled decision thus pays ever fewer probes, while a changed
+    workload is noticed within the base interval after the flip. A draft probe verifies every
+    draft proposed (as ``fixed``): verifying only those the current estimates favour would
+    verify none and teach nothing.
     """
 
     def __init__(self) -> None:
@@ -111,8 +110,8 @@ class ProbeSchedule:
                 self.draft_interval = min(2 * self.draft_interval, PROBE_BACKOFF_CAP * PROBE_INTERVAL)
         self._last, self._probed = pays, False
         self._run += 1
-        self.probing = self._run > (self.plain_interval if pays else self.draft_interval)
-        self.probing = self.probing and not (pays and certain)
+        due = self._run > (self.plain_interval if pays else self.draft_interval)
+        self.probing = due and not (pays and certain)
         if self.probing:
             self._run, self._probed = 0, True
             return not pays
