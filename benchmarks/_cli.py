@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable, Sequence
 
 
 def log(msg: str) -> None:
@@ -20,6 +21,19 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """``argparse`` type: a non-empty comma-separated list of ``choices`` (``"decode,cp"``)."""
+
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in values if x not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(choices)}")
+        return values
+
+    return parse
 
 
 KEEP_QUANTIZED = {"auto": None, "on": True, "off": False}

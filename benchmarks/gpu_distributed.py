@@ -110,7 +110,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
 import gpu_e2e as e2e  # noqa: E402
-from _cli import log, positive_ints  # noqa: E402
+from _cli import choice_list, log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.distributed.context_parallel import (  # noqa: E402
@@ -717,9 +717,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, reference backend, built-in tiny model")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument(
+        "--parts",
+        type=choice_list(PARTS),
+        default=",".join(PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)}",
+    )
     ap.add_argument(
         "--decode-modes",
+        type=choice_list(tuple(DISTRIBUTED_KINDS)),
         default="dp2ep2",
         help="comma-separated two-GPU engines of the decode part, each against one GPU: dp2ep2 "
         "(DP2 + EP2), dp2 (two full replicas, no expert parallelism: the EP exchange's cost apart)",
@@ -802,14 +808,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for key, values in MODE_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, values[mode])
-    args.parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    bad = [p for p in args.parts if p not in PARTS]
-    if bad or not args.parts:
-        ap.error(f"--parts: unknown {bad}; choose from {','.join(PARTS)}")
-    args.decode_modes = [m.strip() for m in args.decode_modes.split(",") if m.strip()]
-    bad = [m for m in args.decode_modes if m not in DISTRIBUTED_KINDS]
-    if bad or not args.decode_modes:
-        ap.error(f"--decode-modes: unknown {bad}; choose from {','.join(DISTRIBUTED_KINDS)}")
     args.keep_quantized = args.keep_quantized == "on"
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
