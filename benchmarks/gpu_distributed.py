@@ -14,7 +14,9 @@ engine is shut down and freed before the next is built):
     Decode throughput per GPU at ``--batch-sizes`` B = 64, 256 per GPU, prompts of
     ``--prompt-len`` 512, ``--new-tokens`` 32: one GPU with B requests vs
     ``LLM(data_parallel_size=2, enable_expert_parallel=True)`` with 2B requests (B on each
-    rank: the coordinator assigns requests to replicas alternately).  tok/s per GPU is taken
+    rank: the coordinator assigns requests to replicas alternately; ``--decode-modes
+    dp2ep2,dp2`` adds ``LLM(data_parallel_size=2)``, two full replicas without expert
+    parallelism, which separates the exchange's cost).  tok/s per GPU is taken
     from rank 0's steps in which all its B requests decode (``gpu_e2e``'s steady-batch
     figure; the ranks step in lockstep).  Each row records whether rank 0 captured decode
     graphs (``graphs``, and the EP graph statistics where the runner keeps them);

@@ -21,6 +21,7 @@ with both ``fixed`` and ``dspark``, a line of DSpark's paired per-run throughput
 ``vs_fixed_per_run`` in the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
+    python benchmarks/speculative.py --drafter mtp --model bigram-mtp   # an MTP layer that is right
     python benchmarks/speculative.py --model DIR --backend cuda_sm100 --batch-sizes 1,16,64
 
 Prints a table and writes JSON (default ``benchmarks/results/speculative.json``).
