@@ -41,6 +41,7 @@ from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContex
 from deepinfer_core.speculative.policy import (
     CERTAIN_GAIN,
     EMA,
+    MAX_REUSE_STEPS,
     SETTLED_GAIN,
     SETTLED_STEPS,
     UNSETTLED_STEPS,
@@ -133,6 +134,7 @@ class SpeculativeDecoder:
         self._pays = False  # dspark: the last weighed decision ...
         self._certain = False  # ... whether it pays beyond CERTAIN_GAIN (no plain probes) ...
         self._settled = 0  # ... reused for this many more steps (it was clear)
+        self._reuse = 0  # ... for how many the last time it was weighed
         self._drafting = False  # this step asks the drafter (:meth:`wants_drafts`)
         self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
         self._estimates: list[list[float]] | None = None  # and their confidences (dspark)
@@ -333,7 +335,9 @@ class SpeculativeDecoder:
         the requests' running acceptance rates weighted by the drafter's reach, and the
         drafter's measured time, against a step without drafts as such steps run).  A clear
         decision (gain beyond :data:`SETTLED_GAIN` either way) is reused for the next
-        :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`).
+        :data:`SETTLED_STEPS` steps without weighing (another for :data:`UNSETTLED_STEPS`),
+        one that the weighing confirms for twice as many as the last time (up to
+        :data:`MAX_REUSE_STEPS`).
         Both sides stay measured: now and then a step drafts although it does not pay (so the
         acceptance rates can recover) or runs without drafts although drafting pays (so the
         cost of a plain step, asynchronous where the engine can, stays known) —
@@ -349,9 +353,12 @@ class SpeculativeDecoder:
         prior_reach = self._global_reach()
         reach = [self._reach(req, room, prior_reach) for req, room in cands]
         gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
-        self._pays, self._certain = gain > 1.0, gain > CERTAIN_GAIN
+        pays, self._certain = gain > 1.0, gain > CERTAIN_GAIN
         clear = gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0
-        self._settled = SETTLED_STEPS if clear else UNSETTLED_STEPS
+        base = SETTLED_STEPS if clear else UNSETTLED_STEPS
+        confirmed = self._reuse > 0 and pays == self._pays  # the same answer as last time
+        self._reuse = min(max(2 * self._reuse, base), MAX_REUSE_STEPS) if confirmed else base
+        self._pays, self._settled = pays, self._reuse
         return self._probes.decide(self._pays, self._certain)
 
     def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:
@@ -385,7 +392,7 @@ class SpeculativeDecoder:
         """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
         rates shrunk towards the engine's (``prior``, :meth:`_global_rates`)."""
         stats = self._stats.get(req.request_id)
-        return cumulative(prior[:n] if stats is None else stats.rates(prior[:n]))
+        return cumulative(prior[:n] if stats is None else stats.rates(prior[:n]), clamp=False)
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""

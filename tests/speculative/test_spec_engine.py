@@ -6,6 +6,7 @@ prefix caching, preemption, structured outputs, batch invariance bitwise)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -212,13 +213,14 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     import deepinfer_core.engine.speculative as engine_spec
 
     weighed, decided = [], []
-    monkeypatch.setattr(engine_spec, "drafting_gain", lambda *a: weighed.append(1) or 0.0)  # pessimistic
+    # pessimistic; each weighing noted with the number of decisions taken before it
+    monkeypatch.setattr(engine_spec, "drafting_gain", lambda *a: weighed.append(len(decided) - 1) or 0.0)
     decide = engine_spec.SpeculativeDecoder._drafting_pays
     monkeypatch.setattr(
         engine_spec.SpeculativeDecoder, "_drafting_pays", lambda *a: decided.append(1) or decide(*a)
     )
     monkeypatch.setattr(engine_spec, "dspark_lengths", lambda confidences, *a: [0] * len(confidences))
-    params = PARAMS["greedy"]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long enough to back off
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = _llm(tiny_dir).generate(prompts, params)
     _script(PROMPTS, ref)
@@ -231,8 +233,12 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     cm = m["cost_model"]
     assert "1x1" in cm["forward_ms"] and cm["draft_ms"] >= 0, cm
     assert len(cm["acceptance_estimate"]) == 4 and cm["acceptance_estimate"][0] > 0.5, cm
-    # a clear decision (gain 0) is reused for SETTLED_STEPS steps before it is weighed again
-    assert 0 < len(weighed) <= len(decided) // (engine_spec.SETTLED_STEPS + 1) + 1, (weighed, decided)
+    # a clear decision (gain 0) is reused for SETTLED_STEPS steps before it is weighed again,
+    # and while each weighing confirms it, for twice as many as the last time (up to a cap)
+    gaps = [b - a - 1 for a, b in itertools.pairwise(weighed)]
+    settled, cap = engine_spec.SETTLED_STEPS, engine_spec.MAX_REUSE_STEPS
+    assert len(gaps) >= 2, (weighed, len(decided))
+    assert gaps == [min(settled * 2**i, cap) for i in range(len(gaps))], (gaps, weighed)
 
 
 @pytest.mark.parametrize("drafter", ["wrong", "mtp"])
