@@ -17,8 +17,8 @@ size are built first and their runs interleaved, so drifting machine load hits e
 generated tok/s, target forwards
 (engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length;
 with both ``fixed`` and ``dspark``, a line of DSpark's paired per-run throughput ratios to
-``fixed`` (median, mean ± sd, runs at least 1: the issue's target, judged against the noise;
-``vs_fixed_per_run`` in the JSON).
+``fixed`` (median, mean ± sd, the mean's 95 % confidence interval, runs at least 1: the
+issue's target, judged against the noise; ``vs_fixed_per_run`` in the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
     python benchmarks/speculative.py --drafter mtp --model bigram-mtp   # an MTP layer that is right
@@ -180,14 +180,19 @@ def top_functions(prof: cProfile.Profile, count: int, steps: int) -> list[dict[s
 def paired_ratios(base_times: list[float], times: list[float]) -> dict[str, Any]:
     """Throughput ratios of paired timed runs (run ``i`` of each mode ran back to back, so
     drifting machine load hits both alike): ``base / time`` per pair, their median, mean and
-    standard deviation, and how many are at least 1."""
+    standard deviation, the 95 % confidence interval of the mean (normal approximation:
+    ``mean ± 1.96 sd / sqrt(runs)``, so take it from ~10 runs up) and how many are at least 1."""
     ratios = [b / t for b, t in zip(base_times, times, strict=True)]
+    mean = statistics.fmean(ratios)
+    sd = statistics.stdev(ratios) if len(ratios) > 1 else 0.0
+    half = 1.96 * sd / len(ratios) ** 0.5
     return {
         "ratios": ratios,
         "runs": len(ratios),
         "median": statistics.median(ratios),
-        "mean": statistics.fmean(ratios),
-        "sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+        "mean": mean,
+        "sd": sd,
+        "ci95": [mean - half, mean + half],
         "at_least_1": sum(r >= 1.0 for r in ratios),
     }
 
@@ -282,10 +287,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         by_mode = {run.mode: run for run in runs}
         if "dspark" in by_mode and "fixed" in by_mode:
             paired = paired_ratios(by_mode["fixed"].times, by_mode["dspark"].times)
+            low, high = paired["ci95"]
             next(r for r in rows if r["batch"] == b and r["mode"] == "dspark")["vs_fixed_per_run"] = paired
             print(
                 f"{b:>4} dspark/fixed per run: median {paired['median']:.3f}, mean {paired['mean']:.3f}"
-                f" ± {paired['sd']:.3f} (sd), {paired['at_least_1']}/{paired['runs']} runs >= 1",
+                f" ± {paired['sd']:.3f} (sd; the mean's 95 % CI {low:.3f}..{high:.3f}),"
+                f" {paired['at_least_1']}/{paired['runs']} runs >= 1",
                 flush=True,
             )
         del runs

@@ -49,3 +49,5 @@ def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) 
     assert all(r["same_tokens_as_first_mode"] for r in rows.values())
     paired = rows["dspark"]["vs_fixed_per_run"]
     assert paired["runs"] == 2 and len(paired["ratios"]) == 2 and paired["median"] > 0
+    low, high = paired["ci95"]
+    assert low <= paired["mean"] <= high and high - low == pytest.approx(2 * 1.96 * paired["sd"] / 2**0.5)

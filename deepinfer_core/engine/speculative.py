@@ -301,9 +301,11 @@ class SpeculativeDecoder:
                 self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
         if self.cost is not None:  # dspark: the drafter's confidences, for their calibration
-            self._draft_conf = {
-                r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
-            }
+            self._draft_conf = (
+                {r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence}
+                if any(d.confidence for d in drafts)
+                else {}
+            )
 
     def _confidences(
         self,
@@ -392,7 +394,7 @@ class SpeculativeDecoder:
         """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
         rates shrunk towards the engine's (``prior``, :meth:`_global_rates`)."""
         stats = self._stats.get(req.request_id)
-        return cumulative(prior[:n] if stats is None else stats.rates(prior[:n]), clamp=False)
+        return cumulative(prior[:n], clamp=False) if stats is None else stats.cumulative_rates(prior[:n])
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""

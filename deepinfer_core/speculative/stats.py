@@ -66,6 +66,15 @@ class AcceptanceStats:
         pairs = zip(self.accepted, self.tried, prior, strict=False)
         return [(a + weight * q) / (t + weight) for a, t, q in pairs]
 
+    def cumulative_rates(self, prior: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
+        """The cumulative products of :meth:`rates` (``P(d_1 .. d_i all accepted)``, one per
+        position of ``prior``), in one pass: DSpark asks this of every drafting request every step."""
+        out, acc = [], 1.0
+        for a, t, q in zip(self.accepted, self.tried, prior, strict=False):
+            acc *= (a + weight * q) / (t + weight)
+            out.append(acc)
+        return out
+
 
 CALIBRATION_DECAY = 0.995
 """Weight the earlier verifies keep in :class:`ConfidenceCalibration` at each new one."""

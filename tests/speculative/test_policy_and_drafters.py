@@ -4,6 +4,7 @@ acceptance statistics and the n-gram drafter against a direct search."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -215,6 +216,10 @@ def test_acceptance_stats_are_conditional_rates():
     priors = [0.9, 0.5, 0.2]  # every position at once: the same numbers
     assert s.rates(priors) == [s.rate(i, p) for i, p in enumerate(priors)]
     assert s.reaches(priors[:2]) == [s.reach(i, p) for i, p in enumerate(priors[:2])]
+    # their running products in one pass: the identity with the rates' products
+    products = [math.prod(s.rates(priors)[: i + 1]) for i in range(3)]
+    assert s.cumulative_rates(priors) == pytest.approx(products)
+    assert s.cumulative_rates(priors[:2]) == pytest.approx(cumulative(s.rates(priors[:2])))
     # recency-weighted: with decay, the latest observations outweigh an older run of them
     r = AcceptanceStats(1, decay=0.5)
     for _ in range(10):
