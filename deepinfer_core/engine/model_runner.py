@@ -28,6 +28,7 @@ from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.expert_parallel import fixed_dispatch_rows
 from deepinfer_core.ops.modes import batch_invariant_mode
+from deepinfer_core.sampling.sampler import tensor_to_device
 
 from .batch import SeqChunk
 from .graphs import DeviceGraph, GraphFactory, batch_buckets, device_graph_factory
@@ -328,7 +329,7 @@ class ModelRunner:
             self._mtp_in[:n].copy_(hidden)
             self.inputs.prepare(chunks, list(range(bucket)), None, bucket, bucket + 1, self.max_model_len)
             logits, streams = self.mtp_graphs[bucket].replay()
-            index = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
+            index = tensor_to_device(torch.tensor(logit_rows, dtype=torch.int64), self.device)  # no sync
             return logits.index_select(0, index), streams[:n].clone()
         inputs = self.inputs.prepare(chunks, logit_rows, None)
         return self._mtp_forward(inputs, hidden)

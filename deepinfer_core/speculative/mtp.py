@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.sampling.sampler import tensor_to_device
 
 from .drafter import ComputedChunk, Draft, DraftContext, Drafter
 
@@ -83,13 +84,16 @@ class MtpDrafter(Drafter):
             seqs.append(_seq(c, c.start_pos, c.token_ids))
             if c.sampled:
                 last_rows.append(len(rows) - 1)
-        index = torch.tensor(rows, dtype=torch.int64).to(runner.device)
+        # pinned, non-blocking copies: a plain .to(device) waits for the stream (the step the
+        # engine launched meanwhile), which would take the overlap of async scheduling away
+        index = tensor_to_device(torch.tensor(rows, dtype=torch.int64), runner.device)
         hidden = chunks[0].hidden if chunks[0].hidden is not None else runner.hidden
         logits, streams = runner.execute_mtp(seqs, hidden.index_select(0, index), last_rows)
         if not last_rows:
             return
         prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
-        last = streams.index_select(0, torch.tensor(last_rows, dtype=torch.int64).to(streams.device))
+        last_index = tensor_to_device(torch.tensor(last_rows, dtype=torch.int64), streams.device)
+        last = streams.index_select(0, last_index)
         sampled = [c for c in chunks if c.sampled]
         for j, c in enumerate(sampled):
             self._next[c.request_id] = _Next(c.start_pos + c.num_rows - 1, token[j], prob[j], last[j], c)
