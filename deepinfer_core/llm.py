@@ -146,7 +146,10 @@ class LLM:
         preemptions, tokens/s, cache use, ``kv_cache_capacity_tokens``); with speculative
         decoding also ``speculative``: drafts, draft / accepted tokens, mean acceptance length,
         acceptance per position and the histogram of verify lengths, and for ``dspark`` its
-        cost model (:meth:`deepinfer_core.engine.speculative.SpeculativeDecoder.metrics_dict`).
+        cost model (:meth:`deepinfer_core.engine.speculative.SpeculativeDecoder.metrics_dict`);
+        with EPLB (``eplb=...``) also ``eplb``: steps, rebalancings, the last check's max/mean
+        GPU expert load before and after and the recent checks
+        (:meth:`deepinfer_core.distributed.eplb.EplbController.metrics_dict`, rank 0's).
 
         In a distributed run the counters are summed over the data-parallel replicas and
         ``per_rank`` holds every rank's own dict

@@ -134,10 +134,13 @@ def handle_message(engine: LLMEngine, parallel: ParallelState, msg: StepMessage)
 
 
 def rank_metrics(engine: LLMEngine) -> dict[str, Any]:
-    """One engine's ``get_metrics()`` dict."""
+    """One engine's ``get_metrics()`` dict (with EPLB: ``eplb``,
+    :meth:`~deepinfer_core.distributed.eplb.EplbController.metrics_dict`)."""
     metrics = engine.metrics.as_dict()
     if engine.spec is not None:
         metrics["speculative"] = engine.spec.metrics_dict()
+    if engine.eplb is not None:
+        metrics["eplb"] = engine.eplb.metrics_dict()
     return metrics
 
 
@@ -633,11 +636,12 @@ def merge_metrics(per_rank: list[dict[str, Any]], cp_size: int = 1) -> dict[str,
     """One ``get_metrics()`` dict from every rank's: integer counters summed over the CP
     leaders (the followers repeat their leader's work), ``elapsed_s`` and ``num_steps`` the
     largest, tokens/s from the sums, ``cache_usage`` the mean, ``peak_cache_usage`` the
-    largest, ``last_step`` rank 0's; ``per_rank`` holds the ranks' own dicts."""
+    largest, ``last_step`` and ``eplb`` rank 0's (EPLB's loads are the same on every EP rank);
+    ``per_rank`` holds the ranks' own dicts."""
     leaders = per_rank[::cp_size]
     merged: dict[str, Any] = {}
     for key, value in leaders[0].items():
-        if key in ("last_step", "speculative"):
+        if key in ("last_step", "speculative", "eplb"):
             continue
         values = [m[key] for m in leaders]
         if key in _MAX_KEYS or key == "elapsed_s":
@@ -650,6 +654,8 @@ def merge_metrics(per_rank: list[dict[str, Any]], cp_size: int = 1) -> dict[str,
     merged["generation_tokens_per_s"] = merged["num_generated_tokens"] / elapsed if elapsed > 0 else 0.0
     merged["tokens_per_s"] = merged["num_scheduled_tokens"] / elapsed if elapsed > 0 else 0.0
     merged["last_step"] = per_rank[0].get("last_step")
+    if "eplb" in per_rank[0]:
+        merged["eplb"] = per_rank[0]["eplb"]
     if "speculative" in leaders[0]:
         merged["speculative"] = _merge_speculative([m["speculative"] for m in leaders])
     merged["per_rank"] = per_rank

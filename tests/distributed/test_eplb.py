@@ -572,7 +572,8 @@ def test_engine_eplb_outputs_equal_single_process(world: int, policy: str, nodes
     """``LLM`` with DP + EP over ``world`` ranks and EPLB rebalancing every 2 steps (``world``
     redundant experts): greedy tokens and logprobs bitwise equal to a single process with
     ``batch_invariant=True``, while the rebalancings lower the window's max/mean GPU load and
-    move weights."""
+    move weights; ``get_metrics()["eplb"]`` reports the controller's checks, the same on every
+    rank."""
     params = SamplingParams(max_tokens=10, temperature=0, logprobs=2)
     with LLM(backend="reference", batch_invariant=True) as llm:
         want = llm.generate(ENGINE_PROMPTS, params)
@@ -593,6 +594,16 @@ def test_engine_eplb_outputs_equal_single_process(world: int, policy: str, nodes
         assert after < before
         default = ExpertPlacement.default(ctl.placement.num_layers, ctl.placement.num_experts, world, world)
         assert not torch.equal(ctl.placement.phy2log, default.phy2log)
+        metrics = llm.get_metrics()
+    # get_metrics()["eplb"]: rank 0's controller figures; every rank reports the same loads
+    m = metrics["eplb"]
+    assert (m["steps"], m["rebalances"], m["rebalance_interval"]) == (ctl.steps, ctl.rebalances, 2)
+    assert (m["last_imbalance_before"], m["last_imbalance_after"]) == (before, after)
+    assert m["checks"] and all(c["step"] % 2 == 0 for c in m["checks"])
+    assert sum(c["rebalanced"] for c in m["checks"]) == ctl.rebalances
+    assert all(c["rebalanced"] == (c["imbalance_after"] < c["imbalance_before"]) for c in m["checks"])
+    ranks = [r["eplb"] for r in metrics["per_rank"]]
+    assert len(ranks) == world and all(r["checks"] == m["checks"] for r in ranks)
     for a, b in zip(want, got, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs

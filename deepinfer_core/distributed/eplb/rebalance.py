@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -286,6 +287,10 @@ def infer_num_nodes(world_size: int) -> int:
     return 1
 
 
+CHECKS_KEPT = 16
+"""Rebalancing checks an :class:`EplbController` keeps for its metrics (the latest ones)."""
+
+
 class EplbController:
     """Expert-parallel load balancing of one rank: load window, periodic rebalancing and
     weight move (see the module docstring).
@@ -315,6 +320,10 @@ class EplbController:
             under the old and the new placement.
         last_received: experts this rank received in the last weight move.
         moving: whether a spread move is in progress.
+        checks: the last :data:`CHECKS_KEPT` rebalancing checks (``step``, max/mean GPU load of
+            the window under the current placement ``imbalance_before`` and under the one the
+            policy proposed ``imbalance_after``, whether it ``rebalanced``): a check's
+            ``imbalance_before`` measures the traffic routed by the previous check's placement.
     """
 
     def __init__(
@@ -367,6 +376,7 @@ class EplbController:
         self.rebalances = 0
         self.last_ratio: tuple[float, float] | None = None
         self.last_received = 0
+        self.checks: deque[dict[str, Any]] = deque(maxlen=CHECKS_KEPT)
         if layers_per_step is not None and layers_per_step < 1:
             raise ValueError(f"EPLB: layers_per_step={layers_per_step} must be >= 1")
         self.layers_per_step = layers_per_step
@@ -404,6 +414,14 @@ class EplbController:
         new = align_placement(old, new, par.ep_size, self.num_nodes)
         before, after = imbalance(load, old, par.ep_size), imbalance(load, new, par.ep_size)
         self.last_ratio = (before, after)
+        self.checks.append(
+            {
+                "step": self.steps,
+                "imbalance_before": before,
+                "imbalance_after": after,
+                "rebalanced": after < before,
+            }
+        )
         if after >= before:  # keep the layout (and the weights) when it is no better
             logger.info("EPLB: kept the placement (max/mean load %.3f, a new one %.3f)", before, after)
             return False
@@ -413,6 +431,26 @@ class EplbController:
         self.rebalances += 1
         logger.info("EPLB: rebalancing at step %d: max/mean load %.3f -> %.3f", self.steps, before, after)
         return True
+
+    def metrics_dict(self) -> dict[str, Any]:
+        """This rank's EPLB figures, ``get_metrics()["eplb"]`` of the engine: ``steps`` seen,
+        ``rebalance_interval`` and ``window_steps``, ``rebalances`` done, the last check's
+        max/mean GPU load ``last_imbalance_before`` / ``last_imbalance_after`` (``None`` before
+        the first), ``last_experts_received`` (this rank's, in the last move), ``moving`` and
+        ``checks`` (see the class docstring).  The loads come from the all-reduced window, so
+        every EP rank reports the same figures but its own ``last_experts_received``."""
+        before, after = self.last_ratio if self.last_ratio is not None else (None, None)
+        return {
+            "steps": self.steps,
+            "rebalance_interval": self.config.rebalance_interval,
+            "window_steps": self.config.window_steps,
+            "rebalances": self.rebalances,
+            "last_imbalance_before": before,
+            "last_imbalance_after": after,
+            "last_experts_received": self.last_received,
+            "moving": self.moving,
+            "checks": [dict(c) for c in self.checks],
+        }
 
     def _move_next(self) -> None:
         """Move the next ``layers_per_step`` changed layers (all of them without it) to the
