@@ -786,6 +786,11 @@ MEASURED_2GPU: list[dict[str, Any]] = [  # 2 x H200 (NVLink), 2026-12-01, gpu_di
     {"what": "prefill CP2 32k", "fmt": "bf16", "tokens": 32768, "tok_s": 76197.9},
 ]
 
+# The hook of issue 12: the entries `gpu_distributed.py --world N` prints (DP N + EP N decode and
+# CP N prefill of the e2e model on N GPUs of one host, each with its "world"); --check prints the
+# model's prediction next to them as next to MEASURED_2GPU.  Not measured yet.
+MEASURED_NGPU: list[dict[str, Any]] = []
+
 # anchors.md: DeepEP low-latency dispatch at 128 tokens per rank (hidden 7168, top-8, H800)
 DEEPEP_LL_US = {8: 77.0, 256: 194.0}
 # anchors.md: DeepSeek production on H800 (the V3/R1 serving system): per node of 8 GPUs
@@ -829,20 +834,23 @@ def _check_row(name: str, p: dict[str, Any], r: dict[str, Any]) -> dict[str, Any
     }
 
 
-def check_2gpu(gpu: GpuSpec) -> list[dict[str, Any]]:
-    """The model's prediction for DP2+EP2 on the e2e model, next to :data:`MEASURED_2GPU`."""
+def check_2gpu(gpu: GpuSpec, points: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """The model's prediction for DP N + EP N decode and CP N prefill on the e2e model, next to
+    the measured ``points`` (default :data:`MEASURED_2GPU` and :data:`MEASURED_NGPU`; an
+    entry's ``world``, default 2, is N)."""
     m = e2e_model()
     eff = {f"{r['fmt']} {r['name']}": r["efficiency_vs_max"] for r in check_1gpu(gpu)}
     out = []
-    for p in MEASURED_2GPU:
+    for p in MEASURED_2GPU + MEASURED_NGPU if points is None else points:
+        world = p.get("world", 2)
         key = f"{p['fmt']} decode B={p['B']}" if "B" in p else f"{p['fmt']} prefill 1x8192"
         if "B" in p:
-            r = step(m, gpu, _e2e_dep(p["fmt"], 2), tokens=p["B"], ctx=528)
+            r = step(m, gpu, _e2e_dep(p["fmt"], world), tokens=p["B"], ctx=528)
             one = step(m, gpu, _e2e_dep(p["fmt"], 1), tokens=p["B"], ctx=528)
         else:
-            dep = _e2e_dep(p["fmt"], 2, cp=2, dispatch="normal")
+            dep = _e2e_dep(p["fmt"], world, cp=world, dispatch="normal")
             r = step(
-                m, gpu, dep, tokens=p["tokens"] / 2, ctx=p["tokens"], phase="prefill", prompt=p["tokens"]
+                m, gpu, dep, tokens=p["tokens"] / world, ctx=p["tokens"], phase="prefill", prompt=p["tokens"]
             )
             one = step(
                 m,
@@ -854,8 +862,10 @@ def check_2gpu(gpu: GpuSpec) -> list[dict[str, Any]]:
                 prompt=p["tokens"],
             )
         row = _check_row(p["what"] + (f" B={p['B']}/GPU" if "B" in p else ""), p, r)
+        row["world"] = world
         row["model_1gpu_tok_s_max"] = one["tok_s_per_gpu_max"]
-        row["expected_tok_s"] = r["tok_s_per_gpu_max"] * eff[key]
+        # no measured 1-GPU efficiency at this point (e.g. B=1024): no expectation
+        row["expected_tok_s"] = r["tok_s_per_gpu_max"] * eff[key] if key in eff else None
         row["expected_basis"] = f"model max x the measured 1-GPU efficiency of {key}"
         row["model_speedup_per_gpu_vs_1gpu"] = r["tok_s_per_gpu_max"] / one["tok_s_per_gpu_max"]
         out.append(row)
@@ -1003,12 +1013,13 @@ def print_checks(c: dict[str, Any]) -> None:
             f"{r['model_tok_s_sum']:10,.0f} {r['efficiency_vs_max']:7.1%} {r['efficiency_vs_sum']:7.1%} "
             f"{r['limiter']}"
         )
-    print("\ncheck (a'): e2e model DP2+EP2 on two H200s (issue 11's GPU run fills 'measured')")
+    print("\ncheck (a'): e2e model DP N + EP N / CP N on N H200s (MEASURED_2GPU, MEASURED_NGPU)")
     for r in c["e2e_2gpu"]:
         meas = "not measured yet" if r["measured_tok_s"] is None else f"{r['measured_tok_s']:,.0f}"
+        expected = "—" if r["expected_tok_s"] is None else f"{r['expected_tok_s']:,.0f}"
         print(
             f"{r['name']:28s} model {r['model_tok_s_max']:9,.0f} tok/s/GPU (sum {r['model_tok_s_sum']:,.0f}; "
-            f"1 GPU {r['model_1gpu_tok_s_max']:,.0f}); x 1-GPU efficiency: {r['expected_tok_s']:,.0f}; "
+            f"1 GPU {r['model_1gpu_tok_s_max']:,.0f}); x 1-GPU efficiency: {expected}; "
             f"measured: {meas}"
         )
     print("\ncheck (c): DeepEP low-latency dispatch, 128 tokens/rank, V3 shapes, H800")
