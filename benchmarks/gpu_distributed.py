@@ -1,55 +1,77 @@
-"""Distributed GPU benchmark (issue 11 item 5): DP2+EP2 decode, greedy equality and CP2 prefill of the
-e2e model on two GPUs, each against one GPU.
+"""Distributed GPU benchmark (issue 11 item 5, issue 12): DP N + EP N decode, greedy equality,
+CP N prefill and EPLB of the e2e model on ``--world`` N GPUs of one host (default 2), each
+against one GPU.
 
 The model is the one of ``gpu_e2e.py`` (:mod:`_gpu_model`: DeepSeek-V4-Flash widths, ``--layers``
-4 layers ``[sliding, CSA, HCA, CSA]``, ``--experts`` 64 routed experts, random seeded weights in a
-native FP8 / FP4 checkpoint, written to ``--model-dir`` when that folder does not hold it yet and
-reused otherwise, so a checkpoint ``gpu_e2e.py`` wrote with the same settings serves both).
-Weights are dequantised to bf16 at load (``--keep-quantized off``, the default) or kept FP8/FP4
-(``--keep-quantized on``).  Prompts are random token ids; every request is greedy with
-``ignore_eos``.  Three parts (``--parts``, run in the order given, by default this one; each
-engine is shut down and freed before the next is built):
+4 layers ``[sliding, CSA, HCA, CSA]``, ``--experts`` 64 routed experts (a multiple of N), random
+seeded weights in a native FP8 / FP4 checkpoint, written to ``--model-dir`` when that folder does
+not hold it yet and reused otherwise, so a checkpoint ``gpu_e2e.py`` wrote with the same settings
+serves both).  Weights are dequantised to bf16 at load (``--keep-quantized off``, the default) or
+kept FP8/FP4 (``--keep-quantized on``).  Prompts are random token ids; every request is greedy
+with ``ignore_eos``.  Four parts (``--parts``, run in the order given, by default
+``decode,cp,equality``; each engine is shut down and freed before the next is built).  Rows and
+engines are named by N: ``dp8ep8``, ``dp8``, ``cp8`` with ``--world 8`` (``dp2ep2``, ``dp2``,
+``cp2`` with the default 2):
 
 ``decode``
     Decode throughput per GPU at ``--batch-sizes`` B = 64, 256 per GPU, prompts of
     ``--prompt-len`` 512, ``--new-tokens`` 32: one GPU with B requests vs
-    ``LLM(data_parallel_size=2, enable_expert_parallel=True)`` with 2B requests (B on each
+    ``LLM(data_parallel_size=N, enable_expert_parallel=True)`` with N * B requests (B on each
     rank: the coordinator assigns requests to replicas alternately; ``--decode-modes
-    dp2ep2,dp2`` adds ``LLM(data_parallel_size=2)``, two full replicas without expert
+    dpNepN,dpN`` adds ``LLM(data_parallel_size=N)``, N full replicas without expert
     parallelism, which separates the exchange's cost).  tok/s per GPU is taken
     from rank 0's steps in which all its B requests decode (``gpu_e2e``'s steady-batch
     figure; the ranks step in lockstep).  Each row records whether rank 0 captured decode
     graphs (``graphs``, and the EP graph statistics where the runner keeps them);
     ``--enforce-eager`` makes every engine eager.  The same two engines then generate a shared
     prompt set (``--eq-prompts`` prompts of 16 .. ``--eq-max-len`` ids, ``--eq-new-tokens``
-    tokens, logprobs): the row ``equality.dp2ep2.fast`` counts the prompts whose greedy tokens
+    tokens, logprobs): the row ``equality.dpNepN.fast`` counts the prompts whose greedy tokens
     equal one GPU's and the largest logprob difference (bf16 batches differ, so a few tokens
     may differ).
 ``cp``
     Prefill of one ``--cp-prompt-len`` 32768-token prompt: one GPU vs
-    ``LLM(context_parallel_size=2)``, both with ``max_num_batched_tokens = --cp-chunk`` (8192:
+    ``LLM(context_parallel_size=N)``, both with ``max_num_batched_tokens = --cp-chunk`` (8192:
     every chunk has far more than ``CP_MIN_TOKENS`` = 1024 rows, so each is split zig-zag
-    over the two ranks; ``--cp-min-tokens`` sets ``DEEPINFER_CP_MIN_TOKENS``) and
+    over the N ranks; ``--cp-min-tokens`` sets ``DEEPINFER_CP_MIN_TOKENS``) and
     ``max_model_len`` = prompt + new tokens + 128.  A warm-up prompt of the same length,
     then ``--cp-repeats`` distinct prompts (no prefix-cache hits): TTFT (arrival to first
     token) and prompt tok/s (total and per GPU), best of the repeats; rank 0's forward
-    passes with a context-parallel plan are counted (a CP2 row with none is an error), and
-    the CP2 greedy tokens are compared with one GPU's.
+    passes with a context-parallel plan are counted (a CP N row with none is an error), and
+    the CP N greedy tokens are compared with one GPU's.
 ``equality``
     The shared prompt set on three eager engines with ``batch_invariant=True`` when the
     backend declares batch invariance on the device (``cuda_sm100`` does on CUDA): one GPU,
-    DP2+EP2 and DP2 (no EP).  Rows ``equality.dp2ep2.bi`` / ``equality.dp2.bi``: prompts
-    token-equal and whether every logprob is bitwise equal; anything short of N/N and
+    DP N + EP N and DP N (no EP).  Rows ``equality.dpNepN.bi`` / ``equality.dpN.bi``: prompts
+    token-equal and whether every logprob is bitwise equal; anything short of all prompts and
     bitwise fails the run (exit status 1).  Without declared invariance the same rows run
     in the default mode (rows ``.eager``), for information.
+``eplb``
+    DP N + EP N with ``eplb={"window_steps": R, "rebalance_interval": R,
+    "num_redundant_experts": --eplb-redundant}`` (default N replicas; ``R`` = ``--eplb-interval``,
+    by default twice a bound of one round's steps) serving a skewed prompt mix: 90 % of the
+    prompt ids come from ``--eplb-hot-ids`` 4 fixed ids (V4's first ``num_hash_layers`` layers
+    route a token by its id, so few ids load few experts; the learned routers see repetitive
+    input).  A warm-up round, the "before" round (``--eplb-batch`` B requests a GPU, default
+    the first of ``--batch-sizes``, ``--prompt-len``, ``--new-tokens``), filler requests (one
+    a rank) up to engine step R, where the controller rebalances once, the "after" round, and
+    fillers up to step 2R (the next check).  Rows ``eplb.before`` / ``eplb.after``: decode
+    tok/s per GPU (as in ``decode``), prefill tok/s per GPU, and the max/mean GPU expert load
+    (``max_over_mean_load``: per layer the most loaded GPU's routed tokens over the mean,
+    load-weighted over the layers) of steps 1..R under the first placement and of R+1..2R under
+    the rebalanced one -- both measured on the traffic, from the checks the engine reports in
+    ``get_metrics()["eplb"]`` (:meth:`EplbController.metrics_dict`); ``eplb.after`` also has
+    the policy's prediction, ``per_gpu_vs_before`` and ``load_vs_before``.  Not a default part
+    (one more engine build).
 
 NCCL runs with NVLink multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
 ``NVSHMEM_DISABLE_NVLS=1``, set here before torch loads; the worker ranks inherit them).  The
-script checks up front that two GPUs, NCCL and the backend are there, and fails with one line
-saying what is missing.  It prints a table, writes JSON (``--out``, after every measurement, so a
-run cut short keeps what it measured; ``--time-budget`` skips, and records, what would start
-late; ``--build-reserve`` seconds must remain to build a new engine), and prints the lines to
-paste into ``docs/benchmarks.md`` and into ``MEASURED_2GPU`` of ``distributed_cost_model.py``.
+script checks up front that N GPUs, NCCL and the backend are there and that the experts divide
+over N ranks, and fails with one line saying what is missing.  It prints a table, writes JSON
+(``--out``, after every measurement, so a run cut short keeps what it measured;
+``--time-budget`` skips, and records, what would start late; ``--build-reserve`` seconds must
+remain to build a new engine), and prints the lines to paste into ``docs/benchmarks.md`` and
+into ``MEASURED_2GPU`` of ``distributed_cost_model.py`` (with N other than 2: into
+``MEASURED_NGPU``, each entry with its ``world``; its ``--check`` puts the model next to both).
 Exit status 1 when a measurement failed or an exactness check did not hold.
 
 On the 2-GPU H200 kind (``python3`` holds torch there; pydantic carried as wheels; the core and
@@ -68,14 +90,24 @@ or in parts that each fit a 10-minute command, merged into one JSON with ``--app
     timeout 590 python3 benchmarks/gpu_distributed.py $A --parts decode
     timeout 590 python3 benchmarks/gpu_distributed.py $A --parts cp,equality
 
+Issue 12 on the 8-GPU H200 kind (``nvidia-h200-x8``; ``--world 4`` on ``nvidia-h200-x4``), all
+of it in one command (eight engine builds; not yet run on 8 GPUs -- smoke-tested on the CPU
+only; if it does not fit the time budget, the skipped parts are listed and a second command
+with ``--append --parts ...`` runs them)::
+
+    timeout 590 python3 benchmarks/gpu_distributed.py --world 8 --model-dir /tmp/m \\
+        --batch-sizes 64,256,1024 --cp-prompt-len 131072 --parts decode,cp,equality,eplb \\
+        --time-budget 540 --out $OUT/gpu_distributed_w8.json --log-dir $OUT/rank_logs
+
 FP8/FP4 weights kept quantised: add ``--keep-quantized on`` (rows are labelled ``fp8_fp4``).
 The NCCL exactness tests of the tiny model:
 ``timeout 300 python3 -m pytest tests/distributed/test_nccl.py -v``.
 
-``--smoke`` runs every part with the same code on the CPU: gloo, the ``reference`` backend,
-fp32, the built-in tiny model, B = 2 and 4, short prompts, a 300-token CP prompt in chunks
-of 128 with ``DEEPINFER_CP_MIN_TOKENS=64``, batch-invariant equality bitwise (about 30 s on two
-cores; results in ``<tmp>/gpu_distributed_smoke.json``)::
+``--smoke`` runs every part (eplb included) with the same code on the CPU: gloo, the
+``reference`` backend, fp32, the built-in tiny model, B = 2 and 4, short prompts, a 300-token CP
+prompt in chunks of 128 with ``DEEPINFER_CP_MIN_TOKENS=64``, batch-invariant equality bitwise,
+EPLB on prompts from 2 hot ids (about 40 s on two cores with ``--world 2``; results in
+``<tmp>/gpu_distributed_smoke.json``)::
 
     python benchmarks/gpu_distributed.py --smoke
 """
@@ -123,11 +155,12 @@ from deepinfer_core.distributed.worker import LOG_DIR_ENV  # noqa: E402
 from deepinfer_core.testing.observe import counting_context_parallel_forwards  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_distributed.json"
-PARTS = ("decode", "cp", "equality")
+PARTS = ("decode", "cp", "equality", "eplb")
 T_START = time.perf_counter()  # --time-budget counts from here
 
 # Defaults: (full run, --smoke).  Arguments left unset take the column of the mode.
 MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
+    "parts": (["decode", "cp", "equality"], list(PARTS)),
     "device": ("cuda", "cpu"),
     "backend": ("cuda_sm100", "reference"),
     "dtype": ("bfloat16", "float32"),
@@ -143,8 +176,11 @@ MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "cp_new_tokens": (4, 3),
     "cp_repeats": (2, 2),
     "cp_min_tokens": (None, 64),
+    "eplb_hot_ids": (4, 2),
 }
 EQ_LOGPROBS = 2  # top-2 (and the sampled token) per generated token in the equality runs
+EPLB_HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the --eplb-hot-ids ones
+EPLB_FILLER_LEN = 8  # prompt ids of the eplb part's filler requests (one per rank)
 
 
 def die(msg: str) -> SystemExit:
@@ -154,11 +190,23 @@ def die(msg: str) -> SystemExit:
 
 
 # ---- engines ----------------------------------------------------------------------------------------
-DISTRIBUTED_KINDS: dict[str, dict[str, Any]] = {
-    "dp2ep2": {"data_parallel_size": 2, "enable_expert_parallel": True},
-    "dp2": {"data_parallel_size": 2},
-}
-"""The two-GPU engines, by the name their rows carry."""
+def dp_ep(world: int) -> str:
+    """The name of the DP ``world`` + EP ``world`` engine's rows: ``dp2ep2``, ``dp8ep8`` ..."""
+    return f"dp{world}ep{world}"
+
+
+def distributed_kinds(world: int) -> dict[str, dict[str, Any]]:
+    """The ``world``-GPU engines of the decode and equality parts, by the name their rows carry:
+    DP + EP (``dp8ep8``) and DP alone (``dp8``), with their ``LLM`` options."""
+    return {
+        dp_ep(world): {"data_parallel_size": world, "enable_expert_parallel": True},
+        f"dp{world}": {"data_parallel_size": world},
+    }
+
+
+def kind_label(kind: str) -> str:
+    """``dp8ep8`` -> ``DP8+EP8``, ``dp8`` -> ``DP8``, ``cp8`` -> ``CP8`` (tables and cost-model lines)."""
+    return kind.upper().replace("EP", "+EP")
 
 
 class EngineSpec:
@@ -236,6 +284,8 @@ class Bench:
         self.args, self.model_dir, self.vocab, self.report = args, model_dir, vocab, report
         self.device = torch.device(args.device)
         self.bi_ok = bi_ok  # the equality part runs with batch_invariant=True
+        self.world = args.world  # ranks of every distributed engine
+        self.kinds = distributed_kinds(args.world)
         self.llm: LLM | None = None
         self.spec: EngineSpec | None = None
         self.failed_engines: dict[str, str] = {}
@@ -246,6 +296,21 @@ class Bench:
     # -- plumbing
     def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
         return e2e.make_prompts(tag, count, length, self.vocab, self.args.seed)
+
+    def skewed_prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
+        """The eplb part's skewed mix: ``EPLB_HOT_PERCENT`` % of the ids drawn from
+        ``--eplb-hot-ids`` fixed ids, the rest uniform (V4's hash-routed layers send a token by
+        its id, so these few ids load few experts; the learned routers see repetitive input)."""
+        hot = self.prompts("eplb-hot", 1, self.args.eplb_hot_ids)[0]
+        picks = self.prompts(f"{tag}-pick", count, length)
+        return [
+            [hot[x % len(hot)] if pick % 100 < EPLB_HOT_PERCENT else x for x, pick in zip(p, q, strict=True)]
+            for p, q in zip(self.prompts(tag, count, length), picks, strict=True)
+        ]
+
+    def kind_world(self, kind: str) -> int:
+        """Ranks of the engine ``kind`` (``1gpu``: 1, the distributed kinds: ``--world``)."""
+        return 1 if kind == "1gpu" else self.world
 
     def eq_prompt_set(self) -> list[list[int]]:
         """The shared prompt set: ``eq_prompts`` prompts, lengths spread over 16 .. ``eq_max_len``."""
@@ -387,8 +452,8 @@ class Bench:
             "max_model_len": max(a.prompt_len + a.new_tokens, a.eq_max_len + a.eq_new_tokens) + 16,
             "enforce_eager": a.enforce_eager,
         }
-        extra: dict[str, Any] = DISTRIBUTED_KINDS.get(kind, {})
-        return EngineSpec(f"decode.{kind}", 1 if kind == "1gpu" else 2, **extra, **options)
+        extra: dict[str, Any] = self.kinds.get(kind, {})
+        return EngineSpec(f"decode.{kind}", self.kind_world(kind), **extra, **options)
 
     def cp_spec(self, world: int) -> EngineSpec:
         a = self.args
@@ -400,7 +465,7 @@ class Bench:
         }
         if world == 1:
             return EngineSpec("cp.1gpu", 1, **options)
-        return EngineSpec("cp.cp2", 2, context_parallel_size=2, **options)
+        return EngineSpec(f"cp.cp{world}", world, context_parallel_size=world, **options)
 
     def eq_spec(self, kind: str, bi: bool) -> EngineSpec:
         a = self.args
@@ -412,14 +477,47 @@ class Bench:
             "batch_invariant": bi,
         }
         mode = "bi" if bi else "eager"
-        extra: dict[str, Any] = DISTRIBUTED_KINDS.get(kind, {})
-        return EngineSpec(f"equality.{kind}.{mode}", 1 if kind == "1gpu" else 2, **extra, **options)
+        extra: dict[str, Any] = self.kinds.get(kind, {})
+        return EngineSpec(f"equality.{kind}.{mode}", self.kind_world(kind), **extra, **options)
+
+    def eplb_spec(self) -> EngineSpec:
+        """DP + EP over ``--world`` ranks with EPLB: window and interval ``eplb_interval`` steps
+        (:meth:`eplb_interval`), ``--eplb-redundant`` replicas."""
+        a = self.args
+        interval = self.eplb_interval()
+        options = {
+            "max_num_seqs": a.eplb_batch,
+            "max_num_batched_tokens": a.chunk,
+            "max_model_len": max(a.prompt_len, EPLB_FILLER_LEN) + a.new_tokens + 16,
+            "enforce_eager": a.enforce_eager,
+            "eplb": {
+                "window_steps": interval,
+                "rebalance_interval": interval,
+                "num_redundant_experts": a.eplb_redundant,
+            },
+        }
+        return EngineSpec(f"eplb.{dp_ep(self.world)}", self.world, **self.kinds[dp_ep(self.world)], **options)
+
+    def eplb_interval(self) -> int:
+        """``--eplb-interval``, else twice an upper bound of the steps of one round of the eplb
+        part (``B`` requests a rank: prefill of prompt + new tokens in chunks, then the decode
+        steps, plus slack), so the warm-up and the "before" round end before the rebalancing."""
+        a = self.args
+        if a.eplb_interval:
+            return a.eplb_interval
+        per_rank_tokens = a.eplb_batch * (a.prompt_len + a.new_tokens)
+        return 2 * (-(-per_rank_tokens // a.chunk) + a.new_tokens + 4) + 2
 
     # -- parts
     def run(self) -> None:
         """The parts of ``--parts``, in the order given."""
         for part in self.args.parts:
-            {"decode": self.run_decode, "cp": self.run_cp, "equality": self.run_equality}[part]()
+            {
+                "decode": self.run_decode,
+                "cp": self.run_cp,
+                "equality": self.run_equality,
+                "eplb": self.run_eplb,
+            }[part]()
             self.free_engine()
 
     def run_decode(self) -> None:
@@ -433,7 +531,7 @@ class Bench:
 
     def run_cp(self) -> None:
         a = self.args
-        for world in (1, 2):
+        for world in (1, self.world):
             spec = self.cp_spec(world)
             name = f"prefill.{spec.name.split('.')[1]}.{a.cp_prompt_len}"
             self.job(name, spec, lambda llm, w=world: self.cp_prefill(llm, w))
@@ -451,32 +549,52 @@ class Bench:
         ref = f"{mode}-eq"  # kept apart from the decode engines' reference (other engine shape)
         spec = self.eq_spec("1gpu", bi)
         self.job(f"equality.1gpu.{mode}.reference", spec, lambda llm: self.equality(llm, ref, None))
-        for kind in ("dp2ep2", "dp2"):
+        for kind in self.kinds:
             spec = self.eq_spec(kind, bi)
             self.job(f"equality.{kind}.{mode}", spec, lambda llm, k=kind: self.equality(llm, ref, k))
+
+    def run_eplb(self) -> None:
+        self.job("eplb", self.eplb_spec(), self.eplb)
 
     def decode(self, llm: LLM, batch: int, mode: str) -> None:
         """B requests per GPU (``world * B`` in all); tok/s per GPU from rank 0's steps."""
         a = self.args
-        world = 1 if mode == "1gpu" else 2
-        n = batch * world
-        self.warmup(llm, f"decode-w{world}-B{batch}", n, min(a.prompt_len, 128), 4)
-        prompts = self.prompts(f"decode-B{batch}", n, a.prompt_len)  # one GPU: the first B of them
+        world = self.kind_world(mode)
+        self.warmup(llm, f"decode-w{world}-B{batch}", batch * world, min(a.prompt_len, 128), 4)
+        # one GPU: the first B of the prompts
+        row = self.measure_decode(llm, self.prompts(f"decode-B{batch}", batch * world, a.prompt_len), batch)
+        name = f"decode.{mode}.B{batch}"
+        row = {"name": name, **row, "mode": mode}
+        if world > 1:
+            ref = self.row(f"decode.1gpu.B{batch}")
+            if ref and ref.get("value"):
+                row["per_gpu_vs_1gpu"] = row["value"] / ref["value"]
+            row["per_rank_generated_tokens"] = [m.get("num_generated_tokens") for m in self.per_rank(llm)]
+        self.report.add(row)
+        log(
+            f"  {name}: {row['value']:.1f} tok/s per GPU ({row['decode_method']}), "
+            f"{row['aggregate_tok_s']:.1f} in all"
+        )
+
+    def measure_decode(self, llm: LLM, prompts: list[list[int]], batch: int) -> dict[str, Any]:
+        """Generate ``prompts`` (``batch`` on each of the engine's ranks) greedily, ``--new-tokens``
+        each; the row's figures: decode tok/s per GPU from rank 0's steps in which its whole
+        batch decodes (the ranks step in lockstep), prefill and end-to-end figures per GPU."""
+        a = self.args
+        world = len(prompts) // batch
         outs, steps, wall = e2e.run_llm(llm, prompts, a.new_tokens)
         own = outs[::world]  # rank 0's requests: replicas are assigned alternately (fewest outstanding)
         d = e2e.decode_stats(own, steps, batch, a.new_tokens)
         p = e2e.prefill_stats(outs)
-        name = f"decode.{mode}.B{batch}"
-        row: dict[str, Any] = {"name": name, "value": d["decode_tok_s"], "unit": "tok/s/GPU"}
+        row: dict[str, Any] = {"value": d["decode_tok_s"], "unit": "tok/s/GPU"}
         row.update(
-            mode=mode,
             fmt=self.fmt(),
             world=world,
             batch_per_gpu=batch,
-            requests=n,
+            requests=len(prompts),
             aggregate_tok_s=d["decode_tok_s"] * world,
             wall_s=wall,
-            end_to_end_tok_s_per_gpu=n * a.new_tokens / wall / world,
+            end_to_end_tok_s_per_gpu=len(prompts) * a.new_tokens / wall / world,
             rank0_max_seqs_in_a_step=max((s.num_seqs for _, s in steps), default=0),
             ttft_mean_s=p["ttft_mean_s"],
             prefill_tok_s_per_gpu=p["prefill_tok_s"] / world,
@@ -488,18 +606,7 @@ class Bench:
             row["note"] = (
                 f"rank 0 held up to {row['rank0_max_seqs_in_a_step']} requests in a step, expected {batch}"
             )
-        if world > 1:
-            ref = self.row(f"decode.1gpu.B{batch}")
-            if ref and ref.get("value"):
-                row["per_gpu_vs_1gpu"] = row["value"] / ref["value"]
-            row["per_rank_generated_tokens"] = [
-                m.get("num_generated_tokens") for m in llm.get_metrics().get("per_rank", [])
-            ]
-        self.report.add(row)
-        log(
-            f"  {name}: {row['value']:.1f} tok/s per GPU ({d['decode_method']}), "
-            f"{row['aggregate_tok_s']:.1f} in all"
-        )
+        return row
 
     def row(self, name: str) -> dict[str, Any] | None:
         return next((r for r in self.report.data["results"] if r["name"] == name), None)
@@ -558,7 +665,7 @@ class Bench:
                 m = outs[0].metrics
                 ttfts.append(m.first_token_time - m.arrival_time)
                 tokens.append(list(outs[0].outputs[0].token_ids))
-        mode = "1gpu" if world == 1 else "cp2"
+        mode = "1gpu" if world == 1 else f"cp{world}"
         name = f"prefill.{mode}.{a.cp_prompt_len}"
         best = min(ttfts)
         tok_s = a.cp_prompt_len / best
@@ -594,6 +701,98 @@ class Bench:
         self.report.add(row)
         log(f"  {name}: TTFT {best * 1e3:.1f} ms, {tok_s:.0f} tok/s ({tok_s / world:.0f} per GPU)")
 
+    # -- the eplb part
+    def eplb(self, llm: LLM) -> None:
+        """A skewed round before the rebalancing at step ``R`` (:meth:`eplb_interval`) and one
+        after it, filler requests up to ``R`` and ``2R``; rows ``eplb.before`` / ``eplb.after``:
+        decode tok/s per GPU and the max/mean GPU expert load of the steps ``1..R`` under the
+        first placement and of ``R+1..2R`` under the rebalanced one (the checks at ``R`` and
+        ``2R``, both from ``get_metrics()["eplb"]``)."""
+        a = self.args
+        interval, n = self.eplb_interval(), a.eplb_batch * self.world
+        if not a.no_warmup:  # skewed as well: its steps are in the first window
+            e2e.run_llm(llm, self.skewed_prompts("eplb-warmup", n, a.prompt_len), a.new_tokens)
+        rows: dict[str, dict[str, Any]] = {}
+        for phase in ("before", "after"):
+            first = self.eplb_state(llm)["steps"]
+            row = self.measure_decode(
+                llm, self.skewed_prompts(f"eplb-{phase}", n, a.prompt_len), a.eplb_batch
+            )
+            last = self.eplb_state(llm)["steps"]
+            due = interval if phase == "before" else 2 * interval
+            if last >= due:
+                raise RuntimeError(
+                    f"the '{phase}' round ran to engine step {last}, past the rebalancing check at step "
+                    f"{due}: give a larger --eplb-interval (now {interval})"
+                )
+            state = self.eplb_fill(llm, due)
+            check = next((c for c in state["checks"] if c["step"] == due), None)
+            if check is None:
+                raise RuntimeError(f"no rebalancing check at engine step {due}: {state}")
+            rows[phase] = {
+                "name": f"eplb.{phase}",
+                **row,
+                "mode": dp_ep(self.world),
+                "engine_steps": [first + 1, last],
+                "max_over_mean_load": check["imbalance_before"],
+                "load_steps": [due - interval + 1, due],
+                "check": check,
+                "rebalances": state["rebalances"],
+                "hot_ids": a.eplb_hot_ids,
+                "hot_percent": EPLB_HOT_PERCENT,
+                "eplb": self.spec.options["eplb"] if self.spec is not None else None,
+            }
+            if phase == "before":
+                received = [m.get("eplb", {}).get("last_experts_received") for m in self.per_rank(llm)]
+                rows[phase].update(
+                    placement="initial",
+                    rebalanced_at_check=check["rebalanced"],
+                    predicted_max_over_mean_load_after=check["imbalance_after"],
+                    experts_received_per_rank=received,
+                )
+        before, after = rows["before"], rows["after"]
+        after["placement"] = "rebalanced" if before["rebalanced_at_check"] else "initial (not rebalanced)"
+        after["predicted_max_over_mean_load"] = before["predicted_max_over_mean_load_after"]
+        after["per_gpu_vs_before"] = after["value"] / before["value"] if before["value"] else None
+        after["load_vs_before"] = after["max_over_mean_load"] / before["max_over_mean_load"]
+        if not before["rebalanced_at_check"]:
+            after["note"] = "the policy found no better placement at the first check: no rebalancing"
+        results = self.report.data["results"]
+        results[:] = [r for r in results if r["name"] != "eplb"]  # an earlier run's failure (--append)
+        for row in (before, after):
+            self.report.add(row)
+            log(
+                f"  {row['name']}: {row['value']:.1f} tok/s per GPU ({row['decode_method']}), max/mean "
+                f"expert load {row['max_over_mean_load']:.3f} over steps {row['load_steps']} "
+                f"({row['placement']})"
+            )
+
+    def eplb_state(self, llm: LLM) -> dict[str, Any]:
+        """The engine's EPLB figures, ``get_metrics()["eplb"]`` (fresh after a ``generate``)."""
+        state = llm.get_metrics().get("eplb")
+        if state is None:
+            raise RuntimeError("the engine reports no EPLB figures (get_metrics()['eplb'] is missing)")
+        return state
+
+    def per_rank(self, llm: LLM) -> list[dict[str, Any]]:
+        """Every rank's own ``get_metrics()`` dict."""
+        return llm.get_metrics().get("per_rank", [])
+
+    def eplb_fill(self, llm: LLM, step: int) -> dict[str, Any]:
+        """Generate filler requests (one a rank, ``EPLB_FILLER_LEN`` skewed ids, up to
+        ``--new-tokens`` each) until the engine has made ``step`` steps; its EPLB figures then."""
+        a = self.args
+        state = self.eplb_state(llm)
+        while state["steps"] < step:
+            steps = state["steps"]
+            tokens = min(step - steps, a.new_tokens)
+            prompts = self.skewed_prompts(f"eplb-fill-{steps}", self.world, EPLB_FILLER_LEN)
+            e2e.run_llm(llm, prompts, tokens)
+            state = self.eplb_state(llm)
+            if state["steps"] <= steps:
+                raise RuntimeError(f"the engine's EPLB step count stays at {steps} ({state})")
+        return state
+
 
 # ---- output -----------------------------------------------------------------------------------------
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -619,6 +818,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             notes.append(f"x{r['speedup_vs_1gpu']:.2f} vs 1 GPU")
         if "greedy_tokens_equal_to_1gpu" in r:
             notes.append(f"tokens equal {r['greedy_tokens_equal_to_1gpu']}")
+        if "max_over_mean_load" in r:
+            notes.append(f"max/mean expert load {r['max_over_mean_load']:.3f} ({r['placement']})")
+        if r.get("per_gpu_vs_before") is not None:
+            notes.append(f"x{r['per_gpu_vs_before']:.2f} of before")
         value = f"{r['value']:12.1f}" if isinstance(r["value"], float) else f"{r['value']:>12}"
         print(f"{r['name']:34s} {value} {r['unit']:10s} {'; '.join(notes)}")
 
@@ -628,7 +831,8 @@ def _num(v: Any, digits: int = 0) -> str:
 
 
 def paste_lines(data: dict[str, Any], args: argparse.Namespace) -> tuple[str, str]:
-    """The markdown section for docs/benchmarks.md and the ``MEASURED_2GPU`` entries."""
+    """The markdown section for docs/benchmarks.md and the cost model's entries
+    (:func:`measured_list`)."""
     rows = {r["name"]: r for r in data["results"]}
     fmt = weight_format(args)
     machine = data.get("machine", {})
@@ -637,30 +841,34 @@ def paste_lines(data: dict[str, Any], args: argparse.Namespace) -> tuple[str, st
     commands = [" ".join(str(c) for c in run.get("command", [])) for run in data["runs"]]
     command = "`, then `".join(dict.fromkeys(commands))
     gpu = machine.get("gpu") or machine.get("device")
+    w = args.world
+    dpep, dp, cpw = dp_ep(w), f"dp{w}", f"cp{w}"
     md = [
-        "## `benchmarks/gpu_distributed.py` — DP2+EP2 and CP2 on two GPUs (issue 11 item 5)",
+        f"## `benchmarks/gpu_distributed.py` — {kind_label(dpep)} and {kind_label(cpw)} on "
+        f"{'two' if w == 2 else w} GPUs (issue {11 if w == 2 else 12})",
         "",
         f"The `gpu_e2e.py` model ({args.layers} layers, {args.experts} experts, weights {fmt}), backend "
         f"`{backend}`, {args.dtype}, {machine.get('gpu_count', '?')} x {gpu}, torch {machine.get('torch')}, "
         f"NCCL with NVLink multicast off. Commands ({time.strftime('%Y-%m-%d')}): `{command}`",
     ]
-    if any(name.startswith("decode.") for name in rows):
+    decoded = any(name.startswith("decode.") for name in rows)
+    if decoded:
         md += [
             "",
-            "| decode, per GPU | 1 GPU | step | DP2+EP2 | step | per-GPU ratio |",
+            f"| decode, per GPU | 1 GPU | step | {kind_label(dpep)} | step | per-GPU ratio |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
-    for b in args.batch_sizes if any(name.startswith("decode.") for name in rows) else []:
-        one, dp = rows.get(f"decode.1gpu.B{b}", {}), rows.get(f"decode.dp2ep2.B{b}", {})
-        ratio = dp.get("per_gpu_vs_1gpu")
-        step1, step2 = one.get("decode_step_ms_full_batch"), dp.get("decode_step_ms_full_batch")
+    for b in args.batch_sizes if decoded else []:
+        one, dist_row = rows.get(f"decode.1gpu.B{b}", {}), rows.get(f"decode.{dpep}.B{b}", {})
+        ratio = dist_row.get("per_gpu_vs_1gpu")
+        step1, step2 = one.get("decode_step_ms_full_batch"), dist_row.get("decode_step_ms_full_batch")
         md.append(
             f"| B={b} per GPU | {_num(one.get('value'))} tok/s | {_num(step1, 2)} ms "
-            f"| {_num(dp.get('value'))} tok/s | {_num(step2, 2)} ms "
+            f"| {_num(dist_row.get('value'))} tok/s | {_num(step2, 2)} ms "
             f"| {'—' if ratio is None else f'{ratio:.2f}x'} |"
         )
     n = args.cp_prompt_len
-    one, cp = rows.get(f"prefill.1gpu.{n}", {}), rows.get(f"prefill.cp2.{n}", {})
+    one, cp = rows.get(f"prefill.1gpu.{n}", {}), rows.get(f"prefill.{cpw}.{n}", {})
     md += (
         []
         if not (one or cp)
@@ -671,18 +879,18 @@ def paste_lines(data: dict[str, Any], args: argparse.Namespace) -> tuple[str, st
             "| --- | --- | --- | --- | --- |",
             f"| 1 GPU | {_ms(one.get('ttft_s'))} | {_num(one.get('value'))} "
             f"| {_num(one.get('tok_s_per_gpu'))} | |",
-            f"| CP2 | {_ms(cp.get('ttft_s'))} | {_num(cp.get('value'))} | {_num(cp.get('tok_s_per_gpu'))} "
-            f"| {cp.get('greedy_tokens_equal_to_1gpu', '—')} |",
+            f"| {kind_label(cpw)} | {_ms(cp.get('ttft_s'))} | {_num(cp.get('value'))} "
+            f"| {_num(cp.get('tok_s_per_gpu'))} | {cp.get('greedy_tokens_equal_to_1gpu', '—')} |",
         ]
     )
     if any(name.startswith("equality.") for name in rows):
         md += ["", "| greedy outputs vs 1 GPU | prompts token-equal | logprobs |", "| --- | --- | --- |"]
     for name, label in (
-        ("equality.dp2ep2.fast", "DP2+EP2 (decode engines)"),
-        ("equality.dp2ep2.bi", "DP2+EP2, `batch_invariant=True`"),
-        ("equality.dp2.bi", "DP2, `batch_invariant=True`"),
-        ("equality.dp2ep2.eager", "DP2+EP2 (eager engines)"),
-        ("equality.dp2.eager", "DP2 (eager engines)"),
+        (f"equality.{dpep}.fast", f"{kind_label(dpep)} (decode engines)"),
+        (f"equality.{dpep}.bi", f"{kind_label(dpep)}, `batch_invariant=True`"),
+        (f"equality.{dp}.bi", f"{kind_label(dp)}, `batch_invariant=True`"),
+        (f"equality.{dpep}.eager", f"{kind_label(dpep)} (eager engines)"),
+        (f"equality.{dp}.eager", f"{kind_label(dp)} (eager engines)"),
     ):
         r = rows.get(name)
         if r is None:
@@ -692,17 +900,51 @@ def paste_lines(data: dict[str, Any], args: argparse.Namespace) -> tuple[str, st
             continue
         lp = "bitwise equal" if r["logprobs_bitwise"] else f"max abs diff {r['max_abs_logprob_diff']:.3g}"
         md.append(f"| {label} | {r['prompts_token_equal']}/{r['prompts']} | {lp} |")
-    entries = ["MEASURED_2GPU: list[dict[str, Any]] = ["]
+    md += eplb_lines(rows, args)
+    suffix = "" if w == 2 else f', "world": {w}'
+    entries = [f"{measured_list(w)}: list[dict[str, Any]] = [" + ("" if w == 2 else f"  # --world {w}")]
     for b in args.batch_sizes:
-        v = rows.get(f"decode.dp2ep2.B{b}", {}).get("value")
-        entries.append(f'    {{"what": "decode DP2+EP2", "fmt": "{fmt}", "B": {b}, "tok_s": {_py(v)}}},')
+        v = rows.get(f"decode.{dpep}.B{b}", {}).get("value")
+        entries.append(
+            f'    {{"what": "decode {kind_label(dpep)}", "fmt": "{fmt}", "B": {b}, '
+            f'"tok_s": {_py(v)}{suffix}}},'
+        )
     v = cp.get("tok_s_per_gpu")
     label = f"{n // 1024}k" if n % 1024 == 0 else str(n)
     entries.append(
-        f'    {{"what": "prefill CP2 {label}", "fmt": "{fmt}", "tokens": {n}, "tok_s": {_py(v)}}},'
+        f'    {{"what": "prefill {kind_label(cpw)} {label}", "fmt": "{fmt}", "tokens": {n}, '
+        f'"tok_s": {_py(v)}{suffix}}},'
     )
     entries.append("]")
     return "\n".join(md), "\n".join(entries)
+
+
+def measured_list(world: int) -> str:
+    """The list of ``distributed_cost_model.py`` that a run's entries go to: ``MEASURED_2GPU``
+    (``--world 2``) or ``MEASURED_NGPU`` (any other N; each entry carries its ``world``)."""
+    return "MEASURED_2GPU" if world == 2 else "MEASURED_NGPU"
+
+
+def eplb_lines(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """The eplb part's markdown table (none without its rows)."""
+    before, after = rows.get("eplb.before"), rows.get("eplb.after")
+    if before is None or after is None:  # the part failed or was skipped (its row "eplb"), or did not run
+        r = rows.get("eplb")
+        return [] if r is None else ["", f"EPLB: {(r.get('error') or r.get('skipped') or '?')[:200]}"]
+    predicted = after.get("predicted_max_over_mean_load")
+    return [
+        "",
+        f"| EPLB, skewed prompts ({EPLB_HOT_PERCENT} % of ids from {before['hot_ids']}), "
+        f"{kind_label(before['mode'])}, B={before['batch_per_gpu']} per GPU | decode tok/s per GPU "
+        "| prefill tok/s per GPU | max/mean GPU expert load |",
+        "| --- | --- | --- | --- |",
+        f"| before (steps {before['load_steps'][0]}–{before['load_steps'][1]}, first placement) "
+        f"| {_num(before['value'])} | {_num(before.get('prefill_tok_s_per_gpu'))} "
+        f"| {before['max_over_mean_load']:.3f} |",
+        f"| after (steps {after['load_steps'][0]}–{after['load_steps'][1]}, {after['placement']}) "
+        f"| {_num(after['value'])} | {_num(after.get('prefill_tok_s_per_gpu'))} "
+        f"| {after['max_over_mean_load']:.3f} (policy's prediction {_num(predicted, 3)}) |",
+    ]
 
 
 def _ms(seconds: Any) -> str:
@@ -720,17 +962,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, reference backend, built-in tiny model")
     ap.add_argument(
+        "--world",
+        type=int,
+        default=2,
+        help="ranks (GPUs) of every distributed engine: DP N + EP N, DP N, CP N",
+    )
+    ap.add_argument(
         "--parts",
         type=choice_list(PARTS),
-        default=",".join(PARTS),
-        help=f"comma-separated subset of {','.join(PARTS)}",
+        help=f"comma-separated subset of {','.join(PARTS)} (default decode,cp,equality; --smoke: all)",
     )
     ap.add_argument(
         "--decode-modes",
-        type=choice_list(tuple(DISTRIBUTED_KINDS)),
-        default="dp2ep2",
-        help="comma-separated two-GPU engines of the decode part, each against one GPU: dp2ep2 "
-        "(DP2 + EP2), dp2 (two full replicas, no expert parallelism: the EP exchange's cost apart)",
+        help="comma-separated N-GPU engines of the decode part, each against one GPU: dpNepN "
+        "(DP N + EP N, the default), dpN (N full replicas, no expert parallelism: the EP exchange's "
+        "cost apart); N = --world, e.g. dp8ep8,dp8",
     )
     ap.add_argument("--backend", help="DeepInfer backend (default cuda_sm100; --smoke: reference)")
     ap.add_argument("--device", help="device type of every rank (default cuda; --smoke: cpu)")
@@ -746,7 +992,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--enforce-eager", action="store_true", help="no decode graphs on the one-GPU engines either"
     )
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the e2e model")
-    ap.add_argument("--experts", type=int, default=64, help="routed experts of the e2e model (even: EP2)")
+    ap.add_argument(
+        "--experts", type=int, default=64, help="routed experts of the e2e model (a multiple of --world)"
+    )
     ap.add_argument(
         "--tiny-widths",
         action="store_true",
@@ -770,6 +1018,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--cp-min-tokens",
         type=int,
         help=f"sets {CP_MIN_TOKENS_ENV} (default: the engine's, 1024; --smoke 64)",
+    )
+    ap.add_argument(
+        "--eplb-batch", type=int, help="eplb part: requests per GPU (default the first of --batch-sizes)"
+    )
+    ap.add_argument(
+        "--eplb-redundant",
+        type=int,
+        help="eplb part: num_redundant_experts (default --world; experts + these divide by --world)",
+    )
+    ap.add_argument(
+        "--eplb-interval",
+        type=int,
+        help="eplb part: window_steps = rebalance_interval (default: twice a bound of one round's steps)",
+    )
+    ap.add_argument(
+        "--eplb-hot-ids",
+        type=int,
+        help=f"eplb part: {EPLB_HOT_PERCENT} %% of the prompt ids come from this many ids "
+        "(default 4; --smoke 2)",
     )
     ap.add_argument(
         "--model-dir", type=Path, help="e2e checkpoint folder: reused when it holds it, else written"
@@ -811,6 +1078,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, values[mode])
     args.keep_quantized = args.keep_quantized == "on"
+    if args.world < 2:
+        ap.error("--world must be >= 2 (the distributed engines' ranks; one GPU is the reference)")
+    kinds = tuple(distributed_kinds(args.world))
+    try:
+        args.decode_modes = choice_list(kinds)(args.decode_modes or dp_ep(args.world))
+    except argparse.ArgumentTypeError as e:
+        ap.error(f"--decode-modes: {e}")
+    if args.eplb_batch is None:
+        args.eplb_batch = args.batch_sizes[0]
+    if args.eplb_redundant is None:
+        args.eplb_redundant = args.world
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
     if args.new_tokens < 2:
@@ -828,9 +1106,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             ap.error(f"--{key.replace('_', '-')} must be >= 1")
     if args.cp_repeats < 1 or args.cp_new_tokens < 1:
         ap.error("--cp-repeats and --cp-new-tokens must be >= 1")
-    if args.experts % 2:
-        ap.error("--experts must be even: expert parallelism over 2 ranks")
+    if (
+        args.eplb_batch < 1
+        or args.eplb_redundant < 0
+        or args.eplb_hot_ids < 1
+        or (args.eplb_interval or 1) < 1
+    ):
+        ap.error("--eplb-batch, --eplb-hot-ids and --eplb-interval must be >= 1, --eplb-redundant >= 0")
     return args
+
+
+def check_experts(args: argparse.Namespace) -> None:
+    """``--experts`` (the model's routed experts) must divide over the ``--world`` EP ranks, and
+    with the eplb part the experts and ``--eplb-redundant`` replicas too; a one-line
+    :class:`SystemExit` otherwise."""
+    if args.experts % args.world:
+        raise die(
+            f"{args.experts} routed experts do not divide over --world {args.world} ranks "
+            f"(expert parallelism): give --experts a multiple of {args.world}"
+        )
+    if "eplb" in args.parts and (args.experts + args.eplb_redundant) % args.world:
+        raise die(
+            f"eplb: {args.experts} experts + --eplb-redundant {args.eplb_redundant} do not divide over "
+            f"--world {args.world} ranks"
+        )
 
 
 def preflight(args: argparse.Namespace) -> bool:
@@ -846,9 +1145,12 @@ def preflight(args: argparse.Namespace) -> bool:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise die("--device cuda but torch sees no CUDA device (use --smoke for the CPU)")
-        n = torch.cuda.device_count()
-        if n < 2:
-            raise die(f"needs 2 GPUs (data_parallel_size=2, context_parallel_size=2), torch sees {n}")
+        n, w = torch.cuda.device_count(), args.world
+        if n < w:
+            raise die(
+                f"needs {w} GPUs (--world {w}: data_parallel_size={w}, context_parallel_size={w}), "
+                f"torch sees {n}"
+            )
         if not dist.is_nccl_available():
             raise die("NCCL is not available in this torch build")
         missing = {k: os.environ.get(k) for k, v in NCCL_SAFE_ENV.items() if os.environ.get(k) != v}
@@ -898,9 +1200,10 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.experts = cfg_dict["num_hidden_layers"], cfg_dict["n_routed_experts"]
     else:
         cfg_dict = gm.flash_config(args.layers, args.experts, smoke=args.tiny_widths)
-        if args.model_dir is None:
-            temp_dir = Path(tempfile.mkdtemp(prefix="gpu_distributed_model_"))
-        model_dir = args.model_dir or temp_dir
+        model_dir = args.model_dir
+    check_experts(args)  # before a temporary checkpoint folder exists
+    if model_dir is None:
+        temp_dir = model_dir = Path(tempfile.mkdtemp(prefix="gpu_distributed_model_"))
     header = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": [sys.executable, *sys.argv] if argv is None else ["gpu_distributed.py", *argv],
@@ -949,7 +1252,7 @@ def main(argv: list[str] | None = None) -> int:
     doc, entries = paste_lines(report.data, args)
     note = "  (smoke: CPU figures, not for the docs)" if args.smoke else ""
     print(f"\n---- for docs/benchmarks.md{note} ----\n{doc}")
-    where = "MEASURED_2GPU in benchmarks/distributed_cost_model.py (tok_s per GPU)"
+    where = f"{measured_list(args.world)} in benchmarks/distributed_cost_model.py (tok_s per GPU)"
     print(f"\n---- for {where}{note} ----\n{entries}")
     print(f"\nwrote {args.out}")
     errors = [r["name"] for r in report.data["results"] if "error" in r]

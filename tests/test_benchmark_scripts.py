@@ -1,7 +1,8 @@
 """The benchmark scripts still run end to end (small settings, CPU): what they print and write
 is what docs/benchmarks.md is built from, so a script that rots is a defect.  Each run checks
 its own exactness claims too: ``gpu_distributed.py --smoke`` exits 1 unless DP2+EP2 and DP2 with
-batch invariance are bitwise equal to one process, ``speculative.py`` warns when a mode's tokens
+batch invariance are bitwise equal to one process (and its eplb part must lower the measured
+expert load imbalance), ``speculative.py`` warns when a mode's tokens
 differ from plain decoding's."""
 
 from __future__ import annotations
@@ -29,13 +30,33 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> None:
+    """Every part at ``--world 2`` (given explicitly: the code path of any N), eplb included:
+    the skewed mix is rebalanced once, and the measured max/mean expert load after the
+    rebalancing is at most the load before it."""
     out = tmp_path / "dist.json"
-    proc = _run([str(ROOT / "benchmarks" / "gpu_distributed.py"), "--smoke", "--out", str(out)], tmp_path)
+    script = str(ROOT / "benchmarks" / "gpu_distributed.py")
+    proc = _run([script, "--smoke", "--world", "2", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
     for name in ("equality.dp2ep2.bi", "equality.dp2.bi"):
         assert rows[name]["logprobs_bitwise"] and rows[name]["prompts_token_equal"] == rows[name]["prompts"]
     assert {"decode.dp2ep2.B2", "prefill.cp2.300"} <= rows.keys()
+    before, after = rows["eplb.before"], rows["eplb.after"]
+    assert before["value"] > 0 and after["value"] > 0 and before["world"] == after["world"] == 2
+    assert before["rebalanced_at_check"] and after["placement"] == "rebalanced"
+    assert after["rebalances"] >= 1 and before["rebalances"] == 1
+    assert 1.0 <= after["max_over_mean_load"] <= before["max_over_mean_load"]
+    assert after["predicted_max_over_mean_load"] < before["max_over_mean_load"]
+    assert before["engine_steps"][1] < before["load_steps"][1] < after["engine_steps"][0]
+    assert "MEASURED_2GPU: list" in proc.stdout and "| EPLB, skewed prompts" in proc.stdout
+
+
+def test_gpu_distributed_rejects_experts_that_do_not_divide_over_the_world(tmp_path: Path) -> None:
+    proc = _run([str(ROOT / "benchmarks" / "gpu_distributed.py"), "--smoke", "--world", "3"], tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "error: 8 routed experts do not divide over --world 3 ranks (expert parallelism): "
+        "give --experts a multiple of 3"
+    ], proc.stderr
 
 
 def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) -> None:
