@@ -9,9 +9,10 @@ greedy tokens and top-3 logprobs of a single-GPU ``LLM``: bitwise with ``batch_i
 where the backend declares batch invariance on CUDA (``cuda_sm100`` does), else equal tokens and
 logprobs within 1e-4.  Every run checks that the default process group is NCCL (``cpu_group``
 gloo), that rank 0 runs on ``cuda:0`` and the worker on ``cuda:1`` (its log), that expert
-parallelism halves rank 0's experts and that context parallelism split prefill chunks.  All
-engines run eagerly (``enforce_eager=True``): the comparison is of the distribution alone, as on
-the CPU, where there are no device graphs.
+parallelism halves rank 0's experts and that context parallelism split prefill chunks.  The
+engines run eagerly (``enforce_eager=True``: the comparison is of the distribution alone, as on
+the CPU, where there are no device graphs) except two DP2+EP2 runs with decode graphs, one of
+them with EPLB rebalancing every 2 steps (expert weights moved between the GPUs over NCCL).
 
 Skipped unless ``torch.cuda.device_count() >= 2``.  On the 2-GPU H200 kind (NVLink multicast
 off: this module sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
@@ -76,6 +77,14 @@ RUNS = {
     # decode steps replayed from CUDA graphs with the fixed-shape EP exchange captured in them;
     # the shutdown must release them before NCCL's teardown (it hung otherwise)
     "dp2_ep2_graphs": {"data_parallel_size": 2, "enable_expert_parallel": True, "enforce_eager": False},
+    # EPLB rebalancing every 2 steps (2 replicas): expert weights move between the GPUs over NCCL
+    # into the stacks the decode graphs read (gpu_distributed.py's eplb part, issue 12)
+    "dp2_ep2_eplb": {
+        "data_parallel_size": 2,
+        "enable_expert_parallel": True,
+        "enforce_eager": False,
+        "eplb": {"rebalance_interval": 2, "window_steps": 2, "num_redundant_experts": 2},
+    },
 }
 SHUTDOWN_S = 20.0  # a clean shutdown of a 2-rank run takes about a second
 
@@ -169,8 +178,8 @@ def _check_world(llm: LLM, target: Target, run: str) -> None:
 def test_two_ranks_match_one_device(
     run: str, tiny_dir: Path, target: Target, single_gpu: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DP2+EP2, DP2 and CP2 give the single device's greedy tokens and logprobs (bitwise with
-    batch invariance), on NCCL, one rank per GPU."""
+    """DP2+EP2 (also with decode graphs, and with EPLB rebalancing), DP2 and CP2 give the single
+    device's greedy tokens and logprobs (bitwise with batch invariance), on NCCL, one rank per GPU."""
     monkeypatch.setenv(CP_MIN_TOKENS_ENV, str(CP_MIN))  # read when the model is built; workers inherit it
     options = RUNS[run]
     with LLM(model=str(tiny_dir), **{**_options(target), **options}) as llm:
@@ -179,12 +188,15 @@ def test_two_ranks_match_one_device(
             assert llm.engine.runner.graphs, "no decode graphs were captured"
         model = llm.engine.runner.model
         moe = model.layers[0].moe
-        if options.get("enable_expert_parallel"):  # rank 0 holds half of the routed experts
-            assert moe.gate_up.shape[0] * 2 == model.cfg.n_routed_experts
+        if options.get("enable_expert_parallel"):  # rank 0 holds half of the routed experts (+ replicas)
+            redundant = options.get("eplb", {}).get("num_redundant_experts", 0)
+            assert moe.gate_up.shape[0] * 2 == model.cfg.n_routed_experts + redundant
         else:
             assert moe.gate_up.shape[0] == model.cfg.n_routed_experts
         with counting_context_parallel_forwards(model) as split:
             got = _outputs(llm)
+        if "eplb" in options:
+            assert llm.get_metrics()["eplb"]["rebalances"] >= 1, "EPLB never moved an expert"
         start = time.monotonic()
     assert time.monotonic() - start < SHUTDOWN_S, "the distributed run's shutdown took too long"
     if options.get("context_parallel_size", 1) > 1:
