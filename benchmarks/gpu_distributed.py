@@ -106,8 +106,8 @@ The NCCL exactness tests of the tiny model:
 ``--smoke`` runs every part (eplb included) with the same code on the CPU: gloo, the
 ``reference`` backend, fp32, the built-in tiny model, B = 2 and 4, short prompts, a 300-token CP
 prompt in chunks of 128 with ``DEEPINFER_CP_MIN_TOKENS=64``, batch-invariant equality bitwise,
-EPLB on prompts from 2 hot ids (about 40 s on two cores with ``--world 2``; results in
-``<tmp>/gpu_distributed_smoke.json``)::
+EPLB on prompts from 2 hot ids (about 15 s on two cores with ``--world 2``, 30 s with
+``--world 4``; results in ``<tmp>/gpu_distributed_smoke.json``)::
 
     python benchmarks/gpu_distributed.py --smoke
 """
