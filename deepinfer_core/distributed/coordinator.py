@@ -36,7 +36,7 @@ import torch
 
 from deepinfer_core.errors import DistributedError
 
-from .init import default_store, destroy_parallel, init_parallel, listening_store
+from .init import BackgroundCall, default_store, destroy_parallel, init_parallel, listening_store
 from .state import ParallelState
 
 if TYPE_CHECKING:
@@ -765,25 +765,15 @@ def _init_watching(
 ) -> ParallelState:
     """``init_parallel`` for rank 0, in a thread, while this one watches the workers: one that
     exits before joining ends the start with its error instead of a wait for the timeout."""
-    result: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            result["state"] = init_parallel(config, env, store)
-        except BaseException as e:
-            result["error"] = e
-
-    thread = threading.Thread(target=target, name="deepinfer-init", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        thread.join(0.1)
+    call = BackgroundCall(lambda: init_parallel(config, env, store), "deepinfer-init")
+    while not call.wait(0.1):
         for rank, proc in procs.items():
             code = proc.poll()
             if code is not None:
                 raise DistributedError(_death_message(rank, code, logs) + " (before joining the world)")
-    if "error" in result:
-        err = result["error"]
+    err = call.error
+    if err is not None:
         if isinstance(err, RuntimeError) and not isinstance(err, DistributedError):
             raise _diagnose(err, procs, logs, None, "while joining the world") from None
         raise err
-    return result["state"]
+    return call.result

@@ -230,25 +230,43 @@ def destroy_parallel(timeout_s: float = DESTROY_TIMEOUT_S) -> bool:
     return True
 
 
+class BackgroundCall:
+    """``fn()`` started on a daemon thread; its return value (:attr:`result`) or exception
+    (:attr:`error`) kept for the caller, who waits in steps (:meth:`wait`) and may give up.
+
+    Args:
+        fn: the call.
+        name: the thread's name (shows in stack dumps of a hang).
+    """
+
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._fn = fn
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as e:
+            self.error = e
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds: whether the call has ended (returned or raised)."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+
 def run_bounded(fn: Callable[[], None], timeout_s: float) -> bool:
     """Run ``fn`` on a daemon thread and wait up to ``timeout_s`` seconds for it: ``True`` when
     it returned in time (its exceptions propagate), ``False`` when it is still running (the
     thread is left behind)."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            fn()
-        except BaseException as e:
-            errors.append(e)
-
-    thread = threading.Thread(target=target, name="deepinfer-bounded", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
+    call = BackgroundCall(fn, "deepinfer-bounded")
+    if not call.wait(timeout_s):
         return False
-    if errors:
-        raise errors[0]
+    if call.error is not None:
+        raise call.error
     return True
 
 
