@@ -146,7 +146,8 @@ class SpeculativeDecoder:
         """``LLM.get_metrics()["speculative"]``: the totals
         (:meth:`~deepinfer_core.speculative.stats.SpeculativeMetrics.as_dict`) and, for
         ``dspark``, ``cost_model``: what the policy currently believes — the profiled forward
-        per ``"B x t"`` and the fitted host overheads in ms, the drafter's time per call, the
+        per ``"B x t"`` and the fitted host overheads in ms (a plain step's as ``[intercept,
+        per request]``), the drafter's time per call, the
         engine-wide acceptance rate per draft position (shrunk towards 0.5), the drafter's
         reach, the probe intervals and the latest observed steps (kind, batch, rows, ms)."""
         out = self.metrics.as_dict()
@@ -156,7 +157,9 @@ class SpeculativeDecoder:
                 "forward_ms": {f"{b}x{t}": 1e3 * v for (b, t), v in sorted(cost.table.items())},
                 "step_overhead_ms": 1e3 * cost.step_overhead,
                 "row_overhead_ms": 1e3 * cost.row_overhead,
-                "plain_overhead_ms": None if cost.plain_overhead is None else 1e3 * cost.plain_overhead,
+                "plain_overhead_ms": None
+                if cost.plain_overhead is None
+                else [1e3 * v for v in cost.plain_overhead],
                 "draft_ms": 1e3 * self.draft_seconds,
                 "acceptance_estimate": self._global_rates(),
                 "proposal_estimate": self._global_reach(),

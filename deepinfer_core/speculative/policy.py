@@ -36,8 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 
 EMA = 0.2
-"""Weight of a newly measured step in :meth:`StepCost.observe_plain` (and of a drafter call in
-the engine's drafting-time estimate)."""
+"""Weight of a newly measured drafter call in the engine's drafting-time estimate."""
 PROBE_INTERVAL = 8
 """``dspark``: steps without drafting (it did not pay) before the next probe drafts anyway."""
 PLAIN_PROBE_INTERVAL = 32
@@ -150,9 +149,14 @@ class StepCost:
 
     Attributes:
         step_overhead, row_overhead: the fitted line.
-        plain_overhead: the time beyond the forward of a step without drafts that ran
-            asynchronously (overlapping the host work with the device's, so it may be
-            negative), learned by :meth:`observe_plain`; ``None`` until one was observed.
+        plain_overhead: ``(intercept, per request)`` of the time beyond the forward of a step
+            without drafts that ran asynchronously (overlapping the host work with the
+            device's, so it may be negative), a line in the batch size fitted as the
+            synchronous one (:meth:`observe_plain`); ``None`` until one was observed.  A line,
+            not one figure: the host's share grows with the requests, and a single average
+            followed the last steps observed — a batch's tail of one or two requests — and
+            priced full-batch plain steps at the tail's cost (so drafting looked worse than it
+            was at B=64 on the H200).
     """
 
     def __init__(self, table: dict[tuple[int, int], float], padded_batch: int = 0) -> None:
@@ -166,7 +170,9 @@ class StepCost:
         self.row_overhead = 0.0
         self._points: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)  # (rows, extra)
         self._unfitted = 0  # points observed since the last fit
-        self.plain_overhead: float | None = None
+        self.plain_overhead: tuple[float, float] | None = None
+        self._plain_points: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)  # (batch, extra)
+        self._plain_unfitted = 0
         self.recent: deque[tuple[str, int, float, float]] = deque(maxlen=RECENT_STEPS)
         """The latest observed steps: ``("sync" | "plain", batch, rows, seconds)``."""
         self._forwards: dict[int, list[float]] = {}  # the forward part of costs() by batch
@@ -228,8 +234,7 @@ class StepCost:
         self.recent.append(("sync", batch, x, seconds))
         self._points.append((x, max(seconds - self.forward(batch, tokens_per_request), 0.0)))
         self._unfitted += 1
-        n = len(self._points)
-        if self._unfitted >= REFIT_EVERY or (n < REFIT_EVERY and n & (n - 1) == 0):
+        if _refit_due(self._unfitted, len(self._points)):
             self._unfitted = 0
             self.step_overhead, self.row_overhead = robust_line(list(self._points))
 
@@ -272,24 +277,33 @@ class StepCost:
         (:attr:`plain_overhead` once observed, else a synchronous step's); never below a tenth
         of the forward."""
         fwd = self.forward(batch, 1.0)
-        extra = self.overhead(batch) if self.plain_overhead is None else self.plain_overhead
+        line = self.plain_overhead
+        extra = self.overhead(batch) if line is None else line[0] + line[1] * batch
         return max(fwd + extra, 0.1 * fwd)
 
     def observe_plain(self, batch: int, seconds: float) -> None:
         """Fold a measured step without drafts that ran asynchronously (its period: from its
-        launch to the next one's) into :attr:`plain_overhead` (an exponential moving average of
-        the time beyond the forward's estimate, which may be negative)."""
+        launch to the next one's) into :attr:`plain_overhead`: its time beyond the forward's
+        estimate (which may be negative) at ``batch`` requests, a robust line through the
+        latest :data:`OVERHEAD_WINDOW` of them, refitted as :meth:`observe`'s."""
         self.recent.append(("plain", batch, float(batch), seconds))
-        extra = seconds - self.forward(batch, 1.0)
-        prev = self.plain_overhead
-        self.plain_overhead = extra if prev is None else (1 - EMA) * prev + EMA * extra
+        self._plain_points.append((float(batch), seconds - self.forward(batch, 1.0)))
+        self._plain_unfitted += 1
+        if self.plain_overhead is None or _refit_due(self._plain_unfitted, len(self._plain_points)):
+            self._plain_unfitted = 0
+            self.plain_overhead = robust_line(list(self._plain_points), clamp=False)
 
 
-def robust_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def _refit_due(unfitted: int, points: int) -> bool:
+    """Whether a line is refitted now: at 1, 2, 4 ... points, then every :data:`REFIT_EVERY`."""
+    return unfitted >= REFIT_EVERY or (points < REFIT_EVERY and points & (points - 1) == 0)
+
+
+def robust_line(points: Sequence[tuple[float, float]], clamp: bool = True) -> tuple[float, float]:
     """``(intercept, slope)`` of the least-squares line through ``points``, refitted without
     the points more than :data:`OUTLIER_MADS` median absolute deviations off the first fit;
-    both clamped at zero (a non-negative slope, then the intercept through the mean); a flat
-    line at the mean when the ``x`` have not varied."""
+    with ``clamp`` both at least zero (a non-negative slope, then the intercept through the
+    mean); a flat line at the mean when the ``x`` have not varied."""
 
     def fit(pts: Sequence[tuple[float, float]]) -> tuple[float, float]:
         n = len(pts)
@@ -302,6 +316,8 @@ def robust_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
         mx, my = sx / n, sy / n
         var = sxx / n - mx * mx
         slope = (sxy / n - mx * my) / var if var > 1e-9 * max(mx * mx, 1.0) else 0.0
+        if not clamp:
+            return my - slope * mx, slope
         slope = max(slope, 0.0)
         return max(my - slope * mx, 0.0), slope
 

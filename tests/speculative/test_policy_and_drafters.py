@@ -152,17 +152,33 @@ def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
     assert cost.plain_cost(1) == pytest.approx(1.0)  # nothing observed: a synchronous step
     assert drafting_gain([[1.0, 1.0]], 2, cost, 0.0) > 1  # 3 tokens / 1.5 s > 1 token / 1 s
     cost.observe_plain(1, 0.4)
-    assert cost.plain_overhead == pytest.approx(-0.6)
+    assert cost.plain_overhead == pytest.approx((-0.6, 0.0))
     assert cost.plain_cost(1) == pytest.approx(0.4)
     assert not drafting_gain([[1.0, 1.0]], 2, cost, 0.0) > 1  # 3 / 1.5 s < 1 / 0.4 s
     cost.observe_plain(1, 0.0)
-    assert cost.plain_cost(1) == pytest.approx(0.32)  # EMA: -0.6 * 0.8 - 1.0 * 0.2 = -0.68
-    cost.plain_overhead = -2.0
+    assert cost.plain_cost(1) == pytest.approx(0.2)  # one batch size: the mean, -0.8
+    cost.plain_overhead = (-2.0, 0.0)
     assert cost.plain_cost(1) == pytest.approx(0.1)  # never below a tenth of the forward
     sync = StepCost({(1, 1): 1.0, (1, 3): 1.5})
     assert drafting_gain([[0.3, 0.09]], 2, sync, 0.0) > 1  # one draft: 1.3 tokens / 1.25 s > 1 / 1 s
     sync.row_overhead = 1.0  # each verified row costs a second of host time
     assert not drafting_gain([[0.3, 0.09]], 2, sync, 0.0) > 1  # 1.3 / (1.25 + 2) s < 1 / (1 + 1) s
+
+
+def test_plain_step_overhead_is_a_line_in_the_batch_not_the_last_steps_average():
+    """The overhead of asynchronous plain steps grows with the requests a step serves: it is
+    fitted as a line in the batch size, so a batch's tail (a few requests, observed last)
+    does not set the price of a full batch's plain step; overlapped steps may lie below the
+    forward (negative overhead, kept: no clamping)."""
+    cost = StepCost({(1, 1): 1e-3, (64, 1): 4e-3})
+    for i in range(96):  # full batches, 2 ms of host work beyond the forward each
+        cost.observe_plain(64, 4e-3 + 2e-3 + (1e-5 if i % 2 else -1e-5))
+    for _ in range(64):  # then a tail: one request, its host work overlapped (-0.5 ms)
+        cost.observe_plain(1, 1e-3 - 0.5e-3)
+    assert cost.plain_cost(64) == pytest.approx(6e-3, rel=0.02)  # not 64 requests at the tail's price
+    assert cost.plain_cost(1) == pytest.approx(0.5e-3, rel=0.05)
+    a, per_request = cost.plain_overhead
+    assert a < 0 < per_request
 
 
 def _probe_gaps(schedule, pays, steps):
