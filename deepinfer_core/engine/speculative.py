@@ -156,6 +156,7 @@ class SpeculativeDecoder:
             out["cost_model"] = {
                 "forward_ms": {f"{b}x{t}": 1e3 * v for (b, t), v in sorted(cost.table.items())},
                 "step_overhead_ms": 1e3 * cost.step_overhead,
+                "request_overhead_ms": 1e3 * cost.request_overhead,
                 "row_overhead_ms": 1e3 * cost.row_overhead,
                 "plain_overhead_ms": None
                 if cost.plain_overhead is None

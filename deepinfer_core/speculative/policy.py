@@ -23,8 +23,9 @@
   without drafts after :data:`PLAIN_PROBE_INTERVAL` drafting ones, so the plain step's cost
   stays measured); a probe that does not change the decision doubles its interval
   (:class:`ProbeSchedule`), so a settled decision costs ever fewer probes.
-  The overhead the host adds to a step grows with its rows (every verified row is sampled),
-  so :class:`StepCost` fits it per step and per row from the steps run.
+  The overhead the host adds to a step grows with its requests and its rows (every verified
+  row is sampled), so :class:`StepCost` fits it per step, per request and per row from the
+  steps run.
 """
 
 from __future__ import annotations
@@ -136,19 +137,24 @@ class StepCost:
             flat (interpolating in ``t`` there would price a step with a few drafts as a
             fraction of the jump).  ``0``: no padding.
 
-    The host adds to every step's forward some work per step (scheduling) and some per
-    verified row (building every row's sampling inputs, sampling, acceptance), which the
-    profiled forwards do not contain.  :meth:`observe` learns it from the synchronous steps
-    the engine runs as ``overhead(rows) = step_overhead + row_overhead * rows``: a
-    least-squares line through the latest :data:`OVERHEAD_WINDOW` ``(rows, step time -
-    forward)`` points, refitted without the outliers of a first fit (both terms non-negative;
-    a flat line while the rows have not varied).  The window is long and the fit robust
+    The host adds to every step's forward some work per step (scheduling), some per request
+    (its inputs, its outputs, stop checks) and some per verified row (every row's sampling
+    inputs, sampling, acceptance), which the profiled forwards do not contain.
+    :meth:`observe` learns it from the synchronous steps the engine runs as
+    ``overhead(rows, batch) = step_overhead + request_overhead * batch + row_overhead * rows``:
+    a least-squares fit through the latest :data:`OVERHEAD_WINDOW` ``(batch, rows, step time -
+    forward)`` points, refitted without the outliers of a first fit (every term non-negative;
+    per row alone while rows and requests have not varied apart: :func:`robust_plane`).
+    Requests and rows are told apart because a full batch's verify step has few requests per
+    row and a batch's tail many: with rows alone, per-request work was charged to rows, and
+    the price of a full batch's verify step followed the mix of steps seen (on the H200 at
+    B=64 DSpark drafted less than paid).  The window is long and the fit robust
     because the line is extrapolated: a short, exponentially weighted one followed the few
     requests left at the end of a batch and a single slow step, and priced every verified row
     at ten times what it costs (0.39 ms on the CPU, where a verify step's rows cost 0.05 ms).
 
     Attributes:
-        step_overhead, row_overhead: the fitted line.
+        step_overhead, request_overhead, row_overhead: the fitted overhead.
         plain_overhead: ``(intercept, per request)`` of the time beyond the forward of a step
             without drafts that ran asynchronously (overlapping the host work with the
             device's, so it may be negative), a line in the batch size fitted as the
@@ -167,8 +173,10 @@ class StepCost:
         self.batches = sorted({b for b, _ in self.table})
         self.tokens = {b: sorted(t for bb, t in self.table if bb == b) for b in self.batches}
         self.step_overhead = 0.0
+        self.request_overhead = 0.0
         self.row_overhead = 0.0
-        self._points: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)  # (rows, extra)
+        # (batch, rows, extra) of the latest synchronous steps
+        self._points: deque[tuple[float, float, float]] = deque(maxlen=OVERHEAD_WINDOW)
         self._unfitted = 0  # points observed since the last fit
         self.plain_overhead: tuple[float, float] | None = None
         self._plain_points: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)  # (batch, extra)
@@ -178,7 +186,7 @@ class StepCost:
         self._forwards: dict[int, list[float]] = {}  # the forward part of costs() by batch
         self._forward_at: dict[tuple[int, float], float] = {}  # forward() by point
         # costs() by batch, with the overhead line they were computed for
-        self._curves: dict[int, tuple[tuple[float, float], list[float]]] = {}
+        self._curves: dict[int, tuple[tuple[float, float, float], list[float]]] = {}
 
     def _at_batch(self, b: int, t: float) -> float:
         ts = self.tokens[b]
@@ -218,25 +226,27 @@ class StepCost:
         c0, c1 = self._at_batch(b0, tokens_per_request), self._at_batch(b1, tokens_per_request)
         return c0 + (c1 - c0) * (batch - b0) / (b1 - b0)
 
-    def overhead(self, rows: float) -> float:
-        """The host time a synchronous step of ``rows`` tokens adds to its forward."""
-        return self.step_overhead + self.row_overhead * rows
+    def overhead(self, rows: float, batch: float = 0.0) -> float:
+        """The host time a synchronous step of ``rows`` tokens of ``batch`` requests adds to
+        its forward."""
+        return self.step_overhead + self.request_overhead * batch + self.row_overhead * rows
 
     def cost(self, batch: int, tokens_per_request: float) -> float:
         """Estimated seconds of a synchronous step of ``batch`` requests of
         ``tokens_per_request`` tokens."""
-        return self.forward(batch, tokens_per_request) + self.overhead(batch * tokens_per_request)
+        return self.forward(batch, tokens_per_request) + self.overhead(batch * tokens_per_request, batch)
 
     def observe(self, batch: int, tokens_per_request: float, seconds: float) -> None:
-        """Fold a measured synchronous step into the overhead line (its time beyond the
-        forward's estimate, never negative, at ``batch * tokens_per_request`` rows)."""
+        """Fold a measured synchronous step into the overhead fit (its time beyond the
+        forward's estimate, never negative, at ``batch`` requests and ``batch *
+        tokens_per_request`` rows)."""
         x = batch * tokens_per_request
         self.recent.append(("sync", batch, x, seconds))
-        self._points.append((x, max(seconds - self.forward(batch, tokens_per_request), 0.0)))
+        self._points.append((float(batch), x, max(seconds - self.forward(batch, tokens_per_request), 0.0)))
         self._unfitted += 1
         if _refit_due(self._unfitted, len(self._points)):
             self._unfitted = 0
-            self.step_overhead, self.row_overhead = robust_line(list(self._points))
+            self.step_overhead, self.request_overhead, self.row_overhead = robust_plane(list(self._points))
 
     def costs(self, batch: int, max_extra: int) -> list[float]:
         """``[cost(batch, 1 + n / batch) for n in 0 .. max_extra]``: the forward part is
@@ -247,10 +257,10 @@ class StepCost:
         fwd = self._forwards.get(batch)
         if fwd is None or len(fwd) <= max_extra:
             fwd = self._forwards[batch] = self._forward_curve(batch, max_extra)
-        line = (self.step_overhead, self.row_overhead)
+        line = (self.step_overhead, self.request_overhead, self.row_overhead)
         kept = self._curves.get(batch)
         if kept is None or kept[0] != line or len(kept[1]) <= max_extra:
-            base, per_row = self.overhead(batch), self.row_overhead
+            base, per_row = self.overhead(batch, batch), self.row_overhead
             kept = self._curves[batch] = (line, [f + base + per_row * n for n, f in enumerate(fwd)])
         return kept[1][: max_extra + 1]
 
@@ -278,7 +288,7 @@ class StepCost:
         of the forward."""
         fwd = self.forward(batch, 1.0)
         line = self.plain_overhead
-        extra = self.overhead(batch) if line is None else line[0] + line[1] * batch
+        extra = self.overhead(batch, batch) if line is None else line[0] + line[1] * batch
         return max(fwd + extra, 0.1 * fwd)
 
     def observe_plain(self, batch: int, seconds: float) -> None:
@@ -328,6 +338,61 @@ def robust_line(points: Sequence[tuple[float, float]], clamp: bool = True) -> tu
     mad = 1.4826 * residuals[len(residuals) // 2]
     kept = [(x, y) for x, y in points if abs(y - a - b * x) <= OUTLIER_MADS * mad] if mad > 0 else points
     return fit(kept) if len(kept) >= 2 else (a, b)
+
+
+def robust_plane(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the least-squares fit ``y = a + b x1 + c x2`` through ``points``
+    ``(x1, x2, y)`` with ``b, c >= 0`` (the best fit, by squared error, among those over
+    ``{x1, x2}``, ``{x2}``, ``{x1}`` and neither whose slopes come out non-negative; ``{x2}``
+    before ``{x1}`` on a tie, as when the two have not varied apart) and ``a`` then clamped at
+    zero; refitted without the points more than :data:`OUTLIER_MADS` median absolute
+    deviations off the first fit."""
+    if not points:
+        return 0.0, 0.0, 0.0
+    a, b, c = _nonneg_plane(points)
+    residuals = sorted(abs(y - a - b * x1 - c * x2) for x1, x2, y in points)
+    mad = 1.4826 * residuals[len(residuals) // 2]
+    if mad > 0:
+        kept = [(x1, x2, y) for x1, x2, y in points if abs(y - a - b * x1 - c * x2) <= OUTLIER_MADS * mad]
+        if len(kept) >= 3:
+            return _nonneg_plane(kept)
+    return a, b, c
+
+
+def _nonneg_plane(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """:func:`robust_plane`'s fit without the outlier pass (from the points' centred sums)."""
+    n = len(points)
+    m1 = sum(p[0] for p in points) / n
+    m2 = sum(p[1] for p in points) / n
+    my = sum(p[2] for p in points) / n
+    s11 = s22 = s12 = s1y = s2y = syy = 0.0
+    for x1, x2, y in points:
+        d1, d2, dy = x1 - m1, x2 - m2, y - my
+        s11 += d1 * d1
+        s22 += d2 * d2
+        s12 += d1 * d2
+        s1y += d1 * dy
+        s2y += d2 * dy
+        syy += dy * dy
+    eps = 1e-9 * max(s11, s22, 1.0)
+    fits: list[tuple[float, float]] = []  # (b, c) candidates, in order of preference
+    det = s11 * s22 - s12 * s12
+    if s11 > eps and s22 > eps and det > eps * max(s11, s22):
+        fits.append(((s1y * s22 - s2y * s12) / det, (s2y * s11 - s1y * s12) / det))
+    fits.append((0.0, s2y / s22 if s22 > eps else 0.0))
+    fits.append((s1y / s11 if s11 > eps else 0.0, 0.0))
+    fits.append((0.0, 0.0))
+    best: tuple[float, float] | None = None
+    best_sse = float("inf")
+    for b, c in fits:
+        if b < 0 or c < 0:
+            continue
+        sse = syy - 2 * (b * s1y + c * s2y) + b * b * s11 + 2 * b * c * s12 + c * c * s22
+        if sse < best_sse - 1e-12 * max(syy, 1e-30):
+            best, best_sse = (b, c), sse
+    assert best is not None  # (0, 0) is always feasible
+    b, c = best
+    return max(my - b * m1 - c * m2, 0.0), b, c
 
 
 def fixed_lengths(proposed: Sequence[int], budget: int) -> list[int]:

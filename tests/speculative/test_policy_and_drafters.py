@@ -22,6 +22,8 @@ from deepinfer_core.speculative.policy import (
     drafting_gain,
     dspark_lengths,
     fixed_lengths,
+    robust_line,
+    robust_plane,
     uniform_lengths,
 )
 from deepinfer_core.speculative.stats import (
@@ -140,6 +142,37 @@ def test_step_cost_overhead_line_ignores_slow_outliers_and_a_short_tail():
         step(1, 1 + i % 6, spike=2.0 if i == 50 else 0.0)  # (refitted at step 160, in the tail)
     assert cost.step_overhead == pytest.approx(0.6, abs=0.03)
     assert cost.row_overhead == pytest.approx(0.01, abs=0.002)
+
+
+def test_step_cost_tells_per_request_from_per_row_overhead():
+    """Host work per request (inputs, outputs) and per verified row (sampling) are fitted
+    apart: a batch's tail of few requests verifying few rows and full batches verifying many
+    price a full verify step right, where a line in the rows alone charges per-request work
+    to rows and misprices it.
+    While requests and rows have not varied apart (no drafts yet) the fit is per row alone,
+    as before; no term is negative."""
+    table = {(1, 1): 1e-3, (1, 6): 1.1e-3, (64, 1): 4e-3, (64, 6): 9e-3}
+    cost = StepCost(table)
+    for _ in range(8):  # plain synchronous steps only: rows == batch
+        for b in (1, 2, 4):
+            cost.observe(b, 1, cost.forward(b, 1) + 1e-3 + 50e-6 * b)
+    assert cost.request_overhead == 0.0 and cost.row_overhead == pytest.approx(50e-6)
+    true = {"step": 1e-3, "request": 60e-6, "row": 4e-6}
+    rng = random.Random(1)
+    for i in range(128):  # full batches verifying 0..5 drafts each, then a tail of 1..4 requests
+        b, t = (64, 1 + i % 6) if i < 64 else (1 + i % 4, 1 + (i // 4) % 6)
+        extra = true["step"] + true["request"] * b + true["row"] * b * t + rng.uniform(-1e-5, 1e-5)
+        cost.observe(b, t, cost.forward(b, t) + extra)
+    assert cost.step_overhead == pytest.approx(true["step"], rel=0.05)
+    assert cost.request_overhead == pytest.approx(true["request"], rel=0.05)
+    assert cost.row_overhead == pytest.approx(true["row"], rel=0.1)
+    assert cost.cost(64, 6) == pytest.approx(9e-3 + 1e-3 + 64 * 60e-6 + 384 * 4e-6, rel=0.01)
+    # a line in the rows alone through the same steps misprices the full verify step
+    truth = 9e-3 + 1e-3 + 64 * 60e-6 + 384 * 4e-6
+    a, per_row = robust_line([(rows, extra) for _, rows, extra in cost._points])
+    assert abs(9e-3 + a + per_row * 384 - truth) > 5 * abs(cost.cost(64, 6) - truth)
+    _, b, c = robust_plane([(1.0, 2.0, 5.0), (2.0, 1.0, 1.0), (3.0, 3.0, 4.0)])
+    assert b >= 0 and c >= 0
 
 
 def test_plain_steps_learn_their_own_cost_and_drafting_weighs_it():
