@@ -74,6 +74,37 @@ def test_dspark_verifies_only_where_it_pays():
     assert dspark_lengths(conf, 1, free) == [1, 0]  # the budget takes the likeliest first
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_dspark_lengths_array_search_equals_the_tuple_search(seed, monkeypatch):
+    """From :data:`ARRAY_SEARCH_MIN` candidates the search runs as array operations: the same
+    lengths as the tuple sort on distinct confidences, the same expected value where ties
+    (rates of 1, shared priors) let either request take the draft at the cut."""
+    import deepinfer_core.speculative.policy as policy
+
+    rng = random.Random(seed)
+    b, k = rng.choice([(13, 5), (64, 5), (40, 3)])
+    per_token = rng.choice([0.0, 0.002, 0.02])
+    cost = StepCost(
+        {(bb, t): 1.0 + per_token * bb * (t - 1) + 0.01 * bb for bb in (1, 16, 64) for t in (1, 4, 6)}
+    )
+    ties = seed % 2 == 1
+    pool = [1.0, 0.9, 0.5, 0.3] if ties else None
+    confidences = [
+        cumulative([rng.choice(pool) if ties else rng.random() ** 0.3 for _ in range(rng.randint(0, k))])
+        for _ in range(b)
+    ]
+    budget = rng.choice([5, 40, 1000])
+    monkeypatch.setattr(policy, "ARRAY_SEARCH_MIN", 1)
+    fast = dspark_lengths(confidences, budget, cost)
+    monkeypatch.setattr(policy, "ARRAY_SEARCH_MIN", 10**9)
+    slow = dspark_lengths(confidences, budget, cost)
+    assert sum(fast) <= budget and all(0 <= n <= len(c) for n, c in zip(fast, confidences, strict=True))
+    if ties:
+        assert _value(fast, confidences, cost) == pytest.approx(_value(slow, confidences, cost), rel=1e-12)
+    else:
+        assert fast == slow
+
+
 def test_causal_dspark_lengths_stop_at_the_first_non_improving_draft():
     """Algorithm 1's early stop (``causal``): a first draft that does not pay on its own is not
     admitted because a second one would make the pair pay (the global search admits both: with
