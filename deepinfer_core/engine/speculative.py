@@ -305,11 +305,9 @@ class SpeculativeDecoder:
                 self.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
         if self.cost is not None:  # dspark: the drafter's confidences, for their calibration
-            self._draft_conf = (
-                {r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence}
-                if any(d.confidence for d in drafts)
-                else {}
-            )
+            self._draft_conf = {
+                r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
+            }
 
     def _confidences(
         self,

@@ -53,7 +53,8 @@ ARRAY_SEARCH_MIN = 64
 """Candidate drafts from which :func:`dspark_lengths` searches with array operations (below,
 the tuple sort is faster)."""
 OVERHEAD_WINDOW = 128
-"""Synchronous steps :class:`StepCost` fits its overhead line to (the latest ones)."""
+"""Steps :class:`StepCost` fits each overhead to (the latest synchronous ones; the latest plain
+ones)."""
 REFIT_EVERY = 64
 """Observed steps between two fits of the overhead line (before that: at 1, 2, 4 ... 32 steps;
 a fit of the full window costs ~0.1 ms of host time on the CPU)."""
@@ -231,7 +232,7 @@ class StepCost:
         c0, c1 = self._at_batch(b0, tokens_per_request), self._at_batch(b1, tokens_per_request)
         return c0 + (c1 - c0) * (batch - b0) / (b1 - b0)
 
-    def overhead(self, rows: float, batch: float = 0.0) -> float:
+    def overhead(self, rows: float, batch: float) -> float:
         """The host time a synchronous step of ``rows`` tokens of ``batch`` requests adds to
         its forward."""
         return self.step_overhead + self.request_overhead * batch + self.row_overhead * rows
@@ -304,7 +305,7 @@ class StepCost:
         self.recent.append(("plain", batch, float(batch), seconds))
         self._plain_points.append((float(batch), seconds - self.forward(batch, 1.0)))
         self._plain_unfitted += 1
-        if self.plain_overhead is None or _refit_due(self._plain_unfitted, len(self._plain_points)):
+        if _refit_due(self._plain_unfitted, len(self._plain_points)):  # the first point too
             self._plain_unfitted = 0
             self.plain_overhead = robust_line(list(self._plain_points), clamp=False)
 
@@ -339,10 +340,17 @@ def robust_line(points: Sequence[tuple[float, float]], clamp: bool = True) -> tu
     if not points:
         return 0.0, 0.0
     a, b = fit(points)
-    residuals = sorted(abs(y - a - b * x) for x, y in points)
-    mad = 1.4826 * residuals[len(residuals) // 2]
-    kept = [(x, y) for x, y in points if abs(y - a - b * x) <= OUTLIER_MADS * mad] if mad > 0 else points
+    kept = _inliers(points, [abs(y - a - b * x) for x, y in points])
     return fit(kept) if len(kept) >= 2 else (a, b)
+
+
+def _inliers(points: Sequence[tuple[float, ...]], residuals: list[float]) -> Sequence[tuple[float, ...]]:
+    """The ``points`` whose residual off a first fit is within :data:`OUTLIER_MADS`
+    (normal-scaled) median absolute deviations; all of them when that deviation is zero."""
+    mad = 1.4826 * sorted(residuals)[len(residuals) // 2]
+    if mad == 0:
+        return points
+    return [p for p, r in zip(points, residuals, strict=True) if r <= OUTLIER_MADS * mad]
 
 
 def robust_plane(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
@@ -355,13 +363,8 @@ def robust_plane(points: Sequence[tuple[float, float, float]]) -> tuple[float, f
     if not points:
         return 0.0, 0.0, 0.0
     a, b, c = _nonneg_plane(points)
-    residuals = sorted(abs(y - a - b * x1 - c * x2) for x1, x2, y in points)
-    mad = 1.4826 * residuals[len(residuals) // 2]
-    if mad > 0:
-        kept = [(x1, x2, y) for x1, x2, y in points if abs(y - a - b * x1 - c * x2) <= OUTLIER_MADS * mad]
-        if len(kept) >= 3:
-            return _nonneg_plane(kept)
-    return a, b, c
+    kept = _inliers(points, [abs(y - a - b * x1 - c * x2) for x1, x2, y in points])
+    return _nonneg_plane(kept) if len(kept) >= 3 else (a, b, c)
 
 
 def _nonneg_plane(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:

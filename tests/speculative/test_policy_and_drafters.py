@@ -147,7 +147,7 @@ def test_step_cost_interpolates_and_fits_the_overhead_per_step_and_row():
     assert cost.cost(1, 3) == pytest.approx(4.0)
     cost.observe(1, 2, 1.5)  # faster than the forward's estimate: no negative overhead
     # the line through the two (falling with the rows) is flattened: the mean
-    assert cost.overhead(1) == pytest.approx(0.5) and cost.overhead(2) == pytest.approx(0.5)
+    assert cost.overhead(1, 1) == pytest.approx(0.5) and cost.overhead(2, 1) == pytest.approx(0.5)
     # steps whose host time is 0.5 s + 0.25 s per row: the fit finds that line
     for _ in range(60):
         for b, t in ((4, 1), (4, 3), (1, 3), (4, 2)):
