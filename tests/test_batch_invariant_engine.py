@@ -15,7 +15,6 @@ from deepinfer_core.engine.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.ops import OpTable
-from deepinfer_core.testing import backend_unavailable_reason
 from tests.engine.test_graphs import _record_replays
 
 TARGET_LEN = 70  # > window (8), many CSA (4) and HCA (16) windows, indexer top-k active
@@ -213,37 +212,50 @@ def test_the_mode_runs_its_gemms_on_the_backends_tile_matmul(tiny_dir: Path):
     assert reference.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == tokens[True]
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_sm100_logprobs_identical_alone_batched_and_chunked_with_graphs(tiny_dir: Path, dtype: str):
-    """On the GPU with the ``cuda_sm100`` backend and CUDA graphs on: a request's logprobs are
-    bitwise the same alone, among 31 others, and with another prefill chunk size."""
+@pytest.mark.parametrize("model", ["tiny", "hf_all_types"])
+def test_cuda_sm100_logprobs_identical_alone_batched_and_chunked(
+    tiny_dir: Path, hf_model, model: str, dtype: str, graphs: bool
+):
+    """On the GPU with the ``cuda_sm100`` backend, eager and with CUDA graphs, on the built-in
+    tiny model and on a checkpoint saved by HF transformers: a request's logprobs are bitwise
+    the same alone, among 31 others (among 7 with the same prompt), and with another prefill
+    chunk size."""
+    path, vocab = (
+        (tiny_dir, tiny.TINY_VOCAB_SIZE) if model == "tiny" else (hf_model(model.removeprefix("hf_"))[1], 300)
+    )
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
-    target = {"prompt_token_ids": _ids(7, 90)}
-    others = [{"prompt_token_ids": _ids(300 + j, 5 + 11 * j)} for j in range(31)]
+    target = {"prompt_token_ids": _ids(7, 90, vocab)}
+    others = [{"prompt_token_ids": _ids(300 + j, 5 + 11 * j, vocab)} for j in range(31)]
+    runs = (
+        ("alone", 64, []),
+        ("batched", 64, others),
+        ("chunked", 24, others[:9]),
+        ("same prompt", 64, [target] * 7),
+    )
     results = {}
-    for label, chunk, batch in (("alone", 64, []), ("batched", 64, others), ("chunked", 24, others[:9])):
+    for label, chunk, batch in runs:
         llm = LLM(
-            model=str(tiny_dir),
+            model=str(path),
             backend="cuda_sm100",
             device="cuda",
             dtype=dtype,
             batch_invariant=True,
+            enforce_eager=not graphs,
             max_num_seqs=32,
             max_num_batched_tokens=chunk,
         )
-        assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+        assert bool(llm.engine.runner.graphs) == graphs
         replays = _record_replays(llm)
         prompts = [*batch[:5], target, *batch[5:]]
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[label] = outs[min(5, len(batch))].outputs[0]
-        assert replays, f"{label}: no decode step replayed a CUDA graph"
-        del llm
+        assert bool(replays) == graphs, f"{label}: graph replays {replays}"
+        llm.shutdown()
     alone = results["alone"]
     assert alone.logprobs is not None and len(alone.logprobs) == 12
-    for label in ("batched", "chunked"):
+    for label, _, _ in runs[1:]:
         assert results[label].token_ids == alone.token_ids, label
         assert results[label].logprobs == alone.logprobs, f"{label}: logprobs differ from alone"

@@ -9,7 +9,6 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.engine.graphs import EmulatedGraph, batch_buckets
-from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.testing.observe import record_replays
 
 
@@ -200,10 +199,7 @@ def test_mixed_graph_max_tokens_is_checked():
         EngineConfig(mixed_graph_max_tokens=-1)
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_mixed_step_graphs_equal_eager_bitwise(dtype):
     """On the GPU (``cuda_sm100``, real CUDA graphs, batch invariant): mixed steps replay the

@@ -17,7 +17,6 @@ from deepinfer_core.models.cache_spec import PagedSpec, RingSpec, spec_bytes
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.ops.kv_format import Fp8KVPool, dequantize_fp8_rows, fp8_row_bytes, quantize_fp8_rows
-from deepinfer_core.testing import backend_unavailable_reason
 from tests.engine.test_preemption_property import _run
 from tests.ops.sync_check import record_host_syncs
 
@@ -192,10 +191,7 @@ def test_preempted_requests_resume_through_replay_and_match():
     assert kv.num_free_pages == kv.num_pages and kv.num_free_slots == kv.num_slots
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 def test_cuda_sm100_reads_the_fp8_cache_in_its_kernel_and_gives_the_references_tokens(caplog):
     """On the GPU, ``cuda_sm100`` with ``kv_cache_dtype="fp8"`` runs its attention kernel on the
     packed pools (no fallback logged for ``sparse_attention``), CUDA graphs on, and gives the

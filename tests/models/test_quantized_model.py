@@ -18,7 +18,6 @@ from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import PluginError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.models.deepseek_v4 import tiny
-from deepinfer_core.testing import backend_unavailable_reason
 from deepinfer_core.testing.managers import manager_with_plugin
 from deepinfer_core.weights.quant import QuantizedTensor
 
@@ -186,10 +185,7 @@ def test_backend_spec_checks_its_quantized_weights() -> None:
         BackendSpec(name="q", device_type="cuda", quantized_weights="fp8_block")
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_sm100_keeps_weights_quantised_and_gives_the_dequantised_references_tokens(
     fp_dir: Path, dtype: str
@@ -225,7 +221,7 @@ def test_cuda_sm100_keeps_weights_quantised_and_gives_the_dequantised_references
             assert abs(g.logprobs[i][token] - w.logprobs[i][token]) < tol
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["fp_dir", "small_block_dir"])
 def test_cuda_load_dequantises_on_the_gpu_bitwise(which: str, request: pytest.FixtureRequest) -> None:
     """Loading onto the GPU dequantises FP8 / FP4 tensors there (far faster than on the host)

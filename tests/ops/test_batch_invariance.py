@@ -17,7 +17,6 @@ from deepinfer_core.ops import OpTable, all_ops, get_op
 from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
 from deepinfer_core.ops.registry import is_extension
-from deepinfer_core.testing import backend_unavailable_reason
 from deepinfer_core.testing.conformance import _to_device
 from deepinfer_core.weights.quant import QuantizedTensor
 
@@ -136,13 +135,12 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
 }
 
 
-_CUDA_PROBLEM = backend_unavailable_reason("cuda_sm100")
 TARGETS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
     pytest.param(
         ("cuda_sm100", "cuda"),
         id="cuda_sm100-cuda",
-        marks=pytest.mark.skipif(_CUDA_PROBLEM is not None, reason=_CUDA_PROBLEM or ""),
+        marks=pytest.mark.gpu,
     ),
 ]
 

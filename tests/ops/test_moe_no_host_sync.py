@@ -20,9 +20,7 @@ from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4
 from tests.ops.sync_check import record_host_syncs
 
 HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="no CUDA device: the sync-debug and CUDA-graph runs need one"
-)
+needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
 
 def _case(t: int, e: int, k: int, d: int = 16, i: int = 8, dtype=torch.float32, dup: bool = False, seed=0):

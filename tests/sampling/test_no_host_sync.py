@@ -16,10 +16,7 @@ import torch
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch, top_logprobs
 from tests.ops.sync_check import record_host_syncs
 
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="no CUDA device: the sync-debug and CUDA-graph runs need one"
-)
+needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
 B, V = 6, 64
 

@@ -35,7 +35,6 @@ from deepinfer_core.models.deepseek_v4.params import mtp_parameter_specs, parame
 from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
-from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
 from deepinfer_core.testing.observe import record_replays
 from deepinfer_core.weights import load_checkpoint, load_mtp_checkpoint, save_checkpoint
@@ -452,10 +451,7 @@ def test_replay_tail_covers_the_mtp_window(tiny_dir: Path) -> None:
     assert runner.replay_tail == FAMILY.replay_tail(cfg, runner.page_size, extra_layers=1)
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 @pytest.mark.parametrize("which", ["tiny", "bigram"])
 def test_cuda_mtp_outputs_equal_plain_decoding(tiny_dir: Path, bigram_dir: Path, which: str) -> None:
     """On the GPU (``cuda_sm100``, CUDA decode and verify graphs, fp32, batch invariant): the MTP
@@ -479,7 +475,7 @@ def test_cuda_mtp_outputs_equal_plain_decoding(tiny_dir: Path, bigram_dir: Path,
         assert m["acceptance_rate"] > 0.95, m
 
 
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 def test_cuda_mtp_catch_up_never_waits_for_the_device(tiny_dir: Path) -> None:
     """With async scheduling, the MTP drafter follows a step while the next one runs on the
     device: its catch-up (:meth:`MtpDrafter.observe`) must enqueue work without a host sync

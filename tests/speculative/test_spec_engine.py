@@ -19,7 +19,6 @@ from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import PluginManager
 from deepinfer_core.speculative import Draft, Drafter
 from deepinfer_core.speculative.policy import StepCost
-from deepinfer_core.testing.availability import backend_unavailable_reason
 from deepinfer_core.testing.managers import manager_with_plugin
 
 PROMPTS = [
@@ -364,10 +363,7 @@ def test_verify_steps_replay_graphs_bitwise(tiny_dir):
     assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
-@pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_verify_graphs_equal_plain_decoding_bitwise(tiny_dir, dtype):
     """On the GPU (``cuda_sm100``, real CUDA graphs, batch invariant): verify steps replay the

@@ -744,7 +744,7 @@ def test_attention_kernel_compiles_for_the_gpu(arch, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # GPU
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
 
 @needs_cuda

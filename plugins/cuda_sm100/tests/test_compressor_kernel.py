@@ -189,7 +189,7 @@ def test_block_sizes_depend_on_shapes_only():
 # ---------------------------------------------------------------------------------------------
 # GPU
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
 
 @needs_cuda

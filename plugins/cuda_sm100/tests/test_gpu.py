@@ -4,13 +4,9 @@ Skipped, with the reason, where the backend cannot run."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 from cuda_sm100_checks import batch_invariance_problems, graph_replay_problems
-from deepinfer_cuda_sm100 import backend
 from deepinfer_cuda_sm100.attention_ops import PACKED_KV_REFUSAL
 from deepinfer_cuda_sm100.cases import V4_FLASH
 from deepinfer_cuda_sm100.ops import FUSED_OPS, PLAIN_WEIGHT_REFUSAL, PROVIDED_OPS
@@ -19,20 +15,7 @@ from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, get_op
 from deepinfer_core.testing import check_backend
 from deepinfer_core.testing.conformance import compare
 
-
-def _skip_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed: pip install -e 'plugins/cuda_sm100[test]'"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set: the kernels would run in Triton's CPU interpreter"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: torch.cuda.is_available() is False"
-    ok, reason = backend.is_available()
-    return None if ok else f"cuda_sm100 is unavailable: {reason}"
-
-
-SKIP = _skip_reason()
-pytestmark = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")

@@ -109,18 +109,7 @@ def test_invariance_in_interpreter(report):
 # GPU
 
 
-def _gpu_skip() -> str | None:
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return "TRITON_INTERPRET is set"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU: torch.cuda.is_available() is False"
-    return None
-
-
-GPU_SKIP = _gpu_skip()
-gpu = pytest.mark.skipif(GPU_SKIP is not None, reason=GPU_SKIP or "")
+gpu = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
 
 @gpu

@@ -13,11 +13,9 @@ import pytest
 
 from deepinfer_core.llm import LLM
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.testing.availability import backend_unavailable_reason
 from tests.models.v41.conftest import v41_llm
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-pytestmark = pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")
+pytestmark = pytest.mark.gpu
 
 PROMPTS = [list(range(7 + 5 * i, 7 + 5 * i + n)) for i, n in enumerate((9, 40, 23, 70))]
 

@@ -23,7 +23,6 @@ from deepinfer_core.models.deepseek_v41.family import FAMILY
 from deepinfer_core.models.deepseek_v41.tiny import dequantized_weights, make_tiny, native_tensors
 from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.testing.availability import backend_unavailable_reason
 from tests.models.v41.conftest import prefix_hit_and_cold_run, v41_llm
 from tests.models.v41.oracle import OracleV41
 
@@ -202,14 +201,11 @@ def test_mxfp8_mxfp4_checkpoint_equals_the_model_on_its_dequantised_weights(tmp_
     torch.testing.assert_close(ours, OracleV41(quantized).logits(ids), atol=LOGIT_ATOL, rtol=0)
 
 
-_GPU_PROBLEM = backend_unavailable_reason("cuda_sm100")
-
-
 @pytest.mark.parametrize(
     "device",
     [
         "cpu",
-        pytest.param("cuda", marks=pytest.mark.skipif(_GPU_PROBLEM is not None, reason=_GPU_PROBLEM or "")),
+        pytest.param("cuda", marks=pytest.mark.gpu),
     ],
 )
 @pytest.mark.parametrize("quantized", [False, True])

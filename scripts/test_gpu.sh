@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The GPU tier: every test marked `gpu` (kernels, CUDA graphs, batch invariance, quantised
+# weights, speculative decoding and DeepSeek-V4.1 on the GPU), on a machine whose GPU the
+# cuda_sm100 backend runs on (NVIDIA, compute capability >= 9.0, torch with CUDA, Triton).
+#
+#   bash scripts/test_gpu.sh              # all gpu tests, spread over GPU_TEST_WORKERS processes
+#   bash scripts/test_gpu.sh -k attention # extra arguments go to pytest
+#
+# It uses the Python that already has torch with CUDA: PYTHON, else .venv/bin/python where
+# that exists, else python3.  The core and the plugins are installed into it (editable, no
+# dependencies) when they are not there yet; their dependencies must be (pip install -e .).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+if [[ -n "${PYTHON:-}" ]]; then :; elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+WORKERS="${GPU_TEST_WORKERS:-8}"
+
+if ! "$PYTHON" -c 'import importlib.metadata as m; [m.version(p) for p in ("deepinfer-core", "deepinfer-cuda-sm100", "deepinfer-samplers")]' 2>/dev/null; then
+    "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation \
+        -e . -e plugins/cuda_sm100 -e plugins/samplers -e plugins/ascend950
+fi
+"$PYTHON" -c 'import sys; from conftest import gpu_unavailable_reason as r; why = r(); why and sys.exit(f"error: the gpu tests cannot run here: {why}")'
+"$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -n "$WORKERS" "$@"
