@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -120,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="deepseek_v41 only: with (the default) or without the DSpark block drafter's layers "
         "(mtp.*, drafter 'dspark')",
+    )
+    tiny.add_argument(
+        "--force",
+        action="store_true",
+        help="write into OUTDIR even when it is not empty (its files of the same names are replaced)",
     )
     tiny.set_defaults(func=_cmd_make_tiny)
     return parser
@@ -351,7 +357,7 @@ def _format_output(out: Any, index: int | None, tokenizer: Any) -> str:
     several prompts every result starts with ``[i]`` (the prompt's index) and its further lines
     are indented, so results stay matched to prompts even when one fails or spans lines."""
     comp = out.outputs[0]
-    lines = [f"error: {out.error}"] if out.error else comp.text.split("\n")
+    lines = [f"error: {out.error}"] if out.error else escape_control(comp.text).split("\n")
     if out.error is None and comp.logprobs is not None:
         for pos, (token, lp) in enumerate(zip(comp.token_ids, comp.logprobs, strict=False)):
             top = ", ".join(f"{_token_str(t, tokenizer)} {v:.4f}" for t, v in lp.items())
@@ -362,6 +368,24 @@ def _format_output(out: Any, index: int | None, tokenizer: Any) -> str:
     prefix = f"[{index}] "
     return "\n".join(
         prefix + lines[0] if k == 0 else " " * len(prefix) + line for k, line in enumerate(lines)
+    )
+
+
+_KEPT_CONTROLS = "\n\t"
+
+
+def escape_control(text: str) -> str:
+    """``text`` with its control characters (Unicode category ``Cc``: NUL, ESC, CR, DEL, ...;
+    ``Cs``: lone surrogates) except newline and tab written as Python writes them in a string
+    literal (``\\x00``, ``\\x1b``, ``\\r``, ``\\ud800``), so plain output stays text that a
+    terminal shows and ``grep`` reads as it is; ``--json`` keeps the exact text."""
+    if text.isprintable():  # the common case: nothing to escape
+        return text
+    return "".join(
+        ch.encode("unicode_escape").decode("ascii")
+        if ch not in _KEPT_CONTROLS and unicodedata.category(ch) in ("Cc", "Cs")
+        else ch
+        for ch in text
     )
 
 
@@ -420,11 +444,21 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
         for flag in ("quantized", "dspark"):
             if getattr(args, flag):  # (--no-dspark asks for nothing)
                 raise ConfigError(f"make-tiny --{flag}: only with --arch deepseek_v41")
+    if not args.outdir.strip():
+        raise ConfigError("make-tiny: the output directory is an empty string; give a directory path")
     out = Path(args.outdir)
     if not 0 <= args.seed < 2**63:
         raise ConfigError(f"make-tiny --seed={args.seed}: must be in [0, 2**63)")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"make-tiny {out}: a file of that name exists; give a directory path")
+    if out.is_dir() and not args.force:
+        held = sorted(p.name for p in out.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise ConfigError(
+                f"make-tiny {out}: the directory is not empty (it holds {shown}); give a new or empty "
+                "directory, or --force to write the checkpoint into it"
+            )
     try:
         path = make_tiny(out, seed=args.seed, **options)
     except OSError as e:

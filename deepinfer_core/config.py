@@ -15,6 +15,7 @@ that supplied the bad value.
 from __future__ import annotations
 
 import contextvars
+import difflib
 import json
 import math
 import os
@@ -429,7 +430,8 @@ class EngineConfig(BaseModel):
             if value is None:
                 continue
             if key not in cls.model_fields:
-                raise ConfigError(f"unknown engine option {key!r}; known options: {sorted(cls.model_fields)}")
+                hint = did_you_mean(key, cls.model_fields) or f"; known options: {sorted(cls.model_fields)}"
+                raise ConfigError(f"unknown engine option {key!r}{hint}")
             values[key], origin[key] = value, "argument"
         _apply_varlen_env(env, values, origin)
         return cls.validated(values, origin)
@@ -488,12 +490,28 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(
             f"config file {p} must hold a table of key = value pairs, got {type(data).__name__}"
         )
-    unknown = sorted(k for k in data if k not in EngineConfig.model_fields)
+    unknown = sorted(str(k) for k in data if k not in EngineConfig.model_fields)
     if unknown:
-        raise ConfigError(
-            f"config file {p}: unknown key(s) {unknown}; known keys: {sorted(EngineConfig.model_fields)}"
-        )
+        fields = EngineConfig.model_fields
+        if len(unknown) == 1:
+            what, hints = f"unknown key {unknown[0]!r}", did_you_mean(unknown[0], fields)
+        else:
+            what, hints = (
+                f"unknown keys {unknown}",
+                "".join(did_you_mean(k, fields, f" for {k!r}") for k in unknown),
+            )
+        listing = "" if hints else f"; known keys: {sorted(fields)}"
+        raise ConfigError(f"config file {p}: {what}{hints}{listing}")
     return data
+
+
+def did_you_mean(name: str, known: Iterable[str], suffix: str = "") -> str:
+    """``"; did you mean 'x'?"`` (``suffix`` before the ``?``) naming the known names closest
+    to a misspelt ``name`` (:func:`difflib.get_close_matches`), or ``""`` when none is close."""
+    close = difflib.get_close_matches(name.strip().lower().replace("-", "_"), list(known), n=2, cutoff=0.75)
+    if not close:
+        return ""
+    return f"; did you mean {' or '.join(repr(c) for c in close)}{suffix}?"
 
 
 def _apply_nextn_env(env: Mapping[str, str], values: dict[str, Any], origin: dict[str, str]) -> None:

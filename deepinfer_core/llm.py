@@ -11,6 +11,7 @@ import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -107,6 +108,9 @@ class LLM:
         self._counter = itertools.count()
         self._in_flight: dict[str, list[str]] = {}  # request id -> engine ids, during generate()
         self._in_flight_lock = threading.Lock()
+        # shutdown() when this LLM is released (its last reference gone) or at interpreter exit;
+        # the callback refers to what it releases, never to the LLM
+        self._release = weakref.finalize(self, _release, engine, coordinator)
 
     @property
     def config(self) -> EngineConfig:
@@ -127,12 +131,13 @@ class LLM:
 
     def shutdown(self) -> None:
         """End a distributed run: the worker ranks exit (killed if they do not within a few
-        seconds).  Idempotent; also runs at interpreter exit and at the end of a ``with LLM(...)``
-        block.  For a single process it only stops the grammar worker thread (see
-        :mod:`deepinfer_core.engine.structured`)."""
-        if self._coordinator is not None:
-            self._coordinator.shutdown()
-        self.engine.structured.close()
+        seconds) and this process leaves the ``torch.distributed`` world, so another
+        distributed ``LLM`` can start in it.  For a single process it only stops the grammar
+        worker thread (see :mod:`deepinfer_core.engine.structured`).
+
+        Idempotent.  It also runs at the end of a ``with LLM(...)`` block, when the ``LLM`` is
+        released (``del llm``, its last reference gone) and at interpreter exit."""
+        self._release()
 
     def __enter__(self) -> LLM:
         return self
@@ -358,6 +363,13 @@ class LLM:
             f"prompts[{index}] is a {type(prompt).__name__}; "
             "give a str or a {'prompt_token_ids': [...]} dict"
         )
+
+
+def _release(engine: LLMEngine, coordinator: Any) -> None:
+    """What :meth:`LLM.shutdown` does: end the distributed run (if any), stop the grammar worker."""
+    if coordinator is not None:
+        coordinator.shutdown()
+    engine.structured.close()
 
 
 def _merge_metrics(parts: list[RequestMetrics | None]) -> RequestMetrics | None:

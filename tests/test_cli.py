@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import unicodedata
 from pathlib import Path
 
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.cli import main
+from deepinfer_core.cli import escape_control, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -269,11 +270,83 @@ def test_version_flag(capsys):
     assert code == 0 and out.strip() == f"deepinfer {__version__}"
 
 
-def test_make_tiny_writes_world_readable_files(tmp_path, capsys):
-    umask = os.umask(0o022)
+@pytest.mark.parametrize("arch", ["deepseek_v4", "deepseek_v41"])
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_make_tiny_files_and_folder_get_the_modes_of_new_ones(tmp_path, capsys, arch, umask):
+    """Checkpoint files and folders get what ``open`` / ``mkdir`` give under the umask (0644 /
+    0755 under 022), safetensors weights included."""
+    old = os.umask(umask)
     try:
-        assert run_cli(capsys, "make-tiny", str(tmp_path / "t"))[0] == 0
+        assert run_cli(capsys, "make-tiny", str(tmp_path / "t"), "--arch", arch)[0] == 0
+        (tmp_path / "plain_dir").mkdir()  # the oracle: what the OS gives new ones
+        (tmp_path / "plain_file").write_text("")
     finally:
-        os.umask(umask)
+        os.umask(old)
+    file_mode = (tmp_path / "plain_file").stat().st_mode & 0o777
+    assert file_mode == 0o666 & ~umask
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "t").iterdir()}
-    assert set(modes.values()) == {0o644}, modes
+    assert "model.safetensors" in modes and set(modes.values()) == {file_mode}, modes
+    assert (tmp_path / "t").stat().st_mode & 0o777 == (tmp_path / "plain_dir").stat().st_mode & 0o777
+
+
+def test_make_tiny_refuses_an_empty_path(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "make-tiny", "")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        "error: make-tiny: the output directory is an empty string; give a directory path"
+    ]
+    assert list(tmp_path.iterdir()) == []  # nothing written where it runs
+
+
+def test_make_tiny_refuses_a_non_empty_directory_unless_forced(tmp_path, capsys):
+    from deepinfer_core.models.deepseek_v4.tiny import make_tiny
+
+    def files(d):
+        return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+    target = tmp_path / "t"
+    assert run_cli(capsys, "make-tiny", str(target))[0] == 0
+    before = files(target)
+    code, out, err = run_cli(capsys, "make-tiny", str(target), "--seed", "1")
+    assert (code, out) == (2, "") and len(err.splitlines()) == 1
+    assert err.startswith(f"error: make-tiny {target}: the directory is not empty (it holds config.json, ")
+    assert "--force" in err
+    assert files(target) == before  # refused before writing anything
+    code, out, _ = run_cli(capsys, "make-tiny", str(target), "--seed", "1", "--force")
+    assert code == 0 and out.strip() == str(target)
+    assert files(target) == files(make_tiny(tmp_path / "seed1", seed=1)) != before
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "make-tiny", str(tmp_path / "other"))
+    assert code == 2 and "(it holds notes.txt)" in err
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"]
+    assert run_cli(capsys, "make-tiny", str(tmp_path / "empty"))[0] == 0  # new: fine
+    (tmp_path / "empty2").mkdir()
+    assert run_cli(capsys, "make-tiny", str(tmp_path / "empty2"))[0] == 0  # empty: fine
+
+
+def test_escape_control_writes_python_escapes_for_control_characters():
+    text = "a\x00b\x1b[31mc\r\nd\te\x7f\x85€\u200d\ud800 z\\x00"
+    want = "a\\x00b\\x1b[31mc\\r\nd\te\\x7f\\x85€\u200d\\ud800 z\\x00"
+    assert escape_control(text) == want
+    assert escape_control("plain text, ünïcode 文字") == "plain text, ünïcode 文字"
+
+
+@pytest.mark.slow
+def test_plain_generate_output_escapes_control_bytes_json_keeps_them(tmp_path, capsys):
+    """The tiny DeepSeek-V4.1 model's random weights emit control bytes (NUL, DEL, ...): the
+    plain output shows them escaped, ``--json`` has the exact text."""
+    assert run_cli(capsys, "make-tiny", str(tmp_path / "v41"), "--arch", "deepseek_v41")[0] == 0
+    args = ["generate", "--model", str(tmp_path / "v41"), "--temperature", "0", "--max-tokens", "24"]
+    args += ["--prompt", "Hello", "--prompt", "The lighthouse keeper"]
+    code, plain, _ = run_cli(capsys, *args)
+    assert code == 0
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert code == 0
+    texts = [json.loads(line)["text"] for line in out.splitlines()]
+    controls = {ch for t in texts for ch in t if unicodedata.category(ch) == "Cc" and ch not in "\n\t"}
+    assert controls, "the workload must produce control characters"
+    assert not {ch for ch in plain if unicodedata.category(ch) == "Cc"} - {"\n"}
+    want = [f"[{i}] " + escape_control(t).replace("\n", "\n    ") for i, t in enumerate(texts)]
+    assert plain.splitlines() == "\n".join(want).splitlines()

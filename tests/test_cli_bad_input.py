@@ -199,3 +199,39 @@ def test_known_bad_inputs_give_one_named_error(argv, needle):
     code, out, err = run(argv, {})
     assert code == 2 and out == "" and err.startswith("error: ") and needle in err
     assert len(err.splitlines()) == 1
+
+
+def test_new_refusals_are_one_named_line_before_any_work(tmp_path, monkeypatch):
+    """An empty or non-empty ``make-tiny`` target, a misspelt config-file key (with the key it
+    resembles), a tiny-model cache that cannot be made: one ``error:`` line, status 2, and
+    nothing written."""
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "config.json").write_text("{}")
+    typo = tmp_path / "typo.toml"
+    typo.write_text('max_num_seq = 4\nbackend = "reference"\n')
+    (tmp_path / "file").write_text("")
+    monkeypatch.chdir(full)  # where an empty make-tiny path would write
+    cases = [
+        (["make-tiny", ""], {}, "make-tiny: the output directory is an empty string"),
+        (
+            ["make-tiny", str(full)],
+            {},
+            f"make-tiny {full}: the directory is not empty (it holds config.json)",
+        ),
+        (
+            ["generate", "--config", str(typo), "--prompt", "x"],
+            {},
+            f"config file {typo}: unknown key 'max_num_seq'; did you mean 'max_num_seqs'?",
+        ),
+        (
+            ["generate", "--prompt", "x", "--backend", "reference"],
+            {"DEEPINFER_CACHE": str(tmp_path / "file" / "cache")},
+            f"cannot build the built-in tiny model in {tmp_path / 'file' / 'cache'}/tiny-v4-",
+        ),
+    ]
+    for argv, env, needle in cases:
+        code, out, err = run(argv, env)
+        assert (code, out) == (2, ""), (argv, err)
+        assert err.startswith(f"error: {needle}") and len(err.splitlines()) == 1, (argv, err)
+    assert [p.name for p in full.iterdir()] == ["config.json"] and (full / "config.json").read_text() == "{}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer_core.config import EngineConfig, env_var_name, read_config_file
+from deepinfer_core.config import EngineConfig, did_you_mean, env_var_name, read_config_file
 from deepinfer_core.errors import ConfigError
 
 
@@ -48,6 +48,30 @@ def test_unknown_key_in_file_names_key_and_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         EngineConfig.load(config_file=f, env={})
     assert "max_num_seq" in str(e.value) and str(f) in str(e.value)
+
+
+def test_misspelt_keys_get_the_field_they_resemble(tmp_path):
+    f = tmp_path / "typo.yaml"
+    f.write_text("max_num_seq: 4\n")
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.load(config_file=f, env={})
+    assert str(e.value) == f"config file {f}: unknown key 'max_num_seq'; did you mean 'max_num_seqs'?"
+    f.write_text("kv-cache-dtype: fp8\nbackned: reference\nmax_num_seqs: 2\n")
+    with pytest.raises(ConfigError) as e:
+        EngineConfig.load(config_file=f, env={})
+    assert str(e.value) == (
+        f"config file {f}: unknown keys ['backned', 'kv-cache-dtype']; did you mean 'backend' for "
+        "'backned'?; did you mean 'kv_cache_dtype' for 'kv-cache-dtype'?"
+    )
+    f.write_text("colour: blue\n")  # like no field: the known keys are listed instead
+    with pytest.raises(ConfigError, match=r"unknown key 'colour'; known keys: \['async_scheduling'"):
+        EngineConfig.load(config_file=f, env={})
+    with pytest.raises(
+        ConfigError, match=r"^unknown engine option 'data_paralel_size'; did you mean 'data_parallel_size'\?$"
+    ):
+        EngineConfig.load(env={}, data_paralel_size=2)
+    for name in EngineConfig.model_fields:  # every field is its own nearest name
+        assert did_you_mean(name[:-1], EngineConfig.model_fields).startswith(f"; did you mean {name!r}")
 
 
 def test_bad_value_names_field_and_source(tmp_path):

@@ -367,9 +367,13 @@ class Coordinator:
         self._rounds = 0  # step messages sent (the workers count the same)
         self._broken: str | None = None  # why the protocol cannot continue
         self._closed = False
-        self.metrics = _MergedTokens(self)
-        atexit.register(self.shutdown)
-        _LIVE.add(self)
+        _LIVE.add(self)  # shut down at interpreter exit (shutdown_all) unless it is first
+
+    @property
+    def metrics(self) -> _MergedTokens:
+        """What ``LLM``'s progress bar reads: the generated tokens summed over the replicas (a
+        view made on each access, so that the coordinator holds no reference to itself)."""
+        return _MergedTokens(self)
 
     # ---- start -------------------------------------------------------------------------------
     @classmethod
@@ -590,7 +594,6 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.shutdown)
         from .worker import stop_workers
 
         if self._broken is None:
@@ -615,6 +618,9 @@ def shutdown_all() -> None:
 
 
 _LIVE: weakref.WeakSet[Coordinator] = weakref.WeakSet()
+"""The running coordinators, held weakly: a coordinator nothing else refers to is not kept
+alive for the exit hook (``LLM`` shuts its own down when it is released)."""
+atexit.register(shutdown_all)
 
 
 class _MergedTokens:

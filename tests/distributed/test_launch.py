@@ -121,8 +121,65 @@ def test_world_size_mismatch_under_launch_is_one_line() -> None:
     assert got.returncode == 2
     assert got.stderr.strip().splitlines() == [
         "error: WORLD_SIZE=3 (torchrun --nproc-per-node x --nnodes) but data_parallel_size (2) x "
-        "context_parallel_size (1) = 2; make them equal"
+        "context_parallel_size (1) = 2; make them equal, or leave data_parallel_size out to take it "
+        "from WORLD_SIZE"
     ]
+
+
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+
+
+@pytest.mark.slow
+def test_torchrun_without_data_parallel_size_takes_the_world_size(tmp_path: Path) -> None:
+    """``--nproc-per-node 2`` and no ``--data-parallel-size``: two replicas (twice one
+    process's KV cache capacity), the single-process output."""
+    args = ["generate", *CLI_ARGS, "--verbose"]
+    want = _run(["-m", "deepinfer_core.cli", *args], _env())
+    assert want.returncode == 0, want.stderr
+    got = _run([*TORCHRUN, "2", "-m", "deepinfer_core.launch", *args], _env(DEEPINFER_LOG_DIR=str(tmp_path)))
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout == want.stdout
+
+    def capacity(stderr: str) -> int:
+        return int(stderr.split("KV cache capacity: ")[1].split(" tokens")[0])
+
+    assert capacity(got.stderr) == 2 * capacity(want.stderr)
+    assert (tmp_path / "rank1.log").is_file()  # rank 1 served the run
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "flags", "error"),
+    [
+        (
+            "2",
+            ["--data-parallel-size", "3"],
+            "error: WORLD_SIZE=2 (torchrun --nproc-per-node x --nnodes) but data_parallel_size (3) x "
+            "context_parallel_size (1) = 3; make them equal, or leave data_parallel_size out to take it "
+            "from WORLD_SIZE",
+        ),
+        (
+            "3",
+            ["--context-parallel-size", "2"],
+            "error: WORLD_SIZE=3 (torchrun --nproc-per-node x --nnodes) is not a multiple of "
+            "context_parallel_size (2); launch a multiple of 2 processes",
+        ),
+        (
+            "2",
+            ["--max-tokens", "x"],
+            "error: deepinfer generate: argument --max-tokens: invalid int value: 'x'; "
+            "see 'deepinfer generate --help'",
+        ),
+    ],
+)
+def test_torchrun_refusal_is_one_line_and_a_clean_exit(nproc: str, flags: list[str], error: str) -> None:
+    """Under torchrun a refused run prints one ``error:`` line (local rank 0's) and every rank
+    exits 0, so torchrun adds no traceback of its own."""
+    got = _run(
+        [*TORCHRUN, nproc, "-m", "deepinfer_core.launch", "generate", "--prompt", "hi", *flags], _env()
+    )
+    assert (got.returncode, got.stdout) == (0, "")
+    assert got.stderr.splitlines() == [error]
 
 
 def test_missing_rendezvous_variable_is_named() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import LAYER_TYPES, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import (
@@ -137,6 +139,74 @@ def test_builtin_dir_is_cached_and_safe_under_concurrency(
 
     monkeypatch.setattr(tiny, "make_tiny", fail)
     assert tiny.builtin_tiny_model_dir() == model_dir
+
+
+def _files(model_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(model_dir.iterdir())}
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        pytest.param(lambda d: (d / "config.json").unlink(), id="no-config"),
+        pytest.param(
+            lambda d: (d / "model.safetensors").write_bytes(b"not safetensors"), id="garbage-weights"
+        ),
+        pytest.param(
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-100]),
+            id="truncated-weights",
+        ),
+        pytest.param(lambda d: (d / "config.json").write_text("{"), id="broken-config"),
+        pytest.param(lambda d: (d / "tokenizer.json").unlink(), id="no-tokenizer"),
+    ],
+)
+def test_a_damaged_cached_model_is_rebuilt_with_a_warning(
+    damage, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("DEEPINFER_CACHE", str(cache))
+    model_dir = tiny.builtin_tiny_model_dir()
+    want = _files(tiny.make_tiny(tmp_path / "fresh"))  # what a complete one holds
+    assert _files(model_dir) == want
+    damage(model_dir)
+    with caplog.at_level("WARNING", logger="deepinfer.model"):
+        assert tiny.builtin_tiny_model_dir() == model_dir
+    assert _files(model_dir) == want
+    assert [p.name for p in cache.iterdir()] == [model_dir.name]  # nothing left aside
+    [record] = [r for r in caplog.records if "damaged" in r.getMessage()]
+    assert str(model_dir) in record.getMessage() and "rebuilding it" in record.getMessage()
+
+
+def test_a_cache_that_cannot_be_built_names_the_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "file" / "cache"))  # under a regular file
+    with pytest.raises(ConfigError) as info:
+        tiny.builtin_tiny_model_dir()
+    msg = str(info.value)
+    assert msg.startswith(f"cannot build the built-in tiny model in {tmp_path / 'file' / 'cache'}/tiny-v4-")
+    assert "DEEPINFER_CACHE" in msg and "\n" not in msg
+
+
+def test_cache_folder_and_files_have_ordinary_modes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The cache folder, its model folder and files: ``0777`` / ``0666`` under the umask, as
+    ``mkdir`` and ``open`` give (here 027: 0750 / 0640)."""
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "cache"))
+    umask = os.umask(0o027)
+    try:
+        model_dir = tiny.builtin_tiny_model_dir()
+        (tmp_path / "plain_dir").mkdir()  # the oracle: what the OS gives new ones
+        (tmp_path / "plain_file").write_text("")
+    finally:
+        os.umask(umask)
+    dir_mode = (tmp_path / "plain_dir").stat().st_mode & 0o777
+    file_mode = (tmp_path / "plain_file").stat().st_mode & 0o777
+    assert (dir_mode, file_mode) == (0o750, 0o640)
+    assert {d.stat().st_mode & 0o777 for d in (tmp_path / "cache", model_dir)} == {dir_mode}
+    assert {p.name: p.stat().st_mode & 0o777 for p in model_dir.iterdir()} == dict.fromkeys(
+        tiny.CACHED_FILES, file_mode
+    )
 
 
 def test_weights_are_held_once():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -21,12 +22,16 @@ from typing import Any
 
 import tokenizers
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.weights import save_checkpoint, writer
 
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .params import MTP_SHARED, ParamSpec, mtp_parameter_specs, parameter_specs, target_dtype
+
+logger = logging.getLogger("deepinfer.model")
 
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -223,29 +228,96 @@ def make_tiny(
     return out
 
 
+CACHE_ENV = "DEEPINFER_CACHE"
+CACHED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+"""The files of a cached built-in tiny model (what :func:`make_tiny` writes)."""
+
+
 def builtin_tiny_model_dir(seed: int = 0) -> Path:
     """The built-in tiny model directory, created on first use and cached.
 
     Lives under ``$DEEPINFER_CACHE`` (default ``~/.cache/deepinfer``) in a folder named
     after a hash of the config, seed and generating code, so a code change makes a new one.
-    Built in a temporary sibling and renamed into place, so concurrent callers are safe.
+    Built in a temporary sibling and renamed into place, so concurrent callers are safe.  A
+    cached folder that is damaged (a file missing, ``config.json`` unreadable, the safetensors
+    file truncated or not safetensors) is rebuilt, with a warning.  Folders and files get the
+    permissions of any new file (``0755`` / ``0644`` under the usual umask).
+
+    Raises:
+        ConfigError: the folder cannot be built there (naming it, and ``DEEPINFER_CACHE``).
     """
-    root = Path(os.environ.get("DEEPINFER_CACHE") or Path.home() / ".cache" / "deepinfer")
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "deepinfer")
     final = root / f"tiny-v4-{_cache_key(seed)}"
-    if (final / "config.json").is_file():
+    damage = cache_damage(final)
+    if damage is None:
         return final
+    if final.exists():
+        logger.warning("the cached built-in tiny model %s is damaged (%s); rebuilding it", final, damage)
+    try:
+        _build_into(root, final, seed)
+    except OSError as e:
+        what = (
+            f"rebuild the damaged ({damage}) built-in tiny model"
+            if final.exists()
+            else "build the built-in tiny model"
+        )
+        raise ConfigError(
+            f"cannot {what} in {final} ({e.strerror or e}); remove that folder, or set {CACHE_ENV} to a "
+            "writable directory"
+        ) from None
+    return final
+
+
+def _build_into(root: Path, final: Path, seed: int) -> None:
+    """Make the tiny model in a temporary sibling of ``final`` and rename it into place; a
+    damaged ``final`` is moved aside (and removed) first, a complete one (a concurrent
+    caller's) is kept."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".tmp-", dir=root))
+    aside = None
     try:
         make_tiny(tmp, seed=seed)
+        writer.set_ordinary_mode(tmp)  # mkdtemp made it 0700
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / "config.json").is_file():  # not a lost race: a real failure
-                raise
+            if cache_damage(final) is None:  # a concurrent caller's complete folder
+                return
+            aside = Path(tempfile.mkdtemp(prefix=final.name + ".damaged-", dir=root))
+            os.rename(final, aside / "model")  # atomic: nobody sees a half-removed folder
+            os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+
+
+def cache_damage(model_dir: Path) -> str | None:
+    """Why ``model_dir`` is not a complete tiny model (``"missing"`` when absent), else ``None``:
+    a file of :data:`CACHED_FILES` missing, ``config.json`` not a JSON object, the safetensors
+    file unreadable (truncated, not safetensors: its header and size are checked, not its data)."""
+    if not model_dir.is_dir():
+        return "missing"
+    missing = [name for name in CACHED_FILES if not (model_dir / name).is_file()]
+    if missing:
+        return f"no {', '.join(missing)}"
+    try:
+        if not isinstance(json.loads((model_dir / "config.json").read_text(encoding="utf-8")), dict):
+            return "config.json is not a JSON object"
+    except (OSError, ValueError) as e:
+        return f"config.json unreadable: {e}"
+    try:
+        with safe_open(str(model_dir / "model.safetensors"), framework="pt"):
+            pass
+    except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+        return f"model.safetensors unreadable: {e}"
+    return None
 
 
 def _cache_key(seed: int) -> str:

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from deepinfer_core.models.deepseek_v4.tiny import TINY_VOCAB_SIZE, write_tokenizer_files
 from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4, quant_fp8
+from deepinfer_core.weights.writer import save_safetensors
 
 from .config import DeepseekV41Config
 from .params import EXPERT_STACKS, ParamSpec, dspark_parameter_specs, parameter_specs, target_dtype
@@ -272,6 +272,6 @@ def make_tiny(
         }
         cfg_dict["text_config"]["expert_dtype"] = "fp4" if fp4_experts else "fp8"
     cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(tensors, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n", encoding="utf-8")
     return out
