@@ -29,9 +29,9 @@ def _runner(path: Path, batch_invariant: bool) -> ModelRunner:
     return ModelRunner(path, cfg, OpTable.reference())
 
 
-def _ids(seed: int, n: int) -> list[int]:
+def _ids(seed: int, n: int, vocab: int = tiny.TINY_VOCAB_SIZE) -> list[int]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, tiny.TINY_VOCAB_SIZE, (n,), generator=g).tolist()
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
 
 
 def _target_logits(
