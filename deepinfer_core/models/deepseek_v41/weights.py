@@ -5,11 +5,14 @@ sibling tensors ``X.scale``: dense linears MXFP8 (e4m3 with one ue8m0 scale per
 ``quantization_config.weight_block_size`` tile, 32x32), routed experts MXFP4 (packed e2m1 with
 one scale per 32 inputs), Engram tables e4m3 rows with a scale per 32 channels (always kept
 quantised and, on a CPU device, memory-mapped from the file rather than copied: a step
-dequantises only the rows it looks up).  Other quantised tensors are
+dequantises only the rows it looks up; a float table's scale, which transformers writes and
+applies to e4m3 rows only, is not applied either).  Other quantised tensors are
 dequantised to the model dtype, or, with ``keep_quantized``, kept as
 :class:`~deepinfer_core.weights.quant.QuantizedTensor` exactly as the V4 loader keeps them (the
 same per-tensor reader is used); per-expert tensors are stacked into ``[E, 2I, D]`` /
-``[E, D, I]``.  An optional ``model.`` prefix is accepted.  Tensors of the parts the text model
+``[E, D, I]``.  An optional ``model.`` prefix is accepted, and transformers' ``lm_head.weight``
+for ``head.weight`` (:data:`~.params.HF_ALIASES`): a checkpoint written by
+``save_pretrained`` loads as it is.  Tensors of the parts the text model
 does not serve (DSpark ``mtp.*``, vision, image embeddings, the image router bias ``bias_vl``)
 are skipped (:func:`~.params.is_ignored`); the DSpark drafter's ``mtp.*`` load apart
 (:func:`load_dspark_weights`, for ``speculative.drafter="dspark"``).
@@ -41,10 +44,12 @@ from .params import (
     DSPARK_COMBINER,
     DSPARK_HEADS,
     EXPERT_STACKS,
+    HF_ALIASES,
     ParamSpec,
     dspark_optional,
     dspark_parameter_specs,
     is_ignored,
+    is_image_router_bias,
     parameter_specs,
     target_dtype,
 )
@@ -56,6 +61,7 @@ logger = logging.getLogger("deepinfer.model")
 
 def _target(name: str, specs: dict[str, ParamSpec]) -> str | ExpertSlice | None:
     bare = name.removeprefix("model.")
+    bare = HF_ALIASES.get(bare, bare)
     if bare in specs:
         return bare
     m = _EXPERT_RE.match(bare)
@@ -111,22 +117,30 @@ def _engram_table(
     """An Engram table, memory-mapped from its file (the release's are ~98 GB): e4m3 rows with
     one scale per ``g`` channels are kept quantised (only the rows a step looks up are
     dequantised, ``deepseek_v41.engram_rows``); a float table is mapped when stored in the model
-    dtype.  On a CUDA device the mapped rows stay in host memory and the device reads them in
-    place (:func:`~deepinfer_core.weights.host_mapped.device_view_of_host`; the scales, 1/g of
-    the bytes, are copied); where that is not possible the table is copied to the device
-    (logged with the reason)."""
+    dtype, and its scale, if any, is not applied (transformers writes a float32 ``embed.scale``
+    with every table and applies it to e4m3 rows only; logged).  On a CUDA device the mapped
+    rows stay in host memory and the device reads them in place
+    (:func:`~deepinfer_core.weights.host_mapped.device_view_of_host`; the scales, 1/g of the
+    bytes, are copied); where that is not possible the table is copied to the device (logged
+    with the reason)."""
     on_cpu = torch.device(device).type == "cpu"
     mapped = mmap_tensor(path, name)
+    data = mapped if mapped is not None else src.get(name)
+    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
+    if scale_name is not None and data.is_floating_point() and data.dtype != FP8_DTYPE:
+        logger.info(
+            "Engram table %s is stored as %s: its scale %s is not applied (a scale applies to "
+            "float8_e4m3fn rows only, as in transformers)",
+            name,
+            data.dtype,
+            scale_name,
+        )
+        scale_name = None
     if scale_name is None:
         if mapped is not None and mapped.dtype == dtype:
-            _check_shape(mapped.shape, spec.shape, f"tensor {name!r}", path)
             return mapped if on_cpu else _in_place_or_copied(mapped, name, device)
-        t = src.get(name).to(device=device, dtype=dtype)
-        _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
-        return t
-    data = mapped if mapped is not None else src.get(name)
+        return data.to(device=device, dtype=dtype)
     scale = src.get(scale_name)
-    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
     if data.dtype != FP8_DTYPE or scale.dim() != 2 or spec.shape[1] % max(scale.shape[1], 1):
         raise WeightLoadError(
             f"Engram table {name!r} in {path}: expected float8_e4m3fn rows with [rows, channels/g] "
@@ -206,10 +220,11 @@ def load_dspark_weights(
     alike, experts stacked).  ``confidence_head.proj.weight`` is read as
     ``confidence_head.weight``; the combiner (``main_proj``, ``main_norm``) and the head stack
     (``norm``, ``markov_head.*``, ``confidence_head``) are accepted under any stage prefix but
-    exactly once (held under stage 0 and the last stage).  A checkpoint without the confidence
-    head loads without it (logged).  A one-line :class:`ConfigError` says when there is no ``mtp.*``
-    tensor at all, or names the bad ``dspark_*`` field or the first missing ``mtp.*`` tensor; other
-    problems are :class:`WeightLoadError` as in :func:`load_weights`.
+    exactly once (held under stage 0 and the last stage).  The stages' image-token router biases
+    (``mtp.{j}.ffn.gate.bias_vl``) are skipped as the main layers' are.  A checkpoint without the
+    confidence head loads without it (logged).  A one-line :class:`ConfigError` says when there
+    is no ``mtp.*`` tensor at all, or names the bad ``dspark_*`` field or the first missing
+    ``mtp.*`` tensor; other problems are :class:`WeightLoadError` as in :func:`load_weights`.
     """
     m = cfg.num_nextn_predict_layers
     if not any(name.removeprefix("model.").startswith("mtp.") for name in discover_shards(model_dir)):
@@ -222,7 +237,7 @@ def load_dspark_weights(
 
     def resolve(name: str) -> str | ExpertSlice | None:
         bare = name.removeprefix("model.")
-        if not bare.startswith("mtp."):
+        if not bare.startswith("mtp.") or is_image_router_bias(bare):
             return _SKIP
         stage, _, leaf = bare.removeprefix("mtp.").partition(".")
         leaf = DSPARK_ALIASES.get(leaf, leaf)
