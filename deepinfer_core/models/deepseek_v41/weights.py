@@ -20,7 +20,6 @@ are skipped (:func:`~.params.is_ignored`); the DSpark drafter's ``mtp.*`` load a
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -33,10 +32,17 @@ import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.weights.host_mapped import device_view_of_host
-from deepinfer_core.weights.loader import _check_shape, _empty_stack, _keep_formats, _put_expert, _read
+from deepinfer_core.weights.loader import (
+    _check_shape,
+    _empty_stack,
+    _keep_formats,
+    _put_expert,
+    _read,
+    check_stored_shapes,
+)
 from deepinfer_core.weights.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
-from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards
+from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards, shard_header
 
 from .config import DeepseekV41Config
 from .params import (
@@ -93,7 +99,7 @@ def mmap_tensor(path: Path, name: str) -> torch.Tensor | None:
     memory (no copy: pages are read when rows are touched), or ``None`` for a dtype not mapped."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(size))[name]
+    meta = shard_header(path)[name]
     dtype = _ST_DTYPES.get(meta["dtype"])
     if dtype is None:
         return None
@@ -182,10 +188,25 @@ def load_weights(
     """``{inventory name: weight}`` for every entry of ``parameter_specs(cfg)``.
 
     Raises :class:`WeightLoadError` naming the tensor (and file) for missing, unexpected,
-    duplicated, mis-shaped or mistyped tensors.
+    duplicated, mis-shaped or mistyped tensors; all but the dtypes are checked before any tensor
+    data is read (:func:`check_weights`).
     """
     specs = parameter_specs(cfg)
+    plan = _checked(model_dir, cfg, specs)
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    if "head.weight" not in result and cfg.tie_word_embeddings:
+        result["head.weight"] = result["embed.weight"]
+    return {name: result[name] for name in specs}
 
+
+def check_weights(model_dir: str | Path, cfg: DeepseekV41Config) -> None:
+    """What :func:`load_weights` checks before it reads tensor data: every tensor of the
+    checkpoint is a parameter of ``cfg`` or one the text model skips, none is missing or given
+    twice, and each one's shape in its shard's header is its parameter's."""
+    _checked(model_dir, cfg, parameter_specs(cfg))
+
+
+def _checked(model_dir: str | Path, cfg: DeepseekV41Config, specs: dict[str, ParamSpec]) -> _Plan:
     def resolve(name: str) -> str | ExpertSlice | None:
         return _SKIP if is_ignored(name) else _target(name, specs)
 
@@ -202,10 +223,8 @@ def load_weights(
             f"checkpoint {model_dir} lacks {len(missing)} tensor(s) of this model: {_listing(missing)}. "
             "Check that config.json matches the weights and that the download is complete."
         )
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
-    if "head.weight" not in result and cfg.tie_word_embeddings:
-        result["head.weight"] = result["embed.weight"]
-    return {name: result[name] for name in specs}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, plan.shard_of)
+    return plan
 
 
 def load_dspark_weights(
@@ -226,6 +245,22 @@ def load_dspark_weights(
     is no ``mtp.*`` tensor at all, or names the bad ``dspark_*`` field or the first missing
     ``mtp.*`` tensor; other problems are :class:`WeightLoadError` as in :func:`load_weights`.
     """
+    specs = dspark_parameter_specs(cfg)
+    plan = _checked_dspark(model_dir, cfg, specs)
+    optional = dspark_optional(cfg)
+    for name in sorted(optional - set(plan.seen)):
+        logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    return {name: result[name] for name in specs if name in result}
+
+
+def check_dspark_weights(model_dir: str | Path, cfg: DeepseekV41Config) -> None:
+    """What :func:`load_dspark_weights` checks before it reads tensor data (the ``dspark_*``
+    fields, names, missing tensors, header shapes), raising as it does."""
+    _checked_dspark(model_dir, cfg, dspark_parameter_specs(cfg))
+
+
+def _checked_dspark(model_dir: str | Path, cfg: DeepseekV41Config, specs: dict[str, ParamSpec]) -> _Plan:
     m = cfg.num_nextn_predict_layers
     if not any(name.removeprefix("model.").startswith("mtp.") for name in discover_shards(model_dir)):
         raise ConfigError(
@@ -233,7 +268,6 @@ def load_dspark_weights(
             f"has no mtp.* tensor (num_nextn_predict_layers={m})"
         )
     cfg.check_dspark(str(Path(model_dir) / "config.json"))
-    specs = dspark_parameter_specs(cfg)
 
     def resolve(name: str) -> str | ExpertSlice | None:
         bare = name.removeprefix("model.")
@@ -253,21 +287,18 @@ def load_dspark_weights(
     if plan.unexpected:
         raise WeightLoadError(
             f"unexpected DSpark tensors in {model_dir}: {_listing(sorted(plan.unexpected))}. They are not "
-            f"parameters of this config's drafter (num_nextn_predict_layers={m}; V4-0731's DSpark with "
-            "hc_head is not implemented)."
+            f"parameters of this config's drafter (num_nextn_predict_layers={m}; DeepSeek-V4.1's DSpark "
+            "stages have no hc_head_*, those of DeepSeek-V4's are not supported)."
         )
-    optional = dspark_optional(cfg)
-    missing = _missing(specs, plan.seen, skip=optional)
+    missing = _missing(specs, plan.seen, skip=dspark_optional(cfg))
     if missing:
         raise ConfigError(
             f"{model_dir}: speculative.drafter='dspark' needs the DSpark draft layers "
             f"(num_nextn_predict_layers={m}), but the checkpoint lacks {missing[0]}"
             + (f" and {len(missing) - 1} more mtp.* tensor(s)" if len(missing) > 1 else "")
         )
-    for name in sorted(optional - set(plan.seen)):
-        logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
-    return {name: result[name] for name in specs if name in result}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, plan.shard_of)
+    return plan
 
 
 @dataclass
