@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
-from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import (
     MTP_PREFIX,
     MTP_SHARED,
@@ -34,6 +34,7 @@ from .names import (
     ExpertSlice,
     expert_native_names,
     hf_to_native,
+    is_dspark_stage,
     is_expert_stack,
     is_ignorable,
     is_mtp,
@@ -401,8 +402,10 @@ def load_mtp_checkpoint(
     model's.  Tensors of further MTP layers are not read (the drafter recurses through layer 0).
 
     Raises :class:`ConfigError` (one line) when ``config.json`` declares no MTP layer
-    (``num_nextn_predict_layers`` 0) or the checkpoint lacks tensors of layer 0, naming them
-    (native spelling); :class:`WeightLoadError` for unexpected, mis-shaped or mistyped ones.
+    (``num_nextn_predict_layers`` 0), when the ``mtp.*`` tensors are DSpark drafter stages
+    (:func:`~.names.is_dspark_stage`; not supported for DeepSeek-V4) or the checkpoint lacks
+    tensors of layer 0, naming them (native spelling); :class:`WeightLoadError` for unexpected,
+    mis-shaped or mistyped ones.
     """
     keep = _keep_formats(keep_quantized)
     plan, shard_of, specs = _checked_mtp_plan(model_dir, cfg)
@@ -427,6 +430,11 @@ def _checked_mtp_plan(
         )
     specs = mtp_parameter_specs(cfg, range(1))
     shard_of = discover_shards(model_dir)
+    stages = sorted(n for n in shard_of if is_dspark_stage(n))
+    if stages:
+        raise ConfigError(
+            f"speculative.drafter='mtp': {model_dir} has {stages[0]}: {DSPARK_STAGES_UNSUPPORTED}"
+        )
     plan = _plan(shard_of, specs, frozenset({0}))
     shared = {MTP_PREFIX + "0." + n for n in MTP_SHARED}
     missing = [n for n in _missing(plan, specs, cfg) if n.split(" ")[0] not in shared]
