@@ -180,7 +180,8 @@ class LLMEngine:
         if parallel is not None and parallel.world_size > 1:
             self._check_parallel(drafter_cls)
         if drafter_cls is not None and drafter_cls.uses_mtp_layers:
-            check_draft_layers(self.family, self.config.speculative.drafter, drafter_cls.mtp_kind)  # type: ignore[union-attr]
+            drafter = self.config.speculative.drafter  # type: ignore[union-attr]
+            check_draft_layers(self.family, drafter, drafter_cls.mtp_kind, model_config)
         try:
             self.runner = ModelRunner(
                 model_dir,

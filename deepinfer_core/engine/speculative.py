@@ -686,19 +686,23 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     return plugins.component_class("drafters", name, Drafter, f"speculative.drafter={name!r}")
 
 
-def check_draft_layers(family: Any, drafter: str, kind: str) -> None:
+def check_draft_layers(family: Any, drafter: str, kind: str, model_config: Any = None) -> None:
     """A one-line :class:`ConfigError` when drafter ``drafter`` runs draft layers of ``kind``
-    (:attr:`Drafter.mtp_kind`) but the model family's checkpoints hold another kind
-    (``ModelFamily.mtp_kind``): it names the drafter to use (the core's drafter of each kind has
-    the kind's name)."""
+    (:attr:`Drafter.mtp_kind`) but the checkpoint's cannot be run: the family's
+    ``unsupported_draft_layers(model_config)`` gives a reason (e.g. DeepSeek-V4-Flash-0731's
+    DSpark stages), or its checkpoints hold another kind (``ModelFamily.mtp_kind``; the message
+    names the drafter to use: the core's drafter of each kind has the kind's name)."""
+    why = getattr(family, "unsupported_draft_layers", None)
+    reason = why(model_config) if why is not None and model_config is not None else None
+    if reason is not None:
+        raise ConfigError(f"speculative.drafter={drafter!r}: {reason}")
     have = getattr(family, "mtp_kind", "mtp")
     if kind == have or getattr(family, "load_mtp_weights", None) is None:
         return  # the same kind, or no draft layers at all (the model runner says so)
     what = {"mtp": "an MTP layer", "dspark": "DSpark block-drafter layers"}
-    extra = " (DeepSeek-V4-0731's DSpark, with hc_head, is not implemented)" if kind == "dspark" else ""
     raise ConfigError(
         f"speculative.drafter={drafter!r} runs {what.get(kind, kind)}, but model family "
-        f"{family.model_type!r} has {what.get(have, have)} (mtp.*){extra}: use drafter={have!r}"
+        f"{family.model_type!r} has {what.get(have, have)} (mtp.*): use drafter={have!r}"
     )
 
 

@@ -123,6 +123,10 @@ class ModelFamily:
             and keeps no hidden states: ``Model.keeps_hidden = False``).  A drafter whose
             :attr:`~deepinfer_core.speculative.Drafter.mtp_kind` differs is refused (one-line
             :class:`ConfigError` naming the drafter to use).
+        unsupported_draft_layers: ``cfg -> reason | None``: why no drafter can run the draft
+            layers of the checkpoint ``cfg`` describes (``None``, or the attribute unset: the
+            family's ``mtp_kind`` drafter can); a drafter that uses draft layers is then refused
+            with the reason, before the model loads.
     """
 
     model_type: str
@@ -136,6 +140,7 @@ class ModelFamily:
         Callable[[Path, Any, torch.dtype, torch.device, Collection[str]], dict[str, Any]] | None
     ) = None
     mtp_kind: str = "mtp"
+    unsupported_draft_layers: Callable[[Any], str | None] | None = None
 
     def from_file(self, model_dir: str | Path) -> Any:
         """Parse ``config.json`` (or a directory holding it), checking its ``model_type``."""

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
-from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import (
     MTP_PREFIX,
     MTP_SHARED,
@@ -34,6 +34,7 @@ from .names import (
     ExpertSlice,
     expert_native_names,
     hf_to_native,
+    is_dspark_stage,
     is_expert_stack,
     is_ignorable,
     is_mtp,
@@ -56,7 +57,7 @@ from .quant import (
     dequant_fp4,
     dequant_fp8,
 )
-from .safetensors_io import TensorSource, discover_shards
+from .safetensors_io import TensorInfo, TensorSource, discover_shards, read_headers
 
 logger = logging.getLogger(__name__)
 _MAX_LISTED = 5
@@ -275,6 +276,40 @@ def _expert_slice_shape(spec: ParamSpec, part: str) -> tuple[int, int]:
     return (rows // 2, cols) if part in ("gate", "up") else (rows, cols)
 
 
+_BYTE_STORAGE = frozenset({"I8", "U8"})
+
+
+def stored_logical_shape(info: TensorInfo, scaled: bool) -> tuple[int, ...]:
+    """The shape a stored tensor has once read: packed FP4 in bytes (``I8`` / ``U8`` with a
+    scale: two e2m1 values per byte) is twice as wide in its last dimension; every other tensor
+    keeps its stored shape (a header gives ``F4`` shapes in e2m1 values already)."""
+    if scaled and info.dtype in _BYTE_STORAGE and info.shape:
+        return (*info.shape[:-1], 2 * info.shape[-1])
+    return info.shape
+
+
+def check_stored_shapes(
+    direct: Mapping[str, str],
+    experts: Mapping[str, ExpertSlice],
+    scales: Mapping[str, str],
+    specs: Mapping[str, ParamSpec],
+    shard_of: Mapping[str, Path],
+) -> None:
+    """Every planned tensor's shape, from its shard's header alone (no data read), against the
+    parameter it provides (``direct``: stored name -> parameter; ``experts``: stored name ->
+    slice of a stack; ``scales``: stored name -> its scale): a :class:`WeightLoadError` naming
+    the first mismatch and its file before anything is read."""
+    headers = read_headers({n: shard_of[n] for n in (*direct, *experts)})
+    for name, target in direct.items():
+        found = stored_logical_shape(headers[name], name in scales)
+        what = f"tensor {name!r} (model parameter {target})"
+        _check_shape(found, specs[target].shape, what, shard_of[name])
+    for name, sl in experts.items():
+        found = stored_logical_shape(headers[name], name in scales)
+        want = _expert_slice_shape(specs[sl.hf_name], sl.part)
+        _check_shape(found, want, f"expert tensor {name!r}", shard_of[name])
+
+
 def load_checkpoint(
     model_dir: str | Path,
     cfg: DeepseekV4Config,
@@ -310,12 +345,32 @@ def load_checkpoint(
     row by row); dense weights load whole.
 
     Raises :class:`WeightLoadError` naming the tensor and file for missing, unexpected,
-    mis-shaped or wrongly-typed tensors and for unreadable or unsafe shards.
+    mis-shaped or wrongly-typed tensors and for unreadable or unsafe shards; names and shapes
+    (from the shards' headers) are checked before any tensor data is read
+    (:func:`check_checkpoint`).
     """
     keep = _keep_formats(keep_quantized)
-    shard_of = discover_shards(model_dir)
     specs = parameter_specs(cfg)
     local = _check_local_experts(local_experts, specs) if local_experts is not None else None
+    plan, shard_of = _checked_plan(model_dir, cfg, specs)
+    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep, local)
+    if "lm_head.weight" not in result and cfg.tie_word_embeddings:
+        result["lm_head.weight"] = result["model.embed_tokens.weight"]
+    return {name: result[name] for name in specs}
+
+
+def check_checkpoint(model_dir: str | Path, cfg: DeepseekV4Config) -> None:
+    """What :func:`load_checkpoint` checks before it reads a byte of tensor data: every tensor
+    of the checkpoint in ``model_dir`` is a parameter of ``cfg`` (or one the model skips), none
+    is missing or provided twice, and each one's shape in its shard's header is its
+    parameter's.  Raises :class:`WeightLoadError` as :func:`load_checkpoint` does."""
+    _checked_plan(model_dir, cfg, parameter_specs(cfg))
+
+
+def _checked_plan(
+    model_dir: str | Path, cfg: DeepseekV4Config, specs: dict[str, ParamSpec]
+) -> tuple[_Plan, dict[str, Path]]:
+    shard_of = discover_shards(model_dir)
     plan = _plan(shard_of, specs)
     missing = _missing(plan, specs, cfg)
     if missing:
@@ -326,10 +381,8 @@ def load_checkpoint(
             f"{len(files)} file(s): {', '.join(files[:_MAX_LISTED])}). Check that config.json matches the "
             "weights and that the download is complete."
         )
-    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep, local)
-    if "lm_head.weight" not in result and cfg.tie_word_embeddings:
-        result["lm_head.weight"] = result["model.embed_tokens.weight"]
-    return {name: result[name] for name in specs}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, shard_of)
+    return plan, shard_of
 
 
 def load_mtp_checkpoint(
@@ -349,18 +402,39 @@ def load_mtp_checkpoint(
     model's.  Tensors of further MTP layers are not read (the drafter recurses through layer 0).
 
     Raises :class:`ConfigError` (one line) when ``config.json`` declares no MTP layer
-    (``num_nextn_predict_layers`` 0) or the checkpoint lacks tensors of layer 0, naming them
-    (native spelling); :class:`WeightLoadError` for unexpected, mis-shaped or mistyped ones.
+    (``num_nextn_predict_layers`` 0), when the ``mtp.*`` tensors are DSpark drafter stages
+    (:func:`~.names.is_dspark_stage`; not supported for DeepSeek-V4) or the checkpoint lacks
+    tensors of layer 0, naming them (native spelling); :class:`WeightLoadError` for unexpected,
+    mis-shaped or mistyped ones.
     """
+    keep = _keep_formats(keep_quantized)
+    plan, shard_of, specs = _checked_mtp_plan(model_dir, cfg)
+    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
+    return {name: result[name] for name in specs if name in result}
+
+
+def check_mtp_checkpoint(model_dir: str | Path, cfg: DeepseekV4Config) -> None:
+    """What :func:`load_mtp_checkpoint` checks before it reads tensor data (names, missing
+    tensors, header shapes), raising as it does."""
+    _checked_mtp_plan(model_dir, cfg)
+
+
+def _checked_mtp_plan(
+    model_dir: str | Path, cfg: DeepseekV4Config
+) -> tuple[_Plan, dict[str, Path], dict[str, ParamSpec]]:
     if cfg.num_nextn_predict_layers < 1:
         raise ConfigError(
             f"speculative.drafter='mtp' needs the checkpoint's multi-token-prediction layers, but "
             f"{model_dir}/config.json has num_nextn_predict_layers={cfg.num_nextn_predict_layers}; use "
             "another drafter (e.g. 'ngram')"
         )
-    keep = _keep_formats(keep_quantized)
-    shard_of = discover_shards(model_dir)
     specs = mtp_parameter_specs(cfg, range(1))
+    shard_of = discover_shards(model_dir)
+    stages = sorted(n for n in shard_of if is_dspark_stage(n))
+    if stages:
+        raise ConfigError(
+            f"speculative.drafter='mtp': {model_dir} has {stages[0]}: {DSPARK_STAGES_UNSUPPORTED}"
+        )
     plan = _plan(shard_of, specs, frozenset({0}))
     shared = {MTP_PREFIX + "0." + n for n in MTP_SHARED}
     missing = [n for n in _missing(plan, specs, cfg) if n.split(" ")[0] not in shared]
@@ -373,8 +447,8 @@ def load_mtp_checkpoint(
             f"{cfg.num_nextn_predict_layers}): {', '.join(shown)}{more}; use a checkpoint with its "
             "mtp.* tensors or another drafter"
         )
-    result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
-    return {name: result[name] for name in specs if name in result}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, shard_of)
+    return plan, shard_of, specs
 
 
 def _native_spelling(missing: str) -> str:

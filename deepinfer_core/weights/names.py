@@ -223,6 +223,17 @@ def mtp_layer(name: str) -> int | None:
     return int(m.group(2)) if m is not None and m.group(1) == "mtp" else None
 
 
+DSPARK_STAGE_LEAVES = ("main_proj.", "main_norm.", "markov_head.", "confidence_head.")
+"""Leaves (after ``mtp.{i}.``) only a DSpark block drafter's stages have: its context combiner and
+its Markov and confidence heads; an MTP layer has none of them."""
+
+
+def is_dspark_stage(name: str) -> bool:
+    """Whether ``name`` is a tensor only DSpark drafter stages have (:data:`DSPARK_STAGE_LEAVES`)."""
+    m = _LAYER_RE.match(name)
+    return m is not None and m.group(1) == "mtp" and m.group(3).startswith(DSPARK_STAGE_LEAVES)
+
+
 def is_ignorable(name: str) -> bool:
     """Tensors a checkpoint may carry that the model does not load: rotary ``inv_freq``
     buffers, and the multi-token-prediction layers (``mtp.*``, :func:`is_mtp`) unless the

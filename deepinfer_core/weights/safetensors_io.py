@@ -15,8 +15,9 @@ Errors are :class:`WeightLoadError` naming the file and tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,56 @@ from deepinfer_core.errors import WeightLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+_MAX_HEADER = 100 * 2**20  # the safetensors format's own bound on a header's size
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A stored tensor as its shard's header describes it: the safetensors ``dtype`` string
+    (``"F8_E4M3"``, ``"I8"``, ``"BF16"``, ...) and the ``shape``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def shard_header(path: Path) -> dict[str, Any]:
+    """The JSON header of safetensors file ``path`` (``{tensor name: {"dtype", "shape",
+    "data_offsets"}}``, ``__metadata__`` left out), read without touching the tensor data; a
+    :class:`WeightLoadError` naming the file when it has no readable header."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= _MAX_HEADER:
+                raise ValueError(f"header size {size} is not in (0, {_MAX_HEADER}]")
+            header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (OSError, ValueError) as e:
+        raise WeightLoadError(
+            f"cannot read the safetensors header of {path}: {e}. The file is truncated or corrupt: "
+            "re-download it."
+        ) from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def read_headers(shard_of: Mapping[str, Path]) -> dict[str, TensorInfo]:
+    """Dtype and shape of every tensor of ``shard_of`` (name -> shard, as :func:`discover_shards`
+    gives it) from the shards' headers alone; a tensor its shard's header does not list is a
+    :class:`WeightLoadError` naming both."""
+    headers: dict[Path, dict[str, Any]] = {}
+    out: dict[str, TensorInfo] = {}
+    for name, path in shard_of.items():
+        if path not in headers:
+            headers[path] = shard_header(path)
+        meta = headers[path].get(name)
+        if meta is None:
+            raise WeightLoadError(
+                f"tensor {name!r} is listed in the shard index for {path} but that file does not contain "
+                "it; the index and shards are out of sync: re-download the checkpoint."
+            )
+        out[name] = TensorInfo(str(meta.get("dtype")), tuple(int(d) for d in meta.get("shape", ())))
+    return out
 
 
 def _resolve_inside(model_dir: Path, entry: str, origin: str) -> Path:

@@ -82,6 +82,15 @@ def test_truncated_file_names_the_file(tiny: Any, tmp_path: Path) -> None:
         _load(tiny, tmp_path)
 
 
+def test_an_indexed_shard_without_a_readable_header_names_the_file(tiny: Any, tmp_path: Path) -> None:
+    """Shapes are checked from the headers before any data is read: a shard whose header cannot
+    be read is named there."""
+    shard = _first_shard(_sharded(tiny, tmp_path))
+    (tmp_path / shard).write_bytes((2**62).to_bytes(8, "little") + b"{}")
+    with pytest.raises(WeightLoadError, match=rf"header of .*{re.escape(shard)}.*truncated or corrupt"):
+        _load(tiny, tmp_path)
+
+
 def test_tensor_in_index_but_absent_from_shard(tiny: Any, tmp_path: Path) -> None:
     index = _sharded(tiny, tmp_path)
     owner = index["weight_map"]["model.norm.weight"]

@@ -76,6 +76,15 @@ _LAYOUT_KEYS = frozenset(
 
 logger = logging.getLogger("deepinfer.model")
 
+DSPARK_STAGES_UNSUPPORTED = (
+    "this DeepSeek-V4 checkpoint's mtp.* tensors are DSpark block-drafter stages (main_proj, "
+    "main_norm, Markov and confidence heads, as in DeepSeek-V4-Flash-0731), not a "
+    "multi-token-prediction layer, and DeepInfer does not support DeepSeek-V4's DSpark drafter "
+    "(the dspark drafter serves DeepSeek-V4.1's); the main model serves without a drafter: drop "
+    "the speculative options or use drafter='ngram'"
+)
+"""Why no drafter runs the draft layers of a DeepSeek-V4 checkpoint with DSpark stages."""
+
 
 class RopeParams(BaseModel):
     """Rotary parameters of one rope family (``main`` or ``compress``)."""
@@ -132,6 +141,12 @@ class DeepseekV4Config(BaseModel):
     index_topk: int
     num_nextn_predict_layers: int = 1
     mtp_layer_types: list[str] | None = None
+    # DSpark block-drafter stages in ``mtp.*`` instead of an MTP layer (DeepSeek-V4-Flash-0731);
+    # read only to refuse them plainly (:data:`DSPARK_STAGES_UNSUPPORTED`)
+    dspark_block_size: int | None = None
+    dspark_noise_token_id: int | None = None
+    dspark_target_layer_ids: list[int] | None = None
+    dspark_markov_rank: int | None = None
     hidden_act: str = "silu"
     rms_norm_eps: float = 1e-6
     bos_token_id: int | None = 0
@@ -258,6 +273,13 @@ class DeepseekV4Config(BaseModel):
     def eos_token_ids(self) -> list[int]:
         """EOS ids as a list (``eos_token_id`` may be an int or a list)."""
         return eos_list(self.eos_token_id)
+
+    @property
+    def has_dspark_stages(self) -> bool:
+        """Whether ``config.json`` declares DSpark block-drafter stages (any ``dspark_*`` field,
+        as DeepSeek-V4-Flash-0731's does): its ``mtp.*`` tensors are then not an MTP layer."""
+        fields = (self.dspark_block_size, self.dspark_noise_token_id, self.dspark_target_layer_ids)
+        return any(f is not None for f in (*fields, self.dspark_markov_rank))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> DeepseekV4Config:

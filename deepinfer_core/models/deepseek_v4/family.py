@@ -19,7 +19,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
 
-from .config import DeepseekV4Config
+from .config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
 
 
 def parse_config(data: dict[str, Any], source: str) -> DeepseekV4Config:
@@ -75,6 +75,13 @@ def load_mtp_weights(
     return load_mtp_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
 
 
+def unsupported_draft_layers(cfg: DeepseekV4Config) -> str | None:
+    """Why no drafter runs this checkpoint's ``mtp.*`` (``None``: the ``mtp`` drafter does):
+    DSpark block-drafter stages (``dspark_*`` in ``config.json``, DeepSeek-V4-Flash-0731) are
+    not supported; the main model serves without them."""
+    return DSPARK_STAGES_UNSUPPORTED if cfg.has_dspark_stages else None
+
+
 def build_model(
     cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
 ) -> Any:
@@ -116,5 +123,6 @@ FAMILY = ModelFamily(
     cache_ratios=cache_ratios,
     replay_tail=replay_tail,
     load_mtp_weights=load_mtp_weights,
+    unsupported_draft_layers=unsupported_draft_layers,
     description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
 )

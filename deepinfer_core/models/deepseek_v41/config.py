@@ -8,11 +8,12 @@ wrapper (or a bare text config), keeps the text part, merges the top-level quant
 into it, and ignores the vision part (one INFO line: the vision tower is not served).
 
 Field names are transformers' ``DeepseekV41TextConfig`` (transformers main), which mirrors the
-released ``text_config``.  Every field that decides a tensor or cache shape is required
-(:data:`SHAPE_FIELDS`, plus the engram sizes when ``engram_layer_ids`` is not empty); a missing
-one is an error naming it and the file.  The numeric constants keep the released defaults.
-Keys this config does not know are accepted and listed once per parse at DEBUG level on the
-``deepinfer.model`` logger.
+released ``text_config`` but for one key: the release's ``engram_pad_token_id`` is read as
+``engram_pad_id`` (both given and different: an error).  Every field that decides a tensor or
+cache shape is required (:data:`SHAPE_FIELDS`, plus the engram sizes when ``engram_layer_ids``
+is not empty); a missing one is an error naming it and the file.  The numeric constants keep
+the released defaults.  Keys this config does not know are accepted and listed once per parse
+at DEBUG level on the ``deepinfer.model`` logger.
 
 The causal encoder-decoder (CED) layout is checked as transformers checks it, plus what the
 engine relies on (each kv-source layer also scores, so its group has indexer keys; every
@@ -77,6 +78,7 @@ _LAYOUT_KEYS = frozenset(
         "rope_parameters",
         "rope_scaling",
         "layer_types",  # derived by transformers from kv_source_layer_ids; recomputed here
+        "engram_pad_token_id",  # the released config's name of engram_pad_id
         "attribute_map",
         "use_cache",
         "initializer_range",
@@ -245,6 +247,14 @@ class DeepseekV41Config(BaseModel):
         d["rope_main"], d["rope_compress"] = main, comp
         if d.get("torch_dtype") is None and isinstance(d.get("dtype"), str):
             d["torch_dtype"] = d["dtype"]
+        if "engram_pad_token_id" in d:  # the released config's spelling of engram_pad_id
+            pad = d.pop("engram_pad_token_id")
+            if d.get("engram_pad_id", pad) != pad:
+                raise ValueError(
+                    f"engram_pad_token_id ({pad}) and engram_pad_id ({d['engram_pad_id']}) differ; they name "
+                    "the same token, keep one"
+                )
+            d["engram_pad_id"] = pad
         return d
 
     @model_validator(mode="after")

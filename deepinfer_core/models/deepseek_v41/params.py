@@ -12,8 +12,12 @@ stacked as the core ``moe_experts`` op takes them, under the inventory names
 
 An Engram layer also has ``layers.{i}.engram.embed.weight`` (the table, ``engram_num_embeddings``
 rows of ``engram_head_dim``; e4m3 with ``embed.scale`` per 32 channels in the release, kept so:
-only looked-up rows are dequantised), ``engram.wkv.weight`` and ``engram.q_weight`` /
-``k_weight`` (transformers-main's module names; the release's own spelling is not known here).
+only looked-up rows are dequantised; transformers writes a float table with a float32
+``embed.scale`` it applies to e4m3 rows only, and so does the loader), ``engram.wkv.weight`` and
+``engram.q_weight`` / ``k_weight`` (transformers-main's module names).
+
+A checkpoint written by transformers' ``save_pretrained`` has the same names behind a ``model.``
+prefix, except the head (:data:`HF_ALIASES`).
 
 The DSpark drafter's tensors (``mtp.{j}.*``, not loaded by the text model) are
 :func:`dspark_parameter_specs`.
@@ -32,6 +36,7 @@ from .config import DeepseekV41Config
 
 __all__ = [
     "EXPERT_STACKS",
+    "HF_ALIASES",
     "IGNORED_PREFIXES",
     "ParamSpec",
     "dspark_parameter_specs",
@@ -48,10 +53,22 @@ aligner, the image delimiter embeddings (as transformers' ``_keys_to_ignore_on_l
 also every ``ffn.gate.bias_vl`` (the router bias of image tokens)."""
 
 
+HF_ALIASES = {"lm_head.weight": "head.weight"}
+"""transformers' spellings (``DeepseekV41ForCausalLM.save_pretrained``) of tensors whose native
+name differs: its output head is ``lm_head.weight``.  Every other tensor it writes has the native
+name behind a ``model.`` prefix, which the loader strips."""
+
+
+def is_image_router_bias(name: str) -> bool:
+    """Whether ``name`` is a router's image-token bias (``ffn.gate.bias_vl``, of a main layer or
+    a DSpark stage): text tokens never route with it, so no text part loads it."""
+    return name.endswith(".gate.bias_vl")
+
+
 def is_ignored(name: str) -> bool:
     """Whether checkpoint tensor ``name`` is one the text model skips (:data:`IGNORED_PREFIXES`)."""
     bare = name.removeprefix("model.")
-    return bare.startswith(IGNORED_PREFIXES) or bare.endswith(".gate.bias_vl") or bare.endswith("inv_freq")
+    return bare.startswith(IGNORED_PREFIXES) or is_image_router_bias(bare) or bare.endswith("inv_freq")
 
 
 def parameter_specs(cfg: DeepseekV41Config) -> dict[str, ParamSpec]:

@@ -5,11 +5,14 @@ sibling tensors ``X.scale``: dense linears MXFP8 (e4m3 with one ue8m0 scale per
 ``quantization_config.weight_block_size`` tile, 32x32), routed experts MXFP4 (packed e2m1 with
 one scale per 32 inputs), Engram tables e4m3 rows with a scale per 32 channels (always kept
 quantised and, on a CPU device, memory-mapped from the file rather than copied: a step
-dequantises only the rows it looks up).  Other quantised tensors are
+dequantises only the rows it looks up; a float table's scale, which transformers writes and
+applies to e4m3 rows only, is not applied either).  Other quantised tensors are
 dequantised to the model dtype, or, with ``keep_quantized``, kept as
 :class:`~deepinfer_core.weights.quant.QuantizedTensor` exactly as the V4 loader keeps them (the
 same per-tensor reader is used); per-expert tensors are stacked into ``[E, 2I, D]`` /
-``[E, D, I]``.  An optional ``model.`` prefix is accepted.  Tensors of the parts the text model
+``[E, D, I]``.  An optional ``model.`` prefix is accepted, and transformers' ``lm_head.weight``
+for ``head.weight`` (:data:`~.params.HF_ALIASES`): a checkpoint written by
+``save_pretrained`` loads as it is.  Tensors of the parts the text model
 does not serve (DSpark ``mtp.*``, vision, image embeddings, the image router bias ``bias_vl``)
 are skipped (:func:`~.params.is_ignored`); the DSpark drafter's ``mtp.*`` load apart
 (:func:`load_dspark_weights`, for ``speculative.drafter="dspark"``).
@@ -17,7 +20,6 @@ are skipped (:func:`~.params.is_ignored`); the DSpark drafter's ``mtp.*`` load a
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import warnings
@@ -30,10 +32,17 @@ import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.weights.host_mapped import device_view_of_host
-from deepinfer_core.weights.loader import _check_shape, _empty_stack, _keep_formats, _put_expert, _read
+from deepinfer_core.weights.loader import (
+    _check_shape,
+    _empty_stack,
+    _keep_formats,
+    _put_expert,
+    _read,
+    check_stored_shapes,
+)
 from deepinfer_core.weights.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
-from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards
+from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards, shard_header
 
 from .config import DeepseekV41Config
 from .params import (
@@ -41,10 +50,12 @@ from .params import (
     DSPARK_COMBINER,
     DSPARK_HEADS,
     EXPERT_STACKS,
+    HF_ALIASES,
     ParamSpec,
     dspark_optional,
     dspark_parameter_specs,
     is_ignored,
+    is_image_router_bias,
     parameter_specs,
     target_dtype,
 )
@@ -56,6 +67,7 @@ logger = logging.getLogger("deepinfer.model")
 
 def _target(name: str, specs: dict[str, ParamSpec]) -> str | ExpertSlice | None:
     bare = name.removeprefix("model.")
+    bare = HF_ALIASES.get(bare, bare)
     if bare in specs:
         return bare
     m = _EXPERT_RE.match(bare)
@@ -87,7 +99,7 @@ def mmap_tensor(path: Path, name: str) -> torch.Tensor | None:
     memory (no copy: pages are read when rows are touched), or ``None`` for a dtype not mapped."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
-        meta = json.loads(f.read(size))[name]
+    meta = shard_header(path)[name]
     dtype = _ST_DTYPES.get(meta["dtype"])
     if dtype is None:
         return None
@@ -111,22 +123,30 @@ def _engram_table(
     """An Engram table, memory-mapped from its file (the release's are ~98 GB): e4m3 rows with
     one scale per ``g`` channels are kept quantised (only the rows a step looks up are
     dequantised, ``deepseek_v41.engram_rows``); a float table is mapped when stored in the model
-    dtype.  On a CUDA device the mapped rows stay in host memory and the device reads them in
-    place (:func:`~deepinfer_core.weights.host_mapped.device_view_of_host`; the scales, 1/g of
-    the bytes, are copied); where that is not possible the table is copied to the device
-    (logged with the reason)."""
+    dtype, and its scale, if any, is not applied (transformers writes a float32 ``embed.scale``
+    with every table and applies it to e4m3 rows only; logged).  On a CUDA device the mapped
+    rows stay in host memory and the device reads them in place
+    (:func:`~deepinfer_core.weights.host_mapped.device_view_of_host`; the scales, 1/g of the
+    bytes, are copied); where that is not possible the table is copied to the device (logged
+    with the reason)."""
     on_cpu = torch.device(device).type == "cpu"
     mapped = mmap_tensor(path, name)
+    data = mapped if mapped is not None else src.get(name)
+    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
+    if scale_name is not None and data.is_floating_point() and data.dtype != FP8_DTYPE:
+        logger.info(
+            "Engram table %s is stored as %s: its scale %s is not applied (a scale applies to "
+            "float8_e4m3fn rows only, as in transformers)",
+            name,
+            data.dtype,
+            scale_name,
+        )
+        scale_name = None
     if scale_name is None:
         if mapped is not None and mapped.dtype == dtype:
-            _check_shape(mapped.shape, spec.shape, f"tensor {name!r}", path)
             return mapped if on_cpu else _in_place_or_copied(mapped, name, device)
-        t = src.get(name).to(device=device, dtype=dtype)
-        _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
-        return t
-    data = mapped if mapped is not None else src.get(name)
+        return data.to(device=device, dtype=dtype)
     scale = src.get(scale_name)
-    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
     if data.dtype != FP8_DTYPE or scale.dim() != 2 or spec.shape[1] % max(scale.shape[1], 1):
         raise WeightLoadError(
             f"Engram table {name!r} in {path}: expected float8_e4m3fn rows with [rows, channels/g] "
@@ -168,10 +188,25 @@ def load_weights(
     """``{inventory name: weight}`` for every entry of ``parameter_specs(cfg)``.
 
     Raises :class:`WeightLoadError` naming the tensor (and file) for missing, unexpected,
-    duplicated, mis-shaped or mistyped tensors.
+    duplicated, mis-shaped or mistyped tensors; all but the dtypes are checked before any tensor
+    data is read (:func:`check_weights`).
     """
     specs = parameter_specs(cfg)
+    plan = _checked(model_dir, cfg, specs)
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    if "head.weight" not in result and cfg.tie_word_embeddings:
+        result["head.weight"] = result["embed.weight"]
+    return {name: result[name] for name in specs}
 
+
+def check_weights(model_dir: str | Path, cfg: DeepseekV41Config) -> None:
+    """What :func:`load_weights` checks before it reads tensor data: every tensor of the
+    checkpoint is a parameter of ``cfg`` or one the text model skips, none is missing or given
+    twice, and each one's shape in its shard's header is its parameter's."""
+    _checked(model_dir, cfg, parameter_specs(cfg))
+
+
+def _checked(model_dir: str | Path, cfg: DeepseekV41Config, specs: dict[str, ParamSpec]) -> _Plan:
     def resolve(name: str) -> str | ExpertSlice | None:
         return _SKIP if is_ignored(name) else _target(name, specs)
 
@@ -188,10 +223,8 @@ def load_weights(
             f"checkpoint {model_dir} lacks {len(missing)} tensor(s) of this model: {_listing(missing)}. "
             "Check that config.json matches the weights and that the download is complete."
         )
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
-    if "head.weight" not in result and cfg.tie_word_embeddings:
-        result["head.weight"] = result["embed.weight"]
-    return {name: result[name] for name in specs}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, plan.shard_of)
+    return plan
 
 
 def load_dspark_weights(
@@ -206,11 +239,28 @@ def load_dspark_weights(
     alike, experts stacked).  ``confidence_head.proj.weight`` is read as
     ``confidence_head.weight``; the combiner (``main_proj``, ``main_norm``) and the head stack
     (``norm``, ``markov_head.*``, ``confidence_head``) are accepted under any stage prefix but
-    exactly once (held under stage 0 and the last stage).  A checkpoint without the confidence
-    head loads without it (logged).  A one-line :class:`ConfigError` says when there is no ``mtp.*``
-    tensor at all, or names the bad ``dspark_*`` field or the first missing ``mtp.*`` tensor; other
-    problems are :class:`WeightLoadError` as in :func:`load_weights`.
+    exactly once (held under stage 0 and the last stage).  The stages' image-token router biases
+    (``mtp.{j}.ffn.gate.bias_vl``) are skipped as the main layers' are.  A checkpoint without the
+    confidence head loads without it (logged).  A one-line :class:`ConfigError` says when there
+    is no ``mtp.*`` tensor at all, or names the bad ``dspark_*`` field or the first missing
+    ``mtp.*`` tensor; other problems are :class:`WeightLoadError` as in :func:`load_weights`.
     """
+    specs = dspark_parameter_specs(cfg)
+    plan = _checked_dspark(model_dir, cfg, specs)
+    optional = dspark_optional(cfg)
+    for name in sorted(optional - set(plan.seen)):
+        logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
+    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    return {name: result[name] for name in specs if name in result}
+
+
+def check_dspark_weights(model_dir: str | Path, cfg: DeepseekV41Config) -> None:
+    """What :func:`load_dspark_weights` checks before it reads tensor data (the ``dspark_*``
+    fields, names, missing tensors, header shapes), raising as it does."""
+    _checked_dspark(model_dir, cfg, dspark_parameter_specs(cfg))
+
+
+def _checked_dspark(model_dir: str | Path, cfg: DeepseekV41Config, specs: dict[str, ParamSpec]) -> _Plan:
     m = cfg.num_nextn_predict_layers
     if not any(name.removeprefix("model.").startswith("mtp.") for name in discover_shards(model_dir)):
         raise ConfigError(
@@ -218,11 +268,10 @@ def load_dspark_weights(
             f"has no mtp.* tensor (num_nextn_predict_layers={m})"
         )
     cfg.check_dspark(str(Path(model_dir) / "config.json"))
-    specs = dspark_parameter_specs(cfg)
 
     def resolve(name: str) -> str | ExpertSlice | None:
         bare = name.removeprefix("model.")
-        if not bare.startswith("mtp."):
+        if not bare.startswith("mtp.") or is_image_router_bias(bare):
             return _SKIP
         stage, _, leaf = bare.removeprefix("mtp.").partition(".")
         leaf = DSPARK_ALIASES.get(leaf, leaf)
@@ -238,21 +287,18 @@ def load_dspark_weights(
     if plan.unexpected:
         raise WeightLoadError(
             f"unexpected DSpark tensors in {model_dir}: {_listing(sorted(plan.unexpected))}. They are not "
-            f"parameters of this config's drafter (num_nextn_predict_layers={m}; V4-0731's DSpark with "
-            "hc_head is not implemented)."
+            f"parameters of this config's drafter (num_nextn_predict_layers={m}; DeepSeek-V4.1's DSpark "
+            "stages have no hc_head_*, those of DeepSeek-V4's are not supported)."
         )
-    optional = dspark_optional(cfg)
-    missing = _missing(specs, plan.seen, skip=optional)
+    missing = _missing(specs, plan.seen, skip=dspark_optional(cfg))
     if missing:
         raise ConfigError(
             f"{model_dir}: speculative.drafter='dspark' needs the DSpark draft layers "
             f"(num_nextn_predict_layers={m}), but the checkpoint lacks {missing[0]}"
             + (f" and {len(missing) - 1} more mtp.* tensor(s)" if len(missing) > 1 else "")
         )
-    for name in sorted(optional - set(plan.seen)):
-        logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
-    return {name: result[name] for name in specs if name in result}
+    check_stored_shapes(plan.direct, plan.experts, plan.scales, specs, plan.shard_of)
+    return plan
 
 
 @dataclass

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
@@ -91,3 +92,41 @@ def v41_dspark_mixed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output streams)."""
     config = tiny_config(**PLAIN_CHANGES, dspark_target_layer_ids=[5, 8, 10])
     return make_tiny(tmp_path_factory.mktemp("v41_dspark_mixed"), config=config, dspark=True)
+
+
+HF_ENGRAM_HEAD_DIM = 32
+"""The Engram row width of :func:`hf_named_checkpoint`'s model: one 32-channel scale per row, the
+``[rows, 1]`` float32 scale transformers writes with such a table."""
+
+
+def hf_named_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A tiny V4.1 checkpoint as transformers-main's ``DeepseekV41ForCausalLM.save_pretrained``
+    writes it: every native name behind ``model.``, the head as ``lm_head.weight``, a float
+    Engram table with its float32 ``embed.scale`` (``[rows, head_dim / 32]``; random here:
+    transformers applies it to e4m3 rows only, so no value may change a float table), and every
+    router's image-token bias ``ffn.gate.bias_vl`` (random: text tokens never route with it).
+    Head dims below a block, as ``v41_plain_dir``."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    make_tiny(out, seed, config=tiny_config(**PLAIN_CHANGES, engram_head_dim=HF_ENGRAM_HEAD_DIM))
+    shard = out / "model.safetensors"
+    with safe_open(str(shard), "pt") as st:
+        native = {k: st.get_tensor(k) for k in st.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    g = torch.Generator().manual_seed(seed + 1)
+    hf: dict[str, torch.Tensor] = {}
+    for name, t in native.items():
+        hf["lm_head.weight" if name == "head.weight" else "model." + name] = t
+        if name.endswith("engram.embed.weight"):
+            rows, width = t.shape
+            scale = 0.5 + torch.rand(rows, width // 32, generator=g)
+            hf["model." + name.removesuffix(".weight") + ".scale"] = scale
+        if name.endswith("ffn.gate.bias"):
+            hf["model." + name + "_vl"] = torch.randn(t.shape, generator=g)
+    save_file(hf, str(shard), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def v41_hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return hf_named_checkpoint(tmp_path_factory.mktemp("v41_hf"))

@@ -81,9 +81,16 @@ def _dequant(t: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Te
     return vals * s.repeat_interleave(group, -1)
 
 
+def _native(name: str) -> str:
+    """A transformers ``save_pretrained`` name (``model.`` + native, the head ``lm_head``) as native."""
+    name = name.removeprefix("model.")
+    return "head.weight" if name == "lm_head.weight" else name
+
+
 def read_checkpoint(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """``(text config dict, {native name: float32 tensor})`` with scales applied and experts kept
-    per expert."""
+    """``(text config dict, {native name: float32 tensor})`` with scales applied to quantised
+    tensors (e4m3 or packed e2m1; transformers' float Engram tables carry a scale it never
+    applies) and experts kept per expert; native or transformers names."""
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     text = cfg.get("text_config", cfg)
@@ -92,13 +99,15 @@ def read_checkpoint(model_dir: str | Path) -> tuple[dict, dict[str, torch.Tensor
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for k in st.keys():  # noqa: SIM118 (safe_open is not a dict)
-                raw[k] = st.get_tensor(k)
+                raw[_native(k)] = st.get_tensor(k)
     out = {}
     for k, t in raw.items():
         if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in raw:
             continue
         sk = k.removesuffix(".weight") + ".scale"
-        out[k] = _dequant(t, raw[sk], block) if k.endswith(".weight") and sk in raw else t.float()
+        quantised = t.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8)
+        scaled = k.endswith(".weight") and sk in raw and quantised
+        out[k] = _dequant(t, raw[sk], block) if scaled else t.float()
     return text, out
 
 
@@ -325,7 +334,7 @@ class OracleV41:
         c, w, p = self.c, self.w, f"layers.{i}.engram."
         n, heads, s = c["engram_max_ngram_size"], c["engram_n_heads"], len(ids)
         comp = self.e_map[torch.tensor(ids)]
-        pad = int(self.e_map[c["engram_pad_id"]])
+        pad = int(self.e_map[c["engram_pad_id"] if "engram_pad_id" in c else c["engram_pad_token_id"]])
         primes, mult = self.e_primes[i], self.e_mult[i]
         starts = [sum(primes[:k]) for k in range(len(primes))]
         hashes = torch.zeros(s, len(primes), dtype=torch.long)

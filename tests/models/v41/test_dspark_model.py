@@ -114,6 +114,21 @@ def test_confidence_head_names_and_stages_are_both_accepted(v41_dspark_dir, tmp_
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_the_stages_image_token_router_biases_are_skipped(v41_dspark_dir, tmp_path):
+    """The release's draft stages carry ``mtp.{j}.ffn.gate.bias_vl`` as its main layers carry
+    ``gate.bias_vl``: the drafter loads without them, as the text model does."""
+    want = _load(v41_dspark_dir)
+
+    def with_vl(t: dict) -> dict:
+        biases = {k + "_vl": torch.randn(v.shape) for k, v in t.items() if k.endswith("ffn.gate.bias")}
+        assert len([k for k in biases if k.startswith("mtp.")]) == 3
+        return {**t, **biases}
+
+    got = _load(_rewrite(v41_dspark_dir, tmp_path / "vl", with_vl))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_two_copies_of_a_head_tensor_are_refused(v41_dspark_dir, tmp_path):
     def twice(t: dict) -> dict:
         return {**t, "mtp.2.confidence_head.proj.weight": t["mtp.2.confidence_head.weight"].clone()}

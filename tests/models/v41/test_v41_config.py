@@ -54,6 +54,19 @@ def test_the_released_config_parses_with_every_key():
     assert cfg.eos_token_ids == [1]
 
 
+def test_the_released_engram_pad_token_id_is_read_as_engram_pad_id():
+    """The release spells transformers' ``engram_pad_id`` ``engram_pad_token_id``."""
+    data = released()
+    del data["text_config"]["engram_pad_id"]
+    data["text_config"]["engram_pad_token_id"] = 7
+    assert DeepseekV41Config.from_dict(data, "config.json").engram_pad_id == 7
+    data["text_config"]["engram_pad_id"] = 7  # both, agreeing
+    assert DeepseekV41Config.from_dict(data, "config.json").engram_pad_id == 7
+    data["text_config"]["engram_pad_id"] = 2
+    with pytest.raises(ConfigError, match=r"json: .*engram_pad_token_id \(7\) and engram_pad_id \(2\)"):
+        DeepseekV41Config.from_dict(data, "config.json")
+
+
 def test_vision_keys_are_ignored_with_one_log_line(caplog):
     with caplog.at_level(logging.DEBUG, logger="deepinfer.model"):
         DeepseekV41Config.from_dict(released(), "ckpt/config.json")
