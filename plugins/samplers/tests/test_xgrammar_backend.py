@@ -37,6 +37,7 @@ import deepinfer_samplers.plugin as samplers_plugin  # noqa: E402
 from schema_corpus import GRAMMARS, REGEXES, SCHEMAS, UNSUPPORTED  # noqa: E402
 from test_structured_corpus import _check_grammar, _check_json, _check_regex  # noqa: E402
 
+from deepinfer_core.engine.structured import spec_kind  # noqa: E402
 from deepinfer_core.testing import manager_with_plugin  # noqa: E402
 
 SEEDS = (0, 1)
@@ -112,7 +113,8 @@ def _run_corpus(llm: LLM, cases, max_tokens: int, replay: bool = True) -> float:
         where = f"{name} seed={seed}: {c.text!r}"
         if name in REFUSED:
             assert c.finish_reason == "error" and REFUSED[name] in out.error, (where, out.error)
-            assert out.error.startswith(f"request {out.request_id!r}: structured outputs: xgrammar: ")
+            kind = spec_kind(spec)
+            assert out.error.startswith(f"request {out.request_id!r}: structured outputs: {kind}: xgrammar: ")
             assert "\n" not in out.error
             continue
         assert out.error is None, (where, out.error)
