@@ -17,7 +17,7 @@ from typing import Any
 
 import llguidance
 
-from deepinfer_samplers import specs
+from deepinfer_samplers import json_schema, specs
 from deepinfer_samplers.specs import DEFAULT_CACHE_SIZE, CacheInfo
 
 __all__ = [
@@ -102,7 +102,9 @@ class LLGuidanceBackend(specs.GrammarCache):
 
 def grammar_text(spec: Any) -> str:
     """llguidance's grammar for ``spec`` (not yet validated); :class:`ValueError` when the spec
-    cannot even be turned into one (a JSON schema llguidance rejects, a bad GBNF grammar)."""
+    cannot even be turned into one (a JSON schema llguidance rejects, a bad GBNF grammar).  A
+    ``oneOf`` whose branches cannot overlap becomes ``anyOf``
+    (:func:`deepinfer_samplers.json_schema.one_of_as_any_of_text`)."""
     if spec.choice is not None:
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
     if spec.regex is not None:
@@ -114,6 +116,8 @@ def grammar_text(spec: Any) -> str:
         schema = "{}"
     elif schema == "false":
         raise ValueError("the JSON schema false accepts no value")
+    elif '"oneOf"' in schema:
+        schema = json_schema.one_of_as_any_of_text(schema)
     return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
 
 
