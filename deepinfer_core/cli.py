@@ -265,40 +265,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from deepinfer_core.bench import read_text_file
     from deepinfer_core.llm import LLM
-    from deepinfer_core.sampling.params import SamplingParams, StructuredOutputsParams
+    from deepinfer_core.sampling.params import SamplingParams
 
-    structured = None
-    given = [
-        flag
-        for flag, value in (
-            ("--choice", args.choice),
-            ("--regex", args.regex),
-            ("--json-schema", args.json_schema),
-            ("--grammar", args.grammar),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ConfigError(f"generate: {' and '.join(given)} are mutually exclusive; give one")
-    if given:
-        schema = grammar = None
-        if args.json_schema is not None:
-            schema = read_text_file("--json-schema", args.json_schema)
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise ConfigError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
-            if not isinstance(schema, dict):
-                raise ConfigError(f"--json-schema {args.json_schema}: must hold a JSON object")
-        if args.grammar is not None:
-            grammar = read_text_file("--grammar", args.grammar)
-            if not grammar.strip():
-                raise ConfigError(f"--grammar {args.grammar}: the file is empty")
-        structured = StructuredOutputsParams(
-            choice=args.choice, regex=args.regex, json=schema, grammar=grammar
-        )
+    structured = _structured_outputs(args)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -333,6 +303,60 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         )
         return EXIT_REQUEST_FAILED
     return 0
+
+
+def _structured_outputs(args: argparse.Namespace) -> Any:
+    """The ``StructuredOutputsParams`` of ``generate``'s --choice / --regex / --json-schema /
+    --grammar (``None`` without them), checked by its grammar backend before the engine starts:
+    a bad spec is a :class:`ConfigError` naming the flag."""
+    from deepinfer_core.bench import read_text_file
+    from deepinfer_core.sampling.params import StructuredOutputsParams
+
+    structured = None
+    given = [
+        flag
+        for flag, value in (
+            ("--choice", args.choice),
+            ("--regex", args.regex),
+            ("--json-schema", args.json_schema),
+            ("--grammar", args.grammar),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"generate: {' and '.join(given)} are mutually exclusive; give one")
+    if given:
+        schema = grammar = None
+        if args.json_schema is not None:
+            schema = read_text_file("--json-schema", args.json_schema)
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise ConfigError(f"--json-schema {args.json_schema}: not valid JSON ({e})") from None
+            if not isinstance(schema, dict):
+                raise ConfigError(f"--json-schema {args.json_schema}: must hold a JSON object")
+        if args.grammar is not None:
+            grammar = read_text_file("--grammar", args.grammar)
+            if not grammar.strip():
+                raise ConfigError(f"--grammar {args.grammar}: the file is empty")
+        structured = StructuredOutputsParams(
+            choice=args.choice, regex=args.regex, json=schema, grammar=grammar
+        )
+        _check_spec(structured, given[0], args.json_schema or args.grammar)
+    return structured
+
+
+def _check_spec(spec: Any, flag: str, path: str | None) -> None:
+    """Compile ``spec`` with its backend, reached through the plugins (no model, no tokenizer);
+    a :class:`ConfigError` ``"<flag> [<file>]: <reason>"`` when it is invalid."""
+    from deepinfer_core.engine.structured import check_spec
+    from deepinfer_core.plugins import get_plugins
+
+    try:
+        check_spec(get_plugins(), spec)
+    except ValueError as e:
+        where = f"{flag} {path}" if path is not None else flag
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def _output_record(out: Any) -> dict[str, Any]:

@@ -105,7 +105,10 @@ def deepinfer_register_structured_backends(register: Any) -> None:
         ``[B, ceil(V/32)]`` bitmask; a matcher has ``num_consumed`` and ``consume(token_ids)``,
         and for speculative decoding ``num_valid(token_ids)`` (how many leading tokens the
         grammar accepts) and ``rollback(num_tokens)`` (a matcher without them decodes its
-        request without drafts).
+        request without drafts).  The class may also have a ``check_spec(spec)`` class or static
+        method that compiles a spec without a tokenizer and raises ``ValueError`` with a
+        one-line reason when it is invalid: the CLI calls it (through
+        :func:`deepinfer_core.engine.structured.check_spec`) before the engine starts.
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """

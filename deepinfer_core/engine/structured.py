@@ -87,34 +87,32 @@ class StructuredOutputs:
         return cached
 
     def _build(self, name: str) -> Any:
-        spec = self.plugins.components["structured_backends"].get(name)
-        if spec is None:
-            known = sorted(self.plugins.components["structured_backends"])
-            return RuntimeError(
-                f"structured outputs backend {name!r} is not registered (known: {known}); "
-                "pip install deepinfer-samplers[structured] for 'llguidance'"
-            )
-        available, reason = spec.availability()
-        if not available:  # the plugin's reason says what to install
-            return RuntimeError(f"structured outputs backend {name!r} is unavailable: {reason}")
+        try:
+            cls = backend_class(self.plugins, name)
+        except RuntimeError as e:
+            return e
         if self.tokenizer is None:
             return RuntimeError(
                 f"structured outputs need a tokenizer, and the engine has none ({self.tokenizer_error})"
             )
         try:
-            return spec.factory()(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
         except Exception as e:
             return RuntimeError(f"structured outputs backend {name!r} failed to start: {e}")
 
     def attach(self, req: Request) -> str | None:
-        """Give ``req`` its grammar matcher (``req.structured_matcher``); the error message if
-        the backend is missing or the grammar invalid."""
+        """Give ``req`` its grammar matcher (``req.structured_matcher``); the error message (one
+        line) if the backend is missing or the spec invalid."""
         spec = req.params.structured_outputs
         assert spec is not None
         try:
-            req.structured_matcher = self.backend(spec.backend).matcher(spec)
-        except Exception as e:
+            backend = self.backend(spec.backend)
+        except RuntimeError as e:
             return f"request {req.request_id!r}: structured outputs: {e}"
+        try:
+            req.structured_matcher = backend.matcher(spec)
+        except Exception as e:
+            return f"request {req.request_id!r}: structured outputs: {spec_kind(spec)}: {one_line(e)}"
         return None
 
     # ---- the step's masks ------------------------------------------------------------------------
@@ -194,3 +192,61 @@ class StructuredOutputs:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def backend_class(plugins: Any, name: str) -> Any:
+    """The class of the grammar backend registered as ``name`` (its plugin factory's result);
+    :class:`RuntimeError` naming what to install when it is unknown or unavailable."""
+    spec = plugins.components["structured_backends"].get(name)
+    if spec is None:
+        known = sorted(plugins.components["structured_backends"])
+        raise RuntimeError(
+            f"structured outputs backend {name!r} is not registered (known: {known}); "
+            "pip install deepinfer-samplers[structured] for 'llguidance'"
+        )
+    available, reason = spec.availability()
+    if not available:  # the plugin's reason says what to install
+        raise RuntimeError(f"structured outputs backend {name!r} is unavailable: {reason}")
+    return spec.factory()
+
+
+def check_spec(plugins: Any, spec: Any) -> None:
+    """Compile ``spec`` (a :class:`~deepinfer_core.StructuredOutputsParams`) with its backend
+    before any engine exists, without a tokenizer (the CLI's check of its flags).
+
+    Raises :class:`ValueError` with a one-line reason when the backend is missing or
+    unavailable, or when its ``check_spec(spec)`` (optional; see
+    ``deepinfer_register_structured_backends``) finds the spec invalid.  A backend without
+    ``check_spec`` checks each spec when its request is added, as always.
+    """
+    try:
+        cls = backend_class(plugins, spec.backend)
+    except RuntimeError as e:
+        raise ValueError(str(e)) from None
+    check = getattr(cls, "check_spec", None)
+    if check is None:
+        return
+    try:
+        check(spec)
+    except Exception as e:  # a backend's ValueError, or whatever its compiler raised
+        raise ValueError(one_line(e)) from None
+
+
+def spec_kind(spec: Any) -> str:
+    """Which of its four kinds ``spec`` is: ``"choice"``, ``"regex"``, ``"grammar"`` or
+    ``"JSON schema"`` (the name error messages use)."""
+    if spec.choice is not None:
+        return "choice"
+    if spec.regex is not None:
+        return "regex"
+    if spec.grammar is not None:
+        return "grammar"
+    return "JSON schema"
+
+
+def one_line(error: BaseException | str) -> str:
+    """A backend's error as one line: its non-blank lines, stripped and joined with ``"; "``
+    (the backends already give one line; this keeps a multi-line message from a third-party
+    backend from breaking the one-line rule)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return "; ".join(lines) or type(error).__name__

@@ -11,12 +11,13 @@ error message, so a repeated bad spec fails fast with the same message.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import llguidance
 
-from deepinfer_samplers import specs
+from deepinfer_samplers import json_schema, specs
 from deepinfer_samplers.specs import DEFAULT_CACHE_SIZE, CacheInfo
 
 __all__ = [
@@ -25,7 +26,9 @@ __all__ = [
     "LLGuidanceBackend",
     "LLGuidanceMatcher",
     "cache_key",
+    "grammar_text",
     "json_text",
+    "one_line",
 ]
 
 
@@ -76,27 +79,75 @@ class LLGuidanceBackend(specs.GrammarCache):
     def _compile(self, spec: Any) -> Any:
         """A compiled, never-advanced ``llguidance.LLMatcher`` for ``spec``, or the error message."""
         try:
-            if spec.choice is not None:
-                grammar = llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in spec.choice)
-                )
-            elif spec.regex is not None:
-                grammar = llguidance.LLMatcher.grammar_from_regex(spec.regex)
-            elif spec.grammar is not None:
-                grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
-            else:
-                schema = json_text(spec.json)
-                if schema == "true":  # the schema that accepts any value; options need an object
-                    schema = "{}"
-                elif schema == "false":
-                    return "the JSON schema false accepts no value"
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
+            grammar = grammar_text(spec)
         except ValueError as e:
-            return str(e)
+            return one_line(str(e), spec)
         m = llguidance.LLMatcher(self._tok, grammar, log_level=0)
         if m.is_error():
-            return m.get_error()
+            return one_line(m.get_error(), spec)
         return m
+
+    @staticmethod
+    def check_spec(spec: Any) -> None:
+        """Compile ``spec`` without a tokenizer; :class:`ValueError` with the one-line reason
+        when it is invalid (what :meth:`matcher` would say)."""
+        try:
+            grammar = grammar_text(spec)
+        except ValueError as e:
+            raise ValueError(one_line(str(e), spec)) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise ValueError(one_line(messages[0], spec))
+
+
+def grammar_text(spec: Any) -> str:
+    """llguidance's grammar for ``spec`` (not yet validated); :class:`ValueError` when the spec
+    cannot even be turned into one (a JSON schema llguidance rejects, a bad GBNF grammar).  A
+    ``oneOf`` whose branches cannot overlap becomes ``anyOf``
+    (:func:`deepinfer_samplers.json_schema.one_of_as_any_of_text`)."""
+    if spec.choice is not None:
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
+    if spec.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(lark_grammar(spec.grammar))
+    schema = json_text(spec.json)
+    if schema == "true":  # the schema that accepts any value; options need an object
+        schema = "{}"
+    elif schema == "false":
+        raise ValueError("the JSON schema false accepts no value")
+    elif '"oneOf"' in schema:
+        schema = json_schema.one_of_as_any_of_text(schema)
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_options(spec))
+
+
+# llguidance's position prefix, ``1(8): `` or ``at 1(8): ``: line 1, column 8 of its grammar text
+_POSITION = re.compile(r"^(?:at )?([0-9]+)\(([0-9]+)\): ")
+_ONE_OF = "oneOf constraints are not supported"
+
+
+def one_line(message: str, spec: Any) -> str:
+    """An llguidance error as one line: its first line without the grammar dump that follows
+    (source lines and carets), a regex parse error's own reason appended, and a position kept
+    only where it points into the user's text (a Lark grammar as given)."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "invalid"
+    if _ONE_OF in lines[0]:  # its advice names an option of llguidance's, not ours
+        return (
+            "oneOf whose branches may overlap is not supported: make them disjoint (different "
+            "types, or a property with a different const in each) or use anyOf"
+        )
+    head = lines[0].replace(" (in regex)", "").removesuffix("regex parse error:").rstrip(" :")
+    if not head and len(lines) > 1:  # a JSON-schema pattern: the regex is the next line
+        head = f"invalid regex {lines[1]!r}"
+    reason = next((line.removeprefix("error: ") for line in lines[1:] if line.startswith("error: ")), None)
+    at = _POSITION.match(head)
+    if at is not None:
+        own = spec.grammar is not None and "::=" not in spec.grammar  # not a generated grammar
+        where = f"line {at.group(1)}, column {at.group(2)}: " if own else ""
+        head = where + head[at.end() :]
+    return f"{head}: {reason}" if reason else head
 
 
 def json_text(schema: dict[str, Any] | str) -> str:

@@ -7,13 +7,14 @@ compiler cache is off so that this one is the only bound), invalid specs cached 
 
 xgrammar converts a spec to a grammar and *warns* (on the native stderr) when it drops a
 constraint it cannot express, e.g. ``maxLength`` next to ``format`` or ``pattern``,
-``multipleOf`` on numbers, ``allOf`` with several branches, a lookahead in a regex; and it
-ignores ``uniqueItems``, ``not``, ``if`` / ``then`` / ``else``, ``contains`` and unknown ``format`` values
-without a word.  A completion could then violate the spec, so this backend refuses such specs
-(the request fails with the reason) instead: it reads the conversion's warnings and checks the
-schema for those keywords first.  The one warning it lets through is ``oneOf`` compiled as
-``anyOf`` (llguidance does the same: keep ``oneOf`` branches disjoint).  One xgrammar defect is
-repaired: see :data:`_LOOSE_STRING_CHAR`.
+``multipleOf`` on numbers, ``allOf`` with several branches, a ``oneOf`` whose branches it cannot
+prove disjoint (it compiles ``anyOf`` instead), a lookahead in a regex; and it drops many JSON-schema
+keywords without a word (:mod:`deepinfer_samplers.xgrammar_schema` says which).  A completion
+could then violate the spec, so this backend refuses such specs (the request fails with the
+reason) instead: it checks the schema first and reads the conversion's warnings.  A ``oneOf``
+whose branches accept disjoint JSON types is compiled as the equal ``anyOf``
+(:func:`deepinfer_samplers.json_schema.one_of_as_any_of`).  One xgrammar defect is repaired:
+see :data:`_LOOSE_STRING_CHAR`.
 """
 
 from __future__ import annotations
@@ -29,21 +30,11 @@ from typing import Any
 
 import xgrammar
 
-from deepinfer_samplers import specs
+from deepinfer_samplers import json_schema, specs
+from deepinfer_samplers.xgrammar_schema import unenforced
 
-# the JSON-schema `format` values xgrammar 0.2.9 turns into a grammar (others: any string); not
-# `ipv4`, whose grammar lets leading zeros through (`1.2.3.000`), which RFC 2673 / jsonschema refuse
-FORMATS = frozenset(
-    {
-        "date-time", "time", "date", "duration", "email", "hostname", "ipv6", "uri",
-        "uri-reference", "uuid", "uri-template", "json-pointer", "relative-json-pointer",
-    }
-)  # fmt: skip
-# keywords xgrammar 0.2.9 compiles without enforcing them (and without a warning; `contains`
-# lets `[]` through)
-UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains")
-# the conversion warnings that do not weaken the grammar below what the docs promise
-_HARMLESS_WARNINGS = ("falling back to anyOf semantics",)
+# the conversion warnings of a `oneOf` compiled as `anyOf`: no backend takes it, so no llguidance advice
+_ONE_OF_WARNING = "falling back to anyOf semantics"
 # the whitespace characters xgrammar's flexible JSON whitespace allows (its `[ \n\r\t]`)
 _JSON_WHITESPACE = frozenset(" \n\r\t")
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: (Check failed: \(.*?\) is false: )?")
@@ -137,61 +128,78 @@ class XGrammarBackend(specs.GrammarCache):
     def _compile(self, spec: Any) -> Any:
         """A ``CompiledGrammar`` for ``spec``, or the error message (one line, ``xgrammar: ...``)."""
         try:
-            grammar = self._grammar(spec)
+            grammar = grammar_of(spec, self._info)
             return self._compiler.compile_grammar(grammar)
         except Exception as e:  # xgrammar raises RuntimeError / InvalidJSONError / TypeError
             return f"xgrammar: {one_line(e)}"
 
-    def _grammar(self, spec: Any) -> Any:
-        """The ``xgrammar.Grammar`` of ``spec``; :class:`ValueError` when it is unsupported."""
-        if spec.choice is not None:
-            return _convert(lambda: xgrammar.Grammar.from_ebnf(choice_ebnf(spec.choice)), "choice")
-        if spec.regex is not None:
-            return _convert(lambda: xgrammar.Grammar.from_regex(spec.regex), "regex")
-        if spec.grammar is not None:
-            text, info = spec.grammar, self._info
-            if "::=" in text:
-                try:
-                    return _convert(lambda: xgrammar.Grammar.from_ebnf(text, root_rule_name="root"), "GBNF")
-                except RuntimeError as e:
-                    raise ValueError(f"invalid GBNF grammar (start rule 'root'): {one_line(e)}") from None
-            if "x-guidance" in text:  # xgrammar's %json ignores llguidance's JSON options
-                raise ValueError(
-                    "the Lark grammar's x-guidance JSON options are llguidance's (xgrammar would ignore "
-                    "them): use backend='llguidance'"
-                )
-            try:
-                return _convert(lambda: xgrammar.Grammar.from_lark(text, tokenizer_info=info), "Lark grammar")
-            except RuntimeError as e:
-                raise ValueError(
-                    f"cannot compile this Lark grammar: {one_line(e)}; "
-                    "xgrammar's Lark is a subset of llguidance's: use backend='llguidance'"
-                ) from None
-        schema_text = json_text(spec.json)
+    @staticmethod
+    def check_spec(spec: Any) -> None:
+        """Convert ``spec`` to an xgrammar grammar without a tokenizer (a Lark grammar's special
+        tokens are then not resolved); :class:`ValueError` (``"xgrammar: ..."``, one line) when
+        it is invalid or uses what xgrammar would not enforce."""
         try:
-            schema = json.loads(schema_text)
-        except ValueError as e:
-            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if schema is False:
-            raise ValueError("the JSON schema false accepts no value")
-        problem = unenforced(schema)
-        if problem is not None:
-            raise ValueError(problem)
-        options = json_options(spec)
-        grammar = _convert(lambda: xgrammar.Grammar.from_json_schema(schema_text, **options), "JSON schema")
-        text = str(grammar)
-        if _LOOSE_STRING_CHAR in text:  # control characters are not JSON string characters
-            grammar = xgrammar.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
-        return grammar
+            grammar_of(spec, None)
+        except Exception as e:
+            raise ValueError(f"xgrammar: {one_line(e)}") from None
+
+
+def grammar_of(spec: Any, info: Any) -> Any:
+    """The ``xgrammar.Grammar`` of ``spec`` (``info``: the ``TokenizerInfo`` a Lark grammar's
+    special tokens are resolved with, or ``None``); :class:`ValueError` when it is unsupported."""
+    if spec.choice is not None:
+        return _convert(lambda: xgrammar.Grammar.from_ebnf(choice_ebnf(spec.choice)), "choice")
+    if spec.regex is not None:
+        return _convert(lambda: xgrammar.Grammar.from_regex(spec.regex), "regex")
+    if spec.grammar is not None:
+        text = spec.grammar
+        if "::=" in text:
+            try:
+                return _convert(lambda: xgrammar.Grammar.from_ebnf(text, root_rule_name="root"), "GBNF")
+            except RuntimeError as e:
+                raise ValueError(f"invalid GBNF grammar (start rule 'root'): {one_line(e)}") from None
+        if "x-guidance" in text:  # xgrammar's %json ignores llguidance's JSON options
+            raise ValueError(
+                "the Lark grammar's x-guidance JSON options are llguidance's (xgrammar would ignore "
+                "them): use backend='llguidance'"
+            )
+        try:
+            return _convert(lambda: xgrammar.Grammar.from_lark(text, tokenizer_info=info), "Lark grammar")
+        except RuntimeError as e:
+            raise ValueError(
+                f"cannot compile this Lark grammar: {one_line(e)}; "
+                "xgrammar's Lark is a subset of llguidance's: use backend='llguidance'"
+            ) from None
+    schema_text = json_text(spec.json)
+    try:
+        schema = json.loads(schema_text)
+    except ValueError as e:
+        raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if schema is False:
+        raise ValueError("the JSON schema false accepts no value")
+    if '"oneOf"' in schema_text:
+        schema = json_schema.one_of_as_any_of(schema)
+        schema_text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    problem = unenforced(schema)
+    if problem is not None:
+        raise ValueError(problem)
+    options = json_options(spec)
+    grammar = _convert(lambda: xgrammar.Grammar.from_json_schema(schema_text, **options), "JSON schema")
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR in text:  # control characters are not JSON string characters
+        grammar = xgrammar.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
+    return grammar
 
 
 def _convert(build: Callable[[], Any], what: str) -> Any:
     """``build()`` (an xgrammar ``Grammar`` constructor) with its native warnings read; raises
     :class:`ValueError` naming the first warning that means a constraint was dropped."""
     grammar, warnings = _with_native_warnings(build)
-    dropped = [w for w in warnings if not any(h in w for h in _HARMLESS_WARNINGS)]
-    if dropped:
-        raise ValueError(f"it would not enforce this {what}: {dropped[0]}; use backend='llguidance'")
+    if warnings:
+        advice = "use backend='llguidance'"
+        if _ONE_OF_WARNING in warnings[0]:
+            advice = "make the branches disjoint (different types, or a property with a different const each)"
+        raise ValueError(f"it would not enforce this {what}: {warnings[0]}; {advice}")
     return grammar
 
 
@@ -305,60 +313,6 @@ def whitespace_bound(pattern: str) -> int | None:
             "[ \\t\\n\\r]{0,N} or [ \\t\\n\\r]* (or disable_any_whitespace); use backend='llguidance'"
         )
     return None if m.group(3) is None else int(m.group(3))
-
-
-# schema positions holding subschemas: a map of them, one, or a list of them
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_ONE = (
-    "items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
-    "propertyNames", "additionalItems",
-)  # fmt: skip
-# what may stand beside anyOf / oneOf (xgrammar ignores the rest there)
-_BESIDE_ANY_OF = frozenset(
-    {"anyOf", "oneOf", "$defs", "definitions", "title", "description", "$schema", "$id", "$comment",
-     "default", "examples"}
-)  # fmt: skip
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
-
-
-def unenforced(schema: Any, path: str = "#") -> str | None:
-    """Why xgrammar would not enforce ``schema`` without saying so (a keyword of
-    :data:`UNENFORCED_KEYWORDS`, ``uniqueItems: true``, a ``format`` outside :data:`FORMATS`),
-    with the JSON pointer of the subschema; ``None`` when there is no such problem.  Only
-    subschema positions are searched (a property *named* ``not`` is fine)."""
-    if not isinstance(schema, dict):
-        return None
-    for kw in UNENFORCED_KEYWORDS:
-        if kw in schema:
-            return f"JSON-schema keyword {kw!r} (at {path}) is not implemented"
-    beside = sorted(set(schema) - _BESIDE_ANY_OF) if ("anyOf" in schema or "oneOf" in schema) else []
-    if beside:  # xgrammar compiles only the branches (`{"type": "integer", "anyOf": [...]}` gives null)
-        return (
-            f"keywords {beside} beside anyOf / oneOf (at {path}) are ignored by xgrammar; "
-            "move them into the branches"
-        )
-    if schema.get("uniqueItems") is True:
-        return f"JSON-schema keyword 'uniqueItems' (at {path}) is not implemented"
-    fmt = schema.get("format")
-    if fmt is not None and fmt not in FORMATS:
-        return f"JSON-schema format {fmt!r} (at {path}) is not implemented (known: {sorted(FORMATS)})"
-    subschemas: list[tuple[str, Any]] = []
-    for kw in _SCHEMA_MAPS:
-        if isinstance(schema.get(kw), dict):
-            subschemas += [(f"{path}/{kw}/{k}", v) for k, v in schema[kw].items()]
-    for kw in _SCHEMA_ONE:
-        if isinstance(schema.get(kw), dict):
-            subschemas.append((f"{path}/{kw}", schema[kw]))
-    for kw in _SCHEMA_LISTS:
-        if isinstance(schema.get(kw), list):
-            subschemas += [(f"{path}/{kw}/{i}", v) for i, v in enumerate(schema[kw])]
-    if isinstance(schema.get("dependencies"), dict):
-        subschemas += [(f"{path}/dependencies/{k}", v) for k, v in schema["dependencies"].items()]
-    for sub_path, sub in subschemas:
-        problem = unenforced(sub, sub_path)
-        if problem is not None:
-            return problem
-    return None
 
 
 class XGrammarMatcher:

@@ -4,9 +4,8 @@ Each entry is ``(name, schema)``.  Every schema uses only JSON-schema features t
 implements (it rejects the others, e.g. ``uniqueItems``, ``not``, ``if``/``then``,
 ``contains``, ``propertyNames``, ``dependentRequired``: see :data:`UNSUPPORTED`), and every
 value llguidance lets through must validate with ``jsonschema`` (Draft 2020-12, formats
-checked as the test module describes).  ``oneOf`` branches are kept disjoint: llguidance
-treats ``oneOf`` like ``anyOf``, so a value matching two branches would be valid for it and
-invalid for JSON schema.
+checked as the test module describes).  ``oneOf`` branches are disjoint by type (compiled as
+``anyOf``, which is then exact): the backends refuse a ``oneOf`` whose branches may overlap.
 
 Strings are mostly bounded (``maxLength``, ``enum``, ``format``, ``pattern``) so that the
 built-in tiny model, which is untrained, finishes a document within the test's token budget;

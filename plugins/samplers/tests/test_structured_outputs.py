@@ -115,16 +115,49 @@ def test_json_schema(llm):
     assert isinstance(json.loads(out.outputs[0].text)["a"], int)
 
 
-def test_invalid_regex_fails_only_that_request(llm):
-    params = [
-        _params(StructuredOutputsParams(regex="[0-9"), True),
-        _params(StructuredOutputsParams(choice=CHOICES), True),
-        _params(None, True, max_tokens=4),
+# invalid specs: (kind, StructuredOutputsParams fields, the one line after "<kind>: ")
+INVALID_SPECS = [
+    ("regex", {"regex": "([a-z"}, 'invalid regex "([a-z": unclosed character class'),
+    (
+        "regex",
+        {"regex": "a{3,2}"},
+        'invalid regex "a{3,2}": invalid repetition count range, the start must be <= the end',
+    ),
+    ("grammar", {"grammar": 'start: "a" ('}, "line 1, column 13: Expected token ')', found"),
+    ("grammar", {"grammar": "start: foo"}, 'line 1, column 8: unknown name: "foo"'),
+    ("grammar", {"grammar": "root ::= missing"}, "invalid GBNF grammar: "),
+    ("JSON schema", {"json": {"type": "objekt"}}, "Invalid type: objekt"),
+    (
+        "JSON schema",
+        {"json": {"type": "string", "pattern": "(["}},
+        "invalid regex '([': unclosed character class",
+    ),
+    (
+        "JSON schema",
+        {"json": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        "oneOf whose branches may overlap is not supported",
+    ),
+]
+
+
+def test_an_invalid_spec_fails_its_request_alone_in_one_line_naming_the_kind(llm):
+    """Each bad spec fails its own request with one line, ``<kind>: <reason>`` (no grammar dump,
+    no llguidance-internal grammar), the same reason the CLI's check gives."""
+    from deepinfer_core.engine.structured import check_spec
+
+    specs = [StructuredOutputsParams(**fields) for _, fields, _ in INVALID_SPECS]
+    params = [_params(spec, True) for spec in specs] + [
+        _params(StructuredOutputsParams(choice=CHOICES), True)
     ]
-    outs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and "invalid regex" in outs[0].error
-    assert outs[1].outputs[0].text in CHOICES and outs[1].error is None
-    assert len(outs[2].outputs[0].token_ids) == 4
+    outs = llm.generate(["Hello"] * len(params), params, use_tqdm=False)
+    for (kind, _, message), spec, out in zip(INVALID_SPECS, specs, outs, strict=False):
+        prefix = f"request {out.request_id!r}: structured outputs: {kind}: "
+        assert out.outputs[0].finish_reason == "error" and out.error.startswith(prefix + message), out.error
+        assert "\n" not in out.error and "start:" not in out.error and "^" not in out.error, out.error
+        with pytest.raises(ValueError) as checked:
+            check_spec(get_plugins(), spec)
+        assert str(checked.value) == out.error.removeprefix(prefix)
+    assert outs[-1].error is None and outs[-1].outputs[0].text in CHOICES
 
 
 def test_unknown_backend_fails_at_submission_naming_what_to_install(llm):
@@ -214,18 +247,6 @@ def test_grammar_lark_and_gbnf(llm, grammar):
         assert re.fullmatch("a[bc]*", text), text
         if out.outputs[0].finish_reason == "stop":
             assert re.fullmatch("a[bc]+", text), text
-
-
-def test_invalid_grammar_fails_only_that_request(llm):
-    params = [
-        _params(StructuredOutputsParams(grammar="start: ("), True),
-        _params(StructuredOutputsParams(grammar="root ::= ("), True),
-        _params(StructuredOutputsParams(choice=CHOICES), True),
-    ]
-    outs = llm.generate(["Hello"] * 3, params, use_tqdm=False)
-    assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
-    assert outs[1].outputs[0].finish_reason == "error" and outs[1].error
-    assert outs[2].outputs[0].text in CHOICES
 
 
 @pytest.mark.parametrize(
@@ -341,3 +362,55 @@ def test_cli_structured_flags_are_mutually_exclusive(capsys, tmp_path):
     assert main(["generate", "--prompt", "Hi", "--choice", "A", "--grammar", str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and "--choice and --grammar" in err[0], err
+
+
+def _cli_spec_args(tmp_path, fields: dict) -> tuple[str, list[str]]:
+    """The ``generate`` flag of a spec and its arguments (a file for a schema or a grammar)."""
+    if "regex" in fields:
+        return "--regex", ["--regex", fields["regex"]]
+    path = tmp_path / "spec"
+    if "json" in fields:
+        path.write_text(json.dumps(fields["json"]))
+        return f"--json-schema {path}", ["--json-schema", str(path)]
+    path.write_text(fields["grammar"])
+    return f"--grammar {path}", ["--grammar", str(path)]
+
+
+@pytest.mark.parametrize(("kind", "fields", "message"), INVALID_SPECS, ids=[f[2][:24] for f in INVALID_SPECS])
+def test_cli_invalid_spec_is_one_error_line_before_the_model_is_looked_at(
+    capsys, tmp_path, kind, fields, message
+):
+    """``--model`` names a directory that does not exist, so the spec's error (status 2, one
+    ``error:`` line on stderr naming the flag, nothing on stdout) shows that the spec was compiled
+    before the engine looked for a model or a tokenizer."""
+    from deepinfer_core.cli import main
+
+    label, args = _cli_spec_args(tmp_path, fields)
+    code = main(["generate", "--prompt", "Hi", "--model", str(tmp_path / "no_model"), *args])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", captured
+    assert captured.err.startswith(f"error: {label}: {message}") and captured.err.count("\n") == 1, (
+        captured.err
+    )
+
+
+def test_cli_valid_spec_goes_on_to_the_model(capsys, tmp_path):
+    """The counterpart of the test above: a valid spec passes the check, and the missing model
+    directory is what fails."""
+    from deepinfer_core.cli import main
+
+    missing = tmp_path / "no_model"
+    assert main(["generate", "--prompt", "Hi", "--model", str(missing), "--regex", "[a-z]+"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(missing) in err and "--regex" not in err, err
+
+
+def test_check_spec_names_a_backend_that_is_not_registered():
+    """Without the samplers plugin the check fails naming the backend and what to install."""
+    from deepinfer_core.engine.structured import check_spec
+    from deepinfer_core.testing import core_only_manager
+
+    with pytest.raises(
+        ValueError, match=r"'llguidance' is not registered .*deepinfer-samplers\[structured\]"
+    ):
+        check_spec(core_only_manager(), StructuredOutputsParams(regex="a"))

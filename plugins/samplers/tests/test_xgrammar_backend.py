@@ -37,6 +37,7 @@ import deepinfer_samplers.plugin as samplers_plugin  # noqa: E402
 from schema_corpus import GRAMMARS, REGEXES, SCHEMAS, UNSUPPORTED  # noqa: E402
 from test_structured_corpus import _check_grammar, _check_json, _check_regex  # noqa: E402
 
+from deepinfer_core.engine.structured import spec_kind  # noqa: E402
 from deepinfer_core.testing import manager_with_plugin  # noqa: E402
 
 SEEDS = (0, 1)
@@ -51,12 +52,13 @@ REFUSED = {
     "object_of_formats": "format 'ipv4' (at #/properties/",
     "person": _DROPS_LENGTH,
     "config_file": _DROPS_LENGTH,
-    "all_of_merge": "allOf with multiple options",
-    "type_with_sibling_any_of": "keywords ['type'] beside anyOf / oneOf (at #) are ignored",
+    "all_of_merge": "keywords ['additionalProperties', 'properties'] beside 'allOf' (at #) are ignored",
+    "type_with_sibling_any_of": "keywords ['type'] beside 'anyOf' (at #) are ignored",
     "uniqueItems": "keyword 'uniqueItems' (at #) is not implemented",
     "not": "keyword 'not' (at #) is not implemented",
     "if_then": "keyword 'if' (at #) is not implemented",
     "contains": "keyword 'contains' (at #) is not implemented",
+    "dependentRequired": "keyword 'dependentRequired' (at #) is not implemented",
     "case_insensitive": "Group modifier flag is not supported",
     "lark_embedded_json": "x-guidance JSON options are llguidance's",
 }
@@ -112,7 +114,8 @@ def _run_corpus(llm: LLM, cases, max_tokens: int, replay: bool = True) -> float:
         where = f"{name} seed={seed}: {c.text!r}"
         if name in REFUSED:
             assert c.finish_reason == "error" and REFUSED[name] in out.error, (where, out.error)
-            assert out.error.startswith(f"request {out.request_id!r}: structured outputs: xgrammar: ")
+            kind = spec_kind(spec)
+            assert out.error.startswith(f"request {out.request_id!r}: structured outputs: {kind}: xgrammar: ")
             assert "\n" not in out.error
             continue
         assert out.error is None, (where, out.error)
@@ -199,9 +202,9 @@ def _json_cases(schemas):
 
 
 def test_json_corpus_subset_and_keywords_only_xgrammar_enforces(llm):
-    """Every fifth corpus schema (the rest is the slow test below), plus the schemas
-    llguidance refuses and xgrammar enforces (``propertyNames``, ``dependentRequired``)."""
-    assert {n for n, _ in XGRAMMAR_ONLY} == {"propertyNames", "dependentRequired"}
+    """Every fifth corpus schema (the rest is the slow test below), plus the schema llguidance
+    refuses and xgrammar enforces (``propertyNames``)."""
+    assert {n for n, _ in XGRAMMAR_ONLY} == {"propertyNames"}
     picked = SCHEMAS[::5] + [(n, s) for n, s in SCHEMAS if n in REFUSED]
     assert _run_corpus(llm, _json_cases(picked + UNSUPPORTED), 160, replay=False) >= 0.75
 
@@ -295,6 +298,23 @@ def test_an_invalid_or_unenforceable_spec_fails_that_request_alone(llm):
         assert text in out.error and "xgrammar: " in out.error and "\n" not in out.error, (name, out.error)
     assert outs[-2].error is None and len(outs[-2].outputs[0].token_ids) == 5
     assert outs[-1].error is None and re.fullmatch("[0-9]{3}", outs[-1].outputs[0].text)
+
+
+def test_check_spec_without_a_tokenizer_refuses_as_the_backend_does(llm):
+    """The CLI's check (``check_spec``, no tokenizer) gives each invalid spec the refusal its
+    request would get; a valid spec passes it."""
+    from deepinfer_core.engine.structured import check_spec
+    from deepinfer_core.plugins import get_plugins
+
+    backend = llm.engine.structured.backend("xgrammar")
+    for name, spec, _ in INVALID:
+        with pytest.raises(ValueError) as checked:
+            check_spec(get_plugins(), spec)
+        with pytest.raises(ValueError) as refused:
+            backend.matcher(spec)
+        assert str(checked.value) == str(refused.value), name
+    check_spec(get_plugins(), _xg(grammar='start: "a" ("b" | "c")+'))
+    check_spec(get_plugins(), _xg(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
 
 
 def test_compiled_grammars_are_cached_per_spec(llm):
