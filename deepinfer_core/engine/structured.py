@@ -202,7 +202,8 @@ def backend_class(plugins: Any, name: str) -> Any:
         known = sorted(plugins.components["structured_backends"])
         raise RuntimeError(
             f"structured outputs backend {name!r} is not registered (known: {known}); "
-            "pip install deepinfer-samplers[structured] for 'llguidance'"
+            "'llguidance' and 'xgrammar' come with the samplers plugin, from the root of a "
+            "DeepInfer checkout: pip install -e 'plugins/samplers[structured]'"
         )
     available, reason = spec.availability()
     if not available:  # the plugin's reason says what to install

@@ -43,9 +43,10 @@ class StructuredOutputsParams:
             newlines per gap), so a weak model cannot emit whitespace until ``max_tokens``.
 
     The engine compiles it with the grammar backend registered under ``backend`` through
-    ``deepinfer_register_structured_backends`` (default ``"llguidance"``, from
-    ``pip install deepinfer-samplers[structured]``).  EOS is allowed only where the grammar
-    accepts, and is the only token allowed once the grammar is finished.
+    ``deepinfer_register_structured_backends`` (default ``"llguidance"``, from the samplers
+    plugin: ``pip install -e 'plugins/samplers[structured]'`` from the repository root).  EOS
+    is allowed only where the grammar accepts, and is the only token allowed once the grammar
+    is finished.
 
     Raises:
         SamplingParamsError: not exactly one of ``choice`` / ``regex`` / ``json`` / ``grammar``,

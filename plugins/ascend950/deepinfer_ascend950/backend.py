@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-NOT_INSTALLED = "torch_npu is not installed (pip install deepinfer-ascend950[npu] on a machine with CANN)"
+NOT_INSTALLED = (
+    "torch_npu is not installed (on a machine with the CANN toolkit: pip install torch_npu, the "
+    "build matching your torch and CANN; or from the root of a DeepInfer checkout: "
+    "pip install -e 'plugins/ascend950[npu]')"
+)
 
 
 def is_available() -> tuple[bool, str | None]:

@@ -23,7 +23,10 @@ def is_available() -> tuple[bool, str | None]:
             f"cuda_sm100 needs >= {need}"
         )
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (pip install deepinfer-cuda-sm100[triton])"
+        return False, (
+            "triton is not installed (pip install 'triton>=3.0', or from the root of a DeepInfer "
+            "checkout: pip install -e 'plugins/cuda_sm100[triton]')"
+        )
     return True, None
 
 

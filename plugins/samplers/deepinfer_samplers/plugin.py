@@ -1,9 +1,9 @@
 """DeepInfer hooks of the ``samplers`` plugin (hooks only; the code lives beside it).
 
-The ``llguidance`` structured-output backend needs ``deepinfer-samplers[structured]``, and
-``xgrammar`` needs ``deepinfer-samplers[xgrammar]`` (without it the backend is registered as
-unavailable, its probe saying what is missing).  The plugin registers no drafter: the DSpark
-block drafter is the core's ``dspark``.
+The ``llguidance`` structured-output backend needs the plugin's ``[structured]`` extra, and
+``xgrammar`` its ``[xgrammar]`` extra (without it the backend is registered as unavailable, its
+probe saying what is missing and the command that installs it).  The plugin registers no
+drafter: the DSpark block drafter is the core's ``dspark``.
 """
 
 import importlib.util
@@ -13,6 +13,12 @@ from typing import Any
 from deepinfer_core.hookspecs import hookimpl
 
 DEEPINFER_API = ">=1.0,<2"
+
+# what the llguidance probe reports when it is missing (the pin is the [structured] extra's)
+LLGUIDANCE_MISSING = (
+    "llguidance is not installed: pip install llguidance==1.9.1, or from the root of a DeepInfer "
+    "checkout: pip install -e 'plugins/samplers[structured]'"
+)
 
 
 @hookimpl
@@ -42,7 +48,7 @@ def deepinfer_register_structured_backends(register: Callable[..., None]) -> Non
 
     def is_available() -> tuple[bool, str | None]:
         if importlib.util.find_spec("llguidance") is None:
-            return False, "llguidance is not installed: pip install deepinfer-samplers[structured]"
+            return False, LLGUIDANCE_MISSING
         return True, None
 
     register(
@@ -76,6 +82,7 @@ def _xgrammar_available() -> tuple[bool, str | None]:
     if missing:
         return False, (
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed: "
-            "pip install deepinfer-samplers[xgrammar]"
+            "pip install xgrammar==0.2.9, or from the root of a DeepInfer checkout: "
+            "pip install -e 'plugins/samplers[xgrammar]'"
         )
     return True, None

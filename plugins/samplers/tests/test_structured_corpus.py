@@ -29,7 +29,7 @@ from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip(
     "jsonschema",
-    reason="the schema corpus is validated with jsonschema: pip install deepinfer-samplers[test]",
+    reason="the schema corpus is validated with jsonschema: pip install -e 'plugins/samplers[test]'",
 )
 
 from schema_corpus import GRAMMARS, REGEXES, SCHEMAS, UNSUPPORTED  # noqa: E402

@@ -167,7 +167,10 @@ def test_unknown_backend_fails_at_submission_naming_what_to_install(llm):
     ]
     outs = llm.generate(["Hello"] * 2, params, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
-    assert "'nope' is not registered" in outs[0].error and "deepinfer-samplers[structured]" in outs[0].error
+    assert (
+        "'nope' is not registered" in outs[0].error
+        and "pip install -e 'plugins/samplers[structured]'" in outs[0].error
+    )
     assert outs[1].outputs[0].text in CHOICES
 
 

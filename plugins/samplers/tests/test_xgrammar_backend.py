@@ -26,11 +26,11 @@ import pytest
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams
 
 pytest.importorskip(
-    "xgrammar", reason="the xgrammar backend is not installed: pip install deepinfer-samplers[xgrammar]"
+    "xgrammar", reason="the xgrammar backend is not installed: pip install -e 'plugins/samplers[xgrammar]'"
 )
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip(
-    "jsonschema", reason="the corpus is validated with jsonschema: pip install deepinfer-samplers[test]"
+    "jsonschema", reason="the corpus is validated with jsonschema: pip install -e 'plugins/samplers[test]'"
 )
 
 import deepinfer_samplers.plugin as samplers_plugin  # noqa: E402
@@ -175,7 +175,8 @@ def test_a_missing_xgrammar_is_reported_with_the_reason(monkeypatch):
     entry = next(b for b in row["structured_backends"] if b["name"] == "xgrammar")
     assert entry["available"] is False
     assert entry["reason"] == (
-        "no_such_module_for_xgrammar is not installed: pip install deepinfer-samplers[xgrammar]"
+        "no_such_module_for_xgrammar is not installed: pip install xgrammar==0.2.9, or from the root "
+        "of a DeepInfer checkout: pip install -e 'plugins/samplers[xgrammar]'"
     )
     llm = LLM.from_engine(_engine(manager))
     [out] = llm.generate(
