@@ -414,6 +414,6 @@ def test_check_spec_names_a_backend_that_is_not_registered():
     from deepinfer_core.testing import core_only_manager
 
     with pytest.raises(
-        ValueError, match=r"'llguidance' is not registered .*deepinfer-samplers\[structured\]"
+        ValueError, match=r"'llguidance' is not registered .*from the root of a DeepInfer checkout"
     ):
         check_spec(core_only_manager(), StructuredOutputsParams(regex="a"))
