@@ -642,10 +642,11 @@ def test_gpu_bitwise_with_pytorch_cuda(scoring):
     libdevice's expf / log1pf are what PyTorch's CUDA kernels call, divisions and square roots
     IEEE, no flush to zero, and the kernel follows PyTorch's warp-softmax order.  The claim rests
     on nvcc and Triton's LLVM contracting the same multiply-adds (e.g. expf's last product into
-    sigmoid's ``1 + exp``).  The renormalised weights are held to one ulp of the reference: the
-    kernel sums the k weights in the order of PyTorch's CUDA ``sum`` as its source describes
-    it, but on torch 2.11 (H200) some rows of ``sum`` over k = 6 come out an ulp away from that
-    order, and PyTorch's reduction order is not an interface the engine can pin."""
+    sigmoid's ``1 + exp``).  The renormalised weights are held to the bound that any two
+    summation orders of the k positive weights allow: (k - 1) ulps of the sum, plus the
+    division's and the scaling's roundings.  PyTorch's CUDA ``sum`` order over k is not an
+    interface (on torch 2.11 some rows of k = 6 differ from the order the kernel follows, by
+    an ulp or two of the weight)."""
     from deepinfer_core.ops.moe import _SCORE_FNS
 
     g = torch.Generator().manual_seed(21)
@@ -659,8 +660,8 @@ def test_gpu_bitwise_with_pytorch_cuda(scoring):
             (gw, gi), (ww, wi) = _impl().fn(*args), _reference(*args)
             assert torch.equal(gi, wi), f"E={e} k={k}: ids differ"
             ulp = torch.nextafter(ww.abs(), torch.full_like(ww, float("inf"))) - ww.abs()
-            far = ((gw - ww).abs() > ulp).sum().item()
-            assert far == 0, f"E={e} k={k}: {far} weights more than one ulp from PyTorch's"
+            far = ((gw - ww).abs() > (k + 2) * ulp).sum().item()
+            assert far == 0, f"E={e} k={k}: {far} weights more than {k + 2} ulps from PyTorch's"
 
 
 @needs_cuda
