@@ -39,6 +39,7 @@ def full_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         kv.free_slot(slot)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_independent_of_batch_chunking_and_preemption(llm, small):
     params = [
         SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=10),

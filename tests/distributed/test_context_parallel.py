@@ -214,8 +214,8 @@ def _equal(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
     ("dp", "cp", "bi", "kv"),
     [
         (1, 2, True, "auto"),
-        (1, 2, False, "auto"),
-        (1, 4, True, "auto"),
+        pytest.param(1, 2, False, "auto", marks=pytest.mark.slow),
+        pytest.param(1, 4, True, "auto", marks=pytest.mark.slow),
         pytest.param(1, 2, True, "fp8", marks=pytest.mark.slow),
         pytest.param(2, 2, True, "auto", marks=pytest.mark.slow),
         pytest.param(1, 4, False, "auto", marks=pytest.mark.slow),
@@ -294,7 +294,7 @@ def _generate(
 @pytest.mark.parametrize(
     ("dp", "cp", "bi", "ep"),
     [
-        (1, 2, True, False),
+        pytest.param(1, 2, True, False, marks=pytest.mark.slow),
         pytest.param(1, 2, False, False, marks=pytest.mark.slow),
         pytest.param(2, 2, True, False, marks=pytest.mark.slow),
         pytest.param(2, 2, True, True, marks=pytest.mark.slow),
@@ -316,6 +316,7 @@ def test_llm_with_context_parallelism_matches_one_process(
     assert_same_completions(got, want, exact=bi)
 
 
+@pytest.mark.slow
 def test_context_parallel_min_tokens_option(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``EngineConfig.context_parallel_min_tokens`` sets every rank's ``model.cp_min_tokens``
     over the environment's: at ``CP_MIN`` rank 0 splits chunks and the greedy outputs equal one

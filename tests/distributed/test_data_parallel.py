@@ -94,6 +94,7 @@ def test_dummy_forward_touches_no_request() -> None:
         assert done[str(i)].outputs[0].logprobs == w.outputs[0].logprobs
 
 
+@pytest.mark.slow
 def test_abort_reaches_the_replica_holding_the_request() -> None:
     """An abort rank 0 gets applies on whichever rank holds the request; the others finish."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
@@ -113,6 +114,7 @@ def test_abort_reaches_the_replica_holding_the_request() -> None:
             LLM(**OPTIONS, data_parallel_size=2)  # one run at a time in a process
 
 
+@pytest.mark.slow
 def test_reset_metrics_zeroes_every_rank() -> None:
     """``LLM.reset_metrics()`` on DP 2 zeroes every rank's totals (no step runs); the totals of
     the next ``generate`` then equal a single process's for that call alone."""

@@ -30,6 +30,7 @@ def _run(model_dir: Path, **options: Any) -> tuple[list[Any], dict[str, int], li
         return outputs, dict(runner.ep_graph_stats), sorted(runner.graphs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_invariant", [True, False])
 def test_dp2_ep_decode_graphs_match_eager_single_process(
     tiny_dir: Path, monkeypatch: pytest.MonkeyPatch, batch_invariant: bool

@@ -259,7 +259,8 @@ def _moe_worker(rank: int, world: int, model_dir: str) -> None:
     assert int(load.sum()) == t * cfg.num_experts_per_tok * cfg.num_hidden_layers
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_block_expert_parallel_matches_single_process(tiny_dir: Path, world: int) -> None:
     _spawn(_moe_worker, world, str(tiny_dir))
 

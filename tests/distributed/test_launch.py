@@ -41,6 +41,7 @@ def _run(args: list[str], env: dict[str, str], timeout: float = 300) -> subproce
     )
 
 
+@pytest.mark.slow
 def test_torchrun_launch_prints_the_single_process_output(tmp_path: Path) -> None:
     want = _run(["-m", "deepinfer_core.cli", "generate", *CLI_ARGS], _env())
     assert want.returncode == 0, want.stderr
@@ -76,6 +77,7 @@ def test_dead_worker_ends_the_run_with_one_error_naming_it(monkeypatch: pytest.M
         llm.shutdown()  # idempotent
 
 
+@pytest.mark.slow
 def test_hung_worker_ends_the_run_after_the_timeout_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "1:2:hang")  # rank 1 stops answering on its second step
     llm = LLM(**OPTIONS, data_parallel_size=2, distributed_timeout_s=10)
@@ -91,6 +93,7 @@ def test_hung_worker_ends_the_run_after_the_timeout_naming_it(monkeypatch: pytes
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_worker_engine_failure_reaches_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULT_ENV, "2:0")  # rank 2's engine fails to start
     with pytest.raises(DistributedError) as info:
@@ -113,6 +116,7 @@ def test_world_size_mismatch_is_one_line(monkeypatch: pytest.MonkeyPatch) -> Non
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_world_size_mismatch_under_launch_is_one_line() -> None:
     env = _env(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     got = _run(

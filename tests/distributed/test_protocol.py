@@ -44,6 +44,7 @@ def _worker(rank: int, world: int, store: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_messages_and_replies_arrive_whole_small_or_large(world: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:

@@ -56,6 +56,7 @@ def test_graph_decode_equals_eager_bitwise_in_batch_invariant_mode(async_schedul
         assert g.outputs[0].logprobs == w.outputs[0].logprobs  # bitwise equal floats
 
 
+@pytest.mark.slow
 def test_released_graphs_are_gone_and_the_runner_runs_eagerly():
     """``release_graphs`` (a distributed run's shutdown) drops every graph; the engine then
     steps eagerly with the same results."""
@@ -75,6 +76,7 @@ def test_released_graphs_are_gone_and_the_runner_runs_eagerly():
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
 
 
+@pytest.mark.slow
 def test_graph_decode_equals_eager_bitwise_with_the_fp8_kv_cache():
     """The packed FP8 window ring and compressed entries (``kv_cache_dtype="fp8"``) under the
     fixed-shape graph path: padding rows write the trash rows of the packed pools too."""
@@ -148,6 +150,7 @@ beside the others' decodes (mixed steps of at most 52 tokens: the 52-token mixed
 MANY = [{"prompt_token_ids": list(range(3 + i, 3 + i + n))} for i, n in enumerate((5, 30, 70, 12) * 3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_mixed_step_graphs_equal_eager_bitwise_in_batch_invariant_mode(async_scheduling):
     """Steps that prefill a request beside the others' decodes replay the mixed-step graph of
@@ -166,6 +169,7 @@ def test_mixed_step_graphs_equal_eager_bitwise_in_batch_invariant_mode(async_sch
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
 
 
+@pytest.mark.slow
 def test_mixed_step_graphs_with_prefix_hits_preemption_and_speculation():
     """Greedy tokens through mixed-step graphs equal eager steps' with prefix-cache hits (SWA
     replay chunks), preemption, and n-gram speculation (verify rows in mixed steps); prompt

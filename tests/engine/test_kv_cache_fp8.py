@@ -146,6 +146,7 @@ def test_forward_steps_make_no_host_sync():
     assert not found, sorted(set(found))
 
 
+@pytest.mark.slow
 def test_prefix_hit_equals_cold_run_bitwise_in_batch_invariant_mode():
     first, second = _prompts(3, (131, 131))
     second["prompt_token_ids"][:128] = first["prompt_token_ids"][:128]

@@ -129,6 +129,7 @@ def test_fusion_that_forces_dequantisation_is_logged_once_naming_the_layers(fp_d
     assert len(groups) == 1 and isinstance(groups[0][0], torch.Tensor)
 
 
+@pytest.mark.slow
 def test_batch_invariant_graph_decode_with_quantised_weights_is_bitwise_the_plain_model(fp_dir: Path) -> None:
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, logprobs=2, ignore_eos=True)
     runs = []

@@ -127,6 +127,7 @@ def test_quantised_mtp_and_own_head_and_embedding(tmp_path: Path) -> None:
     assert torch.equal(runner.model.mtp.head, own[P + "lm_head.weight"])
 
 
+@pytest.mark.slow
 def test_checkpoint_without_mtp_is_a_config_error_only_for_the_mtp_drafter(tmp_path: Path) -> None:
     cfg = _cfg()
     main = {n: t for n, t in tiny.random_weights(cfg).items() if not n.startswith(P)}
@@ -363,6 +364,7 @@ def test_outputs_equal_plain_decoding(
         assert m["num_draft_tokens"] == m["num_proposed_tokens"], m
 
 
+@pytest.mark.slow
 def test_prefix_caching_and_preemption(tiny_dir: Path) -> None:
     """A prefix-cache hit (SWA replay: the MTP cache caught up over the replayed rows) and a
     cache too small for every request (preempted requests recompute, the MTP cache with them)."""
@@ -405,6 +407,7 @@ def test_a_right_mtp_gets_its_drafts_accepted(bigram_dir: Path) -> None:
     assert spec.get_metrics()["num_steps"] < base.get_metrics()["num_steps"] / 2
 
 
+@pytest.mark.slow
 def test_graph_replays_keep_the_hidden_states(tiny_dir: Path) -> None:
     """Decode, verify and MTP steps (draft depths, one-row catch-ups) replayed from (emulated)
     graphs, padded to their bucket, leave the same hidden states as eager steps: the drafts

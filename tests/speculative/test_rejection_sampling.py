@@ -78,6 +78,7 @@ def test_rejection_sampling_emits_the_target_distribution(params, draft):
     assert chi2 < CHI2_P999[df], (chi2, counts.tolist(), expected.tolist())
 
 
+@pytest.mark.slow
 def test_greedy_rows_accept_exactly_the_argmax():
     """With ``temperature=0`` the distribution is one-hot: rejection acceptance is ``match``."""
     logits = torch.tensor([[0.1, 2.0, 0.3, 0.0, -1.0, 0.5]])

@@ -181,6 +181,7 @@ def test_fewer_target_forwards_with_good_drafts(tiny_dir):
     assert spec.get_metrics()["num_steps"] < base.get_metrics()["num_steps"]
 
 
+@pytest.mark.slow
 def test_dspark_stops_asking_a_drafter_that_never_pays(tiny_dir):
     """With drafts that are never accepted, DSpark stops calling the drafter (a probe every
     PROBE_INTERVAL steps), while ``fixed`` calls it every step; outputs stay those of plain
@@ -205,6 +206,7 @@ def test_dspark_stops_asking_a_drafter_that_never_pays(tiny_dir):
     assert calls["dspark"] <= decode_steps // 2 + decode_steps // PROBE_INTERVAL, calls
 
 
+@pytest.mark.slow
 def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     """Where DSpark's estimates say drafting does not pay, its probes still verify every draft
     proposed (verifying only what the estimates favour would verify nothing and never learn
@@ -240,6 +242,7 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     assert gaps == [min(settled * 2**i, cap) for i in range(len(gaps))], (gaps, weighed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["wrong", "mtp"])
 def test_steps_without_drafts_run_asynchronously(tiny_dir, drafter):
     """With async scheduling on, a step that verifies no draft is launched before the previous
@@ -275,6 +278,7 @@ def test_steps_without_drafts_run_asynchronously(tiny_dir, drafter):
     ]
 
 
+@pytest.mark.slow
 def test_stop_strings_n_and_prefix_caching(tiny_dir):
     """Stop strings cut inside an accepted run, ``n > 1`` samples, and a prefix-cache hit on a
     prompt that shares pages with an earlier request's rolled-back verify steps."""
@@ -295,6 +299,7 @@ def test_stop_strings_n_and_prefix_caching(tiny_dir):
     assert spec.get_metrics()["num_prefix_hit_tokens"] > 0
 
 
+@pytest.mark.slow
 def test_preemption(tiny_dir):
     """A cache too small for every request: preempted requests resume and still match."""
     params = SamplingParams(temperature=0.6, seed=4, max_tokens=30, ignore_eos=True)
@@ -307,6 +312,7 @@ def test_preemption(tiny_dir):
     assert spec.get_metrics()["num_preemptions"] > 0
 
 
+@pytest.mark.slow
 def test_batch_invariant_bitwise(tiny_dir):
     """With ``batch_invariant=True`` the logprobs are bitwise those of plain decoding."""
     params = SamplingParams(temperature=0.9, seed=8, max_tokens=16, ignore_eos=True, logprobs=2)
@@ -320,6 +326,7 @@ def test_batch_invariant_bitwise(tiny_dir):
     assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]
 
 
+@pytest.mark.slow
 def test_ngram_drafter_is_lossless(tiny_dir):
     """The core's n-gram drafter; a negative presence penalty makes the random model repeat."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, presence_penalty=-2.0)
@@ -337,6 +344,7 @@ def test_drafter_errors_name_the_drafter(tiny_dir):
         _llm(tiny_dir, {"drafter": "broken"})
 
 
+@pytest.mark.slow
 def test_verify_steps_replay_graphs_bitwise(tiny_dir):
     """Verify steps of ``1 + max_draft_tokens`` tokens per request run through the captured
     (here emulated) verify graphs, padded to the bucket, with results bitwise equal to plain

@@ -61,6 +61,7 @@ def test_repeated_spec_hits_the_cache(backend):
     assert backend.cache_info() == CacheInfo(hits=3, misses=2, size=2, maxsize=DEFAULT_CACHE_SIZE)
 
 
+@pytest.mark.slow
 def test_engine_requests_share_one_compile(llm, backend):
     spec = StructuredOutputsParams(json=SCHEMA)
     params = [

@@ -230,6 +230,7 @@ def _check_grammar(expected):
     return check
 
 
+@pytest.mark.slow
 def test_regex_and_grammar_corpora_generate_full_matches(llm):
     cases = [
         (name, StructuredOutputsParams(regex=pattern), _check_regex(pattern)) for name, pattern in REGEXES

@@ -252,6 +252,7 @@ def test_grammar_lark_and_gbnf(llm, grammar):
             assert re.fullmatch("a[bc]+", text), text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "ws",
     [{}, {"disable_any_whitespace": True}, {"whitespace_pattern": " ?"}],
@@ -315,6 +316,7 @@ def test_cli_choice_and_regex(capsys):
     assert "--choice and --regex are mutually exclusive" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_json_schema_and_grammar_files(capsys, tmp_path):
     from deepinfer_core.cli import main
 

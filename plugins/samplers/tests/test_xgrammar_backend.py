@@ -202,6 +202,7 @@ def _json_cases(schemas):
     return [(n, _xg(json=s), _check_json(s)) for n, s in schemas]
 
 
+@pytest.mark.slow
 def test_json_corpus_subset_and_keywords_only_xgrammar_enforces(llm):
     """Every fifth corpus schema (the rest is the slow test below), plus the schema llguidance
     refuses and xgrammar enforces (``propertyNames``)."""

@@ -189,6 +189,7 @@ def test_a_last_chunk_shorter_than_the_tail(v41_dir, monkeypatch):
     assert 0 < err <= LOGIT_BOUND
 
 
+@pytest.mark.slow
 def test_prefix_cache_hit_with_the_tail(v41_dir, monkeypatch):
     """A prefix-cache hit (exact encoder replay, cached shared entries) then the tail: the same
     tokens and logprobs as a cold run with the tail."""
@@ -200,6 +201,7 @@ def test_prefix_cache_hit_with_the_tail(v41_dir, monkeypatch):
     assert hit.outputs[0].logprobs == ref.outputs[0].logprobs
 
 
+@pytest.mark.slow
 def test_speculative_decoding_with_the_tail_is_lossless(v41_dir, monkeypatch):
     """With 4 draft tokens ``auto`` is ``W + 4``; verify steps keep every row (no plan), so ngram
     speculative decoding gives the tokens of plain decoding with the same tail."""

@@ -262,6 +262,7 @@ def test_quantised_checkpoint_with_packed_draft_rings(tmp_path, monkeypatch):
     assert runs["auto"] == runs["fp8"] and runs["auto"]
 
 
+@pytest.mark.slow
 def test_plain_greedy_walk_on_the_device_equals_the_sampler_walk(v41_dspark_dir, monkeypatch):
     """Greedy requests without penalties, masks, bias or bans walk the Markov head by argmax on
     the device (one read-back); the drafts and confidences are those of the walk through the

@@ -71,6 +71,7 @@ def test_the_caches_are_packed_in_the_release_formats_and_hold_more_tokens(v41_d
     assert packed_cap > 7 * v41_llm(v41_dir, **small).kv_cache_capacity_tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("invariant", [False, True])
 def test_fp8_cache_generates_the_auto_cache_tokens_and_logprobs_bitwise(v41_dir, invariant):
     """Chunked prefill (16-token budget), continuous batching, entries read by Reuse / Reindex
@@ -83,6 +84,7 @@ def test_fp8_cache_generates_the_auto_cache_tokens_and_logprobs_bitwise(v41_dir,
     _same(got, want)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_logits_equal_the_auto_cache_and_the_unchunked_pass(v41_dir):
     ids = _ids(4, 50)
     fp8 = _runner(v41_dir, batch_invariant=True, kv_cache_dtype="fp8")
@@ -91,6 +93,7 @@ def test_chunked_prefill_logits_equal_the_auto_cache_and_the_unchunked_pass(v41_
     assert torch.equal(chunked, _prompt_logits(fp8, ids, 1000))
 
 
+@pytest.mark.slow
 def test_prefix_cache_hit_equals_the_cold_run_and_the_auto_cache(v41_dir):
     shared = _ids(5, 128)
     first, second = shared + _ids(6, 5), shared + _ids(7, 9)
@@ -99,6 +102,7 @@ def test_prefix_cache_hit_equals_the_cold_run_and_the_auto_cache(v41_dir):
     _same([hit, hit], [cold, auto])
 
 
+@pytest.mark.slow
 def test_preempted_requests_equal_the_auto_cache(v41_dir):
     def engine(kv_cache_dtype: str) -> LLMEngine:
         cfg = EngineConfig(

@@ -122,6 +122,7 @@ def test_chunked_prefill_equals_unchunked_bitwise(v41_dir, chunk):
     assert torch.equal(_prompt_logits(runner, ids, chunk), _prompt_logits(runner, ids, 1000))
 
 
+@pytest.mark.slow
 def test_continuous_batching_equals_one_at_a_time_bitwise(v41_dir):
     prompts = [_ids(20 + i, n) for i, n in enumerate((9, 33, 47))]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
@@ -236,6 +237,7 @@ def test_engram_tables_are_memory_mapped_not_copied(tmp_path, quantized, device)
     assert not data.view(torch.uint8).any()
 
 
+@pytest.mark.slow
 def test_speculative_ngram_decoding_is_lossless(v41_dir):
     """Verify steps of up to 4 drafts rolled back by position alone (spare ring rows for the
     window and the Engram look-back, spare compressor windows; entries of rejected positions are
