@@ -43,6 +43,10 @@ class StepInputs:
         prev_tokens: the previous step's sampled tokens on the device (or ``None``).
         num_tokens, num_reqs: ``T`` and ``R`` (static ints, padding included).
         max_end: a static bound on ``start + len`` over the requests (shapes of entry lists).
+        spans: per request, ``(max(start, cached), start + len)`` on the host, for an unpadded
+            step (its shapes may follow the values: e.g. exactly the compressor windows the
+            step closes); ``None`` for a padded, fixed-shape step (graphs), whose shapes may
+            depend only on ``num_tokens`` and ``num_reqs``.
     """
 
     input_ids: torch.Tensor
@@ -53,6 +57,14 @@ class StepInputs:
     num_tokens: int
     num_reqs: int
     max_end: int
+    spans: list[tuple[int, int]] | None = None
+
+    def windows_closed(self, ratio: int) -> int | None:
+        """How many windows of ``ratio`` tokens the step's requests close (each request's from
+        its first uncached position on), or ``None`` for a fixed-shape step (see ``spans``)."""
+        if self.spans is None:
+            return None
+        return sum(max(0, end // ratio - begin // ratio) for begin, end in self.spans)
 
 
 class StepInputBuffers:
@@ -146,6 +158,8 @@ class StepInputBuffers:
         for i, name in enumerate(REQ_FIELDS):
             req[name] = dev[base + i * r : base + (i + 1) * r]
         ends = [c.end_pos for c in chunks] + [t - real_t]
+        fixed_shape = num_tokens is not None or num_reqs is not None or max_end is not None
+        spans = None if fixed_shape else [(max(c.start_pos, c.cached_until), c.end_pos) for c in chunks]
         return StepInputs(
             input_ids=dev[:t],
             req=req,
@@ -155,6 +169,7 @@ class StepInputBuffers:
             num_tokens=t,
             num_reqs=r,
             max_end=max(ends) if max_end is None else max_end,
+            spans=spans,
         )
 
     def _update_block_tables(self, chunks: list[SeqChunk]) -> None:

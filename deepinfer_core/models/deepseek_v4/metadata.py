@@ -247,8 +247,10 @@ def _window_plan(
     n_req, t = inputs.num_reqs, inputs.num_tokens
     epp = page_size // r  # entries per page
     trash = num_slots
-    # windows closed this step: at most one per r tokens of a request, plus one per request
-    m_max = min(t, t // r + n_req)
+    # windows closed this step: exactly those of an unpadded step (counted on the host); a
+    # fixed-shape step's bound: at most one per r tokens of a request, plus one per request
+    closed = inputs.windows_closed(r)
+    m_max = min(t, t // r + n_req) if closed is None else closed
     w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
     m = (end // r - w0).clamp(min=0)
     cum = torch.cumsum(m, 0)

@@ -1,0 +1,61 @@
+"""The compressor's window plan: an unpadded step plans exactly the windows its requests close
+(counted on the host), a fixed-shape step a static bound; the live windows are the same."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.engine.step_inputs import StepInputBuffers
+from deepinfer_core.models.deepseek_v4.metadata import buffer_windows, build_metadata
+
+PAGE, SLOTS, PAGES = 16, 8, 16
+TRASH_PAGE = SLOTS * PAGES
+
+
+def _chunks(seed: int) -> list[SeqChunk]:
+    rng = random.Random(seed)
+    chunks = []
+    for slot in range(rng.randint(1, SLOTS)):
+        start = rng.choice([0, rng.randint(0, 150)])
+        n = rng.choice([1, 1, rng.randint(1, 40)])
+        cached = rng.choice([0, (start // PAGE) * PAGE])
+        pages = list(range(slot * PAGES, slot * PAGES + -(-(start + n) // PAGE)))
+        chunks.append(SeqChunk(slot, [5] * n, start, pages, cached_until=cached))
+    return chunks
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_unpadded_steps_plan_exactly_the_closed_windows(seed: int):
+    chunks = _chunks(seed)
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    inputs = bufs.prepare(chunks, [], None)
+    exact = build_metadata(inputs, 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    bound = build_metadata(replace(inputs, spans=None), 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    for r in (4, 16):
+        e, b = exact.plans[r], bound.plans[r]
+        want = sum(max(0, c.end_pos // r - max(c.start_pos, c.cached_until) // r) for c in chunks)
+        assert e.windows.shape[0] == want <= b.windows.shape[0]
+        live = b.dest != TRASH_PAGE * (PAGE // r)  # the bound's padding windows go to the trash page
+        assert int(live.sum()) == want
+        assert torch.equal(e.windows, b.windows[:want]) and torch.equal(e.dest, b.dest[:want])
+        assert torch.equal(e.positions, b.positions[:want]) and torch.equal(e.carry_rows, b.carry_rows[:want])
+        assert torch.equal(e.buf_rows, b.buf_rows)
+        # prev indexes [carries of all slots ; the step's M windows ; empty]: empty moves with M
+        carries, m_bound = (SLOTS + 1) * buffer_windows(r, 0), b.windows.shape[0]
+        expected_prev = torch.where(b.prev == carries + m_bound, carries + want, b.prev)[:want]
+        assert torch.equal(e.prev, expected_prev)
+
+
+def test_padded_steps_keep_the_fixed_shape():
+    chunks = _chunks(3)
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    inputs = bufs.prepare(chunks, [], None, num_tokens=sum(c.num_tokens for c in chunks) + 3)
+    assert inputs.spans is None and inputs.windows_closed(4) is None
+    md = build_metadata(inputs, 8, [4], PAGE, SLOTS, TRASH_PAGE)
+    t, n = inputs.num_tokens, inputs.num_reqs
+    assert md.plans[4].windows.shape[0] == min(t, t // 4 + n)
