@@ -108,6 +108,20 @@ class _Builder:
             self.add(f"{p}hc_{site}_base", "F32", (2 + N) * N)
             self.add(f"{p}hc_{site}_scale", "F32", 3)
 
+    def dspark_ends(self, stages: int, targets: int, rank: int, confidence: str) -> str:
+        """The DSpark drafter's first-stage input (``main_proj`` over ``targets`` hidden states,
+        ``main_norm``) and its last stage's norm, Markov head and confidence head (named
+        ``confidence``); returns the last stage's prefix."""
+        d, v = self.c["hidden_size"], self.c["vocab_size"]
+        self.add("mtp.0.main_proj.weight", "BF16", d, targets * d)
+        self.add("mtp.0.main_norm.weight", "BF16", d)
+        last = f"mtp.{stages - 1}."
+        self.add(last + "norm.weight", "BF16", d)
+        self.add(last + "markov_head.embed.weight", "BF16", v, rank)
+        self.add(last + "markov_head.head.weight", "F32", v, rank)
+        self.add(last + confidence, "F32", 1, d + rank)
+        return last
+
     def hc_head(self, p: str) -> None:
         D, N = self.c["hidden_size"], self.c["hc_mult"]
         self.add(p + "hc_head_fn", "F32", N, N * D)
@@ -178,18 +192,12 @@ def v4_dspark_inventory(config: dict[str, Any]) -> Inventory:
     """A DeepSeek-V4 checkpoint whose ``mtp.*`` are DSpark block-drafter stages (V4-Flash-0731)."""
     b = v4_main(config)
     c = b.c
-    D, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    L = c["num_hidden_layers"]
     r, ids = c["dspark_markov_rank"], c["dspark_target_layer_ids"]
     stages = len(c["compress_ratios"]) - L
     for j in range(stages):
         b.v4_layer(f"mtp.{j}.", c["compress_ratios"][L + j], hash_layer=False)
-    b.add("mtp.0.main_proj.weight", "BF16", D, len(ids) * D)
-    b.add("mtp.0.main_norm.weight", "BF16", D)
-    last = f"mtp.{stages - 1}."
-    b.add(last + "norm.weight", "BF16", D)
-    b.add(last + "markov_head.embed.weight", "BF16", V, r)
-    b.add(last + "markov_head.head.weight", "F32", V, r)
-    b.add(last + "confidence_head.proj.weight", "F32", 1, D + r)
+    last = b.dspark_ends(stages, len(ids), r, "confidence_head.proj.weight")
     b.hc_head(last)
     return b.inv
 
@@ -200,7 +208,7 @@ def v41_inventory(config: dict[str, Any]) -> Inventory:
     stand-in tensor for each part the text model does not serve."""
     b = _Builder(config)
     c = b.c
-    D, V, N, L = c["hidden_size"], c["vocab_size"], c["hc_mult"], c["num_hidden_layers"]
+    D, N, L = c["hidden_size"], c["hc_mult"], c["num_hidden_layers"]
     hd, ql, ih, ihd = c["head_dim"], c["q_lora_rank"], c["index_n_heads"], c["index_head_dim"]
     ratios, kv, ix = c["compress_ratios"], c["kv_source_layer_ids"], c["index_source_layer_ids"]
     b.top(hc_head=False)
@@ -239,13 +247,7 @@ def v41_inventory(config: dict[str, Any]) -> Inventory:
         b.attention(p + "attn.")
         b.moe(p + "ffn.", c["dspark_n_routed_experts"], image=True)
         b.block_rest(p)
-    b.add("mtp.0.main_proj.weight", "BF16", D, len(c["dspark_target_layer_ids"]) * D)
-    b.add("mtp.0.main_norm.weight", "BF16", D)
-    last = f"mtp.{m - 1}."
-    b.add(last + "norm.weight", "BF16", D)
-    b.add(last + "markov_head.embed.weight", "BF16", V, r)
-    b.add(last + "markov_head.head.weight", "F32", V, r)
-    b.add(last + "confidence_head.weight", "F32", 1, D + r)
+    b.dspark_ends(m, len(c["dspark_target_layer_ids"]), r, "confidence_head.weight")
     vision = config.get("vision_config") or {}
     b.add(
         "vision.blocks.0.attn.qkv.weight",
