@@ -43,10 +43,11 @@ class StepInputs:
         prev_tokens: the previous step's sampled tokens on the device (or ``None``).
         num_tokens, num_reqs: ``T`` and ``R`` (static ints, padding included).
         max_end: a static bound on ``start + len`` over the requests (shapes of entry lists).
-        spans: per request, ``(max(start, cached), start + len)`` on the host, for an unpadded
+        spans: per request, ``(start, cached, start + len)`` on the host, for an unpadded
             step (its shapes may follow the values: e.g. exactly the compressor windows the
-            step closes); ``None`` for a padded, fixed-shape step (graphs), whose shapes may
-            depend only on ``num_tokens`` and ``num_reqs``.
+            step closes, and it may leave out work none of its requests needs); ``None`` for a
+            padded, fixed-shape step (graphs), whose shapes may depend only on ``num_tokens``
+            and ``num_reqs``.
     """
 
     input_ids: torch.Tensor
@@ -57,14 +58,21 @@ class StepInputs:
     num_tokens: int
     num_reqs: int
     max_end: int
-    spans: list[tuple[int, int]] | None = None
+    spans: list[tuple[int, int, int]] | None = None
 
     def windows_closed(self, ratio: int) -> int | None:
         """How many windows of ``ratio`` tokens the step's requests close (each request's from
         its first uncached position on), or ``None`` for a fixed-shape step (see ``spans``)."""
         if self.spans is None:
             return None
-        return sum(max(0, end // ratio - begin // ratio) for begin, end in self.spans)
+        return sum(max(0, end // ratio - max(start, cached) // ratio) for start, cached, end in self.spans)
+
+    def num_resuming(self) -> int | None:
+        """How many requests reach their prefix-cache boundary this step (``start < cached <=
+        end``: state kept per page is restored there), or ``None`` for a fixed-shape step."""
+        if self.spans is None:
+            return None
+        return sum(start < cached <= end for start, cached, end in self.spans)
 
 
 class StepInputBuffers:
@@ -159,7 +167,7 @@ class StepInputBuffers:
             req[name] = dev[base + i * r : base + (i + 1) * r]
         ends = [c.end_pos for c in chunks] + [t - real_t]
         fixed_shape = num_tokens is not None or num_reqs is not None or max_end is not None
-        spans = None if fixed_shape else [(max(c.start_pos, c.cached_until), c.end_pos) for c in chunks]
+        spans = None if fixed_shape else [(c.start_pos, c.cached_until, c.end_pos) for c in chunks]
         return StepInputs(
             input_ids=dev[:t],
             req=req,

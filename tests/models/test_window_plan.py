@@ -23,7 +23,8 @@ def _chunks(seed: int) -> list[SeqChunk]:
     for slot in range(rng.randint(1, SLOTS)):
         start = rng.choice([0, rng.randint(0, 150)])
         n = rng.choice([1, 1, rng.randint(1, 40)])
-        cached = rng.choice([0, (start // PAGE) * PAGE])
+        # cached: none, a boundary already behind the chunk, or one it reaches (a prefix hit's replay)
+        cached = rng.choice([0, (start // PAGE) * PAGE, ((start + n) // PAGE) * PAGE])
         pages = list(range(slot * PAGES, slot * PAGES + -(-(start + n) // PAGE)))
         chunks.append(SeqChunk(slot, [5] * n, start, pages, cached_until=cached))
     return chunks
@@ -49,6 +50,18 @@ def test_unpadded_steps_plan_exactly_the_closed_windows(seed: int):
         carries, m_bound = (SLOTS + 1) * buffer_windows(r, 0), b.windows.shape[0]
         expected_prev = torch.where(b.prev == carries + m_bound, carries + want, b.prev)[:want]
         assert torch.equal(e.prev, expected_prev)
+        # what the host knows is not needed is left out: restores when no chunk reaches its
+        # cached boundary, page-end snapshots when no closed window ends a page
+        resuming = any(c.start_pos < c.cached_until <= c.end_pos for c in chunks)
+        assert (e.restore_rows is not None) == resuming == (e.restore_page is not None)
+        if resuming:
+            assert torch.equal(e.restore_rows, b.restore_rows) and torch.equal(e.restore_page, b.restore_page)
+        else:  # the bound's restores all go to the trash slot
+            assert bool((b.restore_rows == SLOTS * buffer_windows(r, 0)).all())
+        page_ends = int((b.snap_page != TRASH_PAGE).sum())
+        assert (e.snap_page is not None) == (page_ends > 0)
+        if page_ends:
+            assert torch.equal(e.snap_page, b.snap_page[:want])
 
 
 def test_padded_steps_keep_the_fixed_shape():

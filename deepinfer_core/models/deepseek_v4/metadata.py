@@ -64,7 +64,9 @@ class WindowPlan:
     a request's ``cached`` boundary are skipped (their entries are cached);
     ``restore_rows``/``restore_page`` load the overlap carry at that boundary from the page
     snapshot into carry row ``slot*nb + (cached//r - 1) % nb``; ``snap_page`` saves the
-    carry of each window that ends a page.
+    carry of each window that ends a page.  An unpadded step leaves out what the host knows
+    it does not need: ``restore_*`` are ``None`` when no request reaches its boundary,
+    ``snap_page`` when no window ends a page (a fixed-shape step always has all of them).
     """
 
     ratio: int
@@ -75,9 +77,9 @@ class WindowPlan:
     carry_rows: torch.Tensor
     buf_rows: torch.Tensor
     entries: PagedIndex
-    restore_rows: torch.Tensor
-    restore_page: torch.Tensor
-    snap_page: torch.Tensor
+    restore_rows: torch.Tensor | None
+    restore_page: torch.Tensor | None
+    snap_page: torch.Tensor | None
 
 
 @dataclass
@@ -247,46 +249,10 @@ def _window_plan(
     n_req, t = inputs.num_reqs, inputs.num_tokens
     epp = page_size // r  # entries per page
     trash = num_slots
-    # windows closed this step: exactly those of an unpadded step (counted on the host); a
-    # fixed-shape step's bound: at most one per r tokens of a request, plus one per request
-    closed = inputs.windows_closed(r)
-    m_max = min(t, t // r + n_req) if closed is None else closed
-    w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
-    m = (end // r - w0).clamp(min=0)
-    cum = torch.cumsum(m, 0)
-    first = cum - m
-    k = torch.arange(m_max, device=dev)
-    win_req = torch.searchsorted(cum, k, right=True).clamp_(max=max(n_req - 1, 0))
-    live = k < cum[-1] if n_req else torch.zeros_like(k, dtype=torch.bool)
-    j = k - first[win_req]
-    w = torch.where(live, w0[win_req] + j, 0)
-    q = w[:, None] * r + torch.arange(r, device=dev)
-    win_slot, win_start = slot[win_req][:, None], start[win_req][:, None]
-    from_buf = q < win_start
     span = nb * r  # buffer rows per slot
-    windows = torch.where(
-        from_buf,
-        win_slot * span + q % span,
-        (num_slots + 1) * span + offset[win_req][:, None] + q - win_start,
-    )
-    windows = torch.where(live[:, None], windows, 0)
-    carries = (num_slots + 1) * nb
-    empty = carries + m_max
-    prev_carry = slot[win_req] * nb + (w - 1) % nb
-    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
-    page = tables[win_req, (w * r) // page_size]
-    dest = torch.where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
-    # the last nb windows each request closes keep their carry (distinct rows w % nb)
-    saved = live & (j >= m[win_req] - nb)
-    carry_rows = torch.where(saved, slot[win_req] * nb + w % nb, trash * nb)
     # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows)
     tail = (pos >= (end[tok_req] // r - nb + 1) * r) & (pos >= cached[tok_req])
     buf_rows = torch.where(tail, slot[tok_req], trash) * span + pos % span
-    restore = (start < cached) & (cached <= end)
-    restore_page = tables.gather(1, ((cached - 1).clamp(min=0) // page_size)[:, None]).squeeze(1)
-    restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
-    snap = live & ((w + 1) * r % page_size == 0)
-    snap_page = torch.where(snap, page, trash_page)
     entries = PagedIndex(
         block_table=tables,
         token_rows=tok_req,
@@ -294,6 +260,56 @@ def _window_plan(
         entries_per_page=epp,
         max_count=inputs.max_end // r,
     )
+    # prefix hits: the carry at a request's cached boundary comes back from the page snapshot
+    # (an unpadded step knows on the host whether any request gets there)
+    restore_rows = restore_page = None
+    if inputs.num_resuming() != 0:
+        restore = (start < cached) & (cached <= end)
+        page_at = tables.gather(1, ((cached - 1).clamp(min=0) // page_size)[:, None]).squeeze(1)
+        restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
+        restore_page = torch.where(restore, page_at, trash_page)
+    # windows closed this step: exactly those of an unpadded step (counted on the host), all
+    # live; a fixed-shape step's bound (at most one per r tokens of a request, plus one per
+    # request), whose windows past the closed ones are padding (``live`` false)
+    closed = inputs.windows_closed(r)
+    m_max = min(t, t // r + n_req) if closed is None else closed
+    if m_max == 0:  # no window closes: nothing to compress
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return WindowPlan(
+            r, none.view(0, r), none, none, none, none, buf_rows, entries, restore_rows, restore_page, None
+        )
+    w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
+    m = (end // r - w0).clamp(min=0)
+    cum = torch.cumsum(m, 0)
+    first = cum - m
+    k = torch.arange(m_max, device=dev)
+    win_req = torch.searchsorted(cum, k, right=True).clamp_(max=max(n_req - 1, 0))
+    live = None if closed is not None else k < cum[-1] if n_req else torch.zeros_like(k, dtype=torch.bool)
+    j = k - first[win_req]
+    w = _where(live, w0[win_req] + j, 0)
+    q = w[:, None] * r + torch.arange(r, device=dev)
+    win_slot, win_start = slot[win_req][:, None], start[win_req][:, None]
+    from_buf = q < win_start
+    windows = torch.where(
+        from_buf,
+        win_slot * span + q % span,
+        (num_slots + 1) * span + offset[win_req][:, None] + q - win_start,
+    )
+    windows = _where(None if live is None else live[:, None], windows, 0)
+    carries = (num_slots + 1) * nb
+    empty = carries + m_max
+    prev_carry = slot[win_req] * nb + (w - 1) % nb
+    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
+    page = tables[win_req, (w * r) // page_size]
+    dest = _where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
+    # the last nb windows each request closes keep their carry (distinct rows w % nb)
+    saved = _and(live, j >= m[win_req] - nb)
+    carry_rows = torch.where(saved, slot[win_req] * nb + w % nb, trash * nb)
+    # the carry of each window that ends a page is snapshot (page_size is a multiple of r, so
+    # an unpadded step closes as many such windows as it closes pages)
+    snap_page = None
+    if closed is None or inputs.windows_closed(page_size):
+        snap_page = torch.where(_and(live, (w + 1) * r % page_size == 0), page, trash_page)
     return WindowPlan(
         ratio=r,
         windows=windows,
@@ -304,6 +320,16 @@ def _window_plan(
         buf_rows=buf_rows,
         entries=entries,
         restore_rows=restore_rows,
-        restore_page=torch.where(restore, restore_page, trash_page),
+        restore_page=restore_page,
         snap_page=snap_page,
     )
+
+
+def _where(mask: torch.Tensor | None, x: torch.Tensor, other: int) -> torch.Tensor:
+    """``x`` where ``mask`` (``None``: everywhere), else ``other``."""
+    return x if mask is None else torch.where(mask, x, other)
+
+
+def _and(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``mask & x`` (``None``: ``x``)."""
+    return x if mask is None else mask & x
