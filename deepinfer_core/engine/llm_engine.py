@@ -616,10 +616,11 @@ class LLMEngine:
                 return _Launched(sched, logits.new_empty(0), [], t0, verified)
             self.spec.record_without_drafts(sched)
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
-        batch = SamplingBatch.from_requests(sched.sampling_requests, self.eos_token_ids, positions)
-        self.structured.apply(batch, sched.sampling_requests, masks)
-        if any(r.logits_processors for r in sched.sampling_requests):
-            logits = self._apply_processors(logits.float(), list(sched.sampling_requests))
+        requests = sched.sampling_requests
+        batch = SamplingBatch.from_requests(requests, self.eos_token_ids, positions)
+        self.structured.apply(batch, requests, masks)
+        if any(r.logits_processors for r in requests):
+            logits = self._apply_processors(logits.float(), list(requests))
         sampled = self.sampler(logits, batch)
         return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
 

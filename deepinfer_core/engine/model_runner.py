@@ -681,9 +681,12 @@ def sample_rows(chunks: list[SeqChunk]) -> list[int]:
     ``1 + num_draft`` rows (the verified positions) of the other sampling chunks, in chunk
     order."""
     rows: list[int] = []
-    offset = 0
+    end = 0
     for c in chunks:
+        end += len(c.token_ids)
         n = c.num_logit_rows
-        rows.extend(range(offset + c.num_tokens - n, offset + c.num_tokens))
-        offset += c.num_tokens
+        if n == 1:  # a decode or a prompt's last chunk
+            rows.append(end - 1)
+        elif n:
+            rows.extend(range(end - n, end))
     return rows

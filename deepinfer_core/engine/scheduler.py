@@ -139,9 +139,15 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        active = [r for r in self.running if not r.will_finish_by_length(self.max_model_len)]
-        decoding = [r for r in active if r.num_uncomputed_tokens == 1]
-        prefilling = [r for r in active if r.num_uncomputed_tokens > 1]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for r in self.running:
+            if not r.will_finish_by_length(self.max_model_len):
+                uncomputed = r.num_uncomputed_tokens
+                if uncomputed == 1:
+                    decoding.append(r)
+                elif uncomputed > 1:
+                    prefilling.append(r)
         for req in decoding + prefilling:
             if budget <= 0:
                 break
@@ -251,9 +257,10 @@ class Scheduler:
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
         start, end = req.num_computed_tokens, req.num_computed_tokens + n
-        known = min(end, req.num_tokens)
+        num_tokens = req.num_tokens
+        known = min(end, num_tokens)
         # beyond the known tokens: draft tokens to verify, or (async) the unprocessed sampled one
-        drafts = req.draft_token_ids = req.draft_token_ids[: end - known] if known == req.num_tokens else []
+        drafts = req.draft_token_ids = req.draft_token_ids[: end - known] if known == num_tokens else []
         pending = end - known - len(drafts)
         assert req.seq_slot is not None and pending <= req.num_pending
         out.chunks.append(
@@ -262,7 +269,7 @@ class Scheduler:
                 token_ids=req.token_slice(start, known) + [0] * pending + drafts,
                 start_pos=start,
                 block_table=list(req.block_table),
-                sample=end == req.num_tokens + req.num_pending + len(drafts),
+                sample=end == num_tokens + req.num_pending + len(drafts),
                 num_draft=len(drafts),
                 all_logits=req.needs_prompt_logits(start, end),
                 window_from=req.window_from,

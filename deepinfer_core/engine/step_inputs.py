@@ -16,6 +16,7 @@ row points at the trash page, so every write they cause lands in rows no request
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +44,11 @@ class StepInputs:
         prev_tokens: the previous step's sampled tokens on the device (or ``None``).
         num_tokens, num_reqs: ``T`` and ``R`` (static ints, padding included).
         max_end: a static bound on ``start + len`` over the requests (shapes of entry lists).
-        spans: per request, ``(max(start, cached), start + len)`` on the host, for an unpadded
+        spans: per request, ``(start, cached, start + len)`` on the host, for an unpadded
             step (its shapes may follow the values: e.g. exactly the compressor windows the
-            step closes); ``None`` for a padded, fixed-shape step (graphs), whose shapes may
-            depend only on ``num_tokens`` and ``num_reqs``.
+            step closes, and it may leave out work none of its requests needs); ``None`` for a
+            padded, fixed-shape step (graphs), whose shapes may depend only on ``num_tokens``
+            and ``num_reqs``.
     """
 
     input_ids: torch.Tensor
@@ -57,14 +59,33 @@ class StepInputs:
     num_tokens: int
     num_reqs: int
     max_end: int
-    spans: list[tuple[int, int]] | None = None
+    spans: list[tuple[int, int, int]] | None = None
 
     def windows_closed(self, ratio: int) -> int | None:
         """How many windows of ``ratio`` tokens the step's requests close (each request's from
         its first uncached position on), or ``None`` for a fixed-shape step (see ``spans``)."""
         if self.spans is None:
             return None
-        return sum(max(0, end // ratio - begin // ratio) for begin, end in self.spans)
+        return sum(max(0, end // ratio - max(start, cached) // ratio) for start, cached, end in self.spans)
+
+    def one_token_each(self) -> bool:
+        """Whether this is an unpadded step in which every request runs exactly one token (a
+        decode step): token ``i`` then belongs to request ``i``."""
+        return self.spans is not None and all(end - start == 1 for start, _, end in self.spans)
+
+    def num_replaying(self) -> int | None:
+        """How many requests compute positions below their prefix-cache boundary this step
+        (``start < cached``: a prefix hit's replay), or ``None`` for a fixed-shape step."""
+        if self.spans is None:
+            return None
+        return sum(start < cached for start, cached, _ in self.spans)
+
+    def num_resuming(self) -> int | None:
+        """How many requests reach their prefix-cache boundary this step (``start < cached <=
+        end``: state kept per page is restored there), or ``None`` for a fixed-shape step."""
+        if self.spans is None:
+            return None
+        return sum(start < cached <= end for start, cached, end in self.spans)
 
 
 class StepInputBuffers:
@@ -116,7 +137,8 @@ class StepInputBuffers:
         ``block_tables=False``: the step reads no page (a DSpark block), so the chunks' block
         tables are ignored and the device's are left as they are.
         """
-        real_t = sum(c.num_tokens for c in chunks)
+        lens = [len(c.token_ids) for c in chunks]
+        real_t = sum(lens)
         t = real_t if num_tokens is None else num_tokens
         r = len(chunks) + (t > real_t) if num_reqs is None else num_reqs
         if t > self.max_tokens or r > self.max_reqs or t < real_t or r < len(chunks) + (t > real_t):
@@ -129,14 +151,15 @@ class StepInputBuffers:
         ids = host[:t]
         fields = host[t : t + len(REQ_FIELDS) * r].reshape(len(REQ_FIELDS), r)
         rows = host[t + len(REQ_FIELDS) * r : t + len(REQ_FIELDS) * r + len(sample_rows)]
-        k = 0
-        for c in chunks:
-            ids[k : k + c.num_tokens] = c.token_ids
-            k += c.num_tokens
-        ids[k:] = 0
+        ids[:real_t] = np.fromiter(
+            itertools.chain.from_iterable(c.token_ids for c in chunks), np.int64, real_t
+        )
+        ids[real_t:] = 0
         n = len(chunks)
+        # one pass over the chunks for everything per request (a decode step has one per slot)
         per_chunk = [
-            [c.seq_slot, c.start_pos, c.num_tokens, c.cached_until, c.window_from, c.prev_row] for c in chunks
+            (c.seq_slot, c.start_pos, m, c.cached_until, c.window_from, c.prev_row)
+            for c, m in zip(chunks, lens, strict=True)
         ]
         fields[:, :n] = np.array(per_chunk, dtype=np.int64).reshape(n, len(REQ_FIELDS)).T
         fields[:, n:] = 0
@@ -157,9 +180,10 @@ class StepInputBuffers:
         req = {}
         for i, name in enumerate(REQ_FIELDS):
             req[name] = dev[base + i * r : base + (i + 1) * r]
-        ends = [c.end_pos for c in chunks] + [t - real_t]
         fixed_shape = num_tokens is not None or num_reqs is not None or max_end is not None
-        spans = None if fixed_shape else [(max(c.start_pos, c.cached_until), c.end_pos) for c in chunks]
+        spans = None if fixed_shape else [(p[1], p[3], p[1] + p[2]) for p in per_chunk]
+        if max_end is None:
+            max_end = max([p[1] + p[2] for p in per_chunk] + [t - real_t])
         return StepInputs(
             input_ids=dev[:t],
             req=req,
@@ -168,7 +192,7 @@ class StepInputBuffers:
             prev_tokens=prev_tokens,
             num_tokens=t,
             num_reqs=r,
-            max_end=max(ends) if max_end is None else max_end,
+            max_end=max_end,
             spans=spans,
         )
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .cast import cast
 from .kv_blockscaled import BlockScaledKVPool
 from .kv_format import Fp8KVPool, KVPool, PackedKVPool
 from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row_padded
@@ -50,12 +51,18 @@ class PagedIndex:
     max_count: int
 
     def rows(self) -> torch.Tensor:
-        """The explicit ``[T, max_count]`` pool rows (``-1`` past each query's count)."""
-        e = torch.arange(self.max_count, device=self.counts.device)
-        cols = (e // self.entries_per_page).clamp(max=self.block_table.shape[1] - 1)
-        pages = self.block_table.index_select(0, self.token_rows).index_select(1, cols)
-        rows = pages * self.entries_per_page + e % self.entries_per_page
-        return torch.where(e[None, :] < self.counts[:, None], rows, -1)
+        """The explicit ``[T, max_count]`` pool rows (``-1`` past each query's count); computed
+        once per index (the layers of a step that share an index share its rows).  Not to be
+        modified in place."""
+        rows = self.__dict__.get("_rows")
+        if rows is None:
+            e = torch.arange(self.max_count, device=self.counts.device)
+            cols = (e // self.entries_per_page).clamp(max=self.block_table.shape[1] - 1)
+            pages = self.block_table.index_select(0, self.token_rows).index_select(1, cols)
+            rows = pages * self.entries_per_page + e % self.entries_per_page
+            rows = torch.where(e.unsqueeze(0) < self.counts.unsqueeze(1), rows, -1)
+            object.__setattr__(self, "_rows", rows)  # a cache beside the (frozen) fields
+        return rows
 
     def select(self, rows: torch.Tensor) -> PagedIndex:
         """The index of the queries ``rows`` (for callers that pad or split the queries)."""
@@ -171,7 +178,7 @@ def sparse_attention(
     logits = torch.baddbmm(bias, q.float(), kv.transpose(1, 2), alpha=scale)  # [T, H, K]
     sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.bmm(probs, kv).to(q.dtype)
+    return cast(torch.bmm(probs, kv), q.dtype)
 
 
 def _sparse_attention_blocked(
@@ -215,7 +222,7 @@ def _sparse_attention_blocked(
         den = den * alpha + p.sum(dim=-1, keepdim=True)
         acc = acc * alpha + torch.bmm(p, kv[b])
         m = m_new
-    return (acc / den).to(q.dtype)
+    return cast(acc / den, q.dtype)
 
 
 def _pool_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
@@ -238,7 +245,7 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         ``[M, D]`` in kv's dtype: ``sum_l softmax_l(gate)[l] * kv[l]`` per channel, the
         softmax in fp32 and cast to kv's dtype before the weighted sum.
     """
-    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    return (kv * cast(gate.softmax(dim=1, dtype=torch.float32), kv.dtype)).sum(dim=1)
 
 
 def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:

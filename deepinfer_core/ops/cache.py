@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ._cases import randn
+from .cast import cast
 from .kv_blockscaled import BlockScaledKVPool
 from .kv_format import Fp8KVPool, KVPool, PackedKVPool
 from .registry import define_op
@@ -66,4 +67,4 @@ def cache_write(cache: KVPool, rows: torch.Tensor, values: torch.Tensor) -> KVPo
     if isinstance(cache, PackedKVPool):
         cache.data.index_copy_(0, rows, cache.quantize(values))
         return cache
-    return cache.index_copy_(0, rows, values.to(cache.dtype))
+    return cache.index_copy_(0, rows, cast(values, cache.dtype))

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .cast import cast
 from .modes import batch_invariant_enabled, row_padded, tiled_linear
 from .registry import define_op
 
@@ -69,7 +70,7 @@ def hc_pre(
     post = post.add_(post)  # 2*sigmoid, exactly
     comb = torch.addcmul(comb_b.view(n, n, 1), comb_w.view(n, n, t), comb_s)
     comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, eps)
-    collapsed = (pre.t().unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    collapsed = cast((pre.t().unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
     return post.t(), comb, collapsed
 
 
@@ -101,10 +102,11 @@ def _sinkhorn(c: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
     a[:n, :n] = c
     block, with_eps_col, with_eps_row = a[:n, :n], a[:n], a[:, :n]
     rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
-    block.div_(torch.sum(with_eps_row, dim=0, keepdim=True, out=cols))
+    total, divide = torch.sum, block.div_  # bound once: the loop is all call overhead
+    divide(total(with_eps_row, 0, True, out=cols))
     for _ in range(iters - 1):
-        block.div_(torch.sum(with_eps_col, dim=1, keepdim=True, out=rows))
-        block.div_(torch.sum(with_eps_row, dim=0, keepdim=True, out=cols))
+        divide(total(with_eps_col, 1, True, out=rows))
+        divide(total(with_eps_row, 0, True, out=cols))
     return block.permute(2, 0, 1).contiguous()
 
 
@@ -139,8 +141,8 @@ def hc_post(
         ``[T, N, D]``: ``post_n * block_out + sum_j comb[j, n] * streams_j`` (in streams.dtype).
     """
     dtype = streams.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
-    return torch.addcmul(mixed, post.to(dtype).unsqueeze(-1), block_out.unsqueeze(-2))
+    mixed = torch.matmul(cast(comb, dtype).transpose(-1, -2), streams)
+    return torch.addcmul(mixed, cast(post, dtype).unsqueeze(-1), block_out.unsqueeze(-2))
 
 
 def _hc_head_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
@@ -184,4 +186,4 @@ def hc_head(
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     linear = tiled_linear if batch_invariant_enabled() else F.linear
     pre = torch.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return cast((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from ._cases import randn, randn_fp4
+from .cast import cast
 from .modes import ROW_TILE, batch_invariant_enabled, mode_matmul, row_padded
 from .registry import define_op
 
@@ -272,7 +273,7 @@ def _experts_dense(
     h = F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)  # [T, E, I]
     y = torch.bmm(h.transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
     dense_w = weights.new_zeros(t, e).scatter_add_(1, ids, weights)  # duplicate ids add up
-    return (y * dense_w.t().unsqueeze(-1).to(y.dtype)).sum(dim=0).to(x.dtype)
+    return cast((y * cast(dense_w.t().unsqueeze(-1), y.dtype)).sum(dim=0), x.dtype)
 
 
 def _experts_dense_chunked(

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ._cases import randn
+from .cast import cast
 from .modes import row_padded
 from .registry import define_op
 
@@ -37,4 +38,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         if x.dtype == torch.float32:  # same math, one fused op
             return F.rms_norm(x, (x.shape[-1],), None, eps)
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return cast(F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps), x.dtype)

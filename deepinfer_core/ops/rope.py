@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._cases import randn
+from .cast import cast
 from .modes import row_padded
 from .registry import define_op
 
@@ -30,8 +31,8 @@ def rope_cos_sin(
     Returns:
         ``(cos, sin)``, each ``[T, R/2]`` in ``dtype``: ``cos(pos*inv_freq)*scale``.
     """
-    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(torch.float32)
-    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+    freqs = positions.to(torch.float32).unsqueeze(1) * cast(inv_freq, torch.float32)
+    return cast(freqs.cos() * scale, dtype), cast(freqs.sin() * scale, dtype)
 
 
 def _rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
@@ -62,4 +63,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     nope, rope = x[..., : -2 * half], x[..., -2 * half :]
     # pairs (2i, 2i+1) as complex numbers: (a+ib)(c+is) = (ac-bs) + i(as+bc)
     rotated = torch.view_as_real(torch.view_as_complex(rope.float().unflatten(-1, (half, 2))) * cis)
-    return torch.cat([nope, rotated.flatten(-2).to(x.dtype)], dim=-1)
+    return torch.cat([nope, cast(rotated.flatten(-2), x.dtype)], dim=-1)

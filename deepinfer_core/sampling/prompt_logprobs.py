@@ -40,7 +40,10 @@ def logit_rows(chunks: Sequence[SeqChunk]) -> tuple[list[int], list[int | None]]
         first_rows.append(row if c.all_logits else None)
         row += c.num_logit_rows
         if c.sample:
-            sample_rows.extend(range(row - 1 - c.num_draft, row))
+            if c.num_draft:
+                sample_rows.extend(range(row - 1 - c.num_draft, row))
+            else:
+                sample_rows.append(row - 1)
     return sample_rows, first_rows
 
 

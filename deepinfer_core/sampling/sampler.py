@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, overload
 
@@ -358,6 +358,9 @@ class Logprobs(Sequence["dict[int, float] | None"]):
 
     def __len__(self) -> int:
         return self._num_rows
+
+    def __iter__(self) -> Iterator[dict[int, float] | None]:
+        return iter(self._materialize())  # not one __getitem__ per row (the Sequence default)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Logprobs):

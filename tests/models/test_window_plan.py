@@ -23,7 +23,11 @@ def _chunks(seed: int) -> list[SeqChunk]:
     for slot in range(rng.randint(1, SLOTS)):
         start = rng.choice([0, rng.randint(0, 150)])
         n = rng.choice([1, 1, rng.randint(1, 40)])
-        cached = rng.choice([0, (start // PAGE) * PAGE])
+        # cached: none, a boundary already behind the chunk, one it reaches (a prefix hit's replay)
+        # or one beyond it (a replay chunked before the boundary)
+        cached = rng.choice(
+            [0, (start // PAGE) * PAGE, ((start + n) // PAGE) * PAGE, ((start + n) // PAGE + 1) * PAGE]
+        )
         pages = list(range(slot * PAGES, slot * PAGES + -(-(start + n) // PAGE)))
         chunks.append(SeqChunk(slot, [5] * n, start, pages, cached_until=cached))
     return chunks
@@ -49,6 +53,18 @@ def test_unpadded_steps_plan_exactly_the_closed_windows(seed: int):
         carries, m_bound = (SLOTS + 1) * buffer_windows(r, 0), b.windows.shape[0]
         expected_prev = torch.where(b.prev == carries + m_bound, carries + want, b.prev)[:want]
         assert torch.equal(e.prev, expected_prev)
+        # what the host knows is not needed is left out: restores when no chunk reaches its
+        # cached boundary, page-end snapshots when no closed window ends a page
+        resuming = any(c.start_pos < c.cached_until <= c.end_pos for c in chunks)
+        assert (e.restore_rows is not None) == resuming == (e.restore_page is not None)
+        if resuming:
+            assert torch.equal(e.restore_rows, b.restore_rows) and torch.equal(e.restore_page, b.restore_page)
+        else:  # the bound's restores all go to the trash slot
+            assert bool((b.restore_rows == SLOTS * buffer_windows(r, 0)).all())
+        page_ends = int((b.snap_page != TRASH_PAGE).sum())
+        assert (e.snap_page is not None) == (page_ends > 0)
+        if page_ends:
+            assert torch.equal(e.snap_page, b.snap_page[:want])
 
 
 def test_padded_steps_keep_the_fixed_shape():
@@ -59,3 +75,28 @@ def test_padded_steps_keep_the_fixed_shape():
     md = build_metadata(inputs, 8, [4], PAGE, SLOTS, TRASH_PAGE)
     t, n = inputs.num_tokens, inputs.num_reqs
     assert md.plans[4].windows.shape[0] == min(t, t // 4 + n)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("decode", [False, True])
+def test_unpadded_per_token_plans_equal_the_fixed_shape_ones(seed: int, decode: bool):
+    """What an unpadded step skips on the host's word (a decode step's token-to-request gathers,
+    the cached-boundary mask when no request replays) leaves every per-token plan as it is."""
+    chunks = _chunks(seed)
+    if decode:  # one token each, at its request's next position
+        chunks = [
+            SeqChunk(c.seq_slot, [5], c.end_pos, c.block_table, cached_until=c.cached_until) for c in chunks
+        ]
+        chunks = [c for c in chunks if len(c.block_table) * PAGE >= c.end_pos] or chunks[:0]
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    inputs = bufs.prepare(chunks, [], None)
+    assert inputs.one_token_each() == all(c.num_tokens == 1 for c in chunks)
+    exact = build_metadata(inputs, 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    general = build_metadata(replace(inputs, spans=None), 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    for name in ("input_ids", "positions", "window_ring", "window_chunk", "ring_rows", "real_tokens"):
+        assert torch.equal(getattr(exact, name), getattr(general, name)), name
+    for r in (4, 16):
+        e, g = exact.plans[r], general.plans[r]
+        assert torch.equal(e.buf_rows, g.buf_rows)
+        assert torch.equal(e.entries.token_rows, g.entries.token_rows)
+        assert torch.equal(e.entries.counts, g.entries.counts)

@@ -101,12 +101,13 @@ class Compressor:
         buf_gate = cache_get(n + ".buf_gate").view(-1, self.width)
         d = self.dim
         carry = {}  # carry rows of all slots, [slots * nb, r, dim]
-        if self.overlap:  # prefix hit: resume at a page boundary (trash rows for the others)
+        if self.overlap:
             for name in ("carry_kv", "carry_gate"):
                 carry[name] = cache_get(f"{n}.{name}").view(-1, r, d)
-                snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
-                write(carry[name], plan.restore_rows, snapshot)
-        if plan.windows.shape[0]:  # a static shape: zero only when the step has no tokens
+                if plan.restore_rows is not None:  # prefix hit: resume at a page boundary
+                    snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
+                    write(carry[name], plan.restore_rows, snapshot)
+        if plan.windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
             stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, kv]))  # [M, r, C]
             stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, gate]))
             stage_gate = stage_gate.float() + self.bias
@@ -123,8 +124,8 @@ class Compressor:
                 for name, staged in (("carry_kv", stage_kv), ("carry_gate", stage_gate)):
                     first_half = staged[:, :, :d]
                     write(carry[name], plan.carry_rows, first_half)
-                    # the carry at each page end, for prefix hits
-                    write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
+                    if plan.snap_page is not None:  # the carry at each page end, for prefix hits
+                        write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
             else:
                 win_kv, win_gate = stage_kv, stage_gate
             inv_freq, scale = rope

@@ -40,6 +40,7 @@ import torch
 from deepinfer_core.distributed.context_parallel import CPPlan, plan_step
 from deepinfer_core.engine.step_inputs import StepInputs
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.cast import cast
 
 
 @dataclass
@@ -64,7 +65,9 @@ class WindowPlan:
     a request's ``cached`` boundary are skipped (their entries are cached);
     ``restore_rows``/``restore_page`` load the overlap carry at that boundary from the page
     snapshot into carry row ``slot*nb + (cached//r - 1) % nb``; ``snap_page`` saves the
-    carry of each window that ends a page.
+    carry of each window that ends a page.  An unpadded step leaves out what the host knows
+    it does not need: ``restore_*`` are ``None`` when no request reaches its boundary,
+    ``snap_page`` when no window ends a page (a fixed-shape step always has all of them).
     """
 
     ratio: int
@@ -75,9 +78,9 @@ class WindowPlan:
     carry_rows: torch.Tensor
     buf_rows: torch.Tensor
     entries: PagedIndex
-    restore_rows: torch.Tensor
-    restore_page: torch.Tensor
-    snap_page: torch.Tensor
+    restore_rows: torch.Tensor | None
+    restore_page: torch.Tensor | None
+    snap_page: torch.Tensor | None
 
 
 @dataclass
@@ -139,40 +142,53 @@ def build_metadata(
     dev = inputs.input_ids.device
     slot, start, length = req["slot"], req["start"], req["len"]
     end = start + length
-    cum = torch.cumsum(length, 0)
-    offset = cum - length
     tok = torch.arange(t, device=dev)
-    tok_req = torch.searchsorted(cum, tok, right=True).clamp_(max=max(r_ - 1, 0))
-    pos = start[tok_req] + tok - offset[tok_req]
+    if inputs.one_token_each():  # token i is request i's only one: no gathers
+        offset = tok_req = tok
+        pos = start
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    else:
+        cum = torch.cumsum(length, 0)
+        offset = cum - length
+        tok_req = torch.searchsorted(cum, tok, right=True).clamp_(max=max(r_ - 1, 0))
+
+        def per_token(x: torch.Tensor) -> torch.Tensor:
+            return x.index_select(0, tok_req)
+
+        pos = per_token(start) + tok - per_token(offset)
     ids = inputs.input_ids
     if inputs.prev_tokens is not None and inputs.prev_tokens.shape[0]:  # async: tokens on the device
         prev_row = req["prev_row"]
-        src = inputs.prev_tokens.index_select(0, prev_row.clamp(min=0)).to(ids.dtype)
+        src = cast(inputs.prev_tokens.index_select(0, prev_row.clamp(min=0)), ids.dtype)
         # requests without a pending token write to a scratch row t (distinct real targets)
         first = torch.where(prev_row >= 0, offset, t)
         ids = torch.cat([ids, ids.new_zeros(1)]).index_put_((first,), src)[:t]
 
     # sliding window: keys at positions pos-W+1 .. pos
-    slot_t, start_t, offset_t = slot[tok_req], start[tok_req], offset[tok_req]
-    kpos = pos[:, None] - (window - 1) + torch.arange(window, device=dev)
-    valid = kpos >= req["window_from"][tok_req][:, None]
-    in_chunk = kpos >= start_t[:, None]
+    slot_t, start_t, end_t = per_token(slot), per_token(start), per_token(end)
+    kpos = pos.unsqueeze(1) + torch.arange(1 - window, 1, device=dev)
+    valid = kpos >= per_token(req["window_from"]).unsqueeze(1)
+    in_chunk = kpos >= start_t.unsqueeze(1)
     none = torch.full_like(kpos, -1)
-    window_chunk = torch.where(valid & in_chunk, offset_t[:, None] + kpos - start_t[:, None], none)
+    window_chunk = torch.where(valid & in_chunk, kpos + (per_token(offset) - start_t).unsqueeze(1), none)
     rows = window + num_spec_tokens  # ring rows per slot: W + S
-    window_ring = torch.where(valid & ~in_chunk, slot_t[:, None] * rows + kpos % rows, none)
-    keep = pos >= end[tok_req] - rows  # a chunk's last W+S positions: distinct rows
-    ring_rows = torch.where(keep, slot_t, num_slots) * rows + pos % rows
+    # valid > in_chunk: a valid key not in the chunk
+    window_ring = torch.where(valid > in_chunk, slot_t.unsqueeze(1) * rows + kpos % rows, none)
+    # a chunk's last W+S positions leave their key in the ring (distinct rows); others, the trash slot's
+    ring_rows = slot_t.masked_fill(pos < end_t - rows, num_slots) * rows + pos % rows
 
     tables = inputs.block_tables.index_select(0, slot)  # [R, P]
+    token = _PerToken(tok_req, pos, slot_t, end_t, per_token(req["cached"]))
     plans = {
         r: _window_plan(
             r,
             buffer_windows(r, num_spec_tokens),
             inputs,
             tables,
-            pos,
-            tok_req,
+            token,
             offset,
             end,
             num_slots,
@@ -228,13 +244,24 @@ def with_context_parallel(
     return replace(md, cp=plan, local=local)
 
 
+@dataclass
+class _PerToken:
+    """The per-token values a window plan reads: each token's request row, position, and its
+    request's slot, end and cached boundary."""
+
+    req: torch.Tensor
+    pos: torch.Tensor
+    slot: torch.Tensor
+    end: torch.Tensor
+    cached: torch.Tensor
+
+
 def _window_plan(
     r: int,
     nb: int,
     inputs: StepInputs,
     tables: torch.Tensor,
-    pos: torch.Tensor,
-    tok_req: torch.Tensor,
+    token: _PerToken,
     offset: torch.Tensor,
     end: torch.Tensor,
     num_slots: int,
@@ -243,57 +270,78 @@ def _window_plan(
 ) -> WindowPlan:
     req = inputs.req
     slot, start, cached = req["slot"], req["start"], req["cached"]
+    pos = token.pos
     dev = pos.device
     n_req, t = inputs.num_reqs, inputs.num_tokens
     epp = page_size // r  # entries per page
     trash = num_slots
-    # windows closed this step: exactly those of an unpadded step (counted on the host); a
-    # fixed-shape step's bound: at most one per r tokens of a request, plus one per request
-    closed = inputs.windows_closed(r)
-    m_max = min(t, t // r + n_req) if closed is None else closed
-    w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
-    m = (end // r - w0).clamp(min=0)
-    cum = torch.cumsum(m, 0)
-    first = cum - m
-    k = torch.arange(m_max, device=dev)
-    win_req = torch.searchsorted(cum, k, right=True).clamp_(max=max(n_req - 1, 0))
-    live = k < cum[-1] if n_req else torch.zeros_like(k, dtype=torch.bool)
-    j = k - first[win_req]
-    w = torch.where(live, w0[win_req] + j, 0)
-    q = w[:, None] * r + torch.arange(r, device=dev)
-    win_slot, win_start = slot[win_req][:, None], start[win_req][:, None]
-    from_buf = q < win_start
     span = nb * r  # buffer rows per slot
-    windows = torch.where(
-        from_buf,
-        win_slot * span + q % span,
-        (num_slots + 1) * span + offset[win_req][:, None] + q - win_start,
-    )
-    windows = torch.where(live[:, None], windows, 0)
-    carries = (num_slots + 1) * nb
-    empty = carries + m_max
-    prev_carry = slot[win_req] * nb + (w - 1) % nb
-    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
-    page = tables[win_req, (w * r) // page_size]
-    dest = torch.where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
-    # the last nb windows each request closes keep their carry (distinct rows w % nb)
-    saved = live & (j >= m[win_req] - nb)
-    carry_rows = torch.where(saved, slot[win_req] * nb + w % nb, trash * nb)
-    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows)
-    tail = (pos >= (end[tok_req] // r - nb + 1) * r) & (pos >= cached[tok_req])
-    buf_rows = torch.where(tail, slot[tok_req], trash) * span + pos % span
-    restore = (start < cached) & (cached <= end)
-    restore_page = tables.gather(1, ((cached - 1).clamp(min=0) // page_size)[:, None]).squeeze(1)
-    restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
-    snap = live & ((w + 1) * r % page_size == 0)
-    snap_page = torch.where(snap, page, trash_page)
+    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows), not
+    # those below a prefix hit's cached boundary (an unpadded step knows whether there are any)
+    not_kept = pos < (token.end // r - nb + 1) * r
+    if inputs.num_replaying() != 0:
+        not_kept |= pos < token.cached
+    buf_rows = token.slot.masked_fill(not_kept, trash) * span + pos % span
     entries = PagedIndex(
         block_table=tables,
-        token_rows=tok_req,
+        token_rows=token.req,
         counts=(pos + 1) // r,
         entries_per_page=epp,
         max_count=inputs.max_end // r,
     )
+    # prefix hits: the carry at a request's cached boundary comes back from the page snapshot
+    # (an unpadded step knows on the host whether any request gets there)
+    restore_rows = restore_page = None
+    if inputs.num_resuming() != 0:
+        restore = (start < cached) & (cached <= end)
+        page_at = tables.gather(1, ((cached - 1).clamp(min=0) // page_size).unsqueeze(1)).squeeze(1)
+        restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
+        restore_page = torch.where(restore, page_at, trash_page)
+    # windows closed this step: exactly those of an unpadded step (counted on the host), all
+    # live; a fixed-shape step's bound (at most one per r tokens of a request, plus one per
+    # request), whose windows past the closed ones are padding (``live`` false)
+    closed = inputs.windows_closed(r)
+    m_max = min(t, t // r + n_req) if closed is None else closed
+    if m_max == 0:  # no window closes: nothing to compress
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return WindowPlan(
+            r, none.view(0, r), none, none, none, none, buf_rows, entries, restore_rows, restore_page, None
+        )
+    w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
+    m = (end // r - w0).clamp(min=0)
+    cum = torch.cumsum(m, 0)
+    k = torch.arange(m_max, device=dev)
+    win_req = torch.searchsorted(cum, k, right=True).clamp_(max=max(n_req - 1, 0))
+
+    def per_window(x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, win_req)
+
+    live = None if closed is not None else k < cum[-1] if n_req else torch.zeros_like(k, dtype=torch.bool)
+    j = k - per_window(cum - m)
+    w = _where(live, per_window(w0) + j, 0)
+    q = (w * r).unsqueeze(1) + torch.arange(r, device=dev)
+    win_slot, win_start = per_window(slot).unsqueeze(1), per_window(start).unsqueeze(1)
+    windows = torch.where(
+        q < win_start,
+        win_slot * span + q % span,
+        (num_slots + 1) * span + per_window(offset).unsqueeze(1) + q - win_start,
+    )
+    windows = _where(None if live is None else live.unsqueeze(1), windows, 0)
+    carries = (num_slots + 1) * nb
+    empty = carries + m_max
+    win_slot = win_slot.squeeze(1)
+    prev_carry = win_slot * nb + (w - 1) % nb
+    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
+    page = tables[win_req, (w * r) // page_size]
+    dest = _where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
+    # the last nb windows each request closes keep their carry (distinct rows w % nb)
+    saved = _and(live, j >= per_window(m) - nb)
+    carry_rows = torch.where(saved, win_slot * nb + w % nb, trash * nb)
+    # the carry of each window that ends a page is snapshot (page_size is a multiple of r, so
+    # an unpadded step closes as many such windows as it closes pages)
+    snap_page = None
+    if closed is None or inputs.windows_closed(page_size):
+        snap_page = torch.where(_and(live, (w + 1) * r % page_size == 0), page, trash_page)
     return WindowPlan(
         ratio=r,
         windows=windows,
@@ -304,6 +352,16 @@ def _window_plan(
         buf_rows=buf_rows,
         entries=entries,
         restore_rows=restore_rows,
-        restore_page=torch.where(restore, restore_page, trash_page),
+        restore_page=restore_page,
         snap_page=snap_page,
     )
+
+
+def _where(mask: torch.Tensor | None, x: torch.Tensor, other: int) -> torch.Tensor:
+    """``x`` where ``mask`` (``None``: everywhere), else ``other``."""
+    return x if mask is None else torch.where(mask, x, other)
+
+
+def _and(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``mask & x`` (``None``: ``x``)."""
+    return x if mask is None else mask & x

@@ -275,7 +275,7 @@ class Attention:
             buf_kv = cache.get(layer, "ckv.buf_kv").view(-1, self.head_dim)
             buf_gate = cache.get(layer, "ckv.buf_gate").view(-1, self.head_dim)
             latent = None
-            if plan.windows.shape[0]:  # a static shape: zero only when the step has no tokens
+            if plan.windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
                 stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, part["c_kv"]]))  # [M, r, hd]
                 stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, part["c_gate"]])).float()
                 latent = ops.rms_norm(ops.compress_pool(stage_kv, stage_gate), self.c_norm, self.eps)
