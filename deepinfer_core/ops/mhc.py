@@ -69,7 +69,7 @@ def hc_pre(
     post = torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
     post = post.add_(post)  # 2*sigmoid, exactly
     comb = torch.addcmul(comb_b.view(n, n, 1), comb_w.view(n, n, t), comb_s)
-    comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, eps)
+    comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, hc_eps)
     collapsed = cast((pre.t().unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
     return post.t(), comb, collapsed
 
@@ -85,21 +85,18 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     return _SCALARS[key]
 
 
-def _sinkhorn(c: torch.Tensor, iters: int, eps: torch.Tensor) -> torch.Tensor:
+def _sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp on ``c`` ``[N, N, T]`` (token-last): columns, then ``iters-1`` rounds
     of rows and columns, each ``x/(sum+eps)``.  Returns ``[T, N, N]``.
 
     The matrices are tiny, so dispatch, not arithmetic, sets the cost; the layout keeps it
     at two ops per normalisation.  The matrix sits in an ``[N+1, N+1, T]`` buffer whose
-    extra row and column hold ``eps``: a row (column) sum over the bordered block *is*
-    ``sum + eps``, and only the ``N x N`` block is divided.  Token-last, every broadcast is
-    over a leading dimension with T contiguous, which vectorises.
+    extra row and column hold ``eps`` (in c's dtype): a row (column) sum over the bordered
+    block *is* ``sum + eps``, and only the ``N x N`` block is divided.  Token-last, every
+    broadcast is over a leading dimension with T contiguous, which vectorises.
     """
     n, _, t = c.shape
-    a = c.new_empty(n + 1, n + 1, t)
-    a[n] = eps
-    a[:, n] = eps
-    a[:n, :n] = c
+    a = F.pad(c, (0, 0, 0, 1, 0, 1), value=eps)  # one op for the bordered buffer
     block, with_eps_col, with_eps_row = a[:n, :n], a[:n], a[:, :n]
     rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
     total, divide = torch.sum, block.div_  # bound once: the loop is all call overhead
