@@ -152,7 +152,7 @@ def hc_post(
         ``[T, N, D]``: ``post_n * block_out + sum_j comb[j, n] * streams_j`` (in streams.dtype).
     """
     dtype = streams.dtype
-    mixed = torch.matmul(cast(comb, dtype).transpose(-1, -2), streams)
+    mixed = torch.bmm(cast(comb, dtype).transpose(-1, -2), streams)  # matmul's bmm, without its reshapes
     return torch.addcmul(mixed, cast(post, dtype).unsqueeze(-1), block_out.unsqueeze(-2))
 
 
