@@ -176,6 +176,16 @@ class Request:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id]
         new_text = self.detokenizer.step([token_id]) if self.detokenizer is not None else ""
+        params = self.params
+        if (
+            not params.stop
+            and not params.stop_token_ids
+            and (params.ignore_eos or token_id not in eos_token_ids)
+        ):
+            # nothing but the length caps can stop it (check_stop's answer, without the call)
+            n_out = len(self.output_token_ids)
+            if n_out < params.max_tokens and len(self.prompt_token_ids) + n_out < max_model_len:
+                return False
         decision = check_stop(
             self.params,
             token_id,

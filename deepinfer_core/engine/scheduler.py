@@ -332,7 +332,34 @@ class Scheduler:
             out: the step's schedule.
             token_ids, logprobs: sampled token (and logprobs) per sampling chunk, in chunk order.
         """
-        return self.complete_tokens(out, [[t] for t in token_ids], [[lp] for lp in logprobs], eos_token_ids)
+        if any(c.num_draft for c in out.chunks):
+            return self.complete_tokens(
+                out, [[t] for t in token_ids], [[lp] for lp in logprobs], eos_token_ids
+            )
+        # no drafts: one token per sampling chunk (complete_tokens' steps, without its draft cases)
+        finished = []
+        row = -1
+        page_size = self.kv_cache.page_size
+        for req, chunk in zip(out.requests, out.chunks, strict=True):
+            row += chunk.sample
+            if req.is_finished:
+                out.discarded.append(req)
+                continue
+            if req.status is RequestStatus.RUNNING:
+                # register the pages the step computed for the request as it is now (not ones
+                # given up by a preemption while the step ran)
+                computed = min(chunk.start_pos + len(chunk.token_ids), req.num_tokens)
+                table = chunk.block_table
+                if len(req.page_hashes) < computed // page_size and req.block_table[: len(table)] == table:
+                    self._register_full_pages(req, computed)
+            if chunk.sample:
+                req.num_pending -= 1
+                if req.append_token(token_ids[row], logprobs[row], eos_token_ids, self.max_model_len):
+                    if req in self.waiting:  # preempted while this step ran
+                        self.waiting.remove(req)
+                    self._release(req)
+                    finished.append(req)
+        return finished
 
     def complete_tokens(
         self,

@@ -173,10 +173,11 @@ def sparse_attention(
     for pool, idx in zip(kv_pools, indices, strict=True):
         keys.append(gather_rows(pool, idx, q.dtype))
         valid.append(idx >= 0)
-    kv = torch.cat(keys, dim=1).float()  # [T, K, D]
+    f32 = torch.float32
+    kv = cast(torch.cat(keys, dim=1), f32)  # [T, K, D]
     bias = torch.where(torch.cat(valid, dim=1), 0.0, float("-inf")).unsqueeze(1)  # [T, 1, K]
-    logits = torch.baddbmm(bias, q.float(), kv.transpose(1, 2), alpha=scale)  # [T, H, K]
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    logits = torch.baddbmm(bias, cast(q, f32), kv.transpose(1, 2), alpha=scale)  # [T, H, K]
+    sink = cast(sinks, f32).view(1, -1, 1).expand(q.shape[0], -1, 1)
     probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     return cast(torch.bmm(probs, kv), q.dtype)
 
@@ -302,9 +303,10 @@ def indexer_topk(
     if batch_invariant_enabled():
         scores = _indexer_scores_blocked(q, weights, key_pool, candidates, scale)
     else:
-        keys = gather_rows(key_pool, candidates, q.dtype).float()  # [T, C, D]
-        scores = torch.bmm(q.float(), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
-        scores = torch.bmm(weights.float().unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
+        f32 = torch.float32
+        keys = cast(gather_rows(key_pool, candidates, q.dtype), f32)  # [T, C, D]
+        scores = torch.bmm(cast(q, f32), keys.transpose(1, 2)).relu_().mul_(scale)  # [T, H, C]
+        scores = torch.bmm(cast(weights, f32).unsqueeze(1), scores).squeeze(1)  # sum over heads: [T, C]
     valid = candidates >= 0
     scores = scores.masked_fill(~valid, float("-inf"))
     kk = min(k, candidates.shape[1])

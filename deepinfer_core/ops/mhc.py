@@ -56,20 +56,23 @@ def hc_pre(
     """
     t, n, d = streams.shape
     # Dispatch dominates at decode sizes, and reductions over tiny inner dimensions are
-    # slow, so the weights are computed token-last ([., T], T contiguous): fused norm,
-    # addcmul, in-place eps as a tensor.
-    eps = _scalar(hc_eps, streams.device)
-    flat = F.rms_norm(streams.reshape(t, n * d).float(), (n * d,), None, norm_eps)
+    # slow, so the weights are computed token-last ([., T], T contiguous): fused norm, one
+    # addcmul for the three groups (each row's scale gathered by a cached index), in-place
+    # eps as a tensor, and the softmax written straight into Sinkhorn's bordered buffer.
+    f32, dev = torch.float32, streams.device
+    eps = _scalar(hc_eps, dev)
+    flat = F.rms_norm(cast(streams.reshape(t, n * d), f32), (n * d,), None, norm_eps)
     linear = tiled_linear if batch_invariant_enabled() else F.linear
-    mixes = linear(flat, fn.float()).t().contiguous()  # [(2+N)*N, T]
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n])
-    pre_b, post_b, comb_b = base.float().unsqueeze(-1).split([n, n, n * n])
-    pre_s, post_s, comb_s = scale.unbind(0)
-    pre = torch.sigmoid(torch.addcmul(pre_b, pre_w, pre_s)).add_(eps)  # [N, T]
-    post = torch.sigmoid(torch.addcmul(post_b, post_w, post_s))
-    post = post.add_(post)  # 2*sigmoid, exactly
-    comb = torch.addcmul(comb_b.view(n, n, 1), comb_w.view(n, n, t), comb_s)
-    comb = _sinkhorn(torch.softmax(comb, dim=1).add_(eps), sinkhorn_iters, hc_eps)
+    mixes = linear(flat, cast(fn, f32)).t().contiguous()  # [(2+N)*N, T]
+    row_scale = scale.index_select(0, _group_index(n, dev)).unsqueeze(-1)  # [(2+N)*N, 1]
+    z = torch.addcmul(cast(base, f32).unsqueeze(-1), mixes, cast(row_scale, f32))
+    gates = torch.sigmoid(z[: 2 * n])
+    pre = gates[:n].add_(eps)  # [N, T]
+    post = gates[n:]
+    post.add_(post)  # 2*sigmoid, exactly
+    bordered = z.new_full((n + 1, n + 1, t), hc_eps)
+    torch.add(torch.softmax(z[2 * n :].view(n, n, t), dim=1), eps, out=bordered[:n, :n])
+    comb = _sinkhorn(bordered, sinkhorn_iters)
     collapsed = cast((pre.t().unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
     return post.t(), comb, collapsed
 
@@ -85,20 +88,31 @@ def _scalar(value: float, device: torch.device) -> torch.Tensor:
     return _SCALARS[key]
 
 
-def _sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Sinkhorn-Knopp on ``c`` ``[N, N, T]`` (token-last): columns, then ``iters-1`` rounds
-    of rows and columns, each ``x/(sum+eps)``.  Returns ``[T, N, N]``.
+_GROUPS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _group_index(n: int, device: torch.device) -> torch.Tensor:
+    """``[(2+N)*N]`` int64: the ``scale`` entry of each mixing row (pre, post, comb)."""
+    key = (n, device)
+    if key not in _GROUPS:
+        _GROUPS[key] = torch.tensor([0] * n + [1] * n + [2] * n * n, device=device)
+    return _GROUPS[key]
+
+
+def _sinkhorn(a: torch.Tensor, iters: int) -> torch.Tensor:
+    """Sinkhorn-Knopp on the ``N x N`` block of ``a`` ``[N+1, N+1, T]`` (token-last), in
+    place: columns, then ``iters-1`` rounds of rows and columns, each ``x/(sum+eps)``.
+    Returns ``[T, N, N]``.
 
     The matrices are tiny, so dispatch, not arithmetic, sets the cost; the layout keeps it
-    at two ops per normalisation.  The matrix sits in an ``[N+1, N+1, T]`` buffer whose
-    extra row and column hold ``eps`` (in c's dtype): a row (column) sum over the bordered
-    block *is* ``sum + eps``, and only the ``N x N`` block is divided.  Token-last, every
-    broadcast is over a leading dimension with T contiguous, which vectorises.
+    at two ops per normalisation.  The extra row and column of ``a`` hold ``eps``: a row
+    (column) sum over the bordered block *is* ``sum + eps``, and only the ``N x N`` block is
+    divided.  Token-last, every broadcast is over a leading dimension with T contiguous,
+    which vectorises.
     """
-    n, _, t = c.shape
-    a = F.pad(c, (0, 0, 0, 1, 0, 1), value=eps)  # one op for the bordered buffer
+    n, t = a.shape[0] - 1, a.shape[2]
     block, with_eps_col, with_eps_row = a[:n, :n], a[:n], a[:, :n]
-    rows, cols = c.new_empty(n, 1, t), c.new_empty(1, n, t)
+    rows, cols = a.new_empty(n, 1, t), a.new_empty(1, n, t)
     total, divide = torch.sum, block.div_  # bound once: the loop is all call overhead
     divide(total(with_eps_row, 0, True, out=cols))
     for _ in range(iters - 1):
@@ -138,7 +152,7 @@ def hc_post(
         ``[T, N, D]``: ``post_n * block_out + sum_j comb[j, n] * streams_j`` (in streams.dtype).
     """
     dtype = streams.dtype
-    mixed = torch.matmul(cast(comb, dtype).transpose(-1, -2), streams)
+    mixed = torch.bmm(cast(comb, dtype).transpose(-1, -2), streams)  # matmul's bmm, without its reshapes
     return torch.addcmul(mixed, cast(post, dtype).unsqueeze(-1), block_out.unsqueeze(-2))
 
 
@@ -179,8 +193,9 @@ def hc_head(
         ``[T, D]`` in streams.dtype: ``sum_n (sigmoid(mix_n*scale+base_n)+eps) * streams_n``.
     """
     t, n, d = streams.shape
-    flat = streams.reshape(t, n * d).float()
+    f32 = torch.float32
+    flat = cast(streams.reshape(t, n * d), f32)
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     linear = tiled_linear if batch_invariant_enabled() else F.linear
-    pre = torch.sigmoid(linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid(linear(flat, cast(fn, f32)) * cast(scale, f32) + cast(base, f32)) + hc_eps
     return cast((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)

@@ -38,4 +38,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         if x.dtype == torch.float32:  # same math, one fused op
             return F.rms_norm(x, (x.shape[-1],), None, eps)
         return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    return cast(F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps), x.dtype)
+    f32 = torch.float32
+    return cast(F.rms_norm(cast(x, f32), (x.shape[-1],), cast(weight, f32), eps), x.dtype)

@@ -57,10 +57,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         Same shape and dtype as ``x``; the rotation is computed in fp32.
     """
     half = cos.shape[-1]
-    cis = torch.complex(cos.float(), sin.float())
+    f32 = torch.float32
+    cis = torch.complex(cast(cos, f32), cast(sin, f32))
     if x.dim() == 3:
         cis = cis[:, None]
     nope, rope = x[..., : -2 * half], x[..., -2 * half :]
     # pairs (2i, 2i+1) as complex numbers: (a+ib)(c+is) = (ac-bs) + i(as+bc)
-    rotated = torch.view_as_real(torch.view_as_complex(rope.float().unflatten(-1, (half, 2))) * cis)
+    rotated = torch.view_as_real(torch.view_as_complex(cast(rope, f32).unflatten(-1, (half, 2))) * cis)
     return torch.cat([nope, cast(rotated.flatten(-2), x.dtype)], dim=-1)
