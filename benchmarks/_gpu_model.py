@@ -9,8 +9,8 @@ CSA, HCA, ...]`` and ``experts`` routed experts (top-6, width 2048, one shared e
 
 :func:`write_checkpoint` draws every parameter of
 :func:`~deepinfer_core.models.deepseek_v4.params.parameter_specs` on ``device`` (seeded per name)
-and writes it through :func:`deepinfer_core.weights.save_checkpoint` (native names, FP8 dense
-linears, FP4 routed experts) one layer at a time, as shards of one indexed checkpoint: the
+and writes it through :func:`deepinfer_core.models.deepseek_v4.writer.save_checkpoint` (native names,
+FP8 dense linears, FP4 routed experts) one layer at a time, as shards of one indexed checkpoint: the
 quantisation runs where the tensors are, and host memory holds one layer at a time.
 """
 
@@ -32,7 +32,7 @@ from safetensors import safe_open
 
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
-from deepinfer_core.weights import save_checkpoint
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 
 MARKER = "gpu_e2e_model.json"  # written last: a directory holding it is a complete checkpoint
 INDEX_FILE = "model.safetensors.index.json"

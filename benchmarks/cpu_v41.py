@@ -152,7 +152,7 @@ def tail(model_dir: Path, args: argparse.Namespace) -> dict:
 
 def _last_logits(llm: LLM, reqs: list[dict]) -> torch.Tensor:
     """The last prompt token's logits of each request (one step of the engine's runner)."""
-    from deepinfer_core.engine.batch import SeqChunk
+    from deepinfer_core.contract.batch import SeqChunk
 
     runner = llm.engine.runner
     rows = []

@@ -76,7 +76,7 @@ from _cli import KEEP_QUANTIZED, add_keep_quantized, log, positive_ints  # noqa:
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
-from deepinfer_core.weights import load_checkpoint  # noqa: E402
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 DEFAULT_PNG = ROOT / "docs" / "prefill_pareto.png"

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
 from deepinfer_core.backends import resolve_backend  # noqa: E402
 from deepinfer_core.config import EngineConfig  # noqa: E402
-from deepinfer_core.engine.batch import SeqChunk  # noqa: E402
+from deepinfer_core.contract.batch import SeqChunk  # noqa: E402
 from deepinfer_core.engine.model_runner import ModelRunner  # noqa: E402
 from deepinfer_core.ops import OpTable  # noqa: E402
 from tests.models.hf_oracle import CONFIGS, build_hf_model, save_hf_model  # noqa: E402

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.weights.quant import QUANTIZED_FORMATS
 
 ENV_PREFIX = "DEEPINFER_"
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -248,7 +249,7 @@ class EngineConfig(BaseModel):
     context_parallel_min_tokens: int | None = None
     """The shortest prefill chunk a context-parallel group splits over its ranks (shorter ones
     are computed by every rank); ``None`` = ``$DEEPINFER_CP_MIN_TOKENS`` or the default 1024
-    (:func:`deepinfer_core.distributed.context_parallel.cp_min_tokens`)."""
+    (:func:`deepinfer_core.models.context_parallel.cp_min_tokens`)."""
     distributed_backend: Literal["auto", "gloo", "nccl", "hccl"] = "auto"
     """``torch.distributed`` backend of the device collectives; ``auto`` = ``nccl`` on CUDA,
     ``hccl`` on Ascend, ``gloo`` on CPU."""
@@ -387,8 +388,6 @@ class EngineConfig(BaseModel):
         """The weight formats to keep quantised: every one the loader can keep when
         ``keep_quantized`` is ``True``, none when ``False``, the backend's declared
         ``quantized_weights`` (``backend_formats``) when ``None``."""
-        from deepinfer_core.weights.quant import QUANTIZED_FORMATS
-
         if self.keep_quantized is None:
             return tuple(f for f in QUANTIZED_FORMATS if f in set(backend_formats))
         return QUANTIZED_FORMATS if self.keep_quantized else ()

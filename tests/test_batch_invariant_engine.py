@@ -11,7 +11,7 @@ import torch
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.ops import OpTable

@@ -137,7 +137,7 @@ def test_logprobs_are_the_models_raw_distribution(llm):
     prompt_ids = llm.get_tokenizer().encode(PROMPTS[0])
     # recompute step by step with the runner on a fresh slot and compare
     runner = llm.engine.runner
-    from deepinfer_core.engine.batch import SeqChunk
+    from deepinfer_core.contract.batch import SeqChunk
 
     kv = runner.kv_cache
     seq = list(prompt_ids)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.errors import SamplingParamsError
 
 PROMPTS = [

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from deepinfer_core.errors import BackendError
 from deepinfer_core.ops.table import OpTable
+from deepinfer_core.plugins import get_plugins
 
 from .base import BackendSpec
 
@@ -73,8 +74,6 @@ def resolve_backend(
         OpNotSupportedError: ``strict_ops`` and the backend lacks ops.
     """
     if plugins is None:
-        from deepinfer_core.plugins import get_plugins
-
         plugins = get_plugins()
     if not isinstance(name, str) or not name:
         raise BackendError(f"backend must be 'auto', 'reference' or a backend name, got {name!r}")

@@ -34,14 +34,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import DistributedError
 
-from .init import BackgroundCall, default_store, destroy_parallel, init_parallel, listening_store
-from .state import ParallelState
+from .init import (
+    BackgroundCall,
+    check_parallel_config,
+    default_store,
+    destroy_parallel,
+    init_parallel,
+    launched_by_torchrun,
+    listening_store,
+)
 
 if TYPE_CHECKING:
-    from deepinfer_core.config import EngineConfig
-    from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.outputs import RequestOutput
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -85,8 +93,6 @@ class StepMessage:
 
 def build_engine(config: EngineConfig, parallel: ParallelState) -> LLMEngine:
     """This rank's engine: ``config`` on the rank's device, with its :class:`ParallelState`."""
-    from deepinfer_core.engine.llm_engine import LLMEngine
-
     return LLMEngine(config.model_copy(update={"device": str(parallel.device)}), parallel=parallel)
 
 
@@ -258,8 +264,6 @@ def run_worker(
     run_id = ""
     try:
         config_json, run_id = broadcast(None, parallel)
-        from deepinfer_core.config import EngineConfig
-
         config = EngineConfig(**json.loads(config_json))
         engine, error = None, None
         try:
@@ -386,7 +390,6 @@ class Coordinator:
             DistributedError: a worker died or its engine failed to start (naming the rank).
         """
         from . import worker as worker_mod
-        from .init import check_parallel_config, launched_by_torchrun
 
         check_parallel_config(config)
         procs: dict[int, WorkerProcess] = {}

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer_core.backends.resolve import resolve_backend
+from deepinfer_core.contract.parallel import ParallelState
 from deepinfer_core.errors import ConfigError
-
-from .state import ParallelState
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
@@ -70,8 +70,6 @@ def device_type_of(config: EngineConfig) -> str:
             return torch.device(config.device).type
         except (RuntimeError, ValueError):
             raise ConfigError(f"device={config.device!r}: not a torch device string") from None
-    from deepinfer_core.backends.resolve import resolve_backend
-
     spec, _ = resolve_backend(config.backend, config.strict_ops)
     return spec.device_type
 

@@ -21,10 +21,12 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import IO, Any, NoReturn
 
-if TYPE_CHECKING:
-    from deepinfer_core.config import EngineConfig
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.errors import DeepInferError
+
+from .init import client_store
 
 logger = logging.getLogger("deepinfer.distributed")
 
@@ -220,8 +222,6 @@ def serve_rank(config: EngineConfig) -> int:
     """Serve as rank ``$RANK >= 1`` of a launched (torchrun) world until rank 0 shuts it down;
     returns the exit status (0 on a clean shutdown, 1 after an error, printed as one line).
     The rank's lines go to the console and to ``<log_dir>/rank<k>.log``, prefixed ``[rank k]``."""
-    from deepinfer_core.errors import DeepInferError
-
     rank = int(os.environ.get("RANK", "0"))
     log_path = str(Path(torchrun_log_dir()) / f"rank{rank}.log")
     setup_rank_logging(rank, config.log_level, log_file=log_path)
@@ -272,8 +272,6 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    from deepinfer_core.config import EngineConfig
-
     config = EngineConfig(**json.loads(raw))
     setup_rank_logging(rank, worker_level(config.log_level))
     _watch_parent()
@@ -283,7 +281,6 @@ def main() -> int:
     log_path = str(Path(os.environ.get(LOG_DIR_ENV, ".")) / f"rank{rank}.log")
     logger.info("worker of rank %d started (pid %d), log %s", rank, os.getpid(), log_path)
     from .coordinator import run_worker
-    from .init import client_store
 
     try:
         store = client_store(os.environ, config.world_size, config.distributed_timeout_s)

@@ -13,11 +13,16 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.backends.resolve import resolve_backend
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.contract.parallel import ParallelState
 from deepinfer_core.devices import check_device
-from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.distributed.eplb import EplbController
+from deepinfer_core.distributed.init import check_parallel_config
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
 from deepinfer_core.engine.metrics import Metrics, StepStats
+from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.engine.prompt_logprobs import logit_rows, record_prompt_logprobs
 from deepinfer_core.engine.request import Request, RequestStatus
 from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer_core.engine.speculative import (
@@ -28,12 +33,15 @@ from deepinfer_core.engine.speculative import (
 )
 from deepinfer_core.engine.structured import MaskFill, StructuredOutputs
 from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
+from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
+from deepinfer_core.models.registry import default_model_dir, resolve_family
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from deepinfer_core.plugins import get_plugins
 from deepinfer_core.sampling.logits_processors import LogitsProcessor
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.prompt_logprobs import logit_rows, record_prompt_logprobs
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
+from deepinfer_core.tokenizer import load_tokenizer
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -54,11 +62,13 @@ __all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir
 
 
 def resolve_model_dir(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
+    model: str | None, revision: str | None = None, download_dir: str | None = None, plugins: Any = None
 ) -> Path:
     """The model directory that ``model`` names.
 
-    * ``None``: the built-in tiny model, made locally on first use (never a download).
+    * ``None``: the default model family's built-in tiny model, made locally on first use
+      (never a download; :func:`~deepinfer_core.models.registry.default_model_dir`, through
+      ``plugins``, default the process-wide plugin manager).
     * an existing local directory: that directory (``revision`` does not apply: a warning).
     * otherwise, a Hugging Face Hub repo id ``org/name`` or ``org/name@revision`` (e.g.
       ``deepseek-ai/DeepSeek-V4.1-Flash-1017``): its snapshot directory, fetched by
@@ -73,16 +83,12 @@ def resolve_model_dir(
             installed) — one line naming the id and how to point at a local copy.
     """
     if model is None:
-        from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
-
-        return builtin_tiny_model_dir()
+        return default_model_dir(plugins)
     path = Path(model).expanduser()
     if path.is_dir():
         if revision is not None:
             logger.warning("revision=%r ignored: model %s is a local directory", revision, path)
         return path
-    from deepinfer_core.hub import parse_repo_id, snapshot_dir
-
     if not path.exists() and parse_repo_id(model) is not None:
         return snapshot_dir(model, revision=revision, download_dir=download_dir)
     raise ConfigError(
@@ -97,8 +103,6 @@ def resolve_tokenizer_dir(tokenizer: str | None, model_dir: Path, download_dir: 
     if tokenizer is None:
         return model_dir
     path = Path(tokenizer).expanduser()
-    from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
-
     if not path.exists() and parse_repo_id(tokenizer) is not None:
         return snapshot_dir(
             tokenizer, download_dir=download_dir, what="tokenizer", patterns=TOKENIZER_PATTERNS
@@ -113,7 +117,7 @@ class LLMEngine:
         config: the validated engine configuration (``config.model`` ``None`` = built-in tiny model).
         plugins: the plugin manager (default: the process-wide one).
         parallel: this process's place in a distributed run
-            (:class:`~deepinfer_core.distributed.state.ParallelState`; ``None`` = a single
+            (:class:`~deepinfer_core.contract.parallel.ParallelState`; ``None`` = a single
             process).  With expert parallelism every :meth:`step` runs exactly one forward,
             a dummy one (:meth:`ModelRunner.execute_dummy`) when nothing is scheduled, so the
             ranks' expert-parallel collectives line up.
@@ -131,18 +135,12 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, plugins: Any = None, parallel: ParallelState | None = None):
-        from deepinfer_core.backends.resolve import resolve_backend
-        from deepinfer_core.engine.model_runner import ModelRunner
-        from deepinfer_core.models.registry import resolve_family
-
         if plugins is None:
-            from deepinfer_core.plugins import get_plugins
-
             plugins = get_plugins()
         self.plugins = plugins
         self.parallel = parallel
         plugins.configure(config)
-        model_dir = resolve_model_dir(config.model, config.revision, config.download_dir)
+        model_dir = resolve_model_dir(config.model, config.revision, config.download_dir, plugins)
         tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, model_dir, config.download_dir)
         self.family, model_config = resolve_family(model_dir, plugins)
         self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
@@ -207,8 +205,6 @@ class LLMEngine:
         self.runner.max_model_len = self.config.max_model_len
         self.eplb = None  # expert-parallel load balancing, stepped after every step (before graph capture)
         if self.config.eplb is not None and parallel is not None and parallel.expert_parallel:
-            from deepinfer_core.distributed.eplb import EplbController
-
             eplb = self.config.eplb
             self.eplb = EplbController(
                 eplb, None, self.runner.model, parallel, layers_per_step=eplb.layers_per_step
@@ -255,8 +251,6 @@ class LLMEngine:
 
     def _check_parallel(self, drafter_cls: type | None) -> None:
         """Refuse what a distributed run cannot do (one-line :class:`ConfigError` saying why)."""
-        from deepinfer_core.distributed.init import check_parallel_config
-
         check_parallel_config(self.config)
         assert self.parallel is not None
         if drafter_cls is not None and drafter_cls.uses_mtp_layers and self.parallel.expert_parallel:
@@ -359,8 +353,6 @@ class LLMEngine:
 
     @staticmethod
     def _load_tokenizer(path: Path) -> tuple[Any, str | None]:
-        from deepinfer_core.tokenizer import load_tokenizer
-
         try:
             return load_tokenizer(path), None
         except ConfigError as e:

@@ -3,7 +3,7 @@
 The architecture is the :class:`~deepinfer_core.models.registry.ModelFamily` of the
 checkpoint's ``model_type``, registered by a plugin; the runner uses only that interface.
 ``execute(chunks)`` sends the scheduler's chunks to the device as O(batch) scalars and
-block-table deltas (:mod:`~deepinfer_core.engine.step_inputs`), lets the model derive its
+block-table deltas (:mod:`~deepinfer_core.contract.step_inputs`), lets the model derive its
 per-token plans there (``Model.step_metadata``), runs the model and returns the logits of the
 rows that sample.
 """
@@ -21,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from deepinfer_core.contract.batch import SeqChunk
+from deepinfer_core.contract.step_inputs import StepInputBuffers, StepInputs
 from deepinfer_core.devices import synchronize
+from deepinfer_core.distributed.eplb import initial_placement
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.cache_spec import HybridCache, PagedSpec, PageStateSpec, spec_bytes
 from deepinfer_core.models.registry import ModelFamily, resolve_family
@@ -30,14 +33,12 @@ from deepinfer_core.ops.expert_parallel import fixed_dispatch_rows
 from deepinfer_core.ops.modes import batch_invariant_mode
 from deepinfer_core.sampling.sampler import tensor_to_device
 
-from .batch import SeqChunk
 from .graphs import DeviceGraph, GraphFactory, batch_buckets, device_graph_factory
 from .kv_cache import KVCacheManager
-from .step_inputs import StepInputBuffers, StepInputs
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig
-    from deepinfer_core.distributed.state import ParallelState
+    from deepinfer_core.contract.parallel import ParallelState
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -101,8 +102,6 @@ class ModelRunner:
         dist_kw: dict[str, Any] = {"parallel": parallel} if distributed else {}
         load_kw = dict(dist_kw)
         if distributed and parallel.expert_parallel and config.eplb is not None:  # EPLB's redundant slots
-            from deepinfer_core.distributed.eplb import initial_placement
-
             load_kw["placement"] = initial_placement(cfg, parallel.ep_size, config.eplb.num_redundant_experts)
         weights = family.load_weights(
             Path(model_dir), cfg, self.dtype, self.device, quantized_formats, **load_kw

@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.kv_cache import KVCacheManager
 from deepinfer_core.engine.request import Request, RequestStatus
 

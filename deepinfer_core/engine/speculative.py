@@ -37,7 +37,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
-from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter
+from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter, RowView
 from deepinfer_core.speculative.policy import (
     CERTAIN_GAIN,
     EMA,
@@ -68,28 +68,12 @@ from deepinfer_core.speculative.verify import (
 
 if TYPE_CHECKING:
     from deepinfer_core.config import SpeculativeConfig
-    from deepinfer_core.engine.batch import SeqChunk
+    from deepinfer_core.contract.batch import SeqChunk
     from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.engine.request import Request
     from deepinfer_core.engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger("deepinfer.engine")
-
-
-@dataclass
-class RowView:
-    """A request as one verified position sees it: its output extended by the drafts before
-    (a :class:`~deepinfer_core.sampling.sampler.SamplingRow`; the ``dspark`` drafter draws its
-    drafts on the same rows)."""
-
-    params: Any
-    sampling_seed: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass

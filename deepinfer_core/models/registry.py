@@ -21,16 +21,18 @@ import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.errors import ConfigError, PluginError
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+from deepinfer_core.ops import OpTable
+from deepinfer_core.plugins import get_plugins
 
-if TYPE_CHECKING:
-    from deepinfer_core.engine.step_inputs import StepInputs
-    from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
-    from deepinfer_core.ops import OpTable
+DEFAULT_MODEL_TYPE = "deepseek_v4"
+"""The family whose built-in model the engine runs when no model is given."""
 
 PLUGIN_HINT = "a plugin registering it through the deepinfer_register_models hook would add it"
 
@@ -127,6 +129,10 @@ class ModelFamily:
             layers of the checkpoint ``cfg`` describes (``None``, or the attribute unset: the
             family's ``mtp_kind`` drafter can); a drafter that uses draft layers is then refused
             with the reason, before the model loads.
+        builtin_model_dir: ``() -> directory`` of the family's built-in model, made locally on
+            first use (never downloaded); ``None``: the family has none.  The engine's default
+            model (``model=None``) is that of :data:`DEFAULT_MODEL_TYPE`
+            (:func:`default_model_dir`).
     """
 
     model_type: str
@@ -141,6 +147,7 @@ class ModelFamily:
     ) = None
     mtp_kind: str = "mtp"
     unsupported_draft_layers: Callable[[Any], str | None] | None = None
+    builtin_model_dir: Callable[[], Path] | None = None
 
     def from_file(self, model_dir: str | Path) -> Any:
         """Parse ``config.json`` (or a directory holding it), checking its ``model_type``."""
@@ -209,8 +216,6 @@ def resolve_family(model_dir: str | Path, plugins: Any = None) -> tuple[ModelFam
         plugins: the plugin manager (default: the process-wide one).
     """
     if plugins is None:
-        from deepinfer_core.plugins import get_plugins
-
         plugins = get_plugins()
     data, path = read_config_json(model_dir)
     data = _text_config(data, plugins.components["models"])
@@ -224,3 +229,20 @@ def resolve_family(model_dir: str | Path, plugins: Any = None) -> tuple[ModelFam
         raise ConfigError(f"{path}: model_type must be a string, got {model_type!r}")
     family = get_family(plugins, model_type, str(path))
     return family, family.parse_config(data, str(path))
+
+
+def default_model_dir(plugins: Any = None) -> Path:
+    """The directory of the engine's default model: the built-in model of the registered
+    :data:`DEFAULT_MODEL_TYPE` family (a one-line :class:`ConfigError` when it has none).
+
+    Args:
+        plugins: the plugin manager (default: the process-wide one).
+    """
+    if plugins is None:
+        plugins = get_plugins()
+    family = get_family(plugins, DEFAULT_MODEL_TYPE, "the default model")
+    if family.builtin_model_dir is None:
+        raise ConfigError(
+            f"model family {DEFAULT_MODEL_TYPE!r} has no built-in model; pass model=<checkpoint directory>"
+        )
+    return family.builtin_model_dir()

@@ -3,7 +3,7 @@ holds its physical expert slot, ``moe_combine`` brings the expert outputs back a
 
 Layout (the one the MoE kernels compute on, tokens grouped by expert with their source):
 the MoE block routes its ``T`` tokens to ``k`` logical experts each, maps them to physical slots
-(:class:`~deepinfer_core.distributed.placement.ExpertPlacement`; rank ``r`` holds slots
+(:class:`~deepinfer_core.contract.placement.ExpertPlacement`; rank ``r`` holds slots
 ``[r * S, (r + 1) * S)``), and calls::
 
     recv_x, recv_ids, recv_w, handle = ops.moe_dispatch(x, slots, weights, S, group)

@@ -13,7 +13,7 @@ import pluggy
 
 from deepinfer_core import hookspecs
 from deepinfer_core.backends.base import Availability, BackendSpec, always_available
-from deepinfer_core.errors import BackendError, PluginError
+from deepinfer_core.errors import BackendError, ConfigError, PluginError
 from deepinfer_core.plugins.records import (
     ALLOW_ENV,
     COMPONENT_KINDS,
@@ -243,8 +243,6 @@ class PluginManager:
         a subclass of ``base``; a one-line :class:`~deepinfer_core.errors.ConfigError` (starting
         with ``label``, e.g. ``"scheduler 'x'"``) when it is unknown, unavailable or of the
         wrong type."""
-        from deepinfer_core.errors import ConfigError
-
         registry = self.components[kind]
         spec = registry.get(name)
         if spec is None:

@@ -41,7 +41,7 @@ class DraftContext:
         seq_slot: the request's sequence slot in the runner's caches (``-1``: not given), for a
             drafter that reads them (``dspark``).
         window_from: first position whose window keys exist for that slot (as
-            :attr:`~deepinfer_core.engine.batch.SeqChunk.window_from`).
+            :attr:`~deepinfer_core.contract.batch.SeqChunk.window_from`).
         params: the request's :class:`~deepinfer_core.sampling.params.SamplingParams`
             (``None``: greedy), for a drafter that draws as the verifier does.
         sampling_seed: the request's sampling seed (the verifier's counter-based noise key).
@@ -95,7 +95,7 @@ class ComputedChunk:
         sampled: the last kept position is the request's last computed one and its next token
             the one the step emitted: the request decodes from there next step.
         seq_slot, block_table, table_key, window_from, cached_until: the request's cache
-            geometry, as in its :class:`~deepinfer_core.engine.batch.SeqChunk` (for a drafter
+            geometry, as in its :class:`~deepinfer_core.contract.batch.SeqChunk` (for a drafter
             that runs layers over the engine's cache).
         hidden: the step's hidden states, one row per token in the step's row order (with
             ``uses_mtp_layers``: ``ModelRunner.last_hidden`` of that step; with async scheduling
@@ -159,3 +159,19 @@ class Drafter:
 
     def on_finished(self, request_id: str) -> None:
         """The request finished (any reason): drop any state kept for it."""
+
+
+@dataclass
+class RowView:
+    """A request as one verified position sees it: its output extended by the drafts before
+    (a :class:`~deepinfer_core.sampling.sampler.SamplingRow`; the ``dspark`` drafter draws its
+    drafts on the same rows)."""
+
+    params: Any
+    sampling_seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -32,14 +32,13 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.engine.batch import SeqChunk
-from deepinfer_core.engine.speculative import RowView
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
 
-from .drafter import Draft, DraftContext, Drafter
+from .drafter import Draft, DraftContext, Drafter, RowView
 
 logger = logging.getLogger("deepinfer.engine")
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.sampling.sampler import tensor_to_device
 
 from .drafter import ComputedChunk, Draft, DraftContext, Drafter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deepinfer_core.errors import DeepInferError
+from deepinfer_core.plugins import get_plugins
 
 
 def backend_unavailable_reason(name: str) -> str | None:
@@ -12,8 +13,6 @@ def backend_unavailable_reason(name: str) -> str | None:
     For ``pytest.mark.skipif(reason is not None, reason=reason)`` on tests that need the
     backend's hardware: the skip then names what is missing.
     """
-    from deepinfer_core.plugins import get_plugins
-
     try:
         spec = get_plugins().get_backend(name)
     except DeepInferError as exc:

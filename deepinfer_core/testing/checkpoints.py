@@ -6,6 +6,10 @@ from pathlib import Path
 
 import torch
 
+from deepinfer_core.models.deepseek_v4 import tiny
+from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
+
 MTP_PREFIX = "model.mtp.0."
 
 
@@ -18,10 +22,6 @@ def write_bigram_mtp_checkpoint(out: Path) -> Path:
     ``enorm = 1``, the main model's final norm): it predicts the token after next exactly as the
     target will decode it greedily.  Written (native names, with the tiny tokenizer) to ``out``,
     which is returned."""
-    from deepinfer_core.models.deepseek_v4 import tiny
-    from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer_core.weights import save_checkpoint
-
     cfg = DeepseekV4Config.from_dict(dict(tiny.TINY_CONFIG))
     w = tiny.random_weights(cfg)
     for name in w:

@@ -53,6 +53,7 @@ import torch
 from deepinfer_core.backends.base import BackendSpec
 from deepinfer_core.errors import BackendError
 from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, SampleCases, all_ops, unaccepted_params
+from deepinfer_core.plugins import get_plugins
 
 SEED = 0
 
@@ -427,8 +428,6 @@ def compare(
 def _backend_spec(backend: str | BackendSpec) -> BackendSpec:
     if isinstance(backend, BackendSpec):
         return backend
-    from deepinfer_core.plugins import get_plugins
-
     return get_plugins().get_backend(backend)
 
 

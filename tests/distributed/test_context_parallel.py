@@ -14,7 +14,11 @@ import torch.multiprocessing as mp
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.distributed.context_parallel import (
+from deepinfer_core.contract.batch import SeqChunk
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.engine.model_runner import ModelRunner
+from deepinfer_core.errors import ConfigError
+from deepinfer_core.models.context_parallel import (
     CP_MIN_TOKENS,
     CP_MIN_TOKENS_ENV,
     balanced_pieces,
@@ -24,10 +28,6 @@ from deepinfer_core.distributed.context_parallel import (
     plan_step,
     rank_costs,
 )
-from deepinfer_core.distributed.state import ParallelState
-from deepinfer_core.engine.batch import SeqChunk
-from deepinfer_core.engine.model_runner import ModelRunner
-from deepinfer_core.errors import ConfigError
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import Fp8KVPool
 from deepinfer_core.testing.observe import counting_context_parallel_forwards

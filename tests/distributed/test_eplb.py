@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends.resolve import resolve_backend
 from deepinfer_core.config import EPLBConfig
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.contract.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.distributed.eplb.policy import (
     balanced_packing,
     gpu_loads,
@@ -32,13 +34,11 @@ from deepinfer_core.distributed.eplb.rebalance import (
     plan_layer_moves,
 )
 from deepinfer_core.distributed.eplb.stats import ExpertLoadWindow
-from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
-from deepinfer_core.distributed.state import ParallelState
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
 from deepinfer_core.models.deepseek_v4.moe import MoE
 from deepinfer_core.ops.modes import batch_invariant_mode
-from deepinfer_core.weights import load_checkpoint
 from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor, Weight
 
 

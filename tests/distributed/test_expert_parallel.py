@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
-from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.contract.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
-from deepinfer_core.distributed.context_parallel import CP_MIN_TOKENS_ENV  # noqa: E402
+from deepinfer_core.models.context_parallel import CP_MIN_TOKENS_ENV  # noqa: E402
 from deepinfer_core.testing.observe import counting_context_parallel_forwards  # noqa: E402
 from tests.distributed.outputs import assert_same_completions  # noqa: E402
 

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer_core.contract.parallel import ParallelState
 from deepinfer_core.distributed.coordinator import FAST_BYTES, StepMessage, broadcast, gather
-from deepinfer_core.distributed.state import ParallelState
 
 
 def _messages(rank: int, round_: int) -> tuple[StepMessage, dict]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.ops import OpTable
 from tests.models.hf_oracle import CONFIGS, build_hf_model
@@ -114,7 +114,8 @@ def test_native_fp8_fp4_checkpoint_matches_hf_on_dequantised_weights(tmp_path, s
     quantised from an HF model, equals HF run on the dequantised weights."""
     from transformers import DeepseekV4ForCausalLM
 
-    from deepinfer_core.weights import load_checkpoint, save_checkpoint
+    from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
+    from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 
     model = build_hf_model("all_types")
     cfg_dict = model.config.to_dict()

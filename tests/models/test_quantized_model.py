@@ -12,7 +12,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.graphs import EmulatedGraph
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import PluginError
@@ -228,7 +228,7 @@ def test_cuda_load_dequantises_on_the_gpu_bitwise(which: str, request: pytest.Fi
     """Loading onto the GPU dequantises FP8 / FP4 tensors there (far faster than on the host)
     with bitwise the host's values."""
     from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-    from deepinfer_core.weights.loader import load_checkpoint
+    from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
 
     model_dir = request.getfixturevalue(which)
     cfg = DeepseekV4Config.from_file(model_dir)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import EngineConfig, SpeculativeConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.cache_spec import RingSpec
 from deepinfer_core.models.deepseek_v4 import tiny

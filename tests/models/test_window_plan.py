@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from deepinfer_core.engine.batch import SeqChunk
-from deepinfer_core.engine.step_inputs import StepInputBuffers
+from deepinfer_core.contract.batch import SeqChunk
+from deepinfer_core.contract.step_inputs import StepInputBuffers
 from deepinfer_core.models.deepseek_v4.metadata import buffer_windows, build_metadata
 
 PAGE, SLOTS, PAGES = 16, 8, 16

@@ -26,19 +26,20 @@ from safetensors import safe_open
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.config import EngineConfig, SpeculativeConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import SLIDING, DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint, load_mtp_checkpoint
+from deepinfer_core.models.deepseek_v4.names import hf_to_native, is_expert_stack
 from deepinfer_core.models.deepseek_v4.params import mtp_parameter_specs, parameter_specs
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
 from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
 from deepinfer_core.testing.observe import record_replays
-from deepinfer_core.weights import load_checkpoint, load_mtp_checkpoint, save_checkpoint
-from deepinfer_core.weights.names import hf_to_native, is_expert_stack
 
 W = tiny.TINY_CONFIG["sliding_window"]
 P = "model.mtp.0."

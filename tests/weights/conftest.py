@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
-from deepinfer_core.weights.writer import save_checkpoint
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from tests.models.hf_oracle import BASE, CONFIGS
 
 transformers = pytest.importorskip("transformers")

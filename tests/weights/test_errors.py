@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from deepinfer_core.errors import WeightLoadError
-from deepinfer_core.weights import load_checkpoint, save_checkpoint
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from deepinfer_core.weights.safetensors_io import discover_shards
 
 INDEX = "model.safetensors.index.json"

@@ -11,9 +11,10 @@ import torch
 from safetensors import safe_open
 
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
+from deepinfer_core.models.deepseek_v4.names import is_expert_stack
 from deepinfer_core.models.deepseek_v4.params import parameter_specs, target_dtype
-from deepinfer_core.weights import load_checkpoint, save_checkpoint
-from deepinfer_core.weights.names import is_expert_stack
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from deepinfer_core.weights.quant import dequant_fp4, dequant_fp8
 
 transformers = pytest.importorskip("transformers")

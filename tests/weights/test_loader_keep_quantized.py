@@ -11,9 +11,11 @@ from safetensors.torch import load_file, save_file
 
 from deepinfer_core.errors import WeightLoadError
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
 from deepinfer_core.models.deepseek_v4.params import parameter_specs
 from deepinfer_core.models.deepseek_v4.tiny import TINY_CONFIG, random_weights
-from deepinfer_core.weights import QuantizedTensor, load_checkpoint, save_checkpoint
+from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
+from deepinfer_core.weights import QuantizedTensor
 from deepinfer_core.weights.quant import QUANTIZED_FORMATS, UE8M0_DTYPE, dequant_fp4
 
 CFG = DeepseekV4Config.from_dict(dict(TINY_CONFIG), source="TINY_CONFIG")

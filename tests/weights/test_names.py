@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from safetensors import safe_open
 
-from deepinfer_core.models.deepseek_v4.params import parameter_specs
-from deepinfer_core.weights.names import (
+from deepinfer_core.models.deepseek_v4.names import (
     ExpertSlice,
     expert_native_names,
     hf_to_native,
@@ -19,6 +18,7 @@ from deepinfer_core.weights.names import (
     native_to_hf,
     scale_owner,
 )
+from deepinfer_core.models.deepseek_v4.params import parameter_specs
 
 # The native names listed in shared/reference/deepseek-models.md ("Checkpoint: native names ...").
 REFERENCE_NATIVE = [

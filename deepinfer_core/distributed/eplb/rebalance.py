@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepinfer_core.contract.placement import ExpertPlacement
 from deepinfer_core.weights.quant import QuantizedTensor, Weight
 
 from .policy import imbalance, rebalance_experts
@@ -102,8 +103,6 @@ def initial_placement(model_config: Any, ep_size: int, num_redundant: int) -> An
     (:meth:`ExpertPlacement.default`, experts in order, the redundant slots replicas of experts
     ``0, 1, ...``) over the model's MoE layers (``num_hidden_layers``) and routed experts
     (``n_routed_experts``)."""
-    from deepinfer_core.distributed.placement import ExpertPlacement
-
     layers, experts = model_config.num_hidden_layers, model_config.n_routed_experts
     return ExpertPlacement.default(layers, experts, ep_size, num_redundant)
 
@@ -297,11 +296,11 @@ class EplbController:
 
     Args:
         config: the :class:`~deepinfer_core.config.EPLBConfig`.
-        placement: the model's :class:`~deepinfer_core.distributed.placement.ExpertPlacement`
+        placement: the model's :class:`~deepinfer_core.contract.placement.ExpertPlacement`
             (updated in place); ``None`` = the one its MoE blocks share (:func:`model_placement`).
         model: the model, exposing its local expert stacks (:func:`local_expert_weights`) and
             its step counts buffer (:func:`step_counts`), unless ``counts`` is given.
-        parallel: this rank's :class:`~deepinfer_core.distributed.state.ParallelState`
+        parallel: this rank's :class:`~deepinfer_core.contract.parallel.ParallelState`
             (``ep_rank``, ``ep_size``, ``ep_group``).  Every EP rank builds its controller at
             the same point: without ``config.num_nodes`` the constructor all-reduces the nodes
             each rank infers (:func:`infer_num_nodes`) over the EP group.

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.config_utils import eos_list, validate_config
+from deepinfer_core.models.registry import read_config_json
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -294,8 +295,6 @@ class DeepseekV4Config(BaseModel):
     @classmethod
     def from_file(cls, path: str | Path) -> DeepseekV4Config:
         """Read ``config.json`` (or a model directory containing it)."""
-        from deepinfer_core.models.registry import read_config_json
-
         data, p = read_config_json(path)
         if "text_config" in data and data.get("model_type") != MODEL_TYPE:
             data = data["text_config"]

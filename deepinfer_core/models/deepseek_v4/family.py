@@ -13,13 +13,16 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
-from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.contract.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
 
 from .config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
+from .loader import load_checkpoint, load_mtp_checkpoint
+from .model import DeepseekV4Model
+from .tiny import builtin_tiny_model_dir
 
 
 def parse_config(data: dict[str, Any], source: str) -> DeepseekV4Config:
@@ -44,8 +47,6 @@ def load_weights(
     layer; the placement is returned under :data:`EXPERT_PLACEMENT_KEY` for the MoE blocks
     (shared, so EPLB can swap it).  Dense weights are replicated.
     """
-    from deepinfer_core.weights import load_checkpoint
-
     if parallel is None or not parallel.expert_parallel:
         return load_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
     layers, experts = cfg.num_hidden_layers, cfg.n_routed_experts
@@ -70,8 +71,6 @@ def load_mtp_weights(
 ) -> dict[str, Any]:
     """The first multi-token-prediction layer's tensors (``model.mtp.0.*``), for the ``mtp``
     drafter; a one-line :class:`ConfigError` when the checkpoint has none."""
-    from deepinfer_core.weights import load_mtp_checkpoint
-
     return load_mtp_checkpoint(model_dir, cfg, dtype, device, keep_quantized=keep)
 
 
@@ -86,8 +85,6 @@ def build_model(
     cfg: DeepseekV4Config, weights: dict[str, Any], ops: OpTable, parallel: ParallelState | None = None
 ) -> Any:
     """The :class:`~.model.DeepseekV4Model` over ``weights`` (which it takes over)."""
-    from .model import DeepseekV4Model
-
     return DeepseekV4Model(cfg, weights, ops, parallel=parallel)
 
 
@@ -125,4 +122,5 @@ FAMILY = ModelFamily(
     load_mtp_weights=load_mtp_weights,
     unsupported_draft_layers=unsupported_draft_layers,
     description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
+    builtin_model_dir=builtin_tiny_model_dir,
 )

@@ -1,6 +1,6 @@
 """Per-step index plans of a flat varlen batch, derived on the device.
 
-From the host's O(batch) scalars (:class:`~deepinfer_core.engine.step_inputs.StepInputs`)
+From the host's O(batch) scalars (:class:`~deepinfer_core.contract.step_inputs.StepInputs`)
 this builds, with torch ops only, every per-token plan the layers share: positions, the
 sliding-window key rows, and per compress ratio the compressor's window plan and each
 query's paged entry list.  All shapes depend only on static ints (tokens, requests, the
@@ -37,8 +37,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer_core.distributed.context_parallel import CPPlan, plan_step
-from deepinfer_core.engine.step_inputs import StepInputs
+from deepinfer_core.contract.step_inputs import StepInputs
+from deepinfer_core.models.context_parallel import CPPlan, plan_step
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.cast import cast
 
@@ -215,7 +215,7 @@ def with_context_parallel(
 ) -> StepMetadata:
     """``md`` with a context-parallel plan when the step holds a chunk of at least ``min_tokens``
     rows of a real request (not the trash slot's padding): such chunks are split zig-zag over
-    the ``cp_size`` ranks of ``group`` (:func:`~deepinfer_core.distributed.context_parallel.plan_step`);
+    the ``cp_size`` ranks of ``group`` (:func:`~deepinfer_core.models.context_parallel.plan_step`);
     ``md`` unchanged otherwise.
 
     Needs the chunk lengths on the host: one small device-to-host copy, made only when the step

@@ -11,10 +11,10 @@ import logging
 
 import torch
 
-from deepinfer_core.distributed.context_parallel import cp_min_tokens
-from deepinfer_core.distributed.state import ParallelState
-from deepinfer_core.engine.step_inputs import StepInputs
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+from deepinfer_core.models.context_parallel import cp_min_tokens
 from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
@@ -92,11 +92,11 @@ class DeepseekV4Model:
         parallel: this process's place in a distributed run (``None`` = a single process):
             with expert parallelism ``weights`` hold only this rank's experts; with
             ``cp_size > 1`` a step holding a prefill chunk of at least :attr:`cp_min_tokens`
-            tokens splits it over the CP group (see :mod:`deepinfer_core.distributed.context_parallel`).
+            tokens splits it over the CP group (see :mod:`deepinfer_core.models.context_parallel`).
 
     Attributes:
         cp_min_tokens: the shortest chunk split over a CP group
-            (:func:`~deepinfer_core.distributed.context_parallel.cp_min_tokens` at build time).
+            (:func:`~deepinfer_core.models.context_parallel.cp_min_tokens` at build time).
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """DeepSeek-V4 MoE block: hash-routed or ``noaux_tc`` top-k experts plus a shared expert.
 
 With expert parallelism (``parallel.expert_parallel``) the block holds only its rank's routed
-experts (the physical slots of :class:`~deepinfer_core.distributed.placement.ExpertPlacement`,
+experts (the physical slots of :class:`~deepinfer_core.contract.placement.ExpertPlacement`,
 stacked ``[S, 2I, D]`` / ``[S, D, I]``); routed pairs go to their experts' ranks and back through
 the ``moe_dispatch`` / ``moe_combine`` ops.  The shared expert runs locally.  Inside
 :func:`~deepinfer_core.ops.expert_parallel.fixed_dispatch_rows` ``(rows)`` (a decode graph of
@@ -16,8 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.distributed.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
-from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.contract.parallel import ParallelState
+from deepinfer_core.contract.placement import EXPERT_PLACEMENT_KEY, ExpertPlacement
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.expert_parallel import dispatch_rows
 from deepinfer_core.weights.quant import Weight

@@ -3,7 +3,7 @@
 This is the single source of truth used by weight loading (to check names, shapes and
 dtypes), by ``deepinfer make-tiny`` (to create random checkpoints) and by the model (to
 bind tensors).  Names follow HF transformers' ``DeepseekV4ForCausalLM`` state dict; the
-native DeepSeek names are mapped onto these by :mod:`deepinfer_core.weights.names`.
+native DeepSeek names are mapped onto these by :mod:`deepinfer_core.models.deepseek_v4.names`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def parameter_specs(cfg: DeepseekV4Config) -> dict[str, ParamSpec]:
 MTP_PREFIX = "model.mtp."
 """HF-style names of the multi-token-prediction layers: ``model.mtp.{i}.<name>``, the block's
 tensors under the same sub-names as a main layer's (``self_attn.*``, ``mlp.*``, ``attn_hc.*``,
-...), mapped from the native ``mtp.{i}.*`` by :mod:`deepinfer_core.weights.names`."""
+...), mapped from the native ``mtp.{i}.*`` by :mod:`deepinfer_core.models.deepseek_v4.names`."""
 
 MTP_SHARED = ("embed_tokens.weight", "lm_head.weight")
 """MTP tensors a checkpoint may leave out: the layer then shares the main model's embedding

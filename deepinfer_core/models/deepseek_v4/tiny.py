@@ -26,10 +26,12 @@ from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from deepinfer_core.errors import ConfigError
-from deepinfer_core.weights import save_checkpoint, writer
+from deepinfer_core.weights.writer import set_ordinary_mode
 
+from . import writer
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .params import MTP_SHARED, ParamSpec, mtp_parameter_specs, parameter_specs, target_dtype
+from .writer import save_checkpoint
 
 logger = logging.getLogger("deepinfer.model")
 
@@ -214,7 +216,7 @@ def make_tiny(
     """Write a complete tiny DeepSeek-V4 checkpoint to ``outdir`` and return its path.
 
     Same arguments give byte-identical files.  ``save_options`` go to
-    :func:`deepinfer_core.weights.writer.save_checkpoint` (``names="native"``,
+    :func:`deepinfer_core.models.deepseek_v4.writer.save_checkpoint` (``names="native"``,
     ``fp8_linear``, ``fp4_experts``, ``max_shard_bytes``, ...).  With the defaults the
     directory loads both in DeepInfer and in ``transformers.DeepseekV4ForCausalLM``.
     """
@@ -283,7 +285,7 @@ def _build_into(root: Path, final: Path, seed: int) -> None:
     aside = None
     try:
         make_tiny(tmp, seed=seed)
-        writer.set_ordinary_mode(tmp)  # mkdtemp made it 0700
+        set_ordinary_mode(tmp)  # mkdtemp made it 0700
         try:
             os.rename(tmp, final)
         except OSError:

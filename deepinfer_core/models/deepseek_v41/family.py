@@ -17,13 +17,17 @@ from typing import Any
 
 import torch
 
-from deepinfer_core.distributed.state import ParallelState
+from deepinfer_core.contract.parallel import ParallelState
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.registry import ModelFamily
 from deepinfer_core.ops import OpTable
 
 from . import ops as _ops  # noqa: F401  (registers the deepseek_v41.* ops before the op table is built)
 from .config import MODEL_TYPE, DeepseekV41Config
+from .engram import EngramLayout, compressed_token_map, token_map_for_vocab
+from .model import DeepseekV41Model
+from .weights import load_dspark_weights
+from .weights import load_weights as load
 
 DESCRIPTION = "DeepSeek-V4.1 (causal encoder-decoder: shared compressed KV, two-level top-k, single-pass mHC)"
 
@@ -78,8 +82,6 @@ def load_weights(
     (one-line :class:`ConfigError`), data parallelism loads every weight on every rank."""
     _refuse_parallel(parallel)
     _refuse(cfg)
-    from .weights import load_weights as load
-
     token_map = _engram_token_map(Path(model_dir), cfg) if cfg.engram_layer_ids else None
     weights = load(model_dir, cfg, dtype, device, keep_quantized=keep)
     if token_map is not None:
@@ -88,8 +90,6 @@ def load_weights(
 
 
 def _engram_token_map(model_dir: Path, cfg: DeepseekV41Config) -> torch.Tensor:
-    from .engram import EngramLayout, compressed_token_map, token_map_for_vocab
-
     EngramLayout.from_config(cfg).check(cfg, str(model_dir / "config.json"))
     path = model_dir / "tokenizer.json"
     if not path.is_file():
@@ -112,8 +112,6 @@ def load_mtp_weights(
 ) -> dict[str, Any]:
     """The DSpark drafter's tensors (``mtp.*``, :func:`~.weights.load_dspark_weights`), for the
     ``dspark`` drafter; a one-line :class:`ConfigError` when the checkpoint lacks them."""
-    from .weights import load_dspark_weights
-
     return load_dspark_weights(model_dir, cfg, dtype, device, keep_quantized=keep)
 
 
@@ -124,8 +122,6 @@ def build_model(
     expert and context parallelism like :func:`load_weights`."""
     _refuse_parallel(parallel)
     _refuse(cfg)
-    from .model import DeepseekV41Model
-
     return DeepseekV41Model(cfg, weights, ops)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer_core.engine.step_inputs import StepInputs
+from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.models.deepseek_v4.metadata import StepMetadata, build_metadata
 from deepinfer_core.ops.attention import PagedIndex
 

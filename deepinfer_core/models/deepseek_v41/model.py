@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.engine.step_inputs import StepInputs
+from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, RingSpec, SlotStateSpec
 from deepinfer_core.models.deepseek_v4.fused import FusedProjection

@@ -48,6 +48,7 @@ from deepinfer_core.ops.modes import (
     tiled_linear,
 )
 from deepinfer_core.ops.registry import define_op, get_op
+from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
 
 NAMESPACE = "deepseek_v41"
 
@@ -348,8 +349,6 @@ def engram_hash(
 
 
 def _rows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-    from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
-
     table = randn(g, 50, 64)
     data, scale = quant_fp8(table, (1, 32), "ue8m0")
     ids = torch.randint(0, 50, (5, 3), generator=g)
@@ -374,8 +373,6 @@ def engram_rows(table: Any, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tens
         ``[T, C * E]`` in ``dtype``: the rows side by side (a quantised row as ``data * scale``
         in fp32, then cast).
     """
-    from deepinfer_core.weights.quant import QuantizedTensor
-
     flat = ids.reshape(-1)
     if isinstance(table, QuantizedTensor):
         data = table.data.view(torch.uint8).index_select(0, flat).view(table.data.dtype).float()

@@ -43,7 +43,9 @@ from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4, quant_fp8
 from deepinfer_core.weights.writer import save_safetensors
 
 from .config import DeepseekV41Config
+from .family import parse_config
 from .params import EXPERT_STACKS, ParamSpec, dspark_parameter_specs, parameter_specs, target_dtype
+from .weights import load_weights
 
 TINY_TEXT_CONFIG: dict[str, Any] = {
     "model_type": "deepseek_v41_text",
@@ -226,9 +228,6 @@ def native_tensors(
 
 def dequantized_weights(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """The weights of a (possibly quantised) tiny checkpoint as plain tensors by inventory name."""
-    from .family import parse_config
-    from .weights import load_weights
-
     cfg = parse_config(json.loads((Path(model_dir) / "config.json").read_text()), str(model_dir))
     weights = load_weights(model_dir, cfg, dtype)
     return {k: v.dequantize(dtype) if isinstance(v, QuantizedTensor) else v for k, v in weights.items()}

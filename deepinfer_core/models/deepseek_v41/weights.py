@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
-from deepinfer_core.weights.host_mapped import device_view_of_host
-from deepinfer_core.weights.loader import (
+from deepinfer_core.models.deepseek_v4.loader import (
     _check_shape,
     _empty_stack,
     _keep_formats,
@@ -40,7 +39,8 @@ from deepinfer_core.weights.loader import (
     _read,
     check_stored_shapes,
 )
-from deepinfer_core.weights.names import ExpertSlice, scale_owner
+from deepinfer_core.models.deepseek_v4.names import ExpertSlice, scale_owner
+from deepinfer_core.weights.host_mapped import device_view_of_host
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
 from deepinfer_core.weights.safetensors_io import TensorSource, discover_shards, shard_header
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepinfer_core.config import EngineConfig, SpeculativeConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.engine.batch import SeqChunk
+from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.models.cache_spec import PagedSpec, SlotStateSpec, spec_bytes
 from deepinfer_core.models.deepseek_v41.family import FAMILY

@@ -20,30 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
-from deepinfer_core.models.deepseek_v4.config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
-from deepinfer_core.models.deepseek_v4.params import (
-    MTP_PREFIX,
-    MTP_SHARED,
-    ParamSpec,
-    mtp_parameter_specs,
-    parameter_specs,
-    target_dtype,
-)
-
-from .names import (
-    ExpertSlice,
-    expert_native_names,
-    hf_to_native,
-    is_dspark_stage,
-    is_expert_stack,
-    is_ignorable,
-    is_mtp,
-    mtp_layer,
-    native_to_hf,
-    scale_candidates,
-    scale_owner,
-)
-from .quant import (
+from deepinfer_core.weights.quant import (
     _FP4_X2,
     DEFAULT_FP8_BLOCK,
     FP4_EXPERTS,
@@ -57,7 +34,30 @@ from .quant import (
     dequant_fp4,
     dequant_fp8,
 )
-from .safetensors_io import TensorInfo, TensorSource, discover_shards, read_headers
+from deepinfer_core.weights.safetensors_io import TensorInfo, TensorSource, discover_shards, read_headers
+
+from .config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
+from .names import (
+    ExpertSlice,
+    expert_native_names,
+    hf_to_native,
+    is_dspark_stage,
+    is_expert_stack,
+    is_ignorable,
+    is_mtp,
+    mtp_layer,
+    native_to_hf,
+    scale_candidates,
+    scale_owner,
+)
+from .params import (
+    MTP_PREFIX,
+    MTP_SHARED,
+    ParamSpec,
+    mtp_parameter_specs,
+    parameter_specs,
+    target_dtype,
+)
 
 logger = logging.getLogger(__name__)
 _MAX_LISTED = 5
@@ -67,7 +67,7 @@ _DENSE_KINDS = frozenset({"linear", "linear_bf16"})
 _LAYER_STACK_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.")
 LocalExperts = Mapping[int, Sequence[int]]
 """Expert parallelism: ``{layer: the logical expert of each local slot}`` (an
-:class:`~deepinfer_core.distributed.placement.ExpertPlacement`'s ``local_logical``)."""
+:class:`~deepinfer_core.contract.placement.ExpertPlacement`'s ``local_logical``)."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from deepinfer_core.sampling.sampler import host_to_device, top_logprobs
 
 if TYPE_CHECKING:
-    from deepinfer_core.engine.batch import SeqChunk
+    from deepinfer_core.contract.batch import SeqChunk
     from deepinfer_core.engine.request import Request
 
 
