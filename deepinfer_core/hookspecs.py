@@ -15,12 +15,15 @@ knows which plugin registered what and can report name clashes naming both plugi
 run once, at start-up; the per-token path only calls the plain objects they registered.
 
 Hook implementations may accept a subset of the documented parameters (pluggy passes only
-the arguments a function names).
+the arguments a function names).  Each parameter is annotated with its type; a type defined in
+a higher layer of the core (the engine configuration, the engine, its step statistics, a
+backend spec) cannot be imported here and is named in the parameter's ``:type:`` line.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import pluggy
 
@@ -30,13 +33,35 @@ hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
+class RegisterBackend(Protocol):
+    """The ``register`` callback of :func:`deepinfer_register_backends`."""
+
+    def __call__(self, spec: Any, /) -> None:
+        """Register one :class:`deepinfer_core.backends.BackendSpec`."""
+
+
+class Register(Protocol):
+    """The ``register`` callback of every component registration hook (models, logits
+    processors, drafters, structured-output backends, schedulers)."""
+
+    def __call__(
+        self,
+        name: str,
+        factory: Callable[[], Any],
+        description: str = "",
+        is_available: Callable[[], tuple[bool, str | None]] | None = None,
+    ) -> None:
+        """Register component ``name``: ``factory()`` returns it (imported lazily),
+        ``is_available()`` says whether it can run here and, if not, why."""
+
+
 # -------------------------------------------------------------------------------------------
 # Registration hooks: called once when the plugins are loaded
 # -------------------------------------------------------------------------------------------
 
 
 @hookspec
-def deepinfer_register_backends(register: Any) -> None:
+def deepinfer_register_backends(register: RegisterBackend) -> None:
     """Register hardware backends.
 
     :param register: call ``register(spec)`` once per backend, with a
@@ -50,7 +75,7 @@ def deepinfer_register_backends(register: Any) -> None:
 
 
 @hookspec
-def deepinfer_register_models(register: Any) -> None:
+def deepinfer_register_models(register: Register) -> None:
     """Register model architectures by ``model_type`` (the field of the model's ``config.json``).
 
     :param register: call ``register(model_type, factory, description="", is_available=None)``;
@@ -65,21 +90,33 @@ def deepinfer_register_models(register: Any) -> None:
 
 
 @hookspec
-def deepinfer_register_samplers(register: Any) -> None:
+def deepinfer_register_logits_processors(register: Register) -> None:
     """Register logits processors, selected per request by name
     (``SamplingParams(logits_processors={"name": {...}})``).
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
         ``factory`` is a zero-argument callable returning a
         :class:`~deepinfer_core.sampling.logits_processors.LogitsProcessor` subclass, which the
-        engine instantiates once with ``(vocab_size, device)`` on first use.
+        engine instantiates once with ``(vocab_size, device)`` on first use
+        (:mod:`deepinfer_core.engine.logits_processing`).
 
     Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
     """
 
 
 @hookspec
-def deepinfer_register_drafters(register: Any) -> None:
+def deepinfer_register_samplers(register: Register) -> None:
+    """Deprecated name of :func:`deepinfer_register_logits_processors` (same parameter, same
+    effect); a plugin implementing it gets one deprecation line in the log at load time.
+
+    :param register: as for :func:`deepinfer_register_logits_processors`.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
+def deepinfer_register_drafters(register: Register) -> None:
     """Register speculative-decoding drafters, selected by ``SpeculativeConfig.drafter``.
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
@@ -93,7 +130,7 @@ def deepinfer_register_drafters(register: Any) -> None:
 
 
 @hookspec
-def deepinfer_register_structured_backends(register: Any) -> None:
+def deepinfer_register_structured_backends(register: Register) -> None:
     """Register structured-output (grammar / JSON schema / regex) backends.
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
@@ -115,7 +152,7 @@ def deepinfer_register_structured_backends(register: Any) -> None:
 
 
 @hookspec
-def deepinfer_register_schedulers(register: Any) -> None:
+def deepinfer_register_schedulers(register: Register) -> None:
     """Register request schedulers, selected by ``EngineConfig.scheduler`` (``--scheduler``).
 
     :param register: call ``register(name, factory, description="", is_available=None)``;
@@ -136,7 +173,8 @@ def deepinfer_register_schedulers(register: Any) -> None:
 def deepinfer_configure(config: Any) -> None:
     """Called once with the validated engine configuration, before the engine is built.
 
-    :param config: the :class:`deepinfer_core.config.EngineConfig` (treat it as read-only).
+    :param config: the engine options as the user gave them (treat them as read-only).
+    :type config: deepinfer_core.config.EngineConfig
 
     Historic: a plugin registered after the call still receives it.  Not ``firstresult``.
     """
@@ -146,8 +184,10 @@ def deepinfer_configure(config: Any) -> None:
 def deepinfer_engine_started(engine: Any) -> None:
     """Called once the engine has loaded the weights and resolved its backend.
 
-    :param engine: the running engine; ``engine.config``, ``engine.backend`` (the chosen
+    :param engine: the running engine; ``engine.config`` (the frozen
+        :class:`~deepinfer_core.engine.resolved.ResolvedConfig`), ``engine.backend`` (the chosen
         :class:`BackendSpec`) and ``engine.ops`` (the resolved :class:`OpTable`) are stable.
+    :type engine: deepinfer_core.engine.llm_engine.LLMEngine
 
     Not ``firstresult``: every plugin's implementation is called.
     """
@@ -161,6 +201,7 @@ def deepinfer_step_stats(stats: Any) -> None:
         size, prompt / generated / prefix-hit / replayed tokens, preemptions, step time, cache
         usage).  Keep implementations cheap: this runs on the engine loop.  It may call
         ``engine.abort_request(...)``; the abort applies at the next step.
+    :type stats: deepinfer_core.engine.metrics.StepStats
 
     Not ``firstresult``: every plugin's implementation is called.
     """

@@ -1,9 +1,10 @@
-"""Custom logits processors through the ``deepinfer_register_samplers`` hook: a third-party
+"""Custom logits processors through the ``deepinfer_register_logits_processors`` hook: a third-party
 test plugin registers one, requests select it by name, and the engine calls it (arguments and
 prompt at submission, accepted tokens, one batched apply per step, release at the end)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,7 @@ class Recorder(LogitsProcessor):
 
 class Plugin:
     @hookimpl
-    def deepinfer_register_samplers(self, register):
+    def deepinfer_register_logits_processors(self, register):
         register("recorder", lambda: Recorder, description="test recorder")
         register("broken", lambda: Recorder, is_available=lambda: (False, "needs a unicorn"))
 
@@ -140,3 +141,26 @@ def test_an_aborted_request_is_released(engine):
 def test_bad_params_are_refused_naming_the_field(value):
     with pytest.raises(SamplingParamsError, match="logits_processors"):
         SamplingParams(logits_processors=value)
+
+
+class OldNamePlugin:
+    @hookimpl
+    def deepinfer_register_samplers(self, register):
+        register("recorder", lambda: Recorder, description="test recorder")
+
+
+def test_the_deprecated_hook_name_still_registers_and_says_so_once(tiny_dir, caplog):
+    """``deepinfer_register_samplers`` (the hook's old name) registers logits processors as the
+    new name does, with one deprecation line naming the plugin and the new name."""
+    Recorder.instances.clear()
+    with caplog.at_level(logging.WARNING, logger="deepinfer.plugins"):
+        manager = manager_with_plugin(OldNamePlugin(), "old_lp")
+    lines = [r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()]
+    assert len(lines) == 1 and "'old_lp'" in lines[0] and "deepinfer_register_logits_processors" in lines[0]
+    assert manager.get_component("logits_processors", "recorder").plugin == "old_lp"
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), max_num_seqs=2), plugins=manager)
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, logits_processors={"recorder": {"ban": [5]}}
+    )
+    outs = _run(engine, {"a": (_prompt(7), params)})
+    assert 5 not in outs["a"].outputs[0].token_ids and Recorder.instances[0].removed == ["a"]

@@ -10,13 +10,15 @@ from importlib.metadata import EntryPoint
 import pytest
 
 from deepinfer_core.backends import BackendSpec
-from deepinfer_core.errors import PluginError
+from deepinfer_core.errors import ConfigError, PluginError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import (
     PLUGIN_API_VERSION,
+    ComponentLookup,
     PluginManager,
     cmd_plugins,
     get_plugins,
+    subclass_of,
     version_in_range,
 )
 
@@ -315,10 +317,67 @@ def test_every_hook_is_documented_with_its_parameters_and_firstresult():
     from deepinfer_core import hookspecs
 
     names = PluginManager().hook_names()
-    assert len(names) == 9
+    assert len(names) == 10
     for name in names:
         fn = getattr(hookspecs, name)
         doc = inspect.getdoc(fn) or ""
-        for param in inspect.signature(fn).parameters:
+        for param, p in inspect.signature(fn).parameters.items():
             assert f":param {param}:" in doc, f"{name} does not document {param}"
+            # its type: an annotation, or (a type of a higher layer) a :type: line naming it
+            assert p.annotation != "Any" or f":type {param}: deepinfer_core." in doc, (
+                f"{name}: type of {param}"
+            )
         assert "firstresult" in doc, f"{name} does not say whether it is firstresult"
+
+
+def test_component_lookup_builds_once_and_keeps_a_failure_with_its_reason():
+    """One lookup for every kind: found by name, probed, built once; a failure is kept (the
+    probe and the factory are not asked again) and a clashing name names both plugins."""
+    calls = {"probe": 0, "factory": 0, "build": 0}
+
+    def probe():
+        calls["probe"] += 1
+        return False, "needs a unicorn"
+
+    def factory():
+        calls["factory"] += 1
+        return dict
+
+    def deepinfer_register_schedulers(register):
+        register("odd", factory)
+        register("gone", factory, is_available=probe)
+        register("twice", factory)
+
+    manager = core_manager()
+    manager.add_plugin(make_plugin("a", deepinfer_register_schedulers=deepinfer_register_schedulers), "a")
+    manager.add_plugin(
+        make_plugin("b", deepinfer_register_schedulers=lambda register: register("twice", factory)), "b"
+    )
+
+    def build(cls):
+        calls["build"] += 1
+        return cls(x=1)
+
+    lookup = ComponentLookup(manager, "schedulers", "scheduler {}", build=build)
+    assert lookup.get("odd") == {"x": 1} and lookup.get("odd") == {"x": 1}
+    assert calls == {"probe": 0, "factory": 1, "build": 1}
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="^scheduler 'gone' is unavailable: needs a unicorn$"):
+            lookup.get("gone")
+    assert calls["probe"] == 1
+    with pytest.raises(
+        ConfigError, match=r"scheduler 'nope' is not registered \(known: \['fcfs', 'gone', 'odd'\]\)"
+    ):
+        lookup.get("nope")
+    with pytest.raises(PluginError, match=r"scheduler 'twice' is registered by several plugins \['a', 'b'\]"):
+        lookup.get("twice")
+    strict = ComponentLookup(manager, "schedulers", "scheduler {}", check=subclass_of(list))
+    with pytest.raises(
+        ConfigError, match="scheduler 'odd' .plugin 'a'. gave <class 'dict'>, not a subclass of builtins.list"
+    ):
+        strict.get("odd")
+    failing = ComponentLookup(
+        manager, "schedulers", "scheduler {}", error=RuntimeError, build=lambda cls: cls(1)
+    )
+    with pytest.raises(RuntimeError, match="^scheduler 'odd' failed to start: "):
+        failing.get("odd")

@@ -20,6 +20,7 @@ from deepinfer_core.devices import check_device
 from deepinfer_core.distributed.eplb import EplbController
 from deepinfer_core.distributed.init import check_parallel_config
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
+from deepinfer_core.engine.logits_processing import LogitsProcessors
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.prompt_logprobs import logit_rows, record_prompt_logprobs
@@ -37,7 +38,7 @@ from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
 from deepinfer_core.models.registry import default_model_dir, resolve_family
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.plugins import get_plugins
-from deepinfer_core.sampling.logits_processors import LogitsProcessor
+from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
@@ -244,7 +245,7 @@ class LLMEngine:
             self.eos_token_ids,
             overlap=self.runner.device.type == "cpu",  # the forward runs on this thread
         )
-        self._processors: dict[str, Any] = {}  # logits processor instance (or why not) by name
+        self.processors = LogitsProcessors(plugins, self.model_config.vocab_size, self.runner.device)
         self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
         self.spec = self._speculative(drafter_cls)
         plugins.engine_started(self)
@@ -417,7 +418,7 @@ class LLMEngine:
         if error is None and params.structured_outputs is not None:
             error = self.structured.attach(req)
         if error is None and params.logits_processors:
-            error = self._attach_processors(req)
+            error = self.processors.attach(req)
         if error is not None:
             req.finish("error", error)
             self._errored.append(req)
@@ -428,76 +429,8 @@ class LLMEngine:
     def _scheduler_class(self) -> type[Scheduler]:
         """The scheduler class registered as ``config.scheduler``; :class:`ConfigError` naming the
         registered ones when it is unknown, unavailable or not a :class:`Scheduler`."""
-        name = self.config.scheduler
-        return self.plugins.component_class("schedulers", name, Scheduler, f"scheduler {name!r}")
-
-    def _logits_processor(self, name: str) -> LogitsProcessor:
-        """The engine's instance of logits processor ``name`` (built on first use); raises
-        :class:`RuntimeError` naming the registered ones when it is unknown or unavailable."""
-        cached = self._processors.get(name)
-        if cached is None:
-            spec = self.plugins.components["samplers"].get(name)
-            if spec is None:
-                known = sorted(self.plugins.components["samplers"])
-                cached = RuntimeError(f"logits processor {name!r} is not registered (known: {known})")
-            else:
-                available, reason = spec.availability()
-                if not available:
-                    cached = RuntimeError(f"logits processor {name!r} is unavailable: {reason}")
-                else:
-                    try:
-                        cached = spec.factory()(self.model_config.vocab_size, self.runner.device)
-                    except Exception as e:
-                        cached = RuntimeError(f"logits processor {name!r} failed to start: {e}")
-            self._processors[name] = cached
-        if isinstance(cached, Exception):
-            raise cached
-        return cached
-
-    def _attach_processors(self, req: Request) -> str | None:
-        """Register ``req`` with the logits processors it selects; the error message if one is
-        unknown or rejects its arguments (the processors it already joined release it)."""
-        assert req.params.logits_processors is not None
-        for name, args in req.params.logits_processors.items():
-            try:
-                self._logits_processor(name).add_request(req.request_id, args, req.prompt_token_ids)
-            except Exception as e:
-                self._release_processors(req)
-                return f"request {req.request_id!r}: logits processor {name!r}: {e}"
-            req.logits_processors.append(name)
-        return None
-
-    def _release_processors(self, req: Request) -> None:
-        """Tell the processors ``req`` joined that it is finished (once)."""
-        names, req.logits_processors = req.logits_processors, []
-        for name in names:
-            self._processors[name].remove_request(req.request_id)
-
-    def _feed_processors(self, requests: list[Request]) -> list[str]:
-        """Give each processor its requests' output tokens appended since the last call
-        (``on_tokens``); returns the processors these requests selected, in their order of
-        selection."""
-        order: list[str] = []
-        for req in requests:
-            if req.logits_processors:
-                new = req.output_token_ids[req.processed_tokens :]
-                req.processed_tokens = len(req.output_token_ids)
-                for name in req.logits_processors:
-                    if new:
-                        self._processors[name].on_tokens(req.request_id, new)
-                    if name not in order:
-                        order.append(name)
-        return order
-
-    def _apply_processors(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Feed each processor its requests' new tokens, then run it once on the batch (rows of
-        other requests as ``None``), in each request's order of selection."""
-        order = self._feed_processors(requests)
-        with torch.inference_mode():  # the logits are inference tensors: in-place edits allowed
-            for name in order:
-                rows = [r.request_id if name in r.logits_processors else None for r in requests]
-                logits = self._processors[name].apply(logits, rows)
-        return logits
+        lookup = ComponentLookup(self.plugins, "schedulers", "scheduler {}", check=subclass_of(Scheduler))
+        return lookup.get(self.config.scheduler)
 
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer
@@ -612,7 +545,7 @@ class LLMEngine:
         batch = SamplingBatch.from_requests(requests, self.eos_token_ids, positions)
         self.structured.apply(batch, requests, masks)
         if any(r.logits_processors for r in requests):
-            logits = self._apply_processors(logits.float(), list(requests))
+            logits = self.processors.apply(logits.float(), list(requests))
         sampled = self.sampler(logits, batch)
         return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
 
@@ -710,7 +643,7 @@ class LLMEngine:
     def make_output(self, req: Request) -> RequestOutput:
         """The user-facing output of a request (text detokenized, stop token excluded from it)."""
         if req.logits_processors and req.is_finished:
-            self._release_processors(req)
+            self.processors.release(req)
         if self.spec is not None and req.is_finished:
             self.spec.release(req)
         want_logprobs = req.params.logprobs is not None

@@ -34,6 +34,7 @@ import torch
 
 from deepinfer_core.engine.request import RequestStatus
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
 from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
@@ -387,7 +388,7 @@ class SpeculativeDecoder:
         m = req.structured_matcher
         if m is not None and not hasattr(m, "rollback"):
             return False
-        return all(self.engine._processors[n].supports_rollback for n in req.logits_processors)
+        return self.engine.processors.can_roll_back(req)
 
     # ---- after the forward -----------------------------------------------------------------------
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> VerifyResult:
@@ -564,8 +565,8 @@ class SpeculativeDecoder:
         """Logits processors on every row: each gets a request's new output tokens, then per
         verified position ``i`` its draft ``d_i`` and one ``apply`` over the rows at ``i``;
         afterwards the drafts are rolled back (``on_rollback``)."""
-        procs = self.engine._processors
-        order = self.engine._feed_processors(reqs)
+        procs = self.engine.processors
+        order = procs.feed(reqs)
         first_row = _first_rows(owner)
         with torch.inference_mode():
             for i in range(1 + max((len(d) for d in drafts), default=0)):
@@ -575,15 +576,15 @@ class SpeculativeDecoder:
                     for ci, req in enumerate(reqs):
                         if name in req.logits_processors and i <= len(drafts[ci]):
                             if i:
-                                procs[name].on_tokens(req.request_id, [drafts[ci][i - 1]])
+                                procs.get(name).on_tokens(req.request_id, [drafts[ci][i - 1]])
                             ids[first_row[ci] + i] = req.request_id
                             any_row = True
                     if any_row:
-                        logits = procs[name].apply(logits, ids)
+                        logits = procs.get(name).apply(logits, ids)
         for ci, req in enumerate(reqs):
             if drafts[ci]:
                 for name in req.logits_processors:
-                    procs[name].on_rollback(req.request_id, len(drafts[ci]))
+                    procs.get(name).on_rollback(req.request_id, len(drafts[ci]))
         return logits
 
     # ---- bookkeeping -----------------------------------------------------------------------------
@@ -666,8 +667,8 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     """The drafter class ``config.drafter`` names among the registered ones
     (``deepinfer_register_drafters``); a one-line :class:`ConfigError` when it is unknown,
     unavailable or not a :class:`Drafter`."""
-    name = config.drafter
-    return plugins.component_class("drafters", name, Drafter, f"speculative.drafter={name!r}")
+    lookup = ComponentLookup(plugins, "drafters", "speculative.drafter={}", check=subclass_of(Drafter))
+    return lookup.get(config.drafter)
 
 
 def check_draft_layers(family: Any, drafter: str, kind: str, model_config: Any = None) -> None:

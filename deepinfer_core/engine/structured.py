@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deepinfer_core.errors import PluginError
+from deepinfer_core.plugins.lookup import ComponentLookup, Unusable
 from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_words
 
 if TYPE_CHECKING:
@@ -71,34 +73,21 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.overlap = overlap
-        self._backends: dict[str, Any] = {}  # backend instance (or why not) by name
+        self._backends = backend_lookup(plugins, build=self._build)  # built once each, or why not
         self._pool: ThreadPoolExecutor | None = None
 
     # ---- backends and matchers -------------------------------------------------------------------
     def backend(self, name: str) -> Any:
         """The grammar backend ``name`` (built once per engine); raises :class:`RuntimeError`
         naming what to install when it is unknown or unavailable."""
-        cached = self._backends.get(name)
-        if cached is None:
-            cached = self._build(name)
-            self._backends[name] = cached
-        if isinstance(cached, Exception):
-            raise cached
-        return cached
+        return self._backends.get(name)
 
-    def _build(self, name: str) -> Any:
-        try:
-            cls = backend_class(self.plugins, name)
-        except RuntimeError as e:
-            return e
+    def _build(self, cls: Any) -> Any:
         if self.tokenizer is None:
-            return RuntimeError(
+            raise Unusable(
                 f"structured outputs need a tokenizer, and the engine has none ({self.tokenizer_error})"
             )
-        try:
-            return cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        except Exception as e:
-            return RuntimeError(f"structured outputs backend {name!r} failed to start: {e}")
+        return cls(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def attach(self, req: Request) -> str | None:
         """Give ``req`` its grammar matcher (``req.structured_matcher``); the error message (one
@@ -107,7 +96,7 @@ class StructuredOutputs:
         assert spec is not None
         try:
             backend = self.backend(spec.backend)
-        except RuntimeError as e:
+        except (RuntimeError, PluginError) as e:
             return f"request {req.request_id!r}: structured outputs: {e}"
         try:
             req.structured_matcher = backend.matcher(spec)
@@ -194,21 +183,19 @@ class StructuredOutputs:
             self._pool = None
 
 
-def backend_class(plugins: Any, name: str) -> Any:
-    """The class of the grammar backend registered as ``name`` (its plugin factory's result);
-    :class:`RuntimeError` naming what to install when it is unknown or unavailable."""
-    spec = plugins.components["structured_backends"].get(name)
-    if spec is None:
-        known = sorted(plugins.components["structured_backends"])
-        raise RuntimeError(
-            f"structured outputs backend {name!r} is not registered (known: {known}); "
-            "'llguidance' and 'xgrammar' come with the samplers plugin, from the root of a "
-            "DeepInfer checkout: pip install -e 'plugins/samplers[structured]'"
-        )
-    available, reason = spec.availability()
-    if not available:  # the plugin's reason says what to install
-        raise RuntimeError(f"structured outputs backend {name!r} is unavailable: {reason}")
-    return spec.factory()
+def backend_lookup(plugins: Any, build: Any = None) -> ComponentLookup:
+    """The lookup of grammar backends: :class:`RuntimeError` naming what to install when one is
+    unknown or unavailable (the plugin's probe says what); ``build`` makes the kept instance
+    from the class (default: the class itself)."""
+    return ComponentLookup(
+        plugins,
+        "structured_backends",
+        "structured outputs backend {}",
+        error=RuntimeError,
+        hint="; 'llguidance' and 'xgrammar' come with the samplers plugin, from the root of a "
+        "DeepInfer checkout: pip install -e 'plugins/samplers[structured]'",
+        build=build,
+    )
 
 
 def check_spec(plugins: Any, spec: Any) -> None:
@@ -221,8 +208,8 @@ def check_spec(plugins: Any, spec: Any) -> None:
     ``check_spec`` checks each spec when its request is added, as always.
     """
     try:
-        cls = backend_class(plugins, spec.backend)
-    except RuntimeError as e:
+        cls = backend_lookup(plugins).get(spec.backend)
+    except (RuntimeError, PluginError) as e:
         raise ValueError(str(e)) from None
     check = getattr(cls, "check_spec", None)
     if check is None:

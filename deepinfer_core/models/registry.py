@@ -30,6 +30,7 @@ from deepinfer_core.errors import ConfigError, PluginError
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
 from deepinfer_core.ops import OpTable
 from deepinfer_core.plugins import get_plugins
+from deepinfer_core.plugins.lookup import ComponentLookup
 
 DEFAULT_MODEL_TYPE = "deepseek_v4"
 """The family whose built-in model the engine runs when no model is given."""
@@ -186,26 +187,22 @@ def _text_config(data: dict[str, Any], known: Collection[str]) -> dict[str, Any]
 
 def get_family(plugins: Any, model_type: str, source: str = "config.json") -> ModelFamily:
     """The registered family of ``model_type``; a one-line :class:`ConfigError` listing the
-    registered families when none is."""
-    registry = plugins.components["models"]
-    if model_type not in registry and ("models", model_type) not in plugins.clashes:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not supported; registered model families: "
-            f"{sorted(registry) or 'none'} ({PLUGIN_HINT})"
+    registered families when none is (a :class:`PluginError` when the plugin's factory gives
+    something else than a :class:`ModelFamily` of that ``model_type``)."""
+
+    def check(family: Any, spec: Any) -> str | None:
+        if isinstance(family, ModelFamily) and family.model_type == model_type:
+            return None
+        return (
+            f"(plugin {spec.plugin!r}): the factory returned {family!r}; expected a ModelFamily "
+            f"with model_type {model_type!r}"
         )
-    spec = plugins.get_component("models", model_type)  # raises naming both plugins on a clash
-    available, reason = spec.availability()
-    if not available:
-        raise ConfigError(
-            f"{source}: model family {model_type!r} (plugin {spec.plugin!r}) is unavailable: {reason}"
-        )
-    family = spec.factory()
-    if not isinstance(family, ModelFamily) or family.model_type != model_type:
-        raise PluginError(
-            f"plugin {spec.plugin!r} registered model_type {model_type!r} with a factory returning "
-            f"{family!r}; expected a ModelFamily with model_type {model_type!r}"
-        )
-    return family
+
+    label = f"{source}: model_type {{}}"
+    lookup = ComponentLookup(
+        plugins, "models", label, hint=f"; {PLUGIN_HINT}", check=check, check_error=PluginError
+    )
+    return lookup.get(model_type)
 
 
 def resolve_family(model_dir: str | Path, plugins: Any = None) -> tuple[ModelFamily, Any]:

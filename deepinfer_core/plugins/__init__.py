@@ -17,7 +17,8 @@ Loading follows these rules:
 
 Modules: :mod:`.versions` (API ranges), :mod:`.records` (constants, :class:`PluginInfo`,
 :class:`ComponentSpec`), :mod:`.manager` (:class:`PluginManager`, the process-wide manager),
-:mod:`.report` (the rows of ``deepinfer plugins``).
+:mod:`.report` (the rows of ``deepinfer plugins``), :mod:`.lookup` (:class:`ComponentLookup`: a
+registered component by name, checked, built, its failure kept).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 from typing import Any
 
+from deepinfer_core.plugins.lookup import ComponentLookup, Unusable, subclass_of
 from deepinfer_core.plugins.manager import PluginManager, get_plugins, reset_plugins
 from deepinfer_core.plugins.records import (
     ALLOW_ENV,
@@ -44,6 +46,7 @@ __all__ = [
     "CORE_PLUGIN",
     "ENTRY_POINT_GROUP",
     "PLUGIN_API_VERSION",
+    "ComponentLookup",
     "ComponentSpec",
     "PluginInfo",
     "PluginManager",
@@ -53,6 +56,8 @@ __all__ = [
     "parse_version",
     "plugins_report",
     "reset_plugins",
+    "subclass_of",
+    "Unusable",
     "version_in_range",
 ]
 

@@ -13,11 +13,12 @@ import pluggy
 
 from deepinfer_core import hookspecs
 from deepinfer_core.backends.base import Availability, BackendSpec, always_available
-from deepinfer_core.errors import BackendError, ConfigError, PluginError
+from deepinfer_core.errors import BackendError, PluginError
 from deepinfer_core.plugins.records import (
     ALLOW_ENV,
     COMPONENT_KINDS,
     CORE_PLUGIN,
+    DEPRECATED_HOOKS,
     ENTRY_POINT_GROUP,
     ComponentSpec,
     PluginInfo,
@@ -33,8 +34,9 @@ class PluginManager:
     Attributes:
         plugins: every plugin seen, by name (including failed and disabled ones).
         backends: backend name -> :class:`BackendSpec`.
-        components: kind (``models``, ``samplers``, ``drafters``, ``structured_backends``,
-            ``schedulers``) -> name -> :class:`ComponentSpec`.
+        components: kind (``models``, ``logits_processors``, ``drafters``,
+            ``structured_backends``, ``schedulers``) -> name -> :class:`ComponentSpec`; found
+            by name through :class:`~deepinfer_core.plugins.lookup.ComponentLookup`.
         clashes: ``(kind, name)`` -> the plugins that registered it; the name is withdrawn.
     """
 
@@ -153,10 +155,19 @@ class PluginManager:
         }
         for kind in COMPONENT_KINDS:
             calls[f"deepinfer_register_{kind}"] = self._component_callback(kind, info)
+        for old, kind in DEPRECATED_HOOKS.items():
+            calls[old] = self._component_callback(kind, info)
         for hook_name, register in calls.items():
             for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
                 if impl.plugin_name != info.name:
                     continue
+                if hook_name in DEPRECATED_HOOKS:
+                    logger.warning(
+                        "plugin %r implements %s, a deprecated name: rename it deepinfer_register_%s",
+                        info.name,
+                        hook_name,
+                        DEPRECATED_HOOKS[hook_name],
+                    )
                 try:
                     impl.function(**{arg: register for arg in impl.argnames})
                 except Exception as exc:
@@ -237,26 +248,6 @@ class PluginManager:
         if name not in self.components[kind]:
             raise PluginError(f"unknown {kind} entry {name!r}; known: {sorted(self.components[kind])}")
         return self.components[kind][name]
-
-    def component_class(self, kind: str, name: str, base: type, label: str) -> type:
-        """The class registered as ``name`` of ``kind`` (its factory's result), checked to be
-        a subclass of ``base``; a one-line :class:`~deepinfer_core.errors.ConfigError` (starting
-        with ``label``, e.g. ``"scheduler 'x'"``) when it is unknown, unavailable or of the
-        wrong type."""
-        registry = self.components[kind]
-        spec = registry.get(name)
-        if spec is None:
-            raise ConfigError(f"{label} is not registered (known: {sorted(registry)})")
-        available, reason = spec.availability()
-        if not available:
-            raise ConfigError(f"{label} is unavailable: {reason}")
-        cls = spec.factory()
-        if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise ConfigError(
-                f"{label} (plugin {spec.plugin!r}) gave {cls!r}, not a subclass of "
-                f"{base.__module__}.{base.__qualname__}"
-            )
-        return cls
 
     # -- lifecycle hooks
 

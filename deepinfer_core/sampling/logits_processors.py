@@ -1,6 +1,6 @@
 """Custom logits processors: per-request state, a batched apply on the device, token callbacks.
 
-A plugin registers a processor class through the ``deepinfer_register_samplers`` hook
+A plugin registers a processor class through the ``deepinfer_register_logits_processors`` hook
 (``register(name, factory)``, ``factory()`` returning the class); a request selects it by name
 with ``SamplingParams(logits_processors={"name": {...args}})`` (or a list of names, each with
 no arguments).  The engine builds one instance per processor per engine, on first use, with the

@@ -22,7 +22,7 @@ LLGUIDANCE_MISSING = (
 
 
 @hookimpl
-def deepinfer_register_samplers(register: Callable[..., None]) -> None:
+def deepinfer_register_logits_processors(register: Callable[..., None]) -> None:
     """Register the ``no_repeat_ngram`` logits processor."""
 
     def factory() -> Any:

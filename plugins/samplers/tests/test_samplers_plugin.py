@@ -17,7 +17,7 @@ def manager() -> PluginManager:
 
 def test_registers_its_components_and_no_drafter(manager):
     row = next(r for r in manager.report() if r["name"] == "samplers")
-    assert [e["name"] for e in row["samplers"]] == ["no_repeat_ngram"]
+    assert [e["name"] for e in row["logits_processors"]] == ["no_repeat_ngram"]
     assert sorted(e["name"] for e in row["structured_backends"]) == ["llguidance", "xgrammar"]
     assert row.get("drafters", []) == []
     assert not hasattr(plugin, "deepinfer_register_drafters")
