@@ -48,7 +48,7 @@ def _check_config(name: str, device: str, work: Path, backend: str = "reference"
     with torch.no_grad():
         ref = model(torch.tensor([ids], device=device)).logits[0].float()
     cfg = EngineConfig(model=str(path), dtype="float32", device=device, max_num_seqs=4, page_size=16)
-    runner = ModelRunner(path, cfg, resolve_backend(backend)[1])
+    runner = ModelRunner.load(path, cfg, resolve_backend(backend)[1])
     pages = runner.kv_cache.allocate_pages(runner.kv_cache.pages_needed(len(ids)))
     ours = torch.cat(
         [
@@ -92,7 +92,7 @@ def _check_config(name: str, device: str, work: Path, backend: str = "reference"
 def _decode_step_ms(device: str, work: Path, batch: int = 64) -> float:
     path = save_hf_model(build_hf_model("all_types"), work / "timing")
     cfg = EngineConfig(model=str(path), dtype="float32", device=device, max_num_seqs=batch, page_size=16)
-    runner = ModelRunner(path, cfg, OpTable.reference())
+    runner = ModelRunner.load(path, cfg, OpTable.reference())
     tables = [runner.kv_cache.allocate_pages(runner.kv_cache.pages_needed(128)) for _ in range(batch)]
     ids = torch.randint(2, 300, (batch, 32))
     runner.execute([SeqChunk(i, ids[i].tolist(), 0, tables[i]) for i in range(batch)])

@@ -26,7 +26,7 @@ def _runner(path: Path, batch_invariant: bool) -> ModelRunner:
     cfg = EngineConfig(
         model=str(path), dtype="float32", max_num_seqs=32, max_model_len=256, batch_invariant=batch_invariant
     )
-    return ModelRunner(path, cfg, OpTable.reference())
+    return ModelRunner.load(path, cfg, OpTable.reference())
 
 
 def _ids(seed: int, n: int, vocab: int = tiny.TINY_VOCAB_SIZE) -> list[int]:

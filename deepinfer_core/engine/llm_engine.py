@@ -8,41 +8,27 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from deepinfer_core.backends.resolve import resolve_backend
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.contract.parallel import ParallelState
-from deepinfer_core.devices import check_device
-from deepinfer_core.distributed.eplb import EplbController
-from deepinfer_core.distributed.init import check_parallel_config
+from deepinfer_core.engine.builder import build_engine_parts, resolve_model_dir, resolve_tokenizer_dir
 from deepinfer_core.engine.detokenizer import IncrementalDetokenizer
-from deepinfer_core.engine.logits_processing import LogitsProcessors
 from deepinfer_core.engine.metrics import Metrics, StepStats
-from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.prompt_logprobs import logit_rows, record_prompt_logprobs
 from deepinfer_core.engine.request import Request, RequestStatus
-from deepinfer_core.engine.scheduler import Scheduler, SchedulerOutput
-from deepinfer_core.engine.speculative import (
-    SpeculativeDecoder,
-    VerifyResult,
-    check_draft_layers,
-    drafter_class,
-)
-from deepinfer_core.engine.structured import MaskFill, StructuredOutputs
-from deepinfer_core.errors import ConfigError, RequestError, SamplingParamsError
-from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
-from deepinfer_core.models.registry import default_model_dir, resolve_family
+from deepinfer_core.engine.resolved import ResolvedConfig
+from deepinfer_core.engine.scheduler import SchedulerOutput
+from deepinfer_core.engine.speculative import SpeculativeDecoder, VerifyResult
+from deepinfer_core.engine.structured import MaskFill
+from deepinfer_core.errors import RequestError, SamplingParamsError
 from deepinfer_core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer_core.plugins import get_plugins
-from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
-from deepinfer_core.tokenizer import load_tokenizer
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -62,57 +48,9 @@ class _Launched:
 __all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir"]
 
 
-def resolve_model_dir(
-    model: str | None, revision: str | None = None, download_dir: str | None = None, plugins: Any = None
-) -> Path:
-    """The model directory that ``model`` names.
-
-    * ``None``: the default model family's built-in tiny model, made locally on first use
-      (never a download; :func:`~deepinfer_core.models.registry.default_model_dir`, through
-      ``plugins``, default the process-wide plugin manager).
-    * an existing local directory: that directory (``revision`` does not apply: a warning).
-    * otherwise, a Hugging Face Hub repo id ``org/name`` or ``org/name@revision`` (e.g.
-      ``deepseek-ai/DeepSeek-V4.1-Flash-1017``): its snapshot directory, fetched by
-      ``huggingface_hub.snapshot_download`` (configs, safetensors and tokenizer files, never
-      pickles) into ``download_dir`` or the HF cache (``$HF_HUB_CACHE``, ``$HF_HOME/hub``);
-      with ``HF_HUB_OFFLINE=1`` the cache alone is read.  The only case that uses the network.
-      See :mod:`deepinfer_core.hub`.
-
-    Raises:
-        ConfigError: a missing local path that is not a Hub id; a Hub id that cannot be had
-            (uncached offline, no network, unknown repo or revision, ``huggingface_hub`` not
-            installed) — one line naming the id and how to point at a local copy.
-    """
-    if model is None:
-        return default_model_dir(plugins)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if revision is not None:
-            logger.warning("revision=%r ignored: model %s is a local directory", revision, path)
-        return path
-    if not path.exists() and parse_repo_id(model) is not None:
-        return snapshot_dir(model, revision=revision, download_dir=download_dir)
-    raise ConfigError(
-        f"model={model!r}: no such directory; pass a directory holding config.json and safetensors, "
-        "a Hugging Face Hub repo id (org/name), or omit model to use the built-in tiny model"
-    )
-
-
-def resolve_tokenizer_dir(tokenizer: str | None, model_dir: Path, download_dir: str | None = None) -> Path:
-    """The tokenizer directory: ``model_dir`` when ``tokenizer`` is ``None``, a local path as
-    given, or the snapshot of a Hub repo id (``org/name[@revision]``; tokenizer files only)."""
-    if tokenizer is None:
-        return model_dir
-    path = Path(tokenizer).expanduser()
-    if not path.exists() and parse_repo_id(tokenizer) is not None:
-        return snapshot_dir(
-            tokenizer, download_dir=download_dir, what="tokenizer", patterns=TOKENIZER_PATTERNS
-        )
-    return path
-
-
 class LLMEngine:
-    """Owns the scheduler, the model runner, the sampler and the tokenizer.
+    """The step loop over the parts :func:`~deepinfer_core.engine.builder.build_engine_parts`
+    wires: the scheduler, the model runner, the sampler and the tokenizer.
 
     Args:
         config: the validated engine configuration (``config.model`` ``None`` = built-in tiny model).
@@ -124,8 +62,8 @@ class LLMEngine:
             ranks' expert-parallel collectives line up.
 
     Attributes:
-        config: the configuration with ``dtype``, ``device``, ``max_model_len`` and ``page_size``
-            resolved.
+        config: the frozen :class:`~deepinfer_core.engine.resolved.ResolvedConfig` (``dtype``,
+            ``device``, ``max_model_len``, ``page_size``... resolved; the other options as given).
         backend: the chosen :class:`~deepinfer_core.backends.BackendSpec`.
         ops: the resolved :class:`~deepinfer_core.ops.OpTable`.
         family: the :class:`~deepinfer_core.models.registry.ModelFamily` of the checkpoint's
@@ -136,130 +74,37 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, plugins: Any = None, parallel: ParallelState | None = None):
-        if plugins is None:
-            plugins = get_plugins()
-        self.plugins = plugins
-        self.parallel = parallel
-        plugins.configure(config)
-        model_dir = resolve_model_dir(config.model, config.revision, config.download_dir, plugins)
-        tokenizer_dir = resolve_tokenizer_dir(config.tokenizer, model_dir, config.download_dir)
-        self.family, model_config = resolve_family(model_dir, plugins)
-        self.backend, self.ops = resolve_backend(config.backend, config.strict_ops, plugins=plugins)
-        ratios = self.family.cache_ratios(model_config)
-        quantized_formats = config.resolved_quantized_formats(self.backend.quantized_weights)
-        self.config = config.model_copy(
-            update={
-                "model": str(model_dir),
-                "keep_quantized": bool(quantized_formats),
-                "dtype": config.resolved_dtype(self.backend.device_type),
-                "device": config.device or self.backend.device_type,
-                "max_model_len": config.resolved_max_model_len(model_config.max_position_embeddings),
-                "page_size": config.resolved_page_size(ratios),
-            }
-        )
-        check_device(self.config.device)
-        if self.config.batch_invariant:
-            self._check_batch_invariance(torch.device(self.config.device).type)
-        logger.info(
-            "engine: model %s (%s), backend %r (device %s, dtype %s), max_model_len %d, page_size %d, "
-            "quantised weights kept: %s%s",
-            model_dir,
-            self.family.model_type,
-            self.backend.name,
-            self.config.device,
-            self.config.dtype,
-            self.config.max_model_len,
-            self.config.page_size,
-            ", ".join(quantized_formats) or "none",
-            " (the backend's declaration)" if config.keep_quantized is None else "",
-        )
-        drafter_cls = None
-        if self.config.speculative is not None:  # before the runner: the mtp drafter's layer loads with it
-            drafter_cls = drafter_class(self.config.speculative, plugins)
-        if parallel is not None and parallel.world_size > 1:
-            self._check_parallel(drafter_cls)
-        if drafter_cls is not None and drafter_cls.uses_mtp_layers:
-            drafter = self.config.speculative.drafter  # type: ignore[union-attr]
-            check_draft_layers(self.family, drafter, drafter_cls.mtp_kind, model_config)
-        try:
-            self.runner = ModelRunner(
-                model_dir,
-                self.config,
-                self.ops,
-                quantized_formats=quantized_formats,
-                family=self.family,
-                model_config=model_config,
-                mtp=drafter_cls is not None and drafter_cls.uses_mtp_layers,
-                parallel=parallel,
-            )
-        except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
-            if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
-                raise
-            raise ConfigError(
-                f"not enough memory on {self.config.device} for the model, its KV cache and step buffers "
-                f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); lower max_num_seqs, "
-                "max_num_batched_tokens, max_model_len or num_cache_pages / kv_cache_memory_gb"
-            ) from None
-        self.config = self.config.model_copy(
-            update={"max_model_len": self._fit_max_model_len(config.max_model_len is not None)}
-        )
-        self.runner.max_model_len = self.config.max_model_len
-        self.eplb = None  # expert-parallel load balancing, stepped after every step (before graph capture)
-        if self.config.eplb is not None and parallel is not None and parallel.expert_parallel:
-            eplb = self.config.eplb
-            self.eplb = EplbController(
-                eplb, None, self.runner.model, parallel, layers_per_step=eplb.layers_per_step
-            )
-        self._capture_graphs()
-        if self.eplb is not None:  # the captures' forwards routed padding rows: not load
-            self.eplb.counts.zero_()
+        parts = build_engine_parts(config, get_plugins() if plugins is None else plugins, parallel)
+        self.config: ResolvedConfig = parts.config
+        self.plugins = parts.plugins
+        self.parallel = parts.parallel
+        self.family = parts.family
+        self.backend, self.ops = parts.backend, parts.ops
+        self.runner = parts.runner
         self.model_config = self.runner.model_config
-        self.tokenizer, self._tokenizer_error = self._load_tokenizer(tokenizer_dir)
-        eos = list(self.model_config.eos_token_ids)
-        if self.tokenizer is not None:
-            eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]
-        self.eos_token_ids = eos
-        self.max_model_len: int = self.config.max_model_len  # type: ignore[assignment]
-        self.scheduler = self._scheduler_class()(
-            self.runner.kv_cache,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            self.config.enable_chunked_prefill,
-            replay_tail=self.runner.replay_tail,
-            max_model_len=self.max_model_len,
-        )
-        self._inflight: _Launched | None = None  # async: the step whose outputs are pending
+        self.eplb = parts.eplb
+        self.tokenizer, self._tokenizer_error = parts.tokenizer, parts.tokenizer_error
+        self.eos_token_ids = parts.eos_token_ids
+        self.scheduler = parts.scheduler
+        self.structured = parts.structured
+        self.processors = parts.processors
         self.sampler = Sampler()
+        self.metrics = Metrics(self.config.capacity_tokens)
+        self._inflight: _Launched | None = None  # async: the step whose outputs are pending
         self._num_added = 0
         self._num_steps = 0
         self._errored: list[Request] = []  # finished before scheduling (failed, aborted)
         self._abort_ids: list[str] = []  # aborts asked for, applied at the start of the next step
         self._abort_lock = threading.Lock()
         self._req_metrics: dict[str, RequestMetrics] = {}
-        self.metrics = Metrics(self.runner.capacity_tokens)
-        self.structured = StructuredOutputs(
-            plugins,
-            self.tokenizer,
-            self._tokenizer_error,
-            self.model_config.vocab_size,
-            self.eos_token_ids,
-            overlap=self.runner.device.type == "cpu",  # the forward runs on this thread
-        )
-        self.processors = LogitsProcessors(plugins, self.model_config.vocab_size, self.runner.device)
-        self._want_stats = bool(plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
-        self.spec = self._speculative(drafter_cls)
-        plugins.engine_started(self)
+        self._want_stats = bool(self.plugins.pm.hook.deepinfer_step_stats.get_hookimpls())
+        self.spec = self._speculative(parts.drafter_cls)
+        self.plugins.engine_started(self)
 
-    def _check_parallel(self, drafter_cls: type | None) -> None:
-        """Refuse what a distributed run cannot do (one-line :class:`ConfigError` saying why)."""
-        check_parallel_config(self.config)
-        assert self.parallel is not None
-        if drafter_cls is not None and drafter_cls.uses_mtp_layers and self.parallel.expert_parallel:
-            raise ConfigError(
-                f"speculative.drafter={self.config.speculative.drafter!r} runs the MTP layer, whose extra "  # type: ignore[union-attr]
-                "forwards would not line up with the other ranks' expert-parallel collectives; use a "
-                "drafter without model layers ('ngram') or turn enable_expert_parallel off"
-            )
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (``config.max_model_len``)."""
+        return self.config.max_model_len
 
     def _speculative(self, drafter_cls: type | None) -> SpeculativeDecoder | None:
         """Speculative decoding when configured.  A step that verifies drafts runs
@@ -269,96 +114,6 @@ class LLMEngine:
         if self.config.speculative is None:
             return None
         return SpeculativeDecoder(self, drafter_cls)
-
-    def _check_batch_invariance(self, device_type: str) -> None:
-        """Refuse ``batch_invariant=True`` where the op table does not honour it on this device.
-
-        The backend's declaration covers its whole table as the engine runs it: its kernels,
-        and the reference ops it leaves to fall back, whose fixed-tile GEMMs run on the table's
-        ``tile_matmul``.  So a backend declaring a device the reference does not hold on must
-        provide ``tile_matmul`` itself.
-        """
-        backend = self.backend
-        if device_type not in backend.batch_invariant_devices:
-            honoured = ", ".join(backend.batch_invariant_devices) or "no device"
-            raise ConfigError(
-                f"batch_invariant=True: backend {backend.name!r} does not guarantee batch invariance on "
-                f"{device_type} (it does on: {honoured}); run on such a device, pick another backend, or "
-                "turn batch_invariant off"
-            )
-        reference = self.plugins.get_backend("reference")
-        if (
-            self.ops.sources.get("tile_matmul") == "reference"
-            and device_type not in reference.batch_invariant_devices
-        ):
-            raise ConfigError(
-                f"batch_invariant=True: backend {backend.name!r} declares batch invariance on {device_type} "
-                "but leaves op 'tile_matmul' (the GEMM every batch-invariant product runs on) to the "
-                f"reference, which does not hold on {device_type}; provide 'tile_matmul' in the backend "
-                "or turn batch_invariant off"
-            )
-
-    def _capture_graphs(self) -> None:
-        """Capture the decode graphs when the backend supports it (``enforce_eager`` off), and
-        log what was decided."""
-        if self.config.enforce_eager:
-            logger.info("device graphs off: enforce_eager=True")
-            return
-        if not self.backend.supports_graph_capture:
-            logger.info("device graphs off: backend %r does not support graph capture", self.backend.name)
-            return
-        t0 = time.perf_counter()
-        reason = self.runner.capture_graphs()
-        if reason is None:
-            logger.info(
-                "captured %d decode graphs (batch sizes %s), %d verify graphs (%d tokens per request) "
-                "and %d MTP graphs in %.1f s",
-                len(self.runner.graphs),
-                sorted(self.runner.graphs),
-                len(self.runner.verify_graphs),
-                1 + self.runner.num_spec_tokens,
-                len(self.runner.mtp_graphs),
-                time.perf_counter() - t0,
-            )
-        elif self.runner.device.type == "cpu":
-            logger.debug("device graphs off: %s", reason)
-        else:
-            logger.warning("device graphs off, decode runs eagerly: %s", reason)
-
-    def _fit_max_model_len(self, explicit: bool) -> int:
-        """``max_model_len`` checked against the cache: a sequence of that length must fit in the
-        whole cache, or the configuration could never serve it.  An explicit value that does not
-        fit is an error; a defaulted one is lowered to the cache's capacity (with a warning)."""
-        wanted: int = self.config.max_model_len  # type: ignore[assignment]
-        page, pages = self.runner.page_size, self.runner.kv_cache.num_pages
-        capacity = pages * page
-        if wanted <= capacity:
-            return wanted
-        needed = -(-wanted // page)
-        fix = f"raise num_cache_pages to at least {needed} (or kv_cache_memory_gb)"
-        if explicit:
-            raise ConfigError(
-                f"max_model_len={wanted} needs {needed} cache pages of {page} tokens, but the cache has "
-                f"{pages} ({capacity} tokens); {fix} or lower max_model_len to {capacity}"
-            )
-        logger.warning(
-            "max_model_len lowered from %d to %d: the cache has %d pages of %d tokens; %s for longer "
-            "sequences",
-            wanted,
-            capacity,
-            pages,
-            page,
-            fix,
-        )
-        return capacity
-
-    @staticmethod
-    def _load_tokenizer(path: Path) -> tuple[Any, str | None]:
-        try:
-            return load_tokenizer(path), None
-        except ConfigError as e:
-            logger.warning("no tokenizer (%s): only token-id prompts can be served", e)
-            return None, str(e)
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a prompt."""
@@ -425,12 +180,6 @@ class LLMEngine:
         else:
             self.scheduler.add(req)
         return req
-
-    def _scheduler_class(self) -> type[Scheduler]:
-        """The scheduler class registered as ``config.scheduler``; :class:`ConfigError` naming the
-        registered ones when it is unknown, unavailable or not a :class:`Scheduler`."""
-        lookup = ComponentLookup(self.plugins, "schedulers", "scheduler {}", check=subclass_of(Scheduler))
-        return lookup.get(self.config.scheduler)
 
     def check_params(self, params: SamplingParams) -> None:
         """Check what ``params`` needs from this engine (token ids in the vocabulary, a tokenizer

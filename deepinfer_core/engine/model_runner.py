@@ -26,134 +26,131 @@ from deepinfer_core.contract.step_inputs import StepInputBuffers, StepInputs
 from deepinfer_core.devices import synchronize
 from deepinfer_core.distributed.eplb import initial_placement
 from deepinfer_core.errors import ConfigError
-from deepinfer_core.models.cache_spec import HybridCache, PagedSpec, PageStateSpec, spec_bytes
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, PageStateSpec
 from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.expert_parallel import fixed_dispatch_rows
 from deepinfer_core.ops.modes import batch_invariant_mode
 from deepinfer_core.sampling.sampler import tensor_to_device
 
-from .graphs import DeviceGraph, GraphFactory, batch_buckets, device_graph_factory
+from .graphs import DeviceGraph, GraphFactory, device_graph_factory
 from .kv_cache import KVCacheManager
+from .resolved import LoadPlan, ResolvedConfig, resolve_config, resolve_load
 
 if TYPE_CHECKING:
-    from deepinfer_core.config import EngineConfig
+    from deepinfer_core.config import EngineConfig, EPLBConfig
     from deepinfer_core.contract.parallel import ParallelState
 
 logger = logging.getLogger("deepinfer.engine")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class ModelRunner:
-    """Loads ``model_dir`` and runs forward steps over a paged hybrid KV cache.
+def load_model(
+    model_dir: str | Path,
+    family: ModelFamily,
+    model_config: Any,
+    ops: OpTable,
+    load: LoadPlan,
+    *,
+    mtp: bool = False,
+    parallel: ParallelState | None = None,
+    eplb: EPLBConfig | None = None,
+) -> Any:
+    """Load ``model_dir``'s weights as ``load`` says and build the family's model.
 
     Args:
-        model_dir: checkpoint directory (``config.json`` + safetensors).
-        config: the engine configuration (dtype, device, max_num_seqs, max_model_len,
-            page_size, num_cache_pages / kv_cache_memory_gb, kv_cache_dtype).
-        ops: the resolved op table.
-        quantized_formats: the weight formats kept quantised (``QUANTIZED_FORMATS`` names);
-            ``None`` = from ``config.keep_quantized`` alone (``True``: all, else none).
-        family, model_config: the model family and its parsed config; ``None`` = resolved from
-            ``config.json``'s ``model_type`` through the plugins
-            (:func:`~deepinfer_core.models.registry.resolve_family`).
-        plugins: the plugin manager that resolves the family (default: the process-wide one).
-        mtp: also load the checkpoint's multi-token-prediction layer (the ``mtp`` drafter,
-            through ``ModelFamily.load_mtp_weights``), give it its caches, and keep every step's
-            hidden states in :attr:`hidden` for it (:meth:`execute_mtp`); a one-line
-            :class:`ConfigError` when the family or the checkpoint has none.  For a family whose
-            draft layers are DSpark's (``mtp_kind == "dspark"``) the model writes the drafter's
-            context itself (no hidden states kept) and :meth:`execute_dspark` runs its block.
+        mtp: also load the checkpoint's draft layers (``ModelFamily.load_mtp_weights``); a
+            one-line :class:`ConfigError` when the family has none.
         parallel: this process's place in a distributed run (``None`` = a single process);
             with more than one rank it is passed to the family's ``load_weights`` (each rank
             loads only its experts) and ``build_model``.
+        eplb: expert-parallel load balancing (its redundant expert slots are loaded too).
+    """
+    dtype, device = load.torch_dtype, torch.device(load.device)
+    formats = load.quantized_formats
+    # the parallel keyword only in a distributed run: single-process families need not take it
+    distributed = parallel is not None and parallel.world_size > 1
+    dist_kw: dict[str, Any] = {"parallel": parallel} if distributed else {}
+    load_kw = dict(dist_kw)
+    if distributed and parallel.expert_parallel and eplb is not None:  # EPLB's redundant slots
+        load_kw["placement"] = initial_placement(model_config, parallel.ep_size, eplb.num_redundant_experts)
+    weights = family.load_weights(Path(model_dir), model_config, dtype, device, formats, **load_kw)
+    if mtp:
+        if family.load_mtp_weights is None:
+            raise ConfigError(
+                f"speculative drafter with model layers ('mtp', 'dspark'): model family "
+                f"{family.model_type!r} has no draft layers (ModelFamily.load_mtp_weights); "
+                "use another drafter"
+            )
+        weights.update(family.load_mtp_weights(Path(model_dir), model_config, dtype, device, formats))
+    model = family.build_model(model_config, weights, ops, **dist_kw)
+    del weights
+    total, quantized = model.weight_bytes(), model.quantized_weight_bytes()
+    logger.info(
+        "weights: %s on %s, %s of it quantised (%s)",
+        _size(total),
+        device,
+        _size(quantized),
+        f"kept: {', '.join(formats)}" if formats else "keep_quantized off",
+    )
+    return model
+
+
+class ModelRunner:
+    """Runs forward steps of a loaded model over a paged hybrid KV cache.
+
+    Built by :meth:`load` (the engine's builder, tests): the weights loaded, the configuration
+    resolved against the model (:func:`~deepinfer_core.engine.resolved.resolve_config`), then
+    this constructor allocates the cache and the step buffers.
+
+    Args:
+        model: the family's built model.
+        config: the resolved configuration (dtype, device, page size, ``max_model_len``, cache
+            pages, replay tail, graph buckets...): read, never written.
+        ops: the resolved op table.
+        family, model_config: the model family and its parsed config.
+        cache_specs: the model's cache specs (``Model.cache_specs``), as resolved against.
+        parallel: this process's place in a distributed run (``None`` = a single process).
+
+    With the draft layers loaded (``config.mtp``: the ``mtp`` drafter) every step's hidden
+    states are kept in :attr:`hidden` for it (:meth:`execute_mtp`).  For a family whose draft
+    layers are DSpark's (``mtp_kind == "dspark"``) the model writes the drafter's context itself
+    (no hidden states kept) and :meth:`execute_dspark` runs its block.
     """
 
     def __init__(
         self,
-        model_dir: str | Path,
-        config: EngineConfig,
+        model: Any,
+        config: ResolvedConfig,
         ops: OpTable,
-        quantized_formats: tuple[str, ...] | None = None,
         *,
-        family: ModelFamily | None = None,
-        model_config: Any = None,
-        plugins: Any = None,
-        mtp: bool = False,
+        family: ModelFamily,
+        model_config: Any,
+        cache_specs: list[list[CacheSpec]],
         parallel: ParallelState | None = None,
     ):
-        if family is None:
-            family, model_config = resolve_family(model_dir, plugins)
-        elif model_config is None:
-            model_config = family.from_file(model_dir)
+        self.config = config
         self.family: ModelFamily = family
-        self.model_config = cfg = model_config
-        self.device = torch.device(config.device or "cpu")
-        self.dtype = _DTYPES[config.resolved_dtype(self.device.type)]
+        self.model_config = model_config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
         self.ops = ops
         self.batch_invariant = config.batch_invariant
         self._tile_matmul = ops["tile_matmul"]  # the GEMM of batch-invariant mode (ops/modes.py)
-        if quantized_formats is None:
-            quantized_formats = config.resolved_quantized_formats()
         self.parallel = parallel
-        # the parallel keyword only in a distributed run: single-process families need not take it
-        distributed = parallel is not None and parallel.world_size > 1
-        dist_kw: dict[str, Any] = {"parallel": parallel} if distributed else {}
-        load_kw = dict(dist_kw)
-        if distributed and parallel.expert_parallel and config.eplb is not None:  # EPLB's redundant slots
-            load_kw["placement"] = initial_placement(cfg, parallel.ep_size, config.eplb.num_redundant_experts)
-        weights = family.load_weights(
-            Path(model_dir), cfg, self.dtype, self.device, quantized_formats, **load_kw
-        )
-        self.mtp = mtp
-        if mtp:
-            if family.load_mtp_weights is None:
-                raise ConfigError(
-                    f"speculative drafter with model layers ('mtp', 'dspark'): model family "
-                    f"{family.model_type!r} has no draft layers (ModelFamily.load_mtp_weights); "
-                    "use another drafter"
-                )
-            weights.update(
-                family.load_mtp_weights(Path(model_dir), cfg, self.dtype, self.device, quantized_formats)
-            )
-        self.model = family.build_model(cfg, weights, ops, **dist_kw)
-        del weights
         if config.context_parallel_min_tokens is not None:  # else the model's default (environment)
             self.model.cp_min_tokens = config.context_parallel_min_tokens
-        total, quantized = self.model.weight_bytes(), self.model.quantized_weight_bytes()
-        logger.info(
-            "weights: %s on %s, %s of it quantised (%s)",
-            _size(total),
-            self.device,
-            _size(quantized),
-            f"kept: {', '.join(quantized_formats)}" if quantized_formats else "keep_quantized off",
-        )
-        self.page_size = config.resolved_page_size(family.cache_ratios(cfg))
-        self.max_model_len = config.resolved_max_model_len(cfg.max_position_embeddings)
-        self.kv_cache_dtype = config.kv_cache_dtype
-        # the most draft tokens of a verify step: the per-slot caches keep room for them, so a
-        # rejected draft is rolled back by position alone (Model.cache_specs / step_metadata)
-        self.num_spec_tokens = config.num_spec_tokens
-        specs = self.model.cache_specs(config.kv_cache_dtype, num_spec_tokens=self.num_spec_tokens)
-        per_page = per_slot = 0
-        for layer_specs in specs:
-            for spec in layer_specs:
-                p, s = spec_bytes(spec, self.page_size, self.dtype)
-                per_page, per_slot = per_page + p, per_slot + s
-        num_pages = self._num_pages(config, per_page)
+        specs = cache_specs
+        num_pages, page_size = config.num_cache_pages, config.page_size
         self.kv_cache = KVCacheManager(
-            num_pages, self.page_size, config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching
+            num_pages, page_size, config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching
         )
-        self.replay_tail = self._replay_tail(config)
-        self.cache = HybridCache(
-            specs, num_pages, self.page_size, config.max_num_seqs, self.dtype, self.device
-        )
+        self.cache = HybridCache(specs, num_pages, page_size, config.max_num_seqs, self.dtype, self.device)
         self.inputs = StepInputBuffers(
             max_tokens=config.max_num_batched_tokens + config.max_num_seqs,
             max_reqs=config.max_num_seqs + 1,
             num_slots=config.max_num_seqs,
-            max_pages=max(-(-self.max_model_len // self.page_size), 1) + 1,
+            max_pages=max(-(-config.max_model_len // page_size), 1) + 1,
             trash_page=self.cache.trash_page,
             device=self.device,
         )
@@ -164,14 +161,14 @@ class ModelRunner:
         self.hidden: torch.Tensor | None = None
         # whether the MTP layer writes paged state (a compressed MTP layer): its draft rows must
         # then stay within a request's allocated pages
-        self.mtp_paged = mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
+        self.mtp_paged = self.mtp and any(isinstance(s, PagedSpec | PageStateSpec) for s in specs[-1])
         self._mtp_in: torch.Tensor | None = None  # MTP graphs' input hidden states (fixed address)
         # the hidden rows of the latest steps, copied out of :attr:`hidden` after each (two turns:
         # with async scheduling a step's rows are read after the next step has overwritten it)
         self._hidden_kept: list[torch.Tensor] = []
         self.last_hidden: torch.Tensor | None = None
         """The latest step's hidden rows (a view valid until the step after the next one)."""
-        if mtp and getattr(self.model, "keeps_hidden", True):
+        if self.mtp and getattr(self.model, "keeps_hidden", True):
             shape = (self.inputs.max_tokens, *self.model.hidden_shape)
             self.hidden = torch.zeros(shape, dtype=self.dtype, device=self.device)
             self._hidden_kept = [torch.zeros_like(self.hidden) for _ in range(2)]
@@ -184,9 +181,8 @@ class ModelRunner:
         self.dspark_graphs: dict[int, DeviceGraph] = {}  # DSpark block steps by batch bucket
         # mixed steps (prefill chunks beside decodes) by token bucket (config.mixed_graph_max_tokens)
         self.mixed_graphs: dict[int, DeviceGraph] = {}
-        self.mixed_graph_max_tokens = 0 if distributed else config.mixed_graph_max_tokens
         # expert parallelism: decode graphs run the fixed-shape dispatch, their bucket agreed per step
-        self._ep_graphs = parallel is not None and parallel.expert_parallel
+        self._ep_graphs = config.expert_parallel
         self.ep_graph_stats = {"replayed": 0, "padded_to_peer": 0, "dummy": 0, "eager": 0}
         """Expert parallelism with graphs: steps whose agreed bucket was replayed (``replayed``;
         ``padded_to_peer`` of them to a larger bucket than this rank needed, ``dummy`` of them
@@ -196,31 +192,101 @@ class ModelRunner:
             "state)",
             "packed: the model's fp8 / fp4 formats" if config.kv_cache_dtype == "fp8" else "model dtype",
             num_pages,
-            self.page_size,
-            num_pages * self.page_size,
-            num_pages * per_page / 2**20,
-            config.max_num_seqs * per_slot / 2**20,
+            page_size,
+            num_pages * page_size,
+            num_pages * config.page_bytes / 2**20,
+            config.max_num_seqs * config.slot_bytes / 2**20,
         )
 
-    def _num_pages(self, config: EngineConfig, per_page: int) -> int:
-        if config.num_cache_pages is not None:
-            return config.num_cache_pages
-        if config.kv_cache_memory_gb is not None:
-            return max(1, int(config.kv_cache_memory_gb * 2**30 // max(per_page, 1)))
-        return config.max_num_seqs * -(-self.max_model_len // self.page_size)
+    @classmethod
+    def load(
+        cls,
+        model_dir: str | Path,
+        options: EngineConfig,
+        ops: OpTable,
+        load: LoadPlan | None = None,
+        *,
+        family: ModelFamily | None = None,
+        model_config: Any = None,
+        plugins: Any = None,
+        mtp: bool = False,
+        parallel: ParallelState | None = None,
+    ) -> ModelRunner:
+        """Load ``model_dir`` and build its runner: the weights as ``load`` says (``None``:
+        :func:`~deepinfer_core.engine.resolved.resolve_load` without a backend), the
+        configuration resolved against the model
+        (:func:`~deepinfer_core.engine.resolved.resolve_config`), the cache allocated.
 
-    def _replay_tail(self, config: EngineConfig) -> int:
-        """Tokens recomputed before a prefix-cache hit to rebuild every layer's window: the
-        family's exact bound (``ModelFamily.replay_tail``; for V4 one window per windowed
-        layer, page-aligned).  ``config.replay_tail`` overrides it (rounded up to a page; a
-        shorter tail gives an approximate window, as V4.1's decoder-side tail does).
+        Args:
+            options: the user's options.
+            family, model_config: the model family and its parsed config; ``None`` = resolved
+                from ``config.json``'s ``model_type`` through ``plugins`` (default: the
+                process-wide manager).
+            mtp: also load and run the checkpoint's draft layers (the ``mtp`` / ``dspark``
+                drafters).
+            parallel: this process's place in a distributed run (``None`` = a single process).
         """
-        p = self.page_size
-        if config.replay_tail is not None:
-            return -(-config.replay_tail // p) * p
-        if self.mtp:  # the MTP layer's window reads the last layer's output: one more window
-            return self.family.replay_tail(self.model_config, p, extra_layers=1)
-        return self.family.replay_tail(self.model_config, p)
+        if family is None:
+            family, model_config = resolve_family(model_dir, plugins)
+        elif model_config is None:
+            model_config = family.from_file(model_dir)
+        if load is None:
+            load = resolve_load(options, None, family=family, model_config=model_config)
+        model = load_model(
+            model_dir, family, model_config, ops, load, mtp=mtp, parallel=parallel, eplb=options.eplb
+        )
+        # the most draft tokens of a verify step: the per-slot caches keep room for them, so a
+        # rejected draft is rolled back by position alone (Model.cache_specs / step_metadata)
+        specs = model.cache_specs(options.kv_cache_dtype, num_spec_tokens=options.num_spec_tokens)
+        config = resolve_config(
+            options,
+            load,
+            model_dir=model_dir,
+            family=family,
+            model_config=model_config,
+            cache_specs=specs,
+            parallel=parallel,
+            mtp=mtp,
+        )
+        return cls(
+            model, config, ops, family=family, model_config=model_config, cache_specs=specs, parallel=parallel
+        )
+
+    # ---- the resolved values the runner reads (read-only: the configuration is frozen) ----------
+    @property
+    def page_size(self) -> int:
+        """Token positions per cache page."""
+        return self.config.page_size
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (the graphs' entry-list bounds)."""
+        return self.config.max_model_len
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """The most draft tokens of a verify step."""
+        return self.config.num_spec_tokens
+
+    @property
+    def replay_tail(self) -> int:
+        """Tokens recomputed before a prefix-cache hit."""
+        return self.config.replay_tail
+
+    @property
+    def mtp(self) -> bool:
+        """Whether the draft layers are loaded."""
+        return self.config.mtp
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """``auto`` or ``fp8``."""
+        return self.config.kv_cache_dtype
+
+    @property
+    def mixed_graph_max_tokens(self) -> int:
+        """The largest mixed-step graph (0: none)."""
+        return self.config.mixed_graph_max_tokens
 
     @property
     def capacity_tokens(self) -> int:
@@ -494,7 +560,7 @@ class ModelRunner:
             factory, pool, reason = device_graph_factory(self.device)
             if factory is None:
                 return reason
-        buckets = batch_buckets(self.kv_cache.num_slots)
+        buckets = list(self.config.graph_buckets)
         graphs: dict[int, DeviceGraph] = {}
         verify: dict[int, DeviceGraph] = {}
         t = 1 + self.num_spec_tokens  # tokens per request of a verify step

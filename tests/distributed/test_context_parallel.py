@@ -106,7 +106,7 @@ def _runner(
         batch_invariant=batch_invariant,
         kv_cache_dtype=kv_cache_dtype,
     )
-    runner = ModelRunner(model_dir, cfg, OpTable.reference(), parallel=parallel)
+    runner = ModelRunner.load(model_dir, cfg, OpTable.reference(), parallel=parallel)
     runner.model.cp_min_tokens = CP_MIN
     return runner
 

@@ -24,7 +24,7 @@ def hf_case(request, hf_model):
 
 def _runner(path, **kw) -> ModelRunner:
     cfg = EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, **kw)
-    return ModelRunner(path, cfg, OpTable.reference())
+    return ModelRunner.load(path, cfg, OpTable.reference())
 
 
 def _prompt_logits(runner: ModelRunner, ids: list[int], chunk: int, slot: int = 0) -> torch.Tensor:

@@ -46,7 +46,7 @@ def _runner(path: Path, num_spec_tokens: int) -> ModelRunner:
         batch_invariant=True,
         speculative=spec,
     )
-    return ModelRunner(path, cfg, OpTable.reference())
+    return ModelRunner.load(path, cfg, OpTable.reference())
 
 
 @pytest.fixture(scope="module")

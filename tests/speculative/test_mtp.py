@@ -181,7 +181,7 @@ def _runner(path: Path, slots: int = 2, k: int = 3) -> ModelRunner:
         max_model_len=64,
         speculative=SpeculativeConfig(drafter="mtp", max_draft_tokens=k),
     )
-    return ModelRunner(path, cfg, OpTable.reference(), mtp=True)
+    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True)
 
 
 class Oracle:

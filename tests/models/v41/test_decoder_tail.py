@@ -44,7 +44,8 @@ def _runner(path: Path, monkeypatch: pytest.MonkeyPatch, tail: int | str | None,
     else:
         monkeypatch.setenv(TAIL_ENV, str(tail))
     cfg = EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, batch_invariant=True, **kw)
-    return ModelRunner(path, cfg, OpTable.reference(), family=FAMILY, model_config=FAMILY.from_file(path))
+    ops = OpTable.reference()
+    return ModelRunner.load(path, cfg, ops, family=FAMILY, model_config=FAMILY.from_file(path))
 
 
 def _prefill(runner: ModelRunner, ids: list[int], chunk: int = 10**6, slot: int = 0) -> torch.Tensor:

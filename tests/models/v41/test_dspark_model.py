@@ -280,7 +280,7 @@ def _runner(path: Path, num_spec_tokens: int) -> ModelRunner:
         batch_invariant=True,
         speculative=SpeculativeConfig(drafter="dspark", max_draft_tokens=num_spec_tokens),
     )
-    return ModelRunner(path, cfg, OpTable.reference(), mtp=True)
+    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True)
 
 
 def draft_rings(runner: ModelRunner, slot: int, table: list[int], end: int) -> dict:

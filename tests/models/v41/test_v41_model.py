@@ -31,7 +31,7 @@ LOGIT_ATOL = 1e-4  # float32: the engine and the oracle differ only in summation
 
 def _runner(path: Path, ops: OpTable | None = None, **kw) -> ModelRunner:
     cfg = EngineConfig(model=str(path), dtype="float32", max_num_seqs=4, **kw)
-    return ModelRunner(
+    return ModelRunner.load(
         path, cfg, ops or OpTable.reference(), family=FAMILY, model_config=FAMILY.from_file(path)
     )
 
