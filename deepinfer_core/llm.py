@@ -16,7 +16,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.client import EngineClient
 from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.engine.resolved import ResolvedConfig
 from deepinfer_core.errors import RequestError, SamplingParamsError
 from deepinfer_core.logging_utils import configure_logging
 from deepinfer_core.outputs import RequestMetrics, RequestOutput
@@ -77,7 +79,8 @@ class LLM:
         if engine_config.world_size > 1:
             self._attach_distributed(engine_config)
         else:
-            self._attach(LLMEngine(engine_config))
+            engine = LLMEngine(engine_config)
+            self._attach(engine, engine)
 
     def _attach_distributed(self, config: EngineConfig) -> None:
         """Rank 0 of a distributed run drives it (:mod:`deepinfer_core.distributed.coordinator`);
@@ -91,43 +94,41 @@ class LLM:
 
             exit_rank(serve_rank(config))
         coordinator = Coordinator.start(config)
-        self._attach(coordinator.engine, coordinator)
+        self._attach(coordinator, coordinator.engine)
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """An ``LLM`` over an engine built by hand (e.g. with a custom plugin manager)."""
         llm = cls.__new__(cls)
-        llm._attach(engine)
+        llm._attach(engine, engine)
         return llm
 
-    def _attach(self, engine: LLMEngine, coordinator: Any = None) -> None:
+    def _attach(self, client: EngineClient, engine: LLMEngine) -> None:
+        self.client = client
+        """What this ``LLM`` drives: the engine, or rank 0's coordinator of a distributed run."""
         self.engine = engine
-        # what generate() drives: the engine, or the coordinator of a distributed run (rank 0)
-        self._coordinator = coordinator
-        self._driver: Any = engine if coordinator is None else coordinator
+        """This process's engine (in a distributed run, rank 0's)."""
         self._counter = itertools.count()
         self._in_flight: dict[str, list[str]] = {}  # request id -> engine ids, during generate()
         self._in_flight_lock = threading.Lock()
         # shutdown() when this LLM is released (its last reference gone) or at interpreter exit;
         # the callback refers to what it releases, never to the LLM
-        self._release = weakref.finalize(self, _release, engine, coordinator)
+        self._release = weakref.finalize(self, client.shutdown)
 
     @property
-    def config(self) -> EngineConfig:
-        """The engine's resolved configuration."""
-        return self.engine.config
+    def config(self) -> ResolvedConfig:
+        """The engine's resolved configuration (frozen)."""
+        return self.client.config
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (``None`` when the model directory has none)."""
-        return self.engine.tokenizer
+        return self.client.tokenizer
 
     @property
     def kv_cache_capacity_tokens(self) -> int:
         """Token positions the paged KV cache holds (also logged at INFO when the engine starts);
         in a distributed run, the data-parallel replicas' caches together."""
-        if self._coordinator is not None:
-            return self._coordinator.kv_cache_capacity_tokens
-        return self.engine.runner.capacity_tokens
+        return self.client.kv_cache_capacity_tokens
 
     def shutdown(self) -> None:
         """End a distributed run: the worker ranks exit (killed if they do not within a few
@@ -159,20 +160,12 @@ class LLM:
         In a distributed run the counters are summed over the data-parallel replicas and
         ``per_rank`` holds every rank's own dict
         (:func:`deepinfer_core.distributed.coordinator.merge_metrics`)."""
-        if self._coordinator is not None:
-            return self._coordinator.get_metrics()
-        metrics = self.engine.metrics.as_dict()
-        if self.engine.spec is not None:
-            metrics["speculative"] = self.engine.spec.metrics_dict()
-        return metrics
+        return self.client.get_metrics()
 
     def reset_metrics(self) -> None:
         """Zero the totals :meth:`get_metrics` reports (e.g. after a warm-up): this engine's,
         or in a distributed run every rank's (one message round, no step)."""
-        if self._coordinator is not None:
-            self._coordinator.reset_metrics()
-        else:
-            self.engine.reset_metrics()
+        self.client.reset_metrics()
 
     def abort(self, request_ids: str | Iterable[str] | None = None) -> None:
         """Abort requests of the running :meth:`generate` / :meth:`chat` call.
@@ -193,7 +186,7 @@ class LLM:
             else:
                 ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
             sub_ids = [s for rid in ids for s in self._in_flight.get(rid, [rid])]
-        self._driver.abort_request(sub_ids)
+        self.client.abort_request(sub_ids)
 
     def chat(
         self,
@@ -221,7 +214,7 @@ class LLM:
             ConfigError: the checkpoint has no chat template (and none is given) or it fails.
             RequestError: the model has no tokenizer.
         """
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.client.tokenizer
         if tokenizer is None:
             raise RequestError("LLM.chat needs a tokenizer with a chat template; the model has no tokenizer")
         if chat_template is not None:
@@ -258,7 +251,7 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         tokenized = [self._tokenize(prompt, i) for i, prompt in enumerate(prompt_list)]
         for params in params_list:  # raise before any request is queued
-            self.engine.check_params(params)
+            self.client.check_params(params)
         groups: list[list[str]] = []
         meta: list[tuple[str, str | None, list[int]]] = []
         try:
@@ -268,7 +261,7 @@ class LLM:
                 with self._in_flight_lock:
                     self._in_flight[rid] = sub_ids
                 for k, sub_id in enumerate(sub_ids):
-                    self._driver.add_request(sub_id, ids, params, prompt=text, sample_index=k)
+                    self.client.add_request(sub_id, ids, params, prompt=text, sample_index=k)
                 groups.append(sub_ids)
                 meta.append((rid, text, ids))
             done = self._run(groups, use_tqdm)
@@ -285,7 +278,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         left = [len(sub) for sub in groups]  # unfinished samples per prompt
         prompt_of = {s: i for i, sub in enumerate(groups) for s in sub}
-        driver = self._driver
+        driver = self.client
         bar = _ProgressBar(len(groups), driver.metrics) if use_tqdm else None
         try:
             while driver.has_unfinished():
@@ -346,7 +339,7 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.encode(prompt)
+            return prompt, self.client.encode(prompt)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -354,7 +347,7 @@ class LLM:
                     raise RequestError(f"prompts[{index}]['prompt_token_ids'] must be a list of ints")
                 return prompt.get("prompt"), [int(t) for t in ids]
             if isinstance(prompt.get("prompt"), str):
-                return prompt["prompt"], self.engine.encode(prompt["prompt"])
+                return prompt["prompt"], self.client.encode(prompt["prompt"])
             raise RequestError(
                 f"prompts[{index}] is a dict without 'prompt_token_ids' or 'prompt'; "
                 f"got keys {sorted(prompt)}"
@@ -363,13 +356,6 @@ class LLM:
             f"prompts[{index}] is a {type(prompt).__name__}; "
             "give a str or a {'prompt_token_ids': [...]} dict"
         )
-
-
-def _release(engine: LLMEngine, coordinator: Any) -> None:
-    """What :meth:`LLM.shutdown` does: end the distributed run (if any), stop the grammar worker."""
-    if coordinator is not None:
-        coordinator.shutdown()
-    engine.structured.close()
 
 
 def _merge_metrics(parts: list[RequestMetrics | None]) -> RequestMetrics | None:

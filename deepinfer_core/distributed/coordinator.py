@@ -50,6 +50,7 @@ from .init import (
 )
 
 if TYPE_CHECKING:
+    from deepinfer_core.engine.resolved import ResolvedConfig
     from deepinfer_core.outputs import RequestOutput
     from deepinfer_core.sampling.params import SamplingParams
 
@@ -135,19 +136,8 @@ def handle_message(engine: LLMEngine, parallel: ParallelState, msg: StepMessage)
         or reply["outputs"]
         or engine.metrics.num_steps % METRICS_EVERY == 0
     ):
-        reply["metrics"] = rank_metrics(engine)  # wherever get_metrics() may be asked next
+        reply["metrics"] = engine.get_metrics()  # wherever get_metrics() may be asked next
     return reply
-
-
-def rank_metrics(engine: LLMEngine) -> dict[str, Any]:
-    """One engine's ``get_metrics()`` dict (with EPLB: ``eplb``,
-    :meth:`~deepinfer_core.distributed.eplb.EplbController.metrics_dict`)."""
-    metrics = engine.metrics.as_dict()
-    if engine.spec is not None:
-        metrics["speculative"] = engine.spec.metrics_dict()
-    if engine.eplb is not None:
-        metrics["eplb"] = engine.eplb.metrics_dict()
-    return metrics
 
 
 METRICS_EVERY = 32
@@ -329,9 +319,9 @@ def _fault_step(rank: int) -> tuple[int, bool] | None:
 
 # ---- driver side --------------------------------------------------------------------------------
 class Coordinator:
-    """Rank 0's side of the protocol, with the engine interface ``LLM`` drives
-    (``add_request``, ``step``, ``has_unfinished``, ``abort_request``, ``abort_all``,
-    ``metrics``).
+    """Rank 0's side of the protocol: an :class:`~deepinfer_core.engine.client.EngineClient`,
+    the interface ``LLM`` drives (requests go to the replicas; the configuration, tokenizer and
+    parameter checks are rank 0's engine's).
 
     Build it with :meth:`start`; end it with :meth:`shutdown` (also at interpreter exit).
 
@@ -365,13 +355,31 @@ class Coordinator:
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._unfinished = [False] * parallel.world_size
-        self._rank_metrics: list[dict[str, Any]] = [rank_metrics(engine)] * parallel.world_size
+        self._rank_metrics: list[dict[str, Any]] = [engine.get_metrics()] * parallel.world_size
         self._generated = [0] * parallel.world_size  # each rank's generated tokens, every step
         self._num_added = 0
         self._rounds = 0  # step messages sent (the workers count the same)
         self._broken: str | None = None  # why the protocol cannot continue
         self._closed = False
         _LIVE.add(self)  # shut down at interpreter exit (shutdown_all) unless it is first
+
+    @property
+    def config(self) -> ResolvedConfig:
+        """Rank 0's engine's resolved configuration."""
+        return self.engine.config
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (rank 0's engine's)."""
+        return self.engine.tokenizer
+
+    def check_params(self, params: SamplingParams) -> None:
+        """:meth:`LLMEngine.check_params` (the model and tokenizer are the same on every rank)."""
+        self.engine.check_params(params)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt (rank 0's tokenizer)."""
+        return self.engine.encode(text)
 
     @property
     def metrics(self) -> _MergedTokens:
@@ -612,6 +620,7 @@ class Coordinator:
         else:  # the workers wait in a collective that will not complete: stop them now
             stop_workers(self.procs, wait_s=0.5, warn=False)
             destroy_parallel()
+        self.engine.shutdown()
 
 
 def shutdown_all() -> None:

@@ -49,7 +49,7 @@ __all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir
 
 
 class LLMEngine:
-    """The step loop over the parts :func:`~deepinfer_core.engine.builder.build_engine_parts`
+    """An :class:`~deepinfer_core.engine.client.EngineClient`: the step loop over the parts :func:`~deepinfer_core.engine.builder.build_engine_parts`
     wires: the scheduler, the model runner, the sampler and the tokenizer.
 
     Args:
@@ -212,6 +212,25 @@ class LLMEngine:
                 f"{self.runner.kv_cache.num_pages} pages; raise num_cache_pages or kv_cache_memory_gb"
             )
         return None
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The totals since start (:meth:`~deepinfer_core.engine.metrics.Metrics.as_dict`), with
+        speculative decoding's (``speculative``) and EPLB's (``eplb``) when they run."""
+        metrics = self.metrics.as_dict()
+        if self.spec is not None:
+            metrics["speculative"] = self.spec.metrics_dict()
+        if self.eplb is not None:
+            metrics["eplb"] = self.eplb.metrics_dict()
+        return metrics
+
+    @property
+    def kv_cache_capacity_tokens(self) -> int:
+        """Token positions the paged KV cache holds."""
+        return self.runner.capacity_tokens
+
+    def shutdown(self) -> None:
+        """Stop the grammar worker thread (if one was started); idempotent."""
+        self.structured.close()
 
     def reset_metrics(self) -> None:
         """Zero the engine totals (:attr:`metrics`) and speculative decoding's, e.g. after a

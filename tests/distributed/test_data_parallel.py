@@ -99,7 +99,7 @@ def test_abort_reaches_the_replica_holding_the_request() -> None:
     """An abort rank 0 gets applies on whichever rank holds the request; the others finish."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     with LLM(**OPTIONS, data_parallel_size=2) as llm:
-        coordinator = llm._coordinator
+        coordinator = llm.client
         for i in range(4):  # replicas 0, 1, 0, 1 (fewest outstanding, ties to the lower)
             coordinator.add_request(str(i), PROMPTS[i + 1]["prompt_token_ids"], params)
         done = {o.request_id: o for _ in range(3) for o in coordinator.step()}

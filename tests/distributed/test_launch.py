@@ -70,7 +70,7 @@ def test_dead_worker_ends_the_run_with_one_error_naming_it(monkeypatch: pytest.M
         assert lines and all(line.startswith("[rank 1] ") for line in lines)
         with pytest.raises(DistributedError, match="has ended"):  # the LLM says so from then on
             llm.generate(["hi"], use_tqdm=False)
-        for proc in llm._coordinator.procs.values():
+        for proc in llm.client.procs.values():
             assert proc.poll() is not None  # no worker left behind
     finally:
         llm.shutdown()
@@ -87,7 +87,7 @@ def test_hung_worker_ends_the_run_after_the_timeout_naming_it(monkeypatch: pytes
         msg = str(info.value)
         assert msg.startswith("rank 1 did not finish step 2 (the last it finished: 1)") and "\n" not in msg
         assert "timed out (distributed_timeout_s)" in msg and "rank1.log" in msg
-        procs = llm._coordinator.procs.values()
+        procs = llm.client.procs.values()
         assert all(proc.poll() is not None for proc in procs)  # the hung worker was stopped
     finally:
         llm.shutdown()

@@ -157,7 +157,7 @@ def single_gpu(tiny_dir: Path, target: Target) -> list[Any]:
 def _check_world(llm: LLM, target: Target, run: str) -> None:
     """The run's process groups and devices: NCCL (gloo for host messages), rank 0 on device 0,
     the worker on device 1 (read from its log)."""
-    coordinator = llm._coordinator
+    coordinator = llm.client
     assert coordinator is not None, "a distributed run has a coordinator on rank 0"
     parallel = coordinator.parallel
     assert dist.is_initialized() and dist.get_world_size() == 2

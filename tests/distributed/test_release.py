@@ -73,7 +73,7 @@ def test_del_and_with_release_a_distributed_run() -> None:
     with _no_cyclic_gc():
         llm = LLM(**OPTIONS, data_parallel_size=2)
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-        procs = list(llm._coordinator.procs.values())
+        procs = list(llm.client.procs.values())
         ref = weakref.ref(llm)
         del llm
         assert ref() is None
@@ -81,7 +81,7 @@ def test_del_and_with_release_a_distributed_run() -> None:
         assert not dist.is_initialized()
     with LLM(**OPTIONS, data_parallel_size=2) as llm:  # a second run in this process
         assert _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
-        procs = list(llm._coordinator.procs.values())
+        procs = list(llm.client.procs.values())
     assert [p.poll() for p in procs] == [0]
     assert not dist.is_initialized()
     llm.shutdown()  # idempotent after the block

@@ -33,7 +33,9 @@ def _assert_one_view(engine: LLMEngine) -> None:
     """The engine, runner, scheduler and caches hold the resolved values, not copies of their own."""
     config, runner = engine.config, engine.runner
     assert runner.config is config
-    assert engine.max_model_len == runner.max_model_len == engine.scheduler.max_model_len == config.max_model_len
+    assert (
+        engine.max_model_len == runner.max_model_len == engine.scheduler.max_model_len == config.max_model_len
+    )
     assert runner.page_size == runner.kv_cache.page_size == config.page_size
     assert runner.kv_cache.num_pages == config.num_cache_pages
     assert runner.inputs.block_tables.shape[1] == -(-config.max_model_len // config.page_size) + 1
