@@ -49,8 +49,9 @@ __all__ = ["LLMEngine", "StepStats", "resolve_model_dir", "resolve_tokenizer_dir
 
 
 class LLMEngine:
-    """An :class:`~deepinfer_core.engine.client.EngineClient`: the step loop over the parts :func:`~deepinfer_core.engine.builder.build_engine_parts`
-    wires: the scheduler, the model runner, the sampler and the tokenizer.
+    """An :class:`~deepinfer_core.engine.client.EngineClient`: the step loop over the parts
+    :func:`~deepinfer_core.engine.builder.build_engine_parts` wires (the scheduler, the model
+    runner, the sampler, the tokenizer).
 
     Args:
         config: the validated engine configuration (``config.model`` ``None`` = built-in tiny model).
