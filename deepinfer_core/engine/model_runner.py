@@ -35,7 +35,7 @@ from deepinfer_core.sampling.sampler import tensor_to_device
 
 from .graphs import DeviceGraph, GraphFactory, device_graph_factory
 from .kv_cache import KVCacheManager
-from .resolved import LoadPlan, ResolvedConfig, resolve_config, resolve_load
+from .resolved import LoadPlan, ResolvedConfig, read_through, resolve_config, resolve_load
 
 if TYPE_CHECKING:
     from deepinfer_core.config import EngineConfig, EPLBConfig
@@ -253,40 +253,13 @@ class ModelRunner:
         )
 
     # ---- the resolved values the runner reads (read-only: the configuration is frozen) ----------
-    @property
-    def page_size(self) -> int:
-        """Token positions per cache page."""
-        return self.config.page_size
-
-    @property
-    def max_model_len(self) -> int:
-        """The longest sequence (the graphs' entry-list bounds)."""
-        return self.config.max_model_len
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """The most draft tokens of a verify step."""
-        return self.config.num_spec_tokens
-
-    @property
-    def replay_tail(self) -> int:
-        """Tokens recomputed before a prefix-cache hit."""
-        return self.config.replay_tail
-
-    @property
-    def mtp(self) -> bool:
-        """Whether the draft layers are loaded."""
-        return self.config.mtp
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        """``auto`` or ``fp8``."""
-        return self.config.kv_cache_dtype
-
-    @property
-    def mixed_graph_max_tokens(self) -> int:
-        """The largest mixed-step graph (0: none)."""
-        return self.config.mixed_graph_max_tokens
+    page_size = read_through("config", "page_size", "Token positions per cache page.")
+    max_model_len = read_through("config", "max_model_len", "The longest sequence (graph entry-list bounds).")
+    num_spec_tokens = read_through("config", "num_spec_tokens", "The most draft tokens of a verify step.")
+    replay_tail = read_through("config", "replay_tail", "Tokens recomputed before a prefix-cache hit.")
+    mtp = read_through("config", "mtp", "Whether the draft layers are loaded.")
+    kv_cache_dtype = read_through("config", "kv_cache_dtype", "``auto`` or ``fp8``.")
+    mixed_graph_max_tokens = read_through("config", "mixed_graph_max_tokens", "The largest mixed-step graph.")
 
     @property
     def capacity_tokens(self) -> int:

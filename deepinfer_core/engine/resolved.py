@@ -45,6 +45,11 @@ logger = logging.getLogger("deepinfer.engine")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def read_through(holder: str, name: str, doc: str) -> property:
+    """A read-only property giving ``self.<holder>.<name>``: one value, one holder."""
+    return property(lambda self: getattr(getattr(self, holder), name), doc=doc)
+
+
 @dataclass(frozen=True)
 class LoadPlan:
     """What is resolved before the weights load (:func:`resolve_load`).
@@ -147,30 +152,11 @@ class ResolvedConfig:
             raise AttributeError(name)
         return getattr(self.options, name)
 
-    @property
-    def device(self) -> str:
-        """The torch device string."""
-        return self.load.device
-
-    @property
-    def page_size(self) -> int:
-        """Token positions per cache page (a multiple of every compress ratio)."""
-        return self.load.page_size
-
-    @property
-    def dtype(self) -> str:
-        """The model dtype's name."""
-        return self.load.dtype
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The model dtype."""
-        return self.load.torch_dtype
-
-    @property
-    def quantized_formats(self) -> tuple[str, ...]:
-        """The weight formats kept quantised."""
-        return self.load.quantized_formats
+    device = read_through("load", "device", "The torch device string.")
+    page_size = read_through("load", "page_size", "Token positions per cache page.")
+    dtype = read_through("load", "dtype", "The model dtype's name.")
+    torch_dtype = read_through("load", "torch_dtype", "The model dtype.")
+    quantized_formats = read_through("load", "quantized_formats", "The weight formats kept quantised.")
 
     @property
     def keep_quantized(self) -> bool:
