@@ -34,9 +34,10 @@ import torch
 
 from deepinfer_core.engine.request import RequestStatus
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.batch import SamplingBatch
+from deepinfer_core.sampling.logprobs import top_logprobs
 from deepinfer_core.sampling.penalties import bitmask_words
 from deepinfer_core.sampling.random import row_keys
-from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
 from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter, RowView
 from deepinfer_core.speculative.policy import (
     CERTAIN_GAIN,
