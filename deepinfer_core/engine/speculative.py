@@ -47,7 +47,6 @@ from deepinfer_core.speculative.policy import (
     SETTLED_STEPS,
     UNSETTLED_STEPS,
     ProbeSchedule,
-    StepCost,
     cumulative,
     drafting_gain,
     dspark_lengths,
@@ -60,6 +59,7 @@ from deepinfer_core.speculative.stats import (
     ConfidenceCalibration,
     SpeculativeMetrics,
 )
+from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.speculative.verify import (
     accept_match,
     accept_rejection,
