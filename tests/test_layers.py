@@ -116,10 +116,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "type-only back reference: the SpeculativeDecoder is a part of the LLMEngine that "
         "builds it and is handed that engine"
     ),
-    ("deepinfer_core.models.deepseek_v41.model", "deepinfer_core.models.deepseek_v41.dspark"): (
-        "V4.1's model builds its DSpark head (only for a checkpoint that has one), whose draft "
-        "layers are the model's own DecoderLayer"
-    ),
 }
 
 # Function-level imports of deepinfer_core modules kept lazy on purpose, by importer module.
@@ -136,10 +132,6 @@ LAZY_MODULES: dict[str, str] = {
 LAZY: dict[tuple[str, str], str] = {
     ("deepinfer_core.ops.registry", "deepinfer_core.ops._load_all"): "see EXCEPTIONS",
     ("deepinfer_core.plugins.manager", "deepinfer_core.builtin_plugin"): "see EXCEPTIONS",
-    (
-        "deepinfer_core.models.deepseek_v41.model",
-        "deepinfer_core.models.deepseek_v41.dspark",
-    ): "see EXCEPTIONS",
     **{
         ("deepinfer_core.llm", m): "a single-process LLM never loads the distributed runtime"
         for m in (
