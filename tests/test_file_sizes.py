@@ -26,9 +26,6 @@ EXEMPT: dict[str, str] = {
     "deepinfer_core/engine/llm_engine.py": PENDING,
     "deepinfer_core/engine/model_runner.py": PENDING,
     "deepinfer_core/config.py": PENDING,
-    "deepinfer_core/models/deepseek_v4/loader.py": (
-        "not split yet: checkpoint checks, FP8/FP4 loading, EP slicing"
-    ),
     "deepinfer_core/cli.py": "not split yet: one function per command plus the argument parser",
     "deepinfer_core/models/deepseek_v41/config.py": "not split yet: the released config's fields and checks",
     "deepinfer_core/testing/conformance.py": "not split yet: the suite's cases and its runner",
