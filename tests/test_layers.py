@@ -73,7 +73,19 @@ LAYERS: list[tuple[str, list[str]]] = [
         ],
     ),
     ("engine", ["deepinfer_core.engine.*"]),
-    ("drivers", ["deepinfer_core.distributed.coordinator", "deepinfer_core.distributed.worker"]),
+    (
+        "drivers",
+        [
+            "deepinfer_core.distributed.protocol",
+            "deepinfer_core.distributed.faults",
+            "deepinfer_core.distributed.metrics",
+            "deepinfer_core.distributed.processes",
+            "deepinfer_core.distributed.serve",
+            "deepinfer_core.distributed.diagnosis",
+            "deepinfer_core.distributed.coordinator",
+            "deepinfer_core.distributed.worker",
+        ],
+    ),
     (
         "api",
         [
@@ -104,15 +116,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
         "type-only back reference: the SpeculativeDecoder is a part of the LLMEngine that "
         "builds it and is handed that engine"
     ),
-    ("deepinfer_core.distributed.worker", "deepinfer_core.distributed.coordinator"): (
-        "a worker rank's entry points (`python -m deepinfer_core.distributed.worker`, "
-        "`serve_rank`, `exit_rank`) run the coordinator's serve loop, while rank 0's "
-        "coordinator spawns and stops those processes through this module"
-    ),
-    ("deepinfer_core.models.deepseek_v41.model", "deepinfer_core.models.deepseek_v41.dspark"): (
-        "V4.1's model builds its DSpark head (only for a checkpoint that has one), whose draft "
-        "layers are the model's own DecoderLayer"
-    ),
 }
 
 # Function-level imports of deepinfer_core modules kept lazy on purpose, by importer module.
@@ -129,14 +132,6 @@ LAZY_MODULES: dict[str, str] = {
 LAZY: dict[tuple[str, str], str] = {
     ("deepinfer_core.ops.registry", "deepinfer_core.ops._load_all"): "see EXCEPTIONS",
     ("deepinfer_core.plugins.manager", "deepinfer_core.builtin_plugin"): "see EXCEPTIONS",
-    ("deepinfer_core.distributed.worker", "deepinfer_core.distributed.coordinator"): "see EXCEPTIONS",
-    (
-        "deepinfer_core.models.deepseek_v41.model",
-        "deepinfer_core.models.deepseek_v41.dspark",
-    ): "see EXCEPTIONS",
-    ("deepinfer_core.distributed.coordinator", "deepinfer_core.distributed.worker"): (
-        "the other half of the coordinator / worker pair (see EXCEPTIONS)"
-    ),
     **{
         ("deepinfer_core.llm", m): "a single-process LLM never loads the distributed runtime"
         for m in (

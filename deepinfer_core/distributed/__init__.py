@@ -5,5 +5,7 @@ The parallel layout of a run is one :class:`~deepinfer_core.contract.parallel.Pa
 per process; the engine, the model runner, the loader and the model receive it explicitly
 (``None`` = a single process).  Process-group set-up (:mod:`.init`) and load balancing
 (:mod:`.eplb`) sit below the engine, which drives them; the coordinator and the workers
-(:mod:`.coordinator`, :mod:`.worker`) sit above it and drive engines.
+(:mod:`.coordinator`, :mod:`.worker` and their parts: :mod:`.protocol`, :mod:`.serve`,
+:mod:`.processes`, :mod:`.diagnosis`, :mod:`.metrics`, :mod:`.faults`) sit above it and drive
+engines.
 """

@@ -19,302 +19,39 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
-import pickle
 import threading
-import time
-import traceback
 import uuid
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.contract.parallel import ParallelState
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import DistributedError
 
+from .diagnosis import death_message, diagnose
 from .init import (
     BackgroundCall,
     check_parallel_config,
-    default_store,
     destroy_parallel,
     init_parallel,
     launched_by_torchrun,
     listening_store,
 )
+from .metrics import merge_metrics
+from .processes import WorkerProcess, new_log_dir, spawn_workers, stop_workers, torchrun_log_dir
+from .protocol import AddRequest, StepMessage, broadcast, gather
+from .serve import build_engine, handle_message
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.resolved import ResolvedConfig
     from deepinfer_core.outputs import RequestOutput
     from deepinfer_core.sampling.params import SamplingParams
 
-    from .worker import WorkerProcess
-
 logger = logging.getLogger("deepinfer.distributed")
-
-# keys in the rendezvous store, under deepinfer/<run id>/ (a torchrun store outlives one run):
-ERROR_KEY = "error/"  # + rank: a rank's last words
-STEP_KEY = "step/"  # + rank: the last step message the rank handled
-FAULT_ENV = "DEEPINFER_TEST_WORKER_EXIT_AT_STEP"
-"""Test-only fault injector: ``RANK:STEP`` makes that worker exit (status 17, no goodbye) on
-receiving its STEP-th step message, as a crashed or killed worker would; ``RANK:STEP:hang``
-makes it hang there instead (alive, never answering); ``RANK:0`` makes its engine fail to
-start."""
-_EXIT_POLL_S = 5.0  # after a failed collective: how long to wait for a dead worker's exit status
-
-
-@dataclass
-class AddRequest:
-    """One request (one sample) for a replica, with the arguments of ``LLMEngine.add_request``."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    sample_index: int
-    seed_index: int
-
-
-@dataclass
-class StepMessage:
-    """What rank 0 broadcasts each global step."""
-
-    adds: list[tuple[int, AddRequest]] = field(default_factory=list)  # (replica, request)
-    aborts: list[str] = field(default_factory=list)
-    abort_all: str | None = None  # finish every request with this reason instead of stepping
-    reset_metrics: bool = False  # zero every rank's metrics instead of stepping
-    shutdown: bool = False
-
-
-def build_engine(config: EngineConfig, parallel: ParallelState) -> LLMEngine:
-    """This rank's engine: ``config`` on the rank's device, with its :class:`ParallelState`."""
-    return LLMEngine(config.model_copy(update={"device": str(parallel.device)}), parallel=parallel)
-
-
-def handle_message(engine: LLMEngine, parallel: ParallelState, msg: StepMessage) -> dict[str, Any]:
-    """Apply one :class:`StepMessage` on a rank and return its reply (errors as text, so the
-    protocol stays in step; rank 0 re-raises its own)."""
-    reply: dict[str, Any] = {"rank": parallel.rank, "outputs": [], "error": None}
-    try:
-        if msg.abort_all is not None:
-            outputs = engine.abort_all(msg.abort_all)
-        elif msg.reset_metrics:
-            engine.reset_metrics()
-            outputs = []
-        else:
-            if msg.aborts:
-                engine.abort_request(msg.aborts)
-            for replica, req in msg.adds:
-                if replica == parallel.dp_rank:
-                    engine.add_request(
-                        req.request_id,
-                        req.prompt_token_ids,
-                        req.params,
-                        prompt=req.prompt,
-                        sample_index=req.sample_index,
-                        seed_index=req.seed_index,
-                    )
-            outputs = engine.step()
-        if parallel.is_cp_leader:
-            reply["outputs"] = outputs
-    except Exception as e:
-        reply["error"] = f"{type(e).__name__}: {e}"
-        reply["exception"] = e if parallel.is_driver else None
-        logger.error("step failed:\n%s", traceback.format_exc())
-    reply["unfinished"] = engine.has_unfinished()
-    reply["generated"] = engine.metrics.num_generated_tokens  # the progress bar's count, every step
-    plain_step = msg.abort_all is None and not msg.reset_metrics
-    if (
-        not plain_step
-        or not reply["unfinished"]
-        or reply["outputs"]
-        or engine.metrics.num_steps % METRICS_EVERY == 0
-    ):
-        reply["metrics"] = engine.get_metrics()  # wherever get_metrics() may be asked next
-    return reply
-
-
-METRICS_EVERY = 32
-"""A rank's full ``get_metrics()`` dict travels in its reply after every step that finished a
-request or left it idle, after an abort or reset, and every this many steps (building and
-pickling it every step cost a quarter of a step's protocol time); its generated-token count
-travels every step."""
-FAST_BYTES = 8192
-"""Messages and replies up to this many pickled bytes travel in one fixed-size ``uint8``
-collective (a step message without requests, a reply without finished outputs); larger ones
-take a second collective.  The object collectives of ``torch.distributed`` exchange sizes
-first: two to four gloo round trips where one does (~1.1 ms a step on a 2-core CPU before)."""
-_HEADER = 8  # the payload's length, little-endian
-
-
-def _frame(obj: Any) -> tuple[torch.Tensor, bytes]:
-    """A ``FAST_BYTES + 8`` frame: the pickled ``obj``'s length, then the pickle when it fits
-    (else only the length); and the pickle."""
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    frame = torch.zeros(_HEADER + FAST_BYTES, dtype=torch.uint8)
-    body = len(payload).to_bytes(_HEADER, "little") + (payload if len(payload) <= FAST_BYTES else b"")
-    frame[: len(body)] = _tensor_of(body)
-    return frame, payload
-
-
-def _tensor_of(data: bytes) -> torch.Tensor:
-    """``data`` as a ``uint8`` tensor (a copy: gloo may write into what it is given)."""
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-def _length(frame: torch.Tensor) -> int:
-    """The payload length a frame's header gives."""
-    return int.from_bytes(frame[:_HEADER].numpy().tobytes(), "little")
-
-
-def _unpickle(data: torch.Tensor) -> Any:
-    """The object a ``uint8`` tensor holds pickled."""
-    return pickle.loads(data.numpy().tobytes())
-
-
-def broadcast(msg: Any, parallel: ParallelState) -> Any:
-    """Rank 0's ``msg`` on every rank (over the gloo ``cpu_group``; one collective when it
-    pickles to at most :data:`FAST_BYTES`)."""
-    import torch.distributed as dist
-
-    group = parallel.cpu_group
-    if parallel.is_driver:
-        frame, payload = _frame(msg)
-    else:
-        frame, payload = torch.zeros(_HEADER + FAST_BYTES, dtype=torch.uint8), b""
-    dist.broadcast(frame, src=0, group=group)
-    n = _length(frame)
-    if n <= FAST_BYTES:
-        return msg if parallel.is_driver else _unpickle(frame[_HEADER : _HEADER + n])
-    big = _tensor_of(payload) if parallel.is_driver else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(big, src=0, group=group)
-    return msg if parallel.is_driver else _unpickle(big)
-
-
-def gather(obj: Any, parallel: ParallelState) -> list[Any] | None:
-    """Every rank's ``obj`` on rank 0 (in rank order), ``None`` elsewhere (one all-gather of
-    fixed-size frames; a second, padded to the largest, when any pickles to more than
-    :data:`FAST_BYTES`)."""
-    import torch.distributed as dist
-
-    group = parallel.cpu_group
-    frame, payload = _frame(obj)
-    frames = [torch.empty_like(frame) for _ in range(parallel.world_size)]
-    dist.all_gather(frames, frame, group=group)
-    lengths = [_length(f) for f in frames]
-    longest = max(lengths)
-    bigs: list[torch.Tensor] = []
-    if longest > FAST_BYTES:  # every rank sees the lengths: all take the second round
-        mine = torch.zeros(longest, dtype=torch.uint8)
-        if len(payload) > FAST_BYTES:
-            mine[: len(payload)] = _tensor_of(payload)
-        bigs = [torch.empty_like(mine) for _ in range(parallel.world_size)]
-        dist.all_gather(bigs, mine, group=group)
-    if not parallel.is_driver:
-        return None
-    out = []
-    for k, (f, n) in enumerate(zip(frames, lengths, strict=True)):
-        data = f[_HEADER : _HEADER + n] if n <= FAST_BYTES else bigs[k][:n]
-        out.append(obj if k == parallel.rank else _unpickle(data))
-    return out
-
-
-def store_key(run_id: str, what: str, rank: int) -> str:
-    """The rendezvous-store key of ``what`` (:data:`ERROR_KEY`, :data:`STEP_KEY`) of ``rank``."""
-    return f"deepinfer/{run_id}/{what}{rank}"
-
-
-def report_error(parallel: ParallelState | None, text: str, run_id: str) -> None:
-    """Leave ``text`` in the rendezvous store for rank 0 (best effort): the cause it names
-    when a collective with this rank fails."""
-    store = default_store()
-    if store is None or parallel is None:
-        return
-    with contextlib.suppress(Exception):
-        store.set(store_key(run_id, ERROR_KEY, parallel.rank), text[-2000:])
-
-
-# ---- worker side --------------------------------------------------------------------------------
-def run_worker(
-    config: EngineConfig, log_path: str = "", env: dict[str, str] | None = None, store: Any = None
-) -> int:
-    """A non-driver rank: join the world (through ``store`` when given), build the engine from
-    rank 0's configuration, serve step messages until rank 0 shuts down.  Returns the exit
-    status (0 on a clean shutdown)."""
-    parallel = init_parallel(config, env, store)
-    fault_at, hang = _fault_step(parallel.rank) or (None, False)
-    status = 1  # until a clean shutdown
-    store = default_store()
-    run_id = ""
-    try:
-        config_json, run_id = broadcast(None, parallel)
-        config = EngineConfig(**json.loads(config_json))
-        engine, error = None, None
-        try:
-            if fault_at == 0:
-                raise RuntimeError(f"engine start failure injected by {FAULT_ENV} (a test)")
-            engine = build_engine(config, parallel)
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-            logger.error("engine failed to start:\n%s", traceback.format_exc())
-        hello = {
-            "rank": parallel.rank,
-            "error": error,
-            "log": log_path,
-            "pid": os.getpid(),
-            "capacity": engine.runner.capacity_tokens if engine is not None else 0,
-        }
-        gather(hello, parallel)
-        steps = 0
-        while True:
-            msg = broadcast(None, parallel)
-            if msg.shutdown:
-                if engine is not None:  # before the process group goes (see release_graphs)
-                    engine.runner.release_graphs()
-                status = 0 if engine is not None else 1
-                return status
-            steps += 1
-            if steps == fault_at:  # the test-only fault injector (FAULT_ENV)
-                while hang:
-                    time.sleep(1.0)
-                os._exit(17)  # die without a word
-            if engine is None:  # nothing to step; the driver shuts down after the hello
-                gather({"rank": parallel.rank, "error": error, "outputs": [], "unfinished": False}, parallel)
-                continue
-            reply = handle_message(engine, parallel, msg)
-            if store is not None:  # progress for rank 0's diagnosis of a collective that times out
-                store.set(store_key(run_id, STEP_KEY, parallel.rank), str(steps))
-            gather(reply, parallel)
-    except BaseException as e:
-        report_error(parallel, f"{type(e).__name__}: {e}", run_id)
-        raise
-    finally:
-        if not destroy_parallel():  # the teardown hung: leave now rather than hang at exit
-            logging.shutdown()
-            os._exit(status)
-
-
-def _fault_step(rank: int) -> tuple[int, bool] | None:
-    """This rank's injected fault (:data:`FAULT_ENV`): the step, and whether to hang there."""
-    raw = os.environ.get(FAULT_ENV, "")
-    if not raw:
-        return None
-    parts = raw.split(":")
-    try:
-        want, step = int(parts[0]), int(parts[1])
-        hang = parts[2:] == ["hang"]
-        if len(parts) > 3 or (len(parts) == 3 and not hang):
-            raise ValueError(raw)
-    except (ValueError, IndexError):
-        logger.warning("%s=%r ignored: expected RANK:STEP or RANK:STEP:hang", FAULT_ENV, raw)
-        return None
-    return (step, hang) if want == rank else None
 
 
 # ---- driver side --------------------------------------------------------------------------------
@@ -397,13 +134,11 @@ class Coordinator:
             ConfigError: bad parallel options or rendezvous variables.
             DistributedError: a worker died or its engine failed to start (naming the rank).
         """
-        from . import worker as worker_mod
-
         check_parallel_config(config)
         procs: dict[int, WorkerProcess] = {}
         store = None
         if launched_by_torchrun():
-            env, log_dir = dict(os.environ), worker_mod.torchrun_log_dir()
+            env, log_dir = dict(os.environ), torchrun_log_dir()
         else:
             import torch.distributed as dist
 
@@ -412,9 +147,9 @@ class Coordinator:
                     "torch.distributed is already initialized in this process (another LLM's distributed "
                     "run?); call its shutdown() first, or launch with torchrun"
                 )
-            log_dir = worker_mod.new_log_dir()
+            log_dir = new_log_dir()
             store = listening_store(config.world_size, config.distributed_timeout_s)
-            env, procs = worker_mod.spawn_workers(config, log_dir, port=store.port)
+            env, procs = spawn_workers(config, log_dir, port=store.port)
             logger.info(
                 "distributed run: %d ranks on this host, worker logs in %s", config.world_size, log_dir
             )
@@ -422,12 +157,12 @@ class Coordinator:
         try:
             parallel = _init_watching(config, env, procs, logs, store)
         except BaseException:
-            worker_mod.stop_workers(procs)
+            stop_workers(procs)
             raise
         try:
             return cls._build(config, parallel, procs, logs, log_dir)
         except BaseException:
-            worker_mod.stop_workers(procs)
+            stop_workers(procs)
             destroy_parallel()
             raise
 
@@ -453,7 +188,7 @@ class Coordinator:
         try:
             hellos = gather(hello, parallel)
         except Exception as e:
-            raise _diagnose(e, procs, logs, parallel, "while the engines started", run_id) from None
+            raise diagnose(e, procs, logs, parallel, "while the engines started", run_id) from None
         assert hellos is not None
         for h in hellos[1:]:
             if h.get("log"):
@@ -537,7 +272,7 @@ class Coordinator:
             done = True
         except Exception as e:
             when = f"in step {self._rounds}"
-            diagnosis = _diagnose(e, self.procs, self.logs, self.parallel, when, self.run_id, self._rounds)
+            diagnosis = diagnose(e, self.procs, self.logs, self.parallel, when, self.run_id, self._rounds)
             raise self._fail(diagnosis) from None
         finally:
             if not done and self._broken is None:  # interrupted mid-protocol (KeyboardInterrupt)
@@ -579,7 +314,7 @@ class Coordinator:
         for rank, proc in self.procs.items():
             code = proc.poll()
             if code is not None:
-                raise self._fail(DistributedError(_death_message(rank, code, self.logs)))
+                raise self._fail(DistributedError(death_message(rank, code, self.logs)))
 
     def _fail(self, error: DistributedError) -> DistributedError:
         self._broken = str(error)
@@ -605,8 +340,6 @@ class Coordinator:
         if self._closed:
             return
         self._closed = True
-        from .worker import stop_workers
-
         if self._broken is None:
             try:
                 broadcast(StepMessage(shutdown=True), self.parallel)
@@ -647,133 +380,6 @@ class _MergedTokens:
         return sum(self._c._generated[::cp])
 
 
-_MAX_KEYS = ("peak_cache_usage", "num_steps")
-
-
-def merge_metrics(per_rank: list[dict[str, Any]], cp_size: int = 1) -> dict[str, Any]:
-    """One ``get_metrics()`` dict from every rank's: integer counters summed over the CP
-    leaders (the followers repeat their leader's work), ``elapsed_s`` and ``num_steps`` the
-    largest, tokens/s from the sums, ``cache_usage`` the mean, ``peak_cache_usage`` the
-    largest, ``last_step`` and ``eplb`` rank 0's (EPLB's loads are the same on every EP rank);
-    ``per_rank`` holds the ranks' own dicts."""
-    leaders = per_rank[::cp_size]
-    merged: dict[str, Any] = {}
-    for key, value in leaders[0].items():
-        if key in ("last_step", "speculative", "eplb"):
-            continue
-        values = [m[key] for m in leaders]
-        if key in _MAX_KEYS or key == "elapsed_s":
-            merged[key] = max(values)
-        elif key == "cache_usage":
-            merged[key] = sum(values) / len(values)
-        elif isinstance(value, int) and not isinstance(value, bool):
-            merged[key] = sum(values)
-    elapsed = merged.get("elapsed_s", 0.0)
-    merged["generation_tokens_per_s"] = merged["num_generated_tokens"] / elapsed if elapsed > 0 else 0.0
-    merged["tokens_per_s"] = merged["num_scheduled_tokens"] / elapsed if elapsed > 0 else 0.0
-    merged["last_step"] = per_rank[0].get("last_step")
-    if "eplb" in per_rank[0]:
-        merged["eplb"] = per_rank[0]["eplb"]
-    if "speculative" in leaders[0]:
-        merged["speculative"] = _merge_speculative([m["speculative"] for m in leaders])
-    merged["per_rank"] = per_rank
-    return merged
-
-
-def _merge_speculative(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: sum(p[k] for p in parts) for k in parts[0] if k.startswith("num_")}
-    drafts = out.get("num_drafts", 0)
-    out["acceptance_rate"] = (
-        out["num_accepted_tokens"] / out["num_draft_tokens"] if out["num_draft_tokens"] else 0.0
-    )
-
-    def weighted(key: str) -> float:
-        return sum(p[key] * p["num_drafts"] for p in parts) / drafts if drafts else 0.0
-
-    out["mean_acceptance_length"] = weighted("mean_acceptance_length")
-    width = len(parts[0]["acceptance_per_position"])
-    out["acceptance_per_position"] = [
-        sum(p["acceptance_per_position"][i] * p["num_drafts"] for p in parts) / drafts if drafts else 0.0
-        for i in range(width)
-    ]
-    out["verify_length_histogram"] = [
-        sum(x) for x in zip(*(p["verify_length_histogram"] for p in parts), strict=False)
-    ]
-    return out
-
-
-# ---- diagnosis ----------------------------------------------------------------------------------
-def _death_message(rank: int, code: int, logs: dict[int, str]) -> str:
-    log = logs.get(rank, "?")
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    last = _last_line(log)
-    return f"rank {rank} {how}; its log: {log}" + (f" (last line: {last})" if last else "")
-
-
-def _last_line(path: str) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-        return lines[-1][:300] if lines else ""
-    except OSError:
-        return ""
-
-
-def _diagnose(
-    error: BaseException,
-    procs: dict[int, WorkerProcess],
-    logs: dict[int, str],
-    parallel: ParallelState | None,
-    when: str,
-    run_id: str = "",
-    round_no: int | None = None,
-) -> DistributedError:
-    """The one error of a failed collective: a worker that exited (waiting up to a few seconds
-    for its status), else a rank's report in the store, else a rank that did not finish step
-    ``round_no`` (hung), else the collective's own error."""
-    timeout = "timed out" in str(error).lower() or "timeout" in str(error).lower()
-    # a closed connection: the peer probably died; give its exit status a moment to show
-    deadline = time.monotonic() + (_EXIT_POLL_S if procs and not timeout else 0.0)
-    while True:
-        dead = [(rank, p.poll()) for rank, p in procs.items() if p.poll() is not None]
-        if dead or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    if dead:
-        rank, code = dead[0]
-        return DistributedError(_death_message(rank, code, logs) + f" ({when})")  # type: ignore[arg-type]
-    store = default_store()
-    if store is not None and parallel is not None:
-        for rank in range(1, parallel.world_size):
-            key = store_key(run_id, ERROR_KEY, rank)
-            try:
-                if store.check([key]):
-                    text = store.get(key).decode(errors="replace")
-                    return DistributedError(f"rank {rank} failed {when}: {text} (log: {logs.get(rank, '?')})")
-            except Exception:
-                break
-    what = "timed out (distributed_timeout_s)" if timeout else "failed"
-    if store is not None and parallel is not None and round_no:
-        for rank in range(1, parallel.world_size):
-            key = store_key(run_id, STEP_KEY, rank)
-            try:
-                last = int(store.get(key)) if store.check([key]) else 0
-            except Exception:
-                break
-            if last < round_no:
-                return DistributedError(
-                    f"rank {rank} did not finish step {round_no} (the last it finished: {last}); "
-                    f"a collective on rank 0 {what}; its log: {logs.get(rank, '?')}"
-                )
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    return DistributedError(
-        f"a collective on rank 0 {what} {when}: {first}; a rank died or hung — see the worker logs "
-        f"{', '.join(f'rank {k}: {v}' for k, v in sorted(logs.items()))}"
-    )
-
-
 def _init_watching(
     config: EngineConfig,
     env: dict[str, str],
@@ -788,10 +394,10 @@ def _init_watching(
         for rank, proc in procs.items():
             code = proc.poll()
             if code is not None:
-                raise DistributedError(_death_message(rank, code, logs) + " (before joining the world)")
+                raise DistributedError(death_message(rank, code, logs) + " (before joining the world)")
     err = call.error
     if err is not None:
         if isinstance(err, RuntimeError) and not isinstance(err, DistributedError):
-            raise _diagnose(err, procs, logs, None, "while joining the world") from None
+            raise diagnose(err, procs, logs, None, "while joining the world") from None
         raise err
     return call.result

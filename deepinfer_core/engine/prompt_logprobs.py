@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer_core.sampling.sampler import host_to_device, top_logprobs
+from deepinfer_core.sampling.logprobs import top_logprobs
+from deepinfer_core.sampling.transfer import host_to_device
 
 if TYPE_CHECKING:
     from deepinfer_core.contract.batch import SeqChunk

@@ -24,7 +24,6 @@ step N's tokens on the host):
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,13 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepinfer_core.engine.request import RequestStatus
+from deepinfer_core.engine.spec_observe import computed_chunks
+from deepinfer_core.engine.spec_profile import profile_step_cost
+from deepinfer_core.engine.spec_rows import processor_rows, structured_rows
+from deepinfer_core.engine.spec_verify import emitted_logprobs, rejection
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
-from deepinfer_core.sampling.penalties import bitmask_words
-from deepinfer_core.sampling.random import row_keys
-from deepinfer_core.sampling.sampler import SamplingBatch, top_logprobs
-from deepinfer_core.speculative.drafter import ComputedChunk, Draft, DraftContext, Drafter, RowView
+from deepinfer_core.sampling.batch import SamplingBatch
+from deepinfer_core.speculative.drafter import DraftContext, Drafter, RowView
+from deepinfer_core.speculative.estimates import AcceptanceEstimates
 from deepinfer_core.speculative.policy import (
     CERTAIN_GAIN,
     EMA,
@@ -47,25 +48,16 @@ from deepinfer_core.speculative.policy import (
     SETTLED_STEPS,
     UNSETTLED_STEPS,
     ProbeSchedule,
-    StepCost,
-    cumulative,
     drafting_gain,
     dspark_lengths,
     fixed_lengths,
     uniform_lengths,
 )
 from deepinfer_core.speculative.stats import (
-    REQUEST_DECAY,
-    AcceptanceStats,
-    ConfidenceCalibration,
     SpeculativeMetrics,
 )
-from deepinfer_core.speculative.verify import (
-    accept_match,
-    accept_rejection,
-    acceptance_uniform,
-    residual_draws,
-)
+from deepinfer_core.speculative.step_cost import StepCost
+from deepinfer_core.speculative.verify import accept_match
 
 if TYPE_CHECKING:
     from deepinfer_core.config import SpeculativeConfig
@@ -73,8 +65,6 @@ if TYPE_CHECKING:
     from deepinfer_core.engine.llm_engine import LLMEngine
     from deepinfer_core.engine.request import Request
     from deepinfer_core.engine.scheduler import SchedulerOutput
-
-logger = logging.getLogger("deepinfer.engine")
 
 
 @dataclass
@@ -104,18 +94,14 @@ class SpeculativeDecoder:
         self.drafter = drafter_cls(cfg, engine.model_config.vocab_size)
         self.drafter.bind(engine.runner)
         self.metrics = SpeculativeMetrics(cfg.max_draft_tokens)
-        self.global_stats = AcceptanceStats(cfg.max_draft_tokens)
-        self._stats: dict[str, AcceptanceStats] = {}
+        self.estimates = AcceptanceEstimates(cfg.max_draft_tokens)
         self._proposed: dict[str, int] = {}
         self._draft_probs: dict[str, torch.Tensor | None] = {}
         self._draft_conf: dict[str, list[float]] = {}  # the drafter's own confidences, by request
-        self.calibration = ConfidenceCalibration(cfg.max_draft_tokens)
         self.cost: StepCost | None = None
         self.draft_seconds = 0.0  # the drafter's time per propose call (EMA)
         self._step_draft_seconds = 0.0  # this step's, kept out of the cost model's overhead
         self._probes = ProbeSchedule()  # dspark: when to draft (or not) against the estimate
-        k = self.config.max_draft_tokens
-        self._halves, self._ones = [0.5] * k, [1.0] * k  # the engine-wide rates' priors
         self._pays = False  # dspark: the last weighed decision ...
         self._certain = False  # ... whether it pays beyond CERTAIN_GAIN (no plain probes) ...
         self._settled = 0  # ... reused for this many more steps (it was clear)
@@ -125,7 +111,7 @@ class SpeculativeDecoder:
         self._estimates: list[list[float]] | None = None  # and their confidences (dspark)
         self.drafter_observes = type(self.drafter).observe is not Drafter.observe
         if cfg.method == "dspark":
-            self.cost = self._profile_cost()
+            self.cost = profile_step_cost(engine.runner, cfg, engine.config.max_num_batched_tokens)
 
     def metrics_dict(self) -> dict[str, Any]:
         """``LLM.get_metrics()["speculative"]``: the totals
@@ -147,41 +133,15 @@ class SpeculativeDecoder:
                 if cost.plain_overhead is None
                 else [1e3 * v for v in cost.plain_overhead],
                 "draft_ms": 1e3 * self.draft_seconds,
-                "acceptance_estimate": self._global_rates(),
-                "proposal_estimate": self._global_reach(),
+                "acceptance_estimate": self.estimates.global_rates(),
+                "proposal_estimate": self.estimates.global_reach(),
                 "probe_intervals": [self._probes.draft_interval, self._probes.plain_interval],
                 "confidence_calibration": [
-                    self.calibration.ratio(i) for i in range(self.config.max_draft_tokens)
+                    self.estimates.calibration.ratio(i) for i in range(self.config.max_draft_tokens)
                 ],
                 "recent_steps": [[kind, b, rows, 1e3 * sec] for kind, b, rows, sec in cost.recent],
             }
         return out
-
-    # ---- set-up ------------------------------------------------------------------------------
-    def _profile_cost(self) -> StepCost:
-        """Time steps of ``B`` requests x ``t`` tokens (``t`` = 1, the middle, ``1 + k``) for a
-        few batch sizes up to ``max_num_seqs`` — the cost curve DSpark weighs drafts against."""
-        runner, k = self.engine.runner, self.config.max_draft_tokens
-        budget = self.engine.config.max_num_batched_tokens
-        batches = sorted(
-            {b for b in (1, 4, 16, 64, runner.kv_cache.num_slots) if b <= runner.kv_cache.num_slots}
-        )
-        table: dict[tuple[int, int], float] = {}
-        t0 = time.perf_counter()
-        for b in batches:
-            for t in sorted({1, 1 + (k + 1) // 2, 1 + k}):
-                if b * t <= budget + runner.kv_cache.num_slots:
-                    table[(b, t)] = runner.time_step(b, t)
-        logger.info(
-            "speculative decoding (%s, drafter %r, up to %d drafts): step cost profiled in %.2f s: %s",
-            self.config.method,
-            self.config.drafter,
-            k,
-            time.perf_counter() - t0,
-            ", ".join(f"B={b} t={t}: {1e3 * s:.2f} ms" for (b, t), s in sorted(table.items())),
-        )
-        # verify graphs run every verify step of up to their largest bucket padded to 1 + k tokens
-        return StepCost(table, padded_batch=max(runner.verify_graphs, default=0))
 
     # ---- before the step -------------------------------------------------------------------------
     def _candidates(self, running: Sequence[Request]) -> list[tuple[Request, int]]:
@@ -275,7 +235,9 @@ class SpeculativeDecoder:
             lengths = fixed_lengths(proposed, budget)
         else:
             assert self.cost is not None
-            confidences = self._confidences(cands, drafts, proposed, estimates)
+            confidences = self.estimates.confidences(
+                [r.request_id for r, _ in cands], drafts, proposed, estimates
+            )
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
             if self.config.varlen:
@@ -286,38 +248,13 @@ class SpeculativeDecoder:
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = m = len(draft.token_ids)
             if self.cost is not None:  # dspark: the drafter's reach, for _drafting_pays
-                self._request_stats(req).record_proposal(room, m)
-                self.global_stats.record_proposal(room, m)
+                self.estimates.request_stats(req.request_id).record_proposal(room, m)
+                self.estimates.global_stats.record_proposal(room, m)
         self._draft_probs = {r.request_id: d.probs for r, d in zip(reqs, drafts, strict=True)}
         if self.cost is not None:  # dspark: the drafter's confidences, for their calibration
             self._draft_conf = {
                 r.request_id: list(d.confidence) for r, d in zip(reqs, drafts, strict=True) if d.confidence
             }
-
-    def _confidences(
-        self,
-        cands: list[tuple[Request, int]],
-        drafts: list[Draft],
-        proposed: list[int],
-        estimates: list[list[float]] | None,
-    ) -> list[list[float]]:
-        """``dspark``: each request's cumulative acceptance probability per proposed draft —
-        the drafter's own confidence (calibrated online) where it gives one, else the running
-        rates (``estimates`` when :meth:`_drafting_pays` computed them this step; else computed
-        here, for the requests with drafts only)."""
-        prior: list[float] | None = None
-        out: list[list[float]] = []
-        for i, (draft, n) in enumerate(zip(drafts, proposed, strict=True)):
-            if n == 0:
-                out.append([])
-            elif draft.confidence is not None:
-                out.append(cumulative(self.calibration.apply(draft.confidence[:n])))
-            elif estimates is not None:
-                out.append(estimates[i][:n])
-            else:
-                prior = self._global_rates() if prior is None else prior
-                out.append(self._rate_confidence(cands[i][0], n, prior))
-        return out
 
     def _drafting_pays(self, cands: list[tuple[Request, int]], budget: int) -> bool:
         """``dspark``: whether to ask the drafter this step (:func:`drafting_gain` above 1, on
@@ -335,12 +272,12 @@ class SpeculativeDecoder:
         if self._settled > 0:  # the last decision, reused (SETTLED_STEPS / UNSETTLED_STEPS)
             self._settled -= 1
             return self._probes.decide(self._pays, self._certain)
-        prior = self._global_rates()
-        estimates = [self._rate_confidence(req, room, prior) for req, room in cands]
+        prior = self.estimates.global_rates()
+        estimates = [self.estimates.rate_confidence(req.request_id, room, prior) for req, room in cands]
         if self._cands is not None:
             self._estimates = estimates  # propose() takes the drafts' prefixes of them
-        prior_reach = self._global_reach()
-        reach = [self._reach(req, room, prior_reach) for req, room in cands]
+        prior_reach = self.estimates.global_reach()
+        reach = [self.estimates.reach(req.request_id, room, prior_reach) for req, room in cands]
         gain = drafting_gain(estimates, budget, self.cost, self.draft_seconds, reach)
         pays, self._certain = gain > 1.0, gain > CERTAIN_GAIN
         clear = gain > SETTLED_GAIN or gain * SETTLED_GAIN < 1.0
@@ -349,39 +286,6 @@ class SpeculativeDecoder:
         self._reuse = min(max(2 * self._reuse, base), MAX_REUSE_STEPS) if confirmed else base
         self._pays, self._settled = pays, self._reuse
         return self._probes.decide(self._pays, self._certain)
-
-    def _reach(self, req: Request, n: int, prior: list[float]) -> list[float]:
-        """The probability that the drafter proposes a draft at each of ``req``'s first ``n``
-        positions: its running proposal rates shrunk towards the engine's (``prior``), made
-        non-increasing."""
-        stats = self._stats.get(req.request_id)
-        out, acc = [], 1.0
-        for r in prior[:n] if stats is None else stats.reaches(prior[:n]):
-            acc = min(acc, r)
-            out.append(acc)
-        return out
-
-    def _request_stats(self, req: Request) -> AcceptanceStats:
-        """``req``'s own statistics (recency-weighted: :data:`~.stats.REQUEST_DECAY`)."""
-        stats = self._stats.get(req.request_id)
-        if stats is None:
-            stats = self._stats[req.request_id] = AcceptanceStats(self.config.max_draft_tokens, REQUEST_DECAY)
-        return stats
-
-    def _global_rates(self) -> list[float]:
-        """The engine-wide acceptance rate per draft position (shrunk towards 0.5)."""
-        return self.global_stats.rates(self._halves)
-
-    def _global_reach(self) -> list[float]:
-        """The engine-wide probability that the drafter proposes a draft at each position
-        (shrunk towards 1)."""
-        return self.global_stats.reaches(self._ones)
-
-    def _rate_confidence(self, req: Request, n: int, prior: list[float]) -> list[float]:
-        """Cumulative acceptance probabilities of ``n`` draft positions from ``req``'s running
-        rates shrunk towards the engine's (``prior``, :meth:`_global_rates`)."""
-        stats = self._stats.get(req.request_id)
-        return cumulative(prior[:n], clamp=False) if stats is None else stats.cumulative_rates(prior[:n])
 
     def _can_roll_back(self, req: Request) -> bool:
         """Whether ``req``'s grammar matcher and logits processors can take drafts back."""
@@ -411,14 +315,25 @@ class SpeculativeDecoder:
                 owner.append((ci, i))
         batch = SamplingBatch.from_requests(rows, engine.eos_token_ids, positions)
         if any(r.structured_matcher is not None for r in reqs):
-            self._structured_rows(batch, reqs, drafts, owner)
+            structured_rows(engine.structured, engine.model_config.vocab_size, batch, reqs, drafts, owner)
         if any(r.logits_processors for r in reqs):
-            logits = self._processor_rows(logits.float(), reqs, drafts, owner)
+            logits = processor_rows(engine.processors, logits.float(), reqs, drafts, owner)
         sampled = engine.sampler(logits, batch)
         targets = sampled.token_ids.tolist()
         if self.config.acceptance == "rejection" and any(drafts):
-            emitted = self._rejection(logits, batch, reqs, rows, positions, owner, drafts, targets)
-            logprobs = self._emitted_logprobs(logits, batch, drafts, emitted)
+            emitted = rejection(
+                engine.sampler,
+                self._draft_probs,
+                logits,
+                batch,
+                reqs,
+                rows,
+                positions,
+                owner,
+                drafts,
+                targets,
+            )
+            logprobs = emitted_logprobs(logits, batch, drafts, emitted)
         else:
             emitted, logprobs = [], []
             base = 0
@@ -433,170 +348,16 @@ class SpeculativeDecoder:
         accepted = sum(len(e) - 1 for d, e in zip(drafts, emitted, strict=True) if d)
         return VerifyResult(emitted, logprobs, accepted)
 
-    def _rejection(
-        self,
-        logits: torch.Tensor,
-        batch: SamplingBatch,
-        reqs: list[Request],
-        rows: list[RowView],
-        positions: list[int],
-        owner: list[tuple[int, int]],
-        drafts: list[list[int]],
-        targets: list[int],
-    ) -> list[list[int]]:
-        """``rejection`` acceptance for every chunk (:mod:`deepinfer_core.speculative.verify`)."""
-        device, vocab = logits.device, logits.shape[1]
-        probs = self.engine.sampler.distribution(logits.float(), batch.prepare(device, vocab))
-        tested = torch.tensor(
-            [drafts[ci][i] if i < len(drafts[ci]) else 0 for ci, i in owner], dtype=torch.int64
-        ).to(device)
-        k1, k2 = row_keys([r.sampling_seed for r in rows], positions)
-        key1 = torch.tensor(k1, dtype=torch.int64).to(device)
-        key2 = torch.tensor(k2, dtype=torch.int64).to(device)
-        q = self._draft_q(reqs, owner, drafts, vocab, device)
-        resid = residual_draws(probs, tested, q, key1, key2).tolist()
-        p_d = probs.gather(1, tested[:, None]).squeeze(1).tolist()
-        q_d = [1.0] * len(owner) if q is None else q.gather(1, tested[:, None]).squeeze(1).tolist()
-        emitted: list[list[int]] = []
-        base = 0
-        for d in drafts:
-            k = len(d)
-            u = [acceptance_uniform(rows[base + i].sampling_seed, positions[base + i]) for i in range(k)]
-            a = accept_rejection(p_d[base : base + k], q_d[base : base + k], u)
-            last = resid[base + a] if a < k else targets[base + k]
-            emitted.append(list(d[:a]) + [last])
-            base += k + 1
-        return emitted
-
-    def _draft_q(
-        self,
-        reqs: list[Request],
-        owner: list[tuple[int, int]],
-        drafts: list[list[int]],
-        vocab: int,
-        device: torch.device,
-    ) -> torch.Tensor | None:
-        """The drafters' distributions ``q`` per row (``[n, V]``), or ``None`` when every draft
-        is deterministic (one-hot ``q``)."""
-        probs = [self._draft_probs.get(r.request_id) for r in reqs]
-        if all(p is None for p in probs):
-            return None
-        q = torch.zeros(len(owner), vocab, dtype=torch.float64, device=device)
-        for row, (ci, i) in enumerate(owner):
-            if i < len(drafts[ci]):
-                p = probs[ci]
-                if p is None:
-                    q[row, drafts[ci][i]] = 1.0
-                else:
-                    q[row] = p[i].to(device, torch.float64)
-        return q
-
-    @staticmethod
-    def _emitted_logprobs(
-        logits: torch.Tensor,
-        batch: SamplingBatch,
-        drafts: list[list[int]],
-        emitted: list[list[int]],
-    ) -> list[list[dict[int, float] | None]]:
-        """Logprobs of the emitted tokens (rejection acceptance may emit a token other than the
-        row's draw), from the raw logits of their rows."""
-        n = sum(len(d) + 1 for d in drafts)
-        ks = batch.num_logprobs or [None] * n
-        pick, tokens, want = [], [], []
-        base = 0
-        for d, e in zip(drafts, emitted, strict=True):
-            for i, t in enumerate(e):
-                pick.append(base + i)
-                tokens.append(t)
-                want.append(ks[base + i])
-            base += len(d) + 1
-        if not any(k is not None for k in want):
-            return [[None] * len(e) for e in emitted]
-        index = torch.tensor(pick, dtype=torch.int64).to(logits.device)
-        entries = top_logprobs(logits.float().index_select(0, index), torch.tensor(tokens), want)
-        out: list[list[dict[int, float] | None]] = []
-        j = 0
-        for e in emitted:
-            out.append([entries[j + i] for i in range(len(e))])
-            j += len(e)
-        return out
-
-    # ---- grammar masks and logits processors per verified position ----------------------------
-    def _structured_rows(
-        self, batch: SamplingBatch, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]
-    ) -> None:
-        """The packed token bitmask of every row: a request's matcher is advanced over its
-        drafts one at a time (as far as the grammar accepts them) between the rows' fills,
-        then rolled back.  Rows after a draft the grammar rejects stay unconstrained: that
-        draft cannot be accepted, so their tokens are never used."""
-        engine = self.engine
-        vocab = engine.model_config.vocab_size
-        bitmask = torch.full((len(owner), bitmask_words(vocab)), -1, dtype=torch.int32)
-        first_row = _first_rows(owner)
-        valid = {}
-        for ci, req in enumerate(reqs):
-            m = req.structured_matcher
-            if m is not None:
-                m.consume(req.output_token_ids[m.num_consumed :])
-                valid[ci] = m.num_valid(drafts[ci]) if drafts[ci] else 0
-        constrained: list[int] = []
-        for i in range(1 + max((len(d) for d in drafts), default=0)):
-            by_backend: dict[str, list[tuple[Any, int]]] = {}
-            for ci, n_valid in valid.items():
-                if i <= n_valid and i <= len(drafts[ci]):
-                    req = reqs[ci]
-                    if i:
-                        req.structured_matcher.consume([drafts[ci][i - 1]])
-                    row = first_row[ci] + i
-                    by_backend.setdefault(req.params.structured_outputs.backend, []).append(
-                        (req.structured_matcher, row)
-                    )
-                    constrained.append(row)
-            for name, pairs in by_backend.items():
-                engine.structured.backend(name).fill_bitmasks(pairs, bitmask)
-        for ci, n_valid in valid.items():
-            if n_valid:
-                reqs[ci].structured_matcher.rollback(min(n_valid, len(drafts[ci])))
-        engine.structured.finish(batch, bitmask, constrained)
-
-    def _processor_rows(
-        self, logits: torch.Tensor, reqs: list[Request], drafts: list[list[int]], owner: list[tuple[int, int]]
-    ) -> torch.Tensor:
-        """Logits processors on every row: each gets a request's new output tokens, then per
-        verified position ``i`` its draft ``d_i`` and one ``apply`` over the rows at ``i``;
-        afterwards the drafts are rolled back (``on_rollback``)."""
-        procs = self.engine.processors
-        order = procs.feed(reqs)
-        first_row = _first_rows(owner)
-        with torch.inference_mode():
-            for i in range(1 + max((len(d) for d in drafts), default=0)):
-                for name in order:
-                    ids: list[str | None] = [None] * len(owner)
-                    any_row = False
-                    for ci, req in enumerate(reqs):
-                        if name in req.logits_processors and i <= len(drafts[ci]):
-                            if i:
-                                procs.get(name).on_tokens(req.request_id, [drafts[ci][i - 1]])
-                            ids[first_row[ci] + i] = req.request_id
-                            any_row = True
-                    if any_row:
-                        logits = procs.get(name).apply(logits, ids)
-        for ci, req in enumerate(reqs):
-            if drafts[ci]:
-                for name in req.logits_processors:
-                    procs.get(name).on_rollback(req.request_id, len(drafts[ci]))
-        return logits
-
     # ---- bookkeeping -----------------------------------------------------------------------------
     def _record(self, req: Request, verified: int, accepted: int) -> None:
         proposed = self._proposed.pop(req.request_id, 0)
         self.metrics.record(proposed, verified, accepted)
         if verified:
-            self._request_stats(req).record(verified, accepted)
-            self.global_stats.record(verified, accepted)
+            self.estimates.request_stats(req.request_id).record(verified, accepted)
+            self.estimates.global_stats.record(verified, accepted)
             conf = self._draft_conf.pop(req.request_id, None)
             if conf is not None:
-                self.calibration.record(conf, verified, accepted)
+                self.estimates.calibration.record(conf, verified, accepted)
 
     def record_without_drafts(self, sched: SchedulerOutput) -> None:
         """Count a step that verified no draft (sampled by the engine's plain path): each of
@@ -625,39 +386,12 @@ class SpeculativeDecoder:
         ``hidden``: that step's hidden rows, ``ModelRunner.last_hidden`` when it ran)."""
         if not self.drafter_observes:
             return
-        computed: list[ComputedChunk] = []
-        row = 0
-        for req, c in zip(sched.requests, sched.chunks, strict=True):
-            first, row = row, row + c.num_tokens
-            if (
-                req.status is not RequestStatus.RUNNING
-                or req.block_table[: len(c.block_table)] != c.block_table
-            ):
-                continue  # finished, or preempted since
-            end = min(c.end_pos, req.num_computed_tokens)
-            if end <= c.start_pos:
-                continue
-            assert req.seq_slot is not None
-            computed.append(
-                ComputedChunk(
-                    request_id=req.request_id,
-                    start_pos=c.start_pos,
-                    token_ids=req.token_slice(c.start_pos + 1, end + 1),
-                    hidden_row=first,
-                    sampled=c.sample and end == req.num_tokens - 1,
-                    seq_slot=req.seq_slot,
-                    block_table=list(req.block_table),
-                    table_key=(req.request_id, req.table_version),
-                    window_from=c.window_from,
-                    cached_until=c.cached_until,
-                    hidden=hidden,
-                )
-            )
+        computed = computed_chunks(sched, hidden)
         self.drafter.observe(computed)
 
     def release(self, req: Request) -> None:
         """Forget a finished request."""
-        self._stats.pop(req.request_id, None)
+        self.estimates.forget(req.request_id)
         self._proposed.pop(req.request_id, None)
         self._draft_conf.pop(req.request_id, None)
         self.drafter.on_finished(req.request_id)
@@ -695,11 +429,3 @@ def _is_decode(req: Request, c: SeqChunk) -> bool:
     """Whether sampling chunk ``c`` of ``req`` decodes (one known token after the prompt, plus
     any drafts it verifies) rather than ending a prefill."""
     return c.num_tokens - c.num_draft == 1 and c.start_pos >= req.num_prompt_tokens
-
-
-def _first_rows(owner: list[tuple[int, int]]) -> dict[int, int]:
-    """The first logits row of each chunk, from the rows' ``(chunk, position)``."""
-    first: dict[int, int] = {}
-    for row, (ci, _) in enumerate(owner):
-        first.setdefault(ci, row)
-    return first

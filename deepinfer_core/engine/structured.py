@@ -34,7 +34,7 @@ from deepinfer_core.sampling.penalties import bitmask_has, bitmask_of, bitmask_w
 
 if TYPE_CHECKING:
     from deepinfer_core.engine.request import Request
-    from deepinfer_core.sampling.sampler import SamplingBatch
+    from deepinfer_core.sampling.batch import SamplingBatch
 
 
 @dataclass

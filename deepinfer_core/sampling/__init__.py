@@ -1,8 +1,11 @@
 """Sampling: per-request parameters, logit processing and the batched counter-based sampler."""
 
+from .batch import SamplingBatch
+from .filters import top_k_top_p_keep
+from .logprobs import top_logprobs
 from .params import SamplingParams
 from .random import derive_seed, gumbel_noise
-from .sampler import Sampler, SamplerOutput, SamplingBatch, top_k_top_p_keep, top_logprobs
+from .sampler import Sampler, SamplerOutput
 
 __all__ = [
     "Sampler",

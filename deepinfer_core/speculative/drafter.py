@@ -164,7 +164,7 @@ class Drafter:
 @dataclass
 class RowView:
     """A request as one verified position sees it: its output extended by the drafts before
-    (a :class:`~deepinfer_core.sampling.sampler.SamplingRow`; the ``dspark`` drafter draws its
+    (a :class:`~deepinfer_core.sampling.batch.SamplingRow`; the ``dspark`` drafter draws its
     drafts on the same rows)."""
 
     params: Any

@@ -34,9 +34,10 @@ import torch
 
 from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.batch import SamplingBatch
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
-from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
+from deepinfer_core.sampling.sampler import Sampler
 
 from .drafter import Draft, DraftContext, Drafter, RowView
 

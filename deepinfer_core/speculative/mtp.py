@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from deepinfer_core.contract.batch import SeqChunk
-from deepinfer_core.sampling.sampler import tensor_to_device
+from deepinfer_core.sampling.transfer import tensor_to_device
 
 from .drafter import ComputedChunk, Draft, DraftContext, Drafter
 

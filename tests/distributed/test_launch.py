@@ -18,7 +18,7 @@ import pytest
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.cli import _engine_kwargs, build_parser
 from deepinfer_core.config import EngineConfig
-from deepinfer_core.distributed.coordinator import FAULT_ENV
+from deepinfer_core.distributed.faults import FAULT_ENV
 from deepinfer_core.distributed.init import init_parallel, run_bounded
 from deepinfer_core.errors import ConfigError, DistributedError
 

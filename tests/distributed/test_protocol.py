@@ -1,4 +1,4 @@
-"""The step protocol's host messages (``coordinator.broadcast`` / ``gather`` over gloo): a
+"""The step protocol's host messages (``protocol.broadcast`` / ``gather`` over gloo): a
 message or reply that pickles to at most ``FAST_BYTES`` travels in one fixed-size frame, a
 larger one in a second collective; either way every rank gets rank 0's message and rank 0
 every rank's reply, in rank order, equal to what was sent."""
@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer_core.contract.parallel import ParallelState
-from deepinfer_core.distributed.coordinator import FAST_BYTES, StepMessage, broadcast, gather
+from deepinfer_core.distributed.protocol import FAST_BYTES, StepMessage, broadcast, gather
 
 
 def _messages(rank: int, round_: int) -> tuple[StepMessage, dict]:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer_core.sampling.sampler import Sampler, SamplingBatch, top_logprobs
+from deepinfer_core.sampling.batch import SamplingBatch
+from deepinfer_core.sampling.logprobs import top_logprobs
+from deepinfer_core.sampling.sampler import Sampler
 from tests.ops.sync_check import record_host_syncs
 
 needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)

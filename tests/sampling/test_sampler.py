@@ -8,15 +8,11 @@ import types
 import pytest
 import torch
 
+from deepinfer_core.sampling.batch import SamplingBatch, min_tokens_banned
+from deepinfer_core.sampling.filters import min_p_keep, top_k_top_p_keep
 from deepinfer_core.sampling.params import SamplingParams
-from deepinfer_core.sampling.sampler import (
-    Sampler,
-    SamplingBatch,
-    derive_seed,
-    min_p_keep,
-    min_tokens_banned,
-    top_k_top_p_keep,
-)
+from deepinfer_core.sampling.random import derive_seed
+from deepinfer_core.sampling.sampler import Sampler
 
 
 def batch(n, temperature=1.0, top_p=1.0, top_k=0, seeds=None, positions=None, **extra):
@@ -349,7 +345,7 @@ def test_token_bitmask_restricts_rows_and_leaves_full_rows_alone(temperature):
 
 def test_plain_greedy_only_where_no_stage_changes_the_logits():
     """``SamplingTensors.plain_greedy``: every row greedy and no mask, bias, ban or penalty."""
-    from deepinfer_core.sampling.sampler import SamplingBatch
+    from deepinfer_core.sampling.batch import SamplingBatch
 
     def prep(*params, outputs=()):
         rows = [

@@ -17,21 +17,20 @@ from deepinfer_core.speculative.policy import (
     PROBE_BACKOFF_CAP,
     PROBE_INTERVAL,
     ProbeSchedule,
-    StepCost,
     cumulative,
     drafting_gain,
     dspark_lengths,
     fixed_lengths,
-    robust_line,
-    robust_plane,
     uniform_lengths,
 )
+from deepinfer_core.speculative.robust_fit import robust_line, robust_plane
 from deepinfer_core.speculative.stats import (
     CALIBRATION_PRIOR,
     AcceptanceStats,
     ConfidenceCalibration,
     SpeculativeMetrics,
 )
+from deepinfer_core.speculative.step_cost import StepCost
 
 
 def _value(lengths, confidences, cost):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer_core.sampling.batch import SamplingBatch
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import row_keys
-from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
+from deepinfer_core.sampling.sampler import Sampler
 from deepinfer_core.speculative.verify import accept_rejection, acceptance_uniform, residual_draws
 
 V = 6

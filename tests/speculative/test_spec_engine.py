@@ -18,7 +18,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.plugins import PluginManager
 from deepinfer_core.speculative import Draft, Drafter
-from deepinfer_core.speculative.policy import StepCost
+from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.testing.managers import manager_with_plugin
 
 PROMPTS = [

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
+from deepinfer_core.models.deepseek_v4.checkpoint_plan import check_checkpoint, check_mtp_checkpoint
 from deepinfer_core.models.deepseek_v4.family import FAMILY as V4
-from deepinfer_core.models.deepseek_v4.loader import check_checkpoint, check_mtp_checkpoint
 from deepinfer_core.models.deepseek_v41.family import FAMILY as V41
 from deepinfer_core.models.deepseek_v41.weights import check_dspark_weights, check_weights
 from tests.weights.released_inventory import (

@@ -33,8 +33,8 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
+from .layer import DecoderLayer
 from .metadata import V41StepMetadata
-from .model import DecoderLayer
 from .ops import op
 from .params import CONFIDENCE_HEAD
 

@@ -40,76 +40,28 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.errors import ConfigError
-from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, RingSpec, SlotStateSpec
-from deepinfer_core.models.deepseek_v4.fused import FusedProjection
-from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, SlotStateSpec
 from deepinfer_core.models.deepseek_v4.rope import inv_freq
 from deepinfer_core.models.weight_bytes import weight_bytes, weight_storages
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.attention import PagedIndex
-from deepinfer_core.ops.kv_blockscaled import block_format, packs
-from deepinfer_core.ops.kv_format import KVPool, PackedKVPool
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
+from .dspark import DSparkHead
 from .engram import EngramLayout, hash_multipliers
+from .kv_formats import kv_specs
+from .layer import DecoderLayer, Engram
 from .metadata import V41StepMetadata, build_dspark_metadata, build_v41_metadata
 from .ops import op
 
 logger = logging.getLogger("deepinfer.model")
-
-WINDOW_KV_FORMAT = ("fp8_ue8m0", 32)
-"""The release's window record: every channel (rope included) e4m3, one ue8m0 scale per 32."""
-COMPRESSED_KV_FORMAT = ("fp4_e4m3", 16)
-"""The release's compressed entries: e2m1, one e4m3 scale per 16 channels."""
-INDEXER_FORMAT = ("fp4_ue8m0", 32)
-"""The release's indexer keys and queries: e2m1, one ue8m0 scale per 32 channels."""
-KV_FORMATS = {"window": WINDOW_KV_FORMAT, "ckv": COMPRESSED_KV_FORMAT, "ikv": INDEXER_FORMAT}
-"""The release's format of each cache a V4.1 layer keeps rows of (a ``kv_qdq`` format and block,
-also the name of the packed ``kv_format`` of ``kv_cache_dtype="fp8"``)."""
-
-
-def kv_specs(specs: list[CacheSpec], kv_cache_dtype: str) -> tuple[list[CacheSpec], list[str]]:
-    """``specs`` with the window / ``ckv`` / ``ikv`` rows in the release's packed formats when
-    ``kv_cache_dtype="fp8"`` (``kv_format`` = their :data:`KV_FORMATS` name: MXFP8 window
-    records, NVFP4-like entries, MXFP4 indexer keys), and the names of those kept plain because
-    their width is not a whole number of blocks (``kv_qdq`` leaves such rows unchanged, so a
-    plain cache holds exactly their values).  ``"auto"``: unchanged."""
-    if kv_cache_dtype == "auto":
-        return specs, []
-    if kv_cache_dtype != "fp8":
-        raise ConfigError(f"deepseek_v41: kv_cache_dtype must be 'auto' or 'fp8', got {kv_cache_dtype!r}")
-    out: list[CacheSpec] = []
-    plain: list[str] = []
-    for s in specs:
-        if isinstance(s, RingSpec | PagedSpec) and s.name in KV_FORMATS:
-            fmt, block = KV_FORMATS[s.name]
-            assert block_format(fmt).block == block, (fmt, block)  # the pool's block is kv_qdq's
-            if packs(fmt, s.dim):
-                s = replace(s, kv_format=fmt)
-            else:
-                plain.append(f"{s.name} ({s.dim} values, {fmt} blocks of {block})")
-        out.append(s)
-    return out, plain
-
-
-def store_kv(ops: OpTable, pool: KVPool, rows: torch.Tensor, values: torch.Tensor, fmt: tuple) -> None:
-    """``values`` into ``pool`` at ``rows`` with the release's numerics ``fmt``: a packed pool
-    quantises them itself (``cache_write``, bit for bit ``kv_qdq``'s values once dequantised), a
-    plain one takes their ``kv_qdq`` values.  Never both: a second ``fp4_e4m3`` quantisation of
-    ``kv_qdq``'s output is not always a no-op (:mod:`deepinfer_core.ops.kv_blockscaled`)."""
-    if not isinstance(pool, PackedKVPool):
-        values = op(ops, "kv_qdq")(values, *fmt)
-    ops.cache_write(pool, rows, values)
-
 
 MTP_ON_V41 = (
     "speculative.drafter='mtp': DeepSeek-V4.1 has no MTP layer; its draft layers (mtp.*) are the DSpark "
@@ -144,287 +96,6 @@ def prefill_tail_setting(cfg: DeepseekV41Config, raw: str | None = None) -> int 
             f"sliding window ({w}): the decoder layers' windows must be rebuilt by the tail"
         )
     return n
-
-
-class Attention:
-    """Attention of layer ``layer``: window + (for compressed layers) the group's shared entries.
-
-    ``prefix``: the block's tensors' prefix (default ``layers.{layer}.``; a DSpark draft layer's is
-    ``mtp.{j}.`` with ``layer = num_hidden_layers + j``, its cache layer).  A draft layer projects
-    ``wkv`` apart from ``wq_a``: its context keys (:meth:`write_context`) need only ``wkv``."""
-
-    def __init__(
-        self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], dtype: torch.dtype, prefix: str = ""
-    ):
-        p = (prefix or f"layers.{layer}.") + "attn."
-        self.cfg, self.layer = cfg, layer
-        self.ratio = cfg.compress_ratio(layer)
-        self.rope_family = "compress" if self.ratio else "main"
-        self.heads, self.head_dim, self.eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-        self.q_norm, self.wq_b = w[p + "q_norm.weight"], w[p + "wq_b.weight"]
-        self.kv_norm, self.sinks = w[p + "kv_norm.weight"], w[p + "attn_sink"].float()
-        self.wo_a, self.wo_b = w[p + "wo_a.weight"], w[p + "wo_b.weight"]
-        self.source = cfg.kv_source(layer) if self.ratio else None
-        self.is_kv_source = cfg.is_kv_source(layer)
-        self.is_index_source = cfg.is_index_source(layer)
-        in_weights = [(n, w.pop(p + n)) for n in ("wq_a.weight", "wkv.weight")]
-        self.parts = ["q_a", "kv"]
-        self.w_kv: FusedProjection | None = None  # a draft layer's wkv, apart
-        if layer >= cfg.num_hidden_layers:
-            self.w_kv = FusedProjection(in_weights[1:], dtype, p + "wkv")
-            in_weights, self.parts = in_weights[:1], ["q_a"]
-        if self.is_kv_source:
-            c = p + "compressor."
-            self.c_norm = w[c + "norm.weight"]
-            in_weights.append(("compressor.wkv.weight", w.pop(c + "wkv.weight")))
-            self.parts.append("c_kv")
-            if self.ratio > 1:
-                in_weights.append(("compressor.wgate.weight", w.pop(c + "wgate.weight")))
-                self.parts.append("c_gate")
-        if self.is_index_source:
-            x = p + "indexer."
-            self.wi_q = w[x + "wq_b.weight"]
-            in_weights.append(("indexer.weights_proj.weight", w.pop(x + "weights_proj.weight")))
-            self.parts.append("i_w")
-            if self.is_kv_source:
-                self.wi_k, self.i_k_norm = w[x + "wk.weight"], w[x + "k_norm.weight"]
-        self.w_in = FusedProjection(in_weights, dtype, p.removesuffix("."))
-
-    def cache_specs(self, num_spec_tokens: int = 0) -> list[CacheSpec]:
-        """The window ring; for a compressed layer the group's entry pools (owned by the kv
-        source, ``alias_of`` it elsewhere) and, for a pooling kv source, its partial windows
-        (plain formats: :func:`kv_specs` packs them for ``kv_cache_dtype="fp8"``)."""
-        cfg = self.cfg
-        specs: list[CacheSpec] = [
-            RingSpec("window", cfg.sliding_window, self.head_dim, spare=num_spec_tokens)
-        ]
-        if not self.ratio:
-            return specs
-        r, src = self.ratio, self.source
-        own = self.is_kv_source
-        specs.append(PagedSpec("ckv", r, self.head_dim, alias_of=None if own else (src, "ckv")))
-        if self.is_index_source:
-            specs.append(PagedSpec("ikv", r, cfg.index_head_dim, alias_of=None if own else (src, "ikv")))
-        if own and r > 1:
-            nb = buffer_windows(r, num_spec_tokens)
-            specs += [
-                SlotStateSpec("ckv.buf_kv", (nb * r, self.head_dim)),
-                SlotStateSpec("ckv.buf_gate", (nb * r, self.head_dim)),
-            ]
-        return specs
-
-    def __call__(
-        self, x: torch.Tensor, md: V41StepMetadata, cache: HybridCache, ops: OpTable, rope: dict, shared: dict
-    ) -> torch.Tensor:
-        """``x`` ``[T, D]`` (normed block input) -> ``[T, D]``; ``shared`` carries the step's
-        picks and candidate blocks from the index sources to the layers after them."""
-        t = x.shape[0]
-        part = dict(zip(self.parts, self.w_in(x, ops), strict=True))
-        if self.w_kv is not None:
-            part["kv"] = self.w_kv(x, ops)[0]
-        qdq = op(ops, "kv_qdq")
-        q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
-        q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
-        kv = ops.rms_norm(part["kv"], self.kv_norm, self.eps)
-        cos, sin = rope[self.rope_family]
-        qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
-        q, key = qkv[:, : self.heads], qkv[:, self.heads]
-        kv = qdq(key, *WINDOW_KV_FORMAT)  # this step's rows, as the ring gives them back
-        ring = cache.get(self.layer, "window")
-        pools: list[Any] = [ring, kv]
-        idx: list[Any] = [md.v4.window_ring, md.v4.window_chunk]
-        if self.ratio:
-            if self.is_kv_source:
-                self._compress(part, md, cache, ops, rope)
-            if self.is_index_source:
-                shared["picks"] = self._index(q_res, part["i_w"], md, cache, ops, rope, shared)
-            pools.append(cache.get(self.layer, "ckv"))
-            idx.append(shared["picks"])
-        out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ops.cache_write(ring, md.v4.ring_rows, key if isinstance(ring, PackedKVPool) else kv)
-        out = ops.apply_rope(out, cos, -sin)
-        g = self.cfg.o_groups
-        out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
-        return ops.linear(out, self.wo_b)
-
-    def write_context(
-        self, m: torch.Tensor, ring_rows: torch.Tensor, cache: HybridCache, ops: OpTable, rope: dict
-    ) -> None:
-        """A DSpark draft layer's context keys: ``RMSNorm(wkv m)`` rotated at each row's position
-        (``main`` rope) into its window ring at ``ring_rows``, as :meth:`__call__` stores a
-        step's own keys (the window record's numerics)."""
-        assert self.w_kv is not None, "only a draft layer writes context keys"
-        kv = ops.rms_norm(self.w_kv(m, ops)[0], self.kv_norm, self.eps)
-        key = ops.apply_rope(kv.unsqueeze(1), *rope["main"])[:, 0]
-        store_kv(ops, cache.get(self.layer, "window"), ring_rows, key, WINDOW_KV_FORMAT)
-
-    def _compress(
-        self, part: dict, md: V41StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
-    ) -> None:
-        """This step's new entries into the group's pools: ratio 1, one per token; ratio ``r``,
-        one per window of ``r`` tokens closed this step (softmax-gated pooling, no position
-        bias), the tokens of unfinished windows buffered per slot (V4's plan)."""
-        r, layer, write = self.ratio, self.layer, ops.cache_write
-        if r == 1:
-            latent = ops.rms_norm(part["c_kv"], self.c_norm, self.eps)
-            assert md.full is not None
-            dest = md.full.dest
-            cos, sin = rope["compress"]
-        else:
-            plan = md.v4.plans[r]
-            buf_kv = cache.get(layer, "ckv.buf_kv").view(-1, self.head_dim)
-            buf_gate = cache.get(layer, "ckv.buf_gate").view(-1, self.head_dim)
-            latent = None
-            if plan.windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
-                stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, part["c_kv"]]))  # [M, r, hd]
-                stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, part["c_gate"]])).float()
-                latent = ops.rms_norm(ops.compress_pool(stage_kv, stage_gate), self.c_norm, self.eps)
-                dest = plan.dest
-                inv, scale = rope["compress_freqs"]
-                cos, sin = ops.rope_cos_sin(plan.positions, inv, scale, latent.dtype)
-            write(buf_kv, plan.buf_rows, part["c_kv"])
-            write(buf_gate, plan.buf_rows, part["c_gate"])
-            if latent is None:
-                return
-        if self.is_index_source:  # the group's indexer keys, from the pre-rope latent
-            k = ops.rms_norm(ops.linear(latent, self.wi_k), self.i_k_norm, self.eps)
-            store_kv(ops, cache.get(layer, "ikv"), dest, ops.apply_rope(k, cos, sin), INDEXER_FORMAT)
-        store_kv(ops, cache.get(layer, "ckv"), dest, ops.apply_rope(latent, cos, sin), COMPRESSED_KV_FORMAT)
-
-    def _index(
-        self,
-        q_res: torch.Tensor,
-        weights: torch.Tensor,
-        md: V41StepMetadata,
-        cache: HybridCache,
-        ops: OpTable,
-        rope: dict,
-        shared: dict,
-    ) -> Any:
-        """The entries this layer (and the group's layers up to the next index source) attend to."""
-        cfg, t = self.cfg, q_res.shape[0]
-        entries = md.entries(self.ratio)
-        keys = cache.get(self.layer, "ikv")
-        iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
-        iq = op(ops, "kv_qdq")(ops.apply_rope(iq, *rope["compress"]), *INDEXER_FORMAT)
-        iw = weights.float() * cfg.index_n_heads**-0.5
-        scale = cfg.index_head_dim**-0.5
-        if self.layer == cfg.candidate_source_layer_id:
-            nb, bs = cfg.candidate_topk_blocks, cfg.candidate_block_size
-            # a static bound: with at most nb blocks visible every block is a candidate
-            shared["candidates"] = (
-                op(ops, "candidate_blocks")(iq, iw, keys, entries, nb, bs, scale)
-                if entries.max_count > nb * bs
-                else None
-            )
-        candidates = shared.get("candidates") if cfg.uses_candidates(self.layer) else None
-        if candidates is None and entries.max_count <= cfg.index_topk:
-            return entries  # every visible entry (a static bound, not a tensor value)
-        pool = entries if candidates is None else candidates
-        return ops.indexer_topk(iq, iw, keys, pool, cfg.index_topk, scale)
-
-
-class MoE:
-    """The MoE block of layer ``layer``: ``noaux_tc`` top-k routed experts plus a shared expert.
-    ``prefix`` / ``top_k``: a DSpark draft layer's (``mtp.{j}.``, ``dspark_num_experts_per_tok``;
-    its expert count is its stacks')."""
-
-    def __init__(
-        self,
-        cfg: DeepseekV41Config,
-        layer: int,
-        w: dict[str, Weight],
-        dtype: torch.dtype,
-        prefix: str = "",
-        top_k: int | None = None,
-    ):
-        p = (prefix or f"layers.{layer}.") + "ffn."
-        self.cfg = cfg
-        self.top_k = cfg.num_experts_per_tok if top_k is None else top_k
-        self.bias = w[p + "gate.bias"]
-        self.gate_up, self.down = w[p + "experts.gate_up"], w[p + "experts.down"]
-        names = ("gate.weight", "shared_experts.w1.weight", "shared_experts.w3.weight")
-        self.w_in = FusedProjection([(n, w.pop(p + n)) for n in names], dtype, p.removesuffix("."))
-        self.s_down = w[p + "shared_experts.w2.weight"]
-
-    def __call__(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
-        cfg = self.cfg
-        logits, s_gate, s_up = self.w_in(x, ops)
-        if cfg.gate_temp != 1.0:
-            logits = logits / cfg.gate_temp
-        weights, ids = ops.moe_route(
-            logits, self.bias, None, self.top_k, cfg.scoring_func, cfg.routed_scaling_factor
-        )
-        routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
-        return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
-
-
-class Engram:
-    """The Engram memory of layer ``layer``: hashed n-gram lookups gated into every stream."""
-
-    def __init__(self, cfg: DeepseekV41Config, layer: int, w: dict[str, Weight], layout: EngramLayout, mult):
-        p = f"layers.{layer}.engram."
-        i = cfg.engram_layer_ids.index(layer)
-        dev = w[p + "q_weight"].device
-        self.table, self.wkv = w[p + "embed.weight"], w[p + "wkv.weight"]
-        self.q_weight, self.k_weight = w[p + "q_weight"], w[p + "k_weight"]
-        self.multipliers = mult[i].to(dev)
-        self.primes = torch.tensor([x for per_n in layout.primes[i] for x in per_n], device=dev)
-        self.offsets = torch.tensor(layout.offsets[i], device=dev)
-        self.eps = cfg.rms_norm_eps
-
-    def __call__(self, h: torch.Tensor, tokens: torch.Tensor, ops: OpTable) -> torch.Tensor:
-        """``h`` ``[T, N, D]`` streams, ``tokens`` ``[T, ngram]`` compressed ids -> updated streams."""
-        rows = op(ops, "engram_hash")(tokens, self.multipliers, self.primes, self.offsets)
-        kv = ops.linear(op(ops, "engram_rows")(self.table, rows, h.dtype), self.wkv)
-        return op(ops, "engram_mix")(h, kv, self.q_weight, self.k_weight, self.eps)
-
-
-class DecoderLayer:
-    """One block: (Engram, then) single-pass-mHC-wrapped attention then MoE.  ``prefix`` /
-    ``top_k``: a DSpark draft layer's (see :class:`Attention` and :class:`MoE`)."""
-
-    def __init__(
-        self,
-        cfg: DeepseekV41Config,
-        layer: int,
-        w: dict[str, Weight],
-        dtype: torch.dtype,
-        engram: Engram | None = None,
-        prefix: str = "",
-        top_k: int | None = None,
-    ):
-        p = prefix or f"layers.{layer}."
-        self.cfg, self.layer = cfg, layer
-        self.engram = engram
-        self.attn = Attention(cfg, layer, w, dtype, prefix=p)
-        self.moe = MoE(cfg, layer, w, dtype, prefix=p, top_k=top_k)
-        self.attn_norm, self.ffn_norm = w[p + "attn_norm.weight"], w[p + "ffn_norm.weight"]
-        self.attn_hc = tuple(w[p + f"hc_attn_{k}"] for k in ("fn", "base", "scale"))
-        self.ffn_hc = tuple(w[p + f"hc_ffn_{k}"] for k in ("fn", "base", "scale"))
-
-    def __call__(
-        self,
-        h: torch.Tensor,
-        pre: torch.Tensor,
-        md: V41StepMetadata,
-        cache: HybridCache,
-        ops: OpTable,
-        rope: dict,
-        shared: dict,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(streams [T, N, D], previous site's pre [T, N])`` -> the same after this block."""
-        cfg = self.cfg
-        eps, hc_eps, it = cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
-        if self.engram is not None:
-            h = self.engram(h, shared["engram_tokens"], ops)
-        mix = op(ops, "hc_mix")
-        attn_pre, post, comb, x = mix(h, pre, *self.attn_hc, eps, hc_eps, it)
-        a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache, ops, rope, shared)
-        h = ops.hc_post(a, h, post, comb)
-        ffn_pre, post, comb, x = mix(h, attn_pre, *self.ffn_hc, eps, hc_eps, it)
-        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ops)
-        return ops.hc_post(m, h, post, comb), ffn_pre
 
 
 class DeepseekV41Model:
@@ -470,8 +141,6 @@ class DeepseekV41Model:
         self.dspark: Any = None
         """The DSpark drafter (:class:`~.dspark.DSparkHead`) when its weights were given."""
         if "mtp.0.main_proj.weight" in weights:
-            from .dspark import DSparkHead
-
             self.dspark = DSparkHead(cfg, weights, dtype)
         forced = [f.dequantized for layer in self.layers for f in (layer.attn.w_in, layer.moe.w_in)]
         forced = [note for note in forced if note is not None]

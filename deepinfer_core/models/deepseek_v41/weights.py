@@ -31,14 +31,8 @@ import numpy as np
 import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
-from deepinfer_core.models.deepseek_v4.loader import (
-    _check_shape,
-    _empty_stack,
-    _keep_formats,
-    _put_expert,
-    _read,
-    check_stored_shapes,
-)
+from deepinfer_core.models.deepseek_v4.checkpoint_plan import check_shape, check_stored_shapes
+from deepinfer_core.models.deepseek_v4.loader import _empty_stack, _keep_formats, _put_expert, _read
 from deepinfer_core.models.deepseek_v4.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.host_mapped import device_view_of_host
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
@@ -132,7 +126,7 @@ def _engram_table(
     on_cpu = torch.device(device).type == "cpu"
     mapped = mmap_tensor(path, name)
     data = mapped if mapped is not None else src.get(name)
-    _check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
+    check_shape(data.shape, spec.shape, f"tensor {name!r}", path)
     if scale_name is not None and data.is_floating_point() and data.dtype != FP8_DTYPE:
         logger.info(
             "Engram table %s is stored as %s: its scale %s is not applied (a scale applies to "
@@ -387,7 +381,7 @@ def _read_plan(
                         result[target] = _engram_table(src, name, scales.get(name), spec, path, dtype, device)
                         continue
                     t = _read(src, name, scales.get(name), spec, block, keep, device=device)
-                    _check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
+                    check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
                     if isinstance(t, QuantizedTensor):
                         result[target] = t.to(device)
                     else:
@@ -398,7 +392,7 @@ def _read_plan(
                     t = _read(src, name, scales.get(name), spec, block, keep, device=device)
                     _, rows, cols = spec.shape
                     want = (rows // 2, cols) if sl.part in ("gate", "up") else (rows, cols)
-                    _check_shape(t.shape, want, f"expert tensor {name!r}", path)
+                    check_shape(t.shape, want, f"expert tensor {name!r}", path)
                     if sl.hf_name not in result:
                         result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
                     _put_expert(result[sl.hf_name], sl, t, name, path)

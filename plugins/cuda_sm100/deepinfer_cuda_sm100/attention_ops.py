@@ -431,6 +431,7 @@ def indexer_cases(s: AttnShapes) -> Callable[[torch.Generator, torch.dtype], Cas
 
 def attention_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for ``sparse_attention`` and ``indexer_topk`` (imports Triton)."""
+    from deepinfer_cuda_sm100.attention_dispatch import make_sparse_attention
     from deepinfer_cuda_sm100.kernels import _common, attention, indexer
 
     interpreted = _common.INTERPRETED
@@ -438,7 +439,7 @@ def attention_ops() -> dict[str, OpImpl]:
     shapes = SMALL if interpreted else V4_FLASH
     return {
         "sparse_attention": OpImpl(
-            fn=attention.sparse_attention,
+            fn=make_sparse_attention(attention.sparse_attention),  # TileLang where measured faster
             supports=supports["sparse_attention"],
             sample_cases=attention_cases(shapes),
         ),

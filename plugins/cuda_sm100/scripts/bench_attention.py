@@ -6,7 +6,8 @@ Run on a CUDA machine (written for an H200)::
     python plugins/cuda_sm100/scripts/bench_attention.py --only attention --batches 32,256
     python plugins/cuda_sm100/scripts/bench_attention.py --tune      # also sweep the kernel tiles
 
-**Attention decode** at DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16), one query
+**Attention decode** (the Triton kernel and, with TileLang installed, the TileLang one) at
+DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16), one query
 per request, for each batch and context: a CSA layer (sliding window of 128 split between
 the ring (127 keys) and this step's row, plus the indexer's top-512 compressed entries) and an
 HCA layer (the window plus every compressed entry of ratio 128 through a paged index).  Each
@@ -70,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between calls")
     p.add_argument("--tune", action="store_true", help="also sweep the attention tiles at each shape")
     p.add_argument("--check", action="store_true", help="compare each output with the reference op first")
+    p.add_argument(
+        "--write-choices",
+        action="store_true",
+        help="write the measured kernel-language table of this GPU's architecture into the package\n"
+        "(deepinfer_cuda_sm100/choices_smXY.json: which of Triton / TileLang serves each shape)",
+    )
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON file to write")
     return p.parse_args(argv)
 
@@ -195,7 +202,11 @@ def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> di
 
 
 def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
+    """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang one."""
+    from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
     from deepinfer_cuda_sm100.kernels import attention as ka
+    from deepinfer_cuda_sm100.tl import sparse_attention as tla
+    from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.attention import sparse_attention as reference
 
@@ -222,6 +233,12 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
                 row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
                 row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
                 row["gbps"] = inp["bytes"] / row["ms"] / 1e6
+                row["choice_key"] = {"kind": tla.third_kind(args[2]), "keys": tla.max_keys(args[2])}
+                if tilelang_problem() is None and tilelang_supports(*args) is True:
+                    if a.check:
+                        err = (tla.sparse_attention(*args).float() - reference(*args).float()).abs().max()
+                        row["tilelang_max_abs_err"] = err.item()
+                    row["tilelang_ms"] = timer.ms(lambda args=args: tla.sparse_attention(*args))
                 if a.tune:
                     row["tune"] = tune_attention(args, timer)
                 rows.append(row)
@@ -313,11 +330,14 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
 
 def print_row(r: dict) -> None:
     if r["op"] == "sparse_attention":
+        tl = r.get("tilelang_ms")
         print(
             f"attention {r['layer']:3} batch {r['batch']:4} ctx {r['context']:6} keys {r['keys']:5}: "
-            f"{r['ms']:8.4f} ms  roofline {r['roofline_ms']:8.4f} ms  "
-            f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)  {r['gbps']:7.1f} GB/s  [{r['plan']}]"
+            f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
+            + (f"tilelang {tl:8.4f} ms ({100 * r['roofline_ms'] / tl:5.1f}%)  " if tl else "tilelang -  ")
+            + f"roofline {r['roofline_ms']:8.4f} ms  [{r['plan']}]"
             + (f"  err {r['max_abs_err']:.2e}" if "max_abs_err" in r else "")
+            + (f" / {r['tilelang_max_abs_err']:.2e}" if "tilelang_max_abs_err" in r else "")
         )
     else:
         print(
@@ -330,6 +350,43 @@ def print_row(r: dict) -> None:
                 else ""
             )
         )
+
+
+def write_choices(results: dict) -> Path:
+    """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
+    rows that timed both languages, written where the package reads it."""
+    import tilelang
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+
+    major, minor = torch.cuda.get_device_capability()
+    points = [
+        {
+            "op": "sparse_attention",
+            "kind": r["choice_key"]["kind"] or "none",
+            "dtype": "bfloat16",
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "tokens": r["batch"],
+            "keys": r["choice_key"]["keys"],
+            "ms": {"triton": round(r["ms"], 5), "tilelang": round(r["tilelang_ms"], 5)},
+        }
+        for r in results["attention"]
+        if "tilelang_ms" in r
+    ]
+    path = kernel_choice.table_path(f"sm{major}{minor}")
+    table = {
+        "device": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
+        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"tilelang {tilelang.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices",
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
+        "(the flush's time subtracted), after warm-ups",
+        "points": points,
+    }
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -355,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         results["attention"] = bench_attention(a, timer)
     if a.only in (None, "indexer"):
         results["indexer"] = bench_indexer(a, timer)
+    if a.write_choices and results.get("attention"):
+        print(f"wrote {write_choices(results)}")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.output}")

@@ -16,7 +16,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.speculative import Draft, Drafter
-from deepinfer_core.speculative.policy import StepCost
+from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.testing.managers import manager_with_plugin
 
 pytest.importorskip("llguidance")

@@ -267,7 +267,7 @@ def test_plain_greedy_walk_on_the_device_equals_the_sampler_walk(v41_dspark_dir,
     """Greedy requests without penalties, masks, bias or bans walk the Markov head by argmax on
     the device (one read-back); the drafts and confidences are those of the walk through the
     engine's sampler, and the request's outputs plain decoding's."""
-    from deepinfer_core.sampling.sampler import SamplingTensors
+    from deepinfer_core.sampling.batch import SamplingTensors
 
     spec = {"method": "fixed", "drafter": "dspark", "max_draft_tokens": 4}
 

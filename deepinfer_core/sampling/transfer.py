@@ -1,0 +1,68 @@
+"""Host values to the device in one copy: pinned, non-blocking on CUDA, no copy on CPU
+(:func:`host_to_device`, :func:`tensor_to_device`), and the packer that sends several tensors'
+values as one float64 buffer (:class:`Packer`)."""
+
+from __future__ import annotations
+
+import itertools
+from array import array
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+class Packer:
+    """Host values of several tensors in one float64 buffer (exact for fp32 values and for
+    integers below 2**53), sent to the device in one copy; there each dtype's values are
+    converted at once and cut into views."""
+
+    def __init__(self) -> None:
+        self._groups: dict[torch.dtype, tuple[array, list[tuple[int, int, tuple[int, ...]]]]] = {}
+        self._where: list[tuple[torch.dtype, int]] = []
+
+    def add(self, values: Iterable[float], shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        data, segments = self._groups.setdefault(dtype, (array("d"), []))
+        start = len(data)
+        data.extend(values)
+        segments.append((start, len(data), shape))
+        self._where.append((dtype, len(segments) - 1))
+        return len(self._where) - 1
+
+    def add_rows(self, rows: list[list[int]] | list[list[float]], dtype: torch.dtype) -> int:
+        shape = (len(rows), len(rows[0]) if rows else 0)
+        return self.add(itertools.chain.from_iterable(rows), shape, dtype)
+
+    def to(self, device: torch.device) -> list[torch.Tensor]:
+        if not self._where:
+            return []
+        data = array("d")
+        for group, _ in self._groups.values():
+            data.extend(group)
+        flat = host_to_device(data, device)
+        views: dict[torch.dtype, list[torch.Tensor]] = {}
+        offset = 0
+        for dtype, (group, segments) in self._groups.items():
+            typed = flat[offset : offset + len(group)].to(dtype)
+            offset += len(group)
+            views[dtype] = [typed[a:b].view(shape) for a, b, shape in segments]
+        return [views[dtype][i] for dtype, i in self._where]
+
+
+def host_to_device(values: array | Sequence[float], device: torch.device | str) -> torch.Tensor:
+    """Host values as a float64 tensor on ``device``: on CUDA by a non-blocking copy from pinned
+    memory (no host sync; the caching host allocator keeps the buffer until the copy is done),
+    on CPU without a copy."""
+    data = values if isinstance(values, array) and values.typecode == "d" else array("d", values)
+    host = torch.frombuffer(data, dtype=torch.float64) if len(data) else torch.empty(0, dtype=torch.float64)
+    return tensor_to_device(host, device)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A CPU tensor on ``device``, as :func:`host_to_device` (pinned, non-blocking on CUDA)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+        return pinned.copy_(host).to(device, non_blocking=True)
+    return host.to(device, non_blocking=True)

@@ -1,0 +1,110 @@
+"""``sparse_attention`` in two kernel languages: TileLang where it was measured faster, else Triton.
+
+:func:`make_sparse_attention` wraps the Triton kernel (which takes every call the backend's
+``supports`` accepts) in a dispatcher.  A call goes to the TileLang kernel
+(:mod:`deepinfer_cuda_sm100.tl.sparse_attention`) when all of these hold:
+
+- TileLang can compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`; if not, one
+  warning says why and how to install it, and Triton serves every call);
+- the engine is not in batch-invariant mode (the Triton kernel's fixed key chunks make a
+  query's result independent of how its window is split between the ring and this step's
+  rows; the TileLang kernel's per-source blocks do not);
+- the TileLang kernel takes the call (:func:`tilelang_supports`: plain pools, 2 or 3 sources
+  of which the first two are explicit row lists, heads a multiple of 64, ...);
+- the measured table of this GPU's architecture picks TileLang at the nearest measured shape
+  (:mod:`deepinfer_cuda_sm100.kernel_choice`).
+
+The choice depends on static shapes only, so a captured graph replays the kernel it captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import PackedKVPool
+from deepinfer_core.ops.modes import batch_invariant_enabled
+from deepinfer_cuda_sm100 import kernel_choice, tl
+from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
+
+logger = logging.getLogger("deepinfer.cuda_sm100")
+
+TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MAX_TL_HEAD_DIM = 512
+"""Widest head the TileLang kernel takes: its query and two key stages fill shared memory."""
+_INT32_MAX = 2**31 - 1
+
+
+def tilelang_supports(q, kv_pools, indices, sinks, scale) -> bool | str:
+    """``True`` when the TileLang kernel takes this call (already accepted by the Triton
+    kernel's ``supports``), else the reason."""
+    if q.dtype not in TL_DTYPES:
+        return f"q dtype {q.dtype}: the TileLang kernel takes bfloat16 and float16"
+    t, h, d = q.shape
+    if h % tl_attention.BH:
+        return f"{h} heads: the TileLang kernel takes multiples of {tl_attention.BH}"
+    if d % 64 or d > MAX_TL_HEAD_DIM:
+        return f"head dim {d}: the TileLang kernel takes multiples of 64 up to {MAX_TL_HEAD_DIM}"
+    if len(kv_pools) not in (2, 3):
+        return f"{len(kv_pools)} sources: the TileLang kernel takes 2 or 3"
+    if any(isinstance(i, PagedIndex) for i in indices[:2]):
+        return "a paged index among the first two sources: the TileLang kernel reads it third"
+    for i, pool in enumerate(kv_pools):
+        if isinstance(pool, PackedKVPool):
+            return f"kv_pools[{i}] is packed ({type(pool).__name__}): the TileLang kernel reads plain pools"
+        if pool.stride(1) != 1 or pool.stride(0) % 8 or pool.data_ptr() % 16:
+            return f"kv_pools[{i}] rows are not 16-byte aligned contiguous rows (strides {pool.stride()})"
+        if i == 2 and not pool.is_contiguous():
+            return "kv_pools[2] is not contiguous"
+    return True
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+@functools.cache
+def _warn_unavailable(problem: str) -> None:
+    logger.warning("sparse_attention: %s; the Triton kernel serves every call", problem)
+
+
+def choose_language(q, kv_pools, indices, sinks, scale) -> str:
+    """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
+    if batch_invariant_enabled() or q.device.type != "cuda":
+        return "triton"
+    problem = tl.tilelang_problem()
+    if problem is not None:
+        _warn_unavailable(problem)
+        return "triton"
+    if tilelang_supports(q, kv_pools, indices, sinks, scale) is not True:
+        return "triton"
+    t, h, d = q.shape
+    return kernel_choice.choose(
+        "sparse_attention",
+        tl_attention.third_kind(indices) or "none",
+        TL_DTYPES[q.dtype],
+        h,
+        d,
+        t,
+        tl_attention.max_keys(indices),
+        _arch(q.device.index if q.device.index is not None else torch.cuda.current_device()),
+        frozenset({"triton", "tilelang"}),
+    )
+
+
+def make_sparse_attention(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The op: the TileLang kernel where :func:`choose_language` picks it, else ``triton_fn``."""
+
+    def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
+        if choose_language(q, kv_pools, indices, sinks, scale) == "tilelang":
+            return tl_attention.sparse_attention(q, kv_pools, indices, sinks, scale)
+        return triton_fn(q, kv_pools, indices, sinks, scale)
+
+    sparse_attention.__doc__ = f"Dispatcher over TileLang and Triton.\n\n{__doc__}"
+    return sparse_attention

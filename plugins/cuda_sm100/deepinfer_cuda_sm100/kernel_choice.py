@@ -1,0 +1,83 @@
+"""Which kernel language serves an op at a shape: a table measured on the device, never a guess.
+
+For ops that have kernels in more than one language (Triton and TileLang), the backend picks,
+per call, the one that was fastest at the nearest measured shape.  The tables ship with the
+package, one per GPU architecture (``choices_sm90.json``: measured on an H200), and are
+re-measured by one command (``python plugins/cuda_sm100/scripts/bench_attention.py --only
+attention --write-choices``).  Nothing is timed inside a request.
+
+Rules of :func:`choose`: only points of the same op, source kind, dtype and head shape count;
+a call with fewer or more tokens than any measured point, or on an architecture without a
+table, takes the default language (Triton, which serves every shape); otherwise the point
+nearest in ``(log2 tokens, log2 keys)`` decides, among the languages available here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_LANGUAGE = "triton"
+TABLE_DIR = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured shape: per-language milliseconds."""
+
+    op: str
+    kind: str
+    dtype: str
+    heads: int
+    head_dim: int
+    tokens: int
+    keys: int
+    ms: dict[str, float]
+
+
+def table_path(arch: str) -> Path:
+    """Where the table of GPU architecture ``arch`` (e.g. ``"sm90"``) lives."""
+    return TABLE_DIR / f"choices_{arch}.json"
+
+
+@functools.cache
+def load_points(arch: str) -> tuple[Point, ...]:
+    """The measured points of ``arch`` (none when no table ships for it)."""
+    path = table_path(arch)
+    if not path.exists():
+        return ()
+    data = json.loads(path.read_text())
+    return tuple(Point(**p) for p in data["points"])
+
+
+def choose(
+    op: str,
+    kind: str,
+    dtype: str,
+    heads: int,
+    head_dim: int,
+    tokens: int,
+    keys: int,
+    arch: str,
+    available: frozenset[str],
+    points: tuple[Point, ...] | None = None,
+) -> str:
+    """The language to run (see the module docstring); ``available`` lists those usable here;
+    ``points`` replaces the shipped table of ``arch`` (tests)."""
+    points = [
+        p
+        for p in (load_points(arch) if points is None else points)
+        if (p.op, p.kind, p.dtype, p.heads, p.head_dim) == (op, kind, dtype, heads, head_dim)
+    ]
+    if not points or not min(p.tokens for p in points) <= tokens <= max(p.tokens for p in points):
+        return DEFAULT_LANGUAGE
+
+    def distance(p: Point) -> float:
+        return math.hypot(math.log2(p.tokens / tokens), math.log2(max(p.keys, 1) / max(keys, 1)))
+
+    nearest = min(points, key=distance)
+    timed = {lang: ms for lang, ms in nearest.ms.items() if lang in available}
+    return min(timed, key=timed.get) if timed else DEFAULT_LANGUAGE

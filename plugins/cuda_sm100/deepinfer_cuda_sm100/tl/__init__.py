@@ -1,0 +1,36 @@
+"""TileLang kernels of the ``cuda_sm100`` backend: the second kernel language, next to Triton.
+
+TileLang (``tilelang``, DeepSeek's kernel language) expresses what Triton cannot: wgmma with
+operands in shared memory, ``cp.async`` gathers pipelined against the math, accumulators
+split between warpgroups.  It is an optional extra (``pip install -e
+'plugins/cuda_sm100[tilelang]'`` from a checkout); without it the Triton kernels serve every
+op (:func:`tilelang_problem` says why, logged once).  Kernels are compiled once per static
+configuration with the CUDA toolkit's ``nvcc`` and kept in TileLang's disk cache
+(``~/.tilelang/cache``), so a second process loads them instead of compiling.
+
+Importing this package imports neither TileLang nor Triton; the kernel modules do.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+import shutil
+
+INSTALL_HINT = "pip install -e 'plugins/cuda_sm100[tilelang]' (from the root of a DeepInfer checkout)"
+
+
+@functools.cache
+def tilelang_problem() -> str | None:
+    """``None`` when TileLang kernels can be compiled here, else why not (one line)."""
+    if importlib.util.find_spec("tilelang") is None:
+        return f"TileLang is not installed ({INSTALL_HINT})"
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    homes += sorted(glob.glob("/usr/local/cuda-*"))
+    if shutil.which("nvcc") is None and not any(
+        h and os.path.exists(os.path.join(h, "bin", "nvcc")) for h in homes
+    ):
+        return "TileLang needs the CUDA toolkit's nvcc: none on PATH, under CUDA_HOME or in /usr/local/cuda*"
+    return None

@@ -1,0 +1,197 @@
+"""The TileLang ``sparse_attention`` kernel and the choice between kernel languages.
+
+**Here** (no GPU, no TileLang): the measured choice table (the shipped one parses and each of
+its points has both languages; nearest-point choice, the default outside the measured token
+range, on other architectures and among unavailable languages), the split plan, and which calls
+the TileLang kernel refuses (with the reason) — all host-side logic, checked against what the
+docstrings promise.
+
+**GPU** (marked ``gpu``; skipped where TileLang cannot compile): the kernel against the reference
+op on every plain-pool conformance case at DeepSeek-V4-Flash shapes that it takes (sliding, CSA
+and HCA layers; decode and prefill tokens; ragged page counts, ``-1`` holes, a query with no key
+at all), through the direct and the split-KV launch, and replay of a captured CUDA graph
+(bitwise equal to the eager call).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_cuda_sm100 import kernel_choice
+from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
+from deepinfer_cuda_sm100.tl import sparse_attention as tla
+from deepinfer_cuda_sm100.tl import tilelang_problem
+
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import Fp8KVPool
+
+BOTH = frozenset({"triton", "tilelang"})
+
+
+def _point(tokens: int, keys: int, tl: float, tr: float, kind: str = "rows") -> kernel_choice.Point:
+    return kernel_choice.Point(
+        "sparse_attention", kind, "bfloat16", 64, 512, tokens, keys, {"tilelang": tl, "triton": tr}
+    )
+
+
+def _choose(tokens: int, keys: int, points, kind: str = "rows", available=BOTH) -> str:
+    return kernel_choice.choose(
+        "sparse_attention", kind, "bfloat16", 64, 512, tokens, keys, "sm90", available, points=tuple(points)
+    )
+
+
+def test_shipped_table_parses_and_times_both_languages():
+    points = kernel_choice.load_points("sm90")
+    assert points, "choices_sm90.json ships with the package"
+    for p in points:
+        assert set(p.ms) == {"triton", "tilelang"} and all(ms > 0 for ms in p.ms.values())
+    assert kernel_choice.load_points("sm1") == ()
+
+
+def test_choice_is_the_fastest_language_at_the_nearest_point():
+    points = [_point(32, 768, tl=1.0, tr=2.0), _point(256, 768, tl=3.0, tr=2.0)]
+    assert _choose(40, 700, points) == "tilelang"  # nearest: 32 tokens
+    assert _choose(200, 768, points) == "triton"  # nearest: 256 tokens
+    assert _choose(64, 768, points, available=frozenset({"triton"})) == "triton"
+
+
+def test_choice_defaults_outside_the_measured_range_and_without_a_table():
+    points = [_point(32, 768, tl=1.0, tr=2.0), _point(256, 768, tl=1.0, tr=2.0)]
+    assert _choose(1, 768, points) == kernel_choice.DEFAULT_LANGUAGE  # fewer tokens than measured
+    assert _choose(8192, 768, points) == kernel_choice.DEFAULT_LANGUAGE  # a prefill chunk: unmeasured
+    assert _choose(64, 768, points, kind="paged") == kernel_choice.DEFAULT_LANGUAGE  # no paged points
+    assert (
+        kernel_choice.choose("sparse_attention", "rows", "bfloat16", 64, 512, 64, 768, "sm1", BOTH)
+        == kernel_choice.DEFAULT_LANGUAGE
+    )
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7, 64, 131, 132, 500])
+@pytest.mark.parametrize("keys", [0, 64, 768, 1 << 20])
+def test_split_plan_covers_the_sms_without_starving_a_split(tokens, keys):
+    sms = 132
+    s = tla.plan_splits(tokens, 64, keys, sms)
+    assert s >= 1
+    if tokens >= sms:
+        assert s == 1  # enough CTAs already
+    if s > 1:
+        assert keys // s >= tla.BN * tla.MIN_SPLIT_BLOCKS  # every split gets its share of blocks
+        assert tokens * (s - 1) < sms  # no more splits than the SMs need
+
+
+def _call(t=4, h=64, d=512, dtype=torch.bfloat16, third="rows"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(t, h, d, generator=g).to(dtype)
+    ring, kv, ckv = (torch.randn(n, d, generator=g).to(dtype) for n in (16, t, 32))
+    idx = [torch.zeros(t, 8, dtype=torch.long), torch.zeros(t, 2, dtype=torch.long)]
+    idx.append(
+        PagedIndex(torch.arange(4).view(1, 4), torch.zeros(t, dtype=torch.long), torch.full((t,), 5), 8, 32)
+        if third == "paged"
+        else torch.zeros(t, 8, dtype=torch.long)
+    )
+    return q, [ring, kv, ckv], idx, torch.zeros(h), d**-0.5
+
+
+def test_tilelang_takes_plain_v4_calls_and_names_what_it_refuses():
+    assert tilelang_supports(*_call()) is True
+    assert tilelang_supports(*_call(third="paged")) is True
+    q, pools, idx, sinks, scale = _call()
+    assert "float32" in tilelang_supports(q.float(), pools, idx, sinks, scale)
+    assert "heads" in tilelang_supports(*_call(h=8))
+    assert "head dim" in tilelang_supports(*_call(d=576))
+    assert "packed" in tilelang_supports(
+        q, [Fp8KVPool.from_values(pools[0], 64), *pools[1:]], idx, sinks, scale
+    )
+    q, pools, paged_idx, sinks, scale = _call(third="paged")
+    assert "paged index" in tilelang_supports(q, pools[::-1], paged_idx[::-1], sinks, scale)
+    assert "sources" in tilelang_supports(q, pools[:1], idx[:1], sinks, scale)
+    odd = torch.randn(16, 513).to(torch.bfloat16)[:, :512]  # rows 513 apart: not 16-byte aligned
+    assert "aligned" in tilelang_supports(q, [odd, *pools[1:]], idx, sinks, scale)
+
+
+def test_split_kinds_and_key_counts_follow_the_sources():
+    q, pools, idx, sinks, scale = _call(third="paged")
+    assert tla.third_kind(idx) == "paged" and tla.max_keys(idx) == 8 + 2 + 32
+    assert tla.third_kind(idx[:2]) is None and tla.third_kind(_call()[2]) == "rows"
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _v4_cases():
+    from deepinfer_cuda_sm100.attention_ops import V4_FLASH, attention_cases
+
+    g = torch.Generator().manual_seed(1)
+    cases = attention_cases(V4_FLASH, kv="plain")(g, torch.bfloat16)
+    (q, pools, idx, sinks, scale), kw = cases[-1]  # long context, a paged source first: reordered
+    cases.append(((q, pools[1:] + pools[:1], idx[1:] + idx[:1], sinks, scale), kw))
+    csa = [c for c in cases if len(c[0][2]) == 3 and not any(isinstance(i, PagedIndex) for i in c[0][2])]
+    (q, pools, idx, sinks, scale), kw = max(csa, key=lambda c: c[0][0].shape[0])  # 4x: more CTAs than SMs
+    rep = 4
+    pools = [pools[0], pools[1].repeat(rep, 1), pools[2]]
+    t = q.shape[0]
+    step_rows = torch.where(idx[1] >= 0, idx[1][None] + t * torch.arange(rep)[:, None, None], -1)
+    idx = [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), idx[2].repeat(rep, 1)]
+    cases.append(((q.repeat(rep, 1, 1), pools, idx, sinks, scale), kw))
+    out = []
+    for (q, pools, idx, sinks, scale), _ in cases:
+        args = (
+            q.cuda(),
+            [p.cuda() for p in pools],
+            [
+                PagedIndex(
+                    i.block_table.cuda(),
+                    i.token_rows.cuda(),
+                    i.counts.cuda(),
+                    i.entries_per_page,
+                    i.max_count,
+                )
+                if isinstance(i, PagedIndex)
+                else i.cuda()
+                for i in idx
+            ],
+            sinks.cuda(),
+            scale,
+        )
+        if tilelang_supports(*args) is True:
+            out.append(args)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_matches_the_reference_at_v4_flash_shapes():
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    from deepinfer_core.ops.attention import sparse_attention as reference
+
+    cases = _v4_cases()
+    assert len(cases) >= 6  # sliding, CSA and HCA at several token counts
+    kinds = set()
+    for args in cases:
+        t = args[0].shape[0]
+        splits = tla.plan_splits(t, 64, tla.max_keys(args[2]), tla.num_sms(args[0].device))
+        kinds.add((tla.third_kind(args[2]), splits > 1))
+        want = reference(*args).float()
+        got = tla.sparse_attention(*args).float()
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    assert kinds >= {(None, False), ("rows", True), ("rows", False), ("paged", True), ("paged", False)}
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    for args in _v4_cases()[:4]:
+        eager = tla.sparse_attention(*args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            tla.sparse_attention(*args)  # warm
+            with torch.cuda.graph(graph, stream=stream):
+                out = tla.sparse_attention(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
