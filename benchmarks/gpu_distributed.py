@@ -407,7 +407,7 @@ class Bench:
             import torch.distributed as dist
 
             info["dist_backend"] = dist.get_backend() if dist.is_initialized() else None
-            info["log_dir"] = getattr(llm._coordinator, "log_dir", None)
+            info["log_dir"] = getattr(llm.client, "log_dir", None)
             want = "nccl" if self.device.type == "cuda" else "gloo"
             if info["dist_backend"] != want:
                 raise RuntimeError(
