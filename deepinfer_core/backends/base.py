@@ -44,6 +44,11 @@ class BackendSpec:
         supports_graph_capture: whether the ops may be captured in device graphs (no host
             syncs, shapes from arguments only); the engine then captures decode steps on
             devices with a graph runtime unless ``enforce_eager``.
+        compiles_kernels: whether the ops compile kernels at their first call for each static
+            configuration (Triton, TileLang): the engine then runs warm-up steps at build
+            (:meth:`~deepinfer_core.engine.model_runner.ModelRunner.warm_up`: one decode token,
+            a full decode batch, a full step of tokens), eager ones included, so that no request
+            and no timed step pays a compilation.
         batch_invariant_devices: device types on which the ops honour batch-invariant mode
             (a row's result bitwise independent of the batch); ``batch_invariant=True`` on
             any other device is refused at start-up rather than silently not held.
@@ -66,6 +71,7 @@ class BackendSpec:
     ops: OpsMapping | Callable[[], OpsMapping] = field(default_factory=dict)
     is_available: Callable[[], Availability] = always_available
     supports_graph_capture: bool = False
+    compiles_kernels: bool = False
     batch_invariant_devices: tuple[str, ...] = ()
     quantized_weights: tuple[str, ...] = ()
     description: str = ""

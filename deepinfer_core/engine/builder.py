@@ -145,7 +145,9 @@ def build_engine_parts(options: EngineConfig, plugins: Any, parallel: ParallelSt
         steps = config.eplb.layers_per_step
         eplb = EplbController(config.eplb, None, runner.model, parallel, layers_per_step=steps)
     _capture_graphs(runner, config, backend)
-    if eplb is not None:  # the captures' forwards routed padding rows: not load
+    if backend.compiles_kernels:
+        _warm_up(runner, backend)
+    if eplb is not None:  # the captures' and warm-ups' forwards routed padding rows: not load
         eplb.counts.zero_()
     tokenizer, tokenizer_error = _load_tokenizer(tokenizer_dir)
     eos = list(model_config.eos_token_ids)
@@ -289,6 +291,19 @@ def _capture_graphs(runner: ModelRunner, config: ResolvedConfig, backend: Backen
         logger.debug("device graphs off: %s", reason)
     else:
         logger.warning("device graphs off, decode runs eagerly: %s", reason)
+
+
+def _warm_up(runner: ModelRunner, backend: BackendSpec) -> None:
+    """Compile the kernels of a backend that compiles them at their first call (see
+    :attr:`BackendSpec.compiles_kernels`) before any request arrives."""
+    t0 = time.perf_counter()
+    counts = runner.warm_up()
+    logger.info(
+        "backend %r: kernels warmed up (steps of %s tokens) in %.1f s",
+        backend.name,
+        ", ".join(map(str, counts)),
+        time.perf_counter() - t0,
+    )
 
 
 def _load_tokenizer(path: Path) -> tuple[Any, str | None]:

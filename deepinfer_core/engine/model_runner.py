@@ -475,6 +475,17 @@ class ModelRunner:
             self.ep_graph_stats["padded_to_peer"] += 1
         return agreed
 
+    def warm_up(self) -> list[int]:
+        """Eager forwards on padding rows of the trash slot (no request's cache is touched, the
+        logits are dropped) of one token, a full decode batch and a full step of tokens, so that
+        kernels compiled at their first call for each static configuration are compiled before
+        the first request.  Returns the token counts run."""
+        counts = sorted({1, min(self.config.max_num_seqs, self.inputs.max_tokens), self.inputs.max_tokens})
+        for t in counts:
+            self._forward(self.inputs.prepare([], list(range(t)), None, t, 1))
+        self._sync()
+        return counts
+
     def time_step(self, batch: int, tokens_per_request: int, repeats: int = 5) -> float:
         """Seconds of one step of ``batch`` requests x ``tokens_per_request`` tokens, every
         row's logits returned (a verify step's shape), measured on padding rows of the trash

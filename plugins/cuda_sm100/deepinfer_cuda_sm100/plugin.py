@@ -20,6 +20,7 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=True,
+            compiles_kernels=True,  # Triton and TileLang compile at the first call of each configuration
             # the kernels, and the reference ops left to fall back with the mode's GEMM on this
             # backend's tile_matmul: tested bitwise on the GPU (tests/ops/test_batch_invariance.py,
             # plugins/cuda_sm100/tests/test_gpu_batch_invariance.py)
