@@ -10,7 +10,8 @@ from types import ModuleType
 
 import torch
 
-from deepinfer_core.ops import OpImpl
+from deepinfer_core.ops import OpImpl, all_ops
+from deepinfer_core.ops.registry import is_extension
 
 F32 = torch.float32
 PROVIDED_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head")
@@ -53,7 +54,15 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
     def hc_head_supports(streams, fn, base, scale, norm_eps, hc_eps):
         return _refusal({"streams": streams, "fn": fn, "base": base, "scale": scale})
 
-    return {
+    # The other core ops: the reference is this backend's implementation (plain PyTorch is
+    # already fast for them on CPU: GEMMs, gathers), listed so that the engine does not warn
+    # about ops the backend leaves out.
+    delegated = {
+        name: OpImpl(fn=spec.reference)
+        for name, spec in all_ops().items()
+        if name not in PROVIDED_OPS and not is_extension(name)
+    }
+    return delegated | {
         "rms_norm": OpImpl(fn=rms_norm, supports=rms_norm_supports),
         "hc_pre": OpImpl(fn=hc_pre, supports=hc_pre_supports),
         "hc_post": OpImpl(fn=hc_post, supports=hc_post_supports),
