@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install DeepInfer into it: CPU torch first, then the core and
 # the four bundled plugins, editable, the samplers plugin with its [structured] extra
-# (llguidance: --choice, --regex, --json-schema, --grammar).  `--test` adds the [test] extras.
+# (llguidance: --choice, --regex, --json-schema, --grammar), then compiles the cpu backend's C++
+# kernels into $DEEPINFER_CACHE (once).  `--test` adds the [test] extras.
 #
 #   bash scripts/setup.sh                   # runtime
 #   bash scripts/setup.sh --test            # + pytest, hypothesis, transformers, huggingface_hub, ruff

@@ -95,7 +95,14 @@ def cache_dir() -> Path:
     import torch
 
     key_src = "\n".join(
-        [SOURCE.read_text(encoding="utf-8"), torch.__version__, sys.version, _cpu_signature(), *_compile_flags(), *_link_flags()]
+        [
+            SOURCE.read_text(encoding="utf-8"),
+            torch.__version__,
+            sys.version,
+            _cpu_signature(),
+            *_compile_flags(),
+            *_link_flags(),
+        ]
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "deepinfer")

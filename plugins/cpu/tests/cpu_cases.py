@@ -17,7 +17,8 @@ def hc_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, di
     def case(t: int, n: int, d: int, iters: int, strided: bool = False) -> tuple[tuple, dict]:
         streams = randn(g, t, n, d, dtype=dtype)
         fn = randn(g, (2 + n) * n, n * d, scale=0.1)
-        args = (_strided(streams) if strided else streams, fn, randn(g, (2 + n) * n), 1 + randn(g, 3, scale=0.1))
+        base, scale = randn(g, (2 + n) * n), 1 + randn(g, 3, scale=0.1)
+        args = (_strided(streams) if strided else streams, fn, base, scale)
         return (*args, 1e-6, 1e-6, iters), {}
 
     return [case(64, 4, 64, 20), case(5, 3, 10, 7, strided=True), case(0, 4, 16, 20), case(3, 2, 9, 1)]

@@ -51,9 +51,7 @@ def test_cache_folder_follows_deepinfer_cache(monkeypatch, tmp_path):
     assert build.library_path().parent.name.startswith("cpu-kernels-")
 
 
-@pytest.mark.parametrize(
-    "case", conformance_cases("cpu", dtypes=(torch.float32,), cases=OWN_CASES), ids=str
-)
+@pytest.mark.parametrize("case", conformance_cases("cpu", dtypes=(torch.float32,), cases=OWN_CASES), ids=str)
 def test_conformance_float32(case):
     case.check()
 
@@ -72,7 +70,9 @@ def test_kernels_at_the_tiny_models_decode_shape_run_without_fallback(name, cpu_
     table = OpTable(cpu_ops, backend="cpu", strict=True)
     args, kwargs = OWN_CASES[name](torch.Generator().manual_seed(0), torch.float32)[0]
     got, want = table[name](*args, **kwargs), get_op(name).reference(*args, **kwargs)
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True
+    ):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
         assert g.shape == w.shape and g.dtype == w.dtype
 
@@ -87,7 +87,9 @@ def test_other_dtypes_are_refused_and_run_on_the_reference(name, dtype, cpu_ops)
     assert isinstance(verdict, str) and str(dtype) in verdict and "float32" in verdict
     table = OpTable({name: impl}, backend="cpu")
     got, want = table[name](*args, **kwargs), get_op(name).reference(*args, **kwargs)
-    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True
+    ):
         assert torch.equal(g, w)
 
 
@@ -111,6 +113,8 @@ def test_greedy_tokens_equal_the_reference_backends_on_the_tiny_model():
     for backend in ("reference", "cpu"):
         llm = LLM(backend=backend, dtype="float32", strict_ops=backend == "cpu")
         assert llm.engine.backend.name == backend
-        tokens[backend] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens[backend] = [
+            list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
     assert tokens["cpu"] == tokens["reference"]
     assert len({len(t) for t in tokens["cpu"]}) == 1 and len(tokens["cpu"][0]) == 24
