@@ -4,7 +4,9 @@ Greedy decoding of ``--num-prompts`` prompts x ``--max-tokens`` new tokens (EOS 
 
 - ``hf``: ``DeepseekV4ForCausalLM.generate`` on equal-length prompts of ``--prompt-len``
   tokens (HF's batched generate is only exact for equal lengths: no padding);
-- ``deepinfer``: ``LLM.generate`` with the ``reference`` backend on the same prompts;
+- ``deepinfer``: ``LLM.generate`` on the same prompts, with ``--backend`` (default: the one
+  ``backend="auto"`` picks here, e.g. ``cpu`` where the cpu plugin is installed, else
+  ``reference``; printed in the table and written in the JSON);
 - ``deepinfer-mixed``: the same engine on prompts of mixed lengths (1/4x to 2x the length).
 
 Both engines run under the same torch thread count, each after a warm-up run.  Prints a
@@ -89,13 +91,21 @@ def run_hf(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> tuple[
     return result, new.tolist()
 
 
+def auto_backend() -> str:
+    """The backend ``backend="auto"`` picks on this machine (its probe only: nothing is built)."""
+    from deepinfer_core.backends.resolve import pick_auto
+    from deepinfer_core.plugins import get_plugins
+
+    return pick_auto([s for s in get_plugins().backends.values() if s.device_type == "cpu"]).name
+
+
 def run_deepinfer(
-    model_dir: Path, prompts: list[list[int]], max_tokens: int, workload: str
+    model_dir: Path, prompts: list[list[int]], max_tokens: int, workload: str, backend: str
 ) -> tuple[Result, list[list[int]]]:
-    """Time ``LLM.generate`` on the reference backend (greedy, EOS ignored)."""
+    """Time ``LLM.generate`` on ``backend`` (greedy, EOS ignored)."""
     from deepinfer_core import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), backend="reference", dtype="float32", max_num_seqs=len(prompts))
+    llm = LLM(model=str(model_dir), backend=backend, dtype="float32", max_num_seqs=len(prompts))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     warmup = SamplingParams(temperature=0, max_tokens=2)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], warmup, use_tqdm=False)
@@ -134,7 +144,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--skip-hf", action="store_true", help="time DeepInfer only")
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the fastest is reported")
     ap.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
+    ap.add_argument("--backend", default=None, help="DeepInfer's backend (default: the one 'auto' picks)")
     args = ap.parse_args(argv)
+    args.backend = args.backend or auto_backend()
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or builtin_tiny_model_dir()
@@ -149,11 +161,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not args.skip_hf:
             res, hf_tokens = run_hf(model_dir, equal, args.max_tokens)
             runs["hf"].append(res)
-        res, ours_tokens = run_deepinfer(model_dir, equal, args.max_tokens, "equal")
+        res, ours_tokens = run_deepinfer(model_dir, equal, args.max_tokens, "equal", args.backend)
         runs["equal"].append(res)
-        runs["mixed"].append(run_deepinfer(model_dir, mixed, args.max_tokens, "mixed")[0])
+        runs["mixed"].append(run_deepinfer(model_dir, mixed, args.max_tokens, "mixed", args.backend)[0])
     results = [min(r, key=lambda x: x.seconds) for r in runs.values() if r]
 
+    print(f"deepinfer backend: {args.backend}")
     print_table(results)
     report: dict[str, Any] = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
@@ -162,6 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "backend": args.backend,
         "results": [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in results],
         "all_runs_seconds": {k: [r.seconds for r in v] for k, v in runs.items()},
     }

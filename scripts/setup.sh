@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install DeepInfer into it: CPU torch first, then the core and
-# the three bundled plugins, editable, the samplers plugin with its [structured] extra
-# (llguidance: --choice, --regex, --json-schema, --grammar).  `--test` adds the [test] extras.
+# the four bundled plugins, editable, the samplers plugin with its [structured] extra
+# (llguidance: --choice, --regex, --json-schema, --grammar), then compiles the cpu backend's C++
+# kernels into $DEEPINFER_CACHE (once).  `--test` adds the [test] extras.
 #
 #   bash scripts/setup.sh                   # runtime
 #   bash scripts/setup.sh --test            # + pytest, hypothesis, transformers, huggingface_hub, ruff
@@ -26,7 +27,7 @@ for arg in "$@"; do
         *) echo "error: unknown argument $arg: use --test and/or --print-installs" >&2; exit 2 ;;
     esac
 done
-PLUGINS=(plugins/cuda_sm100 plugins/ascend950 plugins/samplers)
+PLUGINS=(plugins/cpu plugins/cuda_sm100 plugins/ascend950 plugins/samplers)
 
 # The editable installs: the core, then each plugin with the extra it needs.
 editable=(-e ".$EXTRA")
@@ -65,5 +66,8 @@ if [[ ! -f "$stamp" ]]; then
     rm -f "$VENV"/.deepinfer-setup-*
     touch "$stamp"
 fi
+# The cpu backend's C++ kernels, compiled once into $DEEPINFER_CACHE (skipped when cached;
+# without a C++ compiler the cpu backend reports itself unavailable and the reference runs).
+"$VENV/bin/python" -m deepinfer_cpu.build || echo "warning: the cpu backend's kernels were not built (see above); the reference backend runs instead" >&2
 "$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "(CUDA " + torch.version.cuda + ")" if torch.version.cuda else "(CPU build)")'
 echo "DeepInfer is installed in $VENV (activate with: . $VENV/bin/activate)"

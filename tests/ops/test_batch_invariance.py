@@ -2,9 +2,11 @@
 is bitwise the op on row ``i`` alone (and, for index lists, with other ``-1`` padding), for
 every op the contract marks ``batch_invariant``.
 
-Each check runs on two op tables: the reference on CPU, and the ``cuda_sm100`` backend's
-table on a GPU (its kernels, the reference ops it leaves to fall back, and the mode's GEMM on
-its ``tile_matmul``, as the engine runs them; skipped, with the reason, without a GPU)."""
+Each check runs on three op tables: the reference on CPU, the ``cpu`` backend's table (its C++
+kernels and the reference ops; skipped, with the reason, where the plugin is not installed or
+cannot build them), and the ``cuda_sm100`` backend's table on a GPU (its kernels, the reference
+ops it leaves to fall back, and the mode's GEMM on its ``tile_matmul``, as the engine runs them;
+skipped, with the reason, without a GPU)."""
 
 from __future__ import annotations
 
@@ -137,6 +139,7 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
 
 TARGETS = [
     pytest.param(("reference", "cpu"), id="reference-cpu"),
+    pytest.param(("cpu", "cpu"), id="cpu-cpu"),
     pytest.param(
         ("cuda_sm100", "cuda"),
         id="cuda_sm100-cuda",
@@ -152,7 +155,10 @@ def target(request) -> tuple[OpTable, torch.device]:
     if backend == "reference":
         return OpTable.reference(), torch.device(device)
     from deepinfer_core.plugins import get_plugins
+    from deepinfer_core.testing.availability import backend_unavailable_reason
 
+    if device == "cpu" and (reason := backend_unavailable_reason(backend)) is not None:
+        pytest.skip(reason)
     return OpTable(get_plugins().get_backend(backend).load_ops(), backend=backend), torch.device(device)
 
 

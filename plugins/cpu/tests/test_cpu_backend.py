@@ -1,0 +1,120 @@
+"""The cpu plugin: registration, its probe, its kernels against the reference (the conformance
+suite), its refusals, and the engine on it against the reference backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cpu_cases import OWN_CASES
+from deepinfer_cpu import build, plugin
+from deepinfer_cpu.ops import PROVIDED_OPS
+
+from deepinfer_core.backends import resolve_backend
+from deepinfer_core.ops import OpTable, get_op
+from deepinfer_core.plugins import get_plugins
+from deepinfer_core.testing import conformance_cases, manager_with_plugin
+from deepinfer_core.testing.availability import backend_unavailable_reason
+
+UNAVAILABLE = backend_unavailable_reason("cpu")
+needs_backend = pytest.mark.skipif(UNAVAILABLE is not None, reason=UNAVAILABLE or "")
+
+
+def test_plugin_registers_the_cpu_backend():
+    spec = manager_with_plugin(plugin, "cpu").get_backend("cpu")
+    assert (spec.device_type, spec.supports_graph_capture, spec.batch_invariant_devices) == (
+        "cpu",
+        False,
+        ("cpu",),
+    )
+    assert spec.priority > 0  # above the reference's 0: `auto` picks it
+
+
+def test_entry_point_is_installed():
+    row = next((r for r in get_plugins().report() if r["name"] == "cpu"), None)
+    assert row is not None, "install the plugin: pip install -e plugins/cpu"
+    assert row["status"] == "loaded" and row["dist"] == "deepinfer-cpu"
+    assert [b["name"] for b in row["backends"]] == ["cpu"]
+
+
+def test_probe_without_a_compiler_or_built_kernels_says_what_to_do(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    ok, reason = manager_with_plugin(plugin, "cpu").get_backend("cpu").is_available()
+    assert not ok and "no C++ compiler" in reason and str(tmp_path) in reason
+    assert "python -m deepinfer_cpu.build" in reason and "\n" not in reason
+
+
+def test_cache_folder_follows_deepinfer_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    assert build.library_path().parent.parent == tmp_path
+    assert build.library_path().parent.name.startswith("cpu-kernels-")
+
+
+@pytest.mark.parametrize("case", conformance_cases("cpu", dtypes=(torch.float32,), cases=OWN_CASES), ids=str)
+def test_conformance_float32(case):
+    case.check()
+
+
+@pytest.fixture(scope="module")
+def cpu_ops():
+    return get_plugins().get_backend("cpu").load_ops()
+
+
+@needs_backend
+@pytest.mark.parametrize("name", PROVIDED_OPS)
+def test_kernels_at_the_tiny_models_decode_shape_run_without_fallback(name, cpu_ops):
+    """Each op at the tiny model's decode shape, under ``strict_ops`` (the kernel, not the
+    reference, runs), within the fp32 tolerance of the reference (the sums run in another
+    order than ATen's kernels)."""
+    table = OpTable(cpu_ops, backend="cpu", strict=True)
+    args, kwargs = OWN_CASES[name](torch.Generator().manual_seed(0), torch.float32)[0]
+    got, want = table[name](*args, **kwargs), get_op(name).reference(*args, **kwargs)
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True
+    ):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+        assert g.shape == w.shape and g.dtype == w.dtype
+
+
+@needs_backend
+@pytest.mark.parametrize("name", PROVIDED_OPS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_other_dtypes_are_refused_and_run_on_the_reference(name, dtype, cpu_ops):
+    impl = cpu_ops[name]
+    args, kwargs = get_op(name).sample_cases(torch.Generator().manual_seed(0), dtype)[0]
+    verdict = impl.supports(*args, **kwargs)
+    assert isinstance(verdict, str) and str(dtype) in verdict and "float32" in verdict
+    table = OpTable({name: impl}, backend="cpu")
+    got, want = table[name](*args, **kwargs), get_op(name).reference(*args, **kwargs)
+    for g, w in zip(
+        got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,), strict=True
+    ):
+        assert torch.equal(g, w)
+
+
+@needs_backend
+def test_auto_picks_the_cpu_backend_and_every_core_op_resolves_without_fallback_warnings(caplog):
+    with caplog.at_level("WARNING", logger="deepinfer.ops"):
+        spec, ops = resolve_backend("auto", strict_ops=True)
+    assert spec.name == "cpu"
+    assert {n for n, s in ops.sources.items() if s == "backend+fallback"} == set(PROVIDED_OPS)
+    assert not caplog.records
+
+
+@needs_backend
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_reference_backends_on_the_tiny_model():
+    from deepinfer_core import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [1, *range(5 + i, 9 + 5 * i)]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for backend in ("reference", "cpu"):
+        llm = LLM(backend=backend, dtype="float32", strict_ops=backend == "cpu")
+        assert llm.engine.backend.name == backend
+        tokens[backend] = [
+            list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+    assert tokens["cpu"] == tokens["reference"]
+    assert len({len(t) for t in tokens["cpu"]}) == 1 and len(tokens["cpu"][0]) == 24
