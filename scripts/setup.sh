@@ -2,7 +2,7 @@
 # Create (or reuse) .venv and install DeepInfer into it: CPU torch first, then the core and
 # the four bundled plugins, editable, the samplers plugin with its [structured] extra
 # (llguidance: --choice, --regex, --json-schema, --grammar), then compiles the cpu backend's C++
-# kernels into $DEEPINFER_CACHE (once).  `--test` adds the [test] extras.
+# kernels into $DEEPINFER_KERNEL_CACHE (once).  `--test` adds the [test] extras.
 #
 #   bash scripts/setup.sh                   # runtime
 #   bash scripts/setup.sh --test            # + pytest, hypothesis, transformers, huggingface_hub, ruff
@@ -66,7 +66,7 @@ if [[ ! -f "$stamp" ]]; then
     rm -f "$VENV"/.deepinfer-setup-*
     touch "$stamp"
 fi
-# The cpu backend's C++ kernels, compiled once into $DEEPINFER_CACHE (skipped when cached;
+# The cpu backend's C++ kernels, compiled once into $DEEPINFER_KERNEL_CACHE (default ~/.cache/deepinfer/kernels; skipped when cached;
 # without a C++ compiler the cpu backend reports itself unavailable and the reference runs).
 "$VENV/bin/python" -m deepinfer_cpu.build || echo "warning: the cpu backend's kernels were not built (see above); the reference backend runs instead" >&2
 "$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "(CUDA " + torch.version.cuda + ")" if torch.version.cuda else "(CPU build)")'

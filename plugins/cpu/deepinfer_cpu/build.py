@@ -2,8 +2,8 @@
 
 The extension is one C++ file (``csrc/kernels.cpp``) compiled with the C++ compiler (``$CXX``,
 else ``c++``) against the installed torch's headers and libraries
-(``torch.utils.cpp_extension``), into ``$DEEPINFER_CACHE/cpu-kernels-<key>/`` (default
-``~/.cache/deepinfer``).  The key hashes the source, the compile command, torch's and
+(``torch.utils.cpp_extension``), into ``$DEEPINFER_KERNEL_CACHE/cpu-kernels-<key>/`` (default
+``~/.cache/deepinfer/kernels``).  The key hashes the source, the compile command, torch's and
 Python's versions and the CPU (the code is compiled for this CPU: ``-march=native``), so any
 change builds a new one.  Built into a temporary file and renamed
 into place: concurrent builders are safe.  ``bash scripts/setup.sh`` builds it
@@ -30,7 +30,9 @@ from types import ModuleType
 
 logger = logging.getLogger("deepinfer.cpu")
 
-CACHE_ENV = "DEEPINFER_CACHE"
+CACHE_ENV = "DEEPINFER_KERNEL_CACHE"
+"""Where compiled kernels live (default ``~/.cache/deepinfer/kernels``): a variable of its own,
+so that pointing ``DEEPINFER_CACHE`` (the built-in model's folder) elsewhere does not rebuild them."""
 MODULE_NAME = "_deepinfer_cpu_kernels"
 SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
 BUILD_HINT = "python -m deepinfer_cpu.build (bash scripts/setup.sh runs it)"
@@ -105,7 +107,7 @@ def cache_dir() -> Path:
         ]
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "deepinfer")
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "deepinfer" / "kernels")
     return root / f"cpu-kernels-{key}"
 
 

@@ -37,7 +37,7 @@ def test_entry_point_is_installed():
 
 
 def test_probe_without_a_compiler_or_built_kernels_says_what_to_do(monkeypatch, tmp_path):
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+    monkeypatch.setenv("DEEPINFER_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("PATH", str(tmp_path))
     ok, reason = manager_with_plugin(plugin, "cpu").get_backend("cpu").is_available()
@@ -45,8 +45,8 @@ def test_probe_without_a_compiler_or_built_kernels_says_what_to_do(monkeypatch, 
     assert "python -m deepinfer_cpu.build" in reason and "\n" not in reason
 
 
-def test_cache_folder_follows_deepinfer_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
+def test_cache_folder_follows_deepinfer_kernel_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("DEEPINFER_KERNEL_CACHE", str(tmp_path))
     assert build.library_path().parent.parent == tmp_path
     assert build.library_path().parent.name.startswith("cpu-kernels-")
 
