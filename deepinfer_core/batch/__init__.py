@@ -1,0 +1,6 @@
+"""``deepinfer run-batch``: OpenAI Batch files through the engine with bounded memory, results
+written as they finish, resumable (:func:`run_batch`; ``docs/run-batch.md``)."""
+
+from deepinfer_core.batch.runner import BatchSummary, run_batch
+
+__all__ = ["BatchSummary", "run_batch"]
