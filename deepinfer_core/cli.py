@@ -160,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by ``generate`` and ``bench`` (``None`` = not given)."""
+    """Engine options shared by ``generate``, ``bench`` and ``run-batch`` (``None`` = not given)."""
     parser.add_argument(
         "--model",
         help="model directory or Hugging Face Hub repo id org/name[@revision] "
