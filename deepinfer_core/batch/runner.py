@@ -198,6 +198,9 @@ class _Run:
                     continue
                 for out in self.engine.step():
                     self._collect(out)
+        except BaseException as e:  # leave a caller's engine clean (the lines written stay)
+            self.engine.abort_all(f"run_batch was interrupted: {type(e).__name__}: {e}")
+            raise
         finally:
             if bar is not None:
                 bar.close()

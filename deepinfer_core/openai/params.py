@@ -102,14 +102,22 @@ class ParsedRequest:
     logprobs: int | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
 
+    _fixed: SamplingParams | None = field(default=None, repr=False, compare=False)
+
     def sampling_params(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """The engine parameters of one prompt of ``prompt_len`` tokens (without ``max_tokens``
-        a chat request may generate up to ``max_model_len``)."""
+        a chat request may generate up to ``max_model_len``).  With ``max_tokens`` given they do
+        not depend on the prompt: one object, built once, serves every prompt."""
         max_tokens = self.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_model_len - prompt_len)
+        elif self._fixed is not None:
+            return self._fixed
         try:
-            return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+            params = SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling)
+            if self.max_tokens is not None:
+                self._fixed = params
+            return params
         except SamplingParamsError as e:
             named = re.match(r"SamplingParams\.(\w+)", str(e))
             param = named.group(1) if named else None
