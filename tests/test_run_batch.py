@@ -23,6 +23,7 @@ from deepinfer_core.batch.id_set import IdSet
 from deepinfer_core.batch.results_file import read_finished
 from deepinfer_core.cli import main
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.sampling.params import StructuredOutputsParams
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "/v1/chat/completions"
@@ -118,6 +119,41 @@ def test_bodies_equal_generate_and_chat(llm, tmp_path):
     )
     assert got["ids"]["choices"][0]["text"] == ref[0].outputs[0].text
     assert got["ids"]["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.slow  # grammar-constrained decoding, four requests (~1 s)
+def test_response_format_constrains_the_reply_as_structured_outputs_do(llm, tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    messages = [{"role": "user", "content": "json please"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    records = [
+        line("schema", CHAT, messages=messages, max_tokens=24, temperature=0, response_format=fmt),
+        line(
+            "object",
+            COMPLETIONS,
+            prompt="{",
+            max_tokens=24,
+            temperature=0,
+            response_format={"type": "json_object"},
+        ),
+    ]
+    out = tmp_path / "out.jsonl"
+    run_batch(write_jsonl(tmp_path / "in.jsonl", records), out, llm=llm, progress=False)
+    got = {cid: ok_body(r)["choices"][0] for (cid, _), r in results(out).items()}
+    spec = StructuredOutputsParams(json=schema)
+    ref = llm.chat(
+        messages, SamplingParams(max_tokens=24, temperature=0, structured_outputs=spec), use_tqdm=False
+    )[0]
+    assert got["schema"]["message"]["content"] == ref.outputs[0].text
+    content = got["schema"]["message"]["content"]
+    assert content.lstrip().startswith("{")  # what the schema allows, not what the random model says
+    if got["schema"]["finish_reason"] == "stop":
+        assert isinstance(json.loads(content)["a"], int)
+    spec = StructuredOutputsParams(json={"type": "object"})
+    ref = llm.generate(
+        "{", SamplingParams(max_tokens=24, temperature=0, structured_outputs=spec), use_tqdm=False
+    )[0]
+    assert got["object"]["text"] == ref.outputs[0].text
 
 
 def test_bad_lines_get_error_objects_and_the_others_are_unaffected(llm, tmp_path):
