@@ -175,13 +175,14 @@ def test_bad_lines_get_error_objects_and_the_others_are_unaffected(llm, tmp_path
         line("schema", CHAT, messages=[{"role": "user", "content": "x"}], response_format=schema),
         line("role", CHAT, messages=[{"role": "wizard", "content": "x"}]),
         "",
+        '{"custom_id": "\\ud800", "method": "POST", "url": "/v1/embeddings", "body": {}}',  # lone surrogate
     ]
     out = tmp_path / "out.jsonl"
     summary = run_batch(write_jsonl(tmp_path / "in.jsonl", records), out, llm=llm, progress=False)
-    assert (summary.lines, summary.completed, summary.failed) == (14, 1, 13)
+    assert (summary.lines, summary.completed, summary.failed) == (15, 1, 14)
     assert summary.exit_status == 1
     got = results(out)
-    assert len(got) == 14
+    assert len(got) == 15
     codes = {key: (r["error"] or {}).get("code") for key, r in got.items()}
     assert codes == {
         ("good", "batch_req_1"): None,
@@ -198,13 +199,14 @@ def test_bad_lines_get_error_objects_and_the_others_are_unaffected(llm, tmp_path
         ("vocab", "batch_req_12"): "request_failed",
         ("schema", "batch_req_13"): "request_failed",
         ("role", "batch_req_14"): "invalid_parameter",
+        ("\ud800", "batch_req_16"): "invalid_url",
     }
     for (cid, _), record in got.items():
         if record["error"] is None:
             continue
         message = record["error"]["message"]
         assert message and "\n" not in message
-        if cid in (None, "good", "url", "method", "nobody"):  # not a request: no response
+        if cid in (None, "good", "url", "method", "nobody", "\ud800"):  # not a request: no response
             assert record["response"] is None
         else:
             assert record["response"]["status_code"] == 400
@@ -213,6 +215,10 @@ def test_bad_lines_get_error_objects_and_the_others_are_unaffected(llm, tmp_path
     assert "bogus" in got[("schema", "batch_req_13")]["error"]["message"]
     ref = llm.generate("Once upon", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
     assert ok_body(got[("good", "batch_req_1")])["choices"][0]["text"] == ref.outputs[0].text
+    # run again: every line is recognised as answered (unnamed and duplicate lines by count)
+    again = run_batch(tmp_path / "in.jsonl", out, llm=llm, progress=False)
+    assert (again.skipped, again.skipped_failed, again.engine_requests, again.failed) == (15, 14, 0, 0)
+    assert results(out) == got
 
 
 def test_resume_skips_finished_lines_and_cuts_a_torn_last_line(llm, tmp_path, caplog):

@@ -423,7 +423,14 @@ def _strip_request_id(message: str, request_id: str) -> str:
 
 
 def _dumps(record: dict[str, Any]) -> str:
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """One compact JSON line, UTF-8 as it is; escaped to ASCII when it holds a lone surrogate
+    (an input ``\\ud800`` echoed back), which UTF-8 cannot encode."""
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(record, separators=(",", ":"), allow_nan=False)
+    return text
 
 
 def _read_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, bytes]]:
