@@ -1,6 +1,7 @@
 """The ``deepinfer`` command line.
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
+``run-batch`` (an OpenAI Batch file, resumable: :mod:`deepinfer_core.batch`),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
 DeepSeek-V4 checkpoint; with ``--arch deepseek_v41`` a DeepSeek-V4.1 one with its DSpark
 drafter's layers, ``--no-dspark`` without).  No command prints a traceback: a
@@ -101,6 +102,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", dest="json_out", metavar="OUT", help="also write the results as JSON to OUT")
     bench.set_defaults(func=_cmd_bench)
 
+    batch = sub.add_parser(
+        "run-batch",
+        help="answer an OpenAI Batch file (resumable)",
+        description="Answer every request of an OpenAI Batch input file (JSONL: custom_id, method, url, "
+        "body) into a results file, as the requests finish; rerun the same command to resume "
+        "(docs/run-batch.md).",
+    )
+    batch.add_argument("-i", "--input", required=True, metavar="FILE", help="the batch input file (.jsonl)")
+    batch.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the results file (appended to; custom ids in it are skipped)",
+    )
+    _add_engine_args(batch)
+    batch.add_argument("--engine-seed", type=int, dest="engine_seed", help="engine seed (EngineConfig.seed)")
+    batch.add_argument(
+        "--max-in-flight", type=int, help="most engine requests outstanding (default 4 x max_num_seqs)"
+    )
+    batch.add_argument(
+        "--ordered", action="store_true", help="write results in input order (default: as they finish)"
+    )
+    batch.add_argument("--fsync", action="store_true", help="fsync the results file after every line")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    batch.set_defaults(func=_cmd_run_batch)
+
     plug = sub.add_parser("plugins", help="print the loaded plugins as JSON")
     plug.set_defaults(func=_cmd_plugins)
 
@@ -132,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by ``generate`` and ``bench`` (``None`` = not given)."""
+    """Engine options shared by ``generate``, ``bench`` and ``run-batch`` (``None`` = not given)."""
     parser.add_argument(
         "--model",
         help="model directory or Hugging Face Hub repo id org/name[@revision] "
@@ -447,6 +475,27 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         print(f"error: {failed} of {total} request(s) failed; the first: {first}", file=sys.stderr)
         return EXIT_REQUEST_FAILED
     return 0
+
+
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    from deepinfer_core.batch import run_batch
+
+    summary = run_batch(
+        args.input,
+        args.output,
+        max_in_flight=args.max_in_flight,
+        ordered=args.ordered,
+        fsync=args.fsync,
+        progress=not args.no_progress,
+        seed=args.engine_seed,
+        **_engine_kwargs(args),
+    )
+    print(summary.line(), file=sys.stderr)
+    if summary.first_error is not None:
+        print(f"error: {summary.failed} line(s) failed; the first: {summary.first_error}", file=sys.stderr)
+    elif summary.skipped_failed:
+        print(f"error: {summary.skipped_failed} line(s) of {args.output} are errors", file=sys.stderr)
+    return EXIT_REQUEST_FAILED if summary.exit_status else 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ def _item(action: argparse.Action) -> str:
         return _metavar(action)
     if action.nargs == 0:  # flags: store_true / store_false / BooleanOptionalAction / version
         return "[" + " | ".join(action.option_strings) + "]"
-    body = f"{action.option_strings[0]} {_metavar(action)}"
+    body = f"{'/'.join(action.option_strings)} {_metavar(action)}"  # -i/--input FILE
     repeat = isinstance(action, argparse._AppendAction)
     if action.required:
         return f"{body} [{body} ...]" if repeat else body

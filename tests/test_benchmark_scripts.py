@@ -72,3 +72,16 @@ def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) 
     assert paired["runs"] == 2 and len(paired["ratios"]) == 2 and paired["median"] > 0
     low, high = paired["ci95"]
     assert low <= paired["mean"] <= high and high - low == pytest.approx(2 * 1.96 * paired["sd"] / 2**0.5)
+
+
+def test_run_batch_benchmark_measures_every_size(tmp_path: Path) -> None:
+    """Each size runs in its own interpreter, answers every line and reports its peak RSS."""
+    out = tmp_path / "rb.json"
+    done = _run([str(ROOT / "benchmarks" / "run_batch.py"), "--sizes", "20,60", "--json", str(out)], tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["size"], r["completed"], r["failed"], r["engine_requests"]) for r in rows] == [
+        (20, 20, 0, 20),
+        (60, 60, 0, 60),
+    ]
+    assert all(r["peak_rss_mib"] > 0 and r["generated_tokens"] == 2 * r["size"] for r in rows)

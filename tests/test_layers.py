@@ -86,10 +86,12 @@ LAYERS: list[tuple[str, list[str]]] = [
             "deepinfer_core.distributed.worker",
         ],
     ),
+    ("openai", ["deepinfer_core.openai.*"]),
     (
         "api",
         [
             "deepinfer_core",
+            "deepinfer_core.batch.*",
             "deepinfer_core.llm",
             "deepinfer_core.bench",
             "deepinfer_core.cli",
