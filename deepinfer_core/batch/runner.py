@@ -75,7 +75,7 @@ def run_batch(
 
     Raises:
         ConfigError: unreadable input, unwritable output, a results file that is not one, a bad
-            ``max_in_flight``, a distributed engine.
+            ``max_in_flight``.
     """
     _check_paths(input_path, output_path)
     if max_in_flight is not None and (not isinstance(max_in_flight, int) or max_in_flight < 1):
@@ -84,8 +84,6 @@ def run_batch(
     finished = read_finished(output_path)
     if llm is None:
         llm = LLM(**engine_kwargs)
-    if llm.config.world_size > 1:
-        raise ConfigError("run-batch runs on one process; a distributed engine is not supported yet")
     limit = max_in_flight or IN_FLIGHT_PER_SEQ * llm.config.max_num_seqs
     writer = ResultWriter(output_path, fsync=fsync)
     try:
@@ -118,7 +116,7 @@ class _Run:
     def __init__(
         self, llm: LLM, finished: Finished, writer: ResultWriter, limit: int, ordered: bool, progress: bool
     ):
-        self.engine = llm.engine
+        self.engine = llm.client  # the engine of this process, or the distributed run's coordinator
         self.tokenizer = llm.get_tokenizer()
         self.model = str(llm.config.model) if llm.config.model else "deepinfer-tiny"
         self.finished = finished
@@ -212,7 +210,7 @@ class _Run:
             req = _parse_envelope(record, number)
             line = _Line(number, cid, req, slot=-1)
             prompts = self._prompts(req)
-            params = [req.sampling_params(len(ids), self.engine.max_model_len) for _, ids in prompts]
+            params = [req.sampling_params(len(ids), self.engine.config.max_model_len) for _, ids in prompts]
             for p in params:
                 self.engine.check_params(p)
         except OpenAIError as e:

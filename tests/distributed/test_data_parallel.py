@@ -136,3 +136,39 @@ def test_reset_metrics_zeroes_every_rank() -> None:
 def _check_metrics_of(metrics: dict[str, Any], want: dict[str, Any]) -> None:
     for key in ("num_finished_requests", "num_generated_tokens", "num_prompt_tokens"):
         assert metrics[key] == sum(m[key] for m in metrics["per_rank"]) == want[key], key
+
+
+@pytest.mark.slow
+def test_run_batch_over_dp2_equals_a_single_process_run(tmp_path) -> None:
+    """``run_batch`` drives a distributed run through the same client as ``LLM.generate``: the
+    results file of DP2 equals the single-process one line for line (greedy, batch invariant;
+    ``created`` is the only field that differs between runs)."""
+    import json
+
+    from deepinfer_core.batch import run_batch
+
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": p["prompt_token_ids"], "max_tokens": 4, "temperature": 0},
+        }
+        for i, p in enumerate(PROMPTS[:8])
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    def results(**options: Any) -> dict[str, Any]:
+        out = tmp_path / f"out-{len(options)}.jsonl"
+        with LLM(**OPTIONS, batch_invariant=True, **options) as llm:
+            summary = run_batch(src, out, llm=llm, progress=False)
+        assert summary.completed == len(lines) and summary.failed == 0
+        got = {}
+        for text in out.read_text().splitlines():
+            record = json.loads(text)
+            record["response"]["body"].pop("created")
+            got[record["custom_id"]] = record
+        return got
+
+    assert results(data_parallel_size=2) == results()
