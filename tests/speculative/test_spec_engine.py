@@ -360,9 +360,9 @@ def test_verify_steps_replay_graphs_bitwise(tiny_dir):
     )
     runner = spec.engine.runner
     assert runner.capture_graphs(EmulatedGraph) is None
-    assert sorted(runner.verify_graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graph_manager.graphs("verify")) == [1, 2, 4, 8]
     replays: list[int] = []
-    for b, graph in runner.verify_graphs.items():
+    for b, graph in runner.graph_manager.graphs("verify").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     outs = spec.generate(prompts, params)
@@ -384,9 +384,11 @@ def test_cuda_verify_graphs_equal_plain_decoding_bitwise(tiny_dir, dtype):
     _script(PROMPTS, ref)
     spec = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 4}, **kw)
     runner = spec.engine.runner
-    assert runner.graphs and runner.verify_graphs, "CUDA graphs were not captured"
+    assert runner.graph_manager.graphs("decode") and runner.graph_manager.graphs("verify"), (
+        "CUDA graphs were not captured"
+    )
     replays: list[int] = []
-    for b, graph in runner.verify_graphs.items():
+    for b, graph in runner.graph_manager.graphs("verify").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     outs = spec.generate(prompts, params)

@@ -127,9 +127,9 @@ def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
         replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            assert runner.dspark_graphs, "no DSpark block graph captured"
+            assert runner.graph_manager.graphs("dspark"), "no DSpark block graph captured"
             record_replays(
-                {"decode": runner.graphs, "verify": runner.verify_graphs, "dspark": runner.dspark_graphs},
+                {f: runner.graph_manager.graphs(f) for f in ("decode", "verify", "dspark")},
                 replays,
             )
         proposed: list = []
