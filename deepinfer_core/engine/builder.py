@@ -28,7 +28,7 @@ from deepinfer_core.engine.logits_processing import LogitsProcessors
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.resolved import LoadPlan, ResolvedConfig, resolve_load
 from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.engine.speculative import check_draft_layers, drafter_class
+from deepinfer_core.engine.speculative import check_draft_layers, drafter_class, verify_policy
 from deepinfer_core.engine.structured import StructuredOutputs
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
@@ -133,6 +133,7 @@ def build_engine_parts(options: EngineConfig, plugins: Any, parallel: ParallelSt
     drafter_cls = None
     if options.speculative is not None:  # before the runner: the mtp drafter's layer loads with it
         drafter_cls = drafter_class(options.speculative, plugins)
+        verify_policy(options.speculative, plugins)  # an unknown name fails before any weight loads
     mtp = drafter_cls is not None and drafter_cls.uses_mtp_layers
     if parallel is not None and parallel.world_size > 1:
         _check_parallel(options, parallel, mtp)

@@ -26,6 +26,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.hookspecs import hookimpl
 from deepinfer_core.speculative import Draft, Drafter
 from deepinfer_core.speculative.draft_model import DraftModel
+from deepinfer_core.speculative.verify_policy import FixedPolicy
 from deepinfer_core.testing.managers import manager_with_plugin
 from deepinfer_core.testing.observe import record_replays
 
@@ -110,15 +111,29 @@ class MissingMember(EagleHead):
     required_members = ("hidden_shape", "eagle_fc")
 
 
+class OneDraft(FixedPolicy):
+    """Verifies at most one draft per request (a plugin's verify-length policy)."""
+
+    calls = 0
+
+    def lengths(self, proposed, budget, confidences, cost, causal):
+        OneDraft.calls += 1
+        return [min(n, 1) for n in super().lengths(proposed, budget, confidences, cost, causal)]
+
+
 class Plugin:
+    @hookimpl
+    def deepinfer_register_verify_policies(self, register):
+        register("one_draft", lambda: OneDraft, description="test: one draft per request")
+
     @hookimpl
     def deepinfer_register_drafters(self, register):
         register("eagle_like", lambda: EagleDrafter, description="test EAGLE-like head")
         register("eagle_missing", lambda: type("D", (EagleDrafter,), {"draft_model": MissingMember}))
 
 
-def _llm(tiny_dir: Path, drafter: str | None) -> LLM:
-    spec = SpeculativeConfig(drafter=drafter, method="fixed", max_draft_tokens=2) if drafter else None
+def _llm(tiny_dir: Path, drafter: str | None, method: str = "fixed") -> LLM:
+    spec = SpeculativeConfig(drafter=drafter, method=method, max_draft_tokens=2) if drafter else None
     config = EngineConfig(model=str(tiny_dir), max_num_seqs=4, speculative=spec)
     return LLM.from_engine(LLMEngine(config, plugins=manager_with_plugin(Plugin(), "eagle_test")))
 
@@ -139,6 +154,13 @@ def test_the_engine_refuses_a_model_without_the_members(tiny_dir: Path):
         _llm(tiny_dir, "eagle_missing")
 
 
+def test_an_unknown_verify_policy_is_one_error_listing_the_registered_ones(tiny_dir: Path):
+    with pytest.raises(
+        ConfigError, match=r"speculative.method='nope' is not registered.*'dspark', 'fixed', 'one_draft'"
+    ):
+        _llm(tiny_dir, "eagle_like", method="nope")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
@@ -150,7 +172,7 @@ def test_the_engine_refuses_a_model_without_the_members(tiny_dir: Path):
 )
 def test_eagle_like_drafter_is_lossless_and_replays_its_graphs(tiny_dir: Path, params):
     want = _llm(tiny_dir, None).generate(PROMPTS, params, use_tqdm=False)
-    llm = _llm(tiny_dir, "eagle_like")
+    llm = _llm(tiny_dir, "eagle_like", method="one_draft")
     runner = llm.engine.runner
     assert isinstance(runner.draft_model, EagleHead) and runner.hidden is not None
     assert runner.capture_graphs(EmulatedGraph) is None
@@ -162,3 +184,4 @@ def test_eagle_like_drafter_is_lossless_and_replays_its_graphs(tiny_dir: Path, p
     spec = llm.get_metrics()["speculative"]
     assert spec["num_draft_tokens"] > 0
     assert "eagle" in replays and "verify" in replays
+    assert OneDraft.calls > 0  # the plugin's verify-length policy chose the lengths
