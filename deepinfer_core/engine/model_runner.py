@@ -284,19 +284,19 @@ class ModelRunner:
         *args: Any,
         **kw: Any,
     ) -> Any:
-        """``forward(md, cache, *args, **kw)`` with ``md = metadata(inputs, ...)`` the step's
-        per-token plans (the model's ``step_metadata``, or a draft model's) for the runner's
-        cache geometry, under the engine's batch-invariant mode: a step of the target or of a
-        draft model, what a graph records."""
-        md = metadata(
-            inputs,
-            self.page_size,
-            self.kv_cache.num_slots,
-            self.cache.trash_page,
-            num_spec_tokens=self.num_spec_tokens,
-        )
+        """``forward(md, cache, *args, **kw)`` with ``md`` the step's per-token plans from
+        ``metadata`` (the model's ``step_metadata``, or a draft model's), under the engine's
+        batch-invariant mode: a step of the target or of a draft model, what a graph records."""
+        md = self._metadata(metadata, inputs)
         with batch_invariant_mode(self.batch_invariant, matmul=self._tile_matmul):
             return forward(md, self.cache, *args, **kw)
+
+    def _metadata(self, build: Callable[..., Any], inputs: StepInputs) -> Any:
+        """The step's per-token plans from ``build`` with the runner's cache geometry."""
+        kv, cache = self.kv_cache, self.cache
+        return build(
+            inputs, self.page_size, kv.num_slots, cache.trash_page, num_spec_tokens=self.num_spec_tokens
+        )
 
     def execute_dummy(self) -> None:
         """One forward of a single padding row on the trash slot (no request's cache is
