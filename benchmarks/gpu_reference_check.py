@@ -85,7 +85,7 @@ def _check_config(name: str, device: str, work: Path, backend: str = "reference"
         "backend": backend,
         "max_logit_err": logit_err,
         "greedy_equal": f"{same}/{len(prompts)}",
-        "graphs": sorted(llm.engine.runner.graphs),
+        "graphs": sorted(llm.engine.runner.graph_manager.graphs("decode")),
     }
 
 

@@ -5,7 +5,7 @@
   hardware backend.
 - drafters ``ngram`` (prompt lookup decoding, no weights), ``mtp`` (DeepSeek-V4's
   multi-token-prediction layer) and ``dspark`` (DeepSeek-V4.1's DSpark block drafter) for
-  speculative decoding.
+  speculative decoding, and its verify-length policies ``fixed`` and ``dspark``.
 - model types ``deepseek_v4`` and ``deepseek_v41``: the
   :class:`~deepinfer_core.models.registry.ModelFamily` of
   :mod:`deepinfer_core.models.deepseek_v4.family` and
@@ -124,4 +124,28 @@ def deepinfer_register_drafters(register: Callable[..., None]) -> None:
         "dspark",
         _dspark,
         description="DeepSeek-V4.1's DSpark block drafter: draft layers, Markov and confidence heads (mtp.*)",
+    )
+
+
+def _fixed_policy() -> type:
+    from deepinfer_core.speculative.verify_policy import FixedPolicy
+
+    return FixedPolicy
+
+
+def _dspark_policy() -> type:
+    from deepinfer_core.speculative.verify_policy import DSparkPolicy
+
+    return DSparkPolicy
+
+
+@hookimpl
+def deepinfer_register_verify_policies(register: Callable[..., None]) -> None:
+    """Register the core's verify-length policies ``fixed`` (every draft) and ``dspark``
+    (confidence-scheduled against the measured step cost)."""
+    register("fixed", _fixed_policy, description="verify every draft the drafter proposed")
+    register(
+        "dspark",
+        _dspark_policy,
+        description="per request the length of best expected accepted tokens per unit of measured step cost",
     )

@@ -53,9 +53,10 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    method: Literal["dspark", "fixed"] = "dspark"
-    """How many drafts each request verifies per step: ``fixed`` = all the drafter proposed (up
-    to ``max_draft_tokens``); ``dspark`` = confidence-scheduled: the length whose expected
+    method: str = "dspark"
+    """How many drafts each request verifies per step, a verify-length policy by registered name
+    (``deepinfer_register_verify_policies``): the core's ``fixed`` = all the drafter proposed
+    (up to ``max_draft_tokens``); ``dspark`` = confidence-scheduled: the length whose expected
     accepted tokens per unit of measured step cost is best, from the drafts' confidences."""
     drafter: str = "ngram"
     """Drafter by registered name (``deepinfer_register_drafters``); the core's ``ngram`` looks

@@ -130,6 +130,21 @@ def deepinfer_register_drafters(register: Register) -> None:
 
 
 @hookspec
+def deepinfer_register_verify_policies(register: Register) -> None:
+    """Register speculative decoding's verify-length policies, selected by
+    ``SpeculativeConfig.method``.
+
+    :param register: call ``register(name, factory, description="", is_available=None)``;
+        ``factory`` is a zero-argument callable returning a
+        :class:`~deepinfer_core.speculative.verify_policy.VerifyPolicy` subclass, which the
+        engine instantiates once with ``(speculative_config)`` and asks for each drafting step's
+        verify lengths.
+
+    Not ``firstresult``: every plugin's implementation is called; the return value is ignored.
+    """
+
+
+@hookspec
 def deepinfer_register_structured_backends(register: Register) -> None:
     """Register structured-output (grammar / JSON schema / regex) backends.
 

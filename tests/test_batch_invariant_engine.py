@@ -247,7 +247,7 @@ def test_cuda_sm100_logprobs_identical_alone_batched_and_chunked(
             max_num_seqs=32,
             max_num_batched_tokens=chunk,
         )
-        assert bool(llm.engine.runner.graphs) == graphs
+        assert bool(llm.engine.runner.graph_manager.graphs("decode")) == graphs
         replays = _record_replays(llm)
         prompts = [*batch[:5], target, *batch[5:]]
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -67,3 +67,19 @@ class SeqChunk:
     def end_pos(self) -> int:
         """Number of tokens in the cache once this chunk has run."""
         return self.start_pos + len(self.token_ids)
+
+
+def sample_rows(chunks: list[SeqChunk]) -> list[int]:
+    """Token rows whose logits a step returns: every row of ``all_logits`` chunks, the last
+    ``1 + num_draft`` rows (the verified positions) of the other sampling chunks, in chunk
+    order."""
+    rows: list[int] = []
+    end = 0
+    for c in chunks:
+        end += len(c.token_ids)
+        n = c.num_logit_rows
+        if n == 1:  # a decode or a prompt's last chunk
+            rows.append(end - 1)
+        elif n:
+            rows.extend(range(end - n, end))
+    return rows

@@ -28,7 +28,7 @@ from deepinfer_core.engine.logits_processing import LogitsProcessors
 from deepinfer_core.engine.model_runner import ModelRunner
 from deepinfer_core.engine.resolved import LoadPlan, ResolvedConfig, resolve_load
 from deepinfer_core.engine.scheduler import Scheduler
-from deepinfer_core.engine.speculative import check_draft_layers, drafter_class
+from deepinfer_core.engine.speculative import check_draft_layers, drafter_class, verify_policy
 from deepinfer_core.engine.structured import StructuredOutputs
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
@@ -39,6 +39,7 @@ from deepinfer_core.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from deepinfer_core.contract.parallel import ParallelState
+    from deepinfer_core.speculative.draft_model import DraftModel
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -132,12 +133,14 @@ def build_engine_parts(options: EngineConfig, plugins: Any, parallel: ParallelSt
     drafter_cls = None
     if options.speculative is not None:  # before the runner: the mtp drafter's layer loads with it
         drafter_cls = drafter_class(options.speculative, plugins)
+        verify_policy(options.speculative, plugins)  # an unknown name fails before any weight loads
     mtp = drafter_cls is not None and drafter_cls.uses_mtp_layers
     if parallel is not None and parallel.world_size > 1:
         _check_parallel(options, parallel, mtp)
     if mtp:
         check_draft_layers(family, options.speculative.drafter, drafter_cls.mtp_kind, model_config)  # type: ignore[union-attr]
-    runner = _load_runner(model_dir, options, ops, load, family, model_config, mtp, parallel)
+    draft_model = drafter_cls.draft_model if drafter_cls is not None else None
+    runner = _load_runner(model_dir, options, ops, load, family, model_config, mtp, parallel, draft_model)
     config = runner.config
     _log_config(config, backend)
     eplb = None  # expert-parallel load balancing, stepped after every step (before graph capture)
@@ -198,10 +201,17 @@ def _load_runner(
     model_config: Any,
     mtp: bool,
     parallel: ParallelState | None,
+    draft_model: type[DraftModel] | None = None,
 ) -> ModelRunner:
     """:meth:`ModelRunner.load`, running out of memory turned into a one-line :class:`ConfigError`."""
     try:
-        kw = {"family": family, "model_config": model_config, "mtp": mtp, "parallel": parallel}
+        kw = {
+            "family": family,
+            "model_config": model_config,
+            "mtp": mtp,
+            "parallel": parallel,
+            "draft_model": draft_model,
+        }
         return ModelRunner.load(model_dir, options, ops, load, **kw)
     except (MemoryError, RuntimeError) as e:  # torch's CPU allocator raises a RuntimeError
         if not isinstance(e, MemoryError | torch.OutOfMemoryError) and "allocate" not in str(e):
@@ -277,14 +287,11 @@ def _capture_graphs(runner: ModelRunner, config: ResolvedConfig, backend: Backen
     t0 = time.perf_counter()
     reason = runner.capture_graphs()
     if reason is None:
+        families = "; ".join(f"{name} {buckets}" for name, buckets in runner.graph_manager.summary().items())
         logger.info(
-            "captured %d decode graphs (batch sizes %s), %d verify graphs (%d tokens per request) "
-            "and %d MTP graphs in %.1f s",
-            len(runner.graphs),
-            sorted(runner.graphs),
-            len(runner.verify_graphs),
+            "captured device graphs (family [buckets]; verify: %d tokens per request): %s in %.1f s",
             1 + runner.num_spec_tokens,
-            len(runner.mtp_graphs),
+            families or "none",
             time.perf_counter() - t0,
         )
     elif runner.device.type == "cpu":

@@ -49,15 +49,14 @@ from deepinfer_core.speculative.policy import (
     UNSETTLED_STEPS,
     ProbeSchedule,
     drafting_gain,
-    dspark_lengths,
     fixed_lengths,
-    uniform_lengths,
 )
 from deepinfer_core.speculative.stats import (
     SpeculativeMetrics,
 )
 from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.speculative.verify import accept_match
+from deepinfer_core.speculative.verify_policy import VerifyPolicy
 
 if TYPE_CHECKING:
     from deepinfer_core.config import SpeculativeConfig
@@ -110,7 +109,8 @@ class SpeculativeDecoder:
         self._cands: list[tuple[Request, int]] | None = None  # wants_drafts' candidates, if still valid
         self._estimates: list[list[float]] | None = None  # and their confidences (dspark)
         self.drafter_observes = type(self.drafter).observe is not Drafter.observe
-        if cfg.method == "dspark":
+        self.policy = verify_policy(cfg, engine.plugins)(cfg)
+        if self.policy.uses_step_cost:
             self.cost = profile_step_cost(engine.runner, cfg, engine.config.max_num_batched_tokens)
 
     def metrics_dict(self) -> dict[str, Any]:
@@ -231,19 +231,16 @@ class SpeculativeDecoder:
                 )
             del draft.token_ids[ctx.max_tokens :]
             proposed.append(len(draft.token_ids))
-        if self.config.method == "fixed" or self._probes.probing:  # a probe verifies every draft
+        if self._probes.probing:  # a probe verifies every draft
             lengths = fixed_lengths(proposed, budget)
         else:
-            assert self.cost is not None
-            confidences = self.estimates.confidences(
-                [r.request_id for r, _ in cands], drafts, proposed, estimates
-            )
+            confidences = None
+            if self.cost is not None:
+                ids = [r.request_id for r, _ in cands]
+                confidences = self.estimates.confidences(ids, drafts, proposed, estimates)
             # sampled drafts under rejection acceptance: Algorithm 1's early stop keeps it exact
             causal = self.config.acceptance == "rejection" and any(d.probs is not None for d in drafts)
-            if self.config.varlen:
-                lengths = dspark_lengths(confidences, budget, self.cost, causal=causal)
-            else:  # one verify length for every request of the step
-                lengths = uniform_lengths(confidences, budget, self.cost, causal=causal)
+            lengths = self.policy.lengths(proposed, budget, confidences, self.cost, causal)
         for (req, room), draft, n in zip(cands, drafts, lengths, strict=True):
             req.draft_token_ids = list(draft.token_ids[:n])
             self._proposed[req.request_id] = m = len(draft.token_ids)
@@ -403,6 +400,16 @@ def drafter_class(config: SpeculativeConfig, plugins: Any) -> type[Drafter]:
     unavailable or not a :class:`Drafter`."""
     lookup = ComponentLookup(plugins, "drafters", "speculative.drafter={}", check=subclass_of(Drafter))
     return lookup.get(config.drafter)
+
+
+def verify_policy(config: SpeculativeConfig, plugins: Any) -> type[VerifyPolicy]:
+    """The verify-length policy class ``config.method`` names among the registered ones
+    (``deepinfer_register_verify_policies``); a one-line :class:`ConfigError` when it is unknown
+    (listing the registered names), unavailable or not a :class:`VerifyPolicy`."""
+    lookup = ComponentLookup(
+        plugins, "verify_policies", "speculative.method={}", check=subclass_of(VerifyPolicy)
+    )
+    return lookup.get(config.method)
 
 
 def check_draft_layers(family: Any, drafter: str, kind: str, model_config: Any = None) -> None:

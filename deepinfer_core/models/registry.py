@@ -76,15 +76,18 @@ class Model(Protocol):
     def forward(self, md: Any, cache: HybridCache) -> torch.Tensor:
         """Run one step; float32 logits of the sampling rows.
 
-        A model with multi-token-prediction layers (its family has ``load_mtp_weights``) also
+        A model whose hidden states a drafter's layers read (a
+        :class:`~deepinfer_core.speculative.draft_model.DraftModel` with ``taps_hidden``) also
         takes ``hidden_out``: a persistent ``[rows, *hidden_shape]`` buffer that receives every
-        row's hidden state (for V4 the last layer's streams before ``hc_head``); it then also
-        provides ``hidden_shape``, ``mtp_step_metadata`` (as :meth:`step_metadata`) and
+        row's hidden state (for V4 the last layer's streams before ``hc_head``), and provides
+        ``hidden_shape``.  With multi-token-prediction layers (its family has
+        ``load_mtp_weights``) it provides ``mtp_step_metadata`` (as :meth:`step_metadata`) and
         ``mtp_forward(md, cache, hidden) -> (logits of the sampling rows, output hidden states)``,
         and its :meth:`cache_specs` include the MTP layer's caches after the main layers'.
-        A family with ``mtp_kind="dspark"`` instead sets ``keeps_hidden = False`` (its forward
-        writes the drafter's context itself) and provides ``dspark_step_metadata`` and
+        A family with ``mtp_kind="dspark"`` instead writes the drafter's context in its forward
+        (no hidden states tapped) and provides ``dspark_step_metadata`` and
         ``dspark_forward(md, cache) -> (base logits, collapsed hidden)`` of every block row.
+        The draft model names what it reads in ``required_members``, checked at build.
         """
         ...
 
@@ -123,7 +126,7 @@ class ModelFamily:
         mtp_kind: what ``load_mtp_weights`` loads: ``"mtp"`` (DeepSeek-V4's multi-token-prediction
             layer, the core's ``mtp`` drafter) or ``"dspark"`` (DeepSeek-V4.1's DSpark block
             drafter, the core's ``dspark`` drafter; its model writes the drafter's context itself
-            and keeps no hidden states: ``Model.keeps_hidden = False``).  A drafter whose
+            and taps no hidden states).  A drafter whose
             :attr:`~deepinfer_core.speculative.Drafter.mtp_kind` differs is refused (one-line
             :class:`ConfigError` naming the drafter to use).
         unsupported_draft_layers: ``cfg -> reason | None``: why no drafter can run the draft

@@ -15,7 +15,14 @@ CORE_PLUGIN = "core"
 """The name of the core's own plugin; always loaded, and its names cannot be taken over."""
 ALLOW_ENV = "DEEPINFER_PLUGINS"
 """Environment variable: comma-separated allow-list of entry-point names."""
-COMPONENT_KINDS = ("models", "logits_processors", "drafters", "structured_backends", "schedulers")
+COMPONENT_KINDS = (
+    "models",
+    "logits_processors",
+    "drafters",
+    "verify_policies",
+    "structured_backends",
+    "schedulers",
+)
 """The kinds of component a plugin can register besides backends (``deepinfer_register_<kind>``)."""
 DEPRECATED_HOOKS = {"deepinfer_register_samplers": "logits_processors"}
 """Old names of registration hooks -> the kind they register (each use logs one deprecation line)."""

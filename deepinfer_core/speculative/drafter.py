@@ -10,10 +10,13 @@ draft only costs the verify work.  :meth:`Drafter.on_finished` says when a reque
 
 A drafter that follows the target's computation overrides :meth:`Drafter.observe`: after
 every step the engine tells it which positions each request computed and kept
-(:class:`ComputedChunk`).  One that runs the checkpoint's multi-token-prediction layer (the
-core's ``mtp``) sets :attr:`Drafter.uses_mtp_layers`: the engine then builds the model runner
-with that layer, its caches and the target's hidden states of every step
-(``ModelRunner(mtp=True)``), and hands the runner to :meth:`Drafter.bind` before the first step.
+(:class:`ComputedChunk`).  One that runs layers of its own names their
+:class:`~deepinfer_core.speculative.draft_model.DraftModel` in :attr:`Drafter.draft_model`: the
+engine builds it with the model runner (the model members it needs checked, its graph families
+captured, the target's hidden states of every step kept when it taps them) and hands the runner,
+``runner.draft_model`` included, to :meth:`Drafter.bind` before the first step.  One whose
+layers are the checkpoint's own draft layers (the core's ``mtp`` and ``dspark``) also sets
+:attr:`Drafter.uses_mtp_layers`: the runner then loads them (``ModelFamily.load_mtp_weights``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from .draft_model import DraftModel
 
 if TYPE_CHECKING:
     from deepinfer_core.config import SpeculativeConfig
@@ -98,7 +103,7 @@ class ComputedChunk:
             geometry, as in its :class:`~deepinfer_core.contract.batch.SeqChunk` (for a drafter
             that runs layers over the engine's cache).
         hidden: the step's hidden states, one row per token in the step's row order (with
-            ``uses_mtp_layers``: ``ModelRunner.last_hidden`` of that step; with async scheduling
+            a draft model that taps them: ``ModelRunner.last_hidden`` of that step; with async scheduling
             a step is observed after the next one was launched, so ``ModelRunner.hidden`` may
             already hold the next step's rows); ``None`` without.
     """
@@ -129,10 +134,14 @@ class Drafter:
         vocab_size: the target model's vocabulary size (drafts must be ids below it).
     """
 
+    draft_model: ClassVar[type[DraftModel] | None] = None
+    """The drafter's own layers, built with the model runner as ``runner.draft_model`` (see
+    :mod:`~deepinfer_core.speculative.draft_model`); ``None``: the drafter runs no layers."""
+
     uses_mtp_layers: ClassVar[bool] = False
-    """The drafter runs the checkpoint's multi-token-prediction layer: the engine loads it into
-    the model runner (a one-line ``ConfigError`` when the checkpoint has none), keeps the
-    target's hidden states of every step and calls :meth:`bind` with the runner."""
+    """The drafter's layers are the checkpoint's draft layers (multi-token prediction, DSpark):
+    the engine loads them into the model runner (a one-line ``ConfigError`` when the checkpoint
+    has none)."""
 
     mtp_kind: ClassVar[str] = "mtp"
     """With :attr:`uses_mtp_layers`: which draft layers it runs, ``"mtp"`` (DeepSeek-V4's MTP
@@ -145,8 +154,8 @@ class Drafter:
 
     def bind(self, runner: Any) -> None:
         """Called once before the first step with the engine's
-        :class:`~deepinfer_core.engine.model_runner.ModelRunner` (drafters with
-        :attr:`uses_mtp_layers`)."""
+        :class:`~deepinfer_core.engine.model_runner.ModelRunner`, its ``draft_model`` the
+        instance of :attr:`draft_model`."""
 
     def propose(self, contexts: Sequence[DraftContext]) -> list[Draft]:
         """One :class:`Draft` per context, in order."""

@@ -6,7 +6,7 @@ with the target's own ring plan, so rejected drafts leave no trace and the draft
 nothing (steps without drafts stay asynchronous).  :meth:`DSparkDrafter.propose` runs one
 batched block per call -- ``γ = dspark_block_size`` rows per request, the anchor (the request's
 last token, at position ``P``) then the noise token, all rows at once
-(:meth:`~deepinfer_core.engine.model_runner.ModelRunner.execute_dspark`) -- then the Markov
+(:meth:`~deepinfer_core.speculative.dspark_layers.DSparkLayers.execute`) -- then the Markov
 walk, one position at a time on the device:
 
 * draft ``k`` (position ``P + k``) is drawn from ``U_{k-1} + W2 W1[x_{k-1}]``, ``x_0`` the anchor;
@@ -40,6 +40,7 @@ from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler
 
 from .drafter import Draft, DraftContext, Drafter, RowView
+from .dspark_layers import DSparkLayers
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -53,22 +54,25 @@ class DSparkDrafter(Drafter):
 
     uses_mtp_layers = True
     mtp_kind = "dspark"
+    draft_model = DSparkLayers
 
     def __init__(self, config: Any, vocab_size: int) -> None:
         super().__init__(config, vocab_size)
         self.runner: Any = None
+        self.layers: Any = None  # the runner's DSparkLayers
         self.head: Any = None
         self.sampler = Sampler()
         self.eos_token_ids: list[int] = []
 
     def bind(self, runner: Any) -> None:
-        head = getattr(runner.model, "dspark", None)
-        if head is None:
+        layers = getattr(runner, "draft_model", None)
+        if not isinstance(layers, DSparkLayers):
             raise ConfigError(
                 "speculative.drafter='dspark' needs a DeepSeek-V4.1 model runner built with its DSpark "
-                "draft layers (ModelRunner(mtp=True))"
+                "draft layers (ModelRunner.load(mtp=True, draft_model=DSparkLayers))"
             )
-        self.runner, self.head = runner, head
+        head = layers.head
+        self.runner, self.layers, self.head = runner, layers, head
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
         if self.config.max_draft_tokens > head.block_size:
             logger.info(
@@ -98,7 +102,7 @@ class DSparkDrafter(Drafter):
                     window_from=c.window_from,
                 )
             )
-        u, y = self.runner.execute_dspark(chunks)
+        u, y = self.layers.execute(chunks)
         b = len(live)
         u, y = u.view(b, gamma, -1), y.view(b, gamma, -1)
         n = min(gamma, max(contexts[i].max_tokens for i in live))

@@ -38,6 +38,7 @@ from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.sampling.transfer import tensor_to_device
 
 from .drafter import ComputedChunk, Draft, DraftContext, Drafter
+from .mtp_layers import MtpLayers
 
 
 @dataclass
@@ -57,16 +58,18 @@ class MtpDrafter(Drafter):
     """DeepSeek multi-token prediction (see the module docstring)."""
 
     uses_mtp_layers = True
+    draft_model = MtpLayers
 
     def __init__(self, config: Any, vocab_size: int) -> None:
         super().__init__(config, vocab_size)
         self.runner: Any = None
+        self.layers: Any = None  # the runner's MtpLayers
         self._next: dict[str, _Next] = {}
 
     def bind(self, runner: Any) -> None:
-        if runner.hidden is None:
-            raise RuntimeError("the mtp drafter needs a model runner built with mtp=True")
-        self.runner = runner
+        if not isinstance(runner.draft_model, MtpLayers):
+            raise RuntimeError("the mtp drafter needs a model runner built with draft_model=MtpLayers")
+        self.runner, self.layers = runner, runner.draft_model
 
     # ---- after a step: catch the MTP cache up with the kept positions ---------------------------
     def observe(self, chunks: Sequence[ComputedChunk]) -> None:
@@ -88,7 +91,7 @@ class MtpDrafter(Drafter):
         # engine launched meanwhile), which would take the overlap of async scheduling away
         index = tensor_to_device(torch.tensor(rows, dtype=torch.int64), runner.device)
         hidden = chunks[0].hidden if chunks[0].hidden is not None else runner.hidden
-        logits, streams = runner.execute_mtp(seqs, hidden.index_select(0, index), last_rows)
+        logits, streams = self.layers.execute(seqs, hidden.index_select(0, index), last_rows)
         if not last_rows:
             return
         prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
@@ -120,7 +123,7 @@ class MtpDrafter(Drafter):
                 break
             seqs = [_seq(states[i].chunk, states[i].pos + depth, drafts[i].token_ids[-1:]) for i in active]
             h = torch.stack([hidden[i] for i in active])
-            logits, streams = self.runner.execute_mtp(seqs, h, list(range(len(active))))
+            logits, streams = self.layers.execute(seqs, h, list(range(len(active))))
             prob, token = torch.softmax(logits, dim=-1).max(dim=-1)
             hidden = {}
             for j, (i, t, p) in enumerate(zip(active, token.tolist(), prob.tolist(), strict=True)):
@@ -134,7 +137,7 @@ class MtpDrafter(Drafter):
     def _fits(self, st: _Next, depth: int) -> bool:
         """Whether the draft step at ``st.pos + depth`` may run: always for a sliding-window MTP
         layer; within the request's allocated pages for one that writes paged entries."""
-        if not self.runner.mtp_paged:
+        if not self.layers.paged:
             return True
         return st.pos + depth < len(st.chunk.block_table) * self.runner.page_size
 

@@ -27,7 +27,7 @@ def _run(model_dir: Path, **options: Any) -> tuple[list[Any], dict[str, int], li
     with LLM(model=str(model_dir), backend="reference", dtype="float32", max_num_seqs=4, **options) as llm:
         outputs = [out.outputs[0] for out in llm.generate(PROMPTS, params, use_tqdm=False)]
         runner = llm.engine.runner
-        return outputs, dict(runner.ep_graph_stats), sorted(runner.graphs)
+        return outputs, dict(runner.ep_graph_stats), sorted(runner.graph_manager.graphs("decode"))
 
 
 @pytest.mark.slow

@@ -310,7 +310,7 @@ def test_expert_load_counts_only_request_rows(tiny_dir) -> None:
     counts = step_counts(runner.model, cfg.num_hidden_layers, cfg.n_routed_experts, runner.device)
     counts.zero_()
     replays: list[int] = []
-    for b, graph in runner.graphs.items():
+    for b, graph in runner.graph_manager.graphs("decode").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     prompts = [[5, 9, 23, 7], [88, 12, 4, 6, 1], [17] * 6]

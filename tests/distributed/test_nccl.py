@@ -185,7 +185,7 @@ def test_two_ranks_match_one_device(
     with LLM(model=str(tiny_dir), **{**_options(target), **options}) as llm:
         _check_world(llm, target, run)
         if not options.get("enforce_eager", True) and target.device == "cuda":
-            assert llm.engine.runner.graphs, "no decode graphs were captured"
+            assert llm.engine.runner.graph_manager.graphs("decode"), "no decode graphs were captured"
         model = llm.engine.runner.model
         moe = model.layers[0].moe
         if options.get("enable_expert_parallel"):  # rank 0 holds half of the routed experts (+ replicas)

@@ -18,14 +18,14 @@ def _llm(**kw) -> LLM:
 
 def _with_graphs(llm: LLM) -> LLM:
     assert llm.engine.runner.capture_graphs(EmulatedGraph) is None
-    assert sorted(llm.engine.runner.graphs) == [1, 2, 4, 8]
+    assert sorted(llm.engine.runner.graph_manager.graphs("decode")) == [1, 2, 4, 8]
     return llm
 
 
 def _record_replays(llm: LLM) -> list[int]:
     """The batch buckets of the graphs ``llm`` replays from now on, in order (filled as it runs)."""
     replays: list[int] = []
-    for b, graph in llm.engine.runner.graphs.items():
+    for b, graph in llm.engine.runner.graph_manager.graphs("decode").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     return replays
@@ -66,8 +66,9 @@ def test_released_graphs_are_gone_and_the_runner_runs_eagerly():
     assert "decode" in replays and "mixed" in replays
     runner = llm.engine.runner
     runner.release_graphs()
-    for name in ("graphs", "verify_graphs", "mtp_graphs", "dspark_graphs", "mixed_graphs"):
-        assert getattr(runner, name) == {}, name
+    assert runner.graph_manager.summary() == {}
+    for name in ("decode", "verify", "mixed"):
+        assert runner.graph_manager.graphs(name) == {}, name
     replays.clear()
     got = llm.generate(MANY, params, use_tqdm=False)
     assert replays == []
@@ -136,10 +137,15 @@ def _mixed_llm(**kw) -> tuple[LLM, list[str]]:
     llm = _llm(**kw)
     runner = llm.engine.runner
     assert runner.capture_graphs(EmulatedGraph) is None
-    assert runner.mixed_graphs, "no mixed-step graph captured"
+    assert runner.graph_manager.graphs("mixed"), "no mixed-step graph captured"
     replays: list[str] = []
     record_replays(
-        {"decode": runner.graphs, "verify": runner.verify_graphs, "mixed": runner.mixed_graphs}, replays
+        {
+            "decode": runner.graph_manager.graphs("decode"),
+            "verify": runner.graph_manager.graphs("verify"),
+            "mixed": runner.graph_manager.graphs("mixed"),
+        },
+        replays,
     )
     return llm, replays
 
@@ -161,7 +167,7 @@ def test_mixed_step_graphs_equal_eager_bitwise_in_batch_invariant_mode(async_sch
     kw = {**MIXED, "batch_invariant": True, "async_scheduling": async_scheduling}
     want = _llm(**kw).generate(MANY, params, use_tqdm=False)
     llm, replays = _mixed_llm(**kw)
-    assert sorted(llm.engine.runner.mixed_graphs) == [52]
+    assert sorted(llm.engine.runner.graph_manager.graphs("mixed")) == [52]
     got = llm.generate(MANY, params, use_tqdm=False)
     assert replays.count("mixed") >= 8 and "decode" in replays, replays
     for w, g in zip(want, got, strict=True):
@@ -214,9 +220,11 @@ def test_cuda_mixed_step_graphs_equal_eager_bitwise(dtype):
     want = LLM(**{**kw, "mixed_graph_max_tokens": 0}).generate(MANY, params, use_tqdm=False)
     llm = LLM(**kw)
     runner = llm.engine.runner
-    assert runner.graphs and runner.mixed_graphs, "CUDA graphs were not captured"
+    assert runner.graph_manager.graphs("decode") and runner.graph_manager.graphs("mixed"), (
+        "CUDA graphs were not captured"
+    )
     replays: list[str] = []
-    record_replays({"mixed": runner.mixed_graphs}, replays)
+    record_replays({"mixed": runner.graph_manager.graphs("mixed")}, replays)
     got = llm.generate(MANY, params, use_tqdm=False)
     assert replays, "no mixed step replayed a CUDA graph"
     for w, g in zip(want, got, strict=True):

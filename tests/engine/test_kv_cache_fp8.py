@@ -133,7 +133,7 @@ def test_fp8_cache_stays_close_to_the_model_dtype_cache(dtype):
 def test_forward_steps_make_no_host_sync():
     llm = _llm(kv_cache_dtype="fp8")
     runner = llm.engine.runner
-    inner, found = runner._forward, []
+    inner, found = runner.forward, []
 
     def forward(inputs):
         with record_host_syncs() as syncs:
@@ -141,7 +141,7 @@ def test_forward_steps_make_no_host_sync():
         found.extend(syncs)
         return out
 
-    runner._forward = forward
+    runner.forward = forward
     llm.generate(_prompts(2, (35, 3)), SamplingParams(max_tokens=6), use_tqdm=False)
     assert not found, sorted(set(found))
 
@@ -202,7 +202,7 @@ def test_cuda_sm100_reads_the_fp8_cache_in_its_kernel_and_gives_the_references_t
     with caplog.at_level("INFO", logger="deepinfer"):
         gpu = LLM(backend="cuda_sm100", device="cuda", dtype="float32", max_num_seqs=8, kv_cache_dtype="fp8")
         got = [o.outputs[0] for o in gpu.generate(prompts, params, use_tqdm=False)]
-    assert gpu.engine.runner.graphs, "CUDA graphs were not captured"
+    assert gpu.engine.runner.graph_manager.graphs("decode"), "CUDA graphs were not captured"
     assert not [
         r for r in caplog.records if "sparse_attention" in r.getMessage() and "rejects" in r.getMessage()
     ]

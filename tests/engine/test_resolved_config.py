@@ -41,7 +41,10 @@ def _assert_one_view(engine: LLMEngine) -> None:
     assert runner.inputs.block_tables.shape[1] == -(-config.max_model_len // config.page_size) + 1
     assert runner.dtype == config.torch_dtype and runner.device == torch.device(config.device)
     assert engine.scheduler.replay_tail == runner.replay_tail == config.replay_tail
-    assert sorted(runner.graphs) == [] and list(config.graph_buckets) == [1, 2]  # CPU: no graphs
+    assert sorted(runner.graph_manager.graphs("decode")) == [] and list(config.graph_buckets) == [
+        1,
+        2,
+    ]  # CPU: no graphs
 
 
 def test_max_model_len_comes_from_the_model_and_is_one_value_everywhere(tiny_dir: Path):

@@ -207,7 +207,7 @@ def test_cuda_sm100_keeps_weights_quantised_and_gives_the_dequantised_references
     assert isinstance(model.layers[1].moe.gate_up, QuantizedTensor)
     assert model.quantized_weight_bytes() > 0
     assert model.weight_bytes() < cpu.engine.runner.model.weight_bytes()
-    assert gpu.engine.runner.graphs, "CUDA graphs were not captured"
+    assert gpu.engine.runner.graph_manager.graphs("decode"), "CUDA graphs were not captured"
     got, want = _completions(gpu), _completions(cpu)
     for g, w in zip(got, want, strict=True):
         if dtype == "float32":  # the whole greedy continuation, logprobs within summation order

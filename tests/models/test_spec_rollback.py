@@ -284,7 +284,7 @@ def test_graph_decode_steps_between_verify_steps_equal_eager(runners):
     eager, graphed = runners(s)
     assert graphed.capture_graphs(EmulatedGraph) is None
     replays = []
-    for b, graph in graphed.graphs.items():
+    for b, graph in graphed.graph_manager.graphs("decode").items():
         graph.replay = lambda inner=graph.replay, b=b: replays.append(b) or inner()
     seqs = [_ids(20 + i, 60) for i in range(2)]
     tables = {}

@@ -38,6 +38,7 @@ from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from deepinfer_core.ops import OpTable
 from deepinfer_core.speculative import ComputedChunk, DraftContext
 from deepinfer_core.speculative.mtp import MtpDrafter
+from deepinfer_core.speculative.mtp_layers import MtpLayers
 from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
 from deepinfer_core.testing.observe import record_replays
 
@@ -181,7 +182,7 @@ def _runner(path: Path, slots: int = 2, k: int = 3) -> ModelRunner:
         max_model_len=64,
         speculative=SpeculativeConfig(drafter="mtp", max_draft_tokens=k),
     )
-    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True)
+    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True, draft_model=MtpLayers)
 
 
 class Oracle:
@@ -286,7 +287,7 @@ def test_mtp_logits_match_the_oracle_at_every_position(tiny_dir: Path, oracle: O
     torch.testing.assert_close(hidden, ref_h, rtol=1e-4, atol=1e-4)
     n = len(ids) - 1
     chunk = SeqChunk(0, ids[1:], 0, [0, 1, 2, 3], table_key=("r0", 0))
-    logits, streams = runner.execute_mtp([chunk], hidden, list(range(n)))
+    logits, streams = runner.draft_model.execute([chunk], hidden, list(range(n)))
     ref_logits, ref_streams = oracle.mtp(ref_h, ids[1:])
     torch.testing.assert_close(streams, ref_streams, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
@@ -425,7 +426,7 @@ def test_graph_replays_keep_the_hidden_states(tiny_dir: Path) -> None:
         replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            kinds = {"decode": runner.graphs, "verify": runner.verify_graphs, "mtp": runner.mtp_graphs}
+            kinds = {f: runner.graph_manager.graphs(f) for f in ("decode", "verify", "mtp")}
             record_replays(kinds, replays)
         proposed: list = []
         propose = drafter.propose
@@ -469,7 +470,7 @@ def test_cuda_mtp_outputs_equal_plain_decoding(tiny_dir: Path, bigram_dir: Path,
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = _llm(model_dir, **kw).generate(prompts, params)
     spec = _llm(model_dir, {"drafter": "mtp", "method": "fixed", "max_draft_tokens": 4}, **kw)
-    assert spec.engine.runner.verify_graphs, "no verify graph captured"
+    assert spec.engine.runner.graph_manager.graphs("verify"), "no verify graph captured"
     outs = spec.generate(prompts, params)
     assert _tokens(outs) == _tokens(ref)
     assert [o.outputs[0].logprobs for o in outs] == [o.outputs[0].logprobs for o in ref]

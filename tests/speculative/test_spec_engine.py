@@ -212,6 +212,7 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     proposed (verifying only what the estimates favour would verify nothing and never learn
     that the drafts are right); ``get_metrics`` shows the cost model it decided with."""
     import deepinfer_core.engine.speculative as engine_spec
+    import deepinfer_core.speculative.verify_policy as policies
 
     weighed, decided = [], []
     # pessimistic; each weighing noted with the number of decisions taken before it
@@ -220,7 +221,7 @@ def test_dspark_probes_verify_every_draft(tiny_dir, monkeypatch):
     monkeypatch.setattr(
         engine_spec.SpeculativeDecoder, "_drafting_pays", lambda *a: decided.append(1) or decide(*a)
     )
-    monkeypatch.setattr(engine_spec, "dspark_lengths", lambda confidences, *a: [0] * len(confidences))
+    monkeypatch.setattr(policies, "dspark_lengths", lambda confidences, *a: [0] * len(confidences))
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)  # long enough to back off
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = _llm(tiny_dir).generate(prompts, params)
@@ -360,9 +361,9 @@ def test_verify_steps_replay_graphs_bitwise(tiny_dir):
     )
     runner = spec.engine.runner
     assert runner.capture_graphs(EmulatedGraph) is None
-    assert sorted(runner.verify_graphs) == [1, 2, 4, 8]
+    assert sorted(runner.graph_manager.graphs("verify")) == [1, 2, 4, 8]
     replays: list[int] = []
-    for b, graph in runner.verify_graphs.items():
+    for b, graph in runner.graph_manager.graphs("verify").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     outs = spec.generate(prompts, params)
@@ -384,9 +385,11 @@ def test_cuda_verify_graphs_equal_plain_decoding_bitwise(tiny_dir, dtype):
     _script(PROMPTS, ref)
     spec = _llm(tiny_dir, {"drafter": "oracle", "max_draft_tokens": 4}, **kw)
     runner = spec.engine.runner
-    assert runner.graphs and runner.verify_graphs, "CUDA graphs were not captured"
+    assert runner.graph_manager.graphs("decode") and runner.graph_manager.graphs("verify"), (
+        "CUDA graphs were not captured"
+    )
     replays: list[int] = []
-    for b, graph in runner.verify_graphs.items():
+    for b, graph in runner.graph_manager.graphs("verify").items():
         inner = graph.replay
         graph.replay = lambda inner=inner, b=b: replays.append(b) or inner()
     outs = spec.generate(prompts, params)
@@ -418,17 +421,17 @@ def test_dspark_calibrates_a_drafters_confidence_online(tiny_dir):
 def test_dspark_without_varlen_verifies_one_length_per_step(tiny_dir, monkeypatch):
     """``speculative.varlen=False``: every verify step gives its requests one length (each
     verifies ``min(L, its drafts)``), and the outputs stay plain decoding's."""
-    import deepinfer_core.engine.speculative as engine_spec
+    import deepinfer_core.speculative.verify_policy as policies
 
     chosen = []
-    uniform = engine_spec.uniform_lengths
+    uniform = policies.uniform_lengths
 
     def record(confidences, budget, cost, causal=False):
         lengths = uniform(confidences, budget, cost, causal)
         chosen.append(([len(c) for c in confidences], lengths))
         return lengths
 
-    monkeypatch.setattr(engine_spec, "uniform_lengths", record)
+    monkeypatch.setattr(policies, "uniform_lengths", record)
     params = PARAMS["seeded"]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     ref = _llm(tiny_dir).generate(prompts, params)

@@ -113,9 +113,6 @@ class DeepseekV41Model:
         ops: the resolved op table.
     """
 
-    keeps_hidden = False
-    """The runner keeps no hidden states for the drafter: the forward writes its context itself."""
-
     def __init__(self, cfg: DeepseekV41Config, weights: dict[str, Weight], ops: OpTable):
         self.cfg, self.ops, self.w = cfg, ops, weights
         dtype = weights["embed.weight"].dtype

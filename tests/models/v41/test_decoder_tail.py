@@ -91,7 +91,7 @@ def test_the_decoder_layers_run_on_each_requests_tail_only(v41_dir, monkeypatch)
     kv = runner.kv_cache
     a, b = kv.allocate_pages(kv.pages_needed(100)), kv.allocate_pages(kv.pages_needed(5))
     chunks = [SeqChunk(0, _ids(1, 100), 0, a), SeqChunk(1, _ids(2, 5), 0, b)]
-    from deepinfer_core.engine.model_runner import sample_rows
+    from deepinfer_core.contract.batch import sample_rows
 
     inputs = runner.inputs.prepare(chunks, sample_rows(chunks), None)
     md = runner._metadata(runner.model.step_metadata, inputs)

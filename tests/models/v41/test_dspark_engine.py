@@ -97,12 +97,12 @@ def test_rejection_acceptance_gets_the_draft_distributions(v41_dspark_dir, monke
         assert all(float(d.probs[i, t]) > 0 for i, t in enumerate(d.token_ids))
         torch.testing.assert_close(d.probs.sum(-1), torch.ones(len(d.token_ids), dtype=d.probs.dtype))
     # method="dspark" schedules such drafts with Algorithm 1's early stop
-    import deepinfer_core.engine.speculative as engine_spec
+    import deepinfer_core.speculative.verify_policy as policies
 
     calls: list[bool] = []
-    lengths = engine_spec.dspark_lengths
+    lengths = policies.dspark_lengths
     monkeypatch.setattr(
-        engine_spec,
+        policies,
         "dspark_lengths",
         lambda *a, causal=False: calls.append(causal) or lengths(*a, causal=causal),
     )
@@ -127,9 +127,9 @@ def test_graph_replays_give_the_eager_drafts(v41_dspark_dir):
         replays: list[str] = []
         if graphs:
             assert runner.capture_graphs(EmulatedGraph) is None
-            assert runner.dspark_graphs, "no DSpark block graph captured"
+            assert runner.graph_manager.graphs("dspark"), "no DSpark block graph captured"
             record_replays(
-                {"decode": runner.graphs, "verify": runner.verify_graphs, "dspark": runner.dspark_graphs},
+                {f: runner.graph_manager.graphs(f) for f in ("decode", "verify", "dspark")},
                 replays,
             )
         proposed: list = []

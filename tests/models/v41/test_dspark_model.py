@@ -33,6 +33,7 @@ from deepinfer_core.models.deepseek_v41.weights import load_dspark_weights
 from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.speculative.dspark import DSparkDrafter
+from deepinfer_core.speculative.dspark_layers import DSparkLayers
 from deepinfer_core.weights.quant import QuantizedTensor
 from tests.models.test_spec_rollback import _ids, _prefill, run_pair
 from tests.models.v41.conftest import v41_llm
@@ -181,18 +182,18 @@ def recorded(monkeypatch):
 
     def recording(self, contexts):
         blocks: list = []
-        execute = self.runner.execute_dspark
+        execute = self.layers.execute
 
         def run(chunks):
             u, y = execute(chunks)
             blocks.append((u, y))
             return u, y
 
-        self.runner.execute_dspark = run
+        self.layers.execute = run
         try:
             drafts = propose(self, contexts)
         finally:
-            del self.runner.execute_dspark
+            del self.layers.execute
         [(u, y)] = blocks
         g = self.head.block_size
         for i, (c, d) in enumerate(zip(contexts, drafts, strict=True)):
@@ -280,7 +281,7 @@ def _runner(path: Path, num_spec_tokens: int) -> ModelRunner:
         batch_invariant=True,
         speculative=SpeculativeConfig(drafter="dspark", max_draft_tokens=num_spec_tokens),
     )
-    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True)
+    return ModelRunner.load(path, cfg, OpTable.reference(), mtp=True, draft_model=DSparkLayers)
 
 
 def draft_rings(runner: ModelRunner, slot: int, table: list[int], end: int) -> dict:
@@ -306,6 +307,6 @@ def test_draft_rings_after_rejected_drafts_equal_accepted_tokens_only(v41_dspark
     run_pair(a, b, seq, steps, neighbour=_ids(9, len(steps)), slots=(0, 1), state=draft_rings)
     end = sum(n for n, _ in steps)  # the next block's anchor position
     block = [7] + [a.model.dspark.noise_token_id] * 4
-    ua, ya = a.execute_dspark([SeqChunk(0, block, end, [])])
-    ub, yb = b.execute_dspark([SeqChunk(1, block, end, [])])
+    ua, ya = a.draft_model.execute([SeqChunk(0, block, end, [])])
+    ub, yb = b.draft_model.execute([SeqChunk(1, block, end, [])])
     assert torch.equal(ua, ub) and torch.equal(ya, yb)

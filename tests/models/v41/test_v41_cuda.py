@@ -46,7 +46,7 @@ def test_cuda_graphs_equal_eager_bitwise(model, request):
     eager = _gpu_llm(model_dir, batch_invariant=True, enforce_eager=True)
     want = eager.generate(prompts, params, use_tqdm=False)
     llm = _gpu_llm(model_dir, batch_invariant=True)
-    assert llm.engine.runner.graphs, "CUDA graphs were not captured"
+    assert llm.engine.runner.graph_manager.graphs("decode"), "CUDA graphs were not captured"
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert [g.outputs[0].logprobs for g in got] == [w.outputs[0].logprobs for w in want]
