@@ -217,7 +217,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     spec = parser.add_argument_group("speculative decoding (any of these turns it on)")
     spec.add_argument(
-        "--speculative-method", choices=("dspark", "fixed"), help="verify lengths (default dspark)"
+        "--speculative-method",
+        help="verify-length policy by registered name: dspark (default), fixed, or a plugin's",
     )
     spec.add_argument("--drafter", help="drafter by registered name: ngram (default), mtp, ...")
     spec.add_argument(
