@@ -92,6 +92,22 @@ def build_attention(third: str | None, split: bool, heads: int, dim: int, dtype:
         T.copy(acc_s, p_s)
         T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
+    @T.macro
+    def attend_rows(
+        pool, idx, k, t, s, n_split, q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2
+    ):
+        """One explicit source: its ``k`` listed rows, this split's share of their blocks."""
+        nb = T.ceildiv(k, BN)
+        lo = T.min(s * T.ceildiv(nb, n_split), nb)
+        hi = T.min(lo + T.ceildiv(nb, n_split), nb)
+        for b in T.Pipelined(hi - lo, order=order, stage=stage):
+            for i in T.Parallel(BN):
+                c = (lo + b) * BN + i
+                rows[i] = T.if_then_else(c < k, idx[t, T.min(c, k - 1)], -1)
+            for i, d in T.Parallel(BN, D):
+                k_s[i, d] = pool[T.max(rows[i], 0), d]
+            attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+
     @T.prim_func
     def sparse_attention_decode(
         q: T.Tensor((n_tok, H, D), dtype),
@@ -131,37 +147,67 @@ def build_attention(third: str | None, split: bool, heads: int, dim: int, dtype:
             for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
                 m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
                 l[h] = T.if_then_else(s == 0, 1.0, 0.0)
-            nb0 = T.ceildiv(k0, BN)
-            lo0 = T.min(s * T.ceildiv(nb0, n_split), nb0)
-            hi0 = T.min(lo0 + T.ceildiv(nb0, n_split), nb0)
-            for b in T.Pipelined(hi0 - lo0, order=order, stage=stage):
-                for i in T.Parallel(BN):
-                    c = (lo0 + b) * BN + i
-                    rows[i] = T.if_then_else(c < k0, idx0[t, T.min(c, k0 - 1)], -1)
-                for i, d in T.Parallel(BN, D):
-                    k_s[i, d] = pool0[T.max(rows[i], 0), d]
-                attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
-            nb1 = T.ceildiv(k1, BN)
-            lo1 = T.min(s * T.ceildiv(nb1, n_split), nb1)
-            hi1 = T.min(lo1 + T.ceildiv(nb1, n_split), nb1)
-            for b in T.Pipelined(hi1 - lo1, order=order, stage=stage):
-                for i in T.Parallel(BN):
-                    c = (lo1 + b) * BN + i
-                    rows[i] = T.if_then_else(c < k1, idx1[t, T.min(c, k1 - 1)], -1)
-                for i, d in T.Parallel(BN, D):
-                    k_s[i, d] = pool1[T.max(rows[i], 0), d]
-                attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+            attend_rows(
+                pool0,
+                idx0,
+                k0,
+                t,
+                s,
+                n_split,
+                q_s,
+                k_s,
+                p_s,
+                rows,
+                acc_o,
+                acc_s,
+                m,
+                m_prev,
+                l,
+                l_i,
+                alpha,
+                scale2,
+            )
+            attend_rows(
+                pool1,
+                idx1,
+                k1,
+                t,
+                s,
+                n_split,
+                q_s,
+                k_s,
+                p_s,
+                rows,
+                acc_o,
+                acc_s,
+                m,
+                m_prev,
+                l,
+                l_i,
+                alpha,
+                scale2,
+            )
             if third == "rows":
-                nb2 = T.ceildiv(k2, BN)
-                lo2 = T.min(s * T.ceildiv(nb2, n_split), nb2)
-                hi2 = T.min(lo2 + T.ceildiv(nb2, n_split), nb2)
-                for b in T.Pipelined(hi2 - lo2, order=order, stage=stage):
-                    for i in T.Parallel(BN):
-                        c = (lo2 + b) * BN + i
-                        rows[i] = T.if_then_else(c < k2, idx2[t, T.min(c, k2 - 1)], -1)
-                    for i, d in T.Parallel(BN, D):
-                        k_s[i, d] = pool2[T.max(rows[i], 0), d]
-                    attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+                attend_rows(
+                    pool2,
+                    idx2,
+                    k2,
+                    t,
+                    s,
+                    n_split,
+                    q_s,
+                    k_s,
+                    p_s,
+                    rows,
+                    acc_o,
+                    acc_s,
+                    m,
+                    m_prev,
+                    l,
+                    l_i,
+                    alpha,
+                    scale2,
+                )
             if third == "paged":
                 cnt = T.min(counts[t], max_count)
                 nb2 = T.ceildiv(cnt, BN)
