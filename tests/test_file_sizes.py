@@ -26,7 +26,6 @@ EXEMPT: dict[str, str] = {
     "deepinfer_core/engine/model_runner.py": PENDING,
     "deepinfer_core/cli.py": "not split yet: one function per command plus the argument parser",
     "deepinfer_core/testing/conformance.py": "not split yet: the suite's cases and its runner",
-    "deepinfer_core/distributed/eplb/rebalance.py": "not split yet: the controller and the weight move",
 }
 
 
