@@ -75,7 +75,7 @@ def _moved_conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dic
 
     from deepinfer_core.ops.modes import batch_invariant_mode
     from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, get_op
-    from deepinfer_core.testing.conformance import compare
+    from deepinfer_core.testing.compare import compare
 
     rows = []
     for op, impl in attention_ops().items():
