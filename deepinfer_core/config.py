@@ -15,20 +15,45 @@ that supplied the bad value.
 from __future__ import annotations
 
 import contextvars
-import difflib
 import json
 import math
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from deepinfer_core.config_sections import EPLBConfig, SpeculativeConfig
+from deepinfer_core.config_sources import (
+    ENV_PREFIX,
+    NEXTN_ENV,
+    VARLEN_ENV,
+    apply_nextn_env,
+    apply_varlen_env,
+    did_you_mean,
+    env_values,
+    env_var_name,
+    format_errors,
+    read_options_file,
+)
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.weights.quant import QUANTIZED_FORMATS
 
-ENV_PREFIX = "DEEPINFER_"
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN",
+    "ENV_PREFIX",
+    "EPLBConfig",
+    "EngineConfig",
+    "MAX_INT_OPTION",
+    "NEXTN_ENV",
+    "PAGE_SIZE_QUANTUM",
+    "SpeculativeConfig",
+    "VARLEN_ENV",
+    "did_you_mean",
+    "env_var_name",
+    "read_config_file",
+]
+
 DEFAULT_MAX_MODEL_LEN = 8192
 PAGE_SIZE_QUANTUM = 16
 MAX_INT_OPTION = 2**31  # sizes and counts beyond this are typos, and overflow int32 indices
@@ -41,111 +66,6 @@ _ORIGIN: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextV
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 KVCacheDtype = Literal["auto", "fp8"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-NEXTN_ENV = "DEEPINFER_USE_NEXTN_DECODE"
-VARLEN_ENV = "DEEPINFER_ENABLE_MTP_VARLEN"
-"""The seed's switch: speculative decoding with at most this many draft tokens (0 = off)."""
-
-
-class SpeculativeConfig(BaseModel):
-    """Speculative decoding (``EngineConfig.speculative``): a drafter proposes tokens, one target
-    forward verifies them, and the accepted prefix plus the target's own next token are kept.
-    See ``docs/speculative_decoding.md``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    method: str = "dspark"
-    """How many drafts each request verifies per step, a verify-length policy by registered name
-    (``deepinfer_register_verify_policies``): the core's ``fixed`` = all the drafter proposed
-    (up to ``max_draft_tokens``); ``dspark`` = confidence-scheduled: the length whose expected
-    accepted tokens per unit of measured step cost is best, from the drafts' confidences."""
-    drafter: str = "ngram"
-    """Drafter by registered name (``deepinfer_register_drafters``); the core's ``ngram`` looks
-    the last tokens up in the prompt and output (prompt lookup decoding, no weights), its
-    ``mtp`` runs DeepSeek-V4's multi-token-prediction layer (``num_nextn_predict_layers``), its
-    ``dspark`` DeepSeek-V4.1's DSpark block drafter (``mtp.*``; at most ``dspark_block_size``
-    drafts per step).  (``method="dspark"`` is the verify-length policy, usable with any drafter.)"""
-    max_draft_tokens: int = 5
-    """Most draft tokens verified per request and step (``DEEPINFER_USE_NEXTN_DECODE``)."""
-    acceptance: Literal["match", "rejection"] = "match"
-    """``match``: the target draws its token at every verified position with the counter-based
-    randomness of plain decoding and drafts are accepted while equal to it, so outputs are
-    identical with and without speculation; ``rejection``: rejection sampling against the
-    drafter's distribution (distribution-exact, not token-identical)."""
-    varlen: bool = True
-    """``dspark``: each request verifies its own number of drafts (the varlen verify the seed's
-    kernels take); ``False``: one number for every request of a step, the best uniform length
-    (``DEEPINFER_ENABLE_MTP_VARLEN=0``; for backends whose verify kernels want one length)."""
-    ngram_min: int = 1
-    """``ngram`` drafter: shortest suffix matched."""
-    ngram_max: int = 4
-    """``ngram`` drafter: longest suffix matched (longer matches are tried first)."""
-
-    @field_validator("max_draft_tokens")
-    @classmethod
-    def _draft_len(cls, value: int) -> int:
-        if not 1 <= value <= 16:
-            raise ValueError("must be in [1, 16]")
-        return value
-
-    @field_validator("ngram_min", "ngram_max")
-    @classmethod
-    def _ngram(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be >= 1")
-        return value
-
-    @model_validator(mode="after")
-    def _ngram_order(self) -> SpeculativeConfig:
-        if self.ngram_min > self.ngram_max:
-            raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
-        return self
-
-
-class EPLBConfig(BaseModel):
-    """Expert-parallel load balancing (``EngineConfig.eplb``): per-expert load statistics over a
-    sliding window of steps, and a periodic rebalancing that replicates the hottest experts into
-    ``num_redundant_experts`` extra slots and repacks experts onto ranks.  See
-    ``docs/distributed.md``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    window_steps: int = 1000
-    """Steps of routing statistics the rebalancing looks at (a sliding window)."""
-    rebalance_interval: int = 3000
-    """Rebalance every this many steps (weights move between two steps; the engine keeps running)."""
-    num_redundant_experts: int = 0
-    """Extra physical expert slots over all ranks, filled with replicas of the hottest experts
-    (``num_experts + num_redundant_experts`` must divide by the EP size)."""
-    policy: Literal["hierarchical", "global"] = "hierarchical"
-    """``hierarchical``: expert groups packed onto nodes, then replicas and GPUs within each node
-    (DeepSeek's EPLB for prefill-sized EP); ``global``: replicate and pack over all ranks at once."""
-    num_nodes: int | None = None
-    """Nodes of the hierarchical policy; ``None`` = from the launch (hosts of the world)."""
-    layers_per_step: int | None = None
-    """Spread a rebalancing's weight move over steps, this many changed MoE layers after each
-    step (each layer's placement published once its weights are in place); ``None`` = every
-    layer at once, between two steps."""
-
-    @field_validator("window_steps", "rebalance_interval")
-    @classmethod
-    def _steps(cls, value: int) -> int:
-        if value < 1:
-            raise ValueError("must be >= 1")
-        return value
-
-    @field_validator("num_redundant_experts")
-    @classmethod
-    def _redundant(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError("must be >= 0")
-        return value
-
-    @field_validator("num_nodes", "layers_per_step")
-    @classmethod
-    def _nodes(cls, value: int | None) -> int | None:
-        if value is not None and value < 1:
-            raise ValueError("must be >= 1")
-        return value
 
 
 class EngineConfig(BaseModel):
@@ -267,7 +187,7 @@ class EngineConfig(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise ConfigError(_format_errors(e, data, _ORIGIN.get() or {})) from None
+            raise ConfigError(format_errors(e, data, _ORIGIN.get() or {})) from None
 
     @field_validator(
         "max_num_seqs",
@@ -423,9 +343,9 @@ class EngineConfig(BaseModel):
         if config_file is not None:
             for key, value in read_config_file(config_file).items():
                 values[key], origin[key] = value, f"config file {config_file}"
-        for key, (value, var) in _env_values(env).items():
+        for key, (value, var) in env_values(env, cls.model_fields).items():
             values[key], origin[key] = value, f"environment variable {var}"
-        _apply_nextn_env(env, values, origin)
+        apply_nextn_env(env, values, origin)
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -433,7 +353,7 @@ class EngineConfig(BaseModel):
                 hint = did_you_mean(key, cls.model_fields) or f"; known options: {sorted(cls.model_fields)}"
                 raise ConfigError(f"unknown engine option {key!r}{hint}")
             values[key], origin[key] = value, "argument"
-        _apply_varlen_env(env, values, origin)
+        apply_varlen_env(env, values, origin)
         return cls.validated(values, origin)
 
     @classmethod
@@ -447,144 +367,6 @@ class EngineConfig(BaseModel):
             _ORIGIN.reset(token)
 
 
-def _format_errors(e: ValidationError, values: Mapping[str, Any], origin: Mapping[str, str]) -> str:
-    msgs = []
-    for err in e.errors():
-        field = ".".join(map(str, err["loc"]))
-        msg = err["msg"].removeprefix("Value error, ")
-        if field:
-            top = str(err["loc"][0])
-            where = f" (from {origin[top]})" if top in origin else ""
-            msgs.append(f"{field}={err.get('input', values.get(field))!r}{where}: {msg}")
-        else:
-            sources = sorted({origin[k] for k in origin if k in msg})
-            msgs.append(msg + (f" (from {', '.join(sources)})" if sources else ""))
-    return "invalid engine config: " + "; ".join(msgs)
-
-
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a TOML or YAML engine config file; unknown keys are an error naming key and file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {p} does not exist")
-    suffix = p.suffix.lower()
-    try:
-        if suffix == ".toml":
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
-
-            data = tomllib.loads(p.read_text())
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(p.read_text()) or {}
-        else:
-            raise ConfigError(f"config file {p}: unsupported extension {suffix!r}; use .toml, .yaml or .yml")
-    except ConfigError:
-        raise
-    except Exception as e:  # tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError
-        raise ConfigError(f"config file {p} could not be parsed: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {p} must hold a table of key = value pairs, got {type(data).__name__}"
-        )
-    unknown = sorted(str(k) for k in data if k not in EngineConfig.model_fields)
-    if unknown:
-        fields = EngineConfig.model_fields
-        if len(unknown) == 1:
-            what, hints = f"unknown key {unknown[0]!r}", did_you_mean(unknown[0], fields)
-        else:
-            what, hints = (
-                f"unknown keys {unknown}",
-                "".join(did_you_mean(k, fields, f" for {k!r}") for k in unknown),
-            )
-        listing = "" if hints else f"; known keys: {sorted(fields)}"
-        raise ConfigError(f"config file {p}: {what}{hints}{listing}")
-    return data
-
-
-def did_you_mean(name: str, known: Iterable[str], suffix: str = "") -> str:
-    """``"; did you mean 'x'?"`` (``suffix`` before the ``?``) naming the known names closest
-    to a misspelt ``name`` (:func:`difflib.get_close_matches`), or ``""`` when none is close."""
-    close = difflib.get_close_matches(name.strip().lower().replace("-", "_"), list(known), n=2, cutoff=0.75)
-    if not close:
-        return ""
-    return f"; did you mean {' or '.join(repr(c) for c in close)}{suffix}?"
-
-
-def _apply_nextn_env(env: Mapping[str, str], values: dict[str, Any], origin: dict[str, str]) -> None:
-    """``DEEPINFER_USE_NEXTN_DECODE=N``: speculative decoding with ``max_draft_tokens=N`` (other
-    fields from ``speculative`` if given, else the defaults); ``0`` turns it off."""
-    raw = env.get(NEXTN_ENV)
-    if raw is None or not raw.strip():
-        return
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ConfigError(
-            f"environment variable {NEXTN_ENV}={raw!r}: expected an integer (0 = off)"
-        ) from None
-    spec = values.get("speculative")
-    if isinstance(spec, str):
-        spec = json.loads(spec) if spec.strip() else None
-    if n == 0:
-        values["speculative"] = None
-    else:
-        spec = dict(spec) if isinstance(spec, Mapping) else (spec.model_dump() if spec is not None else {})
-        values["speculative"] = {**spec, "max_draft_tokens": n}
-    origin["speculative"] = f"environment variable {NEXTN_ENV}"
-
-
-def _apply_varlen_env(env: Mapping[str, str], values: dict[str, Any], origin: dict[str, str]) -> None:
-    """``DEEPINFER_ENABLE_MTP_VARLEN=0|1``: ``speculative.varlen``, when speculative decoding is
-    on (from any source) and ``varlen`` was not given there explicitly; ignored otherwise."""
-    raw = env.get(VARLEN_ENV)
-    if raw is None or not raw.strip():
-        return
-    if raw.strip() not in ("0", "1"):
-        raise ConfigError(f"environment variable {VARLEN_ENV}={raw!r}: expected 0 or 1")
-    spec = values.get("speculative")
-    if isinstance(spec, str):
-        spec = json.loads(spec) if spec.strip() else None
-    if isinstance(spec, SpeculativeConfig):
-        spec = None if "varlen" in spec.model_fields_set else spec.model_dump(exclude={"varlen"})
-    if not isinstance(spec, Mapping) or "varlen" in spec:
-        return
-    values["speculative"] = {**spec, "varlen": raw.strip() == "1"}
-    origin.setdefault("speculative", f"environment variable {VARLEN_ENV}")
-
-
-def env_var_name(field: str) -> str:
-    """The environment variable of a field: ``max_num_seqs`` -> ``DEEPINFER_MAX_NUM_SEQS``."""
-    return ENV_PREFIX + field.upper()
-
-
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
-
-
-def _env_values(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
-    """Field values from ``DEEPINFER_<FIELD>`` variables.  Other ``DEEPINFER_*`` variables (plugin
-    allow-lists and the like) are not engine fields and are left alone."""
-    out: dict[str, tuple[Any, str]] = {}
-    for field, info in EngineConfig.model_fields.items():
-        var = env_var_name(field)
-        if var not in env:
-            continue
-        raw = env[var].strip()
-        optional = not info.is_required() and info.default is None
-        if optional and raw.lower() in ("", "none", "null"):
-            value: Any = None
-        elif info.annotation is bool or info.annotation == (bool | None):
-            low = raw.lower()
-            if low not in _TRUE | _FALSE:
-                raise ConfigError(
-                    f"environment variable {var}={raw!r}: expected one of 1/0, true/false, yes/no, on/off"
-                )
-            value = low in _TRUE
-        else:
-            value = raw  # pydantic parses numeric strings by field type and reports bad ones
-        out[field] = (value, var)
-    return out
+    return read_options_file(path, EngineConfig.model_fields)

@@ -10,7 +10,7 @@ from deepinfer_core.errors import BackendError, OpNotSupportedError
 from deepinfer_core.ops import OpImpl, OpSpec, all_ops, get_op, registry
 from deepinfer_core.ops._cases import randn
 from deepinfer_core.testing import check_backend, conformance_cases
-from deepinfer_core.testing.conformance import compare
+from deepinfer_core.testing.compare import compare
 from deepinfer_core.weights.quant import QuantizedTensor
 
 REFERENCE = BackendSpec(

@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("weights", ["deepinfer_core.weights.*"]),
     ("ops", ["deepinfer_core.ops.*"]),
     ("contract", ["deepinfer_core.contract.*"]),
-    ("config", ["deepinfer_core.config"]),
+    ("config", ["deepinfer_core.config", "deepinfer_core.config_sections", "deepinfer_core.config_sources"]),
     ("backends", ["deepinfer_core.backends.*", "deepinfer_core.plugins.*"]),
     (
         "models",

@@ -12,7 +12,7 @@ the MoE block routes its ``T`` tokens to ``k`` logical experts each, maps them t
 
 ``moe_experts`` with one expert per row returns each received pair's weighted contribution;
 ``moe_combine`` adds a token's ``k`` contributions in ascending logical expert order with the
-arithmetic of the single-process ``moe_experts`` (see :func:`~deepinfer_core.ops.moe.expert_order_sum`),
+arithmetic of the single-process ``moe_experts`` (see :func:`~deepinfer_core.ops.moe_paths.expert_order_sum`),
 so that under ``batch_invariant=True`` a distributed run is bitwise a single process.
 
 **Backends.** A DeepEP-style kernel replaces both ops together (``moe_combine`` only reads
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from deepinfer_core.weights.quant import dequant_fp8, quant_fp8
 
 from ._cases import randn
-from .moe import expert_order_sum
+from .moe_paths import expert_order_sum
 from .registry import define_op
 
 FP8_DISPATCH_BLOCK = (1, 128)
@@ -282,7 +282,7 @@ def moe_combine(y: torch.Tensor, handle: DispatchHandle, ids: torch.Tensor) -> t
 
     Returns:
         ``[T, D]`` in y's dtype: each token's ``k`` contributions added with the arithmetic of
-        the single-process ``moe_experts`` (:func:`~deepinfer_core.ops.moe.expert_order_sum`:
+        the single-process ``moe_experts`` (:func:`~deepinfer_core.ops.moe_paths.expert_order_sum`:
         sequential adds in fp32 / fp64; for lower precisions an fp32 sum rounded after each
         expert).
     """

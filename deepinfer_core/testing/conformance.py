@@ -43,10 +43,8 @@ backend gives one skipped test with the probe's reason)::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -54,6 +52,7 @@ from deepinfer_core.backends.base import BackendSpec
 from deepinfer_core.errors import BackendError
 from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, SampleCases, all_ops, unaccepted_params
 from deepinfer_core.plugins import get_plugins
+from deepinfer_core.testing.compare import compare, to_device
 
 SEED = 0
 
@@ -232,7 +231,7 @@ class ConformanceCase:
     def _on_device(self, sample: tuple[tuple, dict]) -> tuple[tuple, dict]:
         """Fresh copies of ``sample`` on the case's device."""
         device = torch.device(self.device)
-        return _to_device(sample[0], device), _to_device(sample[1], device)
+        return to_device(sample[0], device), to_device(sample[1], device)
 
 
 def conformance_cases(
@@ -352,79 +351,6 @@ def _rejections(cases: list[ConformanceCase]) -> list[str] | None:
     return list(dict.fromkeys(reasons))
 
 
-def compare(
-    actual: Any, expected: Any, atol: float, rtol: float, path: str, problems: list[str]
-) -> float | None:
-    """Compare nested outputs, appending one message per mismatch to ``problems``.
-
-    Returns the largest absolute error over the floating-point tensors (``None`` if none).
-    """
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(actual, torch.Tensor):
-            problems.append(f"{path}: expected a tensor, got {type(actual).__name__}")
-            return None
-        if actual.shape != expected.shape or actual.dtype != expected.dtype:
-            problems.append(
-                f"{path}: expected {tuple(expected.shape)} {expected.dtype}, "
-                f"got {tuple(actual.shape)} {actual.dtype}"
-            )
-            return None
-        a, e = actual.detach().cpu(), expected.detach().cpu()
-        if not (e.is_floating_point() or e.is_complex()):
-            if not torch.equal(a, e):
-                problems.append(f"{path}: {int((a != e).sum())} of {e.numel()} integer elements differ")
-            return None
-        if e.numel() == 0:
-            return 0.0
-        a64, e64 = a.to(torch.float64), e.to(torch.float64)
-        close = torch.isclose(a64, e64, atol=atol, rtol=rtol, equal_nan=True)
-        diff = (a64 - e64).abs().nan_to_num(nan=float("inf"))
-        diff = torch.where(torch.isnan(a64) & torch.isnan(e64), torch.zeros_like(diff), diff)
-        max_err = float(diff.max())
-        if not bool(close.all()):
-            problems.append(
-                f"{path}: {int((~close).sum())} of {e.numel()} elements outside atol={atol} rtol={rtol} "
-                f"(max abs err {max_err:.3g})"
-            )
-        return max_err
-    if isinstance(expected, (tuple, list)):
-        if not isinstance(actual, (tuple, list)) or len(actual) != len(expected):
-            problems.append(f"{path}: expected a sequence of {len(expected)}, got {_describe(actual)}")
-            return None
-        errs = [
-            compare(a, e, atol, rtol, f"{path}[{i}]", problems)
-            for i, (a, e) in enumerate(zip(actual, expected, strict=True))
-        ]
-        return _max(errs)
-    if isinstance(expected, dict):
-        if not isinstance(actual, dict) or set(actual) != set(expected):
-            problems.append(f"{path}: expected a dict with keys {sorted(expected)}, got {_describe(actual)}")
-            return None
-        return _max(
-            [compare(actual[k], expected[k], atol, rtol, f"{path}[{k!r}]", problems) for k in expected]
-        )
-    if dataclasses.is_dataclass(expected) and not isinstance(expected, type):  # e.g. an Fp8KVPool
-        if type(actual) is not type(expected):
-            problems.append(f"{path}: expected a {type(expected).__name__}, got {_describe(actual)}")
-            return None
-        return _max(
-            [
-                compare(
-                    getattr(actual, f.name),
-                    getattr(expected, f.name),
-                    atol,
-                    rtol,
-                    f"{path}.{f.name}",
-                    problems,
-                )
-                for f in dataclasses.fields(expected)
-            ]
-        )
-    if actual != expected:
-        problems.append(f"{path}: expected {expected!r}, got {actual!r}")
-    return None
-
-
 def _backend_spec(backend: str | BackendSpec) -> BackendSpec:
     if isinstance(backend, BackendSpec):
         return backend
@@ -435,39 +361,11 @@ def _generator() -> torch.Generator:
     return torch.Generator().manual_seed(SEED)
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """A deep copy of ``obj`` with every tensor on ``device`` (each call gets fresh tensors)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, copy=True)
-    if isinstance(obj, tuple):
-        return tuple(_to_device(x, device) for x in obj)
-    if isinstance(obj, list):
-        return [_to_device(x, device) for x in obj]
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # e.g. a PagedIndex
-        fields = {f.name: _to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **fields)
-    return obj
-
-
-def _describe(obj: Any) -> str:
-    return (
-        f"{type(obj).__name__} of {len(obj)}" if isinstance(obj, (tuple, list, dict)) else type(obj).__name__
-    )
-
-
-def _max(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return max(present) if present else None
-
-
 __all__ = [
     "CaseResult",
     "ConformanceCase",
     "ConformanceReport",
     "SuppliedCases",
     "check_backend",
-    "compare",
     "conformance_cases",
 ]

@@ -25,15 +25,9 @@ from deepinfer_core.distributed.eplb.policy import (
     rebalance_experts,
     replicate_experts,
 )
-from deepinfer_core.distributed.eplb.rebalance import (
-    EplbController,
-    _parts,
-    align_placement,
-    infer_num_nodes,
-    local_expert_weights,
-    plan_layer_moves,
-)
+from deepinfer_core.distributed.eplb.rebalance import EplbController, infer_num_nodes, local_expert_weights
 from deepinfer_core.distributed.eplb.stats import ExpertLoadWindow
+from deepinfer_core.distributed.eplb.weight_move import align_placement, plan_layer_moves, weight_parts
 from deepinfer_core.models.deepseek_v4 import tiny
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint
@@ -409,7 +403,7 @@ def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int 
         full = checkpoint_experts()
         placement = ExpertPlacement.default(LAYERS, EXPERTS, world, redundant)
         model = StandInModel(select_experts(full, placement.phy2log, rank, per))
-        storage = [[p.data_ptr() for w in ws for p in _parts(w)] for ws in model.experts]
+        storage = [[p.data_ptr() for w in ws for p in weight_parts(w)] for ws in model.experts]
         layout = ParallelState.layout(rank, world, 1, True)
         parallel = ParallelState(**layout, ep_group=dist.group.WORLD)
         cfg = EPLBConfig(
@@ -445,7 +439,7 @@ def _rebalance_worker(rank: int, world: int, init: str, policy: str, nodes: int 
             ref = rebalance_experts(total, EXPERTS + redundant, EXPERTS, nodes or 1, world, policy)[0]
             assert all(gpu_sets(new[i], per) == gpu_sets(ref[i], per) for i in range(LAYERS))
             assert _same(model.experts, select_experts(full, new, rank, per)), f"rank {rank} phase {phase}"
-            assert [[p.data_ptr() for w in ws for p in _parts(w)] for ws in model.experts] == storage
+            assert [[p.data_ptr() for w in ws for p in weight_parts(w)] for ws in model.experts] == storage
             assert int(model.expert_counts.abs().sum()) == 0
             received = torch.tensor([ctl.last_received])
             dist.all_reduce(received)

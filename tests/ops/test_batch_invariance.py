@@ -19,7 +19,7 @@ from deepinfer_core.ops import OpTable, all_ops, get_op
 from deepinfer_core.ops._cases import randn_fp4, randn_fp8
 from deepinfer_core.ops.modes import batch_invariant_enabled, batch_invariant_mode
 from deepinfer_core.ops.registry import is_extension
-from deepinfer_core.testing.conformance import _to_device
+from deepinfer_core.testing.compare import to_device
 from deepinfer_core.weights.quant import QuantizedTensor
 
 BATCHES = (1, 2, 3, 4, 5, 7, 8, 16, 17, 31, 33, 64, 65, 130)
@@ -243,8 +243,8 @@ def _check_rows_independent_of_the_batch(
     g = torch.Generator().manual_seed(0)
     fn = table[name]
     args, rows = make(g, max(BATCHES))
-    singles = [_to_device(_row(args, rows, i), device) for i in range(max(BATCHES))]
-    args = _to_device(args, device)
+    singles = [to_device(_row(args, rows, i), device) for i in range(max(BATCHES))]
+    args = to_device(args, device)
     with batch_invariant_mode(matmul=table["tile_matmul"]):
         alone = [_rows_of(fn(*single), 0) for single in singles]
         for b in BATCHES:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer_core.ops import moe
+from deepinfer_core.ops import moe, moe_paths
 from deepinfer_core.ops.modes import ROW_TILE, batch_invariant_mode, pad_rows, padded_len, tiled_linear
 from deepinfer_core.weights.quant import QuantizedTensor, quant_fp4
 from tests.ops.sync_check import record_host_syncs
@@ -135,8 +135,8 @@ def test_few_pairs_dequantise_only_the_routed_experts(monkeypatch):
 
 
 def test_chunked_dense_fallback_makes_no_host_sync(monkeypatch):
-    monkeypatch.setattr(moe, "_HAS_GROUPED_MM", False)
-    monkeypatch.setattr(moe, "_FALLBACK_MAX_ROWS", 100)  # 40 experts: chunks of 2 tokens
+    monkeypatch.setattr(moe_paths, "_HAS_GROUPED_MM", False)
+    monkeypatch.setattr(moe_paths, "_FALLBACK_MAX_ROWS", 100)  # 40 experts: chunks of 2 tokens
     x, ids, w, gate_up, down = _case(t=9, e=40, k=2)
     with record_host_syncs() as syncs:
         got = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
@@ -165,7 +165,7 @@ def test_tiles_in_weight_chunks_are_bitwise_one_batch(monkeypatch):
     x, ids, w, gate_up, down = _case(t=100, e=16, k=4, d=32, i=16, dup=True)
     with batch_invariant_mode():
         whole = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
-        monkeypatch.setattr(moe, "_TILE_WEIGHT_BUDGET", 1)  # one tile's weights per bmm
+        monkeypatch.setattr(moe_paths, "_TILE_WEIGHT_BUDGET", 1)  # one tile's weights per bmm
         chunked = moe.moe_experts(x, ids, w, gate_up, down, 3.0)
     assert torch.equal(whole, chunked)
 
@@ -185,9 +185,9 @@ def test_tile_bound_covers_every_routing():
 def test_grouped_mm_is_used_only_where_it_takes_device_offsets():
     f32 = torch.zeros(2, 16)
     w32 = torch.zeros(4, 16, 16), torch.zeros(4, 16, 8)
-    assert moe._grouped_mm_supported(f32, *w32) is moe._HAS_GROUPED_MM
-    assert not moe._grouped_mm_supported(f32.double(), *(a.double() for a in w32))
-    assert not moe._grouped_mm_supported(f32.bfloat16(), *w32)  # mixed dtypes
+    assert moe_paths._grouped_mm_supported(f32, *w32) is moe_paths._HAS_GROUPED_MM
+    assert not moe_paths._grouped_mm_supported(f32.double(), *(a.double() for a in w32))
+    assert not moe_paths._grouped_mm_supported(f32.bfloat16(), *w32)  # mixed dtypes
 
 
 # ---- on a CUDA device --------------------------------------------------------------------------

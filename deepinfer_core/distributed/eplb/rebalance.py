@@ -7,9 +7,9 @@ after every step.  Each step it records the MoE's per-layer per-expert token cou
 1. all-reduces the window's load over the expert-parallel group (the same step on every rank:
    the ranks of an expert-parallel run step in lockstep),
 2. computes a new placement with :func:`~.policy.rebalance_experts` (the configured policy,
-   ``num_gpus`` = the EP size) and aligns it with the current one (:func:`align_placement`:
+   ``num_gpus`` = the EP size) and aligns it with the current one (:func:`~.weight_move.align_placement`:
    the same per-GPU sets, permuted so that experts already on a rank keep their slot),
-3. moves the weights (:func:`move_expert_weights`): each rank receives the logical experts its
+3. moves the weights (:func:`~.weight_move.move_expert_weights`): each rank receives the logical experts its
    new slots need and it lacks, point to point from a current holder, and rewrites its local
    expert stacks in place (same storage, so captured device graphs keep reading them),
 4. swaps the placement (:meth:`ExpertPlacement.update`, in place as well).
@@ -32,17 +32,17 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from deepinfer_core.contract.placement import ExpertPlacement
-from deepinfer_core.weights.quant import QuantizedTensor, Weight
+from deepinfer_core.weights.quant import Weight
 
 from .policy import imbalance, rebalance_experts
 from .stats import ExpertLoadWindow
+from .weight_move import align_placement, move_expert_weights, weight_parts
 
 logger = logging.getLogger("deepinfer.eplb")
 
@@ -93,11 +93,6 @@ def step_counts(model: Any, num_layers: int, num_experts: int, device: torch.dev
     return counts
 
 
-def _parts(w: Weight) -> list[torch.Tensor]:
-    """The tensors of a weight, each with the local slots as leading dimension."""
-    return [w.data, w.scale] if isinstance(w, QuantizedTensor) else [w]
-
-
 def initial_placement(model_config: Any, ep_size: int, num_redundant: int) -> Any:
     """The placement an EPLB run loads its experts by: the default one
     (:meth:`ExpertPlacement.default`, experts in order, the redundant slots replicas of experts
@@ -105,174 +100,6 @@ def initial_placement(model_config: Any, ep_size: int, num_redundant: int) -> An
     (``n_routed_experts``)."""
     layers, experts = model_config.num_hidden_layers, model_config.n_routed_experts
     return ExpertPlacement.default(layers, experts, ep_size, num_redundant)
-
-
-# ---- placement alignment -----------------------------------------------------------------------
-def _overlap(a: list[int], b: list[int]) -> int:
-    """Size of the multiset intersection of ``a`` and ``b``."""
-    rest, n = list(b), 0
-    for x in a:
-        if x in rest:
-            rest.remove(x)
-            n += 1
-    return n
-
-
-def align_placement(old: torch.Tensor, new: torch.Tensor, num_gpus: int, num_nodes: int = 1) -> torch.Tensor:
-    """``new`` ``[L, P]`` rearranged to move as few weights as possible from ``old``, with the
-    same per-GPU multisets of experts (so the same loads and node membership).
-
-    Per layer and node, the new GPUs' expert sets are assigned to the node's old GPUs by
-    greedy largest overlap (ties: lower new GPU, then lower old GPU); then inside each GPU an
-    expert that the GPU already held keeps its old slot, the others fill the free slots in
-    ascending order.  Deterministic.
-    """
-    layers, num_phy = new.shape
-    per_gpu, gpus_per_node = num_phy // num_gpus, num_gpus // num_nodes
-    out = torch.empty_like(new)
-    for layer in range(layers):
-        o = old[layer].view(num_gpus, per_gpu).tolist()
-        n = new[layer].view(num_gpus, per_gpu).tolist()
-        for node in range(num_nodes):
-            gpus = range(node * gpus_per_node, (node + 1) * gpus_per_node)
-            pairs = sorted(
-                ((-_overlap(n[a], o[b]), a, b) for a in gpus for b in gpus), key=lambda t: (t[0], t[1], t[2])
-            )
-            target: dict[int, int] = {}
-            used: set[int] = set()
-            for _, a, b in pairs:
-                if a not in target and b not in used:
-                    target[a] = b
-                    used.add(b)
-            for a, b in target.items():
-                slots: list[int | None] = [None] * per_gpu
-                rest = list(n[a])
-                for k, e in enumerate(o[b]):
-                    if e in rest:
-                        slots[k] = e
-                        rest.remove(e)
-                rest.sort()
-                for k in range(per_gpu):
-                    if slots[k] is None:
-                        slots[k] = rest.pop(0)
-                out[layer, b * per_gpu : (b + 1) * per_gpu] = torch.tensor(slots, dtype=new.dtype)
-    return out
-
-
-# ---- the weight move ---------------------------------------------------------------------------
-def plan_layer_moves(
-    old_row: list[int], new_row: list[int], ep_size: int
-) -> dict[tuple[int, int], list[int]]:
-    """The transfers of one layer: ``{(sender, receiver): [logical experts, ascending]}``.
-
-    A rank receives each logical expert that its new slots hold and its old slots do not, once;
-    the sender is one of the expert's old holders, chosen deterministically and spread: the
-    ``i``-th receiver of an expert (by rank) gets it from holder ``i mod holders``."""
-    per = len(old_row) // ep_size
-    old_local = [set(old_row[r * per : (r + 1) * per]) for r in range(ep_size)]
-    needs = [sorted(set(new_row[r * per : (r + 1) * per]) - old_local[r]) for r in range(ep_size)]
-    moves: dict[tuple[int, int], list[int]] = {}
-    for e in sorted({e for need in needs for e in need}):
-        holders = [r for r in range(ep_size) if e in old_local[r]]
-        receivers = [r for r in range(ep_size) if e in needs[r]]
-        for i, r in enumerate(receivers):
-            moves.setdefault((holders[i % len(holders)], r), []).append(e)
-    return moves
-
-
-def _peer(group: Any, rank: int) -> int:
-    """The default-group rank of ``group``'s rank ``rank``."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return rank
-    return dist.get_global_rank(group, rank)
-
-
-def move_expert_weights(
-    old_phy2log: torch.Tensor,
-    new_phy2log: torch.Tensor,
-    local_weights: Sequence[Sequence[Weight]],
-    ep_rank: int,
-    ep_size: int,
-    group: Any = None,
-) -> int:
-    """Rewrite this rank's local expert stacks from placement ``old_phy2log`` to ``new_phy2log``
-    (both ``[L, P]``, rank ``r`` holding slots ``[r * S, (r + 1) * S)``), in place.
-
-    Every rank of the EP ``group`` calls this with the same placements.  Per layer, each rank
-    sends to each peer one byte buffer of the experts the peer lacks and this rank was chosen
-    to send (:func:`plan_layer_moves`), receives its own the same way (``batch_isend_irecv``),
-    then fills its new slots from its old slots or the received experts and copies the result
-    into the existing tensors (``QuantizedTensor`` data and scale alike).
-
-    Args:
-        local_weights: per layer, the local expert stacks (leading dimension ``S``).
-        ep_rank, ep_size: this rank in the EP group, and its size.
-        group: the EP process group (``None``: the default group).
-
-    Returns:
-        The number of experts this rank received.
-    """
-    layers, num_phy = new_phy2log.shape
-    per = num_phy // ep_size
-    if len(local_weights) != layers:
-        raise ValueError(
-            f"move_expert_weights: {len(local_weights)} layers of weights for {layers} placement layers"
-        )
-    received = 0
-    for layer in range(layers):
-        old_row, new_row = old_phy2log[layer].tolist(), new_phy2log[layer].tolist()
-        if old_row == new_row:
-            continue
-        parts = [t for w in local_weights[layer] for t in _parts(w)]
-        for t in parts:
-            if t.shape[0] != per:
-                raise ValueError(
-                    f"move_expert_weights: layer {layer} has a local expert stack of {t.shape[0]} slots, "
-                    f"the placement gives each rank {per}"
-                )
-        sizes = [t[0].numel() * t.element_size() for t in parts]
-        expert_bytes = sum(sizes)
-        old_local = old_row[ep_rank * per : (ep_rank + 1) * per]
-        new_local = new_row[ep_rank * per : (ep_rank + 1) * per]
-        moves = plan_layer_moves(old_row, new_row, ep_size)
-        ops: list[dist.P2POp] = []
-        recv_bufs: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        for (src, dst), experts in sorted(moves.items()):
-            if src == ep_rank:
-                rows = [old_local.index(e) for e in experts]
-                buf = torch.cat([_bytes(t[k]) for k in rows for t in parts])
-                ops.append(dist.P2POp(dist.isend, buf, _peer(group, dst), group))
-            elif dst == ep_rank:
-                device = parts[0].device
-                buf = torch.empty(len(experts) * expert_bytes, dtype=torch.uint8, device=device)
-                recv_bufs[src] = (buf, experts)
-                ops.append(dist.P2POp(dist.irecv, buf, _peer(group, src), group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        if old_local == new_local:
-            continue
-        incoming: dict[int, list[torch.Tensor]] = {}  # expert -> its parts, from the buffers
-        for buf, experts in recv_bufs.values():
-            offset = 0
-            for e in experts:
-                pieces = []
-                for t, size in zip(parts, sizes, strict=True):
-                    pieces.append(buf[offset : offset + size].view(t.dtype).view(t.shape[1:]))
-                    offset += size
-                incoming[e] = pieces
-        received += len(incoming)
-        for i, t in enumerate(parts):
-            fresh = torch.empty_like(t)
-            for k, e in enumerate(new_local):
-                fresh[k] = t[old_local.index(e)] if e in old_local else incoming[e][i]
-            t.copy_(fresh)
-    return received
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, flat (any dtype, float8 included, travels as uint8)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 # ---- the controller ----------------------------------------------------------------------------
@@ -347,7 +174,7 @@ class EplbController:
         weights = local_expert_weights(model)
         if len(weights) != L:
             raise ValueError(f"EPLB: the model has {len(weights)} MoE layers, the expert placement {L}")
-        device = _parts(weights[0][0])[0].device
+        device = weight_parts(weights[0][0])[0].device
         self.counts = counts if counts is not None else step_counts(model, L, E, device)
         if tuple(self.counts.shape) != (L, E):
             raise ValueError(

@@ -15,14 +15,12 @@ parse at DEBUG level on ``deepinfer.model``.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from deepinfer_core.errors import ConfigError
-from deepinfer_core.models.config_utils import eos_list, validate_config
+from deepinfer_core.models.config_utils import check_fields, check_model_type, eos_list, validate_config
 from deepinfer_core.models.registry import read_config_json
 
 SLIDING = "sliding_attention"
@@ -74,8 +72,6 @@ _LAYOUT_KEYS = frozenset(
         "rope_scaling",
     }
 )
-
-logger = logging.getLogger("deepinfer.model")
 
 DSPARK_STAGES_UNSUPPORTED = (
     "this DeepSeek-V4 checkpoint's mtp.* tensors are DSpark block-drafter stages (main_proj, "
@@ -303,15 +299,7 @@ class DeepseekV4Config(BaseModel):
 
 def _check_keys(data: dict[str, Any], source: str) -> None:
     """``model_type`` and the shape fields of ``data`` checked; its unknown keys logged."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid DeepSeek-V4 config in {source}: expected a JSON object")
-    model_type = data.get("model_type")
-    if model_type is None:
-        raise ConfigError(f"{source} has no model_type; a DeepSeek-V4 config says model_type {MODEL_TYPE!r}")
-    if model_type != MODEL_TYPE:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not a DeepSeek-V4 config (expected {MODEL_TYPE!r})"
-        )
+    check_model_type(data, source, "DeepSeek-V4", MODEL_TYPE)
     missing = [
         " or ".join(names) for names in SHAPE_FIELDS if not any(data.get(n) is not None for n in names)
     ]
@@ -320,11 +308,4 @@ def _check_keys(data: dict[str, Any], source: str) -> None:
         for kind, flat in ((CSA, "compress_rate_csa"), (HCA, "compress_rate_hca")):
             if kind in data["layer_types"] and rates.get(kind) is None and data.get(flat) is None:
                 missing.append(f"compress_rates[{kind!r}] or {flat}")
-    if missing:
-        raise ConfigError(
-            f"invalid DeepSeek-V4 config in {source}: missing {', '.join(missing)} "
-            "(fields that decide the model's shapes have no default)"
-        )
-    unknown = sorted(k for k in data if k not in DeepseekV4Config.model_fields and k not in _LAYOUT_KEYS)
-    if unknown:
-        logger.debug("%s: keys a DeepSeek-V4 config does not use, ignored: %s", source, ", ".join(unknown))
+    check_fields(data, source, "DeepSeek-V4", missing, DeepseekV4Config.model_fields.keys() | _LAYOUT_KEYS)

@@ -63,7 +63,7 @@ LocalExperts = Mapping[int, Sequence[int]]
 :class:`~deepinfer_core.contract.placement.ExpertPlacement`'s ``local_logical``)."""
 
 
-def _read(
+def read_param(
     src: TensorSource,
     name: str,
     scale_name: str | None,
@@ -187,7 +187,7 @@ def load_checkpoint(
     (from the shards' headers) are checked before any tensor data is read
     (:func:`check_checkpoint`).
     """
-    keep = _keep_formats(keep_quantized)
+    keep = keep_formats(keep_quantized)
     specs = parameter_specs(cfg)
     local = _check_local_experts(local_experts, specs) if local_experts is not None else None
     plan, shard_of = checked_plan(model_dir, cfg, specs)
@@ -219,7 +219,7 @@ def load_mtp_checkpoint(
     tensors of layer 0, naming them (native spelling); :class:`WeightLoadError` for unexpected,
     mis-shaped or mistyped ones.
     """
-    keep = _keep_formats(keep_quantized)
+    keep = keep_formats(keep_quantized)
     plan, shard_of, specs = checked_mtp_plan(model_dir, cfg)
     result = _read_plan(plan, shard_of, specs, cfg, dtype, device, keep)
     return {name: result[name] for name in specs if name in result}
@@ -274,7 +274,7 @@ def _read_plan(
                     spec, rows = specs[hf], local.get(plan.direct[name])
                     if rows is not None:  # an HF expert stack: this rank's experts only
                         spec = _local_spec(spec, len(rows))
-                    t = _read(src, name, plan.scales.get(name), spec, block, keep, rows, device)
+                    t = read_param(src, name, plan.scales.get(name), spec, block, keep, rows, device)
                     check_shape(t.shape, spec.shape, f"tensor {name!r} (model parameter {hf})", path)
                     if isinstance(t, QuantizedTensor):
                         result[hf] = t.to(device)
@@ -288,16 +288,18 @@ def _read_plan(
                         if not slots:
                             continue  # another rank's expert: not read
                         spec = _local_spec(spec, len(local[sl.hf_name]))
-                    t = _read(src, name, plan.scales.get(name), spec, block, keep, device=device)
+                    t = read_param(src, name, plan.scales.get(name), spec, block, keep, device=device)
                     check_shape(t.shape, expert_slice_shape(spec, sl.part), f"expert tensor {name!r}", path)
                     if sl.hf_name not in result:
-                        result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
+                        result[sl.hf_name] = empty_stack(t, spec, dtype, device)
                     for slot in slots:
-                        _put_expert(result[sl.hf_name], sl, t, name, path, slot)
+                        put_expert(result[sl.hf_name], sl, t, name, path, slot)
     return result
 
 
-def _keep_formats(keep_quantized: bool | Collection[str]) -> frozenset[str]:
+def keep_formats(keep_quantized: bool | Collection[str]) -> frozenset[str]:
+    """The weight formats a load keeps quantised: all of them (``True``), none (``False``) or the
+    ones named; an unknown name is a :class:`ValueError`."""
     if isinstance(keep_quantized, bool):
         return frozenset(QUANTIZED_FORMATS if keep_quantized else ())
     formats = frozenset(keep_quantized)
@@ -307,7 +309,7 @@ def _keep_formats(keep_quantized: bool | Collection[str]) -> frozenset[str]:
     return formats
 
 
-def _empty_stack(first: Weight, spec: ParamSpec, dtype: torch.dtype, device: str | torch.device) -> Weight:
+def empty_stack(first: Weight, spec: ParamSpec, dtype: torch.dtype, device: str | torch.device) -> Weight:
     """The ``[E, out, in]`` stack an expert tensor goes into: plain in the target dtype, or (for a
     kept FP4 slice) packed bytes and scales of the slice's format."""
     if not isinstance(first, QuantizedTensor):
@@ -319,7 +321,7 @@ def _empty_stack(first: Weight, spec: ParamSpec, dtype: torch.dtype, device: str
     return QuantizedTensor(data, scale, first.fmt, first.block)
 
 
-def _put_expert(
+def put_expert(
     stack: Weight, sl: ExpertSlice, t: Weight, name: str, path: Path, slot: int | None = None
 ) -> None:
     """Copy expert slice ``t`` into its rows of ``stack``'s slot ``slot`` (default: its expert's)."""

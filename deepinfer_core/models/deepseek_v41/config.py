@@ -10,7 +10,7 @@ into it, and ignores the vision part (one INFO line: the vision tower is not ser
 Field names are transformers' ``DeepseekV41TextConfig`` (transformers main), which mirrors the
 released ``text_config`` but for one key: the release's ``engram_pad_token_id`` is read as
 ``engram_pad_id`` (both given and different: an error).  Every field that decides a tensor or
-cache shape is required (:data:`SHAPE_FIELDS`, plus the engram sizes when ``engram_layer_ids``
+cache shape is required (:data:`~.config_layout.SHAPE_FIELDS`, plus the engram sizes when ``engram_layer_ids``
 is not empty); a missing one is an error naming it and the file.  The numeric constants keep
 the released defaults.  Keys this config does not know are accepted and listed once per parse
 at DEBUG level on the ``deepinfer.model`` logger.
@@ -22,7 +22,6 @@ compressed layer of a group has its source's ratio); see :meth:`DeepseekV41Confi
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
@@ -31,85 +30,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.config_utils import eos_list, validate_config
 from deepinfer_core.models.deepseek_v4.config import RopeParams
 
-MODEL_TYPE = "deepseek_v41"
-TEXT_MODEL_TYPE = "deepseek_v41_text"
-
-SHAPE_FIELDS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "moe_intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "head_dim",
-    "q_lora_rank",
-    "qk_rope_head_dim",
-    "o_groups",
-    "o_lora_rank",
-    "n_routed_experts",
-    "n_shared_experts",
-    "num_experts_per_tok",
-    "hc_mult",
-    "sliding_window",
-    "compress_ratios",
-    "kv_source_layer_ids",
-    "index_source_layer_ids",
-    "index_n_heads",
-    "index_head_dim",
-    "index_topk",
-    "engram_layer_ids",
-)
-"""Text-config fields without a default: they decide tensor or cache shapes (which layers own a
-compressor, an indexer or an engram table).  With a non-empty ``engram_layer_ids`` the
-:data:`ENGRAM_SHAPE_FIELDS` are required too."""
-
-ENGRAM_SHAPE_FIELDS: tuple[str, ...] = (
-    "engram_num_embeddings",
-    "engram_max_ngram_size",
-    "engram_n_heads",
-    "engram_head_dim",
-)
-
-# keys consumed by the normalisation, and transformers' bookkeeping: known, not listed as unknown
-_LAYOUT_KEYS = frozenset(
-    {
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "rope_parameters",
-        "rope_scaling",
-        "layer_types",  # derived by transformers from kv_source_layer_ids; recomputed here
-        "engram_pad_token_id",  # the released config's name of engram_pad_id
-        "attribute_map",
-        "use_cache",
-        "initializer_range",
-        "attention_bias",
-        "attention_dropout",
-        "output_router_logits",
-        "router_aux_loss_coef",
-        "router_jitter_noise",
-        "keys_to_ignore_at_inference",
-    }
-)
-# keys of the wrapper config (model_type deepseek_v41) besides text_config / vision_config
-_WRAPPER_KEYS = frozenset(
-    {
-        "model_type",
-        "text_config",
-        "vision_config",
-        "quantization_config",
-        "image_token_id",
-        "tie_word_embeddings",
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-    }
-)
-
-logger = logging.getLogger("deepinfer.model")
+from .config_layout import LABEL, MODEL_TYPE, check_text_keys, unwrap_text_config
 
 
 class QuantizationConfig(BaseModel):
@@ -413,67 +334,10 @@ class DeepseekV41Config(BaseModel):
         """Parse and validate; raise :class:`ConfigError` naming ``source`` and the bad field.
 
         ``data`` is the released wrapper (``model_type: deepseek_v41`` with ``text_config``) or a
-        bare text config (``deepseek_v41_text``).  Every :data:`SHAPE_FIELDS` entry must be present;
-        unknown keys are listed at DEBUG level; a ``vision_config`` is ignored with one INFO line.
+        bare text config (``deepseek_v41_text``).  Every :data:`~.config_layout.SHAPE_FIELDS` entry
+        must be present; unknown keys are listed at DEBUG level; a ``vision_config`` is ignored
+        with one INFO line.
         """
-        text = _unwrap(data, source)
-        _check_keys(text, source)
-        return validate_config(cls, text, source, "DeepSeek-V4.1")
-
-
-def _unwrap(data: Any, source: str) -> dict[str, Any]:
-    """The text config of ``data`` with the wrapper's quantisation config and token ids merged in."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid DeepSeek-V4.1 config in {source}: expected a JSON object")
-    model_type = data.get("model_type")
-    if model_type is None:
-        raise ConfigError(
-            f"{source} has no model_type; a DeepSeek-V4.1 config says model_type {MODEL_TYPE!r}"
-        )
-    if model_type == TEXT_MODEL_TYPE:
-        return dict(data)
-    if model_type != MODEL_TYPE:
-        raise ConfigError(
-            f"{source}: model_type {model_type!r} is not a DeepSeek-V4.1 config (expected {MODEL_TYPE!r})"
-        )
-    text = data.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(
-            f"invalid DeepSeek-V4.1 config in {source}: missing text_config (the text backbone's config)"
-        )
-    inner = text.get("model_type", TEXT_MODEL_TYPE)
-    if inner != TEXT_MODEL_TYPE:
-        raise ConfigError(
-            f"invalid DeepSeek-V4.1 config in {source}: text_config.model_type is {inner!r}, expected "
-            f"{TEXT_MODEL_TYPE!r}"
-        )
-    if data.get("vision_config") is not None:
-        logger.info("%s: vision_config ignored (DeepInfer serves the text backbone only)", source)
-    unknown = sorted(k for k in data if k not in _WRAPPER_KEYS)
-    if unknown:
-        logger.debug(
-            "%s: top-level keys a DeepSeek-V4.1 config does not use, ignored: %s", source, ", ".join(unknown)
-        )
-    merged = dict(text)
-    for key in ("quantization_config", "image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
-        if data.get(key) is not None and merged.get(key) is None:
-            merged[key] = data[key]
-    if merged.get("torch_dtype") is None and merged.get("dtype") is None:
-        merged["torch_dtype"] = data.get("torch_dtype") or data.get("dtype")
-    merged["model_type"] = MODEL_TYPE
-    return merged
-
-
-def _check_keys(data: dict[str, Any], source: str) -> None:
-    """The shape fields of the text config checked; its unknown keys logged."""
-    missing = [n for n in SHAPE_FIELDS if data.get(n) is None]
-    if data.get("engram_layer_ids"):
-        missing += [n for n in ENGRAM_SHAPE_FIELDS if data.get(n) is None]
-    if missing:
-        raise ConfigError(
-            f"invalid DeepSeek-V4.1 config in {source}: missing {', '.join(missing)} "
-            "(fields that decide the model's shapes have no default)"
-        )
-    unknown = sorted(k for k in data if k not in DeepseekV41Config.model_fields and k not in _LAYOUT_KEYS)
-    if unknown:
-        logger.debug("%s: keys a DeepSeek-V4.1 config does not use, ignored: %s", source, ", ".join(unknown))
+        text = unwrap_text_config(data, source)
+        check_text_keys(text, source, cls.model_fields)
+        return validate_config(cls, text, source, LABEL)

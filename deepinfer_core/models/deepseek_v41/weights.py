@@ -32,7 +32,7 @@ import torch
 
 from deepinfer_core.errors import ConfigError, WeightLoadError
 from deepinfer_core.models.deepseek_v4.checkpoint_plan import check_shape, check_stored_shapes
-from deepinfer_core.models.deepseek_v4.loader import _empty_stack, _keep_formats, _put_expert, _read
+from deepinfer_core.models.deepseek_v4.loader import empty_stack, keep_formats, put_expert, read_param
 from deepinfer_core.models.deepseek_v4.names import ExpertSlice, scale_owner
 from deepinfer_core.weights.host_mapped import device_view_of_host
 from deepinfer_core.weights.quant import DEFAULT_FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor, Weight
@@ -187,7 +187,7 @@ def load_weights(
     """
     specs = parameter_specs(cfg)
     plan = _checked(model_dir, cfg, specs)
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    result = _read_plan(plan, specs, cfg, dtype, device, keep_formats(keep_quantized))
     if "head.weight" not in result and cfg.tie_word_embeddings:
         result["head.weight"] = result["embed.weight"]
     return {name: result[name] for name in specs}
@@ -244,7 +244,7 @@ def load_dspark_weights(
     optional = dspark_optional(cfg)
     for name in sorted(optional - set(plan.seen)):
         logger.info("%s: no %s: the DSpark drafter runs without its confidence head", model_dir, name)
-    result = _read_plan(plan, specs, cfg, dtype, device, _keep_formats(keep_quantized))
+    result = _read_plan(plan, specs, cfg, dtype, device, keep_formats(keep_quantized))
     return {name: result[name] for name in specs if name in result}
 
 
@@ -380,7 +380,7 @@ def _read_plan(
                     if spec.kind == "engram_table":
                         result[target] = _engram_table(src, name, scales.get(name), spec, path, dtype, device)
                         continue
-                    t = _read(src, name, scales.get(name), spec, block, keep, device=device)
+                    t = read_param(src, name, scales.get(name), spec, block, keep, device=device)
                     check_shape(t.shape, spec.shape, f"tensor {name!r}", path)
                     if isinstance(t, QuantizedTensor):
                         result[target] = t.to(device)
@@ -389,11 +389,11 @@ def _read_plan(
                 elif name in plan.experts:
                     sl = plan.experts[name]
                     spec = specs[sl.hf_name]
-                    t = _read(src, name, scales.get(name), spec, block, keep, device=device)
+                    t = read_param(src, name, scales.get(name), spec, block, keep, device=device)
                     _, rows, cols = spec.shape
                     want = (rows // 2, cols) if sl.part in ("gate", "up") else (rows, cols)
                     check_shape(t.shape, want, f"expert tensor {name!r}", path)
                     if sl.hf_name not in result:
-                        result[sl.hf_name] = _empty_stack(t, spec, dtype, device)
-                    _put_expert(result[sl.hf_name], sl, t, name, path)
+                        result[sl.hf_name] = empty_stack(t, spec, dtype, device)
+                    put_expert(result[sl.hf_name], sl, t, name, path)
     return result

@@ -36,13 +36,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from cuda_sm100_checks import compile_problem, failed_rows
-
-HERE = Path(__file__).resolve()
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[triton]'")
 
@@ -75,7 +72,7 @@ def _moved_conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dic
 
     from deepinfer_core.ops.modes import batch_invariant_mode
     from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, get_op
-    from deepinfer_core.testing.conformance import compare
+    from deepinfer_core.testing.compare import compare
 
     rows = []
     for op, impl in attention_ops().items():
@@ -441,13 +438,6 @@ def _fp8_case_count(shapes) -> dict[str, int]:
 
 
 slow = pytest.mark.slow  # they read the report of a fresh interpreter running the kernels (~30 s)
-
-
-@pytest.fixture(scope="module")
-def report() -> dict:
-    from cuda_sm100_checks import interpreter_report
-
-    return interpreter_report(HERE)
 
 
 @slow

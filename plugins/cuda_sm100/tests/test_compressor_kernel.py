@@ -22,13 +22,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from cuda_sm100_checks import failed_rows
-
-HERE = Path(__file__).resolve()
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -142,13 +139,6 @@ def interpreter_report() -> dict:
 
 
 slow = pytest.mark.slow  # they read the report of a fresh interpreter running the kernel (~5 s)
-
-
-@pytest.fixture(scope="module")
-def report() -> dict:
-    from cuda_sm100_checks import interpreter_report
-
-    return interpreter_report(HERE)
 
 
 @slow

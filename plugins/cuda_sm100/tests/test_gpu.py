@@ -13,7 +13,7 @@ from deepinfer_cuda_sm100.ops import FUSED_OPS, PLAIN_WEIGHT_REFUSAL, PROVIDED_O
 
 from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, get_op
 from deepinfer_core.testing import check_backend
-from deepinfer_core.testing.conformance import compare
+from deepinfer_core.testing.compare import compare
 
 pytestmark = pytest.mark.gpu
 

@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from cuda_sm100_checks import failed_rows
-
-HERE = Path(__file__).resolve()
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -82,13 +79,6 @@ def interpreter_report() -> dict:
             for p in invariance_problems("cpu", dt, 72, 40, (1, 2, 3))
         ],
     }
-
-
-@pytest.fixture(scope="module")
-def report() -> dict:
-    from cuda_sm100_checks import interpreter_report as run_child
-
-    return run_child(HERE)
 
 
 @pytest.mark.slow

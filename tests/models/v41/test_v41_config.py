@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from deepinfer_core.errors import ConfigError
-from deepinfer_core.models.deepseek_v41.config import SHAPE_FIELDS, DeepseekV41Config
+from deepinfer_core.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer_core.models.deepseek_v41.config_layout import SHAPE_FIELDS
 from deepinfer_core.models.deepseek_v41.family import FAMILY, replay_tail
 from deepinfer_core.models.deepseek_v41.tiny import TINY_CONFIG, tiny_config
 
