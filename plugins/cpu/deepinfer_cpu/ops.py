@@ -1,8 +1,9 @@
 """The ``cpu`` backend's op implementations: thin wrappers over the C++ kernels
 (``csrc/kernels.cpp``) with the reference signatures, and their ``supports`` predicates.
 
-The kernels take float32 CPU tensors; any other dtype or device is refused with the reason,
-so the engine runs that call on the reference."""
+The kernels take float32 CPU tensors and plain tensor pools; any other dtype or device, and a
+packed pool (``kv_cache_dtype="fp8"``), is refused with the reason, so the engine runs that call
+on the reference."""
 
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def _index_args(index: torch.Tensor | PagedIndex) -> tuple:
 
 
 def _index_refusal(name: str, index) -> bool | str:
-    tensors = (index.block_table, index.token_rows, index.counts) if isinstance(index, PagedIndex) else (index,)
+    tensors = (
+        (index.block_table, index.token_rows, index.counts) if isinstance(index, PagedIndex) else (index,)
+    )
     for t in tensors:
         if t.dtype != torch.int64 or t.device.type != "cpu":
             return f"{name} is {t.dtype} on {t.device.type}: the cpu kernels take int64 CPU indices"
@@ -136,7 +139,7 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
         return _refusal({"q": q, "weights": weights})
 
     # The other core ops: the reference is this backend's implementation (plain PyTorch is
-    # already fast for them on CPU: GEMMs, gathers), listed so that the engine does not warn
+    # already fast for them on CPU: GEMMs, embedding, MoE), listed so that the engine does not warn
     # about ops the backend leaves out.
     delegated = {
         name: OpImpl(fn=spec.reference)
