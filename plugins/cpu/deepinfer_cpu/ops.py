@@ -33,7 +33,7 @@ _NO_INDEX = torch.empty(0, dtype=torch.int64)
 def _refusal(tensors: dict[str, torch.Tensor | None]) -> bool | str:
     """``True`` when every given tensor is float32 on the CPU, else the reason naming one."""
     for name, t in tensors.items():
-        if t is not None and (t.dtype != F32 or t.device.type != "cpu"):
+        if t is not None and (t.dtype is not F32 or not t.is_cpu):
             return f"{name} is {t.dtype} on {t.device.type}: the cpu kernels take float32 CPU tensors"
     return True
 

@@ -329,6 +329,16 @@ float dot(const float* a, const float* b, int64_t k) {
   return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+// o[0..d) += p * v[0..d) (elementwise: the same bits as the scalar loop).
+void axpy(float* __restrict__ o, float p, const float* __restrict__ v, int64_t d) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) {
+    const v8 r = load8(o + e) + p * load8(v + e);
+    std::memcpy(o + e, &r, sizeof r);
+  }
+  for (; e < d; ++e) o[e] += p * v[e];
+}
+
 void check_i64(const Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kLong && t.device().is_cpu(), name, " must be an int64 CPU tensor");
 }
@@ -458,11 +468,7 @@ Tensor sparse_attention(const Tensor& q_in, const std::vector<Tensor>& pools, co
       for (int64_t j = 0; j < k; ++j) total += (logits[j] = std::exp(logits[j] - mx));
       total += std::exp(sp[hh] - mx);
       float* o = op + (tok * h + hh) * d;
-      for (int64_t j = 0; j < k; ++j) {
-        const float p = logits[j] / total;
-        const float* v = keys[j];
-        for (int64_t e = 0; e < d; ++e) o[e] += p * v[e];
-      }
+      for (int64_t j = 0; j < k; ++j) axpy(o, logits[j] / total, keys[j], d);
     }
   }
   return out;
@@ -533,7 +539,7 @@ Tensor compress_entries(const Tensor& kv_in, const Tensor& gate_in, const Tensor
   const int64_t* dp = dest.data_ptr<int64_t>();
   float* pp = pool.data_ptr<float>();
   const float rs = static_cast<float>(rope_scale);
-  std::vector<float> mx(d), total(d), pooled(d), entry(d);
+  std::vector<float> mx(d), total(d), pooled(d), entry(d), ex(l * d);
   for (int64_t w = 0; w < m; ++w) {
     TORCH_CHECK(dp[w] >= 0 && dp[w] < n, "dest row ", dp[w], " is outside a pool of ", n, " rows");
     const float* g = gp + w * l * d;
@@ -543,10 +549,10 @@ Tensor compress_entries(const Tensor& kv_in, const Tensor& gate_in, const Tensor
       for (int64_t e = 0; e < d; ++e) mx[e] = std::max(mx[e], g[r * d + e]);
     for (int64_t e = 0; e < d; ++e) total[e] = 0.0f;
     for (int64_t r = 0; r < l; ++r)
-      for (int64_t e = 0; e < d; ++e) total[e] += std::exp(g[r * d + e] - mx[e]);
+      for (int64_t e = 0; e < d; ++e) total[e] += (ex[r * d + e] = std::exp(g[r * d + e] - mx[e]));
     for (int64_t e = 0; e < d; ++e) pooled[e] = 0.0f;
     for (int64_t r = 0; r < l; ++r)
-      for (int64_t e = 0; e < d; ++e) pooled[e] += x[r * d + e] * (std::exp(g[r * d + e] - mx[e]) / total[e]);
+      for (int64_t e = 0; e < d; ++e) pooled[e] += x[r * d + e] * (ex[r * d + e] / total[e]);
     const float f = inv_rms(pooled.data(), d, eps);
     for (int64_t e = 0; e < d; ++e) entry[e] = (pooled[e] * f) * wp[e];
     float* o = pp + dp[w] * pool.stride(0);
