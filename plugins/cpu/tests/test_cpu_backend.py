@@ -169,3 +169,27 @@ def test_batch_invariant_mode_gives_the_references_results(name, cpu_ops):
         else:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert reordered or name != "indexer_topk"
+
+
+@needs_backend
+@pytest.mark.slow
+def test_batch_invariant_engine_logprobs_identical_alone_batched_and_chunked():
+    """``batch_invariant=True`` on the ``cpu`` backend (its kernels under ``strict_ops``): a
+    request's tokens and logprobs are bitwise the same alone, beside 7 others, and with its
+    prompt in other chunks (the indexer's top-k is active: 50 tokens > 4 x 4 entries)."""
+    from deepinfer_core import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(4, 500, (n,), generator=g).tolist()  # noqa: E731
+    target = {"prompt_token_ids": ids(50)}
+    others = [{"prompt_token_ids": ids(10 + 13 * j)} for j in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    outs = []
+    for budget, batch in ((64, [target]), (16, [*others[:3], target, *others[3:]])):
+        llm = LLM(backend="cpu", batch_invariant=True, strict_ops=True, max_num_batched_tokens=budget)
+        assert llm.engine.backend.name == "cpu"
+        results = llm.generate(batch, params, use_tqdm=False)
+        outs.append(results[batch.index(target)].outputs[0])
+    alone, batched = outs
+    assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 8
+    assert alone.logprobs is not None and alone.logprobs == batched.logprobs  # exact floats
