@@ -115,6 +115,8 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
         return ext.apply_rope(x, cos, sin)
 
     def apply_rope_supports(x, cos, sin):
+        if x.dim() not in (2, 3):
+            return f"x has {x.dim()} dimensions: the cpu kernel rotates [T, D] or [T, H, D]"
         return _refusal({"x": x, "cos": cos, "sin": sin})
 
     def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest):

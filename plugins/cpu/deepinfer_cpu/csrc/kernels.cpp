@@ -585,7 +585,7 @@ Tensor indexer_topk(const Tensor& q_in, const Tensor& weights_in, const Tensor& 
   TORCH_CHECK(weights.dim() == 2 && weights.size(0) == t && weights.size(1) == h, "weights must be [T, H]");
   const Source src(keys_in, rows, table, token_rows, counts, epp, max_count, t, d);
   const int64_t c = epp == 0 ? src.width : max_count;
-  const int64_t kk = std::min(k, c);
+  const int64_t kk = std::max<int64_t>(0, std::min(k, c));
   Tensor out = at::empty({t, kk}, q.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const float* qp = q.data_ptr<float>();
