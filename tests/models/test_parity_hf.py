@@ -52,6 +52,29 @@ def test_full_prompt_logits_match_hf(hf_case, chunk):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_full_prompt_logits_match_hf_on_the_cpu_backend(hf_case):
+    """The ``cpu`` backend's kernels (where its plugin is installed and can build them), in
+    place of the reference ops, stay within the same tolerance of HF."""
+    from deepinfer_core.plugins import get_plugins
+    from deepinfer_core.testing.availability import backend_unavailable_reason
+
+    if (reason := backend_unavailable_reason("cpu")) is not None:
+        pytest.skip(reason)
+    name, model, path = hf_case
+    ops = OpTable(get_plugins().get_backend("cpu").load_ops(), backend="cpu", strict=True)
+    cfg = EngineConfig(
+        model=str(path), dtype="float32", max_num_seqs=4, page_size=16 if name != "all_types" else 32
+    )
+    runner = ModelRunner.load(path, cfg, ops)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 300, (83,), generator=g).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    ours = _prompt_logits(runner, ids, 7)  # chunks of 7: prefill and decode-like steps
+    torch.testing.assert_close(ours, ref, atol=LOGIT_ATOL, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 def test_batched_chunks_of_different_requests_match_hf(hf_case):
     """Several requests in one flat batch, at different offsets, each equals its own HF run."""
     name, model, path = hf_case

@@ -1,8 +1,9 @@
 """The ``cpu`` backend's op implementations: thin wrappers over the C++ kernels
 (``csrc/kernels.cpp``) with the reference signatures, and their ``supports`` predicates.
 
-The kernels take float32 CPU tensors; any other dtype or device is refused with the reason,
-so the engine runs that call on the reference."""
+The kernels take float32 CPU tensors and plain tensor pools; any other dtype or device, and a
+packed pool (``kv_cache_dtype="fp8"``), is refused with the reason, so the engine runs that call
+on the reference."""
 
 from __future__ import annotations
 
@@ -11,17 +12,62 @@ from types import ModuleType
 import torch
 
 from deepinfer_core.ops import OpImpl, all_ops
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_core.ops.registry import is_extension
 
 F32 = torch.float32
-PROVIDED_OPS = ("rms_norm", "hc_pre", "hc_post", "hc_head")
+PROVIDED_OPS = (
+    "rms_norm",
+    "hc_pre",
+    "hc_post",
+    "hc_head",
+    "sparse_attention",
+    "apply_rope",
+    "compress_entries",
+    "indexer_topk",
+)
+_NO_INDEX = torch.empty(0, dtype=torch.int64)
 
 
 def _refusal(tensors: dict[str, torch.Tensor | None]) -> bool | str:
     """``True`` when every given tensor is float32 on the CPU, else the reason naming one."""
     for name, t in tensors.items():
-        if t is not None and (t.dtype != F32 or t.device.type != "cpu"):
+        if t is not None and (t.dtype is not F32 or not t.is_cpu):
             return f"{name} is {t.dtype} on {t.device.type}: the cpu kernels take float32 CPU tensors"
+    return True
+
+
+def _pool_refusal(name: str, pool) -> bool | str:
+    """``True`` for a plain float32 CPU tensor pool, else the reason (packed pools are refused)."""
+    if not isinstance(pool, torch.Tensor):
+        return f"{name} is a {type(pool).__name__}: the cpu kernels read plain float32 tensor pools"
+    return _refusal({name: pool})
+
+
+def _index_args(index: torch.Tensor | PagedIndex) -> tuple:
+    """``(rows, block_table, token_rows, counts, entries_per_page, max_count)`` of a source's
+    index for the kernels: explicit rows with empty paged fields (``entries_per_page=0``), or
+    the paged fields with empty rows."""
+    if isinstance(index, PagedIndex):
+        return (
+            _NO_INDEX,
+            index.block_table,
+            index.token_rows,
+            index.counts,
+            index.entries_per_page,
+            index.max_count,
+        )
+    return index, _NO_INDEX, _NO_INDEX, _NO_INDEX, 0, 0
+
+
+def _index_refusal(name: str, index) -> bool | str:
+    tensors = (
+        (index.block_table, index.token_rows, index.counts) if isinstance(index, PagedIndex) else (index,)
+    )
+    for t in tensors:
+        if t.dtype != torch.int64 or t.device.type != "cpu":
+            return f"{name} is {t.dtype} on {t.device.type}: the cpu kernels take int64 CPU indices"
     return True
 
 
@@ -54,8 +100,48 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
     def hc_head_supports(streams, fn, base, scale, norm_eps, hc_eps):
         return _refusal({"streams": streams, "fn": fn, "base": base, "scale": scale})
 
+    def sparse_attention(q, kv_pools, indices, sinks, scale):
+        fields = list(zip(*(_index_args(i) for i in indices), strict=True)) or [()] * 6
+        return ext.sparse_attention(q, list(kv_pools), *(list(f) for f in fields), sinks, scale)
+
+    def sparse_attention_supports(q, kv_pools, indices, sinks, scale):
+        for i, (pool, index) in enumerate(zip(kv_pools, indices, strict=True)):
+            for verdict in (_pool_refusal(f"kv_pools[{i}]", pool), _index_refusal(f"indices[{i}]", index)):
+                if verdict is not True:
+                    return verdict
+        return _refusal({"q": q, "sinks": sinks})
+
+    def apply_rope(x, cos, sin):
+        return ext.apply_rope(x, cos, sin)
+
+    def apply_rope_supports(x, cos, sin):
+        if x.dim() not in (2, 3):
+            return f"x has {x.dim()} dimensions: the cpu kernel rotates [T, D] or [T, H, D]"
+        return _refusal({"x": x, "cos": cos, "sin": sin})
+
+    def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest):
+        return ext.compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest)
+
+    def compress_entries_supports(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest):
+        verdict = _pool_refusal("pool", pool)
+        if verdict is not True:
+            return verdict
+        if pool.dim() != 2 or pool.stride(1) != 1:
+            return f"pool has strides {pool.stride()}: the cpu kernel writes [N, D] rows of contiguous values"
+        return _refusal({"kv": kv, "gate": gate, "norm_weight": norm_weight, "inv_freq": inv_freq})
+
+    def indexer_topk(q, weights, key_pool, candidates, k, scale):
+        args = _index_args(candidates)
+        return ext.indexer_topk(q, weights, key_pool, *args, k, scale, batch_invariant_enabled())
+
+    def indexer_topk_supports(q, weights, key_pool, candidates, k, scale):
+        for verdict in (_pool_refusal("key_pool", key_pool), _index_refusal("candidates", candidates)):
+            if verdict is not True:
+                return verdict
+        return _refusal({"q": q, "weights": weights})
+
     # The other core ops: the reference is this backend's implementation (plain PyTorch is
-    # already fast for them on CPU: GEMMs, gathers), listed so that the engine does not warn
+    # already fast for them on CPU: GEMMs, embedding, MoE), listed so that the engine does not warn
     # about ops the backend leaves out.
     delegated = {
         name: OpImpl(fn=spec.reference)
@@ -67,4 +153,8 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
         "hc_pre": OpImpl(fn=hc_pre, supports=hc_pre_supports),
         "hc_post": OpImpl(fn=hc_post, supports=hc_post_supports),
         "hc_head": OpImpl(fn=hc_head, supports=hc_head_supports),
+        "sparse_attention": OpImpl(fn=sparse_attention, supports=sparse_attention_supports),
+        "apply_rope": OpImpl(fn=apply_rope, supports=apply_rope_supports),
+        "compress_entries": OpImpl(fn=compress_entries, supports=compress_entries_supports),
+        "indexer_topk": OpImpl(fn=indexer_topk, supports=indexer_topk_supports),
     }

@@ -20,9 +20,9 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=False,
-            # the kernels loop token by token (tests/test_cpu_batch_invariance.py checks each
+            # the kernels loop token by token (tests/ops/test_batch_invariance.py checks each
             # bitwise); the ops left to the reference are batch invariant on CPU
             batch_invariant_devices=("cpu",),
-            description="CPU: fused float32 C++ kernels for the mHC and RMS-norm ops",
+            description="CPU: fused float32 C++ kernels (mHC, norm, rope, attention, compressor, indexer)",
         )
     )

@@ -11,6 +11,8 @@ from deepinfer_cpu.ops import PROVIDED_OPS
 
 from deepinfer_core.backends import resolve_backend
 from deepinfer_core.ops import OpTable, get_op
+from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_core.ops.modes import batch_invariant_mode
 from deepinfer_core.plugins import get_plugins
 from deepinfer_core.testing import conformance_cases, manager_with_plugin
 from deepinfer_core.testing.availability import backend_unavailable_reason
@@ -118,3 +120,76 @@ def test_greedy_tokens_equal_the_reference_backends_on_the_tiny_model():
         ]
     assert tokens["cpu"] == tokens["reference"]
     assert len({len(t) for t in tokens["cpu"]}) == 1 and len(tokens["cpu"][0]) == 24
+
+
+def _packed_cases() -> dict[str, tuple[tuple, str]]:
+    """Per pool-reading op, a float32 call whose pool is packed (``kv_cache_dtype="fp8"``), and
+    the pool's class name the refusal must give."""
+    g = torch.Generator().manual_seed(0)
+    attn = get_op("sparse_attention").sample_cases(g, torch.float32)[2][0]  # an Fp8KVPool ring
+    topk = get_op("indexer_topk").sample_cases(g, torch.float32)[2][0]  # V4.1's MXFP4 keys
+    entries = list(get_op("compress_entries").sample_cases(g, torch.float32)[0][0])
+    entries[7] = Fp8KVPool.zeros(entries[7].shape[0], entries[7].shape[1], 8, torch.device("cpu"))
+    return {
+        "sparse_attention": (attn, "Fp8KVPool"),
+        "indexer_topk": (topk, "BlockScaledKVPool"),
+        "compress_entries": (tuple(entries), "Fp8KVPool"),
+    }
+
+
+@needs_backend
+@pytest.mark.parametrize("name", ["sparse_attention", "indexer_topk", "compress_entries"])
+def test_packed_pools_are_refused_and_run_on_the_reference(name, cpu_ops):
+    args, pool_class = _packed_cases()[name]
+    verdict = cpu_ops[name].supports(*args)
+    assert isinstance(verdict, str) and pool_class in verdict and "plain float32 tensor pools" in verdict
+    table = OpTable({name: cpu_ops[name]}, backend="cpu")
+    got = table[name](*args)
+    want = get_op(name).reference(*args)
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want)
+    else:  # the packed pool itself, written in place by both: the same bytes
+        assert got is args[7]
+
+
+@needs_backend
+@pytest.mark.parametrize("name", [pytest.param("sparse_attention", marks=pytest.mark.slow), "indexer_topk"])
+def test_batch_invariant_mode_gives_the_references_results(name, cpu_ops):
+    """In the mode the kernels run too (a query's result depends only on its valid keys /
+    candidates, in order): attention within the fp32 tolerance of the reference's blocked
+    online softmax, the indexer's picks equal to the reference's, in candidate column order."""
+    table = OpTable(cpu_ops, backend="cpu", strict=True)
+    reordered = False
+    for args, kwargs in OWN_CASES[name](torch.Generator().manual_seed(3), torch.float32):
+        with batch_invariant_mode():
+            got, want = table[name](*args, **kwargs), get_op(name).reference(*args, **kwargs)
+        if name == "indexer_topk":
+            assert torch.equal(got, want)
+            reordered |= not torch.equal(got, table[name](*args, **kwargs))  # best-first outside
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert reordered or name != "indexer_topk"
+
+
+@needs_backend
+@pytest.mark.slow
+def test_batch_invariant_engine_logprobs_identical_alone_batched_and_chunked():
+    """``batch_invariant=True`` on the ``cpu`` backend (its kernels under ``strict_ops``): a
+    request's tokens and logprobs are bitwise the same alone, beside 7 others, and with its
+    prompt in other chunks (the indexer's top-k is active: 50 tokens > 4 x 4 entries)."""
+    from deepinfer_core import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(7)
+    ids = lambda n: torch.randint(4, 500, (n,), generator=g).tolist()  # noqa: E731
+    target = {"prompt_token_ids": ids(50)}
+    others = [{"prompt_token_ids": ids(10 + 13 * j)} for j in range(7)]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    outs = []
+    for budget, batch in ((64, [target]), (16, [*others[:3], target, *others[3:]])):
+        llm = LLM(backend="cpu", batch_invariant=True, strict_ops=True, max_num_batched_tokens=budget)
+        assert llm.engine.backend.name == "cpu"
+        results = llm.generate(batch, params, use_tqdm=False)
+        outs.append(results[batch.index(target)].outputs[0])
+    alone, batched = outs
+    assert alone.token_ids == batched.token_ids and len(alone.token_ids) == 8
+    assert alone.logprobs is not None and alone.logprobs == batched.logprobs  # exact floats
