@@ -144,9 +144,9 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
 import gpu_e2e as e2e  # noqa: E402
-from _cli import choice_list, log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints  # noqa: E402
 from deepinfer_core.distributed.processes import LOG_DIR_ENV  # noqa: E402
 from deepinfer_core.models.context_parallel import (  # noqa: E402
     CP_MIN_TOKENS_ENV,

@@ -72,9 +72,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
-from _cli import KEEP_QUANTIZED, add_keep_quantized, log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.benchmarking.harness import KEEP_QUANTIZED, add_keep_quantized, log, positive_ints  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 

@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _cli import KEEP_QUANTIZED, add_keep_quantized, positive_ints
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.benchmarking.harness import KEEP_QUANTIZED, add_keep_quantized, positive_ints
 
 REPO = Path(__file__).resolve().parents[1]
 
