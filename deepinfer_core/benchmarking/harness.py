@@ -92,8 +92,6 @@ def compute_tok_s(flops_per_token: float, peak_flops: float = H200_BF16_FLOPS) -
 def machine_info(device: Any = None) -> dict[str, Any]:
     """Where and how a benchmark ran: device (GPU name, capability, memory), torch / triton /
     transformers / DeepInfer versions, Python, platform, CPU count, command line and date."""
-    import torch
-
     import deepinfer_core
 
     info: dict[str, Any] = {
@@ -103,12 +101,14 @@ def machine_info(device: Any = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
         "deepinfer": deepinfer_core.__version__,
     }
-    dev = torch.device(device) if device is not None else None
+    torch = sys.modules.get("torch")  # a torch-free script (the cost model) stays torch-free
+    if torch is not None:
+        info.update(
+            torch=torch.__version__, torch_cuda=torch.version.cuda, torch_threads=torch.get_num_threads()
+        )
+    dev = torch.device(device) if torch is not None and device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(dev)
         info.update(
@@ -119,7 +119,7 @@ def machine_info(device: Any = None) -> dict[str, Any]:
         )
     for mod in ("triton", "transformers", "safetensors"):
         try:
-            info[mod] = __import__(mod).__version__
+            info[mod] = __import__(mod).__version__ if torch is not None else None
         except Exception:  # not installed (or broken): recorded as absent
             info[mod] = None
     return info
