@@ -63,7 +63,6 @@ def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) 
     args = ["--batch-sizes", "2", "--repeats", "2", "--max-tokens", "12", "--out", str(out)]
     proc = _run([str(ROOT / "benchmarks" / "speculative.py"), *args], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tokens differ" not in proc.stderr, proc.stderr
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows.keys() == {"none", "fixed", "dspark"}
     assert all(r["same_tokens_as_first_mode"] for r in rows.values())
