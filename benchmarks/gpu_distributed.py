@@ -215,7 +215,7 @@ class EngineSpec:
 
 def weight_format(args: argparse.Namespace) -> str:
     """The rows' ``fmt``: ``fp8_fp4`` (kept quantised), else the dtype the weights are loaded in
-    (``bf16`` in the GPU run, as ``MEASURED_2GPU`` names it)."""
+    (``bf16`` in the GPU run)."""
     if args.keep_quantized:
         return "fp8_fp4"
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
