@@ -87,7 +87,7 @@ or in parts that each fit a 10-minute command, merged into one JSON with ``--app
     timeout 590 python3 benchmarks/gpu_distributed.py $A --parts decode
     timeout 590 python3 benchmarks/gpu_distributed.py $A --parts cp,equality
 
-Issue 12 on the 8-GPU H200 kind (``nvidia-h200-x8``; ``--world 4`` on ``nvidia-h200-x4``), all
+On the 8-GPU H200 kind (``nvidia-h200-x8``; ``--world 4`` on ``nvidia-h200-x4``), all
 of it in one command (eight engine builds; not yet run on 8 GPUs -- smoke-tested on the CPU
 only; if it does not fit the time budget, the skipped parts are listed and a second command
 with ``--append --parts ...`` runs them)::
