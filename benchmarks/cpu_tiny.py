@@ -18,7 +18,6 @@ table and writes JSON (default ``benchmarks/results/cpu_tiny.json``)::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -29,6 +28,7 @@ from typing import Any
 
 import torch
 
+from deepinfer_core.benchmarking.harness import write_json
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.tokenizer import load_tokenizer
 
@@ -183,9 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         same = sum(a == b for a, b in zip(hf_tokens, ours_tokens, strict=True))
         report["greedy_match_rate_vs_hf"] = same / len(hf_tokens)
         print(f"greedy outputs identical to HF for {same}/{len(hf_tokens)} prompts")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_json(args.output, report)
     return report
 
 

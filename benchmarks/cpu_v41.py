@@ -1,5 +1,5 @@
 """CPU benchmark of the tiny DeepSeek-V4.1 (``make-tiny --arch deepseek_v41``): throughput,
-prefix caching and the decoder-side prefill tail (issue 10, item 8).
+prefix caching and the decoder-side prefill tail.
 
 Three workloads on the same engine options (reference backend, fp32, greedy, EOS ignored):
 

@@ -19,19 +19,16 @@ and turns them into a time per step in two ways: **sum** (nothing overlaps: HBM 
 with a fixed per-step overhead (launches inside a CUDA graph, scheduler).  tokens/s per GPU =
 tokens per GPU per step / time.
 
-``python benchmarks/distributed_cost_model.py`` prints the V4-Flash scaling table (8-64 H200s, plus
-1 and 2) and writes ``benchmarks/results/distributed_cost_model.json``; ``--check`` adds the
-comparisons with the measured 1-GPU points of ``gpu_e2e.py`` (docs/benchmarks.md runs 3-6), the
-2-GPU hook (DP2+EP2 on the e2e model, not measured yet), DeepEP's low-latency all-to-all
-latencies and DeepSeek's published per-node H800 figures.  Equations and assumptions:
-``docs/distributed_cost_model.md``.  Pure Python (no torch): shapes come from
+``python benchmarks/distributed_cost_model.py`` prints the V4-Flash scaling tables (decode on
+1-64 H200s, prefill with and without CP) and writes ``benchmarks/results/distributed_cost_model.json``.
+Equations, assumptions and the comparisons with measured figures: ``docs/distributed_cost_model.md``.
+Pure Python (no torch): shapes come from
 :class:`deepinfer_core.models.deepseek_v4.config.DeepseekV4Config`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import sys
@@ -44,6 +41,7 @@ for _path in (ROOT, ROOT / "benchmarks"):  # the core, and _gpu_model beside thi
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from deepinfer_core.benchmarking.harness import print_table, write_json  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "distributed_cost_model.json"
@@ -110,22 +108,16 @@ FORMATS: dict[str, WeightFormat] = {
     "fp8_fp4": WeightFormat("fp8_fp4", 1 + FP8_BLOCK_SCALE, 2.0, 2.0, 0.5 + 4 / 32, "bf16", "bf16"),
     # a production V4 engine: FP8 dense W8A8, MXFP4 experts (ue8m0 scale per 32), FP8 expert math
     "fp8_mxfp4": WeightFormat("fp8_mxfp4", 1 + FP8_BLOCK_SCALE, 2.0, 2.0, 0.5 + 1 / 32, "fp8", "fp8"),
-    # DeepSeek-V3 production: FP8 everywhere (128x128 scales), bf16 head
-    "fp8": WeightFormat("fp8", 1 + FP8_BLOCK_SCALE, 2.0, 2.0, 1 + FP8_BLOCK_SCALE, "fp8", "fp8"),
 }
 
 KV_ENTRY_BYTES = {"bf16": 1024, "fp8": 584}  # V4 KV entry of 512 values (FlashMLA FP8 layout: 584 B)
 INDEX_KEY_BYTES = {"bf16": 256, "fp8": 132}  # indexer key of 128 values (fp8 + one fp32 scale)
-MLA_ENTRY_BYTES = {
-    "bf16": 1152,
-    "fp8": 656,
-}  # V3 latent 512 + rope 64 (FlashMLA FP8: 512 + scales + bf16 rope)
 
 
 # ---- model shapes ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class AttnLayer:
-    """One attention layer: ``kind`` is ``sliding`` / ``csa`` / ``hca`` (V4) or ``mla`` (V3)."""
+    """One attention layer: ``kind`` is ``sliding`` / ``csa`` / ``hca``."""
 
     kind: str
     window: int = 0
@@ -154,11 +146,6 @@ class ModelShape:
     hc_mult: int = 1  # residual streams (mHC)
     index_heads: int = 0
     index_dim: int = 0
-    # V3 MLA: latent KV of kv_lora + rope values; decode attends in the latent space
-    mla_latent: int = 0
-    mla_rope: int = 0
-    mla_qk_head: int = 0
-    mla_v_head: int = 0
 
     @property
     def total_params(self) -> int:
@@ -262,40 +249,9 @@ def e2e_model() -> ModelShape:
     return v4_shape(cfg, "e2e model (4 layers, 64 experts)")
 
 
-def v3() -> ModelShape:
-    """DeepSeek-V3/R1 (671B / 37B, MTP excluded): the model behind DeepSeek's published H800
-    figures.  61 MLA layers (128 heads, q_lora 1536, kv_lora 512 + rope 64, qk 192, v 128), the
-    first 3 with a dense FFN of 18432, then 58 MoE layers of 256 experts (2048) top-8 + 1 shared."""
-    D, H, L, dense_ffn, moe = 7168, 128, 61, 3, 58
-    attn = D * 1536 + 1536 * H * 192 + D * 576 + 512 * H * 256 + H * 128 * D
-    linear = L * attn + dense_ffn * 3 * 18432 * D + moe * 3 * 2048 * D
-    return ModelShape(
-        name="DeepSeek-V3 (61 layers, 256 experts)",
-        hidden=D,
-        vocab=129280,
-        heads=H,
-        head_dim=128,
-        layers=tuple(AttnLayer("mla") for _ in range(L)),
-        moe_layers=moe,
-        n_experts=256,
-        top_k=8,
-        expert_params=3 * 2048 * D,
-        linear_params=linear,
-        linear_bf16_params=moe * 256 * D,
-        fp32_params=L * (2 * D + 1536 + 512) + D + moe * 256,
-        head_params=129280 * D,
-        mla_latent=512,
-        mla_rope=64,
-        mla_qk_head=192,
-        mla_v_head=128,
-    )
-
-
 # ---- attention ---------------------------------------------------------------------------------------
 def attended(layer: AttnLayer, ctx: float) -> tuple[float, float]:
     """(KV entries one query at position ``ctx`` attends to, compressed entries its indexer scores)."""
-    if layer.kind == "mla":
-        return ctx, 0.0
     keys = min(ctx, layer.window)
     if layer.kind == "csa":
         n = ctx // layer.ratio
@@ -309,8 +265,6 @@ def mean_attended(layer: AttnLayer, length: float) -> tuple[float, float]:
     """:func:`attended` averaged over the positions ``1..length`` of a prompt (closed forms)."""
     if length <= 0:
         return 0.0, 0.0
-    if layer.kind == "mla":
-        return (length + 1) / 2, 0.0
     w = layer.window
     win = (length + 1) / 2 if length <= w else (w * (w + 1) / 2 + (length - w) * w) / length
     if layer.kind == "sliding":
@@ -339,16 +293,6 @@ def attn_costs(
         keys, scored = (
             attended(layer, ctx) if prefill_length is None else mean_attended(layer, prefill_length)
         )
-        if layer.kind == "mla":
-            latent = m.mla_latent + m.mla_rope
-            if prefill_length is None:  # absorbed: QK over 576 latent dims, PV over 512
-                flops += 2 * m.heads * (latent + m.mla_latent) * keys
-            else:  # MHA form: qk 192, v 128
-                flops += 2 * m.heads * (m.mla_qk_head + m.mla_v_head) * keys
-            entry = MLA_ENTRY_BYTES[kv_dtype]
-            kv_bytes += keys * entry
-            kv_write += entry
-            continue
         flops += 4 * m.heads * m.head_dim * keys  # QK and PV, K = V (one shared head)
         idx_flops += (2 * m.index_dim + 1) * m.index_heads * scored
         kv_bytes += keys * kv_b + scored * idx_b
@@ -360,8 +304,6 @@ def attn_costs(
 
 def kv_cache_bytes_per_seq(m: ModelShape, ctx: float, kv_dtype: str) -> float:
     """Cache bytes one sequence of ``ctx`` tokens holds (window + compressed entries + indexer keys)."""
-    if any(la.kind == "mla" for la in m.layers):
-        return len(m.layers) * ctx * MLA_ENTRY_BYTES[kv_dtype]
     kv_b, idx_b = KV_ENTRY_BYTES[kv_dtype], INDEX_KEY_BYTES[kv_dtype]
     total = 0.0
     for la in m.layers:
@@ -736,224 +678,28 @@ def _row(phase: str, world: int, b: float, ctx: float, r: dict[str, Any], routin
     }
 
 
-def print_rows(title: str, rows: list[dict[str, Any]], extra: tuple[str, ...] = ()) -> None:
-    """Print ``rows`` of :func:`scaling_table` / :func:`prefill_table` as a fixed-width table."""
+TABLE_COLUMNS = [
+    ("GPUs", "world", "d"), ("tok/GPU", "tokens_per_gpu", ".0f"), ("ctx", "ctx", ".0f"),
+    ("tok/s max", "tok_s_max", ",.0f"), ("tok/s sum", "tok_s_sum", ",.0f"), ("HBM ms", "t_hbm_ms", ".2f"),
+    ("FLOP ms", "t_compute_ms", ".2f"), ("net ms", "t_network_ms", ".2f"), ("ovh ms", "t_overhead_ms", ".2f"),
+    ("exp GB", "expert_gb", ".2f"), ("imb", "imbalance", ".2f"), ("mem GB", "mem_gb", ".0f"),
+    ("fits", "fits", ""), ("limit", "limiter", ""),
+]  # fmt: skip
+
+
+def print_rows(title: str, rows: list[dict[str, Any]], extra: tuple[tuple[str, str, str], ...] = ()) -> None:
+    """Print ``rows`` of :func:`scaling_table` / :func:`prefill_table` as a table."""
     print(f"\n{title}")
-    head = (
-        f"{'GPUs':>4} {'tok/GPU':>7} {'ctx':>6} {'tok/s max':>10} {'tok/s sum':>10} {'HBM ms':>7} "
-        f"{'FLOP ms':>7} {'net ms':>7} {'ovh ms':>6} {'exp GB':>6} {'imb':>5} {'mem GB':>6} limit"
-    )
-    print(head + "".join(f" {e:>9}" for e in extra))
-    for r in rows:
-        mem = r["weights_gb_resident"] + r["kv_gb_resident"]
-        line = (
-            f"{r['world']:4d} {r['tokens_per_gpu']:7.0f} {r['ctx']:6.0f} {r['tok_s_max']:10,.0f} "
-            f"{r['tok_s_sum']:10,.0f} {r['t_hbm_ms']:7.2f} {r['t_compute_ms']:7.2f} {r['t_network_ms']:7.2f} "
-            f"{r['t_overhead_ms']:6.2f} {r['expert_gb']:6.2f} {r['imbalance']:5.2f} "
-            f"{mem:6.0f}{'' if r['fits'] else '!'} {r['limiter']}"
-        )
-        for e in extra:
-            v = r.get(e)
-            line += f" {v:9.3g}" if isinstance(v, float) else f" {v!s:>9}"
-        print(line)
+    shown = [{**r, "mem_gb": r["weights_gb_resident"] + r["kv_gb_resident"]} for r in rows]
+    print_table(shown, [*TABLE_COLUMNS, *extra])
 
 
-# ---- checks --------------------------------------------------------------------------------------------
-# docs/benchmarks.md, e2e model (4 layers, 64 experts), prompts of 512, 32 new tokens, one H200
-MEASURED_1GPU: dict[str, list[dict[str, Any]]] = {
-    "decode": [
-        # run 3: bf16 weights; run 4: FP8 dense (W8A16) + FP4 experts kept (bf16 math)
-        {"fmt": "bf16", "B": 1, "tok_s": 432.4, "run": 3},
-        {"fmt": "bf16", "B": 16, "tok_s": 3267.0, "run": 3},
-        {"fmt": "bf16", "B": 64, "tok_s": 9728.0, "run": 3},
-        {"fmt": "bf16", "B": 256, "tok_s": 25297.0, "run": 3},
-        {"fmt": "fp8_fp4", "B": 1, "tok_s": 338.2, "run": 4},
-        {"fmt": "fp8_fp4", "B": 16, "tok_s": 3124.0, "run": 4},
-        {"fmt": "fp8_fp4", "B": 64, "tok_s": 10069.0, "run": 4},
-        {"fmt": "fp8_fp4", "B": 256, "tok_s": 19588.0, "run": 4},
-    ],
-    "prefill": [  # 1 x 8192 tokens
-        {"fmt": "bf16", "tokens": 8192, "tok_s": 95700.0, "run": 3},
-        {"fmt": "fp8_fp4", "tokens": 8192, "tok_s": 41400.0, "run": 6, "note": "W8A16 prefill tile"},
-    ],
-}
-
-# The hook of issue 11's GPU run: DP2+EP2 of the e2e model on the 2-GPU H200 kind.  Fill tok_s
-# (per GPU) when measured; --check prints the model's prediction next to it.
-MEASURED_2GPU: list[dict[str, Any]] = [  # 2 x H200 (NVLink), 2026-12-01, gpu_distributed.py
-    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 64, "tok_s": 6329.1},
-    {"what": "decode DP2+EP2", "fmt": "bf16", "B": 256, "tok_s": 14931.9},
-    {"what": "prefill CP2 32k", "fmt": "bf16", "tokens": 32768, "tok_s": 76197.9},
-]
-
-# The hook of issue 12: the entries `gpu_distributed.py --world N` prints (DP N + EP N decode and
-# CP N prefill of the e2e model on N GPUs of one host, each with its "world"); --check prints the
-# model's prediction next to them as next to MEASURED_2GPU.  Not measured yet.
-MEASURED_NGPU: list[dict[str, Any]] = []
-
-# anchors.md: DeepEP low-latency dispatch at 128 tokens per rank (hidden 7168, top-8, H800)
-DEEPEP_LL_US = {8: 77.0, 256: 194.0}
-# anchors.md: DeepSeek production on H800 (the V3/R1 serving system): per node of 8 GPUs
-DEEPSEEK_DECODE_NODE = 14800.0
-DEEPSEEK_PREFILL_NODE = 73700.0
-DEEPSEEK_CACHE_HIT = 0.563  # share of input tokens served from the on-disk KV cache (their day-6 post)
-
-
-def _e2e_dep(fmt: str, world: int = 1, **kw: Any) -> Deployment:
-    # the e2e runs: bf16 KV cache, CUDA graphs; one rank; FP8 dense in bf16 math (W8A16)
-    return deployment(world, fmt=fmt, kv_dtype="bf16", **kw)
-
-
-def check_1gpu(gpu: GpuSpec) -> list[dict[str, Any]]:
-    """Model vs the measured 1-GPU points of the e2e model (decode ctx ~ 528, prefill 1 x 8192)."""
-    m = e2e_model()
-    out = []
-    for p in MEASURED_1GPU["decode"]:
-        r = step(m, gpu, _e2e_dep(p["fmt"]), tokens=p["B"], ctx=528)
-        out.append(_check_row(f"decode B={p['B']}", p, r))
-    for p in MEASURED_1GPU["prefill"]:
-        dep = _e2e_dep(p["fmt"], dispatch="normal")
-        r = step(m, gpu, dep, tokens=p["tokens"], ctx=p["tokens"], phase="prefill", prompt=p["tokens"])
-        out.append(_check_row(f"prefill 1x{p['tokens']}", p, r))
-    return out
-
-
-def _check_row(name: str, p: dict[str, Any], r: dict[str, Any]) -> dict[str, Any]:
-    meas = p.get("tok_s")
-    return {
-        "name": name,
-        "fmt": p["fmt"],
-        "run": p.get("run"),
-        "measured_tok_s": meas,
-        "model_tok_s_max": r["tok_s_per_gpu_max"],
-        "model_tok_s_sum": r["tok_s_per_gpu_sum"],
-        "efficiency_vs_max": meas / r["tok_s_per_gpu_max"] if meas else None,
-        "efficiency_vs_sum": meas / r["tok_s_per_gpu_sum"] if meas else None,
-        "limiter": r["limiter"],
-        "t_ms": {k: v * 1e3 for k, v in r["time"].items()},
-    }
-
-
-def check_2gpu(gpu: GpuSpec, points: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The model's prediction for DP N + EP N decode and CP N prefill on the e2e model, next to
-    the measured ``points`` (default :data:`MEASURED_2GPU` and :data:`MEASURED_NGPU`; an
-    entry's ``world``, default 2, is N)."""
-    m = e2e_model()
-    eff = {f"{r['fmt']} {r['name']}": r["efficiency_vs_max"] for r in check_1gpu(gpu)}
-    out = []
-    for p in MEASURED_2GPU + MEASURED_NGPU if points is None else points:
-        world = p.get("world", 2)
-        key = f"{p['fmt']} decode B={p['B']}" if "B" in p else f"{p['fmt']} prefill 1x8192"
-        if "B" in p:
-            r = step(m, gpu, _e2e_dep(p["fmt"], world), tokens=p["B"], ctx=528)
-            one = step(m, gpu, _e2e_dep(p["fmt"], 1), tokens=p["B"], ctx=528)
-        else:
-            dep = _e2e_dep(p["fmt"], world, cp=world, dispatch="normal")
-            r = step(
-                m, gpu, dep, tokens=p["tokens"] / world, ctx=p["tokens"], phase="prefill", prompt=p["tokens"]
-            )
-            one = step(
-                m,
-                gpu,
-                _e2e_dep(p["fmt"], 1, dispatch="normal"),
-                tokens=8192,
-                ctx=p["tokens"],
-                phase="prefill",
-                prompt=p["tokens"],
-            )
-        row = _check_row(p["what"] + (f" B={p['B']}/GPU" if "B" in p else ""), p, r)
-        row["world"] = world
-        row["model_1gpu_tok_s_max"] = one["tok_s_per_gpu_max"]
-        # no measured 1-GPU efficiency at this point (e.g. B=1024): no expectation
-        row["expected_tok_s"] = r["tok_s_per_gpu_max"] * eff[key] if key in eff else None
-        row["expected_basis"] = f"model max x the measured 1-GPU efficiency of {key}"
-        row["model_speedup_per_gpu_vs_1gpu"] = r["tok_s_per_gpu_max"] / one["tok_s_per_gpu_max"]
-        out.append(row)
-    return out
-
-
-def check_deepep(gpu: GpuSpec) -> list[dict[str, Any]]:
-    """Model of one low-latency dispatch (128 tokens per rank, V3 shapes, FP8) vs DeepEP's figures."""
-    m = v3()
-    out = []
-    for ep, us in DEEPEP_LL_US.items():
-        dep = Deployment(world=ep, ep=ep)
-        net = a2a_bytes(m, dep, gpu, 128, 128 * m.top_k)
-        t = max(net["nvlink_dispatch"] / gpu.nvlink_bw, net["ib_dispatch"] / gpu.ib_bw) + gpu.a2a_latency_s
-        out.append({"ep": ep, "measured_us": us, "model_us": t * 1e6, "ratio": us / (t * 1e6)})
-    return out
-
-
-def check_deepseek(gpu: GpuSpec) -> dict[str, Any]:
-    """What per-GPU efficiency the model implies for DeepSeek's published per-node H800 figures.
-
-    Decode: V3, EP144 (256 + 32 redundant experts, 2 per GPU), FP8, bf16 KV, context 4k, batch
-    per GPU 64 / 128 / 256, without and with MTP (1 draft, 85 % accepted); prefill: EP32 (+32
-    redundant), 16k tokens per GPU of 4k prompts, per computed token (the published input rate
-    counts cache hits: 56.3 % of the input).  Uniform routing (EPLB balances the rest)."""
-    m = v3()
-    res: dict[str, Any] = {"decode": [], "prefill": []}
-    pub_dec = DEEPSEEK_DECODE_NODE / 8
-    for mtp in (0, 1):
-        for b in (64, 128, 256):
-            dep = Deployment(
-                world=144, ep=144, fmt="fp8", kv_dtype="bf16", mtp_drafts=mtp, mtp_accept=0.85 if mtp else 0.0
-            )
-            r = step(m, gpu, dep, tokens=b, ctx=4096, routing=Routing(eplb=True, redundant=32))
-            res["decode"].append(
-                {
-                    "B": b,
-                    "mtp": mtp,
-                    "model_tok_s_max": r["tok_s_per_gpu_max"],
-                    "model_tok_s_sum": r["tok_s_per_gpu_sum"],
-                    "published_tok_s": pub_dec,
-                    "efficiency_vs_max": pub_dec / r["tok_s_per_gpu_max"],
-                    "efficiency_vs_sum": pub_dec / r["tok_s_per_gpu_sum"],
-                    "limiter": r["limiter"],
-                    "t_ms": {k: v * 1e3 for k, v in r["time"].items()},
-                }
-            )
-    dep = Deployment(world=32, ep=32, fmt="fp8", kv_dtype="bf16", dispatch="normal")
-    routing = Routing(eplb=True, redundant=32)
-    r = step(m, gpu, dep, tokens=16384, ctx=4096, phase="prefill", routing=routing, prompt=4096)
-    pub = DEEPSEEK_PREFILL_NODE / 8
-    computed = pub * (1 - DEEPSEEK_CACHE_HIT)
-    res["prefill"].append(
-        {
-            "tokens_per_gpu": 16384,
-            "prompt": 4096,
-            "model_tok_s_max": r["tok_s_per_gpu_max"],
-            "model_tok_s_sum": r["tok_s_per_gpu_sum"],
-            "published_tok_s_incl_cache_hits": pub,
-            "published_tok_s_computed": computed,
-            "efficiency_vs_max": computed / r["tok_s_per_gpu_max"],
-            "efficiency_vs_sum": computed / r["tok_s_per_gpu_sum"],
-            "efficiency_vs_max_incl_cache_hits": pub / r["tok_s_per_gpu_max"],
-            "limiter": r["limiter"],
-            "t_ms": {k: v * 1e3 for k, v in r["time"].items()},
-        }
-    )
-    # V4-Flash under DeepSeek's decode layout on H800, for scale
-    fl = step(
-        v4_flash(),
-        gpu,
-        Deployment(world=144, ep=144, fmt="fp8_mxfp4", mtp_drafts=1, mtp_accept=0.85),
-        tokens=128,
-        ctx=4096,
-        routing=Routing(eplb=True, redundant=32),
-    )
-    res["v4_flash_same_layout_tok_s_max"] = fl["tok_s_per_gpu_max"]
-    return res
-
-
-# ---- main ----------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """Print the V4-Flash scaling tables (and with ``--check`` the checks); write the JSON."""
+    """Print the V4-Flash scaling tables; write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     ap.add_argument("--fmt", choices=sorted(FORMATS), default="fp8_mxfp4", help="weight format of V4-Flash")
     ap.add_argument("--zipf", type=float, default=0.3, help="skew of the skewed routing scenarios")
-    ap.add_argument("--check", action="store_true", help="compare with measured and published figures")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = ap.parse_args(argv)
     gpu = GPUS[args.gpu]
@@ -974,77 +720,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = scaling_table(gpu, routing, args.fmt)
         data["decode"][routing.label] = rows
         if routing is uniform:
-            print_rows(
-                f"decode, V4-Flash, DP = EP = GPUs, routing {routing.label} ('!': does not fit HBM)", rows
-            )
+            print_rows(f"decode, V4-Flash, DP = EP = GPUs, routing {routing.label}", rows)
         else:
             sel = [r for r in rows if r["ctx"] == 4096]
             print_rows(f"decode ctx 4096, routing {routing.label}", sel)
     pre = prefill_table(gpu, uniform, args.fmt)
     data["prefill"][uniform.label] = pre
     print_rows(
-        "prefill, V4-Flash, 8192 tokens per GPU (cp 1) or prompt / C (cp C)", pre, ("cp", "ttft_s_max")
+        "prefill, V4-Flash, 8192 tokens per GPU (cp 1) or prompt / C (cp C)",
+        pre,
+        (("cp", "cp", "d"), ("TTFT s", "ttft_s_max", ".3g")),
     )
-    if args.check:
-        data["check"] = {
-            "e2e_1gpu": check_1gpu(GPUS["h200"]),
-            "e2e_2gpu": check_2gpu(GPUS["h200"]),
-            "deepep_ll": check_deepep(GPUS["h800"]),
-            "deepseek_h800": check_deepseek(GPUS["h800"]),
-        }
-        print_checks(data["check"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=1, default=float) + "\n")
-    print(f"\nwrote {args.out}")
+    write_json(args.out, data)
     return 0
-
-
-def print_checks(c: dict[str, Any]) -> None:
-    """Print the ``--check`` comparisons."""
-    print("\ncheck (a): e2e model on one H200, model vs measured (docs/benchmarks.md)")
-    print(
-        f"{'point':18s} {'fmt':8s} {'run':>3} {'measured':>9} {'model max':>10} {'model sum':>10} "
-        f"{'eff max':>7} {'eff sum':>7} limit"
-    )
-    for r in c["e2e_1gpu"]:
-        print(
-            f"{r['name']:18s} {r['fmt']:8s} {r['run']:3d} {r['measured_tok_s']:9,.0f} "
-            f"{r['model_tok_s_max']:10,.0f} "
-            f"{r['model_tok_s_sum']:10,.0f} {r['efficiency_vs_max']:7.1%} {r['efficiency_vs_sum']:7.1%} "
-            f"{r['limiter']}"
-        )
-    print("\ncheck (a'): e2e model DP N + EP N / CP N on N H200s (MEASURED_2GPU, MEASURED_NGPU)")
-    for r in c["e2e_2gpu"]:
-        meas = "not measured yet" if r["measured_tok_s"] is None else f"{r['measured_tok_s']:,.0f}"
-        expected = "—" if r["expected_tok_s"] is None else f"{r['expected_tok_s']:,.0f}"
-        print(
-            f"{r['name']:28s} model {r['model_tok_s_max']:9,.0f} tok/s/GPU (sum {r['model_tok_s_sum']:,.0f}; "
-            f"1 GPU {r['model_1gpu_tok_s_max']:,.0f}); x 1-GPU efficiency: {expected}; "
-            f"measured: {meas}"
-        )
-    print("\ncheck (c): DeepEP low-latency dispatch, 128 tokens/rank, V3 shapes, H800")
-    for r in c["deepep_ll"]:
-        print(f"EP{r['ep']:<4d} measured {r['measured_us']:6.0f} us  model {r['model_us']:6.0f} us")
-    d = c["deepseek_h800"]
-    print("\ncheck (b): DeepSeek production (V3 on H800), published per GPU vs the model")
-    for r in d["decode"]:
-        print(
-            f"decode EP144 B={r['B']:3d} mtp={r['mtp']}: model {r['model_tok_s_max']:7,.0f} (max) "
-            f"{r['model_tok_s_sum']:7,.0f} (sum) tok/s/GPU; published {r['published_tok_s']:,.0f} -> "
-            f"efficiency {r['efficiency_vs_max']:.0%} / {r['efficiency_vs_sum']:.0%}  [{r['limiter']}]"
-        )
-    for r in d["prefill"]:
-        print(
-            f"prefill EP32 16k tok/GPU: model {r['model_tok_s_max']:7,.0f} (max) "
-            f"{r['model_tok_s_sum']:7,.0f} "
-            f"(sum); published {r['published_tok_s_incl_cache_hits']:,.0f} incl. cache hits, "
-            f"{r['published_tok_s_computed']:,.0f} computed -> efficiency {r['efficiency_vs_max']:.0%} / "
-            f"{r['efficiency_vs_sum']:.0%}  [{r['limiter']}]"
-        )
-    print(
-        f"V4-Flash in the same decode layout (EP144, B=128, MTP): "
-        f"{d['v4_flash_same_layout_tok_s_max']:,.0f} tok/s/GPU"
-    )
 
 
 if __name__ == "__main__":

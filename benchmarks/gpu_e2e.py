@@ -54,7 +54,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import shutil
 import sys
@@ -72,16 +71,24 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
-from _cli import KEEP_QUANTIZED, add_keep_quantized, log, positive_ints  # noqa: E402
 
 from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core.benchmarking.harness import (  # noqa: E402
+    H200_BF16_FLOPS,
+    H200_HBM_BW,
+    KEEP_QUANTIZED,
+    add_keep_quantized,
+    compute_tok_s,
+    log,
+    machine_info,
+    positive_ints,
+    weight_read_tok_s,
+)
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 DEFAULT_PNG = ROOT / "docs" / "prefill_pareto.png"
-H200_HBM_BW = 4.24e12  # bytes/s
-H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak, FLOP/s
 FIRST_ID = 4  # prompts draw ids in [FIRST_ID, vocab): 0..3 are BOS/EOS/chat specials by convention
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -146,7 +153,7 @@ class Roofline:
 
     def decode_tok_s(self, batch: int, fmt: str) -> float:
         """Decode tok/s if a step of ``batch`` tokens took exactly its weight-read time."""
-        return batch * self.bw / self.step_bytes(batch, fmt)
+        return weight_read_tok_s(batch, self.step_bytes(batch, fmt), self.bw)
 
     def prefill_tok_s(self, step_tokens: list[int], fmt: str) -> float:
         """Prefill tok/s if each step (of ``step_tokens`` tokens) took its weight-read time."""
@@ -156,7 +163,7 @@ class Roofline:
     def compute_tok_s(self) -> float:
         """Prefill tok/s at the FLOP peak counting matmul weights only (2 FLOPs per active
         weight per token; attention scores and the indexer excluded)."""
-        return self.peak / (2 * self.counts["active_per_token"])
+        return compute_tok_s(2 * self.counts["active_per_token"], self.peak)
 
     def fractions(self, value: float, *, batch: int | None = None, steps: list[int] | None = None) -> dict:
         """``value`` as a fraction of the weight-read bounds of a decode step of ``batch`` tokens,
@@ -704,34 +711,6 @@ def plot_pareto(pareto: dict[str, list[dict[str, Any]]], png: Path, title: str) 
     plt.close(fig)
     print(f"wrote {png}")
     return str(png)
-
-
-def machine_info(device: torch.device) -> dict[str, Any]:
-    import deepinfer_core
-
-    info: dict[str, Any] = {
-        "device": str(device),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,
-        "deepinfer": deepinfer_core.__version__,
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        info.update(
-            gpu=torch.cuda.get_device_name(device),
-            gpu_capability=f"{props.major}.{props.minor}",
-            gpu_memory_gib=props.total_memory / 2**30,
-            gpu_count=torch.cuda.device_count(),
-        )
-    for mod in ("triton", "transformers", "safetensors", "matplotlib"):
-        try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # not installed (or broken): recorded as absent
-            info[mod] = None
-    return info
 
 
 # ---- main ------------------------------------------------------------------------------------------

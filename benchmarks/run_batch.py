@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _cli import log, positive_ints  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deepinfer_core.benchmarking.harness import log, positive_ints, print_table, write_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "run_batch.json"
 
@@ -122,21 +122,19 @@ def main() -> None:
             }
             log(json.dumps(row))
             rows.append(row)
-    print(f"{'lines':>9} {'input MiB':>9} {'peak RSS MiB':>12} {'lines/s':>8} {'out tok/s':>9} {'run s':>7}")
-    for r in rows:
-        print(
-            f"{r['size']:>9} {r['input_mib']:>9} {r['peak_rss_mib']:>12} {r['lines_per_s']:>8} "
-            f"{r['output_tok_per_s']:>9} {r['run_seconds']:>7}"
-        )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+    columns = [("lines", "size", "d"), ("input MiB", "input_mib", ""), ("peak RSS MiB", "peak_rss_mib", "")]
+    columns += [
+        ("lines/s", "lines_per_s", ""),
+        ("out tok/s", "output_tok_per_s", ""),
+        ("run s", "run_seconds", ""),
+    ]
+    print_table(rows, columns)
     meta = {
         "machine": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "threads": args.threads,
     }
-    args.json.write_text(
-        json.dumps({"meta": meta, "max_tokens": args.max_tokens, "rows": rows}, indent=2) + "\n"
-    )
+    write_json(args.json, {"meta": meta, "max_tokens": args.max_tokens, "rows": rows}, quiet=True)
 
 
 if __name__ == "__main__":

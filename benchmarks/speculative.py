@@ -18,7 +18,7 @@ generated tok/s, target forwards
 (engine steps) and tokens per forward, the drafts' acceptance rate and mean acceptance length;
 with both ``fixed`` and ``dspark``, a line of DSpark's paired per-run throughput ratios to
 ``fixed`` (median, mean ± sd, the mean's 95 % confidence interval, runs at least 1: the
-issue's target, judged against the noise; ``vs_fixed_per_run`` in the JSON).
+the noise to judge a difference by; ``vs_fixed_per_run`` in the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
     python benchmarks/speculative.py --drafter mtp --model bigram-mtp   # an MTP layer that is right
@@ -31,22 +31,18 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
-import json
-import platform
 import pstats
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _cli import KEEP_QUANTIZED, add_keep_quantized, positive_ints
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.benchmarking.harness import KEEP_QUANTIZED, add_keep_quantized, positive_ints, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -269,10 +265,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for run in runs:
             row = run.row(args.profile)
             mode = run.mode
-            if base is None:
-                base = row
-            elif row["token_ids"] != base["token_ids"]:
-                print(f"  warning: {mode} tokens differ from {base['mode']}'s", file=sys.stderr)
+            base = base or row
             row["same_tokens_as_first_mode"] = row["token_ids"] == base["token_ids"]
             row["speedup_vs_first_mode"] = row["tok_per_s"] / base["tok_per_s"]
             rows.append(row)
@@ -300,18 +293,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         del r["token_ids"]
     result = {
         "benchmark": "speculative decoding: dspark vs fixed vs none",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": platform.platform(),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result, device="cuda" if torch.cuda.is_available() else None)
     return result
 
 

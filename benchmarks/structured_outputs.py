@@ -20,8 +20,7 @@ subset (``--schemas``) of the structured-outputs test corpus,
    Wall time of ``llm.generate``; tok/s = generated tokens / wall time; the median of
    ``--repeats`` runs (the modes interleaved, after one warm-up of every mode, so every schema
    is compiled and cached before timing).  Two slowdowns: ``tok/s`` = unconstrained tok/s /
-   the mode's tok/s - 1 (the issue's measure: ``json`` at most 10 % slower than
-   ``unconstrained`` at batch 32), which for ``json`` also counts the thinner batches; and
+   the mode's tok/s - 1, which for ``json`` also counts the thinner batches; and
    ``equal-work`` = the mode's wall time / the wall time of the same tokens unconstrained - 1
    (``json`` vs ``len-matched``, ``json-full`` vs ``unconstrained``): the cost of the grammar.
 2. First-token latency (``RequestOutput.metrics.ttft``: arrival to first sampled token, which
@@ -58,9 +57,7 @@ import cProfile
 import dataclasses
 import importlib.util
 import itertools
-import json
 import os
-import platform
 import pstats
 import statistics
 import sys
@@ -74,9 +71,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from _cli import log, positive_ints  # noqa: E402
-
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from deepinfer_core.benchmarking.harness import log, positive_ints, print_table, timed, write_json  # noqa: E402
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "structured_outputs.json"
@@ -88,8 +84,6 @@ DEFAULT_SCHEMAS = (
     "object_of_formats,array_of_objects,object_nested_three_levels"
 )
 MODES = ("unconstrained", "json", "json-full")
-TARGET_SLOWDOWN = 0.10  # the issue's bound for "json" vs "unconstrained" at batch 32
-TARGET_BATCH = 32
 
 
 def load_schema_corpus() -> ModuleType:
@@ -134,9 +128,8 @@ def mode_params(
 
 def timed_generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, Any]:
     steps0 = llm.get_metrics()["num_steps"]
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs, seconds = timed(lambda: llm.generate(requests, params, use_tqdm=False))
     errors = [o.error for o in outputs if o.error]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, e.g. {errors[0]}")
@@ -236,23 +229,19 @@ def bench_served(llm: LLM, args: argparse.Namespace, schemas: list[tuple[str, di
     return rows
 
 
+THROUGHPUT_COLUMNS = [
+    ("batch", "batch", "d"), ("mode", "mode", ""), ("wall s", "seconds", ".3f"),
+    ("new tok", "new_tokens", "d"),
+    ("tok/s", "tok_s", ".1f"), ("steps", "steps", "d"), ("ms/step", "ms_per_step", ".2f"),
+    ("tok/s slowdown", "slowdown", "+.1%"), ("equal-work slowdown", "equal_work_slowdown", "+.1%"),
+    ("vs", "equal_work_ref", ""),
+]  # fmt: skip
+
+
 def print_served(rows: list[dict], factor: int) -> None:
     print(f"\ncontinuous batching: {factor} x B requests, at most B running")
-    print(
-        f"{'batch':>5} {'mode':<13} {'requests':>8} {'wall s':>7} {'new tok':>7} {'tok/s':>8} "
-        f"{'steps':>5} {'ms/step':>7} {'tok/s slowdown':>14} {'equal-work slowdown':>24}"
-    )
-    for r in rows:
-        slow = f"{100 * r['slowdown']:+13.1f}%" if r["mode"] != "unconstrained" else f"{'-':>14}"
-        eq = (
-            f"{100 * r['equal_work_slowdown']:+7.1f}% vs {r['equal_work_ref']:<13s}"
-            if "equal_work_slowdown" in r
-            else f"{'-':>24}"
-        )
-        print(
-            f"{r['batch']:>5} {r['mode']:<13} {r['requests']:>8} {r['seconds']:>7.3f} {r['new_tokens']:>7} "
-            f"{r['tok_s']:>8.1f} {r['steps']:>5} {r['ms_per_step']:>7.2f} {slow} {eq}"
-        )
+    shown = [{**r, "slowdown": None if r["mode"] == "unconstrained" else r["slowdown"]} for r in rows]
+    print_table(shown, [*THROUGHPUT_COLUMNS[:3], ("requests", "requests", "d"), *THROUGHPUT_COLUMNS[3:]])
 
 
 def bench_ttft(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
@@ -263,9 +252,7 @@ def bench_ttft(llm: LLM, args: argparse.Namespace) -> dict[str, Any]:
 
     def one(params: SamplingParams) -> tuple[float, float, tuple[int, int]]:
         before = backend.cache_info()
-        start = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": prompt[0]}], params, use_tqdm=False)
-        wall = time.perf_counter() - start
+        (out,), wall = timed(lambda: llm.generate([{"prompt_token_ids": prompt[0]}], params, use_tqdm=False))
         after = backend.cache_info()
         if out.error:
             raise RuntimeError(out.error)
@@ -373,44 +360,8 @@ def print_profile(p: dict[str, Any]) -> None:
 
 
 def print_throughput(rows: list[dict]) -> None:
-    print(
-        f"\n{'batch':>5} {'mode':<13} {'wall s':>7} {'new tok':>7} {'tok/s':>8} {'steps':>5} "
-        f"{'ms/step':>7} {'tok/s slowdown':>14} {'equal-work slowdown':>24} {'len min-max':>11}"
-    )
-    for r in rows:
-        slow = f"{100 * r['slowdown']:+13.1f}%" if "slowdown" in r else f"{'-':>14}"
-        eq = (
-            f"{100 * r['equal_work_slowdown']:+7.1f}% vs {r['equal_work_ref']:<13s}"
-            if "equal_work_slowdown" in r
-            else f"{'-':>24}"
-        )
-        print(
-            f"{r['batch']:>5} {r['mode']:<13} {r['seconds']:>7.3f} {r['new_tokens']:>7} {r['tok_s']:>8.1f} "
-            f"{r['steps']:>5} {r['ms_per_step']:>7.2f} {slow} {eq} {r['min_len']:>5}-{r['max_len']:<5}"
-        )
-
-
-def target_verdict(rows: list[dict], served: list[dict]) -> dict[str, Any] | None:
-    """The issue's bound at batch 32: ``json`` tok/s vs unconstrained (closed batch, and
-    continuous batching where measured), and the two equal-work comparisons (``json`` wall vs
-    ``len-matched``, ``json-full`` vs unconstrained)."""
-    at = {r["mode"]: r for r in rows if r["batch"] == TARGET_BATCH}
-    if "json" not in at:
-        return None
-    checks = {
-        "json tok/s vs unconstrained": at["json"]["slowdown"],
-        "json wall vs len-matched": at["json"]["equal_work_slowdown"],
-        "json-full vs unconstrained": at["json-full"]["equal_work_slowdown"],
-    }
-    served_at = {r["mode"]: r for r in served if r["batch"] == TARGET_BATCH}
-    if "json" in served_at:
-        checks["served json tok/s vs unconstrained"] = served_at["json"]["slowdown"]
-        checks["served json wall vs len-matched"] = served_at["json"]["equal_work_slowdown"]
-    return {
-        "bound": TARGET_SLOWDOWN,
-        "batch": TARGET_BATCH,
-        "checks": {k: {"slowdown": v, "met": v <= TARGET_SLOWDOWN} for k, v in checks.items()},
-    }
+    print()
+    print_table(rows, [*THROUGHPUT_COLUMNS, ("len min", "min_len", "d"), ("len max", "max_len", "d")])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -444,17 +395,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import llguidance
 
     header = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "llguidance": getattr(llguidance, "__version__", None),
-        },
+        "llguidance": getattr(llguidance, "__version__", None),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "model": str(args.model or builtin_tiny_model_dir()),
         "engine": {
             "backend": llm.config.backend,
@@ -479,30 +421,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.queue_factor > 0:
         log("continuous batching")
         report["served"] = bench_served(llm, args, schemas)
-    report["target"] = target_verdict(report["throughput"], report["served"])
 
     print_throughput(report["throughput"])
     if report["served"]:
         print_served(report["served"], args.queue_factor)
     t = report["ttft"]
     print(f"\nfirst-token latency, schema {t['schema']!r}, median of {t['repeats']} (max_tokens=1)")
-    print(f"{'request':<14} {'TTFT ms':>8} {'generate ms':>11} {'cache hits':>10} {'misses':>6}")
-    for kind in ("cold", "cached", "unconstrained"):
-        k = t[kind]
-        print(
-            f"{kind:<14} {k['ttft_ms']:>8.2f} {k['generate_ms']:>11.2f} "
-            f"{k['cache_hits']:>10} {k['cache_misses']:>6}"
-        )
+    ttft_rows = [{"request": kind, **t[kind]} for kind in ("cold", "cached", "unconstrained")]
+    print_table(ttft_rows, [("request", "request", ""), ("TTFT ms", "ttft_ms", ".2f"),
+                            ("generate ms", "generate_ms", ".2f"), ("cache hits", "cache_hits", "d"),
+                            ("misses", "cache_misses", "d")])  # fmt: skip
     if "profile" in report:
         print_profile(report["profile"])
-    v = report["target"]
-    if v is not None:
-        print(f"\ntarget: structured <= {100 * TARGET_SLOWDOWN:.0f}% slower at batch {TARGET_BATCH}")
-        for name, c in v["checks"].items():
-            print(f"  {name:<30} {100 * c['slowdown']:+6.1f}%  {'met' if c['met'] else 'NOT met'}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
     return report
 
 

@@ -18,10 +18,11 @@ import json
 import os
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from deepinfer_core.benchmarking.scripts import SCRIPTS, names_help, run_script
 from deepinfer_core.errors import ConfigError, DeepInferError
 
 EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt / request failed (one error line says so)
@@ -85,9 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="measure offline throughput and latency",
+        help="measure offline throughput and latency, or run a benchmark by name",
+        usage="deepinfer bench [throughput] [options] | deepinfer bench NAME [ARGS ...]",
         description="Run synthetic or file prompts through one generate call; print throughput and "
-        "TTFT / latency percentiles.",
+        "TTFT / latency percentiles (`deepinfer bench throughput` is the same command).  With a "
+        "benchmark NAME first, run that script of benchmarks/ with the remaining arguments.",
+        epilog=names_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_engine_args(bench)
     bench.add_argument("--num-prompts", type=int, help="requests (default: 16, or every prompt of the file)")
@@ -543,13 +548,23 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``deepinfer`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] == ["throughput"]:
+        argv = ["bench", *argv[2:]]  # the offline throughput / latency command by its name
+    elif argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in SCRIPTS:
+        return _guarded(lambda: run_script(argv[1], argv[2:]))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version, or a usage error already printed by argparse
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    return _guarded(lambda: int(args.func(args)))
+
+
+def _guarded(command: Callable[[], int]) -> int:
+    """``command()``'s exit status; a failure as one ``error:`` line (see the module docstring)."""
     try:
-        return int(args.func(args))
+        return int(command())
     except DeepInferError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -116,3 +116,21 @@ def test_bad_bench_input_is_a_clean_error(capsys, tmp_path):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith(f"error: --prompts-file {binary}: cannot read the file")
+
+
+def test_throughput_is_the_named_form_of_the_default_command(capsys, tmp_path):
+    argv = ["--backend", "reference", "--num-prompts", "2", "--input-len", "4", "--output-len", "2"]
+    assert main(["bench", "throughput", *argv, "--json", str(tmp_path / "a.json")]) == 0
+    named = json.loads((tmp_path / "a.json").read_text())
+    assert named["num_output_tokens"] == 4 and named["args"]["input_len"] == 4
+
+
+def test_bench_help_lists_the_benchmark_scripts_and_a_name_runs_one(capsys, tmp_path):
+    from deepinfer_core.benchmarking.scripts import BENCHMARKS_DIR, SCRIPTS
+
+    assert main(["bench", "--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in SCRIPTS)
+    assert all((BENCHMARKS_DIR / script).is_file() for script, _ in SCRIPTS.values())
+    assert main(["bench", "run-batch", "--sizes", "0"]) == 2  # the script's own argparse usage error
+    assert "expected positive integers" in capsys.readouterr().err

@@ -1,9 +1,8 @@
 """The benchmark scripts still run end to end (small settings, CPU): what they print and write
-is what docs/benchmarks.md is built from, so a script that rots is a defect.  Each run checks
-its own exactness claims too: ``gpu_distributed.py --smoke`` exits 1 unless DP2+EP2 and DP2 with
-batch invariance are bitwise equal to one process (and its eplb part must lower the measured
-expert load imbalance), ``speculative.py`` warns when a mode's tokens
-differ from plain decoding's."""
+is what docs/benchmarks.md is built from, so a script that rots is a defect.  The scripts report
+figures; these tests judge them: DP2+EP2 and DP2 with batch invariance are bitwise equal to one
+process (``gpu_distributed.py --smoke``), its eplb part lowers the measured expert load
+imbalance, and every speculative mode generates plain decoding's tokens."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> N
     assert 1.0 <= after["max_over_mean_load"] <= before["max_over_mean_load"]
     assert after["predicted_max_over_mean_load"] < before["max_over_mean_load"]
     assert before["engine_steps"][1] < before["load_steps"][1] < after["engine_steps"][0]
-    assert "MEASURED_2GPU: list" in proc.stdout and "| EPLB, skewed prompts" in proc.stdout
+    assert "eplb.after" in proc.stdout  # the printed table
 
 
 def test_gpu_distributed_rejects_experts_that_do_not_divide_over_the_world(tmp_path: Path) -> None:
@@ -64,7 +63,6 @@ def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) 
     args = ["--batch-sizes", "2", "--repeats", "2", "--max-tokens", "12", "--out", str(out)]
     proc = _run([str(ROOT / "benchmarks" / "speculative.py"), *args], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tokens differ" not in proc.stderr, proc.stderr
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows.keys() == {"none", "fixed", "dspark"}
     assert all(r["same_tokens_as_first_mode"] for r in rows.values())

@@ -1,4 +1,4 @@
-"""Distributed exactness on two GPUs over NCCL (issue 11 item 5): the CPU tests' checks
+"""Distributed exactness on two GPUs over NCCL: the CPU tests' checks
 (``test_dp_ep_engine.py``, ``test_data_parallel.py``, ``test_context_parallel.py``) on CUDA.
 
 The tiny model in fp32 on the best GPU backend (``cuda_sm100`` when available, else the
@@ -78,7 +78,7 @@ RUNS = {
     # the shutdown must release them before NCCL's teardown (it hung otherwise)
     "dp2_ep2_graphs": {"data_parallel_size": 2, "enable_expert_parallel": True, "enforce_eager": False},
     # EPLB rebalancing every 2 steps (2 replicas): expert weights move between the GPUs over NCCL
-    # into the stacks the decode graphs read (gpu_distributed.py's eplb part, issue 12)
+    # into the stacks the decode graphs read (gpu_distributed.py's eplb part)
     "dp2_ep2_eplb": {
         "data_parallel_size": 2,
         "enable_expert_parallel": True,

@@ -1,6 +1,6 @@
 """Run the decode-shaped ``cuda_sm100`` kernels a few times, eagerly, for Nsight Compute.
 
-The kernels whose targets the part-2 issue measures: the FP8 block GEMM at M = 1 on
+The kernels whose speed targets docs/benchmarks.md measures: the FP8 block GEMM at M = 1 on
 DeepSeek-V4-Flash's widest projection (8192 -> 4096) and on a narrow one (4096 -> 1024), and
 the FP4 MoE kernels at 64 tokens (256 experts 4096 x 2048, top-6).  Profile with e.g.::
 

@@ -1,0 +1,154 @@
+"""The benchmark scripts' shared harness: timing, rooflines, machine info, JSON and tables.
+
+Benchmarks measure and report; they do not judge (correctness lives in ``tests/``).  Every
+script writes its JSON through :func:`write_json`, which adds a ``"run_info"`` entry (device,
+versions, command line, date) beside the script's own fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+H200_HBM_BW = 4.24e12
+"""bytes/s of an H200's HBM (the weight-read roofline's default)."""
+H200_BF16_FLOPS = 989e12
+"""dense bf16 tensor-core peak of an H200, FLOP/s (the compute roofline's default)."""
+
+
+def log(msg: str) -> None:
+    """Print ``msg`` with the wall-clock time, flushed (progress lines of a long run)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def positive_ints(text: str) -> list[int]:
+    """``argparse`` type: comma-separated positive integers (``"1,16,64"``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def choice_list(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """``argparse`` type: a non-empty comma-separated list of ``choices`` (``"decode,cp"``)."""
+
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [x for x in values if x not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {','.join(choices)}")
+        return values
+
+    return parse
+
+
+KEEP_QUANTIZED = {"auto": None, "on": True, "off": False}
+"""``--keep-quantized`` choices and the ``LLM(keep_quantized=...)`` each gives."""
+
+
+def add_keep_quantized(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--keep-quantized auto|on|off`` (default ``auto``; :data:`KEEP_QUANTIZED` maps it)."""
+    parser.add_argument("--keep-quantized", choices=tuple(KEEP_QUANTIZED), default="auto", help=help)
+
+
+def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
+    """``(fn(), seconds)`` by ``time.perf_counter``; ``sync`` (e.g. ``torch.cuda.synchronize``)
+    runs before the clock starts and before it stops."""
+    if sync is not None:
+        sync()
+    t0 = time.perf_counter()
+    out = fn()
+    if sync is not None:
+        sync()
+    return out, time.perf_counter() - t0
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median wall time of ``repeats`` calls of ``fn`` (seconds)."""
+    times = sorted(timed(fn)[1] for _ in range(repeats))
+    return times[len(times) // 2]
+
+
+def weight_read_tok_s(tokens: float, step_bytes: float, bandwidth: float = H200_HBM_BW) -> float:
+    """Roofline: tok/s if a step of ``tokens`` tokens took exactly the time to read ``step_bytes``."""
+    return tokens * bandwidth / step_bytes
+
+
+def compute_tok_s(flops_per_token: float, peak_flops: float = H200_BF16_FLOPS) -> float:
+    """Roofline: tok/s at the FLOP peak, ``flops_per_token`` each."""
+    return peak_flops / flops_per_token
+
+
+def machine_info(device: Any = None) -> dict[str, Any]:
+    """Where and how a benchmark ran: device (GPU name, capability, memory), torch / triton /
+    transformers / DeepInfer versions, Python, platform, CPU count, command line and date."""
+    import deepinfer_core
+
+    info: dict[str, Any] = {
+        "device": str(device) if device is not None else "cpu",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "deepinfer": deepinfer_core.__version__,
+    }
+    torch = sys.modules.get("torch")  # a torch-free script (the cost model) stays torch-free
+    if torch is not None:
+        info.update(
+            torch=torch.__version__, torch_cuda=torch.version.cuda, torch_threads=torch.get_num_threads()
+        )
+    dev = torch.device(device) if torch is not None and device is not None else None
+    if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(dev)
+        info.update(
+            gpu=torch.cuda.get_device_name(dev),
+            gpu_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=props.total_memory / 2**30,
+            gpu_count=torch.cuda.device_count(),
+        )
+    for mod in ("triton", "transformers", "safetensors"):
+        try:
+            info[mod] = __import__(mod).__version__ if torch is not None else None
+        except Exception:  # not installed (or broken): recorded as absent
+            info[mod] = None
+    return info
+
+
+def write_json(path: Path | str, report: dict[str, Any], device: Any = None, quiet: bool = False) -> Path:
+    """Write ``report`` plus ``"run_info"`` (:func:`machine_info`) to ``path`` (folders made,
+    written whole through a temporary file); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**report, "run_info": machine_info(device)}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.replace(path)
+    if not quiet:
+        print(f"wrote {path}")
+    return path
+
+
+def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
+    """Print ``rows`` aligned: ``columns`` are ``(header, key, format spec)``; a missing or
+    ``None`` value prints as ``-``."""
+
+    def cell(row: dict[str, Any], key: str, spec: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, spec)
+
+    cells = [[cell(r, key, spec) for _, key, spec in columns] for r in rows]
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, (h, _, _) in enumerate(columns)]
+    print("  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths, strict=True)))
+    for c in cells:
+        print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
