@@ -142,72 +142,29 @@ def build_attention(third: str | None, split: bool, heads: int, dim: int, dtype:
             l = T.alloc_fragment((BH,), acc_t)
             l_i = T.alloc_fragment((BH,), acc_t)
             alpha = T.alloc_fragment((BH,), acc_t)
+            state = (
+                q_s,
+                k_s,
+                p_s,
+                rows,
+                acc_o,
+                acc_s,
+                m,
+                m_prev,
+                l,
+                l_i,
+                alpha,
+                scale2,
+            )  # what each source's loop updates
             T.copy(q[t, hb * BH, 0], q_s)
             T.fill(acc_o, 0)
             for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
                 m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
                 l[h] = T.if_then_else(s == 0, 1.0, 0.0)
-            attend_rows(
-                pool0,
-                idx0,
-                k0,
-                t,
-                s,
-                n_split,
-                q_s,
-                k_s,
-                p_s,
-                rows,
-                acc_o,
-                acc_s,
-                m,
-                m_prev,
-                l,
-                l_i,
-                alpha,
-                scale2,
-            )
-            attend_rows(
-                pool1,
-                idx1,
-                k1,
-                t,
-                s,
-                n_split,
-                q_s,
-                k_s,
-                p_s,
-                rows,
-                acc_o,
-                acc_s,
-                m,
-                m_prev,
-                l,
-                l_i,
-                alpha,
-                scale2,
-            )
+            attend_rows(pool0, idx0, k0, t, s, n_split, *state)
+            attend_rows(pool1, idx1, k1, t, s, n_split, *state)
             if third == "rows":
-                attend_rows(
-                    pool2,
-                    idx2,
-                    k2,
-                    t,
-                    s,
-                    n_split,
-                    q_s,
-                    k_s,
-                    p_s,
-                    rows,
-                    acc_o,
-                    acc_s,
-                    m,
-                    m_prev,
-                    l,
-                    l_i,
-                    alpha,
-                    scale2,
-                )
+                attend_rows(pool2, idx2, k2, t, s, n_split, *state)
             if third == "paged":
                 cnt = T.min(counts[t], max_count)
                 nb2 = T.ceildiv(cnt, BN)
