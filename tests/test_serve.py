@@ -1,0 +1,182 @@
+"""``deepinfer serve`` with the official ``openai`` client, on the built-in tiny model.
+
+A uvicorn server runs the application on a free 127.0.0.1 port in a thread of the test, over
+its own ``LLM(backend="reference")``; the oracle is a second, independent ``LLM`` on the same
+model: every greedy text the server answers equals ``LLM.generate`` / ``LLM.chat``, and a
+stream's pieces add up to the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.cli import main
+from deepinfer_core.sampling.params import StructuredOutputsParams
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from deepinfer_core.serve.app import build_app  # noqa: E402
+from deepinfer_core.serve.engine_loop import EngineLoop  # noqa: E402
+from deepinfer_core.serve.metrics import Histogram  # noqa: E402
+
+KEY = "sk-test-key"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``(base url, engine loop)`` of a running server with API key :data:`KEY`."""
+    llm = LLM(backend="reference")
+    loop = EngineLoop(llm.client)
+    app = build_app(loop, MODEL, api_key=KEY)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", loop
+    srv.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _drained(loop: EngineLoop) -> bool:
+    deadline = time.monotonic() + 30
+    while loop.num_requests or loop.client.has_unfinished():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---- fast ------------------------------------------------------------------------------------
+def test_histogram_buckets_are_cumulative_counts():
+    h = Histogram("x_seconds", "x", buckets=(0.1, 1.0))
+    for v in (0.05, 0.5, 0.5, 3.0):
+        h.observe(v)
+    h.observe(0.01, times=2)
+    lines = h.render()
+    assert 'x_seconds_bucket{le="0.1"} 3' in lines
+    assert 'x_seconds_bucket{le="1.0"} 5' in lines
+    assert 'x_seconds_bucket{le="+Inf"} 6' in lines
+    assert "x_seconds_count 6" in lines
+    assert any(line.startswith("x_seconds_sum 4.0") for line in lines)
+
+
+def test_serve_usage_error_is_one_line(capsys):
+    assert main(["serve", "--port", "70000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: serve --port=70000: must be in [0, 65535]"]
+
+
+# ---- with a server ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_completions_and_chat_equal_llm(server, client, llm):
+    prompt = "The quick brown fox"
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0]
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert got.choices[0].text == want.outputs[0].text
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+    messages = [{"role": "user", "content": "Say something."}]
+    want = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].message.role == "assistant"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+@pytest.mark.slow
+def test_stream_deltas_add_up_to_the_text(server, client, llm):
+    prompt = "Once upon a time"
+    want = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20), use_tqdm=False)[0]
+    pieces, reasons = [], []
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert "".join(pieces) == want.outputs[0].text
+    assert len(pieces) > 2  # it came in pieces
+    assert reasons[-1] == want.outputs[0].finish_reason and set(reasons[:-1]) == {None}
+
+    messages = [{"role": "user", "content": "Tell a story."}]
+    want = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16, stop=["e "]), use_tqdm=False)[0]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=["e "], stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+@pytest.mark.slow
+def test_response_format_json_schema(server, client, llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = SamplingParams(
+        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    messages = [{"role": "user", "content": "JSON please"}]
+    want = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    got = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )  # fmt: skip
+    assert got.choices[0].message.content == want
+    if got.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(want)["a"], int)
+
+
+@pytest.mark.slow
+def test_errors_are_openai_errors(server, client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=0)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == "max_tokens" and "max_tokens" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    r = httpx.get(server[0] + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+@pytest.mark.slow
+def test_disconnect_mid_stream_aborts_the_request(server):
+    url, loop = server
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    aborted = loop.metrics.requests["abort"]
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+    assert _drained(loop), "the engine still holds the request after the client went away"
+    assert loop.metrics.requests["abort"] == aborted + 1
+    metrics = httpx.get(url + "/metrics").text
+    assert "deepinfer_time_to_first_token_seconds_count" in metrics
+    assert 'deepinfer_requests_total{finish_reason="abort"}' in metrics
