@@ -180,3 +180,46 @@ def test_disconnect_mid_stream_aborts_the_request(server):
     metrics = httpx.get(url + "/metrics").text
     assert "deepinfer_time_to_first_token_seconds_count" in metrics
     assert 'deepinfer_requests_total{finish_reason="abort"}' in metrics
+
+
+@pytest.mark.slow
+def test_load_with_disconnects_leaks_nothing(server, llm):
+    """240 concurrent streams, every fifth dropped after its first chunk: each finished stream
+    is whole (its text equals the greedy ``LLM.generate`` one), and afterwards the engine holds
+    no request and every cache page is free."""
+    import asyncio
+
+    url, loop = server
+    prompts = [f"Request number {i} says" for i in range(12)]
+    wants = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    want = {p: o.outputs[0].text for p, o in zip(prompts, wants, strict=True)}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def one(http, i):
+        prompt = prompts[i % len(prompts)]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True}
+        text, done = "", False
+        async with http.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+                    if i % 5 == 0:
+                        return None  # the client goes away mid-stream
+        assert done
+        return prompt, text
+
+    async def run():
+        limits = httpx.Limits(max_connections=300, max_keepalive_connections=0)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as http:
+            return await asyncio.gather(*(one(http, i) for i in range(240)))
+
+    results = asyncio.run(run())
+    finished = [r for r in results if r is not None]
+    assert len(finished) == 192
+    assert all(text == want[prompt] for prompt, text in finished)
+    assert _drained(loop)
+    cache = loop.client.runner.kv_cache
+    assert cache.num_free_pages == cache.num_pages
