@@ -223,3 +223,15 @@ def test_load_with_disconnects_leaks_nothing(server, llm):
     assert _drained(loop)
     cache = loop.client.runner.kv_cache
     assert cache.num_free_pages == cache.num_pages
+
+
+@pytest.mark.slow
+def test_disconnect_while_waiting_aborts_the_request(server):
+    url, loop = server
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    aborted = loop.metrics.requests["abort"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5, read=0.3))
+    assert _drained(loop), "the engine still holds the request after the client went away"
+    assert loop.metrics.requests["abort"] == aborted + 1, dict(loop.metrics.requests)

@@ -9,6 +9,7 @@ their status: 400 bad request, 401 bad key, 404 unknown model or route.  See ``d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -17,7 +18,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer_core.openai import CHAT_URL, COMPLETIONS_URL, OpenAIError, error_object
@@ -55,19 +56,8 @@ def build_app(loop: EngineLoop, model: str, api_key: str | None = None) -> FastA
 
     app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Any:
-        if api_key is not None and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(
-                    OpenAIError(
-                        "invalid or missing API key (Authorization: Bearer <key>)",
-                        "invalid_api_key",
-                        status=401,
-                    )  # fmt: skip
-                )
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, key=api_key)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -101,7 +91,12 @@ def build_app(loop: EngineLoop, model: str, api_key: str | None = None) -> FastA
         try:
             req, stream, usage = completions.parse(url, body)
             if not stream:
-                return await completions.complete(req)
+                watch = asyncio.ensure_future(_disconnect(request))
+                try:
+                    answer = await completions.complete(req, watch.done)
+                finally:
+                    watch.cancel()
+                return Response(status_code=499) if answer is None else answer  # nobody reads it
             chunks = completions.stream(req, usage)
             first = await anext(chunks)  # a refused request fails here, before the 200
         except OpenAIError as e:
@@ -127,6 +122,31 @@ def build_app(loop: EngineLoop, model: str, api_key: str | None = None) -> FastA
         return await answer(COMPLETIONS_URL, request)
 
     return app
+
+
+class _KeyCheck:
+    """ASGI middleware: ``/v1/`` routes need ``Authorization: Bearer <key>`` (401 otherwise).
+    Plain ASGI, so that a handler still sees its client disconnect."""
+
+    def __init__(self, app: Any, key: str):
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "invalid or missing API key (Authorization: Bearer <key>)"
+                response = error_response(OpenAIError(message, "invalid_api_key", status=401))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _disconnect(request: Request) -> None:
+    """Return once the client of ``request`` (its body read) closes the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(chunk: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError
@@ -21,6 +21,9 @@ from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.serve.engine_loop import Delta, EngineLoop
 
 _ids = itertools.count()
+
+POLL_S = 0.25
+"""How often a non-streamed request checks that its caller is still connected."""
 
 
 class Completions:
@@ -120,8 +123,12 @@ class Completions:
         return rid, ids, queue, outputs
 
     # ---- answers ---------------------------------------------------------------------------------
-    async def complete(self, req: ParsedRequest) -> dict[str, Any]:
-        """The response body once every engine request finished.
+    async def complete(
+        self, req: ParsedRequest, disconnected: Callable[[], bool] | None = None
+    ) -> dict[str, Any] | None:
+        """The response body once every engine request finished; ``None`` (the engine
+        requests aborted) when ``disconnected()``, checked at every event and every :data:`POLL_S` s, says
+        the caller went away.
 
         Raises:
             OpenAIError: a bad request, or an engine request that failed (its message).
@@ -130,7 +137,12 @@ class Completions:
         left = set(ids)
         try:
             while left:
-                delta = await queue.get()
+                if disconnected is not None and disconnected():
+                    return None
+                try:
+                    delta = await asyncio.wait_for(queue.get(), POLL_S)
+                except TimeoutError:
+                    continue
                 if delta.output is not None:
                     left.discard(delta.engine_id)
                     self._file(outputs, req, delta)
