@@ -9,7 +9,11 @@ stream's pieces add up to the non-streamed text.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -85,6 +89,47 @@ def test_serve_usage_error_is_one_line(capsys):
     assert main(["serve", "--port", "70000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: serve --port=70000: must be in [0, 65535]"]
+
+
+def test_serve_without_fastapi_prints_the_install_command(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # what an interpreter without it imports
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: serve needs fastapi; install them from a DeepInfer checkout: pip install -e '.[serve]'"
+    ]
+
+
+@pytest.mark.slow
+def test_serve_command_answers_and_stops_on_sigint(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--backend", "reference", "--port", str(port)]
+    env = {**os.environ, "DEEPINFER_API_KEY": KEY}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read() if proc.poll() else ""
+            )
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        api = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        model = api.models.list().data[0].id
+        got = api.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=0)
+        assert got.usage.completion_tokens == 4 and got.choices[0].finish_reason == "length"
+        assert httpx.get(url + "/v1/models").status_code == 401  # the key came from the environment
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, out
 
 
 # ---- with a server ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 from typing import Any
 
@@ -17,7 +17,12 @@ INSTALL_HINT = "install them from a DeepInfer checkout: pip install -e '.[serve]
 def check_installed() -> None:
     """Raise :class:`ConfigError` (one line with the install command) when FastAPI or uvicorn
     is missing."""
-    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    missing = []
+    for name in ("fastapi", "uvicorn"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
     if missing:
         raise ConfigError(f"serve needs {' and '.join(missing)}; {INSTALL_HINT}")
 
