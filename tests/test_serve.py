@@ -280,3 +280,21 @@ def test_disconnect_while_waiting_aborts_the_request(server):
         httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(5, read=0.3))
     assert _drained(loop), "the engine still holds the request after the client went away"
     assert loop.metrics.requests["abort"] == aborted + 1, dict(loop.metrics.requests)
+
+
+@pytest.mark.slow
+def test_n_samples_seeded_equal_llm_streamed_or_not(server, client, llm):
+    prompts = ["A cat", "A dog"]
+    params = SamplingParams(n=2, seed=7, temperature=1.0, max_tokens=10)
+    want = [c.text for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    got = client.completions.create(model=MODEL, prompt=prompts, n=2, seed=7, temperature=1.0, max_tokens=10)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == want
+    texts = [""] * 4
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, seed=7, temperature=1.0, max_tokens=10, stream=True
+    )
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == want
