@@ -298,3 +298,16 @@ def test_n_samples_seeded_equal_llm_streamed_or_not(server, client, llm):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert texts == want
+
+
+@pytest.mark.slow
+def test_abort_before_admission_never_reaches_the_engine(llm):
+    loop = EngineLoop(llm.client)  # not started: the request waits for the loop thread
+    got = []
+    loop.add("early", [1, 2, 3], SamplingParams(max_tokens=4), got.append)
+    assert loop.num_requests == 1
+    loop.abort(["early"])
+    assert loop.num_requests == 0 and not llm.client.has_unfinished()
+    assert [(d.engine_id, d.output.outputs[0].finish_reason) for d in got] == [("early", "abort")]
+    assert loop.metrics.requests["abort"] == 1
+    llm.generate(["x"], SamplingParams(max_tokens=1), use_tqdm=False)  # the engine's abort list: harmless

@@ -173,10 +173,21 @@ class EngineLoop:
     def abort(self, engine_ids: list[str]) -> None:
         """Abort requests (their last event comes with ``finish_reason="abort"``); unknown or
         finished ids are ignored."""
-        if engine_ids:
-            self.client.abort_request(engine_ids)
-            with self._cond:
-                self._cond.notify()
+        if not engine_ids:
+            return
+        gone = set(engine_ids)
+        with self._cond:  # not admitted yet: dropped here, never reaching the engine
+            dropped = [a for a in self._adds if a.engine_id in gone]
+            self._adds = [a for a in self._adds if a.engine_id not in gone]
+            self._cond.notify()
+        self.client.abort_request(engine_ids)
+        for add in dropped:
+            self.metrics.finished("abort", len(add.prompt_token_ids), 0)
+            out = RequestOutput(
+                add.engine_id, add.prompt, add.prompt_token_ids, [CompletionOutput(0, "", [], "abort")]
+            )
+            out.finished = True
+            add.sink(Delta(add.engine_id, "", 0, out))
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
