@@ -198,6 +198,11 @@ def test_errors_are_openai_errors(server, client):
         client.completions.create(model=MODEL, prompt="x", max_tokens=0)
     assert e.value.status_code == 400
     assert e.value.body["param"] == "max_tokens" and "max_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # refused before the stream starts
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, logprobs=True
+        )
+    assert e.value.body["param"] == "logprobs"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)
@@ -206,6 +211,10 @@ def test_errors_are_openai_errors(server, client):
     assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
     r = httpx.get(server[0] + "/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.get(server[0] + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = httpx.post(server[0] + "/v1/completions", content=b"{", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
 
 
