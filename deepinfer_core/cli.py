@@ -1,7 +1,8 @@
 """The ``deepinfer`` command line.
 
 Subcommands: ``generate`` (complete prompts), ``bench`` (offline throughput and latency),
-``run-batch`` (an OpenAI Batch file, resumable: :mod:`deepinfer_core.batch`),
+``run-batch`` (an OpenAI Batch file, resumable: :mod:`deepinfer_core.batch`), ``serve`` (an
+OpenAI-compatible HTTP server: :mod:`deepinfer_core.serve`),
 ``plugins`` (JSON report of the loaded plugins), ``make-tiny`` (write a tiny random
 DeepSeek-V4 checkpoint; with ``--arch deepseek_v41`` a DeepSeek-V4.1 one with its DSpark
 drafter's layers, ``--no-dspark`` without).  No command prints a traceback: a
@@ -133,6 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_argument("--fsync", action="store_true", help="fsync the results file after every line")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     batch.set_defaults(func=_cmd_run_batch)
+
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve the model over an OpenAI-compatible HTTP API: /v1/models, /v1/completions, "
+        "/v1/chat/completions (streaming too), /health, /metrics (docs/serve.md). Needs the [serve] extra.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    serve.add_argument(
+        "--api-key", help="key clients must send as 'Authorization: Bearer KEY' (default $DEEPINFER_API_KEY)"
+    )
+    serve.add_argument("--served-model-name", help="the model name of the API (default the model path)")
+    _add_engine_args(serve)
+    serve.add_argument("--engine-seed", type=int, dest="engine_seed", help="engine seed (EngineConfig.seed)")
+    serve.set_defaults(func=_cmd_serve)
 
     plug = sub.add_parser("plugins", help="print the loaded plugins as JSON")
     plug.set_defaults(func=_cmd_plugins)
@@ -502,6 +519,18 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     elif summary.skipped_failed:
         print(f"error: {summary.skipped_failed} line(s) of {args.output} are errors", file=sys.stderr)
     return EXIT_REQUEST_FAILED if summary.exit_status else 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from deepinfer_core.serve.server import check_address, check_installed, run_server
+
+    check_installed()
+    check_address(args.host, args.port)
+    from deepinfer_core.llm import LLM
+
+    llm = LLM(seed=args.engine_seed, **_engine_kwargs(args))
+    run_server(llm, args.host, args.port, api_key=args.api_key, model=args.served_model_name)
+    return 0
 
 
 def _cmd_plugins(args: argparse.Namespace) -> int:

@@ -92,6 +92,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         [
             "deepinfer_core",
             "deepinfer_core.batch.*",
+            "deepinfer_core.serve.*",
             "deepinfer_core.llm",
             "deepinfer_core.bench",
             "deepinfer_core.benchmarking.*",
@@ -126,6 +127,7 @@ LAZY_MODULES: dict[str, str] = {
     "deepinfer_core.cli": "a command imports only what it runs (`deepinfer --help` does not load torch)",
     "deepinfer_core.launch": "torchrun entry: rank 0 runs the CLI, the others the worker loop",
     "deepinfer_core.bench": "`deepinfer bench` loads the engine only once its arguments are valid",
+    "deepinfer_core.serve.server": "fastapi and uvicorn (the [serve] extra) load only once they are checked",
     "deepinfer_core.benchmarking.harness": "the version is read when a report is written, not on import",
     "deepinfer_core.builtin_plugin": (
         "registrations are lazy factories: registering a component does not import it"

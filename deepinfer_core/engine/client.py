@@ -66,7 +66,13 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         sample_index: int = 0,
     ) -> object:
-        """Queue one request (one sample of a prompt: ``sample_index`` of ``params.n``)."""
+        """Queue one request (one sample of a prompt: ``sample_index`` of ``params.n``).
+
+        Returns a handle of the request: the single-process engine returns its
+        :class:`~deepinfer_core.engine.request.Request`, whose ``output_token_ids`` and
+        ``output_text`` grow step by step (read between steps, on the thread that steps: the
+        server's incremental text, :mod:`deepinfer_core.serve.engine_loop`); the distributed
+        coordinator returns ``None`` (its requests live on the ranks)."""
         ...
 
     def step(self) -> list[RequestOutput]:
