@@ -22,6 +22,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "cpu-engine-features": ("cpu_engine_features.py", "prefix caching and async scheduling on/off, CPU"),
     "cpu-v41": ("cpu_v41.py", "the tiny V4.1 on CPU: throughput, prefix cache, decoder tail"),
     "run-batch": ("run_batch.py", "run-batch peak RSS and lines/s by input size"),
+    "serve": ("serve.py", "deepinfer serve (HTTP, streaming) vs LLM.generate: tok/s, TTFT, ITL"),
     "structured-outputs": ("structured_outputs.py", "structured vs unconstrained throughput, grammar TTFT"),
     "speculative": ("speculative.py", "speculative decoding: DSpark vs fixed vs none"),
     "gpu-e2e": ("gpu_e2e.py", "V4-Flash-width model: decode / prefill tok/s vs HF and the roofline (GPU)"),

@@ -1,0 +1,178 @@
+"""``deepinfer serve`` against ``LLM.generate`` on the built-in tiny model (CPU).
+
+For each ``--batches`` entry B, B concurrent ``/v1/completions`` requests (``--prompt-len``
+random token ids, ``max_tokens`` ``--max-tokens``, greedy, ``ignore_eos``) go through a
+``deepinfer serve`` subprocess on a free 127.0.0.1 port with the async ``openai`` client,
+streaming: output tok/s, TTFT and inter-token latency p50/p90 over the requests.  The same
+prompts then run through ``LLM.generate`` in this process (TTFT from ``RequestOutput.metrics``).
+ITL is each request's mean gap ``(last token - first token) / (tokens - 1)``, on both paths
+(streamed chunks arrive in bursts, and a token whose text is held back sends no chunk).
+The overhead is the throughput ratio server / ``LLM.generate`` per B.
+
+Prints a table and writes JSON (``benchmarks/results/serve.json``).  Usage::
+
+    python benchmarks/serve.py --threads 1        # or: deepinfer bench serve --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from deepinfer_core.benchmarking.harness import log, positive_ints, print_table, write_json  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "serve.json"
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``values`` in milliseconds, ``None`` if empty."""
+    s = sorted(values)
+    return 1000 * s[min(len(s) - 1, int(q * len(s)))] if s else None
+
+
+def summary(tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> dict:
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
+            "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9)}  # fmt: skip
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """A ``deepinfer serve`` subprocess on a free port; ``(process, base url)`` once healthy."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepinfer_core.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--backend",
+        args.backend,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"error: the server did not start: {(proc.communicate()[1] or '').strip()[-500:]}")
+
+
+async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[int, float, float | None, int]:
+    """Stream one completion: (output tokens, TTFT s, mean ITL s, chunks with text)."""
+    t0 = time.perf_counter()
+    stamps, tokens = [], 0
+    stream = await client.completions.create(
+        model=None, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    async for chunk in stream:
+        if chunk.choices:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None
+    return tokens, stamps[0] - t0, itl, len(stamps)
+
+
+async def serve_batch(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All ``prompts`` at once through the server; the figures of :func:`summary`."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
+        await one_request(client, prompts[0][:8], 2)  # warm-up (connection, first step)
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one_request(client, p, max_tokens) for p in prompts))
+        seconds = time.perf_counter() - t0
+    itl = [d[2] for d in done if d[2] is not None]
+    figures = summary(sum(d[0] for d in done), seconds, [d[1] for d in done], itl)
+    return {**figures, "chunks": sum(d[3] for d in done)}
+
+
+def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All ``prompts`` in one ``LLM.generate``; the figures of :func:`summary`."""
+    from deepinfer_core import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    ttft, itl, tokens = [], [], 0
+    for o in outs:
+        n, m = len(o.outputs[0].token_ids), o.metrics
+        tokens += n
+        if m is not None and m.ttft is not None:
+            ttft.append(m.ttft)
+            if n > 1 and m.last_token_time is not None:
+                itl.append((m.last_token_time - m.first_token_time) / (n - 1))
+    return summary(tokens, seconds, ttft, itl)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry: parse flags, measure server and ``LLM.generate`` per B, print, write JSON."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--batches", type=positive_ints, default=[1, 64], help="concurrent requests (default 1,64)"
+    )
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request (default 32)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of each process (default 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=str(RESULTS), help=f"output JSON (default {RESULTS})")
+    args = ap.parse_args(argv)
+    import torch
+
+    from deepinfer_core import LLM
+
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    prompts = {
+        b: [[rng.randrange(4, 500) for _ in range(args.prompt_len)] for _ in range(b)] for b in args.batches
+    }
+    rows = []
+    proc, url = start_server(args)
+    try:
+        for b in args.batches:
+            log(f"server B={b}")
+            served = asyncio.run(serve_batch(url, prompts[b], args.max_tokens))
+            rows.append({"path": "server", "batch": b, **served})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    llm = LLM(backend=args.backend)
+    for b in args.batches:
+        log(f"LLM.generate B={b}")
+        rows.append({"path": "LLM.generate", "batch": b, **llm_batch(llm, prompts[b], args.max_tokens)})
+    direct = {r["batch"]: r["output_tok_s"] for r in rows if r["path"] == "LLM.generate"}
+    for r in rows:
+        r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]
+    cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
+            ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
+            ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p90 ms", "ttft_p90_ms", ".1f"),
+            ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
+            ("x LLM.generate", "vs_llm_generate", ".2f")]  # fmt: skip
+    print_table(rows, cols)
+    write_json(args.json, {"args": vars(args), "backend": llm.config.backend, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
