@@ -7,7 +7,8 @@ streaming: output tok/s, TTFT and inter-token latency p50/p90 over the requests.
 prompts then run through ``LLM.generate`` in this process (TTFT from ``RequestOutput.metrics``).
 ITL is each request's mean gap ``(last token - first token) / (tokens - 1)``, on both paths
 (streamed chunks arrive in bursts, and a token whose text is held back sends no chunk).
-The overhead is the throughput ratio server / ``LLM.generate`` per B.
+The overhead is the throughput ratio server / ``LLM.generate`` per B; CPU seconds of the
+engine process (the server, or this one for ``LLM.generate``) and of the client show where it goes.
 
 Prints a table and writes JSON (``benchmarks/results/serve.json``).  Usage::
 
@@ -77,7 +78,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
 async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[int, float, float | None, int]:
     """Stream one completion: (output tokens, TTFT s, mean ITL s, chunks with text)."""
     t0 = time.perf_counter()
-    stamps, tokens = [], 0
+    stamps, tokens, text = [], 0, ""
     stream = await client.completions.create(
         model=None, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -85,24 +86,33 @@ async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[int, 
     async for chunk in stream:
         if chunk.choices:
             stamps.append(time.perf_counter())
+            text += chunk.choices[0].text
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None
-    return tokens, stamps[0] - t0, itl, len(stamps)
+    return tokens, stamps[0] - t0, itl, len(stamps), text
 
 
-async def serve_batch(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All ``prompts`` at once through the server; the figures of :func:`summary`."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def serve_batch(url: str, pid: int, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All ``prompts`` at once through the server (process ``pid``); the figures of
+    :func:`summary` plus the CPU seconds the server and this client spent."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
         await one_request(client, prompts[0][:8], 2)  # warm-up (connection, first step)
-        t0 = time.perf_counter()
+        t0, server0, client0 = time.perf_counter(), cpu_seconds(pid), time.process_time()
         done = await asyncio.gather(*(one_request(client, p, max_tokens) for p in prompts))
         seconds = time.perf_counter() - t0
+        cpu = {"server_cpu_s": cpu_seconds(pid) - server0, "client_cpu_s": time.process_time() - client0}
     itl = [d[2] for d in done if d[2] is not None]
     figures = summary(sum(d[0] for d in done), seconds, [d[1] for d in done], itl)
-    return {**figures, "chunks": sum(d[3] for d in done)}
+    return {**figures, **cpu, "chunks": sum(d[3] for d in done), "texts": [d[4] for d in done]}
 
 
 def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -111,9 +121,9 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ttft, itl, tokens = [], [], 0
     for o in outs:
         n, m = len(o.outputs[0].token_ids), o.metrics
@@ -122,7 +132,11 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             ttft.append(m.ttft)
             if n > 1 and m.last_token_time is not None:
                 itl.append((m.last_token_time - m.first_token_time) / (n - 1))
-    return summary(tokens, seconds, ttft, itl)
+    return {
+        **summary(tokens, seconds, ttft, itl),
+        "server_cpu_s": cpu,
+        "texts": [o.outputs[0].text for o in outs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for b in args.batches:
             log(f"server B={b}")
-            served = asyncio.run(serve_batch(url, prompts[b], args.max_tokens))
+            served = asyncio.run(serve_batch(url, proc.pid, prompts[b], args.max_tokens))
             rows.append({"path": "server", "batch": b, **served})
     finally:
         proc.terminate()
@@ -162,13 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         log(f"LLM.generate B={b}")
         rows.append({"path": "LLM.generate", "batch": b, **llm_batch(llm, prompts[b], args.max_tokens)})
     direct = {r["batch"]: r["output_tok_s"] for r in rows if r["path"] == "LLM.generate"}
+    texts = {r["batch"]: r.pop("texts") for r in rows if r["path"] == "LLM.generate"}
     for r in rows:
         r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]
+        r["same_text"] = sum(
+            a == b for a, b in zip(r.pop("texts", texts[r["batch"]]), texts[r["batch"]], strict=True)
+        )
     cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
-            ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
+            ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("engine proc CPU s", "server_cpu_s", ".2f"),
+            ("client CPU s", "client_cpu_s", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
             ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p90 ms", "ttft_p90_ms", ".1f"),
             ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
-            ("x LLM.generate", "vs_llm_generate", ".2f")]  # fmt: skip
+            ("x LLM.generate", "vs_llm_generate", ".2f"), ("same text", "same_text", "d")]  # fmt: skip
     print_table(rows, cols)
     write_json(args.json, {"args": vars(args), "backend": llm.config.backend, "results": rows})
     return 0

@@ -83,3 +83,24 @@ def test_run_batch_benchmark_measures_every_size(tmp_path: Path) -> None:
         (60, 60, 0, 60),
     ]
     assert all(r["peak_rss_mib"] > 0 and r["generated_tokens"] == 2 * r["size"] for r in rows)
+
+
+def test_serve_benchmark_streams_every_token_and_matches_llm_generate(tmp_path: Path) -> None:
+    """``deepinfer bench serve`` on tiny settings: a real server subprocess streams B x max_tokens
+    tokens (EOS ignored) whose text equals ``LLM.generate``'s for every request, and each path
+    reports its throughput, TTFT and ITL."""
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    out = tmp_path / "serve.json"
+    args = ["--batches", "1,3", "--prompt-len", "8", "--max-tokens", "5", "--json", str(out)]
+    proc = _run(["-m", "deepinfer_core.cli", "bench", "serve", *args], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["path"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
+    assert rows.keys() == {(p, b) for p in ("server", "LLM.generate") for b in (1, 3)}
+    for (path, b), r in rows.items():
+        assert r["output_tokens"] == 5 * b and r["same_text"] == b
+        assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p90_ms"]
+    assert all(0 < rows["server", b]["chunks"] <= 5 * b for b in (1, 3))
+    assert rows["LLM.generate", 3]["vs_llm_generate"] == 1.0
+    assert "x LLM.generate" in proc.stdout
