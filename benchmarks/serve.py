@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
             ("x LLM.generate", "vs_llm_generate", ".2f"), ("same text", "same_text", "d")]  # fmt: skip
     print_table(rows, cols)
-    write_json(args.json, {"args": vars(args), "backend": llm.config.backend, "results": rows})
+    write_json(args.json, {"args": vars(args), "backend": llm.client.backend.name, "results": rows})
     return 0
 
 
