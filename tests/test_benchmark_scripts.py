@@ -97,7 +97,7 @@ def test_serve_benchmark_streams_every_token_and_matches_llm_generate(tmp_path: 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {(r["path"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
     assert rows.keys() == {(p, b) for p in ("server", "LLM.generate") for b in (1, 3)}
-    for (path, b), r in rows.items():
+    for (_, b), r in rows.items():
         assert r["output_tokens"] == 5 * b and r["same_text"] == b
         assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p90_ms"]
