@@ -132,19 +132,14 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             ttft.append(m.ttft)
             if n > 1 and m.last_token_time is not None:
                 itl.append((m.last_token_time - m.first_token_time) / (n - 1))
-    return {
-        **summary(tokens, seconds, ttft, itl),
-        "server_cpu_s": cpu,
-        "texts": [o.outputs[0].text for o in outs],
-    }
+    texts = [o.outputs[0].text for o in outs]
+    return {**summary(tokens, seconds, ttft, itl), "server_cpu_s": cpu, "texts": texts}
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: parse flags, measure server and ``LLM.generate`` per B, print, write JSON."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--batches", type=positive_ints, default=[1, 64], help="concurrent requests (default 1,64)"
-    )
+    ap.add_argument("--batches", type=positive_ints, default=[1, 64], help="concurrent requests (1,64)")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request (default 32)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
@@ -176,12 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"LLM.generate B={b}")
         rows.append({"path": "LLM.generate", "batch": b, **llm_batch(llm, prompts[b], args.max_tokens)})
     direct = {r["batch"]: r["output_tok_s"] for r in rows if r["path"] == "LLM.generate"}
-    texts = {r["batch"]: r.pop("texts") for r in rows if r["path"] == "LLM.generate"}
+    texts = {r["batch"]: r["texts"] for r in rows if r["path"] == "LLM.generate"}
     for r in rows:
         r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]
-        r["same_text"] = sum(
-            a == b for a, b in zip(r.pop("texts", texts[r["batch"]]), texts[r["batch"]], strict=True)
-        )
+        r["same_text"] = sum(map(str.__eq__, r.pop("texts"), texts[r["batch"]]))
     cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
             ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("engine proc CPU s", "server_cpu_s", ".2f"),
             ("client CPU s", "client_cpu_s", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
