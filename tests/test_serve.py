@@ -176,6 +176,34 @@ def test_stream_deltas_add_up_to_the_text(server, client, llm):
 
 
 @pytest.mark.slow
+def test_stream_logprobs_add_up_to_the_non_streamed_ones(server, client, llm):
+    messages = [{"role": "user", "content": "Tell a story."}]
+    args = dict(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=["e "])
+    whole = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    want = [e.model_dump() for e in whole.choices[0].logprobs.content]
+    oracle = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=16, stop=["e "]), use_tqdm=False)
+    assert len(want) == len(oracle[0].outputs[0].token_ids) and all(len(e["top_logprobs"]) == 2 for e in want)
+    chunks = [c for c in client.chat.completions.create(**args, logprobs=True, top_logprobs=2, stream=True)]
+    parts = [c.choices[0].logprobs.content for c in chunks if c.choices[0].logprobs is not None]
+    assert [e.model_dump() for part in parts for e in part] == want
+    assert sum(1 for part in parts if part) > 2  # they came in pieces
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+    args = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, stop=["e "])
+    whole = client.completions.create(**args, logprobs=2).choices[0].logprobs
+    got = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    pieces = 0
+    for chunk in client.completions.create(**args, logprobs=2, stream=True):
+        lp = chunk.choices[0].logprobs
+        if lp is not None and lp.tokens:
+            pieces += 1
+            for key, values in got.items():
+                values.extend(getattr(lp, key))
+    assert got == {key: getattr(whole, key) for key in got}
+    assert len(got["tokens"]) > 0 and pieces > 2
+
+
+@pytest.mark.slow
 def test_response_format_json_schema(server, client, llm):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = SamplingParams(
@@ -200,9 +228,9 @@ def test_errors_are_openai_errors(server, client):
     assert e.value.body["param"] == "max_tokens" and "max_tokens" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # refused before the stream starts
         client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, logprobs=True
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, top_logprobs=99
         )
-    assert e.value.body["param"] == "logprobs"
+    assert e.value.body["param"] == "top_logprobs"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
     bad = openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0)

@@ -7,7 +7,12 @@ so can a server.  Which parameters are supported is listed in ``docs/run-batch.m
 """
 
 from deepinfer_core.openai.params import CHAT_URL, COMPLETIONS_URL, OpenAIError, ParsedRequest, parse_request
-from deepinfer_core.openai.responses import error_object, response_body
+from deepinfer_core.openai.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    error_object,
+    response_body,
+)
 
 __all__ = [
     "CHAT_URL",
@@ -17,4 +22,6 @@ __all__ = [
     "error_object",
     "parse_request",
     "response_body",
+    "chat_logprobs",
+    "completion_logprobs",
 ]

@@ -69,9 +69,9 @@ def _choice(
     logprobs = None
     if req.logprobs is not None and comp.logprobs is not None:
         if chat:
-            logprobs = _chat_logprobs(comp, req.logprobs, token_text)
+            logprobs = chat_logprobs(comp.token_ids, comp.logprobs, req.logprobs, token_text)
         else:
-            logprobs = _completion_logprobs(comp, req.logprobs, token_text)
+            logprobs = completion_logprobs(comp.token_ids, comp.logprobs, req.logprobs, token_text)
     choice: dict[str, Any] = {"index": index}
     if chat:
         choice["message"] = {"role": "assistant", "content": comp.text}
@@ -92,27 +92,37 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else _FLOOR
 
 
-def _chat_logprobs(comp: CompletionOutput, k: int, token_text: TokenText) -> dict[str, Any]:
-    """``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``, one entry per generated token."""
+def chat_logprobs(
+    token_ids: Sequence[int], logprobs: Sequence[dict[int, float]], k: int, token_text: TokenText
+) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``,
+    one entry per token of ``token_ids`` (``logprobs`` holds each one's ``{token_id: logprob}``)
+    with its ``k`` most likely alternatives."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
         return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []
-    for token_id, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
         item = entry(token_id, lp[token_id])
         item["top_logprobs"] = [entry(t, v) for t, v in _top(lp, k)]
         content.append(item)
     return {"content": content}
 
 
-def _completion_logprobs(comp: CompletionOutput, k: int, token_text: TokenText) -> dict[str, Any]:
-    """The legacy completions layout: ``tokens``, ``token_logprobs``, ``top_logprobs`` (one
-    ``{token: logprob}`` per position) and ``text_offset``."""
+def completion_logprobs(
+    token_ids: Sequence[int],
+    logprobs: Sequence[dict[int, float]],
+    k: int,
+    token_text: TokenText,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """A completion choice's ``logprobs`` in the legacy layout: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (one ``{token: logprob}`` of the ``k`` most likely per position) and
+    ``text_offset`` (each token's offset in the concatenated token texts, the first at ``offset``)."""
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
-    for token_id, lp in zip(comp.token_ids, comp.logprobs or [], strict=True):
+    for token_id, lp in zip(token_ids, logprobs, strict=True):
         text = token_text(token_id)
         tokens.append(text)
         values.append(_finite(lp[token_id]))

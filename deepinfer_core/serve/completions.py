@@ -16,7 +16,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from deepinfer_core.errors import DeepInferError
-from deepinfer_core.openai import OpenAIError, ParsedRequest, parse_request, response_body
+from deepinfer_core.openai import (
+    OpenAIError,
+    ParsedRequest,
+    chat_logprobs,
+    completion_logprobs,
+    parse_request,
+    response_body,
+)
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.serve.engine_loop import Delta, EngineLoop
 
@@ -73,10 +80,6 @@ class Completions:
                     status=404,
                 )
         req = parse_request(url, body)
-        if stream and req.logprobs is not None:
-            raise OpenAIError(
-                "logprobs are not supported with stream=true", "unsupported_parameter", "logprobs"
-            )
         return req, stream, usage
 
     def _engine_requests(self, req: ParsedRequest) -> list[tuple[str | None, list[int], Any]]:
@@ -174,6 +177,7 @@ class Completions:
         base["model"] = req.model or self.model
         index = {engine_id: i for i, engine_id in enumerate(ids)}
         left = set(ids)
+        offsets = dict.fromkeys(ids, 0)  # each choice's text_offset so far (completions' logprobs)
         try:
             if chat:
                 for i in range(len(ids)):
@@ -190,9 +194,11 @@ class Completions:
                             "error": {"message": out.error, "type": "server_error", "code": "request_failed"}
                         }
                         return
-                if not delta.text and out is None:
+                if not delta.text and not delta.token_ids and out is None:
                     continue
                 choice: dict[str, Any] = {"index": index[delta.engine_id], "logprobs": None}
+                if req.logprobs is not None and delta.logprobs is not None:
+                    choice["logprobs"] = self._logprobs(req, delta, offsets, chat)
                 if chat:
                     choice["delta"] = {"content": delta.text} if delta.text else {}
                 else:
@@ -207,6 +213,16 @@ class Completions:
                 req, outputs, response_id=rid, created=created, model=self.model, token_text=str
             )
             yield {**base, "choices": [], "usage": body["usage"]}
+
+    def _logprobs(self, req: ParsedRequest, delta: Delta, offsets: dict[str, int], chat: bool) -> dict:
+        """A chunk's ``logprobs``: those of the tokens the chunk covers."""
+        assert req.logprobs is not None and delta.logprobs is not None
+        if chat:
+            return chat_logprobs(delta.token_ids, delta.logprobs, req.logprobs, self._token_text)
+        offset = offsets[delta.engine_id]
+        body = completion_logprobs(delta.token_ids, delta.logprobs, req.logprobs, self._token_text, offset)
+        offsets[delta.engine_id] = offset + sum(len(t) for t in body["tokens"])
+        return body
 
     @staticmethod
     def _file(outputs: list[RequestOutput], req: ParsedRequest, delta: Delta) -> None:

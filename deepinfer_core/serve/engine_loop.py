@@ -10,7 +10,10 @@ Incremental text: the single-process engine's ``add_request`` returns its
 ``output_text`` the loop reads between steps (on its own thread, so never while the engine
 writes them).  The text of an unfinished request is final except for a stop string that may
 still complete: with stop strings the last ``max(len(stop)) - 1`` characters are held back
-until the request finishes, so the streamed pieces always add up to the final text.  A client
+until the request finishes, so the streamed pieces always add up to the final text.  With
+``params.logprobs`` set, each event also carries the ``Request.logprobs`` entries of the
+tokens whose text it completes (a token whose text is held back goes with the event that sends
+that text), so the events' entries add up to the final output's ``logprobs``.  A client
 whose ``add_request`` returns no request (the distributed coordinator) streams each request's
 text in one piece when it finishes.
 """
@@ -20,8 +23,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_core.engine.client import EngineClient
@@ -42,12 +46,17 @@ class Delta:
         text: the text added since the previous event (may be empty).
         num_tokens: tokens generated so far.
         output: the finished request's output (its last event), else ``None``.
+        token_ids: the generated tokens this event's ``logprobs`` cover (empty without logprobs).
+        logprobs: one ``{token_id: logprob}`` per token of ``token_ids`` when the request asked
+            for logprobs, else ``None``.
     """
 
     engine_id: str
     text: str
     num_tokens: int
     output: RequestOutput | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
 
 
 Sink = Callable[[Delta], None]
@@ -76,6 +85,9 @@ class _Stream:
         self.last = self.start
         stops = add.params.stop or []
         self.hold = max((len(s) for s in stops), default=1) - 1
+        self.want_logprobs = add.params.logprobs is not None
+        self.sent_tokens = 0  # tokens whose logprobs were sent
+        self.marks: deque[tuple[int, int]] = deque()  # (tokens, text length) seen between steps
 
     def _count(self, n: int) -> None:
         """Record ``n`` generated tokens in the latency histograms."""
@@ -103,14 +115,28 @@ class _Stream:
         safe = len(text) - self.hold
         delta = text[self.sent_chars : safe] if safe > self.sent_chars else ""
         self.sent_chars += len(delta)
-        self.add.sink(Delta(self.add.engine_id, delta, n))
+        token_ids: list[int] = []
+        logprobs = None
+        if self.want_logprobs:  # the tokens whose text is now all sent
+            self.marks.append((n, len(text)))
+            done = self.sent_tokens
+            while self.marks and self.marks[0][1] <= self.sent_chars:
+                done = self.marks.popleft()[0]
+            token_ids = self.handle.output_token_ids[self.sent_tokens : done]
+            logprobs = self.handle.logprobs[self.sent_tokens : done]
+            self.sent_tokens = done
+        self.add.sink(Delta(self.add.engine_id, delta, n, token_ids=token_ids, logprobs=logprobs))
 
     def finish(self, out: RequestOutput) -> None:
-        """Send the rest of the final text with the finished output."""
+        """Send the rest of the final text (and logprobs) with the finished output."""
         comp = out.outputs[0]
         self._count(len(comp.token_ids))
         self.metrics.finished(comp.finish_reason, len(out.prompt_token_ids), len(comp.token_ids))
-        self.add.sink(Delta(self.add.engine_id, comp.text[self.sent_chars :], len(comp.token_ids), out))
+        rest = comp.text[self.sent_chars :]
+        token_ids = comp.token_ids[self.sent_tokens :]
+        logprobs = comp.logprobs[self.sent_tokens :] if comp.logprobs is not None else None
+        delta = Delta(self.add.engine_id, rest, len(comp.token_ids), out, token_ids, logprobs)
+        self.add.sink(delta)
 
 
 class EngineLoop:
