@@ -24,6 +24,7 @@ from deepinfer_core.errors import ConfigError, DeepInferError
 from deepinfer_core.llm import LLM
 from deepinfer_core.logging_utils import configure_logging
 from deepinfer_core.openai import OpenAIError, ParsedRequest, error_object, parse_request, response_body
+from deepinfer_core.openai.token_texts import TokenTexts
 from deepinfer_core.outputs import RequestOutput
 
 logger = logging.getLogger("deepinfer.batch")
@@ -131,7 +132,7 @@ class _Run:
         self.next_slot = 0
         self.next_write = 0
         self.held: dict[int, tuple[str, int]] = {}  # ordered: slot -> (line, its outstanding count)
-        self._token_texts: dict[int, str] = {}
+        self._token_text = TokenTexts(self.tokenizer)
 
     # ---- the loop ------------------------------------------------------------------------------
     def run(self, input_path: str | os.PathLike[str]) -> BatchSummary:
@@ -286,17 +287,6 @@ class _Run:
             "error": None,
         }
         self._finish(line.slot, samples, _dumps(record), failed=False)
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            if self.tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_texts) < 1 << 16:
-                self._token_texts[token_id] = text
-        return text
 
     def _unnamed(self, number: int, code: str, message: str) -> None:
         """An error line for an input line without a usable custom id (skipped when resuming:

@@ -24,6 +24,7 @@ from deepinfer_core.openai import (
     parse_request,
     response_body,
 )
+from deepinfer_core.openai.token_texts import TokenTexts
 from deepinfer_core.outputs import RequestOutput
 from deepinfer_core.serve.engine_loop import Delta, EngineLoop
 
@@ -46,7 +47,7 @@ class Completions:
         self.model = model
         self.client = loop.client
         self.tokenizer = loop.client.tokenizer
-        self._token_texts: dict[int, str] = {}
+        self._token_text = TokenTexts(self.tokenizer)
 
     # ---- parsing ---------------------------------------------------------------------------------
     def parse(self, url: str, body: Any) -> tuple[ParsedRequest, bool, bool]:
@@ -242,14 +243,3 @@ class Completions:
             if out.error is not None:
                 message = out.error.split(": ", 1)[1] if out.error.startswith("request ") else out.error
                 raise OpenAIError(message, "request_failed")
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            if self.tokenizer is None:
-                text = f"token_id:{token_id}"
-            else:
-                text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_texts) < 1 << 16:
-                self._token_texts[token_id] = text
-        return text
