@@ -15,9 +15,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -n "${PYTHON:-}" ]]; then :; elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 WORKERS="${GPU_TEST_WORKERS:-8}"
 
-if ! "$PYTHON" -c 'import importlib.metadata as m; [m.version(p) for p in ("deepinfer-core", "deepinfer-cuda-sm100", "deepinfer-samplers")]' 2>/dev/null; then
+if ! "$PYTHON" -c 'import importlib.metadata as m; [m.version(p) for p in ("deepinfer-core", "deepinfer-cuda-sm100", "deepinfer-samplers", "deepinfer-cpu")]' 2>/dev/null; then
     "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation \
-        -e . -e plugins/cuda_sm100 -e plugins/samplers -e plugins/ascend950
+        -e . -e plugins/cuda_sm100 -e plugins/samplers -e plugins/ascend950 -e plugins/cpu
 fi
 "$PYTHON" -c 'import sys; from conftest import gpu_unavailable_reason as r; why = r(); why and sys.exit(f"error: the gpu tests cannot run here: {why}")'
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -n "$WORKERS" "$@"

@@ -19,7 +19,7 @@ from deepinfer_core.ops.norm import rms_norm
 from deepinfer_core.testing.managers import manager_with_plugin
 
 
-def _engine(tiny_dir: Path, compiles: bool, calls: list[int]) -> LLMEngine:
+def _engine(tiny_dir: Path, compiles: bool, calls: list[int], **config) -> LLMEngine:
     def counting(x, weight, eps):
         calls.append(x.shape[0])  # the rows of this call: the step's tokens
         return rms_norm(x, weight, eps)
@@ -39,7 +39,9 @@ def _engine(tiny_dir: Path, compiles: bool, calls: list[int]) -> LLMEngine:
 
     manager = manager_with_plugin(Plugin(), "jit_test")
     return LLMEngine(
-        EngineConfig(model=str(tiny_dir), backend="jit", max_num_seqs=4, max_num_batched_tokens=32),
+        EngineConfig(
+            model=str(tiny_dir), backend="jit", **({"max_num_seqs": 4, "max_num_batched_tokens": 32} | config)
+        ),
         plugins=manager,
     )
 
@@ -65,3 +67,16 @@ def test_a_compiling_backend_runs_its_ops_at_build_before_any_request(tiny_dir: 
     reference = LLMEngine(EngineConfig(model=str(tiny_dir), backend="reference", max_num_seqs=4))
     assert _generate(engine) == _generate(reference)
     assert calls  # the backend's op serves the request too
+
+
+def test_the_warm_up_of_a_step_budget_past_max_model_len_stays_in_the_block_table(tiny_dir: Path):
+    """A full step of padding holds positions up to the step's token budget, which may pass
+    ``max_model_len``: its pages are the trash slot's (no out-of-bounds column), and the first
+    request still gets the reference's tokens."""
+    calls: list[int] = []
+    engine = _engine(tiny_dir, True, calls, max_model_len=40, max_num_batched_tokens=96)
+    assert max(calls) >= 96
+    reference = LLMEngine(
+        EngineConfig(model=str(tiny_dir), backend="reference", max_num_seqs=4, max_model_len=40)
+    )
+    assert _generate(engine) == _generate(reference)

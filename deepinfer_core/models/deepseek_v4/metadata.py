@@ -332,7 +332,9 @@ def _window_plan(
     win_slot = win_slot.squeeze(1)
     prev_carry = win_slot * nb + (w - 1) % nb
     prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
-    page = tables[win_req, (w * r) // page_size]
+    # a padding request's positions may pass max_model_len (a full step of padding): its row is
+    # the trash slot's, every column the trash page, so the column is clamped to the table
+    page = tables[win_req, ((w * r) // page_size).clamp(max=tables.shape[1] - 1)]
     dest = _where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
     # the last nb windows each request closes keep their carry (distinct rows w % nb)
     saved = _and(live, j >= per_window(m) - nb)
