@@ -33,5 +33,13 @@ def is_available() -> tuple[bool, str | None]:
 
 
 def load_ops() -> dict:
-    """The op implementations (none yet: every op falls back to the reference)."""
-    return {}
+    """The op implementations: each family module's ``OPS`` (op name -> ``OpImpl``); every op
+    not listed falls back to the reference (logged by the engine)."""
+    from deepinfer_ascend950 import ops_attention, ops_moe
+
+    ops: dict = {}
+    for module in (ops_attention, ops_moe):
+        clash = ops.keys() & module.OPS.keys()
+        assert not clash, f"ops defined twice: {sorted(clash)}"
+        ops.update(module.OPS)
+    return ops
