@@ -116,6 +116,18 @@ def test_other_seed_and_dtype_change_the_weights(tiny_dir: Path, tmp_path: Path)
     assert bf16["model.norm.weight"].dtype == torch.float32
 
 
+def test_config_changes_reshape_the_checkpoint(tmp_path: Path) -> None:
+    """``config=`` replaces keys of TINY_CONFIG: the written config and every tensor follow it."""
+    path = tiny.make_tiny(tmp_path / "wide", config={"head_dim": 64, "index_head_dim": 32})
+    cfg = DeepseekV4Config.from_file(path)
+    assert (cfg.head_dim, cfg.index_head_dim, cfg.hidden_size) == (64, 32, tiny.TINY_CONFIG["hidden_size"])
+    tensors = _read_tensors(path)
+    for name, spec in parameter_specs(cfg).items():
+        assert tuple(tensors[name].shape) == spec.shape, name
+    with pytest.raises(ConfigError):
+        tiny.make_tiny(tmp_path / "bad", config={"head_dim": 0})
+
+
 def test_builtin_dir_is_cached_and_safe_under_concurrency(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -211,19 +211,25 @@ def _init_param(name: str, spec: ParamSpec, cfg: DeepseekV4Config, g: torch.Gene
 
 # ---- checkpoint ----------------------------------------------------------------------------
 def make_tiny(
-    outdir: str | Path, seed: int = 0, dtype: torch.dtype = torch.float32, **save_options: Any
+    outdir: str | Path,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    *,
+    config: dict[str, Any] | None = None,
+    **save_options: Any,
 ) -> Path:
     """Write a complete tiny DeepSeek-V4 checkpoint to ``outdir`` and return its path.
 
-    Same arguments give byte-identical files.  ``save_options`` go to
+    Same arguments give byte-identical files.  ``config``: keys replacing those of
+    :data:`TINY_CONFIG` (e.g. the head widths a backend's kernels take).  ``save_options`` go to
     :func:`deepinfer_core.models.deepseek_v4.writer.save_checkpoint` (``names="native"``,
     ``fp8_linear``, ``fp4_experts``, ``max_shard_bytes``, ...).  With the defaults the
     directory loads both in DeepInfer and in ``transformers.DeepseekV4ForCausalLM``.
     """
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_dict = dict(TINY_CONFIG)
-    cfg = DeepseekV4Config.from_dict(cfg_dict, source="TINY_CONFIG")
+    cfg_dict = {**TINY_CONFIG, **(config or {})}
+    cfg = DeepseekV4Config.from_dict(cfg_dict, source="TINY_CONFIG" if config is None else "tiny config")
     write_tokenizer_files(out)
     weights = random_weights(cfg, seed, dtype)
     save_checkpoint(weights, {**cfg_dict, "dtype": _dtype_name(dtype)}, out, **save_options)

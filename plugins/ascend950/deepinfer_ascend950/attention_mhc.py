@@ -48,8 +48,12 @@ def hc_head(streams, fn, base, scale, norm_eps, hc_eps):
 
 
 def hc_post(block_out, streams, post, comb):
-    """The contract's ``hc_post`` (``comb`` transposed into the operator's ``H_res``)."""
-    return torch_npu().npu_mhc_post(streams, comb.float().transpose(-1, -2), block_out, post.float())
+    """The contract's ``hc_post`` (``comb`` transposed into the operator's ``H_res``).  The
+    contract mixes in the streams' dtype, so ``comb`` and ``post`` are rounded to it before they
+    go to the operator as float32."""
+    dtype = streams.dtype
+    h_res = comb.to(dtype).float().transpose(-1, -2)
+    return torch_npu().npu_mhc_post(streams, h_res, block_out, post.to(dtype).float())
 
 
 def _streams(streams) -> Verdict:
