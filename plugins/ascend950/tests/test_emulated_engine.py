@@ -129,7 +129,9 @@ def test_operator_shaped_tiny_v41_is_served_like_the_reference(npu_calls, tmp_pa
     emulated, reference = _both(model, manager, V41_SHAPED_TOKENS, dtype="bfloat16", page_size=PAGE_SIZE)
     assert emulated == reference
     ran = {name for name, n in npu_calls.items() if n}
-    assert ran >= ATTENTION_OPERATORS, sorted(ran)
+    # V4.1 mixes its streams with an op of its own (``deepseek_v41.*``), not ``hc_pre``
+    expected = (ATTENTION_OPERATORS - {"npu_mhc_pre", "npu_mhc_sinkhorn"}) | {"npu_lightning_indexer"}
+    assert expected <= ran, sorted(ran)
 
 
 @pytest.mark.slow
