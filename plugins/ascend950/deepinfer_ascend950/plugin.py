@@ -20,6 +20,6 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=True,
-            description="Huawei Ascend 950 NPUs via torch_npu (kernels not implemented yet)",
+            description="Huawei Ascend 950 NPUs via torch_npu fused operators (never run on an NPU)",
         )
     )
