@@ -36,10 +36,12 @@ batch-invariant mode keeps the Triton kernel (:mod:`deepinfer_cuda_sm100.kernels
 # objects (shapes built from closure variables).
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import Fp8KVPool
 
 LOG2E = 1.4426950408889634
 BH = 64
@@ -54,14 +56,31 @@ MIN_SPLIT_BLOCKS = 4
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def build_attention(paged: bool, split: bool, heads: int, dim: int, dtype: str):
+@dataclass(frozen=True)
+class Fp8Geometry:
+    """Byte offsets of a packed FP8 row that the kernel reads (:class:`~deepinfer_core.ops.
+    kv_format.Fp8RowLayout`): nope values at ``[0, nope)``, bfloat16 rope values at
+    ``rope_offset``, one UE8M0 scale byte per 64 nope values at ``scale_offset``."""
+
+    nope: int
+    rope_offset: int
+    scale_offset: int
+    groups: int
+
+
+def build_attention(
+    paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+):
     """The TileLang ``prim_func`` for one static configuration.
 
     Args:
         paged: whether the sequence ends with a paged source (resolved through the block table).
         split: write fp32 partials for :func:`build_combine` instead of the output.
         heads: ``H`` (a multiple of :data:`BH`); dim: ``D`` (a multiple of 64, at most 512).
-        dtype: ``"bfloat16"`` or ``"float16"`` (queries, pools, output).
+        dtype: ``"bfloat16"`` or ``"float16"`` (queries, plain pools, output).
+        fp8: ``None``: plain pools of ``dtype``, addressed in 16-byte units; else every pool is
+            a packed FP8 pool of this row geometry (:class:`~deepinfer_core.ops.kv_format.
+            Fp8KVPool`), addressed in 8-byte units, dequantised into the shared key tile.
     """
     import tilelang.language as T
 
@@ -69,14 +88,171 @@ def build_attention(paged: bool, split: bool, heads: int, dim: int, dtype: str):
     H, D = heads, dim
     n_tok, n_split = T.dynamic("T"), T.dynamic("S")
     t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
-    t2, r_bt, p_bt = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P")
-    order, stage = list(range(14)), [0, 0] + [1] * 12  # row offsets + gather: stage 0; math: stage 1
-    per16 = 8  # elements of a 16-byte unit (2-byte dtypes)
+    t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
+    # the pipelined loop's statements: row offsets and the gathers in stage 0 (2 plain, 4
+    # packed), the dequantisation and the 12 of the softmax block in stage 1
+    loads, math = (2, 12) if fp8 is None else (4, 13)
+    order, stage = list(range(loads + math)), [0] * loads + [1] * math
+
+    @T.macro
+    def key_offsets(off, t, j0, compact, nvalid, block_table, token_rows, bases, strides, epp):
+        """``off[i]``: key ``j0 + i`` of query ``t``'s sequence as a row offset in address
+        units from the pools' common base, ``-1`` past the sequence's end."""
+        n0 = nvalid[t, 0]
+        n01 = n0 + nvalid[t, 1]
+        total = n01 + nvalid[t, 2]
+        n_expl = n01 if paged else total
+        page_row = token_rows[T.min(t, t2 - 1)]
+        for i in T.Parallel(BN):
+            j = j0 + i
+            e = j - n_expl  # the entry of the paged source
+            row = T.if_then_else(
+                j < n_expl,
+                T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
+                T.Cast("int64", block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]) * epp + e % epp,
+            )
+            later = T.if_then_else(j < n01, bases[1] + row * strides[1], bases[2] + row * strides[2])
+            o = T.if_then_else(j < n0, bases[0] + row * strides[0], later)
+            off[i] = T.if_then_else(j < total, o, -1)
+
+    @T.macro
+    def attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2):
+        """The online softmax over one gathered block of keys (masked where ``off < 0``)."""
+        for h, i in T.Parallel(BH, BN):
+            acc_s[h, i] = T.if_then_else(off[i] >= 0, 0, -T.infinity(acc_t))
+        T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+        T.copy(m, m_prev)
+        for h, i in T.Parallel(BH, BN):
+            acc_s[h, i] = acc_s[h, i] * scale2
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        for h in T.Parallel(BH):
+            alpha[h] = T.exp2(m_prev[h] - m[h])
+        for h, i in T.Parallel(BH, BN):
+            acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
+        T.reduce_sum(acc_s, l_i, dim=1)
+        for h in T.Parallel(BH):
+            l[h] = l[h] * alpha[h] + l_i[h]
+        for h, d in T.Parallel(BH, D):
+            acc_o[h, d] = acc_o[h, d] * alpha[h]
+        T.copy(acc_s, p_s)
+        T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
+
+    @T.macro
+    def gather_plain(k_s, off, flat, base0):
+        for i, d in T.Parallel(BN, D):
+            k_s[i, d] = flat[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
+
+    @T.macro
+    def gather_fp8(raw8, raw16, scales, off, flat8, flat16, flat_u8, base0):
+        """Stage 0: copy a block of packed rows' nope bytes, rope values and scale bytes into
+        shared memory (asynchronous copies)."""
+        nope, rope_offset, scale_offset = fp8.nope, fp8.rope_offset, fp8.scale_offset
+        for i, d in T.Parallel(BN, nope):
+            raw8[i, d] = flat8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
+        for i, r in T.Parallel(BN, D - nope):
+            raw16[i, r] = flat16[T.if_then_else(off[i] >= 0, off[i], base0) * 4 + rope_offset // 2 + r]
+        for i, g in T.Parallel(BN, fp8.groups):
+            scales[i, g] = flat_u8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + scale_offset + g]
+
+    @T.macro
+    def dequantise(k_s, raw8, raw16, scales):
+        """Stage 1: ``fp8 * 2**(scale byte - 127)`` for the nope values, the bfloat16 rope values
+        as they are (:mod:`deepinfer_core.ops.kv_format`), into the shared key tile."""
+        for i, d in T.Parallel(BN, D):
+            c = T.min(d, fp8.nope - 1)
+            scale = T.exp2(T.Cast(acc_t, scales[i, c // 64]) - 127.0)
+            value = T.Cast(dtype, T.Cast(acc_t, raw8[i, c]) * scale)
+            k_s[i, d] = T.if_then_else(d < fp8.nope, value, raw16[i, T.max(d - fp8.nope, 0)])
+
+    @T.macro
+    def decode(q, sinks, out, part, ml, t, s, hb, pools, sequence, scale2):
+        q_s = T.alloc_shared((BH, D), dtype)
+        k_s = T.alloc_shared((BN, D), dtype)
+        p_s = T.alloc_shared((BH, BN), dtype)
+        off = T.alloc_shared((BN,), "int64")
+        if fp8 is not None:
+            raw8 = T.alloc_shared((BN, fp8.nope), "float8_e4m3")
+            raw16 = T.alloc_shared((BN, D - fp8.nope), "bfloat16")
+            scales = T.alloc_shared((BN, fp8.groups), "uint8")
+        acc_o = T.alloc_fragment((BH, D), acc_t)
+        acc_s = T.alloc_fragment((BH, BN), acc_t)
+        m = T.alloc_fragment((BH,), acc_t)
+        m_prev = T.alloc_fragment((BH,), acc_t)
+        l = T.alloc_fragment((BH,), acc_t)
+        l_i = T.alloc_fragment((BH,), acc_t)
+        alpha = T.alloc_fragment((BH,), acc_t)
+        T.copy(q[t, hb * BH, 0], q_s)
+        T.fill(acc_o, 0)
+        for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
+            m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
+            l[h] = T.if_then_else(s == 0, 1.0, 0.0)
+        compact, nvalid, block_table, token_rows, bases, strides, epp = sequence
+        nb = T.ceildiv(nvalid[t, 0] + nvalid[t, 1] + nvalid[t, 2], BN)
+        lo = T.min(s * T.ceildiv(nb, n_split), nb)
+        hi = T.min(lo + T.ceildiv(nb, n_split), nb)
+        # at least one (then fully masked) block: a trip count that may be zero would leave
+        # the pipeline's barriers inside a data-dependent branch
+        for b in T.Pipelined(T.max(hi - lo, 1), order=order, stage=stage):
+            key_offsets(off, t, (lo + b) * BN, compact, nvalid, block_table, token_rows, bases, strides, epp)
+            if fp8 is None:
+                gather_plain(k_s, off, pools[0], sequence[4][0])
+            else:
+                gather_fp8(raw8, raw16, scales, off, pools[0], pools[1], pools[2], sequence[4][0])
+                dequantise(k_s, raw8, raw16, scales)
+            attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+        if split:
+            for h, d in T.Parallel(BH, D):
+                part[t, s, hb * BH + h, d] = acc_o[h, d]
+            for h in T.Parallel(BH):
+                ml[t, s, hb * BH + h, 0] = m[h]
+                ml[t, s, hb * BH + h, 1] = l[h]
+        else:
+            for h, d in T.Parallel(BH, D):
+                out[t, hb * BH + h, d] = acc_o[h, d] / l[h]
+
+    if fp8 is None:
+
+        @T.prim_func
+        def sparse_attention_decode(
+            q: T.Tensor((n_tok, H, D), dtype),
+            flat: T.Tensor((nf,), dtype),
+            compact: T.Tensor((n_tok, ke), "int32"),
+            nvalid: T.Tensor((n_tok, 4), "int32"),
+            block_table: T.Tensor((r_bt, p_bt), "int32"),
+            token_rows: T.Tensor((t2,), "int32"),
+            sinks: T.Tensor((H,), "float32"),
+            out: T.Tensor((t_out, H, D), dtype),
+            part: T.Tensor((t_part, n_split, H, D), "float32"),
+            ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+            base0: T.int64,
+            base1: T.int64,
+            base2: T.int64,
+            st0: T.int64,
+            st1: T.int64,
+            st2: T.int64,
+            scale2: T.float32,
+            epp: T.int32,
+        ):
+            with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+                sequence = (
+                    compact,
+                    nvalid,
+                    block_table,
+                    token_rows,
+                    (base0, base1, base2),
+                    (st0, st1, st2),
+                    epp,
+                )
+                decode(q, sinks, out, part, ml, t, s, hb, (flat,), sequence, scale2)
+
+        return sparse_attention_decode
 
     @T.prim_func
-    def sparse_attention_decode(
+    def sparse_attention_decode_fp8(
         q: T.Tensor((n_tok, H, D), dtype),
-        flat: T.Tensor((T.dynamic("NF"),), dtype),
+        flat8: T.Tensor((nf,), "float8_e4m3"),
+        flat16: T.Tensor((T.dynamic("NF2"),), "bfloat16"),
+        flat_u8: T.Tensor((nf,), "uint8"),
         compact: T.Tensor((n_tok, ke), "int32"),
         nvalid: T.Tensor((n_tok, 4), "int32"),
         block_table: T.Tensor((r_bt, p_bt), "int32"),
@@ -95,76 +271,10 @@ def build_attention(paged: bool, split: bool, heads: int, dim: int, dtype: str):
         epp: T.int32,
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
-            q_s = T.alloc_shared((BH, D), dtype)
-            k_s = T.alloc_shared((BN, D), dtype)
-            p_s = T.alloc_shared((BH, BN), dtype)
-            off = T.alloc_shared((BN,), "int64")  # each key's row, in 16-byte units (-1: none)
-            acc_o = T.alloc_fragment((BH, D), acc_t)
-            acc_s = T.alloc_fragment((BH, BN), acc_t)
-            m = T.alloc_fragment((BH,), acc_t)
-            m_prev = T.alloc_fragment((BH,), acc_t)
-            l = T.alloc_fragment((BH,), acc_t)
-            l_i = T.alloc_fragment((BH,), acc_t)
-            alpha = T.alloc_fragment((BH,), acc_t)
-            T.copy(q[t, hb * BH, 0], q_s)
-            T.fill(acc_o, 0)
-            for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
-                m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
-                l[h] = T.if_then_else(s == 0, 1.0, 0.0)
-            n0 = nvalid[t, 0]
-            n01 = n0 + nvalid[t, 1]
-            total = n01 + nvalid[t, 2]
-            n_expl = n01 if paged else total
-            page_row = token_rows[T.min(t, t2 - 1)]
-            nb = T.ceildiv(total, BN)
-            lo = T.min(s * T.ceildiv(nb, n_split), nb)
-            hi = T.min(lo + T.ceildiv(nb, n_split), nb)
-            # at least one (then fully masked) block: a trip count that may be zero would leave
-            # the pipeline's barriers inside a data-dependent branch
-            for b in T.Pipelined(T.max(hi - lo, 1), order=order, stage=stage):
-                for i in T.Parallel(BN):
-                    j = (lo + b) * BN + i
-                    e = j - n_expl  # the entry of the paged source
-                    row = T.if_then_else(
-                        j < n_expl,
-                        T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
-                        T.Cast("int64", block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]) * epp
-                        + e % epp,
-                    )
-                    later = T.if_then_else(j < n01, base1 + row * st1, base2 + row * st2)
-                    o = T.if_then_else(j < n0, base0 + row * st0, later)
-                    off[i] = T.if_then_else(j < total, o, -1)
-                for i, d in T.Parallel(BN, D):
-                    k_s[i, d] = flat[T.if_then_else(off[i] >= 0, off[i], base0) * per16 + d]
-                for h, i in T.Parallel(BH, BN):
-                    acc_s[h, i] = T.if_then_else(off[i] >= 0, 0, -T.infinity(acc_t))
-                T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-                T.copy(m, m_prev)
-                for h, i in T.Parallel(BH, BN):
-                    acc_s[h, i] = acc_s[h, i] * scale2
-                T.reduce_max(acc_s, m, dim=1, clear=False)
-                for h in T.Parallel(BH):
-                    alpha[h] = T.exp2(m_prev[h] - m[h])
-                for h, i in T.Parallel(BH, BN):
-                    acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
-                T.reduce_sum(acc_s, l_i, dim=1)
-                for h in T.Parallel(BH):
-                    l[h] = l[h] * alpha[h] + l_i[h]
-                for h, d in T.Parallel(BH, D):
-                    acc_o[h, d] = acc_o[h, d] * alpha[h]
-                T.copy(acc_s, p_s)
-                T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
-            if split:
-                for h, d in T.Parallel(BH, D):
-                    part[t, s, hb * BH + h, d] = acc_o[h, d]
-                for h in T.Parallel(BH):
-                    ml[t, s, hb * BH + h, 0] = m[h]
-                    ml[t, s, hb * BH + h, 1] = l[h]
-            else:
-                for h, d in T.Parallel(BH, D):
-                    out[t, hb * BH + h, d] = acc_o[h, d] / l[h]
+            sequence = (compact, nvalid, block_table, token_rows, (base0, base1, base2), (st0, st1, st2), epp)
+            decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat_u8), sequence, scale2)
 
-    return sparse_attention_decode
+    return sparse_attention_decode_fp8
 
 
 def build_combine(heads: int, dim: int, dtype: str):
@@ -201,7 +311,9 @@ def build_combine(heads: int, dim: int, dtype: str):
 
 
 @functools.cache
-def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str):
+def _kernel(
+    kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+):
     """A compiled kernel (TileLang keeps compiled kernels in its disk cache).  The attention
     kernel reads the pools through one flat address space, beyond the bounds of the tensor
     it is given: TileLang's bounds guards are off for it."""
@@ -209,7 +321,7 @@ def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: st
 
     if kind == "combine":
         return tilelang.compile(build_combine(heads, dim, dtype), out_idx=None, target="cuda")
-    func = build_attention(paged, split, heads, dim, dtype)
+    func = build_attention(paged, split, heads, dim, dtype, fp8)
     configs = {"tl.disable_safe_memory_legalize": True}
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
@@ -254,6 +366,35 @@ def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch
     return triton_attention.compact_sources(indices)
 
 
+def fp8_geometry(kv_pools) -> Fp8Geometry | None:
+    """The packed row geometry when every pool is an :class:`~deepinfer_core.ops.kv_format.
+    Fp8KVPool` of one layout (the FP8 kernel), ``None`` when every pool is plain."""
+    if not isinstance(kv_pools[0], Fp8KVPool):
+        return None
+    lay = kv_pools[0].layout
+    return Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+
+
+def _flat_views(kv_pools, fp8: Fp8Geometry | None, dtype: torch.dtype):
+    """The pools' common base as the kernel's flat tensors, each pool's base and row stride in
+    the kernel's address units (16 bytes plain, 8 bytes packed)."""
+    data = [p if fp8 is None else p.data for p in kv_pools]
+    lowest = min(data, key=lambda x: x.data_ptr())
+    unit = 16 if fp8 is None else 8
+
+    def flat(view_dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_strided(lowest.view(view_dtype), (1,), (1,))
+
+    views = (
+        (flat(dtype),)
+        if fp8 is None
+        else (flat(torch.float8_e4m3fn), flat(torch.bfloat16), flat(torch.uint8))
+    )
+    bases = [(x.data_ptr() - lowest.data_ptr()) // unit for x in data] + [0] * (3 - len(data))
+    strides = [x.stride(0) * x.element_size() // unit for x in data] + [0] * (3 - len(data))
+    return views, bases, strides
+
+
 def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     """The op (see the module docstring; :func:`~deepinfer_cuda_sm100.attention_dispatch.
     tilelang_supports` says which calls it takes)."""
@@ -261,12 +402,9 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     dtype = _TL_DTYPES[q.dtype]
     dev = q.device
     paged = isinstance(indices[-1], PagedIndex)
+    fp8 = fp8_geometry(kv_pools)
     nvalid, compact = compact_sources(indices)
-    lowest = min(kv_pools, key=lambda p: p.data_ptr())
-    flat = torch.as_strided(lowest, (1,), (1,))  # the pools' common base (see the module docstring)
-    unit = 16 // q.element_size()
-    bases = [(p.data_ptr() - lowest.data_ptr()) // 16 for p in kv_pools] + [0] * (3 - len(kv_pools))
-    strides = [p.stride(0) // unit for p in kv_pools] + [0] * (3 - len(kv_pools))
+    views, bases, strides = _flat_views(kv_pools, fp8, q.dtype)
     if paged:
         pi: PagedIndex = indices[-1]
         bt, rows, epp = _int32(pi.block_table), _int32(pi.token_rows), pi.entries_per_page
@@ -282,10 +420,10 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
         out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
         part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
-    kernel = _kernel("attention", paged, s > 1, h, d, dtype)
+    kernel = _kernel("attention", paged, s > 1, h, d, dtype, fp8)
     scale2 = float(scale) * LOG2E
     sinks = sinks.float().contiguous()
-    tensors = (q.contiguous(), flat, compact, nvalid, bt, rows, sinks, out, part, ml)
+    tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
     kernel(*tensors, *bases, *strides, scale2, epp)
     if s == 1:
         return out
