@@ -1,4 +1,6 @@
-"""``deepinfer serve`` against ``LLM.generate`` on the built-in tiny model (CPU).
+"""``deepinfer serve`` against ``LLM.generate``: the built-in tiny model on CPU by default, or any
+model and engine configuration (``--model``, ``--config``, ``--backend``; e.g. the e2e model of
+``gpu_e2e.py`` on a GPU).
 
 For each ``--batches`` entry B, B concurrent ``/v1/completions`` requests (``--prompt-len``
 random token ids, ``max_tokens`` ``--max-tokens``, greedy, ``ignore_eos``) go through a
@@ -13,6 +15,7 @@ engine process (the server, or this one for ``LLM.generate``) and of the client 
 Prints a table and writes JSON (``benchmarks/results/serve.json``).  Usage::
 
     python benchmarks/serve.py --threads 1        # or: deepinfer bench serve --threads 1
+    python benchmarks/serve.py --model /tmp/m --backend cuda_sm100 --vocab 129280   # a GPU
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         str(port),
         "--backend",
         args.backend,
+        *(["--model", args.model] if args.model else []),
+        *(["--config", args.config] if args.config else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -143,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request (default 32)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
+    ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    ap.add_argument("--config", default=None, help="engine config file (.toml / .yaml), server and LLM alike")
+    ap.add_argument("--vocab", type=int, default=500, help="prompt ids in [4, VOCAB) (default 500)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of each process (default 1)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=str(RESULTS), help=f"output JSON (default {RESULTS})")
@@ -154,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     prompts = {
-        b: [[rng.randrange(4, 500) for _ in range(args.prompt_len)] for _ in range(b)] for b in args.batches
+        b: [[rng.randrange(4, args.vocab) for _ in range(args.prompt_len)] for _ in range(b)]
+        for b in args.batches
     }
     rows = []
     proc, url = start_server(args)
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(30)
-    llm = LLM(backend=args.backend)
+    llm = LLM(model=args.model, config=args.config, backend=args.backend)
     for b in args.batches:
         log(f"LLM.generate B={b}")
         rows.append({"path": "LLM.generate", "batch": b, **llm_batch(llm, prompts[b], args.max_tokens)})

@@ -20,4 +20,8 @@ if ! "$PYTHON" -c 'import importlib.metadata as m; [m.version(p) for p in ("deep
         -e . -e plugins/cuda_sm100 -e plugins/samplers -e plugins/ascend950 -e plugins/cpu
 fi
 "$PYTHON" -c 'import sys; from conftest import gpu_unavailable_reason as r; why = r(); why and sys.exit(f"error: the gpu tests cannot run here: {why}")'
+# TileLang kernels (where TileLang is installed): compiled in parallel before the tests use them
+if "$PYTHON" -c 'import sys; from deepinfer_cuda_sm100.tl import tilelang_problem as p; sys.exit(p() is not None)' 2>/dev/null; then
+    "$PYTHON" -m deepinfer_cuda_sm100.tl.precompile --jobs "$WORKERS"
+fi
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -n "$WORKERS" "$@"

@@ -30,6 +30,7 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "e2e-fidelity": ("e2e_fidelity.py", "the e2e model on a fast backend vs the fp32 reference (GPU)"),
     "gpu-distributed": ("gpu_distributed.py", "DP N + EP N decode and CP N prefill vs one GPU (GPUs)"),
     "distributed-cost-model": ("distributed_cost_model.py", "the DP/EP/CP cost model of V4-Flash"),
+    "npu-decode": ("npu_decode.py", "ascend950 decode / prefill tok/s per chip vs CANN's anchor (NPU)"),
 }
 """``deepinfer bench`` name -> (script in ``benchmarks/``, what it measures)."""
 

@@ -9,8 +9,9 @@
 - the engine is not in batch-invariant mode (the Triton kernel's fixed key chunks make a
   query's result independent of how its window is split between the ring and this step's
   rows; the TileLang kernel's per-source blocks do not);
-- the TileLang kernel takes the call (:func:`tilelang_supports`: plain pools, 2 or 3 sources
-  of which the first two are explicit row lists, heads a multiple of 64, ...);
+- the TileLang kernel takes the call (:func:`tilelang_supports`: plain pools, or packed FP8
+  pools of one layout with bfloat16 queries; 2 or 3 sources of which the first two are
+  explicit row lists, heads a multiple of 64, ...);
 - the measured table of this GPU's architecture picks TileLang at the nearest measured shape
   (:mod:`deepinfer_cuda_sm100.kernel_choice`).
 
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops.attention import PagedIndex
-from deepinfer_core.ops.kv_format import PackedKVPool
+from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
@@ -53,14 +54,43 @@ def tilelang_supports(q, kv_pools, indices, sinks, scale) -> bool | str:
         return f"{len(kv_pools)} sources: the TileLang kernel takes 2 or 3"
     if any(isinstance(i, PagedIndex) for i in indices[:2]):
         return "a paged index among the first two sources: the TileLang kernel reads it third"
+    if isinstance(kv_pools[0], Fp8KVPool):
+        return _packed_supports(q, kv_pools)
     for i, pool in enumerate(kv_pools):
         if isinstance(pool, PackedKVPool):
-            return f"kv_pools[{i}] is packed ({type(pool).__name__}): the TileLang kernel reads plain pools"
+            return (
+                f"kv_pools[{i}] is packed ({type(pool).__name__}) and kv_pools[0] is not: one format per call"
+            )
         if pool.stride(1) != 1 or pool.stride(0) % 8 or pool.data_ptr() % 16:
             return f"kv_pools[{i}] rows are not 16-byte aligned contiguous rows (strides {pool.stride()})"
         if i == 2 and not pool.is_contiguous():
             return "kv_pools[2] is not contiguous"
     return True
+
+
+def _packed_supports(q, kv_pools) -> bool | str:
+    """The FP8 kernel: every pool an :class:`Fp8KVPool` of one layout, bfloat16 queries."""
+    if q.dtype != torch.bfloat16:
+        return f"q dtype {q.dtype} with FP8 pools: the TileLang FP8 kernel takes bfloat16"
+    layout = kv_pools[0].layout
+    for i, pool in enumerate(kv_pools):
+        if type(pool) is not Fp8KVPool or pool.layout != layout:
+            return f"kv_pools[{i}] is not an Fp8KVPool of kv_pools[0]'s layout: one format per call"
+        data = pool.data
+        if data.stride(1) != 1 or data.stride(0) % 8 or data.data_ptr() % 8:
+            return (
+                f"kv_pools[{i}] packed rows are not 8-byte aligned contiguous rows (strides {data.stride()})"
+            )
+    if layout.dim != q.shape[2] or layout.rope_offset % 8 or layout.nope % 8:
+        return f"FP8 row layout {layout}: the TileLang FP8 kernel reads 8-byte aligned nope and rope parts"
+    return True
+
+
+def choice_kind(indices, kv_pools) -> str:
+    """The kind of a call in the measured table: the third source's (``"rows"``, ``"paged"``,
+    ``"none"``), ``+fp8`` with packed FP8 pools."""
+    kind = tl_attention.third_kind(indices) or "none"
+    return f"{kind}+fp8" if isinstance(kv_pools[0], Fp8KVPool) else kind
 
 
 @functools.cache
@@ -87,7 +117,7 @@ def choose_language(q, kv_pools, indices, sinks, scale) -> str:
     t, h, d = q.shape
     return kernel_choice.choose(
         "sparse_attention",
-        tl_attention.third_kind(indices) or "none",
+        choice_kind(indices, kv_pools),
         TL_DTYPES[q.dtype],
         h,
         d,

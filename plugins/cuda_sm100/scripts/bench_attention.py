@@ -28,6 +28,7 @@ table and writes JSON (default ``benchmarks/results/bench_attention.json``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -58,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=["attention", "indexer"], help="run one of the two benchmarks")
     p.add_argument("--batches", default="32,64,128,256", help="decode batch sizes (comma-separated)")
     p.add_argument("--contexts", default="4096,65536", help="context lengths (comma-separated)")
+    p.add_argument(
+        "--kv",
+        default="plain,fp8",
+        help="KV pool formats (comma-separated): plain bfloat16 rows, fp8 packed rows (kv_cache_dtype=fp8)",
+    )
     p.add_argument(
         "--indexer-shapes",
         default="128x16384,128x262144,8192x2048",
@@ -178,6 +184,19 @@ def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: t
     return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
 
 
+def packed_inputs(inp: dict) -> dict:
+    """``inp`` with every pool packed as FP8 rows (``kv_cache_dtype="fp8"``: 64 rope channels in
+    bfloat16), the bytes read counted from the packed rows."""
+    from deepinfer_core.ops.kv_format import Fp8KVPool
+
+    q, pools, idx, sinks, scale = inp["args"]
+    packed = [Fp8KVPool.from_values(p, 64) for p in pools]
+    row_bytes, plain_bytes = packed[0].row_bytes, HEAD_DIM * q.element_size()
+    key_bytes = q.shape[0] * inp["keys"] * plain_bytes
+    bytes_ = inp["bytes"] - key_bytes + key_bytes * row_bytes // plain_bytes
+    return {**inp, "args": (q, packed, idx, sinks, scale), "bytes": bytes_}
+
+
 def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request)."""
     dev = "cuda"
@@ -203,7 +222,7 @@ def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> di
 
 def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
     """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang one."""
-    from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
+    from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
     from deepinfer_cuda_sm100.kernels import attention as ka
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -214,12 +233,15 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     for ctx in [int(x) for x in a.contexts.split(",")]:
         for batch in [int(x) for x in a.batches.split(",")]:
-            for layer in ("csa", "hca"):
+            for layer, kv in itertools.product(("csa", "hca"), a.kv.split(",")):
                 inp = decode_inputs(batch, ctx, layer, torch.bfloat16, g)
+                if kv == "fp8":
+                    inp = packed_inputs(inp)
                 args = inp["args"]
                 row = {
                     "op": "sparse_attention",
                     "layer": layer,
+                    "kv": kv,
                     "batch": batch,
                     "context": ctx,
                     "keys": inp["keys"],
@@ -233,7 +255,7 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
                 row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
                 row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
                 row["gbps"] = inp["bytes"] / row["ms"] / 1e6
-                row["choice_key"] = {"kind": tla.third_kind(args[2]), "keys": tla.max_keys(args[2])}
+                row["choice_key"] = {"kind": choice_kind(args[2], args[1]), "keys": tla.max_keys(args[2])}
                 if tilelang_problem() is None and tilelang_supports(*args) is True:
                     if a.check:
                         err = (tla.sparse_attention(*args).float() - reference(*args).float()).abs().max()
@@ -332,7 +354,8 @@ def print_row(r: dict) -> None:
     if r["op"] == "sparse_attention":
         tl = r.get("tilelang_ms")
         print(
-            f"attention {r['layer']:3} batch {r['batch']:4} ctx {r['context']:6} keys {r['keys']:5}: "
+            f"attention {r['layer']:3} {r['kv']:5} batch {r['batch']:4} ctx {r['context']:6} "
+            f"keys {r['keys']:5}: "
             f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
             + (f"tilelang {tl:8.4f} ms ({100 * r['roofline_ms'] / tl:5.1f}%)  " if tl else "tilelang -  ")
             + f"roofline {r['roofline_ms']:8.4f} ms  [{r['plan']}]"
@@ -363,7 +386,7 @@ def write_choices(results: dict) -> Path:
     points = [
         {
             "op": "sparse_attention",
-            "kind": r["choice_key"]["kind"] or "none",
+            "kind": r["choice_key"]["kind"],
             "dtype": "bfloat16",
             "heads": HEADS,
             "head_dim": HEAD_DIM,

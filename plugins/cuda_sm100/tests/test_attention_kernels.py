@@ -400,6 +400,36 @@ def fp8_dequant_problems(
     return problems
 
 
+def compaction_problems(device: str) -> list[str]:
+    """The prologue's :func:`compact_sources` on every conformance case of ``sparse_attention``
+    against its definition: each source's valid-key count and the explicit lists' valid rows,
+    list after list, each in its order."""
+    from deepinfer_cuda_sm100.attention_ops import SMALL, attention_cases
+    from deepinfer_cuda_sm100.kernels.attention import compact_sources
+
+    from deepinfer_core.ops.attention import PagedIndex
+
+    problems = []
+    cases = attention_cases(SMALL)(torch.Generator().manual_seed(0), torch.float32)
+    for n, (args, _) in enumerate(cases):
+        indices = [i if isinstance(i, PagedIndex) else i.to(device) for i in args[2]]
+        nvalid, compact = compact_sources(indices)
+        for t in range(args[0].shape[0]):
+            rows, counts = [], []
+            for i in indices:
+                if isinstance(i, PagedIndex):
+                    counts.append(min(max(int(i.counts[t]), 0), int(i.max_count)))
+                else:
+                    valid = [int(r) for r in i[t].tolist() if r >= 0]
+                    rows += valid
+                    counts.append(len(valid))
+            counts += [0] * (4 - len(counts))
+            got_counts = nvalid[t].tolist()
+            if got_counts != counts or compact[t, : len(rows)].tolist() != rows:
+                problems.append(f"case {n} query {t}: counts {got_counts} (want {counts}) or rows differ")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter child
 
@@ -420,6 +450,7 @@ def interpreter_report() -> dict:
     report["launches"] += launch_problems(SMALL, torch.bfloat16, "cpu", "fp8")
     report["fp8_dequant"] = fp8_dequant_problems("cpu", (torch.float32, torch.bfloat16))
     report["fp8_cases"] = _fp8_case_count(SMALL)
+    report["compaction"] = compaction_problems("cpu")
     return report
 
 
@@ -459,6 +490,11 @@ def test_interpreter_conformance(report, op, mode):
     if op == "sparse_attention":
         counts = report["fp8_cases"]
         assert counts["op"] >= 1 and counts["own"] >= 8, f"too few cases with packed FP8 pools: {counts}"
+
+
+@slow
+def test_interpreter_prologue_compacts_the_sources(report):
+    assert not report["compaction"], "\n".join(report["compaction"])
 
 
 @slow

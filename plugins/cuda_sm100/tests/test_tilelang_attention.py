@@ -7,7 +7,8 @@ the TileLang kernel refuses (with the reason) — all host-side logic, checked a
 docstrings promise.
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the kernel against the reference
-op on every plain-pool conformance case at DeepSeek-V4-Flash shapes that it takes (sliding, CSA
+op on every plain-pool and every packed-FP8-pool conformance case at DeepSeek-V4-Flash shapes
+that it takes (sliding, CSA
 and HCA layers; decode and prefill tokens; ragged page counts, ``-1`` holes, a query with no key
 at all), through the direct and the split-KV launch, and replay of a captured CUDA graph
 (bitwise equal to the eager call).
@@ -18,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_cuda_sm100 import kernel_choice
-from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
+from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
 from deepinfer_cuda_sm100.tl import sparse_attention as tla
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
@@ -99,9 +100,12 @@ def test_tilelang_takes_plain_v4_calls_and_names_what_it_refuses():
     assert "float32" in tilelang_supports(q.float(), pools, idx, sinks, scale)
     assert "heads" in tilelang_supports(*_call(h=8))
     assert "head dim" in tilelang_supports(*_call(d=576))
-    assert "packed" in tilelang_supports(
-        q, [Fp8KVPool.from_values(pools[0], 64), *pools[1:]], idx, sinks, scale
-    )
+    packed = [Fp8KVPool.from_values(p, 64) for p in pools]
+    assert tilelang_supports(q, packed, idx, sinks, scale) is True  # the FP8 kernel
+    assert "one format" in tilelang_supports(q, [packed[0], *pools[1:]], idx, sinks, scale)
+    assert "one format" in tilelang_supports(q, [pools[0], *packed[1:]], idx, sinks, scale)
+    assert "bfloat16" in tilelang_supports(q.half(), packed, idx, sinks, scale)
+    assert choice_kind(idx, packed) == "rows+fp8" and choice_kind(idx, pools) == "rows"
     q, pools, paged_idx, sinks, scale = _call(third="paged")
     assert "paged index" in tilelang_supports(q, pools[::-1], paged_idx[::-1], sinks, scale)
     assert "sources" in tilelang_supports(q, pools[:1], idx[:1], sinks, scale)
@@ -119,17 +123,22 @@ def test_split_kinds_and_key_counts_follow_the_sources():
 # GPU
 
 
-def _v4_cases():
+def _map_rows(pool, fn):
+    """``fn`` applied to a pool's rows (a plain tensor, or a packed pool's bytes)."""
+    return Fp8KVPool(fn(pool.data), pool.dim, pool.rope_dim) if isinstance(pool, Fp8KVPool) else fn(pool)
+
+
+def _v4_cases(kv: str = "plain"):
     from deepinfer_cuda_sm100.attention_ops import V4_FLASH, attention_cases
 
     g = torch.Generator().manual_seed(1)
-    cases = attention_cases(V4_FLASH, kv="plain")(g, torch.bfloat16)
+    cases = attention_cases(V4_FLASH, kv=kv)(g, torch.bfloat16)
     (q, pools, idx, sinks, scale), kw = cases[-1]  # long context, a paged source first: reordered
     cases.append(((q, pools[1:] + pools[:1], idx[1:] + idx[:1], sinks, scale), kw))
     csa = [c for c in cases if len(c[0][2]) == 3 and not any(isinstance(i, PagedIndex) for i in c[0][2])]
     (q, pools, idx, sinks, scale), kw = max(csa, key=lambda c: c[0][0].shape[0])  # 4x: more CTAs than SMs
     rep = 4
-    pools = [pools[0], pools[1].repeat(rep, 1), pools[2]]
+    pools = [pools[0], _map_rows(pools[1], lambda x: x.repeat(rep, 1)), pools[2]]
     t = q.shape[0]
     step_rows = torch.where(idx[1] >= 0, idx[1][None] + t * torch.arange(rep)[:, None, None], -1)
     idx = [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), idx[2].repeat(rep, 1)]
@@ -138,7 +147,7 @@ def _v4_cases():
     for (q, pools, idx, sinks, scale), _ in cases:
         args = (
             q.cuda(),
-            [p.cuda() for p in pools],
+            [_map_rows(p, torch.Tensor.cuda) for p in pools],
             [
                 PagedIndex(
                     i.block_table.cuda(),
@@ -160,12 +169,13 @@ def _v4_cases():
 
 
 @pytest.mark.gpu
-def test_gpu_tilelang_matches_the_reference_at_v4_flash_shapes():
+@pytest.mark.parametrize("kv", ["plain", "fp8"])
+def test_gpu_tilelang_matches_the_reference_at_v4_flash_shapes(kv):
     if not torch.cuda.is_available() or tilelang_problem() is not None:
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
     from deepinfer_core.ops.attention import sparse_attention as reference
 
-    cases = _v4_cases()
+    cases = _v4_cases(kv)
     assert len(cases) >= 6  # sliding, CSA and HCA at several token counts
     kinds = set()
     for args in cases:
@@ -182,7 +192,7 @@ def test_gpu_tilelang_matches_the_reference_at_v4_flash_shapes():
 def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
     if not torch.cuda.is_available() or tilelang_problem() is not None:
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
-    for args in _v4_cases()[:4]:
+    for args in _v4_cases()[:3] + _v4_cases("fp8")[:3]:
         eager = tla.sparse_attention(*args)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -829,22 +829,7 @@ def sparse_attention_impl(
     any_fp8 = KV_FP8_V4 in used
     lay = pools.layout
 
-    nvalid = torch.empty((t, 4), dtype=torch.int32, device=q.device)
-    compact = torch.empty((t, max(ke, 1)), dtype=torch.int32, device=q.device)
-    widest = max([a for a, k in zip(idx_args[3::4], kinds, strict=True) if k == SRC_ROWS] + [1])
-    _prologue_kernel[(t,)](
-        nvalid,
-        compact,
-        compact.stride(0),
-        *idx_args,
-        KIND0=kinds[0],
-        KIND1=kinds[1],
-        KIND2=kinds[2],
-        KIND3=kinds[3],
-        BLOCK_C=min(max(16, pow2(widest)), 1024),
-        INTERP=INTERPRETED,
-        num_warps=4,
-    )
+    nvalid, compact = _prologue(t, q.device, kinds, idx_args, ke)
 
     pl = plan or plan_launch(t, h, max_keys, cfg, q.device)
     block_d = max(16, pow2(d))
@@ -928,6 +913,51 @@ def sparse_attention_impl(
     return out
 
 
+def _prologue(t: int, device: torch.device, kinds: list[int], idx_args: list, ke: int):
+    """Launch the prologue: ``(nvalid [T, 4], compact [T, max(ke, 1)])``."""
+    nvalid = torch.empty((t, 4), dtype=torch.int32, device=device)
+    compact = torch.empty((t, max(ke, 1)), dtype=torch.int32, device=device)
+    widest = max([a for a, k in zip(idx_args[3::4], kinds, strict=True) if k == SRC_ROWS] + [1])
+    _prologue_kernel[(t,)](
+        nvalid,
+        compact,
+        compact.stride(0),
+        *idx_args,
+        KIND0=kinds[0],
+        KIND1=kinds[1],
+        KIND2=kinds[2],
+        KIND3=kinds[3],
+        BLOCK_C=min(max(16, pow2(widest)), 1024),
+        INTERP=INTERPRETED,
+        num_warps=4,
+    )
+    return nvalid, compact
+
+
+def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each source's valid keys per query and the explicit sources' valid rows compacted:
+    ``(nvalid [T, 4] int32, compact [T, KE] int32)``, ``KE`` the explicit lists' total width.
+
+    ``nvalid[t, i]``: the rows ``>= 0`` of list ``i``, or ``min(max(counts[t], 0), max_count)``
+    of a :class:`PagedIndex`; ``compact[t]`` holds the valid rows of the explicit lists, list
+    after list, each in its order (the rest of the row is unspecified)."""
+    first = indices[0].counts if isinstance(indices[0], PagedIndex) else indices[0]
+    placeholder = torch.zeros(1, dtype=torch.int64, device=first.device)
+    kinds, idx_args, ke = [], [], 0
+    for index in indices:
+        if isinstance(index, PagedIndex):
+            kinds.append(SRC_PAGED)
+            idx_args += [index.counts, index.counts.stride(0), 0, int(index.max_count)]
+        else:
+            kinds.append(SRC_ROWS if index.shape[1] > 0 else SRC_NONE)
+            idx_args += [index, index.stride(0), index.stride(1), index.shape[1]]
+            ke += index.shape[1]
+    while len(kinds) < MAX_SOURCES:
+        kinds.append(SRC_NONE)
+        idx_args += [placeholder, 0, 0, 0]
+    return _prologue(first.shape[0], first.device, kinds, idx_args, ke)
+
+
 def sparse_attention(
     q: torch.Tensor,
     kv_pools: Sequence[KVPool],
@@ -959,6 +989,7 @@ __all__ = [
     "MAX_SOURCES",
     "AttentionConfig",
     "Plan",
+    "compact_sources",
     "default_config",
     "max_keys_of",
     "plan_launch",

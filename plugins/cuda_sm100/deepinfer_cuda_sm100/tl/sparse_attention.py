@@ -3,39 +3,45 @@
 
 One CTA takes one query token and 64 of its heads (``BH``), two consumer warpgroups: the
 ``[64, D]`` queries stay in shared memory; each block of ``BN = 64`` keys is gathered row by
-row (``cp.async``, two stages: the next block's rows load while this one computes), the
-logits ``[64, 64]`` come from one wgmma GEMM (the warpgroups split the key columns), the
-online softmax runs in fp32 with base-2 exponentials, and the probabilities (cast to the
-queries' dtype, as FlashMLA does) multiply the same shared key tile into a ``[64, D]`` fp32
-accumulator that the two warpgroups split along the value dimension.
+row (``cp.async``, 16-byte vectors, two stages: the next block's rows load while this one
+computes), the logits ``[64, 64]`` come from one wgmma GEMM (the warpgroups split the key
+columns), the online softmax runs in fp32 with base-2 exponentials, and the probabilities (cast
+to the queries' dtype, as FlashMLA does) multiply the same shared key tile into a ``[64, D]``
+fp32 accumulator that the two warpgroups split along the value dimension.
 
-Sources are read in order, each with its own loop: source 0 and 1 are explicit row lists
-(the window ring and this step's rows), source 2 is an explicit list (CSA's top-k picks), a
-:class:`~deepinfer_core.ops.attention.PagedIndex` resolved through the block table inside the
-kernel (HCA's entries), or absent (sliding-window layers).  A ``-1`` row is masked (its logit
-is ``-inf``); the softmax starts from the head's sink (``m = sink``, ``l = 1``).
+One key sequence per query.  A prologue (the Triton kernel's, :func:`compact_sources`) counts
+each source's valid keys and compacts the explicit row lists (``-1`` rows dropped, order kept);
+the kernel then walks one sequence: the compacted explicit rows of every source, then, when
+the last source is a :class:`~deepinfer_core.ops.attention.PagedIndex`, its entries resolved
+through the block table.  Every key of a block is valid except in the sequence's last block,
+so no block is spent on masked rows, and a query's keys are split over blocks the same way
+whichever source holds them.  The pools (all of the queries' dtype, 16-byte aligned rows) are
+addressed from the lowest pool's address in 16-byte units (one flat address space: the
+gather of a block needs no per-source branch).  The softmax starts from the head's sink
+(``m = sink``, ``l = 1``).
 
-Split-KV: with few queries (fewer CTAs than SMs) and long key lists the keys of each source
-are split over ``S`` CTAs per (token, head block); each writes its fp32 partial
-``(acc, m, l)`` (only split 0 starts from the sink) and a combine kernel merges the splits.
-``S`` depends on static shapes only (:func:`plan_splits`), so a call is CUDA-graph
-capturable; kernels are compiled once per static configuration (TileLang's disk cache keeps
-them between processes) and take any number of tokens, pool rows and list widths.
+Split-KV: with few queries (fewer CTAs than SMs) and long key lists the sequence's blocks are
+split over ``S`` CTAs per (token, head block); each writes its fp32 partial ``(acc, m, l)``
+(only split 0 starts from the sink) and a combine kernel merges the splits in order.  ``S``
+depends on static shapes only (:func:`plan_splits`), so a call is CUDA-graph capturable;
+kernels are compiled once per static configuration (TileLang's disk cache keeps them between
+processes) and take any number of tokens, pool rows and list widths.
 
-Reduction order: blocks of 64 keys per source, sources in order, splits merged in order:
-deterministic for a given split count, but it depends on how the window is split between
-the ring and this step's rows, so batch-invariant mode keeps the Triton kernel
-(:mod:`deepinfer_cuda_sm100.kernels.attention`), whose key chunks do not.
+Reduction order: blocks of 64 keys of the query's sequence, splits merged in order:
+deterministic for a given split count.  The split count depends on the step's token count, so
+batch-invariant mode keeps the Triton kernel (:mod:`deepinfer_cuda_sm100.kernels.attention`).
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as
 # objects (shapes built from closure variables).
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_format import Fp8KVPool
 
 LOG2E = 1.4426950408889634
 BH = 64
@@ -50,31 +56,70 @@ MIN_SPLIT_BLOCKS = 4
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def build_attention(third: str | None, split: bool, heads: int, dim: int, dtype: str):
+@dataclass(frozen=True)
+class Fp8Geometry:
+    """Byte offsets of a packed FP8 row that the kernel reads (:class:`~deepinfer_core.ops.
+    kv_format.Fp8RowLayout`): nope values at ``[0, nope)``, bfloat16 rope values at
+    ``rope_offset``, one UE8M0 scale byte per 64 nope values at ``scale_offset``."""
+
+    nope: int
+    rope_offset: int
+    scale_offset: int
+    groups: int
+
+
+def build_attention(
+    paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+):
     """The TileLang ``prim_func`` for one static configuration.
 
     Args:
-        third: ``"rows"``, ``"paged"`` or ``None``: the kind of source 2.
+        paged: whether the sequence ends with a paged source (resolved through the block table).
         split: write fp32 partials for :func:`build_combine` instead of the output.
         heads: ``H`` (a multiple of :data:`BH`); dim: ``D`` (a multiple of 64, at most 512).
-        dtype: ``"bfloat16"`` or ``"float16"`` (queries, pools, output).
+        dtype: ``"bfloat16"`` or ``"float16"`` (queries, plain pools, output).
+        fp8: ``None``: plain pools of ``dtype``, addressed in 16-byte units; else every pool is
+            a packed FP8 pool of this row geometry (:class:`~deepinfer_core.ops.kv_format.
+            Fp8KVPool`), addressed in 8-byte units, dequantised into the shared key tile.
     """
     import tilelang.language as T
 
     acc_t = "float32"
     H, D = heads, dim
     n_tok, n_split = T.dynamic("T"), T.dynamic("S")
-    t_out, t_part = T.dynamic("TO"), T.dynamic("TP")
-    n0, n1, n2 = T.dynamic("N0"), T.dynamic("N1"), T.dynamic("N2")
-    k0, k1, k2 = T.dynamic("K0"), T.dynamic("K1"), T.dynamic("K2")
-    st0, st1 = T.dynamic("st0"), T.dynamic("st1")
-    t2, t3, r_bt, p_bt = T.dynamic("T2"), T.dynamic("T3"), T.dynamic("R"), T.dynamic("P")
-    order, stage = list(range(14)), [0, 0] + [1] * 12  # row ids + gather: stage 0; math: stage 1
+    t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
+    t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
+    # the pipelined loop's statements: row offsets and the gathers in stage 0 (2 plain, 4
+    # packed), the dequantisation and the 12 of the softmax block in stage 1
+    loads, math = (2, 12) if fp8 is None else (4, 13)
+    order, stage = list(range(loads + math)), [0] * loads + [1] * math
 
     @T.macro
-    def attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2):
+    def key_offsets(off, t, j0, compact, nvalid, block_table, token_rows, bases, strides, epp):
+        """``off[i]``: key ``j0 + i`` of query ``t``'s sequence as a row offset in address
+        units from the pools' common base, ``-1`` past the sequence's end."""
+        n0 = nvalid[t, 0]
+        n01 = n0 + nvalid[t, 1]
+        total = n01 + nvalid[t, 2]
+        n_expl = n01 if paged else total
+        page_row = token_rows[T.min(t, t2 - 1)]
+        for i in T.Parallel(BN):
+            j = j0 + i
+            e = j - n_expl  # the entry of the paged source
+            row = T.if_then_else(
+                j < n_expl,
+                T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
+                T.Cast("int64", block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]) * epp + e % epp,
+            )
+            later = T.if_then_else(j < n01, bases[1] + row * strides[1], bases[2] + row * strides[2])
+            o = T.if_then_else(j < n0, bases[0] + row * strides[0], later)
+            off[i] = T.if_then_else(j < total, o, -1)
+
+    @T.macro
+    def attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2):
+        """The online softmax over one gathered block of keys (masked where ``off < 0``)."""
         for h, i in T.Parallel(BH, BN):
-            acc_s[h, i] = T.if_then_else(rows[i] >= 0, 0, -T.infinity(acc_t))
+            acc_s[h, i] = T.if_then_else(off[i] >= 0, 0, -T.infinity(acc_t))
         T.gemm(q_s, k_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
         T.copy(m, m_prev)
         for h, i in T.Parallel(BH, BN):
@@ -93,104 +138,143 @@ def build_attention(third: str | None, split: bool, heads: int, dim: int, dtype:
         T.gemm(p_s, k_s, acc_o, policy=T.GemmWarpPolicy.FullCol)
 
     @T.macro
-    def attend_rows(
-        pool, idx, k, t, s, n_split, q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2
-    ):
-        """One explicit source: its ``k`` listed rows, this split's share of their blocks."""
-        nb = T.ceildiv(k, BN)
+    def gather_plain(k_s, off, flat, base0):
+        for i, d in T.Parallel(BN, D):
+            k_s[i, d] = flat[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
+
+    @T.macro
+    def gather_fp8(raw8, raw16, scales, off, flat8, flat16, flat_u8, base0):
+        """Stage 0: copy a block of packed rows' nope bytes, rope values and scale bytes into
+        shared memory (asynchronous copies)."""
+        nope, rope_offset, scale_offset = fp8.nope, fp8.rope_offset, fp8.scale_offset
+        for i, d in T.Parallel(BN, nope):
+            raw8[i, d] = flat8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
+        for i, r in T.Parallel(BN, D - nope):
+            raw16[i, r] = flat16[T.if_then_else(off[i] >= 0, off[i], base0) * 4 + rope_offset // 2 + r]
+        for i, g in T.Parallel(BN, fp8.groups):
+            scales[i, g] = flat_u8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + scale_offset + g]
+
+    @T.macro
+    def dequantise(k_s, raw8, raw16, scales):
+        """Stage 1: ``fp8 * 2**(scale byte - 127)`` for the nope values, the bfloat16 rope values
+        as they are (:mod:`deepinfer_core.ops.kv_format`), into the shared key tile."""
+        for i, d in T.Parallel(BN, D):
+            c = T.min(d, fp8.nope - 1)
+            scale = T.exp2(T.Cast(acc_t, scales[i, c // 64]) - 127.0)
+            value = T.Cast(dtype, T.Cast(acc_t, raw8[i, c]) * scale)
+            k_s[i, d] = T.if_then_else(d < fp8.nope, value, raw16[i, T.max(d - fp8.nope, 0)])
+
+    @T.macro
+    def decode(q, sinks, out, part, ml, t, s, hb, pools, sequence, scale2):
+        q_s = T.alloc_shared((BH, D), dtype)
+        k_s = T.alloc_shared((BN, D), dtype)
+        p_s = T.alloc_shared((BH, BN), dtype)
+        off = T.alloc_shared((BN,), "int64")
+        if fp8 is not None:
+            raw8 = T.alloc_shared((BN, fp8.nope), "float8_e4m3")
+            raw16 = T.alloc_shared((BN, D - fp8.nope), "bfloat16")
+            scales = T.alloc_shared((BN, fp8.groups), "uint8")
+        acc_o = T.alloc_fragment((BH, D), acc_t)
+        acc_s = T.alloc_fragment((BH, BN), acc_t)
+        m = T.alloc_fragment((BH,), acc_t)
+        m_prev = T.alloc_fragment((BH,), acc_t)
+        l = T.alloc_fragment((BH,), acc_t)
+        l_i = T.alloc_fragment((BH,), acc_t)
+        alpha = T.alloc_fragment((BH,), acc_t)
+        T.copy(q[t, hb * BH, 0], q_s)
+        T.fill(acc_o, 0)
+        for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
+            m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
+            l[h] = T.if_then_else(s == 0, 1.0, 0.0)
+        compact, nvalid, block_table, token_rows, bases, strides, epp = sequence
+        nb = T.ceildiv(nvalid[t, 0] + nvalid[t, 1] + nvalid[t, 2], BN)
         lo = T.min(s * T.ceildiv(nb, n_split), nb)
         hi = T.min(lo + T.ceildiv(nb, n_split), nb)
-        for b in T.Pipelined(hi - lo, order=order, stage=stage):
-            for i in T.Parallel(BN):
-                c = (lo + b) * BN + i
-                rows[i] = T.if_then_else(c < k, idx[t, T.min(c, k - 1)], -1)
-            for i, d in T.Parallel(BN, D):
-                k_s[i, d] = pool[T.max(rows[i], 0), d]
-            attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+        # at least one (then fully masked) block: a trip count that may be zero would leave
+        # the pipeline's barriers inside a data-dependent branch
+        for b in T.Pipelined(T.max(hi - lo, 1), order=order, stage=stage):
+            key_offsets(off, t, (lo + b) * BN, compact, nvalid, block_table, token_rows, bases, strides, epp)
+            if fp8 is None:
+                gather_plain(k_s, off, pools[0], sequence[4][0])
+            else:
+                gather_fp8(raw8, raw16, scales, off, pools[0], pools[1], pools[2], sequence[4][0])
+                dequantise(k_s, raw8, raw16, scales)
+            attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+        if split:
+            for h, d in T.Parallel(BH, D):
+                part[t, s, hb * BH + h, d] = acc_o[h, d]
+            for h in T.Parallel(BH):
+                ml[t, s, hb * BH + h, 0] = m[h]
+                ml[t, s, hb * BH + h, 1] = l[h]
+        else:
+            for h, d in T.Parallel(BH, D):
+                out[t, hb * BH + h, d] = acc_o[h, d] / l[h]
+
+    if fp8 is None:
+
+        @T.prim_func
+        def sparse_attention_decode(
+            q: T.Tensor((n_tok, H, D), dtype),
+            flat: T.Tensor((nf,), dtype),
+            compact: T.Tensor((n_tok, ke), "int32"),
+            nvalid: T.Tensor((n_tok, 4), "int32"),
+            block_table: T.Tensor((r_bt, p_bt), "int32"),
+            token_rows: T.Tensor((t2,), "int32"),
+            sinks: T.Tensor((H,), "float32"),
+            out: T.Tensor((t_out, H, D), dtype),
+            part: T.Tensor((t_part, n_split, H, D), "float32"),
+            ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+            base0: T.int64,
+            base1: T.int64,
+            base2: T.int64,
+            st0: T.int64,
+            st1: T.int64,
+            st2: T.int64,
+            scale2: T.float32,
+            epp: T.int32,
+        ):
+            with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+                sequence = (
+                    compact,
+                    nvalid,
+                    block_table,
+                    token_rows,
+                    (base0, base1, base2),
+                    (st0, st1, st2),
+                    epp,
+                )
+                decode(q, sinks, out, part, ml, t, s, hb, (flat,), sequence, scale2)
+
+        return sparse_attention_decode
 
     @T.prim_func
-    def sparse_attention_decode(
+    def sparse_attention_decode_fp8(
         q: T.Tensor((n_tok, H, D), dtype),
-        pool0: T.StridedTensor((n0, D), (st0, 1), dtype),
-        idx0: T.Tensor((n_tok, k0), "int32"),
-        pool1: T.StridedTensor((n1, D), (st1, 1), dtype),
-        idx1: T.Tensor((n_tok, k1), "int32"),
-        pool2: T.Tensor((n2, D), dtype),
-        idx2: T.Tensor((t3, k2), "int32"),
+        flat8: T.Tensor((nf,), "float8_e4m3"),
+        flat16: T.Tensor((T.dynamic("NF2"),), "bfloat16"),
+        flat_u8: T.Tensor((nf,), "uint8"),
+        compact: T.Tensor((n_tok, ke), "int32"),
+        nvalid: T.Tensor((n_tok, 4), "int32"),
         block_table: T.Tensor((r_bt, p_bt), "int32"),
         token_rows: T.Tensor((t2,), "int32"),
-        counts: T.Tensor((t2,), "int32"),
         sinks: T.Tensor((H,), "float32"),
         out: T.Tensor((t_out, H, D), dtype),
         part: T.Tensor((t_part, n_split, H, D), "float32"),
         ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+        base0: T.int64,
+        base1: T.int64,
+        base2: T.int64,
+        st0: T.int64,
+        st1: T.int64,
+        st2: T.int64,
         scale2: T.float32,
         epp: T.int32,
-        max_count: T.int32,
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
-            T.assume(st0 % 8 == 0)  # whole 16-byte rows: the gathers vectorise (the wrapper checks)
-            T.assume(st1 % 8 == 0)
-            q_s = T.alloc_shared((BH, D), dtype)
-            k_s = T.alloc_shared((BN, D), dtype)
-            p_s = T.alloc_shared((BH, BN), dtype)
-            rows = T.alloc_shared((BN,), "int32")
-            acc_o = T.alloc_fragment((BH, D), acc_t)
-            acc_s = T.alloc_fragment((BH, BN), acc_t)
-            m = T.alloc_fragment((BH,), acc_t)
-            m_prev = T.alloc_fragment((BH,), acc_t)
-            l = T.alloc_fragment((BH,), acc_t)
-            l_i = T.alloc_fragment((BH,), acc_t)
-            alpha = T.alloc_fragment((BH,), acc_t)
-            state = (
-                q_s,
-                k_s,
-                p_s,
-                rows,
-                acc_o,
-                acc_s,
-                m,
-                m_prev,
-                l,
-                l_i,
-                alpha,
-                scale2,
-            )  # what each source's loop updates
-            T.copy(q[t, hb * BH, 0], q_s)
-            T.fill(acc_o, 0)
-            for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
-                m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
-                l[h] = T.if_then_else(s == 0, 1.0, 0.0)
-            attend_rows(pool0, idx0, k0, t, s, n_split, *state)
-            attend_rows(pool1, idx1, k1, t, s, n_split, *state)
-            if third == "rows":
-                attend_rows(pool2, idx2, k2, t, s, n_split, *state)
-            if third == "paged":
-                cnt = T.min(counts[t], max_count)
-                nb2 = T.ceildiv(cnt, BN)
-                lo2 = T.min(s * T.ceildiv(nb2, n_split), nb2)
-                hi2 = T.min(lo2 + T.ceildiv(nb2, n_split), nb2)
-                # at least one (then fully masked) block: a trip count that may be zero would
-                # leave the pipeline's barriers inside a data-dependent branch
-                for b in T.Pipelined(T.max(hi2 - lo2, 1), order=order, stage=stage):
-                    for i in T.Parallel(BN):
-                        e = (lo2 + b) * BN + i
-                        page = block_table[token_rows[t], T.min(e // epp, p_bt - 1)]
-                        rows[i] = T.if_then_else(e < cnt, page * epp + e % epp, -1)
-                    for i, d in T.Parallel(BN, D):
-                        k_s[i, d] = pool2[T.max(rows[i], 0), d]
-                    attend_block(q_s, k_s, p_s, rows, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
-            if split:
-                for h, d in T.Parallel(BH, D):
-                    part[t, s, hb * BH + h, d] = acc_o[h, d]
-                for h in T.Parallel(BH):
-                    ml[t, s, hb * BH + h, 0] = m[h]
-                    ml[t, s, hb * BH + h, 1] = l[h]
-            else:
-                for h, d in T.Parallel(BH, D):
-                    out[t, hb * BH + h, d] = acc_o[h, d] / l[h]
+            sequence = (compact, nvalid, block_table, token_rows, (base0, base1, base2), (st0, st1, st2), epp)
+            decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat_u8), sequence, scale2)
 
-    return sparse_attention_decode
+    return sparse_attention_decode_fp8
 
 
 def build_combine(heads: int, dim: int, dtype: str):
@@ -227,15 +311,19 @@ def build_combine(heads: int, dim: int, dtype: str):
 
 
 @functools.cache
-def _kernel(kind: str, third: str | None, split: bool, heads: int, dim: int, dtype: str):
-    """A compiled kernel (TileLang keeps compiled kernels in its disk cache)."""
+def _kernel(
+    kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+):
+    """A compiled kernel (TileLang keeps compiled kernels in its disk cache).  The attention
+    kernel reads the pools through one flat address space, beyond the bounds of the tensor
+    it is given: TileLang's bounds guards are off for it."""
     import tilelang
 
     if kind == "combine":
-        func = build_combine(heads, dim, dtype)
-    else:
-        func = build_attention(third, split, heads, dim, dtype)
-    return tilelang.compile(func, out_idx=None, target="cuda")
+        return tilelang.compile(build_combine(heads, dim, dtype), out_idx=None, target="cuda")
+    func = build_attention(paged, split, heads, dim, dtype, fp8)
+    configs = {"tl.disable_safe_memory_legalize": True}
+    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
 
 def num_sms(device: torch.device) -> int:
@@ -270,27 +358,60 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
 
 
+def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prologue: ``(nvalid [T, 4], compact [T, KE])`` - each source's valid keys, and the
+    explicit sources' valid rows compacted in order (Triton's prologue kernel)."""
+    from deepinfer_cuda_sm100.kernels import attention as triton_attention
+
+    return triton_attention.compact_sources(indices)
+
+
+def fp8_geometry(kv_pools) -> Fp8Geometry | None:
+    """The packed row geometry when every pool is an :class:`~deepinfer_core.ops.kv_format.
+    Fp8KVPool` of one layout (the FP8 kernel), ``None`` when every pool is plain."""
+    if not isinstance(kv_pools[0], Fp8KVPool):
+        return None
+    lay = kv_pools[0].layout
+    return Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+
+
+def _flat_views(kv_pools, fp8: Fp8Geometry | None, dtype: torch.dtype):
+    """The pools' common base as the kernel's flat tensors, each pool's base and row stride in
+    the kernel's address units (16 bytes plain, 8 bytes packed)."""
+    data = [p if fp8 is None else p.data for p in kv_pools]
+    lowest = min(data, key=lambda x: x.data_ptr())
+    unit = 16 if fp8 is None else 8
+
+    def flat(view_dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_strided(lowest.view(view_dtype), (1,), (1,))
+
+    views = (
+        (flat(dtype),)
+        if fp8 is None
+        else (flat(torch.float8_e4m3fn), flat(torch.bfloat16), flat(torch.uint8))
+    )
+    bases = [(x.data_ptr() - lowest.data_ptr()) // unit for x in data] + [0] * (3 - len(data))
+    strides = [x.stride(0) * x.element_size() // unit for x in data] + [0] * (3 - len(data))
+    return views, bases, strides
+
+
 def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
-    """The op (see the module docstring; ``supports`` in :mod:`deepinfer_cuda_sm100.tl_ops`
-    says which calls it takes)."""
+    """The op (see the module docstring; :func:`~deepinfer_cuda_sm100.attention_dispatch.
+    tilelang_supports` says which calls it takes)."""
     t, h, d = q.shape
     dtype = _TL_DTYPES[q.dtype]
-    third = third_kind(indices)
     dev = q.device
-    s = plan_splits(t, h, max_keys(indices), num_sms(dev))
-    one = torch.zeros(1, dtype=torch.int32, device=dev)
-    pool2 = kv_pools[2] if third else kv_pools[1]
-    idx2 = _int32(indices[2]) if third == "rows" else one.view(1, 1)
-    if third == "paged":
-        pi: PagedIndex = indices[2]
-        bt, rows, counts = _int32(pi.block_table), _int32(pi.token_rows), _int32(pi.counts)
-        epp, max_count = pi.entries_per_page, pi.max_count
+    paged = isinstance(indices[-1], PagedIndex)
+    fp8 = fp8_geometry(kv_pools)
+    nvalid, compact = compact_sources(indices)
+    views, bases, strides = _flat_views(kv_pools, fp8, q.dtype)
+    if paged:
+        pi: PagedIndex = indices[-1]
+        bt, rows, epp = _int32(pi.block_table), _int32(pi.token_rows), pi.entries_per_page
     else:
-        bt, rows, counts, epp, max_count = one.view(1, 1), one, one, 1, 0
-    if third == "rows":
-        rows = counts = torch.zeros(t, dtype=torch.int32, device=dev)  # t2 = T
-    sinks = sinks.float().contiguous()
-    scale2 = float(scale) * LOG2E
+        one = torch.zeros(1, dtype=torch.int32, device=dev)
+        bt, rows, epp = one.view(1, 1), one, 1
+    s = plan_splits(t, h, max_keys(indices), num_sms(dev))
     if s == 1:
         out = torch.empty_like(q)
         part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)
@@ -299,28 +420,13 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
         out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
         part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
-    kernel = _kernel("attention", third, s > 1, h, d, dtype)
-    kernel(
-        q.contiguous(),
-        kv_pools[0],
-        _int32(indices[0]),
-        kv_pools[1],
-        _int32(indices[1]),
-        pool2,
-        idx2,
-        bt,
-        rows,
-        counts,
-        sinks,
-        out,
-        part,
-        ml,
-        scale2,
-        epp,
-        max_count,
-    )
+    kernel = _kernel("attention", paged, s > 1, h, d, dtype, fp8)
+    scale2 = float(scale) * LOG2E
+    sinks = sinks.float().contiguous()
+    tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
+    kernel(*tensors, *bases, *strides, scale2, epp)
     if s == 1:
         return out
     out = torch.empty_like(q)
-    _kernel("combine", None, False, h, d, dtype)(part, ml, out)
+    _kernel("combine", False, False, h, d, dtype)(part, ml, out)
     return out

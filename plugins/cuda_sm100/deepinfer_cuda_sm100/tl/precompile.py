@@ -1,0 +1,72 @@
+"""Compile the TileLang kernels of given shapes ahead of use, in parallel processes, into
+TileLang's disk cache (``~/.tilelang/cache``), so that neither a test run nor an engine's
+warm-up compiles them one after another.
+
+    python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--jobs 8]
+
+Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
+a paged source, direct and split-KV) and the split combine, bfloat16, for DeepSeek-V4-Flash's
+shape by default.  Prints each configuration's compile time; exits 1 naming what failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+
+def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
+    """``_kernel`` arguments of every configuration of the shape."""
+    from deepinfer_core.ops.kv_format import fp8_row_layout
+
+    lay = fp8_row_layout(dim, rope_dim)
+    from deepinfer_cuda_sm100.tl.sparse_attention import Fp8Geometry
+
+    fp8 = Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+    out = [("combine", False, False, heads, dim, "bfloat16", None)]
+    for geometry in (None, fp8):
+        for paged in (False, True):
+            for split in (False, True):
+                out.append(("attention", paged, split, heads, dim, "bfloat16", geometry))
+    return out
+
+
+def _compile(config: tuple) -> float:
+    from deepinfer_cuda_sm100.tl.sparse_attention import _kernel
+
+    t0 = time.perf_counter()
+    _kernel(*config)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", type=int, default=64)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--jobs", type=int, default=8)
+    a = p.parse_args(argv)
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    problem = tilelang_problem()
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
+    failed = []
+    with ProcessPoolExecutor(max_workers=a.jobs) as pool:
+        futures = {pool.submit(_compile, c): c for c in configurations(a.heads, a.dim, a.rope_dim)}
+        for future in as_completed(futures):
+            config = futures[future]
+            try:
+                print(f"compiled {config} in {future.result():.1f} s", flush=True)
+            except Exception as exc:  # reported, the others go on
+                failed.append(f"{config}: {type(exc).__name__}: {str(exc).splitlines()[-1][:200]}")
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
