@@ -16,10 +16,12 @@ reference dequantises them).
 activations are quantised per token per 32 channels by ``npu_dynamic_mx_quant`` first
 (MXFP8 e4m3, a relative error up to ``2**-4`` per element), which the op contract's tolerances do
 not allow for (a quantised weight counts as its dequantised value; the activations are not
-quantised).  So ``linear`` and ``moe_experts`` take the MX path only with
+quantised).  So ``linear``, ``grouped_linear`` and ``moe_experts`` take the MX path only with
 ``DEEPINFER_ASCEND950_MX_ACTIVATIONS=1`` (read at each call); otherwise they leave quantised
-weights to the reference (dequantised per call).  This is the scheme of the public Ascend stack
-(MXFP8 x MXFP8 dense layers, MXFP4 experts x MXFP8 activations).
+weights to the reference (dequantised per call).  The same switch decides, when the backend is
+registered, whether it declares the FP8 / FP4 formats as ``quantized_weights``
+(:func:`declared_formats`): without it the engine dequantises them at load.  This is the scheme
+of the public Ascend stack (MXFP8 x MXFP8 dense layers, MXFP4 experts x MXFP8 activations).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import weakref
 
 import torch
 
-from deepinfer_core.weights.quant import FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor
+from deepinfer_core.weights.quant import FP4_EXPERTS, FP8_BLOCK, FP8_DTYPE, UE8M0_DTYPE, QuantizedTensor
 
 MX_ACTIVATIONS_ENV = "DEEPINFER_ASCEND950_MX_ACTIVATIONS"
 """``1``: ``linear`` / ``moe_experts`` quantise activations to MXFP8 and run the MX matmuls."""
@@ -44,6 +46,22 @@ MX_OFF_REASON = (
 def mx_activations_enabled() -> bool:
     """Whether :data:`MX_ACTIVATIONS_ENV` enables the MX paths (read at each call)."""
     return os.environ.get(MX_ACTIVATIONS_ENV, "0") not in ("", "0")
+
+
+MX_FORMATS = (FP8_BLOCK, FP4_EXPERTS)
+"""The checkpoint formats the MX ops read natively (``BackendSpec.quantized_weights``)."""
+
+
+def declared_formats() -> tuple[str, ...]:
+    """The ``quantized_weights`` the backend declares: :data:`MX_FORMATS` when the MX switch is
+    on (read when the backend is registered), else none.  Without the switch no op of the
+    backend reads a quantised weight, so keeping them quantised would only make the reference
+    dequantise them at every call; with it, FP8 linears and FP4 experts stay quantised in device
+    memory by default (``keep_quantized`` still overrides).  The declaration cannot see the
+    checkpoint: FP8 weights with float32 block scales, which the MX ops refuse, are then kept
+    quantised too and dequantised by the reference at every call (pass ``keep_quantized=False``
+    for such checkpoints)."""
+    return MX_FORMATS if mx_activations_enabled() else ()
 
 
 def fp8_weight_problem(w: object) -> str | None:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from deepinfer_ascend950 import backend
+from deepinfer_ascend950.quant_mx import declared_formats
 from npu_emulator import installed
 
 from deepinfer_core.backends import BackendSpec
@@ -39,6 +40,7 @@ class EmulatedBackend:
                 device_type="cpu",
                 priority=1,
                 ops=backend.load_ops,
+                quantized_weights=declared_formats(),
                 description="EMULATOR: the ascend950 backend's ops on CPU (tests only)",
             )
         )

@@ -73,3 +73,15 @@ def test_the_emulated_backend_serves_the_tiny_model_like_the_reference(emulated_
     emulated = LLMEngine(EngineConfig(backend="ascend950_emulated", **cfg), plugins=emulated_manager)
     reference = LLMEngine(EngineConfig(backend="reference", **cfg))
     assert _greedy(emulated, prompts) == _greedy(reference, prompts)
+
+
+def test_quantised_formats_are_declared_only_with_the_mx_switch(monkeypatch):
+    """Without ``DEEPINFER_ASCEND950_MX_ACTIVATIONS`` no op reads quantised weights, so none are
+    declared (the engine dequantises at load); with it, FP8 linears and FP4 experts are."""
+    from deepinfer_ascend950 import quant_mx
+
+    monkeypatch.delenv(quant_mx.MX_ACTIVATIONS_ENV, raising=False)
+    assert manager_with_plugin(plugin, "ascend950").get_backend("ascend950").quantized_weights == ()
+    monkeypatch.setenv(quant_mx.MX_ACTIVATIONS_ENV, "1")
+    spec = manager_with_plugin(plugin, "ascend950").get_backend("ascend950")
+    assert spec.quantized_weights == ("fp8_block", "fp4_experts")
