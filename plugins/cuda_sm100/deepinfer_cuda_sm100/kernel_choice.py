@@ -53,6 +53,20 @@ def load_points(arch: str) -> tuple[Point, ...]:
     return tuple(Point(**p) for p in data["points"])
 
 
+def write_points(arch: str, op: str, points: list[dict], device: str, source: dict) -> Path:
+    """Replace ``op``'s points in the table of ``arch`` by ``points`` (dicts of :class:`Point`'s
+    fields), keeping every other op's, and record how they were measured (``source``: command,
+    software, date, timing) under ``sources[op]``.  Returns the table's path."""
+    path = table_path(arch)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    kept = [p for p in table.get("points", []) if p["op"] != op]
+    sources = {**table.get("sources", {}), op: source}
+    table = {"device": device, "sources": dict(sorted(sources.items())), "points": kept + points}
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    load_points.cache_clear()
+    return path
+
+
 def choose(
     op: str,
     kind: str,

@@ -397,19 +397,16 @@ def write_choices(results: dict) -> Path:
         for r in results["attention"]
         if "tilelang_ms" in r
     ]
-    path = kernel_choice.table_path(f"sm{major}{minor}")
-    table = {
-        "device": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
+    source = {
         "software": f"torch {torch.__version__}, triton {triton.__version__}, "
         f"tilelang {tilelang.__version__}",
         "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices",
         "measured": time.strftime("%Y-%m-%d"),
         "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
         "(the flush's time subtracted), after warm-ups",
-        "points": points,
     }
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return path
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", "sparse_attention", points, device, source)
 
 
 def main(argv: list[str] | None = None) -> int:

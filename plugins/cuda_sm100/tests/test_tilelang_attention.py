@@ -67,6 +67,21 @@ def test_choice_defaults_outside_the_measured_range_and_without_a_table():
     )
 
 
+def test_writing_one_ops_points_keeps_the_others(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernel_choice, "TABLE_DIR", tmp_path)
+    kernel_choice.load_points.cache_clear()
+    point = {**_point(32, 768, 1.0, 2.0).__dict__}
+    other = {**point, "op": "linear_fp8", "ms": {"triton": 1.0, "cublas": 0.5}}
+    kernel_choice.write_points("sm0", "sparse_attention", [point], "gpu", {"command": "a"})
+    kernel_choice.write_points("sm0", "linear_fp8", [other], "gpu", {"command": "b"})
+    newer = {**point, "tokens": 64}
+    kernel_choice.write_points("sm0", "sparse_attention", [newer], "gpu", {"command": "c"})
+    points = kernel_choice.load_points("sm0")
+    assert sorted((p.op, p.tokens) for p in points) == [("linear_fp8", 32), ("sparse_attention", 64)]
+    assert kernel_choice.table_path("sm0").read_text().count('"command"') == 2
+    kernel_choice.load_points.cache_clear()
+
+
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 131, 132, 500])
 @pytest.mark.parametrize("keys", [0, 64, 768, 1 << 20])
 def test_split_plan_covers_the_sms_without_starving_a_split(tokens, keys):
