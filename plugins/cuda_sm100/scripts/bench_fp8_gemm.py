@@ -10,7 +10,10 @@ overhead is excluded):
   has it, else ``torch._scaled_mm``; 1x128 activation scales, 128x128 weight scales: Hopper
   only) on pre-quantised FP8 activations (the GEMM alone; ``None`` where no configuration
   runs, with every error printed in full);
-* ``bf16 matmul``: cuBLAS on the dequantised bf16 weight.
+* ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
+* ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
+  cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`); ``--write-choices`` writes its and the
+  Triton kernel's times per shape into the measured table the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
 scaled_mm's time over ours (all points, and M <= 64) and writes JSON (default
@@ -267,10 +270,17 @@ def main() -> None:
     parser.add_argument(
         "--sweep", action="store_true", help="also time a grid of decode (M <= 64) and prefill launches"
     )
+    parser.add_argument(
+        "--write-choices",
+        action="store_true",
+        help="write the measured W8A16 paths (triton, dequantise + cuBLAS) per shape and M into the\n"
+        "package's table of this GPU's architecture (deepinfer_cuda_sm100/choices_smXY.json)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
 
+    from deepinfer_cuda_sm100.gemm_dispatch import cublas_linear
     from deepinfer_cuda_sm100.kernels.fp8_gemm import launch_shape, linear_fp8, linear_fp8_w8a8, sm_count
 
     from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
@@ -280,7 +290,10 @@ def main() -> None:
     rows = []
     head = (
         f"{'K x N':<12} {'M':>5} {'tile/splits':>12} "
-        + " ".join(f"{name + ' us':>16}" for name in ("triton w8a16", "triton w8a8", "scaled_mm", "bf16"))
+        + " ".join(
+            f"{name + ' us':>16}"
+            for name in ("triton w8a16", "triton w8a8", "scaled_mm", "bf16", "dequant+cublas")
+        )
         + f" {'w8a16 TB/s':>10} {'w8a16 TF/s':>10} {'err':>8}"
     )
     print(head)
@@ -295,6 +308,7 @@ def main() -> None:
                 "triton_w8a8": lambda x=x, w=w: linear_fp8_w8a8(x, w),
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
+                "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
             }
             times = {
                 name: (
@@ -391,6 +405,39 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    if args.write_choices:
+        print(f"wrote {write_choices(rows)}")
+
+
+def write_choices(rows: list[dict]) -> Path:
+    """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table."""
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP
+
+    points = [
+        {
+            "op": OP,
+            "kind": "w8a16",
+            "dtype": "bfloat16",
+            "heads": r["N"],
+            "head_dim": r["K"],
+            "tokens": r["M"],
+            "keys": r["K"],
+            "ms": {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3},
+        }
+        for r in rows
+        if r["triton_w8a16_us"] and r["dequant_cublas_us"]
+    ]
+    major, minor = torch.cuda.get_device_capability()
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices",
+        "measured": datetime.date.today().isoformat(),
+        "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
+    }
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
 
 
 if __name__ == "__main__":

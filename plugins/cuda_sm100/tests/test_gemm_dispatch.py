@@ -1,0 +1,170 @@
+"""``linear``'s two W8A16 paths and the measured choice between them
+(:mod:`deepinfer_cuda_sm100.gemm_dispatch`).
+
+**Interpreter** (a child with ``TRITON_INTERPRET=1``, see ``test_gemm_kernel.py``): the
+dequantisation kernel is bitwise :func:`deepinfer_core.weights.quant.dequant_fp8` -- float32
+and UE8M0 block scales (zero, subnormal-exponent and large scales), partial edge tiles, into
+float32, bfloat16 and float16.
+
+**Here**: the choice rules (Triton off the GPU, in batch-invariant mode and outside the
+measured points; the faster path at the nearest measured ``M``).
+
+**GPU** (marked ``gpu``): the cuBLAS path is bitwise the reference op on the same device
+(the reference dequantises and calls ``F.linear`` too); the dispatcher takes the measured
+faster path per ``M`` and replays it in a CUDA graph bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
+
+
+def _weight(g: torch.Generator, n: int, k: int, scale_dtype: str = "fp32", device: str = "cpu"):
+    from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
+
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    w[:3, :130] = 0  # an all-zero block row start: scale of an all-zero block
+    w[-1] *= 1e4  # a large block
+    data, scale = quant_fp8(w, (128, 128), scale_dtype)
+    return QuantizedTensor(data.to(device), scale.to(device), "fp8", (128, 128))
+
+
+def dequant_problems(device: str) -> list[str]:
+    """The kernel against ``dequant_fp8``, bit for bit."""
+    from deepinfer_cuda_sm100.kernels.fp8_dequant import dequantize_fp8
+
+    from deepinfer_core.weights.quant import dequant_fp8
+
+    problems = []
+    g = torch.Generator().manual_seed(0)
+    for scale_dtype in ("fp32", "ue8m0"):
+        for n, k in ((256, 384), (200, 130), (64, 64)):
+            w = _weight(g, n, k, scale_dtype, device)
+            if scale_dtype == "ue8m0":  # the extreme exponents: 2**-127 (subnormal) and 2**127
+                raw = w.scale.view(torch.uint8)
+                raw[0, 0], raw[-1, -1] = 0, 254
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                want = dequant_fp8(w.data, w.scale, (128, 128), dtype)
+                got = dequantize_fp8(w.data, w.scale, (128, 128), dtype)
+                same = torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+                if not same:
+                    problems.append(f"{scale_dtype} {n}x{k} {dtype}: not bitwise dequant_fp8")
+    return problems
+
+
+def interpreter_report() -> dict:
+    """Every interpreter check, as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from deepinfer_cuda_sm100.kernels import _common
+
+    return {"interpreted": _common.INTERPRETED, "dequant": dequant_problems("cpu")}
+
+
+@pytest.mark.slow  # a fresh interpreter running the kernel
+def test_interpreter_dequantisation_is_bitwise_the_reference(report):
+    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
+    assert not report["dequant"], "\n".join(report["dequant"])
+
+
+# ---------------------------------------------------------------------------------------------
+# choice rules
+
+
+def _points(m_fast_cublas: int, n: int = 512, k: int = 256):
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP
+
+    def point(m, triton_ms, cublas_ms):
+        ms = {"triton": triton_ms, "cublas": cublas_ms}
+        return kernel_choice.Point(OP, "w8a16", "bfloat16", n, k, m, k, ms)
+
+    return (point(1, 1.0, 2.0), point(16, 1.0, 2.0), point(m_fast_cublas, 2.0, 1.0))
+
+
+def test_off_the_gpu_the_dispatcher_runs_the_triton_kernel():
+    from deepinfer_cuda_sm100.gemm_dispatch import choose_path, make_linear
+
+    g = torch.Generator().manual_seed(1)
+    w = _weight(g, 256, 256)
+    x = torch.randn(512, 256, generator=g)
+    assert choose_path(x, w) == "triton"
+    calls = []
+    out = make_linear(lambda x, w: calls.append(x.shape) or x[:, :1])(x, w)
+    assert calls == [(512, 256)] and out.shape == (512, 1)
+
+
+def test_the_table_picks_the_faster_path_at_the_nearest_m():
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP, PATHS
+
+    points = _points(4096)
+
+    def pick(m, n=512, k=256):
+        return kernel_choice.choose(OP, "w8a16", "bfloat16", n, k, m, k, "sm90", PATHS, points=points)
+
+    assert [pick(m) for m in (1, 8, 16, 3000, 4096)] == ["triton"] * 3 + ["cublas"] * 2
+    assert pick(8192) == "triton"  # past the measured M: the default
+    assert pick(4096, n=1024) == "triton"  # another weight shape: unmeasured
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_cublas_path_is_bitwise_the_reference(scale_dtype, dtype):
+    from deepinfer_cuda_sm100.gemm_dispatch import cublas_linear
+
+    from deepinfer_core.ops.linear import linear
+
+    problems = dequant_problems("cuda")
+    assert not problems, "\n".join(problems)
+    g = torch.Generator().manual_seed(2)
+    for k, n in ((4096, 1024), (1024, 4096), (4096, 512)):
+        w = _weight(g, n, k, scale_dtype, "cuda")
+        for m in (1, 64, 1000):
+            x = torch.randn(m, k, generator=g).to(dtype).cuda()
+            assert torch.equal(cublas_linear(x, w), linear(x, w)), f"{k}x{n} M={m}"
+
+
+@pytest.mark.gpu
+def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
+    from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import linear_fp8
+
+    from deepinfer_core.ops.linear import linear as reference
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    n, k = 512, 256
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points(2048, n, k))
+    op = gemm_dispatch.make_linear(linear_fp8)
+    g = torch.Generator().manual_seed(3)
+    w = _weight(g, n, k, "fp32", "cuda")
+    for m, path in ((1, "triton"), (16, "triton"), (2048, "cublas")):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+        assert gemm_dispatch.choose_path(x, w) == path
+        if path == "cublas":
+            assert torch.equal(op(x, w), reference(x, w))
+            with batch_invariant_mode():
+                assert gemm_dispatch.choose_path(x, w) == "triton"
+        op(x, w)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = op(x, w)
+        x.copy_(torch.randn(m, k, device="cuda"))
+        graph.replay()
+        assert torch.equal(y, op(x, w)), f"M={m}: the replay differs from an eager call"
+
+
+if __name__ == "__main__" and "--interpreter-report" in sys.argv:
+    print(json.dumps(interpreter_report()))
