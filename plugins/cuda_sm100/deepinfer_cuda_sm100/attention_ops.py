@@ -431,8 +431,9 @@ def indexer_cases(s: AttnShapes) -> Callable[[torch.Generator, torch.dtype], Cas
 
 def attention_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for ``sparse_attention`` and ``indexer_topk`` (imports Triton)."""
+    from deepinfer_cuda_sm100 import indexer_select
     from deepinfer_cuda_sm100.attention_dispatch import make_sparse_attention
-    from deepinfer_cuda_sm100.kernels import _common, attention, indexer
+    from deepinfer_cuda_sm100.kernels import _common, attention
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -444,6 +445,8 @@ def attention_ops() -> dict[str, OpImpl]:
             sample_cases=attention_cases(shapes),
         ),
         "indexer_topk": OpImpl(
-            fn=indexer.indexer_topk, supports=supports["indexer_topk"], sample_cases=indexer_cases(shapes)
+            fn=indexer_select.indexer_topk,  # torch.topk on exact keys where measured faster
+            supports=supports["indexer_topk"],
+            sample_cases=indexer_cases(shapes),
         ),
     }

@@ -295,6 +295,7 @@ def tune_attention(args: tuple, timer: Timer) -> list[dict]:
 
 
 def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
+    from deepinfer_cuda_sm100.indexer_select import select_topk_torch
     from deepinfer_cuda_sm100.kernels import indexer as ki
 
     rows = []
@@ -318,6 +319,11 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
         row["score_ms"] = timer.ms(lambda args=args: ki.indexer_scores(*args[:4], args[5]))
         row["select_ms"] = timer.ms(lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c))
         row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
+        # the exact torch.topk path of the backend (64-bit keys: ties to the earlier column)
+        row["torch_exact_ms"] = timer.ms(lambda s=scores, c=cand: select_topk_torch(s, INDEX_TOPK, c))
+        if a.check:
+            exact = select_topk_torch(scores, k, cand)
+            row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
         row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
         if a.tune:
             row["tune"] = tune_indexer(args, scores, timer)
@@ -365,8 +371,8 @@ def print_row(r: dict) -> None:
     else:
         print(
             f"indexer T {r['T']:5} C {r['C']:6} k {r['k']}: {r['ms']:8.4f} ms (scores {r['score_ms']:.4f}, "
-            f"select {r['select_ms']:.4f}; torch.topk {r['torch_topk_ms']:.4f})  roofline "
-            f"{r['roofline_ms']:.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
+            f"select {r['select_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f}; "
+            f"torch.topk {r['torch_topk_ms']:.4f})  roofline {r['roofline_ms']:.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
             + (
                 f"  sets==topk {r['picks_equal_torch_topk_sets']}"
                 if "picks_equal_torch_topk_sets" in r
@@ -409,6 +415,37 @@ def write_choices(results: dict) -> Path:
     return kernel_choice.write_points(f"sm{major}{minor}", "sparse_attention", points, device, source)
 
 
+def write_select_choices(rows: list[dict]) -> Path:
+    """The indexer selection's two paths (radix select, exact ``torch.topk``) per ``T x C`` as
+    ``indexer_select`` points of the measured table (paged candidates, as measured)."""
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.indexer_select import OP
+
+    points = [
+        {
+            "op": OP,
+            "kind": "paged",
+            "dtype": "float32",
+            "heads": 0,
+            "head_dim": 0,
+            "tokens": r["T"],
+            "keys": r["C"],
+            "ms": {"triton": round(r["select_ms"], 5), "torch": round(r["torch_exact_ms"], 5)},
+        }
+        for r in rows
+    ]
+    major, minor = torch.cuda.get_device_capability()
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices",
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call",
+    }
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if not torch.cuda.is_available():
@@ -434,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         results["indexer"] = bench_indexer(a, timer)
     if a.write_choices and results.get("attention"):
         print(f"wrote {write_choices(results)}")
+    if a.write_choices and results.get("indexer"):
+        print(f"wrote {write_select_choices(results['indexer'])}")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.output}")

@@ -400,6 +400,44 @@ def fp8_dequant_problems(
     return problems
 
 
+def select_path_problems(device: str, shapes_name: str = "SMALL") -> list[str]:
+    """The ``torch.topk`` selection path (:mod:`deepinfer_cuda_sm100.indexer_select`) against the
+    Triton radix select on the scores of every ``indexer_topk`` case: the same picks, in the
+    same order (integer data: many equal scores)."""
+    from deepinfer_cuda_sm100 import attention_ops
+    from deepinfer_cuda_sm100.indexer_select import select_topk_torch
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    from deepinfer_core.ops.attention import PagedIndex
+
+    problems = []
+    shapes = getattr(attention_ops, shapes_name)
+    for dtype in (torch.float32, torch.bfloat16):
+        cases = attention_ops.indexer_cases(shapes)(torch.Generator().manual_seed(0), dtype)
+        for n, (args, _) in enumerate(cases):
+            q, w, keys, cand, k, scale = (_move(a, device) for a in args)
+            scores = ki.indexer_scores(q, w, keys, cand, scale)
+            got, want = select_topk_torch(scores, k, cand), ki.select_topk(scores, k, cand)
+            if not torch.equal(got, want):
+                kind = "paged" if isinstance(cand, PagedIndex) else "rows"
+                problems.append(f"{dtype} case {n} ({kind}): the torch selection differs from Triton's")
+    return problems
+
+
+def _move(a, device: str):
+    from deepinfer_core.ops.attention import PagedIndex
+
+    if isinstance(a, PagedIndex):
+        return PagedIndex(
+            a.block_table.to(device),
+            a.token_rows.to(device),
+            a.counts.to(device),
+            a.entries_per_page,
+            a.max_count,
+        )
+    return a.to(device) if isinstance(a, torch.Tensor) else a
+
+
 def compaction_problems(device: str) -> list[str]:
     """The prologue's :func:`compact_sources` on every conformance case of ``sparse_attention``
     against its definition: each source's valid-key count and the explicit lists' valid rows,
@@ -451,6 +489,7 @@ def interpreter_report() -> dict:
     report["fp8_dequant"] = fp8_dequant_problems("cpu", (torch.float32, torch.bfloat16))
     report["fp8_cases"] = _fp8_case_count(SMALL)
     report["compaction"] = compaction_problems("cpu")
+    report["select_paths"] = select_path_problems("cpu")
     return report
 
 
@@ -490,6 +529,11 @@ def test_interpreter_conformance(report, op, mode):
     if op == "sparse_attention":
         counts = report["fp8_cases"]
         assert counts["op"] >= 1 and counts["own"] >= 8, f"too few cases with packed FP8 pools: {counts}"
+
+
+@slow
+def test_interpreter_torch_selection_equals_the_radix_select(report):
+    assert not report["select_paths"], "\n".join(report["select_paths"])
 
 
 @slow
@@ -791,6 +835,12 @@ def test_gpu_batch_invariance():
     problems = attention_invariance_problems(V4_FLASH, torch.bfloat16, "cuda")
     problems += attention_invariance_problems(V4_FLASH, torch.bfloat16, "cuda", "fp8")
     problems += indexer_invariance_problems(V4_FLASH, torch.bfloat16, "cuda")
+    assert not problems, "\n".join(problems)
+
+
+@needs_cuda
+def test_gpu_torch_selection_equals_the_radix_select():
+    problems = select_path_problems("cuda", "V4_FLASH")
     assert not problems, "\n".join(problems)
 
 

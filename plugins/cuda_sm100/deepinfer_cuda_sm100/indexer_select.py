@@ -1,0 +1,92 @@
+"""``indexer_topk``'s selection by the faster of two exact paths, by measurement.
+
+- ``"triton"``: the radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` (one program
+  per query row: four histogram passes, then the picks);
+- ``"torch"``: ``torch.topk`` over 64-bit keys that make the order total -- the score's
+  order-preserving integer image in the high 32 bits, ``C - 1 - column`` in the low 32 -- so
+  equal scores rank by column (the earlier first), exactly the contract's stable descending
+  order, whatever ``torch.topk`` does with ties of its own (there are none).  Many programs
+  per row: faster where few rows hold many candidates (long contexts).
+
+Both give the same picks in the same order (best first); batch-invariant mode (picks in
+column order) and calls off the GPU keep Triton.  A call takes the path the measured table of
+this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"indexer_select"``,
+keyed by query rows ``T`` and candidates ``C``; re-measured by ``python
+plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices``) found faster
+at the nearest measured shape, Triton where none was measured.  Static shapes only: a
+captured graph replays what it captured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.modes import batch_invariant_enabled
+from deepinfer_cuda_sm100 import kernel_choice
+
+OP = "indexer_select"
+"""The op name of the selection points in the measured table."""
+PATHS = frozenset({"triton", "torch"})
+
+
+def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
+    """``[T, C]`` int64 keys whose descending order is the scores' stable descending order:
+    the fp32 bits mapped to an order-preserving int32 (negative values' magnitude bits
+    flipped), shifted up 32, plus ``C - 1 - column``."""
+    t, c = scores.shape
+    bits = scores.contiguous().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    columns = torch.arange(c - 1, -1, -1, device=scores.device, dtype=torch.int64)
+    return (ordered.to(torch.int64) << 32) | columns
+
+
+def select_topk_torch(
+    scores: torch.Tensor, k: int, candidates: torch.Tensor | PagedIndex | None = None
+) -> torch.Tensor:
+    """:func:`~deepinfer_cuda_sm100.kernels.indexer.select_topk` (best first) by ``torch.topk``
+    on :func:`ordered_keys`: ``[T, min(k, C)]`` int64 pool rows, ``-1`` for a pick whose score
+    is ``-inf`` (an invalid candidate)."""
+    t, c = scores.shape
+    kk = min(int(k), c)
+    if t == 0 or kk == 0:
+        return torch.empty((t, kk), dtype=torch.int64, device=scores.device)
+    cols = torch.topk(ordered_keys(scores), kk, dim=1, sorted=True).indices
+    if isinstance(candidates, PagedIndex):
+        epp = candidates.entries_per_page
+        pages = candidates.block_table[candidates.token_rows[:, None], cols // epp]
+        rows = pages.to(torch.int64) * epp + cols % epp
+    elif candidates is None:
+        rows = cols
+    else:
+        rows = candidates.gather(1, cols).to(torch.int64)
+    invalid = scores.gather(1, cols) == float("-inf")
+    return rows.masked_fill(invalid, -1)
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
+def choose_path(scores: torch.Tensor, candidates) -> str:
+    """``"triton"`` or ``"torch"`` for the selection of ``scores`` (see the module docstring)."""
+    if batch_invariant_enabled() or scores.device.type != "cuda":
+        return "triton"
+    t, c = scores.shape
+    kind = "paged" if isinstance(candidates, PagedIndex) else "rows"
+    index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
+    return kernel_choice.choose(OP, kind, "float32", 0, 0, t, c, _arch(index), PATHS)
+
+
+def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
+    """The op: Triton's scores, then the selection :func:`choose_path` picks."""
+    from deepinfer_cuda_sm100.kernels import indexer
+
+    scores = indexer.indexer_scores(q, weights, key_pool, candidates, scale)
+    if choose_path(scores, candidates) == "torch":
+        return select_topk_torch(scores, k, candidates)
+    return indexer.select_topk(scores, k, candidates)
