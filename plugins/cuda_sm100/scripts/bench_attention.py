@@ -372,7 +372,8 @@ def print_row(r: dict) -> None:
         print(
             f"indexer T {r['T']:5} C {r['C']:6} k {r['k']}: {r['ms']:8.4f} ms (scores {r['score_ms']:.4f}, "
             f"select {r['select_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f}; "
-            f"torch.topk {r['torch_topk_ms']:.4f})  roofline {r['roofline_ms']:.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
+            f"torch.topk {r['torch_topk_ms']:.4f})  roofline {r['roofline_ms']:.4f} ms "
+            f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
             + (
                 f"  sets==topk {r['picks_equal_torch_topk_sets']}"
                 if "picks_equal_torch_topk_sets" in r
