@@ -10,13 +10,17 @@ value, :func:`deepinfer_core.ops.linear.linear`):
   then cuBLAS's ``F.linear``: the reference op's own computation, at cuBLAS's tensor-core rate
   (prefill shapes, where the GEMM is compute-bound and the extra weight pass is small).
 
+In the opt-in W8A8 prefill (``DEEPINFER_FP8_PREFILL=w8a8``, :mod:`~deepinfer_cuda_sm100.kernels.
+fp8_gemm`) the two paths are Triton's W8A8 tile and ``"scaled_mm"``, cuBLAS's block-scaled FP8
+GEMM on the same quantised activations (:mod:`deepinfer_cuda_sm100.scaled_mm`).
+
 A call takes the path the measured table of this GPU's architecture
-(:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"linear_fp8"``, keyed by the weight's ``N x K``
-and the call's rows ``M``; re-measured by ``python plugins/cuda_sm100/scripts/bench_fp8_gemm.py
---write-choices``) found fastest at the nearest measured ``M``, Triton where no point was
-measured.  Batch-invariant mode and the W8A8 prefill (``DEEPINFER_FP8_PREFILL=w8a8``) always
-take Triton (cuBLAS picks kernels by the whole shape; the W8A8 math is Triton's).  The choice
-depends on static shapes only, so a captured graph replays what it captured.
+(:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"linear_fp8"``, kind ``"w8a16"`` or
+``"w8a8"``, keyed by the weight's ``N x K`` and the call's rows ``M``; re-measured by ``python
+plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices``) found fastest at the nearest
+measured ``M``, Triton where no point was measured.  Batch-invariant mode always takes Triton
+(cuBLAS picks kernels by the whole shape).  The choice depends on static shapes only, so a
+captured graph replays what it captured.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from deepinfer_cuda_sm100 import kernel_choice
 
 OP = "linear_fp8"
 """The op name of the GEMM points in the measured table."""
-PATHS = frozenset({"triton", "cublas"})
+PATHS = {"w8a16": frozenset({"triton", "cublas"}), "w8a8": frozenset({"triton", "scaled_mm"})}
+"""The paths of each math."""
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -43,16 +48,20 @@ def _arch(index: int) -> str:
 
 
 def choose_path(x: torch.Tensor, weight) -> str:
-    """``"triton"`` or ``"cublas"`` for ``linear(x, weight)`` (see the module docstring)."""
+    """``"triton"``, ``"cublas"`` or ``"scaled_mm"`` for ``linear(x, weight)`` (see the module
+    docstring)."""
+    from deepinfer_cuda_sm100 import scaled_mm
     from deepinfer_cuda_sm100.kernels import fp8_gemm
 
-    if batch_invariant_enabled() or x.device.type != "cuda" or fp8_gemm._prefill_w8a8(x):
+    if batch_invariant_enabled() or x.device.type != "cuda":
         return "triton"
+    math = "w8a8" if fp8_gemm._prefill_w8a8(x) else "w8a16"
+    paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    choice = kernel_choice.choose(OP, "w8a16", _DTYPES[x.dtype], n, k, m, k, _arch(index), PATHS)
-    return choice if choice in PATHS else "triton"
+    choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, _arch(index), paths)
+    return choice if choice in paths else "triton"
 
 
 def cublas_linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -66,9 +75,14 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     """The op: the path :func:`choose_path` picks, ``triton_fn`` for ``"triton"``."""
 
     def linear(x, weight) -> torch.Tensor:
-        if choose_path(x, weight) == "cublas":
+        path = choose_path(x, weight)
+        if path == "cublas":
             return cublas_linear(x, weight)
+        if path == "scaled_mm":
+            from deepinfer_cuda_sm100.scaled_mm import scaled_mm_linear
+
+            return scaled_mm_linear(x, weight)
         return triton_fn(x, weight)
 
-    linear.__doc__ = f"Dispatcher over the FP8 block GEMM and dequantise + cuBLAS.\n\n{__doc__}"
+    linear.__doc__ = f"Dispatcher over the FP8 block GEMM and the cuBLAS paths.\n\n{__doc__}"
     return linear

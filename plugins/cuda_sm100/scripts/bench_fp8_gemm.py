@@ -12,8 +12,13 @@ overhead is excluded):
   runs, with every error printed in full);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
 * ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
-  cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`); ``--write-choices`` writes its and the
-  Triton kernel's times per shape into the measured table the backend chooses by.
+  cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`);
+* ``w8a8 prefill`` (M > 64): the registered kernel in its W8A8 prefill math, and
+  ``scaled_mm+quant``: the backend's cuBLAS W8A8 path (:mod:`deepinfer_cuda_sm100.scaled_mm`,
+  the activation quantisation included);
+
+``--write-choices`` writes the two W8A16 paths' and the two W8A8 paths' times per shape and M
+into the measured table the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
 scaled_mm's time over ours (all points, and M <= 64) and writes JSON (default
@@ -256,6 +261,23 @@ def sweep_prefill(x: torch.Tensor, w, calls: int, replays: int) -> dict:
     return {**best, "points": points}
 
 
+def w8a8_prefill(x: torch.Tensor, w) -> torch.Tensor:
+    """The registered ``linear`` kernel in its W8A8 prefill math (``DEEPINFER_FP8_PREFILL=w8a8``)."""
+    import os
+
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import PREFILL_ENV, linear_fp8
+
+    saved = os.environ.get(PREFILL_ENV)
+    os.environ[PREFILL_ENV] = "w8a8"
+    try:
+        return linear_fp8(x, w)
+    finally:
+        if saved is None:
+            del os.environ[PREFILL_ENV]
+        else:
+            os.environ[PREFILL_ENV] = saved
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -281,7 +303,15 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
 
     from deepinfer_cuda_sm100.gemm_dispatch import cublas_linear
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import launch_shape, linear_fp8, linear_fp8_w8a8, sm_count
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import (
+        DECODE_MAX_M,
+        launch_shape,
+        linear_fp8,
+        linear_fp8_w8a8,
+        sm_count,
+    )
+    from deepinfer_cuda_sm100.scaled_mm import available as scaled_mm_available
+    from deepinfer_cuda_sm100.scaled_mm import scaled_mm_linear
 
     from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
 
@@ -292,7 +322,15 @@ def main() -> None:
         f"{'K x N':<12} {'M':>5} {'tile/splits':>12} "
         + " ".join(
             f"{name + ' us':>16}"
-            for name in ("triton w8a16", "triton w8a8", "scaled_mm", "bf16", "dequant+cublas")
+            for name in (
+                "triton w8a16",
+                "triton w8a8",
+                "scaled_mm",
+                "bf16",
+                "dequant+cublas",
+                "w8a8 prefill",
+                "scaled_mm+quant",
+            )
         )
         + f" {'w8a16 TB/s':>10} {'w8a16 TF/s':>10} {'err':>8}"
     )
@@ -309,6 +347,10 @@ def main() -> None:
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
                 "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
+                "triton_w8a8_prefill": (lambda x=x, w=w: w8a8_prefill(x, w)) if m > DECODE_MAX_M else None,
+                "backend_scaled_mm": (
+                    (lambda x=x, w=w: scaled_mm_linear(x, w)) if scaled_mm_available() else None
+                ),
             }
             times = {
                 name: (
@@ -415,19 +457,23 @@ def write_choices(rows: list[dict]) -> Path:
     from deepinfer_cuda_sm100 import kernel_choice
     from deepinfer_cuda_sm100.gemm_dispatch import OP
 
+    def point(r: dict, math: str, ms: dict) -> dict:
+        return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
+                "tokens": r["M"], "keys": r["K"], "ms": ms}  # fmt: skip
+
     points = [
-        {
-            "op": OP,
-            "kind": "w8a16",
-            "dtype": "bfloat16",
-            "heads": r["N"],
-            "head_dim": r["K"],
-            "tokens": r["M"],
-            "keys": r["K"],
-            "ms": {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3},
-        }
+        point(r, "w8a16", {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3})
         for r in rows
         if r["triton_w8a16_us"] and r["dequant_cublas_us"]
+    ]
+    points += [
+        point(
+            r,
+            "w8a8",
+            {"triton": r["triton_w8a8_prefill_us"] / 1e3, "scaled_mm": r["backend_scaled_mm_us"] / 1e3},
+        )
+        for r in rows
+        if r.get("triton_w8a8_prefill_us") and r.get("backend_scaled_mm_us")
     ]
     major, minor = torch.cuda.get_device_capability()
     source = {

@@ -107,7 +107,8 @@ def test_the_table_picks_the_faster_path_at_the_nearest_m():
     points = _points(4096)
 
     def pick(m, n=512, k=256):
-        return kernel_choice.choose(OP, "w8a16", "bfloat16", n, k, m, k, "sm90", PATHS, points=points)
+        paths = PATHS["w8a16"]
+        return kernel_choice.choose(OP, "w8a16", "bfloat16", n, k, m, k, "sm90", paths, points=points)
 
     assert [pick(m) for m in (1, 8, 16, 3000, 4096)] == ["triton"] * 3 + ["cublas"] * 2
     assert pick(8192) == "triton"  # past the measured M: the default
@@ -134,6 +135,26 @@ def test_gpu_cublas_path_is_bitwise_the_reference(scale_dtype, dtype):
         for m in (1, 64, 1000):
             x = torch.randn(m, k, generator=g).to(dtype).cuda()
             assert torch.equal(cublas_linear(x, w), linear(x, w)), f"{k}x{n} M={m}"
+
+
+@pytest.mark.gpu
+def test_gpu_scaled_mm_path_is_the_w8a8_math(monkeypatch):
+    """cuBLAS's block-scaled GEMM on the W8A8 prefill's quantised activations: within the fp32
+    accumulation's reach of Triton's W8A8 tile, which quantises the same way."""
+    from deepinfer_cuda_sm100 import scaled_mm
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import PREFILL_ENV, linear_fp8
+
+    if not scaled_mm.available():
+        pytest.skip("this torch has no recipe-based scaled_mm")
+    monkeypatch.setenv(PREFILL_ENV, "w8a8")
+    g = torch.Generator().manual_seed(4)
+    for k, n in ((4096, 1024), (2048, 4096)):
+        w = _weight(g, n, k, "ue8m0", "cuda")
+        for m in (65, 1000, 4096):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+            got, want = scaled_mm.scaled_mm_linear(x, w).float(), linear_fp8(x, w).float()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-2, f"{k}x{n} M={m}: relative difference {err:.3g} from Triton's W8A8"
 
 
 @pytest.mark.gpu
