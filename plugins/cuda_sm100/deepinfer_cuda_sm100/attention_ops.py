@@ -444,9 +444,5 @@ def attention_ops() -> dict[str, OpImpl]:
             supports=supports["sparse_attention"],
             sample_cases=attention_cases(shapes),
         ),
-        "indexer_topk": OpImpl(
-            fn=indexer_select.indexer_topk,  # torch.topk on exact keys where measured faster
-            supports=supports["indexer_topk"],
-            sample_cases=indexer_cases(shapes),
-        ),
+        "indexer_topk": OpImpl(indexer_select.indexer_topk, supports["indexer_topk"], indexer_cases(shapes)),
     }

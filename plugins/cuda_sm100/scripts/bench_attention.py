@@ -41,6 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
+import choice_writers  # noqa: E402
+
 from deepinfer_core.ops.attention import PagedIndex  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
@@ -382,71 +384,6 @@ def print_row(r: dict) -> None:
         )
 
 
-def write_choices(results: dict) -> Path:
-    """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
-    rows that timed both languages, written where the package reads it."""
-    import tilelang
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
-
-    major, minor = torch.cuda.get_device_capability()
-    points = [
-        {
-            "op": "sparse_attention",
-            "kind": r["choice_key"]["kind"],
-            "dtype": "bfloat16",
-            "heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "tokens": r["batch"],
-            "keys": r["choice_key"]["keys"],
-            "ms": {"triton": round(r["ms"], 5), "tilelang": round(r["tilelang_ms"], 5)},
-        }
-        for r in results["attention"]
-        if "tilelang_ms" in r
-    ]
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"tilelang {tilelang.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices",
-        "measured": time.strftime("%Y-%m-%d"),
-        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
-        "(the flush's time subtracted), after warm-ups",
-    }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", "sparse_attention", points, device, source)
-
-
-def write_select_choices(rows: list[dict]) -> Path:
-    """The indexer selection's two paths (radix select, exact ``torch.topk``) per ``T x C`` as
-    ``indexer_select`` points of the measured table (paged candidates, as measured)."""
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
-    from deepinfer_cuda_sm100.indexer_select import OP
-
-    points = [
-        {
-            "op": OP,
-            "kind": "paged",
-            "dtype": "float32",
-            "heads": 0,
-            "head_dim": 0,
-            "tokens": r["T"],
-            "keys": r["C"],
-            "ms": {"triton": round(r["select_ms"], 5), "torch": round(r["torch_exact_ms"], 5)},
-        }
-        for r in rows
-    ]
-    major, minor = torch.cuda.get_device_capability()
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices",
-        "measured": time.strftime("%Y-%m-%d"),
-        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call",
-    }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
-
-
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if not torch.cuda.is_available():
@@ -471,9 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.only in (None, "indexer"):
         results["indexer"] = bench_indexer(a, timer)
     if a.write_choices and results.get("attention"):
-        print(f"wrote {write_choices(results)}")
+        print(f"wrote {choice_writers.write_attention_choices(results)}")
     if a.write_choices and results.get("indexer"):
-        print(f"wrote {write_select_choices(results['indexer'])}")
+        print(f"wrote {choice_writers.write_select_choices(results['indexer'])}")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.output}")

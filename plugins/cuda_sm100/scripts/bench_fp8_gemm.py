@@ -42,20 +42,13 @@ import platform
 from collections.abc import Callable
 from pathlib import Path
 
+import choice_writers
 import torch
 from graph_timing import time_graph
 
 REPO = Path(__file__).resolve().parents[3]
 SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
 TOKENS = "1,16,64,128,256,1024,4096,8192"
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[M, K]`` as e4m3 with one fp32 scale per (row, 128 channels): ``[M, K/128]``."""
-    m, k = x.shape
-    xb = x.float().view(m, k // 128, 128)
-    s = xb.abs().amax(-1).clamp(min=1e-12) / 448.0
-    return (xb / s[..., None]).to(torch.float8_e4m3fn).view(m, k), s
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -87,26 +80,24 @@ def scaled_mm_configs(x: torch.Tensor, w) -> list[tuple[str, Callable[[], torch.
     Each with M padded to a multiple of 16 as well (zero rows; the output sliced back), in case
     cuBLASLt wants aligned scale rows; then the layouts the script tried before, as fallbacks.
     """
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import quantize_activations
+    from deepinfer_cuda_sm100.scaled_mm import activation_scales, weight_scales
+
     xq, xs = quantize_activations(x)  # [M, K] e4m3, [M, K/128] fp32 (x = xq * scale)
     m, k = xq.shape
-    kb, kb4 = k // 128, _round_up(k // 128, 4)
+    kb = k // 128
     b = w.data.t()  # [K, N], column-major
     ws = w.scale.float()  # [N/128, K/128]
 
-    def act_scales(s: torch.Tensor) -> torch.Tensor:  # [rows, K/128] with strides (1, rows)
-        return torch.empty(s.shape[1], s.shape[0], device=s.device).copy_(s.t()).t()
-
-    sb_rows = torch.ones(ws.shape[0], kb4, device=ws.device)  # rows padded to 4 floats
-    sb_rows[:, :kb] = ws
-    sb_v1 = sb_rows[:, :kb].t()  # [K/128, N/128], strides (1, kb4)
-    sb_v2 = sb_rows.t()  # [kb4, N/128], strides (1, kb4)
-    sa = act_scales(xs)
+    sb_v2 = weight_scales(w.scale)  # [kb4, N/128], strides (1, kb4)
+    sb_v1 = sb_v2[:kb]  # [K/128, N/128], strides (1, kb4)
+    sa = activation_scales(xs)
     m16 = _round_up(m, 16)
     xq16 = torch.zeros(m16, k, device=x.device, dtype=xq.dtype)
     xq16[:m] = xq
     xs16 = torch.ones(m16, kb, device=x.device)
     xs16[:m] = xs
-    sa16 = act_scales(xs16)
+    sa16 = activation_scales(xs16)
 
     functional = torch.nn.functional
     configs: list[tuple[str, Callable[[], torch.Tensor]]] = []
@@ -448,42 +439,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.write_choices:
-        print(f"wrote {write_choices(rows)}")
-
-
-def write_choices(rows: list[dict]) -> Path:
-    """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table."""
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
-    from deepinfer_cuda_sm100.gemm_dispatch import OP
-
-    def point(r: dict, math: str, ms: dict) -> dict:
-        return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
-                "tokens": r["M"], "keys": r["K"], "ms": ms}  # fmt: skip
-
-    points = [
-        point(r, "w8a16", {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3})
-        for r in rows
-        if r["triton_w8a16_us"] and r["dequant_cublas_us"]
-    ]
-    points += [
-        point(
-            r,
-            "w8a8",
-            {"triton": r["triton_w8a8_prefill_us"] / 1e3, "scaled_mm": r["backend_scaled_mm_us"] / 1e3},
-        )
-        for r in rows
-        if r.get("triton_w8a8_prefill_us") and r.get("backend_scaled_mm_us")
-    ]
-    major, minor = torch.cuda.get_device_capability()
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices",
-        "measured": datetime.date.today().isoformat(),
-        "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
-    }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
+        print(f"wrote {choice_writers.write_gemm_choices(rows)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,114 @@
+"""Write a kernel benchmark's measured paths into the backend's choice table
+(:mod:`deepinfer_cuda_sm100.kernel_choice`): one function per benchmark, each replacing only
+its own op's points (``--write-choices`` of ``bench_attention.py`` and ``bench_fp8_gemm.py``)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+
+import torch
+
+HEADS, HEAD_DIM = 64, 512
+"""The attention benchmark's shape (DeepSeek-V4-Flash)."""
+
+
+def write_attention_choices(results: dict) -> Path:
+    """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
+    rows that timed both languages, written where the package reads it."""
+    import tilelang
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+
+    major, minor = torch.cuda.get_device_capability()
+    points = [
+        {
+            "op": "sparse_attention",
+            "kind": r["choice_key"]["kind"],
+            "dtype": "bfloat16",
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "tokens": r["batch"],
+            "keys": r["choice_key"]["keys"],
+            "ms": {"triton": round(r["ms"], 5), "tilelang": round(r["tilelang_ms"], 5)},
+        }
+        for r in results["attention"]
+        if "tilelang_ms" in r
+    ]
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"tilelang {tilelang.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices",
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
+        "(the flush's time subtracted), after warm-ups",
+    }
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", "sparse_attention", points, device, source)
+
+
+def write_select_choices(rows: list[dict]) -> Path:
+    """The indexer selection's two paths (radix select, exact ``torch.topk``) per ``T x C`` as
+    ``indexer_select`` points of the measured table (paged candidates, as measured)."""
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.indexer_select import OP
+
+    points = [
+        {
+            "op": OP,
+            "kind": "paged",
+            "dtype": "float32",
+            "heads": 0,
+            "head_dim": 0,
+            "tokens": r["T"],
+            "keys": r["C"],
+            "ms": {"triton": round(r["select_ms"], 5), "torch": round(r["torch_exact_ms"], 5)},
+        }
+        for r in rows
+    ]
+    major, minor = torch.cuda.get_device_capability()
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices",
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call",
+    }
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
+
+
+def write_gemm_choices(rows: list[dict]) -> Path:
+    """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table."""
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP
+
+    def point(r: dict, math: str, ms: dict) -> dict:
+        return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
+                "tokens": r["M"], "keys": r["K"], "ms": ms}  # fmt: skip
+
+    points = [
+        point(r, "w8a16", {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3})
+        for r in rows
+        if r["triton_w8a16_us"] and r["dequant_cublas_us"]
+    ]
+    points += [
+        point(
+            r,
+            "w8a8",
+            {"triton": r["triton_w8a8_prefill_us"] / 1e3, "scaled_mm": r["backend_scaled_mm_us"] / 1e3},
+        )
+        for r in rows
+        if r.get("triton_w8a8_prefill_us") and r.get("backend_scaled_mm_us")
+    ]
+    major, minor = torch.cuda.get_device_capability()
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices",
+        "measured": datetime.date.today().isoformat(),
+        "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
+    }
+    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
