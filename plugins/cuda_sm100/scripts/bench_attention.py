@@ -377,7 +377,8 @@ def print_row(r: dict) -> None:
 
 def write_choices(results: dict) -> Path:
     """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
-    rows that timed both languages, written where the package reads it."""
+    rows that timed both languages, written where the package reads it (replacing the table's
+    ``sparse_attention`` points, keeping the other ops')."""
     import tilelang
     import triton
     from deepinfer_cuda_sm100 import kernel_choice
@@ -397,8 +398,7 @@ def write_choices(results: dict) -> Path:
         for r in results["attention"]
         if "tilelang_ms" in r
     ]
-    path = kernel_choice.table_path(f"sm{major}{minor}")
-    table = {
+    source = {
         "device": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
         "software": f"torch {torch.__version__}, triton {triton.__version__}, "
         f"tilelang {tilelang.__version__}",
@@ -406,9 +406,8 @@ def write_choices(results: dict) -> Path:
         "measured": time.strftime("%Y-%m-%d"),
         "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
         "(the flush's time subtracted), after warm-ups",
-        "points": points,
     }
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    path = kernel_choice.merge_points(f"sm{major}{minor}", points, source)
     return path
 
 
