@@ -160,6 +160,8 @@ def tilekernels_ops(own: dict[str, OpImpl], arch: str) -> dict[str, OpImpl]:
             out[op] = OpImpl(fn=make_dispatcher(op, get_op(op).reference, adapter))
         else:
             out[op] = OpImpl(
-                fn=make_dispatcher(op, base.fn, adapter), supports=base.supports, sample_cases=base.sample_cases
+                fn=make_dispatcher(op, base.fn, adapter),
+                supports=base.supports,
+                sample_cases=base.sample_cases,
             )
     return out

@@ -44,16 +44,32 @@ def hash_supports(tokens, multipliers, primes, offsets) -> Verdict:
     if ok is not True:
         return ok
     ok = first_problem(
-        (tokens.dim() == 2 and tokens.shape[1] >= 2, f"tokens has shape {tuple(tokens.shape)}, expected [T, N>=2]"),
-        *((not t.is_floating_point(), f"{name} dtype {t.dtype} is not an integer dtype")
-          for name, t in (("tokens", tokens), ("multipliers", multipliers), ("primes", primes), ("offsets", offsets))),
+        (
+            tokens.dim() == 2 and tokens.shape[1] >= 2,
+            f"tokens has shape {tuple(tokens.shape)}, expected [T, N>=2]",
+        ),
+        *(
+            (not t.is_floating_point(), f"{name} dtype {t.dtype} is not an integer dtype")
+            for name, t in (
+                ("tokens", tokens),
+                ("multipliers", multipliers),
+                ("primes", primes),
+                ("offsets", offsets),
+            )
+        ),
     )
     if ok is not True:
         return ok
     n = tokens.shape[1]
     return first_problem(
-        (tuple(multipliers.shape) == (n,), f"multipliers has shape {tuple(multipliers.shape)}, expected ({n},)"),
-        (primes.dim() == 1 and primes.shape[0] % (n - 1) == 0 and primes.shape[0] > 0, "primes is not [(N-1)*heads]"),
+        (
+            tuple(multipliers.shape) == (n,),
+            f"multipliers has shape {tuple(multipliers.shape)}, expected ({n},)",
+        ),
+        (
+            primes.dim() == 1 and primes.shape[0] % (n - 1) == 0 and primes.shape[0] > 0,
+            "primes is not [(N-1)*heads]",
+        ),
         (tuple(offsets.shape) == tuple(primes.shape), "offsets and primes differ in shape"),
     )
 
@@ -75,7 +91,12 @@ def engram_mix(streams, kv, q_weight, k_weight, eps):
     t, n, d = streams.shape
     weight = (q_weight.to(torch.float32) * k_weight.to(torch.float32)).contiguous()
     out, *_ = engram_gate_fwd(
-        streams.contiguous(), kv.contiguous().view(t, n + 1, d), weight, float(eps), GATE_CLAMP, save_for_backward=False
+        streams.contiguous(),
+        kv.contiguous().view(t, n + 1, d),
+        weight,
+        float(eps),
+        GATE_CLAMP,
+        save_for_backward=False,
     )
     return out
 
@@ -94,8 +115,14 @@ def mix_supports(streams, kv, q_weight, k_weight, eps) -> Verdict:
     t, n, d = streams.shape
     return first_problem(
         (tuple(kv.shape) == (t, (n + 1) * d), f"kv has shape {tuple(kv.shape)}, expected {(t, (n + 1) * d)}"),
-        (tuple(q_weight.shape) == (n, d) == tuple(k_weight.shape), f"q_weight and k_weight must be [{n}, {d}]"),
-        (_block(d) is not None, f"D={d}: the kernel takes multiples of a 256..1024 block, at least two blocks"),
+        (
+            tuple(q_weight.shape) == (n, d) == tuple(k_weight.shape),
+            f"q_weight and k_weight must be [{n}, {d}]",
+        ),
+        (
+            _block(d) is not None,
+            f"D={d}: the kernel takes multiples of a 256..1024 block, at least two blocks",
+        ),
     )
 
 
@@ -105,6 +132,20 @@ def mix_key(streams, kv, q_weight, k_weight, eps) -> ChoiceKey:
 
 
 ADAPTERS = (
-    Adapter("deepseek_v41.engram_hash", engram_hash, hash_supports, hash_key, ("engram_hash",), row_independent=True),
-    Adapter("deepseek_v41.engram_mix", engram_mix, mix_supports, mix_key, ("engram_gate_fwd",), row_independent=True),
+    Adapter(
+        "deepseek_v41.engram_hash",
+        engram_hash,
+        hash_supports,
+        hash_key,
+        ("engram_hash",),
+        row_independent=True,
+    ),
+    Adapter(
+        "deepseek_v41.engram_mix",
+        engram_mix,
+        mix_supports,
+        mix_key,
+        ("engram_gate_fwd",),
+        row_independent=True,
+    ),
 )

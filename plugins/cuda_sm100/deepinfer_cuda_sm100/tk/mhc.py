@@ -126,7 +126,10 @@ def hc_post_supports(block_out, streams, post, comb) -> Verdict:
     t, n, d = streams.shape
     return first_problem(
         (block_out.dtype == streams.dtype, f"block_out dtype {block_out.dtype} differs from streams'"),
-        (tuple(block_out.shape) == (t, d), f"block_out has shape {tuple(block_out.shape)}, expected {(t, d)}"),
+        (
+            tuple(block_out.shape) == (t, d),
+            f"block_out has shape {tuple(block_out.shape)}, expected {(t, d)}",
+        ),
         (tuple(post.shape) == (t, n), f"post has shape {tuple(post.shape)}, expected {(t, n)}"),
         (tuple(comb.shape) == (t, n, n), f"comb has shape {tuple(comb.shape)}, expected {(t, n, n)}"),
     )

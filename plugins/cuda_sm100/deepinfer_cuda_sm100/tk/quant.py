@@ -43,9 +43,15 @@ def supports(x, fmt, block) -> Verdict:
         return ok
     n = x.shape[-1] if x.dim() else 0
     return first_problem(
-        (x.dtype in (torch.bfloat16, torch.float32), f"x dtype {x.dtype}: the adapter takes bfloat16, float32"),
+        (
+            x.dtype in (torch.bfloat16, torch.float32),
+            f"x dtype {x.dtype}: the adapter takes bfloat16, float32",
+        ),
         (block in BLOCKS, f"block {block}: TileKernels' kernel takes {BLOCKS}"),
-        (n > 0 and n % 64 == 0 and n % block == 0, f"last dim {n}: TileKernels' kernel takes multiples of 64 and of the block"),
+        (
+            n > 0 and n % 64 == 0 and n % block == 0,
+            f"last dim {n}: TileKernels' kernel takes multiples of 64 and of the block",
+        ),
     )
 
 
@@ -55,5 +61,7 @@ def key(x, fmt, block) -> ChoiceKey:
 
 
 ADAPTERS = (
-    Adapter("deepseek_v41.kv_qdq", kv_qdq, supports, key, ("per_token_cast_and_cast_back",), row_independent=True),
+    Adapter(
+        "deepseek_v41.kv_qdq", kv_qdq, supports, key, ("per_token_cast_and_cast_back",), row_independent=True
+    ),
 )

@@ -39,7 +39,10 @@ def supports(x, cos, sin) -> Verdict:
     if ok is not True:
         return ok
     ok = first_problem(
-        (x.dtype in (torch.bfloat16, torch.float32), f"x dtype {x.dtype}: TileKernels' rope takes bf16, fp32"),
+        (
+            x.dtype in (torch.bfloat16, torch.float32),
+            f"x dtype {x.dtype}: TileKernels' rope takes bf16, fp32",
+        ),
         (x.dim() in (2, 3), f"x has {x.dim()} dims, expected [T, D] or [T, H, D]"),
         (cos.dim() == 2 and sin.shape == cos.shape, "cos and sin must be [T, R/2] of one shape"),
     )
@@ -50,7 +53,10 @@ def supports(x, cos, sin) -> Verdict:
         (cos.shape[0] == x.shape[0], f"cos has {cos.shape[0]} rows, x has {x.shape[0]} tokens"),
         (r in ROPE_WIDTHS, f"rope width {r}: TileKernels' kernel takes {ROPE_WIDTHS}"),
         (r <= d, f"rope width {r} exceeds x's last dim {d}"),
-        ((d - r) * x.element_size() % 16 == 0, f"the rope slice starts at channel {d - r}: not 16-byte aligned"),
+        (
+            (d - r) * x.element_size() % 16 == 0,
+            f"the rope slice starts at channel {d - r}: not 16-byte aligned",
+        ),
         (d * x.element_size() % 16 == 0, f"rows of {d} channels are not 16-byte multiples"),
     )
 

@@ -58,7 +58,7 @@ def supports(logits, correction_bias, fixed_ids, top_k, scoring, routed_scale) -
         (logits.dim() == 2, f"logits has {logits.dim()} dims, expected [T, E]"),
         (
             logits.dtype == torch.float32,
-            f"logits dtype {logits.dtype}: the kernel takes float32 (the contract scores in the logits' dtype)",
+            f"logits dtype {logits.dtype}: the kernel takes float32 (the contract scores in that dtype)",
         ),
     )
     if ok is not True:
@@ -66,16 +66,26 @@ def supports(logits, correction_bias, fixed_ids, top_k, scoring, routed_scale) -
     t, e = logits.shape
     k = fixed_ids.shape[-1] if fixed_ids is not None else top_k
     ok = first_problem(
-        (e % 4 == 0 and 4 <= e <= MAX_EXPERTS, f"{e} experts: the kernel takes multiples of 4 up to {MAX_EXPERTS}"),
-        (isinstance(k, int) and 1 <= k <= min(e, MAX_TOP_K), f"top-k {k}: 1..{min(e, MAX_TOP_K)} are supported"),
-        (isinstance(routed_scale, int | float) and not isinstance(routed_scale, bool), "routed_scale is not a number"),
+        (
+            e % 4 == 0 and 4 <= e <= MAX_EXPERTS,
+            f"{e} experts: the kernel takes multiples of 4 up to {MAX_EXPERTS}",
+        ),
+        (
+            isinstance(k, int) and 1 <= k <= min(e, MAX_TOP_K),
+            f"top-k {k}: 1..{min(e, MAX_TOP_K)} are supported",
+        ),
+        (
+            isinstance(routed_scale, int | float) and not isinstance(routed_scale, bool),
+            "routed_scale is not a number",
+        ),
     )
     if ok is not True or fixed_ids is None:
         if ok is True and correction_bias is not None:
             return first_problem(
                 (
                     correction_bias.dtype == torch.float32 and tuple(correction_bias.shape) == (e,),
-                    f"correction_bias must be float32 [{e}], got {tuple(correction_bias.shape)} {correction_bias.dtype}",
+                    f"correction_bias must be float32 [{e}], got "
+                    f"{tuple(correction_bias.shape)} {correction_bias.dtype}",
                 )
             )
         return ok
