@@ -9,9 +9,9 @@ that have no kernel of ours the core's reference) and a TileKernels adapter
   sources do not round alike: the mode keeps the op's own kernel for every call (whether each
   TileKernels kernel is row independent is checked by the GPU tests and the benchmark, but that
   does not make the two sources agree);
-- the tensors are on a CUDA device and TileKernels can run here
-  (:func:`~deepinfer_cuda_sm100.tk.tilekernels_problem`; if not, one warning per op says why
-  and the op's own kernel serves every call);
+- TileKernels can run here (:func:`~deepinfer_cuda_sm100.tk.tilekernels_problem`; if not, one
+  warning per op says why and the op's own kernel serves every call), and the call's tensors
+  are on a CUDA device;
 - the adapter takes the call (its ``supports``: shapes and dtypes only);
 - the measured table of this GPU's architecture picks TileKernels at the nearest measured
   point of the call's key (:mod:`deepinfer_cuda_sm100.kernel_choice`).
@@ -93,12 +93,14 @@ def _first_device(args) -> torch.device | None:
 def choose_language(op: str, adapter: tk.Adapter, args: tuple, kwargs: dict | None = None) -> str:
     """``"tilekernels"`` or the op's own language (:data:`OWN_LANGUAGE`) for this call."""
     own = OWN_LANGUAGE[op]
-    device = _first_device(args)
-    if batch_invariant_enabled() or device is None or device.type != "cuda":
+    if batch_invariant_enabled():
         return own
     problem = tk.tilekernels_problem()
     if problem is not None:
         _warn_unavailable(op, problem)
+        return own
+    device = _first_device(args)
+    if device is None or device.type != "cuda":
         return own
     kwargs = kwargs or {}
     if adapter.supports(*args, **kwargs) is not True:

@@ -167,7 +167,7 @@ def print_row(r: dict) -> None:
     else:
         tk_ms, ms = r["tilekernels_ms"], r["ms"]
         flags = (
-            f"{'ok' if r['passed'] else 'FAILED'} err={r['max_abs_err']:.2g} "
+            f"{'ok' if r['passed'] else 'FAILED'} err={r['max_abs_err'] or 0:.2g} "
             f"bits={r['bitwise_vs_reference']} row-alone={r['row_alone_bitwise']}"
         )
         print(f"{head} {r['own']} {ms:.4f} ms  tilekernels {tk_ms:.4f} ms  x{ms / tk_ms:.2f}  {flags}")

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+import torch
 
 INSTALL_HINT = (
     "pip install -e 'plugins/cuda_sm100[tilekernels]' from the root of a DeepInfer checkout; with "
@@ -105,6 +108,22 @@ def first_problem(*checks: tuple[bool, str]) -> Verdict:
         if not ok:
             return reason
     return True
+
+
+def device_last(shapes: Callable[..., Verdict]) -> Callable[..., Verdict]:
+    """A ``supports`` predicate: ``shapes``'s verdict (shapes and dtypes), then every tensor
+    argument on one CUDA device (:func:`on_cuda`)."""
+    signature = inspect.signature(shapes)
+
+    @functools.wraps(shapes)
+    def supports(*args, **kwargs) -> Verdict:
+        ok = shapes(*args, **kwargs)
+        if ok is not True:
+            return ok
+        bound = signature.bind(*args, **kwargs).arguments
+        return on_cuda(**{name: v for name, v in bound.items() if isinstance(v, torch.Tensor)})
+
+    return supports
 
 
 def on_cuda(**tensors) -> Verdict:

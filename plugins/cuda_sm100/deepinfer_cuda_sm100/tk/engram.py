@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, dtype_name, first_problem, on_cuda
+from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, device_last, dtype_name, first_problem
 
 GATE_CLAMP = 1e-6
 """The contract's floor of ``|dot|`` under the signed square root."""
@@ -39,10 +39,8 @@ def engram_hash(tokens, multipliers, primes, offsets):
     return rows[0].to(torch.int64)
 
 
+@device_last
 def hash_supports(tokens, multipliers, primes, offsets) -> Verdict:
-    ok = on_cuda(tokens=tokens, multipliers=multipliers, primes=primes, offsets=offsets)
-    if ok is not True:
-        return ok
     ok = first_problem(
         (
             tokens.dim() == 2 and tokens.shape[1] >= 2,
@@ -101,10 +99,8 @@ def engram_mix(streams, kv, q_weight, k_weight, eps):
     return out
 
 
+@device_last
 def mix_supports(streams, kv, q_weight, k_weight, eps) -> Verdict:
-    ok = on_cuda(streams=streams, kv=kv, q_weight=q_weight, k_weight=k_weight)
-    if ok is not True:
-        return ok
     ok = first_problem(
         (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
         (streams.dtype == torch.bfloat16, f"streams dtype {streams.dtype}: TileKernels' gate takes bfloat16"),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, dtype_name, first_problem, on_cuda
+from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, device_last, dtype_name, first_problem
 
 MAX_STREAMS = 8
 """Most streams the adapters take (V4 uses 4; the kernels keep a token's mixes in registers)."""
@@ -75,10 +75,8 @@ def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     return post, comb.view(t, n, n), collapsed
 
 
+@device_last
 def hc_pre_supports(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
-    ok = on_cuda(streams=streams, fn=fn, base=base, scale=scale)
-    if ok is not True:
-        return ok
     ok = _streams_checks(streams, 64)
     if ok is not True:
         return ok
@@ -116,10 +114,8 @@ def hc_post(block_out, streams, post, comb):
     return out.view(t, n, d)
 
 
+@device_last
 def hc_post_supports(block_out, streams, post, comb) -> Verdict:
-    ok = on_cuda(block_out=block_out, streams=streams, post=post, comb=comb)
-    if ok is not True:
-        return ok
     ok = _streams_checks(streams, 128)
     if ok is not True:
         return ok
@@ -151,10 +147,8 @@ def hc_collapse(streams, pre):
     return out
 
 
+@device_last
 def hc_collapse_supports(streams, pre) -> Verdict:
-    ok = on_cuda(streams=streams, pre=pre)
-    if ok is not True:
-        return ok
     ok = _streams_checks(streams, 64)
     if ok is not True:
         return ok

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, dtype_name, first_problem, on_cuda
+from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, device_last, dtype_name, first_problem
 
 FORMATS = {"fp8_ue8m0": "e4m3", "fp4_ue8m0": "e2m1"}
 """The contract's formats the adapter takes -> TileKernels' element format."""
@@ -35,12 +35,10 @@ def kv_qdq(x, fmt, block):
     return out
 
 
+@device_last
 def supports(x, fmt, block) -> Verdict:
     if fmt not in FORMATS:
         return f"format {fmt!r}: the adapter takes {', '.join(FORMATS)} (fp4_e4m3 rounds differently)"
-    ok = on_cuda(x=x)
-    if ok is not True:
-        return ok
     n = x.shape[-1] if x.dim() else 0
     return first_problem(
         (

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, dtype_name, first_problem, on_cuda
+from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, device_last, dtype_name, first_problem
 
 ROPE_WIDTHS = (64, 128)
 """The rope widths ``R`` TileKernels' kernel is built for."""
@@ -34,10 +34,8 @@ def apply_rope(x, cos, sin):
     return out
 
 
+@device_last
 def supports(x, cos, sin) -> Verdict:
-    ok = on_cuda(x=x, cos=cos, sin=sin)
-    if ok is not True:
-        return ok
     ok = first_problem(
         (
             x.dtype in (torch.bfloat16, torch.float32),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, first_problem, on_cuda
+from deepinfer_cuda_sm100.tk import Adapter, ChoiceKey, Verdict, device_last, first_problem
 
 MAX_TOP_K = 32
 """Most experts per token (one lane of the token's warp each)."""
@@ -43,17 +43,10 @@ def moe_route(logits, correction_bias, fixed_ids, top_k, scoring, routed_scale):
     return weights, ids
 
 
+@device_last
 def supports(logits, correction_bias, fixed_ids, top_k, scoring, routed_scale) -> Verdict:
     if scoring != "sqrtsoftplus":
         return f"scoring {scoring!r}: TileKernels' gate computes sqrtsoftplus only"
-    tensors = {"logits": logits}
-    if fixed_ids is not None:
-        tensors["fixed_ids"] = fixed_ids
-    elif correction_bias is not None:
-        tensors["correction_bias"] = correction_bias
-    ok = on_cuda(**tensors)
-    if ok is not True:
-        return ok
     ok = first_problem(
         (logits.dim() == 2, f"logits has {logits.dim()} dims, expected [T, E]"),
         (
