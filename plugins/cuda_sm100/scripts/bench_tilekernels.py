@@ -43,17 +43,6 @@ DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_tilekernels.json"
 TOKENS = "1,4,16,64,256,1024,4096,8192"
 BITWISE = frozenset({"deepseek_v41.kv_qdq"})
 """Ops whose adapter promises the reference's bits (its module docstring says why)."""
-ROW_ARGS = {
-    "hc_pre": (0,),
-    "hc_post": (0, 1, 2, 3),
-    "apply_rope": (0, 1, 2),
-    "moe_route": (0, 2),
-    "deepseek_v41.hc_collapse": (0, 1),
-    "deepseek_v41.kv_qdq": (0,),
-    "deepseek_v41.engram_hash": (0,),
-    "deepseek_v41.engram_mix": (0, 1),
-}
-"""The positional arguments of each op indexed by token (dim 0)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -91,6 +80,8 @@ def own_implementations() -> dict:
 
 
 def _row(args: tuple, op: str, row: int) -> tuple:
+    from deepinfer_cuda_sm100.tk.cases import ROW_ARGS
+
     return tuple(
         a[row : row + 1].clone() if i in ROW_ARGS[op] and a is not None else a for i, a in enumerate(args)
     )

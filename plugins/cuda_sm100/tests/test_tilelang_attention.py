@@ -42,7 +42,7 @@ def _choose(tokens: int, keys: int, points, kind: str = "rows", available=BOTH) 
 
 
 def test_shipped_table_parses_and_times_both_languages():
-    points = kernel_choice.load_points("sm90")
+    points = [p for p in kernel_choice.load_points("sm90") if p.op == "sparse_attention"]
     assert points, "choices_sm90.json ships with the package"
     for p in points:
         assert set(p.ms) == {"triton", "tilelang"} and all(ms > 0 for ms in p.ms.values())

@@ -27,6 +27,17 @@ VARIANTS = {
     "deepseek_v41.engram_mix": ("gate",),
 }
 """The calls of each op the model makes (the first argument of :func:`v4_flash_args`)."""
+ROW_ARGS = {
+    "hc_pre": (0,),
+    "hc_post": (0, 1, 2, 3),
+    "apply_rope": (0, 1, 2),
+    "moe_route": (0, 2),
+    "deepseek_v41.hc_collapse": (0, 1),
+    "deepseek_v41.kv_qdq": (0,),
+    "deepseek_v41.engram_hash": (0,),
+    "deepseek_v41.engram_mix": (0, 1),
+}
+"""The positional arguments of each op indexed by token (dim 0)."""
 
 
 def _randn(g, *shape, dtype=torch.float32, scale=1.0, device="cuda"):
