@@ -98,7 +98,9 @@ def check(op: str, adapter, args: tuple) -> dict:
 
     spec = get_op(op)
     got, want = adapter.run(*args), spec.reference(*args)
-    dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+    dtype = next(
+        (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), torch.float32
+    )
     atol, rtol = spec.tolerances.get(dtype, DEFAULT_TOLERANCES[torch.float32])
     problems: list[str] = []
     max_err = compare(got, want, atol, rtol, "output", problems)

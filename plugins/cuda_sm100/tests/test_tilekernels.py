@@ -199,7 +199,10 @@ def _cases(op: str) -> list[tuple[str, tuple, torch.dtype]]:
     for variant in VARIANTS[op]:
         for t in (1, 7, 64, 300):
             args = v4_flash_args(op, variant, t, torch.Generator().manual_seed(t))
-            dtype = next(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+            dtype = next(
+                (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()),
+                torch.float32,
+            )
             out.append((f"{variant}-T{t}", args, dtype))
     return out
 

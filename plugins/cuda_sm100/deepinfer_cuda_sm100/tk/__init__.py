@@ -34,8 +34,8 @@ from typing import Any, NamedTuple
 import torch
 
 INSTALL_HINT = (
-    "pip install -e 'plugins/cuda_sm100[tilekernels]' from the root of a DeepInfer checkout; with "
-    "torch older than TileKernels' pin: pip install --no-deps 'tile-kernels>=2.1'"
+    "pip install -e 'plugins/cuda_sm100[tilekernels]' (from the root of a DeepInfer checkout; where torch "
+    "is older than TileKernels' pin, pip install --no-deps 'tile-kernels>=2.1')"
 )
 
 LANGUAGE = "tilekernels"
@@ -48,7 +48,7 @@ Verdict = bool | str
 def tilekernels_problem() -> str | None:
     """``None`` when TileKernels' kernels can be compiled and run here, else why not (one line)."""
     if importlib.util.find_spec("tile_kernels") is None:
-        return f"TileKernels is not installed ({INSTALL_HINT})"
+        return f"TileKernels is not installed: {INSTALL_HINT}"
     from deepinfer_cuda_sm100 import tl
 
     problem = tl.tilelang_problem()
