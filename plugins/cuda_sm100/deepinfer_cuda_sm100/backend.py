@@ -31,10 +31,20 @@ def is_available() -> tuple[bool, str | None]:
 
 
 def load_ops() -> dict:
-    """The op implementations: Triton kernels (:mod:`deepinfer_cuda_sm100.ops`; imports Triton).
+    """The op implementations: Triton kernels (:mod:`deepinfer_cuda_sm100.ops`; imports Triton),
+    and on a GPU, where TileKernels is installed, dispatchers for the ops it was measured faster
+    at (:func:`deepinfer_cuda_sm100.tk_dispatch.tilekernels_ops`).
 
     The ops it does not list fall back to the core's reference implementations.
     """
+    import torch
+
+    from deepinfer_cuda_sm100.kernels import _common
     from deepinfer_cuda_sm100.ops import load_ops as triton_ops
 
-    return triton_ops()
+    ops = triton_ops()
+    if not _common.INTERPRETED and torch.cuda.is_available():
+        from deepinfer_cuda_sm100 import tk_dispatch
+
+        ops.update(tk_dispatch.tilekernels_ops(ops, tk_dispatch.device_arch(torch.device("cuda"))))
+    return ops

@@ -1,15 +1,19 @@
 """Which kernel language serves an op at a shape: a table measured on the device, never a guess.
 
-For ops that have kernels in more than one language (Triton and TileLang), the backend picks,
-per call, the one that was fastest at the nearest measured shape.  The tables ship with the
-package, one per GPU architecture (``choices_sm90.json``: measured on an H200), and are
-re-measured by one command (``python plugins/cuda_sm100/scripts/bench_attention.py --only
-attention --write-choices``).  Nothing is timed inside a request.
+For ops that have kernels in more than one language (Triton, TileLang, DeepSeek's TileKernels),
+the backend picks, per call, the one that was fastest at the nearest measured shape.  The tables
+ship with the package, one per GPU architecture (``choices_sm90.json``: measured on an H200),
+and are re-measured by one command per family of ops (``python
+plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices`` for
+``sparse_attention``, ``python plugins/cuda_sm100/scripts/bench_tilekernels.py --write-choices``
+for the TileKernels ops); each command replaces the points of its own ops and keeps the others
+(:func:`merge_points`).  Nothing is timed inside a request.
 
-Rules of :func:`choose`: only points of the same op, source kind, dtype and head shape count;
-a call with fewer or more tokens than any measured point, or on an architecture without a
-table, takes the default language (Triton, which serves every shape); otherwise the point
-nearest in ``(log2 tokens, log2 keys)`` decides, among the languages available here.
+Rules of :func:`choose`: only points of the same op, kind, dtype and widths (``heads``,
+``head_dim``) count; a call with fewer or more tokens than any measured point, or on an
+architecture without a table, takes the default language (the op's own kernel, which serves
+every shape: Triton unless the caller says otherwise); otherwise the point nearest in ``(log2
+tokens, log2 keys)`` decides, among the languages available here.
 """
 
 from __future__ import annotations
@@ -53,20 +57,6 @@ def load_points(arch: str) -> tuple[Point, ...]:
     return tuple(Point(**p) for p in data["points"])
 
 
-def write_points(arch: str, op: str, points: list[dict], device: str, source: dict) -> Path:
-    """Replace ``op``'s points in the table of ``arch`` by ``points`` (dicts of :class:`Point`'s
-    fields), keeping every other op's, and record how they were measured (``source``: command,
-    software, date, timing) under ``sources[op]``.  Returns the table's path."""
-    path = table_path(arch)
-    table = json.loads(path.read_text()) if path.exists() else {}
-    kept = [p for p in table.get("points", []) if p["op"] != op]
-    sources = {**table.get("sources", {}), op: source}
-    table = {"device": device, "sources": dict(sorted(sources.items())), "points": kept + points}
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    load_points.cache_clear()
-    return path
-
-
 def choose(
     op: str,
     kind: str,
@@ -78,20 +68,41 @@ def choose(
     arch: str,
     available: frozenset[str],
     points: tuple[Point, ...] | None = None,
+    default: str = DEFAULT_LANGUAGE,
 ) -> str:
     """The language to run (see the module docstring); ``available`` lists those usable here;
-    ``points`` replaces the shipped table of ``arch`` (tests)."""
+    ``points`` replaces the shipped table of ``arch`` (tests); ``default`` is the op's own."""
     points = [
         p
         for p in (load_points(arch) if points is None else points)
         if (p.op, p.kind, p.dtype, p.heads, p.head_dim) == (op, kind, dtype, heads, head_dim)
     ]
     if not points or not min(p.tokens for p in points) <= tokens <= max(p.tokens for p in points):
-        return DEFAULT_LANGUAGE
+        return default
 
     def distance(p: Point) -> float:
         return math.hypot(math.log2(p.tokens / tokens), math.log2(max(p.keys, 1) / max(keys, 1)))
 
     nearest = min(points, key=distance)
     timed = {lang: ms for lang, ms in nearest.ms.items() if lang in available}
-    return min(timed, key=timed.get) if timed else DEFAULT_LANGUAGE
+    return min(timed, key=timed.get) if timed else default
+
+
+def merge_points(arch: str, points: list[dict], source: dict, path: Path | None = None) -> Path:
+    """Write ``points`` (dicts of :class:`Point`'s fields) into the table of ``arch``: they replace
+    the table's points of the same ops, the others stay.  ``source`` (``command``, ``software``,
+    ``measured``...) is kept under ``sources`` for those ops; ``path`` replaces the shipped table's
+    (tests).  Returns the path written."""
+    fields = set(Point.__dataclass_fields__)
+    for p in points:
+        if set(p) != fields:
+            raise ValueError(f"a point needs exactly the fields {sorted(fields)}, got {sorted(p)}")
+    path = path or table_path(arch)
+    table = json.loads(path.read_text()) if path.exists() else {}
+    ops = sorted({p["op"] for p in points})
+    kept = [p for p in table.get("points", []) if p["op"] not in ops]
+    table.setdefault("sources", {}).update({op: source for op in ops})
+    table["points"] = kept + points
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    load_points.cache_clear()
+    return path

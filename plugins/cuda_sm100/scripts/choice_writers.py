@@ -44,8 +44,8 @@ def write_attention_choices(results: dict) -> Path:
         "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
         "(the flush's time subtracted), after warm-ups",
     }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", "sparse_attention", points, device, source)
+    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
 
 
 def write_select_choices(rows: list[dict]) -> Path:
@@ -75,8 +75,8 @@ def write_select_choices(rows: list[dict]) -> Path:
         "measured": time.strftime("%Y-%m-%d"),
         "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call",
     }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
+    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
 
 
 def write_gemm_choices(rows: list[dict]) -> Path:
@@ -110,5 +110,5 @@ def write_gemm_choices(rows: list[dict]) -> Path:
         "measured": datetime.date.today().isoformat(),
         "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
     }
-    device = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.write_points(f"sm{major}{minor}", OP, points, device, source)
+    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)

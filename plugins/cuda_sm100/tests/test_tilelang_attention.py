@@ -42,7 +42,7 @@ def _choose(tokens: int, keys: int, points, kind: str = "rows", available=BOTH) 
 
 
 def test_shipped_table_parses_and_times_both_languages():
-    points = kernel_choice.load_points("sm90")
+    points = [p for p in kernel_choice.load_points("sm90") if p.op == "sparse_attention"]
     assert points, "choices_sm90.json ships with the package"
     for p in points:
         assert set(p.ms) == {"triton", "tilelang"} and all(ms > 0 for ms in p.ms.values())
@@ -65,21 +65,6 @@ def test_choice_defaults_outside_the_measured_range_and_without_a_table():
         kernel_choice.choose("sparse_attention", "rows", "bfloat16", 64, 512, 64, 768, "sm1", BOTH)
         == kernel_choice.DEFAULT_LANGUAGE
     )
-
-
-def test_writing_one_ops_points_keeps_the_others(tmp_path, monkeypatch):
-    monkeypatch.setattr(kernel_choice, "TABLE_DIR", tmp_path)
-    kernel_choice.load_points.cache_clear()
-    point = {**_point(32, 768, 1.0, 2.0).__dict__}
-    other = {**point, "op": "linear_fp8", "ms": {"triton": 1.0, "cublas": 0.5}}
-    kernel_choice.write_points("sm0", "sparse_attention", [point], "gpu", {"command": "a"})
-    kernel_choice.write_points("sm0", "linear_fp8", [other], "gpu", {"command": "b"})
-    newer = {**point, "tokens": 64}
-    kernel_choice.write_points("sm0", "sparse_attention", [newer], "gpu", {"command": "c"})
-    points = kernel_choice.load_points("sm0")
-    assert sorted((p.op, p.tokens) for p in points) == [("linear_fp8", 32), ("sparse_attention", 64)]
-    assert kernel_choice.table_path("sm0").read_text().count('"command"') == 2
-    kernel_choice.load_points.cache_clear()
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 7, 64, 131, 132, 500])
