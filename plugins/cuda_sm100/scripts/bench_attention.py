@@ -6,11 +6,12 @@ Run on a CUDA machine (written for an H200)::
     python plugins/cuda_sm100/scripts/bench_attention.py --only attention --batches 32,256
     python plugins/cuda_sm100/scripts/bench_attention.py --tune      # also sweep the kernel tiles
 
-**Attention decode** (the Triton kernel and, with TileLang installed, the TileLang one) at
-DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16), one query
-per request, for each batch and context: a CSA layer (sliding window of 128 split between
-the ring (127 keys) and this step's row, plus the indexer's top-512 compressed entries) and an
-HCA layer (the window plus every compressed entry of ratio 128 through a paged index).  Each
+**Attention** (the Triton kernel and, with TileLang installed, the TileLang one) at
+DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16; plain and packed-FP8 pools, ``--kv``):
+decode, one query per request, for each batch (``--batches``) and context, and prefill, a chunk
+of ``--prefill`` queries of one request ending at the context; a CSA layer (sliding window of
+128 split between the ring and this step's rows, plus the indexer's top-512 compressed entries)
+and an HCA layer (the window plus every compressed entry of ratio 128 through a paged index).  Each
 time is compared with the roofline ``max(bytes / 4.24e12, flops / 790e12)`` (the H200's
 measured copy bandwidth and bf16 matrix rate), bytes counting the key rows, queries,
 outputs and index lists once.
@@ -60,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--only", choices=["attention", "indexer"], help="run one of the two benchmarks")
     p.add_argument("--batches", default="32,64,128,256", help="decode batch sizes (comma-separated)")
+    p.add_argument(
+        "--prefill",
+        default="1024,8192",
+        help="prefill chunk sizes of one request (comma-separated; '' for none)",
+    )
     p.add_argument("--contexts", default="4096,65536", help="context lengths (comma-separated)")
     p.add_argument(
         "--kv",
@@ -199,6 +205,42 @@ def packed_inputs(inp: dict) -> dict:
     return {**inp, "args": (q, packed, idx, sinks, scale), "bytes": bytes_}
 
 
+def prefill_inputs(t: int, context: int, layer: str, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """A prefill chunk: ``t`` queries of one request at positions ``context - t .. context - 1``;
+    each query's window split between the ring (older keys) and the chunk's rows, then its
+    top-512 visible compressed entries (CSA) or every visible one through a paged index (HCA)."""
+    dev = "cuda"
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g, device=dev).to(dtype)
+    ring = torch.randn(WINDOW, HEAD_DIM, generator=g, device=dev).to(dtype)
+    kv = torch.randn(t, HEAD_DIM, generator=g, device=dev).to(dtype)
+    pos = torch.arange(context - t, context, device=dev)
+    kpos = pos[:, None] + torch.arange(1 - WINDOW, 1, device=dev)[None, :]
+    start = context - t
+    ring_idx = torch.where((kpos >= 0) & (kpos < start), kpos % WINDOW, -1)
+    chunk_idx = torch.where(kpos >= start, kpos - start, -1)
+    sinks = torch.randn(HEADS, generator=g, device=dev)
+    ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
+    entries, epp = context // ratio, PAGE // ratio
+    table = torch.randperm(-(-entries // epp), generator=g, device=dev).view(1, -1)
+    ckv = torch.randn(table.numel() * epp, HEAD_DIM, generator=g, device=dev).to(dtype)
+    visible = (pos + 1) // ratio
+    if layer == "csa":
+        ranks = torch.rand(t, entries, generator=g, device=dev).masked_fill(
+            torch.arange(entries, device=dev)[None, :] >= visible[:, None], 2.0
+        )
+        e = ranks.argsort(dim=1)[:, :TOPK]
+        third = torch.where(e < visible[:, None], table[0, e // epp] * epp + e % epp, -1)
+        keys = WINDOW + min(TOPK, entries)
+    else:
+        third = PagedIndex(table, torch.zeros(t, dtype=torch.long, device=dev), visible, epp, entries)
+        keys = WINDOW + entries
+    elem = torch.finfo(dtype).bits // 8
+    bytes_ = (WINDOW + t + table.numel() * epp) * HEAD_DIM * elem + 2 * t * HEADS * HEAD_DIM * elem
+    flops = 4 * t * HEADS * HEAD_DIM * keys
+    args = (q, [ring, kv, ckv], [ring_idx, chunk_idx, third], sinks, HEAD_DIM**-0.5)
+    return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
+
+
 def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> dict:
     """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request)."""
     dev = "cuda"
@@ -233,40 +275,45 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [("decode", b) for b in a.batches.split(",") if b] + [
+        ("prefill", t) for t in a.prefill.split(",") if t
+    ]
     for ctx in [int(x) for x in a.contexts.split(",")]:
-        for batch in [int(x) for x in a.batches.split(",")]:
-            for layer, kv in itertools.product(("csa", "hca"), a.kv.split(",")):
-                inp = decode_inputs(batch, ctx, layer, torch.bfloat16, g)
-                if kv == "fp8":
-                    inp = packed_inputs(inp)
-                args = inp["args"]
-                row = {
-                    "op": "sparse_attention",
-                    "layer": layer,
-                    "kv": kv,
-                    "batch": batch,
-                    "context": ctx,
-                    "keys": inp["keys"],
-                }
+        for (phase, batch), layer, kv in itertools.product(shapes, ("csa", "hca"), a.kv.split(",")):
+            batch = int(batch)
+            make = decode_inputs if phase == "decode" else prefill_inputs
+            inp = make(batch, ctx, layer, torch.bfloat16, g)
+            if kv == "fp8":
+                inp = packed_inputs(inp)
+            args = inp["args"]
+            row = {
+                "op": "sparse_attention",
+                "layer": layer,
+                "phase": phase,
+                "kv": kv,
+                "batch": batch,
+                "context": ctx,
+                "keys": inp["keys"],
+            }
+            if a.check:
+                err = (ka.sparse_attention(*args).float() - reference(*args).float()).abs().max().item()
+                row["max_abs_err"] = err
+            cfg = ka.default_config(HEADS, HEAD_DIM, torch.bfloat16)
+            plan = ka.plan_launch(batch, HEADS, ka.max_keys_of(args[2]), cfg, args[0].device)
+            row["plan"] = f"{'split' if plan.split else 'direct'} chunk={plan.chunk} x{plan.nsplit}"
+            row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
+            row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+            row["gbps"] = inp["bytes"] / row["ms"] / 1e6
+            row["choice_key"] = {"kind": choice_kind(args[2], args[1]), "keys": tla.max_keys(args[2])}
+            if tilelang_problem() is None and tilelang_supports(*args) is True:
                 if a.check:
-                    err = (ka.sparse_attention(*args).float() - reference(*args).float()).abs().max().item()
-                    row["max_abs_err"] = err
-                cfg = ka.default_config(HEADS, HEAD_DIM, torch.bfloat16)
-                plan = ka.plan_launch(batch, HEADS, ka.max_keys_of(args[2]), cfg, args[0].device)
-                row["plan"] = f"{'split' if plan.split else 'direct'} chunk={plan.chunk} x{plan.nsplit}"
-                row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
-                row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
-                row["gbps"] = inp["bytes"] / row["ms"] / 1e6
-                row["choice_key"] = {"kind": choice_kind(args[2], args[1]), "keys": tla.max_keys(args[2])}
-                if tilelang_problem() is None and tilelang_supports(*args) is True:
-                    if a.check:
-                        err = (tla.sparse_attention(*args).float() - reference(*args).float()).abs().max()
-                        row["tilelang_max_abs_err"] = err.item()
-                    row["tilelang_ms"] = timer.ms(lambda args=args: tla.sparse_attention(*args))
-                if a.tune:
-                    row["tune"] = tune_attention(args, timer)
-                rows.append(row)
-                print_row(row)
+                    err = (tla.sparse_attention(*args).float() - reference(*args).float()).abs().max()
+                    row["tilelang_max_abs_err"] = err.item()
+                row["tilelang_ms"] = timer.ms(lambda args=args: tla.sparse_attention(*args))
+            if a.tune:
+                row["tune"] = tune_attention(args, timer)
+            rows.append(row)
+            print_row(row)
     return rows
 
 
@@ -362,7 +409,7 @@ def print_row(r: dict) -> None:
     if r["op"] == "sparse_attention":
         tl = r.get("tilelang_ms")
         print(
-            f"attention {r['layer']:3} {r['kv']:5} batch {r['batch']:4} ctx {r['context']:6} "
+            f"attention {r['layer']:3} {r['kv']:5} {r['phase']:7} T {r['batch']:4} ctx {r['context']:6} "
             f"keys {r['keys']:5}: "
             f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
             + (f"tilelang {tl:8.4f} ms ({100 * r['roofline_ms'] / tl:5.1f}%)  " if tl else "tilelang -  ")
