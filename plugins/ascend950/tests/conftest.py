@@ -39,6 +39,7 @@ class EmulatedBackend:
                 device_type="cpu",
                 priority=1,
                 ops=backend.load_ops,
+                kv_formats=backend.KV_FORMATS,
                 description="EMULATOR: the ascend950 backend's ops on CPU (tests only)",
             )
         )
