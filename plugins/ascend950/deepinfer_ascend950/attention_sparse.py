@@ -219,7 +219,11 @@ def indexer_topk_supports(q, weights, key_pool, candidates, k, scale) -> Verdict
             isinstance(candidates, PagedIndex),
             "explicit candidate lists: the operator reads a block-table key sequence (PagedIndex only)",
         ),
-        (not isinstance(key_pool, PackedKVPool), f"key_pool is packed: {PACKED_REFUSAL}"),
+        (
+            not isinstance(key_pool, PackedKVPool),
+            "key_pool is packed: npu_lightning_indexer reads plain keys (V4.1's MXFP4 keys are not the "
+            "scales npu_quant_lightning_indexer reads)",
+        ),
         is_tensor("q", q),
         is_tensor("key_pool", key_pool),
         is_tensor("weights", weights),
