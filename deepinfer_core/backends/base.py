@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_core.errors import BackendError, PluginError
+from deepinfer_core.ops.kv_registry import check_substitutes
 from deepinfer_core.ops.registry import OpImpl
 from deepinfer_core.weights.quant import QUANTIZED_FORMATS
 
@@ -61,6 +62,14 @@ class BackendSpec:
             reach the ops as :class:`~deepinfer_core.weights.quant.QuantizedTensor`; the others
             are dequantised at load.  Empty (the reference's): everything is dequantised at
             load unless ``keep_quantized=True``.
+        kv_formats: packed KV formats the backend's ops read in place of the core's, by
+            ``kv_format`` name (:data:`~deepinfer_core.ops.kv_registry.PACKED_KV_FORMATS`):
+            ``{"fp8": "fp8_tile128"}`` stores the caches a model packs as ``fp8`` in the
+            per-tile rows of :class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool` instead of
+            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`.  The engine allocates the cache
+            in the substitute (:func:`~deepinfer_core.models.cache_spec.with_kv_formats`), so
+            every op, the reference's included, reads and writes that format.  Empty: the
+            model's formats.
         description: one line shown by ``deepinfer plugins``.
         plugin: name of the plugin that registered the backend (filled in by the core).
     """
@@ -74,6 +83,7 @@ class BackendSpec:
     compiles_kernels: bool = False
     batch_invariant_devices: tuple[str, ...] = ()
     quantized_weights: tuple[str, ...] = ()
+    kv_formats: Mapping[str, str] = field(default_factory=dict, hash=False)
     description: str = ""
     plugin: str | None = None
     _ops_cache: dict[str, OpImpl] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -101,6 +111,9 @@ class BackendSpec:
                 f"backend {self.name!r}: unknown quantized_weights formats {unknown}; known formats: "
                 f"{list(QUANTIZED_FORMATS)}"
             )
+        problem = check_substitutes(self.kv_formats)
+        if problem is not None:
+            raise PluginError(f"backend {self.name!r}: kv_formats {problem}")
 
     def availability(self) -> Availability:
         """Run the availability probe; a probe that raises counts as unavailable with its error."""

@@ -21,7 +21,7 @@ import torch
 from deepinfer_core.contract.batch import SeqChunk, sample_rows
 from deepinfer_core.contract.step_inputs import StepInputBuffers, StepInputs
 from deepinfer_core.devices import synchronize
-from deepinfer_core.models.cache_spec import CacheSpec, HybridCache
+from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, with_kv_formats
 from deepinfer_core.models.registry import ModelFamily, resolve_family
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.expert_parallel import fixed_dispatch_rows
@@ -182,6 +182,7 @@ class ModelRunner:
         # the most draft tokens of a verify step: the per-slot caches keep room for them, so a
         # rejected draft is rolled back by position alone (Model.cache_specs / step_metadata)
         specs = model.cache_specs(options.kv_cache_dtype, num_spec_tokens=options.num_spec_tokens)
+        specs = with_kv_formats(specs, load.kv_formats)  # the backend's packed formats, if any
         config = resolve_config(
             options,
             load,

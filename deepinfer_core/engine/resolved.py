@@ -23,8 +23,8 @@ dtype; no value is resolved in both.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +63,9 @@ class LoadPlan:
         page_size: token positions per cache page (a multiple of every compress ratio).
         wanted_max_model_len: ``max_model_len`` as asked for or defaulted from the model,
             before the cache is sized (:attr:`ResolvedConfig.max_model_len` is the one used).
+        kv_formats: the backend's packed KV format substitutes
+            (:attr:`~deepinfer_core.backends.BackendSpec.kv_formats`), applied to the model's
+            cache specs before the cache is sized.
     """
 
     device: str
@@ -71,6 +74,7 @@ class LoadPlan:
     formats_declared: bool
     page_size: int
     wanted_max_model_len: int
+    kv_formats: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,6 +102,7 @@ def resolve_load(
         formats_declared=options.keep_quantized is None,
         page_size=options.resolved_page_size(family.cache_ratios(model_config)),
         wanted_max_model_len=options.resolved_max_model_len(model_config.max_position_embeddings),
+        kv_formats=dict(backend.kv_formats) if backend is not None else {},
     )
 
 

@@ -30,8 +30,11 @@ engine runs with ``kv_cache_dtype="fp8"``.  The block-scaled formats of DeepSeek
 (``kv_format`` ``"fp8_ue8m0"``, ``"fp4_e4m3"``, ``"fp4_ue8m0"``: one scale byte per block of 32 /
 16 / 32 values, ``dim`` a whole number of blocks) store a
 :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` (528 / 288 bytes per 512-wide
-row, 68 per 128-wide one).  Memory accounting (:func:`spec_bytes`, :attr:`HybridCache.nbytes`)
-counts the packed bytes.
+row, 68 per 128-wide one).  A backend may name a substitute for a packed format
+(:attr:`~deepinfer_core.backends.BackendSpec.kv_formats`, applied by :func:`with_kv_formats`):
+``fp8_tile128`` (:class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool`, the rows Ascend's sparse
+attention operator reads, 656 bytes per 512-wide row) in place of ``fp8``.  Memory accounting
+(:func:`spec_bytes`, :attr:`HybridCache.nbytes`) counts the packed bytes.
 
 Every tensor has one extra *trash* slot (``num_slots``) and page (``num_pages``) beyond
 what the cache manager hands out: fixed-shape step plans send the writes they do not need
@@ -40,18 +43,22 @@ there, so no step has to filter its rows by value.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from deepinfer_core.ops.kv_blockscaled import BLOCK_FORMATS, BlockScaledKVPool, block_row_bytes
-from deepinfer_core.ops.kv_format import Fp8KVPool, KVPool, PackedKVPool, fp8_row_bytes
+from deepinfer_core.ops.kv_format import KVPool, PackedKVPool
+from deepinfer_core.ops.kv_registry import packed_kv_format
 
-KVFormat = Literal["plain", "fp8", "fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0"]
-"""Storage of a ring / paged spec's rows: ``plain`` (a tensor in the spec dtype), ``fp8``
-(packed :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` rows, V4) or a block-scaled format
-(:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` rows, V4.1's release)."""
+KVFormat = Literal["plain", "fp8", "fp8_tile128", "fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0"]
+"""Storage of a ring / paged spec's rows: ``plain`` (a tensor in the spec dtype) or a packed
+format of :data:`~deepinfer_core.ops.kv_registry.PACKED_KV_FORMATS`: ``fp8``
+(:class:`~deepinfer_core.ops.kv_format.Fp8KVPool` rows, V4), ``fp8_tile128``
+(:class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool` rows, a backend's substitute for ``fp8``)
+or a block-scaled format (:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` rows,
+V4.1's release)."""
 
 
 @dataclass(frozen=True)
@@ -128,23 +135,34 @@ def spec_bytes(spec: CacheSpec, page_size: int, model_dtype: torch.dtype) -> tup
 
 def _row_bytes(spec: RingSpec | PagedSpec, model_dtype: torch.dtype) -> int:
     """Bytes of one row of a ring or paged spec (packed rows for a packed ``kv_format``)."""
-    if spec.kv_format == "fp8":
-        return fp8_row_bytes(spec.dim, spec.rope_dim)
-    if spec.kv_format in BLOCK_FORMATS:
-        try:
-            return block_row_bytes(spec.kv_format, spec.dim)
-        except ValueError as e:
-            raise ValueError(f"cache spec {spec.name!r}: {e}") from None
-    if spec.kv_format != "plain":
-        raise ValueError(f"cache spec {spec.name!r}: unknown kv_format {spec.kv_format!r}")
-    return spec.dim * torch.empty((), dtype=spec.dtype or model_dtype).element_size()
+    if spec.kv_format == "plain":
+        return spec.dim * torch.empty((), dtype=spec.dtype or model_dtype).element_size()
+    try:
+        return packed_kv_format(spec.kv_format).row_bytes(spec.dim, spec.rope_dim)
+    except ValueError as e:
+        raise ValueError(f"cache spec {spec.name!r}: {e}") from None
 
 
 def _packed_zeros(spec: RingSpec | PagedSpec, rows: int, device: torch.device | str) -> PackedKVPool:
     """The zeroed packed pool of ``rows`` rows of a spec of a packed ``kv_format``."""
-    if spec.kv_format == "fp8":
-        return Fp8KVPool.zeros(rows, spec.dim, spec.rope_dim, device)
-    return BlockScaledKVPool.zeros(rows, spec.dim, spec.kv_format, device)
+    return packed_kv_format(spec.kv_format).zeros(rows, spec.dim, spec.rope_dim, device)
+
+
+def with_kv_formats(specs: list[list[CacheSpec]], substitutes: Mapping[str, str]) -> list[list[CacheSpec]]:
+    """``specs`` with every ring / paged spec whose ``kv_format`` is a key of ``substitutes``
+    stored in the format it maps to (a backend's
+    :attr:`~deepinfer_core.backends.BackendSpec.kv_formats`); the rest unchanged."""
+    if not substitutes:
+        return specs
+    return [
+        [
+            replace(s, kv_format=substitutes[s.kv_format])
+            if isinstance(s, RingSpec | PagedSpec) and s.kv_format in substitutes
+            else s
+            for s in layer
+        ]
+        for layer in specs
+    ]
 
 
 class HybridCache:

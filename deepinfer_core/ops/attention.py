@@ -24,6 +24,7 @@ from ._cases import randn
 from .cast import cast
 from .kv_blockscaled import BlockScaledKVPool
 from .kv_format import Fp8KVPool, KVPool, PackedKVPool
+from .kv_tile import TileFp8KVPool
 from .modes import KEY_BLOCK, batch_invariant_enabled, pad_cols, padded_len, row_padded
 from .registry import define_op
 
@@ -107,6 +108,9 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
     # V4.1's block-scaled pools: an MXFP8 ring, this step's rows plain, NVFP4-like entries
     ring_mx = BlockScaledKVPool.from_values(randn(g, 20, d, dtype=dtype, scale=2.0), "fp8_ue8m0")
     ckv_nv = BlockScaledKVPool.from_values(randn(g, 12, d, dtype=dtype), "fp4_e4m3")
+    # per-tile FP8 pools (a backend's substitute for fp8): a ring and paged entries
+    ring_t = TileFp8KVPool.from_values(randn(g, 20, d, dtype=dtype, scale=2.0))
+    ckv_t = TileFp8KVPool.from_values(randn(g, 12, d, dtype=dtype))
     return [
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_b], [idx_a, idx_b], randn(g, h), d**-0.5), {}),
         ((randn(g, t, h, d, dtype=dtype), [pool_a, pool_c], [idx_a, paged], randn(g, h), d**-0.5), {}),
@@ -124,6 +128,16 @@ def _attn_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
             (
                 randn(g, t, h, d, dtype=dtype),
                 [ring_mx, pool_b, ckv_nv],
+                [idx_a, idx_b, paged],
+                randn(g, h),
+                d**-0.5,
+            ),
+            {},
+        ),
+        (
+            (
+                randn(g, t, h, d, dtype=dtype),
+                [ring_t, pool_b, ckv_t],
                 [idx_a, idx_b, paged],
                 randn(g, h),
                 d**-0.5,
@@ -148,10 +162,11 @@ def sparse_attention(
         q: ``[T, H, D]`` queries.
         kv_pools: sources of key(=value) rows, each ``[N_i, D]`` in q's dtype, or a packed
             :class:`~deepinfer_core.ops.kv_format.PackedKVPool` of ``N_i`` rows of ``D`` values
-            (``kv_cache_dtype="fp8"``: an ``Fp8KVPool`` or a ``BlockScaledKVPool``), whose rows
-            count as their dequantised values in q's dtype (``PackedKVPool.dequantize_rows``:
-            for ``Fp8KVPool`` exact, an e4m3 value times a power of two and bfloat16 rope values;
-            for a block-scaled pool the fp32 product of element and scale, cast).
+            (``kv_cache_dtype="fp8"``: an ``Fp8KVPool``, a ``TileFp8KVPool`` or a
+            ``BlockScaledKVPool``), whose rows count as their dequantised values in q's dtype
+            (``PackedKVPool.dequantize_rows``: for ``Fp8KVPool`` and ``TileFp8KVPool`` exact, an
+            e4m3 value times a power of two, and ``Fp8KVPool``'s bfloat16 rope values; for a
+            block-scaled pool the fp32 product of element and scale, cast).
         indices: per source, ``[T, K_i]`` int64 row indices into that pool (``-1`` = no key),
             or a :class:`PagedIndex` (its entries in entry order, as if listed explicitly).
         sinks: ``[H]`` float32 sink logits: joined to each head's softmax, then dropped.

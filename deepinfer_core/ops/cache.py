@@ -9,6 +9,7 @@ from ._cases import randn
 from .cast import cast
 from .kv_blockscaled import BlockScaledKVPool
 from .kv_format import Fp8KVPool, KVPool, PackedKVPool
+from .kv_tile import TileFp8KVPool
 from .registry import define_op
 
 
@@ -28,8 +29,13 @@ def _write_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, di
         (BlockScaledKVPool.zeros(8, 64, fmt), dest, randn(g, 5, 64, dtype=dtype) * mags)
         for fmt in ("fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0")
     ]
+    # per-tile FP8 pools: a 512-wide row of four tiles, a narrow one of a partial tile
+    tile = TileFp8KVPool.zeros(12, 512)
+    tile_narrow = TileFp8KVPool.zeros(6, 40)
     return [
         ((cache, rows, randn(g, 4, 8, dtype=dtype)), {}),
+        ((tile, torch.tensor([7, 0, 11]), vals), {}),
+        ((tile_narrow, torch.tensor([5, 2]), randn(g, 2, 40, dtype=dtype) * mags[2:4]), {}),
         ((cache, rows[:0], randn(g, 0, 8)), {}),
         ((fp8, torch.tensor([7, 0, 11]), vals), {}),
         ((narrow, torch.tensor([5, 2]), randn(g, 2, 40, dtype=dtype)), {}),
@@ -46,8 +52,9 @@ def cache_write(cache: KVPool, rows: torch.Tensor, values: torch.Tensor) -> KVPo
     Args:
         cache: ``[N, ...]`` a cache tensor (a window ring, an entry pool, a slot state), or a
             packed pool of ``N`` rows of ``D`` values (a pool of ``kv_cache_dtype="fp8"``): an
-            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` or a
-            :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`.
+            :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, a
+            :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool` or a
+            :class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool`.
         rows: ``[M]`` int64 destination rows.  Distinct, except rows of the cache's trash
             slot / page (fixed-shape plans send unneeded writes there; which of several writes
             to a trash row survives is unspecified, as nothing reads it).
@@ -61,7 +68,9 @@ def cache_write(cache: KVPool, rows: torch.Tensor, values: torch.Tensor) -> KVPo
     :mod:`deepinfer_core.ops.kv_format` does (per row, the nope values in e4m3 with one
     power-of-two UE8M0 scale per 64, the trailing rope values in bfloat16), a block-scaled pool
     as :mod:`deepinfer_core.ops.kv_blockscaled` does (e4m3 or e2m1 values, one UE8M0 or e4m3
-    scale per block: bit for bit DeepSeek-V4.1's ``kv_qdq`` once dequantised); no host
+    scale per block: bit for bit DeepSeek-V4.1's ``kv_qdq`` once dequantised), a per-tile pool
+    as :mod:`deepinfer_core.ops.kv_tile` does (every value e4m3, one power-of-two float32 scale
+    per 128); no host
     synchronisation either way.
     """
     if isinstance(cache, PackedKVPool):

@@ -8,7 +8,9 @@ rows of ``D`` values as bytes, ``data: uint8 [N, row_bytes]``; every packed form
 :meth:`~PackedKVPool.dequantize_rows`).  The formats: :class:`Fp8KVPool` (below; V4,
 ``kv_cache_dtype="fp8"``) and the block-scaled formats of DeepSeek-V4.1's release
 (:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`: MXFP8 window records, NVFP4-like
-compressed entries, MXFP4 indexer keys).
+compressed entries, MXFP4 indexer keys), and the per-tile FP8 rows Ascend's sparse attention
+operator reads (:class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool`), which a backend may store
+in place of :class:`Fp8KVPool` (:mod:`deepinfer_core.models.cache_spec`).
 
 An :class:`Fp8KVPool` holds the
 same ``N`` logical rows of ``D = head_dim`` values packed into ``row_bytes`` bytes each
@@ -51,7 +53,7 @@ comes back within ``max(2**-4 * |x|, 2**-10 * 2**e)`` of ``x``, where ``2**e < a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -105,9 +107,8 @@ def quantize_fp8_rows(values: torch.Tensor, rope_dim: int) -> torch.Tensor:
     x = values.reshape(-1, lay.dim).float()
     m = x.shape[0]
     nope = F.pad(x[:, : lay.nope], (0, lay.groups * SCALE_GROUP - lay.nope)).view(m, lay.groups, SCALE_GROUP)
-    mant, expo = torch.frexp(nope.abs().amax(dim=-1))  # amax = mant * 2**expo, mant in [0.5, 1)
-    e = (expo - 9 + (mant > 0.875).to(expo.dtype)).clamp(_E_MIN, _E_MAX)  # amax <= 448 * 2**e
-    inv = _pow2(-e)
+    e = ue8m0_exponents(nope.abs().amax(dim=-1))
+    inv = pow2(-e)
     q = (nope * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     q = q.view(torch.uint8).view(m, lay.groups * SCALE_GROUP)[:, : lay.nope]
     rope = x[:, lay.nope :].to(torch.bfloat16).contiguous().view(torch.uint8)
@@ -132,7 +133,7 @@ def dequantize_fp8_rows(
     lead = packed.shape[:-1]
     p = packed.reshape(-1, lay.row_bytes)
     m = p.shape[0]
-    scales = _pow2(p[:, lay.scale_offset : lay.scale_offset + lay.groups].to(torch.int32) - 127)
+    scales = pow2(p[:, lay.scale_offset : lay.scale_offset + lay.groups].to(torch.int32) - 127)
     scales = scales.unsqueeze(-1).expand(m, lay.groups, SCALE_GROUP).reshape(m, lay.groups * SCALE_GROUP)
     scales = scales[:, : lay.nope]
     nope = p[:, : lay.nope].view(torch.float8_e4m3fn).float() * scales
@@ -140,7 +141,18 @@ def dequantize_fp8_rows(
     return torch.cat([nope.to(dtype), rope.to(dtype)], dim=1).view(*lead, dim)
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
+def ue8m0_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """Per group, the scale exponent ``e`` of a group of largest magnitude ``amax`` (fp32): the
+    smallest integer with ``amax <= 448 * 2**e``, clamped to ``[-126, 126]`` (int32).
+
+    Exact: from ``frexp(amax) = (m, k)``, ``e = k - 9`` if ``m <= 0.875`` else ``k - 8``; an
+    all-zero group (``frexp(0) = (0, 0)``) takes ``e = -9``.
+    """
+    mant, expo = torch.frexp(amax.float())  # amax = mant * 2**expo, mant in [0.5, 1)
+    return (expo - 9 + (mant > 0.875).to(expo.dtype)).clamp(_E_MIN, _E_MAX)
+
+
+def pow2(e: torch.Tensor) -> torch.Tensor:
     """``2.0**e`` (float32) of int exponents in [-126, 127], exactly: built from the bits."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
@@ -151,8 +163,9 @@ class PackedKVPool(ABC):
     The interface every packed format implements (a frozen dataclass holding ``data``, ``dim``
     and its format's parameters); ops test ``isinstance(pool, PackedKVPool)`` and use only this:
     ``cache_write`` stores :meth:`quantize`'s bytes at rows of ``data``, readers dequantise the
-    rows they read (:meth:`dequantize_rows`).  Each row is packed independently of the others,
-    and neither direction synchronises with the host.
+    rows they read (:meth:`dequantize_rows`), a model needing a pool of the same format for rows
+    of its own makes one with :meth:`new_rows`.  Each row is packed independently of the
+    others, and neither direction synchronises with the host.
     """
 
     data: torch.Tensor
@@ -175,6 +188,12 @@ class PackedKVPool(ABC):
                 f"{type(self).__name__} data must be uint8 [N, {want}] for {what}; "
                 f"got {self.data.dtype} {tuple(self.data.shape)}"
             )
+
+    def new_rows(self, rows: int) -> PackedKVPool:
+        """A pool of this one's format and parameters holding ``rows`` zero rows (every value
+        dequantises to 0), on the same device."""
+        data = torch.zeros(rows, self.data.shape[1], dtype=torch.uint8, device=self.data.device)
+        return replace(self, data=data)  # type: ignore[type-var]
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``rows`` (int64 of any shape, each in ``[0, N)``) as ``[*rows.shape, dim]`` in ``dtype``."""
@@ -264,4 +283,5 @@ class Fp8KVPool(PackedKVPool):
 
 KVPool = torch.Tensor | PackedKVPool
 """What an op accepts as a KV pool: a plain ``[N, D]`` tensor or a packed pool (an
-:class:`Fp8KVPool`, a :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`)."""
+:class:`Fp8KVPool`, a :class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`, a
+:class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool`)."""

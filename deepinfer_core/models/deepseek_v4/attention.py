@@ -15,7 +15,7 @@ import torch
 
 from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, RingSpec
 from deepinfer_core.ops import OpTable
-from deepinfer_core.ops.kv_format import Fp8KVPool
+from deepinfer_core.ops.kv_format import PackedKVPool
 from deepinfer_core.weights.quant import Weight
 
 from .compressor import Compressor
@@ -117,11 +117,11 @@ class Attention:
         n = kv.shape[0]  # every row of the step
         ring = cache_get("window")
         chunk = kv
-        if isinstance(ring, Fp8KVPool):
+        if isinstance(ring, PackedKVPool):
             # this step's keys in the ring's format too: a key reads the same whether it comes
             # from the ring or from this step's rows, so chunking changes nothing (batch
             # invariance), and a kernel sees one format for every source
-            chunk = Fp8KVPool.zeros(n, ring.dim, ring.rope_dim, kv.device)
+            chunk = ring.new_rows(n)
             ops.cache_write(chunk, torch.arange(n, device=kv.device), kv)
         pools = [ring, chunk]
         idx = [queries.window_ring, queries.window_chunk]

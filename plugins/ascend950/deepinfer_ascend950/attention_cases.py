@@ -2,7 +2,8 @@
 than the operators allow): ``sparse_attention`` with 512-wide heads, ``indexer_topk`` with
 128-wide keys, 8 heads and pages of 16 entries.  Each builds the sources the V4 model passes:
 a window split between a ring and this step's rows (a strided view), and compressed entries as
-a paged index or as top-k picks with holes.
+a paged index or as top-k picks with holes; plain, and packed as the backend stores
+``kv_cache_dtype="fp8"`` (``fp8_tile128``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.kv_tile import TileFp8KVPool
 
 Cases = list[tuple[tuple, dict]]
 
@@ -41,7 +43,14 @@ def sparse_attention_cases(g: torch.Generator, dtype: torch.dtype) -> Cases:
     entries = _randn(g, (2 * 3 + 2) * 16, d, dtype=dtype)
     picks = torch.randint(-1, entries.shape[0], (t, 12), generator=g)
     empty = torch.full((t, w), -1)
+    # kv_cache_dtype="fp8" on this backend: every source in the per-tile FP8 rows, this step's
+    # keys packed too (the model packs them in the ring's format)
+    ring_t, kv_t = TileFp8KVPool.from_values(ring), TileFp8KVPool.from_values(kv)
+    entries_t = TileFp8KVPool.from_values(entries)
     return [
+        ((q, [ring_t, kv_t, entries_t], [ring_idx, chunk_idx, paged], sinks, scale), {}),
+        ((q, [ring_t, kv_t, entries_t], [ring_idx, chunk_idx, picks], sinks * 4, scale), {}),
+        ((q, [ring_t], [empty], sinks, scale), {}),  # only the sink: zeros
         ((q, [ring, kv], [ring_idx, chunk_idx], sinks, scale), {}),
         ((q, [ring, kv, entries], [ring_idx, chunk_idx, paged], sinks, scale), {}),
         ((q, [ring, kv, entries], [ring_idx, chunk_idx, picks], sinks, scale), {}),

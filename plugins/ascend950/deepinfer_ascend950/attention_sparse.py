@@ -18,9 +18,10 @@ and the values are the whole 512-wide rows.  LI takes 128-wide keys and 8, 16, 2
 heads on the 950.
 
 Which calls the operators take is in the ``supports`` predicates; every other call runs on the
-reference (logged once per op), among them packed FP8 pools (the core's FP8 row formats are
-not the layout of ``npu_kv_quant_sparse_flash_attention``: per-64 UE8M0 scales over 448
-values against per-128 float32 tile scales over 512) and explicit candidate lists.
+reference (logged once per op), among them explicit candidate lists and packed indexer keys
+(V4.1's MXFP4 keys are not the scales ``npu_quant_lightning_indexer`` reads; V4 keeps its
+indexer keys in the model dtype).  Packed FP8 attention sources (the backend's ``fp8_tile128``
+rows) run on ``npu_kv_quant_sparse_flash_attention`` (:mod:`.attention_kvquant`).
 """
 
 from __future__ import annotations
@@ -53,13 +54,31 @@ LI_SPARSE_COUNTS = frozenset(range(1, 2049)) | {3072, 4096, 5120, 6144, 7168, 81
 _INT32_MAX = 2**31 - 1
 
 PACKED_REFUSAL = (
-    "packed KV pool: the core's packed row formats are not the layout the torch_npu operators read "
-    "(the reference dequantises them)"
+    "packed KV pool: npu_sparse_flash_attention reads plain rows (packed sources go to "
+    "npu_kv_quant_sparse_flash_attention as fp8_tile128 rows only; the reference dequantises the others)"
 )
 
 
 def _rows(index: torch.Tensor | PagedIndex) -> torch.Tensor:
     return index.rows() if isinstance(index, PagedIndex) else index
+
+
+def key_positions(kv_pools, indices) -> tuple[torch.Tensor, int]:
+    """Every query's keys as positions of the sources concatenated in order (``[T, K]``,
+    ``-1`` = none), and the sources' total rows."""
+    cols, base = [], 0
+    for pool, index in zip(kv_pools, indices, strict=True):
+        r = _rows(index)
+        cols.append(torch.where(r >= 0, r + base, -1))
+        base += pool.shape[0]
+    return torch.cat(cols, dim=1), base
+
+
+def valid_first(picks: torch.Tensor) -> torch.Tensor:
+    """``picks`` ``[T, K]`` as the operators' ``sparse_indices``: int32 ``[T, 1, K]``, each row's
+    valid positions first (the operators read a list up to its first ``-1``)."""
+    order = torch.sort((picks < 0).to(torch.uint8), dim=1, stable=True).indices
+    return picks.gather(1, order).to(torch.int32).unsqueeze(1).contiguous()
 
 
 def sparse_attention(q, kv_pools, indices, sinks, scale):
@@ -73,14 +92,8 @@ def sparse_attention(q, kv_pools, indices, sinks, scale):
     npu = torch_npu()
     t, h, d = q.shape
     dev = q.device
-    cols, base = [], 0
-    for pool, index in zip(kv_pools, indices, strict=True):
-        r = _rows(index)
-        cols.append(torch.where(r >= 0, r + base, -1))
-        base += pool.shape[0]
-    picks = torch.cat(cols, dim=1)
-    order = torch.sort((picks < 0).to(torch.uint8), dim=1, stable=True).indices  # valid first
-    picks = picks.gather(1, order).to(torch.int32).unsqueeze(1).contiguous()  # [T, 1, K]
+    picks, base = key_positions(kv_pools, indices)
+    picks = valid_first(picks)  # [T, 1, K]
     blocks = -(-base // KV_BLOCK)
     pad = q.new_zeros(blocks * KV_BLOCK - base, d)
     key = torch.cat([*kv_pools, pad]).view(blocks, KV_BLOCK, 1, d)
@@ -121,7 +134,7 @@ def sparse_attention_supports(q, kv_pools, indices, sinks, scale) -> Verdict:
     if ok is not True:
         return ok
     for i, pool in enumerate(kv_pools):
-        if isinstance(pool, PackedKVPool):
+        if isinstance(pool, PackedKVPool):  # TileFp8KVPool sources: ops_attention routes them
             return f"kv_pools[{i}] is a {type(pool).__name__}: {PACKED_REFUSAL}"
     ok = first_problem(
         (q.dim() == 3, f"q has {q.dim()} dims, expected [T, H, D]"),
@@ -206,7 +219,11 @@ def indexer_topk_supports(q, weights, key_pool, candidates, k, scale) -> Verdict
             isinstance(candidates, PagedIndex),
             "explicit candidate lists: the operator reads a block-table key sequence (PagedIndex only)",
         ),
-        (not isinstance(key_pool, PackedKVPool), f"key_pool is packed: {PACKED_REFUSAL}"),
+        (
+            not isinstance(key_pool, PackedKVPool),
+            "key_pool is packed: npu_lightning_indexer reads plain keys (V4.1's MXFP4 keys are not the "
+            "scales npu_quant_lightning_indexer reads)",
+        ),
         is_tensor("q", q),
         is_tensor("key_pool", key_pool),
         is_tensor("weights", weights),

@@ -11,6 +11,11 @@ NOT_INSTALLED = (
     "pip install -e 'plugins/ascend950[npu]')"
 )
 
+KV_FORMATS = {"fp8": "fp8_tile128"}
+"""The backend's packed KV format substitutes (``BackendSpec.kv_formats``): the caches a model
+packs as ``fp8`` are stored in the per-tile rows ``npu_kv_quant_sparse_flash_attention`` reads
+(:class:`~deepinfer_core.ops.kv_tile.TileFp8KVPool`)."""
+
 
 def is_available() -> tuple[bool, str | None]:
     """``(True, None)`` when an Ascend NPU is usable here, else ``(False, reason)``.

@@ -24,6 +24,7 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             is_available=backend.is_available,
             supports_graph_capture=True,
             quantized_weights=declared_formats(),
+            kv_formats=backend.KV_FORMATS,
             description="Huawei Ascend 950 NPUs via torch_npu fused operators (never run on an NPU)",
         )
     )

@@ -41,6 +41,7 @@ class EmulatedBackend:
                 priority=1,
                 ops=backend.load_ops,
                 quantized_weights=declared_formats(),
+                kv_formats=backend.KV_FORMATS,
                 description="EMULATOR: the ascend950 backend's ops on CPU (tests only)",
             )
         )
