@@ -1,0 +1,116 @@
+"""The inputs of ``bench_attention.py``: DeepSeek-V4-Flash attention and indexer calls on the
+GPU (decode batches, prefill chunks, packed FP8 pools), with the bytes and FLOPs of their
+rooflines."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer_core.ops.attention import PagedIndex
+
+HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
+CSA_RATIO, HCA_RATIO, PAGE = 4, 128, 256
+INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 64, 128, 512
+
+
+def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """One decode query per request at position ``context - 1`` (see the module docstring)."""
+    dev = "cuda"
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=g, device=dev).to(dtype)
+    ring = torch.randn(batch * WINDOW, HEAD_DIM, generator=g, device=dev).to(dtype)
+    kv = torch.randn(batch, HEAD_DIM, generator=g, device=dev).to(dtype)
+    slots = torch.arange(batch, device=dev)
+    ring_idx = slots[:, None] * WINDOW + torch.arange(WINDOW, device=dev)[None, :]
+    ring_idx[:, -1] = -1  # the newest key is this step's row
+    chunk_idx = torch.full((batch, WINDOW), -1, dtype=torch.int64, device=dev)
+    chunk_idx[:, -1] = torch.arange(batch, device=dev)
+    sinks = torch.randn(HEADS, generator=g, device=dev)
+    ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
+    entries = context // ratio
+    epp = PAGE // ratio
+    pages = -(-entries // epp)
+    table = torch.randperm(batch * pages, generator=g, device=dev).view(batch, pages)
+    ckv = torch.randn(batch * pages * epp, HEAD_DIM, generator=g, device=dev).to(dtype)
+    if layer == "csa":
+        picks = torch.rand(batch, entries, generator=g, device=dev).argsort(dim=1)[:, :TOPK]
+        e = picks
+        third = table.gather(1, e // epp) * epp + e % epp
+        keys = WINDOW + min(TOPK, entries)
+        index_bytes = 8 * batch * (2 * WINDOW + TOPK)
+    else:
+        third = PagedIndex(table, slots, torch.full((batch,), entries, device=dev), epp, entries)
+        keys = WINDOW + entries
+        index_bytes = 8 * batch * (2 * WINDOW + pages)
+    elem = torch.finfo(dtype).bits // 8
+    bytes_ = batch * keys * HEAD_DIM * elem + 2 * batch * HEADS * HEAD_DIM * elem + index_bytes
+    flops = 4 * batch * HEADS * HEAD_DIM * keys
+    args = (q, [ring, kv, ckv], [ring_idx, chunk_idx, third], sinks, HEAD_DIM**-0.5)
+    return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
+
+
+def packed_inputs(inp: dict) -> dict:
+    """``inp`` with every pool packed as FP8 rows (``kv_cache_dtype="fp8"``: 64 rope channels in
+    bfloat16), the bytes read counted from the packed rows."""
+    from deepinfer_core.ops.kv_format import Fp8KVPool
+
+    q, pools, idx, sinks, scale = inp["args"]
+    packed = [Fp8KVPool.from_values(p, 64) for p in pools]
+    row_bytes, plain_bytes = packed[0].row_bytes, HEAD_DIM * q.element_size()
+    key_bytes = q.shape[0] * inp["keys"] * plain_bytes
+    bytes_ = inp["bytes"] - key_bytes + key_bytes * row_bytes // plain_bytes
+    return {**inp, "args": (q, packed, idx, sinks, scale), "bytes": bytes_}
+
+
+def prefill_inputs(t: int, context: int, layer: str, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """A prefill chunk: ``t`` queries of one request at positions ``context - t .. context - 1``;
+    each query's window split between the ring (older keys) and the chunk's rows, then its
+    top-512 visible compressed entries (CSA) or every visible one through a paged index (HCA)."""
+    dev = "cuda"
+    q = torch.randn(t, HEADS, HEAD_DIM, generator=g, device=dev).to(dtype)
+    ring = torch.randn(WINDOW, HEAD_DIM, generator=g, device=dev).to(dtype)
+    kv = torch.randn(t, HEAD_DIM, generator=g, device=dev).to(dtype)
+    pos = torch.arange(context - t, context, device=dev)
+    kpos = pos[:, None] + torch.arange(1 - WINDOW, 1, device=dev)[None, :]
+    start = context - t
+    ring_idx = torch.where((kpos >= 0) & (kpos < start), kpos % WINDOW, -1)
+    chunk_idx = torch.where(kpos >= start, kpos - start, -1)
+    sinks = torch.randn(HEADS, generator=g, device=dev)
+    ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
+    entries, epp = context // ratio, PAGE // ratio
+    table = torch.randperm(-(-entries // epp), generator=g, device=dev).view(1, -1)
+    ckv = torch.randn(table.numel() * epp, HEAD_DIM, generator=g, device=dev).to(dtype)
+    visible = (pos + 1) // ratio
+    if layer == "csa":
+        ranks = torch.rand(t, entries, generator=g, device=dev).masked_fill(
+            torch.arange(entries, device=dev)[None, :] >= visible[:, None], 2.0
+        )
+        e = ranks.argsort(dim=1)[:, :TOPK]
+        third = torch.where(e < visible[:, None], table[0, e // epp] * epp + e % epp, -1)
+        keys = WINDOW + min(TOPK, entries)
+    else:
+        third = PagedIndex(table, torch.zeros(t, dtype=torch.long, device=dev), visible, epp, entries)
+        keys = WINDOW + entries
+    elem = torch.finfo(dtype).bits // 8
+    bytes_ = (WINDOW + t + table.numel() * epp) * HEAD_DIM * elem + 2 * t * HEADS * HEAD_DIM * elem
+    flops = 4 * t * HEADS * HEAD_DIM * keys
+    args = (q, [ring, kv, ckv], [ring_idx, chunk_idx, third], sinks, HEAD_DIM**-0.5)
+    return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
+
+
+def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> dict:
+    """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request)."""
+    dev = "cuda"
+    q = torch.randn(t, INDEX_HEADS, INDEX_DIM, generator=g, device=dev).to(dtype)
+    w = torch.randn(t, INDEX_HEADS, generator=g, device=dev) * INDEX_HEADS**-0.5
+    epp = PAGE // CSA_RATIO
+    pages = -(-c // epp)
+    requests = t if t <= 1024 else 1
+    table = torch.randperm(requests * pages, generator=g, device=dev).view(requests, pages)
+    keys = torch.randn(requests * pages * epp, INDEX_DIM, generator=g, device=dev).to(dtype)
+    rows = torch.arange(t, device=dev) % requests
+    cand = PagedIndex(table, rows, torch.full((t,), c, device=dev), epp, c)
+    elem = torch.finfo(dtype).bits // 8
+    distinct_keys = requests * c * INDEX_DIM * elem
+    bytes_ = distinct_keys + t * INDEX_HEADS * (INDEX_DIM * elem + 4) + t * INDEX_TOPK * 8
+    flops = 2 * t * c * INDEX_HEADS * INDEX_DIM
+    return {"args": (q, w, keys, cand, INDEX_TOPK, INDEX_DIM**-0.5), "bytes": bytes_, "flops": flops}
