@@ -45,6 +45,11 @@ class BackendSpec:
         supports_graph_capture: whether the ops may be captured in device graphs (no host
             syncs, shapes from arguments only); the engine then captures decode steps on
             devices with a graph runtime unless ``enforce_eager``.
+        graph_runtime: the device-graph implementation of the backend's device, for a device
+            type the core has none for: ``graph_runtime(device)`` returns ``(factory, shared
+            memory pool, reason)`` like :func:`~deepinfer_core.engine.graphs.device_graph_factory`
+            (``factory(pool)`` makes one graph with ``capture(fn)`` / ``replay()``; ``None`` and
+            the reason where none runs here).  ``None``: the core's (CUDA graphs on ``cuda``).
         compiles_kernels: whether the ops compile kernels at their first call for each static
             configuration (Triton, TileLang): the engine then runs warm-up steps at build
             (:meth:`~deepinfer_core.engine.model_runner.ModelRunner.warm_up`: one decode token,
@@ -80,6 +85,7 @@ class BackendSpec:
     ops: OpsMapping | Callable[[], OpsMapping] = field(default_factory=dict)
     is_available: Callable[[], Availability] = always_available
     supports_graph_capture: bool = False
+    graph_runtime: Callable[[Any], tuple[Any, Any, str]] | None = field(default=None, compare=False)
     compiles_kernels: bool = False
     batch_invariant_devices: tuple[str, ...] = ()
     quantized_weights: tuple[str, ...] = ()
@@ -100,6 +106,8 @@ class BackendSpec:
             raise PluginError(f"backend {self.name!r}: priority must be an int, got {self.priority!r}")
         if not callable(self.is_available):
             raise PluginError(f"backend {self.name!r}: is_available must be a zero-argument callable")
+        if self.graph_runtime is not None and not callable(self.graph_runtime):
+            raise PluginError(f"backend {self.name!r}: graph_runtime must be a callable taking the device")
         formats = self.quantized_weights
         if not isinstance(formats, tuple) or not all(isinstance(f, str) for f in formats):
             raise PluginError(

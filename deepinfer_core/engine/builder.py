@@ -285,7 +285,11 @@ def _capture_graphs(runner: ModelRunner, config: ResolvedConfig, backend: Backen
         logger.info("device graphs off: backend %r does not support graph capture", backend.name)
         return
     t0 = time.perf_counter()
-    reason = runner.capture_graphs()
+    if backend.graph_runtime is None:
+        reason = runner.capture_graphs()
+    else:  # the backend's own graph runtime for its device type
+        factory, pool, why = backend.graph_runtime(runner.device)
+        reason = runner.capture_graphs(factory, pool) if factory is not None else why or "no graph runtime"
     if reason is None:
         families = "; ".join(f"{name} {buckets}" for name, buckets in runner.graph_manager.summary().items())
         logger.info(

@@ -1,0 +1,82 @@
+"""A backend brings the device-graph runtime of its device type (``BackendSpec.graph_runtime``):
+the engine captures its fixed-shape steps through it and replays them, with the tokens of an
+eager engine; a runtime that has no graph here leaves the engine eager, saying why."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from deepinfer_core import SamplingParams
+from deepinfer_core.backends import BackendSpec
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.graphs import EmulatedGraph
+from deepinfer_core.engine.llm_engine import LLMEngine
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.testing.managers import manager_with_plugin
+
+
+class CountingGraph(EmulatedGraph):
+    """An emulated graph that counts its captures and replays."""
+
+    captures = 0
+    replays = 0
+
+    def capture(self, fn):
+        CountingGraph.captures += 1
+        return super().capture(fn)
+
+    def replay(self):
+        CountingGraph.replays += 1
+        return super().replay()
+
+
+def _engine(tiny_dir: Path, runtime, **config) -> LLMEngine:
+    class Plugin:
+        @hookimpl
+        def deepinfer_register_backends(self, register):
+            register(
+                BackendSpec(
+                    name="graphs_here",
+                    device_type="cpu",
+                    supports_graph_capture=True,
+                    graph_runtime=runtime,
+                )
+            )
+
+    manager = manager_with_plugin(Plugin(), "graphs_here")
+    cfg = EngineConfig(model=str(tiny_dir), backend="graphs_here", max_num_seqs=4, **config)
+    return LLMEngine(cfg, plugins=manager)
+
+
+def _greedy(engine: LLMEngine) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=5)
+    for i in range(3):
+        engine.add_request(str(i), list(range(5 + i, 20 + 2 * i)), params)
+    done = {}
+    while engine.has_unfinished():
+        done |= {o.request_id: list(o.outputs[0].token_ids) for o in engine.step()}
+    return [done[str(i)] for i in range(3)]
+
+
+def test_the_engine_captures_and_replays_through_the_backends_graph_runtime(tiny_dir: Path):
+    seen = []
+
+    def runtime(device):
+        seen.append(device.type)
+        return CountingGraph, None, ""
+
+    CountingGraph.captures = CountingGraph.replays = 0
+    graphed = _greedy(_engine(tiny_dir, runtime))
+    assert seen == ["cpu"] and CountingGraph.captures > 0 and CountingGraph.replays > 0
+    eager = _greedy(_engine(tiny_dir, runtime, enforce_eager=True))
+    assert graphed == eager
+
+
+def test_a_runtime_without_graphs_leaves_the_engine_eager_and_says_why(tiny_dir: Path, caplog):
+    CountingGraph.captures = 0
+    with caplog.at_level(logging.DEBUG, logger="deepinfer.engine"):
+        engine = _engine(tiny_dir, lambda device: (None, None, "no graph driver in this test"))
+    assert CountingGraph.captures == 0
+    assert "no graph driver in this test" in caplog.text
+    assert all(len(tokens) == 5 for tokens in _greedy(engine))
