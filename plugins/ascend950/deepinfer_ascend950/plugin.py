@@ -3,6 +3,7 @@
 from collections.abc import Callable
 
 from deepinfer_ascend950 import backend
+from deepinfer_ascend950.npu_graph import graph_runtime
 from deepinfer_ascend950.quant_mx import declared_formats
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.hookspecs import hookimpl
@@ -23,6 +24,7 @@ def deepinfer_register_backends(register: Callable[[BackendSpec], None]) -> None
             ops=backend.load_ops,
             is_available=backend.is_available,
             supports_graph_capture=True,
+            graph_runtime=graph_runtime,  # torch_npu's NPUGraph
             quantized_weights=declared_formats(),
             kv_formats=backend.KV_FORMATS,
             description="Huawei Ascend 950 NPUs via torch_npu fused operators (never run on an NPU)",

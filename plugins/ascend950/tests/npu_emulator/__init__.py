@@ -16,7 +16,7 @@ import sys
 import types
 from collections.abc import Iterator
 
-from . import attention, moe
+from . import attention, graphs, moe
 
 FAMILIES = (attention, moe)
 
@@ -29,6 +29,7 @@ def build_module() -> types.ModuleType:
         for name, fn in family.FUNCTIONS.items():
             assert not hasattr(module, name), f"{name} emulated twice"
             setattr(module, name, fn)
+    module.npu = graphs.NAMESPACE  # torch_npu.npu's graph API
     return module
 
 
