@@ -1,10 +1,12 @@
 """Speculative decoding: DSpark vs fixed-length verification vs none, tokens per target forward
-and throughput, on a workload with repetition.
+and throughput, on a workload with repetition or on real text.
 
 The workload: ``B * --requests-per-slot`` prompts served with ``max_num_seqs=B`` (continuous
 batching refills a slot as soon as its request finishes, so a request whose drafts keep
-failing does not hold the whole batch back), each ``--prompt-len`` random tokens (a random
-block repeated, so the n-gram drafter finds matches in the prompt too), decoded greedily with
+failing does not hold the whole batch back), each ``--prompt-len`` tokens: with ``--prompts
+repeat`` random tokens (a random block repeated, so the n-gram drafter finds matches in the
+prompt too), with ``--prompts text`` windows of the built-in trained model's held-out text
+(its drafts at their real operating point); decoded greedily with
 ``presence_penalty=--presence-penalty`` (negative: tokens already present are favoured, so
 even the random-weight tiny model produces repetitive text, some requests looping, others
 wandering) plus ``--sampled`` seeded-sampling requests mixed in.  Every mode produces the same
@@ -21,6 +23,7 @@ with both ``fixed`` and ``dspark``, a line of DSpark's paired per-run throughput
 the noise to judge a difference by; ``vs_fixed_per_run`` in the JSON).
 
     OMP_NUM_THREADS=1 python benchmarks/speculative.py            # CPU, built-in tiny model
+    python benchmarks/speculative.py --prompts text --presence-penalty 0 --drafter mtp  # real text
     python benchmarks/speculative.py --drafter mtp --model bigram-mtp   # an MTP layer that is right
     python benchmarks/speculative.py --model DIR --backend cuda_sm100 --batch-sizes 1,16,64
 
@@ -56,6 +59,18 @@ def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]
         b = [rng.randrange(3, vocab) for _ in range(block)]
         out.append((b * (length // block + 1))[:length])
     return out
+
+
+def text_prompts(tok: Any, num: int, length: int, seed: int) -> list[list[int]]:
+    """``num`` prompts of ``length`` ids: BOS then a window of the built-in trained model's
+    held-out text (:func:`~deepinfer_core.models.deepseek_v4.trained.load_corpus`), at seeded
+    random offsets."""
+    from deepinfer_core.models.deepseek_v4.trained import load_corpus
+
+    ids = tok.encode("".join(load_corpus()[1]), add_bos=False)
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(ids) - length) for _ in range(num)]
+    return [[tok.bos_token_id, *ids[s : s + length - 1]] for s in starts]
 
 
 def workload_params(num: int, args: argparse.Namespace) -> list[SamplingParams]:
@@ -100,7 +115,11 @@ class ModeRun:
         self.llm = LLM(**kw)
         vocab = self.llm.engine.model_config.vocab_size
         num = batch * args.requests_per_slot
-        self.prompts = [{"prompt_token_ids": p} for p in make_prompts(num, args.prompt_len, vocab, args.seed)]
+        if args.prompts == "text":
+            ids = text_prompts(self.llm.get_tokenizer(), num, args.prompt_len, args.seed)
+        else:
+            ids = make_prompts(num, args.prompt_len, vocab, args.seed)
+        self.prompts = [{"prompt_token_ids": p} for p in ids]
         self.params = workload_params(num, args)
         self.llm.generate(self.prompts, self.params, use_tqdm=False)  # warm-up
         self.times: list[float] = []
@@ -224,6 +243,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=0.0,
         help="requests' max_tokens uniform in max_tokens * (1 ± spread) (0: all equal, so without "
         "speculation they finish together and their successors prefill in one step)",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("repeat", "text"),
+        default="repeat",
+        help="repeat: random token blocks repeated; text: windows of the trained tiny model's held-out "
+        "text (for the built-in model: drafts at its real operating point; pair with --presence-penalty 0)",
     )
     parser.add_argument("--presence-penalty", type=float, default=-2.0)
     parser.add_argument("--sampled", type=int, default=4, help="every N-th request samples (0: none)")

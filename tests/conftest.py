@@ -1,4 +1,4 @@
-"""Fixtures shared by the test modules: the tiny checkpoints and an LLM on the built-in tiny model.
+"""Fixtures shared by the test modules: the tiny checkpoints and an LLM on the random tiny model.
 
 Session-scoped fixtures write their checkpoint once per run; treat what they return as
 read-only.  ``tests/weights/conftest.py`` adds the weight tests' own HF model (``tiny``).
@@ -41,6 +41,7 @@ def hf_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    """``LLM(backend="reference")`` on the built-in tiny model, one per test module (the
+    """``LLM(backend="reference")`` on the random tiny model (``builtin_tiny_model_dir()``: the
+    tests' oracles were written on its outputs and vocabulary), one per test module (the
     modules' tests share its engine, as they did with their private copies)."""
-    return LLM(backend="reference")
+    return LLM(model=str(tiny.builtin_tiny_model_dir()), backend="reference")

@@ -22,7 +22,7 @@ from deepinfer_core.ops import OpTable
 from .config import DSPARK_STAGES_UNSUPPORTED, DeepseekV4Config
 from .loader import load_checkpoint, load_mtp_checkpoint
 from .model import DeepseekV4Model
-from .tiny import builtin_tiny_model_dir
+from .trained import builtin_trained_model_dir
 
 
 def parse_config(data: dict[str, Any], source: str) -> DeepseekV4Config:
@@ -122,5 +122,5 @@ FAMILY = ModelFamily(
     load_mtp_weights=load_mtp_weights,
     unsupported_draft_layers=unsupported_draft_layers,
     description="DeepSeek-V4 (hybrid sliding-window/compressed attention, MoE)",
-    builtin_model_dir=builtin_tiny_model_dir,
+    builtin_model_dir=builtin_trained_model_dir,
 )

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +111,9 @@ _FORMAT_VERSION = 1
 
 
 # ---- tokenizer -----------------------------------------------------------------------------
-def train_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
-    """Train the tiny byte-level BPE tokenizer on the built-in corpus (deterministic).
+def train_tokenizer(vocab_size: int = TINY_VOCAB_SIZE, lines: Iterable[str] | None = None) -> Tokenizer:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens on ``lines`` (default: the
+    built-in corpus's), deterministically.
 
     Special tokens take ids 0..3 in :data:`SPECIAL_TOKENS` order; the post-processor
     prepends BOS when encoding with ``add_special_tokens=True``, as DeepSeek's does.
@@ -125,7 +127,9 @@ def train_tokenizer(vocab_size: int = TINY_VOCAB_SIZE) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS_PATH.read_text(encoding="utf-8").splitlines(), trainer=trainer)
+    if lines is None:
+        lines = _CORPUS_PATH.read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(lines, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, 0)]
     )
@@ -139,6 +143,13 @@ def write_tokenizer_files(outdir: str | Path) -> Path:
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     train_tokenizer().save(str(out / "tokenizer.json"))
+    write_tokenizer_configs(out, TINY_CONFIG)
+    return out
+
+
+def write_tokenizer_configs(out: Path, config: dict[str, Any]) -> None:
+    """Write ``tokenizer_config.json`` (the DeepSeek chat template, BOS / EOS) and
+    ``generation_config.json`` for a model of ``config`` (its special ids and positions)."""
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -147,17 +158,16 @@ def write_tokenizer_files(outdir: str | Path) -> Path:
         "add_bos_token": True,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": TINY_CONFIG["max_position_embeddings"],
+        "model_max_length": config["max_position_embeddings"],
         "chat_template": CHAT_TEMPLATE,
     }
     gen_cfg = {
-        "bos_token_id": TINY_CONFIG["bos_token_id"],
-        "eos_token_id": TINY_CONFIG["eos_token_id"],
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
         "do_sample": False,
     }
     _write_json(out / "tokenizer_config.json", tok_cfg)
     _write_json(out / "generation_config.json", gen_cfg)
-    return out
 
 
 # ---- weights -------------------------------------------------------------------------------
