@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -314,9 +316,17 @@ def train(args) -> dict:
         corpus_sha256=digest,
         train_tokens=len(stream),
         held_out_tokens=len(held),
-        args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        args={k: _shown(v) for k, v in vars(args).items()},
     )
     return {"tok": tok, "weights": weights, "log": log}
+
+
+def _shown(value):
+    """``value`` for the JSON log: paths inside the repository relative to it."""
+    if not isinstance(value, Path):
+        return value
+    path = value.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(value)
 
 
 def evaluate_rounded(model, mtp, windows) -> dict:
@@ -350,6 +360,9 @@ def write_checkpoint(result: dict, out: Path, log_path: Path) -> None:
     result["tok"].save(str(out / "tokenizer.json"))
     write_tokenizer_configs(out, CONFIG)
     save_checkpoint(result["weights"], {**CONFIG, "dtype": "bfloat16"}, out, names="native")
+    licence = Path(os.__file__).with_name("LICENSE.txt")  # CPython's, the corpus's licence
+    if licence.is_file():
+        shutil.copyfile(licence, out / "CORPUS_LICENSE.txt")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(json.dumps(result["log"], separators=(",", ":")) + "\n")
 

@@ -60,7 +60,8 @@ def held_out_ppl(llm: LLM, windows: int | None = None, length: int = 128) -> flo
 def test_the_default_model_is_the_shipped_trained_model():
     d = default_model_dir()
     assert d == trained.TRAINED_DIR
-    assert all((d / f).is_file() for f in trained.CHECKPOINT_FILES)
+    assert all((d / f).is_file() for f in (*trained.CHECKPOINT_FILES, trained.LICENCE_FILE))
+    assert "Python Software Foundation" in (d / trained.LICENCE_FILE).read_text()
     assert sum(f.stat().st_size for f in d.iterdir()) < 8 * 2**20  # a few MB: the wheel stays light
     cfg = trained.trained_config()
     assert set(cfg["layer_types"]) == {SLIDING, CSA, HCA}
@@ -98,6 +99,9 @@ def test_held_out_perplexity_through_the_engine_matches_the_training_figure():
 def test_fp8_fp4_variant_loads_and_stays_close(tmp_path):
     q = trained.make_trained_quantized(tmp_path / "q")
     assert json.loads((q / "config.json").read_text())["quantization_config"]["expert_dtype"] == "fp4"
+    assert (q / trained.LICENCE_FILE).read_bytes() == (
+        trained.TRAINED_DIR / trained.LICENCE_FILE
+    ).read_bytes()
     base, quant = LLM(), LLM(model=str(q))
     assert held_out_ppl(quant, windows=16) < 1.05 * held_out_ppl(base, windows=16)
     share, n = known_share(greedy_texts(quant), corpus_words())

@@ -37,6 +37,9 @@ CORPUS_SHA256 = "d9dc35bce5ab1a24"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 CHECKPOINT_FILES = ("config.json", "model.safetensors", *TOKENIZER_FILES)
+LICENCE_FILE = "CORPUS_LICENSE.txt"
+"""The training text's licence and copyright notice (CPython's ``LICENSE.txt``), kept with the
+weights and with every variant written from them."""
 
 
 def builtin_trained_model_dir() -> Path:
@@ -72,7 +75,7 @@ def make_trained_quantized(
 ) -> Path:
     """Write the trained model to ``outdir`` with FP8 dense linears (``fp8_linear``, 128x128
     block scales unless ``fp8_block`` says otherwise) and FP4 routed experts (``fp4_experts``),
-    native names, with the tokenizer files; returns ``outdir``.  ``save_options`` go to
+    native names, with the tokenizer files and the corpus licence; returns ``outdir``.  ``save_options`` go to
     :func:`~.writer.save_checkpoint`."""
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,7 +89,7 @@ def make_trained_quantized(
         fp4_experts=fp4_experts,
         **save_options,
     )
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, LICENCE_FILE):
         shutil.copyfile(TRAINED_DIR / name, out / name)
     return out
 
