@@ -11,7 +11,7 @@ import pytest
 from deepinfer_core.bench import percentiles, read_prompts_file, synthetic_prompts
 from deepinfer_core.cli import main
 from deepinfer_core.errors import ConfigError
-from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
+from deepinfer_core.models.registry import default_model_dir
 from deepinfer_core.tokenizer import load_tokenizer
 
 KEYS = {
@@ -66,7 +66,7 @@ def test_shared_prefix_is_served_from_the_prefix_cache(capsys, tmp_path):
 
 
 def test_file_prompts_plain_and_jsonl(capsys, tmp_path):
-    tok = load_tokenizer(builtin_tiny_model_dir())
+    tok = load_tokenizer(default_model_dir())  # the model `deepinfer bench` runs by default
     texts = ["Hello world", "Once upon a time there was", "A"]
     plain = tmp_path / "prompts.txt"
     plain.write_text("\n".join(texts) + "\n\n")

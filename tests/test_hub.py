@@ -25,6 +25,7 @@ from deepinfer_core.hub import (
     parse_repo_id,
 )
 from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
+from deepinfer_core.models.deepseek_v4.trained import builtin_trained_model_dir
 
 MAIN = "a1" * 20  # the commit refs/main points at
 TAGGED = "b2" * 20  # the commit refs/v1 points at
@@ -179,7 +180,7 @@ def test_no_model_is_the_builtin_tiny_model_and_never_asks_the_hub(monkeypatch):
 
     monkeypatch.delenv("DEEPINFER_MODEL", raising=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", no_downloads)
-    assert Path(LLM(backend="reference").config.model) == builtin_tiny_model_dir()
+    assert Path(LLM(backend="reference").config.model) == builtin_trained_model_dir()
     local = builtin_tiny_model_dir()
     assert resolve_model_dir(str(local), revision="v1") == local  # a local directory: revision ignored
 
@@ -228,7 +229,7 @@ def test_a_download_asks_for_safetensors_configs_and_tokenizer_files_never_pickl
 
 def test_tokenizer_may_be_a_hub_id(hub_cache):
     llm = LLM(tokenizer="org/tiny@v1", backend="reference")
-    assert llm.get_tokenizer() is not None and llm.config.model == str(builtin_tiny_model_dir())
+    assert llm.get_tokenizer() is not None and llm.config.model == str(builtin_trained_model_dir())
 
 
 def test_cli_generate_from_a_hub_id_offline(hub_cache, capsys, llm):

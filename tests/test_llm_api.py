@@ -10,6 +10,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.errors import ConfigError, SamplingParamsError
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.plugins import get_plugins, reset_plugins
 
 PROMPTS = [
@@ -55,7 +56,12 @@ def test_output_shape_and_text(llm):
 def test_batching_chunking_and_preemption_do_not_change_greedy_outputs(solo):
     """Tiny budget (chunked prefill), 2 running seqs and a cache too small for all: same tokens."""
     small = LLM(
-        backend="reference", max_num_seqs=2, max_num_batched_tokens=5, num_cache_pages=3, page_size=16
+        model=str(builtin_tiny_model_dir()),
+        backend="reference",
+        max_num_seqs=2,
+        max_num_batched_tokens=5,
+        num_cache_pages=3,
+        page_size=16,
     )
     prompts = PROMPTS + [{"prompt_token_ids": small.get_tokenizer().encode(PROMPTS[1])}]
     outs = small.generate(prompts, GREEDY)
@@ -124,7 +130,7 @@ def test_eos_stops_unless_ignored(llm, solo):
 
 
 def test_max_model_len_caps_generation(solo):
-    short = LLM(backend="reference", max_model_len=12)
+    short = LLM(model=str(builtin_tiny_model_dir()), backend="reference", max_model_len=12)
     ids = short.get_tokenizer().encode(PROMPTS[0])
     out = short.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=50))[0].outputs[0]
     assert len(ids) + len(out.token_ids) == 12 and out.finish_reason == "length"
@@ -213,7 +219,12 @@ def test_lifecycle_hooks_are_called():
 # ---- abort -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_abort_frees_the_cache_and_returns_tokens_so_far(solo, async_scheduling):
-    llm = LLM(backend="reference", max_num_seqs=2, async_scheduling=async_scheduling)
+    llm = LLM(
+        model=str(builtin_tiny_model_dir()),
+        backend="reference",
+        max_num_seqs=2,
+        async_scheduling=async_scheduling,
+    )
     engine, tok = llm.engine, llm.get_tokenizer()
     long = SamplingParams(temperature=0, max_tokens=6)
     for rid, prompt in zip("abc", PROMPTS[:3], strict=True):  # "c" waits: 2 slots
@@ -254,7 +265,7 @@ def test_llm_abort_from_a_step_hook(solo):
         get_plugins().add_plugin(
             types.SimpleNamespace(deepinfer_step_stats=hookimpl(on_step)), name="test-abort"
         )
-        holder["llm"] = llm = LLM(backend="reference")
+        holder["llm"] = llm = LLM(model=str(builtin_tiny_model_dir()), backend="reference")
         outs = llm.generate(
             [PROMPTS[0], PROMPTS[1], PROMPTS[2]],
             [SamplingParams(temperature=0, max_tokens=2), GREEDY, GREEDY],

@@ -12,6 +12,7 @@ from deepinfer_core.config import EngineConfig
 from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.engine.metrics import Metrics, StepStats
 from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.testing.managers import manager_with_plugin
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog", "A", "Once upon a time"]
@@ -45,6 +46,7 @@ def test_totals_equal_direct_counts():
 
 def test_preemptions_are_counted_and_do_not_inflate_prompt_tokens():
     llm = LLM(
+        model=str(builtin_tiny_model_dir()),  # the random tiny model's cache layout preempts here
         backend="reference",
         max_num_seqs=2,
         max_num_batched_tokens=5,

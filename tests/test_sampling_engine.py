@@ -8,6 +8,7 @@ import torch
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.contract.batch import SeqChunk
 from deepinfer_core.errors import SamplingParamsError
+from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
 PROMPTS = [
     "Hello world",
@@ -20,7 +21,14 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def small() -> LLM:
     """Tiny token budget (chunked prefill), 2 sequences, a cache too small for all: preemptions."""
-    return LLM(backend="reference", max_num_seqs=2, max_num_batched_tokens=5, num_cache_pages=3, page_size=16)
+    return LLM(
+        model=str(builtin_tiny_model_dir()),  # the module's `llm`'s model
+        backend="reference",
+        max_num_seqs=2,
+        max_num_batched_tokens=5,
+        num_cache_pages=3,
+        page_size=16,
+    )
 
 
 def token_ids(outs):

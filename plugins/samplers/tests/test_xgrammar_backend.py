@@ -72,7 +72,9 @@ def _xg(**kw) -> StructuredOutputsParams:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(async_scheduling=True)
+    from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
+
+    return LLM(model=str(builtin_tiny_model_dir()), async_scheduling=True)  # the corpus thresholds' model
 
 
 def _sampling(spec: StructuredOutputsParams | None, seed: int | None, max_tokens: int) -> SamplingParams:
