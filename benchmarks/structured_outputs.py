@@ -1,7 +1,8 @@
 """Structured outputs on CPU with the built-in tiny model: throughput and first-token latency.
 
 One engine (``LLM()`` defaults on the built-in tiny model, or ``--model``), greedy decoding of
-prompts cut from the tiny corpus (``--prompt-len`` tokens).  The JSON schemas are a fixed
+prompts cut from the tiny corpus (``--prompt-len`` tokens).  ``finished`` counts the requests
+that stopped before ``max_tokens`` (their grammar complete, then EOS).  The JSON schemas are a fixed
 subset (``--schemas``) of the structured-outputs test corpus,
 ``plugins/samplers/tests/schema_corpus.py`` (imported from its path: one source of schemas).
 
@@ -73,7 +74,6 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from deepinfer_core import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 from deepinfer_core.benchmarking.harness import log, positive_ints, print_table, timed, write_json  # noqa: E402
-from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "structured_outputs.json"
 CORPUS_PATH = ROOT / "plugins" / "samplers" / "tests" / "schema_corpus.py"
@@ -361,7 +361,8 @@ def print_profile(p: dict[str, Any]) -> None:
 
 def print_throughput(rows: list[dict]) -> None:
     print()
-    print_table(rows, [*THROUGHPUT_COLUMNS, ("len min", "min_len", "d"), ("len max", "max_len", "d")])
+    columns = [*THROUGHPUT_COLUMNS, ("len min", "min_len", "d"), ("len max", "max_len", "d")]
+    print_table(rows, [*columns, ("finished", "grammar_finished", "d")])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -397,7 +398,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     header = {
         "llguidance": getattr(llguidance, "__version__", None),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "model": str(args.model or builtin_tiny_model_dir()),
+        "model": llm.config.model,
         "engine": {
             "backend": llm.config.backend,
             "dtype": llm.config.dtype,

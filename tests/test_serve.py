@@ -1,4 +1,4 @@
-"""``deepinfer serve`` with the official ``openai`` client, on the built-in tiny model.
+"""``deepinfer serve`` with the official ``openai`` client, on the random tiny model.
 
 A uvicorn server runs the application on a free 127.0.0.1 port in a thread of the test, over
 its own ``LLM(backend="reference")``; the oracle is a second, independent ``LLM`` on the same
@@ -21,6 +21,7 @@ import pytest
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.cli import main
+from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.sampling.params import StructuredOutputsParams
 
 openai = pytest.importorskip("openai")
@@ -38,7 +39,7 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server():
     """``(base url, engine loop)`` of a running server with API key :data:`KEY`."""
-    llm = LLM(backend="reference")
+    llm = LLM(model=str(builtin_tiny_model_dir()), backend="reference")  # the `llm` fixture's model
     loop = EngineLoop(llm.client)
     app = build_app(loop, MODEL, api_key=KEY)
     sock = socket.socket()

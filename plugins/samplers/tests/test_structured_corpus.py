@@ -100,7 +100,10 @@ def test_format_checker_checks_what_it_claims():
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def llm(request) -> LLM:
-    return LLM(async_scheduling=request.param)
+    from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
+
+    # the random tiny model: the corpus thresholds were set on it
+    return LLM(model=str(builtin_tiny_model_dir()), async_scheduling=request.param)
 
 
 def _backend(llm: LLM):
