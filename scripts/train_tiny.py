@@ -142,6 +142,8 @@ class Mtp(nn.Module):
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m
 
         mcfg = hf_config(cfg, num_hidden_layers=1, layer_types=[SLIDING], mlp_layer_types=["moe"])
+        mcfg._attn_implementation = "eager"  # as the trunk's (the module is used outside a PreTrainedModel)
+        mcfg._experts_implementation = "eager"
         d, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.enorm, self.hnorm = m.DeepseekV4RMSNorm(d, eps), m.DeepseekV4RMSNorm(d, eps)
         self.e_proj, self.h_proj = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)

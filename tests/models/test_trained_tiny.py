@@ -75,6 +75,18 @@ def test_the_default_model_is_the_shipped_trained_model():
     assert cfg["hc_mult"] > 1 and cfg["index_topk"] > 0
 
 
+def test_every_shipped_file_is_package_data():
+    """``pyproject.toml``'s package data covers every file of the shipped folder (else a wheel
+    would install the engine without its default model)."""
+    import fnmatch
+    import tomllib
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = data["deepinfer_core.models.deepseek_v4"]
+    shipped = [f"{trained.TRAINED_DIR.name}/{f.name}" for f in trained.TRAINED_DIR.iterdir()]
+    assert shipped and all(any(fnmatch.fnmatch(f, g) for g in globs) for f in shipped), (shipped, globs)
+
+
 def test_a_damaged_install_is_one_clear_line(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr(trained, "TRAINED_DIR", tmp_path)
