@@ -39,15 +39,20 @@ class DeviceGraph(Protocol):
 
 
 class CudaGraph:
-    """A ``torch.cuda.CUDAGraph`` sharing one memory pool with the runner's other graphs."""
+    """A ``torch.cuda.CUDAGraph`` sharing one memory pool with the runner's other graphs.
 
-    def __init__(self, pool: object | None):
-        self.graph = torch.cuda.CUDAGraph()
+    ``graph`` / ``capturing``: another runtime's graph object and capture context of the same
+    API (``torch_npu.npu``'s ``NPUGraph`` and ``graph``), for a backend's ``graph_runtime``.
+    """
+
+    def __init__(self, pool: object | None, graph: object | None = None, capturing: Callable | None = None):
+        self.graph = torch.cuda.CUDAGraph() if graph is None else graph
+        self.capturing = torch.cuda.graph if capturing is None else capturing
         self.pool = pool
         self.out: torch.Tensor | None = None
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        with torch.cuda.graph(self.graph, pool=self.pool):
+        with self.capturing(self.graph, pool=self.pool):
             self.out = fn()
         return self.out
 

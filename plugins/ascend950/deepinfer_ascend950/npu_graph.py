@@ -8,33 +8,19 @@ step is captured and replayed exactly as the core's CUDA graphs do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from deepinfer_ascend950.npu import torch_npu
+from deepinfer_core.engine.graphs import CudaGraph
 
 
-class NpuGraph:
-    """One ``NPUGraph`` sharing the runner's memory pool (the core's ``DeviceGraph`` protocol)."""
+class NpuGraph(CudaGraph):
+    """One ``NPUGraph`` sharing the runner's memory pool: the core's CUDA-graph wrapper over
+    ``torch_npu.npu``'s graph object and capture context."""
 
     def __init__(self, pool: object | None):
-        self.npu = torch_npu().npu
-        self.graph = self.npu.NPUGraph()
-        self.pool = pool
-        self.out: torch.Tensor | None = None
-
-    def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Record ``fn`` (after the caller's warm-up); its output buffer."""
-        with self.npu.graph(self.graph, pool=self.pool):
-            self.out = fn()
-        return self.out
-
-    def replay(self) -> torch.Tensor:
-        """Re-run the recorded work on the current contents of its input buffers."""
-        self.graph.replay()
-        assert self.out is not None
-        return self.out
+        npu = torch_npu().npu
+        super().__init__(pool, npu.NPUGraph(), npu.graph)
 
 
 def graph_runtime(device: torch.device) -> tuple[type[NpuGraph] | None, object | None, str]:

@@ -415,27 +415,13 @@ def select_path_problems(device: str, shapes_name: str = "SMALL") -> list[str]:
     for dtype in (torch.float32, torch.bfloat16):
         cases = attention_ops.indexer_cases(shapes)(torch.Generator().manual_seed(0), dtype)
         for n, (args, _) in enumerate(cases):
-            q, w, keys, cand, k, scale = (_move(a, device) for a in args)
+            q, w, keys, cand, k, scale = _to(args, device)
             scores = ki.indexer_scores(q, w, keys, cand, scale)
             got, want = select_topk_torch(scores, k, cand), ki.select_topk(scores, k, cand)
             if not torch.equal(got, want):
                 kind = "paged" if isinstance(cand, PagedIndex) else "rows"
                 problems.append(f"{dtype} case {n} ({kind}): the torch selection differs from Triton's")
     return problems
-
-
-def _move(a, device: str):
-    from deepinfer_core.ops.attention import PagedIndex
-
-    if isinstance(a, PagedIndex):
-        return PagedIndex(
-            a.block_table.to(device),
-            a.token_rows.to(device),
-            a.counts.to(device),
-            a.entries_per_page,
-            a.max_count,
-        )
-    return a.to(device) if isinstance(a, torch.Tensor) else a
 
 
 def compaction_problems(device: str) -> list[str]:
