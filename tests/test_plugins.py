@@ -287,6 +287,8 @@ def test_report_lists_backend_ops_and_availability_reason():
                 priority=50,
                 ops=lambda: {"rms_norm": lambda x, weight, eps: x},
                 is_available=lambda: (False, "no frobnicator attached"),
+                kv_formats={"fp8": "fp8_tile128"},
+                graph_runtime=lambda device: (None, None, "none here"),
             )
         )
 
@@ -299,6 +301,8 @@ def test_report_lists_backend_ops_and_availability_reason():
     [reference] = rows["core"]["backends"]
     assert "rms_norm" in reference["ops"] and "linear" in reference["ops"]
     assert reference["quantized_weights"] == [] and backend["quantized_weights"] == []
+    assert (backend["kv_formats"], reference["kv_formats"]) == ({"fp8": "fp8_tile128"}, {})
+    assert (backend["graph_runtime"], reference["graph_runtime"]) == ("the backend's", "the core's")
     assert rows["core"]["core_api"] == PLUGIN_API_VERSION
 
 

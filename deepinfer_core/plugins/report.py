@@ -47,8 +47,10 @@ def backend_row(spec: BackendSpec) -> dict[str, Any]:
         "available": available,
         "reason": reason,
         "supports_graph_capture": spec.supports_graph_capture,
+        "graph_runtime": "the backend's" if spec.graph_runtime is not None else "the core's",
         "batch_invariant_devices": list(spec.batch_invariant_devices),
         "quantized_weights": list(spec.quantized_weights),
+        "kv_formats": dict(spec.kv_formats),
         "description": spec.description,
     }
     try:
