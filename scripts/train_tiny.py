@@ -27,6 +27,7 @@ perplexity, timing, corpus hash) and an SVG loss plot (``--plot``).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -46,13 +47,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_train_plot import write_loss_svg  # noqa: E402
 
 from deepinfer_core.models.deepseek_v4 import trained  # noqa: E402
-from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
+from deepinfer_core.models.deepseek_v4.config import SLIDING, DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.params import (  # noqa: E402
     mtp_parameter_specs,
     parameter_specs,
 )
 from deepinfer_core.models.deepseek_v4.tiny import (  # noqa: E402
     BOS_TOKEN,
+    TINY_CONFIG,
     train_tokenizer,
     write_tokenizer_configs,
 )
@@ -63,53 +65,15 @@ DEFAULT_OUT = ROOT / "deepinfer_core" / "models" / "deepseek_v4" / "tiny_trained
 DEFAULT_PLOT = ROOT / "docs" / "tiny_model_loss.svg"
 DEFAULT_LOG = ROOT / "docs" / "tiny_model_training.json"
 VOCAB = 2048
-CONFIG: dict = {
-    "architectures": ["DeepseekV4ForCausalLM"],
-    "model_type": "deepseek_v4",
+CONFIG: dict = {  # the built-in random tiny model's architecture, wider
+    **copy.deepcopy(TINY_CONFIG),  # its nested dicts are not shared
     "vocab_size": VOCAB,
     "hidden_size": 128,
     "moe_intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 1,
-    "head_dim": 32,
     "q_lora_rank": 64,
-    "partial_rotary_factor": 0.25,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "scoring_func": "sqrtsoftplus",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.5,
-    "layer_types": [SLIDING, CSA, HCA, CSA],
-    "compress_rates": {CSA: 4, HCA: 16},
-    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
-    "sliding_window": 32,
-    "o_groups": 2,
     "o_lora_rank": 32,
-    "index_n_heads": 8,
-    "index_head_dim": 16,
+    "sliding_window": 32,
     "index_topk": 8,
-    "hc_mult": 4,
-    "hc_sinkhorn_iters": 20,
-    "hc_eps": 1e-6,
-    "swiglu_limit": 10.0,
-    "rms_norm_eps": 1e-6,
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0,
-    "rope_parameters": {
-        "rope_type": "yarn",
-        "factor": 16.0,
-        "original_max_position_embeddings": 64,
-        "beta_fast": 32,
-        "beta_slow": 1,
-    },
-    "max_position_embeddings": 1024,
-    "num_nextn_predict_layers": 1,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "tie_word_embeddings": False,
 }
 
 
