@@ -139,3 +139,29 @@ def test_mtp_drafts_of_the_trained_model_are_accepted_unlike_the_random_models()
 
     trained_rate, random_rate = acceptance(None), acceptance(str(tiny.builtin_tiny_model_dir()))
     assert trained_rate >= 0.3 and random_rate <= 0.1, (trained_rate, random_rate)
+
+
+@pytest.mark.slow  # a fresh interpreter training three steps (~10 s)
+def test_the_training_script_writes_a_checkpoint_the_engine_serves(tmp_path: Path):
+    """``scripts/train_tiny.py`` (three steps): the shipped model's architecture and tokenizer,
+    a held-out loss already below the uniform guess's ``ln(vocab)``, and a checkpoint the
+    ordinary loader serves."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "model"
+    argv = [sys.executable, str(ROOT / "scripts" / "train_tiny.py"), "--out", str(out), "--steps", "3"]
+    argv += ["--warmup", "1", "--log-every", "1", "--eval-every", "3"]
+    argv += ["--plot", str(tmp_path / "loss.svg"), "--log", str(tmp_path / "log.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shipped = default_model_dir()
+    config = json.loads((out / "config.json").read_text())
+    assert config == json.loads((shipped / "config.json").read_text())
+    assert (out / "tokenizer.json").read_bytes() == (shipped / "tokenizer.json").read_bytes()
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["loss"] < math.log(config["vocab_size"]), summary
+    outs = LLM(model=str(out)).generate(["The with statement"], SamplingParams(temperature=0, max_tokens=4))
+    assert len(outs[0].outputs[0].token_ids) == 4
