@@ -94,12 +94,6 @@ def choice_kind(indices, kv_pools) -> str:
 
 
 @functools.cache
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
-@functools.cache
 def _warn_unavailable(problem: str) -> None:
     logger.warning("sparse_attention: %s; the Triton kernel serves every call", problem)
 
@@ -123,7 +117,7 @@ def choose_language(q, kv_pools, indices, sinks, scale) -> str:
         d,
         t,
         tl_attention.max_keys(indices),
-        _arch(q.device.index if q.device.index is not None else torch.cuda.current_device()),
+        kernel_choice.device_arch(q.device),
         frozenset({"triton", "tilelang"}),
     )
 

@@ -44,7 +44,7 @@ def load_ops() -> dict:
 
     ops = triton_ops()
     if not _common.INTERPRETED and torch.cuda.is_available():
-        from deepinfer_cuda_sm100 import tk_dispatch
+        from deepinfer_cuda_sm100 import kernel_choice, tk_dispatch
 
-        ops.update(tk_dispatch.tilekernels_ops(ops, tk_dispatch.device_arch(torch.device("cuda"))))
+        ops.update(tk_dispatch.tilekernels_ops(ops, kernel_choice.device_arch(torch.device("cuda"))))
     return ops

@@ -25,7 +25,6 @@ captured graph replays what it captured.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -41,12 +40,6 @@ PATHS = {"w8a16": frozenset({"triton", "cublas"}), "w8a8": frozenset({"triton", 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.cache
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
 def choose_path(x: torch.Tensor, weight) -> str:
     """``"triton"``, ``"cublas"`` or ``"scaled_mm"`` for ``linear(x, weight)`` (see the module
     docstring)."""
@@ -55,12 +48,12 @@ def choose_path(x: torch.Tensor, weight) -> str:
 
     if batch_invariant_enabled() or x.device.type != "cuda":
         return "triton"
-    math = "w8a8" if fp8_gemm._prefill_w8a8(x) else "w8a16"
+    math = "w8a8" if fp8_gemm.prefill_w8a8(x) else "w8a16"
     paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
-    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, _arch(index), paths)
+    arch = kernel_choice.device_arch(x.device)
+    choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, arch, paths)
     return choice if choice in paths else "triton"
 
 

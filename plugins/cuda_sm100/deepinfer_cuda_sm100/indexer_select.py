@@ -19,8 +19,6 @@ captured graph replays what it captured.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from deepinfer_core.ops.attention import PagedIndex
@@ -66,20 +64,15 @@ def select_topk_torch(
     return rows.masked_fill(invalid, -1)
 
 
-@functools.cache
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
 def choose_path(scores: torch.Tensor, candidates) -> str:
     """``"triton"`` or ``"torch"`` for the selection of ``scores`` (see the module docstring)."""
     if batch_invariant_enabled() or scores.device.type != "cuda":
         return "triton"
     t, c = scores.shape
     kind = "paged" if isinstance(candidates, PagedIndex) else "rows"
-    index = scores.device.index if scores.device.index is not None else torch.cuda.current_device()
-    return kernel_choice.choose(OP, kind, "float32", 0, 0, t, c, _arch(index), PATHS)
+    return kernel_choice.choose(
+        OP, kind, "float32", 0, 0, t, c, kernel_choice.device_arch(scores.device), PATHS
+    )
 
 
 def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:

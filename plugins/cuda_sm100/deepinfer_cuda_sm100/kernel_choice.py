@@ -57,6 +57,21 @@ def load_points(arch: str) -> tuple[Point, ...]:
     return tuple(Point(**p) for p in data["points"])
 
 
+def device_arch(device) -> str:
+    """The architecture name of a CUDA ``device`` (``"sm90"`` on an H100 / H200)."""
+    import torch
+
+    return _arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"sm{major}{minor}"
+
+
 def choose(
     op: str,
     kind: str,
@@ -71,10 +86,23 @@ def choose(
     default: str = DEFAULT_LANGUAGE,
 ) -> str:
     """The language to run (see the module docstring); ``available`` lists those usable here;
-    ``points`` replaces the shipped table of ``arch`` (tests); ``default`` is the op's own."""
+    ``points`` replaces the shipped table of ``arch`` (tests); ``default`` is the op's own.
+    Choices from the shipped table are memoised per key (a dispatcher calls this at every op
+    call); :func:`forget` drops them."""
+    if points is None:
+        return _choose_shipped(op, kind, dtype, heads, head_dim, tokens, keys, arch, available, default)
+    return _nearest(points, op, kind, dtype, heads, head_dim, tokens, keys, available, default)
+
+
+@functools.cache
+def _choose_shipped(op, kind, dtype, heads, head_dim, tokens, keys, arch, available, default) -> str:
+    return _nearest(load_points(arch), op, kind, dtype, heads, head_dim, tokens, keys, available, default)
+
+
+def _nearest(points, op, kind, dtype, heads, head_dim, tokens, keys, available, default) -> str:
     points = [
         p
-        for p in (load_points(arch) if points is None else points)
+        for p in points
         if (p.op, p.kind, p.dtype, p.heads, p.head_dim) == (op, kind, dtype, heads, head_dim)
     ]
     if not points or not min(p.tokens for p in points) <= tokens <= max(p.tokens for p in points):
@@ -104,5 +132,11 @@ def merge_points(arch: str, points: list[dict], source: dict, path: Path | None 
     table.setdefault("sources", {}).update({op: source for op in ops})
     table["points"] = kept + points
     path.write_text(json.dumps(table, indent=1) + "\n")
-    load_points.cache_clear()
+    forget()
     return path
+
+
+def forget() -> None:
+    """Drop the loaded tables and the choices made from them (after a table changed)."""
+    load_points.cache_clear()
+    _choose_shipped.cache_clear()

@@ -52,22 +52,10 @@ backend has no kernel for the op (V4.1's extension ops)."""
 
 
 @functools.cache
-def _arch(index: int) -> str:
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"sm{major}{minor}"
-
-
-def device_arch(device: torch.device) -> str:
-    """``"sm90"`` for an H100/H200 ``device``."""
-    return _arch(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
 def _warn_unavailable(op: str, problem: str) -> None:
     logger.warning("%s: %s; our own implementation serves every call", op, problem)
 
 
-@functools.cache
 def _choose_at(op: str, key: tk.ChoiceKey, arch: str, own: str) -> str:
     return kernel_choice.choose(
         op,
@@ -105,7 +93,7 @@ def choose_language(op: str, adapter: tk.Adapter, args: tuple, kwargs: dict | No
     kwargs = kwargs or {}
     if adapter.supports(*args, **kwargs) is not True:
         return own
-    return _choose_at(op, adapter.key(*args, **kwargs), device_arch(device), own)
+    return _choose_at(op, adapter.key(*args, **kwargs), kernel_choice.device_arch(device), own)
 
 
 def make_dispatcher(op: str, own_fn: Callable, adapter: tk.Adapter) -> Callable:

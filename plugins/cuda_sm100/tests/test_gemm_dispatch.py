@@ -167,6 +167,7 @@ def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
 
     n, k = 512, 256
     monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points(2048, n, k))
+    kernel_choice.forget()  # no choice memoised from the shipped table
     op = gemm_dispatch.make_linear(linear_fp8)
     g = torch.Generator().manual_seed(3)
     w = _weight(g, n, k, "fp32", "cuda")
@@ -185,6 +186,8 @@ def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
         x.copy_(torch.randn(m, k, device="cuda"))
         graph.replay()
         assert torch.equal(y, op(x, w)), f"M={m}: the replay differs from an eager call"
+    monkeypatch.undo()
+    kernel_choice.forget()
 
 
 if __name__ == "__main__" and "--interpreter-report" in sys.argv:

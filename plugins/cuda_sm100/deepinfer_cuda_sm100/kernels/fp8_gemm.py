@@ -447,7 +447,7 @@ def prefill_math() -> str:
     return value
 
 
-def _prefill_w8a8(x: torch.Tensor) -> bool:
+def prefill_w8a8(x: torch.Tensor) -> bool:
     """Whether this call runs the W8A8 prefill (:data:`PREFILL_ENV`)."""
     m = x.numel() // max(x.shape[-1], 1)
     return (
@@ -461,7 +461,7 @@ def _prefill_w8a8(x: torch.Tensor) -> bool:
 def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     """``linear(x, weight)`` for an FP8 128x128-block :class:`QuantizedTensor` weight (W8A16; at
     prefill W8A8 when :data:`PREFILL_ENV` says so)."""
-    return _run(x, weight.data, weight.scale, w8a8=_prefill_w8a8(x))
+    return _run(x, weight.data, weight.scale, w8a8=prefill_w8a8(x))
 
 
 def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
@@ -469,7 +469,7 @@ def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     groups in one launch (each column tile reads its group's slice of x; ``N`` a multiple of
     the 128-row scale block, so no tile or scale block straddles two groups)."""
     groups = x.shape[1]
-    y = _run(x, weight.data, weight.scale, w8a8=_prefill_w8a8(x[:, 0]), groups=groups)
+    y = _run(x, weight.data, weight.scale, w8a8=prefill_w8a8(x[:, 0]), groups=groups)
     return y.view(x.shape[0], groups, -1)
 
 
