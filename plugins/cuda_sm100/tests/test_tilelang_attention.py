@@ -130,6 +130,7 @@ def _map_rows(pool, fn):
 
 def _v4_cases(kv: str = "plain"):
     from deepinfer_cuda_sm100.attention_ops import V4_FLASH, attention_cases
+    from test_attention_kernels import _to
 
     g = torch.Generator().manual_seed(1)
     cases = attention_cases(V4_FLASH, kv=kv)(g, torch.bfloat16)
@@ -145,24 +146,7 @@ def _v4_cases(kv: str = "plain"):
     cases.append(((q.repeat(rep, 1, 1), pools, idx, sinks, scale), kw))
     out = []
     for (q, pools, idx, sinks, scale), _ in cases:
-        args = (
-            q.cuda(),
-            [_map_rows(p, torch.Tensor.cuda) for p in pools],
-            [
-                PagedIndex(
-                    i.block_table.cuda(),
-                    i.token_rows.cuda(),
-                    i.counts.cuda(),
-                    i.entries_per_page,
-                    i.max_count,
-                )
-                if isinstance(i, PagedIndex)
-                else i.cuda()
-                for i in idx
-            ],
-            sinks.cuda(),
-            scale,
-        )
+        args = _to((q, pools, idx, sinks, scale), "cuda")
         if tilelang_supports(*args) is True:
             out.append(args)
     return out
