@@ -166,8 +166,8 @@ def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
     from deepinfer_core.ops.modes import batch_invariant_mode
 
     n, k = 512, 256
-    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points(2048, n, k))
     kernel_choice.forget()  # no choice memoised from the shipped table
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points(2048, n, k))
     op = gemm_dispatch.make_linear(linear_fp8)
     g = torch.Generator().manual_seed(3)
     w = _weight(g, n, k, "fp32", "cuda")

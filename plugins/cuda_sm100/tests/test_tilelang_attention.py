@@ -49,6 +49,25 @@ def test_shipped_table_parses_and_times_both_languages():
     assert kernel_choice.load_points("sm1") == ()
 
 
+def test_a_tilelang_that_does_not_import_leaves_triton_serving_and_says_why(tmp_path, monkeypatch):
+    """An installed TileLang whose native library fails to load is a problem, not a crash later."""
+    (tmp_path / "tilelang").mkdir()
+    (tmp_path / "tilelang" / "__init__.py").write_text(
+        "raise OSError('libz3.so.4.15: cannot open shared object file')\n"
+    )
+    (tmp_path / "cuda" / "bin").mkdir(parents=True)
+    (tmp_path / "cuda" / "bin" / "nvcc").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    monkeypatch.delitem(__import__("sys").modules, "tilelang", raising=False)
+    tilelang_problem.cache_clear()
+    try:
+        problem = tilelang_problem()
+    finally:
+        tilelang_problem.cache_clear()
+    assert problem is not None and "does not import" in problem and "libz3.so.4.15" in problem
+
+
 def test_choice_is_the_fastest_language_at_the_nearest_point():
     points = [_point(32, 768, tl=1.0, tr=2.0), _point(256, 768, tl=3.0, tr=2.0)]
     assert _choose(40, 700, points) == "tilelang"  # nearest: 32 tokens

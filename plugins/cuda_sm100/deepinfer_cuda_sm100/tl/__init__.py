@@ -33,4 +33,9 @@ def tilelang_problem() -> str | None:
         h and os.path.exists(os.path.join(h, "bin", "nvcc")) for h in homes
     ):
         return "TileLang needs the CUDA toolkit's nvcc: none on PATH, under CUDA_HOME or in /usr/local/cuda*"
+    try:  # an installed TileLang whose native parts do not load (a missing libz3, a tvm-ffi it was not built for)
+        import tilelang  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure to import means the Triton kernels serve
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        return f"TileLang does not import ({type(exc).__name__}: {detail}); reinstall it: {INSTALL_HINT}"
     return None
