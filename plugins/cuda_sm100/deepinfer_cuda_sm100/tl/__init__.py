@@ -33,7 +33,8 @@ def tilelang_problem() -> str | None:
         h and os.path.exists(os.path.join(h, "bin", "nvcc")) for h in homes
     ):
         return "TileLang needs the CUDA toolkit's nvcc: none on PATH, under CUDA_HOME or in /usr/local/cuda*"
-    try:  # an installed TileLang whose native parts do not load (a missing libz3, a tvm-ffi it was not built for)
+    # an installed TileLang whose native parts do not load (a missing libz3, a mismatched tvm-ffi)
+    try:
         import tilelang  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - any failure to import means the Triton kernels serve
         detail = (str(exc).strip().splitlines() or [""])[0]
