@@ -1,0 +1,54 @@
+"""``scripts/profile_step.py``: a decode step's time by kind of kernel (here: CPU operators).
+
+The kinds are a partition (every name gets exactly one, the shares add up to the total) and
+the names of the backend's own kernels land where the script says; a profiled run of the
+built-in tiny model reports steps whose operators' own time fits in the step's wall time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_step.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sparse_attention_decode_fp8_kernel", "attention"),
+        ("_gate_up_kernel", "moe"),
+        ("moe_topk_gate_forward", "moe"),
+        ("_indexer_topk_select", "indexer"),
+        ("_fp8_gemm_decode_kernel", "fp8 gemm"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense gemm"),
+        ("aten::mm", "dense gemm"),
+        ("_hc_pre_kernel", "mhc / norm / rope"),
+        ("void at::native::vectorized_elementwise_kernel<4>", "torch (reference ops)"),
+        ("something_else", "other"),
+    ],
+)
+def test_kernel_names_fall_in_their_kind(name, kind):
+    assert _module().kind_of(name) == kind
+
+
+@pytest.mark.slow
+def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
+    out = tmp_path / "p.json"
+    report = _module().main(["--steps", "2", "--batch", "2", "--prompt-len", "16", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["steps"] == 2 and report["wall_ms_per_step"] > 0
+    kinds = report["ms_by_kind"]
+    assert sum(kinds.values()) == pytest.approx(report["busy_ms_per_step"])
+    assert 0 < report["busy_ms_per_step"] <= report["wall_ms_per_step"] * 1.05
+    assert kinds.get("dense gemm", 0) > 0  # the tiny model's projections run as matmuls
