@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"± {p['sd']:.3f} (sd; the mean's 95 % CI {p['ci95'][0]:.3f}..{p['ci95'][1]:.3f}), "
                   f"{p['at_least_1']}/{p['runs']} runs >= 1")  # fmt: skip
         for f in r.get("profile", []):
-            print(f"  B={r['batch']} {r['mode']}: {f['cum_ms']:8.3f} ms/step {f['calls']:>7} {f['function']}")
+            print(f"  {r['mode']} per step: {f['cum_ms']:8.3f} ms {f['calls']:>7.1f} calls  {f['function']}")
     result = {"args": vars(args), "rows": rows}
     h.write_json(args.output, result, device="cuda" if torch.cuda.is_available() else None)
     return result

@@ -119,16 +119,17 @@ def corpus_prompts(tok: Any, num: int, length: int, mixed: bool = False, seed: i
     return [[tok.bos_token_id, *ids[(i * 97) % (len(ids) - n) :][: n - 1]] for i, n in enumerate(lengths)]
 
 
-def top_functions(prof: Any, count: int, per: float = 1.0) -> list[dict[str, Any]]:
-    """The ``count`` functions of most cumulative time in the ``cProfile.Profile`` ``prof``:
-    name, calls and cumulative milliseconds divided by ``per`` (e.g. per engine step)."""
+def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -> list[dict[str, Any]]:
+    """The ``count`` functions of most ``by`` time (``"cum_ms"`` or ``"self_ms"``) in the
+    ``cProfile.Profile`` ``prof``: name, calls and milliseconds, each divided by ``per``."""
     import pstats
 
     rows = [
-        {"function": f"{Path(f).name}:{line}({fn})", "calls": calls, "cum_ms": 1e3 * cum / per}
-        for (f, line, fn), (_, calls, _, cum, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
-    ]
-    return sorted(rows, key=lambda r: -r["cum_ms"])[:count]
+        {"function": f"{Path(f).name}:{line}({fn})", "calls": calls / per, "cum_ms": 1e3 * cum / per,
+         "self_ms": 1e3 * tt / per}
+        for (f, line, fn), (_, calls, tt, cum, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r[by])[:count]
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
@@ -187,7 +188,7 @@ def machine_info(device: Any = None) -> dict[str, Any]:
             gpu_memory_gib=props.total_memory / 2**30,
             gpu_count=torch.cuda.device_count(),
         )
-    for mod in ("triton", "transformers", "safetensors"):
+    for mod in ("triton", "transformers", "safetensors", "llguidance"):
         try:
             info[mod] = __import__(mod).__version__ if torch is not None else None
         except Exception:  # not installed (or broken): recorded as absent
