@@ -1,29 +1,14 @@
-"""``deepinfer serve`` against ``LLM.generate``: the built-in tiny model on CPU by default, or any
-model and engine configuration (``--model``, ``--config``, ``--backend``; e.g. the e2e model of
-``gpu_e2e.py`` on a GPU).
+"""``deepinfer serve`` against ``LLM.generate``: output tok/s, TTFT, ITL and CPU seconds.
 
-For each ``--batches`` entry B, B concurrent ``/v1/completions`` requests (``--prompt-len``
-random token ids, ``max_tokens`` ``--max-tokens``, greedy, ``ignore_eos``) go through a
-``deepinfer serve`` subprocess on a free 127.0.0.1 port with the async ``openai`` client,
-streaming: output tok/s, TTFT and inter-token latency p50/p90 over the requests.  The same
-prompts then run through ``LLM.generate`` in this process (TTFT from ``RequestOutput.metrics``).
-ITL is each request's mean gap ``(last token - first token) / (tokens - 1)``, on both paths
-(streamed chunks arrive in bursts, and a token whose text is held back sends no chunk).
-The overhead is the throughput ratio server / ``LLM.generate`` per B; CPU seconds of the
-engine process (the server, or this one for ``LLM.generate``) and of the client show where it goes.
-
-Prints a table and writes JSON (``benchmarks/results/serve.json``).  Usage::
-
-    python benchmarks/serve.py --threads 1        # or: deepinfer bench serve --threads 1
-    python benchmarks/serve.py --model /tmp/m --backend cuda_sm100 --vocab 129280   # a GPU
+Per ``--batches`` entry B: B concurrent streamed ``/v1/completions`` requests (greedy, EOS
+ignored) from the async ``openai`` client to a ``deepinfer serve`` subprocess, then the same
+prompts through ``LLM.generate`` here; ITL = (last token - first token) / (tokens - 1).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -31,24 +16,19 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from deepinfer_core.benchmarking.harness import log, positive_ints, print_table, write_json  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "serve.json"
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile (nearest rank) of ``values`` in milliseconds, ``None`` if empty."""
-    s = sorted(values)
-    return 1000 * s[min(len(s) - 1, int(q * len(s)))] if s else None
+from deepinfer_core.benchmarking import harness as h  # noqa: E402
 
 
 def summary(tokens: int, seconds: float, ttft: list[float], itl: list[float]) -> dict:
-    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
-            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
-            "itl_p50_ms": pct(itl, 0.5), "itl_p90_ms": pct(itl, 0.9)}  # fmt: skip
+    """Output tok/s and the p50 / p90 (nearest rank, ms) of TTFT and ITL."""
+    out = {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds}
+    for name, xs in (("ttft", sorted(ttft)), ("itl", sorted(itl))):
+        for q in (50, 90):
+            out[f"{name}_p{q}_ms"] = 1e3 * xs[min(len(xs) - 1, q * len(xs) // 100)] if xs else None
+    return out
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args) -> tuple[subprocess.Popen, str]:
     """A ``deepinfer serve`` subprocess on a free port; ``(process, base url)`` once healthy."""
     import httpx
 
@@ -64,9 +44,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         str(port),
         "--backend",
         args.backend,
-        *(["--model", args.model] if args.model else []),
-        *(["--config", args.config] if args.config else []),
     ]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--config", args.config] if args.config else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -80,10 +60,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"error: the server did not start: {(proc.communicate()[1] or '').strip()[-500:]}")
 
 
-async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[int, float, float | None, int]:
-    """Stream one completion: (output tokens, TTFT s, mean ITL s, chunks with text)."""
-    t0 = time.perf_counter()
-    stamps, tokens, text = [], 0, ""
+async def one_request(client, prompt: list[int], max_tokens: int) -> tuple:
+    """Stream one completion: (output tokens, TTFT s, mean ITL s or None, chunks, text)."""
+    t0, stamps, tokens, text = time.perf_counter(), [], 0, ""
     stream = await client.completions.create(
         model=None, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -92,8 +71,7 @@ async def one_request(client, prompt: list[int], max_tokens: int) -> tuple[int, 
         if chunk.choices:
             stamps.append(time.perf_counter())
             text += chunk.choices[0].text
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
+        tokens = chunk.usage.completion_tokens if chunk.usage is not None else tokens
     itl = (stamps[-1] - stamps[0]) / (tokens - 1) if tokens > 1 else None
     return tokens, stamps[0] - t0, itl, len(stamps), text
 
@@ -105,8 +83,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def serve_batch(url: str, pid: int, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All ``prompts`` at once through the server (process ``pid``); the figures of
-    :func:`summary` plus the CPU seconds the server and this client spent."""
+    """All ``prompts`` at once through the server (process ``pid``)."""
     import openai
 
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as client:
@@ -121,55 +98,41 @@ async def serve_batch(url: str, pid: int, prompts: list[list[int]], max_tokens: 
 
 
 def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All ``prompts`` in one ``LLM.generate``; the figures of :func:`summary`."""
-    from deepinfer_core import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-    ttft, itl, tokens = [], [], 0
+    """All ``prompts`` in one ``LLM.generate`` (TTFT from ``RequestOutput.metrics``)."""
+    h.generate(llm, [prompts[0][:8]], h.greedy(2))  # warm-up
+    cpu0 = time.process_time()
+    outs, seconds = h.generate(llm, prompts, h.greedy(max_tokens))
+    ttft, itl, cpu = [], [], time.process_time() - cpu0
     for o in outs:
         n, m = len(o.outputs[0].token_ids), o.metrics
-        tokens += n
         if m is not None and m.ttft is not None:
             ttft.append(m.ttft)
             if n > 1 and m.last_token_time is not None:
                 itl.append((m.last_token_time - m.first_token_time) / (n - 1))
     texts = [o.outputs[0].text for o in outs]
-    return {**summary(tokens, seconds, ttft, itl), "server_cpu_s": cpu, "texts": texts}
+    return {**summary(h.new_tokens(outs), seconds, ttft, itl), "server_cpu_s": cpu, "texts": texts}
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: parse flags, measure server and ``LLM.generate`` per B, print, write JSON."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=positive_ints, default=[1, 64], help="concurrent requests (1,64)")
+    ap = h.parser(__doc__, "serve")
+    ap.add_argument("--batches", type=h.positive_ints, default=[1, 64], help="concurrent requests (1,64)")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request (default 32)")
     ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     ap.add_argument("--config", default=None, help="engine config file (.toml / .yaml), server and LLM alike")
     ap.add_argument("--vocab", type=int, default=500, help="prompt ids in [4, VOCAB) (default 500)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of each process (default 1)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=str(RESULTS), help=f"output JSON (default {RESULTS})")
-    args = ap.parse_args(argv)
-    import torch
-
+    args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
-    torch.set_num_threads(args.threads)
-    rng = random.Random(args.seed)
-    prompts = {
-        b: [[rng.randrange(4, args.vocab) for _ in range(args.prompt_len)] for _ in range(b)]
-        for b in args.batches
-    }
+    prompts = {b: h.random_prompts(b, args.prompt_len, args.seed + b, args.vocab) for b in args.batches}
     rows = []
     proc, url = start_server(args)
     try:
         for b in args.batches:
-            log(f"server B={b}")
+            h.log(f"server B={b}")
             served = asyncio.run(serve_batch(url, proc.pid, prompts[b], args.max_tokens))
             rows.append({"path": "server", "batch": b, **served})
     finally:
@@ -177,21 +140,21 @@ def main(argv: list[str] | None = None) -> int:
         proc.wait(30)
     llm = LLM(model=args.model, config=args.config, backend=args.backend)
     for b in args.batches:
-        log(f"LLM.generate B={b}")
+        h.log(f"LLM.generate B={b}")
         rows.append({"path": "LLM.generate", "batch": b, **llm_batch(llm, prompts[b], args.max_tokens)})
-    direct = {r["batch"]: r["output_tok_s"] for r in rows if r["path"] == "LLM.generate"}
-    texts = {r["batch"]: r["texts"] for r in rows if r["path"] == "LLM.generate"}
+    direct = {r["batch"]: r for r in rows if r["path"] == "LLM.generate"}
     for r in rows:
-        r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]
-        r["same_text"] = sum(map(str.__eq__, r.pop("texts"), texts[r["batch"]]))
+        r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]["output_tok_s"]
+        r["same_text"] = sum(map(str.__eq__, r["texts"], direct[r["batch"]]["texts"]))
     cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
             ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("engine proc CPU s", "server_cpu_s", ".2f"),
             ("client CPU s", "client_cpu_s", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
             ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p90 ms", "ttft_p90_ms", ".1f"),
             ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
             ("x LLM.generate", "vs_llm_generate", ".2f"), ("same text", "same_text", "d")]  # fmt: skip
-    print_table(rows, cols)
-    write_json(args.json, {"args": vars(args), "backend": llm.client.backend.name, "results": rows})
+    h.print_table(rows, cols)
+    results = [{k: v for k, v in r.items() if k != "texts"} for r in rows]
+    h.write_json(args.output, {"args": vars(args), "backend": llm.client.backend.name, "results": results})
     return 0
 
 

@@ -1,13 +1,6 @@
-"""``deepinfer bench``: offline throughput and latency of one ``LLM.generate`` call.
-
-Prompts are synthetic (random token ids, optionally sharing a prefix to exercise prefix
-caching) or read from a file.  All requests arrive at once, as in vLLM's offline
-throughput benchmark; every request generates exactly ``output_len`` tokens
-(``ignore_eos=True``).  Latencies come from each output's
-:class:`~deepinfer_core.outputs.RequestMetrics`: TTFT = first token - arrival, latency =
-finish - arrival.  Prefix-hit, replayed and preempted counts come from
-:meth:`~deepinfer_core.LLM.get_metrics`.
-"""
+"""``deepinfer bench``: offline throughput and latency of one ``LLM.generate`` call
+(docs/configuration.md); latencies from each output's ``RequestMetrics``, counts from
+:meth:`~deepinfer_core.LLM.get_metrics`."""
 
 from __future__ import annotations
 
@@ -24,22 +17,14 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.outputs import RequestOutput
 
 PERCENTILES = (50, 90, 99)
+METRICS = ("num_prefix_hit_tokens", "num_replayed_tokens", "num_preemptions", "num_steps", "peak_cache_usage",
+           "kv_cache_capacity_tokens")  # fmt: skip
 
 
 @dataclass
 class BenchArgs:
-    """What to run (the flags of ``deepinfer bench``).
-
-    Attributes:
-        num_prompts: requests to send (``None`` = 16 synthetic, or every prompt of the file).
-        input_len: tokens per synthetic prompt (shared prefix included).
-        output_len: tokens generated per request.
-        prompts_file: one prompt per line, or ``.jsonl`` objects with a ``"prompt"`` key.
-        shared_prefix_len: leading tokens common to every synthetic prompt.
-        seed: seeds the synthetic prompts and the engine (``EngineConfig.seed``).
-        temperature: sampling temperature of every request.
-        engine: :class:`~deepinfer_core.LLM` keyword arguments (engine options).
-    """
+    """What to run: the flags of ``deepinfer bench`` (``num_prompts=None``: 16 synthetic, or
+    every prompt of the file); ``engine``: :class:`~deepinfer_core.LLM` keyword arguments."""
 
     num_prompts: int | None = None
     input_len: int = 32
@@ -62,10 +47,8 @@ def synthetic_prompts(
         raise ConfigError(f"--shared-prefix-len={shared_prefix_len}: must be in [0, --input-len={input_len}]")
     rng = random.Random(seed)
     prefix = [rng.choice(token_ids) for _ in range(shared_prefix_len)]
-    return [
-        prefix + [rng.choice(token_ids) for _ in range(input_len - shared_prefix_len)]
-        for _ in range(num_prompts)
-    ]
+    rest = input_len - shared_prefix_len
+    return [prefix + [rng.choice(token_ids) for _ in range(rest)] for _ in range(num_prompts)]
 
 
 def read_text_file(flag: str, path: str | Path) -> str:
@@ -136,22 +119,17 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     llm = LLM(seed=args.seed, **args.engine)
     prompts: list[Any]
     if args.prompts_file is not None:
-        texts = read_prompts_file(args.prompts_file)
-        if not texts:
+        if not (texts := read_prompts_file(args.prompts_file)):
             raise ConfigError(f"--prompts-file {args.prompts_file}: holds no prompt")
-        n = args.num_prompts or len(texts)
-        prompts = [texts[i % len(texts)] for i in range(n)]
+        prompts = [texts[i % len(texts)] for i in range(args.num_prompts or len(texts))]
     else:
-        vocab = llm.engine.model_config.vocab_size
         tok = llm.get_tokenizer()
         special = tok.special_token_ids if tok is not None else set()
-        ids = [t for t in range(vocab) if t not in special]
-        prompts = [
-            {"prompt_token_ids": p}
-            for p in synthetic_prompts(
-                args.num_prompts or 16, args.input_len, args.shared_prefix_len, ids, args.seed
-            )
-        ]
+        ids = [t for t in range(llm.engine.model_config.vocab_size) if t not in special]
+        synthetic = synthetic_prompts(
+            args.num_prompts or 16, args.input_len, args.shared_prefix_len, ids, args.seed
+        )
+        prompts = [{"prompt_token_ids": p} for p in synthetic]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True)
     llm.reset_metrics()  # every rank's, in a distributed run
     t0 = time.perf_counter()
@@ -161,8 +139,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
 
 
 def engine_settings(llm: Any) -> dict[str, Any]:
-    """What decides a benchmark's numbers besides its workload: the resolved engine options,
-    the chosen backend and the software versions."""
+    """The resolved engine options, the backend and the software versions."""
     import torch
 
     from deepinfer_core import __version__
@@ -188,8 +165,7 @@ def summarize(
     args: BenchArgs,
     engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The benchmark's numbers from the outputs, the wall time, the engine metrics and the
-    engine's settings (:func:`engine_settings`, stored under ``"engine"``)."""
+    """The benchmark's numbers from the outputs, wall time, engine metrics and settings."""
     ok = [o for o in outputs if o.error is None]
     errors = [o.error for o in outputs if o.error is not None]
     duration_s = max(duration_s, 1e-9)  # a run whose every request was rejected takes ~0 s
@@ -197,59 +173,33 @@ def summarize(
     num_out = sum(len(c.token_ids) for o in ok for c in o.outputs)
     ttft = [o.metrics.ttft * 1e3 for o in ok if o.metrics is not None and o.metrics.ttft is not None]
     latency = [o.metrics.latency * 1e3 for o in ok if o.metrics is not None and o.metrics.latency is not None]
-    return {
-        "num_requests": len(outputs),
-        "num_failed_requests": len(outputs) - len(ok),
-        "first_error": errors[0] if errors else None,
-        "num_input_tokens": num_in,
-        "num_output_tokens": num_out,
-        "duration_s": duration_s,
-        "request_throughput": len(ok) / duration_s,
-        "output_throughput": num_out / duration_s,
-        "total_token_throughput": (num_in + num_out) / duration_s,
-        "ttft_ms": percentiles(ttft),
-        "latency_ms": percentiles(latency),
-        "num_prefix_hit_tokens": metrics["num_prefix_hit_tokens"],
-        "num_replayed_tokens": metrics["num_replayed_tokens"],
-        "num_preemptions": metrics["num_preemptions"],
-        "num_steps": metrics["num_steps"],
-        "peak_cache_usage": metrics["peak_cache_usage"],
-        "kv_cache_capacity_tokens": metrics["kv_cache_capacity_tokens"],
-        "args": {
-            "num_prompts": len(outputs),
-            "input_len": None if args.prompts_file else args.input_len,
-            "output_len": args.output_len,
-            "prompts_file": args.prompts_file,
-            "shared_prefix_len": args.shared_prefix_len,
-            "seed": args.seed,
-            "temperature": args.temperature,
-            **args.engine,
-        },
-        "engine": engine or {},
-    }
+    kept = ("output_len", "prompts_file", "shared_prefix_len", "seed", "temperature")
+    return {"num_requests": len(outputs), "num_failed_requests": len(outputs) - len(ok),
+            "first_error": errors[0] if errors else None, "num_input_tokens": num_in,
+            "num_output_tokens": num_out, "duration_s": duration_s,
+            "request_throughput": len(ok) / duration_s, "output_throughput": num_out / duration_s,
+            "total_token_throughput": (num_in + num_out) / duration_s, "ttft_ms": percentiles(ttft),
+            "latency_ms": percentiles(latency), **{k: metrics[k] for k in METRICS},
+            "args": {"num_prompts": len(outputs), "input_len": None if args.prompts_file else args.input_len,
+                     **{k: getattr(args, k) for k in kept}, **args.engine},
+            "engine": engine or {}}  # fmt: skip
 
 
 def format_table(result: dict[str, Any]) -> str:
     """The results as an aligned two-column table."""
-    rows: list[tuple[str, str]] = [
-        ("Requests (failed)", f"{result['num_requests']} ({result['num_failed_requests']})"),
-        ("Input tokens", str(result["num_input_tokens"])),
-        ("Output tokens", str(result["num_output_tokens"])),
-        ("Duration (s)", f"{result['duration_s']:.3f}"),
-        ("Request throughput (req/s)", f"{result['request_throughput']:.2f}"),
-        ("Output throughput (tok/s)", f"{result['output_throughput']:.2f}"),
-        ("Total throughput (tok/s)", f"{result['total_token_throughput']:.2f}"),
-    ]
+    r = result
+    rows: list[tuple[str, Any]] = [
+        ("Requests (failed)", f"{r['num_requests']} ({r['num_failed_requests']})"),
+        ("Input tokens", r["num_input_tokens"]), ("Output tokens", r["num_output_tokens"]),
+        ("Duration (s)", f"{r['duration_s']:.3f}"),
+        ("Request throughput (req/s)", f"{r['request_throughput']:.2f}"),
+        ("Output throughput (tok/s)", f"{r['output_throughput']:.2f}"),
+        ("Total throughput (tok/s)", f"{r['total_token_throughput']:.2f}"),
+    ]  # fmt: skip
     for key, name in (("ttft_ms", "TTFT (ms)"), ("latency_ms", "Latency (ms)")):
-        stats = result[key]
-        rows.append((f"{name} mean", f"{stats['mean']:.2f}"))
-        rows += [(f"{name} p{q}", f"{stats[f'p{q}']:.2f}") for q in PERCENTILES]
-    rows += [
-        ("Prefix-hit tokens", str(result["num_prefix_hit_tokens"])),
-        ("Replayed tokens", str(result["num_replayed_tokens"])),
-        ("Preemptions", str(result["num_preemptions"])),
-        ("Peak cache usage", f"{result['peak_cache_usage']:.1%}"),
-        ("KV cache capacity (tokens)", str(result["kv_cache_capacity_tokens"])),
-    ]
+        rows += [(f"{name} {q}", f"{r[key][q]:.2f}") for q in ("mean", *(f"p{q}" for q in PERCENTILES))]
+    rows += [("Prefix-hit tokens", r["num_prefix_hit_tokens"]), ("Replayed tokens", r["num_replayed_tokens"]),
+             ("Preemptions", r["num_preemptions"]), ("Peak cache usage", f"{r['peak_cache_usage']:.1%}"),
+             ("KV cache capacity (tokens)", r["kv_cache_capacity_tokens"])]  # fmt: skip
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

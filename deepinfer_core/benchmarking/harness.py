@@ -11,12 +11,15 @@ import argparse
 import json
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+"""Where the benchmarks write their JSON by default."""
 H200_HBM_BW = 4.24e12
 """bytes/s of an H200's HBM (the weight-read roofline's default)."""
 H200_BF16_FLOPS = 989e12
@@ -59,6 +62,74 @@ KEEP_QUANTIZED = {"auto": None, "on": True, "off": False}
 def add_keep_quantized(parser: argparse.ArgumentParser, help: str) -> None:
     """``--keep-quantized auto|on|off`` (default ``auto``; :data:`KEEP_QUANTIZED` maps it)."""
     parser.add_argument("--keep-quantized", choices=tuple(KEEP_QUANTIZED), default="auto", help=help)
+
+
+def parser(doc: str, name: str, threads: int | None = 1) -> argparse.ArgumentParser:
+    """A benchmark's parser: ``doc``'s first paragraph as description, ``--output`` (alias
+    ``--out``, ``--json``; default ``benchmarks/results/NAME.json``) and, unless ``threads`` is
+    ``None``, ``--threads`` (torch intra-op threads, default ``threads``; 0: torch's default)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0] + " (docs/benchmarks.md)")
+    out = RESULTS_DIR / f"{name}.json"
+    ap.add_argument("--output", "--out", "--json", type=Path, default=out, help=f"JSON (default {out})")
+    if threads is not None:
+        ap.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    return ap
+
+
+def parse(ap: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``ap.parse_args(argv)``, then torch's thread count set from ``--threads`` (when not 0)."""
+    args = ap.parse_args(argv)
+    if getattr(args, "threads", 0):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def greedy(max_tokens: int, **kw: Any) -> Any:
+    """``SamplingParams``: greedy, exactly ``max_tokens`` new tokens (EOS ignored), plus ``kw``."""
+    from deepinfer_core import SamplingParams
+
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True, **kw})
+
+
+def generate(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> tuple[list[Any], float]:
+    """``(outputs, seconds)`` of one ``llm.generate`` over token-id ``prompts``."""
+    reqs = [{"prompt_token_ids": list(p)} for p in prompts]
+    return timed(lambda: llm.generate(reqs, params, use_tqdm=False))
+
+
+def new_tokens(outputs: Sequence[Any]) -> int:
+    """Tokens generated over ``outputs`` (first completion of each)."""
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def random_prompts(num: int, length: int, seed: int = 0, high: int = 500) -> list[list[int]]:
+    """``num`` seeded prompts of ``length`` random ids in ``[4, high)``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, high) for _ in range(length)] for _ in range(num)]
+
+
+def corpus_prompts(tok: Any, num: int, length: int, mixed: bool = False, seed: int = 0) -> list[list[int]]:
+    """``num`` prompts: BOS, then windows of the tiny model's corpus; ``length`` tokens each, or
+    with ``mixed`` seeded lengths from ``length // 4`` to ``2 * length``."""
+    text = (Path(__file__).parents[1] / "models/deepseek_v4/tiny_corpus.txt").read_text(encoding="utf-8")
+    ids, rng = tok.encode(text, add_bos=False), random.Random(seed)
+    lengths = [rng.randint(max(1, length // 4), 2 * length) if mixed else length for _ in range(num)]
+    return [[tok.bos_token_id, *ids[(i * 97) % (len(ids) - n) :][: n - 1]] for i, n in enumerate(lengths)]
+
+
+def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -> list[dict[str, Any]]:
+    """The ``count`` functions of most ``by`` time (``"cum_ms"`` or ``"self_ms"``) in the
+    ``cProfile.Profile`` ``prof``: name, calls and milliseconds, each divided by ``per``."""
+    import pstats
+
+    rows = [
+        {"function": f"{Path(f).name}:{line}({fn})", "calls": calls / per, "cum_ms": 1e3 * cum / per,
+         "self_ms": 1e3 * tt / per}
+        for (f, line, fn), (_, calls, tt, cum, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
+    ]  # fmt: skip
+    return sorted(rows, key=lambda r: -r[by])[:count]
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
@@ -117,7 +188,7 @@ def machine_info(device: Any = None) -> dict[str, Any]:
             gpu_memory_gib=props.total_memory / 2**30,
             gpu_count=torch.cuda.device_count(),
         )
-    for mod in ("triton", "transformers", "safetensors"):
+    for mod in ("triton", "transformers", "safetensors", "llguidance"):
         try:
             info[mod] = __import__(mod).__version__ if torch is not None else None
         except Exception:  # not installed (or broken): recorded as absent

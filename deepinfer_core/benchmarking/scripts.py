@@ -26,7 +26,6 @@ SCRIPTS: dict[str, tuple[str, str]] = {
     "structured-outputs": ("structured_outputs.py", "structured vs unconstrained throughput, grammar TTFT"),
     "speculative": ("speculative.py", "speculative decoding: DSpark vs fixed vs none"),
     "gpu-e2e": ("gpu_e2e.py", "V4-Flash-width model: decode / prefill tok/s vs HF and the roofline (GPU)"),
-    "gpu-reference-check": ("gpu_reference_check.py", "a backend vs HF on a CUDA GPU (GPU)"),
     "e2e-fidelity": ("e2e_fidelity.py", "the e2e model on a fast backend vs the fp32 reference (GPU)"),
     "gpu-distributed": ("gpu_distributed.py", "DP N + EP N decode and CP N prefill vs one GPU (GPUs)"),
     "distributed-cost-model": ("distributed_cost_model.py", "the DP/EP/CP cost model of V4-Flash"),
