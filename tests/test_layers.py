@@ -70,6 +70,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "deepinfer_core.distributed",
             "deepinfer_core.distributed.init",
             "deepinfer_core.distributed.eplb.*",
+            "deepinfer_core.distributed.cost_model",
         ],
     ),
     ("engine", ["deepinfer_core.engine.*"]),

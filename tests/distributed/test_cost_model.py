@@ -1,4 +1,5 @@
-"""Identities of the distributed cost model (``benchmarks/distributed_cost_model.py``)."""
+"""Identities of the distributed cost model (:mod:`deepinfer_core.distributed.cost_model`) and of
+the V4-Flash shape its tables use (``benchmarks/distributed_cost_model.py``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from deepinfer_core.distributed import cost_model as cm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,12 +23,12 @@ def _load(name: str):
     return mod
 
 
-cm = _load("distributed_cost_model")
+tables = _load("distributed_cost_model")
 
 
 @pytest.fixture(scope="module")
 def flash():
-    return cm.v4_flash()
+    return tables.v4_flash()
 
 
 def test_v4_flash_size(flash):
@@ -42,7 +45,7 @@ def test_shape_matches_parameter_inventory():
     from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config
 
     for layers, experts in ((4, 64), (43, 256)):
-        cfg = DeepseekV4Config.from_dict(cm.flash_config_dict(layers, experts), source="test")
+        cfg = DeepseekV4Config.from_dict(tables.flash_config_dict(layers, experts), source="test")
         counts = gm.param_counts(cfg)
         shape = cm.v4_shape(cfg, "x")
         tid2eid = 3 * cfg.vocab_size * cfg.num_experts_per_tok  # hash layers' int tables, not weights
