@@ -14,16 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 
 from deepinfer_core.benchmarking.harness import print_table, write_json  # noqa: E402
-from deepinfer_core.distributed.cost_model import (  # noqa: E402
-    FORMATS,
-    GPUS,
-    GpuSpec,
-    ModelShape,
-    Routing,
-    deployment,
-    step,
-    v4_shape,
-)
+from deepinfer_core.distributed import cost_model as cm  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
 WORLDS, BATCHES, CONTEXTS = (1, 2, 8, 16, 32, 64), (64, 256, 1024), (4096, 32768)
@@ -41,19 +32,14 @@ def flash_config_dict(layers: int, experts: int) -> dict[str, Any]:
     return cfg
 
 
-def v4_flash() -> ModelShape:
-    """DeepSeek-V4-Flash: 43 layers, 256 experts (284B total / 13B active)."""
-    cfg = DeepseekV4Config.from_dict(flash_config_dict(43, 256), source="V4-Flash")
-    return v4_shape(cfg, "V4-Flash (43 layers, 256 experts)")
+def v4_flash(layers: int = 43, experts: int = 256) -> cm.ModelShape:
+    """DeepSeek-V4-Flash (284B total / 13B active), or cut to ``layers`` and ``experts`` (4 and
+    64: the e2e benchmark model of ``gpu_e2e.py``, 8.08B parameters)."""
+    cfg = DeepseekV4Config.from_dict(flash_config_dict(layers, experts), source="V4-Flash")
+    return cm.v4_shape(cfg, f"V4-Flash ({layers} layers, {experts} experts)")
 
 
-def e2e_model() -> ModelShape:
-    """The 4-layer, 64-expert e2e benchmark model of ``gpu_e2e.py`` (8.08B parameters)."""
-    cfg = DeepseekV4Config.from_dict(flash_config_dict(4, 64), source="e2e model")
-    return v4_shape(cfg, "e2e model (4 layers, 64 experts)")
-
-
-def _row(phase: str, world: int, b: float, ctx: float, r: dict[str, Any], routing: Routing) -> dict[str, Any]:
+def _row(phase: str, world: int, b: float, ctx: float, r: dict, routing: cm.Routing) -> dict[str, Any]:
     t, by, mem = r["time"], r["bytes"], r["memory_gb"]
     return {
         "phase": phase, "world": world, "tokens_per_gpu": b, "ctx": ctx, "routing": routing.label,
@@ -68,25 +54,18 @@ def _row(phase: str, world: int, b: float, ctx: float, r: dict[str, Any], routin
     }  # fmt: skip
 
 
-def scaling_table(gpu: GpuSpec, routing: Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
+def scaling_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
     """V4-Flash decode per GPU for each context, world size and batch per GPU."""
-    m = v4_flash()
-    return [
-        _row(
-            "decode",
-            w,
-            b,
-            ctx,
-            step(m, gpu, deployment(w, fmt=fmt), tokens=b, ctx=ctx, routing=routing),
-            routing,
-        )
-        for ctx in CONTEXTS
-        for w in WORLDS
-        for b in BATCHES
-    ]
+    m, rows = v4_flash(), []
+    for ctx in CONTEXTS:
+        for w in WORLDS:
+            for b in BATCHES:
+                r = cm.step(m, gpu, cm.deployment(w, fmt=fmt), tokens=b, ctx=ctx, routing=routing)
+                rows.append(_row("decode", w, b, ctx, r, routing))
+    return rows
 
 
-def prefill_table(gpu: GpuSpec, routing: Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
+def prefill_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
     """V4-Flash prefill per GPU: 8k tokens per GPU of 32k / 128k prompts without CP, and each
     prompt split over C = min(8, world) ranks (CP); throughput and the prompt's TTFT."""
     m, rows = v4_flash(), []
@@ -94,8 +73,8 @@ def prefill_table(gpu: GpuSpec, routing: Routing, fmt: str = "fp8_mxfp4") -> lis
         for world in WORLDS:
             for cp in sorted({1, min(8, world)}):
                 tokens = L / cp if cp > 1 else 8192
-                dep = deployment(world, fmt=fmt, cp=cp, dispatch="normal")
-                r = step(m, gpu, dep, tokens=tokens, ctx=L, phase="prefill", routing=routing, prompt=L)
+                dep = cm.deployment(world, fmt=fmt, cp=cp, dispatch="normal")
+                r = cm.step(m, gpu, dep, tokens=tokens, ctx=L, phase="prefill", routing=routing, prompt=L)
                 steps = L / tokens if cp == 1 else 1  # without CP a prompt takes L / 8192 steps
                 row = _row("prefill", world, tokens, L, r, routing)
                 rows.append({**row, "cp": cp, "ttft_s_max": steps * r["time"]["max"],
@@ -121,27 +100,26 @@ def print_rows(title: str, rows: list[dict[str, Any]], extra: tuple[tuple[str, s
 def main(argv: list[str] | None = None) -> int:
     """Print the V4-Flash scaling tables; write the JSON."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
-    ap.add_argument("--fmt", choices=sorted(FORMATS), default="fp8_mxfp4", help="weight format of V4-Flash")
+    ap.add_argument("--gpu", choices=sorted(cm.GPUS), default="h200")
+    ap.add_argument("--fmt", choices=sorted(cm.FORMATS), default="fp8_mxfp4", help="V4-Flash's weights")
     ap.add_argument("--zipf", type=float, default=0.3, help="skew of the skewed routing scenarios")
-    ap.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "distributed_cost_model.json"
-    )
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/distributed_cost_model.json")
     args = ap.parse_args(argv)
-    gpu, m = GPUS[args.gpu], v4_flash()
+    gpu, m = cm.GPUS[args.gpu], v4_flash()
     print(
         f"{m.name}: {m.total_params / 1e9:.1f}B parameters + embedding, {m.active_params / 1e9:.2f}B active "
         f"per token; GPU {gpu.name}; weights {args.fmt}; KV fp8 (584 B / entry)"
     )
-    data: dict[str, Any] = {
-        "model": {"name": m.name, "params": m.total_params, "active": m.active_params},
+    model = {"name": m.name, "params": m.total_params, "active": m.active_params}
+    data = {
+        "model": model,
         "gpu": asdict(gpu),
-        "fmt": asdict(FORMATS[args.fmt]),
+        "fmt": asdict(cm.FORMATS[args.fmt]),
         "decode": {},
         "prefill": {},
     }
-    uniform = Routing()
-    for routing in (uniform, Routing(args.zipf, True), Routing(args.zipf, False)):
+    uniform = cm.Routing()
+    for routing in (uniform, cm.Routing(args.zipf, True), cm.Routing(args.zipf, False)):
         rows = data["decode"][routing.label] = scaling_table(gpu, routing, args.fmt)
         if routing is uniform:
             print_rows(f"decode, V4-Flash, DP = EP = GPUs, routing {routing.label}", rows)

@@ -124,15 +124,14 @@ class Bench:
         (an engine that failed to build, the time budget) or a failure is the row ``row``."""
         a, elapsed = self.args, time.perf_counter() - T_START
         need = 0.0 if self.name == engine else a.build_reserve
-        why = None
-        if engine in self.failed:
-            why = f"skipped: engine {engine} failed to build ({self.failed[engine][:300]})"
-        elif a.time_budget and elapsed + need > a.time_budget:
-            why = f"skipped: time budget of {a.time_budget:.0f} s (elapsed {elapsed:.0f} s"
-            why += f", {need:.0f} s reserved to build an engine)" if need else ")"
+        why = (
+            f"engine {engine} failed to build ({self.failed[engine][:300]})" if engine in self.failed else ""
+        )
+        if not why and a.time_budget and elapsed + need > a.time_budget:
+            why = f"time budget of {a.time_budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
         if why:
-            log(f"{row}: {why}")
-            return self.report.error(row, why, "skipped")
+            log(f"{row}: skipped: {why}")
+            return self.report.error(row, f"skipped: {why}", "skipped")
         log(f"{row} ...")
         built = False
         try:
@@ -218,9 +217,8 @@ class Bench:
     def run_decode(self) -> None:
         a = self.args
         for kind in ("1gpu", *a.decode_modes):
-            options = self.options(
-                max(a.batch_sizes), a.chunk, a.prompt_len + a.new_tokens + 16, **self.kinds[kind]
-            )
+            max_len = a.prompt_len + a.new_tokens + 16
+            options = self.options(max(a.batch_sizes), a.chunk, max_len, **self.kinds[kind])
             for b in a.batch_sizes:
                 self.job(f"decode.{kind}.B{b}", f"decode.{kind}", options, self.decode, kind, b)
 
@@ -296,13 +294,10 @@ class Bench:
             if ref.get("value"):
                 row.update(speedup_vs_1gpu=tok_s / ref["value"], ttft_vs_1gpu=best / ref["ttft_s"])
             if want is not None:
-                row["greedy_tokens_equal_to_1gpu"] = (
-                    f"{sum(g == w for g, w in zip(tokens, want, strict=True))}/{len(want)}"
-                )
+                same = sum(g == w for g, w in zip(tokens, want, strict=True))
+                row["greedy_tokens_equal_to_1gpu"] = f"{same}/{len(want)}"
             if split[0] == 0:  # kept with its figures, but the run fails
-                row["error"] = (
-                    f"CP never split a step (cp_min_tokens {row['cp_min_tokens']}, chunk {a.cp_chunk})"
-                )
+                row["error"] = f"CP split no step (cp_min_tokens {row['cp_min_tokens']}, chunk {a.cp_chunk})"
         self.report.add(row)
         log(f"  {row['name']}: TTFT {best * 1e3:.1f} ms, {tok_s:.0f} tok/s ({tok_s / world:.0f} per GPU)")
 
@@ -436,9 +431,7 @@ def preflight(args: argparse.Namespace) -> None:
             f"give --experts a multiple of {n}"
         )
     if "eplb" in args.parts and (args.experts + args.eplb_redundant) % n:
-        raise die(
-            f"eplb: {args.experts} experts + --eplb-redundant {args.eplb_redundant} don't divide by {n}"
-        )
+        raise die(f"eplb: {args.experts} experts + --eplb-redundant {args.eplb_redundant} over {n} ranks")
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise die(f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)")
     if device.type == "cuda" and not torch.distributed.is_nccl_available():
@@ -507,19 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     report.data["total_s"] = time.perf_counter() - T_START
     report.save()
     results = report.data["results"]
-    shown = [
-        {**r, "ttft_ms": r.get("ttft_s", 0) * 1e3 or None, "why": r.get("error") or r.get("skipped")}
-        for r in results
-    ]
+    why = [(r.get("error") or r.get("skipped") or "")[:80] or None for r in results]
+    shown = [{**r, "ttft_ms": r.get("ttft_s", 0) * 1e3 or None, "why": w} for r, w in zip(results, why)]
     print()
-    print_table([{**r, "why": r["why"] and r["why"][:80]} for r in shown], COLUMNS)
+    print_table(shown, COLUMNS)
     print(f"\nwrote {args.out}")
     errors, skipped = ([r["name"] for r in results if key in r] for key in ("error", "skipped"))
-    log(
-        f"FAILED measurements: {errors}"
-        if errors
-        else f"all measurements done (skipped: {skipped or 'none'})"
-    )
+    log(f"FAILED measurements: {errors}" if errors else f"all done, skipped: {skipped or 'none'}")
     return 1 if errors else 0
 
 
