@@ -4,7 +4,6 @@ reading of the tables: docs/distributed_cost_model.md."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 
-from deepinfer_core.benchmarking.harness import print_table, write_json  # noqa: E402
+from deepinfer_core.benchmarking.harness import parser, print_table, write_json  # noqa: E402
 from deepinfer_core.distributed import cost_model as cm  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
@@ -99,11 +98,10 @@ def print_rows(title: str, rows: list[dict[str, Any]], extra: tuple[tuple[str, s
 
 def main(argv: list[str] | None = None) -> int:
     """Print the V4-Flash scaling tables; write the JSON."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "distributed_cost_model", threads=None)  # --output (--out, --json)
     ap.add_argument("--gpu", choices=sorted(cm.GPUS), default="h200")
     ap.add_argument("--fmt", choices=sorted(cm.FORMATS), default="fp8_mxfp4", help="V4-Flash's weights")
     ap.add_argument("--zipf", type=float, default=0.3, help="skew of the skewed routing scenarios")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/distributed_cost_model.json")
     args = ap.parse_args(argv)
     gpu, m = cm.GPUS[args.gpu], v4_flash()
     print(
@@ -128,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     pre = data["prefill"][uniform.label] = prefill_table(gpu, uniform, args.fmt)
     title = "prefill, V4-Flash, 8192 tokens per GPU (cp 1) or prompt / C (cp C)"
     print_rows(title, pre, (("cp", "cp", "d"), ("TTFT s", "ttft_s_max", ".3g")))
-    write_json(args.out, data)
+    write_json(args.output, data)
     return 0
 
 

@@ -397,7 +397,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--dist-timeout", type=float, default=180.0, help="distributed_timeout_s of the engines")
     add("--log-dir", type=Path, help=f"worker logs: <dir>/<engine>/rank<k>.log (sets {LOG_DIR_ENV})")
-    add("--out", type=Path, help=f"results JSON (default {DEFAULT_OUT.relative_to(ROOT)})")
+    add("--out", "--output", "--json", type=Path, help="results JSON (default benchmarks/results/)")
     add("--append", action="store_true", help="merge into an existing --out (rows replaced by name)")
     add("--time-budget", type=float, default=0.0, help="seconds from the start; later parts are skipped")
     add("--build-reserve", type=float, default=75.0, help="seconds of the budget an engine build needs")
