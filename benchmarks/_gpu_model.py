@@ -33,6 +33,7 @@ from safetensors import safe_open
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
 from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
+from deepinfer_core.ops.kv_format import fp8_row_bytes
 
 MARKER = "gpu_e2e_model.json"  # written last: a directory holding it is a complete checkpoint
 INDEX_FILE = "model.safetensors.index.json"
@@ -316,3 +317,25 @@ def step_token_counts(total_tokens: int, chunk: int) -> list[int]:
     """Tokens per step when ``total_tokens`` prompt tokens are prefilled ``chunk`` at a time."""
     full, rest = divmod(total_tokens, chunk)
     return [chunk] * full + ([rest] if rest else [])
+
+
+def kv_row_bytes(cfg: DeepseekV4Config, kv_cache_dtype: str, dtype_bytes: int) -> dict[str, int]:
+    """Bytes of one cache row by pool (``window`` ring, ``ckv`` compressed entries, ``ikv``
+    indexer keys) in the core's formats: ``fp8`` packs the window and entries, not the keys."""
+    plain = cfg.head_dim * dtype_bytes
+    attended = plain if kv_cache_dtype == "auto" else fp8_row_bytes(cfg.head_dim, cfg.rope_dim)
+    return {"window": attended, "ckv": attended, "ikv": cfg.index_head_dim * dtype_bytes}
+
+
+def kv_bytes(cfg: DeepseekV4Config, context: int, rows: dict[str, int], read: bool = True) -> float:
+    """KV-cache bytes of one sequence at ``context`` tokens: what a decode step reads
+    (``read=True``: per layer the window's rows, plus top-k of the CSA entries and the indexer
+    keys of all of them, or all HCA entries) or what the cache stores (``read=False``)."""
+    total = 0.0
+    for kind in cfg.layer_types:
+        total += (min(context, cfg.sliding_window) if read else cfg.sliding_window) * rows["window"]
+        if kind != SLIDING:
+            n = context // cfg.compress_rates[kind]
+            total += (min(n, cfg.index_topk) if read and kind == CSA else n) * rows["ckv"]
+            total += n * rows["ikv"] if kind == CSA else 0
+    return total

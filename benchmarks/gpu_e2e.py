@@ -84,6 +84,9 @@ from deepinfer_core.benchmarking.harness import (  # noqa: E402
     positive_ints,
     weight_read_tok_s,
 )
+from deepinfer_core.benchmarking.harness import (  # noqa: E402
+    print_table as harness_table,
+)
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
@@ -107,7 +110,13 @@ MODE_DEFAULTS: dict[str, tuple[Any, Any]] = {
     "pareto_batch_sizes": ([1, 2, 4, 8, 16], [1, 2]),
     "pareto_chunks": ([2048, 8192], [64, 128]),
     "pareto_prompt_len": (2048, 48),
+    "context_batch": (16, 2),
 }
+CONTEXTS = ("4096,32768,131072,1@4096,1@1048576", "64,256,1@64,1@1024")  # --contexts alone: (full, smoke)
+
+
+class Unfit(Exception):
+    """A measurement that cannot run on this machine (recorded as one line, no traceback)."""
 
 
 T_START = time.perf_counter()  # --time-budget counts from here
@@ -151,9 +160,9 @@ class Roofline:
     def step_bytes(self, tokens: int, fmt: str) -> float:
         return gm.weight_bytes_per_step(self.cfg, tokens, fmt)
 
-    def decode_tok_s(self, batch: int, fmt: str) -> float:
-        """Decode tok/s if a step of ``batch`` tokens took exactly its weight-read time."""
-        return weight_read_tok_s(batch, self.step_bytes(batch, fmt), self.bw)
+    def decode_tok_s(self, batch: int, fmt: str, kv_bytes: float = 0.0) -> float:
+        """Decode tok/s if a step of ``batch`` tokens took exactly its weight (+ KV) read time."""
+        return weight_read_tok_s(batch, self.step_bytes(batch, fmt) + kv_bytes, self.bw)
 
     def prefill_tok_s(self, step_tokens: list[int], fmt: str) -> float:
         """Prefill tok/s if each step (of ``step_tokens`` tokens) took its weight-read time."""
@@ -165,12 +174,17 @@ class Roofline:
         weight per token; attention scores and the indexer excluded)."""
         return compute_tok_s(2 * self.counts["active_per_token"], self.peak)
 
-    def fractions(self, value: float, *, batch: int | None = None, steps: list[int] | None = None) -> dict:
-        """``value`` as a fraction of the weight-read bounds of a decode step of ``batch`` tokens,
-        or of a prefill run in ``steps`` (tokens per step; prefill also gets the FLOP bound)."""
+    def fractions(
+        self, value: float, *, batch: int | None = None, steps: list[int] | None = None, kv: float = 0.0
+    ) -> dict:
+        """``value`` as a fraction of the read bounds of a decode step of ``batch`` tokens (weights
+        plus ``kv`` KV-cache bytes), or of a prefill run in ``steps`` (tokens per step; prefill
+        also gets the FLOP bound)."""
         out: dict[str, float] = {}
         for f in ("bf16", "fp8_fp4"):
-            bound = self.decode_tok_s(batch, f) if batch is not None else self.prefill_tok_s(steps or [], f)
+            bound = (
+                self.decode_tok_s(batch, f, kv) if batch is not None else self.prefill_tok_s(steps or [], f)
+            )
             out[f"roofline_tok_s_{f}"] = bound
             out[f"roofline_frac_{f}"] = value / bound
         if batch is None:
@@ -312,7 +326,7 @@ class Bench:
         self.device = torch.device(args.device)
         self.roof = Roofline(self.cfg, args.hbm_bw, args.peak_flops)
         self.llm: LLM | None = None
-        self.llm_key: tuple[int, int] | None = None
+        self.llm_key: tuple[int, int, int] | None = None
         lens = [args.prompt_len + args.new_tokens, args.prefill_long + 1]
         if args.pareto:
             lens.append(args.pareto_prompt_len + 1)
@@ -340,7 +354,8 @@ class Bench:
             fn()
         except Exception as e:  # recorded, not raised: the other measurements still run
             log(f"{name} FAILED: {type(e).__name__}: {e}")
-            traceback.print_exc()
+            if not isinstance(e, Unfit):
+                traceback.print_exc()
             self.report.error(name, e)
             if on_error is not None:
                 on_error()
@@ -351,9 +366,9 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def engine(self, max_num_seqs: int, chunk: int) -> LLM:
+    def engine(self, max_num_seqs: int, chunk: int, max_len: int | None = None) -> LLM:
         """The DeepInfer engine of this shape, built after freeing any other one."""
-        key = (max_num_seqs, chunk)
+        key = (max_num_seqs, chunk, max_len or self.max_model_len)
         if self.llm is not None and self.llm_key == key:
             return self.llm
         self.free_engine()
@@ -368,7 +383,7 @@ class Bench:
             dtype=a.dtype,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=chunk,
-            max_model_len=self.max_model_len,
+            max_model_len=key[2],
             enforce_eager=a.enforce_eager,
             keep_quantized=a.keep_quantized,
             kv_cache_dtype=a.kv_cache_dtype,
@@ -378,7 +393,7 @@ class Bench:
         info = {
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": chunk,
-            "max_model_len": self.max_model_len,
+            "max_model_len": key[2],
             "backend": getattr(getattr(llm.engine, "backend", None), "name", None),
             "build_s": time.perf_counter() - t0,
             "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
@@ -421,6 +436,10 @@ class Bench:
             for c in a.pareto_chunks:
                 seqs = max(a.pareto_batch_sizes)
                 jobs.append(((seqs, c), f"ours.pareto.chunk{c}", lambda c=c, s=seqs: self.our_pareto(s, c)))
+        for b, ctx in a.contexts:  # one engine per batch, long enough for its longest context
+            longest = max(c for bb, c in a.contexts if bb == b)
+            fn = lambda b=b, ctx=ctx: self.our_context(b, ctx, chunk)  # noqa: E731
+            jobs.append(((b, chunk, longest), f"ours.context.B{b}.{ctx}", fn))
         order = list(dict.fromkeys(key for key, _, _ in jobs))  # jobs sharing an engine run together
         for key in order:
             for k, name, fn in jobs:
@@ -454,6 +473,48 @@ class Bench:
             row["output_token_ids"] = tokens
         self.report.add(row)
         log(f"  {name}: {d['decode_tok_s']:.1f} tok/s ({d['decode_method']})")
+
+    def our_context(self, batch: int, ctx: int, chunk: int) -> None:
+        """Decode at a steady batch of ``batch`` sequences near ``ctx`` tokens (docs/benchmarks.md)."""
+        a, cfg = self.args, self.cfg
+        ctxs = [c for b, c in a.contexts if b == batch]
+        longest, base_name = max(ctxs), f"ours.context.B{batch}.{min(ctxs)}"
+        rows = gm.kv_row_bytes(cfg, a.kv_cache_dtype, DTYPES[a.dtype].itemsize)
+        if longest > cfg.max_position_embeddings:
+            raise Unfit(f"context {longest} exceeds max_position_embeddings={cfg.max_position_embeddings}")
+        if self.device.type == "cuda" and self.llm_key != (batch, chunk, longest):
+            self.free_engine()
+            need = batch * gm.kv_bytes(cfg, longest, rows, read=False)
+            weights = self.roof.step_bytes(10**9, "fp8_fp4" if a.keep_quantized else "bf16")
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if need + weights > 0.9 * free:
+                raise Unfit(
+                    f"B={batch} x {longest} tokens need {need / 2**30:.1f} GiB of KV cache beside "
+                    f"{weights / 2**30:.1f} GiB of weights; the GPU has {free / 2**30:.1f} GiB free"
+                )
+        # every request keeps decoding until the last prompt is prefilled: the steps after it
+        # are a steady batch of `batch` decodes of a.new_tokens tokens or more
+        max_tokens = a.new_tokens + -(-batch * ctx // max(chunk - batch, 1)) + batch
+        if ctx <= max_tokens:
+            raise Unfit(f"context {ctx} is shorter than the {max_tokens} tokens B={batch} decodes")
+        llm = self.engine(batch, chunk, longest)
+        self.warmup(llm, f"context{batch}", batch, min(ctx, 128), 4)
+        outs, steps, wall = run_llm(
+            llm, self.prompts(f"ctx{ctx}-B{batch}", batch, ctx - max_tokens), max_tokens
+        )
+        d, p = decode_stats(outs, steps, batch, max_tokens), prefill_stats(outs)
+        if "decode_tok_s_full_batch" not in d:
+            raise RuntimeError(f"no step decoded all {batch} requests")
+        kv = batch * gm.kv_bytes(cfg, ctx, rows)
+        tok_s, step_ms = d["decode_tok_s_full_batch"], d["decode_step_ms_full_batch"]
+        base = next((r for r in self.report.data["results"] if r["name"] == base_name), None)
+        row = {"name": f"ours.context.B{batch}.{ctx}", "value": tok_s, "unit": "tok/s"}
+        row.update(self.roof.fractions(tok_s, batch=batch, kv=kv), context_batch=batch, context=ctx)
+        row.update(step_ms=step_ms, kv_read_bytes_per_step=kv, kv_row_bytes=rows, max_tokens=max_tokens)
+        row.update(base_context=(base or row)["context"], step_ratio=step_ms / (base or row)["step_ms"])
+        row.update(ttft_s=p["ttft_max_s"], prefill_tok_s=p["prefill_tok_s"], wall_s=wall, **d)
+        self.report.add(row)
+        log(f"  {row['name']}: {step_ms:.2f} ms/step, {tok_s:.1f} tok/s, x{row['step_ratio']:.2f}")
 
     def _prefill_row(self, name: str, outs: list[Any], chunk: int | None, extra: dict) -> dict:
         p = prefill_stats(outs)
@@ -675,6 +736,27 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+CONTEXT_COLUMNS = [
+    ("context", "name", "s"),
+    ("step ms", "step_ms", ".2f"),
+    ("tok/s", "value", ".1f"),
+    ("KV MB/step", "kv_mb", ".2f"),
+    ("roof bf16", "roofline_frac_bf16", ".1%"),
+    ("roof fp8/4", "roofline_frac_fp8_fp4", ".1%"),
+    ("x base", "step_ratio", ".2f"),
+    ("TTFT s", "ttft_s", ".2f"),
+    ("prefill tok/s", "prefill_tok_s", ".0f"),
+]
+
+
+def print_context_table(rows: list[dict[str, Any]]) -> None:
+    """The --contexts rows: step time, KV bytes, roofline (weights + KV) and step / base context."""
+    ctx = [r | {"kv_mb": r["kv_read_bytes_per_step"] / 1e6} for r in rows if r.get("step_ms") is not None]
+    if ctx:
+        print()
+        harness_table(ctx, CONTEXT_COLUMNS)
+
+
 def plot_pareto(pareto: dict[str, list[dict[str, Any]]], png: Path, title: str) -> str | None:
     """Draw prefill tok/s vs mean TTFT, one line per series; returns the path or None (with a note)."""
     try:
@@ -744,6 +826,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--prefill-batch", type=int, help="prompts of the batched prefill (default 16)")
     ap.add_argument("--prefill-long", type=int, help="length of the single-prompt prefill (default 8192)")
+    ap.add_argument(
+        "--contexts",
+        nargs="?",
+        const="",
+        type=str,
+        help="decode at a steady batch at these contexts: CTX (at --context-batch) or B@CTX items; "
+        f"alone: {CONTEXTS[0]} (--smoke: {CONTEXTS[1]})",
+    )
+    ap.add_argument("--context-batch", type=int, help="batch of the --contexts items without B@ (default 16)")
     ap.add_argument("--skip-ours", action="store_true", help="leave out DeepInfer")
     ap.add_argument("--skip-hf", action="store_true", help="leave out HF transformers")
     ap.add_argument("--skip-decode", action="store_true", help="leave out the decode rows")
@@ -799,6 +890,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.pareto_png = (
             Path(tempfile.gettempdir()) / "prefill_pareto_smoke.png" if args.smoke else DEFAULT_PNG
         )
+    items = (args.contexts or CONTEXTS[mode]).split(",") if args.contexts is not None else []
+    try:
+        args.contexts = [
+            (int(b or args.context_batch), int(c)) for b, _, c in (x.rpartition("@") for x in items)
+        ]
+    except ValueError:
+        args.contexts = [(0, 0)]
+    if any(min(p) < 1 for p in args.contexts):
+        ap.error(f"--contexts takes positive CTX or B@CTX items separated by commas, got {','.join(items)!r}")
     if args.new_tokens < 2:
         ap.error("--new-tokens must be >= 2 (decode needs a token after the first)")
     return args
@@ -875,6 +975,7 @@ def main(argv: list[str] | None = None) -> int:
         report.data["total_s"] = time.perf_counter() - T_START
         report.save()
         print_table(report.data["results"])
+        print_context_table(report.data["results"])
         print(f"\nwrote {args.out}")
         ours_failed = [
             r["name"] for r in report.data["results"] if r["name"].startswith("ours") and "error" in r
