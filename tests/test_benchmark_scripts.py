@@ -53,6 +53,35 @@ def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> N
     assert "eplb.after" in proc.stdout  # the printed table
 
 
+def test_gpu_e2e_smoke_measures_every_part_and_decodes_long_contexts_at_a_steady_batch(
+    tmp_path: Path,
+) -> None:
+    """``gpu_e2e.py --smoke --pareto --contexts`` (CPU, tiny widths): every row docs/benchmarks.md
+    reports, and each context point decodes with all its requests in the batch, its roofline
+    counting the KV bytes of the hand count (7,680 bytes per sequence at 64 tokens)."""
+    out = tmp_path / "e2e.json"
+    args = ["--smoke", "--pareto", "--contexts", "64,256,1@64,1@1024", "--out", str(out)]
+    proc = _run([str(ROOT / "benchmarks" / "gpu_e2e.py"), *args], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows, bw = {r["name"]: r for r in data["results"]}, data["roofline"]["hbm_bytes_per_s"]
+    names = {"ours.decode.B4", "ours.prefill.4x32", "ours.prefill.1x256", "hf.decode.B4", "hf.prefill.1x256"}
+    assert names | {"ours.pareto.chunk128.B2", "hf.pareto.B2"} <= rows.keys()
+    assert all(r["value"] > 0 for r in rows.values()), [n for n, r in rows.items() if not r["value"]]
+    ctx = {n: r for n, r in rows.items() if n.startswith("ours.context.")}
+    assert ctx.keys() == {f"ours.context.B{b}.{c}" for b, c in ((2, 64), (2, 256), (1, 64), (1, 1024))}
+    for r in ctx.values():
+        assert r["decode_method"] == "full-batch steps" and r["preemptions"] == 0
+        base = ctx[f"ours.context.B{r['context_batch']}.64"]
+        assert r["step_ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
+        step_bytes = [x["context_batch"] * bw / x["roofline_tok_s_bf16"] for x in (r, base)]  # weights + KV
+        assert step_bytes[0] - step_bytes[1] == pytest.approx(
+            r["kv_read_bytes_per_step"] - base["kv_read_bytes_per_step"]
+        )
+    assert ctx["ours.context.B2.64"]["kv_read_bytes_per_step"] == 2 * 7680
+    assert ctx["ours.context.B1.1024"]["ttft_s"] > 0 and "x base" in proc.stdout
+
+
 def test_gpu_distributed_rejects_experts_that_do_not_divide_over_the_world(tmp_path: Path) -> None:
     proc = _run([str(ROOT / "benchmarks" / "gpu_distributed.py"), "--smoke", "--world", "3"], tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
