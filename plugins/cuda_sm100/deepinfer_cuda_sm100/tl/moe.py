@@ -343,4 +343,62 @@ def _kernel(kind: str, hidden: int, inter: int, block_m: int, scale: str):
     import tilelang
 
     build = build_gate_up if kind == "gate_up" else build_down
-    return tilelang.compile(build(hidden, inter, block_m, scale), out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
+    func = build(hidden, inter, block_m, scale)
+    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
+
+
+def scale_kind(w) -> str:
+    """``"ue8m0"`` or ``"fp32"``: the scale format of the FP4 stack ``w``."""
+    return "fp32" if w.scale.dtype == torch.float32 else "ue8m0"
+
+
+def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int) -> dict:
+    """The launches of a call (shapes only, the batch-invariant mode off): ``block_m`` (the
+    Triton path's :func:`~deepinfer_cuda_sm100.kernels.moe.tile_rows`), ``tiles`` (its
+    :func:`~deepinfer_cuda_sm100.kernels.moe.tile_count`) and the two grids, ``(feature
+    blocks, tiles)``: gate / up ``inter / 64`` blocks of 64 intermediate features (each with
+    their gate and up rows), down ``hidden / 128`` blocks of 128 model features."""
+    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
+
+    pairs = tokens * top_k
+    bm = tile_rows(pairs, experts, False)
+    tiles = tile_count(pairs, experts, bm)
+    return {
+        "block_m": bm,
+        "tiles": tiles,
+        "gate_up_grid": (inter // ATOM, tiles),
+        "down_grid": (hidden // ROWS, tiles),
+    }
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with a 16-byte aligned start (the kernels copy 16-byte vectors)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
+    """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
+    says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine."""
+    from deepinfer_cuda_sm100.kernels import moe as triton_moe
+
+    t, d = x.shape
+    top_k = ids.shape[1]
+    experts, inter = gate_up.shape[0], down.shape[2]
+    plan = launch_plan(t, top_k, experts, d, inter)
+    bm = plan["block_m"]
+    ids = ids if ids.stride(1) == 1 else ids.contiguous()
+    tile_expert, slot_pair = triton_moe.sorted_layout(ids, experts, bm)
+    x = _aligned(x)
+    h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
+    gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
+    _kernel("gate_up", d, inter, bm, scale_kind(gate_up))(
+        x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), top_k
+    )
+    y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
+    dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
+    rw = weights.to(torch.float32).contiguous()
+    _kernel("down", d, inter, bm, scale_kind(down))(h, tile_expert, slot_pair, down.data, dn_scale, rw, y)
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    return triton_moe.combine_pairs(y, ids, experts, False, shared, out)
