@@ -109,7 +109,9 @@ def test_launch_plan_covers_every_feature_and_tile(tokens):
 def _fp4(e, out, inp, scale_dtype="ue8m0", group=32):
     data = torch.zeros(e, out, inp // 2, dtype=torch.uint8)
     scale = torch.ones(e, out, inp // group)
-    return QuantizedTensor(data, scale.to(UE8M0_DTYPE) if scale_dtype == "ue8m0" else scale, "fp4", (1, group))
+    return QuantizedTensor(
+        data, scale.to(UE8M0_DTYPE) if scale_dtype == "ue8m0" else scale, "fp4", (1, group)
+    )
 
 
 def _call(t=4, d=256, i=128, e=8, k=2, dtype=torch.bfloat16, **kw):
@@ -145,7 +147,9 @@ def test_choice_kind_names_the_scale_format():
 
 
 def _point(pairs: int, tl: float, tr: float) -> kernel_choice.Point:
-    return kernel_choice.Point("moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, {"tilelang": tl, "triton": tr})
+    return kernel_choice.Point(
+        "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, {"tilelang": tl, "triton": tr}
+    )
 
 
 def test_measured_points_pick_the_faster_language_and_triton_outside_them():
@@ -240,7 +244,9 @@ def _v4_cases() -> list[tuple]:
             if tokens > 1:
                 ids[1, 1] = ids[1, 0]  # a token routed twice to one expert
             x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
-            shared = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
+            shared = (
+                torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
+            )
             out.append((x, ids.cuda(), weights.cuda(), gate_up, down, 10.0, shared))
     return out
 

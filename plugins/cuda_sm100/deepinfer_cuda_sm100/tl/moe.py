@@ -45,6 +45,19 @@ tokens as long as ``BLOCK_M`` stays the same.  The dispatcher
 (:mod:`deepinfer_cuda_sm100.moe_dispatch`) picks TileLang or Triton by the token count, and
 the two accumulate in different orders, so the batch-invariant mode runs Triton throughout.
 
+**Cost** (offline lowering for sm_90 with TileLang 0.1.15, ``nvcc -arch=sm_90a``; gate / up,
+``BLOCK_M`` 16): 72 registers (80 with fp32 scales), no spills, ~70 KB of shared memory (3
+CTAs an SM).  A step of 16K weights per CTA moves ~740 shared-memory wavefronts: the decoded
+tiles' stores (256) and wgmma's reads of them (256), the packed bytes (64 in, 64 out), the
+activations (wgmma reads 64, copies 32), so shared memory bounds it near 20-22 weights per clock
+and SM, ~2.8 TB/s of FP4 weights on an H200 (1.98 GHz, 132 SMs) at full shared-memory
+throughput; the decoding itself issues ~2.9 instructions per weight (~1.6 warp instructions
+per clock and SM at 2.5 TB/s, of 4).  TileLang's pipeline puts a ``__syncthreads`` at each
+stage hand-over (~11 a step).  The way past the shared-memory bound is wgmma with the weights
+in registers (decoded straight into the A fragment, the activations' K order permuted to
+match), which TileLang's tile language does not express (a thread cannot address its own
+fragment registers).  Not yet measured on a GPU.
+
 Static configurations: ``(hidden, inter, BLOCK_M, scale kind)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
 """
@@ -196,7 +209,9 @@ def _macros(scale: str):
         gh = tx % 2
         for v in T.vectorized(16):
             packed[v] = wp[hf, b * ATOM + row, gh * 16 + v]
-        T.call_extern("handle", fn, T.address_of(packed[0]), T.address_of(vals[0]), sc[b * ATOM + row, hf * 2 + gh])
+        T.call_extern(
+            "handle", fn, T.address_of(packed[0]), T.address_of(vals[0]), sc[b * ATOM + row, hf * 2 + gh]
+        )
         for j in T.unroll(4):
             for v in T.vectorized(8):
                 wd[row, gh * 32 + j * 8 + v] = vals[j * 8 + v]
@@ -320,7 +335,13 @@ def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = 
                 for k in T.Pipelined(I // BLOCK_K, num_stages=stages):
                     copy_weights(w, s, e, nb * ROWS, nb * ROWS + ATOM, k, wp, sc)
                     for half in (0, 1):
-                        T.copy(hs[tile * BM : tile * BM + BM, k * BLOCK_K + half * HALF_K : k * BLOCK_K + half * HALF_K + HALF_K], xs[half])
+                        T.copy(
+                            hs[
+                                tile * BM : tile * BM + BM,
+                                k * BLOCK_K + half * HALF_K : k * BLOCK_K + half * HALF_K + HALF_K,
+                            ],
+                            xs[half],
+                        )
                     step_math(wp, sc, wd, xs, acc, packed, vals)
                 for b in (0, 1):
                     for i, j in T.Parallel(ATOM, BM):
