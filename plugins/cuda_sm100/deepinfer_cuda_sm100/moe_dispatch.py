@@ -39,6 +39,8 @@ WIDTH_MULTIPLE = 128
 """Hidden and intermediate widths must be multiples of this (the TileLang K step and CTA rows)."""
 GROUP = 32
 """The FP4 scale group the TileLang kernels read."""
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension, the TileLang kernels' tiles of tokens."""
 
 
 def _stack_problem(name: str, w) -> str | None:
@@ -68,6 +70,11 @@ def tilelang_supports(x, ids, weights, gate_up, down, limit, shared=None) -> boo
         return f"widths D={d}, I={inter}: the TileLang kernels take multiples of {WIDTH_MULTIPLE}"
     if x.shape[0] == 0 or ids.shape[1] == 0:
         return "no (token, slot) pairs: the Triton path returns the empty result"
+    from deepinfer_cuda_sm100.tl.moe import launch_plan
+
+    tiles = launch_plan(x.shape[0], ids.shape[1], gate_up.shape[0], d, inter)["tiles"]
+    if tiles > MAX_GRID_Y:
+        return f"{tiles} tiles of tokens: the TileLang grids take at most {MAX_GRID_Y}"
     return True
 
 
