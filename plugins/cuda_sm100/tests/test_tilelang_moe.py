@@ -137,8 +137,8 @@ def test_tilelang_supports_v4_fp4_calls_and_names_what_it_refuses():
         verdict = moe_dispatch.tilelang_supports(*args)
         assert isinstance(verdict, str) and needle in verdict, (needle, verdict)
     x, ids, w, gu, dn, lim = _call()
-    many = 4 * 65536  # one expert, 4 slots a token: a tile per 16 tokens, past the grid's 65535
-    big = (x[:1].expand(many, -1), ids[:1, :1].expand(many, 4), w[:1, :1].expand(many, 4))
+    many = 300_000  # one expert, 16 slots a token: 4.8M pairs in tiles of 64, past the grid's 65535
+    big = (x[:1].expand(many, -1), ids[:1, :1].expand(many, 16), w[:1, :1].expand(many, 16))
     assert "at most 65535" in moe_dispatch.tilelang_supports(*big, _fp4(1, 256, 256), _fp4(1, 256, 128), lim)
     strided = QuantizedTensor(gu.data.transpose(0, 1).contiguous().transpose(0, 1), gu.scale, "fp4", (1, 32))
     assert "contiguous" in moe_dispatch.tilelang_supports(x, ids, w, strided, dn, lim)
