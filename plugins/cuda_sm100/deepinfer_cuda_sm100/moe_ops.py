@@ -1,6 +1,8 @@
 """The MoE op of the ``cuda_sm100`` backend: ``moe_experts`` on Triton grouped GEMMs.
 
-:func:`moe_ops` returns its :class:`OpImpl` (kernels in :mod:`deepinfer_cuda_sm100.kernels.moe`)
+:func:`moe_ops` returns its :class:`OpImpl` (kernels in :mod:`deepinfer_cuda_sm100.kernels.moe`;
+on FP4 experts the TileLang GEMMs of :mod:`deepinfer_cuda_sm100.tl.moe` where the measured
+table picks them, :mod:`deepinfer_cuda_sm100.moe_dispatch`)
 with a ``supports`` predicate (shapes, dtypes and devices only) and conformance cases at the
 shapes the kernels target: :data:`V4_FLASH_LIKE` on the GPU (V4-Flash's routing, top-6 of many
 experts, at narrower widths so that the cases are quick to build), :data:`SMALL` under Triton's
@@ -211,11 +213,14 @@ def moe_cases(s: MoeShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
 def moe_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`MOE_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100.kernels import _common, moe
+    from deepinfer_cuda_sm100.moe_dispatch import make_moe_experts
 
     interpreted = _common.INTERPRETED
     shapes = SMALL if interpreted else V4_FLASH_LIKE
     return {
         "moe_experts": OpImpl(
-            fn=moe.moe_experts, supports=make_supports(interpreted), sample_cases=moe_cases(shapes)
+            fn=make_moe_experts(moe.moe_experts),  # TileLang where measured faster
+            supports=make_supports(interpreted),
+            sample_cases=moe_cases(shapes),
         )
     }

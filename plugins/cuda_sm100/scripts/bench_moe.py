@@ -11,6 +11,8 @@ overhead is excluded and consecutive calls touch different experts):
 * ``triton fp4 fp8math``: the same with ``DEEPINFER_MOE_MATH=fp8`` (e2m1 as e4m3, activations
   quantised per token and 32 inputs to e4m3, e4m3 MMAs; its error against the reference is
   reported next to the default math's);
+* ``tilelang fp4``: the TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) on the same FP4
+  experts, between the same Triton layout and combine launches (where TileLang can compile);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
@@ -21,6 +23,11 @@ Prints a table and writes JSON (default ``benchmarks/results/bench_moe.json`` at
 repository root).
 
     python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,16,64,128,256] [--experts 256]
+        [--write-choices]
+
+``--write-choices`` writes the Triton and TileLang FP4 times of each token count into the
+backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
+:mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads.
 """
 
 from __future__ import annotations
@@ -80,6 +87,9 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--calls-per-graph", type=int, default=8)
     parser.add_argument("--replays", type=int, default=10)
+    parser.add_argument(
+        "--write-choices", action="store_true", help="write the FP4 times into the backend's choice table"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -87,21 +97,29 @@ def main() -> None:
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows, using_moe_math
+    from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.moe import moe_experts as reference
+
+    tl_problem = tilelang_problem()
+    if tl_problem is None:
+        from deepinfer_cuda_sm100.tl.moe import moe_experts as tilelang_moe
+    else:
+        print(f"(no TileLang column: {tl_problem})")
 
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     gate_up, down = random_fp4(e, 2 * i, d, 1), random_fp4(e, d, i, 2)
     gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
-    names = ("triton_fp4", "triton_fp4_fp8math", "triton_bf16", "grouped_mm")
+    names = ("triton_fp4", "triton_fp4_fp8math", "tilelang_fp4", "triton_bf16", "grouped_mm")
     print(
         f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
         f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
-    head += f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9} {'err':>9} {'fp8m err':>9}"
+    head += f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9}"
+    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9}"
     print(head)
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -117,7 +135,11 @@ def main() -> None:
                 x, *routes[j], gate_up_bf16, down_bf16, LIMIT
             ),
         }
-        times = {}
+        if tl_problem is None:
+            calls["tilelang_fp4"] = lambda j, routes=routes, x=x: tilelang_moe(
+                x, *routes[j], gate_up, down, LIMIT
+            )
+        times = {"tilelang_fp4": None}
         for name, fn in calls.items():
             times[name] = time_graph(fn, args.calls_per_graph, args.replays)
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
@@ -132,6 +154,10 @@ def main() -> None:
         except Exception as exc:
             print(f"  (fp8 math failed: {type(exc).__name__}: {str(exc)[:300]})")
 
+        tl_err = tl_rms = None
+        if tl_problem is None:
+            tl_err, tl_rms = errors(tilelang_moe(x, *routes[0], gate_up, down, LIMIT), want)
+
         def tbps(us, per_expert, distinct=distinct):
             return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
 
@@ -144,12 +170,15 @@ def main() -> None:
             **{f"{name}_us": v for name, v in times.items()},
             "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),
             "triton_fp4_fp8math_weight_TBps": tbps(times["triton_fp4_fp8math"], fp4_expert_bytes),
+            "tilelang_fp4_weight_TBps": tbps(times["tilelang_fp4"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
             "fp4_rel_rms_err_vs_reference": rms,
             "fp4_fp8math_max_rel_err_vs_reference": fp8_err,
             "fp4_fp8math_rel_rms_err_vs_reference": fp8_rms,
+            "tilelang_fp4_max_rel_err_vs_reference": tl_err,
+            "tilelang_fp4_rel_rms_err_vs_reference": tl_rms,
         }
         rows.append(row)
 
@@ -164,17 +193,18 @@ def main() -> None:
                 for c in (
                     "triton_fp4_weight_TBps",
                     "triton_fp4_fp8math_weight_TBps",
+                    "tilelang_fp4_weight_TBps",
                     "triton_bf16_weight_TBps",
                     "grouped_mm_weight_TBps",
                 )
             )
-            + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')}"
+            + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')}"
         )
     import triton
 
     result = {
-        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / bf16 vs "
-        "torch._grouped_mm bf16",
+        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 / "
+        "Triton bf16 vs torch._grouped_mm bf16",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
@@ -194,6 +224,10 @@ def main() -> None:
         "(rms: ||diff|| / ||ref||), fp8math: DEEPINFER_MOE_MATH=fp8",
         "rows": rows,
     }
+    if args.write_choices:
+        from choice_writers import write_moe_choices
+
+        print(f"wrote {write_moe_choices(rows, d, i, e, k)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

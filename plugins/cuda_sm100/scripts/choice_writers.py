@@ -1,6 +1,7 @@
 """Write a kernel benchmark's measured paths into the backend's choice table
 (:mod:`deepinfer_cuda_sm100.kernel_choice`): one function per benchmark, each replacing only
-its own op's points (``--write-choices`` of ``bench_attention.py`` and ``bench_fp8_gemm.py``)."""
+its own op's points (``--write-choices`` of ``bench_attention.py``, ``bench_fp8_gemm.py`` and
+``bench_moe.py``)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,40 @@ def write_gemm_choices(rows: list[dict]) -> Path:
         "command": "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices",
         "measured": datetime.date.today().isoformat(),
         "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
+    }
+    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
+    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+
+
+def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> Path:
+    """The FP4 ``moe_experts`` paths' times (Triton and TileLang, ue8m0 scales, bf16
+    activations) per token count as ``moe_experts`` points of the measured table: ``tokens`` =
+    (token, slot) pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate
+    widths (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows without a TileLang time are left out."""
+    import tilelang
+    import triton
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.moe_dispatch import OP
+
+    def ms(r: dict) -> dict:
+        return {
+            "triton": round(r["triton_fp4_us"] / 1e3, 5),
+            "tilelang": round(r["tilelang_fp4_us"] / 1e3, 5),
+        }
+
+    points = [
+        {"op": OP, "kind": "fp4", "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
+         "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
+        for r in rows
+        if r.get("triton_fp4_us") and r.get("tilelang_fp4_us")
+    ]  # fmt: skip
+    major, minor = torch.cuda.get_device_capability()
+    source = {
+        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
+        f"tilelang {tilelang.__version__}",
+        "command": "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices",
+        "measured": datetime.date.today().isoformat(),
+        "timing": "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups",
     }
     source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
     return kernel_choice.merge_points(f"sm{major}{minor}", points, source)

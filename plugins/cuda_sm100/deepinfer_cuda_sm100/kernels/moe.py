@@ -1127,13 +1127,30 @@ def moe_experts(
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
+    return combine_pairs(y, ids, num_experts, bi, shared, out)
+
+
+def combine_pairs(
+    y: torch.Tensor,
+    ids: torch.Tensor,
+    num_experts: int,
+    bi_rounding: bool,
+    shared: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Launch 4 (:func:`_combine_kernel`): ``out[t]`` = the sum of the pair contributions
+    ``y[t * k + j]`` (``[T * k, D]``) in ascending expert order (``bi_rounding``: the batch-
+    invariant mode's rounding), plus ``shared[t]`` when given; ``ids`` ``[T, k]`` unit-strided
+    along the slots, ``out`` ``[T, D]`` unit-strided along D.  Returns ``out``."""
+    t, top_k = ids.shape
+    d = out.shape[1]
     bd = min(COMBINE_BLOCK_D, pow2(d))
     if shared is not None and shared.stride(1) != 1:
         shared = shared.contiguous()
     sh, sh_stride = (shared, shared.stride(0)) if shared is not None else (out, 0)
     _combine_kernel[(t, cdiv(d, bd))](
         y, ids, ids.stride(0), sh, sh_stride, out, out.stride(0), d, num_experts,
-        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi, SHARED=shared is not None, BLOCK_D=bd,
+        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi_rounding, SHARED=shared is not None, BLOCK_D=bd,
         num_warps=4,
     )  # fmt: skip
     return out

@@ -2,11 +2,13 @@
 TileLang's disk cache (``~/.tilelang/cache``), so that neither a test run nor an engine's
 warm-up compiles them one after another.
 
-    python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--jobs 8]
+    python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
+        [--inter 2048] [--jobs 8]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
-a paged source, direct and split-KV) and the split combine, bfloat16, for DeepSeek-V4-Flash's
-shape by default.  Prints each configuration's compile time; exits 1 naming what failed.
+a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
+``moe_experts`` GEMMs (gate / up and down, every tile height and scale format), for
+DeepSeek-V4-Flash's shape by default.  Prints each configuration's compile time; exits 1 naming what failed.
 """
 
 from __future__ import annotations
@@ -33,11 +35,28 @@ def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
     return out
 
 
+def moe_configurations(hidden: int, inter: int) -> list[tuple]:
+    """``tl.moe._kernel`` arguments of every FP4 ``moe_experts`` configuration of the widths:
+    both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64) and
+    both scale formats."""
+    from deepinfer_cuda_sm100.tl.moe import SCALE_KINDS
+
+    return [
+        (kind, hidden, inter, bm, scale)
+        for kind in ("gate_up", "down")
+        for bm in (16, 32, 64)
+        for scale in SCALE_KINDS
+    ]
+
+
 def _compile(config: tuple) -> float:
-    from deepinfer_cuda_sm100.tl.sparse_attention import _kernel
+    from deepinfer_cuda_sm100.tl import moe, sparse_attention
 
     t0 = time.perf_counter()
-    _kernel(*config)
+    if config[0] in ("gate_up", "down"):
+        moe._kernel(*config)
+    else:
+        sparse_attention._kernel(*config)
     return time.perf_counter() - t0
 
 
@@ -46,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--rope-dim", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=4096, help="MoE hidden width D")
+    p.add_argument("--inter", type=int, default=2048, help="MoE expert intermediate width I")
     p.add_argument("--jobs", type=int, default=8)
     a = p.parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -56,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     failed = []
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
-        futures = {pool.submit(_compile, c): c for c in configurations(a.heads, a.dim, a.rope_dim)}
+        configs = configurations(a.heads, a.dim, a.rope_dim) + moe_configurations(a.hidden, a.inter)
+        futures = {pool.submit(_compile, c): c for c in configs}
         for future in as_completed(futures):
             config = futures[future]
             try:

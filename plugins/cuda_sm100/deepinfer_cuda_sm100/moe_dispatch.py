@@ -1,0 +1,140 @@
+"""``moe_experts`` in two kernel languages: TileLang where it was measured faster, else Triton.
+
+:func:`make_moe_experts` wraps the Triton path (:mod:`deepinfer_cuda_sm100.kernels.moe`, which
+takes every call the backend's ``supports`` accepts) in a dispatcher.  A call goes to the
+TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) when all of these hold:
+
+- it runs on a CUDA device and the engine is not in batch-invariant mode (the two languages
+  accumulate in different orders and the choice below depends on the token count, so a token's
+  bits would change with the batch; the batch-invariant mode keeps Triton throughout);
+- the FP4 experts' math is the default ``bf16`` (``DEEPINFER_MOE_MATH=fp8`` is Triton's);
+- TileLang can compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`; if not, one
+  warning says why and how to install it, and Triton serves every call);
+- the TileLang kernels take the call (:func:`tilelang_supports`: bfloat16 activations, both
+  stacks FP4 with scale groups of 32, hidden and intermediate widths multiples of 128, ...);
+- the measured table of this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op
+  ``moe_experts``, kind :func:`choice_kind`, ``heads`` = hidden, ``head_dim`` = intermediate,
+  ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks TileLang at the nearest measured
+  point; unmeasured shapes stay on Triton.
+
+The choice depends on static shapes only, so a captured graph replays the kernels it captured.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from deepinfer_core.ops.modes import batch_invariant_enabled
+from deepinfer_core.weights.quant import QuantizedTensor
+from deepinfer_cuda_sm100 import kernel_choice, tl
+
+logger = logging.getLogger("deepinfer.cuda_sm100")
+
+OP = "moe_experts"
+WIDTH_MULTIPLE = 128
+"""Hidden and intermediate widths must be multiples of this (the TileLang K step and CTA rows)."""
+GROUP = 32
+"""The FP4 scale group the TileLang kernels read."""
+MAX_GRID_Y = 65535
+"""CUDA's limit on a grid's second dimension, the TileLang kernels' tiles of tokens."""
+
+
+def _stack_problem(name: str, w) -> str | None:
+    if not isinstance(w, QuantizedTensor) or w.fmt != "fp4":
+        return f"{name} is not an FP4 QuantizedTensor: the TileLang kernels read FP4 stacks"
+    if w.block != (1, GROUP):
+        return f"{name} has FP4 scale groups of {w.block[1]} inputs: the TileLang kernels take {GROUP}"
+    if not w.data.is_contiguous() or not w.scale.is_contiguous():
+        return f"{name}: the TileLang kernels read contiguous FP4 data and scales"
+    align = 16 if w.scale.dtype == torch.float32 else 4
+    if w.data.data_ptr() % 16 or w.scale.data_ptr() % align:
+        return f"{name}: FP4 data must start 16-byte aligned, scales {align}-byte aligned"
+    return None
+
+
+def tilelang_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:
+    """``True`` when the TileLang kernels take this call (already accepted by the Triton path's
+    ``supports``), else the reason."""
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype}: the TileLang kernels take bfloat16"
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        problem = _stack_problem(name, w)
+        if problem:
+            return problem
+    d, inter = x.shape[1], down.shape[2]
+    if d % WIDTH_MULTIPLE or inter % WIDTH_MULTIPLE:
+        return f"widths D={d}, I={inter}: the TileLang kernels take multiples of {WIDTH_MULTIPLE}"
+    if x.shape[0] == 0 or ids.shape[1] == 0:
+        return "no (token, slot) pairs: the Triton path returns the empty result"
+    from deepinfer_cuda_sm100.tl.moe import launch_plan
+
+    tiles = launch_plan(x.shape[0], ids.shape[1], gate_up.shape[0], d, inter)["tiles"]
+    if tiles > MAX_GRID_Y:
+        return f"{tiles} tiles of tokens: the TileLang grids take at most {MAX_GRID_Y}"
+    return True
+
+
+def choice_kind(gate_up) -> str:
+    """The kind of a call in the measured table: ``fp4`` (ue8m0 scales) or ``fp4+fp32`` (float32
+    scales; the gate / up stack's)."""
+    return "fp4+fp32" if gate_up.scale.dtype == torch.float32 else "fp4"
+
+
+@functools.cache
+def _warn_unavailable(problem: str) -> None:
+    logger.warning("moe_experts: %s; the Triton kernels serve every call", problem)
+
+
+def mode_problem(device: torch.device) -> str | None:
+    """Why no call on ``device`` goes to TileLang now (the batch-invariant mode, the FP8 math, a
+    device other than CUDA), or ``None``."""
+    from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV, moe_math
+
+    if batch_invariant_enabled():
+        return "the batch-invariant mode runs the Triton kernels"
+    if moe_math() != "bf16":
+        return f"{MOE_MATH_ENV}={moe_math()} is the Triton kernels' math"
+    if device.type != "cuda":
+        return f"a {device.type} device"
+    return None
+
+
+def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
+    """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
+    if mode_problem(x.device) is not None:
+        return "triton"
+    problem = tl.tilelang_problem()
+    if problem is not None:
+        _warn_unavailable(problem)
+        return "triton"
+    if tilelang_supports(x, ids, weights, gate_up, down, limit, shared) is not True:
+        return "triton"
+    return kernel_choice.choose(
+        OP,
+        choice_kind(gate_up),
+        "bfloat16",
+        x.shape[1],
+        down.shape[2],
+        x.shape[0] * ids.shape[1],
+        gate_up.shape[0],
+        kernel_choice.device_arch(x.device),
+        frozenset({"triton", "tilelang"}),
+    )
+
+
+def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The op: the TileLang GEMMs where :func:`choose_language` picks them, else ``triton_fn``."""
+
+    def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
+        if choose_language(x, ids, weights, gate_up, down, limit, shared) == "tilelang":
+            from deepinfer_cuda_sm100.tl import moe as tl_moe
+
+            return tl_moe.moe_experts(x, ids, weights, gate_up, down, limit, shared)
+        return triton_fn(x, ids, weights, gate_up, down, limit, shared)
+
+    moe_experts.__doc__ = f"Dispatcher over TileLang and Triton.\n\n{__doc__}"
+    return moe_experts

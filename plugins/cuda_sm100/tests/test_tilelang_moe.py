@@ -1,0 +1,286 @@
+"""The TileLang FP4 ``moe_experts`` GEMMs and the choice between kernel languages.
+
+**Here** (no GPU): the e2m1 decoding the TileLang kernels call (:data:`~deepinfer_cuda_sm100.
+tl.moe.E2M1X8_PTX`, run through the PTX emulator of ``test_moe_e2m1_ptx.py``: every byte in
+every position, then the ue8m0 scaling, bitwise against ``QuantizedTensor.dequantize``), the
+CUDA source built around it, the launch plan, which calls the TileLang kernels refuse (with the
+reason) and the dispatcher's choice (batch-invariant mode, the FP8 math, the measured table).
+Where TileLang imports, every shipped configuration lowers for sm_90 (slow).
+
+**GPU** (marked ``gpu``; skipped where TileLang cannot compile): the TileLang path against the
+reference op on the FP4 conformance cases at V4-Flash shapes (widths 4096 x 2048, 1 to 256
+tokens, ue8m0 and float32 scales, a token routed twice to one expert, a shared expert), and the
+replay of a captured CUDA graph (bitwise equal to the eager call).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+from deepinfer_cuda_sm100 import kernel_choice, moe_dispatch
+from deepinfer_cuda_sm100.tl import moe as tlm
+from deepinfer_cuda_sm100.tl import tilelang_problem
+
+from deepinfer_core.ops.modes import batch_invariant_mode
+from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor, unpack_fp4
+
+pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
+from test_moe_e2m1_ptx import run_ptx  # noqa: E402  (the emulator; it needs triton's module)
+
+BOTH = frozenset({"triton", "tilelang"})
+
+
+# ---------------------------------------------------------------------------------------------
+# the decoding
+
+
+def _decode(words: np.ndarray) -> np.ndarray:
+    """:data:`E2M1X8_PTX` on uint32 ``words``: ``[n, 8]`` bf16 bit patterns in register order
+    (register r: low half, high half)."""
+    out = run_ptx(tlm.E2M1X8_PTX, [None, None, None, None, words.astype(np.uint32)])
+    regs = np.stack(out[:4], axis=1).astype(np.uint32)
+    return np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(len(words), 8)
+
+
+def _want_bits(words: np.ndarray, dtype=torch.bfloat16) -> np.ndarray:
+    packed = torch.from_numpy(words.astype(np.uint32).view(np.uint8).copy())  # little endian
+    values = unpack_fp4(packed.view(1, -1))[0].to(dtype)  # low nibble first: input order
+    return (values.view(torch.int16).numpy().astype(np.int64) & 0xFFFF).reshape(len(words), 8)
+
+
+def test_decode_gives_every_byte_in_every_position_in_input_order():
+    b = np.arange(256, dtype=np.uint32)
+    words = np.concatenate([(b << (8 * p)) | (((b + 77) % 256) << (8 * ((p + 1) % 4))) for p in range(4)])
+    got = _decode(words)
+    want = _want_bits(words)
+    assert (got == want).all(), f"{int((got != want).sum())} values differ"
+    neg_zero = _decode(np.array([0x00000088], dtype=np.uint32))[0]
+    assert neg_zero[:2].tolist() == [0x8000, 0x8000], "code 8 is -0.0, as the reference decodes it"
+
+
+def test_decode_times_a_ue8m0_scale_is_the_reference_dequantisation():
+    """The kernels' ue8m0 path: the scale byte ``e`` as bf16 bits ``e << 7`` (both halves), one
+    ``mul.rn.bf16x2`` per two weights: bitwise ``QuantizedTensor.dequantize(bf16)`` for the
+    exponents torch reads as powers of two (1..254)."""
+    g = np.random.default_rng(0)
+    words = g.integers(0, 2**32, size=254 * 8, dtype=np.uint64).astype(np.uint32)
+    e = np.repeat(np.arange(1, 255, dtype=np.uint32), 8)
+    vals = run_ptx(tlm.E2M1X8_PTX, [None, None, None, None, words])[:4]
+    s = (e << 7) | (e << 23)
+    scaled = [run_ptx(tlm.MUL_BF16X2_PTX, [None, v, s])[0] for v in vals]
+    regs = np.stack(scaled, axis=1).astype(np.uint32)
+    got = np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(-1, 8)
+    # the reference: one scale per 32 inputs; give each word (8 inputs) a group of its own
+    data = torch.from_numpy(np.repeat(words, 4).view(np.uint8).copy()).view(len(words), 16)
+    scale = torch.from_numpy(e.astype(np.uint8)).view(UE8M0_DTYPE).view(len(words), 1)
+    want = QuantizedTensor(data, scale, "fp4", (1, 32)).dequantize(torch.bfloat16)[:, :8]
+    want = (want.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF).reshape(-1, 8)
+    assert (got == want).all(), f"{int((got != want).sum())} values differ"
+
+
+def test_decode_source_embeds_the_emulated_ptx():
+    src = tlm.decode_source()
+    for name in (tlm.DECODE_UE8M0, tlm.DECODE_FP32):
+        assert f"void {name}(" in src
+    for line in tlm.E2M1X8_PTX.splitlines()[1:-1]:
+        assert line.strip().replace("$", "%") in src  # the very instructions tested above
+    assert "cvt.rn.bf16x2.f32" in src  # the fp32-scale path rounds the fp32 product once
+
+
+# ---------------------------------------------------------------------------------------------
+# launch plan, supports, choice
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 4096])
+def test_launch_plan_covers_every_feature_and_tile(tokens):
+    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
+
+    plan = tlm.launch_plan(tokens, 6, 256, 4096, 2048)
+    bm = tile_rows(tokens * 6, 256, False)
+    assert plan["block_m"] == bm and plan["tiles"] == tile_count(tokens * 6, 256, bm)
+    assert plan["gate_up_grid"] == (2048 // tlm.ATOM, plan["tiles"])  # 64 features, gate + up rows
+    assert plan["down_grid"][0] * tlm.ROWS == 4096  # 128 model features a CTA
+    assert bm in (16, 32, 64)  # the wgmma N of the token side
+
+
+def _fp4(e, out, inp, scale_dtype="ue8m0", group=32):
+    data = torch.zeros(e, out, inp // 2, dtype=torch.uint8)
+    scale = torch.ones(e, out, inp // group)
+    return QuantizedTensor(
+        data, scale.to(UE8M0_DTYPE) if scale_dtype == "ue8m0" else scale, "fp4", (1, group)
+    )
+
+
+def _call(t=4, d=256, i=128, e=8, k=2, dtype=torch.bfloat16, **kw):
+    x = torch.zeros(t, d, dtype=dtype)
+    ids = torch.zeros(t, k, dtype=torch.int64)
+    w = torch.ones(t, k)
+    gate_up = kw.get("gate_up", _fp4(e, 2 * i, d))
+    down = kw.get("down", _fp4(e, d, i))
+    return x, ids, w, gate_up, down, 10.0
+
+
+def test_tilelang_supports_v4_fp4_calls_and_names_what_it_refuses():
+    assert moe_dispatch.tilelang_supports(*_call()) is True
+    assert moe_dispatch.tilelang_supports(*_call(gate_up=_fp4(8, 256, 256, "fp32"))) is True
+    cases = {
+        "bfloat16": _call(dtype=torch.float16),
+        "FP4 QuantizedTensor": _call(down=torch.zeros(8, 256, 128, dtype=torch.bfloat16)),
+        "groups of 64": _call(gate_up=_fp4(8, 256, 256, group=64)),
+        "multiples of 128": _call(d=192, gate_up=_fp4(8, 256, 192), down=_fp4(8, 192, 128)),
+        "no (token, slot) pairs": _call(t=0),
+    }
+    for needle, args in cases.items():
+        verdict = moe_dispatch.tilelang_supports(*args)
+        assert isinstance(verdict, str) and needle in verdict, (needle, verdict)
+    x, ids, w, gu, dn, lim = _call()
+    many = 300_000  # one expert, 16 slots a token: 4.8M pairs in tiles of 64, past the grid's 65535
+    big = (x[:1].expand(many, -1), ids[:1, :1].expand(many, 16), w[:1, :1].expand(many, 16))
+    assert "at most 65535" in moe_dispatch.tilelang_supports(*big, _fp4(1, 256, 256), _fp4(1, 256, 128), lim)
+    strided = QuantizedTensor(gu.data.transpose(0, 1).contiguous().transpose(0, 1), gu.scale, "fp4", (1, 32))
+    assert "contiguous" in moe_dispatch.tilelang_supports(x, ids, w, strided, dn, lim)
+
+
+def test_choice_kind_names_the_scale_format():
+    assert moe_dispatch.choice_kind(_fp4(2, 4, 64)) == "fp4"
+    assert moe_dispatch.choice_kind(_fp4(2, 4, 64, "fp32")) == "fp4+fp32"
+
+
+def _point(pairs: int, tl: float, tr: float) -> kernel_choice.Point:
+    return kernel_choice.Point(
+        "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, {"tilelang": tl, "triton": tr}
+    )
+
+
+def test_measured_points_pick_the_faster_language_and_triton_outside_them():
+    points = (_point(96, 1.0, 2.0), _point(1536, 3.0, 2.0))
+
+    def choose(pairs, available=BOTH):
+        return kernel_choice.choose(
+            "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, "sm90", available, points=points
+        )
+
+    assert choose(96) == "tilelang" and choose(120) == "tilelang"
+    assert choose(1536) == "triton"
+    assert choose(6) == "triton"  # fewer pairs than any measured point
+    assert choose(96, frozenset({"triton"})) == "triton"
+
+
+def test_dispatch_keeps_triton_off_the_gpu_in_batch_invariant_mode_and_fp8_math(monkeypatch):
+    """The CPU calls here, the batch-invariant mode and the FP8 math never reach TileLang,
+    whatever the table says."""
+    assert moe_dispatch.choose_language(*_call()) == "triton"  # a CPU tensor
+    cuda = torch.device("cuda", 0)
+    assert "cpu" in moe_dispatch.mode_problem(torch.device("cpu"))
+    with batch_invariant_mode(True):
+        assert "batch-invariant" in moe_dispatch.mode_problem(cuda)
+    monkeypatch.setenv("DEEPINFER_MOE_MATH", "fp8")
+    assert "fp8" in moe_dispatch.mode_problem(cuda)
+    monkeypatch.setenv("DEEPINFER_MOE_MATH", "bf16")
+    assert moe_dispatch.mode_problem(cuda) is None
+
+
+def test_the_op_registers_the_dispatcher():
+    from deepinfer_cuda_sm100.moe_ops import moe_ops
+
+    fn = moe_ops()["moe_experts"].fn
+    assert fn.__name__ == "moe_experts" and "TileLang" in fn.__doc__
+
+
+def test_precompile_lists_every_decode_tile_and_scale_kind():
+    from deepinfer_cuda_sm100.tl.precompile import moe_configurations
+
+    configs = moe_configurations(4096, 2048)
+    assert {(c[0], c[3], c[4]) for c in configs} == {
+        (kind, bm, scale) for kind in ("gate_up", "down") for bm in (16, 32, 64) for scale in tlm.SCALE_KINDS
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering (where TileLang imports, no GPU needed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kind", ["gate_up", "down"])
+def test_every_configuration_lowers_for_sm90(kind):
+    import tilelang
+    import tvm
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
+    for bm in (16, 32, 64):
+        for scale in tlm.SCALE_KINDS:
+            with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
+                src = tilelang.lower(build(4096, 2048, bm, scale), target=target).kernel_source
+            assert f"64, {bm}, 16" in src, "the transposed wgmma: 64 weight rows x BLOCK_M tokens"
+            assert "cp_async_gs<16>" in src and tlm.DECODE_UE8M0 in src
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+V4_D, V4_I, V4_K = 4096, 2048, 6
+
+
+def _gpu_ready() -> None:
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+
+
+def _v4_cases() -> list[tuple]:
+    """FP4 conformance cases at V4-Flash widths on the GPU (random codes, scales near
+    ``1 / (3 sqrt(inp))``): ue8m0 and float32 scales, 1 to 256 tokens, a duplicate expert, a
+    shared expert."""
+    from test_moe_kernel import _random_fp4, _routing
+
+    out = []
+    for scale in ("ue8m0", "fp32"):
+        gate_up, down = _random_fp4(64, 2 * V4_I, V4_D, scale), _random_fp4(64, V4_D, V4_I, scale)
+        for tokens in (1, 16, 64, 256):
+            g = torch.Generator().manual_seed(tokens)
+            ids, weights = _routing(g, tokens, 64, V4_K)
+            if tokens > 1:
+                ids[1, 1] = ids[1, 0]  # a token routed twice to one expert
+            x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
+            shared = (
+                torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
+            )
+            out.append((x, ids.cuda(), weights.cuda(), gate_up, down, 10.0, shared))
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_matches_the_reference_at_v4_flash_shapes():
+    _gpu_ready()
+    from deepinfer_core.ops.moe import moe_experts as reference
+
+    for args in _v4_cases():
+        assert moe_dispatch.tilelang_supports(*args) is True
+        want = reference(*args).float()
+        got = tlm.moe_experts(*args).float()
+        scale = want.abs().max().item()
+        assert scale > 0.1, "degenerate outputs"
+        torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
+    _gpu_ready()
+    for args in _v4_cases()[1:4]:
+        eager = tlm.moe_experts(*args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            tlm.moe_experts(*args)  # warm
+            with torch.cuda.graph(graph, stream=stream):
+                out = tlm.moe_experts(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
