@@ -90,9 +90,11 @@ def build_attention(
     t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
     t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
     # the pipelined loop's statements: row offsets and the gathers in stage 0 (2 plain, 4
-    # packed), the dequantisation and the 12 of the softmax block in stage 1
-    loads, math = (2, 12) if fp8 is None else (4, 13)
+    # packed), the dequantisation (3 loops) and the 12 of the softmax block in stage 1
+    loads, math = (2, 12) if fp8 is None else (4, 15)
     order, stage = list(range(loads + math)), [0] * loads + [1] * math
+    if fp8 is not None:  # the 8-byte words of a packed row holding its scale bytes
+        scale_words = -(-(fp8.scale_offset % 8 + fp8.groups) // 8)
 
     @T.macro
     def key_offsets(off, t, j0, compact, nvalid, block_table, token_rows, bases, strides, epp):
@@ -143,26 +145,34 @@ def build_attention(
             k_s[i, d] = flat[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
 
     @T.macro
-    def gather_fp8(raw8, raw16, scales, off, flat8, flat16, flat_u8, base0):
-        """Stage 0: copy a block of packed rows' nope bytes, rope values and scale bytes into
-        shared memory (asynchronous copies)."""
-        nope, rope_offset, scale_offset = fp8.nope, fp8.rope_offset, fp8.scale_offset
+    def gather_fp8(raw8, raw16, scales, off, flat8, flat16, flat64, base0):
+        """Stage 0: copy a block of packed rows' nope bytes, rope values and the 8-byte words
+        holding the scale bytes into shared memory (8-byte asynchronous copies: packed rows
+        are 8-byte aligned, and their length is a multiple of 8 bytes)."""
+        nope, rope_offset, s0 = fp8.nope, fp8.rope_offset, fp8.scale_offset // 8
         for i, d in T.Parallel(BN, nope):
             raw8[i, d] = flat8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + d]
         for i, r in T.Parallel(BN, D - nope):
             raw16[i, r] = flat16[T.if_then_else(off[i] >= 0, off[i], base0) * 4 + rope_offset // 2 + r]
-        for i, g in T.Parallel(BN, fp8.groups):
-            scales[i, g] = flat_u8[T.if_then_else(off[i] >= 0, off[i], base0) * 8 + scale_offset + g]
+        for i, c in T.Parallel(BN, scale_words):
+            scales[i, c] = flat64[T.if_then_else(off[i] >= 0, off[i], base0) + s0 + c]
 
     @T.macro
-    def dequantise(k_s, raw8, raw16, scales):
-        """Stage 1: ``fp8 * 2**(scale byte - 127)`` for the nope values, the bfloat16 rope values
-        as they are (:mod:`deepinfer_core.ops.kv_format`), into the shared key tile."""
-        for i, d in T.Parallel(BN, D):
-            c = T.min(d, fp8.nope - 1)
-            scale = T.exp2(T.Cast(acc_t, scales[i, c // 64]) - 127.0)
-            value = T.Cast(dtype, T.Cast(acc_t, raw8[i, c]) * scale)
-            k_s[i, d] = T.if_then_else(d < fp8.nope, value, raw16[i, T.max(d - fp8.nope, 0)])
+    def dequantise(k_s, raw8, raw16, scales, factors):
+        """Stage 1: ``fp8 * 2**(scale byte - 127)`` for the nope values (the power of two built
+        from the byte's bits, as :func:`~deepinfer_core.ops.kv_format.pow2` does; the product
+        is exact in fp32, then rounded to the key dtype), the bfloat16 rope values as they are
+        (:mod:`deepinfer_core.ops.kv_format`), into the shared key tile.  Loops of one kind
+        each, so that they vectorise (8 values a thread at a time)."""
+        first = fp8.scale_offset % 8  # the first scale byte within the copied words
+        for i, g in T.Parallel(BN, fp8.groups):
+            word = scales[i, (first + g) // 8]  # little-endian bytes
+            byte = T.Cast("uint32", T.bitwise_and(T.shift_right(word, (first + g) % 8 * 8), 255))
+            factors[i, g] = T.reinterpret(acc_t, T.shift_left(byte, T.uint32(23)))
+        for i, d in T.Parallel(BN, fp8.nope):
+            k_s[i, d] = T.Cast(dtype, T.Cast(acc_t, raw8[i, d]) * factors[i, d // 64])
+        for i, r in T.Parallel(BN, D - fp8.nope):
+            k_s[i, fp8.nope + r] = T.Cast(dtype, raw16[i, r])
 
     @T.macro
     def decode(q, sinks, out, part, ml, t, s, hb, pools, sequence, scale2):
@@ -173,7 +183,8 @@ def build_attention(
         if fp8 is not None:
             raw8 = T.alloc_shared((BN, fp8.nope), "float8_e4m3")
             raw16 = T.alloc_shared((BN, D - fp8.nope), "bfloat16")
-            scales = T.alloc_shared((BN, fp8.groups), "uint8")
+            scales = T.alloc_shared((BN, scale_words), "int64")
+            factors = T.alloc_shared((BN, fp8.groups), acc_t)
         acc_o = T.alloc_fragment((BH, D), acc_t)
         acc_s = T.alloc_fragment((BH, BN), acc_t)
         m = T.alloc_fragment((BH,), acc_t)
@@ -198,7 +209,7 @@ def build_attention(
                 gather_plain(k_s, off, pools[0], sequence[4][0])
             else:
                 gather_fp8(raw8, raw16, scales, off, pools[0], pools[1], pools[2], sequence[4][0])
-                dequantise(k_s, raw8, raw16, scales)
+                dequantise(k_s, raw8, raw16, scales, factors)
             attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
         if split:
             for h, d in T.Parallel(BH, D):
@@ -252,7 +263,7 @@ def build_attention(
         q: T.Tensor((n_tok, H, D), dtype),
         flat8: T.Tensor((nf,), "float8_e4m3"),
         flat16: T.Tensor((T.dynamic("NF2"),), "bfloat16"),
-        flat_u8: T.Tensor((nf,), "uint8"),
+        flat64: T.Tensor((T.dynamic("NF8"),), "int64"),
         compact: T.Tensor((n_tok, ke), "int32"),
         nvalid: T.Tensor((n_tok, 4), "int32"),
         block_table: T.Tensor((r_bt, p_bt), "int32"),
@@ -272,7 +283,7 @@ def build_attention(
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
             sequence = (compact, nvalid, block_table, token_rows, (base0, base1, base2), (st0, st1, st2), epp)
-            decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat_u8), sequence, scale2)
+            decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat64), sequence, scale2)
 
     return sparse_attention_decode_fp8
 
@@ -388,7 +399,7 @@ def _flat_views(kv_pools, fp8: Fp8Geometry | None, dtype: torch.dtype):
     views = (
         (flat(dtype),)
         if fp8 is None
-        else (flat(torch.float8_e4m3fn), flat(torch.bfloat16), flat(torch.uint8))
+        else (flat(torch.float8_e4m3fn), flat(torch.bfloat16), flat(torch.int64))
     )
     bases = [(x.data_ptr() - lowest.data_ptr()) // unit for x in data] + [0] * (3 - len(data))
     strides = [x.stride(0) * x.element_size() // unit for x in data] + [0] * (3 - len(data))
