@@ -74,10 +74,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results:
         r["vs_hf"] = r["tokens_per_s"] / results[0]["tokens_per_s"] if hf is not None else None
     print(f"deepinfer backend: {backend}")
-    h.print_table(results, [("engine", "engine", ""), ("workload", "workload", ""),
-                            ("prompts", "num_prompts", "d"), ("prompt tok", "prompt_tokens", "d"),
-                            ("new tok", "new_tokens", "d"), ("s", "seconds", ".2f"),
-                            ("tok/s", "tokens_per_s", ".1f"), ("vs hf", "vs_hf", ".2f")])  # fmt: skip
+    cols = "engine workload num_prompts:d prompt_tokens:d new_tokens:d seconds:.2f tokens_per_s:.1f vs_hf:.2f"
+    h.print_table(results, cols)
     report = {"args": vars(args), "model_dir": str(model_dir), "backend": backend, "results": results,
               "all_runs_seconds": runs}  # fmt: skip
     if hf is not None:

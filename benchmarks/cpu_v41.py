@@ -21,15 +21,11 @@ from deepinfer_core.models.deepseek_v41.model import TAIL_ENV
 
 def engine(model_dir: Path, tail: str | None = None, **kw):
     """An engine over the tiny V4.1 with the prefill tail set (read when the model is built)."""
-    from deepinfer_core.config import EngineConfig
-    from deepinfer_core.engine.llm_engine import LLMEngine
-    from deepinfer_core.llm import LLM
+    from deepinfer_core import LLM
 
     os.environ.pop(TAIL_ENV, None)
-    if tail is not None:
-        os.environ[TAIL_ENV] = tail
-    cfg = EngineConfig(model=str(model_dir), backend="reference", dtype="float32", **kw)
-    llm = LLM.from_engine(LLMEngine(cfg))
+    os.environ.update({TAIL_ENV: tail} if tail else {})
+    llm = LLM(str(model_dir), backend="reference", dtype="float32", **kw)
     os.environ.pop(TAIL_ENV, None)
     return llm
 
@@ -117,16 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or make_tiny(Path(tmp) / "v41")
         report = {part.__name__: part(model_dir, args) for part in (throughput, prefix, tail)}
     t, p, d = report["throughput"], report["prefix"], report["tail"]
-    rows = [(f"prefill tok/s ({t['num_prompts']}x{t['prompt_len']})", f"{t['prefill_tok_s']:.1f}"),
-            (f"decode tok/s ({t['num_prompts']} seqs)", f"{t['decode_tok_s']:.1f}"),
-            ("prefix hit rate (hot)", f"{p['hot']['hit_rate']:.3f}"),
-            ("TTFT cold / hot (ms)", f"{p['cold']['ttft_ms']:.1f} / {p['hot']['ttft_ms']:.1f}"),
-            ("prefill s full / tail", f"{d['full']['prefill_s']:.3f} / {d['tail']['prefill_s']:.3f}"),
-            ("tail speedup", f"{d['speedup']:.2f}"),
-            ("tail max |logit error|", f"{d['max_abs_logit_error']:.3f}")]  # fmt: skip
-    h.print_table(
-        [{"workload": w, "value": v} for w, v in rows], [("workload", "workload", ""), ("value", "value", "")]
-    )
+    print(f"prefill tok/s ({t['num_prompts']}x{t['prompt_len']}): {t['prefill_tok_s']:.1f}")
+    print(f"decode tok/s ({t['num_prompts']} seqs): {t['decode_tok_s']:.1f}")
+    print(f"prefix hit rate (hot): {p['hot']['hit_rate']:.3f}")
+    print(f"TTFT cold / hot (ms): {p['cold']['ttft_ms']:.1f} / {p['hot']['ttft_ms']:.1f}")
+    print(f"prefill s full / tail: {d['full']['prefill_s']:.3f} / {d['tail']['prefill_s']:.3f}")
+    print(f"tail speedup: {d['speedup']:.2f}; tail max |logit error|: {d['max_abs_logit_error']:.3f}")
     h.write_json(args.output, report)
     return 0
 

@@ -35,18 +35,9 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepinfer_core.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--backend",
-        args.backend,
-    ]
-    cmd += ["--model", args.model] if args.model else []
-    cmd += ["--config", args.config] if args.config else []
+    cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port)]
+    for flag in ("backend", "model", "config"):
+        cmd += [f"--{flag}", getattr(args, flag)] if getattr(args, flag) else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -146,13 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]["output_tok_s"]
         r["same_text"] = sum(map(str.__eq__, r["texts"], direct[r["batch"]]["texts"]))
-    cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
-            ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("engine proc CPU s", "server_cpu_s", ".2f"),
-            ("client CPU s", "client_cpu_s", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
-            ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p90 ms", "ttft_p90_ms", ".1f"),
-            ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
-            ("x LLM.generate", "vs_llm_generate", ".2f"), ("same text", "same_text", "d")]  # fmt: skip
-    h.print_table(rows, cols)
+    cols = "path batch:d output_tokens:d chunks:d seconds:.2f server_cpu_s:.2f client_cpu_s:.2f"
+    cols += " output_tok_s:.0f ttft_p50_ms:.1f ttft_p90_ms:.1f itl_p50_ms:.2f itl_p90_ms:.2f"
+    h.print_table(rows, cols + " vs_llm_generate:.2f same_text:d")
     results = [{k: v for k, v in r.items() if k != "texts"} for r in rows]
     h.write_json(args.output, {"args": vars(args), "backend": llm.client.backend.name, "results": results})
     return 0

@@ -135,12 +135,11 @@ def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
     """``(fn(), seconds)`` by ``time.perf_counter``; ``sync`` (e.g. ``torch.cuda.synchronize``)
     runs before the clock starts and before it stops."""
-    if sync is not None:
-        sync()
+    sync = sync or (lambda: None)
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    if sync is not None:
-        sync()
+    sync()
     return out, time.perf_counter() - t0
 
 
@@ -210,16 +209,12 @@ def write_json(path: Path | str, report: dict[str, Any], device: Any = None, qui
     return path
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
-    """Print ``rows`` aligned: ``columns`` are ``(header, key, format spec)``; a missing or
-    ``None`` value prints as ``-``."""
-
-    def cell(row: dict[str, Any], key: str, spec: str) -> str:
-        value = row.get(key)
-        return "-" if value is None else format(value, spec)
-
-    cells = [[cell(r, key, spec) for _, key, spec in columns] for r in rows]
+def print_table(rows: Sequence[dict[str, Any]], columns: str | Sequence[tuple[str, str, str]]) -> None:
+    """Print ``rows`` aligned: ``columns`` are ``(header, key, format spec)``, or one string of
+    ``key:spec`` words (the key is the header); a missing or ``None`` value prints as ``-``."""
+    if isinstance(columns, str):
+        columns = [(key, key, spec) for key, _, spec in (word.partition(":") for word in columns.split())]
+    cells = [["-" if r.get(key) is None else format(r[key], spec) for _, key, spec in columns] for r in rows]
     widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, (h, _, _) in enumerate(columns)]
-    print("  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths, strict=True)))
-    for c in cells:
-        print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+    for line in [[h for h, _, _ in columns], *cells]:
+        print("  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)))
