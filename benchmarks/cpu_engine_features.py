@@ -27,13 +27,9 @@ def run_once(llm, waves: list[list[list[int]]], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(__doc__, "cpu_engine_features")
+    ints = {"num_prompts": 32, "prefix_len": 512, "suffix_len": 16, "max_tokens": 32, "seed": 0}
+    ap = h.parser(__doc__, "cpu_engine_features", **ints)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
     from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir

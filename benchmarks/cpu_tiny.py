@@ -27,10 +27,7 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; return (and write) the JSON report."""
-    ap = h.parser(__doc__, "cpu_tiny", threads=0)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap = h.parser(__doc__, "cpu_tiny", threads=0, num_prompts=64, max_tokens=64, prompt_len=32)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: the built-in tiny model)")
     ap.add_argument("--skip-hf", action="store_true", help="time DeepInfer only")
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the fastest is reported")

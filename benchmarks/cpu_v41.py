@@ -100,11 +100,8 @@ def tail(model_dir: Path, a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(__doc__, "cpu_v41", threads=0)
-    flags = {"num-prompts": 8, "prompt-len": 64, "max-tokens": 32, "prefix-len": 448, "suffix-len": 16,
-             "tail-len": 512, "tail-prompts": 4, "repeats": 3}  # fmt: skip
-    for flag, default in flags.items():
-        ap.add_argument(f"--{flag}", type=int, default=default)
+    ints = {"num_prompts": 8, "prompt_len": 64, "max_tokens": 32, "prefix_len": 448, "suffix_len": 16}
+    ap = h.parser(__doc__, "cpu_v41", threads=0, **ints, tail_len=512, tail_prompts=4, repeats=3)
     ap.add_argument("--model-dir", type=Path, default=None, help="a tiny V4.1 (default: made in a temp dir)")
     args = h.parse(ap, argv)
     from deepinfer_core.models.deepseek_v41.tiny import make_tiny

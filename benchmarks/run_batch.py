@@ -38,9 +38,8 @@ def child(inp: str, out: str, max_in_flight: int | None) -> None:
 
 
 def main() -> None:
-    ap = h.parser(__doc__, "run_batch")
+    ap = h.parser(__doc__, "run_batch", max_tokens=2)
     ap.add_argument("--sizes", type=h.positive_ints, default=[1000, 100_000], help="input lines per run")
-    ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--max-in-flight", type=int, default=None, help="default: run_batch's (4 x max_num_seqs)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = h.parse(ap)

@@ -108,7 +108,8 @@ def paired_ratios(base_times: list[float], times: list[float]) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = h.parser(__doc__, "speculative")
+    ints = {"max_draft_tokens": 5, "prompt_len": 48, "max_tokens": 96, "requests_per_slot": 4, "repeats": 3}
+    ap = h.parser(__doc__, "speculative", **ints)
     ap.add_argument("--model", help="model dir (default: the built-in tiny model); 'bigram-mtp': the "
                     "tiny model whose MTP layer predicts the target's greedy token after next")  # fmt: skip
     ap.add_argument("--backend", help="backend (default auto)")
@@ -118,9 +119,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--drafter", default="ngram")
     h.add_keep_quantized(ap, "LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept")
     ap.add_argument("--mixed-graph-max-tokens", type=int, help="LLM(mixed_graph_max_tokens=N) (0: eager)")
-    ints = {"max-draft-tokens": 5, "prompt-len": 48, "max-tokens": 96, "requests-per-slot": 4, "repeats": 3}
-    for flag, default in ints.items():
-        ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--length-spread", type=float, default=0.0, help="max_tokens uniform in max_tokens*(1±F)")
     ap.add_argument("--prompts", choices=("repeat", "text"), default="repeat",
                     help="repeat: random blocks repeated; text: the trained tiny model's text")  # fmt: skip

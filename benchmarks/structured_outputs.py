@@ -22,8 +22,8 @@ from typing import Any
 from deepinfer_core.benchmarking import harness as h
 
 CORPUS = Path(__file__).resolve().parents[1] / "plugins" / "samplers" / "tests" / "schema_corpus.py"
-SCHEMAS = "person,order,tool_call,config_file,event_log,object_of_formats,array_of_objects,"
-SCHEMAS += "object_nested_three_levels"  # objects, arrays, formats, patterns, anyOf
+SCHEMAS = "person order tool_call config_file event_log object_of_formats array_of_objects"
+SCHEMAS = [*SCHEMAS.split(), "object_nested_three_levels"]  # objects, arrays, formats, patterns, anyOf
 EQUAL_WORK = {"json": "len-matched", "json-full": "unconstrained"}
 PROFILE_PARTS = {  # label: (file suffix, function); cumulative time of each
     "engine step (total)": ("engine/llm_engine.py", "step"),
@@ -132,7 +132,7 @@ def ttft(llm: Any, args: Any, schema: dict) -> dict[str, Any]:
         one("cold", json_params(fresh, 1))
         one("cached", json_params(copy.deepcopy(fresh), 1))
         one("unconstrained", h.greedy(1, ignore_eos=False))
-    out: dict[str, Any] = {"schema": args.ttft_schema, "repeats": args.ttft_repeats}
+    out: dict[str, Any] = {"schema": "order", "repeats": args.ttft_repeats}
     for kind, s in samples.items():
         out[kind] = {"ttft_ms": 1e3 * statistics.median(x[0] for x in s),
                      "all_ttft_ms": [1e3 * x[0] for x in s],
@@ -167,32 +167,26 @@ def profile(llm: Any, args: Any, schemas: list[dict]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = h.parser(__doc__, "structured_outputs")
+    ap = h.parser(__doc__, "structured_outputs", max_tokens=64, prompt_len=32, ttft_repeats=7)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     ap.add_argument("--batch-sizes", type=h.positive_ints, default=[1, 8, 32])
-    for flag, default in {"max-tokens": 64, "prompt-len": 32, "ttft-repeats": 7}.items():
-        ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode and batch (median kept)")
     ap.add_argument(
         "--queue-factor", type=int, default=16, help="served: Q x B requests, B at a time (0: none)"
     )
-    ap.add_argument("--schemas", default=SCHEMAS, help="comma-separated names from the schema corpus")
-    ap.add_argument("--ttft-schema", default="order", help="corpus schema of the first-token latency test")
     ap.add_argument("--profile", action="store_true", help="cProfile each mode at the largest batch size")
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
-    names, all_schemas = args.schemas.split(","), corpus()
-    if missing := [n for n in [*names, args.ttft_schema] if n not in all_schemas]:
-        raise SystemExit(f"error: unknown schema names {missing}; the corpus has {sorted(all_schemas)}")
-    schemas = [all_schemas[n] for n in names]
+    all_schemas = corpus()
+    schemas = [all_schemas[n] for n in SCHEMAS]
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes))
     cfg = llm.config
     engine = {k: getattr(cfg, k) for k in ("backend", "dtype", "max_num_seqs", "async_scheduling")}
-    report: dict[str, Any] = {"args": vars(args), "model": cfg.model, "schemas": names, "engine": engine}
+    report: dict[str, Any] = {"args": vars(args), "model": cfg.model, "schemas": SCHEMAS, "engine": engine}
     modes = ("unconstrained", "len-matched", "json", "json-full")
     report["throughput"] = [r for b in args.batch_sizes for r in measure(llm, args, schemas, b, b, modes)]
-    report["ttft"] = ttft(llm, args, all_schemas[args.ttft_schema])
+    report["ttft"] = ttft(llm, args, all_schemas["order"])
     report["profile"] = profile(llm, args, schemas) if args.profile else None
     report["served"] = served(llm, args, schemas) if args.queue_factor > 0 else []
     cols = (

@@ -64,15 +64,18 @@ def add_keep_quantized(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--keep-quantized", choices=tuple(KEEP_QUANTIZED), default="auto", help=help)
 
 
-def parser(doc: str, name: str, threads: int | None = 1) -> argparse.ArgumentParser:
+def parser(doc: str, name: str, threads: int | None = 1, **ints: int) -> argparse.ArgumentParser:
     """A benchmark's parser: ``doc``'s first paragraph as description, ``--output`` (alias
-    ``--out``, ``--json``; default ``benchmarks/results/NAME.json``) and, unless ``threads`` is
-    ``None``, ``--threads`` (torch intra-op threads, default ``threads``; 0: torch's default)."""
+    ``--out``, ``--json``; default ``benchmarks/results/NAME.json``), unless ``threads`` is
+    ``None`` ``--threads`` (torch intra-op threads, default ``threads``; 0: torch's default), and
+    an integer flag per keyword of ``ints`` (``prompt_len=32``: ``--prompt-len``, default 32)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0] + " (docs/benchmarks.md)")
     out = RESULTS_DIR / f"{name}.json"
     ap.add_argument("--output", "--out", "--json", type=Path, default=out, help=f"JSON (default {out})")
     if threads is not None:
         ap.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    for key, default in ints.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=default, help=f"(default {default})")
     return ap
 
 
@@ -195,7 +198,7 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     return info
 
 
-def write_json(path: Path | str, report: dict[str, Any], device: Any = None, quiet: bool = False) -> Path:
+def write_json(path: Path | str, report: dict[str, Any], device: Any = None) -> Path:
     """Write ``report`` plus ``"run_info"`` (:func:`machine_info`) to ``path`` (folders made,
     written whole through a temporary file); returns the path."""
     path = Path(path)
@@ -204,8 +207,7 @@ def write_json(path: Path | str, report: dict[str, Any], device: Any = None, qui
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)
-    if not quiet:
-        print(f"wrote {path}")
+    print(f"wrote {path}")
     return path
 
 
