@@ -27,14 +27,9 @@ def run_once(llm, waves: list[list[list[int]]], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: parse flags, run, print, write JSON."""
-    ap = h.parser(__doc__, "cpu_engine_features")
+    ints = {"num_prompts": 32, "prefix_len": 512, "suffix_len": 16, "max_tokens": 32, "seed": 0}
+    ap = h.parser(__doc__, "cpu_engine_features", **ints)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
-    ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
     from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
@@ -53,11 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             llm = LLM(model=model, backend="reference", dtype="float32", max_num_seqs=64, **kw)
             rows.append({"workload": workload, "feature": feature, "enabled": on,
                          **run_once(llm, waves, args.max_tokens)})  # fmt: skip
-    h.print_table(rows, [("workload", "workload", ""), ("feature", "feature", ""), ("on", "enabled", ""),
-                         ("s", "seconds", ".2f"), ("tok/s", "total_tok_s", ".0f"),
-                         ("out tok/s", "output_tok_s", ".0f"), ("prompt tok", "prompt_tokens", "d"),
-                         ("computed", "computed_prompt_tokens", "d"), ("hit", "prefix_hit_tokens", "d"),
-                         ("replayed", "replayed_tokens", "d")])  # fmt: skip
+    cols = "workload feature enabled seconds:.2f total_tok_s:.0f output_tok_s:.0f prompt_tokens:d"
+    h.print_table(rows, cols + " computed_prompt_tokens:d prefix_hit_tokens:d replayed_tokens:d")
     for workload in workloads:
         off, on = (r for r in rows if r["workload"] == workload)
         print(f"{workload}: feature on is {off['seconds'] / on['seconds']:.2f}x the speed of off; "

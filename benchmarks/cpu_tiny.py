@@ -27,10 +27,7 @@ def run_hf(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; return (and write) the JSON report."""
-    ap = h.parser(__doc__, "cpu_tiny", threads=0)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap = h.parser(__doc__, "cpu_tiny", threads=0, num_prompts=64, max_tokens=64, prompt_len=32)
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: the built-in tiny model)")
     ap.add_argument("--skip-hf", action="store_true", help="time DeepInfer only")
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the fastest is reported")
@@ -74,10 +71,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in results:
         r["vs_hf"] = r["tokens_per_s"] / results[0]["tokens_per_s"] if hf is not None else None
     print(f"deepinfer backend: {backend}")
-    h.print_table(results, [("engine", "engine", ""), ("workload", "workload", ""),
-                            ("prompts", "num_prompts", "d"), ("prompt tok", "prompt_tokens", "d"),
-                            ("new tok", "new_tokens", "d"), ("s", "seconds", ".2f"),
-                            ("tok/s", "tokens_per_s", ".1f"), ("vs hf", "vs_hf", ".2f")])  # fmt: skip
+    cols = "engine workload num_prompts:d prompt_tokens:d new_tokens:d seconds:.2f tokens_per_s:.1f vs_hf:.2f"
+    h.print_table(results, cols)
     report = {"args": vars(args), "model_dir": str(model_dir), "backend": backend, "results": results,
               "all_runs_seconds": runs}  # fmt: skip
     if hf is not None:

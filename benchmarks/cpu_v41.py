@@ -21,15 +21,11 @@ from deepinfer_core.models.deepseek_v41.model import TAIL_ENV
 
 def engine(model_dir: Path, tail: str | None = None, **kw):
     """An engine over the tiny V4.1 with the prefill tail set (read when the model is built)."""
-    from deepinfer_core.config import EngineConfig
-    from deepinfer_core.engine.llm_engine import LLMEngine
-    from deepinfer_core.llm import LLM
+    from deepinfer_core import LLM
 
     os.environ.pop(TAIL_ENV, None)
-    if tail is not None:
-        os.environ[TAIL_ENV] = tail
-    cfg = EngineConfig(model=str(model_dir), backend="reference", dtype="float32", **kw)
-    llm = LLM.from_engine(LLMEngine(cfg))
+    os.environ.update({TAIL_ENV: tail} if tail else {})
+    llm = LLM(str(model_dir), backend="reference", dtype="float32", **kw)
     os.environ.pop(TAIL_ENV, None)
     return llm
 
@@ -104,11 +100,8 @@ def tail(model_dir: Path, a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(__doc__, "cpu_v41", threads=0)
-    flags = {"num-prompts": 8, "prompt-len": 64, "max-tokens": 32, "prefix-len": 448, "suffix-len": 16,
-             "tail-len": 512, "tail-prompts": 4, "repeats": 3}  # fmt: skip
-    for flag, default in flags.items():
-        ap.add_argument(f"--{flag}", type=int, default=default)
+    ints = {"num_prompts": 8, "prompt_len": 64, "max_tokens": 32, "prefix_len": 448, "suffix_len": 16}
+    ap = h.parser(__doc__, "cpu_v41", threads=0, **ints, tail_len=512, tail_prompts=4, repeats=3)
     ap.add_argument("--model-dir", type=Path, default=None, help="a tiny V4.1 (default: made in a temp dir)")
     args = h.parse(ap, argv)
     from deepinfer_core.models.deepseek_v41.tiny import make_tiny
@@ -117,16 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or make_tiny(Path(tmp) / "v41")
         report = {part.__name__: part(model_dir, args) for part in (throughput, prefix, tail)}
     t, p, d = report["throughput"], report["prefix"], report["tail"]
-    rows = [(f"prefill tok/s ({t['num_prompts']}x{t['prompt_len']})", f"{t['prefill_tok_s']:.1f}"),
-            (f"decode tok/s ({t['num_prompts']} seqs)", f"{t['decode_tok_s']:.1f}"),
-            ("prefix hit rate (hot)", f"{p['hot']['hit_rate']:.3f}"),
-            ("TTFT cold / hot (ms)", f"{p['cold']['ttft_ms']:.1f} / {p['hot']['ttft_ms']:.1f}"),
-            ("prefill s full / tail", f"{d['full']['prefill_s']:.3f} / {d['tail']['prefill_s']:.3f}"),
-            ("tail speedup", f"{d['speedup']:.2f}"),
-            ("tail max |logit error|", f"{d['max_abs_logit_error']:.3f}")]  # fmt: skip
-    h.print_table(
-        [{"workload": w, "value": v} for w, v in rows], [("workload", "workload", ""), ("value", "value", "")]
-    )
+    print(f"prefill tok/s ({t['num_prompts']}x{t['prompt_len']}): {t['prefill_tok_s']:.1f}")
+    print(f"decode tok/s ({t['num_prompts']} seqs): {t['decode_tok_s']:.1f}")
+    print(f"prefix hit rate (hot): {p['hot']['hit_rate']:.3f}")
+    print(f"TTFT cold / hot (ms): {p['cold']['ttft_ms']:.1f} / {p['hot']['ttft_ms']:.1f}")
+    print(f"prefill s full / tail: {d['full']['prefill_s']:.3f} / {d['tail']['prefill_s']:.3f}")
+    print(f"tail speedup: {d['speedup']:.2f}; tail max |logit error|: {d['max_abs_logit_error']:.3f}")
     h.write_json(args.output, report)
     return 0
 

@@ -81,19 +81,15 @@ def prefill_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") 
     return rows
 
 
-COLUMNS = [
-    ("GPUs", "world", "d"), ("tok/GPU", "tokens_per_gpu", ".0f"), ("ctx", "ctx", ".0f"),
-    ("tok/s max", "tok_s_max", ",.0f"), ("tok/s sum", "tok_s_sum", ",.0f"), ("HBM ms", "t_hbm_ms", ".2f"),
-    ("FLOP ms", "t_compute_ms", ".2f"), ("net ms", "t_network_ms", ".2f"), ("ovh ms", "t_overhead_ms", ".2f"),
-    ("exp GB", "expert_gb", ".2f"), ("imb", "imbalance", ".2f"), ("mem GB", "mem_gb", ".0f"),
-    ("fits", "fits", ""), ("limit", "limiter", ""),
-]  # fmt: skip
+COLUMNS = "world:d tokens_per_gpu:.0f ctx:.0f tok_s_max:,.0f tok_s_sum:,.0f t_hbm_ms:.2f t_compute_ms:.2f"
+COLUMNS += " t_network_ms:.2f t_overhead_ms:.2f expert_gb:.2f imbalance:.2f mem_gb:.0f fits limiter"
 
 
-def print_rows(title: str, rows: list[dict[str, Any]], extra: tuple[tuple[str, str, str], ...] = ()) -> None:
+def print_rows(title: str, rows: list[dict[str, Any]], extra: str = "") -> None:
     print(f"\n{title}")
-    shown = [{**r, "mem_gb": r["weights_gb_resident"] + r["kv_gb_resident"]} for r in rows]
-    print_table(shown, [*COLUMNS, *extra])
+    print_table(
+        [{**r, "mem_gb": r["weights_gb_resident"] + r["kv_gb_resident"]} for r in rows], COLUMNS + extra
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,13 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         f"per token; GPU {gpu.name}; weights {args.fmt}; KV fp8 (584 B / entry)"
     )
     model = {"name": m.name, "params": m.total_params, "active": m.active_params}
-    data = {
-        "model": model,
-        "gpu": asdict(gpu),
-        "fmt": asdict(cm.FORMATS[args.fmt]),
-        "decode": {},
-        "prefill": {},
-    }
+    data = {"model": model, "gpu": asdict(gpu), "fmt": asdict(cm.FORMATS[args.fmt]), "decode": {}}
     uniform = cm.Routing()
     for routing in (uniform, cm.Routing(args.zipf, True), cm.Routing(args.zipf, False)):
         rows = data["decode"][routing.label] = scaling_table(gpu, routing, args.fmt)
@@ -123,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             print_rows(f"decode, V4-Flash, DP = EP = GPUs, routing {routing.label}", rows)
         else:
             print_rows(f"decode ctx 4096, routing {routing.label}", [r for r in rows if r["ctx"] == 4096])
-    pre = data["prefill"][uniform.label] = prefill_table(gpu, uniform, args.fmt)
+    pre = prefill_table(gpu, uniform, args.fmt)
+    data["prefill"] = {uniform.label: pre}
     title = "prefill, V4-Flash, 8192 tokens per GPU (cp 1) or prompt / C (cp C)"
-    print_rows(title, pre, (("cp", "cp", "d"), ("TTFT s", "ttft_s_max", ".3g")))
+    print_rows(title, pre, " cp:d ttft_s_max:.3g")
     write_json(args.output, data)
     return 0
 

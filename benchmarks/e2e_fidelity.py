@@ -52,11 +52,9 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], top: int) -> d
 
 
 def main() -> int:
-    ap = h.parser(__doc__, "e2e_fidelity", threads=None)
+    ints = {"layers": 4, "experts": 64, "prompts": 4, "prompt_len": 512}
+    ap = h.parser(__doc__, "e2e_fidelity", threads=None, **ints, new_tokens=16, top=5, seed=0)
     ap.add_argument("--model-dir", type=Path, required=True, help="checkpoint folder (written when absent)")
-    for flag, default in (("layers", 4), ("experts", 64), ("prompts", 4), ("prompt-len", 512),
-                          ("new-tokens", 16), ("top", 5), ("seed", 0)):  # fmt: skip
-        ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--backend", default="cuda_sm100")
     args = h.parse(ap)
     if not torch.cuda.is_available():
@@ -85,23 +83,13 @@ def main() -> int:
 
     ref = measure("float32", **oracle)[0]
     h.log("reference (float32, dequantised weights) done")
-    rows = [
-        {
-            "backend": "reference",
-            "fp8_prefill": "-",
-            **compare(ref, measure("bfloat16", **oracle)[0], args.top),
-        }
-    ]
+    runs = [("reference", "-", measure("bfloat16", **oracle)[0])]
     maths = ("w8a16", "w8a8")
     fast = measure("bfloat16", maths, backend=args.backend, keep_quantized=True, **common)
-    rows += [
-        {"backend": args.backend, "fp8_prefill": m, **compare(ref, got, args.top)}
-        for m, got in zip(maths, fast, strict=True)
-    ]
-    h.print_table(rows, [("backend", "backend", ""), ("fp8 prefill", "fp8_prefill", ""),
-                         ("max|dlp|", "max_abs_dlogprob", ".4f"), ("p99|dlp|", "p99_abs_dlogprob", ".4f"),
-                         ("mean|dlp|", "mean_abs_dlogprob", ".4f"), ("top1", "top1_agreement", ".3f"),
-                         ("greedy eq", "greedy_equal", "d")])  # fmt: skip
+    runs += [(args.backend, m, got) for m, got in zip(maths, fast, strict=True)]
+    rows = [{"backend": b, "fp8_prefill": m, **compare(ref, got, args.top)} for b, m, got in runs]
+    cols = "backend fp8_prefill max_abs_dlogprob:.4f p99_abs_dlogprob:.4f mean_abs_dlogprob:.4f"
+    h.print_table(rows, cols + " top1_agreement:.3f greedy_equal:d")
     h.write_json(args.output, {"params": vars(args), "rows": rows}, device="cuda")
     return 0
 

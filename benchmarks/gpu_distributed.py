@@ -51,11 +51,12 @@ PARTS = ("decode", "cp", "eplb")
 T_START = time.perf_counter()  # --time-budget counts from here
 HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the --eplb-hot-ids ones
 FILLER_LEN = 8  # prompt ids of the eplb part's filler requests (one per rank)
+SEED, BUILD_S, TIMEOUT_S = 0, 75.0, 180.0  # prompts and weights; --time-budget a build needs; NCCL's
 DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, with --smoke, help)
     "parts": ("decode,cp", ",".join(PARTS), f"comma-separated subset of {','.join(PARTS)}"),
     "backend": ("cuda_sm100", "reference", "DeepInfer backend"),
     "device": ("cuda", "cpu", "device type of every rank"),
-    "dtype": ("bfloat16", "float32", f"one of {','.join(sorted(e2e.DTYPES))}"),
+    "dtype": ("bfloat16", "float32", "bfloat16 or float32"),
     "batch_sizes": ("64,256", "2,4", "decode batch sizes per GPU"),
     "prompt_len": (512, 24, "decode prompts' length"),
     "new_tokens": (32, 6, "tokens per decode request (>= 2)"),
@@ -67,13 +68,9 @@ DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, wi
     "cp_min_tokens": (None, 64, f"sets {CP_MIN_TOKENS_ENV} (none: the engine's)"),
     "eplb_hot_ids": (4, 2, f"eplb: {HOT_PERCENT} %% of the prompt ids come from this many ids"),
 }
-COLUMNS = [  # the printed table: (header, key, format)
-    ("name", "name", ""), ("value", "value", ".1f"), ("unit", "unit", ""),
-    ("x 1 GPU/GPU", "per_gpu_vs_1gpu", ".2f"), ("step ms", "decode_step_ms_full_batch", ".2f"),
-    ("TTFT ms", "ttft_ms", ".1f"), ("x 1 GPU", "speedup_vs_1gpu", ".2f"),
-    ("tokens equal", "greedy_tokens_equal_to_1gpu", ""), ("max/mean load", "max_over_mean_load", ".3f"),
-    ("placement", "placement", ""), ("x before", "per_gpu_vs_before", ".2f"), ("error / skipped", "why", ""),
-]  # fmt: skip
+COLUMNS = "name value:.1f unit per_gpu_vs_1gpu:.2f decode_step_ms_full_batch:.2f ttft_ms:.1f"
+COLUMNS += " speedup_vs_1gpu:.2f greedy_tokens_equal_to_1gpu max_over_mean_load:.3f placement"
+COLUMNS += " per_gpu_vs_before:.2f why"
 
 
 def die(msg: str) -> SystemExit:
@@ -89,17 +86,16 @@ class Bench:
         self.args, self.model_dir, self.vocab, self.report = args, model_dir, vocab, report
         self.device, self.world, n = torch.device(args.device), args.world, args.world
         self.cuda = self.device.type == "cuda"
-        self.kinds = {"1gpu": {}, f"dp{n}ep{n}": {"data_parallel_size": n, "enable_expert_parallel": True},
-                      f"dp{n}": {"data_parallel_size": n}}  # fmt: skip
-        dtype_fmt = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
-        self.fmt = "fp8_fp4" if args.keep_quantized else dtype_fmt  # the rows' weight format
+        ep = {"data_parallel_size": n, "enable_expert_parallel": True}
+        self.kinds = {"1gpu": {}, f"dp{n}ep{n}": ep, f"dp{n}": {"data_parallel_size": n}}
+        self.fmt = "fp8_fp4" if args.keep_quantized else {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
         self.llm: LLM | None = None
         self.name: str | None = None  # the live engine's
         self.failed: dict[str, str] = {}  # engines that failed to build: why
         self.cp_tokens: dict[str, list[list[int]]] = {}  # greedy tokens of the CP prompts, by engine
 
     def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
-        return e2e.make_prompts(tag, count, length, self.vocab, self.args.seed)
+        return e2e.make_prompts(tag, count, length, self.vocab, SEED)
 
     def skewed_prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
         """``HOT_PERCENT`` % of the ids from ``--eplb-hot-ids`` fixed ids, the rest uniform (V4's
@@ -122,25 +118,24 @@ class Bench:
     def job(self, row: str, engine: str, options: dict[str, Any], fn: Callable, *fn_args: Any) -> None:
         """``fn(llm, *fn_args)`` on the engine ``engine`` (built unless it is the live one); a skip
         (an engine that failed to build, the time budget) or a failure is the row ``row``."""
-        a, elapsed = self.args, time.perf_counter() - T_START
-        need = 0.0 if self.name == engine else a.build_reserve
+        budget, elapsed = self.args.time_budget, time.perf_counter() - T_START
+        need = 0.0 if self.name == engine else BUILD_S
         why = (
             f"engine {engine} failed to build ({self.failed[engine][:300]})" if engine in self.failed else ""
         )
-        if not why and a.time_budget and elapsed + need > a.time_budget:
-            why = f"time budget of {a.time_budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
+        if not why and budget and elapsed + need > budget:
+            why = f"time budget of {budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
         if why:
             log(f"{row}: skipped: {why}")
             return self.report.error(row, f"skipped: {why}", "skipped")
         log(f"{row} ...")
-        built = False
+        llm = None
         try:
             llm = self.engine(engine, options)
-            built = True
             fn(llm, *fn_args)
         except Exception as e:  # recorded, not raised: the other measurements still run
             text = f"{type(e).__name__}: {e}"
-            if not built:
+            if llm is None:
                 self.failed[engine] = text
                 text = f"engine {engine} failed to build: {text}"
             log(f"{row} FAILED: {text}")
@@ -153,37 +148,29 @@ class Bench:
         if self.llm is not None and self.name == name:
             return self.llm
         self.free_engine()
-        a = self.args
+        a, t0 = self.args, time.perf_counter()
         world = options.get("data_parallel_size", 1) * options.get("context_parallel_size", 1)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if a.log_dir is not None:  # the workers' rank<k>.log files of this engine
             os.environ[LOG_DIR_ENV] = str(a.log_dir / name)
         log(f"  building engine {name} (world {world}): {options}")
-        t0 = time.perf_counter()
         self.llm = llm = LLM(
-            model=str(self.model_dir), backend=a.backend, device=a.device, dtype=a.dtype, seed=a.seed,
-            keep_quantized=a.keep_quantized, kv_cache_dtype=a.kv_cache_dtype,
-            distributed_timeout_s=a.dist_timeout, **options,
+            model=str(self.model_dir), backend=a.backend, device=a.device, dtype=a.dtype, seed=SEED,
+            keep_quantized=a.keep_quantized, distributed_timeout_s=TIMEOUT_S, **options,
         )  # fmt: skip
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        self.name, runner = name, llm.engine.runner
+        self.name, runner, dist = name, llm.engine.runner, torch.distributed
         info: dict[str, Any] = {
-            "engine": name, "world": world, "options": options,
-            "backend": getattr(getattr(llm.engine, "backend", None), "name", None),
-            "build_s": time.perf_counter() - t0, "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
-            "keep_quantized": llm.config.keep_quantized,
+            "engine": name, "world": world, "options": options, "build_s": time.perf_counter() - t0,
+            "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
             "rank0_weight_gib": runner.model.weight_bytes() / 2**30,
-            "rank0_device": str(runner.device), "graph_buckets": sorted(getattr(runner, "graphs", {}) or []),
-            "cp_min_tokens": getattr(runner.model, "cp_min_tokens", None),
+            "graph_buckets": sorted(getattr(runner, "graphs", {}) or []),
+            "dist_backend": dist.get_backend() if world > 1 and dist.is_initialized() else None,
         }  # fmt: skip
-        if world > 1:
-            dist = torch.distributed
-            info["dist_backend"] = dist.get_backend() if dist.is_initialized() else None
-            info["log_dir"] = getattr(llm.client, "log_dir", None)
-            if info["dist_backend"] != ("nccl" if self.cuda else "gloo"):
-                raise RuntimeError(f"the run's default process group is {info['dist_backend']!r}")
+        if world > 1 and info["dist_backend"] != ("nccl" if self.cuda else "gloo"):
+            raise RuntimeError(f"the run's default process group is {info['dist_backend']!r}")
         if self.cuda:
             info["rank0_gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
         log(f"  engine {info}")
@@ -224,15 +211,14 @@ class Bench:
 
     def decode(self, llm: LLM, kind: str, batch: int) -> None:
         """B requests per GPU (``world * B`` in all); tok/s per GPU from rank 0's steps."""
-        a = self.args
-        world = 1 if kind == "1gpu" else self.world
+        a, world = self.args, 1 if kind == "1gpu" else self.world
         warmup = self.prompts(f"warmup-decode-w{world}-B{batch}", batch * world, min(a.prompt_len, 128))
         e2e.run_llm(llm, warmup, 4)
         row = self.measure_decode(llm, self.prompts(f"decode-B{batch}", batch * world, a.prompt_len), batch)
         row = {"name": f"decode.{kind}.B{batch}", **row, "mode": kind}
         if world > 1:
-            if self.row(f"decode.1gpu.B{batch}").get("value"):
-                row["per_gpu_vs_1gpu"] = row["value"] / self.row(f"decode.1gpu.B{batch}")["value"]
+            if one := self.row(f"decode.1gpu.B{batch}").get("value"):
+                row["per_gpu_vs_1gpu"] = row["value"] / one
             ranks = llm.get_metrics().get("per_rank", [])
             row["per_rank_generated_tokens"] = [m.get("num_generated_tokens") for m in ranks]
         self.report.add(row)
@@ -303,33 +289,29 @@ class Bench:
 
     # -- eplb
     def run_eplb(self) -> None:
-        """DP N + EP N with EPLB: window and interval ``R`` = ``--eplb-interval``, else twice a
-        bound of one round's steps (prefill in chunks, the decode steps, slack), so that the warm-up
-        and the "before" round end before the rebalancing."""
-        a, n = self.args, self.world
-        bound = -(-a.eplb_batch * (a.prompt_len + a.new_tokens) // a.chunk) + a.new_tokens + 4
-        r = a.eplb_interval or 2 * bound + 2
-        eplb = {"window_steps": r, "rebalance_interval": r, "num_redundant_experts": a.eplb_redundant}
+        """DP N + EP N with EPLB (``--batch-sizes``' first per GPU, N redundant experts): window and
+        interval ``R`` twice a bound of one round's steps (prefill in chunks, the decode steps,
+        slack), so that the warm-up and the "before" round end before the rebalancing."""
+        a, n, batch = self.args, self.world, self.args.batch_sizes[0]
+        r = 2 * (-(-batch * (a.prompt_len + a.new_tokens) // a.chunk) + a.new_tokens + 4) + 2
+        eplb = {"window_steps": r, "rebalance_interval": r, "num_redundant_experts": n}
         max_len = max(a.prompt_len, FILLER_LEN) + a.new_tokens + 16
-        options = self.options(a.eplb_batch, a.chunk, max_len, **self.kinds[f"dp{n}ep{n}"], eplb=eplb)
-        self.job("eplb", f"eplb.dp{n}ep{n}", options, self.eplb, eplb)
+        options = self.options(batch, a.chunk, max_len, **self.kinds[f"dp{n}ep{n}"], eplb=eplb)
+        self.job("eplb", f"eplb.dp{n}ep{n}", options, self.eplb, eplb, batch)
 
-    def eplb(self, llm: LLM, eplb: dict[str, int]) -> None:
+    def eplb(self, llm: LLM, eplb: dict[str, int], batch: int) -> None:
         """A skewed round before the rebalancing at step ``R`` and one after it, filler requests up
         to ``R`` and ``2R``; rows ``eplb.before`` / ``eplb.after``: decode tok/s per GPU and the
         max/mean GPU expert load of steps ``1..R`` and ``R+1..2R`` (the checks at ``R`` and ``2R``)."""
-        a, interval, n = self.args, eplb["window_steps"], self.args.eplb_batch * self.world
+        a, interval, n = self.args, eplb["window_steps"], batch * self.world
         e2e.run_llm(llm, self.skewed_prompts("eplb-warmup", n, a.prompt_len), a.new_tokens)  # in window 1
         rows: dict[str, dict[str, Any]] = {}
         for phase, due in (("before", interval), ("after", 2 * interval)):
             first = self.eplb_state(llm)["steps"]
-            prompts = self.skewed_prompts(f"eplb-{phase}", n, a.prompt_len)
-            row = self.measure_decode(llm, prompts, a.eplb_batch)
+            row = self.measure_decode(llm, self.skewed_prompts(f"eplb-{phase}", n, a.prompt_len), batch)
             state = self.eplb_state(llm)
-            last = state["steps"]
-            if last >= due:
-                msg = f"the '{phase}' round ran to step {last}, past the check at step {due}"
-                raise RuntimeError(f"{msg}: give a larger --eplb-interval (now {interval})")
+            if (last := state["steps"]) >= due:
+                raise RuntimeError(f"the '{phase}' round ran to step {last}, past the check at step {due}")
             while state["steps"] < due:  # filler requests, one a rank, up to the check
                 steps = state["steps"]
                 prompts = self.skewed_prompts(f"eplb-fill-{steps}", self.world, FILLER_LEN)
@@ -385,36 +367,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         add("--" + key.replace("_", "-"), type=kind, default=small if smoke else full, help=help)
     add("--decode-modes", help="decode part's N-GPU engines: dpNepN (default), dpN (no EP); e.g. dp8ep8,dp8")
     add("--keep-quantized", choices=("on", "off"), default="off", help="on: FP8/FP4 weights kept")
-    add("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     add("--enforce-eager", action="store_true", help="no decode graphs on any engine")
     add("--layers", type=int, default=4, help="decoder layers of the e2e model")
     add("--experts", type=int, default=64, help="routed experts of the e2e model (a multiple of --world)")
-    add("--tiny-widths", action="store_true", help="the e2e model's structure at test widths (a CPU check)")
-    add("--eplb-batch", type=int, help="eplb: requests per GPU (default the first of --batch-sizes)")
-    add("--eplb-redundant", type=int, help="eplb: num_redundant_experts (default --world)")
-    add("--eplb-interval", type=int, help="eplb: window_steps = rebalance_interval (default: twice a round)")
     add("--model-dir", type=Path, help="e2e checkpoint folder: reused when it holds it, else written")
-    add("--seed", type=int, default=0)
-    add("--dist-timeout", type=float, default=180.0, help="distributed_timeout_s of the engines")
     add("--log-dir", type=Path, help=f"worker logs: <dir>/<engine>/rank<k>.log (sets {LOG_DIR_ENV})")
     add("--out", "--output", "--json", type=Path, help="results JSON (default benchmarks/results/)")
     add("--append", action="store_true", help="merge into an existing --out (rows replaced by name)")
     add("--time-budget", type=float, default=0.0, help="seconds from the start; later parts are skipped")
-    add("--build-reserve", type=float, default=75.0, help="seconds of the budget an engine build needs")
     args = ap.parse_args(argv)
     n, args.keep_quantized = args.world, args.keep_quantized == "on"
     try:
         args.decode_modes = choice_list((f"dp{n}ep{n}", f"dp{n}"))(args.decode_modes or f"dp{n}ep{n}")
     except argparse.ArgumentTypeError as e:
         ap.error(f"--decode-modes: {e}")
-    if args.dtype not in e2e.DTYPES:
-        ap.error(f"--dtype: choose from {','.join(sorted(e2e.DTYPES))}")
-    args.eplb_batch = args.batch_sizes[0] if args.eplb_batch is None else args.eplb_batch
-    args.eplb_redundant = n if args.eplb_redundant is None else args.eplb_redundant
-    minimum = {"world": 2, "new_tokens": 2, "eplb_redundant": 0, "seed": 0}
-    for key, value in vars(args).items():
-        if type(value) is int and value < minimum.get(key, 1):
-            ap.error(f"--{key.replace('_', '-')} must be >= {minimum.get(key, 1)}")
+    if args.dtype not in ("bfloat16", "float32"):
+        ap.error("--dtype: choose from bfloat16, float32")
+    least = {"world": 2, "new_tokens": 2}
+    if low := [k for k, v in vars(args).items() if type(v) is int and v < least.get(k, 1)]:
+        ap.error(f"--{low[0].replace('_', '-')} must be >= {least.get(low[0], 1)}")
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
     return args
@@ -430,8 +401,6 @@ def preflight(args: argparse.Namespace) -> None:
             f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism): "
             f"give --experts a multiple of {n}"
         )
-    if "eplb" in args.parts and (args.experts + args.eplb_redundant) % n:
-        raise die(f"eplb: {args.experts} experts + --eplb-redundant {args.eplb_redundant} over {n} ranks")
     if device.type == "cuda" and torch.cuda.device_count() < n:
         raise die(f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)")
     if device.type == "cuda" and not torch.distributed.is_nccl_available():
@@ -446,7 +415,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device, temp_dir = torch.device(args.device), None
     if args.smoke:  # the tiny model: one thread avoids OpenMP stalls on a small, shared CPU
         from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
@@ -455,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.loads((model_dir / "config.json").read_text())
         args.layers, args.experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]
     else:
-        cfg, model_dir = gm.flash_config(args.layers, args.experts, smoke=args.tiny_widths), args.model_dir
+        cfg = gm.flash_config(args.layers, args.experts)
+        model_dir = args.model_dir or (temp_dir := Path(tempfile.mkdtemp(prefix="gpu_distributed_model_")))
     preflight(args)
     if args.cp_min_tokens is not None:  # read when a model is built; the workers inherit it
         os.environ[CP_MIN_TOKENS_ENV] = str(args.cp_min_tokens)
@@ -463,33 +433,22 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: --cp-chunk {args.cp_chunk} < cp_min_tokens {cp_min_tokens()}: CP will not split")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    temp_dir = None if model_dir else Path(tempfile.mkdtemp(prefix="gpu_distributed_model_"))
-    model_dir = model_dir or temp_dir
     header = {  # the date and the command line are in "machine"
         "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(device),
-        "model": {"config": cfg, "dir": str(model_dir)},
+        "machine": machine_info(device), "model": {"config": cfg, "dir": str(model_dir)},
         "nccl_env": {k: os.environ.get(k) for k in NCCL_SAFE_ENV},
-    }
-    report = e2e.Report(args.out, header, args.append)
+    }  # fmt: skip
+    report, bench = e2e.Report(args.out, header, args.append), None
     report.data.pop("pareto", None)
-    bench = None
     try:
-        if args.smoke:
-            pass
-        elif gm.model_ready(model_dir, cfg, args.seed):
-            log(f"reusing the checkpoint in {model_dir}")
-        elif model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
-            raise die(f"--model-dir {model_dir} holds other files; give an empty or new folder")
-        else:
+        if not args.smoke and not gm.model_ready(model_dir, cfg, SEED):
             log(f"writing the checkpoint to {model_dir} (weights drawn on {args.device})")
-            info = gm.write_checkpoint(model_dir, cfg, args.seed, device, e2e.DTYPES[args.dtype], log=log)
+            dtype = getattr(torch, args.dtype)
+            report.data["checkpoint"] = info = gm.write_checkpoint(
+                model_dir, cfg, SEED, device, dtype, log=log
+            )
             info.pop("config")
-            report.data["checkpoint"] = info
             log(f"checkpoint: {info['bytes_on_disk'] / 2**30:.2f} GiB in {info['write_s']:.1f} s")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        report.save()
         bench = Bench(args, model_dir, cfg["vocab_size"], report)
         bench.run()
     finally:

@@ -38,9 +38,8 @@ def child(inp: str, out: str, max_in_flight: int | None) -> None:
 
 
 def main() -> None:
-    ap = h.parser(__doc__, "run_batch")
+    ap = h.parser(__doc__, "run_batch", max_tokens=2)
     ap.add_argument("--sizes", type=h.positive_ints, default=[1000, 100_000], help="input lines per run")
-    ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--max-in-flight", type=int, default=None, help="default: run_batch's (4 x max_num_seqs)")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = h.parse(ap)
@@ -64,12 +63,8 @@ def main() -> None:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             rows.append({"size": size, "input_mib": mib, **json.loads(done.stdout.splitlines()[-1])})
             h.log(json.dumps(rows[-1]))
-    h.print_table(rows, [("lines", "size", "d"), ("input MiB", "input_mib", ""),
-                         ("peak RSS MiB", "peak_rss_mib", ""), ("lines/s", "lines_per_s", ""),
-                         ("out tok/s", "output_tok_per_s", ""), ("run s", "run_seconds", "")])  # fmt: skip
-    h.write_json(
-        args.output, {"threads": args.threads, "max_tokens": args.max_tokens, "rows": rows}, quiet=True
-    )
+    h.print_table(rows, "size:d input_mib peak_rss_mib lines_per_s output_tok_per_s run_seconds")
+    h.write_json(args.output, {"threads": args.threads, "max_tokens": args.max_tokens, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,21 +31,12 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     """A ``deepinfer serve`` subprocess on a free port; ``(process, base url)`` once healthy."""
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "deepinfer_core.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--backend",
-        args.backend,
-    ]
-    cmd += ["--model", args.model] if args.model else []
-    cmd += ["--config", args.config] if args.config else []
+    from deepinfer_core.distributed.processes import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepinfer_core.cli", "serve", "--port", str(port)]
+    for flag in ("backend", "model", "config"):
+        cmd += [f"--{flag}", getattr(args, flag)] if getattr(args, flag) else []
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -102,28 +92,23 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     h.generate(llm, [prompts[0][:8]], h.greedy(2))  # warm-up
     cpu0 = time.process_time()
     outs, seconds = h.generate(llm, prompts, h.greedy(max_tokens))
-    ttft, itl, cpu = [], [], time.process_time() - cpu0
-    for o in outs:
-        n, m = len(o.outputs[0].token_ids), o.metrics
-        if m is not None and m.ttft is not None:
-            ttft.append(m.ttft)
-            if n > 1 and m.last_token_time is not None:
-                itl.append((m.last_token_time - m.first_token_time) / (n - 1))
+    cpu, ms = time.process_time() - cpu0, [(len(o.outputs[0].token_ids), o.metrics) for o in outs]
+    ttft = [m.ttft for _, m in ms if m is not None and m.ttft is not None]
+    itl = [
+        (m.last_token_time - m.first_token_time) / (n - 1) for n, m in ms if n > 1 and m and m.last_token_time
+    ]
     texts = [o.outputs[0].text for o in outs]
     return {**summary(h.new_tokens(outs), seconds, ttft, itl), "server_cpu_s": cpu, "texts": texts}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: parse flags, measure server and ``LLM.generate`` per B, print, write JSON."""
-    ap = h.parser(__doc__, "serve")
+    ap = h.parser(
+        __doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0
+    )  # prompt ids in [4, VOCAB)
     ap.add_argument("--batches", type=h.positive_ints, default=[1, 64], help="concurrent requests (1,64)")
-    ap.add_argument("--prompt-len", type=int, default=32, help="prompt token ids per request (default 32)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     ap.add_argument("--config", default=None, help="engine config file (.toml / .yaml), server and LLM alike")
-    ap.add_argument("--vocab", type=int, default=500, help="prompt ids in [4, VOCAB) (default 500)")
-    ap.add_argument("--seed", type=int, default=0)
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
@@ -146,13 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         r["vs_llm_generate"] = r["output_tok_s"] / direct[r["batch"]]["output_tok_s"]
         r["same_text"] = sum(map(str.__eq__, r["texts"], direct[r["batch"]]["texts"]))
-    cols = [("path", "path", ""), ("B", "batch", "d"), ("tokens", "output_tokens", "d"),
-            ("chunks", "chunks", "d"), ("s", "seconds", ".2f"), ("engine proc CPU s", "server_cpu_s", ".2f"),
-            ("client CPU s", "client_cpu_s", ".2f"), ("out tok/s", "output_tok_s", ".0f"),
-            ("TTFT p50 ms", "ttft_p50_ms", ".1f"), ("TTFT p90 ms", "ttft_p90_ms", ".1f"),
-            ("ITL p50 ms", "itl_p50_ms", ".2f"), ("ITL p90 ms", "itl_p90_ms", ".2f"),
-            ("x LLM.generate", "vs_llm_generate", ".2f"), ("same text", "same_text", "d")]  # fmt: skip
-    h.print_table(rows, cols)
+    cols = "path batch:d output_tokens:d chunks:d seconds:.2f server_cpu_s:.2f client_cpu_s:.2f"
+    cols += " output_tok_s:.0f ttft_p50_ms:.1f ttft_p90_ms:.1f itl_p50_ms:.2f itl_p90_ms:.2f"
+    h.print_table(rows, cols + " vs_llm_generate:.2f same_text:d")
     results = [{k: v for k, v in r.items() if k != "texts"} for r in rows]
     h.write_json(args.output, {"args": vars(args), "backend": llm.client.backend.name, "results": results})
     return 0

@@ -54,20 +54,14 @@ class ModeRun:
     def __init__(self, mode: str, batch: int, args: Any) -> None:
         from deepinfer_core import LLM
 
-        spec = None if mode == "none" else {"method": mode, "drafter": args.drafter,
-                                            "max_draft_tokens": args.max_draft_tokens}  # fmt: skip
-        kw = {
-            "model": args.model,
-            "backend": args.backend,
-            "keep_quantized": h.KEEP_QUANTIZED[args.keep_quantized],
-            "mixed_graph_max_tokens": args.mixed_graph_max_tokens,
-        }
+        spec = {"method": mode, "drafter": args.drafter, "max_draft_tokens": args.max_draft_tokens}
         self.mode, self.batch, self.times, self.outs = mode, batch, [], []
-        kw = {k: v for k, v in kw.items() if v is not None}
-        self.llm = LLM(max_num_seqs=batch, speculative=spec, **kw)
-        self.reqs = [
-            {"prompt_token_ids": p} for p in make_prompts(self.llm, batch * args.requests_per_slot, args)
-        ]
+        graphs = args.mixed_graph_max_tokens
+        kw = {"keep_quantized": h.KEEP_QUANTIZED[args.keep_quantized], "mixed_graph_max_tokens": graphs}
+        spec = None if mode == "none" else spec
+        self.llm = LLM(args.model, backend=args.backend, max_num_seqs=batch, speculative=spec, **kw)
+        prompts = make_prompts(self.llm, batch * args.requests_per_slot, args)
+        self.reqs = [{"prompt_token_ids": p} for p in prompts]
         self.params = workload_params(len(self.reqs), args)
         self.llm.generate(self.reqs, self.params, use_tqdm=False)  # warm-up
 
@@ -114,7 +108,8 @@ def paired_ratios(base_times: list[float], times: list[float]) -> dict[str, Any]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = h.parser(__doc__, "speculative")
+    ints = {"max_draft_tokens": 5, "prompt_len": 48, "max_tokens": 96, "requests_per_slot": 4, "repeats": 3}
+    ap = h.parser(__doc__, "speculative", **ints)
     ap.add_argument("--model", help="model dir (default: the built-in tiny model); 'bigram-mtp': the "
                     "tiny model whose MTP layer predicts the target's greedy token after next")  # fmt: skip
     ap.add_argument("--backend", help="backend (default auto)")
@@ -122,17 +117,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = ("none", "fixed", "dspark")
     ap.add_argument("--modes", type=h.choice_list(modes), default=list(modes))
     ap.add_argument("--drafter", default="ngram")
-    ap.add_argument("--max-draft-tokens", type=int, default=5)
     h.add_keep_quantized(ap, "LLM(keep_quantized=None|True|False): FP8/FP4 checkpoint weights kept")
     ap.add_argument("--mixed-graph-max-tokens", type=int, help="LLM(mixed_graph_max_tokens=N) (0: eager)")
-    ap.add_argument("--prompt-len", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--length-spread", type=float, default=0.0, help="max_tokens uniform in max_tokens*(1±F)")
     ap.add_argument("--prompts", choices=("repeat", "text"), default="repeat",
                     help="repeat: random blocks repeated; text: the trained tiny model's text")  # fmt: skip
     ap.add_argument("--presence-penalty", type=float, default=-2.0)
-    ap.add_argument("--requests-per-slot", type=int, default=4, help="requests per batch slot")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--profile", type=int, default=0, metavar="N", help="cProfile one more run: top N functions"
     )
@@ -148,23 +138,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for run in runs.values():
                 run.timed()
         batch_rows = [run.row(args.profile) for run in runs.values()]
-        first = batch_rows[0]
         for row in batch_rows:
-            row["same_tokens_as_first_mode"] = row["token_ids"] == first["token_ids"]
-            row["speedup_vs_first_mode"] = row["tok_per_s"] / first["tok_per_s"]
-        for row in batch_rows:
-            del row["token_ids"]
+            row["same_tokens_as_first_mode"] = row["token_ids"] == batch_rows[0]["token_ids"]
+            row["speedup_vs_first_mode"] = row["tok_per_s"] / batch_rows[0]["tok_per_s"]
             if row["mode"] == "dspark" and "fixed" in runs:
                 row["vs_fixed_per_run"] = paired_ratios(runs["fixed"].times, runs["dspark"].times)
-        rows += batch_rows
+        rows += [{k: v for k, v in row.items() if k != "token_ids"} for row in batch_rows]
         del runs
-    h.print_table(rows, [("B", "batch", "d"), ("mode", "mode", ""), ("tok/s", "tok_per_s", ".1f"),
-                         ("forwards", "target_forwards", "d"), ("tok/fwd", "tokens_per_forward", ".2f"),
-                         ("accept", "acceptance_rate", ".2f"), ("mean len", "mean_acceptance_length", ".2f"),
-                         ("vs first", "speedup_vs_first_mode", ".2f")])  # fmt: skip
+    cols = "batch:d mode tok_per_s:.1f target_forwards:d tokens_per_forward:.2f acceptance_rate:.2f"
+    h.print_table(rows, cols + " mean_acceptance_length:.2f speedup_vs_first_mode:.2f")
     for r in rows:
-        if "vs_fixed_per_run" in r:
-            p = r["vs_fixed_per_run"]
+        if p := r.get("vs_fixed_per_run"):
             print(f"B={r['batch']} dspark/fixed per run: median {p['median']:.3f}, mean {p['mean']:.3f} "
                   f"± {p['sd']:.3f} (sd; the mean's 95 % CI {p['ci95'][0]:.3f}..{p['ci95'][1]:.3f}), "
                   f"{p['at_least_1']}/{p['runs']} runs >= 1")  # fmt: skip

@@ -13,19 +13,17 @@ import copy
 import cProfile
 import dataclasses
 import importlib.util
-import itertools
-import os
 import pstats
 import statistics
-import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 from deepinfer_core.benchmarking import harness as h
 
 CORPUS = Path(__file__).resolve().parents[1] / "plugins" / "samplers" / "tests" / "schema_corpus.py"
-SCHEMAS = "person,order,tool_call,config_file,event_log,object_of_formats,array_of_objects,"
-SCHEMAS += "object_nested_three_levels"  # objects, arrays, formats, patterns, anyOf
+SCHEMAS = "person order tool_call config_file event_log object_of_formats array_of_objects"
+SCHEMAS = [*SCHEMAS.split(), "object_nested_three_levels"]  # objects, arrays, formats, patterns, anyOf
 EQUAL_WORK = {"json": "len-matched", "json-full": "unconstrained"}
 PROFILE_PARTS = {  # label: (file suffix, function); cumulative time of each
     "engine step (total)": ("engine/llm_engine.py", "step"),
@@ -50,11 +48,10 @@ def corpus() -> dict[str, Any]:
 
 
 def json_params(schema: dict, max_tokens: int, ignore_eos: bool = False) -> Any:
-    from deepinfer_core import SamplingParams, StructuredOutputsParams
+    from deepinfer_core import StructuredOutputsParams
 
-    so = StructuredOutputsParams(json=schema)
-    return SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos, structured_outputs=so
+    return h.greedy(
+        max_tokens, ignore_eos=ignore_eos, structured_outputs=StructuredOutputsParams(json=schema)
     )
 
 
@@ -108,16 +105,10 @@ def measure(
 
 def served(llm: Any, args: Any, schemas: list[dict]) -> list[dict]:
     """Continuous batching: ``--queue-factor`` x B requests given at once, at most B running."""
-    scheduler, rows = llm.engine.scheduler, []
-    saved = scheduler.max_num_seqs
-    try:
-        for b in args.batch_sizes:
-            scheduler.max_num_seqs = b
-            rows += measure(
-                llm, args, schemas, b, args.queue_factor * b, ("unconstrained", "json", "len-matched")
-            )
-    finally:
-        scheduler.max_num_seqs = saved
+    rows, modes = [], ("unconstrained", "json", "len-matched")
+    for b in args.batch_sizes:
+        llm.engine.scheduler.max_num_seqs = b  # the last part: the engine's own is not restored
+        rows += measure(llm, args, schemas, b, args.queue_factor * b, modes)
     return rows
 
 
@@ -127,7 +118,7 @@ def ttft(llm: Any, args: Any, schema: dict) -> dict[str, Any]:
     llguidance backend's cache hits and misses over each."""
     backend = llm.engine.structured.backend("llguidance")
     prompt = h.corpus_prompts(llm.get_tokenizer(), 1, args.prompt_len)
-    counter, samples = itertools.count(), {"cold": [], "cached": [], "unconstrained": []}
+    samples: dict[str, list] = {"cold": [], "cached": [], "unconstrained": []}
 
     def one(kind: str, params: Any) -> None:
         before = backend.cache_info()
@@ -137,11 +128,11 @@ def ttft(llm: Any, args: Any, schema: dict) -> dict[str, Any]:
 
     h.generate(llm, prompt, h.greedy(1))  # warm-up
     for _ in range(args.ttft_repeats):
-        fresh = {**copy.deepcopy(schema), "title": f"bench-{os.getpid()}-{time.time_ns()}-{next(counter)}"}
+        fresh = {**copy.deepcopy(schema), "title": f"bench-{uuid.uuid4().hex}"}
         one("cold", json_params(fresh, 1))
         one("cached", json_params(copy.deepcopy(fresh), 1))
         one("unconstrained", h.greedy(1, ignore_eos=False))
-    out: dict[str, Any] = {"schema": args.ttft_schema, "repeats": args.ttft_repeats}
+    out: dict[str, Any] = {"schema": "order", "repeats": args.ttft_repeats}
     for kind, s in samples.items():
         out[kind] = {"ttft_ms": 1e3 * statistics.median(x[0] for x in s),
                      "all_ttft_ms": [1e3 * x[0] for x in s],
@@ -176,64 +167,50 @@ def profile(llm: Any, args: Any, schemas: list[dict]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = h.parser(__doc__, "structured_outputs")
+    ap = h.parser(__doc__, "structured_outputs", max_tokens=64, prompt_len=32, ttft_repeats=7)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     ap.add_argument("--batch-sizes", type=h.positive_ints, default=[1, 8, 32])
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per mode and batch (median kept)")
     ap.add_argument(
-        "--repeats", type=int, default=3, help="timed runs per mode and batch; the median is kept"
+        "--queue-factor", type=int, default=16, help="served: Q x B requests, B at a time (0: none)"
     )
-    ap.add_argument("--schemas", default=SCHEMAS, help="comma-separated names from the schema corpus")
-    ap.add_argument("--ttft-schema", default="order", help="corpus schema of the first-token latency test")
-    ap.add_argument("--ttft-repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true", help="cProfile each mode at the largest batch size")
-    ap.add_argument(
-        "--queue-factor", type=int, default=16, help="served: Q x B requests, at most B running (0: skip)"
-    )
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
-    names, all_schemas = args.schemas.split(","), corpus()
-    if missing := [n for n in [*names, args.ttft_schema] if n not in all_schemas]:
-        raise SystemExit(f"error: unknown schema names {missing}; the corpus has {sorted(all_schemas)}")
-    schemas = [all_schemas[n] for n in names]
+    all_schemas = corpus()
+    schemas = [all_schemas[n] for n in SCHEMAS]
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes))
     cfg = llm.config
-    report: dict[str, Any] = {"args": vars(args), "model": cfg.model, "schemas": names,
-                              "engine": {"backend": cfg.backend, "dtype": cfg.dtype,
-                                         "max_num_seqs": cfg.max_num_seqs,
-                                         "async_scheduling": cfg.async_scheduling}}  # fmt: skip
+    engine = {k: getattr(cfg, k) for k in ("backend", "dtype", "max_num_seqs", "async_scheduling")}
+    report: dict[str, Any] = {"args": vars(args), "model": cfg.model, "schemas": SCHEMAS, "engine": engine}
     modes = ("unconstrained", "len-matched", "json", "json-full")
     report["throughput"] = [r for b in args.batch_sizes for r in measure(llm, args, schemas, b, b, modes)]
-    report["ttft"] = ttft(llm, args, all_schemas[args.ttft_schema])
+    report["ttft"] = ttft(llm, args, all_schemas["order"])
     report["profile"] = profile(llm, args, schemas) if args.profile else None
     report["served"] = served(llm, args, schemas) if args.queue_factor > 0 else []
-    cols = [("batch", "batch", "d"), ("mode", "mode", ""), ("requests", "requests", "d"),
-            ("wall s", "seconds", ".3f"),
-            ("new tok", "new_tokens", "d"), ("tok/s", "tok_s", ".1f"), ("steps", "steps", "d"),
-            ("ms/step", "ms_per_step", ".2f"), ("tok/s slowdown", "slowdown", "+.1%"),
-            ("equal-work slowdown", "equal_work_slowdown", "+.1%"), ("vs", "equal_work_ref", ""),
-            ("len min", "min_len", "d"), ("len max", "max_len", "d"),
-            ("finished", "grammar_finished", "d")]  # fmt: skip
+    cols = (
+        "batch:d mode requests:d seconds:.3f new_tokens:d tok_s:.1f steps:d ms_per_step:.2f slowdown:+.1% "
+        "equal_work_slowdown:+.1% equal_work_ref min_len:d max_len:d grammar_finished:d"
+    )
     h.print_table(report["throughput"], cols)
     if report["served"]:
         print(f"\ncontinuous batching: {args.queue_factor} x B requests, at most B running")
         h.print_table(report["served"], cols)
     t = report["ttft"]
     print(f"\nfirst-token latency, schema {t['schema']!r}, median of {t['repeats']} (max_tokens=1)")
-    h.print_table([{"request": k, **t[k]} for k in ("cold", "cached", "unconstrained")],
-                  [("request", "request", ""), ("TTFT ms", "ttft_ms", ".2f"),
-                   ("generate ms", "generate_ms", ".2f"),
-                   ("cache hits", "cache_hits", "d"), ("misses", "cache_misses", "d")])  # fmt: skip
+    rows = [{"request": k, **t[k]} for k in ("cold", "cached", "unconstrained")]
+    h.print_table(rows, "request ttft_ms:.2f generate_ms:.2f cache_hits:d cache_misses:d")
     if p := report["profile"]:
         print(
             f"\ncProfile at batch {p['batch']}, {p['runs_per_mode']} runs per mode: ms per run (ms per step)"
         )
-        h.print_table([{"part": label, **{m: f"{1e3 * v['parts_s_per_run'][label]:.1f} "
-                                             f"({1e3 * v['parts_s_per_run'][label] / v['steps_per_run']:.2f})"
-                                          for m, v in p["modes"].items()}} for label in PROFILE_PARTS],
-                      [("part", "part", ""), *((m, m, "") for m in p["modes"])])  # fmt: skip
+        rows = [{"part": part} for part in PROFILE_PARTS]
+        for m, v in p["modes"].items():
+            for row in rows:
+                ms = 1e3 * v["parts_s_per_run"][row["part"]]
+                row[m] = f"{ms:.1f} ({ms / v['steps_per_run']:.2f})"
+        h.print_table(rows, [("part", "part", ""), *((m, m, "") for m in p["modes"])])
         print("top self time per run, json-full:")
         for f in p["modes"]["json-full"]["top_self_time_per_run"][:8]:
             print(f"  {f['self_ms']:7.1f} ms {f['calls']:>7.0f} calls  {f['function']}")

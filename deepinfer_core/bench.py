@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -95,16 +96,9 @@ def check_writable(path: str | Path, flag: str) -> None:
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
     """Mean and p50/p90/p99 (linear interpolation between order statistics) of ``values``."""
-    xs = sorted(values)
-    if not xs:
-        return {"mean": 0.0, **{f"p{q}": 0.0 for q in PERCENTILES}}
-    out = {"mean": sum(xs) / len(xs)}
-    for q in PERCENTILES:
-        pos = (len(xs) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        out[f"p{q}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-    return out
+    xs = list(values) or [0.0]
+    cuts = statistics.quantiles(xs * 2 if len(xs) == 1 else xs, n=100, method="inclusive")
+    return {"mean": statistics.fmean(xs), **{f"p{q}": cuts[q - 1] for q in PERCENTILES}}
 
 
 def run_bench(args: BenchArgs) -> dict[str, Any]:
@@ -138,24 +132,20 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     return summarize(outputs, duration, llm.get_metrics(), args, engine_settings(llm))
 
 
+ENGINE_FIELDS = ("model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "page_size", "enable_prefix_caching", "async_scheduling", "batch_invariant", "strict_ops",
+                 "keep_quantized")  # fmt: skip
+
+
 def engine_settings(llm: Any) -> dict[str, Any]:
     """The resolved engine options, the backend and the software versions."""
     import torch
 
     from deepinfer_core import __version__
 
-    cfg = llm.config
-    fields = (
-        "model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size",
-        "enable_prefix_caching", "async_scheduling", "batch_invariant", "strict_ops", "keep_quantized",
-    )  # fmt: skip
-    return {
-        "backend": llm.engine.backend.name,
-        **{name: getattr(cfg, name) for name in fields},
-        "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
-        "deepinfer_version": __version__,
-        "torch_version": torch.__version__,
-    }
+    return {"backend": llm.engine.backend.name, **{name: getattr(llm.config, name) for name in ENGINE_FIELDS},
+            "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens, "deepinfer_version": __version__,
+            "torch_version": torch.__version__}  # fmt: skip
 
 
 def summarize(

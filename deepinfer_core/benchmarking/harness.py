@@ -64,15 +64,18 @@ def add_keep_quantized(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--keep-quantized", choices=tuple(KEEP_QUANTIZED), default="auto", help=help)
 
 
-def parser(doc: str, name: str, threads: int | None = 1) -> argparse.ArgumentParser:
+def parser(doc: str, name: str, threads: int | None = 1, **ints: int) -> argparse.ArgumentParser:
     """A benchmark's parser: ``doc``'s first paragraph as description, ``--output`` (alias
-    ``--out``, ``--json``; default ``benchmarks/results/NAME.json``) and, unless ``threads`` is
-    ``None``, ``--threads`` (torch intra-op threads, default ``threads``; 0: torch's default)."""
+    ``--out``, ``--json``; default ``benchmarks/results/NAME.json``), unless ``threads`` is
+    ``None`` ``--threads`` (torch intra-op threads, default ``threads``; 0: torch's default), and
+    an integer flag per keyword of ``ints`` (``prompt_len=32``: ``--prompt-len``, default 32)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0] + " (docs/benchmarks.md)")
     out = RESULTS_DIR / f"{name}.json"
     ap.add_argument("--output", "--out", "--json", type=Path, default=out, help=f"JSON (default {out})")
     if threads is not None:
         ap.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    for key, default in ints.items():
+        ap.add_argument("--" + key.replace("_", "-"), type=int, default=default, help=f"(default {default})")
     return ap
 
 
@@ -135,12 +138,11 @@ def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
     """``(fn(), seconds)`` by ``time.perf_counter``; ``sync`` (e.g. ``torch.cuda.synchronize``)
     runs before the clock starts and before it stops."""
-    if sync is not None:
-        sync()
+    sync = sync or (lambda: None)
+    sync()
     t0 = time.perf_counter()
     out = fn()
-    if sync is not None:
-        sync()
+    sync()
     return out, time.perf_counter() - t0
 
 
@@ -196,7 +198,7 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     return info
 
 
-def write_json(path: Path | str, report: dict[str, Any], device: Any = None, quiet: bool = False) -> Path:
+def write_json(path: Path | str, report: dict[str, Any], device: Any = None) -> Path:
     """Write ``report`` plus ``"run_info"`` (:func:`machine_info`) to ``path`` (folders made,
     written whole through a temporary file); returns the path."""
     path = Path(path)
@@ -205,21 +207,16 @@ def write_json(path: Path | str, report: dict[str, Any], device: Any = None, qui
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)
-    if not quiet:
-        print(f"wrote {path}")
+    print(f"wrote {path}")
     return path
 
 
-def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]]) -> None:
-    """Print ``rows`` aligned: ``columns`` are ``(header, key, format spec)``; a missing or
-    ``None`` value prints as ``-``."""
-
-    def cell(row: dict[str, Any], key: str, spec: str) -> str:
-        value = row.get(key)
-        return "-" if value is None else format(value, spec)
-
-    cells = [[cell(r, key, spec) for _, key, spec in columns] for r in rows]
+def print_table(rows: Sequence[dict[str, Any]], columns: str | Sequence[tuple[str, str, str]]) -> None:
+    """Print ``rows`` aligned: ``columns`` are ``(header, key, format spec)``, or one string of
+    ``key:spec`` words (the key is the header); a missing or ``None`` value prints as ``-``."""
+    if isinstance(columns, str):
+        columns = [(key, key, spec) for key, _, spec in (word.partition(":") for word in columns.split())]
+    cells = [["-" if r.get(key) is None else format(r[key], spec) for _, key, spec in columns] for r in rows]
     widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, (h, _, _) in enumerate(columns)]
-    print("  ".join(h.rjust(w) for (h, _, _), w in zip(columns, widths, strict=True)))
-    for c in cells:
-        print("  ".join(x.rjust(w) for x, w in zip(c, widths, strict=True)))
+    for line in [[h for h, _, _ in columns], *cells]:
+        print("  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)))
