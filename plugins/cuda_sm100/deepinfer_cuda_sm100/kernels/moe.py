@@ -118,6 +118,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..e2m1_ptx import e2m1x8_bf16_ptx
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_e4m3, round_through
 
 DECODE_BLOCK_M = 16
@@ -252,42 +253,24 @@ def tile_count(pairs: int, experts: int, block_m: int) -> int:
 #   m   = $4 & 0x77777777        the indices (sign bits cleared: no replication)
 #   mh  = m >> 16                indices of n4..n7 in the 4 selector nibbles
 #   xh  = $4 >> 16               raw codes of n4..n7 likewise
-#   l01 = prmt(L, m)             L[i] of n0 n1 n2 n3       (L = 0xC0800000, 0xC0804000)
-#   h01 = prmt(H + 0x80, m)      H[i] + 0x80 of n0..n3    (0xBFBFBF80, 0xC0C0C0C0)
-#   l23, h23 likewise from mh    ... of n4..n7
-#   s01 = prmt(0x01 x 8, $4)     per nibble 1 if its sign bit is clear, else 0 (the sign bit is
-#   s23 = prmt(0x01 x 8, xh)     the replicate flag, and bit 7 of 0x01 is 0)
-#   h01 = h01 - 128 * s01        per byte H[i] for a positive code, H[i] | 0x80 for a negative
-#   h23 = h23 - 128 * s23        one (each byte >= 0x80 loses 0 or 0x80: no borrows; mad.lo, on
+#   l0  = prmt(L, m)             L[i] of n0 n1 n2 n3       (L = 0xC0800000, 0xC0804000)
+#   h0  = prmt(H + 0x80, m)      H[i] + 0x80 of n0..n3    (0xBFBFBF80, 0xC0C0C0C0)
+#   l1, h1  likewise from mh    ... of n4..n7
+#   s0  = prmt(0x01 x 8, $4)     per nibble 1 if its sign bit is clear, else 0 (the sign bit is
+#   s1  = prmt(0x01 x 8, xh)     the replicate flag, and bit 7 of 0x01 is 0)
+#   h0  = h0  - 128 * s0         per byte H[i] for a positive code, H[i] | 0x80 for a negative
+#   h1  = h1  - 128 * s1         one (each byte >= 0x80 loses 0 or 0x80: no borrows; mad.lo, on
 #                                the FMA pipe rather than the integer one the prmts load)
-#   $0 = prmt(l01, h01, 0x6240)  bytes L(n0) H(n0) L(n2) H(n2): bf16x2 (lo0, lo1)
-#   $2 = prmt(l01, h01, 0x7351)  bytes L(n1) H(n1) L(n3) H(n3): bf16x2 (hi0, hi1)
-#   $1 = prmt(l23, h23, 0x6240)  (lo2, lo3)
-#   $3 = prmt(l23, h23, 0x7351)  (hi2, hi3)
+#   $0 = prmt(l0, h0, 0x6240)  bytes L(n0) H(n0) L(n2) H(n2): bf16x2 (lo0, lo1)
+#   $2 = prmt(l0, h0, 0x7351)  bytes L(n1) H(n1) L(n3) H(n3): bf16x2 (hi0, hi1)
+#   $1 = prmt(l1, h1, 0x6240)  (lo2, lo3)
+#   $3 = prmt(l1, h1, 0x7351)  (hi2, hi3)
 #
 # 13 integer-pipe instructions and 2 IMADs for 8 values, each value exact and signed (code 8
-# gives -0.0, as the reference decoding does).  tests/test_moe_e2m1_ptx.py runs this very text
+# gives -0.0, as the reference decoding does).  The text is built by
+# :func:`~deepinfer_cuda_sm100.e2m1_ptx.e2m1x8_bf16_ptx`; tests/test_moe_e2m1_ptx.py runs it
 # through an emulator of each instruction over every byte in every position.
-_E2M1_BF16_PTX = tl.constexpr(
-    """{
-    .reg .b32 m, mh, xh, h01, l01, h23, l23, s01, s23;
-    and.b32 m, $4, 0x77777777;
-    shr.u32 mh, m, 16;
-    shr.u32 xh, $4, 16;
-    prmt.b32 h01, 0xBFBFBF80, 0xC0C0C0C0, m;
-    prmt.b32 l01, 0xC0800000, 0xC0804000, m;
-    prmt.b32 h23, 0xBFBFBF80, 0xC0C0C0C0, mh;
-    prmt.b32 l23, 0xC0800000, 0xC0804000, mh;
-    prmt.b32 s01, 0x01010101, 0x01010101, $4;
-    prmt.b32 s23, 0x01010101, 0x01010101, xh;
-    mad.lo.u32 h01, s01, -128, h01;
-    mad.lo.u32 h23, s23, -128, h23;
-    prmt.b32 $0, l01, h01, 0x6240;
-    prmt.b32 $1, l23, h23, 0x6240;
-    prmt.b32 $2, l01, h01, 0x7351;
-    prmt.b32 $3, l23, h23, 0x7351;
-}"""
-)
+_E2M1_BF16_PTX = tl.constexpr(e2m1x8_bf16_ptx(((0, "0x6240"), (1, "0x6240"), (0, "0x7351"), (1, "0x7351"))))
 _E2M1_BF16_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r")
 
 # bf16 products, two per instruction: ``mul.rn.bf16x2`` (sm_90+) rounds the exact product once

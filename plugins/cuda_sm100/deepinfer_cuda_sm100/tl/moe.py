@@ -67,6 +67,8 @@ import functools
 
 import torch
 
+from deepinfer_cuda_sm100.e2m1_ptx import e2m1x8_bf16_ptx
+
 ROWS = 128
 """Weight rows per CTA (two wgmma M atoms of 64)."""
 ATOM = 64
@@ -83,31 +85,8 @@ STAGES = 3
 SCALE_KINDS = ("ue8m0", "fp32")
 
 # 4 packed bytes ($4; byte b holds inputs 2b (low nibble) and 2b + 1) -> 8 exact bf16 values in
-# input order ($0 = inputs 0, 1; ... $3 = inputs 6, 7).  Nibble i of $4 is input i, a code
-# ``s e e m``.  bf16 of the magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6: low bytes L = 00 00 80 C0 00
-# 40 80 C0, high bytes H = 00 3F 3F 3F 40 40 40 40.  ``prmt`` with an 8-byte table and the
-# magnitude indices as selector nibbles looks up 4 bytes at once; the raw codes as selectors
-# over a table of 0x01 bytes give 1 per positive code (the sign bit is prmt's replicate flag,
-# and bit 7 of 0x01 is clear), so ``(H + 0x80) - 128 * positive`` is the signed high byte.
-# Then 4 byte permutations interleave low and high bytes into bf16 pairs.
-E2M1X8_PTX = """{
-    .reg .b32 m, mh, xh, h03, l03, h47, l47, s03, s47;
-    and.b32 m, $4, 0x77777777;
-    shr.u32 mh, m, 16;
-    shr.u32 xh, $4, 16;
-    prmt.b32 h03, 0xBFBFBF80, 0xC0C0C0C0, m;
-    prmt.b32 l03, 0xC0800000, 0xC0804000, m;
-    prmt.b32 h47, 0xBFBFBF80, 0xC0C0C0C0, mh;
-    prmt.b32 l47, 0xC0800000, 0xC0804000, mh;
-    prmt.b32 s03, 0x01010101, 0x01010101, $4;
-    prmt.b32 s47, 0x01010101, 0x01010101, xh;
-    mad.lo.u32 h03, s03, -128, h03;
-    mad.lo.u32 h47, s47, -128, h47;
-    prmt.b32 $0, l03, h03, 0x5140;
-    prmt.b32 $1, l03, h03, 0x7362;
-    prmt.b32 $2, l47, h47, 0x5140;
-    prmt.b32 $3, l47, h47, 0x7362;
-}"""
+# input order ($0 = inputs 0, 1; ... $3 = inputs 6, 7); how: :mod:`deepinfer_cuda_sm100.e2m1_ptx`.
+E2M1X8_PTX = e2m1x8_bf16_ptx(((0, "0x5140"), (0, "0x7362"), (1, "0x5140"), (1, "0x7362")))
 MUL_BF16X2_PTX = "mul.rn.bf16x2 $0, $1, $2;"
 """Two bf16 products, each the exact product rounded once to nearest even (subnormals kept)."""
 
