@@ -4,6 +4,7 @@
   on the whole batch or on a slice of it (other batch sizes, other positions in a tile).
 - :func:`graph_replay_problems`: an op captured in a CUDA graph and replayed on new input
   values gives bitwise what an eager call gives.
+- :func:`replayed`: a call captured in a CUDA graph on a side stream and replayed once.
 - :func:`conformance_rows`: the conformance suite on a backend spec in the default and the
   batch-invariant mode, flattened into JSON-able rows (the interpreter children report them).
 - :func:`failed_rows`: those rows that did not pass, as lines for an assertion message.
@@ -86,6 +87,22 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
             if not torch.equal(got, want):
                 problems.append(f"replay {replay}, output {k}: differs from an eager call")
     return problems
+
+
+def replayed(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn()`` captured in a CUDA graph on a side stream (after one warm call there) and
+    replayed once: the captured output, to compare with an eager call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()  # warm
+        with torch.cuda.graph(graph, stream=stream):
+            out = fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
 
 
 def conformance_rows(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cuda_sm100_checks import replayed
 from deepinfer_cuda_sm100 import kernel_choice
 from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
 from deepinfer_cuda_sm100.tl import sparse_attention as tla
@@ -197,14 +198,4 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
     for args in _v4_cases()[:3] + _v4_cases("fp8")[:3]:
         eager = tla.sparse_attention(*args)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            tla.sparse_attention(*args)  # warm
-            with torch.cuda.graph(graph, stream=stream):
-                out = tla.sparse_attention(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(replayed(lambda args=args: tla.sparse_attention(*args)), eager)

@@ -20,6 +20,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from cuda_sm100_checks import replayed
 from deepinfer_cuda_sm100 import kernel_choice, moe_dispatch
 from deepinfer_cuda_sm100.tl import moe as tlm
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -273,14 +274,4 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
     _gpu_ready()
     for args in _v4_cases()[1:4]:
         eager = tlm.moe_experts(*args)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            tlm.moe_experts(*args)  # warm
-            with torch.cuda.graph(graph, stream=stream):
-                out = tlm.moe_experts(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
+        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args)), eager)
