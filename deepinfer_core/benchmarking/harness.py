@@ -198,16 +198,18 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     return info
 
 
-def write_json(path: Path | str, report: dict[str, Any], device: Any = None) -> Path:
+def write_json(path: Path | str, report: dict[str, Any], device: Any = None, quiet: bool = False) -> Path:
     """Write ``report`` plus ``"run_info"`` (:func:`machine_info`) to ``path`` (folders made,
-    written whole through a temporary file); returns the path."""
+    written whole through a temporary file; ``quiet``: without the ``wrote PATH`` line);
+    returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {**report, "run_info": machine_info(device)}
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path
 
 
