@@ -10,6 +10,8 @@ overhead is excluded):
   has it, else ``torch._scaled_mm``; 1x128 activation scales, 128x128 weight scales: Hopper
   only) on pre-quantised FP8 activations (the GEMM alone; ``None`` where no configuration
   runs, with every error printed in full);
+* ``tilelang``: the TileLang decode GEMM (``M <= 64``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`;
+  ``None`` where TileLang cannot compile here or the kernel refuses the call);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
 * ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
   cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`);
@@ -17,8 +19,8 @@ overhead is excluded):
   ``scaled_mm+quant``: the backend's cuBLAS W8A8 path (:mod:`deepinfer_cuda_sm100.scaled_mm`,
   the activation quantisation included);
 
-``--write-choices`` writes the two W8A16 paths' and the two W8A8 paths' times per shape and M
-into the measured table the backend chooses by.
+``--write-choices`` writes the W8A16 paths' (Triton, dequantise + cuBLAS, TileLang where it
+ran) and the two W8A8 paths' times per shape and M into the measured table the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
 scaled_mm's time over ours (all points, and M <= 64) and writes JSON (default
@@ -269,6 +271,20 @@ def w8a8_prefill(x: torch.Tensor, w) -> torch.Tensor:
             os.environ[PREFILL_ENV] = saved
 
 
+def tilelang_call(x: torch.Tensor, w) -> Callable | None:
+    """The TileLang decode GEMM on ``x``, or ``None`` (printed why) where it does not run."""
+    from deepinfer_cuda_sm100.gemm_dispatch import tilelang_usable
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    if not tilelang_usable(x, w):
+        if x.shape[0] <= 64:
+            print(f"  (tilelang: {tilelang_problem() or 'the kernel does not take this call'})")
+        return None
+    from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8 as tilelang_linear
+
+    return lambda: tilelang_linear(x, w)
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -286,7 +302,8 @@ def main() -> None:
     parser.add_argument(
         "--write-choices",
         action="store_true",
-        help="write the measured W8A16 paths (triton, dequantise + cuBLAS) per shape and M into the\n"
+        help="write the measured W8A16 paths (triton, dequantise + cuBLAS, tilelang) per shape and M\n"
+        "into the "
         "package's table of this GPU's architecture (deepinfer_cuda_sm100/choices_smXY.json)",
     )
     args = parser.parse_args()
@@ -316,6 +333,7 @@ def main() -> None:
             for name in (
                 "triton w8a16",
                 "triton w8a8",
+                "tilelang",
                 "scaled_mm",
                 "bf16",
                 "dequant+cublas",
@@ -335,6 +353,7 @@ def main() -> None:
             calls = {
                 "triton_w8a16": lambda x=x, w=w: linear_fp8(x, w),
                 "triton_w8a8": lambda x=x, w=w: linear_fp8_w8a8(x, w),
+                "tilelang": tilelang_call(x, w),
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
                 "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
@@ -418,6 +437,11 @@ def main() -> None:
         "geomean scaled_mm time / triton w8a16 time: "
         + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in ratios.items())
     )
+    tl_ratio = geomean(
+        [r["scaled_mm_us"] / r["tilelang_us"] for r in rows if r["scaled_mm_us"] and r["tilelang_us"]]
+    )
+    shown = "-" if tl_ratio is None else f"{tl_ratio:.2f}"
+    print(f"geomean scaled_mm time / tilelang time (M <= 64): {shown}")
     import triton
 
     result = {
@@ -433,6 +457,7 @@ def main() -> None:
         "note": "scaled_mm times the GEMM on pre-quantised activations; triton w8a8 quantises in-kernel",
         "sms": sm_count(torch.device("cuda")),
         "geomean_scaled_mm_over_triton_w8a16": ratios,
+        "geomean_scaled_mm_over_tilelang": tl_ratio,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
