@@ -237,3 +237,24 @@ def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
             x.copy_(torch.randn(m, k, device="cuda"))
             graph.replay()
             assert torch.equal(y, tlg.linear_fp8(x, w)), f"{k}x{n} M={m}: the replay differs"
+
+
+@pytest.mark.gpu
+def test_gpu_dispatcher_takes_tilelang_where_measured_fastest_but_not_in_batch_invariant_mode(monkeypatch):
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import linear_fp8 as triton_linear
+
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    _gpu_ready()
+    kernel_choice.forget()
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points())
+    op = gemm_dispatch.make_linear(triton_linear)
+    g = torch.Generator().manual_seed(6)
+    w = _weight(g, 1024, 4096, "fp32", "cuda")
+    x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
+    assert gemm_dispatch.choose_path(x, w) == "tilelang"
+    assert torch.equal(op(x, w), tlg.linear_fp8(x, w))
+    with batch_invariant_mode():
+        assert gemm_dispatch.choose_path(x, w) == "triton"
+    monkeypatch.undo()
+    kernel_choice.forget()
