@@ -132,7 +132,7 @@ def _scale_value(s, row, col, kind: str):
     e = T.Cast("uint32", s[row, col])
     special = T.if_then_else(e == 255, T.uint32(0x7FC00000), e << 23)
     bits = T.if_then_else(e == 0, T.uint32(0x00400000), special)
-    return T.reinterpret("float32", bits)
+    return T.reinterpret(bits, "float32")
 
 
 def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str):
