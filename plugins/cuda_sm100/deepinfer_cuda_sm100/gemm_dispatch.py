@@ -1,6 +1,6 @@
 """``linear`` over an FP8 block weight by the fastest path measured at its shape.
 
-Two paths compute the contract's arithmetic (a quantised weight counts as its dequantised
+Three paths compute the contract's arithmetic (a quantised weight counts as its dequantised
 value, :func:`deepinfer_core.ops.linear.linear`):
 
 - ``"triton"``: the FP8 block GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`), which reads
@@ -8,7 +8,12 @@ value, :func:`deepinfer_core.ops.linear.linear`):
 - ``"cublas"``: the weight dequantised by one kernel into a scratch tensor
   (:mod:`deepinfer_cuda_sm100.kernels.fp8_dequant`, bitwise the reference's dequantisation),
   then cuBLAS's ``F.linear``: the reference op's own computation, at cuBLAS's tensor-core rate
-  (prefill shapes, where the GEMM is compute-bound and the extra weight pass is small).
+  (prefill shapes, where the GEMM is compute-bound and the extra weight pass is small);
+- ``"tilelang"``: the TileLang decode GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 64``,
+  bfloat16 activations): TMA weight stream, register-A wgmma on the transposed product, the
+  weight converted to the reference's dequantised bf16 value.  Taken only where TileLang can
+  compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`, else one warning and the
+  other paths) and the kernel takes the call (:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.problem`).
 
 In the opt-in W8A8 prefill (``DEEPINFER_FP8_PREFILL=w8a8``, :mod:`~deepinfer_cuda_sm100.kernels.
 fp8_gemm`) the two paths are Triton's W8A8 tile and ``"scaled_mm"``, cuBLAS's block-scaled FP8
@@ -19,30 +24,55 @@ A call takes the path the measured table of this GPU's architecture
 ``"w8a8"``, keyed by the weight's ``N x K`` and the call's rows ``M``; re-measured by ``python
 plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices``) found fastest at the nearest
 measured ``M``, Triton where no point was measured.  Batch-invariant mode always takes Triton
-(cuBLAS picks kernels by the whole shape).  The choice depends on static shapes only, so a
+(cuBLAS picks kernels by the whole shape; the TileLang GEMM's tile and splits change with M).
+The choice depends on static shapes only, so a
 captured graph replays what it captured.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.modes import batch_invariant_enabled
-from deepinfer_cuda_sm100 import kernel_choice
+from deepinfer_cuda_sm100 import kernel_choice, tl
+
+logger = logging.getLogger("deepinfer.cuda_sm100")
 
 OP = "linear_fp8"
 """The op name of the GEMM points in the measured table."""
-PATHS = {"w8a16": frozenset({"triton", "cublas"}), "w8a8": frozenset({"triton", "scaled_mm"})}
+PATHS = {
+    "w8a16": frozenset({"triton", "cublas", "tilelang"}),
+    "w8a8": frozenset({"triton", "scaled_mm"}),
+}
 """The paths of each math."""
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
+@functools.cache
+def _warn_tilelang(problem: str) -> None:
+    logger.warning("linear (FP8): %s; the Triton and cuBLAS paths serve every call", problem)
+
+
+def tilelang_usable(x: torch.Tensor, weight) -> bool:
+    """Whether the TileLang GEMM may take this W8A16 call: TileLang compiles here (else one
+    warning) and the kernel takes the shapes and dtypes."""
+    from deepinfer_cuda_sm100.tl import fp8_gemm as tl_gemm
+
+    problem = tl.tilelang_problem()
+    if problem is not None:
+        _warn_tilelang(problem)
+        return False
+    return tl_gemm.problem(x, weight) is None
+
+
 def choose_path(x: torch.Tensor, weight) -> str:
-    """``"triton"``, ``"cublas"`` or ``"scaled_mm"`` for ``linear(x, weight)`` (see the module
-    docstring)."""
+    """``"triton"``, ``"cublas"``, ``"tilelang"`` or ``"scaled_mm"`` for ``linear(x, weight)``
+    (see the module docstring)."""
     from deepinfer_cuda_sm100 import scaled_mm
     from deepinfer_cuda_sm100.kernels import fp8_gemm
 
@@ -50,6 +80,8 @@ def choose_path(x: torch.Tensor, weight) -> str:
         return "triton"
     math = "w8a8" if fp8_gemm.prefill_w8a8(x) else "w8a16"
     paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
+    if "tilelang" in paths and not tilelang_usable(x, weight):
+        paths = paths - {"tilelang"}
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
     arch = kernel_choice.device_arch(x.device)
@@ -75,6 +107,10 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
             from deepinfer_cuda_sm100.scaled_mm import scaled_mm_linear
 
             return scaled_mm_linear(x, weight)
+        if path == "tilelang":
+            from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8
+
+            return linear_fp8(x, weight)
         return triton_fn(x, weight)
 
     linear.__doc__ = f"Dispatcher over the FP8 block GEMM and the cuBLAS paths.\n\n{__doc__}"

@@ -10,6 +10,8 @@ overhead is excluded):
   has it, else ``torch._scaled_mm``; 1x128 activation scales, 128x128 weight scales: Hopper
   only) on pre-quantised FP8 activations (the GEMM alone; ``None`` where no configuration
   runs, with every error printed in full);
+* ``tilelang``: the TileLang decode GEMM (``M <= 64``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`;
+  ``None`` where TileLang cannot compile here or the kernel refuses the call);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
 * ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
   cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`);
@@ -17,8 +19,8 @@ overhead is excluded):
   ``scaled_mm+quant``: the backend's cuBLAS W8A8 path (:mod:`deepinfer_cuda_sm100.scaled_mm`,
   the activation quantisation included);
 
-``--write-choices`` writes the two W8A16 paths' and the two W8A8 paths' times per shape and M
-into the measured table the backend chooses by.
+``--write-choices`` writes the W8A16 paths' (Triton, dequantise + cuBLAS, TileLang where it
+ran) and the two W8A8 paths' times per shape and M into the measured table the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
 scaled_mm's time over ours (all points, and M <= 64) and writes JSON (default
@@ -45,140 +47,11 @@ from pathlib import Path
 import choice_writers
 import torch
 from graph_timing import time_graph
+from scaled_mm_configs import scaled_mm_call
 
 REPO = Path(__file__).resolve().parents[3]
 SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
 TOKENS = "1,16,64,128,256,1024,4096,8192"
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def scaled_mm_configs(x: torch.Tensor, w) -> list[tuple[str, Callable[[], torch.Tensor]]]:
-    """``(label, call)``: the ways to run ``x @ w.T`` as a DeepSeek-style block-scaled FP8 GEMM
-    in torch (1x128 activation scales, 128x128 weight scales), the documented one first.
-
-    What PyTorch's CUDA source requires (aten/src/ATen/native/cuda/ScaledBlas.cpp; Blas.cpp
-    before the split), on Hopper (SM90) only, with cuBLASLt >= 12.9:
-
-    * ``mat_a`` [M, K] float8_e4m3fn row-major, ``mat_b`` [K, N] float8_e4m3fn column-major
-      (``_scaled_gemm``: "Only multiplication of row-major and column-major matrices");
-    * ``scale_a`` float32 [M, ceil(K/128)], outer-dim-major: strides ``(1, M)``
-      (``is_blockwise_1x128_scaling`` / ``_scaled_block1x128_block128x128``);
-    * ``scale_b`` float32, the [ceil(N/128), ceil(K/128)] weight scales transposed, each row
-      padded to a multiple of 4 floats (16 bytes): ``torch._scaled_mm`` checks ``scale_b.t()``
-      for shape [ceil(N/128), ceil(K/128)], strides ``(round_up(ceil(K/128), 4), 1)`` (2.9's
-      ``is_blockwise_128x128_scaling``; later versions want the unpadded row length, the same
-      number whenever ceil(K/128) is a multiple of 4, as in every shape here), while
-      ``torch.nn.functional.scaled_mm`` (``_scaled_mm_v2``, with explicit
-      ``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` recipes) wants the padded shape
-      [round_up(ceil(K/128), 4), ceil(N/128)] with strides ``(1, round_up(ceil(K/128), 4))``.
-
-    ``x.t().contiguous().t()`` does not give strides ``(1, M)`` when M is 1 (``contiguous`` keeps
-    the view), which ``_scaled_mm_v2`` rejects: the scales are copied into a [K/128, M] buffer.
-    Each with M padded to a multiple of 16 as well (zero rows; the output sliced back), in case
-    cuBLASLt wants aligned scale rows; then the layouts the script tried before, as fallbacks.
-    """
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import quantize_activations
-    from deepinfer_cuda_sm100.scaled_mm import activation_scales, weight_scales
-
-    xq, xs = quantize_activations(x)  # [M, K] e4m3, [M, K/128] fp32 (x = xq * scale)
-    m, k = xq.shape
-    kb = k // 128
-    b = w.data.t()  # [K, N], column-major
-    ws = w.scale.float()  # [N/128, K/128]
-
-    sb_v2 = weight_scales(w.scale)  # [kb4, N/128], strides (1, kb4)
-    sb_v1 = sb_v2[:kb]  # [K/128, N/128], strides (1, kb4)
-    sa = activation_scales(xs)
-    m16 = _round_up(m, 16)
-    xq16 = torch.zeros(m16, k, device=x.device, dtype=xq.dtype)
-    xq16[:m] = xq
-    xs16 = torch.ones(m16, kb, device=x.device)
-    xs16[:m] = xs
-    sa16 = activation_scales(xs16)
-
-    functional = torch.nn.functional
-    configs: list[tuple[str, Callable[[], torch.Tensor]]] = []
-    if hasattr(functional, "scaled_mm") and hasattr(functional, "ScalingType"):
-        recipes = functional.ScalingType.BlockWise1x128, functional.ScalingType.BlockWise128x128
-
-        def v2(a: torch.Tensor, s_a: torch.Tensor) -> torch.Tensor:
-            return functional.scaled_mm(
-                a, b, s_a, recipes[0], sb_v2, recipes[1], output_dtype=torch.bfloat16
-            )[:m]
-
-        configs.append(("F.scaled_mm BlockWise1x128 x BlockWise128x128", lambda: v2(xq, sa)))
-        if m16 != m:
-            configs.append(("F.scaled_mm, M padded to 16", lambda: v2(xq16, sa16)))
-    if hasattr(torch, "_scaled_mm"):
-
-        def v1(a: torch.Tensor, s_a: torch.Tensor, s_b: torch.Tensor) -> torch.Tensor:
-            return torch._scaled_mm(a, b, scale_a=s_a, scale_b=s_b, out_dtype=torch.bfloat16)[:m]
-
-        configs.append(("torch._scaled_mm 1x128 x 128x128", lambda: v1(xq, sa, sb_v1)))
-        if m16 != m:
-            configs.append(("torch._scaled_mm, M padded to 16", lambda: v1(xq16, sa16, sb_v1)))
-        legacy = (  # what the script tried before (older releases)
-            ("M-major activation scales, [K/128, N/128] weight scales", xs.t().contiguous().t(), ws.t()),
-            (
-                "M-major activation scales, contiguous [K/128, N/128]",
-                xs.t().contiguous().t(),
-                ws.t().contiguous(),
-            ),
-            ("contiguous scales", xs.contiguous(), ws.contiguous()),
-            (
-                "M-major activation scales, [N/128, K/128] weight scales",
-                xs.t().contiguous().t(),
-                ws.contiguous(),
-            ),
-        )
-        for label, s_a, s_b in legacy:
-            configs.append((f"torch._scaled_mm, {label}", lambda s_a=s_a, s_b=s_b: v1(xq, s_a, s_b)))
-    return configs
-
-
-_REPORTED: set[str] = set()
-
-
-def scaled_mm_call(x: torch.Tensor, w, dense: torch.Tensor) -> Callable | None:
-    """The first of :func:`scaled_mm_configs` that runs and agrees with ``x @ dense.T`` (relative
-    error under 10%: a scale layout read the wrong way round gives O(1) errors), or ``None``.
-
-    Prints every failure's full message (each distinct message once) when none works, and the
-    failures before the one used otherwise.
-    """
-    want = (x @ dense.t()).float()
-    failures = []
-    for label, call in scaled_mm_configs(x, w):
-        try:
-            got = call().float()
-            torch.cuda.synchronize()
-            rel = ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
-            if not rel < 0.1:
-                raise ValueError(f"wrong results: relative error {rel:.3g} against the bf16 matmul")
-        except Exception as exc:  # the next configuration
-            failures.append((label, f"{type(exc).__name__}: {exc}"))
-            continue
-        if failures:
-            print(f"  (torch scaled_mm: using {label!r}; before it: {', '.join(f for f, _ in failures)})")
-            for failed, message in failures:
-                _report(failed, message)
-        call.__name__ = "scaled_mm"
-        return call
-    print(f"  (torch block-scaled FP8 GEMM unavailable for x {tuple(x.shape)}: every configuration failed)")
-    for failed, message in failures:
-        _report(failed, message)
-    return None
-
-
-def _report(label: str, message: str) -> None:
-    if message in _REPORTED:
-        print(f"    {label}: (the same error as printed above)")
-        return
-    _REPORTED.add(message)
-    print(f"    {label}: {message}")
 
 
 def sweep_decode(x: torch.Tensor, w, calls: int, replays: int) -> dict:
@@ -269,6 +142,20 @@ def w8a8_prefill(x: torch.Tensor, w) -> torch.Tensor:
             os.environ[PREFILL_ENV] = saved
 
 
+def tilelang_call(x: torch.Tensor, w) -> Callable | None:
+    """The TileLang decode GEMM on ``x``, or ``None`` (printed why) where it does not run."""
+    from deepinfer_cuda_sm100.gemm_dispatch import tilelang_usable
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    if not tilelang_usable(x, w):
+        if x.shape[0] <= 64:
+            print(f"  (tilelang: {tilelang_problem() or 'the kernel does not take this call'})")
+        return None
+    from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8 as tilelang_linear
+
+    return lambda: tilelang_linear(x, w)
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -286,7 +173,8 @@ def main() -> None:
     parser.add_argument(
         "--write-choices",
         action="store_true",
-        help="write the measured W8A16 paths (triton, dequantise + cuBLAS) per shape and M into the\n"
+        help="write the measured W8A16 paths (triton, dequantise + cuBLAS, tilelang) per shape and M\n"
+        "into the "
         "package's table of this GPU's architecture (deepinfer_cuda_sm100/choices_smXY.json)",
     )
     args = parser.parse_args()
@@ -316,6 +204,7 @@ def main() -> None:
             for name in (
                 "triton w8a16",
                 "triton w8a8",
+                "tilelang",
                 "scaled_mm",
                 "bf16",
                 "dequant+cublas",
@@ -335,6 +224,7 @@ def main() -> None:
             calls = {
                 "triton_w8a16": lambda x=x, w=w: linear_fp8(x, w),
                 "triton_w8a8": lambda x=x, w=w: linear_fp8_w8a8(x, w),
+                "tilelang": tilelang_call(x, w),
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
                 "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
@@ -418,6 +308,11 @@ def main() -> None:
         "geomean scaled_mm time / triton w8a16 time: "
         + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in ratios.items())
     )
+    tl_ratio = geomean(
+        [r["scaled_mm_us"] / r["tilelang_us"] for r in rows if r["scaled_mm_us"] and r["tilelang_us"]]
+    )
+    shown = "-" if tl_ratio is None else f"{tl_ratio:.2f}"
+    print(f"geomean scaled_mm time / tilelang time (M <= 64): {shown}")
     import triton
 
     result = {
@@ -433,6 +328,7 @@ def main() -> None:
         "note": "scaled_mm times the GEMM on pre-quantised activations; triton w8a8 quantises in-kernel",
         "sms": sm_count(torch.device("cuda")),
         "geomean_scaled_mm_over_triton_w8a16": ratios,
+        "geomean_scaled_mm_over_tilelang": tl_ratio,
         "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

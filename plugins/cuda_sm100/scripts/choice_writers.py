@@ -81,7 +81,8 @@ def write_select_choices(rows: list[dict]) -> Path:
 
 
 def write_gemm_choices(rows: list[dict]) -> Path:
-    """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table."""
+    """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
+    TileLang GEMM's where it ran), and the W8A8 prefill paths'."""
     import triton
     from deepinfer_cuda_sm100 import kernel_choice
     from deepinfer_cuda_sm100.gemm_dispatch import OP
@@ -90,11 +91,13 @@ def write_gemm_choices(rows: list[dict]) -> Path:
         return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
                 "tokens": r["M"], "keys": r["K"], "ms": ms}  # fmt: skip
 
-    points = [
-        point(r, "w8a16", {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3})
-        for r in rows
-        if r["triton_w8a16_us"] and r["dequant_cublas_us"]
-    ]
+    def w8a16(r: dict) -> dict:
+        ms = {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3}
+        if r.get("tilelang_us"):
+            ms["tilelang"] = r["tilelang_us"] / 1e3
+        return ms
+
+    points = [point(r, "w8a16", w8a16(r)) for r in rows if r["triton_w8a16_us"] and r["dequant_cublas_us"]]
     points += [
         point(
             r,

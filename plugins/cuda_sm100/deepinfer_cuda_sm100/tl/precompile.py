@@ -3,12 +3,15 @@ TileLang's disk cache (``~/.tilelang/cache``), so that neither a test run nor an
 warm-up compiles them one after another.
 
     python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
-        [--inter 2048] [--jobs 8]
+        [--inter 2048] [--gemm-shapes 4096x1024,...] [--jobs 8]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
-``moe_experts`` GEMMs (gate / up and down, every tile height and scale format), for
-DeepSeek-V4-Flash's shape by default.  Prints each configuration's compile time; exits 1 naming what failed.
+``moe_experts`` GEMMs (gate / up and down, every tile height and scale format), and the FP8
+decode ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`: every token tile, both scale
+formats, the split combine) of each ``K x N`` weight, for DeepSeek-V4-Flash's shapes by default
+(split plans for this machine's GPU, an H100 / H200's 132 SMs without one).
+Prints each configuration's compile time; exits 1 naming what failed.
 """
 
 from __future__ import annotations
@@ -49,11 +52,38 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     ]
 
 
+GEMM_SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
+"""``K x N`` of DeepSeek-V4-Flash's FP8 dense projections (as ``bench_fp8_gemm.py``)."""
+
+
+def gemm_configurations(shapes: str, sms: int) -> list[tuple]:
+    """``tl.fp8_gemm._kernel`` arguments of every decode launch of the ``K x N`` weights."""
+    from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
+
+    out = []
+    for shape in shapes.split(","):
+        k, n = (int(v) for v in shape.split("x"))
+        out += fp8_configurations(n, k, sms)
+    return list(dict.fromkeys(out))
+
+
+def _sms() -> int:
+    import torch
+
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import DEFAULT_SMS
+
+    if not torch.cuda.is_available():
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def _compile(config: tuple) -> float:
-    from deepinfer_cuda_sm100.tl import moe, sparse_attention
+    from deepinfer_cuda_sm100.tl import fp8_gemm, moe, sparse_attention
 
     t0 = time.perf_counter()
-    if config[0] in ("gate_up", "down"):
+    if config[0] in ("gemm", "combine"):
+        fp8_gemm._kernel(*config)
+    elif config[0] in ("gate_up", "down"):
         moe._kernel(*config)
     else:
         sparse_attention._kernel(*config)
@@ -67,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rope-dim", type=int, default=64)
     p.add_argument("--hidden", type=int, default=4096, help="MoE hidden width D")
     p.add_argument("--inter", type=int, default=2048, help="MoE expert intermediate width I")
+    p.add_argument("--gemm-shapes", default=GEMM_SHAPES, help="FP8 linear weights, KxN comma-separated")
     p.add_argument("--jobs", type=int, default=8)
     a = p.parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -78,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     with ProcessPoolExecutor(max_workers=a.jobs) as pool:
         configs = configurations(a.heads, a.dim, a.rope_dim) + moe_configurations(a.hidden, a.inter)
+        configs += gemm_configurations(a.gemm_shapes, _sms())
         futures = {pool.submit(_compile, c): c for c in configs}
         for future in as_completed(futures):
             config = futures[future]

@@ -1,0 +1,260 @@
+"""The TileLang FP8 decode GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`) and its place among
+``linear``'s paths (:mod:`deepinfer_cuda_sm100.gemm_dispatch`).
+
+**Here** (no GPU): the launch plan (token tile, K splits covering K in equal whole-block
+ranges, the fewest splits that fill the GPU), which calls the kernel refuses (with the reason),
+the dispatcher's rules (never off the GPU, TileLang's absence logged once, the measured table
+decides among the usable paths) and the precompiled configurations covering every decode
+``M``.  Where TileLang imports, every precompiled configuration of DeepSeek-V4-Flash's shapes
+lowers for sm_90 (slow).
+
+**GPU** (marked ``gpu``; skipped where TileLang cannot compile): the kernel against the
+reference op at V4-Flash shapes for ``M`` in 1, 7, 16, 33, 64 with float32 and ue8m0 scales
+(within the op's tolerance, and no less accurate than the reference against a float64
+product), and the replay of a captured CUDA graph (bitwise equal to the eager call).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import pytest
+import torch
+from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
+from deepinfer_cuda_sm100.tl import fp8_gemm as tlg
+from deepinfer_cuda_sm100.tl import tilelang_problem
+
+pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
+from test_gemm_dispatch import _weight  # noqa: E402  (zero and large blocks, both scale formats)
+
+V4_SHAPES = ((4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096))
+"""``K x N`` of DeepSeek-V4-Flash's FP8 dense projections."""
+DECODE_M = (1, 7, 16, 33, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# launch plan
+
+
+@pytest.mark.parametrize("sms", [132, 78])
+@pytest.mark.parametrize(("k", "n"), V4_SHAPES)
+def test_launch_plan_covers_k_in_equal_ranges_with_the_fewest_splits_that_fill_the_gpu(k, n, sms):
+    k_blocks, tiles = k // 128, n // 64
+    for m in range(1, 65):
+        plan = tlg.launch_plan(m, n, k, sms)
+        assert plan.block_m == min(bm for bm in (16, 32, 64) if bm >= m)
+        assert plan.splits * plan.blocks_per_split == k_blocks, "every K block exactly once"
+        assert plan.blocks_per_split >= tlg.MIN_SPLIT_BLOCKS
+        assert plan.grid == (tiles, plan.splits)
+        assert 1 <= plan.stages <= min(tlg.STAGES, plan.blocks_per_split)
+        fewer = [s for s in range(1, plan.splits) if k_blocks % s == 0]
+        assert all(tiles * s < tlg.CTAS_PER_SM_TARGET * sms for s in fewer), "not the fewest"
+        more = [s for s in range(plan.splits + 1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 2]
+        assert tiles * plan.splits >= tlg.CTAS_PER_SM_TARGET * sms or not more, "could split further"
+
+
+def test_wide_weights_take_no_split():
+    assert tlg.launch_plan(1, 32768, 1024, 132).splits == 1  # 512 CTAs of 64 rows already
+
+
+# ---------------------------------------------------------------------------------------------
+# supports
+
+
+def _x(m: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(m, k, dtype=dtype)
+
+
+def test_problem_takes_v4_decode_calls_and_names_what_it_refuses():
+    g = torch.Generator().manual_seed(0)
+    w = _weight(g, 256, 384)
+    for m in DECODE_M:
+        assert tlg.problem(_x(m, 384), w) is None, m
+    assert tlg.problem(torch.zeros(2, 3, 384, dtype=torch.bfloat16), w) is None  # [..., K] rows
+    assert tlg.problem(_x(4, 384), _weight(g, 128, 256, "ue8m0")) is None
+    cases = {
+        "bfloat16": (_x(4, 384, torch.float16), w),
+        "1 to 64": (_x(65, 384), w),
+        "0 rows": (_x(0, 384), w),
+        "multiples of 128": (_x(4, 320), _weight(g, 256, 320)),
+        "128x128 blocks": (_x(4, 384), torch.zeros(256, 384, dtype=torch.bfloat16)),
+    }
+    for needle, (x, weight) in cases.items():
+        verdict = tlg.problem(x, weight)
+        assert verdict is not None and needle in verdict, (needle, verdict)
+    from deepinfer_core.weights.quant import QuantizedTensor
+
+    strided = QuantizedTensor(w.data.t().contiguous().t(), w.scale, "fp8", (128, 128))
+    assert "contiguous" in tlg.problem(_x(4, 384), strided)
+
+
+def test_scale_kind_names_the_format():
+    g = torch.Generator().manual_seed(1)
+    assert tlg.scale_kind(_weight(g, 128, 128)) == "fp32"
+    assert tlg.scale_kind(_weight(g, 128, 128, "ue8m0")) == "ue8m0"
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+
+
+def test_tilelang_absence_is_logged_once_and_the_other_paths_serve(monkeypatch, caplog):
+    from deepinfer_cuda_sm100 import tl
+
+    g = torch.Generator().manual_seed(2)
+    w = _weight(g, 256, 256)
+    monkeypatch.setattr(tl, "tilelang_problem", lambda: "TileLang is not installed (hint)")
+    gemm_dispatch._warn_tilelang.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="deepinfer.cuda_sm100"):
+        assert gemm_dispatch.tilelang_usable(_x(4, 256), w) is False
+        assert gemm_dispatch.tilelang_usable(_x(8, 256), w) is False
+    assert [r.getMessage() for r in caplog.records].count(
+        "linear (FP8): TileLang is not installed (hint); the Triton and cuBLAS paths serve every call"
+    ) == 1
+    monkeypatch.setattr(tl, "tilelang_problem", lambda: None)
+    assert gemm_dispatch.tilelang_usable(_x(4, 256), w) is True
+    assert gemm_dispatch.tilelang_usable(_x(4, 256, torch.float16), w) is False  # the kernel refuses
+    gemm_dispatch._warn_tilelang.cache_clear()
+
+
+def test_off_the_gpu_the_dispatcher_never_takes_tilelang():
+    g = torch.Generator().manual_seed(3)
+    assert gemm_dispatch.choose_path(_x(4, 256), _weight(g, 256, 256)) == "triton"
+
+
+def _points(n: int = 1024, k: int = 4096):
+    def point(m, ms):
+        return kernel_choice.Point(gemm_dispatch.OP, "w8a16", "bfloat16", n, k, m, k, ms)
+
+    return (
+        point(1, {"triton": 5.0, "cublas": 6.0, "tilelang": 3.0}),
+        point(64, {"triton": 12.0, "cublas": 6.0, "tilelang": 7.0}),
+        point(256, {"triton": 20.0, "cublas": 9.0}),  # prefill: no TileLang time
+    )
+
+
+def test_the_table_picks_tilelang_only_where_it_measured_fastest_and_usable():
+    paths = gemm_dispatch.PATHS["w8a16"]
+    assert "tilelang" in paths
+
+    def pick(m, available=paths):
+        return kernel_choice.choose(
+            gemm_dispatch.OP, "w8a16", "bfloat16", 1024, 4096, m, 4096, "sm90", available, points=_points()
+        )
+
+    assert [pick(m) for m in (1, 4, 64, 256)] == ["tilelang", "tilelang", "cublas", "cublas"]
+    assert pick(1, paths - {"tilelang"}) == "triton"  # TileLang unusable: the next fastest
+
+
+# ---------------------------------------------------------------------------------------------
+# precompile
+
+
+def test_precompile_lists_every_decode_launch_of_the_v4_shapes():
+    from deepinfer_cuda_sm100.tl.precompile import GEMM_SHAPES, gemm_configurations
+
+    configs = set(gemm_configurations(GEMM_SHAPES, 132))
+    for k, n in V4_SHAPES:
+        for m in range(1, 65):
+            plan = tlg.launch_plan(m, n, k, 132)
+            for kind in tlg.SCALE_KINDS:
+                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind) in configs
+            if plan.splits > 1:
+                assert ("combine", n, plan.splits) in configs
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering (where TileLang imports, no GPU needed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_the_v4_configurations_lower_for_sm90():
+    """One shape's configurations (the others: ``tl.precompile`` on a GPU machine)."""
+    import tilelang
+    import tvm
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    for config in tlg.configurations(1024, 4096, 132):
+        build = tlg.build_gemm if config[0] == "gemm" else tlg.build_combine
+        with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
+            src = tilelang.lower(build(*config[1:]), target=target).kernel_source
+        if config[0] == "gemm":
+            bm = config[3]
+            bf16 = "tl::DataType::kBFloat16"
+            wgmma = f"wgmma_rs<{bf16}, {bf16}, tl::DataType::kFloat32, 64, {bm}, 16"
+            assert wgmma in src, "register-A wgmma: 64 weight rows x BLOCK_M tokens"
+            assert "tma_load(w_desc" in src and "warpgroup_reg_alloc" not in src
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _gpu_ready() -> None:
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
+def test_gpu_tilelang_gemm_matches_the_reference_at_v4_flash_shapes(scale_dtype):
+    from deepinfer_core.ops.linear import linear
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    _gpu_ready()
+    atol, rtol = DEFAULT_TOLERANCES[torch.bfloat16]
+    g = torch.Generator().manual_seed(4)
+    for k, n in V4_SHAPES:
+        w = _weight(g, n, k, scale_dtype, "cuda")
+        dense = w.dequantize(torch.bfloat16).double()
+        for m in DECODE_M:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+            got, want = tlg.linear_fp8(x, w), linear(x, w)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol), f"{k}x{n} M={m}"
+            exact = x.double() @ dense.t()
+            err, ref_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+            assert err <= 2 * ref_err + 1e-6, f"{k}x{n} M={m}: {err:.3g} vs the reference's {ref_err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
+    _gpu_ready()
+    g = torch.Generator().manual_seed(5)
+    for k, n in ((4096, 1024), (1024, 32768)):  # split K (with the combine) and no split
+        w = _weight(g, n, k, "fp32", "cuda")
+        for m in (1, 33):
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+            first = tlg.linear_fp8(x, w)
+            assert torch.equal(first, tlg.linear_fp8(x, w)), "not deterministic"
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = tlg.linear_fp8(x, w)
+            x.copy_(torch.randn(m, k, device="cuda"))
+            graph.replay()
+            assert torch.equal(y, tlg.linear_fp8(x, w)), f"{k}x{n} M={m}: the replay differs"
+
+
+@pytest.mark.gpu
+def test_gpu_dispatcher_takes_tilelang_where_measured_fastest_but_not_in_batch_invariant_mode(monkeypatch):
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import linear_fp8 as triton_linear
+
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    _gpu_ready()
+    kernel_choice.forget()
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points())
+    op = gemm_dispatch.make_linear(triton_linear)
+    g = torch.Generator().manual_seed(6)
+    w = _weight(g, 1024, 4096, "fp32", "cuda")
+    x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
+    assert gemm_dispatch.choose_path(x, w) == "tilelang"
+    assert torch.equal(op(x, w), tlg.linear_fp8(x, w))
+    with batch_invariant_mode():
+        assert gemm_dispatch.choose_path(x, w) == "triton"
+    monkeypatch.undo()
+    kernel_choice.forget()
