@@ -80,12 +80,14 @@ def choose_path(x: torch.Tensor, weight) -> str:
         return "triton"
     math = "w8a8" if fp8_gemm.prefill_w8a8(x) else "w8a16"
     paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
-    if "tilelang" in paths and not tilelang_usable(x, weight):
-        paths = paths - {"tilelang"}
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
     arch = kernel_choice.device_arch(x.device)
     choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, arch, paths)
+    # the TileLang checks only where the table picks it: the other calls stay a memoised lookup
+    if choice == "tilelang" and not tilelang_usable(x, weight):
+        paths = paths - {"tilelang"}
+        choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, arch, paths)
     return choice if choice in paths else "triton"
 
 
