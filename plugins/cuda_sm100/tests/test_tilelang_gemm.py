@@ -164,6 +164,22 @@ def test_precompile_lists_every_decode_launch_of_the_v4_shapes():
                 assert ("combine", n, plan.splits) in configs
 
 
+def test_every_precompile_job_binds_to_its_modules_kernel():
+    """Each job names the module whose ``_kernel`` takes its arguments (kernels of different
+    modules share kind names such as ``combine``)."""
+    import argparse
+    import inspect
+
+    from deepinfer_cuda_sm100.tl import precompile
+
+    ns = argparse.Namespace(heads=64, dim=512, rope_dim=64, hidden=4096, inter=2048, gemm_shapes="4096x1024")
+    jobs = precompile.jobs(ns)
+    assert {module for module, _ in jobs} == {"sparse_attention", "moe", "fp8_gemm"}
+    for module, config in jobs:
+        kernel = importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel
+        inspect.signature(kernel).bind(*config)
+
+
 # ---------------------------------------------------------------------------------------------
 # lowering (where TileLang imports, no GPU needed)
 

@@ -17,6 +17,8 @@ Prints each configuration's compile time; exits 1 naming what failed.
 from __future__ import annotations
 
 import argparse
+import importlib
+import multiprocessing
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -77,17 +79,18 @@ def _sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def _compile(config: tuple) -> float:
-    from deepinfer_cuda_sm100.tl import fp8_gemm, moe, sparse_attention
-
+def _compile(module: str, config: tuple) -> float:
+    """Compile one configuration: ``deepinfer_cuda_sm100.tl.<module>._kernel(*config)``."""
     t0 = time.perf_counter()
-    if config[0] in ("gemm", "combine"):
-        fp8_gemm._kernel(*config)
-    elif config[0] in ("gate_up", "down"):
-        moe._kernel(*config)
-    else:
-        sparse_attention._kernel(*config)
+    importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel(*config)
     return time.perf_counter() - t0
+
+
+def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
+    """Every ``(module, configuration)`` the options name."""
+    out = [("sparse_attention", c) for c in configurations(a.heads, a.dim, a.rope_dim)]
+    out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
+    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,10 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 1
     failed = []
-    with ProcessPoolExecutor(max_workers=a.jobs) as pool:
-        configs = configurations(a.heads, a.dim, a.rope_dim) + moe_configurations(a.hidden, a.inter)
-        configs += gemm_configurations(a.gemm_shapes, _sms())
-        futures = {pool.submit(_compile, c): c for c in configs}
+    # spawned workers: this process may have initialised CUDA (the SM count), which a fork cannot inherit
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=a.jobs, mp_context=spawn) as pool:
+        futures = {pool.submit(_compile, module, c): c for module, c in jobs(a)}
         for future in as_completed(futures):
             config = futures[future]
             try:
