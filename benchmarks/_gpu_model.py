@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from deepinfer_core.distributed.cost_model import expected_distinct
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
 from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
@@ -161,12 +162,6 @@ def write_checkpoint(
 
 
 # ---- accounting ------------------------------------------------------------------------------------
-def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct routed experts ``tokens`` tokens touch in one layer, each choosing
-    ``top_k`` of ``num_experts`` uniformly: ``E * (1 - (1 - k/E)**T)`` (<= ``min(E, T*k)``)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens) if tokens > 0 else 0.0
-
-
 def param_counts(cfg: DeepseekV4Config) -> dict[str, int]:
     """Parameter counts: ``total``, ``routed_experts``, ``embedding``, ``dense`` (the rest) and
     ``active_per_token`` (matmul weights one token uses: dense linears, top-k experts, the head)."""
@@ -186,10 +181,11 @@ def param_counts(cfg: DeepseekV4Config) -> dict[str, int]:
 def weight_bytes_per_step(cfg: DeepseekV4Config, tokens: int, fmt: str) -> float:
     """Bytes of weights one forward step over ``tokens`` tokens reads, each weight once, in
     ``fmt`` ``"bf16"`` (as loaded dequantised) or ``"fp8_fp4"`` (as the checkpoint stores them);
-    routed experts count :func:`expected_distinct_experts` per layer, the embedding its rows."""
+    routed experts count the expected distinct experts of uniform routing per layer
+    (:func:`~deepinfer_core.distributed.cost_model.expected_distinct`), the embedding its rows."""
     if fmt not in ("bf16", "fp8_fp4"):
         raise ValueError(f"fmt must be 'bf16' or 'fp8_fp4', got {fmt!r}")
-    experts = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens)
+    experts = expected_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens)
     total = 0.0
     for name, spec in parameter_specs(cfg).items():
         n, rows = math.prod(spec.shape), min(tokens, spec.shape[0])

@@ -1,11 +1,5 @@
 """DP N + EP N decode, CP N prefill and EPLB of the e2e model (``gpu_e2e.py``'s) on ``--world`` N
-GPUs of one host (NCCL, NVLink multicast off), each against one GPU.
-
-Parts (``--parts``): ``decode`` (tok/s per GPU, one GPU vs each of ``--decode-modes``), ``cp``
-(TTFT of one long prompt, one GPU vs CP N), ``eplb`` (DP N + EP N before and after one EPLB
-rebalancing on a skewed prompt mix).  The rows, the commands and the results: docs/benchmarks.md.
-``--smoke`` runs every part on the CPU (gloo, reference backend, fp32, built-in tiny model).
-"""
+GPUs of one host (NCCL, NVLink multicast off), each against one GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -76,10 +70,10 @@ def die(msg: str) -> SystemExit:
 
 
 class Bench(e2e.Runner):
-    """The measurements, one engine alive at a time; rows go to ``report``."""
+    """The measurements (docs/benchmarks.md), one engine alive at a time."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, report: e2e.Report):
-        super().__init__(args, model_dir, vocab, report)
+    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, **header: Any):
+        super().__init__(args, model_dir, vocab, **header)
         n = self.world = args.world
         ep = {"data_parallel_size": n, "enable_expert_parallel": True}
         self.kinds = {"1gpu": {}, f"dp{n}ep{n}": ep, f"dp{n}": {"data_parallel_size": n}}
@@ -141,7 +135,7 @@ class Bench(e2e.Runner):
         row = self.measure_decode(llm, self.prompts(f"decode-B{batch}", batch * world, a.prompt_len), batch)
         row = {"name": f"decode.{kind}.B{batch}", **row, "mode": kind}
         if world > 1:
-            if one := self.report.row(f"decode.1gpu.B{batch}").get("value"):
+            if one := self.result(f"decode.1gpu.B{batch}").get("value"):
                 row["per_gpu_vs_1gpu"] = row["value"] / one
             ranks = llm.get_metrics().get("per_rank", [])
             row["per_rank_generated_tokens"] = [m.get("num_generated_tokens") for m in ranks]
@@ -201,7 +195,7 @@ class Bench(e2e.Runner):
         }  # fmt: skip
         self.cp_tokens[mode] = tokens
         if world > 1:
-            ref, want = self.report.row(f"prefill.1gpu.{a.cp_prompt_len}"), self.cp_tokens.get("1gpu")
+            ref, want = self.result(f"prefill.1gpu.{a.cp_prompt_len}"), self.cp_tokens.get("1gpu")
             if ref.get("value"):
                 row.update(speedup_vs_1gpu=tok_s / ref["value"], ttft_vs_1gpu=best / ref["ttft_s"])
             if want is not None:
@@ -266,7 +260,7 @@ class Bench(e2e.Runner):
         after["load_vs_before"] = after["max_over_mean_load"] / before["max_over_mean_load"]
         if not before["rebalanced_at_check"]:
             after["note"] = "the policy found no better placement at the first check: no rebalancing"
-        results = self.report.data["results"]
+        results = self.data["results"]
         results[:] = [r for r in results if r["name"] != "eplb"]  # an earlier run's failure (--append)
         for row in (before, after):
             self.add(row, f"{row['value']:.1f} tok/s/GPU, load {row['max_over_mean_load']:.3f}")
@@ -356,23 +350,20 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: --cp-chunk {args.cp_chunk} < cp_min_tokens {cp_min_tokens()}: CP will not split")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    nccl_env = {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
-    report = e2e.Report(args, model={"config": cfg, "dir": str(model_dir)}, nccl_env=nccl_env)
-    report.data.pop("pareto", None)
-    bench = Bench(args, model_dir, cfg["vocab_size"], report)
+    model, nccl_env = {"config": cfg, "dir": str(model_dir)}, {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
+    bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
+    bench.data.pop("pareto", None)
     try:
         if not args.smoke:
-            report.data["checkpoint"] = gm.checkpoint(
-                model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log
-            )
+            bench.data["checkpoint"] = gm.checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
         bench.run()
     finally:
         bench.free()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-    report.data["total_s"] = time.perf_counter() - e2e.T_START
-    report.save()
-    results = report.data["results"]
+    bench.data["total_s"] = time.perf_counter() - e2e.T_START
+    bench.save()
+    results = bench.data["results"]
     shown = [{**r, "ttft_ms": r.get("ttft_s", 0) * 1e3 or None} for r in results]
     for r in shown:  # a skip or a failure, cut to a table cell
         r["why"] = (r.get("error") or r.get("skipped") or "")[:80] or None

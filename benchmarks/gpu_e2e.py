@@ -34,6 +34,7 @@ from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E4
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
+HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
 MODE: dict[str, tuple[Any, Any]] = dict(device=("cuda" if torch.cuda.is_available() else "cpu", "cpu"))
 MODE |= dict(dtype=("bfloat16", "float32"), experts=(64, 8), batch_sizes=([1, 16, 64, 256], [1, 4]))
@@ -48,36 +49,6 @@ T_START = time.perf_counter()  # --time-budget counts from here
 
 class Unfit(Exception):
     """A measurement that cannot run on this machine (recorded as one line, no traceback)."""
-
-
-class Report:
-    """Rows of results, written to ``--out`` (:func:`~harness.write_json`) after every change;
-    ``--append`` merges into the file's rows (replaced by name).  The run's entry of ``runs``:
-    its flags, its machine (date and command line included) and ``header``."""
-
-    def __init__(self, args: argparse.Namespace, **header: Any):
-        self.path, self.data = args.out, {"runs": [], "results": [], "pareto": {}, "engines": []}
-        if args.append and self.path.is_file():
-            self.data.update(json.loads(self.path.read_text()))
-        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        header = {"params": params, "machine": h.machine_info(args.device), **header}
-        self.data["runs"].append(header)
-        self.data.update({k: v for k, v in header.items() if k in ("machine", "model")})
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.data["results"] = [*(r for r in self.data["results"] if r["name"] != row["name"]), row]
-        self.save()
-
-    def error(self, name: str, err: BaseException | str, kind: str = "error") -> None:
-        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-        self.add({"name": name, "value": None, "unit": None, kind: text[:2000]})
-
-    def row(self, name: str) -> dict[str, Any]:
-        """The row ``name`` (``{}`` when there is none)."""
-        return next((r for r in self.data["results"] if r["name"] == name), {})
-
-    def save(self) -> None:
-        h.write_json(self.path, self.data, quiet=True)
 
 
 # ---- generation and its statistics, the shared runner (also used by gpu_distributed.py) -------------
@@ -131,11 +102,21 @@ def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, ne
 
 
 class Runner:
-    """What the GPU benchmarks share: seeded prompts, one engine alive at a time, and jobs whose
-    failure or skip is recorded as their row (not raised: the other measurements still run)."""
+    """What the GPU benchmarks share: the report (``data``: rows of results, written to ``--out``
+    after every change; ``--append`` merges into the file's, rows replaced by name), seeded
+    prompts, one engine alive at a time, and jobs whose failure or skip is recorded as their row
+    (not raised: the other measurements still run).  The run's entry of ``runs``: its flags,
+    its machine (date and command line included) and ``header``."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, report: Report):
-        self.args, self.model_dir, self.vocab, self.report = args, model_dir, vocab, report
+    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, **header: Any):
+        self.args, self.model_dir, self.vocab = args, model_dir, vocab
+        self.data: dict[str, Any] = {"runs": [], "results": [], "pareto": {}, "engines": []}
+        if args.append and args.out.is_file():
+            self.data.update(json.loads(args.out.read_text()))
+        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        header = {"params": params, "machine": h.machine_info(args.device), **header}
+        self.data["runs"].append(header)
+        self.data.update({k: v for k, v in header.items() if k in ("machine", "model")})
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
         self.cuda = self.device.type == "cuda"
         self.llm: LLM | None = None
@@ -150,9 +131,23 @@ class Runner:
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def add(self, row: dict[str, Any], note: str) -> None:
-        self.report.add(row)
-        log(f"  {row['name']}: {note}")
+    def save(self) -> None:
+        h.write_json(self.args.out, self.data, quiet=True)
+
+    def add(self, row: dict[str, Any], note: str = "") -> None:
+        """Add (or replace) the row of ``row["name"]``, then save; ``note``: logged with the name."""
+        self.data["results"] = [*(r for r in self.data["results"] if r["name"] != row["name"]), row]
+        self.save()
+        if note:
+            log(f"  {row['name']}: {note}")
+
+    def error(self, name: str, err: BaseException | str, kind: str = "error") -> None:
+        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        self.add({"name": name, "value": None, "unit": None, kind: text[:2000]})
+
+    def result(self, name: str) -> dict[str, Any]:
+        """The row ``name`` (``{}`` when there is none)."""
+        return next((r for r in self.data["results"] if r["name"] == name), {})
 
     def job(self, name: str, fn: Callable, *fn_args: Any, engine: tuple[str, dict] | None = None) -> None:
         """``fn(*fn_args)``, or ``fn(llm, *fn_args)`` on the ``engine`` (name, options); a failure is
@@ -166,7 +161,7 @@ class Runner:
             why = f"time budget of {budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
         if why:
             log(f"{name}: skipped: {why}")
-            return self.report.error(name, f"skipped: {why}", "skipped")
+            return self.error(name, f"skipped: {why}", "skipped")
         log(f"{name} ...")
         try:
             fn(self.engine(eng, **options), *fn_args) if eng else fn(*fn_args)
@@ -174,7 +169,7 @@ class Runner:
             log(f"{name} FAILED: {type(e).__name__}: {e}")
             if not isinstance(e, Unfit):
                 traceback.print_exc()
-            self.report.error(name, e)
+            self.error(name, e)
             self.free()  # a distributed run that failed is ended: built afresh next time
 
     def engine(self, name: str, **options: Any) -> LLM:
@@ -201,17 +196,17 @@ class Runner:
         if self.cuda:
             info["rank0_gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
         log(f"  engine {info}")
-        self.report.data["engines"].append(info)
-        self.report.save()
+        self.data["engines"].append(info)
+        self.save()
         return self.llm
 
     def free(self) -> None:
         """Shut the live engine down (a distributed one's worker ranks exit) and free memory."""
         if self.llm is not None:
-            if self.cuda and self.report.data["engines"]:
+            if self.cuda and self.data["engines"]:
                 peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-                self.report.data["engines"][-1]["rank0_gpu_peak_allocated_gib"] = peak
-                self.report.save()
+                self.data["engines"][-1]["rank0_gpu_peak_allocated_gib"] = peak
+                self.save()
             try:
                 self.llm.shutdown()
             except Exception as e:
@@ -224,14 +219,21 @@ class Runner:
 
 # ---- the benchmark ---------------------------------------------------------------------------------
 class Bench(Runner):
-    """The measurements (docs/benchmarks.md), one engine alive at a time; rows go to ``report``."""
+    """The measurements (docs/benchmarks.md) of the model of ``cfg_dict``, its parameter counts
+    and decode-step weight bytes in the report."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path, cfg_dict: dict[str, Any], report: Report):
-        super().__init__(args, model_dir, cfg_dict["vocab_size"], report)
+    def __init__(self, args: argparse.Namespace, model_dir: Path, cfg_dict: dict[str, Any]):
+        super().__init__(args, model_dir, cfg_dict["vocab_size"])
         self.cfg_dict, self.cfg = cfg_dict, DeepseekV4Config.from_dict(cfg_dict)
         self.counts = gm.param_counts(self.cfg)
         lens = [args.prompt_len + args.new_tokens, *(n + 1 for _, n in args.prefill)]
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
+        self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
+        steps = {
+            str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in (1, 16, 64, 256)
+        }
+        roofline = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
+        self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
     def row(self, name: str, tok_s: float, tokens: int = 0, steps: list | None = None, kv: float = 0, **kw):
         """A result row: ``tok_s`` over the H200's read bound of a decode step of ``tokens`` tokens
@@ -292,8 +294,10 @@ class Bench(Runner):
 
     def our_prefill(self, chunk: int, runs: list[tuple[int, int]], pareto: bool = False) -> None:
         """Prefill rows (``max_tokens=1``) of ``runs`` (prompts, length) or the Pareto points."""
-        most, points = max(c for c, _ in runs), []
+        most, series = max(c for c, _ in runs), f"DeepInfer chunk {chunk}" if pareto else None
         llm = self.ours_engine(most, chunk)
+        if series:
+            self.data["pareto"][series] = []
         for i, (count, length) in enumerate(runs):
             name = f"ours.pareto.chunk{chunk}.B{count}" if pareto else f"ours.prefill.{count}x{length}"
             if not (pareto and i):  # a warm-up of each prefill shape, one of the sweep's largest batch
@@ -301,14 +305,15 @@ class Bench(Runner):
             outs, _, wall = run_llm(llm, self.prompts(name, count, length), 1)
             p = prefill_stats(outs) | ({"batch": count} if pareto else {"wall_s": wall})
             steps = gm.step_token_counts(count * length, chunk)
-            points.append(self.prefill_row(name, p, steps, max_num_batched_tokens=chunk))
-        if pareto:
-            self.report.data["pareto"][f"DeepInfer chunk {chunk}"] = points
+            self.prefill_row(name, p, steps, series, max_num_batched_tokens=chunk)
 
-    def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], **kw: Any) -> dict:
+    def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], series: str | None, **kw: Any):
+        """The prefill row ``name`` of the figures ``p``, and with ``series`` its Pareto point."""
         note = f"{p['prefill_tok_s']:.1f} tok/s, TTFT mean {p['ttft_mean_s'] * 1e3:.1f} ms"
         self.add(self.row(name, p["prefill_tok_s"], steps=steps, **p, **kw), note)
-        return {k: p.get(k) for k in ("batch", "ttft_mean_s", "ttft_max_s", "prefill_tok_s")}
+        if series:
+            keys = ("batch", "ttft_mean_s", "ttft_max_s", "prefill_tok_s")
+            self.data["pareto"][series].append({k: p.get(k) for k in keys})
 
     def our_context(self, batch: int, ctx: int) -> None:
         """Decode at a steady batch of ``batch`` sequences of ``ctx`` tokens (docs/benchmarks.md)."""
@@ -339,7 +344,7 @@ class Bench(Runner):
             raise RuntimeError(f"no step decoded all {batch} requests")
         kv, tok_s = batch * gm.kv_bytes(cfg, ctx, rows), d.pop("decode_tok_s_full_batch")
         step_ms = d.pop("decode_step_ms_full_batch")
-        base = self.report.row(base_name) or {"step_ms": step_ms}
+        base = self.result(base_name) or {"step_ms": step_ms}
         row = self.row(f"ours.context.B{batch}.{ctx}", tok_s, batch, kv=kv, context_batch=batch, context=ctx)
         row |= {"step_ms": step_ms, "kv_read_bytes_per_step": kv, "kv_row_bytes": rows}
         row |= {"max_tokens": max_tokens, "base_context": min(ctxs), "step_ratio": step_ms / base["step_ms"]}
@@ -348,33 +353,28 @@ class Bench(Runner):
 
     # -- HF transformers
     def hf(self) -> None:
-        a, model, t0 = self.args, [], time.perf_counter()
+        a, model = self.args, []
         self.job("hf.load", lambda: model.append(self.hf_model()))
         if not model:
             return
-        info = {"engine": "hf", "build_s": time.perf_counter() - t0}
-        for k in ("attn_implementation", "experts_implementation"):
-            info[k] = getattr(model[0].config, f"_{k}", None)
-        self.report.data["engines"].append(info)
         warm = self.prompts("warmup-hf", 1, min(a.prompt_len, 128))
-        self.job("hf.warmup", lambda: self.hf_generate(model[0], warm, 4))
+        self.job("hf.warmup", self.hf_generate, model[0], warm, 4)
         for b in [] if a.skip_decode else a.hf_batch_sizes:
-            self.job(f"hf.decode.B{b}", lambda b=b: self.hf_decode(model[0], b))
+            self.job(f"hf.decode.B{b}", self.hf_decode, model[0], b)
         for count, length in [] if a.skip_prefill else a.prefill:
-            name = f"hf.prefill.{count}x{length}"
-            self.job(name, lambda n=name, c=count, L=length: self.hf_prefill(model[0], n, c, L))
-        points: list[dict[str, Any]] = []
-        for b in a.pareto_batch_sizes if a.pareto else []:
-            fn = lambda n=f"hf.pareto.B{b}", b=b: self.hf_prefill(model[0], n, b, a.pareto_prompt_len, b)  # noqa: E731
-            self.job(f"hf.pareto.B{b}", lambda fn=fn: points.append(fn()))
+            self.job(f"hf.prefill.{count}x{length}", self.hf_prefill, model[0], count, length)
         if a.pareto:
-            self.report.data["pareto"]["HF transformers (eager)"] = points
+            self.data["pareto"]["HF transformers (eager)"] = []
+        for b in a.pareto_batch_sizes if a.pareto else []:
+            self.job(f"hf.pareto.B{b}", self.hf_prefill, model[0], b, a.pareto_prompt_len, True)
         model.clear()
         self.free()
 
     def hf_model(self) -> Any:
         """HF ``DeepseekV4ForCausalLM`` (eager attention) on the device, loaded with the checkpoint
-        as DeepInfer's loader dequantises it (HF names; FP8/FP4 -> ``--dtype``)."""
+        as DeepInfer's loader dequantises it (HF names; FP8/FP4 -> ``--dtype``); its figures join
+        the report's ``engines``."""
+        t0 = time.perf_counter()  # transformers' import included
         from transformers import DeepseekV4Config as HFConfig
         from transformers import DeepseekV4ForCausalLM
 
@@ -389,6 +389,8 @@ class Bench(Runner):
         if missing or unexpected:
             raise RuntimeError(f"HF state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.generation_config.eos_token_id = None  # ignore EOS: every request runs to max_new_tokens
+        info = {"engine": "hf", "build_s": time.perf_counter() - t0}
+        self.data["engines"].append(info | {k: getattr(model.config, f"_{k}", None) for k in HF_IMPL})
         return model.eval()
 
     def hf_generate(self, model: Any, prompts: list[list[int]], new_tokens: int) -> tuple:
@@ -417,12 +419,15 @@ class Bench(Runner):
         row |= {"ttft_s": times[0] - t0, "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
         self.add(row, f"{row['value']:.1f} tok/s")
 
-    def hf_prefill(self, model: Any, name: str, count: int, length: int, batch: int | None = None) -> dict:
+    def hf_prefill(self, model: Any, count: int, length: int, pareto: bool = False) -> None:
+        """A prefill row (``max_tokens=1``) of ``count`` prompts of ``length``, or a Pareto point."""
+        name = f"hf.pareto.B{count}" if pareto else f"hf.prefill.{count}x{length}"
         _, t0, times, t1 = self.hf_generate(model, self.prompts(name, count, length), 1)
         ttft = times[0] - t0
         p = {"prompt_tokens": count * length, "prefill_tok_s": count * length / ttft, "ttft_mean_s": ttft}
-        p |= {"ttft_max_s": ttft} | ({"batch": batch} if batch else {})
-        return self.prefill_row(name, p, [count * length], ttft_s=ttft, wall_s=t1 - t0)
+        p |= {"ttft_max_s": ttft} | ({"batch": count} if pareto else {})
+        series = "HF transformers (eager)" if pareto else None
+        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=t1 - t0)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -527,26 +532,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     cfg_dict = gm.flash_config(LAYERS, args.experts, smoke=args.smoke)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_e2e_model_"))
-    report = Report(args)
-    bench = Bench(args, model_dir, cfg_dict, report)
-    c = report.data["model"] = {"config": cfg_dict, "param_counts": bench.counts}
-    steps = {str(b): {f: gm.weight_bytes_per_step(bench.cfg, b, f) for f in FMTS} for b in (1, 16, 64, 256)}
-    report.data["roofline"] = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
-    report.data["roofline"]["decode_step_weight_bytes"] = steps
-    log(f"model: {LAYERS} layers, {args.experts} experts, {c['param_counts']['total'] / 1e9:.2f} B params")
+    bench = Bench(args, model_dir, cfg_dict)
+    data = bench.data
+    log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
     try:
-        report.data["checkpoint"] = gm.checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
+        data["checkpoint"] = gm.checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
         if not args.skip_ours:
             bench.ours()
         if not args.skip_hf:
             bench.hf()
-        if args.pareto and report.data["pareto"]:
-            report.data["pareto_png"] = plot_pareto(report.data, args.pareto_png)
-        report.data["total_s"] = time.perf_counter() - T_START
-        report.save()
-        print_tables(report.data["results"])
+        if args.pareto and data["pareto"]:
+            data["pareto_png"] = plot_pareto(data, args.pareto_png)
+        data["total_s"] = time.perf_counter() - T_START
+        bench.save()
+        print_tables(data["results"])
         print(f"\nwrote {args.out}")
-        failed = [r["name"] for r in report.data["results"] if r["name"].startswith("ours") and "error" in r]
+        failed = [r["name"] for r in data["results"] if r["name"].startswith("ours") and "error" in r]
         if failed:
             log(f"DeepInfer measurements failed: {failed}")
         return int(bool(failed))

@@ -1,9 +1,4 @@
-"""``deepinfer serve`` against ``LLM.generate``: output tok/s, TTFT, ITL and CPU seconds.
-
-Per ``--batches`` entry B: B concurrent streamed ``/v1/completions`` requests (greedy, EOS
-ignored) from the async ``openai`` client to a ``deepinfer serve`` subprocess, then the same
-prompts through ``LLM.generate`` here; ITL = (last token - first token) / (tokens - 1).
-"""
+"""``deepinfer serve`` against ``LLM.generate``: output tok/s, TTFT, ITL and CPU seconds."""
 
 from __future__ import annotations
 
