@@ -87,34 +87,24 @@ def init_param(name: str, spec: ParamSpec, cfg: DeepseekV4Config, g: torch.Gener
     return torch.randn(shape, generator=g, device=device).mul_(std)
 
 
-def checkpoint(
-    model_dir: Path, cfg_dict: dict[str, Any], seed: int, device: torch.device, dtype: torch.dtype,
-    log: Callable[[str], None] = print,
+def write_checkpoint(
+    model_dir: Path, cfg_dict: dict[str, Any], seed: int, device: torch.device,
+    dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
-    """The checkpoint of ``cfg_dict`` and ``seed`` in ``model_dir``: reused when it is there whole,
-    else written (:func:`write_checkpoint`; a folder of other files is refused); what was written,
-    without the config, and whether it was ``reused``."""
+    """The random checkpoint of ``cfg_dict`` and ``seed`` (native names, FP8 linears, FP4 experts)
+    in ``model_dir``: reused when it is there whole, else written (a folder of other files is
+    refused), a shard per layer (and one of the rest) drawn and quantised on ``device``; returns
+    what was written (without the config) and whether it was ``reused``."""
     try:
         info = json.loads((model_dir / MARKER).read_text()) | {"reused": True}
     except (OSError, json.JSONDecodeError):
         info = {}
     if info.get("config") == json.loads(json.dumps(cfg_dict)) and info.get("seed") == seed:
         log(f"reusing the checkpoint in {model_dir}")
-    else:
-        if model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
-            raise SystemExit(f"--model-dir {model_dir} holds other files; give an empty or new folder")
-        log(f"writing the checkpoint to {model_dir} (weights drawn on {device})")
-        info = write_checkpoint(model_dir, cfg_dict, seed, device, dtype, log) | {"reused": False}
-        log(f"checkpoint: {info['bytes_on_disk'] / 2**30:.2f} GiB in {info['write_s']:.1f} s")
-    return {k: v for k, v in info.items() if k != "config"}
-
-
-def write_checkpoint(
-    model_dir: Path, cfg_dict: dict[str, Any], seed: int, device: torch.device,
-    dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
-) -> dict[str, Any]:  # fmt: skip
-    """Write the random checkpoint (native names, FP8 linears, FP4 experts) to ``model_dir``: a shard
-    per layer (and one of the rest), drawn and quantised on ``device``; returns what was written."""
+        return {k: v for k, v in info.items() if k != "config"}
+    if model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--model-dir {model_dir} holds other files; give an empty or new folder")
+    log(f"writing the checkpoint to {model_dir} (weights drawn on {device})")
     t0 = time.perf_counter()
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / MARKER).unlink(missing_ok=True)
@@ -158,7 +148,8 @@ def write_checkpoint(
     info = {"config": cfg_dict, "seed": seed, "files": len(groups), "bytes_on_disk": total}
     info["write_s"] = time.perf_counter() - t0
     (model_dir / MARKER).write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    log(f"checkpoint: {total / 2**30:.2f} GiB in {info['write_s']:.1f} s")
+    return {k: v for k, v in info.items() if k != "config"} | {"reused": False}
 
 
 # ---- accounting ------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ def main() -> int:
     from deepinfer_core import LLM
 
     cfg = gm.flash_config(args.layers, args.experts)
-    gm.checkpoint(args.model_dir, cfg, args.seed, torch.device("cuda"), torch.bfloat16, h.log)
+    gm.write_checkpoint(args.model_dir, cfg, args.seed, torch.device("cuda"), torch.bfloat16, h.log)
     ids = h.random_prompts(args.prompts, args.prompt_len, args.seed, cfg["vocab_size"])
     common = {"max_num_seqs": args.prompts, "max_model_len": args.prompt_len + args.new_tokens + 16}
     oracle = {"backend": "reference", "keep_quantized": False, "enforce_eager": True, **common}

@@ -352,18 +352,19 @@ def main(argv: list[str] | None = None) -> int:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     model, nccl_env = {"config": cfg, "dir": str(model_dir)}, {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
     bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
-    bench.data.pop("pareto", None)
+    data = bench.data
+    data.pop("pareto", None)
     try:
         if not args.smoke:
-            bench.data["checkpoint"] = gm.checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
+            data["checkpoint"] = gm.write_checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
         bench.run()
     finally:
         bench.free()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-    bench.data["total_s"] = time.perf_counter() - e2e.T_START
+    data["total_s"] = time.perf_counter() - e2e.T_START
     bench.save()
-    results = bench.data["results"]
+    results = data["results"]
     shown = [{**r, "ttft_ms": r.get("ttft_s", 0) * 1e3 or None} for r in results]
     for r in shown:  # a skip or a failure, cut to a table cell
         r["why"] = (r.get("error") or r.get("skipped") or "")[:80] or None

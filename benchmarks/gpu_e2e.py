@@ -33,6 +33,7 @@ from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E4
 
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
+BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
 HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
@@ -184,10 +185,8 @@ class Runner:
             torch.cuda.reset_peak_memory_stats(self.device)
         log(f"  building engine {name}: {options}")
         try:
-            kw = dict(
-                backend=a.backend, device=a.device, dtype=a.dtype, seed=SEED, keep_quantized=a.keep_quantized
-            )
-            self.llm, self.name = LLM(str(self.model_dir), **kw, **options), name
+            kw = dict(backend=a.backend, device=a.device, dtype=a.dtype, keep_quantized=a.keep_quantized)
+            self.llm, self.name = LLM(str(self.model_dir), seed=SEED, **kw, **options), name
             self.sync()
             info = self.engine_info(self.llm, name, options) | {"build_s": time.perf_counter() - t0}
         except Exception as e:
@@ -229,9 +228,7 @@ class Bench(Runner):
         lens = [args.prompt_len + args.new_tokens, *(n + 1 for _, n in args.prefill)]
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
         self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
-        steps = {
-            str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in (1, 16, 64, 256)
-        }
+        steps = {str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in BATCHES}
         roofline = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
         self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
@@ -536,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     data = bench.data
     log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
     try:
-        data["checkpoint"] = gm.checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
+        data["checkpoint"] = gm.write_checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
         if not args.skip_ours:
             bench.ours()
         if not args.skip_hf:

@@ -97,9 +97,7 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(
-        __doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0
-    )  # prompt ids in [4, VOCAB)
+    ap = h.parser(__doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0)  # prompt ids: [4, VOCAB)
     ap.add_argument("--batches", type=h.positive_ints, default=[1, 64], help="concurrent requests (1,64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
