@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from deepinfer_core.distributed.cost_model import expected_distinct
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer_core.models.deepseek_v4.params import ParamSpec, parameter_specs, target_dtype
 from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
@@ -86,21 +87,24 @@ def init_param(name: str, spec: ParamSpec, cfg: DeepseekV4Config, g: torch.Gener
     return torch.randn(shape, generator=g, device=device).mul_(std)
 
 
-def model_ready(model_dir: Path, cfg_dict: dict[str, Any], seed: int) -> bool:
-    """Whether ``model_dir`` holds a complete checkpoint written for ``cfg_dict`` and ``seed``."""
-    try:
-        info = json.loads((model_dir / MARKER).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return info.get("config") == json.loads(json.dumps(cfg_dict)) and info.get("seed") == seed
-
-
 def write_checkpoint(
     model_dir: Path, cfg_dict: dict[str, Any], seed: int, device: torch.device,
     dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
-    """Write the random checkpoint (native names, FP8 linears, FP4 experts) to ``model_dir``: a shard
-    per layer (and one of the rest), drawn and quantised on ``device``; returns what was written."""
+    """The random checkpoint of ``cfg_dict`` and ``seed`` (native names, FP8 linears, FP4 experts)
+    in ``model_dir``: reused when it is there whole, else written (a folder of other files is
+    refused), a shard per layer (and one of the rest) drawn and quantised on ``device``; returns
+    what was written (without the config) and whether it was ``reused``."""
+    try:
+        info = json.loads((model_dir / MARKER).read_text()) | {"reused": True}
+    except (OSError, json.JSONDecodeError):
+        info = {}
+    if info.get("config") == json.loads(json.dumps(cfg_dict)) and info.get("seed") == seed:
+        log(f"reusing the checkpoint in {model_dir}")
+        return {k: v for k, v in info.items() if k != "config"}
+    if model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
+        raise SystemExit(f"--model-dir {model_dir} holds other files; give an empty or new folder")
+    log(f"writing the checkpoint to {model_dir} (weights drawn on {device})")
     t0 = time.perf_counter()
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / MARKER).unlink(missing_ok=True)
@@ -144,16 +148,11 @@ def write_checkpoint(
     info = {"config": cfg_dict, "seed": seed, "files": len(groups), "bytes_on_disk": total}
     info["write_s"] = time.perf_counter() - t0
     (model_dir / MARKER).write_text(json.dumps(info, indent=2) + "\n")
-    return info
+    log(f"checkpoint: {total / 2**30:.2f} GiB in {info['write_s']:.1f} s")
+    return {k: v for k, v in info.items() if k != "config"} | {"reused": False}
 
 
 # ---- accounting ------------------------------------------------------------------------------------
-def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct routed experts ``tokens`` tokens touch in one layer, each choosing
-    ``top_k`` of ``num_experts`` uniformly: ``E * (1 - (1 - k/E)**T)`` (<= ``min(E, T*k)``)."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens) if tokens > 0 else 0.0
-
-
 def param_counts(cfg: DeepseekV4Config) -> dict[str, int]:
     """Parameter counts: ``total``, ``routed_experts``, ``embedding``, ``dense`` (the rest) and
     ``active_per_token`` (matmul weights one token uses: dense linears, top-k experts, the head)."""
@@ -173,10 +172,11 @@ def param_counts(cfg: DeepseekV4Config) -> dict[str, int]:
 def weight_bytes_per_step(cfg: DeepseekV4Config, tokens: int, fmt: str) -> float:
     """Bytes of weights one forward step over ``tokens`` tokens reads, each weight once, in
     ``fmt`` ``"bf16"`` (as loaded dequantised) or ``"fp8_fp4"`` (as the checkpoint stores them);
-    routed experts count :func:`expected_distinct_experts` per layer, the embedding its rows."""
+    routed experts count the expected distinct experts of uniform routing per layer
+    (:func:`~deepinfer_core.distributed.cost_model.expected_distinct`), the embedding its rows."""
     if fmt not in ("bf16", "fp8_fp4"):
         raise ValueError(f"fmt must be 'bf16' or 'fp8_fp4', got {fmt!r}")
-    experts = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens)
+    experts = expected_distinct(cfg.n_routed_experts, cfg.num_experts_per_tok, tokens)
     total = 0.0
     for name, spec in parameter_specs(cfg).items():
         n, rows = math.prod(spec.shape), min(tokens, spec.shape[0])

@@ -1,8 +1,4 @@
-"""Prefix caching and async scheduling, each on and off, on CPU with the built-in tiny model.
-
-``shared-prefix``: prompts sharing a ``--prefix-len`` prefix in two waves (the first alone,
-then the rest); ``async``: independent prompts; greedy, EOS ignored.
-"""
+"""Prefix caching and async scheduling, each on and off, on CPU with the built-in tiny model."""
 
 from __future__ import annotations
 

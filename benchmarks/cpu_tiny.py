@@ -1,8 +1,4 @@
-"""CPU throughput of DeepInfer vs HF transformers' ``generate`` on the built-in tiny model.
-
-Workloads ``hf`` (equal-length prompts), ``equal`` and ``mixed`` (lengths 1/4x to 2x) through
-``LLM.generate`` on ``--backend``; greedy, EOS ignored; the fastest of ``--repeat`` runs each.
-"""
+"""CPU throughput of DeepInfer vs HF transformers' ``generate`` on the built-in tiny model."""
 
 from __future__ import annotations
 

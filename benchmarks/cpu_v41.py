@@ -1,10 +1,4 @@
-"""The tiny DeepSeek-V4.1 on CPU: throughput, prefix caching and the decoder-side prefill tail.
-
-``throughput``: prefill tok/s (one new token) and decode tok/s (the extra time of
-``--max-tokens``); ``prefix``: TTFT and hit rate with prefix caching off / on; ``tail``:
-prefill with ``DEEPINFER_YOCO_PREFILL_KEEP_TOKENS`` off / ``auto`` and the tail's logit error.
-Reference backend, fp32, greedy; medians of ``--repeats`` after a warm-up.
-"""
+"""The tiny DeepSeek-V4.1 on CPU: throughput, prefix caching and the decoder-side prefill tail."""
 
 from __future__ import annotations
 
@@ -37,7 +31,7 @@ def throughput(model_dir: Path, a) -> dict:
 
     def median_s(n: int) -> float:
         h.generate(llm, prompts, h.greedy(n))  # warm-up
-        return h.median_seconds(lambda: h.generate(llm, prompts, h.greedy(n)), a.repeats)
+        return statistics.median_high(h.generate(llm, prompts, h.greedy(n))[1] for _ in range(a.repeats))
 
     prefill, both = median_s(1), median_s(a.max_tokens)
     return {"num_prompts": a.num_prompts, "prompt_len": a.prompt_len, "max_tokens": a.max_tokens,

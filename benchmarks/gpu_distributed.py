@@ -1,11 +1,5 @@
 """DP N + EP N decode, CP N prefill and EPLB of the e2e model (``gpu_e2e.py``'s) on ``--world`` N
-GPUs of one host (NCCL, NVLink multicast off), each against one GPU.
-
-Parts (``--parts``): ``decode`` (tok/s per GPU, one GPU vs each of ``--decode-modes``), ``cp``
-(TTFT of one long prompt, one GPU vs CP N), ``eplb`` (DP N + EP N before and after one EPLB
-rebalancing on a skewed prompt mix).  The rows, the commands and the results: docs/benchmarks.md.
-``--smoke`` runs every part on the CPU (gloo, reference backend, fp32, built-in tiny model).
-"""
+GPUs of one host (NCCL, NVLink multicast off), each against one GPU (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -21,14 +15,11 @@ os.environ.update(NCCL_SAFE_ENV)
 # ruff: noqa: E402
 
 import argparse
-import gc
 import json
 import shutil
 import sys
 import tempfile
 import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,17 +32,16 @@ import _gpu_model as gm
 import gpu_e2e as e2e
 
 from deepinfer_core import LLM
-from deepinfer_core.benchmarking.harness import choice_list, log, machine_info, positive_ints, print_table
+from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints, print_table
 from deepinfer_core.distributed.processes import LOG_DIR_ENV
 from deepinfer_core.models.context_parallel import CP_MIN_TOKENS_ENV, cp_min_tokens
 from deepinfer_core.testing.observe import counting_context_parallel_forwards
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_distributed.json"
 PARTS = ("decode", "cp", "eplb")
-T_START = time.perf_counter()  # --time-budget counts from here
 HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the --eplb-hot-ids ones
 FILLER_LEN = 8  # prompt ids of the eplb part's filler requests (one per rank)
-SEED, BUILD_S, TIMEOUT_S = 0, 75.0, 180.0  # prompts and weights; --time-budget a build needs; NCCL's
+TIMEOUT_S = 180.0  # NCCL's
 DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, with --smoke, help)
     "parts": ("decode,cp", ",".join(PARTS), f"comma-separated subset of {','.join(PARTS)}"),
     "backend": ("cuda_sm100", "reference", "DeepInfer backend"),
@@ -79,23 +69,16 @@ def die(msg: str) -> SystemExit:
     return SystemExit(2)
 
 
-class Bench:
-    """The measurements, one engine alive at a time; rows go to ``report``."""
+class Bench(e2e.Runner):
+    """The measurements (docs/benchmarks.md), one engine alive at a time."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, report: e2e.Report):
-        self.args, self.model_dir, self.vocab, self.report = args, model_dir, vocab, report
-        self.device, self.world, n = torch.device(args.device), args.world, args.world
-        self.cuda = self.device.type == "cuda"
+    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, **header: Any):
+        super().__init__(args, model_dir, vocab, **header)
+        n = self.world = args.world
         ep = {"data_parallel_size": n, "enable_expert_parallel": True}
         self.kinds = {"1gpu": {}, f"dp{n}ep{n}": ep, f"dp{n}": {"data_parallel_size": n}}
         self.fmt = "fp8_fp4" if args.keep_quantized else {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-        self.llm: LLM | None = None
-        self.name: str | None = None  # the live engine's
-        self.failed: dict[str, str] = {}  # engines that failed to build: why
         self.cp_tokens: dict[str, list[list[int]]] = {}  # greedy tokens of the CP prompts, by engine
-
-    def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
-        return e2e.make_prompts(tag, count, length, self.vocab, SEED)
 
     def skewed_prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
         """``HOT_PERCENT`` % of the ids from ``--eplb-hot-ids`` fixed ids, the rest uniform (V4's
@@ -107,98 +90,33 @@ class Bench:
             for p, q in zip(self.prompts(tag, count, length), picks, strict=True)
         ]
 
-    def row(self, name: str) -> dict[str, Any]:
-        return next((r for r in self.report.data["results"] if r["name"] == name), {})
-
     def options(self, seqs: int, chunk: int, max_len: int, **extra: Any) -> dict[str, Any]:
         """An engine's ``LLM`` options beyond the common ones."""
         base = {"max_num_seqs": seqs, "max_num_batched_tokens": chunk, "max_model_len": max_len}
-        return {**base, "enforce_eager": self.args.enforce_eager, **extra}
+        return {**base, "enforce_eager": self.args.enforce_eager, "distributed_timeout_s": TIMEOUT_S, **extra}
 
-    def job(self, row: str, engine: str, options: dict[str, Any], fn: Callable, *fn_args: Any) -> None:
-        """``fn(llm, *fn_args)`` on the engine ``engine`` (built unless it is the live one); a skip
-        (an engine that failed to build, the time budget) or a failure is the row ``row``."""
-        budget, elapsed = self.args.time_budget, time.perf_counter() - T_START
-        need = 0.0 if self.name == engine else BUILD_S
-        why = (
-            f"engine {engine} failed to build ({self.failed[engine][:300]})" if engine in self.failed else ""
-        )
-        if not why and budget and elapsed + need > budget:
-            why = f"time budget of {budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
-        if why:
-            log(f"{row}: skipped: {why}")
-            return self.report.error(row, f"skipped: {why}", "skipped")
-        log(f"{row} ...")
-        llm = None
-        try:
-            llm = self.engine(engine, options)
-            fn(llm, *fn_args)
-        except Exception as e:  # recorded, not raised: the other measurements still run
-            text = f"{type(e).__name__}: {e}"
-            if llm is None:
-                self.failed[engine] = text
-                text = f"engine {engine} failed to build: {text}"
-            log(f"{row} FAILED: {text}")
-            traceback.print_exc()
-            self.report.error(row, text)
-            self.free_engine()  # a distributed run that failed is ended: built afresh next time
+    def engine(self, name: str, **options: Any) -> LLM:
+        if self.args.log_dir is not None:  # the workers' rank<k>.log files of this engine
+            os.environ[LOG_DIR_ENV] = str(self.args.log_dir / name)
+        return super().engine(name, **options)
 
-    def engine(self, name: str, options: dict[str, Any]) -> LLM:
-        """The engine ``name``, built after shutting down and freeing any other one."""
-        if self.llm is not None and self.name == name:
-            return self.llm
-        self.free_engine()
-        a, t0 = self.args, time.perf_counter()
+    def engine_info(self, llm: LLM, name: str, options: dict[str, Any]) -> dict[str, Any]:
+        """The engine's figures; a distributed one must run on the device's process group backend."""
         world = options.get("data_parallel_size", 1) * options.get("context_parallel_size", 1)
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        if a.log_dir is not None:  # the workers' rank<k>.log files of this engine
-            os.environ[LOG_DIR_ENV] = str(a.log_dir / name)
-        log(f"  building engine {name} (world {world}): {options}")
-        self.llm = llm = LLM(
-            model=str(self.model_dir), backend=a.backend, device=a.device, dtype=a.dtype, seed=SEED,
-            keep_quantized=a.keep_quantized, distributed_timeout_s=TIMEOUT_S, **options,
-        )  # fmt: skip
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        self.name, runner, dist = name, llm.engine.runner, torch.distributed
-        info: dict[str, Any] = {
-            "engine": name, "world": world, "options": options, "build_s": time.perf_counter() - t0,
-            "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens,
-            "rank0_weight_gib": runner.model.weight_bytes() / 2**30,
-            "graph_buckets": sorted(getattr(runner, "graphs", {}) or []),
-            "dist_backend": dist.get_backend() if world > 1 and dist.is_initialized() else None,
-        }  # fmt: skip
-        if world > 1 and info["dist_backend"] != ("nccl" if self.cuda else "gloo"):
-            raise RuntimeError(f"the run's default process group is {info['dist_backend']!r}")
-        if self.cuda:
-            info["rank0_gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
-        log(f"  engine {info}")
-        self.report.data["engines"].append(info)
-        self.report.save()
-        return llm
-
-    def free_engine(self) -> None:
-        """Shut the live engine down (its worker ranks exit) and free its memory."""
-        if self.llm is not None:
-            if self.cuda and self.report.data["engines"]:
-                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
-                self.report.data["engines"][-1]["rank0_gpu_peak_allocated_gib"] = peak
-                self.report.save()
-            try:
-                self.llm.shutdown()
-            except Exception as e:
-                log(f"  shutdown of {self.name}: {type(e).__name__}: {e}")
-        self.llm = self.name = None
-        gc.collect()
-        if self.cuda:
-            torch.cuda.empty_cache()
+        dist = torch.distributed
+        backend = dist.get_backend() if world > 1 and dist.is_initialized() else None
+        if world > 1 and backend != ("nccl" if self.cuda else "gloo"):
+            raise RuntimeError(f"the run's default process group is {backend!r}")
+        info = {"engine": name, "world": world, "options": options}
+        info |= {"kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens, "dist_backend": backend}
+        info["rank0_weight_gib"] = llm.engine.runner.model.weight_bytes() / 2**30
+        return info | {"graph_buckets": sorted(llm.engine.runner.graph_manager.graphs("decode"))}
 
     def run(self) -> None:
         """The parts of ``--parts``, in the order given."""
         for part in self.args.parts:
             {"decode": self.run_decode, "cp": self.run_cp, "eplb": self.run_eplb}[part]()
-            self.free_engine()
+            self.free()
 
     # -- decode
     def run_decode(self) -> None:
@@ -207,7 +125,7 @@ class Bench:
             max_len = a.prompt_len + a.new_tokens + 16
             options = self.options(max(a.batch_sizes), a.chunk, max_len, **self.kinds[kind])
             for b in a.batch_sizes:
-                self.job(f"decode.{kind}.B{b}", f"decode.{kind}", options, self.decode, kind, b)
+                self.job(f"decode.{kind}.B{b}", self.decode, kind, b, engine=(f"decode.{kind}", options))
 
     def decode(self, llm: LLM, kind: str, batch: int) -> None:
         """B requests per GPU (``world * B`` in all); tok/s per GPU from rank 0's steps."""
@@ -217,12 +135,11 @@ class Bench:
         row = self.measure_decode(llm, self.prompts(f"decode-B{batch}", batch * world, a.prompt_len), batch)
         row = {"name": f"decode.{kind}.B{batch}", **row, "mode": kind}
         if world > 1:
-            if one := self.row(f"decode.1gpu.B{batch}").get("value"):
+            if one := self.result(f"decode.1gpu.B{batch}").get("value"):
                 row["per_gpu_vs_1gpu"] = row["value"] / one
             ranks = llm.get_metrics().get("per_rank", [])
             row["per_rank_generated_tokens"] = [m.get("num_generated_tokens") for m in ranks]
-        self.report.add(row)
-        log(f"  {row['name']}: {row['value']:.1f} tok/s per GPU, {row['aggregate_tok_s']:.1f} in all")
+        self.add(row, f"{row['value']:.1f} tok/s per GPU, {row['aggregate_tok_s']:.1f} in all")
 
     def measure_decode(self, llm: LLM, prompts: list[list[int]], batch: int) -> dict[str, Any]:
         """Generate ``prompts`` (``batch`` on each rank), ``--new-tokens`` each: decode tok/s per GPU
@@ -238,7 +155,7 @@ class Bench:
             "wall_s": wall, "end_to_end_tok_s_per_gpu": len(prompts) * a.new_tokens / wall / world,
             "rank0_max_seqs_in_a_step": most, "ttft_mean_s": p["ttft_mean_s"],
             "prefill_tok_s_per_gpu": p["prefill_tok_s"] / world,
-            "graphs": bool(getattr(runner, "graphs", None)),
+            "graphs": bool(runner.graph_manager.graphs("decode")),
             "ep_graph_stats": dict(getattr(runner, "ep_graph_stats", None) or {}), **d,
         }  # fmt: skip
         if most != batch:
@@ -252,7 +169,9 @@ class Bench:
             mode = "1gpu" if world == 1 else f"cp{world}"
             cp = {"context_parallel_size": world} if world > 1 else {}
             options = self.options(2, a.cp_chunk, a.cp_prompt_len + a.cp_new_tokens + 128, **cp)
-            self.job(f"prefill.{mode}.{a.cp_prompt_len}", f"cp.{mode}", options, self.cp, mode, world)
+            self.job(
+                f"prefill.{mode}.{a.cp_prompt_len}", self.cp, mode, world, engine=(f"cp.{mode}", options)
+            )
 
     def cp(self, llm: LLM, mode: str, world: int) -> None:
         """One long prompt at a time: TTFT and prompt tok/s, best of ``--cp-repeats``."""
@@ -276,7 +195,7 @@ class Bench:
         }  # fmt: skip
         self.cp_tokens[mode] = tokens
         if world > 1:
-            ref, want = self.row(f"prefill.1gpu.{a.cp_prompt_len}"), self.cp_tokens.get("1gpu")
+            ref, want = self.result(f"prefill.1gpu.{a.cp_prompt_len}"), self.cp_tokens.get("1gpu")
             if ref.get("value"):
                 row.update(speedup_vs_1gpu=tok_s / ref["value"], ttft_vs_1gpu=best / ref["ttft_s"])
             if want is not None:
@@ -284,8 +203,7 @@ class Bench:
                 row["greedy_tokens_equal_to_1gpu"] = f"{same}/{len(want)}"
             if split[0] == 0:  # kept with its figures, but the run fails
                 row["error"] = f"CP split no step (cp_min_tokens {row['cp_min_tokens']}, chunk {a.cp_chunk})"
-        self.report.add(row)
-        log(f"  {row['name']}: TTFT {best * 1e3:.1f} ms, {tok_s:.0f} tok/s ({tok_s / world:.0f} per GPU)")
+        self.add(row, f"TTFT {best * 1e3:.1f} ms, {tok_s:.0f} tok/s ({tok_s / world:.0f} per GPU)")
 
     # -- eplb
     def run_eplb(self) -> None:
@@ -297,7 +215,7 @@ class Bench:
         eplb = {"window_steps": r, "rebalance_interval": r, "num_redundant_experts": n}
         max_len = max(a.prompt_len, FILLER_LEN) + a.new_tokens + 16
         options = self.options(batch, a.chunk, max_len, **self.kinds[f"dp{n}ep{n}"], eplb=eplb)
-        self.job("eplb", f"eplb.dp{n}ep{n}", options, self.eplb, eplb, batch)
+        self.job("eplb", self.eplb, eplb, batch, engine=(f"eplb.dp{n}ep{n}", options))
 
     def eplb(self, llm: LLM, eplb: dict[str, int], batch: int) -> None:
         """A skewed round before the rebalancing at step ``R`` and one after it, filler requests up
@@ -342,11 +260,10 @@ class Bench:
         after["load_vs_before"] = after["max_over_mean_load"] / before["max_over_mean_load"]
         if not before["rebalanced_at_check"]:
             after["note"] = "the policy found no better placement at the first check: no rebalancing"
-        results = self.report.data["results"]
+        results = self.data["results"]
         results[:] = [r for r in results if r["name"] != "eplb"]  # an earlier run's failure (--append)
         for row in (before, after):
-            self.report.add(row)
-            log(f"  {row['name']}: {row['value']:.1f} tok/s/GPU, load {row['max_over_mean_load']:.3f}")
+            self.add(row, f"{row['value']:.1f} tok/s/GPU, load {row['max_over_mean_load']:.3f}")
 
     def eplb_state(self, llm: LLM) -> dict[str, Any]:
         """The engine's EPLB figures, ``get_metrics()["eplb"]`` (fresh after a ``generate``)."""
@@ -415,7 +332,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device, temp_dir = torch.device(args.device), None
+    temp_dir = None
     if args.smoke:  # the tiny model: one thread avoids OpenMP stalls on a small, shared CPU
         from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
@@ -433,32 +350,21 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: --cp-chunk {args.cp_chunk} < cp_min_tokens {cp_min_tokens()}: CP will not split")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    header = {  # the date and the command line are in "machine"
-        "params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": machine_info(device), "model": {"config": cfg, "dir": str(model_dir)},
-        "nccl_env": {k: os.environ.get(k) for k in NCCL_SAFE_ENV},
-    }  # fmt: skip
-    report, bench = e2e.Report(args.out, header, args.append), None
-    report.data.pop("pareto", None)
+    model, nccl_env = {"config": cfg, "dir": str(model_dir)}, {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
+    bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
+    data = bench.data
+    data.pop("pareto", None)
     try:
-        if not args.smoke and not gm.model_ready(model_dir, cfg, SEED):
-            log(f"writing the checkpoint to {model_dir} (weights drawn on {args.device})")
-            dtype = getattr(torch, args.dtype)
-            report.data["checkpoint"] = info = gm.write_checkpoint(
-                model_dir, cfg, SEED, device, dtype, log=log
-            )
-            info.pop("config")
-            log(f"checkpoint: {info['bytes_on_disk'] / 2**30:.2f} GiB in {info['write_s']:.1f} s")
-        bench = Bench(args, model_dir, cfg["vocab_size"], report)
+        if not args.smoke:
+            data["checkpoint"] = gm.write_checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
         bench.run()
     finally:
-        if bench is not None:
-            bench.free_engine()
+        bench.free()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
-    report.data["total_s"] = time.perf_counter() - T_START
-    report.save()
-    results = report.data["results"]
+    data["total_s"] = time.perf_counter() - e2e.T_START
+    bench.save()
+    results = data["results"]
     shown = [{**r, "ttft_ms": r.get("ttft_s", 0) * 1e3 or None} for r in results]
     for r in shown:  # a skip or a failure, cut to a table cell
         r["why"] = (r.get("error") or r.get("skipped") or "")[:80] or None

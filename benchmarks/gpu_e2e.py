@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import shutil
 import sys
 import tempfile
@@ -26,16 +25,17 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 import _gpu_model as gm  # noqa: E402
 
-from deepinfer_core import LLM, SamplingParams  # noqa: E402
+from deepinfer_core import LLM  # noqa: E402
 from deepinfer_core.benchmarking import harness as h  # noqa: E402
-from deepinfer_core.benchmarking.harness import log, machine_info, positive_ints  # noqa: E402
+from deepinfer_core.benchmarking.harness import log, positive_ints  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
-FIRST_ID = 4  # prompts draw ids in [FIRST_ID, vocab): 0..3 are BOS/EOS/chat specials by convention
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")
+LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
+BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
+BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
+HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
 MODE: dict[str, tuple[Any, Any]] = dict(device=("cuda" if torch.cuda.is_available() else "cpu", "cpu"))
 MODE |= dict(dtype=("bfloat16", "float32"), experts=(64, 8), batch_sizes=([1, 16, 64, 256], [1, 4]))
@@ -52,47 +52,15 @@ class Unfit(Exception):
     """A measurement that cannot run on this machine (recorded as one line, no traceback)."""
 
 
-class Report:
-    """Rows of results, written to ``path`` (:func:`~harness.write_json`) after every change;
-    ``append`` merges into the file's rows (replaced by name)."""
-
-    def __init__(self, path: Path, header: dict[str, Any], append: bool):
-        self.path, self.data = path, {"runs": [], "results": [], "pareto": {}, "engines": []}
-        if append and path.is_file():
-            self.data.update(json.loads(path.read_text()))
-        self.data["runs"].append(header)
-        self.data.update({k: v for k, v in header.items() if k in ("machine", "model", "roofline")})
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.data["results"] = [*(r for r in self.data["results"] if r["name"] != row["name"]), row]
-        self.save()
-
-    def error(self, name: str, err: BaseException | str, kind: str = "error") -> None:
-        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
-        self.add({"name": name, "value": None, "unit": None, kind: text[:2000]})
-
-    def save(self) -> None:
-        h.write_json(self.path, self.data, quiet=True)
-
-
-# ---- prompts, generation and its statistics (also used by gpu_distributed.py) ----------------------
-def make_prompts(tag: str, count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """``count`` random prompts of ``length`` ids, the same for the same (tag, seed)."""
-    rng = random.Random(seed * 1_000_003 + zlib.crc32(tag.encode()))
-    return [[rng.randrange(FIRST_ID, vocab) for _ in range(length)] for _ in range(count)]
-
-
+# ---- generation and its statistics, the shared runner (also used by gpu_distributed.py) -------------
 def run_llm(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[list[Any], list, float]:
     """Generate greedily (EOS ignored); returns (outputs, [(time.monotonic(), StepStats)] of every
     engine step, wall seconds)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     metrics, steps = llm.engine.metrics, []
     original = metrics.update
     metrics.update = lambda stats: (original(stats), steps.append((time.monotonic(), stats)))
     try:
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        wall = time.perf_counter() - t0
+        outs, wall = h.generate(llm, prompts, h.greedy(max_tokens))
     finally:
         del metrics.update  # the instance attribute: the class method shows again
     for o in outs:
@@ -134,17 +102,135 @@ def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, ne
     return out
 
 
-# ---- the benchmark ---------------------------------------------------------------------------------
-class Bench:
-    """The measurements (docs/benchmarks.md), one engine alive at a time; rows go to ``report``."""
+class Runner:
+    """What the GPU benchmarks share: the report (``data``: rows of results, written to ``--out``
+    after every change; ``--append`` merges into the file's, rows replaced by name), seeded
+    prompts, one engine alive at a time, and jobs whose failure or skip is recorded as their row
+    (not raised: the other measurements still run).  The run's entry of ``runs``: its flags,
+    its machine (date and command line included) and ``header``."""
 
-    def __init__(self, args: argparse.Namespace, model_dir: Path, cfg_dict: dict[str, Any], report: Report):
-        self.args, self.model_dir, self.report, self.cfg_dict = args, model_dir, report, cfg_dict
-        self.cfg, self.device = DeepseekV4Config.from_dict(cfg_dict), torch.device(args.device)
+    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int, **header: Any):
+        self.args, self.model_dir, self.vocab = args, model_dir, vocab
+        self.data: dict[str, Any] = {"runs": [], "results": [], "pareto": {}, "engines": []}
+        if args.append and args.out.is_file():
+            self.data.update(json.loads(args.out.read_text()))
+        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        header = {"params": params, "machine": h.machine_info(args.device), **header}
+        self.data["runs"].append(header)
+        self.data.update({k: v for k, v in header.items() if k in ("machine", "model")})
+        self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
+        self.cuda = self.device.type == "cuda"
+        self.llm: LLM | None = None
+        self.name: str | None = None  # the live engine's
+        self.failed: dict[str, str] = {}  # engines that failed to build: why
+
+    def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
+        """``count`` random prompts of ``length`` ids in ``[4, vocab)``, the same for the same ``tag``."""
+        return h.random_prompts(count, length, SEED * 1_000_003 + zlib.crc32(tag.encode()), self.vocab)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def save(self) -> None:
+        h.write_json(self.args.out, self.data, quiet=True)
+
+    def add(self, row: dict[str, Any], note: str = "") -> None:
+        """Add (or replace) the row of ``row["name"]``, then save; ``note``: logged with the name."""
+        self.data["results"] = [*(r for r in self.data["results"] if r["name"] != row["name"]), row]
+        self.save()
+        if note:
+            log(f"  {row['name']}: {note}")
+
+    def error(self, name: str, err: BaseException | str, kind: str = "error") -> None:
+        text = err if isinstance(err, str) else f"{type(err).__name__}: {err}"
+        self.add({"name": name, "value": None, "unit": None, kind: text[:2000]})
+
+    def result(self, name: str) -> dict[str, Any]:
+        """The row ``name`` (``{}`` when there is none)."""
+        return next((r for r in self.data["results"] if r["name"] == name), {})
+
+    def job(self, name: str, fn: Callable, *fn_args: Any, engine: tuple[str, dict] | None = None) -> None:
+        """``fn(*fn_args)``, or ``fn(llm, *fn_args)`` on the ``engine`` (name, options); a failure is
+        the row ``name``, as is a skip: an engine that failed to build, or a start past
+        ``--time-budget`` (with :data:`BUILD_S` for an engine to build)."""
+        (eng, options), budget = engine or ("", {}), self.args.time_budget
+        elapsed = time.perf_counter() - T_START
+        need = BUILD_S if eng and eng != self.name else 0.0
+        why = f"engine {eng} failed to build ({self.failed[eng][:300]})" if eng in self.failed else ""
+        if not why and budget and elapsed + need > budget:
+            why = f"time budget of {budget:.0f} s (elapsed {elapsed:.0f} s, {need:.0f} s for a build)"
+        if why:
+            log(f"{name}: skipped: {why}")
+            return self.error(name, f"skipped: {why}", "skipped")
+        log(f"{name} ...")
+        try:
+            fn(self.engine(eng, **options), *fn_args) if eng else fn(*fn_args)
+        except Exception as e:
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+            if not isinstance(e, Unfit):
+                traceback.print_exc()
+            self.error(name, e)
+            self.free()  # a distributed run that failed is ended: built afresh next time
+
+    def engine(self, name: str, **options: Any) -> LLM:
+        """The engine ``name``: ``LLM`` with the run's model, backend, device, dtype and weights and
+        ``options``, built after freeing any other one; its figures (``engine_info``) join the
+        report's ``engines``."""
+        if self.llm is not None and self.name == name:
+            return self.llm
+        self.free()
+        a, t0 = self.args, time.perf_counter()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        log(f"  building engine {name}: {options}")
+        try:
+            kw = dict(backend=a.backend, device=a.device, dtype=a.dtype, keep_quantized=a.keep_quantized)
+            self.llm, self.name = LLM(str(self.model_dir), seed=SEED, **kw, **options), name
+            self.sync()
+            info = self.engine_info(self.llm, name, options) | {"build_s": time.perf_counter() - t0}
+        except Exception as e:
+            self.failed[name] = f"{type(e).__name__}: {e}"
+            raise RuntimeError(f"engine {name} failed to build: {self.failed[name]}") from e
+        if self.cuda:
+            info["rank0_gpu_mem_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+        log(f"  engine {info}")
+        self.data["engines"].append(info)
+        self.save()
+        return self.llm
+
+    def free(self) -> None:
+        """Shut the live engine down (a distributed one's worker ranks exit) and free memory."""
+        if self.llm is not None:
+            if self.cuda and self.data["engines"]:
+                peak = torch.cuda.max_memory_allocated(self.device) / 2**30
+                self.data["engines"][-1]["rank0_gpu_peak_allocated_gib"] = peak
+                self.save()
+            try:
+                self.llm.shutdown()
+            except Exception as e:
+                log(f"  shutdown of {self.name}: {type(e).__name__}: {e}")
+        self.llm = self.name = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------
+class Bench(Runner):
+    """The measurements (docs/benchmarks.md) of the model of ``cfg_dict``, its parameter counts
+    and decode-step weight bytes in the report."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, cfg_dict: dict[str, Any]):
+        super().__init__(args, model_dir, cfg_dict["vocab_size"])
+        self.cfg_dict, self.cfg = cfg_dict, DeepseekV4Config.from_dict(cfg_dict)
         self.counts = gm.param_counts(self.cfg)
-        self.llm, self.llm_key = None, None  # the live engine and its (max_num_seqs, chunk, max_model_len)
         lens = [args.prompt_len + args.new_tokens, *(n + 1 for _, n in args.prefill)]
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
+        self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
+        steps = {str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in BATCHES}
+        roofline = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
+        self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
     def row(self, name: str, tok_s: float, tokens: int = 0, steps: list | None = None, kv: float = 0, **kw):
         """A result row: ``tok_s`` over the H200's read bound of a decode step of ``tokens`` tokens
@@ -153,66 +239,24 @@ class Bench:
         row = {"name": name, "value": tok_s, "unit": "tok/s"}
         for f in FMTS:
             step_bytes = sum(gm.weight_bytes_per_step(self.cfg, t, f) + kv for t in steps or [tokens])
-            bound = h.weight_read_tok_s(sum(steps or [tokens]), step_bytes, h.H200_HBM_BW)
+            bound = sum(steps or [tokens]) * h.H200_HBM_BW / step_bytes
             row |= {f"roofline_tok_s_{f}": bound, f"roofline_frac_{f}": tok_s / bound}
         if steps:
-            bound = h.compute_tok_s(2 * self.counts["active_per_token"], h.H200_BF16_FLOPS)
+            bound = h.H200_BF16_FLOPS / (2 * self.counts["active_per_token"])
             row |= {"roofline_tok_s_compute": bound, "roofline_frac_compute": tok_s / bound}
         return row | kw
 
-    def add(self, row: dict[str, Any], note: str) -> None:
-        self.report.add(row)
-        log(f"  {row['name']}: {note}")
+    def ours_engine(self, seqs: int, chunk: int, max_len: int = 0) -> LLM:
+        """The DeepInfer engine of this shape (``max_len`` 0: long enough for every row but the contexts)."""
+        a, max_len = self.args, max_len or self.max_model_len
+        opts = dict(max_num_seqs=seqs, max_num_batched_tokens=chunk, max_model_len=max_len)
+        opts |= dict(kv_cache_dtype=a.kv_cache_dtype, enforce_eager=a.enforce_eager)
+        return self.engine(f"S{seqs}.chunk{chunk}.len{max_len}", **opts)
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
-        return make_prompts(tag, count, length, self.cfg.vocab_size, SEED)
-
-    def job(self, name: str, fn: Callable[[], Any]) -> None:
-        """Run one measurement; a failure is recorded (not raised), one past --time-budget skipped."""
-        budget = self.args.time_budget
-        if budget and time.perf_counter() - T_START > budget:
-            log(f"{name}: skipped (time budget {budget:.0f} s spent)")
-            return self.report.error(name, f"skipped: time budget of {budget:.0f} s spent", "skipped")
-        log(f"{name} ...")
-        try:
-            fn()
-        except Exception as e:
-            log(f"{name} FAILED: {type(e).__name__}: {e}")
-            if not isinstance(e, Unfit):
-                traceback.print_exc()
-            self.report.error(name, e)
-            self.free(self.llm is not None and name.startswith("ours"))
-
-    def free(self, engine: bool = True) -> None:
-        """Drop the engine (with ``engine``) and free memory."""
-        self.llm, self.llm_key = (None, None) if engine else (self.llm, self.llm_key)
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-    def engine(self, max_num_seqs: int, chunk: int, max_len: int = 0) -> LLM:
-        """The DeepInfer engine of this shape, built after freeing any other one."""
-        a, key = self.args, (max_num_seqs, chunk, max_len or self.max_model_len)
-        if self.llm is not None and self.llm_key == key:
-            return self.llm
-        self.free()
-        t0 = time.perf_counter()
-        kw = dict(max_num_seqs=key[0], max_num_batched_tokens=chunk, max_model_len=key[2], seed=SEED)
-        kw |= dict(backend=a.backend, device=a.device, dtype=a.dtype, enforce_eager=a.enforce_eager)
-        llm = LLM(str(self.model_dir), keep_quantized=a.keep_quantized, kv_cache_dtype=a.kv_cache_dtype, **kw)
-        self.sync()
-        info = {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
-        info["backend"] = getattr(getattr(llm.engine, "backend", None), "name", None)
-        info["build_s"], info["kv_cache_tokens"] = time.perf_counter() - t0, llm.kv_cache_capacity_tokens
-        info["weight_gib"] = llm.engine.runner.model.weight_bytes() / 2**30
-        log(f"  engine {info}")
-        self.report.data["engines"].append(info)
-        self.llm, self.llm_key = llm, key
-        return llm
+    def engine_info(self, llm: LLM, name: str, options: dict[str, Any]) -> dict[str, Any]:
+        info = {k: options[k] for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
+        info |= {"backend": llm.engine.backend.name, "kv_cache_tokens": llm.kv_cache_capacity_tokens}
+        return info | {"weight_gib": llm.engine.runner.model.weight_bytes() / 2**30}
 
     # -- DeepInfer
     def ours(self) -> None:
@@ -237,7 +281,7 @@ class Bench:
 
     def our_decode(self, batch: int, seqs: int) -> None:
         a = self.args
-        llm = self.engine(seqs, a.chunk)
+        llm = self.ours_engine(seqs, a.chunk)
         run_llm(llm, self.prompts(f"warmup-decode{batch}", batch, min(a.prompt_len, 128)), 4)
         outs, steps, wall = run_llm(llm, self.prompts(f"decode-B{batch}", batch, a.prompt_len), a.new_tokens)
         d = decode_stats(outs, steps, batch, a.new_tokens)
@@ -247,8 +291,10 @@ class Bench:
 
     def our_prefill(self, chunk: int, runs: list[tuple[int, int]], pareto: bool = False) -> None:
         """Prefill rows (``max_tokens=1``) of ``runs`` (prompts, length) or the Pareto points."""
-        most, points = max(c for c, _ in runs), []
-        llm = self.engine(most, chunk)
+        most, series = max(c for c, _ in runs), f"DeepInfer chunk {chunk}" if pareto else None
+        llm = self.ours_engine(most, chunk)
+        if series:
+            self.data["pareto"][series] = []
         for i, (count, length) in enumerate(runs):
             name = f"ours.pareto.chunk{chunk}.B{count}" if pareto else f"ours.prefill.{count}x{length}"
             if not (pareto and i):  # a warm-up of each prefill shape, one of the sweep's largest batch
@@ -256,24 +302,25 @@ class Bench:
             outs, _, wall = run_llm(llm, self.prompts(name, count, length), 1)
             p = prefill_stats(outs) | ({"batch": count} if pareto else {"wall_s": wall})
             steps = gm.step_token_counts(count * length, chunk)
-            points.append(self.prefill_row(name, p, steps, max_num_batched_tokens=chunk))
-        if pareto:
-            self.report.data["pareto"][f"DeepInfer chunk {chunk}"] = points
+            self.prefill_row(name, p, steps, series, max_num_batched_tokens=chunk)
 
-    def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], **kw: Any) -> dict:
+    def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], series: str | None, **kw: Any):
+        """The prefill row ``name`` of the figures ``p``, and with ``series`` its Pareto point."""
         note = f"{p['prefill_tok_s']:.1f} tok/s, TTFT mean {p['ttft_mean_s'] * 1e3:.1f} ms"
         self.add(self.row(name, p["prefill_tok_s"], steps=steps, **p, **kw), note)
-        return {k: p.get(k) for k in ("batch", "ttft_mean_s", "ttft_max_s", "prefill_tok_s")}
+        if series:
+            keys = ("batch", "ttft_mean_s", "ttft_max_s", "prefill_tok_s")
+            self.data["pareto"][series].append({k: p.get(k) for k in keys})
 
     def our_context(self, batch: int, ctx: int) -> None:
         """Decode at a steady batch of ``batch`` sequences of ``ctx`` tokens (docs/benchmarks.md)."""
         a, cfg, chunk = self.args, self.cfg, self.args.chunk
         ctxs = [c for b, c in a.contexts if b == batch]
         longest, base_name = max(ctxs), f"ours.context.B{batch}.{min(ctxs)}"
-        rows = gm.kv_row_bytes(cfg, a.kv_cache_dtype, DTYPES[a.dtype].itemsize)
+        rows = gm.kv_row_bytes(cfg, a.kv_cache_dtype, self.dtype.itemsize)
         if longest > cfg.max_position_embeddings:
             raise Unfit(f"context {longest} exceeds max_position_embeddings={cfg.max_position_embeddings}")
-        if self.device.type == "cuda" and self.llm_key != (batch, chunk, longest):  # the cache fits?
+        if self.cuda and self.name != f"S{batch}.chunk{chunk}.len{longest}":  # the cache fits?
             self.free()
             kv_gib = batch * gm.kv_bytes(cfg, longest, rows, read=False) / 2**30
             w_gib = gm.weight_bytes_per_step(cfg, 10**9, "fp8_fp4" if a.keep_quantized else "bf16") / 2**30
@@ -285,7 +332,7 @@ class Bench:
         max_tokens = a.new_tokens + -(-batch * ctx // max(chunk - batch, 1)) + batch
         if ctx <= max_tokens:
             raise Unfit(f"context {ctx} is shorter than the {max_tokens} tokens B={batch} decodes")
-        llm = self.engine(batch, chunk, longest)
+        llm = self.ours_engine(batch, chunk, longest)
         run_llm(llm, self.prompts(f"warmup-context{batch}", batch, min(ctx, 128)), 4)
         prompts = self.prompts(f"ctx{ctx}-B{batch}", batch, ctx - max_tokens)
         outs, steps, wall = run_llm(llm, prompts, max_tokens)
@@ -294,7 +341,7 @@ class Bench:
             raise RuntimeError(f"no step decoded all {batch} requests")
         kv, tok_s = batch * gm.kv_bytes(cfg, ctx, rows), d.pop("decode_tok_s_full_batch")
         step_ms = d.pop("decode_step_ms_full_batch")
-        base = next((r for r in self.report.data["results"] if r["name"] == base_name), {"step_ms": step_ms})
+        base = self.result(base_name) or {"step_ms": step_ms}
         row = self.row(f"ours.context.B{batch}.{ctx}", tok_s, batch, kv=kv, context_batch=batch, context=ctx)
         row |= {"step_ms": step_ms, "kv_read_bytes_per_step": kv, "kv_row_bytes": rows}
         row |= {"max_tokens": max_tokens, "base_context": min(ctxs), "step_ratio": step_ms / base["step_ms"]}
@@ -303,37 +350,32 @@ class Bench:
 
     # -- HF transformers
     def hf(self) -> None:
-        a, model, t0 = self.args, [], time.perf_counter()
+        a, model = self.args, []
         self.job("hf.load", lambda: model.append(self.hf_model()))
         if not model:
             return
-        info = {"engine": "hf", "build_s": time.perf_counter() - t0}
-        for k in ("attn_implementation", "experts_implementation"):
-            info[k] = getattr(model[0].config, f"_{k}", None)
-        self.report.data["engines"].append(info)
         warm = self.prompts("warmup-hf", 1, min(a.prompt_len, 128))
-        self.job("hf.warmup", lambda: self.hf_generate(model[0], warm, 4))
+        self.job("hf.warmup", self.hf_generate, model[0], warm, 4)
         for b in [] if a.skip_decode else a.hf_batch_sizes:
-            self.job(f"hf.decode.B{b}", lambda b=b: self.hf_decode(model[0], b))
+            self.job(f"hf.decode.B{b}", self.hf_decode, model[0], b)
         for count, length in [] if a.skip_prefill else a.prefill:
-            name = f"hf.prefill.{count}x{length}"
-            self.job(name, lambda n=name, c=count, L=length: self.hf_prefill(model[0], n, c, L))
-        points: list[dict[str, Any]] = []
-        for b in a.pareto_batch_sizes if a.pareto else []:
-            fn = lambda n=f"hf.pareto.B{b}", b=b: self.hf_prefill(model[0], n, b, a.pareto_prompt_len, b)  # noqa: E731
-            self.job(f"hf.pareto.B{b}", lambda fn=fn: points.append(fn()))
+            self.job(f"hf.prefill.{count}x{length}", self.hf_prefill, model[0], count, length)
         if a.pareto:
-            self.report.data["pareto"]["HF transformers (eager)"] = points
+            self.data["pareto"]["HF transformers (eager)"] = []
+        for b in a.pareto_batch_sizes if a.pareto else []:
+            self.job(f"hf.pareto.B{b}", self.hf_prefill, model[0], b, a.pareto_prompt_len, True)
         model.clear()
-        self.free(engine=False)
+        self.free()
 
     def hf_model(self) -> Any:
         """HF ``DeepseekV4ForCausalLM`` (eager attention) on the device, loaded with the checkpoint
-        as DeepInfer's loader dequantises it (HF names; FP8/FP4 -> ``--dtype``)."""
+        as DeepInfer's loader dequantises it (HF names; FP8/FP4 -> ``--dtype``); its figures join
+        the report's ``engines``."""
+        t0 = time.perf_counter()  # transformers' import included
         from transformers import DeepseekV4Config as HFConfig
         from transformers import DeepseekV4ForCausalLM
 
-        dtype, device = DTYPES[self.args.dtype], self.device
+        dtype, device = self.dtype, self.device
         hf_cfg = HFConfig(**{k: v for k, v in self.cfg_dict.items() if k != "quantization_config"})
         with torch.device(device):
             model = DeepseekV4ForCausalLM._from_config(hf_cfg, dtype=dtype, attn_implementation="eager")
@@ -344,6 +386,8 @@ class Bench:
         if missing or unexpected:
             raise RuntimeError(f"HF state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
         model.generation_config.eos_token_id = None  # ignore EOS: every request runs to max_new_tokens
+        info = {"engine": "hf", "build_s": time.perf_counter() - t0}
+        self.data["engines"].append(info | {k: getattr(model.config, f"_{k}", None) for k in HF_IMPL})
         return model.eval()
 
     def hf_generate(self, model: Any, prompts: list[list[int]], new_tokens: int) -> tuple:
@@ -372,12 +416,15 @@ class Bench:
         row |= {"ttft_s": times[0] - t0, "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
         self.add(row, f"{row['value']:.1f} tok/s")
 
-    def hf_prefill(self, model: Any, name: str, count: int, length: int, batch: int | None = None) -> dict:
+    def hf_prefill(self, model: Any, count: int, length: int, pareto: bool = False) -> None:
+        """A prefill row (``max_tokens=1``) of ``count`` prompts of ``length``, or a Pareto point."""
+        name = f"hf.pareto.B{count}" if pareto else f"hf.prefill.{count}x{length}"
         _, t0, times, t1 = self.hf_generate(model, self.prompts(name, count, length), 1)
         ttft = times[0] - t0
         p = {"prompt_tokens": count * length, "prefill_tok_s": count * length / ttft, "ttft_mean_s": ttft}
-        p |= {"ttft_max_s": ttft} | ({"batch": batch} if batch else {})
-        return self.prefill_row(name, p, [count * length], ttft_s=ttft, wall_s=t1 - t0)
+        p |= {"ttft_max_s": ttft} | ({"batch": count} if pareto else {})
+        series = "HF transformers (eager)" if pareto else None
+        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=t1 - t0)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -482,37 +529,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     cfg_dict = gm.flash_config(LAYERS, args.experts, smoke=args.smoke)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_e2e_model_"))
-    header = {"params": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    report = Report(args.out, header | {"machine": machine_info(args.device)}, args.append)  # date, command
-    bench = Bench(args, model_dir, cfg_dict, report)
-    c = report.data["model"] = {"config": cfg_dict, "param_counts": bench.counts}
-    steps = {str(b): {f: gm.weight_bytes_per_step(bench.cfg, b, f) for f in FMTS} for b in (1, 16, 64, 256)}
-    report.data["roofline"] = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
-    report.data["roofline"]["decode_step_weight_bytes"] = steps
-    log(f"model: {LAYERS} layers, {args.experts} experts, {c['param_counts']['total'] / 1e9:.2f} B params")
+    bench = Bench(args, model_dir, cfg_dict)
+    data = bench.data
+    log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
     try:
-        if gm.model_ready(model_dir, cfg_dict, SEED):
-            log(f"reusing the checkpoint in {model_dir}")
-            info = json.loads((model_dir / gm.MARKER).read_text()) | {"reused": True}
-        else:
-            if model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
-                raise SystemExit(f"--model-dir {model_dir} holds other files; give an empty or new folder")
-            log(f"writing the checkpoint to {model_dir}")
-            info = gm.write_checkpoint(model_dir, cfg_dict, SEED, bench.device, DTYPES[args.dtype], log)
-            info["reused"] = False
-            log(f"checkpoint: {info['bytes_on_disk'] / 2**30:.2f} GiB in {info['write_s']:.1f} s")
-        report.data["checkpoint"] = {k: v for k, v in info.items() if k != "config"}
+        data["checkpoint"] = gm.write_checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
         if not args.skip_ours:
             bench.ours()
         if not args.skip_hf:
             bench.hf()
-        if args.pareto and report.data["pareto"]:
-            report.data["pareto_png"] = plot_pareto(report.data, args.pareto_png)
-        report.data["total_s"] = time.perf_counter() - T_START
-        report.save()
-        print_tables(report.data["results"])
+        if args.pareto and data["pareto"]:
+            data["pareto_png"] = plot_pareto(data, args.pareto_png)
+        data["total_s"] = time.perf_counter() - T_START
+        bench.save()
+        print_tables(data["results"])
         print(f"\nwrote {args.out}")
-        failed = [r["name"] for r in report.data["results"] if r["name"].startswith("ours") and "error" in r]
+        failed = [r["name"] for r in data["results"] if r["name"].startswith("ours") and "error" in r]
         if failed:
             log(f"DeepInfer measurements failed: {failed}")
         return int(bool(failed))

@@ -1,8 +1,4 @@
-"""Decode and prefill tok/s of the ``ascend950`` backend per Ascend NPU chip, beside CANN's anchor.
-
-``--batch`` requests of ``--context`` tokens prefilled together, then ``--decode-steps`` tokens
-each; per-chip figures divide by ``--chips``.  Without a usable NPU: one line, exit status 2.
-"""
+"""Decode and prefill tok/s of the ``ascend950`` backend per Ascend NPU chip, beside CANN's anchor."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""``run_batch`` on the built-in tiny model (CPU): peak RSS and throughput by input size.
-
-Each ``--sizes`` entry: an input of that many 4-token completions requests, run in a fresh
-interpreter that reports its own peak resident set size.
-"""
+"""``run_batch`` on the built-in tiny model (CPU): peak RSS and throughput by input size."""
 
 from __future__ import annotations
 

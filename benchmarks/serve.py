@@ -1,9 +1,4 @@
-"""``deepinfer serve`` against ``LLM.generate``: output tok/s, TTFT, ITL and CPU seconds.
-
-Per ``--batches`` entry B: B concurrent streamed ``/v1/completions`` requests (greedy, EOS
-ignored) from the async ``openai`` client to a ``deepinfer serve`` subprocess, then the same
-prompts through ``LLM.generate`` here; ITL = (last token - first token) / (tokens - 1).
-"""
+"""``deepinfer serve`` against ``LLM.generate``: output tok/s, TTFT, ITL and CPU seconds."""
 
 from __future__ import annotations
 
@@ -102,9 +97,7 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = h.parser(
-        __doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0
-    )  # prompt ids in [4, VOCAB)
+    ap = h.parser(__doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0)  # prompt ids: [4, VOCAB)
     ap.add_argument("--batches", type=h.positive_ints, default=[1, 64], help="concurrent requests (1,64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")

@@ -1,10 +1,4 @@
-"""Speculative decoding: DSpark vs fixed-length verification vs none, per batch size.
-
-``B * --requests-per-slot`` prompts with ``max_num_seqs=B``; greedy with a presence penalty,
-every 4th request seeded sampling.  Per mode: median wall time of ``--repeats`` interleaved
-runs, tok/s, target forwards, tokens per forward, acceptance; DSpark's paired per-run
-throughput ratios to ``fixed``.
-"""
+"""Speculative decoding: DSpark vs fixed-length verification vs none, per batch size."""
 
 from __future__ import annotations
 

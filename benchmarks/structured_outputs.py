@@ -1,19 +1,12 @@
-"""Structured outputs (JSON schemas, llguidance) vs unconstrained: throughput and first-token latency.
-
-Modes ``unconstrained``, ``json``, ``len-matched`` (unconstrained, each as long as its ``json``
-twin) and ``json-full`` (``json`` with EOS ignored) at each ``--batch-sizes`` B, a closed batch
-and served (``--queue-factor`` x B requests, at most B running); TTFT of a cold, a cached and
-no grammar; with ``--profile`` where the host time goes.  Schemas: the test corpus
-``plugins/samplers/tests/schema_corpus.py``.
-"""
+"""Structured outputs (JSON schemas, llguidance) vs unconstrained: throughput and first-token latency."""
 
 from __future__ import annotations
 
 import copy
 import cProfile
 import dataclasses
-import importlib.util
 import pstats
+import runpy
 import statistics
 import uuid
 from pathlib import Path
@@ -39,27 +32,14 @@ PROFILE_PARTS = {  # label: (file suffix, function); cumulative time of each
 }
 
 
-def corpus() -> dict[str, Any]:
-    """The schemas of the test corpus (imported from its path: it is not in a package)."""
-    spec = importlib.util.spec_from_file_location("schema_corpus", CORPUS)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return dict(module.SCHEMAS)
-
-
-def json_params(schema: dict, max_tokens: int, ignore_eos: bool = False) -> Any:
+def mode_params(mode: str, n: int, schemas: list[dict], max_tokens: int) -> list[Any]:
+    """Request ``i`` of ``json`` / ``json-full`` (EOS ignored) gets schema ``i % len(schemas)``."""
     from deepinfer_core import StructuredOutputsParams
 
-    return h.greedy(
-        max_tokens, ignore_eos=ignore_eos, structured_outputs=StructuredOutputsParams(json=schema)
-    )
-
-
-def mode_params(mode: str, n: int, schemas: list[dict], max_tokens: int) -> list[Any]:
-    """Request ``i`` of ``json`` / ``json-full`` gets schema ``i % len(schemas)``."""
     if mode == "unconstrained":
         return [h.greedy(max_tokens)] * n
-    return [json_params(schemas[i % len(schemas)], max_tokens, mode == "json-full") for i in range(n)]
+    json = [StructuredOutputsParams(json=schemas[i % len(schemas)]) for i in range(n)]
+    return [h.greedy(max_tokens, ignore_eos=mode == "json-full", structured_outputs=j) for j in json]
 
 
 def run(llm: Any, prompts: list[list[int]], params: list[Any]) -> dict[str, Any]:
@@ -129,8 +109,8 @@ def ttft(llm: Any, args: Any, schema: dict) -> dict[str, Any]:
     h.generate(llm, prompt, h.greedy(1))  # warm-up
     for _ in range(args.ttft_repeats):
         fresh = {**copy.deepcopy(schema), "title": f"bench-{uuid.uuid4().hex}"}
-        one("cold", json_params(fresh, 1))
-        one("cached", json_params(copy.deepcopy(fresh), 1))
+        one("cold", mode_params("json", 1, [fresh], 1)[0])
+        one("cached", mode_params("json", 1, [copy.deepcopy(fresh)], 1)[0])
         one("unconstrained", h.greedy(1, ignore_eos=False))
     out: dict[str, Any] = {"schema": "order", "repeats": args.ttft_repeats}
     for kind, s in samples.items():
@@ -178,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
-    all_schemas = corpus()
+    all_schemas = dict(runpy.run_path(str(CORPUS))["SCHEMAS"])  # the test corpus: not in a package
     schemas = [all_schemas[n] for n in SCHEMAS]
     llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes))
     cfg = llm.config

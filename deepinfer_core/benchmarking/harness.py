@@ -1,9 +1,5 @@
-"""The benchmark scripts' shared harness: timing, rooflines, machine info, JSON and tables.
-
-Benchmarks measure and report; they do not judge (correctness lives in ``tests/``).  Every
-script writes its JSON through :func:`write_json`, which adds a ``"run_info"`` entry (device,
-versions, command line, date) beside the script's own fields.
-"""
+"""The benchmark scripts' shared harness: flags, prompts, timing, machine info, JSON (with a
+``"run_info"`` entry: :func:`write_json`) and tables; the scripts measure, ``tests/`` judges."""
 
 from __future__ import annotations
 
@@ -21,9 +17,9 @@ from typing import Any
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """Where the benchmarks write their JSON by default."""
 H200_HBM_BW = 4.24e12
-"""bytes/s of an H200's HBM (the weight-read roofline's default)."""
+"""bytes/s of an H200's HBM (the read rooflines' bandwidth)."""
 H200_BF16_FLOPS = 989e12
-"""dense bf16 tensor-core peak of an H200, FLOP/s (the compute roofline's default)."""
+"""dense bf16 tensor-core peak of an H200, FLOP/s (the compute roofline's)."""
 
 
 def log(msg: str) -> None:
@@ -144,22 +140,6 @@ def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tupl
     out = fn()
     sync()
     return out, time.perf_counter() - t0
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """The median wall time of ``repeats`` calls of ``fn`` (seconds)."""
-    times = sorted(timed(fn)[1] for _ in range(repeats))
-    return times[len(times) // 2]
-
-
-def weight_read_tok_s(tokens: float, step_bytes: float, bandwidth: float = H200_HBM_BW) -> float:
-    """Roofline: tok/s if a step of ``tokens`` tokens took exactly the time to read ``step_bytes``."""
-    return tokens * bandwidth / step_bytes
-
-
-def compute_tok_s(flops_per_token: float, peak_flops: float = H200_BF16_FLOPS) -> float:
-    """Roofline: tok/s at the FLOP peak, ``flops_per_token`` each."""
-    return peak_flops / flops_per_token
 
 
 def machine_info(device: Any = None) -> dict[str, Any]:

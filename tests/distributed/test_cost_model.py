@@ -52,8 +52,6 @@ def test_shape_matches_parameter_inventory():
         assert shape.total_params + counts["embedding"] + tid2eid == counts["total"]
         assert shape.moe_layers * shape.n_experts * shape.expert_params == counts["routed_experts"]
         assert shape.active_params == counts["active_per_token"]
-        ours, theirs = cm.expected_distinct(experts, 6, 37), gm.expected_distinct_experts(experts, 6, 37)
-        assert ours == pytest.approx(theirs)
 
 
 def test_expert_bytes_fall_as_one_over_ep(flash):
