@@ -20,8 +20,6 @@ The choice depends on static shapes only, so a captured graph replays the kernel
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -31,8 +29,6 @@ from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
-
-logger = logging.getLogger("deepinfer.cuda_sm100")
 
 TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MAX_TL_HEAD_DIM = 512
@@ -93,18 +89,11 @@ def choice_kind(indices, kv_pools) -> str:
     return f"{kind}+fp8" if isinstance(kv_pools[0], Fp8KVPool) else kind
 
 
-@functools.cache
-def _warn_unavailable(problem: str) -> None:
-    logger.warning("sparse_attention: %s; the Triton kernel serves every call", problem)
-
-
 def choose_language(q, kv_pools, indices, sinks, scale) -> str:
     """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
     if batch_invariant_enabled() or q.device.type != "cuda":
         return "triton"
-    problem = tl.tilelang_problem()
-    if problem is not None:
-        _warn_unavailable(problem)
+    if not tl.usable_for("sparse_attention", "the Triton kernel serves every call"):
         return "triton"
     if tilelang_supports(q, kv_pools, indices, sinks, scale) is not True:
         return "triton"

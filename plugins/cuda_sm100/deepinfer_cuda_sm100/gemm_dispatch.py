@@ -31,8 +31,6 @@ captured graph replays what it captured.
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -40,8 +38,6 @@ import torch.nn.functional as F
 
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
-
-logger = logging.getLogger("deepinfer.cuda_sm100")
 
 OP = "linear_fp8"
 """The op name of the GEMM points in the measured table."""
@@ -53,19 +49,12 @@ PATHS = {
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.cache
-def _warn_tilelang(problem: str) -> None:
-    logger.warning("linear (FP8): %s; the Triton and cuBLAS paths serve every call", problem)
-
-
 def tilelang_usable(x: torch.Tensor, weight) -> bool:
     """Whether the TileLang GEMM may take this W8A16 call: TileLang compiles here (else one
     warning) and the kernel takes the shapes and dtypes."""
     from deepinfer_cuda_sm100.tl import fp8_gemm as tl_gemm
 
-    problem = tl.tilelang_problem()
-    if problem is not None:
-        _warn_tilelang(problem)
+    if not tl.usable_for("linear (FP8)", "the Triton and cuBLAS paths serve every call"):
         return False
     return tl_gemm.problem(x, weight) is None
 

@@ -22,8 +22,6 @@ The choice depends on static shapes only, so a captured graph replays the kernel
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -31,8 +29,6 @@ import torch
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_core.weights.quant import QuantizedTensor
 from deepinfer_cuda_sm100 import kernel_choice, tl
-
-logger = logging.getLogger("deepinfer.cuda_sm100")
 
 OP = "moe_experts"
 WIDTH_MULTIPLE = 128
@@ -84,11 +80,6 @@ def choice_kind(gate_up) -> str:
     return "fp4+fp32" if gate_up.scale.dtype == torch.float32 else "fp4"
 
 
-@functools.cache
-def _warn_unavailable(problem: str) -> None:
-    logger.warning("moe_experts: %s; the Triton kernels serve every call", problem)
-
-
 def mode_problem(device: torch.device) -> str | None:
     """Why no call on ``device`` goes to TileLang now (the batch-invariant mode, the FP8 math, a
     device other than CUDA), or ``None``."""
@@ -107,9 +98,7 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
     """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
     if mode_problem(x.device) is not None:
         return "triton"
-    problem = tl.tilelang_problem()
-    if problem is not None:
-        _warn_unavailable(problem)
+    if not tl.usable_for("moe_experts", "the Triton kernels serve every call"):
         return "triton"
     if tilelang_supports(x, ids, weights, gate_up, down, limit, shared) is not True:
         return "triton"

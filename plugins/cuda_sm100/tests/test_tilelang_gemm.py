@@ -105,7 +105,7 @@ def test_tilelang_absence_is_logged_once_and_the_other_paths_serve(monkeypatch, 
     g = torch.Generator().manual_seed(2)
     w = _weight(g, 256, 256)
     monkeypatch.setattr(tl, "tilelang_problem", lambda: "TileLang is not installed (hint)")
-    gemm_dispatch._warn_tilelang.cache_clear()
+    tl._warn_unusable.cache_clear()
     with caplog.at_level(logging.WARNING, logger="deepinfer.cuda_sm100"):
         assert gemm_dispatch.tilelang_usable(_x(4, 256), w) is False
         assert gemm_dispatch.tilelang_usable(_x(8, 256), w) is False
@@ -115,7 +115,7 @@ def test_tilelang_absence_is_logged_once_and_the_other_paths_serve(monkeypatch, 
     monkeypatch.setattr(tl, "tilelang_problem", lambda: None)
     assert gemm_dispatch.tilelang_usable(_x(4, 256), w) is True
     assert gemm_dispatch.tilelang_usable(_x(4, 256, torch.float16), w) is False  # the kernel refuses
-    gemm_dispatch._warn_tilelang.cache_clear()
+    tl._warn_unusable.cache_clear()
 
 
 def test_off_the_gpu_the_dispatcher_never_takes_tilelang():

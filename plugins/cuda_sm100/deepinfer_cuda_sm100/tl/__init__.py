@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
+import logging
 import os
 import shutil
 
@@ -40,3 +41,18 @@ def tilelang_problem() -> str | None:
         detail = (str(exc).strip().splitlines() or [""])[0]
         return f"TileLang does not import ({type(exc).__name__}: {detail}); reinstall it: {INSTALL_HINT}"
     return None
+
+
+def usable_for(op: str, fallback: str) -> bool:
+    """Whether TileLang kernels may serve ``op`` here (:func:`tilelang_problem` is ``None``);
+    when not, one warning per op names why and what serves instead (``fallback``, e.g. "the
+    Triton kernel serves every call")."""
+    problem = tilelang_problem()
+    if problem is not None:
+        _warn_unusable(op, problem, fallback)
+    return problem is None
+
+
+@functools.cache
+def _warn_unusable(op: str, problem: str, fallback: str) -> None:
+    logging.getLogger("deepinfer.cuda_sm100").warning("%s: %s; %s", op, problem, fallback)
