@@ -15,7 +15,11 @@ Two kernels, no full sort:
    threshold and the earliest ones equal to it (the reference's tie rule: stable descending
    sort).  Default mode sorts only the ``k`` picks (bitonic ``tl.sort`` of
    ``(score bits, ~column)`` keys: best first, ties to the earlier column); batch-invariant
-   mode keeps them in column order, as the contract asks.
+   mode keeps them in column order, as the contract asks.  Few long rows (decode at long
+   contexts) take a threshold path instead, several programs per row: the ``k``-th largest
+   of the maxima of ``G >= 2k`` strided column groups bounds the ``k``-th best from below, and
+   only the few candidates at or above it are sorted (:func:`select_topk`; the static rule
+   :func:`plan_select`).
 
 A candidate's score is computed the same way whatever the batch (fixed ``BLOCK_C`` tiles,
 one token per program) and the selection is exact on those scores, so a row's picks never
