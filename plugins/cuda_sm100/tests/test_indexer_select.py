@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
+from cuda_sm100_checks import compile_launch, compile_problem  # noqa: E402
 from deepinfer_cuda_sm100 import kernel_choice  # noqa: E402
 from deepinfer_cuda_sm100.indexer_select import (  # noqa: E402
     OP,
@@ -174,6 +175,73 @@ def test_the_plan_splits_only_few_long_rows():
 def test_interpreter_threshold_path_equals_the_reference(report):
     assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
     assert not report["split"], "\n".join(report["split"])
+
+
+# ---------------------------------------------------------------------------------------------
+# compile for the GPU (no GPU needed): the host wrapper's real launch arguments, intercepted
+
+MAX_SHARED = 232448
+"""Shared memory one block may use on SM90 and SM100 (227 KiB)."""
+
+_SELECT_KERNELS = (
+    "_select_kernel",
+    "_group_max_kernel",
+    "_threshold_kernel",
+    "_filter_kernel",
+    "_finish_kernel",
+)
+
+
+def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch) -> list[tuple]:
+    """``(kernel, args, kwargs)`` of every launch :func:`select_topk` makes for ``call`` (CPU
+    tensors; no kernel runs)."""
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    launches = []
+
+    class _Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    for name in _SELECT_KERNELS:
+        monkeypatch.setattr(ki, name, _Recorder(getattr(ki, name)))
+    ki.select_topk(*call, column_order=column_order)
+    monkeypatch.undo()
+    return launches
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
+    """Decode at long contexts (the threshold path, its radix fallback included, both orders)
+    and prefill rows (the radix select): every kernel compiles for ``sm_<arch>`` and fits in
+    a block's shared memory."""
+    t, c, k = 128, 262144, 512
+    scores = torch.empty(t, c)
+    epp = 64
+    table = torch.zeros(t, c // epp, dtype=torch.int64)
+    paged = PagedIndex(table, torch.arange(t), torch.full((t,), c), epp, c)
+    calls = [
+        ((scores, k, paged), False),
+        ((scores, k, paged), True),
+        ((torch.empty(64, 2048), k, None), False),
+    ]
+    problems, seen = [], set()
+    for call, column_order in calls:
+        for fn, args, kwargs in _recorded_select_launches(call, column_order, monkeypatch):
+            key = (fn.fn.__name__, tuple(sorted(kwargs.items())))
+            if key in seen:  # the same kernel, the same specialisation
+                continue
+            seen.add(key)
+            compiled = compile_launch(fn, args, kwargs, arch)
+            if compiled.metadata.shared > MAX_SHARED:
+                problems.append(f"{key[0]} {kwargs}: {compiled.metadata.shared} bytes of shared memory")
+    assert {key[0] for key in seen} == set(_SELECT_KERNELS)
+    assert not problems, "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------------------------
