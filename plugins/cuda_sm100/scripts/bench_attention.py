@@ -19,7 +19,8 @@ outputs and index lists once.
 **Indexer top-k** (64 heads of dim 128, k = 512) on ``T x C`` candidates: ``128 x 16384``,
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
 request's entries); the fused kernel (scores + selection) and its selection alone against
-``torch.topk`` on the same scores.
+``torch.topk`` on the same scores (and, where the selection takes its threshold path, the
+one-program radix select too).
 
 Timing: each op captured in a CUDA graph (``--no-graphs``: plain launches) with an L2 flush
 before every call (the flush's own time subtracted), CUDA events, after warm-up.  Prints a
@@ -268,6 +269,11 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
         row["ms"] = timer.ms(lambda args=args: ki.indexer_topk(*args))
         row["score_ms"] = timer.ms(lambda args=args: ki.indexer_scores(*args[:4], args[5]))
         row["select_ms"] = timer.ms(lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c))
+        row["select_segments"] = ki.plan_select(t, c, INDEX_TOPK, ki.sm_count(scores.device))
+        if row["select_segments"]:  # the threshold path; the one-program radix select beside it
+            row["radix_select_ms"] = timer.ms(
+                lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c, segments=0)
+            )
         row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
         # the exact torch.topk path of the backend (64-bit keys: ties to the earlier column)
         row["torch_exact_ms"] = timer.ms(lambda s=scores, c=cand: select_topk_torch(s, INDEX_TOPK, c))
@@ -306,6 +312,12 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
     return out
 
 
+def _select_path(r: dict) -> str:
+    if not r.get("select_segments"):
+        return "radix"
+    return f"threshold x{r['select_segments']}; radix {r['radix_select_ms']:.4f}"
+
+
 def print_row(r: dict) -> None:
     if r["op"] == "sparse_attention":
         tl = r.get("tilelang_ms")
@@ -321,8 +333,9 @@ def print_row(r: dict) -> None:
     else:
         print(
             f"indexer T {r['T']:5} C {r['C']:6} k {r['k']}: {r['ms']:8.4f} ms (scores {r['score_ms']:.4f}, "
-            f"select {r['select_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f}; "
-            f"torch.topk {r['torch_topk_ms']:.4f})  roofline {r['roofline_ms']:.4f} ms "
+            f"select {r['select_ms']:.4f} [{_select_path(r)}] = {r['torch_topk_ms'] / r['select_ms']:.2f}x "
+            f"torch.topk {r['torch_topk_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f})  "
+            f"roofline {r['roofline_ms']:.4f} ms "
             f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
             + (
                 f"  sets==topk {r['picks_equal_torch_topk_sets']}"

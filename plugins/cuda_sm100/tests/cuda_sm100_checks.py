@@ -11,6 +11,9 @@
 - :func:`interpreter_report`: run a test module's report in a fresh interpreter with
   ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
   a pytest session that also runs the GPU tests).
+- :func:`compile_problem`, :func:`compile_launch`: why kernels cannot be compiled ahead of
+  time for a GPU here, and a kernel compiled for ``sm_<arch>`` as a recorded launch would
+  specialise it (no GPU needed).
 """
 
 from __future__ import annotations
@@ -195,3 +198,47 @@ def compile_problem() -> str | None:
     except ImportError:
         return "Triton's NVIDIA backend is not installed"
     return None
+
+
+TRITON_TYPES = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+"""Triton's names of the tensor dtypes the kernels take (for :func:`compile_launch`)."""
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
+    """``fn`` compiled for ``sm_<arch>`` as a launch with ``args`` would specialise it: tensors
+    as typed pointers (16-byte aligned ones with the divisibility hint), ints equal to 1 as
+    constants, multiples of 16 with the hint."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(fn.arg_names)
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    consts = {k: v for k, v in kwargs.items() if k not in options}
+    signature, attrs = {}, {}
+    for i, a in enumerate(args):
+        name = names[i]
+        if isinstance(a, torch.Tensor):
+            signature[name] = "*" + TRITON_TYPES[a.dtype]
+            aligned = a.data_ptr() % 16 == 0
+        elif isinstance(a, float):
+            signature[name], aligned = "fp32", False
+        elif a == 1:
+            signature[name], consts[name] = "constexpr", 1
+            continue
+        else:
+            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
+            aligned = a % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    signature |= {k: "constexpr" for k in consts}
+    signature = {n: signature[n] for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)

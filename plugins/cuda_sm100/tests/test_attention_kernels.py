@@ -39,7 +39,7 @@ import sys
 
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, failed_rows
+from cuda_sm100_checks import compile_launch, compile_problem, failed_rows
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[triton]'")
 
@@ -698,15 +698,6 @@ def test_constants_match_the_kernels():
 MAX_SHARED = 232448
 """Shared memory one block may use on SM90 and SM100 (227 KiB)."""
 
-_TRITON_TYPES = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.uint8: "u8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
-
 
 def _recorded_main_launches(call: tuple, monkeypatch) -> list[tuple[tuple, dict]]:
     """The ``(args, kwargs)`` the host wrapper passes ``_attn_kernel`` for ``call`` (CPU
@@ -734,39 +725,6 @@ def _recorded_main_launches(call: tuple, monkeypatch) -> list[tuple[tuple, dict]
     return launches
 
 
-def _compile_launch(fn, args: tuple, kwargs: dict, arch: int):
-    """``fn`` compiled for ``sm_<arch>`` as a launch with ``args`` would specialise it: tensors
-    as typed pointers (16-byte aligned ones with the divisibility hint), ints equal to 1 as
-    constants, multiples of 16 with the hint."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = list(fn.arg_names)
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages")}
-    consts = {k: v for k, v in kwargs.items() if k not in options}
-    signature, attrs = {}, {}
-    for i, a in enumerate(args):
-        name = names[i]
-        if isinstance(a, torch.Tensor):
-            signature[name] = "*" + _TRITON_TYPES[a.dtype]
-            aligned = a.data_ptr() % 16 == 0
-        elif isinstance(a, float):
-            signature[name], aligned = "fp32", False
-        elif a == 1:
-            signature[name], consts[name] = "constexpr", 1
-            continue
-        else:
-            signature[name] = "i32" if -(2**31) <= a < 2**31 else "i64"
-            aligned = a % 16 == 0
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    signature |= {k: "constexpr" for k in consts}
-    signature = {n: signature[n] for n in names}
-    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
 @slow
 @pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
@@ -788,7 +746,7 @@ def test_attention_kernel_compiles_for_the_gpu(arch, monkeypatch):
         for name, (args, _) in picks.items():
             assert _packed(args[1])
             for a, kw in _recorded_main_launches(args, monkeypatch):
-                compiled = _compile_launch(kernel, a, kw, arch)
+                compiled = compile_launch(kernel, a, kw, arch)
                 where = f"{dtype} {name} split={kw['SPLIT']} BLOCK_N={kw['BLOCK_N']}"
                 if compiled.metadata.shared > MAX_SHARED:
                     problems.append(f"{where}: {compiled.metadata.shared} bytes of shared memory")

@@ -10,11 +10,15 @@ Triton radix select on the conformance cases; the GPU tier runs the op through b
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
+from cuda_sm100_checks import compile_launch, compile_problem  # noqa: E402
 from deepinfer_cuda_sm100 import kernel_choice  # noqa: E402
 from deepinfer_cuda_sm100.indexer_select import (  # noqa: E402
     OP,
@@ -78,3 +82,204 @@ def test_the_choice_keeps_triton_off_the_gpu_and_where_unmeasured():
         return kernel_choice.choose(OP, kind, "float32", 0, 0, t, c, "sm90", PATHS, points=points)
 
     assert (pick(128, 200000), pick(8192, 4096), pick(128, 262144, "rows")) == ("torch", "triton", "triton")
+
+
+# ---------------------------------------------------------------------------------------------
+# the radix select and the threshold path of the Triton selection against the reference op
+
+
+def _op_inputs(scores: torch.Tensor, masked: torch.Tensor) -> tuple:
+    """``indexer_topk`` arguments whose exact scores are ``scores`` (``-inf`` where ``masked``):
+    two heads of weights ``+1, -1`` read ``relu(v)`` and ``relu(-v)`` off key ``[relu(v),
+    relu(-v)]`` (every step exact in fp32); masked candidates are ``-1``."""
+    t, c = scores.shape
+    v = scores.masked_fill(masked, 0.0)
+    keys = torch.stack([v.clamp(min=0), (-v).clamp(min=0)], dim=-1).reshape(t * c, 2)
+    q = torch.eye(2).expand(t, 2, 2).contiguous()
+    w = torch.tensor([1.0, -1.0]).expand(t, 2).contiguous()
+    cand = torch.arange(t * c).view(t, c).masked_fill(masked, -1)
+    return q, w, keys, cand
+
+
+def _split_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
+    """``(name, scores, masked, k, segments)``: few rows, long enough for several segments."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    s = torch.randn(2, 300, generator=g)
+    cases.append(("random", s, torch.zeros_like(s, dtype=torch.bool), 13, 3))
+    s = torch.randint(-2, 3, (2, 300), generator=g).float()  # five values: ties everywhere
+    cases.append(("ties", s, torch.rand(2, 300, generator=g) < 0.3, 11, 4))
+    # equal values straddle the k-th place in every segment: 3 of 2.0, then 1.0 everywhere
+    s = torch.ones(2, 290)
+    s[0, [5, 150, 280]] = 2.0
+    s[1, 200:] = 3.0
+    cases.append(("boundary ties", s, torch.zeros_like(s, dtype=torch.bool), 9, 3))
+    masked = torch.rand(2, 260, generator=g) < 0.5
+    masked[1, 7:] = True  # fewer valid candidates than k
+    cases.append(("masked", torch.randn(2, 260, generator=g), masked, 12, 2))
+    # the large scores all in one group (column % G, G = 16 for k = 6): with capacity k,
+    # more keys reach the threshold than fit, and the row takes the radix select
+    s = torch.rand(2, 300, generator=g)
+    s[:, ::16] += 5.0
+    cases.append(("one group", s, torch.zeros_like(s, dtype=torch.bool), 6, 2))
+    s = torch.randint(0, 2, (2, 270), generator=g).float()  # C not a multiple of a segment
+    cases.append(("ragged", s, torch.rand(2, 270, generator=g) < 0.2, 5, 5))
+    return cases
+
+
+def split_problems() -> list[str]:
+    """:func:`select_topk`'s threshold path (forced ``segments``; and a capacity so small
+    that rows fall back to the radix select) and its radix select against the reference
+    ``indexer_topk`` on the same exact scores, best first and in column order."""
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    from deepinfer_core.ops.attention import indexer_topk as reference
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    problems = []
+    for name, s, masked, k, segments in _split_cases():
+        q, w, keys, cand = _op_inputs(s, masked)
+        scores = s.masked_fill(masked, float("-inf"))
+        for bi in (False, True):
+            with batch_invariant_mode(bi):
+                want = reference(q, w, keys, cand, k, 1.0)
+            for seg, cap in ((segments, None), (segments, k), (0, None)):
+                got = ki.select_topk(scores, k, cand, column_order=bi, segments=seg, capacity=cap)
+                if not torch.equal(got, want):
+                    problems.append(f"{name} segments={seg} capacity={cap} column_order={bi}: differs")
+    return problems
+
+
+def interpreter_report() -> dict:
+    """The interpreter checks as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
+    from deepinfer_cuda_sm100.kernels import _common
+
+    return {"interpreted": _common.INTERPRETED, "split": split_problems()}
+
+
+def test_the_plan_splits_only_few_long_rows():
+    from deepinfer_cuda_sm100.kernels.indexer import FILTER_MIN_COLUMNS, filter_groups, plan_select
+
+    g, cap = filter_groups(512)
+    assert g >= 1024 and cap >= 2048
+    assert plan_select(128, 262144, 512, 132) > 1
+    assert plan_select(8192, 2048, 512, 132) == 0  # short rows: one program each
+    assert plan_select(128, FILTER_MIN_COLUMNS - 1, 512, 132) == 0
+    assert plan_select(4, 262144, 4096, 132) == 0  # k too large for the threshold path
+    for t, c in ((1, 262144), (128, 262144), (4096, 65536), (128, 16384)):
+        s = plan_select(t, c, 512, 132)
+        assert s == 0 or -(-c // s) >= 4 * g  # each segment at least 4 G columns
+
+
+@pytest.mark.slow  # reads the report of a fresh interpreter running the kernels
+def test_interpreter_threshold_path_equals_the_reference(report):
+    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
+    assert not report["split"], "\n".join(report["split"])
+
+
+# ---------------------------------------------------------------------------------------------
+# compile for the GPU (no GPU needed): the host wrapper's real launch arguments, intercepted
+
+MAX_SHARED = 232448
+"""Shared memory one block may use on SM90 and SM100 (227 KiB)."""
+
+_SELECT_KERNELS = (
+    "_select_kernel",
+    "_group_max_kernel",
+    "_threshold_kernel",
+    "_filter_kernel",
+    "_finish_kernel",
+)
+
+
+def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch) -> list[tuple]:
+    """``(kernel, args, kwargs)`` of every launch :func:`select_topk` makes for ``call`` (CPU
+    tensors; no kernel runs)."""
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    launches = []
+
+    class _Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
+
+    for name in _SELECT_KERNELS:
+        monkeypatch.setattr(ki, name, _Recorder(getattr(ki, name)))
+    ki.select_topk(*call, column_order=column_order)
+    monkeypatch.undo()
+    return launches
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
+    """Decode at long contexts (the threshold path, its radix fallback included, both orders)
+    and prefill rows (the radix select): every kernel compiles for ``sm_<arch>`` and fits in
+    a block's shared memory."""
+    t, c, k = 128, 262144, 512
+    scores = torch.empty(t, c)
+    epp = 64
+    table = torch.zeros(t, c // epp, dtype=torch.int64)
+    paged = PagedIndex(table, torch.arange(t), torch.full((t,), c), epp, c)
+    calls = [
+        ((scores, k, paged), False),
+        ((scores, k, paged), True),
+        ((torch.empty(64, 2048), k, None), False),
+    ]
+    problems, seen = [], set()
+    for call, column_order in calls:
+        for fn, args, kwargs in _recorded_select_launches(call, column_order, monkeypatch):
+            key = (fn.fn.__name__, tuple(sorted(kwargs.items())))
+            if key in seen:  # the same kernel, the same specialisation
+                continue
+            seen.add(key)
+            compiled = compile_launch(fn, args, kwargs, arch)
+            if compiled.metadata.shared > MAX_SHARED:
+                problems.append(f"{key[0]} {kwargs}: {compiled.metadata.shared} bytes of shared memory")
+    assert {key[0] for key in seen} == set(_SELECT_KERNELS)
+    assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the shapes the threshold path is for
+
+
+def _long_rows(t: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random scores with ties, ``-inf`` holes and a short row, and explicit candidates."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    s = torch.randn(t, c, device="cuda", generator=g)
+    s[: t // 2] = torch.randint(-50, 50, (t // 2, c), device="cuda", generator=g).float()
+    s[torch.rand(t, c, device="cuda", generator=g) < 0.1] = float("-inf")
+    s[-1, 100:] = float("-inf")  # fewer valid candidates than k
+    s[-2] = 0.0  # all equal
+    cand = torch.randint(0, 1 << 30, (t, c), device="cuda", generator=g)
+    return s, cand.masked_fill(s == float("-inf"), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 16384), (128, 262144), (16, 100003)])
+def test_gpu_threshold_path_equals_the_exact_torch_path(shape):
+    from cuda_sm100_checks import replayed
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    t, c = shape
+    s, cand = _long_rows(t, c, seed=c)
+    for k in (512, 77):
+        want = select_topk_torch(s, k, cand)
+        cols = torch.sort(ordered_keys(s), dim=1, descending=True).indices[:, :k].sort(dim=1).values
+        want_cols = torch.where(s.gather(1, cols) == float("-inf"), -1, cand.gather(1, cols))
+        for segments in (None, 1, 7):
+            got = ki.select_topk(s, k, cand, segments=segments)
+            assert torch.equal(got, want), (shape, k, segments)
+            got = ki.select_topk(s, k, cand, segments=segments, column_order=True)
+            assert torch.equal(got, want_cols), (shape, k, segments, "column order")
+        assert torch.equal(replayed(lambda k=k: ki.select_topk(s, k, cand)), want)
+    assert ki.plan_select(128, 262144, 512, torch.cuda.get_device_properties(0).multi_processor_count) > 0
+
+
+if __name__ == "__main__" and "--interpreter-report" in sys.argv:
+    print(json.dumps(interpreter_report()))

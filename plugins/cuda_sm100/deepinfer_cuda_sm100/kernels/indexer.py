@@ -15,7 +15,11 @@ Two kernels, no full sort:
    threshold and the earliest ones equal to it (the reference's tie rule: stable descending
    sort).  Default mode sorts only the ``k`` picks (bitonic ``tl.sort`` of
    ``(score bits, ~column)`` keys: best first, ties to the earlier column); batch-invariant
-   mode keeps them in column order, as the contract asks.
+   mode keeps them in column order, as the contract asks.  Few long rows (decode at long
+   contexts) take a threshold path instead, several programs per row: the ``k``-th largest
+   of the maxima of ``G >= 2k`` strided column groups bounds the ``k``-th best from below, and
+   only the few candidates at or above it are sorted (:func:`select_topk`; the static rule
+   :func:`plan_select`).
 
 A candidate's score is computed the same way whatever the batch (fixed ``BLOCK_C`` tiles,
 one token per program) and the selection is exact on those scores, so a row's picks never
@@ -35,6 +39,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cdiv, pow2
+from .fp8_gemm import sm_count
 
 CAND_IDENTITY, CAND_ROWS, CAND_PAGED = 0, 1, 2
 """Candidate forms: column = pool row (scores given directly), explicit rows, paged entries."""
@@ -245,9 +250,8 @@ def _gather_block(
     eq_seen,
     npicked,
     t,
-    out_ptr,
-    so_t,
-    tmp_ptr,
+    out_row,
+    tmp_row,
     KIND: tl.constexpr,
     cand_ptr,
     sc_t,
@@ -277,12 +281,73 @@ def _gather_block(
         rows = _cand_rows(
             KIND, cols, sel, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
         )
-        tl.store(out_ptr + t * so_t + pos, rows, mask=sel)
+        tl.store(out_row + pos, rows, mask=sel)
     else:
         low = tl.full([BLOCK], _LOW32, tl.int64) - cols.to(tl.int64)  # earlier column: larger
         packed = (key.to(tl.int64) << 32) | low
-        tl.store(tmp_ptr + pos, packed, mask=sel)
+        tl.store(tmp_row + pos, packed, mask=sel)
     return eq_seen + tl.sum(eqi, 0), npicked + tl.sum(seli, 0)
+
+
+@triton.jit
+def _select_row(
+    row_ptr,
+    C,
+    KK,
+    t,
+    out_row,
+    tmp_row,
+    KIND: tl.constexpr,
+    cand_ptr,
+    sc_t,
+    sc_c,
+    bt_ptr,
+    bt0,
+    bt1,
+    npages,
+    trow,
+    count,
+    epp,
+    COLUMN_ORDER: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """One program's radix select of a whole row: its top ``KK`` to ``out_row``."""
+    prefix = tl.zeros((), tl.int32)
+    remaining = tl.zeros((), tl.int32) + KK
+    # four 8-bit digits, most significant first (PMASK: the bits fixed by earlier passes)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, 0, 24, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -16777216, 16, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -65536, 8, 256, BLOCK, INTERP)
+    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -256, 0, 256, BLOCK, INTERP)
+    # prefix: the k-th largest score's bits; remaining: how many equal to it are kept
+    eq_seen = tl.zeros((), tl.int32)
+    npicked = tl.zeros((), tl.int32)
+    if INTERP:
+        c0 = 0
+        while c0 < C:
+            eq_seen, npicked = _gather_block(
+                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_row, tmp_row,
+                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
+            )  # fmt: skip
+            c0 += BLOCK
+    else:
+        for c0 in range(0, C, BLOCK):
+            eq_seen, npicked = _gather_block(
+                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_row, tmp_row,
+                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
+            )  # fmt: skip
+    if not COLUMN_ORDER:
+        tl.debug_barrier()  # the picks were written by other threads of this program
+        i = tl.arange(0, BLOCK_K)
+        packed = tl.load(tmp_row + i, mask=i < KK, other=_I64_MIN)
+        packed = tl.sort(packed, descending=True)
+        low32 = tl.full([BLOCK_K], _LOW32, tl.int64)
+        cols = low32 - (packed & low32)
+        ok = i < KK
+        rows = _cand_rows(KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp)
+        tl.store(out_row + i, rows, mask=ok)
 
 
 @triton.jit
@@ -314,43 +379,161 @@ def _select_kernel(
     INTERP: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    row_ptr = scores_ptr + t * ss_t
-    prefix = tl.zeros((), tl.int32)
-    remaining = tl.zeros((), tl.int32) + KK
-    # four 8-bit digits, most significant first (PMASK: the bits fixed by earlier passes)
-    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, 0, 24, 256, BLOCK, INTERP)
-    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -16777216, 16, 256, BLOCK, INTERP)
-    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -65536, 8, 256, BLOCK, INTERP)
-    prefix, remaining = _radix_pass(row_ptr, C, prefix, remaining, -256, 0, 256, BLOCK, INTERP)
-    # prefix: the k-th largest score's bits; remaining: how many equal to it are kept
     trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
-    tmp_row = tmp_ptr + t * BLOCK_K
-    eq_seen = tl.zeros((), tl.int32)
-    npicked = tl.zeros((), tl.int32)
+    _select_row(
+        scores_ptr + t * ss_t, C, KK, t, out_ptr + t * so_t, tmp_ptr + t * BLOCK_K,
+        KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
+        COLUMN_ORDER, BLOCK, BLOCK_K, INTERP,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# selection of few long rows: a threshold from strided group maxima, then the few above it
+
+
+@triton.jit
+def _keys64(row_ptr, cols, inside, BLOCK: tl.constexpr):
+    """Unique int64 keys of columns ``cols``: the score's order-preserving image in the high
+    32 bits, ``2**32 - 1 - column`` in the low 32 (descending = best first, ties to the
+    earlier column); ``I64_MIN`` outside."""
+    s = tl.load(row_ptr + cols, mask=inside, other=0.0)
+    key = _ordered(s) ^ _SIGN
+    low = tl.full([BLOCK], _LOW32, tl.int64) - cols.to(tl.int64)
+    return tl.where(inside, (key.to(tl.int64) << 32) | low, _I64_MIN)
+
+
+@triton.jit
+def _group_max_kernel(scores_ptr, ss_t, C, SEG, part_ptr, NSEG, G: tl.constexpr, INTERP: tl.constexpr):
+    """Grid ``(T, NSEG)``: the key maxima of segment ``program_id(1)``'s columns by group
+    ``column % G`` (``SEG`` a multiple of ``G``), to ``part[t, segment, :]``."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    row_ptr = scores_ptr + t * ss_t
+    c_begin = s * SEG
+    c_end = tl.minimum(C, c_begin + SEG)
+    acc = tl.full([G], _I64_MIN, tl.int64)
     if INTERP:
-        c0 = 0
-        while c0 < C:
-            eq_seen, npicked = _gather_block(
-                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_ptr, so_t, tmp_row,
-                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
-            )  # fmt: skip
-            c0 += BLOCK
+        c0 = c_begin
+        while c0 < c_end:
+            cols = c0 + tl.arange(0, G)
+            acc = tl.maximum(acc, _keys64(row_ptr, cols, cols < c_end, G))
+            c0 += G
     else:
-        for c0 in range(0, C, BLOCK):
-            eq_seen, npicked = _gather_block(
-                row_ptr, C, c0, prefix, remaining, eq_seen, npicked, t, out_ptr, so_t, tmp_row,
-                KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp, COLUMN_ORDER, BLOCK,
-            )  # fmt: skip
-    if not COLUMN_ORDER:
-        tl.debug_barrier()  # the picks were written by other threads of this program
-        i = tl.arange(0, BLOCK_K)
-        packed = tl.load(tmp_row + i, mask=i < KK, other=_I64_MIN)
-        packed = tl.sort(packed, descending=True)
-        low32 = tl.full([BLOCK_K], _LOW32, tl.int64)
-        cols = low32 - (packed & low32)
-        ok = i < KK
-        rows = _cand_rows(KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp)
-        tl.store(out_ptr + t * so_t + i, rows, mask=ok)
+        for c0 in range(c_begin, c_end, G):
+            cols = c0 + tl.arange(0, G)
+            acc = tl.maximum(acc, _keys64(row_ptr, cols, cols < c_end, G))
+    tl.store(part_ptr + (t * NSEG + s) * G + tl.arange(0, G), acc)
+
+
+@triton.jit
+def _threshold_kernel(part_ptr, NSEG, KK, thr_ptr, hits_ptr, G: tl.constexpr):
+    """Grid ``(T,)``: the ``KK``-th largest of the row's ``G`` group maxima (at least ``KK``
+    keys are >= it, among them the row's top ``KK``); zeroes the row's hit counter."""
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, G)
+    acc = tl.full([G], _I64_MIN, tl.int64)
+    s = 0
+    while s < NSEG:
+        acc = tl.maximum(acc, tl.load(part_ptr + (t * NSEG + s) * G + i))
+        s += 1
+    acc = tl.sort(acc, descending=True)
+    tl.store(thr_ptr + t, tl.max(tl.where(i == KK - 1, acc, _I64_MIN), 0))
+    tl.store(hits_ptr + t, 0)
+
+
+@triton.jit
+def _filter_kernel(
+    scores_ptr, ss_t, C, SEG, thr_ptr, hits_ptr, buf_ptr, CAP, BLOCK: tl.constexpr, INTERP: tl.constexpr
+):
+    """Grid ``(T, NSEG)``: the keys >= the row's threshold, appended to ``buf[t, :CAP]``
+    (the row's counter counts them all, also past ``CAP``)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    row_ptr = scores_ptr + t * ss_t
+    thr = tl.load(thr_ptr + t)
+    buf_row = buf_ptr + t * CAP
+    c_begin = s * SEG
+    c_end = tl.minimum(C, c_begin + SEG)
+    c0 = c_begin
+    while c0 < c_end:
+        cols = c0 + tl.arange(0, BLOCK)
+        keys = _keys64(row_ptr, cols, cols < c_end, BLOCK)
+        hit = keys >= thr
+        hi = hit.to(tl.int32)
+        nhit = tl.sum(hi, 0)
+        if nhit > 0:
+            base = tl.atomic_add(hits_ptr + t, nhit)
+            pos = base + tl.cumsum(hi, 0) - hi
+            tl.store(buf_row + pos, keys, mask=hit & (pos < CAP))
+        c0 += BLOCK
+
+
+@triton.jit
+def _finish_kernel(
+    scores_ptr,
+    ss_t,
+    C,
+    KK,
+    hits_ptr,
+    buf_ptr,
+    out_ptr,
+    so_t,
+    tmp_ptr,
+    cand_ptr,
+    sc_t,
+    sc_c,
+    bt_ptr,
+    bt0,
+    bt1,
+    npages,
+    trow_ptr,
+    trs,
+    cnt_ptr,
+    cs,
+    max_count,
+    epp,
+    KIND: tl.constexpr,
+    COLUMN_ORDER: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Grid ``(T,)``: the top ``KK`` of the row's filtered keys (sorted: unique keys, so the
+    order is the contract's), or, where more than ``CAP`` passed the threshold, the
+    one-program radix select of the whole row."""
+    t = tl.program_id(0).to(tl.int64)
+    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    out_row = out_ptr + t * so_t
+    tmp_row = tmp_ptr + t * CAP
+    n = tl.load(hits_ptr + t)
+    if n <= CAP:
+        i = tl.arange(0, CAP)
+        keys = tl.sort(tl.load(buf_ptr + t * CAP + i, mask=i < n, other=_I64_MIN), descending=True)
+        if COLUMN_ORDER:  # the top KK again, by column
+            tl.store(tmp_row + i, keys)
+            tl.debug_barrier()
+            j = tl.arange(0, BLOCK_K)
+            ok = j < KK
+            low = tl.where(ok, tl.load(tmp_row + j, mask=ok, other=0) & _LOW32, -1)
+            cols = _LOW32 - tl.sort(low, descending=True)
+            rows = _cand_rows(
+                KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+            )
+            tl.store(out_row + j, rows, mask=ok)
+        else:
+            ok = i < KK
+            cols = _LOW32 - (keys & _LOW32)
+            rows = _cand_rows(
+                KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+            )
+            tl.store(out_row + i, rows, mask=ok)
+    else:
+        _select_row(
+            scores_ptr + t * ss_t, C, KK, t, out_row, tmp_row,
+            KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
+            COLUMN_ORDER, BLOCK, BLOCK_K, INTERP,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,6 +557,37 @@ def _candidate_args(
     return CAND_ROWS, candidates.shape[1], [candidates, candidates.stride(0), candidates.stride(1), *tail]
 
 
+FILTER_MIN_COLUMNS = 8192
+"""Rows of at least this many candidates take the threshold path of :func:`select_topk`
+(shorter rows: one program's radix select each).  Measured on an H200 with
+``scripts/bench_attention.py --only indexer``; to be retuned on other GPUs."""
+FILTER_MAX_K = 1024
+"""Largest ``min(k, C)`` of the threshold path (its buffers are sorted in registers)."""
+FILTER_PROGRAMS_PER_SM = 8
+"""The threshold path's streaming kernels aim at about this many programs per SM (segments
+per row ``~ FILTER_PROGRAMS_PER_SM * SMs / T``).  Measured on an H200, like
+:data:`FILTER_MIN_COLUMNS`."""
+
+
+def filter_groups(kk: int) -> tuple[int, int]:
+    """``(G, CAP)`` of the threshold path for ``kk`` picks: ``G >= 2 kk`` column groups (the
+    threshold is the ``kk``-th largest group maximum) and room for ``CAP >= 4 kk`` keys above
+    it per row (about ``1.2 kk`` on random scores; a row with more takes the radix select)."""
+    return pow2(2 * kk), pow2(4 * kk)
+
+
+def plan_select(t: int, c: int, kk: int, sms: int) -> int:
+    """Segments per row of the threshold path of :func:`select_topk`, or 0 for one program's
+    radix select per row, from static shapes only (rows ``t``, candidates ``c``, picks
+    ``kk``, SM count): the threshold path for rows of at least :data:`FILTER_MIN_COLUMNS`
+    (and ``4 G``) candidates and ``kk <= FILTER_MAX_K``, with about
+    :data:`FILTER_PROGRAMS_PER_SM` programs per SM, each segment at least ``4 G`` columns."""
+    g, _ = filter_groups(kk)
+    if kk > FILTER_MAX_K or c < max(FILTER_MIN_COLUMNS, 4 * g):
+        return 0
+    return max(1, min(cdiv(FILTER_PROGRAMS_PER_SM * sms, t), c // (4 * g)))
+
+
 def select_topk(
     scores: torch.Tensor,
     k: int,
@@ -381,12 +595,27 @@ def select_topk(
     *,
     column_order: bool | None = None,
     config: IndexerConfig | None = None,
+    segments: int | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Top-``k`` of each row of ``scores`` ``[T, C]`` fp32 (ties to the earlier column).
 
     Returns ``[T, min(k, C)]`` int64: the candidates' pool rows (``candidates=None``: the
     columns), ``-1`` for invalid candidates; best first, or in column order.  ``-0.0`` ranks
     below ``+0.0`` here (the score kernel never produces it).
+
+    Two exact paths, the same picks in the same order; ``segments`` (``None``:
+    :func:`plan_select`) picks one:
+
+    - ``0``: one program per row, a four-pass radix select (short rows, many rows);
+    - ``S >= 1``: the threshold path for long rows, ``S`` programs per row in its streaming
+      kernels.  Every candidate gets a unique 64-bit key (score image, then earlier column);
+      the row's columns fall in ``G`` strided groups (``column % G``), and the ``kk``-th
+      largest group maximum is a threshold that at least ``kk`` keys reach, the top ``kk``
+      among them (ties and ``-inf`` included: keys are unique).  The keys at or above it
+      (about ``1.2 kk`` on random scores) are collected and sorted; a row where more than
+      ``capacity`` (default ``CAP`` of :func:`filter_groups`) pass takes the radix select.
+      Four launches: group maxima, threshold, filter, sort.
     """
     t, c = scores.shape
     kk = min(int(k), c)
@@ -401,23 +630,32 @@ def select_topk(
     kind, _, args = _candidate_args(candidates, scores.device)
     column_order = batch_invariant_enabled() if column_order is None else column_order
     block_k = pow2(kk)
-    tmp = torch.empty((t, block_k), dtype=torch.int64, device=scores.device) if not column_order else out
-    _select_kernel[(t,)](
-        scores,
-        scores.stride(0),
-        c,
-        kk,
-        out,
-        out.stride(0),
-        tmp,
-        *args,
-        KIND=kind,
-        COLUMN_ORDER=column_order,
-        BLOCK=cfg.sel_block,
-        BLOCK_K=block_k,
-        INTERP=INTERPRETED,
-        num_warps=cfg.sel_warps,
+    if segments is None:
+        segments = plan_select(t, c, kk, sm_count(scores.device))
+    dev, ss = scores.device, scores.stride(0)
+    if segments <= 0:
+        tmp = torch.empty((t, block_k), dtype=torch.int64, device=dev) if not column_order else out
+        _select_kernel[(t,)](scores, ss, c, kk, out, out.stride(0), tmp, *args,
+                             KIND=kind, COLUMN_ORDER=column_order, BLOCK=cfg.sel_block, BLOCK_K=block_k,
+                             INTERP=INTERPRETED, num_warps=cfg.sel_warps)  # fmt: skip
+        return out
+    g, cap = filter_groups(kk)
+    cap = max(pow2(capacity), block_k) if capacity is not None else cap
+    seg = cdiv(cdiv(c, segments), g) * g  # a multiple of G: a column's group is column % G
+    nseg = cdiv(c, seg)
+    part = torch.empty((t, nseg, g), dtype=torch.int64, device=dev)
+    thr = torch.empty((t,), dtype=torch.int64, device=dev)
+    hits = torch.empty((t,), dtype=torch.int32, device=dev)
+    buf = torch.empty((t, cap), dtype=torch.int64, device=dev)
+    tmp = torch.empty((t, cap), dtype=torch.int64, device=dev)
+    _group_max_kernel[(t, nseg)](scores, ss, c, seg, part, nseg, G=g, INTERP=INTERPRETED, num_warps=4)
+    _threshold_kernel[(t,)](part, nseg, kk, thr, hits, G=g, num_warps=4)
+    _filter_kernel[(t, nseg)](
+        scores, ss, c, seg, thr, hits, buf, cap, BLOCK=g, INTERP=INTERPRETED, num_warps=4
     )
+    _finish_kernel[(t,)](scores, ss, c, kk, hits, buf, out, out.stride(0), tmp, *args,
+                         KIND=kind, COLUMN_ORDER=column_order, CAP=cap, BLOCK=cfg.sel_block, BLOCK_K=block_k,
+                         INTERP=INTERPRETED, num_warps=8)  # fmt: skip
     return out
 
 
