@@ -1,14 +1,18 @@
-"""``indexer_topk``'s selection by the faster of two exact paths, by measurement.
+"""``indexer_topk``'s selection by the fastest of three exact paths, by measurement.
 
 - ``"triton"``: the radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` (one program
   per query row: four histogram passes, then the picks);
+- ``"threshold"``: the same module's threshold path for few long rows (several programs per
+  row: strided group maxima of unique 64-bit keys give a threshold, the few keys above it are
+  sorted; :func:`~deepinfer_cuda_sm100.kernels.indexer.plan_select` decides its segments and
+  keeps the radix select where the rows are short);
 - ``"torch"``: ``torch.topk`` over 64-bit keys that make the order total -- the score's
   order-preserving integer image in the high 32 bits, ``C - 1 - column`` in the low 32 -- so
   equal scores rank by column (the earlier first), exactly the contract's stable descending
   order, whatever ``torch.topk`` does with ties of its own (there are none).  Many programs
   per row: faster where few rows hold many candidates (long contexts).
 
-Both give the same picks in the same order (best first); batch-invariant mode (picks in
+All three give the same picks in the same order (best first); batch-invariant mode (picks in
 column order) and calls off the GPU keep Triton.  A call takes the path the measured table of
 this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"indexer_select"``,
 keyed by query rows ``T`` and candidates ``C``; re-measured by ``python
@@ -27,7 +31,7 @@ from deepinfer_cuda_sm100 import kernel_choice
 
 OP = "indexer_select"
 """The op name of the selection points in the measured table."""
-PATHS = frozenset({"triton", "torch"})
+PATHS = frozenset({"triton", "threshold", "torch"})
 
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -65,7 +69,8 @@ def select_topk_torch(
 
 
 def choose_path(scores: torch.Tensor, candidates) -> str:
-    """``"triton"`` or ``"torch"`` for the selection of ``scores`` (see the module docstring)."""
+    """``"triton"``, ``"threshold"`` or ``"torch"`` for the selection of ``scores`` (see the
+    module docstring)."""
     if batch_invariant_enabled() or scores.device.type != "cuda":
         return "triton"
     t, c = scores.shape
@@ -80,6 +85,8 @@ def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
     from deepinfer_cuda_sm100.kernels import indexer
 
     scores = indexer.indexer_scores(q, weights, key_pool, candidates, scale)
-    if choose_path(scores, candidates) == "torch":
+    path = choose_path(scores, candidates)
+    if path == "torch":
         return select_topk_torch(scores, k, candidates)
-    return indexer.select_topk(scores, k, candidates)
+    # the radix select unless the table measured the threshold path faster here
+    return indexer.select_topk(scores, k, candidates, segments=None if path == "threshold" else 0)

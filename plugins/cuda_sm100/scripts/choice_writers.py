@@ -49,6 +49,18 @@ def write_attention_choices(results: dict) -> Path:
     return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
 
 
+def select_times(row: dict) -> dict[str, float]:
+    """An indexer row's selection paths in ms: the radix select (``triton``), the threshold
+    path where the kernel's plan takes it at that shape, and the exact ``torch.topk``."""
+    ms = {"torch": round(row["torch_exact_ms"], 5)}
+    if row.get("select_segments"):  # select_ms timed the threshold path, radix_select_ms the radix
+        ms["threshold"] = round(row["select_ms"], 5)
+        ms["triton"] = round(row["radix_select_ms"], 5)
+    else:
+        ms["triton"] = round(row["select_ms"], 5)
+    return ms
+
+
 def write_select_choices(rows: list[dict]) -> Path:
     """The indexer selection's two paths (radix select, exact ``torch.topk``) per ``T x C`` as
     ``indexer_select`` points of the measured table (paged candidates, as measured)."""
@@ -65,7 +77,7 @@ def write_select_choices(rows: list[dict]) -> Path:
             "head_dim": 0,
             "tokens": r["T"],
             "keys": r["C"],
-            "ms": {"triton": round(r["select_ms"], 5), "torch": round(r["torch_exact_ms"], 5)},
+            "ms": select_times(r),
         }
         for r in rows
     ]

@@ -19,7 +19,8 @@ Two kernels, no full sort:
    contexts) take a threshold path instead, several programs per row: the ``k``-th largest
    of the maxima of ``G >= 2k`` strided column groups bounds the ``k``-th best from below, and
    only the few candidates at or above it are sorted (:func:`select_topk`; the static rule
-   :func:`plan_select`).
+   :func:`plan_select`; the backend's dispatcher, :mod:`deepinfer_cuda_sm100.indexer_select`,
+   takes it only where the measured table found it faster).
 
 A candidate's score is computed the same way whatever the batch (fixed ``BLOCK_C`` tiles,
 one token per program) and the selection is exact on those scores, so a row's picks never
