@@ -12,7 +12,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 
-from deepinfer_core.benchmarking.harness import parser, print_table, write_json  # noqa: E402
+from deepinfer_core.benchmarking.harness import parser, print_table, run_main, write_json  # noqa: E402
 from deepinfer_core.distributed import cost_model as cm  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
@@ -122,4 +122,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -32,7 +32,7 @@ import _gpu_model as gm
 import gpu_e2e as e2e
 
 from deepinfer_core import LLM
-from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints, print_table
+from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints, print_table, run_main
 from deepinfer_core.distributed.processes import LOG_DIR_ENV
 from deepinfer_core.models.context_parallel import CP_MIN_TOKENS_ENV, cp_min_tokens
 from deepinfer_core.testing.observe import counting_context_parallel_forwards
@@ -376,4 +376,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -64,4 +64,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    h.run_main(main)

@@ -136,3 +136,12 @@ def test_serve_benchmark_streams_every_token_and_matches_llm_generate(tmp_path: 
     assert all(0 < rows["server", b]["chunks"] <= 5 * b for b in (1, 3))
     assert rows["LLM.generate", 3]["vs_llm_generate"] == 1.0
     assert "vs_llm_generate" in proc.stdout  # the printed table
+
+
+def test_a_benchmark_given_a_missing_model_says_so_in_one_line(tmp_path):
+    missing = tmp_path / "no_such_model"
+    out = _run([str(ROOT / "benchmarks" / "cpu_tiny.py"), "--model", str(missing)], tmp_path)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0]

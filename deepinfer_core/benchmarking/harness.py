@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from deepinfer_core.errors import DeepInferError
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """Where the benchmarks write their JSON by default."""
 H200_HBM_BW = 4.24e12
@@ -25,6 +27,22 @@ H200_BF16_FLOPS = 989e12
 def log(msg: str) -> None:
     """Print ``msg`` with the wall-clock time, flushed (progress lines of a long run)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a benchmark script's ``main``: an ``int`` result is the exit status; bad input (a
+    :class:`~deepinfer_core.errors.DeepInferError`, or a path that cannot be read or written)
+    ends it with one ``error:`` line and status 2, as the ``deepinfer`` command does."""
+    try:
+        result = main()
+    except DeepInferError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        where = f" {e.filename}" if e.filename else ""
+        print(f"error: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 def positive_ints(text: str) -> list[int]:

@@ -45,6 +45,8 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
 import choice_writers  # noqa: E402
 
+from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
+
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
 PEAK_BYTES = 4.24e12  # B/s: H200 device-to-device copy, measured
 PEAK_FLOPS = 790e12  # FLOP/s: H200 dense bf16 matrix product, measured
@@ -379,4 +381,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -49,6 +49,8 @@ import torch
 from graph_timing import time_graph
 from scaled_mm_configs import scaled_mm_call
 
+from deepinfer_core.benchmarking.harness import run_main
+
 REPO = Path(__file__).resolve().parents[3]
 SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
 TOKENS = "1,16,64,128,256,1024,4096,8192"
@@ -339,4 +341,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,6 +41,8 @@ from pathlib import Path
 import torch
 from graph_timing import time_graph
 
+from deepinfer_core.benchmarking.harness import run_main
+
 REPO = Path(__file__).resolve().parents[3]
 TOKENS = "1,16,64,128,256"
 LIMIT = 10.0
@@ -234,4 +236,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

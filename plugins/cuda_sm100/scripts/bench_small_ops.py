@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from graph_timing import time_graph
 
+from deepinfer_core.benchmarking.harness import run_main
 from deepinfer_core.ops import all_ops
 
 REPO = Path(__file__).resolve().parents[3]
@@ -191,4 +192,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -39,6 +39,8 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100"), str(Path(__file
 
 from bench_attention import Timer  # noqa: E402
 
+from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
+
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_tilekernels.json"
 TOKENS = "1,4,16,64,256,1024,4096,8192"
 BITWISE = frozenset({"deepseek_v41.kv_qdq"})
@@ -224,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from bench_moe import random_fp4, routings
 
+from deepinfer_core.benchmarking.harness import run_main
+
 
 def main() -> None:
     from deepinfer_cuda_sm100.kernels.fp8_gemm import linear_fp8
@@ -40,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -33,6 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from deepinfer_core import LLM, SamplingParams
+from deepinfer_core.benchmarking.harness import run_main
 
 KINDS: tuple[tuple[str, str], ...] = (
     ("attention", r"sparse_attention|attention|_attn|flash"),
@@ -161,4 +162,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
