@@ -183,8 +183,10 @@ def fix_wgmma_accumulator_fence() -> None:
     TileLang 0.1.15 counts ``block rows / 64`` accumulator atoms per thread where each warpgroup
     holds ``4 x warp rows / 64`` of them; the two differ when the warps stand in one column over
     two warpgroups (the wide tile's ``FullRow`` policy), and the fence then names registers past
-    the accumulator array.  This counts the warpgroup's own atoms (the same number wherever the
-    two agreed).  Idempotent; a TileLang without these emitter properties is left as it is."""
+    the accumulator array (nvcc 13 drops those accesses, but they are out of bounds).  This
+    counts the warpgroup's own atoms: the same number wherever the two agreed, so the kernels
+    TileLang compiles afterwards in the process change only where the count was wrong.
+    Idempotent; a TileLang without these emitter properties is left as it is."""
     try:
         from tilelang.cuda.intrinsics.macro import wgmma_macro_generator as gen
     except ImportError:
