@@ -9,7 +9,7 @@ value, :func:`deepinfer_core.ops.linear.linear`):
   (:mod:`deepinfer_cuda_sm100.kernels.fp8_dequant`, bitwise the reference's dequantisation),
   then cuBLAS's ``F.linear``: the reference op's own computation, at cuBLAS's tensor-core rate
   (prefill shapes, where the GEMM is compute-bound and the extra weight pass is small);
-- ``"tilelang"``: the TileLang decode GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 64``,
+- ``"tilelang"``: the TileLang GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``,
   bfloat16 activations): TMA weight stream, register-A wgmma on the transposed product, the
   weight converted to the reference's dequantised bf16 value.  Taken only where TileLang can
   compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`, else one warning and the

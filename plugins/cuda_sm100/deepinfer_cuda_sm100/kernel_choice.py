@@ -13,7 +13,9 @@ Rules of :func:`choose`: only points of the same op, kind, dtype and widths (``h
 ``head_dim``) count; a call with fewer or more tokens than any measured point, or on an
 architecture without a table, takes the default language (the op's own kernel, which serves
 every shape: Triton unless the caller says otherwise); otherwise the point nearest in ``(log2
-tokens, log2 keys)`` decides, among the languages available here.
+tokens, log2 keys)`` decides, among the languages available here that were timed at that
+many tokens or fewer and at that many or more (a language is never extrapolated past the
+token range it was measured over, e.g. a kernel whose larger tiles the table has not timed).
 """
 
 from __future__ import annotations
@@ -112,8 +114,18 @@ def _nearest(points, op, kind, dtype, heads, head_dim, tokens, keys, available, 
         return math.hypot(math.log2(p.tokens / tokens), math.log2(max(p.keys, 1) / max(keys, 1)))
 
     nearest = min(points, key=distance)
-    timed = {lang: ms for lang, ms in nearest.ms.items() if lang in available}
+    timed = {
+        lang: ms
+        for lang, ms in nearest.ms.items()
+        if lang in available and _measured_around(points, lang, tokens)
+    }
     return min(timed, key=timed.get) if timed else default
+
+
+def _measured_around(points, lang: str, tokens: int) -> bool:
+    """Whether ``lang`` was timed at ``tokens`` or fewer and at ``tokens`` or more."""
+    counts = [p.tokens for p in points if lang in p.ms]
+    return bool(counts) and min(counts) <= tokens <= max(counts)
 
 
 def merge_points(arch: str, points: list[dict], source: dict, path: Path | None = None) -> Path:

@@ -115,6 +115,25 @@ def test_the_table_picks_the_faster_path_at_the_nearest_m():
     assert pick(4096, n=1024) == "triton"  # another weight shape: unmeasured
 
 
+def test_a_path_is_never_chosen_past_the_token_range_it_was_timed_over():
+    from deepinfer_cuda_sm100 import kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP, PATHS
+
+    def point(m, ms):
+        return kernel_choice.Point(OP, "w8a16", "bfloat16", 512, 256, m, 256, ms)
+
+    fast_tl = {"triton": 3.0, "cublas": 2.0, "tilelang": 1.0}
+    points = (point(16, fast_tl), point(64, fast_tl), point(128, {"triton": 3.0, "cublas": 2.0}))
+
+    def pick(m):
+        paths = PATHS["w8a16"]
+        return kernel_choice.choose(OP, "w8a16", "bfloat16", 512, 256, m, 256, "sm90", paths, points=points)
+
+    assert [pick(m) for m in (16, 40, 64)] == ["tilelang"] * 3
+    assert pick(80) == "cublas"  # nearest point is M = 64, but TileLang was never timed above it
+    assert pick(128) == "cublas"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

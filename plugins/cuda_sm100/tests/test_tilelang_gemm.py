@@ -1,17 +1,20 @@
-"""The TileLang FP8 decode GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`) and its place among
+"""The TileLang FP8 GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`) and its place among
 ``linear``'s paths (:mod:`deepinfer_cuda_sm100.gemm_dispatch`).
 
 **Here** (no GPU): the launch plan (token tile, K splits covering K in equal whole-block
-ranges, the fewest splits that fill the GPU), which calls the kernel refuses (with the reason),
-the dispatcher's rules (never off the GPU, TileLang's absence logged once, the measured table
-decides among the usable paths) and the precompiled configurations covering every decode
-``M``.  Where TileLang imports, every precompiled configuration of DeepSeek-V4-Flash's shapes
-lowers for sm_90 (slow).
+ranges, the fewest splits that fill the GPU), the tile kinds (the wide tiles' stages fit one
+SM's shared memory), which calls the kernel refuses (with the reason), the dispatcher's rules
+(never off the GPU, TileLang's absence logged once, the measured table decides among the usable
+paths) and the precompiled configurations covering every ``M <= 256``.  Where TileLang imports,
+one shape's configurations lower for sm_90, the wide tiles with two consumer warpgroups of 64
+weight rows fencing exactly their accumulators; where ``nvcc`` is found too, the wide tiles
+compile to sm_90a code without spills (slow).
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the kernel against the
-reference op at V4-Flash shapes for ``M`` in 1, 7, 16, 33, 64 with float32 and ue8m0 scales
-(within the op's tolerance, and no less accurate than the reference against a float64
-product), and the replay of a captured CUDA graph (bitwise equal to the eager call).
+reference op at V4-Flash shapes for ``M`` in 1, 7, 16, 33, 64 and (wide tiles) 65, 100, 128,
+200, 256 with float32 and ue8m0 scales (within the op's tolerance, and no less accurate than
+the reference against a float64 product), and the replay of a captured CUDA graph (bitwise
+equal to the eager call).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from test_gemm_dispatch import _weight  # noqa: E402  (zero and large blocks, bo
 V4_SHAPES = ((4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096))
 """``K x N`` of DeepSeek-V4-Flash's FP8 dense projections."""
 DECODE_M = (1, 7, 16, 33, 64)
+WIDE_M = (65, 100, 128, 200, 256)
+"""Token counts on the wide tiles (128 and 256 tokens)."""
+SMEM_PER_CTA = 227 * 1024
+"""An H100 / H200 CTA's shared memory at most."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,18 +47,37 @@ DECODE_M = (1, 7, 16, 33, 64)
 @pytest.mark.parametrize("sms", [132, 78])
 @pytest.mark.parametrize(("k", "n"), V4_SHAPES)
 def test_launch_plan_covers_k_in_equal_ranges_with_the_fewest_splits_that_fill_the_gpu(k, n, sms):
-    k_blocks, tiles = k // 128, n // 64
-    for m in range(1, 65):
+    k_blocks = k // 128
+    for m in range(1, 257):
         plan = tlg.launch_plan(m, n, k, sms)
-        assert plan.block_m == min(bm for bm in (16, 32, 64) if bm >= m)
+        assert plan.block_m == min(bm for bm in (16, 32, 64, 128, 256) if bm >= m)
+        wide = m > 64
+        tiles = n // (128 if wide else 64)
+        target = (tlg.WIDE_CTAS_PER_SM_TARGET if wide else tlg.CTAS_PER_SM_TARGET) * sms
         assert plan.splits * plan.blocks_per_split == k_blocks, "every K block exactly once"
         assert plan.blocks_per_split >= tlg.MIN_SPLIT_BLOCKS
         assert plan.grid == (tiles, plan.splits)
-        assert 1 <= plan.stages <= min(tlg.STAGES, plan.blocks_per_split)
+        assert 1 <= plan.stages <= min(tlg.tile(plan.block_m).max_stages, plan.blocks_per_split)
         fewer = [s for s in range(1, plan.splits) if k_blocks % s == 0]
-        assert all(tiles * s < tlg.CTAS_PER_SM_TARGET * sms for s in fewer), "not the fewest"
+        assert all(tiles * s < target for s in fewer), "not the fewest"
         more = [s for s in range(plan.splits + 1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= 2]
-        assert tiles * plan.splits >= tlg.CTAS_PER_SM_TARGET * sms or not more, "could split further"
+        assert tiles * plan.splits >= target or not more, "could split further"
+
+
+def test_tile_kinds_fit_the_sm():
+    """Narrow tiles: 64 weight rows, one consumer warpgroup; wide: 128 rows (one wgmma atom per
+    warpgroup), two warpgroups, and their stages of weight bytes and bf16 activations within a
+    CTA's shared memory (the epilogue's buffer, at most the fp32 tile, within the stages)."""
+    for bm in (16, 32, 64):
+        assert tlg.tile(bm)[:3] == (64, 128, 4)
+    for bm in (128, 256):
+        block_n, threads, stages, _ = tlg.tile(bm)
+        assert (block_n, threads) == (128, 256)
+        stage_bytes = block_n * 128 + bm * 128 * 2
+        assert stages >= 2 and stages * stage_bytes + 1024 <= SMEM_PER_CTA, bm
+        assert (stages + 1) * stage_bytes > 192 * 1024, f"{bm}: room for another stage"
+        assert bm * block_n * 4 <= stages * stage_bytes, "the fp32 epilogue tile fits over the stages"
+    assert tlg.tile(128).max_stages == 4 and tlg.tile(256).max_stages == 2
 
 
 def test_wide_weights_take_no_split():
@@ -69,13 +95,13 @@ def _x(m: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
 def test_problem_takes_v4_decode_calls_and_names_what_it_refuses():
     g = torch.Generator().manual_seed(0)
     w = _weight(g, 256, 384)
-    for m in DECODE_M:
+    for m in DECODE_M + WIDE_M:
         assert tlg.problem(_x(m, 384), w) is None, m
     assert tlg.problem(torch.zeros(2, 3, 384, dtype=torch.bfloat16), w) is None  # [..., K] rows
     assert tlg.problem(_x(4, 384), _weight(g, 128, 256, "ue8m0")) is None
     cases = {
         "bfloat16": (_x(4, 384, torch.float16), w),
-        "1 to 64": (_x(65, 384), w),
+        "1 to 256": (_x(257, 384), w),
         "0 rows": (_x(0, 384), w),
         "multiples of 128": (_x(4, 320), _weight(g, 256, 320)),
         "128x128 blocks": (_x(4, 384), torch.zeros(256, 384, dtype=torch.bfloat16)),
@@ -151,12 +177,13 @@ def test_the_table_picks_tilelang_only_where_it_measured_fastest_and_usable():
 # precompile
 
 
-def test_precompile_lists_every_decode_launch_of_the_v4_shapes():
+def test_precompile_lists_every_launch_of_the_v4_shapes():
     from deepinfer_cuda_sm100.tl.precompile import GEMM_SHAPES, gemm_configurations
 
     configs = set(gemm_configurations(GEMM_SHAPES, 132))
+    assert {c[3] for c in configs if c[0] == "gemm"} == {16, 32, 64, 128, 256}
     for k, n in V4_SHAPES:
-        for m in range(1, 65):
+        for m in range(1, 257):
             plan = tlg.launch_plan(m, n, k, 132)
             for kind in tlg.SCALE_KINDS:
                 assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind) in configs
@@ -184,25 +211,70 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
 # lowering (where TileLang imports, no GPU needed)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-def test_the_v4_configurations_lower_for_sm90():
-    """One shape's configurations (the others: ``tl.precompile`` on a GPU machine)."""
+def _lower(config: tuple) -> str:
+    """The CUDA source of a ``_kernel`` configuration, lowered for sm_90."""
     import tilelang
     import tvm
     from tvm.target import Target
 
     target = Target({"kind": "cuda", "arch": "sm_90"})
+    build = tlg.build_gemm if config[0] == "gemm" else tlg.build_combine
+    with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
+        return tilelang.lower(build(*config[1:]), target=target).kernel_source
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_the_v4_configurations_lower_for_sm90():
+    """One shape's configurations (the others: ``tl.precompile`` on a GPU machine)."""
+    import re
+
     for config in tlg.configurations(1024, 4096, 132):
-        build = tlg.build_gemm if config[0] == "gemm" else tlg.build_combine
-        with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
-            src = tilelang.lower(build(*config[1:]), target=target).kernel_source
-        if config[0] == "gemm":
-            bm = config[3]
-            bf16 = "tl::DataType::kBFloat16"
-            wgmma = f"wgmma_rs<{bf16}, {bf16}, tl::DataType::kFloat32, 64, {bm}, 16"
-            assert wgmma in src, "register-A wgmma: 64 weight rows x BLOCK_M tokens"
-            assert "tma_load(w_desc" in src and "warpgroup_reg_alloc" not in src
+        src = _lower(config)
+        if config[0] != "gemm":
+            continue
+        bm = config[3]
+        bf16 = "tl::DataType::kBFloat16"
+        wgmma = f"wgmma_rs<{bf16}, {bf16}, tl::DataType::kFloat32, 64, {bm}, 16"
+        assert wgmma in src, "register-A wgmma: 64 weight rows (per warpgroup) x BLOCK_M tokens"
+        assert "tma_load(w_desc" in src
+        # narrow: two CTAs an SM, no register split; wide: the consumers' registers raised
+        assert ("warpgroup_reg_alloc" in src) == (bm > 64), bm
+        # each consumer thread holds a 64 x BLOCK_M fp32 accumulator, and its fence names no more
+        assert re.search(rf"float acc\[{bm // 2}\];", src), bm
+        fences = {
+            int(c) for c in re.findall(r"fence_operand\(reinterpret_cast<float\*>\(acc \+ 0\), (\d+)\)", src)
+        }
+        assert fences == {bm // 2}, (bm, fences)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize(
+    "config",
+    [("gemm", 4096, 8192, 256, 4, 2, "fp32"), ("gemm", 32768, 1024, 256, 1, 2, "ue8m0")],
+    ids=["split-fp32", "direct-ue8m0"],
+)
+def test_the_wide_tiles_compile_for_sm90a_without_spills(config, tmp_path):
+    """The 256-token tile (128 accumulators per thread, the most registers of any configuration):
+    ``ptxas`` reports no stack frame and no spills once the consumers hold 240 registers."""
+    import re
+    import subprocess
+
+    if tilelang_problem() is not None:
+        pytest.skip(f"needs TileLang and nvcc: {tilelang_problem()}")
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    src = tmp_path / "kernel.cu"
+    src.write_text(_lower(config))
+    arch = "-gencode=arch=compute_90a,code=sm_90a"
+    cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w", "-Xptxas", "-v"]
+    done = subprocess.run(
+        [*cmd, "-o", str(tmp_path / "kernel.cubin"), str(src)], capture_output=True, text=True
+    )
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-2000:]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,8 +287,9 @@ def _gpu_ready() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [DECODE_M, WIDE_M], ids=["narrow", "wide"])
 @pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
-def test_gpu_tilelang_gemm_matches_the_reference_at_v4_flash_shapes(scale_dtype):
+def test_gpu_tilelang_gemm_matches_the_reference_at_v4_flash_shapes(scale_dtype, tokens):
     from deepinfer_core.ops.linear import linear
     from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
 
@@ -226,7 +299,7 @@ def test_gpu_tilelang_gemm_matches_the_reference_at_v4_flash_shapes(scale_dtype)
     for k, n in V4_SHAPES:
         w = _weight(g, n, k, scale_dtype, "cuda")
         dense = w.dequantize(torch.bfloat16).double()
-        for m in DECODE_M:
+        for m in tokens:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
             got, want = tlg.linear_fp8(x, w), linear(x, w)
             assert got.dtype == torch.bfloat16 and got.shape == (m, n)
@@ -242,7 +315,7 @@ def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
     g = torch.Generator().manual_seed(5)
     for k, n in ((4096, 1024), (1024, 32768)):  # split K (with the combine) and no split
         w = _weight(g, n, k, "fp32", "cuda")
-        for m in (1, 33):
+        for m in (1, 33, 100, 256):
             x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
             first = tlg.linear_fp8(x, w)
             assert torch.equal(first, tlg.linear_fp8(x, w)), "not deterministic"

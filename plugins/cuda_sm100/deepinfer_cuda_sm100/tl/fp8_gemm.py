@@ -1,21 +1,32 @@
-"""``linear`` on an FP8 128x128-block weight at decode (``M <= 64`` tokens) in TileLang: the
-``"tilelang"`` path of :mod:`deepinfer_cuda_sm100.gemm_dispatch`.
+"""``linear`` on an FP8 128x128-block weight at decode and small batches (``M <= 256`` tokens) in
+TileLang: the ``"tilelang"`` path of :mod:`deepinfer_cuda_sm100.gemm_dispatch`.
 
 Contract: ``deepinfer_core.ops.linear.linear`` with a ``QuantizedTensor`` weight (``fmt="fp8"``,
 e4m3 data ``[N, K]``, one fp32 or ue8m0 scale per 128x128 block): ``y = x @ dequant(W).T``.
 
 **The transposed product.**  At decode the tokens are few while wgmma's M is 64, so a CTA
-computes ``D[64, BLOCK_M] = W[64 rows, K] @ X[BLOCK_M, K]^T``: the weights' output features on
-wgmma's M side, the tokens (padded to :data:`BLOCK_MS` 16, 32 or 64) its N side, and writes
-``y[:, 64 rows]`` through shared memory (coalesced 16-byte rows).  No MMA row is spent on padding.
+computes ``D[BLOCK_N, BLOCK_M] = W[BLOCK_N rows, K] @ X[BLOCK_M, K]^T``: the weights' output
+features on wgmma's M side, the tokens (padded to the smallest of :data:`BLOCK_MS` 16 ... 256
+that holds ``M``) its N side, and writes ``y[:, BLOCK_N rows]`` through shared memory
+(coalesced 16-byte rows).  No MMA row is spent on padding.
 
-**The weight stream.**  A producer warpgroup issues TMA loads of the ``[64, 128]`` e4m3 weight
-tile (8 KiB, 128-byte swizzled) and the ``[BLOCK_M, 128]`` activation tile (rows past ``M`` come
-back as zeros from the TMA unit) into a :data:`STAGES`-deep ring of shared buffers; the consumer
-warpgroup (128 threads) turns each weight tile into wgmma's A operand in registers and issues
-``wgmma`` with the activations from shared memory (register-A wgmma: the weights cross shared
-memory once, as bytes).  Registers are left as the compiler allots them (no ``setmaxnreg``), so
-two CTAs fit an SM: ~48 KiB of weights in flight per SM.
+**Two tile kinds** (:func:`tile`).  *Narrow* (``BLOCK_M <= 64``): ``BLOCK_N = 64``, one
+consumer warpgroup, two CTAs an SM.  *Wide* (``BLOCK_M`` 128 or 256): ``BLOCK_N = 128``, two
+consumer warpgroups, each the wgmma of its own 64 weight rows against the shared activation tile
+(so every activation byte brought into shared memory serves 128 weight rows, not 64), one CTA an
+SM with TileLang's register split between producer and consumers (``setmaxnreg``: the 256-token
+tile holds a 128-float accumulator per thread); while one warpgroup converts its weight tile the
+other's wgmma runs.
+
+**The weight stream.**  A producer warpgroup issues TMA loads of the ``[BLOCK_N, 128]`` e4m3
+weight tile (8 or 16 KiB, 128-byte swizzled) and the ``[BLOCK_M, 128]`` activation tile (rows
+past ``M`` come back as zeros from the TMA unit) into a ring of shared buffers; the consumer
+warpgroups turn each weight tile into wgmma's A operand in registers and issue ``wgmma`` with
+the activations from shared memory (register-A wgmma: the weights cross shared memory once, as
+bytes).  Narrow tiles leave registers as the compiler allots them (no ``setmaxnreg``), so two
+CTAs fit an SM: ~48 KiB of weights in flight per SM; wide tiles keep their stages within one
+SM's shared memory (:func:`tile`: 4 stages of 48 KiB at ``BLOCK_M = 128``, 2 of 80 KiB at 256;
+TileLang lays the epilogue's buffer over the drained stages).
 
 **Numerics: bitwise the reference's dequantised weight.**  Each weight is converted
 ``bf16(float(e4m3) * scale)``: the exact e4m3 value times the block's fp32 scale (a ue8m0 byte
@@ -25,9 +36,9 @@ accumulates in fp32 over K (wgmma), so the result differs from the reference's `
 by the order of the fp32 accumulation (no per-block promotion of partial sums, unlike the Triton
 kernel).  Only bfloat16 activations are taken.
 
-**Split K.**  When ``N / 64`` CTAs do not fill the GPU, K is cut into ``splits`` equal ranges of
-whole 128-blocks (:func:`launch_plan`: the fewest splits that reach :data:`CTAS_PER_SM_TARGET`
-CTAs per SM, each range at least :data:`MIN_SPLIT_BLOCKS` blocks); every CTA writes its fp32
+**Split K.**  When ``N / BLOCK_N`` CTAs do not fill the GPU, K is cut into ``splits`` equal ranges
+of whole 128-blocks (:func:`launch_plan`: the fewest splits that reach the tile kind's CTAs per SM
+target, each range at least :data:`MIN_SPLIT_BLOCKS` blocks); every CTA writes its fp32
 partial product to a workspace ``[splits, M, N]`` and a second launch (:func:`build_combine`)
 sums the partials in split order and rounds to bf16: deterministic, independent of timing.
 
@@ -38,29 +49,59 @@ this path (the dispatcher keeps Triton there).
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
 
+logger = logging.getLogger("deepinfer.cuda_sm100")
+
 BLOCK_N = 64
-"""Weight rows (output features) per CTA: one wgmma M atom."""
+"""Weight rows (output features) per CTA of a narrow tile: one wgmma M atom."""
+WIDE_BLOCK_N = 128
+"""Weight rows per CTA of a wide tile: one wgmma M atom per consumer warpgroup."""
 BLOCK_K = 128
 """Inputs per K step: one scale block."""
 SCALE_BLOCK = 128
-BLOCK_MS = (16, 32, 64)
+BLOCK_MS = (16, 32, 64, 128, 256)
 """Token tiles (wgmma's N), the smallest that holds ``M``."""
-MAX_M = 64
+NARROW_MAX_M = 64
+"""The widest token tile of the narrow kind (:func:`tile`)."""
+MAX_M = BLOCK_MS[-1]
 THREADS = 128
-"""Consumer threads (one warpgroup); TileLang adds a producer warpgroup for the TMA loads."""
+"""Consumer threads of a warpgroup; TileLang adds a producer warpgroup for the TMA loads."""
 STAGES = 4
-"""Pipeline depth (at most the split's K blocks)."""
+"""Pipeline depth (at most the split's K blocks and the tile kind's cap, :func:`tile`)."""
 MIN_SPLIT_BLOCKS = 2
 """K blocks per split at least."""
 CTAS_PER_SM_TARGET = 1.5
-"""Split K until ``CTAs >= this x SMs`` (two CTAs fit an SM: about one wave)."""
+"""Narrow tiles: split K until ``CTAs >= this x SMs`` (two CTAs fit an SM: about one wave)."""
+WIDE_CTAS_PER_SM_TARGET = 0.9
+"""Wide tiles: split K until ``CTAs >= this x SMs`` (one CTA an SM: one wave, a few SMs idle
+rather than another split's fp32 partials)."""
 COMBINE_N = 128
 """Output columns per CTA of the split combine."""
 SCALE_KINDS = ("fp32", "ue8m0")
+
+
+class Tile(NamedTuple):
+    """A token tile's kind: weight rows and consumer threads per CTA, stage cap, CTAs-per-SM target."""
+
+    block_n: int
+    threads: int
+    max_stages: int
+    ctas_per_sm: float
+
+
+def tile(block_m: int) -> Tile:
+    """The kind of token tile ``block_m`` (one of :data:`BLOCK_MS`): narrow (``<= 64``: 64 weight
+    rows, one consumer warpgroup, two CTAs an SM) or wide (128 weight rows, two consumer
+    warpgroups, one CTA an SM, as many stages of ``128 x 128`` weight bytes plus ``BLOCK_M x 128``
+    bf16 activations as fit in ~160-192 KiB of shared memory)."""
+    if block_m <= NARROW_MAX_M:
+        return Tile(BLOCK_N, THREADS, STAGES, CTAS_PER_SM_TARGET)
+    stage_bytes = WIDE_BLOCK_N * BLOCK_K + block_m * BLOCK_K * 2
+    return Tile(WIDE_BLOCK_N, 2 * THREADS, min(STAGES, 192 * 1024 // stage_bytes), WIDE_CTAS_PER_SM_TARGET)
 
 
 class Plan(NamedTuple):
@@ -76,22 +117,23 @@ class Plan(NamedTuple):
 def launch_plan(m: int, n: int, k: int, sms: int) -> Plan:
     """The :class:`Plan` of an ``[m, k] x [n, k]^T`` call on ``sms`` SMs (shapes only: graph
     capturable): ``BLOCK_M`` the smallest of :data:`BLOCK_MS` that holds ``m``; ``splits`` the
-    fewest divisors of ``k / 128`` giving ``n / 64 * splits >= CTAS_PER_SM_TARGET * sms``
-    CTAs with at least :data:`MIN_SPLIT_BLOCKS` blocks each (else the most such splits);
-    stages ``min(STAGES, blocks per split)``.  ``m <= 64``, ``n`` and ``k`` multiples of 128
-    (:func:`problem` checks)."""
+    fewest divisors of ``k / 128`` giving ``n / BLOCK_N * splits >= target * sms`` CTAs (the
+    tile kind's ``BLOCK_N`` and target, :func:`tile`) with at least :data:`MIN_SPLIT_BLOCKS`
+    blocks each (else the most such splits); stages ``min(the kind's cap, blocks per split)``.
+    ``m <= 256``, ``n`` and ``k`` multiples of 128 (:func:`problem` checks)."""
     block_m = next(bm for bm in BLOCK_MS if m <= bm)
-    k_blocks, tiles = k // BLOCK_K, n // BLOCK_N
+    kind = tile(block_m)
+    k_blocks, tiles = k // BLOCK_K, n // kind.block_n
     candidates = [
         s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= MIN_SPLIT_BLOCKS
     ]
     splits = 1
     for s in candidates or [1]:
         splits = s
-        if tiles * s >= CTAS_PER_SM_TARGET * sms:
+        if tiles * s >= kind.ctas_per_sm * sms:
             break
     per = k_blocks // splits
-    return Plan(block_m, splits, per, min(STAGES, per), (tiles, splits))
+    return Plan(block_m, splits, per, min(kind.max_stages, per), (tiles, splits))
 
 
 def problem(x: torch.Tensor, weight) -> str | None:
@@ -107,7 +149,7 @@ def problem(x: torch.Tensor, weight) -> str | None:
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
     if not 1 <= m <= MAX_M:
-        return f"{m} rows: the TileLang GEMM serves 1 to {MAX_M} (decode)"
+        return f"{m} rows: the TileLang GEMM serves 1 to {MAX_M}"
     if n % SCALE_BLOCK or k % BLOCK_K:
         return f"weight {n}x{k}: the TileLang GEMM takes multiples of 128"
     if not weight.data.is_contiguous() or not weight.scale.is_contiguous():
@@ -135,12 +177,46 @@ def _scale_value(s, row, col, kind: str):
     return T.reinterpret(bits, "float32")
 
 
+def fix_wgmma_accumulator_fence() -> None:
+    """Make TileLang fence exactly a warpgroup's accumulator registers around its wgmma.
+
+    TileLang 0.1.15 counts ``block rows / 64`` accumulator atoms per thread where each warpgroup
+    holds ``4 x warp rows / 64`` of them; the two differ when the warps stand in one column over
+    two warpgroups (the wide tile's ``FullRow`` policy), and the fence then names registers past
+    the accumulator array (nvcc 13 drops those accesses, but they are out of bounds).  This
+    counts the warpgroup's own atoms: the same number wherever the two agreed, so the kernels
+    TileLang compiles afterwards in the process change only where the count was wrong.
+    Idempotent; a TileLang without these emitter properties is left as it is."""
+    try:
+        from tilelang.cuda.intrinsics.macro import wgmma_macro_generator as gen
+    except ImportError:
+        logger.debug("TileLang has no wgmma emitter module: its accumulator fence is left as it is")
+        return
+    emitter = gen.TensorCoreIntrinEmitter
+    if getattr(emitter, "_warpgroup_fence_fixed", False):
+        return
+    if not all(hasattr(emitter, name) for name in ("wgmma_accum_regs", "wgmma_num_inst_m")):
+        logger.debug("TileLang's wgmma emitter changed: its accumulator fence is left as it is")
+        return
+
+    def accum_regs(self) -> int:
+        bits = gen.DataType(self.accum_dtype).bits
+        return (self.wgmma_num_inst_m * self.warp_cols * self.local_size_out * bits + 31) // 32
+
+    emitter.wgmma_accum_regs = property(accum_regs)
+    emitter._warpgroup_fence_fixed = True
+
+
 def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str):
-    """The GEMM ``prim_func``: grid ``(N / 64, splits)``.  With ``splits == 1`` it writes
-    ``y [M, N]`` (bf16), else its fp32 partial to ``ws [splits, M, N]``."""
+    """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
+    kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
+    partial to ``ws [splits, M, N]``."""
     import tilelang
     import tilelang.language as T
 
+    block_n, threads, _, _ = tile(block_m)
+    wide = block_n != BLOCK_N
+    fix_wgmma_accumulator_fence()
     per = k // BLOCK_K // splits
     m_dyn = T.dynamic("M")
     sdt = "float32" if kind == "fp32" else "uint8"
@@ -153,32 +229,34 @@ def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str
         s: T.Tensor((n // SCALE_BLOCK, k // BLOCK_K), sdt),
         out: T.Tensor(out_shape, out_dtype),
     ):
-        with T.Kernel(n // BLOCK_N, splits, threads=THREADS) as (nb, sp):
-            T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
-            w_sh = T.alloc_shared((BLOCK_N, BLOCK_K), "float8_e4m3")
+        with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
+            if not wide:
+                T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
+            w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
             x_sh = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
             s_sh = T.alloc_shared((per,), "float32")
-            w_reg = T.alloc_fragment((BLOCK_N, BLOCK_K), "bfloat16")
-            acc = T.alloc_fragment((BLOCK_N, block_m), "float32")
-            c_sh = T.alloc_shared((block_m, BLOCK_N), out_dtype)
+            w_reg = T.alloc_fragment((block_n, BLOCK_K), "bfloat16")
+            acc = T.alloc_fragment((block_n, block_m), "float32")
+            c_sh = T.alloc_shared((block_m, block_n), out_dtype)
             T.annotate_layout({w_sh: tilelang.layout.make_swizzled_layout(w_sh)})
             for i in T.Parallel(per):
-                s_sh[i] = _scale_value(s, nb * BLOCK_N // SCALE_BLOCK, sp * per + i, kind)
+                s_sh[i] = _scale_value(s, nb * block_n // SCALE_BLOCK, sp * per + i, kind)
             T.clear(acc)
             for kk in T.Pipelined(per, num_stages=stages):
-                T.copy(w[nb * BLOCK_N, (sp * per + kk) * BLOCK_K], w_sh)
+                T.copy(w[nb * block_n, (sp * per + kk) * BLOCK_K], w_sh)
                 T.copy(x[0, (sp * per + kk) * BLOCK_K], x_sh)
-                for i, j in T.Parallel(BLOCK_N, BLOCK_K):  # the reference's dequantised weight
+                for i, j in T.Parallel(block_n, BLOCK_K):  # the reference's dequantised weight
                     w_reg[i, j] = T.Cast("bfloat16", T.Cast("float32", w_sh[i, j]) * s_sh[kk])
-                T.gemm(w_reg, x_sh, acc, transpose_B=True)
-            for i, j in T.Parallel(BLOCK_N, block_m):
+                # every warpgroup its own 64 weight rows against all the tokens
+                T.gemm(w_reg, x_sh, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_n, block_m):
                 c_sh[j, i] = T.Cast(out_dtype, acc[i, j])
-            for j, i in T.Parallel(block_m, BLOCK_N):
+            for j, i in T.Parallel(block_m, block_n):
                 if j < m_dyn:
                     if splits == 1:
-                        out[j, nb * BLOCK_N + i] = c_sh[j, i]
+                        out[j, nb * block_n + i] = c_sh[j, i]
                     else:
-                        out[sp, j, nb * BLOCK_N + i] = c_sh[j, i]
+                        out[sp, j, nb * block_n + i] = c_sh[j, i]
 
     return fp8_gemm
 
@@ -219,7 +297,7 @@ def _kernel(kind: str, *args):
 
 
 def configurations(n: int, k: int, sms: int) -> list[tuple]:
-    """``_kernel`` arguments of every launch of an ``N x K`` weight at ``M <= 64`` on ``sms``
+    """``_kernel`` arguments of every launch of an ``N x K`` weight at ``M <= 256`` on ``sms``
     SMs, both scale kinds (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
     out = []
     for m in BLOCK_MS:

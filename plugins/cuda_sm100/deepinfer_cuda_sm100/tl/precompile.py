@@ -8,8 +8,8 @@ warm-up compiles them one after another.
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
 ``moe_experts`` GEMMs (gate / up and down, every tile height and scale format), and the FP8
-decode ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`: every token tile, both scale
-formats, the split combine) of each ``K x N`` weight, for DeepSeek-V4-Flash's shapes by default
+``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
+scale formats, the split combine) of each ``K x N`` weight, for DeepSeek-V4-Flash's shapes by default
 (split plans for this machine's GPU, an H100 / H200's 132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
 """
@@ -59,7 +59,7 @@ GEMM_SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
 
 
 def gemm_configurations(shapes: str, sms: int) -> list[tuple]:
-    """``tl.fp8_gemm._kernel`` arguments of every decode launch of the ``K x N`` weights."""
+    """``tl.fp8_gemm._kernel`` arguments of every launch (``M <= 256``) of the ``K x N`` weights."""
     from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
 
     out = []
