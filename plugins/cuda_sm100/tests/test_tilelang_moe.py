@@ -138,15 +138,14 @@ def test_decoded_registers_form_the_dequantised_a_fragment_in_k_order():
         want = QuantizedTensor(data, scale, "fp4", (1, 32)).dequantize(torch.bfloat16)[:, tlm.k_order()]
         regs = np.zeros((tlm.THREADS, 32), dtype=np.uint32)  # each thread's A fragment
         words = data.numpy().view(np.uint32)  # [64, 16]: row, word
-        for t in range(tlm.THREADS):
-            warp, lane = divmod(t, 32)
-            for rh in (0, 1):
-                row, c = 16 * warp + 8 * rh + lane // 4, lane % 4
-                tables = _tables(ptx, np.full(4, bits[row, c]))
-                pairs = run_ptx(tlm.E2M1X8_PTX, [None] * 4 + [words[row, 4 * c : 4 * c + 4], *tables])[:4]
-                for q in range(4):
-                    for i in range(4):
-                        regs[t, tlm.a_register(q, i) + rh] = pairs[i][q]
+        t, rh = np.meshgrid(np.arange(tlm.THREADS), np.arange(2), indexing="ij")  # one lane each
+        t, rh = t.reshape(-1), rh.reshape(-1)
+        row, c = 16 * (t // 32) + 8 * rh + (t % 32) // 4, t % 4
+        tables = _tables(ptx, bits[row, c])
+        for q in range(4):
+            pairs = run_ptx(tlm.E2M1X8_PTX, [None] * 4 + [words[row, 4 * c + q], *tables])[:4]
+            for i in range(4):
+                regs[t, tlm.a_register(q, i) + rh] = pairs[i]
         halves = np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(tlm.THREADS, 64)
         got = np.array(
             [[halves[tlm._a_thread(i, j), tlm._a_local(i, j)] for j in range(128)] for i in range(64)]
