@@ -29,7 +29,11 @@ contiguous bytes of each of four rows).  The consumer warpgroup decodes each 64-
 straight into wgmma's A fragment in registers and issues ``wgmma`` with A from registers and
 the activations from shared memory (block 0's GEMMs asynchronous while block 1 decodes): the
 weights cross shared memory once, as packed bytes; no decoded tile is stored.  Registers are
-left as the compiler allots them (no ``setmaxnreg``).
+left as the compiler allots them (no ``setmaxnreg``).  TileLang has no statement for a thread's
+own fragment registers; the kernels annotate the A fragments with the layout ``T.gemm`` wants
+for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_source`) the
+address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
+it fills by the register order of the layout (:func:`a_register`).
 
 **The K order.**  In the A fragment of ``m64nNk16`` the thread ``c`` of a quad holds, of each
 row, the k pairs ``2c, 2c + 1`` of every 8.  The kernels permute each step's 128 inputs
