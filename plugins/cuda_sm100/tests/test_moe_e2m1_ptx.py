@@ -5,7 +5,8 @@ The PTX path (:data:`~deepinfer_cuda_sm100.kernels.moe._E2M1_BF16_PTX` and
 interpreter cannot execute inline assembly.  Here the very text the kernels hand to
 ``tl.inline_asm_elementwise`` is parsed and executed by :func:`run_ptx`, a small emulator of the
 instructions it uses (``and``/``or``/``xor``/``not``, ``shl``/``shr``, ``prmt`` in its generic
-mode, ``lop3``, ``mad.lo``, ``mov``, ``mul.rn.bf16x2``: each as the PTX ISA defines it), with the
+mode, ``lop3``, ``mad.lo``/``mul.lo``, ``mov``, ``mul.rn.bf16x2``, ``mul.rn.f32``,
+``cvt.rn.bf16x2.f32``: each as the PTX ISA defines it), with the
 operands packed as Triton's lowering packs them (:func:`asm_elementwise`; as Triton 3.6's LLVM IR
 for a two-result bf16 ``pack=4`` asm shows: one ``<4 x i8>`` input, element k in byte k, and a
 struct of four ``<2 x bfloat>``, the first two the first result's).  The checks:
@@ -108,8 +109,29 @@ def _mul_bf16x2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _immediate(token: str) -> int:
+    if token.lower().startswith("0f"):  # an .f32 immediate: its 8 hex digits are the bits
+        return int(token[2:], 16)
     value = int(token, 0)
     return value & 0xFFFFFFFF  # a negative .u32 / .s32 immediate: its two's complement bits
+
+
+def _f32(bits: np.ndarray) -> np.ndarray:
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _mul_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``mul.rn.f32`` (no ``.ftz``): IEEE single-precision product, subnormals kept, a NaN
+    result canonical (``0x7FFFFFFF``)."""
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        d = (_f32(a) * _f32(b)).astype(np.float32)
+    return np.where(np.isnan(d), np.uint32(0x7FFFFFFF), d.view(np.uint32)).astype(np.uint32)
+
+
+def _cvt_bf16x2_f32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``cvt.rn.bf16x2.f32 d, a, b``: ``a`` rounded to bf16 in the high half, ``b`` in the low."""
+    hi = _f64_to_bf16(_f32(a).astype(np.float64))
+    lo = _f64_to_bf16(_f32(b).astype(np.float64))
+    return ((hi << np.uint32(16)) | lo).astype(np.uint32)
 
 
 def run_ptx(asm: str, operands: list[np.ndarray | None]) -> list[np.ndarray | None]:
@@ -127,7 +149,7 @@ def run_ptx(asm: str, operands: list[np.ndarray | None]) -> list[np.ndarray | No
             if value is None:
                 raise ValueError(f"{tok} is read before it is written")
             return value
-        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)", tok):
+        if re.fullmatch(r"-?(0x[0-9a-fA-F]+|\d+)|0[fF][0-9a-fA-F]{8}", tok):
             return np.full(lanes, _immediate(tok), dtype=np.uint32)
         if tok not in regs:
             raise ValueError(f"register {tok} is read before it is written")
@@ -158,6 +180,9 @@ def run_ptx(asm: str, operands: list[np.ndarray | None]) -> list[np.ndarray | No
             wide = a.astype(np.uint64)
             out = (wide << np.minimum(n, 32)) & M32 if opcode == "shl.b32" else wide >> np.minimum(n, 32)
             write(d, out)
+        elif opcode == "shr.s32":
+            a, n = read(src[0]).view(np.int32).astype(np.int64), read(src[1]).astype(np.int64)
+            write(d, (a >> np.minimum(n, 31)).astype(np.int64) & 0xFFFFFFFF)
         elif opcode == "prmt.b32":
             write(d, _prmt(*(read(t) for t in src)))
         elif opcode == "lop3.b32":
@@ -166,8 +191,15 @@ def run_ptx(asm: str, operands: list[np.ndarray | None]) -> list[np.ndarray | No
         elif opcode in ("mad.lo.u32", "mad.lo.s32"):
             a, b, c = (read(t).astype(np.uint64) for t in src)
             write(d, (a * b + c) & M32)
+        elif opcode in ("mul.lo.u32", "mul.lo.s32"):
+            a, b = (read(t).astype(np.uint64) for t in src)
+            write(d, (a * b) & M32)
         elif opcode == "mul.rn.bf16x2":
             write(d, _mul_bf16x2(*(read(t) for t in src)))
+        elif opcode == "mul.rn.f32":
+            write(d, _mul_f32(*(read(t) for t in src)))
+        elif opcode == "cvt.rn.bf16x2.f32":
+            write(d, _cvt_bf16x2_f32(*(read(t) for t in src)))
         else:
             raise NotImplementedError(f"the emulator does not model {opcode!r}")
     return ops
@@ -378,8 +410,31 @@ def test_emulator_bf16_multiply():
     assert _bits16(got)[5].item() == 0x8000, "0 * -1 is -0"
 
 
+def test_emulator_f32_multiply_bf16x2_convert_and_integer_ops():
+    """``mul.rn.f32`` against numpy's IEEE single products (subnormals kept), ``cvt.rn.bf16x2.f32``
+    against torch's rounding cast (a in the high half), ``mul.lo``, ``shr.s32`` and ``0f``
+    immediates by their definitions."""
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(5000, generator=g) * torch.exp2(torch.randint(-70, 70, (5000,), generator=g).float())
+    b = torch.randn(5000, generator=g) * torch.exp2(torch.randint(-70, 70, (5000,), generator=g).float())
+    bits = lambda t: t.view(torch.int32).numpy().view(np.uint32)  # noqa: E731
+    (prod,) = run_ptx("mul.rn.f32 $0, $1, $2;", [None, bits(a), bits(b)])[:1]
+    assert (prod == bits(a * b)).all(), "fp32 products (torch's CPU product rounds the same way)"
+    tiny = np.array([0x00800000], dtype=np.uint32)  # 2**-126 times 0.5: a subnormal, kept
+    assert run_ptx("mul.rn.f32 $0, $1, 0f3F000000;", [None, tiny])[0][0] == 0x00400000
+    (packed,) = run_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", [None, bits(a), bits(b)])[:1]
+    hi = torch.from_numpy((packed >> 16).astype(np.int64))
+    lo = torch.from_numpy((packed & 0xFFFF).astype(np.int64))
+    assert torch.equal(hi, _bits16(a.to(torch.bfloat16)).long()) and torch.equal(
+        lo, _bits16(b.to(torch.bfloat16)).long()
+    )
+    x = np.array([0x80000000, 0x7FFFFFFF, 0x00000005], dtype=np.uint32)
+    assert run_ptx("shr.s32 $0, $1, 31;", [None, x])[0].tolist() == [0xFFFFFFFF, 0, 0]
+    assert run_ptx("mul.lo.u32 $0, $1, 0x00800080;", [None, x])[0].tolist() == [0, 0xFF7FFF80, 0x02800280]
+
+
 def test_emulator_rejects_what_it_does_not_model():
     with pytest.raises(NotImplementedError):
-        run_ptx("cvt.rn.bf16x2.f32 $0, $1, $2;", [None, np.zeros(1, np.uint32), np.zeros(1, np.uint32)])
+        run_ptx("fma.rn.f32 $0, $1, $2, $1;", [None, np.zeros(1, np.uint32), np.zeros(1, np.uint32)])
     with pytest.raises(ValueError):
         run_ptx("and.b32 $0, t, 1;", [None, np.zeros(1, np.uint32)])

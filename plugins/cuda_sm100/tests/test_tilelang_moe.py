@@ -1,11 +1,14 @@
 """The TileLang FP4 ``moe_experts`` GEMMs and the choice between kernel languages.
 
-**Here** (no GPU): the e2m1 decoding the TileLang kernels call (:data:`~deepinfer_cuda_sm100.
-tl.moe.E2M1X8_PTX`, run through the PTX emulator of ``test_moe_e2m1_ptx.py``: every byte in
-every position, then the ue8m0 scaling, bitwise against ``QuantizedTensor.dequantize``), the
-CUDA source built around it, the launch plan, which calls the TileLang kernels refuse (with the
-reason) and the dispatcher's choice (batch-invariant mode, the FP8 math, the measured table).
-Where TileLang imports, every shipped configuration lowers for sm_90 (slow).
+**Here** (no GPU): the e2m1 decoding the TileLang kernels call (the scale tables and the
+table lookup, :data:`~deepinfer_cuda_sm100.tl.moe.E2M1X8_PTX`, run through the PTX emulator of
+``test_moe_e2m1_ptx.py``: every byte in every position, every ue8m0 exponent and edge-case fp32
+scales, bitwise against ``QuantizedTensor.dequantize``), the whole per-thread decoding of a
+64 x 128 block assembled by wgmma's A-fragment layout (the reference weight in the kernels' K
+order), the CUDA source built around it, the launch plan, which calls the TileLang kernels
+refuse (with the reason) and the dispatcher's choice (batch-invariant mode, the FP8 math, the
+measured table).  Where TileLang imports, every shipped configuration lowers for sm_90 to the
+register-A form (slow).
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the TileLang path against the
 reference op on the FP4 conformance cases at V4-Flash shapes (widths 4096 x 2048, 1 to 256
@@ -21,12 +24,12 @@ import numpy as np
 import pytest
 import torch
 from cuda_sm100_checks import replayed
-from deepinfer_cuda_sm100 import kernel_choice, moe_dispatch
+from deepinfer_cuda_sm100 import e2m1_ptx, kernel_choice, moe_dispatch
 from deepinfer_cuda_sm100.tl import moe as tlm
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
 from deepinfer_core.ops.modes import batch_invariant_mode
-from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor, unpack_fp4
+from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 from test_moe_e2m1_ptx import run_ptx  # noqa: E402  (the emulator; it needs triton's module)
@@ -35,60 +38,129 @@ BOTH = frozenset({"triton", "tilelang"})
 
 
 # ---------------------------------------------------------------------------------------------
-# the decoding
+# the decoding (the kernels' PTX through the emulator)
 
 
-def _decode(words: np.ndarray) -> np.ndarray:
-    """:data:`E2M1X8_PTX` on uint32 ``words``: ``[n, 8]`` bf16 bit patterns in register order
-    (register r: low half, high half)."""
-    out = run_ptx(tlm.E2M1X8_PTX, [None, None, None, None, words.astype(np.uint32)])
+def _tables(ptx: str, scale_bits: np.ndarray) -> list[np.ndarray]:
+    """The five table registers of :data:`TABLE_UE8M0_PTX` / :data:`TABLE_FP32_PTX` for each
+    scale (uint32: the ue8m0 byte, or the fp32 bits)."""
+    return run_ptx(ptx, [None] * 5 + [scale_bits.astype(np.uint32)])[:5]
+
+
+def _decode(words: np.ndarray, tables: list[np.ndarray]) -> np.ndarray:
+    """:data:`E2M1X8_PTX` on uint32 ``words`` with per-word ``tables``: ``[n, 8]`` bf16 bit
+    patterns in register order (register r: low half, high half)."""
+    out = run_ptx(tlm.E2M1X8_PTX, [None] * 4 + [words.astype(np.uint32), *tables])
     regs = np.stack(out[:4], axis=1).astype(np.uint32)
-    return np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(len(words), 8)
+    return np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(len(words), 8).astype(np.int64)
 
 
-def _want_bits(words: np.ndarray, dtype=torch.bfloat16) -> np.ndarray:
-    packed = torch.from_numpy(words.astype(np.uint32).view(np.uint8).copy())  # little endian
-    values = unpack_fp4(packed.view(1, -1))[0].to(dtype)  # low nibble first: input order
-    return (values.view(torch.int16).numpy().astype(np.int64) & 0xFFFF).reshape(len(words), 8)
+def _reference_bits(words: np.ndarray, scales: torch.Tensor) -> np.ndarray:
+    """``QuantizedTensor.dequantize(bf16)`` of each word (8 inputs) with its own scale."""
+    data = torch.from_numpy(np.repeat(words.astype(np.uint32), 4).view(np.uint8).copy()).view(len(words), 16)
+    want = QuantizedTensor(data, scales.view(len(words), 1), "fp4", (1, 32)).dequantize(torch.bfloat16)
+    return (want[:, :8].contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF).reshape(-1, 8)
+
+
+def test_unit_scale_tables_are_the_plain_lookup_tables():
+    """Scale 1 (ue8m0 127, fp32 1.0) gives the unscaled tables of :mod:`e2m1_ptx`."""
+    want = [int(v, 0) & 0xFFFFFFFF for v in e2m1_ptx.IMMEDIATE_TABLES]
+    for ptx, bits in ((e2m1_ptx.TABLE_UE8M0_PTX, 127), (e2m1_ptx.TABLE_FP32_PTX, 0x3F800000)):
+        got = [int(t[0]) for t in _tables(ptx, np.array([bits]))]
+        assert got == want, [hex(v) for v in got]
 
 
 def test_decode_gives_every_byte_in_every_position_in_input_order():
     b = np.arange(256, dtype=np.uint32)
     words = np.concatenate([(b << (8 * p)) | (((b + 77) % 256) << (8 * ((p + 1) % 4))) for p in range(4)])
-    got = _decode(words)
-    want = _want_bits(words)
+    e = np.full(len(words), 127, dtype=np.uint32)
+    got = _decode(words, _tables(e2m1_ptx.TABLE_UE8M0_PTX, e))
+    want = _reference_bits(words, torch.ones(len(words)))
     assert (got == want).all(), f"{int((got != want).sum())} values differ"
-    neg_zero = _decode(np.array([0x00000088], dtype=np.uint32))[0]
+    neg_zero = _decode(np.array([0x00000088], dtype=np.uint32), _tables(e2m1_ptx.TABLE_UE8M0_PTX, e[:1]))[0]
     assert neg_zero[:2].tolist() == [0x8000, 0x8000], "code 8 is -0.0, as the reference decodes it"
 
 
-def test_decode_times_a_ue8m0_scale_is_the_reference_dequantisation():
-    """The kernels' ue8m0 path: the scale byte ``e`` as bf16 bits ``e << 7`` (both halves), one
-    ``mul.rn.bf16x2`` per two weights: bitwise ``QuantizedTensor.dequantize(bf16)`` for the
-    exponents torch reads as powers of two (1..254)."""
+def test_ue8m0_tables_give_the_reference_dequantisation_for_every_exponent():
+    """Every exponent torch reads as a power of two (1..254), random words: bitwise
+    ``QuantizedTensor.dequantize(bf16)`` (subnormal and overflowing products included)."""
     g = np.random.default_rng(0)
-    words = g.integers(0, 2**32, size=254 * 8, dtype=np.uint64).astype(np.uint32)
     e = np.repeat(np.arange(1, 255, dtype=np.uint32), 8)
-    vals = run_ptx(tlm.E2M1X8_PTX, [None, None, None, None, words])[:4]
-    s = (e << 7) | (e << 23)
-    scaled = [run_ptx(tlm.MUL_BF16X2_PTX, [None, v, s])[0] for v in vals]
-    regs = np.stack(scaled, axis=1).astype(np.uint32)
-    got = np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(-1, 8)
-    # the reference: one scale per 32 inputs; give each word (8 inputs) a group of its own
-    data = torch.from_numpy(np.repeat(words, 4).view(np.uint8).copy()).view(len(words), 16)
-    scale = torch.from_numpy(e.astype(np.uint8)).view(UE8M0_DTYPE).view(len(words), 1)
-    want = QuantizedTensor(data, scale, "fp4", (1, 32)).dequantize(torch.bfloat16)[:, :8]
-    want = (want.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF).reshape(-1, 8)
+    words = g.integers(0, 2**32, size=len(e), dtype=np.uint64).astype(np.uint32)
+    got = _decode(words, _tables(e2m1_ptx.TABLE_UE8M0_PTX, e))
+    want = _reference_bits(words, torch.from_numpy(e.astype(np.uint8)).view(UE8M0_DTYPE))
     assert (got == want).all(), f"{int((got != want).sum())} values differ"
+
+
+def test_fp32_tables_give_the_reference_dequantisation():
+    """Random, negative, subnormal-producing and huge fp32 scales: bitwise
+    ``QuantizedTensor.dequantize(bf16)`` (the fp32 product rounded once to bf16)."""
+    gen = torch.Generator().manual_seed(1)
+    special = torch.tensor(
+        [1.0, -1.0, 0.0, -0.0, 2.0**-20, 2.0**-126, 2.0**-140, 1e-45, 3.0e38, -1.7e38, -0.37, 1.0 / 3]
+    )
+    scales = torch.cat(
+        [special, torch.randn(500, generator=gen) * 0.05, torch.rand(500, generator=gen) * 1e-3]
+    )
+    scales = scales.repeat_interleave(4)
+    words = np.random.default_rng(2).integers(0, 2**32, size=len(scales), dtype=np.uint64).astype(np.uint32)
+    got = _decode(words, _tables(e2m1_ptx.TABLE_FP32_PTX, scales.view(torch.int32).numpy().view(np.uint32)))
+    want = _reference_bits(words, scales)
+    assert (got == want).all(), f"{int((got != want).sum())} values differ"
+
+
+def test_k_order_is_a_permutation_keeping_pairs_and_groups():
+    order = tlm.k_order()
+    assert sorted(order) == list(range(tlm.BLOCK_K))
+    assert all(tlm.k_position(n) == p for p, n in enumerate(order))
+    assert all(order[p + 1] == order[p] + 1 for p in range(0, tlm.BLOCK_K, 2))  # 4-byte runs
+    # thread c of a quad (positions 2c, 2c + 1 of every 8) holds exactly scale group c
+    assert all(order[p] // tlm.GROUP == (p % 8) // 2 for p in range(tlm.BLOCK_K))
+
+
+def test_decoded_registers_form_the_dequantised_a_fragment_in_k_order():
+    """The whole per-thread decoding of a 64 x 128 block (each thread: its two rows' 16 bytes
+    and scale, the emulated PTX, the register placement of :func:`a_register`) assembled by
+    the fragment layout TileLang gives wgmma's A operand, equals the reference weight with its
+    columns in :func:`k_order` -- for both scale kinds."""
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (tlm.ATOM, tlm.BLOCK_K // 2), generator=gen, dtype=torch.int32).to(
+        torch.uint8
+    )
+    for kind in tlm.SCALE_KINDS:
+        if kind == "ue8m0":
+            scale = torch.randint(100, 140, (tlm.ATOM, 4), generator=gen).to(torch.uint8).view(UE8M0_DTYPE)
+            bits = scale.view(torch.uint8).numpy().astype(np.uint32)
+            ptx = e2m1_ptx.TABLE_UE8M0_PTX
+        else:
+            scale = torch.randn(tlm.ATOM, 4, generator=gen) * 0.01
+            bits, ptx = scale.view(torch.int32).numpy().view(np.uint32), e2m1_ptx.TABLE_FP32_PTX
+        want = QuantizedTensor(data, scale, "fp4", (1, 32)).dequantize(torch.bfloat16)[:, tlm.k_order()]
+        regs = np.zeros((tlm.THREADS, 32), dtype=np.uint32)  # each thread's A fragment
+        words = data.numpy().view(np.uint32)  # [64, 16]: row, word
+        t, rh = np.meshgrid(np.arange(tlm.THREADS), np.arange(2), indexing="ij")  # one lane each
+        t, rh = t.reshape(-1), rh.reshape(-1)
+        row, c = 16 * (t // 32) + 8 * rh + (t % 32) // 4, t % 4
+        tables = _tables(ptx, bits[row, c])
+        for q in range(4):
+            pairs = run_ptx(tlm.E2M1X8_PTX, [None] * 4 + [words[row, 4 * c + q], *tables])[:4]
+            for i in range(4):
+                regs[t, tlm.a_register(q, i) + rh] = pairs[i]
+        halves = np.stack([regs & 0xFFFF, regs >> 16], axis=2).reshape(tlm.THREADS, 64)
+        got = np.array(
+            [[halves[tlm._a_thread(i, j), tlm._a_local(i, j)] for j in range(128)] for i in range(64)]
+        )
+        want_bits = want.contiguous().view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+        assert (got == want_bits).all(), f"{kind}: {int((got != want_bits).sum())} weights differ"
 
 
 def test_decode_source_embeds_the_emulated_ptx():
     src = tlm.decode_source()
-    for name in (tlm.DECODE_UE8M0, tlm.DECODE_FP32):
+    for name in (tlm.DECODE_UE8M0, tlm.DECODE_FP32, tlm.KEEP):
         assert f"void {name}(" in src
-    for line in tlm.E2M1X8_PTX.splitlines()[1:-1]:
-        assert line.strip().replace("$", "%") in src  # the very instructions tested above
-    assert "cvt.rn.bf16x2.f32" in src  # the fp32-scale path rounds the fp32 product once
+    for ptx in (tlm.E2M1X8_PTX, e2m1_ptx.TABLE_UE8M0_PTX, e2m1_ptx.TABLE_FP32_PTX):
+        for line in ptx.splitlines()[1:-1]:
+            assert line.strip().replace("$", "%") in src  # the very instructions tested above
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,18 +280,26 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("kind", ["gate_up", "down"])
 def test_every_configuration_lowers_for_sm90(kind):
+    """Every configuration precompile lists lowers to the warp-specialised register-A form: a
+    TMA producer, the decoding into the A fragment, ``wgmma`` with A in registers."""
     import tilelang
     import tvm
+    from deepinfer_cuda_sm100.tl.precompile import moe_configurations
     from tvm.target import Target
 
     target = Target({"kind": "cuda", "arch": "sm_90"})
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
-    for bm in (16, 32, 64):
-        for scale in tlm.SCALE_KINDS:
-            with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
-                src = tilelang.lower(build(4096, 2048, bm, scale), target=target).kernel_source
-            assert f"64, {bm}, 16" in src, "the transposed wgmma: 64 weight rows x BLOCK_M tokens"
-            assert "cp_async_gs<16>" in src and tlm.DECODE_UE8M0 in src
+    configs = [c for c in moe_configurations(4096, 2048) if c[0] == kind]
+    assert len(configs) == 6
+    for _, hidden, inter, bm, scale in configs:
+        with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
+            src = tilelang.lower(build(hidden, inter, bm, scale), target=target).kernel_source
+        assert f"64, {bm}, 16" in src, "the transposed wgmma: 64 weight rows x BLOCK_M tokens"
+        assert "wgmma_rs<" in src and "wgmma_ss<" not in src, "the weights reach wgmma in registers"
+        assert "tma_load(" in src and "mbarrier" in src, "a TMA producer feeds a shared ring"
+        fn = tlm.DECODE_UE8M0 if scale == "ue8m0" else tlm.DECODE_FP32
+        assert f"{fn}(" in src
+        assert src.count("__syncthreads()") == 1, "one block barrier (after the mbarriers' set-up)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``moe_experts`` on FP4 e2m1 experts in TileLang: the two GEMM launches of the Triton path
-(:mod:`deepinfer_cuda_sm100.kernels.moe`) as wgmma kernels on SM90, the other two reused.
+(:mod:`deepinfer_cuda_sm100.kernels.moe`) as register-A wgmma kernels on SM90, the other two
+reused.
 
 Contract: ``deepinfer_core.ops.moe.moe_experts``.  Four launches, as the Triton path:
 
@@ -15,48 +16,73 @@ Contract: ``deepinfer_core.ops.moe.moe_experts``.  Four launches, as the Triton 
 64: the kernels compute ``W @ X^T`` with the weights on wgmma's M side (64 output features per
 accumulator) and the tile's ``BLOCK_M`` tokens as its N (16, 32 or 64), so no MMA row is spent
 on padding.  A CTA takes :data:`ROWS` = 128 weight rows (gate: 64 intermediate features' gate
-rows and their 64 up rows; down: 128 model features) of one expert and one tile of tokens, one
-warpgroup (:data:`THREADS` = 128 threads), two fp32 accumulators ``[64, BLOCK_M]``.
+rows and their 64 up rows; down: 128 model features) of one expert and one tile of tokens, two
+fp32 accumulators ``[64, BLOCK_M]``.
 
-**The K loop** (:data:`BLOCK_K` = 128 inputs a step, :data:`STAGES` deep, ``cp.async``):
-each step copies the packed bytes ``[128, 64]`` (as two halves of 64 inputs, 32 bytes a row),
-their ue8m0 (or fp32) scales ``[128, 4]`` and the activation rows ``[BLOCK_M, 128]`` (gathered
-by token for gate / up, the sorted ``h`` rows for down) into shared memory; every thread then
-decodes one group of 32 inputs of each of four 64-row blocks (a 16-byte shared load, 4 x 8
-values by :data:`E2M1X8_PTX`, the scale applied, four 16-byte stores into the wgmma operand
-tile, 128-byte swizzled); then 4 wgmma GEMMs ``[64, 64] x [64, BLOCK_M]`` (two K halves times
-two accumulators) with fp32 accumulation.
+**Producer and consumer** (as :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`): TileLang's warp
+specialisation adds a producer warpgroup that fills a :data:`STAGES`-deep ring of shared
+buffers per K step of :data:`BLOCK_K` = 128 inputs: the packed bytes ``[128, 64]`` by TMA (two
+boxes for gate / up), their scales ``[128, 4]`` by 4-byte (ue8m0) or 16-byte (fp32)
+``cp.async``, the activations ``[BLOCK_M, 128]`` by TMA (down: the sorted ``h`` rows) or
+4-byte ``cp.async`` gathered by token (gate / up; a thread keeps one row, a warp reads 32
+contiguous bytes of each of four rows).  The consumer warpgroup decodes each 64-row block
+straight into wgmma's A fragment in registers and issues ``wgmma`` with A from registers and
+the activations from shared memory (block 0's GEMMs asynchronous while block 1 decodes): the
+weights cross shared memory once, as packed bytes; no decoded tile is stored.  Registers are
+left as the compiler allots them (no ``setmaxnreg``).  TileLang has no statement for a thread's
+own fragment registers; the kernels annotate the A fragments with the layout ``T.gemm`` wants
+for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_source`) the
+address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
+it fills by the register order of the layout (:func:`a_register`).
+
+**The K order.**  In the A fragment of ``m64nNk16`` the thread ``c`` of a quad holds, of each
+row, the k pairs ``2c, 2c + 1`` of every 8.  The kernels permute each step's 128 inputs
+(:func:`k_position`) so that those are inputs ``32c .. 32c + 31``: one scale group, 16
+contiguous packed bytes, one shared load per row.  Both operands share the order: the gate /
+up gather stores each 4-byte input pair at its position, the gate / up epilogue writes ``h``
+in the order the down kernel reads (``h`` is private to the op), and K being the contracted
+dimension the product is unchanged.
 
 **Dequantisation** (bitwise :meth:`QuantizedTensor.dequantize` ``(bf16)``, as the Triton
-path): :data:`E2M1X8_PTX` turns 4 packed bytes into their 8 exact bf16 values in input order
-(``prmt`` lookups: 15 integer instructions); a ue8m0 scale byte ``e`` is the bf16 ``e << 7``
-(``2**(e - 127)``, exact; bytes 0 and 255 give 0 and inf where torch reads 2**-127 and NaN, as
-the Triton path) and one ``mul.rn.bf16x2`` per two weights rounds the exact product once; an
-fp32 scale multiplies in fp32, rounded to bf16 (the reference's fp32 product).
+path): per row and scale group the consumer builds the lookup tables of the scaled magnitudes
+(:data:`~deepinfer_cuda_sm100.e2m1_ptx.TABLE_UE8M0_PTX`: the 8 e2m1 magnitudes times the ue8m0
+scale by ``mul.rn.bf16x2``, bytes 0 and 255 giving 0 and inf where torch reads 2**-127 and NaN,
+as the Triton path; :data:`~deepinfer_cuda_sm100.e2m1_ptx.TABLE_FP32_PTX`: their fp32 products
+with the fp32 scale, each rounded once to bf16, as the reference), then :data:`E2M1X8_PTX`
+looks up 8 weights a 32-bit word (``prmt``, 15 instructions, the sign applied per byte): each
+weight the rounded product of its exact value and its scale.  fp32 accumulation (wgmma).
 
 **Rounding points** as the Triton path: gate / up, ``silu(min(g, L))``, ``h`` and the down
 output each rounded to bf16; the routing weight rounded to bf16 before it scales (the default
 mode's rule; the batch-invariant mode keeps the Triton path, see below).
 
 **Batch invariance.**  With tokens on the N side a token's column of the product depends on
-its own activation row only, the K order (steps of 128, wgmma's k16 order) and the tile shape
-are fixed by the static configuration, so a token's result here does not depend on the other
-tokens as long as ``BLOCK_M`` stays the same.  The dispatcher
-(:mod:`deepinfer_cuda_sm100.moe_dispatch`) picks TileLang or Triton by the token count, and
-the two accumulate in different orders, so the batch-invariant mode runs Triton throughout.
+its own activation row only, the K order and the tile shape are fixed by the static
+configuration, so a token's result here does not depend on the other tokens as long as
+``BLOCK_M`` stays the same.  The dispatcher (:mod:`deepinfer_cuda_sm100.moe_dispatch`) picks
+TileLang or Triton by the token count, and the two accumulate in different orders, so the
+batch-invariant mode runs Triton throughout.
 
-**Cost** (offline lowering for sm_90 with TileLang 0.1.15, ``nvcc -arch=sm_90a``; gate / up,
-``BLOCK_M`` 16): 72 registers (80 with fp32 scales), no spills, ~70 KB of shared memory (3
-CTAs an SM).  A step of 16K weights per CTA moves ~740 shared-memory wavefronts: the decoded
-tiles' stores (256) and wgmma's reads of them (256), the packed bytes (64 in, 64 out), the
-activations (wgmma reads 64, copies 32), so shared memory bounds it near 20-22 weights per clock
-and SM, ~2.8 TB/s of FP4 weights on an H200 (1.98 GHz, 132 SMs) at full shared-memory
-throughput; the decoding itself issues ~2.9 instructions per weight (~1.6 warp instructions
-per clock and SM at 2.5 TB/s, of 4).  TileLang's pipeline puts a ``__syncthreads`` at each
-stage hand-over (~11 a step).  The way past the shared-memory bound is wgmma with the weights
-in registers (decoded straight into the A fragment, the activations' K order permuted to
-match), which TileLang's tile language does not express (a thread cannot address its own
-fragment registers).  Not yet measured on a GPU.
+**Cost (an offline estimate, not a measurement)**: lowered for sm_90 with TileLang 0.1.15, built
+with ``nvcc 13 -arch=sm_90a``; a K step of a CTA is 16,384 weights; gate / up, ``BLOCK_M`` 16,
+ue8m0 scales (fp32 in brackets); "before": the previous version, one warpgroup decoding into
+swizzled bf16 tiles in shared memory for shared-memory wgmma:
+
+| | register A (this) | before |
+| --- | --- | --- |
+| registers (no spills) | 106 (107): two CTAs an SM | 72 (80) |
+| SASS a thread a step | consumer 377 (415), no shared stores; producer 127 / 82 | 644 (895) |
+| warp instructions a step | ~1,880 (2,040); down ~1,770 (1,930) | 2,576 (3,580); down 2,556 (3,564) |
+| shared-memory bytes a weight | ~1.8 (packed bytes in and out once) | ~5.7 (decoded tiles stored, read) |
+| shared-memory wavefronts a step | ~340 (~48 weights a clock and SM) | ~740 (~22) |
+
+(``BLOCK_M`` 32: 124 registers, two CTAs an SM; 64: 155, one; shared memory 51 KB, ``BLOCK_M``
+64 with fp32 scales 106 KB.)  Shared memory stops being the bound; the integer pipe becomes it:
+the consumer issues 242 ALU-pipe instructions a thread a step (``prmt`` 177; the pipe takes 16
+lanes a clock per SMSP), ~29-34 weights a clock and SM with and without the producer's ALU
+work: **~3.8-4.4 TB/s of FP4 weights** on an H200 (132 SMs, 1.98 GHz) at full pipe throughput
+(~4.5 TB/s at full issue, 4 warp instructions a clock and SM), near HBM's ~4.3 TB/s copy rate;
+2.5 TB/s needs ~60-65 % of the pipe.
 
 Static configurations: ``(hidden, inter, BLOCK_M, scale kind)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
@@ -67,31 +93,67 @@ import functools
 
 import torch
 
-from deepinfer_cuda_sm100.e2m1_ptx import e2m1x8_bf16_ptx
+from deepinfer_cuda_sm100.e2m1_ptx import TABLE_FP32_PTX, TABLE_UE8M0_PTX, e2m1x8_bf16_ptx
 
 ROWS = 128
 """Weight rows per CTA (two wgmma M atoms of 64)."""
 ATOM = 64
 """Rows per accumulator (wgmma's M)."""
 BLOCK_K = 128
-"""Inputs per K step (two halves of :data:`HALF_K`, one 128-byte swizzle atom each in bf16)."""
-HALF_K = 64
+"""Inputs per K step: 64 packed bytes a row, four scale groups."""
 GROUP = 32
 """Inputs per scale (the FP4 expert format's group; the kernels take this group only)."""
 THREADS = 128
-"""One warpgroup."""
-STAGES = 3
-"""Pipeline depth of the copies."""
+"""Consumer threads (one warpgroup); TileLang adds a producer warpgroup."""
+STAGES = 4
+"""Depth of the shared-memory ring."""
 SCALE_KINDS = ("ue8m0", "fp32")
+TOKEN_SHIFT = 40
+"""A pair's token is ``(pair * ceil(2**40 / top_k)) >> 40``: exact for ``pair * top_k < 2**40``
+(pairs stay below ``65535 * 64`` tiles' rows)."""
 
-# 4 packed bytes ($4; byte b holds inputs 2b (low nibble) and 2b + 1) -> 8 exact bf16 values in
-# input order ($0 = inputs 0, 1; ... $3 = inputs 6, 7); how: :mod:`deepinfer_cuda_sm100.e2m1_ptx`.
-E2M1X8_PTX = e2m1x8_bf16_ptx(((0, "0x5140"), (0, "0x7362"), (1, "0x5140"), (1, "0x7362")))
-MUL_BF16X2_PTX = "mul.rn.bf16x2 $0, $1, $2;"
-"""Two bf16 products, each the exact product rounded once to nearest even (subnormals kept)."""
+# 4 packed bytes ($4; byte b holds inputs 2b (low nibble), 2b + 1) and a scale group's tables
+# ($5..$9) -> the 8 dequantised bf16 weights as pairs (inputs 0, 1 in $0; ... 6, 7 in $3).
+E2M1X8_PTX = e2m1x8_bf16_ptx(
+    ((0, "0x5140"), (0, "0x7362"), (1, "0x5140"), (1, "0x7362")), ("$5", "$6", "$7", "$8", "$9")
+)
 
-DECODE_UE8M0 = "deepinfer_e2m1x32_ue8m0"
-DECODE_FP32 = "deepinfer_e2m1x32_fp32"
+DECODE_UE8M0 = "deepinfer_e2m1_row_ue8m0"
+DECODE_FP32 = "deepinfer_e2m1_row_fp32"
+KEEP = "deepinfer_keep_stage"
+
+
+def k_position(n):
+    """Position in wgmma's K order of input ``n`` (0..127) of a K step: thread ``c`` of a quad
+    holds inputs ``32c .. 32c + 31`` of its rows (one scale group, 16 contiguous bytes), which
+    the A fragment of ``m64nNk16`` places at ``16 ki + 8 h + 2 c + (0, 1)``; works on ints and
+    TIR expressions alike."""
+    return 16 * ((n % 32) // 4) + 8 * ((n % 4) // 2) + 2 * (n // 32) + n % 2
+
+
+def k_order() -> list[int]:
+    """``k_order()[p]``: the input at position ``p`` of a K step (the inverse of :func:`k_position`)."""
+    out = [0] * BLOCK_K
+    for n in range(BLOCK_K):
+        out[k_position(n)] = n
+    return out
+
+
+def a_register(q: int, i: int) -> int:
+    """The 32-bit A-fragment register (plus the row half ``rh``) that takes output ``i`` (inputs
+    ``8 q + 2 i``, ``+ 1``) of word ``q`` of a thread's 16 bytes: input ``32 c + 4 ki + 2 h``
+    sits at ``k_position`` ``16 ki + 8 h + 2 c``, which the fragment holds in register
+    ``4 ki + 2 h + rh``."""
+    n = 8 * q + 2 * i
+    return 4 * (n // 4) + 2 * ((n % 4) // 2)
+
+
+def _a_thread(i, j):
+    return i // 16 * 32 + i % 8 * 4 + j % 8 // 2
+
+
+def _a_local(i, j):
+    return j // 8 * 4 + i % 16 // 8 * 2 + j % 2
 
 
 def _cuda_asm(ptx: str) -> str:
@@ -103,52 +165,52 @@ def _cuda_asm(ptx: str) -> str:
 
 
 def decode_source() -> str:
-    """The CUDA device functions the kernels call: 16 packed bytes (32 inputs of one scale
-    group) at ``packed`` -> 32 bf16 weights at ``out`` (both 16-byte aligned)."""
+    """The CUDA device functions the kernels call: one row's 16 packed bytes (a scale group)
+    and its scale -> its 32 dequantised weights, written into the A fragment registers they
+    occupy (``frag``: the thread's 32 bf16 pairs, ``rh``: the row's half of the 16-row slab)."""
+    # registers of word q: a_register(q, i) = 8 q + a_register(0, i)
+    stores = "\n".join(f"    r[8 * q + {a_register(0, i)} + rh] = v[{i}];" for i in range(4))
+    assert all(a_register(q, i) == 8 * q + a_register(0, i) for q in range(4) for i in range(4))
     return f"""
-#ifndef DEEPINFER_E2M1X32
-#define DEEPINFER_E2M1X32
-__device__ __forceinline__ void deepinfer_e2m1x8(unsigned w, unsigned* o) {{
+#ifndef DEEPINFER_E2M1_REGA
+#define DEEPINFER_E2M1_REGA
+__device__ __forceinline__ void deepinfer_e2m1x8_scaled(unsigned w, const unsigned* t, unsigned* o) {{
   asm(
-{_cuda_asm(E2M1X8_PTX)}    : "=r"(o[0]), "=r"(o[1]), "=r"(o[2]), "=r"(o[3]) : "r"(w));
+{_cuda_asm(E2M1X8_PTX)}    : "=r"(o[0]), "=r"(o[1]), "=r"(o[2]), "=r"(o[3])
+    : "r"(w), "r"(t[0]), "r"(t[1]), "r"(t[2]), "r"(t[3]), "r"(t[4]));
 }}
-__device__ __forceinline__ unsigned deepinfer_mul_bf16x2(unsigned a, unsigned b) {{
-  unsigned d;
-  asm({_cuda_asm(MUL_BF16X2_PTX).strip()} : "=r"(d) : "r"(a), "r"(b));
-  return d;
+__device__ __forceinline__ void deepinfer_e2m1_table_ue8m0(unsigned e, unsigned* t) {{
+  asm(
+{_cuda_asm(TABLE_UE8M0_PTX)}    : "=r"(t[0]), "=r"(t[1]), "=r"(t[2]), "=r"(t[3]), "=r"(t[4]) : "r"(e));
 }}
-__device__ __forceinline__ void {DECODE_UE8M0}(const void* packed, void* out, unsigned char e) {{
-  const uint4 p = *reinterpret_cast<const uint4*>(packed);
-  const unsigned s = ((unsigned)e << 7) | ((unsigned)e << 23);  // bf16x2 of 2**(e - 127)
-  const unsigned words[4] = {{p.x, p.y, p.z, p.w}};
-  uint4* o = reinterpret_cast<uint4*>(out);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {{
-    unsigned v[4];
-    deepinfer_e2m1x8(words[i], v);
-    o[i] = make_uint4(deepinfer_mul_bf16x2(v[0], s), deepinfer_mul_bf16x2(v[1], s),
-                      deepinfer_mul_bf16x2(v[2], s), deepinfer_mul_bf16x2(v[3], s));
-  }}
+__device__ __forceinline__ void deepinfer_e2m1_table_fp32(float s, unsigned* t) {{
+  asm(
+{_cuda_asm(TABLE_FP32_PTX)}    : "=r"(t[0]), "=r"(t[1]), "=r"(t[2]), "=r"(t[3]), "=r"(t[4])
+    : "r"(__float_as_uint(s)));
 }}
-__device__ __forceinline__ unsigned deepinfer_scale_pair(unsigned v, float s) {{
-  const float lo = __uint_as_float(v << 16) * s;
-  const float hi = __uint_as_float(v & 0xFFFF0000u) * s;
-  unsigned d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-  return d;
-}}
-__device__ __forceinline__ void {DECODE_FP32}(const void* packed, void* out, float s) {{
+__device__ __forceinline__ void deepinfer_e2m1_row(const void* packed, const unsigned* t, void* frag,
+                                                   int rh) {{
   const uint4 p = *reinterpret_cast<const uint4*>(packed);
   const unsigned words[4] = {{p.x, p.y, p.z, p.w}};
-  uint4* o = reinterpret_cast<uint4*>(out);
+  unsigned* r = reinterpret_cast<unsigned*>(frag);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {{
+  for (int q = 0; q < 4; ++q) {{
     unsigned v[4];
-    deepinfer_e2m1x8(words[i], v);
-    o[i] = make_uint4(deepinfer_scale_pair(v[0], s), deepinfer_scale_pair(v[1], s),
-                      deepinfer_scale_pair(v[2], s), deepinfer_scale_pair(v[3], s));
+    deepinfer_e2m1x8_scaled(words[q], t, v);
+{stores}
   }}
 }}
+__device__ __forceinline__ void {DECODE_UE8M0}(const void* packed, unsigned char e, void* frag, int rh) {{
+  unsigned t[5];
+  deepinfer_e2m1_table_ue8m0(e, t);
+  deepinfer_e2m1_row(packed, t, frag, rh);
+}}
+__device__ __forceinline__ void {DECODE_FP32}(const void* packed, float s, void* frag, int rh) {{
+  unsigned t[5];
+  deepinfer_e2m1_table_fp32(s, t);
+  deepinfer_e2m1_row(packed, t, frag, rh);
+}}
+__device__ __forceinline__ void {KEEP}(const void*) {{}}
 #endif
 """
 
@@ -157,90 +219,92 @@ def _scale_dtype(scale: str) -> str:
     return "uint8" if scale == "ue8m0" else "float32"
 
 
+def a_fragment_layout():
+    """The register layout of wgmma's A operand (``m64nNk16``, bf16, ``BLOCK_K`` wide), as
+    TileLang lays out a fragment A of ``T.gemm``: element ``(i, j)`` lives in thread
+    ``32 (i // 16) + 4 (i % 8) + (j % 8) // 2``, local bf16 ``4 (j // 8) + 2 ((i % 16) // 8) +
+    j % 2`` (so 32-bit register ``4 ki + 2 h + rh`` for ``j = 16 ki + 8 h + 2 c + (0, 1)``)."""
+    from tilelang.layout import Fragment
+
+    return Fragment((ATOM, BLOCK_K), forward_thread_fn=_a_thread, forward_index_fn=_a_local)
+
+
 def _macros(scale: str):
-    """The K step's pieces shared by both kernels: the weight copies, the decoding, the GEMMs."""
+    """The consumer's pieces shared by both kernels: decoding one 64-row block into its A
+    fragment, and the K step's GEMMs."""
     import tilelang.language as T
 
     fn = DECODE_UE8M0 if scale == "ue8m0" else DECODE_FP32
     src = decode_source()
 
     @T.macro
-    def copy_weights(w, s, e, row0, row1, k, wp, sc):
-        """Stage 0 (``cp.async``): the packed bytes of rows ``row0 + [0, 64)`` (block 0) and
-        ``row1 + [0, 64)`` (block 1), inputs ``k * 128 + [0, 128)``, into ``wp[half, row, byte]``
-        (``row`` = block * 64 + r), and their 4 scales a row into ``sc[row, group]``."""
-        for hf, r, c in T.Parallel(2, ROWS, HALF_K // 2):
-            src_row = T.if_then_else(r < ATOM, row0 + r, row1 + r - ATOM)
-            wp[hf, r, c] = w[e, src_row, k * (BLOCK_K // 2) + hf * (HALF_K // 2) + c]
-        for r, g in T.Parallel(ROWS, BLOCK_K // GROUP):
-            src_row = T.if_then_else(r < ATOM, row0 + r, row1 + r - ATOM)
-            sc[r, g] = s[e, src_row, k * (BLOCK_K // GROUP) + g]
-
-    @T.macro
-    def decode(wp, sc, wd, b, hf, packed, vals):
-        """Stage 1: every thread decodes one scale group (32 inputs) of block ``b`` and K half
-        ``hf`` into the bf16 operand tile ``wd`` (thread ``t``: row ``t // 2``, group ``t % 2``
-        of the half: a quarter warp covers 4 rows x 64 inputs, so both the 16-byte shared loads
-        and the 16-byte stores into the 128-byte swizzled tile are free of bank conflicts)."""
+    def decode(wp, sc, packed, frag, b):
+        """Block ``b``'s weights into ``frag``: the thread of lane ``l`` in warp ``v`` decodes
+        scale group ``l % 4`` of rows ``64 b + 16 v + l // 4`` and ``+ 8`` (one 16-byte shared
+        load each; a warp reads 512 contiguous bytes, free of bank conflicts)."""
         T.import_source(src)
         tx = T.get_thread_binding()
-        row = tx // 2
-        gh = tx % 2
-        for v in T.vectorized(16):
-            packed[v] = wp[hf, b * ATOM + row, gh * 16 + v]
-        T.call_extern(
-            "handle", fn, T.address_of(packed[0]), T.address_of(vals[0]), sc[b * ATOM + row, hf * 2 + gh]
-        )
-        for j in T.unroll(4):
-            for v in T.vectorized(8):
-                wd[row, gh * 32 + j * 8 + v] = vals[j * 8 + v]
+        for rh in T.unroll(2):
+            row = b * ATOM + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
+            for v in T.vectorized(16):
+                packed[v] = wp[row, (tx % 4) * 16 + v]
+            T.call_extern(
+                "handle", fn, T.address_of(packed[0]), sc[row, tx % 4], T.address_of(frag[0, 0]), rh
+            )
 
     @T.macro
-    def step_math(wp, sc, wd, xs, acc, packed, vals):
-        """Stage 1: block 0 decoded and its two GEMMs issued (asynchronous wgmma), block 1
-        decoded meanwhile, then its two GEMMs synchronously: their wait (all wgmma) comes before
-        the pipeline refills the activation stage the GEMMs read (TileLang schedules the refill
-        after the stage's last GEMM, not after an asynchronous GEMM's wait)."""
-        decode(wp, sc, wd[0][0], 0, 0, packed, vals)
-        decode(wp, sc, wd[0][1], 0, 1, packed, vals)
-        T.wgmma_gemm(wd[0][0], xs[0], acc[0], transpose_B=True)
-        T.wgmma_gemm(wd[0][1], xs[1], acc[0], transpose_B=True)
-        decode(wp, sc, wd[1][0], 1, 0, packed, vals)
-        decode(wp, sc, wd[1][1], 1, 1, packed, vals)
-        T.gemm(wd[1][0], xs[0], acc[1], transpose_B=True)
-        T.gemm(wd[1][1], xs[1], acc[1], transpose_B=True)
+    def step_math(wp, sc, xs, wr, acc, packed):
+        """Block 0 decoded and its GEMMs issued (asynchronous), block 1 decoded meanwhile, its
+        GEMMs then waited for with all others; the empty call that takes the weight stage's
+        address after them holds the stage's release (and with it the activations', which the
+        pipeline ties to it) until the GEMMs are done."""
+        decode(wp, sc, packed, wr[0], 0)
+        T.wgmma_gemm(wr[0], xs, acc[0], transpose_B=True)
+        decode(wp, sc, packed, wr[1], 1)
+        T.gemm(wr[1], xs, acc[1], transpose_B=True)
+        T.call_extern("handle", KEEP, T.address_of(wp[0, 0]))
 
-    return copy_weights, step_math
+    return step_math
 
 
 def _alloc_step(block_m: int, scale: str):
-    """Shared tiles of one K step (TileLang multi-buffers those the copies fill), the two
-    accumulators and the decoding's registers."""
+    """The stage buffers (TileLang multi-buffers them), the two A fragments and accumulators,
+    and the decoding's local bytes."""
     import tilelang.language as T
 
-    wp = T.alloc_shared((2, ROWS, HALF_K // 2), "uint8")
+    wp = T.alloc_shared((ROWS, BLOCK_K // 2), "uint8")
     sc = T.alloc_shared((ROWS, BLOCK_K // GROUP), _scale_dtype(scale))
-    wd = [[T.alloc_shared((ATOM, HALF_K), "bfloat16") for _ in range(2)] for _ in range(2)]
-    xs = [T.alloc_shared((block_m, HALF_K), "bfloat16") for _ in range(2)]
+    xs = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
+    wr = [T.alloc_fragment((ATOM, BLOCK_K), "bfloat16") for _ in range(2)]
     acc = [T.alloc_fragment((ATOM, block_m), "float32") for _ in range(2)]
     packed = T.alloc_local((16,), "uint8")
-    vals = T.alloc_local((GROUP,), "bfloat16")
-    return wp, sc, wd, xs, acc, packed, vals
+    layout = a_fragment_layout()
+    T.annotate_layout({wr[0]: layout, wr[1]: layout})
+    return wp, sc, xs, wr, acc, packed
+
+
+def _token(slot_pair, tile, block_m: int, r, tok_magic):
+    """The token of row ``r`` of ``tile`` (a padding row's ``-1`` reads token 0)."""
+    import tilelang.language as T
+
+    pair = T.Cast("int64", T.max(slot_pair[tile * block_m + r], 0))
+    return (pair * tok_magic) >> TOKEN_SHIFT
 
 
 def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int = STAGES):
     """The gate / up ``prim_func``: grid ``(inter / 64, tiles)``; CTA ``(nb, tile)`` writes
-    ``h[tile * BLOCK_M + j, nb * 64 + i]`` for the tile's real rows ``j``.
+    ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each 128) of
+    intermediate features ``nb * 64 + i`` for the tile's real rows ``j``.
 
     Args:
-        hidden: ``D`` (a multiple of :data:`BLOCK_K`); inter: ``I`` (a multiple of 64).
+        hidden: ``D`` (a multiple of :data:`BLOCK_K`); inter: ``I`` (a multiple of 128).
         block_m: ``BLOCK_M`` (16, 32 or 64); scale: ``"ue8m0"`` or ``"fp32"``.
     """
     import tilelang.language as T
 
     D, I, BM = hidden, inter, block_m
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
-    copy_weights, step_math = _macros(scale)
+    step_math = _macros(scale)
 
     @T.prim_func
     def moe_gate_up(
@@ -251,30 +315,41 @@ def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int
         s: T.Tensor((n_exp, 2 * I, D // GROUP), _scale_dtype(scale)),
         h: T.Tensor((n_slots, I), "bfloat16"),
         limit: T.float32,
-        top_k: T.int32,
+        tok_magic: T.int64,
     ):
         with T.Kernel(I // ATOM, n_tiles, threads=THREADS) as (nb, tile):
-            wp, sc, wd, xs, acc, packed, vals = _alloc_step(BM, scale)
-            tok = T.alloc_shared((BM,), "int32")
-            e = tile_expert[tile]
-            if e < n_exp:  # tiles past the used ones read nothing
-                for r in T.Parallel(BM):
-                    tok[r] = T.max(slot_pair[tile * BM + r], 0) // top_k
+            T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale)
+            if tile_expert[tile] < n_exp:  # tiles past the used ones read nothing
                 T.clear(acc[0])
                 T.clear(acc[1])
                 for k in T.Pipelined(D // BLOCK_K, num_stages=stages):
-                    copy_weights(w, s, e, nb * ATOM, I + nb * ATOM, k, wp, sc)
-                    for half in (0, 1):
-                        for r, c in T.Parallel(BM, HALF_K):
-                            xs[half][r, c] = x[tok[r], k * BLOCK_K + half * HALF_K + c]
-                    step_math(wp, sc, wd, xs, acc, packed, vals)
+                    T.copy(
+                        w[tile_expert[tile], nb * ATOM : nb * ATOM + ATOM, k * 64 : k * 64 + 64],
+                        wp[0:ATOM, :],
+                    )
+                    T.copy(
+                        w[tile_expert[tile], I + nb * ATOM : I + nb * ATOM + ATOM, k * 64 : k * 64 + 64],
+                        wp[ATOM:ROWS, :],
+                    )
+                    for r, g in T.Parallel(ROWS, BLOCK_K // GROUP):
+                        src_row = T.if_then_else(r < ATOM, nb * ATOM + r, I + nb * ATOM + r - ATOM)
+                        sc[r, g] = s[tile_expert[tile], src_row, k * (BLOCK_K // GROUP) + g]
+                    # a thread keeps its row across iterations; a warp reads 32 contiguous bytes
+                    # of each of 4 rows and stores them, 4 bytes apart, in K order
+                    for kq, r, m, j in T.Parallel(BLOCK_K // 16, BM, 8, 2):
+                        xs[r, k_position(16 * kq + 2 * m + j)] = x[
+                            _token(slot_pair, tile, BM, r, tok_magic), k * BLOCK_K + 16 * kq + 2 * m + j
+                        ]
+                    step_math(wp, sc, xs, wr, acc, packed)
                 for i, j in T.Parallel(ATOM, BM):
                     g = T.min(T.Cast("float32", T.Cast("bfloat16", acc[0][i, j])), limit)
                     u = T.Cast("float32", T.Cast("bfloat16", acc[1][i, j]))
                     u = T.min(T.max(u, -limit), limit)
                     act = T.Cast("float32", T.Cast("bfloat16", g / (1.0 + T.exp(-g))))
                     if slot_pair[tile * BM + j] >= 0:
-                        h[tile * BM + j, nb * ATOM + i] = T.Cast("bfloat16", act * u)
+                        col = (nb // 2) * BLOCK_K + k_position((nb % 2) * ATOM + i)
+                        h[tile * BM + j, col] = T.Cast("bfloat16", act * u)
 
     return moe_gate_up
 
@@ -282,7 +357,8 @@ def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int
 def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = STAGES):
     """The down ``prim_func``: grid ``(hidden / 128, tiles)``; CTA ``(nb, tile)`` writes
     ``y[pair, nb * 128 + i]`` for the pairs of the tile's real rows: the bf16 product rounded,
-    times the routing weight rounded to bf16, rounded.
+    times the routing weight rounded to bf16, rounded.  ``hs`` holds each 128 inputs in K order
+    (as :func:`build_gate_up` writes them).
 
     Args:
         hidden: ``D`` (a multiple of 128); inter: ``I`` (a multiple of :data:`BLOCK_K`);
@@ -293,7 +369,7 @@ def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = 
     D, I, BM = hidden, inter, block_m
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
     n_pairs, kk = T.dynamic("P"), T.dynamic("K")
-    copy_weights, step_math = _macros(scale)
+    step_math = _macros(scale)
 
     @T.prim_func
     def moe_down(
@@ -306,22 +382,17 @@ def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = 
         y: T.Tensor((n_pairs, D), "bfloat16"),
     ):
         with T.Kernel(D // ROWS, n_tiles, threads=THREADS) as (nb, tile):
-            wp, sc, wd, xs, acc, packed, vals = _alloc_step(BM, scale)
-            e = tile_expert[tile]
-            if e < n_exp:
+            T.disable_warp_group_reg_alloc()
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale)
+            if tile_expert[tile] < n_exp:
                 T.clear(acc[0])
                 T.clear(acc[1])
                 for k in T.Pipelined(I // BLOCK_K, num_stages=stages):
-                    copy_weights(w, s, e, nb * ROWS, nb * ROWS + ATOM, k, wp, sc)
-                    for half in (0, 1):
-                        T.copy(
-                            hs[
-                                tile * BM : tile * BM + BM,
-                                k * BLOCK_K + half * HALF_K : k * BLOCK_K + half * HALF_K + HALF_K,
-                            ],
-                            xs[half],
-                        )
-                    step_math(wp, sc, wd, xs, acc, packed, vals)
+                    T.copy(w[tile_expert[tile], nb * ROWS : nb * ROWS + ROWS, k * 64 : k * 64 + 64], wp)
+                    for r, g in T.Parallel(ROWS, BLOCK_K // GROUP):
+                        sc[r, g] = s[tile_expert[tile], nb * ROWS + r, k * (BLOCK_K // GROUP) + g]
+                    T.copy(hs[tile * BM : tile * BM + BM, k * BLOCK_K : k * BLOCK_K + BLOCK_K], xs)
+                    step_math(wp, sc, xs, wr, acc, packed)
                 for b in (0, 1):
                     for i, j in T.Parallel(ATOM, BM):
                         p = slot_pair[tile * BM + j]
@@ -333,8 +404,8 @@ def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = 
     return moe_down
 
 
-PASS_CONFIGS = {"tl.disable_tma_lower": True, "tl.disable_warp_specialized": True}
-"""``cp.async`` pipelines in one warpgroup (no TMA producer warpgroup)."""
+PASS_CONFIGS: dict = {}
+"""TileLang's defaults: TMA loads and a warp-specialised producer."""
 
 
 @functools.cache
@@ -393,8 +464,9 @@ def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Ten
     x = _aligned(x)
     h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
+    magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
     _kernel("gate_up", d, inter, bm, scale_kind(gate_up))(
-        x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), top_k
+        x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic
     )
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
