@@ -164,6 +164,23 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def speedups(rows: list[dict], column: str, name: str) -> dict[str, float | None]:
+    """Geometric mean of cuBLAS FP8 time / ``column``'s time over all rows, M <= 64 and M > 64
+    (``None`` where no row has both); printed as one line."""
+    groups = (("all", lambda m: True), ("M<=64", lambda m: m <= 64), ("M>64", lambda m: m > 64))
+    out = {
+        label: geomean(
+            [r["scaled_mm_us"] / r[column] for r in rows if keep(r["M"]) and r["scaled_mm_us"] and r[column]]
+        )
+        for label, keep in groups
+    }
+    print(
+        f"geomean scaled_mm time / {name} time: "
+        + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in out.items())
+    )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default=TOKENS, help=f"token counts M (default {TOKENS})")
@@ -298,34 +315,8 @@ def main() -> None:
                             f"    sweep {variant}: fastest {b['block_m']}x{b['block_n']} w{b['warps']}"
                             f" s{b['stages']} {b['us']:.1f} us ({tf:.0f} TFLOP/s)"
                         )
-    ratios = {
-        label: geomean(
-            [
-                r["scaled_mm_us"] / r["triton_w8a16_us"]
-                for r in rows
-                if keep(r["M"]) and r["scaled_mm_us"] and r["triton_w8a16_us"]
-            ]
-        )
-        for label, keep in (("all", lambda m: True), ("M<=64", lambda m: m <= 64), ("M>64", lambda m: m > 64))
-    }
-    print(
-        "geomean scaled_mm time / triton w8a16 time: "
-        + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in ratios.items())
-    )
-    tl_ratio = {
-        label: geomean(
-            [
-                r["scaled_mm_us"] / r["tilelang_us"]
-                for r in rows
-                if keep(r["M"]) and r["scaled_mm_us"] and r["tilelang_us"]
-            ]
-        )
-        for label, keep in (("all", lambda m: True), ("M<=64", lambda m: m <= 64), ("M>64", lambda m: m > 64))
-    }
-    print(
-        "geomean scaled_mm time / tilelang time (where it ran): "
-        + ", ".join(f"{label} {'-' if v is None else f'{v:.2f}'}" for label, v in tl_ratio.items())
-    )
+    ratios = speedups(rows, "triton_w8a16_us", "triton w8a16")
+    tl_ratio = speedups(rows, "tilelang_us", "tilelang")
     import triton
 
     result = {
