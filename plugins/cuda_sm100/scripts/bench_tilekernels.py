@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100"), str(Path(__file__).resolve().parent)]
 
 from bench_attention import Timer  # noqa: E402
+from choice_writers import GRAPH_FLUSHED, merge  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
 
@@ -170,12 +171,6 @@ def print_row(r: dict) -> None:
 
 def write_choices(rows: list[dict]) -> Path:
     """The measured points (:mod:`deepinfer_cuda_sm100.kernel_choice`) written into this GPU's table."""
-    import tile_kernels
-    import tilelang
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
-
-    major, minor = torch.cuda.get_device_capability()
     points = []
     for r in rows:
         if "key" not in r or "ms" not in r:
@@ -184,16 +179,8 @@ def write_choices(rows: list[dict]) -> Path:
         if r.get("passed") and "tilekernels_ms" in r:
             ms["tilekernels"] = round(r["tilekernels_ms"], 5)
         points.append({"op": r["op"], **r["key"], "ms": ms})
-    source = {
-        "device": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
-        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"tilelang {tilelang.__version__}, tile-kernels {tile_kernels.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_tilekernels.py --write-choices",
-        "measured": time.strftime("%Y-%m-%d"),
-        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
-        "(the flush's time subtracted), after warm-ups",
-    }
-    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+    command = "python plugins/cuda_sm100/scripts/bench_tilekernels.py --write-choices"
+    return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang", "tile_kernels"))
 
 
 def main(argv: list[str] | None = None) -> int:

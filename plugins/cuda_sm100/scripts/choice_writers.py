@@ -5,7 +5,7 @@ its own op's points (``--write-choices`` of ``bench_attention.py``, ``bench_fp8_
 
 from __future__ import annotations
 
-import datetime
+import importlib
 import time
 from pathlib import Path
 
@@ -13,16 +13,35 @@ import torch
 
 HEADS, HEAD_DIM = 64, 512
 """The attention benchmark's shape (DeepSeek-V4-Flash)."""
+GRAPH_FLUSHED = (
+    "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
+    "(the flush's time subtracted), after warm-ups"
+)
+"""How ``bench_attention.py`` and ``bench_tilekernels.py`` time a call."""
+
+
+def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ...] = ("triton",)) -> Path:
+    """Merge ``points`` into this GPU's table (:func:`~deepinfer_cuda_sm100.kernel_choice.
+    merge_points`) with their source: the device, torch's and ``packages``' versions, the
+    ``command`` that measured them, today's date and how they were ``timing``-ed."""
+    from deepinfer_cuda_sm100 import kernel_choice
+
+    major, minor = torch.cuda.get_device_capability()
+    versions = [f"torch {torch.__version__}"]
+    versions += [f"{name.replace('_', '-')} {importlib.import_module(name).__version__}" for name in packages]
+    source = {
+        "device": f"{torch.cuda.get_device_name()} (sm_{major}{minor})",
+        "software": ", ".join(versions),
+        "command": command,
+        "measured": time.strftime("%Y-%m-%d"),
+        "timing": timing,
+    }
+    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
 
 
 def write_attention_choices(results: dict) -> Path:
     """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
     rows that timed both languages, written where the package reads it."""
-    import tilelang
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
-
-    major, minor = torch.cuda.get_device_capability()
     points = [
         {
             "op": "sparse_attention",
@@ -37,16 +56,8 @@ def write_attention_choices(results: dict) -> Path:
         for r in results["attention"]
         if "tilelang_ms" in r
     ]
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"tilelang {tilelang.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices",
-        "measured": time.strftime("%Y-%m-%d"),
-        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call "
-        "(the flush's time subtracted), after warm-ups",
-    }
-    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+    command = "python plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices"
+    return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang"))
 
 
 def select_times(row: dict) -> dict[str, float]:
@@ -62,10 +73,8 @@ def select_times(row: dict) -> dict[str, float]:
 
 
 def write_select_choices(rows: list[dict]) -> Path:
-    """The indexer selection's two paths (radix select, exact ``torch.topk``) per ``T x C`` as
-    ``indexer_select`` points of the measured table (paged candidates, as measured)."""
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
+    """The indexer selection's paths (:func:`select_times`) per ``T x C`` as ``indexer_select``
+    points of the measured table (paged candidates, as measured)."""
     from deepinfer_cuda_sm100.indexer_select import OP
 
     points = [
@@ -81,22 +90,13 @@ def write_select_choices(rows: list[dict]) -> Path:
         }
         for r in rows
     ]
-    major, minor = torch.cuda.get_device_capability()
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices",
-        "measured": time.strftime("%Y-%m-%d"),
-        "timing": "mean of the calls replayed in one CUDA graph, L2 flushed before each call",
-    }
-    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+    command = "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices"
+    return merge(points, command, "mean of the calls replayed in one CUDA graph, L2 flushed before each call")
 
 
 def write_gemm_choices(rows: list[dict]) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
     TileLang GEMM's where it ran), and the W8A8 prefill paths'."""
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
     from deepinfer_cuda_sm100.gemm_dispatch import OP
 
     def point(r: dict, math: str, ms: dict) -> dict:
@@ -119,15 +119,8 @@ def write_gemm_choices(rows: list[dict]) -> Path:
         for r in rows
         if r.get("triton_w8a8_prefill_us") and r.get("backend_scaled_mm_us")
     ]
-    major, minor = torch.cuda.get_device_capability()
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices",
-        "measured": datetime.date.today().isoformat(),
-        "timing": "mean of the calls replayed in CUDA graphs (bf16 activations)",
-    }
-    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+    command = "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices"
+    return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)")
 
 
 def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> Path:
@@ -135,9 +128,6 @@ def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, t
     activations) per token count as ``moe_experts`` points of the measured table: ``tokens`` =
     (token, slot) pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate
     widths (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows without a TileLang time are left out."""
-    import tilelang
-    import triton
-    from deepinfer_cuda_sm100 import kernel_choice
     from deepinfer_cuda_sm100.moe_dispatch import OP
 
     def ms(r: dict) -> dict:
@@ -152,13 +142,10 @@ def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, t
         for r in rows
         if r.get("triton_fp4_us") and r.get("tilelang_fp4_us")
     ]  # fmt: skip
-    major, minor = torch.cuda.get_device_capability()
-    source = {
-        "software": f"torch {torch.__version__}, triton {triton.__version__}, "
-        f"tilelang {tilelang.__version__}",
-        "command": "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices",
-        "measured": datetime.date.today().isoformat(),
-        "timing": "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups",
-    }
-    source["device"] = f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return kernel_choice.merge_points(f"sm{major}{minor}", points, source)
+    timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
+    return merge(
+        points,
+        "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices",
+        timing,
+        ("triton", "tilelang"),
+    )
