@@ -107,13 +107,14 @@ def _nearest(points, op, kind, dtype, heads, head_dim, tokens, keys, available, 
         for p in points
         if (p.op, p.kind, p.dtype, p.heads, p.head_dim) == (op, kind, dtype, heads, head_dim)
     ]
-    if not points or not min(p.tokens for p in points) <= tokens <= max(p.tokens for p in points):
+    if not points:
         return default
 
     def distance(p: Point) -> float:
         return math.hypot(math.log2(p.tokens / tokens), math.log2(max(p.keys, 1) / max(keys, 1)))
 
     nearest = min(points, key=distance)
+    # past every point's token count no language is measured around the call: the default
     timed = {
         lang: ms
         for lang, ms in nearest.ms.items()
