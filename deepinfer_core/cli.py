@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from deepinfer_core.benchmarking.scripts import SCRIPTS, names_help, run_script
-from deepinfer_core.errors import ConfigError, DeepInferError
+from deepinfer_core.errors import ConfigError, DeepInferError, user_error_line
 
 EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt / request failed (one error line says so)
 EXIT_USAGE = 2  # bad flag, option, path, config file or environment variable
@@ -594,12 +594,8 @@ def _guarded(command: Callable[[], int]) -> int:
     """``command()``'s exit status; a failure as one ``error:`` line (see the module docstring)."""
     try:
         return int(command())
-    except DeepInferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as e:  # a path the user named: unreadable, unwritable, missing
-        where = f" {e.filename}" if e.filename else ""
-        print(f"error: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+    except (DeepInferError, OSError) as e:
+        print(user_error_line(e), file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -43,3 +43,14 @@ class RequestError(DeepInferError):
 class DistributedError(DeepInferError):
     """A distributed run failed: a rank died, a collective failed or timed out, or a worker's
     engine could not start.  The message names the rank and where its log is."""
+
+
+def user_error_line(exc: BaseException) -> str | None:
+    """The one ``error:`` line a command prints for a failure the user caused (a
+    :class:`DeepInferError`, or an ``OSError`` on a path they named), ``None`` for any other."""
+    if isinstance(exc, DeepInferError):
+        return f"error: {exc}"
+    if isinstance(exc, OSError):  # a path the user named: unreadable, unwritable, missing
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"error: cannot access{where}: {exc.strerror or exc}"
+    return None

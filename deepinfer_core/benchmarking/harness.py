@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer_core.errors import DeepInferError
+from deepinfer_core.errors import DeepInferError, user_error_line
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """Where the benchmarks write their JSON by default."""
@@ -35,12 +35,8 @@ def run_main(main: Callable[[], Any]) -> None:
     ends it with one ``error:`` line and status 2, as the ``deepinfer`` command does."""
     try:
         result = main()
-    except DeepInferError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except OSError as e:
-        where = f" {e.filename}" if e.filename else ""
-        print(f"error: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+    except (DeepInferError, OSError) as e:
+        print(user_error_line(e), file=sys.stderr)
         sys.exit(2)
     sys.exit(result if isinstance(result, int) else 0)
 
