@@ -110,17 +110,22 @@ def profile_steps(llm: LLM, steps: int) -> tuple[float, profile]:
     return wall, prof
 
 
-def breakdown(prof: profile, steps: int, device: bool) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """Microseconds per step by kind and by name: kernels' device time, or operators' own CPU time."""
+def breakdown(
+    prof: profile, steps: int, device: bool
+) -> tuple[dict[str, float], list[tuple[str, float]], dict[str, float]]:
+    """Microseconds per step by kind and by name (kernels' device time, or operators' own CPU
+    time), and launches (or operator calls) per step by name."""
     by_name: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
         us = ev.self_device_time_total if device else ev.self_cpu_time_total
         if us > 0 and (not device or ev.device_type == torch.autograd.DeviceType.CUDA):
             by_name[ev.key] += us / steps
+            calls[ev.key] += ev.count / steps
     by_kind: dict[str, float] = defaultdict(float)
     for name, us in by_name.items():
         by_kind[kind_of(name)] += us
-    return dict(by_kind), sorted(by_name.items(), key=lambda kv: -kv[1])
+    return dict(by_kind), sorted(by_name.items(), key=lambda kv: -kv[1]), dict(calls)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -129,19 +134,21 @@ def main(argv: list[str] | None = None) -> dict:
     steps = min(a.steps, left)
     wall, prof = profile_steps(llm, steps)
     device = llm.config.device.startswith("cuda") and torch.cuda.is_available()
-    by_kind, by_name = breakdown(prof, steps, device)
+    by_kind, by_name, calls = breakdown(prof, steps, device)
     busy = sum(by_kind.values())
     what = "device kernels" if device else "CPU operators (self time)"
+    launches = sum(calls.values())
     print(f"{llm.engine.backend.name} on {llm.config.device}, batch {a.batch}: {wall * 1e3:.3f} ms per step")
     print(
         f"{what}: {busy / 1e3:.3f} ms per step"
         + (f", device idle {wall * 1e3 - busy / 1e3:.3f} ms" if device else "")
+        + f"; {launches:.0f} {'launches' if device else 'operator calls'} per step"
     )
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<24} {us / 1e3:8.3f} ms  {100 * us / busy:5.1f} %")
-    print(f"top {a.top} by name:")
+    print(f"top {a.top} by name (time, calls per step):")
     for name, us in by_name[: a.top]:
-        print(f"  {us / 1e3:8.3f} ms  {name[:100]}")
+        print(f"  {us / 1e3:8.3f} ms  {calls[name]:6.1f}  {name[:90]}")
     report = {
         "backend": llm.engine.backend.name,
         "device": llm.config.device,
@@ -152,7 +159,9 @@ def main(argv: list[str] | None = None) -> dict:
         "busy_ms_per_step": busy / 1e3,
         "idle_ms_per_step": (wall * 1e3 - busy / 1e3) if device else None,
         "ms_by_kind": {k: v / 1e3 for k, v in by_kind.items()},
+        "calls_per_step": launches,
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
+        "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
