@@ -2,10 +2,11 @@
 
 The kernels whose speed targets docs/benchmarks.md measures: the FP8 block GEMM at M = 1 on
 DeepSeek-V4-Flash's widest projection (8192 -> 4096) and on a narrow one (4096 -> 1024), and
-the FP4 MoE kernels at 64 tokens (256 experts 4096 x 2048, top-6).  Profile with e.g.::
+the FP4 MoE kernels at 64 tokens (256 experts 4096 x 2048, top-6), Triton's and, when TileLang
+can compile here, TileLang's (kernels ``moe_gate_up`` / ``moe_down``).  Profile with e.g.::
 
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
-        --section Occupancy --section LaunchStats -k regex:"fp8_gemm|gate_up|down_kernel" \\
+        --section Occupancy --section LaunchStats -k regex:"fp8_gemm|gate_up|down" \\
         --launch-skip 3 --launch-count 6 python plugins/cuda_sm100/scripts/ncu_targets.py
 
 (``--launch-skip`` passes the warm-up launches that compile the kernels).
@@ -38,6 +39,13 @@ def main() -> None:
     x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
     for ids, weights in routings(t, e, k_top, 3, 0):
         moe_experts(x, ids, weights, gate_up, down, 10.0)
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    if tilelang_problem() is None:
+        from deepinfer_cuda_sm100.tl.moe import moe_experts as tilelang_moe
+
+        for ids, weights in routings(t, e, k_top, 3, 0):
+            tilelang_moe(x, ids, weights, gate_up, down, 10.0)
     torch.cuda.synchronize()
 
 
