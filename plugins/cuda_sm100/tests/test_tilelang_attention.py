@@ -76,6 +76,14 @@ def test_choice_is_the_fastest_language_at_the_nearest_point():
     assert _choose(64, 768, points, available=frozenset({"triton"})) == "triton"
 
 
+def test_a_near_tie_keeps_the_default_language():
+    margin = kernel_choice.MARGIN
+    tie = [_point(32, 768, tl=1.0, tr=1.0 + margin / 2)]
+    assert _choose(32, 768, tie) == kernel_choice.DEFAULT_LANGUAGE
+    clear = [_point(32, 768, tl=1.0, tr=1.0 + 2 * margin)]
+    assert _choose(32, 768, clear) == "tilelang"
+
+
 def test_choice_defaults_outside_the_measured_range_and_without_a_table():
     points = [_point(32, 768, tl=1.0, tr=2.0), _point(256, 768, tl=1.0, tr=2.0)]
     assert _choose(1, 768, points) == kernel_choice.DEFAULT_LANGUAGE  # fewer tokens than measured
