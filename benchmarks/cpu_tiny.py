@@ -12,15 +12,6 @@ from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 from deepinfer_core.tokenizer import load_tokenizer
 
 
-def run_hf(model: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], float]:
-    """HF ``generate``: exactly ``max_tokens`` greedy tokens (no EOS at all, like ignore_eos)."""
-    ids = torch.tensor(prompts)
-    with torch.inference_mode():
-        kw = {"attention_mask": torch.ones_like(ids), "do_sample": False, "pad_token_id": 0}
-        out, s = h.timed(lambda: model.generate(ids, max_new_tokens=max_tokens, **kw))
-    return out[:, ids.shape[1] :].tolist(), s
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; return (and write) the JSON report."""
     ap = h.parser(__doc__, "cpu_tiny", threads=0, num_prompts=64, max_tokens=64, prompt_len=32)
@@ -42,12 +33,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         hf = DeepseekV4ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None  # not min_new_tokens: that masks EOS, changing argmax
-        run_hf(hf, workloads["equal"][:2], 2)  # warm-up
+        h.hf_generate(hf, workloads["equal"][:2], 2)  # warm-up
     runs: dict[str, list[float]] = {"hf": [], "equal": [], "mixed": []}
     tokens: dict[str, list[list[int]]] = {}
     for _ in range(args.repeat):  # the engines in turn, each one's fastest kept: the VM is noisy
         if hf is not None:
-            tokens["hf"], s = run_hf(hf, workloads["equal"], args.max_tokens)
+            tokens["hf"], s, _ = h.hf_generate(hf, workloads["equal"], args.max_tokens)
             runs["hf"].append(s)
         for w, prompts in workloads.items():  # a fresh engine each run: no prefix hits across runs
             llm = LLM(model=str(model_dir), backend=args.backend, dtype="float32", max_num_seqs=len(prompts))

@@ -48,11 +48,10 @@ def prefix(model_dir: Path, a) -> dict:
     for name, caching in (("cold", False), ("hot", True)):
         llm = engine(model_dir, enable_prefix_caching=caching, max_num_seqs=1)
         h.generate(llm, prompts[:1], h.greedy(1))
-        before = llm.get_metrics()
+        llm.reset_metrics()
         ttft = [h.generate(llm, [p], h.greedy(1))[1] for p in prompts[1:]]
-        after = llm.get_metrics()
-        hit, replayed = (after[k] - before[k] for k in ("num_prefix_hit_tokens", "num_replayed_tokens"))
-        total = sum(map(len, prompts[1:]))
+        m, total = llm.get_metrics(), sum(map(len, prompts[1:]))
+        hit, replayed = m["num_prefix_hit_tokens"], m["num_replayed_tokens"]
         out[name] = {"ttft_ms": 1e3 * statistics.median(ttft), "hit_rate": hit / total,
                      "computed_prompt_tokens": total - hit + replayed}  # fmt: skip
     out["ttft_speedup"] = out["cold"]["ttft_ms"] / out["hot"]["ttft_ms"]
@@ -93,7 +92,7 @@ def tail(model_dir: Path, a) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     ints = {"num_prompts": 8, "prompt_len": 64, "max_tokens": 32, "prefix_len": 448, "suffix_len": 16}
     ap = h.parser(__doc__, "cpu_v41", threads=0, **ints, tail_len=512, tail_prompts=4, repeats=3)
     ap.add_argument("--model-dir", type=Path, default=None, help="a tiny V4.1 (default: made in a temp dir)")
@@ -111,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prefill s full / tail: {d['full']['prefill_s']:.3f} / {d['tail']['prefill_s']:.3f}")
     print(f"tail speedup: {d['speedup']:.2f}; tail max |logit error|: {d['max_abs_logit_error']:.3f}")
     h.write_json(args.output, report)
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ os.environ.update(NCCL_SAFE_ENV)
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import gpu_e2e as e2e
 from deepinfer_core import LLM
 from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints, print_table, run_main
 from deepinfer_core.distributed.processes import LOG_DIR_ENV
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.context_parallel import CP_MIN_TOKENS_ENV, cp_min_tokens
 from deepinfer_core.testing.observe import counting_context_parallel_forwards
 
@@ -61,12 +61,6 @@ DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, wi
 COLUMNS = "name value:.1f unit per_gpu_vs_1gpu:.2f decode_step_ms_full_batch:.2f ttft_ms:.1f"
 COLUMNS += " speedup_vs_1gpu:.2f greedy_tokens_equal_to_1gpu max_over_mean_load:.3f placement"
 COLUMNS += " per_gpu_vs_before:.2f why"
-
-
-def die(msg: str) -> SystemExit:
-    """A one-line fatal error (raise the result)."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    return SystemExit(2)
 
 
 class Bench(e2e.Runner):
@@ -309,30 +303,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What the run needs, checked before anything is built; a one-line :class:`SystemExit` otherwise."""
+    """What the run needs, checked before anything is built; a one-line :class:`ConfigError` otherwise."""
     from deepinfer_core.backends.resolve import resolve_backend
 
     n, device = args.world, torch.device(args.device)
     if args.experts % n:
-        raise die(
+        raise ConfigError(
             f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism): "
             f"give --experts a multiple of {n}"
         )
     if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise die(f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)")
+        raise ConfigError(
+            f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)"
+        )
     if device.type == "cuda" and not torch.distributed.is_nccl_available():
-        raise die("NCCL is not available in this torch build")
+        raise ConfigError("NCCL is not available in this torch build")
     try:
         spec, _ = resolve_backend(args.backend)
     except Exception as e:
-        raise die(str(e)) from None
+        raise ConfigError(str(e)) from None
     if spec.device_type != device.type and args.backend != "reference":
-        raise die(f"backend {args.backend!r} runs on {spec.device_type}, not on --device {args.device}")
+        raise ConfigError(
+            f"backend {args.backend!r} runs on {spec.device_type}, not on --device {args.device}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    temp_dir = None
+    model_dir = args.model_dir
     if args.smoke:  # the tiny model: one thread avoids OpenMP stalls on a small, shared CPU
         from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
@@ -342,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]
     else:
         cfg = gm.flash_config(args.layers, args.experts)
-        model_dir = args.model_dir or (temp_dir := Path(tempfile.mkdtemp(prefix="gpu_distributed_model_")))
     preflight(args)
     if args.cp_min_tokens is not None:  # read when a model is built; the workers inherit it
         os.environ[CP_MIN_TOKENS_ENV] = str(args.cp_min_tokens)
@@ -350,18 +347,19 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: --cp-chunk {args.cp_chunk} < cp_min_tokens {cp_min_tokens()}: CP will not split")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    model, nccl_env = {"config": cfg, "dir": str(model_dir)}, {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
-    bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
-    data = bench.data
-    data.pop("pareto", None)
-    try:
-        if not args.smoke:
-            data["checkpoint"] = gm.write_checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
-        bench.run()
-    finally:
-        bench.free()
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    nccl_env = {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
+    with tempfile.TemporaryDirectory(prefix="gpu_distributed_model_", ignore_cleanup_errors=True) as tmp:
+        model_dir = model_dir or Path(tmp)  # a temporary checkpoint is removed at the end
+        model = {"config": cfg, "dir": str(model_dir)}
+        bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
+        data = bench.data
+        data.pop("pareto", None)
+        try:
+            if not args.smoke:
+                bench.checkpoint(cfg)
+            bench.run()
+        finally:
+            bench.free()
     data["total_s"] = time.perf_counter() - e2e.T_START
     bench.save()
     results = data["results"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E4
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
 BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
+HBM_BW, BF16_FLOPS = 4.24e12, 989e12  # an H200's HBM bytes/s and dense bf16 FLOP/s: the rooflines'
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
 HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
@@ -114,8 +114,7 @@ class Runner:
         self.data: dict[str, Any] = {"runs": [], "results": [], "pareto": {}, "engines": []}
         if args.append and args.out.is_file():
             self.data.update(json.loads(args.out.read_text()))
-        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        header = {"params": params, "machine": h.machine_info(args.device), **header}
+        header = {"params": dict(vars(args)), "machine": h.machine_info(args.device), **header}
         self.data["runs"].append(header)
         self.data.update({k: v for k, v in header.items() if k in ("machine", "model")})
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -127,6 +126,10 @@ class Runner:
     def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
         """``count`` random prompts of ``length`` ids in ``[4, vocab)``, the same for the same ``tag``."""
         return h.random_prompts(count, length, SEED * 1_000_003 + zlib.crc32(tag.encode()), self.vocab)
+
+    def checkpoint(self, cfg: dict[str, Any]) -> None:
+        """The random checkpoint of ``cfg`` written to ``model_dir`` (or reused), its figures reported."""
+        self.data["checkpoint"] = gm.write_checkpoint(self.model_dir, cfg, SEED, self.device, self.dtype, log)
 
     def sync(self) -> None:
         if self.cuda:
@@ -229,7 +232,7 @@ class Bench(Runner):
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
         self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
         steps = {str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in BATCHES}
-        roofline = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
+        roofline = {"hbm_bytes_per_s": HBM_BW, "peak_flops": BF16_FLOPS}
         self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
     def row(self, name: str, tok_s: float, tokens: int = 0, steps: list | None = None, kv: float = 0, **kw):
@@ -239,10 +242,10 @@ class Bench(Runner):
         row = {"name": name, "value": tok_s, "unit": "tok/s"}
         for f in FMTS:
             step_bytes = sum(gm.weight_bytes_per_step(self.cfg, t, f) + kv for t in steps or [tokens])
-            bound = sum(steps or [tokens]) * h.H200_HBM_BW / step_bytes
+            bound = sum(steps or [tokens]) * HBM_BW / step_bytes
             row |= {f"roofline_tok_s_{f}": bound, f"roofline_frac_{f}": tok_s / bound}
         if steps:
-            bound = h.H200_BF16_FLOPS / (2 * self.counts["active_per_token"])
+            bound = BF16_FLOPS / (2 * self.counts["active_per_token"])
             row |= {"roofline_tok_s_compute": bound, "roofline_frac_compute": tok_s / bound}
         return row | kw
 
@@ -355,7 +358,7 @@ class Bench(Runner):
         if not model:
             return
         warm = self.prompts("warmup-hf", 1, min(a.prompt_len, 128))
-        self.job("hf.warmup", self.hf_generate, model[0], warm, 4)
+        self.job("hf.warmup", h.hf_generate, model[0], warm, 4, self.sync)
         for b in [] if a.skip_decode else a.hf_batch_sizes:
             self.job(f"hf.decode.B{b}", self.hf_decode, model[0], b)
         for count, length in [] if a.skip_prefill else a.prefill:
@@ -390,41 +393,22 @@ class Bench(Runner):
         self.data["engines"].append(info | {k: getattr(model.config, f"_{k}", None) for k in HF_IMPL})
         return model.eval()
 
-    def hf_generate(self, model: Any, prompts: list[list[int]], new_tokens: int) -> tuple:
-        """HF greedy generate; returns (new token ids, start time, per-token logits times, end)."""
-        from transformers import LogitsProcessorList
-
-        times: list[float] = []  # a logits processor stamps each new token, after its forward
-        clock = lambda ids, scores: (self.sync(), times.append(time.perf_counter()), scores)[-1]  # noqa: E731
-        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-        kw = {"attention_mask": torch.ones_like(ids), "logits_processor": LogitsProcessorList([clock])}
-        self.sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
-        self.sync()
-        new = out[:, ids.shape[1] :].tolist()
-        if any(len(t) != new_tokens for t in new):
-            raise RuntimeError(f"HF generated {[len(t) for t in new]} tokens, expected {new_tokens}")
-        return new, t0, times, time.perf_counter()
-
     def hf_decode(self, model: Any, batch: int) -> None:
         n, prompts = self.args.new_tokens, self.prompts(f"decode-B{batch}", batch, self.args.prompt_len)
-        new, t0, times, t1 = self.hf_generate(model, prompts, n)
+        _, wall, times = h.hf_generate(model, prompts, n, self.sync)
         secs = times[-1] - times[0]
-        row = self.row(f"hf.decode.B{batch}", batch * (n - 1) / secs, batch, batch=batch, wall_s=t1 - t0)
-        row |= {"ttft_s": times[0] - t0, "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
+        row = self.row(f"hf.decode.B{batch}", batch * (n - 1) / secs, batch, batch=batch, wall_s=wall)
+        row |= {"ttft_s": times[0], "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
         self.add(row, f"{row['value']:.1f} tok/s")
 
     def hf_prefill(self, model: Any, count: int, length: int, pareto: bool = False) -> None:
         """A prefill row (``max_tokens=1``) of ``count`` prompts of ``length``, or a Pareto point."""
         name = f"hf.pareto.B{count}" if pareto else f"hf.prefill.{count}x{length}"
-        _, t0, times, t1 = self.hf_generate(model, self.prompts(name, count, length), 1)
-        ttft = times[0] - t0
+        _, wall, (ttft, *_) = h.hf_generate(model, self.prompts(name, count, length), 1, self.sync)
         p = {"prompt_tokens": count * length, "prefill_tok_s": count * length / ttft, "ttft_mean_s": ttft}
         p |= {"ttft_max_s": ttft} | ({"batch": count} if pareto else {})
         series = "HF transformers (eager)" if pareto else None
-        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=t1 - t0)
+        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=wall)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -528,12 +512,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:  # tiny matmuls: one thread avoids OpenMP stalls on a small, shared CPU
         torch.set_num_threads(1)
     cfg_dict = gm.flash_config(LAYERS, args.experts, smoke=args.smoke)
-    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_e2e_model_"))
-    bench = Bench(args, model_dir, cfg_dict)
-    data = bench.data
-    log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
-    try:
-        data["checkpoint"] = gm.write_checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
+    with tempfile.TemporaryDirectory(prefix="gpu_e2e_model_", ignore_cleanup_errors=True) as tmp:
+        model_dir = args.model_dir or Path(tmp)  # a temporary checkpoint is removed at the end
+        bench = Bench(args, model_dir, cfg_dict)
+        data = bench.data
+        log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
+        bench.checkpoint(cfg_dict)
         if not args.skip_ours:
             bench.ours()
         if not args.skip_hf:
@@ -548,9 +532,6 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             log(f"DeepInfer measurements failed: {failed}")
         return int(bool(failed))
-    finally:
-        if args.model_dir is None:
-            shutil.rmtree(model_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

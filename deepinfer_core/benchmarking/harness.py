@@ -18,10 +18,6 @@ from deepinfer_core.errors import DeepInferError, user_error_line
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """Where the benchmarks write their JSON by default."""
-H200_HBM_BW = 4.24e12
-"""bytes/s of an H200's HBM (the read rooflines' bandwidth)."""
-H200_BF16_FLOPS = 989e12
-"""dense bf16 tensor-core peak of an H200, FLOP/s (the compute roofline's)."""
 
 
 def log(msg: str) -> None:
@@ -130,6 +126,31 @@ def corpus_prompts(tok: Any, num: int, length: int, mixed: bool = False, seed: i
     ids, rng = tok.encode(text, add_bos=False), random.Random(seed)
     lengths = [rng.randint(max(1, length // 4), 2 * length) if mixed else length for _ in range(num)]
     return [[tok.bos_token_id, *ids[(i * 97) % (len(ids) - n) :][: n - 1]] for i, n in enumerate(lengths)]
+
+
+def hf_generate(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int, sync: Callable[[], None] | None = None
+) -> tuple[list[list[int]], float, list[float]]:
+    """HF transformers' greedy ``model.generate`` of exactly ``new_tokens`` tokens after each of the
+    token-id ``prompts`` (the model's ``generation_config.eos_token_id`` set to ``None``): ``(new
+    ids, seconds, stamps)``, ``stamps`` the seconds from the start to each step's logits; ``sync``
+    as :func:`timed`'s (also before each stamp)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    sync, stamps = sync or (lambda: None), []
+    clock = lambda ids, scores: (sync(), stamps.append(time.perf_counter()), scores)[-1]  # noqa: E731
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
+    kw = {"attention_mask": torch.ones_like(ids), "logits_processor": LogitsProcessorList([clock])}
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+    sync()
+    seconds, new = time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+    if any(len(t) != new_tokens for t in new):
+        raise RuntimeError(f"HF generated {[len(t) for t in new]} tokens, expected {new_tokens}")
+    return new, seconds, [t - t0 for t in stamps]
 
 
 def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -> list[dict[str, Any]]:
