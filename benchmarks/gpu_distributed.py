@@ -115,8 +115,8 @@ class Bench(e2e.Runner):
     # -- decode
     def run_decode(self) -> None:
         a = self.args
+        max_len = a.prompt_len + a.new_tokens + 16
         for kind in ("1gpu", *a.decode_modes):
-            max_len = a.prompt_len + a.new_tokens + 16
             options = self.options(max(a.batch_sizes), a.chunk, max_len, **self.kinds[kind])
             for b in a.batch_sizes:
                 self.job(f"decode.{kind}.B{b}", self.decode, kind, b, engine=(f"decode.{kind}", options))
@@ -160,12 +160,10 @@ class Bench(e2e.Runner):
     def run_cp(self) -> None:
         a = self.args
         for world in (1, self.world):
-            mode = "1gpu" if world == 1 else f"cp{world}"
-            cp = {"context_parallel_size": world} if world > 1 else {}
+            mode, cp = ("1gpu", {}) if world == 1 else (f"cp{world}", {"context_parallel_size": world})
             options = self.options(2, a.cp_chunk, a.cp_prompt_len + a.cp_new_tokens + 128, **cp)
-            self.job(
-                f"prefill.{mode}.{a.cp_prompt_len}", self.cp, mode, world, engine=(f"cp.{mode}", options)
-            )
+            name = f"prefill.{mode}.{a.cp_prompt_len}"
+            self.job(name, self.cp, mode, world, engine=(f"cp.{mode}", options))
 
     def cp(self, llm: LLM, mode: str, world: int) -> None:
         """One long prompt at a time: TTFT and prompt tok/s, best of ``--cp-repeats``."""
@@ -178,8 +176,7 @@ class Bench(e2e.Runner):
                 outs, _, _ = e2e.run_llm(llm, self.prompts(f"cp-{r}", 1, a.cp_prompt_len), a.cp_new_tokens)
                 ttfts.append(outs[0].metrics.first_token_time - outs[0].metrics.arrival_time)
                 tokens.append(list(outs[0].outputs[0].token_ids))
-        best = min(ttfts)
-        tok_s = a.cp_prompt_len / best
+        best, tok_s = min(ttfts), a.cp_prompt_len / min(ttfts)
         row: dict[str, Any] = {
             "name": f"prefill.{mode}.{a.cp_prompt_len}", "value": tok_s, "unit": "tok/s", "mode": mode,
             "fmt": self.fmt, "world": world, "prompt_tokens": a.cp_prompt_len,
@@ -283,7 +280,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--experts", type=int, default=64, help="routed experts of the e2e model (a multiple of --world)")
     add("--model-dir", type=Path, help="e2e checkpoint folder: reused when it holds it, else written")
     add("--log-dir", type=Path, help=f"worker logs: <dir>/<engine>/rank<k>.log (sets {LOG_DIR_ENV})")
-    add("--out", "--output", "--json", type=Path, help="results JSON (default benchmarks/results/)")
+    out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if smoke else DEFAULT_OUT
+    add("--out", "--output", "--json", type=Path, default=out, help=f"results JSON (default {out})")
     add("--append", action="store_true", help="merge into an existing --out (rows replaced by name)")
     add("--time-budget", type=float, default=0.0, help="seconds from the start; later parts are skipped")
     args = ap.parse_args(argv)
@@ -297,8 +295,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     least = {"world": 2, "new_tokens": 2}
     if low := [k for k, v in vars(args).items() if type(v) is int and v < least.get(k, 1)]:
         ap.error(f"--{low[0].replace('_', '-')} must be >= {least.get(low[0], 1)}")
-    if args.out is None:
-        args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
     return args
 
 
@@ -308,14 +304,10 @@ def preflight(args: argparse.Namespace) -> None:
 
     n, device = args.world, torch.device(args.device)
     if args.experts % n:
-        raise ConfigError(
-            f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism): "
-            f"give --experts a multiple of {n}"
-        )
-    if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise ConfigError(
-            f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)"
-        )
+        why = f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism)"
+        raise ConfigError(f"{why}: give --experts a multiple of {n}")
+    if device.type == "cuda" and (gpus := torch.cuda.device_count()) < n:
+        raise ConfigError(f"needs {n} GPUs (--world {n}), torch sees {gpus} (--smoke: the CPU)")
     if device.type == "cuda" and not torch.distributed.is_nccl_available():
         raise ConfigError("NCCL is not available in this torch build")
     try:
