@@ -304,7 +304,8 @@ class Bench(Runner):
                 run_llm(llm, self.prompts(f"warmup-{name}", most if pareto else count, length), 1)
             outs, _, wall = run_llm(llm, self.prompts(name, count, length), 1)
             p = prefill_stats(outs) | ({"batch": count} if pareto else {"wall_s": wall})
-            steps = gm.step_token_counts(count * length, chunk)
+            full, rest = divmod(count * length, chunk)  # the prefill's steps: full chunks, then the rest
+            steps = [chunk] * full + [rest] * (rest > 0)
             self.prefill_row(name, p, steps, series, max_num_batched_tokens=chunk)
 
     def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], series: str | None, **kw: Any):

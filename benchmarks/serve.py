@@ -96,7 +96,7 @@ def llm_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     return {**summary(h.new_tokens(outs), seconds, ttft, itl), "server_cpu_s": cpu, "texts": texts}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     ap = h.parser(__doc__, "serve", prompt_len=32, max_tokens=64, vocab=500, seed=0)  # prompt ids: [4, VOCAB)
     ap.add_argument("--batches", type=h.positive_ints, default=[1, 64], help="concurrent requests (1,64)")
     ap.add_argument("--backend", default="auto", help="engine backend, server and LLM alike (default auto)")
@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     h.print_table(rows, cols + " vs_llm_generate:.2f same_text:d")
     results = [{k: v for k, v in r.items() if k != "texts"} for r in rows]
     h.write_json(args.output, {"args": vars(args), "backend": llm.client.backend.name, "results": results})
-    return 0
 
 
 if __name__ == "__main__":

@@ -169,10 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report["ttft"] = ttft(llm, args, all_schemas["order"])
     report["profile"] = profile(llm, args, schemas) if args.profile else None
     report["served"] = served(llm, args, schemas) if args.queue_factor > 0 else []
-    cols = (
-        "batch:d mode requests:d seconds:.3f new_tokens:d tok_s:.1f steps:d ms_per_step:.2f slowdown:+.1% "
-        "equal_work_slowdown:+.1% equal_work_ref min_len:d max_len:d grammar_finished:d"
-    )
+    cols = "batch:d mode requests:d seconds:.3f new_tokens:d tok_s:.1f steps:d ms_per_step:.2f slowdown:+.1%"
+    cols += " equal_work_slowdown:+.1% equal_work_ref min_len:d max_len:d grammar_finished:d"
     h.print_table(report["throughput"], cols)
     if report["served"]:
         print(f"\ncontinuous batching: {args.queue_factor} x B requests, at most B running")
@@ -182,9 +180,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [{"request": k, **t[k]} for k in ("cold", "cached", "unconstrained")]
     h.print_table(rows, "request ttft_ms:.2f generate_ms:.2f cache_hits:d cache_misses:d")
     if p := report["profile"]:
-        print(
-            f"\ncProfile at batch {p['batch']}, {p['runs_per_mode']} runs per mode: ms per run (ms per step)"
-        )
+        print(f"\ncProfile at batch {p['batch']}, {p['runs_per_mode']} runs per mode: ", end="")
+        print("ms per run (ms per step)")
         rows = [{"part": part} for part in PROFILE_PARTS]
         for m, v in p["modes"].items():
             for row in rows:

@@ -193,18 +193,13 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     }
     torch = sys.modules.get("torch")  # a torch-free script (the cost model) stays torch-free
     if torch is not None:
-        info.update(
-            torch=torch.__version__, torch_cuda=torch.version.cuda, torch_threads=torch.get_num_threads()
-        )
+        info |= {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+        info["torch_threads"] = torch.get_num_threads()
     dev = torch.device(device) if torch is not None and device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(dev)
-        info.update(
-            gpu=torch.cuda.get_device_name(dev),
-            gpu_capability=f"{props.major}.{props.minor}",
-            gpu_memory_gib=props.total_memory / 2**30,
-            gpu_count=torch.cuda.device_count(),
-        )
+        info |= {"gpu": torch.cuda.get_device_name(dev), "gpu_capability": f"{props.major}.{props.minor}"}
+        info |= {"gpu_memory_gib": props.total_memory / 2**30, "gpu_count": torch.cuda.device_count()}
     for mod in ("triton", "transformers", "safetensors", "llguidance"):
         try:
             info[mod] = __import__(mod).__version__ if torch is not None else None
