@@ -73,8 +73,7 @@ class ModeRun:
         m, tokens, wall = self.metrics, h.new_tokens(self.outs), statistics.median(self.times)
         row = {"batch": self.batch, "mode": self.mode, "wall_s": wall, "wall_s_runs": self.times,
                "tok_per_s": tokens / wall, "generated_tokens": tokens, "target_forwards": m["num_steps"],
-               "tokens_per_forward": tokens / m["num_steps"] if m["num_steps"] else 0.0,
-               "token_ids": [o.outputs[0].token_ids for o in self.outs]}  # fmt: skip
+               "tokens_per_forward": tokens / m["num_steps"] if m["num_steps"] else 0.0}  # fmt: skip
         if "speculative" in m:
             s = m["speculative"]
             row.update(acceptance_rate=s["acceptance_rate"], draft_tokens=s["num_draft_tokens"],
@@ -133,11 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run.timed()
         batch_rows = [run.row(args.profile) for run in runs.values()]
         for row in batch_rows:
-            row["same_tokens_as_first_mode"] = row["token_ids"] == batch_rows[0]["token_ids"]
             row["speedup_vs_first_mode"] = row["tok_per_s"] / batch_rows[0]["tok_per_s"]
             if row["mode"] == "dspark" and "fixed" in runs:
                 row["vs_fixed_per_run"] = paired_ratios(runs["fixed"].times, runs["dspark"].times)
-        rows += [{k: v for k, v in row.items() if k != "token_ids"} for row in batch_rows]
+        rows += batch_rows
         del runs
     cols = "batch:d mode tok_per_s:.1f target_forwards:d tokens_per_forward:.2f acceptance_rate:.2f"
     h.print_table(rows, cols + " mean_acceptance_length:.2f speedup_vs_first_mode:.2f")
