@@ -43,7 +43,6 @@ MODE |= dict(prompt_len=(512, 32), new_tokens=(32, 4), chunk=(8192, 64), hf_batc
 MODE |= dict(prefill=([(16, 512), (1, 8192)], [(4, 32), (1, 256)]), pareto_prompt_len=(2048, 48))
 MODE |= dict(pareto_batch_sizes=([1, 2, 4, 8, 16], [1, 2]), pareto_chunks=([2048, 8192], [64, 128]))
 MODE |= dict(context_batch=(16, 2), out=(OUT, OUT.with_name("gpu_e2e_smoke.json")))
-MODE["pareto_png"] = (ROOT / "docs" / "prefill_pareto.png", Path(tempfile.gettempdir()) / "pareto_smoke.png")
 CONTEXTS = ("4096,32768,131072,1@4096,1@1048576", "64,256,1@64,1@1024")  # --contexts alone
 T_START = time.perf_counter()  # --time-budget counts from here
 
@@ -431,39 +430,6 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         h.print_table(ctx, CONTEXT_TABLE)
 
 
-def plot_pareto(data: dict[str, Any], png: Path) -> str | None:
-    """Draw prefill tok/s vs mean TTFT of ``data["pareto"]``, one line per series; returns the
-    path, or None (with a note) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("note: no matplotlib; the Pareto chart is skipped (its points are in the JSON)")
-    p, machine = data["runs"][-1]["params"], data.get("machine", {})
-    backends = "/".join(sorted({e["backend"] for e in data["engines"] if e.get("backend")})) or p["backend"]
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for label, pts in data["pareto"].items():
-        pts = [q for q in pts if q.get("prefill_tok_s")]
-        x, y = [q["ttft_mean_s"] * 1e3 for q in pts], [q["prefill_tok_s"] for q in pts]
-        ax.plot(x, y, marker="o", label=label)
-        for xi, yi, q in zip(x, y, pts, strict=True):
-            ax.annotate(f"B{q['batch']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="time to first token, mean over the batch (ms)", ylabel="tok/s")
-    model = f"{LAYERS}-layer {'smoke widths' if p['smoke'] else 'V4-Flash width'}, {p['experts']} experts"
-    where = f"{machine.get('gpu') or machine.get('device')}, backend {backends}, {p['dtype']}"
-    ax.set_title(f"Prefill Pareto, {model}, prompts of {p['pareto_prompt_len']} tokens\n{where}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=130)
-    plt.close(fig)
-    print(f"wrote {png}")
-    return str(png)
-
-
 # ---- main ------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " (docs/benchmarks.md)")
@@ -477,10 +443,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--new-tokens", type=int, help="tokens generated per decode request (default 32)")
     add("--shared-engine", action="store_true", help="one engine (the largest batch) for every decode batch")
     add("--hf-batch-sizes", type=positive_ints, help="HF decode batch sizes (default 1,16)")
-    add("--pareto", action="store_true", help="prefill tok/s vs TTFT sweep and chart")
+    add("--pareto", action="store_true", help="prefill tok/s vs TTFT sweep (the JSON's pareto points)")
     add("--pareto-batch-sizes", type=positive_ints, help="default 1,2,4,8,16")
     add("--pareto-chunks", type=positive_ints, help="max_num_batched_tokens values (default 2048,8192)")
-    add("--pareto-png", type=Path, help="chart path (default docs/prefill_pareto.png)")
     add("--contexts", nargs="?", const="", help=f"CTX or B@CTX items to decode at (alone: {CONTEXTS[0]})")
     add("--context-batch", type=int, help="batch of the --contexts items without B@ (default 16)")
     for part in ("ours", "hf", "decode", "prefill"):
@@ -523,8 +488,6 @@ def main(argv: list[str] | None = None) -> int:
             bench.ours()
         if not args.skip_hf:
             bench.hf()
-        if args.pareto and data["pareto"]:
-            data["pareto_png"] = plot_pareto(data, args.pareto_png)
         data["total_s"] = time.perf_counter() - T_START
         bench.save()
         print_tables(data["results"])
