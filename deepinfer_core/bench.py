@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.user_files import read_text_file
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("num_prefix_hit_tokens", "num_replayed_tokens", "num_preemptions", "num_steps", "peak_cache_usage",
@@ -52,17 +52,6 @@ def synthetic_prompts(
     return [prefix + [rng.choice(token_ids) for _ in range(rest)] for _ in range(num_prompts)]
 
 
-def read_text_file(flag: str, path: str | Path) -> str:
-    """The UTF-8 text of the file a command-line ``flag`` names; a one-line :class:`ConfigError`
-    naming flag, path and reason when it cannot be read (missing, a folder, not UTF-8...)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise ConfigError(f"{flag} {path}: cannot read the file ({reason})") from None
-
-
 def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts of a file: ``.jsonl`` lines ``{"prompt": ...}``, else one prompt per non-empty line."""
     p = Path(path)
@@ -79,19 +68,6 @@ def read_prompts_file(path: str | Path) -> list[str]:
             raise ConfigError(f'--prompts-file {path}, line {i}: expected an object with a string "prompt"')
         prompts.append(record["prompt"])
     return prompts
-
-
-def check_writable(path: str | Path, flag: str) -> None:
-    """Fail early (before a long run) when ``path`` cannot be written: its folder is missing or
-    read-only, or it names a folder."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path}: is a directory; give a file path")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ConfigError(f"{flag} {path}: not writable")
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:

@@ -360,8 +360,8 @@ def _structured_outputs(args: argparse.Namespace) -> Any:
     """The ``StructuredOutputsParams`` of ``generate``'s --choice / --regex / --json-schema /
     --grammar (``None`` without them), checked by its grammar backend before the engine starts:
     a bad spec is a :class:`ConfigError` naming the flag."""
-    from deepinfer_core.bench import read_text_file
     from deepinfer_core.sampling.params import StructuredOutputsParams
+    from deepinfer_core.user_files import read_text_file
 
     structured = None
     given = [
@@ -472,7 +472,8 @@ def _token_str(token_id: int, tokenizer: Any) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deepinfer_core.bench import BenchArgs, check_writable, format_table, run_bench
+    from deepinfer_core.bench import BenchArgs, format_table, run_bench
+    from deepinfer_core.user_files import check_writable
 
     if args.json_out:
         check_writable(args.json_out, "--json")  # before the benchmark runs, not after
