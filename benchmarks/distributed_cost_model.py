@@ -1,6 +1,7 @@
-"""The V4-Flash scaling tables of the DP/EP/CP cost model (:mod:`deepinfer_core.distributed.cost_model`):
-decode per GPU on 1-64 GPUs by routing scenario, prefill with and without CP.  Equations and the
-reading of the tables: docs/distributed_cost_model.md."""
+"""The DP/EP/CP cost model's V4-Flash tables: decode per GPU on 1-64 GPUs, prefill with and without CP.
+
+The model: :mod:`deepinfer_core.distributed.cost_model` (decode by routing scenario); equations
+and the reading of the tables: docs/distributed_cost_model.md."""
 
 from __future__ import annotations
 

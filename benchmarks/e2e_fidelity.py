@@ -1,4 +1,4 @@
-"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast backend against the reference."""
+"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast GPU backend against the reference."""
 
 from __future__ import annotations
 

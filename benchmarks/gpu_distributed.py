@@ -1,5 +1,7 @@
-"""DP N + EP N decode, CP N prefill and EPLB of the e2e model (``gpu_e2e.py``'s) on ``--world`` N
-GPUs of one host (NCCL, NVLink multicast off), each against one GPU (docs/benchmarks.md)."""
+"""DP N + EP N decode, CP N prefill and EPLB on N GPUs of one host, each against one GPU.
+
+The e2e model (``gpu_e2e.py``'s); N is ``--world``; NCCL with NVLink multicast off
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
