@@ -41,25 +41,25 @@ from deepinfer_core.testing.observe import counting_context_parallel_forwards
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_distributed.json"
 PARTS = ("decode", "cp", "eplb")
-HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the --eplb-hot-ids ones
+HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the eplb_hot_ids ones
 FILLER_LEN = 8  # prompt ids of the eplb part's filler requests (one per rank)
 TIMEOUT_S = 180.0  # NCCL's
 DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, with --smoke, help)
     "parts": ("decode,cp", ",".join(PARTS), f"comma-separated subset of {','.join(PARTS)}"),
     "backend": ("cuda_sm100", "reference", "DeepInfer backend"),
-    "device": ("cuda", "cpu", "device type of every rank"),
-    "dtype": ("bfloat16", "float32", "bfloat16 or float32"),
     "batch_sizes": ("64,256", "2,4", "decode batch sizes per GPU"),
     "prompt_len": (512, 24, "decode prompts' length"),
     "new_tokens": (32, 6, "tokens per decode request (>= 2)"),
-    "chunk": (8192, 64, "max_num_batched_tokens of the decode / eplb engines"),
     "cp_prompt_len": (32768, 300, "the CP prefill prompt"),
     "cp_chunk": (8192, 128, "max_num_batched_tokens of the CP engines"),
-    "cp_new_tokens": (4, 3, "tokens generated after the CP prefill"),
     "cp_repeats": (2, 2, "measured CP prompts, best TTFT kept"),
-    "cp_min_tokens": (None, 64, f"sets {CP_MIN_TOKENS_ENV} (none: the engine's)"),
-    "eplb_hot_ids": (4, 2, f"eplb: {HOT_PERCENT} %% of the prompt ids come from this many ids"),
 }
+FIXED: dict[str, tuple[Any, Any]] = {  # settings without a flag: (a GPU run's, --smoke's)
+    "device": ("cuda", "cpu"), "dtype": ("bfloat16", "float32"),
+    "chunk": (8192, 64),  # max_num_batched_tokens of the decode / eplb engines
+    "cp_new_tokens": (4, 3), "cp_min_tokens": (None, 64),  # the latter sets CP_MIN_TOKENS_ENV
+    "eplb_hot_ids": (4, 2),  # eplb: HOT_PERCENT % of the prompt ids come from this many ids
+}  # fmt: skip
 COLUMNS = "name value:.1f unit per_gpu_vs_1gpu:.2f decode_step_ms_full_batch:.2f ttft_ms:.1f"
 COLUMNS += " speedup_vs_1gpu:.2f max_over_mean_load:.3f placement"
 COLUMNS += " per_gpu_vs_before:.2f why"
@@ -76,7 +76,7 @@ class Bench(e2e.Runner):
         self.fmt = "fp8_fp4" if args.keep_quantized else {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
 
     def skewed_prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
-        """``HOT_PERCENT`` % of the ids from ``--eplb-hot-ids`` fixed ids, the rest uniform (V4's
+        """``HOT_PERCENT`` % of the ids from ``eplb_hot_ids`` fixed ids, the rest uniform (V4's
         hash-routed layers send a token by its id, so these few ids load few experts)."""
         hot = self.prompts("eplb-hot", 1, self.args.eplb_hot_ids)[0]
         picks = self.prompts(f"{tag}-pick", count, length)
@@ -280,13 +280,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--append", action="store_true", help="merge into an existing --out (rows replaced by name)")
     add("--time-budget", type=float, default=0.0, help="seconds from the start; later parts are skipped")
     args = ap.parse_args(argv)
+    vars(args).update({key: values[args.smoke] for key, values in FIXED.items()})
     n, args.keep_quantized = args.world, args.keep_quantized == "on"
     try:
         args.decode_modes = choice_list((f"dp{n}ep{n}", f"dp{n}"))(args.decode_modes or f"dp{n}ep{n}")
     except argparse.ArgumentTypeError as e:
         ap.error(f"--decode-modes: {e}")
-    if args.dtype not in ("bfloat16", "float32"):
-        ap.error("--dtype: choose from bfloat16, float32")
     least = {"world": 2, "new_tokens": 2}
     if low := [k for k, v in vars(args).items() if type(v) is int and v < least.get(k, 1)]:
         ap.error(f"--{low[0].replace('_', '-')} must be >= {least.get(low[0], 1)}")
@@ -311,7 +310,7 @@ def preflight(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from None
     if spec.device_type != device.type and args.backend != "reference":
         raise ConfigError(
-            f"backend {args.backend!r} runs on {spec.device_type}, not on --device {args.device}"
+            f"backend {args.backend!r} runs on {spec.device_type}, not on {args.device} (--smoke: the CPU)"
         )
 
 
