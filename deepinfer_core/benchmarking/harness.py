@@ -153,19 +153,6 @@ def hf_generate(
     return new, seconds, [t - t0 for t in stamps]
 
 
-def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -> list[dict[str, Any]]:
-    """The ``count`` functions of most ``by`` time (``"cum_ms"`` or ``"self_ms"``) in the
-    ``cProfile.Profile`` ``prof``: name, calls and milliseconds, each divided by ``per``."""
-    import pstats
-
-    rows = [
-        {"function": f"{Path(f).name}:{line}({fn})", "calls": calls / per, "cum_ms": 1e3 * cum / per,
-         "self_ms": 1e3 * tt / per}
-        for (f, line, fn), (_, calls, tt, cum, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
-    ]  # fmt: skip
-    return sorted(rows, key=lambda r: -r[by])[:count]
-
-
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
     """``(fn(), seconds)`` by ``time.perf_counter``; ``sync`` (e.g. ``torch.cuda.synchronize``)
     runs before the clock starts and before it stops."""
