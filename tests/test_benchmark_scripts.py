@@ -37,7 +37,9 @@ def test_gpu_distributed_smoke_runs_every_part_and_eplb_lowers_the_load(tmp_path
     script = str(ROOT / "benchmarks" / "gpu_distributed.py")
     proc = _run([script, "--smoke", "--world", "2", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert {e["dist_backend"] for e in data["engines"] if e["world"] > 1} == {"gloo"}  # NCCL: test_nccl.py's
     assert {"decode.1gpu.B2", "decode.dp2ep2.B4", "prefill.1gpu.300", "prefill.cp2.300"} <= rows.keys()
     assert rows["prefill.cp2.300"]["rank0_forwards_with_cp_plan"] > 0
     ranks = rows["decode.dp2ep2.B4"]["per_rank_generated_tokens"]  # rank 0's figures stand for each
