@@ -184,23 +184,15 @@ def weight_bytes_per_step(cfg: DeepseekV4Config, tokens: int, fmt: str) -> float
             total += rows * spec.shape[1] * (8 if spec.kind == "int" else 2)
         elif spec.kind == "fp32":
             total += n * 4
-        elif spec.kind == "linear_bf16" or (
-            spec.kind == "linear" and (fmt == "bf16" or name == "lm_head.weight")
-        ):
-            total += n * 2
-        elif spec.kind == "linear":
+        elif spec.kind == "linear" and fmt == "fp8_fp4" and name != "lm_head.weight":  # fp32 block scales
             total += n + math.ceil(spec.shape[0] / FP8_BLOCK) * math.ceil(spec.shape[1] / FP8_BLOCK) * 4
+        elif spec.kind in ("linear", "linear_bf16"):  # bf16: every one as loaded, the head always
+            total += n * 2
         elif spec.kind == "experts":
             total += experts * n / spec.shape[0] * (2.0 if fmt == "bf16" else 0.5 + 4 / FP4_GROUP)
         else:
             raise ValueError(f"unknown parameter kind {spec.kind} of {name}")
     return total
-
-
-def step_token_counts(total_tokens: int, chunk: int) -> list[int]:
-    """Tokens per step when ``total_tokens`` prompt tokens are prefilled ``chunk`` at a time."""
-    full, rest = divmod(total_tokens, chunk)
-    return [chunk] * full + ([rest] if rest else [])
 
 
 def kv_row_bytes(cfg: DeepseekV4Config, kv_cache_dtype: str, dtype_bytes: int) -> dict[str, int]:

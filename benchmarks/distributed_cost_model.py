@@ -1,6 +1,7 @@
-"""The V4-Flash scaling tables of the DP/EP/CP cost model (:mod:`deepinfer_core.distributed.cost_model`):
-decode per GPU on 1-64 GPUs by routing scenario, prefill with and without CP.  Equations and the
-reading of the tables: docs/distributed_cost_model.md."""
+"""The DP/EP/CP cost model's V4-Flash tables: decode per GPU on 1-64 GPUs, prefill with and without CP.
+
+The model: :mod:`deepinfer_core.distributed.cost_model` (decode by routing scenario); equations
+and the reading of the tables: docs/distributed_cost_model.md."""
 
 from __future__ import annotations
 
@@ -43,10 +44,9 @@ def _row(phase: str, world: int, b: float, ctx: float, r: dict, routing: cm.Rout
     return {
         "phase": phase, "world": world, "tokens_per_gpu": b, "ctx": ctx, "routing": routing.label,
         "tok_s_max": r["tok_s_per_gpu_max"], "tok_s_sum": r["tok_s_per_gpu_sum"],
-        "t_hbm_ms": t["hbm"] * 1e3, "t_compute_ms": t["compute"] * 1e3, "t_network_ms": t["network"] * 1e3,
-        "t_overhead_ms": t["overhead"] * 1e3, "limiter": r["limiter"],
-        "expert_gb": by["expert_weights"] / 1e9, "dense_gb": by["dense_weights"] / 1e9,
-        "kv_gb": by["kv"] / 1e9,
+        **{f"t_{k}_ms": t[k] * 1e3 for k in ("hbm", "compute", "network", "overhead")},
+        "limiter": r["limiter"], "expert_gb": by["expert_weights"] / 1e9,
+        "dense_gb": by["dense_weights"] / 1e9, "kv_gb": by["kv"] / 1e9,
         "nvlink_mb": r["network"]["nvlink_bytes"] / 1e6, "ib_mb": r["network"]["ib_bytes"] / 1e6,
         "imbalance": r["experts"]["imbalance"], "weights_gb_resident": mem["weights"],
         "kv_gb_resident": mem["kv"], "fits": r["fits"],
@@ -92,7 +92,7 @@ def print_rows(title: str, rows: list[dict[str, Any]], extra: str = "") -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     """Print the V4-Flash scaling tables; write the JSON."""
     ap = parser(__doc__, "distributed_cost_model", threads=None)  # --output (--out, --json)
     ap.add_argument("--gpu", choices=sorted(cm.GPUS), default="h200")
@@ -118,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     title = "prefill, V4-Flash, 8192 tokens per GPU (cp 1) or prompt / C (cp C)"
     print_rows(title, pre, " cp:d ttft_s_max:.3g")
     write_json(args.output, data)
-    return 0
 
 
 if __name__ == "__main__":

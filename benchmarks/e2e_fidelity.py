@@ -1,4 +1,4 @@
-"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast backend against the reference."""
+"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast GPU backend against the reference."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]], top: int) -> d
             "greedy_equal": sum(d is None for d in divergence), "first_divergence": divergence}  # fmt: skip
 
 
-def main() -> int:
+def main() -> None:
     ints = {"layers": 4, "experts": 64, "prompts": 4, "prompt_len": 512}
     ap = h.parser(__doc__, "e2e_fidelity", threads=None, **ints, new_tokens=16, top=5, seed=0)
     ap.add_argument("--model-dir", type=Path, required=True, help="checkpoint folder (written when absent)")
@@ -83,7 +83,6 @@ def main() -> int:
     cols = "backend fp8_prefill max_abs_dlogprob:.4f p99_abs_dlogprob:.4f mean_abs_dlogprob:.4f"
     h.print_table(rows, cols + " top1_agreement:.3f greedy_equal:d")
     h.write_json(args.output, {"params": vars(args), "rows": rows}, device="cuda")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""DP N + EP N decode, CP N prefill and EPLB of the e2e model (``gpu_e2e.py``'s) on ``--world`` N
-GPUs of one host (NCCL, NVLink multicast off), each against one GPU (docs/benchmarks.md)."""
+"""DP N + EP N decode, CP N prefill and EPLB on N GPUs of one host, each against one GPU.
+
+The e2e model (``gpu_e2e.py``'s); N is ``--world``; NCCL with NVLink multicast off
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ os.environ.update(NCCL_SAFE_ENV)
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -34,39 +35,34 @@ import gpu_e2e as e2e
 from deepinfer_core import LLM
 from deepinfer_core.benchmarking.harness import choice_list, log, positive_ints, print_table, run_main
 from deepinfer_core.distributed.processes import LOG_DIR_ENV
+from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.context_parallel import CP_MIN_TOKENS_ENV, cp_min_tokens
 from deepinfer_core.testing.observe import counting_context_parallel_forwards
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_distributed.json"
 PARTS = ("decode", "cp", "eplb")
-HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the --eplb-hot-ids ones
+HOT_PERCENT = 90  # the eplb part's prompts: this share of the ids from the eplb_hot_ids ones
 FILLER_LEN = 8  # prompt ids of the eplb part's filler requests (one per rank)
 TIMEOUT_S = 180.0  # NCCL's
 DEFAULTS: dict[str, tuple[Any, Any, str]] = {  # flag: (default of a GPU run, with --smoke, help)
     "parts": ("decode,cp", ",".join(PARTS), f"comma-separated subset of {','.join(PARTS)}"),
     "backend": ("cuda_sm100", "reference", "DeepInfer backend"),
-    "device": ("cuda", "cpu", "device type of every rank"),
-    "dtype": ("bfloat16", "float32", "bfloat16 or float32"),
     "batch_sizes": ("64,256", "2,4", "decode batch sizes per GPU"),
     "prompt_len": (512, 24, "decode prompts' length"),
     "new_tokens": (32, 6, "tokens per decode request (>= 2)"),
-    "chunk": (8192, 64, "max_num_batched_tokens of the decode / eplb engines"),
     "cp_prompt_len": (32768, 300, "the CP prefill prompt"),
     "cp_chunk": (8192, 128, "max_num_batched_tokens of the CP engines"),
-    "cp_new_tokens": (4, 3, "tokens generated after the CP prefill"),
     "cp_repeats": (2, 2, "measured CP prompts, best TTFT kept"),
-    "cp_min_tokens": (None, 64, f"sets {CP_MIN_TOKENS_ENV} (none: the engine's)"),
-    "eplb_hot_ids": (4, 2, f"eplb: {HOT_PERCENT} %% of the prompt ids come from this many ids"),
 }
+FIXED: dict[str, tuple[Any, Any]] = {  # settings without a flag: (a GPU run's, --smoke's)
+    "device": ("cuda", "cpu"), "dtype": ("bfloat16", "float32"),
+    "chunk": (8192, 64),  # max_num_batched_tokens of the decode / eplb engines
+    "cp_new_tokens": (4, 3), "cp_min_tokens": (None, 64),  # the latter sets CP_MIN_TOKENS_ENV
+    "eplb_hot_ids": (4, 2),  # eplb: HOT_PERCENT % of the prompt ids come from this many ids
+}  # fmt: skip
 COLUMNS = "name value:.1f unit per_gpu_vs_1gpu:.2f decode_step_ms_full_batch:.2f ttft_ms:.1f"
-COLUMNS += " speedup_vs_1gpu:.2f greedy_tokens_equal_to_1gpu max_over_mean_load:.3f placement"
+COLUMNS += " speedup_vs_1gpu:.2f max_over_mean_load:.3f placement"
 COLUMNS += " per_gpu_vs_before:.2f why"
-
-
-def die(msg: str) -> SystemExit:
-    """A one-line fatal error (raise the result)."""
-    print(f"error: {msg}", file=sys.stderr, flush=True)
-    return SystemExit(2)
 
 
 class Bench(e2e.Runner):
@@ -78,10 +74,9 @@ class Bench(e2e.Runner):
         ep = {"data_parallel_size": n, "enable_expert_parallel": True}
         self.kinds = {"1gpu": {}, f"dp{n}ep{n}": ep, f"dp{n}": {"data_parallel_size": n}}
         self.fmt = "fp8_fp4" if args.keep_quantized else {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-        self.cp_tokens: dict[str, list[list[int]]] = {}  # greedy tokens of the CP prompts, by engine
 
     def skewed_prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
-        """``HOT_PERCENT`` % of the ids from ``--eplb-hot-ids`` fixed ids, the rest uniform (V4's
+        """``HOT_PERCENT`` % of the ids from ``eplb_hot_ids`` fixed ids, the rest uniform (V4's
         hash-routed layers send a token by its id, so these few ids load few experts)."""
         hot = self.prompts("eplb-hot", 1, self.args.eplb_hot_ids)[0]
         picks = self.prompts(f"{tag}-pick", count, length)
@@ -101,12 +96,10 @@ class Bench(e2e.Runner):
         return super().engine(name, **options)
 
     def engine_info(self, llm: LLM, name: str, options: dict[str, Any]) -> dict[str, Any]:
-        """The engine's figures; a distributed one must run on the device's process group backend."""
+        """The engine's figures (a distributed one's process group backend included)."""
         world = options.get("data_parallel_size", 1) * options.get("context_parallel_size", 1)
         dist = torch.distributed
         backend = dist.get_backend() if world > 1 and dist.is_initialized() else None
-        if world > 1 and backend != ("nccl" if self.cuda else "gloo"):
-            raise RuntimeError(f"the run's default process group is {backend!r}")
         info = {"engine": name, "world": world, "options": options}
         info |= {"kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens, "dist_backend": backend}
         info["rank0_weight_gib"] = llm.engine.runner.model.weight_bytes() / 2**30
@@ -121,8 +114,8 @@ class Bench(e2e.Runner):
     # -- decode
     def run_decode(self) -> None:
         a = self.args
+        max_len = a.prompt_len + a.new_tokens + 16
         for kind in ("1gpu", *a.decode_modes):
-            max_len = a.prompt_len + a.new_tokens + 16
             options = self.options(max(a.batch_sizes), a.chunk, max_len, **self.kinds[kind])
             for b in a.batch_sizes:
                 self.job(f"decode.{kind}.B{b}", self.decode, kind, b, engine=(f"decode.{kind}", options))
@@ -166,12 +159,10 @@ class Bench(e2e.Runner):
     def run_cp(self) -> None:
         a = self.args
         for world in (1, self.world):
-            mode = "1gpu" if world == 1 else f"cp{world}"
-            cp = {"context_parallel_size": world} if world > 1 else {}
+            mode, cp = ("1gpu", {}) if world == 1 else (f"cp{world}", {"context_parallel_size": world})
             options = self.options(2, a.cp_chunk, a.cp_prompt_len + a.cp_new_tokens + 128, **cp)
-            self.job(
-                f"prefill.{mode}.{a.cp_prompt_len}", self.cp, mode, world, engine=(f"cp.{mode}", options)
-            )
+            name = f"prefill.{mode}.{a.cp_prompt_len}"
+            self.job(name, self.cp, mode, world, engine=(f"cp.{mode}", options))
 
     def cp(self, llm: LLM, mode: str, world: int) -> None:
         """One long prompt at a time: TTFT and prompt tok/s, best of ``--cp-repeats``."""
@@ -179,13 +170,11 @@ class Bench(e2e.Runner):
         with counting_context_parallel_forwards(model) as split:
             e2e.run_llm(llm, self.prompts("warmup-cp", 1, a.cp_prompt_len), a.cp_new_tokens)
             split[0] = 0
-            ttfts, tokens = [], []
+            ttfts = []
             for r in range(a.cp_repeats):
                 outs, _, _ = e2e.run_llm(llm, self.prompts(f"cp-{r}", 1, a.cp_prompt_len), a.cp_new_tokens)
                 ttfts.append(outs[0].metrics.first_token_time - outs[0].metrics.arrival_time)
-                tokens.append(list(outs[0].outputs[0].token_ids))
-        best = min(ttfts)
-        tok_s = a.cp_prompt_len / best
+        best, tok_s = min(ttfts), a.cp_prompt_len / min(ttfts)
         row: dict[str, Any] = {
             "name": f"prefill.{mode}.{a.cp_prompt_len}", "value": tok_s, "unit": "tok/s", "mode": mode,
             "fmt": self.fmt, "world": world, "prompt_tokens": a.cp_prompt_len,
@@ -193,14 +182,9 @@ class Bench(e2e.Runner):
             "cp_min_tokens": getattr(model, "cp_min_tokens", None), "ttft_s": best, "ttft_all_s": ttfts,
             "tok_s_per_gpu": tok_s / world, "rank0_forwards_with_cp_plan": split[0],
         }  # fmt: skip
-        self.cp_tokens[mode] = tokens
         if world > 1:
-            ref, want = self.result(f"prefill.1gpu.{a.cp_prompt_len}"), self.cp_tokens.get("1gpu")
-            if ref.get("value"):
+            if (ref := self.result(f"prefill.1gpu.{a.cp_prompt_len}")).get("value"):
                 row.update(speedup_vs_1gpu=tok_s / ref["value"], ttft_vs_1gpu=best / ref["ttft_s"])
-            if want is not None:
-                same = sum(g == w for g, w in zip(tokens, want, strict=True))
-                row["greedy_tokens_equal_to_1gpu"] = f"{same}/{len(want)}"
             if split[0] == 0:  # kept with its figures, but the run fails
                 row["error"] = f"CP split no step (cp_min_tokens {row['cp_min_tokens']}, chunk {a.cp_chunk})"
         self.add(row, f"TTFT {best * 1e3:.1f} ms, {tok_s:.0f} tok/s ({tok_s / world:.0f} per GPU)")
@@ -289,50 +273,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--experts", type=int, default=64, help="routed experts of the e2e model (a multiple of --world)")
     add("--model-dir", type=Path, help="e2e checkpoint folder: reused when it holds it, else written")
     add("--log-dir", type=Path, help=f"worker logs: <dir>/<engine>/rank<k>.log (sets {LOG_DIR_ENV})")
-    add("--out", "--output", "--json", type=Path, help="results JSON (default benchmarks/results/)")
+    out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if smoke else DEFAULT_OUT
+    add("--out", "--output", "--json", type=Path, default=out, help=f"results JSON (default {out})")
     add("--append", action="store_true", help="merge into an existing --out (rows replaced by name)")
     add("--time-budget", type=float, default=0.0, help="seconds from the start; later parts are skipped")
     args = ap.parse_args(argv)
+    vars(args).update({key: values[args.smoke] for key, values in FIXED.items()})
     n, args.keep_quantized = args.world, args.keep_quantized == "on"
     try:
         args.decode_modes = choice_list((f"dp{n}ep{n}", f"dp{n}"))(args.decode_modes or f"dp{n}ep{n}")
     except argparse.ArgumentTypeError as e:
         ap.error(f"--decode-modes: {e}")
-    if args.dtype not in ("bfloat16", "float32"):
-        ap.error("--dtype: choose from bfloat16, float32")
     least = {"world": 2, "new_tokens": 2}
     if low := [k for k, v in vars(args).items() if type(v) is int and v < least.get(k, 1)]:
         ap.error(f"--{low[0].replace('_', '-')} must be >= {least.get(low[0], 1)}")
-    if args.out is None:
-        args.out = Path(tempfile.gettempdir()) / "gpu_distributed_smoke.json" if args.smoke else DEFAULT_OUT
     return args
 
 
 def preflight(args: argparse.Namespace) -> None:
-    """What the run needs, checked before anything is built; a one-line :class:`SystemExit` otherwise."""
+    """What the run needs, checked before anything is built; a one-line :class:`ConfigError` otherwise."""
     from deepinfer_core.backends.resolve import resolve_backend
 
     n, device = args.world, torch.device(args.device)
     if args.experts % n:
-        raise die(
-            f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism): "
-            f"give --experts a multiple of {n}"
-        )
-    if device.type == "cuda" and torch.cuda.device_count() < n:
-        raise die(f"needs {n} GPUs (--world {n}), torch sees {torch.cuda.device_count()} (--smoke: the CPU)")
+        why = f"{args.experts} routed experts do not divide over --world {n} ranks (expert parallelism)"
+        raise ConfigError(f"{why}: give --experts a multiple of {n}")
+    if device.type == "cuda" and (gpus := torch.cuda.device_count()) < n:
+        raise ConfigError(f"needs {n} GPUs (--world {n}), torch sees {gpus} (--smoke: the CPU)")
     if device.type == "cuda" and not torch.distributed.is_nccl_available():
-        raise die("NCCL is not available in this torch build")
-    try:
-        spec, _ = resolve_backend(args.backend)
-    except Exception as e:
-        raise die(str(e)) from None
+        raise ConfigError("NCCL is not available in this torch build")
+    spec, _ = resolve_backend(args.backend)  # an unknown or unavailable one: a BackendError line
     if spec.device_type != device.type and args.backend != "reference":
-        raise die(f"backend {args.backend!r} runs on {spec.device_type}, not on --device {args.device}")
+        raise ConfigError(f"backend {args.backend!r} runs on {spec.device_type}, not on {args.device}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    temp_dir = None
+    model_dir = args.model_dir
     if args.smoke:  # the tiny model: one thread avoids OpenMP stalls on a small, shared CPU
         from deepinfer_core.models.deepseek_v4.tiny import builtin_tiny_model_dir
 
@@ -342,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]
     else:
         cfg = gm.flash_config(args.layers, args.experts)
-        model_dir = args.model_dir or (temp_dir := Path(tempfile.mkdtemp(prefix="gpu_distributed_model_")))
     preflight(args)
     if args.cp_min_tokens is not None:  # read when a model is built; the workers inherit it
         os.environ[CP_MIN_TOKENS_ENV] = str(args.cp_min_tokens)
@@ -350,18 +326,19 @@ def main(argv: list[str] | None = None) -> int:
         log(f"warning: --cp-chunk {args.cp_chunk} < cp_min_tokens {cp_min_tokens()}: CP will not split")
     if args.log_dir is not None:
         args.log_dir.mkdir(parents=True, exist_ok=True)
-    model, nccl_env = {"config": cfg, "dir": str(model_dir)}, {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
-    bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
-    data = bench.data
-    data.pop("pareto", None)
-    try:
-        if not args.smoke:
-            data["checkpoint"] = gm.write_checkpoint(model_dir, cfg, e2e.SEED, bench.device, bench.dtype, log)
-        bench.run()
-    finally:
-        bench.free()
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    nccl_env = {k: os.environ.get(k) for k in NCCL_SAFE_ENV}
+    with tempfile.TemporaryDirectory(prefix="gpu_distributed_model_", ignore_cleanup_errors=True) as tmp:
+        model_dir = model_dir or Path(tmp)  # a temporary checkpoint is removed at the end
+        model = {"config": cfg, "dir": str(model_dir)}
+        bench = Bench(args, model_dir, cfg["vocab_size"], model=model, nccl_env=nccl_env)
+        data = bench.data
+        data.pop("pareto", None)
+        try:
+            if not args.smoke:
+                bench.checkpoint(cfg)
+            bench.run()
+        finally:
+            bench.free()
     data["total_s"] = time.perf_counter() - e2e.T_START
     bench.save()
     results = data["results"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E4
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
 BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
+HBM_BW, BF16_FLOPS = 4.24e12, 989e12  # an H200's HBM bytes/s and dense bf16 FLOP/s: the rooflines'
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
 HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
@@ -43,7 +43,6 @@ MODE |= dict(prompt_len=(512, 32), new_tokens=(32, 4), chunk=(8192, 64), hf_batc
 MODE |= dict(prefill=([(16, 512), (1, 8192)], [(4, 32), (1, 256)]), pareto_prompt_len=(2048, 48))
 MODE |= dict(pareto_batch_sizes=([1, 2, 4, 8, 16], [1, 2]), pareto_chunks=([2048, 8192], [64, 128]))
 MODE |= dict(context_batch=(16, 2), out=(OUT, OUT.with_name("gpu_e2e_smoke.json")))
-MODE["pareto_png"] = (ROOT / "docs" / "prefill_pareto.png", Path(tempfile.gettempdir()) / "pareto_smoke.png")
 CONTEXTS = ("4096,32768,131072,1@4096,1@1048576", "64,256,1@64,1@1024")  # --contexts alone
 T_START = time.perf_counter()  # --time-budget counts from here
 
@@ -114,8 +113,7 @@ class Runner:
         self.data: dict[str, Any] = {"runs": [], "results": [], "pareto": {}, "engines": []}
         if args.append and args.out.is_file():
             self.data.update(json.loads(args.out.read_text()))
-        params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        header = {"params": params, "machine": h.machine_info(args.device), **header}
+        header = {"params": dict(vars(args)), "machine": h.machine_info(args.device), **header}
         self.data["runs"].append(header)
         self.data.update({k: v for k, v in header.items() if k in ("machine", "model")})
         self.device, self.dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -127,6 +125,10 @@ class Runner:
     def prompts(self, tag: str, count: int, length: int) -> list[list[int]]:
         """``count`` random prompts of ``length`` ids in ``[4, vocab)``, the same for the same ``tag``."""
         return h.random_prompts(count, length, SEED * 1_000_003 + zlib.crc32(tag.encode()), self.vocab)
+
+    def checkpoint(self, cfg: dict[str, Any]) -> None:
+        """The random checkpoint of ``cfg`` written to ``model_dir`` (or reused), its figures reported."""
+        self.data["checkpoint"] = gm.write_checkpoint(self.model_dir, cfg, SEED, self.device, self.dtype, log)
 
     def sync(self) -> None:
         if self.cuda:
@@ -229,7 +231,7 @@ class Bench(Runner):
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
         self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
         steps = {str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in BATCHES}
-        roofline = {"hbm_bytes_per_s": h.H200_HBM_BW, "peak_flops": h.H200_BF16_FLOPS}
+        roofline = {"hbm_bytes_per_s": HBM_BW, "peak_flops": BF16_FLOPS}
         self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
     def row(self, name: str, tok_s: float, tokens: int = 0, steps: list | None = None, kv: float = 0, **kw):
@@ -239,10 +241,10 @@ class Bench(Runner):
         row = {"name": name, "value": tok_s, "unit": "tok/s"}
         for f in FMTS:
             step_bytes = sum(gm.weight_bytes_per_step(self.cfg, t, f) + kv for t in steps or [tokens])
-            bound = sum(steps or [tokens]) * h.H200_HBM_BW / step_bytes
+            bound = sum(steps or [tokens]) * HBM_BW / step_bytes
             row |= {f"roofline_tok_s_{f}": bound, f"roofline_frac_{f}": tok_s / bound}
         if steps:
-            bound = h.H200_BF16_FLOPS / (2 * self.counts["active_per_token"])
+            bound = BF16_FLOPS / (2 * self.counts["active_per_token"])
             row |= {"roofline_tok_s_compute": bound, "roofline_frac_compute": tok_s / bound}
         return row | kw
 
@@ -301,7 +303,8 @@ class Bench(Runner):
                 run_llm(llm, self.prompts(f"warmup-{name}", most if pareto else count, length), 1)
             outs, _, wall = run_llm(llm, self.prompts(name, count, length), 1)
             p = prefill_stats(outs) | ({"batch": count} if pareto else {"wall_s": wall})
-            steps = gm.step_token_counts(count * length, chunk)
+            full, rest = divmod(count * length, chunk)  # the prefill's steps: full chunks, then the rest
+            steps = [chunk] * full + [rest] * (rest > 0)
             self.prefill_row(name, p, steps, series, max_num_batched_tokens=chunk)
 
     def prefill_row(self, name: str, p: dict[str, Any], steps: list[int], series: str | None, **kw: Any):
@@ -355,7 +358,7 @@ class Bench(Runner):
         if not model:
             return
         warm = self.prompts("warmup-hf", 1, min(a.prompt_len, 128))
-        self.job("hf.warmup", self.hf_generate, model[0], warm, 4)
+        self.job("hf.warmup", h.hf_generate, model[0], warm, 4, self.sync)
         for b in [] if a.skip_decode else a.hf_batch_sizes:
             self.job(f"hf.decode.B{b}", self.hf_decode, model[0], b)
         for count, length in [] if a.skip_prefill else a.prefill:
@@ -390,41 +393,22 @@ class Bench(Runner):
         self.data["engines"].append(info | {k: getattr(model.config, f"_{k}", None) for k in HF_IMPL})
         return model.eval()
 
-    def hf_generate(self, model: Any, prompts: list[list[int]], new_tokens: int) -> tuple:
-        """HF greedy generate; returns (new token ids, start time, per-token logits times, end)."""
-        from transformers import LogitsProcessorList
-
-        times: list[float] = []  # a logits processor stamps each new token, after its forward
-        clock = lambda ids, scores: (self.sync(), times.append(time.perf_counter()), scores)[-1]  # noqa: E731
-        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
-        kw = {"attention_mask": torch.ones_like(ids), "logits_processor": LogitsProcessorList([clock])}
-        self.sync()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
-        self.sync()
-        new = out[:, ids.shape[1] :].tolist()
-        if any(len(t) != new_tokens for t in new):
-            raise RuntimeError(f"HF generated {[len(t) for t in new]} tokens, expected {new_tokens}")
-        return new, t0, times, time.perf_counter()
-
     def hf_decode(self, model: Any, batch: int) -> None:
         n, prompts = self.args.new_tokens, self.prompts(f"decode-B{batch}", batch, self.args.prompt_len)
-        new, t0, times, t1 = self.hf_generate(model, prompts, n)
+        _, wall, times = h.hf_generate(model, prompts, n, self.sync)
         secs = times[-1] - times[0]
-        row = self.row(f"hf.decode.B{batch}", batch * (n - 1) / secs, batch, batch=batch, wall_s=t1 - t0)
-        row |= {"ttft_s": times[0] - t0, "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
+        row = self.row(f"hf.decode.B{batch}", batch * (n - 1) / secs, batch, batch=batch, wall_s=wall)
+        row |= {"ttft_s": times[0], "decode_step_ms": 1e3 * secs / max(len(times) - 1, 1)}
         self.add(row, f"{row['value']:.1f} tok/s")
 
     def hf_prefill(self, model: Any, count: int, length: int, pareto: bool = False) -> None:
         """A prefill row (``max_tokens=1``) of ``count`` prompts of ``length``, or a Pareto point."""
         name = f"hf.pareto.B{count}" if pareto else f"hf.prefill.{count}x{length}"
-        _, t0, times, t1 = self.hf_generate(model, self.prompts(name, count, length), 1)
-        ttft = times[0] - t0
+        _, wall, (ttft, *_) = h.hf_generate(model, self.prompts(name, count, length), 1, self.sync)
         p = {"prompt_tokens": count * length, "prefill_tok_s": count * length / ttft, "ttft_mean_s": ttft}
         p |= {"ttft_max_s": ttft} | ({"batch": count} if pareto else {})
         series = "HF transformers (eager)" if pareto else None
-        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=t1 - t0)
+        self.prefill_row(name, p, [count * length], series, ttft_s=ttft, wall_s=wall)
 
 
 # ---- output ----------------------------------------------------------------------------------------
@@ -446,39 +430,6 @@ def print_tables(rows: list[dict[str, Any]]) -> None:
         h.print_table(ctx, CONTEXT_TABLE)
 
 
-def plot_pareto(data: dict[str, Any], png: Path) -> str | None:
-    """Draw prefill tok/s vs mean TTFT of ``data["pareto"]``, one line per series; returns the
-    path, or None (with a note) without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("note: no matplotlib; the Pareto chart is skipped (its points are in the JSON)")
-    p, machine = data["runs"][-1]["params"], data.get("machine", {})
-    backends = "/".join(sorted({e["backend"] for e in data["engines"] if e.get("backend")})) or p["backend"]
-    fig, ax = plt.subplots(figsize=(7, 5))
-    for label, pts in data["pareto"].items():
-        pts = [q for q in pts if q.get("prefill_tok_s")]
-        x, y = [q["ttft_mean_s"] * 1e3 for q in pts], [q["prefill_tok_s"] for q in pts]
-        ax.plot(x, y, marker="o", label=label)
-        for xi, yi, q in zip(x, y, pts, strict=True):
-            ax.annotate(f"B{q['batch']}", (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="time to first token, mean over the batch (ms)", ylabel="tok/s")
-    model = f"{LAYERS}-layer {'smoke widths' if p['smoke'] else 'V4-Flash width'}, {p['experts']} experts"
-    where = f"{machine.get('gpu') or machine.get('device')}, backend {backends}, {p['dtype']}"
-    ax.set_title(f"Prefill Pareto, {model}, prompts of {p['pareto_prompt_len']} tokens\n{where}", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=130)
-    plt.close(fig)
-    print(f"wrote {png}")
-    return str(png)
-
-
 # ---- main ------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] + " (docs/benchmarks.md)")
@@ -492,10 +443,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--new-tokens", type=int, help="tokens generated per decode request (default 32)")
     add("--shared-engine", action="store_true", help="one engine (the largest batch) for every decode batch")
     add("--hf-batch-sizes", type=positive_ints, help="HF decode batch sizes (default 1,16)")
-    add("--pareto", action="store_true", help="prefill tok/s vs TTFT sweep and chart")
+    add("--pareto", action="store_true", help="prefill tok/s vs TTFT sweep (the JSON's pareto points)")
     add("--pareto-batch-sizes", type=positive_ints, help="default 1,2,4,8,16")
     add("--pareto-chunks", type=positive_ints, help="max_num_batched_tokens values (default 2048,8192)")
-    add("--pareto-png", type=Path, help="chart path (default docs/prefill_pareto.png)")
     add("--contexts", nargs="?", const="", help=f"CTX or B@CTX items to decode at (alone: {CONTEXTS[0]})")
     add("--context-batch", type=int, help="batch of the --contexts items without B@ (default 16)")
     for part in ("ours", "hf", "decode", "prefill"):
@@ -528,18 +478,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:  # tiny matmuls: one thread avoids OpenMP stalls on a small, shared CPU
         torch.set_num_threads(1)
     cfg_dict = gm.flash_config(LAYERS, args.experts, smoke=args.smoke)
-    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="gpu_e2e_model_"))
-    bench = Bench(args, model_dir, cfg_dict)
-    data = bench.data
-    log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
-    try:
-        data["checkpoint"] = gm.write_checkpoint(model_dir, cfg_dict, SEED, bench.device, bench.dtype, log)
+    with tempfile.TemporaryDirectory(prefix="gpu_e2e_model_", ignore_cleanup_errors=True) as tmp:
+        model_dir = args.model_dir or Path(tmp)  # a temporary checkpoint is removed at the end
+        bench = Bench(args, model_dir, cfg_dict)
+        data = bench.data
+        log(f"model: {LAYERS} layers, {args.experts} experts, {bench.counts['total'] / 1e9:.2f} B params")
+        bench.checkpoint(cfg_dict)
         if not args.skip_ours:
             bench.ours()
         if not args.skip_hf:
             bench.hf()
-        if args.pareto and data["pareto"]:
-            data["pareto_png"] = plot_pareto(data, args.pareto_png)
         data["total_s"] = time.perf_counter() - T_START
         bench.save()
         print_tables(data["results"])
@@ -548,9 +496,6 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             log(f"DeepInfer measurements failed: {failed}")
         return int(bool(failed))
-    finally:
-        if args.model_dir is None:
-            shutil.rmtree(model_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

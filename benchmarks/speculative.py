@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import cProfile
 import random
 import statistics
 import tempfile
@@ -67,14 +66,12 @@ class ModeRun:
         self.times.append(s)
         self.metrics = self.llm.get_metrics()
 
-    def row(self, profile_top: int) -> dict[str, Any]:
-        """The result row; with ``profile_top``, one more (untimed) run under cProfile and its top
-        functions per engine step."""
+    def row(self) -> dict[str, Any]:
+        """The result row: median wall time, throughput, target forwards, the speculation figures."""
         m, tokens, wall = self.metrics, h.new_tokens(self.outs), statistics.median(self.times)
         row = {"batch": self.batch, "mode": self.mode, "wall_s": wall, "wall_s_runs": self.times,
                "tok_per_s": tokens / wall, "generated_tokens": tokens, "target_forwards": m["num_steps"],
-               "tokens_per_forward": tokens / m["num_steps"] if m["num_steps"] else 0.0,
-               "token_ids": [o.outputs[0].token_ids for o in self.outs]}  # fmt: skip
+               "tokens_per_forward": tokens / m["num_steps"] if m["num_steps"] else 0.0}  # fmt: skip
         if "speculative" in m:
             s = m["speculative"]
             row.update(acceptance_rate=s["acceptance_rate"], draft_tokens=s["num_draft_tokens"],
@@ -82,11 +79,6 @@ class ModeRun:
                        verify_length_histogram=s["verify_length_histogram"],
                        steps_without_drafting=s["num_steps_without_drafting"])  # fmt: skip
             row.update({"cost_model": s["cost_model"]} if "cost_model" in s else {})
-        if profile_top:
-            self.llm.reset_metrics()
-            prof = cProfile.Profile()
-            prof.runcall(self.llm.generate, self.reqs, self.params, use_tqdm=False)
-            row["profile"] = h.top_functions(prof, profile_top, max(self.llm.get_metrics()["num_steps"], 1))
         return row
 
 
@@ -117,9 +109,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompts", choices=("repeat", "text"), default="repeat",
                     help="repeat: random blocks repeated; text: the trained tiny model's text")  # fmt: skip
     ap.add_argument("--presence-penalty", type=float, default=-2.0)
-    ap.add_argument(
-        "--profile", type=int, default=0, metavar="N", help="cProfile one more run: top N functions"
-    )
     args = h.parse(ap, argv)
     if args.model == "bigram-mtp":
         from deepinfer_core.testing.checkpoints import write_bigram_mtp_checkpoint
@@ -131,13 +120,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.repeats):  # interleaved: drifting machine load hits every mode alike
             for run in runs.values():
                 run.timed()
-        batch_rows = [run.row(args.profile) for run in runs.values()]
+        batch_rows = [run.row() for run in runs.values()]
         for row in batch_rows:
-            row["same_tokens_as_first_mode"] = row["token_ids"] == batch_rows[0]["token_ids"]
             row["speedup_vs_first_mode"] = row["tok_per_s"] / batch_rows[0]["tok_per_s"]
             if row["mode"] == "dspark" and "fixed" in runs:
                 row["vs_fixed_per_run"] = paired_ratios(runs["fixed"].times, runs["dspark"].times)
-        rows += [{k: v for k, v in row.items() if k != "token_ids"} for row in batch_rows]
+        rows += batch_rows
         del runs
     cols = "batch:d mode tok_per_s:.1f target_forwards:d tokens_per_forward:.2f acceptance_rate:.2f"
     h.print_table(rows, cols + " mean_acceptance_length:.2f speedup_vs_first_mode:.2f")
@@ -146,8 +134,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"B={r['batch']} dspark/fixed per run: median {p['median']:.3f}, mean {p['mean']:.3f} "
                   f"± {p['sd']:.3f} (sd; the mean's 95 % CI {p['ci95'][0]:.3f}..{p['ci95'][1]:.3f}), "
                   f"{p['at_least_1']}/{p['runs']} runs >= 1")  # fmt: skip
-        for f in r.get("profile", []):
-            print(f"  {r['mode']} per step: {f['cum_ms']:8.3f} ms {f['calls']:>7.1f} calls  {f['function']}")
     result = {"args": vars(args), "rows": rows}
     h.write_json(args.output, result, device="cuda" if torch.cuda.is_available() else None)
     return result

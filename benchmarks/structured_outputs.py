@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import copy
-import cProfile
 import dataclasses
-import pstats
 import runpy
 import statistics
 import uuid
@@ -18,18 +16,6 @@ CORPUS = Path(__file__).resolve().parents[1] / "plugins" / "samplers" / "tests" 
 SCHEMAS = "person order tool_call config_file event_log object_of_formats array_of_objects"
 SCHEMAS = [*SCHEMAS.split(), "object_nested_three_levels"]  # objects, arrays, formats, patterns, anyOf
 EQUAL_WORK = {"json": "len-matched", "json-full": "unconstrained"}
-PROFILE_PARTS = {  # label: (file suffix, function); cumulative time of each
-    "engine step (total)": ("engine/llm_engine.py", "step"),
-    "model forward (runner.execute)": ("engine/model_runner.py", "execute"),
-    "_sample (grammar masks + sampler)": ("engine/llm_engine.py", "_sample"),
-    "  structured.apply (wait for / fill the masks)": ("engine/structured.py", "apply"),
-    "    matcher.fill_bitmask (mask compute)": ("llguidance_backend.py", "fill_bitmask"),
-    "    matcher.consume (advance grammar)": ("llguidance_backend.py", "consume"),
-    "  sampler (bitmask copy, unpack, apply)": ("sampling/sampler.py", "__call__"),
-    "    apply_allowed_bias_bans_padded": ("sampling/penalties.py", "apply_allowed_bias_bans_padded"),
-    "scheduler.complete (append, detokenize)": ("engine/scheduler.py", "complete"),
-    "backend.matcher (per-request matcher copy)": ("llguidance_backend.py", "matcher"),
-}
 
 
 def mode_params(mode: str, n: int, schemas: list[dict], max_tokens: int) -> list[Any]:
@@ -121,31 +107,6 @@ def ttft(llm: Any, args: Any, schema: dict) -> dict[str, Any]:
     return {**out, "cache_info_end": dataclasses.asdict(backend.cache_info())}
 
 
-def profile(llm: Any, args: Any, schemas: list[dict]) -> dict[str, Any]:
-    """cProfile of ``--repeats`` interleaved runs per mode at the largest batch size:
-    cumulative seconds per part and the top self time, per run."""
-    batch, modes = max(args.batch_sizes), ("unconstrained", "json", "json-full")
-    prompts = h.corpus_prompts(llm.get_tokenizer(), batch, args.prompt_len)
-    params = {m: mode_params(m, batch, schemas, args.max_tokens) for m in modes}
-    profs, steps = {m: cProfile.Profile() for m in modes}, {m: [] for m in modes}
-    for m in modes:
-        run(llm, prompts, params[m])  # warm (cached grammars)
-    for _ in range(args.repeats):
-        for m in modes:
-            steps[m].append(profs[m].runcall(run, llm, prompts, params[m])["steps"])
-    out: dict[str, Any] = {"batch": batch, "runs_per_mode": args.repeats, "modes": {}}
-    for m in modes:
-        stats = pstats.Stats(profs[m]).stats  # type: ignore[attr-defined]
-        parts = {label: sum(v[3] for (f, _, fn), v in stats.items() if fn == name and f.endswith(suffix))
-                 / args.repeats for label, (suffix, name) in PROFILE_PARTS.items()}  # fmt: skip
-        out["modes"][m] = {
-            "steps_per_run": statistics.mean(steps[m]),
-            "parts_s_per_run": parts,
-            "top_self_time_per_run": h.top_functions(profs[m], 12, args.repeats, "self_ms"),
-        }
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = h.parser(__doc__, "structured_outputs", max_tokens=64, prompt_len=32, ttft_repeats=7)
     ap.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
@@ -154,7 +115,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--queue-factor", type=int, default=16, help="served: Q x B requests, B at a time (0: none)"
     )
-    ap.add_argument("--profile", action="store_true", help="cProfile each mode at the largest batch size")
     args = h.parse(ap, argv)
     from deepinfer_core import LLM
 
@@ -167,12 +127,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     modes = ("unconstrained", "len-matched", "json", "json-full")
     report["throughput"] = [r for b in args.batch_sizes for r in measure(llm, args, schemas, b, b, modes)]
     report["ttft"] = ttft(llm, args, all_schemas["order"])
-    report["profile"] = profile(llm, args, schemas) if args.profile else None
     report["served"] = served(llm, args, schemas) if args.queue_factor > 0 else []
-    cols = (
-        "batch:d mode requests:d seconds:.3f new_tokens:d tok_s:.1f steps:d ms_per_step:.2f slowdown:+.1% "
-        "equal_work_slowdown:+.1% equal_work_ref min_len:d max_len:d grammar_finished:d"
-    )
+    cols = "batch:d mode requests:d seconds:.3f new_tokens:d tok_s:.1f steps:d ms_per_step:.2f slowdown:+.1%"
+    cols += " equal_work_slowdown:+.1% equal_work_ref min_len:d max_len:d grammar_finished:d"
     h.print_table(report["throughput"], cols)
     if report["served"]:
         print(f"\ncontinuous batching: {args.queue_factor} x B requests, at most B running")
@@ -181,19 +138,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nfirst-token latency, schema {t['schema']!r}, median of {t['repeats']} (max_tokens=1)")
     rows = [{"request": k, **t[k]} for k in ("cold", "cached", "unconstrained")]
     h.print_table(rows, "request ttft_ms:.2f generate_ms:.2f cache_hits:d cache_misses:d")
-    if p := report["profile"]:
-        print(
-            f"\ncProfile at batch {p['batch']}, {p['runs_per_mode']} runs per mode: ms per run (ms per step)"
-        )
-        rows = [{"part": part} for part in PROFILE_PARTS]
-        for m, v in p["modes"].items():
-            for row in rows:
-                ms = 1e3 * v["parts_s_per_run"][row["part"]]
-                row[m] = f"{ms:.1f} ({ms / v['steps_per_run']:.2f})"
-        h.print_table(rows, [("part", "part", ""), *((m, m, "") for m in p["modes"])])
-        print("top self time per run, json-full:")
-        for f in p["modes"]["json-full"]["top_self_time_per_run"][:8]:
-            print(f"  {f['self_ms']:7.1f} ms {f['calls']:>7.0f} calls  {f['function']}")
     h.write_json(args.output, report)
     return report
 

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.user_files import read_text_file
 
 PERCENTILES = (50, 90, 99)
 METRICS = ("num_prefix_hit_tokens", "num_replayed_tokens", "num_preemptions", "num_steps", "peak_cache_usage",
@@ -52,17 +52,6 @@ def synthetic_prompts(
     return [prefix + [rng.choice(token_ids) for _ in range(rest)] for _ in range(num_prompts)]
 
 
-def read_text_file(flag: str, path: str | Path) -> str:
-    """The UTF-8 text of the file a command-line ``flag`` names; a one-line :class:`ConfigError`
-    naming flag, path and reason when it cannot be read (missing, a folder, not UTF-8...)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        reason = getattr(e, "strerror", None) or e
-        raise ConfigError(f"{flag} {path}: cannot read the file ({reason})") from None
-
-
 def read_prompts_file(path: str | Path) -> list[str]:
     """Prompts of a file: ``.jsonl`` lines ``{"prompt": ...}``, else one prompt per non-empty line."""
     p = Path(path)
@@ -79,19 +68,6 @@ def read_prompts_file(path: str | Path) -> list[str]:
             raise ConfigError(f'--prompts-file {path}, line {i}: expected an object with a string "prompt"')
         prompts.append(record["prompt"])
     return prompts
-
-
-def check_writable(path: str | Path, flag: str) -> None:
-    """Fail early (before a long run) when ``path`` cannot be written: its folder is missing or
-    read-only, or it names a folder."""
-    p = Path(path)
-    parent = p.parent if str(p.parent) else Path(".")
-    if p.is_dir():
-        raise ConfigError(f"{flag} {path}: is a directory; give a file path")
-    if not parent.is_dir():
-        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ConfigError(f"{flag} {path}: not writable")
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float]:
@@ -129,7 +105,7 @@ def run_bench(args: BenchArgs) -> dict[str, Any]:
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     duration = time.perf_counter() - t0
-    return summarize(outputs, duration, llm.get_metrics(), args, engine_settings(llm))
+    return summarize(outputs, duration, llm, args)
 
 
 ENGINE_FIELDS = ("model", "device", "dtype", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -137,26 +113,14 @@ ENGINE_FIELDS = ("model", "device", "dtype", "max_num_seqs", "max_num_batched_to
                  "keep_quantized")  # fmt: skip
 
 
-def engine_settings(llm: Any) -> dict[str, Any]:
-    """The resolved engine options, the backend and the software versions."""
+def summarize(outputs: list[RequestOutput], duration_s: float, llm: Any, args: BenchArgs) -> dict[str, Any]:
+    """The benchmark's numbers from the outputs, wall time, the engine's metrics and settings (the
+    resolved options, the backend and the software versions)."""
     import torch
 
     from deepinfer_core import __version__
 
-    return {"backend": llm.engine.backend.name, **{name: getattr(llm.config, name) for name in ENGINE_FIELDS},
-            "kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens, "deepinfer_version": __version__,
-            "torch_version": torch.__version__}  # fmt: skip
-
-
-def summarize(
-    outputs: list[RequestOutput],
-    duration_s: float,
-    metrics: dict[str, Any],
-    args: BenchArgs,
-    engine: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The benchmark's numbers from the outputs, wall time, engine metrics and settings."""
-    ok = [o for o in outputs if o.error is None]
+    metrics, ok = llm.get_metrics(), [o for o in outputs if o.error is None]
     errors = [o.error for o in outputs if o.error is not None]
     duration_s = max(duration_s, 1e-9)  # a run whose every request was rejected takes ~0 s
     num_in = sum(len(o.prompt_token_ids) for o in ok)
@@ -164,6 +128,8 @@ def summarize(
     ttft = [o.metrics.ttft * 1e3 for o in ok if o.metrics is not None and o.metrics.ttft is not None]
     latency = [o.metrics.latency * 1e3 for o in ok if o.metrics is not None and o.metrics.latency is not None]
     kept = ("output_len", "prompts_file", "shared_prefix_len", "seed", "temperature")
+    engine = {"backend": llm.engine.backend.name, **{k: getattr(llm.config, k) for k in ENGINE_FIELDS}}
+    engine |= {"kv_cache_capacity_tokens": llm.kv_cache_capacity_tokens, "deepinfer_version": __version__}
     return {"num_requests": len(outputs), "num_failed_requests": len(outputs) - len(ok),
             "first_error": errors[0] if errors else None, "num_input_tokens": num_in,
             "num_output_tokens": num_out, "duration_s": duration_s,
@@ -172,7 +138,7 @@ def summarize(
             "latency_ms": percentiles(latency), **{k: metrics[k] for k in METRICS},
             "args": {"num_prompts": len(outputs), "input_len": None if args.prompts_file else args.input_len,
                      **{k: getattr(args, k) for k in kept}, **args.engine},
-            "engine": engine or {}}  # fmt: skip
+            "engine": engine | {"torch_version": torch.__version__}}  # fmt: skip
 
 
 def format_table(result: dict[str, Any]) -> str:

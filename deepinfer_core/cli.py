@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from deepinfer_core.benchmarking.scripts import SCRIPTS, names_help, run_script
+from deepinfer_core.benchmarking.scripts import names_help, run_script
 from deepinfer_core.errors import ConfigError, DeepInferError, user_error_line
 
 EXIT_REQUEST_FAILED = 1  # the engine ran, and some prompt / request failed (one error line says so)
@@ -360,8 +360,8 @@ def _structured_outputs(args: argparse.Namespace) -> Any:
     """The ``StructuredOutputsParams`` of ``generate``'s --choice / --regex / --json-schema /
     --grammar (``None`` without them), checked by its grammar backend before the engine starts:
     a bad spec is a :class:`ConfigError` naming the flag."""
-    from deepinfer_core.bench import read_text_file
     from deepinfer_core.sampling.params import StructuredOutputsParams
+    from deepinfer_core.user_files import read_text_file
 
     structured = None
     given = [
@@ -472,7 +472,8 @@ def _token_str(token_id: int, tokenizer: Any) -> str:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from deepinfer_core.bench import BenchArgs, check_writable, format_table, run_bench
+    from deepinfer_core.bench import BenchArgs, format_table, run_bench
+    from deepinfer_core.user_files import check_writable
 
     if args.json_out:
         check_writable(args.json_out, "--json")  # before the benchmark runs, not after
@@ -580,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and argv[1:2] == ["throughput"]:
         argv = ["bench", *argv[2:]]  # the offline throughput / latency command by its name
-    elif argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in SCRIPTS:
+    elif argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):  # a benchmark's name
         return _guarded(lambda: run_script(argv[1], argv[2:]))
     parser = build_parser()
     try:

@@ -126,11 +126,17 @@ def test_throughput_is_the_named_form_of_the_default_command(capsys, tmp_path):
 
 
 def test_bench_help_lists_the_benchmark_scripts_and_a_name_runs_one(capsys, tmp_path):
-    from deepinfer_core.benchmarking.scripts import BENCHMARKS_DIR, SCRIPTS
+    from deepinfer_core.benchmarking.scripts import BENCHMARKS_DIR
 
     assert main(["bench", "--help"]) == 0
     listed = capsys.readouterr().out
-    assert all(name in listed for name in SCRIPTS)
-    assert all((BENCHMARKS_DIR / script).is_file() for script, _ in SCRIPTS.values())
+    names = {p.stem.replace("_", "-") for p in BENCHMARKS_DIR.glob("*.py")} - {"-gpu-model"}
+    assert all(f"\n  {name} " in listed for name in names)
+    assert "gpu-model" not in listed  # _gpu_model.py: a module the scripts share, no benchmark
+    assert "cpu-tiny   " in listed and "CPU throughput of DeepInfer vs HF transformers' generate on" in listed
     assert main(["bench", "run-batch", "--sizes", "0"]) == 2  # the script's own argparse usage error
     assert "expected positive integers" in capsys.readouterr().err
+    assert main(["bench", "cpu_tiny"]) == 2  # a name not listed: one line naming the listed ones
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "deepinfer bench cpu_tiny: no benchmark of that name" in err
+    assert "cpu-tiny, cpu-v41" in err

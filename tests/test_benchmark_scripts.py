@@ -1,9 +1,9 @@
 """The benchmark scripts still run end to end (small settings, CPU): what they print and write
 is what docs/benchmarks.md is built from, so a script that rots is a defect.  The scripts report
-figures; these tests judge them: ``gpu_distributed.py --smoke`` runs every part, its CP N greedy
-tokens equal one process's and its eplb part lowers the measured expert load imbalance (the
-bitwise exactness of DP N + EP N, DP N and CP N is tests/distributed/'s), and every speculative
-mode generates plain decoding's tokens."""
+figures; these tests judge them: ``gpu_distributed.py --smoke`` runs every part and its eplb
+part lowers the measured expert load imbalance.  The outputs' correctness is other tests': the
+exactness of DP N + EP N, DP N and CP N tests/distributed/'s, speculative decoding's
+tests/speculative/test_spec_engine.py's, the server's tests/test_serve.py's."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> None:
+def test_gpu_distributed_smoke_runs_every_part_and_eplb_lowers_the_load(tmp_path: Path) -> None:
     """Every part at ``--world 2`` (given explicitly: the code path of any N), eplb included:
     the skewed mix is rebalanced once, and the measured max/mean expert load after the
     rebalancing is at most the load before it."""
@@ -37,9 +37,10 @@ def test_gpu_distributed_smoke_runs_and_its_exactness_holds(tmp_path: Path) -> N
     script = str(ROOT / "benchmarks" / "gpu_distributed.py")
     proc = _run([script, "--smoke", "--world", "2", "--out", str(out)], tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    data = json.loads(out.read_text())
+    rows = {r["name"]: r for r in data["results"]}
+    assert {e["dist_backend"] for e in data["engines"] if e["world"] > 1} == {"gloo"}  # NCCL: test_nccl.py's
     assert {"decode.1gpu.B2", "decode.dp2ep2.B4", "prefill.1gpu.300", "prefill.cp2.300"} <= rows.keys()
-    assert rows["prefill.cp2.300"]["greedy_tokens_equal_to_1gpu"] == "2/2"
     assert rows["prefill.cp2.300"]["rank0_forwards_with_cp_plan"] > 0
     ranks = rows["decode.dp2ep2.B4"]["per_rank_generated_tokens"]  # rank 0's figures stand for each
     assert len(ranks) == 2 and ranks[0] == ranks[1] > 0
@@ -97,7 +98,6 @@ def test_speculative_benchmark_runs_and_pairs_dspark_with_fixed(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows.keys() == {"none", "fixed", "dspark"}
-    assert all(r["same_tokens_as_first_mode"] for r in rows.values())
     paired = rows["dspark"]["vs_fixed_per_run"]
     assert paired["runs"] == 2 and len(paired["ratios"]) == 2 and paired["median"] > 0
     low, high = paired["ci95"]
@@ -117,10 +117,9 @@ def test_run_batch_benchmark_measures_every_size(tmp_path: Path) -> None:
     assert all(r["peak_rss_mib"] > 0 and r["generated_tokens"] == 2 * r["size"] for r in rows)
 
 
-def test_serve_benchmark_streams_every_token_and_matches_llm_generate(tmp_path: Path) -> None:
+def test_serve_benchmark_streams_every_token(tmp_path: Path) -> None:
     """``deepinfer bench serve`` on tiny settings: a real server subprocess streams B x max_tokens
-    tokens (EOS ignored) whose text equals ``LLM.generate``'s for every request, and each path
-    reports its throughput, TTFT and ITL."""
+    tokens (EOS ignored), and each path reports its throughput, TTFT and ITL."""
     pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
     out = tmp_path / "serve.json"
@@ -130,7 +129,7 @@ def test_serve_benchmark_streams_every_token_and_matches_llm_generate(tmp_path: 
     rows = {(r["path"], r["batch"]): r for r in json.loads(out.read_text())["results"]}
     assert rows.keys() == {(p, b) for p in ("server", "LLM.generate") for b in (1, 3)}
     for (_, b), r in rows.items():
-        assert r["output_tokens"] == 5 * b and r["same_text"] == b
+        assert r["output_tokens"] == 5 * b
         assert r["output_tok_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] and 0 < r["itl_p50_ms"] <= r["itl_p90_ms"]
     assert all(0 < rows["server", b]["chunks"] <= 5 * b for b in (1, 3))

@@ -42,6 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "deepinfer_core.hookspecs",
             "deepinfer_core.hub",
             "deepinfer_core.tokenizer",
+            "deepinfer_core.user_files",
         ],
     ),
     ("weights", ["deepinfer_core.weights.*"]),

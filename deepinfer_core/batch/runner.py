@@ -26,6 +26,7 @@ from deepinfer_core.logging_utils import configure_logging
 from deepinfer_core.openai import OpenAIError, ParsedRequest, error_object, parse_request, response_body
 from deepinfer_core.openai.token_texts import TokenTexts
 from deepinfer_core.outputs import RequestOutput
+from deepinfer_core.user_files import check_writable
 
 logger = logging.getLogger("deepinfer.batch")
 
@@ -100,13 +101,7 @@ def _check_paths(input_path: str | os.PathLike[str], output_path: str | os.PathL
         raise ConfigError(f"run-batch -i {input_path}: {why}; give the batch input file (.jsonl)")
     if not os.access(src, os.R_OK):
         raise ConfigError(f"run-batch -i {input_path}: not readable")
-    if dst.is_dir():
-        raise ConfigError(f"run-batch -o {output_path}: is a directory; give a file path")
-    parent = dst.parent if str(dst.parent) else Path(".")
-    if not parent.is_dir():
-        raise ConfigError(f"run-batch -o {output_path}: the folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK) or (dst.exists() and not os.access(dst, os.W_OK)):
-        raise ConfigError(f"run-batch -o {output_path}: not writable")
+    check_writable(output_path, "run-batch -o")
     if dst.exists() and src.resolve() == dst.resolve():
         raise ConfigError(f"run-batch: -i and -o name the same file {input_path}")
 

@@ -18,10 +18,6 @@ from deepinfer_core.errors import DeepInferError, user_error_line
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 """Where the benchmarks write their JSON by default."""
-H200_HBM_BW = 4.24e12
-"""bytes/s of an H200's HBM (the read rooflines' bandwidth)."""
-H200_BF16_FLOPS = 989e12
-"""dense bf16 tensor-core peak of an H200, FLOP/s (the compute roofline's)."""
 
 
 def log(msg: str) -> None:
@@ -132,17 +128,29 @@ def corpus_prompts(tok: Any, num: int, length: int, mixed: bool = False, seed: i
     return [[tok.bos_token_id, *ids[(i * 97) % (len(ids) - n) :][: n - 1]] for i, n in enumerate(lengths)]
 
 
-def top_functions(prof: Any, count: int, per: float = 1.0, by: str = "cum_ms") -> list[dict[str, Any]]:
-    """The ``count`` functions of most ``by`` time (``"cum_ms"`` or ``"self_ms"``) in the
-    ``cProfile.Profile`` ``prof``: name, calls and milliseconds, each divided by ``per``."""
-    import pstats
+def hf_generate(
+    model: Any, prompts: Sequence[Sequence[int]], new_tokens: int, sync: Callable[[], None] | None = None
+) -> tuple[list[list[int]], float, list[float]]:
+    """HF transformers' greedy ``model.generate`` of exactly ``new_tokens`` tokens after each of the
+    token-id ``prompts`` (the model's ``generation_config.eos_token_id`` set to ``None``): ``(new
+    ids, seconds, stamps)``, ``stamps`` the seconds from the start to each step's logits; ``sync``
+    as :func:`timed`'s (also before each stamp)."""
+    import torch
+    from transformers import LogitsProcessorList
 
-    rows = [
-        {"function": f"{Path(f).name}:{line}({fn})", "calls": calls / per, "cum_ms": 1e3 * cum / per,
-         "self_ms": 1e3 * tt / per}
-        for (f, line, fn), (_, calls, tt, cum, _) in pstats.Stats(prof).stats.items()  # type: ignore[attr-defined]
-    ]  # fmt: skip
-    return sorted(rows, key=lambda r: -r[by])[:count]
+    sync, stamps = sync or (lambda: None), []
+    clock = lambda ids, scores: (sync(), stamps.append(time.perf_counter()), scores)[-1]  # noqa: E731
+    ids = torch.tensor(prompts, dtype=torch.long, device=model.device)
+    kw = {"attention_mask": torch.ones_like(ids), "logits_processor": LogitsProcessorList([clock])}
+    sync()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kw)
+    sync()
+    seconds, new = time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+    if any(len(t) != new_tokens for t in new):
+        raise RuntimeError(f"HF generated {[len(t) for t in new]} tokens, expected {new_tokens}")
+    return new, seconds, [t - t0 for t in stamps]
 
 
 def timed(fn: Callable[[], Any], sync: Callable[[], None] | None = None) -> tuple[Any, float]:
@@ -172,18 +180,13 @@ def machine_info(device: Any = None) -> dict[str, Any]:
     }
     torch = sys.modules.get("torch")  # a torch-free script (the cost model) stays torch-free
     if torch is not None:
-        info.update(
-            torch=torch.__version__, torch_cuda=torch.version.cuda, torch_threads=torch.get_num_threads()
-        )
+        info |= {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+        info["torch_threads"] = torch.get_num_threads()
     dev = torch.device(device) if torch is not None and device is not None else None
     if dev is not None and dev.type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(dev)
-        info.update(
-            gpu=torch.cuda.get_device_name(dev),
-            gpu_capability=f"{props.major}.{props.minor}",
-            gpu_memory_gib=props.total_memory / 2**30,
-            gpu_count=torch.cuda.device_count(),
-        )
+        info |= {"gpu": torch.cuda.get_device_name(dev), "gpu_capability": f"{props.major}.{props.minor}"}
+        info |= {"gpu_memory_gib": props.total_memory / 2**30, "gpu_count": torch.cuda.device_count()}
     for mod in ("triton", "transformers", "safetensors", "llguidance"):
         try:
             info[mod] = __import__(mod).__version__ if torch is not None else None
