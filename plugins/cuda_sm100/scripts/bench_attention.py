@@ -90,7 +90,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-graphs", action="store_true", help="time plain launches instead of CUDA graph replays"
     )
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between calls")
-    p.add_argument("--tune", action="store_true", help="also sweep the attention tiles at each shape")
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="also sweep the attention tiles, the indexer's tiles and its threshold segments at each shape",
+    )
     p.add_argument("--check", action="store_true", help="compare each output with the reference op first")
     p.add_argument(
         "--write-choices",
@@ -311,6 +315,13 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
             continue
         out.append({"config": list(cfg.__dict__.values()), "score_ms": score_ms, "select_ms": select_ms})
         print(f"    tune {cfg}: scores {score_ms:.4f} ms, select {select_ms:.4f} ms")
+    g, _ = ki.filter_groups(min(k, scores.shape[1]))
+    segments = 1
+    while segments * g <= scores.shape[1]:  # the threshold path's segments per row (a multiple of G each)
+        ms = timer.ms(lambda n=segments: ki.select_topk(scores, k, cand, segments=n))
+        out.append({"select_segments": segments, "select_ms": ms})
+        print(f"    tune threshold x{segments}: select {ms:.4f} ms")
+        segments *= 2
     return out
 
 
