@@ -15,6 +15,12 @@ per step:
 On a CPU the profiler sees operators, not kernels: the same table over the operators' own CPU
 time (``self``), so the script runs anywhere.  Prints the tables and writes JSON (``--out``).
 
+``--sites N`` then runs the same number of steps once more without the profiler and lists the
+``N`` source lines of DeepInfer that call the most PyTorch operators per step (views and
+allocations left out): each such operator is a kernel launch on a GPU, the launches a fused op
+would save.  A captured CUDA graph replays its kernels without calling the operators, so
+the engine of that pass is built with ``enforce_eager=True`` (same model, same steps).
+
     python plugins/cuda_sm100/scripts/profile_step.py --model /tmp/m --backend cuda_sm100 --batch 1
     python plugins/cuda_sm100/scripts/profile_step.py --steps 2          # the tiny model, here
 """
@@ -25,12 +31,14 @@ import argparse
 import json
 import random
 import re
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepinfer_core import LLM, SamplingParams
 from deepinfer_core.benchmarking.harness import run_main
@@ -64,12 +72,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="decode steps before profiling (default 3)")
     p.add_argument("--keep-quantized", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--top", type=int, default=15, help="kernels listed by name (default 15)")
+    p.add_argument(
+        "--sites", type=int, default=0, help="also list the N source lines calling the most operators"
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     return p.parse_args(argv)
 
 
-def decoding_engine(a: argparse.Namespace) -> tuple[LLM, int]:
-    """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left."""
+def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, int]:
+    """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left.
+    ``eager``: built with ``enforce_eager=True`` (no device graphs)."""
     keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
     budget = a.warmup + a.steps + 4
     llm = LLM(
@@ -78,6 +90,7 @@ def decoding_engine(a: argparse.Namespace) -> tuple[LLM, int]:
         max_num_seqs=a.batch,
         max_model_len=a.prompt_len + budget + 8,
         keep_quantized=keep,
+        enforce_eager=eager,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -108,6 +121,44 @@ def profile_steps(llm: LLM, steps: int) -> tuple[float, profile]:
         sync()
         wall = (time.perf_counter() - t0) / steps
     return wall, prof
+
+
+_NO_KERNEL_NAMES = (
+    "view as_strided slice select t transpose unsqueeze squeeze narrow expand reshape permute "
+    "_unsafe_view alias detach unbind split split_with_sizes chunk unflatten flatten lift_fresh "
+    "empty empty_strided empty_like new_empty _local_scalar_dense"
+)
+NO_KERNEL = frozenset(_NO_KERNEL_NAMES.split())
+"""Operators that launch no kernel: views, allocations, reading a scalar back."""
+
+
+class _SiteCounter(TorchDispatchMode):
+    """Counts operators (:data:`NO_KERNEL` left out) by the innermost DeepInfer source line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in NO_KERNEL:
+            frame = sys._getframe(1)
+            while frame is not None and "deepinfer" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            site = "?"
+            if frame is not None:
+                path = frame.f_code.co_filename
+                short = path[path.rfind("deepinfer") :]
+                site = f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+            self.calls[site] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operator_sites(llm: LLM, steps: int) -> list[tuple[str, float]]:
+    """Operators per step by calling source line over ``steps`` engine steps, most first."""
+    with _SiteCounter() as counter:
+        for _ in range(steps):
+            llm.engine.step()
+    return sorted(((k, v / steps) for k, v in counter.calls.items()), key=lambda kv: -kv[1])
 
 
 def breakdown(
@@ -163,10 +214,20 @@ def main(argv: list[str] | None = None) -> dict:
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
         "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
+    llm.shutdown()
+    if a.sites:
+        eager, left = decoding_engine(a, eager=True)
+        sites = operator_sites(eager, min(a.steps, left))
+        eager.shutdown()
+        total = sum(n for _, n in sites)
+        print(f"operators per step without graphs: {total:.0f}; the {a.sites} busiest source lines:")
+        for site, n in sites[: a.sites]:
+            print(f"  {n:6.1f}  {site}")
+        report["operators_per_step_eager"] = total
+        report["operators_by_site"] = dict(sites)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=1))
     print(f"wrote {a.out}")
-    llm.shutdown()
     return report
 
 

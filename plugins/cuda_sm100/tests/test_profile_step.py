@@ -52,3 +52,30 @@ def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     assert sum(kinds.values()) == pytest.approx(report["busy_ms_per_step"])
     assert 0 < report["busy_ms_per_step"] <= report["wall_ms_per_step"] * 1.05
     assert kinds.get("dense gemm", 0) > 0  # the tiny model's projections run as matmuls
+
+
+def _enclosing_functions(path: Path, line: int) -> set[str]:
+    """Names of the functions whose body holds ``line`` of ``path`` (and ``<lambda>``)."""
+    import ast
+
+    defs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    tree = ast.parse(path.read_text())
+    names = {n.name for n in ast.walk(tree) if isinstance(n, defs) and n.lineno <= line <= n.end_lineno}
+    return names | {"<lambda>"}
+
+
+@pytest.mark.slow
+def test_operator_sites_name_the_source_lines_that_call_them(tmp_path):
+    """Each listed site is a line of a DeepInfer source file inside the function it names."""
+    repo = SCRIPT.parents[3]
+    args = ["--steps", "2", "--batch", "2", "--prompt-len", "16", "--sites", "5"]
+    report = _module().main([*args, "--out", str(tmp_path / "p.json")])
+    sites = report["operators_by_site"]
+    assert report["operators_per_step_eager"] == pytest.approx(sum(sites.values()))
+    assert sum(sites.values()) > 0
+    for site in sites:
+        where, func = site.split(" ")
+        rel, line = where.rsplit(":", 1)
+        files = [p for p in repo.rglob(Path(rel).name) if str(p).endswith(rel) and ".venv" not in p.parts]
+        assert files, f"{rel}: no such source file"
+        assert func in _enclosing_functions(files[0], int(line)), site
