@@ -132,6 +132,10 @@ NO_KERNEL = frozenset(_NO_KERNEL_NAMES.split())
 """Operators that launch no kernel: views, allocations, reading a scalar back."""
 
 
+PACKAGE_DIR = "/deepinfer_"
+"""What the path of a DeepInfer package's source file holds (``deepinfer_core/``, a plugin's)."""
+
+
 class _SiteCounter(TorchDispatchMode):
     """Counts operators (:data:`NO_KERNEL` left out) by the innermost DeepInfer source line."""
 
@@ -142,12 +146,12 @@ class _SiteCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ not in NO_KERNEL:
             frame = sys._getframe(1)
-            while frame is not None and "deepinfer" not in frame.f_code.co_filename:
+            while frame is not None and PACKAGE_DIR not in frame.f_code.co_filename:
                 frame = frame.f_back
             site = "?"
             if frame is not None:
                 path = frame.f_code.co_filename
-                short = path[path.rfind("deepinfer") :]
+                short = path[path.rfind(PACKAGE_DIR) + 1 :]
                 site = f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
             self.calls[site] += 1
         return func(*args, **(kwargs or {}))
