@@ -6,8 +6,8 @@ ship with the package, one per GPU architecture (``choices_sm90.json``: measured
 and are re-measured by one command per family of ops (``python
 plugins/cuda_sm100/scripts/bench_attention.py --only attention --write-choices`` for
 ``sparse_attention``, ``python plugins/cuda_sm100/scripts/bench_tilekernels.py --write-choices``
-for the TileKernels ops); each command replaces the points of its own ops and keeps the others
-(:func:`merge_points`).  Nothing is timed inside a request.
+for the TileKernels ops); each command replaces the points of the shapes it measured and keeps
+the others (:func:`merge_points`).  Nothing is timed inside a request.
 
 Rules of :func:`choose`: only points of the same op, kind, dtype and widths (``heads``,
 ``head_dim``) count; a call with fewer or more tokens than any measured point, or on an
@@ -142,19 +142,25 @@ def _measured_around(points, lang: str, tokens: int) -> bool:
 
 
 def merge_points(arch: str, points: list[dict], source: dict, path: Path | None = None) -> Path:
-    """Write ``points`` (dicts of :class:`Point`'s fields) into the table of ``arch``: they replace
-    the table's points of the same ops, the others stay.  ``source`` (``command``, ``software``,
-    ``measured``...) is kept under ``sources`` for those ops; ``path`` replaces the shipped table's
-    (tests).  Returns the path written."""
+    """Write ``points`` (dicts of :class:`Point`'s fields) into the table of ``arch``: each
+    replaces the table's point of the same op, kind, dtype, widths, token and key counts; the
+    other points stay, so a run over some shapes (one expert count, a few token counts) keeps
+    the shapes it did not measure.  ``source`` (``command``, ``software``, ``measured``...) is
+    kept under ``sources`` for those ops (the latest run's); ``path`` replaces the shipped
+    table's (tests).  Returns the path written."""
     fields = set(Point.__dataclass_fields__)
     for p in points:
         if set(p) != fields:
             raise ValueError(f"a point needs exactly the fields {sorted(fields)}, got {sorted(p)}")
     path = path or table_path(arch)
     table = json.loads(path.read_text()) if path.exists() else {}
-    ops = sorted({p["op"] for p in points})
-    kept = [p for p in table.get("points", []) if p["op"] not in ops]
-    table.setdefault("sources", {}).update({op: source for op in ops})
+
+    def shape(p: dict) -> tuple:
+        return tuple(p[f] for f in sorted(fields - {"ms"}))
+
+    measured = {shape(p) for p in points}
+    kept = [p for p in table.get("points", []) if shape(p) not in measured]
+    table.setdefault("sources", {}).update({op: source for op in sorted({p["op"] for p in points})})
     table["points"] = kept + points
     path.write_text(json.dumps(table, indent=1) + "\n")
     forget()

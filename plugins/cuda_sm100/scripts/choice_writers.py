@@ -6,6 +6,8 @@ its own op's points (``--write-choices`` of ``bench_attention.py``, ``bench_fp8_
 from __future__ import annotations
 
 import importlib
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,13 @@ GRAPH_FLUSHED = (
 def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ...] = ("triton",)) -> Path:
     """Merge ``points`` into this GPU's table (:func:`~deepinfer_cuda_sm100.kernel_choice.
     merge_points`) with their source: the device, torch's and ``packages``' versions, the
-    ``command`` that measured them, today's date and how they were ``timing``-ed."""
+    command that measured them (this process's own when it runs a benchmark script, with its
+    arguments; else ``command``), today's date and how they were ``timing``-ed."""
     from deepinfer_cuda_sm100 import kernel_choice
+
+    script = Path(sys.argv[0])
+    if script.name.startswith("bench_") and script.suffix == ".py":
+        command = shlex.join(["python", f"plugins/cuda_sm100/scripts/{script.name}", *sys.argv[1:]])
 
     major, minor = torch.cuda.get_device_capability()
     versions = [f"torch {torch.__version__}"]

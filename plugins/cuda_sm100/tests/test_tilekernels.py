@@ -84,16 +84,21 @@ def test_measured_wins_are_the_ops_tilekernels_beat_somewhere():
     assert tk_dispatch.measured_wins("sm90", points) == {"hc_post", "deepseek_v41.engram_mix"}
 
 
-def test_merge_points_replaces_its_ops_and_keeps_the_others(tmp_path):
+def test_merge_points_replaces_the_shapes_it_measured_and_keeps_the_others(tmp_path):
     path = tmp_path / "choices.json"
     shipped = json.loads(kernel_choice.table_path("sm90").read_text())
+    shipped["points"] = [p for p in shipped["points"] if p["op"] != "hc_post"]
     path.write_text(json.dumps(shipped))
+    first = [{**_point("hc_post", t, 3.0, 1.0).__dict__} for t in (1, 64)]
+    kernel_choice.merge_points("sm90", first, {"command": "bench"}, path=path)
     new = [{**_point("hc_post", 1, 2.0, 1.0).__dict__}]
     kernel_choice.merge_points("sm90", new, {"command": "bench"}, path=path)
     kernel_choice.merge_points("sm90", new, {"command": "bench"}, path=path)  # twice: replaced, not added
     table = json.loads(path.read_text())
     ops = [p["op"] for p in table["points"]]
-    assert ops.count("hc_post") == 1
+    assert ops.count("hc_post") == 2  # the 1-token point replaced, the 64-token point kept
+    by_tokens = {p["tokens"]: p["ms"] for p in table["points"] if p["op"] == "hc_post"}
+    assert by_tokens == {1: {"triton": 2.0, "tilekernels": 1.0}, 64: {"triton": 3.0, "tilekernels": 1.0}}
     assert ops.count("sparse_attention") == sum(p["op"] == "sparse_attention" for p in shipped["points"]) > 0
     assert table["sources"]["hc_post"] == {"command": "bench"}
     loaded = [kernel_choice.Point(**p) for p in table["points"]]  # the form load_points reads
