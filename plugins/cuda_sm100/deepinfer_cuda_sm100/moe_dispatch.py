@@ -103,6 +103,14 @@ def mode_problem(device: torch.device) -> str | None:
     return None
 
 
+def languages(hidden: int, inter: int) -> frozenset[str]:
+    """The languages the table may pick for calls of these widths (TileLang's already taking
+    the call): the wide variant only where its widths fit."""
+    from deepinfer_cuda_sm100.tl.moe import wide_problem
+
+    return LANGUAGES if wide_problem(hidden, inter) is None else LANGUAGES - {WIDE}
+
+
 def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
     """``"tilelang"``, ``"tilelang_wide"`` or ``"triton"`` for this call (see the module
     docstring)."""
@@ -112,9 +120,6 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         return "triton"
     if tilelang_supports(x, ids, weights, gate_up, down, limit, shared) is not True:
         return "triton"
-    from deepinfer_cuda_sm100.tl.moe import wide_problem
-
-    available = LANGUAGES if wide_problem(x.shape[1], down.shape[2]) is None else LANGUAGES - {WIDE}
     return kernel_choice.choose(
         OP,
         choice_kind(gate_up),
@@ -124,7 +129,7 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         x.shape[0] * ids.shape[1],
         gate_up.shape[0],
         kernel_choice.device_arch(x.device),
-        available,
+        languages(x.shape[1], down.shape[2]),
     )
 
 
