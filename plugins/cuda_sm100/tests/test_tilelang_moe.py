@@ -278,6 +278,37 @@ def test_the_wide_variant_is_taken_only_where_timed_and_fastest():
     assert choose(96, widths=(384, 2048)) == "tilelang"  # widths the wide kernels refuse
 
 
+def test_bench_rows_become_points_that_pick_the_fastest_timed_variant():
+    """``bench_moe.py --write-choices``: its rows' times become ``moe_experts`` points with a
+    ``tilelang_wide`` entry where the wide variant was timed, which the dispatcher's choice reads."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
+    spec = importlib.util.spec_from_file_location("choice_writers", script)
+    writers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writers)
+    rows = [
+        {"T": 1, "triton_fp4_us": 80.0, "tilelang_fp4_us": 70.0, "tilelang_wide_fp4_us": 50.0},
+        {"T": 16, "triton_fp4_us": 400.0, "tilelang_fp4_us": 300.0, "tilelang_wide_fp4_us": 350.0},
+        {"T": 64, "triton_fp4_us": 500.0, "tilelang_fp4_us": 450.0, "tilelang_wide_fp4_us": None},
+        {"T": 128, "triton_fp4_us": 500.0, "tilelang_fp4_us": None},  # no TileLang time: left out
+    ]
+    dicts = writers.moe_points(rows, 4096, 2048, 256, 6)
+    assert [p["tokens"] for p in dicts] == [6, 96, 384]
+    assert dicts[0]["ms"] == {"triton": 0.08, "tilelang": 0.07, "tilelang_wide": 0.05}
+    assert set(dicts[2]["ms"]) == {"triton", "tilelang"}
+    points = tuple(kernel_choice.Point(**p) for p in dicts)
+
+    def choose(pairs):
+        return kernel_choice.choose(
+            "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, "sm90",
+            moe_dispatch.languages(4096, 2048), points=points,
+        )  # fmt: skip
+
+    assert [choose(6), choose(96), choose(384)] == ["tilelang_wide", "tilelang", "tilelang"]
+
+
 def test_dispatch_keeps_triton_off_the_gpu_in_batch_invariant_mode_and_fp8_math(monkeypatch):
     """The CPU calls here, the batch-invariant mode and the FP8 math never reach TileLang,
     whatever the table says."""
