@@ -7,13 +7,17 @@ scales, bitwise against ``QuantizedTensor.dequantize``), the whole per-thread de
 64 x 128 block assembled by wgmma's A-fragment layout (the reference weight in the kernels' K
 order), the CUDA source built around it, the launch plan, which calls the TileLang kernels
 refuse (with the reason) and the dispatcher's choice (batch-invariant mode, the FP8 math, the
-measured table).  Where TileLang imports, every shipped configuration lowers for sm_90 to the
-register-A form (slow).
+measured table, the wide variant ``tilelang_wide`` only where timed and fastest, the benchmark's
+rows as table points).  Where TileLang imports, every shipped configuration of both variants
+lowers for sm_90 to the register-A form (the wide one with its ``setmaxnreg`` split), and the
+A-fragment layout the decoding writes is TileLang's wgmma layout for the kernels' warps (slow).
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the TileLang path against the
 reference op on the FP4 conformance cases at V4-Flash shapes (widths 4096 x 2048, 1 to 256
 tokens, ue8m0 and float32 scales, a token routed twice to one expert, a shared expert), and the
-replay of a captured CUDA graph (bitwise equal to the eager call).
+replay of a captured CUDA graph (bitwise equal to the eager call); the wide variant
+(``consumers=2``) bitwise equal to the one-warpgroup kernels at 1 to 2048 tokens (tiles of 16, 32
+and 64 rows, both scale formats) and in a replayed graph.
 """
 
 from __future__ import annotations

@@ -35,6 +35,23 @@ for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_s
 address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
 it fills by the register order of the layout (:func:`a_register`).
 
+**The wide variant** (``consumers=2``; the dispatcher's language ``"tilelang_wide"``).  A CTA
+of two consumer warpgroups, each owning 128 weight rows as above (gate / up: the CTA covers 128
+intermediate features, warpgroup ``g`` their gate and up rows ``64 g ..``; down: 256 model
+features, block ``b`` rows ``128 b ..`` of which warpgroup ``g`` holds ``64 g ..``), both
+against the CTA's one activation tile in shared memory (the producer's gathers per weight
+halved).  The A fragments and accumulators span 128 rows with ``T.gemm``'s ``FullRow`` policy
+(8 warps in one column; :func:`a_fragment_layout` ``(128)`` is that policy's wgmma layout, and
+:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.fix_wgmma_accumulator_fence` makes TileLang fence a
+warpgroup's own accumulator registers).  TileLang gives the producer as many threads as the
+consumers when it issues ``cp.async`` gathers, so a CTA has 512 threads; the registers are split
+by ``setmaxnreg`` (:data:`WIDE_REGS`): the producer drops to 24, the consumers rise to 104 with
+``__launch_bounds__(512, 2)`` at ``BLOCK_M`` 16 (two CTAs an SM: 512 x 64 registers a CTA), to
+232 with one CTA an SM at 32 and 64 (at 32 the consumers need more than 104: 12-28 bytes of
+spills).  Each output row is computed by one warpgroup with the same wgmma shapes, K order,
+decoding and rounding points as the one-warpgroup kernels: the result is bitwise theirs, and
+``consumers=1`` lowers to the very code it did before the variant existed.
+
 **The K order.**  In the A fragment of ``m64nNk16`` the thread ``c`` of a quad holds, of each
 row, the k pairs ``2c, 2c + 1`` of every 8.  The kernels permute each step's 128 inputs
 (:func:`k_position`) so that those are inputs ``32c .. 32c + 31``: one scale group, 16
@@ -84,7 +101,24 @@ work: **~3.8-4.4 TB/s of FP4 weights** on an H200 (132 SMs, 1.98 GHz) at full pi
 (~4.5 TB/s at full issue, 4 warp instructions a clock and SM), near HBM's ~4.3 TB/s copy rate;
 2.5 TB/s needs ~60-65 % of the pipe.
 
-Static configurations: ``(hidden, inter, BLOCK_M, scale kind)``, compiled once each
+**The wide variant's resources (an offline estimate, not a measurement)**: lowered for sm_90
+with TileLang 0.1.15, ``nvcc 13 -arch=sm_90a -Xptxas -v``; every configuration (gate / up and
+down, both scale kinds) without spills, stack frame or local memory; "highest register" is the
+highest register the SASS names (consumer code, under its ``setmaxnreg`` ceiling); shared memory
+per CTA, ue8m0 (fp32) scales, 4 stages; "one": the one-warpgroup kernels (256 threads, no
+``setmaxnreg``), "wide": registers at launch / producer / consumers, and the highest register;
+"CTAs, warps": CTAs and consumer warps an SM; BM: ``BLOCK_M``; shared memory in KiB:
+
+| BM | one: registers | one: shared | one: CTAs, warps | wide: registers | wide: shared | wide: CTAs, warps |
+| --- | --- | --- | --- | --- | --- | --- |
+| 16 | 106-107 | 50 (56) | 2, 8 | 64 / 24 / 104, R92 | 84 (96) | 2, 16 |
+| 32 | 122-126 | 68 (80) | 2, 8 | 128 / 24 / 232, R122 | 100 (112) | 1, 8 |
+| 64 | 154-158 | 100 (104) | 1, 4 | 128 / 24 / 232, R155 | 132 (144) | 1, 8 |
+
+Whether more consumer warps an SM turn into weight bandwidth is for the benchmark
+(``bench_moe.py``'s ``tilelang_wide_fp4`` column) and the measured table to say.
+
+Static configurations: ``(hidden, inter, BLOCK_M, scale kind, consumers)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
 """
 
