@@ -17,6 +17,12 @@ TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) when all of these hold:
   ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks TileLang at the nearest measured
   point; unmeasured shapes stay on Triton.
 
+The table names TileLang's kernels in two variants: ``"tilelang"`` (one consumer warpgroup a
+CTA) and ``"tilelang_wide"`` (two, :func:`~deepinfer_cuda_sm100.tl.moe.moe_experts`'s
+``consumers=2``; bitwise the same result).  Each is a language of its own in the table: taken
+only where it was timed around the call's pair count and fastest, never extrapolated, and only
+for widths it takes (:func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`).
+
 The choice depends on static shapes only, so a captured graph replays the kernels it captured.
 """
 
@@ -37,6 +43,9 @@ GROUP = 32
 """The FP4 scale group the TileLang kernels read."""
 MAX_GRID_Y = 65535
 """CUDA's limit on a grid's second dimension, the TileLang kernels' tiles of tokens."""
+WIDE = "tilelang_wide"
+"""The table's name of the wide TileLang variant (two consumer warpgroups a CTA)."""
+LANGUAGES = frozenset({"triton", "tilelang", WIDE})
 
 
 def _stack_problem(name: str, w) -> str | None:
@@ -94,8 +103,17 @@ def mode_problem(device: torch.device) -> str | None:
     return None
 
 
+def languages(hidden: int, inter: int) -> frozenset[str]:
+    """The languages the table may pick for calls of these widths (TileLang's already taking
+    the call): the wide variant only where its widths fit."""
+    from deepinfer_cuda_sm100.tl.moe import wide_problem
+
+    return LANGUAGES if wide_problem(hidden, inter) is None else LANGUAGES - {WIDE}
+
+
 def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
-    """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
+    """``"tilelang"``, ``"tilelang_wide"`` or ``"triton"`` for this call (see the module
+    docstring)."""
     if mode_problem(x.device) is not None:
         return "triton"
     if not tl.usable_for("moe_experts", "the Triton kernels serve every call"):
@@ -111,7 +129,7 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         x.shape[0] * ids.shape[1],
         gate_up.shape[0],
         kernel_choice.device_arch(x.device),
-        frozenset({"triton", "tilelang"}),
+        languages(x.shape[1], down.shape[2]),
     )
 
 
@@ -119,10 +137,12 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
     """The op: the TileLang GEMMs where :func:`choose_language` picks them, else ``triton_fn``."""
 
     def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
-        if choose_language(x, ids, weights, gate_up, down, limit, shared) == "tilelang":
+        language = choose_language(x, ids, weights, gate_up, down, limit, shared)
+        if language != "triton":
             from deepinfer_cuda_sm100.tl import moe as tl_moe
 
-            return tl_moe.moe_experts(x, ids, weights, gate_up, down, limit, shared)
+            consumers = 2 if language == WIDE else 1
+            return tl_moe.moe_experts(x, ids, weights, gate_up, down, limit, shared, consumers=consumers)
         return triton_fn(x, ids, weights, gate_up, down, limit, shared)
 
     moe_experts.__doc__ = f"Dispatcher over TileLang and Triton.\n\n{__doc__}"

@@ -13,6 +13,8 @@ overhead is excluded and consecutive calls touch different experts):
   reported next to the default math's);
 * ``tilelang fp4``: the TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) on the same FP4
   experts, between the same Triton layout and combine launches (where TileLang can compile);
+* ``tilelang wide fp4``: the same with the wide variant (``consumers=2``: two consumer
+  warpgroups a CTA; where its widths fit, :func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
@@ -25,8 +27,8 @@ repository root).
     python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,16,64,128,256] [--experts 256]
         [--write-choices]
 
-``--write-choices`` writes the Triton and TileLang FP4 times of each token count into the
-backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
+``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) of each
+token count into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
 :mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads.
 """
 
@@ -103,25 +105,48 @@ def main() -> None:
 
     from deepinfer_core.ops.moe import moe_experts as reference
 
+    e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     tl_problem = tilelang_problem()
+    wide_problem = tl_problem
     if tl_problem is None:
         from deepinfer_cuda_sm100.tl.moe import moe_experts as tilelang_moe
-    else:
-        print(f"(no TileLang column: {tl_problem})")
+        from deepinfer_cuda_sm100.tl.moe import wide_problem as tl_wide_problem
 
-    e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+        wide_problem = tl_wide_problem(d, i)
+        if wide_problem:
+            print(f"(no TileLang wide column: {wide_problem})")
+    else:
+        print(f"(no TileLang columns: {tl_problem})")
+
     gate_up, down = random_fp4(e, 2 * i, d, 1), random_fp4(e, d, i, 2)
     gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
-    names = ("triton_fp4", "triton_fp4_fp8math", "tilelang_fp4", "triton_bf16", "grouped_mm")
+    names = (
+        "triton_fp4",
+        "triton_fp4_fp8math",
+        "tilelang_fp4",
+        "tilelang_wide_fp4",
+        "triton_bf16",
+        "grouped_mm",
+    )
+    tbps_columns = (
+        "triton_fp4_weight_TBps",
+        "triton_fp4_fp8math_weight_TBps",
+        "tilelang_fp4_weight_TBps",
+        "tilelang_wide_fp4_weight_TBps",
+        "triton_bf16_weight_TBps",
+        "grouped_mm_weight_TBps",
+    )
     print(
         f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
         f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
-    head += f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9}"
-    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9}"
+    head += (
+        f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9}"
+    )
+    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9}"
     print(head)
     rows = []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -141,7 +166,11 @@ def main() -> None:
             calls["tilelang_fp4"] = lambda j, routes=routes, x=x: tilelang_moe(
                 x, *routes[j], gate_up, down, LIMIT
             )
-        times = {"tilelang_fp4": None}
+        if wide_problem is None:
+            calls["tilelang_wide_fp4"] = lambda j, routes=routes, x=x: tilelang_moe(
+                x, *routes[j], gate_up, down, LIMIT, consumers=2
+            )
+        times = {"tilelang_fp4": None, "tilelang_wide_fp4": None}
         for name, fn in calls.items():
             times[name] = time_graph(fn, args.calls_per_graph, args.replays)
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
@@ -159,6 +188,9 @@ def main() -> None:
         tl_err = tl_rms = None
         if tl_problem is None:
             tl_err, tl_rms = errors(tilelang_moe(x, *routes[0], gate_up, down, LIMIT), want)
+        tlw_err = tlw_rms = None
+        if wide_problem is None:
+            tlw_err, tlw_rms = errors(tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=2), want)
 
         def tbps(us, per_expert, distinct=distinct):
             return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
@@ -173,6 +205,7 @@ def main() -> None:
             "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),
             "triton_fp4_fp8math_weight_TBps": tbps(times["triton_fp4_fp8math"], fp4_expert_bytes),
             "tilelang_fp4_weight_TBps": tbps(times["tilelang_fp4"], fp4_expert_bytes),
+            "tilelang_wide_fp4_weight_TBps": tbps(times["tilelang_wide_fp4"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
@@ -181,6 +214,8 @@ def main() -> None:
             "fp4_fp8math_rel_rms_err_vs_reference": fp8_rms,
             "tilelang_fp4_max_rel_err_vs_reference": tl_err,
             "tilelang_fp4_rel_rms_err_vs_reference": tl_rms,
+            "tilelang_wide_fp4_max_rel_err_vs_reference": tlw_err,
+            "tilelang_wide_fp4_rel_rms_err_vs_reference": tlw_rms,
         }
         rows.append(row)
 
@@ -190,23 +225,14 @@ def main() -> None:
         print(
             f"{t:>5} {distinct:>8.1f} {row['tiles']:>6} "
             + " ".join(fmt(times[n]) for n in names)
-            + "".join(
-                f" {fmt(row[c], 9, '.2f')}"
-                for c in (
-                    "triton_fp4_weight_TBps",
-                    "triton_fp4_fp8math_weight_TBps",
-                    "tilelang_fp4_weight_TBps",
-                    "triton_bf16_weight_TBps",
-                    "grouped_mm_weight_TBps",
-                )
-            )
-            + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')}"
+            + "".join(f" {fmt(row[c], 9, '.2f')}" for c in tbps_columns)
+            + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')} {fmt(tlw_err, 9, '.2g')}"
         )
     import triton
 
     result = {
-        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 / "
-        "Triton bf16 vs torch._grouped_mm bf16",
+        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 "
+        "(one and two consumer warpgroups) / Triton bf16 vs torch._grouped_mm bf16",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),

@@ -7,13 +7,17 @@ scales, bitwise against ``QuantizedTensor.dequantize``), the whole per-thread de
 64 x 128 block assembled by wgmma's A-fragment layout (the reference weight in the kernels' K
 order), the CUDA source built around it, the launch plan, which calls the TileLang kernels
 refuse (with the reason) and the dispatcher's choice (batch-invariant mode, the FP8 math, the
-measured table).  Where TileLang imports, every shipped configuration lowers for sm_90 to the
-register-A form (slow).
+measured table, the wide variant ``tilelang_wide`` only where timed and fastest, the benchmark's
+rows as table points).  Where TileLang imports, every shipped configuration of both variants
+lowers for sm_90 to the register-A form (the wide one with its ``setmaxnreg`` split), and the
+A-fragment layout the decoding writes is TileLang's wgmma layout for the kernels' warps (slow).
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the TileLang path against the
 reference op on the FP4 conformance cases at V4-Flash shapes (widths 4096 x 2048, 1 to 256
 tokens, ue8m0 and float32 scales, a token routed twice to one expert, a shared expert), and the
-replay of a captured CUDA graph (bitwise equal to the eager call).
+replay of a captured CUDA graph (bitwise equal to the eager call); the wide variant
+(``consumers=2``) bitwise equal to the one-warpgroup kernels at 1 to 2048 tokens (tiles of 16, 32
+and 64 rows, both scale formats) and in a replayed graph.
 """
 
 from __future__ import annotations
@@ -167,16 +171,31 @@ def test_decode_source_embeds_the_emulated_ptx():
 # launch plan, supports, choice
 
 
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 @pytest.mark.parametrize("tokens", [1, 16, 64, 256, 4096])
-def test_launch_plan_covers_every_feature_and_tile(tokens):
+def test_launch_plan_covers_every_feature_and_tile(tokens, consumers):
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
 
-    plan = tlm.launch_plan(tokens, 6, 256, 4096, 2048)
+    plan = tlm.launch_plan(tokens, 6, 256, 4096, 2048, consumers)
     bm = tile_rows(tokens * 6, 256, False)
     assert plan["block_m"] == bm and plan["tiles"] == tile_count(tokens * 6, 256, bm)
-    assert plan["gate_up_grid"] == (2048 // tlm.ATOM, plan["tiles"])  # 64 features, gate + up rows
-    assert plan["down_grid"][0] * tlm.ROWS == 4096  # 128 model features a CTA
+    # 64 features a consumer warpgroup, their gate and up rows
+    assert plan["gate_up_grid"] == (2048 // (64 * consumers), plan["tiles"])
+    assert plan["down_grid"][0] * 128 * consumers == 4096  # 128 model features a warpgroup
     assert bm in (16, 32, 64)  # the wgmma N of the token side
+
+
+def test_the_wide_variant_names_the_widths_and_variants_it_refuses():
+    assert tlm.wide_problem(4096, 2048) is None
+    assert "multiple of 256" in tlm.wide_problem(384, 2048)
+    x, ids, w, gu, dn, lim = _call(d=384, i=128, gate_up=_fp4(8, 256, 384), down=_fp4(8, 384, 128))
+    assert moe_dispatch.tilelang_supports(x, ids, w, gu, dn, lim) is True  # the narrow kernels take it
+    with pytest.raises(ValueError, match="multiple of 256"):
+        tlm.moe_experts(x, ids, w, gu, dn, lim, consumers=2)
+    with pytest.raises(ValueError, match="consumers=3"):
+        tlm.moe_experts(*_call(), consumers=3)
+    assert moe_dispatch.languages(384, 128) == {"triton", "tilelang"}
+    assert moe_dispatch.languages(4096, 2048) == {"triton", "tilelang", "tilelang_wide"}
 
 
 def _fp4(e, out, inp, scale_dtype="ue8m0", group=32):
@@ -222,10 +241,9 @@ def test_choice_kind_names_the_scale_format():
     assert moe_dispatch.choice_kind(_fp4(2, 4, 64, "fp32")) == "fp4+fp32"
 
 
-def _point(pairs: int, tl: float, tr: float) -> kernel_choice.Point:
-    return kernel_choice.Point(
-        "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, {"tilelang": tl, "triton": tr}
-    )
+def _point(pairs: int, tl: float, tr: float, wide: float | None = None) -> kernel_choice.Point:
+    ms = {"tilelang": tl, "triton": tr} | ({} if wide is None else {"tilelang_wide": wide})
+    return kernel_choice.Point("moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, ms)
 
 
 def test_measured_points_pick_the_faster_language_and_triton_outside_them():
@@ -240,6 +258,59 @@ def test_measured_points_pick_the_faster_language_and_triton_outside_them():
     assert choose(1536) == "triton"
     assert choose(6) == "triton"  # fewer pairs than any measured point
     assert choose(96, frozenset({"triton"})) == "triton"
+
+
+def test_the_wide_variant_is_taken_only_where_timed_and_fastest():
+    """``tilelang_wide`` is a language of its own in the table: chosen where it was timed around
+    the pair count and fastest, never extrapolated past its points, never for widths it refuses."""
+    points = (
+        _point(6, 1.0, 2.0, wide=0.8),
+        _point(96, 1.0, 2.0, wide=0.5),
+        _point(384, 1.0, 2.0, wide=1.5),
+        _point(1536, 1.0, 2.0),  # not timed here
+    )
+
+    def choose(pairs, widths=(4096, 2048)):
+        return kernel_choice.choose(
+            "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, "sm90",
+            moe_dispatch.languages(*widths), points=points,
+        )  # fmt: skip
+
+    assert choose(6) == "tilelang_wide" and choose(96) == "tilelang_wide"
+    assert choose(384) == "tilelang"  # timed, slower than the one-warpgroup kernels
+    assert choose(1536) == "tilelang"  # past the wide variant's measured pairs: not extrapolated
+    assert choose(96, widths=(384, 2048)) == "tilelang"  # widths the wide kernels refuse
+
+
+def test_bench_rows_become_points_that_pick_the_fastest_timed_variant():
+    """``bench_moe.py --write-choices``: its rows' times become ``moe_experts`` points with a
+    ``tilelang_wide`` entry where the wide variant was timed, which the dispatcher's choice reads."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
+    spec = importlib.util.spec_from_file_location("choice_writers", script)
+    writers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writers)
+    rows = [
+        {"T": 1, "triton_fp4_us": 80.0, "tilelang_fp4_us": 70.0, "tilelang_wide_fp4_us": 50.0},
+        {"T": 16, "triton_fp4_us": 400.0, "tilelang_fp4_us": 300.0, "tilelang_wide_fp4_us": 350.0},
+        {"T": 64, "triton_fp4_us": 500.0, "tilelang_fp4_us": 450.0, "tilelang_wide_fp4_us": None},
+        {"T": 128, "triton_fp4_us": 500.0, "tilelang_fp4_us": None},  # no TileLang time: left out
+    ]
+    dicts = writers.moe_points(rows, 4096, 2048, 256, 6)
+    assert [p["tokens"] for p in dicts] == [6, 96, 384]
+    assert dicts[0]["ms"] == {"triton": 0.08, "tilelang": 0.07, "tilelang_wide": 0.05}
+    assert set(dicts[2]["ms"]) == {"triton", "tilelang"}
+    points = tuple(kernel_choice.Point(**p) for p in dicts)
+
+    def choose(pairs):
+        return kernel_choice.choose(
+            "moe_experts", "fp4", "bfloat16", 4096, 2048, pairs, 256, "sm90",
+            moe_dispatch.languages(4096, 2048), points=points,
+        )  # fmt: skip
+
+    assert [choose(6), choose(96), choose(384)] == ["tilelang_wide", "tilelang", "tilelang"]
 
 
 def test_dispatch_keeps_triton_off_the_gpu_in_batch_invariant_mode_and_fp8_math(monkeypatch):
@@ -267,9 +338,15 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
     from deepinfer_cuda_sm100.tl.precompile import moe_configurations
 
     configs = moe_configurations(4096, 2048)
-    assert {(c[0], c[3], c[4]) for c in configs} == {
-        (kind, bm, scale) for kind in ("gate_up", "down") for bm in (16, 32, 64) for scale in tlm.SCALE_KINDS
+    assert len(configs) == len(set(configs)) == 24
+    assert {(c[0], c[3], c[4], c[5]) for c in configs} == {
+        (kind, bm, scale, consumers)
+        for kind in ("gate_up", "down")
+        for bm in (16, 32, 64)
+        for scale in tlm.SCALE_KINDS
+        for consumers in (1, 2)
     }
+    assert {c[5] for c in moe_configurations(384, 2048)} == {1}  # the wide kernels refuse D=384
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,10 +355,15 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 @pytest.mark.parametrize("kind", ["gate_up", "down"])
-def test_every_configuration_lowers_for_sm90(kind):
+def test_every_configuration_lowers_for_sm90(kind, consumers):
     """Every configuration precompile lists lowers to the warp-specialised register-A form: a
-    TMA producer, the decoding into the A fragment, ``wgmma`` with A in registers."""
+    TMA producer, the decoding into the A fragment, ``wgmma`` with A in registers; the wide
+    variant with its register split (``setmaxnreg``) and launch bound, and the accumulator
+    fence naming exactly a thread's accumulator registers."""
+    import re
+
     import tilelang
     import tvm
     from deepinfer_cuda_sm100.tl.precompile import moe_configurations
@@ -289,17 +371,61 @@ def test_every_configuration_lowers_for_sm90(kind):
 
     target = Target({"kind": "cuda", "arch": "sm_90"})
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
-    configs = [c for c in moe_configurations(4096, 2048) if c[0] == kind]
+    configs = [c for c in moe_configurations(4096, 2048) if c[0] == kind and c[5] == consumers]
     assert len(configs) == 6
-    for _, hidden, inter, bm, scale in configs:
+    for _, hidden, inter, bm, scale, _ in configs:
         with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
-            src = tilelang.lower(build(hidden, inter, bm, scale), target=target).kernel_source
+            func = (
+                build(hidden, inter, bm, scale)
+                if consumers == 1
+                else build(hidden, inter, bm, scale, consumers=2)
+            )
+            src = tilelang.lower(func, target=target).kernel_source
         assert f"64, {bm}, 16" in src, "the transposed wgmma: 64 weight rows x BLOCK_M tokens"
         assert "wgmma_rs<" in src and "wgmma_ss<" not in src, "the weights reach wgmma in registers"
         assert "tma_load(" in src and "mbarrier" in src, "a TMA producer feeds a shared ring"
         fn = tlm.DECODE_UE8M0 if scale == "ue8m0" else tlm.DECODE_FP32
         assert f"{fn}(" in src
         assert src.count("__syncthreads()") == 1, "one block barrier (after the mbarriers' set-up)"
+        if consumers == 1:
+            assert "__launch_bounds__(256, 1)" in src and "warpgroup_reg_alloc" not in src
+        else:
+            ctas, producer, consumer = tlm.WIDE_REGS[bm]
+            assert f"__launch_bounds__(512, {ctas})" in src  # 2 x 128 producer + 2 x 128 consumer threads
+            assert f"warpgroup_reg_dealloc<{producer}>" in src and f"warpgroup_reg_alloc<{consumer}>" in src
+            assert 128 * 2 * (producer + consumer) * ctas <= 65536, "the split fits the register file"
+        fences = re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)
+        assert fences and {int(n) for n in fences} == {64 * bm // 128}, "a thread's accumulator registers"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
+def test_a_fragment_layout_is_tilelangs_wgmma_layout_for_the_kernels_warps(consumers):
+    """The decoding writes the A fragment by :func:`a_fragment_layout`; it must be the layout
+    TileLang's wgmma emitter reads for the kernels' warp split (one warpgroup: the default
+    policy over 4 warps; two: ``FullRow`` over 8, warpgroup ``g`` rows ``64 g ..``)."""
+    import tvm.tirx as tirx
+    from tilelang import ir
+    from tilelang import language as T
+    from tilelang.cuda.intrinsics.macro.wgmma_macro_generator import TensorCoreIntrinEmitter
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    rows = tlm.ATOM * consumers
+    policy = T.GemmWarpPolicy.Square if consumers == 1 else T.GemmWarpPolicy.FullRow
+    for bm in (16, 32, 64):
+        warps = ir.GemmWarpPolicy(int(policy), 0, 0).compute_warp_partition(
+            rows, bm, 128 * consumers, target, "cuda.wgmma"
+        )
+        assert warps == (4 * consumers, 1)
+        emitter = TensorCoreIntrinEmitter(
+            a_dtype="bfloat16", b_dtype="bfloat16", accum_dtype="float32", a_transposed=False,
+            b_transposed=True, block_row_warps=warps[0], block_col_warps=warps[1],
+            warp_row_tiles=rows // warps[0], warp_col_tiles=bm // warps[1], chunk=tlm.BLOCK_K,
+        )  # fmt: skip
+        frag = tirx.decl_buffer((rows, tlm.BLOCK_K), "bfloat16", scope="local.fragment")
+        assert tlm.a_fragment_layout(rows).is_equal(emitter.make_mma_load_layout(frag, matrix="A"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,3 +481,50 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
     for args in _v4_cases()[1:4]:
         eager = tlm.moe_experts(*args)
         assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args)), eager)
+
+
+def _wide_cases() -> list[tuple]:
+    """V4-Flash widths, 64 experts, ue8m0 and float32 scales, 1 to 2048 tokens (tiles of 16,
+    32 and 64 rows), a duplicate expert, a shared expert at 16 tokens."""
+    from test_moe_kernel import _random_fp4, _routing
+
+    out = []
+    for scale in ("ue8m0", "fp32"):
+        gate_up, down = _random_fp4(64, 2 * V4_I, V4_D, scale), _random_fp4(64, V4_D, V4_I, scale)
+        for tokens in (1, 16, 64, 256, 512, 2048):
+            g = torch.Generator().manual_seed(tokens)
+            ids, weights = _routing(g, tokens, 64, V4_K)
+            if tokens > 1:
+                ids[1, 1] = ids[1, 0]
+            x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
+            shared = (
+                torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
+            )
+            out.append((x, ids.cuda(), weights.cuda(), gate_up, down, 10.0, shared))
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_wide_variant_is_bitwise_the_one_warpgroup_kernels():
+    """Two consumer warpgroups a CTA change only which warpgroup computes which rows: the same
+    K order, decoding and rounding points, so the result is bitwise that of ``consumers=1``."""
+    _gpu_ready()
+    from deepinfer_cuda_sm100.kernels.moe import tile_rows
+
+    heights = set()
+    for args in _wide_cases():
+        heights.add(tile_rows(args[0].shape[0] * V4_K, 64, False))
+        narrow = tlm.moe_experts(*args)
+        wide = tlm.moe_experts(*args, consumers=2)
+        assert narrow.abs().max().item() > 0.1, "degenerate outputs"
+        assert torch.equal(wide, narrow), (args[0].shape[0], args[3].scale.dtype)
+    assert heights == {16, 32, 64}
+
+
+@pytest.mark.gpu
+def test_gpu_wide_variant_replays_in_a_cuda_graph_bitwise():
+    _gpu_ready()
+    cases = _wide_cases()
+    for args in (cases[1], cases[3], cases[4], cases[5], cases[6]):
+        eager = tlm.moe_experts(*args, consumers=2)
+        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, consumers=2)), eager)

@@ -35,6 +35,23 @@ for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_s
 address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
 it fills by the register order of the layout (:func:`a_register`).
 
+**The wide variant** (``consumers=2``; the dispatcher's language ``"tilelang_wide"``).  A CTA
+of two consumer warpgroups, each owning 128 weight rows as above (gate / up: the CTA covers 128
+intermediate features, warpgroup ``g`` their gate and up rows ``64 g ..``; down: 256 model
+features, block ``b`` rows ``128 b ..`` of which warpgroup ``g`` holds ``64 g ..``), both
+against the CTA's one activation tile in shared memory (the producer's gathers per weight
+halved).  The A fragments and accumulators span 128 rows with ``T.gemm``'s ``FullRow`` policy
+(8 warps in one column; :func:`a_fragment_layout` ``(128)`` is that policy's wgmma layout, and
+:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.fix_wgmma_accumulator_fence` makes TileLang fence a
+warpgroup's own accumulator registers).  TileLang gives the producer as many threads as the
+consumers when it issues ``cp.async`` gathers, so a CTA has 512 threads; the registers are split
+by ``setmaxnreg`` (:data:`WIDE_REGS`): the producer drops to 24, the consumers rise to 104 with
+``__launch_bounds__(512, 2)`` at ``BLOCK_M`` 16 (two CTAs an SM: 512 x 64 registers a CTA), to
+232 with one CTA an SM at 32 and 64 (at 32 the consumers need more than 104: 12-28 bytes of
+spills).  Each output row is computed by one warpgroup with the same wgmma shapes, K order,
+decoding and rounding points as the one-warpgroup kernels: the result is bitwise theirs, and
+``consumers=1`` lowers to the very code it did before the variant existed.
+
 **The K order.**  In the A fragment of ``m64nNk16`` the thread ``c`` of a quad holds, of each
 row, the k pairs ``2c, 2c + 1`` of every 8.  The kernels permute each step's 128 inputs
 (:func:`k_position`) so that those are inputs ``32c .. 32c + 31``: one scale group, 16
@@ -84,7 +101,24 @@ work: **~3.8-4.4 TB/s of FP4 weights** on an H200 (132 SMs, 1.98 GHz) at full pi
 (~4.5 TB/s at full issue, 4 warp instructions a clock and SM), near HBM's ~4.3 TB/s copy rate;
 2.5 TB/s needs ~60-65 % of the pipe.
 
-Static configurations: ``(hidden, inter, BLOCK_M, scale kind)``, compiled once each
+**The wide variant's resources (an offline estimate, not a measurement)**: lowered for sm_90
+with TileLang 0.1.15, ``nvcc 13 -arch=sm_90a -Xptxas -v``; every configuration (gate / up and
+down, both scale kinds) without spills, stack frame or local memory; "highest register" is the
+highest register the SASS names (consumer code, under its ``setmaxnreg`` ceiling); shared memory
+per CTA, ue8m0 (fp32) scales, 4 stages; "one": the one-warpgroup kernels (256 threads, no
+``setmaxnreg``), "wide": registers at launch / producer / consumers, and the highest register;
+"CTAs, warps": CTAs and consumer warps an SM; BM: ``BLOCK_M``; shared memory in KiB:
+
+| BM | one: registers | one: shared | one: CTAs, warps | wide: registers | wide: shared | wide: CTAs, warps |
+| --- | --- | --- | --- | --- | --- | --- |
+| 16 | 106-107 | 50 (56) | 2, 8 | 64 / 24 / 104, R92 | 84 (96) | 2, 16 |
+| 32 | 122-126 | 68 (80) | 2, 8 | 128 / 24 / 232, R122 | 100 (112) | 1, 8 |
+| 64 | 154-158 | 100 (104) | 1, 4 | 128 / 24 / 232, R155 | 132 (144) | 1, 8 |
+
+Whether more consumer warps an SM turn into weight bandwidth is for the benchmark
+(``bench_moe.py``'s ``tilelang_wide_fp4`` column) and the measured table to say.
+
+Static configurations: ``(hidden, inter, BLOCK_M, scale kind, consumers)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
 """
 
@@ -108,6 +142,14 @@ THREADS = 128
 STAGES = 4
 """Depth of the shared-memory ring."""
 SCALE_KINDS = ("ue8m0", "fp32")
+CONSUMERS = (1, 2)
+"""Consumer warpgroups a CTA: 1 (:data:`ROWS` weight rows a CTA) or 2 (the wide variant, each
+warpgroup :data:`ROWS` rows of its own, ``2 * ROWS`` a CTA)."""
+WIDE_REGS = {16: (2, 24, 104), 32: (1, 24, 232), 64: (1, 24, 232)}
+"""The wide variant's register split by ``BLOCK_M``: ``(CTAs an SM, producer, consumer
+registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(384, CTAs)``)."""
+WIDE_STAGES = {16: 4, 32: 4, 64: 4}
+"""The wide variant's ring depth by ``BLOCK_M`` (a stage's shared bytes grow with ``BLOCK_M``)."""
 TOKEN_SHIFT = 40
 """A pair's token is ``(pair * ceil(2**40 / top_k)) >> 40``: exact for ``pair * top_k < 2**40``
 (pairs stay below ``65535 * 64`` tiles' rows)."""
@@ -219,33 +261,40 @@ def _scale_dtype(scale: str) -> str:
     return "uint8" if scale == "ue8m0" else "float32"
 
 
-def a_fragment_layout():
+def a_fragment_layout(rows: int = ATOM):
     """The register layout of wgmma's A operand (``m64nNk16``, bf16, ``BLOCK_K`` wide), as
     TileLang lays out a fragment A of ``T.gemm``: element ``(i, j)`` lives in thread
     ``32 (i // 16) + 4 (i % 8) + (j % 8) // 2``, local bf16 ``4 (j // 8) + 2 ((i % 16) // 8) +
-    j % 2`` (so 32-bit register ``4 ki + 2 h + rh`` for ``j = 16 ki + 8 h + 2 c + (0, 1)``)."""
+    j % 2`` (so 32-bit register ``4 ki + 2 h + rh`` for ``j = 16 ki + 8 h + 2 c + (0, 1)``).
+    ``rows`` 128 (the wide variant): the same formulas over two warpgroups, rows ``64 g ..
+    64 g + 63`` in warpgroup ``g`` (threads ``128 g ..``), as ``T.gemm``'s ``FullRow`` policy
+    places them."""
     from tilelang.layout import Fragment
 
-    return Fragment((ATOM, BLOCK_K), forward_thread_fn=_a_thread, forward_index_fn=_a_local)
+    return Fragment((rows, BLOCK_K), forward_thread_fn=_a_thread, forward_index_fn=_a_local)
 
 
-def _macros(scale: str):
-    """The consumer's pieces shared by both kernels: decoding one 64-row block into its A
-    fragment, and the K step's GEMMs."""
+def _macros(scale: str, consumers: int = 1):
+    """The consumer's pieces shared by both kernels: decoding one block of ``64 * consumers``
+    rows into its A fragment (each warpgroup its own 64 rows), and the K step's GEMMs."""
     import tilelang.language as T
 
     fn = DECODE_UE8M0 if scale == "ue8m0" else DECODE_FP32
     src = decode_source()
+    block_rows = ATOM * consumers
+    # one consumer warpgroup: the compiler's own warp split; two: warpgroup g its rows 64 g ..
+    gemm_kw = {} if consumers == 1 else {"policy": T.GemmWarpPolicy.FullRow}
 
     @T.macro
     def decode(wp, sc, packed, frag, b):
-        """Block ``b``'s weights into ``frag``: the thread of lane ``l`` in warp ``v`` decodes
-        scale group ``l % 4`` of rows ``64 b + 16 v + l // 4`` and ``+ 8`` (one 16-byte shared
-        load each; a warp reads 512 contiguous bytes, free of bank conflicts)."""
+        """Block ``b``'s weights into ``frag``: the thread of lane ``l`` in consumer warp ``v``
+        decodes scale group ``l % 4`` of rows ``64 consumers b + 16 v + l // 4`` and ``+ 8``
+        (one 16-byte shared load each; a warp reads 512 contiguous bytes, free of bank
+        conflicts)."""
         T.import_source(src)
         tx = T.get_thread_binding()
         for rh in T.unroll(2):
-            row = b * ATOM + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
+            row = b * block_rows + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
             for v in T.vectorized(16):
                 packed[v] = wp[row, (tx % 4) * 16 + v]
             T.call_extern(
@@ -259,26 +308,27 @@ def _macros(scale: str):
         address after them holds the stage's release (and with it the activations', which the
         pipeline ties to it) until the GEMMs are done."""
         decode(wp, sc, packed, wr[0], 0)
-        T.wgmma_gemm(wr[0], xs, acc[0], transpose_B=True)
+        T.wgmma_gemm(wr[0], xs, acc[0], transpose_B=True, **gemm_kw)
         decode(wp, sc, packed, wr[1], 1)
-        T.gemm(wr[1], xs, acc[1], transpose_B=True)
+        T.gemm(wr[1], xs, acc[1], transpose_B=True, **gemm_kw)
         T.call_extern("handle", KEEP, T.address_of(wp[0, 0]))
 
     return step_math
 
 
-def _alloc_step(block_m: int, scale: str):
-    """The stage buffers (TileLang multi-buffers them), the two A fragments and accumulators,
-    and the decoding's local bytes."""
+def _alloc_step(block_m: int, scale: str, consumers: int = 1):
+    """The stage buffers (TileLang multi-buffers them), the two A fragments and accumulators
+    (``64 * consumers`` rows each), and the decoding's local bytes."""
     import tilelang.language as T
 
-    wp = T.alloc_shared((ROWS, BLOCK_K // 2), "uint8")
-    sc = T.alloc_shared((ROWS, BLOCK_K // GROUP), _scale_dtype(scale))
+    rows = ROWS * consumers
+    wp = T.alloc_shared((rows, BLOCK_K // 2), "uint8")
+    sc = T.alloc_shared((rows, BLOCK_K // GROUP), _scale_dtype(scale))
     xs = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
-    wr = [T.alloc_fragment((ATOM, BLOCK_K), "bfloat16") for _ in range(2)]
-    acc = [T.alloc_fragment((ATOM, block_m), "float32") for _ in range(2)]
+    wr = [T.alloc_fragment((ATOM * consumers, BLOCK_K), "bfloat16") for _ in range(2)]
+    acc = [T.alloc_fragment((ATOM * consumers, block_m), "float32") for _ in range(2)]
     packed = T.alloc_local((16,), "uint8")
-    layout = a_fragment_layout()
+    layout = a_fragment_layout(ATOM * consumers)
     T.annotate_layout({wr[0]: layout, wr[1]: layout})
     return wp, sc, xs, wr, acc, packed
 
@@ -291,20 +341,37 @@ def _token(slot_pair, tile, block_m: int, r, tok_magic):
     return (pair * tok_magic) >> TOKEN_SHIFT
 
 
-def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int = STAGES):
-    """The gate / up ``prim_func``: grid ``(inter / 64, tiles)``; CTA ``(nb, tile)`` writes
-    ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each 128) of
-    intermediate features ``nb * 64 + i`` for the tile's real rows ``j``.
+def _wide_setup(block_m: int):
+    """The wide variant's pieces outside the kernel: TileLang's wgmma fence fixed for two
+    warpgroups in one column, and ``(CTAs an SM, producer, consumer registers)``."""
+    from deepinfer_cuda_sm100.tl.fp8_gemm import fix_wgmma_accumulator_fence
+
+    fix_wgmma_accumulator_fence()
+    return WIDE_REGS[block_m]
+
+
+def build_gate_up(
+    hidden: int, inter: int, block_m: int, scale: str, stages: int | None = None, consumers: int = 1
+):
+    """The gate / up ``prim_func``: grid ``(inter / (64 consumers), tiles)``; CTA ``(nb,
+    tile)`` writes ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each
+    128) of intermediate features ``nb * 64 consumers + i`` for the tile's real rows ``j``.
 
     Args:
         hidden: ``D`` (a multiple of :data:`BLOCK_K`); inter: ``I`` (a multiple of 128).
         block_m: ``BLOCK_M`` (16, 32 or 64); scale: ``"ue8m0"`` or ``"fp32"``.
+        stages: the ring's depth (default :data:`STAGES`, wide :data:`WIDE_STAGES`).
+        consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
     """
     import tilelang.language as T
 
     D, I, BM = hidden, inter, block_m
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
-    step_math = _macros(scale)
+    step_math = _macros(scale, consumers)
+    wide = consumers != 1
+    F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
+    cta_min, nreg_prod, nreg_cons = _wide_setup(BM) if wide else (1, 0, 0)
+    stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
 
     @T.prim_func
     def moe_gate_up(
@@ -317,23 +384,28 @@ def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int
         limit: T.float32,
         tok_magic: T.int64,
     ):
-        with T.Kernel(I // ATOM, n_tiles, threads=THREADS) as (nb, tile):
-            T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
-            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale)
+        with T.Kernel(I // F, n_tiles, threads=THREADS * consumers) as (nb, tile):
+            if wide:  # TileLang's producer / consumer register split, cta_min CTAs an SM
+                T.annotate_min_blocks_per_sm(cta_min)
+                T.annotate_producer_reg_dealloc(nreg_prod)
+                T.annotate_consumer_reg_alloc(nreg_cons)
+            else:
+                T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
             if tile_expert[tile] < n_exp:  # tiles past the used ones read nothing
                 T.clear(acc[0])
                 T.clear(acc[1])
                 for k in T.Pipelined(D // BLOCK_K, num_stages=stages):
                     T.copy(
-                        w[tile_expert[tile], nb * ATOM : nb * ATOM + ATOM, k * 64 : k * 64 + 64],
-                        wp[0:ATOM, :],
+                        w[tile_expert[tile], nb * F : nb * F + F, k * 64 : k * 64 + 64],
+                        wp[0:F, :],
                     )
                     T.copy(
-                        w[tile_expert[tile], I + nb * ATOM : I + nb * ATOM + ATOM, k * 64 : k * 64 + 64],
-                        wp[ATOM:ROWS, :],
+                        w[tile_expert[tile], I + nb * F : I + nb * F + F, k * 64 : k * 64 + 64],
+                        wp[F:R, :],
                     )
-                    for r, g in T.Parallel(ROWS, BLOCK_K // GROUP):
-                        src_row = T.if_then_else(r < ATOM, nb * ATOM + r, I + nb * ATOM + r - ATOM)
+                    for r, g in T.Parallel(R, BLOCK_K // GROUP):
+                        src_row = T.if_then_else(r < F, nb * F + r, I + nb * F + r - F)
                         sc[r, g] = s[tile_expert[tile], src_row, k * (BLOCK_K // GROUP) + g]
                     # a thread keeps its row across iterations; a warp reads 32 contiguous bytes
                     # of each of 4 rows and stores them, 4 bytes apart, in K order
@@ -342,34 +414,43 @@ def build_gate_up(hidden: int, inter: int, block_m: int, scale: str, stages: int
                             _token(slot_pair, tile, BM, r, tok_magic), k * BLOCK_K + 16 * kq + 2 * m + j
                         ]
                     step_math(wp, sc, xs, wr, acc, packed)
-                for i, j in T.Parallel(ATOM, BM):
+                for i, j in T.Parallel(F, BM):
                     g = T.min(T.Cast("float32", T.Cast("bfloat16", acc[0][i, j])), limit)
                     u = T.Cast("float32", T.Cast("bfloat16", acc[1][i, j]))
                     u = T.min(T.max(u, -limit), limit)
                     act = T.Cast("float32", T.Cast("bfloat16", g / (1.0 + T.exp(-g))))
                     if slot_pair[tile * BM + j] >= 0:
-                        col = (nb // 2) * BLOCK_K + k_position((nb % 2) * ATOM + i)
-                        h[tile * BM + j, col] = T.Cast("bfloat16", act * u)
+                        if wide:  # features nb * 128 + i: one K step of the down kernel
+                            h[tile * BM + j, nb * BLOCK_K + k_position(i)] = T.Cast("bfloat16", act * u)
+                        else:
+                            col = (nb // 2) * BLOCK_K + k_position((nb % 2) * ATOM + i)
+                            h[tile * BM + j, col] = T.Cast("bfloat16", act * u)
 
     return moe_gate_up
 
 
-def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = STAGES):
-    """The down ``prim_func``: grid ``(hidden / 128, tiles)``; CTA ``(nb, tile)`` writes
-    ``y[pair, nb * 128 + i]`` for the pairs of the tile's real rows: the bf16 product rounded,
-    times the routing weight rounded to bf16, rounded.  ``hs`` holds each 128 inputs in K order
-    (as :func:`build_gate_up` writes them).
+def build_down(
+    hidden: int, inter: int, block_m: int, scale: str, stages: int | None = None, consumers: int = 1
+):
+    """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
+    writes ``y[pair, nb * 128 consumers + i]`` for the pairs of the tile's real rows: the bf16
+    product rounded, times the routing weight rounded to bf16, rounded.  ``hs`` holds each 128
+    inputs in K order (as :func:`build_gate_up` writes them).
 
     Args:
-        hidden: ``D`` (a multiple of 128); inter: ``I`` (a multiple of :data:`BLOCK_K`);
-        block_m, scale: as :func:`build_gate_up`.
+        hidden: ``D`` (a multiple of ``128 consumers``); inter: ``I`` (a multiple of
+        :data:`BLOCK_K`); block_m, scale, stages, consumers: as :func:`build_gate_up`.
     """
     import tilelang.language as T
 
     D, I, BM = hidden, inter, block_m
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
     n_pairs, kk = T.dynamic("P"), T.dynamic("K")
-    step_math = _macros(scale)
+    step_math = _macros(scale, consumers)
+    wide = consumers != 1
+    A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
+    cta_min, nreg_prod, nreg_cons = _wide_setup(BM) if wide else (1, 0, 0)
+    stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
 
     @T.prim_func
     def moe_down(
@@ -381,25 +462,30 @@ def build_down(hidden: int, inter: int, block_m: int, scale: str, stages: int = 
         rw: T.Tensor((n_tok, kk), "float32"),
         y: T.Tensor((n_pairs, D), "bfloat16"),
     ):
-        with T.Kernel(D // ROWS, n_tiles, threads=THREADS) as (nb, tile):
-            T.disable_warp_group_reg_alloc()
-            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale)
+        with T.Kernel(D // R, n_tiles, threads=THREADS * consumers) as (nb, tile):
+            if wide:  # TileLang's producer / consumer register split, cta_min CTAs an SM
+                T.annotate_min_blocks_per_sm(cta_min)
+                T.annotate_producer_reg_dealloc(nreg_prod)
+                T.annotate_consumer_reg_alloc(nreg_cons)
+            else:
+                T.disable_warp_group_reg_alloc()
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
             if tile_expert[tile] < n_exp:
                 T.clear(acc[0])
                 T.clear(acc[1])
                 for k in T.Pipelined(I // BLOCK_K, num_stages=stages):
-                    T.copy(w[tile_expert[tile], nb * ROWS : nb * ROWS + ROWS, k * 64 : k * 64 + 64], wp)
-                    for r, g in T.Parallel(ROWS, BLOCK_K // GROUP):
-                        sc[r, g] = s[tile_expert[tile], nb * ROWS + r, k * (BLOCK_K // GROUP) + g]
+                    T.copy(w[tile_expert[tile], nb * R : nb * R + R, k * 64 : k * 64 + 64], wp)
+                    for r, g in T.Parallel(R, BLOCK_K // GROUP):
+                        sc[r, g] = s[tile_expert[tile], nb * R + r, k * (BLOCK_K // GROUP) + g]
                     T.copy(hs[tile * BM : tile * BM + BM, k * BLOCK_K : k * BLOCK_K + BLOCK_K], xs)
                     step_math(wp, sc, xs, wr, acc, packed)
                 for b in (0, 1):
-                    for i, j in T.Parallel(ATOM, BM):
+                    for i, j in T.Parallel(A, BM):
                         p = slot_pair[tile * BM + j]
                         if p >= 0:
                             wt = T.Cast("float32", T.Cast("bfloat16", rw[p // kk, p % kk]))
                             v = T.Cast("float32", T.Cast("bfloat16", acc[b][i, j])) * wt
-                            y[p, nb * ROWS + b * ATOM + i] = T.Cast("bfloat16", v)
+                            y[p, nb * R + b * A + i] = T.Cast("bfloat16", v)
 
     return moe_down
 
@@ -409,12 +495,17 @@ PASS_CONFIGS: dict = {}
 
 
 @functools.cache
-def _kernel(kind: str, hidden: int, inter: int, block_m: int, scale: str):
-    """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``)."""
+def _kernel(kind: str, hidden: int, inter: int, block_m: int, scale: str, consumers: int = 1):
+    """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
+    wide variant)."""
     import tilelang
 
     build = build_gate_up if kind == "gate_up" else build_down
-    func = build(hidden, inter, block_m, scale)
+    func = (
+        build(hidden, inter, block_m, scale)
+        if consumers == 1
+        else build(hidden, inter, block_m, scale, consumers=consumers)
+    )
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
 
 
@@ -423,12 +514,21 @@ def scale_kind(w) -> str:
     return "fp32" if w.scale.dtype == torch.float32 else "ue8m0"
 
 
-def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int) -> dict:
+def wide_problem(hidden: int, inter: int) -> str | None:
+    """Why the wide variant (``consumers=2``) cannot take these widths, or ``None``: its down
+    CTA covers 256 model features, its gate / up CTA 128 intermediate features."""
+    if hidden % (ROWS * 2) or inter % BLOCK_K:
+        return f"widths D={hidden}, I={inter}: the wide TileLang kernels take D a multiple of {ROWS * 2}"
+    return None
+
+
+def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int, consumers: int = 1) -> dict:
     """The launches of a call (shapes only, the batch-invariant mode off): ``block_m`` (the
     Triton path's :func:`~deepinfer_cuda_sm100.kernels.moe.tile_rows`), ``tiles`` (its
     :func:`~deepinfer_cuda_sm100.kernels.moe.tile_count`) and the two grids, ``(feature
-    blocks, tiles)``: gate / up ``inter / 64`` blocks of 64 intermediate features (each with
-    their gate and up rows), down ``hidden / 128`` blocks of 128 model features."""
+    blocks, tiles)``: gate / up ``inter / (64 consumers)`` blocks of ``64 consumers``
+    intermediate features (each with their gate and up rows), down ``hidden / (128
+    consumers)`` blocks of ``128 consumers`` model features."""
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
 
     pairs = tokens * top_k
@@ -437,8 +537,8 @@ def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int) 
     return {
         "block_m": bm,
         "tiles": tiles,
-        "gate_up_grid": (inter // ATOM, tiles),
-        "down_grid": (hidden // ROWS, tiles),
+        "gate_up_grid": (inter // (ATOM * consumers), tiles),
+        "down_grid": (hidden // (ROWS * consumers), tiles),
     }
 
 
@@ -449,15 +549,22 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
+def moe_experts(x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
-    says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine."""
+    says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
+    ``consumers``: 1 (one consumer warpgroup a CTA) or 2 (the wide variant, bitwise the same
+    result; :func:`wide_problem` says which widths it takes)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
 
     t, d = x.shape
     top_k = ids.shape[1]
     experts, inter = gate_up.shape[0], down.shape[2]
-    plan = launch_plan(t, top_k, experts, d, inter)
+    if consumers not in CONSUMERS:
+        raise ValueError(f"consumers={consumers}: the TileLang MoE kernels take one of {CONSUMERS}")
+    problem = wide_problem(d, inter) if consumers != 1 else None
+    if problem:
+        raise ValueError(problem)
+    plan = launch_plan(t, top_k, experts, d, inter, consumers)
     bm = plan["block_m"]
     ids = ids if ids.stride(1) == 1 else ids.contiguous()
     tile_expert, slot_pair = triton_moe.sorted_layout(ids, experts, bm)
@@ -465,12 +572,14 @@ def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Ten
     h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
-    _kernel("gate_up", d, inter, bm, scale_kind(gate_up))(
+    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers)(
         x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic
     )
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw = weights.to(torch.float32).contiguous()
-    _kernel("down", d, inter, bm, scale_kind(down))(h, tile_expert, slot_pair, down.data, dn_scale, rw, y)
+    _kernel("down", d, inter, bm, scale_kind(down), consumers)(
+        h, tile_expert, slot_pair, down.data, dn_scale, rw, y
+    )
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     return triton_moe.combine_pairs(y, ids, experts, False, shared, out)

@@ -7,7 +7,8 @@ warm-up compiles them one after another.
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
-``moe_experts`` GEMMs (gate / up and down, every tile height and scale format), and the FP8
+``moe_experts`` GEMMs (gate / up and down, every tile height and scale format, one and two
+consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
 scale formats, the split combine) of each ``K x N`` weight, for DeepSeek-V4-Flash's shapes by default
 (split plans for this machine's GPU, an H100 / H200's 132 SMs without one).
@@ -42,12 +43,15 @@ def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
 
 def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     """``tl.moe._kernel`` arguments of every FP4 ``moe_experts`` configuration of the widths:
-    both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64) and
-    both scale formats."""
-    from deepinfer_cuda_sm100.tl.moe import SCALE_KINDS
+    both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64), both
+    scale formats and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
+    ``tl.moe.wide_problem``)."""
+    from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, wide_problem
 
+    variants = [c for c in CONSUMERS if c == 1 or wide_problem(hidden, inter) is None]
     return [
-        (kind, hidden, inter, bm, scale)
+        (kind, hidden, inter, bm, scale, consumers)
+        for consumers in variants
         for kind in ("gate_up", "down")
         for bm in (16, 32, 64)
         for scale in SCALE_KINDS
