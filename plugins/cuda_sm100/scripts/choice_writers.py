@@ -157,7 +157,7 @@ def moe_points(rows: list[dict], hidden: int, inter: int, experts: int, top_k: i
 
 def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> Path:
     """:func:`moe_points` of ``rows`` written into this GPU's table (replacing its
-    ``moe_experts`` points)."""
+    ``moe_experts`` points of the same shapes)."""
     points = moe_points(rows, hidden, inter, experts, top_k)
     timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
     return merge(
