@@ -25,6 +25,7 @@ from deepinfer_core.errors import ConfigError
 from deepinfer_core.models.deepseek_v41.tiny import make_tiny, tiny_config
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.speculative.dspark import DSparkDrafter
+from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.testing.observe import record_replays
 from tests.models.test_spec_rollback import _ids
 from tests.models.v41.conftest import PLAIN_CHANGES, v41_llm
@@ -198,6 +199,13 @@ def test_right_drafts_are_accepted(bigram_dir, kind, monkeypatch):
         return drafts
 
     monkeypatch.setattr(DSparkDrafter, "propose", record)
+    # a fixed cost curve on which verifying a draft costs 1 % of a step, and no overhead learned
+    # from timed steps: DSpark's choice then depends on the confidences alone, not on the
+    # machine's load while the test runs
+    cheap = StepCost({(b, t): 1.0 + 0.01 * b * (t - 1) for b in (1, 4) for t in (1, 6)})
+    monkeypatch.setattr("deepinfer_core.engine.speculative.profile_step_cost", lambda *a: cheap)
+    monkeypatch.setattr(StepCost, "observe", lambda *a: None)
+    monkeypatch.setattr(StepCost, "observe_plain", lambda *a: None)
     params = PARAMS[kind]
     ref = _tokens(v41_llm(bigram_dir, max_num_seqs=4).generate(PROMPTS, params, use_tqdm=False))
     for method in ("fixed", "dspark"):
