@@ -439,24 +439,22 @@ def _gpu_ready() -> None:
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
 
 
-def _v4_cases() -> list[tuple]:
-    """FP4 conformance cases at V4-Flash widths on the GPU (random codes, scales near
-    ``1 / (3 sqrt(inp))``): ue8m0 and float32 scales, 1 to 256 tokens, a duplicate expert, a
-    shared expert."""
+def _v4_cases(tokens: tuple[int, ...] = (1, 16, 64, 256)) -> list[tuple]:
+    """FP4 conformance cases at V4-Flash widths on the GPU, 64 experts (random codes, scales
+    near ``1 / (3 sqrt(inp))``): ue8m0 and float32 scales, each of ``tokens``, a duplicate
+    expert, a shared expert at 16 tokens."""
     from test_moe_kernel import _random_fp4, _routing
 
     out = []
     for scale in ("ue8m0", "fp32"):
         gate_up, down = _random_fp4(64, 2 * V4_I, V4_D, scale), _random_fp4(64, V4_D, V4_I, scale)
-        for tokens in (1, 16, 64, 256):
-            g = torch.Generator().manual_seed(tokens)
-            ids, weights = _routing(g, tokens, 64, V4_K)
-            if tokens > 1:
+        for t in tokens:
+            g = torch.Generator().manual_seed(t)
+            ids, weights = _routing(g, t, 64, V4_K)
+            if t > 1:
                 ids[1, 1] = ids[1, 0]  # a token routed twice to one expert
-            x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
-            shared = (
-                torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
-            )
+            x = torch.randn(t, V4_D, generator=g).to(torch.bfloat16).cuda()
+            shared = torch.randn(t, V4_D, generator=g).to(torch.bfloat16).cuda() if t == 16 else None
             out.append((x, ids.cuda(), weights.cuda(), gate_up, down, 10.0, shared))
     return out
 
@@ -484,24 +482,8 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
 
 
 def _wide_cases() -> list[tuple]:
-    """V4-Flash widths, 64 experts, ue8m0 and float32 scales, 1 to 2048 tokens (tiles of 16,
-    32 and 64 rows), a duplicate expert, a shared expert at 16 tokens."""
-    from test_moe_kernel import _random_fp4, _routing
-
-    out = []
-    for scale in ("ue8m0", "fp32"):
-        gate_up, down = _random_fp4(64, 2 * V4_I, V4_D, scale), _random_fp4(64, V4_D, V4_I, scale)
-        for tokens in (1, 16, 64, 256, 512, 2048):
-            g = torch.Generator().manual_seed(tokens)
-            ids, weights = _routing(g, tokens, 64, V4_K)
-            if tokens > 1:
-                ids[1, 1] = ids[1, 0]
-            x = torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda()
-            shared = (
-                torch.randn(tokens, V4_D, generator=g).to(torch.bfloat16).cuda() if tokens == 16 else None
-            )
-            out.append((x, ids.cuda(), weights.cuda(), gate_up, down, 10.0, shared))
-    return out
+    """:func:`_v4_cases` from 1 to 2048 tokens: tiles of 16, 32 and 64 rows."""
+    return _v4_cases((1, 16, 64, 256, 512, 2048))
 
 
 @pytest.mark.gpu

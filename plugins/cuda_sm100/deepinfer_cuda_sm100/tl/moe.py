@@ -316,6 +316,27 @@ def _macros(scale: str, consumers: int = 1):
     return step_math
 
 
+def _register_split(block_m: int, consumers: int):
+    """The kernels' register allotment, a macro: one consumer warpgroup keeps the compiler's
+    (two CTAs an SM, no ``setmaxnreg`` split); the wide variant takes TileLang's producer /
+    consumer split with :func:`_wide_setup`'s minimum CTAs an SM and register counts."""
+    import tilelang.language as T
+
+    wide = consumers != 1
+    cta_min, nreg_prod, nreg_cons = _wide_setup(block_m) if wide else (1, 0, 0)
+
+    @T.macro
+    def register_split():
+        if wide:
+            T.annotate_min_blocks_per_sm(cta_min)
+            T.annotate_producer_reg_dealloc(nreg_prod)
+            T.annotate_consumer_reg_alloc(nreg_cons)
+        else:
+            T.disable_warp_group_reg_alloc()
+
+    return register_split
+
+
 def _alloc_step(block_m: int, scale: str, consumers: int = 1):
     """The stage buffers (TileLang multi-buffers them), the two A fragments and accumulators
     (``64 * consumers`` rows each), and the decoding's local bytes."""
@@ -370,7 +391,7 @@ def build_gate_up(
     step_math = _macros(scale, consumers)
     wide = consumers != 1
     F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
-    cta_min, nreg_prod, nreg_cons = _wide_setup(BM) if wide else (1, 0, 0)
+    register_split = _register_split(BM, consumers)
     stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
 
     @T.prim_func
@@ -385,12 +406,7 @@ def build_gate_up(
         tok_magic: T.int64,
     ):
         with T.Kernel(I // F, n_tiles, threads=THREADS * consumers) as (nb, tile):
-            if wide:  # TileLang's producer / consumer register split, cta_min CTAs an SM
-                T.annotate_min_blocks_per_sm(cta_min)
-                T.annotate_producer_reg_dealloc(nreg_prod)
-                T.annotate_consumer_reg_alloc(nreg_cons)
-            else:
-                T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
+            register_split()
             wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
             if tile_expert[tile] < n_exp:  # tiles past the used ones read nothing
                 T.clear(acc[0])
@@ -449,7 +465,7 @@ def build_down(
     step_math = _macros(scale, consumers)
     wide = consumers != 1
     A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
-    cta_min, nreg_prod, nreg_cons = _wide_setup(BM) if wide else (1, 0, 0)
+    register_split = _register_split(BM, consumers)
     stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
 
     @T.prim_func
@@ -463,12 +479,7 @@ def build_down(
         y: T.Tensor((n_pairs, D), "bfloat16"),
     ):
         with T.Kernel(D // R, n_tiles, threads=THREADS * consumers) as (nb, tile):
-            if wide:  # TileLang's producer / consumer register split, cta_min CTAs an SM
-                T.annotate_min_blocks_per_sm(cta_min)
-                T.annotate_producer_reg_dealloc(nreg_prod)
-                T.annotate_consumer_reg_alloc(nreg_cons)
-            else:
-                T.disable_warp_group_reg_alloc()
+            register_split()
             wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
             if tile_expert[tile] < n_exp:
                 T.clear(acc[0])
