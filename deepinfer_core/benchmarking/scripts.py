@@ -39,8 +39,9 @@ def names_help() -> str:
 
 def run_script(name: str, argv: Sequence[str]) -> int:
     """Run the benchmark ``name`` with ``argv`` as its command line; its exit status."""
-    if (script := scripts().get(name)) is None:
-        known = f"the benchmarks: {', '.join(scripts())}" if scripts() else SOURCE_ONLY
+    found = scripts()
+    if (script := found.get(name)) is None:
+        known = f"the benchmarks: {', '.join(found)}" if found else SOURCE_ONLY
         raise ConfigError(f"deepinfer bench {name}: no benchmark of that name; {known}")
     saved = sys.argv
     sys.argv = [str(script), *argv]

@@ -130,14 +130,7 @@ def main() -> None:
         "triton_bf16",
         "grouped_mm",
     )
-    tbps_columns = (
-        "triton_fp4_weight_TBps",
-        "triton_fp4_fp8math_weight_TBps",
-        "tilelang_fp4_weight_TBps",
-        "tilelang_wide_fp4_weight_TBps",
-        "triton_bf16_weight_TBps",
-        "grouped_mm_weight_TBps",
-    )
+    tbps_columns = [f"{n}_weight_TBps" for n in names]
     print(
         f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
         f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"

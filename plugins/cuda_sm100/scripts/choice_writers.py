@@ -1,7 +1,7 @@
 """Write a kernel benchmark's measured paths into the backend's choice table
 (:mod:`deepinfer_cuda_sm100.kernel_choice`): one function per benchmark, each replacing only
-its own op's points (``--write-choices`` of ``bench_attention.py``, ``bench_fp8_gemm.py`` and
-``bench_moe.py``)."""
+its own op's points of the shapes it measured (``--write-choices`` of ``bench_attention.py``,
+``bench_fp8_gemm.py`` and ``bench_moe.py``)."""
 
 from __future__ import annotations
 

@@ -147,9 +147,7 @@ CONSUMERS = (1, 2)
 warpgroup :data:`ROWS` rows of its own, ``2 * ROWS`` a CTA)."""
 WIDE_REGS = {16: (2, 24, 104), 32: (1, 24, 232), 64: (1, 24, 232)}
 """The wide variant's register split by ``BLOCK_M``: ``(CTAs an SM, producer, consumer
-registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(384, CTAs)``)."""
-WIDE_STAGES = {16: 4, 32: 4, 64: 4}
-"""The wide variant's ring depth by ``BLOCK_M`` (a stage's shared bytes grow with ``BLOCK_M``)."""
+registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(512, CTAs)``)."""
 TOKEN_SHIFT = 40
 """A pair's token is ``(pair * ceil(2**40 / top_k)) >> 40``: exact for ``pair * top_k < 2**40``
 (pairs stay below ``65535 * 64`` tiles' rows)."""
@@ -381,7 +379,7 @@ def build_gate_up(
     Args:
         hidden: ``D`` (a multiple of :data:`BLOCK_K`); inter: ``I`` (a multiple of 128).
         block_m: ``BLOCK_M`` (16, 32 or 64); scale: ``"ue8m0"`` or ``"fp32"``.
-        stages: the ring's depth (default :data:`STAGES`, wide :data:`WIDE_STAGES`).
+        stages: the ring's depth (default :data:`STAGES`).
         consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
     """
     import tilelang.language as T
@@ -392,7 +390,7 @@ def build_gate_up(
     wide = consumers != 1
     F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
     register_split = _register_split(BM, consumers)
-    stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
+    stages = stages or STAGES
 
     @T.prim_func
     def moe_gate_up(
@@ -463,10 +461,9 @@ def build_down(
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
     n_pairs, kk = T.dynamic("P"), T.dynamic("K")
     step_math = _macros(scale, consumers)
-    wide = consumers != 1
     A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
     register_split = _register_split(BM, consumers)
-    stages = stages or (WIDE_STAGES[BM] if wide else STAGES)
+    stages = stages or STAGES
 
     @T.prim_func
     def moe_down(
@@ -512,11 +509,7 @@ def _kernel(kind: str, hidden: int, inter: int, block_m: int, scale: str, consum
     import tilelang
 
     build = build_gate_up if kind == "gate_up" else build_down
-    func = (
-        build(hidden, inter, block_m, scale)
-        if consumers == 1
-        else build(hidden, inter, block_m, scale, consumers=consumers)
-    )
+    func = build(hidden, inter, block_m, scale, consumers=consumers)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
 
 
@@ -529,7 +522,10 @@ def wide_problem(hidden: int, inter: int) -> str | None:
     """Why the wide variant (``consumers=2``) cannot take these widths, or ``None``: its down
     CTA covers 256 model features, its gate / up CTA 128 intermediate features."""
     if hidden % (ROWS * 2) or inter % BLOCK_K:
-        return f"widths D={hidden}, I={inter}: the wide TileLang kernels take D a multiple of {ROWS * 2}"
+        return (
+            f"widths D={hidden}, I={inter}: the wide TileLang kernels take D a multiple of {ROWS * 2} "
+            f"and I a multiple of {BLOCK_K}"
+        )
     return None
 
 
