@@ -76,7 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sites", type=int, default=0, help="also list the N source lines calling the most operators"
     )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.sites < 0:
+        p.error(f"--sites {a.sites}: give a count of source lines >= 0")
+    return a
 
 
 def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, int]:

@@ -79,3 +79,10 @@ def test_operator_sites_name_the_source_lines_that_call_them(tmp_path):
         files = [p for p in repo.rglob(Path(rel).name) if str(p).endswith(rel) and ".venv" not in p.parts]
         assert files, f"{rel}: no such source file"
         assert func in _enclosing_functions(files[0], int(line)), site
+
+
+def test_a_negative_sites_count_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        _module().parse_args(["--sites", "-1"])
+    assert e.value.code == 2
+    assert "--sites -1: give a count of source lines >= 0" in capsys.readouterr().err
