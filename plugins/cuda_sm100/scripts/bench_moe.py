@@ -27,6 +27,10 @@ repository root).
     python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,16,64,128,256] [--experts 256]
         [--write-choices]
 
+``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
+ring (the result is the same at any depth) and prints each, to retune
+``tl.moe.STAGES``.
+
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) of each
 token count into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
 :mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads.
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument(
         "--write-choices", action="store_true", help="write the FP4 times into the backend's choice table"
     )
+    parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -141,7 +146,7 @@ def main() -> None:
     )
     head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9}"
     print(head)
-    rows = []
+    rows, tuned = [], []
     for t in [int(v) for v in args.tokens.split(",")]:
         routes = routings(t, e, k, args.calls_per_graph, seed=t)
         x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
@@ -169,6 +174,18 @@ def main() -> None:
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
                 with using_moe_math("fp8"):
                     times["triton_fp4_fp8math"] = time_graph(fn, args.calls_per_graph, args.replays)
+        sweep = [int(v) for v in args.stages.split(",") if v] if tl_problem is None else []
+        for consumers, stages in [(c, n) for c in (1, 2) for n in sweep if c == 1 or wide_problem is None]:
+            us = time_graph(
+                lambda j, routes=routes, x=x, c=consumers, n=stages: tilelang_moe(
+                    x, *routes[j], gate_up, down, LIMIT, consumers=c, stages=n
+                ),
+                args.calls_per_graph,
+                args.replays,
+            )
+            tb = distinct * fp4_expert_bytes / (us * 1e-6) / 1e12
+            tuned.append({"T": t, "consumers": consumers, "stages": stages, "us": us, "weight_TBps": tb})
+            print(f"    tune T={t} consumers={consumers} stages={stages}: {us:.1f} us, {tb:.2f} TB/s")
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
         err, rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
         fp8_err = fp8_rms = None
@@ -244,6 +261,7 @@ def main() -> None:
         "has its own routing; err = max |triton fp4 - reference on the dequantised experts| / max |ref| "
         "(rms: ||diff|| / ||ref||), fp8math: DEEPINFER_MOE_MATH=fp8",
         "rows": rows,
+        "stage_sweep": tuned,
     }
     if args.write_choices:
         from choice_writers import write_moe_choices

@@ -503,13 +503,15 @@ PASS_CONFIGS: dict = {}
 
 
 @functools.cache
-def _kernel(kind: str, hidden: int, inter: int, block_m: int, scale: str, consumers: int = 1):
+def _kernel(
+    kind: str, hidden: int, inter: int, block_m: int, scale: str, consumers: int = 1, stages: int = STAGES
+):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
-    wide variant)."""
+    wide variant; ``stages``: the ring's depth)."""
     import tilelang
 
     build = build_gate_up if kind == "gate_up" else build_down
-    func = build(hidden, inter, block_m, scale, consumers=consumers)
+    func = build(hidden, inter, block_m, scale, stages=stages, consumers=consumers)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
 
 
@@ -556,11 +558,14 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def moe_experts(x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1) -> torch.Tensor:
+def moe_experts(
+    x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1, stages: int = STAGES
+) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
     says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
     ``consumers``: 1 (one consumer warpgroup a CTA) or 2 (the wide variant, bitwise the same
-    result; :func:`wide_problem` says which widths it takes)."""
+    result; :func:`wide_problem` says which widths it takes); ``stages``: the shared-memory
+    ring's depth (the same result at any depth; ``bench_moe.py --stages`` sweeps it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
 
     t, d = x.shape
@@ -579,13 +584,13 @@ def moe_experts(x, ids, weights, gate_up, down, limit, shared=None, consumers: i
     h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
-    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers)(
+    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages)(
         x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic
     )
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw = weights.to(torch.float32).contiguous()
-    _kernel("down", d, inter, bm, scale_kind(down), consumers)(
+    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages)(
         h, tile_expert, slot_pair, down.data, dn_scale, rw, y
     )
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)

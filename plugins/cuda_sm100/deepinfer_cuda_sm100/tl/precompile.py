@@ -45,12 +45,12 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     """``tl.moe._kernel`` arguments of every FP4 ``moe_experts`` configuration of the widths:
     both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64), both
     scale formats and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
-    ``tl.moe.wide_problem``)."""
-    from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, wide_problem
+    ``tl.moe.wide_problem``), at the ring depth the op runs (``tl.moe.STAGES``)."""
+    from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, STAGES, wide_problem
 
     variants = [c for c in CONSUMERS if c == 1 or wide_problem(hidden, inter) is None]
     return [
-        (kind, hidden, inter, bm, scale, consumers)
+        (kind, hidden, inter, bm, scale, consumers, STAGES)
         for consumers in variants
         for kind in ("gate_up", "down")
         for bm in (16, 32, 64)
