@@ -798,7 +798,7 @@ def sparse_attention_impl(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    placeholder = torch.zeros(1, dtype=torch.int64, device=q.device)
+    placeholder = torch.empty(1, dtype=torch.int64, device=q.device)  # never read: no fill launch
     pools = _pools(q, kv_pools, placeholder)
     cfg = config or default_config(h, d, q.dtype, packed=pools.layout is not None)
     kinds, fmts, idx_args, src_args = [], [], [], []
@@ -858,14 +858,13 @@ def sparse_attention_impl(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    sinks = sinks.float()
-    qk_scale = float(scale) * LOG2E
+    qk_scale = float(scale) * LOG2E  # (the kernels read the sinks in their dtype, as fp32)
     if pl.split:
         part_m = torch.empty((t, pl.nsplit, h), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((t, pl.nsplit, h, d), dtype=torch.float32, device=q.device)
-    else:
-        part_m = part_l = part_acc = sinks
+    else:  # unused without a split
+        part_m = part_l = part_acc = torch.empty(1, dtype=torch.float32, device=q.device)
     _attn_kernel[(t, hb, pl.nsplit if pl.split else 1)](
         q,
         q.stride(0),
@@ -942,7 +941,7 @@ def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch
     of a :class:`PagedIndex`; ``compact[t]`` holds the valid rows of the explicit lists, list
     after list, each in its order (the rest of the row is unspecified)."""
     first = indices[0].counts if isinstance(indices[0], PagedIndex) else indices[0]
-    placeholder = torch.zeros(1, dtype=torch.int64, device=first.device)
+    placeholder = torch.empty(1, dtype=torch.int64, device=first.device)  # never read
     kinds, idx_args, ke = [], [], 0
     for index in indices:
         if isinstance(index, PagedIndex):

@@ -578,7 +578,7 @@ def _candidate_args(
     candidates: torch.Tensor | PagedIndex | None, device: torch.device
 ) -> tuple[int, int, list]:
     """``(kind, C, kernel args)`` for the candidate form."""
-    ph = torch.zeros(1, dtype=torch.int64, device=device)
+    ph = torch.empty(1, dtype=torch.int64, device=device)  # a pointer the kernels' kind never reads
     if isinstance(candidates, PagedIndex):
         bt = candidates.block_table
         args = [ph, 0, 0, bt, bt.stride(0), bt.stride(1), max(bt.shape[1], 1)]
