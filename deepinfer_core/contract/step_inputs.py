@@ -61,6 +61,26 @@ class StepInputs:
     max_end: int
     spans: list[tuple[int, int, int]] | None = None
 
+    def fields(self) -> torch.Tensor:
+        """The per-request fields as one ``[len(REQ_FIELDS), R]`` tensor, rows in
+        :data:`REQ_FIELDS` order: a view of the packed buffer when the fields are its
+        consecutive rows (as :class:`StepInputBuffers` lays them out), else a stacked copy.
+        Not to be modified in place."""
+        cols = [self.req[name] for name in REQ_FIELDS]
+        first = cols[0]
+        n, step = first.shape[0], first.element_size() * first.shape[0]
+        packed = all(
+            c.dim() == 1
+            and c.shape[0] == n
+            and c.dtype == first.dtype
+            and c.device == first.device
+            and (c.stride(0) == 1 or n <= 1)
+            and c.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and c.data_ptr() == first.data_ptr() + i * step
+            for i, c in enumerate(cols)
+        )
+        return first.as_strided((len(cols), n), (n, 1)) if packed and n else torch.stack(cols)
+
     def windows_closed(self, ratio: int) -> int | None:
         """How many windows of ``ratio`` tokens the step's requests close (each request's from
         its first uncached position on), or ``None`` for a fixed-shape step (see ``spans``)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deepinfer_core.contract.batch import SeqChunk
-from deepinfer_core.contract.step_inputs import StepInputBuffers
+from deepinfer_core.contract.step_inputs import REQ_FIELDS, StepInputBuffers
 from deepinfer_core.models.deepseek_v4.metadata import buffer_windows, build_metadata
 
 PAGE, SLOTS, PAGES = 16, 8, 16
@@ -100,3 +100,40 @@ def test_unpadded_per_token_plans_equal_the_fixed_shape_ones(seed: int, decode: 
         assert torch.equal(e.buf_rows, g.buf_rows)
         assert torch.equal(e.entries.token_rows, g.entries.token_rows)
         assert torch.equal(e.entries.counts, g.entries.counts)
+
+
+def test_request_fields_are_one_view_of_the_packed_buffer():
+    """``StepInputs.fields()``: the per-request fields as ``[F, R]`` rows, a view of the packed
+    device buffer (no copy), and a stacked copy for fields that are not laid out that way."""
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    inputs = bufs.prepare(_chunks(1), [], None, num_tokens=sum(c.num_tokens for c in _chunks(1)) + 2)
+    want = torch.stack([inputs.req[name] for name in REQ_FIELDS])
+    fields = inputs.fields()
+    assert torch.equal(fields, want) and fields.data_ptr() == inputs.req["slot"].data_ptr()
+    separate = replace(inputs, req={name: x.clone() for name, x in inputs.req.items()})
+    assert torch.equal(separate.fields(), want)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_speculative_geometry_agrees_padded_and_unpadded(seed: int):
+    """With room for S = 5 draft tokens (ratio 4 buffers three windows a slot, ratio 16 two) an
+    unpadded step plans the live windows of its fixed-shape form and the same per-token plans,
+    and the buffer rows and carries it keeps are distinct rows (only the trash slot's repeat)."""
+    spec = 5
+    chunks = _chunks(seed)
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    inputs = bufs.prepare(chunks, [], None)
+    exact = build_metadata(inputs, 8, [4, 16], PAGE, SLOTS, TRASH_PAGE, spec)
+    bound = build_metadata(replace(inputs, spans=None), 8, [4, 16], PAGE, SLOTS, TRASH_PAGE, spec)
+    for name in ("positions", "window_ring", "window_chunk", "ring_rows"):
+        assert torch.equal(getattr(exact, name), getattr(bound, name)), name
+    for r in (4, 16):
+        e, b, nb = exact.plans[r], bound.plans[r], buffer_windows(r, spec)
+        assert nb == {4: 3, 16: 2}[r]
+        assert torch.equal(e.buf_rows, b.buf_rows) and torch.equal(e.entries.counts, b.entries.counts)
+        n = e.windows.shape[0]
+        for name in ("windows", "positions", "dest", "carry_rows"):
+            assert torch.equal(getattr(e, name), getattr(b, name)[:n]), name
+        kept = e.buf_rows[e.buf_rows < SLOTS * nb * r]
+        carried = e.carry_rows[e.carry_rows < SLOTS * nb]
+        assert kept.unique().numel() == kept.numel() and carried.unique().numel() == carried.numel()

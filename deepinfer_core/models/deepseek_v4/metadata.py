@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer_core.contract.step_inputs import StepInputs
+from deepinfer_core.contract.step_inputs import REQ_FIELDS, StepInputs
 from deepinfer_core.models.context_parallel import CPPlan, plan_step
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.cast import cast
@@ -136,67 +136,72 @@ def build_metadata(
 
     ``num_spec_tokens`` (``S``): the most draft tokens of a verify step; it sets the ring's
     and the compressor state's geometry and must equal the value the caches were built with.
+    ``page_size`` must be a multiple of every ratio (a page holds whole compressed entries).
+
+    Every op here is a kernel launch of its own (in a captured decode graph too) on a handful
+    of integers, so the plans are derived in few of them: each token's request fields come
+    with one gather, the per-token plans of all ratios are computed together (``[ratios, T]``,
+    a plan reads its row) as are the window plans of the ratios that close as many windows,
+    and tensors that depend only on static ints are made once and kept (:func:`_kept`).
     """
-    t, r_ = inputs.num_tokens, inputs.num_reqs
-    req = inputs.req
+    bad = [r for r in ratios if page_size % r]
+    if bad:
+        raise ValueError(f"page_size {page_size} is not a multiple of the compress ratios {bad}")
+    t, n_req = inputs.num_tokens, inputs.num_reqs
     dev = inputs.input_ids.device
-    slot, start, length = req["slot"], req["start"], req["len"]
+    fields = inputs.fields()  # [F, R] (a view of the packed buffer)
+    slot, start, length = (fields[REQ_FIELDS.index(n)] for n in ("slot", "start", "len"))
     end = start + length
-    tok = torch.arange(t, device=dev)
-    if inputs.one_token_each():  # token i is request i's only one: no gathers
-        offset = tok_req = tok
-        pos = start
-
-        def per_token(x: torch.Tensor) -> torch.Tensor:
-            return x
-
+    tok = _arange(t, dev)
+    rows = window + num_spec_tokens  # ring rows per slot: W + S
+    decode = inputs.one_token_each()
+    if decode:  # token i is request i's only one: no gathers
+        tok_req, per_token, pos, d = tok, fields, start, None
     else:
-        cum = torch.cumsum(length, 0)
-        offset = cum - length
-        tok_req = torch.searchsorted(cum, tok, right=True).clamp_(max=max(r_ - 1, 0))
-
-        def per_token(x: torch.Tensor) -> torch.Tensor:
-            return x.index_select(0, tok_req)
-
-        pos = per_token(start) + tok - per_token(offset)
+        # d: a request's first token row minus its start position (row = pos + d); cum: its
+        # chunk's end row
+        d_cum = torch.empty((2, n_req), dtype=torch.int64, device=dev)
+        cum = torch.cumsum(length, 0, out=d_cum[1])
+        d = torch.sub(cum, end, out=d_cum[0])
+        # the last boundary left out: a token past every other request's is the last one's
+        # (as with all of them, clamped to R-1: cum is sorted)
+        tok_req = torch.searchsorted(cum[:-1], tok, right=True)
+        per_token = fields.index_select(1, tok_req)  # [F, T]: each token's request fields
+        d_t, cum_t = d_cum.index_select(1, tok_req).unbind(0)
+        pos = tok - d_t
+    slot_t, start_t, from_t, prev_row_t = (
+        per_token[REQ_FIELDS.index(n)] for n in ("slot", "start", "window_from", "prev_row")
+    )
     ids = inputs.input_ids
     if inputs.prev_tokens is not None and inputs.prev_tokens.shape[0]:  # async: tokens on the device
-        prev_row = req["prev_row"]
-        src = cast(inputs.prev_tokens.index_select(0, prev_row.clamp(min=0)), ids.dtype)
-        # requests without a pending token write to a scratch row t (distinct real targets)
-        first = torch.where(prev_row >= 0, offset, t)
-        ids = torch.cat([ids, ids.new_zeros(1)]).index_put_((first,), src)[:t]
+        src = cast(inputs.prev_tokens.index_select(0, prev_row_t.clamp(min=0)), ids.dtype)
+        pending = prev_row_t >= 0  # the pending token is the first of its request's chunk
+        if not decode:
+            pending &= pos == start_t
+        ids = torch.where(pending, src, ids)
 
-    # sliding window: keys at positions pos-W+1 .. pos
-    slot_t, start_t, end_t = per_token(slot), per_token(start), per_token(end)
-    kpos = pos.unsqueeze(1) + torch.arange(1 - window, 1, device=dev)
-    valid = kpos >= per_token(req["window_from"]).unsqueeze(1)
-    in_chunk = kpos >= start_t.unsqueeze(1)
-    none = torch.full_like(kpos, -1)
-    window_chunk = torch.where(valid & in_chunk, kpos + (per_token(offset) - start_t).unsqueeze(1), none)
-    rows = window + num_spec_tokens  # ring rows per slot: W + S
-    # valid > in_chunk: a valid key not in the chunk
-    window_ring = torch.where(valid > in_chunk, slot_t.unsqueeze(1) * rows + kpos % rows, none)
-    # a chunk's last W+S positions leave their key in the ring (distinct rows); others, the trash slot's
-    ring_rows = slot_t.masked_fill(pos < end_t - rows, num_slots) * rows + pos % rows
+    # sliding window: keys at positions pos-W+1 .. pos, of this step's chunk (from its start)
+    # or of earlier steps (in the ring), none before the request's window_from
+    ahead = _kept(("window", window), dev, lambda: torch.arange(1 - window, 1, device=dev))
+    kpos = pos.unsqueeze(1) + ahead
+    before = kpos < from_t.unsqueeze(1)
+    # (a decode step's chunk is the token itself)
+    earlier = _kept(("window<0", window), dev, lambda: ahead < 0) if decode else kpos < start_t.unsqueeze(1)
+    # a key of the chunk is in the token row of its position: kpos + d = tok + (kpos - pos)
+    window_chunk = (tok.unsqueeze(1) + ahead).masked_fill_(before | earlier, -1)
+    ring = kpos % rows
+    # (before >= earlier) == not (a valid key before the chunk)
+    window_ring = torch.add(ring, slot_t.unsqueeze(1), alpha=rows).masked_fill_(before >= earlier, -1)
+    # a chunk's last W+S positions leave their key in the ring (distinct rows); others, the
+    # trash slot's: pos < end - rows, i.e. cum > tok + rows (a decode token is its chunk's last)
+    ring_slot = slot_t
+    if not decode:
+        ring_slot = torch.where(cum_t > _arange(t + rows, dev)[rows:], _scalar(num_slots, dev), slot_t)
+    ring_rows = torch.add(ring[:, -1] if window else pos % rows, ring_slot, alpha=rows)
 
     tables = inputs.block_tables.index_select(0, slot)  # [R, P]
-    token = _PerToken(tok_req, pos, slot_t, end_t, per_token(req["cached"]))
-    plans = {
-        r: _window_plan(
-            r,
-            buffer_windows(r, num_spec_tokens),
-            inputs,
-            tables,
-            token,
-            offset,
-            end,
-            num_slots,
-            page_size,
-            trash_page,
-        )
-        for r in sorted(set(ratios))
-    }
+    step = _Step(inputs, fields, end, d, tables, tok_req, pos, per_token, num_slots, page_size, trash_page)
+    plans = _window_plans(step, sorted(set(ratios)), num_spec_tokens)
     return StepMetadata(
         input_ids=ids,
         positions=pos,
@@ -245,125 +250,275 @@ def with_context_parallel(
 
 
 @dataclass
-class _PerToken:
-    """The per-token values a window plan reads: each token's request row, position, and its
-    request's slot, end and cached boundary."""
+class _Step:
+    """What the window plans read of a step: its inputs, per request (``[R]``) the fields
+    (``[F, R]``), ``end`` and ``d`` (its first token row minus its start; ``None`` in a
+    decode step, where it is ``arange(R) - start``), the requests' block tables, and per token
+    (``[T]``) its request row, its position and its request's fields (``[F, T]``)."""
 
-    req: torch.Tensor
-    pos: torch.Tensor
-    slot: torch.Tensor
+    inputs: StepInputs
+    fields: torch.Tensor
     end: torch.Tensor
-    cached: torch.Tensor
+    d: torch.Tensor | None
+    tables: torch.Tensor
+    tok_req: torch.Tensor
+    pos: torch.Tensor
+    per_token: torch.Tensor
+    num_slots: int
+    page_size: int
+    trash_page: int
+
+    def field(self, name: str) -> torch.Tensor:
+        """A request field, per request ``[R]``."""
+        return self.fields[REQ_FIELDS.index(name)]
+
+    def token_field(self, name: str) -> torch.Tensor:
+        """A request field, per token ``[T]``."""
+        return self.per_token[REQ_FIELDS.index(name)]
 
 
-def _window_plan(
-    r: int,
-    nb: int,
-    inputs: StepInputs,
-    tables: torch.Tensor,
-    token: _PerToken,
-    offset: torch.Tensor,
-    end: torch.Tensor,
-    num_slots: int,
-    page_size: int,
-    trash_page: int,
-) -> WindowPlan:
-    req = inputs.req
-    slot, start, cached = req["slot"], req["start"], req["cached"]
-    pos = token.pos
-    dev = pos.device
+def _window_plans(step: _Step, ratios: list[int], num_spec_tokens: int) -> dict[int, WindowPlan]:
+    """The :class:`WindowPlan` of each ratio (sorted, distinct): the per-token plans of all of
+    them computed together (``[ratios, T]``), the windows of the ratios that close as many of
+    them together (:func:`_closed_windows`)."""
+    if not ratios:
+        return {}
+    inputs, pos, dev = step.inputs, step.pos, step.pos.device
     n_req, t = inputs.num_reqs, inputs.num_tokens
-    epp = page_size // r  # entries per page
-    trash = num_slots
-    span = nb * r  # buffer rows per slot
-    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows), not
-    # those below a prefix hit's cached boundary (an unpadded step knows whether there are any)
-    not_kept = pos < (token.end // r - nb + 1) * r
-    if inputs.num_replaying() != 0:
-        not_kept |= pos < token.cached
-    buf_rows = token.slot.masked_fill(not_kept, trash) * span + pos % span
-    entries = PagedIndex(
-        block_table=tables,
-        token_rows=token.req,
-        counts=(pos + 1) // r,
-        entries_per_page=epp,
-        max_count=inputs.max_end // r,
+    trash = step.num_slots
+    decode = step.d is None
+    nbs = [buffer_windows(r, num_spec_tokens) for r in ratios]
+    ratio = _col(ratios, dev)
+    span = _col([nb * r for r, nb in zip(ratios, nbs, strict=True)], dev)  # buffer rows per slot
+    last = step.end // ratio  # [n, R]: each request's end // r
+    last_t = last if decode else last.index_select(1, step.tok_req)  # [n, T]
+    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows), those
+    # from (end // r - nb + 1) * r, not those below a prefix hit's cached boundary (an unpadded
+    # step knows whether there are any)
+    kept_from = torch.addcmul(
+        _col([(1 - nb) * r for r, nb in zip(ratios, nbs, strict=True)], dev), last_t, ratio
     )
+    not_kept = pos < kept_from
+    if inputs.num_replaying() != 0:
+        not_kept |= pos < step.token_field("cached")
+    buf_slot = torch.where(not_kept, _scalar(trash, dev), step.token_field("slot"))
+    buf_rows = torch.addcmul(pos % span, buf_slot, span)
+    # a query sees the entries of the windows closed at or before it: (pos + 1) // r (the
+    # request's end in a decode step)
+    counts = last_t if decode else (pos + 1) // ratio
     # prefix hits: the carry at a request's cached boundary comes back from the page snapshot
     # (an unpadded step knows on the host whether any request gets there)
     restore_rows = restore_page = None
     if inputs.num_resuming() != 0:
-        restore = (start < cached) & (cached <= end)
-        page_at = tables.gather(1, ((cached - 1).clamp(min=0) // page_size).unsqueeze(1)).squeeze(1)
-        restore_rows = torch.where(restore, slot * nb + (cached // r - 1) % nb, trash * nb)
-        restore_page = torch.where(restore, page_at, trash_page)
+        slot, start, cached = step.field("slot"), step.field("start"), step.field("cached")
+        restore = (start < cached) & (cached <= step.end)
+        # the page of position cached - 1 (column -1, the last, where cached is 0: not restored)
+        page_at = step.tables[_arange(n_req, dev), (cached - 1) // step.page_size]
+        restore_page = torch.where(restore, page_at, _scalar(step.trash_page, dev))
+        if all(nb == 1 for nb in nbs):  # carry row slot*nb + (cached//r - 1) % nb: the slot
+            restore_rows = torch.where(restore, slot, _scalar(trash, dev)).expand(len(ratios), -1)
+        else:
+            nb = _col(nbs, dev)
+            row = torch.addcmul((cached // ratio - 1) % nb, slot, nb)
+            restore_rows = torch.where(restore, row, _col([trash * b for b in nbs], dev))
     # windows closed this step: exactly those of an unpadded step (counted on the host), all
     # live; a fixed-shape step's bound (at most one per r tokens of a request, plus one per
-    # request), whose windows past the closed ones are padding (``live`` false)
-    closed = inputs.windows_closed(r)
-    m_max = min(t, t // r + n_req) if closed is None else closed
-    if m_max == 0:  # no window closes: nothing to compress
-        none = torch.zeros(0, dtype=torch.int64, device=dev)
-        return WindowPlan(
-            r, none.view(0, r), none, none, none, none, buf_rows, entries, restore_rows, restore_page, None
+    # request), whose windows past the closed ones are padding
+    closed = [inputs.windows_closed(r) for r in ratios]
+    exact = closed[0] is not None
+    bounds = closed if exact else [min(t, t // r + n_req) for r in ratios]
+    groups: dict[int, list[int]] = {}  # ratios by bound (a fixed-shape step: all in one)
+    for i, m in enumerate(bounds):
+        if m:
+            groups.setdefault(m if exact else 0, []).append(i)
+    window_plans = {}
+    for group in groups.values():
+        window_plans |= _closed_windows(
+            step,
+            [ratios[i] for i in group],
+            [bounds[i] for i in group],
+            [nbs[i] for i in group],
+            exact,
+            last if len(group) == len(ratios) else None,
         )
-    w0 = torch.maximum(start, cached) // r  # cached is page- hence window-aligned
-    m = (end // r - w0).clamp(min=0)
-    cum = torch.cumsum(m, 0)
-    k = torch.arange(m_max, device=dev)
-    win_req = torch.searchsorted(cum, k, right=True).clamp_(max=max(n_req - 1, 0))
+    plans = {}
+    none = pos.new_empty(0)
+    for i, r in enumerate(ratios):
+        entries = PagedIndex(
+            block_table=step.tables,
+            token_rows=step.tok_req,
+            counts=counts[i],
+            entries_per_page=step.page_size // r,
+            max_count=inputs.max_end // r,
+        )
+        # no window closes: nothing to compress
+        windows, prev, positions, dest, carry_rows, snap_page = window_plans.get(
+            r, (none.view(0, r), none, none, none, none, None)
+        )
+        plans[r] = WindowPlan(
+            ratio=r,
+            windows=windows,
+            prev=prev,
+            positions=positions,
+            dest=dest,
+            carry_rows=carry_rows,
+            buf_rows=buf_rows[i],
+            entries=entries,
+            restore_rows=None if restore_rows is None else restore_rows[i],
+            restore_page=restore_page,
+            snap_page=snap_page,
+        )
+    return plans
 
-    def per_window(x: torch.Tensor) -> torch.Tensor:
-        return x.index_select(0, win_req)
 
-    live = None if closed is not None else k < cum[-1] if n_req else torch.zeros_like(k, dtype=torch.bool)
-    j = k - per_window(cum - m)
-    w = _where(live, per_window(w0) + j, 0)
-    q = (w * r).unsqueeze(1) + torch.arange(r, device=dev)
-    win_slot, win_start = per_window(slot).unsqueeze(1), per_window(start).unsqueeze(1)
-    windows = torch.where(
-        q < win_start,
-        win_slot * span + q % span,
-        (num_slots + 1) * span + per_window(offset).unsqueeze(1) + q - win_start,
+def _closed_windows(
+    step: _Step, ratios: list[int], bounds: list[int], nbs: list[int], exact: bool, last: torch.Tensor | None
+) -> dict[int, tuple]:
+    """The compressor windows closed this step for ``ratios`` (``g`` of them, buffering ``nbs``
+    windows each), computed together over ``m = max(bounds)`` windows (``[g, m]``; ratio
+    ``i``'s plan is the first ``bounds[i]`` of row ``i``, the rest is padding it leaves out).
+    ``exact``: the bounds are the windows the requests close (else fixed-shape bounds);
+    ``last``: each request's ``end // r`` (``[g, R]``) when already computed.  Per ratio:
+    ``(windows, prev, positions, dest, carry_rows, snap_page)`` of :class:`WindowPlan`."""
+    inputs, dev = step.inputs, step.pos.device
+    g, m, n_req = len(ratios), max(bounds), inputs.num_reqs
+    start, cached = step.field("start"), step.field("cached")
+    num_slots, page_size, trash_page = step.num_slots, step.page_size, step.trash_page
+    ratio, nb = _col(ratios, dev), _col(nbs, dev)
+    uniform = len(set(nbs)) == 1  # nb (hence the carry count) the same for every ratio
+    epp = _col([page_size // r for r in ratios], dev)  # entries per page
+    # per request ([g, R]): its first window to compute (cached is page- hence window-aligned),
+    # how many it closes; gathered for each window below: the step's index of its request's
+    # first (the exclusive sum), w0 - that, the inclusive sum, the staging row of position 0
+    # of its chunk
+    w0 = torch.maximum(start, cached) // ratio
+    count = ((step.end // ratio if last is None else last) - w0).clamp_(min=0)
+    per_req = torch.empty((4, g, n_req), dtype=torch.int64, device=dev)
+    first, w_off, cum, stage = per_req.unbind(0)
+    torch.cumsum(count, 1, out=cum)
+    torch.sub(cum, count, out=first)
+    torch.sub(w0, first, out=w_off)
+    # staging rows [buffer rows of all slots (N*nb*r) ; this step's token rows]: position q of
+    # this step is token row q + d
+    d = step.d if step.d is not None else _arange(n_req, dev) - start
+    torch.add(d, _col([(num_slots + 1) * b * r for r, b in zip(ratios, nbs, strict=True)], dev), out=stage)
+    k = _arange(m, dev)
+    # each window's request: the last boundary left out, later (padding) windows are the last
+    # request's (as with all of them, clamped to R-1: cum is sorted)
+    win_req = torch.empty((g, m), dtype=torch.int64, device=dev)
+    for i in range(g):
+        torch.searchsorted(cum[i, :-1], k, right=True, out=win_req[i])
+    first_w, w_off_w, cum_w, stage_w = per_req.gather(2, win_req.expand(4, g, m)).unbind(0)
+    fields_w = step.fields.index_select(1, win_req.view(-1)).view(-1, g, m)
+    slot_w, start_w = fields_w[REQ_FIELDS.index("slot")], fields_w[REQ_FIELDS.index("start")]
+    dead = None if exact else k >= cum[:, -1:]  # a fixed-shape step's padding windows
+    w = k + w_off_w  # the window: w0 + (k - first)
+    if dead is not None:
+        w.masked_fill_(dead, 0)
+    positions = w * ratio
+    # its carry row slot*nb + w % nb (the slot's with one window buffered)
+    carry = slot_w if nbs == [1] * g else torch.addcmul(w % nb, slot_w, nb)
+    # the overlap series: window w reads w-1's first half, from this step's rows when it closes
+    # both (k > first), else from w-1's carry (row slot*nb + (w-1) % nb), none for window 0
+    carries = [(num_slots + 1) * b for b in nbs]
+    prev_carry = slot_w if nbs == [1] * g else torch.addcmul((w - 1) % nb, slot_w, nb)
+    empty = _col([c + b for c, b in zip(carries, bounds, strict=True)], dev, keep=not exact)
+    own = (
+        _arange(m + carries[0] - 1, dev)[carries[0] - 1 :]
+        if uniform
+        else k + _col([c - 1 for c in carries], dev)
     )
-    windows = _where(None if live is None else live.unsqueeze(1), windows, 0)
-    carries = (num_slots + 1) * nb
-    empty = carries + m_max
-    win_slot = win_slot.squeeze(1)
-    prev_carry = win_slot * nb + (w - 1) % nb
-    prev = torch.where(j > 0, carries + k - 1, torch.where(w > 0, prev_carry, empty))
+    prev = torch.where(k > first_w, own, torch.where(w > 0, prev_carry, empty))
     # a padding request's positions may pass max_model_len (a full step of padding): its row is
     # the trash slot's, every column the trash page, so the column is clamped to the table
-    page = tables[win_req, ((w * r) // page_size).clamp(max=tables.shape[1] - 1)]
-    dest = _where(live, page * epp + (w * r % page_size) // r, trash_page * epp)
-    # the last nb windows each request closes keep their carry (distinct rows w % nb)
-    saved = _and(live, j >= per_window(m) - nb)
-    carry_rows = torch.where(saved, win_slot * nb + w % nb, trash * nb)
+    tables = step.tables
+    page = tables[win_req, (positions // page_size).clamp_(max=tables.shape[1] - 1)]
+    in_page = w % epp  # (w*r % page_size) // r
+    dest = torch.addcmul(in_page, page, epp)
+    if dead is not None:
+        dest = torch.where(dead, _col([trash_page * (page_size // r) for r in ratios], dev), dest)
+    # the last nb windows each request closes keep their carry (distinct rows): k + nb >= cum
+    drop = (_arange(m + nbs[0], dev)[nbs[0] :] if uniform else k + nb) < cum_w
+    if dead is not None:
+        drop |= dead
+    carry_rows = torch.where(drop, _col([num_slots * b for b in nbs], dev), carry)
     # the carry of each window that ends a page is snapshot (page_size is a multiple of r, so
     # an unpadded step closes as many such windows as it closes pages)
     snap_page = None
-    if closed is None or inputs.windows_closed(page_size):
-        snap_page = torch.where(_and(live, (w + 1) * r % page_size == 0), page, trash_page)
-    return WindowPlan(
-        ratio=r,
-        windows=windows,
-        prev=prev,
-        positions=w * r,
-        dest=dest,
-        carry_rows=carry_rows,
-        buf_rows=buf_rows,
-        entries=entries,
-        restore_rows=restore_rows,
-        restore_page=restore_page,
-        snap_page=snap_page,
-    )
+    if not exact or inputs.windows_closed(page_size):
+        skip = in_page != _col([page_size // r - 1 for r in ratios], dev)
+        if dead is not None:
+            skip |= dead
+        snap_page = torch.where(skip, _scalar(trash_page, dev), page)
+    # per window [g, m, 1], against the [r] offsets in a window
+    q0, carry_c, start_c, stage_c = (x.unsqueeze(2) for x in (positions, carry, start_w, stage_w))
+    out = {}
+    for i, r in enumerate(ratios):
+        b = bounds[i]
+
+        def row(x: torch.Tensor, i: int = i, b: int = b) -> torch.Tensor:
+            return x[i] if b == m else x[i, :b]
+
+        col = _arange(r, dev)
+        q = row(q0) + col  # [b, r]
+        # position q of an earlier step: buffer row slot*nb*r + q % (nb*r) = carry*r + q % r
+        buffered = torch.add(col, row(carry_c), alpha=r)
+        windows = torch.where(q < row(start_c), buffered, q + row(stage_c))
+        if dead is not None:  # padding windows read row 0
+            windows.masked_fill_(row(dead).unsqueeze(1), 0)
+        snap = None if snap_page is None else row(snap_page)
+        out[r] = (windows, row(prev), row(positions), row(dest), row(carry_rows), snap)
+    return out
 
 
-def _where(mask: torch.Tensor | None, x: torch.Tensor, other: int) -> torch.Tensor:
-    """``x`` where ``mask`` (``None``: everywhere), else ``other``."""
-    return x if mask is None else torch.where(mask, x, other)
+# ---- constants made once ----------------------------------------------------------------------
+# Tensors that depend only on static ints (sizes, the cache geometry), made on first use and
+# kept for the life of the process: a captured graph reads them by address, so none is ever
+# dropped or written in place; a graph capture that misses one records its making instead.
+_KEPT: dict[tuple, torch.Tensor] = {}
 
 
-def _and(mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    """``mask & x`` (``None``: ``x``)."""
-    return x if mask is None else mask & x
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a graph."""
+    if device.type == "cpu":
+        return False
+    check = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
+    return bool(check()) if check is not None else False
+
+
+def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
+    """The tensor ``make()`` makes for ``key`` on ``device``, kept after its first making
+    (outside graph capture).  Not to be modified in place."""
+    x = _KEPT.get((key, device))
+    if x is None:
+        x = make()
+        if not _capturing(device):
+            _KEPT[(key, device)] = x
+    return x
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` (int64): a prefix of a kept one whose length is a power of two."""
+    size = 1 << max(n - 1, 0).bit_length()
+    return _kept(("arange", size), device, lambda: torch.arange(size, device=device))[:n]
+
+
+def _scalar(value: int, device: torch.device) -> torch.Tensor:
+    """``value`` as a kept 0-dim int64 tensor: ``torch.where`` with it is one op (with a
+    Python number it also fills a tensor with the number first)."""
+    return _kept(("scalar", value), device, lambda: torch.full((), value, dtype=torch.int64, device=device))
+
+
+def _col(values: list[int], device: torch.device, keep: bool = True) -> torch.Tensor:
+    """``values`` as an int64 column ``[n, 1]`` (one value per ratio), kept unless ``keep`` is
+    false (values that change from step to step).  Made by fills only (no host copy), so that
+    a graph capture may make one."""
+
+    def make() -> torch.Tensor:
+        x = torch.full((len(values), 1), values[0], dtype=torch.int64, device=device)
+        for i, v in enumerate(values):
+            if i and v != values[0]:
+                x[i] = v
+        return x
+
+    return _kept(("col", *values), device, make) if keep else make()
