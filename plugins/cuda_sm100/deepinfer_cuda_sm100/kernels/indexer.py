@@ -53,7 +53,6 @@ MAX_TOPK = 4096
 _SIGN = tl.constexpr(-(2**31))  # int32 sign bit
 _I64_MIN = tl.constexpr(-(2**63))
 _LOW32 = tl.constexpr(2**32 - 1)
-_I32_MAX = tl.constexpr(2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -394,52 +393,36 @@ def _select_kernel(
 
 
 @triton.jit
-def _keys32(row_ptr, cols, inside):
-    """Signed int32 images of the scores of columns ``cols`` (signed order = float order,
-    ``-0 < +0``); 0.0's image outside."""
+def _keys64(row_ptr, cols, inside, BLOCK: tl.constexpr):
+    """Unique int64 keys of columns ``cols``: the score's order-preserving image in the high
+    32 bits, ``2**32 - 1 - column`` in the low 32 (descending = best first, ties to the
+    earlier column); ``I64_MIN`` outside."""
     s = tl.load(row_ptr + cols, mask=inside, other=0.0)
-    return _ordered(s) ^ _SIGN
-
-
-@triton.jit
-def _key64(key, cols):
-    """The unique int64 key of a column: the score image ``key`` in the high 32 bits,
-    ``2**32 - 1 - column`` in the low 32 (descending = best first, ties to the earlier column)."""
-    return (key.to(tl.int64) << 32) | (_LOW32 - cols.to(tl.int64))
-
-
-@triton.jit
-def _group_max_block(row_ptr, cols, c_end, best, col):
-    """One block of :func:`_group_max_kernel`: each lane keeps its best score image and the
-    earliest column holding it (columns arrive in increasing order; ``col < 0``: none yet)."""
-    inside = cols < c_end
-    key = _keys32(row_ptr, cols, inside)
-    better = inside & ((key > best) | (col < 0))
-    return tl.where(better, key, best), tl.where(better, cols, col)
+    key = _ordered(s) ^ _SIGN
+    low = tl.full([BLOCK], _LOW32, tl.int64) - cols.to(tl.int64)
+    return tl.where(inside, (key.to(tl.int64) << 32) | low, _I64_MIN)
 
 
 @triton.jit
 def _group_max_kernel(scores_ptr, ss_t, C, SEG, part_ptr, NSEG, G: tl.constexpr, INTERP: tl.constexpr):
     """Grid ``(T, NSEG)``: the key maxima of segment ``program_id(1)``'s columns by group
-    ``column % G`` (``SEG`` a multiple of ``G``), to ``part[t, segment, :]`` (``I64_MIN`` for
-    a group without columns).  The scan compares 32-bit score images and keeps the earliest
-    column of the best, the 64-bit key's order; the key is built once per group."""
+    ``column % G`` (``SEG`` a multiple of ``G``), to ``part[t, segment, :]``."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_ptr = scores_ptr + t * ss_t
     c_begin = s * SEG
     c_end = tl.minimum(C, c_begin + SEG)
-    best = tl.full([G], _SIGN, tl.int32)
-    col = tl.full([G], -1, tl.int32)
+    acc = tl.full([G], _I64_MIN, tl.int64)
     if INTERP:
         c0 = c_begin
         while c0 < c_end:
-            best, col = _group_max_block(row_ptr, c0 + tl.arange(0, G), c_end, best, col)
+            cols = c0 + tl.arange(0, G)
+            acc = tl.maximum(acc, _keys64(row_ptr, cols, cols < c_end, G))
             c0 += G
     else:
         for c0 in range(c_begin, c_end, G):
-            best, col = _group_max_block(row_ptr, c0 + tl.arange(0, G), c_end, best, col)
-    acc = tl.where(col >= 0, _key64(best, col), _I64_MIN)
+            cols = c0 + tl.arange(0, G)
+            acc = tl.maximum(acc, _keys64(row_ptr, cols, cols < c_end, G))
     tl.store(part_ptr + (t * NSEG + s) * G + tl.arange(0, G), acc)
 
 
@@ -460,46 +443,30 @@ def _threshold_kernel(part_ptr, NSEG, KK, thr_ptr, hits_ptr, G: tl.constexpr):
 
 
 @triton.jit
-def _filter_block(row_ptr, cols, c_end, thr_hi, thr_col, hits_ptr, buf_row, CAP):
-    """One block of :func:`_filter_kernel`: its keys ``>=`` the threshold (score image above
-    ``thr_hi``, or equal and the column at most ``thr_col``), appended to ``buf_row``; the
-    64-bit keys are built only in a block that has some."""
-    inside = cols < c_end
-    key = _keys32(row_ptr, cols, inside)
-    hit = inside & ((key > thr_hi) | ((key == thr_hi) & (cols <= thr_col)))
-    hi = hit.to(tl.int32)
-    nhit = tl.sum(hi, 0)
-    if nhit > 0:
-        base = tl.atomic_add(hits_ptr, nhit)
-        pos = base + tl.cumsum(hi, 0) - hi
-        tl.store(buf_row + pos, _key64(key, cols), mask=hit & (pos < CAP))
-
-
-@triton.jit
 def _filter_kernel(
     scores_ptr, ss_t, C, SEG, thr_ptr, hits_ptr, buf_ptr, CAP, BLOCK: tl.constexpr, INTERP: tl.constexpr
 ):
     """Grid ``(T, NSEG)``: the keys >= the row's threshold, appended to ``buf[t, :CAP]``
-    (the row's counter counts them all, also past ``CAP``).  The comparison runs on 32-bit
-    halves: the threshold's score image and the last column its low half admits (columns are
-    below ``2**31``, so the clamp keeps the order)."""
+    (the row's counter counts them all, also past ``CAP``)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_ptr = scores_ptr + t * ss_t
     thr = tl.load(thr_ptr + t)
-    thr_hi = (thr >> 32).to(tl.int32)
-    thr_col = tl.minimum(_LOW32 - (thr & _LOW32), _I32_MAX).to(tl.int32)
-    buf_row, hits_row = buf_ptr + t * CAP, hits_ptr + t
+    buf_row = buf_ptr + t * CAP
     c_begin = s * SEG
     c_end = tl.minimum(C, c_begin + SEG)
-    if INTERP:
-        c0 = c_begin
-        while c0 < c_end:
-            _filter_block(row_ptr, c0 + tl.arange(0, BLOCK), c_end, thr_hi, thr_col, hits_row, buf_row, CAP)
-            c0 += BLOCK
-    else:
-        for c0 in range(c_begin, c_end, BLOCK):
-            _filter_block(row_ptr, c0 + tl.arange(0, BLOCK), c_end, thr_hi, thr_col, hits_row, buf_row, CAP)
+    c0 = c_begin
+    while c0 < c_end:
+        cols = c0 + tl.arange(0, BLOCK)
+        keys = _keys64(row_ptr, cols, cols < c_end, BLOCK)
+        hit = keys >= thr
+        hi = hit.to(tl.int32)
+        nhit = tl.sum(hi, 0)
+        if nhit > 0:
+            base = tl.atomic_add(hits_ptr + t, nhit)
+            pos = base + tl.cumsum(hi, 0) - hi
+            tl.store(buf_row + pos, keys, mask=hit & (pos < CAP))
+        c0 += BLOCK
 
 
 @triton.jit
