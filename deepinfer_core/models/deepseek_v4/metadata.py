@@ -42,45 +42,17 @@ from deepinfer_core.models.context_parallel import CPPlan, plan_step
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.cast import cast
 
+from .plan_tensors import kept, kept_arange, kept_scalar
+from .window_plans import StepView, WindowPlan, buffer_windows, window_plans
 
-@dataclass
-class WindowPlan:
-    """The compressor work of one step for one compress ratio ``r`` (``M`` window rows).
-
-    Each slot buffers ``nb`` windows (``nb*r`` rows, :func:`buffer_windows`) and keeps ``nb``
-    overlap carries (see the module docstring); ``N`` = real slots + the trash slot.  Staging
-    rows are ``[buffer rows of all slots (N*nb*r) ; this step's token rows]``.  ``windows``
-    ``[M, r]`` are the staging rows of each window closed this step (position ``q`` of an
-    earlier step: buffer row ``slot*nb*r + q % (nb*r)``; padding windows read row 0 and write
-    to the trash page); ``prev`` ``[M]`` indexes ``[carries of all slots (N*nb) ; windows' own
-    first-half rows (M) ; empty]`` for the overlap series (window ``w`` reads carry row
-    ``slot*nb + (w-1) % nb`` when ``w-1`` closed in an earlier step); ``positions`` ``[M]``
-    the first position of each window; ``dest`` ``[M]`` the pool row of each new entry;
-    ``carry_rows`` ``[M]`` the carry row ``slot*nb + w % nb`` each window's first half is
-    saved to (the trash slot's for padding windows and for all but the last ``nb`` windows
-    its request closes, so the writes are distinct); per token ``[T]``, ``buf_rows`` is where
-    its projections go in the partial-window buffer (tokens of the last ``nb`` windows the
-    chunk touches; the trash slot for the others); ``entries`` each query's visible entries
-    (those of windows closed at or before it).  Prefix caching: windows closing at or before
-    a request's ``cached`` boundary are skipped (their entries are cached);
-    ``restore_rows``/``restore_page`` load the overlap carry at that boundary from the page
-    snapshot into carry row ``slot*nb + (cached//r - 1) % nb``; ``snap_page`` saves the
-    carry of each window that ends a page.  An unpadded step leaves out what the host knows
-    it does not need: ``restore_*`` are ``None`` when no request reaches its boundary,
-    ``snap_page`` when no window ends a page (a fixed-shape step always has all of them).
-    """
-
-    ratio: int
-    windows: torch.Tensor
-    prev: torch.Tensor
-    positions: torch.Tensor
-    dest: torch.Tensor
-    carry_rows: torch.Tensor
-    buf_rows: torch.Tensor
-    entries: PagedIndex
-    restore_rows: torch.Tensor | None
-    restore_page: torch.Tensor | None
-    snap_page: torch.Tensor | None
+__all__ = [
+    "LocalRows",
+    "StepMetadata",
+    "WindowPlan",
+    "buffer_windows",
+    "build_metadata",
+    "with_context_parallel",
+]
 
 
 @dataclass
@@ -116,13 +88,6 @@ class LocalRows:
     entries: dict[int, PagedIndex]  # per ratio, the local queries' visible entries
 
 
-def buffer_windows(ratio: int, num_spec_tokens: int) -> int:
-    """Windows of ratio ``ratio`` each slot buffers (and CSA carries it keeps): ``1 +
-    ceil(S/r)``, enough that the windows a verify step's rejected tokens close never
-    displace one the accepted tokens still need (see the module docstring)."""
-    return 1 + -(-num_spec_tokens // ratio)
-
-
 def build_metadata(
     inputs: StepInputs,
     window: int,
@@ -142,7 +107,7 @@ def build_metadata(
     of integers, so the plans are derived in few of them: each token's request fields come
     with one gather, the per-token plans of all ratios are computed together (``[ratios, T]``,
     a plan reads its row) as are the window plans of the ratios that close as many windows,
-    and tensors that depend only on static ints are made once and kept (:func:`_kept`).
+    and tensors that depend only on static ints are made once and kept (:func:`~.plan_tensors.kept`).
     """
     bad = [r for r in ratios if page_size % r]
     if bad:
@@ -152,7 +117,7 @@ def build_metadata(
     fields = inputs.fields()  # [F, R] (a view of the packed buffer)
     slot, start, length = (fields[REQ_FIELDS.index(n)] for n in ("slot", "start", "len"))
     end = start + length
-    tok = _arange(t, dev)
+    tok = kept_arange(t, dev)
     rows = window + num_spec_tokens  # ring rows per slot: W + S
     decode = inputs.one_token_each()
     if decode:  # token i is request i's only one: no gathers
@@ -182,11 +147,11 @@ def build_metadata(
 
     # sliding window: keys at positions pos-W+1 .. pos, of this step's chunk (from its start)
     # or of earlier steps (in the ring), none before the request's window_from
-    ahead = _kept(("window", window), dev, lambda: torch.arange(1 - window, 1, device=dev))
+    ahead = kept(("window", window), dev, lambda: torch.arange(1 - window, 1, device=dev))
     kpos = pos.unsqueeze(1) + ahead
     before = kpos < from_t.unsqueeze(1)
     # (a decode step's chunk is the token itself)
-    earlier = _kept(("window<0", window), dev, lambda: ahead < 0) if decode else kpos < start_t.unsqueeze(1)
+    earlier = kept(("window<0", window), dev, lambda: ahead < 0) if decode else kpos < start_t.unsqueeze(1)
     # a key of the chunk is in the token row of its position: kpos + d = tok + (kpos - pos)
     window_chunk = (tok.unsqueeze(1) + ahead).masked_fill_(before | earlier, -1)
     ring = kpos % rows
@@ -196,12 +161,14 @@ def build_metadata(
     # trash slot's: pos < end - rows, i.e. cum > tok + rows (a decode token is its chunk's last)
     ring_slot = slot_t
     if not decode:
-        ring_slot = torch.where(cum_t > _arange(t + rows, dev)[rows:], _scalar(num_slots, dev), slot_t)
+        ring_slot = torch.where(
+            cum_t > kept_arange(t + rows, dev)[rows:], kept_scalar(num_slots, dev), slot_t
+        )
     ring_rows = torch.add(ring[:, -1] if window else pos % rows, ring_slot, alpha=rows)
 
     tables = inputs.block_tables.index_select(0, slot)  # [R, P]
-    step = _Step(inputs, fields, end, d, tables, tok_req, pos, per_token, num_slots, page_size, trash_page)
-    plans = _window_plans(step, sorted(set(ratios)), num_spec_tokens)
+    step = StepView(inputs, fields, end, d, tables, tok_req, pos, per_token, num_slots, page_size, trash_page)
+    plans = window_plans(step, sorted(set(ratios)), num_spec_tokens)
     return StepMetadata(
         input_ids=ids,
         positions=pos,
@@ -247,278 +214,3 @@ def with_context_parallel(
         entries={r: p.entries.select(rows) for r, p in md.plans.items()},
     )
     return replace(md, cp=plan, local=local)
-
-
-@dataclass
-class _Step:
-    """What the window plans read of a step: its inputs, per request (``[R]``) the fields
-    (``[F, R]``), ``end`` and ``d`` (its first token row minus its start; ``None`` in a
-    decode step, where it is ``arange(R) - start``), the requests' block tables, and per token
-    (``[T]``) its request row, its position and its request's fields (``[F, T]``)."""
-
-    inputs: StepInputs
-    fields: torch.Tensor
-    end: torch.Tensor
-    d: torch.Tensor | None
-    tables: torch.Tensor
-    tok_req: torch.Tensor
-    pos: torch.Tensor
-    per_token: torch.Tensor
-    num_slots: int
-    page_size: int
-    trash_page: int
-
-    def field(self, name: str) -> torch.Tensor:
-        """A request field, per request ``[R]``."""
-        return self.fields[REQ_FIELDS.index(name)]
-
-    def token_field(self, name: str) -> torch.Tensor:
-        """A request field, per token ``[T]``."""
-        return self.per_token[REQ_FIELDS.index(name)]
-
-
-def _window_plans(step: _Step, ratios: list[int], num_spec_tokens: int) -> dict[int, WindowPlan]:
-    """The :class:`WindowPlan` of each ratio (sorted, distinct): the per-token plans of all of
-    them computed together (``[ratios, T]``), the windows of the ratios that close as many of
-    them together (:func:`_closed_windows`)."""
-    if not ratios:
-        return {}
-    inputs, pos, dev = step.inputs, step.pos, step.pos.device
-    n_req, t = inputs.num_reqs, inputs.num_tokens
-    trash = step.num_slots
-    decode = step.d is None
-    nbs = [buffer_windows(r, num_spec_tokens) for r in ratios]
-    ratio = _col(ratios, dev)
-    span = _col([nb * r for r, nb in zip(ratios, nbs, strict=True)], dev)  # buffer rows per slot
-    last = step.end // ratio  # [n, R]: each request's end // r
-    last_t = last if decode else last.index_select(1, step.tok_req)  # [n, T]
-    # tokens of the last nb windows the chunk touches wait in the buffer (distinct rows), those
-    # from (end // r - nb + 1) * r, not those below a prefix hit's cached boundary (an unpadded
-    # step knows whether there are any)
-    kept_from = torch.addcmul(
-        _col([(1 - nb) * r for r, nb in zip(ratios, nbs, strict=True)], dev), last_t, ratio
-    )
-    not_kept = pos < kept_from
-    if inputs.num_replaying() != 0:
-        not_kept |= pos < step.token_field("cached")
-    buf_slot = torch.where(not_kept, _scalar(trash, dev), step.token_field("slot"))
-    buf_rows = torch.addcmul(pos % span, buf_slot, span)
-    # a query sees the entries of the windows closed at or before it: (pos + 1) // r (the
-    # request's end in a decode step)
-    counts = last_t if decode else (pos + 1) // ratio
-    # prefix hits: the carry at a request's cached boundary comes back from the page snapshot
-    # (an unpadded step knows on the host whether any request gets there)
-    restore_rows = restore_page = None
-    if inputs.num_resuming() != 0:
-        slot, start, cached = step.field("slot"), step.field("start"), step.field("cached")
-        restore = (start < cached) & (cached <= step.end)
-        # the page of position cached - 1 (column -1, the last, where cached is 0: not restored)
-        page_at = step.tables[_arange(n_req, dev), (cached - 1) // step.page_size]
-        restore_page = torch.where(restore, page_at, _scalar(step.trash_page, dev))
-        if all(nb == 1 for nb in nbs):  # carry row slot*nb + (cached//r - 1) % nb: the slot
-            restore_rows = torch.where(restore, slot, _scalar(trash, dev)).expand(len(ratios), -1)
-        else:
-            nb = _col(nbs, dev)
-            row = torch.addcmul((cached // ratio - 1) % nb, slot, nb)
-            restore_rows = torch.where(restore, row, _col([trash * b for b in nbs], dev))
-    # windows closed this step: exactly those of an unpadded step (counted on the host), all
-    # live; a fixed-shape step's bound (at most one per r tokens of a request, plus one per
-    # request), whose windows past the closed ones are padding
-    closed = [inputs.windows_closed(r) for r in ratios]
-    exact = closed[0] is not None
-    bounds = closed if exact else [min(t, t // r + n_req) for r in ratios]
-    groups: dict[int, list[int]] = {}  # ratios by bound (a fixed-shape step: all in one)
-    for i, m in enumerate(bounds):
-        if m:
-            groups.setdefault(m if exact else 0, []).append(i)
-    window_plans = {}
-    for group in groups.values():
-        window_plans |= _closed_windows(
-            step,
-            [ratios[i] for i in group],
-            [bounds[i] for i in group],
-            [nbs[i] for i in group],
-            exact,
-            last if len(group) == len(ratios) else None,
-        )
-    plans = {}
-    none = pos.new_empty(0)
-    for i, r in enumerate(ratios):
-        entries = PagedIndex(
-            block_table=step.tables,
-            token_rows=step.tok_req,
-            counts=counts[i],
-            entries_per_page=step.page_size // r,
-            max_count=inputs.max_end // r,
-        )
-        # no window closes: nothing to compress
-        windows, prev, positions, dest, carry_rows, snap_page = window_plans.get(
-            r, (none.view(0, r), none, none, none, none, None)
-        )
-        plans[r] = WindowPlan(
-            ratio=r,
-            windows=windows,
-            prev=prev,
-            positions=positions,
-            dest=dest,
-            carry_rows=carry_rows,
-            buf_rows=buf_rows[i],
-            entries=entries,
-            restore_rows=None if restore_rows is None else restore_rows[i],
-            restore_page=restore_page,
-            snap_page=snap_page,
-        )
-    return plans
-
-
-def _closed_windows(
-    step: _Step, ratios: list[int], bounds: list[int], nbs: list[int], exact: bool, last: torch.Tensor | None
-) -> dict[int, tuple]:
-    """The compressor windows closed this step for ``ratios`` (``g`` of them, buffering ``nbs``
-    windows each), computed together over ``m = max(bounds)`` windows (``[g, m]``; ratio
-    ``i``'s plan is the first ``bounds[i]`` of row ``i``, the rest is padding it leaves out).
-    ``exact``: the bounds are the windows the requests close (else fixed-shape bounds);
-    ``last``: each request's ``end // r`` (``[g, R]``) when already computed.  Per ratio:
-    ``(windows, prev, positions, dest, carry_rows, snap_page)`` of :class:`WindowPlan`."""
-    inputs, dev = step.inputs, step.pos.device
-    g, m, n_req = len(ratios), max(bounds), inputs.num_reqs
-    start, cached = step.field("start"), step.field("cached")
-    num_slots, page_size, trash_page = step.num_slots, step.page_size, step.trash_page
-    ratio, nb = _col(ratios, dev), _col(nbs, dev)
-    uniform = len(set(nbs)) == 1  # nb (hence the carry count) the same for every ratio
-    epp = _col([page_size // r for r in ratios], dev)  # entries per page
-    # per request ([g, R]): its first window to compute (cached is page- hence window-aligned),
-    # how many it closes; gathered for each window below: the step's index of its request's
-    # first (the exclusive sum), w0 - that, the inclusive sum, the staging row of position 0
-    # of its chunk
-    w0 = torch.maximum(start, cached) // ratio
-    count = ((step.end // ratio if last is None else last) - w0).clamp_(min=0)
-    per_req = torch.empty((4, g, n_req), dtype=torch.int64, device=dev)
-    first, w_off, cum, stage = per_req.unbind(0)
-    torch.cumsum(count, 1, out=cum)
-    torch.sub(cum, count, out=first)
-    torch.sub(w0, first, out=w_off)
-    # staging rows [buffer rows of all slots (N*nb*r) ; this step's token rows]: position q of
-    # this step is token row q + d
-    d = step.d if step.d is not None else _arange(n_req, dev) - start
-    torch.add(d, _col([(num_slots + 1) * b * r for r, b in zip(ratios, nbs, strict=True)], dev), out=stage)
-    k = _arange(m, dev)
-    # each window's request: the last boundary left out, later (padding) windows are the last
-    # request's (as with all of them, clamped to R-1: cum is sorted)
-    win_req = torch.empty((g, m), dtype=torch.int64, device=dev)
-    for i in range(g):
-        torch.searchsorted(cum[i, :-1], k, right=True, out=win_req[i])
-    first_w, w_off_w, cum_w, stage_w = per_req.gather(2, win_req.expand(4, g, m)).unbind(0)
-    fields_w = step.fields.index_select(1, win_req.view(-1)).view(-1, g, m)
-    slot_w, start_w = fields_w[REQ_FIELDS.index("slot")], fields_w[REQ_FIELDS.index("start")]
-    dead = None if exact else k >= cum[:, -1:]  # a fixed-shape step's padding windows
-    w = k + w_off_w  # the window: w0 + (k - first)
-    if dead is not None:
-        w.masked_fill_(dead, 0)
-    positions = w * ratio
-    # its carry row slot*nb + w % nb (the slot's with one window buffered)
-    carry = slot_w if nbs == [1] * g else torch.addcmul(w % nb, slot_w, nb)
-    # the overlap series: window w reads w-1's first half, from this step's rows when it closes
-    # both (k > first), else from w-1's carry (row slot*nb + (w-1) % nb), none for window 0
-    carries = [(num_slots + 1) * b for b in nbs]
-    prev_carry = slot_w if nbs == [1] * g else torch.addcmul((w - 1) % nb, slot_w, nb)
-    empty = _col([c + b for c, b in zip(carries, bounds, strict=True)], dev, keep=not exact)
-    own = (
-        _arange(m + carries[0] - 1, dev)[carries[0] - 1 :]
-        if uniform
-        else k + _col([c - 1 for c in carries], dev)
-    )
-    prev = torch.where(k > first_w, own, torch.where(w > 0, prev_carry, empty))
-    # a padding request's positions may pass max_model_len (a full step of padding): its row is
-    # the trash slot's, every column the trash page, so the column is clamped to the table
-    tables = step.tables
-    page = tables[win_req, (positions // page_size).clamp_(max=tables.shape[1] - 1)]
-    in_page = w % epp  # (w*r % page_size) // r
-    dest = torch.addcmul(in_page, page, epp)
-    if dead is not None:
-        dest = torch.where(dead, _col([trash_page * (page_size // r) for r in ratios], dev), dest)
-    # the last nb windows each request closes keep their carry (distinct rows): k + nb >= cum
-    drop = (_arange(m + nbs[0], dev)[nbs[0] :] if uniform else k + nb) < cum_w
-    if dead is not None:
-        drop |= dead
-    carry_rows = torch.where(drop, _col([num_slots * b for b in nbs], dev), carry)
-    # the carry of each window that ends a page is snapshot (page_size is a multiple of r, so
-    # an unpadded step closes as many such windows as it closes pages)
-    snap_page = None
-    if not exact or inputs.windows_closed(page_size):
-        skip = in_page != _col([page_size // r - 1 for r in ratios], dev)
-        if dead is not None:
-            skip |= dead
-        snap_page = torch.where(skip, _scalar(trash_page, dev), page)
-    # per window [g, m, 1], against the [r] offsets in a window
-    q0, carry_c, start_c, stage_c = (x.unsqueeze(2) for x in (positions, carry, start_w, stage_w))
-    out = {}
-    for i, r in enumerate(ratios):
-        b = bounds[i]
-
-        def row(x: torch.Tensor, i: int = i, b: int = b) -> torch.Tensor:
-            return x[i] if b == m else x[i, :b]
-
-        col = _arange(r, dev)
-        q = row(q0) + col  # [b, r]
-        # position q of an earlier step: buffer row slot*nb*r + q % (nb*r) = carry*r + q % r
-        buffered = torch.add(col, row(carry_c), alpha=r)
-        windows = torch.where(q < row(start_c), buffered, q + row(stage_c))
-        if dead is not None:  # padding windows read row 0
-            windows.masked_fill_(row(dead).unsqueeze(1), 0)
-        snap = None if snap_page is None else row(snap_page)
-        out[r] = (windows, row(prev), row(positions), row(dest), row(carry_rows), snap)
-    return out
-
-
-# ---- constants made once ----------------------------------------------------------------------
-# Tensors that depend only on static ints (sizes, the cache geometry), made on first use and
-# kept for the life of the process: a captured graph reads them by address, so none is ever
-# dropped or written in place; a graph capture that misses one records its making instead.
-_KEPT: dict[tuple, torch.Tensor] = {}
-
-
-def _capturing(device: torch.device) -> bool:
-    """Whether ``device``'s current stream is capturing a graph."""
-    if device.type == "cpu":
-        return False
-    check = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
-    return bool(check()) if check is not None else False
-
-
-def _kept(key: tuple, device: torch.device, make) -> torch.Tensor:
-    """The tensor ``make()`` makes for ``key`` on ``device``, kept after its first making
-    (outside graph capture).  Not to be modified in place."""
-    x = _KEPT.get((key, device))
-    if x is None:
-        x = make()
-        if not _capturing(device):
-            _KEPT[(key, device)] = x
-    return x
-
-
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` (int64): a prefix of a kept one whose length is a power of two."""
-    size = 1 << max(n - 1, 0).bit_length()
-    return _kept(("arange", size), device, lambda: torch.arange(size, device=device))[:n]
-
-
-def _scalar(value: int, device: torch.device) -> torch.Tensor:
-    """``value`` as a kept 0-dim int64 tensor: ``torch.where`` with it is one op (with a
-    Python number it also fills a tensor with the number first)."""
-    return _kept(("scalar", value), device, lambda: torch.full((), value, dtype=torch.int64, device=device))
-
-
-def _col(values: list[int], device: torch.device, keep: bool = True) -> torch.Tensor:
-    """``values`` as an int64 column ``[n, 1]`` (one value per ratio), kept unless ``keep`` is
-    false (values that change from step to step).  Made by fills only (no host copy), so that
-    a graph capture may make one."""
-
-    def make() -> torch.Tensor:
-        x = torch.full((len(values), 1), values[0], dtype=torch.int64, device=device)
-        for i, v in enumerate(values):
-            if i and v != values[0]:
-                x[i] = v
-        return x
-
-    return _kept(("col", *values), device, make) if keep else make()
