@@ -117,9 +117,9 @@ per CTA, ue8m0 (fp32) scales, 4 stages; "one": the one-warpgroup kernels (256 th
 
 Measured on an H200 (``bench_moe.py``'s ``tilelang_wide_fp4`` column, 256 experts 4096 x 2048,
 top-6): 2.20 / 2.33 / 2.30 / 2.26 TB/s of FP4 weights at 16 / 64 / 128 / 256 tokens against
-the one-warpgroup kernels' 1.92-1.97, 1.15-1.18x (1.10-1.15x over 64 experts); at one token 1.06 against 1.12 TB/s (a
-6-expert call has too few CTAs for 512-thread ones).  The measured table takes the wide
-variant where it won by more than the near-tie margin.
+the one-warpgroup kernels' 1.92-1.97, 1.15-1.18x (1.10-1.15x over 64 experts); at one token
+1.06 against 1.12 TB/s (a 6-expert call has too few CTAs for 512-thread ones).  The measured
+table takes the wide variant where it won by more than the near-tie margin.
 
 Static configurations: ``(hidden, inter, BLOCK_M, scale kind, consumers)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
