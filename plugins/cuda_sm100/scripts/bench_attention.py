@@ -93,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tune",
         action="store_true",
-        help="also sweep the attention tiles, the indexer's tiles and its threshold segments at each shape",
+        help="also sweep the attention tiles, the indexer's tiles and its threshold segments at each shape,\n"
+        "and time the selection's kernels apart",
     )
     p.add_argument("--check", action="store_true", help="compare each output with the reference op first")
     p.add_argument(
@@ -322,7 +323,25 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
         out.append({"select_segments": segments, "select_ms": ms})
         print(f"    tune threshold x{segments}: select {ms:.4f} ms")
         segments *= 2
+    split = kernel_split(lambda: ki.select_topk(scores, k, cand))
+    out.append({"select_kernels_us": split})
+    print("    select by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
     return out
+
+
+def kernel_split(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (``torch.profiler`` over
+    ``calls`` plain launches, L2 warm), slowest first."""
+    from profile_step import breakdown
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return dict(breakdown(prof, calls, device=True)[1])
 
 
 def _select_path(r: dict) -> str:
