@@ -6,8 +6,9 @@ experts per token, uniform).  For each token count ``T`` it times (CUDA events, 
 CUDA graph of ``--calls-per-graph`` back-to-back calls, each with its own routing, so launch
 overhead is excluded and consecutive calls touch different experts):
 
-* ``triton fp4``: the registered kernels on FP4 e2m1 experts (ue8m0 scales, one per 32 inputs:
-  the checkpoint format kept with ``keep_quantized``), in the default ``bf16`` math;
+* ``triton fp4``: the registered kernels on FP4 e2m1 experts (one scale per 32 inputs, ue8m0 as
+  in the release or float32 with ``--scales fp32``: the checkpoint format kept with
+  ``keep_quantized``), in the default ``bf16`` math;
 * ``triton fp4 fp8math``: the same with ``DEEPINFER_MOE_MATH=fp8`` (e2m1 as e4m3, activations
   quantised per token and 32 inputs to e4m3, e4m3 MMAs; its error against the reference is
   reported next to the default math's);
@@ -33,7 +34,9 @@ ring (the result is the same at any depth) and prints each, to retune
 
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) of each
 token count into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
-:mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads.
+:mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads; the points' kind
+names the scales' storage (:func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`: ``fp4`` or
+``fp4+fp32``), so a checkpoint of each storage needs its own run.
 """
 
 from __future__ import annotations
@@ -54,15 +57,17 @@ TOKENS = "1,16,64,128,256"
 LIMIT = 10.0
 
 
-def random_fp4(e: int, out: int, inp: int, seed: int):
-    """An FP4 stack of random codes with ue8m0 scales near ``1 / (3 sqrt(inp))``, built on the GPU."""
+def random_fp4(e: int, out: int, inp: int, seed: int, scales: str = "ue8m0"):
+    """An FP4 stack of random codes with power-of-two scales near ``1 / (3 sqrt(inp))``, built
+    on the GPU, the scales stored as ``scales`` (``"ue8m0"`` or ``"fp32"``)."""
     from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     data = torch.randint(0, 256, (e, out, inp // 2), dtype=torch.uint8, device="cuda", generator=g)
     base = round(float(torch.log2(torch.tensor(1.0 / (3 * inp**0.5)))))
     jitter = torch.randint(-1, 2, (e, out, inp // 32), device="cuda", generator=g)
-    return QuantizedTensor(data, torch.exp2((base + jitter).float()).to(UE8M0_DTYPE), "fp4", (1, 32))
+    scale = torch.exp2((base + jitter).float())
+    return QuantizedTensor(data, scale.to(UE8M0_DTYPE) if scales == "ue8m0" else scale, "fp4", (1, 32))
 
 
 def errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
@@ -98,6 +103,12 @@ def main() -> None:
     parser.add_argument(
         "--write-choices", action="store_true", help="write the FP4 times into the backend's choice table"
     )
+    parser.add_argument(
+        "--scales",
+        choices=("ue8m0", "fp32"),
+        default="ue8m0",
+        help="the FP4 scales' storage (ue8m0: the release's; fp32: a checkpoint written with float scales)",
+    )
     parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
     args = parser.parse_args()
@@ -123,7 +134,7 @@ def main() -> None:
     else:
         print(f"(no TileLang columns: {tl_problem})")
 
-    gate_up, down = random_fp4(e, 2 * i, d, 1), random_fp4(e, d, i, 2)
+    gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
     gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
@@ -137,7 +148,8 @@ def main() -> None:
     )
     tbps_columns = [f"{n}_weight_TBps" for n in names]
     print(
-        f"E={e} D={d} I={i} top-{k}: {fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
+        f"E={e} D={d} I={i} top-{k}, {args.scales} scales: "
+        f"{fp4_expert_bytes / 2**20:.1f} MiB per FP4 expert, "
         f"{bf16_expert_bytes / 2**20:.1f} MiB bf16"
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
@@ -253,6 +265,7 @@ def main() -> None:
         "hidden": d,
         "inter": i,
         "top_k": k,
+        "scales": args.scales,
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
         "fp4_expert_bytes": fp4_expert_bytes,
@@ -265,8 +278,9 @@ def main() -> None:
     }
     if args.write_choices:
         from choice_writers import write_moe_choices
+        from deepinfer_cuda_sm100.moe_dispatch import choice_kind
 
-        print(f"wrote {write_moe_choices(rows, d, i, e, k)}")
+        print(f"wrote {write_moe_choices(rows, d, i, e, k, choice_kind(gate_up))}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -130,9 +130,12 @@ def write_gemm_choices(rows: list[dict]) -> Path:
     return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)")
 
 
-def moe_points(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> list[dict]:
+def moe_points(
+    rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
+) -> list[dict]:
     """The FP4 ``moe_experts`` paths' times (Triton, TileLang and, where timed, the wide TileLang
-    variant ``tilelang_wide``; ue8m0 scales, bf16 activations) per token count as
+    variant ``tilelang_wide``; bf16 activations; ``kind``: the scales' storage, see
+    :func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`) per token count as
     ``moe_experts`` points of the measured table: ``tokens`` = (token, slot) pairs, ``keys`` =
     experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
     (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows without a TileLang time are left out."""
@@ -148,17 +151,19 @@ def moe_points(rows: list[dict], hidden: int, inter: int, experts: int, top_k: i
         return out
 
     return [
-        {"op": OP, "kind": "fp4", "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
+        {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
          "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
         for r in rows
         if r.get("triton_fp4_us") and r.get("tilelang_fp4_us")
     ]  # fmt: skip
 
 
-def write_moe_choices(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> Path:
+def write_moe_choices(
+    rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
+) -> Path:
     """:func:`moe_points` of ``rows`` written into this GPU's table (replacing its
-    ``moe_experts`` points of the same shapes)."""
-    points = moe_points(rows, hidden, inter, experts, top_k)
+    ``moe_experts`` points of the same shapes and kind)."""
+    points = moe_points(rows, hidden, inter, experts, top_k, kind)
     timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
     return merge(
         points,

@@ -15,6 +15,13 @@ per step:
 On a CPU the profiler sees operators, not kernels: the same table over the operators' own CPU
 time (``self``), so the script runs anywhere.  Prints the tables and writes JSON (``--out``).
 
+``--host N`` then times the same number of steps without the profiler (CUDA graphs on) and
+once more under :mod:`cProfile`: the host's own time per step (the wall time less the time the
+host waits on the device: ``tolist``, ``item``, synchronisations) and the ``N`` DeepInfer
+functions taking the most host time per step (cumulative; :mod:`cProfile` slows Python down,
+so these are upper bounds).  When the host's own time exceeds the device's busy time, async
+scheduling cannot hide it and the device idles.
+
 ``--sites N`` then runs the same number of steps once more without the profiler and lists the
 ``N`` source lines of DeepInfer that call the most PyTorch operators per step (views and
 allocations left out): each such operator is a kernel launch on a GPU, the launches a fused op
@@ -28,7 +35,9 @@ the engine of that pass is built with ``enforce_eager=True`` (same model, same s
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import re
 import sys
@@ -75,10 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sites", type=int, default=0, help="also list the N source lines calling the most operators"
     )
+    p.add_argument("--host", type=int, default=0, help="also list the N functions taking the most host time")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     a = p.parse_args(argv)
-    if a.sites < 0:
-        p.error(f"--sites {a.sites}: give a count of source lines >= 0")
+    for flag in ("sites", "host"):
+        if getattr(a, flag) < 0:
+            p.error(f"--{flag} {getattr(a, flag)}: give a count >= 0")
     return a
 
 
@@ -86,7 +97,7 @@ def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, in
     """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left.
     ``eager``: built with ``enforce_eager=True`` (no device graphs)."""
     keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
-    budget = a.warmup + a.steps + 4
+    budget = a.warmup + a.steps * (3 if a.host and not eager else 1) + 4
     llm = LLM(
         model=a.model,
         backend=a.backend,
@@ -160,6 +171,38 @@ class _SiteCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+WAITS = ("tolist", "item", "synchronize", "cpu", "wait")
+"""Built-in methods in which the host waits on the device (their time is not the host's own)."""
+
+
+def host_profile(llm: LLM, steps: int) -> tuple[float, float, list[tuple[str, float]]]:
+    """Over ``steps`` engine steps: wall ms per step without a profiler, the host's waits on the
+    device per step under :mod:`cProfile` (ms), and DeepInfer's functions by cumulative ms per
+    step under :mod:`cProfile`, most first."""
+    cuda = torch.cuda.is_available() and llm.config.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    sync()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        llm.engine.step()
+    sync()
+    prof.disable()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    waits = sum(v[3] for (file, _, name), v in stats.items() if file == "~" and any(w in name for w in WAITS))
+    funcs = [
+        (f"{file[file.rfind(PACKAGE_DIR) + 1 :]}:{line} {name}", v[3] / steps * 1e3)
+        for (file, line, name), v in stats.items()
+        if PACKAGE_DIR in file
+    ]
+    return wall, waits / steps * 1e3, sorted(funcs, key=lambda kv: -kv[1])
+
+
 def operator_sites(llm: LLM, steps: int) -> list[tuple[str, float]]:
     """Operators per step by calling source line over ``steps`` engine steps, most first."""
     with _SiteCounter() as counter:
@@ -221,6 +264,21 @@ def main(argv: list[str] | None = None) -> dict:
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
         "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
+    if a.host:
+        left -= steps
+        host_steps = min(a.steps, left // 2)  # the plain pass, then the profiled one
+        plain, waits, funcs = host_profile(llm, host_steps)
+        print(
+            f"without the profiler: {plain:.3f} ms per step; under cProfile the host waits on the "
+            f"device {waits:.3f} ms per step; the {a.host} DeepInfer functions with the most host time:"
+        )
+        for func, ms in funcs[: a.host]:
+            print(f"  {ms:8.3f} ms  {func}")
+        report["host"] = {
+            "wall_ms_per_step": plain,
+            "wait_ms_per_step": waits,
+            "ms_by_function": dict(funcs[: a.host]),
+        }
     llm.shutdown()
     if a.sites:
         eager, left = decoding_engine(a, eager=True)

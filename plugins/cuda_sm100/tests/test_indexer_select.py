@@ -117,8 +117,9 @@ def _split_cases() -> list[tuple[str, torch.Tensor, torch.Tensor, int, int]]:
     masked = torch.rand(2, 260, generator=g) < 0.5
     masked[1, 7:] = True  # fewer valid candidates than k
     cases.append(("masked", torch.randn(2, 260, generator=g), masked, 12, 2))
-    # the large scores all in one group (column % G, G = 16 for k = 6): with capacity k,
-    # more keys reach the threshold than fit, and the row takes the radix select
+    # the large scores all in one group (column % G, G = 16 for k = 6): 24 keys reach the
+    # threshold, more than half the capacity (the finish's full-size sort); with capacity k,
+    # more than fit, and the row takes the radix select
     s = torch.rand(2, 300, generator=g)
     s[:, ::16] += 5.0
     cases.append(("one group", s, torch.zeros_like(s, dtype=torch.bool), 6, 2))

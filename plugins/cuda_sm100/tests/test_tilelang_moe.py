@@ -311,6 +311,13 @@ def test_bench_rows_become_points_that_pick_the_fastest_timed_variant():
         )  # fmt: skip
 
     assert [choose(6), choose(96), choose(384)] == ["tilelang_wide", "tilelang", "tilelang"]
+    # float32-scale points are their own kind: the ue8m0 points never decide those calls
+    fp32 = writers.moe_points(rows, 4096, 2048, 256, 6, "fp4+fp32")
+    assert {p["kind"] for p in fp32} == {"fp4+fp32"} and [p["ms"] for p in fp32] == [p["ms"] for p in dicts]
+    assert kernel_choice.choose(
+        "moe_experts", "fp4+fp32", "bfloat16", 4096, 2048, 6, 256, "sm90",
+        moe_dispatch.languages(4096, 2048), points=points,
+    ) == "triton"  # fmt: skip
 
 
 def test_dispatch_keeps_triton_off_the_gpu_in_batch_invariant_mode_and_fp8_math(monkeypatch):

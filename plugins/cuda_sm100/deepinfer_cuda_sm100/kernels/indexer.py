@@ -443,6 +443,19 @@ def _threshold_kernel(part_ptr, NSEG, KK, thr_ptr, hits_ptr, G: tl.constexpr):
 
 
 @triton.jit
+def _filter_block(row_ptr, c0, c_end, thr, hit_ptrs, buf_row, CAP, BLOCK: tl.constexpr):
+    """Appends the keys >= ``thr`` of columns ``[c0, c0 + BLOCK)`` to ``buf_row``: each hit
+    takes its slot by its own atomic on the row's counter (no reduction over the block: hits are
+    rare, the order of the slots is arbitrary and the keys unique, so the sort that follows
+    makes the result exact)."""
+    cols = c0 + tl.arange(0, BLOCK)
+    keys = _keys64(row_ptr, cols, cols < c_end, BLOCK)
+    hit = keys >= thr
+    pos = tl.atomic_add(hit_ptrs, 1, mask=hit, sem="relaxed")
+    tl.store(buf_row + pos, keys, mask=hit & (pos < CAP))
+
+
+@triton.jit
 def _filter_kernel(
     scores_ptr, ss_t, C, SEG, thr_ptr, hits_ptr, buf_ptr, CAP, BLOCK: tl.constexpr, INTERP: tl.constexpr
 ):
@@ -452,21 +465,44 @@ def _filter_kernel(
     s = tl.program_id(1)
     row_ptr = scores_ptr + t * ss_t
     thr = tl.load(thr_ptr + t)
+    hit_ptrs = hits_ptr + t + tl.zeros([BLOCK], tl.int32)
     buf_row = buf_ptr + t * CAP
     c_begin = s * SEG
     c_end = tl.minimum(C, c_begin + SEG)
-    c0 = c_begin
-    while c0 < c_end:
-        cols = c0 + tl.arange(0, BLOCK)
-        keys = _keys64(row_ptr, cols, cols < c_end, BLOCK)
-        hit = keys >= thr
-        hi = hit.to(tl.int32)
-        nhit = tl.sum(hi, 0)
-        if nhit > 0:
-            base = tl.atomic_add(hits_ptr + t, nhit)
-            pos = base + tl.cumsum(hi, 0) - hi
-            tl.store(buf_row + pos, keys, mask=hit & (pos < CAP))
-        c0 += BLOCK
+    if INTERP:
+        c0 = c_begin
+        while c0 < c_end:
+            _filter_block(row_ptr, c0, c_end, thr, hit_ptrs, buf_row, CAP, BLOCK)
+            c0 += BLOCK
+    else:  # a counted loop: software-pipelined loads
+        for c0 in range(c_begin, c_end, BLOCK):
+            _filter_block(row_ptr, c0, c_end, thr, hit_ptrs, buf_row, CAP, BLOCK)
+
+
+@triton.jit
+def _finish_sorted(
+    buf_row, n, KK, out_row, tmp_row, t,
+    KIND: tl.constexpr, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
+    COLUMN_ORDER: tl.constexpr, SIZE: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The top ``KK`` of the ``n <= SIZE`` keys in ``buf_row`` (sorted in registers: unique
+    keys, so the order is the contract's) as pool rows, best first or by column."""
+    i = tl.arange(0, SIZE)
+    keys = tl.sort(tl.load(buf_row + i, mask=i < n, other=_I64_MIN), descending=True)
+    if COLUMN_ORDER:  # the top KK again, by column
+        tl.store(tmp_row + i, keys)
+        tl.debug_barrier()
+        j = tl.arange(0, BLOCK_K)
+        ok = j < KK
+        low = tl.where(ok, tl.load(tmp_row + j, mask=ok, other=0) & _LOW32, -1)
+        cols = _LOW32 - tl.sort(low, descending=True)
+        rows = _cand_rows(KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp)
+        tl.store(out_row + j, rows, mask=ok)
+    else:
+        ok = i < KK
+        cols = _LOW32 - (keys & _LOW32)
+        rows = _cand_rows(KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp)
+        tl.store(out_row + i, rows, mask=ok)
 
 
 @triton.jit
@@ -496,39 +532,32 @@ def _finish_kernel(
     KIND: tl.constexpr,
     COLUMN_ORDER: tl.constexpr,
     CAP: tl.constexpr,
+    SMALL: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERP: tl.constexpr,
 ):
     """Grid ``(T,)``: the top ``KK`` of the row's filtered keys (sorted: unique keys, so the
-    order is the contract's), or, where more than ``CAP`` passed the threshold, the
-    one-program radix select of the whole row."""
+    order is the contract's; rows of at most ``SMALL <= CAP`` keys sort only that many), or,
+    where more than ``CAP`` passed the threshold, the one-program radix select of the whole
+    row."""
     t = tl.program_id(0).to(tl.int64)
     trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
     out_row = out_ptr + t * so_t
     tmp_row = tmp_ptr + t * CAP
     n = tl.load(hits_ptr + t)
-    if n <= CAP:
-        i = tl.arange(0, CAP)
-        keys = tl.sort(tl.load(buf_ptr + t * CAP + i, mask=i < n, other=_I64_MIN), descending=True)
-        if COLUMN_ORDER:  # the top KK again, by column
-            tl.store(tmp_row + i, keys)
-            tl.debug_barrier()
-            j = tl.arange(0, BLOCK_K)
-            ok = j < KK
-            low = tl.where(ok, tl.load(tmp_row + j, mask=ok, other=0) & _LOW32, -1)
-            cols = _LOW32 - tl.sort(low, descending=True)
-            rows = _cand_rows(
-                KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
-            )
-            tl.store(out_row + j, rows, mask=ok)
-        else:
-            ok = i < KK
-            cols = _LOW32 - (keys & _LOW32)
-            rows = _cand_rows(
-                KIND, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
-            )
-            tl.store(out_row + i, rows, mask=ok)
+    if n <= SMALL:  # the usual case (about 1.2 KK hits): a sort of SMALL = CAP / 2 keys
+        _finish_sorted(
+            buf_ptr + t * CAP, n, KK, out_row, tmp_row, t,
+            KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
+            COLUMN_ORDER, SMALL, BLOCK_K,
+        )  # fmt: skip
+    elif n <= CAP:
+        _finish_sorted(
+            buf_ptr + t * CAP, n, KK, out_row, tmp_row, t,
+            KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
+            COLUMN_ORDER, CAP, BLOCK_K,
+        )  # fmt: skip
     else:
         _select_row(
             scores_ptr + t * ss_t, C, KK, t, out_row, tmp_row,
@@ -654,8 +683,10 @@ def select_topk(
     _filter_kernel[(t, nseg)](
         scores, ss, c, seg, thr, hits, buf, cap, BLOCK=g, INTERP=INTERPRETED, num_warps=4
     )
+    small = cap // 2 if cap // 2 >= block_k else cap
     _finish_kernel[(t,)](scores, ss, c, kk, hits, buf, out, out.stride(0), tmp, *args,
-                         KIND=kind, COLUMN_ORDER=column_order, CAP=cap, BLOCK=cfg.sel_block, BLOCK_K=block_k,
+                         KIND=kind, COLUMN_ORDER=column_order, CAP=cap, SMALL=small,
+                         BLOCK=cfg.sel_block, BLOCK_K=block_k,
                          INTERP=INTERPRETED, num_warps=8)  # fmt: skip
     return out
 
