@@ -29,6 +29,7 @@ from deepinfer_core.plugins import get_plugins
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.sampling.random import derive_seed
 from deepinfer_core.sampling.sampler import Sampler, SamplingBatch
+from deepinfer_core.sampling.transfer import HostCopy
 
 logger = logging.getLogger("deepinfer.engine")
 
@@ -39,6 +40,7 @@ class _Launched:
 
     sched: SchedulerOutput
     token_ids: torch.Tensor  # sampled token per sampling chunk, on the device
+    host_ids: HostCopy | None  # the same on their way to the host (read without waiting for later steps)
     logprobs: list[dict[int, float] | None]
     t0: float
     verified: VerifyResult | None = None  # speculative decoding: tokens emitted per chunk
@@ -252,7 +254,10 @@ class LLMEngine:
         (``async_scheduling``, the default): schedule and launch step N+1 *before* processing
         step N's outputs; N+1's decode inputs are N's sampled tokens taken on the device (no
         host round trip between the steps), so on an accelerator the host work overlaps the
-        device work.  Outputs therefore lag one step; the tokens and texts are identical to
+        device work.  The sampled tokens start their copy to the host as soon as they are
+        sampled (:class:`~deepinfer_core.sampling.transfer.HostCopy`), so processing step N
+        waits for that copy only, not for step N+1 queued behind it.  Outputs therefore lag one
+        step; the tokens and texts are identical to
         synchronous mode because sampling (penalties, min_tokens, the counter-based draw) runs
         after the previous step's tokens are appended.
         """
@@ -307,7 +312,7 @@ class LLMEngine:
         if self.spec is not None:
             if any(c.num_draft for c in sched.chunks):
                 verified = self.spec.sample(sched, logits)
-                return _Launched(sched, logits.new_empty(0), [], t0, verified)
+                return _Launched(sched, logits.new_empty(0), None, [], t0, verified)
             self.spec.record_without_drafts(sched)
         positions = [c.end_pos for c in sched.chunks if c.sample]  # of the tokens sampled
         requests = sched.sampling_requests
@@ -316,7 +321,7 @@ class LLMEngine:
         if any(r.logits_processors for r in requests):
             logits = self.processors.apply(logits.float(), list(requests))
         sampled = self.sampler(logits, batch)
-        return _Launched(sched, sampled.token_ids, sampled.logprobs, t0)
+        return _Launched(sched, sampled.token_ids, HostCopy(sampled.token_ids), sampled.logprobs, t0)
 
     def _complete(self, step: _Launched, next_launch: float | None = None) -> list[Request]:
         """Process a launched step's outputs (the only host sync on its sampled tokens);
@@ -327,7 +332,7 @@ class LLMEngine:
             finished = self.scheduler.complete_tokens(step.sched, v.token_ids, v.logprobs, self.eos_token_ids)
         else:
             finished = self.scheduler.complete(
-                step.sched, step.token_ids.tolist(), step.logprobs, self.eos_token_ids
+                step.sched, step.host_ids.get().tolist(), step.logprobs, self.eos_token_ids
             )
         self._record_step(step.sched, finished, step.t0, step.verified)
         if self.spec is not None:

@@ -8,7 +8,7 @@ from typing import overload
 
 import torch
 
-from deepinfer_core.sampling.transfer import host_to_device
+from deepinfer_core.sampling.transfer import HostCopy, host_to_device
 
 
 class Logprobs(Sequence["dict[int, float] | None"]):
@@ -24,21 +24,14 @@ class Logprobs(Sequence["dict[int, float] | None"]):
         self, num_rows: int, rows: Sequence[int], ks: Sequence[int], packed: torch.Tensor | None
     ) -> None:
         self._num_rows, self._rows, self._ks = num_rows, list(rows), list(ks)
-        self._packed, self._event = packed, None
+        self._packed = HostCopy(packed) if packed is not None else None
         self._entries: list[dict[int, float] | None] | None = None
-        if packed is not None and packed.device.type == "cuda":
-            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._packed = host.copy_(packed, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
 
     def _materialize(self) -> list[dict[int, float] | None]:
         if self._entries is None:
             entries: list[dict[int, float] | None] = [None] * self._num_rows
             if self._packed is not None:
-                if self._event is not None:
-                    self._event.synchronize()
-                values = self._packed.tolist()
+                values = self._packed.get().tolist()
                 width = (len(values[0]) - 2) // 2 if values else 0  # top-k columns
                 for row, k, v in zip(self._rows, self._ks, values, strict=True):
                     k = min(k, width)

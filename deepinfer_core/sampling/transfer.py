@@ -1,6 +1,7 @@
 """Host values to the device in one copy: pinned, non-blocking on CUDA, no copy on CPU
-(:func:`host_to_device`, :func:`tensor_to_device`), and the packer that sends several tensors'
-values as one float64 buffer (:class:`Packer`)."""
+(:func:`host_to_device`, :func:`tensor_to_device`), the packer that sends several tensors'
+values as one float64 buffer (:class:`Packer`), and a device tensor's copy back started early
+and waited for late (:class:`HostCopy`)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,31 @@ def tensor_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Te
         pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
         return pinned.copy_(host).to(device, non_blocking=True)
     return host.to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's values on the host, the copy started when this is made and waited for
+    when :meth:`get` is first called.
+
+    On CUDA the copy goes to pinned memory without blocking, with an event recorded right after
+    it: :meth:`get` waits for that event only, not for work queued on the stream later (the next
+    step's graph), so the host can read a step's results while the device runs the next one.
+    Elsewhere the tensor is kept and :meth:`get` returns it on the CPU (a blocking copy where
+    it is not already there)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._tensor = host.copy_(tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._tensor = tensor
+
+    def get(self) -> torch.Tensor:
+        """The values in host memory (waits for the copy the first time)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._tensor.cpu()
