@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
     )
     p.add_argument("--only", choices=["attention", "indexer"], help="run one of the two benchmarks")
-    p.add_argument("--batches", default="32,64,128,256", help="decode batch sizes (comma-separated)")
+    p.add_argument("--batches", default="1,4,16,32,64,128,256", help="decode batch sizes (comma-separated)")
     p.add_argument(
         "--prefill",
         default="1024,8192",

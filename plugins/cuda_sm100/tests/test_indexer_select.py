@@ -138,16 +138,24 @@ def split_problems() -> list[str]:
     from deepinfer_core.ops.modes import batch_invariant_mode
 
     problems = []
-    for name, s, masked, k, segments in _split_cases():
-        q, w, keys, cand = _op_inputs(s, masked)
-        scores = s.masked_fill(masked, float("-inf"))
-        for bi in (False, True):
-            with batch_invariant_mode(bi):
-                want = reference(q, w, keys, cand, k, 1.0)
-            for seg, cap in ((segments, None), (segments, k), (0, None)):
-                got = ki.select_topk(scores, k, cand, column_order=bi, segments=seg, capacity=cap)
-                if not torch.equal(got, want):
-                    problems.append(f"{name} segments={seg} capacity={cap} column_order={bi}: differs")
+    ratio = ki.FILTER_PER_HIT_RATIO
+    try:
+        for name, s, masked, k, segments in _split_cases():
+            q, w, keys, cand = _op_inputs(s, masked)
+            scores = s.masked_fill(masked, float("-inf"))
+            # the threshold path with each filter (per-hit atomics: ratio 1; block-counted:
+            # ratio 10**9), with the default capacity and a capacity of k; the radix select
+            runs = [(segments, cap, r) for cap in (None, k) for r in (1, 10**9)] + [(0, None, ratio)]
+            for bi in (False, True):
+                with batch_invariant_mode(bi):
+                    want = reference(q, w, keys, cand, k, 1.0)
+                for seg, cap, r in runs:
+                    ki.FILTER_PER_HIT_RATIO = r
+                    got = ki.select_topk(scores, k, cand, column_order=bi, segments=seg, capacity=cap)
+                    if not torch.equal(got, want):
+                        problems.append(f"{name} segments={seg} capacity={cap} ratio={r} order={bi}: differs")
+    finally:
+        ki.FILTER_PER_HIT_RATIO = ratio
     return problems
 
 
@@ -229,6 +237,7 @@ def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
     calls = [
         ((scores, k, paged), False),
         ((scores, k, paged), True),
+        ((torch.empty(128, 16384), k, None), False),  # the block-counted filter
         ((torch.empty(64, 2048), k, None), False),
     ]
     problems, seen = [], set()
