@@ -254,12 +254,10 @@ class LLMEngine:
         (``async_scheduling``, the default): schedule and launch step N+1 *before* processing
         step N's outputs; N+1's decode inputs are N's sampled tokens taken on the device (no
         host round trip between the steps), so on an accelerator the host work overlaps the
-        device work.  The sampled tokens start their copy to the host as soon as they are
-        sampled (:class:`~deepinfer_core.sampling.transfer.HostCopy`), so processing step N
-        waits for that copy only, not for step N+1 queued behind it.  Outputs therefore lag one
-        step; the tokens and texts are identical to
-        synchronous mode because sampling (penalties, min_tokens, the counter-based draw) runs
-        after the previous step's tokens are appended.
+        device work: processing step N waits only for its tokens' copy to the host, started when
+        they were sampled (:class:`HostCopy`), not for step N+1.  Outputs lag one step; tokens
+        and texts are those of synchronous mode because sampling (penalties, min_tokens, the
+        counter-based draw) runs after the previous step's tokens are appended.
         """
         t0 = time.perf_counter()
         self._apply_aborts()
