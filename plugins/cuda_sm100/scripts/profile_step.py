@@ -87,9 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", type=int, default=0, help="also list the N functions taking the most host time")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     a = p.parse_args(argv)
-    for flag in ("sites", "host"):
+    for flag, what in (("sites", "source lines"), ("host", "functions")):
         if getattr(a, flag) < 0:
-            p.error(f"--{flag} {getattr(a, flag)}: give a count >= 0")
+            p.error(f"--{flag} {getattr(a, flag)}: give a count of {what} >= 0")
     return a
 
 

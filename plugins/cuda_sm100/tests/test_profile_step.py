@@ -81,8 +81,25 @@ def test_operator_sites_name_the_source_lines_that_call_them(tmp_path):
         assert func in _enclosing_functions(files[0], int(line)), site
 
 
+@pytest.mark.slow
+def test_host_time_names_the_functions_of_a_step(tmp_path):
+    """``--host``: a wall time without the profiler, and DeepInfer functions by cumulative host
+    time, the engine's step among them and first (every other one runs inside it)."""
+    args = ["--steps", "2", "--batch", "2", "--prompt-len", "16", "--host", "6"]
+    host = _module().main([*args, "--out", str(tmp_path / "p.json")])["host"]
+    funcs = host["ms_by_function"]
+    assert host["wall_ms_per_step"] > 0 and host["wait_ms_per_step"] >= 0 and len(funcs) == 6
+    first = next(iter(funcs))
+    assert first.startswith("deepinfer_core/engine/llm_engine.py:") and first.endswith(" step")
+    assert list(funcs.values()) == sorted(funcs.values(), reverse=True)
+
+
 def test_a_negative_sites_count_is_one_error_line(capsys):
     with pytest.raises(SystemExit) as e:
         _module().parse_args(["--sites", "-1"])
     assert e.value.code == 2
     assert "--sites -1: give a count of source lines >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        _module().parse_args(["--host", "-2"])
+    assert e.value.code == 2
+    assert "--host -2: give a count of functions >= 0" in capsys.readouterr().err
