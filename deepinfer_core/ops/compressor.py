@@ -62,6 +62,7 @@ def compress_entries(
     rope_scale: float,
     pool: torch.Tensor,
     dest: torch.Tensor,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compress ``M`` closed windows into entries and store them in the entry pool.
 
@@ -89,9 +90,14 @@ def compress_entries(
         pool: ``[N, D]`` the entry pool: any cache :func:`~deepinfer_core.ops.cache.cache_write`
             takes (a tensor, whose dtype the entries are cast to, or a packed FP8 pool).
         dest: ``[M]`` int64 pool rows, distinct except the trash page's rows (as ``cache_write``).
+        live: optional ``[1]`` int64 count of real windows, on the device: windows
+            ``m >= live[0]`` are a fixed-shape step's padding, whose ``dest`` rows are the
+            trash page's (nothing reads them), so an implementation may skip them; the
+            reference computes them like the others.  ``None``: every window is real.
 
     Returns:
-        ``pool``, written in place (rows not in ``dest`` untouched).
+        ``pool``, written in place (rows not in ``dest`` untouched; with ``live``, the rows of
+        padding windows may be left as they were).
 
     Batch invariance: window ``m``'s entry depends only on row ``m`` of ``kv``, ``gate``,
     ``positions`` and ``dest``, never on ``M`` (each step's ops are batch invariant).

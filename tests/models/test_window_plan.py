@@ -46,6 +46,8 @@ def test_unpadded_steps_plan_exactly_the_closed_windows(seed: int):
         assert e.windows.shape[0] == want <= b.windows.shape[0]
         live = b.dest != TRASH_PAGE * (PAGE // r)  # the bound's padding windows go to the trash page
         assert int(live.sum()) == want
+        # the count the compressor hands to compress_entries: the real windows come first
+        assert e.live is None and b.live.tolist() == [want] and bool(live[:want].all())
         assert torch.equal(e.windows, b.windows[:want]) and torch.equal(e.dest, b.dest[:want])
         assert torch.equal(e.positions, b.positions[:want]) and torch.equal(e.carry_rows, b.carry_rows[:want])
         assert torch.equal(e.buf_rows, b.buf_rows)

@@ -129,9 +129,8 @@ class Compressor:
             else:
                 win_kv, win_gate = stage_kv, stage_gate
             inv_freq, scale = rope
-            ops.compress_entries(
-                win_kv, win_gate, self.norm, self.eps, plan.positions, inv_freq, scale, pool, plan.dest
-            )
+            args = (win_kv, win_gate, self.norm, self.eps, plan.positions, inv_freq, scale, pool, plan.dest)
+            ops.compress_entries(*args, live=plan.live)  # padding windows may be skipped
         write(buf_kv, plan.buf_rows, kv)
         write(buf_gate, plan.buf_rows, gate)
         return pool

@@ -36,7 +36,9 @@ class WindowPlan:
     a request's ``cached`` boundary are skipped (their entries are cached);
     ``restore_rows``/``restore_page`` load the overlap carry at that boundary from the page
     snapshot into carry row ``slot*nb + (cached//r - 1) % nb``; ``snap_page`` saves the
-    carry of each window that ends a page.  An unpadded step leaves out what the host knows
+    carry of each window that ends a page.  ``live`` ``[1]``: how many of the ``M`` windows
+    are real in a fixed-shape step (the rest are padding, after them), ``None`` in an unpadded
+    step (all are).  An unpadded step leaves out what the host knows
     it does not need: ``restore_*`` are ``None`` when no request reaches its boundary,
     ``snap_page`` when no window ends a page (a fixed-shape step always has all of them).
     """
@@ -52,6 +54,7 @@ class WindowPlan:
     restore_rows: torch.Tensor | None
     restore_page: torch.Tensor | None
     snap_page: torch.Tensor | None
+    live: torch.Tensor | None = None
 
 
 def buffer_windows(ratio: int, num_spec_tokens: int) -> int:
@@ -164,8 +167,8 @@ def window_plans(step: StepView, ratios: list[int], num_spec_tokens: int) -> dic
             max_count=inputs.max_end // r,
         )
         # no window closes: nothing to compress
-        windows, prev, positions, dest, carry_rows, snap_page = closed_by_ratio.get(
-            r, (none.view(0, r), none, none, none, none, None)
+        windows, prev, positions, dest, carry_rows, snap_page, live = closed_by_ratio.get(
+            r, (none.view(0, r), none, none, none, none, None, None)
         )
         plans[r] = WindowPlan(
             ratio=r,
@@ -179,6 +182,7 @@ def window_plans(step: StepView, ratios: list[int], num_spec_tokens: int) -> dic
             restore_rows=None if restore_rows is None else restore_rows[i],
             restore_page=restore_page,
             snap_page=snap_page,
+            live=live,
         )
     return plans
 
@@ -196,7 +200,7 @@ def _closed_windows(
     ``i``'s plan is the first ``bounds[i]`` of row ``i``, the rest is padding it leaves out).
     ``exact``: the bounds are the windows the requests close (else fixed-shape bounds);
     ``last``: each request's ``end // r`` (``[g, R]``) when already computed.  Per ratio:
-    ``(windows, prev, positions, dest, carry_rows, snap_page)`` of :class:`WindowPlan`."""
+    ``(windows, prev, positions, dest, carry_rows, snap_page, live)`` of :class:`WindowPlan`."""
     inputs, dev = step.inputs, step.pos.device
     g, m, n_req = len(ratios), max(bounds), inputs.num_reqs
     start, cached = step.field("start"), step.field("cached")
@@ -286,5 +290,6 @@ def _closed_windows(
         if dead is not None:  # padding windows read row 0
             windows.masked_fill_(row(dead).unsqueeze(1), 0)
         snap = None if snap_page is None else row(snap_page)
-        out[r] = (windows, row(prev), row(positions), row(dest), row(carry_rows), snap)
+        live = None if exact else cum[i, -1:]  # the windows before the padding ones
+        out[r] = (windows, row(prev), row(positions), row(dest), row(carry_rows), snap, live)
     return out

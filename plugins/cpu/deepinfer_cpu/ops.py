@@ -119,10 +119,13 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
             return f"x has {x.dim()} dimensions: the cpu kernel rotates [T, D] or [T, H, D]"
         return _refusal({"x": x, "cos": cos, "sin": sin})
 
-    def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest):
+    def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live=None):
+        # ``live``: the padding windows are computed too (their rows are the trash page's)
         return ext.compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest)
 
-    def compress_entries_supports(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest):
+    def compress_entries_supports(
+        kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live=None
+    ):
         verdict = _pool_refusal("pool", pool)
         if verdict is not True:
             return verdict

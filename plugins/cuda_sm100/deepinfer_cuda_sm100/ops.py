@@ -195,7 +195,9 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             _shape("comb", comb, (t, n, n)),
         )
 
-    def compress_entries(kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest) -> Verdict:
+    def compress_entries(
+        kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live=None
+    ) -> Verdict:
         if not isinstance(pool, torch.Tensor):
             return (
                 f"pool is a {type(pool).__name__}: the kernel stores into plain tensor pools "
@@ -210,6 +212,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             inv_freq=inv_freq,
             pool=pool,
             dest=dest,
+            **({} if live is None else {"live": live}),
         )
         if dev is not True:
             return dev
@@ -240,8 +243,8 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
         if ok is not True:
             return ok
-        for name, t in (("positions", positions), ("dest", dest)):
-            ok = _int_vector(name, t, m)
+        for name, t, n in (("positions", positions, m), ("dest", dest, m), ("live", live, 1)):
+            ok = True if t is None else _int_vector(name, t, n)
             if ok is not True:
                 return ok
         return True

@@ -11,7 +11,8 @@ reads one part of it.  On the small shapes of :data:`deepinfer_cuda_sm100.cases.
 - batch invariance (bitwise): the entries of a slice of the windows, written alone into a
   fresh pool, against the same rows of the whole call;
 - the launch shapes: windows read in one tile and in several (HCA's ``L = 128``), at the
-  V4-Flash entry widths, within the op's tolerance.
+  V4-Flash entry widths, within the op's tolerance;
+- a fixed-shape step's padding windows (``live``): skipped, the real ones unchanged.
 
 **GPU** (skipped without CUDA): the conformance suite at DeepSeek-V4-Flash shapes, batch
 invariance and the replay of a captured CUDA graph.
@@ -121,6 +122,43 @@ def launch_problems(dtype: torch.dtype, device: str) -> list[str]:
     return problems
 
 
+def padding_problems(dtype: torch.dtype, device: str) -> list[str]:
+    """``live``: the windows before it are bitwise those of a call without it, the padding
+    windows after it write nothing (their rows keep what they held); the reference, which
+    may compute them, writes every row as without ``live``."""
+    from deepinfer_core.ops.compressor import compress_entries as reference
+
+    fn = _impl().fn
+    g = torch.Generator().manual_seed(11)
+    m, length, d, rope = 4, 8, 64, 16
+    args = [
+        torch.randn(m, length, d, generator=g).to(dtype),
+        torch.randn(m, length, d, generator=g) * 3,
+        1 + 0.1 * torch.randn(d, generator=g),
+        1e-6,
+        torch.randint(0, 1 << 16, (m,), generator=g),
+        1.0 / (10000.0 ** (torch.arange(0, rope, 2).float() / rope)),
+        1.0,
+    ]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    pool = torch.randn(m + 3, d, generator=g).to(dtype).to(device)
+    dest = torch.randperm(m + 3, generator=g)[:m].to(device)
+    full = fn(*args, pool.clone(), dest)
+    problems = []
+    for k in (0, 1, m):
+        live = torch.tensor([k], device=device)
+        got = fn(*args, pool.clone(), dest, live=live)
+        want = full.clone()
+        want[dest[k:]] = pool[dest[k:]]
+        if not torch.equal(got, want):
+            problems.append(f"live={k}: the real windows differ or a padding window was written")
+        if not torch.equal(
+            reference(*args, pool.clone(), dest, live=live), reference(*args, pool.clone(), dest)
+        ):
+            problems.append(f"live={k}: the reference depends on live")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter child
 
@@ -135,6 +173,7 @@ def interpreter_report() -> dict:
     report["conformance"] = _conformance("cpu", (torch.float32, torch.bfloat16, torch.float16))
     report["invariance"] = invariance_problems(SMALL, torch.bfloat16, "cpu")
     report["launches"] = launch_problems(torch.float32, "cpu") + launch_problems(torch.bfloat16, "cpu")
+    report["padding"] = padding_problems(torch.bfloat16, "cpu")
     return report
 
 
@@ -166,6 +205,11 @@ def test_interpreter_launch_shapes(report):
 
 
 @slow
+def test_interpreter_padding_windows_are_skipped(report):
+    assert not report["padding"], "\n".join(report["padding"])
+
+
+@slow
 def test_block_sizes_depend_on_shapes_only():
     from deepinfer_cuda_sm100.kernels.compressor import MAX_DIM, block_sizes
     from deepinfer_cuda_sm100.ops import MAX_ENTRY_DIM
@@ -174,6 +218,36 @@ def test_block_sizes_depend_on_shapes_only():
     assert block_sizes(8, 512) == (8, 256, 1)  # CSA at V4-Flash: the window in one tile
     assert block_sizes(128, 512) == (8, 256, 16)  # HCA: sixteen tiles of eight rows
     assert block_sizes(8, 128) == (8, 64, 1)  # the indexer's keys
+
+
+@slow
+@pytest.mark.parametrize("arch", [90, 100])
+def test_kernel_compiles_for_the_gpu(arch, monkeypatch):
+    """CSA and HCA windows at V4-Flash widths, with and without ``live``: the kernel compiles
+    for ``sm_<arch>`` (launch arguments recorded from CPU tensors; no kernel runs)."""
+    from cuda_sm100_checks import compile_launch, compile_problem
+
+    if compile_problem() is not None:
+        pytest.skip(compile_problem())
+    from deepinfer_cuda_sm100.kernels import compressor as kc
+
+    launches = []
+
+    class _Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(kc, "_compress_entries_kernel", _Recorder())
+    for m, length in ((64, 8), (64, 128)):
+        kv, gate = torch.empty(m, length, 512, dtype=torch.bfloat16), torch.empty(m, length, 512)
+        call = (kv, gate, torch.ones(512), 1e-6, torch.zeros(m, dtype=torch.int64), torch.ones(32), 1.0)
+        pool, dest = torch.empty(2 * m, 512, dtype=torch.bfloat16), torch.arange(m)
+        for live in (None, torch.tensor([3])):
+            kc.compress_entries(*call, pool, dest, live=live)
+    monkeypatch.undo()
+    assert len(launches) == 4
+    for args, kwargs in launches:
+        compile_launch(kc._compress_entries_kernel, args, kwargs, arch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +270,7 @@ def test_gpu_batch_invariance_and_launch_shapes(dtype):
     from deepinfer_cuda_sm100.cases import V4_FLASH
 
     problems = invariance_problems(V4_FLASH, dtype, "cuda") + launch_problems(dtype, "cuda")
+    problems += padding_problems(dtype, "cuda")
     assert not problems, "\n".join(problems)
 
 

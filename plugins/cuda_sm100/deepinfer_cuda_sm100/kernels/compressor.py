@@ -105,6 +105,7 @@ def _compress_entries_kernel(
     inv_ptr,
     pool_ptr,
     dest_ptr,
+    live_ptr,
     L,
     D,
     HALF,
@@ -119,8 +120,27 @@ def _compress_entries_kernel(
     BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
     NUM_L_TILES: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
+    if HAS_LIVE:  # a fixed-shape step's padding windows (m >= live) write nothing
+        if m < tl.load(live_ptr):
+            _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
+                   stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
+                   KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
+    else:
+        _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
+               stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
+               KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
+
+
+@triton.jit
+def _entry(
+    kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
+    stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
+    KV_DTYPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, NUM_L_TILES: tl.constexpr,
+):  # fmt: skip
+    """Window ``m``'s entry, stored into ``pool[dest[m]]`` (see the module docstring)."""
     j = tl.arange(0, BLOCK_P)  # pair index: channels 2j (even) and 2j + 1 (odd)
     ev, od = 2 * j, 2 * j + 1
     ev_ok, od_ok = ev < D, od < D
@@ -171,6 +191,7 @@ def compress_entries(
     rope_scale: float,
     pool: torch.Tensor,
     dest: torch.Tensor,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton ``compress_entries``: same signature, shapes and numerics as the reference.
 
@@ -178,6 +199,8 @@ def compress_entries(
     strides; a non-unit channel stride is copied first), ``norm_weight`` ``[D]``,
     ``positions`` / ``dest`` ``[M]`` integer, ``inv_freq`` ``[R/2]``, ``pool`` ``[N, D]``
     (fp32, bf16 or fp16, unit channel stride).  Writes ``pool[dest]`` in place; returns ``pool``.
+    ``live`` (``[1]`` int, on the device): windows ``m >= live[0]`` are padding, their
+    programs return at once (nothing written: their rows are the trash page's).
     """
     m, length, d = kv.shape
     if m == 0:
@@ -195,6 +218,7 @@ def compress_entries(
         inv_freq.contiguous(),
         pool,
         dest.contiguous(),
+        dest if live is None else live,  # (not read without live)
         length,
         d,
         inv_freq.shape[0],
@@ -209,6 +233,7 @@ def compress_entries(
         BLOCK_L=block_l,
         BLOCK_P=block_p,
         NUM_L_TILES=tiles,
+        HAS_LIVE=live is not None,
         num_warps=4 if block_p <= 512 else 8,
     )
     return pool
