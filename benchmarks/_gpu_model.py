@@ -25,8 +25,10 @@ from deepinfer_core.models.deepseek_v4.writer import save_checkpoint
 from deepinfer_core.ops.kv_format import fp8_row_bytes
 
 MARKER = "gpu_e2e_model.json"  # written last: a directory holding it is a complete checkpoint
-FP8_BLOCK = 128  # non-expert linears: one fp32 scale per 128x128 tile (save_checkpoint's default)
-FP4_GROUP = 32  # routed experts: one fp32 scale per 32 inputs
+FP8_BLOCK = 128  # non-expert linears: one scale per 128x128 tile (save_checkpoint's default)
+FP4_GROUP = 32  # routed experts: one scale per 32 inputs
+SCALES = "ue8m0"  # the release's scale storage: V4-Flash's FP8 linears and MXFP4 experts carry
+SCALE_BYTES = 1  # UE8M0 (float8_e8m0fnu) scales, one byte each
 
 
 def flash_config(layers: int = 4, experts: int = 64, smoke: bool = False) -> dict[str, Any]:
@@ -91,15 +93,17 @@ def write_checkpoint(
     model_dir: Path, cfg_dict: dict[str, Any], seed: int, device: torch.device,
     dtype: torch.dtype = torch.bfloat16, log: Callable[[str], None] = print,
 ) -> dict[str, Any]:  # fmt: skip
-    """The random checkpoint of ``cfg_dict`` and ``seed`` (native names, FP8 linears, FP4 experts)
-    in ``model_dir``: reused when it is there whole, else written (a folder of other files is
+    """The random checkpoint of ``cfg_dict`` and ``seed`` (native names, FP8 linears, FP4 experts,
+    UE8M0 scales as in the release) in ``model_dir``: reused when it is there whole and of these
+    scales, else written (a folder of other files is
     refused), a shard per layer (and one of the rest) drawn and quantised on ``device``; returns
     what was written (without the config) and whether it was ``reused``."""
     try:
         info = json.loads((model_dir / MARKER).read_text()) | {"reused": True}
     except (OSError, json.JSONDecodeError):
         info = {}
-    if info.get("config") == json.loads(json.dumps(cfg_dict)) and info.get("seed") == seed:
+    same = info.get("config") == json.loads(json.dumps(cfg_dict)) and info.get("seed") == seed
+    if same and info.get("scales") == SCALES:
         log(f"reusing the checkpoint in {model_dir}")
         return {k: v for k, v in info.items() if k != "config"}
     if model_dir.is_dir() and any(model_dir.iterdir()) and not (model_dir / "config.json").is_file():
@@ -123,7 +127,7 @@ def write_checkpoint(
                 g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 t = init_param(name, specs[name], cfg, g, device)
                 tensors[name] = t.to(target_dtype(specs[name], dtype))
-            kw = dict(names="native", fp8_linear=True, fp4_experts=True)
+            kw = dict(names="native", fp8_linear=True, fp4_experts=True, scale_dtype=SCALES)
             try:
                 save_checkpoint(tensors, cfg_dict, scratch, **kw)
             except (RuntimeError, TypeError, ValueError) as e:  # e.g. no device-tensor serialisation
@@ -145,7 +149,7 @@ def write_checkpoint(
         shutil.rmtree(scratch, ignore_errors=True)
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (model_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    info = {"config": cfg_dict, "seed": seed, "files": len(groups), "bytes_on_disk": total}
+    info = {"config": cfg_dict, "seed": seed, "scales": SCALES, "files": len(groups), "bytes_on_disk": total}
     info["write_s"] = time.perf_counter() - t0
     (model_dir / MARKER).write_text(json.dumps(info, indent=2) + "\n")
     log(f"checkpoint: {total / 2**30:.2f} GiB in {info['write_s']:.1f} s")
@@ -184,12 +188,13 @@ def weight_bytes_per_step(cfg: DeepseekV4Config, tokens: int, fmt: str) -> float
             total += rows * spec.shape[1] * (8 if spec.kind == "int" else 2)
         elif spec.kind == "fp32":
             total += n * 4
-        elif spec.kind == "linear" and fmt == "fp8_fp4" and name != "lm_head.weight":  # fp32 block scales
-            total += n + math.ceil(spec.shape[0] / FP8_BLOCK) * math.ceil(spec.shape[1] / FP8_BLOCK) * 4
+        elif spec.kind == "linear" and fmt == "fp8_fp4" and name != "lm_head.weight":  # + block scales
+            blocks = math.ceil(spec.shape[0] / FP8_BLOCK) * math.ceil(spec.shape[1] / FP8_BLOCK)
+            total += n + blocks * SCALE_BYTES
         elif spec.kind in ("linear", "linear_bf16"):  # bf16: every one as loaded, the head always
             total += n * 2
         elif spec.kind == "experts":
-            total += experts * n / spec.shape[0] * (2.0 if fmt == "bf16" else 0.5 + 4 / FP4_GROUP)
+            total += experts * n / spec.shape[0] * (2.0 if fmt == "bf16" else 0.5 + SCALE_BYTES / FP4_GROUP)
         else:
             raise ValueError(f"unknown parameter kind {spec.kind} of {name}")
     return total
