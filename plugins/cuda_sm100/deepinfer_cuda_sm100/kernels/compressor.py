@@ -123,12 +123,8 @@ def _compress_entries_kernel(
     HAS_LIVE: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
-    if HAS_LIVE:  # a fixed-shape step's padding windows (m >= live) write nothing
-        if m < tl.load(live_ptr):
-            _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
-                   stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
-                   KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
-    else:
+    live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else m + 1
+    if m < live:  # a fixed-shape step's padding windows (m >= live) write nothing
         _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
                stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
                KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
