@@ -54,7 +54,7 @@ class WindowPlan:
     restore_rows: torch.Tensor | None
     restore_page: torch.Tensor | None
     snap_page: torch.Tensor | None
-    live: torch.Tensor | None = None
+    live: torch.Tensor | None
 
 
 def buffer_windows(ratio: int, num_spec_tokens: int) -> int:
