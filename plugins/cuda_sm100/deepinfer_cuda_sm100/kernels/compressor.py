@@ -96,7 +96,7 @@ def _pool(
     return round_through(acc, KV_DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["live_n"])
 def _compress_entries_kernel(
     kv_ptr,
     gate_ptr,
@@ -106,6 +106,7 @@ def _compress_entries_kernel(
     pool_ptr,
     dest_ptr,
     live_ptr,
+    live_n,
     L,
     D,
     HALF,
@@ -123,7 +124,9 @@ def _compress_entries_kernel(
     HAS_LIVE: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
-    live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else m + 1
+    # the bound is a run-time value either way, so the entry's code (and its fp32 rounding) is the
+    # same with and without a device count
+    live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else live_n
     if m < live:  # a fixed-shape step's padding windows (m >= live) write nothing
         _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
                stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
@@ -215,6 +218,7 @@ def compress_entries(
         pool,
         dest.contiguous(),
         dest if live is None else live,  # (not read without live)
+        m,  # the bound without live: every window
         length,
         d,
         inv_freq.shape[0],
