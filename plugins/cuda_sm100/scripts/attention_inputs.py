@@ -25,6 +25,8 @@ def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: t
     chunk_idx = torch.full((batch, WINDOW), -1, dtype=torch.int64, device=dev)
     chunk_idx[:, -1] = torch.arange(batch, device=dev)
     sinks = torch.randn(HEADS, generator=g, device=dev)
+    if layer == "swa":
+        return _window_only(q, ring, kv, ring_idx, chunk_idx, sinks, batch * WINDOW)
     ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
     entries = context // ratio
     epp = PAGE // ratio
@@ -46,6 +48,16 @@ def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: t
     flops = 4 * batch * HEADS * HEAD_DIM * keys
     args = (q, [ring, kv, ckv], [ring_idx, chunk_idx, third], sinks, HEAD_DIM**-0.5)
     return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
+
+
+def _window_only(q, ring, kv, ring_idx, chunk_idx, sinks, rows_read: int) -> dict:
+    """A sliding-window layer's call (``layer="swa"``): the ring and this step's rows only,
+    ``WINDOW`` keys a query; ``rows_read`` key rows read."""
+    t, elem = q.shape[0], q.element_size()
+    bytes_ = rows_read * HEAD_DIM * elem + 2 * t * HEADS * HEAD_DIM * elem + 16 * t * WINDOW
+    flops = 4 * t * HEADS * HEAD_DIM * WINDOW
+    args = (q, [ring, kv], [ring_idx, chunk_idx], sinks, HEAD_DIM**-0.5)
+    return {"args": args, "bytes": bytes_, "flops": flops, "keys": WINDOW}
 
 
 def packed_inputs(inp: dict) -> dict:
@@ -75,6 +87,8 @@ def prefill_inputs(t: int, context: int, layer: str, dtype: torch.dtype, g: torc
     ring_idx = torch.where((kpos >= 0) & (kpos < start), kpos % WINDOW, -1)
     chunk_idx = torch.where(kpos >= start, kpos - start, -1)
     sinks = torch.randn(HEADS, generator=g, device=dev)
+    if layer == "swa":
+        return _window_only(q, ring, kv, ring_idx, chunk_idx, sinks, WINDOW + t)
     ratio = CSA_RATIO if layer == "csa" else HCA_RATIO
     entries, epp = context // ratio, PAGE // ratio
     table = torch.randperm(-(-entries // epp), generator=g, device=dev).view(1, -1)

@@ -9,9 +9,11 @@ Run on a CUDA machine (written for an H200)::
 **Attention** (the Triton kernel and, with TileLang installed, the TileLang one) at
 DeepSeek-V4-Flash shapes (64 heads, head dim 512, bf16; plain and packed-FP8 pools, ``--kv``):
 decode, one query per request, for each batch (``--batches``) and context, and prefill, a chunk
-of ``--prefill`` queries of one request ending at the context; a CSA layer (sliding window of
-128 split between the ring and this step's rows, plus the indexer's top-512 compressed entries)
-and an HCA layer (the window plus every compressed entry of ratio 128 through a paged index).  Each
+of ``--prefill`` queries of one request ending at the context; for each of ``--layers``: a
+sliding-window layer (SWA: the window of 128 split between the ring and this step's rows, at
+the first context only, as it does not depend on it), a CSA layer (the window plus the
+indexer's top-512 compressed entries) and an HCA layer (the window plus every compressed
+entry of ratio 128 through a paged index).  Each
 time is compared with the roofline ``max(bytes / 4.24e12, flops / 790e12)`` (the H200's
 measured copy bandwidth and bf16 matrix rate), bytes counting the key rows, queries,
 outputs and index lists once.
@@ -74,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="prefill chunk sizes of one request (comma-separated; '' for none)",
     )
     p.add_argument("--contexts", default="4096,65536", help="context lengths (comma-separated)")
+    p.add_argument("--layers", default="swa,csa,hca", help="attention layer kinds (comma-separated)")
     p.add_argument(
         "--kv",
         default="plain,fp8",
@@ -187,8 +190,13 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
     shapes = [("decode", b) for b in a.batches.split(",") if b] + [
         ("prefill", t) for t in a.prefill.split(",") if t
     ]
-    for ctx in [int(x) for x in a.contexts.split(",")]:
-        for (phase, batch), layer, kv in itertools.product(shapes, ("csa", "hca"), a.kv.split(",")):
+    layers = [x for x in a.layers.split(",") if x]
+    if set(layers) - {"swa", "csa", "hca"}:
+        raise SystemExit(f"error: --layers takes swa, csa, hca; got {a.layers!r}")
+    for n, ctx in enumerate(int(x) for x in a.contexts.split(",")):
+        for (phase, batch), layer, kv in itertools.product(shapes, layers, a.kv.split(",")):
+            if layer == "swa" and n:
+                continue  # a window-only call does not depend on the context
             batch = int(batch)
             make = decode_inputs if phase == "decode" else prefill_inputs
             inp = make(batch, ctx, layer, torch.bfloat16, g)
@@ -220,7 +228,9 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
                     row["tilelang_max_abs_err"] = err.item()
                 row["tilelang_ms"] = timer.ms(lambda args=args: tla.sparse_attention(*args))
             if a.tune:
-                row["tune"] = tune_attention(args, timer)
+                row["tune"] = tune_attention(args, timer) + (
+                    tune_tilelang_splits(args, timer) if "tilelang_ms" in row else []
+                )
             rows.append(row)
             print_row(row)
     return rows
@@ -249,6 +259,26 @@ def tune_attention(args: tuple, timer: Timer) -> list[dict]:
             continue
         out.append({"config": [block_h, block_n, warps, stages], "ms": ms})
         print(f"    tune {cfg}: {ms:.4f} ms")
+    return out
+
+
+def tune_tilelang_splits(args: tuple, timer: Timer) -> list[dict]:
+    """The TileLang kernel with each fewest-blocks-a-split (``MIN_SPLIT_BLOCKS``) of 1, 2, 4, 8:
+    how many splits a small batch should take."""
+    from deepinfer_cuda_sm100.tl import sparse_attention as tla
+
+    out, default = [], tla.MIN_SPLIT_BLOCKS
+    try:
+        for blocks in (1, 2, 4, 8):
+            tla.MIN_SPLIT_BLOCKS = blocks
+            splits = tla.plan_splits(
+                args[0].shape[0], HEADS, tla.max_keys(args[2]), tla.num_sms(args[0].device)
+            )
+            ms = timer.ms(lambda: tla.sparse_attention(*args))
+            out.append({"tilelang_min_split_blocks": blocks, "splits": splits, "ms": ms})
+            print(f"    tune tilelang: at least {blocks} blocks a split ({splits} splits): {ms:.4f} ms")
+    finally:
+        tla.MIN_SPLIT_BLOCKS = default
     return out
 
 
