@@ -5,14 +5,18 @@ form of ``OpImpl.sample_cases``) for a :class:`Shapes`: :data:`V4_FLASH` on the 
 :data:`SMALL` (same structure, narrow) under Triton's CPU interpreter.  The cases follow the
 model's calls (``deepinfer_core/models/deepseek_v4``): norms of the hidden state, of the
 query LoRA and of the per-head queries, strided views of a fused projection, the rope of
-queries + shared key and its inverse, and the mHC ops with ``hc_mult`` streams; each with a
-single token (decode), a token block and a ragged count; and the compressor's entries
+queries + shared key and its inverse, its cos/sin tables (``rope_cos_sin``: positions up to
+~1M, scale 1 and a YaRN factor), the shared expert's clamped SwiGLU (``swiglu``: gate and up
+as views of the fused router + shared-expert projection, values beyond the limit), and the
+mHC ops with ``hc_mult`` streams; each with a single token (decode), a token block and a
+ragged count; and the compressor's entries
 (``compress_entries``) of CSA windows (``2r`` rows, the first window's first half empty), of
 HCA windows (``r`` rows) and of the indexer's keys.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +49,14 @@ class Shapes:
     """Token counts ``M`` of the ``linear`` cases: decode launches (``M <= 64``) and prefill."""
     grouped_shape: tuple[int, int, int] = (1, 128, 128)
     """``(G, K, N)`` of the FP8 ``grouped_linear`` cases (V4-Flash's output projection ``o_a``)."""
+    shared_inter: int = 2048
+    """Intermediate width ``I`` of the shared expert (``swiglu``'s ``[T, I]`` gate and up)."""
+    experts: int = 256
+    """Router width: the logits that lead the fused projection the shared gate / up are views of."""
+    swiglu_tokens: tuple[int, ...] = (1, 64, 256, 37)
+    """Token counts of the ``swiglu`` cases: decode, blocks and a ragged count."""
+    table_tokens: tuple[int, ...] = (1, 7, 256)
+    """Token counts of the ``rope_cos_sin`` cases."""
 
 
 V4_FLASH = Shapes(
@@ -63,6 +75,10 @@ V4_FLASH = Shapes(
     linear_shapes=((4096, 1024), (1024, 32768), (4096, 512), (2048, 4096)),
     linear_tokens=(1, 16, 64, 128),
     grouped_shape=(8, 4096, 1024),
+    shared_inter=2048,
+    experts=256,
+    swiglu_tokens=(1, 64, 256, 37),
+    table_tokens=(1, 7, 256),
 )
 SMALL = Shapes(
     hidden=256,
@@ -80,6 +96,10 @@ SMALL = Shapes(
     linear_shapes=((256, 128), (128, 384), (384, 256), (320, 192)),
     linear_tokens=(1, 16, 64, 70),
     grouped_shape=(2, 256, 128),
+    shared_inter=1100,  # over one column tile (1024), a partial second one
+    experts=16,
+    swiglu_tokens=(1, 3, 6),
+    table_tokens=(1, 7, 300),  # 300: three programs of BLOCK_T = 128 rows at R = 16
 )
 
 
@@ -133,6 +153,32 @@ def own_cases(s: Shapes) -> dict[str, object]:
             ((_randn(g, t_ragged, s.head_dim, dtype=dtype), icos, isin), {}),  # compressor entries
             ((_randn(g, t_block, s.rope_dim, dtype=dtype), cos, sin), {}),  # all channels rotate
         ]
+
+    def rope_cos_sin(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        inv = 1.0 / (10000.0 ** (torch.arange(0, s.rope_dim, 2).float() / s.rope_dim))
+        yarn = 0.1 * math.log(16) + 1.0  # a YaRN attention factor (compressed rope, factor 16)
+        cases = []
+        for t in s.table_tokens:
+            positions = torch.randint(0, 1 << 20, (t,), generator=g)  # up to ~1M (long contexts)
+            positions[-1] = 1_000_000
+            cases += [((positions, inv, 1.0, dtype), {}), ((positions, inv, yarn, dtype), {})]
+        wide = torch.randint(0, 1 << 20, (2 * t_block,), generator=g)
+        # int32 positions, strided (every other one), and a strided inv_freq
+        cases.append(((wide.to(torch.int32)[::2], torch.stack([inv, inv], 1)[:, 0], 1.0, dtype), {}))
+        return cases
+
+    def swiglu(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        inter, limit = s.shared_inter, 10.0
+        cases = []
+        for i, t in enumerate(s.swiglu_tokens):
+            # gate and up are views of the fused [T, E + 2I] router + shared-expert projection;
+            # scale 6: a few values beyond the limit on both sides
+            fused = _randn(g, t, s.experts + 2 * inter, dtype=dtype, scale=6.0)
+            gate, up = fused[:, s.experts : s.experts + inter], fused[:, s.experts + inter :]
+            if i % 2:  # contiguous operands too
+                gate, up = gate.contiguous(), up.contiguous()
+            cases.append(((gate, up, limit), {}))
+        return cases
 
     def hc_pre(g: torch.Generator, dtype: torch.dtype) -> Cases:
         m, k = (2 + n) * n, n * d
@@ -241,6 +287,8 @@ def own_cases(s: Shapes) -> dict[str, object]:
         "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
+        "rope_cos_sin": rope_cos_sin,
+        "swiglu": swiglu,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
         "hc_head": hc_head,

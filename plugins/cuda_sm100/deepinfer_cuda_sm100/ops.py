@@ -22,8 +22,10 @@ from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
-FUSED_OPS = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head")
-"""The norm, rope and mHC ops (:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, mhc)."""
+FUSED_OPS = ("rms_norm", "apply_rope", "rope_cos_sin", "swiglu", "hc_pre", "hc_post", "hc_head")
+"""The norm, rope (rotation and cos/sin tables), clamped SwiGLU and mHC ops
+(:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, mhc): each one launch where the
+reference takes several."""
 
 ATTENTION_OPS = ("sparse_attention", "indexer_topk")
 """The attention-side ops (:mod:`deepinfer_cuda_sm100.attention_ops`)."""
@@ -128,6 +130,41 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             (half >= 1, "cos has no rotated pair (R = 0)"),
             (2 * half <= x.shape[-1], f"rope width {2 * half} exceeds x's last dim {x.shape[-1]}"),
         )
+
+    def rope_cos_sin(positions, inv_freq, scale, dtype) -> Verdict:
+        dev = _device_checks(interpreted, positions=positions, inv_freq=inv_freq)
+        if dev is not True:
+            return dev
+        return _first_problem(
+            (
+                is_int_tensor(positions) and positions.dim() == 1,
+                f"positions ({positions.dtype}, {positions.dim()} dims) is not a [T] integer tensor",
+            ),
+            _float("inv_freq", inv_freq),
+            (inv_freq.dim() == 1, f"inv_freq has {inv_freq.dim()} dims, expected [R/2]"),
+            (
+                isinstance(scale, int | float) and not isinstance(scale, bool),
+                f"scale is a {type(scale).__name__}, not a number",
+            ),
+            (dtype in FLOAT_DTYPES, f"dtype {dtype} is not one of float32, bfloat16, float16"),
+        )
+
+    def swiglu(gate, up, limit) -> Verdict:
+        dev = _device_checks(interpreted, gate=gate, up=up)
+        if dev is not True:
+            return dev
+        ok = _first_problem(
+            _activation("gate", gate),
+            (gate.dim() == 2, f"gate has {gate.dim()} dims, expected [T, I]"),
+            (up.dtype == gate.dtype, f"up dtype {up.dtype} differs from gate dtype {gate.dtype}"),
+            (
+                isinstance(limit, int | float) and not isinstance(limit, bool),
+                f"limit is a {type(limit).__name__}, not a number",
+            ),
+        )
+        if ok is not True:
+            return ok
+        return _first_problem(_shape("up", up, tuple(gate.shape)))
 
     def streams_checks(streams) -> Verdict:
         return _first_problem(
@@ -318,6 +355,8 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         "grouped_linear": grouped_linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
+        "rope_cos_sin": rope_cos_sin,
+        "swiglu": swiglu,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
         "hc_head": hc_head,
@@ -329,7 +368,7 @@ def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
     from deepinfer_cuda_sm100.gemm_dispatch import make_linear
-    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope, tile_gemm
+    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope, swiglu, tile_gemm
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -337,6 +376,8 @@ def load_ops() -> dict[str, OpImpl]:
     fns = {
         "rms_norm": norm.rms_norm,
         "apply_rope": rope.apply_rope,
+        "rope_cos_sin": rope.rope_cos_sin,
+        "swiglu": swiglu.swiglu,
         "hc_pre": mhc.hc_pre,
         "hc_post": mhc.hc_post,
         "hc_head": mhc.hc_head,

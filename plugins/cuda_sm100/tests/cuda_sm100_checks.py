@@ -31,13 +31,23 @@ from deepinfer_cuda_sm100.cases import Shapes, own_cases
 ROW_ARGS = {
     "rms_norm": (0,),
     "apply_rope": (0, 1, 2),
+    "rope_cos_sin": (0,),
+    "swiglu": (0, 1),
     "hc_pre": (0,),
     "hc_post": (0, 1, 2, 3),
     "hc_head": (0,),
 }
 """The positional arguments of each op that are indexed by token (dim 0)."""
 
-INVARIANCE_CASES = {"rms_norm": (0, 5), "apply_rope": (2,), "hc_pre": (2,), "hc_post": (2,), "hc_head": (2,)}
+INVARIANCE_CASES = {
+    "rms_norm": (0, 5),
+    "apply_rope": (2,),
+    "rope_cos_sin": (3,),
+    "swiglu": (2,),
+    "hc_pre": (2,),
+    "hc_post": (2,),
+    "hc_head": (2,),
+}
 """Which of :func:`~deepinfer_cuda_sm100.cases.own_cases`'s cases each op is checked on."""
 
 
@@ -81,8 +91,11 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
     problems = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for replay in range(2):
-        for i in ROW_ARGS[op]:  # new activations, in place (the static inputs)
-            fresh = torch.randn(args[i].shape, generator=gen, device="cuda", dtype=torch.float32)
+        for i in ROW_ARGS[op]:  # new activations (or positions), in place (the static inputs)
+            if args[i].is_floating_point():
+                fresh = torch.randn(args[i].shape, generator=gen, device="cuda", dtype=torch.float32)
+            else:
+                fresh = torch.randint(0, 1 << 20, args[i].shape, generator=gen, device="cuda")
             args[i].copy_(fresh.abs() if op == "hc_post" and i in (2, 3) else fresh)
         graph.replay()
         expected = _outputs(fn(*args))

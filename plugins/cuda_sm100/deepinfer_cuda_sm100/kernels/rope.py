@@ -1,9 +1,18 @@
-"""``apply_rope``: V4's partial, interleaved rotary embedding (contract: ``deepinfer_core.ops.rope``).
+"""``apply_rope`` and ``rope_cos_sin``: V4's partial, interleaved rotary embedding and its
+tables (contract: ``deepinfer_core.ops.rope``).
 
-For each token ``t`` and head ``h`` of ``x [T, H, D]`` the leading ``D - R`` channels are
-copied and the trailing ``R = 2 * cos.shape[-1]`` channels rotate in interleaved pairs:
-``(x[2i], x[2i+1]) -> (x[2i] c_i - x[2i+1] s_i, x[2i] s_i + x[2i+1] c_i)``, in fp32.  One
+``apply_rope``: for each token ``t`` and head ``h`` of ``x [T, H, D]`` the leading ``D - R``
+channels are copied and the trailing ``R = 2 * cos.shape[-1]`` channels rotate in interleaved
+pairs: ``(x[2i], x[2i+1]) -> (x[2i] c_i - x[2i+1] s_i, x[2i] s_i + x[2i+1] c_i)``, in fp32.  One
 program handles one token and ``BLOCK_H`` heads; it reads the token's cos/sin once.
+
+``rope_cos_sin``: both tables ``[T, R/2]`` from one launch (the reference's ~8).  The angle
+``float(position) * float(inv_freq[i])`` is one fp32 product, as in the reference; ``tl.cos``
+/ ``tl.sin`` lower to libdevice's ``cosf`` / ``sinf`` on the GPU (accurate at any position,
+as PyTorch's CUDA ``cos`` / ``sin``; NumPy's float32 ones in the interpreter), times ``scale``
+in fp32 and rounded once to the dtype -- the numerics of the compressor kernel's rope
+(:mod:`~.compressor`).  One program computes ``BLOCK_T`` tokens' rows (``BLOCK_T`` from the
+rope width alone).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import triton.language as tl
 from ._common import cast_to, cdiv, pow2
 
 _TILE_ELEMS = 4096  # channels a program copies per step (BLOCK_H heads x BLOCK_C channels)
+_TABLE_ELEMS = 1024  # table entries per rope_cos_sin program: BLOCK_T tokens x BLOCK_HALF angles
 
 
 @triton.jit
@@ -102,3 +112,70 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _cos_sin_kernel(
+    pos_ptr,
+    inv_ptr,
+    cos_ptr,
+    sin_ptr,
+    T,
+    HALF,
+    stride_p,
+    stride_i,
+    scale,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    """Rows ``[pid * BLOCK_T, +BLOCK_T)`` of both tables: ``cos/sin(pos * inv_freq) * scale``."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    i = tl.arange(0, BLOCK_HALF)
+    row_ok, i_ok = rows < T, i < HALF
+    pos = tl.load(pos_ptr + rows * stride_p, mask=row_ok, other=0).to(tl.float32)
+    inv = tl.load(inv_ptr + i * stride_i, mask=i_ok, other=0.0).to(tl.float32)
+    freq = pos[:, None] * inv[None, :]
+    m = row_ok[:, None] & i_ok[None, :]
+    out = rows[:, None] * HALF + i[None, :]
+    dtype = cos_ptr.dtype.element_ty
+    tl.store(cos_ptr + out, cast_to(tl.cos(freq) * scale, dtype), mask=m)
+    tl.store(sin_ptr + out, cast_to(tl.sin(freq) * scale, dtype), mask=m)
+
+
+def cos_sin_blocks(half: int) -> tuple[int, int]:
+    """``(BLOCK_T, BLOCK_HALF)`` of ``rope_cos_sin`` for ``half`` angles a token (shapes only)."""
+    block_half = pow2(half)
+    return max(1, _TABLE_ELEMS // block_half), block_half
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``rope_cos_sin``: same signature, shapes and numerics as the reference.
+
+    ``positions`` ``[T]`` integer, ``inv_freq`` ``[R/2]`` float (any strides), ``scale`` a
+    number, ``dtype`` fp32, bf16 or fp16.  Returns new contiguous ``(cos, sin)``, each
+    ``[T, R/2]`` in ``dtype``.
+    """
+    t, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((t, half), dtype=dtype, device=positions.device)
+    sin = torch.empty((t, half), dtype=dtype, device=positions.device)
+    if cos.numel() == 0:
+        return cos, sin
+    block_t, block_half = cos_sin_blocks(half)
+    _cos_sin_kernel[(cdiv(t, block_t),)](
+        positions,
+        inv_freq,
+        cos,
+        sin,
+        t,
+        half,
+        positions.stride(0),
+        inv_freq.stride(0),
+        float(scale),
+        BLOCK_T=block_t,
+        BLOCK_HALF=block_half,
+        num_warps=4,
+        enable_reflect_ftz=False,  # libdevice without flush to zero, as nvcc builds PyTorch
+    )
+    return cos, sin
