@@ -27,6 +27,7 @@ from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
 from .metadata import StepMetadata, WindowPlan, buffer_windows
+from .plan_tensors import kept
 
 
 class Compressor:
@@ -110,11 +111,10 @@ class Compressor:
         if plan.windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
             stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, kv]))  # [M, r, C]
             stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, gate]))
-            stage_gate = stage_gate.float() + self.bias
+            stage_gate = torch.add(stage_gate, self.bias)  # promoted to the fp32 bias: one launch
             if self.overlap:
                 carry_kv, carry_gate = carry["carry_kv"], carry["carry_gate"]
-                empty_kv = stage_kv.new_zeros(1, r, d)
-                empty_gate = stage_gate.new_full((1, r, d), float("-inf"))
+                empty_kv, empty_gate = self._empty_rows(stage_kv.dtype, stage_kv.device)
                 prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv]).index_select(0, plan.prev)
                 prev_gate = torch.cat([carry_gate, stage_gate[..., :d], empty_gate]).index_select(
                     0, plan.prev
@@ -134,3 +134,17 @@ class Compressor:
         write(buf_kv, plan.buf_rows, kv)
         write(buf_gate, plan.buf_rows, gate)
         return pool
+
+    def _empty_rows(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous-window rows of a window without one (the first of a sequence):
+        ``[1, r, dim]`` zeros in ``dtype`` and ``-inf`` gates in fp32, kept (:mod:`.plan_tensors`)."""
+        shape = (1, self.ratio, self.dim)
+        zeros = kept(
+            ("empty_kv", shape, dtype), device, lambda: torch.zeros(shape, dtype=dtype, device=device)
+        )
+        gates = kept(
+            ("empty_gate", shape),
+            device,
+            lambda: torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
+        )
+        return zeros, gates
