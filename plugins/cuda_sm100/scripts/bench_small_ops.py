@@ -1,7 +1,8 @@
 """Time the ``cuda_sm100`` Triton kernels against the core's reference ops on a GPU.
 
 Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash widths
-(hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4).  Each implementation is timed with
+(hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048): the norms, the
+rope and its cos/sin tables, the mHC ops and the shared expert's SwiGLU.  Each implementation is timed with
 CUDA events two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls
 (GPU time per call, launch overhead excluded), and eagerly (what a Python loop costs,
 launches included).  Prints a table and writes JSON (default
@@ -27,6 +28,7 @@ from deepinfer_core.ops import all_ops
 
 REPO = Path(__file__).resolve().parents[3]
 HIDDEN, HEADS, HEAD_DIM, ROPE_DIM, HC, Q_LORA = 4096, 64, 512, 64, 4, 1024
+SHARED_INTER = 2048  # the shared expert's intermediate width
 
 
 def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
@@ -41,6 +43,7 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
     cos, sin = (pos[:, None] * inv).cos().to(dtype), (pos[:, None] * inv).sin().to(dtype)
     k, m = HC * HIDDEN, (2 + HC) * HC
     fused = randn(t, Q_LORA + HEAD_DIM + ROPE_DIM)
+    shared = randn(t, 2 * SHARED_INTER, scale=6)  # the shared expert's gate | up projection
     return [
         (
             "rms_norm",
@@ -54,6 +57,12 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
         ),
         ("rms_norm", f"[{t},{HEADS},{HEAD_DIM}]", (randn(t, HEADS, HEAD_DIM), None, 1e-6)),
         ("apply_rope", f"[{t},{HEADS + 1},{HEAD_DIM}]", (randn(t, HEADS + 1, HEAD_DIM), cos, sin)),
+        ("rope_cos_sin", f"[{t}] x {ROPE_DIM // 2}", (pos.long(), inv, 1.0, dtype)),
+        (
+            "swiglu",
+            f"[{t},{SHARED_INTER}] strided",
+            (shared[:, :SHARED_INTER], shared[:, SHARED_INTER:], 10.0),
+        ),
         (
             "hc_pre",
             f"[{t},{HC},{HIDDEN}]",
