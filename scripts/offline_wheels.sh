@@ -4,12 +4,15 @@
 #
 #   bash scripts/offline_wheels.sh [PYTHON_VERSION] [DEST]      # defaults: 3.12 .whl
 #
-#   DEST/base   pydantic and its parts, hypothesis, llguidance        (the core's dependencies
-#               that a CUDA image with torch, triton and transformers usually lacks)
-#   DEST/tl     tilelang and what it loads: apache-tvm-ffi and z3-solver in the versions this
-#               tilelang was built against (a newer tvm-ffi or z3 makes `import tilelang` fail),
-#               torch-c-dlpack-ext, ml-dtypes, cloudpickle, psutil, tqdm; tile-kernels
-#   DEST/serve  fastapi, uvicorn, openai, httpx and their dependencies (deepinfer serve's tests)
+#   DEST/base     pydantic and its parts, hypothesis, llguidance        (the core's dependencies
+#                 that a CUDA image with torch, triton and transformers usually lacks)
+#   DEST/tl       tilelang (~50 MB)
+#   DEST/tl_deps  what tilelang loads: apache-tvm-ffi and z3-solver in the versions this tilelang
+#                 was built against (a newer tvm-ffi or z3 makes `import tilelang` fail),
+#                 torch-c-dlpack-ext, ml-dtypes, cloudpickle, psutil, tqdm; tile-kernels
+#   DEST/serve    fastapi, uvicorn, openai, httpx and their dependencies (deepinfer serve's tests)
+#
+# Each folder stays under 64 MiB.
 #
 # On the GPU machine: pip install --no-index --no-deps --target SITE DEST/*/*.whl, then
 # PYTHONPATH=SITE bash scripts/test_gpu.sh.  tile-kernels asks for a newer torch than some CUDA
@@ -28,9 +31,10 @@ fetch() {  # fetch FOLDER [--no-deps] REQUIREMENT...
 }
 fetch base --no-deps pydantic pydantic-core annotated-types typing-inspection 'typing-extensions>=4.16' \
     hypothesis attrs sortedcontainers llguidance
-fetch tl --no-deps 'tilelang>=0.1.15,<0.2' 'apache-tvm-ffi>=0.1.11,<0.1.13' 'z3-solver>=4.13,<4.15.5' \
+fetch tl --no-deps 'tilelang>=0.1.15,<0.2'
+fetch tl_deps --no-deps 'apache-tvm-ffi>=0.1.11,<0.1.13' 'z3-solver>=4.13,<4.15.5' \
     torch-c-dlpack-ext ml-dtypes cloudpickle psutil tqdm
-if [[ "$PY" != 3.1[01] ]]; then fetch tl --no-deps 'tile-kernels>=2.1'; fi
+if [[ "$PY" != 3.1[01] ]]; then fetch tl_deps --no-deps 'tile-kernels>=2.1'; fi
 fetch serve fastapi uvicorn openai httpx
 rm -f "$DEST"/serve/pydantic* "$DEST"/serve/typing_* "$DEST"/serve/annotated_types*
-du -sh "$DEST"/base "$DEST"/tl "$DEST"/serve
+du -sh "$DEST"/base "$DEST"/tl "$DEST"/tl_deps "$DEST"/serve
