@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel modules: interpreter detection, exact casts, block sizes."""
+"""Helpers shared by the kernel modules: interpreter detection, exact casts and ``exp``, block sizes."""
 
 from __future__ import annotations
 
@@ -9,6 +9,23 @@ INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 """Whether ``@triton.jit`` kernels defined now run in Triton's CPU interpreter (on CPU tensors)."""
 
 _MANUAL_BF16 = tl.constexpr(INTERPRETED)
+_INTERP = tl.constexpr(INTERPRETED)
+
+if not INTERPRETED:  # libdevice calls cannot run in the interpreter (extern_elementwise)
+    from triton.language.extra.cuda import libdevice
+else:  # never called: the interpreter takes the float64 branches
+    libdevice = None
+
+
+@triton.jit
+def exact_exp(x):
+    """fp32 ``exp`` as PyTorch's CUDA kernels compute it: libdevice's ``expf`` on the GPU
+    (``tl.exp`` is an approximation); float64 then rounded in the interpreter."""
+    if _INTERP:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        y = tl.exp(x.to(tl.float64)).to(tl.float32)
+    else:
+        y = libdevice.exp(x)
+    return y
 
 
 @triton.jit

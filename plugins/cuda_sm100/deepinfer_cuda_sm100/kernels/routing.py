@@ -59,12 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
-
-if not INTERPRETED:  # libdevice calls cannot run in the interpreter (extern_elementwise)
-    from triton.language.extra.cuda import libdevice
-else:  # never called: the interpreter takes the float64 branches below
-    libdevice = None
+from ._common import INTERPRETED, cast_to, cdiv, exact_exp, libdevice, pow2, round_through
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 """The scoring functions and their kernel codes."""
@@ -83,16 +78,6 @@ _INTERP = tl.constexpr(INTERPRETED)
 _I64_MIN = tl.constexpr(-(2**63))
 _I32_MAX = tl.constexpr(2**31 - 1)
 _TINY = tl.constexpr(2.0**-30)  # below it log1p(y) rounds to y in fp32
-
-
-@triton.jit
-def _exp(x):
-    """fp32 ``exp``: libdevice's ``expf`` on the GPU; float64 then rounded in the interpreter."""
-    if _INTERP:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
-        y = tl.exp(x.to(tl.float64)).to(tl.float32)
-    else:
-        y = libdevice.exp(x)
-    return y
 
 
 @triton.jit
@@ -159,11 +144,11 @@ def _scores(
     x = tl.load(row_ptr + cols[None, :] * stride_le, mask=m2, other=0.0).to(tl.float32)
     x = tl.where(col_ok[None, :], x, float("-inf"))
     if SCORING_FN == 0:  # sqrt(softplus(x)), each op rounded to the dtype
-        sp = tl.where(x > 20.0, x, _log1p(_exp(x)))
+        sp = tl.where(x > 20.0, x, _log1p(exact_exp(x)))
         s = round_through(tl.sqrt_rn(round_through(sp, dtype)), dtype)
     elif SCORING_FN == 1:  # sigmoid
         one = tl.full(x.shape, 1.0, tl.float32)
-        s = round_through(tl.math.div_rn(one, 1.0 + _exp(-x)), dtype)
+        s = round_through(tl.math.div_rn(one, 1.0 + exact_exp(-x)), dtype)
     else:  # softmax, the sum in PyTorch's warp-softmax order
         mx = tl.max(x, axis=1)
         lanes = tl.arange(0, LANES)
@@ -173,9 +158,9 @@ def _scores(
             mi = row_ok[:, None] & (c < E)[None, :]
             xi = tl.load(row_ptr + c[None, :] * stride_le, mask=mi, other=0.0).to(tl.float32)
             xi = tl.where((c < E)[None, :], xi, float("-inf"))
-            acc += _exp(xi - mx[:, None])
+            acc += exact_exp(xi - mx[:, None])
         total = _tree_sum(acc, BLOCK_T, LANES)
-        s = round_through(tl.math.div_rn(_exp(x - mx[:, None]), total[:, None]), dtype)
+        s = round_through(tl.math.div_rn(exact_exp(x - mx[:, None]), total[:, None]), dtype)
     return s
 
 

@@ -8,7 +8,7 @@ rounding agrees with clamping in the dtype), ``silu`` is computed in fp32 as PyT
 product of the two dtype values is rounded once to the output dtype -- the reference's four
 launches in one.  ``exp`` is libdevice's ``expf`` on the GPU (what PyTorch's CUDA ``silu``
 calls) and the division ``div.rn``, so fp32 results equal PyTorch's CUDA ones up to its own
-last-bit differences; Triton's interpreter evaluates ``exp`` in float64 (:func:`~.routing._exp`).
+last-bit differences; Triton's interpreter evaluates ``exp`` in float64 (:func:`~._common.exact_exp`).
 
 One program handles one row and ``BLOCK_I`` columns (``BLOCK_I`` from ``I`` alone): no
 reduction, so a row's result does not depend on the batch; the grid depends on shapes only
@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cast_to, cdiv, pow2, round_through
-from .routing import _exp
+from ._common import cast_to, cdiv, exact_exp, pow2, round_through
 
 MAX_BLOCK_I = 1024
 """Widest column tile of one program (V4-Flash's ``I = 2048``: two programs per row)."""
@@ -49,7 +48,7 @@ def _swiglu_kernel(
     nan: tl.constexpr = tl.PropagateNan.ALL  # NaN stays NaN, as torch's clamp keeps it
     g = tl.minimum(g, limit, propagate_nan=nan)
     u = tl.minimum(tl.maximum(u, -limit, propagate_nan=nan), limit, propagate_nan=nan)
-    act = round_through(tl.math.div_rn(g, 1.0 + _exp(-g)), dtype)  # torch's silu, rounded once
+    act = round_through(tl.math.div_rn(g, 1.0 + exact_exp(-g)), dtype)  # torch's silu, rounded once
     tl.store(out_ptr + t * I + cols, cast_to(act * u, dtype), mask=mask)
 
 
