@@ -107,7 +107,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(deepinfer_cuda_sm100/choices_smXY.json: which of Triton / TileLang serves each shape)",
     )
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT, help="JSON file to write")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if not {x for x in a.layers.split(",") if x} <= {"swa", "csa", "hca"}:
+        p.error(f"--layers takes swa, csa, hca (comma-separated), got {a.layers!r}")
+    return a
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,8 +194,6 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
         ("prefill", t) for t in a.prefill.split(",") if t
     ]
     layers = [x for x in a.layers.split(",") if x]
-    if set(layers) - {"swa", "csa", "hca"}:
-        raise SystemExit(f"error: --layers takes swa, csa, hca; got {a.layers!r}")
     for n, ctx in enumerate(int(x) for x in a.contexts.split(",")):
         for (phase, batch), layer, kv in itertools.product(shapes, layers, a.kv.split(",")):
             if layer == "swa" and n:
