@@ -104,8 +104,18 @@ def test_split_plan_covers_the_sms_without_starving_a_split(tokens, keys):
     if tokens >= sms:
         assert s == 1  # enough CTAs already
     if s > 1:
-        assert keys // s >= tla.BN * tla.MIN_SPLIT_BLOCKS  # every split gets its share of blocks
-        assert tokens * (s - 1) < sms  # no more splits than the SMs need
+        blocks = -(-keys // tla.BN)
+        per_split = -(-blocks // s)
+        assert per_split >= tla.MIN_SPLIT_BLOCKS  # every split gets its share of blocks
+        assert -(-blocks // per_split) == s  # no split left without blocks
+        assert tokens * s <= sms  # one wave of CTAs
+        assert -(-blocks // (s + 1)) == per_split or tokens * (s + 1) > sms  # more splits: no gain
+
+
+@pytest.mark.parametrize(("tokens", "splits"), [(1, 12), (4, 12), (16, 6), (32, 4), (64, 2), (131, 1)])
+def test_split_plan_at_the_measured_shapes(tokens, splits):
+    # 768 keys (12 blocks) on 132 SMs: the sweep's best split counts (bench_attention.py --tune)
+    assert tla.plan_splits(tokens, 64, 768, 132) == splits
 
 
 def _call(t=4, h=64, d=512, dtype=torch.bfloat16, third="rows"):

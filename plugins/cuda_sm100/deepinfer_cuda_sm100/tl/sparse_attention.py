@@ -50,8 +50,10 @@ BN = 64
 """Keys per block."""
 THREADS = 256
 """Two consumer warpgroups."""
-MIN_SPLIT_BLOCKS = 4
-"""Fewest key blocks a split gets (below that the partials' traffic dominates)."""
+MIN_SPLIT_BLOCKS = 1
+"""Fewest key blocks a split gets.  Measured on the H200 (``bench_attention.py --tune``, 768
+keys at 1-32 tokens): one block a split is fastest while the CTAs fit in one wave; the
+partials (128 KiB a split) cost less than a block's serial latency."""
 
 _TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -343,14 +345,16 @@ def num_sms(device: torch.device) -> int:
 
 
 def plan_splits(tokens: int, heads: int, max_keys: int, sms: int) -> int:
-    """Splits per (token, head block): enough CTAs to cover the SMs, each with at least
-    :data:`MIN_SPLIT_BLOCKS` blocks of keys.  Static shapes only."""
+    """Splits per (token, head block): as many as one wave of CTAs holds (never a second
+    wave), each with at least :data:`MIN_SPLIT_BLOCKS` blocks of keys, then as few as give
+    the same blocks per split.  Static shapes only."""
     ctas = tokens * (heads // BH)
-    if ctas >= sms:
+    blocks = -(-max_keys // BN)
+    if ctas >= sms or blocks <= 1:
         return 1
-    by_sms = -(-sms // ctas)
-    by_keys = max(1, max_keys // (BN * MIN_SPLIT_BLOCKS))
-    return max(1, min(by_sms, by_keys))
+    s = min(sms // ctas, max(1, blocks // MIN_SPLIT_BLOCKS))
+    per_split = -(-blocks // s)
+    return -(-blocks // per_split)
 
 
 def third_kind(indices: Sequence[torch.Tensor | PagedIndex]) -> str | None:
