@@ -105,3 +105,153 @@ def compress_entries(
     entries = rms_norm(compress_pool(kv, gate), norm_weight, eps)
     cos, sin = rope_cos_sin(positions, inv_freq, rope_scale, entries.dtype)
     return cache_write(pool, dest, apply_rope(entries, cos, sin))
+
+
+def _windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    def case(t: int, m: int, r: int, d: int, overlap: bool, snap: bool, live: int | None) -> tuple:
+        c = (2 if overlap else 1) * d
+        slots = 3  # buffer windows of 3 slots (one window each), then the step's t rows
+        nbuf, n = slots * r, m + 5
+        # window rows: any staging rows; a window with fewer buffered rows reads more step rows
+        windows = torch.randint(0, nbuf + t, (m, r), generator=g)
+        args = (
+            randn(g, t, c, dtype=dtype),
+            randn(g, t, c, dtype=dtype, scale=2.0),
+            randn(g, nbuf, c, dtype=dtype),
+            randn(g, nbuf, c, dtype=dtype, scale=2.0),
+            randn(g, r, c, scale=0.5),
+            windows,
+            torch.randperm(nbuf, generator=g)[:t],
+            1 + randn(g, d, scale=0.1),
+            1e-6,
+            torch.randint(0, 4096, (m,), generator=g) * r,
+            _inv_freq(8),
+            1.0,
+            randn(g, n, d, dtype=dtype),
+            torch.randperm(n, generator=g)[:m],
+        )
+        kwargs: dict = {}
+        if overlap:
+            carries = slots + 1
+            # previous halves: a carry, an earlier window of the step, or none (the empty row)
+            prev = torch.randint(0, carries + m + 1, (m,), generator=g)
+            prev[:1] = carries + m  # the first window of a sequence: no previous half
+            kwargs = dict(
+                carry_kv=randn(g, carries, r, d, dtype=dtype),
+                carry_gate=randn(g, carries, r, d, scale=2.0),
+                prev=prev,
+                carry_rows=torch.randperm(carries, generator=g)[:m],
+            )
+            if snap:
+                pages = m + 2
+                kwargs |= dict(
+                    page_kv=randn(g, pages, r, d, dtype=dtype),
+                    page_gate=randn(g, pages, r, d),
+                    snap_page=torch.randperm(pages, generator=g)[:m],
+                )
+        if live is not None:
+            kwargs["live"] = torch.tensor([live])
+        return args, kwargs
+
+    return [
+        case(5, 3, 4, 16, True, True, None),  # CSA: overlapping windows, carries and page snapshots
+        case(3, 2, 4, 16, True, False, 2),  # CSA without snapshots; every window live
+        case(4, 2, 8, 16, False, False, None),  # HCA: windows of r rows
+        case(2, 0, 4, 16, True, True, None),  # no window closes: the buffer writes alone
+    ]
+
+
+@define_op("compress_windows", "compressor", sample_cases=_windows_cases)
+def compress_windows(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    buf_kv: torch.Tensor,
+    buf_gate: torch.Tensor,
+    bias: torch.Tensor,
+    windows: torch.Tensor,
+    buf_rows: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rope_scale: float,
+    pool: torch.Tensor,
+    dest: torch.Tensor,
+    carry_kv: torch.Tensor | None = None,
+    carry_gate: torch.Tensor | None = None,
+    prev: torch.Tensor | None = None,
+    carry_rows: torch.Tensor | None = None,
+    page_kv: torch.Tensor | None = None,
+    page_gate: torch.Tensor | None = None,
+    snap_page: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
+) -> tuple:
+    """A compressor's whole step: stage the ``M`` windows that close, store their entries
+    (:func:`compress_entries`), save the overlap carries, buffer the step's rows.
+
+    A backend can do in a few launches what the staging takes a dozen ops for, reading each
+    window's rows where they are instead of gathering copies of them.
+
+    *Staging rows* are ``[buf rows (B) ; step rows (T)]``: row ``i < B`` is ``buf_*[i]``, row
+    ``i >= B`` is ``kv`` / ``gate[i - B]``.  Window ``m``'s ``r`` staged rows are the staging rows
+    ``windows[m]``, its staged gate their gate (widened to fp32) plus ``bias`` (fp32 add).
+    Without overlap (``carry_kv`` ``None``, ``C = D``) the staged rows are the window
+    (``L = r``).  With overlap (CSA, ``C = 2D``) the window is ``L = 2r`` rows: first the
+    previous window's first half, then the second-half series (channels ``D:``) of its own
+    staged rows; ``prev[m]`` picks that first half from ``[carries (NC) ; first halves
+    (channels ``:D``) of this call's staged windows (M) ; an empty one]`` (the empty half:
+    zero values, ``-inf`` gates).  Then, in this order:
+
+    1. entries: :func:`compress_entries` of the windows (``live`` as there);
+    2. carries (overlap): ``carry_*[carry_rows[m]]`` = window ``m``'s staged first half, and
+       ``page_*[snap_page[m]]`` the same when ``snap_page`` is given;
+    3. buffer: ``buf_kv[buf_rows[t]] = kv[t]``, ``buf_gate[buf_rows[t]] = gate[t]``.
+
+    Every read of state (buffers and carries) sees it as it was before the call.
+
+    Args:
+        kv, gate: ``[T, C]`` the step's projections (model dtype; ``gate`` without the bias).
+        buf_kv, buf_gate: ``[B, C]`` the slots' partial-window buffers (all slots' rows).
+        bias: ``[r, C]`` float32 per-row position bias of the gate.
+        windows: ``[M, r]`` int64 staging rows of each window; buf_rows: ``[T]`` int64.
+        norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live: as
+            :func:`compress_entries` (``pool`` ``[N, D]``, ``dest`` / ``positions`` ``[M]``).
+        carry_kv, carry_gate: ``[NC, r, D]`` the overlap carries (``carry_gate`` float32), or
+            ``None`` without overlap; prev, carry_rows: ``[M]`` int64.
+        page_kv, page_gate, snap_page: the page snapshots ``[P, r, D]`` and ``[M]`` pages, or
+            ``None`` (no snapshot this step).
+
+    Write targets are distinct except the trash slot's / page's rows (as ``cache_write``);
+    with ``live``, the padding windows' writes (all to trash rows) may be skipped.
+
+    Returns:
+        ``(pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate)``, written in place
+        (``None`` where not given).
+    """
+    overlap = carry_kv is not None
+    if windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
+        stage_kv = torch.nn.functional.embedding(windows, torch.cat([buf_kv, kv]))  # [M, r, C]
+        stage_gate = torch.nn.functional.embedding(windows, torch.cat([buf_gate, gate]))
+        stage_gate = torch.add(stage_gate, bias)  # promoted to the fp32 bias: one launch
+        if overlap:
+            assert carry_gate is not None and prev is not None and carry_rows is not None
+            d = carry_kv.shape[-1]
+            empty = (1, *carry_kv.shape[1:])
+            empty_kv = torch.zeros(empty, dtype=stage_kv.dtype, device=kv.device)
+            empty_gate = torch.full(empty, float("-inf"), dtype=torch.float32, device=kv.device)
+            prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv]).index_select(0, prev)
+            prev_gate = torch.cat([carry_gate, stage_gate[..., :d], empty_gate]).index_select(0, prev)
+            win_kv = torch.cat([prev_kv, stage_kv[..., d:]], dim=1)
+            win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
+        else:
+            win_kv, win_gate = stage_kv, stage_gate
+        args = (win_kv, win_gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live)
+        compress_entries(*args)
+        if overlap:
+            for state, page, staged in ((carry_kv, page_kv, stage_kv), (carry_gate, page_gate, stage_gate)):
+                cache_write(state, carry_rows, staged[..., :d])
+                if snap_page is not None:  # the carry at each page end, for prefix hits
+                    cache_write(page, snap_page, staged[..., :d])
+    cache_write(buf_kv, buf_rows, kv)
+    cache_write(buf_gate, buf_rows, gate)
+    return pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate

@@ -20,14 +20,12 @@ place (the per-step row plans are in :mod:`.metadata`).  The page snapshots
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, PageStateSpec, SlotStateSpec
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
 from .metadata import StepMetadata, WindowPlan, buffer_windows
-from .plan_tensors import kept
 
 
 class Compressor:
@@ -96,55 +94,40 @@ class Compressor:
         ``kv`` and ``gate`` are this step's projections (see :meth:`pop_in_weights`), ``[T, width]``.
         """
         plan: WindowPlan = md.plans[self.ratio]
-        n, r, write = self.pool_name, self.ratio, ops.cache_write
+        n, r = self.pool_name, self.ratio
         pool = cache_get(n)
-        buf_kv = cache_get(n + ".buf_kv").view(-1, self.width)
-        buf_gate = cache_get(n + ".buf_gate").view(-1, self.width)
-        d = self.dim
-        carry = {}  # carry rows of all slots, [slots * nb, r, dim]
+        state = {}
         if self.overlap:
             for name in ("carry_kv", "carry_gate"):
-                carry[name] = cache_get(f"{n}.{name}").view(-1, r, d)
+                state[name] = cache_get(f"{n}.{name}").view(-1, r, self.dim)  # [slots * nb, r, dim]
                 if plan.restore_rows is not None:  # prefix hit: resume at a page boundary
                     snapshot = cache_get(f"{n}.page_{name}").index_select(0, plan.restore_page)
-                    write(carry[name], plan.restore_rows, snapshot)
-        if plan.windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
-            stage_kv = F.embedding(plan.windows, torch.cat([buf_kv, kv]))  # [M, r, C]
-            stage_gate = F.embedding(plan.windows, torch.cat([buf_gate, gate]))
-            stage_gate = torch.add(stage_gate, self.bias)  # promoted to the fp32 bias: one launch
-            if self.overlap:
-                carry_kv, carry_gate = carry["carry_kv"], carry["carry_gate"]
-                empty_kv, empty_gate = self._empty_rows(stage_kv.dtype, stage_kv.device)
-                prev_kv = torch.cat([carry_kv, stage_kv[..., :d], empty_kv]).index_select(0, plan.prev)
-                prev_gate = torch.cat([carry_gate, stage_gate[..., :d], empty_gate]).index_select(
-                    0, plan.prev
+                    ops.cache_write(state[name], plan.restore_rows, snapshot)
+            state |= dict(prev=plan.prev, carry_rows=plan.carry_rows)
+            if plan.snap_page is not None:  # the carry at each page end, for prefix hits
+                state |= dict(
+                    page_kv=cache_get(f"{n}.page_carry_kv"),
+                    page_gate=cache_get(f"{n}.page_carry_gate"),
+                    snap_page=plan.snap_page,
                 )
-                win_kv = torch.cat([prev_kv, stage_kv[..., d:]], dim=1)
-                win_gate = torch.cat([prev_gate, stage_gate[..., d:]], dim=1)
-                for name, staged in (("carry_kv", stage_kv), ("carry_gate", stage_gate)):
-                    first_half = staged[:, :, :d]
-                    write(carry[name], plan.carry_rows, first_half)
-                    if plan.snap_page is not None:  # the carry at each page end, for prefix hits
-                        write(cache_get(f"{n}.page_{name}"), plan.snap_page, first_half)
-            else:
-                win_kv, win_gate = stage_kv, stage_gate
-            inv_freq, scale = rope
-            args = (win_kv, win_gate, self.norm, self.eps, plan.positions, inv_freq, scale, pool, plan.dest)
-            ops.compress_entries(*args, live=plan.live)  # padding windows may be skipped
-        write(buf_kv, plan.buf_rows, kv)
-        write(buf_gate, plan.buf_rows, gate)
+        inv_freq, scale = rope
+        ops.compress_windows(
+            kv,
+            gate,
+            cache_get(n + ".buf_kv").view(-1, self.width),
+            cache_get(n + ".buf_gate").view(-1, self.width),
+            self.bias,
+            plan.windows,
+            plan.buf_rows,
+            self.norm,
+            self.eps,
+            plan.positions,
+            inv_freq,
+            scale,
+            pool,
+            plan.dest,
+            **state,
+            live=plan.live,  # padding windows may be skipped
+        )
         return pool
 
-    def _empty_rows(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The previous-window rows of a window without one (the first of a sequence):
-        ``[1, r, dim]`` zeros in ``dtype`` and ``-inf`` gates in fp32, kept (:mod:`.plan_tensors`)."""
-        shape = (1, self.ratio, self.dim)
-        zeros = kept(
-            ("empty_kv", shape, dtype), device, lambda: torch.zeros(shape, dtype=dtype, device=device)
-        )
-        gates = kept(
-            ("empty_gate", shape),
-            device,
-            lambda: torch.full(shape, float("-inf"), dtype=torch.float32, device=device),
-        )
-        return zeros, gates
