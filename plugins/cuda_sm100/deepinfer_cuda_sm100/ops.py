@@ -19,6 +19,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
+from deepinfer_cuda_sm100.compressor_ops import WINDOW_OPS
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
@@ -32,7 +33,8 @@ ATTENTION_OPS = ("sparse_attention", "indexer_topk")
 
 COMPRESSOR_OPS = ("compress_entries",)
 """The KV compressor's entries: pooling, norm, rope and store in one kernel
-(:mod:`deepinfer_cuda_sm100.kernels.compressor`)."""
+(:mod:`deepinfer_cuda_sm100.kernels.compressor`); its whole step (``compress_windows``) is in
+:mod:`deepinfer_cuda_sm100.compressor_ops`."""
 
 GEMM_OPS = ("linear", "grouped_linear")
 """The FP8 block-scaled GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`): ``linear`` and the
@@ -43,7 +45,9 @@ INVARIANT_OPS = ("tile_matmul",)
 """The GEMM of batch-invariant mode (:mod:`deepinfer_cuda_sm100.kernels.tile_gemm`): with it the
 reference's GEMM-bearing ops that this backend leaves to fall back are batch invariant on the GPU."""
 
-PROVIDED_OPS = FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS + ROUTING_OPS
+PROVIDED_OPS = (
+    FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + WINDOW_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS + ROUTING_OPS
+)
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -392,7 +396,8 @@ def load_ops() -> dict[str, OpImpl]:
         name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
         for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
     }
+    from deepinfer_cuda_sm100.compressor_ops import compressor_ops
     from deepinfer_cuda_sm100.moe_ops import moe_ops
     from deepinfer_cuda_sm100.routing_ops import routing_ops
 
-    return {**impls, **attention_ops(), **moe_ops(), **routing_ops()}
+    return {**impls, **attention_ops(), **compressor_ops(), **moe_ops(), **routing_ops()}

@@ -45,6 +45,16 @@ def _tile(ptr, row0, rows, stride_l, cols, col_ok, L, other):
 
 
 @triton.jit
+def _strided_rows(src, row0, rows, cols, col_ok, L, GATE: tl.constexpr):
+    """Loader of :func:`pool` for windows stored as ``[M, L, D]`` rows: ``src`` is ``(kv row 0,
+    gate row 0, kv row stride, gate row stride)`` of the window."""
+    kv_w, gate_w, stride_kl, stride_gl = src
+    if GATE:
+        return _tile(gate_w, row0, rows, stride_gl, cols, col_ok, L, -float("inf"))
+    return _tile(kv_w, row0, rows, stride_kl, cols, col_ok, L, 0.0)
+
+
+@triton.jit
 def _weighted(x, e, total, KV_DTYPE: tl.constexpr):
     """``sum_l round(x * round(e / total))`` over the tile's rows (fp32)."""
     p = round_through(tl.math.div_rn(e, tl.broadcast_to(total[None, :], e.shape)), KV_DTYPE)
@@ -52,14 +62,12 @@ def _weighted(x, e, total, KV_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _pool(
-    kv_ptr,
-    gate_ptr,
-    stride_kl,
-    stride_gl,
+def pool(
+    src,
     cols,
     col_ok,
     L,
+    LOAD: tl.constexpr,
     KV_DTYPE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -67,31 +75,31 @@ def _pool(
 ):
     """``compress_pool`` of one window at channels ``cols`` (fp32, rounded to ``KV_DTYPE``).
 
-    Channels past ``D`` take logits 0 and values 0, so they pool to 0 (no NaN from an
-    all-``-inf`` column reaches the norm's sum of squares).
+    ``LOAD(src, row0, rows, cols, col_ok, L, GATE)`` gives the window's rows ``row0 + rows``
+    (``< L``) at ``cols`` in fp32: of the gate logits (``GATE``; ``-inf`` past ``L``) or of the
+    values (0 past ``L``).  Channels past ``D`` take logits 0 and values 0, so they pool to 0
+    (no NaN from an all-``-inf`` column reaches the norm's sum of squares).
     """
     rows = tl.arange(0, BLOCK_L)
     if NUM_L_TILES == 1:
-        g = tl.where(
-            col_ok[None, :], _tile(gate_ptr, 0, rows, stride_gl, cols, col_ok, L, -float("inf")), 0.0
-        )
+        g = tl.where(col_ok[None, :], LOAD(src, 0, rows, cols, col_ok, L, True), 0.0)
         e = tl.exp(g - tl.max(g, axis=0)[None, :])
-        x = _tile(kv_ptr, 0, rows, stride_kl, cols, col_ok, L, 0.0)
+        x = LOAD(src, 0, rows, cols, col_ok, L, False)
         acc = _weighted(x, e, tl.sum(e, axis=0), KV_DTYPE)
     else:
         top = tl.zeros([BLOCK_P], dtype=tl.float32) - float("inf")
         for i in range(NUM_L_TILES):
-            g = _tile(gate_ptr, i * BLOCK_L, rows, stride_gl, cols, col_ok, L, -float("inf"))
+            g = LOAD(src, i * BLOCK_L, rows, cols, col_ok, L, True)
             top = tl.maximum(top, tl.max(tl.where(col_ok[None, :], g, 0.0), axis=0))
         total = tl.zeros([BLOCK_P], dtype=tl.float32)
         for i in range(NUM_L_TILES):
-            g = _tile(gate_ptr, i * BLOCK_L, rows, stride_gl, cols, col_ok, L, -float("inf"))
+            g = LOAD(src, i * BLOCK_L, rows, cols, col_ok, L, True)
             total += tl.sum(tl.exp(tl.where(col_ok[None, :], g, 0.0) - top[None, :]), axis=0)
         acc = tl.zeros([BLOCK_P], dtype=tl.float32)
         for i in range(NUM_L_TILES):
-            g = _tile(gate_ptr, i * BLOCK_L, rows, stride_gl, cols, col_ok, L, -float("inf"))
+            g = LOAD(src, i * BLOCK_L, rows, cols, col_ok, L, True)
             e = tl.exp(tl.where(col_ok[None, :], g, 0.0) - top[None, :])
-            x = _tile(kv_ptr, i * BLOCK_L, rows, stride_kl, cols, col_ok, L, 0.0)
+            x = LOAD(src, i * BLOCK_L, rows, cols, col_ok, L, False)
             acc += _weighted(x, e, total, KV_DTYPE)
     return round_through(acc, KV_DTYPE)
 
@@ -128,25 +136,25 @@ def _compress_entries_kernel(
     # same with and without a device count
     live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else live_n
     if m < live:  # a fixed-shape step's padding windows (m >= live) write nothing
-        _entry(kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
-               stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
-               KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
+        src = (kv_ptr + m * stride_km, gate_ptr + m * stride_gm, stride_kl, stride_gl)
+        row = pool_ptr + tl.load(dest_ptr + m).to(tl.int64) * stride_pool
+        entry(src, _strided_rows, w_ptr, pos_ptr + m, inv_ptr, row, L, D, HALF, eps, rope_scale,
+              KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)  # fmt: skip
 
 
 @triton.jit
-def _entry(
-    kv_ptr, gate_ptr, w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, m, L, D, HALF,
-    stride_km, stride_kl, stride_gm, stride_gl, stride_pool, eps, rope_scale,
+def entry(
+    src, LOAD: tl.constexpr, w_ptr, pos_ptr, inv_ptr, row, L, D, HALF, eps, rope_scale,
     KV_DTYPE: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, NUM_L_TILES: tl.constexpr,
 ):  # fmt: skip
-    """Window ``m``'s entry, stored into ``pool[dest[m]]`` (see the module docstring)."""
+    """One window's entry, rotated to the position at ``pos_ptr`` and stored at ``row`` (a pool
+    row's first element) in its dtype; the window's rows come from ``LOAD(src, ...)`` (see
+    :func:`pool`, and the module docstring)."""
     j = tl.arange(0, BLOCK_P)  # pair index: channels 2j (even) and 2j + 1 (odd)
     ev, od = 2 * j, 2 * j + 1
     ev_ok, od_ok = ev < D, od < D
-    kv_w, gate_w = kv_ptr + m * stride_km, gate_ptr + m * stride_gm
-
-    a = _pool(kv_w, gate_w, stride_kl, stride_gl, ev, ev_ok, L, KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)
-    b = _pool(kv_w, gate_w, stride_kl, stride_gl, od, od_ok, L, KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)
+    a = pool(src, ev, ev_ok, L, LOAD, KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)
+    b = pool(src, od, od_ok, L, LOAD, KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)
 
     # rms_norm (weighted): fp32, one rounding to kv's dtype
     factor = _factor(tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0), D, eps, KV_DTYPE, False)
@@ -156,15 +164,14 @@ def _entry(
     # rope: pair j rotates by angle i = j - (D/2 - HALF) when it is one of the trailing HALF pairs
     i = j - (D // 2 - HALF)
     rot = (i >= 0) & od_ok
-    freq = tl.load(pos_ptr + m).to(tl.float32) * tl.load(inv_ptr + i, mask=rot, other=0.0).to(tl.float32)
+    freq = tl.load(pos_ptr).to(tl.float32) * tl.load(inv_ptr + i, mask=rot, other=0.0).to(tl.float32)
     c = round_through(tl.cos(freq) * rope_scale, KV_DTYPE)
     s = round_through(tl.sin(freq) * rope_scale, KV_DTYPE)
     a2 = tl.where(rot, round_through(a * c - b * s, KV_DTYPE), a)
     b2 = tl.where(rot, round_through(a * s + b * c, KV_DTYPE), b)
 
     # cache_write: the entry in the pool's dtype
-    row = pool_ptr + tl.load(dest_ptr + m).to(tl.int64) * stride_pool
-    dtype = pool_ptr.dtype.element_ty
+    dtype = row.dtype.element_ty
     tl.store(row + ev, cast_to(a2, dtype), mask=ev_ok)
     tl.store(row + od, cast_to(b2, dtype), mask=od_ok)
 
