@@ -11,6 +11,9 @@ so the model's outputs are bitwise those of the unfused sequence.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ._cases import randn
@@ -107,57 +110,83 @@ def compress_entries(
     return cache_write(pool, dest, apply_rope(entries, cos, sin))
 
 
-def _windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-    def case(t: int, m: int, r: int, d: int, overlap: bool, snap: bool, live: int | None) -> tuple:
-        c = (2 if overlap else 1) * d
-        slots = 3  # buffer windows of 3 slots (one window each), then the step's t rows
-        nbuf, n = slots * r, m + 5
-        # window rows: any staging rows; a window with fewer buffered rows reads more step rows
-        windows = torch.randint(0, nbuf + t, (m, r), generator=g)
-        args = (
-            randn(g, t, c, dtype=dtype),
-            randn(g, t, c, dtype=dtype, scale=2.0),
-            randn(g, nbuf, c, dtype=dtype),
-            randn(g, nbuf, c, dtype=dtype, scale=2.0),
-            randn(g, r, c, scale=0.5),
-            windows,
-            torch.randperm(nbuf, generator=g)[:t],
-            1 + randn(g, d, scale=0.1),
-            1e-6,
-            torch.randint(0, 4096, (m,), generator=g) * r,
-            _inv_freq(8),
-            1.0,
-            randn(g, n, d, dtype=dtype),
-            torch.randperm(n, generator=g)[:m],
-        )
-        kwargs: dict = {}
-        if overlap:
-            carries = slots + 1
-            # previous halves: a carry, an earlier window of the step, or none (the empty row)
-            prev = torch.randint(0, carries + m + 1, (m,), generator=g)
-            prev[:1] = carries + m  # the first window of a sequence: no previous half
-            kwargs = dict(
-                carry_kv=randn(g, carries, r, d, dtype=dtype),
-                carry_gate=randn(g, carries, r, d, scale=2.0),
-                prev=prev,
-                carry_rows=torch.randperm(carries, generator=g)[:m],
-            )
-            if snap:
-                pages = m + 2
-                kwargs |= dict(
-                    page_kv=randn(g, pages, r, d, dtype=dtype),
-                    page_gate=randn(g, pages, r, d),
-                    snap_page=torch.randperm(pages, generator=g)[:m],
-                )
-        if live is not None:
-            kwargs["live"] = torch.tensor([live])
-        return args, kwargs
+def window_case(
+    g: torch.Generator,
+    dtype: torch.dtype,
+    tokens: int,
+    windows: int,
+    ratio: int,
+    dim: int,
+    overlap: bool,
+    *,
+    rope_dim: int,
+    snap: bool = True,
+    strided: bool = True,
+    fp8_pool: bool = False,
+) -> tuple[tuple, dict]:
+    """One ``compress_windows`` call (a sample case): ``windows`` windows of ``ratio`` rows over
+    slot buffers of ``tokens + 1`` slots and the step's ``tokens`` rows; the state rows written
+    are distinct and many are also read (the buffer rows the windows read, the carries ``prev``
+    picks).  ``strided``: ``kv`` and ``gate`` are views of one fused projection, as the attention
+    block makes them; ``fp8_pool``: a packed pool (``dim - rope_dim`` a multiple of 64)."""
+    from .kv_format import Fp8KVPool
 
+    c = (2 if overlap else 1) * dim
+    slots = tokens + 1
+    nbuf, n = slots * ratio, windows + 5
+    if strided:
+        fused = randn(g, tokens, 2 * c + 16, dtype=dtype)
+        kv, gate = fused[:, 16 : 16 + c], fused[:, 16 + c :]
+    else:
+        kv, gate = randn(g, tokens, c, dtype=dtype), randn(g, tokens, c, dtype=dtype, scale=2.0)
+    pool = randn(g, n, dim, dtype=dtype)
+    args = (
+        kv,
+        gate,
+        randn(g, nbuf, c, dtype=dtype),
+        randn(g, nbuf, c, dtype=dtype, scale=2.0),
+        randn(g, ratio, c, scale=0.5),
+        torch.randint(0, nbuf + tokens, (windows, ratio), generator=g),
+        torch.randperm(nbuf, generator=g)[:tokens],
+        1 + randn(g, dim, scale=0.1),
+        1e-6,
+        torch.randint(0, 65536 // ratio, (windows,), generator=g) * ratio,
+        _inv_freq(rope_dim),
+        1.0,
+        Fp8KVPool.from_values(pool, rope_dim) if fp8_pool else pool,
+        torch.randperm(n, generator=g)[:windows],
+    )
+    kwargs: dict = {}
+    if overlap:
+        carries = slots
+        # previous halves: a carry, an earlier window of the step, or none (the empty row)
+        prev = torch.randint(0, carries + windows + 1, (windows,), generator=g)
+        prev[:1] = carries + windows  # the first window of a sequence: no previous half
+        kwargs = dict(
+            carry_kv=randn(g, carries, ratio, dim, dtype=dtype),
+            carry_gate=randn(g, carries, ratio, dim, scale=2.0),
+            prev=prev,
+            carry_rows=torch.randperm(carries, generator=g)[:windows],
+        )
+        if snap:
+            pages = windows + 3
+            kwargs |= dict(
+                page_kv=randn(g, pages, ratio, dim, dtype=dtype),
+                page_gate=randn(g, pages, ratio, dim),
+                snap_page=torch.randperm(pages, generator=g)[:windows],
+            )
+    return args, kwargs
+
+
+def _windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    case = lambda *a, **k: window_case(g, dtype, *a, rope_dim=8, **k)  # noqa: E731
+    live = case(3, 2, 4, 16, True, snap=False, strided=False)
+    live[1]["live"] = torch.tensor([2])  # every window live
     return [
-        case(5, 3, 4, 16, True, True, None),  # CSA: overlapping windows, carries and page snapshots
-        case(3, 2, 4, 16, True, False, 2),  # CSA without snapshots; every window live
-        case(4, 2, 8, 16, False, False, None),  # HCA: windows of r rows
-        case(2, 0, 4, 16, True, True, None),  # no window closes: the buffer writes alone
+        case(5, 3, 4, 16, True),  # CSA: overlapping windows, carries and page snapshots
+        live,
+        case(4, 2, 8, 16, False),  # HCA: windows of r rows
+        case(2, 0, 4, 16, True),  # no window closes: the buffer writes alone
     ]
 
 
@@ -228,6 +257,30 @@ def compress_windows(
         ``(pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate)``, written in place
         (``None`` where not given).
     """
+    return _windows_step(
+        compress_entries, kv, gate, buf_kv, buf_gate, bias, windows, buf_rows, norm_weight, eps,
+        positions, inv_freq, rope_scale, pool, dest, carry_kv, carry_gate, prev, carry_rows, page_kv,
+        page_gate, snap_page, live,
+    )  # fmt: skip
+
+
+def compress_windows_with(entries: Callable[..., Any]) -> Callable[..., tuple]:
+    """``compress_windows`` (same signature and results) whose entries are stored by ``entries``,
+    a backend's ``compress_entries``, after the reference's staging: for a backend that fuses
+    the entries but not the staging."""
+
+    def compress_windows_via(*args: Any, **kwargs: Any) -> tuple:
+        return _windows_step(entries, *args, **kwargs)
+
+    return compress_windows_via
+
+
+def _windows_step(
+    entries, kv, gate, buf_kv, buf_gate, bias, windows, buf_rows, norm_weight, eps, positions,
+    inv_freq, rope_scale, pool, dest, carry_kv=None, carry_gate=None, prev=None, carry_rows=None,
+    page_kv=None, page_gate=None, snap_page=None, live=None,
+) -> tuple:  # fmt: skip
+    """The reference's sequence (see :func:`compress_windows`), the entries by ``entries``."""
     overlap = carry_kv is not None
     if windows.shape[0]:  # zero: no window closes (an unpadded step), or no tokens
         stage_kv = torch.nn.functional.embedding(windows, torch.cat([buf_kv, kv]))  # [M, r, C]
@@ -246,7 +299,7 @@ def compress_windows(
         else:
             win_kv, win_gate = stage_kv, stage_gate
         args = (win_kv, win_gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live)
-        compress_entries(*args)
+        entries(*args)
         if overlap:
             for state, page, staged in ((carry_kv, page_kv, stage_kv), (carry_gate, page_gate, stage_gate)):
                 cache_write(state, carry_rows, staged[..., :d])

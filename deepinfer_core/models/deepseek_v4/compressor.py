@@ -130,4 +130,3 @@ class Compressor:
             live=plan.live,  # padding windows may be skipped
         )
         return pool
-

@@ -13,6 +13,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl, all_ops
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.compressor import compress_windows_with
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_core.ops.registry import is_extension
 
@@ -25,6 +26,7 @@ PROVIDED_OPS = (
     "sparse_attention",
     "apply_rope",
     "compress_entries",
+    "compress_windows",
     "indexer_topk",
 )
 _NO_INDEX = torch.empty(0, dtype=torch.int64)
@@ -133,6 +135,15 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
             return f"pool has strides {pool.stride()}: the cpu kernel writes [N, D] rows of contiguous values"
         return _refusal({"kv": kv, "gate": gate, "norm_weight": norm_weight, "inv_freq": inv_freq})
 
+    compress_windows = compress_windows_with(compress_entries)  # the reference's staging, then ours
+
+    def compress_windows_supports(kv, gate, buf_kv, buf_gate, bias, windows, buf_rows, norm_weight, eps,
+                                  positions, inv_freq, rope_scale, pool, dest, **state):  # fmt: skip
+        # the staged windows are float32 when kv is; the gate is widened to float32 by the bias add
+        return compress_entries_supports(
+            kv, bias, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest
+        )
+
     def indexer_topk(q, weights, key_pool, candidates, k, scale):
         args = _index_args(candidates)
         return ext.indexer_topk(q, weights, key_pool, *args, k, scale, batch_invariant_enabled())
@@ -159,5 +170,6 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
         "sparse_attention": OpImpl(fn=sparse_attention, supports=sparse_attention_supports),
         "apply_rope": OpImpl(fn=apply_rope, supports=apply_rope_supports),
         "compress_entries": OpImpl(fn=compress_entries, supports=compress_entries_supports),
+        "compress_windows": OpImpl(fn=compress_windows, supports=compress_windows_supports),
         "indexer_topk": OpImpl(fn=indexer_topk, supports=indexer_topk_supports),
     }

@@ -9,6 +9,7 @@ import torch
 
 from deepinfer_core.ops._cases import randn
 from deepinfer_core.ops.attention import PagedIndex
+from deepinfer_core.ops.compressor import window_case
 
 
 def _strided(x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +128,15 @@ def compress_entries_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple
     return [case(16, 8, True), case(4, 16, False), case(0, 8, False)]
 
 
+def compress_windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    """The tiny model's compressor steps: CSA (windows of 4 rows, carries, page snapshots) at a
+    16-request decode step, HCA (16 rows)."""
+    return [
+        window_case(g, dtype, 16, 16, 4, 32, True, rope_dim=8),
+        window_case(g, dtype, 16, 4, 16, 32, False, rope_dim=8),
+    ]
+
+
 def indexer_topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     """The tiny model's indexer (64 queries, 8 heads of 16, top 4) over paged entries and
     explicit lists with unused slots, candidates that repeat a key (tied scores: the earlier
@@ -152,5 +162,6 @@ OWN_CASES = {
     "sparse_attention": sparse_attention_cases,
     "apply_rope": apply_rope_cases,
     "compress_entries": compress_entries_cases,
+    "compress_windows": compress_windows_cases,
     "indexer_topk": indexer_topk_cases,
 }

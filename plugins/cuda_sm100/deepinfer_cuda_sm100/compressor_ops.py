@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer_core.ops import OpImpl
-from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
+from deepinfer_core.ops.compressor import window_case
+from deepinfer_core.ops.kv_format import PackedKVPool
 from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
 
 Verdict = bool | str
@@ -49,76 +50,6 @@ V4_FLASH_WINDOWS = WindowShapes(head_dim=512, index_dim=128, rope_dim=64, csa=4,
 """GPU cases: V4-Flash's entries (512 wide, indexer keys 128; ratios 4 and 128)."""
 SMALL_WINDOWS = WindowShapes(head_dim=64, index_dim=32, rope_dim=16, csa=4, hca=16, tokens=(3, 9))
 """Interpreter cases: narrower entries, fewer windows."""
-
-
-def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32, scale: float = 1.0):
-    return (torch.randn(*shape, generator=g) * scale).to(dtype)
-
-
-def window_case(
-    g: torch.Generator,
-    dtype: torch.dtype,
-    tokens: int,
-    windows: int,
-    ratio: int,
-    dim: int,
-    overlap: bool,
-    *,
-    rope_dim: int,
-    snap: bool = True,
-    strided: bool = True,
-    fp8_pool: bool = False,
-) -> tuple[tuple, dict]:
-    """One ``compress_windows`` call: ``windows`` windows of ``ratio`` rows over slot buffers of
-    ``tokens + 1`` slots and the step's ``tokens`` rows; the state rows written are distinct
-    and many are also read (the buffer rows the windows read, the carries ``prev`` picks)."""
-    c = (2 if overlap else 1) * dim
-    slots = tokens + 1
-    nbuf, n = slots * ratio, windows + 5
-    if strided:  # kv and gate: views of one fused projection, as the attention block makes them
-        fused = _randn(g, tokens, 2 * c + 16, dtype=dtype)
-        kv, gate = fused[:, 16 : 16 + c], fused[:, 16 + c :]
-    else:
-        kv, gate = _randn(g, tokens, c, dtype=dtype), _randn(g, tokens, c, dtype=dtype, scale=2.0)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, rope_dim, 2).float() / rope_dim))
-    pool = _randn(g, n, dim, dtype=dtype)
-    if fp8_pool:  # (dim - rope_dim: a multiple of 64)
-        pool = Fp8KVPool.from_values(pool, rope_dim)
-    args = (
-        kv,
-        gate,
-        _randn(g, nbuf, c, dtype=dtype),
-        _randn(g, nbuf, c, dtype=dtype, scale=2.0),
-        _randn(g, ratio, c, scale=0.5),
-        torch.randint(0, nbuf + tokens, (windows, ratio), generator=g),
-        torch.randperm(nbuf, generator=g)[:tokens],
-        1 + _randn(g, dim, scale=0.1),
-        1e-6,
-        torch.randint(0, 65536 // ratio, (windows,), generator=g) * ratio,
-        inv,
-        1.0,
-        pool,
-        torch.randperm(n, generator=g)[:windows],
-    )
-    kwargs: dict = {}
-    if overlap:
-        carries = slots
-        prev = torch.randint(0, carries + windows + 1, (windows,), generator=g)
-        prev[:1] = carries + windows  # the first window of a sequence: no previous half
-        kwargs = dict(
-            carry_kv=_randn(g, carries, ratio, dim, dtype=dtype),
-            carry_gate=_randn(g, carries, ratio, dim, scale=2.0),
-            prev=prev,
-            carry_rows=torch.randperm(carries, generator=g)[:windows],
-        )
-        if snap:
-            pages = windows + 3
-            kwargs |= dict(
-                page_kv=_randn(g, pages, ratio, dim, dtype=dtype),
-                page_gate=_randn(g, pages, ratio, dim),
-                snap_page=torch.randperm(pages, generator=g)[:windows],
-            )
-    return args, kwargs
 
 
 def window_cases(s: WindowShapes):

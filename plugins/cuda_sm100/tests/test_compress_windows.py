@@ -188,8 +188,10 @@ def test_kernels_compile_for_the_gpu(arch, monkeypatch):
 
     if compile_problem() is not None:
         pytest.skip(compile_problem())
-    from deepinfer_cuda_sm100.compressor_ops import V4_FLASH_WINDOWS, window_case
+    from deepinfer_cuda_sm100.compressor_ops import V4_FLASH_WINDOWS
     from deepinfer_cuda_sm100.kernels import compressor_windows as kw
+
+    from deepinfer_core.ops.compressor import window_case
 
     launches = []
 
