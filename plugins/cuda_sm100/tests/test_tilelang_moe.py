@@ -174,15 +174,27 @@ def test_decode_source_embeds_the_emulated_ptx():
 @pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 @pytest.mark.parametrize("tokens", [1, 16, 64, 256, 4096])
 def test_launch_plan_covers_every_feature_and_tile(tokens, consumers):
-    from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows
+    from deepinfer_cuda_sm100.kernels.moe import tile_count
 
     plan = tlm.launch_plan(tokens, 6, 256, 4096, 2048, consumers)
-    bm = tile_rows(tokens * 6, 256, False)
+    bm = tlm.tile_height(tokens * 6, 256)
     assert plan["block_m"] == bm and plan["tiles"] == tile_count(tokens * 6, 256, bm)
     # 64 features a consumer warpgroup, their gate and up rows
     assert plan["gate_up_grid"] == (2048 // (64 * consumers), plan["tiles"])
     assert plan["down_grid"][0] * 128 * consumers == 4096  # 128 model features a warpgroup
     assert bm in (16, 32, 64)  # the wgmma N of the token side
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "height"),
+    [(1, 256, 16), (256, 256, 16), (128, 64, 16), (256, 64, 32), (512, 64, 32), (8192, 256, 64)],
+)
+def test_tile_height_takes_32_rows_from_one_and_a_half_tiles_an_expert(tokens, experts, height):
+    from deepinfer_cuda_sm100.kernels.moe import tile_rows
+
+    assert tlm.tile_height(tokens * 6, experts) == height
+    if height != 32:
+        assert height == tile_rows(tokens * 6, experts, False)  # elsewhere the Triton path's rows
 
 
 def test_the_wide_variant_names_the_widths_and_variants_it_refuses():
