@@ -19,6 +19,7 @@ import torch
 from ._cases import randn
 from .attention import compress_pool
 from .cache import cache_write
+from .kv_format import Fp8KVPool
 from .norm import rms_norm
 from .registry import define_op
 from .rope import apply_rope, rope_cos_sin
@@ -129,8 +130,6 @@ def window_case(
     are distinct and many are also read (the buffer rows the windows read, the carries ``prev``
     picks).  ``strided``: ``kv`` and ``gate`` are views of one fused projection, as the attention
     block makes them; ``fp8_pool``: a packed pool (``dim - rope_dim`` a multiple of 64)."""
-    from .kv_format import Fp8KVPool
-
     c = (2 if overlap else 1) * dim
     slots = tokens + 1
     nbuf, n = slots * ratio, windows + 5

@@ -22,6 +22,7 @@ from .compressor import Compressor
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .fused import FusedProjection
 from .metadata import StepMetadata
+from .rope import inverse
 
 
 class Attention:
@@ -107,9 +108,10 @@ class Attention:
         q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
         q = ops.rms_norm(ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim), None, self.eps)
         kv = ops.rms_norm(kv, self.kv_norm, self.eps)
-        # one rotation for the queries and the shared key
-        qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
-        q, kv = qkv[:, : self.heads], qkv[:, self.heads]
+        # the queries and the shared key rotated apart: as many launches as one rotation of
+        # their concatenation, without copying the queries twice (the queries stay contiguous)
+        q = ops.apply_rope(q, cos, sin)
+        kv = ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
         queries = md  # the per-query plans (window rows, visible entries) of the rows of x
         if md.cp is not None:
             kv, comp = self._gather_rows(md, kv, comp)
@@ -140,7 +142,7 @@ class Attention:
             idx.append(cand)
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
         ops.cache_write(ring, md.ring_rows, kv)
-        out = ops.apply_rope(out, cos, -sin)
+        out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         return ops.linear(out, self.wo_b)

@@ -37,3 +37,14 @@ def inv_freq(cfg: DeepseekV4Config, family: str) -> tuple[torch.Tensor, float]:
     extrapolation = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv, float(scale)
+
+
+def inverse(rope: dict, family: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, -sin)`` of ``family`` in a step's rope tables ``rope`` (``{family: (cos, sin)}``):
+    the rotation back, made once a step (on first use) and kept in ``rope`` for the other
+    layers."""
+    key = (family, "inverse")
+    if key not in rope:
+        cos, sin = rope[family]
+        rope[key] = (cos, -sin)
+    return rope[key]

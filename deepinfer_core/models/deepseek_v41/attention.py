@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, RingSpec, SlotStateSpec
 from deepinfer_core.models.deepseek_v4.fused import FusedProjection
 from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
+from deepinfer_core.models.deepseek_v4.rope import inverse
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import PackedKVPool
 from deepinfer_core.weights.quant import Weight
@@ -103,8 +104,8 @@ class Attention:
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
         kv = ops.rms_norm(part["kv"], self.kv_norm, self.eps)
         cos, sin = rope[self.rope_family]
-        qkv = ops.apply_rope(torch.cat([q, kv.unsqueeze(1)], dim=1), cos, sin)
-        q, key = qkv[:, : self.heads], qkv[:, self.heads]
+        q = ops.apply_rope(q, cos, sin)  # apart from the key: no copy of the queries
+        key = ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
         kv = qdq(key, *WINDOW_KV_FORMAT)  # this step's rows, as the ring gives them back
         ring = cache.get(self.layer, "window")
         pools: list[Any] = [ring, kv]
@@ -118,7 +119,7 @@ class Attention:
             idx.append(shared["picks"])
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
         ops.cache_write(ring, md.v4.ring_rows, key if isinstance(ring, PackedKVPool) else kv)
-        out = ops.apply_rope(out, cos, -sin)
+        out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         return ops.linear(out, self.wo_b)
