@@ -56,6 +56,7 @@ KINDS: tuple[tuple[str, str], ...] = (
     ("attention", r"sparse_attention|attention|_attn|flash"),
     ("moe", r"moe|gate_up|_down_kernel|grouped|route|expert"),
     ("indexer", r"indexer|topk|radix|_select"),
+    ("compressor", r"compress"),
     ("fp8 gemm", r"fp8|scaled_mm|dequant|w8a"),
     ("dense gemm", r"gemm|cutlass|xmma|nvjet|cublas|addmm|::mm\b|::bmm\b|matmul|linear"),
     ("mhc / norm / rope", r"hc_|sinkhorn|rms|norm|rope|rotary"),

@@ -202,7 +202,7 @@ def test_kernels_compile_for_the_gpu(arch, monkeypatch):
 
         return _Recorder()
 
-    for name in ("_windows_kernel", "_carry_kernel", "_buffer_kernel"):
+    for name in ("_compress_windows_kernel", "_compress_carry_kernel", "_compress_buffer_kernel"):
         monkeypatch.setattr(kw, name, recorder(getattr(kw, name)))
     g, s = torch.Generator().manual_seed(0), V4_FLASH_WINDOWS
     for ratio, overlap in ((s.csa, True), (s.hca, False)):

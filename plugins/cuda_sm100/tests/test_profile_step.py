@@ -30,6 +30,8 @@ def _module():
         ("_gate_up_kernel", "moe"),
         ("moe_topk_gate_forward", "moe"),
         ("_indexer_topk_select", "indexer"),
+        ("_compress_windows_kernel", "compressor"),
+        ("_compress_entries_kernel", "compressor"),
         ("_fp8_gemm_decode_kernel", "fp8 gemm"),
         ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense gemm"),
         ("aten::mm", "dense gemm"),

@@ -6,14 +6,14 @@ the step's rows and gathered per window, the gate's bias, the previous halves ga
 the carries, the carry and page-snapshot writes) before the entry op.  Here each kernel reads
 the rows where they are:
 
-1. :func:`_windows_kernel`, a program per window: :func:`~.compressor.entry` (pooling, norm,
+1. :func:`_compress_windows_kernel`, a program per window: :func:`~.compressor.entry` (pooling, norm,
    rope, store: the code of ``compress_entries``, so the entries are its bits) with a loader
    (:func:`_window_rows`) that takes each of the window's rows from the buffer, the step's
    rows or the carries, adds the bias, and gives an empty previous half zero values and
    ``-inf`` gates;
-2. :func:`_carry_kernel` (CSA's overlap), a program per window: its first half (bias added)
+2. :func:`_compress_carry_kernel` (CSA's overlap), a program per window: its first half (bias added)
    into its carry row and page snapshot;
-3. :func:`_buffer_kernel`, a program per token: its rows into the buffers.
+3. :func:`_compress_buffer_kernel`, a program per token: its rows into the buffers.
 
 The launches run in that order because each reads state the next one writes (a carry the
 window reads may be the one it saves; a buffer row a window reads may be the one a later token
@@ -91,7 +91,7 @@ def _window_rows(src, row0, rows, cols, col_ok, L, GATE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["live_n", "n_carries", "m_total"])
-def _windows_kernel(
+def _compress_windows_kernel(
     kv, gate, buf_kv, buf_gate, carry_kv, carry_gate, bias, windows, prev_ptr,
     w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, live_ptr, live_n,
     s_step, s_buf, nbuf, n_carries, m_total, R, D, HALF, stride_pool, eps, rope_scale, overlap,
@@ -115,7 +115,7 @@ def _windows_kernel(
 
 
 @triton.jit(do_not_specialize=["live_n"])
-def _carry_kernel(
+def _compress_carry_kernel(
     kv, gate, buf_kv, buf_gate, bias, windows, carry_rows, carry_kv, carry_gate,
     snap_page, page_kv, page_gate, live_ptr, live_n, s_step, s_buf, nbuf,
     R: tl.constexpr, D: tl.constexpr, SNAP: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr,
@@ -147,7 +147,9 @@ def _carry_kernel(
 
 
 @triton.jit
-def _buffer_kernel(kv, gate, buf_kv, buf_gate, buf_rows, s_step, s_buf, C: tl.constexpr, BLOCK: tl.constexpr):
+def _compress_buffer_kernel(
+    kv, gate, buf_kv, buf_gate, buf_rows, s_step, s_buf, C: tl.constexpr, BLOCK: tl.constexpr
+):
     """Token ``t``'s kv and gate rows into buffer row ``buf_rows[t]``."""
     t = tl.program_id(0).to(tl.int64)
     dst = tl.load(buf_rows + t).to(tl.int64) * s_buf
@@ -207,7 +209,7 @@ def compress_windows(
         out = torch.empty(m, d, dtype=kv.dtype, device=kv.device) if packed else pool
         block_l, block_p, tiles = block_sizes(2 * r if overlap else r, d)
         cg = carry_gate if overlap else bias  # (not read without overlap)
-        _windows_kernel[(m,)](
+        _compress_windows_kernel[(m,)](
             kv,
             gate,
             buf_kv,
@@ -248,7 +250,7 @@ def compress_windows(
             cache_write(pool, dest, out)
         if overlap:
             snap = snap_page is not None
-            _carry_kernel[(m,)](
+            _compress_carry_kernel[(m,)](
                 kv, gate, buf_kv, buf_gate, bias, windows, carry_rows, carry_kv, carry_gate,
                 snap_page if snap else carry_rows, page_kv if snap else carry_kv,
                 page_gate if snap else carry_gate, live_arg, m, kv.stride(0), buf_kv.stride(0),
@@ -256,7 +258,7 @@ def compress_windows(
             )  # fmt: skip
     if t:
         block = min(_COPY_BLOCK, pow2(c))
-        _buffer_kernel[(t,)](
+        _compress_buffer_kernel[(t,)](
             kv, gate, buf_kv, buf_gate, buf_rows, kv.stride(0), buf_kv.stride(0), c, BLOCK=block
         )
     return pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate
