@@ -131,7 +131,7 @@ def window_case(
     picks).  ``strided``: ``kv`` and ``gate`` are views of one fused projection, as the attention
     block makes them; ``fp8_pool``: a packed pool (``dim - rope_dim`` a multiple of 64)."""
     c = (2 if overlap else 1) * dim
-    slots = tokens + 1
+    slots = max(tokens, windows) + 1  # (a carry row per window at least)
     nbuf, n = slots * ratio, windows + 5
     if strided:
         fused = randn(g, tokens, 2 * c + 16, dtype=dtype)
@@ -250,7 +250,8 @@ def compress_windows(
             ``None`` (no snapshot this step).
 
     Write targets are distinct except the trash slot's / page's rows (as ``cache_write``);
-    with ``live``, the padding windows' writes (all to trash rows) may be skipped.
+    with ``live``, the padding windows' writes (all to trash rows, which nothing reads) may be
+    skipped or hold other values.
 
     Returns:
         ``(pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate)``, written in place

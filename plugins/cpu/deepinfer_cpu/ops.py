@@ -133,6 +133,9 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
             return verdict
         if pool.dim() != 2 or pool.stride(1) != 1:
             return f"pool has strides {pool.stride()}: the cpu kernel writes [N, D] rows of contiguous values"
+        for name, t in (("positions", positions), ("dest", dest)):
+            if t.dtype != torch.int64:
+                return f"{name} is {t.dtype}: the cpu kernel takes int64 rows and positions"
         return _refusal({"kv": kv, "gate": gate, "norm_weight": norm_weight, "inv_freq": inv_freq})
 
     compress_windows = compress_windows_with(compress_entries)  # the reference's staging, then ours

@@ -96,6 +96,15 @@ def test_other_dtypes_are_refused_and_run_on_the_reference(name, dtype, cpu_ops)
 
 
 @needs_backend
+@pytest.mark.parametrize(("name", "position"), [("compress_entries", 4), ("compress_windows", 9)])
+def test_int32_positions_are_refused_before_the_kernel(name, position, cpu_ops):
+    args, kwargs = get_op(name).sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
+    args = (*args[:position], args[position].to(torch.int32), *args[position + 1 :])
+    verdict = cpu_ops[name].supports(*args, **kwargs)
+    assert isinstance(verdict, str) and "positions" in verdict and "int64" in verdict
+
+
+@needs_backend
 def test_auto_picks_the_cpu_backend_and_every_core_op_resolves_without_fallback_warnings(caplog):
     with caplog.at_level("WARNING", logger="deepinfer.ops"):
         spec, ops = resolve_backend("auto", strict_ops=True)

@@ -110,7 +110,6 @@ def make_supports(interpreted: bool):
             (kv.dtype in FLOAT_DTYPES, f"kv dtype {kv.dtype} is not one of float32, bfloat16, float16"),
             *((x.dtype == kv.dtype, f"{n} dtype {x.dtype} differs from kv's {kv.dtype}") for n, x in state),
             (tuple(gate.shape) == (t, c), f"gate has shape {tuple(gate.shape)}, expected {(t, c)}"),
-            (kv.stride(0) == gate.stride(0), "kv and gate have different row strides"),
             _rows_of("buf_kv", buf_kv, c),
             _rows_of("buf_gate", buf_gate, c),
             (bias.dtype == torch.float32 and tuple(bias.shape) == (r, c), f"bias is not [{r}, {c}] float32"),
@@ -130,6 +129,7 @@ def make_supports(interpreted: bool):
             for n, x in (("carry_kv", carry_kv), ("carry_gate", carry_gate), ("page_kv", page_kv)):
                 checks.append(_carries(n, x, r, d))
             checks += [
+                (prev is not None and carry_rows is not None, "carries given without prev and carry_rows"),
                 _carries("page_gate", page_gate, r, d),
                 (carry_gate is not None and carry_gate.dtype == torch.float32, "carry_gate is not float32"),
                 (carry_kv.dtype == kv.dtype, f"carry_kv dtype {carry_kv.dtype} differs from kv's"),

@@ -123,6 +123,37 @@ def padding_problems(shapes, dtype: torch.dtype, device: str) -> list[str]:
     return problems
 
 
+def layout_problems(shapes, dtype: torch.dtype, device: str) -> list[str]:
+    """Index tensors and ``bias`` as non-contiguous views, ``kv`` with a channel stride: the same
+    bits as the contiguous call."""
+    fn, problems = _impl().fn, []
+    call = _cases(shapes, dtype, device)[0]  # CSA: carries and snapshots
+
+    def view(x: torch.Tensor) -> torch.Tensor:  # the same values, every other element of a wider one
+        wide = torch.zeros(*x.shape[:-1], 2 * x.shape[-1], dtype=x.dtype, device=x.device)
+        wide[..., ::2] = x
+        return wide[..., ::2]
+
+    want = fn(*_copy(call)[0], **_copy(call)[1])
+    for k, name in enumerate(
+        ("bias", "windows", "buf_rows", "dest", "kv", "prev", "carry_rows", "snap_page")
+    ):
+        args, kwargs = _copy(call)
+        position = {"bias": 4, "windows": 5, "buf_rows": 6, "dest": 13, "kv": 0}.get(name)
+        if position is None:
+            kwargs[name] = view(kwargs[name])
+        else:
+            args = (*args[:position], view(args[position]), *args[position + 1 :])
+        if _impl().supports(*args, **kwargs) is not True:
+            problems.append(f"{name} as a view: refused")
+            continue
+        got = fn(*args, **kwargs)
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            if a is not None and not torch.equal(a, b):
+                problems.append(f"{name} as a view: output {i} differs")
+    return problems
+
+
 def interpreter_report() -> dict:
     """Every interpreter check, as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -135,6 +166,7 @@ def interpreter_report() -> dict:
         SMALL_WINDOWS, torch.bfloat16, "cpu"
     )
     report["padding"] = padding_problems(SMALL_WINDOWS, torch.bfloat16, "cpu")
+    report["layouts"] = layout_problems(SMALL_WINDOWS, torch.bfloat16, "cpu")
     return report
 
 
@@ -165,6 +197,11 @@ def test_interpreter_padding_windows_are_skipped(report):
     assert not report["padding"], "\n".join(report["padding"])
 
 
+@slow
+def test_interpreter_views_give_the_same_bits(report):
+    assert not report["layouts"], "\n".join(report["layouts"])
+
+
 def test_supports_names_the_culprit():
     from deepinfer_cuda_sm100.compressor_ops import SMALL_WINDOWS, make_supports, window_cases
 
@@ -176,6 +213,7 @@ def test_supports_names_the_culprit():
     assert "bias" in supports(*bad, **kwargs)
     assert "carry_gate" in supports(*args, **{**kwargs, "carry_gate": kwargs["carry_gate"].bfloat16()})
     assert "snapshots" in supports(*args, **{**kwargs, "snap_page": None})
+    assert "prev" in supports(*args, **{**kwargs, "prev": None})
     assert "on cuda" in make_supports(interpreted=False)(*args, **kwargs)
 
 
@@ -230,6 +268,7 @@ def test_gpu_conformance_bits_and_padding():
     for dtype in (torch.float32, torch.bfloat16):
         problems += bit_problems(V4_FLASH_WINDOWS, dtype, "cuda")
     problems += padding_problems(V4_FLASH_WINDOWS, torch.bfloat16, "cuda")
+    problems += layout_problems(V4_FLASH_WINDOWS, torch.bfloat16, "cuda")
     assert not problems, "\n".join(problems)
 
 

@@ -193,11 +193,16 @@ def compress_windows(
     live: torch.Tensor | None = None,
 ) -> tuple:
     """Triton ``compress_windows``: same signature and results as the reference (see the module
-    docstring).  ``kv`` / ``gate`` ``[T, C]`` and the buffers ``[B, C]`` share a row stride each
-    (the buffers contiguous, ``kv`` and ``gate`` the same strided view layout); carries, pages,
-    bias contiguous."""
+    docstring).  The buffers ``[B, C]``, carries and pages contiguous (as the slot state is);
+    ``kv`` / ``gate`` ``[T, C]`` any row stride (views of a fused projection: no copy when they
+    share it), index tensors and ``bias`` any layout (copied where not contiguous)."""
     kv, gate = _rows(kv), _rows(gate)
-    assert kv.stride(0) == gate.stride(0) and buf_kv.stride(0) == buf_gate.stride(0)
+    if kv.stride(0) != gate.stride(0):  # the kernels take one row stride for both
+        kv, gate = kv.contiguous(), gate.contiguous()
+    bias, windows, buf_rows, dest = (x.contiguous() for x in (bias, windows, buf_rows, dest))
+    prev, carry_rows, snap_page, live = (
+        None if x is None else x.contiguous() for x in (prev, carry_rows, snap_page, live)
+    )
     m, r = windows.shape
     t, c = kv.shape
     overlap = carry_kv is not None
