@@ -135,9 +135,7 @@ def layout_problems(shapes, dtype: torch.dtype, device: str) -> list[str]:
         return wide[..., ::2]
 
     want = fn(*_copy(call)[0], **_copy(call)[1])
-    for k, name in enumerate(
-        ("bias", "windows", "buf_rows", "dest", "kv", "prev", "carry_rows", "snap_page")
-    ):
+    for name in ("bias", "windows", "buf_rows", "dest", "kv", "prev", "carry_rows", "snap_page"):
         args, kwargs = _copy(call)
         position = {"bias": 4, "windows": 5, "buf_rows": 6, "dest": 13, "kv": 0}.get(name)
         if position is None:
