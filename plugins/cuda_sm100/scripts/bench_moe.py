@@ -30,7 +30,8 @@ repository root).
 
 ``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
 ring (the result is the same at any depth) and prints each, to retune
-``tl.moe.STAGES``.
+``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
+any height), to check ``tl.moe.tile_height``.
 
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) of each
 token count into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
@@ -110,6 +111,7 @@ def main() -> None:
         help="the FP4 scales' storage (ue8m0: the release's; fp32: a checkpoint written with float scales)",
     )
     parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
+    parser.add_argument("--heights", default="", help="TileLang tile heights to sweep (e.g. 16,32,64)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -126,6 +128,7 @@ def main() -> None:
     wide_problem = tl_problem
     if tl_problem is None:
         from deepinfer_cuda_sm100.tl.moe import moe_experts as tilelang_moe
+        from deepinfer_cuda_sm100.tl.moe import tile_height
         from deepinfer_cuda_sm100.tl.moe import wide_problem as tl_wide_problem
 
         wide_problem = tl_wide_problem(d, i)
@@ -186,18 +189,20 @@ def main() -> None:
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
                 with using_moe_math("fp8"):
                     times["triton_fp4_fp8math"] = time_graph(fn, args.calls_per_graph, args.replays)
-        sweep = [int(v) for v in args.stages.split(",") if v] if tl_problem is None else []
-        for consumers, stages in [(c, n) for c in (1, 2) for n in sweep if c == 1 or wide_problem is None]:
+        sweep = [("stages", int(v)) for v in args.stages.split(",") if v]
+        sweep += [("block_m", int(v)) for v in args.heights.split(",") if v]
+        variants = [c for c in (1, 2) if c == 1 or wide_problem is None] if tl_problem is None else []
+        for consumers, (knob, value) in [(c, kv) for c in variants for kv in sweep]:
             us = time_graph(
-                lambda j, routes=routes, x=x, c=consumers, n=stages: tilelang_moe(
-                    x, *routes[j], gate_up, down, LIMIT, consumers=c, stages=n
+                lambda j, routes=routes, x=x, c=consumers, kw={knob: value}: tilelang_moe(
+                    x, *routes[j], gate_up, down, LIMIT, consumers=c, **kw
                 ),
                 args.calls_per_graph,
                 args.replays,
             )
             tb = distinct * fp4_expert_bytes / (us * 1e-6) / 1e12
-            tuned.append({"T": t, "consumers": consumers, "stages": stages, "us": us, "weight_TBps": tb})
-            print(f"    tune T={t} consumers={consumers} stages={stages}: {us:.1f} us, {tb:.2f} TB/s")
+            tuned.append({"T": t, "consumers": consumers, knob: value, "us": us, "weight_TBps": tb})
+            print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s")
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
         err, rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
         fp8_err = fp8_rms = None
@@ -222,6 +227,7 @@ def main() -> None:
             "T": t,
             "distinct_experts": distinct,
             "tile_rows": bm,
+            "tilelang_tile_rows": tile_height(t * k, e) if tl_problem is None else None,
             "tiles": tile_count(t * k, e, bm),
             **{f"{name}_us": v for name, v in times.items()},
             "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),

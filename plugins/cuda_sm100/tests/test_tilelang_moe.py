@@ -197,6 +197,15 @@ def test_tile_height_takes_32_rows_from_one_and_a_half_tiles_an_expert(tokens, e
         assert height == tile_rows(tokens * 6, experts, False)  # elsewhere the Triton path's rows
 
 
+def test_launch_plan_takes_a_given_tile_height_and_names_a_wrong_one():
+    from deepinfer_cuda_sm100.kernels.moe import tile_count
+
+    plan = tlm.launch_plan(256, 6, 64, 4096, 2048, 2, block_m=16)
+    assert plan["block_m"] == 16 and plan["tiles"] == tile_count(256 * 6, 64, 16)
+    with pytest.raises(ValueError, match="block_m=24"):
+        tlm.launch_plan(256, 6, 64, 4096, 2048, 2, block_m=24)
+
+
 def test_the_wide_variant_names_the_widths_and_variants_it_refuses():
     assert tlm.wide_problem(4096, 2048) is None
     assert "multiple of 256" in tlm.wide_problem(384, 2048)

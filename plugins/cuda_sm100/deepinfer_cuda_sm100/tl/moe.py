@@ -549,9 +549,17 @@ def tile_height(pairs: int, experts: int) -> int:
     return bm
 
 
-def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int, consumers: int = 1) -> dict:
+def launch_plan(
+    tokens: int,
+    top_k: int,
+    experts: int,
+    hidden: int,
+    inter: int,
+    consumers: int = 1,
+    block_m: int | None = None,
+) -> dict:
     """The launches of a call (shapes only, the batch-invariant mode off): ``block_m``
-    (:func:`tile_height`), ``tiles`` (the Triton layout's
+    (:func:`tile_height`, or the given one), ``tiles`` (the Triton layout's
     :func:`~deepinfer_cuda_sm100.kernels.moe.tile_count`) and the two grids, ``(feature
     blocks, tiles)``: gate / up ``inter / (64 consumers)`` blocks of ``64 consumers``
     intermediate features (each with their gate and up rows), down ``hidden / (128
@@ -559,7 +567,9 @@ def launch_plan(tokens: int, top_k: int, experts: int, hidden: int, inter: int, 
     from deepinfer_cuda_sm100.kernels.moe import tile_count
 
     pairs = tokens * top_k
-    bm = tile_height(pairs, experts)
+    bm = tile_height(pairs, experts) if block_m is None else block_m
+    if bm not in WIDE_REGS:
+        raise ValueError(f"block_m={bm}: the TileLang MoE kernels take tiles of {sorted(WIDE_REGS)} rows")
     tiles = tile_count(pairs, experts, bm)
     return {
         "block_m": bm,
@@ -577,13 +587,15 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(
-    x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1, stages: int = STAGES
+    x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1, stages: int = STAGES, block_m=None
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
     says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
     ``consumers``: 1 (one consumer warpgroup a CTA) or 2 (the wide variant, bitwise the same
     result; :func:`wide_problem` says which widths it takes); ``stages``: the shared-memory
-    ring's depth (the same result at any depth; ``bench_moe.py --stages`` sweeps it)."""
+    ring's depth (the same result at any depth; ``bench_moe.py --stages`` sweeps it);
+    ``block_m``: the tile height, 16, 32 or 64 (default :func:`tile_height`; the same result at
+    any height; ``bench_moe.py --heights`` sweeps it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
 
     t, d = x.shape
@@ -594,7 +606,7 @@ def moe_experts(
     problem = wide_problem(d, inter) if consumers != 1 else None
     if problem:
         raise ValueError(problem)
-    plan = launch_plan(t, top_k, experts, d, inter, consumers)
+    plan = launch_plan(t, top_k, experts, d, inter, consumers, block_m)
     bm = plan["block_m"]
     ids = ids if ids.stride(1) == 1 else ids.contiguous()
     tile_expert, slot_pair = triton_moe.sorted_layout(ids, experts, bm)
