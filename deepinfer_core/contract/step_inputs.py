@@ -49,6 +49,9 @@ class StepInputs:
             step closes, and it may leave out work none of its requests needs); ``None`` for a
             padded, fixed-shape step (graphs), whose shapes may depend only on ``num_tokens``
             and ``num_reqs``.
+        decoding: a fixed-shape step whose every request decodes past its prefix-cache
+            boundary (a decode or verify graph's): none replays or resumes, so the plans leave
+            out the prefix hits' carry restores (as an unpadded step that knows it does).
     """
 
     input_ids: torch.Tensor
@@ -60,6 +63,7 @@ class StepInputs:
     num_reqs: int
     max_end: int
     spans: list[tuple[int, int, int]] | None = None
+    decoding: bool = False
 
     def fields(self) -> torch.Tensor:
         """The per-request fields as one ``[len(REQ_FIELDS), R]`` tensor, rows in
@@ -95,16 +99,18 @@ class StepInputs:
 
     def num_replaying(self) -> int | None:
         """How many requests compute positions below their prefix-cache boundary this step
-        (``start < cached``: a prefix hit's replay), or ``None`` for a fixed-shape step."""
+        (``start < cached``: a prefix hit's replay), or ``None`` for a fixed-shape step (0 for a
+        ``decoding`` one)."""
         if self.spans is None:
-            return None
+            return 0 if self.decoding else None
         return sum(start < cached for start, cached, _ in self.spans)
 
     def num_resuming(self) -> int | None:
         """How many requests reach their prefix-cache boundary this step (``start < cached <=
-        end``: state kept per page is restored there), or ``None`` for a fixed-shape step."""
+        end``: state kept per page is restored there), or ``None`` for a fixed-shape step (0
+        for a ``decoding`` one)."""
         if self.spans is None:
-            return None
+            return 0 if self.decoding else None
         return sum(start < cached <= end for start, cached, end in self.spans)
 
 
@@ -150,13 +156,19 @@ class StepInputBuffers:
         num_reqs: int | None = None,
         max_end: int | None = None,
         block_tables: bool = True,
+        decoding: bool = False,
     ) -> StepInputs:
         """Pack ``chunks`` (and padding up to ``num_tokens``/``num_reqs``) and send them.
 
         ``max_end`` overrides the bound on positions (CUDA graphs use ``max_model_len``).
         ``block_tables=False``: the step reads no page (a DSpark block), so the chunks' block
-        tables are ignored and the device's are left as they are.
+        tables are ignored and the device's are left as they are.  ``decoding``: a fixed-shape
+        step none of whose chunks starts below its prefix-cache boundary (see
+        :class:`StepInputs`); a chunk that does is refused.
         """
+        stale = [c.seq_slot for c in chunks if c.start_pos < c.cached_until]
+        if decoding and stale:
+            raise ValueError(f"a decoding step's chunks start below their cached boundary (slots {stale})")
         lens = [len(c.token_ids) for c in chunks]
         real_t = sum(lens)
         t = real_t if num_tokens is None else num_tokens
@@ -214,6 +226,7 @@ class StepInputBuffers:
             num_reqs=r,
             max_end=max_end,
             spans=spans,
+            decoding=decoding and fixed_shape,
         )
 
     def _update_block_tables(self, chunks: list[SeqChunk]) -> None:

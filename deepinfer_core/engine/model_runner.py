@@ -244,7 +244,7 @@ class ModelRunner:
             t = verify * (1 + self.num_spec_tokens)
             rows = sample_rows(chunks)
             rows += [t - 1] * (t - len(rows))  # fixed shape: padding rows after the real ones
-            self.inputs.prepare(chunks, rows, None, t, verify + 1, self.max_model_len)
+            self._graph_inputs(chunks, rows, None, t, verify + 1)
             return self.graph_manager.replay("verify", verify)[: sum(c.num_logit_rows for c in chunks)]
         bucket = self._graph_bucket(chunks)
         if self._ep_graphs and self.graph_manager.graphs("decode"):  # every EP rank replays one bucket
@@ -252,9 +252,7 @@ class ModelRunner:
         if bucket is not None:
             if prev_tokens is not None:
                 self.prev_buf[: prev_tokens.shape[0]].copy_(prev_tokens)
-            self.inputs.prepare(
-                chunks, list(range(bucket)), self.prev_buf, bucket, bucket + 1, self.max_model_len
-            )
+            self._graph_inputs(chunks, list(range(bucket)), self.prev_buf, bucket, bucket + 1)
             return self.graph_manager.replay("decode", bucket)[: len(chunks)]
         rows = sample_rows(chunks)
         mixed = self._mixed_bucket(chunks, len(rows))
@@ -310,9 +308,7 @@ class ModelRunner:
         if self._ep_graphs and decode:
             bucket = self.graph_manager.agree_bucket("decode", min(decode))
             if bucket is not None:
-                self.inputs.prepare(
-                    [], list(range(bucket)), self.prev_buf, bucket, bucket + 1, self.max_model_len
-                )
+                self._graph_inputs([], list(range(bucket)), self.prev_buf, bucket, bucket + 1)
                 self.graph_manager.replay("decode", bucket)
                 self.ep_graph_stats["dummy"] += 1
                 return
@@ -374,7 +370,7 @@ class ModelRunner:
 
         def make() -> Callable[[], torch.Tensor]:
             prev = self.prev_buf if tokens == 1 else None
-            inputs = self.inputs.prepare([], list(range(n)), prev, n, b + 1, self.max_model_len)
+            inputs = self._graph_inputs([], list(range(n)), prev, n, b + 1)
             # under expert parallelism: the fixed-shape dispatch, n rows a rank (every rank
             # replays the same bucket, GraphManager.agree_bucket), so nothing reads a count on the host
             rows = n if self._ep_graphs else None
@@ -389,6 +385,11 @@ class ModelRunner:
             family, b, n, make, f"batch-{b} " + ("decode" if tokens == 1 else f"{tokens}-token verify")
         )
 
+    def _graph_inputs(self, chunks: list[SeqChunk], rows: list[int], prev, t: int, reqs: int) -> StepInputs:
+        """A decode / verify graph's fixed-shape inputs, ``decoding`` (no prefix-hit restores:
+        the buckets take no chunk starting below its cached boundary)."""
+        return self.inputs.prepare(chunks, rows, prev, t, reqs, self.max_model_len, decoding=True)
+
     def _verify_bucket(self, chunks: list[SeqChunk]) -> int | None:
         """The bucket whose verify graph runs this step, or ``None``: verify graphs run steps
         where every request decodes one token plus at most ``num_spec_tokens`` drafts (and
@@ -397,8 +398,10 @@ class ModelRunner:
         if bucket is None or not any(c.num_draft for c in chunks):
             return None
         if any(
-            c.num_tokens - c.num_draft != 1 or not c.sample or c.all_logits or c.prev_row >= 0 for c in chunks
-        ):
+            c.num_tokens - c.num_draft != 1 or not c.sample or c.all_logits or c.prev_row >= 0
+            or c.start_pos < c.cached_until  # a prefix hit's replay: eager
+            for c in chunks
+        ):  # fmt: skip
             return None
         return bucket
 
@@ -438,9 +441,10 @@ class ModelRunner:
         logger.info("mixed-step graphs captured for %s tokens", ", ".join(map(str, buckets)))
 
     def _graph_bucket(self, chunks: list[SeqChunk]) -> int | None:
-        """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where
-        every request decodes one token and wants only its logits."""
+        """The bucket whose graph runs this step, or ``None`` (eager): graphs run steps where every
+        request decodes one token past its prefix-cache boundary and wants only its logits."""
         bucket = self.graph_manager.bucket("decode", len(chunks))
-        if bucket is None or any(c.num_tokens != 1 or not c.sample or c.all_logits for c in chunks):
-            return None
-        return bucket
+        bad = (
+            c.num_tokens != 1 or not c.sample or c.all_logits or c.start_pos < c.cached_until for c in chunks
+        )
+        return None if bucket is None or any(bad) else bucket

@@ -104,6 +104,41 @@ def test_unpadded_per_token_plans_equal_the_fixed_shape_ones(seed: int, decode: 
         assert torch.equal(e.entries.counts, g.entries.counts)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_decoding_fixed_shape_step_plans_no_restores_and_else_the_same(seed: int):
+    """A decode graph's step (``decoding``: every chunk starts past its cached boundary) leaves
+    out the prefix hits' carry restores, which in such a step all go to the trash slot, and
+    the cached-boundary mask; every other plan is the fixed-shape step's."""
+    chunks = [
+        SeqChunk(c.seq_slot, [5], c.end_pos, c.block_table, cached_until=min(c.cached_until, c.end_pos))
+        for c in _chunks(seed)
+    ]
+    chunks = [c for c in chunks if len(c.block_table) * PAGE > c.end_pos]
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    t = len(chunks) + 1  # a padding token (the pad request's)
+    fixed = bufs.prepare(chunks, [], None, num_tokens=t, num_reqs=t, max_end=PAGES * PAGE)
+    inputs = replace(fixed, decoding=True)
+    assert fixed.num_resuming() is None and inputs.num_resuming() == inputs.num_replaying() == 0
+    plain = build_metadata(fixed, 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    decoding = build_metadata(inputs, 8, [4, 16], PAGE, SLOTS, TRASH_PAGE)
+    for name in ("input_ids", "positions", "window_ring", "window_chunk", "ring_rows", "real_tokens"):
+        assert torch.equal(getattr(plain, name), getattr(decoding, name)), name
+    for r in (4, 16):
+        p, d = plain.plans[r], decoding.plans[r]
+        assert d.restore_rows is None and d.restore_page is None
+        assert bool((p.restore_rows == SLOTS * buffer_windows(r, 0)).all())  # the trash slot's
+        for name in ("windows", "prev", "positions", "dest", "carry_rows", "buf_rows", "snap_page", "live"):
+            assert torch.equal(getattr(p, name), getattr(d, name)), name
+
+
+def test_a_decoding_step_refuses_a_chunk_below_its_cached_boundary():
+    chunk = SeqChunk(0, [5], 3, [0], cached_until=PAGE)
+    bufs = StepInputBuffers(512, SLOTS + 1, SLOTS, PAGES, TRASH_PAGE, "cpu")
+    with pytest.raises(ValueError, match="below their cached boundary"):
+        bufs.prepare([chunk], [], None, num_tokens=2, num_reqs=3, max_end=PAGES * PAGE, decoding=True)
+    assert bufs.prepare([chunk], [], None, num_tokens=2, num_reqs=3, max_end=PAGES * PAGE).decoding is False
+
+
 def test_request_fields_are_one_view_of_the_packed_buffer():
     """``StepInputs.fields()``: the per-request fields as ``[F, R]`` rows, a view of the packed
     device buffer (no copy), and a stacked copy for fields that are not laid out that way."""
