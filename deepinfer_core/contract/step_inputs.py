@@ -166,8 +166,7 @@ class StepInputBuffers:
         step none of whose chunks starts below its prefix-cache boundary (see
         :class:`StepInputs`); a chunk that does is refused.
         """
-        stale = [c.seq_slot for c in chunks if c.start_pos < c.cached_until]
-        if decoding and stale:
+        if decoding and (stale := [c.seq_slot for c in chunks if c.start_pos < c.cached_until]):
             raise ValueError(f"a decoding step's chunks start below their cached boundary (slots {stale})")
         lens = [len(c.token_ids) for c in chunks]
         real_t = sum(lens)
