@@ -6,6 +6,9 @@ from collections.abc import Iterable
 
 import torch
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Activation dtypes the kernels take."""
+
 
 def device_problem(interpreted: bool, named: Iterable[tuple[str, object]]) -> str | None:
     """Why the named arguments are not tensors on one device of the kind the kernels run on
@@ -32,3 +35,19 @@ def device_problem(interpreted: bool, named: Iterable[tuple[str, object]]) -> st
 def is_int_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` holds integers (not floating point, complex or bool)."""
     return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def first_problem(*checks: tuple[bool, str]) -> bool | str:
+    """``True`` if every ``(ok, reason)`` holds, else the first failing reason."""
+    for ok, reason in checks:
+        if not ok:
+            return reason
+    return True
+
+
+def int_vector(name: str, t: torch.Tensor, n: int) -> bool | str:
+    """``True`` if ``t`` is an ``[n]`` integer tensor, else the reason naming it."""
+    return first_problem(
+        (is_int_tensor(t), f"{name} dtype {t.dtype} is not an integer dtype"),
+        (tuple(t.shape) == (n,), f"{name} has shape {tuple(t.shape)}, expected {(n,)}"),
+    )

@@ -20,7 +20,7 @@ import torch
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.ops.compressor import window_case
 from deepinfer_core.ops.kv_format import PackedKVPool
-from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
+from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, int_vector, is_int_tensor
 
 Verdict = bool | str
 Cases = list[tuple[tuple, dict]]
@@ -28,9 +28,9 @@ Cases = list[tuple[tuple, dict]]
 WINDOW_OPS = ("compress_windows",)
 """The ops :func:`compressor_ops` provides."""
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_DIM = 4096
-"""Widest entry (``D``): the row lives in registers (as ``compress_entries``)."""
+MAX_ENTRY_DIM = 4096
+"""Widest compressor entry (``D``) ``compress_entries`` and ``compress_windows`` take: the row
+lives in registers."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,10 @@ def make_supports(interpreted: bool):
             _rows_of("buf_kv", buf_kv, c),
             _rows_of("buf_gate", buf_gate, c),
             (bias.dtype == torch.float32 and tuple(bias.shape) == (r, c), f"bias is not [{r}, {c}] float32"),
-            (d % 2 == 0 and 2 <= d <= MAX_DIM, f"entry width D={d} is not even in [2, {MAX_DIM}]"),
+            (
+                d % 2 == 0 and 2 <= d <= MAX_ENTRY_DIM,
+                f"entry width D={d} is not even in [2, {MAX_ENTRY_DIM}]",
+            ),
             (not overlap or c % 2 == 0, f"kv width {c} is odd: no two series"),
             (1 <= 2 * inv_freq.shape[0] <= d, f"rope width {2 * inv_freq.shape[0]} is not in [2, D={d}]"),
             (norm_weight.shape == (d,), f"norm_weight has shape {tuple(norm_weight.shape)}, expected ({d},)"),
@@ -136,20 +139,22 @@ def make_supports(interpreted: bool):
                 (page_gate is None or page_gate.dtype == torch.float32, "page_gate is not float32"),
                 ((snap_page is None) == (page_kv is None) == (page_gate is None), "snapshots half given"),
             ]
-        for ok, reason in checks:
-            if not ok:
-                return reason
-        ints = [("windows", windows), ("buf_rows", buf_rows), ("positions", positions), ("dest", dest)]
-        optional = (("prev", prev), ("carry_rows", carry_rows), ("snap_page", snap_page), ("live", live))
-        ints += [(n, x) for n, x in optional if x is not None]
-        for n, x in ints:
-            if not is_int_tensor(x):
-                return f"{n} dtype {x.dtype} is not an integer dtype"
-        sizes = [("buf_rows", buf_rows, t), ("positions", positions, m), ("dest", dest, m), ("live", live, 1)]
-        sizes += [("prev", prev, m), ("carry_rows", carry_rows, m), ("snap_page", snap_page, m)]
-        for n, x, k in sizes:
-            if x is not None and tuple(x.shape) != (k,):
-                return f"{n} has shape {tuple(x.shape)}, expected ({k},)"
+        problem = first_problem(*checks)
+        if problem is not True:
+            return problem
+        if not is_int_tensor(windows):
+            return f"windows dtype {windows.dtype} is not an integer dtype"
+        vectors = [
+            ("buf_rows", buf_rows, t),
+            ("positions", positions, m),
+            ("dest", dest, m),
+            ("live", live, 1),
+        ]
+        vectors += [("prev", prev, m), ("carry_rows", carry_rows, m), ("snap_page", snap_page, m)]
+        for n, x, k in vectors:
+            problem = True if x is None else int_vector(n, x, k)
+            if problem is not True:
+                return problem
         return True
 
     return supports

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops import OpImpl
-from deepinfer_cuda_sm100.checks import device_problem, is_int_tensor
-from deepinfer_cuda_sm100.compressor_ops import WINDOW_OPS
+from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, int_vector, is_int_tensor
+from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
@@ -50,28 +50,14 @@ PROVIDED_OPS = (
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-"""Activation dtypes the kernels take."""
-
 MAX_STREAMS = 8
 """Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
-
-MAX_ENTRY_DIM = 4096
-"""Widest compressor entry (``D``) ``compress_entries`` takes: the row lives in registers."""
 
 PLAIN_WEIGHT_REFUSAL = "plain tensor weight: cuBLAS (the reference) runs dense GEMMs"
 """In ``linear``'s reason for a plain-tensor weight (the FP8 kernel takes only quantised ones)."""
 
 
 Verdict = bool | str
-
-
-def _first_problem(*checks: tuple[bool, str]) -> Verdict:
-    """``True`` if every ``(ok, reason)`` holds, else the first failing reason."""
-    for ok, reason in checks:
-        if not ok:
-            return reason
-    return True
 
 
 def _device_checks(interpreted: bool, **tensors: torch.Tensor | None) -> Verdict:
@@ -88,18 +74,13 @@ def _float(name: str, t: torch.Tensor) -> tuple[bool, str]:
     return t.is_floating_point(), f"{name} dtype {t.dtype} is not a floating-point dtype"
 
 
+def _number(name: str, x) -> tuple[bool, str]:
+    ok = isinstance(x, int | float) and not isinstance(x, bool)
+    return ok, f"{name} is a {type(x).__name__}, not a number"
+
+
 def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
     return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
-
-
-def _int_vector(name: str, t: torch.Tensor, n: int) -> Verdict:
-    return _first_problem(
-        (
-            is_int_tensor(t),
-            f"{name} dtype {t.dtype} is not an integer dtype",
-        ),
-        _shape(name, t, (n,)),
-    )
 
 
 def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
@@ -112,13 +93,13 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         checks = [_activation("x", x), (x.dim() >= 1, "x is a 0-dim tensor")]
         if weight is not None and x.dim() >= 1:
             checks += [_float("weight", weight), _shape("weight", weight, (x.shape[-1],))]
-        return _first_problem(*checks)
+        return first_problem(*checks)
 
     def apply_rope(x, cos, sin) -> Verdict:
         dev = _device_checks(interpreted, x=x, cos=cos, sin=sin)
         if dev is not True:
             return dev
-        ok = _first_problem(
+        ok = first_problem(
             _activation("x", x),
             (x.dim() in (2, 3), f"x has {x.dim()} dims, expected [T, D] or [T, H, D]"),
             _float("cos", cos),
@@ -128,7 +109,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         t, half = x.shape[0], cos.shape[1]
-        return _first_problem(
+        return first_problem(
             _shape("cos", cos, (t, half)),
             _shape("sin", sin, (t, half)),
             (half >= 1, "cos has no rotated pair (R = 0)"),
@@ -139,17 +120,14 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         dev = _device_checks(interpreted, positions=positions, inv_freq=inv_freq)
         if dev is not True:
             return dev
-        return _first_problem(
+        return first_problem(
             (
                 is_int_tensor(positions) and positions.dim() == 1,
                 f"positions ({positions.dtype}, {positions.dim()} dims) is not a [T] integer tensor",
             ),
             _float("inv_freq", inv_freq),
             (inv_freq.dim() == 1, f"inv_freq has {inv_freq.dim()} dims, expected [R/2]"),
-            (
-                isinstance(scale, int | float) and not isinstance(scale, bool),
-                f"scale is a {type(scale).__name__}, not a number",
-            ),
+            _number("scale", scale),
             (dtype in FLOAT_DTYPES, f"dtype {dtype} is not one of float32, bfloat16, float16"),
         )
 
@@ -157,21 +135,18 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         dev = _device_checks(interpreted, gate=gate, up=up)
         if dev is not True:
             return dev
-        ok = _first_problem(
+        ok = first_problem(
             _activation("gate", gate),
             (gate.dim() == 2, f"gate has {gate.dim()} dims, expected [T, I]"),
             (up.dtype == gate.dtype, f"up dtype {up.dtype} differs from gate dtype {gate.dtype}"),
-            (
-                isinstance(limit, int | float) and not isinstance(limit, bool),
-                f"limit is a {type(limit).__name__}, not a number",
-            ),
+            _number("limit", limit),
         )
         if ok is not True:
             return ok
-        return _first_problem(_shape("up", up, tuple(gate.shape)))
+        return first_problem(_shape("up", up, tuple(gate.shape)))
 
     def streams_checks(streams) -> Verdict:
-        return _first_problem(
+        return first_problem(
             _activation("streams", streams),
             (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
             (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
@@ -186,7 +161,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return ok
         _, n, d = streams.shape
         m = (2 + n) * n
-        return _first_problem(
+        return first_problem(
             _float("fn", fn),
             _float("base", base),
             _float("scale", scale),
@@ -207,7 +182,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         _, n, d = streams.shape
-        return _first_problem(
+        return first_problem(
             _float("fn", fn),
             _float("base", base),
             _float("scale", scale),
@@ -224,7 +199,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         t, n, d = streams.shape
-        return _first_problem(
+        return first_problem(
             (
                 block_out.dtype == streams.dtype,
                 f"block_out dtype {block_out.dtype} differs from streams dtype {streams.dtype}",
@@ -257,7 +232,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
         if dev is not True:
             return dev
-        ok = _first_problem(
+        ok = first_problem(
             _activation("kv", kv),
             (kv.dim() == 3, f"kv has {kv.dim()} dims, expected [M, L, D]"),
             _activation("pool", pool),
@@ -269,7 +244,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         m, length, d = kv.shape
-        ok = _first_problem(
+        ok = first_problem(
             (gate.dtype == torch.float32, f"gate dtype {gate.dtype} is not float32"),
             _shape("gate", gate, (m, length, d)),
             (length >= 1, "kv has windows of no rows (L = 0)"),
@@ -285,7 +260,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         for name, t, n in (("positions", positions, m), ("dest", dest, m), ("live", live, 1)):
-            ok = True if t is None else _int_vector(name, t, n)
+            ok = True if t is None else int_vector(name, t, n)
             if ok is not True:
                 return ok
         return True
@@ -300,7 +275,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         dev = _device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
         if dev is not True:
             return dev
-        ok = _first_problem(
+        ok = first_problem(
             _activation("x", x),
             (x.dim() >= 1, "x is a 0-dim tensor"),
             (weight.data.dim() == 2, f"weight has {weight.data.dim()} dims, expected [N, K]"),
@@ -309,7 +284,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         n, k = weight.data.shape
-        return _first_problem(
+        return first_problem(
             (x.shape[-1] == k, f"x has {x.shape[-1]} channels, the weight takes K={k}"),
             (x.stride(-1) == 1 or x.shape[-1] <= 1, f"x has channel stride {x.stride(-1)}, expected 1"),
             (k % 16 == 0 and k > 0, f"K={k} is not a positive multiple of 16"),
@@ -328,7 +303,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         rows, groups = weight.data.shape[0], x.shape[1]
-        return _first_problem(
+        return first_problem(
             (groups >= 1 and rows % groups == 0, f"weight rows {rows} do not split into G={groups} groups"),
             (
                 groups >= 1 and (rows // max(groups, 1)) % 128 == 0,
@@ -340,7 +315,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         dev = _device_checks(interpreted, a=a, b=b)
         if dev is not True:
             return dev
-        ok = _first_problem(
+        ok = first_problem(
             _activation("a", a),
             (a.dim() == 3, f"a has {a.dim()} dims, expected [n, R, K]"),
             (b.dim() == 3, f"b has {b.dim()} dims, expected [n, N, K]"),
@@ -348,7 +323,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
         if ok is not True:
             return ok
-        return _first_problem(
+        return first_problem(
             (b.shape[0] == a.shape[0], f"b has {b.shape[0]} items, a has {a.shape[0]}"),
             (b.shape[2] == a.shape[2], f"b has K={b.shape[2]}, a has K={a.shape[2]}"),
         )
