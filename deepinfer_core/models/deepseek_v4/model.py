@@ -24,6 +24,7 @@ from .config import DeepseekV4Config
 from .metadata import StepMetadata, build_metadata, with_context_parallel
 from .moe import MoE
 from .params import MTP_PREFIX
+from .plan_op import plans_op
 from .rope import inv_freq
 
 logger = logging.getLogger("deepinfer.model")
@@ -173,13 +174,29 @@ class DeepseekV4Model:
         ``num_spec_tokens`` must be the value :meth:`cache_specs` was given.  On a rank of a
         context-parallel group, a step holding a long prefill chunk also gets the group's row
         split (:func:`~.metadata.with_context_parallel`)."""
-        md = build_metadata(
-            inputs, self.cfg.sliding_window, self.ratios, page_size, num_slots, trash_page, num_spec_tokens
-        )
+        md = self._plans(inputs, self.ratios, page_size, num_slots, trash_page, num_spec_tokens)
         p = self.parallel
         if p is not None and p.cp_size > 1:
             md = with_context_parallel(md, inputs, p.cp_size, p.cp_rank, p.cp_group, self.cp_min_tokens)
         return md
+
+    def _plans(
+        self,
+        inputs: StepInputs,
+        ratios: list[int],
+        page_size: int,
+        num_slots: int,
+        trash_page: int,
+        num_spec_tokens: int,
+    ) -> StepMetadata:
+        """The plans of a step: a fixed-shape step's through the op ``deepseek_v4.fixed_step_plans``
+        (a backend may derive them in a few launches), an unpadded step's (shapes from the host's
+        values) with :func:`~.metadata.build_metadata`."""
+        window = self.cfg.sliding_window
+        if inputs.spans is None:
+            plans = plans_op(self.ops)
+            return plans(inputs, window, tuple(ratios), page_size, num_slots, trash_page, num_spec_tokens)
+        return build_metadata(inputs, window, ratios, page_size, num_slots, trash_page, num_spec_tokens)
 
     def _rope(self, md: StepMetadata, dtype: torch.dtype) -> dict:
         rope: dict = {}
@@ -236,15 +253,7 @@ class DeepseekV4Model:
     ) -> StepMetadata:
         """The plans of an MTP step (:meth:`mtp_forward`): as :meth:`step_metadata`, for the
         MTP layer's compress ratio only (none for a sliding-window MTP layer)."""
-        return build_metadata(
-            inputs,
-            self.cfg.sliding_window,
-            self.mtp_ratios,
-            page_size,
-            num_slots,
-            trash_page,
-            num_spec_tokens,
-        )
+        return self._plans(inputs, self.mtp_ratios, page_size, num_slots, trash_page, num_spec_tokens)
 
     @torch.inference_mode()
     def mtp_forward(

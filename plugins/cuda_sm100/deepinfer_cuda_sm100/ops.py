@@ -21,6 +21,7 @@ from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, int_vector, is_int_tensor
 from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
+from deepinfer_cuda_sm100.plan_ops import PLAN_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 
 FUSED_OPS = ("rms_norm", "apply_rope", "rope_cos_sin", "swiglu", "hc_pre", "hc_post", "hc_head")
@@ -46,7 +47,15 @@ INVARIANT_OPS = ("tile_matmul",)
 reference's GEMM-bearing ops that this backend leaves to fall back are batch invariant on the GPU."""
 
 PROVIDED_OPS = (
-    FUSED_OPS + ATTENTION_OPS + COMPRESSOR_OPS + WINDOW_OPS + GEMM_OPS + INVARIANT_OPS + MOE_OPS + ROUTING_OPS
+    FUSED_OPS
+    + ATTENTION_OPS
+    + COMPRESSOR_OPS
+    + WINDOW_OPS
+    + GEMM_OPS
+    + INVARIANT_OPS
+    + MOE_OPS
+    + ROUTING_OPS
+    + PLAN_OPS
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
@@ -373,6 +382,7 @@ def load_ops() -> dict[str, OpImpl]:
     }
     from deepinfer_cuda_sm100.compressor_ops import compressor_ops
     from deepinfer_cuda_sm100.moe_ops import moe_ops
+    from deepinfer_cuda_sm100.plan_ops import plan_ops
     from deepinfer_cuda_sm100.routing_ops import routing_ops
 
-    return {**impls, **attention_ops(), **compressor_ops(), **moe_ops(), **routing_ops()}
+    return {**impls, **attention_ops(), **compressor_ops(), **moe_ops(), **routing_ops(), **plan_ops()}

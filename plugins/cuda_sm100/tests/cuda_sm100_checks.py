@@ -220,6 +220,7 @@ TRITON_TYPES = {
     torch.uint8: "u8",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.bool: "i1",
 }
 """Triton's names of the tensor dtypes the kernels take (for :func:`compile_launch`)."""
 
