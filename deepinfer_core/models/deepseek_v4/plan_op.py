@@ -91,7 +91,7 @@ def sample_steps(page_size: int, num_slots: int = 8, max_pages: int = 8) -> list
         (step_case(decode, 8, 9, **geo, prev_tokens=prev, decoding=True), 0),
         (step_case(verify, 9, 4, **geo, decoding=True), 2),
         (step_case(deep, 18, 4, **geo, decoding=True), 5),
-        (step_case(mixed, 48, 6, **geo, prev_tokens=prev), 0),
+        (step_case(mixed, sum(len(c.token_ids) for c in mixed) + 5, 6, **geo, prev_tokens=prev), 0),
         (step_case([], 4, 5, **geo, decoding=True), 0),
     ]
 

@@ -166,6 +166,30 @@ def _map_rows(pool, fn):
     return Fp8KVPool(fn(pool.data), pool.dim, pool.rope_dim) if isinstance(pool, Fp8KVPool) else fn(pool)
 
 
+def _repeated(case, rep: int):
+    """A call of ``rep`` times the tokens: each query again with its own keys (the step's rows
+    of the copies in copies of that pool)."""
+    (q, pools, idx, sinks, scale), kw = case
+    t = q.shape[0]
+    step_rows = torch.where(idx[1] >= 0, idx[1][None] + t * torch.arange(rep)[:, None, None], -1)
+    third = idx[2]
+    if isinstance(third, PagedIndex):
+        third = PagedIndex(
+            third.block_table, third.token_rows.repeat(rep), third.counts.repeat(rep),
+            third.entries_per_page, third.max_count,
+        )  # fmt: skip
+    else:
+        third = third.repeat(rep, 1)
+    pools = [pools[0], _map_rows(pools[1], lambda x: x.repeat(rep, 1)), pools[2]]
+    return (
+        q.repeat(rep, 1, 1),
+        pools,
+        [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), third],
+        sinks,
+        scale,
+    ), kw
+
+
 def _v4_cases(kv: str = "plain"):
     from deepinfer_cuda_sm100.attention_ops import V4_FLASH, attention_cases
     from test_attention_kernels import _to
@@ -174,14 +198,17 @@ def _v4_cases(kv: str = "plain"):
     cases = attention_cases(V4_FLASH, kv=kv)(g, torch.bfloat16)
     (q, pools, idx, sinks, scale), kw = cases[-1]  # long context, a paged source first: reordered
     cases.append(((q, pools[1:] + pools[:1], idx[1:] + idx[:1], sinks, scale), kw))
-    csa = [c for c in cases if len(c[0][2]) == 3 and not any(isinstance(i, PagedIndex) for i in c[0][2])]
-    (q, pools, idx, sinks, scale), kw = max(csa, key=lambda c: c[0][0].shape[0])  # 4x: more CTAs than SMs
-    rep = 4
-    pools = [pools[0], _map_rows(pools[1], lambda x: x.repeat(rep, 1)), pools[2]]
-    t = q.shape[0]
-    step_rows = torch.where(idx[1] >= 0, idx[1][None] + t * torch.arange(rep)[:, None, None], -1)
-    idx = [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), idx[2].repeat(rep, 1)]
-    cases.append(((q.repeat(rep, 1, 1), pools, idx, sinks, scale), kw))
+    # the widest CSA (rows) and HCA (paged) calls 4x over: more CTAs than SMs, so one split
+    for paged in (False, True):
+        third = [
+            c
+            for c in cases
+            if len(c[0][2]) == 3
+            and all(isinstance(i, torch.Tensor) for i in c[0][2][:2])
+            and isinstance(c[0][2][2], PagedIndex) == paged
+        ]
+        if third:
+            cases.append(_repeated(max(third, key=lambda c: c[0][0].shape[0]), 4))
     out = []
     for (q, pools, idx, sinks, scale), _ in cases:
         args = _to((q, pools, idx, sinks, scale), "cuda")

@@ -55,17 +55,9 @@ def _fdiv(a, b):
 
 
 @triton.jit
-def _pick(k: tl.constexpr, a, b, c, d):
-    """The ``k``-th of four scalars (``k`` a compile-time index)."""
-    if k == 0:
-        v = a
-    elif k == 1:
-        v = b
-    elif k == 2:
-        v = c
-    else:
-        v = d
-    return v
+def _field(fields_ptr, f: tl.constexpr, R, at, mask):
+    """Field ``f`` of the requests ``at`` (int32; 0 where masked)."""
+    return tl.load(fields_ptr + f * R + at, mask=mask, other=0).to(tl.int32)
 
 
 @triton.jit
@@ -80,6 +72,69 @@ def _owner(cum, req, R, idx):
     inclusive sum ``cum[i]`` is at most ``idx[j]`` (``searchsorted(cum[:-1], idx, right=True)``)."""
     hit = (cum[None, :] <= idx[:, None]) & (req[None, :] < R - 1)
     return tl.sum(hit.to(tl.int32), 1)
+
+
+@triton.jit
+def _ratio_rows(
+    pos,
+    end_t,
+    cached_t,
+    slot_t,
+    t,
+    tm,
+    buf_out,
+    count_out,
+    T,
+    num_slots,
+    k: tl.constexpr,
+    RATIO: tl.constexpr,
+    NB: tl.constexpr,
+    DECODING: tl.constexpr,
+):
+    """Ratio ``k``'s partial-window buffer row and visible-entry count of each token."""
+    # tokens of the last NB windows the chunk touches wait in the buffer, not those below a
+    # prefix hit's cached boundary
+    not_kept = pos < (1 - NB) * RATIO + (end_t // RATIO) * RATIO
+    if not DECODING:
+        not_kept = not_kept | (pos < cached_t)
+    buf_slot = tl.where(not_kept, num_slots, slot_t)
+    span: tl.constexpr = NB * RATIO
+    tl.store(buf_out + k * T + t, (_fmod(pos, span) + buf_slot * span).to(tl.int64), mask=tm)
+    tl.store(count_out + k * T + t, ((pos + 1) // RATIO).to(tl.int64), mask=tm)
+
+
+@triton.jit
+def _restores(
+    fields_ptr,
+    tables_ptr,
+    restore_rows_out,
+    restore_page_out,
+    R,
+    P,
+    table_stride,
+    num_slots,
+    trash_page,
+    k: tl.constexpr,
+    RATIO: tl.constexpr,
+    NB: tl.constexpr,
+    PAGE: tl.constexpr,
+    RB: tl.constexpr,
+):
+    """The prefix hits' carry restores of ratio ``k``, per request (and the pages, with ``k`` 0)."""
+    req = tl.arange(0, RB)
+    rm = req < R
+    slot = _field(fields_ptr, F_SLOT, R, req, rm)
+    start = _field(fields_ptr, F_START, R, req, rm)
+    cached = _field(fields_ptr, F_CACHED, R, req, rm)
+    end = start + _field(fields_ptr, F_LEN, R, req, rm)
+    restore = (start < cached) & (cached <= end)
+    if k == 0:
+        col = _fdiv(cached - 1, PAGE)
+        col = tl.where(col < 0, col + P, col)  # a negative column counts from the end
+        page_at = tl.load(tables_ptr + slot.to(tl.int64) * table_stride + col, mask=rm, other=0)
+        tl.store(restore_page_out + req, tl.where(restore, page_at, trash_page), mask=rm)
+    row = _fmod(cached // RATIO - 1, NB) + slot * NB
+    tl.store(restore_rows_out + k * R + req, tl.where(restore, row, num_slots * NB).to(tl.int64), mask=rm)
 
 
 @triton.jit
@@ -105,19 +160,19 @@ def _token_kernel(
     table_stride,
     num_slots,
     trash_page,
-    page_size,
-    rows,
-    r0,
-    r1,
-    r2,
-    r3,
-    nb0,
-    nb1,
-    nb2,
-    nb3,
     W: tl.constexpr,
     WB: tl.constexpr,
+    ROWS: tl.constexpr,
+    PAGE: tl.constexpr,
     NR: tl.constexpr,
+    R0: tl.constexpr,
+    R1: tl.constexpr,
+    R2: tl.constexpr,
+    R3: tl.constexpr,
+    NB0: tl.constexpr,
+    NB1: tl.constexpr,
+    NB2: tl.constexpr,
+    NB3: tl.constexpr,
     HAS_PREV: tl.constexpr,
     DECODING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -127,19 +182,15 @@ def _token_kernel(
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
     req = tl.arange(0, RB)
-    rm = req < R
-    length = tl.load(fields_ptr + F_LEN * R + req, mask=rm, other=0).to(tl.int32)
-    cum = tl.cumsum(length, 0)
-    tok_req = _owner(cum, req, R, t)
-    cum_t = _upto(length, req, tok_req).to(tl.int64)
-    slot_t = tl.load(fields_ptr + F_SLOT * R + tok_req, mask=tm, other=0)
-    start_t = tl.load(fields_ptr + F_START * R + tok_req, mask=tm, other=0)
-    len_t = tl.load(fields_ptr + F_LEN * R + tok_req, mask=tm, other=0)
-    cached_t = tl.load(fields_ptr + F_CACHED * R + tok_req, mask=tm, other=0)
-    from_t = tl.load(fields_ptr + F_FROM * R + tok_req, mask=tm, other=0)
-    t64 = t.to(tl.int64)
-    end_t = start_t + len_t
-    pos = t64 - (cum_t - end_t)  # token row minus (its request's first row - start)
+    length = _field(fields_ptr, F_LEN, R, req, req < R)
+    tok_req = _owner(tl.cumsum(length, 0), req, R, t)
+    cum_t = _upto(length, req, tok_req)
+    slot_t = _field(fields_ptr, F_SLOT, R, tok_req, tm)
+    start_t = _field(fields_ptr, F_START, R, tok_req, tm)
+    cached_t = _field(fields_ptr, F_CACHED, R, tok_req, tm)
+    from_t = _field(fields_ptr, F_FROM, R, tok_req, tm)
+    end_t = start_t + _field(fields_ptr, F_LEN, R, tok_req, tm)
+    pos = t - (cum_t - end_t)  # token row minus (its request's first row - start)
     ids = tl.load(ids_ptr + t, mask=tm, other=0)
     if HAS_PREV:
         prev_row = tl.load(fields_ptr + F_PREV * R + tok_req, mask=tm, other=-1)
@@ -147,51 +198,111 @@ def _token_kernel(
         src = tl.load(prev_ptr + tl.maximum(prev_row, 0), mask=tm & pending, other=0).to(tl.int64)
         ids = tl.where(pending, src, ids)
     tl.store(ids_out + t, ids, mask=tm)
-    tl.store(pos_out + t, pos, mask=tm)
+    tl.store(pos_out + t, pos.to(tl.int64), mask=tm)
     tl.store(tok_req_out + t, tok_req.to(tl.int64), mask=tm)
     tl.store(real_out + t, slot_t < num_slots, mask=tm)
     # a chunk's last W+S positions leave their key in the ring, others the trash slot's
-    ring_slot = tl.where(cum_t > t64 + rows, num_slots, slot_t)
-    tl.store(ring_rows_out + t, _fmod(pos, rows) + ring_slot * rows, mask=tm)
+    ring_slot = tl.where(cum_t > t + ROWS, num_slots, slot_t)
+    tl.store(ring_rows_out + t, (_fmod(pos, ROWS) + ring_slot * ROWS).to(tl.int64), mask=tm)
     if W > 0:
         j = tl.arange(0, WB)
-        ahead = (j - (W - 1)).to(tl.int64)
+        ahead = j - (W - 1)
         kpos = pos[:, None] + ahead[None, :]
         before = kpos < from_t[:, None]
         earlier = kpos < start_t[:, None]
-        chunk = tl.where(before | earlier, -1, t64[:, None] + ahead[None, :])
-        ring = tl.where(before | (earlier == 0), -1, _fmod(kpos, rows) + slot_t[:, None] * rows)
-        at = t64[:, None] * W + j[None, :]
+        chunk = tl.where(before | earlier, -1, t[:, None] + ahead[None, :])
+        # kpos % ROWS without a division per key: W <= ROWS, so one wrap at most
+        ring = _fmod(pos - (W - 1), ROWS)[:, None] + j[None, :]
+        ring = tl.where(ring >= ROWS, ring - ROWS, ring) + slot_t[:, None] * ROWS
+        ring = tl.where(before | (earlier == 0), -1, ring)
+        at = t.to(tl.int64)[:, None] * W + j[None, :]
         wm = tm[:, None] & (j[None, :] < W)
-        tl.store(wchunk_out + at, chunk, mask=wm)
-        tl.store(wring_out + at, ring, mask=wm)
-    for k in tl.static_range(NR):
-        r = _pick(k, r0, r1, r2, r3)
-        nb = _pick(k, nb0, nb1, nb2, nb3)
-        span = nb * r
-        # tokens of the last nb windows the chunk touches wait in the buffer, not those below
-        # a prefix hit's cached boundary
-        not_kept = pos < (1 - nb) * r + (end_t // r) * r
-        if not DECODING:
-            not_kept = not_kept | (pos < cached_t)
-        buf_slot = tl.where(not_kept, num_slots, slot_t)
-        tl.store(buf_out + k * T + t, _fmod(pos, span) + buf_slot * span, mask=tm)
-        tl.store(count_out + k * T + t, (pos + 1) // r, mask=tm)
-    if not DECODING and pid == 0:  # the prefix hits' carry restores, per request
-        slot = tl.load(fields_ptr + F_SLOT * R + req, mask=rm, other=0)
-        start = tl.load(fields_ptr + F_START * R + req, mask=rm, other=0)
-        cached = tl.load(fields_ptr + F_CACHED * R + req, mask=rm, other=0)
-        end = start + length.to(tl.int64)
-        restore = (start < cached) & (cached <= end)
-        col = _fdiv(cached - 1, page_size)
-        col = tl.where(col < 0, col + P, col)  # a negative column counts from the end
-        page_at = tl.load(tables_ptr + slot * table_stride + col, mask=rm, other=0)
-        tl.store(restore_page_out + req, tl.where(restore, page_at, trash_page), mask=rm)
-        for k in tl.static_range(NR):
-            r = _pick(k, r0, r1, r2, r3)
-            nb = _pick(k, nb0, nb1, nb2, nb3)
-            row = _fmod(cached // r - 1, nb) + slot * nb
-            tl.store(restore_rows_out + k * R + req, tl.where(restore, row, num_slots * nb), mask=rm)
+        tl.store(wchunk_out + at, chunk.to(tl.int64), mask=wm)
+        tl.store(wring_out + at, ring.to(tl.int64), mask=wm)
+    if NR > 0:
+        _ratio_rows(
+            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 0, R0, NB0, DECODING
+        )
+        if not DECODING and pid == 0:
+            _restores(
+                fields_ptr,
+                tables_ptr,
+                restore_rows_out,
+                restore_page_out,
+                R,
+                P,
+                table_stride,
+                num_slots,
+                trash_page,
+                0,
+                R0,
+                NB0,
+                PAGE,
+                RB,
+            )
+    if NR > 1:
+        _ratio_rows(
+            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 1, R1, NB1, DECODING
+        )
+        if not DECODING and pid == 0:
+            _restores(
+                fields_ptr,
+                tables_ptr,
+                restore_rows_out,
+                restore_page_out,
+                R,
+                P,
+                table_stride,
+                num_slots,
+                trash_page,
+                1,
+                R1,
+                NB1,
+                PAGE,
+                RB,
+            )
+    if NR > 2:
+        _ratio_rows(
+            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 2, R2, NB2, DECODING
+        )
+        if not DECODING and pid == 0:
+            _restores(
+                fields_ptr,
+                tables_ptr,
+                restore_rows_out,
+                restore_page_out,
+                R,
+                P,
+                table_stride,
+                num_slots,
+                trash_page,
+                2,
+                R2,
+                NB2,
+                PAGE,
+                RB,
+            )
+    if NR > 3:
+        _ratio_rows(
+            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 3, R3, NB3, DECODING
+        )
+        if not DECODING and pid == 0:
+            _restores(
+                fields_ptr,
+                tables_ptr,
+                restore_rows_out,
+                restore_page_out,
+                R,
+                P,
+                table_stride,
+                num_slots,
+                trash_page,
+                3,
+                R3,
+                NB3,
+                PAGE,
+                RB,
+            )
 
 
 @triton.jit
@@ -204,97 +315,72 @@ def _window_kernel(
     R,
     P,
     table_stride,
-    M,
     num_slots,
     trash_page,
-    page_size,
-    r0,
-    r1,
-    r2,
-    r3,
-    nb0,
-    nb1,
-    nb2,
-    nb3,
-    m0,
-    m1,
-    m2,
-    m3,
-    o0,
-    o1,
-    o2,
-    o3,
-    NR: tl.constexpr,
-    CB: tl.constexpr,
+    M,
+    RATIO: tl.constexpr,
+    NB: tl.constexpr,
+    PAGE: tl.constexpr,
+    RC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     RB: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    k = tl.program_id(1)
     kk = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    wm = kk < M
     req = tl.arange(0, RB)
     rm = req < R
-    start = tl.load(fields_ptr + F_START * R + req, mask=rm, other=0)
-    length = tl.load(fields_ptr + F_LEN * R + req, mask=rm, other=0)
-    cached = tl.load(fields_ptr + F_CACHED * R + req, mask=rm, other=0)
-    for g in tl.static_range(NR):
-        if k == g:
-            r = _pick(g, r0, r1, r2, r3)
-            nb = _pick(g, nb0, nb1, nb2, nb3)
-            bound = _pick(g, m0, m1, m2, m3)  # this ratio's windows (the rest of M: none)
-            base = _pick(g, o0, o1, o2, o3)  # its windows' first element in windows_out
-            end = start + length
-            w0 = tl.maximum(start, cached) // r
-            count = tl.maximum(end // r - w0, 0)
-            count = tl.where(rm, count, 0).to(tl.int32)
-            cumw = tl.cumsum(count, 0)
-            total = tl.sum(count, 0)
-            wm = kk < bound
-            own = _owner(cumw, req, R, kk)  # each window's request
-            cum_at = _upto(count, req, own).to(tl.int64)
-            len_at = _upto(length.to(tl.int32), req, own).to(tl.int64)
-            slot_w = tl.load(fields_ptr + F_SLOT * R + own, mask=wm, other=0)
-            start_w = tl.load(fields_ptr + F_START * R + own, mask=wm, other=0)
-            end_w = start_w + tl.load(fields_ptr + F_LEN * R + own, mask=wm, other=0)
-            cached_w = tl.load(fields_ptr + F_CACHED * R + own, mask=wm, other=0)
-            w0_w = tl.maximum(start_w, cached_w) // r
-            first_w = cum_at - tl.maximum(end_w // r - w0_w, 0)  # the step's index of its first
-            stage = len_at - end_w + (num_slots + 1) * nb * r  # staging row of position 0
-            k64 = kk.to(tl.int64)
-            dead = kk >= total  # padding windows
-            w = tl.where(dead, 0, k64 + w0_w - first_w)
-            positions = w * r
-            carry = w % nb + slot_w * nb
-            carries = (num_slots + 1) * nb
-            prev_carry = _fmod(w - 1, nb) + slot_w * nb
-            prev = tl.where(k64 > first_w, k64 + carries - 1, tl.where(w > 0, prev_carry, carries + bound))
-            col = tl.minimum(positions // page_size, P - 1)
-            page = tl.load(tables_ptr + slot_w * table_stride + col, mask=wm, other=0)
-            epp = page_size // r
-            in_page = w % epp
-            dest = tl.where(dead, trash_page * epp, in_page + page * epp)
-            drop = (k64 + nb < cum_at) | dead
-            carry_rows = tl.where(drop, num_slots * nb, carry)
-            snap = tl.where((in_page != epp - 1) | dead, trash_page, page)
-            at = g * M + kk
-            tl.store(vec_out + at, prev, mask=wm)
-            tl.store(vec_out + NR * M + at, positions, mask=wm)
-            tl.store(vec_out + 2 * NR * M + at, dest, mask=wm)
-            tl.store(vec_out + 3 * NR * M + at, carry_rows, mask=wm)
-            tl.store(vec_out + 4 * NR * M + at, snap, mask=wm)
-            c = tl.arange(0, CB).to(tl.int64)
-            q = positions[:, None] + c[None, :]
-            buffered = c[None, :] + carry[:, None] * r
-            rows = tl.where(q < start_w[:, None], buffered, q + stage[:, None])
-            rows = tl.where(dead[:, None], 0, rows)
-            cm = wm[:, None] & (c[None, :] < r)
-            tl.store(windows_out + base + k64[:, None] * r + c[None, :], rows, mask=cm)
-            if pid == 0:
-                tl.store(live_out + g, total.to(tl.int64))
+    start = _field(fields_ptr, F_START, R, req, rm)
+    length = _field(fields_ptr, F_LEN, R, req, rm)
+    cached = _field(fields_ptr, F_CACHED, R, req, rm)
+    # per request: the windows it closes from its first uncached one (cached is page- hence
+    # window-aligned), and their inclusive sum over the requests
+    count = tl.maximum((start + length) // RATIO - tl.maximum(start, cached) // RATIO, 0)
+    total = tl.sum(count, 0)
+    own = _owner(tl.cumsum(count, 0), req, R, kk)  # each window's request
+    cum_at = _upto(count, req, own)
+    len_at = _upto(length, req, own)
+    slot_w = _field(fields_ptr, F_SLOT, R, own, wm)
+    start_w = _field(fields_ptr, F_START, R, own, wm)
+    end_w = start_w + _field(fields_ptr, F_LEN, R, own, wm)
+    w0_w = tl.maximum(start_w, _field(fields_ptr, F_CACHED, R, own, wm)) // RATIO
+    first_w = cum_at - tl.maximum(end_w // RATIO - w0_w, 0)  # the step's index of its first
+    stage = len_at - end_w + (num_slots + 1) * NB * RATIO  # staging row of its position 0
+    dead = kk >= total  # padding windows
+    w = tl.where(dead, 0, kk + w0_w - first_w)
+    positions = w * RATIO
+    carry = w % NB + slot_w * NB
+    carries = (num_slots + 1) * NB
+    prev_carry = _fmod(w - 1, NB) + slot_w * NB
+    prev = tl.where(kk > first_w, kk + carries - 1, tl.where(w > 0, prev_carry, carries + M))
+    col = tl.minimum(positions // PAGE, P - 1)
+    page = tl.load(tables_ptr + slot_w.to(tl.int64) * table_stride + col, mask=wm, other=0).to(tl.int32)
+    epp: tl.constexpr = PAGE // RATIO
+    in_page = w % epp
+    dest = tl.where(dead, trash_page * epp, in_page + page * epp)
+    drop = (kk + NB < cum_at) | dead
+    carry_rows = tl.where(drop, num_slots * NB, carry)
+    snap = tl.where((in_page != epp - 1) | dead, trash_page, page)
+    tl.store(vec_out + kk, prev.to(tl.int64), mask=wm)
+    tl.store(vec_out + M + kk, positions.to(tl.int64), mask=wm)
+    tl.store(vec_out + 2 * M + kk, dest.to(tl.int64), mask=wm)
+    tl.store(vec_out + 3 * M + kk, carry_rows.to(tl.int64), mask=wm)
+    tl.store(vec_out + 4 * M + kk, snap.to(tl.int64), mask=wm)
+    c = tl.arange(0, RC)
+    q = positions[:, None] + c[None, :]
+    # position q of an earlier step: buffer row slot*NB*RATIO + q % (NB*RATIO) = carry*RATIO + q % RATIO
+    rows = tl.where(q < start_w[:, None], c[None, :] + carry[:, None] * RATIO, q + stage[:, None])
+    rows = tl.where(dead[:, None], 0, rows)
+    cm = wm[:, None] & (c[None, :] < RATIO)
+    tl.store(windows_out + kk.to(tl.int64)[:, None] * RATIO + c[None, :], rows.to(tl.int64), mask=cm)
+    if pid == 0:
+        tl.store(live_out, total.to(tl.int64))
 
 
-def _ratio_args(values: list[int], fill: int) -> list[int]:
-    return values + [fill] * (MAX_RATIOS - len(values))
+def _block(n: int, rb: int, width: int) -> int:
+    """Rows a program takes: ``n`` rounded up to a power of two, at most what keeps its
+    row-by-request tile within :data:`CELLS` and its row-by-``width`` tile within 2048."""
+    return max(2, min(pow2(n), CELLS // rb, 2048 // width))
 
 
 def fixed_step_plans(
@@ -306,8 +392,9 @@ def fixed_step_plans(
     trash_page: int,
     num_spec_tokens=0,
 ) -> StepMetadata:
-    """``deepseek_v4.fixed_step_plans`` in two launches (and the block-table rows of the step's
-    requests, one gather): see the module docstring; the contract is the op's reference."""
+    """``deepseek_v4.fixed_step_plans``: one launch for the per-token plans, one per compress
+    ratio for its windows, and the block-table rows of the step's requests (one gather); see
+    the module docstring; the contract is the op's reference."""
     ratios = sorted(set(ratios))
     bad = [r for r in ratios if page_size % r]
     if bad:
@@ -317,7 +404,6 @@ def fixed_step_plans(
     fields = inputs.fields().contiguous()
     block_tables = inputs.block_tables
     p = block_tables.shape[1]
-    rows = window + num_spec_tokens
     nbs = [buffer_windows(r, num_spec_tokens) for r in ratios]
     nr = len(ratios)
     rb = pow2(n_req)
@@ -333,8 +419,9 @@ def fixed_step_plans(
     decoding = inputs.decoding
     restore_rows = None if decoding else torch.empty((nr, n_req), **i64)
     restore_page = None if decoding else torch.empty(n_req, **i64)
-    ratio_args = _ratio_args(ratios, 1) + _ratio_args(nbs, 1)
-    block_t = max(1, min(64, CELLS // rb))
+    pad = [1] * (MAX_RATIOS - nr)
+    block_t = _block(t, rb, pow2(window))
+    geometry = (n_req, p, block_tables.stride(0), num_slots, trash_page)  # R, P, table_stride, ...
     _token_kernel[(triton.cdiv(t, block_t),)](
         inputs.input_ids,
         fields,
@@ -352,76 +439,63 @@ def fixed_step_plans(
         restore_rows if restore_rows is not None else buf,
         restore_page if restore_page is not None else buf,
         t,
-        n_req,
-        p,
-        block_tables.stride(0),
-        num_slots,
-        trash_page,
-        page_size,
-        rows,
-        *ratio_args,
+        *geometry,
         W=window,
         WB=pow2(window),
+        ROWS=window + num_spec_tokens,
+        PAGE=page_size,
         NR=nr,
+        **dict(zip(("R0", "R1", "R2", "R3"), ratios + pad, strict=True)),
+        **dict(zip(("NB0", "NB1", "NB2", "NB3"), nbs + pad, strict=True)),
         HAS_PREV=has_prev,
         DECODING=decoding,
         BLOCK_T=block_t,
         RB=rb,
     )
     tables = block_tables.index_select(0, inputs.req["slot"])
-    bounds = [min(t, t // r + n_req) for r in ratios]
-    m = max(bounds, default=0)
     plans = {}
-    if nr:
-        offsets = [sum(b * r for b, r in zip(bounds[:i], ratios[:i], strict=True)) for i in range(nr)]
-        windows = torch.empty(sum(b * r for b, r in zip(bounds, ratios, strict=True)), **i64)
-        vec = torch.empty((5, nr, m), **i64)
-        live = torch.empty(nr, **i64)
-        block_m = max(1, min(64, CELLS // rb))
-        _window_kernel[(triton.cdiv(m, block_m), nr)](
+    for i, r in enumerate(ratios):
+        m = min(t, t // r + n_req)  # a fixed-shape step's bound on the windows it closes
+        windows = torch.empty((m, r), **i64)
+        vec = torch.empty((5, m), **i64)
+        live = torch.empty(1, **i64)
+        block_m = _block(m, rb, pow2(r))
+        _window_kernel[(triton.cdiv(m, block_m),)](
             fields,
             block_tables,
             windows,
             vec,
             live,
-            n_req,
-            p,
-            block_tables.stride(0),
+            *geometry,
             m,
-            num_slots,
-            trash_page,
-            page_size,
-            *ratio_args,
-            *_ratio_args(bounds, 0),
-            *_ratio_args(offsets, 0),
-            NR=nr,
-            CB=pow2(max(ratios)),
+            RATIO=r,
+            NB=nbs[i],
+            PAGE=page_size,
+            RC=pow2(r),
             BLOCK_M=block_m,
             RB=rb,
         )
-        for i, r in enumerate(ratios):
-            b = bounds[i]
-            prev_w, positions, dest, carry_rows, snap = (vec[j, i, :b] for j in range(5))
-            plans[r] = WindowPlan(
-                ratio=r,
-                windows=windows[offsets[i] : offsets[i] + b * r].view(b, r),
-                prev=prev_w,
-                positions=positions,
-                dest=dest,
-                carry_rows=carry_rows,
-                buf_rows=buf[i],
-                entries=PagedIndex(
-                    block_table=tables,
-                    token_rows=tok_req,
-                    counts=counts[i],
-                    entries_per_page=page_size // r,
-                    max_count=inputs.max_end // r,
-                ),
-                restore_rows=None if restore_rows is None else restore_rows[i],
-                restore_page=restore_page,
-                snap_page=snap,
-                live=live[i : i + 1],
-            )
+        prev_w, positions, dest, carry_rows, snap = vec.unbind(0)
+        plans[r] = WindowPlan(
+            ratio=r,
+            windows=windows,
+            prev=prev_w,
+            positions=positions,
+            dest=dest,
+            carry_rows=carry_rows,
+            buf_rows=buf[i],
+            entries=PagedIndex(
+                block_table=tables,
+                token_rows=tok_req,
+                counts=counts[i],
+                entries_per_page=page_size // r,
+                max_count=inputs.max_end // r,
+            ),
+            restore_rows=None if restore_rows is None else restore_rows[i],
+            restore_page=restore_page,
+            snap_page=snap,
+            live=live,
+        )
     return StepMetadata(
         input_ids=ids,
         positions=pos,
