@@ -1,27 +1,32 @@
-"""``moe_experts`` in two kernel languages: TileLang where it was measured faster, else Triton.
+"""``moe_experts`` by kernel path: TileLang or the decode-width GEMVs where measured faster, else Triton.
 
 :func:`make_moe_experts` wraps the Triton path (:mod:`deepinfer_cuda_sm100.kernels.moe`, which
-takes every call the backend's ``supports`` accepts) in a dispatcher.  A call goes to the
-TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) when all of these hold:
+takes every call the backend's ``supports`` accepts) in a dispatcher.  A call leaves it only
+when all of these hold:
 
-- it runs on a CUDA device and the engine is not in batch-invariant mode (the two languages
-  accumulate in different orders and the choice below depends on the token count, so a token's
-  bits would change with the batch; the batch-invariant mode keeps Triton throughout);
+- it runs on a CUDA device and the engine is not in batch-invariant mode (the paths accumulate
+  in different orders and the choice below depends on the token count, so a token's bits would
+  change with the batch; the batch-invariant mode keeps Triton throughout);
 - the FP4 experts' math is the default ``bf16`` (``DEEPINFER_MOE_MATH=fp8`` is Triton's);
-- TileLang can compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`; if not, one
-  warning says why and how to install it, and Triton serves every call);
-- the TileLang kernels take the call (:func:`tilelang_supports`: bfloat16 activations, both
-  stacks FP4 with scale groups of 32, hidden and intermediate widths multiples of 128, ...);
+- the other path takes the call: the TileLang GEMMs (:mod:`deepinfer_cuda_sm100.tl.moe`) where
+  TileLang can compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`; if not, one
+  warning says why and how to install it) and :func:`tilelang_supports` (bfloat16 activations,
+  both stacks FP4 with scale groups of 32, hidden and intermediate widths multiples of 128,
+  ...); the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`, Triton) where
+  :func:`gemv_supports` takes it (bfloat16, FP4 stacks in groups of 32, at most
+  :data:`~deepinfer_cuda_sm100.kernels.moe_gemv.MAX_TOKENS` tokens);
 - the measured table of this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op
   ``moe_experts``, kind :func:`choice_kind`, ``heads`` = hidden, ``head_dim`` = intermediate,
-  ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks TileLang at the nearest measured
-  point; unmeasured shapes stay on Triton.
+  ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks it at the nearest measured point;
+  unmeasured shapes stay on Triton.
 
-The table names TileLang's kernels in two variants: ``"tilelang"`` (one consumer warpgroup a
-CTA) and ``"tilelang_wide"`` (two, :func:`~deepinfer_cuda_sm100.tl.moe.moe_experts`'s
-``consumers=2``; bitwise the same result).  Each is a language of its own in the table: taken
-only where it was timed around the call's pair count and fastest, never extrapolated, and only
-for widths it takes (:func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`).
+The table names the paths as languages: ``"tilelang"`` (one consumer warpgroup a CTA),
+``"tilelang_wide"`` (two, :func:`~deepinfer_cuda_sm100.tl.moe.moe_experts`'s ``consumers=2``;
+bitwise the same result) and ``"triton_gemv"`` (the decode-width GEMVs).  Each is a language of
+its own in the table: taken only where it was timed around the call's pair count and fastest,
+never extrapolated, and only for calls it takes (the wide variant: widths of
+:func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`).  A table without points of a language never
+picks it.
 
 The choice depends on static shapes only, so a captured graph replays the kernels it captured.
 """
@@ -46,6 +51,9 @@ MAX_GRID_Y = 65535
 WIDE = "tilelang_wide"
 """The table's name of the wide TileLang variant (two consumer warpgroups a CTA)."""
 LANGUAGES = frozenset({"triton", "tilelang", WIDE})
+"""The languages of the TileLang side (with Triton's) that :func:`languages` narrows by width."""
+GEMV = "triton_gemv"
+"""The table's name of the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`)."""
 
 
 def _stack_problem(name: str, w) -> str | None:
@@ -83,6 +91,27 @@ def tilelang_supports(x, ids, weights, gate_up, down, limit, shared=None) -> boo
     return True
 
 
+def gemv_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:
+    """``True`` when the decode-width GEMVs may take this call (already accepted by the Triton
+    path's ``supports``), else the reason: bfloat16 activations (the measured math), both stacks
+    FP4 with scale groups of :data:`GROUP` inputs (so widths multiples of it), 1 to
+    :data:`~deepinfer_cuda_sm100.kernels.moe_gemv.MAX_TOKENS` tokens."""
+    from deepinfer_cuda_sm100.kernels.moe_gemv import MAX_TOKENS
+
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype}: the decode-width GEMVs are measured in bfloat16"
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if not isinstance(w, QuantizedTensor) or w.fmt != "fp4":
+            return f"{name} is not an FP4 QuantizedTensor: the decode-width GEMVs read FP4 stacks"
+        if w.block != (1, GROUP):
+            return f"{name} has FP4 scale groups of {w.block[1]} inputs: the decode-width GEMVs take {GROUP}"
+    if x.shape[0] == 0 or ids.shape[1] == 0:
+        return "no (token, slot) pairs: the Triton path returns the empty result"
+    if x.shape[0] > MAX_TOKENS:
+        return f"{x.shape[0]} tokens: the decode-width GEMVs take at most {MAX_TOKENS}"
+    return True
+
+
 def choice_kind(gate_up) -> str:
     """The kind of a call in the measured table: ``fp4`` (ue8m0 scales) or ``fp4+fp32`` (float32
     scales; the gate / up stack's)."""
@@ -90,8 +119,8 @@ def choice_kind(gate_up) -> str:
 
 
 def mode_problem(device: torch.device) -> str | None:
-    """Why no call on ``device`` goes to TileLang now (the batch-invariant mode, the FP8 math, a
-    device other than CUDA), or ``None``."""
+    """Why no call on ``device`` leaves the Triton path now (the batch-invariant mode, the FP8
+    math, a device other than CUDA), or ``None``."""
     from deepinfer_cuda_sm100.kernels.moe import MOE_MATH_ENV, moe_math
 
     if batch_invariant_enabled():
@@ -112,13 +141,19 @@ def languages(hidden: int, inter: int) -> frozenset[str]:
 
 
 def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
-    """``"tilelang"``, ``"tilelang_wide"`` or ``"triton"`` for this call (see the module
-    docstring)."""
+    """``"tilelang"``, ``"tilelang_wide"``, ``"triton_gemv"`` or ``"triton"`` for this call (see
+    the module docstring)."""
     if mode_problem(x.device) is not None:
         return "triton"
-    if not tl.usable_for("moe_experts", "the Triton kernels serve every call"):
-        return "triton"
-    if tilelang_supports(x, ids, weights, gate_up, down, limit, shared) is not True:
+    available = {"triton"}
+    if (
+        tl.usable_for("moe_experts", "the Triton kernels serve every call")
+        and tilelang_supports(x, ids, weights, gate_up, down, limit, shared) is True
+    ):
+        available |= languages(x.shape[1], down.shape[2])
+    if gemv_supports(x, ids, weights, gate_up, down, limit, shared) is True:
+        available.add(GEMV)
+    if len(available) == 1:
         return "triton"
     return kernel_choice.choose(
         OP,
@@ -129,15 +164,20 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         x.shape[0] * ids.shape[1],
         gate_up.shape[0],
         kernel_choice.device_arch(x.device),
-        languages(x.shape[1], down.shape[2]),
+        frozenset(available),
     )
 
 
 def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The op: the TileLang GEMMs where :func:`choose_language` picks them, else ``triton_fn``."""
+    """The op: the TileLang GEMMs or the decode-width GEMVs where :func:`choose_language` picks
+    them, else ``triton_fn``."""
 
     def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
         language = choose_language(x, ids, weights, gate_up, down, limit, shared)
+        if language == GEMV:
+            from deepinfer_cuda_sm100.kernels import moe_gemv
+
+            return moe_gemv.moe_experts(x, ids, weights, gate_up, down, limit, shared)
         if language != "triton":
             from deepinfer_cuda_sm100.tl import moe as tl_moe
 
@@ -145,5 +185,5 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
             return tl_moe.moe_experts(x, ids, weights, gate_up, down, limit, shared, consumers=consumers)
         return triton_fn(x, ids, weights, gate_up, down, limit, shared)
 
-    moe_experts.__doc__ = f"Dispatcher over TileLang and Triton.\n\n{__doc__}"
+    moe_experts.__doc__ = f"Dispatcher over TileLang, the decode-width GEMVs and Triton.\n\n{__doc__}"
     return moe_experts

@@ -1,8 +1,9 @@
 """The MoE op of the ``cuda_sm100`` backend: ``moe_experts`` on Triton grouped GEMMs.
 
 :func:`moe_ops` returns its :class:`OpImpl` (kernels in :mod:`deepinfer_cuda_sm100.kernels.moe`;
-on FP4 experts the TileLang GEMMs of :mod:`deepinfer_cuda_sm100.tl.moe` where the measured
-table picks them, :mod:`deepinfer_cuda_sm100.moe_dispatch`)
+on FP4 experts the TileLang GEMMs of :mod:`deepinfer_cuda_sm100.tl.moe` or the decode-width GEMVs
+of :mod:`deepinfer_cuda_sm100.kernels.moe_gemv` where the measured table picks them,
+:mod:`deepinfer_cuda_sm100.moe_dispatch`)
 with a ``supports`` predicate (shapes, dtypes and devices only) and conformance cases at the
 shapes the kernels target: :data:`V4_FLASH_LIKE` on the GPU (V4-Flash's routing, top-6 of many
 experts, at narrower widths so that the cases are quick to build), :data:`SMALL` under Triton's
@@ -219,7 +220,7 @@ def moe_ops() -> dict[str, OpImpl]:
     shapes = SMALL if interpreted else V4_FLASH_LIKE
     return {
         "moe_experts": OpImpl(
-            fn=make_moe_experts(moe.moe_experts),  # TileLang where measured faster
+            fn=make_moe_experts(moe.moe_experts),  # TileLang / the GEMVs where measured faster
             supports=make_supports(interpreted),
             sample_cases=moe_cases(shapes),
         )

@@ -16,6 +16,9 @@ overhead is excluded and consecutive calls touch different experts):
   experts, between the same Triton layout and combine launches (where TileLang can compile);
 * ``tilelang wide fp4``: the same with the wide variant (``consumers=2``: two consumer
   warpgroups a CTA; where its widths fit, :func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`);
+* ``triton gemv fp4``: the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`:
+  CUDA-core dot products, many small programs) on the same FP4 experts, at the token counts
+  up to ``--gemv-tokens`` (default 8; 0: not timed);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
@@ -25,16 +28,17 @@ routes to (data and scales), averaged over the calls of the graph, divided by th
 Prints a table and writes JSON (default ``benchmarks/results/bench_moe.json`` at the
 repository root).
 
-    python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,16,64,128,256] [--experts 256]
-        [--write-choices]
+    python plugins/cuda_sm100/scripts/bench_moe.py [--tokens 1,2,4,8,16,64,128,256] [--experts 256]
+        [--gemv-tokens 8] [--write-choices]
 
 ``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
 ring (the result is the same at any depth) and prints each, to retune
 ``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
 any height), to check ``tl.moe.tile_height``.
 
-``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) of each
-token count into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
+``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) and the
+GEMVs' (language ``triton_gemv``, at the token counts where they were timed) of each token count
+into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
 :mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads; the points' kind
 names the scales' storage (:func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`: ``fp4`` or
 ``fp4+fp32``), so a checkpoint of each storage needs its own run.
@@ -54,7 +58,8 @@ from graph_timing import time_graph
 from deepinfer_core.benchmarking.harness import run_main
 
 REPO = Path(__file__).resolve().parents[3]
-TOKENS = "1,16,64,128,256"
+TOKENS = "1,2,4,8,16,64,128,256"
+GEMV_TOKENS = 8
 LIMIT = 10.0
 
 
@@ -112,6 +117,13 @@ def main() -> None:
     )
     parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
     parser.add_argument("--heights", default="", help="TileLang tile heights to sweep (e.g. 16,32,64)")
+    parser.add_argument(
+        "--gemv-tokens",
+        type=int,
+        default=GEMV_TOKENS,
+        help=f"time the decode-width GEMVs at token counts up to this (default {GEMV_TOKENS}; 0: never; "
+        "at most the kernel's MAX_TOKENS)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -119,11 +131,14 @@ def main() -> None:
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows, using_moe_math
+    from deepinfer_cuda_sm100.kernels.moe_gemv import MAX_TOKENS
+    from deepinfer_cuda_sm100.kernels.moe_gemv import moe_experts as gemv_moe
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.moe import moe_experts as reference
 
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+    gemv_tokens = min(args.gemv_tokens, MAX_TOKENS)
     tl_problem = tilelang_problem()
     wide_problem = tl_problem
     if tl_problem is None:
@@ -146,6 +161,7 @@ def main() -> None:
         "triton_fp4_fp8math",
         "tilelang_fp4",
         "tilelang_wide_fp4",
+        "triton_gemv_fp4",
         "triton_bf16",
         "grouped_mm",
     )
@@ -157,9 +173,10 @@ def main() -> None:
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
     head += (
-        f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'bf16 TB/s':>9} {'gmm TB/s':>9}"
+        f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'gemv TB/s':>9} {'bf16 TB/s':>9}"
+        f" {'gmm TB/s':>9}"
     )
-    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9}"
+    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9} {'gemv err':>9}"
     print(head)
     rows, tuned = [], []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -183,7 +200,11 @@ def main() -> None:
             calls["tilelang_wide_fp4"] = lambda j, routes=routes, x=x: tilelang_moe(
                 x, *routes[j], gate_up, down, LIMIT, consumers=2
             )
-        times = {"tilelang_fp4": None, "tilelang_wide_fp4": None}
+        if t <= gemv_tokens:
+            calls["triton_gemv_fp4"] = lambda j, routes=routes, x=x: gemv_moe(
+                x, *routes[j], gate_up, down, LIMIT
+            )
+        times = {"tilelang_fp4": None, "tilelang_wide_fp4": None, "triton_gemv_fp4": None}
         for name, fn in calls.items():
             times[name] = time_graph(fn, args.calls_per_graph, args.replays)
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
@@ -218,6 +239,9 @@ def main() -> None:
         tlw_err = tlw_rms = None
         if wide_problem is None:
             tlw_err, tlw_rms = errors(tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=2), want)
+        gemv_err = gemv_rms = None
+        if t <= gemv_tokens:
+            gemv_err, gemv_rms = errors(gemv_moe(x, *routes[0], gate_up, down, LIMIT), want)
 
         def tbps(us, per_expert, distinct=distinct):
             return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
@@ -234,6 +258,7 @@ def main() -> None:
             "triton_fp4_fp8math_weight_TBps": tbps(times["triton_fp4_fp8math"], fp4_expert_bytes),
             "tilelang_fp4_weight_TBps": tbps(times["tilelang_fp4"], fp4_expert_bytes),
             "tilelang_wide_fp4_weight_TBps": tbps(times["tilelang_wide_fp4"], fp4_expert_bytes),
+            "triton_gemv_fp4_weight_TBps": tbps(times["triton_gemv_fp4"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
@@ -244,6 +269,8 @@ def main() -> None:
             "tilelang_fp4_rel_rms_err_vs_reference": tl_rms,
             "tilelang_wide_fp4_max_rel_err_vs_reference": tlw_err,
             "tilelang_wide_fp4_rel_rms_err_vs_reference": tlw_rms,
+            "triton_gemv_fp4_max_rel_err_vs_reference": gemv_err,
+            "triton_gemv_fp4_rel_rms_err_vs_reference": gemv_rms,
         }
         rows.append(row)
 
@@ -255,12 +282,14 @@ def main() -> None:
             + " ".join(fmt(times[n]) for n in names)
             + "".join(f" {fmt(row[c], 9, '.2f')}" for c in tbps_columns)
             + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')} {fmt(tlw_err, 9, '.2g')}"
+            + f" {fmt(gemv_err, 9, '.2g')}"
         )
     import triton
 
     result = {
         "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 "
-        "(one and two consumer warpgroups) / Triton bf16 vs torch._grouped_mm bf16",
+        "(one and two consumer warpgroups) / Triton decode-width FP4 GEMVs / Triton bf16 "
+        "vs torch._grouped_mm bf16",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
         "capability": list(torch.cuda.get_device_capability()),
@@ -272,6 +301,7 @@ def main() -> None:
         "inter": i,
         "top_k": k,
         "scales": args.scales,
+        "gemv_tokens": gemv_tokens,
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
         "fp4_expert_bytes": fp4_expert_bytes,

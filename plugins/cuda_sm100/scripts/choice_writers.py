@@ -20,6 +20,8 @@ GRAPH_FLUSHED = (
     "(the flush's time subtracted), after warm-ups"
 )
 """How ``bench_attention.py`` and ``bench_tilekernels.py`` time a call."""
+GEMV_COLUMN = "triton_gemv_fp4_us"
+"""``bench_moe.py``'s column of the decode-width GEMVs' times (language ``triton_gemv``)."""
 
 
 def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ...] = ("triton",)) -> Path:
@@ -133,28 +135,28 @@ def write_gemm_choices(rows: list[dict]) -> Path:
 def moe_points(
     rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
 ) -> list[dict]:
-    """The FP4 ``moe_experts`` paths' times (Triton, TileLang and, where timed, the wide TileLang
-    variant ``tilelang_wide``; bf16 activations; ``kind``: the scales' storage, see
-    :func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`) per token count as
-    ``moe_experts`` points of the measured table: ``tokens`` = (token, slot) pairs, ``keys`` =
-    experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
-    (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows without a TileLang time are left out."""
-    from deepinfer_cuda_sm100.moe_dispatch import OP, WIDE
+    """The FP4 ``moe_experts`` paths' times (Triton and, where timed, TileLang, the wide TileLang
+    variant ``tilelang_wide`` and the decode-width GEMVs ``triton_gemv``; bf16 activations;
+    ``kind``: the scales' storage, see :func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`) per
+    token count as ``moe_experts`` points of the measured table: ``tokens`` = (token, slot)
+    pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
+    (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows with neither a TileLang nor a GEMV time are
+    left out (nothing to choose there)."""
+    from deepinfer_cuda_sm100.moe_dispatch import GEMV, OP, WIDE
 
     def ms(r: dict) -> dict:
-        out = {
-            "triton": round(r["triton_fp4_us"] / 1e3, 5),
-            "tilelang": round(r["tilelang_fp4_us"] / 1e3, 5),
-        }
-        if r.get("tilelang_wide_fp4_us"):
-            out[WIDE] = round(r["tilelang_wide_fp4_us"] / 1e3, 5)
+        out = {"triton": round(r["triton_fp4_us"] / 1e3, 5)}
+        timed = (("tilelang", "tilelang_fp4_us"), (WIDE, "tilelang_wide_fp4_us"), (GEMV, GEMV_COLUMN))
+        for language, column in timed:
+            if r.get(column):
+                out[language] = round(r[column] / 1e3, 5)
         return out
 
     return [
         {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
          "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
         for r in rows
-        if r.get("triton_fp4_us") and r.get("tilelang_fp4_us")
+        if r.get("triton_fp4_us") and (r.get("tilelang_fp4_us") or r.get(GEMV_COLUMN))
     ]  # fmt: skip
 
 
@@ -165,9 +167,5 @@ def write_moe_choices(
     ``moe_experts`` points of the same shapes and kind)."""
     points = moe_points(rows, hidden, inter, experts, top_k, kind)
     timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
-    return merge(
-        points,
-        "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices",
-        timing,
-        ("triton", "tilelang"),
-    )
+    packages = ("triton", "tilelang") if any("tilelang" in p["ms"] for p in points) else ("triton",)
+    return merge(points, "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices", timing, packages)

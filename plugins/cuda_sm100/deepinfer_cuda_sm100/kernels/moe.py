@@ -363,6 +363,66 @@ def _fp4_scales(
 
 
 @triton.jit
+def _fp4_packed(
+    w_ptr,
+    w_rows,
+    n_ok,
+    k0,
+    K: tl.constexpr,
+    HALF_GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The packed bytes of inputs ``k0 .. k0 + BLOCK_K`` of ``BLOCK_N`` FP4 rows (``w_ptr + w_rows``,
+    masked by ``n_ok``; 0 past ``K``) as ``[BLOCK_N, runs, bytes per run]``: each run of bytes
+    sharing a scale (one run per scale of :func:`_fp4_scales`) contiguous."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    RUN: tl.constexpr = HALF_GROUP if HALF_GROUP < HALF else HALF  # bytes of one scale in a step
+    RUNS: tl.constexpr = HALF // RUN
+    run = tl.arange(0, RUNS)
+    first = k0 // 2 + run * RUN  # first byte of each run
+    byte = first[:, None] + tl.arange(0, RUN)[None, :]
+    mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]
+    return tl.load(w_ptr + w_rows[:, None, None] + byte[None, :, :], mask=mask, other=0)
+
+
+@triton.jit
+def _fp4_values(
+    packed, s, dtype: tl.constexpr, UE8M0: tl.constexpr, FP32_DOT: tl.constexpr, E2M1_PTX: tl.constexpr
+):
+    """``(lo, hi)``: the dequantised weights of the uint8 ``packed [rows, runs, bytes]`` (the low
+    nibbles: even inputs; the high ones: odd inputs), each run of bytes sharing the raw scale
+    ``s [rows, runs]`` (float32, or ue8m0 bytes with ``UE8M0``), in ``dtype`` (under the
+    interpreter, ``FP32_DOT``: fp32 values rounded to ``dtype``).
+
+    Each weight is ``value * scale`` (the reference's fp32 product, exact for a ue8m0 scale)
+    rounded to ``dtype``.  ``E2M1_PTX`` (GPU): the values come exact in bf16 from
+    :func:`_e2m1_bf16_ptx`; bf16 weights with ue8m0 scales then take one bf16x2 multiply per two
+    weights (the scale, a power of two, is exact in bf16, so the single rounding of the exact
+    product is the same), the others the fp32 product.  Otherwise (the interpreter) the
+    arithmetic decoding of :func:`_e2m1_scaled`."""
+    if E2M1_PTX:
+        lo, hi = _e2m1_bf16_ptx(packed)
+        if UE8M0 and dtype == tl.bfloat16:  # the byte is the bf16 exponent field
+            s = (s.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)[:, :, None]
+            lo = _mul_bf16_ptx(lo, s)
+            hi = _mul_bf16_ptx(hi, s)
+        else:
+            if UE8M0:  # the byte is the fp32 exponent field
+                s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+            s = s[:, :, None]
+            lo = (lo.to(tl.float32) * s).to(dtype)
+            hi = (hi.to(tl.float32) * s).to(dtype)
+    else:
+        if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
+            s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        s = (s * 16384.0)[:, :, None]  # exact; each product below rounds once, as value * scale
+        lo = _operand(_e2m1_scaled(packed & 15) * s, dtype, FP32_DOT)
+        hi = _operand(_e2m1_scaled(packed >> 4) * s, dtype, FP32_DOT)
+    return lo, hi
+
+
+@triton.jit
 def _fp4_operands(
     w_ptr,
     w_rows,
@@ -385,42 +445,25 @@ def _fp4_operands(
     sharing a scale is contiguous; ``s`` (:func:`_fp4_scales`) holds one scale per run, which
     broadcasts over it.
 
-    Each weight is ``value * scale`` (the reference's fp32 product, exact for a ue8m0 scale)
-    rounded to ``dtype``.  ``E2M1_PTX`` (GPU):
-    the values come exact in bf16 from :func:`_e2m1_bf16_ptx`; bf16 operands with ue8m0 scales
-    then take one bf16x2 multiply per two weights (the scale, a power of two, is exact in bf16,
-    so the single rounding of the exact product is the same), the others the fp32 product.
-    Otherwise (the interpreter) the arithmetic decoding of :func:`_e2m1_scaled`.
+    Each weight is ``value * scale`` rounded to ``dtype`` (:func:`_fp4_values`).
     """
     HALF: tl.constexpr = BLOCK_K // 2
-    RUN: tl.constexpr = HALF_GROUP if HALF_GROUP < HALF else HALF  # bytes of one scale in a step
-    RUNS: tl.constexpr = HALF // RUN
-    run = tl.arange(0, RUNS)
-    first = k0 // 2 + run * RUN  # first byte of each run
-    byte = first[:, None] + tl.arange(0, RUN)[None, :]
-    mask = n_ok[:, None, None] & (byte < K // 2)[None, :, :]
-    packed = tl.load(w_ptr + w_rows[:, None, None] + byte[None, :, :], mask=mask, other=0)
-    if E2M1_PTX:
-        lo, hi = _e2m1_bf16_ptx(packed)
-        if UE8M0 and dtype == tl.bfloat16:  # the byte is the bf16 exponent field
-            s = (s.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)[:, :, None]
-            lo = _mul_bf16_ptx(lo, s)
-            hi = _mul_bf16_ptx(hi, s)
-        else:
-            if UE8M0:  # the byte is the fp32 exponent field
-                s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-            s = s[:, :, None]
-            lo = (lo.to(tl.float32) * s).to(dtype)
-            hi = (hi.to(tl.float32) * s).to(dtype)
-        lo = tl.reshape(lo, (BLOCK_N, HALF))
-        hi = tl.reshape(hi, (BLOCK_N, HALF))
-    else:
-        if UE8M0:  # a bare power of two: the byte is the fp32 exponent field
-            s = (s.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-        s = (s * 16384.0)[:, :, None]  # exact; each product below rounds once, as value * scale
-        lo = _operand(tl.reshape(_e2m1_scaled(packed & 15) * s, (BLOCK_N, HALF)), dtype, FP32_DOT)
-        hi = _operand(tl.reshape(_e2m1_scaled(packed >> 4) * s, (BLOCK_N, HALF)), dtype, FP32_DOT)
+    packed = _fp4_packed(w_ptr, w_rows, n_ok, k0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
+    lo, hi = _fp4_values(packed, s, dtype, UE8M0, FP32_DOT, E2M1_PTX)
+    lo = tl.reshape(lo, (BLOCK_N, HALF))
+    hi = tl.reshape(hi, (BLOCK_N, HALF))
     return tl.trans(lo), tl.trans(hi)
+
+
+@triton.jit
+def _clamped_swiglu(g, u, limit, dtype: tl.constexpr):
+    """``h = silu(min(g, L)) * clamp(u, -L, L)`` in ``dtype`` from the fp32 gate and up sums, at
+    the reference's rounding points: gate and up rounded to ``dtype``, ``silu`` rounded to it,
+    the product rounded once (shared by the tiled and the decode-width kernels)."""
+    g = tl.minimum(round_through(g, dtype), limit)
+    u = tl.minimum(tl.maximum(round_through(u, dtype), -limit), limit)
+    act = round_through(g / (1.0 + tl.exp(-g)), dtype)
+    return cast_to(act * u, dtype)
 
 
 @triton.jit
@@ -849,11 +892,8 @@ def _gate_up_kernel(
                 x_ptr, a_rows, row_ok, D, w_ptr, w_gate, w_up, s_ptr, s_gate, s_up, n_ok, n_ok,
                 dtype, FP4, UE8M0, HALF_GROUP, BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
             )  # fmt: skip
-        g = tl.minimum(round_through(g, dtype), limit)
-        u = tl.minimum(tl.maximum(round_through(u, dtype), -limit), limit)
-        act = round_through(g / (1.0 + tl.exp(-g)), dtype)
+        h = _clamped_swiglu(g, u, limit, dtype)
         out = h_ptr + slots[:, None] * I + cols[None, :]
-        h = cast_to(act * u, dtype)
         if H_FP8:
             tl.static_assert(BLOCK_N % 32 == 0, "h is quantised per 32 columns")
             GROUPS: tl.constexpr = BLOCK_N // 32
