@@ -47,6 +47,15 @@ def cast_to(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def ue8m0_value(b):
+    """The fp32 value ``2**(b - 127)`` of UE8M0 scale bytes ``b`` (int32), as PyTorch converts
+    ``float8_e8m0fnu``: a normal float for ``1 <= b <= 254``, ``2**-127`` (subnormal) for 0,
+    NaN for 255."""
+    bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_through(x, dtype: tl.constexpr):
     """``x.to(dtype).float()``: fp32 ``x`` rounded to ``dtype``'s precision (identity for fp32)."""
     if dtype == tl.float32:  # noqa: SIM108  (a constexpr branch in a Triton kernel)

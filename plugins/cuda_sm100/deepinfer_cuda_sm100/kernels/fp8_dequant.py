@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_cuda_sm100.kernels._common import cast_to, cdiv
+from deepinfer_cuda_sm100.kernels._common import cast_to, cdiv, ue8m0_value
 
 TILE = 64
 """Rows and columns per program (a divisor of the 128x128 scale blocks)."""
@@ -48,11 +48,8 @@ def _dequant_kernel(
     mask = (rows[:, None] < N) & (cols[None, :] < K)
     w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     s_off = (pn * TILE // BLOCK_ROWS) * s_cols + (pk * TILE // BLOCK_COLS)
-    if UE8M0:
-        b = tl.load(s_ptr + s_off).to(tl.int32)
-        # 2**(b - 127): a normal float for 1 <= b <= 254, 2**-127 (subnormal) for 0, NaN for 255
-        bits = tl.where(b == 0, 0x00400000, tl.where(b == 255, 0x7FC00000, b << 23))
-        scale = bits.to(tl.float32, bitcast=True)
+    if UE8M0:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
+        scale = ue8m0_value(tl.load(s_ptr + s_off).to(tl.int32))
     else:
         scale = tl.load(s_ptr + s_off)
     y = cast_to(w * scale, OUT)

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
-from ._common import INTERPRETED, cast_to, cdiv
+from ._common import INTERPRETED, cast_to, cdiv, ue8m0_value
 from ._common import round_e4m3 as _round_e4m3
 
 BLOCK_K = 128
@@ -212,6 +212,7 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    UE8M0: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -237,7 +238,12 @@ def _fp8_gemm_kernel(
         w = tl.load(
             w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0
         )  # [BLOCK_K, BLOCK_N] fp8
-        w_scale = tl.load(s_ptr + n_block * stride_sn + kb, mask=kb < k_blocks, other=0.0).to(tl.float32)
+        if UE8M0:  # the scale's byte, converted here rather than a copy of the weight's scales a call
+            w_scale = ue8m0_value(
+                tl.load(s_ptr + n_block * stride_sn + kb, mask=kb < k_blocks, other=127).to(tl.int32)
+            )
+        else:
+            w_scale = tl.load(s_ptr + n_block * stride_sn + kb, mask=kb < k_blocks, other=0.0).to(tl.float32)
         if A_FP8:  # activations quantised by _act_quant_kernel: e4m3 tile + one scale per row
             x_scale = tl.load(xs_ptr + rows * stride_xsm + kb, mask=row_ok & (kb < k_blocks), other=0.0)
             if FP32_DOT:
@@ -376,9 +382,8 @@ def _run(
         return y.zero_().reshape(*lead, n)
     if data.stride(-1) != 1:
         data = data.contiguous()
-    if scale.dtype != torch.float32:  # ue8m0: a bare power of two, exact in fp32
-        scale = scale.float()
-    scale = scale.contiguous()
+    ue8m0 = scale.dtype != torch.float32  # a bare power of two a byte, read by the kernel
+    scale = (scale.view(torch.uint8) if ue8m0 else scale).contiguous()
     if launch is None:
         invariant = batch_invariant_enabled()
         launch = launch_config(m, n, k, invariant, sm_count(x.device), x.element_size())
@@ -431,6 +436,7 @@ def _run(
         BLOCK_K=BLOCK_K,
         SCALE_BLOCK=SCALE_BLOCK,
         FP32_DOT=_FP32_DOT,
+        UE8M0=ue8m0,
         num_warps=warps,
         num_stages=1 if INTERPRETED else stages,
     )
