@@ -172,22 +172,19 @@ def _repeated(case, rep: int):
     (q, pools, idx, sinks, scale), kw = case
     t = q.shape[0]
     step_rows = torch.where(idx[1] >= 0, idx[1][None] + t * torch.arange(rep)[:, None, None], -1)
-    third = idx[2]
-    if isinstance(third, PagedIndex):
-        third = PagedIndex(
-            third.block_table, third.token_rows.repeat(rep), third.counts.repeat(rep),
-            third.entries_per_page, third.max_count,
-        )  # fmt: skip
-    else:
-        third = third.repeat(rep, 1)
-    pools = [pools[0], _map_rows(pools[1], lambda x: x.repeat(rep, 1)), pools[2]]
-    return (
-        q.repeat(rep, 1, 1),
-        pools,
-        [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), third],
-        sinks,
-        scale,
-    ), kw
+    third = idx[2:]  # none (a sliding layer's call) or one
+    if third and isinstance(third[0], PagedIndex):
+        p = third[0]
+        third = [
+            PagedIndex(
+                p.block_table, p.token_rows.repeat(rep), p.counts.repeat(rep), p.entries_per_page, p.max_count
+            )
+        ]
+    elif third:
+        third = [third[0].repeat(rep, 1)]
+    pools = [pools[0], _map_rows(pools[1], lambda x: x.repeat(rep, 1)), *pools[2:]]
+    idx = [idx[0].repeat(rep, 1), step_rows.flatten(0, 1), *third]
+    return (q.repeat(rep, 1, 1), pools, idx, sinks, scale), kw
 
 
 def _v4_cases(kv: str = "plain"):
@@ -198,17 +195,16 @@ def _v4_cases(kv: str = "plain"):
     cases = attention_cases(V4_FLASH, kv=kv)(g, torch.bfloat16)
     (q, pools, idx, sinks, scale), kw = cases[-1]  # long context, a paged source first: reordered
     cases.append(((q, pools[1:] + pools[:1], idx[1:] + idx[:1], sinks, scale), kw))
-    # the widest CSA (rows) and HCA (paged) calls 4x over: more CTAs than SMs, so one split
-    for paged in (False, True):
+    # the widest sliding, CSA (rows) and HCA (paged) calls 4x over: more CTAs than SMs, one split
+    for kind in (None, "rows", "paged"):
         third = [
             c
             for c in cases
-            if len(c[0][2]) == 3
-            and all(isinstance(i, torch.Tensor) for i in c[0][2][:2])
-            and isinstance(c[0][2][2], PagedIndex) == paged
+            if all(isinstance(i, torch.Tensor) for i in c[0][2][:2]) and tla.third_kind(c[0][2]) == kind
         ]
         if third:
-            cases.append(_repeated(max(third, key=lambda c: c[0][0].shape[0]), 4))
+            widest = max(third, key=lambda c: c[0][0].shape[0])
+            cases.append(_repeated(widest, max(4, -(-160 // widest[0][0].shape[0]))))
     out = []
     for (q, pools, idx, sinks, scale), _ in cases:
         args = _to((q, pools, idx, sinks, scale), "cuda")
