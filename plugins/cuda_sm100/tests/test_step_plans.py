@@ -150,17 +150,15 @@ def test_supports_names_the_culprit():
 
     from deepinfer_core.contract.step_inputs import StepInputBuffers
 
-    supports = make_supports(interpreted=True, max_reqs=8, max_ratios=1)
+    supports = make_supports(interpreted=True, max_reqs=8)
     args = random_steps(SMALL, 1, 3, "cpu")[0]
-    assert "compress ratios" in supports(*args)
-    supports = make_supports(interpreted=True, max_reqs=8, max_ratios=4)
     assert supports(*args) is True
     bufs = StepInputBuffers(4, 3, 12, 8, TRASH_PAGE, torch.device("cpu"))
     unpadded = bufs.prepare([SeqChunk(0, [5, 6], 0, [1])], [1], None)
     assert "unpadded" in supports(unpadded, *args[1:])
     many = StepInputBuffers(16, 12, 12, 8, TRASH_PAGE, torch.device("cpu")).prepare([], [0], None, 16, 12, 64)
     assert "12 requests" in supports(many, *args[1:])
-    assert "on cuda" in make_supports(interpreted=False, max_reqs=8, max_ratios=4)(*args)
+    assert "on cuda" in make_supports(interpreted=False, max_reqs=8)(*args)
 
 
 @slow

@@ -1068,6 +1068,19 @@ def sorted_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     return tile_expert, slot_pair
 
 
+def empty_call(
+    x: torch.Tensor, ids: torch.Tensor, num_experts: int, shared: torch.Tensor | None
+) -> tuple[torch.Tensor, bool]:
+    """The output tensor of a ``moe_experts`` call, and whether it is already its result: no
+    token (empty), or no slot or expert (the shared expert's output, else zeros)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.shape[0] == 0:
+        return out, True
+    if ids.shape[1] == 0 or num_experts == 0:
+        return (out.zero_() if shared is None else out.copy_(shared)), True
+    return out, False
+
+
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
@@ -1090,17 +1103,10 @@ def moe_experts(
     t, d = x.shape
     top_k = ids.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if t == 0:
+    out, done = empty_call(x, ids, num_experts, shared)
+    if done:
         return out
-    if top_k == 0 or num_experts == 0:
-        return out.zero_() if shared is None else out.copy_(shared)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if ids.stride(1) != 1:
-        ids = ids.contiguous()
-    if weights.stride(1) != 1:
-        weights = weights.contiguous()
+    x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
     pairs = t * top_k
     bi = batch_invariant_enabled()
     fp8 = moe_math() == "fp8"

@@ -56,7 +56,7 @@ import triton.language as tl
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
-from .moe import _clamped_swiglu, _fp4_packed, _fp4_scales, _fp4_values, _weight_args, e2m1_ptx
+from .moe import _clamped_swiglu, _fp4_packed, _fp4_scales, _fp4_values, _weight_args, e2m1_ptx, empty_call
 
 GATE_UP_BLOCK_N = 8
 """Intermediate features per gate / up program (it reads their gate rows and their up rows)."""
@@ -318,17 +318,10 @@ def moe_experts(
     t, d = x.shape
     top_k = ids.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if t == 0:
+    out, done = empty_call(x, ids, num_experts, shared)
+    if done:
         return out
-    if top_k == 0 or num_experts == 0:
-        return out.zero_() if shared is None else out.copy_(shared)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if ids.stride(1) != 1:
-        ids = ids.contiguous()
-    if weights.stride(1) != 1:
-        weights = weights.contiguous()
+    x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
     if shared is not None and shared.stride(1) != 1:
         shared = shared.contiguous()
     plan = launch_plan(t, top_k, d, inter)

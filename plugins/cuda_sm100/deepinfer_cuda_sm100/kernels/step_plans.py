@@ -33,8 +33,6 @@ from ._common import pow2
 
 MAX_REQS = 4096
 """Most requests (padding included) a step may have: each program holds all their fields."""
-MAX_RATIOS = 4
-"""Most distinct compress ratios a step's plans cover."""
 CELLS = 8192
 """Target size of a program's token-by-request (window-by-request) comparison tile."""
 
@@ -165,14 +163,8 @@ def _token_kernel(
     ROWS: tl.constexpr,
     PAGE: tl.constexpr,
     NR: tl.constexpr,
-    R0: tl.constexpr,
-    R1: tl.constexpr,
-    R2: tl.constexpr,
-    R3: tl.constexpr,
-    NB0: tl.constexpr,
-    NB1: tl.constexpr,
-    NB2: tl.constexpr,
-    NB3: tl.constexpr,
+    RATIOS: tl.constexpr,
+    NBS: tl.constexpr,
     HAS_PREV: tl.constexpr,
     DECODING: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -219,90 +211,26 @@ def _token_kernel(
         wm = tm[:, None] & (j[None, :] < W)
         tl.store(wchunk_out + at, chunk.to(tl.int64), mask=wm)
         tl.store(wring_out + at, ring.to(tl.int64), mask=wm)
-    if NR > 0:
+    for k in tl.static_range(NR):
         _ratio_rows(
-            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 0, R0, NB0, DECODING
+            pos,
+            end_t,
+            cached_t,
+            slot_t,
+            t,
+            tm,
+            buf_out,
+            count_out,
+            T,
+            num_slots,
+            k,
+            RATIOS[k],
+            NBS[k],
+            DECODING,
         )
         if not DECODING and pid == 0:
-            _restores(
-                fields_ptr,
-                tables_ptr,
-                restore_rows_out,
-                restore_page_out,
-                R,
-                P,
-                table_stride,
-                num_slots,
-                trash_page,
-                0,
-                R0,
-                NB0,
-                PAGE,
-                RB,
-            )
-    if NR > 1:
-        _ratio_rows(
-            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 1, R1, NB1, DECODING
-        )
-        if not DECODING and pid == 0:
-            _restores(
-                fields_ptr,
-                tables_ptr,
-                restore_rows_out,
-                restore_page_out,
-                R,
-                P,
-                table_stride,
-                num_slots,
-                trash_page,
-                1,
-                R1,
-                NB1,
-                PAGE,
-                RB,
-            )
-    if NR > 2:
-        _ratio_rows(
-            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 2, R2, NB2, DECODING
-        )
-        if not DECODING and pid == 0:
-            _restores(
-                fields_ptr,
-                tables_ptr,
-                restore_rows_out,
-                restore_page_out,
-                R,
-                P,
-                table_stride,
-                num_slots,
-                trash_page,
-                2,
-                R2,
-                NB2,
-                PAGE,
-                RB,
-            )
-    if NR > 3:
-        _ratio_rows(
-            pos, end_t, cached_t, slot_t, t, tm, buf_out, count_out, T, num_slots, 3, R3, NB3, DECODING
-        )
-        if not DECODING and pid == 0:
-            _restores(
-                fields_ptr,
-                tables_ptr,
-                restore_rows_out,
-                restore_page_out,
-                R,
-                P,
-                table_stride,
-                num_slots,
-                trash_page,
-                3,
-                R3,
-                NB3,
-                PAGE,
-                RB,
-            )
+            restore_args = (restore_rows_out, restore_page_out, R, P, table_stride, num_slots, trash_page)
+            _restores(fields_ptr, tables_ptr, *restore_args, k, RATIOS[k], NBS[k], PAGE, RB)
 
 
 @triton.jit
@@ -419,7 +347,6 @@ def fixed_step_plans(
     decoding = inputs.decoding
     restore_rows = None if decoding else torch.empty((nr, n_req), **i64)
     restore_page = None if decoding else torch.empty(n_req, **i64)
-    pad = [1] * (MAX_RATIOS - nr)
     block_t = _block(t, rb, pow2(window))
     geometry = (n_req, p, block_tables.stride(0), num_slots, trash_page)  # R, P, table_stride, ...
     _token_kernel[(triton.cdiv(t, block_t),)](
@@ -445,8 +372,8 @@ def fixed_step_plans(
         ROWS=window + num_spec_tokens,
         PAGE=page_size,
         NR=nr,
-        **dict(zip(("R0", "R1", "R2", "R3"), ratios + pad, strict=True)),
-        **dict(zip(("NB0", "NB1", "NB2", "NB3"), nbs + pad, strict=True)),
+        RATIOS=tuple(ratios),
+        NBS=tuple(nbs),
         HAS_PREV=has_prev,
         DECODING=decoding,
         BLOCK_T=block_t,
