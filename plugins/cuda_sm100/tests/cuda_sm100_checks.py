@@ -13,7 +13,8 @@
   a pytest session that also runs the GPU tests).
 - :func:`compile_problem`, :func:`compile_launch`: why kernels cannot be compiled ahead of
   time for a GPU here, and a kernel compiled for ``sm_<arch>`` as a recorded launch would
-  specialise it (no GPU needed).
+  specialise it (no GPU needed); :func:`record_launches`: a module's kernels replaced by
+  recorders of their launches (CPU tensors, no kernel runs).
 """
 
 from __future__ import annotations
@@ -223,6 +224,25 @@ TRITON_TYPES = {
     torch.bool: "i1",
 }
 """Triton's names of the tensor dtypes the kernels take (for :func:`compile_launch`)."""
+
+
+def record_launches(monkeypatch, module, names, launches: list | None = None) -> list[tuple]:
+    """Replace the Triton kernels ``names`` of ``module`` (with ``monkeypatch``) by recorders:
+    each launch appends ``(kernel, args, kwargs)`` to the returned list (``launches`` where
+    given) and runs nothing, so a host wrapper called on CPU tensors yields the arguments
+    :func:`compile_launch` takes."""
+    launches = [] if launches is None else launches
+
+    class _Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    for name in names:
+        monkeypatch.setattr(module, name, _Recorder(getattr(module, name)))
+    return launches
 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int):

@@ -702,27 +702,14 @@ MAX_SHARED = 232448
 def _recorded_main_launches(call: tuple, monkeypatch) -> list[tuple[tuple, dict]]:
     """The ``(args, kwargs)`` the host wrapper passes ``_attn_kernel`` for ``call`` (CPU
     tensors; no kernel runs)."""
+    from cuda_sm100_checks import record_launches
     from deepinfer_cuda_sm100.kernels import attention as ka
 
-    launches = []
-
-    class _Recorder:
-        def __init__(self, keep: bool):
-            self.keep = keep
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                if self.keep:
-                    launches.append((args, kwargs))
-
-            return launch
-
-    monkeypatch.setattr(ka, "_attn_kernel", _Recorder(True))
-    monkeypatch.setattr(ka, "_prologue_kernel", _Recorder(False))
-    monkeypatch.setattr(ka, "_combine_kernel", _Recorder(False))
+    main = ka._attn_kernel
+    launches = record_launches(monkeypatch, ka, ("_attn_kernel", "_prologue_kernel", "_combine_kernel"))
     ka.sparse_attention(*call)
     monkeypatch.undo()
-    return launches
+    return [(args, kwargs) for kernel, args, kwargs in launches if kernel is main]
 
 
 @slow

@@ -220,7 +220,7 @@ def test_supports_names_the_culprit():
 def test_kernels_compile_for_the_gpu(arch, monkeypatch):
     """The three kernels at V4-Flash widths (CSA with snapshots and ``live``, HCA), compiled for
     ``sm_<arch>`` from launch arguments recorded on CPU tensors (no kernel runs)."""
-    from cuda_sm100_checks import compile_launch, compile_problem
+    from cuda_sm100_checks import compile_launch, compile_problem, record_launches
 
     if compile_problem() is not None:
         pytest.skip(compile_problem())
@@ -229,17 +229,8 @@ def test_kernels_compile_for_the_gpu(arch, monkeypatch):
 
     from deepinfer_core.ops.compressor import window_case
 
-    launches = []
-
-    def recorder(kernel):
-        class _Recorder:
-            def __getitem__(self, grid):
-                return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
-
-        return _Recorder()
-
-    for name in ("_compress_windows_kernel", "_compress_carry_kernel", "_compress_buffer_kernel"):
-        monkeypatch.setattr(kw, name, recorder(getattr(kw, name)))
+    names = ("_compress_windows_kernel", "_compress_carry_kernel", "_compress_buffer_kernel")
+    launches = record_launches(monkeypatch, kw, names)
     g, s = torch.Generator().manual_seed(0), V4_FLASH_WINDOWS
     for ratio, overlap in ((s.csa, True), (s.hca, False)):
         args, kwargs = window_case(g, torch.bfloat16, 4, 4, ratio, s.head_dim, overlap, rope_dim=s.rope_dim)

@@ -225,19 +225,13 @@ def test_block_sizes_depend_on_shapes_only():
 def test_kernel_compiles_for_the_gpu(arch, monkeypatch):
     """CSA and HCA windows at V4-Flash widths, with and without ``live``: the kernel compiles
     for ``sm_<arch>`` (launch arguments recorded from CPU tensors; no kernel runs)."""
-    from cuda_sm100_checks import compile_launch, compile_problem
+    from cuda_sm100_checks import compile_launch, compile_problem, record_launches
 
     if compile_problem() is not None:
         pytest.skip(compile_problem())
     from deepinfer_cuda_sm100.kernels import compressor as kc
 
-    launches = []
-
-    class _Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-
-    monkeypatch.setattr(kc, "_compress_entries_kernel", _Recorder())
+    launches = record_launches(monkeypatch, kc, ("_compress_entries_kernel",))
     for m, length in ((64, 8), (64, 128)):
         kv, gate = torch.empty(m, length, 512, dtype=torch.bfloat16), torch.empty(m, length, 512)
         call = (kv, gate, torch.ones(512), 1e-6, torch.zeros(m, dtype=torch.int64), torch.ones(32), 1.0)
@@ -246,8 +240,8 @@ def test_kernel_compiles_for_the_gpu(arch, monkeypatch):
             kc.compress_entries(*call, pool, dest, live=live)
     monkeypatch.undo()
     assert len(launches) == 4
-    for args, kwargs in launches:
-        compile_launch(kc._compress_entries_kernel, args, kwargs, arch)
+    for kernel, args, kwargs in launches:
+        compile_launch(kernel, args, kwargs, arch)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -204,19 +204,10 @@ _SELECT_KERNELS = (
 def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch) -> list[tuple]:
     """``(kernel, args, kwargs)`` of every launch :func:`select_topk` makes for ``call`` (CPU
     tensors; no kernel runs)."""
+    from cuda_sm100_checks import record_launches
     from deepinfer_cuda_sm100.kernels import indexer as ki
 
-    launches = []
-
-    class _Recorder:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
-
-    for name in _SELECT_KERNELS:
-        monkeypatch.setattr(ki, name, _Recorder(getattr(ki, name)))
+    launches = record_launches(monkeypatch, ki, _SELECT_KERNELS)
     ki.select_topk(*call, column_order=column_order)
     monkeypatch.undo()
     return launches

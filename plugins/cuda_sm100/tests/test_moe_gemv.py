@@ -311,20 +311,10 @@ def test_kernels_compile_for_sm90_without_spills(scales, monkeypatch, tmp_path):
     """Both launches as the host makes them at V4-Flash widths (recorded from CPU tensors, one
     expert; no kernel runs), with and without the shared expert: the PTX decoding (and for ue8m0
     the bf16x2 scale products), the bf16 widening, no stack or local memory."""
-    from cuda_sm100_checks import compile_launch
+    from cuda_sm100_checks import compile_launch, record_launches
     from deepinfer_cuda_sm100.kernels import moe_gemv
 
-    launches = []
-
-    class _Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-    for name in ("_gemv_gate_up_kernel", "_gemv_down_kernel"):
-        monkeypatch.setattr(moe_gemv, name, _Recorder(getattr(moe_gemv, name)))
+    launches = record_launches(monkeypatch, moe_gemv, ("_gemv_gate_up_kernel", "_gemv_down_kernel"))
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
     ids, w = torch.zeros(1, 6, dtype=torch.int64), torch.ones(1, 6)
     gate_up, down = _fp4(1, 4096, 4096, scales), _fp4(1, 4096, 2048, scales)

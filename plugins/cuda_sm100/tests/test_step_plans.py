@@ -166,23 +166,13 @@ def test_supports_names_the_culprit():
 def test_kernels_compile_for_the_gpu(arch, monkeypatch):
     """Both kernels at V4-Flash's geometry (a 64-slot decode bucket and a mixed step), compiled
     for ``sm_<arch>`` from launch arguments recorded on CPU tensors (no kernel runs)."""
-    from cuda_sm100_checks import compile_launch, compile_problem
+    from cuda_sm100_checks import compile_launch, compile_problem, record_launches
 
     if compile_problem() is not None:
         pytest.skip(compile_problem())
     from deepinfer_cuda_sm100.kernels import step_plans as sp
 
-    launches = []
-
-    def recorder(kernel):
-        class _Recorder:
-            def __getitem__(self, grid):
-                return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
-
-        return _Recorder()
-
-    for name in ("_token_kernel", "_window_kernel"):
-        monkeypatch.setattr(sp, name, recorder(getattr(sp, name)))
+    launches = record_launches(monkeypatch, sp, ("_token_kernel", "_window_kernel"))
     for args in random_steps(V4_FLASH, 6, 1, "cpu"):
         sp.fixed_step_plans(*args)
     monkeypatch.undo()

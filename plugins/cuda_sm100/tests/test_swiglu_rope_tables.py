@@ -259,24 +259,15 @@ def test_the_v4_flash_cases_are_supported():
 def test_kernels_compile_for_the_gpu(arch, monkeypatch):
     """Both kernels at V4-Flash shapes, in bf16 and fp32, compile for ``sm_<arch>`` (launch
     arguments recorded from CPU tensors; no kernel runs)."""
-    from cuda_sm100_checks import compile_launch
+    from cuda_sm100_checks import compile_launch, record_launches
 
     if compile_problem() is not None:
         pytest.skip(compile_problem())
     from deepinfer_cuda_sm100.kernels import rope as kr
     from deepinfer_cuda_sm100.kernels import swiglu as ks
 
-    launches = []
-
-    class _Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
-
-    monkeypatch.setattr(ks, "_swiglu_kernel", _Recorder(ks._swiglu_kernel))
-    monkeypatch.setattr(kr, "_cos_sin_kernel", _Recorder(kr._cos_sin_kernel))
+    launches = record_launches(monkeypatch, ks, ("_swiglu_kernel",))
+    record_launches(monkeypatch, kr, ("_cos_sin_kernel",), launches)
     inv = torch.ones(32)
     for dtype in (torch.bfloat16, torch.float32):
         fused = torch.empty(64, 256 + 2 * 2048, dtype=dtype)
