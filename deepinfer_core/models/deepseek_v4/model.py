@@ -21,10 +21,10 @@ from deepinfer_core.weights.quant import Weight
 
 from .attention import Attention
 from .config import DeepseekV4Config
-from .metadata import StepMetadata, build_metadata, with_context_parallel
+from .metadata import StepMetadata, with_context_parallel
 from .moe import MoE
 from .params import MTP_PREFIX
-from .plan_op import plans_op
+from .plan_op import derive_plans
 from .rope import inv_freq
 
 logger = logging.getLogger("deepinfer.model")
@@ -187,16 +187,10 @@ class DeepseekV4Model:
         page_size: int,
         num_slots: int,
         trash_page: int,
-        num_spec_tokens: int,
+        spec: int,
     ) -> StepMetadata:
-        """The plans of a step: a fixed-shape step's through the op ``deepseek_v4.fixed_step_plans``
-        (a backend may derive them in a few launches), an unpadded step's (shapes from the host's
-        values) with :func:`~.metadata.build_metadata`."""
         window = self.cfg.sliding_window
-        if inputs.spans is None:
-            plans = plans_op(self.ops)
-            return plans(inputs, window, tuple(ratios), page_size, num_slots, trash_page, num_spec_tokens)
-        return build_metadata(inputs, window, ratios, page_size, num_slots, trash_page, num_spec_tokens)
+        return derive_plans(self.ops, inputs, window, ratios, page_size, num_slots, trash_page, spec)
 
     def _rope(self, md: StepMetadata, dtype: torch.dtype) -> dict:
         rope: dict = {}

@@ -28,13 +28,32 @@ from .metadata import StepMetadata, build_metadata
 NAME = "deepseek_v4.fixed_step_plans"
 
 
-def plans_op(ops: OpTable) -> Callable[..., Any]:
-    """``ops``'s ``deepseek_v4.fixed_step_plans`` (the reference when ``ops`` predates this
-    module's import)."""
+def plans_op(ops: OpTable | None) -> Callable[..., Any]:
+    """``ops``'s ``deepseek_v4.fixed_step_plans`` (the reference without a table or when
+    ``ops`` predates this module's import)."""
     try:
-        return ops[NAME]
+        return fixed_step_plans if ops is None else ops[NAME]
     except KeyError:
         return fixed_step_plans
+
+
+def derive_plans(
+    ops: OpTable | None,
+    inputs: StepInputs,
+    window: int,
+    ratios: list[int],
+    page_size: int,
+    num_slots: int,
+    trash_page: int,
+    num_spec_tokens: int = 0,
+) -> StepMetadata:
+    """A step's plans: a fixed-shape step's through ``ops``'s ``deepseek_v4.fixed_step_plans``
+    (a backend may derive them in a few launches), an unpadded step's (shapes from the host's
+    values) with :func:`~.metadata.build_metadata`."""
+    if inputs.spans is None:
+        plans = plans_op(ops)
+        return plans(inputs, window, tuple(ratios), page_size, num_slots, trash_page, num_spec_tokens)
+    return build_metadata(inputs, window, list(ratios), page_size, num_slots, trash_page, num_spec_tokens)
 
 
 def step_case(

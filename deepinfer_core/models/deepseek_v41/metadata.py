@@ -20,6 +20,8 @@ import torch
 
 from deepinfer_core.contract.step_inputs import StepInputs
 from deepinfer_core.models.deepseek_v4.metadata import StepMetadata, build_metadata
+from deepinfer_core.models.deepseek_v4.plan_op import derive_plans
+from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.attention import PagedIndex
 
 
@@ -181,11 +183,14 @@ def build_v41_metadata(
     num_spec_tokens: int = 0,
     lookback: int = 0,
     tail: int | None = None,
+    ops: OpTable | None = None,
 ) -> V41StepMetadata:
     """The step's plans for compress ``ratios`` (0 and duplicates ignored); with ``lookback >
     0`` the Engram look-back of that many ids (:class:`LookbackPlan`); with ``tail`` the rows
-    the decoder layers run on (:func:`tail_plan`)."""
-    md = _build(inputs, window, ratios, page_size, num_slots, trash_page, num_spec_tokens, lookback)
+    the decoder layers run on (:func:`tail_plan`).  V4's part of a fixed-shape step comes from
+    ``ops``'s ``deepseek_v4.fixed_step_plans`` (:func:`~deepinfer_core.models.deepseek_v4.
+    plan_op.derive_plans`; its reference without ``ops``)."""
+    md = _build(inputs, window, ratios, page_size, num_slots, trash_page, num_spec_tokens, lookback, ops)
     if tail is not None:
         md.tail = tail_plan(inputs, md, window, tail, num_slots, num_spec_tokens)
     return md
@@ -200,9 +205,10 @@ def _build(
     trash_page: int,
     num_spec_tokens: int,
     lookback: int,
+    ops: OpTable | None,
 ) -> V41StepMetadata:
     pooled = sorted({r for r in ratios if r > 1})
-    v4 = build_metadata(inputs, window, pooled, page_size, num_slots, trash_page, num_spec_tokens)
+    v4 = derive_plans(ops, inputs, window, pooled, page_size, num_slots, trash_page, num_spec_tokens)
     if 1 not in ratios and lookback == 0:
         return V41StepMetadata(v4=v4, full=None)
     t, n_req = inputs.num_tokens, inputs.num_reqs

@@ -233,6 +233,7 @@ class DeepseekV41Model:
             num_spec_tokens,
             lookback=self.lookback,
             tail=self.tail_tokens(num_spec_tokens),
+            ops=self.ops,
         )
 
     def dspark_step_metadata(
