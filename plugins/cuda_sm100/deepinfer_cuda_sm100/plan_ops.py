@@ -1,6 +1,7 @@
 """A fixed-shape step's plans on the ``cuda_sm100`` backend: ``deepseek_v4.fixed_step_plans`` in
-two Triton launches and a gather (kernels in :mod:`deepinfer_cuda_sm100.kernels.step_plans`),
-where the reference takes about ninety PyTorch ops, each a launch of a captured graph.
+a Triton launch for the tokens, one per compress ratio and a gather (kernels in
+:mod:`deepinfer_cuda_sm100.kernels.step_plans`), where the reference takes about ninety PyTorch
+ops, each a launch of a captured graph.
 
 :func:`plan_ops` returns its :class:`OpImpl` with a ``supports`` predicate (shapes, dtypes and
 devices only) and conformance cases of its own: the op's steps (decode, verify and mixed,

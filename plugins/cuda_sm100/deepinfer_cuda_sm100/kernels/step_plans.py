@@ -1,4 +1,5 @@
-"""A fixed-shape step's plans in two Triton launches (``deepseek_v4.fixed_step_plans``).
+"""A fixed-shape step's plans (``deepseek_v4.fixed_step_plans``): a launch for the tokens and one
+per compress ratio.
 
 The reference (:func:`deepinfer_core.models.deepseek_v4.metadata.build_metadata`) derives a
 step's per-token and per-window plans in about ninety PyTorch ops on a handful of integers,
@@ -10,13 +11,15 @@ each a launch of its own in a captured decode graph.  Here:
   samples), its sliding-window ring and chunk rows, ring row and realness, and per compress
   ratio its partial-window buffer row and visible-entry count; program 0 also writes the
   prefix hits' carry restores of a step that is not ``decoding``;
-- :func:`_window_kernel`, a program per block of windows and ratio: each window's request,
-  staging rows, overlap-series row, first position, pool row, carry row and page snapshot,
-  padding windows to the trash slot / page, and the count of live windows.
+- :func:`_window_kernel`, a launch per compress ratio, a program per block of windows: each
+  window's request, staging rows, overlap-series row, first position, pool row, carry row and
+  page snapshot, padding windows to the trash slot / page, and the count of live windows.
 
 Every request's fields are read by every program (a step has at most :data:`MAX_REQS`), and the
 sums over requests the reference takes with ``cumsum`` + gathers are masked reductions over
-them.  All values are int64 as in the reference, compared bit for bit by the tests.
+them.  The arithmetic is int32 with the ratios, buffer depths, ring rows and page size as
+compile-time constants (no division left in the code); the outputs are int64 as in the
+reference, compared bit for bit by the tests.
 """
 
 from __future__ import annotations
