@@ -160,12 +160,34 @@ def moe_points(
     ]  # fmt: skip
 
 
+def keeping_languages(points: list[dict], table) -> list[dict]:
+    """``points`` without those that would replace a point of ``table`` (:class:`~deepinfer_cuda_sm100.
+    kernel_choice.Point` s) of the same shape timed in a language they lack (a run where TileLang
+    did not compile must not erase its times); each one left out is named on a line."""
+    known = {(q.op, q.kind, q.dtype, q.heads, q.head_dim, q.tokens, q.keys): set(q.ms) for q in table}
+    kept = []
+    for p in points:
+        key = (p["op"], p["kind"], p["dtype"], p["heads"], p["head_dim"], p["tokens"], p["keys"])
+        lost = sorted(known.get(key, set()) - set(p["ms"]))
+        if lost:
+            print(
+                f"{p['op']} at {p['tokens']} pairs / {p['keys']} experts not written: this run lacks {lost}"
+            )
+        else:
+            kept.append(p)
+    return kept
+
+
 def write_moe_choices(
     rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
 ) -> Path:
     """:func:`moe_points` of ``rows`` written into this GPU's table (replacing its
-    ``moe_experts`` points of the same shapes and kind)."""
-    points = moe_points(rows, hidden, inter, experts, top_k, kind)
+    ``moe_experts`` points of the same shapes and kind, :func:`keeping_languages`)."""
+    from deepinfer_cuda_sm100 import kernel_choice
+
+    major, minor = torch.cuda.get_device_capability()
+    table = kernel_choice.load_points(f"sm{major}{minor}")
+    points = keeping_languages(moe_points(rows, hidden, inter, experts, top_k, kind), table)
     timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
     packages = ("triton", "tilelang") if any("tilelang" in p["ms"] for p in points) else ("triton",)
     return merge(points, "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices", timing, packages)

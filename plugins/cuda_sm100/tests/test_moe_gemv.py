@@ -271,6 +271,11 @@ def test_bench_rows_with_gemv_times_become_points():
     assert (
         kernel_choice.choose("moe_experts", "fp4", "bfloat16", 256, 128, 6, 8, "sm90", langs, points) == GEMV
     )
+    # a later run without TileLang does not erase the times a point was taken in
+    later = writers.moe_points([{"T": 1, "triton_fp4_us": 71.0, "triton_gemv_fp4_us": 31.0}], 256, 128, 8, 6)
+    assert writers.keeping_languages(later, points) == []
+    assert writers.keeping_languages(dicts, points) == dicts
+    assert writers.keeping_languages(later, ()) == later
 
 
 def test_calls_without_pairs_launch_nothing_and_plain_stacks_are_refused():
