@@ -17,6 +17,10 @@ MAX_LEN = 120
 
 
 def _engine(num_pages: int, budget: int, max_seqs: int = 4) -> LLMEngine:
+    """The tiny model on the reference backend in batch-invariant mode: a request's tokens then
+    may not depend on what it was batched with (in the default mode a routing near-tie can flip
+    with the rounding of a differently batched GEMM), so a preempted, replayed run must give
+    exactly an unconstrained run's tokens."""
     cfg = EngineConfig(
         model=str(builtin_tiny_model_dir()),
         backend="reference",
@@ -26,6 +30,7 @@ def _engine(num_pages: int, budget: int, max_seqs: int = 4) -> LLMEngine:
         page_size=PAGE,
         num_cache_pages=num_pages,
         max_model_len=min(MAX_LEN, num_pages * PAGE),  # a longer one could never be served
+        batch_invariant=True,
     )
     return LLMEngine(cfg)
 
