@@ -26,6 +26,10 @@ from deepinfer_core.ops.registry import define_op
 from .metadata import StepMetadata, build_metadata
 
 NAME = "deepseek_v4.fixed_step_plans"
+CASE_SLOTS = 8
+"""Sequence slots of the conformance steps (:func:`sample_steps`); slot 8 is their trash slot."""
+CASE_TRASH_PAGE = 99
+"""The conformance steps' trash page."""
 
 
 def plans_op(ops: OpTable | None) -> Callable[..., Any]:
@@ -81,13 +85,15 @@ def _chunk(slot: int, start: int, n: int, page_size: int, **kw) -> SeqChunk:
     return SeqChunk(slot, list(range(7, 7 + n)), start, table, **kw)
 
 
-def sample_steps(page_size: int, num_slots: int = 8, max_pages: int = 8) -> list[tuple[StepInputs, int]]:
+def sample_steps(
+    page_size: int, num_slots: int = CASE_SLOTS, max_pages: int = 8
+) -> list[tuple[StepInputs, int]]:
     """Fixed-shape steps covering the plans' cases, each with its ``num_spec_tokens``: a decode
     bucket (positions closing windows and pages, an async pending token), verify steps with
     two and five drafts (the latter buffering more windows of the small ratio), a mixed step
     (prefill chunks, a prefix hit's replay and resume, decodes, padding), and a bucket of
     padding only."""
-    trash = 99
+    trash = CASE_TRASH_PAGE
     end = max_pages * page_size
     ps = page_size
     geo = {"num_slots": num_slots, "max_pages": max_pages, "trash_page": trash, "max_end": end}
@@ -115,16 +121,22 @@ def sample_steps(page_size: int, num_slots: int = 8, max_pages: int = 8) -> list
     ]
 
 
-def _plans_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-    del g, dtype  # integer plans: the steps are fixed
-    cases = []
-    for window, ratios, ps in ((8, (4, 8), 16), (6, (4,), 8), (8, (), 16)):
-        for inputs, spec in sample_steps(ps):
-            cases.append(((inputs, window, ratios, ps, 8, 99, spec), {}))
+def plan_cases(geometries: tuple[tuple[int, tuple[int, ...], int], ...]):
+    """The sample-case function of the op's :func:`sample_steps` at each ``(window, ratios,
+    page_size)`` of ``geometries`` (the op's own cases; a backend's at the shapes it targets)."""
+
+    def cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+        del g, dtype  # integer plans: the steps are fixed
+        return [
+            ((inputs, window, ratios, ps, CASE_SLOTS, CASE_TRASH_PAGE, spec), {})
+            for window, ratios, ps in geometries
+            for inputs, spec in sample_steps(ps)
+        ]
+
     return cases
 
 
-@define_op(NAME, "metadata", sample_cases=_plans_cases)
+@define_op(NAME, "metadata", sample_cases=plan_cases(((8, (4, 8), 16), (6, (4,), 8), (8, (), 16))))
 def fixed_step_plans(
     inputs: StepInputs,
     window: int,

@@ -56,11 +56,24 @@ GEMV = "triton_gemv"
 """The table's name of the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`)."""
 
 
-def _stack_problem(name: str, w) -> str | None:
+def _fp4_problem(name: str, w, path: str) -> str | None:
+    """Why ``w`` is not an FP4 stack in scale groups of :data:`GROUP` inputs, which ``path``
+    (the kernels named in the reason) reads, or ``None``."""
     if not isinstance(w, QuantizedTensor) or w.fmt != "fp4":
-        return f"{name} is not an FP4 QuantizedTensor: the TileLang kernels read FP4 stacks"
+        return f"{name} is not an FP4 QuantizedTensor: {path} read FP4 stacks"
     if w.block != (1, GROUP):
-        return f"{name} has FP4 scale groups of {w.block[1]} inputs: the TileLang kernels take {GROUP}"
+        return f"{name} has FP4 scale groups of {w.block[1]} inputs: {path} take {GROUP}"
+    return None
+
+
+NO_PAIRS = "no (token, slot) pairs: the Triton path returns the empty result"
+"""Why neither TileLang nor the GEMVs take a call without (token, slot) pairs."""
+
+
+def _stack_problem(name: str, w) -> str | None:
+    problem = _fp4_problem(name, w, "the TileLang kernels")
+    if problem:
+        return problem
     if not w.data.is_contiguous() or not w.scale.is_contiguous():
         return f"{name}: the TileLang kernels read contiguous FP4 data and scales"
     align = 16 if w.scale.dtype == torch.float32 else 4
@@ -82,7 +95,7 @@ def tilelang_supports(x, ids, weights, gate_up, down, limit, shared=None) -> boo
     if d % WIDTH_MULTIPLE or inter % WIDTH_MULTIPLE:
         return f"widths D={d}, I={inter}: the TileLang kernels take multiples of {WIDTH_MULTIPLE}"
     if x.shape[0] == 0 or ids.shape[1] == 0:
-        return "no (token, slot) pairs: the Triton path returns the empty result"
+        return NO_PAIRS
     from deepinfer_cuda_sm100.tl.moe import launch_plan
 
     tiles = launch_plan(x.shape[0], ids.shape[1], gate_up.shape[0], d, inter)["tiles"]
@@ -101,12 +114,11 @@ def gemv_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | 
     if x.dtype != torch.bfloat16:
         return f"x dtype {x.dtype}: the decode-width GEMVs are measured in bfloat16"
     for name, w in (("gate_up", gate_up), ("down", down)):
-        if not isinstance(w, QuantizedTensor) or w.fmt != "fp4":
-            return f"{name} is not an FP4 QuantizedTensor: the decode-width GEMVs read FP4 stacks"
-        if w.block != (1, GROUP):
-            return f"{name} has FP4 scale groups of {w.block[1]} inputs: the decode-width GEMVs take {GROUP}"
+        problem = _fp4_problem(name, w, "the decode-width GEMVs")
+        if problem:
+            return problem
     if x.shape[0] == 0 or ids.shape[1] == 0:
-        return "no (token, slot) pairs: the Triton path returns the empty result"
+        return NO_PAIRS
     if x.shape[0] > MAX_TOKENS:
         return f"{x.shape[0]} tokens: the decode-width GEMVs take at most {MAX_TOKENS}"
     return True

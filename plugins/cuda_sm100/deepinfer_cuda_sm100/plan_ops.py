@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.contract.step_inputs import REQ_FIELDS
-from deepinfer_core.models.deepseek_v4.plan_op import NAME, sample_steps
+from deepinfer_core.models.deepseek_v4.plan_op import NAME, plan_cases
 from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.checks import device_problem, first_problem
 
@@ -25,19 +25,6 @@ V4_FLASH_GEOMETRY = (128, (4, 128), 256)
 """The GPU cases' window, compress ratios and page size (V4-Flash's)."""
 SMALL_GEOMETRY = (8, (4, 16), 16)
 """The interpreter cases' window, compress ratios and page size."""
-
-
-def plan_cases(geometry: tuple[int, tuple[int, ...], int]):
-    """The sample-case function of the kernels' own cases: the op's steps
-    (:func:`~deepinfer_core.models.deepseek_v4.plan_op.sample_steps`) at ``geometry``."""
-    window, ratios, page_size = geometry
-
-    def cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
-        del g, dtype  # integer plans of fixed steps
-        steps = sample_steps(page_size)
-        return [((inputs, window, ratios, page_size, 8, 99, spec), {}) for inputs, spec in steps]
-
-    return cases
 
 
 def make_supports(interpreted: bool, max_reqs: int):
@@ -70,10 +57,11 @@ def make_supports(interpreted: bool, max_reqs: int):
 
 def plan_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PLAN_OPS` (imports Triton and the kernels); the cases are
-    the op's own (:func:`~deepinfer_core.models.deepseek_v4.plan_op.sample_steps`)."""
+    the op's steps at the backend's geometry
+    (:func:`~deepinfer_core.models.deepseek_v4.plan_op.plan_cases`)."""
     from deepinfer_cuda_sm100.kernels import _common, step_plans
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted, step_plans.MAX_REQS)
-    cases = plan_cases(SMALL_GEOMETRY if interpreted else V4_FLASH_GEOMETRY)
+    cases = plan_cases((SMALL_GEOMETRY if interpreted else V4_FLASH_GEOMETRY,))
     return {NAME: OpImpl(fn=step_plans.fixed_step_plans, supports=supports, sample_cases=cases)}
