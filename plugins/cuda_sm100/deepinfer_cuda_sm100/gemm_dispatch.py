@@ -19,6 +19,12 @@ In the opt-in W8A8 prefill (``DEEPINFER_FP8_PREFILL=w8a8``, :mod:`~deepinfer_cud
 fp8_gemm`) the two paths are Triton's W8A8 tile and ``"scaled_mm"``, cuBLAS's block-scaled FP8
 GEMM on the same quantised activations (:mod:`deepinfer_cuda_sm100.scaled_mm`).
 
+The grouped output projection (``grouped_linear``, ``x [T, G, K]`` times the ``G`` row blocks
+of one ``[G*N, K]`` weight) has two paths: ``"triton"`` (every group in one launch of the same
+kernel) and ``"cublas"`` (the weight dequantised, then the reference's batched GEMM, bitwise the
+reference), chosen by the table's op ``"grouped_linear_fp8"`` (kind ``"w8a16"``, keyed by the
+weight's ``G*N x K``, the groups as ``keys`` and the call's ``T``).
+
 A call takes the path the measured table of this GPU's architecture
 (:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"linear_fp8"``, kind ``"w8a16"`` or
 ``"w8a8"``, keyed by the weight's ``N x K`` and the call's rows ``M``; re-measured by ``python
@@ -41,6 +47,17 @@ from deepinfer_cuda_sm100 import kernel_choice, tl
 
 OP = "linear_fp8"
 """The op name of the GEMM points in the measured table."""
+V4_FLASH_SHAPES = "4096x1536,1024x32768,1024x8192,8192x4096,4096x4096,2048x4096,4096x1024,4096x512,4096x2048"
+"""``K x N`` of DeepSeek-V4-Flash's FP8 projections as the V4 model runs them (``q_a`` + ``kv``
+fused, ``q_b``, the indexer's ``q_b``, ``o_b``, the shared expert's gate + up fused and its
+down), then the unfused ``q_a``, ``kv`` and gate: the shapes the shipped table measures
+(``bench_fp8_gemm.py``) and the TileLang GEMMs precompiled (``tl.precompile``)."""
+V4_FLASH_GROUPED = "8x4096x1024"
+"""``G x K x N`` of V4-Flash's grouped output projection ``o_a`` (8 groups of 4096 -> 1024)."""
+GROUPED_OP = "grouped_linear_fp8"
+"""The op name of the grouped GEMM points in the measured table."""
+GROUPED_PATHS = frozenset({"triton", "cublas"})
+"""The paths of the grouped GEMM (W8A16 only)."""
 PATHS = {
     "w8a16": frozenset({"triton", "cublas", "tilelang"}),
     "w8a8": frozenset({"triton", "scaled_mm"}),
@@ -85,6 +102,42 @@ def cublas_linear(x: torch.Tensor, weight) -> torch.Tensor:
     from deepinfer_cuda_sm100.kernels.fp8_dequant import dequantize_fp8
 
     return F.linear(x, dequantize_fp8(weight.data, weight.scale, tuple(weight.block), x.dtype))
+
+
+def choose_grouped_path(x: torch.Tensor, weight) -> str:
+    """``"triton"`` or ``"cublas"`` for ``grouped_linear(x [T, G, K], weight [G*N, K])`` (see the
+    module docstring; Triton in the batch-invariant mode, off CUDA and in the W8A8 prefill)."""
+    from deepinfer_cuda_sm100.kernels import fp8_gemm
+
+    if batch_invariant_enabled() or x.device.type != "cuda" or fp8_gemm.prefill_w8a8(x[:, 0]):
+        return "triton"
+    t, groups, k = x.shape
+    rows = weight.data.shape[0]
+    arch = kernel_choice.device_arch(x.device)
+    dtype = _DTYPES[x.dtype]
+    return kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, GROUPED_PATHS)
+
+
+def cublas_grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """The grouped ``"cublas"`` path: dequantise (bitwise the reference's), then the reference's
+    batched GEMM."""
+    from deepinfer_core.ops.linear import grouped_linear
+    from deepinfer_cuda_sm100.kernels.fp8_dequant import dequantize_fp8
+
+    return grouped_linear(x, dequantize_fp8(weight.data, weight.scale, tuple(weight.block), x.dtype))
+
+
+def make_grouped_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The ``grouped_linear`` op: the path :func:`choose_grouped_path` picks, ``triton_fn`` for
+    ``"triton"``."""
+
+    def grouped_linear(x, weight) -> torch.Tensor:
+        if choose_grouped_path(x, weight) == "cublas":
+            return cublas_grouped_linear(x, weight)
+        return triton_fn(x, weight)
+
+    grouped_linear.__doc__ = f"Dispatcher over the grouped FP8 GEMM's paths.\n\n{__doc__}"
+    return grouped_linear
 
 
 def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

@@ -355,7 +355,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
 def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
-    from deepinfer_cuda_sm100.gemm_dispatch import make_linear
+    from deepinfer_cuda_sm100.gemm_dispatch import make_grouped_linear, make_linear
     from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope, swiglu, tile_gemm
 
     interpreted = _common.INTERPRETED
@@ -371,7 +371,7 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
         "linear": make_linear(fp8_gemm.linear_fp8),  # dequantise + cuBLAS where measured faster
-        "grouped_linear": fp8_gemm.grouped_linear_fp8,
+        "grouped_linear": make_grouped_linear(fp8_gemm.grouped_linear_fp8),
         "tile_matmul": tile_gemm.tile_matmul,
     }
     from deepinfer_cuda_sm100.attention_ops import attention_ops

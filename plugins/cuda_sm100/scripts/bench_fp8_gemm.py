@@ -19,8 +19,13 @@ overhead is excluded):
   ``scaled_mm+quant``: the backend's cuBLAS W8A8 path (:mod:`deepinfer_cuda_sm100.scaled_mm`,
   the activation quantisation included);
 
+``--grouped`` (default V4-Flash's ``o_a``, 8 groups of 4096 -> 1024): the grouped output
+projection's two paths, Triton's one launch for every group and the weight dequantised then
+the batched GEMM (:mod:`deepinfer_cuda_sm100.gemm_dispatch`), at each ``M``.
+
 ``--write-choices`` writes the W8A16 paths' (Triton, dequantise + cuBLAS, TileLang where it
-ran) and the two W8A8 paths' times per shape and M into the measured table the backend chooses by.
+ran), the two W8A8 paths' and the grouped paths' times per shape and M into the measured table
+the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
 scaled_mm's time over Triton's W8A16 and over TileLang's (all points, M <= 64, M > 64) and
@@ -47,13 +52,15 @@ from pathlib import Path
 
 import choice_writers
 import torch
+from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
 from graph_timing import time_graph
 from scaled_mm_configs import scaled_mm_call
 
 from deepinfer_core.benchmarking.harness import run_main
 
 REPO = Path(__file__).resolve().parents[3]
-SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
+SHAPES = V4_FLASH_SHAPES
+GROUPED = V4_FLASH_GROUPED
 TOKENS = "1,16,64,128,256,1024,4096,8192"
 
 
@@ -160,6 +167,38 @@ def tilelang_call(x: torch.Tensor, w) -> Callable | None:
     return lambda: tilelang_linear(x, w)
 
 
+def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list[dict]:
+    """Time the grouped GEMM's two paths (Triton's one launch, the weight dequantised then the
+    batched GEMM) for each ``G x K x N`` of ``spec`` and each ``M`` (printed; the rows returned)."""
+    from deepinfer_cuda_sm100.gemm_dispatch import cublas_grouped_linear
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import grouped_linear_fp8
+
+    from deepinfer_core.ops.linear import grouped_linear
+    from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
+
+    rows = []
+    for shape in filter(None, spec.split(",")):
+        g, k, n = (int(v) for v in shape.split("x"))
+        data, scale = quant_fp8(torch.randn(g * n, k, device="cuda") * k**-0.5, (128, 128), "ue8m0")
+        w = QuantizedTensor(data, scale, "fp8", (128, 128))
+        for m in tokens:
+            x = torch.randn(m, g, k, device="cuda").to(torch.bfloat16)
+            paths = {"triton": grouped_linear_fp8, "cublas": cublas_grouped_linear}
+            times = {
+                p: time_graph(lambda i, f=f, x=x, w=w: f(x, w), calls, replays) for p, f in paths.items()
+            }
+            want = grouped_linear(x, w).float()
+            err = float((grouped_linear_fp8(x, w).float() - want).abs().max())
+            exact = torch.equal(cublas_grouped_linear(x, w).float(), want)
+            row = {"G": g, "K": k, "N": n, "M": m, **{f"{p}_us": t for p, t in times.items()}}
+            rows.append({**row, "triton_max_abs_err": err, "cublas_bitwise_reference": exact})
+            print(
+                f"grouped {g}x{k}x{n} M={m:>5}: triton {times['triton']:8.1f} us, dequant+bmm"
+                f" {times['cublas']:8.1f} us (triton err {err:.3g}, dequant+bmm bitwise: {exact})"
+            )
+    return rows
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -185,6 +224,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default=TOKENS, help=f"token counts M (default {TOKENS})")
     parser.add_argument("--shapes", default=SHAPES, help=f"KxN weight shapes (default {SHAPES})")
+    parser.add_argument(
+        "--grouped", default=GROUPED, help=f"GxKxN grouped projections ('' for none; default {GROUPED})"
+    )
     parser.add_argument("--calls-per-graph", type=int, default=20)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_fp8_gemm.json")
@@ -315,6 +357,7 @@ def main() -> None:
                             f"    sweep {variant}: fastest {b['block_m']}x{b['block_n']} w{b['warps']}"
                             f" s{b['stages']} {b['us']:.1f} us ({tf:.0f} TFLOP/s)"
                         )
+    grouped = grouped_rows(args.grouped, tokens, args.calls_per_graph, args.replays)
     ratios = speedups(rows, "triton_w8a16_us", "triton w8a16")
     tl_ratio = speedups(rows, "tilelang_us", "tilelang")
     import triton
@@ -334,12 +377,13 @@ def main() -> None:
         "geomean_scaled_mm_over_triton_w8a16": ratios,
         "geomean_scaled_mm_over_tilelang": tl_ratio,
         "rows": rows,
+        "grouped_rows": grouped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     if args.write_choices:
-        print(f"wrote {choice_writers.write_gemm_choices(rows)}")
+        print(f"wrote {choice_writers.write_gemm_choices(rows, grouped)}")
 
 
 if __name__ == "__main__":

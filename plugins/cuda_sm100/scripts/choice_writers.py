@@ -103,10 +103,11 @@ def write_select_choices(rows: list[dict]) -> Path:
     return merge(points, command, "mean of the calls replayed in one CUDA graph, L2 flushed before each call")
 
 
-def write_gemm_choices(rows: list[dict]) -> Path:
+def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
-    TileLang GEMM's where it ran), and the W8A8 prefill paths'."""
-    from deepinfer_cuda_sm100.gemm_dispatch import OP
+    TileLang GEMM's where it ran), the W8A8 prefill paths', and the grouped GEMM's per (G*N x K,
+    G, M) as ``grouped_linear_fp8`` points."""
+    from deepinfer_cuda_sm100.gemm_dispatch import GROUPED_OP, OP
 
     def point(r: dict, math: str, ms: dict) -> dict:
         return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
@@ -128,6 +129,13 @@ def write_gemm_choices(rows: list[dict]) -> Path:
         for r in rows
         if r.get("triton_w8a8_prefill_us") and r.get("backend_scaled_mm_us")
     ]
+    points += [
+        {"op": GROUPED_OP, "kind": "w8a16", "dtype": "bfloat16", "heads": r["G"] * r["N"],
+         "head_dim": r["K"], "tokens": r["M"], "keys": r["G"],
+         "ms": {"triton": r["triton_us"] / 1e3, "cublas": r["cublas_us"] / 1e3}}
+        for r in grouped
+        if r["triton_us"] and r["cublas_us"]
+    ]  # fmt: skip
     command = "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices"
     return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)")
 

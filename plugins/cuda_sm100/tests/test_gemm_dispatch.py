@@ -59,18 +59,48 @@ def dequant_problems(device: str) -> list[str]:
     return problems
 
 
+def grouped_problems(device: str) -> list[str]:
+    """The grouped ``"cublas"`` path (the weight dequantised by the kernel, then the reference's
+    batched GEMM) against the reference ``grouped_linear``, bit for bit."""
+    from deepinfer_cuda_sm100.gemm_dispatch import cublas_grouped_linear
+
+    from deepinfer_core.ops.linear import grouped_linear
+
+    problems = []
+    g = torch.Generator().manual_seed(5)
+    for scale_dtype in ("fp32", "ue8m0"):
+        for groups, n, k, t in ((2, 128, 256, 3), (4, 128, 130, 1)):
+            w = _weight(g, groups * n, k, scale_dtype, device)
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(t, groups, k, generator=g).to(device=device, dtype=dtype)
+                if not torch.equal(cublas_grouped_linear(x, w), grouped_linear(x, w)):
+                    problems.append(
+                        f"{scale_dtype} G={groups} {n}x{k} T={t} {dtype}: not the reference's bits"
+                    )
+    return problems
+
+
 def interpreter_report() -> dict:
     """Every interpreter check, as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
     from deepinfer_cuda_sm100.kernels import _common
 
-    return {"interpreted": _common.INTERPRETED, "dequant": dequant_problems("cpu")}
+    return {
+        "interpreted": _common.INTERPRETED,
+        "dequant": dequant_problems("cpu"),
+        "grouped": grouped_problems("cpu"),
+    }
 
 
 @pytest.mark.slow  # a fresh interpreter running the kernel
 def test_interpreter_dequantisation_is_bitwise_the_reference(report):
     assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
     assert not report["dequant"], "\n".join(report["dequant"])
+
+
+@pytest.mark.slow
+def test_interpreter_grouped_dequantise_then_bmm_is_bitwise_the_reference(report):
+    assert not report["grouped"], "\n".join(report["grouped"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +128,18 @@ def test_off_the_gpu_the_dispatcher_runs_the_triton_kernel():
     calls = []
     out = make_linear(lambda x, w: calls.append(x.shape) or x[:, :1])(x, w)
     assert calls == [(512, 256)] and out.shape == (512, 1)
+
+
+def test_off_the_gpu_the_grouped_dispatcher_runs_the_triton_kernel():
+    from deepinfer_cuda_sm100.gemm_dispatch import choose_grouped_path, make_grouped_linear
+
+    g = torch.Generator().manual_seed(1)
+    w = _weight(g, 2 * 128, 256)
+    x = torch.randn(5, 2, 256, generator=g)
+    assert choose_grouped_path(x, w) == "triton"
+    calls = []
+    out = make_grouped_linear(lambda x, w: calls.append(x.shape) or x[..., :1])(x, w)
+    assert calls == [(5, 2, 256)] and out.shape == (5, 2, 1)
 
 
 def test_the_table_picks_the_faster_path_at_the_nearest_m():
@@ -211,3 +253,49 @@ def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
 
 if __name__ == "__main__" and "--interpreter-report" in sys.argv:
     print(json.dumps(interpreter_report()))
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
+    """The grouped op takes the table's faster path per ``T`` (the groups as the point's keys),
+    Triton in the batch-invariant mode; the cuBLAS path is bitwise the reference and replays in
+    a CUDA graph bitwise."""
+    from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import grouped_linear_fp8
+
+    from deepinfer_core.ops.linear import grouped_linear as reference
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    groups, n, k = 4, 128, 256
+
+    def point(m, triton_ms, cublas_ms):
+        ms = {"triton": triton_ms, "cublas": cublas_ms}
+        op = gemm_dispatch.GROUPED_OP
+        return kernel_choice.Point(op, "w8a16", "bfloat16", groups * n, k, m, groups, ms)
+
+    kernel_choice.forget()
+    table = (point(1, 1.0, 2.0), point(16, 1.0, 2.0), point(256, 2.0, 1.0))
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: table)
+    op = gemm_dispatch.make_grouped_linear(grouped_linear_fp8)
+    g = torch.Generator().manual_seed(6)
+    w = _weight(g, groups * n, k, "ue8m0", "cuda")
+    try:
+        for t, path in ((1, "triton"), (16, "triton"), (256, "cublas")):
+            x = torch.randn(t, groups, k, generator=g).to(torch.bfloat16).cuda()
+            assert gemm_dispatch.choose_grouped_path(x, w) == path
+            want = reference(x, w)
+            got = op(x, w)
+            if path == "cublas":
+                assert torch.equal(got, want)
+                with batch_invariant_mode():
+                    assert gemm_dispatch.choose_grouped_path(x, w) == "triton"
+            else:
+                assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = op(x, w)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(replayed, got)
+    finally:
+        kernel_choice.forget()

@@ -304,17 +304,50 @@ def test_interpreter_w8a8_error_is_bounded(report):
 
 V4_FLASH_PROJECTIONS = ((4096, 1024), (1024, 32768), (4096, 512), (8192, 4096), (4096, 2048), (2048, 4096))
 """``(K, N)`` of DeepSeek-V4-Flash's FP8 projections (the benchmark's shapes)."""
+V4_FLASH_FUSED_PROJECTIONS = ((4096, 1536), (4096, 4096), (1024, 8192))
+"""``(K, N)`` of the fused projections the V4 model runs (``q_a`` + ``kv``, the shared expert's
+gate + up) and the indexer's query projection."""
 
 
 def test_launch_shape_depends_on_static_shapes_only():
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, PREFILL_TILE, launch_shape
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import DECODE_MAX_M, MID_MAX_M, PREFILL_TILE, launch_shape
 
     assert launch_shape(1, 1024, 4096) == (16, 32, 11)  # 32 tiles x 11 splits of 3 blocks
     assert launch_shape(DECODE_MAX_M, 32768, 1024) == (16, 64, 1)  # 2048 tiles: no split
     assert launch_shape(1, 512, 4096) == (16, 16, 11)  # the narrowest tile
     assert launch_shape(1, 64, 128)[2] == 1  # one K block: nothing to split
     assert launch_shape(1, 64, 256)[2] == 1  # two: a split would hold one
-    assert launch_shape(DECODE_MAX_M + 1, 1024, 4096) == (*PREFILL_TILE, 1)  # prefill
+    assert launch_shape(MID_MAX_M + 1, 1024, 4096) == (*PREFILL_TILE, 1)  # prefill
+    assert launch_shape(MID_MAX_M, 32768, 1024) == (*PREFILL_TILE, 1)  # 1024 tiles: no split
+    assert launch_shape(DECODE_MAX_M + 1, 1024, 4096) == (64, 64, 5)  # 32 tiles x 5 splits of 7
+
+
+@pytest.mark.parametrize("sms", [132, 148, 78])
+def test_mid_launch_fills_the_gpu(sms):
+    """At 64 < M <= 512 every V4-Flash projection runs >= one program per SM where its K allows:
+    the widest tile of MID_TILES with one per SM, else the narrowest with the fewest K splits."""
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import (
+        BLOCK_K,
+        DECODE_MAX_M,
+        MID_MAX_M,
+        MID_TILES,
+        MIN_SPLIT_BLOCKS,
+        launch_config,
+    )
+
+    for m in (DECODE_MAX_M + 1, 128, 256, MID_MAX_M):
+        for k, n in V4_FLASH_PROJECTIONS + V4_FLASH_FUSED_PROJECTIONS:
+            bm, bn, splits, warps, stages = launch_config(m, n, k, sms=sms)
+            k_blocks = -(-k // BLOCK_K)
+            programs = -(-m // bm) * -(-n // bn) * splits
+            label = f"M={m} K={k} N={n} on {sms} SMs: {bm}x{bn}, {splits} splits, {programs} programs"
+            assert (bm, bn) in MID_TILES, label
+            wider = MID_TILES[: MID_TILES.index((bm, bn))]
+            assert all(-(-m // a) * -(-n // b) < sms for a, b in wider), label  # no wider tile fills it
+            if splits > 1:
+                assert (bm, bn) == MID_TILES[-1] and -(-k_blocks // splits) >= MIN_SPLIT_BLOCKS, label
+            most = k_blocks // MIN_SPLIT_BLOCKS if k_blocks >= 2 * MIN_SPLIT_BLOCKS else 1
+            assert programs >= sms or splits >= most, label
 
 
 @pytest.mark.parametrize("sms", [132, 148, 78])

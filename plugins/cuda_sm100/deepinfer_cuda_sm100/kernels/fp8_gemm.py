@@ -19,7 +19,11 @@ host syncs; :func:`launch_config`):
   last program of a tile to arrive (an atomic counter per tile, reset by that program) sums
   them in split order (deterministic) and stores the output: one launch.  ``DEEPINFER_FP8_SPLITK=
   separate`` (read at each call) sums them with torch after the launch instead (two more launches);
-* prefill (``M > 64``): ``128 x 128`` tiles, 8 warps, 4 stages, no split.  With
+* mid (``64 < M <= 512``, :data:`MID_MAX_M`): the first of :data:`MID_TILES` (``128 x 128``,
+  ``64 x 128``, ``64 x 64``) whose tiles give one program per SM, else the narrowest with K
+  split (as at decode, summed in the kernel) up to one program per SM: at ``M = 256`` a ``128 x
+  128`` tile leaves most SMs idle on the narrow projections (``K x N`` 4096 x 1536: 24 tiles);
+* prefill (``M > 64``): past :data:`MID_MAX_M` ``128 x 128`` tiles, 8 warps, 4 stages, no split.  With
   ``DEEPINFER_FP8_PREFILL=w8a8`` (:data:`PREFILL_ENV`) 16-bit activations are first quantised
   per token per 128 channels by :func:`quantize_activations` (one kernel) and the dot runs
   e4m3 x e4m3, the partial product scaled by the row's activation scale times the tile's weight
@@ -69,6 +73,12 @@ PROGRAMS_PER_SM = 2
 DEFAULT_SMS = 132
 """SM count taken off the GPU (the interpreter, unit tests): an H100 / H200's."""
 MAX_STAGES = 4
+MID_MAX_M = 512
+"""The largest ``M`` of the mid launch: prefill tiles too few to fill the GPU get narrower
+tiles and K splits (:func:`launch_config`)."""
+MID_TILES = ((128, 128), (64, 128), (64, 64))
+"""Mid launch tiles, in order of preference: the first giving one program per SM, else the
+last with K splits up to one program per SM."""
 PREFILL_TILE = (128, 128)
 """Prefill tile, 8 warps, 4 stages: the fastest of the W8A16 and W8A8 sweeps on the H200 at
 M = 4096 (``bench_fp8_gemm.py --sweep``; docs/benchmarks.md)."""
@@ -136,10 +146,17 @@ def launch_config(
     stages = 1 if INTERPRETED else 3
     if invariant:
         return Launch(*INVARIANT_TILE, 1, 8, stages)
-    if m > DECODE_MAX_M:
-        stages = PREFILL_STAGES if x_bytes <= 2 else PREFILL_STAGES_FP32
-        return Launch(*PREFILL_TILE, 1, 8, 1 if INTERPRETED else stages)
     k_blocks = cdiv(k, BLOCK_K)
+    if m > DECODE_MAX_M:
+        stages = 1 if INTERPRETED else (PREFILL_STAGES if x_bytes <= 2 else PREFILL_STAGES_FP32)
+        if m > MID_MAX_M:
+            return Launch(*PREFILL_TILE, 1, 8, stages)
+        for bm, bn in MID_TILES:  # the widest tile that fills the GPU, else split K
+            tiles = cdiv(m, bm) * cdiv(n, bn)
+            if tiles >= sms:
+                break
+        splits = 1 if tiles >= sms else _balanced_splits(k_blocks, cdiv(sms, tiles))
+        return Launch(bm, bn, splits, 8 if bm * bn >= 128 * 128 else 4, stages)
     target = PROGRAMS_PER_SM * sms
     m_tiles = cdiv(m, DECODE_BLOCK_M)
     for bn in DECODE_BLOCK_NS:

@@ -24,6 +24,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_SHAPES
+
 
 def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
     """``_kernel`` arguments of every configuration of the shape."""
@@ -58,7 +60,7 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     ]
 
 
-GEMM_SHAPES = "4096x1024,1024x32768,4096x512,8192x4096,4096x2048,2048x4096"
+GEMM_SHAPES = V4_FLASH_SHAPES
 """``K x N`` of DeepSeek-V4-Flash's FP8 dense projections (as ``bench_fp8_gemm.py``)."""
 
 
