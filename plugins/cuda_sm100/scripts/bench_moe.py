@@ -36,6 +36,17 @@ ring (the result is the same at any depth) and prints each, to retune
 ``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
 any height), to check ``tl.moe.tile_height``.
 
+``--gemv-sweep`` times only the decode-width GEMVs (``gemv_sweep.py``; no table), kernel by
+kernel, at the token counts of ``--tokens`` up to ``--gemv-tokens``: the gate / up kernel and the
+down kernel over a grid of launches (:class:`~deepinfer_cuda_sm100.kernels.moe_gemv.GemvLaunch`:
+rows per set 4 / 8 / 16, K steps of 256 / 512 / 1024 inputs, 2 / 4 / 8 warps, where a thread
+holds one or two scale groups of a row set: 13 launches a kernel at V4-Flash widths), µs and TB/s
+of each and the best, the combine's time and the whole call's with the default and the best
+launches; JSON ``gemv_sweep`` (default ``benchmarks/results/bench_moe_gemv_sweep.json``).  A few
+minutes on an H200:
+
+    python plugins/cuda_sm100/scripts/bench_moe.py --experts 64 --gemv-sweep
+
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) and the
 GEMVs' (language ``triton_gemv``, at the token counts where they were timed) of each token count
 into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
@@ -124,10 +135,25 @@ def main() -> None:
         help=f"time the decode-width GEMVs at token counts up to this (default {GEMV_TOKENS}; 0: never; "
         "at most the kernel's MAX_TOKENS)",
     )
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "bench_moe.json")
+    parser.add_argument(
+        "--gemv-sweep",
+        action="store_true",
+        help="time only the decode-width GEMVs' kernels over a grid of launches (see the docstring)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON output (default: benchmarks/results/bench_moe.json, or bench_moe_gemv_sweep.json)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    if args.gemv_sweep and args.write_choices:
+        raise SystemExit("--gemv-sweep times no table to write: run without it for --write-choices")
+    if args.out is None:
+        name = "bench_moe_gemv_sweep.json" if args.gemv_sweep else "bench_moe.json"
+        args.out = REPO / "benchmarks" / "results" / name
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows, using_moe_math
@@ -139,6 +165,13 @@ def main() -> None:
 
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     gemv_tokens = min(args.gemv_tokens, MAX_TOKENS)
+    if args.gemv_sweep:
+        from gemv_sweep import write_gemv_sweep
+
+        gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
+        tokens = [t for t in (int(v) for v in args.tokens.split(",")) if 1 <= t <= gemv_tokens]
+        write_gemv_sweep(args, gate_up, down, tokens, routings)
+        return
     tl_problem = tilelang_problem()
     wide_problem = tl_problem
     if tl_problem is None:

@@ -4,50 +4,84 @@ Contract: ``deepinfer_core.ops.moe.moe_experts``.  Built for calls with very few
 pairs per expert (a decode step of a few tokens: at ``T = 1``, top-6, each routed expert has
 one row), where :mod:`~deepinfer_cuda_sm100.kernels.moe`'s tiles of 16 rows carry one valid
 row and few CTAs stream the experts' weights.  Here no tensor-core tile: each program computes
-a few output features of one row as dot products over the whole K, on CUDA cores, with the
-FP4 loads and decoding of :mod:`~deepinfer_cuda_sm100.kernels.moe` (``_fp4_packed``,
-``_fp4_scales``, ``_fp4_values``: the PTX ``prmt`` lookup and ``mul.rn.bf16x2`` on the GPU, the
-arithmetic decoding in the interpreter; each weight bitwise :meth:`QuantizedTensor.dequantize`
-``(x.dtype)``).  Two launches, no host synchronisation (the grids depend on shapes only:
-CUDA-graph capturable):
+a few output features of one (token, slot) pair as dot products over the whole K on CUDA cores
+(:func:`~deepinfer_cuda_sm100.kernels.moe_gemv_rows.gemv_rows`, with the FP4 loads and the
+e2m1 decoding of :mod:`~deepinfer_cuda_sm100.kernels.moe`: inline PTX on the GPU, arithmetic
+in the interpreter).  Three launches, no host synchronisation (the grids depend on shapes only:
+CUDA-graph capturable), the two GEMVs each with a :class:`GemvLaunch` (defaults :data:`GATE_UP`,
+:data:`DOWN`; a call may pass others, as ``scripts/bench_moe.py --gemv-sweep`` does):
 
-1. :func:`_gemv_gate_up_kernel`, a program per (pair ``t * k + j``, block of
-   :data:`GATE_UP_BLOCK_N` intermediate features): the pair's expert's gate and up rows of those
-   features times ``x[t]`` over ``D``, then the clamped SwiGLU at the Triton path's rounding
-   points (gate and up, ``silu`` and ``h`` rounded to ``x``'s dtype: the same helper as its
-   gate / up kernel); ``h [T * k, I]`` in ``x``'s dtype.  A pair whose id is outside ``[0, E)``
-   returns at once (its row is never read).
-2. :func:`_gemv_down_kernel`, a program per (token, block of ``2 * DOWN_BLOCK_N`` model
-   features): the token's slots in ascending (expert, slot) order -- the order of the Triton
-   path's combine kernel and of the contract -- each slot's expert's down rows times its ``h``
-   row over ``I``; each contribution rounded to ``x``'s dtype, times the routing weight rounded
-   to it, rounded again (the Triton path's stored contribution), summed in fp32; with
-   ``shared`` the sum is rounded to ``x``'s dtype and the shared expert's row added (the
-   reference's ``routed + shared``).  Ids outside ``[0, E)`` contribute nothing.  No atomics: a
-   token's result depends on its own row only, summed in a fixed order.
+1. :func:`_gemv_gate_up_kernel`, a program per (pair ``t * k + j``, block of ``block_n``
+   intermediate features): the pair's expert's gate and up rows of those features times
+   ``x[t]`` over ``D``, then the clamped SwiGLU at the Triton path's rounding points (gate and
+   up, ``silu`` and ``h`` rounded to ``x``'s dtype: the same helper as its gate / up kernel);
+   ``h [T * k, I]`` in ``x``'s dtype.
+2. :func:`_gemv_down_kernel`, a program per (pair, block of ``2 * block_n`` model features, two
+   row sets): the pair's expert's down rows times its ``h`` row over ``I``; the contribution
+   rounded to ``x``'s dtype, times the routing weight rounded to it, rounded again (the Triton
+   path's stored contribution), stored at row ``t * k + j`` of ``y [T * k, D]``.
+3. The Triton path's combine (:func:`~deepinfer_cuda_sm100.kernels.moe.combine_pairs`, a program
+   per token and 1024 model features): the token's contributions summed in fp32 in ascending
+   (expert, slot) order, the order of the contract; with ``shared`` the sum rounded to ``x``'s
+   dtype and the shared expert's row added (the reference's ``routed + shared``).  These are the
+   values and the order of a down program per token summing its slots itself, so the result is
+   bitwise that formulation's (``tests/test_moe_gemv.py`` compares the two in the interpreter),
+   with ``k`` times the down programs at the price of a launch and the ``[T * k, D]``
+   contributions' round trip through L2.
 
-The dot products (:func:`_gemv_rows`): K steps of ``BLOCK_K`` inputs; per step and row set the
-packed bytes as a ``[BLOCK_N, runs, 16]`` tile (a run: the 16 bytes, 32 inputs, of one scale
-group; one run of one row per thread at the shipped sizes, a 16-byte load), the activations'
-even and odd inputs, the exact fp32 products (bf16 and fp16 operands) accumulated elementwise
-in an fp32 tile of the same shape, reduced once after the K loop.  So a result differs from
-the Triton path's only in the fp32 summation order of the dot products: not its bits, so the
-dispatcher never takes it in the batch-invariant mode (within this path a row's result does
-not depend on the other rows either).
+A pair whose id is outside ``[0, E)`` returns at once in launches 1 and 2 (its rows of ``h``
+and ``y`` are neither written nor read) and the combine skips it: it contributes nothing.  No
+atomics: a token's result depends on its own row only, summed in a fixed order.
 
-Sizes (V4-Flash, ``D = 4096``, ``I = 2048``, ``T = 1``, top-6): gate / up 6 x 256 = 1536 programs
-of 8 features (16 weight rows, 32 KiB of packed FP4), 8 K steps of 512 inputs; down 512 programs
-of 8 model features (two row sets of 4), 6 slots x 2 K steps of 1024 inputs; 4 warps.  Offline
-compile for sm_90 (Triton 3.6, bf16 activations): gate / up 121 registers with ue8m0 scales
-(float32 scales: 128), down 152-156 (167), no stack or local memory.  A gate / up K step
-issues ~390 instructions a thread for its 64 weights (~550 with float32 scales, whose products
-round through fp32): the e2m1 decoding (15 per 8 weights), the bf16x2 scale products, one
-widening and one FFMA per weight, and conversions of the activations' and scales' layouts
-through shared memory (3 barrier pairs a step).  Speed on the GPU: to be measured
-(``scripts/bench_moe.py``'s ``triton_gemv_fp4`` column).
+**The dot products.**  K steps of ``block_k`` inputs; per step and row set the packed bytes as
+a ``[block_n, runs, 16]`` tile (a run: the 16 bytes, 32 inputs, of one scale group; one run of
+one row per thread at the default sizes, a 16-byte load), one scale per run and the
+activations' even and odd inputs, widened to fp32.  Two ways by the scales:
+
+* **ue8m0 scales, bf16 or fp32 activations: the scale folded after the run's sum.**  The e2m1
+  values ``v`` are decoded unscaled (no per-group table, no bf16x2 scale product), each run's 32
+  fp32 products ``v * x`` summed within the thread, and the run's sum times its scale ``s =
+  2**(e - 127)`` added to an fp32 accumulator per (row, run): an FADD and an FFMA per 32
+  weights (not a bf16x2 product per two).  Exact: ``v`` has two significant bits, so the
+  reference's weight ``v * s`` (rounded to ``x``'s dtype) is exact in bf16 and fp32 alike (both
+  have fp32's exponent range); its product with a bf16 ``x`` (8 bits) is exact in fp32 (with an
+  fp32 ``x`` it rounds once, to the same bits either way); and multiplying by a power of two
+  commutes with every fp32 rounding, so ``s * sum(v * x) == sum((v * s) * x)`` bitwise for the
+  same summation order.  The limit is fp32's
+  range, where the reference's bf16 dequantisation has its own: at ``e = 254`` the weights
+  ``|v| >= 2`` overflow to ``inf`` there while the folded products stay finite, and products or
+  sums below ``2**-126`` (subnormal) or past ``2**128`` round once here, per product there.
+  Scale bytes 0 and 255 (torch reads ``2**-127`` and NaN) are taken as the fp32 exponent field,
+  as the Triton path does: 0 and ``inf``.  A group of byte 0 contributes nothing (as there); one
+  of byte 255 makes the row non-finite (as there and in the reference; the bits may differ:
+  ``inf`` times the run's sum here is ±inf, NaN for a zero sum, where the Triton path's ``inf``
+  weights give NaN for every zero code).  fp16 activations keep the dequantised weights: ``v *
+  s`` may round in fp16, which the fold would skip.
+* **float32 scales (and fp16 activations)**: each weight dequantised to ``x``'s dtype (``value *
+  scale`` rounded, bitwise :meth:`QuantizedTensor.dequantize`; its products round, so they
+  cannot be folded), the fp32 products ``w * x`` (exact for bf16 and fp16 activations)
+  accumulated elementwise in an fp32 ``[block_n, runs, 16]`` tile.
+
+The accumulators are reduced after the K loop.  So a result differs from the Triton path's only
+in the fp32 summation order of the dot products: not its bits, so the dispatcher never takes it
+in the batch-invariant mode (within this path a row's result does not depend on the other rows
+either).
+
+**Sizes** (V4-Flash, ``D = 4096``, ``I = 2048``, ``T = 1``, top-6; defaults): gate / up 6 x 256 =
+1536 programs of 8 features (16 weight rows, 32 KiB of packed FP4), 8 K steps of 512 inputs;
+down 6 x 256 = 1536 programs of 16 model features (two row sets of 8, 16 KiB), 4 K steps of 512
+inputs; 4 warps, one stage; the combine 4 programs.  Offline compile for sm_90 (Triton 3.6, bf16
+activations; ``tests/test_moe_gemv.py`` prints each kernel's resource line): 72 registers with
+ue8m0 scales, 128 with float32 scales, both kernels, no stack or local memory.  SASS of a K step
+(two row sets of 32 weights a thread; counted offline, not timed): ue8m0 317 instructions (~5.0
+a weight: decoding 1.9, widening 1, FFMA 1, the rest layout conversions through shared memory
+and the loop), float32 scales 550 (~8.6).  Speed on the GPU: ``scripts/bench_moe.py``'s
+``triton_gemv_fp4`` column; ``--gemv-sweep`` times each kernel over a grid of launches.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,95 +90,33 @@ import triton.language as tl
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
-from .moe import _clamped_swiglu, _fp4_packed, _fp4_scales, _fp4_values, _weight_args, e2m1_ptx, empty_call
+from .moe import _clamped_swiglu, _weight_args, combine_pairs, e2m1_ptx, empty_call
+from .moe_gemv_rows import gemv_rows
 
-GATE_UP_BLOCK_N = 8
-"""Intermediate features per gate / up program (it reads their gate rows and their up rows)."""
-GATE_UP_BLOCK_K = 512
-"""Inputs per K step of the gate / up programs (with 8 rows a set: one 16-byte run a thread)."""
-DOWN_BLOCK_N = 4
-"""Model features per row set of a down program (two sets: ``2 * DOWN_BLOCK_N`` features)."""
-DOWN_BLOCK_K = 1024
-"""Inputs per K step of the down programs (with 4 rows a set: one 16-byte run a thread)."""
+
+class GemvLaunch(NamedTuple):
+    """A GEMV kernel's launch: ``block_n`` weight rows a row set (gate / up: intermediate
+    features, each with its gate and its up row; down: model features, two sets a program),
+    ``block_k`` inputs a K step (at most the width's power of two), Triton's ``num_warps`` and
+    ``num_stages``.  Powers of two; the FP4 decoding runs in PTX for at least 4 packed bytes a
+    thread and set (``block_n * block_k >= 256 * warps``), else arithmetically (slow)."""
+
+    block_n: int
+    block_k: int
+    warps: int = 4
+    stages: int = 1
+
+
+GATE_UP = GemvLaunch(8, 512, 4, 1)
+"""The gate / up launch: one 16-byte run of one row a thread and set, 1536 programs at T = 1."""
+DOWN = GemvLaunch(8, 512, 4, 1)
+"""The down launch: the gate / up kernel's thread tile, 16 model features a program."""
 INTERPRETER_BLOCK_N = 64
-"""Rows per row set under Triton's interpreter, whose cost is per program, not per element."""
-WARPS = 4
+"""Default rows per row set under Triton's interpreter, whose cost is per program."""
 MAX_TOKENS = 16
 """Most tokens :func:`~deepinfer_cuda_sm100.moe_dispatch.gemv_supports` lets through: a GEMV
 reads an expert's weights once per pair, the tiled kernels once per tile of 16 or more rows."""
 _FP32_DOT = tl.constexpr(INTERPRETED)
-
-
-# bf16 to fp32 in inline PTX: Triton converts each bf16 element on its own (an extract of the
-# 16-bit half, then a shift); a bf16x2 register gives both fp32 values in one instruction each.
-_WIDEN_BF16X2_PTX = tl.constexpr("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }")
-
-
-@triton.jit
-def _to_fp32(v, PTX: tl.constexpr):
-    """``v.to(tl.float32)`` (exact); ``PTX`` (GPU, bf16 ``v``): one instruction per value."""
-    if PTX:
-        out = tl.inline_asm_elementwise(
-            _WIDEN_BF16X2_PTX, "=r,=r,r", [v], dtype=tl.float32, is_pure=True, pack=2
-        )
-    else:
-        out = v.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _gemv_rows(
-    a_ptr,
-    w_ptr,
-    w_rows0,
-    w_rows1,
-    s_ptr,
-    s_rows0,
-    s_rows1,
-    n_ok0,
-    n_ok1,
-    K: tl.constexpr,
-    dtype: tl.constexpr,
-    UE8M0: tl.constexpr,
-    HALF_GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP32_DOT: tl.constexpr,
-    E2M1_PTX: tl.constexpr,
-):
-    """Two fp32 ``[BLOCK_N]`` dot products of the activation row at ``a_ptr`` (``K`` inputs in
-    ``dtype``, unit stride) with the FP4 weight rows ``w_ptr + w_rows0`` and ``w_ptr + w_rows1``
-    (packed byte offsets, ``[BLOCK_N]`` each, masked by ``n_ok0`` / ``n_ok1``; scales at ``s_ptr +
-    s_rows*``), in K steps of ``BLOCK_K`` (one loop: each activation step loaded once for both).
-
-    Per step and set the packed bytes ``[BLOCK_N, runs, bytes]`` and one scale per run are
-    decoded and scaled to ``dtype`` (the even inputs from the low nibbles, the odd ones from the
-    high nibbles); their exact fp32 products with the activations accumulate elementwise in a
-    fp32 tile of that shape, reduced after the loop."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    RUN: tl.constexpr = HALF_GROUP if HALF_GROUP < HALF else HALF
-    RUNS: tl.constexpr = HALF // RUN
-    WIDEN_PTX: tl.constexpr = E2M1_PTX and dtype == tl.bfloat16
-    kr = tl.arange(0, BLOCK_K)
-    acc0 = tl.zeros((BLOCK_N, RUNS, RUN), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, RUNS, RUN), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        p0 = _fp4_packed(w_ptr, w_rows0, n_ok0, k0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
-        p1 = _fp4_packed(w_ptr, w_rows1, n_ok1, k0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
-        s0 = _fp4_scales(s_ptr, s_rows0, n_ok0, k0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
-        s1 = _fp4_scales(s_ptr, s_rows1, n_ok1, k0, K, HALF_GROUP, BLOCK_N, BLOCK_K)
-        kk = k0 + kr
-        a = tl.load(a_ptr + kk, mask=kk < K, other=0.0)
-        a_even, a_odd = tl.split(tl.reshape(a, (RUNS, RUN, 2)))  # each byte's even and odd input
-        a_even = _to_fp32(a_even, WIDEN_PTX)[None, :, :]
-        a_odd = _to_fp32(a_odd, WIDEN_PTX)[None, :, :]
-        lo, hi = _fp4_values(p0, s0, dtype, UE8M0, FP32_DOT, E2M1_PTX)
-        acc0 += _to_fp32(lo, WIDEN_PTX) * a_even
-        acc0 += _to_fp32(hi, WIDEN_PTX) * a_odd
-        lo, hi = _fp4_values(p1, s1, dtype, UE8M0, FP32_DOT, E2M1_PTX)
-        acc1 += _to_fp32(lo, WIDEN_PTX) * a_even
-        acc1 += _to_fp32(hi, WIDEN_PTX) * a_odd
-    return tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1)
 
 
 @triton.jit
@@ -184,9 +156,9 @@ def _gemv_gate_up_kernel(
         n_ok = cols < I
         w_gate = expert * stride_we + cols.to(tl.int64) * stride_wn
         s_gate = expert * stride_se + cols.to(tl.int64) * stride_sn
-        g, u = _gemv_rows(
+        g, u = gemv_rows(
             x_ptr + t * stride_x, w_ptr, w_gate, w_gate + I * stride_wn,
-            s_ptr, s_gate, s_gate + I * stride_sn, n_ok, n_ok,
+            s_ptr, s_gate, s_gate + I * stride_sn, n_ok, n_ok, E >> 31,
             D, dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
         )  # fmt: skip
         h = _clamped_swiglu(g, u, limit, dtype)
@@ -206,16 +178,11 @@ def _gemv_down_kernel(
     s_ptr,
     stride_se,
     stride_sn,
-    sh_ptr,
-    stride_sh,
-    out_ptr,
-    stride_out,
+    y_ptr,
     E,
     TOP_K: tl.constexpr,
-    K_PAD: tl.constexpr,
     D: tl.constexpr,
     I: tl.constexpr,
-    SHARED: tl.constexpr,
     UE8M0: tl.constexpr,
     HALF_GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -223,71 +190,105 @@ def _gemv_down_kernel(
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
 ):
-    """Token ``program_id(0)``, model features ``program_id(1) * 2 * BLOCK_N ..`` (two row sets
-    of ``BLOCK_N``): the token's routed sum over its slots in ascending (expert, slot) order
-    (see the module docstring), plus ``shared[t]`` with ``SHARED``."""
-    t = tl.program_id(0).to(tl.int64)
-    dtype = out_ptr.dtype.element_ty
-    cols0 = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols1 = cols0 + BLOCK_N
-    n_ok0 = cols0 < D
-    n_ok1 = cols1 < D
-    slot = tl.arange(0, K_PAD)
-    ex = tl.load(ids_ptr + t * stride_ids + slot, mask=slot < TOP_K, other=-1)
-    ex = tl.where((ex >= 0) & (ex < E), ex, -1).to(tl.int32)  # int32 keys: E * K_PAD < 2**31
-    done = 1 << 30  # above every real key
-    key = tl.where((slot < TOP_K) & (ex >= 0), ex * K_PAD + slot, done)
-    out0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    out1 = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for _ in range(TOP_K):
-        m = tl.min(key, axis=0)
-        if m < done:
-            expert = (m // K_PAD).to(tl.int64)
-            j = m % K_PAD
-            w_rows = expert * stride_we + cols0.to(tl.int64) * stride_wn
-            s_rows = expert * stride_se + cols0.to(tl.int64) * stride_sn
-            y0, y1 = _gemv_rows(
-                h_ptr + (t * TOP_K + j) * I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
-                s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, n_ok0, n_ok1,
-                I, dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
-            )  # fmt: skip
-            # the Triton path's contribution: the output and the weight in x's dtype, their
-            # product rounded to it (the reference's default paths)
-            rw = round_through(tl.load(rw_ptr + t * stride_rw + j).to(tl.float32), dtype)
-            out0 += round_through(round_through(y0, dtype) * rw, dtype)
-            out1 += round_through(round_through(y1, dtype) * rw, dtype)
-        key = tl.where(key == m, done, key)
-    if SHARED:  # the reference's routed + shared: the routed sum rounded first
-        sh0 = tl.load(sh_ptr + t * stride_sh + cols0, mask=n_ok0, other=0.0)
-        sh1 = tl.load(sh_ptr + t * stride_sh + cols1, mask=n_ok1, other=0.0)
-        out0 = round_through(out0, dtype) + sh0.to(tl.float32)
-        out1 = round_through(out1, dtype) + sh1.to(tl.float32)
-    tl.store(out_ptr + t * stride_out + cols0, cast_to(out0, dtype), mask=n_ok0)
-    tl.store(out_ptr + t * stride_out + cols1, cast_to(out1, dtype), mask=n_ok1)
+    """Pair ``program_id(0)`` (``t * TOP_K + j``), model features ``program_id(1) * 2 * BLOCK_N
+    ..`` (two row sets of ``BLOCK_N``): the pair's weighted contribution (see the module
+    docstring), stored at row ``t * TOP_K + j`` of ``y [T * TOP_K, D]``."""
+    pair = tl.program_id(0)
+    t = (pair // TOP_K).to(tl.int64)
+    j = pair % TOP_K
+    expert = tl.load(ids_ptr + t * stride_ids + j).to(tl.int64)
+    if (expert >= 0) & (expert < E):  # other ids contribute nothing: no row
+        dtype = y_ptr.dtype.element_ty
+        cols0 = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols1 = cols0 + BLOCK_N
+        w_rows = expert * stride_we + cols0.to(tl.int64) * stride_wn
+        s_rows = expert * stride_se + cols0.to(tl.int64) * stride_sn
+        y0, y1 = gemv_rows(
+            h_ptr + pair.to(tl.int64) * I, w_ptr, w_rows, w_rows + BLOCK_N * stride_wn,
+            s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols0 < D, cols1 < D, E >> 31,
+            I, dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
+        )  # fmt: skip
+        # the Triton path's contribution: the output and the weight in x's dtype, their product
+        # rounded to it (the reference's default paths)
+        rw = round_through(tl.load(rw_ptr + t * stride_rw + j).to(tl.float32), dtype)
+        row = y_ptr + pair.to(tl.int64) * D
+        tl.store(row + cols0, cast_to(round_through(y0, dtype) * rw, dtype), mask=cols0 < D)
+        tl.store(row + cols1, cast_to(round_through(y1, dtype) * rw, dtype), mask=cols1 < D)
 
 
-def launch_plan(tokens: int, top_k: int, hidden: int, inter: int) -> dict[str, dict]:
-    """The two launches from shapes only: for ``gate_up`` and ``down`` the ``grid``, ``block_n``
-    (rows per set), ``block_k`` (inputs per K step) and whether the FP4 decoding runs in PTX
-    (``e2m1_ptx``, for bf16 / fp16 / fp32 alike; never under the interpreter)."""
-    gu_n = INTERPRETER_BLOCK_N if INTERPRETED else GATE_UP_BLOCK_N
-    dn_n = INTERPRETER_BLOCK_N if INTERPRETED else DOWN_BLOCK_N
-    gu_k = max(32, min(GATE_UP_BLOCK_K, pow2(hidden)))
-    dn_k = max(32, min(DOWN_BLOCK_K, pow2(inter)))
-    return {
-        "gate_up": {
-            "grid": (tokens * top_k, cdiv(inter, gu_n)),
-            "block_n": gu_n,
-            "block_k": gu_k,
-            "e2m1_ptx": e2m1_ptx(gu_n, gu_k, WARPS),
-        },
-        "down": {
-            "grid": (tokens, cdiv(hidden, 2 * dn_n)),
-            "block_n": dn_n,
-            "block_k": dn_k,
-            "e2m1_ptx": e2m1_ptx(dn_n, dn_k, WARPS),
-        },
-    }
+def _default(launch: GemvLaunch) -> GemvLaunch:
+    """A default launch as this process runs it (under the interpreter: wider row sets)."""
+    return launch._replace(block_n=INTERPRETER_BLOCK_N) if INTERPRETED else launch
+
+
+def launch_plan(
+    tokens: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    gate_up: GemvLaunch | None = None,
+    down: GemvLaunch | None = None,
+) -> dict[str, dict]:
+    """The GEMV launches from shapes only (``gate_up`` / ``down``: :class:`GemvLaunch` overrides
+    of :data:`GATE_UP` / :data:`DOWN`): for ``gate_up`` and ``down`` the ``grid``, ``block_n``
+    (rows per set), ``block_k`` (inputs per K step, clamped to ``[32, pow2(K)]``), ``warps``,
+    ``stages`` and whether the FP4 decoding runs in PTX (``e2m1_ptx``; never under the
+    interpreter).  Raises ``ValueError`` for sizes or warps that are not powers of two."""
+    plan = {}
+    for name, launch, k, n, cols in (
+        ("gate_up", gate_up or _default(GATE_UP), hidden, inter, 1),
+        ("down", down or _default(DOWN), inter, hidden, 2),
+    ):
+        if any(v < 1 or pow2(v) != v for v in launch[:3]) or launch.stages < 1:
+            raise ValueError(f"{name} launch {launch}: sizes and warps must be powers of two, stages >= 1")
+        bk = max(32, min(launch.block_k, pow2(k)))
+        plan[name] = {
+            "grid": (tokens * top_k, cdiv(n, cols * launch.block_n)),
+            "block_n": launch.block_n,
+            "block_k": bk,
+            "warps": launch.warps,
+            "stages": launch.stages,
+            "e2m1_ptx": e2m1_ptx(launch.block_n, bk, launch.warps),
+        }
+    return plan
+
+
+def gate_up_h(x: torch.Tensor, ids: torch.Tensor, gate_up, limit: float, plan: dict) -> torch.Tensor:
+    """Launch 1: ``h [T * k, I]`` (``x``'s dtype), row ``t * k + j`` the clamped SwiGLU of pair
+    ``(t, j)`` (rows of ids outside ``[0, E)`` unwritten).  ``x`` ``[T, D]`` and ``ids``
+    ``[T, k]`` unit-strided along their last dim; ``plan``: :func:`launch_plan`'s
+    ``"gate_up"``."""
+    gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, _, ue8m0, half = _weight_args(gate_up)
+    t, d = x.shape
+    top_k, inter = ids.shape[1], gate_up.shape[1] // 2
+    h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    _gemv_gate_up_kernel[plan["grid"]](
+        x, x.stride(0), ids, ids.stride(0), gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
+        gate_up.shape[0], float(limit), TOP_K=top_k, D=d, I=inter, UE8M0=ue8m0, HALF_GROUP=half,
+        BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], FP32_DOT=_FP32_DOT,
+        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"],
+    )  # fmt: skip
+    return h
+
+
+def down_contributions(
+    h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, down, plan: dict
+) -> torch.Tensor:
+    """Launch 2: ``y [T * k, D]`` (``h``'s dtype), row ``t * k + j`` pair ``(t, j)``'s weighted
+    contribution, rounded as the Triton path stores it (rows of ids outside ``[0, E)``
+    unwritten).  ``h``: :func:`gate_up_h`'s; ``ids`` / ``weights`` ``[T, k]`` unit-strided along
+    the slots; ``plan``: :func:`launch_plan`'s ``"down"``."""
+    dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, _, ue8m0, half = _weight_args(down)
+    d, inter = down.shape[1], down.shape[2]
+    top_k = ids.shape[1]
+    y = torch.empty(h.shape[0], d, dtype=h.dtype, device=h.device)
+    _gemv_down_kernel[plan["grid"]](
+        h, ids, ids.stride(0), weights, weights.stride(0), dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn,
+        y, down.shape[0], TOP_K=top_k, D=d, I=inter, UE8M0=ue8m0, HALF_GROUP=half,
+        BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], FP32_DOT=_FP32_DOT,
+        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"],
+    )  # fmt: skip
+    return y
 
 
 def moe_experts(
@@ -298,6 +299,9 @@ def moe_experts(
     down,
     limit: float,
     shared: torch.Tensor | None = None,
+    *,
+    gate_up_launch: GemvLaunch | None = None,
+    down_launch: GemvLaunch | None = None,
 ) -> torch.Tensor:
     """``moe_experts`` (the core contract) by decode-width GEMVs on FP4 expert stacks.
 
@@ -305,45 +309,25 @@ def moe_experts(
     outside ``[0, E)`` contributes nothing); ``gate_up`` ``[E, 2I, D]`` and ``down`` ``[E, D, I]``:
     FP4 :class:`~deepinfer_core.weights.quant.QuantizedTensor` stacks (ue8m0 or float32 scales,
     scale groups a power of two dividing the widths, unit stride along the inputs); ``shared``
-    (optional ``[T, D]``, ``x``'s dtype) added as the reference does.  Returns ``[T, D]`` in
-    ``x``'s dtype.
+    (optional ``[T, D]``, ``x``'s dtype) added as the reference does.  ``gate_up_launch`` /
+    ``down_launch``: :class:`GemvLaunch` overrides of :data:`GATE_UP` / :data:`DOWN` (other
+    sizes may change the fp32 summation order of the dot products, not the rounding).  Returns
+    ``[T, D]`` in ``x``'s dtype.
 
-    Two launches (see the module docstring), no host sync.  For calls with few pairs per expert:
-    the dispatcher takes it only where the measured table timed it fastest, never in the
+    Three launches (see the module docstring), no host sync.  For calls with few pairs per
+    expert: the dispatcher takes it only where the measured table timed it fastest, never in the
     batch-invariant mode (:func:`~deepinfer_cuda_sm100.moe_dispatch.gemv_supports`).
     """
     for name, w in (("gate_up", gate_up), ("down", down)):
         if not isinstance(w, QuantizedTensor) or w.fmt != "fp4":
             raise ValueError(f"{name}: the decode-width GEMVs read FP4 QuantizedTensor stacks")
     t, d = x.shape
-    top_k = ids.shape[1]
     num_experts, inter = gate_up.shape[0], down.shape[2]
     out, done = empty_call(x, ids, num_experts, shared)
     if done:
         return out
     x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
-    if shared is not None and shared.stride(1) != 1:
-        shared = shared.contiguous()
-    plan = launch_plan(t, top_k, d, inter)
-
-    gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, _, gu_ue8m0, gu_half = _weight_args(gate_up)
-    h = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
-    p = plan["gate_up"]
-    _gemv_gate_up_kernel[p["grid"]](
-        x, x.stride(0), ids, ids.stride(0), gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
-        num_experts, float(limit), TOP_K=top_k, D=d, I=inter, UE8M0=gu_ue8m0, HALF_GROUP=gu_half,
-        BLOCK_N=p["block_n"], BLOCK_K=p["block_k"], FP32_DOT=_FP32_DOT, E2M1_PTX=p["e2m1_ptx"],
-        num_warps=WARPS, num_stages=1,
-    )  # fmt: skip
-
-    dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, _, dn_ue8m0, dn_half = _weight_args(down)
-    sh, sh_stride = (shared, shared.stride(0)) if shared is not None else (out, 0)
-    p = plan["down"]
-    _gemv_down_kernel[p["grid"]](
-        h, ids, ids.stride(0), weights, weights.stride(0), dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn,
-        sh, sh_stride, out, out.stride(0), num_experts,
-        TOP_K=top_k, K_PAD=pow2(top_k), D=d, I=inter, SHARED=shared is not None,
-        UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_N=p["block_n"], BLOCK_K=p["block_k"],
-        FP32_DOT=_FP32_DOT, E2M1_PTX=p["e2m1_ptx"], num_warps=WARPS, num_stages=1,
-    )  # fmt: skip
-    return out
+    plan = launch_plan(t, ids.shape[1], d, inter, gate_up_launch, down_launch)
+    h = gate_up_h(x, ids, gate_up, limit, plan["gate_up"])
+    y = down_contributions(h, ids, weights, down, plan["down"])
+    return combine_pairs(y, ids, num_experts, False, shared, out)
