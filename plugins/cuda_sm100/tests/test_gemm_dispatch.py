@@ -298,4 +298,5 @@ def test_gpu_grouped_dispatcher_takes_the_measured_path_and_replays_it(monkeypat
             torch.cuda.synchronize()
             assert torch.equal(replayed, got)
     finally:
+        monkeypatch.undo()  # the shipped table back, then no choice memoised from the test's
         kernel_choice.forget()
