@@ -58,13 +58,11 @@ names the scales' storage (:func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 from pathlib import Path
 
 import torch
-from graph_timing import time_graph
+from graph_timing import gpu_run_header, time_graph
 
 from deepinfer_core.benchmarking.harness import run_main
 
@@ -317,18 +315,13 @@ def main() -> None:
             + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')} {fmt(tlw_err, 9, '.2g')}"
             + f" {fmt(gemv_err, 9, '.2g')}"
         )
-    import triton
 
     result = {
-        "benchmark": "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 "
-        "(one and two consumer warpgroups) / Triton decode-width FP4 GEMVs / Triton bf16 "
-        "vs torch._grouped_mm bf16",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **gpu_run_header(
+            "cuda_sm100 MoE (moe_experts) decode: Triton FP4 (bf16 / fp8 math) / TileLang FP4 "
+            "(one and two consumer warpgroups) / Triton decode-width FP4 GEMVs / Triton bf16 "
+            "vs torch._grouped_mm bf16"
+        ),
         "experts": e,
         "hidden": d,
         "inter": i,

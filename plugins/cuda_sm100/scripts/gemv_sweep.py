@@ -12,13 +12,11 @@ rest of ``bench_moe.py`` (:func:`graph_timing.time_graph`).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 from collections.abc import Callable
 
 import torch
-from graph_timing import time_graph
+from graph_timing import gpu_run_header, time_graph
 
 LIMIT = 10.0
 Routings = Callable[[int, int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -128,19 +126,13 @@ def sweep_gemv(
 def write_gemv_sweep(args: argparse.Namespace, gate_up, down, tokens: list[int], routings: Routings) -> None:
     """``bench_moe.py --gemv-sweep``: :func:`sweep_gemv` on the FP4 stacks ``gate_up`` / ``down``
     at ``tokens`` (``routings``: ``bench_moe.routings``), written as JSON to ``args.out``."""
-    import triton
-
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     print(f"E={e} D={d} I={i} top-{k}, {args.scales} scales: decode-width GEMV launches at T = {tokens}")
     sweep = sweep_gemv(gate_up, down, tokens, k, routings, args.calls_per_graph, args.replays)
     result = {
-        "benchmark": "cuda_sm100 MoE decode-width FP4 GEMVs: launch sweep of the gate / up and down kernels",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **gpu_run_header(
+            "cuda_sm100 MoE decode-width FP4 GEMVs: launch sweep of the gate / up and down kernels"
+        ),
         "experts": e,
         "hidden": d,
         "inter": i,

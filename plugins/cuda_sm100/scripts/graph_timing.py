@@ -30,3 +30,22 @@ def time_graph(fn: Callable[[int], object], calls: int, replays: int) -> float |
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * calls)
+
+
+def gpu_run_header(benchmark: str) -> dict:
+    """The leading fields of a GPU benchmark's JSON: what it measured, when, on which device and
+    software (torch, Triton, Python)."""
+    import datetime
+    import platform
+
+    import triton
+
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
