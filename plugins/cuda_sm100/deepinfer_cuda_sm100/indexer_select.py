@@ -19,6 +19,13 @@ keyed by query rows ``T`` and candidates ``C``; re-measured by ``python
 plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices``) found faster
 at the nearest measured shape, Triton where none was measured.  Static shapes only: a
 captured graph replays what it captured.
+
+The scores themselves come from the Triton kernel or the TileLang one
+(:mod:`deepinfer_cuda_sm100.tl.indexer`: wgmma over 16-byte ``cp.async`` key gathers), chosen
+the same way (op ``"indexer_scores"``, keyed by candidate form, dtype, heads, head dim, ``T`` and
+``C``; :func:`choose_scores`): TileLang only where it can compile here, the call fits it, the
+engine is not in batch-invariant mode (the two sum over heads in different orders) and the
+table measured it faster.
 """
 
 from __future__ import annotations
@@ -27,11 +34,16 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
-from deepinfer_cuda_sm100 import kernel_choice
+from deepinfer_cuda_sm100 import kernel_choice, tl
+from deepinfer_cuda_sm100.tl import indexer as tl_indexer
 
 OP = "indexer_select"
 """The op name of the selection points in the measured table."""
 PATHS = frozenset({"triton", "threshold", "torch"})
+SCORE_OP = "indexer_scores"
+"""The op name of the scoring points in the measured table."""
+SCORE_PATHS = frozenset({"triton", "tilelang"})
+_SCORE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -80,11 +92,38 @@ def choose_path(scores: torch.Tensor, candidates) -> str:
     )
 
 
-def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
-    """The op: Triton's scores, then the selection :func:`choose_path` picks."""
+def choose_scores(q, weights, key_pool, candidates) -> str:
+    """``"triton"`` or ``"tilelang"`` for the scores of this call (see the module docstring)."""
+    if batch_invariant_enabled() or q.device.type != "cuda":
+        return "triton"
+    if tl_indexer.supports(q, weights, key_pool, candidates) is not True:
+        return "triton"
+    if not tl.usable_for("indexer_topk", "the Triton indexer scores serve every call"):
+        return "triton"
+    t, h, d = q.shape
+    paged = isinstance(candidates, PagedIndex)
+    c = int(candidates.max_count) if paged else candidates.shape[1]
+    return kernel_choice.choose(
+        SCORE_OP, "paged" if paged else "rows", _SCORE_DTYPES[q.dtype], h, d, t, c,
+        kernel_choice.device_arch(q.device), SCORE_PATHS,
+    )  # fmt: skip
+
+
+def scores_of(q, weights, key_pool, candidates, scale) -> torch.Tensor:
+    """The ``[T, C]`` fp32 scores by the path :func:`choose_scores` picks."""
+    if choose_scores(q, weights, key_pool, candidates) == "tilelang":
+        return tl_indexer.indexer_scores(q, weights, key_pool, candidates, scale)
     from deepinfer_cuda_sm100.kernels import indexer
 
-    scores = indexer.indexer_scores(q, weights, key_pool, candidates, scale)
+    return indexer.indexer_scores(q, weights, key_pool, candidates, scale)
+
+
+def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
+    """The op: the scores :func:`choose_scores` picks, then the selection :func:`choose_path`
+    picks."""
+    from deepinfer_cuda_sm100.kernels import indexer
+
+    scores = scores_of(q, weights, key_pool, candidates, scale)
     path = choose_path(scores, candidates)
     if path == "torch":
         return select_topk_torch(scores, k, candidates)

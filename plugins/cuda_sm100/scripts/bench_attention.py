@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,6 +44,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
 import choice_writers  # noqa: E402
+import indexer_tilelang  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
 
@@ -319,6 +318,7 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
             exact = select_topk_torch(scores, k, cand)
             row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
         row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+        indexer_tilelang.measure(row, args, scores, timer.ms, a.tune)
         if a.tune:
             row["tune"] = tune_indexer(args, scores, timer)
         rows.append(row)
@@ -400,6 +400,7 @@ def print_row(r: dict) -> None:
             f"torch.topk {r['torch_topk_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f})  "
             f"roofline {r['roofline_ms']:.4f} ms "
             f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
+            + indexer_tilelang.describe(r)
             + (
                 f"  sets==topk {r['picks_equal_torch_topk_sets']}"
                 if "picks_equal_torch_topk_sets" in r
@@ -414,19 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_attention: no CUDA GPU is visible; run this on a GPU machine", file=sys.stderr)
         return 2
     timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
+    from graph_timing import gpu_run_header
+
     results: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **gpu_run_header("cuda_sm100 attention kernels (sparse_attention, indexer_topk)", local_time=True),
         "graphs": not a.no_graphs,
         "l2_flush": not a.no_flush,
         "peak_bytes_per_s": PEAK_BYTES,
         "peak_flops": PEAK_FLOPS,
     }
-    import triton
-
-    results["triton"] = triton.__version__
     if a.only in (None, "attention"):
         results["attention"] = bench_attention(a, timer)
     if a.only in (None, "indexer"):
@@ -435,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {choice_writers.write_attention_choices(results)}")
     if a.write_choices and results.get("indexer"):
         print(f"wrote {choice_writers.write_select_choices(results['indexer'])}")
+        print(f"wrote {choice_writers.write_score_choices(results['indexer'])}")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.output}")

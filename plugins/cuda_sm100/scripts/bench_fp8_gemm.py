@@ -43,17 +43,15 @@ the chosen one (JSON ``sweep``): data to tune :func:`launch_config` with.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
 import choice_writers
 import torch
 from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
-from graph_timing import time_graph
+from graph_timing import gpu_run_header, time_graph
 from scaled_mm_configs import scaled_mm_call
 
 from deepinfer_core.benchmarking.harness import run_main
@@ -360,16 +358,8 @@ def main() -> None:
     grouped = grouped_rows(args.grouped, tokens, args.calls_per_graph, args.replays)
     ratios = speedups(rows, "triton_w8a16_us", "triton w8a16")
     tl_ratio = speedups(rows, "tilelang_us", "tilelang")
-    import triton
-
     result = {
-        "benchmark": "cuda_sm100 FP8 block GEMM vs torch._scaled_mm and bf16 matmul",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **gpu_run_header("cuda_sm100 FP8 block GEMM vs torch._scaled_mm and bf16 matmul"),
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
         "note": "scaled_mm times the GEMM on pre-quantised activations; triton w8a8 quantises in-kernel",

@@ -14,14 +14,12 @@ launches included).  Prints a table and writes JSON (default
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from graph_timing import time_graph
+from graph_timing import gpu_run_header, time_graph
 
 from deepinfer_core.benchmarking.harness import run_main
 from deepinfer_core.ops import all_ops
@@ -180,16 +178,8 @@ def main() -> None:
                 f"{fmt(row['ref_eager_us'], 12)} {fmt(row['triton_eager_us'], 15)} {row['max_abs_err']:>9.2g}"
             )
             rows.append(row)
-    import triton
-
     result = {
-        "benchmark": "cuda_sm100 small ops vs reference",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "capability": list(torch.cuda.get_device_capability()),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
+        **gpu_run_header("cuda_sm100 small ops vs reference"),
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
         "eager_iters": args.eager_iters,

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +37,7 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100"), str(Path(__file
 
 from bench_attention import Timer  # noqa: E402
 from choice_writers import GRAPH_FLUSHED, merge  # noqa: E402
+from graph_timing import gpu_run_header  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
 
@@ -196,10 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
     results: dict = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        **gpu_run_header("cuda_sm100 TileKernels adapters vs our own implementation", local_time=True),
         "graphs": not a.no_graphs,
         "l2_flush": not a.no_flush,
         "rows": bench(a, timer),

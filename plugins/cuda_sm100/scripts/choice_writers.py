@@ -103,6 +103,25 @@ def write_select_choices(rows: list[dict]) -> Path:
     return merge(points, command, "mean of the calls replayed in one CUDA graph, L2 flushed before each call")
 
 
+def write_score_choices(rows: list[dict]) -> Path | None:
+    """The indexer scores' paths (Triton, and TileLang where it ran) per ``T x C`` as
+    ``indexer_scores`` points of the measured table (paged candidates, bfloat16, 64 heads of
+    128, as measured); ``None`` when no row timed TileLang."""
+    from deepinfer_cuda_sm100.indexer_select import SCORE_OP
+
+    points = [
+        {"op": SCORE_OP, "kind": "paged", "dtype": "bfloat16", "heads": 64, "head_dim": 128,
+         "tokens": r["T"], "keys": r["C"],
+         "ms": {"triton": round(r["score_ms"], 5), "tilelang": round(r["tilelang_score_ms"], 5)}}
+        for r in rows
+        if "tilelang_score_ms" in r
+    ]  # fmt: skip
+    if not points:
+        return None
+    command = "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices"
+    return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang"))
+
+
 def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
     TileLang GEMM's where it ran), the W8A8 prefill paths', and the grouped GEMM's per (G*N x K,

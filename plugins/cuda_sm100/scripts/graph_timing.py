@@ -32,15 +32,18 @@ def time_graph(fn: Callable[[int], object], calls: int, replays: int) -> float |
     return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
-def gpu_run_header(benchmark: str) -> dict:
-    """The leading fields of a GPU benchmark's JSON: what it measured, when, on which device and
-    software (torch, Triton, Python)."""
+def gpu_run_header(benchmark: str, *, local_time: bool = False) -> dict:
+    """The leading fields of a GPU benchmark's JSON: what it measured, when (``date``, UTC), on
+    which device and software (torch, Triton, Python).  ``local_time``: also ``time``, the local
+    wall-clock time without a zone (``%Y-%m-%dT%H:%M:%S``), which the attention and TileKernels
+    benchmarks' JSON has always carried."""
     import datetime
     import platform
+    import time
 
     import triton
 
-    return {
+    header = {
         "benchmark": benchmark,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(),
@@ -49,3 +52,6 @@ def gpu_run_header(benchmark: str) -> dict:
         "triton": triton.__version__,
         "python": platform.python_version(),
     }
+    if local_time:
+        header["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return header

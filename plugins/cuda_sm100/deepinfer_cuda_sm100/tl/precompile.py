@@ -3,15 +3,18 @@ TileLang's disk cache (``~/.tilelang/cache``), so that neither a test run nor an
 warm-up compiles them one after another.
 
     python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
-        [--inter 2048] [--gemm-shapes 4096x1024,...] [--jobs 8]
+        [--inter 2048] [--gemm-shapes 4096x1024,...] [--index-heads 64] [--index-dim 128]
+        [--jobs 8]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
 ``moe_experts`` GEMMs (gate / up and down, every tile height and scale format, one and two
 consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
-scale formats, the split combine) of each ``K x N`` weight, for DeepSeek-V4-Flash's shapes by default
-(split plans for this machine's GPU, an H100 / H200's 132 SMs without one).
+scale formats, the split combine) of each ``K x N`` weight, and the indexer's scores
+(:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates), for
+DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
+132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
 """
 
@@ -75,6 +78,14 @@ def gemm_configurations(shapes: str, sms: int) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
+def indexer_configurations(heads: int, dim: int) -> list[tuple]:
+    """``tl.indexer._kernel`` arguments of the indexer scores: both candidate forms, every
+    blocks-per-CTA choice, bfloat16."""
+    from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES, KINDS
+
+    return [(kind, heads, dim, "bfloat16", blocks) for kind in KINDS for blocks in BLOCK_CHOICES]
+
+
 def _sms() -> int:
     import torch
 
@@ -96,6 +107,7 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     """Every ``(module, configuration)`` the options name."""
     out = [("sparse_attention", c) for c in configurations(a.heads, a.dim, a.rope_dim)]
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
+    out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]
 
 
@@ -107,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096, help="MoE hidden width D")
     p.add_argument("--inter", type=int, default=2048, help="MoE expert intermediate width I")
     p.add_argument("--gemm-shapes", default=GEMM_SHAPES, help="FP8 linear weights, KxN comma-separated")
+    p.add_argument("--index-heads", type=int, default=64, help="indexer heads")
+    p.add_argument("--index-dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--jobs", type=int, default=8)
     a = p.parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
