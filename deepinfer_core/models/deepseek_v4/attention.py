@@ -22,6 +22,7 @@ from .compressor import Compressor
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .fused import FusedProjection
 from .metadata import StepMetadata
+from .plan_tensors import kept_arange
 from .rope import inverse
 
 
@@ -124,7 +125,8 @@ class Attention:
             # from the ring or from this step's rows, so chunking changes nothing (batch
             # invariance), and a kernel sees one format for every source
             chunk = ring.new_rows(n)
-            ops.cache_write(chunk, torch.arange(n, device=kv.device), kv)
+            # rows 0..n-1: a kept arange (no arange launch per layer and step)
+            ops.cache_write(chunk, kept_arange(n, kv.device), kv)
         pools = [ring, chunk]
         idx = [queries.window_ring, queries.window_chunk]
         if self.compressor is not None:

@@ -21,7 +21,7 @@ at the nearest measured shape, Triton where none was measured.  Static shapes on
 captured graph replays what it captured.
 
 The scores themselves come from the Triton kernel or the TileLang one
-(:mod:`deepinfer_cuda_sm100.tl.indexer`: wgmma over 16-byte ``cp.async`` key gathers), chosen
+(:mod:`deepinfer_cuda_sm100.tl.indexer`: wgmma over key rows gathered into shared memory), chosen
 the same way (op ``"indexer_scores"``, keyed by candidate form, dtype, heads, head dim, ``T`` and
 ``C``; :func:`choose_scores`): TileLang only where it can compile here, the call fits it, the
 engine is not in batch-invariant mode (the two sum over heads in different orders) and the

@@ -157,6 +157,18 @@ def test_split_kinds_and_key_counts_follow_the_sources():
     assert tla.third_kind(idx[:2]) is None and tla.third_kind(_call()[2]) == "rows"
 
 
+def test_paged_index_tensors_go_to_the_kernel_as_the_engine_builds_them():
+    """The kernel reads a paged source's block table and token rows in the contract's int64:
+    contiguous int64 tensors (the step plans') are passed as they are, no conversion launch per
+    call; another integer dtype or a strided view is copied to contiguous int64, values kept."""
+    table = torch.arange(12).view(3, 4)
+    rows = torch.tensor([2, 0, 1])
+    assert tla._int64(table) is table and tla._int64(rows) is rows
+    for x in (table.to(torch.int32), table.t(), rows.to(torch.int32)):
+        y = tla._int64(x)
+        assert y.dtype == torch.int64 and y.is_contiguous() and torch.equal(y, x.long())
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

@@ -199,9 +199,18 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
 
     from deepinfer_cuda_sm100.tl import precompile
 
-    ns = argparse.Namespace(heads=64, dim=512, rope_dim=64, hidden=4096, inter=2048, gemm_shapes="4096x1024")
+    ns = argparse.Namespace(
+        heads=64,
+        dim=512,
+        rope_dim=64,
+        hidden=4096,
+        inter=2048,
+        gemm_shapes="4096x1024",
+        index_heads=64,
+        index_dim=128,
+    )
     jobs = precompile.jobs(ns)
-    assert {module for module, _ in jobs} == {"sparse_attention", "moe", "fp8_gemm"}
+    assert {module for module, _ in jobs} == {"sparse_attention", "moe", "fp8_gemm", "indexer"}
     for module, config in jobs:
         kernel = importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel
         inspect.signature(kernel).bind(*config)

@@ -377,6 +377,28 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
     assert {c[5] for c in moe_configurations(384, 2048)} == {1}  # the wide kernels refuse D=384
 
 
+def test_routing_weights_reach_the_down_kernel_without_a_conversion():
+    """``moe_route``'s bf16 weights (and float32 ones) go to the down kernel as they are (no
+    launch), the kernel compiled for their dtype, by default the bf16 one precompile builds; the
+    kernel's bf16 rounding of a weight makes that the product its float32 copy gave.  Another
+    dtype is converted to float32 exactly, as before."""
+    import inspect
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(5, 6, generator=g).to(torch.bfloat16)
+    for x, name in ((w, "bfloat16"), (w.float(), "float32")):
+        rw, got = tlm.routing_weights(x)
+        assert rw is x and got == name
+    rw, got = tlm.routing_weights(w.t())  # a strided view: made contiguous, dtype kept
+    assert got == "bfloat16" and rw.is_contiguous() and torch.equal(rw, w.t())
+    rw, got = tlm.routing_weights(w.half())
+    assert got == "float32" and rw.dtype == torch.float32 and torch.equal(rw, w.half().float())
+    # what the kernel multiplies by: float(bf16(weight)), the same bits either way
+    assert torch.equal(w.float().to(torch.bfloat16).float().view(torch.int32), w.float().view(torch.int32))
+    for fn in (tlm._kernel, tlm.build_down):
+        assert inspect.signature(fn).parameters["weights"].default == "bfloat16"
+
+
 # ---------------------------------------------------------------------------------------------
 # lowering (where TileLang imports, no GPU needed)
 
@@ -401,7 +423,7 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
     configs = [c for c in moe_configurations(4096, 2048) if c[0] == kind and c[5] == consumers]
     assert len(configs) == 6
-    for _, hidden, inter, bm, scale, _ in configs:
+    for _, hidden, inter, bm, scale, *_ in configs:  # (consumers, stages)
         with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
             func = (
                 build(hidden, inter, bm, scale)

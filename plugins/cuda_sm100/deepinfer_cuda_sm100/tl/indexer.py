@@ -10,14 +10,16 @@ One CTA (one warpgroup) takes one query token and up to :data:`BLOCKS` blocks of
 candidates (:func:`plan_blocks`: as many as keep the SMs busy).  The token's ``[H, D]``
 queries stay in shared memory; per block the candidates' key rows (explicit rows, or the
 entries of a :class:`~deepinfer_core.ops.attention.PagedIndex` resolved through its block
-table) are gathered row by row with 16-byte ``cp.async`` copies into a :data:`STAGES`-deep
-ring (the next block's rows load while this one computes), one wgmma GEMM gives the logits
+table) are gathered row by row into a :data:`STAGES`-deep shared ring (TileLang's pipeline
+issues the next block's loads before this block's math; the loads are plain, not ``cp.async``:
+the generated source has none), one wgmma GEMM gives the logits
 ``[BN, H]`` (candidates on wgmma's M side, heads as its N), and the epilogue applies ``relu``,
 the scale and the head weights and sums over heads within each row's quad of threads.  The
 keys are read once, as they are stored; nothing but the scores is written.
 
 The pool is addressed in 16-byte units from its own base (its row stride a multiple of 16
-bytes, its base 16-byte aligned), so the gathers vectorise without a bounds check per element.
+bytes, its base 16-byte aligned), so a row's address is provably aligned and the gathers need
+no bounds check per element.
 
 A candidate's score does not depend on the other tokens or on where the candidate sits in its
 block (fixed tiles, the same instructions for every block), but its summation order over heads
@@ -86,12 +88,11 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
                 row = T.if_then_else(col < n_cand, cand[t, T.min(col, n_cand - 1)], T.int64(-1))
                 off[i] = T.if_then_else(row >= 0, row * kst, T.int64(-1))
         else:
-            count = T.min(T.max(counts[t], 0), max_count)
-            page_row = token_rows[t]
+            count = T.min(T.max(counts[t], T.int64(0)), T.Cast("int64", max_count))
+            page_row = T.Cast("int32", token_rows[t])
             for i in T.Parallel(BN):
                 e = c0 + i
-                page = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]
-                row = T.Cast("int64", page) * epp + e % epp
+                row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
                 off[i] = T.if_then_else(e < count, row * kst, T.int64(-1))
 
     @T.macro
@@ -105,9 +106,9 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
         w: T.Tensor((n_tok, H), "float32"),
         flat: T.Tensor((nf,), dtype),
         cand: T.Tensor((t_rows, c_rows), "int64"),
-        block_table: T.Tensor((r_bt, p_bt), "int32"),
-        token_rows: T.Tensor((t2,), "int32"),
-        counts: T.Tensor((t3,), "int32"),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        counts: T.Tensor((t3,), "int64"),
         scores: T.Tensor((n_tok, n_cand), "float32"),
         kst: T.int64,
         scale: T.float32,
@@ -187,8 +188,10 @@ def supports(q, weights, key_pool, candidates) -> bool | str:
     return True
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+def _int64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel reads a paged index's tensors: contiguous int64, the contract's dtype
+    (no conversion launch for the engine's index; another dtype or a strided view is copied)."""
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def indexer_scores(
@@ -205,12 +208,12 @@ def indexer_scores(
     ``blocks``: blocks of candidates per CTA (default: :func:`plan_blocks`)."""
     t, h, d = q.shape
     dev = q.device
-    one = torch.zeros(1, dtype=torch.int32, device=dev)
+    one = torch.empty(1, dtype=torch.int64, device=dev)  # placeholders the kernel's kind never reads
     if isinstance(candidates, PagedIndex):
         kind, c = "paged", int(candidates.max_count)
-        cand = torch.full((1, 1), -1, dtype=torch.int64, device=dev)
-        bt, rows = _int32(candidates.block_table), _int32(candidates.token_rows)
-        counts, epp = _int32(candidates.counts), int(candidates.entries_per_page)
+        cand = one.view(1, 1)  # never read by the paged kernel
+        bt, rows = _int64(candidates.block_table), _int64(candidates.token_rows)
+        counts, epp = _int64(candidates.counts), int(candidates.entries_per_page)
     else:
         kind, c = "rows", candidates.shape[1]
         cand = candidates.to(torch.int64).contiguous()

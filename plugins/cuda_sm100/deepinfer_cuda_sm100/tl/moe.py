@@ -71,7 +71,9 @@ weight the rounded product of its exact value and its scale.  fp32 accumulation 
 
 **Rounding points** as the Triton path: gate / up, ``silu(min(g, L))``, ``h`` and the down
 output each rounded to bf16; the routing weight rounded to bf16 before it scales (the default
-mode's rule; the batch-invariant mode keeps the Triton path, see below).
+mode's rule; the batch-invariant mode keeps the Triton path, see below).  The down kernel reads
+the routing weights in their own dtype (:func:`routing_weights`: ``moe_route``'s bf16 ones
+without a conversion launch).
 
 **Batch invariance.**  With tokens on the N side a token's column of the product depends on
 its own activation row only, the K order and the tile shape are fixed by the static
@@ -447,7 +449,13 @@ def build_gate_up(
 
 
 def build_down(
-    hidden: int, inter: int, block_m: int, scale: str, stages: int | None = None, consumers: int = 1
+    hidden: int,
+    inter: int,
+    block_m: int,
+    scale: str,
+    stages: int | None = None,
+    consumers: int = 1,
+    weights: str = "bfloat16",
 ):
     """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
     writes ``y[pair, nb * 128 consumers + i]`` for the pairs of the tile's real rows: the bf16
@@ -457,6 +465,9 @@ def build_down(
     Args:
         hidden: ``D`` (a multiple of ``128 consumers``); inter: ``I`` (a multiple of
         :data:`BLOCK_K`); block_m, scale, stages, consumers: as :func:`build_gate_up`.
+        weights: the routing weights' dtype, a value of :data:`WEIGHT_DTYPES` (read as they
+            are: no conversion launch before the kernel; the bf16 rounding makes the two the
+            same product for a bf16 weight).
     """
     import tilelang.language as T
 
@@ -475,7 +486,7 @@ def build_down(
         slot_pair: T.Tensor((n_slots,), "int32"),
         w: T.Tensor((n_exp, D, I // 2), "uint8"),
         s: T.Tensor((n_exp, D, I // GROUP), _scale_dtype(scale)),
-        rw: T.Tensor((n_tok, kk), "float32"),
+        rw: T.Tensor((n_tok, kk), weights),
         y: T.Tensor((n_pairs, D), "bfloat16"),
     ):
         with T.Kernel(D // R, n_tiles, threads=THREADS * consumers) as (nb, tile):
@@ -507,15 +518,42 @@ PASS_CONFIGS: dict = {}
 
 @functools.cache
 def _kernel(
-    kind: str, hidden: int, inter: int, block_m: int, scale: str, consumers: int = 1, stages: int = STAGES
+    kind: str,
+    hidden: int,
+    inter: int,
+    block_m: int,
+    scale: str,
+    consumers: int = 1,
+    stages: int = STAGES,
+    weights: str = "bfloat16",
 ):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
-    wide variant; ``stages``: the ring's depth)."""
+    wide variant; ``stages``: the ring's depth; ``weights``: the down kernel's routing-weight
+    dtype, :func:`build_down`'s; the default is ``moe_route``'s with the model's bf16 logits,
+    so precompiled configurations, which leave it out, are the ones a call runs)."""
     import tilelang
 
-    build = build_gate_up if kind == "gate_up" else build_down
-    func = build(hidden, inter, block_m, scale, stages=stages, consumers=consumers)
+    if kind == "gate_up":
+        func = build_gate_up(hidden, inter, block_m, scale, stages=stages, consumers=consumers)
+    else:
+        func = build_down(hidden, inter, block_m, scale, stages=stages, consumers=consumers, weights=weights)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
+
+
+WEIGHT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+"""Routing-weight dtypes the down kernel reads as they are (``moe_route`` returns the logits'
+dtype: bfloat16 in the model); others are cast to float32 first (exact)."""
+
+
+def routing_weights(weights: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """``(weights as the down kernel reads them, their dtype's name)``: a bfloat16 or float32
+    tensor as it is (contiguous: no launch when it already is, as ``moe_route`` returns it);
+    another dtype converted to float32 (exactly).  The kernel rounds a weight to bf16 before it
+    scales, so a bf16 weight read as it is gives the same bits as its float32 copy did."""
+    name = WEIGHT_DTYPES.get(weights.dtype)
+    if name is None:
+        return weights.to(torch.float32).contiguous(), "float32"
+    return weights.contiguous(), name
 
 
 def scale_kind(w) -> str:
@@ -619,8 +657,8 @@ def moe_experts(
     )
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
-    rw = weights.to(torch.float32).contiguous()
-    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages)(
+    rw, rw_dtype = routing_weights(weights)
+    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype)(
         h, tile_expert, slot_pair, down.data, dn_scale, rw, y
     )
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)

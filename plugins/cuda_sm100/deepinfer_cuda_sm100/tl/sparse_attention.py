@@ -13,9 +13,11 @@ One key sequence per query.  A prologue (the Triton kernel's, :func:`compact_sou
 each source's valid keys and compacts the explicit row lists (``-1`` rows dropped, order kept);
 the kernel then walks one sequence: the compacted explicit rows of every source, then, when
 the last source is a :class:`~deepinfer_core.ops.attention.PagedIndex`, its entries resolved
-through the block table.  Every key of a block is valid except in the sequence's last block,
-so no block is spent on masked rows, and a query's keys are split over blocks the same way
-whichever source holds them.  The pools (all of the queries' dtype, 16-byte aligned rows) are
+through the block table (block table and token rows read in the contract's int64, as the step
+plans build them: no conversion launch per call; a call without a paged source never reads
+them).  Every key of a block is valid except in the sequence's last block, so no block is
+spent on masked rows, and a query's keys are split over blocks the same way whichever source
+holds them.  The pools (all of the queries' dtype, 16-byte aligned rows) are
 addressed from the lowest pool's address in 16-byte units (one flat address space: the
 gather of a block needs no per-source branch).  The softmax starts from the head's sink
 (``m = sink``, ``l = 1``).
@@ -106,14 +108,20 @@ def build_attention(
         n01 = n0 + nvalid[t, 1]
         total = n01 + nvalid[t, 2]
         n_expl = n01 if paged else total
-        page_row = token_rows[T.min(t, t2 - 1)]
+        # the table's row (int32 index math); a call without a paged source never reads the
+        # table or the token rows (the host passes unwritten placeholders)
+        page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
         for i in T.Parallel(BN):
             j = j0 + i
             e = j - n_expl  # the entry of the paged source
-            row = T.if_then_else(
-                j < n_expl,
-                T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
-                T.Cast("int64", block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]) * epp + e % epp,
+            row = (
+                T.if_then_else(
+                    j < n_expl,
+                    T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
+                    block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp,
+                )
+                if paged
+                else T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
             )
             later = T.if_then_else(j < n01, bases[1] + row * strides[1], bases[2] + row * strides[2])
             o = T.if_then_else(j < n0, bases[0] + row * strides[0], later)
@@ -231,8 +239,8 @@ def build_attention(
             flat: T.Tensor((nf,), dtype),
             compact: T.Tensor((n_tok, ke), "int32"),
             nvalid: T.Tensor((n_tok, 4), "int32"),
-            block_table: T.Tensor((r_bt, p_bt), "int32"),
-            token_rows: T.Tensor((t2,), "int32"),
+            block_table: T.Tensor((r_bt, p_bt), "int64"),
+            token_rows: T.Tensor((t2,), "int64"),
             sinks: T.Tensor((H,), "float32"),
             out: T.Tensor((t_out, H, D), dtype),
             part: T.Tensor((t_part, n_split, H, D), "float32"),
@@ -268,8 +276,8 @@ def build_attention(
         flat64: T.Tensor((T.dynamic("NF8"),), "int64"),
         compact: T.Tensor((n_tok, ke), "int32"),
         nvalid: T.Tensor((n_tok, 4), "int32"),
-        block_table: T.Tensor((r_bt, p_bt), "int32"),
-        token_rows: T.Tensor((t2,), "int32"),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
         sinks: T.Tensor((H,), "float32"),
         out: T.Tensor((t_out, H, D), dtype),
         part: T.Tensor((t_part, n_split, H, D), "float32"),
@@ -369,8 +377,11 @@ def max_keys(indices: Sequence[torch.Tensor | PagedIndex]) -> int:
     return sum(i.max_count if isinstance(i, PagedIndex) else i.shape[1] for i in indices)
 
 
-def _int32(x: torch.Tensor) -> torch.Tensor:
-    return x if x.dtype == torch.int32 and x.is_contiguous() else x.to(torch.int32).contiguous()
+def _int64(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the kernel reads a paged index's tensors: contiguous int64, the contract's dtype
+    (:class:`~deepinfer_core.ops.attention.PagedIndex`), so the engine's index goes in as it is
+    (no conversion launch per call); another integer dtype or a strided view is copied."""
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,9 +433,9 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     views, bases, strides = _flat_views(kv_pools, fp8, q.dtype)
     if paged:
         pi: PagedIndex = indices[-1]
-        bt, rows, epp = _int32(pi.block_table), _int32(pi.token_rows), pi.entries_per_page
-    else:
-        one = torch.zeros(1, dtype=torch.int32, device=dev)
+        bt, rows, epp = _int64(pi.block_table), _int64(pi.token_rows), pi.entries_per_page
+    else:  # never read (see key_offsets): no fill launch
+        one = torch.empty(1, dtype=torch.int64, device=dev)
         bt, rows, epp = one.view(1, 1), one, 1
     s = plan_splits(t, h, max_keys(indices), num_sms(dev))
     if s == 1:
