@@ -22,7 +22,8 @@ outputs and index lists once.
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
 request's entries); the fused kernel (scores + selection) and its selection alone against
 ``torch.topk`` on the same scores (and, where the selection takes its threshold path, the
-one-program radix select too).
+one-program radix select too), and, with TileLang installed, the TileLang scores beside the
+Triton ones (``indexer_tilelang.py``: time, agreement, ``--tune`` their blocks per CTA).
 
 Timing: each op captured in a CUDA graph (``--no-graphs``: plain launches) with an L2 flush
 before every call (the flush's own time subtracted), CUDA events, after warm-up.  Prints a
