@@ -29,8 +29,8 @@ from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
+from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
-TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 MAX_TL_HEAD_DIM = 512
 """Widest head the TileLang kernel takes: its query and two key stages fill shared memory."""
 _INT32_MAX = 2**31 - 1

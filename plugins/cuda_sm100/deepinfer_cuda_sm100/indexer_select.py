@@ -36,6 +36,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import indexer as tl_indexer
+from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
 OP = "indexer_select"
 """The op name of the selection points in the measured table."""
@@ -43,7 +44,6 @@ PATHS = frozenset({"triton", "threshold", "torch"})
 SCORE_OP = "indexer_scores"
 """The op name of the scoring points in the measured table."""
 SCORE_PATHS = frozenset({"triton", "tilelang"})
-_SCORE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def choose_scores(q, weights, key_pool, candidates) -> str:
     paged = isinstance(candidates, PagedIndex)
     c = int(candidates.max_count) if paged else candidates.shape[1]
     return kernel_choice.choose(
-        SCORE_OP, "paged" if paged else "rows", _SCORE_DTYPES[q.dtype], h, d, t, c,
+        SCORE_OP, "paged" if paged else "rows", TL_DTYPES[q.dtype], h, d, t, c,
         kernel_choice.device_arch(q.device), SCORE_PATHS,
     )  # fmt: skip
 

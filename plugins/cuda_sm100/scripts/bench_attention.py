@@ -46,6 +46,7 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
 import choice_writers  # noqa: E402
 import indexer_tilelang  # noqa: E402
+from graph_timing import gpu_run_header  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
 
@@ -416,8 +417,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_attention: no CUDA GPU is visible; run this on a GPU machine", file=sys.stderr)
         return 2
     timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
-    from graph_timing import gpu_run_header
-
     results: dict = {
         **gpu_run_header("cuda_sm100 attention kernels (sparse_attention, indexer_topk)", local_time=True),
         "graphs": not a.no_graphs,

@@ -163,9 +163,9 @@ def test_paged_index_tensors_go_to_the_kernel_as_the_engine_builds_them():
     call; another integer dtype or a strided view is copied to contiguous int64, values kept."""
     table = torch.arange(12).view(3, 4)
     rows = torch.tensor([2, 0, 1])
-    assert tla._int64(table) is table and tla._int64(rows) is rows
+    assert tla.index_int64(table) is table and tla.index_int64(rows) is rows
     for x in (table.to(torch.int32), table.t(), rows.to(torch.int32)):
-        y = tla._int64(x)
+        y = tla.index_int64(x)
         assert y.dtype == torch.int64 and y.is_contiguous() and torch.equal(y, x.long())
 
 

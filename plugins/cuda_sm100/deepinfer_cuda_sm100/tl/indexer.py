@@ -36,6 +36,8 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
+from .launch_args import TL_DTYPES, index_int64, num_sms
+
 BN = 128
 """Candidates per block: two wgmma M tiles of 64."""
 BLOCK_CHOICES = (1, 2, 4, 8, 16)
@@ -55,7 +57,6 @@ KINDS = ("rows", "paged")
 """Candidate forms: explicit ``[T, C]`` rows, or a paged index."""
 MAX_HEADS = 128
 MAX_DIM = 256
-_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS):
@@ -170,7 +171,7 @@ def _kernel(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS):
 def supports(q, weights, key_pool, candidates) -> bool | str:
     """``True`` when the TileLang scores take this call (one the Triton kernel accepts), else
     the reason."""
-    if q.dtype not in _TL_DTYPES:
+    if q.dtype not in TL_DTYPES:
         return f"q dtype {q.dtype}: the TileLang scores take bfloat16 and float16"
     _, h, d = q.shape
     if h % 16 or h > MAX_HEADS:
@@ -186,12 +187,6 @@ def supports(q, weights, key_pool, candidates) -> bool | str:
     if not weights.is_floating_point():
         return f"weights dtype {weights.dtype}: floating point expected"
     return True
-
-
-def _int64(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel reads a paged index's tensors: contiguous int64, the contract's dtype
-    (no conversion launch for the engine's index; another dtype or a strided view is copied)."""
-    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def indexer_scores(
@@ -212,8 +207,8 @@ def indexer_scores(
     if isinstance(candidates, PagedIndex):
         kind, c = "paged", int(candidates.max_count)
         cand = one.view(1, 1)  # never read by the paged kernel
-        bt, rows = _int64(candidates.block_table), _int64(candidates.token_rows)
-        counts, epp = _int64(candidates.counts), int(candidates.entries_per_page)
+        bt, rows = index_int64(candidates.block_table), index_int64(candidates.token_rows)
+        counts, epp = index_int64(candidates.counts), int(candidates.entries_per_page)
     else:
         kind, c = "rows", candidates.shape[1]
         cand = candidates.to(torch.int64).contiguous()
@@ -225,7 +220,7 @@ def indexer_scores(
     kst = key_pool.stride(0) * key_pool.element_size() // 16
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
-        blocks = plan_blocks(t, c, torch.cuda.get_device_properties(dev).multi_processor_count)
-    kernel = _kernel(kind, h, d, _TL_DTYPES[q.dtype], blocks)
+        blocks = plan_blocks(t, c, num_sms(dev))
+    kernel = _kernel(kind, h, d, TL_DTYPES[q.dtype], blocks)
     kernel(q.contiguous(), w.contiguous(), flat, cand, bt, rows, counts, scores, kst, float(scale), c, epp)
     return scores

@@ -45,6 +45,8 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
+from .launch_args import TL_DTYPES, index_int64, num_sms
+
 LOG2E = 1.4426950408889634
 BH = 64
 """Heads per CTA: one wgmma M tile (FlashMLA's ``h64``)."""
@@ -56,8 +58,6 @@ MIN_SPLIT_BLOCKS = 1
 """Fewest key blocks a split gets.  Measured on the H200 (``bench_attention.py --tune``, 768
 keys at 1-32 tokens): one block a split is fastest while the CTAs fit in one wave; the
 partials (128 KiB a split) cost less than a block's serial latency."""
-
-_TL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -347,11 +347,6 @@ def _kernel(
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def plan_splits(tokens: int, heads: int, max_keys: int, sms: int) -> int:
     """Splits per (token, head block): as many as one wave of CTAs holds (never a second
     wave), each with at least :data:`MIN_SPLIT_BLOCKS` blocks of keys, then as few as give
@@ -375,13 +370,6 @@ def third_kind(indices: Sequence[torch.Tensor | PagedIndex]) -> str | None:
 def max_keys(indices: Sequence[torch.Tensor | PagedIndex]) -> int:
     """The widest key list of a call (static: list widths and ``max_count``)."""
     return sum(i.max_count if isinstance(i, PagedIndex) else i.shape[1] for i in indices)
-
-
-def _int64(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the kernel reads a paged index's tensors: contiguous int64, the contract's dtype
-    (:class:`~deepinfer_core.ops.attention.PagedIndex`), so the engine's index goes in as it is
-    (no conversion launch per call); another integer dtype or a strided view is copied."""
-    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
 def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,7 +413,7 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     """The op (see the module docstring; :func:`~deepinfer_cuda_sm100.attention_dispatch.
     tilelang_supports` says which calls it takes)."""
     t, h, d = q.shape
-    dtype = _TL_DTYPES[q.dtype]
+    dtype = TL_DTYPES[q.dtype]
     dev = q.device
     paged = isinstance(indices[-1], PagedIndex)
     fp8 = fp8_geometry(kv_pools)
@@ -433,7 +421,7 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     views, bases, strides = _flat_views(kv_pools, fp8, q.dtype)
     if paged:
         pi: PagedIndex = indices[-1]
-        bt, rows, epp = _int64(pi.block_table), _int64(pi.token_rows), pi.entries_per_page
+        bt, rows, epp = index_int64(pi.block_table), index_int64(pi.token_rows), pi.entries_per_page
     else:  # never read (see key_offsets): no fill launch
         one = torch.empty(1, dtype=torch.int64, device=dev)
         bt, rows, epp = one.view(1, 1), one, 1
