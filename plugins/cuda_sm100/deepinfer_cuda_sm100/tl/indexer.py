@@ -8,11 +8,13 @@ the Triton kernel computes it.
 
 One CTA (one warpgroup) takes one query token and up to :data:`BLOCKS` blocks of :data:`BN`
 candidates (:func:`plan_blocks`: as many as keep the SMs busy).  The token's ``[H, D]``
-queries stay in shared memory; per block the candidates' key rows (explicit rows, or the
-entries of a :class:`~deepinfer_core.ops.attention.PagedIndex` resolved through its block
-table) are gathered row by row into a :data:`STAGES`-deep shared ring (TileLang's pipeline
-issues the next block's loads before this block's math; the loads are plain, not ``cp.async``:
-the generated source has none), one wgmma GEMM gives the logits
+queries stay in shared memory; the row offsets of all the CTA's candidates (explicit rows,
+or the entries of a :class:`~deepinfer_core.ops.attention.PagedIndex` resolved through its
+block table) are computed once, before the first block, into static shared memory; per block
+the key rows are gathered by 16-byte ``cp.async`` copies into a :data:`STAGES`-deep shared
+ring (TileLang's pipeline issues the next block's copies before this block's math; with the
+offsets outside the dynamic shared memory, TileLang places no barrier inside the gather
+loop), one wgmma GEMM gives the logits
 ``[BN, H]`` (candidates on wgmma's M side, heads as its N), and the epilogue applies ``relu``,
 the scale and the head weights and sums over heads within each row's quad of threads.  The
 keys are read once, as they are stored; nothing but the scores is written.
@@ -81,25 +83,27 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
 
     @T.macro
     def offsets(off, t, c0, cand, paged, kst):
-        """``off[i]``: candidate ``c0 + i``'s key row in 16-byte units, ``-1`` if invalid."""
+        """``off[i]``: candidate ``c0 + i``'s key row in 16-byte units, ``-1`` if invalid, for
+        every candidate of the CTA (``blocks * BN``; one round of independent index loads
+        before the first gather instead of one per block)."""
         block_table, token_rows, counts, max_count, epp = paged
         if kind == "rows":
-            for i in T.Parallel(BN):
+            for i in T.Parallel(blocks * BN):
                 col = c0 + i
                 row = T.if_then_else(col < n_cand, cand[t, T.min(col, n_cand - 1)], T.int64(-1))
                 off[i] = T.if_then_else(row >= 0, row * kst, T.int64(-1))
         else:
             count = T.min(T.max(counts[t], T.int64(0)), T.Cast("int64", max_count))
             page_row = T.Cast("int32", token_rows[t])
-            for i in T.Parallel(BN):
+            for i in T.Parallel(blocks * BN):
                 e = c0 + i
                 row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
                 off[i] = T.if_then_else(e < count, row * kst, T.int64(-1))
 
     @T.macro
-    def gather(k_s, off, flat):
+    def gather(k_s, off, flat, b):
         for i, d in T.Parallel(BN, D):
-            k_s[i, d] = flat[T.max(off[i], 0) * 8 + d]
+            k_s[i, d] = flat[T.max(off[b * BN + i], 0) * 8 + d]
 
     @T.prim_func
     def indexer_scores(
@@ -120,17 +124,20 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
             q_s = T.alloc_shared((H, D), dtype)
             w_s = T.alloc_shared((H,), acc_t)
             k_s = T.alloc_shared((BN, D), dtype)
-            off = T.alloc_shared((BN,), "int64")
+            # static shared memory: the dynamic one holds the key ring, and TileLang's barrier
+            # placement would put a barrier in every iteration of a gather loop that reads the
+            # offsets from it (it cannot tell the two buffers apart there)
+            off = T.alloc_shared((blocks * BN,), "int64", scope="shared")
             acc = T.alloc_fragment((BN, H), acc_t)
             score = T.alloc_fragment((BN,), acc_t)
             T.copy(q[t, 0, 0], q_s)
             for h in T.Parallel(H):
                 w_s[h] = w[t, h]
             paged = (block_table, token_rows, counts, max_count, epp)
-            # the offsets and the gather in stage 0, the GEMM and the epilogue in stage 1
-            for b in T.Pipelined(blocks, order=[0, 1, 2, 3, 4, 5], stage=[0, 0, 1, 1, 1, 1]):
-                offsets(off, t, (g * blocks + b) * BN, cand, paged, kst)
-                gather(k_s, off, flat)
+            offsets(off, t, g * blocks * BN, cand, paged, kst)
+            # the gather in stage 0, the GEMM and the epilogue in stage 1
+            for b in T.Pipelined(blocks, order=[0, 1, 2, 3, 4], stage=[0, 1, 1, 1, 1]):
+                gather(k_s, off, flat, b)
                 T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True)
                 for i, h in T.Parallel(BN, H):
                     acc[i, h] = T.max(acc[i, h], 0) * scale * w_s[h]
@@ -139,7 +146,7 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
                     c = (g * blocks + b) * BN + i
                     if c < n_cand:
                         scores[t, c] = T.if_then_else(
-                            off[i] < 0,
+                            off[b * BN + i] < 0,
                             -T.infinity(acc_t),
                             T.if_then_else(score[i] == 0, T.float32(0), score[i]),
                         )

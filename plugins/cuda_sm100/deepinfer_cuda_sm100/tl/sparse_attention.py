@@ -4,7 +4,8 @@
 One CTA takes one query token and 64 of its heads (``BH``), two consumer warpgroups: the
 ``[64, D]`` queries stay in shared memory; each block of ``BN = 64`` keys is gathered row by
 row (``cp.async``, 16-byte vectors, two stages: the next block's rows load while this one
-computes), the logits ``[64, 64]`` come from one wgmma GEMM (the warpgroups split the key
+computes; the row offsets sit in static shared memory, so the gather loop has no barrier
+inside), the logits ``[64, 64]`` come from one wgmma GEMM (the warpgroups split the key
 columns), the online softmax runs in fp32 with base-2 exponentials, and the probabilities (cast
 to the queries' dtype, as FlashMLA does) multiply the same shared key tile into a ``[64, D]``
 fp32 accumulator that the two warpgroups split along the value dimension.
@@ -15,19 +16,17 @@ the kernel then walks one sequence: the compacted explicit rows of every source,
 the last source is a :class:`~deepinfer_core.ops.attention.PagedIndex`, its entries resolved
 through the block table (block table and token rows read in the contract's int64, as the step
 plans build them: no conversion launch per call; a call without a paged source never reads
-them).  Every key of a block is valid except in the sequence's last block, so no block is
-spent on masked rows, and a query's keys are split over blocks the same way whichever source
-holds them.  The pools (all of the queries' dtype, 16-byte aligned rows) are
-addressed from the lowest pool's address in 16-byte units (one flat address space: the
-gather of a block needs no per-source branch).  The softmax starts from the head's sink
-(``m = sink``, ``l = 1``).
+them).  Every key of a block is valid except in the sequence's last block, and a query's keys
+are split over blocks the same way whichever source holds them.  The pools (the queries'
+dtype, 16-byte aligned rows) are addressed from the lowest pool's address in 16-byte units
+(one flat address space: no per-source branch in a gather).  The softmax starts from the
+head's sink (``m = sink``, ``l = 1``).
 
 Split-KV: with few queries (fewer CTAs than SMs) and long key lists the sequence's blocks are
 split over ``S`` CTAs per (token, head block); each writes its fp32 partial ``(acc, m, l)``
 (only split 0 starts from the sink) and a combine kernel merges the splits in order.  ``S``
 depends on static shapes only (:func:`plan_splits`), so a call is CUDA-graph capturable;
-kernels are compiled once per static configuration (TileLang's disk cache keeps them between
-processes) and take any number of tokens, pool rows and list widths.
+kernels are compiled once per static configuration (kept in TileLang's disk cache).
 
 Reduction order: blocks of 64 keys of the query's sequence, splits merged in order:
 deterministic for a given split count.  The split count depends on the step's token count, so
@@ -94,8 +93,8 @@ def build_attention(
     t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
     t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
     # the pipelined loop's statements: row offsets and the gathers in stage 0 (2 plain, 4
-    # packed), the dequantisation (3 loops) and the 12 of the softmax block in stage 1
-    loads, math = (2, 12) if fp8 is None else (4, 15)
+    # packed), the dequantisation (4 loops) and the 12 of the softmax block in stage 1
+    loads, math = (2, 12) if fp8 is None else (4, 16)
     order, stage = list(range(loads + math)), [0] * loads + [1] * math
     if fp8 is not None:  # the 8-byte words of a packed row holding its scale bytes
         scale_words = -(-(fp8.scale_offset % 8 + fp8.groups) // 8)
@@ -168,19 +167,23 @@ def build_attention(
             scales[i, c] = flat64[T.if_then_else(off[i] >= 0, off[i], base0) + s0 + c]
 
     @T.macro
-    def dequantise(k_s, raw8, raw16, scales, factors):
+    def dequantise(k_s, raw8, raw16, scales, factors, raw_f):
         """Stage 1: ``fp8 * 2**(scale byte - 127)`` for the nope values (the power of two built
         from the byte's bits, as :func:`~deepinfer_core.ops.kv_format.pow2` does; the product
         is exact in fp32, then rounded to the key dtype), the bfloat16 rope values as they are
         (:mod:`deepinfer_core.ops.kv_format`), into the shared key tile.  Loops of one kind
-        each, so that they vectorise (8 values a thread at a time)."""
+        each, so that they vectorise (8 values a thread at a time).  The packed bytes pass
+        through registers (``raw_f``): TileLang puts a barrier in every iteration of a loop
+        that reads one dynamic shared buffer and writes another."""
         first = fp8.scale_offset % 8  # the first scale byte within the copied words
         for i, g in T.Parallel(BN, fp8.groups):
             word = scales[i, (first + g) // 8]  # little-endian bytes
             byte = T.Cast("uint32", T.bitwise_and(T.shift_right(word, (first + g) % 8 * 8), 255))
             factors[i, g] = T.reinterpret(acc_t, T.shift_left(byte, T.uint32(23)))
         for i, d in T.Parallel(BN, fp8.nope):
-            k_s[i, d] = T.Cast(dtype, T.Cast(acc_t, raw8[i, d]) * factors[i, d // 64])
+            raw_f[i, d] = raw8[i, d]
+        for i, d in T.Parallel(BN, fp8.nope):
+            k_s[i, d] = T.Cast(dtype, T.Cast(acc_t, raw_f[i, d]) * factors[i, d // 64])
         for i, r in T.Parallel(BN, D - fp8.nope):
             k_s[i, fp8.nope + r] = T.Cast(dtype, raw16[i, r])
 
@@ -189,12 +192,14 @@ def build_attention(
         q_s = T.alloc_shared((BH, D), dtype)
         k_s = T.alloc_shared((BN, D), dtype)
         p_s = T.alloc_shared((BH, BN), dtype)
-        off = T.alloc_shared((BN,), "int64")
+        # static shared memory: no barrier inside the loops that read it and write a tile
+        off = T.alloc_shared((BN,), "int64", scope="shared")
         if fp8 is not None:
             raw8 = T.alloc_shared((BN, fp8.nope), "float8_e4m3")
             raw16 = T.alloc_shared((BN, D - fp8.nope), "bfloat16")
             scales = T.alloc_shared((BN, scale_words), "int64")
-            factors = T.alloc_shared((BN, fp8.groups), acc_t)
+            factors = T.alloc_shared((BN, fp8.groups), acc_t, scope="shared")
+            raw_f = T.alloc_fragment((BN, fp8.nope), "float8_e4m3")
         acc_o = T.alloc_fragment((BH, D), acc_t)
         acc_s = T.alloc_fragment((BH, BN), acc_t)
         m = T.alloc_fragment((BH,), acc_t)
@@ -219,7 +224,7 @@ def build_attention(
                 gather_plain(k_s, off, pools[0], sequence[4][0])
             else:
                 gather_fp8(raw8, raw16, scales, off, pools[0], pools[1], pools[2], sequence[4][0])
-                dequantise(k_s, raw8, raw16, scales, factors)
+                dequantise(k_s, raw8, raw16, scales, factors, raw_f)
             attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
         if split:
             for h, d in T.Parallel(BH, D):
