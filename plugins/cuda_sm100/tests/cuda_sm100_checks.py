@@ -245,6 +245,35 @@ def record_launches(monkeypatch, module, names, launches: list | None = None) ->
     return launches
 
 
+def constexpr_defaults(fn, given) -> dict:
+    """``fn``'s constexpr parameters outside ``given`` that have a default (``USE_PDL``, which a
+    launch leaves out where PDL is off), with those defaults."""
+    return {p.name: p.default for p in fn.params if p.name not in given and p.is_constexpr and p.has_default}
+
+
+def compile_typed(fn, args: dict[str, str], constexprs: dict, arch: int, hints: bool = True, **options):
+    """``fn`` compiled for ``sm_<arch>``: ``args`` maps each runtime argument to its Triton type
+    (``"*bf16"``, ``"i32"``, ...; with ``hints``, pointers and ``stride*`` arguments get the
+    16-divisibility hint the launcher gives aligned values); constexprs left out take their
+    defaults."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = {**constexpr_defaults(fn, {*args, *constexprs}), **constexprs}
+    signature = {**args, **{name: "constexpr" for name in constexprs}}
+    names = list(fn.arg_names)
+    signature = {name: signature[name] for name in names}
+    div16 = [["tt.divisibility", 16]]
+    attrs = {
+        (names.index(n),): div16
+        for n, ty in args.items()
+        if hints and (ty.startswith("*") or n.startswith("stride_"))
+    }
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     """``fn`` compiled for ``sm_<arch>`` as a launch with ``args`` would specialise it: tensors
     as typed pointers (16-byte aligned ones with the divisibility hint), ints equal to 1 as
@@ -256,6 +285,7 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     names = list(fn.arg_names)
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
     consts = {k: v for k, v in kwargs.items() if k not in options}
+    consts |= constexpr_defaults(fn, {*names[: len(args)], *consts})
     signature, attrs = {}, {}
     for i, a in enumerate(args):
         name = names[i]

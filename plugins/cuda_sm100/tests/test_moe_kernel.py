@@ -36,7 +36,7 @@ import sys
 
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, conformance_problems, failed_rows
+from cuda_sm100_checks import compile_problem, compile_typed, conformance_problems, failed_rows
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -577,26 +577,6 @@ def test_supports_takes_the_batch_invariant_mode():
 # ---------------------------------------------------------------------------------------------
 # compile for the GPU (no GPU needed)
 
-_DIV16 = [["tt.divisibility", 16]]
-
-
-def _compile(fn, args: dict[str, str], constexprs: dict, arch: int, **options):
-    """``fn`` compiled for ``sm_<arch>``: ``args`` maps each runtime argument to its Triton type
-    (``"*bf16"``, ``"i32"``, ...; pointers and ``stride*`` arguments get the 16-divisibility
-    hint the launcher gives aligned values)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    names = list(fn.arg_names)
-    signature = {name: signature[name] for name in names}
-    attrs = {
-        (names.index(n),): _DIV16 for n, ty in args.items() if ty.startswith("*") or n.startswith("stride_")
-    }
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
 
 def _gemm_args(kind: str, dtype: str, first: str) -> dict[str, str]:
     w = "*u8" if kind != "plain" else f"*{dtype}"
@@ -634,7 +614,7 @@ def _gemm_args(kind: str, dtype: str, first: str) -> dict[str, str]:
 def test_kernels_compile_for_the_gpu(arch):
     from deepinfer_cuda_sm100.kernels import moe
 
-    _compile(
+    compile_typed(
         moe._layout_kernel,
         {"ids_ptr": "*i64", "stride_ids": "i32", "tile_expert_ptr": "*i32", "slot_pair_ptr": "*i32"}
         | {"P": "i32", "TOP_K": "i32", "E": "i32", "n_tiles": "i32"},
@@ -661,7 +641,7 @@ def test_kernels_compile_for_the_gpu(arch):
             args = _gemm_args(kind, dtype, name)
             if name == "gate_up" and h_fp8 or name == "down" and cs["FP8_MATH"]:
                 args["h_ptr"] = "*u8"  # h as e4m3 codes
-            compiled = _compile(kernel, args, cs, arch, num_warps=warps, num_stages=3)
+            compiled = compile_typed(kernel, args, cs, arch, num_warps=warps, num_stages=3)
             ptx = compiled.asm["ptx"]
             label = f"{name} {kind} {dtype} fp8={cs['FP8_MATH']}"
             if cs["FP8_MATH"]:  # e4m3 MMAs (wgmma on sm_90, tcgen05 on sm_100), PTX e2m1 -> e4m3
@@ -674,14 +654,14 @@ def test_kernels_compile_for_the_gpu(arch):
                 assert "prmt.b32 h0, 0xBFBFBF80" in ptx, f"{label}: no PTX decoding"
                 bf16_products = kind == "ue8m0" and dtype == "bf16"
                 assert ("mul.rn.bf16x2" in ptx) == bf16_products, label
-    _compile(
+    compile_typed(
         moe._quantise_kernel,
         {"x_ptr": "*bf16", "stride_x": "i32", "q_ptr": "*u8", "qs_ptr": "*fp32"},
         {"D": 4096, "BLOCK_G": 32, "FP32_DOT": False},
         arch,
     )
     for shared in (False, True):  # the shared expert's output added in the combine
-        _compile(
+        compile_typed(
             moe._combine_kernel,
             {
                 "y_ptr": "*bf16",

@@ -41,7 +41,7 @@ import sys
 
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, conformance_problems, failed_rows
+from cuda_sm100_checks import compile_problem, compile_typed, conformance_problems, failed_rows
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -546,17 +546,6 @@ def test_supports_takes_the_batch_invariant_mode():
 # compile for the GPU (no GPU needed)
 
 
-def _compile(fn, args: dict[str, str], constexprs: dict, arch: int, **options):
-    """``fn`` compiled for ``sm_<arch>`` (``args``: each runtime argument's Triton type)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    signature = {**args, **{name: "constexpr" for name in constexprs}}
-    signature = {name: signature[name] for name in fn.arg_names}
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-
-
 @slow
 @pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
@@ -580,7 +569,9 @@ def test_kernel_compiles_for_the_gpu(arch):
         consts |= {"SCORING_FN": routing.SCORING[scoring], "HAS_BIAS": not hashed, "HASH": hashed}
         consts |= {"BLOCK_T": routing.block_rows(e), "BLOCK_E": block_e, "LANES": min(block_e, 32)}
         typed = args | {"logits_ptr": f"*{dtype}", "w_ptr": f"*{dtype}"}
-        compiled = _compile(routing._route_kernel, typed, consts, arch, num_warps=4, enable_reflect_ftz=False)
+        compiled = compile_typed(
+            routing._route_kernel, typed, consts, arch, hints=False, num_warps=4, enable_reflect_ftz=False
+        )
         ptx, label = compiled.asm["ptx"], f"{scoring} {dtype} E={e} k={k}"
         assert "div.rn.f32" in ptx, f"{label}: no IEEE division"
         if scoring == "sqrtsoftplus":

@@ -73,6 +73,7 @@ from deepinfer_core.ops.kv_format import Fp8KVPool, Fp8RowLayout, KVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2
+from .pdl import pdl_args, pdl_enter
 
 KV_PLAIN = 0
 """Key rows stored in the pool's floating dtype (fp32, bf16 or fp16): a ``[N, D]`` tensor."""
@@ -200,7 +201,9 @@ def _prologue_kernel(
     KIND3: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     row = compact_ptr + t * KE
     n0 = _count_source(KIND0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
@@ -525,7 +528,9 @@ def _attn_kernel(
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -663,7 +668,9 @@ def _combine_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -889,6 +896,7 @@ def sparse_attention_impl(
         pools.fp8_base,
         SPLIT=pl.split,
         **common,
+        **pdl_args(),
     )
     if pl.split:
         _combine_kernel[(t, hb)](
@@ -908,6 +916,7 @@ def sparse_attention_impl(
             BLOCK_D=block_d,
             INTERP=INTERPRETED,
             num_warps=cfg.num_warps,
+            **pdl_args(),
         )
     return out
 
@@ -929,6 +938,7 @@ def _prologue(t: int, device: torch.device, kinds: list[int], idx_args: list, ke
         BLOCK_C=min(max(16, pow2(widest)), 1024),
         INTERP=INTERPRETED,
         num_warps=4,
+        **pdl_args(),
     )
     return nvalid, compact
 

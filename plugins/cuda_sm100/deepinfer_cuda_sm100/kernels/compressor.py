@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._common import cast_to, cdiv, pow2, round_through
 from .norm import _factor
+from .pdl import pdl_args, pdl_enter
 
 MAX_DIM = 4096
 """Widest entry (``D``): the row lives in registers."""
@@ -130,7 +131,9 @@ def _compress_entries_kernel(
     BLOCK_P: tl.constexpr,
     NUM_L_TILES: tl.constexpr,
     HAS_LIVE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     # the bound is a run-time value either way, so the entry's code (and its fp32 rounding) is the
     # same with and without a device count
@@ -242,5 +245,6 @@ def compress_entries(
         NUM_L_TILES=tiles,
         HAS_LIVE=live is not None,
         num_warps=4 if block_p <= 512 else 8,
+        **pdl_args(),
     )
     return pool

@@ -33,6 +33,7 @@ from deepinfer_core.ops.cache import cache_write
 
 from ._common import cast_to, pow2
 from .compressor import _TL_DTYPES, block_sizes, entry
+from .pdl import pdl_args, pdl_enter
 
 _COPY_BLOCK = 1024  # channels a buffer or carry copy moves per step of its loop
 
@@ -96,8 +97,9 @@ def _compress_windows_kernel(
     w_ptr, pos_ptr, inv_ptr, pool_ptr, dest_ptr, live_ptr, live_n,
     s_step, s_buf, nbuf, n_carries, m_total, R, D, HALF, stride_pool, eps, rope_scale, overlap,
     ROW_IS_WINDOW: tl.constexpr, HAS_LIVE: tl.constexpr, KV_DTYPE: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, NUM_L_TILES: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_P: tl.constexpr, NUM_L_TILES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else live_n
     if m < live:
@@ -119,9 +121,11 @@ def _compress_carry_kernel(
     kv, gate, buf_kv, buf_gate, bias, windows, carry_rows, carry_kv, carry_gate,
     snap_page, page_kv, page_gate, live_ptr, live_n, s_step, s_buf, nbuf,
     R: tl.constexpr, D: tl.constexpr, SNAP: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Window ``m``'s first half (channels ``:D``, the gate with its bias) into its carry row
     and, with ``SNAP``, its page snapshot."""
+    pdl_enter(USE_PDL)
     m = tl.program_id(0).to(tl.int64)
     live = tl.load(live_ptr).to(tl.int64) if HAS_LIVE else live_n
     if m < live:
@@ -148,9 +152,19 @@ def _compress_carry_kernel(
 
 @triton.jit
 def _compress_buffer_kernel(
-    kv, gate, buf_kv, buf_gate, buf_rows, s_step, s_buf, C: tl.constexpr, BLOCK: tl.constexpr
+    kv,
+    gate,
+    buf_kv,
+    buf_gate,
+    buf_rows,
+    s_step,
+    s_buf,
+    C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Token ``t``'s kv and gate rows into buffer row ``buf_rows[t]``."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     dst = tl.load(buf_rows + t).to(tl.int64) * s_buf
     cols = tl.arange(0, BLOCK)
@@ -250,6 +264,7 @@ def compress_windows(
             BLOCK_P=block_p,
             NUM_L_TILES=tiles,
             num_warps=4 if block_p <= 512 else 8,
+            **pdl_args(),
         )
         if packed:
             cache_write(pool, dest, out)
@@ -260,10 +275,11 @@ def compress_windows(
                 snap_page if snap else carry_rows, page_kv if snap else carry_kv,
                 page_gate if snap else carry_gate, live_arg, m, kv.stride(0), buf_kv.stride(0),
                 buf_kv.shape[0], R=r, D=d, SNAP=snap, HAS_LIVE=has_live, BLOCK=min(_COPY_BLOCK, pow2(d)),
+                **pdl_args(),
             )  # fmt: skip
     if t:
         block = min(_COPY_BLOCK, pow2(c))
         _compress_buffer_kernel[(t,)](
-            kv, gate, buf_kv, buf_gate, buf_rows, kv.stride(0), buf_kv.stride(0), c, BLOCK=block
+            kv, gate, buf_kv, buf_gate, buf_rows, kv.stride(0), buf_kv.stride(0), c, BLOCK=block, **pdl_args()
         )
     return pool, buf_kv, buf_gate, carry_kv, carry_gate, page_kv, page_gate

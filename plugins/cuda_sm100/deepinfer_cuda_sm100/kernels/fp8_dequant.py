@@ -20,6 +20,8 @@ import triton.language as tl
 
 from deepinfer_cuda_sm100.kernels._common import cast_to, cdiv, ue8m0_value
 
+from .pdl import pdl_args, pdl_enter
+
 TILE = 64
 """Rows and columns per program (a divisor of the 128x128 scale blocks)."""
 
@@ -40,7 +42,9 @@ def _dequant_kernel(
     UE8M0: tl.constexpr,
     OUT: tl.constexpr,
     TILE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pn = tl.program_id(0)
     pk = tl.program_id(1)
     rows = pn * TILE + tl.arange(0, TILE)
@@ -80,5 +84,6 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor, block, dtype: torch.
         OUT=_TL_DTYPES[dtype],
         TILE=TILE,
         num_warps=4,
+        **pdl_args(),
     )
     return out

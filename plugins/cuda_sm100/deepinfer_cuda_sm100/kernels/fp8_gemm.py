@@ -57,6 +57,7 @@ from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cast_to, cdiv, ue8m0_value
 from ._common import round_e4m3 as _round_e4m3
+from .pdl import pdl_args, pdl_enter
 
 BLOCK_K = 128
 """K tile: one weight-scale block."""
@@ -230,7 +231,9 @@ def _fp8_gemm_kernel(
     SCALE_BLOCK: tl.constexpr,
     FP32_DOT: tl.constexpr,
     UE8M0: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -327,7 +330,9 @@ def _act_quant_kernel(
     BLOCKS: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROUND: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     kb = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
     ks = kb[:, None] * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
@@ -366,6 +371,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             BLOCK_K=BLOCK_K,
             ROUND=_ROUND_E4M3,
             num_warps=4,
+            **pdl_args(),
         )
     return q.view(x.shape), scales.view(*x.shape[:-1], k_blocks)
 
@@ -456,6 +462,7 @@ def _run(
         UE8M0=ue8m0,
         num_warps=warps,
         num_stages=1 if INTERPRETED else stages,
+        **pdl_args(),
     )
     if splits > 1 and not fused:
         y.copy_(ws.sum(0))  # fixed order over the splits; rounds once to x's dtype

@@ -41,6 +41,7 @@ from deepinfer_core.ops.modes import batch_invariant_enabled
 
 from ._common import INTERPRETED, cdiv, pow2
 from .fp8_gemm import sm_count
+from .pdl import pdl_args, pdl_enter
 
 CAND_IDENTITY, CAND_ROWS, CAND_PAGED = 0, 1, 2
 """Candidate forms: column = pool row (scores given directly), explicit rows, paged entries."""
@@ -146,7 +147,9 @@ def _score_kernel(
     BLOCKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
@@ -378,7 +381,9 @@ def _select_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
     _select_row(
@@ -404,9 +409,20 @@ def _keys64(row_ptr, cols, inside, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _group_max_kernel(scores_ptr, ss_t, C, SEG, part_ptr, NSEG, G: tl.constexpr, INTERP: tl.constexpr):
+def _group_max_kernel(
+    scores_ptr,
+    ss_t,
+    C,
+    SEG,
+    part_ptr,
+    NSEG,
+    G: tl.constexpr,
+    INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):
     """Grid ``(T, NSEG)``: the key maxima of segment ``program_id(1)``'s columns by group
     ``column % G`` (``SEG`` a multiple of ``G``), to ``part[t, segment, :]``."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_ptr = scores_ptr + t * ss_t
@@ -427,9 +443,10 @@ def _group_max_kernel(scores_ptr, ss_t, C, SEG, part_ptr, NSEG, G: tl.constexpr,
 
 
 @triton.jit
-def _threshold_kernel(part_ptr, NSEG, KK, thr_ptr, hits_ptr, G: tl.constexpr):
+def _threshold_kernel(part_ptr, NSEG, KK, thr_ptr, hits_ptr, G: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Grid ``(T,)``: the ``KK``-th largest of the row's ``G`` group maxima (at least ``KK``
     keys are >= it, among them the row's top ``KK``); zeroes the row's hit counter."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, G)
     acc = tl.full([G], _I64_MIN, tl.int64)
@@ -468,10 +485,11 @@ def _filter_block(
 @triton.jit
 def _filter_kernel(
     scores_ptr, ss_t, C, SEG, thr_ptr, hits_ptr, buf_ptr, CAP,
-    BLOCK: tl.constexpr, PER_HIT: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK: tl.constexpr, PER_HIT: tl.constexpr, INTERP: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(T, NSEG)``: the keys >= the row's threshold, appended to ``buf[t, :CAP]``
     (the row's counter counts them all, also past ``CAP``)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_ptr = scores_ptr + t * ss_t
@@ -546,11 +564,13 @@ def _finish_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INTERP: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Grid ``(T,)``: the top ``KK`` of the row's filtered keys (sorted: unique keys, so the
     order is the contract's; rows of at most ``SMALL <= CAP`` keys sort only that many), or,
     where more than ``CAP`` passed the threshold, the one-program radix select of the whole
     row."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
     out_row = out_ptr + t * so_t
@@ -684,7 +704,7 @@ def select_topk(
         tmp = torch.empty((t, block_k), dtype=torch.int64, device=dev) if not column_order else out
         _select_kernel[(t,)](scores, ss, c, kk, out, out.stride(0), tmp, *args,
                              KIND=kind, COLUMN_ORDER=column_order, BLOCK=cfg.sel_block, BLOCK_K=block_k,
-                             INTERP=INTERPRETED, num_warps=cfg.sel_warps)  # fmt: skip
+                             INTERP=INTERPRETED, num_warps=cfg.sel_warps, **pdl_args())  # fmt: skip
         return out
     g, cap = filter_groups(kk)
     cap = max(pow2(capacity), block_k) if capacity is not None else cap
@@ -695,17 +715,31 @@ def select_topk(
     hits = torch.empty((t,), dtype=torch.int32, device=dev)
     buf = torch.empty((t, cap), dtype=torch.int64, device=dev)
     tmp = torch.empty((t, cap), dtype=torch.int64, device=dev)
-    _group_max_kernel[(t, nseg)](scores, ss, c, seg, part, nseg, G=g, INTERP=INTERPRETED, num_warps=4)
-    _threshold_kernel[(t,)](part, nseg, kk, thr, hits, G=g, num_warps=4)
+    _group_max_kernel[(t, nseg)](
+        scores, ss, c, seg, part, nseg, G=g, INTERP=INTERPRETED, num_warps=4, **pdl_args()
+    )
+    _threshold_kernel[(t,)](part, nseg, kk, thr, hits, G=g, num_warps=4, **pdl_args())
     per_hit = c >= FILTER_PER_HIT_RATIO * kk
     _filter_kernel[(t, nseg)](
-        scores, ss, c, seg, thr, hits, buf, cap, BLOCK=g, PER_HIT=per_hit, INTERP=INTERPRETED, num_warps=4
+        scores,
+        ss,
+        c,
+        seg,
+        thr,
+        hits,
+        buf,
+        cap,
+        BLOCK=g,
+        PER_HIT=per_hit,
+        INTERP=INTERPRETED,
+        num_warps=4,
+        **pdl_args(),
     )
     small = cap // 2 if cap // 2 >= block_k else cap
     _finish_kernel[(t,)](scores, ss, c, kk, hits, buf, out, out.stride(0), tmp, *args,
                          KIND=kind, COLUMN_ORDER=column_order, CAP=cap, SMALL=small,
                          BLOCK=cfg.sel_block, BLOCK_K=block_k,
-                         INTERP=INTERPRETED, num_warps=8)  # fmt: skip
+                         INTERP=INTERPRETED, num_warps=8, **pdl_args())  # fmt: skip
     return out
 
 
@@ -755,6 +789,7 @@ def indexer_scores(
         DOT_FP32=INTERPRETED or fp32,
         IEEE=fp32 and not INTERPRETED,
         num_warps=cfg.score_warps,
+        **pdl_args(),
     )
     return scores
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
+from .pdl import pdl_args, pdl_enter
 
 _USE_DOT = tl.constexpr(not INTERPRETED)
 
@@ -67,7 +68,9 @@ def _hc_mix_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
     split = tl.program_id(1)
@@ -126,7 +129,9 @@ def _hc_finish_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_TOK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     toks = tl.program_id(0).to(tl.int64) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     t_mask = toks < T
     pid_d = tl.program_id(1)
@@ -209,7 +214,9 @@ def _hc_post_kernel(
     NP: tl.constexpr,
     BLOCK_TOK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     toks = tl.program_id(0).to(tl.int64) * BLOCK_TOK + tl.arange(0, BLOCK_TOK)
     t_mask = toks < T
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -282,6 +289,7 @@ def _mix_and_finish(
         BLOCK_K=BLOCK_K,
         BLOCK_M=block_m,
         num_warps=MIX_WARPS,
+        **pdl_args(),
     )
     block_d = min(pow2(d), BLOCK_D)
     _hc_finish_kernel[(cdiv(t, BLOCK_TOK), cdiv(d, block_d))](
@@ -309,6 +317,7 @@ def _mix_and_finish(
         BLOCK_TOK=BLOCK_TOK,
         BLOCK_D=block_d,
         num_warps=FINISH_WARPS,
+        **pdl_args(),
     )
     return post, comb, out
 
@@ -386,5 +395,6 @@ def hc_post(
         BLOCK_TOK=BLOCK_TOK,
         BLOCK_D=block_d,
         num_warps=POST_WARPS,
+        **pdl_args(),
     )
     return out

@@ -120,6 +120,7 @@ import triton.language as tl
 
 from ..e2m1_ptx import e2m1x8_bf16_ptx
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_e4m3, round_through
+from .pdl import pdl_args, pdl_enter
 
 DECODE_BLOCK_M = 16
 """Rows per tile at decode and in the batch-invariant mode (the smallest ``tl.dot`` M)."""
@@ -748,10 +749,18 @@ def _rows_times_expert_fp8(
 
 @triton.jit
 def _quantise_kernel(
-    x_ptr, stride_x, q_ptr, qs_ptr, D: tl.constexpr, BLOCK_G: tl.constexpr, FP32_DOT: tl.constexpr
+    x_ptr,
+    stride_x,
+    q_ptr,
+    qs_ptr,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``, groups ``program_id(1) * BLOCK_G ..`` of 32 inputs: ``x``
     quantised per group (:func:`_fp8_quantise`) into ``q [T, D]`` and ``qs [T, D / 32]``."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     col = grp[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -779,10 +788,12 @@ def _layout_kernel(
     BLOCK_M: tl.constexpr,
     BINS: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Program ``e``: count every expert's pairs (a histogram over all ``P``), place ``e``'s
     tiles after those of the lower experts, write its pairs' indices (in pair order) into its
     rows and ``-1`` into its padding rows; the last program marks the unused tiles ``E``."""
+    pdl_enter(USE_PDL)
     e = tl.program_id(0)
     bins = tl.arange(0, BINS)
     lanes = tl.arange(0, BLOCK_P)
@@ -858,6 +869,7 @@ def _gate_up_kernel(
     E2M1_PTX: tl.constexpr,
     FP8_MATH: tl.constexpr,
     H_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Tile ``program_id(0)``, intermediate columns ``program_id(1) * BLOCK_N``: ``h`` rows.
 
@@ -865,6 +877,7 @@ def _gate_up_kernel(
     quantised (``xq``, ``xs``: :func:`_quantise_kernel`).  ``H_FP8`` (the down GEMM in the
     ``fp8`` math): ``h`` (rounded to ``x``'s dtype) is stored quantised per 32 columns, codes in
     ``h_ptr`` and scales in ``hs_ptr`` (``BLOCK_N`` a multiple of 32)."""
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:  # tiles past the used ones read nothing
@@ -936,10 +949,12 @@ def _down_kernel(
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
     FP8_MATH: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Tile ``program_id(0)``, model columns ``program_id(1) * 2 * BLOCK_N`` (two blocks of
     ``BLOCK_N``): the weighted contributions (``FP8_MATH``: the ``fp8`` math on ``h`` quantised
     by :func:`_gate_up_kernel`, codes in ``h_ptr``, scales in ``hs_ptr``)."""
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < E:
@@ -994,11 +1009,13 @@ def _combine_kernel(
     BI_ROUNDING: tl.constexpr,
     SHARED: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``: its contributions in ascending (expert, slot) order, in fp32
     (``BI_ROUNDING``: rounded to the output dtype before each new expert's contributions);
     with ``SHARED`` the routed sum is rounded to the output dtype and the shared expert's row
     added (the reference's ``routed + shared``)."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = cols < D
@@ -1063,7 +1080,7 @@ def sorted_layout(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[to
     if n_tiles:
         _layout_kernel[(num_experts,)](
             ids, ids.stride(0), tile_expert, slot_pair, pairs, k, num_experts, n_tiles,
-            BLOCK_M=block_m, BINS=pow2(num_experts + 1), BLOCK_P=_LAYOUT_BLOCK_P,
+            BLOCK_M=block_m, BINS=pow2(num_experts + 1), BLOCK_P=_LAYOUT_BLOCK_P, **pdl_args(),
         )  # fmt: skip
     return tile_expert, slot_pair
 
@@ -1124,7 +1141,7 @@ def moe_experts(
         xq = torch.empty(t, d, dtype=q_dtype, device=x.device)
         xs = torch.empty(t, d // FP8_GROUP, dtype=torch.float32, device=x.device)
         _quantise_kernel[(t, cdiv(d // FP8_GROUP, _QUANT_BLOCK_G))](
-            x, x.stride(0), xq, xs, D=d, BLOCK_G=_QUANT_BLOCK_G, FP32_DOT=_FP32_DOT, num_warps=4
+            x, x.stride(0), xq, xs, D=d, BLOCK_G=_QUANT_BLOCK_G, FP32_DOT=_FP32_DOT, num_warps=4, **pdl_args()
         )
     if dn_fp8:  # h quantised: codes and one scale per 32 columns
         h = torch.empty(n_tiles * bm, inter, dtype=q_dtype, device=x.device)
@@ -1140,7 +1157,7 @@ def moe_experts(
         FP4=gu_fp4, UE8M0=gu_ue8m0, HALF_GROUP=gu_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         FP32_DOT=_FP32_DOT, FP8_MATH=gu_fp8,
         E2M1_PTX=(fp8_e2m1_ptx(bn, warps) if gu_fp8 else e2m1_ptx(bn, bk, warps)) and gu_fp4,
-        H_FP8=dn_fp8, num_warps=warps, num_stages=stages,
+        H_FP8=dn_fp8, num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
 
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
@@ -1153,7 +1170,7 @@ def moe_experts(
         FP4=dn_fp4, UE8M0=dn_ue8m0, HALF_GROUP=dn_half, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         FP32_DOT=_FP32_DOT, FP8_MATH=dn_fp8,
         E2M1_PTX=(fp8_e2m1_ptx(bn, warps) if dn_fp8 else e2m1_ptx(bn, bk, warps)) and dn_fp4,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
 
     return combine_pairs(y, ids, num_experts, bi, shared, out)
@@ -1180,6 +1197,6 @@ def combine_pairs(
     _combine_kernel[(t, cdiv(d, bd))](
         y, ids, ids.stride(0), sh, sh_stride, out, out.stride(0), d, num_experts,
         TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi_rounding, SHARED=shared is not None, BLOCK_D=bd,
-        num_warps=4,
+        num_warps=4, **pdl_args(),
     )  # fmt: skip
     return out

@@ -92,6 +92,7 @@ from deepinfer_core.weights.quant import QuantizedTensor
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
 from .moe import _clamped_swiglu, _weight_args, combine_pairs, e2m1_ptx, empty_call
 from .moe_gemv_rows import gemv_rows
+from .pdl import pdl_args, pdl_enter
 
 
 class GemvLaunch(NamedTuple):
@@ -146,10 +147,12 @@ def _gemv_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Pair ``program_id(0)`` (``t * TOP_K + j``), intermediate features ``program_id(1) *
     BLOCK_N ..``: the pair's ``h`` (clamped SwiGLU of its expert's gate and up rows times
     ``x[t]``), stored at row ``t * TOP_K + j`` of ``h [T * TOP_K, I]``."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0)
     t = (pair // TOP_K).to(tl.int64)
     expert = tl.load(ids_ptr + t * stride_ids + pair % TOP_K).to(tl.int64)
@@ -192,10 +195,12 @@ def _gemv_down_kernel(
     BLOCK_K: tl.constexpr,
     FP32_DOT: tl.constexpr,
     E2M1_PTX: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Pair ``program_id(0)`` (``t * TOP_K + j``), model features ``program_id(1) * 2 * BLOCK_N
     ..`` (two row sets of ``BLOCK_N``): the pair's weighted contribution (see the module
     docstring), stored at row ``t * TOP_K + j`` of ``y [T * TOP_K, D]``."""
+    pdl_enter(USE_PDL)
     pair = tl.program_id(0)
     t = (pair // TOP_K).to(tl.int64)
     j = pair % TOP_K
@@ -269,7 +274,7 @@ def gate_up_h(x: torch.Tensor, ids: torch.Tensor, gate_up, limit: float, plan: d
         x, x.stride(0), ids, ids.stride(0), gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h,
         gate_up.shape[0], float(limit), TOP_K=top_k, D=d, I=inter, UE8M0=ue8m0, HALF_GROUP=half,
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], FP32_DOT=_FP32_DOT,
-        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"],
+        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"], **pdl_args(),
     )  # fmt: skip
     return h
 
@@ -289,7 +294,7 @@ def down_contributions(
         h, ids, ids.stride(0), weights, weights.stride(0), dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn,
         y, down.shape[0], TOP_K=top_k, D=d, I=inter, UE8M0=ue8m0, HALF_GROUP=half,
         BLOCK_N=plan["block_n"], BLOCK_K=plan["block_k"], FP32_DOT=_FP32_DOT,
-        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"],
+        E2M1_PTX=plan["e2m1_ptx"], num_warps=plan["warps"], num_stages=plan["stages"], **pdl_args(),
     )  # fmt: skip
     return y
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import cast_to, cdiv, pow2, round_through
+from .pdl import pdl_args, pdl_enter
 
 MAX_BLOCK_D = 4096
 """Widest row tile; longer rows are reduced over several tiles (two passes over the row)."""
@@ -44,7 +45,9 @@ def _rms_norm_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_TILES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK_D)
@@ -113,5 +116,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         BLOCK_D=block_d,
         NUM_TILES=cdiv(d, block_d),
         num_warps=4 if block_r * block_d <= 2048 else 8,
+        **pdl_args(),
     )
     return out

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import cast_to, cdiv, pow2
+from .pdl import pdl_args, pdl_enter
 
 _TILE_ELEMS = 4096  # channels a program copies per step (BLOCK_H heads x BLOCK_C channels)
 _TABLE_ELEMS = 1024  # table entries per rope_cos_sin program: BLOCK_T tokens x BLOCK_HALF angles
@@ -44,7 +45,9 @@ def _rope_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < H
@@ -110,6 +113,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         BLOCK_C=block_c,
         BLOCK_HALF=pow2(half),
         num_warps=4,
+        **pdl_args(),
     )
     return out
 
@@ -127,8 +131,10 @@ def _cos_sin_kernel(
     scale,
     BLOCK_T: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Rows ``[pid * BLOCK_T, +BLOCK_T)`` of both tables: ``cos/sin(pos * inv_freq) * scale``."""
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     i = tl.arange(0, BLOCK_HALF)
     row_ok, i_ok = rows < T, i < HALF
@@ -176,6 +182,7 @@ def rope_cos_sin(
         BLOCK_T=block_t,
         BLOCK_HALF=block_half,
         num_warps=4,
-        enable_reflect_ftz=False,  # libdevice without flush to zero, as nvcc builds PyTorch
+        enable_reflect_ftz=False,
+        **pdl_args(),  # libdevice without flush to zero, as nvcc builds PyTorch
     )
     return cos, sin

@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETED, cast_to, cdiv, exact_exp, libdevice, pow2, round_through
+from .pdl import pdl_args, pdl_enter
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 """The scoring functions and their kernel codes."""
@@ -188,7 +189,9 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     LANES: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < n_rows
     cols = tl.arange(0, BLOCK_E)
@@ -314,6 +317,7 @@ def moe_route(
         BLOCK_E=block_e,
         LANES=min(block_e, _WARP),
         num_warps=4 if block_t * block_e <= 2048 else 8,
-        enable_reflect_ftz=False,  # libdevice without flush to zero, as nvcc builds PyTorch
+        enable_reflect_ftz=False,
+        **pdl_args(),  # libdevice without flush to zero, as nvcc builds PyTorch
     )
     return weights, ids

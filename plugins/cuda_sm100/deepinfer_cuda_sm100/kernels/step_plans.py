@@ -33,6 +33,7 @@ from deepinfer_core.models.deepseek_v4.metadata import StepMetadata, WindowPlan,
 from deepinfer_core.ops.attention import PagedIndex
 
 from ._common import pow2
+from .pdl import pdl_args, pdl_enter
 
 MAX_REQS = 4096
 """Most requests (padding included) a step may have: each program holds all their fields."""
@@ -172,7 +173,9 @@ def _token_kernel(
     DECODING: tl.constexpr,
     BLOCK_T: tl.constexpr,
     RB: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     tm = t < T
@@ -255,7 +258,9 @@ def _window_kernel(
     RC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     RB: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     kk = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     wm = kk < M
@@ -381,6 +386,7 @@ def fixed_step_plans(
         DECODING=decoding,
         BLOCK_T=block_t,
         RB=rb,
+        **pdl_args(),
     )
     tables = block_tables.index_select(0, inputs.req["slot"])
     plans = {}
@@ -404,6 +410,7 @@ def fixed_step_plans(
             RC=pow2(r),
             BLOCK_M=block_m,
             RB=rb,
+            **pdl_args(),
         )
         prev_w, positions, dest, carry_rows, snap = vec.unbind(0)
         plans[r] = WindowPlan(

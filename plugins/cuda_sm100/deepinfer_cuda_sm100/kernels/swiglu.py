@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import cast_to, cdiv, exact_exp, pow2, round_through
+from .pdl import pdl_args, pdl_enter
 
 MAX_BLOCK_I = 1024
 """Widest column tile of one program (V4-Flash's ``I = 2048``: two programs per row)."""
@@ -37,8 +38,10 @@ def _swiglu_kernel(
     stride_ut,
     limit,
     BLOCK_I: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Columns ``[pid1 * BLOCK_I, +BLOCK_I)`` of row ``pid0``: ``out = silu(min(g, L)) * clamp(u, -L, L)``."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = cols < I
@@ -83,6 +86,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         float(limit),
         BLOCK_I=block,
         num_warps=4,
-        enable_reflect_ftz=False,  # libdevice without flush to zero, as nvcc builds PyTorch
+        enable_reflect_ftz=False,
+        **pdl_args(),  # libdevice without flush to zero, as nvcc builds PyTorch
     )
     return out

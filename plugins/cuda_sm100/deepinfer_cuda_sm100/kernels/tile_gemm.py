@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETED, cast_to, cdiv
+from .pdl import pdl_args, pdl_enter
 
 TILES = {torch.float32: (64, 64, 32), torch.bfloat16: (64, 64, 64), torch.float16: (64, 64, 64)}
 """``(BLOCK_M, BLOCK_N, BLOCK_K)`` per dtype: the only thing the launch shape depends on."""
@@ -55,7 +56,9 @@ def _tile_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     item = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,5 +120,6 @@ def tile_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         BLOCK_N=bn,
         BLOCK_K=bk,
         num_warps=4,
+        **pdl_args(),
     )
     return out
