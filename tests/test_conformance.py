@@ -370,3 +370,30 @@ def test_quantised_weights_reach_the_backend_as_copies():
         return y
 
     assert check_backend(backend(linear=scribbles)).passed
+
+
+def test_an_op_the_backend_defines_while_its_ops_load_is_in_the_contract(monkeypatch):
+    """A backend may import the module that defines an extension op while it loads its ops (as
+    ``cuda_sm100`` imports V4.1's ops when TileKernels serves one of them): the check takes the
+    contract after loading them, so the op is checked, not refused as unknown."""
+    from deepinfer_core.ops import registry
+
+    monkeypatch.setattr(registry, "_OPS", dict(registry.all_ops()))
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        """``2 x``."""
+        return 2 * x
+
+    double.__module__ = "vendor_plugin.ops"
+
+    def cases(g, dtype):
+        return [((torch.randn(4, 3, generator=g).to(dtype),), {})]
+
+    def load():
+        registry.define_op("vendor.double", "vendor", sample_cases=cases)(double)
+        return {"vendor.double": OpImpl(fn=lambda x: x + x)}
+
+    spec = BackendSpec(name="late_ops", device_type="cpu", ops=load)
+    report = check_backend(spec)
+    assert report.passed, report.summary()
+    assert {r.op for r in report.results} == {"vendor.double"}

@@ -310,8 +310,8 @@ def _plan(
     cases: SuppliedCases | None,
 ) -> dict[str, list[ConformanceCase]]:
     """The cases of each selected op the backend provides: the op's own, then the supplied ones."""
+    provided = spec.load_ops()  # first: loading may define ops (a family module it imports)
     contract = all_ops()
-    provided = spec.load_ops()
     unknown = sorted(set(provided) - set(contract))
     if unknown:
         raise BackendError(f"backend {spec.name!r} provides ops that are not in the op contract: {unknown}")

@@ -6,7 +6,9 @@ One CTA takes one query token and 64 of its heads (``BH``), two consumer warpgro
 row (``cp.async``, 16-byte vectors, two stages: the next block's rows load while this one
 computes; the row offsets sit in static shared memory, so the gather loop has no barrier
 inside), the logits ``[64, 64]`` come from one wgmma GEMM (the warpgroups split the key
-columns), the online softmax runs in fp32 with base-2 exponentials, and the probabilities (cast
+columns), the online softmax runs in fp32 with base-2 exponentials (plain pools: each thread
+sums its own columns' probabilities and the row sums are reduced once, after the last block,
+which saves a cross-warpgroup reduction per block), and the probabilities (cast
 to the queries' dtype, as FlashMLA does) multiply the same shared key tile into a ``[64, D]``
 fp32 accumulator that the two warpgroups split along the value dimension.
 
@@ -127,7 +129,7 @@ def build_attention(
             off[i] = T.if_then_else(j < total, o, -1)
 
     @T.macro
-    def attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2):
+    def attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_part, alpha, scale2):
         """The online softmax over one gathered block of keys (masked where ``off < 0``)."""
         for h, i in T.Parallel(BH, BN):
             acc_s[h, i] = T.if_then_else(off[i] >= 0, 0, -T.infinity(acc_t))
@@ -140,9 +142,15 @@ def build_attention(
             alpha[h] = T.exp2(m_prev[h] - m[h])
         for h, i in T.Parallel(BH, BN):
             acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
-        T.reduce_sum(acc_s, l_i, dim=1)
-        for h in T.Parallel(BH):
-            l[h] = l[h] * alpha[h] + l_i[h]
+        if fp8 is None:  # the sink's share here, each thread's own columns summed after the loop
+            for h in T.Parallel(BH):
+                l[h] = l[h] * alpha[h]
+            for h, i in T.Parallel(BH, BN):
+                l_part[h, i] = l_part[h, i] * alpha[h] + acc_s[h, i]
+        else:  # (registers: the packed path keeps the row sum per block)
+            T.reduce_sum(acc_s, l_part, dim=1)
+            for h in T.Parallel(BH):
+                l[h] = l[h] * alpha[h] + l_part[h]
         for h, d in T.Parallel(BH, D):
             acc_o[h, d] = acc_o[h, d] * alpha[h]
         T.copy(acc_s, p_s)
@@ -206,9 +214,11 @@ def build_attention(
         m_prev = T.alloc_fragment((BH,), acc_t)
         l = T.alloc_fragment((BH,), acc_t)
         l_i = T.alloc_fragment((BH,), acc_t)
+        l_part = T.alloc_fragment((BH, BN) if fp8 is None else (BH,), acc_t)
         alpha = T.alloc_fragment((BH,), acc_t)
         T.copy(q[t, hb * BH, 0], q_s)
         T.fill(acc_o, 0)
+        T.fill(l_part, 0)
         for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
             m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
             l[h] = T.if_then_else(s == 0, 1.0, 0.0)
@@ -225,7 +235,11 @@ def build_attention(
             else:
                 gather_fp8(raw8, raw16, scales, off, pools[0], pools[1], pools[2], sequence[4][0])
                 dequantise(k_s, raw8, raw16, scales, factors, raw_f)
-            attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_i, alpha, scale2)
+            attend(q_s, k_s, p_s, off, acc_o, acc_s, m, m_prev, l, l_part, alpha, scale2)
+        if fp8 is None:
+            T.reduce_sum(l_part, l_i, dim=1)
+            for h in T.Parallel(BH):
+                l[h] = l[h] + l_i[h]
         if split:
             for h, d in T.Parallel(BH, D):
                 part[t, s, hb * BH + h, d] = acc_o[h, d]
