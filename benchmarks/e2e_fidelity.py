@@ -1,4 +1,10 @@
-"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast GPU backend against the reference."""
+"""Fidelity of the e2e benchmark model (``gpu_e2e.py``) on a fast GPU backend against the reference.
+
+The fp32 reference runs first (the oracle), then each candidate: the bf16 reference (the bf16
+floor) and the backend with its FP8 prefill maths; the JSON (``--output``) is rewritten after
+every candidate, so a run cut short keeps the rows it measured.  Each engine loads the whole
+checkpoint (the fp32 one dequantises every weight): on an H200 a default run takes several
+minutes."""
 
 from __future__ import annotations
 
@@ -75,11 +81,19 @@ def main() -> None:
 
     ref = measure("float32", **oracle)[0]
     h.log("reference (float32, dequantised weights) done")
-    runs = [("reference", "-", measure("bfloat16", **oracle)[0])]
+    rows: list[dict[str, Any]] = []
+
+    def record(backend: str, math: str, got: list[dict[str, Any]]) -> None:
+        """One candidate's row, the JSON rewritten with every row so far (a run cut short keeps them)."""
+        rows.append({"backend": backend, "fp8_prefill": math, **compare(ref, got, args.top)})
+        h.write_json(args.output, {"params": vars(args), "rows": rows}, device="cuda", quiet=True)
+        h.log(f"{backend} ({math}) done")
+
+    record("reference", "-", measure("bfloat16", **oracle)[0])
     maths = ("w8a16", "w8a8")
     fast = measure("bfloat16", maths, backend=args.backend, keep_quantized=True, **common)
-    runs += [(args.backend, m, got) for m, got in zip(maths, fast, strict=True)]
-    rows = [{"backend": b, "fp8_prefill": m, **compare(ref, got, args.top)} for b, m, got in runs]
+    for math, got in zip(maths, fast, strict=True):
+        record(args.backend, math, got)
     cols = "backend fp8_prefill max_abs_dlogprob:.4f p99_abs_dlogprob:.4f mean_abs_dlogprob:.4f"
     h.print_table(rows, cols + " top1_agreement:.3f greedy_equal:d")
     h.write_json(args.output, {"params": vars(args), "rows": rows}, device="cuda")
