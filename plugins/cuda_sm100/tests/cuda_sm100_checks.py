@@ -306,3 +306,41 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     signature = {n: signature[n] for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def lowered_sm90(func, pass_configs: dict | None = None) -> str:
+    """The CUDA source TileLang generates for ``func`` (a ``prim_func``) on sm_90 (no GPU
+    needed; TileLang must import)."""
+    import tilelang
+    import tvm
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    with target, tvm.transform.PassContext(config=pass_configs or {}):
+        return tilelang.lower(func, target=target).kernel_source
+
+
+def loops_containing(src: str, needle: str) -> list[str]:
+    """The bodies of the innermost ``for`` loops of generated CUDA ``src`` (one statement a
+    line, nesting by indentation) that contain a line with ``needle``."""
+    lines = src.splitlines()
+
+    def indent(line: str) -> int:
+        return len(line) - len(line.lstrip())
+
+    bodies = []
+    for k, line in enumerate(lines):
+        if needle not in line:
+            continue
+        j = k - 1
+        while j >= 0 and not (lines[j].lstrip().startswith("for (") and indent(lines[j]) < indent(line)):
+            j -= 1
+        if j < 0:
+            continue
+        body = []
+        for x in lines[j + 1 :]:
+            if x.strip() and indent(x) <= indent(lines[j]):
+                break
+            body.append(x)
+        bodies.append("\n".join(body))
+    return bodies

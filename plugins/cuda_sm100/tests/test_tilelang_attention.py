@@ -16,9 +16,11 @@ at all), through the direct and the split-KV launch, and replay of a captured CU
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
-from cuda_sm100_checks import replayed
+from cuda_sm100_checks import loops_containing, lowered_sm90, replayed
 from deepinfer_cuda_sm100 import kernel_choice
 from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
 from deepinfer_cuda_sm100.tl import sparse_attention as tla
@@ -252,3 +254,29 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
     for args in _v4_cases()[:3] + _v4_cases("fp8")[:3]:
         eager = tla.sparse_attention(*args)
         assert torch.equal(replayed(lambda args=args: tla.sparse_attention(*args)), eager)
+
+
+# ---------------------------------------------------------------------------------------------
+# lowering (where TileLang imports, no GPU needed)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kv", ["plain", "fp8"])
+def test_the_gather_and_dequantisation_loops_have_no_block_barrier(kv):
+    """Lowered for sm_90, no loop that issues the key gathers (``cp.async``) or converts the
+    packed FP8 values into the key tile waits at a block barrier in every iteration (TileLang
+    puts one there when such a loop reads one buffer of the dynamic shared memory and writes
+    another; the kernels keep those reads in static shared memory or registers)."""
+    from deepinfer_core.ops.kv_format import fp8_row_layout
+
+    lay = fp8_row_layout(512, 64)
+    fp8 = None if kv == "plain" else tla.Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+    src = lowered_sm90(
+        tla.build_attention(True, False, 64, 512, "bfloat16", fp8), {"tl.disable_safe_memory_legalize": True}
+    )
+    loops = loops_containing(src, "cp_async_gs")
+    if fp8 is not None:
+        loops += loops_containing(src, "__float22bfloat162_rn")
+    assert loops, "no gather loop found in the generated source"
+    assert all("__syncthreads" not in body for body in loops), "a block barrier in a gather loop"

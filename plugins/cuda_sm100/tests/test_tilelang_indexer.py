@@ -14,10 +14,12 @@ rounding; a captured CUDA graph replays the eager scores bitwise.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
 import torch
+from cuda_sm100_checks import loops_containing, lowered_sm90
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -162,3 +164,17 @@ def test_gpu_tilelang_scores_replay_in_a_cuda_graph_bitwise():
     for q, w, keys, cand, _, scale in _gpu_cases()[:2]:
         eager = tli.indexer_scores(q, w, keys, cand, scale)
         assert torch.equal(replayed(lambda a=(q, w, keys, cand, scale): tli.indexer_scores(*a)), eager)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kind", ["rows", "paged"])
+def test_the_gather_loop_has_no_block_barrier(kind):
+    """Lowered for sm_90, the loop issuing a block's key gathers (``cp.async``) does not wait at
+    a block barrier in every iteration (the CTA's row offsets sit in static shared memory)."""
+    src = lowered_sm90(
+        tli.build_scores(kind, 64, 128, "bfloat16", 16), {"tl.disable_safe_memory_legalize": True}
+    )
+    loops = loops_containing(src, "cp_async_gs")
+    assert loops, "no gather loop found in the generated source"
+    assert all("__syncthreads" not in body for body in loops), "a block barrier in a gather loop"
