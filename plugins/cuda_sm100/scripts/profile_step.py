@@ -7,8 +7,11 @@ decodes, runs ``--warmup`` more steps, then profiles ``--steps`` steps with
 per step:
 
 * wall time (``LLMEngine.step`` calls, the device synchronised before and after);
-* device busy time: the sum of the kernels' durations; ``idle = wall - busy`` is what the
-  device waits for (launches, host work not hidden by async scheduling, syncs);
+* device busy time: the sum of the kernels' durations; device active time: the union of the
+  kernels' intervals (kernels launched with programmatic dependent launch start before the
+  previous one ends and wait inside, so their durations overlap and busy time exceeds active
+  time); ``idle = wall - active`` is what the device waits for (launches, host work not hidden
+  by async scheduling, syncs);
 * busy time by kind of kernel (attention, indexer, MoE, FP8 GEMM, cuBLAS, mHC / norm / RoPE,
   PyTorch's own kernels: the ops still on the reference, ...), and the top kernels by name.
 
@@ -212,6 +215,29 @@ def operator_sites(llm: LLM, steps: int) -> list[tuple[str, float]]:
     return sorted(((k, v / steps) for k, v in counter.calls.items()), key=lambda kv: -kv[1])
 
 
+def union_length(intervals) -> float:
+    """Total length of the union of ``(start, end)`` intervals (overlapping ones count once)."""
+    total, reach = 0.0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total
+
+
+def device_intervals(prof: profile, kind=torch.autograd.DeviceType.CUDA) -> list[tuple[float, float]]:
+    """Start and end (microseconds) of every activity of device type ``kind`` the profile
+    recorded (on CUDA: kernels, copies, fills)."""
+    return [
+        (e.start_ns() / 1e3, e.end_ns() / 1e3)
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == kind
+    ]
+
+
 def breakdown(
     prof: profile, steps: int, device: bool
 ) -> tuple[dict[str, float], list[tuple[str, float]], dict[str, float]]:
@@ -238,12 +264,13 @@ def main(argv: list[str] | None = None) -> dict:
     device = llm.config.device.startswith("cuda") and torch.cuda.is_available()
     by_kind, by_name, calls = breakdown(prof, steps, device)
     busy = sum(by_kind.values())
+    active = union_length(device_intervals(prof)) / steps if device else None
     what = "device kernels" if device else "CPU operators (self time)"
     launches = sum(calls.values())
     print(f"{llm.engine.backend.name} on {llm.config.device}, batch {a.batch}: {wall * 1e3:.3f} ms per step")
     print(
         f"{what}: {busy / 1e3:.3f} ms per step"
-        + (f", device idle {wall * 1e3 - busy / 1e3:.3f} ms" if device else "")
+        + (f", active {active / 1e3:.3f} ms, idle {wall * 1e3 - active / 1e3:.3f} ms" if device else "")
         + f"; {launches:.0f} {'launches' if device else 'operator calls'} per step"
     )
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
@@ -259,7 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
         "measured": what,
         "wall_ms_per_step": wall * 1e3,
         "busy_ms_per_step": busy / 1e3,
-        "idle_ms_per_step": (wall * 1e3 - busy / 1e3) if device else None,
+        "active_ms_per_step": active / 1e3 if device else None,
+        "idle_ms_per_step": (wall * 1e3 - active / 1e3) if device else None,
         "ms_by_kind": {k: v / 1e3 for k, v in by_kind.items()},
         "calls_per_step": launches,
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},

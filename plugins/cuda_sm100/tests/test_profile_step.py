@@ -44,6 +44,20 @@ def test_kernel_names_fall_in_their_kind(name, kind):
     assert _module().kind_of(name) == kind
 
 
+@pytest.mark.parametrize(
+    "intervals, length",
+    [
+        ([], 0.0),
+        ([(0, 2), (5, 6)], 3.0),  # apart: both
+        ([(0, 4), (3, 6)], 6.0),  # overlapping (a kernel started early, waiting inside)
+        ([(3, 6), (0, 10), (12, 13)], 11.0),  # nested, unsorted
+        ([(0, 2), (2, 3)], 3.0),  # touching
+    ],
+)
+def test_active_time_counts_overlapping_kernels_once(intervals, length):
+    assert _module().union_length(intervals) == pytest.approx(length)
+
+
 @pytest.mark.slow
 def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     out = tmp_path / "p.json"
@@ -54,6 +68,25 @@ def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     assert sum(kinds.values()) == pytest.approx(report["busy_ms_per_step"])
     assert 0 < report["busy_ms_per_step"] <= report["wall_ms_per_step"] * 1.05
     assert kinds.get("dense gemm", 0) > 0  # the tiny model's projections run as matmuls
+
+
+def test_activity_intervals_come_from_the_profile():
+    """The intervals the active time is taken over are the profile's own events: on a CPU, the
+    operators' (nested, so their union is at most the profiled wall time)."""
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    mod = _module()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        torch.randn(256, 256) @ torch.randn(256, 256)
+        wall_us = (time.perf_counter() - t0) * 1e6
+    cpu = mod.device_intervals(prof, torch.autograd.DeviceType.CPU)
+    assert cpu and all(end >= start for start, end in cpu)
+    assert 0 < mod.union_length(cpu) <= wall_us * 1.5
+    assert mod.device_intervals(prof) == []  # no CUDA activity recorded
 
 
 def _enclosing_functions(path: Path, line: int) -> set[str]:
