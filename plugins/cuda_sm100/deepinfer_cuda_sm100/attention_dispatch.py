@@ -15,6 +15,11 @@
 - the measured table of this GPU's architecture picks TileLang at the nearest measured shape
   (:mod:`deepinfer_cuda_sm100.kernel_choice`).
 
+TileLang has two attention kernels: the two-consumer one of :mod:`deepinfer_cuda_sm100.tl.
+sparse_attention` (language ``"tilelang"``, plain and packed FP8 pools) and the warp-specialised
+"seesaw" one of :mod:`deepinfer_cuda_sm100.tl.sparse_attention_ws` (``"tilelang_ws"``, plain
+pools); the table's points time each where it ran, and a call takes the fastest of them.
+
 The choice depends on static shapes only, so a captured graph replays the kernel it captured.
 """
 
@@ -29,6 +34,7 @@ from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
+from deepinfer_cuda_sm100.tl import sparse_attention_ws as tl_attention_ws
 from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
 MAX_TL_HEAD_DIM = 512
@@ -89,8 +95,15 @@ def choice_kind(indices, kv_pools) -> str:
     return f"{kind}+fp8" if isinstance(kv_pools[0], Fp8KVPool) else kind
 
 
+def available_languages(q, kv_pools) -> frozenset[str]:
+    """The languages the table may pick for a call the two-consumer TileLang kernel takes:
+    Triton, that kernel, and the seesaw kernel where it takes the pools (plain ones)."""
+    seesaw = {"tilelang_ws"} if tl_attention_ws.supports(q, kv_pools) is True else set()
+    return frozenset({"triton", "tilelang", *seesaw})
+
+
 def choose_language(q, kv_pools, indices, sinks, scale) -> str:
-    """``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
+    """``"tilelang_ws"``, ``"tilelang"`` or ``"triton"`` for this call (see the module docstring)."""
     if batch_invariant_enabled() or q.device.type != "cuda":
         return "triton"
     if not tl.usable_for("sparse_attention", "the Triton kernel serves every call"):
@@ -107,7 +120,7 @@ def choose_language(q, kv_pools, indices, sinks, scale) -> str:
         t,
         tl_attention.max_keys(indices),
         kernel_choice.device_arch(q.device),
-        frozenset({"triton", "tilelang"}),
+        available_languages(q, kv_pools),
     )
 
 
@@ -115,8 +128,11 @@ def make_sparse_attention(triton_fn: Callable[..., torch.Tensor]) -> Callable[..
     """The op: the TileLang kernel where :func:`choose_language` picks it, else ``triton_fn``."""
 
     def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
-        if choose_language(q, kv_pools, indices, sinks, scale) == "tilelang":
+        language = choose_language(q, kv_pools, indices, sinks, scale)
+        if language == "tilelang":
             return tl_attention.sparse_attention(q, kv_pools, indices, sinks, scale)
+        if language == "tilelang_ws":
+            return tl_attention_ws.sparse_attention(q, kv_pools, indices, sinks, scale)
         return triton_fn(q, kv_pools, indices, sinks, scale)
 
     sparse_attention.__doc__ = f"Dispatcher over TileLang and Triton.\n\n{__doc__}"

@@ -44,6 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
+import attention_tilelang  # noqa: E402
 import choice_writers  # noqa: E402
 import indexer_tilelang  # noqa: E402
 from graph_timing import gpu_run_header  # noqa: E402
@@ -181,11 +182,11 @@ def roofline_ms(bytes_: float, flops: float) -> float:
 
 
 def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
-    """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang one."""
-    from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
+    """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang ones
+    (the two-consumer kernel, and on plain pools the warp-specialised seesaw kernel)."""
+    from deepinfer_cuda_sm100.attention_dispatch import choice_kind
     from deepinfer_cuda_sm100.kernels import attention as ka
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
-    from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.attention import sparse_attention as reference
 
@@ -224,11 +225,7 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
             row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
             row["gbps"] = inp["bytes"] / row["ms"] / 1e6
             row["choice_key"] = {"kind": choice_kind(args[2], args[1]), "keys": tla.max_keys(args[2])}
-            if tilelang_problem() is None and tilelang_supports(*args) is True:
-                if a.check:
-                    err = (tla.sparse_attention(*args).float() - reference(*args).float()).abs().max()
-                    row["tilelang_max_abs_err"] = err.item()
-                row["tilelang_ms"] = timer.ms(lambda args=args: tla.sparse_attention(*args))
+            attention_tilelang.measure(row, args, reference, timer.ms, a.check)
             if a.tune:
                 row["tune"] = tune_attention(args, timer) + (
                     tune_tilelang_splits(args, timer) if "tilelang_ms" in row else []
@@ -385,15 +382,14 @@ def _select_path(r: dict) -> str:
 
 def print_row(r: dict) -> None:
     if r["op"] == "sparse_attention":
-        tl = r.get("tilelang_ms")
         print(
             f"attention {r['layer']:3} {r['kv']:5} {r['phase']:7} T {r['batch']:4} ctx {r['context']:6} "
             f"keys {r['keys']:5}: "
             f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
-            + (f"tilelang {tl:8.4f} ms ({100 * r['roofline_ms'] / tl:5.1f}%)  " if tl else "tilelang -  ")
+            + attention_tilelang.describe(r)
             + f"roofline {r['roofline_ms']:8.4f} ms  [{r['plan']}]"
             + (f"  err {r['max_abs_err']:.2e}" if "max_abs_err" in r else "")
-            + (f" / {r['tilelang_max_abs_err']:.2e}" if "tilelang_max_abs_err" in r else "")
+            + attention_tilelang.errors(r)
         )
     else:
         print(

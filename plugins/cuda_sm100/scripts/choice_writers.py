@@ -50,7 +50,8 @@ def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ..
 
 def write_attention_choices(results: dict) -> Path:
     """The kernel-language table (:mod:`deepinfer_cuda_sm100.kernel_choice`) of the attention
-    rows that timed both languages, written where the package reads it."""
+    rows that timed both languages (and the seesaw TileLang kernel, ``tilelang_ws``, where it
+    ran), written where the package reads it."""
     points = [
         {
             "op": "sparse_attention",
@@ -60,7 +61,8 @@ def write_attention_choices(results: dict) -> Path:
             "head_dim": HEAD_DIM,
             "tokens": r["batch"],
             "keys": r["choice_key"]["keys"],
-            "ms": {"triton": round(r["ms"], 5), "tilelang": round(r["tilelang_ms"], 5)},
+            "ms": {"triton": round(r["ms"], 5), "tilelang": round(r["tilelang_ms"], 5)}
+            | ({"tilelang_ws": round(r["tilelang_ws_ms"], 5)} if "tilelang_ws_ms" in r else {}),
         }
         for r in results["attention"]
         if "tilelang_ms" in r

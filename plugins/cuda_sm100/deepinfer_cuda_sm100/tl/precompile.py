@@ -7,7 +7,8 @@ warm-up compiles them one after another.
         [--jobs 8]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
-a paged source, direct and split-KV) and the split combine, bfloat16, and the FP4
+a paged source, direct and split-KV; the seesaw kernel's on plain pools) and the split
+combine, bfloat16, and the FP4
 ``moe_experts`` GEMMs (gate / up and down, every tile height and scale format, one and two
 consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
@@ -103,9 +104,16 @@ def _compile(module: str, config: tuple) -> float:
     return time.perf_counter() - t0
 
 
+def seesaw_configurations(heads: int, dim: int) -> list[tuple]:
+    """``sparse_attention_ws._kernel`` arguments: plain pools, with and without a paged source,
+    direct and split-KV."""
+    return [(paged, split, heads, dim, "bfloat16") for paged in (False, True) for split in (False, True)]
+
+
 def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     """Every ``(module, configuration)`` the options name."""
     out = [("sparse_attention", c) for c in configurations(a.heads, a.dim, a.rope_dim)]
+    out += [("sparse_attention_ws", c) for c in seesaw_configurations(a.heads, a.dim)]
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]

@@ -1,0 +1,281 @@
+"""``sparse_attention`` with FlashMLA's "seesaw" schedule on SM90, plain pools (bf16 / fp16):
+the dispatcher's language ``"tilelang_ws"`` (:mod:`deepinfer_cuda_sm100.attention_dispatch`),
+taken where the measured table found it the fastest.
+
+One CTA per (query token, split, head block of 64), 384 threads:
+
+- a producer warpgroup (threads 256..383, 72 registers) gathers the blocks of ``BN = 64`` keys of
+  the query's sequence into a two-slot ring by 16-byte ``cp.async`` copies completing on an
+  mbarrier (``bar_ready[slot]``); it waits for ``bar_free[slot]`` (both consumers done with the
+  slot) before refilling it.  It computes each row's address itself (the compacted explicit
+  rows, then the paged entries through the block table); a row past the sequence (or past
+  this split) loads the lowest pool's first row instead (finite data, never garbage in the
+  tile), and the consumers mask it from its place in the sequence.
+- consumer 0 (threads 0..127) takes the even blocks (slot 0), consumer 1 (128..255) the odd
+  ones (slot 1).  Each computes its block's logits ``[64 heads, 64 keys]`` (one wgmma GEMM,
+  K = D), its row maxima, exchanges them with the other consumer through shared memory and
+  two mbarriers, so that both use the maximum over both blocks; each rescales its half of the
+  ``[64, D]`` output accumulator (consumer 0: values ``0 .. D/2``, consumer 1: ``D/2 .. D``),
+  writes its probabilities (bf16) to ``p_s[slot]`` and multiplies its own block's and then
+  the other consumer's probabilities into its half of the output.  One consumer's softmax thus
+  overlaps the other's GEMMs, and no block barrier is needed inside the loop.
+- the denominators: each consumer sums its own blocks' probabilities (the sink's share starts
+  in consumer 0), and the two sums are exchanged once at the end.
+
+Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
+``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
+merges them.
+"""
+
+# No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
+import functools
+
+import torch
+
+from deepinfer_core.ops.attention import PagedIndex
+
+from . import sparse_attention as sa
+from .launch_args import TL_DTYPES, index_int64, num_sms
+from .sparse_attention import BH, BN, LOG2E
+
+THREADS = 384
+CONSUMER_REGS = 216
+PRODUCER_REGS = 72
+
+
+def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: str):
+    """The ``prim_func`` (same arguments as ``build_attention(paged, split, heads, dim, dtype)``)."""
+    import tilelang.language as T
+
+    acc_t = "float32"
+    H, D = heads, dim
+    HALF = D // 2
+    n_tok, n_split = T.dynamic("T"), T.dynamic("S")
+    t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
+    t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
+    VEC = 8  # elements a 16-byte copy moves
+    ROW_THREADS = 8  # producer threads a key row: each copies every 64th element group
+    ROWS_AT_ONCE = 128 // ROW_THREADS  # 16 rows a pass, BN / 16 passes
+
+    @T.macro
+    def consumer(g, seq, smem, frags, bars, io):
+        """Consumer ``g`` (its own thread range: TileLang lays its fragments over its 128 threads):
+        slot ``g``'s blocks, output values ``g * HALF ..``."""
+        t, s, hb, n_iter, lo, j_end = seq
+        q_s, k_s, p_s, row_max, row_sum = smem
+        sinks, scale2, out, part, ml = io
+        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
+        bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        T.set_max_nreg(CONSUMER_REGS, 1)
+        T.barrier_wait(bar_q, 0)
+        for slot in T.unroll(2, explicit=True):
+            T.barrier_arrive(bar_free[slot])
+        T.fill(acc_o, 0)
+        for h in T.Parallel(BH):  # split 0 starts from the sink (its share in consumer 0)
+            m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
+            l[h] = T.if_then_else(s == 0, 1.0 if g == 0 else 0.0, 0.0)
+        for it in T.serial(n_iter):
+            T.barrier_wait(bar_ready[g], it & 1)
+            T.clear(acc_s)
+            T.wgmma_gemm(q_s, k_s[g, :, :], acc_s, transpose_B=True)
+            T.copy(m, m_prev)
+            T.wait_wgmma(0)
+            for h, i in T.Parallel(BH, BN):
+                j = (lo + 2 * it + g) * BN + i  # the key's place in the sequence: past j_end masked
+                acc_s[h, i] = T.if_then_else(j < j_end, acc_s[h, i] * scale2, -T.infinity(acc_t))
+            T.reduce_max(acc_s, m, dim=1, clear=False)
+            T.copy(m, row_max[g, :])
+            T.barrier_arrive(bar_stats[g])
+            T.barrier_wait(bar_stats[1 - g], it & 1)
+            T.copy(row_max[1 - g, :], m_peer)
+            for h in T.Parallel(BH):
+                m[h] = T.max(m[h], m_peer[h])
+            for h, d in T.Parallel(BH, HALF):
+                acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
+            for h in T.Parallel(BH):
+                l[h] = l[h] * T.exp2(m_prev[h] - m[h])
+            for h, i in T.Parallel(BH, BN):
+                acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
+            T.reduce_sum(acc_s, l_i, dim=1)
+            for h in T.Parallel(BH):
+                l[h] = l[h] + l_i[h]
+            T.copy(acc_s, p_s[g, :, :])
+            T.fence_proxy_async()  # the stores visible to the other consumer's wgmma (async proxy)
+            T.barrier_arrive(bar_p[g])
+            T.wgmma_gemm(p_s[g, :, :], k_s[g, :, g * HALF : g * HALF + HALF], acc_o)
+            T.barrier_wait(bar_p[1 - g], it & 1)
+            T.wgmma_gemm(p_s[1 - g, :, :], k_s[1 - g, :, g * HALF : g * HALF + HALF], acc_o)
+            T.wait_wgmma(1)
+            T.barrier_arrive(bar_free[g])
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free[1 - g])
+        T.copy(l, row_sum[g, :])
+        T.barrier_arrive(bar_stats[g])
+        T.barrier_wait(bar_stats[1 - g], n_iter & 1)
+        T.copy(row_sum[1 - g, :], l_i)
+        for h in T.Parallel(BH):
+            l[h] = l[h] + l_i[h]
+        if split:
+            for h, d in T.Parallel(BH, HALF):
+                part[t, s, hb * BH + h, g * HALF + d] = acc_o[h, d]
+            if g == 0:
+                for h in T.Parallel(BH):
+                    ml[t, s, hb * BH + h, 0] = m[h]
+                    ml[t, s, hb * BH + h, 1] = l[h]
+        else:
+            for h, d in T.Parallel(BH, HALF):
+                out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] / l[h]
+
+    @T.prim_func
+    def sparse_attention_decode_ws(
+        q: T.Tensor((n_tok, H, D), dtype),
+        flat: T.Tensor((nf,), dtype),
+        compact: T.Tensor((n_tok, ke), "int32"),
+        nvalid: T.Tensor((n_tok, 4), "int32"),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        sinks: T.Tensor((H,), "float32"),
+        out: T.Tensor((t_out, H, D), dtype),
+        part: T.Tensor((t_part, n_split, H, D), "float32"),
+        ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+        base0: T.int64,
+        base1: T.int64,
+        base2: T.int64,
+        st0: T.int64,
+        st1: T.int64,
+        st2: T.int64,
+        scale2: T.float32,
+        epp: T.int32,
+    ):
+        with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+            q_s = T.alloc_shared((BH, D), dtype)
+            k_s = T.alloc_shared((2, BN, D), dtype)
+            p_s = T.alloc_shared((2, BH, BN), dtype)
+            row_max = T.alloc_shared((2, BH), acc_t, scope="shared")
+            row_sum = T.alloc_shared((2, BH), acc_t, scope="shared")
+
+            frags = [
+                (
+                    T.alloc_fragment((BH, HALF), acc_t),
+                    T.alloc_fragment((BH, BN), acc_t),
+                    *[T.alloc_fragment((BH,), acc_t) for _ in range(5)],
+                )
+                for _ in range(2)
+            ]
+
+            bar_q = T.alloc_barrier(arrive_count=THREADS)
+            bar_ready = T.alloc_barrier(arrive_count=[128, 128])
+            bar_free = T.alloc_barrier(arrive_count=[256, 256])
+            bar_stats = T.alloc_barrier(arrive_count=[128, 128])
+            bar_p = T.alloc_barrier(arrive_count=[128, 128])
+            bars = (bar_q, bar_ready, bar_free, bar_stats, bar_p)
+
+            n0 = nvalid[t, 0]
+            n01 = n0 + nvalid[t, 1]
+            total = n01 + nvalid[t, 2]
+            n_expl = n01 if paged else total
+            nb = T.ceildiv(total, BN)
+            lo = T.min(s * T.ceildiv(nb, n_split), nb)
+            hi = T.min(lo + T.ceildiv(nb, n_split), nb)
+            j_end = T.min(hi * BN, total)  # keys of this split end here (a last odd slot is masked)
+            n_iter = T.ceildiv(T.max(hi - lo, 1), 2)
+            tx = T.get_thread_binding()
+            seq = (t, s, hb, n_iter, lo, j_end)
+            smem = (q_s, k_s, p_s, row_max, row_sum)
+            io = (sinks, scale2, out, part, ml)
+
+            T.copy(q[t, hb * BH : hb * BH + BH, :], q_s)
+            T.barrier_arrive(bar_q)
+
+            if tx >= 256:  # producer
+                T.set_max_nreg(PRODUCER_REGS, 0)
+                p = tx - 256
+                page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
+                for it in T.serial(n_iter):
+                    for slot in T.unroll(2, explicit=True):
+                        T.barrier_wait(bar_free[slot], it & 1)
+                        j0 = (lo + 2 * it + slot) * BN
+                        for r in T.serial(BN // ROWS_AT_ONCE):
+                            i = r * ROWS_AT_ONCE + p // ROW_THREADS
+                            j = j0 + i
+                            e = j - n_expl
+                            row = (
+                                T.if_then_else(
+                                    j < n_expl,
+                                    T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
+                                    block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp
+                                    + e % epp,
+                                )
+                                if paged
+                                else T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
+                            )
+                            later = T.if_then_else(j < n01, base1 + row * st1, base2 + row * st2)
+                            o = T.if_then_else(j < n0, base0 + row * st0, later)
+                            ok = j < j_end
+                            o = T.if_then_else(ok, o, base0)
+                            for u in T.unroll(D // (VEC * ROW_THREADS)):
+                                c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
+                                T.ptx_cp_async(
+                                    T.access_ptr(k_s[slot, i, c], "w", VEC),
+                                    T.access_ptr(flat[o * 8 + c], "r", VEC),
+                                    VEC,
+                                )
+                        T.cp_async_barrier_noinc(bar_ready[slot])
+            elif tx < 128:
+                consumer(0, seq, smem, frags[0], bars, io)
+            else:
+                consumer(1, seq, smem, frags[1], bars, io)
+
+    return sparse_attention_decode_ws
+
+
+@functools.cache
+def _kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str):
+    """A compiled kernel (kept in TileLang's disk cache); bounds guards off, as the other
+    attention kernel (the gathers read the pools through one flat address space)."""
+    import tilelang
+
+    func = build_attention_ws(paged, split, heads, dim, dtype)
+    configs = {"tl.disable_safe_memory_legalize": True}
+    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+
+
+def supports(q, kv_pools) -> bool | str:
+    """``True`` when this kernel takes a call the other TileLang kernel takes, else why not:
+    plain pools only (the packed FP8 ones go to that kernel)."""
+    if not isinstance(kv_pools[0], torch.Tensor):
+        return "packed KV pools: the seesaw kernel reads plain bf16 / fp16 rows"
+    return True
+
+
+def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
+    """The op on plain pools (host side as :func:`deepinfer_cuda_sm100.tl.sparse_attention.
+    sparse_attention`: the Triton prologue, the same split plan and combine kernel)."""
+    t, h, d = q.shape
+    dev = q.device
+    paged = isinstance(indices[-1], PagedIndex)
+    nvalid, compact = sa.compact_sources(indices)
+    views, bases, strides = sa._flat_views(kv_pools, None, q.dtype)
+    if paged:
+        pi: PagedIndex = indices[-1]
+        bt, rows, epp = index_int64(pi.block_table), index_int64(pi.token_rows), pi.entries_per_page
+    else:  # never read: no fill launch
+        one = torch.empty(1, dtype=torch.int64, device=dev)
+        bt, rows, epp = one.view(1, 1), one, 1
+    s = sa.plan_splits(t, h, sa.max_keys(indices), num_sms(dev))
+    if s == 1:
+        out = torch.empty_like(q)
+        part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)
+        ml = torch.empty(1, 1, h, 2, dtype=torch.float32, device=dev)
+    else:
+        out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
+        part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
+        ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
+    kernel = _kernel(paged, s > 1, h, d, TL_DTYPES[q.dtype])
+    tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks.float().contiguous(), out, part, ml)
+    kernel(*tensors, *bases, *strides, float(scale) * LOG2E, epp)
+    if s == 1:
+        return out
+    out = torch.empty_like(q)
+    sa._kernel("combine", False, False, h, d, TL_DTYPES[q.dtype])(part, ml, out)
+    return out

@@ -1,0 +1,51 @@
+"""The TileLang attention kernels in ``bench_attention.py``'s attention rows: the two-consumer
+kernel (``tilelang``) and, on plain pools, the warp-specialised seesaw kernel
+(``tilelang_ws``), each timed beside Triton's and, with ``--check``, compared with the
+reference op."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+KERNELS = (("tilelang", "sparse_attention"), ("tilelang_ws", "sparse_attention_ws"))
+"""``(row prefix, module of deepinfer_cuda_sm100.tl)`` of each TileLang attention kernel."""
+
+
+def measure(row: dict, args: tuple, reference: Callable, ms: Callable, check: bool) -> None:
+    """Add ``<prefix>_ms`` (and with ``check`` ``<prefix>_max_abs_err``, the largest absolute
+    difference from the reference op) for each TileLang kernel that takes the call; nothing
+    where TileLang cannot compile here or the two-consumer kernel refuses the call."""
+    import importlib
+
+    from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    if tilelang_problem() is not None or tilelang_supports(*args) is not True:
+        return
+    want = reference(*args).float() if check else None
+    for prefix, name in KERNELS:
+        module = importlib.import_module(f"deepinfer_cuda_sm100.tl.{name}")
+        if name == "sparse_attention_ws" and module.supports(args[0], args[1]) is not True:
+            continue
+        if check:
+            row[f"{prefix}_max_abs_err"] = (module.sparse_attention(*args).float() - want).abs().max().item()
+        row[f"{prefix}_ms"] = ms(lambda m=module: m.sparse_attention(*args))
+
+
+def describe(row: dict) -> str:
+    """The TileLang kernels' times (and % of the roofline) of an attention ``row``."""
+    out = ""
+    for prefix, label in (("tilelang", "tilelang"), ("tilelang_ws", "seesaw")):
+        t = row.get(f"{prefix}_ms")
+        if t:
+            out += f"{label} {t:8.4f} ms ({100 * row['roofline_ms'] / t:5.1f}%)  "
+        elif prefix == "tilelang":
+            out += "tilelang -  "
+    return out
+
+
+def errors(row: dict) -> str:
+    """`` / <error>`` for each TileLang kernel checked against the reference."""
+    return "".join(
+        f" / {row[k]:.2e}" for k in ("tilelang_max_abs_err", "tilelang_ws_max_abs_err") if k in row
+    )
