@@ -54,14 +54,14 @@ def test_precompile_covers_every_configuration_a_call_makes():
 @pytest.mark.parametrize("paged", [False, True])
 def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split):
     """Lowered for sm_90: the producer drops to its register share and the consumers rise to
-    theirs, each consumer runs its own ``64 x 64`` logits GEMM and ``64 x 256`` value GEMMs
+    theirs, each consumer runs its own ``64 x 32`` logits GEMM and ``64 x 256`` value GEMMs
     (no reduction across warpgroups), and no loop waits at a block barrier."""
     src = lowered_sm90(
         tlw.build_attention_ws(paged, split, 64, 512, "bfloat16"), {"tl.disable_safe_memory_legalize": True}
     )
     assert f"warpgroup_reg_dealloc<{tlw.PRODUCER_REGS}>" in src
     assert src.count(f"warpgroup_reg_alloc<{tlw.CONSUMER_REGS}>") == 2
-    assert "64, 64, 16" in src and "64, 256, 16" in src
+    assert f"64, {tlw.BNW}, 16" in src and "64, 256, 16" in src
     assert "AllReduce<tl::MaxOp, 256" not in src and "AllReduce<tl::SumOp, 256" not in src
     assert all("__syncthreads" not in body for body in loops_containing(src, "wgmma_ss<"))
     assert all("__syncthreads" not in body for body in loops_containing(src, "cp_async_gs"))

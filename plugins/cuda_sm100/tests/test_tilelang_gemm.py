@@ -210,7 +210,13 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
         index_dim=128,
     )
     jobs = precompile.jobs(ns)
-    assert {module for module, _ in jobs} == {"sparse_attention", "moe", "fp8_gemm", "indexer"}
+    assert {module for module, _ in jobs} == {
+        "sparse_attention",
+        "sparse_attention_ws",
+        "moe",
+        "fp8_gemm",
+        "indexer",
+    }
     for module, config in jobs:
         kernel = importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel
         inspect.signature(kernel).bind(*config)

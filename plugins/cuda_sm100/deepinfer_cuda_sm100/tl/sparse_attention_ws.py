@@ -2,25 +2,28 @@
 the dispatcher's language ``"tilelang_ws"`` (:mod:`deepinfer_cuda_sm100.attention_dispatch`),
 taken where the measured table found it the fastest.
 
-One CTA per (query token, split, head block of 64), 384 threads:
+One CTA per (query token, split, head block of 64), 384 threads, keys in blocks of ``BNW = 32``:
 
-- a producer warpgroup (threads 256..383, 72 registers) gathers the blocks of ``BN = 64`` keys of
-  the query's sequence into a two-slot ring by 16-byte ``cp.async`` copies completing on an
-  mbarrier (``bar_ready[slot]``); it waits for ``bar_free[slot]`` (both consumers done with the
-  slot) before refilling it.  It computes each row's address itself (the compacted explicit
-  rows, then the paged entries through the block table); a row past the sequence (or past
-  this split) loads the lowest pool's first row instead (finite data, never garbage in the
-  tile), and the consumers mask it from its place in the sequence.
-- consumer 0 (threads 0..127) takes the even blocks (slot 0), consumer 1 (128..255) the odd
-  ones (slot 1).  Each computes its block's logits ``[64 heads, 64 keys]`` (one wgmma GEMM,
-  K = D), its row maxima, exchanges them with the other consumer through shared memory and
-  two mbarriers, so that both use the maximum over both blocks; each rescales its half of the
-  ``[64, D]`` output accumulator (consumer 0: values ``0 .. D/2``, consumer 1: ``D/2 .. D``),
-  writes its probabilities (bf16) to ``p_s[slot]`` and multiplies its own block's and then
-  the other consumer's probabilities into its half of the output.  One consumer's softmax thus
-  overlaps the other's GEMMs, and no block barrier is needed inside the loop.
+- a producer warpgroup (threads 256..383, 72 registers) gathers the blocks into a four-slot ring
+  (two iterations in flight: iteration ``it``'s blocks go to slots ``2 (it % 2) + g``) by 16-byte
+  ``cp.async`` copies completing on an mbarrier (``bar_ready[slot]``); it waits for
+  ``bar_free[slot]`` (both consumers done with the slot) before refilling it, so the next
+  iteration's gathers overlap this one's GEMMs.  It computes each row's address itself (the
+  compacted explicit rows, then the paged entries through the block table); a row past the
+  sequence (or past this split) loads the lowest pool's first row instead (finite data, never
+  garbage in the tile), and the consumers mask it from its place in the sequence.
+- consumer 0 (threads 0..127) takes the even blocks, consumer 1 (128..255) the odd ones.  Each
+  computes its block's logits ``[64 heads, 32 keys]`` (one wgmma GEMM, K = D), its row maxima,
+  exchanges them with the other consumer through shared memory and two mbarriers, so that both
+  use the maximum over both blocks; each rescales its half of the ``[64, D]`` output
+  accumulator (consumer 0: values ``0 .. D/2``, consumer 1: ``D/2 .. D``), writes its
+  probabilities (bf16) to ``p_s[g]`` and multiplies its own block's and then the other
+  consumer's probabilities into its half of the output.  One consumer's softmax thus overlaps
+  the other's GEMMs, and no block barrier is needed inside the loop.
 - the denominators: each consumer sums its own blocks' probabilities (the sink's share starts
   in consumer 0), and the two sums are exchanged once at the end.
+
+Shared memory: the queries (64 KB at D = 512), the ring (4 x 32 KB), the probabilities (8 KB).
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
@@ -36,8 +39,10 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from . import sparse_attention as sa
 from .launch_args import TL_DTYPES, index_int64, num_sms
-from .sparse_attention import BH, BN, LOG2E
+from .sparse_attention import BH, LOG2E
 
+BNW = 32  # keys a block
+SLOTS = 4  # ring slots: two iterations of the two consumers
 THREADS = 384
 CONSUMER_REGS = 216
 PRODUCER_REGS = 72
@@ -55,7 +60,76 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
     t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
     VEC = 8  # elements a 16-byte copy moves
     ROW_THREADS = 8  # producer threads a key row: each copies every 64th element group
-    ROWS_AT_ONCE = 128 // ROW_THREADS  # 16 rows a pass, BN / 16 passes
+    ROWS_AT_ONCE = 128 // ROW_THREADS  # 16 rows a pass, BNW / 16 passes
+
+    PASSES = BNW // ROWS_AT_ONCE
+
+    @T.macro
+    def load_rows(raw, first, rows):
+        """The producer's next iteration: each of its rows' index loads (the compacted row and,
+        paged, the block-table entry) issued together, clamped in range; their latency overlaps
+        the wait for the slots (:func:`offset_of` uses them after it)."""
+        t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, epp, p = rows
+        ke, p_bt = compact.shape[1], block_table.shape[1]
+        for k in T.unroll(2 * PASSES, explicit=True):
+            j = first + (k // PASSES) * BNW + (k % PASSES) * ROWS_AT_ONCE + p // ROW_THREADS
+            raw[k] = T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
+            if paged:
+                e = j - n_expl
+                raw[2 * PASSES + k] = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)]
+
+    @T.macro
+    def offset_of(offs, raw, k, j, rows):
+        """``offs[k]`` = row ``j`` of the sequence's element offset in the flat pool view (a row
+        past this split's keys reads the lowest pool's first row), from :func:`load_rows`."""
+        t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, epp, p = rows
+        e = j - n_expl
+        row = T.if_then_else(j < n_expl, raw[k], raw[2 * PASSES + k] * epp + e % epp) if paged else raw[k]
+        later = T.if_then_else(j < n01, bases[1] + row * strides[1], bases[2] + row * strides[2])
+        here = T.if_then_else(j < n0, bases[0] + row * strides[0], later)
+        offs[k] = T.if_then_else(j < j_end, here, bases[0])
+
+    @T.macro
+    def step(g, it, own, peer, seq, smem, frags, bars, scale2):
+        """Consumer ``g``'s iteration ``it``: its block in slot ``own``, the other's in ``peer``."""
+        t, s, hb, n_iter, lo, j_end = seq
+        q_s, k_s, p_s, row_max, row_sum = smem
+        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
+        bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        T.barrier_wait(bar_ready[own], (it >> 1) & 1)
+        T.clear(acc_s)
+        T.wgmma_gemm(q_s, k_s[own, :, :], acc_s, transpose_B=True)
+        T.copy(m, m_prev)
+        T.wait_wgmma(0)
+        for h, i in T.Parallel(BH, BNW):
+            j = (lo + 2 * it + g) * BNW + i  # the key's place in the sequence: past j_end masked
+            acc_s[h, i] = T.if_then_else(j < j_end, acc_s[h, i] * scale2, -T.infinity(acc_t))
+        T.reduce_max(acc_s, m, dim=1, clear=False)
+        T.copy(m, row_max[g, :])
+        T.barrier_arrive(bar_stats[g])
+        T.barrier_wait(bar_stats[1 - g], it & 1)
+        T.copy(row_max[1 - g, :], m_peer)
+        for h in T.Parallel(BH):
+            m[h] = T.max(m[h], m_peer[h])
+        for h, d in T.Parallel(BH, HALF):
+            acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
+        for h in T.Parallel(BH):
+            l[h] = l[h] * T.exp2(m_prev[h] - m[h])
+        for h, i in T.Parallel(BH, BNW):
+            acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
+        T.reduce_sum(acc_s, l_i, dim=1)
+        for h in T.Parallel(BH):
+            l[h] = l[h] + l_i[h]
+        T.copy(acc_s, p_s[g, :, :])
+        T.fence_proxy_async()  # the stores visible to the other consumer's wgmma (async proxy)
+        T.barrier_arrive(bar_p[g])
+        T.wgmma_gemm(p_s[g, :, :], k_s[own, :, g * HALF : g * HALF + HALF], acc_o)
+        T.barrier_wait(bar_p[1 - g], it & 1)
+        T.wgmma_gemm(p_s[1 - g, :, :], k_s[peer, :, g * HALF : g * HALF + HALF], acc_o)
+        T.wait_wgmma(1)
+        T.barrier_arrive(bar_free[own])
+        T.wait_wgmma(0)
+        T.barrier_arrive(bar_free[peer])
 
     @T.macro
     def consumer(g, seq, smem, frags, bars, io):
@@ -68,47 +142,14 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
         bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
         T.set_max_nreg(CONSUMER_REGS, 1)
         T.barrier_wait(bar_q, 0)
-        for slot in T.unroll(2, explicit=True):
+        for slot in T.unroll(SLOTS, explicit=True):
             T.barrier_arrive(bar_free[slot])
         T.fill(acc_o, 0)
         for h in T.Parallel(BH):  # split 0 starts from the sink (its share in consumer 0)
             m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
             l[h] = T.if_then_else(s == 0, 1.0 if g == 0 else 0.0, 0.0)
         for it in T.serial(n_iter):
-            T.barrier_wait(bar_ready[g], it & 1)
-            T.clear(acc_s)
-            T.wgmma_gemm(q_s, k_s[g, :, :], acc_s, transpose_B=True)
-            T.copy(m, m_prev)
-            T.wait_wgmma(0)
-            for h, i in T.Parallel(BH, BN):
-                j = (lo + 2 * it + g) * BN + i  # the key's place in the sequence: past j_end masked
-                acc_s[h, i] = T.if_then_else(j < j_end, acc_s[h, i] * scale2, -T.infinity(acc_t))
-            T.reduce_max(acc_s, m, dim=1, clear=False)
-            T.copy(m, row_max[g, :])
-            T.barrier_arrive(bar_stats[g])
-            T.barrier_wait(bar_stats[1 - g], it & 1)
-            T.copy(row_max[1 - g, :], m_peer)
-            for h in T.Parallel(BH):
-                m[h] = T.max(m[h], m_peer[h])
-            for h, d in T.Parallel(BH, HALF):
-                acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
-            for h in T.Parallel(BH):
-                l[h] = l[h] * T.exp2(m_prev[h] - m[h])
-            for h, i in T.Parallel(BH, BN):
-                acc_s[h, i] = T.exp2(acc_s[h, i] - m[h])
-            T.reduce_sum(acc_s, l_i, dim=1)
-            for h in T.Parallel(BH):
-                l[h] = l[h] + l_i[h]
-            T.copy(acc_s, p_s[g, :, :])
-            T.fence_proxy_async()  # the stores visible to the other consumer's wgmma (async proxy)
-            T.barrier_arrive(bar_p[g])
-            T.wgmma_gemm(p_s[g, :, :], k_s[g, :, g * HALF : g * HALF + HALF], acc_o)
-            T.barrier_wait(bar_p[1 - g], it & 1)
-            T.wgmma_gemm(p_s[1 - g, :, :], k_s[1 - g, :, g * HALF : g * HALF + HALF], acc_o)
-            T.wait_wgmma(1)
-            T.barrier_arrive(bar_free[g])
-            T.wait_wgmma(0)
-            T.barrier_arrive(bar_free[1 - g])
+            step(g, it, (it % 2) * 2 + g, (it % 2) * 2 + 1 - g, seq, smem, frags, bars, scale2)
         T.copy(l, row_sum[g, :])
         T.barrier_arrive(bar_stats[g])
         T.barrier_wait(bar_stats[1 - g], n_iter & 1)
@@ -149,23 +190,26 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
             q_s = T.alloc_shared((BH, D), dtype)
-            k_s = T.alloc_shared((2, BN, D), dtype)
-            p_s = T.alloc_shared((2, BH, BN), dtype)
+            k_s = T.alloc_shared((SLOTS, BNW, D), dtype)
+            p_s = T.alloc_shared((2, BH, BNW), dtype)
             row_max = T.alloc_shared((2, BH), acc_t, scope="shared")
             row_sum = T.alloc_shared((2, BH), acc_t, scope="shared")
+            bases, strides = (base0, base1, base2), (st0, st1, st2)
+            offs = T.alloc_local((2 * PASSES,), "int64")  # the producer's rows (flat offsets)
+            raw = T.alloc_local((4 * PASSES,), "int64")  # their index loads (:func:`load_rows`)
 
             frags = [
                 (
                     T.alloc_fragment((BH, HALF), acc_t),
-                    T.alloc_fragment((BH, BN), acc_t),
+                    T.alloc_fragment((BH, BNW), acc_t),
                     *[T.alloc_fragment((BH,), acc_t) for _ in range(5)],
                 )
                 for _ in range(2)
             ]
 
-            bar_q = T.alloc_barrier(arrive_count=THREADS)
-            bar_ready = T.alloc_barrier(arrive_count=[128, 128])
-            bar_free = T.alloc_barrier(arrive_count=[256, 256])
+            bar_q = T.alloc_barrier(arrive_count=128)
+            bar_ready = T.alloc_barrier(arrive_count=[128] * SLOTS)
+            bar_free = T.alloc_barrier(arrive_count=[256] * SLOTS)
             bar_stats = T.alloc_barrier(arrive_count=[128, 128])
             bar_p = T.alloc_barrier(arrive_count=[128, 128])
             bars = (bar_q, bar_ready, bar_free, bar_stats, bar_p)
@@ -174,53 +218,49 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
             n01 = n0 + nvalid[t, 1]
             total = n01 + nvalid[t, 2]
             n_expl = n01 if paged else total
-            nb = T.ceildiv(total, BN)
+            nb = T.ceildiv(total, BNW)
             lo = T.min(s * T.ceildiv(nb, n_split), nb)
             hi = T.min(lo + T.ceildiv(nb, n_split), nb)
-            j_end = T.min(hi * BN, total)  # keys of this split end here (a last odd slot is masked)
+            j_end = T.min(hi * BNW, total)  # keys of this split end here (a last odd slot is masked)
             n_iter = T.ceildiv(T.max(hi - lo, 1), 2)
             tx = T.get_thread_binding()
             seq = (t, s, hb, n_iter, lo, j_end)
             smem = (q_s, k_s, p_s, row_max, row_sum)
             io = (sinks, scale2, out, part, ml)
 
-            T.copy(q[t, hb * BH : hb * BH + BH, :], q_s)
-            T.barrier_arrive(bar_q)
-
             if tx >= 256:  # producer
                 T.set_max_nreg(PRODUCER_REGS, 0)
                 p = tx - 256
                 page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
+                rows = (t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, epp, p)
+                load_rows(raw, lo * BNW, rows)  # iteration 0's rows
+                for r in T.unroll(BH // ROWS_AT_ONCE, explicit=True):  # the queries
+                    h = r * ROWS_AT_ONCE + p // ROW_THREADS
+                    for u in T.unroll(D // (VEC * ROW_THREADS)):
+                        c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
+                        T.ptx_cp_async(
+                            T.access_ptr(q_s[h, c], "w", VEC),
+                            T.access_ptr(q[t, hb * BH + h, c], "r", VEC),
+                            VEC,
+                        )
+                T.cp_async_barrier_noinc(bar_q)
                 for it in T.serial(n_iter):
-                    for slot in T.unroll(2, explicit=True):
-                        T.barrier_wait(bar_free[slot], it & 1)
-                        j0 = (lo + 2 * it + slot) * BN
-                        for r in T.serial(BN // ROWS_AT_ONCE):
+                    for g2 in T.unroll(2, explicit=True):
+                        slot = (it % 2) * 2 + g2
+                        T.barrier_wait(bar_free[slot], (it >> 1) & 1)
+                        for r in T.unroll(PASSES, explicit=True):
                             i = r * ROWS_AT_ONCE + p // ROW_THREADS
-                            j = j0 + i
-                            e = j - n_expl
-                            row = (
-                                T.if_then_else(
-                                    j < n_expl,
-                                    T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
-                                    block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp
-                                    + e % epp,
-                                )
-                                if paged
-                                else T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
-                            )
-                            later = T.if_then_else(j < n01, base1 + row * st1, base2 + row * st2)
-                            o = T.if_then_else(j < n0, base0 + row * st0, later)
-                            ok = j < j_end
-                            o = T.if_then_else(ok, o, base0)
+                            k = g2 * PASSES + r
+                            offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
                             for u in T.unroll(D // (VEC * ROW_THREADS)):
                                 c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
                                 T.ptx_cp_async(
                                     T.access_ptr(k_s[slot, i, c], "w", VEC),
-                                    T.access_ptr(flat[o * 8 + c], "r", VEC),
+                                    T.access_ptr(flat[offs[k] * 8 + c], "r", VEC),
                                     VEC,
                                 )
                         T.cp_async_barrier_noinc(bar_ready[slot])
+                    load_rows(raw, (lo + 2 * it + 2) * BNW, rows)  # the next iteration's
             elif tx < 128:
                 consumer(0, seq, smem, frags[0], bars, io)
             else:
