@@ -17,16 +17,17 @@ def measure(row: dict, args: tuple, reference: Callable, ms: Callable, check: bo
     where TileLang cannot compile here or the two-consumer kernel refuses the call."""
     import importlib
 
-    from deepinfer_cuda_sm100.attention_dispatch import tilelang_supports
+    from deepinfer_cuda_sm100.attention_dispatch import available_languages, tilelang_supports
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
     if tilelang_problem() is not None or tilelang_supports(*args) is not True:
         return
     want = reference(*args).float() if check else None
+    languages = available_languages(args[0], args[1])  # those the dispatcher may pick for it
     for prefix, name in KERNELS:
-        module = importlib.import_module(f"deepinfer_cuda_sm100.tl.{name}")
-        if name == "sparse_attention_ws" and module.supports(args[0], args[1]) is not True:
+        if prefix not in languages:
             continue
+        module = importlib.import_module(f"deepinfer_cuda_sm100.tl.{name}")
         if check:
             row[f"{prefix}_max_abs_err"] = (module.sparse_attention(*args).float() - want).abs().max().item()
         row[f"{prefix}_ms"] = ms(lambda m=module: m.sparse_attention(*args))

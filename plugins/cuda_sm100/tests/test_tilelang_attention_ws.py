@@ -67,6 +67,43 @@ def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split):
     assert all("__syncthreads" not in body for body in loops_containing(src, "cp_async_gs"))
 
 
+@pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
+def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
+    """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
+    kernel arguments, the same configuration, and the combine exactly when the plan splits."""
+    launches, combines = [], []
+
+    def compiled(*config):
+        if config[0] == "combine":
+            return lambda *args: combines.append(args)
+        return lambda *args: launches.append((config, args))
+
+    monkeypatch.setattr(tla, "_kernel", compiled)
+    monkeypatch.setattr(tlw, "_kernel", compiled)
+    monkeypatch.setattr(tla, "num_sms", lambda device: 132)
+    nvalid, compact = (
+        torch.full((tokens, 4), 7, dtype=torch.int32),
+        torch.zeros(tokens, 640, dtype=torch.int32),
+    )
+    monkeypatch.setattr(tla, "compact_sources", lambda indices: (nvalid, compact))
+    q = torch.randn(tokens, 64, 512).to(torch.bfloat16)
+    indices = [torch.zeros(tokens, 128, dtype=torch.int64), torch.zeros(tokens, 512, dtype=torch.int64)]
+    call = (q, _pools(False), indices, torch.zeros(64), 0.1)
+    assert tla.sparse_attention(*call).shape == q.shape
+    assert tlw.sparse_attention(*call).shape == q.shape
+    (config_a, args_a), (config_b, args_b) = launches
+    split = tla.plan_splits(tokens, 64, 640, 132) > 1
+    assert split == (tokens == 1) and len(combines) == 2 * split
+    assert config_a == ("attention", False, split, 64, 512, "bfloat16", None)
+    assert config_b == (False, split, 64, 512, "bfloat16")
+    assert len(args_a) == len(args_b)
+    for a, b in zip(args_a, args_b, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        else:
+            assert a == b
+
+
 def _cases():
     from test_tilelang_attention import _v4_cases
 

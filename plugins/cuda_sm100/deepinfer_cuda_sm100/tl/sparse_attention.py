@@ -38,8 +38,9 @@ batch-invariant mode keeps the Triton kernel (:mod:`deepinfer_cuda_sm100.kernels
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as
 # objects (shapes built from closure variables).
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -431,6 +432,15 @@ def _flat_views(kv_pools, fp8: Fp8Geometry | None, dtype: torch.dtype):
 def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     """The op (see the module docstring; :func:`~deepinfer_cuda_sm100.attention_dispatch.
     tilelang_supports` says which calls it takes)."""
+    return launch(q, kv_pools, indices, sinks, scale, functools.partial(_kernel, "attention"))
+
+
+def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> torch.Tensor:
+    """The host side of a TileLang attention kernel taking this module's kernel arguments (this
+    module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
+    the pools' flat views, the split plan, the output or fp32 partials, and the combine.
+    ``compiled(paged, split, heads, dim, dtype, fp8)`` is the kernel of the call's static
+    configuration."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
@@ -453,7 +463,7 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
         out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
         part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
-    kernel = _kernel("attention", paged, s > 1, h, d, dtype, fp8)
+    kernel = compiled(paged, s > 1, h, d, dtype, fp8)
     scale2 = float(scale) * LOG2E
     sinks = sinks.float().contiguous()
     tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)

@@ -35,10 +35,7 @@ import functools
 
 import torch
 
-from deepinfer_core.ops.attention import PagedIndex
-
 from . import sparse_attention as sa
-from .launch_args import TL_DTYPES, index_int64, num_sms
 from .sparse_attention import BH, LOG2E
 
 BNW = 32  # keys a block
@@ -289,33 +286,13 @@ def supports(q, kv_pools) -> bool | str:
 
 
 def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
-    """The op on plain pools (host side as :func:`deepinfer_cuda_sm100.tl.sparse_attention.
-    sparse_attention`: the Triton prologue, the same split plan and combine kernel)."""
-    t, h, d = q.shape
-    dev = q.device
-    paged = isinstance(indices[-1], PagedIndex)
-    nvalid, compact = sa.compact_sources(indices)
-    views, bases, strides = sa._flat_views(kv_pools, None, q.dtype)
-    if paged:
-        pi: PagedIndex = indices[-1]
-        bt, rows, epp = index_int64(pi.block_table), index_int64(pi.token_rows), pi.entries_per_page
-    else:  # never read: no fill launch
-        one = torch.empty(1, dtype=torch.int64, device=dev)
-        bt, rows, epp = one.view(1, 1), one, 1
-    s = sa.plan_splits(t, h, sa.max_keys(indices), num_sms(dev))
-    if s == 1:
-        out = torch.empty_like(q)
-        part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)
-        ml = torch.empty(1, 1, h, 2, dtype=torch.float32, device=dev)
-    else:
-        out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
-        part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
-        ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
-    kernel = _kernel(paged, s > 1, h, d, TL_DTYPES[q.dtype])
-    tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks.float().contiguous(), out, part, ml)
-    kernel(*tensors, *bases, *strides, float(scale) * LOG2E, epp)
-    if s == 1:
-        return out
-    out = torch.empty_like(q)
-    sa._kernel("combine", False, False, h, d, TL_DTYPES[q.dtype])(part, ml, out)
-    return out
+    """The op on plain pools (host side: :func:`deepinfer_cuda_sm100.tl.sparse_attention.launch`,
+    the other kernel's: the Triton prologue, the same split plan and combine kernel)."""
+    return sa.launch(q, kv_pools, indices, sinks, scale, _plain_kernel)
+
+
+def _plain_kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None):
+    """:func:`_kernel` for :func:`~deepinfer_cuda_sm100.tl.sparse_attention.launch` (plain
+    pools: :func:`supports` refuses packed ones)."""
+    assert fp8 is None, "the seesaw kernel reads plain pools"
+    return _kernel(paged, split, heads, dim, dtype)
