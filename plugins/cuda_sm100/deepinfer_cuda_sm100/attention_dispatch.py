@@ -18,7 +18,8 @@
 TileLang has two attention kernels: the two-consumer one of :mod:`deepinfer_cuda_sm100.tl.
 sparse_attention` (language ``"tilelang"``, plain and packed FP8 pools) and the warp-specialised
 "seesaw" one of :mod:`deepinfer_cuda_sm100.tl.sparse_attention_ws` (``"tilelang_ws"``, plain
-pools); the table's points time each where it ran, and a call takes the fastest of them.
+pools and packed FP8 pools of DeepSeek-V4's row layout); the table's points time each where it
+ran, and a call takes the fastest of them.
 
 The choice depends on static shapes only, so a captured graph replays the kernel it captured.
 """
@@ -97,7 +98,7 @@ def choice_kind(indices, kv_pools) -> str:
 
 def available_languages(q, kv_pools) -> frozenset[str]:
     """The languages the table may pick for a call the two-consumer TileLang kernel takes:
-    Triton, that kernel, and the seesaw kernel where it takes the pools (plain ones)."""
+    Triton, that kernel, and the seesaw kernel where it takes the pools."""
     seesaw = {"tilelang_ws"} if tl_attention_ws.supports(q, kv_pools) is True else set()
     return frozenset({"triton", "tilelang", *seesaw})
 

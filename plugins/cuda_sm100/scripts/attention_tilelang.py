@@ -1,5 +1,5 @@
 """The TileLang attention kernels in ``bench_attention.py``'s attention rows: the two-consumer
-kernel (``tilelang``) and, on plain pools, the warp-specialised seesaw kernel
+kernel (``tilelang``) and, where it takes the pools, the warp-specialised seesaw kernel
 (``tilelang_ws``), each timed beside Triton's and, with ``--check``, compared with the
 reference op."""
 

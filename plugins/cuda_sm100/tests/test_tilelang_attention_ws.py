@@ -17,22 +17,28 @@ from deepinfer_cuda_sm100.tl import tilelang_problem
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
 
-def _pools(packed: bool):
+def _pools(packed: bool, rope_dim: int = 64):
     rows = [torch.randn(8, 512).to(torch.bfloat16) for _ in range(3)]
-    return [Fp8KVPool.from_values(r, 64) for r in rows] if packed else rows
+    return [Fp8KVPool.from_values(r, rope_dim) for r in rows] if packed else rows
 
 
-def test_it_takes_plain_pools_and_names_what_it_refuses():
+def test_it_takes_plain_and_v4_packed_pools_and_names_what_it_refuses():
     q = torch.randn(2, 64, 512).to(torch.bfloat16)
     assert tlw.supports(q, _pools(False)) is True
-    reason = tlw.supports(q, _pools(True))
-    assert isinstance(reason, str) and "packed" in reason
+    assert tlw.supports(q, _pools(True)) is True  # V4: 448 nope bytes, 64 bf16 rope values
+    reason = tlw.supports(q, _pools(True, rope_dim=16))  # 496 nope bytes: 62 words, not 4k
+    assert isinstance(reason, str) and "FP8 row geometry" in reason
 
 
-def test_the_dispatcher_offers_it_for_plain_pools_only():
+def test_the_dispatcher_offers_it_for_the_pools_it_takes():
     q = torch.randn(2, 64, 512).to(torch.bfloat16)
     assert available_languages(q, _pools(False)) == {"triton", "tilelang", "tilelang_ws"}
-    assert available_languages(q, _pools(True)) == {"triton", "tilelang"}
+    assert available_languages(q, _pools(True)) == {"triton", "tilelang", "tilelang_ws"}
+    assert available_languages(q, _pools(True, rope_dim=16)) == {"triton", "tilelang"}
+
+
+def _fp8_geometry(rope_dim: int = 64):
+    return tla.fp8_geometry(_pools(True, rope_dim))
 
 
 def test_precompile_covers_every_configuration_a_call_makes():
@@ -45,26 +51,41 @@ def test_precompile_covers_every_configuration_a_call_makes():
     )
     a.gemm_shapes = "4096x1024"
     jobs = {c for module, c in precompile.jobs(a) if module == "sparse_attention_ws"}
-    assert jobs == {(paged, split, 64, 512, "bfloat16") for paged in (False, True) for split in (False, True)}
+    assert jobs == {
+        (paged, split, 64, 512, "bfloat16", fp8)
+        for paged in (False, True)
+        for split in (False, True)
+        for fp8 in (None, _fp8_geometry())
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
-def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split):
+def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split, packed):
     """Lowered for sm_90: the producer drops to its register share and the consumers rise to
     theirs, each consumer runs its own ``64 x 32`` logits GEMM and ``64 x 256`` value GEMMs
-    (no reduction across warpgroups), and no loop waits at a block barrier."""
-    src = lowered_sm90(
-        tlw.build_attention_ws(paged, split, 64, 512, "bfloat16"), {"tl.disable_safe_memory_legalize": True}
-    )
-    assert f"warpgroup_reg_dealloc<{tlw.PRODUCER_REGS}>" in src
-    assert src.count(f"warpgroup_reg_alloc<{tlw.CONSUMER_REGS}>") == 2
+    (no reduction across warpgroups), and no loop waits at a block barrier.  Packed: the
+    producer dequantises every word it fetches (14 nope and 4 rope words a thread, each 8
+    bytes of a row) and fences its stores before it marks a slot full."""
+    fp8 = _fp8_geometry() if packed else None
+    src = lowered_sm90(tlw.build_attention_ws(paged, split, 64, 512, "bfloat16", fp8), tlw.pass_configs(fp8))
+    producer, consumer = tlw.registers(fp8)
+    assert 128 * (producer + 2 * consumer) <= 65536
+    assert f"warpgroup_reg_dealloc<{producer}>" in src
+    assert src.count(f"warpgroup_reg_alloc<{consumer}>") == 2
     assert f"64, {tlw.BNW}, 16" in src and "64, 256, 16" in src
     assert "AllReduce<tl::MaxOp, 256" not in src and "AllReduce<tl::SumOp, 256" not in src
     assert all("__syncthreads" not in body for body in loops_containing(src, "wgmma_ss<"))
-    assert all("__syncthreads" not in body for body in loops_containing(src, "cp_async_gs"))
+    gather = "deepinfer_e4m3x8_store(" if packed else "cp_async_gs"
+    assert loops_containing(src, gather)
+    assert all("__syncthreads" not in body for body in loops_containing(src, gather))
+    if packed:  # the loop's two blocks: 14 conversions and 4 rope stores each, then the fence
+        (body,) = set(loops_containing(src, gather))
+        assert body.count("deepinfer_e4m3x8_store(") == 28 and body.count("deepinfer_store8(") == 8
+        assert body.count("fence_proxy_async") == 2
 
 
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
@@ -95,7 +116,7 @@ def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     split = tla.plan_splits(tokens, 64, 640, 132) > 1
     assert split == (tokens == 1) and len(combines) == 2 * split
     assert config_a == ("attention", False, split, 64, 512, "bfloat16", None)
-    assert config_b == (False, split, 64, 512, "bfloat16")
+    assert config_b == config_a[1:]
     assert len(args_a) == len(args_b)
     for a, b in zip(args_a, args_b, strict=True):
         if isinstance(a, torch.Tensor):
@@ -104,19 +125,20 @@ def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
             assert a == b
 
 
-def _cases():
+def _cases(kv: str = "plain"):
     from test_tilelang_attention import _v4_cases
 
-    return [args for args in _v4_cases() if tlw.supports(args[0], args[1]) is True]
+    return [args for args in _v4_cases(kv) if tlw.supports(args[0], args[1]) is True]
 
 
 @pytest.mark.gpu
-def test_gpu_it_matches_the_reference_at_v4_flash_shapes():
+@pytest.mark.parametrize("kv", ["plain", "fp8"])
+def test_gpu_it_matches_the_reference_at_v4_flash_shapes(kv):
     if not torch.cuda.is_available() or tilelang_problem() is not None:
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
     from deepinfer_core.ops.attention import sparse_attention as reference
 
-    cases = _cases()
+    cases = _cases(kv)
     assert len(cases) >= 6
     kinds = set()
     for args in cases:
@@ -131,6 +153,21 @@ def test_gpu_it_matches_the_reference_at_v4_flash_shapes():
 def test_gpu_it_replays_in_a_cuda_graph_bitwise():
     if not torch.cuda.is_available() or tilelang_problem() is not None:
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
-    for args in _cases()[:4]:
+    for args in _cases()[:3] + _cases("fp8")[:3]:
         eager = tlw.sparse_attention(*args)
         assert torch.equal(replayed(lambda args=args: tlw.sparse_attention(*args)), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_pools_equal_their_dequantised_rows_bitwise():
+    """The producer's dequantisation is exact (what ``dequantize_fp8_rows`` computes, rounded to
+    bfloat16) and the schedule does not depend on the pools' format: on packed pools the kernel
+    returns, bit for bit, what it returns on the same rows dequantised into plain pools."""
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    cases = _cases("fp8")
+    assert len(cases) >= 6
+    for q, pools, indices, sinks, scale in cases:
+        plain = [pool.dequantize(torch.bfloat16) for pool in pools]
+        got = tlw.sparse_attention(q, pools, indices, sinks, scale)
+        assert torch.equal(got, tlw.sparse_attention(q, plain, indices, sinks, scale))

@@ -104,16 +104,25 @@ def _compile(module: str, config: tuple) -> float:
     return time.perf_counter() - t0
 
 
-def seesaw_configurations(heads: int, dim: int) -> list[tuple]:
-    """``sparse_attention_ws._kernel`` arguments: plain pools, with and without a paged source,
-    direct and split-KV."""
-    return [(paged, split, heads, dim, "bfloat16") for paged in (False, True) for split in (False, True)]
+def seesaw_configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
+    """``sparse_attention_ws._kernel`` arguments: plain pools and the packed FP8 ones (where the
+    kernel takes their row geometry), with and without a paged source, direct and split-KV."""
+    from deepinfer_cuda_sm100.tl.sparse_attention_ws import fp8_supports
+
+    fp8 = configurations(heads, dim, rope_dim)[-1][-1]
+    geometries = (None, fp8) if fp8_supports(fp8, dim) is True else (None,)
+    return [
+        (paged, split, heads, dim, "bfloat16", geometry)
+        for geometry in geometries
+        for paged in (False, True)
+        for split in (False, True)
+    ]
 
 
 def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     """Every ``(module, configuration)`` the options name."""
     out = [("sparse_attention", c) for c in configurations(a.heads, a.dim, a.rope_dim)]
-    out += [("sparse_attention_ws", c) for c in seesaw_configurations(a.heads, a.dim)]
+    out += [("sparse_attention_ws", c) for c in seesaw_configurations(a.heads, a.dim, a.rope_dim)]
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]

@@ -25,6 +25,18 @@ One CTA per (query token, split, head block of 64), 384 threads, keys in blocks 
 
 Shared memory: the queries (64 KB at D = 512), the ring (4 x 32 KB), the probabilities (8 KB).
 
+Packed FP8 pools (:class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, the row layout of
+:func:`fp8_supports`): the producer alone dequantises, as FlashMLA's SM90 FP8 decode does.  Four
+of its threads take a row: each fetches its quarter of the row's 8-byte words (nope bytes and
+bfloat16 rope values, interleaved ``4 k + quarter``) and the word of the scale bytes into
+registers by plain 8-byte loads, one block ahead of the slot it fills: a block's words are
+fetched as soon as the previous block is converted, and its rows' indices an iteration ahead.
+Each word of 8 nope bytes becomes 8 bfloat16 values in one 16-byte shared store (``e4m3 ->
+f16 -> f32``, times ``2**(scale byte - 127)`` built from the byte's bits, rounded to bfloat16:
+what :func:`~deepinfer_core.ops.kv_format.dequantize_fp8_rows` computes), a rope word is stored
+as it is, and ``fence.proxy.async`` makes the stores visible to the consumers' wgmma before the
+slot's arrival.  Registers: producer 112, consumers 200.
+
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
 merges them.
@@ -43,10 +55,48 @@ SLOTS = 4  # ring slots: two iterations of the two consumers
 THREADS = 384
 CONSUMER_REGS = 216
 PRODUCER_REGS = 72
+FP8_CONSUMER_REGS = 200
+FP8_PRODUCER_REGS = 112  # the words of a block in flight, the dequantisation
+FP8_ROW_THREADS = 4  # producer threads a packed row
+
+FP8_DEVICE_CODE = r"""
+__device__ __forceinline__ void deepinfer_e4m3x8_store(void* dst, long long word, long long scales,
+                                                       int shift) {
+  // 8 e4m3 bytes (little-endian: value 0 lowest) times 2**(scale byte - 127) as 8 bfloat16
+  // values in one 16-byte shared store; the factor built from the byte's bits (byte 0 -> 0)
+  const float factor = __uint_as_float(((unsigned)((unsigned long long)scales >> shift) & 255u) << 23);
+  const unsigned long long w = (unsigned long long)word;
+  unsigned out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned short pair = (unsigned short)(w >> (16 * i));
+    unsigned h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
+    float lo, hi;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
+    lo *= factor;
+    hi *= factor;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out[i]) : "f"(hi), "f"(lo));
+  }
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(out[0]), "r"(out[1]), "r"(out[2]), "r"(out[3]) : "memory");
+}
+
+__device__ __forceinline__ void deepinfer_store8(void* dst, long long word) {
+  // 8 bytes (4 bfloat16 rope values) as they are
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("st.shared.b64 [%0], %1;" :: "r"(addr), "l"(word) : "memory");
+}
+"""
 
 
-def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: str):
-    """The ``prim_func`` (same arguments as ``build_attention(paged, split, heads, dim, dtype)``)."""
+def build_attention_ws(
+    paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None = None
+):
+    """The ``prim_func`` (same arguments as ``build_attention(paged, split, heads, dim, dtype,
+    fp8)``; ``fp8``: packed pools of that row geometry, which :func:`fp8_supports` accepts)."""
     import tilelang.language as T
 
     acc_t = "float32"
@@ -56,10 +106,16 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
     t_out, t_part, ke = T.dynamic("TO"), T.dynamic("TP"), T.dynamic("KE")
     t2, r_bt, p_bt, nf = T.dynamic("T2"), T.dynamic("R"), T.dynamic("P"), T.dynamic("NF")
     VEC = 8  # elements a 16-byte copy moves
-    ROW_THREADS = 8  # producer threads a key row: each copies every 64th element group
-    ROWS_AT_ONCE = 128 // ROW_THREADS  # 16 rows a pass, BNW / 16 passes
-
+    Q_ROW_THREADS = 8  # producer threads a query row: each copies every 64th element group
+    # key rows: 8 threads a plain row (16-byte copies), 4 a packed row (8-byte words)
+    ROW_THREADS = Q_ROW_THREADS if fp8 is None else FP8_ROW_THREADS
+    ROWS_AT_ONCE = 128 // ROW_THREADS  # rows a pass: BNW / ROWS_AT_ONCE passes a block
     PASSES = BNW // ROWS_AT_ONCE
+    producer_regs, consumer_regs = registers(fp8)
+    if fp8 is not None:
+        NOPE_W, ROPE_W = fp8.nope // 8, (D - fp8.nope) // 4  # 8-byte words of a packed row
+        WORDS = (NOPE_W + ROPE_W) // FP8_ROW_THREADS  # a thread's data words of a row
+        SCALE_WORD, FIRST = fp8.scale_offset // 8, fp8.scale_offset % 8
 
     @T.macro
     def load_rows(raw, first, rows):
@@ -137,7 +193,7 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
         sinks, scale2, out, part, ml = io
         acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
         bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
-        T.set_max_nreg(CONSUMER_REGS, 1)
+        T.set_max_nreg(consumer_regs, 1)
         T.barrier_wait(bar_q, 0)
         for slot in T.unroll(SLOTS, explicit=True):
             T.barrier_arrive(bar_free[slot])
@@ -164,34 +220,109 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
             for h, d in T.Parallel(BH, HALF):
                 out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] / l[h]
 
-    @T.prim_func
-    def sparse_attention_decode_ws(
-        q: T.Tensor((n_tok, H, D), dtype),
-        flat: T.Tensor((nf,), dtype),
-        compact: T.Tensor((n_tok, ke), "int32"),
-        nvalid: T.Tensor((n_tok, 4), "int32"),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        sinks: T.Tensor((H,), "float32"),
-        out: T.Tensor((t_out, H, D), dtype),
-        part: T.Tensor((t_part, n_split, H, D), "float32"),
-        ml: T.Tensor((t_part, n_split, H, 2), "float32"),
-        base0: T.int64,
-        base1: T.int64,
-        base2: T.int64,
-        st0: T.int64,
-        st1: T.int64,
-        st2: T.int64,
-        scale2: T.float32,
-        epp: T.int32,
-    ):
+    @T.macro
+    def queries(q_s, q, t, hb, p):
+        """The producer's ``cp.async`` copies of the CTA's ``[64, D]`` queries."""
+        for r in T.unroll(BH * Q_ROW_THREADS // 128, explicit=True):
+            h = r * (128 // Q_ROW_THREADS) + p // Q_ROW_THREADS
+            for u in T.unroll(D // (VEC * Q_ROW_THREADS)):
+                c = (u * Q_ROW_THREADS + p % Q_ROW_THREADS) * VEC
+                T.ptx_cp_async(
+                    T.access_ptr(q_s[h, c], "w", VEC), T.access_ptr(q[t, hb * BH + h, c], "r", VEC), VEC
+                )
+
+    @T.macro
+    def produce_plain(flat, k_s, raw, offs, bars, n_iter, lo, rows, p):
+        """Plain pools: each block's rows by 16-byte ``cp.async`` copies into its slot."""
+        bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        for it in T.serial(n_iter):
+            for g2 in T.unroll(2, explicit=True):
+                slot = (it % 2) * 2 + g2
+                T.barrier_wait(bar_free[slot], (it >> 1) & 1)
+                for r in T.unroll(PASSES, explicit=True):
+                    i = r * ROWS_AT_ONCE + p // ROW_THREADS
+                    k = g2 * PASSES + r
+                    offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
+                    for u in T.unroll(D // (VEC * ROW_THREADS)):
+                        c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
+                        T.ptx_cp_async(
+                            T.access_ptr(k_s[slot, i, c], "w", VEC),
+                            T.access_ptr(flat[offs[k] * 8 + c], "r", VEC),
+                            VEC,
+                        )
+                T.cp_async_barrier_noinc(bar_ready[slot])
+            load_rows(raw, (lo + 2 * it + 2) * BNW, rows)  # the next iteration's
+
+    @T.macro
+    def fetch(words, flat64, offset, quarter):
+        """A packed row's words of this thread: data words ``4 w + quarter``, then the scales'."""
+        for w in T.unroll(WORDS, explicit=True):
+            words[w] = flat64[offset + w * FP8_ROW_THREADS + quarter]
+        words[WORDS] = flat64[offset + SCALE_WORD]
+
+    @T.macro
+    def convert(k_s, slot, i, words, quarter):
+        """The fetched words into row ``i`` of the slot: nope words dequantised (8 values a
+        16-byte store), rope words as they are.  The stores are the device functions' own (the
+        pointers marked read: the slots' mbarriers order them, no block barrier)."""
+        for w in T.unroll(NOPE_W // FP8_ROW_THREADS, explicit=True):
+            word = w * FP8_ROW_THREADS + quarter
+            T.call_extern(
+                "handle",
+                "deepinfer_e4m3x8_store",
+                T.access_ptr(k_s[slot, i, word * 8], "r", 8),
+                words[w],
+                words[WORDS],
+                (FIRST + word // 8) * 8,  # the word's scale byte: one a group of 64 values
+            )
+        for w in T.unroll(ROPE_W // FP8_ROW_THREADS, explicit=True):
+            word = w * FP8_ROW_THREADS + quarter
+            T.call_extern(
+                "handle",
+                "deepinfer_store8",
+                T.access_ptr(k_s[slot, i, fp8.nope + word * 4], "r", 4),
+                words[NOPE_W // FP8_ROW_THREADS + w],
+            )
+
+    @T.macro
+    def fill(k_s, slot, i, words, quarter, bar_ready):
+        """Dequantise the fetched block into ``slot`` and mark the slot full."""
+        convert(k_s, slot, i, words, quarter)
+        T.fence_proxy_async()  # the generic-proxy stores visible to the consumers' wgmma
+        T.barrier_arrive(bar_ready[slot])
+
+    @T.macro
+    def produce_fp8(flat64, k_s, raw, offs, bars, n_iter, lo, rows, p):
+        """Packed FP8 pools: a block's words fetched into registers while the previous block's
+        slot frees, dequantised into the slot (see the module docstring)."""
+        bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        words = T.alloc_local((WORDS + 1,), "int64")
+        i, quarter = p // FP8_ROW_THREADS, p % FP8_ROW_THREADS
+        offset_of(offs, raw, 0, lo * BNW + i, rows)
+        fetch(words, flat64, offs[0], quarter)
+        for it in T.serial(n_iter):
+            T.barrier_wait(bar_free[(it % 2) * 2], (it >> 1) & 1)
+            fill(k_s, (it % 2) * 2, i, words, quarter, bar_ready)
+            offset_of(offs, raw, 1, (lo + 2 * it + 1) * BNW + i, rows)
+            fetch(words, flat64, offs[1], quarter)
+            load_rows(raw, (lo + 2 * it + 2) * BNW, rows)  # the next iteration's rows
+            T.barrier_wait(bar_free[(it % 2) * 2 + 1], (it >> 1) & 1)
+            fill(k_s, (it % 2) * 2 + 1, i, words, quarter, bar_ready)
+            offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
+            fetch(words, flat64, offs[0], quarter)  # (past the last block: the first row, unused)
+
+    @T.macro
+    def body(q, pool, compact, nvalid, block_table, token_rows, io, bases, strides, epp):
+        """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
+        8-byte words."""
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+            if fp8 is not None:
+                T.import_source(FP8_DEVICE_CODE)
             q_s = T.alloc_shared((BH, D), dtype)
             k_s = T.alloc_shared((SLOTS, BNW, D), dtype)
             p_s = T.alloc_shared((2, BH, BNW), dtype)
             row_max = T.alloc_shared((2, BH), acc_t, scope="shared")
             row_sum = T.alloc_shared((2, BH), acc_t, scope="shared")
-            bases, strides = (base0, base1, base2), (st0, st1, st2)
             offs = T.alloc_local((2 * PASSES,), "int64")  # the producer's rows (flat offsets)
             raw = T.alloc_local((4 * PASSES,), "int64")  # their index loads (:func:`load_rows`)
 
@@ -223,76 +354,125 @@ def build_attention_ws(paged: bool, split: bool, heads: int, dim: int, dtype: st
             tx = T.get_thread_binding()
             seq = (t, s, hb, n_iter, lo, j_end)
             smem = (q_s, k_s, p_s, row_max, row_sum)
-            io = (sinks, scale2, out, part, ml)
 
             if tx >= 256:  # producer
-                T.set_max_nreg(PRODUCER_REGS, 0)
+                T.set_max_nreg(producer_regs, 0)
                 p = tx - 256
                 page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
                 rows = (t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, epp, p)
                 load_rows(raw, lo * BNW, rows)  # iteration 0's rows
-                for r in T.unroll(BH // ROWS_AT_ONCE, explicit=True):  # the queries
-                    h = r * ROWS_AT_ONCE + p // ROW_THREADS
-                    for u in T.unroll(D // (VEC * ROW_THREADS)):
-                        c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
-                        T.ptx_cp_async(
-                            T.access_ptr(q_s[h, c], "w", VEC),
-                            T.access_ptr(q[t, hb * BH + h, c], "r", VEC),
-                            VEC,
-                        )
+                queries(q_s, q, t, hb, p)
                 T.cp_async_barrier_noinc(bar_q)
-                for it in T.serial(n_iter):
-                    for g2 in T.unroll(2, explicit=True):
-                        slot = (it % 2) * 2 + g2
-                        T.barrier_wait(bar_free[slot], (it >> 1) & 1)
-                        for r in T.unroll(PASSES, explicit=True):
-                            i = r * ROWS_AT_ONCE + p // ROW_THREADS
-                            k = g2 * PASSES + r
-                            offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
-                            for u in T.unroll(D // (VEC * ROW_THREADS)):
-                                c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
-                                T.ptx_cp_async(
-                                    T.access_ptr(k_s[slot, i, c], "w", VEC),
-                                    T.access_ptr(flat[offs[k] * 8 + c], "r", VEC),
-                                    VEC,
-                                )
-                        T.cp_async_barrier_noinc(bar_ready[slot])
-                    load_rows(raw, (lo + 2 * it + 2) * BNW, rows)  # the next iteration's
+                if fp8 is None:
+                    produce_plain(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
+                else:
+                    produce_fp8(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
             elif tx < 128:
                 consumer(0, seq, smem, frags[0], bars, io)
             else:
                 consumer(1, seq, smem, frags[1], bars, io)
 
-    return sparse_attention_decode_ws
+    if fp8 is None:
+
+        @T.prim_func
+        def sparse_attention_decode_ws(
+            q: T.Tensor((n_tok, H, D), dtype),
+            flat: T.Tensor((nf,), dtype),
+            compact: T.Tensor((n_tok, ke), "int32"),
+            nvalid: T.Tensor((n_tok, 4), "int32"),
+            block_table: T.Tensor((r_bt, p_bt), "int64"),
+            token_rows: T.Tensor((t2,), "int64"),
+            sinks: T.Tensor((H,), "float32"),
+            out: T.Tensor((t_out, H, D), dtype),
+            part: T.Tensor((t_part, n_split, H, D), "float32"),
+            ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+            base0: T.int64,
+            base1: T.int64,
+            base2: T.int64,
+            st0: T.int64,
+            st1: T.int64,
+            st2: T.int64,
+            scale2: T.float32,
+            epp: T.int32,
+        ):
+            io, bases, strides = (sinks, scale2, out, part, ml), (base0, base1, base2), (st0, st1, st2)
+            body(q, flat, compact, nvalid, block_table, token_rows, io, bases, strides, epp)
+
+        return sparse_attention_decode_ws
+
+    @T.prim_func
+    def sparse_attention_decode_ws_fp8(
+        q: T.Tensor((n_tok, H, D), dtype),
+        flat8: T.Tensor((nf,), "float8_e4m3"),
+        flat16: T.Tensor((T.dynamic("NF2"),), "bfloat16"),
+        flat64: T.Tensor((T.dynamic("NF8"),), "int64"),
+        compact: T.Tensor((n_tok, ke), "int32"),
+        nvalid: T.Tensor((n_tok, 4), "int32"),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        sinks: T.Tensor((H,), "float32"),
+        out: T.Tensor((t_out, H, D), dtype),
+        part: T.Tensor((t_part, n_split, H, D), "float32"),
+        ml: T.Tensor((t_part, n_split, H, 2), "float32"),
+        base0: T.int64,
+        base1: T.int64,
+        base2: T.int64,
+        st0: T.int64,
+        st1: T.int64,
+        st2: T.int64,
+        scale2: T.float32,
+        epp: T.int32,
+    ):
+        io, bases, strides = (sinks, scale2, out, part, ml), (base0, base1, base2), (st0, st1, st2)
+        body(q, flat64, compact, nvalid, block_table, token_rows, io, bases, strides, epp)
+
+    return sparse_attention_decode_ws_fp8
+
+
+def registers(fp8: sa.Fp8Geometry | None) -> tuple[int, int]:
+    """``(producer, consumer)`` registers a thread (``setmaxnreg``: 128 x (p + 2 c) = 64 K)."""
+    return (PRODUCER_REGS, CONSUMER_REGS) if fp8 is None else (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS)
 
 
 @functools.cache
-def _kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str):
+def _kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None = None):
     """A compiled kernel (kept in TileLang's disk cache); bounds guards off, as the other
     attention kernel (the gathers read the pools through one flat address space)."""
     import tilelang
 
-    func = build_attention_ws(paged, split, heads, dim, dtype)
+    func = build_attention_ws(paged, split, heads, dim, dtype, fp8)
+    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=pass_configs(fp8))
+
+
+def pass_configs(fp8: sa.Fp8Geometry | None) -> dict[str, bool]:
+    """TileLang's pass options for the kernel: bounds guards off; packed, also the check that
+    a local buffer is written before it is read (the device functions' stores are not seen)."""
     configs = {"tl.disable_safe_memory_legalize": True}
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+    return configs if fp8 is None else {**configs, "tl.disable_buffer_init_check": True}
+
+
+def fp8_supports(geometry: sa.Fp8Geometry, dim: int) -> bool | str:
+    """``True`` when the producer's packed-row split takes this row geometry, else why not:
+    nope bytes then bfloat16 rope values, each a multiple of four 8-byte words, and the scale
+    bytes in one 8-byte word."""
+    rope_bytes = 2 * (dim - geometry.nope)
+    if geometry.nope % (8 * FP8_ROW_THREADS) or rope_bytes % (8 * FP8_ROW_THREADS):
+        return f"FP8 row geometry {geometry}: the seesaw kernel takes nope and rope parts of 4k 8-byte words"
+    if geometry.rope_offset != geometry.nope or geometry.scale_offset != geometry.nope + rope_bytes:
+        return f"FP8 row geometry {geometry}: the seesaw kernel takes nope, rope, scales back to back"
+    if geometry.scale_offset % 8 + geometry.groups > 8:
+        return f"FP8 row geometry {geometry}: the seesaw kernel takes at most 8 scale bytes in one word"
+    return True
 
 
 def supports(q, kv_pools) -> bool | str:
     """``True`` when this kernel takes a call the other TileLang kernel takes, else why not:
-    plain pools only (the packed FP8 ones go to that kernel)."""
-    if not isinstance(kv_pools[0], torch.Tensor):
-        return "packed KV pools: the seesaw kernel reads plain bf16 / fp16 rows"
-    return True
+    plain pools, or packed FP8 pools whose row geometry :func:`fp8_supports` takes."""
+    geometry = sa.fp8_geometry(kv_pools)
+    return True if geometry is None else fp8_supports(geometry, q.shape[2])
 
 
 def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
-    """The op on plain pools (host side: :func:`deepinfer_cuda_sm100.tl.sparse_attention.launch`,
-    the other kernel's: the Triton prologue, the same split plan and combine kernel)."""
-    return sa.launch(q, kv_pools, indices, sinks, scale, _plain_kernel)
-
-
-def _plain_kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None):
-    """:func:`_kernel` for :func:`~deepinfer_cuda_sm100.tl.sparse_attention.launch` (plain
-    pools: :func:`supports` refuses packed ones)."""
-    assert fp8 is None, "the seesaw kernel reads plain pools"
-    return _kernel(paged, split, heads, dim, dtype)
+    """The op (host side: :func:`deepinfer_cuda_sm100.tl.sparse_attention.launch`, the other
+    kernel's: the Triton prologue, the pools' flat views, the same split plan and combine)."""
+    return sa.launch(q, kv_pools, indices, sinks, scale, _kernel)
