@@ -73,7 +73,7 @@ def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split, pac
     fp8 = _fp8_geometry() if packed else None
     src = lowered_sm90(tlw.build_attention_ws(paged, split, 64, 512, "bfloat16", fp8), tlw.pass_configs(fp8))
     producer, consumer = tlw.registers(fp8)
-    assert 128 * (producer + 2 * consumer) <= 65536
+    assert producer + 2 * consumer <= 3 * (65536 // tlw.THREADS // 8 * 8)  # the registers launched with
     assert f"warpgroup_reg_dealloc<{producer}>" in src
     assert src.count(f"warpgroup_reg_alloc<{consumer}>") == 2
     assert f"64, {tlw.BNW}, 16" in src and "64, 256, 16" in src

@@ -35,7 +35,7 @@ Each word of 8 nope bytes becomes 8 bfloat16 values in one 16-byte shared store 
 f16 -> f32``, times ``2**(scale byte - 127)`` built from the byte's bits, rounded to bfloat16:
 what :func:`~deepinfer_core.ops.kv_format.dequantize_fp8_rows` computes), a rope word is stored
 as it is, and ``fence.proxy.async`` makes the stores visible to the consumers' wgmma before the
-slot's arrival.  Registers: producer 112, consumers 200.
+slot's arrival.  Registers: producer 104, consumers 200.
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
@@ -56,7 +56,7 @@ THREADS = 384
 CONSUMER_REGS = 216
 PRODUCER_REGS = 72
 FP8_CONSUMER_REGS = 200
-FP8_PRODUCER_REGS = 112  # the words of a block in flight, the dequantisation
+FP8_PRODUCER_REGS = 104  # the words of a block in flight, the dequantisation
 FP8_ROW_THREADS = 4  # producer threads a packed row
 
 FP8_DEVICE_CODE = r"""
@@ -430,7 +430,9 @@ def build_attention_ws(
 
 
 def registers(fp8: sa.Fp8Geometry | None) -> tuple[int, int]:
-    """``(producer, consumer)`` registers a thread (``setmaxnreg``: 128 x (p + 2 c) = 64 K)."""
+    """``(producer, consumer)`` registers a thread (``setmaxnreg``).  The three warpgroups share
+    the registers the CTA is launched with, 168 a thread (64 K over 384 threads, in steps of 8):
+    ``p + 2 c`` must not exceed ``3 x 168``, or a consumer's ``setmaxnreg.inc`` waits forever."""
     return (PRODUCER_REGS, CONSUMER_REGS) if fp8 is None else (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS)
 
 
