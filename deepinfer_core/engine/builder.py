@@ -306,9 +306,13 @@ def _capture_graphs(runner: ModelRunner, config: ResolvedConfig, backend: Backen
 
 def _warm_up(runner: ModelRunner, backend: BackendSpec) -> None:
     """Compile the kernels of a backend that compiles them at their first call (see
-    :attr:`BackendSpec.compiles_kernels`) before any request arrives."""
+    :attr:`BackendSpec.compiles_kernels`) before any request arrives: the model's forwards and
+    the greedy pick of the engine's sampler (``argmax_rows`` over fp32 logits of one row and of
+    a full decode batch)."""
     t0 = time.perf_counter()
     counts = runner.warm_up()
+    for rows in sorted({1, runner.config.max_num_seqs}):
+        runner.ops.argmax_rows(torch.zeros(rows, runner.model_config.vocab_size, device=runner.device))
     logger.info(
         "backend %r: kernels warmed up (steps of %s tokens) in %.1f s",
         backend.name,

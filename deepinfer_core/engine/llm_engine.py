@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.structured = parts.structured
         self.processors = parts.processors
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.ops)  # greedy rows through the backend's argmax_rows
         self.metrics = Metrics(self.config.capacity_tokens)
         self._inflight: _Launched | None = None  # async: the step whose outputs are pending
         self._num_added = 0

@@ -6,8 +6,9 @@ Order per row, as in vLLM:
    ``-inf``), ``logit_bias`` (added), and while fewer than ``min_tokens`` tokens were
    generated, EOS and ``stop_token_ids`` -> ``-inf``;
 2. penalties: repetition (prompt + output tokens), then frequency and presence (output tokens);
-3. greedy rows (``temperature == 0``) take the argmax of these processed logits
-   (``torch.argmax`` returns the first maximum, so ties go to the lowest token id);
+3. greedy rows (``temperature == 0``) take the argmax of these processed logits, the op
+   ``argmax_rows`` of the sampler's op table (the backend's kernel, else ``torch.argmax``:
+   the first maximum, so ties go to the lowest token id);
 4. other rows: logits / temperature, then top-k, top-p over the renormalised top-k
    distribution (the mass *before* each token must be below ``top_p``; one token always
    survives), then min-p (probability >= ``min_p`` x the largest);
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer_core.ops import OpTable
 from deepinfer_core.sampling.batch import SamplingBatch, SamplingTensors
 from deepinfer_core.sampling.filters import min_p_keep, top_k_top_p_keep
 from deepinfer_core.sampling.logprobs import Logprobs, device_top_logprobs
@@ -62,7 +64,15 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples one token per row of fp32 logits ``[B, V]``; see the module docstring."""
+    """Samples one token per row of fp32 logits ``[B, V]``; see the module docstring.
+
+    Args:
+        ops: the op table whose ``argmax_rows`` picks the greedy rows' tokens (the engine
+            passes its backend's); ``None``: the reference ops (``torch.argmax``).
+    """
+
+    def __init__(self, ops: OpTable | None = None) -> None:
+        self.ops = OpTable.reference() if ops is None else ops
 
     def process_logits(self, logits: torch.Tensor, batch: SamplingBatch | SamplingTensors) -> torch.Tensor:
         """Steps 1-2 of the module docstring: masks, bias and penalties, before temperature."""
@@ -85,7 +95,7 @@ class Sampler:
         ``None`` when no row wants logprobs)."""
         processed = self._process(raw, prep)
         if not prep.sample_rows:  # all greedy: no draw, no per-row routing
-            out = torch.argmax(processed, dim=-1)
+            out = self.ops.argmax_rows(processed)
         elif prep.sample_index is None:  # every row samples
             assert prep.temperatures is not None
             out = self._draw(processed.contiguous() / prep.temperatures[:, None], prep)
@@ -93,7 +103,7 @@ class Sampler:
             assert prep.temperatures is not None
             rows = processed.index_select(0, prep.sample_index)
             drawn = self._draw(rows / prep.temperatures[:, None], prep)
-            out = torch.argmax(processed, dim=-1).index_copy_(0, prep.sample_index, drawn)
+            out = self.ops.argmax_rows(processed).index_copy_(0, prep.sample_index, drawn)
         logprobs = None
         if prep.logprob_rows:
             tokens = out if prep.logprob_index is None else out.index_select(0, prep.logprob_index)
@@ -108,7 +118,7 @@ class Sampler:
         rejection test compares it with the drafter's.)"""
         processed = self._process(raw, prep)
         probs = torch.zeros(processed.shape, dtype=torch.float64, device=processed.device)
-        probs.scatter_(1, torch.argmax(processed, dim=-1, keepdim=True), 1.0)
+        probs.scatter_(1, self.ops.argmax_rows(processed)[:, None], 1.0)
         if prep.sample_rows:
             assert prep.temperatures is not None
             index = prep.sample_index

@@ -73,6 +73,7 @@ class DSparkDrafter(Drafter):
             )
         head = layers.head
         self.runner, self.layers, self.head = runner, layers, head
+        self.sampler = Sampler(runner.ops)  # the runner's backend picks greedy drafts (argmax_rows)
         self.eos_token_ids = list(runner.model_config.eos_token_ids)
         if self.config.max_draft_tokens > head.block_size:
             logger.info(
@@ -131,14 +132,16 @@ class DSparkDrafter(Drafter):
     ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
         """The Markov walk when every request is greedy and its logits unprocessed (no penalty,
         mask, bias or ban: :attr:`SamplingTensors.plain_greedy`, what the verifier's sampler
-        then does is the argmax): all ``n`` positions on the device, one read-back."""
+        then does is the argmax, the op table's ``argmax_rows``): all ``n`` positions on the
+        device, one read-back."""
         head, steps, confs = self.head, [], []
+        argmax_rows = self.sampler.ops.argmax_rows
         for k in range(1, n + 1):
             e, bias = head.markov(prev)
             conf = head.confidence(y[:, k - 1], e)
             if conf is not None:
                 confs.append(conf)
-            prev = torch.argmax(u[:, k - 1] + bias, dim=-1)
+            prev = argmax_rows(u[:, k - 1] + bias)
             steps.append(prev)
         return torch.stack(steps, dim=1).tolist(), confs, []
 

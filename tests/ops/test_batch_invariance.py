@@ -102,6 +102,8 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
         (0, 1, 2),
     ),
     "swiglu": lambda g, t: ((_randn(g, t, 32, scale=4), _randn(g, t, 32, scale=4), 10.0), (0, 1)),
+    # quarter steps: each row's maximum is tied many times (the first one wins)
+    "argmax_rows": lambda g, t: ((torch.randint(-8, 8, (t, 5000), generator=g) / 4,), (0,)),
     "hc_pre": lambda g, t: (
         (
             _randn(g, t, N_STREAMS, 16),

@@ -23,6 +23,7 @@ from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.plan_ops import PLAN_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
+from deepinfer_cuda_sm100.sampling_ops import SAMPLING_OPS
 
 FUSED_OPS = ("rms_norm", "apply_rope", "rope_cos_sin", "swiglu", "hc_pre", "hc_post", "hc_head")
 """The norm, rope (rotation and cos/sin tables), clamped SwiGLU and mHC ops
@@ -56,6 +57,7 @@ PROVIDED_OPS = (
     + MOE_OPS
     + ROUTING_OPS
     + PLAN_OPS
+    + SAMPLING_OPS
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
@@ -384,5 +386,14 @@ def load_ops() -> dict[str, OpImpl]:
     from deepinfer_cuda_sm100.moe_ops import moe_ops
     from deepinfer_cuda_sm100.plan_ops import plan_ops
     from deepinfer_cuda_sm100.routing_ops import routing_ops
+    from deepinfer_cuda_sm100.sampling_ops import sampling_ops
 
-    return {**impls, **attention_ops(), **compressor_ops(), **moe_ops(), **routing_ops(), **plan_ops()}
+    return {
+        **impls,
+        **attention_ops(),
+        **compressor_ops(),
+        **moe_ops(),
+        **routing_ops(),
+        **plan_ops(),
+        **sampling_ops(),
+    }

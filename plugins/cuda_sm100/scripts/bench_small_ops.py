@@ -1,8 +1,10 @@
 """Time the ``cuda_sm100`` Triton kernels against the core's reference ops on a GPU.
 
 Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash widths
-(hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048): the norms, the
-rope and its cos/sin tables, the mHC ops and the shared expert's SwiGLU.  Each implementation is timed with
+(hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048, vocabulary 129,280):
+the norms, the rope and its cos/sin tables, the mHC ops, the shared expert's SwiGLU and greedy
+sampling's ``argmax_rows`` over ``[T, vocabulary]`` float32 logits (the reference is
+``torch.argmax``; fp32 whatever ``--dtype``, as the sampler takes them).  Each implementation is timed with
 CUDA events two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls
 (GPU time per call, launch overhead excluded), and eagerly (what a Python loop costs,
 launches included).  Prints a table and writes JSON (default
@@ -27,6 +29,7 @@ from deepinfer_core.ops import all_ops
 REPO = Path(__file__).resolve().parents[3]
 HIDDEN, HEADS, HEAD_DIM, ROPE_DIM, HC, Q_LORA = 4096, 64, 512, 64, 4, 1024
 SHARED_INTER = 2048  # the shared expert's intermediate width
+VOCAB = 129280  # the logits' width (greedy sampling's argmax_rows)
 
 
 def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
@@ -96,6 +99,7 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
                 1e-6,
             ),
         ),
+        ("argmax_rows", f"[{t},{VOCAB}] fp32 logits", (randn(t, VOCAB, dt=torch.float32, scale=4),)),
     ]
 
 
@@ -145,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     header = (
-        f"{'op':<10} {'shape':<28} {'ref graph us':>12} {'triton graph us':>15} {'speedup':>8} "
+        f"{'op':<11} {'shape':<28} {'ref graph us':>12} {'triton graph us':>15} {'speedup':>8} "
         f"{'ref eager us':>12} {'triton eager us':>15} {'max err':>9}"
     )
     print(header)
@@ -155,7 +159,7 @@ def main() -> None:
             impl, ref = kernels[op], refs[op].reference
             verdict = impl.supports(*call_args) if impl.supports else True
             if verdict is not True:
-                print(f"{op:<10} {label:<28} kernel refuses: {verdict}")
+                print(f"{op:<11} {label:<28} kernel refuses: {verdict}")
                 continue
             row = {"op": op, "shape": label, "tokens": t, "dtype": args.dtype}
             row["max_abs_err"] = max_err(impl.fn(*call_args), ref(*call_args))
@@ -174,7 +178,7 @@ def main() -> None:
                 return f"{v:>{width}{spec}}" if v is not None else f"{'n/a':>{width}}"
 
             print(
-                f"{op:<10} {label:<28} {fmt(rg, 12)} {fmt(kg, 15)} {fmt(row['graph_speedup'], 7, '.2f')}x "
+                f"{op:<11} {label:<28} {fmt(rg, 12)} {fmt(kg, 15)} {fmt(row['graph_speedup'], 7, '.2f')}x "
                 f"{fmt(row['ref_eager_us'], 12)} {fmt(row['triton_eager_us'], 15)} {row['max_abs_err']:>9.2g}"
             )
             rows.append(row)

@@ -5,7 +5,8 @@
 * losslessness: greedy and seeded outputs with ``speculative={"method": "dspark" | "fixed",
   "drafter": "dspark"}`` equal plain decoding token for token (a batch of requests; async
   scheduling stays on: the drafter observes nothing); ``rejection`` acceptance gets the
-  drafts' distributions; decode / verify graphs (emulated) give the eager run's drafts;
+  drafts' distributions; decode / verify graphs (emulated) give the eager run's drafts; greedy
+  drafts are picked by the engine's op table (a backend's ``argmax_rows``), as the verifier's tokens;
 * usefulness: a checkpoint whose target is a bigram model (every block's output projections
   zeroed) and whose drafter's base logits are zero (final norm 0) with a Markov head equal to
   that bigram (rank = vocab) gets > 95 % of its drafts accepted, greedy and sampled (the drafts
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,14 +23,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from deepinfer_core.backends import BackendSpec
+from deepinfer_core.config import EngineConfig
+from deepinfer_core.engine.llm_engine import LLMEngine
 from deepinfer_core.errors import ConfigError
+from deepinfer_core.hookspecs import hookimpl
+from deepinfer_core.llm import LLM
 from deepinfer_core.models.deepseek_v41.tiny import make_tiny, tiny_config
+from deepinfer_core.ops.sampling import argmax_rows
 from deepinfer_core.sampling.params import SamplingParams
 from deepinfer_core.speculative.dspark import DSparkDrafter
 from deepinfer_core.speculative.step_cost import StepCost
 from deepinfer_core.testing.observe import record_replays
 from tests.models.test_spec_rollback import _ids
-from tests.models.v41.conftest import PLAIN_CHANGES, v41_llm
+from tests.models.v41.conftest import PLAIN_CHANGES, v41_llm, v41_plugins
 
 PROMPTS = [{"prompt_token_ids": _ids(20 + i, n)} for i, n in enumerate((4, 13, 9))]
 PARAMS = {
@@ -76,6 +84,34 @@ def test_outputs_equal_plain_decoding(v41_dspark_dir, plain, kind, method):
     m = llm.get_metrics()["speculative"]
     assert m["num_proposed_tokens"] > 0, m
     assert not any(m["verify_length_histogram"][6:]), m  # at most γ = 5 drafts
+
+
+@pytest.mark.slow
+def test_greedy_drafts_take_the_backends_argmax_rows(v41_dspark_dir, plain):
+    """Greedy drafts are picked by the engine's op table (``argmax_rows``), as the verifier's
+    tokens: a backend's op that records its callers sees the drafter's walk and the sampler,
+    and the outputs stay plain decoding's."""
+    callers: list[str] = []
+
+    def recording(x):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return argmax_rows(x)
+
+    class Plugin:
+        @hookimpl
+        def deepinfer_register_backends(self, register):
+            register(BackendSpec(name="greedy_test", device_type="cpu", ops={"argmax_rows": recording}))
+
+    manager = v41_plugins()
+    manager.add_plugin(Plugin(), "greedy_test")
+    spec = {"method": "fixed", "drafter": "dspark", "max_draft_tokens": 4}
+    cfg = EngineConfig(
+        model=str(v41_dspark_dir), backend="greedy_test", dtype="float32", max_num_seqs=4, speculative=spec
+    )
+    llm = LLM.from_engine(LLMEngine(cfg, plugins=manager))
+    assert llm.engine.spec.drafter.sampler.ops is llm.engine.ops
+    assert _tokens(llm.generate(PROMPTS, PARAMS["greedy"], use_tqdm=False)) == plain["greedy"]
+    assert {"_walk_argmax", "sample"} <= set(callers), set(callers)
 
 
 @pytest.mark.slow
