@@ -1,5 +1,5 @@
-"""``sparse_attention`` with FlashMLA's "seesaw" schedule on SM90, plain pools (bf16 / fp16):
-the dispatcher's language ``"tilelang_ws"`` (:mod:`deepinfer_cuda_sm100.attention_dispatch`),
+"""``sparse_attention`` with FlashMLA's "seesaw" schedule on SM90, plain pools (bf16 / fp16) and
+packed FP8 ones: the dispatcher's language ``"tilelang_ws"`` (:mod:`deepinfer_cuda_sm100.attention_dispatch`),
 taken where the measured table found it the fastest.
 
 One CTA per (query token, split, head block of 64), 384 threads, keys in blocks of ``BNW = 32``:
@@ -31,11 +31,15 @@ of its threads take a row: each fetches its quarter of the row's 8-byte words (n
 bfloat16 rope values, interleaved ``4 k + quarter``) and the word of the scale bytes into
 registers by plain 8-byte loads, one block ahead of the slot it fills: a block's words are
 fetched as soon as the previous block is converted, and its rows' indices an iteration ahead.
-Each word of 8 nope bytes becomes 8 bfloat16 values in one 16-byte shared store (``e4m3 ->
-f16 -> f32``, times ``2**(scale byte - 127)`` built from the byte's bits, rounded to bfloat16:
-what :func:`~deepinfer_core.ops.kv_format.dequantize_fp8_rows` computes), a rope word is stored
-as it is, and ``fence.proxy.async`` makes the stores visible to the consumers' wgmma before the
-slot's arrival.  Registers: producer 104, consumers 200.
+Each word of 8 nope bytes becomes 8 bfloat16 values in one 16-byte shared store, by integer
+and bfloat16 operations rather than conversion instructions (which run at a quarter of the
+rate and made the producer the bottleneck): each byte's bits placed as a bfloat16 that is
+exactly its value times ``2**-120`` (normal and subnormal e4m3 alike), times ``2**120``, then
+times ``2**(scale byte - 127)`` (its bits built from the byte), rounded once to bfloat16: what
+:func:`~deepinfer_core.ops.kv_format.dequantize_fp8_rows` computes (the NaN byte, which the
+quantiser never writes, reads as 480 instead); a rope word is stored as it is, and
+``fence.proxy.async`` makes the stores visible to the consumers' wgmma before the slot's
+arrival.  Registers: producer 104, consumers 200.
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
@@ -62,22 +66,24 @@ FP8_ROW_THREADS = 4  # producer threads a packed row
 FP8_DEVICE_CODE = r"""
 __device__ __forceinline__ void deepinfer_e4m3x8_store(void* dst, long long word, long long scales,
                                                        int shift) {
-  // 8 e4m3 bytes (little-endian: value 0 lowest) times 2**(scale byte - 127) as 8 bfloat16
-  // values in one 16-byte shared store; the factor built from the byte's bits (byte 0 -> 0)
-  const float factor = __uint_as_float(((unsigned)((unsigned long long)scales >> shift) & 255u) << 23);
-  const unsigned long long w = (unsigned long long)word;
+  // 8 e4m3 bytes (little-endian: value 0 lowest) times 2**(scale byte - 127) as 8 bfloat16 values
+  // in one 16-byte shared store, by integer and bfloat16 operations (no conversion instructions):
+  // a byte's sign and its 7 other bits placed as a bfloat16's sign and low bits (exponent field
+  // 0000eeee, mantissa mmm0000) read as exactly the e4m3 value times 2**-120, normal and
+  // subnormal alike; times 2**120 (exact), then times 2**(byte - 127), its bits byte << 7 (byte 0
+  // -> 0.0), rounded once: what dequantize_fp8_rows computes in float32, then rounds to bfloat16
+  const unsigned byte = (unsigned)((unsigned long long)scales >> shift) & 255u;
+  const unsigned factor = (byte << 7) | (byte << 23);
+  const unsigned two120 = 0x7B807B80u;
+  const unsigned halves[2] = {(unsigned)word, (unsigned)((unsigned long long)word >> 32)};
   unsigned out[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const unsigned short pair = (unsigned short)(w >> (16 * i));
-    unsigned h2;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(pair));
-    float lo, hi;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"((unsigned short)(h2 & 0xffffu)));
-    asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"((unsigned short)(h2 >> 16)));
-    lo *= factor;
-    hi *= factor;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(out[i]) : "f"(hi), "f"(lo));
+    const unsigned x = __byte_perm(halves[i >> 1], 0u, (i & 1) ? 0x3424u : 0x1404u);  // b1 << 24 | b0 << 8
+    const unsigned bits = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+    unsigned exact;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(exact) : "r"(bits), "r"(two120));
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[i]) : "r"(exact), "r"(factor));
   }
   const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
