@@ -11,6 +11,8 @@
 - :func:`interpreter_report`: run a test module's report in a fresh interpreter with
   ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
   a pytest session that also runs the GPU tests).
+- :func:`test_kernel_ran_interpreted`, :func:`test_interpreter_conformance`: the tests of an
+  interpreter report that a kernel's test module imports (pytest collects them there).
 - :func:`compile_problem`, :func:`compile_launch`: why kernels cannot be compiled ahead of
   time for a GPU here, and a kernel compiled for ``sm_<arch>`` as a recorded launch would
   specialise it (no GPU needed); :func:`record_launches`: a module's kernels replaced by
@@ -26,6 +28,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from deepinfer_cuda_sm100.cases import Shapes, own_cases
 
@@ -180,6 +183,23 @@ def conformance_problems(
     if not any(not r["own"] and r["status"] == "passed" for r in rows):
         problems.append(f"the {core} cases did not run")
     return problems + failed_rows(rows, allowed_skip)
+
+
+@pytest.mark.slow  # it reads the report of a fresh interpreter running the kernels
+def test_kernel_ran_interpreted(report):
+    """The importing module's ``report`` fixture (:func:`interpreter_report`) ran its kernels in
+    Triton's interpreter."""
+    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["default", "bi"])
+def test_interpreter_conformance(report, mode):
+    """The report's conformance rows of each mode: the kernel's own and the core's cases ran,
+    none failed (:func:`conformance_problems`)."""
+    rows = [r for r in report["conformance"] if r["mode"] == mode]
+    bad = conformance_problems(rows)
+    assert not bad, "\n".join(bad)
 
 
 def interpreter_report(script: Path) -> dict:

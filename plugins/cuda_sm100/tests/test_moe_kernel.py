@@ -34,9 +34,10 @@ import json
 import os
 import sys
 
+import cuda_sm100_checks as checks
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, compile_typed, conformance_problems, failed_rows
+from cuda_sm100_checks import compile_problem, compile_typed, failed_rows
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -385,19 +386,8 @@ def interpreter_report() -> dict:
 
 
 slow = pytest.mark.slow  # they read the report of a fresh interpreter running the kernels
-
-
-@slow
-def test_kernel_ran_interpreted(report):
-    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
-
-
-@slow
-@pytest.mark.parametrize("mode", ["default", "bi"])
-def test_interpreter_conformance(report, mode):
-    rows = [r for r in report["conformance"] if r["mode"] == mode]
-    bad = conformance_problems(rows)
-    assert not bad, "\n".join(bad)
+test_kernel_ran_interpreted = checks.test_kernel_ran_interpreted  # the report's shared tests
+test_interpreter_conformance = checks.test_interpreter_conformance
 
 
 @slow
