@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 KERNELS = (("tilelang", "sparse_attention"), ("tilelang_ws", "sparse_attention_ws"))
 """``(row prefix, module of deepinfer_cuda_sm100.tl)`` of each TileLang attention kernel."""
 
@@ -50,3 +52,27 @@ def errors(row: dict) -> str:
     return "".join(
         f" / {row[k]:.2e}" for k in ("tilelang_max_abs_err", "tilelang_ws_max_abs_err") if k in row
     )
+
+
+def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
+    """The seesaw kernel's :class:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule`
+    variants that apply to the call's pools, each timed and compared bit for bit with the
+    default schedule's output (every variant promises the same bits)."""
+    import dataclasses
+
+    from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
+
+    from deepinfer_core.ops.kv_format import PackedKVPool
+
+    out, want = [], tlw.sparse_attention(*args)
+    for schedule in tlw.variants(isinstance(args[1][0], PackedKVPool)):
+        entry = {"seesaw_schedule": dataclasses.asdict(schedule)}
+        try:
+            entry["bitwise"] = bool(torch.equal(tlw.sparse_attention(*args, schedule=schedule), want))
+            entry["ms"] = ms(lambda schedule=schedule: tlw.sparse_attention(*args, schedule=schedule))
+        except Exception as exc:  # a variant that does not compile or launch here
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        out.append(entry)
+        t = entry.get("ms", float("nan"))
+        print(f"    tune seesaw {schedule}: {t:.4f} ms, bitwise {entry.get('bitwise')}")
+    return out

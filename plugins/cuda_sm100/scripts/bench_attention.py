@@ -98,8 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--tune",
         action="store_true",
-        help="also sweep the attention tiles, the indexer's tiles and its threshold segments at each shape,\n"
-        "and time the selection's kernels apart",
+        help="also sweep the attention tiles, the seesaw kernel's schedule variants (checked bit for bit),\n"
+        "the indexer's tiles and its threshold segments at each shape, and time the selection's kernels\n"
+        "apart",
     )
     p.add_argument("--check", action="store_true", help="compare each output with the reference op first")
     p.add_argument(
@@ -230,6 +231,8 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
                 row["tune"] = tune_attention(args, timer) + (
                     tune_tilelang_splits(args, timer) if "tilelang_ms" in row else []
                 )
+                if "tilelang_ws_ms" in row:
+                    row["tune"] += attention_tilelang.tune_seesaw(args, timer.ms)
             rows.append(row)
             print_row(row)
     return rows

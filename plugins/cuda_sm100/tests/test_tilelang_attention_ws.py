@@ -88,6 +88,38 @@ def test_it_lowers_to_a_producer_and_two_independent_consumers(paged, split, pac
         assert body.count("fence_proxy_async") == 2
 
 
+def test_schedule_variants_cover_each_option_and_fit_the_registers():
+    """``variants`` offers the default first and each option where it applies (the producer's
+    options on packed pools only), each within the CTA's registers."""
+    plain, packed = tlw.variants(False), tlw.variants(True)
+    assert plain[0] == packed[0] == tlw.DEFAULT and len(set(packed)) == len(packed)
+    assert {s.lazy_rescale for s in plain} == {False, True}
+    assert not any(s.words_in_flight > 1 or s.one_multiply for s in plain)
+    assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
+    for schedule in packed:
+        producer, consumer = tlw.registers(_fp8_geometry(), schedule)
+        assert producer + 2 * consumer <= 3 * (65536 // tlw.THREADS // 8 * 8)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("index", range(1, len(tlw.variants(True))))
+def test_each_schedule_variant_lowers_to_what_it_names(index):
+    """Lowered for sm_90 (paged, split-KV, packed): the variant's registers, the fused
+    dequantisation where it multiplies once, the consumers' rescale behind a flag where it is
+    lazy, and still no block barrier in a loop."""
+    schedule, fp8 = tlw.variants(True)[index], _fp8_geometry()
+    src = lowered_sm90(
+        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, schedule), tlw.pass_configs(fp8)
+    )
+    producer, consumer = tlw.registers(fp8, schedule)
+    assert f"warpgroup_reg_dealloc<{producer}>" in src and src.count(f"warpgroup_reg_alloc<{consumer}>") == 2
+    assert ("deepinfer_e4m3x8_store_fused((" in src) == schedule.one_multiply
+    assert (src.count("if (grew") == 2) == schedule.lazy_rescale
+    for needle in ("wgmma_ss<", "deepinfer_e4m3x8_store"):
+        assert all("__syncthreads" not in body for body in loops_containing(src, needle))
+
+
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
 def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
@@ -125,6 +157,11 @@ def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
             assert a == b
 
 
+def _needs_gpu_and_tilelang() -> None:
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+
+
 def _cases(kv: str = "plain"):
     from test_tilelang_attention import _v4_cases
 
@@ -134,8 +171,7 @@ def _cases(kv: str = "plain"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["plain", "fp8"])
 def test_gpu_it_matches_the_reference_at_v4_flash_shapes(kv):
-    if not torch.cuda.is_available() or tilelang_problem() is not None:
-        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    _needs_gpu_and_tilelang()
     from deepinfer_core.ops.attention import sparse_attention as reference
 
     cases = _cases(kv)
@@ -151,8 +187,7 @@ def test_gpu_it_matches_the_reference_at_v4_flash_shapes(kv):
 
 @pytest.mark.gpu
 def test_gpu_it_replays_in_a_cuda_graph_bitwise():
-    if not torch.cuda.is_available() or tilelang_problem() is not None:
-        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    _needs_gpu_and_tilelang()
     for args in _cases()[:3] + _cases("fp8")[:3]:
         eager = tlw.sparse_attention(*args)
         assert torch.equal(replayed(lambda args=args: tlw.sparse_attention(*args)), eager)
@@ -163,11 +198,23 @@ def test_gpu_packed_pools_equal_their_dequantised_rows_bitwise():
     """The producer's dequantisation is exact (what ``dequantize_fp8_rows`` computes, rounded to
     bfloat16) and the schedule does not depend on the pools' format: on packed pools the kernel
     returns, bit for bit, what it returns on the same rows dequantised into plain pools."""
-    if not torch.cuda.is_available() or tilelang_problem() is not None:
-        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    _needs_gpu_and_tilelang()
     cases = _cases("fp8")
     assert len(cases) >= 6
     for q, pools, indices, sinks, scale in cases:
         plain = [pool.dequantize(torch.bfloat16) for pool in pools]
         got = tlw.sparse_attention(q, pools, indices, sinks, scale)
         assert torch.equal(got, tlw.sparse_attention(q, plain, indices, sinks, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv", ["plain", "fp8"])
+def test_gpu_schedule_variants_equal_the_default_bitwise(kv):
+    """Every :class:`Schedule` variant promises the default schedule's bits."""
+    _needs_gpu_and_tilelang()
+    cases = _cases(kv)
+    for schedule in tlw.variants(kv == "fp8")[1:]:
+        for args in cases:
+            assert torch.equal(tlw.sparse_attention(*args, schedule=schedule), tlw.sparse_attention(*args)), (
+                schedule
+            )

@@ -41,6 +41,10 @@ quantiser never writes, reads as 480 instead); a rope word is stored as it is, a
 ``fence.proxy.async`` makes the stores visible to the consumers' wgmma before the slot's
 arrival.  Registers: producer 104, consumers 200.
 
+:class:`Schedule` variants (two blocks of words in flight, one multiply a value pair, a lazy
+rescale of the output) promise the default's bits; ``bench_attention.py --tune`` times them,
+the op runs :data:`DEFAULT`.
+
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
 merges them.
@@ -48,6 +52,7 @@ merges them.
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -62,6 +67,31 @@ PRODUCER_REGS = 72
 FP8_CONSUMER_REGS = 200
 FP8_PRODUCER_REGS = 104  # the words of a block in flight, the dequantisation
 FP8_ROW_THREADS = 4  # producer threads a packed row
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Variants of the kernel's schedule, each bitwise the default's result (``bench_attention.py
+    --tune`` times them against it and checks the bits; the op runs :data:`DEFAULT`).
+
+    Attributes:
+        words_in_flight: packed pools: blocks of words a producer thread has in flight, 1 (the
+            next block fetched once the previous one is converted) or 2 (a block's words fetched
+            as soon as its slot's previous block is converted; 120 producer and 192 consumer
+            registers).
+        one_multiply: packed pools: one bf16x2 multiply a value pair where the group's scale
+            allows (scale byte 0..134: 2**(byte - 7) is a bfloat16) instead of two.
+        lazy_rescale: a consumer rescales its output rows only where its row maxima grew (a
+            factor of exactly 1 otherwise: a warp whose rows all kept their maxima skips it).
+    """
+
+    words_in_flight: int = 1
+    one_multiply: bool = False
+    lazy_rescale: bool = False
+
+
+DEFAULT = Schedule()
+"""The schedule the op runs."""
 
 FP8_DEVICE_CODE = r"""
 __device__ __forceinline__ void deepinfer_e4m3x8_store(void* dst, long long word, long long scales,
@@ -97,12 +127,46 @@ __device__ __forceinline__ void deepinfer_store8(void* dst, long long word) {
 }
 """
 
+FP8_FUSED_CODE = r"""
+__device__ __forceinline__ void deepinfer_e4m3x8_store_fused(void* dst, long long word, long long scales,
+                                                             int shift) {
+  // deepinfer_e4m3x8_store with one multiply a pair where 2**(byte - 7) is a bfloat16 (byte
+  // 1..134; byte 0: 0.0): the same exact product, rounded once, so the same bits
+  const unsigned byte = (unsigned)((unsigned long long)scales >> shift) & 255u;
+  if (byte > 134u) {
+    deepinfer_e4m3x8_store(dst, word, scales, shift);
+    return;
+  }
+  const unsigned e = byte ? byte + 120u : 0u;
+  const unsigned factor = (e << 7) | (e << 23);
+  const unsigned halves[2] = {(unsigned)word, (unsigned)((unsigned long long)word >> 32)};
+  unsigned out[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned x = __byte_perm(halves[i >> 1], 0u, (i & 1) ? 0x3424u : 0x1404u);
+    const unsigned bits = (x & 0x80008000u) | ((x >> 4) & 0x07F007F0u);
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(out[i]) : "r"(bits), "r"(factor));
+  }
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};"
+               :: "r"(addr), "r"(out[0]), "r"(out[1]), "r"(out[2]), "r"(out[3]) : "memory");
+}
+"""
+"""The device function of :attr:`Schedule.one_multiply` (after :data:`FP8_DEVICE_CODE`)."""
+
 
 def build_attention_ws(
-    paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None = None
+    paged: bool,
+    split: bool,
+    heads: int,
+    dim: int,
+    dtype: str,
+    fp8: sa.Fp8Geometry | None = None,
+    schedule: Schedule = DEFAULT,
 ):
     """The ``prim_func`` (same arguments as ``build_attention(paged, split, heads, dim, dtype,
-    fp8)``; ``fp8``: packed pools of that row geometry, which :func:`fp8_supports` accepts)."""
+    fp8)``; ``fp8``: packed pools of that row geometry, which :func:`fp8_supports` accepts;
+    ``schedule``: a variant of :class:`Schedule`)."""
     import tilelang.language as T
 
     acc_t = "float32"
@@ -117,7 +181,7 @@ def build_attention_ws(
     ROW_THREADS = Q_ROW_THREADS if fp8 is None else FP8_ROW_THREADS
     ROWS_AT_ONCE = 128 // ROW_THREADS  # rows a pass: BNW / ROWS_AT_ONCE passes a block
     PASSES = BNW // ROWS_AT_ONCE
-    producer_regs, consumer_regs = registers(fp8)
+    producer_regs, consumer_regs = registers(fp8, schedule)
     if fp8 is not None:
         NOPE_W, ROPE_W = fp8.nope // 8, (D - fp8.nope) // 4  # 8-byte words of a packed row
         WORDS = (NOPE_W + ROPE_W) // FP8_ROW_THREADS  # a thread's data words of a row
@@ -149,7 +213,18 @@ def build_attention_ws(
         offs[k] = T.if_then_else(j < j_end, here, bases[0])
 
     @T.macro
-    def step(g, it, own, peer, seq, smem, frags, bars, scale2):
+    def rescale(acc_o, m, m_prev, grew):
+        """:attr:`Schedule.lazy_rescale`: the thread's output rows times their factors only where
+        one of its rows' maxima grew (the others' factor is exactly 1)."""
+        grew[0] = 0
+        for h in T.Parallel(BH):
+            grew[0] = grew[0] | T.Cast("int32", m[h] != m_prev[h])
+        if grew[0] != 0:
+            for h, d in T.Parallel(BH, HALF):
+                acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
+
+    @T.macro
+    def step(g, it, own, peer, seq, smem, frags, bars, scale2, grew):
         """Consumer ``g``'s iteration ``it``: its block in slot ``own``, the other's in ``peer``."""
         t, s, hb, n_iter, lo, j_end = seq
         q_s, k_s, p_s, row_max, row_sum = smem
@@ -170,8 +245,11 @@ def build_attention_ws(
         T.copy(row_max[1 - g, :], m_peer)
         for h in T.Parallel(BH):
             m[h] = T.max(m[h], m_peer[h])
-        for h, d in T.Parallel(BH, HALF):
-            acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
+        if schedule.lazy_rescale:
+            rescale(acc_o, m, m_prev, grew)
+        else:
+            for h, d in T.Parallel(BH, HALF):
+                acc_o[h, d] = acc_o[h, d] * T.exp2(m_prev[h] - m[h])
         for h in T.Parallel(BH):
             l[h] = l[h] * T.exp2(m_prev[h] - m[h])
         for h, i in T.Parallel(BH, BNW):
@@ -207,8 +285,9 @@ def build_attention_ws(
         for h in T.Parallel(BH):  # split 0 starts from the sink (its share in consumer 0)
             m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
             l[h] = T.if_then_else(s == 0, 1.0 if g == 0 else 0.0, 0.0)
+        grew = T.alloc_local((1,), "int32")  # :func:`rescale`'s flag
         for it in T.serial(n_iter):
-            step(g, it, (it % 2) * 2 + g, (it % 2) * 2 + 1 - g, seq, smem, frags, bars, scale2)
+            step(g, it, (it % 2) * 2 + g, (it % 2) * 2 + 1 - g, seq, smem, frags, bars, scale2, grew)
         T.copy(l, row_sum[g, :])
         T.barrier_arrive(bar_stats[g])
         T.barrier_wait(bar_stats[1 - g], n_iter & 1)
@@ -275,7 +354,7 @@ def build_attention_ws(
             word = w * FP8_ROW_THREADS + quarter
             T.call_extern(
                 "handle",
-                "deepinfer_e4m3x8_store",
+                "deepinfer_e4m3x8_store_fused" if schedule.one_multiply else "deepinfer_e4m3x8_store",
                 T.access_ptr(k_s[slot, i, word * 8], "r", 8),
                 words[w],
                 words[WORDS],
@@ -318,12 +397,37 @@ def build_attention_ws(
             fetch(words, flat64, offs[0], quarter)  # (past the last block: the first row, unused)
 
     @T.macro
+    def produce_fp8_two(flat64, k_s, raw, offs, bars, n_iter, lo, rows, p):
+        """:func:`produce_fp8` with two blocks of words in flight a thread
+        (:attr:`Schedule.words_in_flight`): a slot's next block is fetched as soon as its
+        current one is converted, the rows' indices an iteration ahead."""
+        bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        even = T.alloc_local((WORDS + 1,), "int64")
+        odd = T.alloc_local((WORDS + 1,), "int64")
+        i, quarter = p // FP8_ROW_THREADS, p % FP8_ROW_THREADS
+        offset_of(offs, raw, 0, lo * BNW + i, rows)
+        offset_of(offs, raw, 1, (lo + 1) * BNW + i, rows)
+        fetch(even, flat64, offs[0], quarter)
+        fetch(odd, flat64, offs[1], quarter)
+        load_rows(raw, (lo + 2) * BNW, rows)  # iteration 1's rows
+        for it in T.serial(n_iter):
+            offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
+            offset_of(offs, raw, 1, (lo + 2 * it + 3) * BNW + i, rows)
+            load_rows(raw, (lo + 2 * it + 4) * BNW, rows)  # two iterations ahead
+            T.barrier_wait(bar_free[(it % 2) * 2], (it >> 1) & 1)
+            fill(k_s, (it % 2) * 2, i, even, quarter, bar_ready)
+            fetch(even, flat64, offs[0], quarter)  # (past the last block: the first row, unused)
+            T.barrier_wait(bar_free[(it % 2) * 2 + 1], (it >> 1) & 1)
+            fill(k_s, (it % 2) * 2 + 1, i, odd, quarter, bar_ready)
+            fetch(odd, flat64, offs[1], quarter)
+
+    @T.macro
     def body(q, pool, compact, nvalid, block_table, token_rows, io, bases, strides, epp):
         """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
         8-byte words."""
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
             if fp8 is not None:
-                T.import_source(FP8_DEVICE_CODE)
+                T.import_source(FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else ""))
             q_s = T.alloc_shared((BH, D), dtype)
             k_s = T.alloc_shared((SLOTS, BNW, D), dtype)
             p_s = T.alloc_shared((2, BH, BNW), dtype)
@@ -371,8 +475,10 @@ def build_attention_ws(
                 T.cp_async_barrier_noinc(bar_q)
                 if fp8 is None:
                     produce_plain(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
-                else:
+                elif schedule.words_in_flight == 1:
                     produce_fp8(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
+                else:
+                    produce_fp8_two(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
             elif tx < 128:
                 consumer(0, seq, smem, frags[0], bars, io)
             else:
@@ -435,20 +541,30 @@ def build_attention_ws(
     return sparse_attention_decode_ws_fp8
 
 
-def registers(fp8: sa.Fp8Geometry | None) -> tuple[int, int]:
+def registers(fp8: sa.Fp8Geometry | None, schedule: Schedule = DEFAULT) -> tuple[int, int]:
     """``(producer, consumer)`` registers a thread (``setmaxnreg``).  The three warpgroups share
     the registers the CTA is launched with, 168 a thread (64 K over 384 threads, in steps of 8):
     ``p + 2 c`` must not exceed ``3 x 168``, or a consumer's ``setmaxnreg.inc`` waits forever."""
-    return (PRODUCER_REGS, CONSUMER_REGS) if fp8 is None else (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS)
+    if fp8 is None:
+        return PRODUCER_REGS, CONSUMER_REGS
+    return (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS) if schedule.words_in_flight == 1 else (120, 192)
 
 
 @functools.cache
-def _kernel(paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: sa.Fp8Geometry | None = None):
+def _kernel(
+    paged: bool,
+    split: bool,
+    heads: int,
+    dim: int,
+    dtype: str,
+    fp8: sa.Fp8Geometry | None = None,
+    schedule: Schedule = DEFAULT,
+):
     """A compiled kernel (kept in TileLang's disk cache); bounds guards off, as the other
     attention kernel (the gathers read the pools through one flat address space)."""
     import tilelang
 
-    func = build_attention_ws(paged, split, heads, dim, dtype, fp8)
+    func = build_attention_ws(paged, split, heads, dim, dtype, fp8, schedule)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=pass_configs(fp8))
 
 
@@ -480,7 +596,22 @@ def supports(q, kv_pools) -> bool | str:
     return True if geometry is None else fp8_supports(geometry, q.shape[2])
 
 
-def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
+def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DEFAULT) -> torch.Tensor:
     """The op (host side: :func:`deepinfer_cuda_sm100.tl.sparse_attention.launch`, the other
-    kernel's: the Triton prologue, the pools' flat views, the same split plan and combine)."""
-    return sa.launch(q, kv_pools, indices, sinks, scale, _kernel)
+    kernel's: the Triton prologue, the pools' flat views, the same split plan and combine);
+    ``schedule``: a variant of :class:`Schedule` (the op runs :data:`DEFAULT`)."""
+    compiled = _kernel if schedule == DEFAULT else functools.partial(_kernel, schedule=schedule)
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled)
+
+
+def variants(packed: bool) -> list[Schedule]:
+    """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
+    the default first: what ``bench_attention.py --tune`` times."""
+    out = [DEFAULT, Schedule(lazy_rescale=True)]
+    if packed:
+        out += [
+            Schedule(words_in_flight=2),
+            Schedule(one_multiply=True),
+            Schedule(words_in_flight=2, one_multiply=True, lazy_rescale=True),
+        ]
+    return out
