@@ -7,6 +7,7 @@
 - :func:`replayed`: a call captured in a CUDA graph on a side stream and replayed once.
 - :func:`conformance_rows`: the conformance suite on a backend spec in the default and the
   batch-invariant mode, flattened into JSON-able rows (the interpreter children report them).
+- :func:`op_conformance_rows`: the same for a backend serving one op.
 - :func:`failed_rows`: those rows that did not pass, as lines for an assertion message.
 - :func:`interpreter_report`: run a test module's report in a fresh interpreter with
   ``TRITON_INTERPRET=1`` (it must be set before Triton is imported, and must not leak into
@@ -170,6 +171,14 @@ def failed_rows(rows: list[dict], allowed_skip: str | None = None) -> list[str]:
         if r["status"] != "passed"
         and not (allowed_skip is not None and r["status"] == "skipped" and allowed_skip in r["message"])
     ]
+
+
+def op_conformance_rows(name: str, op: str, impl: Callable, device: str, dtypes: tuple[torch.dtype, ...]):
+    """:func:`conformance_rows` of a backend ``name`` on ``device`` that serves only ``op``, by
+    ``impl()`` (an ``OpImpl``), in both modes on ``dtypes``."""
+    from deepinfer_core.backends import BackendSpec
+
+    return conformance_rows(BackendSpec(name=name, device_type=device, ops=lambda: {op: impl()}), dtypes)
 
 
 def conformance_problems(

@@ -53,17 +53,11 @@ def _impl():
     return sampling_ops()[OP]
 
 
-def _spec(device: str):
-    from deepinfer_core.backends import BackendSpec
-
-    return BackendSpec(name="cuda_sm100_argmax", device_type=device, ops=lambda: {OP: _impl()})
-
-
 def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
     """The conformance suite on the op alone, in the default and the batch-invariant mode."""
-    from cuda_sm100_checks import conformance_rows
+    from cuda_sm100_checks import op_conformance_rows
 
-    return conformance_rows(_spec(device), dtypes)
+    return op_conformance_rows("cuda_sm100_argmax", OP, _impl, device, dtypes)
 
 
 def _planted(width: int, rows: list[dict[int, float]], fill: float = 0.0) -> torch.Tensor:

@@ -66,6 +66,7 @@ CONSUMER_REGS = 216
 PRODUCER_REGS = 72
 FP8_CONSUMER_REGS = 200
 FP8_PRODUCER_REGS = 104  # the words of a block in flight, the dequantisation
+FP8_TWO_BLOCKS_REGS = (120, 192)  # (producer, consumers) with two blocks of words in flight
 FP8_ROW_THREADS = 4  # producer threads a packed row
 
 
@@ -547,7 +548,7 @@ def registers(fp8: sa.Fp8Geometry | None, schedule: Schedule = DEFAULT) -> tuple
     ``p + 2 c`` must not exceed ``3 x 168``, or a consumer's ``setmaxnreg.inc`` waits forever."""
     if fp8 is None:
         return PRODUCER_REGS, CONSUMER_REGS
-    return (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS) if schedule.words_in_flight == 1 else (120, 192)
+    return (FP8_PRODUCER_REGS, FP8_CONSUMER_REGS) if schedule.words_in_flight == 1 else FP8_TWO_BLOCKS_REGS
 
 
 @functools.cache
