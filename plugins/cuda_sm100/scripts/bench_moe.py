@@ -106,6 +106,21 @@ def routings(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tens
     return out
 
 
+def time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm: int, args) -> dict:
+    """The one-warpgroup TileLang kernels at tile height ``bm`` with the compiler's register
+    allotment (``split_registers=False``): µs a call and whether the output equals the default's."""
+    split = dict(consumers=1, block_m=bm, split_registers=False)
+    got = tilelang_moe(x, *routes[0], gate_up, down, LIMIT, **split)
+    want = tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=1, block_m=bm)
+    us = time_graph(
+        lambda j: tilelang_moe(x, *routes[j], gate_up, down, LIMIT, **split),
+        args.calls_per_graph,
+        args.replays,
+    )
+    return {"T": x.shape[0], "consumers": 1, "block_m": bm, "split_registers": False, "us": us,
+            "bitwise": bool(torch.equal(got, want))}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=TOKENS, help=f"token counts T (default {TOKENS})")
@@ -126,6 +141,12 @@ def main() -> None:
     )
     parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
     parser.add_argument("--heights", default="", help="TileLang tile heights to sweep (e.g. 16,32,64)")
+    parser.add_argument(
+        "--compiler-registers",
+        default="",
+        help="tile heights (e.g. 16,32) at which to time the one-warpgroup TileLang kernels with "
+        "the compiler's register allotment instead of tl.moe.SPLIT_REGS, checked bit for bit",
+    )
     parser.add_argument(
         "--gemv-tokens",
         type=int,
@@ -255,6 +276,13 @@ def main() -> None:
             tb = distinct * fp4_expert_bytes / (us * 1e-6) / 1e12
             tuned.append({"T": t, "consumers": consumers, knob: value, "us": us, "weight_TBps": tb})
             print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s")
+        for bm in [int(v) for v in args.compiler_registers.split(",") if v] if tl_problem is None else []:
+            tuned.append(time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm, args))
+            tuned[-1]["weight_TBps"] = tb = distinct * fp4_expert_bytes / (tuned[-1]["us"] * 1e-6) / 1e12
+            print(
+                f"    tune T={t} block_m={bm} compiler's registers: {tuned[-1]['us']:.1f} us, {tb:.2f} TB/s, "
+                f"bitwise {tuned[-1]['bitwise']}"
+            )
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()
         err, rms = errors(triton_moe(x, *routes[0], gate_up, down, LIMIT), want)
         fp8_err = fp8_rms = None

@@ -409,9 +409,9 @@ def test_routing_weights_reach_the_down_kernel_without_a_conversion():
 @pytest.mark.parametrize("kind", ["gate_up", "down"])
 def test_every_configuration_lowers_for_sm90(kind, consumers):
     """Every configuration precompile lists lowers to the warp-specialised register-A form: a
-    TMA producer, the decoding into the A fragment, ``wgmma`` with A in registers; the wide
-    variant with its register split (``setmaxnreg``) and launch bound, and the accumulator
-    fence naming exactly a thread's accumulator registers."""
+    TMA producer, the decoding into the A fragment, ``wgmma`` with A in registers; both variants
+    with their register split (``setmaxnreg``) and launch bound, and the accumulator fence
+    naming exactly a thread's accumulator registers."""
     import re
 
     import tilelang
@@ -437,13 +437,11 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
         fn = tlm.DECODE_UE8M0 if scale == "ue8m0" else tlm.DECODE_FP32
         assert f"{fn}(" in src
         assert src.count("__syncthreads()") == 1, "one block barrier (after the mbarriers' set-up)"
-        if consumers == 1:
-            assert "__launch_bounds__(256, 1)" in src and "warpgroup_reg_alloc" not in src
-        else:
-            ctas, producer, consumer = tlm.WIDE_REGS[bm]
-            assert f"__launch_bounds__(512, {ctas})" in src  # 2 x 128 producer + 2 x 128 consumer threads
-            assert f"warpgroup_reg_dealloc<{producer}>" in src and f"warpgroup_reg_alloc<{consumer}>" in src
-            assert 128 * 2 * (producer + consumer) * ctas <= 65536, "the split fits the register file"
+        ctas, producer, consumer = (tlm.SPLIT_REGS if consumers == 1 else tlm.WIDE_REGS)[bm]
+        # consumers x 128 producer + consumers x 128 consumer threads
+        assert f"__launch_bounds__({256 * consumers}, {ctas})" in src
+        assert f"warpgroup_reg_dealloc<{producer}>" in src and f"warpgroup_reg_alloc<{consumer}>" in src
+        assert 128 * consumers * (producer + consumer) * ctas <= 65536, "the split fits the register file"
         fences = re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)
         assert fences and {int(n) for n in fences} == {64 * bm // 128}, "a thread's accumulator registers"
 
@@ -539,7 +537,8 @@ def _wide_cases() -> list[tuple]:
 @pytest.mark.gpu
 def test_gpu_wide_variant_is_bitwise_the_one_warpgroup_kernels():
     """Two consumer warpgroups a CTA change only which warpgroup computes which rows: the same
-    K order, decoding and rounding points, so the result is bitwise that of ``consumers=1``."""
+    K order, decoding and rounding points, so the result is bitwise that of ``consumers=1``;
+    so is the one-warpgroup kernels' result with the compiler's register allotment."""
     _gpu_ready()
     from deepinfer_cuda_sm100.kernels.moe import tile_rows
 
@@ -548,8 +547,10 @@ def test_gpu_wide_variant_is_bitwise_the_one_warpgroup_kernels():
         heights.add(tile_rows(args[0].shape[0] * V4_K, 64, False))
         narrow = tlm.moe_experts(*args)
         wide = tlm.moe_experts(*args, consumers=2)
+        compiler_registers = tlm.moe_experts(*args, split_registers=False)
         assert narrow.abs().max().item() > 0.1, "degenerate outputs"
         assert torch.equal(wide, narrow), (args[0].shape[0], args[3].scale.dtype)
+        assert torch.equal(compiler_registers, narrow), (args[0].shape[0], args[3].scale.dtype)
     assert heights == {16, 32, 64}
 
 

@@ -28,10 +28,14 @@ boxes for gate / up), their scales ``[128, 4]`` by 4-byte (ue8m0) or 16-byte (fp
 contiguous bytes of each of four rows).  The consumer warpgroup decodes each 64-row block
 straight into wgmma's A fragment in registers and issues ``wgmma`` with A from registers and
 the activations from shared memory (block 0's GEMMs asynchronous while block 1 decodes): the
-weights cross shared memory once, as packed bytes; no decoded tile is stored.  Registers are
-left as the compiler allots them (no ``setmaxnreg``).  TileLang has no statement for a thread's
-own fragment registers; the kernels annotate the A fragments with the layout ``T.gemm`` wants
-for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_source`) the
+weights cross shared memory once, as packed bytes; no decoded tile is stored.  The registers are
+split by ``setmaxnreg`` (:data:`SPLIT_REGS`): the producer drops to 24 (40 at ``BLOCK_M`` 64),
+the consumers rise to what more CTAs an SM leave them (four CTAs an SM at ``BLOCK_M`` 16, three
+at 32, two at 64, where the compiler's allotment left room for two, two and one: the kernel is
+latency bound, ncu on an H200 showing 0.4 instructions a cycle and scheduler with one CTA of the
+wide variant an SM).  ``split_registers=False`` keeps the compiler's allotment (the same
+bits).  TileLang has no statement for a thread's own fragment registers; the kernels annotate
+the A fragments with the layout ``T.gemm`` wants for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_source`) the
 address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
 it fills by the register order of the layout (:func:`a_register`).
 
@@ -49,8 +53,7 @@ by ``setmaxnreg`` (:data:`WIDE_REGS`): the producer drops to 24, the consumers r
 ``__launch_bounds__(512, 2)`` at ``BLOCK_M`` 16 (two CTAs an SM: 512 x 64 registers a CTA), to
 232 with one CTA an SM at 32 and 64 (at 32 the consumers need more than 104: 12-28 bytes of
 spills).  Each output row is computed by one warpgroup with the same wgmma shapes, K order,
-decoding and rounding points as the one-warpgroup kernels: the result is bitwise theirs, and
-``consumers=1`` lowers to the very code it did before the variant existed.
+decoding and rounding points as the one-warpgroup kernels: the result is bitwise theirs.
 
 **The K order.**  In the A fragment of ``m64nNk16`` the thread ``c`` of a quad holds, of each
 row, the k pairs ``2c, 2c + 1`` of every 8.  The kernels permute each step's 128 inputs
@@ -153,6 +156,15 @@ warpgroup :data:`ROWS` rows of its own, ``2 * ROWS`` a CTA)."""
 WIDE_REGS = {16: (2, 24, 104), 32: (1, 24, 232), 64: (1, 24, 232)}
 """The wide variant's register split by ``BLOCK_M``: ``(CTAs an SM, producer, consumer
 registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(512, CTAs)``)."""
+SPLIT_REGS = {16: (4, 24, 104), 32: (3, 24, 136), 64: (2, 40, 216)}
+"""The one-warpgroup kernels' register split (``split_registers``, the default; 256 threads a CTA,
+producer and consumer warpgroups): ``(CTAs an SM, producer, consumer registers a thread)``, so
+``producer + consumer = 2 x 65536 / (256 CTAs)`` (rounded down to 8) and more CTAs share an
+SM than the compiler's allotment leaves room for (2, 2 and 1: 106, 122-126 and 154-158
+registers every thread).  Measured on an H200 (``bench_moe.py --experts 64``, the whole op):
+408 against 464 µs at 64 tokens (``BLOCK_M`` 16), 577 against 647 at 256 (32); the wide
+variant's 403 and 641.  Built with ``nvcc 13 -arch=sm_90a``, no configuration spills (a
+24-register producer does at ``BLOCK_M`` 64: 40 there)."""
 TOKEN_SHIFT = 40
 """A pair's token is ``(pair * ceil(2**40 / top_k)) >> 40``: exact for ``pair * top_k < 2**40``
 (pairs stay below ``65535 * 64`` tiles' rows)."""
@@ -319,18 +331,22 @@ def _macros(scale: str, consumers: int = 1):
     return step_math
 
 
-def _register_split(block_m: int, consumers: int):
-    """The kernels' register allotment, a macro: one consumer warpgroup keeps the compiler's
-    (two CTAs an SM, no ``setmaxnreg`` split); the wide variant takes TileLang's producer /
-    consumer split with :func:`_wide_setup`'s minimum CTAs an SM and register counts."""
+def _register_split(block_m: int, consumers: int, split_registers: bool = True):
+    """The kernels' register allotment, a macro: one consumer warpgroup splits them by
+    :data:`SPLIT_REGS` (``split_registers``; else the compiler's, no ``setmaxnreg``); the wide variant
+    takes TileLang's producer / consumer split with :func:`_wide_setup`'s minimum CTAs an SM and
+    register counts."""
     import tilelang.language as T
 
-    wide = consumers != 1
-    cta_min, nreg_prod, nreg_cons = _wide_setup(block_m) if wide else (1, 0, 0)
+    split = consumers != 1 or split_registers
+    if consumers != 1:
+        cta_min, nreg_prod, nreg_cons = _wide_setup(block_m)
+    else:
+        cta_min, nreg_prod, nreg_cons = SPLIT_REGS[block_m] if split_registers else (1, 0, 0)
 
     @T.macro
     def register_split():
-        if wide:
+        if split:
             T.annotate_min_blocks_per_sm(cta_min)
             T.annotate_producer_reg_dealloc(nreg_prod)
             T.annotate_consumer_reg_alloc(nreg_cons)
@@ -375,7 +391,13 @@ def _wide_setup(block_m: int):
 
 
 def build_gate_up(
-    hidden: int, inter: int, block_m: int, scale: str, stages: int | None = None, consumers: int = 1
+    hidden: int,
+    inter: int,
+    block_m: int,
+    scale: str,
+    stages: int | None = None,
+    consumers: int = 1,
+    split_registers: bool = True,
 ):
     """The gate / up ``prim_func``: grid ``(inter / (64 consumers), tiles)``; CTA ``(nb,
     tile)`` writes ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each
@@ -386,6 +408,8 @@ def build_gate_up(
         block_m: ``BLOCK_M`` (16, 32 or 64); scale: ``"ue8m0"`` or ``"fp32"``.
         stages: the ring's depth (default :data:`STAGES`).
         consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
+        split_registers: one consumer warpgroup: the registers split by :data:`SPLIT_REGS`
+            (``False``: the compiler's allotment; the same result).
     """
     import tilelang.language as T
 
@@ -394,7 +418,7 @@ def build_gate_up(
     step_math = _macros(scale, consumers)
     wide = consumers != 1
     F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
-    register_split = _register_split(BM, consumers)
+    register_split = _register_split(BM, consumers, split_registers)
     stages = stages or STAGES
 
     @T.prim_func
@@ -456,6 +480,7 @@ def build_down(
     stages: int | None = None,
     consumers: int = 1,
     weights: str = "bfloat16",
+    split_registers: bool = True,
 ):
     """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
     writes ``y[pair, nb * 128 consumers + i]`` for the pairs of the tile's real rows: the bf16
@@ -464,7 +489,8 @@ def build_down(
 
     Args:
         hidden: ``D`` (a multiple of ``128 consumers``); inter: ``I`` (a multiple of
-        :data:`BLOCK_K`); block_m, scale, stages, consumers: as :func:`build_gate_up`.
+        :data:`BLOCK_K`); block_m, scale, stages, consumers, split_registers: as
+        :func:`build_gate_up`.
         weights: the routing weights' dtype, a value of :data:`WEIGHT_DTYPES` (read as they
             are: no conversion launch before the kernel; the bf16 rounding makes the two the
             same product for a bf16 weight).
@@ -476,7 +502,7 @@ def build_down(
     n_pairs, kk = T.dynamic("P"), T.dynamic("K")
     step_math = _macros(scale, consumers)
     A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
-    register_split = _register_split(BM, consumers)
+    register_split = _register_split(BM, consumers, split_registers)
     stages = stages or STAGES
 
     @T.prim_func
@@ -526,17 +552,20 @@ def _kernel(
     consumers: int = 1,
     stages: int = STAGES,
     weights: str = "bfloat16",
+    split_registers: bool = True,
 ):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
     wide variant; ``stages``: the ring's depth; ``weights``: the down kernel's routing-weight
     dtype, :func:`build_down`'s; the default is ``moe_route``'s with the model's bf16 logits,
-    so precompiled configurations, which leave it out, are the ones a call runs)."""
+    so precompiled configurations, which leave it out, are the ones a call runs;
+    ``split_registers``: :func:`build_gate_up`'s)."""
     import tilelang
 
+    kw = dict(stages=stages, consumers=consumers, split_registers=split_registers)
     if kind == "gate_up":
-        func = build_gate_up(hidden, inter, block_m, scale, stages=stages, consumers=consumers)
+        func = build_gate_up(hidden, inter, block_m, scale, **kw)
     else:
-        func = build_down(hidden, inter, block_m, scale, stages=stages, consumers=consumers, weights=weights)
+        func = build_down(hidden, inter, block_m, scale, weights=weights, **kw)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
 
 
@@ -625,7 +654,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def moe_experts(
-    x, ids, weights, gate_up, down, limit, shared=None, consumers: int = 1, stages: int = STAGES, block_m=None
+    x,
+    ids,
+    weights,
+    gate_up,
+    down,
+    limit,
+    shared=None,
+    consumers: int = 1,
+    stages: int = STAGES,
+    block_m=None,
+    split_registers: bool = True,
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
     says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
@@ -633,7 +672,9 @@ def moe_experts(
     result; :func:`wide_problem` says which widths it takes); ``stages``: the shared-memory
     ring's depth (the same result at any depth; ``bench_moe.py --stages`` sweeps it);
     ``block_m``: the tile height, 16, 32 or 64 (default :func:`tile_height`; the same result at
-    any height; ``bench_moe.py --heights`` sweeps it)."""
+    any height; ``bench_moe.py --heights`` sweeps it); ``split_registers``: one consumer
+    warpgroup with the registers split by :data:`SPLIT_REGS` (``False``: the compiler's
+    allotment, the same result; ``bench_moe.py --compiler-registers`` times it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
 
     t, d = x.shape
@@ -644,6 +685,7 @@ def moe_experts(
     problem = wide_problem(d, inter) if consumers != 1 else None
     if problem:
         raise ValueError(problem)
+    split_registers = split_registers or consumers != 1  # (the wide variant always splits)
     plan = launch_plan(t, top_k, experts, d, inter, consumers, block_m)
     bm = plan["block_m"]
     ids = ids if ids.stride(1) == 1 else ids.contiguous()
@@ -652,13 +694,13 @@ def moe_experts(
     h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
-    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages)(
+    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages, split_registers=split_registers)(
         x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic
     )
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw, rw_dtype = routing_weights(weights)
-    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype)(
+    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype, split_registers)(
         h, tile_expert, slot_pair, down.data, dn_scale, rw, y
     )
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
