@@ -33,11 +33,12 @@ split by ``setmaxnreg`` (:data:`SPLIT_REGS`): the producer drops to 24 (40 at ``
 the consumers rise to what more CTAs an SM leave them (four CTAs an SM at ``BLOCK_M`` 16, three
 at 32, two at 64, where the compiler's allotment left room for two, two and one: the kernel is
 latency bound, ncu on an H200 showing 0.4 instructions a cycle and scheduler with one CTA of the
-wide variant an SM).  ``split_registers=False`` keeps the compiler's allotment (the same
-bits).  TileLang has no statement for a thread's own fragment registers; the kernels annotate
-the A fragments with the layout ``T.gemm`` wants for them (:func:`a_fragment_layout`) and hand a device function (:func:`decode_source`) the
-address of fragment element ``(0, 0)``, local index 0 of every thread's register array, which
-it fills by the register order of the layout (:func:`a_register`).
+wide variant an SM). ``split_registers=False`` keeps the compiler's allotment (the same bits).
+TileLang has no statement for a thread's own fragment registers; the kernels annotate the A
+fragments with the layout ``T.gemm`` wants for them (:func:`a_fragment_layout`) and hand a
+device function (:func:`decode_source`) the address of fragment element ``(0, 0)``, local index
+0 of every thread's register array, which it fills by the register order of the layout
+(:func:`a_register`).
 
 **The wide variant** (``consumers=2``; the dispatcher's language ``"tilelang_wide"``).  A CTA
 of two consumer warpgroups, each owning 128 weight rows as above (gate / up: the CTA covers 128
