@@ -34,7 +34,9 @@ repository root).
 ``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
 ring (the result is the same at any depth) and prints each, to retune
 ``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
-any height), to check ``tl.moe.tile_height``.
+any height), to check ``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
+one-warpgroup kernels at those heights with the compiler's register allotment instead of
+``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit).
 
 ``--gemv-sweep`` times only the decode-width GEMVs (``gemv_sweep.py``; no table), kernel by
 kernel, at the token counts of ``--tokens`` up to ``--gemv-tokens``: the gate / up kernel and the
