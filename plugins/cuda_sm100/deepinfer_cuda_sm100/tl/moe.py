@@ -101,12 +101,12 @@ swizzled bf16 tiles in shared memory for shared-memory wgmma:
 
 (``BLOCK_M`` 32: 124 registers, two CTAs an SM; 64: 155, one; shared memory 51 KB, ``BLOCK_M``
 64 with fp32 scales 106 KB; these counts and CTAs an SM are the compiler's allotment,
-``split_registers=False``: :data:`SPLIT_REGS` now fits more CTAs an SM.)  Shared memory stops
-being the bound; the integer pipe becomes it: the consumer issues 242 ALU-pipe instructions a thread a step (``prmt`` 177; the pipe takes 16
-lanes a clock per SMSP), ~29-34 weights a clock and SM with and without the producer's ALU
-work: **~3.8-4.4 TB/s of FP4 weights** on an H200 (132 SMs, 1.98 GHz) at full pipe throughput
-(~4.5 TB/s at full issue, 4 warp instructions a clock and SM), near HBM's ~4.3 TB/s copy rate;
-2.5 TB/s needs ~60-65 % of the pipe.
+``split_registers=False``: :data:`SPLIT_REGS` now fits more CTAs an SM.) Shared memory stops
+being the bound; the integer pipe becomes it: the consumer issues 242 ALU-pipe instructions a
+thread a step (``prmt`` 177; the pipe takes 16 lanes a clock per SMSP), ~29-34 weights a clock
+and SM with and without the producer's ALU work: **~3.8-4.4 TB/s of FP4 weights** on an H200
+(132 SMs, 1.98 GHz) at full pipe throughput (~4.5 TB/s at full issue, 4 warp instructions a
+clock and SM), near HBM's ~4.3 TB/s copy rate; 2.5 TB/s needs ~60-65 % of the pipe.
 
 **The wide variant's resources (an offline estimate, not a measurement)**: lowered for sm_90
 with TileLang 0.1.15, ``nvcc 13 -arch=sm_90a -Xptxas -v``; every configuration (gate / up and
