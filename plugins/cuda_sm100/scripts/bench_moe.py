@@ -34,7 +34,8 @@ repository root).
 ``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
 ring (the result is the same at any depth) and prints each, to retune
 ``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
-any height), to check ``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
+any height; 128, ``tl.moe.PREFILL_BLOCK_M``, the one-warpgroup kernels only), to check
+``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
 one-warpgroup kernels at those heights with the compiler's register allotment instead of
 ``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit).
 
@@ -197,7 +198,7 @@ def main() -> None:
     wide_problem = tl_problem
     if tl_problem is None:
         from deepinfer_cuda_sm100.tl.moe import moe_experts as tilelang_moe
-        from deepinfer_cuda_sm100.tl.moe import tile_height
+        from deepinfer_cuda_sm100.tl.moe import tile_height, tile_heights
         from deepinfer_cuda_sm100.tl.moe import wide_problem as tl_wide_problem
 
         wide_problem = tl_wide_problem(d, i)
@@ -267,7 +268,10 @@ def main() -> None:
         sweep = [("stages", int(v)) for v in args.stages.split(",") if v]
         sweep += [("block_m", int(v)) for v in args.heights.split(",") if v]
         variants = [c for c in (1, 2) if c == 1 or wide_problem is None] if tl_problem is None else []
-        for consumers, (knob, value) in [(c, kv) for c in variants for kv in sweep]:
+        runs = [(c, kv) for c in variants for kv in sweep]
+        for consumers, (knob, value) in [
+            (c, kv) for c, kv in runs if kv[0] != "block_m" or kv[1] in tile_heights(c)
+        ]:
             us = time_graph(
                 lambda j, routes=routes, x=x, c=consumers, kw={knob: value}: tilelang_moe(
                     x, *routes[j], gate_up, down, LIMIT, consumers=c, **kw

@@ -160,7 +160,15 @@ def layout_problems(device: str) -> list[str]:
 
     g = torch.Generator().manual_seed(3)
     problems = []
-    for t, k, e, bm in ((1, 6, 256, 16), (5, 2, 4, 16), (40, 3, 8, 16), (300, 2, 5, 32), (70, 6, 3, 64)):
+    cases = (
+        (1, 6, 256, 16),
+        (5, 2, 4, 16),
+        (40, 3, 8, 16),
+        (300, 2, 5, 32),
+        (70, 6, 3, 64),
+        (300, 6, 5, 128),
+    )
+    for t, k, e, bm in cases:
         ids = torch.randint(0, e, (t, k), generator=g)
         ids[0, -1] = ids[0, 0]  # a duplicate
         tile_expert, slot_pair = (v.cpu() for v in sorted_layout(ids.to(device), e, bm))

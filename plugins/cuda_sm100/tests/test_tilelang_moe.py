@@ -204,6 +204,11 @@ def test_launch_plan_takes_a_given_tile_height_and_names_a_wrong_one():
     assert plan["block_m"] == 16 and plan["tiles"] == tile_count(256 * 6, 64, 16)
     with pytest.raises(ValueError, match="block_m=24"):
         tlm.launch_plan(256, 6, 64, 4096, 2048, 2, block_m=24)
+    tall = tlm.launch_plan(8192, 6, 64, 4096, 2048, 1, block_m=tlm.PREFILL_BLOCK_M)
+    assert tall["tiles"] == tile_count(8192 * 6, 64, 128) and tall["gate_up_grid"] == (32, tall["tiles"])
+    with pytest.raises(ValueError, match="block_m=128: the TileLang MoE kernels with 2 consumer"):
+        tlm.launch_plan(8192, 6, 64, 4096, 2048, 2, block_m=tlm.PREFILL_BLOCK_M)
+    assert tlm.tile_height(8192 * 6, 64) == 64, "the default heights stop at 64 rows"
 
 
 def test_the_wide_variant_names_the_widths_and_variants_it_refuses():
@@ -448,6 +453,29 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kind", ["gate_up", "down"])
+def test_the_prefill_tile_height_lowers_to_n_128_without_a_register_split(kind):
+    """``PREFILL_BLOCK_M`` rows: the one-warpgroup kernels' wgmma with N = 128 and the
+    compiler's register allotment (one CTA an SM), the same accumulator fence rule."""
+    import re
+
+    import tilelang
+    import tvm
+    from tvm.target import Target
+
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
+    bm = tlm.PREFILL_BLOCK_M
+    with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
+        src = tilelang.lower(build(4096, 2048, bm, "ue8m0"), target=target).kernel_source
+    assert f"64, {bm}, 16" in src and "wgmma_rs<" in src
+    assert "__launch_bounds__(256, 1)" in src and "warpgroup_reg_alloc" not in src
+    fences = re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)
+    assert fences and {int(n) for n in fences} == {64 * bm // 128}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 def test_a_fragment_layout_is_tilelangs_wgmma_layout_for_the_kernels_warps(consumers):
     """The decoding writes the A fragment by :func:`a_fragment_layout`; it must be the layout
@@ -552,6 +580,17 @@ def test_gpu_wide_variant_is_bitwise_the_one_warpgroup_kernels():
         assert torch.equal(wide, narrow), (args[0].shape[0], args[3].scale.dtype)
         assert torch.equal(compiler_registers, narrow), (args[0].shape[0], args[3].scale.dtype)
     assert heights == {16, 32, 64}
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_tiles_are_bitwise_the_64_row_tiles():
+    """A token's column does not depend on its tile: 128-row tiles give the 64-row tiles' bits
+    (512 and 2,048 tokens over 64 experts: 48 and 192 rows an expert, tiles part full)."""
+    _gpu_ready()
+    for args in _v4_cases((512, 2048)):
+        tall = tlm.moe_experts(*args, block_m=tlm.PREFILL_BLOCK_M)
+        assert tall.abs().max().item() > 0.1, "degenerate outputs"
+        assert torch.equal(tall, tlm.moe_experts(*args, block_m=64)), args[0].shape[0]
 
 
 @pytest.mark.gpu

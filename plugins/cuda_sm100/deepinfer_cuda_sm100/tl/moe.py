@@ -14,7 +14,7 @@ Contract: ``deepinfer_core.ops.moe.moe_experts``.  Four launches, as the Triton 
 
 **The transposed product.**  At decode an expert sees a handful of tokens, while wgmma's M is
 64: the kernels compute ``W @ X^T`` with the weights on wgmma's M side (64 output features per
-accumulator) and the tile's ``BLOCK_M`` tokens as its N (16, 32 or 64), so no MMA row is spent
+accumulator) and the tile's ``BLOCK_M`` tokens as its N (16, 32, 64 or 128), so no MMA row is spent
 on padding.  A CTA takes :data:`ROWS` = 128 weight rows (gate: 64 intermediate features' gate
 rows and their 64 up rows; down: 128 model features) of one expert and one tile of tokens, two
 fp32 accumulators ``[64, BLOCK_M]``.
@@ -167,6 +167,20 @@ registers every thread).  Measured on an H200 (``bench_moe.py --experts 64``, th
 408 against 464 µs at 64 tokens (``BLOCK_M`` 16), 577 against 647 at 256 (32); the wide
 variant's 403 and 641.  Built with ``nvcc 13 -arch=sm_90a``, no configuration spills (a
 24-register producer does at ``BLOCK_M`` 64: 40 there)."""
+PREFILL_BLOCK_M = 128
+"""A tile height for many rows an expert, of the one-warpgroup kernels only: wgmma's N = 128, so
+each decoded weight serves twice the tokens of a 64-row tile.  The compiler's register allotment
+(:data:`SPLIT_REGS` has no split for it): 219 registers a thread, one CTA an SM, no spills
+(offline, ``nvcc 13 -arch=sm_90a``; a ``setmaxnreg`` split of 24 / 240 spills 32 bytes in the
+gate / up kernel); shared memory ~162 KB at 4 stages.  :func:`tile_height` does not take it
+(its tiles stop at 64 rows); ``bench_moe.py --heights 64,128`` times it."""
+
+
+def tile_heights(consumers: int) -> tuple[int, ...]:
+    """The tile heights the kernels with ``consumers`` consumer warpgroups take."""
+    return (*WIDE_REGS, PREFILL_BLOCK_M) if consumers == 1 else tuple(WIDE_REGS)
+
+
 TOKEN_SHIFT = 40
 """A pair's token is ``(pair * ceil(2**40 / top_k)) >> 40``: exact for ``pair * top_k < 2**40``
 (pairs stay below ``65535 * 64`` tiles' rows)."""
@@ -335,16 +349,16 @@ def _macros(scale: str, consumers: int = 1):
 
 def _register_split(block_m: int, consumers: int, split_registers: bool = True):
     """The kernels' register allotment, a macro: one consumer warpgroup splits them by
-    :data:`SPLIT_REGS` (``split_registers``; else the compiler's, no ``setmaxnreg``); the wide variant
-    takes TileLang's producer / consumer split with :func:`_wide_setup`'s minimum CTAs an SM and
-    register counts."""
+    :data:`SPLIT_REGS` (``split_registers``, at the heights it names; else the compiler's, no
+    ``setmaxnreg``); the wide variant takes TileLang's producer / consumer split with
+    :func:`_wide_setup`'s minimum CTAs an SM and register counts."""
     import tilelang.language as T
 
-    split = consumers != 1 or split_registers
     if consumers != 1:
         cta_min, nreg_prod, nreg_cons = _wide_setup(block_m)
     else:
-        cta_min, nreg_prod, nreg_cons = SPLIT_REGS[block_m] if split_registers else (1, 0, 0)
+        cta_min, nreg_prod, nreg_cons = SPLIT_REGS.get(block_m, (1, 0, 0)) if split_registers else (1, 0, 0)
+    split = nreg_cons > 0
 
     @T.macro
     def register_split():
@@ -407,7 +421,8 @@ def build_gate_up(
 
     Args:
         hidden: ``D`` (a multiple of :data:`BLOCK_K`); inter: ``I`` (a multiple of 128).
-        block_m: ``BLOCK_M`` (16, 32 or 64); scale: ``"ue8m0"`` or ``"fp32"``.
+        block_m: ``BLOCK_M`` (16, 32 or 64; one consumer warpgroup also :data:`PREFILL_BLOCK_M`);
+            scale: ``"ue8m0"`` or ``"fp32"``.
         stages: the ring's depth (default :data:`STAGES`).
         consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
         split_registers: one consumer warpgroup: the registers split by :data:`SPLIT_REGS`
@@ -637,8 +652,11 @@ def launch_plan(
 
     pairs = tokens * top_k
     bm = tile_height(pairs, experts) if block_m is None else block_m
-    if bm not in WIDE_REGS:
-        raise ValueError(f"block_m={bm}: the TileLang MoE kernels take tiles of {sorted(WIDE_REGS)} rows")
+    if bm not in tile_heights(consumers):
+        raise ValueError(
+            f"block_m={bm}: the TileLang MoE kernels with {consumers} consumer warpgroup(s) take tiles of "
+            f"{list(tile_heights(consumers))} rows"
+        )
     tiles = tile_count(pairs, experts, bm)
     return {
         "block_m": bm,
@@ -673,7 +691,8 @@ def moe_experts(
     ``consumers``: 1 (one consumer warpgroup a CTA) or 2 (the wide variant, bitwise the same
     result; :func:`wide_problem` says which widths it takes); ``stages``: the shared-memory
     ring's depth (the same result at any depth; ``bench_moe.py --stages`` sweeps it);
-    ``block_m``: the tile height, 16, 32 or 64 (default :func:`tile_height`; the same result at
+    ``block_m``: the tile height, 16, 32 or 64, one consumer warpgroup also
+    :data:`PREFILL_BLOCK_M` (default :func:`tile_height`; the same result at
     any height; ``bench_moe.py --heights`` sweeps it); ``split_registers``: one consumer
     warpgroup with the registers split by :data:`SPLIT_REGS` (``False``: the compiler's
     allotment, the same result; ``bench_moe.py --compiler-registers`` times it)."""
