@@ -265,13 +265,15 @@ def main() -> None:
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
                 with using_moe_math("fp8"):
                     times["triton_fp4_fp8math"] = time_graph(fn, args.calls_per_graph, args.replays)
+
+        def tbps(us, per_expert, distinct=distinct):
+            return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
+
         sweep = [("stages", int(v)) for v in args.stages.split(",") if v]
         sweep += [("block_m", int(v)) for v in args.heights.split(",") if v]
         variants = [c for c in (1, 2) if c == 1 or wide_problem is None] if tl_problem is None else []
-        runs = [(c, kv) for c in variants for kv in sweep]
-        for consumers, (knob, value) in [
-            (c, kv) for c, kv in runs if kv[0] != "block_m" or kv[1] in tile_heights(c)
-        ]:
+        runs = [(c, kv) for c in variants for kv in sweep if kv[0] != "block_m" or kv[1] in tile_heights(c)]
+        for consumers, (knob, value) in runs:
             us = time_graph(
                 lambda j, routes=routes, x=x, c=consumers, kw={knob: value}: tilelang_moe(
                     x, *routes[j], gate_up, down, LIMIT, consumers=c, **kw
@@ -279,12 +281,12 @@ def main() -> None:
                 args.calls_per_graph,
                 args.replays,
             )
-            tb = distinct * fp4_expert_bytes / (us * 1e-6) / 1e12
+            tb = tbps(us, fp4_expert_bytes)
             tuned.append({"T": t, "consumers": consumers, knob: value, "us": us, "weight_TBps": tb})
             print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s")
         for bm in [int(v) for v in args.compiler_registers.split(",") if v] if tl_problem is None else []:
             tuned.append(time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm, args))
-            tuned[-1]["weight_TBps"] = tb = distinct * fp4_expert_bytes / (tuned[-1]["us"] * 1e-6) / 1e12
+            tuned[-1]["weight_TBps"] = tb = tbps(tuned[-1]["us"], fp4_expert_bytes)
             print(
                 f"    tune T={t} block_m={bm} compiler's registers: {tuned[-1]['us']:.1f} us, {tb:.2f} TB/s, "
                 f"bitwise {tuned[-1]['bitwise']}"
@@ -307,9 +309,6 @@ def main() -> None:
         gemv_err = gemv_rms = None
         if t <= gemv_tokens:
             gemv_err, gemv_rms = errors(gemv_moe(x, *routes[0], gate_up, down, LIMIT), want)
-
-        def tbps(us, per_expert, distinct=distinct):
-            return distinct * per_expert / (us * 1e-6) / 1e12 if us else None
 
         bm = tile_rows(t * k, e, False)
         row = {
