@@ -1,4 +1,5 @@
-"""``moe_experts`` by kernel path: TileLang or the decode-width GEMVs where measured faster, else Triton.
+"""``moe_experts`` by kernel path: TileLang, the decode-width GEMVs or the dequantised experts where
+measured faster, else Triton.
 
 :func:`make_moe_experts` wraps the Triton path (:mod:`deepinfer_cuda_sm100.kernels.moe`, which
 takes every call the backend's ``supports`` accepts) in a dispatcher.  A call leaves it only
@@ -14,7 +15,9 @@ when all of these hold:
   both stacks FP4 with scale groups of 32, hidden and intermediate widths multiples of 128,
   ...); the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`, Triton) where
   :func:`gemv_supports` takes it (bfloat16, FP4 stacks in groups of 32, at most
-  :data:`~deepinfer_cuda_sm100.kernels.moe_gemv.MAX_TOKENS` tokens);
+  :data:`~deepinfer_cuda_sm100.kernels.moe_gemv.MAX_TOKENS` tokens); the dequantised experts
+  (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`: the FP4 stacks decoded once per call into
+  scratch stacks, then Triton's plain-stack launches) where :func:`dequant_supports` does;
 - the measured table of this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op
   ``moe_experts``, kind :func:`choice_kind`, ``heads`` = hidden, ``head_dim`` = intermediate,
   ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks it at the nearest measured point;
@@ -22,7 +25,8 @@ when all of these hold:
 
 The table names the paths as languages: ``"tilelang"`` (one consumer warpgroup a CTA),
 ``"tilelang_wide"`` (two, :func:`~deepinfer_cuda_sm100.tl.moe.moe_experts`'s ``consumers=2``;
-bitwise the same result) and ``"triton_gemv"`` (the decode-width GEMVs).  Each is a language of
+bitwise the same result), ``"triton_gemv"`` (the decode-width GEMVs) and ``"triton_dequant"`` (the
+dequantised experts).  Each is a language of
 its own in the table: taken only where it was timed around the call's pair count and fastest,
 never extrapolated, and only for calls it takes (the wide variant: widths of
 :func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`).  A table without points of a language never
@@ -54,6 +58,8 @@ LANGUAGES = frozenset({"triton", "tilelang", WIDE})
 """The languages of the TileLang side (with Triton's) that :func:`languages` narrows by width."""
 GEMV = "triton_gemv"
 """The table's name of the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`)."""
+DEQUANT = "triton_dequant"
+"""The table's name of the dequantised experts (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`)."""
 
 
 def _fp4_problem(name: str, w, path: str) -> str | None:
@@ -124,6 +130,24 @@ def gemv_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | 
     return True
 
 
+def dequant_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:
+    """``True`` when the dequantised experts may take this call (already accepted by the Triton
+    path's ``supports``), else the reason: bfloat16 activations (the measured math), both stacks
+    FP4 stacks :func:`~deepinfer_cuda_sm100.kernels.moe_dequant.dequantize_experts` reads, at
+    least one (token, slot) pair."""
+    from deepinfer_cuda_sm100.kernels.moe_dequant import fp4_problem
+
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype}: the dequantised experts are measured in bfloat16"
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        problem = fp4_problem(w)
+        if problem:
+            return f"{name} is {problem}: the dequantised experts read FP4 stacks"
+    if x.shape[0] == 0 or ids.shape[1] == 0:
+        return NO_PAIRS
+    return True
+
+
 def choice_kind(gate_up) -> str:
     """The kind of a call in the measured table: ``fp4`` (ue8m0 scales) or ``fp4+fp32`` (float32
     scales; the gate / up stack's)."""
@@ -153,8 +177,8 @@ def languages(hidden: int, inter: int) -> frozenset[str]:
 
 
 def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
-    """``"tilelang"``, ``"tilelang_wide"``, ``"triton_gemv"`` or ``"triton"`` for this call (see
-    the module docstring)."""
+    """``"tilelang"``, ``"tilelang_wide"``, ``"triton_gemv"``, ``"triton_dequant"`` or
+    ``"triton"`` for this call (see the module docstring)."""
     if mode_problem(x.device) is not None:
         return "triton"
     available = {"triton"}
@@ -165,6 +189,8 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         available |= languages(x.shape[1], down.shape[2])
     if gemv_supports(x, ids, weights, gate_up, down, limit, shared) is True:
         available.add(GEMV)
+    if dequant_supports(x, ids, weights, gate_up, down, limit, shared) is True:
+        available.add(DEQUANT)
     if len(available) == 1:
         return "triton"
     return kernel_choice.choose(
@@ -181,8 +207,8 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
 
 
 def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The op: the TileLang GEMMs or the decode-width GEMVs where :func:`choose_language` picks
-    them, else ``triton_fn``."""
+    """The op: the TileLang GEMMs, the decode-width GEMVs or the dequantised experts where
+    :func:`choose_language` picks them, else ``triton_fn``."""
 
     def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
         language = choose_language(x, ids, weights, gate_up, down, limit, shared)
@@ -190,6 +216,10 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
             from deepinfer_cuda_sm100.kernels import moe_gemv
 
             return moe_gemv.moe_experts(x, ids, weights, gate_up, down, limit, shared)
+        if language == DEQUANT:
+            from deepinfer_cuda_sm100.kernels import moe_dequant
+
+            return moe_dequant.moe_experts(x, ids, weights, gate_up, down, limit, shared)
         if language != "triton":
             from deepinfer_cuda_sm100.tl import moe as tl_moe
 
@@ -197,5 +227,7 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
             return tl_moe.moe_experts(x, ids, weights, gate_up, down, limit, shared, consumers=consumers)
         return triton_fn(x, ids, weights, gate_up, down, limit, shared)
 
-    moe_experts.__doc__ = f"Dispatcher over TileLang, the decode-width GEMVs and Triton.\n\n{__doc__}"
+    moe_experts.__doc__ = (
+        f"Dispatcher over TileLang, the GEMVs, the dequantised experts and Triton.\n\n{__doc__}"
+    )
     return moe_experts

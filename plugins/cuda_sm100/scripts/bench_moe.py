@@ -19,6 +19,9 @@ overhead is excluded and consecutive calls touch different experts):
 * ``triton gemv fp4``: the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`:
   CUDA-core dot products, many small programs) on the same FP4 experts, at the token counts
   up to ``--gemv-tokens`` (default 8; 0: not timed);
+* ``triton dequant fp4``: the FP4 experts dequantised once per call, a group of experts at a time,
+  then Triton's plain-stack launches (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`; the
+  dequantisation is inside the time);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
@@ -50,8 +53,9 @@ minutes on an H200:
 
     python plugins/cuda_sm100/scripts/bench_moe.py --experts 64 --gemv-sweep
 
-``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants) and the
-GEMVs' (language ``triton_gemv``, at the token counts where they were timed) of each token count
+``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants), the
+GEMVs' (language ``triton_gemv``, at the token counts where they were timed) and the dequantised
+experts' (``triton_dequant``) of each token count
 into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
 :mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads; the points' kind
 names the scales' storage (:func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`: ``fp4`` or
@@ -179,6 +183,7 @@ def main() -> None:
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
     from deepinfer_cuda_sm100.kernels.moe import tile_count, tile_rows, using_moe_math
+    from deepinfer_cuda_sm100.kernels.moe_dequant import moe_experts as dequant_moe
     from deepinfer_cuda_sm100.kernels.moe_gemv import MAX_TOKENS
     from deepinfer_cuda_sm100.kernels.moe_gemv import moe_experts as gemv_moe
     from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -217,6 +222,7 @@ def main() -> None:
         "tilelang_fp4",
         "tilelang_wide_fp4",
         "triton_gemv_fp4",
+        "triton_dequant_fp4",
         "triton_bf16",
         "grouped_mm",
     )
@@ -228,10 +234,10 @@ def main() -> None:
     )
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
     head += (
-        f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'gemv TB/s':>9} {'bf16 TB/s':>9}"
-        f" {'gmm TB/s':>9}"
+        f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'gemv TB/s':>9} {'dq TB/s':>9}"
+        f" {'bf16 TB/s':>9} {'gmm TB/s':>9}"
     )
-    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9} {'gemv err':>9}"
+    head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9} {'gemv err':>9} {'dq err':>9}"
     print(head)
     rows, tuned = [], []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -240,6 +246,9 @@ def main() -> None:
         distinct = sum(int(ids.unique().numel()) for ids, _ in routes) / len(routes)
         calls = {
             "triton_fp4": lambda j, routes=routes, x=x: triton_moe(x, *routes[j], gate_up, down, LIMIT),
+            "triton_dequant_fp4": lambda j, routes=routes, x=x: dequant_moe(
+                x, *routes[j], gate_up, down, LIMIT
+            ),
             "triton_bf16": lambda j, routes=routes, x=x: triton_moe(
                 x, *routes[j], gate_up_bf16, down_bf16, LIMIT
             ),
@@ -309,6 +318,7 @@ def main() -> None:
         gemv_err = gemv_rms = None
         if t <= gemv_tokens:
             gemv_err, gemv_rms = errors(gemv_moe(x, *routes[0], gate_up, down, LIMIT), want)
+        dq_err, dq_rms = errors(dequant_moe(x, *routes[0], gate_up, down, LIMIT), want)
 
         bm = tile_rows(t * k, e, False)
         row = {
@@ -323,6 +333,7 @@ def main() -> None:
             "tilelang_fp4_weight_TBps": tbps(times["tilelang_fp4"], fp4_expert_bytes),
             "tilelang_wide_fp4_weight_TBps": tbps(times["tilelang_wide_fp4"], fp4_expert_bytes),
             "triton_gemv_fp4_weight_TBps": tbps(times["triton_gemv_fp4"], fp4_expert_bytes),
+            "triton_dequant_fp4_weight_TBps": tbps(times["triton_dequant_fp4"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
@@ -335,6 +346,8 @@ def main() -> None:
             "tilelang_wide_fp4_rel_rms_err_vs_reference": tlw_rms,
             "triton_gemv_fp4_max_rel_err_vs_reference": gemv_err,
             "triton_gemv_fp4_rel_rms_err_vs_reference": gemv_rms,
+            "triton_dequant_fp4_max_rel_err_vs_reference": dq_err,
+            "triton_dequant_fp4_rel_rms_err_vs_reference": dq_rms,
         }
         rows.append(row)
 
@@ -346,7 +359,7 @@ def main() -> None:
             + " ".join(fmt(times[n]) for n in names)
             + "".join(f" {fmt(row[c], 9, '.2f')}" for c in tbps_columns)
             + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')} {fmt(tlw_err, 9, '.2g')}"
-            + f" {fmt(gemv_err, 9, '.2g')}"
+            + f" {fmt(gemv_err, 9, '.2g')} {dq_err:>9.2g}"
         )
 
     result = {

@@ -22,6 +22,8 @@ GRAPH_FLUSHED = (
 """How ``bench_attention.py`` and ``bench_tilekernels.py`` time a call."""
 GEMV_COLUMN = "triton_gemv_fp4_us"
 """``bench_moe.py``'s column of the decode-width GEMVs' times (language ``triton_gemv``)."""
+DEQUANT_COLUMN = "triton_dequant_fp4_us"
+"""``bench_moe.py``'s column of the dequantised experts' times (language ``triton_dequant``)."""
 
 
 def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ...] = ("triton",)) -> Path:
@@ -165,17 +167,23 @@ def moe_points(
     rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
 ) -> list[dict]:
     """The FP4 ``moe_experts`` paths' times (Triton and, where timed, TileLang, the wide TileLang
-    variant ``tilelang_wide`` and the decode-width GEMVs ``triton_gemv``; bf16 activations;
+    variant ``tilelang_wide``, the decode-width GEMVs ``triton_gemv`` and the dequantised experts
+    ``triton_dequant``; bf16 activations;
     ``kind``: the scales' storage, see :func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`) per
     token count as ``moe_experts`` points of the measured table: ``tokens`` = (token, slot)
     pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
-    (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows with neither a TileLang nor a GEMV time are
-    left out (nothing to choose there)."""
-    from deepinfer_cuda_sm100.moe_dispatch import GEMV, OP, WIDE
+    (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows with none of the other paths' times are left
+    out (nothing to choose there)."""
+    from deepinfer_cuda_sm100.moe_dispatch import DEQUANT, GEMV, OP, WIDE
 
     def ms(r: dict) -> dict:
         out = {"triton": round(r["triton_fp4_us"] / 1e3, 5)}
-        timed = (("tilelang", "tilelang_fp4_us"), (WIDE, "tilelang_wide_fp4_us"), (GEMV, GEMV_COLUMN))
+        timed = (
+            ("tilelang", "tilelang_fp4_us"),
+            (WIDE, "tilelang_wide_fp4_us"),
+            (GEMV, GEMV_COLUMN),
+            (DEQUANT, DEQUANT_COLUMN),
+        )
         for language, column in timed:
             if r.get(column):
                 out[language] = round(r[column] / 1e3, 5)
@@ -185,7 +193,7 @@ def moe_points(
         {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
          "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
         for r in rows
-        if r.get("triton_fp4_us") and (r.get("tilelang_fp4_us") or r.get(GEMV_COLUMN))
+        if r.get("triton_fp4_us") and any(r.get(c) for c in ("tilelang_fp4_us", GEMV_COLUMN, DEQUANT_COLUMN))
     ]  # fmt: skip
 
 

@@ -1119,16 +1119,38 @@ def moe_experts(
 
     t, d = x.shape
     top_k = ids.shape[1]
-    num_experts, inter = gate_up.shape[0], down.shape[2]
+    num_experts = gate_up.shape[0]
     out, done = empty_call(x, ids, num_experts, shared)
     if done:
         return out
     x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
-    pairs = t * top_k
     bi = batch_invariant_enabled()
+    y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
+    expert_rows(x, ids, weights, gate_up, down, limit, y, tile_rows(t * top_k, num_experts, bi), bi)
+    return combine_pairs(y, ids, num_experts, bi, shared, out)
+
+
+def expert_rows(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up,
+    down,
+    limit: float,
+    y: torch.Tensor,
+    bm: int,
+    bi: bool = False,
+) -> None:
+    """Launches 1 to 3 (and the FP8 math's quantisation) of :func:`moe_experts`: row ``t * k + j``
+    of ``y`` ``[T * k, D]`` (``x``'s dtype) becomes pair ``(t, j)``'s weighted expert output, for
+    the pairs whose expert lies in ``[0, E)`` of these stacks (the other rows are left as they
+    are), in tiles of ``bm`` rows (``bi``: the batch-invariant mode's rounding).  ``x``, ``ids``
+    and ``weights`` unit-strided along their last dim, at least one token and one slot."""
+    t, d = x.shape
+    top_k = ids.shape[1]
+    num_experts, inter = gate_up.shape[0], down.shape[2]
     fp8 = moe_math() == "fp8"
     gu_fp8, dn_fp8 = fp8 and fp8_math_applies(gate_up), fp8 and fp8_math_applies(down)
-    bm = tile_rows(pairs, num_experts, bi)
     tile_expert, slot_pair = sorted_layout(ids, num_experts, bm)
     n_tiles = tile_expert.shape[0]
     warps = 4 if bm <= 32 else 8
@@ -1161,7 +1183,6 @@ def moe_experts(
     )  # fmt: skip
 
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
-    y = torch.empty(pairs, d, dtype=x.dtype, device=x.device)
     bn = max(16, min(BLOCK_N, pow2(d)))
     bk = FP4_BLOCK_K if dn_fp8 else max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
     _down_kernel[(n_tiles, cdiv(d, 2 * bn))](
@@ -1172,8 +1193,6 @@ def moe_experts(
         E2M1_PTX=(fp8_e2m1_ptx(bn, warps) if dn_fp8 else e2m1_ptx(bn, bk, warps)) and dn_fp4,
         num_warps=warps, num_stages=stages, **pdl_args(),
     )  # fmt: skip
-
-    return combine_pairs(y, ids, num_experts, bi, shared, out)
 
 
 def combine_pairs(
