@@ -373,3 +373,33 @@ def loops_containing(src: str, needle: str) -> list[str]:
             body.append(x)
         bodies.append("\n".join(body))
     return bodies
+
+
+def choice_writers():
+    """``scripts/choice_writers.py`` (the benchmarks' table writers) loaded as a module."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
+    spec = importlib.util.spec_from_file_location("choice_writers", script)
+    writers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(writers)
+    return writers
+
+
+def sm90_moe_table(monkeypatch, points: tuple):
+    """A fixture body: ``moe_experts`` dispatch runs as on a CUDA device of sm_90 whose measured
+    table holds ``points`` (:class:`~deepinfer_cuda_sm100.kernel_choice.Point` s); afterwards the
+    real table and device come back."""
+    import functools
+
+    from deepinfer_cuda_sm100 import kernel_choice, moe_dispatch
+
+    cuda, real_mode_problem = torch.device("cuda", 0), moe_dispatch.mode_problem
+    monkeypatch.setattr(moe_dispatch, "mode_problem", lambda device: real_mode_problem(cuda))
+    monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
+    table = functools.cache(lambda arch: points if arch == "sm90" else ())
+    monkeypatch.setattr(kernel_choice, "load_points", table)
+    kernel_choice._choose_shipped.cache_clear()
+    yield
+    monkeypatch.undo()
+    kernel_choice.forget()

@@ -24,7 +24,6 @@ graph's replay bitwise equal to the eager call.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -223,15 +222,9 @@ POINTS = (_point(6, 0.05, 0.50), _point(1536, 2.0, 1.0), _point(6144, 8.0, 3.0))
 @pytest.fixture
 def table(monkeypatch):
     """The calls here run as on a CUDA device of sm_90 whose table holds :data:`POINTS`."""
-    cuda, real_mode_problem = torch.device("cuda", 0), moe_dispatch.mode_problem
-    monkeypatch.setattr(moe_dispatch, "mode_problem", lambda device: real_mode_problem(cuda))
-    monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
-    table = functools.cache(lambda arch: POINTS if arch == "sm90" else ())
-    monkeypatch.setattr(kernel_choice, "load_points", table)
-    kernel_choice._choose_shipped.cache_clear()
-    yield
-    monkeypatch.undo()
-    kernel_choice.forget()
+    from cuda_sm100_checks import sm90_moe_table
+
+    yield from sm90_moe_table(monkeypatch, POINTS)
 
 
 def test_a_table_point_routes_the_call_to_the_dequantised_experts(table, monkeypatch):
@@ -250,13 +243,9 @@ def test_a_table_point_routes_the_call_to_the_dequantised_experts(table, monkeyp
 def test_bench_rows_with_dequant_times_become_points():
     """``bench_moe.py --write-choices``: a row's dequantised-experts time becomes the point's
     ``triton_dequant`` entry; a row with it alone is a point too."""
-    import importlib.util
-    from pathlib import Path
+    from cuda_sm100_checks import choice_writers
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
-    spec = importlib.util.spec_from_file_location("choice_writers", script)
-    writers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(writers)
+    writers = choice_writers()
     rows = [
         {"T": 256, "triton_fp4_us": 2000.0, "tilelang_fp4_us": 1500.0, "triton_dequant_fp4_us": 1000.0},
         {"T": 1024, "triton_fp4_us": 8000.0, "triton_dequant_fp4_us": 3000.0},

@@ -33,7 +33,6 @@ other launches, and a captured CUDA graph's replay bitwise equal to the eager ca
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -417,15 +416,9 @@ POINTS = (_point(6, 0.070, 0.030), _point(12, 0.080, 0.040), _point(24, 0.090, 0
 @pytest.fixture
 def table(monkeypatch):
     """The calls here run as on a CUDA device of sm_90 whose table holds :data:`POINTS`."""
-    cuda, real_mode_problem = torch.device("cuda", 0), moe_dispatch.mode_problem
-    monkeypatch.setattr(moe_dispatch, "mode_problem", lambda device: real_mode_problem(cuda))
-    monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
-    table = functools.cache(lambda arch: POINTS if arch == "sm90" else ())
-    monkeypatch.setattr(kernel_choice, "load_points", table)
-    kernel_choice._choose_shipped.cache_clear()
-    yield
-    monkeypatch.undo()
-    kernel_choice.forget()
+    from cuda_sm100_checks import sm90_moe_table
+
+    yield from sm90_moe_table(monkeypatch, POINTS)
 
 
 def test_a_table_point_routes_the_call_to_the_gemvs(table, monkeypatch):
@@ -471,13 +464,9 @@ def test_a_table_without_gemv_points_chooses_as_before():
 def test_bench_rows_with_gemv_times_become_points():
     """``bench_moe.py --write-choices``: a row's GEMV time becomes the point's ``triton_gemv``
     entry, with or without TileLang times; rows with neither stay out."""
-    import importlib.util
-    from pathlib import Path
+    from cuda_sm100_checks import choice_writers
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
-    spec = importlib.util.spec_from_file_location("choice_writers", script)
-    writers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(writers)
+    writers = choice_writers()
     rows = [
         {"T": 1, "triton_fp4_us": 70.0, "tilelang_fp4_us": 60.0, "triton_gemv_fp4_us": 30.0},
         {"T": 2, "triton_fp4_us": 80.0, "tilelang_fp4_us": None, "triton_gemv_fp4_us": 40.0},

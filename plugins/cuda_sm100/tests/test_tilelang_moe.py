@@ -311,13 +311,9 @@ def test_the_wide_variant_is_taken_only_where_timed_and_fastest():
 def test_bench_rows_become_points_that_pick_the_fastest_timed_variant():
     """``bench_moe.py --write-choices``: its rows' times become ``moe_experts`` points with a
     ``tilelang_wide`` entry where the wide variant was timed, which the dispatcher's choice reads."""
-    import importlib.util
-    from pathlib import Path
+    from cuda_sm100_checks import choice_writers
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "choice_writers.py"
-    spec = importlib.util.spec_from_file_location("choice_writers", script)
-    writers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(writers)
+    writers = choice_writers()
     rows = [
         {"T": 1, "triton_fp4_us": 80.0, "tilelang_fp4_us": 70.0, "tilelang_wide_fp4_us": 50.0},
         {"T": 16, "triton_fp4_us": 400.0, "tilelang_fp4_us": 300.0, "tilelang_wide_fp4_us": 350.0},
