@@ -53,6 +53,16 @@ minutes on an H200:
 
     python plugins/cuda_sm100/scripts/bench_moe.py --experts 64 --gemv-sweep
 
+``--tile-sweep`` times only the tiled Triton kernels on bf16 experts (the dequantised FP4
+experts' stacks: the plain-stack launches the bf16 experts and the dequantised experts' path
+run), the whole call over a grid of launch sizes (``tile_sweep.py``,
+:class:`~deepinfer_cuda_sm100.kernels.moe.TileLaunch`: 64- and 128-row tiles, 64 or 128 columns a
+program, K steps of 32 or 64, warps, stages) against the default sizes, with TFLOP/s and the
+error against the reference; JSON ``tile_sweep`` (default
+``benchmarks/results/bench_moe_tile_sweep.json``; no table):
+
+    python plugins/cuda_sm100/scripts/bench_moe.py --experts 64 --tokens 2048,8192 --tile-sweep
+
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants), the
 GEMVs' (language ``triton_gemv``, at the token counts where they were timed) and the dequantised
 experts' (``triton_dequant``) of each token count
@@ -167,18 +177,30 @@ def main() -> None:
         help="time only the decode-width GEMVs' kernels over a grid of launches (see the docstring)",
     )
     parser.add_argument(
+        "--tile-sweep",
+        action="store_true",
+        help="time only the tiled Triton kernels on bf16 experts over a grid of launch sizes (docstring)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
-        help="JSON output (default: benchmarks/results/bench_moe.json, or bench_moe_gemv_sweep.json)",
+        help="JSON output (default: benchmarks/results/bench_moe.json, bench_moe_gemv_sweep.json or "
+        "bench_moe_tile_sweep.json)",
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    if args.gemv_sweep and args.write_choices:
-        raise SystemExit("--gemv-sweep times no table to write: run without it for --write-choices")
+    if (args.gemv_sweep or args.tile_sweep) and args.write_choices:
+        raise SystemExit(
+            "--gemv-sweep and --tile-sweep time no table to write: run without them for --write-choices"
+        )
+    if args.gemv_sweep and args.tile_sweep:
+        raise SystemExit("--gemv-sweep and --tile-sweep: one sweep a run")
     if args.out is None:
-        name = "bench_moe_gemv_sweep.json" if args.gemv_sweep else "bench_moe.json"
+        name = {"gemv": "bench_moe_gemv_sweep.json", "tile": "bench_moe_tile_sweep.json"}.get(
+            "gemv" if args.gemv_sweep else "tile" if args.tile_sweep else "", "bench_moe.json"
+        )
         args.out = REPO / "benchmarks" / "results" / name
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
@@ -198,6 +220,15 @@ def main() -> None:
         gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
         tokens = [t for t in (int(v) for v in args.tokens.split(",")) if 1 <= t <= gemv_tokens]
         write_gemv_sweep(args, gate_up, down, tokens, routings)
+        return
+    if args.tile_sweep:
+        from tile_sweep import write_tile_sweep
+
+        gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
+        tokens = [int(v) for v in args.tokens.split(",")]
+        write_tile_sweep(
+            args, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16), tokens, routings
+        )
         return
     tl_problem = tilelang_problem()
     wide_problem = tl_problem

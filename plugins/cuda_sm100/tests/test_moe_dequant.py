@@ -10,7 +10,8 @@
   float16;
 - the whole op bitwise against the Triton path on the dequantised stacks, with the experts
   dequantised one, two or all at a time (the scratch budget), in the default and the batch-
-  invariant mode, with padding ids (``-1`` and ``E``) and a shared expert; and against the
+  invariant mode, with padding ids (``-1`` and ``E``) and a shared expert, at the default launch
+  sizes and two others (:class:`~deepinfer_cuda_sm100.kernels.moe.TileLaunch`); and against the
   reference op within its tolerances.
 
 **Here** (no kernel runs): the group sizes, the refusals and the dispatcher's choice (a table
@@ -18,8 +19,9 @@ point of ``triton_dequant`` routes a call there; never in the batch-invariant mo
 the pair counts it was timed at).
 
 **GPU** (marked ``gpu``): V4-Flash widths (64 experts, top-6, ue8m0 and float32 scales) bitwise
-against the Triton path on the dequantised stacks at 256 and 2048 tokens, and a captured CUDA
-graph's replay bitwise equal to the eager call.
+against the Triton path on the dequantised stacks at 256 and 2048 tokens, every launch of
+``bench_moe.py --tile-sweep`` against the reference, and a captured CUDA graph's replay bitwise
+equal to the eager call.
 """
 
 from __future__ import annotations
@@ -90,18 +92,20 @@ def dequantize_problems() -> list[str]:
 
 
 OP_CASES = (
-    # (label, T, D, I, E, k, scales, scratch experts, shared, padding, batch-invariant)
-    ("all experts at once", 20, 256, 128, 8, 3, "ue8m0", 8, True, True, False),
-    ("one expert at a time", 20, 256, 128, 8, 3, "fp32", 1, False, True, False),
-    ("three at a time (uneven: 3, 3, 2)", 40, 128, 64, 8, 2, "ue8m0", 3, True, False, False),
-    ("tiles of 32 rows, two at a time", 160, 64, 64, 4, 2, "fp32", 2, False, False, False),
-    ("batch-invariant mode, two at a time", 12, 128, 64, 6, 3, "ue8m0", 2, True, True, True),
-)
+    # (label, T, D, I, E, k, scales, scratch experts, shared, padding, batch-invariant, launch)
+    ("all experts at once", 20, 256, 128, 8, 3, "ue8m0", 8, True, True, False, ()),
+    ("one expert at a time", 20, 256, 128, 8, 3, "fp32", 1, False, True, False, ()),
+    ("three at a time (uneven: 3, 3, 2)", 40, 128, 64, 8, 2, "ue8m0", 3, True, False, False, ()),
+    ("tiles of 32 rows, two at a time", 160, 64, 64, 4, 2, "fp32", 2, False, False, False, ()),
+    ("batch-invariant mode, two at a time", 12, 128, 64, 6, 3, "ue8m0", 2, True, True, True, ()),
+    ("launch: 32 rows, 32 columns, K 32", 30, 128, 64, 4, 2, "fp32", 2, True, True, False, (32, 32, 32, 4)),
+    ("launch: 64 rows, 128 columns", 12, 256, 128, 4, 2, "ue8m0", 4, False, False, False, (64, 128, None, 8)),
+)  # fmt: skip
 
 
 def op_problems() -> list[str]:
-    """Each of :data:`OP_CASES` bitwise against the Triton path on the dequantised stacks and
-    within the reference op's tolerances."""
+    """Each of :data:`OP_CASES` bitwise against the Triton path on the dequantised stacks (with
+    the same launch sizes) and within the reference op's tolerances."""
     from deepinfer_cuda_sm100.kernels import moe, moe_dequant
 
     from deepinfer_core.ops.moe import moe_experts as reference
@@ -109,7 +113,8 @@ def op_problems() -> list[str]:
 
     g = torch.Generator().manual_seed(11)
     problems = []
-    for label, t, d, i, e, k, scales, fit, shared, padding, bi in OP_CASES:
+    for label, t, d, i, e, k, scales, fit, shared, padding, bi, sizes in OP_CASES:
+        launch = moe.TileLaunch(*sizes)
         gate_up, down = _fp4(g, e, 2 * i, d, scales), _fp4(g, e, d, i, scales)
         ids, weights = _routing(g, t, e, k)
         if padding:
@@ -120,9 +125,9 @@ def op_problems() -> list[str]:
         if moe_dequant.experts_per_group(gate_up, down, torch.bfloat16, budget) != -(-e // -(-e // fit)):
             problems.append(f"{label}: group size")
         with batch_invariant_mode(bi):
-            got = moe_dequant.moe_experts(x, ids, weights, gate_up, down, 10.0, sh, scratch_bytes=budget)
+            got = moe_dequant.moe_experts(x, ids, weights, gate_up, down, 10.0, sh, budget, launch)
             dense = (gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
-            want = moe.moe_experts(x, ids, weights, *dense, 10.0, sh)
+            want = moe.moe_experts(x, ids, weights, *dense, 10.0, sh, launch)
         if not torch.equal(got, want):
             problems.append(f"{label}: differs from the Triton path on the dequantised stacks")
         ref = reference(x, ids, weights, gate_up, down, 10.0, sh).float()
@@ -284,6 +289,35 @@ def test_gpu_v4_flash_widths_bitwise_the_triton_path_on_dequantised_stacks(scale
         want = reference(*args).float()
         scale = want.abs().max().item()
         torch.testing.assert_close(got.float(), want, atol=2e-2 * scale, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_tile_sweep_launches_match_the_reference():
+    """Every launch of ``bench_moe.py --tile-sweep``'s grid on V4-Flash bf16 stacks (the
+    dequantised experts' plain-stack kernels) at 2048 tokens, against the reference."""
+    import sys
+    from pathlib import Path
+
+    from deepinfer_cuda_sm100.kernels import moe
+    from test_moe_kernel import _random_fp4
+
+    from deepinfer_core.ops.moe import moe_experts as reference
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from tile_sweep import tile_launch_grid
+
+    gate_up, down = _random_fp4(V4_E, 2 * V4_I, V4_D, "ue8m0"), _random_fp4(V4_E, V4_D, V4_I, "ue8m0")
+    dense = (gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
+    g = torch.Generator().manual_seed(7)
+    ids, weights = (v.cuda() for v in _routing(g, 2048, V4_E, V4_K))
+    x = torch.randn(2048, V4_D, generator=g).to(torch.bfloat16).cuda()
+    want = reference(x, ids, weights, *dense, 10.0).float()
+    scale = want.abs().max().item()
+    for launch in tile_launch_grid():
+        got = moe.moe_experts(x, ids, weights, *dense, 10.0, launch=launch).float()
+        torch.testing.assert_close(
+            got, want, atol=2e-2 * scale, rtol=2e-2, msg=lambda m, launch=launch: f"{launch}: {m}"
+        )
 
 
 @pytest.mark.gpu

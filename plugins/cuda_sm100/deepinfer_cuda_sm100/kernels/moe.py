@@ -113,6 +113,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -190,6 +191,26 @@ def fp8_math_applies(w) -> bool:
         return False
     group = w.block[1]
     return group % FP8_GROUP == 0 and w.shape[-1] % FP8_GROUP == 0
+
+
+@dataclass(frozen=True)
+class TileLaunch:
+    """Overrides of the tiled launches' sizes (``None``: the default from shapes): ``block_m``
+    rows a tile (the sorted layout's tile height), ``block_n`` output columns a program (gate /
+    up: that many of the gate's and of the up's; down: twice that), ``block_k`` inputs a K step
+    (plain stacks only: FP4 stacks keep theirs), ``warps`` and ``stages``.  Any launch gives the
+    op's result within its tolerances (the K order changes with the sizes, not the rounding
+    points); ``bench_moe.py --tile-sweep`` times a grid of them."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    block_k: int | None = None
+    warps: int | None = None
+    stages: int | None = None
+
+
+DEFAULT_LAUNCH = TileLaunch()
+"""Every size from shapes."""
 
 
 def tile_rows(pairs: int, experts: int, batch_invariant: bool) -> int:
@@ -1106,14 +1127,16 @@ def moe_experts(
     down,
     limit: float,
     shared: torch.Tensor | None = None,
+    launch: TileLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """``moe_experts`` (the core contract) on Triton kernels: FP4 or plain expert stacks.
 
     ``x`` ``[T, D]``; ``ids`` / ``weights`` ``[T, k]``; ``gate_up`` ``[E, 2I, D]`` and ``down``
     ``[E, D, I]``, each a tensor in ``x``'s dtype or an FP4 ``QuantizedTensor``; ``shared``
-    (optional ``[T, D]``, x's dtype): the shared expert's output, added in the combine kernel.
-    Returns ``[T, D]`` in ``x``'s dtype.  See the module docstring for the launches and the
-    rounding.
+    (optional ``[T, D]``, x's dtype): the shared expert's output, added in the combine kernel;
+    ``launch``: overrides of the launches' sizes (:class:`TileLaunch`, for the benchmark's
+    sweeps).  Returns ``[T, D]`` in ``x``'s dtype.  See the module docstring for the launches
+    and the rounding.
     """
     from deepinfer_core.ops.modes import batch_invariant_enabled
 
@@ -1126,7 +1149,8 @@ def moe_experts(
     x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
     bi = batch_invariant_enabled()
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
-    expert_rows(x, ids, weights, gate_up, down, limit, y, tile_rows(t * top_k, num_experts, bi), bi)
+    bm = launch.block_m or tile_rows(t * top_k, num_experts, bi)
+    expert_rows(x, ids, weights, gate_up, down, limit, y, bm, bi, launch)
     return combine_pairs(y, ids, num_experts, bi, shared, out)
 
 
@@ -1140,11 +1164,13 @@ def expert_rows(
     y: torch.Tensor,
     bm: int,
     bi: bool = False,
+    launch: TileLaunch = DEFAULT_LAUNCH,
 ) -> None:
     """Launches 1 to 3 (and the FP8 math's quantisation) of :func:`moe_experts`: row ``t * k + j``
     of ``y`` ``[T * k, D]`` (``x``'s dtype) becomes pair ``(t, j)``'s weighted expert output, for
     the pairs whose expert lies in ``[0, E)`` of these stacks (the other rows are left as they
-    are), in tiles of ``bm`` rows (``bi``: the batch-invariant mode's rounding).  ``x``, ``ids``
+    are), in tiles of ``bm`` rows (``bi``: the batch-invariant mode's rounding; ``launch``: the
+    other sizes' overrides, its ``block_m`` ignored here).  ``x``, ``ids``
     and ``weights`` unit-strided along their last dim, at least one token and one slot."""
     t, d = x.shape
     top_k = ids.shape[1]
@@ -1153,8 +1179,8 @@ def expert_rows(
     gu_fp8, dn_fp8 = fp8 and fp8_math_applies(gate_up), fp8 and fp8_math_applies(down)
     tile_expert, slot_pair = sorted_layout(ids, num_experts, bm)
     n_tiles = tile_expert.shape[0]
-    warps = 4 if bm <= 32 else 8
-    stages = 1 if INTERPRETED else 3
+    warps = launch.warps or (4 if bm <= 32 else 8)
+    stages = 1 if INTERPRETED else (launch.stages or 3)
 
     gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, gu_fp4, gu_ue8m0, gu_half = _weight_args(gate_up)
     q_dtype = torch.float32 if INTERPRETED else torch.uint8  # e4m3 codes (interpreter: values)
@@ -1171,8 +1197,9 @@ def expert_rows(
     else:
         h = torch.empty(n_tiles * bm, inter, dtype=x.dtype, device=x.device)
         hs = h  # (unused)
-    bn = max(16, min(BLOCK_N, pow2(inter)))
-    bk = FP4_BLOCK_K if gu_fp8 else max(32, min(FP4_BLOCK_K if gu_fp4 else DENSE_BLOCK_K, pow2(d)))
+    bn = max(16, min(launch.block_n or BLOCK_N, pow2(inter)))
+    dense_k = launch.block_k or DENSE_BLOCK_K
+    bk = FP4_BLOCK_K if gu_fp8 else max(32, min(FP4_BLOCK_K if gu_fp4 else dense_k, pow2(d)))
     _gate_up_kernel[(n_tiles, cdiv(inter, bn))](
         x, x.stride(0), tile_expert, slot_pair, gu, gu_se, gu_sn, gu_s, gu_sse, gu_ssn, h, xq, xs, hs,
         num_experts, top_k, float(limit), D=d, I=inter,
@@ -1183,8 +1210,8 @@ def expert_rows(
     )  # fmt: skip
 
     dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, dn_fp4, dn_ue8m0, dn_half = _weight_args(down)
-    bn = max(16, min(BLOCK_N, pow2(d)))
-    bk = FP4_BLOCK_K if dn_fp8 else max(32, min(FP4_BLOCK_K if dn_fp4 else DENSE_BLOCK_K, pow2(inter)))
+    bn = max(16, min(launch.block_n or BLOCK_N, pow2(d)))
+    bk = FP4_BLOCK_K if dn_fp8 else max(32, min(FP4_BLOCK_K if dn_fp4 else dense_k, pow2(inter)))
     _down_kernel[(n_tiles, cdiv(d, 2 * bn))](
         h, tile_expert, slot_pair, dn, dn_se, dn_sn, dn_s, dn_sse, dn_ssn, weights, weights.stride(0), y, hs,
         num_experts, top_k, D=d, I=inter, BI_ROUNDING=bi,

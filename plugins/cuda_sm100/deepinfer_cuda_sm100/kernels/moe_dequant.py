@@ -38,7 +38,7 @@ import triton.language as tl
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from ._common import cast_to, cdiv, ue8m0_value
-from .moe import _e2m1, combine_pairs, empty_call, expert_rows, tile_rows
+from .moe import DEFAULT_LAUNCH, TileLaunch, _e2m1, combine_pairs, empty_call, expert_rows, tile_rows
 from .pdl import pdl_args, pdl_enter
 
 SCRATCH_BYTES = 1 << 30
@@ -150,10 +150,12 @@ def moe_experts(
     limit: float,
     shared: torch.Tensor | None = None,
     scratch_bytes: int = SCRATCH_BYTES,
+    launch: TileLaunch = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """``moe_experts`` (the core contract) for FP4 expert stacks and bfloat16 or float16 ``x``,
     dequantised a group of experts at a time into scratch stacks of at most ``scratch_bytes``
-    (see the module docstring)."""
+    (see the module docstring); ``launch``: the plain-stack launches' size overrides
+    (:class:`~deepinfer_cuda_sm100.kernels.moe.TileLaunch`)."""
     from deepinfer_core.ops.modes import batch_invariant_enabled
 
     for name, w in (("gate_up", gate_up), ("down", down)):
@@ -167,7 +169,7 @@ def moe_experts(
         return out
     x, ids, weights = (v if v.stride(1) == 1 else v.contiguous() for v in (x, ids, weights))
     bi = batch_invariant_enabled()
-    bm = tile_rows(t * top_k, num_experts, bi)
+    bm = launch.block_m or tile_rows(t * top_k, num_experts, bi)
     per = experts_per_group(gate_up, down, x.dtype, scratch_bytes)
     gu = torch.empty((per, *gate_up.shape[1:]), dtype=x.dtype, device=x.device)
     dn = torch.empty((per, *down.shape[1:]), dtype=x.dtype, device=x.device)
@@ -176,5 +178,5 @@ def moe_experts(
         n = min(per, num_experts - first)
         local = ids - first if first else ids
         group_gu, group_dn = dequantize_experts(gate_up, first, n, gu), dequantize_experts(down, first, n, dn)
-        expert_rows(x, local, weights, group_gu, group_dn, limit, y, bm, bi)
+        expert_rows(x, local, weights, group_gu, group_dn, limit, y, bm, bi, launch)
     return combine_pairs(y, ids, num_experts, bi, shared, out)
