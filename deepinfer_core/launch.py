@@ -110,10 +110,10 @@ def torchrun_data_parallel_size(config: EngineConfig, world_size: str) -> int | 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
     """The engine configuration the command would build (this rank's environment)."""
-    from deepinfer_core import cli
+    from deepinfer_core.cli_engine_args import engine_kwargs
     from deepinfer_core.config import EngineConfig
 
-    kwargs = cli._engine_kwargs(args)
+    kwargs = engine_kwargs(args)
     config_file = kwargs.pop("config", None)
     return EngineConfig.load(config_file=config_file, **kwargs)  # type: ignore[arg-type]
 

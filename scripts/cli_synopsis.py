@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from deepinfer_core.cli import _add_engine_args, build_parser
+from deepinfer_core.cli import build_parser
+from deepinfer_core.cli_engine_args import add_engine_args
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 BEGIN = "<!-- the CLI synopsis: written by `python scripts/cli_synopsis.py --write`, do not edit -->"
@@ -66,7 +67,7 @@ def synopsis(parser: argparse.ArgumentParser | None = None) -> str:
     """The synopsis of ``parser`` (default: ``deepinfer``'s), one usage per subcommand."""
     parser = parser or build_parser()
     engine_parser = argparse.ArgumentParser(add_help=False)
-    _add_engine_args(engine_parser)
+    add_engine_args(engine_parser)
     engine = [a for a in engine_parser._actions]
     engine_options = {o for a in engine for o in a.option_strings}
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.cli import escape_control, main
+from deepinfer_core.cli import main
+from deepinfer_core.cli_generate import escape_control
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,7 +140,8 @@ def test_verbose_generate_reports_capacity_and_progress(capsys):
 
 
 def test_engine_flags_become_llm_arguments():
-    from deepinfer_core.cli import _engine_kwargs, build_parser
+    from deepinfer_core.cli import build_parser
+    from deepinfer_core.cli_engine_args import engine_kwargs
 
     args = build_parser().parse_args(
         [
@@ -152,22 +154,22 @@ def test_engine_flags_become_llm_arguments():
             "9",
         ]
     )
-    assert _engine_kwargs(args) == {
+    assert engine_kwargs(args) == {
         "enable_prefix_caching": False,
         "async_scheduling": False,
         "max_num_seqs": 3,
         "num_cache_pages": 9,
     }
-    assert _engine_kwargs(build_parser().parse_args(["bench"])) == {}
+    assert engine_kwargs(build_parser().parse_args(["bench"])) == {}
     for flag, value in (("--keep-quantized", True), ("--no-keep-quantized", False)):
         args = build_parser().parse_args(["generate", "--prompt", "x", flag])
-        assert _engine_kwargs(args) == {"keep_quantized": value}
+        assert engine_kwargs(args) == {"keep_quantized": value}
     spec_flags = [
         "--speculative-method", "fixed", "--drafter", "mtp", "--max-draft-tokens", "3",
         "--spec-acceptance", "rejection", "--no-spec-varlen", "--mixed-graph-max-tokens", "256",
     ]  # fmt: skip
     args = build_parser().parse_args(["bench", *spec_flags])
-    assert _engine_kwargs(args) == {
+    assert engine_kwargs(args) == {
         "mixed_graph_max_tokens": 256,
         "speculative": {
             "method": "fixed",

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core import LLM, SamplingParams
-from deepinfer_core.cli import _engine_kwargs, build_parser
+from deepinfer_core.cli import build_parser
+from deepinfer_core.cli_engine_args import engine_kwargs
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.distributed.faults import FAULT_ENV
 from deepinfer_core.distributed.init import init_parallel, run_bounded
@@ -207,7 +208,7 @@ def test_cli_flags_and_env_reach_the_config() -> None:
         + ["--context-parallel-size", "2", "--distributed-backend", "gloo", "--distributed-timeout-s", "30"]
         + ["--eplb", '{"window_steps": 10, "rebalance_interval": 20}']
     )
-    config = EngineConfig.load(env={}, **_engine_kwargs(args))
+    config = EngineConfig.load(env={}, **engine_kwargs(args))
     assert (config.data_parallel_size, config.context_parallel_size, config.world_size) == (2, 2, 4)
     assert config.enable_expert_parallel and config.distributed_backend == "gloo"
     assert config.distributed_timeout_s == 30.0 and config.eplb is not None and config.eplb.window_steps == 10

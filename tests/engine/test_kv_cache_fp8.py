@@ -35,14 +35,15 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[dict]:
 
 
 def test_option_is_validated_and_reaches_the_cli():
-    from deepinfer_core.cli import _engine_kwargs, build_parser
+    from deepinfer_core.cli import build_parser
+    from deepinfer_core.cli_engine_args import engine_kwargs
 
     assert EngineConfig().kv_cache_dtype == "auto"
     assert EngineConfig.load(env={"DEEPINFER_KV_CACHE_DTYPE": "fp8"}).kv_cache_dtype == "fp8"
     with pytest.raises(ConfigError, match="kv_cache_dtype='fp16'"):
         EngineConfig(kv_cache_dtype="fp16")
     args = build_parser().parse_args(["generate", "--prompt", "x", "--kv-cache-dtype", "fp8"])
-    assert _engine_kwargs(args) == {"kv_cache_dtype": "fp8"}
+    assert engine_kwargs(args) == {"kv_cache_dtype": "fp8"}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
