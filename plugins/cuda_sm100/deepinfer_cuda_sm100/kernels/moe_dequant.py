@@ -24,9 +24,10 @@ Exactness: each dequantised weight is its e2m1 value (exact) times its group's s
 float32, or UE8M0 byte ``b`` read as ``2**(b - 127)`` the way torch reads ``float8_e8m0fnu``:
 ``2**-127`` for 0, NaN for 255), the fp32 product rounded once to ``x``'s dtype: bitwise
 :meth:`QuantizedTensor.dequantize` ``(x.dtype)``.  The tile height is the whole call's
-(:func:`~deepinfer_cuda_sm100.kernels.moe.tile_rows` of all pairs and experts), so the result
-is bitwise :func:`~deepinfer_cuda_sm100.kernels.moe.moe_experts` on the dequantised stacks,
-however the experts are grouped (in the batch-invariant mode too).
+(:func:`~deepinfer_cuda_sm100.kernels.moe.tile_rows` of all pairs and experts, or the given
+launch's), so the result is bitwise :func:`~deepinfer_cuda_sm100.kernels.moe.moe_experts` on
+the dequantised stacks with the same launch sizes, however the experts are grouped (in the
+batch-invariant mode too).
 """
 
 from __future__ import annotations
