@@ -130,7 +130,7 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
 # Function-level imports of deepinfer_core modules kept lazy on purpose, by importer module.
 LAZY_MODULES: dict[str, str] = {
     "deepinfer_core.cli": "a command imports only what it runs (`deepinfer --help` does not load torch)",
-    "deepinfer_core.cli_generate": "`deepinfer generate` loads the engine only when it runs (`--help` does not)",
+    "deepinfer_core.cli_generate": "`deepinfer generate` loads the engine only when it runs, not for --help",
     "deepinfer_core.launch": "torchrun entry: rank 0 runs the CLI, the others the worker loop",
     "deepinfer_core.bench": "`deepinfer bench` loads the engine only once its arguments are valid",
     "deepinfer_core.serve.server": "fastapi and uvicorn (the [serve] extra) load only once they are checked",
