@@ -129,21 +129,32 @@ def write_gemv_sweep(args: argparse.Namespace, gate_up, down, tokens: list[int],
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     print(f"E={e} D={d} I={i} top-{k}, {args.scales} scales: decode-width GEMV launches at T = {tokens}")
     sweep = sweep_gemv(gate_up, down, tokens, k, routings, args.calls_per_graph, args.replays)
+    note = (
+        "per kernel: us per call, TB/s = bytes of the distinct experts' weights it reads per call "
+        "/ time (gate_up: the gate and up rows, down: the down rows, data and scales); down without the "
+        "combine (combine_us); call_*_us: the whole moe_experts call, default and best launches"
+    )
+    write_sweep(
+        args,
+        "cuda_sm100 MoE decode-width FP4 GEMVs: launch sweep of the gate / up and down kernels",
+        note,
+        {"scales": args.scales, "gemv_sweep": sweep},
+    )
+
+
+def write_sweep(args: argparse.Namespace, benchmark: str, note: str, fields: dict) -> None:
+    """A ``bench_moe.py`` sweep's JSON at ``args.out``: the GPU run header of ``benchmark``, the
+    shape and timing arguments, ``note`` and ``fields`` (the sweep's rows among them)."""
     result = {
-        **gpu_run_header(
-            "cuda_sm100 MoE decode-width FP4 GEMVs: launch sweep of the gate / up and down kernels"
-        ),
-        "experts": e,
-        "hidden": d,
-        "inter": i,
-        "top_k": k,
-        "scales": args.scales,
+        **gpu_run_header(benchmark),
+        "experts": args.experts,
+        "hidden": args.hidden,
+        "inter": args.inter,
+        "top_k": args.top_k,
         "calls_per_graph": args.calls_per_graph,
         "replays": args.replays,
-        "note": "per kernel: us per call, TB/s = bytes of the distinct experts' weights it reads per call "
-        "/ time (gate_up: the gate and up rows, down: the down rows, data and scales); down without the "
-        "combine (combine_us); call_*_us: the whole moe_experts call, default and best launches",
-        "gemv_sweep": sweep,
+        "note": note,
+        **fields,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -12,11 +12,11 @@ launch is printed per token count.  CUDA-graph timing as the rest of ``bench_moe
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 
 import torch
-from graph_timing import gpu_run_header, time_graph
+from gemv_sweep import write_sweep
+from graph_timing import time_graph
 
 LIMIT = 10.0
 Routings = Callable[[int, int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]]
@@ -103,18 +103,9 @@ def write_tile_sweep(args: argparse.Namespace, gate_up, down, tokens: list[int],
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     print(f"E={e} D={d} I={i} top-{k}, bf16 experts: tiled launch sizes at T = {tokens}")
     sweep = sweep_tiles(gate_up, down, tokens, k, routings, args.calls_per_graph, args.replays)
-    result = {
-        **gpu_run_header("cuda_sm100 MoE tiled Triton kernels on bf16 experts: launch-size sweep"),
-        "experts": e,
-        "hidden": d,
-        "inter": i,
-        "top_k": k,
-        "calls_per_graph": args.calls_per_graph,
-        "replays": args.replays,
-        "note": "us per whole moe_experts call (layout, gate / up, down, combine); TFLOP/s of the two "
-        "GEMMs (2 * T * k * 3 * D * I flops); err: max |call - reference| / max |reference|",
-        "tile_sweep": sweep,
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    note = (
+        "us per whole moe_experts call (layout, gate / up, down, combine); TFLOP/s of the two "
+        "GEMMs (2 * T * k * 3 * D * I flops); err: max |call - reference| / max |reference|"
+    )
+    benchmark = "cuda_sm100 MoE tiled Triton kernels on bf16 experts: launch-size sweep"
+    write_sweep(args, benchmark, note, {"tile_sweep": sweep})
