@@ -182,6 +182,7 @@ def test_groups_split_the_experts_evenly_within_the_budget():
     assert experts_per_group(gate_up, down, torch.bfloat16, 21 * per_expert + 1) == 16  # 64 / ceil(64 / 21)
     assert experts_per_group(gate_up, down, torch.bfloat16, per_expert - 1) == 1
     assert experts_per_group(gate_up, down, torch.bfloat16) == 16  # 1 GiB: 21 fit, groups of 16
+    assert experts_per_group(gate_up[:0], down[:0], torch.bfloat16) == 0
 
 
 def test_dequant_supports_fp4_bfloat16_calls_and_names_what_it_refuses():

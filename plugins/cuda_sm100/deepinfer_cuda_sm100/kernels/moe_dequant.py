@@ -139,7 +139,7 @@ def experts_per_group(gate_up, down, dtype: torch.dtype, scratch_bytes: int = SC
     experts = gate_up.shape[0]
     per_expert = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * dtype.itemsize
     fit = max(1, min(experts, scratch_bytes // per_expert))
-    return cdiv(experts, cdiv(experts, fit))
+    return cdiv(experts, max(1, cdiv(experts, fit)))  # (0 for a stack without experts)
 
 
 def moe_experts(
