@@ -198,9 +198,8 @@ def main() -> None:
     if args.gemv_sweep and args.tile_sweep:
         raise SystemExit("--gemv-sweep and --tile-sweep: one sweep a run")
     if args.out is None:
-        name = {"gemv": "bench_moe_gemv_sweep.json", "tile": "bench_moe_tile_sweep.json"}.get(
-            "gemv" if args.gemv_sweep else "tile" if args.tile_sweep else "", "bench_moe.json"
-        )
+        sweep = "_gemv_sweep" if args.gemv_sweep else "_tile_sweep" if args.tile_sweep else ""
+        name = f"bench_moe{sweep}.json"
         args.out = REPO / "benchmarks" / "results" / name
 
     from deepinfer_cuda_sm100.kernels.moe import moe_experts as triton_moe
@@ -214,21 +213,19 @@ def main() -> None:
 
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     gemv_tokens = min(args.gemv_tokens, MAX_TOKENS)
+    gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
     if args.gemv_sweep:
         from gemv_sweep import write_gemv_sweep
 
-        gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
         tokens = [t for t in (int(v) for v in args.tokens.split(",")) if 1 <= t <= gemv_tokens]
         write_gemv_sweep(args, gate_up, down, tokens, routings)
         return
+    gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     if args.tile_sweep:
         from tile_sweep import write_tile_sweep
 
-        gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
         tokens = [int(v) for v in args.tokens.split(",")]
-        write_tile_sweep(
-            args, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16), tokens, routings
-        )
+        write_tile_sweep(args, gate_up_bf16, down_bf16, tokens, routings, errors)
         return
     tl_problem = tilelang_problem()
     wide_problem = tl_problem
@@ -243,8 +240,6 @@ def main() -> None:
     else:
         print(f"(no TileLang columns: {tl_problem})")
 
-    gate_up, down = random_fp4(e, 2 * i, d, 1, args.scales), random_fp4(e, d, i, 2, args.scales)
-    gate_up_bf16, down_bf16 = gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16)
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
     names = (

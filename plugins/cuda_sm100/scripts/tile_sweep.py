@@ -21,6 +21,8 @@ from graph_timing import time_graph
 LIMIT = 10.0
 Routings = Callable[[int, int, int, int, int], list[tuple[torch.Tensor, torch.Tensor]]]
 """``bench_moe.routings``: ``(tokens, experts, k, n, seed)`` to ``n`` routings ``(ids, weights)``."""
+Errors = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
+"""``bench_moe.errors``: ``(got, want)`` to the max and the RMS relative error."""
 
 
 def tile_launch_grid() -> list:
@@ -41,18 +43,13 @@ def tile_launch_grid() -> list:
     ]
 
 
-def _errors(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want|."""
-    return float((got.float() - want).abs().max() / want.abs().max())
-
-
 def sweep_tiles(
-    gate_up, down, tokens: list[int], k: int, routings: Routings, calls: int, replays: int
+    gate_up, down, tokens: list[int], k: int, routings: Routings, errors: Errors, calls: int, replays: int
 ) -> list[dict]:
     """At each token count, the call on the bf16 stacks ``gate_up`` / ``down`` timed (CUDA graphs
     of ``calls`` calls, each with its own routing) with the default sizes and every launch of
-    :func:`tile_launch_grid`; prints a table per token count and returns its rows (JSON
-    ``tile_sweep``)."""
+    :func:`tile_launch_grid`, its max relative error against the reference by ``errors``; prints
+    a table per token count and returns its rows (JSON ``tile_sweep``)."""
     from deepinfer_cuda_sm100.kernels.moe import DEFAULT_LAUNCH, moe_experts, tile_rows
 
     from deepinfer_core.ops.moe import moe_experts as reference
@@ -62,12 +59,12 @@ def sweep_tiles(
     for t in tokens:
         routes = routings(t, e, k, calls, seed=2000 + t)
         x = torch.randn(t, d, device="cuda").to(torch.bfloat16)
-        want = reference(x, *routes[0], gate_up, down, LIMIT).float()
+        want = reference(x, *routes[0], gate_up, down, LIMIT)
         flops = 2 * t * k * 3 * d * i
         row = {"T": t, "default_block_m": tile_rows(t * k, e, False), "points": []}
         print(f"tile sweep T={t} ({t * k} pairs, {flops / 1e12:.2f} TFLOP a call)")
-        heads = ("block_m", 7), ("block_n", 7), ("block_k", 7), ("warps", 5), ("stages", 6), ("us", 9)
-        print("  " + " ".join(f"{c:>{w}}" for c, w in (*heads, ("TFLOP/s", 8), ("err", 8))))
+        sizes = ("block_m", 7), ("block_n", 7), ("block_k", 7), ("warps", 5), ("stages", 6)
+        print("  " + " ".join(f"{c:>{w}}" for c, w in (*sizes, ("us", 9), ("TFLOP/s", 8), ("err", 8))))
         for launch in (DEFAULT_LAUNCH, *tile_launch_grid()):
             try:
                 us = time_graph(
@@ -77,14 +74,14 @@ def sweep_tiles(
                     calls,
                     replays,
                 )
-                err = _errors(moe_experts(x, *routes[0], gate_up, down, LIMIT, launch=launch), want)
+                err = errors(moe_experts(x, *routes[0], gate_up, down, LIMIT, launch=launch), want)[0]
             except Exception as exc:  # a launch that does not fit is reported, the sweep goes on
                 print(f"  {launch}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             tflops = flops / (us * 1e-6) / 1e12
             row["points"].append({**vars(launch), "us": us, "TFLOPs": tflops, "max_rel_err": err})
-            sizes = [("-" if v is None else v) for v in vars(launch).values()]
-            cells = " ".join(f"{v:>{w}}" for v, w in zip(sizes, (7, 7, 7, 5, 6), strict=True))
+            values = ("-" if v is None else v for v in vars(launch).values())
+            cells = " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, sizes, strict=True))
             print(
                 f"  {cells} {us:>9.1f} {tflops:>8.1f} {err:>8.2g}"
                 + ("  (default)" if launch == DEFAULT_LAUNCH else "")
@@ -97,12 +94,14 @@ def sweep_tiles(
     return out
 
 
-def write_tile_sweep(args: argparse.Namespace, gate_up, down, tokens: list[int], routings: Routings) -> None:
+def write_tile_sweep(
+    args: argparse.Namespace, gate_up, down, tokens: list[int], routings: Routings, errors: Errors
+) -> None:
     """``bench_moe.py --tile-sweep``: :func:`sweep_tiles` on the bf16 stacks ``gate_up`` / ``down``
-    at ``tokens`` (``routings``: ``bench_moe.routings``), written as JSON to ``args.out``."""
+    at ``tokens`` (``routings`` / ``errors``: ``bench_moe``'s), written as JSON to ``args.out``."""
     e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
     print(f"E={e} D={d} I={i} top-{k}, bf16 experts: tiled launch sizes at T = {tokens}")
-    sweep = sweep_tiles(gate_up, down, tokens, k, routings, args.calls_per_graph, args.replays)
+    sweep = sweep_tiles(gate_up, down, tokens, k, routings, errors, args.calls_per_graph, args.replays)
     note = (
         "us per whole moe_experts call (layout, gate / up, down, combine); TFLOP/s of the two "
         "GEMMs (2 * T * k * 3 * D * I flops); err: max |call - reference| / max |reference|"
