@@ -20,12 +20,14 @@ plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices``) 
 at the nearest measured shape, Triton where none was measured.  Static shapes only: a
 captured graph replays what it captured.
 
-The scores themselves come from the Triton kernel or the TileLang one
-(:mod:`deepinfer_cuda_sm100.tl.indexer`: wgmma over key rows gathered into shared memory), chosen
-the same way (op ``"indexer_scores"``, keyed by candidate form, dtype, heads, head dim, ``T`` and
-``C``; :func:`choose_scores`): TileLang only where it can compile here, the call fits it, the
-engine is not in batch-invariant mode (the two sum over heads in different orders) and the
-table measured it faster.
+The scores themselves come from the Triton kernel or one of two TileLang ones, chosen the same
+way (op ``"indexer_scores"``, keyed by candidate form, dtype, heads, head dim, ``T`` and ``C``;
+:func:`choose_scores`): ``"tilelang"`` (:mod:`deepinfer_cuda_sm100.tl.indexer`: wgmma over key
+rows gathered into shared memory, a token a CTA) and ``"tilelang_grouped"``
+(:mod:`deepinfer_cuda_sm100.tl.indexer_grouped`: paged candidates, each gathered key block
+serving several tokens of one request; bitwise the former).  TileLang only where it can compile
+here, the call fits it, the engine is not in batch-invariant mode (TileLang and Triton sum over
+heads in different orders) and the table measured it faster.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import indexer as tl_indexer
+from deepinfer_cuda_sm100.tl import indexer_grouped as tl_grouped
 from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
 OP = "indexer_select"
@@ -43,7 +46,7 @@ OP = "indexer_select"
 PATHS = frozenset({"triton", "threshold", "torch"})
 SCORE_OP = "indexer_scores"
 """The op name of the scoring points in the measured table."""
-SCORE_PATHS = frozenset({"triton", "tilelang"})
+SCORE_PATHS = frozenset({"triton", "tilelang", "tilelang_grouped"})
 
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -93,7 +96,8 @@ def choose_path(scores: torch.Tensor, candidates) -> str:
 
 
 def choose_scores(q, weights, key_pool, candidates) -> str:
-    """``"triton"`` or ``"tilelang"`` for the scores of this call (see the module docstring)."""
+    """``"triton"``, ``"tilelang"`` or ``"tilelang_grouped"`` for the scores of this call (see
+    the module docstring)."""
     if batch_invariant_enabled() or q.device.type != "cuda":
         return "triton"
     if tl_indexer.supports(q, weights, key_pool, candidates) is not True:
@@ -103,15 +107,21 @@ def choose_scores(q, weights, key_pool, candidates) -> str:
     t, h, d = q.shape
     paged = isinstance(candidates, PagedIndex)
     c = int(candidates.max_count) if paged else candidates.shape[1]
+    available = SCORE_PATHS
+    if tl_grouped.supports(q, weights, key_pool, candidates) is not True:
+        available = available - {"tilelang_grouped"}
     return kernel_choice.choose(
         SCORE_OP, "paged" if paged else "rows", TL_DTYPES[q.dtype], h, d, t, c,
-        kernel_choice.device_arch(q.device), SCORE_PATHS,
+        kernel_choice.device_arch(q.device), available,
     )  # fmt: skip
 
 
 def scores_of(q, weights, key_pool, candidates, scale) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores by the path :func:`choose_scores` picks."""
-    if choose_scores(q, weights, key_pool, candidates) == "tilelang":
+    path = choose_scores(q, weights, key_pool, candidates)
+    if path == "tilelang_grouped":
+        return tl_grouped.indexer_scores(q, weights, key_pool, candidates, scale)
+    if path == "tilelang":
         return tl_indexer.indexer_scores(q, weights, key_pool, candidates, scale)
     from deepinfer_cuda_sm100.kernels import indexer
 

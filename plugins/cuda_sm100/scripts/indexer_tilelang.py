@@ -1,6 +1,7 @@
 """The TileLang indexer scores in ``bench_attention.py``'s indexer rows: their time beside the
-Triton scores', their agreement with them, the backend op as dispatched, and (``--tune``) the
-blocks a CTA takes."""
+Triton scores', their agreement with them, the grouped kernel's time and bits beside the
+one-token kernel's, the backend op as dispatched, and (``--tune``) the blocks (and tokens) a CTA
+takes."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ def measure(row: dict, args: tuple, triton_scores: torch.Tensor, ms: Callable, t
             str(b): ms(lambda b=b: tli.indexer_scores(q, w, keys, cand, scale, blocks=b))
             for b in tli.BLOCK_CHOICES
         }
+    measure_grouped(row, args, got, ms, tune)
+
+
+def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callable, tune: bool) -> None:
+    """The grouped TileLang scores (several tokens of a request a CTA) beside the one-token
+    kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
+    promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
+    blocks a CTA)."""
+    from deepinfer_cuda_sm100.tl import indexer as tli
+    from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
+
+    q, w, keys, cand, k, scale = args
+    if tlg.supports(q, w, keys, cand) is not True:
+        return
+    row["grouped_bitwise"] = bool(torch.equal(tlg.indexer_scores(q, w, keys, cand, scale), one_token))
+    row["grouped_score_ms"] = ms(lambda: tlg.indexer_scores(q, w, keys, cand, scale))
+    if tune:
+        row["grouped_tune"] = {
+            f"{g}x{b}": ms(lambda g=g, b=b: tlg.indexer_scores(q, w, keys, cand, scale, blocks=b, group=g))
+            for g in tlg.GROUP_CHOICES
+            for b in tli.BLOCK_CHOICES
+        }
 
 
 def describe(row: dict) -> str:
@@ -48,9 +71,15 @@ def describe(row: dict) -> str:
     if "tilelang_score_ms" not in row:
         return f"  backend {row['backend_ms']:.4f} ms" if "backend_ms" in row else ""
     tune = row.get("tilelang_tune")
+    grouped = ""
+    if "grouped_score_ms" in row:
+        grouped = f"  grouped {row['grouped_score_ms']:.4f} ms (bitwise {row['grouped_bitwise']})"
+        if "grouped_tune" in row:
+            grouped += f"  grouped tune {row['grouped_tune']}"
     return (
         f"  tilelang scores {row['tilelang_score_ms']:.4f} ms "
         f"(rel err {row['tilelang_score_max_rel_err']:.1e}, "
         f"rows with other picks {row['tilelang_rows_with_other_picks']})  backend {row['backend_ms']:.4f} ms"
         + (f"  tune {tune}" if tune else "")
+        + grouped
     )

@@ -13,7 +13,8 @@ combine, bfloat16, and the FP4
 consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
 scale formats, the split combine) of each ``K x N`` weight, and the indexer's scores
-(:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates), for
+(:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates;
+:mod:`deepinfer_cuda_sm100.tl.indexer_grouped`, several tokens a CTA), for
 DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
 132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
@@ -87,6 +88,15 @@ def indexer_configurations(heads: int, dim: int) -> list[tuple]:
     return [(kind, heads, dim, "bfloat16", blocks) for kind in KINDS for blocks in BLOCK_CHOICES]
 
 
+def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
+    """``tl.indexer_grouped._kernel`` arguments: every blocks-per-CTA choice at the default
+    group size (the one the dispatcher runs), bfloat16."""
+    from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
+    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP
+
+    return [(heads, dim, "bfloat16", blocks, GROUP) for blocks in BLOCK_CHOICES]
+
+
 def _sms() -> int:
     import torch
 
@@ -125,6 +135,7 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     out += [("sparse_attention_ws", c) for c in seesaw_configurations(a.heads, a.dim, a.rope_dim)]
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
+    out += [("indexer_grouped", c) for c in grouped_indexer_configurations(a.index_heads, a.index_dim)]
     return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]
 
 

@@ -1,0 +1,196 @@
+"""``indexer_topk``'s scores in TileLang for many query tokens of one request (prefill, and
+speculative verification): the scores of :mod:`deepinfer_cuda_sm100.tl.indexer` with each
+gathered key block serving several tokens.
+
+One CTA (one warpgroup) takes :data:`GROUP` consecutive query tokens and up to ``blocks``
+blocks of :data:`~deepinfer_cuda_sm100.tl.indexer.BN` entries of a
+:class:`~deepinfer_core.ops.attention.PagedIndex`.  Tokens of one request read the same block
+table row, so the CTA resolves that row's entries to pool rows once, gathers each key block
+into shared memory once, and runs the one-token kernel's GEMM and epilogue for every token of
+the row against it: the keys cross L2 once per group instead of once per token (at 8,192
+tokens of one request over 2,048 entries, 4.3 GB of gathers per call with one token a CTA).
+
+A group that spans requests (a token whose block-table row differs from its predecessor's)
+takes one pass per run of equal rows: each pass gathers its row's keys and scores only the
+tokens of that row, so every score is computed against the token's own keys whatever the
+batch.  Entries at or past a token's own count score ``-inf``, as in the one-token kernel.
+
+**Bits.**  Each token's product is the one-token kernel's: the same ``[BN, H]`` wgmma tiles
+over the same gathered rows in the same K order, the same epilogue (relu, scale, head
+weights, the sum over heads within each row's quad), so its scores equal that kernel's bit
+for bit (asserted on the GPU).  The group size is static configuration: a token's scores do
+not depend on the other tokens.
+"""
+
+# No ``from __future__ import annotations``: TileLang reads the kernels' annotations as
+# objects (shapes built from closure variables).
+import functools
+
+import torch
+
+from deepinfer_core.ops.attention import PagedIndex
+
+from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
+from .launch_args import TL_DTYPES, index_int64, num_sms
+
+GROUP = 2
+"""Query tokens a CTA takes (the default of :func:`indexer_scores`): their queries (16 KB
+each at 64 heads x 128) share shared memory with the 64 KB key ring, two CTAs an SM at 2."""
+GROUP_CHOICES = (2, 4)
+"""Group sizes a launch may take (each a compiled configuration)."""
+
+
+def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP):
+    """The TileLang ``prim_func`` of one static configuration (paged candidates only).
+
+    Args:
+        heads: ``H`` (a multiple of 16); dim: ``D`` (a multiple of 64); dtype: ``"bfloat16"``
+            or ``"float16"``.
+        blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
+    """
+    import tilelang.language as T
+
+    if group not in GROUP_CHOICES:
+        raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
+    acc_t = "float32"
+    H, D, G = heads, dim, group
+    n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
+    r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
+
+    @T.macro
+    def row_offsets(off, page_row, c0, max_count, epp, block_table):
+        """``off[i]``: entry ``c0 + i`` of block-table row ``page_row`` as a pool row (int32,
+        half the static shared memory of 16-byte offsets), ``-1`` past ``max_count``, negative
+        where the table holds no page."""
+        for i in T.Parallel(blocks * BN):
+            e = c0 + i
+            row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
+            off[i] = T.if_then_else(e < max_count, T.Cast("int32", row), -1)
+
+    @T.macro
+    def gather(k_s, off, flat, b, kst):
+        for i, d in T.Parallel(BN, D):
+            k_s[i, d] = flat[T.Cast("int64", T.max(off[b * BN + i], 0)) * kst * 8 + d]
+
+    @T.prim_func
+    def indexer_scores_grouped(
+        q: T.Tensor((n_tok, H, D), dtype),
+        w: T.Tensor((n_tok, H), "float32"),
+        flat: T.Tensor((nf,), dtype),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        counts: T.Tensor((t3,), "int64"),
+        scores: T.Tensor((n_tok, n_cand), "float32"),
+        kst: T.int64,
+        scale: T.float32,
+        max_count: T.int32,
+        epp: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G), threads=THREADS) as (g, tg):
+            q_s = T.alloc_shared((G, H, D), dtype)
+            w_s = T.alloc_shared((G, H), acc_t)
+            k_s = T.alloc_shared((BN, D), dtype)
+            # static shared memory, as the one-token kernel's (no barrier in the gather loop)
+            off = T.alloc_shared((blocks * BN,), "int32", scope="shared")
+            rows_s = T.alloc_shared((G,), "int64", scope="shared")
+            cnt_s = T.alloc_shared((G,), "int64", scope="shared")
+            acc = T.alloc_fragment((BN, H), acc_t)
+            score = T.alloc_fragment((BN,), acc_t)
+            t0 = tg * G
+            c0 = g * blocks * BN
+            for j, h, d in T.Parallel(G, H, D):
+                q_s[j, h, d] = q[T.min(t0 + j, n_tok - 1), h, d]
+            for j, h in T.Parallel(G, H):
+                w_s[j, h] = w[T.min(t0 + j, n_tok - 1), h]
+            for j in T.Parallel(G):
+                # a token past the end gets row -1: no pass leads with it, none scores it
+                tj = T.min(t0 + j, n_tok - 1)
+                rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
+                cnt_s[j] = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
+            for p in T.serial(G):
+                # a pass per run of equal rows: it leads where its row differs from the last
+                if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
+                    row_offsets(off, T.Cast("int32", rows_s[p]), c0, max_count, epp, block_table)
+                    for b in T.Pipelined(blocks, order=[0, 1], stage=[0, 1]):
+                        gather(k_s, off, flat, b, kst)
+                        for j in T.serial(G):
+                            if rows_s[j] == rows_s[p]:
+                                T.gemm(k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True)
+                                for i, h in T.Parallel(BN, H):
+                                    acc[i, h] = T.max(acc[i, h], 0) * scale * w_s[j, h]
+                                T.reduce_sum(acc, score, dim=1)
+                                for i in T.Parallel(BN):
+                                    c = (g * blocks + b) * BN + i
+                                    if c < n_cand:
+                                        scores[t0 + j, c] = T.if_then_else(
+                                            (off[b * BN + i] < 0) or (c >= cnt_s[j]),
+                                            -T.infinity(acc_t),
+                                            T.if_then_else(score[i] == 0, T.float32(0), score[i]),
+                                        )
+
+    return indexer_scores_grouped
+
+
+def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> int:
+    """Blocks per CTA: the most of :data:`~deepinfer_cuda_sm100.tl.indexer.BLOCK_CHOICES`
+    that still give :data:`~deepinfer_cuda_sm100.tl.indexer.MIN_CTAS_PER_SM` CTAs per SM
+    with ``group`` tokens a CTA, one block where none does."""
+    blocks = -(-candidates // BN)
+    ctas = -(-tokens // group)
+    fitting = [b for b in BLOCK_CHOICES if ctas * -(-blocks // b) >= MIN_CTAS_PER_SM * sms]
+    return max(fitting, default=1)
+
+
+@functools.cache
+def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP):
+    """A compiled kernel (TileLang's disk cache keeps it); bounds guards off, as the one-token
+    kernel's (the gathers read the pool through a flat view)."""
+    import tilelang
+
+    configs = {"tl.disable_safe_memory_legalize": True}
+    func = build_grouped_scores(heads, dim, dtype, blocks, group)
+    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+
+
+def supports(q, weights, key_pool, candidates) -> bool | str:
+    """``True`` when the grouped scores take this call: one the one-token TileLang kernel takes,
+    over a paged index."""
+    from .indexer import supports as one_token_supports
+
+    if not isinstance(candidates, PagedIndex):
+        return "the grouped TileLang scores take paged candidates only"
+    if isinstance(key_pool, torch.Tensor) and key_pool.shape[0] >= 2**31:
+        return f"{key_pool.shape[0]} pool rows: the grouped TileLang scores index rows in int32"
+    return one_token_supports(q, weights, key_pool, candidates)
+
+
+def indexer_scores(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    key_pool: torch.Tensor,
+    candidates: PagedIndex,
+    scale: float,
+    *,
+    blocks: int | None = None,
+    group: int = GROUP,
+) -> torch.Tensor:
+    """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
+    :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
+    (default :func:`plan_blocks`); ``group``: query tokens per CTA."""
+    t, h, d = q.shape
+    c = int(candidates.max_count)
+    scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
+    if t == 0 or c == 0:
+        return scores
+    flat = torch.as_strided(key_pool, (1,), (1,))
+    kst = key_pool.stride(0) * key_pool.element_size() // 16
+    w = weights if weights.dtype == torch.float32 else weights.float()
+    if blocks is None:
+        blocks = plan_blocks(t, c, num_sms(q.device), group)
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group)
+    kernel(
+        q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
+        index_int64(candidates.token_rows), index_int64(candidates.counts), scores, kst,
+        float(scale), c, int(candidates.entries_per_page),
+    )  # fmt: skip
+    return scores

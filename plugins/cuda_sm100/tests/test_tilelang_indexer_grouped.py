@@ -1,0 +1,178 @@
+"""The grouped TileLang indexer scores (:mod:`deepinfer_cuda_sm100.tl.indexer_grouped`: several
+query tokens of one request a CTA) and their place in the dispatch.
+
+**Here** (no GPU): which calls they refuse (with the reason), the block plan, that the table
+can pick them for paged candidates only, that ``tl.precompile`` compiles the launches the
+dispatcher makes; where TileLang is installed (slow), that the kernel lowers for sm_90 with one
+key gather per block shared by the group's GEMMs and no block barrier inside the gather loop.
+
+**GPU** (marked ``gpu``; skipped where TileLang cannot compile): over batches whose groups
+span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
+(0, past ``max_count``), block tables with unused ``-1`` pages: the scores equal the one-token
+TileLang kernel's bit for bit for both group sizes and every blocks-per-CTA choice, and on
+integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+
+import pytest
+import torch
+from cuda_sm100_checks import loops_containing, lowered_sm90
+from deepinfer_cuda_sm100 import indexer_select, kernel_choice
+from deepinfer_cuda_sm100.tl import indexer as tli
+from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
+from deepinfer_cuda_sm100.tl import tilelang_problem
+
+from deepinfer_core.ops.attention import PagedIndex
+
+H, D, EPP = 64, 128, 16
+SCALE = 2.0**-4
+"""A power of two: on integer data every product and sum is exact, in any order."""
+
+
+def _paged(lengths, max_count, g, device="cpu", integer=False):
+    """Requests of ``lengths`` query tokens over one pool: a random block table per request
+    (``-1`` past the pages its entries need), causal-like ragged counts per token."""
+    t = sum(lengths)
+    pages = -(-max_count // EPP)
+    table = torch.full((len(lengths), pages + 1), -1, dtype=torch.int64)
+    perm = torch.randperm(len(lengths) * pages, generator=g)
+    rows, counts = [], []
+    for r, n in enumerate(lengths):
+        total = int(torch.randint(0, max_count + 8, (1,), generator=g))  # past max_count too
+        need = min(-(-min(total, max_count) // EPP), pages)
+        table[r, :need] = perm[r * pages : r * pages + need]
+        for i in range(n):
+            rows.append(r)
+            counts.append(max(total - (n - 1 - i), 0))
+    rows_t, counts_t = torch.tensor(rows, device=device), torch.tensor(counts, device=device)
+    index = PagedIndex(table.to(device), rows_t, counts_t, EPP, max_count)
+    if integer:
+        q = torch.randint(-3, 4, (t, H, D), generator=g).to(torch.bfloat16)
+        w = torch.randint(-2, 3, (t, H), generator=g).float()
+        keys = torch.randint(-3, 4, (len(lengths) * pages * EPP, D), generator=g).to(torch.bfloat16)
+    else:
+        q = torch.randn(t, H, D, generator=g).to(torch.bfloat16)
+        w = torch.randn(t, H, generator=g) * H**-0.5
+        keys = torch.randn(len(lengths) * pages * EPP, D, generator=g).to(torch.bfloat16)
+    return q.to(device), w.to(device), keys.to(device), index
+
+
+def test_the_grouped_scores_refuse_what_they_cannot_run_and_say_why():
+    q, w, keys, index = _paged([3, 2], 40, torch.Generator().manual_seed(0))
+    assert tlg.supports(q, w, keys, index) is True
+    rows = torch.randint(-1, keys.shape[0], (q.shape[0], 10))
+    assert "paged candidates only" in tlg.supports(q, w, keys, rows)
+    assert "bfloat16 and float16" in tlg.supports(q.float(), w, keys.float(), index)
+    with pytest.raises(ValueError, match="group must be one of"):
+        tlg.build_grouped_scores(H, D, "bfloat16", 4, group=3)
+
+
+def test_the_block_plan_counts_a_cta_per_group_of_tokens():
+    sms = 132
+    for t, c, group in ((8192, 2048, 2), (8192, 2048, 4), (512, 4096, 2), (5, 16384, 2)):
+        b = tlg.plan_blocks(t, c, sms, group)
+        groups, blocks = math.ceil(t / group), math.ceil(c / tli.BN)
+        assert groups * math.ceil(blocks / b) >= tli.MIN_CTAS_PER_SM * sms or b == 1
+        if b < tli.BLOCKS:  # twice the blocks would leave SMs short
+            assert groups * math.ceil(blocks / (2 * b)) < tli.MIN_CTAS_PER_SM * sms
+    assert tlg.plan_blocks(8192, 2048, sms, 2) == tli.BLOCKS
+
+
+def test_the_table_picks_the_grouped_scores_for_paged_candidates_only():
+    def point(kind, tokens, keys, ms):
+        return kernel_choice.Point(indexer_select.SCORE_OP, kind, "bfloat16", H, D, tokens, keys, ms)
+
+    ms = {"triton": 2.3, "tilelang": 1.2, "tilelang_grouped": 0.6}
+    points = (point("paged", 8192, 2048, ms), point("paged", 128, 16384, {"triton": 0.3, "tilelang": 0.16}))
+
+    def choose(tokens, keys, available=indexer_select.SCORE_PATHS):
+        return kernel_choice.choose(
+            indexer_select.SCORE_OP, "paged", "bfloat16", H, D, tokens, keys, "sm90", available,
+            points=points,
+        )  # fmt: skip
+
+    assert choose(8192, 2048) == "tilelang_grouped"
+    assert choose(128, 16384) == "tilelang"  # a point that did not time it never picks it
+    assert choose(8192, 2048, indexer_select.SCORE_PATHS - {"tilelang_grouped"}) == "tilelang"
+
+
+def test_cpu_calls_keep_the_triton_scores():
+    q, w, keys, index = _paged([4, 4], 40, torch.Generator().manual_seed(1))
+    assert indexer_select.choose_scores(q, w, keys, index) == "triton"
+
+
+def test_precompile_covers_the_dispatched_group_at_every_block_choice():
+    from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs
+
+    configs = grouped_indexer_configurations(H, D)
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP) for b in tli.BLOCK_CHOICES]
+    planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
+    assert planned <= {b for *_, b, _ in configs}
+    args = argparse.Namespace(
+        heads=64, dim=512, rope_dim=64, hidden=4096, inter=2048, gemm_shapes="4096x1024",
+        index_heads=H, index_dim=D,
+    )  # fmt: skip
+    assert [c for m, c in jobs(args) if m == "indexer_grouped"] == configs
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("group", tlg.GROUP_CHOICES)
+def test_the_group_shares_one_gather_per_block_without_a_barrier_in_its_loop(group):
+    """Lowered for sm_90: one loop issues a block's key gathers (``cp.async``), with no block
+    barrier inside; the GEMM runs once per token of the group (a loop of ``group`` around one
+    ``wgmma`` sequence over the same key stage)."""
+    src = lowered_sm90(
+        tlg.build_grouped_scores(H, D, "bfloat16", 16, group), {"tl.disable_safe_memory_legalize": True}
+    )
+    loops = loops_containing(src, "cp_async_gs")
+    assert loops and all("__syncthreads" not in body for body in loops)
+    assert f"for (int j = 0; j < {group}; ++j)" in src
+    assert src.count("wgmma_ss<") == 2  # the pipelined loop's and its epilogue's, each in the token loop
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+def _needs_tilelang():
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+
+
+BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
+"""Request lengths: groups across requests, single-token requests, one long request, an odd
+total (the last group cut short)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", tlg.GROUP_CHOICES)
+def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
+    _needs_tilelang()
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    g = torch.Generator().manual_seed(group)
+    for lengths in BATCHES:
+        for integer in (True, False):
+            q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
+            one = tli.indexer_scores(q, w, keys, index, SCALE)
+            for blocks in (1, 2, tli.BLOCKS):
+                got = tlg.indexer_scores(q, w, keys, index, SCALE, blocks=blocks, group=group)
+                assert torch.equal(got, one), f"{lengths} integer={integer} blocks={blocks}"
+            if integer:  # exact sums: the Triton kernel's scores too
+                assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
+
+
+@pytest.mark.gpu
+def test_gpu_grouped_scores_replay_in_a_cuda_graph_bitwise():
+    _needs_tilelang()
+    from cuda_sm100_checks import replayed
+
+    q, w, keys, index = _paged([9, 1, 4, 3], 300, torch.Generator().manual_seed(7), "cuda")
+    eager = tlg.indexer_scores(q, w, keys, index, SCALE)
+    assert torch.equal(replayed(lambda: tlg.indexer_scores(q, w, keys, index, SCALE)), eager)
