@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops import OpImpl
+from deepinfer_cuda_sm100.cache_ops import CACHE_OPS
 from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, int_vector, is_int_tensor
 from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
@@ -58,6 +59,7 @@ PROVIDED_OPS = (
     + ROUTING_OPS
     + PLAN_OPS
     + SAMPLING_OPS
+    + CACHE_OPS
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
@@ -382,6 +384,7 @@ def load_ops() -> dict[str, OpImpl]:
         name: OpImpl(fn=fns[name], supports=supports[name], sample_cases=own[name])
         for name in FUSED_OPS + COMPRESSOR_OPS + GEMM_OPS + INVARIANT_OPS
     }
+    from deepinfer_cuda_sm100.cache_ops import cache_ops
     from deepinfer_cuda_sm100.compressor_ops import compressor_ops
     from deepinfer_cuda_sm100.moe_ops import moe_ops
     from deepinfer_cuda_sm100.plan_ops import plan_ops
@@ -396,4 +399,5 @@ def load_ops() -> dict[str, OpImpl]:
         **routing_ops(),
         **plan_ops(),
         **sampling_ops(),
+        **cache_ops(),
     }

@@ -1,0 +1,139 @@
+"""KV cache writes on the ``cuda_sm100`` backend: ``cache_write``.
+
+Into a packed FP8 pool (:class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, ``kv_cache_dtype=
+"fp8"``) the rows are quantised and stored by one Triton launch
+(:mod:`deepinfer_cuda_sm100.kernels.cache_write`) instead of the reference's ~20; into a plain
+cache tensor by ``index_copy_`` of the values cast to its dtype, as the reference does (one
+copy kernel, plus the cast where the dtypes differ).  The other packed formats (DeepSeek-V4.1's
+block-scaled pools, per-tile FP8 pools) are refused with the reason, so the reference serves
+them (logged once).
+
+:func:`cache_ops` returns the :class:`OpImpl` with its ``supports`` predicate (shapes, dtypes,
+strides, devices and pool types only) and conformance cases at the shapes the kernel targets:
+:data:`V4_FLASH_ROWS` on the GPU (V4-Flash's 512-wide rows with a 64-wide rope part: a decode
+step's window rows and a prefill chunk's), :data:`SMALL_ROWS` under Triton's CPU interpreter;
+each with groups from 1e-6 (a subnormal-range scale) to 1e4, zero and negative-zero groups,
+values at e4m3 rounding ties, a pool whose nope part is odd (its alignment byte), a pool
+without rope values, and strided values.
+
+Importing this module does not import Triton; :func:`cache_ops` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer_core.ops import OpImpl
+from deepinfer_core.ops.cache import cache_write as reference_cache_write
+from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
+from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, is_int_tensor
+
+Verdict = bool | str
+Cases = list[tuple[tuple, dict]]
+
+CACHE_OPS = ("cache_write",)
+"""The ops :func:`cache_ops` provides."""
+
+
+@dataclass(frozen=True)
+class RowShapes:
+    """Pool geometry and written row counts of one family of ``cache_write`` cases."""
+
+    dim: int
+    rope_dim: int
+    pool_rows: int
+    writes: tuple[int, ...]
+
+
+V4_FLASH_ROWS = RowShapes(dim=512, rope_dim=64, pool_rows=1024, writes=(1, 64, 256))
+"""GPU cases: V4-Flash's 584-byte rows; a decode step's rows at batches 1, 64, 256."""
+SMALL_ROWS = RowShapes(dim=200, rope_dim=8, pool_rows=40, writes=(1, 5))
+"""Interpreter cases: four groups (the last partial), a narrow rope part."""
+
+
+def make_supports(interpreted: bool) -> Callable[..., Verdict]:
+    """The ``cache_write`` ``supports`` predicate, for ``interpreted`` (CPU) or compiled (CUDA)
+    kernels."""
+
+    def cache_write(cache, rows, values) -> Verdict:
+        if isinstance(cache, PackedKVPool) and not isinstance(cache, Fp8KVPool):
+            return f"{type(cache).__name__} pools are written by the reference"
+        target = cache.data if isinstance(cache, Fp8KVPool) else cache
+        problem = device_problem(interpreted, [("cache", target), ("rows", rows), ("values", values)])
+        if problem or not isinstance(cache, Fp8KVPool):
+            return problem or True  # a plain cache: the reference's own index_copy_
+        m = rows.shape[0] if rows.dim() == 1 else -1
+        return first_problem(
+            (
+                is_int_tensor(rows) and rows.dim() == 1,
+                f"rows ({rows.dtype}, {rows.dim()} dims) is not [M] int",
+            ),
+            (
+                values.dtype in FLOAT_DTYPES,
+                f"values dtype {values.dtype} is not one of float32, bfloat16, float16",
+            ),
+            (
+                tuple(values.shape) == (m, cache.dim),
+                f"values have shape {tuple(values.shape)}, expected [{m}, {cache.dim}]",
+            ),
+        )
+
+    return cache_write
+
+
+def write(cache, rows: torch.Tensor, values: torch.Tensor):
+    """``cache_write``: an :class:`Fp8KVPool` by the Triton kernel, a plain tensor by the
+    reference's ``index_copy_``."""
+    if isinstance(cache, Fp8KVPool):
+        from deepinfer_cuda_sm100.kernels.cache_write import write_fp8_rows
+
+        return write_fp8_rows(cache, rows, values)
+    return reference_cache_write(cache, rows, values)
+
+
+def _values(g: torch.Generator, m: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[m, dim]`` rows whose 64-value groups span magnitudes 1e-6 .. 1e4, with a zero group, a
+    negative-zero group and values at e4m3 rounding ties."""
+    mags = torch.tensor([1e-6, 1e-3, 1.0, 50.0, 1e4])
+    x = torch.randn(m, dim, generator=g) * mags[torch.arange(dim) // 64 % len(mags)]
+    if m > 1:
+        x[1, :64] = 0.0
+        x[-1, 64:128] = -0.0
+        x[0, :8] = torch.tensor([1.0625, 1.1875, -17.0, 0.0029296875, 0.0048828125, 448.0, 440.0, 2.0**-9])
+    return x.to(dtype)
+
+
+def fp8_cases(s: RowShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
+    """``cache_write`` cases into :class:`Fp8KVPool` pools of shapes ``s`` (see the module
+    docstring)."""
+
+    def cases(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        out: Cases = []
+        for m in s.writes:
+            pool = Fp8KVPool.from_values(torch.randn(s.pool_rows, s.dim, generator=g), rope_dim=s.rope_dim)
+            rows = torch.randperm(s.pool_rows, generator=g)[:m]
+            out.append(((pool, rows, _values(g, m, s.dim, dtype)), {}))
+        odd = Fp8KVPool.zeros(9, 75, rope_dim=4)  # 71 nope values: an alignment byte
+        out.append(((odd, torch.tensor([8, 0, 3]), _values(g, 3, 75, dtype)), {}))
+        bare = Fp8KVPool.zeros(6, 130, rope_dim=0)  # no rope values
+        out.append(((bare, torch.tensor([5, 1]), _values(g, 2, 130, dtype)), {}))
+        wide = _values(g, 4, s.dim + 16, dtype)
+        pool = Fp8KVPool.zeros(s.pool_rows, s.dim, rope_dim=s.rope_dim)
+        out.append(((pool, torch.tensor([3, 2, 1, 0]), wide[:, 16:]), {}))  # strided rows
+        return out
+
+    return cases
+
+
+def cache_ops() -> dict[str, OpImpl]:
+    """``{op name: OpImpl}`` for :data:`CACHE_OPS` (imports Triton and the kernels)."""
+    from deepinfer_cuda_sm100.kernels import _common
+
+    interpreted = _common.INTERPRETED
+    shapes = SMALL_ROWS if interpreted else V4_FLASH_ROWS
+    return {
+        "cache_write": OpImpl(fn=write, supports=make_supports(interpreted), sample_cases=fp8_cases(shapes))
+    }
