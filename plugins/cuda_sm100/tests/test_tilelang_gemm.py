@@ -216,6 +216,7 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
         "moe",
         "fp8_gemm",
         "indexer",
+        "indexer_grouped",
     }
     for module, config in jobs:
         kernel = importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel
