@@ -111,9 +111,14 @@ def prefill_inputs(t: int, context: int, layer: str, dtype: torch.dtype, g: torc
     return {"args": args, "bytes": bytes_, "flops": flops, "keys": keys}
 
 
-def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> dict:
-    """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request)."""
-    dev = "cuda"
+def indexer_inputs(
+    t: int, c: int, dtype: torch.dtype, g: torch.Generator, causal: bool = False, device: str = "cuda"
+) -> dict:
+    """Decode (``t <= 1024``: each query its own paged entries) or prefill (one request).
+    ``causal`` (prefill only): the ``t`` tokens end a context of ``c`` entries (``c x 4``
+    positions), each seeing the entries its position closes (``(position + 1) // 4``) instead
+    of all ``c``; the FLOPs count the entries seen.  ``g``: a generator on ``device``."""
+    dev = device
     q = torch.randn(t, INDEX_HEADS, INDEX_DIM, generator=g, device=dev).to(dtype)
     w = torch.randn(t, INDEX_HEADS, generator=g, device=dev) * INDEX_HEADS**-0.5
     epp = PAGE // CSA_RATIO
@@ -122,9 +127,13 @@ def indexer_inputs(t: int, c: int, dtype: torch.dtype, g: torch.Generator) -> di
     table = torch.randperm(requests * pages, generator=g, device=dev).view(requests, pages)
     keys = torch.randn(requests * pages * epp, INDEX_DIM, generator=g, device=dev).to(dtype)
     rows = torch.arange(t, device=dev) % requests
-    cand = PagedIndex(table, rows, torch.full((t,), c, device=dev), epp, c)
+    counts = torch.full((t,), c, device=dev)
+    if causal and requests == 1:
+        positions = c * CSA_RATIO - t + torch.arange(t, device=dev)
+        counts = ((positions + 1) // CSA_RATIO).clamp(0, c)
+    cand = PagedIndex(table, rows, counts, epp, c)
     elem = torch.finfo(dtype).bits // 8
     distinct_keys = requests * c * INDEX_DIM * elem
     bytes_ = distinct_keys + t * INDEX_HEADS * (INDEX_DIM * elem + 4) + t * INDEX_TOPK * 8
-    flops = 2 * t * c * INDEX_HEADS * INDEX_DIM
+    flops = 2 * int(counts.sum()) * INDEX_HEADS * INDEX_DIM
     return {"args": (q, w, keys, cand, INDEX_TOPK, INDEX_DIM**-0.5), "bytes": bytes_, "flops": flops}

@@ -87,7 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--indexer-shapes",
         default="128x16384,128x262144,8192x2048",
-        help="indexer T x C shapes (comma-separated)",
+        help="indexer T x C shapes (comma-separated); a trailing c (8192x2048c) makes a prefill "
+        "shape causal: each token sees the entries its position closes",
     )
     p.add_argument("--iters", type=int, default=20, help="timed calls per measurement")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before capturing")
@@ -291,17 +292,19 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in a.indexer_shapes.split(","):
-        t, c = (int(x) for x in shape.lower().split("x"))
-        inp = indexer_inputs(t, c, torch.bfloat16, g)
+        causal = shape.lower().endswith("c")  # e.g. 8192x2048c: a causal prefill chunk
+        t, c = (int(x) for x in shape.lower().rstrip("c").split("x"))
+        inp = indexer_inputs(t, c, torch.bfloat16, g, causal)
         args = inp["args"]
         q, w, keys, cand, k, scale = args
-        row = {"op": "indexer_topk", "T": t, "C": c, "k": k}
+        row = {"op": "indexer_topk", "T": t, "C": c, "k": k, "causal": causal}
         scores = ki.indexer_scores(q, w, keys, cand, scale)
         if a.check:
             got = ki.select_topk(scores, k, cand)
             want = torch.topk(scores, k, dim=1, sorted=True)
             rows_want = cand.block_table[cand.token_rows[:, None], want.indices // cand.entries_per_page]
             rows_want = rows_want * cand.entries_per_page + want.indices % cand.entries_per_page
+            rows_want = rows_want.masked_fill(want.values == float("-inf"), -1)  # unseen entries
             row["picks_equal_torch_topk_sets"] = bool(
                 torch.equal(got.sort(dim=1).values, rows_want.sort(dim=1).values)
             )

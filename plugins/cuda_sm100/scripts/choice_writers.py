@@ -102,6 +102,7 @@ def write_select_choices(rows: list[dict]) -> Path:
             "ms": select_times(r),
         }
         for r in rows
+        if not r.get("causal")  # the table's points are full rows
     ]
     command = "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices"
     return merge(points, command, "mean of the calls replayed in one CUDA graph, L2 flushed before each call")
@@ -123,7 +124,7 @@ def write_score_choices(rows: list[dict]) -> Path | None:
         {"op": SCORE_OP, "kind": "paged", "dtype": "bfloat16", "heads": 64, "head_dim": 128,
          "tokens": r["T"], "keys": r["C"], "ms": times(r)}
         for r in rows
-        if "tilelang_score_ms" in r
+        if "tilelang_score_ms" in r and not r.get("causal")  # the table's points are full rows
     ]  # fmt: skip
     if not points:
         return None

@@ -120,6 +120,39 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     assert [c for m, c in jobs(args) if m == "indexer_grouped"] == configs
 
 
+def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apart(monkeypatch):
+    """``bench_attention.py``'s indexer rows: a causal prefill shape (``8192x2048c``) gives each
+    token the entries its position closes and counts only those FLOPs; the table takes the
+    grouped kernel's time where it ran, from full rows only."""
+    import sys
+    from pathlib import Path
+
+    from cuda_sm100_checks import choice_writers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from attention_inputs import indexer_inputs
+
+    g = torch.Generator().manual_seed(0)
+    full = indexer_inputs(2048, 512, torch.bfloat16, g, device="cpu")
+    causal = indexer_inputs(2048, 512, torch.bfloat16, g, causal=True, device="cpu")
+    counts = causal["args"][3].counts
+    assert torch.equal(counts, (torch.arange(2048) + 1) // 4)  # a chunk that starts the request
+    assert torch.equal(full["args"][3].counts, torch.full((2048,), 512))
+    assert causal["flops"] * 2 == pytest.approx(full["flops"], rel=1e-2)
+
+    writers = choice_writers()
+    merged = []
+    monkeypatch.setattr(writers, "merge", lambda points, *a, **k: merged.extend(points))
+    row = {"T": 8192, "C": 2048, "score_ms": 2.3, "tilelang_score_ms": 1.2}
+    grouped = {**row, "T": 1024, "grouped_score_ms": 0.5}
+    rows = [row, grouped, {**row, "causal": True, "grouped_score_ms": 0.3}]
+    writers.write_score_choices(rows)
+    assert [p["ms"] for p in merged] == [
+        {"triton": 2.3, "tilelang": 1.2},
+        {"triton": 2.3, "tilelang": 1.2, "tilelang_grouped": 0.5},
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("group", tlg.GROUP_CHOICES)

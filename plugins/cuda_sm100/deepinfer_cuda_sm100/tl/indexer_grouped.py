@@ -13,7 +13,10 @@ tokens of one request over 2,048 entries, 4.3 GB of gathers per call with one to
 A group that spans requests (a token whose block-table row differs from its predecessor's)
 takes one pass per run of equal rows: each pass gathers its row's keys and scores only the
 tokens of that row, so every score is computed against the token's own keys whatever the
-batch.  Entries at or past a token's own count score ``-inf``, as in the one-token kernel.
+batch.  Entries at or past a token's own count score ``-inf``, as in the one-token kernel; the
+blocks past every count of the group are neither gathered nor multiplied, only written as
+``-inf`` (a causal prefill chunk's early tokens see few entries: about half the blocks of a
+chunk that starts a request).
 
 **Bits.**  Each token's product is the one-token kernel's: the same ``[BN, H]`` wgmma tiles
 over the same gathered rows in the same K order, the same epilogue (relu, scale, head
@@ -48,10 +51,10 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
             or ``"float16"``.
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
     """
-    import tilelang.language as T
-
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
+    import tilelang.language as T
+
     acc_t = "float32"
     H, D, G = heads, dim, group
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
@@ -66,6 +69,13 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
             e = c0 + i
             row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
             off[i] = T.if_then_else(e < max_count, T.Cast("int32", row), -1)
+
+    def group_max(buf):
+        """The largest of ``buf[0 .. G-1]`` (an expression, unrolled at trace time)."""
+        out = buf[0]
+        for j in range(1, G):
+            out = T.max(out, buf[j])
+        return out
 
     @T.macro
     def gather(k_s, off, flat, b, kst):
@@ -106,12 +116,17 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
                 # a token past the end gets row -1: no pass leads with it, none scores it
                 tj = T.min(t0 + j, n_tok - 1)
                 rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
-                cnt_s[j] = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
+                cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
+                cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
+            # the blocks holding an entry some token of the group sees (at least one: the
+            # pipeline's prologue gathers a block); past them every score is -inf, written as such
+            live = group_max(cnt_s)
+            nb = T.max(T.min(T.Cast("int32", T.ceildiv(T.max(live - c0, T.int64(0)), BN)), blocks), 1)
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
                     row_offsets(off, T.Cast("int32", rows_s[p]), c0, max_count, epp, block_table)
-                    for b in T.Pipelined(blocks, order=[0, 1], stage=[0, 1]):
+                    for b in T.Pipelined(nb, order=[0, 1], stage=[0, 1]):
                         gather(k_s, off, flat, b, kst)
                         for j in T.serial(G):
                             if rows_s[j] == rows_s[p]:
@@ -127,6 +142,13 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
                                             -T.infinity(acc_t),
                                             T.if_then_else(score[i] == 0, T.float32(0), score[i]),
                                         )
+                    for b in T.serial(nb, blocks):
+                        for j in T.serial(G):
+                            if rows_s[j] == rows_s[p]:
+                                for i in T.Parallel(BN):
+                                    c = (g * blocks + b) * BN + i
+                                    if c < n_cand:
+                                        scores[t0 + j, c] = -T.infinity(acc_t)
 
     return indexer_scores_grouped
 
