@@ -159,11 +159,45 @@ def split_problems() -> list[str]:
     return problems
 
 
+def paged_problems() -> list[str]:
+    """The radix select over paged candidates whose counts leave rows short (0, fewer than
+    ``k``, ``k``, more, all: a causal chunk) against the reference ``indexer_topk`` on the same
+    exact scores, best first and in column order."""
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+
+    from deepinfer_core.ops.attention import PagedIndex
+    from deepinfer_core.ops.attention import indexer_topk as reference
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    g = torch.Generator().manual_seed(11)
+    epp, k = 4, 7
+    problems = []
+    for name, s in (
+        ("random", torch.randn(9, 24, generator=g)),
+        ("ties", torch.randint(-2, 3, (9, 24), generator=g).float()),
+    ):
+        t, c = s.shape
+        counts = torch.tensor([0, 1, 6, 7, 8, 13, 24, 24, 3])
+        masked = torch.arange(c)[None, :] >= counts[:, None]
+        q, w, keys, _ = _op_inputs(s, masked)
+        # entry e of token i is pool row i * c + e (the keys' layout): page p of row i is i * c / epp + p
+        table = torch.arange(t * c // epp).view(t, c // epp)
+        cand = PagedIndex(table, torch.arange(t), counts, epp, c)
+        scores = s.masked_fill(masked, float("-inf"))
+        for bi in (False, True):
+            with batch_invariant_mode(bi):
+                want = reference(q, w, keys, cand, k, 1.0)
+            got = ki.select_topk(scores, k, cand, column_order=bi, segments=0)
+            if not torch.equal(got, want):
+                problems.append(f"{name} order={bi}: {got.tolist()} != {want.tolist()}")
+    return problems
+
+
 def interpreter_report() -> dict:
     """The interpreter checks as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
     from deepinfer_cuda_sm100.kernels import _common
 
-    return {"interpreted": _common.INTERPRETED, "split": split_problems()}
+    return {"interpreted": _common.INTERPRETED, "split": split_problems(), "paged": paged_problems()}
 
 
 def test_the_plan_splits_only_few_long_rows():
@@ -178,6 +212,11 @@ def test_the_plan_splits_only_few_long_rows():
     for t, c in ((1, 262144), (128, 262144), (4096, 65536), (128, 16384)):
         s = plan_select(t, c, 512, 132)
         assert s == 0 or -(-c // s) >= 4 * g  # each segment at least 4 G columns
+
+
+@pytest.mark.slow  # reads the report of a fresh interpreter running the kernels
+def test_interpreter_radix_select_of_short_paged_rows_equals_the_reference(report):
+    assert not report["paged"], "\n".join(report["paged"])
 
 
 @pytest.mark.slow  # reads the report of a fresh interpreter running the kernels

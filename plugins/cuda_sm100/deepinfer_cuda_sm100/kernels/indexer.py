@@ -386,11 +386,18 @@ def _select_kernel(
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    n, kk = C, KK
+    if KIND == 2:  # a paged row's columns past its count score -inf: scan its entries only
+        n = tl.minimum(count, C).to(tl.int32)
+        kk = tl.minimum(n, KK)
     _select_row(
-        scores_ptr + t * ss_t, C, KK, t, out_ptr + t * so_t, tmp_ptr + t * BLOCK_K,
+        scores_ptr + t * ss_t, n, kk, t, out_ptr + t * so_t, tmp_ptr + t * BLOCK_K,
         KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
         COLUMN_ORDER, BLOCK, BLOCK_K, INTERP,
     )  # fmt: skip
+    if KIND == 2:  # the picks past its entries: -inf ones, none (-1), as a full scan gives
+        i = tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + t * so_t + i, tl.full([BLOCK_K], -1, tl.int64), mask=(i >= kk) & (i < KK))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,7 +681,9 @@ def select_topk(
     Two exact paths, the same picks in the same order; ``segments`` (``None``:
     :func:`plan_select`) picks one:
 
-    - ``0``: one program per row, a four-pass radix select (short rows, many rows);
+    - ``0``: one program per row, a four-pass radix select (short rows, many rows); a paged
+      row scans its own entries only (a causal prefill chunk's early tokens see few), the
+      picks past them ``-1`` as a full scan's ``-inf`` ones;
     - ``S >= 1``: the threshold path for long rows, ``S`` programs per row in its streaming
       kernels.  Every candidate gets a unique 64-bit key (score image, then earlier column);
       the row's columns fall in ``G`` strided groups (``column % G``), and the ``kk``-th
