@@ -8,8 +8,8 @@ key gather per block shared by the group's GEMMs and no block barrier inside the
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): over batches whose groups
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
-(0, past ``max_count``), block tables with unused ``-1`` pages: the scores equal the one-token
-TileLang kernel's bit for bit for both group sizes and every blocks-per-CTA choice, and on
+(0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
+equal the one-token TileLang kernel's bit for bit for both group sizes and every blocks-per-CTA choice, and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -36,10 +36,11 @@ SCALE = 2.0**-4
 
 def _paged(lengths, max_count, g, device="cpu", integer=False):
     """Requests of ``lengths`` query tokens over one pool: a random block table per request
-    (``-1`` past the pages its entries need), causal-like ragged counts per token."""
+    (past the pages its entries need, page ids far out of the pool: never to be read),
+    causal-like ragged counts per token."""
     t = sum(lengths)
     pages = -(-max_count // EPP)
-    table = torch.full((len(lengths), pages + 1), -1, dtype=torch.int64)
+    table = torch.full((len(lengths), pages + 1), 1 << 40, dtype=torch.int64)
     perm = torch.randperm(len(lengths) * pages, generator=g)
     rows, counts = [], []
     for r, n in enumerate(lengths):

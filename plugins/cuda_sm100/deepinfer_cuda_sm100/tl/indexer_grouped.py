@@ -13,9 +13,10 @@ tokens of one request over 2,048 entries, 4.3 GB of gathers per call with one to
 A group that spans requests (a token whose block-table row differs from its predecessor's)
 takes one pass per run of equal rows: each pass gathers its row's keys and scores only the
 tokens of that row, so every score is computed against the token's own keys whatever the
-batch.  Entries at or past a token's own count score ``-inf``, as in the one-token kernel; the
-blocks past every count of the group are neither gathered nor multiplied, only written as
-``-inf`` (a causal prefill chunk's early tokens see few entries: about half the blocks of a
+batch.  Entries at or past a token's own count score ``-inf``, as in the one-token kernel; a
+pass reads no block-table entry past the largest count of its row's tokens (those pages need
+not exist), and its blocks past that count are neither gathered nor multiplied, only written
+as ``-inf`` (a causal prefill chunk's early tokens see few entries: about half the blocks of a
 chunk that starts a request).
 
 **Bits.**  Each token's product is the one-token kernel's: the same ``[BN, H]`` wgmma tiles
@@ -61,20 +62,22 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
 
     @T.macro
-    def row_offsets(off, page_row, c0, max_count, epp, block_table):
+    def row_offsets(off, page_row, c0, count, epp, block_table):
         """``off[i]``: entry ``c0 + i`` of block-table row ``page_row`` as a pool row (int32,
-        half the static shared memory of 16-byte offsets), ``-1`` past ``max_count``, negative
-        where the table holds no page."""
+        half the static shared memory of 16-byte offsets), ``-1`` from ``count`` on (the
+        entries no token of the row sees: their pages need not exist), negative where the table
+        holds no page."""
         for i in T.Parallel(blocks * BN):
             e = c0 + i
             row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
-            off[i] = T.if_then_else(e < max_count, T.Cast("int32", row), -1)
+            off[i] = T.if_then_else(e < count, T.Cast("int32", row), -1)
 
-    def group_max(buf):
-        """The largest of ``buf[0 .. G-1]`` (an expression, unrolled at trace time)."""
-        out = buf[0]
+    def row_count(row, count, p):
+        """The most entries a token of token ``p``'s row sees, over the group's ``row`` and
+        ``count`` values (an expression unrolled at trace time)."""
+        out = T.if_then_else(row(0) == row(p), count(0), T.int64(0))
         for j in range(1, G):
-            out = T.max(out, buf[j])
+            out = T.max(out, T.if_then_else(row(j) == row(p), count(j), T.int64(0)))
         return out
 
     @T.macro
@@ -104,8 +107,10 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
             off = T.alloc_shared((blocks * BN,), "int32", scope="shared")
             rows_s = T.alloc_shared((G,), "int64", scope="shared")
             cnt_s = T.alloc_shared((G,), "int64", scope="shared")
+            live_s = T.alloc_shared((G,), "int64", scope="shared")
             acc = T.alloc_fragment((BN, H), acc_t)
             score = T.alloc_fragment((BN,), acc_t)
+            nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
             for j, h, d in T.Parallel(G, H, D):
@@ -118,14 +123,18 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
                 rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
                 cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
                 cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
-            # the blocks holding an entry some token of the group sees (at least one: the
-            # pipeline's prologue gathers a block); past them every score is -inf, written as such
-            live = group_max(cnt_s)
-            nb = T.max(T.min(T.Cast("int32", T.ceildiv(T.max(live - c0, T.int64(0)), BN)), blocks), 1)
+            for j in T.Parallel(G):
+                # the most entries a token of token j's row sees: a pass gathers no further
+                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j)
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
-                    row_offsets(off, T.Cast("int32", rows_s[p]), c0, max_count, epp, block_table)
+                    row_offsets(off, T.Cast("int32", rows_s[p]), c0, live_s[p], epp, block_table)
+                    # the blocks holding an entry a token of the row sees (at least one: the
+                    # pipeline's prologue gathers a block); past them every score is -inf
+                    nb = T.max(
+                        T.min(T.Cast("int32", T.ceildiv(T.max(live_s[p] - c0, T.int64(0)), BN)), blocks), 1
+                    )
                     for b in T.Pipelined(nb, order=[0, 1], stage=[0, 1]):
                         gather(k_s, off, flat, b, kst)
                         for j in T.serial(G):
