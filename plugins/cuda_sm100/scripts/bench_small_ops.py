@@ -4,10 +4,11 @@ Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash w
 (hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048, vocabulary 129,280):
 the norms, the rope and its cos/sin tables, the mHC ops, the shared expert's SwiGLU and greedy
 sampling's ``argmax_rows`` over ``[T, vocabulary]`` float32 logits (the reference is
-``torch.argmax``; fp32 whatever ``--dtype``, as the sampler takes them).  Each implementation is timed with
-CUDA events two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls
-(GPU time per call, launch overhead excluded), and eagerly (what a Python loop costs,
-launches included).  Prints a table and writes JSON (default
+``torch.argmax``; fp32 whatever ``--dtype``, as the sampler takes them) and ``cache_write`` of
+``T`` rows into a packed FP8 KV pool (``kv_cache_dtype="fp8"``; 584-byte rows).  Each
+implementation is timed with CUDA events two ways: replaying a CUDA graph of
+``--calls-per-graph`` back-to-back calls (GPU time per call, launch overhead excluded), and
+eagerly (what a Python loop costs, launches included).  Prints a table and writes JSON (default
 ``benchmarks/results/cuda_sm100_small_ops.json`` at the repository root).
 
     python plugins/cuda_sm100/scripts/bench_small_ops.py [--tokens 1,16,64,256] [--dtype bfloat16]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +27,7 @@ from graph_timing import gpu_run_header, time_graph
 
 from deepinfer_core.benchmarking.harness import run_main
 from deepinfer_core.ops import all_ops
+from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 
 REPO = Path(__file__).resolve().parents[3]
 HIDDEN, HEADS, HEAD_DIM, ROPE_DIM, HC, Q_LORA = 4096, 64, 512, 64, 4, 1024
@@ -100,7 +103,30 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
             ),
         ),
         ("argmax_rows", f"[{t},{VOCAB}] fp32 logits", (randn(t, VOCAB, dt=torch.float32, scale=4),)),
+        (
+            "cache_write",
+            f"fp8 pool, {t} rows of {HEAD_DIM}",
+            (
+                Fp8KVPool.zeros(4 * 1024, HEAD_DIM, ROPE_DIM, dev),
+                torch.randperm(4 * 1024, device=dev)[:t],
+                randn(t, HEAD_DIM, scale=3),
+            ),
+        ),  # fmt: skip
     ]
+
+
+def fresh(args: tuple) -> tuple:
+    """``args`` with every tensor and packed pool copied (ops such as ``cache_write`` write into
+    their first argument: the kernel's and the reference's results are compared on copies)."""
+
+    def copy(x):
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, PackedKVPool):
+            return replace(x, data=x.data.clone())
+        return x
+
+    return tuple(copy(x) for x in args)
 
 
 def time_eager(fn: Callable, args: tuple, iters: int) -> float:
@@ -118,9 +144,11 @@ def time_eager(fn: Callable, args: tuple, iters: int) -> float:
 
 
 def max_err(a, b) -> float:
-    """Largest absolute difference over (nested) outputs."""
+    """Largest absolute difference over (nested) outputs (a packed pool: over its bytes)."""
     if isinstance(a, (tuple, list)):
         return max(max_err(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, PackedKVPool):
+        a, b = a.data, b.data
     return float((a.double() - b.double()).abs().max())
 
 
@@ -162,7 +190,7 @@ def main() -> None:
                 print(f"{op:<11} {label:<28} kernel refuses: {verdict}")
                 continue
             row = {"op": op, "shape": label, "tokens": t, "dtype": args.dtype}
-            row["max_abs_err"] = max_err(impl.fn(*call_args), ref(*call_args))
+            row["max_abs_err"] = max_err(impl.fn(*fresh(call_args)), ref(*fresh(call_args)))
             row["ref_graph_us"] = time_graph(
                 lambda i, f=ref, a=call_args: f(*a), args.calls_per_graph, args.replays
             )
