@@ -1,20 +1,22 @@
 """KV cache writes on the ``cuda_sm100`` backend: ``cache_write``.
 
-Into a packed FP8 pool (:class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, ``kv_cache_dtype=
-"fp8"``) the rows are quantised and stored by one Triton launch
-(:mod:`deepinfer_cuda_sm100.kernels.cache_write`) instead of the reference's ~20; into a plain
-cache tensor by ``index_copy_`` of the values cast to its dtype, as the reference does (one
-copy kernel, plus the cast where the dtypes differ).  The other packed formats (DeepSeek-V4.1's
-block-scaled pools, per-tile FP8 pools) are refused with the reason, so the reference serves
-them (logged once).
+Into a packed pool the rows are quantised and stored by one Triton launch instead of the
+reference's ~20: a packed FP8 pool (:class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, V4's
+``kv_cache_dtype="fp8"``; :mod:`deepinfer_cuda_sm100.kernels.cache_write`) or a block-scaled one
+(:class:`~deepinfer_core.ops.kv_blockscaled.BlockScaledKVPool`, DeepSeek-V4.1's window records,
+compressed entries and indexer keys; :mod:`deepinfer_cuda_sm100.kernels.cache_write_blocks`),
+bit for bit the reference's bytes.  Into a plain cache tensor by ``index_copy_`` of the values
+cast to its dtype, as the reference does (one copy kernel, plus the cast where the dtypes
+differ).  Per-tile FP8 pools are refused with the reason, so the reference serves them (logged
+once).
 
 :func:`cache_ops` returns the :class:`OpImpl` with its ``supports`` predicate (shapes, dtypes,
-strides, devices and pool types only) and conformance cases at the shapes the kernel targets:
+strides, devices and pool types only) and conformance cases at the shapes the kernels target:
 :data:`V4_FLASH_ROWS` on the GPU (V4-Flash's 512-wide rows with a 64-wide rope part: a decode
-step's window rows and a prefill chunk's), :data:`SMALL_ROWS` under Triton's CPU interpreter;
-each with groups from 1e-6 (a subnormal-range scale) to 1e4, zero and negative-zero groups,
-values at e4m3 rounding ties, a pool whose nope part is odd (its alignment byte), a pool
-without rope values, and strided values.
+step's window rows and a prefill chunk's; V4.1's formats at their widths), :data:`SMALL_ROWS`
+under Triton's CPU interpreter; each with groups from 1e-6 (a subnormal-range scale) to 1e4,
+zero and negative-zero groups, values at rounding ties, a pool whose nope part is odd (its
+alignment byte), a pool without rope values, and strided values.
 
 Importing this module does not import Triton; :func:`cache_ops` does.
 """
@@ -28,6 +30,7 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_core.ops.cache import cache_write as reference_cache_write
+from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
 from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, is_int_tensor
 
@@ -36,6 +39,8 @@ Cases = list[tuple[tuple, dict]]
 
 CACHE_OPS = ("cache_write",)
 """The ops :func:`cache_ops` provides."""
+KERNEL_POOLS = (Fp8KVPool, BlockScaledKVPool)
+"""The packed pools the kernels write (V4's FP8 rows; V4.1's block-scaled formats)."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,15 @@ class RowShapes:
     rope_dim: int
     pool_rows: int
     writes: tuple[int, ...]
+    block_dim: int
+    """The narrow block-scaled rows' width (V4.1's indexer keys)."""
 
 
-V4_FLASH_ROWS = RowShapes(dim=512, rope_dim=64, pool_rows=1024, writes=(1, 64, 256))
-"""GPU cases: V4-Flash's 584-byte rows; a decode step's rows at batches 1, 64, 256."""
-SMALL_ROWS = RowShapes(dim=200, rope_dim=8, pool_rows=40, writes=(1, 5))
-"""Interpreter cases: four groups (the last partial), a narrow rope part."""
+V4_FLASH_ROWS = RowShapes(dim=512, rope_dim=64, pool_rows=1024, writes=(1, 64, 256), block_dim=128)
+"""GPU cases: V4-Flash's 584-byte rows; a decode step's rows at batches 1, 64, 256; V4.1's
+formats at 512 (window records, compressed entries) and 128 (indexer keys)."""
+SMALL_ROWS = RowShapes(dim=192, rope_dim=8, pool_rows=40, writes=(1, 5), block_dim=64)
+"""Interpreter cases: three FP8 groups, a narrow rope part; whole blocks of every format."""
 
 
 def make_supports(interpreted: bool) -> Callable[..., Verdict]:
@@ -59,11 +67,12 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
     kernels."""
 
     def cache_write(cache, rows, values) -> Verdict:
-        if isinstance(cache, PackedKVPool) and not isinstance(cache, Fp8KVPool):
+        if isinstance(cache, PackedKVPool) and not isinstance(cache, KERNEL_POOLS):
             return f"{type(cache).__name__} pools are written by the reference"
-        target = cache.data if isinstance(cache, Fp8KVPool) else cache
+        packed = isinstance(cache, KERNEL_POOLS)
+        target = cache.data if packed else cache
         problem = device_problem(interpreted, [("cache", target), ("rows", rows), ("values", values)])
-        if problem or not isinstance(cache, Fp8KVPool):
+        if problem or not packed:
             return problem or True  # a plain cache: the reference's own index_copy_
         m = rows.shape[0] if rows.dim() == 1 else -1
         return first_problem(
@@ -85,12 +94,16 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
 
 
 def write(cache, rows: torch.Tensor, values: torch.Tensor):
-    """``cache_write``: an :class:`Fp8KVPool` by the Triton kernel, a plain tensor by the
-    reference's ``index_copy_``."""
+    """``cache_write``: an :class:`Fp8KVPool` or a :class:`BlockScaledKVPool` by its Triton
+    kernel, a plain tensor by the reference's ``index_copy_``."""
     if isinstance(cache, Fp8KVPool):
         from deepinfer_cuda_sm100.kernels.cache_write import write_fp8_rows
 
         return write_fp8_rows(cache, rows, values)
+    if isinstance(cache, BlockScaledKVPool):
+        from deepinfer_cuda_sm100.kernels.cache_write_blocks import write_block_rows
+
+        return write_block_rows(cache, rows, values)
     return reference_cache_write(cache, rows, values)
 
 
@@ -106,9 +119,8 @@ def _values(g: torch.Generator, m: int, dim: int, dtype: torch.dtype) -> torch.T
     return x.to(dtype)
 
 
-def fp8_cases(s: RowShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
-    """``cache_write`` cases into :class:`Fp8KVPool` pools of shapes ``s`` (see the module
-    docstring)."""
+def packed_cases(s: RowShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
+    """``cache_write`` cases into packed pools of shapes ``s`` (see the module docstring)."""
 
     def cases(g: torch.Generator, dtype: torch.dtype) -> Cases:
         out: Cases = []
@@ -116,6 +128,10 @@ def fp8_cases(s: RowShapes) -> Callable[[torch.Generator, torch.dtype], Cases]:
             pool = Fp8KVPool.from_values(torch.randn(s.pool_rows, s.dim, generator=g), rope_dim=s.rope_dim)
             rows = torch.randperm(s.pool_rows, generator=g)[:m]
             out.append(((pool, rows, _values(g, m, s.dim, dtype)), {}))
+        for fmt, dim in (("fp8_ue8m0", s.dim), ("fp4_e4m3", s.dim), ("fp4_ue8m0", s.block_dim)):
+            pool = BlockScaledKVPool.zeros(s.pool_rows, dim, fmt)
+            rows = torch.randperm(s.pool_rows, generator=g)[: s.writes[-1]]
+            out.append(((pool, rows, _values(g, s.writes[-1], dim, dtype)), {}))
         odd = Fp8KVPool.zeros(9, 75, rope_dim=4)  # 71 nope values: an alignment byte
         out.append(((odd, torch.tensor([8, 0, 3]), _values(g, 3, 75, dtype)), {}))
         bare = Fp8KVPool.zeros(6, 130, rope_dim=0)  # no rope values
@@ -135,5 +151,7 @@ def cache_ops() -> dict[str, OpImpl]:
     interpreted = _common.INTERPRETED
     shapes = SMALL_ROWS if interpreted else V4_FLASH_ROWS
     return {
-        "cache_write": OpImpl(fn=write, supports=make_supports(interpreted), sample_cases=fp8_cases(shapes))
+        "cache_write": OpImpl(
+            fn=write, supports=make_supports(interpreted), sample_cases=packed_cases(shapes)
+        )
     }

@@ -1,5 +1,5 @@
-"""The ``cuda_sm100`` ``cache_write`` (one Triton launch into a packed FP8 pool) against the
-reference's bytes.
+"""The ``cuda_sm100`` ``cache_write`` (one Triton launch into a packed FP8 pool or a block-scaled
+one) against the reference's bytes.
 
 **Interpreter.**  ``TRITON_INTERPRET=1`` must be set before Triton is imported and must not
 leak into this pytest process, so the interpreter checks run in a child: ``python
@@ -11,7 +11,10 @@ part of it.  It runs
   bfloat16 and float16, in the default and the batch-invariant mode (the core's cases into the
   other packed formats are refused, so the reference writes them);
 - the edges (:func:`byte_problems`): every written row's bytes equal
-  :func:`~deepinfer_core.ops.kv_format.quantize_fp8_rows`'s and the other rows are untouched,
+  :func:`~deepinfer_core.ops.kv_format.quantize_fp8_rows`'s (V4's FP8 pools) or
+  :func:`~deepinfer_core.ops.kv_blockscaled.quantize_block_rows`'s (V4.1's three block-scaled
+  formats: every e2m1 rounding tie, blocks under each scale floor, zero, ``-0``, huge and tiny
+  blocks, an e4m3-subnormal scale) and the other rows are untouched,
   for every e4m3 magnitude around each binade and its rounding ties, groups whose largest
   magnitude sits at each scale boundary (``448 * 2**e`` and one ulp above), all-zero and
   negative-zero groups, fp32 subnormal groups, the largest and smallest scales, groups holding
@@ -19,7 +22,8 @@ part of it.  It runs
   (448 + 64) and odd / rope-less ones;
 - batch invariance: a row's bytes written alone equal those written within a batch.
 
-**Compile** (no GPU needed): the kernel compiles for sm_90 and sm_100.
+**Compile** (no GPU needed): both kernels (every block-scaled format) compile for sm_90 and
+sm_100.
 
 **GPU** (skipped without CUDA): conformance at :data:`~deepinfer_cuda_sm100.cache_ops.V4_FLASH_ROWS`,
 the edges, and the replay of a captured CUDA graph on new values.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 import cuda_sm100_checks as checks
 import pytest
@@ -115,34 +120,75 @@ def edges() -> list[tuple[str, int, int, torch.Tensor]]:
     return out
 
 
+BLOCK_FORMATS = ("fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0")
+
+
+def block_edges() -> list[tuple[str, int, str, torch.Tensor]]:
+    """``(label, dim, format, values [M, dim] fp32)`` for the block-scaled pools: blocks whose
+    scaled values land on every e2m1 rounding tie (block maxima ``3 * 2**k`` and ``5.5 * 2**k``:
+    power-of-two scales ``2**k``), blocks below each format's scale floor, zero and ``-0``
+    blocks, huge and tiny magnitudes, random rows."""
+    g = torch.Generator().manual_seed(9)
+    ties = [0.25, 0.75, 1.25, 1.75, 2.5, 0.5, 1.0, 3.0, -0.25, -1.25, -2.5, -0.75, 0.1, 2.9, -3.0, 0.0]
+    more = [3.5, 5.0, 5.5, -3.5, -5.0, 4.5, 2.0, 0.25, 1.5, -5.5, 0.0, -0.0, 4.0, 5.5, 1.75, 2.75]
+    block = torch.tensor(ties + ties + more + more)  # two 16-value blocks, then one of 32
+    tie_rows = torch.stack([torch.cat([block] * 4) * 2.0**k for k in (-20, -3, 0, 7, 100)])
+    special = torch.randn(3, 256, generator=g)
+    special[0, :32] = 0.0
+    special[0, 32:64] = -0.0
+    special[1, :32] = torch.randn(32, generator=g) * 1e-7  # below fp8_ue8m0's floor (1e-4 / 448)
+    special[1, 32:64] = torch.randn(32, generator=g) * 1e-38  # below the FP4 floors
+    special[2, :32] = torch.randn(32, generator=g) * 1e30
+    special[2, 64:96] = torch.randn(32, generator=g) * 2.0**-8  # fp4_e4m3: a subnormal e4m3 scale
+    out = []
+    for fmt in BLOCK_FORMATS:
+        out.append((f"{fmt} ties", 256, fmt, tie_rows))
+        out.append((f"{fmt} floors, zeros, extremes", 256, fmt, special))
+        out.append((f"{fmt} random", 64, fmt, torch.randn(5, 64, generator=g) * 7))
+    return out
+
+
+def _write_problem(
+    label: str, pool, values: torch.Tensor, want_rows: torch.Tensor, impl, device
+) -> str | None:
+    """Why writing ``values`` at random rows of ``pool`` (its copy on ``device``) does not leave
+    the reference's bytes ``want_rows`` there and the old bytes elsewhere, or ``None``."""
+    before = pool.data.clone()
+    dest = torch.randperm(before.shape[0], generator=torch.Generator().manual_seed(2))[: values.shape[0]]
+    pool = replace(pool, data=before.to(device))
+    verdict = impl.supports(pool, dest.to(device), values.to(device))
+    if verdict is not True:
+        return f"{label}: refused: {verdict}"
+    impl.fn(pool, dest.to(device), values.to(device))
+    got, want = pool.data.cpu(), before.clone()
+    want[dest] = want_rows
+    if not torch.equal(got, want):
+        return f"{label}: bytes differ at (row, byte) {(got != want).nonzero()[:4].tolist()}"
+    return None
+
+
 def byte_problems(device: str, dtypes: tuple[torch.dtype, ...] = DTYPES) -> list[str]:
     """Every edge whose written bytes differ from the reference's, or that touched another row,
-    or that ``supports`` refused."""
-    impl = _impl()
+    or that ``supports`` refused: V4's FP8 pools (:func:`edges`), V4.1's block-scaled ones
+    (:func:`block_edges`)."""
+    from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool, quantize_block_rows
+
+    impl, g = _impl(), torch.Generator().manual_seed(1)
     problems = []
     for dtype in dtypes:
         for label, dim, rope_dim, x in edges():
+            pool = Fp8KVPool.from_values(torch.randn(x.shape[0] + 3, dim, generator=g), rope_dim)
             values = x.to(dtype)
-            m = values.shape[0]
-            pool = Fp8KVPool.from_values(
-                torch.randn(m + 3, dim, generator=torch.Generator().manual_seed(1)), rope_dim
-            )
-            before = pool.data.clone()
-            dest = torch.randperm(m + 3, generator=torch.Generator().manual_seed(2))[:m]
-            pool = Fp8KVPool(pool.data.to(device), dim, rope_dim)
-            tag = f"{label} {dtype}"
-            verdict = impl.supports(pool, dest.to(device), values.to(device))
-            if verdict is not True:
-                problems.append(f"{tag}: refused: {verdict}")
-                continue
-            impl.fn(pool, dest.to(device), values.to(device))
-            got = pool.data.cpu()
-            want = before.clone()
-            want[dest] = quantize_fp8_rows(values, rope_dim)
-            if not torch.equal(got, want):
-                bad = (got != want).nonzero()[:4].tolist()
-                problems.append(f"{tag}: bytes differ at (row, byte) {bad}")
-    return problems
+            want = quantize_fp8_rows(values, rope_dim)
+            problems.append(_write_problem(f"{label} {dtype}", pool, values, want, impl, device))
+        for label, dim, fmt, x in block_edges():
+            pool = BlockScaledKVPool.from_values(torch.randn(x.shape[0] + 3, dim, generator=g), fmt)
+            values = x.to(dtype)
+            if not torch.isfinite(values).all():  # the formats take finite values only
+                values = values.nan_to_num(posinf=0.0, neginf=0.0)
+            want = quantize_block_rows(values, fmt)
+            problems.append(_write_problem(f"{label} {dtype}", pool, values, want, impl, device))
+    return [p for p in problems if p]
 
 
 def invariance_problems(device: str) -> list[str]:
@@ -224,12 +270,14 @@ def test_supports_takes_fp8_pools_and_plain_caches():
 
 def test_supports_refuses_with_the_reason():
     from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
+    from deepinfer_core.ops.kv_tile import TileFp8KVPool
 
     sup = _supports(True)
     pool = Fp8KVPool.zeros(6, 512, 64)
     rows = torch.tensor([1, 2])
     cases = [
-        ((BlockScaledKVPool.zeros(8, 64, "fp8_ue8m0"), rows, torch.zeros(2, 64)), "written by the reference"),
+        ((TileFp8KVPool.zeros(8, 64), rows, torch.zeros(2, 64)), "written by the reference"),
+        ((BlockScaledKVPool.zeros(8, 64, "fp4_e4m3"), rows, torch.zeros(2, 32)), "expected [2, 64]"),
         ((pool, rows, torch.zeros(2, 500)), "expected [2, 512]"),
         ((pool, rows, torch.zeros(3, 512)), "expected [2, 512]"),
         ((pool, rows.float(), torch.zeros(2, 512)), "is not [M] int"),
@@ -259,17 +307,22 @@ def test_the_backend_provides_the_op():
 @slow
 @pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
-def test_the_kernel_compiles_for_the_gpu(arch, monkeypatch):
+def test_the_kernels_compile_for_the_gpu(arch, monkeypatch):
     from cuda_sm100_checks import compile_launch, record_launches
-    from deepinfer_cuda_sm100.kernels import cache_write
+    from deepinfer_cuda_sm100.kernels import cache_write, cache_write_blocks
 
-    launches = record_launches(monkeypatch, cache_write, ("_fp8_rows_kernel",))
-    cache_write.write_fp8_rows(
-        Fp8KVPool.zeros(8, 512, 64), torch.arange(4), torch.zeros(4, 512, dtype=torch.bfloat16)
-    )
+    from deepinfer_core.ops.kv_blockscaled import BlockScaledKVPool
+
+    fp8 = record_launches(monkeypatch, cache_write, ("_fp8_rows_kernel",))
+    blocks = record_launches(monkeypatch, cache_write_blocks, ("_block_rows_kernel",))
+    bf16 = torch.zeros(4, 512, dtype=torch.bfloat16)
+    cache_write.write_fp8_rows(Fp8KVPool.zeros(8, 512, 64), torch.arange(4), bf16)
     cache_write.write_fp8_rows(Fp8KVPool.zeros(8, 75, 4), torch.arange(2), torch.zeros(2, 75))
+    for fmt in BLOCK_FORMATS:
+        cache_write_blocks.write_block_rows(BlockScaledKVPool.zeros(8, 512, fmt), torch.arange(4), bf16)
     monkeypatch.undo()
-    assert len(launches) == 2
+    launches = fp8 + blocks
+    assert len(fp8) == 2 and len(blocks) == len(BLOCK_FORMATS)
     for kernel, args, kwargs in launches:
         assert compile_launch(kernel, args, kwargs, arch).asm["ptx"]
 
