@@ -61,6 +61,14 @@ def _e4m3_codes(v):
 
 
 @triton.jit
+def row_pointers(values_ptr, stride_v, rows_ptr, data_ptr, row_bytes):
+    """``(source, destination)``: the start of this program's row of ``values`` and of the
+    packed row ``rows[pid]`` of ``data`` it is written to."""
+    i = tl.program_id(0).to(tl.int64)
+    return values_ptr + i * stride_v, data_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_bytes
+
+
+@triton.jit
 def _load_fp32(ptr, mask):
     """Values of any float dtype as fp32, exactly: bfloat16 through its bits (Triton's
     interpreter flushes bfloat16 subnormals in its own conversion)."""
@@ -92,9 +100,7 @@ def _fp8_rows_kernel(
 ):
     """Row ``pid`` of ``values`` packed into ``data`` row ``rows[pid]``."""
     pdl_enter(USE_PDL)
-    i = tl.program_id(0).to(tl.int64)
-    src = values_ptr + i * stride_v
-    dst = data_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_bytes
+    src, dst = row_pointers(values_ptr, stride_v, rows_ptr, data_ptr, row_bytes)
     g = tl.arange(0, GROUPS_P2)
     col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     inside = col < NOPE

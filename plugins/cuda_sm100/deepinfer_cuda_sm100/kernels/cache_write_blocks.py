@@ -35,7 +35,7 @@ from deepinfer_core.ops.kv_blockscaled import BLOCK_FORMATS, FP4_MAX, BlockScale
 from deepinfer_core.ops.kv_format import FP8_MAX
 
 from ._common import pow2
-from .cache_write import _e4m3_codes, _load_fp32
+from .cache_write import _e4m3_codes, _load_fp32, row_pointers
 from .pdl import pdl_args, pdl_enter
 
 FORMATS = ("fp8_ue8m0", "fp4_e4m3", "fp4_ue8m0")
@@ -116,9 +116,7 @@ def _block_rows_kernel(
 ):
     """Row ``pid`` of ``values`` packed into ``data`` row ``rows[pid]``."""
     pdl_enter(USE_PDL)
-    i = tl.program_id(0).to(tl.int64)
-    src = values_ptr + i * stride_v
-    dst = data_ptr + tl.load(rows_ptr + i).to(tl.int64) * row_bytes
+    src, dst = row_pointers(values_ptr, stride_v, rows_ptr, data_ptr, row_bytes)
     NB: tl.constexpr = DIM // BLOCK
     g = tl.arange(0, NB_P2)
     if FMT == 0:  # e4m3 elements, a byte each
