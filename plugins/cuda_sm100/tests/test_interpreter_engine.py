@@ -4,10 +4,11 @@ reference backend.
 
 ``TRITON_INTERPRET=1`` must be set before Triton is imported and must not leak into this pytest
 process, so the engines run in a child: ``python test_interpreter_engine.py
---interpreter-report`` prints a JSON report.  With ``kv_cache_dtype="fp8"`` (packed FP8 window
-rings and compressed pools, every store through the backend's ``cache_write`` kernel) and
-prompts that span several chunks and close compressor windows, greedy decoding gives the
-reference backend's tokens, and its FP8 pools were written by the ``cache_write`` kernel; on the
+--interpreter-report`` prints a JSON report.  With the plain KV cache and with
+``kv_cache_dtype="fp8"`` (packed FP8 window rings and compressed pools, every store through the
+backend's ``cache_write`` kernel) and prompts that span several chunks and close compressor
+windows, greedy decoding gives the reference backend's tokens, and the FP8 pools were written by
+the ``cache_write`` kernel; on the
 tiny V4.1 a backend whose only own op is ``cache_write`` (its block-scaled window records,
 compressed entries and indexer keys) gives the reference's tokens and logprobs bit for bit.
 (Dense GEMMs on the tiny model's plain weights stay cuBLAS's, i.e. the reference's, as on a
@@ -51,9 +52,9 @@ def _plugin(name: str):
     return Interpreted()
 
 
-def greedy(backend: str, model: str | None = None) -> list[dict]:
+def greedy(backend: str, model: str | None = None, kv: str = "fp8") -> list[dict]:
     """Greedy tokens and their logprobs (the top 2 per position) of two prompts (30 and 47 ids)
-    on a tiny model (default: the built-in V4) with the FP8 KV cache."""
+    on a tiny model (default: the built-in V4) with the KV cache ``kv``."""
     from deepinfer_core import SamplingParams
     from deepinfer_core.config import EngineConfig
     from deepinfer_core.engine.llm_engine import LLMEngine
@@ -61,7 +62,7 @@ def greedy(backend: str, model: str | None = None) -> list[dict]:
 
     plugins = manager_with_plugin(_plugin(backend), backend) if backend != "reference" else None
     config = EngineConfig(
-        backend=backend, max_num_seqs=2, max_model_len=96, enforce_eager=True, kv_cache_dtype="fp8",
+        backend=backend, max_num_seqs=2, max_model_len=96, enforce_eager=True, kv_cache_dtype=kv,
         max_num_batched_tokens=32, **({"model": model} if model else {}),
     )  # fmt: skip
     engine = LLMEngine(config, plugins=plugins)
@@ -104,6 +105,8 @@ def interpreter_report() -> dict:
     counted(cache_write_blocks, "write_block_rows", "blocks")
     report = {"interpreted": _common.INTERPRETED, "reference": greedy("reference")}
     report["interpreted_tokens"] = [r["tokens"] for r in greedy(BACKEND)]
+    report["plain_reference"] = [r["tokens"] for r in greedy("reference", kv="auto")]
+    report["plain_interpreted"] = [r["tokens"] for r in greedy(BACKEND, kv="auto")]
     with tempfile.TemporaryDirectory() as tmp:
         v41 = str(make_tiny(Path(tmp) / "v41"))
         report["v41_reference"] = greedy("reference", v41)
@@ -115,10 +118,15 @@ def interpreter_report() -> dict:
 test_kernel_ran_interpreted = checks.test_kernel_ran_interpreted  # the report's shared test
 
 
-@pytest.mark.slow  # engines in a fresh interpreter, the kernels interpreted: ~1 min
+@pytest.mark.slow  # engines in a fresh interpreter, the kernels interpreted: ~80 s
 def test_the_interpreted_op_table_decodes_the_reference_tokens_with_fp8_kv(report):
     assert report["writes"]["fp8"] > 0, "no FP8 pool was written by the cache_write kernel"
     assert report["interpreted_tokens"] == [r["tokens"] for r in report["reference"]]
+
+
+@pytest.mark.slow
+def test_the_interpreted_op_table_decodes_the_reference_tokens_with_plain_kv(report):
+    assert report["plain_interpreted"] == report["plain_reference"]
 
 
 @pytest.mark.slow
