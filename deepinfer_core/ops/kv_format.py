@@ -164,7 +164,7 @@ class PackedKVPool(ABC):
     and its format's parameters); ops test ``isinstance(pool, PackedKVPool)`` and use only this:
     ``cache_write`` stores :meth:`quantize`'s bytes at rows of ``data``, readers dequantise the
     rows they read (:meth:`dequantize_rows`), a model needing a pool of the same format for rows
-    of its own makes one with :meth:`new_rows`.  Each row is packed independently of the
+    of its own makes one with :meth:`empty_rows`.  Each row is packed independently of the
     others, and neither direction synchronises with the host.
     """
 
@@ -189,10 +189,11 @@ class PackedKVPool(ABC):
                 f"got {self.data.dtype} {tuple(self.data.shape)}"
             )
 
-    def new_rows(self, rows: int) -> PackedKVPool:
-        """A pool of this one's format and parameters holding ``rows`` zero rows (every value
-        dequantises to 0), on the same device."""
-        data = torch.zeros(rows, self.data.shape[1], dtype=torch.uint8, device=self.data.device)
+    def empty_rows(self, rows: int) -> PackedKVPool:
+        """A pool of this one's format and parameters of ``rows`` rows on the same device, their
+        bytes undefined until written (no fill kernel): for rows ``cache_write`` stores whole
+        right away."""
+        data = torch.empty(rows, self.data.shape[1], dtype=torch.uint8, device=self.data.device)
         return replace(self, data=data)  # type: ignore[type-var]
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

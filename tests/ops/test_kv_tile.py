@@ -117,15 +117,20 @@ def test_sparse_attention_reads_tile_pools_as_their_dequantised_rows():
     assert torch.equal(got, sparse_attention(q, plain, [*idx, paged], sinks, d**-0.5))
 
 
-def test_new_rows_makes_an_empty_pool_of_any_format():
+def test_empty_rows_makes_a_pool_of_any_format_that_cache_write_fills():
+    from deepinfer_core.ops.cache import cache_write
+
     for pool in (
         Fp8KVPool.from_values(torch.randn(3, 40), 8),
         TileFp8KVPool.from_values(torch.randn(3, 40)),
         BlockScaledKVPool.from_values(torch.randn(3, 64), "fp4_e4m3"),
     ):
-        fresh = pool.new_rows(5)
+        fresh = pool.empty_rows(5)
         assert type(fresh) is type(pool) and fresh.shape == (5, pool.dim)
-        assert fresh.row_bytes == pool.row_bytes and not fresh.data.any()
+        assert fresh.row_bytes == pool.row_bytes and fresh.data.device == pool.data.device
+        values = torch.randn(5, pool.dim)
+        cache_write(fresh, torch.arange(5), values)  # every byte written: the rows are the values'
+        assert torch.equal(fresh.data, pool.quantize(values))
 
 
 def test_a_backends_substitute_reaches_the_cache_specs_and_the_cache():

@@ -124,7 +124,7 @@ class Attention:
             # this step's keys in the ring's format too: a key reads the same whether it comes
             # from the ring or from this step's rows, so chunking changes nothing (batch
             # invariance), and a kernel sees one format for every source
-            chunk = ring.new_rows(n)
+            chunk = ring.empty_rows(n)  # every row written whole just below
             # rows 0..n-1: a kept arange (no arange launch per layer and step)
             ops.cache_write(chunk, kept_arange(n, kv.device), kv)
         pools = [ring, chunk]
