@@ -69,8 +69,9 @@ def round_through(x, dtype: tl.constexpr):
 def round_e4m3(v):
     """fp32 ``v`` (``|v| <= 448``) rounded to the nearest e4m3 value (ties to even), kept in fp32.
 
-    For the interpreter, whose fp32 -> e4m3 conversion mis-rounds at binade boundaries (31.07
-    becomes 16).  Normals keep 3 mantissa bits; below 2**-6 the step is 2**-9 (subnormals).
+    On the bits, so the same on the GPU and in the interpreter, whose fp32 -> e4m3 conversion
+    mis-rounds at binade boundaries (31.07 becomes 16).  Normals keep 3 mantissa bits; below
+    2**-6 the step is 2**-9 (subnormals).
     """
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + ((bits >> 20) & 1) + 0x7FFFF) & 0xFFF00000

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from deepinfer_core.ops.kv_format import SCALE_GROUP, Fp8KVPool, fp8_row_layout
 
-from ._common import cast_to, pow2
+from ._common import cast_to, pow2, round_e4m3
 from .pdl import pdl_args, pdl_enter
 
 
@@ -46,18 +46,14 @@ def _ue8m0_exponent(amax):
 
 @triton.jit
 def _e4m3_codes(v):
-    """The e4m3 bytes (int32) of fp32 ``v`` (``|v| <= 448``), rounded to nearest, ties to even:
-    a normal magnitude keeps 3 mantissa bits of its fp32 bits (its e4m3 code is the rounded
-    bits' top 11 less the exponent bias difference, 120 x 8); below ``2**-6`` the step is
-    ``2**-9`` (subnormal codes 0-8, 8 being ``2**-6``)."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    ab = a.to(tl.int32, bitcast=True)
-    normal = ((ab + ((ab >> 20) & 1) + 0x7FFFF) >> 20) - 960
-    magic = 24576.0  # 1.5 * 2**14: adding and subtracting it rounds to a multiple of 2**-9
-    sub = (((a + magic) - magic) * 512.0).to(tl.int32)
-    code = tl.where(a < 0.015625, sub, tl.where(v != v, 0x7F, normal))  # NaN: e4m3's NaN code
-    return code | ((bits >> 24) & 0x80)
+    """The e4m3 bytes (int32) of fp32 ``v`` (``|v| <= 448``), rounded to nearest, ties to even
+    (:func:`~._common.round_e4m3`), read off the rounded value: a normal one's top 11 bits less
+    the exponent bias difference (120 x 8), a subnormal one in steps of ``2**-9`` (codes 0-8);
+    NaN gives e4m3's NaN code, the sign bit ``v``'s."""
+    a = tl.abs(round_e4m3(v))
+    code = tl.where(a < 0.015625, (a * 512.0).to(tl.int32), (a.to(tl.int32, bitcast=True) >> 20) - 960)
+    code = tl.where(v != v, 0x7F, code)
+    return code | ((v.to(tl.int32, bitcast=True) >> 24) & 0x80)
 
 
 @triton.jit

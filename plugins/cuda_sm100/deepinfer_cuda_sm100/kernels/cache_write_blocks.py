@@ -75,26 +75,26 @@ def _e2m1_codes(y):
 
 @triton.jit
 def _block_scale(amax, FMT: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr):
-    """``(byte, inv, scale)`` of the blocks of largest magnitudes ``amax``: the stored byte, and
-    ``inv`` (ue8m0 formats: values times it) or ``scale`` (``fp4_e4m3``: values divided by it)."""
+    """``(byte, factor)`` of the blocks of largest magnitudes ``amax``: the stored byte, and the
+    inverse scale the values are multiplied by (ue8m0 formats) or the scale they are divided by
+    (``fp4_e4m3``)."""
     if FMT == 1:
         s = tl.minimum(tl.math.div_rn(tl.maximum(amax, FLOOR), tl.full(amax.shape, QMAX, tl.float32)), 448.0)
         byte = _e4m3_codes(s)
-        scale = _e4m3_value(byte)
-        inv = scale
+        factor = _e4m3_value(byte)
     else:
-        byte, inv = _ue8m0_scale(tl.maximum(amax, FLOOR) * (1.0 / QMAX))
-        scale = inv
-    return byte, inv, scale
+        byte, factor = _ue8m0_scale(tl.maximum(amax, FLOOR) * (1.0 / QMAX))
+    return byte, factor
 
 
 @triton.jit
-def _scaled(x, inv, scale, FMT: tl.constexpr, QMAX: tl.constexpr):
-    """Block values ``x [NB, *]`` scaled to their elements' range and clamped to ``±QMAX``."""
+def _scaled(x, factor, FMT: tl.constexpr, QMAX: tl.constexpr):
+    """Block values ``x [NB, *]`` scaled by their block's :func:`_block_scale` ``factor`` and
+    clamped to ``±QMAX``."""
     if FMT == 1:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
-        y = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
+        y = tl.math.div_rn(x, factor[:, None] + tl.zeros_like(x))
     else:
-        y = x * inv[:, None]
+        y = x * factor[:, None]
     nan: tl.constexpr = tl.PropagateNan.ALL
     return tl.minimum(tl.maximum(y, -QMAX, propagate_nan=nan), QMAX, propagate_nan=nan)
 
@@ -123,8 +123,8 @@ def _block_rows_kernel(
         col = g[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
         inside = col < DIM
         x = _load_fp32(src + col, inside)
-        byte, inv, scale = _block_scale(tl.max(tl.abs(x), axis=1), FMT, QMAX, FLOOR)
-        tl.store(dst + col, _e4m3_codes(_scaled(x, inv, scale, FMT, QMAX)).to(tl.uint8), mask=inside)
+        byte, factor = _block_scale(tl.max(tl.abs(x), axis=1), FMT, QMAX, FLOOR)
+        tl.store(dst + col, _e4m3_codes(_scaled(x, factor, FMT, QMAX)).to(tl.uint8), mask=inside)
         tl.store(dst + DIM + g, byte.to(tl.uint8), mask=g < NB)
     else:  # e2m1 elements, two a byte: the even value in the low nibble
         HALF: tl.constexpr = BLOCK // 2
@@ -133,9 +133,9 @@ def _block_rows_kernel(
         even = _load_fp32(src + 2 * pair, inside)
         odd = _load_fp32(src + 2 * pair + 1, inside)
         amax = tl.maximum(tl.max(tl.abs(even), axis=1), tl.max(tl.abs(odd), axis=1))
-        byte, inv, scale = _block_scale(amax, FMT, QMAX, FLOOR)
-        lo = _e2m1_codes(_scaled(even, inv, scale, FMT, QMAX))
-        hi = _e2m1_codes(_scaled(odd, inv, scale, FMT, QMAX))
+        byte, factor = _block_scale(amax, FMT, QMAX, FLOOR)
+        lo = _e2m1_codes(_scaled(even, factor, FMT, QMAX))
+        hi = _e2m1_codes(_scaled(odd, factor, FMT, QMAX))
         tl.store(dst + pair, (lo | (hi << 4)).to(tl.uint8), mask=inside)
         tl.store(dst + DIM // 2 + g, byte.to(tl.uint8), mask=g < NB)
 
