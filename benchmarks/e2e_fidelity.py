@@ -67,23 +67,25 @@ def key(args: Any) -> dict[str, int]:
     return {k: getattr(args, k) for k in KEYED}
 
 
+def _read(path: Path) -> dict[str, Any]:
+    """The JSON object at ``path``; empty where it is absent or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def cached_oracle(path: Path, params: dict[str, int]) -> list[dict[str, Any]] | None:
     """The oracle outputs stored at ``path`` for ``params``, or ``None`` (absent, unreadable or
     of other parameters)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    data = _read(path)
     return data.get("outputs") if data.get("params") == params else None
 
 
 def kept_rows(path: Path, params: dict[str, int], measured: set[tuple[str, str]]) -> list[dict[str, Any]]:
     """The rows of an earlier ``--output`` at ``path`` for ``params`` that this run does not
     measure again (``measured``: ``(backend, fp8_prefill)`` pairs)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
+    data = _read(path)
     if {k: data.get("params", {}).get(k) for k in params} != params:
         return []
     return [r for r in data.get("rows", []) if (r.get("backend"), r.get("fp8_prefill")) not in measured]
