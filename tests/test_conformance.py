@@ -24,6 +24,24 @@ def backend(**ops) -> BackendSpec:
     return BackendSpec(name="under_test", device_type="cpu", ops=ops)
 
 
+def check(spec: BackendSpec, **kwargs):
+    """``check_backend`` over the ops ``spec`` provides (not the fused ops it leaves to their
+    decomposition, which the tests below of one op's checking do not mean to run)."""
+    return check_backend(spec, **{"ops": _provided(spec), **kwargs})
+
+
+def cases_of(spec: BackendSpec, **kwargs):
+    """``conformance_cases`` over the ops ``spec`` provides (see :func:`check`)."""
+    return conformance_cases(spec, **{"ops": _provided(spec), **kwargs})
+
+
+def _provided(spec: BackendSpec) -> list[str]:
+    try:
+        return sorted(spec.load_ops())
+    except BackendError:  # a backend whose ops fail to load: the call under test says so
+        return []
+
+
 def rms_norm_ref(x, weight, eps):
     return get_op("rms_norm").reference(x, weight, eps)
 
@@ -47,7 +65,7 @@ def test_wrong_output_fails_with_the_op_and_error_size():
     def off_by_one_percent(x, weight, eps):
         return rms_norm_ref(x, weight, eps) * 1.01
 
-    report = check_backend(backend(rms_norm=off_by_one_percent))
+    report = check(backend(rms_norm=off_by_one_percent))
     assert not report.passed and {r.op for r in report.results} == {"rms_norm"}
     failure = report.failures[0]
     assert "outside atol" in failure.message and failure.max_abs_err > 1e-3
@@ -62,11 +80,9 @@ def test_error_within_tolerance_passes_and_beyond_fails():
 
         return fn
 
-    assert check_backend(backend(rms_norm=noisy(1e-7))).passed
-    assert not check_backend(backend(rms_norm=noisy(1e-3))).passed
-    assert check_backend(
-        backend(rms_norm=noisy(1e-2)), dtypes=(torch.bfloat16,)
-    ).passed  # bf16 tolerance 2e-2
+    assert check(backend(rms_norm=noisy(1e-7))).passed
+    assert not check(backend(rms_norm=noisy(1e-3))).passed
+    assert check(backend(rms_norm=noisy(1e-2)), dtypes=(torch.bfloat16,)).passed  # bf16 tolerance 2e-2
 
 
 def test_integer_outputs_must_match_exactly():
@@ -76,7 +92,7 @@ def test_integer_outputs_must_match_exactly():
         )
         return weights, ids.flip(-1)
 
-    report = check_backend(backend(moe_route=swapped_ids))
+    report = check(backend(moe_route=swapped_ids))
     assert not report.passed
     assert (
         "output[1]" in report.failures[0].message and "integer elements differ" in report.failures[0].message
@@ -106,7 +122,7 @@ def test_backend_that_raises_fails_with_the_exception():
     def crash(x, weight, eps):
         raise RuntimeError("kernel launch failed")
 
-    report = check_backend(backend(rms_norm=crash))
+    report = check(backend(rms_norm=crash))
     assert [r.status for r in report.results] == ["failed", "failed"]
     assert "RuntimeError: kernel launch failed" in report.failures[0].message
 
@@ -115,7 +131,7 @@ def test_cases_rejected_by_supports_are_skipped_when_another_case_runs():
     def weighted_only(x, weight, eps):
         return True if weight is not None else "no unweighted norm"
 
-    report = check_backend(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=weighted_only)))
+    report = check(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=weighted_only)))
     assert report.passed, report.summary()
     assert [r.status for r in report.results] == ["passed", "skipped"]
     assert "no unweighted norm" in report.results[1].message and not report.never_ran
@@ -123,7 +139,7 @@ def test_cases_rejected_by_supports_are_skipped_when_another_case_runs():
 
 def test_op_whose_every_case_supports_rejects_fails_with_the_reasons():
     impl = OpImpl(fn=lambda x, weight, eps: x * 0, supports=lambda x, weight, eps: "no unweighted norm")
-    report = check_backend(backend(rms_norm=impl), dtypes=(torch.float32, torch.bfloat16))
+    report = check(backend(rms_norm=impl), dtypes=(torch.float32, torch.bfloat16))
     assert {r.status for r in report.results} == {"skipped"} and not report.failures
     assert not report.passed
     assert report.never_ran == {"rms_norm": ["supports() rejects: no unweighted norm"]}
@@ -133,7 +149,7 @@ def test_op_whose_every_case_supports_rejects_fails_with_the_reasons():
 
 def test_a_false_verdict_is_shown_as_what_supports_returned():
     impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: False)
-    report = check_backend(backend(rms_norm=impl))
+    report = check(backend(rms_norm=impl))
     assert not report.passed and "supports() returned False" in report.summary()
 
 
@@ -141,13 +157,13 @@ def test_supports_that_raises_fails_the_case():
     def broken(x, weight, eps):
         raise ValueError("bad predicate")
 
-    report = check_backend(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=broken)))
+    report = check(backend(rms_norm=OpImpl(fn=rms_norm_ref, supports=broken)))
     assert not report.passed and "supports() raised ValueError: bad predicate" in report.failures[0].message
 
 
 def test_pytest_items_of_an_op_whose_every_case_is_rejected_include_a_failing_one():
     impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: "needs a CUDA tensor")
-    cases = conformance_cases(backend(rms_norm=impl))
+    cases = cases_of(backend(rms_norm=impl))
     assert [str(c) for c in cases] == [
         "under_test-rms_norm-float32-0",
         "under_test-rms_norm-float32-1",
@@ -162,7 +178,7 @@ def test_pytest_items_of_an_op_whose_every_case_is_rejected_include_a_failing_on
 
 def test_no_coverage_item_when_some_case_runs():
     impl = OpImpl(fn=rms_norm_ref, supports=lambda x, weight, eps: weight is not None)
-    assert [str(c) for c in conformance_cases(backend(rms_norm=impl))] == [
+    assert [str(c) for c in cases_of(backend(rms_norm=impl))] == [
         "under_test-rms_norm-float32-0",
         "under_test-rms_norm-float32-1",
     ]
@@ -182,18 +198,18 @@ def first_64_columns_only(x, weight, eps):
 
 def test_backend_supplied_cases_run_in_addition_to_the_ops_own():
     wrong = backend(rms_norm=first_64_columns_only)
-    assert check_backend(wrong).passed  # the op's own cases are 64 and 32 wide
-    report = check_backend(wrong, cases={"rms_norm": wide_rows}, dtypes=(torch.float32, torch.bfloat16))
+    assert check(wrong).passed  # the op's own cases are 64 and 32 wide
+    report = check(wrong, cases={"rms_norm": wide_rows}, dtypes=(torch.float32, torch.bfloat16))
     assert not report.passed
     assert [r.label for r in report.failures] == ["float32#own0", "bfloat16#own0"]
     assert "FAILED rms_norm[float32#own0]: output" in report.summary()
     assert sum(r.status == "passed" for r in report.results) == 4  # the op's own cases still ran
-    assert check_backend(backend(rms_norm=rms_norm_ref), cases={"rms_norm": wide_rows}).passed
+    assert check(backend(rms_norm=rms_norm_ref), cases={"rms_norm": wide_rows}).passed
 
 
 def test_backend_supplied_cases_are_pytest_items_too():
     wrong = backend(rms_norm=first_64_columns_only)
-    cases = conformance_cases(wrong, cases={"rms_norm": wide_rows})
+    cases = cases_of(wrong, cases={"rms_norm": wide_rows})
     assert [str(c) for c in cases][-1] == "under_test-rms_norm-float32-own0"
     cases[0].check()
     with pytest.raises(AssertionError, match="under_test-rms_norm-float32-own0: output"):
@@ -205,24 +221,24 @@ def test_kernel_for_its_own_shapes_only_passes_on_the_cases_it_supplies():
         return True if x.shape[-1] >= 256 else f"width {x.shape[-1]} < 256"
 
     impl = OpImpl(fn=rms_norm_ref, supports=wide_only)
-    assert not check_backend(backend(rms_norm=impl)).passed
-    report = check_backend(backend(rms_norm=impl), cases={"rms_norm": wide_rows})
+    assert not check(backend(rms_norm=impl)).passed
+    report = check(backend(rms_norm=impl), cases={"rms_norm": wide_rows})
     assert report.passed, report.summary()
     assert [r.status for r in report.results] == ["skipped", "skipped", "passed"]
 
 
 def test_cases_registered_with_the_op_run_whenever_the_backend_is_checked():
     wrong = backend(rms_norm=OpImpl(fn=first_64_columns_only, sample_cases=wide_rows))
-    report = check_backend(wrong)  # no cases= argument: the registration carries them
+    report = check(wrong)  # no cases= argument: the registration carries them
     assert [r.label for r in report.failures] == ["float32#own0"]
-    assert [str(c) for c in conformance_cases(wrong)][-1] == "under_test-rms_norm-float32-own0"
+    assert [str(c) for c in cases_of(wrong)][-1] == "under_test-rms_norm-float32-own0"
     right = backend(rms_norm=OpImpl(fn=rms_norm_ref, sample_cases=wide_rows))
-    assert check_backend(right).passed
+    assert check(right).passed
 
 
 def test_cases_for_an_op_the_backend_does_not_provide_are_an_error():
     with pytest.raises(BackendError, match=r"does not provide: \['linaer'\]"):
-        check_backend(backend(rms_norm=rms_norm_ref), cases={"linaer": wide_rows})
+        check(backend(rms_norm=rms_norm_ref), cases={"linaer": wide_rows})
 
 
 @pytest.fixture
@@ -239,10 +255,10 @@ def op_without_cases(monkeypatch):
 
 def test_op_without_sample_cases_is_untested_and_fails_unless_the_backend_supplies_cases(op_without_cases):
     under_test = backend(double=lambda x: x + x)
-    report = check_backend(under_test)
+    report = check(under_test)
     assert not report.passed and report.untested_ops == ["double"] and not report.results
     assert "UNTESTED double" in report.summary()
-    [item] = conformance_cases(under_test)
+    [item] = cases_of(under_test)
     assert str(item) == "under_test-double-coverage"
     with pytest.raises(AssertionError, match="no sample case"):
         item.check()
@@ -250,9 +266,9 @@ def test_op_without_sample_cases_is_untested_and_fails_unless_the_backend_suppli
     def supplied(g, dtype):
         return [((randn(g, 4, dtype=dtype),), {})]
 
-    report = check_backend(under_test, cases={"double": supplied})
+    report = check(under_test, cases={"double": supplied})
     assert report.passed and report.untested_ops == [] and [r.status for r in report.results] == ["passed"]
-    assert not check_backend(backend(double=lambda x: 3 * x), cases={"double": supplied}).passed
+    assert not check(backend(double=lambda x: 3 * x), cases={"double": supplied}).passed
 
 
 def test_backend_inputs_are_copies_so_in_place_kernels_cannot_fool_the_reference():
@@ -261,16 +277,16 @@ def test_backend_inputs_are_copies_so_in_place_kernels_cannot_fool_the_reference
         x.zero_()
         return y
 
-    assert check_backend(backend(rms_norm=in_place)).passed
+    assert check(backend(rms_norm=in_place)).passed
 
 
 def test_unavailable_backend_gives_one_skipping_case_with_the_reason():
     absent = BackendSpec(name="absent", device_type="cuda", is_available=lambda: (False, "no frobnicator"))
-    [case] = conformance_cases(absent)
+    [case] = cases_of(absent)
     with pytest.raises(pytest.skip.Exception, match="no frobnicator"):
         case.check()
     with pytest.raises(BackendError, match="'absent'.*no frobnicator"):
-        check_backend(absent)
+        check(absent)
 
 
 def test_cases_can_be_limited_to_some_ops_and_have_readable_ids():
@@ -303,9 +319,9 @@ def test_quantised_weight_cases_catch_a_kernel_that_ignores_the_scales():
     def dequantising(x, weight):
         return torch.nn.functional.linear(x, _plain_weight(weight).to(x.dtype))
 
-    bad = check_backend(backend(linear=unscaled), dtypes=(torch.float32, torch.bfloat16))
+    bad = check(backend(linear=unscaled), dtypes=(torch.float32, torch.bfloat16))
     assert not bad.passed and {r.index for r in bad.failures} == {1, 2}
-    assert check_backend(backend(linear=dequantising), dtypes=(torch.float32, torch.bfloat16)).passed
+    assert check(backend(linear=dequantising), dtypes=(torch.float32, torch.bfloat16)).passed
 
 
 def test_a_kernel_may_leave_quantised_weights_to_the_reference_through_supports():
@@ -319,7 +335,7 @@ def test_a_kernel_may_leave_quantised_weights_to_the_reference_through_supports(
         linear=OpImpl(get_op("linear").reference, supports=plain_only),
         moe_experts=OpImpl(get_op("moe_experts").reference, supports=plain_experts),
     )
-    report = check_backend(spec)
+    report = check(spec)
     assert report.passed, report.summary()
     skipped = {(r.op, r.index) for r in report.results if r.status == "skipped"}
     # moe_experts case 1 gives `shared`, which this (older-style) predicate does not take
@@ -369,7 +385,7 @@ def test_quantised_weights_reach_the_backend_as_copies():
             weight.scale.zero_()
         return y
 
-    assert check_backend(backend(linear=scribbles)).passed
+    assert check(backend(linear=scribbles)).passed
 
 
 def test_an_op_the_backend_defines_while_its_ops_load_is_in_the_contract(monkeypatch):
@@ -394,6 +410,21 @@ def test_an_op_the_backend_defines_while_its_ops_load_is_in_the_contract(monkeyp
         return {"vendor.double": OpImpl(fn=lambda x: x + x)}
 
     spec = BackendSpec(name="late_ops", device_type="cpu", ops=load)
-    report = check_backend(spec)
+    report = check(spec)
     assert report.passed, report.summary()
     assert {r.op for r in report.results} == {"vendor.double"}
+
+
+def test_fused_ops_left_to_their_decomposition_are_checked_on_the_backends_parts():
+    def off_by_one_percent(x, weight, eps):
+        return rms_norm_ref(x, weight, eps) * 1.01
+
+    decomposed = {name for name, op in all_ops().items() if op.decomposition is not None}
+    assert {"hc_post_pre", "compress_windows"} <= decomposed
+    ids = [str(c) for c in conformance_cases(backend(rms_norm=rms_norm_ref))]
+    assert "under_test-hc_post_pre-float32-0" in ids and "under_test-compress_windows-float32-0" in ids
+    assert check_backend(backend(rms_norm=rms_norm_ref)).passed
+    # the wrong rms_norm also breaks the fused op whose last part it is, run as the engine would
+    report = check_backend(backend(rms_norm=off_by_one_percent))
+    assert {r.op for r in report.failures} == {"rms_norm", "hc_post_pre"}
+    assert {r.op for r in report.results} == {"rms_norm"} | decomposed

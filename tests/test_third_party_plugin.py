@@ -15,6 +15,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from deepinfer_core.ops import get_op
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-backend-plugin.md"
@@ -88,9 +91,15 @@ def test_resolving_toy_uses_its_rms_norm_and_reference_for_the_rest(toy_package)
         spec, ops = resolve_backend("toy", strict_ops=False)
         x, w = torch.randn(3, 16), torch.rand(16) + 0.5
         y = ops.rms_norm(x, w, 1e-6)
+        calls = kernels.CALLS
+        # a fused op the plugin leaves out runs as its parts: the last one is the toy's rms_norm
+        args, kw = get_op("hc_post_pre").sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
+        fused = ops.hc_post_pre(*args, **kw)[-1]
         print(json.dumps({
             "plugin": spec.plugin,
-            "calls": kernels.CALLS,
+            "calls": calls,
+            "calls_by_fused": kernels.CALLS - calls,
+            "fused_matches": torch.equal(fused, get_op("hc_post_pre").reference(*args, **kw)[-1]),
             "matches_reference": torch.equal(y, get_op("rms_norm").reference(x, w, 1e-6)),
             "linear_is_reference": ops.linear is get_op("linear").reference,
             "sources": ops.sources,
@@ -102,10 +111,14 @@ def test_resolving_toy_uses_its_rms_norm_and_reference_for_the_rest(toy_package)
     assert out["plugin"] == "toy" and out["calls"] == 1 and out["matches_reference"]
     assert out["linear_is_reference"]
     assert out["sources"]["rms_norm"] == "backend+fallback"
-    assert {src for name, src in out["sources"].items() if name != "rms_norm"} == {"reference"}
+    assert out["calls_by_fused"] == 1 and out["fused_matches"]
+    fused = {"hc_post_pre", "compress_windows"}
+    assert {out["sources"][name] for name in fused} == {"decomposed"}
+    assert {src for name, src in out["sources"].items() if name not in fused | {"rms_norm"}} == {"reference"}
     warning = [line for line in done.stderr.splitlines() if line.startswith("deepinfer.ops WARNING")]
     assert len(warning) == 1, done.stderr
     assert "'toy'" in warning[0] and "'linear'" in warning[0] and "'rms_norm'" not in warning[0]
+    assert "'hc_post_pre'" not in warning[0]  # not missing: it runs as its parts
 
 
 def test_strict_ops_refuses_toy_backend_missing_ops(toy_package):
@@ -132,7 +145,12 @@ def test_toy_package_conformance_tests_pass(toy_package):
         cwd=toy_package,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "4 passed" in done.stdout, done.stdout  # rms_norm: 2 sample cases x (float32, bfloat16)
+    # rms_norm's cases, and those of the fused ops it leaves to their decomposition (run on its
+    # rms_norm), each in float32 and bfloat16
+    ops = ("rms_norm", "hc_post_pre", "compress_windows")
+    dtypes = (torch.float32, torch.bfloat16)
+    count = sum(len(get_op(op).sample_cases(torch.Generator(), dt)) for op in ops for dt in dtypes)
+    assert f"{count} passed" in done.stdout, done.stdout
 
 
 def test_engine_configured_with_toy_backend_calls_its_kernel(toy_package, tmp_path):

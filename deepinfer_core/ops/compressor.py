@@ -189,7 +189,18 @@ def _windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
     ]
 
 
-@define_op("compress_windows", "compressor", sample_cases=_windows_cases)
+def _windows_over(ops: Any) -> Callable[..., tuple]:
+    """``compress_windows``'s decomposition: the reference's staging, then the entries stored by
+    the table ``ops``'s ``compress_entries`` (for a backend that fuses the entries but not the
+    staging)."""
+
+    def compress_windows_via(*args: Any, **kwargs: Any) -> tuple:
+        return _windows_step(ops.compress_entries, *args, **kwargs)
+
+    return compress_windows_via
+
+
+@define_op("compress_windows", "compressor", sample_cases=_windows_cases, decomposition=_windows_over)
 def compress_windows(
     kv: torch.Tensor,
     gate: torch.Tensor,
@@ -262,17 +273,6 @@ def compress_windows(
         positions, inv_freq, rope_scale, pool, dest, carry_kv, carry_gate, prev, carry_rows, page_kv,
         page_gate, snap_page, live,
     )  # fmt: skip
-
-
-def compress_windows_with(entries: Callable[..., Any]) -> Callable[..., tuple]:
-    """``compress_windows`` (same signature and results) whose entries are stored by ``entries``,
-    a backend's ``compress_entries``, after the reference's staging: for a backend that fuses
-    the entries but not the staging."""
-
-    def compress_windows_via(*args: Any, **kwargs: Any) -> tuple:
-        return _windows_step(entries, *args, **kwargs)
-
-    return compress_windows_via
 
 
 def _windows_step(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from ._cases import randn
 from .cast import cast
 from .modes import batch_invariant_enabled, row_padded, tiled_linear
+from .norm import rms_norm
 from .registry import define_op
 
 
@@ -199,3 +205,106 @@ def hc_head(
     linear = tiled_linear if batch_invariant_enabled() else F.linear
     pre = torch.sigmoid(linear(flat, cast(fn, f32)) * cast(scale, f32) + cast(base, f32)) + hc_eps
     return cast((pre.unsqueeze(-1) * streams).sum(dim=1), streams.dtype)
+
+
+def _post_pre(
+    ops: Any,
+    block_out: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post_pre`` as its sequence over ``ops`` (a resolved table, or the references)."""
+    if block_out is not None:
+        streams = ops.hc_post(block_out, streams, post, comb)
+    post, comb, x = ops.hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return streams, post, comb, ops.rms_norm(x, norm_weight, norm_eps)
+
+
+_REFERENCES = SimpleNamespace(hc_post=hc_post, hc_pre=hc_pre, rms_norm=rms_norm)
+
+
+def _post_pre_over(ops: Any) -> Callable[..., tuple]:
+    """``hc_post_pre``'s decomposition over the op table ``ops`` (looked up at every call)."""
+    return functools.partial(_post_pre, ops)
+
+
+def _hc_post_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    n, d, t = 4, 16, 5
+    pre_args = (
+        randn(g, (2 + n) * n, n * d, scale=0.1),
+        randn(g, (2 + n) * n),
+        1 + randn(g, 3, scale=0.1),
+        1e-6,
+        1e-6,
+        20,
+        1 + randn(g, d, scale=0.1),
+    )
+    streams = randn(g, t, n, d, dtype=dtype)
+    block_out = randn(g, t, d, dtype=dtype)
+    post, comb = randn(g, t, n).sigmoid() * 2, randn(g, t, n, n).softmax(-1)
+    return [
+        ((block_out, streams, post, comb, *pre_args), {}),
+        ((None, streams, None, None, *pre_args), {}),  # the first block: no block before it
+    ]
+
+
+@define_op(
+    "hc_post_pre",
+    "mhc",
+    batch_invariant=True,
+    sample_cases=_hc_post_pre_cases,
+    decomposition=_post_pre_over,
+)
+def hc_post_pre(
+    block_out: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    norm_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's output into the streams, then the next block's mixing weights and normed input.
+
+    Exactly :func:`hc_post` (skipped when ``block_out`` is ``None``: the first block), then
+    :func:`hc_pre` on the streams that gives, then ``rms_norm`` of its collapsed input with
+    ``norm_weight`` and ``norm_eps``; a backend may fuse the sequence (the op's decomposition
+    runs it over a table's own ops where the backend does not).
+
+    Args:
+        block_out, streams, post, comb: :func:`hc_post`'s arguments (``post`` / ``comb`` the
+            previous block's); ``streams`` alone when ``block_out`` is ``None``.
+        fn, base, scale, norm_eps, hc_eps, sinkhorn_iters: :func:`hc_pre`'s (the next block's).
+        norm_weight: ``[D]`` float32 weight of the next block's input norm, or ``None``.
+
+    Returns:
+        ``(streams [T, N, D], post [T, N] fp32, comb [T, N, N] fp32, x [T, D])``: the updated
+        streams (the input ``streams`` itself when ``block_out`` is ``None``), the next block's
+        ``post`` and ``comb``, and its normed input in ``streams.dtype``.
+    """
+    return _post_pre(
+        _REFERENCES,
+        block_out,
+        streams,
+        post,
+        comb,
+        fn,
+        base,
+        scale,
+        norm_eps,
+        hc_eps,
+        sinkhorn_iters,
+        norm_weight,
+    )

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 SampleCases = Callable[[torch.Generator, torch.dtype], list[tuple[tuple, dict]]]
+Decomposition = Callable[[Any], Callable[..., Any]]
+"""``ops -> callable``: a fused op as the sequence of the table's other ops (see :class:`OpSpec`)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,11 @@ class OpSpec:
             conformance suite (:mod:`deepinfer_core.testing`) to compare a backend against
             the reference.
         tolerances: ``{dtype: (atol, rtol)}`` used by the conformance suite.
+        decomposition: for a fused op whose reference is a sequence of other ops,
+            ``ops -> callable``: the same sequence over a resolved op table ``ops`` (attribute
+            access, e.g. ``ops.rms_norm``).  An :class:`~deepinfer_core.ops.OpTable` whose
+            backend does not provide the op runs this over its own ops (so the backend's kernels
+            for the parts still serve), and a call the backend's ``supports`` rejects runs it too.
     """
 
     name: str
@@ -52,6 +59,7 @@ class OpSpec:
     batch_invariant: bool = False
     sample_cases: SampleCases | None = None
     tolerances: dict[torch.dtype, tuple[float, float]] = field(default_factory=dict)
+    decomposition: Decomposition | None = None
 
     @property
     def doc(self) -> str:
@@ -67,7 +75,8 @@ class OpImpl:
         fn: callable with exactly the reference signature.
         supports: optional predicate called with the op's arguments; returns ``True`` when
             ``fn`` handles the case.  A ``False`` (or a string giving the reason) makes the
-            engine use the reference implementation for that call (logged once per op).
+            engine use the reference implementation for that call (the op's decomposition
+            over the table's other ops where it has one), logged once per op.
         sample_cases: optional ``(generator, dtype) -> [(args, kwargs), ...]`` of the shapes the
             kernel targets (the form of :attr:`OpSpec.sample_cases`); the conformance suite
             runs them against the reference in addition to the op's own cases.
@@ -94,8 +103,10 @@ def define_op(
     batch_invariant: bool = False,
     sample_cases: SampleCases | None = None,
     tolerances: dict[torch.dtype, tuple[float, float]] | None = None,
+    decomposition: Decomposition | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator registering a reference implementation as the definition of op ``name``."""
+    """Decorator registering a reference implementation as the definition of op ``name``
+    (``decomposition``: see :class:`OpSpec`)."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         in_core = fn.__module__.startswith("deepinfer_core.ops")
@@ -113,6 +124,7 @@ def define_op(
             batch_invariant=batch_invariant,
             sample_cases=sample_cases,
             tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})},
+            decomposition=decomposition,
         )
         return fn
 

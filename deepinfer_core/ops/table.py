@@ -1,9 +1,13 @@
 """Resolved op tables: what the model calls at run time.
 
 An :class:`OpTable` maps every op name to one callable, chosen once at engine start: the
-backend's implementation when it provides the op, else the reference.  When a backend
-implementation has a ``supports`` predicate, each call checks it and falls back to the
-reference for cases it rejects (logged once per op; an error under ``strict_ops``).
+backend's implementation when it provides the op, else the reference.  A fused op with a
+``decomposition`` (:class:`~deepinfer_core.ops.OpSpec`) that the backend does not provide runs
+as that sequence of the table's own ops instead, so the backend's kernels for the parts serve
+(source ``"decomposed"``; not a fallback, so neither logged nor refused by ``strict_ops``).
+When a backend implementation has a ``supports`` predicate, each call checks it and falls
+back to the reference (or the decomposition) for cases it rejects (logged once per op; an
+error under ``strict_ops``).
 Model code calls ops as attributes: ``ops.rms_norm(x, w, eps)``.
 """
 
@@ -39,10 +43,15 @@ class OpTable:
             )
         self.backend = backend
         self.strict = strict
-        self.sources: dict[str, str] = {}  # op name -> "backend" | "reference" | "backend+fallback"
+        # op name -> "backend" | "reference" | "backend+fallback" | "decomposed"
+        self.sources: dict[str, str] = {}
         self._fns: dict[str, Callable[..., Any]] = {}
         self._logged: set[Any] = set()
-        missing = [name for name in specs if name not in impls and not is_extension(name)]
+        missing = [
+            name
+            for name, spec in specs.items()
+            if name not in impls and not is_extension(name) and spec.decomposition is None
+        ]
         if missing and backend != "reference":
             if strict:
                 raise OpNotSupportedError(
@@ -54,34 +63,40 @@ class OpTable:
             )
         for name, spec in specs.items():
             impl = impls.get(name)
+            # the sequence over this table's ops (bound now, looked up per call): a decomposition
+            # replaces the reference wherever the backend's kernel does not serve
+            fallback = spec.reference if spec.decomposition is None else spec.decomposition(self)
             if impl is None:
-                self._fns[name] = spec.reference
-                self.sources[name] = "reference"
+                self._fns[name] = fallback
+                self.sources[name] = "reference" if spec.decomposition is None else "decomposed"
             elif impl.supports is None:
                 self._fns[name] = impl.fn
                 self.sources[name] = "backend"
             else:
-                self._fns[name] = self._guarded(name, impl, spec.reference)
+                self._fns[name] = self._guarded(name, impl, fallback)
                 self.sources[name] = "backend+fallback"
             if impl is not None:
                 older = unaccepted_params(impl.fn, spec.reference) | unaccepted_params(
                     impl.supports, spec.reference
                 )
                 if older:
-                    self._fns[name] = self._compatible(name, self._fns[name], older, spec.reference)
+                    self._fns[name] = self._compatible(name, self._fns[name], older, fallback)
         # plain instance attributes: the per-op call on the hot path is one dict lookup
         self.__dict__.update(self._fns)
 
-    def _guarded(self, name: str, impl: OpImpl, reference: Callable[..., Any]) -> Callable[..., Any]:
+    def _guarded(self, name: str, impl: OpImpl, fallback: Callable[..., Any]) -> Callable[..., Any]:
         supports = impl.supports
         assert supports is not None
+        spec = all_ops()[name]
+        decomposed = spec.decomposition is not None  # the parts' own kernels and checks serve
+        where = "its decomposition over this table's ops" if decomposed else "the reference"
 
         def call(*args: Any, **kwargs: Any) -> Any:
             verdict = supports(*args, **kwargs)
             if verdict is True:
                 return impl.fn(*args, **kwargs)
             reason = verdict if isinstance(verdict, str) else "case not supported"
-            if self.strict:
+            if self.strict and not decomposed:
                 raise OpNotSupportedError(
                     f"backend {self.backend!r} rejects this case of op {name!r} ({reason}) and "
                     "strict_ops=True forbids falling back to the reference"
@@ -89,12 +104,12 @@ class OpTable:
             if name not in self._logged:
                 self._logged.add(name)
                 logger.warning(
-                    "op %r: backend %r rejects a case (%s); using the reference", name, self.backend, reason
+                    "op %r: backend %r rejects a case (%s); using %s", name, self.backend, reason, where
                 )
-            return reference(*args, **kwargs)
+            return fallback(*args, **kwargs)
 
         call.__name__ = name
-        call.__doc__ = reference.__doc__
+        call.__doc__ = spec.reference.__doc__
         return call
 
     def _compatible(
@@ -124,7 +139,7 @@ class OpTable:
             return fn(*args, **{k: v for k, v in kwargs.items() if k not in older})
 
         call.__name__ = name
-        call.__doc__ = reference.__doc__
+        call.__doc__ = all_ops()[name].reference.__doc__
         return call
 
     @classmethod

@@ -4,7 +4,9 @@ Every op of the contract (:mod:`deepinfer_core.ops`) may provide ``sample_cases`
 seeded inputs.  For each op a backend provides, the suite builds those inputs, moves them to
 the backend's device, calls the backend implementation and the reference on separate copies
 and compares the outputs (tensors or nested tuples / lists / dicts of them) with the op's
-tolerances for the input dtype; integer and bool outputs must match exactly.
+tolerances for the input dtype; integer and bool outputs must match exactly.  A fused op with
+a decomposition that the backend does not provide is checked too, as the engine runs it: its
+decomposition over the backend's op table (the backend's kernels for the parts).
 
 A backend adds its own cases for the shapes its kernels target where it registers the op,
 ``OpImpl(fn, supports=..., sample_cases=...)`` (found whenever the backend is checked), or per
@@ -50,7 +52,8 @@ import torch
 
 from deepinfer_core.backends.base import BackendSpec
 from deepinfer_core.errors import BackendError
-from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, SampleCases, all_ops, unaccepted_params
+from deepinfer_core.ops.registry import DEFAULT_TOLERANCES, OpImpl, SampleCases, all_ops, unaccepted_params
+from deepinfer_core.ops.table import OpTable
 from deepinfer_core.plugins import get_plugins
 from deepinfer_core.testing.compare import compare, to_device
 
@@ -164,7 +167,9 @@ class ConformanceCase:
         if self.failure is not None:
             return result("failed", self.failure)
         op_spec = all_ops()[self.op]
-        impl = self.spec.load_ops()[self.op]
+        impl = self.spec.load_ops().get(self.op)
+        if impl is None:  # a fused op the backend leaves to its decomposition
+            impl = OpImpl(fn=_table(self.spec)[self.op])
         sample = self._sample()
         args, kwargs = self._on_device(sample)
         older = sorted(
@@ -198,7 +203,8 @@ class ConformanceCase:
         ``args`` / ``kwargs`` default to the case's inputs on the device.  An exception
         raised by ``supports`` propagates.
         """
-        supports = self.spec.load_ops()[self.op].supports
+        impl = self.spec.load_ops().get(self.op)
+        supports = impl.supports if impl is not None else None  # a decomposition takes every case
         if supports is None:
             return None
         if args is None or kwargs is None:
@@ -315,16 +321,20 @@ def _plan(
     unknown = sorted(set(provided) - set(contract))
     if unknown:
         raise BackendError(f"backend {spec.name!r} provides ops that are not in the op contract: {unknown}")
+    # the fused ops it leaves to their decomposition run on its kernels for the parts: checked too
+    checked = set(provided) | {n for n, op in contract.items() if op.decomposition is not None}
     cases = dict(cases or {})
-    stray = sorted(set(cases) - set(provided))
+    stray = sorted(set(cases) - checked)
     if stray:
         raise BackendError(f"cases= names ops that backend {spec.name!r} does not provide: {stray}")
-    selected = sorted(provided) if ops is None else [name for name in ops if name in provided]
+    selected = sorted(checked) if ops is None else [name for name in ops if name in checked]
     plan: dict[str, list[ConformanceCase]] = {}
     for name in selected:
         plan[name] = []
         sources = [(contract[name].sample_cases, None)]
-        sources += [(own, own) for own in (provided[name].sample_cases, cases.get(name)) if own is not None]
+        impl = provided.get(name)
+        backend_cases = (impl.sample_cases if impl is not None else None, cases.get(name))
+        sources += [(own, own) for own in backend_cases if own is not None]
         for make, own in sources:
             for dtype in dtypes if make is not None else ():
                 count = len(make(_generator(), dtype))
@@ -349,6 +359,17 @@ def _rejections(cases: list[ConformanceCase]) -> list[str] | None:
             return None
         reasons.append(reason)
     return list(dict.fromkeys(reasons))
+
+
+_TABLES: dict[int, tuple[BackendSpec, OpTable]] = {}
+
+
+def _table(spec: BackendSpec) -> OpTable:
+    """The op table the engine builds for ``spec`` (one per spec, kept)."""
+    key = id(spec)
+    if key not in _TABLES or _TABLES[key][0] is not spec:
+        _TABLES[key] = (spec, OpTable(spec.load_ops(), backend=spec.name))
+    return _TABLES[key][1]
 
 
 def _backend_spec(backend: str | BackendSpec) -> BackendSpec:

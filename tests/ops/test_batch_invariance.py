@@ -125,6 +125,22 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
         ),
         (0, 1, 2, 3),
     ),
+    "hc_post_pre": lambda g, t: (
+        (
+            _randn(g, t, 16),
+            _randn(g, t, N_STREAMS, 16),
+            _randn(g, t, N_STREAMS).sigmoid(),
+            _randn(g, t, N_STREAMS, N_STREAMS).softmax(-1),
+            _randn(g, 24, 64, scale=0.1),
+            _randn(g, 24),
+            1 + _randn(g, 3, scale=0.1),
+            1e-6,
+            1e-6,
+            20,
+            1 + _randn(g, 16, scale=0.1),
+        ),
+        (0, 1, 2, 3),
+    ),
     "hc_head": lambda g, t: (
         (
             _randn(g, t, N_STREAMS, 16),

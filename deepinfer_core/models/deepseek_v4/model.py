@@ -25,6 +25,7 @@ from .metadata import StepMetadata, with_context_parallel
 from .moe import MoE
 from .params import MTP_PREFIX
 from .plan_op import derive_plans
+from .residual import Residual
 from .rope import inv_freq
 
 logger = logging.getLogger("deepinfer.model")
@@ -62,21 +63,24 @@ class DecoderLayer:
         self, h: torch.Tensor, md: StepMetadata, cache: HybridCache, ops: OpTable, rope: dict
     ) -> torch.Tensor:
         """``h`` ``[T, N, D]`` streams -> updated streams."""
+        return self.run(Residual(h), md, cache, ops, rope).settled(ops)
+
+    def run(self, r: Residual, md: StepMetadata, cache: HybridCache, ops: OpTable, rope: dict) -> Residual:
+        """The block on the residual ``r`` (the previous block's output possibly still pending);
+        returns the residual with this block's MoE output pending (see :mod:`.residual`)."""
         cfg = self.cfg
-        eps, it = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters
+        hc = (cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
         def cache_get(name: str) -> torch.Tensor:
             return cache.get(self.layer, name)
 
-        post, comb, x = ops.hc_pre(h, *self.attn_hc, eps, cfg.hc_eps, it)
-        a = self.attn(ops.rms_norm(x, self.attn_norm, eps), md, cache_get, ops, rope)
-        h = ops.hc_post(a, h, post, comb)
-        post, comb, x = ops.hc_pre(h, *self.ffn_hc, eps, cfg.hc_eps, it)
+        r, x = r.enter(ops, self.attn_hc, self.attn_norm, *hc)
+        r = r.leave(self.attn(x, md, cache_get, ops, rope))
+        r, x = r.enter(ops, self.ffn_hc, self.ffn_norm, *hc)
         ids, real = (
             (md.input_ids, md.real_tokens) if md.local is None else (md.local.input_ids, md.local.real_tokens)
         )
-        m = self.moe(ops.rms_norm(x, self.ffn_norm, eps), ids, ops, real)
-        return ops.hc_post(m, h, post, comb)
+        return r.leave(self.moe(x, ids, ops, real))
 
 
 class DeepseekV4Model:
@@ -218,9 +222,10 @@ class DeepseekV4Model:
         ids = md.input_ids if md.local is None else md.local.input_ids
         x = ops.embedding(ids, w["model.embed_tokens.weight"])
         rope = self._rope(md, x.dtype)
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        r = Residual(x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous())
         for layer in self.layers:
-            h = layer(h, md, cache, ops, rope)
+            r = layer.run(r, md, cache, ops, rope)
+        h = r.settled(ops)
         if md.cp is not None and hidden_out is None:
             h = md.cp.gather_samples(h)  # only the sampling rows travel
         else:

@@ -13,7 +13,6 @@ import torch
 
 from deepinfer_core.ops import OpImpl, all_ops
 from deepinfer_core.ops.attention import PagedIndex
-from deepinfer_core.ops.compressor import compress_windows_with
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_core.ops.registry import is_extension
 
@@ -26,7 +25,6 @@ PROVIDED_OPS = (
     "sparse_attention",
     "apply_rope",
     "compress_entries",
-    "compress_windows",
     "indexer_topk",
 )
 _NO_INDEX = torch.empty(0, dtype=torch.int64)
@@ -138,15 +136,6 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
                 return f"{name} is {t.dtype}: the cpu kernel takes int64 rows and positions"
         return _refusal({"kv": kv, "gate": gate, "norm_weight": norm_weight, "inv_freq": inv_freq})
 
-    compress_windows = compress_windows_with(compress_entries)  # the reference's staging, then ours
-
-    def compress_windows_supports(kv, gate, buf_kv, buf_gate, bias, windows, buf_rows, norm_weight, eps,
-                                  positions, inv_freq, rope_scale, pool, dest, **state):  # fmt: skip
-        # the staged windows are float32 when kv is; the gate is widened to float32 by the bias add
-        return compress_entries_supports(
-            kv, bias, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest
-        )
-
     def indexer_topk(q, weights, key_pool, candidates, k, scale):
         args = _index_args(candidates)
         return ext.indexer_topk(q, weights, key_pool, *args, k, scale, batch_invariant_enabled())
@@ -159,11 +148,13 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
 
     # The other core ops: the reference is this backend's implementation (plain PyTorch is
     # already fast for them on CPU: GEMMs, embedding, MoE), listed so that the engine does not warn
-    # about ops the backend leaves out.
+    # about ops the backend leaves out.  Fused ops with a decomposition are left out: the table
+    # runs them as their parts, i.e. on these kernels (``compress_windows``: the reference's
+    # staging, then ``compress_entries``; ``hc_post_pre``: ``hc_post``, ``hc_pre``, ``rms_norm``).
     delegated = {
         name: OpImpl(fn=spec.reference)
         for name, spec in all_ops().items()
-        if name not in PROVIDED_OPS and not is_extension(name)
+        if name not in PROVIDED_OPS and not is_extension(name) and spec.decomposition is None
     }
     return delegated | {
         "rms_norm": OpImpl(fn=rms_norm, supports=rms_norm_supports),
@@ -173,6 +164,5 @@ def make_ops(ext: ModuleType) -> dict[str, OpImpl]:
         "sparse_attention": OpImpl(fn=sparse_attention, supports=sparse_attention_supports),
         "apply_rope": OpImpl(fn=apply_rope, supports=apply_rope_supports),
         "compress_entries": OpImpl(fn=compress_entries, supports=compress_entries_supports),
-        "compress_windows": OpImpl(fn=compress_windows, supports=compress_windows_supports),
         "indexer_topk": OpImpl(fn=indexer_topk, supports=indexer_topk_supports),
     }

@@ -96,12 +96,32 @@ def test_other_dtypes_are_refused_and_run_on_the_reference(name, dtype, cpu_ops)
 
 
 @needs_backend
-@pytest.mark.parametrize(("name", "position"), [("compress_entries", 4), ("compress_windows", 9)])
-def test_int32_positions_are_refused_before_the_kernel(name, position, cpu_ops):
-    args, kwargs = get_op(name).sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
-    args = (*args[:position], args[position].to(torch.int32), *args[position + 1 :])
-    verdict = cpu_ops[name].supports(*args, **kwargs)
+def test_int32_positions_are_refused_before_the_kernel(cpu_ops):
+    args, kwargs = get_op("compress_entries").sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
+    args = (*args[:4], args[4].to(torch.int32), *args[5:])
+    verdict = cpu_ops["compress_entries"].supports(*args, **kwargs)
     assert isinstance(verdict, str) and "positions" in verdict and "int64" in verdict
+
+
+@needs_backend
+@pytest.mark.parametrize(
+    ("fused", "parts"),
+    [("compress_windows", ["compress_entries"]), ("hc_post_pre", ["hc_post", "hc_pre", "rms_norm"])],
+)
+def test_fused_ops_run_as_their_parts_on_the_cpu_kernels(fused, parts):
+    _, ops = resolve_backend("cpu", strict_ops=True)
+    assert ops.sources[fused] == "decomposed" and all(ops.sources[p] == "backend+fallback" for p in parts)
+    called = []
+    for part in parts:  # the table's own callables, wrapped to see the decomposition reach them
+        kernel = getattr(ops, part)
+        setattr(ops, part, lambda *a, _k=kernel, _p=part, **kw: called.append(_p) or _k(*a, **kw))
+    args, kwargs = get_op(fused).sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
+    got = ops[fused](*args, **kwargs)
+    want = get_op(fused).reference(*args, **kwargs)
+    assert called == parts
+    for g, w in zip(got, want, strict=True):
+        if g is not None:
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
 @needs_backend
@@ -110,6 +130,7 @@ def test_auto_picks_the_cpu_backend_and_every_core_op_resolves_without_fallback_
         spec, ops = resolve_backend("auto", strict_ops=True)
     assert spec.name == "cpu"
     assert {n for n, s in ops.sources.items() if s == "backend+fallback"} == set(PROVIDED_OPS)
+    assert {n for n, s in ops.sources.items() if s == "decomposed"} == {"compress_windows", "hc_post_pre"}
     assert not caplog.records
 
 

@@ -8,7 +8,8 @@ query LoRA and of the per-head queries, strided views of a fused projection, the
 queries + shared key and its inverse, its cos/sin tables (``rope_cos_sin``: positions up to
 ~1M, scale 1 and a YaRN factor), the shared expert's clamped SwiGLU (``swiglu``: gate and up
 as views of the fused router + shared-expert projection, values beyond the limit), and the
-mHC ops with ``hc_mult`` streams; each with a single token (decode), a token block and a
+mHC ops with ``hc_mult`` streams (``hc_post_pre``: after a block, for the first block, and with
+the unweighted norm); each with a single token (decode), a token block and a
 ragged count; and the compressor's entries
 (``compress_entries``) of CSA windows (``2r`` rows, the first window's first half empty), of
 HCA windows (``r`` rows) and of the indexer's keys.
@@ -197,6 +198,19 @@ def own_cases(s: Shapes) -> dict[str, object]:
             cases.append(((_randn(g, t, d, dtype=dtype), _randn(g, t, n, d, dtype=dtype), post, comb), {}))
         return cases
 
+    def hc_post_pre(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        cases = []
+        for (args, _), (post_args, _) in zip(hc_pre(g, dtype), hc_post(g, dtype), strict=True):
+            _, fn, base, scale, *eps = args
+            block_out, streams, post, comb = post_args
+            norm = 1 + _randn(g, d, scale=0.1)
+            cases.append(((block_out, streams, post, comb, fn, base, scale, *eps, norm), {}))
+        (streams, *pre_args), _ = hc_pre(g, dtype)[-1]  # the ragged count
+        cases.append(((None, streams, None, None, *pre_args, 1 + _randn(g, d, scale=0.1)), {}))  # first block
+        block_out, streams, post, comb = hc_post(g, dtype)[-1][0]
+        cases.append(((block_out, streams, post, comb, *pre_args, None), {}))  # an unweighted norm
+        return cases
+
     def hc_head(g: torch.Generator, dtype: torch.dtype) -> Cases:
         k = n * d
         return [
@@ -291,6 +305,7 @@ def own_cases(s: Shapes) -> dict[str, object]:
         "swiglu": swiglu,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
+        "hc_post_pre": hc_post_pre,
         "hc_head": hc_head,
         "compress_entries": compress_entries,
     }

@@ -51,3 +51,33 @@ def int_vector(name: str, t: torch.Tensor, n: int) -> bool | str:
         (is_int_tensor(t), f"{name} dtype {t.dtype} is not an integer dtype"),
         (tuple(t.shape) == (n,), f"{name} has shape {tuple(t.shape)}, expected {(n,)}"),
     )
+
+
+Verdict = bool | str
+
+
+def device_checks(interpreted: bool, **tensors: torch.Tensor | None) -> Verdict:
+    """The given (non-``None``) tensors are on one device of the kind the kernels run on."""
+    present = [(name, t) for name, t in tensors.items() if t is not None]
+    return device_problem(interpreted, present) or True
+
+
+def activation(name: str, t: torch.Tensor) -> tuple[bool, str]:
+    """``t`` is an fp32 / bf16 / fp16 activation."""
+    return t.dtype in FLOAT_DTYPES, f"{name} dtype {t.dtype} is not one of float32, bfloat16, float16"
+
+
+def float_dtype(name: str, t: torch.Tensor) -> tuple[bool, str]:
+    """``t`` has a floating-point dtype."""
+    return t.is_floating_point(), f"{name} dtype {t.dtype} is not a floating-point dtype"
+
+
+def number(name: str, x) -> tuple[bool, str]:
+    """``x`` is a Python int or float (not a bool)."""
+    ok = isinstance(x, int | float) and not isinstance(x, bool)
+    return ok, f"{name} is a {type(x).__name__}, not a number"
+
+
+def shape_is(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
+    """``t`` has exactly ``shape``."""
+    return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"

@@ -19,16 +19,38 @@ import torch
 
 from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.cache_ops import CACHE_OPS
-from deepinfer_cuda_sm100.checks import FLOAT_DTYPES, device_problem, first_problem, int_vector, is_int_tensor
+from deepinfer_cuda_sm100.checks import (
+    FLOAT_DTYPES,
+    Verdict,
+    activation,
+    device_checks,
+    first_problem,
+    float_dtype,
+    int_vector,
+    is_int_tensor,
+    number,
+    shape_is,
+)
 from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
+from deepinfer_cuda_sm100.mhc_checks import mhc_supports
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.plan_ops import PLAN_OPS
 from deepinfer_cuda_sm100.routing_ops import ROUTING_OPS
 from deepinfer_cuda_sm100.sampling_ops import SAMPLING_OPS
 
-FUSED_OPS = ("rms_norm", "apply_rope", "rope_cos_sin", "swiglu", "hc_pre", "hc_post", "hc_head")
+FUSED_OPS = (
+    "rms_norm",
+    "apply_rope",
+    "rope_cos_sin",
+    "swiglu",
+    "hc_pre",
+    "hc_post",
+    "hc_post_pre",
+    "hc_head",
+)
 """The norm, rope (rotation and cos/sin tables), clamped SwiGLU and mHC ops
-(:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, mhc): each one launch where the
+(:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, mhc, mhc_chain): each one launch (two for
+``hc_pre`` / ``hc_head`` and for ``hc_post_pre``, the transition between two blocks) where the
 reference takes several."""
 
 ATTENTION_OPS = ("sparse_attention", "indexer_topk")
@@ -63,74 +85,45 @@ PROVIDED_OPS = (
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
-MAX_STREAMS = 8
-"""Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
-
 PLAIN_WEIGHT_REFUSAL = "plain tensor weight: cuBLAS (the reference) runs dense GEMMs"
 """In ``linear``'s reason for a plain-tensor weight (the FP8 kernel takes only quantised ones)."""
-
-
-Verdict = bool | str
-
-
-def _device_checks(interpreted: bool, **tensors: torch.Tensor | None) -> Verdict:
-    """The given (non-``None``) tensors are on one device of the kind the kernels run on."""
-    present = [(name, t) for name, t in tensors.items() if t is not None]
-    return device_problem(interpreted, present) or True
-
-
-def _activation(name: str, t: torch.Tensor) -> tuple[bool, str]:
-    return t.dtype in FLOAT_DTYPES, f"{name} dtype {t.dtype} is not one of float32, bfloat16, float16"
-
-
-def _float(name: str, t: torch.Tensor) -> tuple[bool, str]:
-    return t.is_floating_point(), f"{name} dtype {t.dtype} is not a floating-point dtype"
-
-
-def _number(name: str, x) -> tuple[bool, str]:
-    ok = isinstance(x, int | float) and not isinstance(x, bool)
-    return ok, f"{name} is a {type(x).__name__}, not a number"
-
-
-def _shape(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
-    return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
 
 
 def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
     """The ``supports`` predicates, for kernels that are ``interpreted`` (CPU) or compiled (CUDA)."""
 
     def rms_norm(x, weight, eps) -> Verdict:
-        dev = _device_checks(interpreted, x=x, weight=weight)
+        dev = device_checks(interpreted, x=x, weight=weight)
         if dev is not True:
             return dev
-        checks = [_activation("x", x), (x.dim() >= 1, "x is a 0-dim tensor")]
+        checks = [activation("x", x), (x.dim() >= 1, "x is a 0-dim tensor")]
         if weight is not None and x.dim() >= 1:
-            checks += [_float("weight", weight), _shape("weight", weight, (x.shape[-1],))]
+            checks += [float_dtype("weight", weight), shape_is("weight", weight, (x.shape[-1],))]
         return first_problem(*checks)
 
     def apply_rope(x, cos, sin) -> Verdict:
-        dev = _device_checks(interpreted, x=x, cos=cos, sin=sin)
+        dev = device_checks(interpreted, x=x, cos=cos, sin=sin)
         if dev is not True:
             return dev
         ok = first_problem(
-            _activation("x", x),
+            activation("x", x),
             (x.dim() in (2, 3), f"x has {x.dim()} dims, expected [T, D] or [T, H, D]"),
-            _float("cos", cos),
-            _float("sin", sin),
+            float_dtype("cos", cos),
+            float_dtype("sin", sin),
             (cos.dim() == 2, f"cos has {cos.dim()} dims, expected [T, R/2]"),
         )
         if ok is not True:
             return ok
         t, half = x.shape[0], cos.shape[1]
         return first_problem(
-            _shape("cos", cos, (t, half)),
-            _shape("sin", sin, (t, half)),
+            shape_is("cos", cos, (t, half)),
+            shape_is("sin", sin, (t, half)),
             (half >= 1, "cos has no rotated pair (R = 0)"),
             (2 * half <= x.shape[-1], f"rope width {2 * half} exceeds x's last dim {x.shape[-1]}"),
         )
 
     def rope_cos_sin(positions, inv_freq, scale, dtype) -> Verdict:
-        dev = _device_checks(interpreted, positions=positions, inv_freq=inv_freq)
+        dev = device_checks(interpreted, positions=positions, inv_freq=inv_freq)
         if dev is not True:
             return dev
         return first_problem(
@@ -138,91 +131,25 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
                 is_int_tensor(positions) and positions.dim() == 1,
                 f"positions ({positions.dtype}, {positions.dim()} dims) is not a [T] integer tensor",
             ),
-            _float("inv_freq", inv_freq),
+            float_dtype("inv_freq", inv_freq),
             (inv_freq.dim() == 1, f"inv_freq has {inv_freq.dim()} dims, expected [R/2]"),
-            _number("scale", scale),
+            number("scale", scale),
             (dtype in FLOAT_DTYPES, f"dtype {dtype} is not one of float32, bfloat16, float16"),
         )
 
     def swiglu(gate, up, limit) -> Verdict:
-        dev = _device_checks(interpreted, gate=gate, up=up)
+        dev = device_checks(interpreted, gate=gate, up=up)
         if dev is not True:
             return dev
         ok = first_problem(
-            _activation("gate", gate),
+            activation("gate", gate),
             (gate.dim() == 2, f"gate has {gate.dim()} dims, expected [T, I]"),
             (up.dtype == gate.dtype, f"up dtype {up.dtype} differs from gate dtype {gate.dtype}"),
-            _number("limit", limit),
+            number("limit", limit),
         )
         if ok is not True:
             return ok
-        return first_problem(_shape("up", up, tuple(gate.shape)))
-
-    def streams_checks(streams) -> Verdict:
-        return first_problem(
-            _activation("streams", streams),
-            (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
-            (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
-        )
-
-    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
-        dev = _device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
-        if ok is not True:
-            return ok
-        _, n, d = streams.shape
-        m = (2 + n) * n
-        return first_problem(
-            _float("fn", fn),
-            _float("base", base),
-            _float("scale", scale),
-            _shape("fn", fn, (m, n * d)),
-            _shape("base", base, (m,)),
-            _shape("scale", scale, (3,)),
-            (
-                isinstance(sinkhorn_iters, int) and not isinstance(sinkhorn_iters, bool),
-                f"sinkhorn_iters is a {type(sinkhorn_iters).__name__}, not an int",
-            ),
-        )
-
-    def hc_head(streams, fn, base, scale, norm_eps, hc_eps) -> Verdict:
-        dev = _device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
-        if ok is not True:
-            return ok
-        _, n, d = streams.shape
-        return first_problem(
-            _float("fn", fn),
-            _float("base", base),
-            _float("scale", scale),
-            _shape("fn", fn, (n, n * d)),
-            _shape("base", base, (n,)),
-            _shape("scale", scale, (1,)),
-        )
-
-    def hc_post(block_out, streams, post, comb) -> Verdict:
-        dev = _device_checks(interpreted, block_out=block_out, streams=streams, post=post, comb=comb)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
-        if ok is not True:
-            return ok
-        t, n, d = streams.shape
-        return first_problem(
-            (
-                block_out.dtype == streams.dtype,
-                f"block_out dtype {block_out.dtype} differs from streams dtype {streams.dtype}",
-            ),
-            _shape("block_out", block_out, (t, d)),
-            _float("post", post),
-            _float("comb", comb),
-            _shape("post", post, (t, n)),
-            _shape("comb", comb, (t, n, n)),
-        )
+        return first_problem(shape_is("up", up, tuple(gate.shape)))
 
     def compress_entries(
         kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live=None
@@ -232,7 +159,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
                 f"pool is a {type(pool).__name__}: the kernel stores into plain tensor pools "
                 "(packed formats take the reference)"
             )
-        dev = _device_checks(
+        dev = device_checks(
             interpreted,
             kv=kv,
             gate=gate,
@@ -246,12 +173,12 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if dev is not True:
             return dev
         ok = first_problem(
-            _activation("kv", kv),
+            activation("kv", kv),
             (kv.dim() == 3, f"kv has {kv.dim()} dims, expected [M, L, D]"),
-            _activation("pool", pool),
+            activation("pool", pool),
             (pool.dim() == 2, f"pool has {pool.dim()} dims, expected [N, D]"),
-            _float("norm_weight", norm_weight),
-            _float("inv_freq", inv_freq),
+            float_dtype("norm_weight", norm_weight),
+            float_dtype("inv_freq", inv_freq),
             (inv_freq.dim() == 1, f"inv_freq has {inv_freq.dim()} dims, expected [R/2]"),
         )
         if ok is not True:
@@ -259,13 +186,13 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         m, length, d = kv.shape
         ok = first_problem(
             (gate.dtype == torch.float32, f"gate dtype {gate.dtype} is not float32"),
-            _shape("gate", gate, (m, length, d)),
+            shape_is("gate", gate, (m, length, d)),
             (length >= 1, "kv has windows of no rows (L = 0)"),
             (
                 d % 2 == 0 and 2 <= d <= MAX_ENTRY_DIM,
                 f"entry width D={d} is not even in [2, {MAX_ENTRY_DIM}]",
             ),
-            _shape("norm_weight", norm_weight, (d,)),
+            shape_is("norm_weight", norm_weight, (d,)),
             (1 <= 2 * inv_freq.shape[0] <= d, f"rope width {2 * inv_freq.shape[0]} is not in [2, D={d}]"),
             (pool.shape[1] == d, f"pool rows have {pool.shape[1]} channels, expected D={d}"),
             (pool.stride(1) == 1, f"pool has channel stride {pool.stride(1)}, expected 1"),
@@ -285,11 +212,11 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return PLAIN_WEIGHT_REFUSAL
         if weight.fmt != "fp8" or tuple(weight.block) != (128, 128):
             return f"weight is a {weight.fmt} QuantizedTensor with block {weight.block}: needs fp8 128x128"
-        dev = _device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
+        dev = device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
         if dev is not True:
             return dev
         ok = first_problem(
-            _activation("x", x),
+            activation("x", x),
             (x.dim() >= 1, "x is a 0-dim tensor"),
             (weight.data.dim() == 2, f"weight has {weight.data.dim()} dims, expected [N, K]"),
             (weight.data.dtype == FP8_DTYPE, f"weight data dtype {weight.data.dtype} is not float8_e4m3fn"),
@@ -325,11 +252,11 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
 
     def tile_matmul(a, b) -> Verdict:
-        dev = _device_checks(interpreted, a=a, b=b)
+        dev = device_checks(interpreted, a=a, b=b)
         if dev is not True:
             return dev
         ok = first_problem(
-            _activation("a", a),
+            activation("a", a),
             (a.dim() == 3, f"a has {a.dim()} dims, expected [n, R, K]"),
             (b.dim() == 3, f"b has {b.dim()} dims, expected [n, N, K]"),
             (b.dtype == a.dtype, f"b dtype {b.dtype} differs from a dtype {a.dtype}"),
@@ -342,6 +269,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
 
     return {
+        **mhc_supports(interpreted),
         "tile_matmul": tile_matmul,
         "linear": linear,
         "grouped_linear": grouped_linear,
@@ -349,9 +277,6 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         "apply_rope": apply_rope,
         "rope_cos_sin": rope_cos_sin,
         "swiglu": swiglu,
-        "hc_pre": hc_pre,
-        "hc_post": hc_post,
-        "hc_head": hc_head,
         "compress_entries": compress_entries,
     }
 
@@ -360,7 +285,17 @@ def load_ops() -> dict[str, OpImpl]:
     """``{op name: OpImpl}`` for :data:`PROVIDED_OPS` (imports Triton and the kernels)."""
     from deepinfer_cuda_sm100 import cases
     from deepinfer_cuda_sm100.gemm_dispatch import make_grouped_linear, make_linear
-    from deepinfer_cuda_sm100.kernels import _common, compressor, fp8_gemm, mhc, norm, rope, swiglu, tile_gemm
+    from deepinfer_cuda_sm100.kernels import (
+        _common,
+        compressor,
+        fp8_gemm,
+        mhc,
+        mhc_chain,
+        norm,
+        rope,
+        swiglu,
+        tile_gemm,
+    )
 
     interpreted = _common.INTERPRETED
     supports = make_supports(interpreted)
@@ -372,6 +307,7 @@ def load_ops() -> dict[str, OpImpl]:
         "swiglu": swiglu.swiglu,
         "hc_pre": mhc.hc_pre,
         "hc_post": mhc.hc_post,
+        "hc_post_pre": mhc_chain.hc_post_pre,
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
         "linear": make_linear(fp8_gemm.linear_fp8),  # dequantise + cuBLAS where measured faster

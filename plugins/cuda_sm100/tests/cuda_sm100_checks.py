@@ -40,6 +40,7 @@ ROW_ARGS = {
     "swiglu": (0, 1),
     "hc_pre": (0,),
     "hc_post": (0, 1, 2, 3),
+    "hc_post_pre": (0, 1, 2, 3),
     "hc_head": (0,),
 }
 """The positional arguments of each op that are indexed by token (dim 0)."""
@@ -51,6 +52,7 @@ INVARIANCE_CASES = {
     "swiglu": (2,),
     "hc_pre": (2,),
     "hc_post": (2,),
+    "hc_post_pre": (2, 3, 4),
     "hc_head": (2,),
 }
 """Which of :func:`~deepinfer_cuda_sm100.cases.own_cases`'s cases each op is checked on."""
@@ -72,10 +74,12 @@ def batch_invariance_problems(
     problems = []
     for index in INVARIANCE_CASES[op]:
         args = _case(op, shapes, dtype, index, device)
-        t = args[0].shape[0]
+        t = next(args[i] for i in ROW_ARGS[op] if args[i] is not None).shape[0]
         full = _outputs(fn(*args))
         for a, b in ((0, 1), (t - 2, t), (1, min(t, 8))):
-            sub = tuple(x[a:b].clone() if i in ROW_ARGS[op] else x for i, x in enumerate(args))
+            sub = tuple(
+                x[a:b].clone() if i in ROW_ARGS[op] and x is not None else x for i, x in enumerate(args)
+            )
             for k, (whole, part) in enumerate(zip(full, _outputs(fn(*sub)), strict=True)):
                 if not torch.equal(whole[a:b], part):
                     err = (whole[a:b].double() - part.double()).abs().max().item()
@@ -97,11 +101,13 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
     gen = torch.Generator(device="cuda").manual_seed(1)
     for replay in range(2):
         for i in ROW_ARGS[op]:  # new activations (or positions), in place (the static inputs)
+            if args[i] is None:
+                continue
             if args[i].is_floating_point():
                 fresh = torch.randn(args[i].shape, generator=gen, device="cuda", dtype=torch.float32)
             else:
                 fresh = torch.randint(0, 1 << 20, args[i].shape, generator=gen, device="cuda")
-            args[i].copy_(fresh.abs() if op == "hc_post" and i in (2, 3) else fresh)
+            args[i].copy_(fresh.abs() if op in ("hc_post", "hc_post_pre") and i in (2, 3) else fresh)
         graph.replay()
         expected = _outputs(fn(*args))
         for k, (got, want) in enumerate(zip(captured, expected, strict=True)):

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ._common import cast_to, cdiv, pow2, round_through
-from .norm import _factor
+from .norm import rms_factor
 from .pdl import pdl_args, pdl_enter
 
 MAX_DIM = 4096
@@ -160,7 +160,7 @@ def entry(
     b = pool(src, od, od_ok, L, LOAD, KV_DTYPE, BLOCK_L, BLOCK_P, NUM_L_TILES)
 
     # rms_norm (weighted): fp32, one rounding to kv's dtype
-    factor = _factor(tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0), D, eps, KV_DTYPE, False)
+    factor = rms_factor(tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0), D, eps, KV_DTYPE, False)
     a = round_through(a * factor * tl.load(w_ptr + ev, mask=ev_ok, other=0.0).to(tl.float32), KV_DTYPE)
     b = round_through(b * factor * tl.load(w_ptr + od, mask=od_ok, other=0.0).to(tl.float32), KV_DTYPE)
 

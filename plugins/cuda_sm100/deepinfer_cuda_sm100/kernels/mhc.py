@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETED, cast_to, cdiv, pow2, round_through
+from .norm import MAX_BLOCK_D, rms_factor
 from .pdl import pdl_args, pdl_enter
 
-_USE_DOT = tl.constexpr(not INTERPRETED)
+USE_DOT = tl.constexpr(not INTERPRETED)
 
 BLOCK_T = 64
 """Tokens per projection program (they share its load of ``fn``)."""
@@ -49,6 +50,8 @@ BLOCK_D = 1024
 """Channels per collapse / ``hc_post`` program."""
 MIX_WARPS, FINISH_WARPS, POST_WARPS = 4, 4, 4
 """Warps per program of each kernel."""
+MAX_NORM_D = MAX_BLOCK_D
+"""Widest row the finishing kernel also norms (one program holds it, as ``rms_norm``'s one tile)."""
 BLOCK_TOK = 16 if INTERPRETED else 1
 """Tokens per collapse / ``hc_post`` program: one on the GPU (the most programs at decode
 sizes); more in the interpreter, whose cost is per program and per operation."""
@@ -81,7 +84,7 @@ def _hc_mix_kernel(
     x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     w_ptrs = fn_ptr + ms[None, :] * stride_fm + k[:, None]  # fn.T: [BLOCK_K, BLOCK_M]
     w = tl.load(w_ptrs, mask=k_mask[:, None] & (ms < M)[None, :], other=0.0).to(tl.float32)
-    if _USE_DOT:
+    if USE_DOT:
         part = tl.dot(x, w, input_precision="tf32x3")
     else:  # the interpreter's dot is a BLAS GEMM, whose rounding depends on a row's position
         part = tl.sum(x[:, :, None] * w[None, :, :], axis=1)
@@ -113,6 +116,7 @@ def _hc_finish_kernel(
     post_ptr,
     comb_ptr,
     out_ptr,
+    norm_w_ptr,
     T,
     K_FLOAT,
     D,
@@ -120,6 +124,9 @@ def _hc_finish_kernel(
     norm_eps,
     hc_eps,
     FULL: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    FACTOR_IN_X_DTYPE: tl.constexpr,
     ITERS: tl.constexpr,
     N: tl.constexpr,
     M: tl.constexpr,
@@ -189,8 +196,16 @@ def _hc_finish_kernel(
     for n in tl.static_range(N):
         pre_n = tl.sum(tl.where(i[None, :] == n, pre, 0.0), axis=1)[:, None]
         acc += pre_n * tl.load(x_rows + n * D, mask=td_mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    if NORM:  # the block's input norm of the collapsed row (whole in this program): rms_norm's math
+        acc = round_through(acc, dtype)  # the collapsed input as hc_pre returns it
+        factor = rms_factor(tl.sum(acc * acc, axis=1), D, norm_eps, dtype, FACTOR_IN_X_DTYPE)
+        acc = acc * factor[:, None]
+        if NORM_WEIGHT:
+            w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            acc = acc * w[None, :]
     out_ptrs = out_ptr + toks[:, None] * D + d[None, :]
-    tl.store(out_ptrs, cast_to(acc, out_ptr.dtype.element_ty), mask=td_mask)
+    tl.store(out_ptrs, cast_to(acc, dtype), mask=td_mask)
 
 
 @triton.jit
@@ -240,14 +255,14 @@ def _hc_post_kernel(
     tl.store(out_ptrs, cast_to(out, dtype), mask=tn_mask[:, :, None] & td_mask[:, None, :])
 
 
-def _flat_streams(streams: torch.Tensor) -> torch.Tensor:
+def flat_streams(streams: torch.Tensor) -> torch.Tensor:
     """``streams [T, N, D]`` as ``[T, N*D]`` with unit channel stride (a view when possible)."""
     t, n, d = streams.shape
     flat = streams.reshape(t, n * d)
     return flat if flat.stride(-1) == 1 or n * d <= 1 else flat.contiguous()
 
 
-def _unit_last(x: torch.Tensor) -> torch.Tensor:
+def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
@@ -262,19 +277,39 @@ def _mix_and_finish(
     full: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     t, n, d = streams.shape
-    k, m = n * d, fn.shape[0]
+    post, comb, out = empty_outputs(streams)
+    if t == 0 or d == 0:
+        return post, comb, out
+    x = flat_streams(streams)
+    part = mix(x, fn, n)
+    finish(part, x, base, scale, post, comb, out, norm_eps, hc_eps, iters, full)
+    return post, comb, out
+
+
+def empty_outputs(streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty ``(post [T, N] fp32, comb [T, N, N] fp32, collapsed [T, D] streams.dtype)``."""
+    t, n, d = streams.shape
     dev = streams.device
     post = torch.empty(t, n, dtype=torch.float32, device=dev)
     comb = torch.empty(t, n, n, dtype=torch.float32, device=dev)
-    out = torch.empty(t, d, dtype=streams.dtype, device=dev)
-    if t == 0 or d == 0:
-        return post, comb, out
-    x = _flat_streams(streams)
-    fn = _unit_last(fn)
-    base, scale = base.contiguous(), scale.contiguous()
+    return post, comb, torch.empty(t, d, dtype=streams.dtype, device=dev)
+
+
+def mix_width(m: int) -> int:
+    """The partials' row width for ``m`` mixing rows: ``m`` + the sum-of-squares column, at least
+    16 (``tl.dot`` tiles)."""
+    return max(16, pow2(m + 1))
+
+
+def mix(x: torch.Tensor, fn: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`_hc_mix_kernel` over the flat streams ``x [T, N*D]``: the partials ``[T, SPLITS,
+    BLOCK_M]`` that :func:`finish` sums."""
+    t, k = x.shape
+    m = fn.shape[0]
+    fn = unit_last(fn)
     splits = cdiv(k, BLOCK_K)
-    block_m = max(16, pow2(m + 1))  # + the sum-of-squares column; tl.dot tiles are >= 16 wide
-    part = torch.empty(t, splits, block_m, dtype=torch.float32, device=dev)
+    block_m = mix_width(m)
+    part = torch.empty(t, splits, block_m, dtype=torch.float32, device=x.device)
     _hc_mix_kernel[(cdiv(t, BLOCK_T), splits)](
         x,
         fn,
@@ -291,7 +326,36 @@ def _mix_and_finish(
         num_warps=MIX_WARPS,
         **pdl_args(),
     )
-    block_d = min(pow2(d), BLOCK_D)
+    return part
+
+
+def finish(
+    part: torch.Tensor,
+    x: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    out: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    iters: int,
+    full: bool,
+    norm: bool = False,
+    norm_weight: torch.Tensor | None = None,
+) -> None:
+    """:func:`_hc_finish_kernel`: the weights (``post`` / ``comb`` too when ``full``) and the
+    collapsed row into ``out``; with ``norm`` the row is then RMS-normed (``norm_weight`` or
+    unweighted, eps ``norm_eps``) as ``rms_norm`` does, in the same program, which then takes
+    the whole row (``D <= MAX_NORM_D``)."""
+    t, d = out.shape
+    n = post.shape[1]
+    m = base.shape[0]
+    splits = part.shape[1]
+    base, scale = base.contiguous(), scale.contiguous()
+    block_d = pow2(d) if norm else min(pow2(d), BLOCK_D)
+    if norm_weight is not None:
+        norm_weight = norm_weight.contiguous()
     _hc_finish_kernel[(cdiv(t, BLOCK_TOK), cdiv(d, block_d))](
         part,
         x,
@@ -300,26 +364,29 @@ def _mix_and_finish(
         post,
         comb,
         out,
+        norm_weight if norm_weight is not None else base,
         t,
-        float(k),
+        float(n * d),
         d,
         x.stride(0),
         float(norm_eps),
         float(hc_eps),
         FULL=full,
+        NORM=norm,
+        NORM_WEIGHT=norm_weight is not None,
+        FACTOR_IN_X_DTYPE=norm_weight is None and out.dtype != torch.float32,
         ITERS=int(iters),
         N=n,
         M=m,
         NP=pow2(n),
         SPLITS=splits,
         SPLIT_TILE=min(pow2(splits), SPLIT_TILE),
-        BLOCK_M=block_m,
+        BLOCK_M=part.shape[2],
         BLOCK_TOK=BLOCK_TOK,
         BLOCK_D=block_d,
-        num_warps=FINISH_WARPS,
+        num_warps=8 if norm and block_d > 2048 else FINISH_WARPS,  # rms_norm's warps for a row
         **pdl_args(),
     )
-    return post, comb, out
 
 
 def hc_pre(
@@ -372,7 +439,7 @@ def hc_post(
     out = torch.empty(t, n, d, dtype=streams.dtype, device=streams.device)
     if out.numel() == 0:
         return out
-    streams, block_out = _unit_last(streams), _unit_last(block_out)
+    streams, block_out = unit_last(streams), unit_last(block_out)
     block_d = min(pow2(d), BLOCK_D)
     _hc_post_kernel[(cdiv(t, BLOCK_TOK), cdiv(d, block_d))](
         block_out,

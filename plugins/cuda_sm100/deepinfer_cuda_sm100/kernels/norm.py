@@ -22,7 +22,7 @@ _TILE_ELEMS = 4096  # elements per program when rows are short: BLOCK_R = _TILE_
 
 
 @triton.jit
-def _factor(sum_sq, D, eps, dtype: tl.constexpr, IN_X_DTYPE: tl.constexpr):
+def rms_factor(sum_sq, D, eps, dtype: tl.constexpr, IN_X_DTYPE: tl.constexpr):
     """``rsqrt(mean(x²) + eps)`` (IEEE division and square root), rounded to ``dtype`` if asked."""
     mean = tl.math.div_rn(sum_sq, tl.zeros_like(sum_sq) + D)
     factor = tl.math.div_rn(tl.full(sum_sq.shape, 1.0, tl.float32), tl.sqrt_rn(mean + eps))
@@ -58,7 +58,7 @@ def _rms_norm_kernel(
     if NUM_TILES == 1:  # the whole row in registers: one read
         m = row_mask[:, None] & (cols < D)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        factor = _factor(tl.sum(x * x, axis=1), D, eps, dtype, FACTOR_IN_X_DTYPE)
+        factor = rms_factor(tl.sum(x * x, axis=1), D, eps, dtype, FACTOR_IN_X_DTYPE)
         y = x * factor[:, None]
         if HAS_WEIGHT:
             w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
@@ -71,7 +71,7 @@ def _rms_norm_kernel(
             m = row_mask[:, None] & (c < D)[None, :]
             x = tl.load(x_rows + c[None, :], mask=m, other=0.0).to(tl.float32)
             sum_sq += tl.sum(x * x, axis=1)
-        factor = _factor(sum_sq, D, eps, dtype, FACTOR_IN_X_DTYPE)
+        factor = rms_factor(sum_sq, D, eps, dtype, FACTOR_IN_X_DTYPE)
         for i in range(NUM_TILES):
             c = i * BLOCK_D + cols
             m = row_mask[:, None] & (c < D)[None, :]

@@ -1,0 +1,125 @@
+"""The ``supports`` predicates of the ``cuda_sm100`` mHC ops (``hc_pre``, ``hc_post``,
+``hc_post_pre``, ``hc_head``): shapes, dtypes and devices only (no values, so no device
+synchronisation).  Importing this module does not import Triton."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from deepinfer_cuda_sm100.checks import (
+    Verdict,
+    activation,
+    device_checks,
+    first_problem,
+    float_dtype,
+    shape_is,
+)
+
+MAX_STREAMS = 8
+"""Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
+
+MAX_NORM_D = 4096
+"""Widest hidden size ``hc_post_pre``'s kernel takes (it norms a row in one program: the kernels'
+``mhc.MAX_NORM_D``, restated here so that importing this module does not import Triton)."""
+
+
+def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
+    """The predicates, for kernels that are ``interpreted`` (CPU) or compiled (CUDA)."""
+
+    def streams_checks(streams) -> Verdict:
+        return first_problem(
+            activation("streams", streams),
+            (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
+            (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
+        )
+
+    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
+        dev = device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        _, n, d = streams.shape
+        m = (2 + n) * n
+        return first_problem(
+            float_dtype("fn", fn),
+            float_dtype("base", base),
+            float_dtype("scale", scale),
+            shape_is("fn", fn, (m, n * d)),
+            shape_is("base", base, (m,)),
+            shape_is("scale", scale, (3,)),
+            (
+                isinstance(sinkhorn_iters, int) and not isinstance(sinkhorn_iters, bool),
+                f"sinkhorn_iters is a {type(sinkhorn_iters).__name__}, not an int",
+            ),
+        )
+
+    def hc_post_pre(
+        block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight
+    ) -> Verdict:
+        checks = [hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)]
+        if block_out is not None:
+            if post is None or comb is None:
+                return "block_out is given without the previous block's post and comb"
+            checks.append(hc_post(block_out, streams, post, comb))
+        elif post is not None or comb is not None:
+            return "post and comb are given without block_out (the first block has neither)"
+        for verdict in checks:
+            if verdict is not True:
+                return verdict
+        d = streams.shape[2]
+        dev = device_checks(interpreted, norm_weight=norm_weight)
+        if dev is not True:
+            return dev
+        return first_problem(
+            (
+                d <= MAX_NORM_D,
+                f"D={d} is over {MAX_NORM_D}: the fused kernel norms a row in one program "
+                "(hc_post, hc_pre and rms_norm run apart)",
+            ),
+            *(
+                []
+                if norm_weight is None
+                else [float_dtype("norm_weight", norm_weight), shape_is("norm_weight", norm_weight, (d,))]
+            ),
+        )
+
+    def hc_head(streams, fn, base, scale, norm_eps, hc_eps) -> Verdict:
+        dev = device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        _, n, d = streams.shape
+        return first_problem(
+            float_dtype("fn", fn),
+            float_dtype("base", base),
+            float_dtype("scale", scale),
+            shape_is("fn", fn, (n, n * d)),
+            shape_is("base", base, (n,)),
+            shape_is("scale", scale, (1,)),
+        )
+
+    def hc_post(block_out, streams, post, comb) -> Verdict:
+        dev = device_checks(interpreted, block_out=block_out, streams=streams, post=post, comb=comb)
+        if dev is not True:
+            return dev
+        ok = streams_checks(streams)
+        if ok is not True:
+            return ok
+        t, n, d = streams.shape
+        return first_problem(
+            (
+                block_out.dtype == streams.dtype,
+                f"block_out dtype {block_out.dtype} differs from streams dtype {streams.dtype}",
+            ),
+            shape_is("block_out", block_out, (t, d)),
+            float_dtype("post", post),
+            float_dtype("comb", comb),
+            shape_is("post", post, (t, n)),
+            shape_is("comb", comb, (t, n, n)),
+        )
+
+    return {"hc_pre": hc_pre, "hc_post": hc_post, "hc_post_pre": hc_post_pre, "hc_head": hc_head}
