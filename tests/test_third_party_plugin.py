@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core.ops import get_op
+from deepinfer_core.ops import all_ops, get_op
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "writing-a-backend-plugin.md"
@@ -86,7 +86,7 @@ def test_resolving_toy_uses_its_rms_norm_and_reference_for_the_rest(toy_package)
         import json, logging, torch
         logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
         from deepinfer_core.backends import resolve_backend
-        from deepinfer_core.ops import get_op
+        from deepinfer_core.ops import all_ops, get_op
         from deepinfer_toy import kernels
         spec, ops = resolve_backend("toy", strict_ops=False)
         x, w = torch.randn(3, 16), torch.rand(16) + 0.5
@@ -112,7 +112,8 @@ def test_resolving_toy_uses_its_rms_norm_and_reference_for_the_rest(toy_package)
     assert out["linear_is_reference"]
     assert out["sources"]["rms_norm"] == "backend+fallback"
     assert out["calls_by_fused"] == 1 and out["fused_matches"]
-    fused = {"hc_post_pre", "compress_windows"}
+    fused = {name for name, op in all_ops().items() if op.decomposition is not None}
+    assert {"hc_post_pre", "compress_windows", "qk_norm_rope"} <= fused
     assert {out["sources"][name] for name in fused} == {"decomposed"}
     assert {src for name, src in out["sources"].items() if name not in fused | {"rms_norm"}} == {"reference"}
     warning = [line for line in done.stderr.splitlines() if line.startswith("deepinfer.ops WARNING")]
@@ -147,7 +148,7 @@ def test_toy_package_conformance_tests_pass(toy_package):
     assert done.returncode == 0, done.stdout + done.stderr
     # rms_norm's cases, and those of the fused ops it leaves to their decomposition (run on its
     # rms_norm), each in float32 and bfloat16
-    ops = ("rms_norm", "hc_post_pre", "compress_windows")
+    ops = ["rms_norm"] + [name for name, op in all_ops().items() if op.decomposition is not None]
     dtypes = (torch.float32, torch.bfloat16)
     count = sum(len(get_op(op).sample_cases(torch.Generator(), dt)) for op in ops for dt in dtypes)
     assert f"{count} passed" in done.stdout, done.stdout

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
 import torch
 
 from ._cases import randn
 from .cast import cast
 from .modes import row_padded
+from .norm import rms_norm
 from .registry import define_op
 
 
@@ -65,3 +71,71 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # pairs (2i, 2i+1) as complex numbers: (a+ib)(c+is) = (ac-bs) + i(as+bc)
     rotated = torch.view_as_real(torch.view_as_complex(cast(rope, f32).unflatten(-1, (half, 2))) * cis)
     return torch.cat([nope, cast(rotated.flatten(-2), x.dtype)], dim=-1)
+
+
+_REFERENCES = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope)
+
+
+def _qk_norm_rope(
+    ops: Any,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_q: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qk_norm_rope`` as its sequence over ``ops`` (a resolved table, or the references)."""
+    if norm_q:
+        q = ops.rms_norm(q, None, eps)
+    kv = ops.rms_norm(kv, kv_weight, eps)
+    # the queries and the key rotated apart: no copy of the queries into one tensor
+    return ops.apply_rope(q, cos, sin), ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
+
+
+def _qk_norm_rope_over(ops: Any) -> Callable[..., tuple]:
+    """``qk_norm_rope``'s decomposition over the op table ``ops`` (looked up at every call)."""
+    return functools.partial(_qk_norm_rope, ops)
+
+
+def _qk_norm_rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    cos, sin = randn(g, 5, 4, dtype=dtype), randn(g, 5, 4, dtype=dtype)
+    fused = randn(g, 5, 3 * 32, dtype=dtype)  # the key row as a strided view of a projection
+    q, kv, w = randn(g, 5, 3, 32, dtype=dtype), fused[:, 32:64], 1 + randn(g, 32, scale=0.1)
+    return [((q, kv, w, 1e-6, cos, sin), {}), ((q, kv, w, 1e-6, cos, sin), {"norm_q": False})]
+
+
+@define_op(
+    "qk_norm_rope",
+    "rope",
+    batch_invariant=True,
+    sample_cases=_qk_norm_rope_cases,
+    decomposition=_qk_norm_rope_over,
+)
+def qk_norm_rope(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_q: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention block's queries and shared key-value row, normed and rotated.
+
+    Exactly ``rms_norm(q, None, eps)`` (per head, unweighted; skipped with ``norm_q=False``),
+    ``rms_norm(kv, kv_weight, eps)``, then :func:`apply_rope` of each with ``cos`` / ``sin``;
+    a backend may fuse the sequence (the op's decomposition runs it over a table's own ops where
+    the backend does not).
+
+    Args:
+        q: ``[T, H, D]`` queries; kv: ``[T, D]`` the shared key-value rows (any row stride).
+        kv_weight: ``[D]`` float32 weight of the row's norm, or ``None``; eps: both norms' eps.
+        cos, sin: ``[T, R/2]`` from :func:`rope_cos_sin`.
+        norm_q: whether the queries are normed (V4) or only rotated (V4.1).
+
+    Returns:
+        ``(q [T, H, D], kv [T, D])``, contiguous, in the inputs' dtype.
+    """
+    return _qk_norm_rope(_REFERENCES, q, kv, kv_weight, eps, cos, sin, norm_q)

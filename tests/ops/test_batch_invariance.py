@@ -56,6 +56,17 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
         (0,),
     ),
     "apply_rope": lambda g, t: ((_randn(g, t, H, D), _randn(g, t, 4), _randn(g, t, 4)), (0, 1, 2)),
+    "qk_norm_rope": lambda g, t: (
+        (
+            _randn(g, t, H, D),
+            _randn(g, t, D),
+            1 + _randn(g, D, scale=0.1),
+            1e-6,
+            _randn(g, t, 4),
+            _randn(g, t, 4),
+        ),
+        (0, 1, 4, 5),
+    ),
     "sparse_attention": lambda g, t: (
         (
             _randn(g, t, H, D),

@@ -107,12 +107,9 @@ class Attention:
         cos, sin = rope[self.rope_family]
         q_a, kv, *comp = self.w_in(x, ops)
         q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
-        q = ops.rms_norm(ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim), None, self.eps)
-        kv = ops.rms_norm(kv, self.kv_norm, self.eps)
-        # the queries and the shared key rotated apart: as many launches as one rotation of
-        # their concatenation, without copying the queries twice (the queries stay contiguous)
-        q = ops.apply_rope(q, cos, sin)
-        kv = ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
+        q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
+        # the queries' per-head norm, the shared key's norm and the rope of both: one op
+        q, kv = ops.qk_norm_rope(q, kv, self.kv_norm, self.eps, cos, sin)
         queries = md  # the per-query plans (window rows, visible entries) of the rows of x
         if md.cp is not None:
             kv, comp = self._gather_rows(md, kv, comp)

@@ -102,10 +102,9 @@ class Attention:
         qdq = op(ops, "kv_qdq")
         q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
-        kv = ops.rms_norm(part["kv"], self.kv_norm, self.eps)
         cos, sin = rope[self.rope_family]
-        q = ops.apply_rope(q, cos, sin)  # apart from the key: no copy of the queries
-        key = ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
+        # the key's norm and the rope of the (unnormed) queries and the key: one op
+        q, key = ops.qk_norm_rope(q, part["kv"], self.kv_norm, self.eps, cos, sin, norm_q=False)
         kv = qdq(key, *WINDOW_KV_FORMAT)  # this step's rows, as the ring gives them back
         ring = cache.get(self.layer, "window")
         pools: list[Any] = [ring, kv]

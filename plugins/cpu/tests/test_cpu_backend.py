@@ -106,13 +106,18 @@ def test_int32_positions_are_refused_before_the_kernel(cpu_ops):
 @needs_backend
 @pytest.mark.parametrize(
     ("fused", "parts"),
-    [("compress_windows", ["compress_entries"]), ("hc_post_pre", ["hc_post", "hc_pre", "rms_norm"])],
+    [
+        ("compress_windows", ["compress_entries"]),
+        ("hc_post_pre", ["hc_post", "hc_pre", "rms_norm"]),
+        ("qk_norm_rope", ["rms_norm", "rms_norm", "apply_rope", "apply_rope"]),
+    ],
 )
 def test_fused_ops_run_as_their_parts_on_the_cpu_kernels(fused, parts):
     _, ops = resolve_backend("cpu", strict_ops=True)
     assert ops.sources[fused] == "decomposed" and all(ops.sources[p] == "backend+fallback" for p in parts)
     called = []
-    for part in parts:  # the table's own callables, wrapped to see the decomposition reach them
+    # the table's own callables, wrapped to see the decomposition reach them
+    for part in dict.fromkeys(parts):
         kernel = getattr(ops, part)
         setattr(ops, part, lambda *a, _k=kernel, _p=part, **kw: called.append(_p) or _k(*a, **kw))
     args, kwargs = get_op(fused).sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
@@ -130,7 +135,11 @@ def test_auto_picks_the_cpu_backend_and_every_core_op_resolves_without_fallback_
         spec, ops = resolve_backend("auto", strict_ops=True)
     assert spec.name == "cpu"
     assert {n for n, s in ops.sources.items() if s == "backend+fallback"} == set(PROVIDED_OPS)
-    assert {n for n, s in ops.sources.items() if s == "decomposed"} == {"compress_windows", "hc_post_pre"}
+    assert {n for n, s in ops.sources.items() if s == "decomposed"} == {
+        "compress_windows",
+        "hc_post_pre",
+        "qk_norm_rope",
+    }
     assert not caplog.records
 
 

@@ -5,8 +5,9 @@ form of ``OpImpl.sample_cases``) for a :class:`Shapes`: :data:`V4_FLASH` on the 
 :data:`SMALL` (same structure, narrow) under Triton's CPU interpreter.  The cases follow the
 model's calls (``deepinfer_core/models/deepseek_v4``): norms of the hidden state, of the
 query LoRA and of the per-head queries, strided views of a fused projection, the rope of
-queries + shared key and its inverse, its cos/sin tables (``rope_cos_sin``: positions up to
-~1M, scale 1 and a YaRN factor), the shared expert's clamped SwiGLU (``swiglu``: gate and up
+queries + shared key and its inverse (``qk_norm_rope``: with the norms before it, V4's and
+V4.1's), its cos/sin tables (``rope_cos_sin``: positions up to ~1M, scale 1 and a YaRN
+factor), the shared expert's clamped SwiGLU (``swiglu``: gate and up
 as views of the fused router + shared-expert projection, values beyond the limit), and the
 mHC ops with ``hc_mult`` streams (``hc_post_pre``: after a block, for the first block, and with
 the unweighted norm); each with a single token (decode), a token block and a
@@ -155,6 +156,19 @@ def own_cases(s: Shapes) -> dict[str, object]:
             ((_randn(g, t_block, s.rope_dim, dtype=dtype), cos, sin), {}),  # all channels rotate
         ]
 
+    def qk_norm_rope(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        cases = []
+        for i, t in enumerate(s.tokens):
+            cos, sin = _cos_sin(g, t, s.rope_dim, 10000.0 if i % 2 else 160000.0, dtype)
+            # the key row: a strided view of the fused input projection, as the model passes it
+            fused = _randn(g, t, s.q_lora + s.head_dim + s.rope_dim, dtype=dtype, scale=3.0)
+            kv = fused[:, s.q_lora : s.q_lora + s.head_dim]
+            q = _randn(g, t, s.heads, s.head_dim, dtype=dtype, scale=3.0)
+            w = 1 + _randn(g, s.head_dim, scale=0.1)
+            cases += [((q, kv, w, 1e-6, cos, sin), {}), ((q, kv, w, 1e-6, cos, sin), {"norm_q": False})]
+        cases.append(((q, kv, None, 1e-6, cos, sin), {}))  # an unweighted key norm
+        return cases
+
     def rope_cos_sin(g: torch.Generator, dtype: torch.dtype) -> Cases:
         inv = 1.0 / (10000.0 ** (torch.arange(0, s.rope_dim, 2).float() / s.rope_dim))
         yarn = 0.1 * math.log(16) + 1.0  # a YaRN attention factor (compressed rope, factor 16)
@@ -301,6 +315,7 @@ def own_cases(s: Shapes) -> dict[str, object]:
         "linear": linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
+        "qk_norm_rope": qk_norm_rope,
         "rope_cos_sin": rope_cos_sin,
         "swiglu": swiglu,
         "hc_pre": hc_pre,

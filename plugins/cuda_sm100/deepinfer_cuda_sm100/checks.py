@@ -9,6 +9,11 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Activation dtypes the kernels take."""
 
+MAX_NORM_TILE = 4096
+"""Widest row a kernel that fuses ``rms_norm`` takes (``hc_post_pre``, ``qk_norm_rope``): it
+norms a row in one tile, as the norm kernel does up to its ``MAX_BLOCK_D`` (restated here so
+that importing this module does not import Triton)."""
+
 
 def device_problem(interpreted: bool, named: Iterable[tuple[str, object]]) -> str | None:
     """Why the named arguments are not tensors on one device of the kind the kernels run on

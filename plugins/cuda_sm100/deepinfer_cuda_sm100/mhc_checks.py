@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from deepinfer_cuda_sm100.checks import (
+    MAX_NORM_TILE,
     Verdict,
     activation,
     device_checks,
@@ -17,10 +18,6 @@ from deepinfer_cuda_sm100.checks import (
 
 MAX_STREAMS = 8
 """Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
-
-MAX_NORM_D = 4096
-"""Widest hidden size ``hc_post_pre``'s kernel takes (it norms a row in one program: the kernels'
-``mhc.MAX_NORM_D``, restated here so that importing this module does not import Triton)."""
 
 
 def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
@@ -74,8 +71,8 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return dev
         return first_problem(
             (
-                d <= MAX_NORM_D,
-                f"D={d} is over {MAX_NORM_D}: the fused kernel norms a row in one program "
+                d <= MAX_NORM_TILE,
+                f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one program "
                 "(hc_post, hc_pre and rms_norm run apart)",
             ),
             *(

@@ -21,6 +21,7 @@ from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.cache_ops import CACHE_OPS
 from deepinfer_cuda_sm100.checks import (
     FLOAT_DTYPES,
+    MAX_NORM_TILE,
     Verdict,
     activation,
     device_checks,
@@ -41,6 +42,7 @@ from deepinfer_cuda_sm100.sampling_ops import SAMPLING_OPS
 FUSED_OPS = (
     "rms_norm",
     "apply_rope",
+    "qk_norm_rope",
     "rope_cos_sin",
     "swiglu",
     "hc_pre",
@@ -120,6 +122,38 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             shape_is("sin", sin, (t, half)),
             (half >= 1, "cos has no rotated pair (R = 0)"),
             (2 * half <= x.shape[-1], f"rope width {2 * half} exceeds x's last dim {x.shape[-1]}"),
+        )
+
+    def qk_norm_rope(q, kv, kv_weight, eps, cos, sin, norm_q=True) -> Verdict:
+        dev = device_checks(interpreted, q=q, kv=kv, kv_weight=kv_weight, cos=cos, sin=sin)
+        if dev is not True:
+            return dev
+        ok = first_problem(
+            activation("q", q),
+            (q.dim() == 3, f"q has {q.dim()} dims, expected [T, H, D]"),
+            (kv.dim() == 2, f"kv has {kv.dim()} dims, expected [T, D]"),
+            (kv.dtype == q.dtype, f"kv dtype {kv.dtype} differs from q dtype {q.dtype}"),
+            (cos.dim() == 2 and sin.dim() == 2, "cos / sin are not [T, R/2] tables"),
+            (isinstance(norm_q, bool), f"norm_q is a {type(norm_q).__name__}, not a bool"),
+        )
+        if ok is not True:
+            return ok
+        t, _, d = q.shape
+        half = cos.shape[1]
+        return first_problem(
+            shape_is("kv", kv, (t, d)),
+            shape_is("cos", cos, (t, half)),
+            shape_is("sin", sin, (t, half)),
+            float_dtype("cos", cos),
+            float_dtype("sin", sin),
+            (half >= 1, "cos has no rotated pair (R = 0)"),
+            (2 * half <= d, f"rope width {2 * half} exceeds the rows' {d} channels"),
+            (d <= MAX_NORM_TILE, f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one tile"),
+            *(
+                []
+                if kv_weight is None
+                else [float_dtype("kv_weight", kv_weight), shape_is("kv_weight", kv_weight, (d,))]
+            ),
         )
 
     def rope_cos_sin(positions, inv_freq, scale, dtype) -> Verdict:
@@ -275,6 +309,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         "grouped_linear": grouped_linear,
         "rms_norm": rms_norm,
         "apply_rope": apply_rope,
+        "qk_norm_rope": qk_norm_rope,
         "rope_cos_sin": rope_cos_sin,
         "swiglu": swiglu,
         "compress_entries": compress_entries,
@@ -292,6 +327,7 @@ def load_ops() -> dict[str, OpImpl]:
         mhc,
         mhc_chain,
         norm,
+        qk_norm_rope,
         rope,
         swiglu,
         tile_gemm,
@@ -303,6 +339,7 @@ def load_ops() -> dict[str, OpImpl]:
     fns = {
         "rms_norm": norm.rms_norm,
         "apply_rope": rope.apply_rope,
+        "qk_norm_rope": qk_norm_rope.qk_norm_rope,
         "rope_cos_sin": rope.rope_cos_sin,
         "swiglu": swiglu.swiglu,
         "hc_pre": mhc.hc_pre,

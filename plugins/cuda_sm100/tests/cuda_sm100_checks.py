@@ -36,6 +36,7 @@ from deepinfer_cuda_sm100.cases import Shapes, own_cases
 ROW_ARGS = {
     "rms_norm": (0,),
     "apply_rope": (0, 1, 2),
+    "qk_norm_rope": (0, 1, 4, 5),
     "rope_cos_sin": (0,),
     "swiglu": (0, 1),
     "hc_pre": (0,),
@@ -48,6 +49,7 @@ ROW_ARGS = {
 INVARIANCE_CASES = {
     "rms_norm": (0, 5),
     "apply_rope": (2,),
+    "qk_norm_rope": (4, 5, 6),
     "rope_cos_sin": (3,),
     "swiglu": (2,),
     "hc_pre": (2,),
@@ -62,9 +64,9 @@ def _outputs(out) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
-def _case(op: str, shapes: Shapes, dtype: torch.dtype, index: int, device: str) -> tuple:
-    args, _ = own_cases(shapes)[op](torch.Generator().manual_seed(0), dtype)[index]
-    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+def _case(op: str, shapes: Shapes, dtype: torch.dtype, index: int, device: str) -> tuple[tuple, dict]:
+    args, kwargs = own_cases(shapes)[op](torch.Generator().manual_seed(0), dtype)[index]
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args), kwargs
 
 
 def batch_invariance_problems(
@@ -73,14 +75,14 @@ def batch_invariance_problems(
     """Run ``fn`` on whole batches and on row slices of them; describe every row that changed."""
     problems = []
     for index in INVARIANCE_CASES[op]:
-        args = _case(op, shapes, dtype, index, device)
+        args, kwargs = _case(op, shapes, dtype, index, device)
         t = next(args[i] for i in ROW_ARGS[op] if args[i] is not None).shape[0]
-        full = _outputs(fn(*args))
+        full = _outputs(fn(*args, **kwargs))
         for a, b in ((0, 1), (t - 2, t), (1, min(t, 8))):
             sub = tuple(
                 x[a:b].clone() if i in ROW_ARGS[op] and x is not None else x for i, x in enumerate(args)
             )
-            for k, (whole, part) in enumerate(zip(full, _outputs(fn(*sub)), strict=True)):
+            for k, (whole, part) in enumerate(zip(full, _outputs(fn(*sub, **kwargs)), strict=True)):
                 if not torch.equal(whole[a:b], part):
                     err = (whole[a:b].double() - part.double()).abs().max().item()
                     problems.append(
@@ -91,12 +93,12 @@ def batch_invariance_problems(
 
 def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dtype) -> list[str]:
     """Capture ``fn`` in a CUDA graph, replay it on fresh input values, compare with eager calls."""
-    args = _case(op, shapes, dtype, 0, "cuda")
-    fn(*args)  # compile outside the capture
+    args, kwargs = _case(op, shapes, dtype, 0, "cuda")
+    fn(*args, **kwargs)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = _outputs(fn(*args))
+        captured = _outputs(fn(*args, **kwargs))
     problems = []
     gen = torch.Generator(device="cuda").manual_seed(1)
     for replay in range(2):
@@ -109,7 +111,7 @@ def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dt
                 fresh = torch.randint(0, 1 << 20, args[i].shape, generator=gen, device="cuda")
             args[i].copy_(fresh.abs() if op in ("hc_post", "hc_post_pre") and i in (2, 3) else fresh)
         graph.replay()
-        expected = _outputs(fn(*args))
+        expected = _outputs(fn(*args, **kwargs))
         for k, (got, want) in enumerate(zip(captured, expected, strict=True)):
             if not torch.equal(got, want):
                 problems.append(f"replay {replay}, output {k}: differs from an eager call")

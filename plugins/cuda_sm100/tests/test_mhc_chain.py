@@ -176,10 +176,10 @@ def test_supports_refuses_with_the_reason():
 
 
 def test_the_stated_width_is_the_kernels():
-    from deepinfer_cuda_sm100.kernels import mhc
-    from deepinfer_cuda_sm100.mhc_checks import MAX_NORM_D
+    from deepinfer_cuda_sm100.checks import MAX_NORM_TILE
+    from deepinfer_cuda_sm100.kernels import mhc, norm
 
-    assert MAX_NORM_D == mhc.MAX_NORM_D
+    assert MAX_NORM_TILE == mhc.MAX_NORM_D == norm.MAX_BLOCK_D
 
 
 # ---------------------------------------------------------------------------------------------

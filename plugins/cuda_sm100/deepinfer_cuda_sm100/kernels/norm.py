@@ -83,6 +83,14 @@ def _rms_norm_kernel(
             tl.store(o_rows + c[None, :], cast_to(y, dtype), mask=m)
 
 
+def row_tile(d: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_D, num_warps)`` of the norm of rows of ``d`` channels: the tile (and so
+    the order of each row's sum) that a kernel fusing this norm uses to give the same bits."""
+    block_d = min(pow2(d), MAX_BLOCK_D)
+    block_r = max(1, min(_TILE_ELEMS // block_d, 16))
+    return block_r, block_d, 4 if block_r * block_d <= 2048 else 8
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Triton ``rms_norm``: same signature, shapes and numerics as the reference.
 
@@ -100,8 +108,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         return out
     if weight is not None:
         weight = weight.contiguous()
-    block_d = min(pow2(d), MAX_BLOCK_D)
-    block_r = max(1, min(_TILE_ELEMS // block_d, 16))
+    block_r, block_d, warps = row_tile(d)
     _rms_norm_kernel[(cdiv(n, block_r),)](
         rows,
         weight if weight is not None else rows,
@@ -115,7 +122,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         NUM_TILES=cdiv(d, block_d),
-        num_warps=4 if block_r * block_d <= 2048 else 8,
+        num_warps=warps,
         **pdl_args(),
     )
     return out
