@@ -278,6 +278,18 @@ def _topk_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dic
             {},
         ),
         ((randn(g, t, h, 32, dtype=dtype), randn(g, t, h), keys_mx, paged, 4, 32**-0.5), {}),
+        # head weights in the activation dtype, a column slice of a fused projection (as V4 passes)
+        (
+            (
+                randn(g, t, h, d, dtype=dtype),
+                randn(g, t, 3 * h, dtype=dtype)[:, h : 2 * h],
+                randn(g, n, d, dtype=dtype),
+                cand,
+                4,
+                d**-0.5,
+            ),
+            {},
+        ),
     ]
 
 
@@ -299,7 +311,8 @@ def indexer_topk(
     depends on tensor length or batch composition.
 
     Args:
-        q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` float32 head weights.
+        q: ``[T, H, D]`` indexer queries; weights: ``[T, H]`` head weights (any float dtype and
+            strides; read as float32).
         key_pool: ``[N, D]`` indexer keys, or a packed
             :class:`~deepinfer_core.ops.kv_format.PackedKVPool` of ``N`` rows of ``D`` (V4.1's
             MXFP4 keys with ``kv_cache_dtype="fp8"``), read as its rows dequantised to q's dtype.

@@ -9,6 +9,7 @@ them; a per-head sink joins the softmax.  K = V, so the output's rope slice is r
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -24,6 +25,16 @@ from .fused import FusedProjection
 from .metadata import StepMetadata
 from .plan_tensors import kept_arange
 from .rope import inverse
+
+
+def fold_power_of_two(weight: Weight, factor: float) -> tuple[Weight, bool]:
+    """``(weight * factor, True)`` when ``factor`` is a power of two and ``weight`` a plain tensor:
+    scaling by a power of two is exact (barring subnormals), so a projection by the result is
+    bitwise the projection scaled afterwards.  Else ``(weight, False)``: scale afterwards."""
+    mantissa, _ = math.frexp(factor)
+    if mantissa != 0.5 or not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+        return weight, False
+    return weight * factor, True
 
 
 class Attention:
@@ -63,7 +74,10 @@ class Attention:
                 self.wi_q = w[c + "indexer.q_b_proj.weight"]
                 in_weights += [("compressor.indexer." + n, t) for n, t in self.indexer.pop_in_weights(w)]
                 scorer = "compressor.indexer.scorer.weights_proj.weight"
-                in_weights.append((scorer, w.pop(p + scorer)))
+                # the head weights' scale H**-0.5 folded into the projection where that is exact
+                self.head_scale = cfg.index_n_heads**-0.5
+                scorer_w, self.scale_folded = fold_power_of_two(w.pop(p + scorer), self.head_scale)
+                in_weights.append((scorer, scorer_w))
         self.w_in = FusedProjection(in_weights, dtype, p.removesuffix("."))
 
     def cache_specs(self, kv_cache_dtype: str = "auto", num_spec_tokens: int = 0) -> list[CacheSpec]:
@@ -135,7 +149,8 @@ class Attention:
                 if cand.max_count > cfg.index_topk:  # a static bound, not a tensor value
                     iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
                     iq = ops.apply_rope(iq, *rope["compress"])
-                    iw = comp[4].float() * cfg.index_n_heads**-0.5
+                    # the head weights as projected (the op reads any float dtype as float32)
+                    iw = comp[4] if self.scale_folded else comp[4].float() * self.head_scale
                     cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
             pools.append(ckv)
             idx.append(cand)
