@@ -408,8 +408,7 @@ def indexer_cases(s: AttnShapes) -> Callable[[torch.Generator, torch.dtype], Cas
             wts = _randint(g, -2, 3, t, h)
             keys = _randint(g, -3, 4, n, di, dtype=dtype)
             out.append(((q, wts, keys, paged, k, 0.125), {}))
-            # the weights in the activation dtype, a column slice of the fused projection (V4)
-            fused = torch.cat([wts, wts, wts], dim=1).to(dtype)
+            fused = torch.cat([wts, wts, wts], dim=1).to(dtype)  # V4's: a slice of the projection
             out.append(((q, fused[:, h : 2 * h], keys, paged, k, 0.125), {}))
             c = min(n, 8 * k)
             rows = torch.stack([torch.randperm(n, generator=g)[:c] for _ in range(t)])

@@ -71,9 +71,11 @@ def _hc_post_mix_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # splits vary fastest in launch order: a token block's programs run together, so the N
+    # programs reading the same input channels (one per output stream) find them in L2
+    rows = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
-    split = tl.program_id(1)  # stream n's channel block: splits never straddle two streams
+    split = tl.program_id(0)  # stream n's channel block: splits never straddle two streams
     n = split // SPLITS_PER_STREAM
     d = (split % SPLITS_PER_STREAM) * BLOCK_K + tl.arange(0, BLOCK_K)
     d_mask = d < D
@@ -126,7 +128,7 @@ def _post_mix(
     splits = n * per_stream
     block_m = mix_width(m)
     part = torch.empty(t, splits, block_m, dtype=torch.float32, device=streams.device)
-    _hc_post_mix_kernel[(cdiv(t, BLOCK_T), splits)](
+    _hc_post_mix_kernel[(splits, cdiv(t, BLOCK_T))](
         block_out,
         streams,
         post,
