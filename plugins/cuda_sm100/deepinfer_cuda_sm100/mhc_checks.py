@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from deepinfer_cuda_sm100.checks import (
     MAX_NORM_TILE,
     Verdict,
@@ -20,6 +22,11 @@ MAX_STREAMS = 8
 """Most mHC streams (``N``) the kernels take: a token's mixing weights live in registers."""
 
 
+def _streams_n(streams) -> int:
+    """``N`` of ``[T, N, D]`` streams, 0 for anything else (whose checks then say what is wrong)."""
+    return streams.shape[1] if isinstance(streams, torch.Tensor) and streams.dim() == 3 else 0
+
+
 def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
     """The predicates, for kernels that are ``interpreted`` (CPU) or compiled (CUDA)."""
 
@@ -30,7 +37,9 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
         )
 
-    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
+    def mixing_checks(streams, fn, base, scale, rows: int, scales: int, *more) -> Verdict:
+        """``streams`` and the mixing weights ``fn [rows, N*D]``, ``base [rows]``, ``scale
+        [scales]`` of ``hc_pre`` / ``hc_head``, then the ``more`` checks."""
         dev = device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
         if dev is not True:
             return dev
@@ -38,19 +47,23 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         if ok is not True:
             return ok
         _, n, d = streams.shape
-        m = (2 + n) * n
         return first_problem(
             float_dtype("fn", fn),
             float_dtype("base", base),
             float_dtype("scale", scale),
-            shape_is("fn", fn, (m, n * d)),
-            shape_is("base", base, (m,)),
-            shape_is("scale", scale, (3,)),
-            (
-                isinstance(sinkhorn_iters, int) and not isinstance(sinkhorn_iters, bool),
-                f"sinkhorn_iters is a {type(sinkhorn_iters).__name__}, not an int",
-            ),
+            shape_is("fn", fn, (rows, n * d)),
+            shape_is("base", base, (rows,)),
+            shape_is("scale", scale, (scales,)),
+            *more,
         )
+
+    def hc_pre(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> Verdict:
+        n = _streams_n(streams)
+        iters = (
+            isinstance(sinkhorn_iters, int) and not isinstance(sinkhorn_iters, bool),
+            f"sinkhorn_iters is a {type(sinkhorn_iters).__name__}, not an int",
+        )
+        return mixing_checks(streams, fn, base, scale, (2 + n) * n, 3, iters)
 
     def hc_post_pre(
         block_out, streams, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, norm_weight
@@ -83,21 +96,7 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         )
 
     def hc_head(streams, fn, base, scale, norm_eps, hc_eps) -> Verdict:
-        dev = device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
-        if ok is not True:
-            return ok
-        _, n, d = streams.shape
-        return first_problem(
-            float_dtype("fn", fn),
-            float_dtype("base", base),
-            float_dtype("scale", scale),
-            shape_is("fn", fn, (n, n * d)),
-            shape_is("base", base, (n,)),
-            shape_is("scale", scale, (1,)),
-        )
+        return mixing_checks(streams, fn, base, scale, _streams_n(streams), 1)
 
     def hc_post(block_out, streams, post, comb) -> Verdict:
         dev = device_checks(interpreted, block_out=block_out, streams=streams, post=post, comb=comb)

@@ -79,9 +79,17 @@ def _hc_mix_kernel(
     split = tl.program_id(1)
     k = split * BLOCK_K + tl.arange(0, BLOCK_K)
     k_mask = k < K
-    ms = tl.arange(0, BLOCK_M)
     x_ptrs = x_ptr + rows[:, None] * stride_xt + k[None, :]
     x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, k_mask, split, M, stride_fm, SPLITS, BLOCK_M)
+
+
+@triton.jit
+def project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, k_mask, split, M, stride_fm, SPLITS, BLOCK_M):
+    """The partials of one split: ``x [BLOCK_T, BLOCK_K]`` (fp32; columns ``k`` of the flat
+    streams) times ``fn.T``'s rows ``k``, and ``x``'s sum of squares in column ``M``, stored at
+    ``part[rows, split]``."""
+    ms = tl.arange(0, BLOCK_M)
     w_ptrs = fn_ptr + ms[None, :] * stride_fm + k[:, None]  # fn.T: [BLOCK_K, BLOCK_M]
     w = tl.load(w_ptrs, mask=k_mask[:, None] & (ms < M)[None, :], other=0.0).to(tl.float32)
     if USE_DOT:

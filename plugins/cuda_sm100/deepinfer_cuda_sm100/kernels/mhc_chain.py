@@ -30,12 +30,12 @@ from .mhc import (
     BLOCK_K,
     BLOCK_T,
     MIX_WARPS,
-    USE_DOT,
     empty_outputs,
     finish,
     flat_streams,
     mix,
     mix_width,
+    project_slice,
     unit_last,
 )
 from .pdl import pdl_args, pdl_enter
@@ -103,17 +103,7 @@ def _hc_post_mix_kernel(
     # hc_post registers are dead here (projecting them in place spills at 255 registers a thread)
     tl.debug_barrier()
     x = tl.load(new_ptrs, mask=td_mask, other=0.0).to(tl.float32)
-    ms = tl.arange(0, BLOCK_M)
-    w_ptrs = fn_ptr + ms[None, :] * stride_fm + k[:, None]  # fn.T: [BLOCK_K, BLOCK_M]
-    w = tl.load(w_ptrs, mask=d_mask[:, None] & (ms < M)[None, :], other=0.0).to(tl.float32)
-    if USE_DOT:
-        part = tl.dot(x, w, input_precision="tf32x3")
-    else:  # the interpreter's dot is a BLAS GEMM, whose rounding depends on a row's position
-        part = tl.sum(x[:, :, None] * w[None, :, :], axis=1)
-    part = tl.where(ms[None, :] == M, tl.sum(x * x, axis=1)[:, None], part)
-    tl.store(
-        part_ptr + (rows[:, None] * SPLITS + split) * BLOCK_M + ms[None, :], part, mask=row_mask[:, None]
-    )
+    project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, d_mask, split, M, stride_fm, SPLITS, BLOCK_M)
 
 
 def _post_mix(
