@@ -426,5 +426,5 @@ def test_fused_ops_left_to_their_decomposition_are_checked_on_the_backends_parts
     assert check_backend(backend(rms_norm=rms_norm_ref)).passed
     # the wrong rms_norm also breaks the fused op whose last part it is, run as the engine would
     report = check_backend(backend(rms_norm=off_by_one_percent))
-    assert {r.op for r in report.failures} == {"rms_norm", "hc_post_pre", "qk_norm_rope"}
+    assert {r.op for r in report.failures} == {"rms_norm", "hc_post_pre", "qk_norm_rope", "hc_head_norm"}
     assert {r.op for r in report.results} == {"rms_norm"} | decomposed

@@ -228,7 +228,7 @@ def _post_pre(
     return streams, post, comb, ops.rms_norm(x, norm_weight, norm_eps)
 
 
-_REFERENCES = SimpleNamespace(hc_post=hc_post, hc_pre=hc_pre, rms_norm=rms_norm)
+_REFERENCES = SimpleNamespace(hc_post=hc_post, hc_pre=hc_pre, hc_head=hc_head, rms_norm=rms_norm)
 
 
 def _post_pre_over(ops: Any) -> Callable[..., tuple]:
@@ -308,3 +308,59 @@ def hc_post_pre(
         sinkhorn_iters,
         norm_weight,
     )
+
+
+def _head_norm(
+    ops: Any,
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    norm_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """``hc_head_norm`` as its sequence over ``ops`` (a resolved table, or the references)."""
+    return ops.rms_norm(ops.hc_head(streams, fn, base, scale, norm_eps, hc_eps), norm_weight, norm_eps)
+
+
+def _head_norm_over(ops: Any) -> Callable[..., torch.Tensor]:
+    """``hc_head_norm``'s decomposition over the op table ``ops`` (looked up at every call)."""
+    return functools.partial(_head_norm, ops)
+
+
+def _hc_head_norm_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
+    (args, _), d = _hc_head_cases(g, dtype)[0], 16
+    return [((*args, 1 + randn(g, d, scale=0.1)), {}), ((*args, None), {})]
+
+
+@define_op(
+    "hc_head_norm",
+    "mhc",
+    batch_invariant=True,
+    sample_cases=_hc_head_norm_cases,
+    decomposition=_head_norm_over,
+)
+def hc_head_norm(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    norm_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """The streams' final collapse and the model's last norm.
+
+    Exactly :func:`hc_head`, then ``rms_norm`` of its result with ``norm_weight`` and
+    ``norm_eps``; a backend may fuse the two (the decomposition runs them over a table's ops
+    where the backend does not).
+
+    Args:
+        streams, fn, base, scale, norm_eps, hc_eps: :func:`hc_head`'s.
+        norm_weight: ``[D]`` float32 weight of the final norm, or ``None``.
+
+    Returns:
+        ``[T, D]`` in ``streams.dtype``.
+    """
+    return _head_norm(_REFERENCES, streams, fn, base, scale, norm_eps, hc_eps, norm_weight)

@@ -163,6 +163,18 @@ CASES: dict[str, Callable[[torch.Generator, int], Case]] = {
         ),
         (0,),
     ),
+    "hc_head_norm": lambda g, t: (
+        (
+            _randn(g, t, N_STREAMS, 16),
+            _randn(g, N_STREAMS, 64, scale=0.1),
+            _randn(g, N_STREAMS),
+            _randn(g, 1).abs(),
+            1e-6,
+            1e-6,
+            1 + _randn(g, 16, scale=0.1),
+        ),
+        (0,),
+    ),
 }
 
 

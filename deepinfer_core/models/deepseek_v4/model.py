@@ -235,15 +235,8 @@ class DeepseekV4Model:
                 hidden_out[: h.shape[0]].copy_(h)
             h = h.index_select(0, md.sample_rows)
         eps = cfg.rms_norm_eps
-        x = ops.hc_head(
-            h,
-            w["model.hc_head.hc_fn"],
-            w["model.hc_head.hc_base"],
-            w["model.hc_head.hc_scale"],
-            eps,
-            cfg.hc_eps,
-        )
-        x = ops.rms_norm(x, w["model.norm.weight"], eps)
+        head = (w["model.hc_head.hc_fn"], w["model.hc_head.hc_base"], w["model.hc_head.hc_scale"])
+        x = ops.hc_head_norm(h, *head, eps, cfg.hc_eps, w["model.norm.weight"])
         return ops.linear(x, w["lm_head.weight"]).float()
 
     # ---- multi-token prediction ------------------------------------------------------------
@@ -316,6 +309,5 @@ class MtpLayer:
         e = ops.linear(ops.rms_norm(e, self.enorm, eps), self.e_proj)
         h = ops.linear(ops.rms_norm(hidden, self.hnorm, eps).reshape(t * n, d), self.h_proj).view(t, n, d)
         x = self.block(h + e.unsqueeze(1), md, cache, ops, rope)
-        y = ops.hc_head(x.index_select(0, md.sample_rows), *self.hc_head, eps, cfg.hc_eps)
-        y = ops.rms_norm(y, self.norm, eps)
+        y = ops.hc_head_norm(x.index_select(0, md.sample_rows), *self.hc_head, eps, cfg.hc_eps, self.norm)
         return ops.linear(y, self.head).float(), x

@@ -110,6 +110,7 @@ def test_int32_positions_are_refused_before_the_kernel(cpu_ops):
         ("compress_windows", ["compress_entries"]),
         ("hc_post_pre", ["hc_post", "hc_pre", "rms_norm"]),
         ("qk_norm_rope", ["rms_norm", "rms_norm", "apply_rope", "apply_rope"]),
+        ("hc_head_norm", ["hc_head", "rms_norm"]),
     ],
 )
 def test_fused_ops_run_as_their_parts_on_the_cpu_kernels(fused, parts):
@@ -139,6 +140,7 @@ def test_auto_picks_the_cpu_backend_and_every_core_op_resolves_without_fallback_
         "compress_windows",
         "hc_post_pre",
         "qk_norm_rope",
+        "hc_head_norm",
     }
     assert not caplog.records
 

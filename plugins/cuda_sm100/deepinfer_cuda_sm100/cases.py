@@ -242,6 +242,10 @@ def own_cases(s: Shapes) -> dict[str, object]:
             for t in s.tokens
         ]
 
+    def hc_head_norm(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        cases = [((*args, 1 + _randn(g, d, scale=0.1)), {}) for args, _ in hc_head(g, dtype)]
+        return [*cases, ((*cases[-1][0][:-1], None), {})]  # and an unweighted norm
+
     def compress_entries(g: torch.Generator, dtype: torch.dtype) -> Cases:
         inv = 1.0 / (160000.0 ** (torch.arange(0, s.rope_dim, 2).float() / s.rope_dim))
 
@@ -322,5 +326,6 @@ def own_cases(s: Shapes) -> dict[str, object]:
         "hc_post": hc_post,
         "hc_post_pre": hc_post_pre,
         "hc_head": hc_head,
+        "hc_head_norm": hc_head_norm,
         "compress_entries": compress_entries,
     }

@@ -1,5 +1,5 @@
 """The ``supports`` predicates of the ``cuda_sm100`` mHC ops (``hc_pre``, ``hc_post``,
-``hc_post_pre``, ``hc_head``): shapes, dtypes and devices only (no values, so no device
+``hc_post_pre``, ``hc_head``, ``hc_head_norm``): shapes, dtypes and devices only (no values, so no device
 synchronisation).  Importing this module does not import Triton."""
 
 from __future__ import annotations
@@ -35,6 +35,25 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             activation("streams", streams),
             (streams.dim() == 3, f"streams has {streams.dim()} dims, expected [T, N, D]"),
             (streams.dim() != 3 or 1 <= streams.shape[1] <= MAX_STREAMS, f"N must be 1..{MAX_STREAMS}"),
+        )
+
+    def norm_checks(d: int, norm_weight) -> Verdict:
+        """The norm a fused kernel applies to rows of ``d``: one program holds a row; the
+        weight ``[D]`` float or ``None``."""
+        dev = device_checks(interpreted, norm_weight=norm_weight)
+        if dev is not True:
+            return dev
+        return first_problem(
+            (
+                d <= MAX_NORM_TILE,
+                f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one program "
+                "(the ops it fuses run apart)",
+            ),
+            *(
+                []
+                if norm_weight is None
+                else [float_dtype("norm_weight", norm_weight), shape_is("norm_weight", norm_weight, (d,))]
+            ),
         )
 
     def mixing_checks(streams, fn, base, scale, rows: int, scales: int, *more) -> Verdict:
@@ -78,22 +97,7 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         for verdict in checks:
             if verdict is not True:
                 return verdict
-        d = streams.shape[2]
-        dev = device_checks(interpreted, norm_weight=norm_weight)
-        if dev is not True:
-            return dev
-        return first_problem(
-            (
-                d <= MAX_NORM_TILE,
-                f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one program "
-                "(hc_post, hc_pre and rms_norm run apart)",
-            ),
-            *(
-                []
-                if norm_weight is None
-                else [float_dtype("norm_weight", norm_weight), shape_is("norm_weight", norm_weight, (d,))]
-            ),
-        )
+        return norm_checks(streams.shape[2], norm_weight)
 
     def hc_head(streams, fn, base, scale, norm_eps, hc_eps) -> Verdict:
         return mixing_checks(streams, fn, base, scale, _streams_n(streams), 1)
@@ -118,4 +122,14 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             shape_is("comb", comb, (t, n, n)),
         )
 
-    return {"hc_pre": hc_pre, "hc_post": hc_post, "hc_post_pre": hc_post_pre, "hc_head": hc_head}
+    def hc_head_norm(streams, fn, base, scale, norm_eps, hc_eps, norm_weight) -> Verdict:
+        verdict = hc_head(streams, fn, base, scale, norm_eps, hc_eps)
+        return verdict if verdict is not True else norm_checks(streams.shape[2], norm_weight)
+
+    return {
+        "hc_pre": hc_pre,
+        "hc_post": hc_post,
+        "hc_post_pre": hc_post_pre,
+        "hc_head": hc_head,
+        "hc_head_norm": hc_head_norm,
+    }

@@ -49,10 +49,12 @@ FUSED_OPS = (
     "hc_post",
     "hc_post_pre",
     "hc_head",
+    "hc_head_norm",
 )
 """The norm, rope (rotation and cos/sin tables), clamped SwiGLU and mHC ops
 (:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, mhc, mhc_chain): each one launch (two for
-``hc_pre`` / ``hc_head`` and for ``hc_post_pre``, the transition between two blocks) where the
+``hc_pre`` / ``hc_head``, for ``hc_post_pre``, the transition between two blocks, and for
+``hc_head_norm``, the final collapse with the last norm) where the
 reference takes several."""
 
 ATTENTION_OPS = ("sparse_attention", "indexer_topk")
@@ -345,6 +347,7 @@ def load_ops() -> dict[str, OpImpl]:
         "hc_pre": mhc.hc_pre,
         "hc_post": mhc.hc_post,
         "hc_post_pre": mhc_chain.hc_post_pre,
+        "hc_head_norm": mhc_chain.hc_head_norm,
         "hc_head": mhc.hc_head,
         "compress_entries": compressor.compress_entries,
         "linear": make_linear(fp8_gemm.linear_fp8),  # dequantise + cuBLAS where measured faster

@@ -43,6 +43,7 @@ ROW_ARGS = {
     "hc_post": (0, 1, 2, 3),
     "hc_post_pre": (0, 1, 2, 3),
     "hc_head": (0,),
+    "hc_head_norm": (0,),
 }
 """The positional arguments of each op that are indexed by token (dim 0)."""
 
@@ -56,6 +57,7 @@ INVARIANCE_CASES = {
     "hc_post": (2,),
     "hc_post_pre": (2, 3, 4),
     "hc_head": (2,),
+    "hc_head_norm": (2, 3),
 }
 """Which of :func:`~deepinfer_cuda_sm100.cases.own_cases`'s cases each op is checked on."""
 

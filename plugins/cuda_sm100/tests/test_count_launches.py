@@ -3,8 +3,9 @@ on a CPU through Triton's interpreter.
 
 Run on the built-in tiny model (4 layers) twice, with the fused ops and with them left to their
 decompositions: the fusions save exactly what their kernels promise, per layer ``L``: 3 of the
-4 launches of ``qk_norm_rope``'s parts, and for ``hc_post_pre`` 2 of 4 at every transition
-after a block and 1 of 3 at the first (``2 * (2L - 1) + 1``); nothing else changes.
+4 launches of ``qk_norm_rope``'s parts, for ``hc_post_pre`` 2 of 4 at every transition after a
+block and 1 of 3 at the first (``2 * (2L - 1) + 1``), and 1 of ``hc_head_norm``'s 3; nothing else
+changes.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def _count(tmp_path: Path, *args: str) -> dict:
 @pytest.mark.slow
 def test_the_fused_ops_save_the_launches_of_their_parts(tmp_path):
     fused = _count(tmp_path)
-    apart = _count(tmp_path, "--decompose", "hc_post_pre,qk_norm_rope")
+    apart = _count(tmp_path, "--decompose", "hc_post_pre,qk_norm_rope,hc_head_norm")
     layers = fused["layers"]
-    assert apart["decomposed"] == ["hc_post_pre", "qk_norm_rope"] and not fused["decomposed"]
-    saved = 3 * layers + 2 * (2 * layers - 1) + 1
+    assert apart["decomposed"] == ["hc_head_norm", "hc_post_pre", "qk_norm_rope"] and not fused["decomposed"]
+    saved = 3 * layers + 2 * (2 * layers - 1) + 1 + 1
     assert apart["launches_per_step"] - fused["launches_per_step"] == saved
     assert fused["torch_operators"] == apart["torch_operators"]  # only kernel launches changed
     assert fused["triton_by_kernel"]["_qk_norm_rope_kernel"] == layers

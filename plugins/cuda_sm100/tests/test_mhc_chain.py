@@ -1,5 +1,5 @@
-"""The ``cuda_sm100`` ``hc_post_pre`` (the transition between two blocks in two launches) against
-the three ops it fuses.
+"""The ``cuda_sm100`` ``hc_post_pre`` (the transition between two blocks in two launches) and
+``hc_head_norm`` (the final collapse and norm in two) against the ops they fuse.
 
 **Interpreter** (a child run with ``TRITON_INTERPRET=1``, ``python test_mhc_chain.py
 --interpreter-report``): at the small shapes (:data:`deepinfer_cuda_sm100.cases.SMALL`: 4 streams
@@ -7,11 +7,11 @@ of 256) and at 4 streams of 4,096 (V4-Flash's width, whose row the kernel norms 
 float32, bfloat16 and float16, for 1, 5 and 19 tokens, after a block, for the first block (no block
 output) and with the unweighted norm, every output is bitwise what ``cuda_sm100``'s own
 ``hc_post``, ``hc_pre`` and ``rms_norm`` kernels give in sequence (the op's decomposition on this
-backend).  Conformance against the reference and batch invariance are in ``test_interpreter.py``
-(the fused ops' report).
+backend); ``hc_head_norm`` likewise against ``hc_head`` then ``rms_norm``.  Conformance against
+the reference and batch invariance are in ``test_interpreter.py`` (the fused ops' report).
 
-**Launches** (no kernel runs): two launches where the sequence takes four (one and three for the
-first block), and the kernels compile for sm_90 and sm_100.
+**Launches** (no kernel runs): two launches where the sequence takes four (three for the first
+block; ``hc_head_norm``: two for three), and the kernels compile for sm_90 and sm_100.
 
 **GPU** (skipped without CUDA): bitwise the sequence at V4-Flash's shapes (1, 64 and 256 tokens),
 and its replay in a CUDA graph.
@@ -66,6 +66,7 @@ def sequence_problems(d: int, tokens: tuple[int, ...], dtypes, device: str) -> l
     for dtype in dtypes:
         for label, args in _calls(d, tokens, dtype, device):
             block_out, streams, post, comb, fn, base, scale, eps, hc_eps, iters, weight = args
+            n_streams = streams.shape[1]
             got = mhc_chain.hc_post_pre(*args)
             new = streams if block_out is None else mhc.hc_post(block_out, streams, post, comb)
             p, c, x = mhc.hc_pre(new, fn, base, scale, eps, hc_eps, iters)
@@ -76,6 +77,12 @@ def sequence_problems(d: int, tokens: tuple[int, ...], dtypes, device: str) -> l
                     problems.append(f"D={d} {dtype} {label}: {name} differs (max {err:.3g})")
             if block_out is None and got[0] is not streams:
                 problems.append(f"D={d} {dtype} {label}: the streams are not the input tensor")
+            head = (fn[:n_streams], base[:n_streams], scale[:1], eps, hc_eps)  # hc_head's shapes
+            got = mhc_chain.hc_head_norm(streams, *head, weight)
+            want = norm.rms_norm(mhc.hc_head(streams, *head), weight, eps)
+            if not torch.equal(got, want):
+                err = (got.double() - want.double()).abs().max().item()
+                problems.append(f"D={d} {dtype} {label}: hc_head_norm differs (max {err:.3g})")
     return problems
 
 
@@ -137,6 +144,10 @@ def test_two_launches_where_the_sequence_takes_four(monkeypatch):
     assert len(_launches(monkeypatch, sequence, *after)) == 4
     assert len(_launches(monkeypatch, mhc_chain.hc_post_pre, *first)) == 2
     assert len(_launches(monkeypatch, sequence, *first)) == 3
+    streams, fn, base, scale, eps, hc_eps, weight = after[1], *after[4:6], after[6], *after[7:9], after[10]
+    head = (streams, fn[:4], base[:4], scale[:1], eps, hc_eps)
+    assert len(_launches(monkeypatch, mhc_chain.hc_head_norm, *head, weight)) == 2
+    assert len(_launches(monkeypatch, lambda *a: norm.rms_norm(mhc.hc_head(*a), weight, eps), *head)) == 3
 
 
 @slow

@@ -1,4 +1,4 @@
-"""``hc_post_pre`` in two launches (contract: ``deepinfer_core.ops.mhc``).
+"""``hc_post_pre`` and ``hc_head_norm`` in two launches each (contract: ``deepinfer_core.ops.mhc``).
 
 Between two blocks the reference runs ``hc_post`` (one kernel), ``hc_pre`` (two) and the next
 block's ``rms_norm`` (one).  Here:
@@ -14,6 +14,9 @@ block's ``rms_norm`` (one).  Here:
 2. :func:`~.mhc._hc_finish_kernel` with ``NORM``: one program per token and whole row sums the
    partials, computes the weights and the collapsed row, then norms it with ``rms_norm``'s
    arithmetic (the row rounded to the streams' dtype first, as ``hc_pre`` returns it).
+
+``hc_head_norm`` (the final collapse and the model's last norm) is ``hc_head``'s two kernels with
+that norm in the finishing one, where the sequence takes three launches.
 
 Splits and block sizes depend on ``N`` and ``D`` only: a token's results do not depend on the
 batch.
@@ -193,3 +196,39 @@ def hc_post_pre(
         norm_weight=norm_weight,
     )
     return new, out_post, out_comb, x
+
+
+def hc_head_norm(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_eps: float,
+    hc_eps: float,
+    norm_weight: torch.Tensor | None,
+) -> torch.Tensor:
+    """Triton ``hc_head_norm``: ``hc_head``'s two kernels with the final norm in the finishing
+    one (one program per token and whole row, as for ``hc_post_pre``); the same numerics as
+    ``hc_head`` then ``rms_norm``.  Returns a contiguous ``[T, D]`` tensor in ``streams.dtype``."""
+    t, n, d = streams.shape
+    post, comb, out = empty_outputs(streams)
+    if t == 0 or d == 0:
+        return out
+    flat = flat_streams(streams)
+    part = mix(flat, fn, n)
+    finish(
+        part,
+        flat,
+        base,
+        scale,
+        post,
+        comb,
+        out,
+        norm_eps,
+        hc_eps,
+        1,
+        full=False,
+        norm=True,
+        norm_weight=norm_weight,
+    )
+    return out
