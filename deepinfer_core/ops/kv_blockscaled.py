@@ -28,7 +28,8 @@ against an independent oracle).  All in fp32, per block with ``amax = max |x|``:
   ``e4m3(clamp(x / s, ±448))`` (torch's cast: round to nearest even).
 - ``fp4_ue8m0``: ``s = 2**ceil(log2(max(amax, 6 * 2**-126) * (1/6)))``; element
   ``e2m1(clamp(x / s, ±6))``.
-- ``fp4_e4m3``: ``s = e4m3(max(amax, 6 * 2**-9) / 6)`` (torch's cast), stored as its e4m3 byte;
+- ``fp4_e4m3``: ``s = e4m3(min(max(amax, 6 * 2**-9) / 6, 448))`` (torch's cast of the clamped
+  value: the same on every device), stored as its e4m3 byte;
   element as ``fp4_ue8m0`` (``x / s`` rounded to fp32 first: ``s`` is not a power of two).
 
 ``e2m1`` rounds to the nearest of ``0, .5, 1, 1.5, 2, 3, 4, 6`` with ties to the even code, and
@@ -153,7 +154,8 @@ def block_scales(amax: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tens
         floor = 1e-4 if info.bits == 8 else FP4_MAX * 2.0**-126
         byte = _ue8m0_byte(amax.clamp_min(floor) * (1.0 / qmax))
         return _ue8m0_value(byte), byte.to(torch.uint8)
-    s8 = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn)
+    # clamped first: torch's cast saturates on the CPU but gives NaN past 448 on CUDA
+    s8 = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).clamp_max(FP8_MAX).to(torch.float8_e4m3fn)
     return s8.float(), s8.view(torch.uint8)
 
 

@@ -112,6 +112,8 @@ def edges() -> list[tuple[str, int, int, torch.Tensor]]:
     special = torch.randn(2, 512, generator=g)
     special[0, 70], special[0, 200], special[1, 5] = float("inf"), float("-inf"), float("nan")
     special[1, 400] = float("nan")  # (a NaN's bfloat16 bits differ between torch's CPU and CUDA casts)
+    # a NaN value's e4m3 code is compared as NaN: its sign bit is the hardware's (x86 keeps the
+    # operand's, a GPU's product gives the canonical positive NaN)
     out.append(("inf and NaN values", 512, 64, special))
     out.append(("an odd nope part", 75, 4, torch.randn(4, 75, generator=g) * 30))
     out.append(("no rope part", 130, 0, torch.randn(3, 130, generator=g)))
@@ -162,8 +164,12 @@ def _write_problem(
     impl.fn(pool, dest.to(device), values.to(device))
     got, want = pool.data.cpu(), before.clone()
     want[dest] = want_rows
-    if not torch.equal(got, want):
-        return f"{label}: bytes differ at (row, byte) {(got != want).nonzero()[:4].tolist()}"
+    differ = got != want
+    if isinstance(pool, Fp8KVPool):  # a NaN's e4m3 code: its sign is the hardware's (0x7F / 0xFF)
+        nan_codes = ((got & 0x7F) == 0x7F) & ((want & 0x7F) == 0x7F)
+        differ[:, : pool.dim - pool.rope_dim] &= ~nan_codes[:, : pool.dim - pool.rope_dim]
+    if differ.any():
+        return f"{label}: bytes differ at (row, byte) {differ.nonzero()[:4].tolist()}"
     return None
 
 

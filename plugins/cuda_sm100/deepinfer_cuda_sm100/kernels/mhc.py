@@ -355,7 +355,7 @@ def finish(
     """:func:`_hc_finish_kernel`: the weights (``post`` / ``comb`` too when ``full``) and the
     collapsed row into ``out``; with ``norm`` the row is then RMS-normed (``norm_weight`` or
     unweighted, eps ``norm_eps``) as ``rms_norm`` does, in the same program, which then takes
-    the whole row (``D <= MAX_NORM_D``)."""
+    the whole row (``D <= MAX_NORM_D``; with 4 warps, as ``rms_norm`` takes a row of 4096)."""
     t, d = out.shape
     n = post.shape[1]
     m = base.shape[0]
@@ -392,7 +392,7 @@ def finish(
         BLOCK_M=part.shape[2],
         BLOCK_TOK=BLOCK_TOK,
         BLOCK_D=block_d,
-        num_warps=8 if norm and block_d > 2048 else FINISH_WARPS,  # rms_norm's warps for a row
+        num_warps=FINISH_WARPS,  # the partials summed as hc_pre sums them (their tree follows the warps)
         **pdl_args(),
     )
 

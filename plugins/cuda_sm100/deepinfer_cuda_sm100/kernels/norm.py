@@ -88,7 +88,9 @@ def row_tile(d: int) -> tuple[int, int, int]:
     the order of each row's sum) that a kernel fusing this norm uses to give the same bits."""
     block_d = min(pow2(d), MAX_BLOCK_D)
     block_r = max(1, min(_TILE_ELEMS // block_d, 16))
-    return block_r, block_d, 4 if block_r * block_d <= 2048 else 8
+    # one row a program (rows of 4096+): 4 warps, as the mHC finishing kernel that fuses the
+    # block-input and final norms sums its partials with, so a fused norm sums alike
+    return block_r, block_d, 4 if block_r * block_d <= 2048 or block_r == 1 else 8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
