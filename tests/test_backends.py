@@ -174,6 +174,51 @@ def test_supports_predicate_routes_rejected_cases_to_the_reference():
     assert calls == [torch.float32]
 
 
+def _every_op_but(*left_out: str) -> dict[str, OpImpl]:
+    from deepinfer_core.ops import all_ops
+
+    return {
+        n: OpImpl(fn=spec.reference) for n, spec in all_ops().items() if n not in left_out and "." not in n
+    }
+
+
+def test_a_fused_op_left_out_runs_its_decomposition_on_the_backends_parts_even_under_strict_ops(caplog):
+    calls = []
+
+    def norm(x, weight, eps):
+        calls.append("rms_norm")
+        return get_op("rms_norm").reference(x, weight, eps)
+
+    impls = _every_op_but("hc_head_norm") | {"rms_norm": OpImpl(fn=norm)}
+    manager = manager_with(("vendor", [cpu("parts", ops=impls)]))
+    with caplog.at_level(logging.WARNING, logger="deepinfer.ops"):
+        _, ops = resolve_backend("parts", strict_ops=True, plugins=manager)  # not a missing op
+    assert ops.sources["hc_head_norm"] == "decomposed" and not caplog.records
+    args, kwargs = get_op("hc_head_norm").sample_cases(torch.Generator().manual_seed(0), torch.float32)[0]
+    assert torch.equal(ops.hc_head_norm(*args, **kwargs), get_op("hc_head_norm").reference(*args, **kwargs))
+    assert calls == ["rms_norm"]  # the backend's own part ran
+
+
+def test_a_fused_op_rejecting_a_case_runs_its_decomposition_logged_once(caplog):
+    calls = []
+
+    def fused(*args):
+        calls.append("fused")
+        return get_op("hc_head_norm").reference(*args)
+
+    impl = OpImpl(fn=fused, supports=lambda *args: args[-1] is not None or "unweighted norms go apart")
+    manager = manager_with(("vendor", [cpu("fusing", ops=_every_op_but() | {"hc_head_norm": impl})]))
+    _, ops = resolve_backend("fusing", strict_ops=True, plugins=manager)
+    cases = get_op("hc_head_norm").sample_cases(torch.Generator().manual_seed(0), torch.float32)
+    (weighted, _), (unweighted, _) = cases
+    with caplog.at_level(logging.WARNING, logger="deepinfer.ops"):
+        for args in (weighted, unweighted, unweighted):
+            assert torch.equal(ops.hc_head_norm(*args), get_op("hc_head_norm").reference(*args))
+    assert calls == ["fused"]  # strict_ops allows the decomposition: its parts are checked
+    [record] = caplog.records
+    assert "decomposition" in record.getMessage() and "unweighted norms go apart" in record.getMessage()
+
+
 def test_backend_providing_an_op_outside_the_contract_is_refused():
     manager = manager_with(("vendor", [cpu("odd", ops={"not_an_op": lambda: None})]))
     with pytest.raises(OpNotSupportedError, match="not_an_op"):
