@@ -11,7 +11,6 @@ so the model's outputs are bitwise those of the unfused sequence.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,18 +188,14 @@ def _windows_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, 
     ]
 
 
-def _windows_over(ops: Any) -> Callable[..., tuple]:
+def _windows_via(ops: Any, *args: Any, **kwargs: Any) -> tuple:
     """``compress_windows``'s decomposition: the reference's staging, then the entries stored by
     the table ``ops``'s ``compress_entries`` (for a backend that fuses the entries but not the
     staging)."""
-
-    def compress_windows_via(*args: Any, **kwargs: Any) -> tuple:
-        return _windows_step(ops.compress_entries, *args, **kwargs)
-
-    return compress_windows_via
+    return _windows_step(ops.compress_entries, *args, **kwargs)
 
 
-@define_op("compress_windows", "compressor", sample_cases=_windows_cases, decomposition=_windows_over)
+@define_op("compress_windows", "compressor", sample_cases=_windows_cases, decomposition=_windows_via)
 def compress_windows(
     kv: torch.Tensor,
     gate: torch.Tensor,

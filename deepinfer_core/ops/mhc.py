@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -231,11 +229,6 @@ def _post_pre(
 _REFERENCES = SimpleNamespace(hc_post=hc_post, hc_pre=hc_pre, hc_head=hc_head, rms_norm=rms_norm)
 
 
-def _post_pre_over(ops: Any) -> Callable[..., tuple]:
-    """``hc_post_pre``'s decomposition over the op table ``ops`` (looked up at every call)."""
-    return functools.partial(_post_pre, ops)
-
-
 def _hc_post_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     n, d, t = 4, 16, 5
     pre_args = (
@@ -261,7 +254,7 @@ def _hc_post_pre_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tup
     "mhc",
     batch_invariant=True,
     sample_cases=_hc_post_pre_cases,
-    decomposition=_post_pre_over,
+    decomposition=_post_pre,
 )
 def hc_post_pre(
     block_out: torch.Tensor | None,
@@ -324,11 +317,6 @@ def _head_norm(
     return ops.rms_norm(ops.hc_head(streams, fn, base, scale, norm_eps, hc_eps), norm_weight, norm_eps)
 
 
-def _head_norm_over(ops: Any) -> Callable[..., torch.Tensor]:
-    """``hc_head_norm``'s decomposition over the op table ``ops`` (looked up at every call)."""
-    return functools.partial(_head_norm, ops)
-
-
 def _hc_head_norm_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     (args, _), d = _hc_head_cases(g, dtype)[0], 16
     return [((*args, 1 + randn(g, d, scale=0.1)), {}), ((*args, None), {})]
@@ -339,7 +327,7 @@ def _hc_head_norm_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tu
     "mhc",
     batch_invariant=True,
     sample_cases=_hc_head_norm_cases,
-    decomposition=_head_norm_over,
+    decomposition=_head_norm,
 )
 def hc_head_norm(
     streams: torch.Tensor,

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 SampleCases = Callable[[torch.Generator, torch.dtype], list[tuple[tuple, dict]]]
-Decomposition = Callable[[Any], Callable[..., Any]]
-"""``ops -> callable``: a fused op as the sequence of the table's other ops (see :class:`OpSpec`)."""
+Decomposition = Callable[..., Any]
+"""``(ops, *args, **kwargs) -> result``: a fused op as the sequence of a table's other ops (see
+:class:`OpSpec`)."""
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class OpSpec:
             conformance suite (:mod:`deepinfer_core.testing`) to compare a backend against
             the reference.
         tolerances: ``{dtype: (atol, rtol)}`` used by the conformance suite.
-        decomposition: for a fused op whose reference is a sequence of other ops,
-            ``ops -> callable``: the same sequence over a resolved op table ``ops`` (attribute
-            access, e.g. ``ops.rms_norm``).  An :class:`~deepinfer_core.ops.OpTable` whose
+        decomposition: for a fused op whose reference is a sequence of other ops, that sequence
+            as a function of an op table and the op's arguments, ``(ops, *args, **kwargs)``,
+            reaching the parts by attribute (``ops.rms_norm``; the reference passes a namespace
+            of the parts' references).  An :class:`~deepinfer_core.ops.OpTable` whose
             backend does not provide the op runs this over its own ops (so the backend's kernels
             for the parts still serve), and a call the backend's ``supports`` rejects runs it too.
     """

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -94,11 +92,6 @@ def _qk_norm_rope(
     return ops.apply_rope(q, cos, sin), ops.apply_rope(kv.unsqueeze(1), cos, sin)[:, 0]
 
 
-def _qk_norm_rope_over(ops: Any) -> Callable[..., tuple]:
-    """``qk_norm_rope``'s decomposition over the op table ``ops`` (looked up at every call)."""
-    return functools.partial(_qk_norm_rope, ops)
-
-
 def _qk_norm_rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     cos, sin = randn(g, 5, 4, dtype=dtype), randn(g, 5, 4, dtype=dtype)
     fused = randn(g, 5, 3 * 32, dtype=dtype)  # the key row as a strided view of a projection
@@ -111,7 +104,7 @@ def _qk_norm_rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tu
     "rope",
     batch_invariant=True,
     sample_cases=_qk_norm_rope_cases,
-    decomposition=_qk_norm_rope_over,
+    decomposition=_qk_norm_rope,
 )
 def qk_norm_rope(
     q: torch.Tensor,

@@ -13,6 +13,7 @@ Model code calls ops as attributes: ``ops.rms_norm(x, w, eps)``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -63,9 +64,11 @@ class OpTable:
             )
         for name, spec in specs.items():
             impl = impls.get(name)
-            # the sequence over this table's ops (bound now, looked up per call): a decomposition
+            # the sequence over this table's ops (its parts looked up per call): a decomposition
             # replaces the reference wherever the backend's kernel does not serve
-            fallback = spec.reference if spec.decomposition is None else spec.decomposition(self)
+            fallback = (
+                spec.reference if spec.decomposition is None else functools.partial(spec.decomposition, self)
+            )
             if impl is None:
                 self._fns[name] = fallback
                 self.sources[name] = "reference" if spec.decomposition is None else "decomposed"

@@ -86,3 +86,14 @@ def number(name: str, x) -> tuple[bool, str]:
 def shape_is(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[bool, str]:
     """``t`` has exactly ``shape``."""
     return tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape}"
+
+
+def fused_norm(d: int, name: str, weight) -> list[tuple[bool, str]]:
+    """The checks of an ``rms_norm`` that a fused kernel applies to rows of ``d`` channels held in
+    one tile (at most :data:`MAX_NORM_TILE`), with the weight ``name`` (``[d]`` float, or ``None``)."""
+    fits = (
+        d <= MAX_NORM_TILE,
+        f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one tile "
+        "(the ops it fuses run apart)",
+    )
+    return [fits] if weight is None else [fits, float_dtype(name, weight), shape_is(name, weight, (d,))]

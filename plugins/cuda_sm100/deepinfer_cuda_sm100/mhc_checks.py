@@ -9,12 +9,12 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_cuda_sm100.checks import (
-    MAX_NORM_TILE,
     Verdict,
     activation,
     device_checks,
     first_problem,
     float_dtype,
+    fused_norm,
     shape_is,
 )
 
@@ -43,18 +43,7 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         dev = device_checks(interpreted, norm_weight=norm_weight)
         if dev is not True:
             return dev
-        return first_problem(
-            (
-                d <= MAX_NORM_TILE,
-                f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one program "
-                "(the ops it fuses run apart)",
-            ),
-            *(
-                []
-                if norm_weight is None
-                else [float_dtype("norm_weight", norm_weight), shape_is("norm_weight", norm_weight, (d,))]
-            ),
-        )
+        return first_problem(*fused_norm(d, "norm_weight", norm_weight))
 
     def mixing_checks(streams, fn, base, scale, rows: int, scales: int, *more) -> Verdict:
         """``streams`` and the mixing weights ``fn [rows, N*D]``, ``base [rows]``, ``scale

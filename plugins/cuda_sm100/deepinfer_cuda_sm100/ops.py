@@ -21,12 +21,12 @@ from deepinfer_core.ops import OpImpl
 from deepinfer_cuda_sm100.cache_ops import CACHE_OPS
 from deepinfer_cuda_sm100.checks import (
     FLOAT_DTYPES,
-    MAX_NORM_TILE,
     Verdict,
     activation,
     device_checks,
     first_problem,
     float_dtype,
+    fused_norm,
     int_vector,
     is_int_tensor,
     number,
@@ -150,12 +150,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             float_dtype("sin", sin),
             (half >= 1, "cos has no rotated pair (R = 0)"),
             (2 * half <= d, f"rope width {2 * half} exceeds the rows' {d} channels"),
-            (d <= MAX_NORM_TILE, f"D={d} is over {MAX_NORM_TILE}: the fused kernel norms a row in one tile"),
-            *(
-                []
-                if kv_weight is None
-                else [float_dtype("kv_weight", kv_weight), shape_is("kv_weight", kv_weight, (d,))]
-            ),
+            *fused_norm(d, "kv_weight", kv_weight),
         )
 
     def rope_cos_sin(positions, inv_freq, scale, dtype) -> Verdict:

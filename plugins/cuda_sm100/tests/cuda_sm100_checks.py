@@ -1,5 +1,7 @@
 """Checks beyond the conformance suite, shared by the interpreter and the GPU tests.
 
+- :func:`bitwise_problem`: whether two tensors are equal bit for bit, else a line with their
+  largest difference.
 - :func:`batch_invariance_problems`: a row's output is bitwise the same whether the op runs
   on the whole batch or on a slice of it (other batch sizes, other positions in a tile).
 - :func:`graph_replay_problems`: an op captured in a CUDA graph and replayed on new input
@@ -62,6 +64,13 @@ INVARIANCE_CASES = {
 """Which of :func:`~deepinfer_cuda_sm100.cases.own_cases`'s cases each op is checked on."""
 
 
+def bitwise_problem(label: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """``None`` when ``got`` is ``want`` bit for bit, else ``label`` with their largest difference."""
+    if torch.equal(got, want):
+        return None
+    return f"{label} (max {(got.double() - want.double()).abs().max().item():.3g})"
+
+
 def _outputs(out) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -85,12 +94,9 @@ def batch_invariance_problems(
                 x[a:b].clone() if i in ROW_ARGS[op] and x is not None else x for i, x in enumerate(args)
             )
             for k, (whole, part) in enumerate(zip(full, _outputs(fn(*sub, **kwargs)), strict=True)):
-                if not torch.equal(whole[a:b], part):
-                    err = (whole[a:b].double() - part.double()).abs().max().item()
-                    problems.append(
-                        f"case {index}, output {k}: rows {a}:{b} of {t} differ alone (max {err:.3g})"
-                    )
-    return problems
+                label = f"case {index}, output {k}: rows {a}:{b} of {t} differ alone"
+                problems.append(bitwise_problem(label, whole[a:b], part))
+    return [p for p in problems if p]
 
 
 def graph_replay_problems(op: str, fn: Callable, shapes: Shapes, dtype: torch.dtype) -> list[str]:

@@ -72,18 +72,14 @@ def sequence_problems(d: int, tokens: tuple[int, ...], dtypes, device: str) -> l
             p, c, x = mhc.hc_pre(new, fn, base, scale, eps, hc_eps, iters)
             want = (new, p, c, norm.rms_norm(x, weight, eps))
             for name, a, b in zip(("streams", "post", "comb", "x"), got, want, strict=True):
-                if not torch.equal(a, b):
-                    err = (a.double() - b.double()).abs().max().item()
-                    problems.append(f"D={d} {dtype} {label}: {name} differs (max {err:.3g})")
+                problems.append(checks.bitwise_problem(f"D={d} {dtype} {label}: {name} differs", a, b))
             if block_out is None and got[0] is not streams:
                 problems.append(f"D={d} {dtype} {label}: the streams are not the input tensor")
             head = (fn[:n_streams], base[:n_streams], scale[:1], eps, hc_eps)  # hc_head's shapes
             got = mhc_chain.hc_head_norm(streams, *head, weight)
             want = norm.rms_norm(mhc.hc_head(streams, *head), weight, eps)
-            if not torch.equal(got, want):
-                err = (got.double() - want.double()).abs().max().item()
-                problems.append(f"D={d} {dtype} {label}: hc_head_norm differs (max {err:.3g})")
-    return problems
+            problems.append(checks.bitwise_problem(f"D={d} {dtype} {label}: hc_head_norm differs", got, want))
+    return [p for p in problems if p]
 
 
 # ---------------------------------------------------------------------------------------------

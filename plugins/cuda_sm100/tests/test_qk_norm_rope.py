@@ -81,10 +81,8 @@ def sequence_problems(shape, tokens, dtypes, device: str) -> list[str]:
             got = qk_norm_rope.qk_norm_rope(*args, **kwargs)
             want = _sequence(*args, **kwargs)
             for name, a, b in zip(("q", "kv"), got, want, strict=True):
-                if not torch.equal(a, b):
-                    err = (a.double() - b.double()).abs().max().item()
-                    problems.append(f"{shape} {dtype} {label}: {name} differs (max {err:.3g})")
-    return problems
+                problems.append(checks.bitwise_problem(f"{shape} {dtype} {label}: {name} differs", a, b))
+    return [p for p in problems if p]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -274,7 +274,7 @@ def unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
-def _mix_and_finish(
+def mix_and_finish(
     streams: torch.Tensor,
     fn: torch.Tensor,
     base: torch.Tensor,
@@ -283,14 +283,18 @@ def _mix_and_finish(
     hc_eps: float,
     iters: int,
     full: bool,
+    norm: bool = False,
+    norm_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mix` then :func:`finish` over ``streams [T, N, D]``: ``(post, comb, collapsed)``
+    (``post`` / ``comb`` written when ``full``; the collapsed rows normed with ``norm``)."""
     t, n, d = streams.shape
     post, comb, out = empty_outputs(streams)
     if t == 0 or d == 0:
         return post, comb, out
     x = flat_streams(streams)
     part = mix(x, fn, n)
-    finish(part, x, base, scale, post, comb, out, norm_eps, hc_eps, iters, full)
+    finish(part, x, base, scale, post, comb, out, norm_eps, hc_eps, iters, full, norm, norm_weight)
     return post, comb, out
 
 
@@ -412,7 +416,7 @@ def hc_pre(
     ``[(2+N)*N]``, ``scale`` ``[3]``.  Returns contiguous ``(post [T, N] fp32, comb [T, N, N]
     fp32, collapsed [T, D] streams.dtype)``.
     """
-    return _mix_and_finish(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, full=True)
+    return mix_and_finish(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, full=True)
 
 
 def hc_head(
@@ -428,7 +432,7 @@ def hc_head(
     ``streams`` ``[T, N, D]``, ``fn`` ``[N, N*D]``, ``base`` ``[N]``, ``scale`` ``[1]``;
     returns ``[T, D]`` in ``streams.dtype``.
     """
-    return _mix_and_finish(streams, fn, base, scale, norm_eps, hc_eps, 1, full=False)[2]
+    return mix_and_finish(streams, fn, base, scale, norm_eps, hc_eps, 1, full=False)[2]
 
 
 def hc_post(

@@ -35,8 +35,7 @@ from .mhc import (
     MIX_WARPS,
     empty_outputs,
     finish,
-    flat_streams,
-    mix,
+    mix_and_finish,
     mix_width,
     project_slice,
     unit_last,
@@ -169,17 +168,17 @@ def hc_post_pre(
     """Triton ``hc_post_pre``: same signature, shapes and numerics as the reference (see the
     module docstring); ``D`` at most :data:`~.mhc.MAX_NORM_D`.  Returns contiguous new
     streams (``streams`` itself without ``block_out``), ``post``, ``comb`` and normed input."""
+    if block_out is None:  # the first block: hc_pre's kernels, the norm in the finishing one
+        mixed = mix_and_finish(
+            streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, True, True, norm_weight
+        )
+        return streams, *mixed
     t, n, d = streams.shape
     out_post, out_comb, x = empty_outputs(streams)
     if t == 0 or d == 0:
-        new = streams if block_out is None else torch.empty_like(streams)
-        return new, out_post, out_comb, x
-    if block_out is None:
-        new, flat = streams, flat_streams(streams)
-        part = mix(flat, fn, n)
-    else:
-        new, part = _post_mix(block_out, streams, post, comb, fn)
-        flat = new.view(t, n * d)
+        return torch.empty_like(streams), out_post, out_comb, x
+    new, part = _post_mix(block_out, streams, post, comb, fn)
+    flat = new.view(t, n * d)
     finish(
         part,
         flat,
@@ -210,25 +209,4 @@ def hc_head_norm(
     """Triton ``hc_head_norm``: ``hc_head``'s two kernels with the final norm in the finishing
     one (one program per token and whole row, as for ``hc_post_pre``); the same numerics as
     ``hc_head`` then ``rms_norm``.  Returns a contiguous ``[T, D]`` tensor in ``streams.dtype``."""
-    t, n, d = streams.shape
-    post, comb, out = empty_outputs(streams)
-    if t == 0 or d == 0:
-        return out
-    flat = flat_streams(streams)
-    part = mix(flat, fn, n)
-    finish(
-        part,
-        flat,
-        base,
-        scale,
-        post,
-        comb,
-        out,
-        norm_eps,
-        hc_eps,
-        1,
-        full=False,
-        norm=True,
-        norm_weight=norm_weight,
-    )
-    return out
+    return mix_and_finish(streams, fn, base, scale, norm_eps, hc_eps, 1, False, True, norm_weight)[2]
