@@ -20,9 +20,11 @@ fp8_gemm`) the two paths are Triton's W8A8 tile and ``"scaled_mm"``, cuBLAS's bl
 GEMM on the same quantised activations (:mod:`deepinfer_cuda_sm100.scaled_mm`).
 
 The grouped output projection (``grouped_linear``, ``x [T, G, K]`` times the ``G`` row blocks
-of one ``[G*N, K]`` weight) has two paths: ``"triton"`` (every group in one launch of the same
-kernel) and ``"cublas"`` (the weight dequantised, then the reference's batched GEMM, bitwise the
-reference), chosen by the table's op ``"grouped_linear_fp8"`` (kind ``"w8a16"``, keyed by the
+of one ``[G*N, K]`` weight) has three paths: ``"triton"`` (every group in one launch of the same
+kernel), ``"tilelang"`` (the TileLang GEMM, each CTA's activation tile read from its group's
+inputs: :func:`~deepinfer_cuda_sm100.tl.fp8_gemm.grouped_linear_fp8`) and ``"cublas"`` (the weight
+dequantised, then the reference's batched GEMM, bitwise the reference), chosen by the table's
+op ``"grouped_linear_fp8"`` (kind ``"w8a16"``, keyed by the
 weight's ``G*N x K``, the groups as ``keys`` and the call's ``T``).
 
 A call takes the path the measured table of this GPU's architecture
@@ -56,7 +58,7 @@ V4_FLASH_GROUPED = "8x4096x1024"
 """``G x K x N`` of V4-Flash's grouped output projection ``o_a`` (8 groups of 4096 -> 1024)."""
 GROUPED_OP = "grouped_linear_fp8"
 """The op name of the grouped GEMM points in the measured table."""
-GROUPED_PATHS = frozenset({"triton", "cublas"})
+GROUPED_PATHS = frozenset({"triton", "cublas", "tilelang"})
 """The paths of the grouped GEMM (W8A16 only)."""
 PATHS = {
     "w8a16": frozenset({"triton", "cublas", "tilelang"}),
@@ -66,14 +68,14 @@ PATHS = {
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-def tilelang_usable(x: torch.Tensor, weight) -> bool:
-    """Whether the TileLang GEMM may take this W8A16 call: TileLang compiles here (else one
-    warning) and the kernel takes the shapes and dtypes."""
+def tilelang_usable(x: torch.Tensor, weight, groups: int = 0) -> bool:
+    """Whether the TileLang GEMM may take this W8A16 call (``groups``: a grouped one): TileLang
+    compiles here (else one warning) and the kernel takes the shapes and dtypes."""
     from deepinfer_cuda_sm100.tl import fp8_gemm as tl_gemm
 
     if not tl.usable_for("linear (FP8)", "the Triton and cuBLAS paths serve every call"):
         return False
-    return tl_gemm.problem(x, weight) is None
+    return tl_gemm.problem(x, weight, groups) is None
 
 
 def choose_path(x: torch.Tensor, weight) -> str:
@@ -105,8 +107,9 @@ def cublas_linear(x: torch.Tensor, weight) -> torch.Tensor:
 
 
 def choose_grouped_path(x: torch.Tensor, weight) -> str:
-    """``"triton"`` or ``"cublas"`` for ``grouped_linear(x [T, G, K], weight [G*N, K])`` (see the
-    module docstring; Triton in the batch-invariant mode, off CUDA and in the W8A8 prefill)."""
+    """``"triton"``, ``"tilelang"`` or ``"cublas"`` for ``grouped_linear(x [T, G, K], weight
+    [G*N, K])`` (see the module docstring; Triton in the batch-invariant mode, off CUDA and in
+    the W8A8 prefill)."""
     from deepinfer_cuda_sm100.kernels import fp8_gemm
 
     if batch_invariant_enabled() or x.device.type != "cuda" or fp8_gemm.prefill_w8a8(x[:, 0]):
@@ -115,7 +118,12 @@ def choose_grouped_path(x: torch.Tensor, weight) -> str:
     rows = weight.data.shape[0]
     arch = kernel_choice.device_arch(x.device)
     dtype = _DTYPES[x.dtype]
-    return kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, GROUPED_PATHS)
+    paths = GROUPED_PATHS
+    choice = kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, paths)
+    if choice == "tilelang" and not tilelang_usable(x, weight, groups):
+        paths = paths - {"tilelang"}
+        choice = kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, paths)
+    return choice if choice in paths else "triton"
 
 
 def cublas_grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
@@ -132,8 +140,13 @@ def make_grouped_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[...,
     ``"triton"``."""
 
     def grouped_linear(x, weight) -> torch.Tensor:
-        if choose_grouped_path(x, weight) == "cublas":
+        path = choose_grouped_path(x, weight)
+        if path == "cublas":
             return cublas_grouped_linear(x, weight)
+        if path == "tilelang":
+            from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8
+
+            return grouped_linear_fp8(x, weight)
         return triton_fn(x, weight)
 
     grouped_linear.__doc__ = f"Dispatcher over the grouped FP8 GEMM's paths.\n\n{__doc__}"

@@ -166,9 +166,10 @@ def tilelang_call(x: torch.Tensor, w) -> Callable | None:
 
 
 def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list[dict]:
-    """Time the grouped GEMM's two paths (Triton's one launch, the weight dequantised then the
-    batched GEMM) for each ``G x K x N`` of ``spec`` and each ``M`` (printed; the rows returned)."""
-    from deepinfer_cuda_sm100.gemm_dispatch import cublas_grouped_linear
+    """Time the grouped GEMM's paths (Triton's one launch, TileLang's one launch where it takes
+    the call, the weight dequantised then the batched GEMM) for each ``G x K x N`` of ``spec``
+    and each ``M`` (printed; the rows returned)."""
+    from deepinfer_cuda_sm100.gemm_dispatch import cublas_grouped_linear, tilelang_usable
     from deepinfer_cuda_sm100.kernels.fp8_gemm import grouped_linear_fp8
 
     from deepinfer_core.ops.linear import grouped_linear
@@ -182,17 +183,24 @@ def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list
         for m in tokens:
             x = torch.randn(m, g, k, device="cuda").to(torch.bfloat16)
             paths = {"triton": grouped_linear_fp8, "cublas": cublas_grouped_linear}
+            if tilelang_usable(x, w, g):
+                from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8 as tilelang_grouped
+
+                paths["tilelang"] = tilelang_grouped
             times = {
                 p: time_graph(lambda i, f=f, x=x, w=w: f(x, w), calls, replays) for p, f in paths.items()
             }
             want = grouped_linear(x, w).float()
-            err = float((grouped_linear_fp8(x, w).float() - want).abs().max())
+            errs = {p: float((f(x, w).float() - want).abs().max()) for p, f in paths.items() if p != "cublas"}
             exact = torch.equal(cublas_grouped_linear(x, w).float(), want)
             row = {"G": g, "K": k, "N": n, "M": m, **{f"{p}_us": t for p, t in times.items()}}
-            rows.append({**row, "triton_max_abs_err": err, "cublas_bitwise_reference": exact})
+            row |= {f"{p}_max_abs_err": e for p, e in errs.items()}
+            rows.append({**row, "cublas_bitwise_reference": exact})
+            errors = ", ".join(f"{p} {e:.3g}" for p, e in errs.items())
             print(
-                f"grouped {g}x{k}x{n} M={m:>5}: triton {times['triton']:8.1f} us, dequant+bmm"
-                f" {times['cublas']:8.1f} us (triton err {err:.3g}, dequant+bmm bitwise: {exact})"
+                f"grouped {g}x{k}x{n} M={m:>5}: "
+                + ", ".join(f"{p} {t:8.1f} us" for p, t in times.items())
+                + f" (errors {errors}; dequant+bmm bitwise: {exact})"
             )
     return rows
 
@@ -221,7 +229,7 @@ def speedups(rows: list[dict], column: str, name: str) -> dict[str, float | None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", default=TOKENS, help=f"token counts M (default {TOKENS})")
-    parser.add_argument("--shapes", default=SHAPES, help=f"KxN weight shapes (default {SHAPES})")
+    parser.add_argument("--shapes", default=SHAPES, help=f"KxN weight shapes ('' for none; default {SHAPES})")
     parser.add_argument(
         "--grouped", default=GROUPED, help=f"GxKxN grouped projections ('' for none; default {GROUPED})"
     )
@@ -256,7 +264,7 @@ def main() -> None:
     from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
 
     tokens = [int(t) for t in args.m.split(",")]
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in filter(None, args.shapes.split(","))]
     rows = []
     head = (
         f"{'K x N':<12} {'M':>5} {'tile/splits':>12} "

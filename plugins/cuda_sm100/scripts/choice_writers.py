@@ -135,7 +135,7 @@ def write_score_choices(rows: list[dict]) -> Path | None:
 def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
     TileLang GEMM's where it ran), the W8A8 prefill paths', and the grouped GEMM's per (G*N x K,
-    G, M) as ``grouped_linear_fp8`` points."""
+    G, M) as ``grouped_linear_fp8`` points (TileLang's where it ran)."""
     from deepinfer_cuda_sm100.gemm_dispatch import GROUPED_OP, OP
 
     def point(r: dict, math: str, ms: dict) -> dict:
@@ -161,7 +161,7 @@ def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     points += [
         {"op": GROUPED_OP, "kind": "w8a16", "dtype": "bfloat16", "heads": r["G"] * r["N"],
          "head_dim": r["K"], "tokens": r["M"], "keys": r["G"],
-         "ms": {"triton": r["triton_us"] / 1e3, "cublas": r["cublas_us"] / 1e3}}
+         "ms": {p: r[f"{p}_us"] / 1e3 for p in ("triton", "cublas", "tilelang") if r.get(f"{p}_us")}}
         for r in grouped
         if r["triton_us"] and r["cublas_us"]
     ]  # fmt: skip

@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="profiled decode steps (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="decode steps before profiling (default 3)")
     p.add_argument("--keep-quantized", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format (e.g. fp8)")
     p.add_argument("--top", type=int, default=15, help="kernels listed by name (default 15)")
     p.add_argument(
         "--sites", type=int, default=0, help="also list the N source lines calling the most operators"
@@ -108,6 +109,7 @@ def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, in
         max_num_seqs=a.batch,
         max_model_len=a.prompt_len + budget + 8,
         keep_quantized=keep,
+        kv_cache_dtype=a.kv_cache_dtype,
         enforce_eager=eager,
     )
     engine = llm.engine

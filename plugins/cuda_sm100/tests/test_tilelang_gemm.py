@@ -115,6 +115,21 @@ def test_problem_takes_v4_decode_calls_and_names_what_it_refuses():
     assert "contiguous" in tlg.problem(_x(4, 384), strided)
 
 
+def test_problem_takes_the_grouped_projection_and_names_what_it_refuses():
+    g = torch.Generator().manual_seed(7)
+    w = _weight(g, 2 * 128, 384)
+    for m in (1, 64, 256):
+        assert tlg.problem(torch.zeros(m, 2, 384, dtype=torch.bfloat16), w, groups=2) is None, m
+    cases = {
+        "[T, 2, 384]": (torch.zeros(4, 3, 384, dtype=torch.bfloat16), w, 2),  # groups in x != G
+        "multiple of 128 rows a group": (torch.zeros(4, 4, 384, dtype=torch.bfloat16), w, 4),  # 64 rows
+        "1 to 256": (torch.zeros(257, 2, 384, dtype=torch.bfloat16), w, 2),
+    }
+    for needle, (x, weight, groups) in cases.items():
+        verdict = tlg.problem(x, weight, groups)
+        assert verdict is not None and needle in verdict, (needle, verdict)
+
+
 def test_scale_kind_names_the_format():
     g = torch.Generator().manual_seed(1)
     assert tlg.scale_kind(_weight(g, 128, 128)) == "fp32"
@@ -178,17 +193,22 @@ def test_the_table_picks_tilelang_only_where_it_measured_fastest_and_usable():
 
 
 def test_precompile_lists_every_launch_of_the_v4_shapes():
-    from deepinfer_cuda_sm100.tl.precompile import GEMM_SHAPES, gemm_configurations
+    from deepinfer_cuda_sm100.tl.precompile import GEMM_SHAPES, GROUPED_SHAPES, gemm_configurations
 
-    configs = set(gemm_configurations(GEMM_SHAPES, 132))
+    configs = set(gemm_configurations(GEMM_SHAPES, 132, GROUPED_SHAPES))
+    pdl = tlg.tl_pdl_enabled()
+    for m in range(1, 257):  # V4-Flash's o_a: 8 groups of 4096 -> 1024, one launch
+        plan = tlg.launch_plan(m, 8 * 1024, 4096, 132)
+        for kind in tlg.SCALE_KINDS:
+            assert ("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, kind, pdl, 8) in configs
     assert {c[3] for c in configs if c[0] == "gemm"} == {16, 32, 64, 128, 256}
     for k, n in V4_SHAPES:
         for m in range(1, 257):
             plan = tlg.launch_plan(m, n, k, 132)
             for kind in tlg.SCALE_KINDS:
-                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind) in configs
+                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, 1) in configs
             if plan.splits > 1:
-                assert ("combine", n, plan.splits) in configs
+                assert ("combine", n, plan.splits, pdl) in configs
 
 
 def test_every_precompile_job_binds_to_its_modules_kernel():
@@ -206,6 +226,7 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
         hidden=4096,
         inter=2048,
         gemm_shapes="4096x1024",
+        grouped_shapes="8x4096x1024",
         index_heads=64,
         index_dim=128,
     )
@@ -262,6 +283,64 @@ def test_the_v4_configurations_lower_for_sm90():
             int(c) for c in re.findall(r"fence_operand\(reinterpret_cast<float\*>\(acc \+ 0\), (\d+)\)", src)
         }
         assert fences == {bm // 2}, (bm, fences)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("block_m", [16, 256])
+def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
+    """Grouped (8 groups of 4096 -> 1024): ``x`` is ``[M, 8 * 4096]`` and CTA ``nb``'s TMA loads
+    of the activations start at column ``4096 (BLOCK_N nb / 1024)`` (plus its split's K range);
+    the weight's and the output's addressing are the dense GEMM's over ``8192`` rows."""
+    import re
+
+    block_n = tlg.tile(block_m).block_n
+    plan = tlg.launch_plan(block_m, 8192, 4096, 132)
+    src = _lower(("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, "ue8m0", False, 8))
+    loads = re.findall(r"tma_load\(x_desc, [^;]*;", src)
+    assert loads, src[:2000]
+    shift = (1024 // block_n).bit_length() - 1  # nb * BLOCK_N // 1024 as TileLang simplifies it
+    assert all(f"(((int)blockIdx.x) >> {shift}) * 4096)" in load for load in loads), loads
+    dense = _lower(("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, "ue8m0", False, 1))
+    assert all("blockIdx.x" not in load for load in re.findall(r"tma_load\(x_desc, [^;]*;", dense))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("block_m", [16, 256])
+def test_the_pdl_prologue_prefetches_the_weight_slice_then_waits_before_any_other_read(block_m):
+    """With ``pdl`` the GEMM's first statements prefetch exactly its CTA's weight slice (row
+    ``BLOCK_N nb + t`` from column ``per 128 sp``, ``per 128`` bytes, one row a thread) and then
+    wait for the kernel before it; the activations' TMA loads and the scale reads come after the
+    wait; the kernel is marked for a PDL launch.  Without ``pdl`` none of it is there."""
+    import re
+
+    import tilelang
+    import tvm
+    from tvm.target import Target
+
+    n, k, splits = 4096, 1024, 4
+    per = k // 128 // splits
+    config = ("gemm", n, k, block_m, splits, 2, "ue8m0", True, 1)
+    src = _lower(config)
+    body = src[src.index("fp8_gemm_kernel(") :]
+    block_n = tlg.tile(block_m).block_n
+    prefetch = r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\s*"
+    prefetch += r"deepinfer_prefetch_l2\(\(&\(w\[(.*?)\]\)\), (\d+)\);"
+    call = re.search(prefetch, body)
+    assert call, body[:3000]
+    assert int(call.group(1)) == block_n and int(call.group(3)) == per * 128
+    address = call.group(2)
+    assert f"((int)blockIdx.x) * {block_n * k}" in address and f"((int)threadIdx.x) * {k}" in address
+    wait = body.index("cudaGridDependencySynchronize();")
+    assert call.start() < wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
+    assert wait < body.index("tma_load(x_desc") and wait < body.index("s[")
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
+        device = str(tilelang.lower(tlg.build_gemm(*config[1:]), target=target).device_mod)
+    assert '"has_cuda_pdl_sync": 1' in device
+    plain = _lower(config[:-2] + (False, 1))
+    assert "deepinfer_prefetch_l2(" not in plain and "cudaGridDependencySynchronize" not in plain
 
 
 @pytest.mark.slow
@@ -342,6 +421,43 @@ def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
             x.copy_(torch.randn(m, k, device="cuda"))
             graph.replay()
             assert torch.equal(y, tlg.linear_fp8(x, w)), f"{k}x{n} M={m}: the replay differs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_dtype", ["fp32", "ue8m0"])
+def test_gpu_grouped_tilelang_gemm_matches_the_reference_and_replays_bitwise(scale_dtype):
+    """V4-Flash's ``o_a`` (8 groups of 4096 -> 1024) and a 2-group shape: within the bf16
+    tolerance of the reference ``grouped_linear`` and no farther from the exact product than
+    twice the reference's own error, every group on its own inputs (a group's inputs zeroed
+    zero its outputs alone); CUDA-graph replay bitwise equal to eager."""
+    from deepinfer_core.ops.linear import grouped_linear
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    _gpu_ready()
+    atol, rtol = DEFAULT_TOLERANCES[torch.bfloat16]
+    g = torch.Generator().manual_seed(8)
+    for groups, k, n in ((8, 4096, 1024), (2, 1024, 256)):
+        w = _weight(g, groups * n, k, scale_dtype, "cuda")
+        dense = w.dequantize(torch.bfloat16).double().view(groups, n, k)
+        for m in (1, 16, 64, 100, 256):
+            x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16).cuda()
+            assert tlg.problem(x, w, groups) is None
+            got, want = tlg.grouped_linear_fp8(x, w), grouped_linear(x, w)
+            assert got.shape == (m, groups, n) and got.dtype == torch.bfloat16
+            assert torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol), f"{groups}x{k}x{n} M={m}"
+            exact = torch.einsum("tgk,gnk->tgn", x.double(), dense)
+            err, ref_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
+            assert err <= 2 * ref_err + 1e-6, f"M={m}: {err:.3g} vs the reference's {ref_err:.3g}"
+        x[:, 1].zero_()
+        out = tlg.grouped_linear_fp8(x, w)
+        assert not out[:, 1].any() and out[:, 0].abs().sum() > 0
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = tlg.grouped_linear_fp8(x, w)
+        x.copy_(torch.randn(x.shape, device="cuda"))
+        graph.replay()
+        assert torch.equal(y, tlg.grouped_linear_fp8(x, w)), f"{groups}x{k}x{n}: the replay differs"
 
 
 @pytest.mark.gpu

@@ -54,6 +54,8 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
+
 logger = logging.getLogger("deepinfer.cuda_sm100")
 
 BLOCK_N = 64
@@ -136,8 +138,9 @@ def launch_plan(m: int, n: int, k: int, sms: int) -> Plan:
     return Plan(block_m, splits, per, min(kind.max_stages, per), (tiles, splits))
 
 
-def problem(x: torch.Tensor, weight) -> str | None:
-    """``None`` when this path takes ``linear(x, weight)``, else why not (one line)."""
+def problem(x: torch.Tensor, weight, groups: int = 0) -> str | None:
+    """``None`` when this path takes ``linear(x, weight)`` (``groups=0``) or
+    ``grouped_linear(x [T, G, K], weight [G*N, K])`` (``groups=G``), else why not (one line)."""
     from deepinfer_core.weights.quant import UE8M0_DTYPE, QuantizedTensor
 
     if not isinstance(weight, QuantizedTensor) or weight.fmt != "fp8" or weight.block != (128, 128):
@@ -147,11 +150,16 @@ def problem(x: torch.Tensor, weight) -> str | None:
     if weight.data.dim() != 2 or weight.scale.dtype not in (torch.float32, UE8M0_DTYPE):
         return "the TileLang GEMM takes a 2-D weight with float32 or ue8m0 scales"
     n, k = weight.data.shape
-    m = x.numel() // max(k, 1)
+    m = x.numel() // max(k * max(groups, 1), 1)
     if not 1 <= m <= MAX_M:
         return f"{m} rows: the TileLang GEMM serves 1 to {MAX_M}"
     if n % SCALE_BLOCK or k % BLOCK_K:
         return f"weight {n}x{k}: the TileLang GEMM takes multiples of 128"
+    if groups and (x.dim() != 3 or x.shape[1:] != (groups, k) or n % (groups * WIDE_BLOCK_N)):
+        return (
+            f"x {tuple(x.shape)}, weight {n}x{k}: the grouped TileLang GEMM takes [T, {groups}, {k}] "
+            f"and a multiple of {WIDE_BLOCK_N} rows a group"
+        )
     if not weight.data.is_contiguous() or not weight.scale.is_contiguous():
         return "the TileLang GEMM reads contiguous FP8 data and scales"
     if weight.data.data_ptr() % 16:
@@ -207,10 +215,17 @@ def fix_wgmma_accumulator_fence() -> None:
     emitter._warpgroup_fence_fixed = True
 
 
-def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str):
+def build_gemm(
+    n: int, k: int, block_m: int, splits: int, stages: int, kind: str, pdl: bool = False, groups: int = 1
+):
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
-    partial to ``ws [splits, M, N]``."""
+    partial to ``ws [splits, M, N]``.  With ``pdl`` it starts with the PDL prologue
+    (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`), prefetching its weight slice into L2.
+
+    ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
+    (``[T, G, K]`` flattened) and weight rows ``g N / groups ..`` multiply group ``g``'s ``K``
+    inputs (``N / groups`` a multiple of ``BLOCK_N``: a CTA's rows lie in one group)."""
     import tilelang
     import tilelang.language as T
 
@@ -218,18 +233,23 @@ def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str
     wide = block_n != BLOCK_N
     fix_wgmma_accumulator_fence()
     per = k // BLOCK_K // splits
+    start = prologue(prefetch=True)
     m_dyn = T.dynamic("M")
     sdt = "float32" if kind == "fp32" else "uint8"
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
 
+    group_rows = n // groups
+
     @T.prim_func
     def fp8_gemm(
-        x: T.Tensor((m_dyn, k), "bfloat16"),
+        x: T.Tensor((m_dyn, groups * k), "bfloat16"),
         w: T.Tensor((n, k), "float8_e4m3"),
         s: T.Tensor((n // SCALE_BLOCK, k // BLOCK_K), sdt),
         out: T.Tensor(out_shape, out_dtype),
     ):
         with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
+            if pdl:
+                start(w, nb * block_n, sp * per * BLOCK_K, block_n, per * BLOCK_K)
             if not wide:
                 T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
             w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
@@ -244,7 +264,7 @@ def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str
             T.clear(acc)
             for kk in T.Pipelined(per, num_stages=stages):
                 T.copy(w[nb * block_n, (sp * per + kk) * BLOCK_K], w_sh)
-                T.copy(x[0, (sp * per + kk) * BLOCK_K], x_sh)
+                T.copy(x[0, (nb * block_n // group_rows) * k + (sp * per + kk) * BLOCK_K], x_sh)
                 for i, j in T.Parallel(block_n, BLOCK_K):  # the reference's dequantised weight
                     w_reg[i, j] = T.Cast("bfloat16", T.Cast("float32", w_sh[i, j]) * s_sh[kk])
                 # every warpgroup its own 64 weight rows against all the tokens
@@ -261,16 +281,20 @@ def build_gemm(n: int, k: int, block_m: int, splits: int, stages: int, kind: str
     return fp8_gemm
 
 
-def build_combine(n: int, splits: int):
+def build_combine(n: int, splits: int, pdl: bool = False):
     """The split combine ``prim_func``: grid ``(N / 128, M)``; ``y[m, :] = bf16(sum_s ws[s, m, :])``
-    summed in split order."""
+    summed in split order (with ``pdl``, after waiting for the GEMM:
+    :func:`deepinfer_cuda_sm100.tl.pdl.prologue`)."""
     import tilelang.language as T
 
+    start = prologue(prefetch=False)
     m_dyn = T.dynamic("M")
 
     @T.prim_func
     def fp8_gemm_combine(ws: T.Tensor((splits, m_dyn, n), "float32"), y: T.Tensor((m_dyn, n), "bfloat16")):
         with T.Kernel(n // COMBINE_N, m_dyn, threads=COMBINE_N) as (nb, row):
+            if pdl:
+                start()
             total = T.alloc_fragment((COMBINE_N,), "float32")
             T.clear(total)
             for sp in T.serial(splits):
@@ -288,46 +312,63 @@ PASS_CONFIGS: dict = {}
 
 @functools.cache
 def _kernel(kind: str, *args):
-    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind)`` or
-    ``("combine", n, splits)``."""
+    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups)`` or
+    ``("combine", n, splits, pdl)``."""
     import tilelang
 
     func = build_gemm(*args) if kind == "gemm" else build_combine(*args)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
 
 
-def configurations(n: int, k: int, sms: int) -> list[tuple]:
-    """``_kernel`` arguments of every launch of an ``N x K`` weight at ``M <= 256`` on ``sms``
-    SMs, both scale kinds (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
+def configurations(n: int, k: int, sms: int, groups: int = 1) -> list[tuple]:
+    """``_kernel`` arguments of every launch of an ``N x K`` weight (``groups`` row blocks of a
+    grouped projection, each on its own ``K`` inputs) at ``M <= 256`` on ``sms`` SMs, both scale
+    kinds, with programmatic dependent launch where this device takes it
+    (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
+    pdl = tl_pdl_enabled()
     out = []
     for m in BLOCK_MS:
         plan = launch_plan(m, n, k, sms)
         for kind in SCALE_KINDS:
-            out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind))
+            out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups))
         if plan.splits > 1:
-            out.append(("combine", n, plan.splits))
+            out.append(("combine", n, plan.splits, pdl))
     return list(dict.fromkeys(out))
+
+
+def _gemm(x2: torch.Tensor, weight, groups: int) -> torch.Tensor:
+    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine."""
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
+
+    n, k = weight.data.shape
+    if x2.data_ptr() % 16:
+        x2 = x2.clone()
+    m = x2.shape[0]
+    plan = launch_plan(m, n, k, sm_count(x2.device))
+    kind = scale_kind(weight)
+    scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
+    pdl = tl_pdl_enabled()
+    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
+    y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
+    if plan.splits == 1:
+        gemm(x2, weight.data, scale, y)
+    else:
+        ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
+        gemm(x2, weight.data, scale, ws)
+        _kernel("combine", n, plan.splits, pdl)(ws, y)
+    return y
 
 
 def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``)."""
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
-
     n, k = weight.data.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if not x2.is_contiguous() or x2.data_ptr() % 16:
-        x2 = x2.clone(memory_format=torch.contiguous_format)
-    m = x2.shape[0]
-    plan = launch_plan(m, n, k, sm_count(x.device))
-    kind = scale_kind(weight)
-    scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
-    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if plan.splits == 1:
-        gemm(x2, weight.data, scale, y)
-    else:
-        ws = torch.empty(plan.splits, m, n, device=x.device, dtype=torch.float32)
-        gemm(x2, weight.data, scale, ws)
-        _kernel("combine", n, plan.splits)(ws, y)
-    return y.reshape(*lead, n)
+    return _gemm(x.reshape(-1, k).contiguous(), weight, 1).reshape(*lead, n)
+
+
+def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
+    """``grouped_linear(x [T, G, K], weight [G*N, K])`` by the TileLang GEMM, every group in one
+    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``."""
+    t, groups, k = x.shape
+    n = weight.data.shape[0]
+    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups).view(t, groups, n // groups)

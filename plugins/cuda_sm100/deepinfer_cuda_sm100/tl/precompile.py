@@ -3,8 +3,8 @@ TileLang's disk cache (``~/.tilelang/cache``), so that neither a test run nor an
 warm-up compiles them one after another.
 
     python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
-        [--inter 2048] [--gemm-shapes 4096x1024,...] [--index-heads 64] [--index-dim 128]
-        [--jobs 8]
+        [--inter 2048] [--gemm-shapes 4096x1024,...] [--grouped-shapes 8x4096x1024]
+        [--index-heads 64] [--index-dim 128] [--jobs 8]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV; the seesaw kernel's on plain pools) and the split
@@ -12,7 +12,8 @@ combine, bfloat16, and the FP4
 ``moe_experts`` GEMMs (gate / up and down, every tile height and scale format, one and two
 consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
-scale formats, the split combine) of each ``K x N`` weight, and the indexer's scores
+scale formats, the split combine) of each ``K x N`` weight and each grouped ``G x K x N``
+projection (``grouped_linear``), and the indexer's scores
 (:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates;
 :mod:`deepinfer_cuda_sm100.tl.indexer_grouped`, several tokens a CTA), for
 DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
@@ -29,7 +30,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_SHAPES
+from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
 
 
 def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
@@ -69,14 +70,22 @@ GEMM_SHAPES = V4_FLASH_SHAPES
 """``K x N`` of DeepSeek-V4-Flash's FP8 dense projections (as ``bench_fp8_gemm.py``)."""
 
 
-def gemm_configurations(shapes: str, sms: int) -> list[tuple]:
-    """``tl.fp8_gemm._kernel`` arguments of every launch (``M <= 256``) of the ``K x N`` weights."""
+GROUPED_SHAPES = V4_FLASH_GROUPED
+"""``G x K x N`` of DeepSeek-V4-Flash's grouped output projection."""
+
+
+def gemm_configurations(shapes: str, sms: int, grouped: str = "") -> list[tuple]:
+    """``tl.fp8_gemm._kernel`` arguments of every launch (``M <= 256``) of the ``K x N`` weights
+    and of the grouped ``G x K x N`` projections."""
     from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
 
     out = []
-    for shape in shapes.split(","):
+    for shape in filter(None, shapes.split(",")):
         k, n = (int(v) for v in shape.split("x"))
         out += fp8_configurations(n, k, sms)
+    for shape in filter(None, grouped.split(",")):
+        g, k, n = (int(v) for v in shape.split("x"))
+        out += fp8_configurations(g * n, k, sms, groups=g)
     return list(dict.fromkeys(out))
 
 
@@ -136,7 +145,7 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     out += [("indexer_grouped", c) for c in grouped_indexer_configurations(a.index_heads, a.index_dim)]
-    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms())]
+    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms(), a.grouped_shapes)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=4096, help="MoE hidden width D")
     p.add_argument("--inter", type=int, default=2048, help="MoE expert intermediate width I")
     p.add_argument("--gemm-shapes", default=GEMM_SHAPES, help="FP8 linear weights, KxN comma-separated")
+    p.add_argument(
+        "--grouped-shapes", default=GROUPED_SHAPES, help="FP8 grouped projections, GxKxN comma-separated"
+    )
     p.add_argument("--index-heads", type=int, default=64, help="indexer heads")
     p.add_argument("--index-dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--jobs", type=int, default=8)
