@@ -42,14 +42,9 @@ def _fp8_geometry(rope_dim: int = 64):
 
 
 def test_precompile_covers_every_configuration_a_call_makes():
-    import argparse
-
     from deepinfer_cuda_sm100.tl import precompile
 
-    a = argparse.Namespace(
-        heads=64, dim=512, rope_dim=64, hidden=4096, inter=2048, index_heads=64, index_dim=128
-    )
-    a.gemm_shapes = "4096x1024"
+    a = precompile.parse_args(["--gemm-shapes", "4096x1024", "--grouped-shapes", ""])
     jobs = {c for module, c in precompile.jobs(a) if module == "sparse_attention_ws"}
     assert jobs == {
         (paged, split, 64, 512, "bfloat16", fp8)

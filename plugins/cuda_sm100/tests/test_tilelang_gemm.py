@@ -214,23 +214,11 @@ def test_precompile_lists_every_launch_of_the_v4_shapes():
 def test_every_precompile_job_binds_to_its_modules_kernel():
     """Each job names the module whose ``_kernel`` takes its arguments (kernels of different
     modules share kind names such as ``combine``)."""
-    import argparse
     import inspect
 
     from deepinfer_cuda_sm100.tl import precompile
 
-    ns = argparse.Namespace(
-        heads=64,
-        dim=512,
-        rope_dim=64,
-        hidden=4096,
-        inter=2048,
-        gemm_shapes="4096x1024",
-        grouped_shapes="8x4096x1024",
-        index_heads=64,
-        index_dim=128,
-    )
-    jobs = precompile.jobs(ns)
+    jobs = precompile.jobs(precompile.parse_args(["--gemm-shapes", "4096x1024"]))
     assert {module for module, _ in jobs} == {
         "sparse_attention",
         "sparse_attention_ws",

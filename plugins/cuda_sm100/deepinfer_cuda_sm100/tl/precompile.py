@@ -148,7 +148,8 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms(), a.grouped_shapes)]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options (the defaults: DeepSeek-V4-Flash's shapes)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", type=int, default=64)
     p.add_argument("--dim", type=int, default=512)
@@ -162,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--index-heads", type=int, default=64, help="indexer heads")
     p.add_argument("--index-dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--jobs", type=int, default=8)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
     problem = tilelang_problem()
