@@ -161,6 +161,31 @@ def test_the_kernels_compile_for_the_gpu(arch, monkeypatch):
         assert compile_launch(kernel, args, kwargs, arch).asm["ptx"]
 
 
+@slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+def test_the_sinkhorn_loop_runs_without_a_block_barrier(monkeypatch):
+    """The finishing kernel's Sinkhorn iterations (the only loop with IEEE divisions) reduce the
+    ``N x N`` weights within each warp: no ``bar.sync`` in the loop (each was a round trip
+    through shared memory, 19 iterations a call).  The loop is found in the PTX as the code
+    between a loop header's label and its backward branch."""
+    import re
+
+    from cuda_sm100_checks import compile_launch
+    from deepinfer_cuda_sm100.kernels import mhc_chain
+
+    [(_, args)] = _calls(4096, (1,), torch.bfloat16, "cpu")[:1]
+    kernel, a, kw = _launches(monkeypatch, mhc_chain.hc_post_pre, *args)[-1]
+    assert kernel.fn.__name__ == "_hc_finish_kernel"
+    ptx = compile_launch(kernel, a, kw, 90).asm["ptx"]
+    loops = [
+        ptx[m.end() : ptx.index(f"bra \t{m.group(1)};", m.end())]
+        for m in re.finditer(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M)
+    ]
+    sinkhorn = [body for body in loops if "div.rn" in body]
+    assert len(sinkhorn) == 1, len(loops)
+    assert "bar.sync" not in sinkhorn[0]
+
+
 def test_supports_refuses_with_the_reason():
     from deepinfer_cuda_sm100.mhc_checks import mhc_supports
 

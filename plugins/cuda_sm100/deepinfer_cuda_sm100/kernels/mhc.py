@@ -116,6 +116,18 @@ def _pick(values, index, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _pick_t(values, index, BLOCK_M: tl.constexpr):
+    """:func:`_pick` with the mixing rows on the middle axis: the warps then split that axis,
+    which the sum removes, so every warp holds all of the ``I`` picked values (Triton's layout
+    of ``[B, I, BLOCK_M]`` puts them on ``I``).  Reductions over reshapes of the result stay
+    within a warp: the Sinkhorn iterations on the ``N x N`` weights run without a block
+    barrier."""
+    ms = tl.arange(0, BLOCK_M)
+    hit = ms[None, :, None] == index[None, None, :]
+    return tl.sum(tl.where(hit, values[:, :, None], 0.0), axis=1)
+
+
+@triton.jit
 def _hc_finish_kernel(
     part_ptr,
     x_ptr,
@@ -182,7 +194,7 @@ def _hc_finish_kernel(
 
         # comb [tok, i, j]: softmax over j, + eps, then Sinkhorn: columns, then (rows, columns) x (iters-1)
         f = tl.arange(0, NP * NP)
-        flat = _pick(act, 2 * N + (f // NP) * N + f % NP, BLOCK_M)  # [BLOCK_TOK, NP*NP]
+        flat = _pick_t(act, 2 * N + (f // NP) * N + f % NP, BLOCK_M)  # [BLOCK_TOK, NP*NP]
         j = tl.arange(0, NP)
         ij_mask = ((i < N)[:, None] & (j < N)[None, :])[None, :, :]
         logits = tl.where(ij_mask, tl.reshape(flat, [BLOCK_TOK, NP, NP]), -1.0e30)
