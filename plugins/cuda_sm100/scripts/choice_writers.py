@@ -166,7 +166,8 @@ def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
         if r["triton_us"] and r["cublas_us"]
     ]  # fmt: skip
     command = "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices"
-    return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)")
+    packages = ("triton", "tilelang") if any("tilelang" in p["ms"] for p in points) else ("triton",)
+    return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)", packages)
 
 
 def moe_points(

@@ -296,39 +296,28 @@ def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("block_m", [16, 256])
-def test_the_pdl_prologue_prefetches_the_weight_slice_then_waits_before_any_other_read(block_m):
-    """With ``pdl`` the GEMM's first statements prefetch exactly its CTA's weight slice (row
-    ``BLOCK_N nb + t`` from column ``per 128 sp``, ``per 128`` bytes, one row a thread) and then
-    wait for the kernel before it; the activations' TMA loads and the scale reads come after the
-    wait; the kernel is marked for a PDL launch.  Without ``pdl`` none of it is there."""
-    import re
-
+def test_the_pdl_prologue_waits_before_any_global_access(block_m):
+    """With ``pdl`` the GEMM (and its split combine) waits for the kernel before it
+    (``griddepcontrol.wait``) before any read or write of global memory -- the scales, the
+    weights' and activations' TMA loads, the output -- then lets the next kernel be scheduled;
+    the kernel is marked for a PDL launch.  Without ``pdl`` none of it is there."""
     import tilelang
     import tvm
     from tvm.target import Target
 
-    n, k, splits = 4096, 1024, 4
-    per = k // 128 // splits
-    config = ("gemm", n, k, block_m, splits, 2, "ue8m0", True, 1)
+    config = ("gemm", 4096, 1024, block_m, 4, 2, "ue8m0", True, 1)
     src = _lower(config)
     body = src[src.index("fp8_gemm_kernel(") :]
-    block_n = tlg.tile(block_m).block_n
-    prefetch = r"if \(\(\(int\)threadIdx\.x\) < (\d+)\) \{\s*"
-    prefetch += r"deepinfer_prefetch_l2\(\(&\(w\[(.*?)\]\)\), (\d+)\);"
-    call = re.search(prefetch, body)
-    assert call, body[:3000]
-    assert int(call.group(1)) == block_n and int(call.group(3)) == per * 128
-    address = call.group(2)
-    assert f"((int)blockIdx.x) * {block_n * k}" in address and f"((int)threadIdx.x) * {k}" in address
     wait = body.index("cudaGridDependencySynchronize();")
-    assert call.start() < wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
-    assert wait < body.index("tma_load(x_desc") and wait < body.index("s[")
+    assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
+    for access in ("s[", "tma_load(w_desc", "tma_load(x_desc", "(out + "):
+        assert wait < body.index(access), access
     target = Target({"kind": "cuda", "arch": "sm_90"})
     with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
-        device = str(tilelang.lower(tlg.build_gemm(*config[1:]), target=target).device_mod)
-    assert '"has_cuda_pdl_sync": 1' in device
+        for func in (tlg.build_gemm(*config[1:]), tlg.build_combine(4096, 4, True)):
+            assert '"has_cuda_pdl_sync": 1' in str(tilelang.lower(func, target=target).device_mod)
     plain = _lower(config[:-2] + (False, 1))
-    assert "deepinfer_prefetch_l2(" not in plain and "cudaGridDependencySynchronize" not in plain
+    assert "cudaGridDependencySynchronize" not in plain and "cudaTriggerProgrammatic" not in plain
 
 
 @pytest.mark.slow

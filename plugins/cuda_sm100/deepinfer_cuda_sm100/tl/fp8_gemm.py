@@ -221,7 +221,7 @@ def build_gemm(
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
     partial to ``ws [splits, M, N]``.  With ``pdl`` it starts with the PDL prologue
-    (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`), prefetching its weight slice into L2.
+    (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`).
 
     ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
     (``[T, G, K]`` flattened) and weight rows ``g N / groups ..`` multiply group ``g``'s ``K``
@@ -233,7 +233,7 @@ def build_gemm(
     wide = block_n != BLOCK_N
     fix_wgmma_accumulator_fence()
     per = k // BLOCK_K // splits
-    start = prologue(prefetch=True)
+    start = prologue()
     m_dyn = T.dynamic("M")
     sdt = "float32" if kind == "fp32" else "uint8"
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
@@ -249,7 +249,7 @@ def build_gemm(
     ):
         with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
             if pdl:
-                start(w, nb * block_n, sp * per * BLOCK_K, block_n, per * BLOCK_K)
+                start()
             if not wide:
                 T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
             w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
@@ -287,7 +287,7 @@ def build_combine(n: int, splits: int, pdl: bool = False):
     :func:`deepinfer_cuda_sm100.tl.pdl.prologue`)."""
     import tilelang.language as T
 
-    start = prologue(prefetch=False)
+    start = prologue()
     m_dyn = T.dynamic("M")
 
     @T.prim_func
