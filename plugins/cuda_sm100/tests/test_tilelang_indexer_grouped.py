@@ -166,6 +166,38 @@ def test_the_group_shares_one_gather_per_block_without_a_barrier_in_its_loop(gro
     assert src.count("wgmma_ss<") == 2  # the pipelined loop's and its epilogue's, each in the token loop
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
+def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
+    """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
+    weight's product is rounded before the sum over heads adds it (``ieee_mul``).  Where nvcc
+    was free to contract the two, the one-token kernel's straight-line epilogue got 64 FFMAs
+    and the grouped kernel's (inside its token loop) none, so their scores differed in the last
+    bits on real data."""
+    import os
+    import subprocess
+
+    import triton
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    disasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    config = {"tl.disable_safe_memory_legalize": True}
+    kernels = {
+        "one": tli.build_scores("paged", H, D, "bfloat16", 1),
+        "grouped": tlg.build_grouped_scores(H, D, "bfloat16", 1, 2),
+    }
+    for name, func in kernels.items():
+        src, cubin = tmp_path / f"{name}.cu", tmp_path / f"{name}.cubin"
+        src.write_text(lowered_sm90(func, config))
+        arch = "-gencode=arch=compute_90a,code=sm_90a"
+        cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w"]
+        cmd += ["-o", str(cubin), str(src)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True).stdout
+        assert "FMUL" in sass and "FFMA" not in sass, name
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

@@ -16,8 +16,10 @@ ring (TileLang's pipeline issues the next block's copies before this block's mat
 offsets outside the dynamic shared memory, TileLang places no barrier inside the gather
 loop), one wgmma GEMM gives the logits
 ``[BN, H]`` (candidates on wgmma's M side, heads as its N), and the epilogue applies ``relu``,
-the scale and the head weights and sums over heads within each row's quad of threads.  The
-keys are read once, as they are stored; nothing but the scores is written.
+the scale and the head weights (the weight's product rounded before the sum adds it: no FMA,
+so every kernel with this epilogue gets the same bits whatever nvcc schedules) and sums over
+heads within each row's quad of threads.  The keys are read once, as they are stored; nothing
+but the scores is written.
 
 The pool is addressed in 16-byte units from its own base (its row stride a multiple of 16
 bytes, its base 16-byte aligned), so a row's address is provably aligned and the gathers need
@@ -140,7 +142,8 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
                 gather(k_s, off, flat, b)
                 T.gemm(k_s, q_s, acc, transpose_B=True, clear_accum=True)
                 for i, h in T.Parallel(BN, H):
-                    acc[i, h] = T.max(acc[i, h], 0) * scale * w_s[h]
+                    # rounded before the sum over heads adds it (see the module docstring)
+                    acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[h])
                 T.reduce_sum(acc, score, dim=1)
                 for i in T.Parallel(BN):
                     c = (g * blocks + b) * BN + i

@@ -22,7 +22,9 @@ chunk that starts a request).
 **Bits.**  Each token's product is the one-token kernel's: the same ``[BN, H]`` wgmma tiles
 over the same gathered rows in the same K order, the same epilogue (relu, scale, head
 weights, the sum over heads within each row's quad), so its scores equal that kernel's bit
-for bit (asserted on the GPU).  The group size is static configuration: a token's scores do
+for bit (asserted on the GPU).  Both round the head weight's product before the sum adds it
+(``ieee_mul``): left to nvcc, the one-token kernel's straight-line epilogue fused the two into
+FMAs and this kernel's did not.  The group size is static configuration: a token's scores do
 not depend on the other tokens.
 """
 
@@ -141,7 +143,7 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
                             if rows_s[j] == rows_s[p]:
                                 T.gemm(k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True)
                                 for i, h in T.Parallel(BN, H):
-                                    acc[i, h] = T.max(acc[i, h], 0) * scale * w_s[j, h]
+                                    acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
                                 T.reduce_sum(acc, score, dim=1)
                                 for i in T.Parallel(BN):
                                     c = (g * blocks + b) * BN + i
