@@ -42,8 +42,17 @@ target, each range at least :data:`MIN_SPLIT_BLOCKS` blocks); every CTA writes i
 partial product to a workspace ``[splits, M, N]`` and a second launch (:func:`build_combine`)
 sums the partials in split order and rounds to bf16: deterministic, independent of timing.
 
+**The grouped projection** (``grouped_linear``, :func:`grouped_linear_fp8`): the ``[G*N, K]``
+weight is one GEMM of ``G*N`` rows; a CTA's rows lie in one group (``N`` a multiple of 128), and
+its activation tiles come from that group's ``K`` inputs of ``x [T, G*K]``.  One launch (and
+one combine) for every group.
+
+**Programmatic dependent launch.**  Where the Triton kernels use PDL, the GEMM and the combine
+start with :func:`deepinfer_cuda_sm100.tl.pdl.prologue` (wait for the kernel before, then let
+the next one be scheduled), so their launch overlaps the previous kernel's tail.
+
 Static configurations (compiled once each, TileLang's disk cache keeps them): ``(N, K,
-BLOCK_M, splits, stages, scale kind)``; ``M`` is dynamic.  The batch-invariant mode never takes
+BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant mode never takes
 this path (the dispatcher keeps Triton there).
 """
 
@@ -237,7 +246,6 @@ def build_gemm(
     m_dyn = T.dynamic("M")
     sdt = "float32" if kind == "fp32" else "uint8"
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
-
     group_rows = n // groups
 
     @T.prim_func
