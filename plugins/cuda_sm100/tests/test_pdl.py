@@ -1,7 +1,8 @@
 """Programmatic dependent launch of the Triton kernels (:mod:`deepinfer_cuda_sm100.kernels.pdl`):
 off where it cannot run (the CPU, Triton's interpreter), on for SM90 and later unless
 ``DEEPINFER_CUDA_PDL=0``, and a chain of dependent kernels replayed in a CUDA graph with it
-gives the bits of the same chain launched eagerly without it."""
+gives the bits of the same chain launched eagerly without it; the TileLang kernels' switch
+(:mod:`deepinfer_cuda_sm100.tl.pdl`) follows it."""
 
 from __future__ import annotations
 
@@ -94,3 +95,18 @@ def test_graph_replay_with_pdl_equals_eager_without(monkeypatch):
         pdl._enabled.cache_clear()
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
+
+
+def test_the_tilelang_kernels_follow_the_triton_ones_unless_turned_off(monkeypatch):
+    """``tl.pdl.tl_pdl_enabled``: off wherever the Triton kernels' PDL is off; where it is on,
+    on unless ``DEEPINFER_TILELANG_PDL=0``."""
+    from deepinfer_cuda_sm100.tl import pdl as tl_pdl
+
+    for triton_on in (False, True):
+        monkeypatch.setattr(tl_pdl, "pdl_enabled", lambda on=triton_on: on)
+        monkeypatch.delenv(tl_pdl.ENV, raising=False)
+        assert tl_pdl.tl_pdl_enabled() is triton_on
+        monkeypatch.setenv(tl_pdl.ENV, "0")
+        assert tl_pdl.tl_pdl_enabled() is False
+        monkeypatch.setenv(tl_pdl.ENV, "1")
+        assert tl_pdl.tl_pdl_enabled() is triton_on
