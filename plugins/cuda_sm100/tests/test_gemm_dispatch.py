@@ -259,32 +259,47 @@ if __name__ == "__main__" and "--interpreter-report" in sys.argv:
 def test_gpu_grouped_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
     """The grouped op takes the table's faster path per ``T`` (the groups as the point's keys),
     Triton in the batch-invariant mode; the cuBLAS path is bitwise the reference and replays in
-    a CUDA graph bitwise."""
+    a CUDA graph bitwise; TileLang where it is fastest and takes the call (it equals its own
+    kernel's result), the next fastest where the kernel does not take the call (300 rows)."""
     from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
     from deepinfer_cuda_sm100.kernels.fp8_gemm import grouped_linear_fp8
+    from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.linear import grouped_linear as reference
     from deepinfer_core.ops.modes import batch_invariant_mode
 
     groups, n, k = 4, 128, 256
 
-    def point(m, triton_ms, cublas_ms):
+    def point(m, triton_ms, cublas_ms, tilelang_ms=None):
         ms = {"triton": triton_ms, "cublas": cublas_ms}
+        if tilelang_ms is not None:
+            ms["tilelang"] = tilelang_ms
         op = gemm_dispatch.GROUPED_OP
         return kernel_choice.Point(op, "w8a16", "bfloat16", groups * n, k, m, groups, ms)
 
     kernel_choice.forget()
-    table = (point(1, 1.0, 2.0), point(16, 1.0, 2.0), point(256, 2.0, 1.0))
+    tilelang = "tilelang" if tilelang_problem() is None else "triton"
+    table = (
+        point(1, 1.0, 2.0),
+        point(16, 1.0, 2.0),
+        point(64, 2.0, 3.0, 1.0),
+        point(256, 2.0, 1.0),
+        point(300, 3.0, 2.0, 1.0),
+    )
     monkeypatch.setattr(kernel_choice, "load_points", lambda arch: table)
     op = gemm_dispatch.make_grouped_linear(grouped_linear_fp8)
     g = torch.Generator().manual_seed(6)
     w = _weight(g, groups * n, k, "ue8m0", "cuda")
     try:
-        for t, path in ((1, "triton"), (16, "triton"), (256, "cublas")):
+        for t, path in ((1, "triton"), (16, "triton"), (64, tilelang), (256, "cublas"), (300, "cublas")):
             x = torch.randn(t, groups, k, generator=g).to(torch.bfloat16).cuda()
-            assert gemm_dispatch.choose_grouped_path(x, w) == path
+            assert gemm_dispatch.choose_grouped_path(x, w) == path, t
             want = reference(x, w)
             got = op(x, w)
+            if path == "tilelang":
+                from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8 as tilelang_grouped
+
+                assert torch.equal(got, tilelang_grouped(x, w))
             if path == "cublas":
                 assert torch.equal(got, want)
                 with batch_invariant_mode():
