@@ -90,12 +90,19 @@ def choose_path(x: torch.Tensor, weight) -> str:
     paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
+    return _choose_usable(x, weight, 0, (OP, math, _DTYPES[x.dtype], n, k, m, k), paths)
+
+
+def _choose_usable(x: torch.Tensor, weight, groups: int, key: tuple, paths: frozenset[str]) -> str:
+    """The table's choice for ``key`` (op, kind, dtype, heads, head dim, tokens, keys) among
+    ``paths``; where that is TileLang but the kernel cannot take the call
+    (:func:`tilelang_usable` with ``groups``), the choice among the others.  The TileLang checks
+    run only where the table picks it: the other calls stay a memoised lookup."""
     arch = kernel_choice.device_arch(x.device)
-    choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, arch, paths)
-    # the TileLang checks only where the table picks it: the other calls stay a memoised lookup
-    if choice == "tilelang" and not tilelang_usable(x, weight):
+    choice = kernel_choice.choose(*key, arch, paths)
+    if choice == "tilelang" and not tilelang_usable(x, weight, groups):
         paths = paths - {"tilelang"}
-        choice = kernel_choice.choose(OP, math, _DTYPES[x.dtype], n, k, m, k, arch, paths)
+        choice = kernel_choice.choose(*key, arch, paths)
     return choice if choice in paths else "triton"
 
 
@@ -116,14 +123,8 @@ def choose_grouped_path(x: torch.Tensor, weight) -> str:
         return "triton"
     t, groups, k = x.shape
     rows = weight.data.shape[0]
-    arch = kernel_choice.device_arch(x.device)
-    dtype = _DTYPES[x.dtype]
-    paths = GROUPED_PATHS
-    choice = kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, paths)
-    if choice == "tilelang" and not tilelang_usable(x, weight, groups):
-        paths = paths - {"tilelang"}
-        choice = kernel_choice.choose(GROUPED_OP, "w8a16", dtype, rows, k, t, groups, arch, paths)
-    return choice if choice in paths else "triton"
+    key = (GROUPED_OP, "w8a16", _DTYPES[x.dtype], rows, k, t, groups)
+    return _choose_usable(x, weight, groups, key, GROUPED_PATHS)
 
 
 def cublas_grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:
