@@ -45,13 +45,16 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return dev
         return first_problem(*fused_norm(d, "norm_weight", norm_weight))
 
+    def on_device(mhc_streams, /, **tensors) -> Verdict:
+        """The ``tensors`` (the streams among them, in the order their problems are named) on
+        the kernels' device, then the checks of ``mhc_streams``."""
+        dev = device_checks(interpreted, **tensors)
+        return dev if dev is not True else streams_checks(mhc_streams)
+
     def mixing_checks(streams, fn, base, scale, rows: int, scales: int, *more) -> Verdict:
         """``streams`` and the mixing weights ``fn [rows, N*D]``, ``base [rows]``, ``scale
         [scales]`` of ``hc_pre`` / ``hc_head``, then the ``more`` checks."""
-        dev = device_checks(interpreted, streams=streams, fn=fn, base=base, scale=scale)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
+        ok = on_device(streams, streams=streams, fn=fn, base=base, scale=scale)
         if ok is not True:
             return ok
         _, n, d = streams.shape
@@ -92,10 +95,7 @@ def mhc_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         return mixing_checks(streams, fn, base, scale, _streams_n(streams), 1)
 
     def hc_post(block_out, streams, post, comb) -> Verdict:
-        dev = device_checks(interpreted, block_out=block_out, streams=streams, post=post, comb=comb)
-        if dev is not True:
-            return dev
-        ok = streams_checks(streams)
+        ok = on_device(streams, block_out=block_out, streams=streams, post=post, comb=comb)
         if ok is not True:
             return ok
         t, n, d = streams.shape
