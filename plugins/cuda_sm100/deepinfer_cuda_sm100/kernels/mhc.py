@@ -17,11 +17,11 @@
    depends on where a row sits in the tile), so there the product is an fp32 elementwise
    multiply-and-sum.
 2. :func:`_hc_finish_kernel`, one program per ``(BLOCK_TOK tokens, BLOCK_D channels)``: it sums
-   the partials over the splits (a fixed tree), applies the norm factor, computes the
-   weights of each token (``pre``, and for ``hc_pre`` also ``post`` and the
-   Sinkhorn-normalised ``comb``, all in registers) and collapses its channels,
-   ``sum_n pre_n * streams_n``.  The programs of the first channel block also store ``post``
-   and ``comb``.
+   the partials over the splits (a fixed tree), applies the norm factor, computes each token's
+   ``pre`` weights and collapses its channels, ``sum_n pre_n * streams_n``.  For ``hc_pre`` one
+   more program per token block (the last along the channel axis) computes ``post`` and the
+   Sinkhorn-normalised ``comb`` from the same sums and stores them: the collapse does not need
+   them, so its programs do not wait for the 20 dependent Sinkhorn iterations.
 
 The number of splits and every block size depend on ``N`` and ``D`` only, never on ``T``,
 and every token goes through the same instructions: a token's result is the same whatever
@@ -184,13 +184,12 @@ def _hc_finish_kernel(
     act = base[None, :] + (mix * r[:, None]) * scale[None, :]  # [BLOCK_TOK, BLOCK_M]
 
     i = tl.arange(0, NP)
-    pre = _pick(_sigmoid(act), i, BLOCK_M) + hc_eps  # [BLOCK_TOK, NP]; entries i >= N unused
-
-    if FULL:
-        first = pid_d == 0
+    if FULL and pid_d == tl.num_programs(1) - 1:
+        # the weights' own program (the last of the token's): post and the Sinkhorn-normalised
+        # comb, which the collapse does not need, so its programs do not wait for the iterations
         ti_mask = t_mask[:, None] & (i < N)[None, :]
         post = _pick(_sigmoid(act), N + i, BLOCK_M)
-        tl.store(post_ptr + toks[:, None] * N + i[None, :], post + post, mask=ti_mask & first)
+        tl.store(post_ptr + toks[:, None] * N + i[None, :], post + post, mask=ti_mask)
 
         # comb [tok, i, j]: softmax over j, + eps, then Sinkhorn: columns, then (rows, columns) x (iters-1)
         f = tl.arange(0, NP * NP)
@@ -206,26 +205,27 @@ def _hc_finish_kernel(
             c = tl.math.div_rn(c, tl.sum(c, axis=2)[:, :, None] + hc_eps)
             c = tl.math.div_rn(c, tl.sum(c, axis=1)[:, None, :] + hc_eps)
         comb_ptrs = comb_ptr + toks[:, None, None] * N * N + (i[:, None] * N + j[None, :])[None, :, :]
-        tl.store(comb_ptrs, c, mask=t_mask[:, None, None] & ij_mask & first)
-
-    # collapse: sum_n pre_n * streams_n over this program's channels
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    td_mask = t_mask[:, None] & (d < D)[None, :]
-    x_rows = x_ptr + toks[:, None] * stride_xt + d[None, :]
-    acc = tl.zeros([BLOCK_TOK, BLOCK_D], dtype=tl.float32)
-    for n in tl.static_range(N):
-        pre_n = tl.sum(tl.where(i[None, :] == n, pre, 0.0), axis=1)[:, None]
-        acc += pre_n * tl.load(x_rows + n * D, mask=td_mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    if NORM:  # the block's input norm of the collapsed row (whole in this program): rms_norm's math
-        acc = round_through(acc, dtype)  # the collapsed input as hc_pre returns it
-        factor = rms_factor(tl.sum(acc * acc, axis=1), D, norm_eps, dtype, FACTOR_IN_X_DTYPE)
-        acc = acc * factor[:, None]
-        if NORM_WEIGHT:
-            w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            acc = acc * w[None, :]
-    out_ptrs = out_ptr + toks[:, None] * D + d[None, :]
-    tl.store(out_ptrs, cast_to(acc, dtype), mask=td_mask)
+        tl.store(comb_ptrs, c, mask=t_mask[:, None, None] & ij_mask)
+    else:
+        pre = _pick(_sigmoid(act), i, BLOCK_M) + hc_eps  # [BLOCK_TOK, NP]; entries i >= N unused
+        # collapse: sum_n pre_n * streams_n over this program's channels
+        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        td_mask = t_mask[:, None] & (d < D)[None, :]
+        x_rows = x_ptr + toks[:, None] * stride_xt + d[None, :]
+        acc = tl.zeros([BLOCK_TOK, BLOCK_D], dtype=tl.float32)
+        for n in tl.static_range(N):
+            pre_n = tl.sum(tl.where(i[None, :] == n, pre, 0.0), axis=1)[:, None]
+            acc += pre_n * tl.load(x_rows + n * D, mask=td_mask, other=0.0).to(tl.float32)
+        dtype = out_ptr.dtype.element_ty
+        if NORM:  # the block's input norm of the collapsed row (whole in this program): rms_norm's math
+            acc = round_through(acc, dtype)  # the collapsed input as hc_pre returns it
+            factor = rms_factor(tl.sum(acc * acc, axis=1), D, norm_eps, dtype, FACTOR_IN_X_DTYPE)
+            acc = acc * factor[:, None]
+            if NORM_WEIGHT:
+                w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+                acc = acc * w[None, :]
+        out_ptrs = out_ptr + toks[:, None] * D + d[None, :]
+        tl.store(out_ptrs, cast_to(acc, dtype), mask=td_mask)
 
 
 @triton.jit
@@ -368,7 +368,8 @@ def finish(
     norm: bool = False,
     norm_weight: torch.Tensor | None = None,
 ) -> None:
-    """:func:`_hc_finish_kernel`: the weights (``post`` / ``comb`` too when ``full``) and the
+    """:func:`_hc_finish_kernel`: the weights (``post`` / ``comb`` too when ``full``, by a program
+    of their own per token block) and the
     collapsed row into ``out``; with ``norm`` the row is then RMS-normed (``norm_weight`` or
     unweighted, eps ``norm_eps``) as ``rms_norm`` does, in the same program, which then takes
     the whole row (``D <= MAX_NORM_D``; with 4 warps, as ``rms_norm`` takes a row of 4096)."""
@@ -380,7 +381,7 @@ def finish(
     block_d = pow2(d) if norm else min(pow2(d), BLOCK_D)
     if norm_weight is not None:
         norm_weight = norm_weight.contiguous()
-    _hc_finish_kernel[(cdiv(t, BLOCK_TOK), cdiv(d, block_d))](
+    _hc_finish_kernel[(cdiv(t, BLOCK_TOK), cdiv(d, block_d) + int(full))](
         part,
         x,
         base,

@@ -12,8 +12,9 @@ block's ``rms_norm`` (one).  Here:
    ``BLOCK_K`` divides ``D``, as at V4's widths).  Without a block output (the first block) it is
    ``hc_pre``'s own projection kernel.
 2. :func:`~.mhc._hc_finish_kernel` with ``NORM``: one program per token and whole row sums the
-   partials, computes the weights and the collapsed row, then norms it with ``rms_norm``'s
-   arithmetic (the row rounded to the streams' dtype first, as ``hc_pre`` returns it).
+   partials, computes ``pre`` and the collapsed row, then norms it with ``rms_norm``'s
+   arithmetic (the row rounded to the streams' dtype first, as ``hc_pre`` returns it); a second
+   program per token sums the same partials and computes ``post`` and ``comb``.
 
 ``hc_head_norm`` (the final collapse and the model's last norm) is ``hc_head``'s two kernels with
 that norm in the finishing one, where the sequence takes three launches.
