@@ -21,7 +21,9 @@
    ``pre`` weights and collapses its channels, ``sum_n pre_n * streams_n``.  For ``hc_pre`` one
    more program per token block (the last along the channel axis) computes ``post`` and the
    Sinkhorn-normalised ``comb`` from the same sums and stores them: the collapse does not need
-   them, so its programs do not wait for the 20 dependent Sinkhorn iterations.
+   them, so its programs do not wait for the 20 dependent Sinkhorn iterations.  Every load that
+   does not depend on the partials (scales, biases, the norm weight, the streams' channels) is
+   issued before the weights' arithmetic, so its latency overlaps the partials'.
 
 The number of splits and every block size depend on ``N`` and ``D`` only, never on ``T``,
 and every token goes through the same instructions: a token's result is the same whatever
@@ -164,6 +166,20 @@ def _hc_finish_kernel(
     pid_d = tl.program_id(1)
     ms = tl.arange(0, BLOCK_M)
 
+    # what does not depend on the partials is loaded first, so that its latency overlaps theirs:
+    # the mixing rows' scales and biases, the norm weight, then (once the partials' registers
+    # are free) this program's channels of the N streams; the weights' own program (channels
+    # past D, see below) loads no channels
+    m_mask = ms < M
+    group = tl.where(ms < N, 0, tl.where(ms < 2 * N, 1, 2))
+    scale = tl.load(scale_ptr + group, mask=m_mask, other=0.0)
+    base = tl.load(base_ptr + ms, mask=m_mask, other=0.0)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    td_mask = t_mask[:, None] & (d < D)[None, :]
+    x_rows = x_ptr + toks[:, None] * stride_xt + d[None, :]
+    if NORM_WEIGHT:
+        w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+
     # the projection and sum of squares of each token: its partials summed over the splits
     ss = tl.arange(0, SPLIT_TILE)
     mix = tl.zeros([BLOCK_TOK, BLOCK_M], dtype=tl.float32)
@@ -172,15 +188,14 @@ def _hc_finish_kernel(
         ptrs = part_ptr + (toks[:, None, None] * SPLITS + s[None, :, None]) * BLOCK_M + ms[None, None, :]
         mask = t_mask[:, None, None] & (s < SPLITS)[None, :, None]
         mix += tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=1)
+    xs = ()  # the streams' channels, loaded once the partials' registers are free
+    for n in tl.static_range(N):
+        xs = xs + (tl.load(x_rows + n * D, mask=td_mask, other=0.0),)
     sum_sq = tl.sum(tl.where(ms[None, :] == M, mix, 0.0), axis=1)
     mean = tl.math.div_rn(sum_sq, tl.zeros_like(sum_sq) + K_FLOAT)
     r = tl.math.div_rn(tl.full(mean.shape, 1.0, tl.float32), tl.sqrt_rn(mean + norm_eps))
 
     # pre-activations base + mix*scale: pre = [0, N), post = [N, 2N), comb = [2N, M)
-    m_mask = ms < M
-    group = tl.where(ms < N, 0, tl.where(ms < 2 * N, 1, 2))
-    scale = tl.load(scale_ptr + group, mask=m_mask, other=0.0)
-    base = tl.load(base_ptr + ms, mask=m_mask, other=0.0)
     act = base[None, :] + (mix * r[:, None]) * scale[None, :]  # [BLOCK_TOK, BLOCK_M]
 
     i = tl.arange(0, NP)
@@ -209,20 +224,16 @@ def _hc_finish_kernel(
     else:
         pre = _pick(_sigmoid(act), i, BLOCK_M) + hc_eps  # [BLOCK_TOK, NP]; entries i >= N unused
         # collapse: sum_n pre_n * streams_n over this program's channels
-        d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        td_mask = t_mask[:, None] & (d < D)[None, :]
-        x_rows = x_ptr + toks[:, None] * stride_xt + d[None, :]
         acc = tl.zeros([BLOCK_TOK, BLOCK_D], dtype=tl.float32)
         for n in tl.static_range(N):
             pre_n = tl.sum(tl.where(i[None, :] == n, pre, 0.0), axis=1)[:, None]
-            acc += pre_n * tl.load(x_rows + n * D, mask=td_mask, other=0.0).to(tl.float32)
+            acc += pre_n * xs[n].to(tl.float32)
         dtype = out_ptr.dtype.element_ty
         if NORM:  # the block's input norm of the collapsed row (whole in this program): rms_norm's math
             acc = round_through(acc, dtype)  # the collapsed input as hc_pre returns it
             factor = rms_factor(tl.sum(acc * acc, axis=1), D, norm_eps, dtype, FACTOR_IN_X_DTYPE)
             acc = acc * factor[:, None]
             if NORM_WEIGHT:
-                w = tl.load(norm_w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
                 acc = acc * w[None, :]
         out_ptrs = out_ptr + toks[:, None] * D + d[None, :]
         tl.store(out_ptrs, cast_to(acc, dtype), mask=td_mask)
