@@ -83,17 +83,25 @@ def _hc_mix_kernel(
     k_mask = k < K
     x_ptrs = x_ptr + rows[:, None] * stride_xt + k[None, :]
     x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-    project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, k_mask, split, M, stride_fm, SPLITS, BLOCK_M)
+    w = fn_slice(fn_ptr, k, k_mask, M, stride_fm, BLOCK_M)
+    project_slice(x, w, part_ptr, rows, row_mask, split, M, SPLITS, BLOCK_M)
 
 
 @triton.jit
-def project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, k_mask, split, M, stride_fm, SPLITS, BLOCK_M):
-    """The partials of one split: ``x [BLOCK_T, BLOCK_K]`` (fp32; columns ``k`` of the flat
-    streams) times ``fn.T``'s rows ``k``, and ``x``'s sum of squares in column ``M``, stored at
-    ``part[rows, split]``."""
+def fn_slice(fn_ptr, k, k_mask, M, stride_fm, BLOCK_M: tl.constexpr):
+    """``fn.T``'s rows ``k``: the ``[BLOCK_K, BLOCK_M]`` fp32 slice a split multiplies (columns
+    ``M`` and up zero).  A weight: a kernel may load it before anything it computes."""
     ms = tl.arange(0, BLOCK_M)
-    w_ptrs = fn_ptr + ms[None, :] * stride_fm + k[:, None]  # fn.T: [BLOCK_K, BLOCK_M]
-    w = tl.load(w_ptrs, mask=k_mask[:, None] & (ms < M)[None, :], other=0.0).to(tl.float32)
+    w_ptrs = fn_ptr + ms[None, :] * stride_fm + k[:, None]
+    return tl.load(w_ptrs, mask=k_mask[:, None] & (ms < M)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def project_slice(x, w, part_ptr, rows, row_mask, split, M, SPLITS, BLOCK_M: tl.constexpr):
+    """The partials of one split: ``x [BLOCK_T, BLOCK_K]`` (fp32; columns ``k`` of the flat
+    streams) times ``w`` (:func:`fn_slice` of those columns), and ``x``'s sum of squares in
+    column ``M``, stored at ``part[rows, split]``."""
+    ms = tl.arange(0, BLOCK_M)
     if USE_DOT:
         part = tl.dot(x, w, input_precision="tf32x3")
     else:  # the interpreter's dot is a BLAS GEMM, whose rounding depends on a row's position

@@ -36,6 +36,7 @@ from .mhc import (
     MIX_WARPS,
     empty_outputs,
     finish,
+    fn_slice,
     mix_and_finish,
     mix_width,
     project_slice,
@@ -85,6 +86,7 @@ def _hc_post_mix_kernel(
     k = n * D + d  # the flattened columns
     td_mask = row_mask[:, None] & d_mask[None, :]
     dtype = new_ptr.dtype.element_ty
+    w = fn_slice(fn_ptr, k, d_mask, M, stride_fm, BLOCK_M)  # a weight: its load overlaps hc_post's
 
     # hc_post: new[n, d] = round(sum_j comb[j, n] * streams_j[d]) + post_n * block_out[d], with
     # comb and post rounded to the streams' dtype first (the reference mixes in that dtype)
@@ -106,7 +108,7 @@ def _hc_post_mix_kernel(
     # hc_post registers are dead here (projecting them in place spills at 255 registers a thread)
     tl.debug_barrier()
     x = tl.load(new_ptrs, mask=td_mask, other=0.0).to(tl.float32)
-    project_slice(x, fn_ptr, part_ptr, rows, row_mask, k, d_mask, split, M, stride_fm, SPLITS, BLOCK_M)
+    project_slice(x, w, part_ptr, rows, row_mask, split, M, SPLITS, BLOCK_M)
 
 
 def _post_mix(
