@@ -58,10 +58,11 @@ def _rms_norm_kernel(
     if NUM_TILES == 1:  # the whole row in registers: one read
         m = row_mask[:, None] & (cols < D)[None, :]
         x = tl.load(x_rows + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:  # loaded before the sum's block barrier: its latency overlaps x's
+            w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
         factor = rms_factor(tl.sum(x * x, axis=1), D, eps, dtype, FACTOR_IN_X_DTYPE)
         y = x * factor[:, None]
         if HAS_WEIGHT:
-            w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
             y = y * w[None, :]
         tl.store(o_rows + cols[None, :], cast_to(y, dtype), mask=m)
     else:  # two passes over the row, tiles in a fixed order

@@ -8,7 +8,8 @@ heads' rows first, then the key rows, never both in one program -- norms them wi
 ``rms_norm``'s arithmetic and tile (the same ``BLOCK_R x BLOCK_D`` tile and warps as
 :mod:`~.norm`'s kernel, so the same sums), stores them, and after a block barrier reads the
 rope channels' pairs back and rotates them with ``apply_rope``'s arithmetic (:mod:`~.rope`):
-every output bitwise the four kernels'.
+every output bitwise the four kernels'.  The key's norm weight and the rows' rope tables are
+loaded with the rows, before the sum of squares, so their latency overlaps the rows'.
 """
 
 from __future__ import annotations
@@ -64,14 +65,21 @@ def _qk_norm_rope_kernel(
 
     # rms_norm: unweighted for the queries (the factor rounded to the dtype), weighted for the key
     x = tl.load(x_rows[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    # what does not depend on x is loaded before the sum's block barrier (its latency overlaps
+    # x's): the key's norm weight and the rows' rope tables
+    if KV_WEIGHT:
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    i = tl.arange(0, BLOCK_HALF)
+    pm = row_mask[:, None] & (i < HALF)[None, :]
+    cos = tl.load(cos_ptr + t[:, None] * stride_ct + i[None, :], mask=pm, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t[:, None] * stride_st + i[None, :], mask=pm, other=0.0).to(tl.float32)
     factor = rms_factor(tl.sum(x * x, axis=1), D, eps, tl.float32, False)
     q_factor = round_through(factor, dtype)
     if NORM_Q:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
         y_q = x * q_factor[:, None]
     else:
         y_q = x
-    if KV_WEIGHT:
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    if KV_WEIGHT:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
         y_kv = x * factor[:, None] * w[None, :]
     else:  # unweighted, as the queries
         y_kv = x * q_factor[:, None]
@@ -80,10 +88,6 @@ def _qk_norm_rope_kernel(
 
     # apply_rope on the stored rows: the trailing 2 * HALF channels in interleaved pairs
     tl.debug_barrier()
-    i = tl.arange(0, BLOCK_HALF)
-    pm = row_mask[:, None] & (i < HALF)[None, :]
-    cos = tl.load(cos_ptr + t[:, None] * stride_ct + i[None, :], mask=pm, other=0.0).to(tl.float32)
-    sin = tl.load(sin_ptr + t[:, None] * stride_st + i[None, :], mask=pm, other=0.0).to(tl.float32)
     even = o_rows[:, None] + (D - 2 * HALF) + 2 * i[None, :]
     a = tl.load(even, mask=pm, other=0.0).to(tl.float32)
     b = tl.load(even + 1, mask=pm, other=0.0).to(tl.float32)
