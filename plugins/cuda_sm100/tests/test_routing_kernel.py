@@ -563,6 +563,29 @@ def test_kernel_compiles_for_the_gpu(arch):
         assert "fma.rn.ftz" not in ptx, f"{label}: libdevice flushes denormals to zero"
 
 
+@slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+@pytest.mark.parametrize("hashed", [False, True], ids=["bias", "hash"])
+def test_every_load_comes_before_the_scores_arithmetic(hashed):
+    """The selection bias (or a hash layer's fixed picks) does not depend on the logits: the
+    kernel loads it with them, so no global load waits behind the scores' divisions, square
+    roots and block barriers (V4-Flash's sqrt-softplus routing over 64 experts, top-6)."""
+    from deepinfer_cuda_sm100.kernels import routing
+
+    args = {"logits_ptr": "*bf16", "stride_lt": "i32", "stride_le": "i32", "bias_ptr": "*fp32"}
+    args |= {"stride_b": "i32", "fixed_ptr": "*i64", "stride_ft": "i32", "stride_fk": "i32"}
+    args |= {"w_ptr": "*bf16", "ids_ptr": "*i64", "n_rows": "i32", "routed_scale": "fp32"}
+    e, k = 64, 6
+    consts = {"E": e, "K": k, "K_PAD": routing.pow2(k), "K_FOLD": routing.last_pow2(k)}
+    consts |= {"SCORING_FN": routing.SCORING["sqrtsoftplus"], "HAS_BIAS": not hashed, "HASH": hashed}
+    consts |= {"BLOCK_T": routing.block_rows(e), "BLOCK_E": e, "LANES": 32}
+    ptx = compile_typed(
+        routing._route_kernel, args, consts, 90, hints=False, num_warps=4, enable_reflect_ftz=False
+    ).asm["ptx"]
+    first = min(i for i in (ptx.find(op) for op in ("sqrt.rn", "div.rn", "bar.sync")) if i >= 0)
+    assert ptx[:first].count("ld.global") and "ld.global" not in ptx[first:]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

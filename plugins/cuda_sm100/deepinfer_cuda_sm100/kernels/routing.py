@@ -197,6 +197,15 @@ def _route_kernel(
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     dtype = w_ptr.dtype.element_ty
+    # what does not depend on the logits is loaded before the scores' reductions (its latency
+    # overlaps theirs): the selection bias, or the hash layers' fixed picks
+    if HASH:
+        fixed = ()
+        for j in tl.static_range(K):
+            pick = tl.load(fixed_ptr + rows * stride_ft + j * stride_fk, mask=row_ok, other=0)
+            fixed = fixed + (pick.to(tl.int64),)
+    elif HAS_BIAS:
+        b = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
     s = _scores(
         logits_ptr + rows[:, None] * stride_lt,
         stride_le,
@@ -211,8 +220,7 @@ def _route_kernel(
 
     # ---- selection keys: (order-preserving image of the biased score) << 32 | reversed column
     if not HASH:
-        if HAS_BIAS:
-            b = tl.load(bias_ptr + cols * stride_b, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # noqa: SIM108  (a constexpr branch in a Triton kernel)
             sel = s + b[None, :]
         else:
             sel = s
@@ -229,7 +237,7 @@ def _route_kernel(
     ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
     for j in tl.static_range(K):
         if HASH:
-            idx = tl.load(fixed_ptr + rows * stride_ft + j * stride_fk, mask=row_ok, other=0).to(tl.int64)
+            idx = fixed[j]
         else:
             best = tl.max(packed, axis=1)
             idx = (BLOCK_E - 1 - best.to(tl.int32)).to(tl.int64)  # low 32 bits: reversed column
