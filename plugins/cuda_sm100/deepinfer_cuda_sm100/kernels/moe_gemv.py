@@ -207,6 +207,10 @@ def _gemv_down_kernel(
     expert = tl.load(ids_ptr + t * stride_ids + j).to(tl.int64)
     if (expert >= 0) & (expert < E):  # other ids contribute nothing: no row
         dtype = y_ptr.dtype.element_ty
+        # the Triton path's contribution: the output and the weight in x's dtype, their product
+        # rounded to it (the reference's default paths); the weight loaded before the dot
+        # products, so its latency overlaps theirs
+        rw = round_through(tl.load(rw_ptr + t * stride_rw + j).to(tl.float32), dtype)
         cols0 = tl.program_id(1) * 2 * BLOCK_N + tl.arange(0, BLOCK_N)
         cols1 = cols0 + BLOCK_N
         w_rows = expert * stride_we + cols0.to(tl.int64) * stride_wn
@@ -216,9 +220,6 @@ def _gemv_down_kernel(
             s_ptr, s_rows, s_rows + BLOCK_N * stride_sn, cols0 < D, cols1 < D, E >> 31,
             I, dtype, UE8M0, HALF_GROUP, BLOCK_N, BLOCK_K, FP32_DOT, E2M1_PTX,
         )  # fmt: skip
-        # the Triton path's contribution: the output and the weight in x's dtype, their product
-        # rounded to it (the reference's default paths)
-        rw = round_through(tl.load(rw_ptr + t * stride_rw + j).to(tl.float32), dtype)
         row = y_ptr + pair.to(tl.int64) * D
         tl.store(row + cols0, cast_to(round_through(y0, dtype) * rw, dtype), mask=cols0 < D)
         tl.store(row + cols1, cast_to(round_through(y1, dtype) * rw, dtype), mask=cols1 < D)
