@@ -296,11 +296,12 @@ def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("block_m", [16, 256])
-def test_the_pdl_prologue_waits_before_any_global_access(block_m):
-    """With ``pdl`` the GEMM (and its split combine) waits for the kernel before it
-    (``griddepcontrol.wait``) before any read or write of global memory -- the scales, the
-    weights' and activations' TMA loads, the output -- then lets the next kernel be scheduled;
-    the kernel is marked for a PDL launch.  Without ``pdl`` none of it is there."""
+def test_the_pdl_prologue_reads_only_the_scales_before_its_wait(block_m):
+    """With ``pdl`` the GEMM reads only its weight's block scales (which no kernel of a step
+    writes) before it waits for the kernel before it (``griddepcontrol.wait``), so their
+    latency overlaps that kernel's tail; the weights' and activations' TMA loads and the
+    output come after the wait, then the next kernel is let be scheduled.  The kernel is
+    marked for a PDL launch.  Without ``pdl`` none of it is there."""
     import tilelang
     import tvm
     from tvm.target import Target
@@ -310,7 +311,8 @@ def test_the_pdl_prologue_waits_before_any_global_access(block_m):
     body = src[src.index("fp8_gemm_kernel(") :]
     wait = body.index("cudaGridDependencySynchronize();")
     assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
-    for access in ("s[", "tma_load(w_desc", "tma_load(x_desc", "(out + "):
+    assert body.index("s[") < wait, "the scales are read while the kernel before runs"
+    for access in ("tma_load(w_desc", "tma_load(x_desc", "(out + "):
         assert wait < body.index(access), access
     target = Target({"kind": "cuda", "arch": "sm_90"})
     with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):

@@ -48,8 +48,10 @@ its activation tiles come from that group's ``K`` inputs of ``x [T, G*K]``.  One
 one combine) for every group.
 
 **Programmatic dependent launch.**  Where the Triton kernels use PDL, the GEMM and the combine
-start with :func:`deepinfer_cuda_sm100.tl.pdl.prologue` (wait for the kernel before, then let
-the next one be scheduled), so their launch overlaps the previous kernel's tail.
+run :func:`deepinfer_cuda_sm100.tl.pdl.prologue` (wait for the kernel before, then let the next
+one be scheduled), so their launch overlaps the previous kernel's tail; the GEMM reads its
+block scales (a weight: no kernel of a step writes them) before the wait, so that memory round
+trip overlaps the tail too, and everything else after it.
 
 Static configurations (compiled once each, TileLang's disk cache keeps them): ``(N, K,
 BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant mode never takes
@@ -229,8 +231,8 @@ def build_gemm(
 ):
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
-    partial to ``ws [splits, M, N]``.  With ``pdl`` it starts with the PDL prologue
-    (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`).
+    partial to ``ws [splits, M, N]``.  With ``pdl`` it reads its block scales, then runs the PDL
+    prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before anything else.
 
     ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
     (``[T, G, K]`` flattened) and weight rows ``g N / groups ..`` multiply group ``g``'s ``K``
@@ -256,8 +258,6 @@ def build_gemm(
         out: T.Tensor(out_shape, out_dtype),
     ):
         with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
-            if pdl:
-                start()
             if not wide:
                 T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
             w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
@@ -269,6 +269,8 @@ def build_gemm(
             T.annotate_layout({w_sh: tilelang.layout.make_swizzled_layout(w_sh)})
             for i in T.Parallel(per):
                 s_sh[i] = _scale_value(s, nb * block_n // SCALE_BLOCK, sp * per + i, kind)
+            if pdl:
+                start()
             T.clear(acc)
             for kk in T.Pipelined(per, num_stages=stages):
                 T.copy(w[nb * block_n, (sp * per + kk) * BLOCK_K], w_sh)

@@ -6,8 +6,9 @@ body calls ``T.pdl_sync()`` is launched by TileLang's runtime with the programma
 stream-serialisation attribute (on SM90 and later), so it takes part in the same chain: its
 launch and its CTAs' set-up (barrier initialisation, descriptor prefetch) overlap the tail of
 the kernel before it, and the kernel after it may be scheduled while it runs.  Without it, a
-TileLang kernel waited for its predecessor to drain before its own launch began.  Nothing is
-read or written before the wait, so every result is what it was.
+TileLang kernel waited for its predecessor to drain before its own launch began.  Before the
+wait a kernel reads at most data that no kernel of a step writes (the FP8 GEMM: its weight's
+block scales), so every result is what it was.
 
 Whether the kernels are built with the prologue is :func:`tl_pdl_enabled`'s answer: where the
 Triton kernels use PDL (:func:`~deepinfer_cuda_sm100.kernels.pdl.pdl_enabled`: a CUDA device of
