@@ -388,10 +388,10 @@ def finish(
     norm_weight: torch.Tensor | None = None,
 ) -> None:
     """:func:`_hc_finish_kernel`: the weights (``post`` / ``comb`` too when ``full``, by a program
-    of their own per token block) and the
-    collapsed row into ``out``; with ``norm`` the row is then RMS-normed (``norm_weight`` or
-    unweighted, eps ``norm_eps``) as ``rms_norm`` does, in the same program, which then takes
-    the whole row (``D <= MAX_NORM_D``; with 4 warps, as ``rms_norm`` takes a row of 4096)."""
+    of their own per token block) and the collapsed row into ``out``; with ``norm`` the row is
+    then RMS-normed (``norm_weight`` or unweighted, eps ``norm_eps``) as ``rms_norm`` does, in
+    the same program, which then takes the whole row (``D <= MAX_NORM_D``; with 4 warps, as
+    ``rms_norm`` takes a row of 4096)."""
     t, d = out.shape
     n = post.shape[1]
     m = base.shape[0]
