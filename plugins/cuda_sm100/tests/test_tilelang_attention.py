@@ -269,6 +269,48 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("kv", ["plain", "fp8"])
+def test_with_pdl_the_kernels_wait_before_any_global_access(kv):
+    """With ``pdl`` the attention kernels (this module's and the seesaw one, direct and split)
+    and the split combine wait for the kernel before them (``griddepcontrol.wait``) before they
+    read or write global memory (their inputs come from it: the prologue's counts, the cache
+    rows, the partials), then let the next kernel be scheduled; TileLang marks them for a PDL
+    launch.  Without ``pdl`` none of it is there."""
+    import re
+
+    import tilelang
+    import tvm
+    from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
+    from tvm.target import Target
+
+    from deepinfer_core.ops.kv_format import fp8_row_layout
+
+    lay = fp8_row_layout(512, 64)
+    fp8 = None if kv == "plain" else tla.Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+    configs = {"tl.disable_safe_memory_legalize": True}
+    funcs = [
+        (tla.build_attention(True, True, 64, 512, "bfloat16", fp8, True), configs),
+        (tlw.build_attention_ws(True, False, 64, 512, "bfloat16", fp8, True), tlw.pass_configs(fp8)),
+        (tla.build_combine(64, 512, "bfloat16", True), {}),
+    ]
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    for func, passes in funcs:
+        with target, tvm.transform.PassContext(config=passes):
+            lowered = tilelang.lower(func, target=target)
+        src = lowered.kernel_source
+        body = src[src.index("__global__ void __launch_bounds__") :]
+        wait = body.index("cudaGridDependencySynchronize();")
+        assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
+        accesses = r"(cp_async_gs|tma_load|\bq\[|\bnvalid\[|\bpart\[|\bml\[)"
+        first = min(m.start() for m in re.finditer(accesses, body))
+        assert wait < first, body[:first][-400:]
+        assert '"has_cuda_pdl_sync": 1' in str(lowered.device_mod)
+    plain = lowered_sm90(tla.build_attention(True, True, 64, 512, "bfloat16", fp8), configs)
+    assert "cudaGridDependencySynchronize" not in plain
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kv", ["plain", "fp8"])
 def test_the_gather_and_dequantisation_loops_have_no_block_barrier(kv):
     """Lowered for sm_90, no loop that issues the key gathers (``cp.async``) or converts the
     packed FP8 values into the key tile waits at a block barrier in every iteration (TileLang

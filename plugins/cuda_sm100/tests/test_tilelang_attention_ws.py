@@ -46,8 +46,9 @@ def test_precompile_covers_every_configuration_a_call_makes():
 
     a = precompile.parse_args(["--gemm-shapes", "4096x1024", "--grouped-shapes", ""])
     jobs = {c for module, c in precompile.jobs(a) if module == "sparse_attention_ws"}
+    pdl = precompile.tl_pdl_enabled()
     assert jobs == {
-        (paged, split, 64, 512, "bfloat16", fp8)
+        (paged, split, 64, 512, "bfloat16", fp8, pdl)
         for paged in (False, True)
         for split in (False, True)
         for fp8 in (None, _fp8_geometry())
@@ -105,7 +106,7 @@ def test_each_schedule_variant_lowers_to_what_it_names(index):
     lazy, and still no block barrier in a loop."""
     schedule, fp8 = tlw.variants(True)[index], _fp8_geometry()
     src = lowered_sm90(
-        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, schedule), tlw.pass_configs(fp8)
+        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, schedule=schedule), tlw.pass_configs(fp8)
     )
     producer, consumer = tlw.registers(fp8, schedule)
     assert f"warpgroup_reg_dealloc<{producer}>" in src and src.count(f"warpgroup_reg_alloc<{consumer}>") == 2
@@ -142,7 +143,7 @@ def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     (config_a, args_a), (config_b, args_b) = launches
     split = tla.plan_splits(tokens, 64, 640, 132) > 1
     assert split == (tokens == 1) and len(combines) == 2 * split
-    assert config_a == ("attention", False, split, 64, 512, "bfloat16", None)
+    assert config_a == ("attention", False, split, 64, 512, "bfloat16", None, tla.tl_pdl_enabled())
     assert config_b == config_a[1:]
     assert len(args_a) == len(args_b)
     for a, b in zip(args_a, args_b, strict=True):

@@ -8,7 +8,10 @@ launch and its CTAs' set-up (barrier initialisation, descriptor prefetch) overla
 the kernel before it, and the kernel after it may be scheduled while it runs.  Without it, a
 TileLang kernel waited for its predecessor to drain before its own launch began.  Before the
 wait a kernel reads at most data that no kernel of a step writes (the FP8 GEMM: its weight's
-block scales), so every result is what it was.
+block scales), so every result is what it was.  The kernels that take part: the FP8 GEMM and
+its split combine (:mod:`~deepinfer_cuda_sm100.tl.fp8_gemm`), the sparse-attention decode
+kernels (:mod:`~deepinfer_cuda_sm100.tl.sparse_attention`, :mod:`~deepinfer_cuda_sm100.tl.
+sparse_attention_ws`) and their split combine.
 
 Whether the kernels are built with the prologue is :func:`tl_pdl_enabled`'s answer: where the
 Triton kernels use PDL (:func:`~deepinfer_cuda_sm100.kernels.pdl.pdl_enabled`: a CUDA device of

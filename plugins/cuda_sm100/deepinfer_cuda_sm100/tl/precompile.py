@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
+from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
 
 
 def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
@@ -41,11 +42,12 @@ def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
     from deepinfer_cuda_sm100.tl.sparse_attention import Fp8Geometry
 
     fp8 = Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
-    out = [("combine", False, False, heads, dim, "bfloat16", None)]
+    pdl = tl_pdl_enabled()
+    out = [("combine", False, False, heads, dim, "bfloat16", None, pdl)]
     for geometry in (None, fp8):
         for paged in (False, True):
             for split in (False, True):
-                out.append(("attention", paged, split, heads, dim, "bfloat16", geometry))
+                out.append(("attention", paged, split, heads, dim, "bfloat16", geometry, pdl))
     return out
 
 
@@ -128,10 +130,11 @@ def seesaw_configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
     kernel takes their row geometry), with and without a paged source, direct and split-KV."""
     from deepinfer_cuda_sm100.tl.sparse_attention_ws import fp8_supports
 
-    fp8 = configurations(heads, dim, rope_dim)[-1][-1]
+    fp8 = configurations(heads, dim, rope_dim)[-1][-2]
     geometries = (None, fp8) if fp8_supports(fp8, dim) is True else (None,)
+    pdl = tl_pdl_enabled()
     return [
-        (paged, split, heads, dim, "bfloat16", geometry)
+        (paged, split, heads, dim, "bfloat16", geometry, pdl)
         for geometry in geometries
         for paged in (False, True)
         for split in (False, True)

@@ -28,7 +28,10 @@ Split-KV: with few queries (fewer CTAs than SMs) and long key lists the sequence
 split over ``S`` CTAs per (token, head block); each writes its fp32 partial ``(acc, m, l)``
 (only split 0 starts from the sink) and a combine kernel merges the splits in order.  ``S``
 depends on static shapes only (:func:`plan_splits`), so a call is CUDA-graph capturable;
-kernels are compiled once per static configuration (kept in TileLang's disk cache).
+kernels are compiled once per static configuration (kept in TileLang's disk cache).  Where the
+Triton kernels use programmatic dependent launch, the attention kernel and the combine start
+with the PDL prologue (:mod:`deepinfer_cuda_sm100.tl.pdl`): their launch overlaps the tail of
+the kernel before them, and they wait for its writes before any global access.
 
 Reduction order: blocks of 64 keys of the query's sequence, splits merged in order:
 deterministic for a given split count.  The split count depends on the step's token count, so
@@ -48,6 +51,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .pdl import prologue, tl_pdl_enabled
 
 LOG2E = 1.4426950408889634
 BH = 64
@@ -75,7 +79,13 @@ class Fp8Geometry:
 
 
 def build_attention(
-    paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+    paged: bool,
+    split: bool,
+    heads: int,
+    dim: int,
+    dtype: str,
+    fp8: Fp8Geometry | None = None,
+    pdl: bool = False,
 ):
     """The TileLang ``prim_func`` for one static configuration.
 
@@ -87,8 +97,12 @@ def build_attention(
         fp8: ``None``: plain pools of ``dtype``, addressed in 16-byte units; else every pool is
             a packed FP8 pool of this row geometry (:class:`~deepinfer_core.ops.kv_format.
             Fp8KVPool`), addressed in 8-byte units, dequantised into the shared key tile.
+        pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`: wait for
+            the kernel before, then let the next one be scheduled), before any global access.
     """
     import tilelang.language as T
+
+    start = prologue()
 
     acc_t = "float32"
     H, D = heads, dim
@@ -275,6 +289,8 @@ def build_attention(
             epp: T.int32,
         ):
             with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+                if pdl:
+                    start()
                 sequence = (
                     compact,
                     nvalid,
@@ -312,15 +328,20 @@ def build_attention(
         epp: T.int32,
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+            if pdl:
+                start()
             sequence = (compact, nvalid, block_table, token_rows, (base0, base1, base2), (st0, st1, st2), epp)
             decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat64), sequence, scale2)
 
     return sparse_attention_decode_fp8
 
 
-def build_combine(heads: int, dim: int, dtype: str):
-    """The ``prim_func`` merging ``S`` split partials per (token, head), splits in order."""
+def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
+    """The ``prim_func`` merging ``S`` split partials per (token, head), splits in order (with
+    ``pdl``, after waiting for the attention kernel: :func:`deepinfer_cuda_sm100.tl.pdl.prologue`)."""
     import tilelang.language as T
+
+    start = prologue()
 
     H, D = heads, dim
     n_tok, n_split = T.dynamic("T"), T.dynamic("S")
@@ -332,6 +353,8 @@ def build_combine(heads: int, dim: int, dtype: str):
         out: T.Tensor((n_tok, H, D), dtype),
     ):
         with T.Kernel(n_tok, H, threads=128) as (t, h):
+            if pdl:
+                start()
             acc = T.alloc_fragment((D,), "float32")
             mx = T.alloc_var("float32")
             den = T.alloc_var("float32")
@@ -353,16 +376,24 @@ def build_combine(heads: int, dim: int, dtype: str):
 
 @functools.cache
 def _kernel(
-    kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8: Fp8Geometry | None = None
+    kind: str,
+    paged: bool,
+    split: bool,
+    heads: int,
+    dim: int,
+    dtype: str,
+    fp8: Fp8Geometry | None = None,
+    pdl: bool = False,
 ):
-    """A compiled kernel (TileLang keeps compiled kernels in its disk cache).  The attention
-    kernel reads the pools through one flat address space, beyond the bounds of the tensor
-    it is given: TileLang's bounds guards are off for it."""
+    """A compiled kernel (TileLang keeps compiled kernels in its disk cache), with the PDL
+    prologue when ``pdl``.  The attention kernel reads the pools through one flat address
+    space, beyond the bounds of the tensor it is given: TileLang's bounds guards are off for
+    it."""
     import tilelang
 
     if kind == "combine":
-        return tilelang.compile(build_combine(heads, dim, dtype), out_idx=None, target="cuda")
-    func = build_attention(paged, split, heads, dim, dtype, fp8)
+        return tilelang.compile(build_combine(heads, dim, dtype, pdl), out_idx=None, target="cuda")
+    func = build_attention(paged, split, heads, dim, dtype, fp8, pdl)
     configs = {"tl.disable_safe_memory_legalize": True}
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
@@ -439,8 +470,9 @@ def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> 
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
     the pools' flat views, the split plan, the output or fp32 partials, and the combine.
-    ``compiled(paged, split, heads, dim, dtype, fp8)`` is the kernel of the call's static
-    configuration."""
+    ``compiled(paged, split, heads, dim, dtype, fp8, pdl)`` is the kernel of the call's static
+    configuration (``pdl``: with the PDL prologue, where :func:`~deepinfer_cuda_sm100.tl.pdl.
+    tl_pdl_enabled` says so; the combine takes the same)."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
@@ -463,7 +495,8 @@ def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> 
         out = torch.empty(1, h, d, dtype=q.dtype, device=dev)
         part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)
-    kernel = compiled(paged, s > 1, h, d, dtype, fp8)
+    pdl = tl_pdl_enabled()
+    kernel = compiled(paged, s > 1, h, d, dtype, fp8, pdl)
     scale2 = float(scale) * LOG2E
     sinks = sinks.float().contiguous()
     tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
@@ -471,5 +504,5 @@ def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> 
     if s == 1:
         return out
     out = torch.empty_like(q)
-    _kernel("combine", False, False, h, d, dtype)(part, ml, out)
+    _kernel("combine", False, False, h, d, dtype, None, pdl)(part, ml, out)
     return out

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sparse_attention as sa
+from .pdl import prologue
 from .sparse_attention import BH, LOG2E
 
 BNW = 32  # keys a block
@@ -166,12 +167,15 @@ def build_attention_ws(
     dim: int,
     dtype: str,
     fp8: sa.Fp8Geometry | None = None,
+    pdl: bool = False,
     schedule: Schedule = DEFAULT,
 ):
     """The ``prim_func`` (same arguments as ``build_attention(paged, split, heads, dim, dtype,
-    fp8)``; ``fp8``: packed pools of that row geometry, which :func:`fp8_supports` accepts;
-    ``schedule``: a variant of :class:`Schedule`)."""
+    fp8, pdl)``; ``fp8``: packed pools of that row geometry, which :func:`fp8_supports` accepts;
+    ``pdl``: the PDL prologue first; ``schedule``: a variant of :class:`Schedule`)."""
     import tilelang.language as T
+
+    start = prologue()
 
     acc_t = "float32"
     H, D = heads, dim
@@ -430,6 +434,8 @@ def build_attention_ws(
         """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
         8-byte words."""
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+            if pdl:
+                start()
             if fp8 is not None:
                 T.import_source(FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else ""))
             q_s = T.alloc_shared((BH, D), dtype)
@@ -562,13 +568,15 @@ def _kernel(
     dim: int,
     dtype: str,
     fp8: sa.Fp8Geometry | None = None,
+    pdl: bool = False,
     schedule: Schedule = DEFAULT,
 ):
-    """A compiled kernel (kept in TileLang's disk cache); bounds guards off, as the other
-    attention kernel (the gathers read the pools through one flat address space)."""
+    """A compiled kernel (kept in TileLang's disk cache), with the PDL prologue when ``pdl``;
+    bounds guards off, as the other attention kernel (the gathers read the pools through one
+    flat address space)."""
     import tilelang
 
-    func = build_attention_ws(paged, split, heads, dim, dtype, fp8, schedule)
+    func = build_attention_ws(paged, split, heads, dim, dtype, fp8, pdl, schedule)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=pass_configs(fp8))
 
 
