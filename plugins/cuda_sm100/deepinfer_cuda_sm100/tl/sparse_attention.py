@@ -375,20 +375,12 @@ def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
 
 
 @functools.cache
-def _kernel(
-    kind: str,
-    paged: bool,
-    split: bool,
-    heads: int,
-    dim: int,
-    dtype: str,
-    fp8: Fp8Geometry | None = None,
-    pdl: bool = False,
-):
-    """A compiled kernel (TileLang keeps compiled kernels in its disk cache), with the PDL
-    prologue when ``pdl``.  The attention kernel reads the pools through one flat address
-    space, beyond the bounds of the tensor it is given: TileLang's bounds guards are off for
-    it."""
+def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8=None, pdl=False):
+    """A compiled kernel (TileLang keeps compiled kernels in its disk cache): ``kind``
+    ``"attention"`` (:func:`build_attention`'s arguments, ``fp8`` a :class:`Fp8Geometry` or
+    ``None``) or ``"combine"``, with the PDL prologue when ``pdl``.  The attention kernel reads
+    the pools through one flat address space, beyond the bounds of the tensor it is given:
+    TileLang's bounds guards are off for it."""
     import tilelang
 
     if kind == "combine":
