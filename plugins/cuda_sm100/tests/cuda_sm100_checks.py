@@ -19,7 +19,8 @@
 - :func:`compile_problem`, :func:`compile_launch`: why kernels cannot be compiled ahead of
   time for a GPU here, and a kernel compiled for ``sm_<arch>`` as a recorded launch would
   specialise it (no GPU needed); :func:`record_launches`: a module's kernels replaced by
-  recorders of their launches (CPU tensors, no kernel runs).
+  recorders of their launches (CPU tensors, no kernel runs); :func:`global_loads_around`: a
+  compiled kernel's global loads before and after its first instance of given PTX.
 """
 
 from __future__ import annotations
@@ -351,6 +352,14 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     signature = {n: signature[n] for n in names}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def global_loads_around(ptx: str, *markers: str) -> tuple[int, int]:
+    """The ``ld.global`` instructions of ``ptx`` before and after the first instance of any of
+    ``markers`` (e.g. a block barrier, an IEEE square root): where a kernel's loads stand
+    against its arithmetic.  Raises ``ValueError`` when no marker occurs."""
+    first = min(i for i in (ptx.find(m) for m in markers) if i >= 0)
+    return ptx[:first].count("ld.global"), ptx[first:].count("ld.global")
 
 
 def lowered_sm90(func, pass_configs: dict | None = None) -> str:

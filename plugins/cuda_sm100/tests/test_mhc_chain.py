@@ -193,16 +193,14 @@ def test_the_finishing_kernel_loads_everything_before_its_first_square_root(monk
     the partials, the mixing rows' scales and biases, the norm weight, the streams' channels --
     comes before the norm factor's square root in the PTX: none waits behind the weights'
     arithmetic (they were loaded after it, each a memory round trip on the critical path)."""
-    from cuda_sm100_checks import compile_launch
+    from cuda_sm100_checks import compile_launch, global_loads_around
     from deepinfer_cuda_sm100.kernels import mhc_chain
 
     [(_, args)] = _calls(4096, (1,), torch.bfloat16, "cpu")[:1]
     kernel, a, kw = _launches(monkeypatch, mhc_chain.hc_post_pre, *args)[-1]
     assert kernel.fn.__name__ == "_hc_finish_kernel" and kw["NORM_WEIGHT"]
-    ptx = compile_launch(kernel, a, kw, 90).asm["ptx"]
-    body = ptx[ptx.index("sqrt.rn.f32") :]
-    loads = ptx.count("ld.global")
-    assert loads >= 4 and "ld.global" not in body, loads
+    before, after = global_loads_around(compile_launch(kernel, a, kw, 90).asm["ptx"], "sqrt.rn.f32")
+    assert before >= 4 and after == 0, (before, after)
 
 
 def test_supports_refuses_with_the_reason():

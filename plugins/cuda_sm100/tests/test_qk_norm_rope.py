@@ -161,22 +161,21 @@ def test_weights_and_rope_tables_load_before_the_norms_sum(monkeypatch):
     overlaps the rows' instead of following the sum (and, for the tables, the block barrier
     before the rotation).  ``rms_norm``'s own kernel likewise loads its weight with the row:
     at V4-Flash's widths every global load comes before the first barrier."""
-    from cuda_sm100_checks import compile_launch
+    from cuda_sm100_checks import compile_launch, global_loads_around
     from deepinfer_cuda_sm100.kernels import norm, qk_norm_rope
 
     [(_, args, kwargs)] = _calls(V4_FLASH, (1,), torch.bfloat16, "cpu")[:1]
     kernel, a, kw = _launches(monkeypatch, qk_norm_rope.qk_norm_rope, args, kwargs)[0]
-    ptx = compile_launch(kernel, a, kw, 90).asm["ptx"]
     # rows, weight and cosines (sines follow the cosines' layout change); the rows were before
     # with the weight after the sum and the tables after the rotation's barrier: 2
-    assert ptx[: ptx.index("bar.sync")].count("ld.global") >= 4
+    assert global_loads_around(compile_launch(kernel, a, kw, 90).asm["ptx"], "bar.sync")[0] >= 4
     for d in (1024, 4096):
         x = torch.empty(1, d, dtype=torch.bfloat16)
         block_r, block_d, warps = norm.row_tile(d)
         launch = dict(HAS_WEIGHT=True, FACTOR_IN_X_DTYPE=False, BLOCK_R=block_r, BLOCK_D=block_d)
         launch |= dict(NUM_TILES=1, num_warps=warps)
         ptx = compile_launch(norm._rms_norm_kernel, (x, x[0], x, 1, d, d, 1e-6), launch, 90).asm["ptx"]
-        assert "ld.global" not in ptx[ptx.index("bar.sync") :], d
+        assert global_loads_around(ptx, "bar.sync")[1] == 0, d
 
 
 def test_supports_refuses_with_the_reason():

@@ -42,7 +42,7 @@ import sys
 import cuda_sm100_checks as checks
 import pytest
 import torch
-from cuda_sm100_checks import compile_problem, compile_typed, failed_rows
+from cuda_sm100_checks import compile_problem, compile_typed, failed_rows, global_loads_around
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -582,8 +582,8 @@ def test_every_load_comes_before_the_scores_arithmetic(hashed):
     ptx = compile_typed(
         routing._route_kernel, args, consts, 90, hints=False, num_warps=4, enable_reflect_ftz=False
     ).asm["ptx"]
-    first = min(i for i in (ptx.find(op) for op in ("sqrt.rn", "div.rn", "bar.sync")) if i >= 0)
-    assert ptx[:first].count("ld.global") and "ld.global" not in ptx[first:]
+    before, after = global_loads_around(ptx, "sqrt.rn", "div.rn", "bar.sync")
+    assert before and after == 0, (before, after)
 
 
 # ---------------------------------------------------------------------------------------------
