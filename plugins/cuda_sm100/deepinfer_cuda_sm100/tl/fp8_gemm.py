@@ -54,8 +54,8 @@ block scales (a weight: no kernel of a step writes them) before the wait, so tha
 trip overlaps the tail too, and everything else after it.
 
 Static configurations (compiled once each, TileLang's disk cache keeps them): ``(N, K,
-BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant mode never takes
-this path (the dispatcher keeps Triton there).
+BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant
+mode never takes this path (the dispatcher keeps Triton there).
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.

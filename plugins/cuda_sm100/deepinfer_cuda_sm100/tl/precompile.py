@@ -34,14 +34,18 @@ from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
 from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
 
 
-def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
-    """``_kernel`` arguments of every configuration of the shape."""
+def _fp8_geometry(dim: int, rope_dim: int):
+    """The packed FP8 pool's row geometry (``kv_cache_dtype="fp8"``) at these widths."""
     from deepinfer_core.ops.kv_format import fp8_row_layout
-
-    lay = fp8_row_layout(dim, rope_dim)
     from deepinfer_cuda_sm100.tl.sparse_attention import Fp8Geometry
 
-    fp8 = Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+    lay = fp8_row_layout(dim, rope_dim)
+    return Fp8Geometry(lay.nope, lay.rope_offset, lay.scale_offset, lay.groups)
+
+
+def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
+    """``_kernel`` arguments of every configuration of the shape."""
+    fp8 = _fp8_geometry(dim, rope_dim)
     pdl = tl_pdl_enabled()
     out = [("combine", False, False, heads, dim, "bfloat16", None, pdl)]
     for geometry in (None, fp8):
@@ -130,7 +134,7 @@ def seesaw_configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
     kernel takes their row geometry), with and without a paged source, direct and split-KV."""
     from deepinfer_cuda_sm100.tl.sparse_attention_ws import fp8_supports
 
-    fp8 = configurations(heads, dim, rope_dim)[-1][-2]
+    fp8 = _fp8_geometry(dim, rope_dim)
     geometries = (None, fp8) if fp8_supports(fp8, dim) is True else (None,)
     pdl = tl_pdl_enabled()
     return [
