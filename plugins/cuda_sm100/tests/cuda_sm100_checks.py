@@ -21,6 +21,9 @@
   specialise it (no GPU needed); :func:`record_launches`: a module's kernels replaced by
   recorders of their launches (CPU tensors, no kernel runs); :func:`global_loads_around`: a
   compiled kernel's global loads before and after its first instance of given PTX.
+- :func:`lowered_sm90`, :func:`pdl_prologue_problem`, :func:`loops_containing`: a TileLang
+  kernel's CUDA source for sm_90 (no GPU needed), whether it waits for the kernel before it
+  ahead of any global access, and its loops that contain a statement.
 """
 
 from __future__ import annotations
@@ -362,16 +365,45 @@ def global_loads_around(ptx: str, *markers: str) -> tuple[int, int]:
     return ptx[:first].count("ld.global"), ptx[first:].count("ld.global")
 
 
-def lowered_sm90(func, pass_configs: dict | None = None) -> str:
-    """The CUDA source TileLang generates for ``func`` (a ``prim_func``) on sm_90 (no GPU
-    needed; TileLang must import)."""
+def _lower_sm90(func, pass_configs: dict | None = None):
     import tilelang
     import tvm
     from tvm.target import Target
 
     target = Target({"kind": "cuda", "arch": "sm_90"})
     with target, tvm.transform.PassContext(config=pass_configs or {}):
-        return tilelang.lower(func, target=target).kernel_source
+        return tilelang.lower(func, target=target)
+
+
+def lowered_sm90(func, pass_configs: dict | None = None) -> str:
+    """The CUDA source TileLang generates for ``func`` (a ``prim_func``) on sm_90 (no GPU
+    needed; TileLang must import)."""
+    return _lower_sm90(func, pass_configs).kernel_source
+
+
+def pdl_prologue_problem(func, accesses: str, pass_configs: dict | None = None) -> str | None:
+    """Why ``func`` (a ``prim_func`` built with the PDL prologue), lowered for sm_90, does not
+    wait for the kernel before it (``griddepcontrol.wait``) before its first global access (the
+    first match of the regular expression ``accesses`` in its kernel body) and only then let
+    the next kernel be scheduled, or is not marked for a PDL launch; ``None`` when it does."""
+    import re
+
+    lowered = _lower_sm90(func, pass_configs)
+    src = lowered.kernel_source
+    body = src[src.index("__global__ void __launch_bounds__") :]
+    if "cudaGridDependencySynchronize();" not in body:
+        return "no griddepcontrol.wait in the kernel"
+    wait = body.index("cudaGridDependencySynchronize();")
+    if body.find("cudaTriggerProgrammaticLaunchCompletion();") < wait:
+        return "the next kernel is let be scheduled before (or without) the wait"
+    first = [m.start() for m in re.finditer(accesses, body)]
+    if not first:
+        return f"no global access matching {accesses!r} in the kernel"
+    if min(first) < wait:
+        return "a global access before the wait: ..." + body[: min(first)][-300:]
+    if '"has_cuda_pdl_sync": 1' not in str(lowered.device_mod):
+        return "the kernel is not marked for a PDL launch"
+    return None
 
 
 def loops_containing(src: str, needle: str) -> list[str]:

@@ -20,7 +20,7 @@ import importlib.util
 
 import pytest
 import torch
-from cuda_sm100_checks import loops_containing, lowered_sm90, replayed
+from cuda_sm100_checks import loops_containing, lowered_sm90, pdl_prologue_problem, replayed
 from deepinfer_cuda_sm100 import kernel_choice
 from deepinfer_cuda_sm100.attention_dispatch import choice_kind, tilelang_supports
 from deepinfer_cuda_sm100.tl import sparse_attention as tla
@@ -275,12 +275,7 @@ def test_with_pdl_the_kernels_wait_before_any_global_access(kv):
     read or write global memory (their inputs come from it: the prologue's counts, the cache
     rows, the partials), then let the next kernel be scheduled; TileLang marks them for a PDL
     launch.  Without ``pdl`` none of it is there."""
-    import re
-
-    import tilelang
-    import tvm
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
-    from tvm.target import Target
 
     from deepinfer_core.ops.kv_format import fp8_row_layout
 
@@ -292,18 +287,9 @@ def test_with_pdl_the_kernels_wait_before_any_global_access(kv):
         (tlw.build_attention_ws(True, False, 64, 512, "bfloat16", fp8, True), tlw.pass_configs(fp8)),
         (tla.build_combine(64, 512, "bfloat16", True), {}),
     ]
-    target = Target({"kind": "cuda", "arch": "sm_90"})
+    accesses = r"(cp_async_gs|tma_load|\bq\[|\bnvalid\[|\bpart\[|\bml\[)"
     for func, passes in funcs:
-        with target, tvm.transform.PassContext(config=passes):
-            lowered = tilelang.lower(func, target=target)
-        src = lowered.kernel_source
-        body = src[src.index("__global__ void __launch_bounds__") :]
-        wait = body.index("cudaGridDependencySynchronize();")
-        assert wait < body.index("cudaTriggerProgrammaticLaunchCompletion();")
-        accesses = r"(cp_async_gs|tma_load|\bq\[|\bnvalid\[|\bpart\[|\bml\[)"
-        first = min(m.start() for m in re.finditer(accesses, body))
-        assert wait < first, body[:first][-400:]
-        assert '"has_cuda_pdl_sync": 1' in str(lowered.device_mod)
+        assert pdl_prologue_problem(func, accesses, passes) is None
     plain = lowered_sm90(tla.build_attention(True, True, 64, 512, "bfloat16", fp8), configs)
     assert "cudaGridDependencySynchronize" not in plain
 

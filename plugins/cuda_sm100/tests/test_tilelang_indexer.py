@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from cuda_sm100_checks import loops_containing, lowered_sm90
+from cuda_sm100_checks import loops_containing, lowered_sm90, pdl_prologue_problem
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -86,12 +86,14 @@ def test_shipped_score_points_time_both_languages():
 
 
 def test_precompile_covers_every_launch_the_plan_makes():
+    from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
     from deepinfer_cuda_sm100.tl.precompile import indexer_configurations
 
     configs = set(indexer_configurations(64, 128))
     shapes = [(t, c) for t in (1, 7, 64, 128, 8192) for c in (1, 100, 2048, 16384, 1 << 18)]
     planned = {tli.plan_blocks(t, c, 132) for t, c in shapes}
-    assert configs == {(kind, 64, 128, "bfloat16", b) for kind in tli.KINDS for b in tli.BLOCK_CHOICES}
+    pdl = tl_pdl_enabled()
+    assert configs == {(kind, 64, 128, "bfloat16", b, pdl) for kind in tli.KINDS for b in tli.BLOCK_CHOICES}
     assert planned <= set(tli.BLOCK_CHOICES) and planned >= {1, tli.BLOCKS}
 
 
@@ -180,3 +182,26 @@ def test_the_gather_loop_has_no_block_barrier(kind):
     loops = loops_containing(src, "cp_async_gs")
     assert loops, "no gather loop found in the generated source"
     assert all("__syncthreads" not in body for body in loops), "a block barrier in a gather loop"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("kind", ["rows", "paged", "grouped"])
+def test_with_pdl_the_scores_wait_before_any_global_access(kind):
+    """With ``pdl`` the score kernels (one token a CTA over explicit or paged candidates, and
+    the grouped one) wait for the kernel before them (``griddepcontrol.wait``) before they read
+    the queries, weights, index or keys or write a score, then let the next kernel be
+    scheduled; TileLang marks them for a PDL launch.  Without ``pdl`` none of it is there."""
+    from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
+
+    def build(pdl):
+        if kind == "grouped":
+            return tlg.build_grouped_scores(64, 128, "bfloat16", 16, tlg.GROUP, pdl)
+        return tli.build_scores(kind, 64, 128, "bfloat16", 16, pdl)
+
+    configs = {"tl.disable_safe_memory_legalize": True}
+    accesses = r"(cp_async_gs|\bq\[|\bw\[|\bcand\[|\bblock_table\[|\btoken_rows\[|\bcounts\[|\bscores\[)"
+    problem = pdl_prologue_problem(build(True), accesses, configs)
+    assert problem is None, problem
+    plain = lowered_sm90(build(False), configs)
+    assert "cudaGridDependencySynchronize" not in plain and "cudaTriggerProgrammatic" not in plain

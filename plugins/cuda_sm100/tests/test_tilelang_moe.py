@@ -27,7 +27,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from cuda_sm100_checks import replayed
+from cuda_sm100_checks import lowered_sm90, pdl_prologue_problem, replayed
 from deepinfer_cuda_sm100 import e2m1_ptx, kernel_choice, moe_dispatch
 from deepinfer_cuda_sm100.tl import moe as tlm
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -596,3 +596,25 @@ def test_gpu_wide_variant_replays_in_a_cuda_graph_bitwise():
     for args in (cases[1], cases[3], cases[4], cases[5], cases[6]):
         eager = tlm.moe_experts(*args, consumers=2)
         assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, consumers=2)), eager)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
+@pytest.mark.parametrize("kind", ["gate_up", "down"])
+def test_with_pdl_the_gemms_wait_before_any_global_access(kind, consumers):
+    """With ``pdl`` both GEMMs (one and two consumer warpgroups) wait for the kernel before them
+    (``griddepcontrol.wait``: the layout kernel writes the tiles' experts and rows, the gate /
+    up kernel ``h``) after setting up their barriers and before any global access, then let the
+    next kernel be scheduled; TileLang marks them for a PDL launch.  Without ``pdl`` none of
+    it is there; precompile lists the variant this device launches."""
+    from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
+    from deepinfer_cuda_sm100.tl.precompile import moe_configurations
+
+    build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
+    accesses = r"(tma_load|\btile_expert\[|\bslot_pair\[|\bx\[|\bs\[|\bh\[|\bhs\[|\brw\[|\by\[)"
+    problem = pdl_prologue_problem(build(4096, 2048, 16, "ue8m0", consumers=consumers, pdl=True), accesses)
+    assert problem is None, problem
+    plain = lowered_sm90(build(4096, 2048, 16, "ue8m0", consumers=consumers))
+    assert "cudaGridDependencySynchronize" not in plain and "cudaTriggerProgrammatic" not in plain
+    assert {c[-1] for c in moe_configurations(4096, 2048)} == {tl_pdl_enabled()}

@@ -30,6 +30,9 @@ block (fixed tiles, the same instructions for every block), but its summation or
 differs from the Triton kernel's, so the two agree to rounding, not bit for bit: the dispatcher
 (:mod:`deepinfer_cuda_sm100.indexer_select`) keeps Triton in batch-invariant mode, and picks
 TileLang elsewhere only where the measured table found it faster.
+
+Where the Triton kernels use programmatic dependent launch, the kernel starts with the PDL
+prologue (:mod:`deepinfer_cuda_sm100.tl.pdl`) before any global access.
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as
@@ -41,6 +44,7 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .pdl import prologue, tl_pdl_enabled
 
 BN = 128
 """Candidates per block: two wgmma M tiles of 64."""
@@ -63,7 +67,7 @@ MAX_HEADS = 128
 MAX_DIM = 256
 
 
-def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS):
+def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):
     """The TileLang ``prim_func`` of one static configuration.
 
     Args:
@@ -72,6 +76,8 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
         heads: ``H`` (a multiple of 16, at most :data:`MAX_HEADS`); dim: ``D`` (a multiple of
             64, at most :data:`MAX_DIM`); dtype: ``"bfloat16"`` or ``"float16"``.
         blocks: blocks of :data:`BN` candidates per CTA.
+        pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`: wait
+            for the kernel before, then let the next be scheduled) before any global access.
     """
     import tilelang.language as T
 
@@ -82,6 +88,7 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     t_rows, c_rows = T.dynamic("TR"), T.dynamic("CR")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
+    start = prologue()
 
     @T.macro
     def offsets(off, t, c0, cand, paged, kst):
@@ -132,6 +139,8 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
             off = T.alloc_shared((blocks * BN,), "int64", scope="shared")
             acc = T.alloc_fragment((BN, H), acc_t)
             score = T.alloc_fragment((BN,), acc_t)
+            if pdl:  # the queries, weights, keys and index all come from the kernels before
+                start()
             T.copy(q[t, 0, 0], q_s)
             for h in T.Parallel(H):
                 w_s[h] = w[t, h]
@@ -167,14 +176,14 @@ def plan_blocks(tokens: int, candidates: int, sms: int) -> int:
 
 
 @functools.cache
-def _kernel(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS):
-    """A compiled kernel (TileLang keeps compiled kernels in its disk cache).  The gathers read
-    the pool through a flat view beyond the bounds of the tensor it is given: TileLang's
-    bounds guards are off."""
+def _kernel(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):
+    """A compiled kernel (TileLang keeps compiled kernels in its disk cache), with the PDL
+    prologue when ``pdl``.  The gathers read the pool through a flat view beyond the bounds of
+    the tensor it is given: TileLang's bounds guards are off."""
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_scores(kind, heads, dim, dtype, blocks)
+    func = build_scores(kind, heads, dim, dtype, blocks, pdl)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
 
@@ -231,6 +240,6 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(dev))
-    kernel = _kernel(kind, h, d, TL_DTYPES[q.dtype], blocks)
+    kernel = _kernel(kind, h, d, TL_DTYPES[q.dtype], blocks, tl_pdl_enabled())
     kernel(q.contiguous(), w.contiguous(), flat, cand, bt, rows, counts, scores, kst, float(scale), c, epp)
     return scores

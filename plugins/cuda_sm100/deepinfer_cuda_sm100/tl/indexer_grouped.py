@@ -38,6 +38,7 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .pdl import prologue, tl_pdl_enabled
 
 GROUP = 2
 """Query tokens a CTA takes (the default of :func:`indexer_scores`): their queries (16 KB
@@ -46,13 +47,17 @@ GROUP_CHOICES = (2, 4)
 """Group sizes a launch may take (each a compiled configuration)."""
 
 
-def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP):
+def build_grouped_scores(
+    heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP, pdl: bool = False
+):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
     Args:
         heads: ``H`` (a multiple of 16); dim: ``D`` (a multiple of 64); dtype: ``"bfloat16"``
             or ``"float16"``.
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
+        pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
+            any global access.
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
@@ -62,6 +67,7 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
     H, D, G = heads, dim, group
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
+    start = prologue()
 
     @T.macro
     def row_offsets(off, page_row, c0, count, epp, block_table):
@@ -115,6 +121,8 @@ def build_grouped_scores(heads: int, dim: int, dtype: str, blocks: int = BLOCKS,
             nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
+            if pdl:  # every input comes from the kernels before
+                start()
             for j, h, d in T.Parallel(G, H, D):
                 q_s[j, h, d] = q[T.min(t0 + j, n_tok - 1), h, d]
             for j, h in T.Parallel(G, H):
@@ -175,13 +183,14 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 
 
 @functools.cache
-def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP):
-    """A compiled kernel (TileLang's disk cache keeps it); bounds guards off, as the one-token
-    kernel's (the gathers read the pool through a flat view)."""
+def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP, pdl: bool = False):
+    """A compiled kernel (TileLang's disk cache keeps it), with the PDL prologue when ``pdl``;
+    bounds guards off, as the one-token kernel's (the gathers read the pool through a flat
+    view)."""
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_grouped_scores(heads, dim, dtype, blocks, group)
+    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
 
 
@@ -220,7 +229,7 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group)
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled())
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
         index_int64(candidates.token_rows), index_int64(candidates.counts), scores, kst,

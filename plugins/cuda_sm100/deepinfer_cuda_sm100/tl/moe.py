@@ -128,7 +128,13 @@ the one-warpgroup kernels' 1.92-1.97, 1.15-1.18x (1.10-1.15x over 64 experts); a
 1.06 against 1.12 TB/s (a 6-expert call has too few CTAs for 512-thread ones).  The measured
 table takes the wide variant where it won by more than the near-tie margin.
 
-Static configurations: ``(hidden, inter, BLOCK_M, scale kind, consumers)``, compiled once each
+**PDL.**  Where the Triton kernels use programmatic dependent launch, both GEMMs start with
+the PDL prologue (:mod:`deepinfer_cuda_sm100.tl.pdl`), after their barriers' set-up and before
+any global access (the tile's expert comes from the layout kernel): their launch overlaps the
+kernel before, and the next kernel's launch overlaps theirs.
+
+Static configurations: ``(hidden, inter, BLOCK_M, scale kind, consumers, stages, routing-weight
+dtype, split registers, pdl)``, compiled once each
 (:func:`_kernel`, TileLang's disk cache keeps them); token, tile and expert counts are dynamic.
 """
 
@@ -138,6 +144,7 @@ import functools
 import torch
 
 from deepinfer_cuda_sm100.e2m1_ptx import TABLE_FP32_PTX, TABLE_UE8M0_PTX, e2m1x8_bf16_ptx
+from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
 
 ROWS = 128
 """Weight rows per CTA (two wgmma M atoms of 64)."""
@@ -414,6 +421,7 @@ def build_gate_up(
     stages: int | None = None,
     consumers: int = 1,
     split_registers: bool = True,
+    pdl: bool = False,
 ):
     """The gate / up ``prim_func``: grid ``(inter / (64 consumers), tiles)``; CTA ``(nb,
     tile)`` writes ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each
@@ -427,6 +435,8 @@ def build_gate_up(
         consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
         split_registers: one consumer warpgroup: the registers split by :data:`SPLIT_REGS`
             (``False``: the compiler's allotment; the same result).
+        pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`: wait
+            for the kernel before, then let the next be scheduled) before any global access.
     """
     import tilelang.language as T
 
@@ -436,6 +446,7 @@ def build_gate_up(
     wide = consumers != 1
     F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
     register_split = _register_split(BM, consumers, split_registers)
+    start = prologue()
     stages = stages or STAGES
 
     @T.prim_func
@@ -452,6 +463,8 @@ def build_gate_up(
         with T.Kernel(I // F, n_tiles, threads=THREADS * consumers) as (nb, tile):
             register_split()
             wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
+            if pdl:  # the tile's expert and every input come from the kernels before
+                start()
             if tile_expert[tile] < n_exp:  # tiles past the used ones read nothing
                 T.clear(acc[0])
                 T.clear(acc[1])
@@ -498,6 +511,7 @@ def build_down(
     consumers: int = 1,
     weights: str = "bfloat16",
     split_registers: bool = True,
+    pdl: bool = False,
 ):
     """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
     writes ``y[pair, nb * 128 consumers + i]`` for the pairs of the tile's real rows: the bf16
@@ -506,7 +520,7 @@ def build_down(
 
     Args:
         hidden: ``D`` (a multiple of ``128 consumers``); inter: ``I`` (a multiple of
-        :data:`BLOCK_K`); block_m, scale, stages, consumers, split_registers: as
+        :data:`BLOCK_K`); block_m, scale, stages, consumers, split_registers, pdl: as
         :func:`build_gate_up`.
         weights: the routing weights' dtype, a value of :data:`WEIGHT_DTYPES` (read as they
             are: no conversion launch before the kernel; the bf16 rounding makes the two the
@@ -520,6 +534,7 @@ def build_down(
     step_math = _macros(scale, consumers)
     A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
     register_split = _register_split(BM, consumers, split_registers)
+    start = prologue()
     stages = stages or STAGES
 
     @T.prim_func
@@ -535,6 +550,8 @@ def build_down(
         with T.Kernel(D // R, n_tiles, threads=THREADS * consumers) as (nb, tile):
             register_split()
             wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
+            if pdl:  # the tile's expert and every input come from the kernels before
+                start()
             if tile_expert[tile] < n_exp:
                 T.clear(acc[0])
                 T.clear(acc[1])
@@ -570,15 +587,16 @@ def _kernel(
     stages: int = STAGES,
     weights: str = "bfloat16",
     split_registers: bool = True,
+    pdl: bool = False,
 ):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
     wide variant; ``stages``: the ring's depth; ``weights``: the down kernel's routing-weight
     dtype, :func:`build_down`'s; the default is ``moe_route``'s with the model's bf16 logits,
     so precompiled configurations, which leave it out, are the ones a call runs;
-    ``split_registers``: :func:`build_gate_up`'s)."""
+    ``split_registers``, ``pdl``: :func:`build_gate_up`'s)."""
     import tilelang
 
-    kw = dict(stages=stages, consumers=consumers, split_registers=split_registers)
+    kw = dict(stages=stages, consumers=consumers, split_registers=split_registers, pdl=pdl)
     if kind == "gate_up":
         func = build_gate_up(hidden, inter, block_m, scale, **kw)
     else:
@@ -715,13 +733,15 @@ def moe_experts(
     h = torch.empty(plan["tiles"] * bm, inter, dtype=x.dtype, device=x.device)
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
-    _kernel("gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages, split_registers=split_registers)(
-        x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic
+    pdl = tl_pdl_enabled()
+    gate_up_kernel = _kernel(
+        "gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages, "bfloat16", split_registers, pdl
     )
+    gate_up_kernel(x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic)
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw, rw_dtype = routing_weights(weights)
-    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype, split_registers)(
+    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype, split_registers, pdl)(
         h, tile_expert, slot_pair, down.data, dn_scale, rw, y
     )
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)

@@ -11,7 +11,9 @@ wait a kernel reads at most data that no kernel of a step writes (the FP8 GEMM: 
 block scales), so every result is what it was.  The kernels that take part: the FP8 GEMM and
 its split combine (:mod:`~deepinfer_cuda_sm100.tl.fp8_gemm`), the sparse-attention decode
 kernels (:mod:`~deepinfer_cuda_sm100.tl.sparse_attention`, :mod:`~deepinfer_cuda_sm100.tl.
-sparse_attention_ws`) and their split combine.
+sparse_attention_ws`) and their split combine, the FP4 MoE's gate / up and down GEMMs
+(:mod:`~deepinfer_cuda_sm100.tl.moe`) and the indexer's scores
+(:mod:`~deepinfer_cuda_sm100.tl.indexer`, :mod:`~deepinfer_cuda_sm100.tl.indexer_grouped`).
 
 Whether the kernels are built with the prologue is :func:`tl_pdl_enabled`'s answer: where the
 Triton kernels use PDL (:func:`~deepinfer_cuda_sm100.kernels.pdl.pdl_enabled`: a CUDA device of

@@ -59,12 +59,15 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     """``tl.moe._kernel`` arguments of every FP4 ``moe_experts`` configuration of the widths:
     both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64), both
     scale formats and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
-    ``tl.moe.wide_problem``), at the ring depth the op runs (``tl.moe.STAGES``)."""
+    ``tl.moe.wide_problem``), at the ring depth the op runs (``tl.moe.STAGES``), with the bf16
+    routing weights ``moe_route`` gives, split registers, and the PDL prologue where this
+    device takes it."""
     from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, STAGES, wide_problem
 
     variants = [c for c in CONSUMERS if c == 1 or wide_problem(hidden, inter) is None]
+    pdl = tl_pdl_enabled()
     return [
-        (kind, hidden, inter, bm, scale, consumers, STAGES)
+        (kind, hidden, inter, bm, scale, consumers, STAGES, "bfloat16", True, pdl)
         for consumers in variants
         for kind in ("gate_up", "down")
         for bm in (16, 32, 64)
@@ -97,19 +100,22 @@ def gemm_configurations(shapes: str, sms: int, grouped: str = "") -> list[tuple]
 
 def indexer_configurations(heads: int, dim: int) -> list[tuple]:
     """``tl.indexer._kernel`` arguments of the indexer scores: both candidate forms, every
-    blocks-per-CTA choice, bfloat16."""
+    blocks-per-CTA choice, bfloat16, with the PDL prologue where this device takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES, KINDS
 
-    return [(kind, heads, dim, "bfloat16", blocks) for kind in KINDS for blocks in BLOCK_CHOICES]
+    pdl = tl_pdl_enabled()
+    return [(kind, heads, dim, "bfloat16", blocks, pdl) for kind in KINDS for blocks in BLOCK_CHOICES]
 
 
 def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
     """``tl.indexer_grouped._kernel`` arguments: every blocks-per-CTA choice at the default
-    group size (the one the dispatcher runs), bfloat16."""
+    group size (the one the dispatcher runs), bfloat16, with the PDL prologue where this device
+    takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
     from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP
 
-    return [(heads, dim, "bfloat16", blocks, GROUP) for blocks in BLOCK_CHOICES]
+    pdl = tl_pdl_enabled()
+    return [(heads, dim, "bfloat16", blocks, GROUP, pdl) for blocks in BLOCK_CHOICES]
 
 
 def _sms() -> int:
