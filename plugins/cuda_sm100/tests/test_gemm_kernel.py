@@ -115,7 +115,7 @@ def split_problems(dtype: torch.dtype, device: str, shapes=SPLIT_LAUNCHES) -> li
     """Explicit split-K launches (``shapes``), the splits summed in the kernel and by torch:
     each within the op's tolerance of the reference, the kernel's sum the same bits on a second
     call, the tile counters all zero after each call."""
-    from deepinfer_cuda_sm100.kernels import fp8_gemm
+    from deepinfer_cuda_sm100.kernels import fp8_gemm, split_counters
 
     from deepinfer_core.ops.linear import linear as reference
     from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
@@ -145,7 +145,7 @@ def split_problems(dtype: torch.dtype, device: str, shapes=SPLIT_LAUNCHES) -> li
                 again = fp8_gemm._run(x, w.data, w.scale, False, groups, launch, reduction).float()
                 if not torch.equal(again.reshape(m, -1), got):
                     problems.append(f"{label}: a second call gave other bits")
-            busy = [int(c.count_nonzero()) for c in fp8_gemm._COUNTERS.values()]
+            busy = [int(c.count_nonzero()) for c in split_counters.buffers()]
             if any(busy):
                 problems.append(f"{label}, {reduction}: {sum(busy)} tile counters left non-zero")
     return problems

@@ -58,6 +58,7 @@ from deepinfer_core.ops.modes import batch_invariant_enabled
 from ._common import INTERPRETED, cast_to, cdiv, ue8m0_value
 from ._common import round_e4m3 as _round_e4m3
 from .pdl import pdl_args, pdl_enter
+from .split_counters import tile_counters
 
 BLOCK_K = 128
 """K tile: one weight-scale block."""
@@ -100,8 +101,6 @@ them after the launch), read at each call."""
 
 _FP32_DOT = tl.constexpr(INTERPRETED)
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-_COUNTER_SLOTS = 1 << 16  # split-K tile counters per (device, stream) buffer (grown if short)
-_COUNTERS: dict[tuple, torch.Tensor] = {}
 
 
 class Launch(NamedTuple):
@@ -184,19 +183,6 @@ def split_reduction() -> str:
     if value not in ("fused", "separate"):
         raise ValueError(f"{SPLITK_ENV}={value!r}: expected fused or separate")
     return value
-
-
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per output tile, for the fused split-K reduction: a buffer per
-    (device, stream) kept between calls (each counting program resets its counter to 0, so
-    launches on one stream can share it; launches on different streams get their own)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, _COUNTER_SLOTS), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 @triton.jit
@@ -424,11 +410,12 @@ def _run(
     grid = (cdiv(m, bm), cdiv(n, bn), splits)
     fused = splits > 1 and (reduction or split_reduction()) == "fused"
     target, ws, counters, out_dtype = y, y, y, _TL_DTYPES[x.dtype]
+    if fused:
+        counters = tile_counters(x.device, grid[0] * grid[1])
+        fused = counters is not None  # a capture before any eager call: summed after the launch
     if splits > 1:
         ws = torch.empty(splits, m, n, device=x.device, dtype=torch.float32)
-        if fused:
-            counters = _counters(x.device, grid[0] * grid[1])
-        else:
+        if not fused:
             target, out_dtype = ws, tl.float32
     _fp8_gemm_kernel[grid](
         x2,
