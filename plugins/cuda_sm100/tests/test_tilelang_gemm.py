@@ -583,21 +583,23 @@ def test_gpu_fused_combine_is_bitwise_the_two_launch_form_and_leaves_its_counter
 @pytest.mark.gpu
 def test_gpu_a_graph_captured_before_any_fused_call_takes_the_two_launch_combine(caplog):
     _gpu_ready()
-    saved = dict(split_counters._BUFFERS)
+    saved = dict(split_counters._BUFFERS)  # kept alive: earlier graphs may hold them
     split_counters._BUFFERS.clear()
     split_counters._warn_capture_without_counters.cache_clear()
-    g = torch.Generator().manual_seed(11)
-    w = _weight(g, 1024, 4096, "ue8m0", "cuda")
-    x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
-    want = tlg.linear_fp8(x, w)  # two launches
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with caplog.at_level(logging.WARNING, logger="deepinfer.cuda_sm100"), torch.cuda.graph(graph):
-        y = tlg.linear_fp8(x, w, fused=True)
-    assert not split_counters._BUFFERS and "outside the GEMM's launch" in caplog.text
-    graph.replay()
-    assert torch.equal(y, want)
-    split_counters._BUFFERS.update(saved)
+    try:
+        g = torch.Generator().manual_seed(11)
+        w = _weight(g, 1024, 4096, "ue8m0", "cuda")
+        x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
+        want = tlg.linear_fp8(x, w)  # two launches
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with caplog.at_level(logging.WARNING, logger="deepinfer.cuda_sm100"), torch.cuda.graph(graph):
+            y = tlg.linear_fp8(x, w, fused=True)
+        assert not split_counters._BUFFERS and "outside the GEMM's launch" in caplog.text
+        graph.replay()
+        assert torch.equal(y, want)
+    finally:
+        split_counters._BUFFERS.update(saved)
 
 
 @pytest.mark.gpu
