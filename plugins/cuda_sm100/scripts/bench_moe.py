@@ -40,7 +40,10 @@ ring (the result is the same at any depth) and prints each, to retune
 any height; 128, ``tl.moe.PREFILL_BLOCK_M``, the one-warpgroup kernels only), to check
 ``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
 one-warpgroup kernels at those heights with the compiler's register allotment instead of
-``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit).
+``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit); ``--gathered`` times both
+variants with the activations gathered into the sorted rows first and loaded by TMA
+(``tl.moe.moe_experts(gathered=True)``, the gather launch included; the same result, checked
+bit for bit).
 
 ``--gemv-sweep`` times only the decode-width GEMVs (``gemv_sweep.py``; no table), kernel by
 kernel, at the token counts of ``--tokens`` up to ``--gemv-tokens``: the gate / up kernel and the
@@ -158,6 +161,11 @@ def main() -> None:
     )
     parser.add_argument("--stages", default="", help="TileLang ring depths to sweep (e.g. 3,4,5)")
     parser.add_argument("--heights", default="", help="TileLang tile heights to sweep (e.g. 16,32,64)")
+    parser.add_argument(
+        "--gathered",
+        action="store_true",
+        help="also time the TileLang variants with the activations gathered into the sorted rows first",
+    )
     parser.add_argument(
         "--compiler-registers",
         default="",
@@ -306,6 +314,7 @@ def main() -> None:
 
         sweep = [("stages", int(v)) for v in args.stages.split(",") if v]
         sweep += [("block_m", int(v)) for v in args.heights.split(",") if v]
+        sweep += [("gathered", True)] if args.gathered else []
         variants = [c for c in (1, 2) if c == 1 or wide_problem is None] if tl_problem is None else []
         runs = [(c, kv) for c in variants for kv in sweep if kv[0] != "block_m" or kv[1] in tile_heights(c)]
         for consumers, (knob, value) in runs:
@@ -317,8 +326,15 @@ def main() -> None:
                 args.replays,
             )
             tb = tbps(us, fp4_expert_bytes)
-            tuned.append({"T": t, "consumers": consumers, knob: value, "us": us, "weight_TBps": tb})
-            print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s")
+            bitwise = torch.equal(
+                tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=consumers, **{knob: value}),
+                tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=consumers),
+            )
+            tuned.append(
+                {"T": t, "consumers": consumers, knob: value, "us": us, "weight_TBps": tb, "bitwise": bitwise}
+            )
+            print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s", end="")
+            print(f", bitwise {bitwise}")
         for bm in [int(v) for v in args.compiler_registers.split(",") if v] if tl_problem is None else []:
             tuned.append(time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm, args))
             tuned[-1]["weight_TBps"] = tb = tbps(tuned[-1]["us"], fp4_expert_bytes)

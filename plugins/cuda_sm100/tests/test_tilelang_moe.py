@@ -449,6 +449,28 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
+def test_with_gathered_activations_the_gate_up_kernel_loads_them_by_tma(consumers):
+    """``gathered``: the activations arrive by TMA copies of the tile's rows (as ``h`` in the
+    down kernel), with no per-token address arithmetic or 4-byte gathers of ``x`` in the
+    producer; the launch bound, the register split and the wgmma are the default's."""
+    import re
+
+    default = lowered_sm90(tlm.build_gate_up(4096, 2048, 32, "ue8m0", consumers=consumers), tlm.PASS_CONFIGS)
+    src = lowered_sm90(
+        tlm.build_gate_up(4096, 2048, 32, "ue8m0", consumers=consumers, gathered=True), tlm.PASS_CONFIGS
+    )
+    assert "tma_load(x_desc" in src and "tma_load(x_desc" not in default
+    assert "tok_magic) >>" in default and "tok_magic) >>" not in src, "no token arithmetic per row"
+    assert re.findall(r"cp_async_gs_conditional<4>\(\(&\(\(\(bfloat16_t\*\)xs\)", default)
+    assert not re.findall(r"\(bfloat16_t\*\)xs\)\[[^;]*cp_async", src) and "(&(x[" not in src
+    for pattern in (r"__launch_bounds__\(\d+, \d+\)", r"warpgroup_reg_(?:de)?alloc<\d+>", r"wgmma_rs<[^>]*>"):
+        found = sorted(set(re.findall(pattern, src)))
+        assert found and found == sorted(set(re.findall(pattern, default))), pattern
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("kind", ["gate_up", "down"])
 def test_the_prefill_tile_height_lowers_to_n_128_without_a_register_split(kind):
     """``PREFILL_BLOCK_M`` rows: the one-warpgroup kernels' wgmma with N = 128 and the
@@ -587,6 +609,22 @@ def test_gpu_prefill_tiles_are_bitwise_the_64_row_tiles():
         tall = tlm.moe_experts(*args, block_m=tlm.PREFILL_BLOCK_M)
         assert tall.abs().max().item() > 0.1, "degenerate outputs"
         assert torch.equal(tall, tlm.moe_experts(*args, block_m=64)), args[0].shape[0]
+
+
+@pytest.mark.gpu
+def test_gpu_gathered_activations_give_the_same_bits():
+    """The activations gathered into the sorted rows first and loaded by TMA (``gathered``)
+    give bitwise the result of the per-token gather in the kernel, both variants, tiles of 16,
+    32 and 64 rows, both scale formats; and replay in a CUDA graph bitwise."""
+    _gpu_ready()
+    for args in _wide_cases():
+        for consumers in tlm.CONSUMERS:
+            want = tlm.moe_experts(*args, consumers=consumers)
+            got = tlm.moe_experts(*args, consumers=consumers, gathered=True)
+            assert torch.equal(got, want), (args[0].shape[0], consumers, args[3].scale.dtype)
+    for args in _v4_cases()[1:4]:
+        eager = tlm.moe_experts(*args, gathered=True)
+        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, gathered=True)), eager)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,9 @@ buffers per K step of :data:`BLOCK_K` = 128 inputs: the packed bytes ``[128, 64]
 boxes for gate / up), their scales ``[128, 4]`` by 4-byte (ue8m0) or 16-byte (fp32)
 ``cp.async``, the activations ``[BLOCK_M, 128]`` by TMA (down: the sorted ``h`` rows) or
 4-byte ``cp.async`` gathered by token (gate / up; a thread keeps one row, a warp reads 32
-contiguous bytes of each of four rows).  The consumer warpgroup decodes each 64-row block
+contiguous bytes of each of four rows; with ``gathered``, by TMA from the rows that
+:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows` wrote in K order before the
+launch, as the down kernel reads ``h``).  The consumer warpgroup decodes each 64-row block
 straight into wgmma's A fragment in registers and issues ``wgmma`` with A from registers and
 the activations from shared memory (block 0's GEMMs asynchronous while block 1 decodes): the
 weights cross shared memory once, as packed bytes; no decoded tile is stored.  The registers are
@@ -422,6 +424,7 @@ def build_gate_up(
     consumers: int = 1,
     split_registers: bool = True,
     pdl: bool = False,
+    gathered: bool = False,
 ):
     """The gate / up ``prim_func``: grid ``(inter / (64 consumers), tiles)``; CTA ``(nb,
     tile)`` writes ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each
@@ -437,6 +440,10 @@ def build_gate_up(
             (``False``: the compiler's allotment; the same result).
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`: wait
             for the kernel before, then let the next be scheduled) before any global access.
+        gathered: ``x`` is the activations already gathered into the sorted rows in K order
+            (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`, ``[tiles *
+            BLOCK_M, D]``), loaded a tile's rows by one TMA copy a step as the down kernel loads
+            ``h``, instead of gathered by token here; the same result.
     """
     import tilelang.language as T
 
@@ -480,12 +487,15 @@ def build_gate_up(
                     for r, g in T.Parallel(R, BLOCK_K // GROUP):
                         src_row = T.if_then_else(r < F, nb * F + r, I + nb * F + r - F)
                         sc[r, g] = s[tile_expert[tile], src_row, k * (BLOCK_K // GROUP) + g]
-                    # a thread keeps its row across iterations; a warp reads 32 contiguous bytes
-                    # of each of 4 rows and stores them, 4 bytes apart, in K order
-                    for kq, r, m, j in T.Parallel(BLOCK_K // 16, BM, 8, 2):
-                        xs[r, k_position(16 * kq + 2 * m + j)] = x[
-                            _token(slot_pair, tile, BM, r, tok_magic), k * BLOCK_K + 16 * kq + 2 * m + j
-                        ]
+                    if gathered:  # the tile's rows, already in K order
+                        T.copy(x[tile * BM : tile * BM + BM, k * BLOCK_K : k * BLOCK_K + BLOCK_K], xs)
+                    else:
+                        # a thread keeps its row across iterations; a warp reads 32 contiguous
+                        # bytes of each of 4 rows and stores them, 4 bytes apart, in K order
+                        for kq, r, m, j in T.Parallel(BLOCK_K // 16, BM, 8, 2):
+                            xs[r, k_position(16 * kq + 2 * m + j)] = x[
+                                _token(slot_pair, tile, BM, r, tok_magic), k * BLOCK_K + 16 * kq + 2 * m + j
+                            ]
                     step_math(wp, sc, xs, wr, acc, packed)
                 for i, j in T.Parallel(F, BM):
                     g = T.min(T.Cast("float32", T.Cast("bfloat16", acc[0][i, j])), limit)
@@ -588,17 +598,18 @@ def _kernel(
     weights: str = "bfloat16",
     split_registers: bool = True,
     pdl: bool = False,
+    gathered: bool = False,
 ):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
     wide variant; ``stages``: the ring's depth; ``weights``: the down kernel's routing-weight
     dtype, :func:`build_down`'s; the default is ``moe_route``'s with the model's bf16 logits,
     so precompiled configurations, which leave it out, are the ones a call runs;
-    ``split_registers``, ``pdl``: :func:`build_gate_up`'s)."""
+    ``split_registers``, ``pdl``, ``gathered`` (gate / up only): :func:`build_gate_up`'s)."""
     import tilelang
 
     kw = dict(stages=stages, consumers=consumers, split_registers=split_registers, pdl=pdl)
     if kind == "gate_up":
-        func = build_gate_up(hidden, inter, block_m, scale, **kw)
+        func = build_gate_up(hidden, inter, block_m, scale, gathered=gathered, **kw)
     else:
         func = build_down(hidden, inter, block_m, scale, weights=weights, **kw)
     return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
@@ -703,6 +714,7 @@ def moe_experts(
     stages: int = STAGES,
     block_m=None,
     split_registers: bool = True,
+    gathered: bool = False,
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
     says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
@@ -713,8 +725,12 @@ def moe_experts(
     :data:`PREFILL_BLOCK_M` (default :func:`tile_height`; the same result at
     any height; ``bench_moe.py --heights`` sweeps it); ``split_registers``: one consumer
     warpgroup with the registers split by :data:`SPLIT_REGS` (``False``: the compiler's
-    allotment, the same result; ``bench_moe.py --compiler-registers`` times it)."""
+    allotment, the same result; ``bench_moe.py --compiler-registers`` times it); ``gathered``:
+    the activations gathered into the sorted rows by one Triton launch first
+    (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`) and loaded by TMA in
+    the gate / up kernel (the same result; ``bench_moe.py --gathered`` times it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
+    from deepinfer_cuda_sm100.kernels.moe_gather import gather_sorted_rows
 
     t, d = x.shape
     top_k = ids.shape[1]
@@ -734,10 +750,10 @@ def moe_experts(
     gu_scale = gate_up.scale.view(torch.uint8) if scale_kind(gate_up) == "ue8m0" else gate_up.scale
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
     pdl = tl_pdl_enabled()
-    gate_up_kernel = _kernel(
-        "gate_up", d, inter, bm, scale_kind(gate_up), consumers, stages, "bfloat16", split_registers, pdl
-    )
-    gate_up_kernel(x, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic)
+    config = (bm, scale_kind(gate_up), consumers, stages, "bfloat16", split_registers, pdl)
+    gate_up_kernel = _kernel("gate_up", d, inter, *config, gathered)
+    rows = gather_sorted_rows(x, tile_expert, slot_pair, top_k, experts) if gathered else x
+    gate_up_kernel(rows, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic)
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw, rw_dtype = routing_weights(weights)
