@@ -18,6 +18,7 @@ import json
 import os
 import sys
 
+import cuda_sm100_checks as checks
 import pytest
 import torch
 
@@ -82,9 +83,7 @@ def interpreter_report() -> dict:
     return {"interpreted": _common.INTERPRETED, "gather": gather_problems()}
 
 
-@slow
-def test_kernel_ran_interpreted(report):
-    assert report["interpreted"], "TRITON_INTERPRET=1 did not reach the kernel modules"
+test_kernel_ran_interpreted = checks.test_kernel_ran_interpreted  # the report's shared test
 
 
 @slow
