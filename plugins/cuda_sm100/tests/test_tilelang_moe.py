@@ -450,6 +450,27 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("consumers", tlm.CONSUMERS)
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_the_down_epilogue_reads_each_rows_pair_and_weight_once_without_dividing(block_m, consumers):
+    """The down kernel's epilogue: one global read of ``slot_pair`` and one of the routing
+    weights per row of the tile (into shared memory, behind the consumers' barrier), the
+    weights read flat (``rw[p]``), so no integer division or remainder by a runtime value
+    anywhere in the kernel; every output then reads its row's pair and weight from shared
+    memory."""
+    import re
+
+    src = lowered_sm90(tlm.build_down(4096, 2048, block_m, "ue8m0", consumers=consumers), tlm.PASS_CONFIGS)
+    body = src[src.index("__global__ void __launch_bounds__") :]
+    assert body.count("slot_pair[") == 1 and body.count("rw[") == 1, "one read of each per row"
+    assert not re.search(r"[%/] (K|TK|T|NS|P)\)", body), "an integer division by a runtime value"
+    staged = body.index("pairs[")
+    assert re.search(r"__sync_thread_partial\(\d+, \d+\)", body[staged:]), "the consumers' barrier"
+    assert "y[" in body[staged:] and "y[" not in body[:staged]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 def test_with_gathered_activations_the_gate_up_kernel_loads_them_by_tma(consumers):
     """``gathered``: the activations arrive by TMA copies of the tile's rows (as ``h`` in the
     down kernel), with no per-token address arithmetic or 4-byte gathers of ``x`` in the
