@@ -44,6 +44,7 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .page_division import divider, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
 
 BN = 128
@@ -95,7 +96,7 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
         """``off[i]``: candidate ``c0 + i``'s key row in 16-byte units, ``-1`` if invalid, for
         every candidate of the CTA (``blocks * BN``; one round of independent index loads
         before the first gather instead of one per block)."""
-        block_table, token_rows, counts, max_count, epp = paged
+        block_table, token_rows, counts, max_count, epp, magic, shift = paged
         if kind == "rows":
             for i in T.Parallel(blocks * BN):
                 col = c0 + i
@@ -106,7 +107,8 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
             page_row = T.Cast("int32", token_rows[t])
             for i in T.Parallel(blocks * BN):
                 e = c0 + i
-                row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
+                page, slot = page_and_slot(e, epp, magic, shift)
+                row = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot
                 off[i] = T.if_then_else(e < count, row * kst, T.int64(-1))
 
     @T.macro
@@ -128,6 +130,8 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
         scale: T.float32,
         max_count: T.int32,
         epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
     ):
         with T.Kernel(T.ceildiv(n_cand, BN * blocks), n_tok, threads=THREADS) as (g, t):
             q_s = T.alloc_shared((H, D), dtype)
@@ -144,7 +148,7 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
             T.copy(q[t, 0, 0], q_s)
             for h in T.Parallel(H):
                 w_s[h] = w[t, h]
-            paged = (block_table, token_rows, counts, max_count, epp)
+            paged = (block_table, token_rows, counts, max_count, epp, epp_magic, epp_shift)
             offsets(off, t, g * blocks * BN, cand, paged, kst)
             # the gather in stage 0, the GEMM and the epilogue in stage 1
             for b in T.Pipelined(blocks, order=[0, 1, 2, 3, 4], stage=[0, 1, 1, 1, 1]):
@@ -241,5 +245,6 @@ def indexer_scores(
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(dev))
     kernel = _kernel(kind, h, d, TL_DTYPES[q.dtype], blocks, tl_pdl_enabled())
-    kernel(q.contiguous(), w.contiguous(), flat, cand, bt, rows, counts, scores, kst, float(scale), c, epp)
+    args = (q.contiguous(), w.contiguous(), flat, cand, bt, rows, counts, scores, kst, float(scale), c)
+    kernel(*args, epp, *divider(epp))
     return scores

@@ -38,6 +38,7 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .page_division import divider, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
 
 GROUP = 2
@@ -70,14 +71,16 @@ def build_grouped_scores(
     start = prologue()
 
     @T.macro
-    def row_offsets(off, page_row, c0, count, epp, block_table):
+    def row_offsets(off, page_row, c0, count, pages, block_table):
         """``off[i]``: entry ``c0 + i`` of block-table row ``page_row`` as a pool row (int32,
         half the static shared memory of 16-byte offsets), ``-1`` from ``count`` on (the
         entries no token of the row sees: their pages need not exist), negative where the table
         holds no page."""
+        epp, magic, shift = pages
         for i in T.Parallel(blocks * BN):
             e = c0 + i
-            row = block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp
+            page, slot = page_and_slot(e, epp, magic, shift)
+            row = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot
             off[i] = T.if_then_else(e < count, T.Cast("int32", row), -1)
 
     def row_count(row, count, p):
@@ -106,6 +109,8 @@ def build_grouped_scores(
         scale: T.float32,
         max_count: T.int32,
         epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
     ):
         with T.Kernel(T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G), threads=THREADS) as (g, tg):
             q_s = T.alloc_shared((G, H, D), dtype)
@@ -139,7 +144,8 @@ def build_grouped_scores(
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
-                    row_offsets(off, T.Cast("int32", rows_s[p]), c0, live_s[p], epp, block_table)
+                    pages = (epp, epp_magic, epp_shift)
+                    row_offsets(off, T.Cast("int32", rows_s[p]), c0, live_s[p], pages, block_table)
                     # the blocks holding an entry a token of the row sees (at least one: the
                     # pipeline's prologue gathers a block); past them every score is -inf
                     nb = T.max(
@@ -230,9 +236,10 @@ def indexer_scores(
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
     kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled())
+    epp = int(candidates.entries_per_page)
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
         index_int64(candidates.token_rows), index_int64(candidates.counts), scores, kst,
-        float(scale), c, int(candidates.entries_per_page),
+        float(scale), c, epp, *divider(epp),
     )  # fmt: skip
     return scores

@@ -17,12 +17,15 @@ each source's valid keys and compacts the explicit row lists (``-1`` rows droppe
 the kernel then walks one sequence: the compacted explicit rows of every source, then, when
 the last source is a :class:`~deepinfer_core.ops.attention.PagedIndex`, its entries resolved
 through the block table (block table and token rows read in the contract's int64, as the step
-plans build them: no conversion launch per call; a call without a paged source never reads
-them).  Every key of a block is valid except in the sequence's last block, and a query's keys
-are split over blocks the same way whichever source holds them.  The pools (the queries'
-dtype, 16-byte aligned rows) are addressed from the lowest pool's address in 16-byte units
+plans build them: no conversion launch per call; a call without a paged source never reads them;
+an entry's page and slot by a multiply and a shift,
+:mod:`~deepinfer_cuda_sm100.tl.page_division`, not an integer division by the entries a page).
+Every key of a block is valid except in the sequence's last block, and a query's keys are split
+over blocks the same way whichever source holds them. The pools (the queries' dtype, 16-byte
+aligned rows) are addressed from the lowest pool's address in 16-byte units
 (one flat address space: no per-source branch in a gather).  The softmax starts from the
-head's sink (``m = sink``, ``l = 1``).
+head's sink (``m = sink``, ``l = 1``); the output is ``acc`` times ``1 / l``, one reciprocal a
+row rather than an IEEE division an output (256 a thread, each with a call to its slow path).
 
 Split-KV: with few queries (fewer CTAs than SMs) and long key lists the sequence's blocks are
 split over ``S`` CTAs per (token, head block); each writes its fp32 partial ``(acc, m, l)``
@@ -51,6 +54,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
+from .page_division import divider, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
 
 LOG2E = 1.4426950408889634
@@ -117,7 +121,7 @@ def build_attention(
         scale_words = -(-(fp8.scale_offset % 8 + fp8.groups) // 8)
 
     @T.macro
-    def key_offsets(off, t, j0, compact, nvalid, block_table, token_rows, bases, strides, epp):
+    def key_offsets(off, t, j0, compact, nvalid, block_table, token_rows, bases, strides, pages):
         """``off[i]``: key ``j0 + i`` of query ``t``'s sequence as a row offset in address
         units from the pools' common base, ``-1`` past the sequence's end."""
         n0 = nvalid[t, 0]
@@ -127,14 +131,16 @@ def build_attention(
         # the table's row (int32 index math); a call without a paged source never reads the
         # table or the token rows (the host passes unwritten placeholders)
         page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
+        epp, magic, shift = pages
         for i in T.Parallel(BN):
             j = j0 + i
             e = j - n_expl  # the entry of the paged source
+            page, slot = page_and_slot(e, epp, magic, shift)
             row = (
                 T.if_then_else(
                     j < n_expl,
                     T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
-                    block_table[page_row, T.max(T.min(e // epp, p_bt - 1), 0)] * epp + e % epp,
+                    block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot,
                 )
                 if paged
                 else T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
@@ -237,14 +243,15 @@ def build_attention(
         for h in T.Parallel(BH):  # split 0 starts from the sink, the others from nothing
             m[h] = T.if_then_else(s == 0, sinks[hb * BH + h] * LOG2E, -1e30)
             l[h] = T.if_then_else(s == 0, 1.0, 0.0)
-        compact, nvalid, block_table, token_rows, bases, strides, epp = sequence
+        compact, nvalid, block_table, token_rows, bases, strides, pages = sequence
+        index = (compact, nvalid, block_table, token_rows)
         nb = T.ceildiv(nvalid[t, 0] + nvalid[t, 1] + nvalid[t, 2], BN)
         lo = T.min(s * T.ceildiv(nb, n_split), nb)
         hi = T.min(lo + T.ceildiv(nb, n_split), nb)
         # at least one (then fully masked) block: a trip count that may be zero would leave
         # the pipeline's barriers inside a data-dependent branch
         for b in T.Pipelined(T.max(hi - lo, 1), order=order, stage=stage):
-            key_offsets(off, t, (lo + b) * BN, compact, nvalid, block_table, token_rows, bases, strides, epp)
+            key_offsets(off, t, (lo + b) * BN, *index, bases, strides, pages)
             if fp8 is None:
                 gather_plain(k_s, off, pools[0], sequence[4][0])
             else:
@@ -262,8 +269,10 @@ def build_attention(
                 ml[t, s, hb * BH + h, 0] = m[h]
                 ml[t, s, hb * BH + h, 1] = l[h]
         else:
+            for h in T.Parallel(BH):  # one reciprocal a row, not an IEEE division an output
+                l[h] = 1.0 / l[h]
             for h, d in T.Parallel(BH, D):
-                out[t, hb * BH + h, d] = acc_o[h, d] / l[h]
+                out[t, hb * BH + h, d] = acc_o[h, d] * l[h]
 
     if fp8 is None:
 
@@ -287,6 +296,8 @@ def build_attention(
             st2: T.int64,
             scale2: T.float32,
             epp: T.int32,
+            epp_magic: T.int32,
+            epp_shift: T.int32,
         ):
             with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
                 if pdl:
@@ -298,7 +309,7 @@ def build_attention(
                     token_rows,
                     (base0, base1, base2),
                     (st0, st1, st2),
-                    epp,
+                    (epp, epp_magic, epp_shift),
                 )
                 decode(q, sinks, out, part, ml, t, s, hb, (flat,), sequence, scale2)
 
@@ -326,11 +337,14 @@ def build_attention(
         st2: T.int64,
         scale2: T.float32,
         epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
     ):
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
             if pdl:
                 start()
-            sequence = (compact, nvalid, block_table, token_rows, (base0, base1, base2), (st0, st1, st2), epp)
+            pages, bases = (epp, epp_magic, epp_shift), (base0, base1, base2)
+            sequence = (compact, nvalid, block_table, token_rows, bases, (st0, st1, st2), pages)
             decode(q, sinks, out, part, ml, t, s, hb, (flat8, flat16, flat64), sequence, scale2)
 
     return sparse_attention_decode_fp8
@@ -368,8 +382,9 @@ def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
                 den = den + ml[t, s, h, 1] * w
                 for d in T.Parallel(D):
                     acc[d] = acc[d] + part[t, s, h, d] * w
+            den = 1.0 / den  # one reciprocal, not an IEEE division an output
             for d in T.Parallel(D):
-                out[t, h, d] = acc[d] / den
+                out[t, h, d] = acc[d] * den
 
     return sparse_attention_combine
 
@@ -492,7 +507,7 @@ def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> 
     scale2 = float(scale) * LOG2E
     sinks = sinks.float().contiguous()
     tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
-    kernel(*tensors, *bases, *strides, scale2, epp)
+    kernel(*tensors, *bases, *strides, scale2, epp, *divider(epp))
     if s == 1:
         return out
     out = torch.empty_like(q)

@@ -1,0 +1,42 @@
+"""A paged index's entry split into its page and slot without an integer division on the device.
+
+The paged kernels (:mod:`~deepinfer_cuda_sm100.tl.sparse_attention`,
+:mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`, :mod:`~deepinfer_cuda_sm100.tl.indexer`,
+:mod:`~deepinfer_cuda_sm100.tl.indexer_grouped`) map entry ``e`` of a sequence to pool row
+``block_table[page_row, e // epp] * epp + e % epp`` for every key they gather, ``epp`` (entries a
+page) a launch argument.  Written as ``//`` and ``%`` by a runtime value, that was a 64-bit
+integer division subroutine on the GPU for each, twice a key.  Here the host turns ``epp`` into
+a 32-bit multiplier and a shift (:func:`divider`) and the kernels divide by one widening
+32 x 32 -> 64-bit multiply and a shift (:func:`page_and_slot`):
+
+    page = (e * magic) >> shift,  shift = 30 + ceil(log2(epp)),  magic = 2**shift // epp + 1
+
+exact for ``0 <= e < 2**30`` (the rounding error ``e (magic epp - 2**shift) / (epp 2**shift)``
+stays below ``1 / epp``), ``magic < 2**31`` (an int32 launch argument in one 32-bit register:
+a 64-bit one made the seesaw kernel's producer spill).  A negative ``e`` (a key that is not in the paged
+source, whose row the kernels do not take) gives some page, which the kernels clamp into the
+table as before.
+"""
+
+ENTRY_BITS = 30
+"""Entries of a sequence the division is exact for: ``0 <= e < 2**ENTRY_BITS``."""
+
+
+def divider(epp: int) -> tuple[int, int]:
+    """``(magic, shift)`` of :func:`page_and_slot` for ``epp`` entries a page (``epp >= 1``)."""
+    if epp < 1:
+        raise ValueError(f"entries per page must be positive, got {epp}")
+    if epp >= 1 << 31:
+        raise ValueError(f"entries per page must fit in int32, got {epp}")
+    shift = ENTRY_BITS + (epp - 1).bit_length()
+    return (1 << shift) // epp + 1, shift  # < 2**31 for every epp < 2**31
+
+
+def page_and_slot(e, epp, magic, shift):
+    """TIR expressions ``(e // epp, e % epp)`` for an int32 entry ``e`` in ``[0, 2**30)``, from
+    the launch arguments ``epp`` and its :func:`divider` (``magic``, ``shift``: int32)."""
+    import tilelang.language as T
+
+    wide = T.Cast("uint64", T.Cast("uint32", e)) * T.Cast("uint64", magic)
+    page = T.Cast("int32", wide >> T.Cast("uint64", shift))
+    return page, e - page * epp
