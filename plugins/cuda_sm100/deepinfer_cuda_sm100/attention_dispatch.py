@@ -34,6 +34,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
+from deepinfer_cuda_sm100.tl import page_division
 from deepinfer_cuda_sm100.tl import sparse_attention as tl_attention
 from deepinfer_cuda_sm100.tl import sparse_attention_ws as tl_attention_ws
 from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
@@ -57,6 +58,9 @@ def tilelang_supports(q, kv_pools, indices, sinks, scale) -> bool | str:
         return f"{len(kv_pools)} sources: the TileLang kernel takes 2 or 3"
     if any(isinstance(i, PagedIndex) for i in indices[:2]):
         return "a paged index among the first two sources: the TileLang kernel reads it third"
+    bits = page_division.ENTRY_BITS
+    if isinstance(indices[-1], PagedIndex) and indices[-1].max_count >= 1 << bits:
+        return f"{indices[-1].max_count} paged entries: the TileLang kernel takes fewer than 2**{bits}"
     if isinstance(kv_pools[0], Fp8KVPool):
         return _packed_supports(q, kv_pools)
     for i, pool in enumerate(kv_pools):

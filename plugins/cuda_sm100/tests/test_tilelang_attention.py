@@ -157,6 +157,10 @@ def test_tilelang_takes_plain_v4_calls_and_names_what_it_refuses():
     assert "sources" in tilelang_supports(q, pools[:1], idx[:1], sinks, scale)
     odd = torch.randn(16, 513).to(torch.bfloat16)[:, :512]  # rows 513 apart: not 16-byte aligned
     assert "aligned" in tilelang_supports(q, [odd, *pools[1:]], idx, sinks, scale)
+    import dataclasses
+
+    huge = dataclasses.replace(paged_idx[-1], max_count=1 << 30)  # past the exact page division
+    assert "2**30" in tilelang_supports(q, pools, [*paged_idx[:-1], huge], sinks, scale)
 
 
 def test_split_kinds_and_key_counts_follow_the_sources():

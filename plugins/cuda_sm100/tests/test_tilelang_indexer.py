@@ -48,6 +48,12 @@ def test_the_tilelang_scores_refuse_what_they_cannot_run_and_say_why():
     assert "multiple of 16 bytes" in tli.supports(q, w, odd, cand)
     shifted = torch.randn(41 * 128 + 1).to(torch.bfloat16)[1:].view(41, 128)[:40]
     assert "16-byte aligned" in tli.supports(q, w, shifted, cand)
+    import dataclasses
+
+    index = PagedIndex(torch.zeros(3, 2, dtype=torch.int64), torch.arange(3), torch.full((3,), 20), 16, 20)
+    assert tli.supports(q, w, keys, index) is True
+    huge = dataclasses.replace(index, max_count=1 << 30)  # past the exact page division
+    assert "2**30" in tli.supports(q, w, keys, huge)
 
 
 def test_cpu_and_batch_invariant_calls_keep_the_triton_scores():
