@@ -325,8 +325,8 @@ def compile_typed(fn, args: dict[str, str], constexprs: dict, arch: int, hints: 
 
 def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     """``fn`` compiled for ``sm_<arch>`` as a launch with ``args`` would specialise it: tensors
-    as typed pointers (16-byte aligned ones with the divisibility hint), ints equal to 1 as
-    constants, multiples of 16 with the hint."""
+    as typed pointers (16-byte aligned ones with the divisibility hint), ints equal to 1 and
+    constexpr parameters given by position as constants, multiples of 16 with the hint."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -338,6 +338,9 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     signature, attrs = {}, {}
     for i, a in enumerate(args):
         name = names[i]
+        if fn.params[i].is_constexpr:  # a constexpr passed by position: specialised on its value
+            consts[name] = a
+            continue
         if isinstance(a, torch.Tensor):
             signature[name] = "*" + TRITON_TYPES[a.dtype]
             aligned = a.data_ptr() % 16 == 0

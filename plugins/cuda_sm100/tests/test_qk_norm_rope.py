@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import cuda_sm100_checks as checks
@@ -160,7 +161,8 @@ def test_weights_and_rope_tables_load_before_the_norms_sum(monkeypatch):
     issued with the rows', before the sum of squares' first block barrier, so their latency
     overlaps the rows' instead of following the sum (and, for the tables, the block barrier
     before the rotation).  ``rms_norm``'s own kernel likewise loads its weight with the row:
-    at V4-Flash's widths every global load comes before the first barrier."""
+    at V4-Flash's widths every global load comes before the first barrier.  No 64-bit integer
+    division: the head count is a compile-time constant."""
     from cuda_sm100_checks import compile_launch, global_loads_around
     from deepinfer_cuda_sm100.kernels import norm, qk_norm_rope
 
@@ -168,7 +170,11 @@ def test_weights_and_rope_tables_load_before_the_norms_sum(monkeypatch):
     kernel, a, kw = _launches(monkeypatch, qk_norm_rope.qk_norm_rope, args, kwargs)[0]
     # rows, weight and cosines (sines follow the cosines' layout change); the rows were before
     # with the weight after the sum and the tables after the rotation's barrier: 2
-    assert global_loads_around(compile_launch(kernel, a, kw, 90).asm["ptx"], "bar.sync")[0] >= 4
+    ptx = compile_launch(kernel, a, kw, 90).asm["ptx"]
+    assert global_loads_around(ptx, "bar.sync")[0] >= 4
+    # a query row's token and head from the head count, a constant: no 64-bit division
+    # subroutine before the first load (it was two, on every program's critical path)
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx)
     for d in (1024, 4096):
         x = torch.empty(1, d, dtype=torch.bfloat16)
         block_r, block_d, warps = norm.row_tile(d)

@@ -33,7 +33,7 @@ def _qk_norm_rope_kernel(
     q_out_ptr,
     kv_out_ptr,
     T,
-    H,
+    H: tl.constexpr,
     D,
     HALF,
     stride_qt,
@@ -56,7 +56,7 @@ def _qk_norm_rope_kernel(
     r = tl.where(is_q, pid, pid - Q_PROGRAMS).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     n_rows = tl.where(is_q, T * H, T)
     row_mask = r < n_rows
-    t = tl.where(is_q, r // H, r)  # each row's token
+    t = tl.where(is_q, r // H, r)  # each row's token (H a constant: no division subroutine)
     x_rows = tl.where(is_q, q_ptr + t * stride_qt + (r % H) * stride_qh, kv_ptr + t * stride_kt)
     o_rows = tl.where(is_q, q_out_ptr + r * D, kv_out_ptr + r * D)
     dtype = q_out_ptr.dtype.element_ty
