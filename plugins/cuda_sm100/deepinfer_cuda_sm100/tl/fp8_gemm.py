@@ -292,8 +292,8 @@ def build_gemm(
 
     @T.macro
     def product(x, w, s, nb, sp, w_sh, x_sh, s_sh, w_reg, acc, c_sh):
-        """The CTA's product over its K range into ``c_sh`` (tokens by features), then written
-        to ``out`` (bf16 ``y``, or the split's fp32 partial)."""
+        """The CTA's product over its K range into ``c_sh`` (tokens by features, in the output's
+        dtype: bf16 ``y``, or the split's fp32 partial)."""
         if not wide:
             T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
         for i in T.Parallel(per):
