@@ -40,7 +40,8 @@ ring (the result is the same at any depth) and prints each, to retune
 any height; 128, ``tl.moe.PREFILL_BLOCK_M``, the one-warpgroup kernels only), to check
 ``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
 one-warpgroup kernels at those heights with the compiler's register allotment instead of
-``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit); ``--gathered`` times both
+``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit), ``--ctas-per-sm 16=3`` with the
+split of that many CTAs an SM (``tl.moe.split_for``; checked likewise); ``--gathered`` times both
 variants with the activations gathered into the sorted rows first and loaded by TMA
 (``tl.moe.moe_experts(gathered=True)``, the gather launch included; the same result, checked
 bit for bit).
@@ -83,6 +84,7 @@ from pathlib import Path
 
 import torch
 from graph_timing import gpu_run_header, time_graph
+from register_splits import register_splits, time_register_split
 
 from deepinfer_core.benchmarking.harness import run_main
 
@@ -126,21 +128,6 @@ def routings(t: int, e: int, k: int, n: int, seed: int) -> list[tuple[torch.Tens
     return out
 
 
-def time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm: int, args) -> dict:
-    """The one-warpgroup TileLang kernels at tile height ``bm`` with the compiler's register
-    allotment (``split_registers=False``): µs a call and whether the output equals the default's."""
-    split = dict(consumers=1, block_m=bm, split_registers=False)
-    got = tilelang_moe(x, *routes[0], gate_up, down, LIMIT, **split)
-    want = tilelang_moe(x, *routes[0], gate_up, down, LIMIT, consumers=1, block_m=bm)
-    us = time_graph(
-        lambda j: tilelang_moe(x, *routes[j], gate_up, down, LIMIT, **split),
-        args.calls_per_graph,
-        args.replays,
-    )
-    return {"T": x.shape[0], "consumers": 1, "block_m": bm, "split_registers": False, "us": us,
-            "bitwise": bool(torch.equal(got, want))}  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default=TOKENS, help=f"token counts T (default {TOKENS})")
@@ -165,6 +152,12 @@ def main() -> None:
         "--gathered",
         action="store_true",
         help="also time the TileLang variants with the activations gathered into the sorted rows first",
+    )
+    parser.add_argument(
+        "--ctas-per-sm",
+        default="",
+        help="HEIGHT=CTAS items (e.g. 16=3) at which to time the one-warpgroup TileLang kernels with the "
+        "register split of CTAS CTAs an SM (tl.moe.split_for), checked bit for bit",
     )
     parser.add_argument(
         "--compiler-registers",
@@ -335,11 +328,13 @@ def main() -> None:
             )
             print(f"    tune T={t} consumers={consumers} {knob}={value}: {us:.1f} us, {tb:.2f} TB/s", end="")
             print(f", bitwise {bitwise}")
-        for bm in [int(v) for v in args.compiler_registers.split(",") if v] if tl_problem is None else []:
-            tuned.append(time_compiler_registers(tilelang_moe, x, routes, gate_up, down, bm, args))
+        splits = register_splits(args.compiler_registers, args.ctas_per_sm) if tl_problem is None else []
+        for bm, split in splits:
+            tuned.append(time_register_split(tilelang_moe, x, routes, gate_up, down, LIMIT, bm, split, args))
             tuned[-1]["weight_TBps"] = tb = tbps(tuned[-1]["us"], fp4_expert_bytes)
+            label = "compiler's registers" if split is False else f"registers {split}"
             print(
-                f"    tune T={t} block_m={bm} compiler's registers: {tuned[-1]['us']:.1f} us, {tb:.2f} TB/s, "
+                f"    tune T={t} block_m={bm} {label}: {tuned[-1]['us']:.1f} us, {tb:.2f} TB/s, "
                 f"bitwise {tuned[-1]['bitwise']}"
             )
         want = reference(x, *routes[0], gate_up_bf16, down_bf16, LIMIT).float()

@@ -378,6 +378,33 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
     assert {c[5] for c in moe_configurations(384, 2048)} == {1}  # the wide kernels refuse D=384
 
 
+def test_register_splits_fill_the_register_file_and_the_bench_names_them():
+    """``split_for``: the consumers' registers the most a multiple of 8 that ``ctas`` CTAs of two
+    128-thread warpgroups leave (4 CTAs: :data:`SPLIT_REGS`'s 16-row split); impossible splits
+    are refused; ``bench_moe.py``'s ``--compiler-registers`` / ``--ctas-per-sm`` items parse to
+    those splits."""
+    import sys
+    from pathlib import Path
+
+    assert tlm.split_for(4) == tlm.SPLIT_REGS[16] == (4, 24, 104)
+    for ctas in (1, 2, 3, 4, 5):
+        c, producer, consumer = tlm.split_for(ctas)
+        assert (
+            consumer % 8 == 0
+            and (producer + consumer) * 128 * c <= 65536 < (producer + consumer + 8) * 128 * c
+        )
+    with pytest.raises(ValueError, match="register split"):
+        tlm.split_for(11)  # 46 registers a thread: no room for a consumer beside the producer
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from register_splits import register_splits
+
+    assert register_splits("16,32", "16=3") == [(16, False), (32, False), (16, (3, 24, 144))]
+    with pytest.raises(ValueError, match="one-warpgroup"):
+        x, ids, w = torch.zeros(1, 256), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2)
+        stacks = (torch.zeros(2, 256, 256), torch.zeros(2, 256, 128))  # widths the wide kernels take
+        tlm.moe_experts(x, ids, w, *stacks, 1.0, consumers=2, split_registers=(3, 24, 144))
+
+
 def test_routing_weights_reach_the_down_kernel_without_a_conversion():
     """``moe_route``'s bf16 weights (and float32 ones) go to the down kernel as they are (no
     launch), the kernel compiled for their dtype, by default the bf16 one precompile builds; the
@@ -445,6 +472,41 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
         assert 128 * consumers * (producer + consumer) * ctas <= 65536, "the split fits the register file"
         fences = re.findall(r"warpgroup_fence_operand\(reinterpret_cast<float\*>\(\w+ \+ 0\), (\d+)\)", src)
         assert fences and {int(n) for n in fences} == {64 * bm // 128}, "a thread's accumulator registers"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
+@pytest.mark.parametrize("kind", ["gate_up", "down"])
+def test_three_ctas_an_sm_keep_the_16_row_kernels_wgmma_pipelined(kind, tmp_path):
+    """Built for sm_90a, the one-warpgroup kernels at 16-row tiles with :func:`split_for` ``(3)``
+    compile without spills and without ptxas serialising their wgmma instructions (C7512), which
+    it does under :data:`SPLIT_REGS`'s four CTAs an SM (64 registers at launch)."""
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
+    reports = {}
+    for ctas in (3, 4):
+        src = tmp_path / f"k{ctas}.cu"
+        src.write_text(
+            lowered_sm90(
+                build(4096, 2048, 16, "ue8m0", split_registers=tlm.split_for(ctas)), tlm.PASS_CONFIGS
+            )
+        )
+        cmd = [
+            get_nvcc_compiler(),
+            "-cubin",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            *default_compile_options(),
+        ]
+        done = subprocess.run(
+            [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        reports[ctas] = done.stderr
+    assert "C7512" not in reports[3] and "0 bytes spill stores" in reports[3]
+    assert "C7512" in reports[4], "the four-CTA split's serialisation (documented in SPLIT_REGS) went away"
 
 
 @pytest.mark.slow
@@ -646,6 +708,17 @@ def test_gpu_gathered_activations_give_the_same_bits():
     for args in _v4_cases()[1:4]:
         eager = tlm.moe_experts(*args, gathered=True)
         assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, gathered=True)), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_other_register_splits_give_the_same_bits():
+    """Three CTAs an SM at 16-row tiles (:func:`split_for`) and the compiler's allotment give the
+    default split's bits."""
+    _gpu_ready()
+    for args in _v4_cases((1, 16, 64)):
+        want = tlm.moe_experts(*args, block_m=16)
+        for split in (tlm.split_for(3), False):
+            assert torch.equal(tlm.moe_experts(*args, block_m=16, split_registers=split), want), split
 
 
 @pytest.mark.gpu

@@ -180,7 +180,23 @@ SM than the compiler's allotment leaves room for (2, 2 and 1: 106, 122-126 and 1
 registers every thread).  Measured on an H200 (``bench_moe.py --experts 64``, the whole op):
 408 against 464 µs at 64 tokens (``BLOCK_M`` 16), 577 against 647 at 256 (32); the wide
 variant's 403 and 641.  Built with ``nvcc 13 -arch=sm_90a``, no configuration spills (a
-24-register producer does at ``BLOCK_M`` 64: 40 there)."""
+24-register producer does at ``BLOCK_M`` 64: 40 there).  At ``BLOCK_M`` 16 the four CTAs an SM
+leave ptxas 64 registers a thread at launch, and it serialises the consumer's wgmma
+instructions (C7512, "insufficient register resources": a wait after each of a step's 16),
+as it does the wide variant's at 16 rows; three CTAs an SM (:func:`split_for`: 80 at launch)
+do not.  ``bench_moe.py --ctas-per-sm 16=3`` times that split against this one."""
+
+
+def split_for(ctas: int, producer: int = 24) -> tuple[int, int, int]:
+    """The one-warpgroup kernels' register split for ``ctas`` CTAs an SM: ``(ctas, producer,
+    consumer)`` with the consumers' registers the most (a multiple of 8) that ``ctas`` CTAs of a
+    128-thread producer and a 128-thread consumer warpgroup leave (``setmaxnreg``)."""
+    consumer = (65536 // (128 * ctas) - producer) // 8 * 8
+    if ctas < 1 or producer < 24 or producer % 8 or consumer < producer:
+        raise ValueError(f"no register split of {ctas} CTAs an SM with a {producer}-register producer")
+    return ctas, producer, consumer
+
+
 PREFILL_BLOCK_M = 128
 """A tile height for many rows an expert, of the one-warpgroup kernels only: wgmma's N = 128, so
 each decoded weight serves twice the tokens of a 64-row tile.  The compiler's register allotment
@@ -361,15 +377,18 @@ def _macros(scale: str, consumers: int = 1):
     return step_math
 
 
-def _register_split(block_m: int, consumers: int, split_registers: bool = True):
+def _register_split(block_m: int, consumers: int, split_registers: bool | tuple = True):
     """The kernels' register allotment, a macro: one consumer warpgroup splits them by
-    :data:`SPLIT_REGS` (``split_registers``, at the heights it names; else the compiler's, no
-    ``setmaxnreg``); the wide variant takes TileLang's producer / consumer split with
-    :func:`_wide_setup`'s minimum CTAs an SM and register counts."""
+    :data:`SPLIT_REGS` (``split_registers`` true, at the heights it names), by the given
+    ``(CTAs an SM, producer, consumer)`` (a tuple, :func:`split_for`'s), or not at all (false:
+    the compiler's, no ``setmaxnreg``); the wide variant takes TileLang's producer / consumer
+    split with :func:`_wide_setup`'s minimum CTAs an SM and register counts."""
     import tilelang.language as T
 
     if consumers != 1:
         cta_min, nreg_prod, nreg_cons = _wide_setup(block_m)
+    elif isinstance(split_registers, tuple):
+        cta_min, nreg_prod, nreg_cons = split_registers
     else:
         cta_min, nreg_prod, nreg_cons = SPLIT_REGS.get(block_m, (1, 0, 0)) if split_registers else (1, 0, 0)
     split = nreg_cons > 0
@@ -427,7 +446,7 @@ def build_gate_up(
     scale: str,
     stages: int | None = None,
     consumers: int = 1,
-    split_registers: bool = True,
+    split_registers: bool | tuple = True,
     pdl: bool = False,
     gathered: bool = False,
 ):
@@ -442,7 +461,8 @@ def build_gate_up(
         stages: the ring's depth (default :data:`STAGES`).
         consumers: consumer warpgroups a CTA (:data:`CONSUMERS`).
         split_registers: one consumer warpgroup: the registers split by :data:`SPLIT_REGS`
-            (``False``: the compiler's allotment; the same result).
+            (``False``: the compiler's allotment; a tuple: that split, :func:`split_for`'s; the
+            same result).
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`: wait
             for the kernel before, then let the next be scheduled) before any global access.
         gathered: ``x`` is the activations already gathered into the sorted rows in K order
@@ -528,7 +548,7 @@ def build_down(
     stages: int | None = None,
     consumers: int = 1,
     weights: str = "bfloat16",
-    split_registers: bool = True,
+    split_registers: bool | tuple = True,
     pdl: bool = False,
 ):
     """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
@@ -613,7 +633,7 @@ def _kernel(
     consumers: int = 1,
     stages: int = STAGES,
     weights: str = "bfloat16",
-    split_registers: bool = True,
+    split_registers: bool | tuple = True,
     pdl: bool = False,
     gathered: bool = False,
 ):
@@ -730,7 +750,7 @@ def moe_experts(
     consumers: int = 1,
     stages: int = STAGES,
     block_m=None,
-    split_registers: bool = True,
+    split_registers: bool | tuple = True,
     gathered: bool = False,
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
@@ -742,7 +762,8 @@ def moe_experts(
     :data:`PREFILL_BLOCK_M` (default :func:`tile_height`; the same result at
     any height; ``bench_moe.py --heights`` sweeps it); ``split_registers``: one consumer
     warpgroup with the registers split by :data:`SPLIT_REGS` (``False``: the compiler's
-    allotment, the same result; ``bench_moe.py --compiler-registers`` times it); ``gathered``:
+    allotment, the same result; ``bench_moe.py --compiler-registers`` times it; a tuple: that
+    split, :func:`split_for`'s, ``bench_moe.py --ctas-per-sm`` times it); ``gathered``:
     the activations gathered into the sorted rows by one Triton launch first
     (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`) and loaded by TMA in
     the gate / up kernel (the same result; ``bench_moe.py --gathered`` times it)."""
@@ -757,6 +778,8 @@ def moe_experts(
     problem = wide_problem(d, inter) if consumers != 1 else None
     if problem:
         raise ValueError(problem)
+    if isinstance(split_registers, tuple) and consumers != 1:
+        raise ValueError("a register split of its own is for the one-warpgroup kernels (consumers=1)")
     split_registers = split_registers or consumers != 1  # (the wide variant always splits)
     plan = launch_plan(t, top_k, experts, d, inter, consumers, block_m)
     bm = plan["block_m"]
