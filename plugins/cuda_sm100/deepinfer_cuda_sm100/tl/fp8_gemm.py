@@ -440,8 +440,8 @@ def _gemm(x2: torch.Tensor, weight, groups: int, fused: bool = False) -> torch.T
     ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
     counters = tile_counters(x2.device, plan.grid[0]) if fused else None  # None: see tile_counters
     gemm = _kernel("gemm", *config, counters is not None)
-    if counters is not None:
-        gemm(x2, weight.data, scale, ws, counters, y)
+    if counters is not None:  # the kernel's counters argument is exactly its tiles' (a static shape)
+        gemm(x2, weight.data, scale, ws, counters[: plan.grid[0]], y)
     else:
         gemm(x2, weight.data, scale, ws)
         _kernel("combine", n, plan.splits, pdl)(ws, y)
