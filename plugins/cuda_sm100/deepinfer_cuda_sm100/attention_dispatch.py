@@ -58,9 +58,10 @@ def tilelang_supports(q, kv_pools, indices, sinks, scale) -> bool | str:
         return f"{len(kv_pools)} sources: the TileLang kernel takes 2 or 3"
     if any(isinstance(i, PagedIndex) for i in indices[:2]):
         return "a paged index among the first two sources: the TileLang kernel reads it third"
-    bits = page_division.ENTRY_BITS
-    if isinstance(indices[-1], PagedIndex) and indices[-1].max_count >= 1 << bits:
-        return f"{indices[-1].max_count} paged entries: the TileLang kernel takes fewer than 2**{bits}"
+    if isinstance(indices[-1], PagedIndex):
+        problem = page_division.entries_problem(indices[-1].max_count, "the TileLang kernel")
+        if problem:
+            return problem
     if isinstance(kv_pools[0], Fp8KVPool):
         return _packed_supports(q, kv_pools)
     for i, pool in enumerate(kv_pools):

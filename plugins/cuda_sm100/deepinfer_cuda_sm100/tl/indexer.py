@@ -44,7 +44,7 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
-from .page_division import ENTRY_BITS, divider, page_and_slot
+from .page_division import divider, entries_problem, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
 
 BN = 128
@@ -209,8 +209,8 @@ def supports(q, weights, key_pool, candidates) -> bool | str:
         return "key_pool must start 16-byte aligned"
     if not weights.is_floating_point():
         return f"weights dtype {weights.dtype}: floating point expected"
-    if isinstance(candidates, PagedIndex) and candidates.max_count >= 1 << ENTRY_BITS:
-        return f"{candidates.max_count} paged entries: the TileLang scores take fewer than 2**{ENTRY_BITS}"
+    if isinstance(candidates, PagedIndex):
+        return entries_problem(candidates.max_count, "the TileLang score kernel") or True
     return True
 
 

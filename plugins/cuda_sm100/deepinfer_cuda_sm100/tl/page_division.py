@@ -12,14 +12,21 @@ a 32-bit multiplier and a shift (:func:`divider`) and the kernels divide by one 
     page = (e * magic) >> shift,  shift = 30 + ceil(log2(epp)),  magic = 2**shift // epp + 1
 
 exact for ``0 <= e < 2**30`` (the rounding error ``e (magic epp - 2**shift) / (epp 2**shift)``
-stays below ``1 / epp``), ``magic < 2**31`` (an int32 launch argument in one 32-bit register:
-a 64-bit one made the seesaw kernel's producer spill).  A negative ``e`` (a key that is not in the paged
-source, whose row the kernels do not take) gives some page, which the kernels clamp into the
-table as before.
+stays below ``1 / epp``), with ``magic < 2**31``: an int32 launch argument.  A negative ``e``
+(a key that is not in the paged source, whose row the kernels do not take) gives some page,
+which the kernels clamp into the table as before.  Indexes of :data:`ENTRY_BITS` bits or more
+are refused (:func:`entries_problem`).
 """
 
 ENTRY_BITS = 30
 """Entries of a sequence the division is exact for: ``0 <= e < 2**ENTRY_BITS``."""
+
+
+def entries_problem(max_count: int, kernel: str) -> str | None:
+    """Why ``kernel`` cannot take a paged index of ``max_count`` entries (one line), or ``None``."""
+    if max_count >= 1 << ENTRY_BITS:
+        return f"{max_count} paged entries: {kernel} takes fewer than 2**{ENTRY_BITS}"
+    return None
 
 
 def divider(epp: int) -> tuple[int, int]:
