@@ -253,11 +253,10 @@ def _source_ptrs(
         if KIND == 1:
             r = tl.load(crow_ptr + ce + (p - off), mask=inside, other=0).to(tl.int64)
         else:  # paged
-            e = (p - off).to(tl.int64)
-            e = tl.where(inside, e, 0)
-            col = tl.minimum(e // epp, npages - 1)
-            page = tl.load(bt + trow * bt0 + col * bt1, mask=inside, other=0)
-            r = page.to(tl.int64) * epp + e % epp
+            e = tl.where(inside, p - off, 0)  # int32: a 32-bit division, not a 64-bit subroutine
+            q = e // epp
+            page = tl.load(bt + trow * bt0 + tl.minimum(q, npages - 1) * bt1, mask=inside, other=0)
+            r = page.to(tl.int64) * epp + (e - q * epp)
         if FMT == 0:
             pptrs = tl.where(inside, pool + r * ps, pptrs)
         else:  # ps in 8-byte units: the compiler sees 8-byte aligned rows (wide loads)

@@ -90,9 +90,10 @@ def _cand_rows(
         r = tl.load(cand_ptr + t * sc_t + cols * sc_c, mask=ok, other=-1).to(tl.int64)
     else:
         v = ok & (cols < count)
-        e = tl.where(v, cols, 0).to(tl.int64)
-        page = tl.load(bt_ptr + trow * bt0 + tl.minimum(e // epp, npages - 1) * bt1, mask=v, other=0)
-        r = tl.where(v, page.to(tl.int64) * epp + e % epp, -1)
+        e = tl.where(v, cols, 0).to(tl.int32)  # a 32-bit division, not a 64-bit subroutine
+        q = e // epp
+        page = tl.load(bt_ptr + trow * bt0 + tl.minimum(q, npages - 1) * bt1, mask=v, other=0)
+        r = tl.where(v, page.to(tl.int64) * epp + (e - q * epp), -1)
     return r
 
 
