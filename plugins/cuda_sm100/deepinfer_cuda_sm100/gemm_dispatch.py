@@ -1,6 +1,6 @@
 """``linear`` over an FP8 block weight by the fastest path measured at its shape.
 
-Four paths compute the contract's arithmetic (a quantised weight counts as its dequantised
+Three paths compute the contract's arithmetic (a quantised weight counts as its dequantised
 value, :func:`deepinfer_core.ops.linear.linear`):
 
 - ``"triton"``: the FP8 block GEMM (:mod:`deepinfer_cuda_sm100.kernels.fp8_gemm`), which reads
@@ -13,19 +13,16 @@ value, :func:`deepinfer_core.ops.linear.linear`):
   bfloat16 activations): TMA weight stream, register-A wgmma on the transposed product, the
   weight converted to the reference's dequantised bf16 value.  Taken only where TileLang can
   compile here (:func:`~deepinfer_cuda_sm100.tl.tilelang_problem`, else one warning and the
-  other paths) and the kernel takes the call (:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.problem`);
-- ``"tilelang_fused"``: the same GEMM with a split-K plan's combine inside its launch (the same
-  bits, one launch fewer; where the plan does not split K, the same launch as ``"tilelang"``).
+  other paths) and the kernel takes the call (:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.problem`).
 
 In the opt-in W8A8 prefill (``DEEPINFER_FP8_PREFILL=w8a8``, :mod:`~deepinfer_cuda_sm100.kernels.
 fp8_gemm`) the two paths are Triton's W8A8 tile and ``"scaled_mm"``, cuBLAS's block-scaled FP8
 GEMM on the same quantised activations (:mod:`deepinfer_cuda_sm100.scaled_mm`).
 
 The grouped output projection (``grouped_linear``, ``x [T, G, K]`` times the ``G`` row blocks
-of one ``[G*N, K]`` weight) has four paths: ``"triton"`` (every group in one launch of the same
-kernel), ``"tilelang"`` and ``"tilelang_fused"`` (the TileLang GEMM, each CTA's activation tile
-read from its group's inputs: :func:`~deepinfer_cuda_sm100.tl.fp8_gemm.grouped_linear_fp8`) and
-``"cublas"`` (the weight
+of one ``[G*N, K]`` weight) has three paths: ``"triton"`` (every group in one launch of the same
+kernel), ``"tilelang"`` (the TileLang GEMM, each CTA's activation tile read from its group's
+inputs: :func:`~deepinfer_cuda_sm100.tl.fp8_gemm.grouped_linear_fp8`) and ``"cublas"`` (the weight
 dequantised, then the reference's batched GEMM, bitwise the reference), chosen by the table's
 op ``"grouped_linear_fp8"`` (kind ``"w8a16"``, keyed by the
 weight's ``G*N x K``, the groups as ``keys`` and the call's ``T``).
@@ -61,13 +58,10 @@ V4_FLASH_GROUPED = "8x4096x1024"
 """``G x K x N`` of V4-Flash's grouped output projection ``o_a`` (8 groups of 4096 -> 1024)."""
 GROUPED_OP = "grouped_linear_fp8"
 """The op name of the grouped GEMM points in the measured table."""
-TILELANG_PATHS = frozenset({"tilelang", "tilelang_fused"})
-"""The TileLang GEMM's two forms: a split plan's combine as a second launch, or fused into the
-GEMM's launch (the same bits)."""
-GROUPED_PATHS = frozenset({"triton", "cublas"}) | TILELANG_PATHS
+GROUPED_PATHS = frozenset({"triton", "cublas", "tilelang"})
 """The paths of the grouped GEMM (W8A16 only)."""
 PATHS = {
-    "w8a16": frozenset({"triton", "cublas"}) | TILELANG_PATHS,
+    "w8a16": frozenset({"triton", "cublas", "tilelang"}),
     "w8a8": frozenset({"triton", "scaled_mm"}),
 }
 """The paths of each math."""
@@ -106,8 +100,8 @@ def _choose_usable(x: torch.Tensor, weight, groups: int, key: tuple, paths: froz
     run only where the table picks it: the other calls stay a memoised lookup."""
     arch = kernel_choice.device_arch(x.device)
     choice = kernel_choice.choose(*key, arch, paths)
-    if choice in TILELANG_PATHS and not tilelang_usable(x, weight, groups):
-        paths = paths - TILELANG_PATHS
+    if choice == "tilelang" and not tilelang_usable(x, weight, groups):
+        paths = paths - {"tilelang"}
         choice = kernel_choice.choose(*key, arch, paths)
     return choice if choice in paths else "triton"
 
@@ -150,10 +144,10 @@ def make_grouped_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[...,
         path = choose_grouped_path(x, weight)
         if path == "cublas":
             return cublas_grouped_linear(x, weight)
-        if path in TILELANG_PATHS:
+        if path == "tilelang":
             from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8
 
-            return grouped_linear_fp8(x, weight, fused=path == "tilelang_fused")
+            return grouped_linear_fp8(x, weight)
         return triton_fn(x, weight)
 
     grouped_linear.__doc__ = f"Dispatcher over the grouped FP8 GEMM's paths.\n\n{__doc__}"
@@ -171,10 +165,10 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
             from deepinfer_cuda_sm100.scaled_mm import scaled_mm_linear
 
             return scaled_mm_linear(x, weight)
-        if path in TILELANG_PATHS:
+        if path == "tilelang":
             from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8
 
-            return linear_fp8(x, weight, fused=path == "tilelang_fused")
+            return linear_fp8(x, weight)
         return triton_fn(x, weight)
 
     linear.__doc__ = f"Dispatcher over the FP8 block GEMM and the cuBLAS paths.\n\n{__doc__}"

@@ -12,9 +12,6 @@ overhead is excluded):
   runs, with every error printed in full);
 * ``tilelang``: the TileLang GEMM (``M <= 256``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`;
   ``None`` where TileLang cannot compile here or the kernel refuses the call);
-* ``tilelang fused``: the same with its split combine in the GEMM's launch, where the plan
-  splits K (its result checked bitwise against the two-launch form's; a mismatch is printed
-  and its time dropped);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
 * ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
   cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`);
@@ -23,9 +20,8 @@ overhead is excluded):
   the activation quantisation included);
 
 ``--grouped`` (default V4-Flash's ``o_a``, 8 groups of 4096 -> 1024): the grouped output
-projection's paths, Triton's one launch for every group, the TileLang GEMM (both combine
-forms where it splits K) and the weight dequantised then the batched GEMM
-(:mod:`deepinfer_cuda_sm100.gemm_dispatch`), at each ``M``.
+projection's two paths, Triton's one launch for every group and the weight dequantised then
+the batched GEMM (:mod:`deepinfer_cuda_sm100.gemm_dispatch`), at each ``M``.
 
 ``--write-choices`` writes the W8A16 paths' (Triton, dequantise + cuBLAS, TileLang where it
 ran), the two W8A8 paths' and the grouped paths' times per shape and M into the measured table
@@ -154,43 +150,19 @@ def w8a8_prefill(x: torch.Tensor, w) -> torch.Tensor:
             os.environ[PREFILL_ENV] = saved
 
 
-def tilelang_call(x: torch.Tensor, w, fused: bool = False) -> Callable | None:
-    """The TileLang GEMM on ``x`` (``fused``: its split combine in the GEMM's launch, only where
-    the plan splits K), or ``None`` (printed why) where it does not run."""
+def tilelang_call(x: torch.Tensor, w) -> Callable | None:
+    """The TileLang GEMM on ``x``, or ``None`` (printed why) where it does not run."""
     from deepinfer_cuda_sm100.gemm_dispatch import tilelang_usable
     from deepinfer_cuda_sm100.tl import tilelang_problem
     from deepinfer_cuda_sm100.tl.fp8_gemm import MAX_M
 
     if not tilelang_usable(x, w):
-        if x.shape[0] <= MAX_M and not fused:
+        if x.shape[0] <= MAX_M:
             print(f"  (tilelang: {tilelang_problem() or 'the kernel does not take this call'})")
         return None
     from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8 as tilelang_linear
 
-    if fused and not tilelang_splits(x.shape[0], *w.data.shape):
-        return None
-    return lambda: tilelang_linear(x, w, fused)
-
-
-def tilelang_splits(m: int, n: int, k: int) -> bool:
-    """Whether the TileLang GEMM's plan splits K at this shape (where the fused combine differs
-    from the plain launch)."""
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
-    from deepinfer_cuda_sm100.tl.fp8_gemm import launch_plan
-
-    return launch_plan(m, n, k, sm_count(torch.device("cuda"))).splits > 1
-
-
-def fused_bitwise(times: dict, plain: Callable | None, fused: Callable | None) -> bool | None:
-    """Whether the fused combine's result is bitwise the two-launch one (``None`` where either
-    did not run); a mismatch drops the fused time from ``times``, so it is never chosen."""
-    if plain is None or fused is None:
-        return None
-    same = torch.equal(plain(), fused())
-    if not same:
-        print("  (tilelang_fused: NOT bitwise the two-launch combine; its time is dropped)")
-        times["tilelang_fused"] = None
-    return same
+    return lambda: tilelang_linear(x, w)
 
 
 def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list[dict]:
@@ -215,18 +187,13 @@ def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list
                 from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8 as tilelang_grouped
 
                 paths["tilelang"] = tilelang_grouped
-                if tilelang_splits(m, g * n, k):
-                    paths["tilelang_fused"] = lambda x, w: tilelang_grouped(x, w, fused=True)
             times = {
                 p: time_graph(lambda i, f=f, x=x, w=w: f(x, w), calls, replays) for p, f in paths.items()
             }
-            both = [paths.get(p) for p in ("tilelang", "tilelang_fused")]
-            bitwise = fused_bitwise(times, *[f and (lambda f=f, x=x, w=w: f(x, w)) for f in both])
             want = grouped_linear(x, w).float()
             errs = {p: float((f(x, w).float() - want).abs().max()) for p, f in paths.items() if p != "cublas"}
             exact = torch.equal(cublas_grouped_linear(x, w).float(), want)
             row = {"G": g, "K": k, "N": n, "M": m, **{f"{p}_us": t for p, t in times.items()}}
-            row["tilelang_fused_bitwise"] = bitwise
             row |= {f"{p}_max_abs_err": e for p, e in errs.items()}
             rows.append({**row, "cublas_bitwise_reference": exact})
             errors = ", ".join(f"{p} {e:.3g}" for p, e in errs.items())
@@ -275,8 +242,7 @@ def main() -> None:
     parser.add_argument(
         "--write-choices",
         action="store_true",
-        help="write the measured W8A16 paths (triton, dequantise + cuBLAS, tilelang, tilelang_fused)\n"
-        "per shape and M "
+        help="write the measured W8A16 paths (triton, dequantise + cuBLAS, tilelang) per shape and M\n"
         "into the "
         "package's table of this GPU's architecture (deepinfer_cuda_sm100/choices_smXY.json)",
     )
@@ -308,7 +274,6 @@ def main() -> None:
                 "triton w8a16",
                 "triton w8a8",
                 "tilelang",
-                "tilelang fused",
                 "scaled_mm",
                 "bf16",
                 "dequant+cublas",
@@ -329,7 +294,6 @@ def main() -> None:
                 "triton_w8a16": lambda x=x, w=w: linear_fp8(x, w),
                 "triton_w8a8": lambda x=x, w=w: linear_fp8_w8a8(x, w),
                 "tilelang": tilelang_call(x, w),
-                "tilelang_fused": tilelang_call(x, w, fused=True),
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
                 "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
@@ -346,7 +310,6 @@ def main() -> None:
                 )
                 for name, fn in calls.items()
             }
-            bitwise = fused_bitwise(times, calls["tilelang"], calls["tilelang_fused"])
             try:
                 err = float((linear_fp8(x, w).float() - (x @ dense.t()).float()).abs().max())
             except Exception as exc:  # reported; the other columns kept
@@ -368,7 +331,6 @@ def main() -> None:
                     2 * m * n * k / (tb * 1e-6) / 1e12 if (tb := times["bf16_matmul"]) else None
                 ),
                 "w8a16_max_abs_err_vs_bf16": err,
-                "tilelang_fused_bitwise": bitwise,
             }
             rows.append(row)
 

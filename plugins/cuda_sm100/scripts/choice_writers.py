@@ -134,9 +134,9 @@ def write_score_choices(rows: list[dict]) -> Path | None:
 
 def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
-    TileLang GEMM's, both combine forms, where they ran), the W8A8 prefill paths', and the grouped
-    GEMM's per (G*N x K, G, M) as ``grouped_linear_fp8`` points (TileLang's where it ran)."""
-    from deepinfer_cuda_sm100.gemm_dispatch import GROUPED_OP, OP, TILELANG_PATHS
+    TileLang GEMM's where it ran), the W8A8 prefill paths', and the grouped GEMM's per (G*N x K,
+    G, M) as ``grouped_linear_fp8`` points (TileLang's where it ran)."""
+    from deepinfer_cuda_sm100.gemm_dispatch import GROUPED_OP, OP
 
     def point(r: dict, math: str, ms: dict) -> dict:
         return {"op": OP, "kind": math, "dtype": "bfloat16", "heads": r["N"], "head_dim": r["K"],
@@ -144,9 +144,8 @@ def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
 
     def w8a16(r: dict) -> dict:
         ms = {"triton": r["triton_w8a16_us"] / 1e3, "cublas": r["dequant_cublas_us"] / 1e3}
-        for path in TILELANG_PATHS:
-            if r.get(f"{path}_us"):
-                ms[path] = r[f"{path}_us"] / 1e3
+        if r.get("tilelang_us"):
+            ms["tilelang"] = r["tilelang_us"] / 1e3
         return ms
 
     points = [point(r, "w8a16", w8a16(r)) for r in rows if r["triton_w8a16_us"] and r["dequant_cublas_us"]]
@@ -162,13 +161,12 @@ def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     points += [
         {"op": GROUPED_OP, "kind": "w8a16", "dtype": "bfloat16", "heads": r["G"] * r["N"],
          "head_dim": r["K"], "tokens": r["M"], "keys": r["G"],
-         "ms": {p: r[f"{p}_us"] / 1e3 for p in ("triton", "cublas", *TILELANG_PATHS) if r.get(f"{p}_us")}}
+         "ms": {p: r[f"{p}_us"] / 1e3 for p in ("triton", "cublas", "tilelang") if r.get(f"{p}_us")}}
         for r in grouped
         if r["triton_us"] and r["cublas_us"]
     ]  # fmt: skip
     command = "python plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices"
-    timed_tilelang = any(TILELANG_PATHS & set(p["ms"]) for p in points)
-    packages = ("triton", "tilelang") if timed_tilelang else ("triton",)
+    packages = ("triton", "tilelang") if any("tilelang" in p["ms"] for p in points) else ("triton",)
     return merge(points, command, "mean of the calls replayed in CUDA graphs (bf16 activations)", packages)
 
 

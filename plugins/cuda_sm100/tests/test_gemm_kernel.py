@@ -597,3 +597,25 @@ def test_gpu_batch_invariant_rows_do_not_depend_on_m(dtype):
 
 if __name__ == "__main__" and "--interpreter-report" in sys.argv:
     print(json.dumps(interpreter_report()))
+
+
+def test_split_counters_are_one_zeroed_buffer_per_device_kept_when_replaced():
+    """The split-K GEMM's tile counters: one int32 buffer per device with room for every
+    tile, the same tensor on each call; a call needing more counters gets a longer buffer and
+    the shorter one stays alive (a captured graph may hold its address)."""
+    from deepinfer_cuda_sm100.kernels import split_counters
+
+    cpu = torch.device("cpu")
+    saved = dict(split_counters._BUFFERS)
+    split_counters._BUFFERS.pop(cpu, None)
+    try:
+        a = split_counters.tile_counters(cpu, 16)
+        assert a.dtype == torch.int32 and a.numel() >= 16 and not a.any()
+        assert split_counters.tile_counters(cpu, 24) is a
+        b = split_counters.tile_counters(cpu, a.numel() + 1)
+        assert b is not a and b.numel() > a.numel() and not b.any()
+        assert any(t is a for t in split_counters.buffers()) and any(t is b for t in split_counters.buffers())
+    finally:
+        split_counters._BUFFERS.clear()
+        split_counters._BUFFERS.update(saved)
+        split_counters._RETIRED.clear()

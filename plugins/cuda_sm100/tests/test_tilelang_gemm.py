@@ -13,8 +13,8 @@ compile to sm_90a code without spills (slow).
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): the kernel against the
 reference op at V4-Flash shapes for ``M`` in 1, 7, 16, 33, 64 and (wide tiles) 65, 100, 128,
 200, 256 with float32 and ue8m0 scales (within the op's tolerance, and no less accurate than
-the reference against a float64 product), the replay of a captured CUDA graph (bitwise
-equal to the eager call), and the fused split combine bitwise the two-launch form.
+the reference against a float64 product), and the replay of a captured CUDA graph (bitwise
+equal to the eager call).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import logging
 import pytest
 import torch
 from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
-from deepinfer_cuda_sm100.kernels import split_counters
 from deepinfer_cuda_sm100.tl import fp8_gemm as tlg
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
@@ -189,72 +188,6 @@ def test_the_table_picks_tilelang_only_where_it_measured_fastest_and_usable():
     assert pick(1, paths - {"tilelang"}) == "triton"  # TileLang unusable: the next fastest
 
 
-def test_the_fused_combine_is_a_path_of_its_own_taken_where_it_measured_fastest(monkeypatch):
-    """``tilelang_fused`` is chosen by the table like any path (never where it was not timed),
-    and dropped with the plain TileLang path where the kernel cannot take the call."""
-    from deepinfer_cuda_sm100 import tl
-
-    fused_fast = (
-        kernel_choice.Point(
-            gemm_dispatch.OP, "w8a16", "bfloat16", 1024, 4096, 1, 4096,
-            {"triton": 5.0, "cublas": 6.0, "tilelang": 3.0, "tilelang_fused": 2.0},
-        ),
-        *_points()[1:],
-    )  # fmt: skip
-    paths = gemm_dispatch.PATHS["w8a16"]
-    both = gemm_dispatch.TILELANG_PATHS
-    grouped = gemm_dispatch.GROUPED_PATHS
-    assert paths >= both and grouped >= both
-
-    def pick(m, points):
-        return kernel_choice.choose(
-            gemm_dispatch.OP, "w8a16", "bfloat16", 1024, 4096, m, 4096, "sm90", paths, points=points
-        )
-
-    assert pick(1, fused_fast) == "tilelang_fused"
-    assert pick(1, _points()) == "tilelang"  # not timed: never taken
-    g = torch.Generator().manual_seed(9)
-    w = _weight(g, 1024, 4096)
-    x = torch.zeros(1, 4096, dtype=torch.bfloat16)
-    kernel_choice.forget()
-    monkeypatch.setattr(tl, "usable_for", lambda *a: False)  # TileLang cannot compile here
-    monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
-    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: fused_fast)
-    key = (gemm_dispatch.OP, "w8a16", "bfloat16", 1024, 4096, 1, 4096)
-    assert gemm_dispatch._choose_usable(x, w, 0, key, paths) == "triton"
-    monkeypatch.undo()
-    kernel_choice.forget()
-
-
-def test_the_fused_combine_needs_a_split():
-    with pytest.raises(ValueError, match="splits > 1"):
-        tlg.build_gemm(1024, 4096, 16, 1, 4, "ue8m0", fused=True)
-
-
-def test_bench_rows_write_both_tilelang_forms_where_they_ran(monkeypatch):
-    """``bench_fp8_gemm.py --write-choices``: a row's TileLang times (the two-launch and the
-    fused combine, each where it ran) become the point's ``tilelang`` / ``tilelang_fused``
-    entries, for dense and grouped rows; a path that did not run is not in the point."""
-    from cuda_sm100_checks import choice_writers
-
-    writers = choice_writers()
-    written = {}
-    monkeypatch.setattr(writers, "merge", lambda points, *a: written.setdefault("points", points))
-    base = {"K": 4096, "N": 1536, "triton_w8a16_us": 6.0, "dequant_cublas_us": 11.0}
-    rows = [
-        {**base, "M": 1, "tilelang_us": 6.5, "tilelang_fused_us": 5.0},
-        {**base, "M": 256, "tilelang_us": 25.0, "tilelang_fused_us": None},  # no split there
-    ]
-    grouped = [{"G": 8, "K": 4096, "N": 1024, "M": 1, "triton_us": 15.0, "cublas_us": 48.0,
-                "tilelang_us": 13.0, "tilelang_fused_us": 11.0}]  # fmt: skip
-    writers.write_gemm_choices(rows, grouped)
-    ms = [p["ms"] for p in written["points"]]
-    assert ms[0] == {"triton": 0.006, "cublas": 0.011, "tilelang": 0.0065, "tilelang_fused": 0.005}
-    assert ms[1] == {"triton": 0.006, "cublas": 0.011, "tilelang": 0.025}
-    assert written["points"][2]["op"] == gemm_dispatch.GROUPED_OP
-    assert ms[2] == {"triton": 0.015, "cublas": 0.048, "tilelang": 0.013, "tilelang_fused": 0.011}
-
-
 # ---------------------------------------------------------------------------------------------
 # precompile
 
@@ -264,18 +197,18 @@ def test_precompile_lists_every_launch_of_the_v4_shapes():
 
     configs = set(gemm_configurations(GEMM_SHAPES, 132, GROUPED_SHAPES))
     pdl = tlg.tl_pdl_enabled()
-    shapes = [(4096, 8 * 1024, 8)] + [(k, n, 1) for k, n in V4_SHAPES]  # o_a: 8 groups, one launch
-    for k, n, groups in shapes:
+    for m in range(1, 257):  # V4-Flash's o_a: 8 groups of 4096 -> 1024, one launch
+        plan = tlg.launch_plan(m, 8 * 1024, 4096, 132)
+        for kind in tlg.SCALE_KINDS:
+            assert ("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, kind, pdl, 8) in configs
+    assert {c[3] for c in configs if c[0] == "gemm"} == {16, 32, 64, 128, 256}
+    for k, n in V4_SHAPES:
         for m in range(1, 257):
             plan = tlg.launch_plan(m, n, k, 132)
             for kind in tlg.SCALE_KINDS:
-                config = ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
-                assert (*config, False) in configs
-                # the fused combine where the plan splits K, and only there
-                assert ((*config, True) in configs) == (plan.splits > 1)
+                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, 1) in configs
             if plan.splits > 1:
                 assert ("combine", n, plan.splits, pdl) in configs
-    assert {c[3] for c in configs if c[0] == "gemm"} == {16, 32, 64, 128, 256}
 
 
 def test_every_precompile_job_binds_to_its_modules_kernel():
@@ -342,38 +275,6 @@ def test_the_v4_configurations_lower_for_sm90():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("block_m", [16, 128])
-def test_the_fused_combine_counts_a_cta_after_its_partial_and_the_last_sums_in_split_order(block_m):
-    """Lowered for sm_90, the fused form: every consumer thread stores its partial, a barrier,
-    one thread's acquire-release atomic on the tile's counter (``cuda::memory_order_acq_rel``
-    is 4), a barrier, then only the CTA that counted ``splits - 1`` others sums the partials
-    over the splits in order, writes ``y`` and zeroes the counter; the two-launch form has none
-    of it."""
-    import re
-
-    plan = tlg.launch_plan(block_m, 1536, 4096, 132)
-    assert plan.splits > 1
-    config = ("gemm", 1536, 4096, plan.block_m, plan.splits, plan.stages, "ue8m0", True, 1)
-    src = _lower((*config, True))
-    body = src[src.index("fp8_gemm_fused_kernel(") :]
-    store = body.rindex("*(float4*)(ws + ")
-    count = r"arrived\[0\] = AtomicAddRet\(\(&\(counters\[\(\(int\)blockIdx.x\)\]\)\), 1, 4\);"
-    atomic = re.search(count, body)
-    assert atomic, "one acquire-release add to the tile's counter"
-    barriers = [m.start() for m in re.finditer(r"__sync_thread_partial|__syncthreads\(\)", body)]
-    assert any(store < b < atomic.start() for b in barriers), "the partials stored before the count"
-    last = body.index(f"if (arrived[0] == {plan.splits - 1})")
-    assert any(atomic.end() < b < last for b in barriers), "the count read after a barrier"
-    tail = body[last:]
-    assert f"for (int q = 0; q < {plan.splits}; ++q)" in tail and "y[" in tail
-    assert re.search(r"counters\[\(\(int\)blockIdx.x\)\] = 0;", tail), "the counter reset by the last CTA"
-    assert "y[" not in body[:last], "only the last CTA writes the output"
-    plain = _lower((*config, False))
-    assert "AtomicAdd" not in plain and "counters" not in plain
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("block_m", [16, 256])
 def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
     """Grouped (8 groups of 4096 -> 1024): ``x`` is ``[M, 8 * 4096]`` and CTA ``nb``'s TMA loads
@@ -425,12 +326,8 @@ def test_the_pdl_prologue_reads_only_the_scales_before_its_wait(block_m):
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize(
     "config",
-    [
-        ("gemm", 4096, 8192, 256, 4, 2, "fp32"),
-        ("gemm", 32768, 1024, 256, 1, 2, "ue8m0"),
-        ("gemm", 4096, 8192, 256, 4, 2, "ue8m0", True, 1, True),
-    ],
-    ids=["split-fp32", "direct-ue8m0", "fused-split-ue8m0"],
+    [("gemm", 4096, 8192, 256, 4, 2, "fp32"), ("gemm", 32768, 1024, 256, 1, 2, "ue8m0")],
+    ids=["split-fp32", "direct-ue8m0"],
 )
 def test_the_wide_tiles_compile_for_sm90a_without_spills(config, tmp_path):
     """The 256-token tile (128 accumulators per thread, the most registers of any configuration):
@@ -543,66 +440,6 @@ def test_gpu_grouped_tilelang_gemm_matches_the_reference_and_replays_bitwise(sca
 
 
 @pytest.mark.gpu
-def test_gpu_fused_combine_is_bitwise_the_two_launch_form_and_leaves_its_counters_at_zero():
-    """Every split plan of the V4 shapes and the grouped ``o_a`` (narrow and wide tiles, both
-    scale formats): the fused form's output bitwise the GEMM + combine launches', its counters
-    back at zero after each call, repeated calls equal, and a CUDA graph (captured after an eager
-    call) replayed on new inputs bitwise the eager fused call."""
-    _gpu_ready()
-    g = torch.Generator().manual_seed(10)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    cases = [(k, n, 1) for k, n in V4_SHAPES] + [(4096, 8 * 1024, 8)]
-    for (k, n, groups), scale in zip(cases, ("fp32", "ue8m0") * 4, strict=False):
-        w = _weight(g, n, k, scale, "cuda")
-        for m in (1, 7, 16, 33, 64, 100, 256):
-            if tlg.launch_plan(m, n, k, sms).splits == 1:
-                continue
-            x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16).cuda()
-
-            def run(fused, x=x, w=w, groups=groups):
-                if groups > 1:
-                    return tlg.grouped_linear_fp8(x, w, fused=fused)
-                return tlg.linear_fp8(x[:, 0], w, fused=fused)
-
-            plain, fused = run(False), run(True)
-            assert torch.equal(fused, plain), f"{groups}x{k}x{n} M={m}"
-            assert torch.equal(run(True), fused), "not deterministic"
-            assert not any(c.any() for c in split_counters.buffers()), "a counter left non-zero"
-    w = _weight(g, 8 * 1024, 4096, "ue8m0", "cuda")
-    x = torch.randn(1, 8, 4096, generator=g).to(torch.bfloat16).cuda()  # o_a at one token
-    tlg.grouped_linear_fp8(x, w, fused=True)  # the eager call that makes the counters
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = tlg.grouped_linear_fp8(x, w, fused=True)
-    x.copy_(torch.randn(x.shape, device="cuda"))
-    graph.replay()
-    assert torch.equal(y, tlg.grouped_linear_fp8(x, w, fused=True)), "the replay differs"
-
-
-@pytest.mark.gpu
-def test_gpu_a_graph_captured_before_any_fused_call_takes_the_two_launch_combine(caplog):
-    _gpu_ready()
-    saved = dict(split_counters._BUFFERS)  # kept alive: earlier graphs may hold them
-    split_counters._BUFFERS.clear()
-    split_counters._warn_capture_without_counters.cache_clear()
-    try:
-        g = torch.Generator().manual_seed(11)
-        w = _weight(g, 1024, 4096, "ue8m0", "cuda")
-        x = torch.randn(1, 4096, generator=g).to(torch.bfloat16).cuda()
-        want = tlg.linear_fp8(x, w)  # two launches
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with caplog.at_level(logging.WARNING, logger="deepinfer.cuda_sm100"), torch.cuda.graph(graph):
-            y = tlg.linear_fp8(x, w, fused=True)
-        assert not split_counters._BUFFERS and "outside the GEMM's launch" in caplog.text
-        graph.replay()
-        assert torch.equal(y, want)
-    finally:
-        split_counters._BUFFERS.update(saved)
-
-
-@pytest.mark.gpu
 def test_gpu_dispatcher_takes_tilelang_where_measured_fastest_but_not_in_batch_invariant_mode(monkeypatch):
     from deepinfer_cuda_sm100.kernels.fp8_gemm import linear_fp8 as triton_linear
 
@@ -621,23 +458,3 @@ def test_gpu_dispatcher_takes_tilelang_where_measured_fastest_but_not_in_batch_i
         assert gemm_dispatch.choose_path(x, w) == "triton"
     monkeypatch.undo()
     kernel_choice.forget()
-
-
-def test_split_counters_are_one_zeroed_buffer_per_device_kept_when_replaced():
-    """The tile counters of both split-K GEMMs: one int32 buffer per device with room for every
-    tile, the same tensor on each call; a call needing more counters gets a longer buffer and
-    the shorter one stays alive (a captured graph may hold its address)."""
-    cpu = torch.device("cpu")
-    saved = dict(split_counters._BUFFERS)
-    split_counters._BUFFERS.pop(cpu, None)
-    try:
-        a = split_counters.tile_counters(cpu, 16)
-        assert a.dtype == torch.int32 and a.numel() >= 16 and not a.any()
-        assert split_counters.tile_counters(cpu, 24) is a
-        b = split_counters.tile_counters(cpu, a.numel() + 1)
-        assert b is not a and b.numel() > a.numel() and not b.any()
-        assert any(t is a for t in split_counters.buffers()) and any(t is b for t in split_counters.buffers())
-    finally:
-        split_counters._BUFFERS.clear()
-        split_counters._BUFFERS.update(saved)
-        split_counters._RETIRED.clear()

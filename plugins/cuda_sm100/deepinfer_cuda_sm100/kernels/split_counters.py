@@ -1,8 +1,7 @@
-"""Tile counters of the split-K GEMMs whose last CTA of a tile sums the splits' partials in the
-same launch (the Triton FP8 GEMM, :mod:`~deepinfer_cuda_sm100.kernels.fp8_gemm`, and the
-TileLang one's fused form, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`).
+"""Tile counters of the split-K GEMM whose last program of a tile sums the splits' partials in the
+same launch (the Triton FP8 GEMM, :mod:`~deepinfer_cuda_sm100.kernels.fp8_gemm`).
 
-A launch counts each CTA in its tile's counter and the last one resets it, so every launch
+A launch counts each program in its tile's counter and the last one resets it, so every launch
 leaves the counters at zero and consecutive launches share one buffer: :func:`tile_counters`
 keeps one zeroed int32 buffer per device, made by the first eager call and never freed (a
 replaced, shorter buffer is kept alive too, since captured graphs hold its address).  The

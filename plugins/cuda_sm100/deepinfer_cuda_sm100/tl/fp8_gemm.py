@@ -53,18 +53,8 @@ one be scheduled), so their launch overlaps the previous kernel's tail; the GEMM
 block scales (a weight: no kernel of a step writes them) before the wait, so that memory round
 trip overlaps the tail too, and everything else after it.
 
-**The fused split combine** (``fused=True``, the dispatcher's ``"tilelang_fused"`` path, taken
-where the measured table found it faster).  The combine runs inside the GEMM's launch: each
-CTA writes its partial, then (after a block barrier) one thread counts it in the tile's
-counter with an acquire-release atomic; the CTA that arrives last sums the tile's partials in
-split order, exactly as the combine launch does, writes ``y`` and resets the counter, so the
-result is bitwise the two-launch form and one launch (with its ramp and drain) fewer.  The
-counters are the Triton GEMM's (:func:`deepinfer_cuda_sm100.kernels.split_counters.
-tile_counters`: one zeroed buffer per device, made by the first eager call; a graph captured
-before one takes the two-launch combine).
-
 Static configurations (compiled once each, TileLang's disk cache keeps them): ``(N, K,
-BLOCK_M, splits, stages, scale kind, pdl, groups, fused)``; ``M`` is dynamic.  The batch-invariant
+BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant
 mode never takes this path (the dispatcher keeps Triton there).
 """
 
@@ -75,7 +65,6 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer_cuda_sm100.kernels.split_counters import tile_counters
 from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
 
 logger = logging.getLogger("deepinfer.cuda_sm100")
@@ -238,15 +227,7 @@ def fix_wgmma_accumulator_fence() -> None:
 
 
 def build_gemm(
-    n: int,
-    k: int,
-    block_m: int,
-    splits: int,
-    stages: int,
-    kind: str,
-    pdl: bool = False,
-    groups: int = 1,
-    fused: bool = False,
+    n: int, k: int, block_m: int, splits: int, stages: int, kind: str, pdl: bool = False, groups: int = 1
 ):
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
@@ -255,16 +236,7 @@ def build_gemm(
 
     ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
     (``[T, G, K]`` flattened) and weight rows ``g N / groups ..`` multiply group ``g``'s ``K``
-    inputs (``N / groups`` a multiple of ``BLOCK_N``: a CTA's rows lie in one group).
-
-    ``fused`` (``splits > 1``): the split combine in the same launch, arguments ``(x, w, s, ws,
-    counters, y)``: after writing its partial a CTA counts itself in its tile's counter
-    (``counters [N / BLOCK_N]`` int32, zero before the launch; an acquire-release atomic after a
-    block barrier), and the CTA that finds the tile's other splits done sums the tile's partials
-    in split order, as :func:`build_combine` does (the same bits), writes ``y`` and sets the
-    counter back to zero."""
-    if fused and splits == 1:
-        raise ValueError("a fused split combine needs splits > 1")
+    inputs (``N / groups`` a multiple of ``BLOCK_N``: a CTA's rows lie in one group)."""
     import tilelang
     import tilelang.language as T
 
@@ -278,39 +250,6 @@ def build_gemm(
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
     group_rows = n // groups
 
-    def buffers():
-        """The CTA's shared and register buffers: weight and activation stages, scales, the
-        converted weight tile, the accumulator, the epilogue's tile."""
-        w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
-        x_sh = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
-        s_sh = T.alloc_shared((per,), "float32")
-        w_reg = T.alloc_fragment((block_n, BLOCK_K), "bfloat16")
-        acc = T.alloc_fragment((block_n, block_m), "float32")
-        c_sh = T.alloc_shared((block_m, block_n), out_dtype)
-        T.annotate_layout({w_sh: tilelang.layout.make_swizzled_layout(w_sh)})
-        return w_sh, x_sh, s_sh, w_reg, acc, c_sh
-
-    @T.macro
-    def product(x, w, s, nb, sp, w_sh, x_sh, s_sh, w_reg, acc, c_sh):
-        """The CTA's product over its K range into ``c_sh`` (tokens by features, in the output's
-        dtype: bf16 ``y``, or the split's fp32 partial)."""
-        if not wide:
-            T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
-        for i in T.Parallel(per):
-            s_sh[i] = _scale_value(s, nb * block_n // SCALE_BLOCK, sp * per + i, kind)
-        if pdl:
-            start()
-        T.clear(acc)
-        for kk in T.Pipelined(per, num_stages=stages):
-            T.copy(w[nb * block_n, (sp * per + kk) * BLOCK_K], w_sh)
-            T.copy(x[0, (nb * block_n // group_rows) * k + (sp * per + kk) * BLOCK_K], x_sh)
-            for i, j in T.Parallel(block_n, BLOCK_K):  # the reference's dequantised weight
-                w_reg[i, j] = T.Cast("bfloat16", T.Cast("float32", w_sh[i, j]) * s_sh[kk])
-            # every warpgroup its own 64 weight rows against all the tokens
-            T.gemm(w_reg, x_sh, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-        for i, j in T.Parallel(block_n, block_m):
-            c_sh[j, i] = T.Cast(out_dtype, acc[i, j])
-
     @T.prim_func
     def fp8_gemm(
         x: T.Tensor((m_dyn, groups * k), "bfloat16"),
@@ -319,8 +258,29 @@ def build_gemm(
         out: T.Tensor(out_shape, out_dtype),
     ):
         with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
-            w_sh, x_sh, s_sh, w_reg, acc, c_sh = buffers()
-            product(x, w, s, nb, sp, w_sh, x_sh, s_sh, w_reg, acc, c_sh)
+            if not wide:
+                T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
+            w_sh = T.alloc_shared((block_n, BLOCK_K), "float8_e4m3")
+            x_sh = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
+            s_sh = T.alloc_shared((per,), "float32")
+            w_reg = T.alloc_fragment((block_n, BLOCK_K), "bfloat16")
+            acc = T.alloc_fragment((block_n, block_m), "float32")
+            c_sh = T.alloc_shared((block_m, block_n), out_dtype)
+            T.annotate_layout({w_sh: tilelang.layout.make_swizzled_layout(w_sh)})
+            for i in T.Parallel(per):
+                s_sh[i] = _scale_value(s, nb * block_n // SCALE_BLOCK, sp * per + i, kind)
+            if pdl:
+                start()
+            T.clear(acc)
+            for kk in T.Pipelined(per, num_stages=stages):
+                T.copy(w[nb * block_n, (sp * per + kk) * BLOCK_K], w_sh)
+                T.copy(x[0, (nb * block_n // group_rows) * k + (sp * per + kk) * BLOCK_K], x_sh)
+                for i, j in T.Parallel(block_n, BLOCK_K):  # the reference's dequantised weight
+                    w_reg[i, j] = T.Cast("bfloat16", T.Cast("float32", w_sh[i, j]) * s_sh[kk])
+                # every warpgroup its own 64 weight rows against all the tokens
+                T.gemm(w_reg, x_sh, acc, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(block_n, block_m):
+                c_sh[j, i] = T.Cast(out_dtype, acc[i, j])
             for j, i in T.Parallel(block_m, block_n):
                 if j < m_dyn:
                     if splits == 1:
@@ -328,39 +288,7 @@ def build_gemm(
                     else:
                         out[sp, j, nb * block_n + i] = c_sh[j, i]
 
-    @T.prim_func
-    def fp8_gemm_fused(
-        x: T.Tensor((m_dyn, groups * k), "bfloat16"),
-        w: T.Tensor((n, k), "float8_e4m3"),
-        s: T.Tensor((n // SCALE_BLOCK, k // BLOCK_K), sdt),
-        ws: T.Tensor((splits, m_dyn, n), "float32"),
-        counters: T.Tensor((n // block_n,), "int32"),
-        y: T.Tensor((m_dyn, n), "bfloat16"),
-    ):
-        with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
-            w_sh, x_sh, s_sh, w_reg, acc, c_sh = buffers()
-            arrived = T.alloc_shared((1,), "int32", scope="shared")
-            product(x, w, s, nb, sp, w_sh, x_sh, s_sh, w_reg, acc, c_sh)
-            for j, i in T.Parallel(block_m, block_n):
-                if j < m_dyn:
-                    ws[sp, j, nb * block_n + i] = c_sh[j, i]
-            # every partial of the CTA stored before one thread releases them with the count
-            T.sync_threads()
-            tx = T.get_thread_binding()
-            if tx == 0:
-                arrived[0] = T.atomic_add(counters[nb], 1, memory_order="acq_rel", return_prev=True)
-            T.sync_threads()
-            if arrived[0] == splits - 1:  # the tile's last CTA: its other partials are visible
-                for j, i in T.Parallel(block_m, block_n):
-                    if j < m_dyn:
-                        total = T.alloc_var("float32", init=0.0)
-                        for q in T.serial(splits):
-                            total += ws[q, j, nb * block_n + i]
-                        y[j, nb * block_n + i] = T.Cast("bfloat16", total)
-                if tx == 0:
-                    counters[nb] = 0
-
-    return fp8_gemm_fused if fused else fp8_gemm
+    return fp8_gemm
 
 
 def build_combine(n: int, splits: int, pdl: bool = False):
@@ -394,8 +322,8 @@ PASS_CONFIGS: dict = {}
 
 @functools.cache
 def _kernel(kind: str, *args):
-    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups,
-    fused)`` or ``("combine", n, splits, pdl)``."""
+    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups)`` or
+    ``("combine", n, splits, pdl)``."""
     import tilelang
 
     func = build_gemm(*args) if kind == "gemm" else build_combine(*args)
@@ -405,23 +333,21 @@ def _kernel(kind: str, *args):
 def configurations(n: int, k: int, sms: int, groups: int = 1) -> list[tuple]:
     """``_kernel`` arguments of every launch of an ``N x K`` weight (``groups`` row blocks of a
     grouped projection, each on its own ``K`` inputs) at ``M <= 256`` on ``sms`` SMs, both scale
-    kinds, with programmatic dependent launch where this device takes it, and for split plans
-    both the two-launch form and the fused one (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
+    kinds, with programmatic dependent launch where this device takes it
+    (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
     pdl = tl_pdl_enabled()
     out = []
     for m in BLOCK_MS:
         plan = launch_plan(m, n, k, sms)
         for kind in SCALE_KINDS:
-            for fused in (False, True) if plan.splits > 1 else (False,):
-                out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, fused))
+            out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups))
         if plan.splits > 1:
             out.append(("combine", n, plan.splits, pdl))
     return list(dict.fromkeys(out))
 
 
-def _gemm(x2: torch.Tensor, weight, groups: int, fused: bool = False) -> torch.Tensor:
-    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine
-    (``fused``: in the GEMM's launch where the plan splits K)."""
+def _gemm(x2: torch.Tensor, weight, groups: int) -> torch.Tensor:
+    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine."""
     from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
 
     n, k = weight.data.shape
@@ -432,34 +358,27 @@ def _gemm(x2: torch.Tensor, weight, groups: int, fused: bool = False) -> torch.T
     kind = scale_kind(weight)
     scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
     pdl = tl_pdl_enabled()
+    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
-    config = (n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
     if plan.splits == 1:
-        _kernel("gemm", *config, False)(x2, weight.data, scale, y)
-        return y
-    ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
-    counters = tile_counters(x2.device, plan.grid[0]) if fused else None  # None: see tile_counters
-    gemm = _kernel("gemm", *config, counters is not None)
-    if counters is not None:  # the kernel's counters argument is exactly its tiles' (a static shape)
-        gemm(x2, weight.data, scale, ws, counters[: plan.grid[0]], y)
+        gemm(x2, weight.data, scale, y)
     else:
+        ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
         gemm(x2, weight.data, scale, ws)
         _kernel("combine", n, plan.splits, pdl)(ws, y)
     return y
 
 
-def linear_fp8(x: torch.Tensor, weight, fused: bool = False) -> torch.Tensor:
-    """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``); ``fused``:
-    a split plan's combine in the GEMM's launch (the same bits)."""
+def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
+    """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``)."""
     n, k = weight.data.shape
     lead = x.shape[:-1]
-    return _gemm(x.reshape(-1, k).contiguous(), weight, 1, fused).reshape(*lead, n)
+    return _gemm(x.reshape(-1, k).contiguous(), weight, 1).reshape(*lead, n)
 
 
-def grouped_linear_fp8(x: torch.Tensor, weight, fused: bool = False) -> torch.Tensor:
+def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     """``grouped_linear(x [T, G, K], weight [G*N, K])`` by the TileLang GEMM, every group in one
-    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``; ``fused`` as
-    :func:`linear_fp8`."""
+    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``."""
     t, groups, k = x.shape
     n = weight.data.shape[0]
-    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups, fused).view(t, groups, n // groups)
+    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups).view(t, groups, n // groups)
