@@ -27,13 +27,15 @@ import _gpu_model as gm  # noqa: E402
 from deepinfer_core import LLM  # noqa: E402
 from deepinfer_core.benchmarking import harness as h  # noqa: E402
 from deepinfer_core.benchmarking.harness import log, positive_ints  # noqa: E402
+from deepinfer_core.distributed.cost_model import GPUS  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
 BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
-HBM_BW, BF16_FLOPS = 4.24e12, 989e12  # an H200's HBM bytes/s and dense bf16 FLOP/s: the rooflines'
+BF16_FLOPS = 989e12  # an H100's / H200's dense bf16 FLOP/s: the prefill rooflines'
+ROOFLINE_GPUS = {"H200": "h200", "H100": "h800", "H800": "h800"}  # cost-model preset of each GPU kind
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
 HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
@@ -219,6 +221,19 @@ class Runner:
 
 
 # ---- the benchmark ---------------------------------------------------------------------------------
+
+
+def hbm_bandwidth(device: str) -> tuple[float, str]:
+    """HBM bytes/s of the decode rooflines and the GPU kind they are for: the distributed cost
+    model's preset of the GPU that runs (H200: 4.24 TB/s, measured on one; H100 and H800, the same
+    HBM3: 3.0 TB/s, FlashMLA's achieved on the H800), the H200's for another device (said so)."""
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    kind = next((k for k in ROOFLINE_GPUS if k in name.upper()), None)
+    if kind is None:
+        log(f"roofline: no preset for {name!r}; the H200's HBM bandwidth is used")
+    return GPUS[ROOFLINE_GPUS[kind or "H200"]].hbm_bw, kind or f"H200 (for {name})"
+
+
 class Bench(Runner):
     """The measurements (docs/benchmarks.md) of the model of ``cfg_dict``, its parameter counts
     and decode-step weight bytes in the report."""
@@ -231,17 +246,18 @@ class Bench(Runner):
         self.max_model_len = max(lens + [args.pareto_prompt_len + 1] * args.pareto)
         self.data["model"] = {"config": cfg_dict, "param_counts": self.counts}
         steps = {str(b): {f: gm.weight_bytes_per_step(self.cfg, b, f) for f in FMTS} for b in BATCHES}
-        roofline = {"hbm_bytes_per_s": HBM_BW, "peak_flops": BF16_FLOPS}
+        self.hbm_bw, gpu = hbm_bandwidth(args.device)
+        roofline = {"gpu": gpu, "hbm_bytes_per_s": self.hbm_bw, "peak_flops": BF16_FLOPS}
         self.data["roofline"] = roofline | {"decode_step_weight_bytes": steps}
 
     def row(self, name: str, tok_s: float, tokens: int = 0, steps: list | None = None, kv: float = 0, **kw):
-        """A result row: ``tok_s`` over the H200's read bound of a decode step of ``tokens`` tokens
+        """A result row: ``tok_s`` over the GPU's read bound of a decode step of ``tokens`` tokens
         (weights, plus ``kv`` KV-cache bytes) or of a prefill in ``steps`` (tokens per step; also
         the bound of 2 FLOPs per active matmul weight per token)."""
         row = {"name": name, "value": tok_s, "unit": "tok/s"}
         for f in FMTS:
             step_bytes = sum(gm.weight_bytes_per_step(self.cfg, t, f) + kv for t in steps or [tokens])
-            bound = sum(steps or [tokens]) * HBM_BW / step_bytes
+            bound = sum(steps or [tokens]) * self.hbm_bw / step_bytes
             row |= {f"roofline_tok_s_{f}": bound, f"roofline_frac_{f}": tok_s / bound}
         if steps:
             bound = BF16_FLOPS / (2 * self.counts["active_per_token"])

@@ -7,6 +7,7 @@ tests/speculative/test_spec_engine.py's, the server's tests/test_serve.py's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from deepinfer_core.distributed.cost_model import GPUS
 
 pytestmark = pytest.mark.slow  # fresh interpreters running whole benchmarks (~14 s)
 
@@ -81,6 +84,28 @@ def test_gpu_e2e_smoke_measures_every_part_and_decodes_long_contexts_at_a_steady
         )
     assert ctx["ours.context.B2.64"]["kv_read_bytes_per_step"] == 2 * 7680
     assert ctx["ours.context.B1.1024"]["ttft_s"] > 0 and "x base" in proc.stdout
+    assert data["roofline"]["gpu"] == "H200 (for cpu)" and bw == GPUS["h200"].hbm_bw
+
+
+@pytest.mark.parametrize(
+    "name, preset, kind",
+    [
+        ("NVIDIA H200", "h200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "h800", "H100"),
+        ("NVIDIA A100-SXM4-80GB", "h200", None),
+    ],
+)
+def test_gpu_e2e_roofline_takes_the_bandwidth_of_the_gpu_that_runs(monkeypatch, name, preset, kind) -> None:
+    """The decode rooflines use the cost model's HBM bandwidth of the GPU's kind (an H100's HBM3 is
+    the H800's), and say when a GPU has no preset and the H200's stands in."""
+    spec = importlib.util.spec_from_file_location("gpu_e2e_under_test", ROOT / "benchmarks" / "gpu_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.torch.cuda, "get_device_name", lambda *a: name)
+    said = []
+    monkeypatch.setattr(module, "log", said.append)
+    assert module.hbm_bandwidth("cuda") == (GPUS[preset].hbm_bw, kind or f"H200 (for {name})")
+    assert bool(said) == (kind is None)
 
 
 def test_gpu_distributed_rejects_experts_that_do_not_divide_over_the_world(tmp_path: Path) -> None:
