@@ -66,6 +66,7 @@ from typing import NamedTuple
 import torch
 
 from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
+from deepinfer_cuda_sm100.tl.target import cuda_target
 
 logger = logging.getLogger("deepinfer.cuda_sm100")
 
@@ -327,7 +328,7 @@ def _kernel(kind: str, *args):
     import tilelang
 
     func = build_gemm(*args) if kind == "gemm" else build_combine(*args)
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=PASS_CONFIGS)
 
 
 def configurations(n: int, k: int, sms: int, groups: int = 1) -> list[tuple]:

@@ -46,6 +46,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, entries_problem, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
+from .target import cuda_target
 
 BN = 128
 """Candidates per block: two wgmma M tiles of 64."""
@@ -188,7 +189,7 @@ def _kernel(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, p
 
     configs = {"tl.disable_safe_memory_legalize": True}
     func = build_scores(kind, heads, dim, dtype, blocks, pdl)
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
 def supports(q, weights, key_pool, candidates) -> bool | str:

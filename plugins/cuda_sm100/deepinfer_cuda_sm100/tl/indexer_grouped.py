@@ -40,6 +40,7 @@ from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
+from .target import cuda_target
 
 GROUP = 2
 """Query tokens a CTA takes (the default of :func:`indexer_scores`): their queries (16 KB
@@ -197,7 +198,7 @@ def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int =
 
     configs = {"tl.disable_safe_memory_legalize": True}
     func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl)
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
 def supports(q, weights, key_pool, candidates) -> bool | str:

@@ -152,6 +152,7 @@ import torch
 
 from deepinfer_cuda_sm100.e2m1_ptx import TABLE_FP32_PTX, TABLE_UE8M0_PTX, e2m1x8_bf16_ptx
 from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
+from deepinfer_cuda_sm100.tl.target import cuda_target
 
 ROWS = 128
 """Weight rows per CTA (two wgmma M atoms of 64)."""
@@ -649,7 +650,7 @@ def _kernel(
         func = build_gate_up(hidden, inter, block_m, scale, gathered=gathered, **kw)
     else:
         func = build_down(hidden, inter, block_m, scale, weights=weights, **kw)
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=PASS_CONFIGS)
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=PASS_CONFIGS)
 
 
 WEIGHT_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

@@ -23,7 +23,10 @@ is ``0``; the prologue's kernels are separate compiled configurations, keyed by 
 
 import os
 
+from deepinfer_cuda_sm100.kernels.pdl import ENV as TRITON_ENV
 from deepinfer_cuda_sm100.kernels.pdl import pdl_enabled
+
+from .target import target_capability
 
 ENV = "DEEPINFER_TILELANG_PDL"
 """Set to ``0`` to build and launch the TileLang kernels without PDL (the Triton kernels keep
@@ -32,8 +35,15 @@ theirs)."""
 
 def tl_pdl_enabled() -> bool:
     """Whether TileLang kernels built now take the PDL prologue: where the Triton kernels use
-    PDL, unless :data:`ENV` is ``0``."""
-    return os.environ.get(ENV, "1") != "0" and pdl_enabled()
+    PDL, unless :data:`ENV` is ``0``; for a capability named by
+    :data:`~deepinfer_cuda_sm100.tl.target.ARCH_ENV` (kernels built for a device that is not
+    here), where that capability takes PDL (9.0 or later, ``DEEPINFER_CUDA_PDL`` not ``0``)."""
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    capability = target_capability()
+    if capability is not None:
+        return capability[0] >= 9 and os.environ.get(TRITON_ENV, "1") != "0"
+    return pdl_enabled()
 
 
 def prologue():

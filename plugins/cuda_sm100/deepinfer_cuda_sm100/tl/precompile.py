@@ -4,7 +4,7 @@ warm-up compiles them one after another.
 
     python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
         [--inter 2048] [--gemm-shapes 4096x1024,...] [--grouped-shapes 8x4096x1024]
-        [--index-heads 64] [--index-dim 128] [--jobs 8]
+        [--index-heads 64] [--index-dim 128] [--jobs 8] [--arch 9.0] [--sms 132]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV; the seesaw kernel's on plain pools) and the split
@@ -19,6 +19,12 @@ projection (``grouped_linear``), and the indexer's scores
 DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
 132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
+
+``--arch 9.0`` compiles for that compute capability on a machine without such a GPU (the CUDA
+toolkit is enough; :mod:`deepinfer_cuda_sm100.tl.target`), with the PDL prologue where that
+capability takes it and the GEMM plans sized for ``--sms`` SMs (default 132): the kernels land
+under the same cache keys the GPU machine's processes look up, so a cache directory built so
+(``TILELANG_CACHE_DIR``) and copied to ``~/.tilelang/cache`` there spares it the compiles.
 """
 
 from __future__ import annotations
@@ -26,12 +32,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import multiprocessing
+import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
 from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
+from deepinfer_cuda_sm100.tl.target import ARCH_ENV, capability_problem
 
 
 def _fp8_geometry(dim: int, rope_dim: int):
@@ -118,11 +126,15 @@ def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
     return [(heads, dim, "bfloat16", blocks, GROUP, pdl) for blocks in BLOCK_CHOICES]
 
 
-def _sms() -> int:
+def _sms(given: int = 0) -> int:
+    """The SM count the GEMM plans are sized for: ``given``, else this machine's GPU's, else an
+    H100 / H200's."""
     import torch
 
     from deepinfer_cuda_sm100.kernels.fp8_gemm import DEFAULT_SMS
 
+    if given:
+        return given
     if not torch.cuda.is_available():
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(0).multi_processor_count
@@ -158,7 +170,7 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     out += [("indexer_grouped", c) for c in grouped_indexer_configurations(a.index_heads, a.index_dim)]
-    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms(), a.grouped_shapes)]
+    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms(a.sms), a.grouped_shapes)]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -176,6 +188,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--index-heads", type=int, default=64, help="indexer heads")
     p.add_argument("--index-dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--jobs", type=int, default=8)
+    p.add_argument(
+        "--arch",
+        default="",
+        help="compute capability to compile for (e.g. 9.0) instead of this machine's GPU: a build "
+        "host without that GPU fills the cache (TILELANG_CACHE_DIR) the GPU machine loads",
+    )
+    p.add_argument(
+        "--sms",
+        type=int,
+        default=0,
+        help="SMs the GEMM plans are sized for (default: the GPU's, else 132)",
+    )
     return p.parse_args(argv)
 
 
@@ -183,10 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
-    problem = tilelang_problem()
-    if problem is not None:
+    problem = tilelang_problem() or (
+        a.arch and capability_problem(a.arch) and f"--arch {capability_problem(a.arch)}"
+    )
+    if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1
+    if a.arch:  # the workers inherit it: every kernel built for that capability (tl.target)
+        os.environ[ARCH_ENV] = a.arch
     failed = []
     # spawned workers: this process may have initialised CUDA (the SM count), which a fork cannot inherit
     spawn = multiprocessing.get_context("spawn")

@@ -56,6 +56,7 @@ from deepinfer_core.ops.kv_format import Fp8KVPool
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, page_and_slot
 from .pdl import prologue, tl_pdl_enabled
+from .target import cuda_target
 
 LOG2E = 1.4426950408889634
 BH = 64
@@ -399,10 +400,10 @@ def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: st
     import tilelang
 
     if kind == "combine":
-        return tilelang.compile(build_combine(heads, dim, dtype, pdl), out_idx=None, target="cuda")
+        return tilelang.compile(build_combine(heads, dim, dtype, pdl), out_idx=None, target=cuda_target())
     func = build_attention(paged, split, heads, dim, dtype, fp8, pdl)
     configs = {"tl.disable_safe_memory_legalize": True}
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=configs)
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
 def plan_splits(tokens: int, heads: int, max_keys: int, sms: int) -> int:

@@ -64,6 +64,7 @@ from . import sparse_attention as sa
 from .page_division import page_and_slot
 from .pdl import prologue
 from .sparse_attention import BH, LOG2E
+from .target import cuda_target
 
 BNW = 32  # keys a block
 SLOTS = 4  # ring slots: two iterations of the two consumers
@@ -589,7 +590,7 @@ def _kernel(
     import tilelang
 
     func = build_attention_ws(paged, split, heads, dim, dtype, fp8, pdl, schedule)
-    return tilelang.compile(func, out_idx=None, target="cuda", pass_configs=pass_configs(fp8))
+    return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=pass_configs(fp8))
 
 
 def pass_configs(fp8: sa.Fp8Geometry | None) -> dict[str, bool]:
