@@ -11,6 +11,7 @@ so the disk-cache keys of kernels compiled offline are the GPU machine's.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 
 import pytest
@@ -93,3 +94,33 @@ def test_the_offline_target_is_the_one_tilelang_picks_on_such_a_device(monkeypat
     offline = determine_target(target.cuda_target(), return_object=True)
     assert str(offline) == str(on_device)
     assert str(offline.attrs["arch"]).startswith("sm_{}{}".format(*capability))
+
+
+def _wheel(site, files: dict[str, str]) -> None:
+    """An installed ``nvidia-cuda-nvcc`` distribution in ``site``: its metadata, its ``RECORD``
+    and the files it lists."""
+    info = site / "nvidia_cuda_nvcc-13.0.88.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nvidia-cuda-nvcc\nVersion: 13.0.88\n")
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in files))
+    for name, text in files.items():
+        (site / name).parent.mkdir(parents=True, exist_ok=True)
+        (site / name).write_text(text)
+
+
+def test_nvcc_is_found_in_the_nvidia_cuda_nvcc_wheel_where_no_toolkit_is(tmp_path, monkeypatch):
+    """TileLang's ``nvcc`` extra (``[tilelang-nvcc]``) brings nvcc as a wheel: without it on
+    ``PATH`` or under a toolkit root, the wheel's nvcc is the one, and without the wheel none."""
+    from deepinfer_cuda_sm100.tl import find_nvcc
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    try:
+        importlib.metadata.distribution("nvidia-cuda-nvcc")
+    except importlib.metadata.PackageNotFoundError:  # (where the wheel is installed, it is found)
+        assert find_nvcc([]) is None
+    _wheel(tmp_path / "site", {"nvidia/cuda_nvcc/bin/nvcc": "", "nvidia/cuda_nvcc/include/cuda.h": ""})
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert find_nvcc([]) == str(tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin" / "nvcc")
+    (tmp_path / "cuda" / "bin").mkdir(parents=True)
+    (tmp_path / "cuda" / "bin" / "nvcc").write_text("")
+    assert find_nvcc([None, str(tmp_path / "cuda")]) == str(tmp_path / "cuda" / "bin" / "nvcc")

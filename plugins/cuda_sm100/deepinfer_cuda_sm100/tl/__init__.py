@@ -5,8 +5,9 @@ operands in shared memory, ``cp.async`` gathers pipelined against the math, accu
 split between warpgroups.  It is an optional extra (``pip install -e
 'plugins/cuda_sm100[tilelang]'`` from a checkout); without it the Triton kernels serve every
 op (:func:`tilelang_problem` says why, logged once).  Kernels are compiled once per static
-configuration with the CUDA toolkit's ``nvcc`` and kept in TileLang's disk cache
-(``~/.tilelang/cache``), so a second process loads them instead of compiling.
+configuration with the CUDA toolkit's ``nvcc`` (or the ``nvidia-cuda-nvcc`` wheel's) and kept
+in TileLang's disk cache (``~/.tilelang/cache``), so a second process loads them instead of
+compiling.
 
 Importing this package imports neither TileLang nor Triton; the kernel modules do.
 """
@@ -15,12 +16,33 @@ from __future__ import annotations
 
 import functools
 import glob
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import shutil
 
 INSTALL_HINT = "pip install -e 'plugins/cuda_sm100[tilelang]' (from the root of a DeepInfer checkout)"
+NVCC_HINT = "without the toolkit: pip install -e 'plugins/cuda_sm100[tilelang-nvcc]', nvcc from PyPI"
+
+
+def find_nvcc(homes: list[str | None]) -> str | None:
+    """The nvcc TileLang would compile with, looked for where TileLang looks: on ``PATH``, under
+    each of ``homes`` (toolkit roots), or in the ``nvidia-cuda-nvcc`` wheel (TileLang's ``nvcc``
+    extra, for machines without the toolkit); ``None`` when there is none."""
+    found = shutil.which("nvcc")
+    if found is not None:
+        return found
+    for home in filter(None, homes):
+        path = os.path.join(home, "bin", "nvcc")
+        if os.path.exists(path):
+            return path
+    try:
+        files = importlib.metadata.files("nvidia-cuda-nvcc") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    paths = [str(f.locate()) for f in files if f.name == "nvcc"]
+    return next((p for p in paths if os.path.exists(p)), None)
 
 
 @functools.cache
@@ -30,10 +52,11 @@ def tilelang_problem() -> str | None:
         return f"TileLang is not installed ({INSTALL_HINT})"
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     homes += sorted(glob.glob("/usr/local/cuda-*"))
-    if shutil.which("nvcc") is None and not any(
-        h and os.path.exists(os.path.join(h, "bin", "nvcc")) for h in homes
-    ):
-        return "TileLang needs the CUDA toolkit's nvcc: none on PATH, under CUDA_HOME or in /usr/local/cuda*"
+    if find_nvcc(homes) is None:
+        return (
+            "TileLang needs the CUDA toolkit's nvcc: none on PATH, under CUDA_HOME or in /usr/local/cuda*, "
+            f"and no nvidia-cuda-nvcc wheel ({NVCC_HINT})"
+        )
     # an installed TileLang whose native parts do not load (a missing libz3, a mismatched tvm-ffi)
     try:
         import tilelang  # noqa: F401
