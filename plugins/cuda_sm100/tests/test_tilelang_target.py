@@ -124,3 +124,17 @@ def test_nvcc_is_found_in_the_nvidia_cuda_nvcc_wheel_where_no_toolkit_is(tmp_pat
     (tmp_path / "cuda" / "bin").mkdir(parents=True)
     (tmp_path / "cuda" / "bin" / "nvcc").write_text("")
     assert find_nvcc([None, str(tmp_path / "cuda")]) == str(tmp_path / "cuda" / "bin" / "nvcc")
+
+
+def test_a_malformed_arch_variable_keeps_tilelang_out_and_says_why(monkeypatch):
+    """The engine's one check (``tilelang_problem``) names the variable, so Triton serves with one
+    warning instead of a kernel build failing inside a request."""
+    from deepinfer_cuda_sm100.tl import tilelang_problem
+
+    monkeypatch.setenv(target.ARCH_ENV, "hopper")
+    tilelang_problem.cache_clear()
+    try:
+        problem = tilelang_problem()
+    finally:
+        tilelang_problem.cache_clear()
+    assert problem == f"{target.ARCH_ENV}: {target.capability_problem('hopper')}"
