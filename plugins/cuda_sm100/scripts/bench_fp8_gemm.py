@@ -12,6 +12,9 @@ overhead is excluded):
   runs, with every error printed in full);
 * ``tilelang``: the TileLang GEMM (``M <= 256``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`;
   ``None`` where TileLang cannot compile here or the kernel refuses the call);
+* ``tilelang wide`` (``M <= 64``): the same GEMM with the wide tile kind (128 weight rows, two
+  consumer warpgroups sharing each activation tile) where the shipped plan takes narrow tiles;
+  a probe, not a table path (its bits against ``tilelang``'s are in the JSON);
 * ``bf16 matmul``: cuBLAS on the dequantised bf16 weight;
 * ``dequant+cublas``: the backend's other W8A16 path, the weight dequantised by a kernel then
   cuBLAS (:mod:`deepinfer_cuda_sm100.gemm_dispatch`);
@@ -150,8 +153,9 @@ def w8a8_prefill(x: torch.Tensor, w) -> torch.Tensor:
             os.environ[PREFILL_ENV] = saved
 
 
-def tilelang_call(x: torch.Tensor, w) -> Callable | None:
-    """The TileLang GEMM on ``x``, or ``None`` (printed why) where it does not run."""
+def tilelang_call(x: torch.Tensor, w, wide: bool = False) -> Callable | None:
+    """The TileLang GEMM on ``x`` (``wide``: the wide tile kind), or ``None`` (printed why) where
+    it does not run."""
     from deepinfer_cuda_sm100.gemm_dispatch import tilelang_usable
     from deepinfer_cuda_sm100.tl import tilelang_problem
     from deepinfer_cuda_sm100.tl.fp8_gemm import MAX_M
@@ -162,7 +166,12 @@ def tilelang_call(x: torch.Tensor, w) -> Callable | None:
         return None
     from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8 as tilelang_linear
 
-    return lambda: tilelang_linear(x, w)
+    return lambda: tilelang_linear(x, w, wide)
+
+
+def same_bits(a: Callable | None, b: Callable | None) -> bool | None:
+    """Whether two calls give the same bits (``None`` where either did not run)."""
+    return None if a is None or b is None else torch.equal(a(), b())
 
 
 def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list[dict]:
@@ -260,6 +269,7 @@ def main() -> None:
     )
     from deepinfer_cuda_sm100.scaled_mm import available as scaled_mm_available
     from deepinfer_cuda_sm100.scaled_mm import scaled_mm_linear
+    from deepinfer_cuda_sm100.tl.fp8_gemm import NARROW_MAX_M
 
     from deepinfer_core.weights.quant import QuantizedTensor, quant_fp8
 
@@ -274,6 +284,7 @@ def main() -> None:
                 "triton w8a16",
                 "triton w8a8",
                 "tilelang",
+                "tilelang wide",
                 "scaled_mm",
                 "bf16",
                 "dequant+cublas",
@@ -294,6 +305,7 @@ def main() -> None:
                 "triton_w8a16": lambda x=x, w=w: linear_fp8(x, w),
                 "triton_w8a8": lambda x=x, w=w: linear_fp8_w8a8(x, w),
                 "tilelang": tilelang_call(x, w),
+                "tilelang_wide": tilelang_call(x, w, wide=True) if m <= NARROW_MAX_M else None,
                 "scaled_mm": scaled_mm_call(x, w, dense),
                 "bf16_matmul": lambda x=x, d=dense: x @ d.t(),
                 "dequant_cublas": lambda x=x, w=w: cublas_linear(x, w),
@@ -331,6 +343,7 @@ def main() -> None:
                     2 * m * n * k / (tb * 1e-6) / 1e12 if (tb := times["bf16_matmul"]) else None
                 ),
                 "w8a16_max_abs_err_vs_bf16": err,
+                "tilelang_wide_bitwise": same_bits(calls["tilelang"], calls["tilelang_wide"]),
             }
             rows.append(row)
 

@@ -80,6 +80,23 @@ def test_tile_kinds_fit_the_sm():
     assert tlg.tile(128).max_stages == 4 and tlg.tile(256).max_stages == 2
 
 
+@pytest.mark.parametrize(("k", "n"), V4_SHAPES)
+def test_the_wide_kind_at_decode_token_counts_plans_128_row_tiles(k, n):
+    """``wide=True`` at ``M <= 64`` (a probe ``bench_fp8_gemm.py`` times): the same token tile,
+    128 weight rows a CTA, the wide kind's split target, stages within the SM's shared memory."""
+    k_blocks = k // 128
+    for m in (1, 16, 17, 33, 64):
+        plan, narrow = tlg.launch_plan(m, n, k, 132, wide=True), tlg.launch_plan(m, n, k, 132)
+        kind = tlg.tile(plan.block_m, wide=True)
+        assert plan.block_m == narrow.block_m and kind[:2] == (128, 256)
+        assert plan.grid == (n // 128, plan.splits) and plan.splits * plan.blocks_per_split == k_blocks
+        fewer = [s for s in range(1, plan.splits) if k_blocks % s == 0]
+        assert all(n // 128 * s < tlg.WIDE_CTAS_PER_SM_TARGET * 132 for s in fewer), "not the fewest"
+        stage_bytes = 128 * 128 + plan.block_m * 128 * 2
+        assert 1 <= plan.stages <= kind.max_stages and kind.max_stages * stage_bytes <= SMEM_PER_CTA
+    assert tlg.launch_plan(100, 4096, 4096, 132, wide=True) == tlg.launch_plan(100, 4096, 4096, 132)
+
+
 def test_wide_weights_take_no_split():
     assert tlg.launch_plan(1, 32768, 1024, 132).splits == 1  # 512 CTAs of 64 rows already
 
@@ -275,6 +292,24 @@ def test_the_v4_configurations_lower_for_sm90():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_the_wide_kind_lowers_at_decode_token_tiles(block_m):
+    """``wide=True`` at 16 / 64 tokens: each of the two consumer warpgroups its own 64 weight rows
+    against the CTA's tokens, their registers raised, its fence on its own accumulator."""
+    import re
+
+    plan = tlg.launch_plan(block_m, 8192, 1024, 132, wide=True)
+    src = _lower(("gemm", 8192, 1024, plan.block_m, plan.splits, plan.stages, "ue8m0", True, 1, True))
+    bf16 = "tl::DataType::kBFloat16"
+    assert f"wgmma_rs<{bf16}, {bf16}, tl::DataType::kFloat32, 64, {block_m}, 16" in src
+    assert "warpgroup_reg_alloc" in src and "tma_load(w_desc" in src
+    assert re.search(rf"float acc\[{block_m // 2}\];", src), block_m
+    narrow = _lower(("gemm", 8192, 1024, block_m, 2, 4, "ue8m0", True, 1))
+    assert "warpgroup_reg_alloc" not in narrow
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("block_m", [16, 256])
 def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
     """Grouped (8 groups of 4096 -> 1024): ``x`` is ``[M, 8 * 4096]`` and CTA ``nb``'s TMA loads
@@ -326,12 +361,17 @@ def test_the_pdl_prologue_reads_only_the_scales_before_its_wait(block_m):
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize(
     "config",
-    [("gemm", 4096, 8192, 256, 4, 2, "fp32"), ("gemm", 32768, 1024, 256, 1, 2, "ue8m0")],
-    ids=["split-fp32", "direct-ue8m0"],
+    [
+        ("gemm", 4096, 8192, 256, 4, 2, "fp32"),
+        ("gemm", 32768, 1024, 256, 1, 2, "ue8m0"),
+        ("gemm", 8192, 1024, 64, 2, 4, "ue8m0", True, 1, True),
+    ],
+    ids=["split-fp32", "direct-ue8m0", "decode-64-wide-pdl"],
 )
 def test_the_wide_tiles_compile_for_sm90a_without_spills(config, tmp_path):
     """The 256-token tile (128 accumulators per thread, the most registers of any configuration):
-    ``ptxas`` reports no stack frame and no spills once the consumers hold 240 registers."""
+    ``ptxas`` reports no stack frame and no spills once the consumers hold 240 registers; nor
+    does the wide kind at 64 tokens (the probe of ``bench_fp8_gemm.py``)."""
     import re
     import subprocess
 
@@ -381,6 +421,29 @@ def test_gpu_tilelang_gemm_matches_the_reference_at_v4_flash_shapes(scale_dtype,
             exact = x.double() @ dense.t()
             err, ref_err = (got.double() - exact).abs().max(), (want.double() - exact).abs().max()
             assert err <= 2 * ref_err + 1e-6, f"{k}x{n} M={m}: {err:.3g} vs the reference's {ref_err:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_the_wide_kind_at_decode_token_counts_matches_the_reference():
+    """The probe ``bench_fp8_gemm.py`` times (``wide=True`` at ``M <= 64``): within the op's
+    tolerance of the reference, as close to the exact product as the narrow tiles' twice over."""
+    from deepinfer_core.ops.linear import linear
+    from deepinfer_core.ops.registry import DEFAULT_TOLERANCES
+
+    _gpu_ready()
+    atol, rtol = DEFAULT_TOLERANCES[torch.bfloat16]
+    g = torch.Generator().manual_seed(6)
+    for k, n in ((1024, 8192), (4096, 1536)):  # split K at every M, and the widest split
+        w = _weight(g, n, k, "ue8m0", "cuda")
+        dense = w.dequantize(torch.bfloat16).double()
+        for m in DECODE_M:
+            x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+            got, want = tlg.linear_fp8(x, w, wide=True), linear(x, w)
+            assert torch.allclose(got.float(), want.float(), atol=atol, rtol=rtol), f"{k}x{n} M={m}"
+            exact = x.double() @ dense.t()
+            err = (got.double() - exact).abs().max()
+            narrow = (tlg.linear_fp8(x, w).double() - exact).abs().max()
+            assert err <= 2 * narrow + 1e-6, f"{k}x{n} M={m}: {err:.3g} vs narrow {narrow:.3g}"
 
 
 @pytest.mark.gpu

@@ -107,12 +107,14 @@ class Tile(NamedTuple):
     ctas_per_sm: float
 
 
-def tile(block_m: int) -> Tile:
+def tile(block_m: int, wide: bool = False) -> Tile:
     """The kind of token tile ``block_m`` (one of :data:`BLOCK_MS`): narrow (``<= 64``: 64 weight
     rows, one consumer warpgroup, two CTAs an SM) or wide (128 weight rows, two consumer
     warpgroups, one CTA an SM, as many stages of ``128 x 128`` weight bytes plus ``BLOCK_M x 128``
-    bf16 activations as fit in ~160-192 KiB of shared memory)."""
-    if block_m <= NARROW_MAX_M:
+    bf16 activations as fit in ~160-192 KiB of shared memory).  ``wide`` takes the wide kind at
+    ``<= 64`` too: two warpgroups' weight rows share each activation tile, half the activation
+    reads of the narrow kind (``bench_fp8_gemm.py`` times it; never dispatched)."""
+    if block_m <= NARROW_MAX_M and not wide:
         return Tile(BLOCK_N, THREADS, STAGES, CTAS_PER_SM_TARGET)
     stage_bytes = WIDE_BLOCK_N * BLOCK_K + block_m * BLOCK_K * 2
     return Tile(WIDE_BLOCK_N, 2 * THREADS, min(STAGES, 192 * 1024 // stage_bytes), WIDE_CTAS_PER_SM_TARGET)
@@ -128,15 +130,16 @@ class Plan(NamedTuple):
     grid: tuple[int, int]
 
 
-def launch_plan(m: int, n: int, k: int, sms: int) -> Plan:
+def launch_plan(m: int, n: int, k: int, sms: int, wide: bool = False) -> Plan:
     """The :class:`Plan` of an ``[m, k] x [n, k]^T`` call on ``sms`` SMs (shapes only: graph
     capturable): ``BLOCK_M`` the smallest of :data:`BLOCK_MS` that holds ``m``; ``splits`` the
     fewest divisors of ``k / 128`` giving ``n / BLOCK_N * splits >= target * sms`` CTAs (the
     tile kind's ``BLOCK_N`` and target, :func:`tile`) with at least :data:`MIN_SPLIT_BLOCKS`
     blocks each (else the most such splits); stages ``min(the kind's cap, blocks per split)``.
-    ``m <= 256``, ``n`` and ``k`` multiples of 128 (:func:`problem` checks)."""
+    ``m <= 256``, ``n`` and ``k`` multiples of 128 (:func:`problem` checks); ``wide``: the wide
+    kind at every ``m`` (:func:`tile`)."""
     block_m = next(bm for bm in BLOCK_MS if m <= bm)
-    kind = tile(block_m)
+    kind = tile(block_m, wide)
     k_blocks, tiles = k // BLOCK_K, n // kind.block_n
     candidates = [
         s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= MIN_SPLIT_BLOCKS
@@ -228,7 +231,15 @@ def fix_wgmma_accumulator_fence() -> None:
 
 
 def build_gemm(
-    n: int, k: int, block_m: int, splits: int, stages: int, kind: str, pdl: bool = False, groups: int = 1
+    n: int,
+    k: int,
+    block_m: int,
+    splits: int,
+    stages: int,
+    kind: str,
+    pdl: bool = False,
+    groups: int = 1,
+    wide: bool = False,
 ):
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
@@ -237,11 +248,12 @@ def build_gemm(
 
     ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
     (``[T, G, K]`` flattened) and weight rows ``g N / groups ..`` multiply group ``g``'s ``K``
-    inputs (``N / groups`` a multiple of ``BLOCK_N``: a CTA's rows lie in one group)."""
+    inputs (``N / groups`` a multiple of ``BLOCK_N``: a CTA's rows lie in one group).  ``wide``:
+    the wide tile kind at ``block_m <= 64`` too (:func:`tile`)."""
     import tilelang
     import tilelang.language as T
 
-    block_n, threads, _, _ = tile(block_m)
+    block_n, threads, _, _ = tile(block_m, wide)
     wide = block_n != BLOCK_N
     fix_wgmma_accumulator_fence()
     per = k // BLOCK_K // splits
@@ -323,8 +335,8 @@ PASS_CONFIGS: dict = {}
 
 @functools.cache
 def _kernel(kind: str, *args):
-    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups)`` or
-    ``("combine", n, splits, pdl)``."""
+    """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups[,
+    wide])`` or ``("combine", n, splits, pdl)``."""
     import tilelang
 
     func = build_gemm(*args) if kind == "gemm" else build_combine(*args)
@@ -347,19 +359,21 @@ def configurations(n: int, k: int, sms: int, groups: int = 1) -> list[tuple]:
     return list(dict.fromkeys(out))
 
 
-def _gemm(x2: torch.Tensor, weight, groups: int) -> torch.Tensor:
-    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine."""
+def _gemm(x2: torch.Tensor, weight, groups: int, wide: bool = False) -> torch.Tensor:
+    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine
+    (``wide``: the wide tile kind at every ``M``, :func:`tile`)."""
     from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
 
     n, k = weight.data.shape
     if x2.data_ptr() % 16:
         x2 = x2.clone()
     m = x2.shape[0]
-    plan = launch_plan(m, n, k, sm_count(x2.device))
+    plan = launch_plan(m, n, k, sm_count(x2.device), wide)
     kind = scale_kind(weight)
     scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
     pdl = tl_pdl_enabled()
-    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
+    wide_args = (True,) if wide and plan.block_m <= NARROW_MAX_M else ()  # the shipped keys otherwise
+    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, *wide_args)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if plan.splits == 1:
         gemm(x2, weight.data, scale, y)
@@ -370,16 +384,19 @@ def _gemm(x2: torch.Tensor, weight, groups: int) -> torch.Tensor:
     return y
 
 
-def linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
-    """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``)."""
+def linear_fp8(x: torch.Tensor, weight, wide: bool = False) -> torch.Tensor:
+    """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``; ``wide``: the
+    wide tile kind at every ``M``, :func:`tile`)."""
     n, k = weight.data.shape
     lead = x.shape[:-1]
-    return _gemm(x.reshape(-1, k).contiguous(), weight, 1).reshape(*lead, n)
+    return _gemm(x.reshape(-1, k).contiguous(), weight, 1, wide).reshape(*lead, n)
 
 
-def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
+def grouped_linear_fp8(x: torch.Tensor, weight, wide: bool = False) -> torch.Tensor:
     """``grouped_linear(x [T, G, K], weight [G*N, K])`` by the TileLang GEMM, every group in one
-    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``."""
+    launch (:func:`problem` with ``groups=G`` must be ``None``; ``wide`` as :func:`linear_fp8`'s):
+    ``[T, G, N]``."""
     t, groups, k = x.shape
     n = weight.data.shape[0]
-    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups).view(t, groups, n // groups)
+    x2 = x.reshape(t, groups * k).contiguous()
+    return _gemm(x2, weight, groups, wide).view(t, groups, n // groups)
