@@ -510,6 +510,41 @@ def test_three_ctas_an_sm_keep_the_16_row_kernels_wgmma_pipelined(kind, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
+@pytest.mark.parametrize("consumers", tlm.CONSUMERS)
+@pytest.mark.parametrize("kind", ["gate_up", "down"])
+def test_k_halves_keep_the_default_splits_wgmma_pipelined(kind, consumers, tmp_path):
+    """Built for sm_90a with the default register split at 16-row tiles (four CTAs an SM for one
+    consumer warpgroup, two for the wide variant), the K step in two halves (``halves``: 16 live
+    A registers a thread instead of 32) compiles without spills and without ptxas serialising
+    its wgmma (C7512), which the one-pass step does there."""
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
+    reports = {}
+    for halves in (True, False):
+        src = tmp_path / f"k{halves}.cu"
+        src.write_text(
+            lowered_sm90(build(4096, 2048, 16, "ue8m0", consumers=consumers, halves=halves), tlm.PASS_CONFIGS)
+        )
+        cmd = [
+            get_nvcc_compiler(),
+            "-cubin",
+            "-gencode=arch=compute_90a,code=sm_90a",
+            *default_compile_options(),
+        ]
+        done = subprocess.run(
+            [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        reports[halves] = done.stderr
+    assert "C7512" not in reports[True] and "0 bytes spill stores" in reports[True]
+    assert "C7512" in reports[False], "the one-pass step's serialisation went away: halves may not be needed"
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("consumers", tlm.CONSUMERS)
 @pytest.mark.parametrize("block_m", [16, 32])
@@ -708,6 +743,23 @@ def test_gpu_gathered_activations_give_the_same_bits():
     for args in _v4_cases()[1:4]:
         eager = tlm.moe_experts(*args, gathered=True)
         assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, gathered=True)), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_k_halves_give_the_same_bits():
+    """Each K step decoded and multiplied in two K halves (``halves``) gives bitwise the
+    one-pass result, both variants, tiles of 16, 32 and 64 rows, both scale formats, with the
+    gathered activations too; and replays in a CUDA graph bitwise."""
+    _gpu_ready()
+    for args in _wide_cases():
+        for consumers in tlm.CONSUMERS:
+            want = tlm.moe_experts(*args, consumers=consumers)
+            got = tlm.moe_experts(*args, consumers=consumers, halves=True)
+            assert torch.equal(got, want), (args[0].shape[0], consumers, args[3].scale.dtype)
+    for args in _v4_cases()[1:4]:
+        eager = tlm.moe_experts(*args, halves=True)
+        assert torch.equal(tlm.moe_experts(*args, halves=True, gathered=True), eager)
+        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, halves=True)), eager)
 
 
 @pytest.mark.gpu

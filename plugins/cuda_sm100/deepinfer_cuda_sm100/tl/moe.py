@@ -224,6 +224,8 @@ E2M1X8_PTX = e2m1x8_bf16_ptx(
 
 DECODE_UE8M0 = "deepinfer_e2m1_row_ue8m0"
 DECODE_FP32 = "deepinfer_e2m1_row_fp32"
+HALF = "_half"
+"""Suffix of the decode functions that take half a scale group (8 bytes: one K half's registers)."""
 KEEP = "deepinfer_keep_stage"
 
 
@@ -304,6 +306,18 @@ __device__ __forceinline__ void deepinfer_e2m1_row(const void* packed, const uns
 {stores}
   }}
 }}
+__device__ __forceinline__ void deepinfer_e2m1_half_row(const void* packed, const unsigned* t, void* frag,
+                                                        int rh) {{
+  const uint2 p = *reinterpret_cast<const uint2*>(packed);
+  const unsigned words[2] = {{p.x, p.y}};
+  unsigned* r = reinterpret_cast<unsigned*>(frag);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {{
+    unsigned v[4];
+    deepinfer_e2m1x8_scaled(words[q], t, v);
+{stores}
+  }}
+}}
 __device__ __forceinline__ void {DECODE_UE8M0}(const void* packed, unsigned char e, void* frag, int rh) {{
   unsigned t[5];
   deepinfer_e2m1_table_ue8m0(e, t);
@@ -314,6 +328,17 @@ __device__ __forceinline__ void {DECODE_FP32}(const void* packed, float s, void*
   deepinfer_e2m1_table_fp32(s, t);
   deepinfer_e2m1_row(packed, t, frag, rh);
 }}
+__device__ __forceinline__ void {DECODE_UE8M0}{HALF}(const void* packed, unsigned char e, void* frag,
+                                                          int rh) {{
+  unsigned t[5];
+  deepinfer_e2m1_table_ue8m0(e, t);
+  deepinfer_e2m1_half_row(packed, t, frag, rh);
+}}
+__device__ __forceinline__ void {DECODE_FP32}{HALF}(const void* packed, float s, void* frag, int rh) {{
+  unsigned t[5];
+  deepinfer_e2m1_table_fp32(s, t);
+  deepinfer_e2m1_half_row(packed, t, frag, rh);
+}}
 __device__ __forceinline__ void {KEEP}(const void*) {{}}
 #endif
 """
@@ -323,7 +348,7 @@ def _scale_dtype(scale: str) -> str:
     return "uint8" if scale == "ue8m0" else "float32"
 
 
-def a_fragment_layout(rows: int = ATOM):
+def a_fragment_layout(rows: int = ATOM, width: int = BLOCK_K):
     """The register layout of wgmma's A operand (``m64nNk16``, bf16, ``BLOCK_K`` wide), as
     TileLang lays out a fragment A of ``T.gemm``: element ``(i, j)`` lives in thread
     ``32 (i // 16) + 4 (i % 8) + (j % 8) // 2``, local bf16 ``4 (j // 8) + 2 ((i % 16) // 8) +
@@ -333,12 +358,13 @@ def a_fragment_layout(rows: int = ATOM):
     places them."""
     from tilelang.layout import Fragment
 
-    return Fragment((rows, BLOCK_K), forward_thread_fn=_a_thread, forward_index_fn=_a_local)
+    return Fragment((rows, width), forward_thread_fn=_a_thread, forward_index_fn=_a_local)
 
 
-def _macros(scale: str, consumers: int = 1):
+def _macros(scale: str, consumers: int = 1, halves: bool = False):
     """The consumer's pieces shared by both kernels: decoding one block of ``64 * consumers``
-    rows into its A fragment (each warpgroup its own 64 rows), and the K step's GEMMs."""
+    rows into its A fragment (each warpgroup its own 64 rows), and the K step's GEMMs
+    (``halves``: each block in two K halves through two half-width fragments, :func:`_halves_step`)."""
     import tilelang.language as T
 
     fn = DECODE_UE8M0 if scale == "ue8m0" else DECODE_FP32
@@ -348,19 +374,22 @@ def _macros(scale: str, consumers: int = 1):
     gemm_kw = {} if consumers == 1 else {"policy": T.GemmWarpPolicy.FullRow}
 
     @T.macro
-    def decode(wp, sc, packed, frag, b):
+    def decode(wp, sc, packed, frag, b, half=-1):
         """Block ``b``'s weights into ``frag``: the thread of lane ``l`` in consumer warp ``v``
         decodes scale group ``l % 4`` of rows ``64 consumers b + 16 v + l // 4`` and ``+ 8``
         (one 16-byte shared load each; a warp reads 512 contiguous bytes, free of bank
-        conflicts)."""
+        conflicts); ``half`` 0 / 1: only that K half of the group (8 bytes), into a half-width
+        fragment."""
         T.import_source(src)
         tx = T.get_thread_binding()
+        size = 16 if half < 0 else 8
         for rh in T.unroll(2):
             row = b * block_rows + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
-            for v in T.vectorized(16):
-                packed[v] = wp[row, (tx % 4) * 16 + v]
+            for v in T.vectorized(size):
+                packed[v] = wp[row, (tx % 4) * 16 + max(half, 0) * 8 + v]
+            name = fn if half < 0 else fn + HALF
             T.call_extern(
-                "handle", fn, T.address_of(packed[0]), sc[row, tx % 4], T.address_of(frag[0, 0]), rh
+                "handle", name, T.address_of(packed[0]), sc[row, tx % 4], T.address_of(frag[0, 0]), rh
             )
 
     @T.macro
@@ -375,7 +404,28 @@ def _macros(scale: str, consumers: int = 1):
         T.gemm(wr[1], xs, acc[1], transpose_B=True, **gemm_kw)
         T.call_extern("handle", KEEP, T.address_of(wp[0, 0]))
 
-    return step_math
+    @T.macro
+    def halves_step(wp, sc, xs, wr, acc, packed):
+        """The K step in four quarters (block, K half), each decoded into one of two half-width
+        fragments while the quarter before it multiplies: a fragment is decoded again only
+        after the wait that leaves one group in flight, so 16 A registers a thread live at a
+        time instead of 32.  Each accumulator takes its K positions in the same order as
+        :func:`step_math`'s, so the result is the same."""
+        h = BLOCK_K // 2
+        bm = xs.shape[0]
+        decode(wp, sc, packed, wr[0], 0, 0)
+        T.wgmma_gemm(wr[0], xs[0:bm, 0:h], acc[0], transpose_B=True, **gemm_kw)
+        decode(wp, sc, packed, wr[1], 0, 1)
+        T.wgmma_gemm(wr[1], xs[0:bm, h:BLOCK_K], acc[0], transpose_B=True, **gemm_kw)
+        T.wait_wgmma(1)
+        decode(wp, sc, packed, wr[0], 1, 0)
+        T.wgmma_gemm(wr[0], xs[0:bm, 0:h], acc[1], transpose_B=True, **gemm_kw)
+        T.wait_wgmma(1)
+        decode(wp, sc, packed, wr[1], 1, 1)
+        T.gemm(wr[1], xs[0:bm, h:BLOCK_K], acc[1], transpose_B=True, **gemm_kw)
+        T.call_extern("handle", KEEP, T.address_of(wp[0, 0]))
+
+    return halves_step if halves else step_math
 
 
 def _register_split(block_m: int, consumers: int, split_registers: bool | tuple = True):
@@ -406,19 +456,21 @@ def _register_split(block_m: int, consumers: int, split_registers: bool | tuple 
     return register_split
 
 
-def _alloc_step(block_m: int, scale: str, consumers: int = 1):
-    """The stage buffers (TileLang multi-buffers them), the two A fragments and accumulators
-    (``64 * consumers`` rows each), and the decoding's local bytes."""
+def _alloc_step(block_m: int, scale: str, consumers: int = 1, halves: bool = False):
+    """The stage buffers (TileLang multi-buffers them), the two A fragments (``halves``: half
+    width, :func:`_macros`) and accumulators (``64 * consumers`` rows each), and the decoding's
+    local bytes."""
     import tilelang.language as T
 
     rows = ROWS * consumers
+    width = BLOCK_K // 2 if halves else BLOCK_K
     wp = T.alloc_shared((rows, BLOCK_K // 2), "uint8")
     sc = T.alloc_shared((rows, BLOCK_K // GROUP), _scale_dtype(scale))
     xs = T.alloc_shared((block_m, BLOCK_K), "bfloat16")
-    wr = [T.alloc_fragment((ATOM * consumers, BLOCK_K), "bfloat16") for _ in range(2)]
+    wr = [T.alloc_fragment((ATOM * consumers, width), "bfloat16") for _ in range(2)]
     acc = [T.alloc_fragment((ATOM * consumers, block_m), "float32") for _ in range(2)]
     packed = T.alloc_local((16,), "uint8")
-    layout = a_fragment_layout(ATOM * consumers)
+    layout = a_fragment_layout(ATOM * consumers, width)
     T.annotate_layout({wr[0]: layout, wr[1]: layout})
     return wp, sc, xs, wr, acc, packed
 
@@ -450,6 +502,7 @@ def build_gate_up(
     split_registers: bool | tuple = True,
     pdl: bool = False,
     gathered: bool = False,
+    halves: bool = False,
 ):
     """The gate / up ``prim_func``: grid ``(inter / (64 consumers), tiles)``; CTA ``(nb,
     tile)`` writes ``h[tile * BLOCK_M + j, :]`` at the positions (:func:`k_position` within each
@@ -470,12 +523,15 @@ def build_gate_up(
             (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`, ``[tiles *
             BLOCK_M, D]``), loaded a tile's rows by one TMA copy a step as the down kernel loads
             ``h``, instead of gathered by token here; the same result.
+        halves: the K step in two K halves of each block (:func:`_macros`): half the live A
+            registers, for a register split that would otherwise serialise the wgmma; the same
+            result.
     """
     import tilelang.language as T
 
     D, I, BM = hidden, inter, block_m
     n_tok, n_tiles, n_slots, n_exp = T.dynamic("T"), T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
-    step_math = _macros(scale, consumers)
+    step_math = _macros(scale, consumers, halves)
     wide = consumers != 1
     F, R = ATOM * consumers, ROWS * consumers  # features (gate and up rows each), weight rows
     register_split = _register_split(BM, consumers, split_registers)
@@ -495,7 +551,7 @@ def build_gate_up(
     ):
         with T.Kernel(I // F, n_tiles, threads=THREADS * consumers) as (nb, tile):
             register_split()
-            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers, halves)
             live = T.alloc_shared((BM,), "int32", scope="shared")
             if pdl:  # the tile's expert and every input come from the kernels before
                 start()
@@ -551,6 +607,7 @@ def build_down(
     weights: str = "bfloat16",
     split_registers: bool | tuple = True,
     pdl: bool = False,
+    halves: bool = False,
 ):
     """The down ``prim_func``: grid ``(hidden / (128 consumers), tiles)``; CTA ``(nb, tile)``
     writes ``y[pair, nb * 128 consumers + i]`` for the pairs of the tile's real rows: the bf16
@@ -562,7 +619,7 @@ def build_down(
 
     Args:
         hidden: ``D`` (a multiple of ``128 consumers``); inter: ``I`` (a multiple of
-        :data:`BLOCK_K`); block_m, scale, stages, consumers, split_registers, pdl: as
+        :data:`BLOCK_K`); block_m, scale, stages, consumers, split_registers, pdl, halves: as
         :func:`build_gate_up`.
         weights: the routing weights' dtype, a value of :data:`WEIGHT_DTYPES` (read as they
             are: no conversion launch before the kernel; the bf16 rounding makes the two the
@@ -573,7 +630,7 @@ def build_down(
     D, I, BM = hidden, inter, block_m
     n_tiles, n_slots, n_exp = T.dynamic("NT"), T.dynamic("NS"), T.dynamic("E")
     n_pairs, n_weights = T.dynamic("P"), T.dynamic("TK")
-    step_math = _macros(scale, consumers)
+    step_math = _macros(scale, consumers, halves)
     A, R = ATOM * consumers, ROWS * consumers  # rows a block (warpgroup g its 64 g ..), a CTA
     register_split = _register_split(BM, consumers, split_registers)
     start = prologue()
@@ -591,7 +648,7 @@ def build_down(
     ):
         with T.Kernel(D // R, n_tiles, threads=THREADS * consumers) as (nb, tile):
             register_split()
-            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers)
+            wp, sc, xs, wr, acc, packed = _alloc_step(BM, scale, consumers, halves)
             pairs = T.alloc_shared((BM,), "int32", scope="shared")
             scales = T.alloc_shared((BM,), "float32", scope="shared")
             if pdl:  # the tile's expert and every input come from the kernels before
@@ -637,15 +694,17 @@ def _kernel(
     split_registers: bool | tuple = True,
     pdl: bool = False,
     gathered: bool = False,
+    halves: bool = False,
 ):
     """A compiled kernel (``kind``: ``"gate_up"`` or ``"down"``; ``consumers``: 1, or 2 for the
     wide variant; ``stages``: the ring's depth; ``weights``: the down kernel's routing-weight
     dtype, :func:`build_down`'s; the default is ``moe_route``'s with the model's bf16 logits,
     so precompiled configurations, which leave it out, are the ones a call runs;
-    ``split_registers``, ``pdl``, ``gathered`` (gate / up only): :func:`build_gate_up`'s)."""
+    ``split_registers``, ``pdl``, ``gathered`` (gate / up only), ``halves``:
+    :func:`build_gate_up`'s)."""
     import tilelang
 
-    kw = dict(stages=stages, consumers=consumers, split_registers=split_registers, pdl=pdl)
+    kw = dict(stages=stages, consumers=consumers, split_registers=split_registers, pdl=pdl, halves=halves)
     if kind == "gate_up":
         func = build_gate_up(hidden, inter, block_m, scale, gathered=gathered, **kw)
     else:
@@ -753,6 +812,7 @@ def moe_experts(
     block_m=None,
     split_registers: bool | tuple = True,
     gathered: bool = False,
+    halves: bool = False,
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
     says which calls it takes): the Triton layout, the two TileLang GEMMs, the Triton combine.
@@ -767,7 +827,9 @@ def moe_experts(
     split, :func:`split_for`'s, ``bench_moe.py --ctas-per-sm`` times it); ``gathered``:
     the activations gathered into the sorted rows by one Triton launch first
     (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`) and loaded by TMA in
-    the gate / up kernel (the same result; ``bench_moe.py --gathered`` times it)."""
+    the gate / up kernel (the same result; ``bench_moe.py --gathered`` times it); ``halves``:
+    both kernels' K steps in two K halves of each block (:func:`build_gate_up`; the same
+    result; ``bench_moe.py --halves`` times it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
     from deepinfer_cuda_sm100.kernels.moe_gather import gather_sorted_rows
 
@@ -792,14 +854,19 @@ def moe_experts(
     magic = ((1 << TOKEN_SHIFT) + top_k - 1) // top_k
     pdl = tl_pdl_enabled()
     config = (bm, scale_kind(gate_up), consumers, stages, "bfloat16", split_registers, pdl)
-    gate_up_kernel = _kernel("gate_up", d, inter, *config, gathered)
+    extra = (halves,) if halves else ()  # (the shipped configurations' keys otherwise)
+    gate_up_kernel = _kernel("gate_up", d, inter, *config, gathered, *extra)
     rows = gather_sorted_rows(x, tile_expert, slot_pair, top_k, experts) if gathered else x
     gate_up_kernel(rows, tile_expert, slot_pair, gate_up.data, gu_scale, h, float(limit), magic)
     y = torch.empty(t * top_k, d, dtype=x.dtype, device=x.device)
     dn_scale = down.scale.view(torch.uint8) if scale_kind(down) == "ue8m0" else down.scale
     rw, rw_dtype = routing_weights(weights)
-    _kernel("down", d, inter, bm, scale_kind(down), consumers, stages, rw_dtype, split_registers, pdl)(
-        h, tile_expert, slot_pair, down.data, dn_scale, rw.view(-1), y
+    down_config = (bm, scale_kind(down), consumers, stages, rw_dtype, split_registers, pdl)
+    down_kernel = (
+        _kernel("down", d, inter, *down_config, False, *extra)
+        if halves
+        else _kernel("down", d, inter, *down_config)
     )
+    down_kernel(h, tile_expert, slot_pair, down.data, dn_scale, rw.view(-1), y)
     out = torch.empty(t, d, dtype=x.dtype, device=x.device)
     return triton_moe.combine_pairs(y, ids, experts, False, shared, out)
