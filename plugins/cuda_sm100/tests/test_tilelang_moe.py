@@ -474,6 +474,20 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
         assert fences and {int(n) for n in fences} == {64 * bm // 128}, "a thread's accumulator registers"
 
 
+def _ptxas_report(func, path) -> str:
+    """``ptxas -v``'s report of ``func`` (a ``prim_func``) lowered and built for sm_90a."""
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    path.write_text(lowered_sm90(func, tlm.PASS_CONFIGS))
+    cmd = [get_nvcc_compiler(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *default_compile_options()]
+    out = path.with_suffix(".cubin")
+    done = subprocess.run([*cmd, "-Xptxas", "-v", "-o", str(out), str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 @pytest.mark.parametrize("kind", ["gate_up", "down"])
@@ -481,30 +495,13 @@ def test_three_ctas_an_sm_keep_the_16_row_kernels_wgmma_pipelined(kind, tmp_path
     """Built for sm_90a, the one-warpgroup kernels at 16-row tiles with :func:`split_for` ``(3)``
     compile without spills and without ptxas serialising their wgmma instructions (C7512), which
     it does under :data:`SPLIT_REGS`'s four CTAs an SM (64 registers at launch)."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
-    reports = {}
-    for ctas in (3, 4):
-        src = tmp_path / f"k{ctas}.cu"
-        src.write_text(
-            lowered_sm90(
-                build(4096, 2048, 16, "ue8m0", split_registers=tlm.split_for(ctas)), tlm.PASS_CONFIGS
-            )
+    reports = {
+        ctas: _ptxas_report(
+            build(4096, 2048, 16, "ue8m0", split_registers=tlm.split_for(ctas)), tmp_path / f"k{ctas}.cu"
         )
-        cmd = [
-            get_nvcc_compiler(),
-            "-cubin",
-            "-gencode=arch=compute_90a,code=sm_90a",
-            *default_compile_options(),
-        ]
-        done = subprocess.run(
-            [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        reports[ctas] = done.stderr
+        for ctas in (3, 4)
+    }
     assert "C7512" not in reports[3] and "0 bytes spill stores" in reports[3]
     assert "C7512" in reports[4], "the four-CTA split's serialisation (documented in SPLIT_REGS) went away"
 
@@ -518,28 +515,13 @@ def test_k_halves_keep_the_default_splits_wgmma_pipelined(kind, consumers, tmp_p
     consumer warpgroup, two for the wide variant), the K step in two halves (``halves``: 16 live
     A registers a thread instead of 32) compiles without spills and without ptxas serialising
     its wgmma (C7512), which the one-pass step does there."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
-    reports = {}
-    for halves in (True, False):
-        src = tmp_path / f"k{halves}.cu"
-        src.write_text(
-            lowered_sm90(build(4096, 2048, 16, "ue8m0", consumers=consumers, halves=halves), tlm.PASS_CONFIGS)
+    reports = {
+        halves: _ptxas_report(
+            build(4096, 2048, 16, "ue8m0", consumers=consumers, halves=halves), tmp_path / f"k{halves}.cu"
         )
-        cmd = [
-            get_nvcc_compiler(),
-            "-cubin",
-            "-gencode=arch=compute_90a,code=sm_90a",
-            *default_compile_options(),
-        ]
-        done = subprocess.run(
-            [*cmd, "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        reports[halves] = done.stderr
+        for halves in (True, False)
+    }
     assert "C7512" not in reports[True] and "0 bytes spill stores" in reports[True]
     assert "C7512" in reports[False], "the one-pass step's serialisation went away: halves may not be needed"
 
@@ -730,36 +712,23 @@ def test_gpu_prefill_tiles_are_bitwise_the_64_row_tiles():
 
 
 @pytest.mark.gpu
-def test_gpu_gathered_activations_give_the_same_bits():
-    """The activations gathered into the sorted rows first and loaded by TMA (``gathered``)
-    give bitwise the result of the per-token gather in the kernel, both variants, tiles of 16,
-    32 and 64 rows, both scale formats; and replay in a CUDA graph bitwise."""
+@pytest.mark.parametrize("option", ["gathered", "halves"])
+def test_gpu_gathered_activations_and_k_halves_give_the_same_bits(option):
+    """The activations gathered into the sorted rows first and loaded by TMA (``gathered``), and
+    each K step decoded and multiplied in two K halves (``halves``), each give bitwise the
+    default kernels' result, both variants, tiles of 16, 32 and 64 rows, both scale formats (the
+    two together too); and replay in a CUDA graph bitwise."""
     _gpu_ready()
+    on = {option: True}
     for args in _wide_cases():
         for consumers in tlm.CONSUMERS:
             want = tlm.moe_experts(*args, consumers=consumers)
-            got = tlm.moe_experts(*args, consumers=consumers, gathered=True)
+            got = tlm.moe_experts(*args, consumers=consumers, **on)
             assert torch.equal(got, want), (args[0].shape[0], consumers, args[3].scale.dtype)
     for args in _v4_cases()[1:4]:
-        eager = tlm.moe_experts(*args, gathered=True)
-        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, gathered=True)), eager)
-
-
-@pytest.mark.gpu
-def test_gpu_k_halves_give_the_same_bits():
-    """Each K step decoded and multiplied in two K halves (``halves``) gives bitwise the
-    one-pass result, both variants, tiles of 16, 32 and 64 rows, both scale formats, with the
-    gathered activations too; and replays in a CUDA graph bitwise."""
-    _gpu_ready()
-    for args in _wide_cases():
-        for consumers in tlm.CONSUMERS:
-            want = tlm.moe_experts(*args, consumers=consumers)
-            got = tlm.moe_experts(*args, consumers=consumers, halves=True)
-            assert torch.equal(got, want), (args[0].shape[0], consumers, args[3].scale.dtype)
-    for args in _v4_cases()[1:4]:
-        eager = tlm.moe_experts(*args, halves=True)
-        assert torch.equal(tlm.moe_experts(*args, halves=True, gathered=True), eager)
-        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, halves=True)), eager)
+        eager = tlm.moe_experts(*args, **on)
+        assert torch.equal(tlm.moe_experts(*args, gathered=True, halves=True), eager)
+        assert torch.equal(replayed(lambda args=args: tlm.moe_experts(*args, **on)), eager)
 
 
 @pytest.mark.gpu
