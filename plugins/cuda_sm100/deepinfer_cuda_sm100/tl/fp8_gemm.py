@@ -392,11 +392,9 @@ def linear_fp8(x: torch.Tensor, weight, wide: bool = False) -> torch.Tensor:
     return _gemm(x.reshape(-1, k).contiguous(), weight, 1, wide).reshape(*lead, n)
 
 
-def grouped_linear_fp8(x: torch.Tensor, weight, wide: bool = False) -> torch.Tensor:
+def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
     """``grouped_linear(x [T, G, K], weight [G*N, K])`` by the TileLang GEMM, every group in one
-    launch (:func:`problem` with ``groups=G`` must be ``None``; ``wide`` as :func:`linear_fp8`'s):
-    ``[T, G, N]``."""
+    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``."""
     t, groups, k = x.shape
     n = weight.data.shape[0]
-    x2 = x.reshape(t, groups * k).contiguous()
-    return _gemm(x2, weight, groups, wide).view(t, groups, n // groups)
+    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups).view(t, groups, n // groups)
