@@ -374,23 +374,36 @@ def _macros(scale: str, consumers: int = 1, halves: bool = False):
     gemm_kw = {} if consumers == 1 else {"policy": T.GemmWarpPolicy.FullRow}
 
     @T.macro
-    def decode(wp, sc, packed, frag, b, half=-1):
+    def row_of(b, rh):
+        """The weight row a consumer thread decodes in block ``b``, row half ``rh``."""
+        tx = T.get_thread_binding()
+        return b * block_rows + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
+
+    @T.macro
+    def decode(wp, sc, packed, frag, b, half=-1, scales=None):
         """Block ``b``'s weights into ``frag``: the thread of lane ``l`` in consumer warp ``v``
         decodes scale group ``l % 4`` of rows ``64 consumers b + 16 v + l // 4`` and ``+ 8``
         (one 16-byte shared load each; a warp reads 512 contiguous bytes, free of bank
         conflicts); ``half`` 0 / 1: only that K half of the group (8 bytes), into a half-width
-        fragment."""
+        fragment, with the two rows' scales from ``scales`` (read once for both halves, so the
+        compiler builds each row's tables once)."""
         T.import_source(src)
         tx = T.get_thread_binding()
         size = 16 if half < 0 else 8
         for rh in T.unroll(2):
-            row = b * block_rows + (tx // 32) * 16 + rh * 8 + (tx % 32) // 4
+            row = row_of(b, rh)
             for v in T.vectorized(size):
                 packed[v] = wp[row, (tx % 4) * 16 + max(half, 0) * 8 + v]
             name = fn if half < 0 else fn + HALF
-            T.call_extern(
-                "handle", name, T.address_of(packed[0]), sc[row, tx % 4], T.address_of(frag[0, 0]), rh
-            )
+            scale = sc[row, tx % 4] if scales is None else scales[rh]
+            T.call_extern("handle", name, T.address_of(packed[0]), scale, T.address_of(frag[0, 0]), rh)
+
+    @T.macro
+    def read_scales(sc, scales, b):
+        """Block ``b``'s two row scales of this thread into ``scales``."""
+        tx = T.get_thread_binding()
+        for rh in T.unroll(2):
+            scales[rh] = sc[row_of(b, rh), tx % 4]
 
     @T.macro
     def step_math(wp, sc, xs, wr, acc, packed):
@@ -413,15 +426,18 @@ def _macros(scale: str, consumers: int = 1, halves: bool = False):
         :func:`step_math`'s, so the result is the same."""
         h = BLOCK_K // 2
         bm = xs.shape[0]
-        decode(wp, sc, packed, wr[0], 0, 0)
+        scales = T.alloc_local((2,), sc.dtype)
+        read_scales(sc, scales, 0)
+        decode(wp, sc, packed, wr[0], 0, 0, scales)
         T.wgmma_gemm(wr[0], xs[0:bm, 0:h], acc[0], transpose_B=True, **gemm_kw)
-        decode(wp, sc, packed, wr[1], 0, 1)
+        decode(wp, sc, packed, wr[1], 0, 1, scales)
         T.wgmma_gemm(wr[1], xs[0:bm, h:BLOCK_K], acc[0], transpose_B=True, **gemm_kw)
         T.wait_wgmma(1)
-        decode(wp, sc, packed, wr[0], 1, 0)
+        read_scales(sc, scales, 1)
+        decode(wp, sc, packed, wr[0], 1, 0, scales)
         T.wgmma_gemm(wr[0], xs[0:bm, 0:h], acc[1], transpose_B=True, **gemm_kw)
         T.wait_wgmma(1)
-        decode(wp, sc, packed, wr[1], 1, 1)
+        decode(wp, sc, packed, wr[1], 1, 1, scales)
         T.gemm(wr[1], xs[0:bm, h:BLOCK_K], acc[1], transpose_B=True, **gemm_kw)
         T.call_extern("handle", KEEP, T.address_of(wp[0, 0]))
 
