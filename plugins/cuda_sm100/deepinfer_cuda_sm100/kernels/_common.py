@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel modules: interpreter detection, exact casts and ``exp``, block sizes."""
+"""Helpers shared by the kernel modules: interpreter detection, exact casts and ``exp``, a paged
+entry's pool row, block sizes."""
 
 from __future__ import annotations
 
@@ -44,6 +45,16 @@ def cast_to(x, dtype: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def paged_row(e, epp, bt_row, bt1, npages, mask):
+    """Pool row of entry ``e`` (int32, ``>= 0``) of a paged source: ``bt_row`` points at the
+    sequence's block-table row (``bt1`` its stride, ``npages`` its length; pages past it read
+    the last), ``epp`` entries a page; one 32-bit division, the slot from the quotient."""
+    q = e // epp
+    page = tl.load(bt_row + tl.minimum(q, npages - 1) * bt1, mask=mask, other=0)
+    return page.to(tl.int64) * epp + (e - q * epp)
 
 
 @triton.jit

@@ -72,7 +72,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool, Fp8RowLayout, KVPool
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
-from ._common import INTERPRETED, cast_to, cdiv, pow2
+from ._common import INTERPRETED, cast_to, cdiv, paged_row, pow2
 from .pdl import pdl_args, pdl_enter
 
 KV_PLAIN = 0
@@ -253,10 +253,7 @@ def _source_ptrs(
         if KIND == 1:
             r = tl.load(crow_ptr + ce + (p - off), mask=inside, other=0).to(tl.int64)
         else:  # paged
-            e = tl.where(inside, p - off, 0)  # int32: a 32-bit division, not a 64-bit subroutine
-            q = e // epp
-            page = tl.load(bt + trow * bt0 + tl.minimum(q, npages - 1) * bt1, mask=inside, other=0)
-            r = page.to(tl.int64) * epp + (e - q * epp)
+            r = paged_row(tl.where(inside, p - off, 0), epp, bt + trow * bt0, bt1, npages, inside)
         if FMT == 0:
             pptrs = tl.where(inside, pool + r * ps, pptrs)
         else:  # ps in 8-byte units: the compiler sees 8-byte aligned rows (wide loads)

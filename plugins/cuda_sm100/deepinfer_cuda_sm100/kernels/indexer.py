@@ -39,7 +39,7 @@ import triton.language as tl
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
 
-from ._common import INTERPRETED, cdiv, pow2
+from ._common import INTERPRETED, cdiv, paged_row, pow2
 from .fp8_gemm import sm_count
 from .pdl import pdl_args, pdl_enter
 
@@ -90,10 +90,8 @@ def _cand_rows(
         r = tl.load(cand_ptr + t * sc_t + cols * sc_c, mask=ok, other=-1).to(tl.int64)
     else:
         v = ok & (cols < count)
-        e = tl.where(v, cols, 0).to(tl.int32)  # a 32-bit division, not a 64-bit subroutine
-        q = e // epp
-        page = tl.load(bt_ptr + trow * bt0 + tl.minimum(q, npages - 1) * bt1, mask=v, other=0)
-        r = tl.where(v, page.to(tl.int64) * epp + (e - q * epp), -1)
+        e = tl.where(v, cols, 0).to(tl.int32)
+        r = tl.where(v, paged_row(e, epp, bt_ptr + trow * bt0, bt1, npages, v), -1)
     return r
 
 
