@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 
-from .target import ARCH_ENV, capability_problem
+from .target import target_capability
 
 INSTALL_HINT = "pip install -e 'plugins/cuda_sm100[tilelang]' (from the root of a DeepInfer checkout)"
 NVCC_HINT = "without the toolkit: pip install -e 'plugins/cuda_sm100[tilelang-nvcc]', nvcc from PyPI"
@@ -50,9 +50,10 @@ def find_nvcc(homes: list[str | None]) -> str | None:
 @functools.cache
 def tilelang_problem() -> str | None:
     """``None`` when TileLang kernels can be compiled here, else why not (one line)."""
-    arch = os.environ.get(ARCH_ENV, "").strip()
-    if arch and capability_problem(arch):
-        return f"{ARCH_ENV}: {capability_problem(arch)}"
+    try:
+        target_capability()
+    except ValueError as exc:  # the variable names a malformed capability
+        return str(exc)
     if importlib.util.find_spec("tilelang") is None:
         return f"TileLang is not installed ({INSTALL_HINT})"
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]

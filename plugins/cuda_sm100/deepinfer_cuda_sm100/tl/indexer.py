@@ -44,7 +44,7 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
-from .page_division import divider, entries_problem, page_and_slot
+from .page_division import divider, entries_problem, pool_row
 from .pdl import prologue, tl_pdl_enabled
 from .target import cuda_target
 
@@ -108,8 +108,7 @@ def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOC
             page_row = T.Cast("int32", token_rows[t])
             for i in T.Parallel(blocks * BN):
                 e = c0 + i
-                page, slot = page_and_slot(e, epp, magic, shift)
-                row = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot
+                row = pool_row(block_table, page_row, e, (epp, magic, shift))
                 off[i] = T.if_then_else(e < count, row * kst, T.int64(-1))
 
     @T.macro

@@ -38,7 +38,7 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
-from .page_division import divider, page_and_slot
+from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
 from .target import cuda_target
 
@@ -77,11 +77,9 @@ def build_grouped_scores(
         half the static shared memory of 16-byte offsets), ``-1`` from ``count`` on (the
         entries no token of the row sees: their pages need not exist), negative where the table
         holds no page."""
-        epp, magic, shift = pages
         for i in T.Parallel(blocks * BN):
             e = c0 + i
-            page, slot = page_and_slot(e, epp, magic, shift)
-            row = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot
+            row = pool_row(block_table, page_row, e, pages)
             off[i] = T.if_then_else(e < count, T.Cast("int32", row), -1)
 
     def row_count(row, count, p):

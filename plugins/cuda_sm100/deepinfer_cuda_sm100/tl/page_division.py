@@ -47,3 +47,14 @@ def page_and_slot(e, epp, magic, shift):
     wide = T.Cast("uint64", T.Cast("uint32", e)) * T.Cast("uint64", magic)
     page = T.Cast("int32", wide >> T.Cast("uint64", shift))
     return page, e - page * epp
+
+
+def pool_row(block_table, page_row, e, pages):
+    """TIR expression of entry ``e``'s pool row: ``block_table[page_row, e // epp] * epp + e %
+    epp``, the page clamped into the table's row (``pages``: the launch's ``(epp, magic,
+    shift)``, :func:`page_and_slot`)."""
+    import tilelang.language as T
+
+    epp = pages[0]
+    page, slot = page_and_slot(e, *pages)
+    return block_table[page_row, T.max(T.min(page, block_table.shape[1] - 1), 0)] * epp + slot

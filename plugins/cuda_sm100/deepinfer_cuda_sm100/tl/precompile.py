@@ -207,9 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
-    problem = tilelang_problem() or (
-        a.arch and capability_problem(a.arch) and f"--arch {capability_problem(a.arch)}"
-    )
+    arch_problem = capability_problem(a.arch) if a.arch else None
+    problem = tilelang_problem() or (arch_problem and f"--arch {arch_problem}")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 1

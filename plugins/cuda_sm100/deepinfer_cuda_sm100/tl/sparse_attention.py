@@ -54,7 +54,7 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
 from .launch_args import TL_DTYPES, index_int64, num_sms
-from .page_division import divider, page_and_slot
+from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
 from .target import cuda_target
 
@@ -132,16 +132,13 @@ def build_attention(
         # the table's row (int32 index math); a call without a paged source never reads the
         # table or the token rows (the host passes unwritten placeholders)
         page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
-        epp, magic, shift = pages
         for i in T.Parallel(BN):
             j = j0 + i
-            e = j - n_expl  # the entry of the paged source
-            page, slot = page_and_slot(e, epp, magic, shift)
             row = (
                 T.if_then_else(
                     j < n_expl,
                     T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)]),
-                    block_table[page_row, T.max(T.min(page, p_bt - 1), 0)] * epp + slot,
+                    pool_row(block_table, page_row, j - n_expl, pages),  # the paged source's entry
                 )
                 if paged
                 else T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
