@@ -32,8 +32,10 @@ from deepinfer_core.engine.speculative import check_draft_layers, drafter_class,
 from deepinfer_core.engine.structured import StructuredOutputs
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.hub import TOKENIZER_PATTERNS, parse_repo_id, snapshot_dir
+from deepinfer_core.models.context_parallel import cp_min_tokens
 from deepinfer_core.models.registry import ModelFamily, default_model_dir, resolve_family
 from deepinfer_core.ops import OpTable
+from deepinfer_core.ops.overlap import max_overlap_rows
 from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
 from deepinfer_core.tokenizer import load_tokenizer
 
@@ -122,6 +124,7 @@ def build_engine_parts(options: EngineConfig, plugins: Any, parallel: ParallelSt
         ConfigError: what cannot be served as configured (one line naming the option).
     """
     plugins.configure(options)
+    _check_environment()
     model_dir = resolve_model_dir(options.model, options.revision, options.download_dir, plugins)
     tokenizer_dir = resolve_tokenizer_dir(options.tokenizer, model_dir, options.download_dir)
     family, model_config = resolve_family(model_dir, plugins)
@@ -237,6 +240,16 @@ def _log_config(config: ResolvedConfig, backend: BackendSpec) -> None:
         ", ".join(config.quantized_formats) or "none",
         " (the backend's declaration)" if config.load.formats_declared else "",
     )
+
+
+def _check_environment() -> None:
+    """Refuse a malformed value of an environment variable that the model reads while it runs
+    (one-line :class:`ConfigError` naming it), before anything is loaded."""
+    for read in (cp_min_tokens, max_overlap_rows):
+        try:
+            read()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_parallel(options: EngineConfig, parallel: ParallelState, mtp: bool) -> None:

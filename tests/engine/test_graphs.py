@@ -230,3 +230,37 @@ def test_cuda_mixed_step_graphs_equal_eager_bitwise(dtype):
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["plain", "fp8_fp4"])
+def test_cuda_graphs_with_overlapped_chains_give_one_streams_tokens_bitwise(weights, monkeypatch, tmp_path):
+    """On the GPU (``cuda_sm100``, CUDA graphs): the blocks' independent chains on two streams
+    (:mod:`deepinfer_core.ops.overlap`: the shared expert beside the routed experts, the
+    compressors beside the query path) give the tokens and logprobs of one stream bit for bit,
+    with the tiny model's plain weights (one input matmul a block) and kept FP8 / FP4 weights
+    (the router's and the compressors' matmuls apart)."""
+    from deepinfer_core.models.deepseek_v4 import tiny
+    from deepinfer_core.ops.overlap import OVERLAP_ENV
+
+    model = None
+    if weights == "fp8_fp4":
+        model = str(
+            tiny.make_tiny(
+                tmp_path / "q", names="native", fp8_linear=True, fp4_experts=True, fp8_block=(32, 32)
+            )
+        )
+    kw = {"backend": "cuda_sm100", "device": "cuda", "max_num_seqs": 4}
+    if model is not None:
+        kw |= {"model": model, "keep_quantized": True}
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = ["The lighthouse keeper woke before the gulls.", "Once upon a time", "A"]
+    monkeypatch.setenv(OVERLAP_ENV, "0")
+    want = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    monkeypatch.delenv(OVERLAP_ENV)
+    llm = LLM(**kw)
+    assert llm.engine.runner.graph_manager.graphs("decode"), "CUDA graphs were not captured"
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs

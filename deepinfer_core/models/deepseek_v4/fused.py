@@ -78,6 +78,39 @@ class FusedProjection:
             out.extend(ops.linear(x, w).split(sizes, dim=-1))
         return out
 
+    @property
+    def part_count(self) -> int:
+        """How many parts the projection has."""
+        return sum(len(sizes) for _, sizes in self.groups)
+
+    def matmul_of(self, part: int) -> int:
+        """The index in :attr:`groups` of the matmul that computes part ``part``."""
+        first = 0
+        for i, (_, sizes) in enumerate(self.groups):
+            first += len(sizes)
+            if part < first:
+                return i
+        raise IndexError(f"{self.where}: part {part} of {first}")
+
+    def separable(self, parts: range) -> bool:
+        """Whether the matmuls of ``parts`` compute no other part, so that :meth:`project` of
+        ``parts`` and of the rest run different matmuls."""
+        theirs = {self.matmul_of(p) for p in parts}
+        return not any(self.matmul_of(p) in theirs for p in range(self.part_count) if p not in parts)
+
+    def project(self, x: torch.Tensor, ops: OpTable, parts: range) -> list[torch.Tensor]:
+        """The projections of ``parts`` only (:meth:`__call__`'s outputs of those indices, the same
+        bits): the matmuls that compute them."""
+        out: list[torch.Tensor] = []
+        first = 0
+        for w, sizes in self.groups:
+            mine = [p - first for p in parts if first <= p < first + len(sizes)]
+            if mine:
+                pieces = ops.linear(x, w).split(sizes, dim=-1)
+                out.extend(pieces[i] for i in mine)
+            first += len(sizes)
+        return out
+
 
 def _run_key(w: Weight) -> tuple | None:
     """Parts with equal keys may share a matmul: plain ones, or quantised ones of one format."""

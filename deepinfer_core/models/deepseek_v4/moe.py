@@ -24,6 +24,7 @@ from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV4Config
 from .fused import FusedProjection
+from .shared_expert import shared_expert
 
 FP8_DISPATCH_ENV = "DEEPINFER_EP_FP8_DISPATCH"
 """``1``: expert-parallel dispatch sends the token rows as FP8 e4m3 with one scale per 128
@@ -82,7 +83,8 @@ class MoE:
         ``[T]`` bool marks the rows of requests (padding rows of a graph replay or a dummy
         step are routed too, but not counted in :attr:`expert_load`)."""
         cfg = self.cfg
-        logits, s_gate, s_up = self.w_in(x, ops)
+        ep = self.placement is not None  # no second stream beside the expert-parallel exchange
+        logits, shared, side = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit, overlap=not ep)
         fixed = F.embedding(input_ids, self.tid2eid) if self.tid2eid is not None else None
         weights, ids = ops.moe_route(
             logits, self.bias, fixed, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
@@ -95,9 +97,12 @@ class MoE:
                 else real.to(flat.dtype).repeat_interleave(ids.shape[-1])
             )
             self.expert_load[self.layer].index_add_(0, flat, ones)
-        shared = ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
-        if self.placement is not None:
+        if ep:
             return self._expert_parallel(x, ids, weights, ops) + shared
+        if side.overlapped:  # the routed experts while the shared expert runs; the sum after both
+            routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
+            side.join()
+            return routed + shared  # = moe_experts(shared=shared) bit for bit (its contract)
         # the shared expert's output joins the routed sum in the op (a kernel fuses the add)
         return ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit, shared=shared)
 

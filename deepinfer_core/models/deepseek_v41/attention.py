@@ -15,6 +15,7 @@ from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
 from deepinfer_core.models.deepseek_v4.rope import inverse
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import PackedKVPool
+from deepinfer_core.ops.overlap import side_branch
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
@@ -100,6 +101,11 @@ class Attention:
         if self.w_kv is not None:
             part["kv"] = self.w_kv(x, ops)[0]
         qdq = op(ops, "kv_qdq")
+        # this step's entries into the group's pools on a side branch while the query path runs
+        compress = bool(self.ratio) and self.is_kv_source
+        with side_branch(x, *part.values(), enabled=compress) as side:
+            if compress:
+                self._compress(part, md, cache, ops, rope)
         q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
         cos, sin = rope[self.rope_family]
@@ -109,9 +115,8 @@ class Attention:
         ring = cache.get(self.layer, "window")
         pools: list[Any] = [ring, kv]
         idx: list[Any] = [md.v4.window_ring, md.v4.window_chunk]
+        side.join()
         if self.ratio:
-            if self.is_kv_source:
-                self._compress(part, md, cache, ops, rope)
             if self.is_index_source:
                 shared["picks"] = self._index(q_res, part["i_w"], md, cache, ops, rope, shared)
             pools.append(cache.get(self.layer, "ckv"))

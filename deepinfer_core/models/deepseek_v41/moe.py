@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer_core.models.deepseek_v4.fused import FusedProjection
+from deepinfer_core.models.deepseek_v4.shared_expert import shared_expert
 from deepinfer_core.ops import OpTable
 from deepinfer_core.weights.quant import Weight
 
@@ -37,11 +38,13 @@ class MoE:
 
     def __call__(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
         cfg = self.cfg
-        logits, s_gate, s_up = self.w_in(x, ops)
+        # the shared expert on a side branch while the router and the routed experts run
+        logits, shared, side = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit)
         if cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         weights, ids = ops.moe_route(
             logits, self.bias, None, self.top_k, cfg.scoring_func, cfg.routed_scaling_factor
         )
         routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
-        return routed + ops.linear(ops.swiglu(s_gate, s_up, cfg.swiglu_limit), self.s_down)
+        side.join()
+        return routed + shared

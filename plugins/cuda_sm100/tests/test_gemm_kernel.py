@@ -599,10 +599,11 @@ if __name__ == "__main__" and "--interpreter-report" in sys.argv:
     print(json.dumps(interpreter_report()))
 
 
-def test_split_counters_are_one_zeroed_buffer_per_device_kept_when_replaced():
-    """The split-K GEMM's tile counters: one int32 buffer per device with room for every
-    tile, the same tensor on each call; a call needing more counters gets a longer buffer and
-    the shorter one stays alive (a captured graph may hold its address)."""
+def test_split_counters_are_one_zeroed_buffer_per_device_and_stream_kept_when_replaced():
+    """The split-K GEMM's tile counters: one int32 buffer per device and stream role with room for
+    every tile, the same tensor on each call; the side stream's (a block's overlapped chain) does
+    not share a counter with the current stream's; a call needing more counters gets longer
+    buffers and the shorter ones stay alive (a captured graph may hold their addresses)."""
     from deepinfer_cuda_sm100.kernels import split_counters
 
     cpu = torch.device("cpu")
@@ -612,9 +613,17 @@ def test_split_counters_are_one_zeroed_buffer_per_device_kept_when_replaced():
         a = split_counters.tile_counters(cpu, 16)
         assert a.dtype == torch.int32 and a.numel() >= 16 and not a.any()
         assert split_counters.tile_counters(cpu, 24) is a
+        assert split_counters.tile_counters(cpu, 24, side=False) is a  # the CPU has no side stream
+        side = split_counters.tile_counters(cpu, 24, side=True)
+        assert side is not a and side.numel() == a.numel() and not side.any()
+        a.fill_(1)  # no counter of one stream is the other's
+        assert not side.any()
+        a.zero_()
         b = split_counters.tile_counters(cpu, a.numel() + 1)
         assert b is not a and b.numel() > a.numel() and not b.any()
-        assert any(t is a for t in split_counters.buffers()) and any(t is b for t in split_counters.buffers())
+        for old in (a, side):
+            assert any(t is old for t in split_counters.buffers())
+        assert any(t is b for t in split_counters.buffers())
     finally:
         split_counters._BUFFERS.clear()
         split_counters._BUFFERS.update(saved)

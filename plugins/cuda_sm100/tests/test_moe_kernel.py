@@ -145,11 +145,16 @@ def launch_problems(dtype: torch.dtype, device: str, shared: bool = False) -> li
         if verdict is not True:
             problems.append(f"{label}: refused: {verdict}")
             continue
-        got, want = impl.fn(*args).float(), reference(*args).float()
+        routed = impl.fn(*args)
+        got, want = routed.float(), reference(*args).float()
         bound = atol * max(1.0, want.abs().max().item())
         if got.shape != want.shape or not torch.allclose(got, want, atol=bound, rtol=rtol):
             err = (got - want).abs().max().item() if got.shape == want.shape else float("nan")
             problems.append(f"{label}{' (shared)' if shared else ''}: max abs err {err:.3g}")
+        if t <= 9:  # the shared expert's output added in the combine: the contract's routed + shared
+            extra = torch.randn(t, d, generator=g).to(dtype).to(device)
+            if not torch.equal(impl.fn(*args, shared=extra), routed + extra):
+                problems.append(f"{label}: moe_experts(shared=s) is not moe_experts() + s bit for bit")
     return problems
 
 
