@@ -77,6 +77,7 @@ BENCH_FLAGS: dict[str, list[str]] = {
 ENV_FIELDS = [
     "MAX_NUM_SEQS", "DTYPE", "DEVICE", "BACKEND", "ASYNC_SCHEDULING", "BATCH_INVARIANT", "SEED",
     "KV_CACHE_MEMORY_GB", "PAGE_SIZE", "MODEL", "LOG_LEVEL", "PLUGINS", "KEEP_QUANTIZED",
+    "STREAM_OVERLAP", "CP_MIN_TOKENS",  # read by the model while it runs, checked at engine build
 ]  # fmt: skip
 
 
@@ -203,7 +204,8 @@ def test_known_bad_inputs_give_one_named_error(argv, needle):
 
 def test_new_refusals_are_one_named_line_before_any_work(tmp_path, monkeypatch):
     """An empty or non-empty ``make-tiny`` target, a misspelt config-file key (with the key it
-    resembles): one ``error:`` line, status 2, and nothing written (the random tiny model's
+    resembles), a malformed environment variable that the model reads while it runs: one
+    ``error:`` line, status 2, and nothing written (the random tiny model's
     cache that cannot be made: ``tests/models/test_tiny.py``)."""
     full = tmp_path / "full"
     full.mkdir()
@@ -223,6 +225,16 @@ def test_new_refusals_are_one_named_line_before_any_work(tmp_path, monkeypatch):
             ["generate", "--config", str(typo), "--prompt", "x"],
             {},
             f"config file {typo}: unknown key 'max_num_seq'; did you mean 'max_num_seqs'?",
+        ),
+        (
+            ["generate", "--prompt", "x"],
+            {"DEEPINFER_STREAM_OVERLAP": "lots"},
+            "DEEPINFER_STREAM_OVERLAP='lots'",
+        ),
+        (
+            ["generate", "--prompt", "x"],
+            {"DEEPINFER_CP_MIN_TOKENS": "abc"},
+            "environment variable DEEPINFER_CP_MIN_TOKENS='abc'",
         ),
     ]
     for argv, env, needle in cases:
