@@ -13,7 +13,9 @@ per step:
   time); ``idle = wall - active`` is what the device waits for (launches, host work not hidden
   by async scheduling, syncs);
 * busy time by kind of kernel (attention, indexer, MoE, FP8 GEMM, cuBLAS, mHC / norm / RoPE,
-  PyTorch's own kernels: the ops still on the reference, ...), and the top kernels by name.
+  PyTorch's own kernels: the ops still on the reference, ...), and the top kernels by name;
+* per CUDA stream, its activities and active time (``streams``; printed when the step used
+  more than one: a block's independent chains on the side stream, ``DEEPINFER_STREAM_OVERLAP``).
 
 On a CPU the profiler sees operators, not kernels: the same table over the operators' own CPU
 time (``self``), so the script runs anywhere.  Prints the tables and writes JSON (``--out``).
@@ -240,6 +242,20 @@ def device_intervals(prof: profile, kind=torch.autograd.DeviceType.CUDA) -> list
     ]
 
 
+def stream_activity(prof: profile, steps: int) -> dict[str, dict[str, float]]:
+    """Per CUDA stream (the profiler's resource id): activities and the union of their intervals
+    (ms) per step; with two streams (a block's chains overlapped, ``DEEPINFER_STREAM_OVERLAP``)
+    the streams' active times add up to more than the device's."""
+    per: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            per[e.device_resource_id()].append((e.start_ns() / 1e3, e.end_ns() / 1e3))
+    return {
+        str(stream): {"activities": len(iv) / steps, "active_ms": union_length(iv) / steps / 1e3}
+        for stream, iv in sorted(per.items(), key=lambda kv: -len(kv[1]))
+    }
+
+
 def breakdown(
     prof: profile, steps: int, device: bool
 ) -> tuple[dict[str, float], list[tuple[str, float]], dict[str, float]]:
@@ -275,6 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
         + (f", active {active / 1e3:.3f} ms, idle {wall * 1e3 - active / 1e3:.3f} ms" if device else "")
         + f"; {launches:.0f} {'launches' if device else 'operator calls'} per step"
     )
+    streams = stream_activity(prof, steps) if device else {}
+    if len(streams) > 1:
+        print(
+            "streams (activities, active ms per step): "
+            + "; ".join(f"{k}: {v['activities']:.0f}, {v['active_ms']:.3f}" for k, v in streams.items())
+        )
     for kind, us in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<24} {us / 1e3:8.3f} ms  {100 * us / busy:5.1f} %")
     print(f"top {a.top} by name (time, calls per step):")
@@ -290,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         "busy_ms_per_step": busy / 1e3,
         "active_ms_per_step": active / 1e3 if device else None,
         "idle_ms_per_step": (wall * 1e3 - active / 1e3) if device else None,
+        "streams": streams,
         "ms_by_kind": {k: v / 1e3 for k, v in by_kind.items()},
         "calls_per_step": launches,
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
