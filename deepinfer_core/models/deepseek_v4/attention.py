@@ -172,11 +172,16 @@ class Attention:
             idx.append(cand)
         side.join()
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ops.cache_write(ring, md.ring_rows, kv)
+        # this step's keys into the window ring beside the output projection (no op of the step
+        # reads them: the attention above took them from the step's rows)
+        with side_branch(x, kv) as store:
+            ops.cache_write(ring, md.ring_rows, kv)
         out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
-        return ops.linear(out, self.wo_b)
+        out = ops.linear(out, self.wo_b)
+        store.join()
+        return out
 
     def _compress(
         self, comp: list[torch.Tensor], md: StepMetadata, cache_get, ops: OpTable, rope: dict

@@ -122,11 +122,16 @@ class Attention:
             pools.append(cache.get(self.layer, "ckv"))
             idx.append(shared["picks"])
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
-        ops.cache_write(ring, md.v4.ring_rows, key if isinstance(ring, PackedKVPool) else kv)
+        # this step's keys into the window ring beside the output projection (read next step)
+        row = key if isinstance(ring, PackedKVPool) else kv
+        with side_branch(x, row) as store:
+            ops.cache_write(ring, md.v4.ring_rows, row)
         out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
-        return ops.linear(out, self.wo_b)
+        out = ops.linear(out, self.wo_b)
+        store.join()
+        return out
 
     def write_context(
         self, m: torch.Tensor, ring_rows: torch.Tensor, cache: HybridCache, ops: OpTable, rope: dict
