@@ -3,38 +3,41 @@
 At decode sizes a kernel fills a few of the GPU's SMs and takes about its launch-to-finish
 latency whatever its work, so a block made of two chains that do not read each other's results
 (DeepSeek-V4's MoE: the shared expert's projections and the router with the routed experts; its
-attention: the compressors' cache updates and the query path) takes the sum of the chains' latencies
-on one stream and about the longer one's on two.  :func:`side_branch` runs its body on the device's
-*side stream* (one per device, made at first use); the block's other chain continues on the current
-stream, and :meth:`SideBranch.join` makes the current stream wait for the branch before anything
-reads its results.  Inside a CUDA-graph capture the fork and the join become branches of the graph,
-so a replay overlaps them too.
+attention: the compressors' cache updates and the query path) takes the sum of the chains'
+latencies on one stream and about the longer one's on two.  :func:`fork` runs a chain (a function
+of no arguments) on the device's *side stream* (one per device, made at first use); the block's
+other chain continues on the current stream, and :meth:`Branch.join` makes the current stream
+wait for the branch and returns the chain's result.  Inside a CUDA-graph capture the fork and the
+join become branches of the graph, so a replay overlaps them too.
 
 Only the stream a kernel runs on changes, not the kernels, their inputs or the order of any sum:
-the results are bitwise those of one stream.  A block that overlaps must keep every tensor the
-branch reads alive until :meth:`SideBranch.join` (the caching allocator would otherwise hand its
-memory to the current stream while the branch still reads it); :func:`side_branch` holds the
-tensors it is given.
+the results are bitwise those of one stream.  The caching allocator could hand the memory of a
+tensor the current stream drops to the current stream's next allocation while the branch still
+reads it, so :func:`fork` holds the tensors it is given (every tensor the chain reads that the
+current stream made) until the join.
 
 When it applies (:func:`overlap_applies`): tensors on a CUDA device, at most
 :data:`OVERLAP_ENV` rows (default :data:`DEFAULT_MAX_ROWS`, decode and small verify steps; ``0``
-turns it off), outside :func:`no_overlap`.  Elsewhere (CPU, other devices, larger steps) the body
-runs inline and :meth:`SideBranch.join` does nothing.  The rule depends on shapes and the device
-only, so an eager step and its graph replay take the same path.
+turns it off).  Elsewhere (CPU, other devices, larger steps) the chain runs at the fork, inline,
+and :meth:`Branch.join` returns its result.  The rule depends on shapes and the device only, so
+an eager step and its graph replay take the same path.  :data:`DEFER_ENV` (tests) runs each chain
+at its join instead, on any device: the other order two streams may take, so a block that reads
+what its branch writes (or changes what it reads) before the join gives other results.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 
 logger = logging.getLogger("deepinfer.ops")
+
+T = TypeVar("T")
 
 OVERLAP_ENV = "DEEPINFER_STREAM_OVERLAP"
 """The most rows (tokens) of a call whose independent chains run on two CUDA streams (``0``:
@@ -42,9 +45,11 @@ never); read at each call."""
 DEFAULT_MAX_ROWS = 256
 """Rows up to which the chains overlap when :data:`OVERLAP_ENV` is unset: the decode graphs'
 buckets, where kernels leave SMs idle."""
+DEFER_ENV = "DEEPINFER_TEST_DEFER_BRANCHES"
+"""Test-only: ``1`` runs every chain that would overlap (on any device, within the row limit) at
+its join rather than at its fork."""
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-_OFF: contextvars.ContextVar[bool] = contextvars.ContextVar("no_overlap", default=False)
 
 
 def max_overlap_rows() -> int:
@@ -58,27 +63,21 @@ def max_overlap_rows() -> int:
     return int(text)
 
 
-@contextlib.contextmanager
-def no_overlap() -> Iterator[None]:
-    """Within the block every :func:`side_branch` runs inline (e.g. around collectives, whose
-    order across ranks must not depend on two streams)."""
-    token = _OFF.set(True)
-    try:
-        yield
-    finally:
-        _OFF.reset(token)
+def _deferred() -> bool:
+    return os.environ.get(DEFER_ENV, "0") not in ("", "0")
 
 
 def overlap_applies(x: torch.Tensor) -> bool:
-    """Whether a block whose input is ``x`` ``[rows, ...]`` runs its chains on two streams."""
-    if _OFF.get() or x.device.type != "cuda":
+    """Whether a block whose input is ``x`` ``[rows, ...]`` runs its chains on two streams (or,
+    under :data:`DEFER_ENV`, defers them)."""
+    if x.device.type != "cuda" and not _deferred():
         return False
     return x.shape[0] <= max_overlap_rows()
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """``device``'s side stream, made at first use outside a graph capture; ``None`` while a capture
-    runs before it exists (the branch then runs inline, logged once)."""
+    runs before it exists (the chain then runs inline, logged once)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE_STREAMS.get(index)
     if stream is None:
@@ -99,38 +98,49 @@ def on_side_stream(device: torch.device) -> bool:
     return stream is not None and torch.cuda.current_stream(index) == stream
 
 
-class SideBranch:
-    """A block's branch: :meth:`join` before reading what it computed."""
+class Branch(Generic[T]):
+    """A chain forked by :func:`fork`: :meth:`join` before using what it computed or wrote.
 
-    def __init__(self, stream: torch.cuda.Stream | None, main: torch.cuda.Stream | None, keep: tuple):
-        self.stream, self.main = stream, main
-        self._keep: tuple | None = keep  # the branch's inputs, alive until the join
-        self.overlapped = stream is not None
+    Attributes:
+        overlapped: the chain runs apart from the block's other chain (on the side stream, or
+            deferred to the join); ``False``: it ran inline at the fork.
+    """
 
-    def join(self) -> None:
-        """The current stream waits for the branch's work (nothing to wait for when it ran inline;
-        a second call waits for nothing more)."""
-        if self.stream is not None and self.main is not None:
-            self.main.wait_stream(self.stream)
-        self.stream = self.main = None
-        self._keep = None
+    def __init__(self, chain: Callable[[], T] | None, result: T | None, overlapped: bool,
+                 stream: torch.cuda.Stream | None = None, main: torch.cuda.Stream | None = None,
+                 keep: tuple = ()):  # fmt: skip
+        self._chain, self._result, self.overlapped = chain, result, overlapped
+        self._stream, self._main, self._keep = stream, main, keep
+
+    def join(self) -> T:
+        """The chain's result, once the current stream waits for its work (a deferred chain runs
+        now; a second call returns the same result and waits for nothing more)."""
+        if self._chain is not None:
+            self._result, self._chain = self._chain(), None
+        if self._stream is not None and self._main is not None:
+            self._main.wait_stream(self._stream)
+        self._stream = self._main = None
+        self._keep = ()
+        return self._result  # type: ignore[return-value]
 
 
-@contextlib.contextmanager
-def side_branch(x: torch.Tensor, *keep: torch.Tensor, enabled: bool = True) -> Iterator[SideBranch]:
-    """Run the body on the side stream of ``x``'s device after the work queued so far on the current
-    stream, when ``enabled`` and :func:`overlap_applies` ``(x)``; else inline.  ``x`` and ``keep``
-    (every other tensor the body reads that the current stream made) stay referenced until the
-    join."""
-    stream = side_stream(x.device) if enabled and overlap_applies(x) else None
+def fork(x: torch.Tensor, chain: Callable[[], T], *keep: torch.Tensor, enabled: bool = True) -> Branch[T]:
+    """Run ``chain()`` on the side stream of ``x``'s device after the work queued so far on the
+    current stream, when ``enabled`` and :func:`overlap_applies` ``(x)``; else now, inline (under
+    :data:`DEFER_ENV`: at the join).  ``x`` and ``keep`` (every other tensor the chain reads that
+    the current stream made) stay referenced until the join."""
+    if not enabled or not overlap_applies(x):
+        return Branch(None, chain(), False)
+    if x.device.type != "cuda":  # DEFER_ENV
+        return Branch(chain, None, True)
+    stream = side_stream(x.device)
     if stream is None:
-        yield SideBranch(None, None, ())
-        return
+        return Branch(None, chain(), False)
     main = torch.cuda.current_stream(x.device)
     stream.wait_stream(main)
-    branch = SideBranch(stream, main, (x, *keep))
     with torch.cuda.stream(stream):
-        yield branch
+        result = chain()
+    return Branch(None, result, True, stream, main, (x, *keep))
 
 
 @functools.cache

@@ -17,7 +17,7 @@ import torch
 from deepinfer_core.models.cache_spec import CacheSpec, PagedSpec, RingSpec
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import PackedKVPool
-from deepinfer_core.ops.overlap import side_branch
+from deepinfer_core.ops.overlap import fork
 from deepinfer_core.weights.quant import Weight
 
 from .compressor import Compressor
@@ -124,8 +124,8 @@ class Attention:
         """
         cfg, t = self.cfg, x.shape[0]
         cos, sin = rope[self.rope_family]
-        # the compressors' cache updates (and, where it is a matmul of its own, their projection) on a
-        # side branch while the query path runs; with context parallelism they wait for the gather
+        # the compressors' cache updates (and their projection, where it is a matmul of its own) on
+        # a side branch while the query path runs; with context parallelism they wait for the gather
         local = md.cp is None
         apart = self.compressor is not None and self.w_in.separable(QUERY_KV)
         if apart:
@@ -133,18 +133,19 @@ class Attention:
             comp: list[torch.Tensor] = []
         else:
             q_a, kv, *comp = self.w_in(x, ops)
-        with side_branch(x, *comp, enabled=local and self.compressor is not None) as side:
-            if apart:
-                comp = self.w_in.project(x, ops, range(len(QUERY_KV), self.w_in.part_count))
-            compressed = self._compress(comp, md, cache_get, ops, rope) if local else None
+
+        def compress() -> tuple[list[torch.Tensor], tuple | None]:
+            c = self.w_in.project(x, ops, range(len(QUERY_KV), self.w_in.part_count)) if apart else comp
+            return c, self._compress(c, md, cache_get, ops, rope) if local else None
+
+        side = None if self.compressor is None else fork(x, compress, *comp, enabled=local)
         q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
         # the queries' per-head norm, the shared key's norm and the rope of both: one op
         q, kv = ops.qk_norm_rope(q, kv, self.kv_norm, self.eps, cos, sin)
         queries = md  # the per-query plans (window rows, visible entries) of the rows of x
         if not local:
-            kv, comp = self._gather_rows(md, kv, comp)
-            compressed = self._compress(comp, md, cache_get, ops, rope)
+            kv, comp = self._gather_rows(md, kv, comp if side is None else side.join()[0])
             queries = md.local
         n = kv.shape[0]  # every row of the step
         ring = cache_get("window")
@@ -158,24 +159,26 @@ class Attention:
             ops.cache_write(chunk, kept_arange(n, kv.device), kv)
         pools = [ring, chunk]
         idx = [queries.window_ring, queries.window_chunk]
-        if compressed is not None:
-            ckv, ikv = compressed
+        if side is not None:
             cand = md.plans[self.ratio].entries if md.local is None else md.local.entries[self.ratio]
-            if ikv is not None and cand.max_count > cfg.index_topk:  # a static bound, not a tensor value
+            index = self.indexer is not None and cand.max_count > cfg.index_topk  # a static bound
+            if index:
                 iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
                 iq = ops.apply_rope(iq, *rope["compress"])
-                side.join()
+            if local:
+                comp, (ckv, ikv) = side.join()
+            else:
+                ckv, ikv = self._compress(comp, md, cache_get, ops, rope)
+            if index:
                 # the head weights as projected (the op reads any float dtype as float32)
                 iw = comp[4] if self.scale_folded else comp[4].float() * self.head_scale
                 cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
             pools.append(ckv)
             idx.append(cand)
-        side.join()
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
         # this step's keys into the window ring beside the output projection (no op of the step
         # reads them: the attention above took them from the step's rows)
-        with side_branch(x, kv) as store:
-            ops.cache_write(ring, md.ring_rows, kv)
+        store = fork(x, lambda: ops.cache_write(ring, md.ring_rows, kv), kv)
         out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
@@ -185,11 +188,10 @@ class Attention:
 
     def _compress(
         self, comp: list[torch.Tensor], md: StepMetadata, cache_get, ops: OpTable, rope: dict
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """This step's closed windows into the compressors' pools: ``(kv pool, indexer key pool or
-        None)``, or ``None`` for a sliding layer."""
-        if self.compressor is None:
-            return None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's closed windows into the compressors' pools (a CSA or HCA layer's):
+        ``(kv pool, indexer key pool or None)``."""
+        assert self.compressor is not None
         inv_rope = rope["compress_freqs"]
         ckv = self.compressor(comp[0], comp[1], md, cache_get, ops, inv_rope)
         ikv = None if self.indexer is None else self.indexer(comp[2], comp[3], md, cache_get, ops, inv_rope)

@@ -84,7 +84,7 @@ class MoE:
         step are routed too, but not counted in :attr:`expert_load`)."""
         cfg = self.cfg
         ep = self.placement is not None  # no second stream beside the expert-parallel exchange
-        logits, shared, side = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit, overlap=not ep)
+        logits, shared = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit, overlap=not ep)
         fixed = F.embedding(input_ids, self.tid2eid) if self.tid2eid is not None else None
         weights, ids = ops.moe_route(
             logits, self.bias, fixed, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor
@@ -98,13 +98,14 @@ class MoE:
             )
             self.expert_load[self.layer].index_add_(0, flat, ones)
         if ep:
-            return self._expert_parallel(x, ids, weights, ops) + shared
-        if side.overlapped:  # the routed experts while the shared expert runs; the sum after both
+            return self._expert_parallel(x, ids, weights, ops) + shared.join()
+        if shared.overlapped:  # the routed experts while the shared expert runs; the sum after both
             routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
-            side.join()
-            return routed + shared  # = moe_experts(shared=shared) bit for bit (its contract)
+            return routed + shared.join()  # = moe_experts(shared=...) bit for bit (its contract)
         # the shared expert's output joins the routed sum in the op (a kernel fuses the add)
-        return ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit, shared=shared)
+        return ops.moe_experts(
+            x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit, shared=shared.join()
+        )
 
     def _expert_parallel(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ops: OpTable

@@ -15,7 +15,7 @@ from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
 from deepinfer_core.models.deepseek_v4.rope import inverse
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import PackedKVPool
-from deepinfer_core.ops.overlap import side_branch
+from deepinfer_core.ops.overlap import fork
 from deepinfer_core.weights.quant import Weight
 
 from .config import DeepseekV41Config
@@ -103,9 +103,12 @@ class Attention:
         qdq = op(ops, "kv_qdq")
         # this step's entries into the group's pools on a side branch while the query path runs
         compress = bool(self.ratio) and self.is_kv_source
-        with side_branch(x, *part.values(), enabled=compress) as side:
-            if compress:
-                self._compress(part, md, cache, ops, rope)
+        side = fork(
+            x,
+            lambda: self._compress(part, md, cache, ops, rope) if compress else None,
+            *part.values(),
+            enabled=compress,
+        )
         q_res = ops.rms_norm(part["q_a"], self.q_norm, self.eps)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
         cos, sin = rope[self.rope_family]
@@ -124,8 +127,7 @@ class Attention:
         out = ops.sparse_attention(q, pools, idx, self.sinks, self.head_dim**-0.5)
         # this step's keys into the window ring beside the output projection (read next step)
         row = key if isinstance(ring, PackedKVPool) else kv
-        with side_branch(x, row) as store:
-            ops.cache_write(ring, md.v4.ring_rows, row)
+        store = fork(x, lambda: ops.cache_write(ring, md.v4.ring_rows, row), row)
         out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)

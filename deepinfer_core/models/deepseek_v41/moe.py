@@ -39,12 +39,11 @@ class MoE:
     def __call__(self, x: torch.Tensor, ops: OpTable) -> torch.Tensor:
         cfg = self.cfg
         # the shared expert on a side branch while the router and the routed experts run
-        logits, shared, side = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit)
+        logits, shared = shared_expert(x, self.w_in, self.s_down, ops, cfg.swiglu_limit)
         if cfg.gate_temp != 1.0:
             logits = logits / cfg.gate_temp
         weights, ids = ops.moe_route(
             logits, self.bias, None, self.top_k, cfg.scoring_func, cfg.routed_scaling_factor
         )
         routed = ops.moe_experts(x, ids, weights, self.gate_up, self.down, cfg.swiglu_limit)
-        side.join()
-        return routed + shared
+        return routed + shared.join()
