@@ -27,10 +27,11 @@ what its branch writes (or changes what it reads) before the join gives other re
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import torch
@@ -50,6 +51,7 @@ DEFER_ENV = "DEEPINFER_TEST_DEFER_BRANCHES"
 its join rather than at its fork."""
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_OBSERVERS: list[Callable[[str, object], None]] = []
 
 
 def max_overlap_rows() -> int:
@@ -98,6 +100,32 @@ def on_side_stream(device: torch.device) -> bool:
     return stream is not None and torch.cuda.current_stream(index) == stream
 
 
+@contextlib.contextmanager
+def observe_branches(observer: Callable[[str, object], None]) -> Iterator[None]:
+    """Within the block ``observer(event, branch)`` hears every overlapped branch's events in
+    order: ``"fork"``, ``"chain"`` and ``"end"`` around the run of its chain (at the fork on a GPU,
+    at the join when deferred), ``"join"`` (diagnostics: ``count_launches.py`` tells a step's
+    launches on its critical path from those beside it)."""
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)
+
+
+def _emit(event: str, branch: object) -> None:
+    for observer in _OBSERVERS:
+        observer(event, branch)
+
+
+def _run(chain: Callable[[], T], branch: object) -> T:
+    _emit("chain", branch)
+    try:
+        return chain()
+    finally:
+        _emit("end", branch)
+
+
 class Branch(Generic[T]):
     """A chain forked by :func:`fork`: :meth:`join` before using what it computed or wrote.
 
@@ -116,11 +144,13 @@ class Branch(Generic[T]):
         """The chain's result, once the current stream waits for its work (a deferred chain runs
         now; a second call returns the same result and waits for nothing more)."""
         if self._chain is not None:
-            self._result, self._chain = self._chain(), None
+            self._result, self._chain = _run(self._chain, self), None
         if self._stream is not None and self._main is not None:
             self._main.wait_stream(self._stream)
+        if self.overlapped and self._keep is not None:
+            _emit("join", self)
         self._stream = self._main = None
-        self._keep = ()
+        self._keep = None
         return self._result  # type: ignore[return-value]
 
 
@@ -132,15 +162,19 @@ def fork(x: torch.Tensor, chain: Callable[[], T], *keep: torch.Tensor, enabled: 
     if not enabled or not overlap_applies(x):
         return Branch(None, chain(), False)
     if x.device.type != "cuda":  # DEFER_ENV
-        return Branch(chain, None, True)
+        branch: Branch[T] = Branch(chain, None, True)
+        _emit("fork", branch)
+        return branch
     stream = side_stream(x.device)
     if stream is None:
         return Branch(None, chain(), False)
     main = torch.cuda.current_stream(x.device)
     stream.wait_stream(main)
+    branch = Branch(None, None, True, stream, main, (x, *keep))
+    _emit("fork", branch)
     with torch.cuda.stream(stream):
-        result = chain()
-    return Branch(None, result, True, stream, main, (x, *keep))
+        branch._result = _run(chain, branch)
+    return branch
 
 
 @functools.cache

@@ -14,8 +14,16 @@ one.  A CUDA graph replays the same launches.
 ``--decompose OPS`` removes those fused ops from the table, so the engine runs them as their
 decompositions (the kernels of their parts): the launches the fusion saves.
 
+The blocks' independent chains run as a GPU runs them at decode sizes, on two streams
+(:mod:`deepinfer_core.ops.overlap`; here each chain deferred to its join, the same launches):
+besides the total, the launches on the step's *critical path* -- those outside any branch, plus
+for each branch the more of its chain's launches and of the current stream's between its fork
+and its join -- which bound a one-token step whose kernels each cost about their latency.
+``--one-stream`` runs every chain inline (``DEEPINFER_STREAM_OVERLAP=0``).
+
     python plugins/cuda_sm100/scripts/count_launches.py
     python plugins/cuda_sm100/scripts/count_launches.py --decompose hc_post_pre,qk_norm_rope
+    python plugins/cuda_sm100/scripts/count_launches.py --one-stream
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported (the kernel modules import it)
+os.environ["DEEPINFER_TEST_DEFER_BRANCHES"] = "1"  # the CPU's branches overlapped, as a GPU's are
 
 BACKEND = "cuda_sm100_interpreted"
 
@@ -41,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--decompose", default="", help="comma-separated fused ops left to their decomposition")
     p.add_argument("--top", type=int, default=25, help="launch sources listed (default 25)")
+    p.add_argument("--one-stream", action="store_true", help="the blocks' chains inline (no overlap)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/count_launches.json"))
     a = p.parse_args(argv)
     if a.batch < 1 or a.prompt_len < 1:
@@ -114,16 +124,56 @@ def _site() -> str:
     return f"{path[path.rfind('/deepinfer_') + 1 :]}:{frame.f_lineno} {frame.f_code.co_name}"
 
 
-def count_step(engine) -> tuple[Counter, Counter, Counter]:
-    """One engine step's Triton launches by kernel, and its GPU-launching PyTorch operators by
-    name and by calling source line."""
+class CriticalPath:
+    """A step's launches by where they run when its blocks' chains overlap: outside any branch,
+    or per branch on the current stream between its fork and its join (``main``) and in its chain
+    (``side``); the critical path takes the more of the two for each branch (a launch of the
+    current stream inside nested branches counts for the innermost)."""
+
+    def __init__(self) -> None:
+        self.outside = 0
+        self.branches: dict[object, list[int]] = {}  # branch -> [main, side] (held: ids get reused)
+        self.open: list[list[int]] = []
+        self.running: list[list[int]] = []
+
+    def event(self, event: str, branch: object) -> None:
+        """An :func:`~deepinfer_core.ops.overlap.observe_branches` event."""
+        if event == "fork":
+            self.branches[branch] = counts = [0, 0]
+            self.open.append(counts)
+        elif event == "chain":
+            self.running.append(self.branches[branch])
+        elif event == "end":
+            self.running.pop()
+        elif event == "join":
+            self.open.remove(self.branches[branch])
+
+    def launch(self) -> None:
+        if self.running:
+            self.running[-1][1] += 1
+        elif self.open:
+            self.open[-1][0] += 1
+        else:
+            self.outside += 1
+
+    @property
+    def critical(self) -> int:
+        return self.outside + sum(max(main, side) for main, side in self.branches.values())
+
+
+def count_step(engine) -> tuple[Counter, Counter, Counter, CriticalPath]:
+    """One engine step's Triton launches by kernel, its GPU-launching PyTorch operators by name
+    and by calling source line, and where they run (:class:`CriticalPath`)."""
     import triton.runtime.interpreter as interpreter
     from profile_step import NO_KERNEL
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from deepinfer_core.ops.overlap import observe_branches
+
     kernels: Counter = Counter()
     operators: Counter = Counter()
     sites: Counter = Counter()
+    path = CriticalPath()
 
     class Operators(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -131,6 +181,7 @@ def count_step(engine) -> tuple[Counter, Counter, Counter]:
             if name not in NO_KERNEL and not interpreting[0]:
                 operators[name] += 1
                 sites[f"{name} @ {_site()}"] += 1
+                path.launch()
             return func(*args, **(kwargs or {}))
 
     interpreting = [False]  # the interpreter's own tensor work is not a launch
@@ -138,6 +189,7 @@ def count_step(engine) -> tuple[Counter, Counter, Counter]:
 
     def counted(self, *args, **kwargs):
         kernels[self.fn.__name__] += 1
+        path.launch()
         interpreting[0] = True
         try:
             return run(self, *args, **kwargs)
@@ -146,19 +198,21 @@ def count_step(engine) -> tuple[Counter, Counter, Counter]:
 
     interpreter.InterpretedFunction.run = counted
     try:
-        with Operators():
+        with Operators(), observe_branches(path.event):
             engine.step()
     finally:
         interpreter.InterpretedFunction.run = run
-    return kernels, operators, sites
+    return kernels, operators, sites, path
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     decompose = {n for n in a.decompose.split(",") if n}
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # profile_step's NO_KERNEL
+    if a.one_stream:
+        os.environ["DEEPINFER_STREAM_OVERLAP"] = "0"
     engine = decoding_engine(a, decompose)
-    kernels, operators, sites = count_step(engine)
+    kernels, operators, sites, path = count_step(engine)
     total = sum(kernels.values()) + sum(operators.values())
     result = {
         "model": a.model or "built-in tiny",
@@ -169,6 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
         "launches_per_step": total,
         "triton_launches": sum(kernels.values()),
         "torch_operators": sum(operators.values()),
+        "one_stream": a.one_stream,
+        "critical_path_launches": path.critical,
+        "branches": len(path.branches),
         "triton_by_kernel": dict(kernels.most_common()),
         "torch_by_operator": dict(operators.most_common()),
         "torch_by_site": dict(sites.most_common()),
@@ -176,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
     decomposed = sorted(decompose) or "none"
     print(
         f"decode step, batch {a.batch}, {result['layers']} layers, decomposed: {decomposed}: {total} "
-        f"launches ({result['triton_launches']} Triton, {result['torch_operators']} PyTorch operators)"
+        f"launches ({result['triton_launches']} Triton, {result['torch_operators']} PyTorch operators); "
+        f"{path.critical} on the critical path ({len(path.branches)} branches on a second stream)"
     )
     for name, n in (kernels + operators).most_common(a.top):
         print(f"  {n:4d}  {name}")

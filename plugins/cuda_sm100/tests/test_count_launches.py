@@ -5,7 +5,8 @@ Run on the built-in tiny model (4 layers) twice, with the fused ops and with the
 decompositions: the fusions save exactly what their kernels promise, per layer ``L``: 3 of the
 4 launches of ``qk_norm_rope``'s parts, for ``hc_post_pre`` 2 of 4 at every transition after a
 block and 1 of 3 at the first (``2 * (2L - 1) + 1``), and 1 of ``hc_head_norm``'s 3; nothing else
-changes.
+changes.  With the blocks' chains on two streams (the default, as on a GPU) the step has one more
+launch a layer and fewer on its critical path than on one stream (``--one-stream``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,13 @@ def test_the_fused_ops_save_the_launches_of_their_parts(tmp_path):
     assert fused["triton_by_kernel"]["_qk_norm_rope_kernel"] == layers
     assert fused["triton_by_kernel"]["_hc_post_mix_kernel"] == 2 * layers - 1
     assert "_qk_norm_rope_kernel" not in apart["triton_by_kernel"]
+    # the blocks' chains on two streams: one more launch a MoE layer (routed + shared added after
+    # the join, not in the MoE's combine); on one stream every launch is on the critical path
+    one = _count(tmp_path, "--one-stream")
+    assert fused["launches_per_step"] == one["launches_per_step"] + layers
+    assert one["critical_path_launches"] == one["launches_per_step"] and one["branches"] == 0
+    assert fused["branches"] >= 2 * layers  # the shared expert and the ring write, every layer
+    assert fused["critical_path_launches"] < one["launches_per_step"]
 
 
 def test_an_unknown_fused_op_is_refused_with_the_known_ones(tmp_path):
