@@ -161,7 +161,7 @@ def fork(x: torch.Tensor, chain: Callable[[], T], *keep: torch.Tensor, enabled: 
     the current stream made) stay referenced until the join."""
     if not enabled or not overlap_applies(x):
         return Branch(None, chain(), False)
-    if x.device.type != "cuda":  # DEFER_ENV
+    if _deferred():
         branch: Branch[T] = Branch(chain, None, True)
         _emit("fork", branch)
         return branch
