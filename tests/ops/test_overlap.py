@@ -100,6 +100,7 @@ def test_gpu_a_branch_runs_on_the_side_stream_and_a_captured_graph_replays_its_b
     """Two chains of matmuls, one on the side stream: eager and replayed in a CUDA graph, the
     results are one stream's bit for bit; the branch's kernels ran on the side stream."""
     monkeypatch.delenv(OVERLAP_ENV, raising=False)
+    monkeypatch.delenv(DEFER_ENV, raising=False)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(8, 1024, device=dev, generator=g, dtype=torch.bfloat16)
