@@ -140,6 +140,17 @@ class Attention:
 
         side = None if self.compressor is None else fork(x, compress, *comp, enabled=local)
         q_res = ops.rms_norm(q_a, self.q_norm, self.eps)
+        cand = None  # the compressed entries each query may attend (the indexer picks among them)
+        if self.compressor is not None:
+            cand = md.plans[self.ratio].entries if md.local is None else md.local.entries[self.ratio]
+        index = cand is not None and self.indexer is not None and cand.max_count > cfg.index_topk
+        if index:  # the indexer's queries beside the attention's (max_count: a static bound)
+
+            def index_queries() -> torch.Tensor:
+                iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
+                return ops.apply_rope(iq, *rope["compress"])
+
+            queries_branch = fork(x, index_queries, q_res, enabled=local)
         q = ops.linear(q_res, self.wq_b).view(t, self.heads, self.head_dim)
         # the queries' per-head norm, the shared key's norm and the rope of both: one op
         q, kv = ops.qk_norm_rope(q, kv, self.kv_norm, self.eps, cos, sin)
@@ -160,11 +171,6 @@ class Attention:
         pools = [ring, chunk]
         idx = [queries.window_ring, queries.window_chunk]
         if side is not None:
-            cand = md.plans[self.ratio].entries if md.local is None else md.local.entries[self.ratio]
-            index = self.indexer is not None and cand.max_count > cfg.index_topk  # a static bound
-            if index:
-                iq = ops.linear(q_res, self.wi_q).view(t, cfg.index_n_heads, cfg.index_head_dim)
-                iq = ops.apply_rope(iq, *rope["compress"])
             if local:
                 comp, (ckv, ikv) = side.join()
             else:
@@ -172,6 +178,7 @@ class Attention:
             if index:
                 # the head weights as projected (the op reads any float dtype as float32)
                 iw = comp[4] if self.scale_folded else comp[4].float() * self.head_scale
+                iq = queries_branch.join()
                 cand = ops.indexer_topk(iq, iw, ikv, cand, cfg.index_topk, cfg.index_head_dim**-0.5)
             pools.append(ckv)
             idx.append(cand)
