@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_core.devices import synchronize
+from deepinfer_core.ops.overlap import overlap_enabled, turn_off
 
 from .graphs import DeviceGraph, GraphFactory, device_graph_factory
 
@@ -101,13 +102,16 @@ class GraphManager:
             step = plan.make()
             error = None
             try:
-                step()  # warm-up: lazy initialisation, kernel compilation
-                synchronize(self.device)  # (capturing right after a compile can be invalidated)
-                graph = self.factory(self.pool)
-                graph.capture(step)
-                captured.setdefault(plan.family, {})[plan.bucket] = graph
+                captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
             except Exception as e:  # an op that cannot be captured: run eagerly, and say so
                 error = f"{type(e).__name__}: {e}"
+                if overlap_enabled():  # perhaps the second stream: once more on one
+                    turn_off(f"capturing the {plan.label} graph on two streams failed ({error})")
+                    try:
+                        captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
+                        error = None
+                    except Exception as again:
+                        error = f"{type(again).__name__}: {again}"
             if agree:
                 error = self.agree_captured(error)
             if error is not None:
@@ -115,6 +119,14 @@ class GraphManager:
         for name, graphs in captured.items():
             self._families.setdefault(name, {}).update(graphs)
         return None
+
+    def _capture_step(self, step: Callable[[], Any]) -> DeviceGraph:
+        """``step`` run once (lazy initialisation, kernel compilation), then captured."""
+        step()
+        synchronize(self.device)  # (capturing right after a compile can be invalidated)
+        graph = self.factory(self.pool)
+        graph.capture(step)
+        return graph
 
     def capture_family(
         self,

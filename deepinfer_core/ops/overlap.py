@@ -52,6 +52,7 @@ its join rather than at its fork."""
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _OBSERVERS: list[Callable[[str, object], None]] = []
+_TURNED_OFF: list[str] = []  # why overlap is off in this process (set once)
 
 
 def max_overlap_rows() -> int:
@@ -69,10 +70,24 @@ def _deferred() -> bool:
     return os.environ.get(DEFER_ENV, "0") not in ("", "0")
 
 
+def overlap_enabled() -> bool:
+    """Whether chains may overlap in this process at all (:data:`OVERLAP_ENV` not ``0``, not turned
+    off by :func:`turn_off`)."""
+    return not _TURNED_OFF and max_overlap_rows() > 0
+
+
+def turn_off(reason: str) -> None:
+    """Every chain inline from now on, in this process (the engine's answer to a graph capture that
+    failed with two streams); logs ``reason`` once."""
+    if not _TURNED_OFF:
+        _TURNED_OFF.append(reason)
+        logger.warning("stream overlap off: %s; the blocks' chains run on one stream", reason)
+
+
 def overlap_applies(x: torch.Tensor) -> bool:
     """Whether a block whose input is ``x`` ``[rows, ...]`` runs its chains on two streams (or,
     under :data:`DEFER_ENV`, defers them)."""
-    if x.device.type != "cuda" and not _deferred():
+    if _TURNED_OFF or (x.device.type != "cuda" and not _deferred()):
         return False
     return x.shape[0] <= max_overlap_rows()
 

@@ -80,3 +80,41 @@ def test_a_runtime_without_graphs_leaves_the_engine_eager_and_says_why(tiny_dir:
     assert CountingGraph.captures == 0
     assert "no graph driver in this test" in caplog.text
     assert all(len(tokens) == 5 for tokens in _greedy(engine))
+
+
+class OneStreamGraph(EmulatedGraph):
+    """An emulated graph whose capture fails on a step that forks a branch, as a graph runtime
+    that cannot take a second stream would."""
+
+    def capture(self, fn):
+        from deepinfer_core.ops.overlap import observe_branches
+
+        events: list[str] = []
+        with observe_branches(lambda event, branch: events.append(event)):
+            out = super().capture(fn)
+        if "fork" in events:
+            raise RuntimeError("a second stream in the capture")
+        return out
+
+
+def test_a_capture_that_fails_on_two_streams_is_taken_again_on_one(tiny_dir: Path, monkeypatch, caplog):
+    """The blocks' chains overlapped (deferred on the CPU, as a GPU runs them on a second stream)
+    and a graph runtime that refuses that: the engine turns overlap off, says so once, captures
+    every graph on one stream and gives an eager engine's tokens."""
+    from deepinfer_core.ops import overlap
+
+    monkeypatch.setenv(overlap.DEFER_ENV, "1")
+    monkeypatch.setattr(overlap, "_TURNED_OFF", [])
+    with caplog.at_level(logging.WARNING, logger="deepinfer.ops"):
+        engine = _engine(tiny_dir, lambda device: (OneStreamGraph, None, ""))
+    assert engine.runner.graph_manager.graphs("decode"), "no graph was captured"
+    offs = [r.getMessage() for r in caplog.records if "stream overlap off" in r.getMessage()]
+    assert (
+        len(offs) == 1 and "on two streams failed (RuntimeError: a second stream in the capture)" in offs[0]
+    )
+    assert not overlap.overlap_enabled()
+    graphed = _greedy(engine)
+    monkeypatch.setattr(overlap, "_TURNED_OFF", [])
+    assert graphed == _greedy(
+        _engine(tiny_dir, lambda device: (OneStreamGraph, None, ""), enforce_eager=True)
+    )
