@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer_core.devices import synchronize
-from deepinfer_core.ops.overlap import overlap_enabled, turn_off
+from deepinfer_core.ops.overlap import observe_branches, turn_off
 
 from .graphs import DeviceGraph, GraphFactory, device_graph_factory
 
@@ -101,11 +101,13 @@ class GraphManager:
         for plan in sorted(plans, key=lambda p: -p.size):
             step = plan.make()
             error = None
+            events: list[str] = []  # the step's overlapped branches' events
             try:
-                captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
+                with observe_branches(lambda event, branch, seen=events: seen.append(event)):
+                    captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
             except Exception as e:  # an op that cannot be captured: run eagerly, and say so
                 error = f"{type(e).__name__}: {e}"
-                if overlap_enabled():  # perhaps the second stream: once more on one
+                if "fork" in events:  # a chain overlapped: perhaps the second stream, once more on one
                     turn_off(f"capturing the {plan.label} graph on two streams failed ({error})")
                     try:
                         captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)

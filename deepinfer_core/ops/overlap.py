@@ -70,12 +70,6 @@ def _deferred() -> bool:
     return os.environ.get(DEFER_ENV, "0") not in ("", "0")
 
 
-def overlap_enabled() -> bool:
-    """Whether chains may overlap in this process at all (:data:`OVERLAP_ENV` not ``0``, not turned
-    off by :func:`turn_off`)."""
-    return not _TURNED_OFF and max_overlap_rows() > 0
-
-
 def turn_off(reason: str) -> None:
     """Every chain inline from now on, in this process (the engine's answer to a graph capture that
     failed with two streams); logs ``reason`` once."""
@@ -119,8 +113,9 @@ def on_side_stream(device: torch.device) -> bool:
 def observe_branches(observer: Callable[[str, object], None]) -> Iterator[None]:
     """Within the block ``observer(event, branch)`` hears every overlapped branch's events in
     order: ``"fork"``, ``"chain"`` and ``"end"`` around the run of its chain (at the fork on a GPU,
-    at the join when deferred), ``"join"`` (diagnostics: ``count_launches.py`` tells a step's
-    launches on its critical path from those beside it)."""
+    at the join when deferred), ``"join"``.  The graph manager learns from it whether a capture that
+    failed had overlapped a chain; ``count_launches.py`` tells a step's launches on its critical
+    path from those beside it."""
     _OBSERVERS.append(observer)
     try:
         yield
@@ -154,6 +149,7 @@ class Branch(Generic[T]):
                  keep: tuple = ()):  # fmt: skip
         self._chain, self._result, self.overlapped = chain, result, overlapped
         self._stream, self._main, self._keep = stream, main, keep
+        self._joined = False
 
     def join(self) -> T:
         """The chain's result, once the current stream waits for its work (a deferred chain runs
@@ -162,10 +158,10 @@ class Branch(Generic[T]):
             self._result, self._chain = _run(self._chain, self), None
         if self._stream is not None and self._main is not None:
             self._main.wait_stream(self._stream)
-        if self.overlapped and self._keep is not None:
+        if self.overlapped and not self._joined:
             _emit("join", self)
         self._stream = self._main = None
-        self._keep = None
+        self._keep, self._joined = (), True
         return self._result  # type: ignore[return-value]
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import torch
+
 from deepinfer_core import SamplingParams
 from deepinfer_core.backends import BackendSpec
 from deepinfer_core.config import EngineConfig
@@ -112,9 +114,30 @@ def test_a_capture_that_fails_on_two_streams_is_taken_again_on_one(tiny_dir: Pat
     assert (
         len(offs) == 1 and "on two streams failed (RuntimeError: a second stream in the capture)" in offs[0]
     )
-    assert not overlap.overlap_enabled()
+    assert not overlap.overlap_applies(torch.zeros(1, 8))  # off for the process, deferral or not
     graphed = _greedy(engine)
     monkeypatch.setattr(overlap, "_TURNED_OFF", [])
     assert graphed == _greedy(
         _engine(tiny_dir, lambda device: (OneStreamGraph, None, ""), enforce_eager=True)
     )
+
+
+class FailingGraph(EmulatedGraph):
+    """An emulated graph whose capture always fails."""
+
+    def capture(self, fn):
+        raise RuntimeError("no capture here")
+
+
+def test_a_capture_that_fails_without_a_second_stream_leaves_overlap_on(tiny_dir: Path, monkeypatch, caplog):
+    """No chain overlapped (the CPU, no deferral): a failed capture is not blamed on two streams;
+    the engine runs eagerly and overlap stays as it was."""
+    from deepinfer_core.ops import overlap
+
+    monkeypatch.delenv(overlap.DEFER_ENV, raising=False)
+    monkeypatch.setattr(overlap, "_TURNED_OFF", [])
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(tiny_dir, lambda device: (FailingGraph, None, ""))
+    assert not engine.runner.graph_manager.graphs("decode")
+    assert not any("stream overlap off" in r.getMessage() for r in caplog.records)
+    assert overlap._TURNED_OFF == []
