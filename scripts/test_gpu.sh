@@ -13,7 +13,9 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 if [[ -n "${PYTHON:-}" ]]; then :; elif [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-WORKERS="${GPU_TEST_WORKERS:-8}"
+# workers: GPU_TEST_WORKERS, else 8, fewer on a GPU of under 88 GiB (about 11 GiB a worker: the
+# V4-Flash-width tests take up to ~20 GiB each, and 14 workers ran out of an 80 GiB H100's memory)
+WORKERS="${GPU_TEST_WORKERS:-$("$PYTHON" -c 'import torch; g = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 88; print(max(1, min(8, int(g // 11))))' 2>/dev/null || echo 8)}"
 
 if ! "$PYTHON" -c 'import importlib.metadata as m; [m.version(p) for p in ("deepinfer-core", "deepinfer-cuda-sm100", "deepinfer-samplers", "deepinfer-cpu")]' 2>/dev/null; then
     "$PYTHON" -m pip install --quiet --no-deps --no-build-isolation \

@@ -42,11 +42,12 @@ any height; 128, ``tl.moe.PREFILL_BLOCK_M``, the one-warpgroup kernels only), to
 one-warpgroup kernels at those heights with the compiler's register allotment instead of
 ``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit), ``--ctas-per-sm 16=3`` with the
 split of that many CTAs an SM (``tl.moe.split_for``; checked likewise); ``--gathered`` times both
-variants with the activations gathered into the sorted rows first and loaded by TMA
-(``tl.moe.moe_experts(gathered=True)``, the gather launch included; the same result, checked
-bit for bit); ``--halves`` times both with each K step decoded and multiplied in two K halves
-(``tl.moe.moe_experts(halves=True)``: half the live A registers, so the default four CTAs an SM
-at 16-row tiles keep their wgmma pipelined; checked likewise).
+variants with and without the activations gathered into the sorted rows first and loaded by
+TMA (``tl.moe.moe_experts(gathered=True / False)``, the gather launch included; the default
+is ``tl.moe.gathers_rows``'; the same result, checked bit for bit); ``--halves`` times both
+with each K step decoded and multiplied in two K halves (``tl.moe.moe_experts(halves=True)``:
+half the live A registers, so the default four CTAs an SM at 16-row tiles keep their wgmma
+pipelined; checked likewise).
 
 ``--gemv-sweep`` times only the decode-width GEMVs (``gemv_sweep.py``; no table), kernel by
 kernel, at the token counts of ``--tokens`` up to ``--gemv-tokens``: the gate / up kernel and the
@@ -153,7 +154,8 @@ def main() -> None:
     parser.add_argument(
         "--gathered",
         action="store_true",
-        help="also time the TileLang variants with the activations gathered into the sorted rows first",
+        help="also time the TileLang variants with and without the activations gathered into the sorted "
+        "rows first",
     )
     parser.add_argument(
         "--halves",
@@ -315,7 +317,7 @@ def main() -> None:
 
         sweep = [("stages", int(v)) for v in args.stages.split(",") if v]
         sweep += [("block_m", int(v)) for v in args.heights.split(",") if v]
-        sweep += [("gathered", True)] if args.gathered else []
+        sweep += [("gathered", True), ("gathered", False)] if args.gathered else []
         sweep += [("halves", True)] if args.halves else []
         variants = [c for c in (1, 2) if c == 1 or wide_problem is None] if tl_problem is None else []
         runs = [(c, kv) for c in variants for kv in sweep if kv[0] != "block_m" or kv[1] in tile_heights(c)]

@@ -367,14 +367,19 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
     from deepinfer_cuda_sm100.tl.precompile import moe_configurations
 
     configs = moe_configurations(4096, 2048)
-    assert len(configs) == len(set(configs)) == 24
-    assert {(c[0], c[3], c[4], c[5]) for c in configs} == {
+    assert len(configs) == len(set(configs)) == 30
+    assert {(c[0], c[3], c[4], c[5]) for c in configs if len(c) == 10} == {
         (kind, bm, scale, consumers)
         for kind in ("gate_up", "down")
         for bm in (16, 32, 64)
         for scale in tlm.SCALE_KINDS
         for consumers in (1, 2)
     }
+    # what decode-sized calls run by default: the one-warpgroup gate / up kernel on gathered rows
+    gathered = {(c[0], c[3], c[4], c[5]) for c in configs if len(c) == 11 and c[10]}
+    assert gathered == {("gate_up", bm, scale, 1) for bm in (16, 32, 64) for scale in tlm.SCALE_KINDS}
+    assert tlm.gathers_rows(tlm.GATHER_MAX_TOKENS, 1) and not tlm.gathers_rows(tlm.GATHER_MAX_TOKENS + 1, 1)
+    assert not tlm.gathers_rows(1, 2)
     assert {c[5] for c in moe_configurations(384, 2048)} == {1}  # the wide kernels refuse D=384
 
 
@@ -449,7 +454,8 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
 
     target = Target({"kind": "cuda", "arch": "sm_90"})
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
-    configs = [c for c in moe_configurations(4096, 2048) if c[0] == kind and c[5] == consumers]
+    plain = [c for c in moe_configurations(4096, 2048) if len(c) == 10]  # (not the gathered rows')
+    configs = [c for c in plain if c[0] == kind and c[5] == consumers]
     assert len(configs) == 6
     for _, hidden, inter, bm, scale, *_ in configs:  # (consumers, stages)
         with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
@@ -722,7 +728,7 @@ def test_gpu_gathered_activations_and_k_halves_give_the_same_bits(option):
     on = {option: True}
     for args in _wide_cases():
         for consumers in tlm.CONSUMERS:
-            want = tlm.moe_experts(*args, consumers=consumers)
+            want = tlm.moe_experts(*args, consumers=consumers, gathered=False)
             got = tlm.moe_experts(*args, consumers=consumers, **on)
             assert torch.equal(got, want), (args[0].shape[0], consumers, args[3].scale.dtype)
     for args in _v4_cases()[1:4]:
@@ -770,4 +776,4 @@ def test_with_pdl_the_gemms_wait_before_any_global_access(kind, consumers):
     assert problem is None, problem
     plain = lowered_sm90(build(4096, 2048, 16, "ue8m0", consumers=consumers))
     assert "cudaGridDependencySynchronize" not in plain and "cudaTriggerProgrammatic" not in plain
-    assert {c[-1] for c in moe_configurations(4096, 2048)} == {tl_pdl_enabled()}
+    assert {c[9] for c in moe_configurations(4096, 2048)} == {tl_pdl_enabled()}

@@ -207,6 +207,22 @@ gate / up kernel); shared memory ~162 KB at 4 stages.  :func:`tile_height` does 
 (its tiles stop at 64 rows); ``bench_moe.py --heights 64,128`` times it."""
 
 
+GATHER_MAX_TOKENS = 256
+"""Calls of at most this many tokens gather their activations into the sorted rows first in the
+one-warpgroup variant (:func:`gathers_rows`).  Measured on an H100 (``bench_moe.py --tokens
+16,64,256 --gathered``, 256 experts, top-6, the whole op with the gather launch, CUDA graphs):
+467 / 1,131 / 1,497 us against 506 / 1,232 / 1,609 gathering in the kernel (7-8 % less), the
+same bits; the wide variant gains 0-2 % at 16 and 64 tokens and loses 2 % at 256, so it keeps
+its own gathers.  Larger calls are unmeasured and keep them too (the gathered copy is ``T * k``
+rows of the activations)."""
+
+
+def gathers_rows(tokens: int, consumers: int) -> bool:
+    """Whether a call of ``tokens`` tokens on the ``consumers`` variant takes ``gathered`` by
+    default (:data:`GATHER_MAX_TOKENS`)."""
+    return consumers == 1 and tokens <= GATHER_MAX_TOKENS
+
+
 def tile_heights(consumers: int) -> tuple[int, ...]:
     """The tile heights the kernels with ``consumers`` consumer warpgroups take."""
     return (*WIDE_REGS, PREFILL_BLOCK_M) if consumers == 1 else tuple(WIDE_REGS)
@@ -827,7 +843,7 @@ def moe_experts(
     stages: int = STAGES,
     block_m=None,
     split_registers: bool | tuple = True,
-    gathered: bool = False,
+    gathered: bool | None = None,
     halves: bool = False,
 ) -> torch.Tensor:
     """The op on FP4 stacks (:func:`~deepinfer_cuda_sm100.moe_dispatch.tilelang_supports`
@@ -843,9 +859,9 @@ def moe_experts(
     split, :func:`split_for`'s, ``bench_moe.py --ctas-per-sm`` times it); ``gathered``:
     the activations gathered into the sorted rows by one Triton launch first
     (:func:`~deepinfer_cuda_sm100.kernels.moe_gather.gather_sorted_rows`) and loaded by TMA in
-    the gate / up kernel (the same result; ``bench_moe.py --gathered`` times it); ``halves``:
-    both kernels' K steps in two K halves of each block (:func:`build_gate_up`; the same
-    result; ``bench_moe.py --halves`` times it)."""
+    the gate / up kernel (the same result; ``bench_moe.py --gathered`` times both; ``None``:
+    :func:`gathers_rows`); ``halves``: both kernels' K steps in two K halves of each block
+    (:func:`build_gate_up`; the same result; ``bench_moe.py --halves`` times it)."""
     from deepinfer_cuda_sm100.kernels import moe as triton_moe
     from deepinfer_cuda_sm100.kernels.moe_gather import gather_sorted_rows
 
@@ -860,6 +876,7 @@ def moe_experts(
     if isinstance(split_registers, tuple) and consumers != 1:
         raise ValueError("a register split of its own is for the one-warpgroup kernels (consumers=1)")
     split_registers = split_registers or consumers != 1  # (the wide variant always splits)
+    gathered = gathers_rows(t, consumers) if gathered is None else gathered
     plan = launch_plan(t, top_k, experts, d, inter, consumers, block_m)
     bm = plan["block_m"]
     ids = ids if ids.stride(1) == 1 else ids.contiguous()

@@ -69,18 +69,24 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     scale formats and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
     ``tl.moe.wide_problem``), at the ring depth the op runs (``tl.moe.STAGES``), with the bf16
     routing weights ``moe_route`` gives, split registers, and the PDL prologue where this
-    device takes it."""
+    device takes it; and the one-warpgroup gate / up kernels reading the rows gathered first
+    (``gathered``: calls of up to ``tl.moe.GATHER_MAX_TOKENS`` tokens)."""
     from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, STAGES, wide_problem
 
     variants = [c for c in CONSUMERS if c == 1 or wide_problem(hidden, inter) is None]
     pdl = tl_pdl_enabled()
-    return [
+    heights = (16, 32, 64)
+    out = [
         (kind, hidden, inter, bm, scale, consumers, STAGES, "bfloat16", True, pdl)
         for consumers in variants
         for kind in ("gate_up", "down")
-        for bm in (16, 32, 64)
+        for bm in heights
         for scale in SCALE_KINDS
     ]
+    gathered = ("gate_up", hidden, inter)  # the one-warpgroup kernel reading rows gathered first
+    rest = (1, STAGES, "bfloat16", True, pdl, True)
+    out += [(*gathered, bm, scale, *rest) for bm in heights for scale in SCALE_KINDS]
+    return out
 
 
 GEMM_SHAPES = V4_FLASH_SHAPES
