@@ -33,8 +33,8 @@ A call takes the path the measured table of this GPU's architecture
 plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices``) found fastest at the nearest
 measured ``M``, Triton where no point was measured.  Batch-invariant mode always takes Triton
 (cuBLAS picks kernels by the whole shape; the TileLang GEMM's tile and splits change with M).
-The choice depends on static shapes only, so a
-captured graph replays what it captured.
+The TileLang GEMM's K splits are measured too (:mod:`deepinfer_cuda_sm100.gemm_splits`). The
+choice depends on static shapes only, so a captured graph replays what it captured.
 """
 
 from __future__ import annotations
@@ -106,6 +106,17 @@ def _choose_usable(x: torch.Tensor, weight, groups: int, key: tuple, paths: froz
     return choice if choice in paths else "triton"
 
 
+def tilelang_splits(x: torch.Tensor, m: int, n: int, k: int, groups: int) -> int | None:
+    """The TileLang GEMM's K splits for an ``M``-token call of an ``N x K`` weight on ``x``'s
+    device: the measured table's count (:mod:`deepinfer_cuda_sm100.gemm_splits`), ``None`` for
+    the plan's rule."""
+    from deepinfer_cuda_sm100.gemm_splits import measured_splits
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
+
+    arch = kernel_choice.device_arch(x.device)
+    return measured_splits(m, n, k, sm_count(x.device), groups, arch)
+
+
 def cublas_linear(x: torch.Tensor, weight) -> torch.Tensor:
     """The ``"cublas"`` path: dequantise (bitwise the reference's), then ``F.linear``."""
     from deepinfer_cuda_sm100.kernels.fp8_dequant import dequantize_fp8
@@ -147,7 +158,8 @@ def make_grouped_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[...,
         if path == "tilelang":
             from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8
 
-            return grouped_linear_fp8(x, weight)
+            t, groups, k = x.shape
+            return grouped_linear_fp8(x, weight, tilelang_splits(x, t, weight.data.shape[0], k, groups))
         return triton_fn(x, weight)
 
     grouped_linear.__doc__ = f"Dispatcher over the grouped FP8 GEMM's paths.\n\n{__doc__}"
@@ -168,7 +180,8 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         if path == "tilelang":
             from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8
 
-            return linear_fp8(x, weight)
+            n, k = weight.data.shape
+            return linear_fp8(x, weight, splits=tilelang_splits(x, x.numel() // k, n, k, 1))
         return triton_fn(x, weight)
 
     linear.__doc__ = f"Dispatcher over the FP8 block GEMM and the cuBLAS paths.\n\n{__doc__}"

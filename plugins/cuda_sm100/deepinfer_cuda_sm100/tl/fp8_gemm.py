@@ -61,6 +61,7 @@ mode never takes this path (the dispatcher keeps Triton there).
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
 import functools
 import logging
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -130,25 +131,33 @@ class Plan(NamedTuple):
     grid: tuple[int, int]
 
 
-def launch_plan(m: int, n: int, k: int, sms: int, wide: bool = False) -> Plan:
+def split_candidates(k: int) -> list[int]:
+    """The K splits a ``K``-input call may take: the divisors of ``k / 128`` leaving at least
+    :data:`MIN_SPLIT_BLOCKS` blocks a split (just 1 where none does)."""
+    k_blocks = k // BLOCK_K
+    found = [s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= MIN_SPLIT_BLOCKS]
+    return found or [1]
+
+
+def launch_plan(m: int, n: int, k: int, sms: int, wide: bool = False, splits: int | None = None) -> Plan:
     """The :class:`Plan` of an ``[m, k] x [n, k]^T`` call on ``sms`` SMs (shapes only: graph
     capturable): ``BLOCK_M`` the smallest of :data:`BLOCK_MS` that holds ``m``; ``splits`` the
-    fewest divisors of ``k / 128`` giving ``n / BLOCK_N * splits >= target * sms`` CTAs (the
-    tile kind's ``BLOCK_N`` and target, :func:`tile`) with at least :data:`MIN_SPLIT_BLOCKS`
-    blocks each (else the most such splits); stages ``min(the kind's cap, blocks per split)``.
-    ``m <= 256``, ``n`` and ``k`` multiples of 128 (:func:`problem` checks); ``wide``: the wide
-    kind at every ``m`` (:func:`tile`)."""
+    given count (one of :func:`split_candidates`; a measured one,
+    :mod:`deepinfer_cuda_sm100.gemm_splits`), else the fewest candidates giving ``n / BLOCK_N *
+    splits >= target * sms`` CTAs (the tile kind's ``BLOCK_N`` and target, :func:`tile`; else
+    the most); stages ``min(the kind's cap, blocks per split)``.  ``m <= 256``, ``n`` and ``k``
+    multiples of 128 (:func:`problem` checks); ``wide``: the wide kind at every ``m``
+    (:func:`tile`)."""
     block_m = next(bm for bm in BLOCK_MS if m <= bm)
     kind = tile(block_m, wide)
     k_blocks, tiles = k // BLOCK_K, n // kind.block_n
-    candidates = [
-        s for s in range(1, k_blocks + 1) if k_blocks % s == 0 and k_blocks // s >= MIN_SPLIT_BLOCKS
-    ]
-    splits = 1
-    for s in candidates or [1]:
-        splits = s
-        if tiles * s >= kind.ctas_per_sm * sms:
-            break
+    candidates = split_candidates(k)
+    if splits is not None and splits not in candidates:
+        raise ValueError(f"splits={splits}: a K of {k} splits into one of {candidates}")
+    if splits is None:
+        for splits in candidates:
+            if tiles * splits >= kind.ctas_per_sm * sms:
+                break
     per = k_blocks // splits
     return Plan(block_m, splits, per, min(kind.max_stages, per), (tiles, splits))
 
@@ -343,32 +352,38 @@ def _kernel(kind: str, *args):
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=PASS_CONFIGS)
 
 
-def configurations(n: int, k: int, sms: int, groups: int = 1) -> list[tuple]:
+def configurations(
+    n: int, k: int, sms: int, groups: int = 1, splits_of: Callable[[int], list[int | None]] | None = None
+) -> list[tuple]:
     """``_kernel`` arguments of every launch of an ``N x K`` weight (``groups`` row blocks of a
     grouped projection, each on its own ``K`` inputs) at ``M <= 256`` on ``sms`` SMs, both scale
     kinds, with programmatic dependent launch where this device takes it
-    (:mod:`deepinfer_cuda_sm100.tl.precompile`)."""
+    (:mod:`deepinfer_cuda_sm100.tl.precompile`); ``splits_of(block_m)``: the split counts to
+    compile at that token tile (``None``: :func:`launch_plan`'s rule), default the rule's."""
     pdl = tl_pdl_enabled()
     out = []
     for m in BLOCK_MS:
-        plan = launch_plan(m, n, k, sms)
-        for kind in SCALE_KINDS:
-            out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups))
-        if plan.splits > 1:
-            out.append(("combine", n, plan.splits, pdl))
+        for splits in splits_of(m) if splits_of else [None]:
+            plan = launch_plan(m, n, k, sms, splits=splits)
+            for kind in SCALE_KINDS:
+                out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups))
+            if plan.splits > 1:
+                out.append(("combine", n, plan.splits, pdl))
     return list(dict.fromkeys(out))
 
 
-def _gemm(x2: torch.Tensor, weight, groups: int, wide: bool = False) -> torch.Tensor:
+def _gemm(
+    x2: torch.Tensor, weight, groups: int, wide: bool = False, splits: int | None = None
+) -> torch.Tensor:
     """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine
-    (``wide``: the wide tile kind at every ``M``, :func:`tile`)."""
+    (``wide``: the wide tile kind at every ``M``, :func:`tile`; ``splits``: :func:`launch_plan`'s)."""
     from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
 
     n, k = weight.data.shape
     if x2.data_ptr() % 16:
         x2 = x2.clone()
     m = x2.shape[0]
-    plan = launch_plan(m, n, k, sm_count(x2.device), wide)
+    plan = launch_plan(m, n, k, sm_count(x2.device), wide, splits)
     kind = scale_kind(weight)
     scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
     pdl = tl_pdl_enabled()
@@ -384,17 +399,20 @@ def _gemm(x2: torch.Tensor, weight, groups: int, wide: bool = False) -> torch.Te
     return y
 
 
-def linear_fp8(x: torch.Tensor, weight, wide: bool = False) -> torch.Tensor:
+def linear_fp8(x: torch.Tensor, weight, wide: bool = False, splits: int | None = None) -> torch.Tensor:
     """``linear(x, weight)`` by the TileLang GEMM (:func:`problem` must be ``None``; ``wide``: the
-    wide tile kind at every ``M``, :func:`tile`)."""
+    wide tile kind at every ``M``, :func:`tile`; ``splits``: the K splits, :func:`launch_plan`'s
+    rule where ``None``)."""
     n, k = weight.data.shape
     lead = x.shape[:-1]
-    return _gemm(x.reshape(-1, k).contiguous(), weight, 1, wide).reshape(*lead, n)
+    return _gemm(x.reshape(-1, k).contiguous(), weight, 1, wide, splits).reshape(*lead, n)
 
 
-def grouped_linear_fp8(x: torch.Tensor, weight) -> torch.Tensor:
+def grouped_linear_fp8(x: torch.Tensor, weight, splits: int | None = None) -> torch.Tensor:
     """``grouped_linear(x [T, G, K], weight [G*N, K])`` by the TileLang GEMM, every group in one
-    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]``."""
+    launch (:func:`problem` with ``groups=G`` must be ``None``): ``[T, G, N]`` (``splits``: as
+    :func:`linear_fp8`'s)."""
     t, groups, k = x.shape
     n = weight.data.shape[0]
-    return _gemm(x.reshape(t, groups * k).contiguous(), weight, groups).view(t, groups, n // groups)
+    y = _gemm(x.reshape(t, groups * k).contiguous(), weight, groups, splits=splits)
+    return y.view(t, groups, n // groups)

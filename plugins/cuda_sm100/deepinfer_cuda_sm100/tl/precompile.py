@@ -97,18 +97,22 @@ GROUPED_SHAPES = V4_FLASH_GROUPED
 """``G x K x N`` of DeepSeek-V4-Flash's grouped output projection."""
 
 
-def gemm_configurations(shapes: str, sms: int, grouped: str = "") -> list[tuple]:
+def gemm_configurations(shapes: str, sms: int, grouped: str = "", all_splits: bool = False) -> list[tuple]:
     """``tl.fp8_gemm._kernel`` arguments of every launch (``M <= 256``) of the ``K x N`` weights
-    and of the grouped ``G x K x N`` projections."""
+    and of the grouped ``G x K x N`` projections, at the K splits calls run
+    (:mod:`deepinfer_cuda_sm100.gemm_splits`: the measured table's for the architecture
+    compiled for, else the plan's rule), or at every candidate count (``all_splits``: what
+    ``tl_gemm_splits.py`` times)."""
+    from deepinfer_cuda_sm100.gemm_splits import every_split, precompile_splits, table_arch
     from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
 
+    arch = table_arch()
+    weights = [(1, *(int(v) for v in s.split("x"))) for s in filter(None, shapes.split(","))]
+    weights += [tuple(int(v) for v in s.split("x")) for s in filter(None, grouped.split(","))]
     out = []
-    for shape in filter(None, shapes.split(",")):
-        k, n = (int(v) for v in shape.split("x"))
-        out += fp8_configurations(n, k, sms)
-    for shape in filter(None, grouped.split(",")):
-        g, k, n = (int(v) for v in shape.split("x"))
-        out += fp8_configurations(g * n, k, sms, groups=g)
+    for g, k, n in weights:
+        splits_of = every_split(k) if all_splits else precompile_splits(g * n, k, sms, g, arch)
+        out += fp8_configurations(g * n, k, sms, groups=g, splits_of=splits_of)
     return list(dict.fromkeys(out))
 
 
@@ -176,7 +180,8 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
     out += [("indexer_grouped", c) for c in grouped_indexer_configurations(a.index_heads, a.index_dim)]
-    return out + [("fp8_gemm", c) for c in gemm_configurations(a.gemm_shapes, _sms(a.sms), a.grouped_shapes)]
+    gemms = gemm_configurations(a.gemm_shapes, _sms(a.sms), a.grouped_shapes, a.all_splits)
+    return out + [("fp8_gemm", c) for c in gemms]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -194,6 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--index-heads", type=int, default=64, help="indexer heads")
     p.add_argument("--index-dim", type=int, default=128, help="indexer head dim")
     p.add_argument("--jobs", type=int, default=8)
+    p.add_argument(
+        "--all-splits",
+        action="store_true",
+        help="compile the FP8 GEMMs at every K split count, not only those the calls run "
+        "(what tl_gemm_splits.py times)",
+    )
     p.add_argument(
         "--arch",
         default="",
