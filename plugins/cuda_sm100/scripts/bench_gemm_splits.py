@@ -21,7 +21,6 @@ Compile the counts first (otherwise each is compiled here, one after another)::
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import choice_writers
@@ -29,7 +28,7 @@ import torch
 from deepinfer_cuda_sm100.gemm_dispatch import V4_FLASH_GROUPED, V4_FLASH_SHAPES
 from graph_timing import gpu_run_header, time_graph
 
-from deepinfer_core.benchmarking.harness import run_main
+from deepinfer_core.benchmarking.harness import run_main, write_json
 
 REPO = Path(__file__).resolve().parents[3]
 TIMING = "mean of the calls replayed in CUDA graphs (bf16 activations)"
@@ -137,10 +136,7 @@ def main() -> None:
         for block_m in (bm for bm in BLOCK_MS if bm <= args.max_m):
             rows.append(time_counts(groups, k, n, block_m, args.calls_per_graph, args.replays))
             print_row(rows[-1])
-    result = {**gpu_run_header("bench_gemm_splits"), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, {**gpu_run_header("bench_gemm_splits"), "rows": rows}, torch.device("cuda"))
     if args.write_choices:
         print(f"wrote {write_choices(rows)}")
 
