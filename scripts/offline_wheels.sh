@@ -12,7 +12,11 @@
 #                 torch-c-dlpack-ext, ml-dtypes, cloudpickle, psutil, tqdm; tile-kernels
 #   DEST/serve    fastapi, uvicorn, openai, httpx and their dependencies (deepinfer serve's tests)
 #
-# Each folder stays under 64 MiB.
+# Each folder stays under 64 MiB.  With SITE=1 they are also unpacked into one folder (what pip
+# --target would install: each wheel's files, a .data folder's purelib / platlib merged in, its
+# scripts and headers left out) packed as DEST/site.txz (xz, ~50 MB: base, tl and tl_deps), for a
+# GPU machine that takes a single transfer: mkdir -p /tmp/site && tar xJf DEST/site.txz -C /tmp/site,
+# then PYTHONPATH=/tmp/site.
 #
 # On the GPU machine: pip install --no-index --no-deps --target SITE DEST/*/*.whl, then
 # PYTHONPATH=SITE bash scripts/test_gpu.sh.  tile-kernels asks for a newer torch than some CUDA
@@ -38,3 +42,19 @@ if [[ "$PY" != 3.1[01] ]]; then fetch tl_deps --no-deps 'tile-kernels>=2.1'; fi
 fetch serve fastapi uvicorn openai httpx
 rm -f "$DEST"/serve/pydantic* "$DEST"/serve/typing_* "$DEST"/serve/annotated_types*
 du -sh "$DEST"/base "$DEST"/tl "$DEST"/tl_deps "$DEST"/serve
+if [[ "${SITE:-0}" == 1 ]]; then
+    site="$(mktemp -d)"
+    for wheel in "$DEST"/base/*.whl "$DEST"/tl/*.whl "$DEST"/tl_deps/*.whl; do
+        python3 -m zipfile -e "$wheel" "$site"
+    done
+    for data in "$site"/*.data; do
+        [[ -d "$data" ]] || continue
+        for lib in purelib platlib; do
+            if [[ -d "$data/$lib" ]]; then cp -r "$data/$lib"/. "$site"/; fi
+        done
+        rm -rf "$data"
+    done
+    tar cJf "$DEST/site.txz" -C "$site" .
+    rm -rf "$site"
+    du -sh "$DEST/site.txz"
+fi

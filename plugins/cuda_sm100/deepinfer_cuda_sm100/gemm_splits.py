@@ -11,7 +11,7 @@ tile ``BLOCK_M`` as the tokens and the groups as the keys) timed the candidate c
 (:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.split_candidates`, each a "language" named by its
 count), the fastest is taken, the rule's count kept unless another was faster by more than
 :data:`~deepinfer_cuda_sm100.kernel_choice.MARGIN`.  ``python
-plugins/cuda_sm100/scripts/tl_gemm_splits.py --write-choices`` measures it; precompile compiles
+plugins/cuda_sm100/scripts/bench_gemm_splits.py --write-choices`` measures it; precompile compiles
 the counts the table picks.  Every count gives the contract's result, differing only in the
 order of the fp32 accumulation; the choice depends on static shapes only (graph capturable),
 and the batch-invariant mode never runs this GEMM.
@@ -74,7 +74,7 @@ def precompile_splits(n: int, k: int, sms: int, groups: int, arch: str | None):
 
 
 def every_split(k: int):
-    """``splits_of(block_m)`` listing every candidate count (what ``tl_gemm_splits.py`` times)."""
+    """``splits_of(block_m)`` listing every candidate count (what ``bench_gemm_splits.py`` times)."""
     from deepinfer_cuda_sm100.tl.fp8_gemm import split_candidates
 
     return lambda block_m: list(split_candidates(k))

@@ -4,7 +4,7 @@ warm-up compiles them one after another.
 
     python -m deepinfer_cuda_sm100.tl.precompile [--heads 64] [--dim 512] [--hidden 4096]
         [--inter 2048] [--gemm-shapes 4096x1024,...] [--grouped-shapes 8x4096x1024]
-        [--index-heads 64] [--index-dim 128] [--jobs 8] [--arch 9.0] [--sms 132]
+        [--index-heads 64] [--index-dim 128] [--jobs 8] [--arch 9.0] [--sms 132] [--all-splits]
 
 Compiles ``sparse_attention``'s configurations (plain and packed-FP8 pools, with and without
 a paged source, direct and split-KV; the seesaw kernel's on plain pools) and the split
@@ -19,6 +19,10 @@ projection (``grouped_linear``), and the indexer's scores
 DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
 132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
+
+The FP8 GEMMs are compiled at the K split counts calls run (the measured table's,
+:mod:`deepinfer_cuda_sm100.gemm_splits`, else the plan's rule); ``--all-splits`` at every
+candidate count, which ``plugins/cuda_sm100/scripts/bench_gemm_splits.py`` times.
 
 ``--arch 9.0`` compiles for that compute capability on a machine without such a GPU (the CUDA
 toolkit is enough; :mod:`deepinfer_cuda_sm100.tl.target`), with the PDL prologue where that
@@ -102,7 +106,7 @@ def gemm_configurations(shapes: str, sms: int, grouped: str = "", all_splits: bo
     and of the grouped ``G x K x N`` projections, at the K splits calls run
     (:mod:`deepinfer_cuda_sm100.gemm_splits`: the measured table's for the architecture
     compiled for, else the plan's rule), or at every candidate count (``all_splits``: what
-    ``tl_gemm_splits.py`` times)."""
+    ``bench_gemm_splits.py`` times)."""
     from deepinfer_cuda_sm100.gemm_splits import every_split, precompile_splits, table_arch
     from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
 
@@ -203,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--all-splits",
         action="store_true",
         help="compile the FP8 GEMMs at every K split count, not only those the calls run "
-        "(what tl_gemm_splits.py times)",
+        "(what bench_gemm_splits.py times)",
     )
     p.add_argument(
         "--arch",
