@@ -33,6 +33,7 @@ from deepinfer_cuda_sm100.checks import (
     shape_is,
 )
 from deepinfer_cuda_sm100.compressor_ops import MAX_ENTRY_DIM, WINDOW_OPS
+from deepinfer_cuda_sm100.embedding_ops import EMBEDDING_OPS
 from deepinfer_cuda_sm100.mhc_checks import mhc_supports
 from deepinfer_cuda_sm100.moe_ops import MOE_OPS
 from deepinfer_cuda_sm100.plan_ops import PLAN_OPS
@@ -86,6 +87,7 @@ PROVIDED_OPS = (
     + PLAN_OPS
     + SAMPLING_OPS
     + CACHE_OPS
+    + EMBEDDING_OPS
 )
 """The ops this backend implements (every other op falls back to the reference, logged)."""
 
@@ -357,6 +359,7 @@ def load_ops() -> dict[str, OpImpl]:
     }
     from deepinfer_cuda_sm100.cache_ops import cache_ops
     from deepinfer_cuda_sm100.compressor_ops import compressor_ops
+    from deepinfer_cuda_sm100.embedding_ops import embedding_ops
     from deepinfer_cuda_sm100.moe_ops import moe_ops
     from deepinfer_cuda_sm100.plan_ops import plan_ops
     from deepinfer_cuda_sm100.routing_ops import routing_ops
@@ -371,4 +374,5 @@ def load_ops() -> dict[str, OpImpl]:
         **plan_ops(),
         **sampling_ops(),
         **cache_ops(),
+        **embedding_ops(),
     }
