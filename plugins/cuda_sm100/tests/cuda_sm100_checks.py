@@ -201,6 +201,22 @@ def op_conformance_rows(name: str, op: str, impl: Callable, device: str, dtypes:
     return conformance_rows(BackendSpec(name=name, device_type=device, ops=lambda: {op: impl()}), dtypes)
 
 
+def op_impl(module: str, factory: str, op: str) -> Callable:
+    """``impl()`` giving the ``OpImpl`` of ``op`` from ``deepinfer_cuda_sm100.<module>.<factory>()``
+    (imported at the call: the kernels, and so Triton, only where a test runs them)."""
+    import importlib
+
+    return lambda: getattr(importlib.import_module(f"deepinfer_cuda_sm100.{module}"), factory)()[op]
+
+
+def op_conformance(
+    name: str, op: str, impl: Callable
+) -> Callable[[str, tuple[torch.dtype, ...]], list[dict]]:
+    """``conformance(device, dtypes)``: :func:`op_conformance_rows` of the backend ``name``
+    serving only ``op`` by ``impl()``."""
+    return lambda device, dtypes: op_conformance_rows(name, op, impl, device, dtypes)
+
+
 def conformance_problems(
     rows: list[dict], allowed_skip: str | None = None, core: str = "core's"
 ) -> list[str]:

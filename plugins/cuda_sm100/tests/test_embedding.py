@@ -31,7 +31,7 @@ import cuda_sm100_checks as checks
 import pytest
 import torch
 import torch.nn.functional as F
-from cuda_sm100_checks import compile_problem, failed_rows
+from cuda_sm100_checks import compile_problem
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -39,17 +39,8 @@ OP = "embedding"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _impl():
-    from deepinfer_cuda_sm100.embedding_ops import embedding_ops
-
-    return embedding_ops()[OP]
-
-
-def _conformance(device: str, dtypes: tuple[torch.dtype, ...]) -> list[dict]:
-    """The conformance suite on the op alone, in the default and the batch-invariant mode."""
-    from cuda_sm100_checks import op_conformance_rows
-
-    return op_conformance_rows("cuda_sm100_embedding", OP, _impl, device, dtypes)
+_impl = checks.op_impl("embedding_ops", "embedding_ops", OP)
+_conformance = checks.op_conformance("cuda_sm100_embedding", OP, _impl)  # both modes, the op alone
 
 
 def _table(vocab: int, width: int, dtype: torch.dtype, device: str) -> torch.Tensor:
@@ -185,17 +176,10 @@ needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend run
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_gpu_conformance(dtype):
-    rows = _conformance("cuda", (dtype,))
-    assert any(r["own"] and r["status"] == "passed" for r in rows)
-    bad = failed_rows(rows)
-    assert not bad, "\n".join(bad)
-
-
-@needs_cuda
-def test_gpu_edges():
-    problems = edge_problems("cuda")
+def test_gpu_conformance_and_edges():
+    """The kernel's own and the core's cases in fp32 and bf16, both modes; the edges."""
+    problems = checks.conformance_problems(_conformance("cuda", (torch.float32, torch.bfloat16)))
+    problems += edge_problems("cuda")
     assert not problems, "\n".join(problems)
 
 
