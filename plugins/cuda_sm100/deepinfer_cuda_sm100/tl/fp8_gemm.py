@@ -38,7 +38,8 @@ kernel).  Only bfloat16 activations are taken.
 
 **Split K.**  When ``N / BLOCK_N`` CTAs do not fill the GPU, K is cut into ``splits`` equal ranges
 of whole 128-blocks (:func:`launch_plan`: the fewest splits that reach the tile kind's CTAs per SM
-target, each range at least :data:`MIN_SPLIT_BLOCKS` blocks); every CTA writes its fp32
+target, each range at least :data:`MIN_SPLIT_BLOCKS` blocks, unless the dispatcher passes the
+count measured fastest at the shape, :mod:`deepinfer_cuda_sm100.gemm_splits`); every CTA writes its fp32
 partial product to a workspace ``[splits, M, N]`` and a second launch (:func:`build_combine`)
 sums the partials in split order and rounds to bf16: deterministic, independent of timing.
 
