@@ -101,19 +101,10 @@ class GraphManager:
         for plan in sorted(plans, key=lambda p: -p.size):
             step = plan.make()
             error = None
-            events: list[str] = []  # the step's overlapped branches' events
             try:
-                with observe_branches(lambda event, branch, seen=events: seen.append(event)):
-                    captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
+                captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step, plan.label)
             except Exception as e:  # an op that cannot be captured: run eagerly, and say so
                 error = f"{type(e).__name__}: {e}"
-                if "fork" in events:  # a chain overlapped: perhaps the second stream, once more on one
-                    turn_off(f"capturing the {plan.label} graph on two streams failed ({error})")
-                    try:
-                        captured.setdefault(plan.family, {})[plan.bucket] = self._capture_step(step)
-                        error = None
-                    except Exception as again:
-                        error = f"{type(again).__name__}: {again}"
             if agree:
                 error = self.agree_captured(error)
             if error is not None:
@@ -122,7 +113,21 @@ class GraphManager:
             self._families.setdefault(name, {}).update(graphs)
         return None
 
-    def _capture_step(self, step: Callable[[], Any]) -> DeviceGraph:
+    def _capture_step(self, step: Callable[[], Any], label: str) -> DeviceGraph:
+        """``step``'s graph; where its capture failed while a chain overlapped (perhaps the second
+        stream), overlap is turned off for the process and the step captured again on one stream
+        (the second failure raised)."""
+        events: list[str] = []  # the step's overlapped branches' events
+        try:
+            with observe_branches(lambda event, branch: events.append(event)):
+                return self._capture_once(step)
+        except Exception as e:
+            if "fork" not in events:
+                raise
+            turn_off(f"capturing the {label} graph on two streams failed ({type(e).__name__}: {e})")
+            return self._capture_once(step)
+
+    def _capture_once(self, step: Callable[[], Any]) -> DeviceGraph:
         """``step`` run once (lazy initialisation, kernel compilation), then captured."""
         step()
         synchronize(self.device)  # (capturing right after a compile can be invalidated)
