@@ -19,8 +19,6 @@ and the batch-invariant mode never runs this GEMM.
 
 from __future__ import annotations
 
-import os
-
 from deepinfer_cuda_sm100 import kernel_choice
 
 SPLITS_OP = "linear_fp8_splits"
@@ -35,19 +33,17 @@ def kind(groups: int) -> str:
     return "w8a16" if groups == 1 else "w8a16-grouped"
 
 
-def table_arch(device=None) -> str | None:
+def table_arch() -> str | None:
     """The architecture whose table decides (``"sm90"``): the one TileLang builds for where
-    ``DEEPINFER_TILELANG_ARCH`` names it (precompile ``--arch``), else ``device``'s (or the current
-    CUDA device's), else ``None`` (no table: the rule)."""
+    ``DEEPINFER_TILELANG_ARCH`` names it (precompile ``--arch``; ``tl.target.target_capability``),
+    else the current CUDA device's, else ``None`` (no table: the rule)."""
     import torch
 
-    from deepinfer_cuda_sm100.tl.target import ARCH_ENV
+    from deepinfer_cuda_sm100.tl.target import target_capability
 
-    given = os.environ.get(ARCH_ENV, "").strip()
-    if given:
-        return "sm" + given.replace(".", "")
-    if device is not None and device.type == "cuda":
-        return kernel_choice.device_arch(device)
+    capability = target_capability()
+    if capability is not None:
+        return "sm{}{}".format(*capability)
     return kernel_choice.device_arch(torch.device("cuda")) if torch.cuda.is_available() else None
 
 
@@ -65,16 +61,3 @@ def measured_splits(m: int, n: int, k: int, sms: int, groups: int, arch: str | N
     key = (SPLITS_OP, kind(groups), DTYPE, n, k, plan.block_m, groups)
     chosen = kernel_choice.choose(*key, arch, available, default=rule)
     return None if chosen == rule else int(chosen)
-
-
-def precompile_splits(n: int, k: int, sms: int, groups: int, arch: str | None):
-    """``splits_of(block_m)`` for :func:`~deepinfer_cuda_sm100.tl.fp8_gemm.configurations`: the
-    count calls of that token tile run (the table's where it picks one, else the rule's)."""
-    return lambda block_m: [measured_splits(block_m, n, k, sms, groups, arch)]
-
-
-def every_split(k: int):
-    """``splits_of(block_m)`` listing every candidate count (what ``bench_gemm_splits.py`` times)."""
-    from deepinfer_cuda_sm100.tl.fp8_gemm import split_candidates
-
-    return lambda block_m: list(split_candidates(k))

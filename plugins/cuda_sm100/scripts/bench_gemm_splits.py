@@ -34,12 +34,6 @@ REPO = Path(__file__).resolve().parents[3]
 TIMING = "mean of the calls replayed in CUDA graphs (bf16 activations)"
 
 
-def weights(shapes: str, grouped: str) -> list[tuple[int, int, int]]:
-    """``(groups, K, N)`` of each ``K x N`` weight and ``G x K x N`` grouped projection."""
-    out = [(1, *(int(v) for v in s.split("x"))) for s in filter(None, shapes.split(","))]
-    return out + [tuple(int(v) for v in s.split("x")) for s in filter(None, grouped.split(","))]
-
-
 def time_counts(groups: int, k: int, n: int, block_m: int, calls: int, replays: int) -> dict:
     """One row: the rule's count and each candidate count's time (us) and largest difference
     from the reference op, at ``M = block_m``."""
@@ -127,12 +121,13 @@ def main() -> None:
         raise SystemExit("needs a CUDA GPU")
     from deepinfer_cuda_sm100.tl import tilelang_problem
     from deepinfer_cuda_sm100.tl.fp8_gemm import BLOCK_MS
+    from deepinfer_cuda_sm100.tl.precompile import weight_shapes
 
     problem = tilelang_problem()
     if problem:
         raise SystemExit(f"the TileLang GEMM cannot run here: {problem}")
     rows = []
-    for groups, k, n in weights(args.shapes, args.grouped):
+    for groups, k, n in weight_shapes(args.shapes, args.grouped):
         for block_m in (bm for bm in BLOCK_MS if bm <= args.max_m):
             rows.append(time_counts(groups, k, n, block_m, args.calls_per_graph, args.replays))
             print_row(rows[-1])

@@ -107,17 +107,26 @@ def gemm_configurations(shapes: str, sms: int, grouped: str = "", all_splits: bo
     (:mod:`deepinfer_cuda_sm100.gemm_splits`: the measured table's for the architecture
     compiled for, else the plan's rule), or at every candidate count (``all_splits``: what
     ``bench_gemm_splits.py`` times)."""
-    from deepinfer_cuda_sm100.gemm_splits import every_split, precompile_splits, table_arch
+    from deepinfer_cuda_sm100.gemm_splits import measured_splits, table_arch
     from deepinfer_cuda_sm100.tl.fp8_gemm import configurations as fp8_configurations
+    from deepinfer_cuda_sm100.tl.fp8_gemm import split_candidates
 
     arch = table_arch()
-    weights = [(1, *(int(v) for v in s.split("x"))) for s in filter(None, shapes.split(","))]
-    weights += [tuple(int(v) for v in s.split("x")) for s in filter(None, grouped.split(","))]
     out = []
-    for g, k, n in weights:
-        splits_of = every_split(k) if all_splits else precompile_splits(g * n, k, sms, g, arch)
+    for g, k, n in weight_shapes(shapes, grouped):
+
+        def splits_of(block_m: int, g=g, k=k, n=n) -> list[int | None]:
+            return split_candidates(k) if all_splits else [measured_splits(block_m, g * n, k, sms, g, arch)]
+
         out += fp8_configurations(g * n, k, sms, groups=g, splits_of=splits_of)
     return list(dict.fromkeys(out))
+
+
+def weight_shapes(shapes: str, grouped: str = "") -> list[tuple[int, int, int]]:
+    """``(groups, K, N)`` of each ``K x N`` weight of ``shapes`` (groups 1) and each ``G x K x N``
+    grouped projection of ``grouped`` (comma-separated; ``""`` for none)."""
+    out = [(1, *(int(v) for v in s.split("x"))) for s in filter(None, shapes.split(","))]
+    return out + [tuple(int(v) for v in s.split("x")) for s in filter(None, grouped.split(","))]
 
 
 def indexer_configurations(heads: int, dim: int) -> list[tuple]:
