@@ -10,8 +10,8 @@ of it.  It runs
   bfloat16 and float16, in the default and the batch-invariant mode;
 - the edges (:func:`edge_problems`): every row bitwise ``F.embedding``'s (signed zeros, NaN and
   infinities copied as they are, the table's first and last rows, repeated ids, int32 and
-  strided ids, a table with a row stride of its own, widths around a column tile, no tokens),
-  and an id outside the table reading nothing (zeros).
+  strided ids, tables with a row stride of their own and column-major, widths around a column
+  tile, no tokens), and an id outside the table reading nothing (zeros).
 
 **Compile** (no GPU needed): the kernel compiles for sm_90 and sm_100 and, with PDL, waits for
 the kernel before it ahead of its first global load.
@@ -82,6 +82,9 @@ def edge_problems(device: str, dtypes: tuple[torch.dtype, ...] = DTYPES) -> list
         ids = torch.tensor([1, 38, 2], device=device)
         if not _same_bits(fn(ids, view), F.embedding(ids, view)):
             problems.append(f"{dtype}: a table with a row stride of its own differs")
+        columns = wide.t().contiguous().t()  # a column stride of 40
+        if not _same_bits(fn(ids, columns), F.embedding(ids, columns)):
+            problems.append(f"{dtype}: a column-major table differs")
         outside = fn(torch.tensor([40, -1, 5], device=device), _table(40, 33, dtype, device))
         if outside[:2].abs().max() != 0 or not _same_bits(outside[2], _table(40, 33, dtype, device)[5]):
             problems.append(f"{dtype}: an id outside the table did not give zeros")

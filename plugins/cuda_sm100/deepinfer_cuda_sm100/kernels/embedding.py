@@ -30,6 +30,7 @@ def _embedding_kernel(
     D,
     stride_i,
     stride_v,
+    stride_d,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -40,7 +41,7 @@ def _embedding_kernel(
     mask = cols < D
     row = tl.load(ids_ptr + t * stride_i).to(tl.int64)
     inside = (row >= 0) & (row < V)
-    vals = tl.load(weight_ptr + row * stride_v + cols, mask=mask & inside, other=0.0)
+    vals = tl.load(weight_ptr + row * stride_v + cols * stride_d, mask=mask & inside, other=0.0)
     tl.store(out_ptr + t * D + cols, vals, mask=mask)
 
 
@@ -52,17 +53,15 @@ def block_d(width: int) -> int:
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Triton ``embedding``: same signature, shapes and bits as the reference.
 
-    ``ids`` ``[T]`` integer token ids (any stride), ``weight`` ``[V, D]`` (a row stride of its
-    own; a non-unit column stride is copied first).  Returns a new contiguous ``[T, D]`` tensor
-    in ``weight``'s dtype."""
-    if weight.stride(-1) != 1:
-        weight = weight.contiguous()
+    ``ids`` ``[T]`` integer token ids and ``weight`` ``[V, D]``, each with any strides (read in
+    place: a table is never copied).  Returns a new contiguous ``[T, D]`` tensor in ``weight``'s
+    dtype."""
     vocab, width = weight.shape
     out = torch.empty((ids.shape[0], width), dtype=weight.dtype, device=weight.device)
     if out.numel() == 0:
         return out
     block = block_d(width)
     _embedding_kernel[(ids.shape[0], cdiv(width, block))](
-        ids, weight, out, vocab, width, ids.stride(0), weight.stride(0), BLOCK_D=block, **pdl_args()
+        ids, weight, out, vocab, width, ids.stride(0), *weight.stride(), BLOCK_D=block, **pdl_args()
     )
     return out
