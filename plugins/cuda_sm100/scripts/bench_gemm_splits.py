@@ -3,7 +3,7 @@
 For each ``K x N`` weight (default: DeepSeek-V4-Flash's, as ``bench_fp8_gemm.py``) and each
 grouped ``G x K x N`` projection, at each token tile ``BLOCK_M`` of
 :data:`~deepinfer_cuda_sm100.tl.fp8_gemm.BLOCK_MS` up to ``--max-m`` (the call's ``M`` equal to
-the tile: its widest call), times the GEMM with its split combine at each candidate count
+the tile: its widest call), times the GEMM with its split sums at each candidate count
 (:func:`~deepinfer_cuda_sm100.tl.fp8_gemm.split_candidates`; CUDA events over a replayed CUDA
 graph of ``--calls-per-graph`` calls) and prints them next to the plan rule's count, with each
 count's largest difference from the reference op (every count is the contract's arithmetic in

@@ -216,16 +216,18 @@ def test_precompile_lists_every_launch_of_the_v4_shapes():
     pdl = tlg.tl_pdl_enabled()
     for m in range(1, 257):  # V4-Flash's o_a: 8 groups of 4096 -> 1024, one launch
         plan = tlg.launch_plan(m, 8 * 1024, 4096, 132)
+        fused = (False, True) if plan.splits > 1 else ()  # the splits summed in the launch
         for kind in tlg.SCALE_KINDS:
-            assert ("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, kind, pdl, 8) in configs
+            key = ("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, kind, pdl, 8, *fused)
+            assert key in configs
     assert {c[3] for c in configs if c[0] == "gemm"} == {16, 32, 64, 128, 256}
     for k, n in V4_SHAPES:
         for m in range(1, 257):
             plan = tlg.launch_plan(m, n, k, 132)
+            fused = (False, True) if plan.splits > 1 else ()  # the splits summed in the launch
             for kind in tlg.SCALE_KINDS:
-                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, 1) in configs
-            if plan.splits > 1:
-                assert ("combine", n, plan.splits, pdl) in configs
+                assert ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, 1, *fused) in configs
+    assert not any(c[0] == "combine" for c in configs)
 
 
 def test_every_precompile_job_binds_to_its_modules_kernel():
@@ -326,6 +328,29 @@ def test_a_grouped_ctas_activation_tile_comes_from_its_groups_inputs(block_m):
     assert all(f"(((int)blockIdx.x) >> {shift}) * 4096)" in load for load in loads), loads
     dense = _lower(("gemm", 8192, 4096, plan.block_m, plan.splits, plan.stages, "ue8m0", False, 1))
     assert all("blockIdx.x" not in load for load in re.findall(r"tma_load\(x_desc, [^;]*;", dense))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("block_m", [16, 256])
+def test_the_fused_split_reduction_lowers_to_a_last_cta_sum_in_split_order(block_m):
+    """``fused``: after its partial's stores every consumer thread fences them GPU-wide, one
+    thread counts the CTA's arrival in the tile's counter (acquire-release), and the CTA that
+    arrives last fences again, sums the ``splits`` partials in a loop over the splits in order,
+    writes ``y`` in bf16 and resets the counter; the partial's stores come before the count."""
+    import re
+
+    src = _lower(("gemm", 4096, 1024, block_m, 4, 2, "ue8m0", True, 1, False, True))
+    body = src[src.index("fp8_gemm_fused_kernel(") :]
+    count = re.search(r"AtomicAddRet\(\(&\(counters\[\(\(int\)blockIdx\.x\)\]\)\), 1, (\d)\)", body)
+    assert count and count.group(1) == "4", "one acquire-release count per CTA in its tile's counter"
+    assert body.index("(ws + ") < body.index("__threadfence();") < count.start()
+    last = body.index("[0] == 3)", count.end())  # the fourth of 4 to arrive
+    assert "__threadfence();" in body[last : last + 200]
+    assert re.search(r"for \(int sp = 0; sp < 4; \+\+sp\)", body[last:]), "the splits summed in order"
+    assert "(y + " in body[last:] and re.search(r"counters\[\(\(int\)blockIdx\.x\)\] = 0;", body[last:])
+    plain = _lower(("gemm", 4096, 1024, block_m, 4, 2, "ue8m0", True, 1))
+    assert "AtomicAddRet" not in plain and "(y + " not in plain
 
 
 @pytest.mark.slow
@@ -463,6 +488,54 @@ def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
             x.copy_(torch.randn(m, k, device="cuda"))
             graph.replay()
             assert torch.equal(y, tlg.linear_fp8(x, w)), f"{k}x{n} M={m}: the replay differs"
+
+
+@pytest.mark.gpu
+def test_gpu_split_sums_in_the_launch_equal_the_combines_bitwise(monkeypatch):
+    """Every K split count of a V4-Flash shape, narrow and wide tiles, dense and grouped: the
+    tile's last CTA summing the partials gives the separate combine's bits; the counters are
+    zero after every launch; on the side stream too; a captured graph replays the same bits."""
+    from deepinfer_cuda_sm100.kernels import split_counters
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import SPLITK_ENV
+
+    from deepinfer_core.ops.overlap import side_stream
+
+    _gpu_ready()
+    g = torch.Generator().manual_seed(9)
+
+    def both(call, x, w, splits):
+        monkeypatch.setenv(SPLITK_ENV, "separate")
+        want = call(x, w, splits=splits)
+        monkeypatch.setenv(SPLITK_ENV, "fused")
+        return call(x, w, splits=splits), want
+
+    for groups, k, n in ((1, 4096, 1024), (1, 2048, 4096), (8, 4096, 1024)):
+        w = _weight(g, groups * n, k, "ue8m0", "cuda")
+        for m in (1, 16, 33, 64, 100, 256):
+            x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16).cuda()
+            for splits in tlg.split_candidates(k)[1:]:
+                if groups == 1:
+                    got, want = both(tlg.linear_fp8, x[:, 0], w, splits)
+                else:
+                    got, want = both(tlg.grouped_linear_fp8, x, w, splits)
+                assert torch.equal(got, want), f"{groups}x{k}x{n} M={m} splits={splits}"
+                assert not any(b.any() for b in split_counters.buffers()), "a counter left set"
+    x = torch.randn(16, 4096, generator=g).to(torch.bfloat16).cuda()
+    w = _weight(g, 1024, 4096, "fp32", "cuda")
+    want = tlg.linear_fp8(x, w, splits=8)
+    stream = side_stream(x.device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        beside = tlg.linear_fp8(x, w, splits=8)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(beside, want)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = tlg.linear_fp8(x, w, splits=8)
+    for _ in range(3):
+        graph.replay()
+    assert torch.equal(y, want) and not any(b.any() for b in split_counters.buffers())
 
 
 @pytest.mark.gpu

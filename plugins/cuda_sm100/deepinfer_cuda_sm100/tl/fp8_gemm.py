@@ -40,8 +40,12 @@ kernel).  Only bfloat16 activations are taken.
 of whole 128-blocks (:func:`launch_plan`: the fewest splits that reach the tile kind's CTAs per SM
 target, each range at least :data:`MIN_SPLIT_BLOCKS` blocks, unless the dispatcher passes the
 count measured fastest at the shape, :mod:`deepinfer_cuda_sm100.gemm_splits`); every CTA writes its fp32
-partial product to a workspace ``[splits, M, N]`` and a second launch (:func:`build_combine`)
-sums the partials in split order and rounds to bf16: deterministic, independent of timing.
+partial product to a workspace ``[splits, M, N]``, counts its arrival in its tile's counter
+(:mod:`deepinfer_cuda_sm100.kernels.split_counters`, shared with the Triton GEMM) and the tile's
+last CTA to arrive sums the partials in split order, rounds to bf16 and resets the counter
+(:func:`fused_reduction`): deterministic, independent of timing and of which CTA comes last.
+With ``DEEPINFER_FP8_SPLITK=separate`` (or a CUDA-graph capture before any eager call made the
+counters) a second launch (:func:`build_combine`) sums them instead, to the same bits.
 
 **The grouped projection** (``grouped_linear``, :func:`grouped_linear_fp8`): the ``[G*N, K]``
 weight is one GEMM of ``G*N`` rows; a CTA's rows lie in one group (``N`` a multiple of 128), and
@@ -55,7 +59,7 @@ block scales (a weight: no kernel of a step writes them) before the wait, so tha
 trip overlaps the tail too, and everything else after it.
 
 Static configurations (compiled once each, TileLang's disk cache keeps them): ``(N, K,
-BLOCK_M, splits, stages, scale kind, pdl, groups)``; ``M`` is dynamic.  The batch-invariant
+BLOCK_M, splits, stages, scale kind, pdl, groups[, wide, fused])``; ``M`` is dynamic.  The batch-invariant
 mode never takes this path (the dispatcher keeps Triton there).
 """
 
@@ -97,6 +101,8 @@ WIDE_CTAS_PER_SM_TARGET = 0.9
 rather than another split's fp32 partials)."""
 COMBINE_N = 128
 """Output columns per CTA of the split combine."""
+REDUCE_ROWS = 16
+"""Token rows a fused split reduction sums at a time (:func:`fused_reduction`)."""
 SCALE_KINDS = ("fp32", "ue8m0")
 
 
@@ -250,10 +256,13 @@ def build_gemm(
     pdl: bool = False,
     groups: int = 1,
     wide: bool = False,
+    fused: bool = False,
 ):
     """The GEMM ``prim_func``: grid ``(N / BLOCK_N, splits)`` (``BLOCK_N`` of the token tile's
     kind, :func:`tile`).  With ``splits == 1`` it writes ``y [M, N]`` (bf16), else its fp32
-    partial to ``ws [splits, M, N]``.  With ``pdl`` it reads its block scales, then runs the PDL
+    partial to ``ws [splits, M, N]``; ``fused`` (with ``splits > 1``): it takes ``y`` and the
+    tile counters ``[N / BLOCK_N]`` (int32, zero) too and each tile's last CTA sums the partials
+    into ``y`` (:func:`fused_reduction`).  With ``pdl`` it reads its block scales, then runs the PDL
     prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before anything else.
 
     ``groups > 1``: the grouped projection (``grouped_linear``): ``x`` is ``[M, groups * K]``
@@ -272,14 +281,11 @@ def build_gemm(
     sdt = "float32" if kind == "fp32" else "uint8"
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
     group_rows = n // groups
+    fused = fused and splits > 1
+    reduce_tile = fused_reduction(n, splits, block_n, block_m, m_dyn)
 
-    @T.prim_func
-    def fp8_gemm(
-        x: T.Tensor((m_dyn, groups * k), "bfloat16"),
-        w: T.Tensor((n, k), "float8_e4m3"),
-        s: T.Tensor((n // SCALE_BLOCK, k // BLOCK_K), sdt),
-        out: T.Tensor(out_shape, out_dtype),
-    ):
+    @T.macro
+    def tiles(x, w, s, out, y, counters):
         with T.Kernel(n // block_n, splits, threads=threads) as (nb, sp):
             if not wide:
                 T.disable_warp_group_reg_alloc()  # two CTAs an SM: no setmaxnreg split
@@ -310,8 +316,67 @@ def build_gemm(
                         out[j, nb * block_n + i] = c_sh[j, i]
                     else:
                         out[sp, j, nb * block_n + i] = c_sh[j, i]
+            if fused:
+                reduce_tile(out, y, counters, nb)
 
-    return fp8_gemm
+    x_t = T.Tensor((m_dyn, groups * k), "bfloat16")
+    w_t = T.Tensor((n, k), "float8_e4m3")
+    s_t = T.Tensor((n // SCALE_BLOCK, k // BLOCK_K), sdt)
+    if not fused:
+
+        @T.prim_func
+        def fp8_gemm(x: x_t, w: w_t, s: s_t, out: T.Tensor(out_shape, out_dtype)):
+            tiles(x, w, s, out, None, None)
+
+        return fp8_gemm
+
+    @T.prim_func
+    def fp8_gemm_fused(
+        x: x_t,
+        w: w_t,
+        s: s_t,
+        ws: T.Tensor(out_shape, out_dtype),
+        y: T.Tensor((m_dyn, n), "bfloat16"),
+        counters: T.Tensor((n // block_n,), "int32"),
+    ):
+        tiles(x, w, s, ws, y, counters)
+
+    return fp8_gemm_fused
+
+
+def fused_reduction(n: int, splits: int, block_n: int, block_m: int, m_dyn):
+    """A TileLang macro ending a split GEMM's CTA (tile ``nb``, its partial stored in ``ws``): the
+    tile's last CTA to arrive (an acquire-release count in ``counters[nb]``) sums the tile's
+    ``splits`` partials in split order, as :func:`build_combine`, in rows of
+    :data:`REDUCE_ROWS`, writes ``y`` and resets the counter to zero for the next launch."""
+    import tilelang.language as T
+
+    rows = min(REDUCE_ROWS, block_m)
+
+    @T.macro
+    def reduce_tile(ws, y, counters, nb):
+        arrived = T.alloc_shared((1,), "int32")
+        T.call_extern("handle", "__threadfence")  # this thread's partial is visible GPU-wide
+        T.sync_threads()
+        if T.get_thread_binding() == 0:
+            arrived[0] = T.atomic_add(counters[nb], 1, memory_order="acq_rel", return_prev=True)
+        T.sync_threads()
+        if arrived[0] == splits - 1:
+            T.call_extern("handle", "__threadfence")  # every split's partial is seen
+            total = T.alloc_fragment((rows, block_n), "float32")
+            for r in T.serial(block_m // rows):
+                T.clear(total)
+                for sp in T.serial(splits):
+                    for j, i in T.Parallel(rows, block_n):
+                        if r * rows + j < m_dyn:
+                            total[j, i] += ws[sp, r * rows + j, nb * block_n + i]
+                for j, i in T.Parallel(rows, block_n):
+                    if r * rows + j < m_dyn:
+                        y[r * rows + j, nb * block_n + i] = T.Cast("bfloat16", total[j, i])
+            if T.get_thread_binding() == 0:
+                counters[nb] = 0
+
+    return reduce_tile
 
 
 def build_combine(n: int, splits: int, pdl: bool = False):
@@ -346,7 +411,7 @@ PASS_CONFIGS: dict = {}
 @functools.cache
 def _kernel(kind: str, *args):
     """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups[,
-    wide])`` or ``("combine", n, splits, pdl)``."""
+    wide[, fused]])`` or ``("combine", n, splits, pdl)``."""
     import tilelang
 
     func = build_gemm(*args) if kind == "gemm" else build_combine(*args)
@@ -366,19 +431,20 @@ def configurations(
     for m in BLOCK_MS:
         for splits in splits_of(m) if splits_of else [None]:
             plan = launch_plan(m, n, k, sms, splits=splits)
+            fused = (False, True) if plan.splits > 1 else ()
             for kind in SCALE_KINDS:
-                out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups))
-            if plan.splits > 1:
-                out.append(("combine", n, plan.splits, pdl))
+                out.append(("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, *fused))
     return list(dict.fromkeys(out))
 
 
 def _gemm(
     x2: torch.Tensor, weight, groups: int, wide: bool = False, splits: int | None = None
 ) -> torch.Tensor:
-    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM and its split combine
+    """``y [M, N]`` of ``x2 [M, groups * K]`` (contiguous) by the GEMM, its K splits summed in
+    the launch (or by the split combine, :data:`~deepinfer_cuda_sm100.kernels.fp8_gemm.SPLITK_ENV`)
     (``wide``: the wide tile kind at every ``M``, :func:`tile`; ``splits``: :func:`launch_plan`'s)."""
-    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count
+    from deepinfer_cuda_sm100.kernels.fp8_gemm import sm_count, split_reduction
+    from deepinfer_cuda_sm100.kernels.split_counters import tile_counters
 
     n, k = weight.data.shape
     if x2.data_ptr() % 16:
@@ -389,13 +455,17 @@ def _gemm(
     scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
     pdl = tl_pdl_enabled()
     wide_args = (True,) if wide and plan.block_m <= NARROW_MAX_M else ()  # the shipped keys otherwise
-    gemm = _kernel("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, *wide_args)
+    key = ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, *wide_args)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if plan.splits == 1:
-        gemm(x2, weight.data, scale, y)
-    else:
-        ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
-        gemm(x2, weight.data, scale, ws)
+        _kernel(*key)(x2, weight.data, scale, y)
+        return y
+    ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
+    counters = tile_counters(x2.device, plan.grid[0]) if split_reduction() == "fused" else None
+    if counters is not None:
+        _kernel(*key[:9], bool(wide_args), True)(x2, weight.data, scale, ws, y, counters[: plan.grid[0]])
+    else:  # DEEPINFER_FP8_SPLITK=separate, or a capture before the counters exist (logged)
+        _kernel(*key)(x2, weight.data, scale, ws)
         _kernel("combine", n, plan.splits, pdl)(ws, y)
     return y
 

@@ -12,7 +12,7 @@ combine, bfloat16, and the FP4
 ``moe_experts`` GEMMs (gate / up and down, every tile height and scale format, one and two
 consumer warpgroups), and the FP8
 ``linear`` GEMM (:mod:`deepinfer_cuda_sm100.tl.fp8_gemm`, ``M <= 256``: every token tile, both
-scale formats, the split combine) of each ``K x N`` weight and each grouped ``G x K x N``
+scale formats, the split sums in the launch) of each ``K x N`` weight and each grouped ``G x K x N``
 projection (``grouped_linear``), and the indexer's scores
 (:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates;
 :mod:`deepinfer_cuda_sm100.tl.indexer_grouped`, several tokens a CTA), for
