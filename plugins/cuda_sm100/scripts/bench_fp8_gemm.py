@@ -164,9 +164,12 @@ def tilelang_call(x: torch.Tensor, w, wide: bool = False) -> Callable | None:
         if x.shape[0] <= MAX_M:
             print(f"  (tilelang: {tilelang_problem() or 'the kernel does not take this call'})")
         return None
+    from deepinfer_cuda_sm100.gemm_dispatch import tilelang_splits
     from deepinfer_cuda_sm100.tl.fp8_gemm import linear_fp8 as tilelang_linear
 
-    return lambda: tilelang_linear(x, w, wide)
+    n, k = w.data.shape
+    splits = None if wide else tilelang_splits(x, x.shape[0], n, k, 1)  # as the dispatcher calls it
+    return lambda: tilelang_linear(x, w, wide, splits=splits)
 
 
 def same_bits(a: Callable | None, b: Callable | None) -> bool | None:
@@ -193,9 +196,11 @@ def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list
             x = torch.randn(m, g, k, device="cuda").to(torch.bfloat16)
             paths = {"triton": grouped_linear_fp8, "cublas": cublas_grouped_linear}
             if tilelang_usable(x, w, g):
+                from deepinfer_cuda_sm100.gemm_dispatch import tilelang_splits
                 from deepinfer_cuda_sm100.tl.fp8_gemm import grouped_linear_fp8 as tilelang_grouped
 
-                paths["tilelang"] = tilelang_grouped
+                splits = tilelang_splits(x, m, g * n, k, g)  # as the dispatcher calls it
+                paths["tilelang"] = lambda x, w, s=splits: tilelang_grouped(x, w, s)
             times = {
                 p: time_graph(lambda i, f=f, x=x, w=w: f(x, w), calls, replays) for p, f in paths.items()
             }
@@ -214,6 +219,36 @@ def grouped_rows(spec: str, tokens: list[int], calls: int, replays: int) -> list
     return rows
 
 
+W8A16_PATHS = ("triton_w8a16", "tilelang", "dequant_cublas")
+"""The paths ``linear``'s table chooses among for a kept FP8 weight (``--write-choices``)."""
+
+
+def chosen_against_scaled_mm(rows: list[dict]) -> dict:
+    """The path the table chooses per row (the fastest of :data:`W8A16_PATHS` that ran: the table
+    ``--write-choices`` writes holds these rows) against cuBLAS's block-scaled FP8 GEMM
+    (``scaled_mm``): printed per row where it is slower, with the smallest ratio and the
+    geometric means; ``{"min": ..., "slower": [[K, N, M, ratio], ...], "geomean": {...}}``."""
+    slower, ratios = [], []
+    for r in rows:
+        times = {p: r[f"{p}_us"] for p in W8A16_PATHS if r.get(f"{p}_us")}
+        if not times or not r.get("scaled_mm_us"):
+            continue
+        path = min(times, key=times.get)
+        r["chosen_path"], r["chosen_us"] = path, times[path]
+        ratio = r["scaled_mm_us"] / times[path]
+        ratios.append(ratio)
+        if ratio < 1.0:
+            slower.append([r["K"], r["N"], r["M"], round(ratio, 3)])
+            print(f"chosen path {path} at {r['K']}x{r['N']} M={r['M']}: {ratio:.2f}x scaled_mm")
+    out = {
+        "min": min(ratios) if ratios else None,
+        "slower": slower,
+        "geomean": speedups(rows, "chosen_us", "chosen path"),
+    }
+    print(f"chosen path vs scaled_mm: smallest {out['min']}, {len(slower)} of {len(ratios)} rows below 1.0x")
+    return out
+
+
 def geomean(values: list[float]) -> float | None:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
@@ -224,7 +259,11 @@ def speedups(rows: list[dict], column: str, name: str) -> dict[str, float | None
     groups = (("all", lambda m: True), ("M<=64", lambda m: m <= 64), ("M>64", lambda m: m > 64))
     out = {
         label: geomean(
-            [r["scaled_mm_us"] / r[column] for r in rows if keep(r["M"]) and r["scaled_mm_us"] and r[column]]
+            [
+                r["scaled_mm_us"] / r[column]
+                for r in rows
+                if keep(r["M"]) and r["scaled_mm_us"] and r.get(column)
+            ]
         )
         for label, keep in groups
     }
@@ -379,6 +418,7 @@ def main() -> None:
     grouped = grouped_rows(args.grouped, tokens, args.calls_per_graph, args.replays)
     ratios = speedups(rows, "triton_w8a16_us", "triton w8a16")
     tl_ratio = speedups(rows, "tilelang_us", "tilelang")
+    chosen = chosen_against_scaled_mm(rows)
     result = {
         **gpu_run_header("cuda_sm100 FP8 block GEMM vs torch._scaled_mm and bf16 matmul"),
         "calls_per_graph": args.calls_per_graph,
@@ -387,6 +427,7 @@ def main() -> None:
         "sms": sm_count(torch.device("cuda")),
         "geomean_scaled_mm_over_triton_w8a16": ratios,
         "geomean_scaled_mm_over_tilelang": tl_ratio,
+        "chosen_w8a16_over_scaled_mm": chosen,
         "rows": rows,
         "grouped_rows": grouped,
     }
