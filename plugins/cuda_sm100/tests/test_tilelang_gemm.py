@@ -492,9 +492,10 @@ def test_gpu_tilelang_gemm_replays_in_a_cuda_graph_bitwise():
 
 @pytest.mark.gpu
 def test_gpu_split_sums_in_the_launch_equal_the_combines_bitwise(monkeypatch):
-    """Every K split count of a V4-Flash shape, narrow and wide tiles, dense and grouped: the
+    """V4-Flash shapes at several K split counts, narrow and wide tiles, dense and grouped: the
     tile's last CTA summing the partials gives the separate combine's bits; the counters are
-    zero after every launch; on the side stream too; a captured graph replays the same bits."""
+    zero after every launch; on the side stream too; a captured graph replays the same bits.
+    (The separate launches are compiled here: a few cases keep that short.)"""
     from deepinfer_cuda_sm100.kernels import split_counters
     from deepinfer_cuda_sm100.kernels.fp8_gemm import SPLITK_ENV
 
@@ -509,11 +510,12 @@ def test_gpu_split_sums_in_the_launch_equal_the_combines_bitwise(monkeypatch):
         monkeypatch.setenv(SPLITK_ENV, "fused")
         return call(x, w, splits=splits), want
 
-    for groups, k, n in ((1, 4096, 1024), (1, 2048, 4096), (8, 4096, 1024)):
+    cases = ((1, 4096, 1024, (1, 64, 256), (2, 8)), (8, 4096, 1024, (16,), (4,)))
+    for groups, k, n, tokens, counts in cases:
         w = _weight(g, groups * n, k, "ue8m0", "cuda")
-        for m in (1, 16, 33, 64, 100, 256):
+        for m in tokens:
             x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16).cuda()
-            for splits in tlg.split_candidates(k)[1:]:
+            for splits in counts:
                 if groups == 1:
                     got, want = both(tlg.linear_fp8, x[:, 0], w, splits)
                 else:
