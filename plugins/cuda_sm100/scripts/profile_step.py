@@ -27,6 +27,12 @@ functions taking the most host time per step (cumulative; :mod:`cProfile` slows 
 so these are upper bounds).  When the host's own time exceeds the device's busy time, async
 scheduling cannot hide it and the device idles.
 
+``--gaps N`` lists where the device idles: each idle interval (no activity on any stream) is
+charged to the pair of activities around it (the last to finish before it, the first to start
+after it; ``stream:kernel``), summed per step over the profiled steps, the ``N`` largest pairs
+printed (JSON: ``idle_gaps``).  A pair that recurs once a layer points at a launch or a
+cross-stream dependency (a fork or a join of a block's chains) the step waits on.
+
 ``--sites N`` then runs the same number of steps once more without the profiler and lists the
 ``N`` source lines of DeepInfer that call the most PyTorch operators per step (views and
 allocations left out): each such operator is a kernel launch on a GPU, the launches a fused op
@@ -92,9 +98,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sites", type=int, default=0, help="also list the N source lines calling the most operators"
     )
     p.add_argument("--host", type=int, default=0, help="also list the N functions taking the most host time")
+    p.add_argument(
+        "--gaps",
+        type=int,
+        default=0,
+        help="also list the N pairs of kernels around the most device idle time",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     a = p.parse_args(argv)
-    for flag, what in (("sites", "source lines"), ("host", "functions")):
+    for flag, what in (("sites", "source lines"), ("host", "functions"), ("gaps", "pairs")):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: give a count of {what} >= 0")
     return a
@@ -256,6 +268,34 @@ def stream_activity(prof: profile, steps: int) -> dict[str, dict[str, float]]:
     }
 
 
+def device_events(prof: profile) -> list[tuple[float, float, str, str]]:
+    """Every CUDA activity of the profile: ``(start us, end us, stream, name)``, by start."""
+    return sorted(
+        (e.start_ns() / 1e3, e.end_ns() / 1e3, str(e.device_resource_id()), e.name())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == torch.autograd.DeviceType.CUDA
+    )
+
+
+def idle_gaps(events: list[tuple[float, float, str, str]], steps: int) -> list[dict]:
+    """The device's idle time (no activity on any stream) per step, by the pair of activities
+    around each idle interval: the one whose end it follows (the last to finish) and the one
+    whose start ends it; largest total first, each ``{"after", "before", "us_per_step",
+    "gaps_per_step"}`` (names as ``stream:kernel``)."""
+    pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    reach, last = None, None
+    for start, end, stream, name in sorted(events):
+        if reach is not None and start > reach:
+            pairs[(last, f"{stream}:{name}")].append(start - reach)
+        if reach is None or end > reach:
+            reach, last = end, f"{stream}:{name}"
+    rows = [
+        {"after": a, "before": b, "us_per_step": sum(g) / steps, "gaps_per_step": len(g) / steps}
+        for (a, b), g in pairs.items()
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
 def breakdown(
     prof: profile, steps: int, device: bool
 ) -> tuple[dict[str, float], list[tuple[str, float]], dict[str, float]]:
@@ -318,6 +358,13 @@ def main(argv: list[str] | None = None) -> dict:
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
         "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
+    if a.gaps and device:
+        gaps = idle_gaps(device_events(prof), steps)
+        print(f"device idle per step by the kernels around it (the {a.gaps} largest of {len(gaps)} pairs):")
+        for g in gaps[: a.gaps]:
+            pair = f"{g['after'][:60]}  ->  {g['before'][:60]}"
+            print(f"  {g['us_per_step']:7.2f} us  x{g['gaps_per_step']:4.1f}  {pair}")
+        report["idle_gaps"] = gaps[: max(a.gaps, 50)]
     if a.host:
         left -= steps
         host_steps = min(a.steps, left // 2)  # the plain pass, then the profiled one

@@ -58,6 +58,25 @@ def test_active_time_counts_overlapping_kernels_once(intervals, length):
     assert _module().union_length(intervals) == pytest.approx(length)
 
 
+def test_idle_gaps_charge_each_idle_interval_to_the_kernels_around_it():
+    """Two steps of three kernels on two streams: an idle interval is charged to the activity
+    that finished last before it and the one that starts after it; the idle time per step
+    adds up to the span less the active time (the union of the intervals)."""
+    mod = _module()
+    step = [(0, 10, "7", "a"), (2, 14, "9", "side"), (16, 20, "7", "b"), (23, 30, "7", "c")]
+    events = step + [(t0 + 100, t1 + 100, s, n) for t0, t1, s, n in step]
+    gaps = mod.idle_gaps(events, steps=2)
+    by_pair = {(g["after"], g["before"]): g for g in gaps}
+    assert by_pair[("9:side", "7:b")]["us_per_step"] == pytest.approx(2)  # the side stream ended last
+    assert by_pair[("7:b", "7:c")]["us_per_step"] == pytest.approx(3)
+    between_steps = {"after": "7:c", "before": "7:a", "us_per_step": 35, "gaps_per_step": 0.5}
+    assert by_pair[("7:c", "7:a")] == between_steps
+    assert [g["us_per_step"] for g in gaps] == sorted((g["us_per_step"] for g in gaps), reverse=True)
+    span = events[-1][1] - events[0][0]
+    idle = sum(g["us_per_step"] * 2 for g in gaps)
+    assert idle == pytest.approx(span - mod.union_length([(a, b) for a, b, _, _ in events]))
+
+
 @pytest.mark.slow
 def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     out = tmp_path / "p.json"
