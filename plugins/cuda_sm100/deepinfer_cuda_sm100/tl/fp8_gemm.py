@@ -282,7 +282,7 @@ def build_gemm(
     out_shape, out_dtype = ((m_dyn, n), "bfloat16") if splits == 1 else ((splits, m_dyn, n), "float32")
     group_rows = n // groups
     fused = fused and splits > 1
-    reduce_tile = fused_reduction(n, splits, block_n, block_m, m_dyn)
+    reduce_tile = fused_reduction(splits, block_n, block_m, m_dyn)
 
     @T.macro
     def tiles(x, w, s, out, y, counters):
@@ -344,7 +344,7 @@ def build_gemm(
     return fp8_gemm_fused
 
 
-def fused_reduction(n: int, splits: int, block_n: int, block_m: int, m_dyn):
+def fused_reduction(splits: int, block_n: int, block_m: int, m_dyn):
     """A TileLang macro ending a split GEMM's CTA (tile ``nb``, its partial stored in ``ws``): the
     tile's last CTA to arrive (an acquire-release count in ``counters[nb]``) sums the tile's
     ``splits`` partials in split order, as :func:`build_combine`, in rows of
