@@ -10,8 +10,9 @@ overhead is excluded):
   has it, else ``torch._scaled_mm``; 1x128 activation scales, 128x128 weight scales: Hopper
   only) on pre-quantised FP8 activations (the GEMM alone; ``None`` where no configuration
   runs, with every error printed in full);
-* ``tilelang``: the TileLang GEMM (``M <= 256``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`;
-  ``None`` where TileLang cannot compile here or the kernel refuses the call);
+* ``tilelang``: the TileLang GEMM (``M <= 256``, :mod:`deepinfer_cuda_sm100.tl.fp8_gemm`) at
+  the K split count the dispatcher passes (the measured table's, ``bench_gemm_splits.py``, else
+  the plan's rule); ``None`` where TileLang cannot compile here or the kernel refuses the call;
 * ``tilelang wide`` (``M <= 64``): the same GEMM with the wide tile kind (128 weight rows, two
   consumer warpgroups sharing each activation tile) where the shipped plan takes narrow tiles;
   a probe, not a table path (its bits against ``tilelang``'s are in the JSON);
@@ -31,8 +32,10 @@ ran), the two W8A8 paths' and the grouped paths' times per shape and M into the 
 the backend chooses by.
 
 Prints a table (us per call, TB/s of weight bytes read, TFLOP/s), the geometric mean of
-scaled_mm's time over Triton's W8A16 and over TileLang's (all points, M <= 64, M > 64) and
-writes JSON (default
+scaled_mm's time over Triton's W8A16 and over TileLang's (all points, M <= 64, M > 64), and the
+chosen W8A16 path (per row the fastest of Triton, TileLang and dequantise + cuBLAS: what the
+table written by ``--write-choices`` picks) against scaled_mm: each row where it is slower, the
+smallest ratio and the geometric means (JSON ``chosen_w8a16_over_scaled_mm``); writes JSON (default
 ``benchmarks/results/bench_fp8_gemm.json`` at the repository root).
 
 ``--sweep``: for each shape at each decode M (<= 64) also time a grid of decode launches
