@@ -1,5 +1,6 @@
-"""Tile counters of the split-K GEMM whose last program of a tile sums the splits' partials in the
-same launch (the Triton FP8 GEMM, :mod:`~deepinfer_cuda_sm100.kernels.fp8_gemm`).
+"""Tile counters of the split-K GEMMs whose last program (CTA) of a tile sums the splits' partials
+in the same launch (the Triton FP8 GEMM, :mod:`~deepinfer_cuda_sm100.kernels.fp8_gemm`, and the
+TileLang FP8 GEMM, :mod:`~deepinfer_cuda_sm100.tl.fp8_gemm`).
 
 A launch counts each program in its tile's counter and the last one resets it, so every launch
 leaves the counters at zero and consecutive launches in one stream share one buffer:
