@@ -521,6 +521,7 @@ def test_gpu_split_sums_in_the_launch_equal_the_combines_bitwise(monkeypatch):
                 else:
                     got, want = both(tlg.grouped_linear_fp8, x, w, splits)
                 assert torch.equal(got, want), f"{groups}x{k}x{n} M={m} splits={splits}"
+                assert split_counters.buffers(), "the in-launch sums took no counters: they did not run"
                 assert not any(b.any() for b in split_counters.buffers()), "a counter left set"
     x = torch.randn(16, 4096, generator=g).to(torch.bfloat16).cuda()
     w = _weight(g, 1024, 4096, "fp32", "cuda")
