@@ -254,20 +254,6 @@ def device_intervals(prof: profile, kind=torch.autograd.DeviceType.CUDA) -> list
     ]
 
 
-def stream_activity(prof: profile, steps: int) -> dict[str, dict[str, float]]:
-    """Per CUDA stream (the profiler's resource id): activities and the union of their intervals
-    (ms) per step; with two streams (a block's chains overlapped, ``DEEPINFER_STREAM_OVERLAP``)
-    the streams' active times add up to more than the device's."""
-    per: dict[int, list[tuple[float, float]]] = defaultdict(list)
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() == torch.autograd.DeviceType.CUDA:
-            per[e.device_resource_id()].append((e.start_ns() / 1e3, e.end_ns() / 1e3))
-    return {
-        str(stream): {"activities": len(iv) / steps, "active_ms": union_length(iv) / steps / 1e3}
-        for stream, iv in sorted(per.items(), key=lambda kv: -len(kv[1]))
-    }
-
-
 def device_events(prof: profile) -> list[tuple[float, float, str, str]]:
     """Every CUDA activity of the profile: ``(start us, end us, stream, name)``, by start."""
     return sorted(
@@ -275,6 +261,19 @@ def device_events(prof: profile) -> list[tuple[float, float, str, str]]:
         for e in prof.profiler.kineto_results.events()
         if e.device_type() == torch.autograd.DeviceType.CUDA
     )
+
+
+def stream_activity(events: list[tuple[float, float, str, str]], steps: int) -> dict[str, dict[str, float]]:
+    """Per CUDA stream (the profiler's resource id) of :func:`device_events`: activities and the
+    union of their intervals (ms) per step; with two streams (a block's chains overlapped,
+    ``DEEPINFER_STREAM_OVERLAP``) the streams' active times add up to more than the device's."""
+    per: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for start, end, stream, _ in events:
+        per[stream].append((start, end))
+    return {
+        stream: {"activities": len(iv) / steps, "active_ms": union_length(iv) / steps / 1e3}
+        for stream, iv in sorted(per.items(), key=lambda kv: -len(kv[1]))
+    }
 
 
 def idle_gaps(events: list[tuple[float, float, str, str]], steps: int) -> list[dict]:
@@ -331,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict:
         + (f", active {active / 1e3:.3f} ms, idle {wall * 1e3 - active / 1e3:.3f} ms" if device else "")
         + f"; {launches:.0f} {'launches' if device else 'operator calls'} per step"
     )
-    streams = stream_activity(prof, steps) if device else {}
+    events = device_events(prof) if device else []
+    streams = stream_activity(events, steps)
     if len(streams) > 1:
         print(
             "streams (activities, active ms per step): "
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
     if a.gaps and device:
-        gaps = idle_gaps(device_events(prof), steps)
+        gaps = idle_gaps(events, steps)
         print(f"device idle per step by the kernels around it (the {a.gaps} largest of {len(gaps)} pairs):")
         for g in gaps[: a.gaps]:
             pair = f"{g['after'][:60]}  ->  {g['before'][:60]}"

@@ -455,17 +455,17 @@ def _gemm(
     scale = weight.scale if kind == "fp32" else weight.scale.view(torch.uint8)
     pdl = tl_pdl_enabled()
     wide_args = (True,) if wide and plan.block_m <= NARROW_MAX_M else ()  # the shipped keys otherwise
-    key = ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups, *wide_args)
+    key = ("gemm", n, k, plan.block_m, plan.splits, plan.stages, kind, pdl, groups)
     y = torch.empty(m, n, device=x2.device, dtype=x2.dtype)
     if plan.splits == 1:
-        _kernel(*key)(x2, weight.data, scale, y)
+        _kernel(*key, *wide_args)(x2, weight.data, scale, y)
         return y
     ws = torch.empty(plan.splits, m, n, device=x2.device, dtype=torch.float32)
     counters = tile_counters(x2.device, plan.grid[0]) if split_reduction() == "fused" else None
     if counters is not None:
-        _kernel(*key[:9], bool(wide_args), True)(x2, weight.data, scale, ws, y, counters[: plan.grid[0]])
+        _kernel(*key, bool(wide_args), True)(x2, weight.data, scale, ws, y, counters[: plan.grid[0]])
     else:  # DEEPINFER_FP8_SPLITK=separate, or a capture before the counters exist (logged)
-        _kernel(*key)(x2, weight.data, scale, ws)
+        _kernel(*key, *wide_args)(x2, weight.data, scale, ws)
         _kernel("combine", n, plan.splits, pdl)(ws, y)
     return y
 
