@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_core.ops.modes import batch_invariant_enabled
+from deepinfer_core.weights.quant import QuantizedTensor
 from deepinfer_cuda_sm100 import kernel_choice, tl
 
 OP = "linear_fp8"
@@ -170,6 +171,10 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
     """The op: the path :func:`choose_path` picks, ``triton_fn`` for ``"triton"``."""
 
     def linear(x, weight) -> torch.Tensor:
+        if not isinstance(weight, QuantizedTensor):  # ``supports`` let only the GEMV's through
+            from deepinfer_cuda_sm100.kernels.gemv import dense_linear
+
+            return dense_linear(x, weight)
         path = choose_path(x, weight)
         if path == "cublas":
             return cublas_linear(x, weight)
@@ -184,5 +189,8 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
             return linear_fp8(x, weight, splits=tilelang_splits(x, x.numel() // k, n, k, 1))
         return triton_fn(x, weight)
 
-    linear.__doc__ = f"Dispatcher over the FP8 block GEMM and the cuBLAS paths.\n\n{__doc__}"
+    linear.__doc__ = (
+        "Dispatcher over the FP8 block GEMM and the cuBLAS paths; a plain weight takes the dense GEMV "
+        f"(kernels.gemv).\n\n{__doc__}"
+    )
     return linear

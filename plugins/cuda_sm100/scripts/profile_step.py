@@ -33,6 +33,9 @@ after it; ``stream:kernel``), summed per step over the profiled steps, the ``N``
 printed (JSON: ``idle_gaps``).  A pair that recurs once a layer points at a launch or a
 cross-stream dependency (a fork or a join of a block's chains) the step waits on.
 
+``--trace PATH`` writes the profiled steps as a Chrome trace (``chrome://tracing``, Perfetto):
+every kernel with its stream, start and end, and the host's operators and CUDA API calls.
+
 ``--sites N`` then runs the same number of steps once more without the profiler and lists the
 ``N`` source lines of DeepInfer that call the most PyTorch operators per step (views and
 allocations left out): each such operator is a kernel launch on a GPU, the launches a fused op
@@ -104,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0,
         help="also list the N pairs of kernels around the most device idle time",
     )
+    p.add_argument("--trace", type=Path, help="also write the profiled steps as a Chrome trace (JSON)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     a = p.parse_args(argv)
     for flag, what in (("sites", "source lines"), ("host", "functions"), ("gaps", "pairs")):
@@ -330,6 +334,10 @@ def main(argv: list[str] | None = None) -> dict:
         + (f", active {active / 1e3:.3f} ms, idle {wall * 1e3 - active / 1e3:.3f} ms" if device else "")
         + f"; {launches:.0f} {'launches' if device else 'operator calls'} per step"
     )
+    if a.trace:
+        a.trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(a.trace))
+        print(f"wrote the trace to {a.trace}")
     events = device_events(prof) if device else []
     streams = stream_activity(events, steps)
     if len(streams) > 1:
