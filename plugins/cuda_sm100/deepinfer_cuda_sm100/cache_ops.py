@@ -41,6 +41,9 @@ CACHE_OPS = ("cache_write",)
 """The ops :func:`cache_ops` provides."""
 KERNEL_POOLS = (Fp8KVPool, BlockScaledKVPool)
 """The packed pools the kernels write (V4's FP8 rows; V4.1's block-scaled formats)."""
+REFERENCE_POOL_REFUSAL = "pools are written by the reference"
+"""In ``supports``' reason for a packed pool of another format (e.g. the NPU backend's per-tile
+FP8 rows): the reference writes it."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ def make_supports(interpreted: bool) -> Callable[..., Verdict]:
 
     def cache_write(cache, rows, values) -> Verdict:
         if isinstance(cache, PackedKVPool) and not isinstance(cache, KERNEL_POOLS):
-            return f"{type(cache).__name__} pools are written by the reference"
+            return f"{type(cache).__name__} {REFERENCE_POOL_REFUSAL}"
         packed = isinstance(cache, KERNEL_POOLS)
         target = cache.data if packed else cache
         problem = device_problem(interpreted, [("cache", target), ("rows", rows), ("values", values)])
