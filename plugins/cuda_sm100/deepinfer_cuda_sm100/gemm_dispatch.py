@@ -55,6 +55,12 @@ V4_FLASH_SHAPES = "4096x1536,1024x32768,1024x8192,8192x4096,4096x4096,2048x4096,
 fused, ``q_b``, the indexer's ``q_b``, ``o_b``, the shared expert's gate + up fused and its
 down), then the unfused ``q_a``, ``kv`` and gate: the shapes the shipped table measures
 (``bench_fp8_gemm.py``) and the TileLang GEMMs precompiled (``tl.precompile``)."""
+DENSE_OP = "linear_dense"
+"""The op name of the plain-weight points in the measured table: ``cublas`` (the reference's
+``F.linear``, the default) against the dense GEMV (``triton``, :mod:`~deepinfer_cuda_sm100.
+kernels.gemv`), keyed by the weight's ``N`` (``heads``) and ``K`` (``head_dim``, ``keys``) and
+the call's rows (``tokens``); ``bench_dense_gemv.py --write-choices`` measures them."""
+DENSE_PATHS = frozenset({"cublas", "triton"})
 V4_FLASH_GROUPED = "8x4096x1024"
 """``G x K x N`` of V4-Flash's grouped output projection ``o_a`` (8 groups of 4096 -> 1024)."""
 GROUPED_OP = "grouped_linear_fp8"
@@ -67,6 +73,25 @@ PATHS = {
 }
 """The paths of each math."""
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def dense_refusal(x: torch.Tensor, weight: torch.Tensor, interpreted: bool) -> str | None:
+    """``None`` when ``linear(x, weight)`` on a plain weight takes the dense GEMV: the kernel can
+    take the call (:func:`~deepinfer_cuda_sm100.kernels.gemv.gemv_problem`) and the measured table
+    (op :data:`DENSE_OP`) found it faster than cuBLAS at this weight and the nearest measured rows
+    (by the table's margin); else why not.  Under Triton's interpreter the shipped SM90 table
+    decides.  Shapes only: a captured graph replays what it captured."""
+    from deepinfer_cuda_sm100.kernels.gemv import gemv_problem
+
+    problem = gemv_problem(x, weight, interpreted)
+    if problem:
+        return problem
+    n, k = weight.shape
+    arch = "sm90" if interpreted else kernel_choice.device_arch(x.device)
+    key = (DENSE_OP, "w16", _DTYPES[x.dtype], n, k, x.numel() // k, k, arch, DENSE_PATHS)
+    if kernel_choice.choose(*key, default="cublas") != "triton":
+        return f"{n}x{k} at {x.numel() // k} rows: cuBLAS, as measured (or unmeasured) here"
+    return None
 
 
 def tilelang_usable(x: torch.Tensor, weight, groups: int = 0) -> bool:
@@ -172,6 +197,7 @@ def make_linear(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
     def linear(x, weight) -> torch.Tensor:
         if not isinstance(weight, QuantizedTensor):  # ``supports`` let only the GEMV's through
+            # (dense_refusal)
             from deepinfer_cuda_sm100.kernels.gemv import dense_linear
 
             return dense_linear(x, weight)

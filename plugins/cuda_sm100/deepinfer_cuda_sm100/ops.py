@@ -93,8 +93,8 @@ PROVIDED_OPS = (
 
 PLAIN_WEIGHT_REFUSAL = "plain tensor weight: cuBLAS (the reference) runs dense GEMMs"
 """``linear``'s reason for a plain-tensor weight the dense GEMV does not take
-(:func:`deepinfer_cuda_sm100.kernels.gemv.gemv_problem`: the LM head's class of wide weights at
-decode widths is taken; the rest is the reference's cuBLAS GEMM)."""
+(:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal`: where the measured table found it
+faster, e.g. the LM head at decode widths; the rest is the reference's cuBLAS GEMM)."""
 
 
 def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
@@ -244,9 +244,9 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         from deepinfer_core.weights.quant import FP8_DTYPE, QuantizedTensor
 
         if not isinstance(weight, QuantizedTensor):
-            from deepinfer_cuda_sm100.kernels.gemv import gemv_problem
+            from deepinfer_cuda_sm100.gemm_dispatch import dense_refusal
 
-            return PLAIN_WEIGHT_REFUSAL if gemv_problem(x, weight, interpreted) else True
+            return PLAIN_WEIGHT_REFUSAL if dense_refusal(x, weight, interpreted) else True
         if weight.fmt != "fp8" or tuple(weight.block) != (128, 128):
             return f"weight is a {weight.fmt} QuantizedTensor with block {weight.block}: needs fp8 128x128"
         dev = device_checks(interpreted, x=x, weight=weight.data, scale=weight.scale)
@@ -273,9 +273,9 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         from deepinfer_core.weights.quant import QuantizedTensor
 
         if not isinstance(weight, QuantizedTensor):
-            from deepinfer_cuda_sm100.kernels.gemv import gemv_problem
+            from deepinfer_cuda_sm100.gemm_dispatch import dense_refusal
 
-            return PLAIN_WEIGHT_REFUSAL if gemv_problem(x, weight, interpreted) else True
+            return PLAIN_WEIGHT_REFUSAL if dense_refusal(x, weight, interpreted) else True
         if x.dim() != 3:
             return f"x has {x.dim()} dims, expected [T, G, K]"
         ok = linear(x[:, 0], weight)

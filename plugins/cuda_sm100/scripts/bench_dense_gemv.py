@@ -1,10 +1,14 @@
 """``linear`` on a plain bf16 weight at decode widths: the dense GEMV
 (:mod:`deepinfer_cuda_sm100.kernels.gemv`) against cuBLAS (``F.linear``, the reference's path).
 
-For each ``N x K`` weight (default V4-Flash's LM head, ``129280 x 4096``) and token count ``M``,
-µs per call (CUDA graphs, :func:`graph_timing.time_graph`) and the weight's read rate in TB/s,
-with the largest difference from a float32 product.  ``--sweep`` also times each kernel over
-block sizes, warps and stages (the kernel's defaults are the fastest of this sweep on an H100).
+For each ``N x K`` weight (default V4-Flash's plain bf16 weights: the LM head, the compressors'
+fused ``kv`` + ``gate`` projections of the CSA and HCA layers and of the indexer, the router at
+256 and 64 experts, the indexer's head weights) and token count ``M``, µs per call (CUDA graphs,
+:func:`graph_timing.time_graph`) and the weight's read rate in TB/s, with the largest difference
+from a float32 product.  ``--sweep`` also times each kernel over block sizes, warps and stages
+(the kernel's defaults are the fastest of this sweep on an H100 at the head).  ``--write-choices``
+writes the ``linear_dense`` points of the measured table, from which ``linear`` on a plain weight
+takes the GEMV where it was faster (:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal`).
 
     python plugins/cuda_sm100/scripts/bench_dense_gemv.py [--shapes 129280x4096] [--m 1,4,16] [--sweep]
 """
@@ -16,6 +20,7 @@ import itertools
 import json
 from pathlib import Path
 
+import choice_writers
 import torch
 import torch.nn.functional as F
 import triton
@@ -23,6 +28,8 @@ from deepinfer_cuda_sm100.kernels import gemv as kg
 from graph_timing import gpu_run_header, time_graph
 
 CALLS, REPLAYS = 4, 20
+V4_FLASH_PLAIN = "129280x4096,2048x4096,1024x4096,512x4096,256x4096,64x4096"
+"""``N x K`` of V4-Flash's plain bf16 linears (see the module docstring)."""
 
 
 def sweep_launches(m: int):
@@ -94,9 +101,12 @@ def measure(n: int, k: int, m: int, sweep: bool) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="129280x4096", help="N x K weights, comma-separated")
+    ap.add_argument("--shapes", default=V4_FLASH_PLAIN, help="N x K weights, comma-separated")
     ap.add_argument("--m", default="1,4,16", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' block sizes, warps, stages")
+    ap.add_argument(
+        "--write-choices", action="store_true", help="write the measured table's linear_dense points"
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_dense_gemv.json"))
     a = ap.parse_args()
     results = []
@@ -112,6 +122,8 @@ def main() -> None:
                 extra = {key: r[key] for key in ("block_n", "block_k", "warps", "stages") if key in r}
                 rate = f"{r['us']:8.1f} us {r['tb_s']:6.3f} TB/s err {r['err']:.3g}"
                 print(f"{n}x{k} M={m:3d} {r['path']:<11} {rate} {extra}")
+    if a.write_choices:
+        print(f"wrote {choice_writers.write_dense_choices(results)}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(gpu_run_header("bench_dense_gemv") | {"results": results}, indent=1))
     print(f"wrote {a.out}")

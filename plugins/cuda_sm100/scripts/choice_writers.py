@@ -132,6 +132,32 @@ def write_score_choices(rows: list[dict]) -> Path | None:
     return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang"))
 
 
+def dense_points(rows: list[dict]) -> list[dict]:
+    """``bench_dense_gemv.py``'s rows as ``linear_dense`` points (dicts of
+    :class:`~deepinfer_cuda_sm100.kernel_choice.Point`'s fields): per (N x K, M) cuBLAS
+    (``cublas``) and the dense GEMV (``triton``) in ms, bf16 weights; a shape that lacks either
+    (the GEMV refused it, a timing failed) is no point, and the sweep's rows are no path."""
+    from deepinfer_cuda_sm100.gemm_dispatch import DENSE_OP
+
+    by_shape: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r["path"] in ("cublas", "gemv"):
+            path = "triton" if r["path"] == "gemv" else "cublas"
+            by_shape.setdefault((r["n"], r["k"], r["m"]), {})[path] = round(r["us"] / 1e3, 5)
+    return [
+        {"op": DENSE_OP, "kind": "w16", "dtype": "bfloat16", "heads": n, "head_dim": k,
+         "tokens": m, "keys": k, "ms": ms}
+        for (n, k, m), ms in by_shape.items()
+        if len(ms) == 2
+    ]  # fmt: skip
+
+
+def write_dense_choices(rows: list[dict]) -> Path:
+    """:func:`dense_points` merged into this GPU's measured table."""
+    command = "python plugins/cuda_sm100/scripts/bench_dense_gemv.py --write-choices"
+    return merge(dense_points(rows), command, "mean of the calls replayed in CUDA graphs (bf16 activations)")
+
+
 def write_gemm_choices(rows: list[dict], grouped: list[dict] = ()) -> Path:
     """The W8A16 paths' times per (N x K, M) as ``linear_fp8`` points of the measured table (the
     TileLang GEMM's where it ran), the W8A8 prefill paths', and the grouped GEMM's per (G*N x K,

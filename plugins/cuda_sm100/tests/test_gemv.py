@@ -6,10 +6,11 @@ decode widths, against the reference ``F.linear`` and the float64 product.
 and no further from the float64 product than twice the reference's distance; a row's result does
 not depend on the other rows of its call.
 
-**Here**: which calls the backend's ``linear`` gives the GEMV (``supports``: the LM head's class
-of weights at 1 to 16 rows, on the kernels' device, not in the batch-invariant mode) and the
-reason it names for the others; both kernels compile for sm_90 and, with PDL, wait for the
-kernel before them ahead of their first global load.
+**Here**: which calls the backend's ``linear`` gives the GEMV (``supports``: where the shipped
+table measured it faster than cuBLAS, the LM head at 1 to 16 rows; on the kernels' device, not in
+the batch-invariant mode) and the reason it names for the others; the one-row programs' rows;
+both kernels compile for sm_90 and, with PDL, wait for the kernel before them ahead of their
+first global load.
 
 **GPU**: V4-Flash's LM head (``129280 x 4096``) at 1, 4, 16 rows against the reference, through
 the backend's op table, and replayed in a CUDA graph bitwise.
@@ -26,6 +27,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cuda_sm100_checks import compile_problem
+from deepinfer_cuda_sm100.ops import PLAIN_WEIGHT_REFUSAL
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
@@ -33,6 +35,10 @@ SMALL = ((1, 40, 2048), (1, 9, 1024), (2, 72, 512), (5, 40, 256), (16, 130, 768)
 """``(rows, N, K)`` interpreter cases: N ragged against both kernels' row blocks."""
 HEAD = (129280, 4096)
 """V4-Flash's LM head ``N x K``."""
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.bfloat16)
 
 
 def _operands(m: int, n: int, k: int, device: str, dtype=torch.bfloat16, seed: int = 0):
@@ -103,42 +109,65 @@ def test_interpreter_a_rows_result_does_not_depend_on_the_other_rows(report):
     assert not report["rows"], "\n".join(report["rows"])
 
 
-def _bf16(*shape: int) -> torch.Tensor:
-    return torch.empty(*shape, dtype=torch.bfloat16)
-
-
 def _linear_supports(interpreted: bool = True):
     from deepinfer_cuda_sm100.ops import make_supports
 
     return make_supports(interpreted)["linear"]
 
 
-def test_supports_takes_the_head_class_at_decode_widths():
+@pytest.fixture(scope="module")
+def head() -> torch.Tensor:
+    """V4-Flash's LM head, unwritten (the checks read shapes, dtypes and strides only)."""
+    return torch.empty(*HEAD, dtype=torch.bfloat16)
+
+
+def test_supports_takes_the_gemv_where_the_table_measured_it_faster(head):
+    """The shipped SM90 table holds the head at 1, 4 and 16 rows, the GEMV faster there: those
+    calls, and the rows between them, take it; other weights, dtypes and row counts keep cuBLAS
+    (through the reference), with the reason."""
+    from deepinfer_cuda_sm100.gemm_dispatch import dense_refusal
+
     sup = _linear_supports()
-    w = torch.empty(8192, 1024, dtype=torch.bfloat16)
-    for rows in (1, 2, 16):
-        assert sup(torch.empty(rows, 1024, dtype=torch.bfloat16), w) is True
-    assert sup(torch.empty(2, 3, 1024, dtype=torch.float16), w.half()) is True  # [..., K] rows
+    for rows in (1, 2, 4, 9, 16):
+        assert sup(_bf16(rows, HEAD[1]), head) is True, rows
+    assert sup(_bf16(2, 3, HEAD[1]), head) is True  # [..., K] rows
+    unmeasured = [
+        (_bf16(1, 4096), _bf16(8192, 4096)),  # a weight the table has no point of
+        (torch.empty(1, 4096, dtype=torch.float16), head.view(torch.float16)),  # fp16: unmeasured
+    ]
+    for x, w in unmeasured:
+        assert "cuBLAS, as measured" in dense_refusal(x, w, interpreted=True)
+        assert sup(x, w) == PLAIN_WEIGHT_REFUSAL
+    assert "17 rows" in dense_refusal(_bf16(17, HEAD[1]), head, interpreted=True)
 
 
 @pytest.mark.parametrize(
     ("x", "w", "reason"),
     [
         (_bf16(17, 1024), _bf16(8192, 1024), "17 rows"),
-        (_bf16(1, 1024), _bf16(8191, 1024), "8191 weight"),
         (_bf16(1, 1000), _bf16(8192, 1000), "K=1000"),
         (torch.empty(2, 1024), torch.empty(8192, 1024), "torch.float32"),
         (_bf16(1, 1024), torch.empty(8192, 1024, dtype=torch.float16), "both alike"),
         (_bf16(1, 1024), _bf16(8192, 2048)[:, ::2], "strides"),
+        (_bf16(1, 1024), _bf16(8192, 512), "do not form"),
     ],
 )
 def test_gemv_problem_names_what_it_refuses(x, w, reason):
     from deepinfer_cuda_sm100.kernels.gemv import gemv_problem
-    from deepinfer_cuda_sm100.ops import PLAIN_WEIGHT_REFUSAL
 
     verdict = gemv_problem(x, w, interpreted=True)
     assert isinstance(verdict, str) and reason in verdict, verdict
     assert _linear_supports()(x, w) == PLAIN_WEIGHT_REFUSAL  # the reference's cuBLAS serves it
+
+
+def test_one_row_programs_spread_narrow_weights_over_the_sms():
+    from deepinfer_cuda_sm100.kernels.gemv import ROW_BLOCK_N, row_block_n
+
+    assert row_block_n(HEAD[0], 132) == ROW_BLOCK_N
+    assert [row_block_n(n, 132) for n in (2048, 1024, 512, 64)] == [4, 2, 1, 1]
+    for n in (64, 300, 2048, 5000, HEAD[0]):
+        block = row_block_n(n, 132)
+        assert block == 1 or n >= 2 * 132 * block
 
 
 def test_the_batch_invariant_mode_and_other_devices_keep_the_reference():
@@ -150,6 +179,31 @@ def test_the_batch_invariant_mode_and_other_devices_keep_the_reference():
     with batch_invariant_mode():
         assert "batch-invariant" in gemv_problem(x, w, interpreted=True)
     assert "GPU" in gemv_problem(x, w, interpreted=False)  # CPU tensors, compiled kernels
+
+
+def test_bench_rows_become_table_points():
+    """``bench_dense_gemv.py --write-choices``: a shape's cuBLAS and GEMV times become one point
+    (ms); a shape the GEMV did not time and the sweep's rows do not."""
+    from cuda_sm100_checks import choice_writers
+    from deepinfer_cuda_sm100 import kernel_choice
+
+    rows = [
+        {"n": 2048, "k": 4096, "m": 1, "path": "cublas", "us": 12.0},
+        {"n": 2048, "k": 4096, "m": 1, "path": "gemv", "us": 7.5},
+        {"n": 2048, "k": 4096, "m": 1, "path": "sweep_row", "us": 7.0},
+        {"n": 64, "k": 4096, "m": 1, "path": "cublas", "us": 5.0},
+    ]
+    points = choice_writers().dense_points(rows)
+    assert points == [
+        {"op": "linear_dense", "kind": "w16", "dtype": "bfloat16", "heads": 2048, "head_dim": 4096,
+         "tokens": 1, "keys": 4096, "ms": {"cublas": 0.012, "triton": 0.0075}}
+    ]  # fmt: skip
+    table = tuple(kernel_choice.Point(**p) for p in points)
+    pick = kernel_choice.choose(
+        "linear_dense", "w16", "bfloat16", 2048, 4096, 1, 4096, "sm90",
+        frozenset({"cublas", "triton"}), points=table, default="cublas",
+    )  # fmt: skip
+    assert pick == "triton"
 
 
 @slow

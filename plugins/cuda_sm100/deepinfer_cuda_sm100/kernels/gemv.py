@@ -13,10 +13,13 @@ second launch), fp32 accumulation, the result rounded once to the activations' d
 * :func:`_gemv_dot_kernel` (2 to 16 rows): ``tl.dot`` of the rows (padded to 16 with zeros) by
   the transposed ``[BLOCK_N, BLOCK_K]`` weight tile, the weight read once for every row.
 
-On an H100 (``python plugins/cuda_sm100/scripts/bench_dense_gemv.py --sweep``) the V4 head at
-1 / 4 / 16 rows took 334 / 344 / 350 µs (3.17 / 3.08 / 3.02 TB/s) against cuBLAS's 376 / 387 / 384
-µs; these block sizes are the fastest of that sweep.  :func:`gemv_problem` takes weights of at
-least :data:`MIN_ROWS_N` rows (the head's class; narrower plain weights stay on cuBLAS).
+One-row programs take 8 weight rows where that leaves at least two programs an SM, else 4, 2 or
+1 (:func:`row_block_n`: the narrow plain weights, a router's or a compressor's, still spread over
+the SMs).  On an H100 (``python plugins/cuda_sm100/scripts/bench_dense_gemv.py --sweep``) the V4
+head at 1 / 4 / 16 rows took 334 / 344 / 350 µs (3.17 / 3.08 / 3.02 TB/s) against cuBLAS's 376 /
+387 / 384 µs; these block sizes are the fastest of that sweep.  Which calls take the GEMV is the
+measured table's choice (:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal`);
+:func:`gemv_problem` says which calls it can take.
 
 The order of the fp32 sums differs from cuBLAS's, so results differ from the reference by
 rounding only (the op's tolerance), and one row's result does not depend on the other rows of
@@ -31,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRETED
+from .fp8_gemm import sm_count
 from .pdl import pdl_args, pdl_enter
 
 MAX_ROWS = 16
@@ -39,8 +43,6 @@ ROW_BLOCK_N, ROW_BLOCK_K = 8, 1024
 """One row: weight rows and inputs per program step."""
 DOT_BLOCK_N, DOT_BLOCK_K = 64, 256
 """2 to 16 rows: weight rows and inputs per program step."""
-MIN_ROWS_N = 8192
-"""The fewest weight rows (output features) :func:`gemv_problem` takes."""
 _FP32_DOT = tl.constexpr(INTERPRETED)  # the interpreter's bf16 tl.dot is not exact: fp32 there
 
 
@@ -105,17 +107,26 @@ def _gemv_dot_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(tokens[:, None] < M) & inside[None, :])
 
 
+def row_block_n(n: int, sms: int) -> int:
+    """Weight rows per one-row program: :data:`ROW_BLOCK_N`, halved down to 1 while fewer than
+    two programs an SM would run (shapes only)."""
+    block = ROW_BLOCK_N
+    while block > 1 and n < 2 * sms * block:
+        block //= 2
+    return block
+
+
 def block_k(rows: int) -> int:
     """The inputs per program step of a call on ``rows`` token rows (shapes only)."""
     return ROW_BLOCK_K if rows == 1 else DOT_BLOCK_K
 
 
 def gemv_problem(x: torch.Tensor, weight, interpreted: bool = INTERPRETED) -> str | None:
-    """``None`` when :func:`gemv` takes ``linear(x, weight)`` on a plain weight, else why not
+    """``None`` when :func:`gemv` can take ``linear(x, weight)`` on a plain weight, else why not
     (one line): not in the batch-invariant mode; tensors where the kernels run (the GPU, or the
     CPU under Triton's interpreter); bf16 or fp16 ``x`` and weight alike, unit stride along
-    ``K``; 1 to :data:`MAX_ROWS` token rows; ``K`` a multiple of :func:`block_k`; at least
-    :data:`MIN_ROWS_N` weight rows.  Shapes, dtypes and devices only (no device sync)."""
+    ``K``; 1 to :data:`MAX_ROWS` token rows; ``K`` a multiple of :func:`block_k`.  Shapes,
+    dtypes and devices only (no device sync)."""
     from deepinfer_core.ops.modes import batch_invariant_enabled
     from deepinfer_cuda_sm100.checks import device_problem
 
@@ -128,7 +139,7 @@ def gemv_problem(x: torch.Tensor, weight, interpreted: bool = INTERPRETED) -> st
         return f"x {x.dtype} and weight {weight.dtype}: the GEMV takes bf16 or fp16, both alike"
     if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
         return f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not form x @ weight.T"
-    n, k = weight.shape
+    k = weight.shape[1]
     rows = x.numel() // max(k, 1)
     if not 1 <= rows <= MAX_ROWS:
         return f"{rows} rows: the GEMV takes 1 to {MAX_ROWS}"
@@ -136,8 +147,6 @@ def gemv_problem(x: torch.Tensor, weight, interpreted: bool = INTERPRETED) -> st
         return (
             f"K={k}, strides {weight.stride()}: the GEMV takes unit-stride K, a multiple of {block_k(rows)}"
         )
-    if n < MIN_ROWS_N:
-        return f"{n} weight rows: the GEMV takes {MIN_ROWS_N} or more (cuBLAS serves narrower weights)"
     return None
 
 
@@ -156,9 +165,9 @@ def gemv(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n = weight.shape[0]
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 1:
-        grid = (triton.cdiv(n, ROW_BLOCK_N),)
-        _gemv_row_kernel[grid](
-            x2, weight, y, n, weight.stride(0), k, ROW_BLOCK_N, ROW_BLOCK_K,
+        block_n = row_block_n(n, sm_count(x2.device))
+        _gemv_row_kernel[(triton.cdiv(n, block_n),)](
+            x2, weight, y, n, weight.stride(0), k, block_n, ROW_BLOCK_K,
             num_warps=8, num_stages=4, **pdl_args(),
         )  # fmt: skip
         return y
