@@ -33,6 +33,10 @@ after it; ``stream:kernel``), summed per step over the profiled steps, the ``N``
 printed (JSON: ``idle_gaps``).  A pair that recurs once a layer points at a launch or a
 cross-stream dependency (a fork or a join of a block's chains) the step waits on.
 
+On a GPU with three or more profiled steps it also reports the steady state: the median
+period between consecutive steps' first once-a-step kernel and the device's active and idle
+time in it (JSON: ``steady_state``), which leaves out a first step that starts behind.
+
 ``--trace PATH`` writes the profiled steps as a Chrome trace (``chrome://tracing``, Perfetto):
 every kernel with its stream, start and end, and the host's operators and CUDA API calls.
 
@@ -280,6 +284,34 @@ def stream_activity(events: list[tuple[float, float, str, str]], steps: int) -> 
     }
 
 
+def steady_period(events: list[tuple[float, float, str, str]], steps: int) -> dict | None:
+    """The step's period in steady state: the median interval between consecutive starts of the
+    first kernel that runs once a step (its first call starts at or before every other
+    once-a-step kernel's), with the device's active time in that median interval.  The
+    profile's mean (``wall``) also counts a first step that starts behind (the profile begins
+    after a device synchronisation, so the host's work of that step shows as device idle).
+    ``{"kernel", "period_ms", "active_ms", "idle_ms"}``, or ``None`` with fewer than three
+    steps or no kernel run once a step."""
+    starts: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for start, end, _, name in events:
+        starts[name].append((start, end))
+    once = {name: iv for name, iv in starts.items() if len(iv) == steps}
+    if steps < 3 or not once:
+        return None
+    name = min(once, key=lambda n: once[n][0][0])
+    marks = sorted(start for start, _ in once[name])
+    spans = sorted(zip(marks, marks[1:], strict=False), key=lambda ab: ab[1] - ab[0])
+    a, b = spans[len(spans) // 2]  # the median interval
+    inside = [(max(s, a), min(e, b)) for s, e, _, _ in events if e > a and s < b]
+    active = union_length(inside)
+    return {
+        "kernel": name,
+        "period_ms": (b - a) / 1e3,
+        "active_ms": active / 1e3,
+        "idle_ms": (b - a - active) / 1e3,
+    }
+
+
 def idle_gaps(events: list[tuple[float, float, str, str]], steps: int) -> list[dict]:
     """The device's idle time (no activity on any stream) per step, by the pair of activities
     around each idle interval: the one whose end it follows (the last to finish) and the one
@@ -366,6 +398,13 @@ def main(argv: list[str] | None = None) -> dict:
         "ms_by_name": {k: v / 1e3 for k, v in by_name[: a.top]},
         "calls_by_name": {k: calls[k] for k, _ in by_name},
     }
+    steady = steady_period(events, steps) if device else None
+    if steady:
+        print(
+            f"steady state (median period of {steady['kernel'][:40]}): {steady['period_ms']:.3f} ms a step, "
+            f"active {steady['active_ms']:.3f} ms, idle {steady['idle_ms']:.3f} ms"
+        )
+        report["steady_state"] = steady
     if a.gaps and device:
         gaps = idle_gaps(events, steps)
         print(f"device idle per step by the kernels around it (the {a.gaps} largest of {len(gaps)} pairs):")

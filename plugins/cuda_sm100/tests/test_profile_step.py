@@ -77,6 +77,24 @@ def test_idle_gaps_charge_each_idle_interval_to_the_kernels_around_it():
     assert idle == pytest.approx(span - mod.union_length([(a, b) for a, b, _, _ in events]))
 
 
+def test_the_steady_period_leaves_out_a_first_step_that_starts_behind():
+    """Four steps of a once-a-step kernel ``a`` then ``b`` (twice a step) on two streams, the
+    first step 300 us late: the period is the median interval between ``a``'s starts (100 us,
+    not the mean over the late start), with the active time in that interval; no period with
+    fewer than three steps or without a once-a-step kernel."""
+    mod = _module()
+    step = [(0, 20, "7", "a"), (25, 50, "7", "b"), (30, 60, "9", "side"), (70, 90, "7", "b")]
+    starts = (0, 400, 500, 600)  # the first step, then three 100 us later each
+    events = sorted((t0 + s, t1 + s, st, n) for s in starts for t0, t1, st, n in step)
+    steady = mod.steady_period(events, steps=4)
+    assert steady["kernel"] == "a"
+    assert steady["period_ms"] == pytest.approx(0.1)
+    assert steady["active_ms"] == pytest.approx(0.075)  # 0-20, 25-60, 70-90 of each 100 us
+    assert steady["idle_ms"] == pytest.approx(0.025)
+    assert mod.steady_period(events[: len(step) * 2], steps=2) is None
+    assert mod.steady_period([(t0, t1, st, "b") for t0, t1, st, _ in events], steps=4) is None
+
+
 @pytest.mark.slow
 def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     out = tmp_path / "p.json"
