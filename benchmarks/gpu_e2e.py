@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -82,7 +83,9 @@ def prefill_stats(outs: list[Any]) -> dict[str, float]:
 
 def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, new_tokens: int) -> dict:
     """Decode tok/s over the steps in which all ``batch`` requests decode (``decode_tok_s`` when
-    there are 3 or more), else over the steps after the last first token (else ``None``)."""
+    there are 3 or more), else over the steps after the last first token (else ``None``); with
+    the full-batch steps' mean and median durations (the median leaves out the odd slow step,
+    e.g. the first one after the prefill)."""
     all_first = max(o.metrics.first_token_time for o in outs)
     out: dict[str, Any] = {"decode_tok_s": None, "decode_method": None, "steps": len(steps)}
     out["preemptions"] = sum(s.num_preempted for _, s in steps)
@@ -97,6 +100,7 @@ def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, ne
     if full:
         secs = sum(d for d, _ in full)
         out["full_batch_steps"], out["decode_step_ms_full_batch"] = len(full), 1e3 * secs / len(full)
+        out["decode_step_ms_median"] = 1e3 * statistics.median(d for d, _ in full)  # one slow step left out
         out["decode_tok_s_full_batch"] = sum(s.num_generated_tokens for _, s in full) / secs
     if len(full) >= 3:
         out["decode_tok_s"], out["decode_method"] = out["decode_tok_s_full_batch"], "full-batch steps"
@@ -431,6 +435,7 @@ class Bench(Runner):
 ROOF = [("roof bf16", "roofline_frac_bf16", ".1%"), ("roof fp8/4", "roofline_frac_fp8_fp4", ".1%")]
 TABLE = [("name", "name", "s"), ("value", "value", ".1f"), ("unit", "unit", "s"), *ROOF]
 TABLE += [("roof FLOP", "roofline_frac_compute", ".1%")]
+TABLE += [("step ms", "decode_step_ms_full_batch", ".3f"), ("median ms", "decode_step_ms_median", ".3f")]
 CONTEXT_TABLE = [("context", "name", "s"), ("step ms", "step_ms", ".2f"), ("tok/s", "value", ".1f")]
 CONTEXT_TABLE += [("KV MB/step", "kv_mb", ".2f"), *ROOF, ("x base", "step_ratio", ".2f")]
 CONTEXT_TABLE += [("TTFT s", "ttft_s", ".2f"), ("prefill tok/s", "prefill_tok_s", ".0f")]

@@ -87,6 +87,24 @@ def test_gpu_e2e_smoke_measures_every_part_and_decodes_long_contexts_at_a_steady
     assert data["roofline"]["gpu"] == "H200 (for cpu)" and bw == GPUS["h200"].hbm_bw
 
 
+def test_gpu_e2e_decode_stats_take_the_full_batch_steps_mean_and_median() -> None:
+    """Four full-batch decode steps of 10, 10, 10 and 50 ms after the last first token: 4 tokens a
+    step at batch 4 over 80 ms, a mean step of 20 ms and a median of 10 ms."""
+    from types import SimpleNamespace as NS
+
+    spec = importlib.util.spec_from_file_location("gpu_e2e_stats", ROOT / "benchmarks" / "gpu_e2e.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    outs = [NS(metrics=NS(first_token_time=1.0)) for _ in range(4)]
+    full = dict(num_seqs=4, num_decode_seqs=4, num_tokens=4, num_generated_tokens=4, num_preempted=0)
+    steps = [(1.0, NS(**full))] + [(t, NS(**full)) for t in (1.01, 1.02, 1.03, 1.08)]
+    d = module.decode_stats(outs, steps, batch=4, new_tokens=5)
+    assert d["decode_method"] == "full-batch steps" and d["full_batch_steps"] == 4
+    assert d["decode_tok_s"] == pytest.approx(16 / 0.08)
+    assert d["decode_step_ms_full_batch"] == pytest.approx(20.0)
+    assert d["decode_step_ms_median"] == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize(
     "name, preset, kind",
     [
