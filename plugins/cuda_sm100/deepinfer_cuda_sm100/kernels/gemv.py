@@ -23,8 +23,8 @@ measured table's choice (:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal
 
 The order of the fp32 sums differs from cuBLAS's, so results differ from the reference by
 rounding only (the op's tolerance), and one row's result does not depend on the other rows of
-its kernel; the two kernels differ from each other, so the batch-invariant mode does not take this path
-(:func:`deepinfer_cuda_sm100.gemm_dispatch.plain_linear`).
+its kernel; the two kernels differ from each other, so the batch-invariant mode does not take
+this path (:func:`gemv_problem`).
 """
 
 from __future__ import annotations
