@@ -141,6 +141,16 @@ def test_supports_takes_the_gemv_where_the_table_measured_it_faster(head):
     assert "17 rows" in dense_refusal(_bf16(17, HEAD[1]), head, interpreted=True)
 
 
+def test_a_plain_grouped_projection_keeps_the_reference(head):
+    """``grouped_linear`` is block diagonal, not one ``linear``: a plain weight goes to the
+    reference's batched GEMM even at a weight and row count the GEMV's table holds."""
+    from deepinfer_cuda_sm100.ops import make_supports
+
+    x = _bf16(1, 1, HEAD[1])
+    assert _linear_supports()(x[:, 0], head) is True
+    assert make_supports(True)["grouped_linear"](x, head) == PLAIN_WEIGHT_REFUSAL
+
+
 @pytest.mark.parametrize(
     ("x", "w", "reason"),
     [
