@@ -23,7 +23,6 @@ from pathlib import Path
 import choice_writers
 import torch
 import torch.nn.functional as F
-import triton
 from deepinfer_cuda_sm100.kernels import gemv as kg
 from graph_timing import gpu_run_header, time_graph
 
@@ -32,41 +31,13 @@ V4_FLASH_PLAIN = "129280x4096,2048x4096,1024x4096,512x4096,256x4096,64x4096"
 """``N x K`` of V4-Flash's plain bf16 linears (see the module docstring)."""
 
 
-def sweep_launches(m: int):
-    """``(name, kernel, BLOCK_N, BLOCK_K, warps, stages)`` of the ``--sweep``."""
+def sweep_launches(m: int) -> list[kg.Launch]:
+    """The ``--sweep``'s launches of the kernel that serves ``m`` rows."""
     if m == 1:
         grid = itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3, 4))
-        return [("row", kg._gemv_row_kernel, *p) for p in grid if p[0] * p[1] <= 16384]
-    grid = itertools.product((32, 64, 128), (64, 128, 256), (4,), (4, 5))
-    return [("dot", kg._gemv_dot_kernel, *p) for p in grid if p[0] * p[1] <= 16384]
-
-
-def launcher(kind, kernel, bn, bk, warps, stages, xs, w, out):
-    """``fn(i)`` launching one swept configuration on ``xs[i % len(xs)]``."""
-    n, k = w.shape
-
-    def fn(i):
-        x = xs[i % len(xs)]
-        grid = (triton.cdiv(n, bn),)
-        if kind == "row":
-            kernel[grid](x, w, out, n, w.stride(0), k, bn, bk, num_warps=warps, num_stages=stages)
-        else:
-            kernel[grid](
-                x,
-                w,
-                out,
-                x.shape[0],
-                n,
-                x.stride(0),
-                w.stride(0),
-                k,
-                bn,
-                bk,
-                num_warps=warps,
-                num_stages=stages,
-            )
-
-    return fn
+    else:
+        grid = itertools.product((32, 64, 128), (64, 128, 256), (4,), (4, 5))
+    return [kg.Launch(*p) for p in grid if p[0] * p[1] <= 16384]
 
 
 def measure(n: int, k: int, m: int, sweep: bool) -> list[dict]:
@@ -90,12 +61,15 @@ def measure(n: int, k: int, m: int, sweep: bool) -> list[dict]:
         row("gemv", lambda i: kg.gemv(xs[i % CALLS], w), lambda: kg.gemv(xs[0], w))
     if sweep:
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        for kind, kernel, bn, bk, warps, stages in sweep_launches(m):
-            if k % bk:
+        kind = "row" if m == 1 else "dot"
+        for cfg in sweep_launches(m):
+            if k % cfg.block_k:
                 continue
-            fn = launcher(kind, kernel, bn, bk, warps, stages, xs, w, out)
-            cfg = {"block_n": bn, "block_k": bk, "warps": warps, "stages": stages}
-            row(f"sweep_{kind}", fn, lambda fn=fn: (fn(0), out)[1], **cfg)
+
+            def fn(i, cfg=cfg):
+                kg.launch(xs[i % CALLS], w, out, cfg)
+
+            row(f"sweep_{kind}", fn, lambda fn=fn: (fn(0), out)[1], **cfg._asdict())
     return rows
 
 
@@ -119,7 +93,7 @@ def main() -> None:
                 (r for r in rows if r["path"].startswith("sweep")), key=lambda r: r["us"], default=None
             )
             for r in rows[:2] + ([best] if best else []):
-                extra = {key: r[key] for key in ("block_n", "block_k", "warps", "stages") if key in r}
+                extra = {key: r[key] for key in kg.Launch._fields if key in r}
                 rate = f"{r['us']:8.1f} us {r['tb_s']:6.3f} TB/s err {r['err']:.3g}"
                 print(f"{n}x{k} M={m:3d} {r['path']:<11} {rate} {extra}")
     if a.write_choices:

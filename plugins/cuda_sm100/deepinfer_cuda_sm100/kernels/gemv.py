@@ -29,6 +29,8 @@ this path (:func:`gemv_problem`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -156,24 +158,44 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return gemv(x.reshape(-1, k), weight).reshape(*x.shape[:-1], n)
 
 
+class Launch(NamedTuple):
+    """A launch of one of the kernels: weight rows and inputs per program step, warps, stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def default_launch(rows: int, n: int, sms: int) -> Launch:
+    """The launch :func:`gemv` takes for ``rows`` token rows of an ``N``-row weight on ``sms``
+    SMs (the fastest of ``bench_dense_gemv.py --sweep`` at the head; :func:`row_block_n`)."""
+    if rows == 1:
+        return Launch(row_block_n(n, sms), ROW_BLOCK_K, 8, 4)
+    return Launch(DOT_BLOCK_N, DOT_BLOCK_K, 4, 4)
+
+
+def launch(x2: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, cfg: Launch) -> None:
+    """Write ``x2 @ weight.T`` into ``y [M, N]`` (contiguous) by the one-row kernel (``M == 1``)
+    or the dot kernel, launched as ``cfg`` says (``cfg.block_k`` must divide ``K``)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    grid = (triton.cdiv(n, cfg.block_n),)
+    kw = dict(num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args())
+    if m == 1:
+        _gemv_row_kernel[grid](x2, weight, y, n, weight.stride(0), k, cfg.block_n, cfg.block_k, **kw)
+    else:
+        _gemv_dot_kernel[grid](
+            x2, weight, y, m, n, x2.stride(0), weight.stride(0), k, cfg.block_n, cfg.block_k, **kw
+        )
+
+
 def gemv(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x2 @ weight.T`` for ``x2 [M, K]`` (``1 <= M <= MAX_ROWS``, unit stride along ``K``) and
     a plain ``weight [N, K]`` (unit stride along ``K``), ``K`` a multiple of :func:`block_k`,
-    both of one float dtype: ``[M, N]`` in that dtype (contiguous).  One compiled kernel per
-    ``K``."""
-    m, k = x2.shape
-    n = weight.shape[0]
+    both of one float dtype: ``[M, N]`` in that dtype (contiguous), by :func:`default_launch`.
+    One compiled kernel per ``K``."""
+    m, n = x2.shape[0], weight.shape[0]
     y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    if m == 1:
-        block_n = row_block_n(n, sm_count(x2.device))
-        _gemv_row_kernel[(triton.cdiv(n, block_n),)](
-            x2, weight, y, n, weight.stride(0), k, block_n, ROW_BLOCK_K,
-            num_warps=8, num_stages=4, **pdl_args(),
-        )  # fmt: skip
-        return y
-    grid = (triton.cdiv(n, DOT_BLOCK_N),)
-    _gemv_dot_kernel[grid](
-        x2, weight, y, m, n, x2.stride(0), weight.stride(0), k, DOT_BLOCK_N, DOT_BLOCK_K,
-        num_warps=4, num_stages=4, **pdl_args(),
-    )  # fmt: skip
+    launch(x2, weight, y, default_launch(m, n, sm_count(x2.device)))
     return y
