@@ -15,9 +15,9 @@ second launch), fp32 accumulation, the result rounded once to the activations' d
 
 One-row programs take 8 weight rows where that leaves at least two programs an SM, else 4, 2 or
 1 (:func:`row_block_n`: the narrow plain weights, a router's or a compressor's, still spread over
-the SMs).  On an H100 (``python plugins/cuda_sm100/scripts/bench_dense_gemv.py --sweep``) the V4
-head at 1 / 4 / 16 rows took 334 / 344 / 350 µs (3.17 / 3.08 / 3.02 TB/s) against cuBLAS's 376 /
-387 / 384 µs; these block sizes are the fastest of that sweep.  Which calls take the GEMV is the
+the SMs).  On an H100 the V4 head at 1 / 4 / 16 rows took 334 / 344 / 350 µs (3.17 / 3.08 / 3.02
+TB/s) against cuBLAS's 376 / 387 / 384 µs; these block sizes are the fastest of a sweep of block
+sizes, warps and stages (the grid ``bench_dense_gemv.py --sweep`` times).  Which calls take the GEMV is the
 measured table's choice (:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal`);
 :func:`gemv_problem` says which calls it can take.
 
