@@ -292,14 +292,14 @@ def steady_period(events: list[tuple[float, float, str, str]], steps: int) -> di
     after a device synchronisation, so the host's work of that step shows as device idle).
     ``{"kernel", "period_ms", "active_ms", "idle_ms"}``, or ``None`` with fewer than three
     steps or no kernel run once a step."""
-    starts: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for start, end, _, name in events:
-        starts[name].append((start, end))
-    once = {name: iv for name, iv in starts.items() if len(iv) == steps}
+    starts: dict[str, list[float]] = defaultdict(list)
+    for start, _, _, name in events:
+        starts[name].append(start)
+    once = {name: sorted(times) for name, times in starts.items() if len(times) == steps}
     if steps < 3 or not once:
         return None
-    name = min(once, key=lambda n: once[n][0][0])
-    marks = sorted(start for start, _ in once[name])
+    name = min(once, key=lambda n: once[n][0])
+    marks = once[name]
     spans = sorted(zip(marks, marks[1:], strict=False), key=lambda ab: ab[1] - ab[0])
     a, b = spans[len(spans) // 2]  # the median interval
     inside = [(max(s, a), min(e, b)) for s, e, _, _ in events if e > a and s < b]

@@ -147,7 +147,8 @@ def gemv_problem(x: torch.Tensor, weight, interpreted: bool = INTERPRETED) -> st
         return f"{rows} rows: the GEMV takes 1 to {MAX_ROWS}"
     if k % block_k(rows) or weight.stride(1) != 1 or x.stride(-1) != 1:
         return (
-            f"K={k}, strides {weight.stride()}: the GEMV takes unit-stride K, a multiple of {block_k(rows)}"
+            f"K={k}, weight strides {weight.stride()}, x strides {x.stride()}: the GEMV takes unit-stride K, "
+            f"a multiple of {block_k(rows)}"
         )
     return None
 
