@@ -10,7 +10,7 @@ from a float32 product.  ``--sweep`` also times each kernel over block sizes, wa
 writes the ``linear_dense`` points of the measured table, from which ``linear`` on a plain weight
 takes the GEMV where it was faster (:func:`deepinfer_cuda_sm100.gemm_dispatch.dense_refusal`).
 
-    python plugins/cuda_sm100/scripts/bench_dense_gemv.py [--shapes 129280x4096] [--m 1,4,16] [--sweep]
+    python plugins/cuda_sm100/scripts/bench_dense_gemv.py [--shapes 129280x4096] [--m 1,2,4,16,64] [--sweep]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def measure(n: int, k: int, m: int, sweep: bool) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=V4_FLASH_PLAIN, help="N x K weights, comma-separated")
-    ap.add_argument("--m", default="1,4,16", help="token counts")
+    ap.add_argument("--m", default="1,2,4,16,64", help="token counts")
     ap.add_argument("--sweep", action="store_true", help="also time the kernels' block sizes, warps, stages")
     ap.add_argument(
         "--write-choices", action="store_true", help="write the measured table's linear_dense points"
