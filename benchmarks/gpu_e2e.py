@@ -85,7 +85,8 @@ def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, ne
     """Decode tok/s over the steps in which all ``batch`` requests decode (``decode_tok_s`` when
     there are 3 or more), else over the steps after the last first token (else ``None``); with
     the full-batch steps' mean and median durations (the median leaves out the odd slow step,
-    e.g. the first one after the prefill)."""
+    e.g. the first one after the prefill) and their median wait for the sampled tokens (near 0:
+    the host, not the device, sets the pace)."""
     all_first = max(o.metrics.first_token_time for o in outs)
     out: dict[str, Any] = {"decode_tok_s": None, "decode_method": None, "steps": len(steps)}
     out["preemptions"] = sum(s.num_preempted for _, s in steps)
@@ -101,6 +102,7 @@ def decode_stats(outs: list[Any], steps: list[tuple[float, Any]], batch: int, ne
         secs = sum(d for d, _ in full)
         out["full_batch_steps"], out["decode_step_ms_full_batch"] = len(full), 1e3 * secs / len(full)
         out["decode_step_ms_median"] = 1e3 * statistics.median(d for d, _ in full)  # one slow step left out
+        out["host_wait_ms_median"] = 1e3 * statistics.median(s.host_wait_s for _, s in full)
         out["decode_tok_s_full_batch"] = sum(s.num_generated_tokens for _, s in full) / secs
     if len(full) >= 3:
         out["decode_tok_s"], out["decode_method"] = out["decode_tok_s_full_batch"], "full-batch steps"
@@ -436,6 +438,7 @@ ROOF = [("roof bf16", "roofline_frac_bf16", ".1%"), ("roof fp8/4", "roofline_fra
 TABLE = [("name", "name", "s"), ("value", "value", ".1f"), ("unit", "unit", "s"), *ROOF]
 TABLE += [("roof FLOP", "roofline_frac_compute", ".1%")]
 TABLE += [("step ms", "decode_step_ms_full_batch", ".3f"), ("median ms", "decode_step_ms_median", ".3f")]
+TABLE += [("wait ms", "host_wait_ms_median", ".3f")]
 CONTEXT_TABLE = [("context", "name", "s"), ("step ms", "step_ms", ".2f"), ("tok/s", "value", ".1f")]
 CONTEXT_TABLE += [("KV MB/step", "kv_mb", ".2f"), *ROOF, ("x base", "step_ratio", ".2f")]
 CONTEXT_TABLE += [("TTFT s", "ttft_s", ".2f"), ("prefill tok/s", "prefill_tok_s", ".0f")]

@@ -89,7 +89,8 @@ def test_gpu_e2e_smoke_measures_every_part_and_decodes_long_contexts_at_a_steady
 
 def test_gpu_e2e_decode_stats_take_the_full_batch_steps_mean_and_median() -> None:
     """Four full-batch decode steps of 10, 10, 10 and 50 ms after the last first token: 4 tokens a
-    step at batch 4 over 80 ms, a mean step of 20 ms and a median of 10 ms."""
+    step at batch 4 over 80 ms, a mean step of 20 ms and a median of 10 ms; the host waited 1, 2,
+    3 and 4 ms for their tokens: a median of 2.5 ms."""
     from types import SimpleNamespace as NS
 
     spec = importlib.util.spec_from_file_location("gpu_e2e_stats", ROOT / "benchmarks" / "gpu_e2e.py")
@@ -97,12 +98,15 @@ def test_gpu_e2e_decode_stats_take_the_full_batch_steps_mean_and_median() -> Non
     spec.loader.exec_module(module)
     outs = [NS(metrics=NS(first_token_time=1.0)) for _ in range(4)]
     full = dict(num_seqs=4, num_decode_seqs=4, num_tokens=4, num_generated_tokens=4, num_preempted=0)
-    steps = [(1.0, NS(**full))] + [(t, NS(**full)) for t in (1.01, 1.02, 1.03, 1.08)]
+    steps = [(1.0, NS(**full, host_wait_s=0.0))]
+    times, waits = (1.01, 1.02, 1.03, 1.08), (1e-3, 2e-3, 3e-3, 4e-3)
+    steps += [(t, NS(**full, host_wait_s=w)) for t, w in zip(times, waits, strict=True)]
     d = module.decode_stats(outs, steps, batch=4, new_tokens=5)
     assert d["decode_method"] == "full-batch steps" and d["full_batch_steps"] == 4
     assert d["decode_tok_s"] == pytest.approx(16 / 0.08)
     assert d["decode_step_ms_full_batch"] == pytest.approx(20.0)
     assert d["decode_step_ms_median"] == pytest.approx(10.0)
+    assert d["host_wait_ms_median"] == pytest.approx(2.5)
 
 
 @pytest.mark.parametrize(

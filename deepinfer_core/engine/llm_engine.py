@@ -325,14 +325,15 @@ class LLMEngine:
         """Process a launched step's outputs (the only host sync on its sampled tokens);
         ``next_launch``: when the step after it started, for a step processed after that one
         was launched (its period then ends there)."""
+        waited = 0.0
         if step.verified is not None:
             v = step.verified
             finished = self.scheduler.complete_tokens(step.sched, v.token_ids, v.logprobs, self.eos_token_ids)
         else:
-            finished = self.scheduler.complete(
-                step.sched, step.host_ids.get().tolist(), step.logprobs, self.eos_token_ids
-            )
-        self._record_step(step.sched, finished, step.t0, step.verified)
+            tokens = step.host_ids.get().tolist()
+            waited = step.host_ids.waited_s
+            finished = self.scheduler.complete(step.sched, tokens, step.logprobs, self.eos_token_ids)
+        self._record_step(step.sched, finished, step.t0, step.verified, waited)
         if self.spec is not None:
             end = time.perf_counter() if next_launch is None else next_launch
             self.spec.observe_step(step.sched, end - step.t0, overlapped=next_launch is not None)
@@ -340,9 +341,15 @@ class LLMEngine:
         return finished
 
     def _record_step(
-        self, sched: SchedulerOutput, finished: list[Request], t0: float, verified: VerifyResult | None = None
+        self,
+        sched: SchedulerOutput,
+        finished: list[Request],
+        t0: float,
+        verified: VerifyResult | None = None,
+        host_wait_s: float = 0.0,
     ) -> None:
-        """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
+        """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook
+        (``host_wait_s``: how long the host waited for the step's sampled tokens)."""
         now = time.monotonic()
         for req in sched.requests:
             m = self._req_metrics.get(req.request_id)
@@ -377,6 +384,7 @@ class LLMEngine:
             num_replayed_tokens=sched.num_replayed_tokens,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
+            host_wait_s=host_wait_s,
         )
         self.metrics.update(stats)
         if self._want_stats:

@@ -38,6 +38,9 @@ class StepStats:
         num_running: requests holding cache after the step.
         num_draft_tokens: speculative decoding: draft tokens verified this step.
         num_accepted_tokens: speculative decoding: of those, the accepted ones.
+        host_wait_s: seconds the host waited for this step's sampled tokens to reach it (on an
+            accelerator; 0 elsewhere and for speculative verify steps). With async scheduling a
+            wait near 0 step after step means the host, not the device, sets the pace.
     """
 
     step: int
@@ -56,6 +59,7 @@ class StepStats:
     num_running: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    host_wait_s: float = 0.0
 
 
 class Metrics:

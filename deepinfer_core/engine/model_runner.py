@@ -231,11 +231,12 @@ class ModelRunner:
 
     def _execute(self, chunks: list[SeqChunk], prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """:meth:`execute` but for keeping the hidden rows."""
+        page_size = self.page_size
         for c in chunks:
-            if len(c.block_table) * self.page_size < c.end_pos:
+            if len(c.block_table) * page_size < c.start_pos + len(c.token_ids):
                 raise ValueError(
                     f"slot {c.seq_slot}: block table of {len(c.block_table)} pages cannot hold "
-                    f"{c.end_pos} positions (page_size {self.page_size})"
+                    f"{c.end_pos} positions (page_size {page_size})"
                 )
         if prev_tokens is None and any(c.prev_row >= 0 for c in chunks):
             raise ValueError("chunks refer to the previous step's tokens but none were given")

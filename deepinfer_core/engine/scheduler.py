@@ -139,21 +139,24 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        decoding: list[Request] = []
-        prefilling: list[Request] = []
+        decoding: list[tuple[Request, int]] = []  # with their uncomputed tokens
+        prefilling: list[tuple[Request, int]] = []
+        max_model_len = self.max_model_len
         for r in self.running:
-            if not r.will_finish_by_length(self.max_model_len):
-                uncomputed = r.num_uncomputed_tokens
-                if uncomputed == 1:
-                    decoding.append(r)
-                elif uncomputed > 1:
-                    prefilling.append(r)
-        for req in decoding + prefilling:
+            if r.num_pending and r.will_finish_by_length(max_model_len):
+                continue
+            uncomputed = r.num_uncomputed_tokens
+            if uncomputed == 1:
+                decoding.append((r, 1))
+            elif uncomputed > 1:
+                prefilling.append((r, uncomputed))
+        running = RequestStatus.RUNNING
+        for req, uncomputed in decoding + prefilling:
             if budget <= 0:
                 break
-            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+            if req.status is not running:  # preempted earlier in this loop
                 continue
-            n = self._fit_running(req, budget, scheduled, out)
+            n = self._fit_running(req, budget, scheduled, out, uncomputed)
             if n:
                 self._emit(req, n, out)
                 scheduled.add(id(req))
@@ -167,7 +170,7 @@ class Scheduler:
                 self._fail_too_long(req, out, req.num_tokens)
                 continue
             hit = self._match_prefix(req)
-            n = self._chunk_size(req, budget)
+            n = self._chunk_size(req, budget, req.num_uncomputed_tokens)
             need = self.kv_cache.pages_needed(req.num_computed_tokens + n) - len(req.block_table)
             if n == 0 or self.kv_cache.num_free_slots == 0 or not self.kv_cache.can_allocate(need):
                 self._reset_progress(req)  # gives the matched pages back; retried next step
@@ -215,21 +218,26 @@ class Scheduler:
             tokens = req.token_slice(j * p, (j + 1) * p)
             req.page_hashes.append(self.kv_cache.register_page(req.block_table[j], prev, tokens))
 
-    def _chunk_size(self, req: Request, budget: int) -> int:
-        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit);
-        a decoding request's draft tokens come on top of its token (cut to the budget)."""
-        remaining = req.num_uncomputed_tokens
+    def _chunk_size(self, req: Request, budget: int, remaining: int) -> int:
+        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit), of
+        its ``remaining`` uncomputed ones; a decoding request's draft tokens come on top of its
+        token (cut to the budget)."""
         if remaining == 1 and req.draft_token_ids:
             return min(1 + len(req.draft_token_ids), budget)
         if remaining <= budget:
             return remaining
         return budget if self.enable_chunked_prefill else 0
 
-    def _fit_running(self, req: Request, budget: int, scheduled: set[int], out: SchedulerOutput) -> int:
-        """Chunk size for a running request, allocating its pages; preempts others if needed."""
-        n = self._chunk_size(req, budget)
+    def _fit_running(
+        self, req: Request, budget: int, scheduled: set[int], out: SchedulerOutput, remaining: int
+    ) -> int:
+        """Chunk size for a running request with ``remaining`` uncomputed tokens, allocating its
+        pages; preempts others if needed."""
+        n = self._chunk_size(req, budget, remaining)
         if n == 0:
             return 0
+        if req.num_computed_tokens + n <= len(req.block_table) * self.kv_cache.page_size:
+            return n  # its pages hold the chunk already (most decode steps)
         while True:
             free_tokens = (len(req.block_table) + self.kv_cache.num_free_pages) * self.kv_cache.page_size
             fit = min(n, free_tokens - req.num_computed_tokens)
@@ -256,22 +264,33 @@ class Scheduler:
             req.block_table.extend(self.kv_cache.allocate_pages(need))
 
     def _emit(self, req: Request, n: int, out: SchedulerOutput) -> None:
-        start, end = req.num_computed_tokens, req.num_computed_tokens + n
+        """Add ``req``'s chunk of ``n`` tokens to ``out`` (the step's hot path: one per request)."""
+        start = req.num_computed_tokens
+        end = start + n
         num_tokens = req.num_tokens
         known = min(end, num_tokens)
         # beyond the known tokens: draft tokens to verify, or (async) the unprocessed sampled one
-        drafts = req.draft_token_ids = req.draft_token_ids[: end - known] if known == num_tokens else []
+        drafts = req.draft_token_ids
+        if drafts:
+            drafts = req.draft_token_ids = drafts[: end - known] if known == num_tokens else []
         pending = end - known - len(drafts)
         assert req.seq_slot is not None and pending <= req.num_pending
+        if known > start:
+            token_ids = req.token_slice(start, known)
+            if pending or drafts:
+                token_ids += [0] * pending + drafts
+        else:  # (async decode) only the pending token, or it and drafts
+            token_ids = [0] * pending + drafts if drafts else [0] * pending
+        sample = end == num_tokens + req.num_pending + len(drafts)
         out.chunks.append(
             SeqChunk(
                 seq_slot=req.seq_slot,
-                token_ids=req.token_slice(start, known) + [0] * pending + drafts,
+                token_ids=token_ids,
                 start_pos=start,
-                block_table=list(req.block_table),
-                sample=end == num_tokens + req.num_pending + len(drafts),
+                block_table=req.block_table.copy(),
+                sample=sample,
                 num_draft=len(drafts),
-                all_logits=req.needs_prompt_logits(start, end),
+                all_logits=req.prompt_logprobs is not None and req.needs_prompt_logits(start, end),
                 window_from=req.window_from,
                 cached_until=req.cached_until,
                 prev_row=req.pending_row if pending else -1,
@@ -280,7 +299,7 @@ class Scheduler:
         )
         out.requests.append(req)
         req.num_computed_tokens = end
-        if out.chunks[-1].sample:  # its token stays pending until :meth:`complete`
+        if sample:  # its token stays pending until :meth:`complete`
             req.num_pending += 1
             req.pending_row = out.num_sampling
             out.num_sampling += 1
@@ -340,21 +359,25 @@ class Scheduler:
         finished = []
         row = -1
         page_size = self.kv_cache.page_size
+        max_model_len = self.max_model_len
+        running, done = RequestStatus.RUNNING, RequestStatus.FINISHED
         for req, chunk in zip(out.requests, out.chunks, strict=True):
             row += chunk.sample
-            if req.is_finished:
+            status = req.status
+            if status is done:
                 out.discarded.append(req)
                 continue
-            if req.status is RequestStatus.RUNNING:
+            if status is running:
                 # register the pages the step computed for the request as it is now (not ones
                 # given up by a preemption while the step ran)
                 computed = min(chunk.start_pos + len(chunk.token_ids), req.num_tokens)
-                table = chunk.block_table
-                if len(req.page_hashes) < computed // page_size and req.block_table[: len(table)] == table:
-                    self._register_full_pages(req, computed)
+                if len(req.page_hashes) < computed // page_size:
+                    table = chunk.block_table
+                    if req.block_table[: len(table)] == table:
+                        self._register_full_pages(req, computed)
             if chunk.sample:
                 req.num_pending -= 1
-                if req.append_token(token_ids[row], logprobs[row], eos_token_ids, self.max_model_len):
+                if req.append_token(token_ids[row], logprobs[row], eos_token_ids, max_model_len):
                     if req in self.waiting:  # preempted while this step ran
                         self.waiting.remove(req)
                     self._release(req)

@@ -6,6 +6,7 @@ and waited for late (:class:`HostCopy`)."""
 from __future__ import annotations
 
 import itertools
+import time
 from array import array
 from collections.abc import Iterable, Sequence
 
@@ -77,9 +78,15 @@ class HostCopy:
     it: :meth:`get` waits for that event only, not for work queued on the stream later (the next
     step's graph), so the host can read a step's results while the device runs the next one.
     Elsewhere the tensor is kept and :meth:`get` returns it on the CPU (a blocking copy where
-    it is not already there)."""
+    it is not already there).
+
+    Attributes:
+        waited_s: seconds the first :meth:`get` blocked on the copy (0 until then, and where
+            there is no event to wait for): near 0 when the host, not the device, is behind.
+    """
 
     def __init__(self, tensor: torch.Tensor) -> None:
+        self.waited_s = 0.0
         self._event: torch.cuda.Event | None = None
         if tensor.device.type == "cuda":
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -92,6 +99,8 @@ class HostCopy:
     def get(self) -> torch.Tensor:
         """The values in host memory (waits for the copy the first time)."""
         if self._event is not None:
+            start = time.perf_counter()
             self._event.synchronize()
+            self.waited_s = time.perf_counter() - start
             self._event = None
         return self._tensor.cpu()

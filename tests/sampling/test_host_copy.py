@@ -42,3 +42,26 @@ def test_reading_does_not_wait_for_work_queued_after_the_copy():
     torch.cuda.synchronize()
     assert got == [2 * i for i in range(8)]
     assert still_running, "get() waited for the kernel queued after the copy"
+
+
+def test_waited_is_zero_where_there_is_nothing_to_wait_for():
+    copy = HostCopy(torch.arange(3))
+    assert copy.waited_s == 0.0
+    copy.get()
+    assert copy.waited_s == 0.0
+
+
+@needs_cuda
+def test_waited_counts_the_time_get_blocked_on_work_queued_before_the_copy():
+    """A copy queued behind ~0.2 s of spinning: the first ``get`` blocks until it lands and says
+    how long (``waited_s``, what the engine reports as a step's host wait); a second read does
+    not wait again."""
+    ids = torch.arange(8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s (at ~2 GHz) queued before the copy
+    copy = HostCopy(ids + 1)
+    assert copy.get().tolist() == [i + 1 for i in range(8)]
+    assert copy.waited_s > 0.05
+    first = copy.waited_s
+    copy.get()
+    assert copy.waited_s == first
