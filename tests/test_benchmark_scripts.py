@@ -191,3 +191,18 @@ def test_a_benchmark_given_a_missing_model_says_so_in_one_line(tmp_path):
     assert "Traceback" not in out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0]
+
+
+def test_scheduler_cost_times_full_decode_batches(tmp_path: Path) -> None:
+    """Every timed step schedules the whole batch, one token each (the script refuses any other
+    step); per-request time is the step's total over the batch."""
+    out = tmp_path / "sched.json"
+    args = ["--batch-sizes", "1,8", "--prompt-len", "64", "--steps", "5", "--repeats", "2", "--out", str(out)]
+    proc = _run([str(ROOT / "benchmarks" / "scheduler_cost.py"), *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["batch"] for r in rows] == [1, 8]
+    for r in rows:
+        assert r["schedule_ms"] > 0 and r["complete_ms"] > 0
+        assert r["total_ms"] == pytest.approx(r["schedule_ms"] + r["complete_ms"])
+        assert r["us_per_request"] == pytest.approx(1e3 * r["total_ms"] / r["batch"])

@@ -325,32 +325,23 @@ class LLMEngine:
         """Process a launched step's outputs (the only host sync on its sampled tokens);
         ``next_launch``: when the step after it started, for a step processed after that one
         was launched (its period then ends there)."""
-        waited = 0.0
         if step.verified is not None:
             v = step.verified
             finished = self.scheduler.complete_tokens(step.sched, v.token_ids, v.logprobs, self.eos_token_ids)
         else:
-            tokens = step.host_ids.get().tolist()
-            waited = step.host_ids.waited_s
-            finished = self.scheduler.complete(step.sched, tokens, step.logprobs, self.eos_token_ids)
-        self._record_step(step.sched, finished, step.t0, step.verified, waited)
+            finished = self.scheduler.complete(
+                step.sched, step.host_ids.get().tolist(), step.logprobs, self.eos_token_ids
+            )
+        self._record_step(step, finished)
         if self.spec is not None:
             end = time.perf_counter() if next_launch is None else next_launch
             self.spec.observe_step(step.sched, end - step.t0, overlapped=next_launch is not None)
             self.spec.observe(step.sched, step.hidden)
         return finished
 
-    def _record_step(
-        self,
-        sched: SchedulerOutput,
-        finished: list[Request],
-        t0: float,
-        verified: VerifyResult | None = None,
-        host_wait_s: float = 0.0,
-    ) -> None:
-        """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook
-        (``host_wait_s``: how long the host waited for the step's sampled tokens)."""
-        now = time.monotonic()
+    def _record_step(self, step: _Launched, finished: list[Request]) -> None:
+        """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
+        sched, verified, now = step.sched, step.verified, time.monotonic()
         for req in sched.requests:
             m = self._req_metrics.get(req.request_id)
             if m is not None and m.first_scheduled_time is None:
@@ -375,7 +366,7 @@ class LLMEngine:
             num_preempted=len(sched.preempted),
             num_finished=len(finished),
             cache_usage=self.runner.kv_cache.usage(),
-            step_time_s=time.perf_counter() - t0,
+            step_time_s=time.perf_counter() - step.t0,
             num_prompt_tokens=num_prompt_tokens,
             num_generated_tokens=len(sampled) if verified is None else sum(map(len, verified.token_ids)),
             num_draft_tokens=sum(c.num_draft for c in sched.chunks),
@@ -384,7 +375,7 @@ class LLMEngine:
             num_replayed_tokens=sched.num_replayed_tokens,
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
-            host_wait_s=host_wait_s,
+            host_wait_s=step.host_ids.waited_s if step.host_ids is not None else 0.0,
         )
         self.metrics.update(stats)
         if self._want_stats:

@@ -418,9 +418,7 @@ class ModelRunner:
         if not self.graph_manager.graphs("mixed") or any(c.all_logits for c in chunks):
             return None
         bucket = self.graph_manager.bucket("mixed", sum(c.num_tokens for c in chunks))
-        if bucket is None or num_rows > self._mixed_rows(bucket):
-            return None
-        return bucket
+        return None if bucket is None or num_rows > self._mixed_rows(bucket) else bucket
 
     def _capture_mixed_graphs(self) -> None:
         """One ``mixed`` graph per token bucket (64, 128, ... below ``mixed_graph_max_tokens`` or

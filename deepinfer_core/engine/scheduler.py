@@ -139,8 +139,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        decoding: list[tuple[Request, int]] = []  # with their uncomputed tokens
-        prefilling: list[tuple[Request, int]] = []
+        decoding, prefilling = [], []  # (request, its uncomputed tokens)
         max_model_len = self.max_model_len
         for r in self.running:
             if r.num_pending and r.will_finish_by_length(max_model_len):
@@ -219,9 +218,8 @@ class Scheduler:
             req.page_hashes.append(self.kv_cache.register_page(req.block_table[j], prev, tokens))
 
     def _chunk_size(self, req: Request, budget: int, remaining: int) -> int:
-        """Tokens of ``req`` to run within ``budget`` (0 if an unchunked prompt does not fit), of
-        its ``remaining`` uncomputed ones; a decoding request's draft tokens come on top of its
-        token (cut to the budget)."""
+        """Tokens of ``req`` to run within ``budget`` of its ``remaining`` uncomputed ones (0 if an
+        unchunked prompt does not fit); a decode's drafts come on top of its token (cut to it)."""
         if remaining == 1 and req.draft_token_ids:
             return min(1 + len(req.draft_token_ids), budget)
         if remaining <= budget:
@@ -231,8 +229,7 @@ class Scheduler:
     def _fit_running(
         self, req: Request, budget: int, scheduled: set[int], out: SchedulerOutput, remaining: int
     ) -> int:
-        """Chunk size for a running request with ``remaining`` uncomputed tokens, allocating its
-        pages; preempts others if needed."""
+        """``req``'s chunk size (of its ``remaining`` tokens), its pages allocated (may preempt)."""
         n = self._chunk_size(req, budget, remaining)
         if n == 0:
             return 0
@@ -275,12 +272,9 @@ class Scheduler:
             drafts = req.draft_token_ids = drafts[: end - known] if known == num_tokens else []
         pending = end - known - len(drafts)
         assert req.seq_slot is not None and pending <= req.num_pending
-        if known > start:
-            token_ids = req.token_slice(start, known)
-            if pending or drafts:
-                token_ids += [0] * pending + drafts
-        else:  # (async decode) only the pending token, or it and drafts
-            token_ids = [0] * pending + drafts if drafts else [0] * pending
+        token_ids = req.token_slice(start, known) if known > start else []  # (async decode: none)
+        if pending or drafts:
+            token_ids += [0] * pending + drafts
         sample = end == num_tokens + req.num_pending + len(drafts)
         out.chunks.append(
             SeqChunk(
@@ -359,8 +353,7 @@ class Scheduler:
         finished = []
         row = -1
         page_size = self.kv_cache.page_size
-        max_model_len = self.max_model_len
-        running, done = RequestStatus.RUNNING, RequestStatus.FINISHED
+        max_model_len, running, done = self.max_model_len, RequestStatus.RUNNING, RequestStatus.FINISHED
         for req, chunk in zip(out.requests, out.chunks, strict=True):
             row += chunk.sample
             status = req.status
