@@ -233,7 +233,7 @@ class ModelRunner:
         """:meth:`execute` but for keeping the hidden rows."""
         page_size = self.page_size
         for c in chunks:
-            if len(c.block_table) * page_size < c.start_pos + len(c.token_ids):
+            if len(c.block_table) * page_size < c.end_pos:
                 raise ValueError(
                     f"slot {c.seq_slot}: block table of {len(c.block_table)} pages cannot hold "
                     f"{c.end_pos} positions (page_size {page_size})"

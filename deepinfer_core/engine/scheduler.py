@@ -142,7 +142,7 @@ class Scheduler:
         decoding, prefilling = [], []  # (request, its uncomputed tokens)
         max_model_len = self.max_model_len
         for r in self.running:
-            if r.num_pending and r.will_finish_by_length(max_model_len):
+            if r.will_finish_by_length(max_model_len):
                 continue
             uncomputed = r.num_uncomputed_tokens
             if uncomputed == 1:
