@@ -7,10 +7,10 @@ and no further from the float64 product than twice the reference's distance; a r
 not depend on the other rows of its call.
 
 **Here**: which calls the backend's ``linear`` gives the GEMV (``supports``: where the shipped
-table measured it faster than cuBLAS, the LM head at 1 to 16 rows; on the kernels' device, not in
-the batch-invariant mode) and the reason it names for the others; the one-row programs' rows;
-both kernels compile for sm_90 and, with PDL, wait for the kernel before them ahead of their
-first global load.
+table measured it faster than cuBLAS: the LM head at 1 to 16 rows, the narrow plain weights at
+one row; on the kernels' device, not in the batch-invariant mode) and the reason it names for
+the others; the one-row programs' rows; both kernels compile for sm_90 and, with PDL, wait for
+the kernel before them ahead of their first global load.
 
 **GPU**: V4-Flash's LM head (``129280 x 4096``) at 1, 4, 16 rows against the reference, through
 the backend's op table, and replayed in a CUDA graph bitwise.
@@ -122,15 +122,20 @@ def head() -> torch.Tensor:
 
 
 def test_supports_takes_the_gemv_where_the_table_measured_it_faster(head):
-    """The shipped SM90 table holds the head at 1, 4 and 16 rows, the GEMV faster there: those
-    calls, and the rows between them, take it; other weights, dtypes and row counts keep cuBLAS
-    (through the reference), with the reason."""
+    """The shipped SM90 table holds the head at 1, 2, 4 and 16 rows, the GEMV faster there: those
+    calls, and the rows between them, take it; a narrow plain weight (a compressor's 2048 x 4096)
+    takes it at one row only, where it was faster; other weights, dtypes and row counts keep
+    cuBLAS (through the reference), with the reason."""
     from deepinfer_cuda_sm100.gemm_dispatch import dense_refusal
 
     sup = _linear_supports()
     for rows in (1, 2, 4, 9, 16):
         assert sup(_bf16(rows, HEAD[1]), head) is True, rows
     assert sup(_bf16(2, 3, HEAD[1]), head) is True  # [..., K] rows
+    narrow = _bf16(2048, 4096)
+    assert sup(_bf16(1, 4096), narrow) is True
+    for rows in (2, 4, 16):
+        assert "cuBLAS, as measured" in dense_refusal(_bf16(rows, 4096), narrow, interpreted=True), rows
     unmeasured = [
         (_bf16(1, 4096), _bf16(8192, 4096)),  # a weight the table has no point of
         (torch.empty(1, 4096, dtype=torch.float16), head.view(torch.float16)),  # fp16: unmeasured
