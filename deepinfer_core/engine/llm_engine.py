@@ -342,34 +342,36 @@ class LLMEngine:
     def _record_step(self, step: _Launched, finished: list[Request]) -> None:
         """Per-request timestamps, this step's :class:`StepStats` into :attr:`metrics` and the hook."""
         sched, verified, now = step.sched, step.verified, time.monotonic()
-        for req in sched.requests:
-            m = self._req_metrics.get(req.request_id)
+        metrics, dropped = self._req_metrics, {id(r) for r in sched.discarded}  # (async: ran finished)
+        num_tokens = num_decode_seqs = num_draft = num_sampled = num_prompt_tokens = 0
+        for req, c in zip(sched.requests, sched.chunks, strict=True):  # one pass (large batches)
+            n, num_draft = len(c.token_ids), num_draft + c.num_draft
+            num_tokens += n
+            num_decode_seqs += n - c.num_draft == 1 and c.start_pos > 0
+            m = metrics.get(req.request_id)
             if m is not None and m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        dropped = {id(r) for r in sched.discarded}  # async: ran after they had finished
-        sampled = [r for r in sched.sampling_requests if id(r) not in dropped]
-        num_prompt_tokens = 0
-        for req in sampled:
-            m = self._req_metrics.get(req.request_id)
+            if not c.sample or id(req) in dropped:
+                continue
+            num_sampled += 1
             if m is not None and req.output_token_ids:
                 m.last_token_time = now
-                if m.first_token_time is None:
-                    m.first_token_time = now
+                m.first_token_time = now if m.first_token_time is None else m.first_token_time
             if len(req.output_token_ids) == 1:  # the step that completed its prompt
                 num_prompt_tokens += req.num_prompt_tokens
         self._num_steps += 1
         stats = StepStats(
             step=self._num_steps,
             num_seqs=len(sched.chunks),
-            num_tokens=sched.num_tokens,
-            num_decode_seqs=sum(c.num_tokens - c.num_draft == 1 and c.start_pos > 0 for c in sched.chunks),
+            num_tokens=num_tokens,
+            num_decode_seqs=num_decode_seqs,
             num_preempted=len(sched.preempted),
             num_finished=len(finished),
             cache_usage=self.runner.kv_cache.usage(),
             step_time_s=time.perf_counter() - step.t0,
             num_prompt_tokens=num_prompt_tokens,
-            num_generated_tokens=len(sampled) if verified is None else sum(map(len, verified.token_ids)),
-            num_draft_tokens=sum(c.num_draft for c in sched.chunks),
+            num_generated_tokens=num_sampled if verified is None else sum(map(len, verified.token_ids)),
+            num_draft_tokens=num_draft,
             num_accepted_tokens=0 if verified is None else verified.num_accepted,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
             num_replayed_tokens=sched.num_replayed_tokens,

@@ -85,7 +85,8 @@ class SamplingBatch:
                 default each request's ``num_tokens`` (right when its outputs are up to date).
         """
         params = [r.params for r in rows]
-        penalised = any(p.has_penalties for p in params)
+        distinct = {id(p): p for p in params}.values()  # requests often share one params object
+        penalised = any(p.has_penalties for p in distinct)
         return cls(
             temperatures=[p.temperature for p in params],
             top_ps=[p.top_p for p in params],
@@ -99,11 +100,15 @@ class SamplingBatch:
             repetition_penalties=[p.repetition_penalty for p in params] if penalised else None,
             prompt_token_ids=[r.prompt_token_ids for r in rows] if penalised else None,
             output_token_ids=[r.output_token_ids for r in rows] if penalised else None,
-            logit_bias=[p.logit_bias for p in params],
-            allowed_token_ids=[p.allowed_token_ids for p in params],
+            logit_bias=[p.logit_bias for p in params] if any(p.logit_bias for p in distinct) else None,
+            allowed_token_ids=[p.allowed_token_ids for p in params]
+            if any(p.allowed_token_ids is not None for p in distinct)
+            else None,
             banned_token_ids=[
                 min_tokens_banned(r.params, len(r.output_token_ids), eos_token_ids) for r in rows
-            ],
+            ]
+            if any(p.min_tokens for p in distinct)
+            else None,
         )
 
     def prepare(self, device: torch.device | str, vocab_size: int) -> SamplingTensors:
