@@ -307,6 +307,7 @@ class Bench(Runner):
         a = self.args
         llm = self.ours_engine(seqs, a.chunk)
         run_llm(llm, self.prompts(f"warmup-decode{batch}", batch, min(a.prompt_len, 128)), 4)
+        log(f"  warmed up; measuring {batch} prompts of {a.prompt_len} tokens")  # a stall shows which
         outs, steps, wall = run_llm(llm, self.prompts(f"decode-B{batch}", batch, a.prompt_len), a.new_tokens)
         d = decode_stats(outs, steps, batch, a.new_tokens)
         row = self.row(f"ours.decode.B{batch}", d["decode_tok_s"], batch, batch=batch, max_num_seqs=seqs)

@@ -107,6 +107,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     dist.add_argument(
         "--eplb", metavar="JSON", help="expert-parallel load balancing: a JSON object of its fields"
     )
+    parser.add_argument(
+        "--device-timeout-s",
+        type=float,
+        help="seconds to wait for a step's results from the device before the run ends with an error "
+        "(0 = no limit; default 600)",
+    )
     parser.add_argument("--log-level", help="debug, info, warning or error")
 
 
@@ -127,7 +133,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         "enable_prefix_caching", "async_scheduling", "replay_tail", "batch_invariant", "enforce_eager",
         "mixed_graph_max_tokens", "scheduler", "keep_quantized", "log_level", "data_parallel_size",
         "enable_expert_parallel", "context_parallel_size", "distributed_backend", "distributed_timeout_s",
-        "eplb",
+        "eplb", "device_timeout_s",
     )  # fmt: skip
     kwargs = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     spec = {

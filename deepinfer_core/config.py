@@ -177,6 +177,10 @@ class EngineConfig(BaseModel):
     distributed_timeout_s: float = 600.0
     """Seconds a collective may wait (a rank that died or hangs) before the run ends with an
     error naming the rank."""
+    device_timeout_s: float = 600.0
+    """Seconds the engine waits for a step's results from the device (its sampled tokens) before
+    the run ends with a ``DeviceTimeoutError`` saying so (a hung kernel or device); ``0`` = wait
+    as long as it takes."""
     eplb: EPLBConfig | None = None
     """Expert-parallel load balancing (:class:`EPLBConfig`, or a dict / JSON object of its
     fields); ``None`` = off.  Needs ``enable_expert_parallel``."""
@@ -213,6 +217,13 @@ class EngineConfig(BaseModel):
     def _non_negative(cls, value: int) -> int:
         if not 0 <= value < MAX_INT_OPTION:
             raise ValueError(f"must be >= 0 (0 = off) and < 2**31 ({MAX_INT_OPTION})")
+        return value
+
+    @field_validator("device_timeout_s")
+    @classmethod
+    def _non_negative_float(cls, value: float) -> float:
+        if not value >= 0 or value == float("inf"):
+            raise ValueError("must be >= 0 (0 = no limit) and finite")
         return value
 
     @field_validator("kv_cache_memory_gb", "distributed_timeout_s")

@@ -45,6 +45,11 @@ class DistributedError(DeepInferError):
     engine could not start.  The message names the rank and where its log is."""
 
 
+class DeviceTimeoutError(DeepInferError):
+    """The device did not finish a step's work within ``device_timeout_s`` (a hung kernel or
+    device); the message says what was waited for and for how long."""
+
+
 def user_error_line(exc: BaseException) -> str | None:
     """The one ``error:`` line a command prints for a failure the user caused (a
     :class:`DeepInferError`, or an ``OSError`` on a path they named), ``None`` for any other."""

@@ -162,3 +162,15 @@ def test_resolved_values():
     assert c.resolved_quantized_formats(("fp4_experts",)) == ("fp4_experts",)
     assert EngineConfig(keep_quantized=True).resolved_quantized_formats() == ("fp8_block", "fp4_experts")
     assert EngineConfig(keep_quantized=False).resolved_quantized_formats(("fp8_block",)) == ()
+
+
+def test_device_timeout_is_a_non_negative_number_of_seconds():
+    """``device_timeout_s``: 600 by default, 0 turns the limit off; a negative, NaN or infinite
+    value is refused naming the field, from an argument or its environment variable."""
+    assert EngineConfig().device_timeout_s == 600.0 and EngineConfig(device_timeout_s=0).device_timeout_s == 0
+    assert EngineConfig.load(env={"DEEPINFER_DEVICE_TIMEOUT_S": "2.5"}).device_timeout_s == 2.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="device_timeout_s.*must be >= 0"):
+            EngineConfig(device_timeout_s=bad)
+    with pytest.raises(ConfigError, match=r"'-3' \(from environment variable DEEPINFER_DEVICE_TIMEOUT_S\)"):
+        EngineConfig.load(env={"DEEPINFER_DEVICE_TIMEOUT_S": "-3"})

@@ -318,8 +318,8 @@ class LLMEngine:
         self.structured.apply(batch, requests, masks)
         if any(r.logits_processors for r in requests):
             logits = self.processors.apply(logits.float(), list(requests))
-        sampled = self.sampler(logits, batch)
-        return _Launched(sched, sampled.token_ids, HostCopy(sampled.token_ids), sampled.logprobs, t0)
+        ids, logprobs = (sampled := self.sampler(logits, batch)).token_ids, sampled.logprobs
+        return _Launched(sched, ids, HostCopy(ids, self.config.device_timeout_s), logprobs, t0)
 
     def _complete(self, step: _Launched, next_launch: float | None = None) -> list[Request]:
         """Process a launched step's outputs (the only host sync on its sampled tokens);

@@ -8,9 +8,14 @@ from __future__ import annotations
 import itertools
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
+
+from deepinfer_core.errors import DeviceTimeoutError
+
+SPIN_S = 0.01
+"""How long :func:`wait_until` polls without pause before it polls once a millisecond."""
 
 
 class Packer:
@@ -80,13 +85,20 @@ class HostCopy:
     Elsewhere the tensor is kept and :meth:`get` returns it on the CPU (a blocking copy where
     it is not already there).
 
+    Args:
+        tensor: the device tensor to copy.
+        timeout_s: seconds :meth:`get` waits for the copy before it raises
+            :class:`~deepinfer_core.errors.DeviceTimeoutError` (the engine's
+            ``device_timeout_s``); ``0`` waits as long as it takes.
+
     Attributes:
         waited_s: seconds the first :meth:`get` blocked on the copy (0 until then, and where
             there is no event to wait for): near 0 when the host, not the device, is behind.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, timeout_s: float = 0.0) -> None:
         self.waited_s = 0.0
+        self._timeout_s = timeout_s
         self._event: torch.cuda.Event | None = None
         if tensor.device.type == "cuda":
             host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -100,7 +112,28 @@ class HostCopy:
         """The values in host memory (waits for the copy the first time)."""
         if self._event is not None:
             start = time.perf_counter()
-            self._event.synchronize()
+            if self._timeout_s > 0:
+                wait_until(self._event.query, self._timeout_s, "a step's results (its sampled tokens)")
+            else:
+                self._event.synchronize()
             self.waited_s = time.perf_counter() - start
             self._event = None
         return self._tensor.cpu()
+
+
+def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Return once ``done()`` is true; raise :class:`~deepinfer_core.errors.DeviceTimeoutError`
+    naming ``what`` when it is still false after ``timeout_s`` seconds.  Polls without pause for
+    the first :data:`SPIN_S` seconds (a wait for a step's tokens is usually shorter: no latency
+    added), then once a millisecond; a device event has no timed wait."""
+    start = time.perf_counter()
+    while not done():
+        waited = time.perf_counter() - start
+        if waited > timeout_s:
+            raise DeviceTimeoutError(
+                f"the device has not delivered {what} after {waited:.0f} s (device_timeout_s={timeout_s:g}): "
+                "a kernel or the device may be hung; the engine cannot go on (raise device_timeout_s "
+                "if steps this long are expected)"
+            )
+        if waited > SPIN_S:
+            time.sleep(0.001)

@@ -4,10 +4,14 @@ async scheduling overlap the host's bookkeeping of step N with the device's step
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
-from deepinfer_core.sampling.transfer import HostCopy
+from deepinfer_core.errors import DeviceTimeoutError
+from deepinfer_core.sampling.transfer import HostCopy, wait_until
 
 needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend runs (conftest.py)
 
@@ -65,3 +69,45 @@ def test_waited_counts_the_time_get_blocked_on_work_queued_before_the_copy():
     first = copy.waited_s
     copy.get()
     assert copy.waited_s == first
+
+
+def test_wait_until_returns_once_the_condition_holds():
+    """The poll returns soon after the condition turns true (here set by another thread after
+    0.05 s, past the first 10 ms of polling without sleeping), well before the limit."""
+    done = threading.Event()
+    timer = threading.Timer(0.05, done.set)
+    start = time.perf_counter()
+    timer.start()
+    wait_until(done.is_set, 30.0, "the flag")
+    waited = time.perf_counter() - start
+    timer.join()
+    assert done.is_set() and 0.04 < waited < 5.0
+
+
+def test_wait_until_raises_one_line_naming_what_it_waited_for_and_the_limit():
+    start = time.perf_counter()
+    with pytest.raises(DeviceTimeoutError) as info:
+        wait_until(lambda: False, 0.05, "a step's results (its sampled tokens)")
+    assert time.perf_counter() - start >= 0.05
+    message = str(info.value)
+    assert "\n" not in message and "a step's results (its sampled tokens)" in message
+    assert "device_timeout_s=0.05" in message and "hung" in message
+
+
+@needs_cuda
+def test_a_copy_behind_a_stalled_device_ends_in_a_timeout_error_not_a_hang():
+    """A copy queued behind ~1 s of device work, read with a 0.1 s limit: ``get`` raises
+    :class:`DeviceTimeoutError` after about the limit instead of waiting; with a limit longer
+    than the work, the values arrive and the wait is reported."""
+    ids = torch.arange(8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning queued before the copy
+    copy = HostCopy(ids + 1, timeout_s=0.1)
+    start = time.perf_counter()
+    with pytest.raises(DeviceTimeoutError, match="device_timeout_s=0.1"):
+        copy.get()
+    assert time.perf_counter() - start < 0.9
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)  # ~0.2 s
+    patient = HostCopy(ids + 2, timeout_s=30.0)
+    assert patient.get().tolist() == [i + 2 for i in range(8)] and patient.waited_s > 0.05
