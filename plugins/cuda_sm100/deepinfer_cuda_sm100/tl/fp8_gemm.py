@@ -71,6 +71,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer_cuda_sm100.tl.compile_log import logged_compile
 from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
 from deepinfer_cuda_sm100.tl.target import cuda_target
 
@@ -409,6 +410,7 @@ PASS_CONFIGS: dict = {}
 
 
 @functools.cache
+@logged_compile("fp8_gemm")
 def _kernel(kind: str, *args):
     """A compiled kernel: ``("gemm", n, k, block_m, splits, stages, scale kind, pdl, groups[,
     wide[, fused]])`` or ``("combine", n, splits, pdl)``."""

@@ -43,6 +43,7 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
+from .compile_log import logged_compile
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, entries_problem, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -180,6 +181,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int) -> int:
 
 
 @functools.cache
+@logged_compile("indexer")
 def _kernel(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):
     """A compiled kernel (TileLang keeps compiled kernels in its disk cache), with the PDL
     prologue when ``pdl``.  The gathers read the pool through a flat view beyond the bounds of

@@ -36,6 +36,7 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
+from .compile_log import logged_compile
 from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
@@ -188,6 +189,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 
 
 @functools.cache
+@logged_compile("indexer_grouped")
 def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP, pdl: bool = False):
     """A compiled kernel (TileLang's disk cache keeps it), with the PDL prologue when ``pdl``;
     bounds guards off, as the one-token kernel's (the gathers read the pool through a flat

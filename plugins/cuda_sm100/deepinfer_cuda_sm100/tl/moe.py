@@ -151,6 +151,7 @@ import functools
 import torch
 
 from deepinfer_cuda_sm100.e2m1_ptx import TABLE_FP32_PTX, TABLE_UE8M0_PTX, e2m1x8_bf16_ptx
+from deepinfer_cuda_sm100.tl.compile_log import logged_compile
 from deepinfer_cuda_sm100.tl.pdl import prologue, tl_pdl_enabled
 from deepinfer_cuda_sm100.tl.target import cuda_target
 
@@ -714,6 +715,7 @@ PASS_CONFIGS: dict = {}
 
 
 @functools.cache
+@logged_compile("moe")
 def _kernel(
     kind: str,
     hidden: int,

@@ -53,6 +53,7 @@ import torch
 from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
+from .compile_log import logged_compile
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -388,6 +389,7 @@ def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
 
 
 @functools.cache
+@logged_compile("sparse_attention")
 def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8=None, pdl=False):
     """A compiled kernel (TileLang keeps compiled kernels in its disk cache): ``kind``
     ``"attention"`` (:func:`build_attention`'s arguments, ``fp8`` a :class:`Fp8Geometry` or

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from . import sparse_attention as sa
+from .compile_log import logged_compile
 from .page_division import page_and_slot
 from .pdl import prologue
 from .sparse_attention import BH, LOG2E
@@ -574,6 +575,7 @@ def registers(fp8: sa.Fp8Geometry | None, schedule: Schedule = DEFAULT) -> tuple
 
 
 @functools.cache
+@logged_compile("sparse_attention_ws")
 def _kernel(
     paged: bool,
     split: bool,
