@@ -131,9 +131,8 @@ def wait_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
         waited = time.perf_counter() - start
         if waited > timeout_s:
             raise DeviceTimeoutError(
-                f"the device has not delivered {what} after {waited:.0f} s (device_timeout_s={timeout_s:g}): "
-                "a kernel or the device may be hung; the engine cannot go on (raise device_timeout_s "
-                "if steps this long are expected)"
+                f"the device has not delivered {what} after {waited:.3g} s (device_timeout_s={timeout_s:g}): "
+                "a kernel or the device may be hung (raise device_timeout_s if steps this long are expected)"
             )
         if waited > SPIN_S:
             time.sleep(0.001)
