@@ -38,6 +38,7 @@ from deepinfer_core.engine.spec_verify import emitted_logprobs, rejection
 from deepinfer_core.errors import ConfigError
 from deepinfer_core.plugins.lookup import ComponentLookup, subclass_of
 from deepinfer_core.sampling.batch import SamplingBatch
+from deepinfer_core.sampling.transfer import HostCopy
 from deepinfer_core.speculative.drafter import DraftContext, Drafter, RowView
 from deepinfer_core.speculative.estimates import AcceptanceEstimates
 from deepinfer_core.speculative.policy import (
@@ -316,7 +317,7 @@ class SpeculativeDecoder:
         if any(r.logits_processors for r in reqs):
             logits = processor_rows(engine.processors, logits.float(), reqs, drafts, owner)
         sampled = engine.sampler(logits, batch)
-        targets = sampled.token_ids.tolist()
+        targets = HostCopy(sampled.token_ids, engine.config.device_timeout_s).get().tolist()
         if self.config.acceptance == "rejection" and any(drafts):
             emitted = rejection(
                 engine.sampler,
