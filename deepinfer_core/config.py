@@ -178,9 +178,9 @@ class EngineConfig(BaseModel):
     """Seconds a collective may wait (a rank that died or hangs) before the run ends with an
     error naming the rank."""
     device_timeout_s: float = 600.0
-    """Seconds the engine waits for a step's results from the device (its sampled tokens) before
-    the run ends with a ``DeviceTimeoutError`` saying so (a hung kernel or device); ``0`` = wait
-    as long as it takes."""
+    """Seconds the engine waits for a step's results from the device (its sampled tokens, or a
+    verify step's target tokens) before the run ends with a ``DeviceTimeoutError`` saying so (a
+    hung kernel or device); ``0`` = wait as long as it takes."""
     eplb: EPLBConfig | None = None
     """Expert-parallel load balancing (:class:`EPLBConfig`, or a dict / JSON object of its
     fields); ``None`` = off.  Needs ``enable_expert_parallel``."""

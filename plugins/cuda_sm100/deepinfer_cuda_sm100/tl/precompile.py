@@ -168,7 +168,7 @@ def _sms(given: int = 0) -> int:
 def _compile(module: str, config: tuple) -> float:
     """Compile one configuration: ``deepinfer_cuda_sm100.tl.<module>._kernel(*config)`` (its time
     is printed here, so the engine's warning about a compile is not)."""
-    logging.getLogger(compile_log.logger.name).setLevel(logging.ERROR)
+    compile_log.logger.setLevel(logging.ERROR)
     t0 = time.perf_counter()
     importlib.import_module(f"deepinfer_cuda_sm100.tl.{module}")._kernel(*config)
     return time.perf_counter() - t0
