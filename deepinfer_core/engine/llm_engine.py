@@ -345,8 +345,8 @@ class LLMEngine:
         metrics, dropped = self._req_metrics, {id(r) for r in sched.discarded}  # (async: ran finished)
         num_tokens = num_decode_seqs = num_draft = num_sampled = num_prompt_tokens = 0
         for req, c in zip(sched.requests, sched.chunks, strict=True):  # one pass (large batches)
-            n, num_draft = len(c.token_ids), num_draft + c.num_draft
-            num_tokens += n
+            n = len(c.token_ids)
+            num_tokens, num_draft = num_tokens + n, num_draft + c.num_draft
             num_decode_seqs += n - c.num_draft == 1 and c.start_pos > 0
             m = metrics.get(req.request_id)
             if m is not None and m.first_scheduled_time is None:
