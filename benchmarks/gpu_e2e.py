@@ -28,7 +28,7 @@ import _gpu_model as gm  # noqa: E402
 from deepinfer_core import LLM  # noqa: E402
 from deepinfer_core.benchmarking import harness as h  # noqa: E402
 from deepinfer_core.benchmarking.harness import log, positive_ints  # noqa: E402
-from deepinfer_core.distributed.cost_model import GPUS  # noqa: E402
+from deepinfer_core.distributed.cost_model import device_hbm_bandwidth  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 
@@ -36,7 +36,6 @@ OUT = ROOT / "benchmarks" / "results" / "gpu_e2e.json"
 LAYERS, SEED, FMTS = 4, 0, ("bf16", "fp8_fp4")  # SEED: prompts and weights
 BATCHES = (1, 16, 64, 256)  # the decode steps whose weight bytes the report gives
 BF16_FLOPS = 989e12  # an H100's / H200's dense bf16 FLOP/s: the prefill rooflines'
-ROOFLINE_GPUS = {"H200": "h200", "H100": "h800", "H800": "h800"}  # cost-model preset of each GPU kind
 BUILD_S = 75.0  # --time-budget a job that builds an engine needs beyond its start
 HF_IMPL = ("attn_implementation", "experts_implementation")  # HF's choices, kept with its figures
 # (full run, --smoke) values; flags left unset take their mode's; prefill rows: (prompts, length)
@@ -234,10 +233,10 @@ def hbm_bandwidth(device: str) -> tuple[float, str]:
     model's preset of the GPU that runs (H200: 4.24 TB/s, measured on one; H100 and H800, the same
     HBM3: 3.0 TB/s, FlashMLA's achieved on the H800), the H200's for another device (said so)."""
     name = torch.cuda.get_device_name() if device == "cuda" else device
-    kind = next((k for k in ROOFLINE_GPUS if k in name.upper()), None)
-    if kind is None:
+    bandwidth, kind, known = device_hbm_bandwidth(name)
+    if not known:
         log(f"roofline: no preset for {name!r}; the H200's HBM bandwidth is used")
-    return GPUS[ROOFLINE_GPUS[kind or "H200"]].hbm_bw, kind or f"H200 (for {name})"
+    return bandwidth, kind
 
 
 class Bench(Runner):

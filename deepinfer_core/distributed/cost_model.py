@@ -46,6 +46,20 @@ GPUS: dict[str, GpuSpec] = {  # sources: docs/distributed_cost_model.md
     "h800": GpuSpec("H800", 3.0e12, 80e9, 805e12, 1550e12, 153e9, 45e9),
 }
 
+DEVICE_PRESETS = {"H200": "h200", "H100": "h800", "H800": "h800"}
+"""The :data:`GPUS` preset of each GPU kind, by a word of the name CUDA reports (the H100 and the
+H800 share the H800's HBM3 figures)."""
+
+
+def device_hbm_bandwidth(name: str) -> tuple[float, str, bool]:
+    """HBM bytes/s of the preset for a CUDA device name (``"NVIDIA H100 80GB HBM3"``: the H800's
+    3.0e12), the GPU kind it is for, and whether a preset matched (if not, the H200's stands in
+    and the kind says so)."""
+    kind = next((k for k in DEVICE_PRESETS if k in name.upper()), None)
+    if kind is None:
+        return GPUS["h200"].hbm_bw, f"H200 (for {name})", False
+    return GPUS[DEVICE_PRESETS[kind]].hbm_bw, kind, True
+
 
 @dataclass(frozen=True)
 class WeightFormat:

@@ -132,3 +132,21 @@ def test_time_bounds(flash):
         assert t["max"] <= t["sum"]
         assert t["max"] == pytest.approx(max(t["hbm"], t["compute"], t["network"]) + t["overhead"])
         assert r["tok_s_per_gpu_max"] == pytest.approx(b / t["max"])
+
+
+@pytest.mark.parametrize(
+    "name, preset, kind",
+    [
+        ("NVIDIA H200", "h200", "H200"),
+        ("NVIDIA H100 80GB HBM3", "h800", "H100"),
+        ("NVIDIA H800", "h800", "H800"),
+        ("NVIDIA A100-SXM4-80GB", "h200", None),
+    ],
+)
+def test_device_hbm_bandwidth_is_the_preset_of_the_named_gpu(name, preset, kind):
+    """A CUDA device name maps to its kind's preset (an H100's HBM3 is the H800's); another GPU
+    gets the H200's figure and a kind that says it stands in."""
+    bandwidth, got_kind, known = cm.device_hbm_bandwidth(name)
+    assert bandwidth == cm.GPUS[preset].hbm_bw
+    assert known == (kind is not None)
+    assert got_kind == (kind or f"H200 (for {name})")

@@ -14,9 +14,11 @@ sliding-window layer (SWA: the window of 128 split between the ring and this ste
 the first context only, as it does not depend on it), a CSA layer (the window plus the
 indexer's top-512 compressed entries) and an HCA layer (the window plus every compressed
 entry of ratio 128 through a paged index).  Each
-time is compared with the roofline ``max(bytes / 4.24e12, flops / 790e12)`` (the H200's
-measured copy bandwidth and bf16 matrix rate), bytes counting the key rows, queries,
-outputs and index lists once.
+time is compared with the roofline ``max(bytes / HBM, flops / 790e12)``: HBM the copy bandwidth
+of the GPU that runs (the distributed cost model's preset: 4.24e12 measured on an H200, 3.0e12 on
+an H100 / H800; ``--peak-bytes`` sets it), 790e12 the bf16 matrix rate measured on an H200 (the
+H100 SXM has the same SMs and clocks); bytes counting the key rows, queries, outputs and index
+lists once.
 
 **Indexer top-k** (64 heads of dim 128, k = 512) on ``T x C`` candidates: ``128 x 16384``,
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
@@ -50,9 +52,9 @@ import indexer_tilelang  # noqa: E402
 from graph_timing import gpu_run_header  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
+from deepinfer_core.distributed.cost_model import device_hbm_bandwidth  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
-PEAK_BYTES = 4.24e12  # B/s: H200 device-to-device copy, measured
 PEAK_FLOPS = 790e12  # FLOP/s: H200 dense bf16 matrix product, measured
 
 from attention_inputs import (  # noqa: E402
@@ -96,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-graphs", action="store_true", help="time plain launches instead of CUDA graph replays"
     )
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between calls")
+    p.add_argument(
+        "--peak-bytes",
+        type=float,
+        default=None,
+        help="HBM bytes/s of the roofline (default: the running GPU's preset: 4.24e12 H200, 3.0e12 H100)",
+    )
     p.add_argument(
         "--tune",
         action="store_true",
@@ -171,8 +179,17 @@ class Timer:
         return max(self._run(fn) - self._flush_ms, 1e-4)
 
 
-def roofline_ms(bytes_: float, flops: float) -> float:
-    return 1e3 * max(bytes_ / PEAK_BYTES, flops / PEAK_FLOPS)
+def roofline_ms(bytes_: float, flops: float, peak_bytes: float) -> float:
+    return 1e3 * max(bytes_ / peak_bytes, flops / PEAK_FLOPS)
+
+
+def device_peak_bytes() -> tuple[float, str]:
+    """The running GPU's HBM bytes/s (its cost-model preset; the H200's, said so, for another
+    GPU) and the GPU kind it is for."""
+    bandwidth, kind, known = device_hbm_bandwidth(torch.cuda.get_device_name())
+    if not known:
+        print(f"roofline: {kind}: no preset for this GPU; the H200's HBM bandwidth is used")
+    return bandwidth, kind
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +241,7 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
             plan = ka.plan_launch(batch, HEADS, ka.max_keys_of(args[2]), cfg, args[0].device)
             row["plan"] = f"{'split' if plan.split else 'direct'} chunk={plan.chunk} x{plan.nsplit}"
             row["ms"] = timer.ms(lambda args=args: ka.sparse_attention(*args))
-            row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+            row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"], a.peak_bytes)
             row["gbps"] = inp["bytes"] / row["ms"] / 1e6
             row["choice_key"] = {"kind": choice_kind(args[2], args[1]), "keys": tla.max_keys(args[2])}
             attention_tilelang.measure(row, args, reference, timer.ms, a.check)
@@ -322,7 +339,7 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
         if a.check:
             exact = select_topk_torch(scores, k, cand)
             row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
-        row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"])
+        row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"], a.peak_bytes)
         indexer_tilelang.measure(row, args, scores, timer.ms, a.tune)
         if a.tune:
             row["tune"] = tune_indexer(args, scores, timer)
@@ -419,11 +436,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_attention: no CUDA GPU is visible; run this on a GPU machine", file=sys.stderr)
         return 2
     timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
+    peak, gpu = device_peak_bytes()
+    a.peak_bytes = a.peak_bytes or peak
     results: dict = {
         **gpu_run_header("cuda_sm100 attention kernels (sparse_attention, indexer_topk)", local_time=True),
         "graphs": not a.no_graphs,
         "l2_flush": not a.no_flush,
-        "peak_bytes_per_s": PEAK_BYTES,
+        "roofline_gpu": gpu,
+        "peak_bytes_per_s": a.peak_bytes,
         "peak_flops": PEAK_FLOPS,
     }
     if a.only in (None, "attention"):
