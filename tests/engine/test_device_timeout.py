@@ -3,6 +3,8 @@ with one :class:`~deepinfer_core.errors.DeviceTimeoutError` line instead of a si
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from deepinfer_core import LLM
@@ -22,10 +24,15 @@ def test_a_step_stalled_on_the_device_raises_the_timeout_error():
     for limit, stalls in ((0.2, True), (600.0, False)):
         llm = LLM(backend="cuda_sm100", device="cuda", max_num_seqs=2, device_timeout_s=limit)
         engine = llm.engine
+        # The same request once first: every kernel's module is loaded before the spin (a
+        # first launch behind it would wait for the device while loading)
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], params, use_tqdm=False)
         engine.add_request("a", [5, 6, 7, 8], params)
         torch.cuda.synchronize()
         torch.cuda._sleep(4_000_000_000)  # ~2 s of spinning queued before the step's kernels
+        start = time.perf_counter()
         engine.step()  # launches the prompt's step behind the spin; async: returns at once
+        assert time.perf_counter() - start < 1.0, "launching the step waited for the device"
         if stalls:
             with pytest.raises(DeviceTimeoutError) as info:
                 engine.step()

@@ -60,10 +60,12 @@ def test_waited_counts_the_time_get_blocked_on_work_queued_before_the_copy():
     """A copy queued behind ~0.2 s of spinning: the first ``get`` blocks until it lands and says
     how long (``waited_s``, what the engine reports as a step's host wait); a second read does
     not wait again."""
-    ids = torch.arange(8, device="cuda")
+    # The values are computed before the spin: a kernel's first launch may load its module,
+    # which waits for the device (CUDA's lazy loading), and the copy would land before get()
+    values = torch.arange(8, device="cuda") + 1
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s (at ~2 GHz) queued before the copy
-    copy = HostCopy(ids + 1)
+    copy = HostCopy(values)
     assert copy.get().tolist() == [i + 1 for i in range(8)]
     assert copy.waited_s > 0.05
     first = copy.waited_s
@@ -100,14 +102,15 @@ def test_a_copy_behind_a_stalled_device_ends_in_a_timeout_error_not_a_hang():
     :class:`DeviceTimeoutError` after about the limit instead of waiting; with a limit longer
     than the work, the values arrive and the wait is reported."""
     ids = torch.arange(8, device="cuda")
+    first, second = ids + 1, ids + 2  # before the spins: no module loads behind them
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning queued before the copy
-    copy = HostCopy(ids + 1, timeout_s=0.1)
+    copy = HostCopy(first, timeout_s=0.1)
     start = time.perf_counter()
     with pytest.raises(DeviceTimeoutError, match="device_timeout_s=0.1"):
         copy.get()
     assert time.perf_counter() - start < 0.9
     torch.cuda.synchronize()
     torch.cuda._sleep(400_000_000)  # ~0.2 s
-    patient = HostCopy(ids + 2, timeout_s=30.0)
+    patient = HostCopy(second, timeout_s=30.0)
     assert patient.get().tolist() == [i + 2 for i in range(8)] and patient.waited_s > 0.05
