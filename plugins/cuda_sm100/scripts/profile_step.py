@@ -37,6 +37,13 @@ On a GPU with three or more profiled steps it also reports the steady state: the
 period between consecutive steps' first once-a-step kernel and the device's active and idle
 time in it (JSON: ``steady_state``), which leaves out a first step that starts behind.
 
+``--prefill N`` profiles prefill instead: each profiled step admits ``--batch`` requests of ``N``
+fresh tokens (distinct first tokens, so no prefix is cached), prefills them in one chunk
+(``max_num_batched_tokens`` = batch x N) and samples their first tokens; the tables are then
+per prefill of ``batch x N`` tokens, with its tokens/s (``1 x 8192`` and ``16 x 512`` are
+``gpu_e2e.py``'s prefill shapes; ``--keep-quantized on`` / ``off`` compares the weights' formats
+kernel by kernel).
+
 ``--trace PATH`` writes the profiled steps as a Chrome trace (``chrome://tracing``, Perfetto):
 every kernel with its stream, start and end, and the host's operators and CUDA API calls.
 
@@ -54,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import random
@@ -61,6 +69,7 @@ import re
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,6 +106,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="profiled decode steps (default 10)")
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="profile prefills of --batch requests of N tokens each instead of decode steps",
+    )
     p.add_argument("--warmup", type=int, default=3, help="decode steps before profiling (default 3)")
     p.add_argument("--keep-quantized", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format (e.g. fp8)")
@@ -114,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", type=Path, help="also write the profiled steps as a Chrome trace (JSON)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/profile_step.json"))
     a = p.parse_args(argv)
+    if a.prefill < 0:
+        p.error(f"--prefill {a.prefill}: give a prompt length >= 1 (0: profile decode steps)")
     for flag, what in (("sites", "source lines"), ("host", "functions"), ("gaps", "pairs")):
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: give a count of {what} >= 0")
@@ -150,8 +167,42 @@ def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, in
     return llm, budget - a.warmup
 
 
-def profile_steps(llm: LLM, steps: int) -> tuple[float, profile]:
-    """Wall seconds per step over ``steps`` profiled steps, and the profile."""
+def prefill_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Callable[[], None]]:
+    """An engine that prefills ``--batch`` prompts of ``--prefill`` tokens in one chunk, and the
+    unit of work to profile: admit that many fresh prompts and step until their first tokens
+    are out (after ``--warmup`` such units).  ``eager`` as in :func:`decoding_engine`."""
+    keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
+    llm = LLM(
+        model=a.model,
+        backend=a.backend,
+        max_num_seqs=a.batch,
+        max_num_batched_tokens=a.batch * a.prefill,
+        max_model_len=a.prefill + 8,
+        keep_quantized=keep,
+        kv_cache_dtype=a.kv_cache_dtype,
+        enforce_eager=eager,
+    )
+    engine = llm.engine
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    body = [rng.randrange(4, vocab) for _ in range(a.prefill)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    firsts = itertools.count()
+
+    def prefill() -> None:
+        for _ in range(a.batch):  # a distinct first token: no cached prefix
+            n = next(firsts)
+            engine.add_request(f"p{n}", [4 + n % (vocab - 4), *body[1:]], params)
+        while engine.has_unfinished():
+            engine.step()
+
+    for _ in range(a.warmup):
+        prefill()
+    return llm, prefill
+
+
+def profile_steps(llm: LLM, step: Callable[[], object], steps: int) -> tuple[float, profile]:
+    """Wall seconds per step over ``steps`` profiled calls of ``step``, and the profile."""
     cuda = torch.cuda.is_available() and llm.config.device.startswith("cuda")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -159,7 +210,7 @@ def profile_steps(llm: LLM, steps: int) -> tuple[float, profile]:
         sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            llm.engine.step()
+            step()
         sync()
         wall = (time.perf_counter() - t0) / steps
     return wall, prof
@@ -203,7 +254,9 @@ WAITS = ("tolist", "item", "synchronize", "cpu", "wait")
 """Built-in methods in which the host waits on the device (their time is not the host's own)."""
 
 
-def host_profile(llm: LLM, steps: int) -> tuple[float, float, list[tuple[str, float]]]:
+def host_profile(
+    llm: LLM, step: Callable[[], object], steps: int
+) -> tuple[float, float, list[tuple[str, float]]]:
     """Over ``steps`` engine steps: wall ms per step without a profiler, the host's waits on the
     device per step under :mod:`cProfile` (ms), and DeepInfer's functions by cumulative ms per
     step under :mod:`cProfile`, most first."""
@@ -212,13 +265,13 @@ def host_profile(llm: LLM, steps: int) -> tuple[float, float, list[tuple[str, fl
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
-        llm.engine.step()
+        step()
     sync()
     wall = (time.perf_counter() - t0) / steps * 1e3
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
-        llm.engine.step()
+        step()
     sync()
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
@@ -231,11 +284,11 @@ def host_profile(llm: LLM, steps: int) -> tuple[float, float, list[tuple[str, fl
     return wall, waits / steps * 1e3, sorted(funcs, key=lambda kv: -kv[1])
 
 
-def operator_sites(llm: LLM, steps: int) -> list[tuple[str, float]]:
-    """Operators per step by calling source line over ``steps`` engine steps, most first."""
+def operator_sites(step: Callable[[], object], steps: int) -> list[tuple[str, float]]:
+    """Operators per step by calling source line over ``steps`` calls of ``step``, most first."""
     with _SiteCounter() as counter:
         for _ in range(steps):
-            llm.engine.step()
+            step()
     return sorted(((k, v / steps) for k, v in counter.calls.items()), key=lambda kv: -kv[1])
 
 
@@ -349,18 +402,31 @@ def breakdown(
     return dict(by_kind), sorted(by_name.items(), key=lambda kv: -kv[1]), dict(calls)
 
 
+def workload(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Callable[[], object], int]:
+    """The engine, the unit to profile (a decode step, or with ``--prefill`` a prefill of fresh
+    prompts) and how many units it has left."""
+    if a.prefill:
+        llm, prefill = prefill_engine(a, eager)
+        return llm, prefill, 3 * a.steps + 1
+    llm, left = decoding_engine(a, eager)
+    return llm, llm.engine.step, left
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
-    llm, left = decoding_engine(a)
+    llm, step, left = workload(a)
     steps = min(a.steps, left)
-    wall, prof = profile_steps(llm, steps)
+    wall, prof = profile_steps(llm, step, steps)
     device = llm.config.device.startswith("cuda") and torch.cuda.is_available()
     by_kind, by_name, calls = breakdown(prof, steps, device)
     busy = sum(by_kind.values())
     active = union_length(device_intervals(prof)) / steps if device else None
     what = "device kernels" if device else "CPU operators (self time)"
     launches = sum(calls.values())
-    print(f"{llm.engine.backend.name} on {llm.config.device}, batch {a.batch}: {wall * 1e3:.3f} ms per step")
+    unit = f"prefill of {a.batch} x {a.prefill} tokens" if a.prefill else "step"
+    rate = f" ({a.batch * a.prefill / wall:,.0f} tok/s)" if a.prefill else ""
+    where = f"{llm.engine.backend.name} on {llm.config.device}, batch {a.batch}"
+    print(f"{where}: {wall * 1e3:.3f} ms per {unit}{rate}")
     print(
         f"{what}: {busy / 1e3:.3f} ms per step"
         + (f", active {active / 1e3:.3f} ms, idle {wall * 1e3 - active / 1e3:.3f} ms" if device else "")
@@ -386,6 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
         "backend": llm.engine.backend.name,
         "device": llm.config.device,
         "batch": a.batch,
+        "prefill": a.prefill,
+        "unit": unit,
         "steps": steps,
         "measured": what,
         "wall_ms_per_step": wall * 1e3,
@@ -415,7 +483,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.host:
         left -= steps
         host_steps = min(a.steps, left // 2)  # the plain pass, then the profiled one
-        plain, waits, funcs = host_profile(llm, host_steps)
+        plain, waits, funcs = host_profile(llm, step, host_steps)
         print(
             f"without the profiler: {plain:.3f} ms per step; under cProfile the host waits on the "
             f"device {waits:.3f} ms per step; the {a.host} DeepInfer functions with the most host time:"
@@ -429,8 +497,8 @@ def main(argv: list[str] | None = None) -> dict:
         }
     llm.shutdown()
     if a.sites:
-        eager, left = decoding_engine(a, eager=True)
-        sites = operator_sites(eager, min(a.steps, left))
+        eager, eager_step, left = workload(a, eager=True)
+        sites = operator_sites(eager_step, min(a.steps, left))
         eager.shutdown()
         total = sum(n for _, n in sites)
         print(f"operators per step without graphs: {total:.0f}; the {a.sites} busiest source lines:")

@@ -107,6 +107,52 @@ def test_a_profiled_cpu_decode_step_is_accounted_for(tmp_path):
     assert kinds.get("dense gemm", 0) > 0  # the tiny model's projections run as matmuls
 
 
+def test_a_prefill_unit_runs_fresh_prompts_in_one_chunk():
+    """``--prefill``: each unit admits ``--batch`` prompts of that many tokens, none served from
+    the prefix cache, all run through the model in one step of ``batch x prefill`` tokens, and
+    each samples its first token."""
+    mod = _module()
+    a = mod.parse_args(["--prefill", "24", "--batch", "2", "--warmup", "1"])
+    llm, prefill = mod.prefill_engine(a)
+    try:
+        engine = llm.engine
+        tokens_per_step = []
+        step = engine.step
+
+        def counted_step():
+            scheduled = engine.metrics.num_scheduled_tokens
+            out = step()
+            tokens_per_step.append(engine.metrics.num_scheduled_tokens - scheduled)
+            return out
+
+        engine.step = counted_step
+        before = engine.get_metrics()
+        prefill()
+        after = engine.get_metrics()
+        assert after["num_finished_requests"] - before["num_finished_requests"] == 2
+        assert after["num_prefix_hit_tokens"] == 0  # warm-up included: no prompt repeats a prefix
+        assert after["num_generated_tokens"] - before["num_generated_tokens"] == 2
+        assert [n for n in tokens_per_step if n] == [2 * 24]  # one chunk of both prompts
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_profiled_cpu_prefill_is_accounted_for(tmp_path):
+    report = _module().main(
+        ["--prefill", "16", "--batch", "2", "--steps", "2", "--out", str(tmp_path / "p.json")]
+    )
+    assert report["unit"] == "prefill of 2 x 16 tokens" and report["prefill"] == 16
+    assert 0 < report["busy_ms_per_step"] <= report["wall_ms_per_step"] * 1.05
+
+
+def test_a_negative_prefill_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        _module().parse_args(["--prefill", "-8"])
+    assert e.value.code == 2
+    assert "--prefill -8: give a prompt length >= 1 (0: profile decode steps)" in capsys.readouterr().err
+
+
 def test_activity_intervals_come_from_the_profile():
     """The intervals the active time is taken over are the profile's own events: on a CPU, the
     operators' (nested, so their union is at most the profiled wall time)."""
