@@ -31,8 +31,10 @@ A call takes the path the measured table of this GPU's architecture
 (:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"linear_fp8"``, kind ``"w8a16"`` or
 ``"w8a8"``, keyed by the weight's ``N x K`` and the call's rows ``M``; re-measured by ``python
 plugins/cuda_sm100/scripts/bench_fp8_gemm.py --write-choices``) found fastest at the nearest
-measured ``M``, Triton where no point was measured.  Batch-invariant mode always takes Triton
-(cuBLAS picks kernels by the whole shape; the TileLang GEMM's tile and splits change with M).
+measured ``M``.  Where no point was measured around the call, a W8A16 call of more than
+:data:`PREFILL_ROWS` rows takes ``"cublas"`` and any other Triton (:func:`default_path`).
+Batch-invariant mode always takes Triton (cuBLAS picks kernels by the whole shape; the
+TileLang GEMM's tile and splits change with M).
 The TileLang GEMM's K splits are measured too (:mod:`deepinfer_cuda_sm100.gemm_splits`). The
 choice depends on static shapes only, so a captured graph replays what it captured.
 """
@@ -67,6 +69,15 @@ GROUPED_OP = "grouped_linear_fp8"
 """The op name of the grouped GEMM points in the measured table."""
 GROUPED_PATHS = frozenset({"triton", "cublas", "tilelang"})
 """The paths of the grouped GEMM (W8A16 only)."""
+PREFILL_ROWS = 256
+"""Above this many rows, a W8A16 call the table has no point around takes ``"cublas"`` (the
+weight dequantised, then cuBLAS), not the Triton GEMM.  Such a call is compute-bound: the
+GEMM's FLOPs grow with the rows while the extra pass over the weight does not, and Triton's
+W8A16 tile runs well below cuBLAS's tensor-core rate there.  The shipped table's points: at
+1,024, 4,096 and 8,192 rows (six V4-Flash weight shapes, an H200) the cuBLAS path is 1.9-4.8x
+faster than Triton at all 18; at 256 rows (an H100) faster at 9 of the 10 weights (the
+grouped one included), 0.94x at the other; the TileLang GEMM takes at most 256 rows.  At most this
+many rows the decode kernels are the measured choice, so an unmeasured call keeps Triton."""
 PATHS = {
     "w8a16": frozenset({"triton", "cublas", "tilelang"}),
     "w8a8": frozenset({"triton", "scaled_mm"}),
@@ -116,19 +127,28 @@ def choose_path(x: torch.Tensor, weight) -> str:
     paths = PATHS[math] if math == "w8a16" or scaled_mm.available() else frozenset({"triton"})
     n, k = weight.data.shape
     m = x.numel() // max(k, 1)
-    return _choose_usable(x, weight, 0, (OP, math, _DTYPES[x.dtype], n, k, m, k), paths)
+    default = default_path(m) if math == "w8a16" else "triton"
+    return _choose_usable(x, weight, 0, (OP, math, _DTYPES[x.dtype], n, k, m, k), paths, default)
 
 
-def _choose_usable(x: torch.Tensor, weight, groups: int, key: tuple, paths: frozenset[str]) -> str:
+def default_path(rows: int) -> str:
+    """The W8A16 path of a call of ``rows`` rows where the table has no point around it:
+    ``"cublas"`` above :data:`PREFILL_ROWS`, else ``"triton"``."""
+    return "cublas" if rows > PREFILL_ROWS else "triton"
+
+
+def _choose_usable(
+    x: torch.Tensor, weight, groups: int, key: tuple, paths: frozenset[str], default: str
+) -> str:
     """The table's choice for ``key`` (op, kind, dtype, heads, head dim, tokens, keys) among
-    ``paths``; where that is TileLang but the kernel cannot take the call
-    (:func:`tilelang_usable` with ``groups``), the choice among the others.  The TileLang checks
-    run only where the table picks it: the other calls stay a memoised lookup."""
+    ``paths``, ``default`` where no point decides; where that is TileLang but the kernel cannot
+    take the call (:func:`tilelang_usable` with ``groups``), the choice among the others.  The
+    TileLang checks run only where the table picks it: the other calls stay a memoised lookup."""
     arch = kernel_choice.device_arch(x.device)
-    choice = kernel_choice.choose(*key, arch, paths)
+    choice = kernel_choice.choose(*key, arch, paths, default=default)
     if choice == "tilelang" and not tilelang_usable(x, weight, groups):
         paths = paths - {"tilelang"}
-        choice = kernel_choice.choose(*key, arch, paths)
+        choice = kernel_choice.choose(*key, arch, paths, default=default)
     return choice if choice in paths else "triton"
 
 
@@ -161,7 +181,7 @@ def choose_grouped_path(x: torch.Tensor, weight) -> str:
     t, groups, k = x.shape
     rows = weight.data.shape[0]
     key = (GROUPED_OP, "w8a16", _DTYPES[x.dtype], rows, k, t, groups)
-    return _choose_usable(x, weight, groups, key, GROUPED_PATHS)
+    return _choose_usable(x, weight, groups, key, GROUPED_PATHS, default_path(t))
 
 
 def cublas_grouped_linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -157,6 +157,35 @@ def test_the_table_picks_the_faster_path_at_the_nearest_m():
     assert pick(4096, n=1024) == "triton"  # another weight shape: unmeasured
 
 
+def test_a_call_the_table_has_no_point_around_takes_cublas_above_the_prefill_rows(monkeypatch):
+    """Past the measured rows, or at an unmeasured weight shape, a W8A16 call of more than
+    ``PREFILL_ROWS`` rows takes the dequantise-then-cuBLAS path (compute-bound: the measured
+    prefill points all favour it), a smaller one Triton; a measured point still decides."""
+    from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
+    from deepinfer_cuda_sm100.gemm_dispatch import OP, PATHS, PREFILL_ROWS, _choose_usable, default_path
+
+    n, k = 512, 256
+    kernel_choice.forget()
+    monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: _points(64, n, k)[:2])  # M = 1, 16
+    w = _weight(torch.Generator().manual_seed(2), n, k)
+    try:
+
+        def pick(m, rows=n):
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            key = (OP, "w8a16", "bfloat16", rows, k, m, k)
+            return _choose_usable(x, w, 0, key, PATHS["w8a16"], default_path(m))
+
+        assert [pick(m) for m in (1, 16)] == ["triton", "triton"]  # measured: Triton faster
+        assert [pick(m) for m in (64, PREFILL_ROWS)] == ["triton", "triton"]  # past them, small
+        assert [pick(m) for m in (PREFILL_ROWS + 1, 8192)] == ["cublas", "cublas"]
+        assert pick(8192, rows=1024) == "cublas" and pick(32, rows=1024) == "triton"  # unmeasured
+        assert gemm_dispatch.default_path(PREFILL_ROWS) == "triton"
+    finally:
+        monkeypatch.undo()
+        kernel_choice.forget()
+
+
 def test_a_path_is_never_chosen_past_the_token_range_it_was_timed_over():
     from deepinfer_cuda_sm100 import kernel_choice
     from deepinfer_cuda_sm100.gemm_dispatch import OP, PATHS
@@ -232,7 +261,8 @@ def test_gpu_dispatcher_takes_the_measured_path_and_replays_it(monkeypatch):
     op = gemm_dispatch.make_linear(linear_fp8)
     g = torch.Generator().manual_seed(3)
     w = _weight(g, n, k, "fp32", "cuda")
-    for m, path in ((1, "triton"), (16, "triton"), (2048, "cublas")):
+    # 4096 rows: past the table's points, so the prefill default (gemm_dispatch.PREFILL_ROWS)
+    for m, path in ((1, "triton"), (16, "triton"), (2048, "cublas"), (4096, "cublas")):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
         assert gemm_dispatch.choose_path(x, w) == path
         if path == "cublas":
