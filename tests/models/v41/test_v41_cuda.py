@@ -53,6 +53,7 @@ def test_cuda_graphs_equal_eager_bitwise(model, request):
     if model == "v41_dspark_dir":
         dspark = {"method": "dspark", "drafter": "dspark"}
         spec = _gpu_llm(model_dir, batch_invariant=True, speculative=dspark)
+        assert spec.engine.runner.graph_manager.graphs("dspark"), "no DSpark block graph was captured"
         outs = spec.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
         assert spec.get_metrics()["speculative"]["num_draft_tokens"] > 0
