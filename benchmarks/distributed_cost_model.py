@@ -15,6 +15,7 @@ sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys
 
 from deepinfer_core.benchmarking.harness import parser, print_table, run_main, write_json  # noqa: E402
 from deepinfer_core.distributed import cost_model as cm  # noqa: E402
+from deepinfer_core.distributed.gpu_specs import GPUS, GpuSpec  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 
 WORLDS, BATCHES, CONTEXTS = (1, 2, 8, 16, 32, 64), (64, 256, 1024), (4096, 32768)
@@ -53,7 +54,7 @@ def _row(phase: str, world: int, b: float, ctx: float, r: dict, routing: cm.Rout
     }  # fmt: skip
 
 
-def scaling_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
+def scaling_table(gpu: GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
     """V4-Flash decode per GPU for each context, world size and batch per GPU."""
     m, rows = v4_flash(), []
     for ctx in CONTEXTS:
@@ -64,7 +65,7 @@ def scaling_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") 
     return rows
 
 
-def prefill_table(gpu: cm.GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
+def prefill_table(gpu: GpuSpec, routing: cm.Routing, fmt: str = "fp8_mxfp4") -> list[dict[str, Any]]:
     """V4-Flash prefill per GPU: 8k tokens per GPU of 32k / 128k prompts without CP, and each
     prompt split over C = min(8, world) ranks (CP); throughput and the prompt's TTFT."""
     m, rows = v4_flash(), []
@@ -95,11 +96,11 @@ def print_rows(title: str, rows: list[dict[str, Any]], extra: str = "") -> None:
 def main(argv: list[str] | None = None) -> None:
     """Print the V4-Flash scaling tables; write the JSON."""
     ap = parser(__doc__, "distributed_cost_model", threads=None)  # --output (--out, --json)
-    ap.add_argument("--gpu", choices=sorted(cm.GPUS), default="h200")
+    ap.add_argument("--gpu", choices=sorted(GPUS), default="h200")
     ap.add_argument("--fmt", choices=sorted(cm.FORMATS), default="fp8_mxfp4", help="V4-Flash's weights")
     ap.add_argument("--zipf", type=float, default=0.3, help="skew of the skewed routing scenarios")
     args = ap.parse_args(argv)
-    gpu, m = cm.GPUS[args.gpu], v4_flash()
+    gpu, m = GPUS[args.gpu], v4_flash()
     print(
         f"{m.name}: {m.total_params / 1e9:.1f}B parameters + embedding, {m.active_params / 1e9:.2f}B active "
         f"per token; GPU {gpu.name}; weights {args.fmt}; KV fp8 (584 B / entry)"

@@ -28,7 +28,7 @@ import _gpu_model as gm  # noqa: E402
 from deepinfer_core import LLM  # noqa: E402
 from deepinfer_core.benchmarking import harness as h  # noqa: E402
 from deepinfer_core.benchmarking.harness import log, positive_ints  # noqa: E402
-from deepinfer_core.distributed.cost_model import device_hbm_bandwidth  # noqa: E402
+from deepinfer_core.distributed.gpu_specs import device_hbm_bandwidth  # noqa: E402
 from deepinfer_core.models.deepseek_v4.config import DeepseekV4Config  # noqa: E402
 from deepinfer_core.models.deepseek_v4.loader import load_checkpoint  # noqa: E402
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer_core.distributed.cost_model import GPUS
+from deepinfer_core.distributed.gpu_specs import GPUS
 
 pytestmark = pytest.mark.slow  # fresh interpreters running whole benchmarks (~14 s)
 

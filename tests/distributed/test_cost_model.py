@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer_core.distributed import cost_model as cm
+from deepinfer_core.distributed import gpu_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,7 +57,7 @@ def test_shape_matches_parameter_inventory():
 
 def test_expert_bytes_fall_as_one_over_ep(flash):
     """Every expert touched (large batch, uniform routing): expert bytes per GPU x EP is constant."""
-    gpu = cm.GPUS["h200"]
+    gpu = gpu_specs.GPUS["h200"]
     per = []
     for ep in (1, 2, 4, 8, 16, 32, 64):
         r = cm.step(flash, gpu, cm.deployment(ep), tokens=4096, ctx=4096)
@@ -87,7 +88,7 @@ def test_prob_any_monte_carlo():
 
 def test_dispatch_bytes_uniform(flash):
     """ll dispatch: tokens x top-k x hidden x bytes x (1 - 1/EP); combine the same rows in bf16."""
-    gpu = cm.GPUS["h200"]
+    gpu = gpu_specs.GPUS["h200"]
     T, k, D = 128, flash.top_k, flash.hidden
     for ep in (2, 8, 16, 64):
         net = cm.a2a_bytes(flash, cm.Deployment(world=ep, ep=ep), gpu, T, T * k)
@@ -125,7 +126,7 @@ def test_eplb_lowers_imbalance(flash):
 
 
 def test_time_bounds(flash):
-    gpu = cm.GPUS["h200"]
+    gpu = gpu_specs.GPUS["h200"]
     for w, b in ((1, 64), (8, 256), (64, 1024)):
         r = cm.step(flash, gpu, cm.deployment(w), tokens=b, ctx=4096)
         t = r["time"]
@@ -146,7 +147,7 @@ def test_time_bounds(flash):
 def test_device_hbm_bandwidth_is_the_preset_of_the_named_gpu(name, preset, kind):
     """A CUDA device name maps to its kind's preset (an H100's HBM3 is the H800's); another GPU
     gets the H200's figure and a kind that says it stands in."""
-    bandwidth, got_kind, known = cm.device_hbm_bandwidth(name)
-    assert bandwidth == cm.GPUS[preset].hbm_bw
+    bandwidth, got_kind, known = gpu_specs.device_hbm_bandwidth(name)
+    assert bandwidth == gpu_specs.GPUS[preset].hbm_bw
     assert known == (kind is not None)
     assert got_kind == (kind or f"H200 (for {name})")

@@ -1,16 +1,35 @@
 """The inputs of ``bench_attention.py``: DeepSeek-V4-Flash attention and indexer calls on the
 GPU (decode batches, prefill chunks, packed FP8 pools), with the bytes and FLOPs of their
-rooflines."""
+rooflines, and the roofline itself (the running GPU's HBM bandwidth, the bf16 matrix rate)."""
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer_core.distributed.gpu_specs import device_hbm_bandwidth
 from deepinfer_core.ops.attention import PagedIndex
 
 HEADS, HEAD_DIM, WINDOW, TOPK = 64, 512, 128, 512
 CSA_RATIO, HCA_RATIO, PAGE = 4, 128, 256
 INDEX_HEADS, INDEX_DIM, INDEX_TOPK = 64, 128, 512
+PEAK_FLOPS = 790e12
+"""FLOP/s of the rooflines: the H200's dense bf16 matrix product, measured (the H100 SXM has the
+same SMs and clocks)."""
+
+
+def roofline_ms(bytes_: float, flops: float, peak_bytes: float) -> float:
+    """The roofline of a call in ms: its bytes at ``peak_bytes`` B/s or its FLOPs at
+    :data:`PEAK_FLOPS`, whichever takes longer."""
+    return 1e3 * max(bytes_ / peak_bytes, flops / PEAK_FLOPS)
+
+
+def device_peak_bytes() -> tuple[float, str]:
+    """The running GPU's HBM bytes/s (its cost-model preset; the H200's, said so, for another
+    GPU) and the GPU kind it is for."""
+    bandwidth, kind, known = device_hbm_bandwidth(torch.cuda.get_device_name())
+    if not known:
+        print(f"roofline: {kind}: no preset for this GPU; the H200's HBM bandwidth is used")
+    return bandwidth, kind
 
 
 def decode_inputs(batch: int, context: int, layer: str, dtype: torch.dtype, g: torch.Generator) -> dict:

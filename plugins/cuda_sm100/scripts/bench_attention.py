@@ -13,12 +13,10 @@ of ``--prefill`` queries of one request ending at the context; for each of ``--l
 sliding-window layer (SWA: the window of 128 split between the ring and this step's rows, at
 the first context only, as it does not depend on it), a CSA layer (the window plus the
 indexer's top-512 compressed entries) and an HCA layer (the window plus every compressed
-entry of ratio 128 through a paged index).  Each
-time is compared with the roofline ``max(bytes / HBM, flops / 790e12)``: HBM the copy bandwidth
-of the GPU that runs (the distributed cost model's preset: 4.24e12 measured on an H200, 3.0e12 on
-an H100 / H800; ``--peak-bytes`` sets it), 790e12 the bf16 matrix rate measured on an H200 (the
-H100 SXM has the same SMs and clocks); bytes counting the key rows, queries, outputs and index
-lists once.
+entry of ratio 128 through a paged index).  Each time is compared with the roofline ``max(bytes /
+HBM, flops / 790e12)`` (``attention_inputs.roofline_ms``: HBM the running GPU's preset, 4.24e12 on
+an H200, 3.0e12 on an H100, or ``--peak-bytes``), bytes counting the key rows, queries, outputs
+and index lists once.
 
 **Indexer top-k** (64 heads of dim 128, k = 512) on ``T x C`` candidates: ``128 x 16384``,
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
@@ -52,19 +50,20 @@ import indexer_tilelang  # noqa: E402
 from graph_timing import gpu_run_header  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
-from deepinfer_core.distributed.cost_model import device_hbm_bandwidth  # noqa: E402
 
 DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
-PEAK_FLOPS = 790e12  # FLOP/s: H200 dense bf16 matrix product, measured
 
 from attention_inputs import (  # noqa: E402
     HEAD_DIM,
     HEADS,
     INDEX_TOPK,
+    PEAK_FLOPS,
     decode_inputs,
+    device_peak_bytes,
     indexer_inputs,
     packed_inputs,
     prefill_inputs,
+    roofline_ms,
 )
 
 
@@ -99,10 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-flush", action="store_true", help="keep the L2 warm between calls")
     p.add_argument(
-        "--peak-bytes",
-        type=float,
-        default=None,
-        help="HBM bytes/s of the roofline (default: the running GPU's preset: 4.24e12 H200, 3.0e12 H100)",
+        "--peak-bytes", type=float, help="HBM bytes/s of the roofline (default: the running GPU's preset)"
     )
     p.add_argument(
         "--tune",
@@ -177,19 +173,6 @@ class Timer:
         if self._flush_ms is None:
             self._flush_ms = self._run(lambda: None)
         return max(self._run(fn) - self._flush_ms, 1e-4)
-
-
-def roofline_ms(bytes_: float, flops: float, peak_bytes: float) -> float:
-    return 1e3 * max(bytes_ / peak_bytes, flops / PEAK_FLOPS)
-
-
-def device_peak_bytes() -> tuple[float, str]:
-    """The running GPU's HBM bytes/s (its cost-model preset; the H200's, said so, for another
-    GPU) and the GPU kind it is for."""
-    bandwidth, kind, known = device_hbm_bandwidth(torch.cuda.get_device_name())
-    if not known:
-        print(f"roofline: {kind}: no preset for this GPU; the H200's HBM bandwidth is used")
-    return bandwidth, kind
 
 
 # ---------------------------------------------------------------------------------------------

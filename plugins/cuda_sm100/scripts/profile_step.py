@@ -61,10 +61,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import itertools
 import json
 import pstats
-import random
 import re
 import sys
 import time
@@ -76,8 +74,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from deepinfer_core import LLM, SamplingParams
+from deepinfer_core import LLM
 from deepinfer_core.benchmarking.harness import run_main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_workloads import workload  # noqa: E402
 
 KINDS: tuple[tuple[str, str], ...] = (
     ("attention", r"sparse_attention|attention|_attn|flash"),
@@ -135,70 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(a, flag) < 0:
             p.error(f"--{flag} {getattr(a, flag)}: give a count of {what} >= 0")
     return a
-
-
-def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, int]:
-    """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left.
-    ``eager``: built with ``enforce_eager=True`` (no device graphs)."""
-    keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
-    budget = a.warmup + a.steps * (3 if a.host and not eager else 1) + 4
-    llm = LLM(
-        model=a.model,
-        backend=a.backend,
-        max_num_seqs=a.batch,
-        max_model_len=a.prompt_len + budget + 8,
-        keep_quantized=keep,
-        kv_cache_dtype=a.kv_cache_dtype,
-        enforce_eager=eager,
-    )
-    engine = llm.engine
-    rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
-    for i in range(a.batch):
-        engine.add_request(f"p{i}", [rng.randrange(4, vocab) for _ in range(a.prompt_len)], params)
-    running = engine.scheduler.running
-    for _ in range(a.batch * a.prompt_len + 16):  # prefill chunks, at most one token each
-        if len(running) == a.batch and all(r.output_token_ids for r in running):
-            break
-        engine.step()
-    for _ in range(a.warmup):
-        engine.step()
-    return llm, budget - a.warmup
-
-
-def prefill_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Callable[[], None]]:
-    """An engine that prefills ``--batch`` prompts of ``--prefill`` tokens in one chunk, and the
-    unit of work to profile: admit that many fresh prompts and step until their first tokens
-    are out (after ``--warmup`` such units).  ``eager`` as in :func:`decoding_engine`."""
-    keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
-    llm = LLM(
-        model=a.model,
-        backend=a.backend,
-        max_num_seqs=a.batch,
-        max_num_batched_tokens=a.batch * a.prefill,
-        max_model_len=a.prefill + 8,
-        keep_quantized=keep,
-        kv_cache_dtype=a.kv_cache_dtype,
-        enforce_eager=eager,
-    )
-    engine = llm.engine
-    rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    body = [rng.randrange(4, vocab) for _ in range(a.prefill)]
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    firsts = itertools.count()
-
-    def prefill() -> None:
-        for _ in range(a.batch):  # a distinct first token: no cached prefix
-            n = next(firsts)
-            engine.add_request(f"p{n}", [4 + n % (vocab - 4), *body[1:]], params)
-        while engine.has_unfinished():
-            engine.step()
-
-    for _ in range(a.warmup):
-        prefill()
-    return llm, prefill
 
 
 def profile_steps(llm: LLM, step: Callable[[], object], steps: int) -> tuple[float, profile]:
@@ -400,16 +337,6 @@ def breakdown(
     for name, us in by_name.items():
         by_kind[kind_of(name)] += us
     return dict(by_kind), sorted(by_name.items(), key=lambda kv: -kv[1]), dict(calls)
-
-
-def workload(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Callable[[], object], int]:
-    """The engine, the unit to profile (a decode step, or with ``--prefill`` a prefill of fresh
-    prompts) and how many units it has left."""
-    if a.prefill:
-        llm, prefill = prefill_engine(a, eager)
-        return llm, prefill, 3 * a.steps + 1
-    llm, left = decoding_engine(a, eager)
-    return llm, llm.engine.step, left
 
 
 def main(argv: list[str] | None = None) -> dict:

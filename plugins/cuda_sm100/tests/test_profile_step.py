@@ -111,9 +111,11 @@ def test_a_prefill_unit_runs_fresh_prompts_in_one_chunk():
     """``--prefill``: each unit admits ``--batch`` prompts of that many tokens, none served from
     the prefix cache, all run through the model in one step of ``batch x prefill`` tokens, and
     each samples its first token."""
-    mod = _module()
+    mod = _module()  # (puts the scripts' folder on the path)
+    from profile_workloads import prefill_engine
+
     a = mod.parse_args(["--prefill", "24", "--batch", "2", "--warmup", "1"])
-    llm, prefill = mod.prefill_engine(a)
+    llm, prefill = prefill_engine(a)
     try:
         engine = llm.engine
         tokens_per_step = []

@@ -1,5 +1,6 @@
-"""``scripts/bench_attention.py``'s roofline: the HBM bandwidth of the GPU that runs (its cost-model
-preset), so a figure measured on an H100 is a share of the H100's bound, not the H200's."""
+"""``scripts/bench_attention.py``'s roofline (``scripts/attention_inputs.py``): the HBM bandwidth of
+the GPU that runs (its preset), so a figure measured on an H100 is a share of the H100's bound,
+not the H200's."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer_core.distributed.cost_model import GPUS
+from deepinfer_core.distributed.gpu_specs import GPUS
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
