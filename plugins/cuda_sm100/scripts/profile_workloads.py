@@ -12,20 +12,26 @@ from collections.abc import Callable
 from deepinfer_core import LLM, SamplingParams
 
 
-def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, int]:
-    """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left.
-    ``eager``: built with ``enforce_eager=True`` (no device graphs)."""
+def engine_for(a: argparse.Namespace, eager: bool, **sizes: int) -> LLM:
+    """The engine of the arguments' model, backend, weights' and KV cache's formats, ``--batch``
+    requests at a time and ``sizes`` (``max_model_len``, ...); ``eager``: no device graphs."""
     keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
-    budget = a.warmup + a.steps * (3 if a.host and not eager else 1) + 4
-    llm = LLM(
+    return LLM(
         model=a.model,
         backend=a.backend,
         max_num_seqs=a.batch,
-        max_model_len=a.prompt_len + budget + 8,
         keep_quantized=keep,
         kv_cache_dtype=a.kv_cache_dtype,
         enforce_eager=eager,
+        **sizes,
     )
+
+
+def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, int]:
+    """An engine whose ``--batch`` requests all decode (their prompts prefilled); the steps left.
+    ``eager``: built with ``enforce_eager=True`` (no device graphs)."""
+    budget = a.warmup + a.steps * (3 if a.host and not eager else 1) + 4
+    llm = engine_for(a, eager, max_model_len=a.prompt_len + budget + 8)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -46,17 +52,7 @@ def prefill_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Cal
     """An engine that prefills ``--batch`` prompts of ``--prefill`` tokens in one chunk, and the
     unit of work to profile: admit that many fresh prompts and step until their first tokens
     are out (after ``--warmup`` such units).  ``eager`` as in :func:`decoding_engine`."""
-    keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
-    llm = LLM(
-        model=a.model,
-        backend=a.backend,
-        max_num_seqs=a.batch,
-        max_num_batched_tokens=a.batch * a.prefill,
-        max_model_len=a.prefill + 8,
-        keep_quantized=keep,
-        kv_cache_dtype=a.kv_cache_dtype,
-        enforce_eager=eager,
-    )
+    llm = engine_for(a, eager, max_num_batched_tokens=a.batch * a.prefill, max_model_len=a.prefill + 8)
     engine = llm.engine
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
