@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, list[str]]] = [
             "deepinfer_core.distributed.init",
             "deepinfer_core.distributed.eplb.*",
             "deepinfer_core.distributed.cost_model",
+            "deepinfer_core.distributed.gpu_specs",
         ],
     ),
     ("engine", ["deepinfer_core.engine.*"]),
