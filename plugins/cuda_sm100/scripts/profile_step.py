@@ -106,14 +106,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="auto")
     p.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=10, help="profiled decode steps, or prefills with --prefill (default 10)")
+    p.add_argument(
+        "--steps", type=int, default=10, help="profiled decode steps, or prefills with --prefill (default 10)"
+    )
     p.add_argument(
         "--prefill",
         type=int,
         default=0,
         help="profile prefills of --batch requests of N tokens each instead of decode steps",
     )
-    p.add_argument("--warmup", type=int, default=3, help="decode steps (or prefills) before profiling (default 3)")
+    p.add_argument(
+        "--warmup", type=int, default=3, help="decode steps (or prefills) before profiling (default 3)"
+    )
     p.add_argument("--keep-quantized", choices=("auto", "on", "off"), default="auto")
     p.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's format (e.g. fp8)")
     p.add_argument("--top", type=int, default=15, help="kernels listed by name (default 15)")
