@@ -419,8 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_attention: no CUDA GPU is visible; run this on a GPU machine", file=sys.stderr)
         return 2
     timer = Timer(a.iters, a.warmup, graphs=not a.no_graphs, flush=not a.no_flush)
-    peak, gpu = device_peak_bytes()
-    a.peak_bytes = a.peak_bytes or peak
+    if a.peak_bytes:
+        gpu = f"given (--peak-bytes {a.peak_bytes:g})"
+    else:
+        a.peak_bytes, gpu = device_peak_bytes()
     results: dict = {
         **gpu_run_header("cuda_sm100 attention kernels (sparse_attention, indexer_topk)", local_time=True),
         "graphs": not a.no_graphs,

@@ -38,7 +38,7 @@ period between consecutive steps' first once-a-step kernel and the device's acti
 time in it (JSON: ``steady_state``), which leaves out a first step that starts behind.
 
 ``--prefill N`` profiles prefill instead: each profiled step admits ``--batch`` requests of ``N``
-fresh tokens (distinct first tokens, so no prefix is cached), prefills them in one chunk
+tokens (prefix caching off, so every prompt is computed), prefills them in one chunk
 (``max_num_batched_tokens`` = batch x N) and samples their first tokens; the tables are then
 per prefill of ``batch x N`` tokens, with its tokens/s (``1 x 8192`` and ``16 x 512`` are
 ``gpu_e2e.py``'s prefill shapes; ``--keep-quantized on`` / ``off`` compares the weights' formats

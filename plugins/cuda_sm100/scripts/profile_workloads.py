@@ -12,9 +12,9 @@ from collections.abc import Callable
 from deepinfer_core import LLM, SamplingParams
 
 
-def engine_for(a: argparse.Namespace, eager: bool, **sizes: int) -> LLM:
+def engine_for(a: argparse.Namespace, eager: bool, **options: object) -> LLM:
     """The engine of the arguments' model, backend, weights' and KV cache's formats, ``--batch``
-    requests at a time and ``sizes`` (``max_model_len``, ...); ``eager``: no device graphs."""
+    requests at a time and ``options`` (``max_model_len``, ...); ``eager``: no device graphs."""
     keep = {"auto": None, "on": True, "off": False}[a.keep_quantized]
     return LLM(
         model=a.model,
@@ -23,7 +23,7 @@ def engine_for(a: argparse.Namespace, eager: bool, **sizes: int) -> LLM:
         keep_quantized=keep,
         kv_cache_dtype=a.kv_cache_dtype,
         enforce_eager=eager,
-        **sizes,
+        **options,
     )
 
 
@@ -50,20 +50,22 @@ def decoding_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, in
 
 def prefill_engine(a: argparse.Namespace, eager: bool = False) -> tuple[LLM, Callable[[], None]]:
     """An engine that prefills ``--batch`` prompts of ``--prefill`` tokens in one chunk, and the
-    unit of work to profile: admit that many fresh prompts and step until their first tokens
-    are out (after ``--warmup`` such units).  ``eager`` as in :func:`decoding_engine`."""
-    llm = engine_for(a, eager, max_num_batched_tokens=a.batch * a.prefill, max_model_len=a.prefill + 8)
+    unit of work to profile: admit that many prompts (prefix caching off: each is computed) and
+    step until their first tokens are out (after ``--warmup`` such units).  ``eager`` as in
+    :func:`decoding_engine`."""
+    chunk = a.batch * a.prefill
+    llm = engine_for(
+        a, eager, max_num_batched_tokens=chunk, max_model_len=a.prefill + 8, enable_prefix_caching=False
+    )
     engine = llm.engine
     rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    body = [rng.randrange(4, vocab) for _ in range(a.prefill)]
+    prompt = [rng.randrange(4, engine.model_config.vocab_size) for _ in range(a.prefill)]
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    firsts = itertools.count()
+    ids = itertools.count()
 
     def prefill() -> None:
-        for _ in range(a.batch):  # a distinct first token: no cached prefix
-            n = next(firsts)
-            engine.add_request(f"p{n}", [4 + n % (vocab - 4), *body[1:]], params)
+        for _ in range(a.batch):
+            engine.add_request(f"p{next(ids)}", prompt, params)
         while engine.has_unfinished():
             engine.step()
 

@@ -132,7 +132,7 @@ def test_a_prefill_unit_runs_fresh_prompts_in_one_chunk():
         prefill()
         after = engine.get_metrics()
         assert after["num_finished_requests"] - before["num_finished_requests"] == 2
-        assert after["num_prefix_hit_tokens"] == 0  # warm-up included: no prompt repeats a prefix
+        assert after["num_prefix_hit_tokens"] == 0  # warm-up included: every prompt is computed
         assert after["num_generated_tokens"] - before["num_generated_tokens"] == 2
         assert [n for n in tokens_per_step if n] == [2 * 24]  # one chunk of both prompts
     finally:
