@@ -25,7 +25,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .fused import FusedProjection
 from .metadata import StepMetadata
 from .plan_tensors import kept_arange
-from .rope import derotate_output
+from .rope import inverse
 
 QUERY_KV = range(2)
 """The query (``q_a``) and window key (``kv``) parts of the block's input projection; the
@@ -186,7 +186,7 @@ class Attention:
         # this step's keys into the window ring beside the output projection (no op of the step
         # reads them: the attention above took them from the step's rows)
         store = fork(x, lambda: ops.cache_write(ring, md.ring_rows, kv), kv)
-        out = derotate_output(ops, out, rope, self.rope_family)
+        out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         out = ops.linear(out, self.wo_b)

@@ -48,24 +48,3 @@ def inverse(rope: dict, family: str) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope[family]
         rope[key] = (cos, -sin)
     return rope[key]
-
-
-DEROTATE_SLICE_ROWS = 256
-"""Above this many tokens, :func:`derotate_output` rotates only the rope channels and writes
-them back in place: the full ``apply_rope`` reads and writes every channel of every head (at
-8,192 tokens, 64 heads of 512, about 1 GB), the slice an eighth of that plus the copy back.  A
-decode step keeps the single launch."""
-
-
-def derotate_output(ops, out: torch.Tensor, rope: dict, family: str) -> torch.Tensor:
-    """The attention output ``out [T, H, D]`` with its trailing rope channels rotated back
-    (``apply_rope`` with ``(cos, -sin)`` of ``family``, :func:`inverse`): the same values as
-    ``ops.apply_rope(out, cos, -sin)``.  For more than :data:`DEROTATE_SLICE_ROWS` tokens only the
-    rope slice goes through the op and is copied back into ``out`` (the attention op's own
-    result, overwritten)."""
-    cos, sin = inverse(rope, family)
-    if out.shape[0] <= DEROTATE_SLICE_ROWS:
-        return ops.apply_rope(out, cos, sin)
-    width = 2 * cos.shape[-1]
-    out[..., -width:] = ops.apply_rope(out[..., -width:], cos, sin)
-    return out

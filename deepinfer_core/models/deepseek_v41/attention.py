@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from deepinfer_core.models.cache_spec import CacheSpec, HybridCache, PagedSpec, RingSpec, SlotStateSpec
 from deepinfer_core.models.deepseek_v4.fused import FusedProjection
 from deepinfer_core.models.deepseek_v4.metadata import buffer_windows
-from deepinfer_core.models.deepseek_v4.rope import derotate_output
+from deepinfer_core.models.deepseek_v4.rope import inverse
 from deepinfer_core.ops import OpTable
 from deepinfer_core.ops.kv_format import PackedKVPool
 from deepinfer_core.ops.overlap import fork
@@ -128,7 +128,7 @@ class Attention:
         # this step's keys into the window ring beside the output projection (read next step)
         row = key if isinstance(ring, PackedKVPool) else kv
         store = fork(x, lambda: ops.cache_write(ring, md.v4.ring_rows, row), row)
-        out = derotate_output(ops, out, rope, self.rope_family)
+        out = ops.apply_rope(out, *inverse(rope, self.rope_family))
         g = self.cfg.o_groups
         out = ops.grouped_linear(out.reshape(t, g, -1), self.wo_a).reshape(t, -1)
         out = ops.linear(out, self.wo_b)

@@ -37,8 +37,8 @@ repository root).
 ``--stages 3,4,5`` also times both TileLang variants at each depth of their shared-memory
 ring (the result is the same at any depth) and prints each, to retune
 ``tl.moe.STAGES``; ``--heights 16,32,64`` times them at each tile height (the same result at
-any height; 128, ``tl.moe.PREFILL_BLOCK_M``, the one-warpgroup kernels only), to check
-``tl.moe.tile_height``; ``--compiler-registers 16,32`` times the
+any height; 128, ``tl.moe.PREFILL_BLOCK_M``, too), to check ``tl.moe.tile_height`` and
+``tl.moe.WIDE_TALL_PAIRS``; ``--compiler-registers 16,32`` times the
 one-warpgroup kernels at those heights with the compiler's register allotment instead of
 ``tl.moe.SPLIT_REGS`` (the same result, checked bit for bit), ``--ctas-per-sm 16=3`` with the
 split of that many CTAs an SM (``tl.moe.split_for``; checked likewise); ``--gathered`` times both
@@ -374,6 +374,7 @@ def main() -> None:
             "distinct_experts": distinct,
             "tile_rows": bm,
             "tilelang_tile_rows": tile_height(t * k, e) if tl_problem is None else None,
+            "tilelang_wide_tile_rows": tile_height(t * k, e, 2) if tl_problem is None else None,
             "tiles": tile_count(t * k, e, bm),
             **{f"{name}_us": v for name, v in times.items()},
             "triton_fp4_weight_TBps": tbps(times["triton_fp4"], fp4_expert_bytes),

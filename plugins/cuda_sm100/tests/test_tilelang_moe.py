@@ -206,9 +206,19 @@ def test_launch_plan_takes_a_given_tile_height_and_names_a_wrong_one():
         tlm.launch_plan(256, 6, 64, 4096, 2048, 2, block_m=24)
     tall = tlm.launch_plan(8192, 6, 64, 4096, 2048, 1, block_m=tlm.PREFILL_BLOCK_M)
     assert tall["tiles"] == tile_count(8192 * 6, 64, 128) and tall["gate_up_grid"] == (32, tall["tiles"])
-    with pytest.raises(ValueError, match="block_m=128: the TileLang MoE kernels with 2 consumer"):
-        tlm.launch_plan(8192, 6, 64, 4096, 2048, 2, block_m=tlm.PREFILL_BLOCK_M)
-    assert tlm.tile_height(8192 * 6, 64) == 64, "the default heights stop at 64 rows"
+    with pytest.raises(ValueError, match="block_m=96: the TileLang MoE kernels with 2 consumer"):
+        tlm.launch_plan(8192, 6, 64, 4096, 2048, 2, block_m=96)
+    assert tlm.tile_height(8192 * 6, 64) == 64, "the one-warpgroup kernels' default heights stop at 64 rows"
+    wide = tlm.launch_plan(8192, 6, 64, 4096, 2048, 2)
+    assert wide["block_m"] == 128 and wide["down_grid"] == (16, tile_count(8192 * 6, 64, 128))
+
+
+@pytest.mark.parametrize(
+    ("pairs_an_expert", "height"), [(tlm.WIDE_TALL_PAIRS, 128), (tlm.WIDE_TALL_PAIRS - 1, 64)]
+)
+def test_the_wide_variant_takes_128_rows_from_its_tall_threshold(pairs_an_expert, height):
+    assert tlm.tile_height(pairs_an_expert * 64, 64, consumers=2) == height
+    assert tlm.tile_height(pairs_an_expert * 64, 64, consumers=1) == 64
 
 
 def test_the_wide_variant_names_the_widths_and_variants_it_refuses():
@@ -367,13 +377,13 @@ def test_precompile_lists_every_decode_tile_and_scale_kind():
     from deepinfer_cuda_sm100.tl.precompile import moe_configurations
 
     configs = moe_configurations(4096, 2048)
-    assert len(configs) == len(set(configs)) == 30
+    assert len(configs) == len(set(configs)) == 34
     assert {(c[0], c[3], c[4], c[5]) for c in configs if len(c) == 10} == {
         (kind, bm, scale, consumers)
         for kind in ("gate_up", "down")
-        for bm in (16, 32, 64)
-        for scale in tlm.SCALE_KINDS
         for consumers in (1, 2)
+        for bm in (16, 32, 64, *((tlm.PREFILL_BLOCK_M,) if consumers == 2 else ()))
+        for scale in tlm.SCALE_KINDS
     }
     # what decode-sized calls run by default: the one-warpgroup gate / up kernel on gathered rows
     gathered = {(c[0], c[3], c[4], c[5]) for c in configs if len(c) == 11 and c[10]}
@@ -456,7 +466,7 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
     build = tlm.build_gate_up if kind == "gate_up" else tlm.build_down
     plain = [c for c in moe_configurations(4096, 2048) if len(c) == 10]  # (not the gathered rows')
     configs = [c for c in plain if c[0] == kind and c[5] == consumers]
-    assert len(configs) == 6
+    assert len(configs) == (6 if consumers == 1 else 8)  # the wide variant also at 128 rows
     for _, hidden, inter, bm, scale, *_ in configs:  # (consumers, stages)
         with target, tvm.transform.PassContext(config=tlm.PASS_CONFIGS):
             func = (
@@ -708,13 +718,17 @@ def test_gpu_wide_variant_is_bitwise_the_one_warpgroup_kernels():
 
 @pytest.mark.gpu
 def test_gpu_prefill_tiles_are_bitwise_the_64_row_tiles():
-    """A token's column does not depend on its tile: 128-row tiles give the 64-row tiles' bits
-    (512 and 2,048 tokens over 64 experts: 48 and 192 rows an expert, tiles part full)."""
+    """A token's column does not depend on its tile: 128-row tiles give the 64-row tiles' bits,
+    in both variants (512, 2,048 and 4,608 tokens over 64 experts: 48, 192 and 432 rows an
+    expert, tiles part full; the last the wide variant's default 128 rows)."""
     _gpu_ready()
-    for args in _v4_cases((512, 2048)):
-        tall = tlm.moe_experts(*args, block_m=tlm.PREFILL_BLOCK_M)
-        assert tall.abs().max().item() > 0.1, "degenerate outputs"
-        assert torch.equal(tall, tlm.moe_experts(*args, block_m=64)), args[0].shape[0]
+    for args in _v4_cases((512, 2048, 4608)):
+        want = tlm.moe_experts(*args, block_m=64)
+        assert want.abs().max().item() > 0.1, "degenerate outputs"
+        for consumers in tlm.CONSUMERS:
+            tall = tlm.moe_experts(*args, consumers=consumers, block_m=tlm.PREFILL_BLOCK_M)
+            assert torch.equal(tall, want), (args[0].shape[0], consumers)
+        assert torch.equal(tlm.moe_experts(*args, consumers=2), want), "the wide default height"
 
 
 @pytest.mark.gpu

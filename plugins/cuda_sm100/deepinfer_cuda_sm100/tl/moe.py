@@ -171,9 +171,20 @@ SCALE_KINDS = ("ue8m0", "fp32")
 CONSUMERS = (1, 2)
 """Consumer warpgroups a CTA: 1 (:data:`ROWS` weight rows a CTA) or 2 (the wide variant, each
 warpgroup :data:`ROWS` rows of its own, ``2 * ROWS`` a CTA)."""
-WIDE_REGS = {16: (2, 24, 104), 32: (1, 24, 232), 64: (1, 24, 232)}
+WIDE_REGS = {16: (2, 24, 104), 32: (1, 24, 232), 64: (1, 24, 232), 128: (1, 24, 232)}
 """The wide variant's register split by ``BLOCK_M``: ``(CTAs an SM, producer, consumer
-registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(512, CTAs)``)."""
+registers a thread)`` (``setmaxnreg``; the launch bound ``__launch_bounds__(512, CTAs)``).  At
+128 rows (:data:`WIDE_TALL_PAIRS`) a consumer thread holds two ``[128, 128]`` fp32 accumulators
+over 256 threads (128 registers) and two A fragments (64)."""
+WIDE_TALL_PAIRS = 192
+"""The wide variant takes tiles of 128 rows (:func:`tile_height`) once the call averages this
+many (token, slot) pairs an expert (three tiles of 64): each decoded weight then serves 128
+tokens, halving the decoding per FLOP of a 64-row tile, at the cost of at most 127 padding rows
+an expert.  Measured on an H100 (``bench_moe.py --experts 64 --tokens 2048,8192 --heights
+64,128``, the whole op, every output bitwise the 64-row tiles'): 2,244.9 against 2,367.1 µs at
+192 pairs an expert (2,048 tokens, top-6), 7,484.3 against 8,430.0 at 768 (8,192 tokens), where
+the bf16 experts' Triton kernel takes 7,944 µs; the one-warpgroup kernels lose at 128 rows
+(3,159.7 against 2,758.6 µs; 10,241.4 against 10,066.8).  Fewer pairs an expert are unmeasured."""
 SPLIT_REGS = {16: (4, 24, 104), 32: (3, 24, 136), 64: (2, 40, 216)}
 """The one-warpgroup kernels' register split (``split_registers``, the default; 256 threads a CTA,
 producer and consumer warpgroups): ``(CTAs an SM, producer, consumer registers a thread)``, so
@@ -200,12 +211,13 @@ def split_for(ctas: int, producer: int = 24) -> tuple[int, int, int]:
 
 
 PREFILL_BLOCK_M = 128
-"""A tile height for many rows an expert, of the one-warpgroup kernels only: wgmma's N = 128, so
-each decoded weight serves twice the tokens of a 64-row tile.  The compiler's register allotment
-(:data:`SPLIT_REGS` has no split for it): 219 registers a thread, one CTA an SM, no spills
-(offline, ``nvcc 13 -arch=sm_90a``; a ``setmaxnreg`` split of 24 / 240 spills 32 bytes in the
-gate / up kernel); shared memory ~162 KB at 4 stages.  :func:`tile_height` does not take it
-(its tiles stop at 64 rows); ``bench_moe.py --heights 64,128`` times it."""
+"""A tile height for many rows an expert: wgmma's N = 128, so each decoded weight serves twice
+the tokens of a 64-row tile.  The one-warpgroup kernels take it with the compiler's register
+allotment (:data:`SPLIT_REGS` has no split for it): 219 registers a thread, one CTA an SM, no
+spills (offline, ``nvcc 13 -arch=sm_90a``; a ``setmaxnreg`` split of 24 / 240 spills 32 bytes in
+the gate / up kernel); shared memory ~162 KB at 4 stages; :func:`tile_height` gives it to them
+at no call.  The wide variant takes it (:data:`WIDE_REGS`) from :data:`WIDE_TALL_PAIRS` pairs an
+expert.  ``bench_moe.py --heights 64,128`` times both at it."""
 
 
 GATHER_MAX_TOKENS = 256
@@ -778,15 +790,19 @@ def wide_problem(hidden: int, inter: int) -> str | None:
     return None
 
 
-def tile_height(pairs: int, experts: int) -> int:
+def tile_height(pairs: int, experts: int, consumers: int = 1) -> int:
     """``BLOCK_M`` of the TileLang kernels for ``pairs`` (token, slot) pairs over ``experts``
     (shapes only): the Triton path's :func:`~deepinfer_cuda_sm100.kernels.moe.tile_rows`, but 32
-    rows once the average expert has 1.5 tiles of 16.  Measured on the H200 over 64 experts
-    (the whole op, two consumers): at 24 pairs an expert 32 rows take 0.66 ms against 0.80 with
-    16 (each expert's weights decoded once instead of twice); at 12, 16 rows 0.46 against 0.55.
+    rows once the average expert has 1.5 tiles of 16, and for the wide variant (``consumers``
+    2) 128 rows from :data:`WIDE_TALL_PAIRS` pairs an expert on average.  Measured on the H200
+    over 64 experts (the whole op, two consumers): at 24 pairs an expert 32 rows take 0.66 ms
+    against 0.80 with 16 (each expert's weights decoded once instead of twice); at 12, 16 rows
+    0.46 against 0.55.
     The result is the same bits at any height (a token's column does not depend on its tile)."""
     from deepinfer_cuda_sm100.kernels.moe import DECODE_BLOCK_M, tile_rows
 
+    if consumers != 1 and pairs >= WIDE_TALL_PAIRS * max(experts, 1):
+        return PREFILL_BLOCK_M
     bm = tile_rows(pairs, experts, False)
     if bm == DECODE_BLOCK_M and 2 * pairs >= 3 * DECODE_BLOCK_M * max(experts, 1):
         return 2 * DECODE_BLOCK_M
@@ -811,7 +827,7 @@ def launch_plan(
     from deepinfer_cuda_sm100.kernels.moe import tile_count
 
     pairs = tokens * top_k
-    bm = tile_height(pairs, experts) if block_m is None else block_m
+    bm = tile_height(pairs, experts, consumers) if block_m is None else block_m
     if bm not in tile_heights(consumers):
         raise ValueError(
             f"block_m={bm}: the TileLang MoE kernels with {consumers} consumer warpgroup(s) take tiles of "

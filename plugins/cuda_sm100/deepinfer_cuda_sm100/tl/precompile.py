@@ -71,13 +71,14 @@ def configurations(heads: int, dim: int, rope_dim: int) -> list[tuple]:
 
 def moe_configurations(hidden: int, inter: int) -> list[tuple]:
     """``tl.moe._kernel`` arguments of every FP4 ``moe_experts`` configuration of the widths:
-    both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64), both
-    scale formats and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
+    both GEMMs, each tile height the layout uses (``kernels.moe.tile_rows``: 16, 32, 64; the
+    wide variant also ``tl.moe.PREFILL_BLOCK_M``, ``tl.moe.tile_height``), both scale formats
+    and both variants (``consumers`` 1 and 2; the wide one where its widths fit,
     ``tl.moe.wide_problem``), at the ring depth the op runs (``tl.moe.STAGES``), with the bf16
     routing weights ``moe_route`` gives, split registers, and the PDL prologue where this
     device takes it; and the one-warpgroup gate / up kernels reading the rows gathered first
     (``gathered``: calls of up to ``tl.moe.GATHER_MAX_TOKENS`` tokens)."""
-    from deepinfer_cuda_sm100.tl.moe import CONSUMERS, SCALE_KINDS, STAGES, wide_problem
+    from deepinfer_cuda_sm100.tl.moe import CONSUMERS, PREFILL_BLOCK_M, SCALE_KINDS, STAGES, wide_problem
 
     variants = [c for c in CONSUMERS if c == 1 or wide_problem(hidden, inter) is None]
     pdl = tl_pdl_enabled()
@@ -86,7 +87,7 @@ def moe_configurations(hidden: int, inter: int) -> list[tuple]:
         (kind, hidden, inter, bm, scale, consumers, STAGES, "bfloat16", True, pdl)
         for consumers in variants
         for kind in ("gate_up", "down")
-        for bm in heights
+        for bm in heights + ((PREFILL_BLOCK_M,) if consumers != 1 else ())
         for scale in SCALE_KINDS
     ]
     gathered = ("gate_up", hidden, inter)  # the one-warpgroup kernel reading rows gathered first
