@@ -2,10 +2,12 @@
 
 Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash widths
 (hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048, vocabulary 129,280):
-the norms, the rope and its cos/sin tables, the mHC ops, the shared expert's SwiGLU and greedy
-sampling's ``argmax_rows`` over ``[T, vocabulary]`` float32 logits (the reference is
-``torch.argmax``; fp32 whatever ``--dtype``, as the sampler takes them) and ``cache_write`` of
-``T`` rows into a packed FP8 KV pool (``kv_cache_dtype="fp8"``; 584-byte rows).  Each
+the norms, the rope (the attention's queries and keys, the indexer's queries, and the rope
+channels alone of the attention output, a strided view) and its cos/sin tables, the mHC ops,
+the shared expert's SwiGLU and greedy sampling's ``argmax_rows`` over ``[T, vocabulary]``
+float32 logits (the reference is ``torch.argmax``; fp32 whatever ``--dtype``, as the sampler
+takes them) and ``cache_write`` of ``T`` rows into a packed FP8 KV pool
+(``kv_cache_dtype="fp8"``; 584-byte rows).  Each
 implementation is timed with CUDA events two ways: replaying a CUDA graph of
 ``--calls-per-graph`` back-to-back calls (GPU time per call, launch overhead excluded), and
 eagerly (what a Python loop costs, launches included).  Prints a table and writes JSON (default
@@ -31,6 +33,7 @@ from deepinfer_core.ops.kv_format import Fp8KVPool, PackedKVPool
 
 REPO = Path(__file__).resolve().parents[3]
 HIDDEN, HEADS, HEAD_DIM, ROPE_DIM, HC, Q_LORA = 4096, 64, 512, 64, 4, 1024
+INDEX_DIM = 128  # the indexer's query head width (its last ROPE_DIM channels rotate)
 SHARED_INTER = 2048  # the shared expert's intermediate width
 VOCAB = 129280  # the logits' width (greedy sampling's argmax_rows)
 
@@ -61,6 +64,12 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
         ),
         ("rms_norm", f"[{t},{HEADS},{HEAD_DIM}]", (randn(t, HEADS, HEAD_DIM), None, 1e-6)),
         ("apply_rope", f"[{t},{HEADS + 1},{HEAD_DIM}]", (randn(t, HEADS + 1, HEAD_DIM), cos, sin)),
+        ("apply_rope", f"indexer q [{t},{HEADS},{INDEX_DIM}]", (randn(t, HEADS, INDEX_DIM), cos, sin)),
+        (
+            "apply_rope",
+            f"rope slice [{t},{HEADS},{HEAD_DIM}][..., -{ROPE_DIM}:]",
+            (randn(t, HEADS, HEAD_DIM)[..., -ROPE_DIM:], cos, sin),
+        ),
         ("rope_cos_sin", f"[{t}] x {ROPE_DIM // 2}", (pos.long(), inv, 1.0, dtype)),
         (
             "swiglu",
