@@ -42,7 +42,7 @@ def rope_cos_sin(
 def _rope_cases(g: torch.Generator, dtype: torch.dtype) -> list[tuple[tuple, dict]]:
     cos = randn(g, 6, 4, dtype=dtype)
     sin = randn(g, 6, 4, dtype=dtype)
-    # the third: only rope channels, a strided view (V4 rotates its attention output's slice back)
+    # the third: only rope channels, a strided view (the rope slice of wider rows)
     return [
         ((randn(g, 6, 3, 32, dtype=dtype), cos, sin), {}),
         ((randn(g, 6, 16, dtype=dtype), cos, sin), {}),
