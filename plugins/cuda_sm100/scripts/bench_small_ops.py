@@ -11,7 +11,9 @@ takes them) and ``cache_write`` of ``T`` rows into a packed FP8 KV pool
 implementation is timed with CUDA events two ways: replaying a CUDA graph of
 ``--calls-per-graph`` back-to-back calls (GPU time per call, launch overhead excluded), and
 eagerly (what a Python loop costs, launches included).  Prints a table and writes JSON (default
-``benchmarks/results/cuda_sm100_small_ops.json`` at the repository root).
+``benchmarks/results/cuda_sm100_small_ops.json`` at the repository root).  ``--rope-heads
+1,4,8,64`` also times the Triton ``apply_rope`` at that many heads a program, each checked bit
+for bit against the default launch.
 
     python plugins/cuda_sm100/scripts/bench_small_ops.py [--tokens 1,16,64,256] [--dtype bfloat16]
 """
@@ -161,6 +163,26 @@ def max_err(a, b) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def rope_heads(call_args: tuple, args: argparse.Namespace) -> dict[int, float]:
+    """The Triton ``apply_rope`` timed (µs a call in a CUDA graph) at each ``--rope-heads`` count
+    of heads a program, each output checked bit for bit against the default launch's; prints them."""
+    from deepinfer_cuda_sm100.kernels import rope
+
+    want = rope.apply_rope(*call_args)
+    times = {}
+    for heads in (int(v) for v in args.rope_heads.split(",")):
+        got = rope.apply_rope(*call_args, heads_per_program=heads)
+        if not torch.equal(got, want):
+            raise SystemExit(f"apply_rope with {heads} heads a program differs from the default launch")
+        times[heads] = time_graph(
+            lambda i, h=heads: rope.apply_rope(*call_args, heads_per_program=h),
+            args.calls_per_graph,
+            args.replays,
+        )
+    print("    heads a program: " + ", ".join(f"{h}: {us:.1f} us" for h, us in times.items()))
+    return times
+
+
 def main() -> None:
     """Parse the arguments, time every workload, print the table, write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -169,6 +191,11 @@ def main() -> None:
     parser.add_argument("--calls-per-graph", type=int, default=20)
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--eager-iters", type=int, default=200)
+    parser.add_argument(
+        "--rope-heads",
+        default="",
+        help="also time the Triton apply_rope at these heads a program (e.g. 1,4,8,64), bits checked",
+    )
     parser.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "cuda_sm100_small_ops.json"
     )
@@ -186,7 +213,7 @@ def main() -> None:
     torch.manual_seed(0)
     rows = []
     header = (
-        f"{'op':<11} {'shape':<28} {'ref graph us':>12} {'triton graph us':>15} {'speedup':>8} "
+        f"{'op':<11} {'shape':<36} {'ref graph us':>12} {'triton graph us':>15} {'speedup':>8} "
         f"{'ref eager us':>12} {'triton eager us':>15} {'max err':>9}"
     )
     print(header)
@@ -196,7 +223,7 @@ def main() -> None:
             impl, ref = kernels[op], refs[op].reference
             verdict = impl.supports(*call_args) if impl.supports else True
             if verdict is not True:
-                print(f"{op:<11} {label:<28} kernel refuses: {verdict}")
+                print(f"{op:<11} {label:<36} kernel refuses: {verdict}")
                 continue
             row = {"op": op, "shape": label, "tokens": t, "dtype": args.dtype}
             row["max_abs_err"] = max_err(impl.fn(*fresh(call_args)), ref(*fresh(call_args)))
@@ -215,9 +242,11 @@ def main() -> None:
                 return f"{v:>{width}{spec}}" if v is not None else f"{'n/a':>{width}}"
 
             print(
-                f"{op:<11} {label:<28} {fmt(rg, 12)} {fmt(kg, 15)} {fmt(row['graph_speedup'], 7, '.2f')}x "
+                f"{op:<11} {label:<36} {fmt(rg, 12)} {fmt(kg, 15)} {fmt(row['graph_speedup'], 7, '.2f')}x "
                 f"{fmt(row['ref_eager_us'], 12)} {fmt(row['triton_eager_us'], 15)} {row['max_abs_err']:>9.2g}"
             )
+            if op == "apply_rope" and args.rope_heads:
+                row["rope_heads_us"] = rope_heads(call_args, args)
             rows.append(row)
     result = {
         **gpu_run_header("cuda_sm100 small ops vs reference"),

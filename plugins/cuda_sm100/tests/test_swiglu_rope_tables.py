@@ -18,7 +18,9 @@ reads one part of it.  It runs
   tolerance of the CPU reference;
 - ``rope_cos_sin`` at large positions (up to ``2**20``, ``1_000_000`` included), scale 1 and a
   YaRN factor, int32 and strided positions, in float32, bfloat16 and float16: both tables'
-  dtypes, shapes and contiguity, values within the op's tolerance of the reference; no tokens.
+  dtypes, shapes and contiguity, values within the op's tolerance of the reference; no tokens;
+- ``apply_rope`` at 1 to 16 heads a program (``heads_per_program``), on whole rows and on a
+  strided rope-only slice, bit for bit its default launch.
 
 The report also holds the largest ulp distances seen, which the tests print.
 
@@ -176,6 +178,23 @@ def table_problems(half: int, device: str) -> tuple[list[str], dict]:
     return problems, seen
 
 
+def rope_heads_problems(device: str) -> list[str]:
+    """``apply_rope`` at every count of heads a program (a strided rope-only view and whole
+    vectors with pass-through channels) against its default launch, bit for bit."""
+    from deepinfer_cuda_sm100.kernels.rope import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    cos, sin = (torch.randn(5, 8, generator=g).to(device) for _ in range(2))
+    wide = torch.randn(5, 12, 48, generator=g).to(torch.bfloat16).to(device)
+    problems = []
+    for label, x in (("whole rows", wide), ("rope slice", wide[..., -16:])):
+        want = apply_rope(x, cos, sin)
+        for heads in (1, 2, 4, 8, 16):
+            if not torch.equal(apply_rope(x, cos, sin, heads_per_program=heads), want):
+                problems.append(f"{label}: {heads} heads a program differ from the default launch")
+    return problems
+
+
 # ---------------------------------------------------------------------------------------------
 # the interpreter child
 
@@ -188,6 +207,7 @@ def interpreter_report() -> dict:
     report: dict = {"interpreted": _common.INTERPRETED}
     report["swiglu"], report["swiglu_ulps"] = swiglu_edge_problems(1100, "cpu", fp32_against_formula=True)
     report["tables"], report["table_ulps"] = table_problems(32, "cpu")
+    report["rope_heads"] = rope_heads_problems("cpu")
     return report
 
 
@@ -292,6 +312,24 @@ needs_cuda = pytest.mark.gpu  # skipped with the reason where no GPU backend run
 def test_gpu_swiglu_at_the_limit_edges():
     problems, seen = swiglu_edge_problems(2048, "cuda", fp32_against_formula=False)
     print("swiglu on the GPU: largest ulp distance from the reference:", seen)
+    assert not problems, "\n".join(problems)
+
+
+@slow
+def test_interpreter_rope_at_any_heads_a_program(report):
+    assert not report["rope_heads"], "\n".join(report["rope_heads"])
+
+
+def test_rope_refuses_heads_a_program_not_a_power_of_two():
+    from deepinfer_cuda_sm100.kernels.rope import apply_rope
+
+    with pytest.raises(ValueError, match="heads_per_program=3, not a power of two"):
+        apply_rope(torch.zeros(2, 3, 8), torch.zeros(2, 2), torch.zeros(2, 2), heads_per_program=3)
+
+
+@needs_cuda
+def test_gpu_rope_at_any_heads_a_program():
+    problems = rope_heads_problems("cuda")
     assert not problems, "\n".join(problems)
 
 

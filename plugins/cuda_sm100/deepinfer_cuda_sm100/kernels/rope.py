@@ -75,13 +75,21 @@ def _rope_kernel(
     tl.store(o_base + even + 1, cast_to(a * sin + b * cos, dtype), mask=m)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_per_program: int | None = None
+) -> torch.Tensor:
     """Triton ``apply_rope``: same signature, shapes and numerics as the reference.
 
     ``x`` ``[T, D]`` or ``[T, H, D]`` (fp32, bf16 or fp16; any strides, a non-unit channel
     stride is copied first), ``cos`` / ``sin`` ``[T, R/2]`` (any float dtype).  Returns a new
-    contiguous tensor shaped and typed like ``x``.
+    contiguous tensor shaped and typed like ``x``.  ``heads_per_program``: the heads one program
+    takes (a power of two; default: as many as fill :data:`_TILE_ELEMS` channels), the same
+    result at any count (``bench_small_ops.py --rope-heads`` times them).
     """
+    if heads_per_program is not None and (
+        heads_per_program < 1 or heads_per_program & (heads_per_program - 1)
+    ):
+        raise ValueError(f"apply_rope: heads_per_program={heads_per_program}, not a power of two")
     x3 = x.unsqueeze(1) if x.dim() == 2 else x
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
@@ -95,7 +103,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if out.numel() == 0:
         return out
     block_c = min(pow2(d - 2 * half), 1024)
-    block_h = max(1, min(pow2(h), _TILE_ELEMS // max(block_c, 2 * pow2(half))))
+    block_h = heads_per_program or max(1, min(pow2(h), _TILE_ELEMS // max(block_c, 2 * pow2(half))))
     _rope_kernel[(t, cdiv(h, block_h))](
         x3,
         cos,
