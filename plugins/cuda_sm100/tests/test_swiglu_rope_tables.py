@@ -1,4 +1,4 @@
-"""The ``cuda_sm100`` ``swiglu`` and ``rope_cos_sin`` kernels at their edges, against the reference.
+"""The ``cuda_sm100`` ``swiglu``, ``rope_cos_sin`` and ``apply_rope`` kernels at their edges.
 
 Their conformance, batch invariance and CUDA-graph replay run with the other
 :data:`~deepinfer_cuda_sm100.ops.FUSED_OPS` (``test_interpreter.py``, ``test_gpu.py``); this
