@@ -12,8 +12,9 @@ as views of the fused router + shared-expert projection, values beyond the limit
 mHC ops with ``hc_mult`` streams (``hc_post_pre``: after a block, for the first block, and with
 the unweighted norm); each with a single token (decode), a token block and a
 ragged count; and the compressor's entries
-(``compress_entries``) of CSA windows (``2r`` rows, the first window's first half empty), of
-HCA windows (``r`` rows) and of the indexer's keys.
+(``compress_entries``) and their pooling alone (``compress_pool``, V4.1's) of CSA windows
+(``2r`` rows, the first window's first half empty), of HCA windows (``r`` rows) and of the
+indexer's keys.
 """
 
 from __future__ import annotations
@@ -277,6 +278,23 @@ def own_cases(s: Shapes) -> dict[str, object]:
             (case(3, hca, s.head_dim, hca, 1.2), {}),  # a YaRN cos/sin scale
         ]
 
+    def compress_pool(g: torch.Generator, dtype: torch.dtype) -> Cases:
+        def case(m: int, length: int, dim: int, ratio: int, strided: bool = False) -> tuple:
+            kv = _randn(g, m, length, 2 * dim, dtype=dtype)[..., dim:] if strided else None
+            gate = _randn(g, m, length, dim, scale=2.0)
+            if length == 2 * ratio:  # CSA: the first window has no previous window's half
+                gate[0, :ratio] = float("-inf")
+            return (kv if strided else _randn(g, m, length, dim, dtype=dtype), gate)
+
+        csa, hca = s.csa_ratio, s.hca_ratio
+        return [
+            (case(t_block, 2 * csa, s.head_dim, csa), {}),  # CSA entries
+            (case(t_one, 2 * csa, s.head_dim, csa, strided=True), {}),
+            (case(t_ragged, 2 * csa, s.index_head_dim, csa), {}),  # indexer keys
+            (case(t_one, hca, s.head_dim, hca), {}),  # HCA: one window closes at decode
+            (case(3, hca, s.head_dim, hca), {}),
+        ]
+
     def linear(g: torch.Generator, dtype: torch.dtype) -> Cases:
         from deepinfer_core.ops._cases import randn_fp8
 
@@ -322,6 +340,7 @@ def own_cases(s: Shapes) -> dict[str, object]:
         "qk_norm_rope": qk_norm_rope,
         "rope_cos_sin": rope_cos_sin,
         "swiglu": swiglu,
+        "compress_pool": compress_pool,
         "hc_pre": hc_pre,
         "hc_post": hc_post,
         "hc_post_pre": hc_post_pre,

@@ -46,14 +46,16 @@ FUSED_OPS = (
     "qk_norm_rope",
     "rope_cos_sin",
     "swiglu",
+    "compress_pool",
     "hc_pre",
     "hc_post",
     "hc_post_pre",
     "hc_head",
     "hc_head_norm",
 )
-"""The norm, rope (rotation and cos/sin tables), clamped SwiGLU and mHC ops
-(:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, mhc, mhc_chain): each one launch (two for
+"""The norm, rope (rotation and cos/sin tables), clamped SwiGLU, compressor pooling and mHC ops
+(:mod:`~deepinfer_cuda_sm100.kernels` norm, rope, swiglu, compress_pool, mhc, mhc_chain): each
+one launch (two for
 ``hc_pre`` / ``hc_head``, for ``hc_post_pre``, the transition between two blocks, and for
 ``hc_head_norm``, the final collapse with the last norm) where the
 reference takes several."""
@@ -186,6 +188,19 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
             return ok
         return first_problem(shape_is("up", up, tuple(gate.shape)))
 
+    def compress_pool(kv, gate) -> Verdict:
+        dev = device_checks(interpreted, kv=kv, gate=gate)
+        if dev is not True:
+            return dev
+        ok = first_problem(
+            activation("kv", kv),
+            (kv.dim() == 3, f"kv has {kv.dim()} dims, expected [M, L, D]"),
+            (gate.dtype == torch.float32, f"gate dtype {gate.dtype} is not float32"),
+        )
+        if ok is not True:
+            return ok
+        return first_problem(shape_is("gate", gate, tuple(kv.shape)))
+
     def compress_entries(
         kv, gate, norm_weight, eps, positions, inv_freq, rope_scale, pool, dest, live=None
     ) -> Verdict:
@@ -315,6 +330,7 @@ def make_supports(interpreted: bool) -> dict[str, Callable[..., Verdict]]:
         "qk_norm_rope": qk_norm_rope,
         "rope_cos_sin": rope_cos_sin,
         "swiglu": swiglu,
+        "compress_pool": compress_pool,
         "compress_entries": compress_entries,
     }
 
@@ -325,6 +341,7 @@ def load_ops() -> dict[str, OpImpl]:
     from deepinfer_cuda_sm100.gemm_dispatch import make_grouped_linear, make_linear
     from deepinfer_cuda_sm100.kernels import (
         _common,
+        compress_pool,
         compressor,
         fp8_gemm,
         mhc,
@@ -345,6 +362,7 @@ def load_ops() -> dict[str, OpImpl]:
         "qk_norm_rope": qk_norm_rope.qk_norm_rope,
         "rope_cos_sin": rope.rope_cos_sin,
         "swiglu": swiglu.swiglu,
+        "compress_pool": compress_pool.compress_pool,
         "hc_pre": mhc.hc_pre,
         "hc_post": mhc.hc_post,
         "hc_post_pre": mhc_chain.hc_post_pre,

@@ -4,16 +4,16 @@ Decode-sized calls (T = 1, 16, 64, 256 tokens by default) at DeepSeek-V4-Flash w
 (hidden 4096, 64 heads x 512, rope dim 64, hc_mult 4, shared expert 2048, vocabulary 129,280):
 the norms, the rope (the attention's queries and keys, the indexer's queries, and the rope
 channels alone of the attention output, a strided view) and its cos/sin tables, the mHC ops,
-the shared expert's SwiGLU and greedy sampling's ``argmax_rows`` over ``[T, vocabulary]``
+the shared expert's SwiGLU, V4.1's compressor pooling (``compress_pool``: the CSA and HCA
+windows ``T`` tokens close), greedy sampling's ``argmax_rows`` over ``[T, vocabulary]``
 float32 logits (the reference is ``torch.argmax``; fp32 whatever ``--dtype``, as the sampler
 takes them) and ``cache_write`` of ``T`` rows into a packed FP8 KV pool
-(``kv_cache_dtype="fp8"``; 584-byte rows).  Each
-implementation is timed with CUDA events two ways: replaying a CUDA graph of
-``--calls-per-graph`` back-to-back calls (GPU time per call, launch overhead excluded), and
-eagerly (what a Python loop costs, launches included).  Prints a table and writes JSON (default
-``benchmarks/results/cuda_sm100_small_ops.json`` at the repository root).  ``--rope-heads
-1,4,8,64`` also times the Triton ``apply_rope`` at that many heads a program, each checked bit
-for bit against the default launch.
+(``kv_cache_dtype="fp8"``; 584-byte rows).  Each implementation is timed with CUDA events
+two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls (GPU time per
+call, launch overhead excluded), and eagerly (what a Python loop costs, launches included).
+Prints a table and writes JSON (default ``benchmarks/results/cuda_sm100_small_ops.json`` at
+the repository root).  ``--rope-heads 1,4,8,64`` also times the Triton ``apply_rope`` at that
+many heads a program, each checked bit for bit against the default launch.
 
     python plugins/cuda_sm100/scripts/bench_small_ops.py [--tokens 1,16,64,256] [--dtype bfloat16]
 """
@@ -73,6 +73,19 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
             (randn(t, HEADS, HEAD_DIM)[..., -ROPE_DIM:], cos, sin),
         ),
         ("rope_cos_sin", f"[{t}] x {ROPE_DIM // 2}", (pos.long(), inv, 1.0, dtype)),
+        (  # V4.1's compressor: a CSA window of 2 x 4 rows closes per 4 tokens, an HCA one per 128
+            "compress_pool",
+            f"CSA [{max(1, t // 4)},8,{HEAD_DIM}]",
+            (randn(max(1, t // 4), 8, HEAD_DIM), randn(max(1, t // 4), 8, HEAD_DIM, dt=torch.float32)),
+        ),
+        (
+            "compress_pool",
+            f"HCA [{max(1, t // 128)},128,{HEAD_DIM}]",
+            (
+                randn(max(1, t // 128), 128, HEAD_DIM),
+                randn(max(1, t // 128), 128, HEAD_DIM, dt=torch.float32),
+            ),
+        ),
         (
             "swiglu",
             f"[{t},{SHARED_INTER}] strided",
