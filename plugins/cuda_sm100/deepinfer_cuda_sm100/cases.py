@@ -279,21 +279,8 @@ def own_cases(s: Shapes) -> dict[str, object]:
         ]
 
     def compress_pool(g: torch.Generator, dtype: torch.dtype) -> Cases:
-        def case(m: int, length: int, dim: int, ratio: int, strided: bool = False) -> tuple:
-            kv = _randn(g, m, length, 2 * dim, dtype=dtype)[..., dim:] if strided else None
-            gate = _randn(g, m, length, dim, scale=2.0)
-            if length == 2 * ratio:  # CSA: the first window has no previous window's half
-                gate[0, :ratio] = float("-inf")
-            return (kv if strided else _randn(g, m, length, dim, dtype=dtype), gate)
-
-        csa, hca = s.csa_ratio, s.hca_ratio
-        return [
-            (case(t_block, 2 * csa, s.head_dim, csa), {}),  # CSA entries
-            (case(t_one, 2 * csa, s.head_dim, csa, strided=True), {}),
-            (case(t_ragged, 2 * csa, s.index_head_dim, csa), {}),  # indexer keys
-            (case(t_one, hca, s.head_dim, hca), {}),  # HCA: one window closes at decode
-            (case(3, hca, s.head_dim, hca), {}),
-        ]
+        # the windows of the compressor's entries (kv and gate, the first two arguments)
+        return [(args[:2], {}) for args, _ in compress_entries(g, dtype)]
 
     def linear(g: torch.Generator, dtype: torch.dtype) -> Cases:
         from deepinfer_core.ops._cases import randn_fp8

@@ -53,6 +53,7 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
     k, m = HC * HIDDEN, (2 + HC) * HC
     fused = randn(t, Q_LORA + HEAD_DIM + ROPE_DIM)
     shared = randn(t, 2 * SHARED_INTER, scale=6)  # the shared expert's gate | up projection
+    csa, hca = max(1, t // 4), max(1, t // 128)  # the compressor windows t tokens close
     return [
         (
             "rms_norm",
@@ -75,16 +76,13 @@ def workloads(t: int, dtype: torch.dtype) -> list[tuple[str, str, tuple]]:
         ("rope_cos_sin", f"[{t}] x {ROPE_DIM // 2}", (pos.long(), inv, 1.0, dtype)),
         (  # V4.1's compressor: a CSA window of 2 x 4 rows closes per 4 tokens, an HCA one per 128
             "compress_pool",
-            f"CSA [{max(1, t // 4)},8,{HEAD_DIM}]",
-            (randn(max(1, t // 4), 8, HEAD_DIM), randn(max(1, t // 4), 8, HEAD_DIM, dt=torch.float32)),
+            f"CSA [{csa},8,{HEAD_DIM}]",
+            (randn(csa, 8, HEAD_DIM), randn(csa, 8, HEAD_DIM, dt=torch.float32)),
         ),
         (
             "compress_pool",
-            f"HCA [{max(1, t // 128)},128,{HEAD_DIM}]",
-            (
-                randn(max(1, t // 128), 128, HEAD_DIM),
-                randn(max(1, t // 128), 128, HEAD_DIM, dt=torch.float32),
-            ),
+            f"HCA [{hca},128,{HEAD_DIM}]",
+            (randn(hca, 128, HEAD_DIM), randn(hca, 128, HEAD_DIM, dt=torch.float32)),
         ),
         (
             "swiglu",

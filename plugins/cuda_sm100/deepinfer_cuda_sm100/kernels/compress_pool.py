@@ -23,12 +23,12 @@ import triton
 import triton.language as tl
 
 from ._common import cast_to, cdiv, pow2
-from .compressor import _TL_DTYPES, _strided_rows, pool
+from .compressor import _TILE_ELEMS, _TL_DTYPES, _strided_rows, pool
 from .pdl import pdl_args, pdl_enter
 
 MAX_BLOCK_C = 512
-"""Widest channel block of one program (V4.1's 512-wide entries: one program a window)."""
-_TILE_ELEMS = 2048  # elements a tile: BLOCK_L rows x BLOCK_C channels
+"""Widest channel block of one program (V4.1's 512-wide entries: one program a window); a tile
+holds ``BLOCK_L`` rows of it, ``_TILE_ELEMS`` elements at most (the fused kernel's tile)."""
 
 
 @triton.jit
