@@ -1,5 +1,5 @@
-"""``moe_experts`` by kernel path: TileLang, the decode-width GEMVs or the dequantised experts where
-measured faster, else Triton.
+"""``moe_experts`` by kernel path: TileLang, the decode-width GEMVs, the dequantised experts or
+cuBLAS's grouped GEMMs where measured faster, else Triton.
 
 :func:`make_moe_experts` wraps the Triton path (:mod:`deepinfer_cuda_sm100.kernels.moe`, which
 takes every call the backend's ``supports`` accepts) in a dispatcher.  A call leaves it only
@@ -17,7 +17,10 @@ when all of these hold:
   :func:`gemv_supports` takes it (bfloat16, FP4 stacks in groups of 32, at most
   :data:`~deepinfer_cuda_sm100.kernels.moe_gemv.MAX_TOKENS` tokens); the dequantised experts
   (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`: the FP4 stacks decoded once per call into
-  scratch stacks, then Triton's plain-stack launches) where :func:`dequant_supports` does;
+  scratch stacks, then Triton's plain-stack launches) where :func:`dequant_supports` does; the
+  grouped GEMMs (:mod:`deepinfer_cuda_sm100.kernels.moe_grouped`: ``torch._grouped_mm`` over the
+  expert-sorted pairs, FP4 stacks dequantised first; plain bf16 stacks too) where
+  :func:`grouped_supports` does;
 - the measured table of this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op
   ``moe_experts``, kind :func:`choice_kind`, ``heads`` = hidden, ``head_dim`` = intermediate,
   ``tokens`` = (token, slot) pairs, ``keys`` = experts) picks it at the nearest measured point;
@@ -25,8 +28,9 @@ when all of these hold:
 
 The table names the paths as languages: ``"tilelang"`` (one consumer warpgroup a CTA),
 ``"tilelang_wide"`` (two, :func:`~deepinfer_cuda_sm100.tl.moe.moe_experts`'s ``consumers=2``;
-bitwise the same result), ``"triton_gemv"`` (the decode-width GEMVs) and ``"triton_dequant"`` (the
-dequantised experts).  Each is a language of
+bitwise the same result), ``"triton_gemv"`` (the decode-width GEMVs), ``"triton_dequant"`` (the
+dequantised experts) and ``"cublas_grouped"`` (the grouped GEMMs; the only other path of plain
+bf16 stacks, whose points have the kind ``bf16``).  Each is a language of
 its own in the table: taken only where it was timed around the call's pair count and fastest,
 never extrapolated, and only for calls it takes (the wide variant: widths of
 :func:`~deepinfer_cuda_sm100.tl.moe.wide_problem`).  A table without points of a language never
@@ -60,6 +64,13 @@ GEMV = "triton_gemv"
 """The table's name of the decode-width GEMVs (:mod:`deepinfer_cuda_sm100.kernels.moe_gemv`)."""
 DEQUANT = "triton_dequant"
 """The table's name of the dequantised experts (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`)."""
+GROUPED = "cublas_grouped"
+"""The table's name of the grouped GEMMs (:mod:`deepinfer_cuda_sm100.kernels.moe_grouped`)."""
+PLAIN_KIND = "bf16"
+"""The table's kind of calls on plain bf16 stacks."""
+GROUPED_ARCHS = (9, 10)
+"""The compute capabilities (majors) whose ``torch._grouped_mm`` reads the group offsets on the
+device (elsewhere it copies them to the host: a sync, not capturable)."""
 
 
 def _fp4_problem(name: str, w, path: str) -> str | None:
@@ -148,9 +159,36 @@ def dequant_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool
     return True
 
 
+def grouped_device_problem(device: torch.device) -> str | None:
+    """Why ``torch._grouped_mm`` would synchronise with the host on ``device`` (not a CUDA device
+    of :data:`GROUPED_ARCHS`), or ``None``."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in GROUPED_ARCHS:
+        return f"device {device}: torch._grouped_mm reads its offsets on the device on sm_90 / sm_100 only"
+    return None
+
+
+def grouped_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:
+    """``True`` when the grouped GEMMs may take this call (already accepted by the Triton path's
+    ``supports``), else the reason: bfloat16 activations on a CUDA device of
+    :data:`GROUPED_ARCHS`, the stacks :func:`~deepinfer_cuda_sm100.kernels.moe_grouped.grouped_problem`
+    takes, at least one (token, slot) pair."""
+    from deepinfer_cuda_sm100.kernels.moe_grouped import grouped_problem
+
+    if x.dtype != torch.bfloat16:
+        return f"x dtype {x.dtype}: the grouped GEMMs are measured in bfloat16"
+    problem = grouped_device_problem(x.device) or grouped_problem(x, gate_up, down)
+    if problem:
+        return problem
+    if x.shape[0] == 0 or ids.shape[1] == 0:
+        return NO_PAIRS
+    return True
+
+
 def choice_kind(gate_up) -> str:
-    """The kind of a call in the measured table: ``fp4`` (ue8m0 scales) or ``fp4+fp32`` (float32
-    scales; the gate / up stack's)."""
+    """The kind of a call in the measured table: ``fp4`` (ue8m0 scales), ``fp4+fp32`` (float32
+    scales; the gate / up stack's) or :data:`PLAIN_KIND` (plain stacks)."""
+    if not isinstance(gate_up, QuantizedTensor):
+        return PLAIN_KIND
     return "fp4+fp32" if gate_up.scale.dtype == torch.float32 else "fp4"
 
 
@@ -177,8 +215,8 @@ def languages(hidden: int, inter: int) -> frozenset[str]:
 
 
 def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
-    """``"tilelang"``, ``"tilelang_wide"``, ``"triton_gemv"``, ``"triton_dequant"`` or
-    ``"triton"`` for this call (see the module docstring)."""
+    """``"tilelang"``, ``"tilelang_wide"``, ``"triton_gemv"``, ``"triton_dequant"``,
+    ``"cublas_grouped"`` or ``"triton"`` for this call (see the module docstring)."""
     if mode_problem(x.device) is not None:
         return "triton"
     available = {"triton"}
@@ -191,6 +229,8 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
         available.add(GEMV)
     if dequant_supports(x, ids, weights, gate_up, down, limit, shared) is True:
         available.add(DEQUANT)
+    if grouped_supports(x, ids, weights, gate_up, down, limit, shared) is True:
+        available.add(GROUPED)
     if len(available) == 1:
         return "triton"
     return kernel_choice.choose(
@@ -207,8 +247,8 @@ def choose_language(x, ids, weights, gate_up, down, limit, shared=None) -> str:
 
 
 def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The op: the TileLang GEMMs, the decode-width GEMVs or the dequantised experts where
-    :func:`choose_language` picks them, else ``triton_fn``."""
+    """The op: the TileLang GEMMs, the decode-width GEMVs, the dequantised experts or the grouped
+    GEMMs where :func:`choose_language` picks them, else ``triton_fn``."""
 
     def moe_experts(x, ids, weights, gate_up, down, limit, shared=None) -> torch.Tensor:
         language = choose_language(x, ids, weights, gate_up, down, limit, shared)
@@ -220,6 +260,10 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
             from deepinfer_cuda_sm100.kernels import moe_dequant
 
             return moe_dequant.moe_experts(x, ids, weights, gate_up, down, limit, shared)
+        if language == GROUPED:
+            from deepinfer_cuda_sm100.kernels import moe_grouped
+
+            return moe_grouped.moe_experts(x, ids, weights, gate_up, down, limit, shared)
         if language != "triton":
             from deepinfer_cuda_sm100.tl import moe as tl_moe
 
@@ -228,6 +272,6 @@ def make_moe_experts(triton_fn: Callable[..., torch.Tensor]) -> Callable[..., to
         return triton_fn(x, ids, weights, gate_up, down, limit, shared)
 
     moe_experts.__doc__ = (
-        f"Dispatcher over TileLang, the GEMVs, the dequantised experts and Triton.\n\n{__doc__}"
+        f"Dispatcher over TileLang, the GEMVs, the dequantised and grouped experts and Triton.\n\n{__doc__}"
     )
     return moe_experts

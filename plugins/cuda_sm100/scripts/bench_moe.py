@@ -22,7 +22,11 @@ overhead is excluded and consecutive calls touch different experts):
 * ``triton dequant fp4``: the FP4 experts dequantised once per call, a group of experts at a time,
   then Triton's plain-stack launches (:mod:`deepinfer_cuda_sm100.kernels.moe_dequant`; the
   dequantisation is inside the time);
+* ``cublas grouped fp4``: cuBLAS's grouped GEMMs over the expert-sorted pairs
+  (:mod:`deepinfer_cuda_sm100.kernels.moe_grouped`: every FP4 expert dequantised first, inside the
+  time; where the dequantised stacks fit its scratch);
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
+* ``cublas grouped bf16``: the grouped GEMMs on the bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
   expert-sorted pairs: the path that runs today).
 
@@ -71,8 +75,9 @@ error against the reference; JSON ``tile_sweep`` (default
     python plugins/cuda_sm100/scripts/bench_moe.py --experts 64 --tokens 2048,8192 --tile-sweep
 
 ``--write-choices`` writes the Triton and TileLang FP4 times (both TileLang variants), the
-GEMVs' (language ``triton_gemv``, at the token counts where they were timed) and the dequantised
-experts' (``triton_dequant``) of each token count
+GEMVs' (language ``triton_gemv``, at the token counts where they were timed), the dequantised
+experts' (``triton_dequant``) and the grouped GEMMs' (``cublas_grouped``) of each token count, and
+the bf16 experts' Triton and grouped times as points of kind ``bf16``,
 into the backend's measured table (``moe_experts`` points of ``choices_smXY.json``, see
 :mod:`deepinfer_cuda_sm100.kernel_choice`), which the op's dispatcher reads; the points' kind
 names the scales' storage (:func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`: ``fp4`` or
@@ -218,6 +223,8 @@ def main() -> None:
     from deepinfer_cuda_sm100.kernels.moe_dequant import moe_experts as dequant_moe
     from deepinfer_cuda_sm100.kernels.moe_gemv import MAX_TOKENS
     from deepinfer_cuda_sm100.kernels.moe_gemv import moe_experts as gemv_moe
+    from deepinfer_cuda_sm100.kernels.moe_grouped import grouped_problem
+    from deepinfer_cuda_sm100.kernels.moe_grouped import moe_experts as grouped_moe
     from deepinfer_cuda_sm100.tl import tilelang_problem
 
     from deepinfer_core.ops.moe import moe_experts as reference
@@ -251,6 +258,9 @@ def main() -> None:
     else:
         print(f"(no TileLang columns: {tl_problem})")
 
+    grouped_fp4_problem = grouped_problem(torch.empty(0, d, dtype=torch.bfloat16), gate_up, down)
+    if grouped_fp4_problem:
+        print(f"(no cublas grouped fp4 column: {grouped_fp4_problem})")
     fp4_expert_bytes = (gate_up.nbytes + down.nbytes) / e
     bf16_expert_bytes = (gate_up_bf16.nbytes + down_bf16.nbytes) / e
     names = (
@@ -260,7 +270,9 @@ def main() -> None:
         "tilelang_wide_fp4",
         "triton_gemv_fp4",
         "triton_dequant_fp4",
+        "cublas_grouped_fp4",
         "triton_bf16",
+        "cublas_grouped_bf16",
         "grouped_mm",
     )
     tbps_columns = [f"{n}_weight_TBps" for n in names]
@@ -272,9 +284,10 @@ def main() -> None:
     head = f"{'T':>5} {'experts':>8} {'tiles':>6} " + " ".join(f"{n + ' us':>15}" for n in names)
     head += (
         f" {'fp4 TB/s':>9} {'fp8m TB/s':>9} {'tl TB/s':>9} {'tlw TB/s':>9} {'gemv TB/s':>9} {'dq TB/s':>9}"
-        f" {'bf16 TB/s':>9} {'gmm TB/s':>9}"
+        f" {'cbg TB/s':>9} {'bf16 TB/s':>9} {'cbgb TB/s':>9} {'gmm TB/s':>9}"
     )
     head += f" {'err':>9} {'fp8m err':>9} {'tl err':>9} {'tlw err':>9} {'gemv err':>9} {'dq err':>9}"
+    head += f" {'cbg err':>9}"
     print(head)
     rows, tuned = [], []
     for t in [int(v) for v in args.tokens.split(",")]:
@@ -289,10 +302,17 @@ def main() -> None:
             "triton_bf16": lambda j, routes=routes, x=x: triton_moe(
                 x, *routes[j], gate_up_bf16, down_bf16, LIMIT
             ),
+            "cublas_grouped_bf16": lambda j, routes=routes, x=x: grouped_moe(
+                x, *routes[j], gate_up_bf16, down_bf16, LIMIT
+            ),
             "grouped_mm": lambda j, routes=routes, x=x: reference(
                 x, *routes[j], gate_up_bf16, down_bf16, LIMIT
             ),
         }
+        if grouped_fp4_problem is None:
+            calls["cublas_grouped_fp4"] = lambda j, routes=routes, x=x: grouped_moe(
+                x, *routes[j], gate_up, down, LIMIT
+            )
         if tl_problem is None:
             calls["tilelang_fp4"] = lambda j, routes=routes, x=x: tilelang_moe(
                 x, *routes[j], gate_up, down, LIMIT
@@ -305,7 +325,12 @@ def main() -> None:
             calls["triton_gemv_fp4"] = lambda j, routes=routes, x=x: gemv_moe(
                 x, *routes[j], gate_up, down, LIMIT
             )
-        times = {"tilelang_fp4": None, "tilelang_wide_fp4": None, "triton_gemv_fp4": None}
+        times = {
+            "tilelang_fp4": None,
+            "tilelang_wide_fp4": None,
+            "triton_gemv_fp4": None,
+            "cublas_grouped_fp4": None,
+        }
         for name, fn in calls.items():
             times[name] = time_graph(fn, args.calls_per_graph, args.replays)
             if name == "triton_fp4":  # the same kernels in the fp8 math (read at capture)
@@ -367,6 +392,7 @@ def main() -> None:
         if t <= gemv_tokens:
             gemv_err, gemv_rms = errors(gemv_moe(x, *routes[0], gate_up, down, LIMIT), want)
         dq_err, dq_rms = errors(dequant_moe(x, *routes[0], gate_up, down, LIMIT), want)
+        cbg_err, cbg_rms = errors(grouped_moe(x, *routes[0], gate_up_bf16, down_bf16, LIMIT), want)
 
         bm = tile_rows(t * k, e, False)
         row = {
@@ -383,7 +409,9 @@ def main() -> None:
             "tilelang_wide_fp4_weight_TBps": tbps(times["tilelang_wide_fp4"], fp4_expert_bytes),
             "triton_gemv_fp4_weight_TBps": tbps(times["triton_gemv_fp4"], fp4_expert_bytes),
             "triton_dequant_fp4_weight_TBps": tbps(times["triton_dequant_fp4"], fp4_expert_bytes),
+            "cublas_grouped_fp4_weight_TBps": tbps(times["cublas_grouped_fp4"], fp4_expert_bytes),
             "triton_bf16_weight_TBps": tbps(times["triton_bf16"], bf16_expert_bytes),
+            "cublas_grouped_bf16_weight_TBps": tbps(times["cublas_grouped_bf16"], bf16_expert_bytes),
             "grouped_mm_weight_TBps": tbps(times["grouped_mm"], bf16_expert_bytes),
             "fp4_max_rel_err_vs_reference": err,
             "fp4_rel_rms_err_vs_reference": rms,
@@ -397,6 +425,8 @@ def main() -> None:
             "triton_gemv_fp4_rel_rms_err_vs_reference": gemv_rms,
             "triton_dequant_fp4_max_rel_err_vs_reference": dq_err,
             "triton_dequant_fp4_rel_rms_err_vs_reference": dq_rms,
+            "cublas_grouped_max_rel_err_vs_reference": cbg_err,
+            "cublas_grouped_rel_rms_err_vs_reference": cbg_rms,
         }
         rows.append(row)
 
@@ -408,7 +438,7 @@ def main() -> None:
             + " ".join(fmt(times[n]) for n in names)
             + "".join(f" {fmt(row[c], 9, '.2f')}" for c in tbps_columns)
             + f" {err:>9.2g} {fmt(fp8_err, 9, '.2g')} {fmt(tl_err, 9, '.2g')} {fmt(tlw_err, 9, '.2g')}"
-            + f" {fmt(gemv_err, 9, '.2g')} {dq_err:>9.2g}"
+            + f" {fmt(gemv_err, 9, '.2g')} {dq_err:>9.2g} {cbg_err:>9.2g}"
         )
 
     result = {

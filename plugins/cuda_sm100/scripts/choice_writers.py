@@ -24,6 +24,10 @@ GEMV_COLUMN = "triton_gemv_fp4_us"
 """``bench_moe.py``'s column of the decode-width GEMVs' times (language ``triton_gemv``)."""
 DEQUANT_COLUMN = "triton_dequant_fp4_us"
 """``bench_moe.py``'s column of the dequantised experts' times (language ``triton_dequant``)."""
+GROUPED_COLUMN = "cublas_grouped_fp4_us"
+"""``bench_moe.py``'s column of the grouped GEMMs' times on FP4 stacks (language ``cublas_grouped``)."""
+GROUPED_BF16_COLUMN = "cublas_grouped_bf16_us"
+"""``bench_moe.py``'s column of the grouped GEMMs' times on bf16 stacks (kind ``bf16``)."""
 
 
 def merge(points: list[dict], command: str, timing: str, packages: tuple[str, ...] = ("triton",)) -> Path:
@@ -200,14 +204,14 @@ def moe_points(
     rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
 ) -> list[dict]:
     """The FP4 ``moe_experts`` paths' times (Triton and, where timed, TileLang, the wide TileLang
-    variant ``tilelang_wide``, the decode-width GEMVs ``triton_gemv`` and the dequantised experts
-    ``triton_dequant``; bf16 activations;
+    variant ``tilelang_wide``, the decode-width GEMVs ``triton_gemv``, the dequantised experts
+    ``triton_dequant`` and the grouped GEMMs ``cublas_grouped``; bf16 activations;
     ``kind``: the scales' storage, see :func:`~deepinfer_cuda_sm100.moe_dispatch.choice_kind`) per
     token count as ``moe_experts`` points of the measured table: ``tokens`` = (token, slot)
     pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
     (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows with none of the other paths' times are left
     out (nothing to choose there)."""
-    from deepinfer_cuda_sm100.moe_dispatch import DEQUANT, GEMV, OP, WIDE
+    from deepinfer_cuda_sm100.moe_dispatch import DEQUANT, GEMV, GROUPED, OP, WIDE
 
     def ms(r: dict) -> dict:
         out = {"triton": round(r["triton_fp4_us"] / 1e3, 5)}
@@ -216,6 +220,7 @@ def moe_points(
             (WIDE, "tilelang_wide_fp4_us"),
             (GEMV, GEMV_COLUMN),
             (DEQUANT, DEQUANT_COLUMN),
+            (GROUPED, GROUPED_COLUMN),
         )
         for language, column in timed:
             if r.get(column):
@@ -226,7 +231,25 @@ def moe_points(
         {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
          "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
         for r in rows
-        if r.get("triton_fp4_us") and any(r.get(c) for c in ("tilelang_fp4_us", GEMV_COLUMN, DEQUANT_COLUMN))
+        if r.get("triton_fp4_us")
+        and any(r.get(c) for c in ("tilelang_fp4_us", GEMV_COLUMN, DEQUANT_COLUMN, GROUPED_COLUMN))
+    ]  # fmt: skip
+
+
+def moe_plain_points(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> list[dict]:
+    """The bf16 stacks' ``moe_experts`` paths' times (Triton's ``triton_bf16_us`` and the grouped
+    GEMMs' ``cublas_grouped``) as points of kind
+    :data:`~deepinfer_cuda_sm100.moe_dispatch.PLAIN_KIND`, the axes of :func:`moe_points`; rows
+    without both times are left out."""
+    from deepinfer_cuda_sm100.moe_dispatch import GROUPED, OP, PLAIN_KIND
+
+    return [
+        {"op": OP, "kind": PLAIN_KIND, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
+         "tokens": r["T"] * top_k, "keys": experts,
+         "ms": {"triton": round(r["triton_bf16_us"] / 1e3, 5),
+                GROUPED: round(r[GROUPED_BF16_COLUMN] / 1e3, 5)}}
+        for r in rows
+        if r.get("triton_bf16_us") and r.get(GROUPED_BF16_COLUMN)
     ]  # fmt: skip
 
 
@@ -251,13 +274,16 @@ def keeping_languages(points: list[dict], table) -> list[dict]:
 def write_moe_choices(
     rows: list[dict], hidden: int, inter: int, experts: int, top_k: int, kind: str = "fp4"
 ) -> Path:
-    """:func:`moe_points` of ``rows`` written into this GPU's table (replacing its
-    ``moe_experts`` points of the same shapes and kind, :func:`keeping_languages`)."""
+    """:func:`moe_points` and :func:`moe_plain_points` of ``rows`` written into this GPU's table
+    (replacing its ``moe_experts`` points of the same shapes and kinds, :func:`keeping_languages`)."""
     from deepinfer_cuda_sm100 import kernel_choice
 
     major, minor = torch.cuda.get_device_capability()
     table = kernel_choice.load_points(f"sm{major}{minor}")
-    points = keeping_languages(moe_points(rows, hidden, inter, experts, top_k, kind), table)
+    measured = moe_points(rows, hidden, inter, experts, top_k, kind) + moe_plain_points(
+        rows, hidden, inter, experts, top_k
+    )
+    points = keeping_languages(measured, table)
     timing = "mean of the calls replayed in a CUDA graph (each call its own routing), after warm-ups"
     packages = ("triton", "tilelang") if any("tilelang" in p["ms"] for p in points) else ("triton",)
     return merge(points, "python plugins/cuda_sm100/scripts/bench_moe.py --write-choices", timing, packages)

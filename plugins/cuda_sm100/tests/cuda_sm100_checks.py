@@ -474,6 +474,7 @@ def sm90_moe_table(monkeypatch, points: tuple):
 
     cuda, real_mode_problem = torch.device("cuda", 0), moe_dispatch.mode_problem
     monkeypatch.setattr(moe_dispatch, "mode_problem", lambda device: real_mode_problem(cuda))
+    monkeypatch.setattr(moe_dispatch, "grouped_device_problem", lambda device: None)
     monkeypatch.setattr(kernel_choice, "device_arch", lambda device: "sm90")
     table = functools.cache(lambda arch: points if arch == "sm90" else ())
     monkeypatch.setattr(kernel_choice, "load_points", table)

@@ -662,7 +662,8 @@ def test_kernels_compile_for_the_gpu(arch):
         {"D": 4096, "BLOCK_G": 32, "FP32_DOT": False},
         arch,
     )
-    for shared in (False, True):  # the shared expert's output added in the combine
+    # the shared expert's output added in the combine; the grouped path's weighted rows
+    for shared, weighted in ((False, False), (True, False), (True, True)):
         compile_typed(
             moe._combine_kernel,
             {
@@ -672,8 +673,10 @@ def test_kernels_compile_for_the_gpu(arch):
                 "out_ptr": "*bf16",
                 "stride_out": "i32",
             }
-            | {"sh_ptr": "*bf16", "stride_sh": "i32", "D": "i32", "E": "i32"},
-            {"TOP_K": 6, "K_PAD": 8, "BI_ROUNDING": True, "SHARED": shared, "BLOCK_D": 1024},
+            | {"sh_ptr": "*bf16", "stride_sh": "i32", "D": "i32", "E": "i32"}
+            | {"rows_ptr": "*i32", "rw_ptr": "*fp32", "stride_rw": "i32"},
+            {"TOP_K": 6, "K_PAD": 8, "BI_ROUNDING": not weighted, "SHARED": shared, "WEIGHTED": weighted}
+            | {"BLOCK_D": 1024},
             arch,
         )
 

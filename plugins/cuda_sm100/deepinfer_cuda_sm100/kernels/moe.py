@@ -1023,19 +1023,25 @@ def _combine_kernel(
     stride_sh,
     out_ptr,
     stride_out,
+    rows_ptr,
+    rw_ptr,
+    stride_rw,
     D,
     E,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     BI_ROUNDING: tl.constexpr,
     SHARED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
     """Token ``program_id(0)``: its contributions in ascending (expert, slot) order, in fp32
     (``BI_ROUNDING``: rounded to the output dtype before each new expert's contributions);
     with ``SHARED`` the routed sum is rounded to the output dtype and the shared expert's row
-    added (the reference's ``routed + shared``)."""
+    added (the reference's ``routed + shared``).  ``WEIGHTED``: the rows are unweighted expert
+    outputs at rows ``rows[t * k + j]``; each is scaled here by its routing weight rounded to
+    the output dtype and rounded once (the down kernel's epilogue, moved here)."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -1054,7 +1060,13 @@ def _combine_kernel(
             acc = tl.where((prev >= 0) & (expert != prev) & (m < done), round_through(acc, dtype), acc)
             prev = expert
         row = t * TOP_K + m % K_PAD
-        acc += tl.load(y_ptr + row * D + cols, mask=d_ok & (m < done), other=0.0).to(tl.float32)
+        if WEIGHTED:
+            rw = tl.load(rw_ptr + t * stride_rw + m % K_PAD, mask=m < done, other=0.0).to(tl.float32)
+            row = tl.load(rows_ptr + row, mask=m < done, other=0).to(tl.int64)
+            v = tl.load(y_ptr + row * D + cols, mask=d_ok & (m < done), other=0.0).to(tl.float32)
+            acc += cast_to(v * round_through(rw, dtype), dtype).to(tl.float32)
+        else:
+            acc += tl.load(y_ptr + row * D + cols, mask=d_ok & (m < done), other=0.0).to(tl.float32)
         key = tl.where(key == m, done, key)
     if SHARED:
         acc = round_through(acc, dtype)
@@ -1229,20 +1241,29 @@ def combine_pairs(
     bi_rounding: bool,
     shared: torch.Tensor | None,
     out: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch 4 (:func:`_combine_kernel`): ``out[t]`` = the sum of the pair contributions
     ``y[t * k + j]`` (``[T * k, D]``) in ascending expert order (``bi_rounding``: the batch-
     invariant mode's rounding), plus ``shared[t]`` when given; ``ids`` ``[T, k]`` unit-strided
-    along the slots, ``out`` ``[T, D]`` unit-strided along D.  Returns ``out``."""
+    along the slots, ``out`` ``[T, D]`` unit-strided along D.  With ``rows`` (``[T * k]``) and
+    ``weights`` (``[T, k]``, unit-strided along the slots) ``y`` holds unweighted expert outputs:
+    pair ``(t, j)``'s is row ``rows[t * k + j]``, scaled here by its weight rounded to ``out``'s
+    dtype, the product rounded once (the down kernel's default-mode epilogue).  Returns ``out``."""
     t, top_k = ids.shape
     d = out.shape[1]
     bd = min(COMBINE_BLOCK_D, pow2(d))
     if shared is not None and shared.stride(1) != 1:
         shared = shared.contiguous()
     sh, sh_stride = (shared, shared.stride(0)) if shared is not None else (out, 0)
+    weighted = rows is not None
+    if weighted and (weights is None or bi_rounding):
+        raise ValueError("combine_pairs: rows need their weights, outside the batch-invariant rounding")
+    rw, rw_stride = (weights, weights.stride(0)) if weighted else (ids, 0)
     _combine_kernel[(t, cdiv(d, bd))](
-        y, ids, ids.stride(0), sh, sh_stride, out, out.stride(0), d, num_experts,
-        TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi_rounding, SHARED=shared is not None, BLOCK_D=bd,
-        num_warps=4, **pdl_args(),
+        y, ids, ids.stride(0), sh, sh_stride, out, out.stride(0), rows if weighted else ids, rw, rw_stride,
+        d, num_experts, TOP_K=top_k, K_PAD=pow2(top_k), BI_ROUNDING=bi_rounding, SHARED=shared is not None,
+        WEIGHTED=weighted, BLOCK_D=bd, num_warps=4, **pdl_args(),
     )  # fmt: skip
     return out
