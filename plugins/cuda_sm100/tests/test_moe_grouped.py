@@ -32,26 +32,14 @@ import pytest
 import torch
 
 from deepinfer_core.ops.modes import batch_invariant_mode
-from deepinfer_core.weights.quant import QuantizedTensor
 
 pytest.importorskip("triton", reason="triton is not installed: pip install -e 'plugins/cuda_sm100[test]'")
 
 from deepinfer_cuda_sm100 import kernel_choice, moe_dispatch  # noqa: E402
+from test_moe_dequant import _call, _fp4, _routing  # noqa: E402
 
 GROUPED = moe_dispatch.GROUPED
 slow = pytest.mark.slow  # they read the report of a fresh interpreter
-
-
-def _fp4(g, e: int, out: int, inp: int, scales: str = "ue8m0", group: int = 32) -> QuantizedTensor:
-    from deepinfer_core.ops._cases import randn_fp4
-
-    return randn_fp4(g, e, out, inp, scale=inp**-0.5, group=group, scale_dtype=scales)
-
-
-def _routing(g, t: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    w = torch.rand(t, k, generator=g) + 0.1
-    return ids, 1.5 * w / w.sum(-1, keepdim=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,15 +144,6 @@ def test_sorted_pairs_are_stable_by_expert_with_inverse_rows_and_running_ends():
     assert order.tolist() == [1, 2, 4, 5, 6, 0, 3, 7]
     assert torch.equal(rows[order], torch.arange(8, dtype=torch.int32))
     assert ends.tolist() == [4, 5, 8, 8] and ends.dtype == torch.int32
-
-
-def _call(t=1, d=256, i=128, e=8, k=6, dtype=torch.bfloat16, **kw):
-    g = torch.Generator().manual_seed(0)
-    x = torch.zeros(t, d, dtype=dtype)
-    ids = torch.arange(k).repeat(t, 1) % e
-    w = torch.ones(t, k)
-    gate_up = kw["gate_up"] if "gate_up" in kw else _fp4(g, e, 2 * i, d)
-    return x, ids, w, gate_up, kw["down"] if "down" in kw else _fp4(g, e, d, i), 10.0
 
 
 def test_grouped_problem_names_what_it_refuses():
