@@ -41,6 +41,7 @@ The choice depends on static shapes only, so a captured graph replays the kernel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -162,9 +163,15 @@ def dequant_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool
 def grouped_device_problem(device: torch.device) -> str | None:
     """Why ``torch._grouped_mm`` would synchronise with the host on ``device`` (not a CUDA device
     of :data:`GROUPED_ARCHS`), or ``None``."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] not in GROUPED_ARCHS:
+    if device.type != "cuda" or _major(device.index) not in GROUPED_ARCHS:
         return f"device {device}: torch._grouped_mm reads its offsets on the device on sm_90 / sm_100 only"
     return None
+
+
+@functools.cache
+def _major(index: int | None) -> int:
+    """The compute capability's major of CUDA device ``index`` (once per device: every call asks)."""
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def grouped_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:

@@ -28,7 +28,7 @@ overhead is excluded and consecutive calls touch different experts):
 * ``triton bf16``: the same kernels on the dequantised bf16 experts;
 * ``cublas grouped bf16``: the grouped GEMMs on the bf16 experts;
 * ``grouped_mm``: the core reference on the bf16 experts (``torch._grouped_mm`` over the
-  expert-sorted pairs: the path that runs today).
+  expert-sorted pairs: the reference backend's path).
 
 The bandwidth is the effective weight-read rate: the bytes of the distinct experts a call
 routes to (data and scales), averaged over the calls of the graph, divided by the time.
