@@ -24,7 +24,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--calls-per-graph", type=int, default=8)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument(
-        "--write-choices", action="store_true", help="write the measured times into the backend's choice table"
+        "--write-choices", action="store_true", help="write the times into the backend's choice table"
     )
     parser.add_argument(
         "--scales",
