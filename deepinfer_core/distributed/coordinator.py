@@ -42,7 +42,14 @@ from .init import (
     listening_store,
 )
 from .metrics import merge_metrics
-from .processes import WorkerProcess, new_log_dir, spawn_workers, stop_workers, torchrun_log_dir
+from .processes import (
+    WorkerProcess,
+    new_log_dir,
+    release_log_dir,
+    spawn_workers,
+    stop_workers,
+    torchrun_log_dir,
+)
 from .protocol import AddRequest, StepMessage, broadcast, gather
 from .serve import build_engine, handle_message
 
@@ -336,7 +343,8 @@ class Coordinator:
     # ---- end -----------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Tell the workers to exit, stop the ones that do not within a few seconds, and leave
-        the world.  Idempotent; also runs at interpreter exit."""
+        the world; a temporary log directory goes too when every worker exited cleanly
+        (:func:`~.processes.release_log_dir`).  Idempotent; also runs at interpreter exit."""
         if self._closed:
             return
         self._closed = True
@@ -353,6 +361,7 @@ class Coordinator:
         else:  # the workers wait in a collective that will not complete: stop them now
             stop_workers(self.procs, wait_s=0.5, warn=False)
             destroy_parallel()
+        release_log_dir(self.log_dir, self.procs)
         self.engine.shutdown()
 
 

@@ -5,7 +5,9 @@ starts ranks ``1 .. world_size-1`` itself as ``python -m deepinfer_core.distribu
 processes (:func:`spawn_workers`): the rendezvous variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` on a free port) and the engine configuration
 as JSON (``DEEPINFER_WORKER_CONFIG``) in their environment, their stdout and stderr in
-``<log_dir>/rank<k>.log``; :func:`stop_workers` stops them.
+``<log_dir>/rank<k>.log``; :func:`stop_workers` stops them.  The log directory is
+``$DEEPINFER_LOG_DIR`` or a new temporary one, which :func:`release_log_dir` removes after a run
+whose workers all exited cleanly (a failed run keeps its logs).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,13 +36,31 @@ _STOP_WAIT_S = 5.0
 WorkerProcess = subprocess.Popen
 
 
+_TEMPORARY_LOG_DIRS: set[str] = set()
+"""The log directories :func:`new_log_dir` created (the ones :func:`release_log_dir` may remove)."""
+
+
 def new_log_dir() -> str:
     """The log directory of a run ``LLM`` starts: ``$DEEPINFER_LOG_DIR`` or a new temp dir."""
     configured = os.environ.get(LOG_DIR_ENV)
     if configured:
         Path(configured).mkdir(parents=True, exist_ok=True)
         return configured
-    return tempfile.mkdtemp(prefix="deepinfer-ranks-")
+    path = tempfile.mkdtemp(prefix="deepinfer-ranks-")
+    _TEMPORARY_LOG_DIRS.add(path)
+    return path
+
+
+def release_log_dir(log_dir: str, procs: dict[int, WorkerProcess]) -> None:
+    """At the end of a run: remove ``log_dir`` if :func:`new_log_dir` created it as a temporary
+    directory and every worker exited with status 0; otherwise keep it (a configured
+    ``$DEEPINFER_LOG_DIR``, torchrun's, or the logs that explain a failed worker) and say where."""
+    clean = all(proc.poll() == 0 for proc in procs.values())
+    if clean and log_dir in _TEMPORARY_LOG_DIRS:
+        _TEMPORARY_LOG_DIRS.discard(log_dir)
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif procs:
+        logger.info("worker logs kept in %s", log_dir)
 
 
 def torchrun_log_dir() -> str:

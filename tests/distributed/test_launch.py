@@ -21,6 +21,7 @@ from deepinfer_core.cli_engine_args import engine_kwargs
 from deepinfer_core.config import EngineConfig
 from deepinfer_core.distributed.faults import FAULT_ENV
 from deepinfer_core.distributed.init import init_parallel, run_bounded
+from deepinfer_core.distributed.processes import LOG_DIR_ENV
 from deepinfer_core.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,6 +77,25 @@ def test_dead_worker_ends_the_run_with_one_error_naming_it(monkeypatch: pytest.M
     finally:
         llm.shutdown()
         llm.shutdown()  # idempotent
+    assert Path(log).is_file()  # a failed run keeps the logs that explain it
+
+
+def test_a_clean_run_removes_its_temporary_log_dir_and_keeps_a_configured_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for configured in (False, True):
+        if configured:
+            monkeypatch.setenv(LOG_DIR_ENV, str(tmp_path / "logs"))
+        llm = LLM(**OPTIONS, data_parallel_size=2, distributed_timeout_s=60)
+        log_dir = Path(llm.client.log_dir)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=2)
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 2, params, use_tqdm=False)
+            assert (log_dir / "rank1.log").is_file()
+        finally:
+            llm.shutdown()
+        assert log_dir.exists() == configured, (configured, log_dir)
+        assert configured == (log_dir == tmp_path / "logs")
 
 
 @pytest.mark.slow
