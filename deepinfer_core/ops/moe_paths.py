@@ -155,11 +155,16 @@ def _experts_dense_chunked(
     return torch.cat([_experts_dense(xc, ic, wc, gate_up, down, limit) for xc, ic, wc in parts])
 
 
-_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+"""Whether this torch has ``torch._grouped_mm``."""
+GROUPED_MM_MAJORS = (9, 10)
+"""The CUDA compute capabilities (majors) whose bf16 ``torch._grouped_mm`` reads the group offsets
+on the device (elsewhere it copies them to the host: a sync, not capturable)."""
 
 
 @functools.cache
-def _cuda_major(index: int | None) -> int:
+def cuda_major(index: int | None) -> int:
+    """The compute capability's major of CUDA device ``index`` (read once per device)."""
     return torch.cuda.get_device_capability(index)[0]
 
 
@@ -170,17 +175,17 @@ def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
     sm100 (with 16-byte aligned rows) take the group offsets on the device: every other case
     falls back to a per-group loop that copies the offsets to the host.
     """
-    if not _HAS_GROUPED_MM or not x.dtype == gate_up.dtype == down.dtype:
+    if not HAS_GROUPED_MM or not x.dtype == gate_up.dtype == down.dtype:
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
         aligned = x.shape[1] % 8 == 0 and down.shape[2] % 8 == 0
-        return x.dtype == torch.bfloat16 and aligned and _cuda_major(x.device.index) in (9, 10)
+        return x.dtype == torch.bfloat16 and aligned and cuda_major(x.device.index) in GROUPED_MM_MAJORS
     return False
 
 
-def _expert_groups(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def expert_groups(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs sorted by expert (stable: by token, then slot, within one):
     ``(sorted expert ids [P], pair order [P], group ends [E])``, where ``ends[e]`` counts the
     pairs with an expert <= e (``bincount(...).cumsum(0)`` without its host sync)."""
@@ -201,7 +206,7 @@ def _experts_grouped(
     by expert (``torch._grouped_mm`` with the group offsets on the device, exact per group): no
     wasted FLOPs and no per-expert dispatch."""
     top_k, num_experts = ids.shape[1], gate_up.shape[0]
-    _, order, ends = _expert_groups(ids, num_experts)
+    _, order, ends = expert_groups(ids, num_experts)
     offs = ends.to(torch.int32)
     tok = order // top_k
     h = torch._grouped_mm(x.index_select(0, tok), gate_up.transpose(1, 2), offs=offs)
@@ -239,7 +244,7 @@ def _experts_tiled(
     if P == 0:
         return torch.zeros_like(x)
     dev = x.device
-    sorted_ids, order, ends = _expert_groups(ids, E)
+    sorted_ids, order, ends = expert_groups(ids, E)
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
     tiles = (counts + R - 1) // R
     tile_end = torch.cumsum(tiles, 0)

@@ -135,7 +135,7 @@ def test_few_pairs_dequantise_only_the_routed_experts(monkeypatch):
 
 
 def test_chunked_dense_fallback_makes_no_host_sync(monkeypatch):
-    monkeypatch.setattr(moe_paths, "_HAS_GROUPED_MM", False)
+    monkeypatch.setattr(moe_paths, "HAS_GROUPED_MM", False)
     monkeypatch.setattr(moe_paths, "_FALLBACK_MAX_ROWS", 100)  # 40 experts: chunks of 2 tokens
     x, ids, w, gate_up, down = _case(t=9, e=40, k=2)
     with record_host_syncs() as syncs:
@@ -185,7 +185,7 @@ def test_tile_bound_covers_every_routing():
 def test_grouped_mm_is_used_only_where_it_takes_device_offsets():
     f32 = torch.zeros(2, 16)
     w32 = torch.zeros(4, 16, 16), torch.zeros(4, 16, 8)
-    assert moe_paths._grouped_mm_supported(f32, *w32) is moe_paths._HAS_GROUPED_MM
+    assert moe_paths._grouped_mm_supported(f32, *w32) is moe_paths.HAS_GROUPED_MM
     assert not moe_paths._grouped_mm_supported(f32.double(), *(a.double() for a in w32))
     assert not moe_paths._grouped_mm_supported(f32.bfloat16(), *w32)  # mixed dtypes
 

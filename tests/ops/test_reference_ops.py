@@ -59,7 +59,7 @@ def _experts_loop_oracle(x, ids, w, gate_up, down, limit):
 
 @pytest.mark.parametrize("grouped_mm", [True, False])
 def test_moe_experts_dense_grouped_and_loop_paths_equal_the_definition(monkeypatch, grouped_mm):
-    monkeypatch.setattr(moe_paths, "_HAS_GROUPED_MM", grouped_mm and moe_paths._HAS_GROUPED_MM)
+    monkeypatch.setattr(moe_paths, "HAS_GROUPED_MM", grouped_mm and moe_paths.HAS_GROUPED_MM)
     g = torch.Generator().manual_seed(1)
     d, i = 16, 8
     for e in (4, 40):  # 4 experts x top-2: dense path; 40: grouped GEMM (or per-expert loop)

@@ -41,7 +41,6 @@ The choice depends on static shapes only, so a captured graph replays the kernel
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -69,9 +68,6 @@ GROUPED = "cublas_grouped"
 """The table's name of the grouped GEMMs (:mod:`deepinfer_cuda_sm100.kernels.moe_grouped`)."""
 PLAIN_KIND = "bf16"
 """The table's kind of calls on plain bf16 stacks."""
-GROUPED_ARCHS = (9, 10)
-"""The compute capabilities (majors) whose ``torch._grouped_mm`` reads the group offsets on the
-device (elsewhere it copies them to the host: a sync, not capturable)."""
 
 
 def _fp4_problem(name: str, w, path: str) -> str | None:
@@ -162,23 +158,20 @@ def dequant_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool
 
 def grouped_device_problem(device: torch.device) -> str | None:
     """Why ``torch._grouped_mm`` would synchronise with the host on ``device`` (not a CUDA device
-    of :data:`GROUPED_ARCHS`), or ``None``."""
-    if device.type != "cuda" or _major(device.index) not in GROUPED_ARCHS:
+    of :data:`~deepinfer_core.ops.moe_paths.GROUPED_MM_MAJORS`), or ``None``."""
+    from deepinfer_core.ops.moe_paths import GROUPED_MM_MAJORS, cuda_major
+
+    if device.type != "cuda" or cuda_major(device.index) not in GROUPED_MM_MAJORS:
         return f"device {device}: torch._grouped_mm reads its offsets on the device on sm_90 / sm_100 only"
     return None
 
 
-@functools.cache
-def _major(index: int | None) -> int:
-    """The compute capability's major of CUDA device ``index`` (once per device: every call asks)."""
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def grouped_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool | str:
     """``True`` when the grouped GEMMs may take this call (already accepted by the Triton path's
-    ``supports``), else the reason: bfloat16 activations on a CUDA device of
-    :data:`GROUPED_ARCHS`, the stacks :func:`~deepinfer_cuda_sm100.kernels.moe_grouped.grouped_problem`
-    takes, at least one (token, slot) pair."""
+    ``supports``), else the reason: bfloat16 activations on a CUDA device where
+    :func:`grouped_device_problem` finds none, the stacks
+    :func:`~deepinfer_cuda_sm100.kernels.moe_grouped.grouped_problem` takes, at least one
+    (token, slot) pair."""
     from deepinfer_cuda_sm100.kernels.moe_grouped import grouped_problem
 
     if x.dtype != torch.bfloat16:

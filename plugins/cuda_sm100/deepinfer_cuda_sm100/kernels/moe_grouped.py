@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer_core.ops.moe_paths import HAS_GROUPED_MM, expert_groups
 from deepinfer_core.weights.quant import QuantizedTensor
 
 from .moe import combine_pairs, empty_call
@@ -47,7 +48,7 @@ def grouped_problem(x: torch.Tensor, gate_up, down, scratch_bytes: int = SCRATCH
     device's own conditions), or ``None``: ``torch._grouped_mm`` present; both stacks plain
     tensors of ``x``'s dtype or FP4 stacks :func:`dequantize_experts` reads, whose dequantised
     copies fit ``scratch_bytes``; widths multiples of :data:`ALIGN`."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not HAS_GROUPED_MM:
         return f"torch {torch.__version__} has no _grouped_mm"
     scratch = 0
     for name, w in (("gate_up", gate_up), ("down", down)):
@@ -77,16 +78,14 @@ def _stack(w, dtype: torch.dtype) -> torch.Tensor:
 
 def sorted_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order [P], rows [P] int32, ends [E] int32)``: the pairs ``t * k + j`` stably sorted by
-    expert (ids outside ``[0, E)`` as expert 0), the sorted row of each pair, and each expert's
-    end row (the group offsets of ``torch._grouped_mm``); on the device, without a sync."""
+    expert (ids outside ``[0, E)`` as expert 0; the reference's
+    :func:`~deepinfer_core.ops.moe_paths.expert_groups`), the sorted row of each pair, and each
+    expert's end row (the group offsets of ``torch._grouped_mm``); on the device, without a sync."""
     flat = ids.reshape(-1).long()
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, 0)
-    sorted_ids, order = torch.sort(key, stable=True)
-    experts = torch.arange(num_experts, dtype=torch.int64, device=ids.device)
-    ends = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+    _, order, ends = expert_groups(torch.where((flat >= 0) & (flat < num_experts), flat, 0), num_experts)
     pairs = torch.arange(flat.numel(), dtype=torch.int32, device=ids.device)
     rows = torch.empty_like(pairs).scatter_(0, order, pairs)
-    return order, rows, ends
+    return order, rows, ends.to(torch.int32)
 
 
 def moe_experts(
