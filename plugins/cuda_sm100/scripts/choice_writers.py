@@ -211,7 +211,7 @@ def moe_points(
     pairs, ``keys`` = experts, ``heads`` / ``head_dim`` = hidden / intermediate widths
     (:mod:`deepinfer_cuda_sm100.moe_dispatch`).  Rows with none of the other paths' times are left
     out (nothing to choose there)."""
-    from deepinfer_cuda_sm100.moe_dispatch import DEQUANT, GEMV, GROUPED, OP, WIDE
+    from deepinfer_cuda_sm100.moe_dispatch import DEQUANT, GEMV, GROUPED, WIDE
 
     def ms(r: dict) -> dict:
         out = {"triton": round(r["triton_fp4_us"] / 1e3, 5)}
@@ -228,12 +228,20 @@ def moe_points(
         return out
 
     return [
-        {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
-         "tokens": r["T"] * top_k, "keys": experts, "ms": ms(r)}
+        _moe_point(kind, hidden, inter, r["T"] * top_k, experts, ms(r))
         for r in rows
         if r.get("triton_fp4_us")
         and any(r.get(c) for c in ("tilelang_fp4_us", GEMV_COLUMN, DEQUANT_COLUMN, GROUPED_COLUMN))
-    ]  # fmt: skip
+    ]
+
+
+def _moe_point(kind: str, hidden: int, inter: int, pairs: int, experts: int, ms: dict) -> dict:
+    """One ``moe_experts`` point of the measured table (bf16 activations; the axes of
+    :func:`moe_points`)."""
+    from deepinfer_cuda_sm100.moe_dispatch import OP
+
+    return {"op": OP, "kind": kind, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
+            "tokens": pairs, "keys": experts, "ms": ms}  # fmt: skip
 
 
 def moe_plain_points(rows: list[dict], hidden: int, inter: int, experts: int, top_k: int) -> list[dict]:
@@ -241,16 +249,19 @@ def moe_plain_points(rows: list[dict], hidden: int, inter: int, experts: int, to
     GEMMs' ``cublas_grouped``) as points of kind
     :data:`~deepinfer_cuda_sm100.moe_dispatch.PLAIN_KIND`, the axes of :func:`moe_points`; rows
     without both times are left out."""
-    from deepinfer_cuda_sm100.moe_dispatch import GROUPED, OP, PLAIN_KIND
+    from deepinfer_cuda_sm100.moe_dispatch import GROUPED, PLAIN_KIND
+
+    def ms(r: dict) -> dict:
+        return {
+            "triton": round(r["triton_bf16_us"] / 1e3, 5),
+            GROUPED: round(r[GROUPED_BF16_COLUMN] / 1e3, 5),
+        }
 
     return [
-        {"op": OP, "kind": PLAIN_KIND, "dtype": "bfloat16", "heads": hidden, "head_dim": inter,
-         "tokens": r["T"] * top_k, "keys": experts,
-         "ms": {"triton": round(r["triton_bf16_us"] / 1e3, 5),
-                GROUPED: round(r[GROUPED_BF16_COLUMN] / 1e3, 5)}}
+        _moe_point(PLAIN_KIND, hidden, inter, r["T"] * top_k, experts, ms(r))
         for r in rows
         if r.get("triton_bf16_us") and r.get(GROUPED_BF16_COLUMN)
-    ]  # fmt: skip
+    ]
 
 
 def keeping_languages(points: list[dict], table) -> list[dict]:
