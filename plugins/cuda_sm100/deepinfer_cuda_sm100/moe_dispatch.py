@@ -46,6 +46,7 @@ from collections.abc import Callable
 import torch
 
 from deepinfer_core.ops.modes import batch_invariant_enabled
+from deepinfer_core.ops.moe_paths import GROUPED_MM_MAJORS, cuda_major
 from deepinfer_core.weights.quant import QuantizedTensor
 from deepinfer_cuda_sm100 import kernel_choice, tl
 
@@ -159,8 +160,6 @@ def dequant_supports(x, ids, weights, gate_up, down, limit, shared=None) -> bool
 def grouped_device_problem(device: torch.device) -> str | None:
     """Why ``torch._grouped_mm`` would synchronise with the host on ``device`` (not a CUDA device
     of :data:`~deepinfer_core.ops.moe_paths.GROUPED_MM_MAJORS`), or ``None``."""
-    from deepinfer_core.ops.moe_paths import GROUPED_MM_MAJORS, cuda_major
-
     if device.type != "cuda" or cuda_major(device.index) not in GROUPED_MM_MAJORS:
         return f"device {device}: torch._grouped_mm reads its offsets on the device on sm_90 / sm_100 only"
     return None
