@@ -5,6 +5,7 @@ imports), and on a GPU its result against the reference op and under CUDA-graph 
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -89,7 +90,8 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     options on packed pools only), each within the CTA's registers."""
     plain, packed = tlw.variants(False), tlw.variants(True)
     assert plain[0] == packed[0] == tlw.DEFAULT and len(set(packed)) == len(packed)
-    assert {s.lazy_rescale for s in plain} == {False, True}
+    assert {s.lazy_rescale for s in plain} == {False, True} == {s.lazy_rescale for s in packed}
+    assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -114,6 +116,32 @@ def test_each_schedule_variant_lowers_to_what_it_names(index):
     assert (src.count("if (grew") == 2) == schedule.lazy_rescale
     for needle in ("wgmma_ss<", "deepinfer_e4m3x8_store"):
         assert all("__syncthreads" not in body for body in loops_containing(src, needle))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_staged_store_writes_rows_in_16_byte_segments_behind_warpgroup_barriers(packed):
+    """Lowered for sm_90 (direct, paged): with ``staged_store`` each consumer writes its half of
+    the output into shared memory and out in 16-byte stores (16 a thread, against 64 4-byte
+    ones), ordered by a barrier of its own 128 threads; the block barrier stays the single one
+    after the mbarriers' set-up (a block barrier here would wait for the exited producer)."""
+    fp8 = _fp8_geometry() if packed else None
+
+    def lowered(schedule):
+        func = tlw.build_attention_ws(True, False, 64, 512, "bfloat16", fp8, schedule=schedule)
+        return lowered_sm90(func, tlw.pass_configs(fp8))
+
+    default, staged = lowered(tlw.DEFAULT), lowered(tlw.Schedule(staged_store=True))
+    assert "*(uint4*)(out + " not in default and default.count("*(uint1*)(out + ") == 2
+    assert staged.count("*(uint4*)(out + ") == 2 * 16 and "*(uint1*)(out + " not in staged
+    assert staged.count("__syncthreads") == default.count("__syncthreads") == 1
+    first = staged.index("warpgroup_reg_alloc")
+    second = staged.index("warpgroup_reg_alloc", first + 1)
+    for consumer in (staged[first:second], staged[second:]):  # its stores, after its own barrier
+        before = consumer[: consumer.index("*(uint4*)(out + ")]
+        assert consumer.count("*(uint4*)(out + ") == 16
+        assert re.search(r"__sync_thread_partial\(\d+, 128\);\s*$", before)
 
 
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct

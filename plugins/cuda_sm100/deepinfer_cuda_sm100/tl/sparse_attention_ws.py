@@ -46,8 +46,8 @@ arrival.  Registers: producer 120, consumers 192 (two blocks of words in flight 
 thread, :attr:`Schedule.words_in_flight`).
 
 :class:`Schedule` variants (one block of words in flight, one multiply a value pair, a lazy
-rescale of the output) promise the default's bits; ``bench_attention.py --tune`` times them,
-the op runs :data:`DEFAULT`.
+rescale of the output, the output staged in shared memory) promise the default's bits;
+``bench_attention.py --tune`` times them, the op runs :data:`DEFAULT`.
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
@@ -94,11 +94,17 @@ class Schedule:
             allows (scale byte 0..134: 2**(byte - 7) is a bfloat16) instead of two.
         lazy_rescale: a consumer rescales its output rows only where its row maxima grew (a
             factor of exactly 1 otherwise: a warp whose rows all kept their maxima skips it).
+        staged_store: unsplit calls: each consumer writes its half of the output into the
+            queries' shared memory (free once the final statistics are exchanged: both
+            consumers' last GEMMs have completed), syncs its warpgroup, and copies the half out
+            in 16-byte row segments (a warp's store: 512 contiguous bytes), instead of storing
+            its accumulator fragment directly (4 bytes a store, eight rows a warp's store).
     """
 
     words_in_flight: int = 2
     one_multiply: bool = False
     lazy_rescale: bool = False
+    staged_store: bool = False
 
 
 DEFAULT = Schedule()
@@ -204,24 +210,28 @@ def build_attention_ws(
     @T.macro
     def load_rows(raw, first, rows):
         """The producer's next iteration: each of its rows' index loads (the compacted row and,
-        paged, the block-table entry) issued together, clamped in range; their latency overlaps
-        the wait for the slots (:func:`offset_of` uses them after it)."""
+        paged, the block-table entry) issued together, clamped in range, and kept as loaded
+        (the compacted rows int32): nothing uses a loaded value before :func:`offset_of` does,
+        after the wait for the slots, so their latency overlaps that wait."""
         t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, pages, p = rows
+        compact_rows, paged_rows = raw
         ke, p_bt = compact.shape[1], block_table.shape[1]
         for k in T.unroll(2 * PASSES, explicit=True):
             j = first + (k // PASSES) * BNW + (k % PASSES) * ROWS_AT_ONCE + p // ROW_THREADS
-            raw[k] = T.Cast("int64", compact[t, T.max(T.min(j, ke - 1), 0)])
+            compact_rows[k] = compact[t, T.max(T.min(j, ke - 1), 0)]
             if paged:
                 page, _ = page_and_slot(j - n_expl, *pages)
-                raw[2 * PASSES + k] = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)]
+                paged_rows[k] = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)]
 
     @T.macro
     def offset_of(offs, raw, k, j, rows):
         """``offs[k]`` = row ``j`` of the sequence's element offset in the flat pool view (a row
         past this split's keys reads the lowest pool's first row), from :func:`load_rows`."""
         t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, pages, p = rows
+        compact_rows, paged_rows = raw
         _, slot = page_and_slot(j - n_expl, *pages)
-        row = T.if_then_else(j < n_expl, raw[k], raw[2 * PASSES + k] * pages[0] + slot) if paged else raw[k]
+        wide = T.Cast("int64", compact_rows[k])  # widened here, an iteration after its load
+        row = T.if_then_else(j < n_expl, wide, paged_rows[k] * pages[0] + slot) if paged else wide
         later = T.if_then_else(j < n01, bases[1] + row * strides[1], bases[2] + row * strides[2])
         here = T.if_then_else(j < n0, bases[0] + row * strides[0], later)
         offs[k] = T.if_then_else(j < j_end, here, bases[0])
@@ -283,6 +293,23 @@ def build_attention_ws(
         T.barrier_arrive(bar_free[peer])
 
     @T.macro
+    def store_staged(g, q_s, acc_o, l, out, t, hb):
+        """:attr:`Schedule.staged_store`: consumer ``g``'s normalised half of the output through
+        its half of ``q_s``, then out in 16-byte segments (a warp a row's half, each thread
+        every 128th segment).  TileLang's sync pass orders the shared stores and reads by a
+        barrier of the consumer's own 128 threads (``bar.sync id, 128``): the producer, which
+        has exited by then, takes no part."""
+        for h, d in T.Parallel(BH, HALF):
+            q_s[h, g * HALF + d] = acc_o[h, d] * l[h]
+        lane = T.get_thread_binding() - g * 128
+        SEGMENTS = HALF // VEC  # 16-byte segments of a row's half
+        for r in T.unroll(BH * SEGMENTS // 128, explicit=True):
+            h = (r * 128 + lane) // SEGMENTS
+            c = g * HALF + (r * 128 + lane) % SEGMENTS * VEC
+            for v in T.vectorized(VEC):
+                out[t, hb * BH + h, c + v] = q_s[h, c + v]
+
+    @T.macro
     def consumer(g, seq, smem, frags, bars, io):
         """Consumer ``g`` (its own thread range: TileLang lays its fragments over its 128 threads):
         slot ``g``'s blocks, output values ``g * HALF ..``."""
@@ -318,8 +345,11 @@ def build_attention_ws(
         else:
             for h in T.Parallel(BH):  # one reciprocal a row, not an IEEE division an output
                 l[h] = 1.0 / l[h]
-            for h, d in T.Parallel(BH, HALF):
-                out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] * l[h]
+            if schedule.staged_store:
+                store_staged(g, q_s, acc_o, l, out, t, hb)
+            else:
+                for h, d in T.Parallel(BH, HALF):
+                    out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] * l[h]
 
     @T.macro
     def queries(q_s, q, t, hb, p):
@@ -452,7 +482,10 @@ def build_attention_ws(
             row_max = T.alloc_shared((2, BH), acc_t, scope="shared")
             row_sum = T.alloc_shared((2, BH), acc_t, scope="shared")
             offs = T.alloc_local((2 * PASSES,), "int64")  # the producer's rows (flat offsets)
-            raw = T.alloc_local((4 * PASSES,), "int64")  # their index loads (:func:`load_rows`)
+            raw = (  # their index loads (:func:`load_rows`): compacted rows, paged block-table entries
+                T.alloc_local((2 * PASSES,), "int32"),
+                T.alloc_local((2 * PASSES if paged else 1,), "int64"),
+            )
 
             frags = [
                 (
@@ -634,7 +667,7 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
 def variants(packed: bool) -> list[Schedule]:
     """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
     the default first: what ``bench_attention.py --tune`` times."""
-    out = [DEFAULT, Schedule(lazy_rescale=True)]
+    out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=True)]
     if packed:
         out += [
             Schedule(words_in_flight=1),
