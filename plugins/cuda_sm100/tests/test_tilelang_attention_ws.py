@@ -122,20 +122,22 @@ def test_each_schedule_variant_lowers_to_what_it_names(index):
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_staged_store_writes_rows_in_16_byte_segments_behind_warpgroup_barriers(packed):
-    """Lowered for sm_90 (direct, paged): with ``staged_store`` each consumer writes its half of
-    the output into shared memory and out in 16-byte stores (16 a thread, against 64 4-byte
-    ones), ordered by a barrier of its own 128 threads; the block barrier stays the single one
-    after the mbarriers' set-up (a block barrier here would wait for the exited producer)."""
+    """Lowered for sm_90 (direct, paged): with ``staged_store`` (the default) each consumer
+    writes its half of the output into shared memory and out in 16-byte stores (16 a thread,
+    against 64 4-byte ones from registers), ordered by a barrier of its own 128 threads; the
+    block barrier stays the single one after the mbarriers' set-up (a block barrier here would
+    wait for the exited producer)."""
     fp8 = _fp8_geometry() if packed else None
 
     def lowered(schedule):
         func = tlw.build_attention_ws(True, False, 64, 512, "bfloat16", fp8, schedule=schedule)
         return lowered_sm90(func, tlw.pass_configs(fp8))
 
-    default, staged = lowered(tlw.DEFAULT), lowered(tlw.Schedule(staged_store=True))
-    assert "*(uint4*)(out + " not in default and default.count("*(uint1*)(out + ") == 2
+    assert tlw.DEFAULT.staged_store
+    direct, staged = lowered(tlw.Schedule(staged_store=False)), lowered(tlw.DEFAULT)
+    assert "*(uint4*)(out + " not in direct and direct.count("*(uint1*)(out + ") == 2
     assert staged.count("*(uint4*)(out + ") == 2 * 16 and "*(uint1*)(out + " not in staged
-    assert staged.count("__syncthreads") == default.count("__syncthreads") == 1
+    assert staged.count("__syncthreads") == direct.count("__syncthreads") == 1
     first = staged.index("warpgroup_reg_alloc")
     second = staged.index("warpgroup_reg_alloc", first + 1)
     for consumer in (staged[first:second], staged[second:]):  # its stores, after its own barrier
