@@ -146,6 +146,18 @@ def test_the_staged_store_writes_rows_in_16_byte_segments_behind_warpgroup_barri
         assert re.search(r"__sync_thread_partial\(\d+, 128\);\s*$", before)
 
 
+@pytest.mark.parametrize("tokens", [1, 16, 63, 64, 100, 131, 132, 500])
+@pytest.mark.parametrize("keys", [128, 640, 8192])
+def test_plain_pools_run_unsplit_from_64_ctas_on(tokens, keys):
+    """The seesaw kernel's plan: the other kernel's on packed pools and below
+    :data:`UNSPLIT_CTAS` CTAs, one split on plain pools from there on."""
+    for heads in (64, 128):  # one CTA a token and head block of 64
+        other = tla.plan_splits(tokens, heads, keys, 132)
+        assert tlw.plan_splits(tokens, heads, keys, 132, packed=True) == other
+        ctas = tokens * heads // 64
+        assert tlw.plan_splits(tokens, heads, keys, 132) == (1 if ctas >= tlw.UNSPLIT_CTAS else other)
+
+
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
 def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
@@ -204,7 +216,8 @@ def test_gpu_it_matches_the_reference_at_v4_flash_shapes(kv):
     assert len(cases) >= 6
     kinds = set()
     for args in cases:
-        splits = tla.plan_splits(args[0].shape[0], 64, tla.max_keys(args[2]), tla.num_sms(args[0].device))
+        packed, sms = isinstance(args[1][0], Fp8KVPool), tla.num_sms(args[0].device)
+        splits = tlw.plan_splits(args[0].shape[0], 64, tla.max_keys(args[2]), sms, packed)
         kinds.add((tla.third_kind(args[2]), splits > 1))
         want = reference(*args).float()
         torch.testing.assert_close(tlw.sparse_attention(*args).float(), want, atol=2e-2, rtol=2e-2)

@@ -473,13 +473,16 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
     return launch(q, kv_pools, indices, sinks, scale, functools.partial(_kernel, "attention"))
 
 
-def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> torch.Tensor:
+def launch(
+    q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any], plan: Callable[..., int] | None = None
+) -> torch.Tensor:
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
     the pools' flat views, the split plan, the output or fp32 partials, and the combine.
     ``compiled(paged, split, heads, dim, dtype, fp8, pdl)`` is the kernel of the call's static
     configuration (``pdl``: with the PDL prologue, where :func:`~deepinfer_cuda_sm100.tl.pdl.
-    tl_pdl_enabled` says so; the combine takes the same)."""
+    tl_pdl_enabled` says so; the combine takes the same); ``plan(tokens, heads, max_keys, sms)``
+    the kernel's split count (default :func:`plan_splits`)."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
@@ -493,7 +496,7 @@ def launch(q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any]) -> 
     else:  # never read (see key_offsets): no fill launch
         one = torch.empty(1, dtype=torch.int64, device=dev)
         bt, rows, epp = one.view(1, 1), one, 1
-    s = plan_splits(t, h, max_keys(indices), num_sms(dev))
+    s = (plan or plan_splits)(t, h, max_keys(indices), num_sms(dev))
     if s == 1:
         out = torch.empty_like(q)
         part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)

@@ -660,12 +660,31 @@ def supports(q, kv_pools) -> bool | str:
     return True if geometry is None else fp8_supports(geometry, q.shape[2])
 
 
+UNSPLIT_CTAS = 64
+"""Plain pools: from this many CTAs (tokens x head blocks) a call runs unsplit.  Measured on an
+H100 at 64 decode tokens (CSA 4k / HCA 64k): 0.0344 / 0.0351 ms unsplit against 0.0397 /
+0.0390 with two splits, whose fp32 partials and combine add ~65 % to the bytes the keys take;
+packed FP8 pools keep splitting there (0.0438 unsplit against 0.0396: one CTA's producer
+dequantises too slowly for an SM's share of the bandwidth)."""
+
+
+def plan_splits(tokens: int, heads: int, max_keys: int, sms: int, packed: bool = False) -> int:
+    """Splits per (token, head block): the other kernel's plan
+    (:func:`deepinfer_cuda_sm100.tl.sparse_attention.plan_splits`), except one on plain pools
+    from :data:`UNSPLIT_CTAS` CTAs on.  Static shapes only."""
+    if not packed and tokens * (heads // BH) >= UNSPLIT_CTAS:
+        return 1
+    return sa.plan_splits(tokens, heads, max_keys, sms)
+
+
 def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DEFAULT) -> torch.Tensor:
     """The op (host side: :func:`deepinfer_cuda_sm100.tl.sparse_attention.launch`, the other
-    kernel's: the Triton prologue, the pools' flat views, the same split plan and combine);
-    ``schedule``: a variant of :class:`Schedule` (the op runs :data:`DEFAULT`)."""
+    kernel's: the Triton prologue, the pools' flat views, the combine; its own split plan,
+    :func:`plan_splits`); ``schedule``: a variant of :class:`Schedule` (the op runs
+    :data:`DEFAULT`)."""
     compiled = _kernel if schedule == DEFAULT else functools.partial(_kernel, schedule=schedule)
-    return sa.launch(q, kv_pools, indices, sinks, scale, compiled)
+    plan = functools.partial(plan_splits, packed=sa.fp8_geometry(kv_pools) is not None)
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan)
 
 
 def variants(packed: bool) -> list[Schedule]:
