@@ -158,6 +158,32 @@ def test_plain_pools_run_unsplit_from_64_ctas_on(tokens, keys):
         assert tlw.plan_splits(tokens, heads, keys, 132) == (1 if ctas >= tlw.UNSPLIT_CTAS else other)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
+    """At 64 tokens (64 CTAs on 132 SMs) the host side launches the seesaw kernel on plain pools
+    unsplit, with no combine, and on packed pools with two splits and the combine, as the other
+    kernel always does there."""
+    launches, combines = [], []
+
+    def compiled(*config):
+        if config[0] == "combine":
+            return lambda *args: combines.append(args)
+        return lambda *args: launches.append(config)
+
+    monkeypatch.setattr(tla, "_kernel", compiled)
+    monkeypatch.setattr(tlw, "_kernel", compiled)
+    monkeypatch.setattr(tla, "num_sms", lambda device: 132)
+    nvalid, compact = torch.full((64, 4), 7, dtype=torch.int32), torch.zeros(64, 640, dtype=torch.int32)
+    monkeypatch.setattr(tla, "compact_sources", lambda indices: (nvalid, compact))
+    q = torch.randn(64, 64, 512).to(torch.bfloat16)
+    indices = [torch.zeros(64, 128, dtype=torch.int64), torch.zeros(64, 512, dtype=torch.int64)]
+    call = (q, _pools(packed), indices, torch.zeros(64), 0.1)
+    assert tlw.sparse_attention(*call).shape == q.shape
+    assert launches[-1][1] == packed and len(combines) == int(packed)
+    tla.sparse_attention(*call)
+    assert launches[-1][2] is True and len(combines) == int(packed) + 1
+
+
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
 def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
