@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,11 +160,9 @@ def test_plain_pools_run_unsplit_from_64_ctas_on(tokens, keys):
         assert tlw.plan_splits(tokens, heads, keys, 132) == (1 if ctas >= tlw.UNSPLIT_CTAS else other)
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
-    """At 64 tokens (64 CTAs on 132 SMs) the host side launches the seesaw kernel on plain pools
-    unsplit, with no combine, and on packed pools with two splits and the combine, as the other
-    kernel always does there."""
+def _fake_64_token_call(monkeypatch, packed: bool):
+    """A 64-token call on CPU tensors whose compiled kernels only record their launches:
+    ``(call, launches, combines)``."""
     launches, combines = [], []
 
     def compiled(*config):
@@ -177,11 +177,35 @@ def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
     monkeypatch.setattr(tla, "compact_sources", lambda indices: (nvalid, compact))
     q = torch.randn(64, 64, 512).to(torch.bfloat16)
     indices = [torch.zeros(64, 128, dtype=torch.int64), torch.zeros(64, 512, dtype=torch.int64)]
-    call = (q, _pools(packed), indices, torch.zeros(64), 0.1)
-    assert tlw.sparse_attention(*call).shape == q.shape
+    return (q, _pools(packed), indices, torch.zeros(64), 0.1), launches, combines
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
+    """At 64 tokens (64 CTAs on 132 SMs) the host side launches the seesaw kernel on plain pools
+    unsplit, with no combine, and on packed pools with two splits and the combine, as the other
+    kernel always does there."""
+    call, launches, combines = _fake_64_token_call(monkeypatch, packed)
+    assert tlw.sparse_attention(*call).shape == call[0].shape
     assert launches[-1][1] == packed and len(combines) == int(packed)
     tla.sparse_attention(*call)
     assert launches[-1][2] is True and len(combines) == int(packed) + 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_split_tuning_times_one_split_and_the_other_kernels_plan(monkeypatch, packed):
+    """``bench_attention.py --tune``'s seesaw split rows: one launch with one split, one with
+    the other kernel's two, each under its label, and the plan's constants restored after."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import attention_tilelang
+
+    call, launches, combines = _fake_64_token_call(monkeypatch, packed)
+    kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
+    rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
+    assert [r["seesaw_splits"] for r in rows] == [1, 2]
+    assert {r["planned"] for r in rows} == {2 if packed else 1}
+    assert [config[1] for config in launches] == [False, True] and len(combines) == 1
+    assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
 
 
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
