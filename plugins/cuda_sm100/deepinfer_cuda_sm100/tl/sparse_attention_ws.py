@@ -51,7 +51,8 @@ rescale of the output, the output stored from registers) promise the default's b
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
-merges them.
+merges them.  Its own plan (:func:`plan_splits`) splits plain pools less: from
+:data:`UNSPLIT_CTAS` CTAs on, a call runs unsplit.
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
