@@ -139,7 +139,8 @@ def read_sass(path: Path) -> str:
         raise SystemExit(f"error: {path} is a cubin and cuobjdump is not on PATH (CUDA toolkit's bin)")
     done = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"error: cuobjdump -sass {path}: {done.stderr.strip().splitlines()[-1:]}")
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        raise SystemExit(f"error: cuobjdump -sass {path}: {why}")
     return done.stdout
 
 
