@@ -98,3 +98,13 @@ def test_a_file_without_sass_is_one_error_line(tmp_path, capsys, text):
     assert sass_loads.main([str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "holds no SASS function" in err
+
+
+def test_a_cubin_without_cuobjdump_is_one_error_line(tmp_path, monkeypatch):
+    path = tmp_path / "kernel.cubin"
+    path.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(sass_loads.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit) as stop:
+        sass_loads.main([str(path)])
+    message = str(stop.value)
+    assert message.startswith("error: ") and "cuobjdump is not on PATH" in message and "\n" not in message
