@@ -86,25 +86,16 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 
-    from deepinfer_core.ops.kv_format import PackedKVPool
-
     tokens, heads, keys = args[0].shape[0], args[0].shape[1], tla.max_keys(args[2])
     sms = tla.num_sms(args[0].device)
     other = tla.plan_splits(tokens, heads, keys, sms)
     if other == 1:
         return []
-    planned = tlw.plan_splits(tokens, heads, keys, sms, isinstance(args[1][0], PackedKVPool))
+    planned = tlw.plan_splits(tokens, heads, keys, sms, tla.fp8_geometry(args[1]) is not None)
     out = []
-    kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
-    for label, min_blocks, unsplit_ctas, splits in (
-        ("one split", 1 << 40, 0, 1),
-        ("the other kernel's plan", kept[0], 1 << 40, other),
-    ):
-        tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS = min_blocks, unsplit_ctas
-        try:
-            t = ms(lambda: tlw.sparse_attention(*args))
-        finally:
-            tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS = kept
+    plans = (("one split", lambda *shape: 1, 1), ("the other kernel's plan", tla.plan_splits, other))
+    for label, plan, splits in plans:
+        t = ms(lambda plan=plan: tla.launch(*args, tlw._kernel, plan))
         out.append({"seesaw_splits": splits, "planned": planned, "ms": t})
         print(f"    tune seesaw splits, {label} ({splits}): {t:.4f} ms (its plan: {planned})")
     return out

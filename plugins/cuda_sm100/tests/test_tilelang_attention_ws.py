@@ -160,58 +160,9 @@ def test_plain_pools_run_unsplit_from_64_ctas_on(tokens, keys):
         assert tlw.plan_splits(tokens, heads, keys, 132) == (1 if ctas >= tlw.UNSPLIT_CTAS else other)
 
 
-def _fake_64_token_call(monkeypatch, packed: bool):
-    """A 64-token call on CPU tensors whose compiled kernels only record their launches:
-    ``(call, launches, combines)``."""
-    launches, combines = [], []
-
-    def compiled(*config):
-        if config[0] == "combine":
-            return lambda *args: combines.append(args)
-        return lambda *args: launches.append(config)
-
-    monkeypatch.setattr(tla, "_kernel", compiled)
-    monkeypatch.setattr(tlw, "_kernel", compiled)
-    monkeypatch.setattr(tla, "num_sms", lambda device: 132)
-    nvalid, compact = torch.full((64, 4), 7, dtype=torch.int32), torch.zeros(64, 640, dtype=torch.int32)
-    monkeypatch.setattr(tla, "compact_sources", lambda indices: (nvalid, compact))
-    q = torch.randn(64, 64, 512).to(torch.bfloat16)
-    indices = [torch.zeros(64, 128, dtype=torch.int64), torch.zeros(64, 512, dtype=torch.int64)]
-    return (q, _pools(packed), indices, torch.zeros(64), 0.1), launches, combines
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
-    """At 64 tokens (64 CTAs on 132 SMs) the host side launches the seesaw kernel on plain pools
-    unsplit, with no combine, and on packed pools with two splits and the combine, as the other
-    kernel always does there."""
-    call, launches, combines = _fake_64_token_call(monkeypatch, packed)
-    assert tlw.sparse_attention(*call).shape == call[0].shape
-    assert launches[-1][1] == packed and len(combines) == int(packed)
-    tla.sparse_attention(*call)
-    assert launches[-1][2] is True and len(combines) == int(packed) + 1
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_split_tuning_times_one_split_and_the_other_kernels_plan(monkeypatch, packed):
-    """``bench_attention.py --tune``'s seesaw split rows: one launch with one split, one with
-    the other kernel's two, each under its label, and the plan's constants restored after."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import attention_tilelang
-
-    call, launches, combines = _fake_64_token_call(monkeypatch, packed)
-    kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
-    rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
-    assert [r["seesaw_splits"] for r in rows] == [1, 2]
-    assert {r["planned"] for r in rows} == {2 if packed else 1}
-    assert [config[1] for config in launches] == [False, True] and len(combines) == 1
-    assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
-
-
-@pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
-def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
-    """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
-    kernel arguments, the same configuration, and the combine exactly when the plan splits."""
+def _fake_call(monkeypatch, tokens: int, packed: bool = False):
+    """A call of ``tokens`` queries (640 keys each) on CPU tensors whose compiled kernels only
+    record their launches: ``(call, launches, combines)``, a launch as ``(config, args)``."""
     launches, combines = [], []
 
     def compiled(*config):
@@ -222,14 +173,49 @@ def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
     monkeypatch.setattr(tla, "_kernel", compiled)
     monkeypatch.setattr(tlw, "_kernel", compiled)
     monkeypatch.setattr(tla, "num_sms", lambda device: 132)
-    nvalid, compact = (
-        torch.full((tokens, 4), 7, dtype=torch.int32),
-        torch.zeros(tokens, 640, dtype=torch.int32),
-    )
+    nvalid = torch.full((tokens, 4), 7, dtype=torch.int32)
+    compact = torch.zeros(tokens, 640, dtype=torch.int32)
     monkeypatch.setattr(tla, "compact_sources", lambda indices: (nvalid, compact))
     q = torch.randn(tokens, 64, 512).to(torch.bfloat16)
     indices = [torch.zeros(tokens, 128, dtype=torch.int64), torch.zeros(tokens, 512, dtype=torch.int64)]
-    call = (q, _pools(False), indices, torch.zeros(64), 0.1)
+    return (q, _pools(packed), indices, torch.zeros(64), 0.1), launches, combines
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
+    """At 64 tokens (64 CTAs on 132 SMs) the host side launches the seesaw kernel on plain pools
+    unsplit, with no combine, and on packed pools with two splits and the combine, as the other
+    kernel always does there."""
+    call, launches, combines = _fake_call(monkeypatch, 64, packed)
+    assert tlw.sparse_attention(*call).shape == call[0].shape
+    assert launches[-1][0][1] == packed and len(combines) == int(packed)
+    tla.sparse_attention(*call)
+    assert launches[-1][0][2] is True and len(combines) == int(packed) + 1
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_split_tuning_times_one_split_and_the_other_kernels_plan(monkeypatch, packed):
+    """``bench_attention.py --tune``'s seesaw split rows: one launch with one split, one with
+    the other kernel's two, each beside the count the kernel's own plan takes, and the plan's
+    constants left as they were."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import attention_tilelang
+
+    call, launches, combines = _fake_call(monkeypatch, 64, packed)
+    kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
+    rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
+    assert [r["seesaw_splits"] for r in rows] == [1, 2]
+    assert {r["planned"] for r in rows} == {2 if packed else 1}
+    assert [config[1] for config, _ in launches] == [False, True] and len(combines) == 1
+    assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
+
+
+@pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct
+def test_both_kernels_launch_through_one_host_side(monkeypatch, tokens):
+    """The seesaw kernel and the two-consumer one share the host side (``tla.launch``): the same
+    kernel arguments, the same configuration, and the combine exactly when the plan splits."""
+    call, launches, combines = _fake_call(monkeypatch, tokens)
+    q = call[0]
     assert tla.sparse_attention(*call).shape == q.shape
     assert tlw.sparse_attention(*call).shape == q.shape
     (config_a, args_a), (config_b, args_b) = launches

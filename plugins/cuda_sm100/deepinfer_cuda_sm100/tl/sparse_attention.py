@@ -474,7 +474,7 @@ def sparse_attention(q, kv_pools, indices, sinks, scale) -> torch.Tensor:
 
 
 def launch(
-    q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any], plan: Callable[..., int] | None = None
+    q, kv_pools, indices, sinks, scale, compiled: Callable[..., Any], plan: Callable[..., int] = plan_splits
 ) -> torch.Tensor:
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
@@ -496,7 +496,7 @@ def launch(
     else:  # never read (see key_offsets): no fill launch
         one = torch.empty(1, dtype=torch.int64, device=dev)
         bt, rows, epp = one.view(1, 1), one, 1
-    s = (plan or plan_splits)(t, h, max_keys(indices), num_sms(dev))
+    s = plan(t, h, max_keys(indices), num_sms(dev))
     if s == 1:
         out = torch.empty_like(q)
         part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)
