@@ -1,7 +1,11 @@
-"""``indexer_topk``'s selection by the fastest of three exact paths, by measurement.
+"""``indexer_topk``'s selection by the fastest of four exact paths, by measurement.
 
 - ``"triton"``: the radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` (one program
   per query row: four histogram passes, then the picks);
+- ``"triton_rows"``: the row selection of :mod:`deepinfer_cuda_sm100.kernels.indexer_rows`
+  for short rows (at most :data:`~deepinfer_cuda_sm100.kernels.indexer_rows.ROW_MAX_COLUMNS`
+  candidates: a small program holds its row in registers and fixes the threshold bit by bit
+  from counts, no histograms);
 - ``"threshold"``: the same module's threshold path for few long rows (several programs per
   row: strided group maxima of unique 64-bit keys give a threshold, the few keys above it are
   sorted; :func:`~deepinfer_cuda_sm100.kernels.indexer.plan_select` decides its segments and
@@ -12,8 +16,8 @@
   order, whatever ``torch.topk`` does with ties of its own (there are none).  Many programs
   per row: faster where few rows hold many candidates (long contexts).
 
-All three give the same picks in the same order (best first); batch-invariant mode (picks in
-column order) and calls off the GPU keep Triton.  A call takes the path the measured table of
+All four give the same picks in the same order (best first); batch-invariant mode (picks in
+column order) and calls off the GPU keep the radix select.  A call takes the path the measured table of
 this GPU's architecture (:mod:`deepinfer_cuda_sm100.kernel_choice`, op ``"indexer_select"``,
 keyed by query rows ``T`` and candidates ``C``; re-measured by ``python
 plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices``) found faster
@@ -43,7 +47,7 @@ from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
 OP = "indexer_select"
 """The op name of the selection points in the measured table."""
-PATHS = frozenset({"triton", "threshold", "torch"})
+PATHS = frozenset({"triton", "triton_rows", "threshold", "torch"})
 SCORE_OP = "indexer_scores"
 """The op name of the scoring points in the measured table."""
 SCORE_PATHS = frozenset({"triton", "tilelang", "tilelang_grouped"})
@@ -84,14 +88,17 @@ def select_topk_torch(
 
 
 def choose_path(scores: torch.Tensor, candidates) -> str:
-    """``"triton"``, ``"threshold"`` or ``"torch"`` for the selection of ``scores`` (see the
-    module docstring)."""
+    """``"triton"``, ``"triton_rows"``, ``"threshold"`` or ``"torch"`` for the selection of
+    ``scores`` (see the module docstring)."""
     if batch_invariant_enabled() or scores.device.type != "cuda":
         return "triton"
+    from deepinfer_cuda_sm100.kernels import indexer_rows
+
     t, c = scores.shape
     kind = "paged" if isinstance(candidates, PagedIndex) else "rows"
+    available = PATHS if indexer_rows.supports(c) else PATHS - {"triton_rows"}
     return kernel_choice.choose(
-        OP, kind, "float32", 0, 0, t, c, kernel_choice.device_arch(scores.device), PATHS
+        OP, kind, "float32", 0, 0, t, c, kernel_choice.device_arch(scores.device), available
     )
 
 
@@ -131,11 +138,13 @@ def scores_of(q, weights, key_pool, candidates, scale) -> torch.Tensor:
 def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
     """The op: the scores :func:`choose_scores` picks, then the selection :func:`choose_path`
     picks."""
-    from deepinfer_cuda_sm100.kernels import indexer
+    from deepinfer_cuda_sm100.kernels import indexer, indexer_rows
 
     scores = scores_of(q, weights, key_pool, candidates, scale)
     path = choose_path(scores, candidates)
     if path == "torch":
         return select_topk_torch(scores, k, candidates)
+    if path == "triton_rows":
+        return indexer_rows.select_topk_rows(scores, k, candidates)
     # the radix select unless the table measured the threshold path faster here
     return indexer.select_topk(scores, k, candidates, segments=None if path == "threshold" else 0)

@@ -22,7 +22,8 @@ and index lists once.
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
 request's entries); the fused kernel (scores + selection) and its selection alone against
 ``torch.topk`` on the same scores (and, where the selection takes its threshold path, the
-one-program radix select too), and, with TileLang installed, the TileLang scores beside the
+one-program radix select too; on rows of at most 8,192 candidates, the row selection of
+``kernels/indexer_rows.py``), and, with TileLang installed, the TileLang scores beside the
 Triton ones (``indexer_tilelang.py``: time, agreement, ``--tune`` their blocks per CTA).
 
 Timing: each op captured in a CUDA graph (``--no-graphs``: plain launches) with an L2 flush
@@ -288,6 +289,7 @@ def tune_tilelang_splits(args: tuple, timer: Timer) -> list[dict]:
 def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
     from deepinfer_cuda_sm100.indexer_select import select_topk_torch
     from deepinfer_cuda_sm100.kernels import indexer as ki
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -316,12 +318,17 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
             row["radix_select_ms"] = timer.ms(
                 lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c, segments=0)
             )
+        if kr.supports(c):  # short rows: the row selection beside the others
+            row["rows_select_ms"] = timer.ms(lambda s=scores, c=cand: kr.select_topk_rows(s, INDEX_TOPK, c))
         row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
         # the exact torch.topk path of the backend (64-bit keys: ties to the earlier column)
         row["torch_exact_ms"] = timer.ms(lambda s=scores, c=cand: select_topk_torch(s, INDEX_TOPK, c))
         if a.check:
             exact = select_topk_torch(scores, k, cand)
             row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
+            if kr.supports(c):
+                rows_picks = kr.select_topk_rows(scores, k, cand)
+                row["torch_exact_equals_rows"] = bool(torch.equal(exact, rows_picks))
         row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"], a.peak_bytes)
         indexer_tilelang.measure(row, args, scores, timer.ms, a.tune)
         if a.tune:
@@ -333,6 +340,7 @@ def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
 
 def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
     from deepinfer_cuda_sm100.kernels import indexer as ki
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
     q, w, keys, cand, k, scale = args
     out = []
@@ -352,6 +360,11 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
             continue
         out.append({"config": list(cfg.__dict__.values()), "score_ms": score_ms, "select_ms": select_ms})
         print(f"    tune {cfg}: scores {score_ms:.4f} ms, select {select_ms:.4f} ms")
+    if kr.supports(scores.shape[1]):
+        for warps in (1, 2, 4, 8):  # the row selection's program width
+            ms = timer.ms(lambda w=warps: kr.select_topk_rows(scores, k, cand, warps=w))
+            out.append({"rows_select_warps": warps, "select_ms": ms})
+            print(f"    tune row selection, {warps} warps: select {ms:.4f} ms")
     g, _ = ki.filter_groups(min(k, scores.shape[1]))
     segments = 1
     while segments * g <= scores.shape[1]:  # the threshold path's segments per row (a multiple of G each)
@@ -381,9 +394,10 @@ def kernel_split(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
 
 
 def _select_path(r: dict) -> str:
+    rows = f"; rows {r['rows_select_ms']:.4f}" if "rows_select_ms" in r else ""
     if not r.get("select_segments"):
-        return "radix"
-    return f"threshold x{r['select_segments']}; radix {r['radix_select_ms']:.4f}"
+        return "radix" + rows
+    return f"threshold x{r['select_segments']}; radix {r['radix_select_ms']:.4f}" + rows
 
 
 def print_row(r: dict) -> None:

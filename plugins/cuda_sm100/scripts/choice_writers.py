@@ -79,8 +79,11 @@ def write_attention_choices(results: dict) -> Path:
 
 def select_times(row: dict) -> dict[str, float]:
     """An indexer row's selection paths in ms: the radix select (``triton``), the threshold
-    path where the kernel's plan takes it at that shape, and the exact ``torch.topk``."""
+    path where the kernel's plan takes it at that shape, the row selection (``triton_rows``)
+    where the rows are short enough for it, and the exact ``torch.topk``."""
     ms = {"torch": round(row["torch_exact_ms"], 5)}
+    if "rows_select_ms" in row:
+        ms["triton_rows"] = round(row["rows_select_ms"], 5)
     if row.get("select_segments"):  # select_ms timed the threshold path, radix_select_ms the radix
         ms["threshold"] = round(row["select_ms"], 5)
         ms["triton"] = round(row["radix_select_ms"], 5)

@@ -159,12 +159,22 @@ def split_problems() -> list[str]:
     return problems
 
 
-def paged_problems() -> list[str]:
-    """The radix select over paged candidates whose counts leave rows short (0, fewer than
-    ``k``, ``k``, more, all: a causal chunk) against the reference ``indexer_topk`` on the same
-    exact scores, best first and in column order."""
+def _radix(scores, k, cand, column_order):
     from deepinfer_cuda_sm100.kernels import indexer as ki
 
+    return ki.select_topk(scores, k, cand, column_order=column_order, segments=0)
+
+
+def _rows(scores, k, cand, column_order):
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    return kr.select_topk_rows(scores, k, cand, column_order=column_order)
+
+
+def paged_problems(select=_radix) -> list[str]:
+    """``select`` (default: the radix select) over paged candidates whose counts leave rows
+    short (0, fewer than ``k``, ``k``, more, all: a causal chunk) against the reference
+    ``indexer_topk`` on the same exact scores, best first and in column order."""
     from deepinfer_core.ops.attention import PagedIndex
     from deepinfer_core.ops.attention import indexer_topk as reference
     from deepinfer_core.ops.modes import batch_invariant_mode
@@ -187,17 +197,60 @@ def paged_problems() -> list[str]:
         for bi in (False, True):
             with batch_invariant_mode(bi):
                 want = reference(q, w, keys, cand, k, 1.0)
-            got = ki.select_topk(scores, k, cand, column_order=bi, segments=0)
+            got = select(scores, k, cand, bi)
             if not torch.equal(got, want):
                 problems.append(f"{name} order={bi}: {got.tolist()} != {want.tolist()}")
     return problems
+
+
+def rows_problems() -> list[str]:
+    """The row selection (:mod:`deepinfer_cuda_sm100.kernels.indexer_rows`, several warp
+    counts) against the reference ``indexer_topk`` on explicit candidates (the threshold
+    path's cases: ties at the ``k``-th place, ``-inf`` holes, fewer valid candidates than
+    ``k``; and ``k`` past the row, all scores equal, the extremes), on the paged cases, and
+    against the radix select where the candidates are the columns themselves."""
+    from deepinfer_cuda_sm100.kernels import indexer as ki
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    from deepinfer_core.ops.attention import indexer_topk as reference
+    from deepinfer_core.ops.modes import batch_invariant_mode
+
+    cases = [(name, s, masked, k) for name, s, masked, k, _ in _split_cases()]
+    extremes = _scores(3, 40, seed=3)
+    cases += [
+        ("k past the row", torch.randn(2, 20), torch.zeros(2, 20, dtype=torch.bool), 33),
+        ("all equal", torch.zeros(2, 64), torch.zeros(2, 64, dtype=torch.bool), 10),
+        ("extremes", extremes.nan_to_num(neginf=0.0), extremes == float("-inf"), 12),
+    ]
+    problems = []
+    for warps in (1, 4):
+        for name, s, masked, k in cases:
+            q, w, keys, cand = _op_inputs(s, masked)
+            scores = s.masked_fill(masked, float("-inf"))
+            for bi in (False, True):
+                with batch_invariant_mode(bi):
+                    want = reference(q, w, keys, cand, k, 1.0)
+                got = kr.select_topk_rows(scores, k, cand, column_order=bi, warps=warps)
+                if not torch.equal(got, want):
+                    problems.append(f"{name} warps={warps} order={bi}: {got.tolist()} != {want.tolist()}")
+                got = kr.select_topk_rows(scores, k, None, column_order=bi, warps=warps)
+                if not torch.equal(got, ki.select_topk(scores, k, None, column_order=bi, segments=0)):
+                    problems.append(
+                        f"{name} warps={warps} order={bi}: columns differ from the radix select's"
+                    )
+    return problems + [f"paged: {p}" for p in paged_problems(_rows)]
 
 
 def interpreter_report() -> dict:
     """The interpreter checks as JSON-able data (run with ``TRITON_INTERPRET=1``)."""
     from deepinfer_cuda_sm100.kernels import _common
 
-    return {"interpreted": _common.INTERPRETED, "split": split_problems(), "paged": paged_problems()}
+    return {
+        "interpreted": _common.INTERPRETED,
+        "split": split_problems(),
+        "paged": paged_problems(),
+        "rows": rows_problems(),
+    }
 
 
 def test_the_plan_splits_only_few_long_rows():
@@ -217,6 +270,11 @@ def test_the_plan_splits_only_few_long_rows():
 @pytest.mark.slow  # reads the report of a fresh interpreter running the kernels
 def test_interpreter_radix_select_of_short_paged_rows_equals_the_reference(report):
     assert not report["paged"], "\n".join(report["paged"])
+
+
+@pytest.mark.slow  # reads the report of a fresh interpreter running the kernels
+def test_interpreter_row_selection_equals_the_reference(report):
+    assert not report["rows"], "\n".join(report["rows"])
 
 
 @pytest.mark.slow  # reads the report of a fresh interpreter running the kernels
@@ -284,6 +342,31 @@ def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+@pytest.mark.parametrize("arch", [90, 100])
+def test_row_selection_compiles_for_the_gpu(arch, monkeypatch):
+    """The row selection at prefill rows (2,048 and 8,192 candidates, paged and explicit, both
+    orders, its default width and one warp) compiles for ``sm_<arch>`` within a block's
+    shared memory."""
+    from cuda_sm100_checks import record_launches
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    launches = record_launches(monkeypatch, kr, ["_row_select_kernel"])
+    for c in (2048, kr.ROW_MAX_COLUMNS):
+        epp = 64
+        paged = PagedIndex(
+            torch.zeros(4, c // epp, dtype=torch.int64), torch.arange(4), torch.full((4,), c), epp, c
+        )
+        for cand, column_order, warps in ((paged, False, None), (paged, True, None), (None, False, 1)):
+            kr.select_topk_rows(torch.empty(4, c), 512, cand, column_order=column_order, warps=warps)
+    monkeypatch.undo()
+    assert len(launches) == 6
+    for fn, args, kwargs in launches:
+        compiled = compile_launch(fn, args, kwargs, arch)
+        assert compiled.metadata.shared <= MAX_SHARED, kwargs
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the shapes the threshold path is for
 
@@ -298,6 +381,28 @@ def _long_rows(t: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     s[-2] = 0.0  # all equal
     cand = torch.randint(0, 1 << 30, (t, c), device="cuda", generator=g)
     return s, cand.masked_fill(s == float("-inf"), -1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(64, 2048), (40, 8192), (33, 1000)])
+def test_gpu_row_selection_equals_the_exact_torch_path(shape):
+    """The row selection at prefill widths (ties, ``-inf`` holes, all-equal and short rows)
+    equals the exact ``torch.topk`` path, best first and in column order, at every program
+    width, and replays in a CUDA graph."""
+    from cuda_sm100_checks import replayed
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    t, c = shape
+    s, cand = _long_rows(t, c, seed=c)
+    for k in (512, 77):
+        want = select_topk_torch(s, k, cand)
+        cols = torch.sort(ordered_keys(s), dim=1, descending=True).indices[:, :k].sort(dim=1).values
+        want_cols = torch.where(s.gather(1, cols) == float("-inf"), -1, cand.gather(1, cols))
+        for warps in (None, 1, 2, 4, 8):
+            assert torch.equal(kr.select_topk_rows(s, k, cand, warps=warps), want), (shape, k, warps)
+            got = kr.select_topk_rows(s, k, cand, column_order=True, warps=warps)
+            assert torch.equal(got, want_cols), (shape, k, warps, "column order")
+        assert torch.equal(replayed(lambda k=k: kr.select_topk_rows(s, k, cand)), want)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,142 @@
+"""``indexer_topk``'s selection for many short rows (prefill): a whole row in one small program's
+registers, its ``k``-th largest score found by a bitwise search of counts.
+
+The radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` builds four 256-bin histograms
+a row with ``tl.histogram``, which Triton lowers to warp ballots: about a hundred instructions
+per element slot and pass, most of its time at 8,192 rows of 2,048 candidates.  Here one
+program (:func:`row_warps` warps) loads the row once as the order-preserving unsigned image of
+each fp32 score and fixes the threshold's bits from the top: a bit stays set where at least
+``k`` candidates reach the candidate value (one compare and one sum over the row per bit).
+The search stops early where exactly ``k`` reach it (then every candidate at or above it is a
+pick and none ties), usually after 15-20 bits on random scores.  Then one pass in column order
+keeps every candidate above the threshold and the earliest ones equal to it (the contract's tie
+rule), and the picks are sorted best first by ``(score bits, ~column)`` keys (bitonic
+``tl.sort``), or kept in column order (batch-invariant mode).
+
+The picks and their order are the radix select's exactly (both exact on the same scores);
+a paged row scans its own entries only and its picks past them are ``-1``, as there.
+Graph-capturable: the grid and scratch size come from shapes only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import pow2
+from .indexer import _I64_MIN, _LOW32, _SIGN, _cand_rows, _candidate_args, _ordered, _paged_scalars
+from .pdl import pdl_args, pdl_enter
+
+ROW_MAX_COLUMNS = 8192
+"""Longest row (candidates) this selection takes: its program holds the row in registers."""
+ELEMENTS_PER_THREAD = 16
+"""Scores a thread holds (:func:`row_warps`): enough to keep the per-bit sums mostly inside a
+thread, few enough to stay in registers."""
+
+
+def row_warps(columns: int) -> int:
+    """Warps of a row's program: :data:`ELEMENTS_PER_THREAD` scores a thread, 1 to 8 warps."""
+    return max(1, min(8, pow2(columns) // (32 * ELEMENTS_PER_THREAD)))
+
+
+def supports(columns: int) -> bool:
+    """Whether rows of ``columns`` candidates fit this selection (any ``k``: it takes
+    ``min(k, C)`` picks)."""
+    return 0 < columns <= ROW_MAX_COLUMNS
+
+
+@triton.jit
+def _threshold_bits(o, kk):
+    """The ``kk``-th largest of ``o`` (uint32, ``kk >= 1``), fixed bit by bit from the top; or,
+    where exactly ``kk`` values reach a candidate value ``v`` on the way, ``v - 1`` (then the
+    values above the result are exactly the top ``kk``)."""
+    thr = tl.zeros((), tl.uint32)
+    bit = tl.full((), 31, tl.int32)
+    go = bit >= 0
+    while go:
+        cand = thr | (tl.full((), 1, tl.uint32) << bit.to(tl.uint32))
+        n = tl.sum((o >= cand).to(tl.int32), 0)
+        thr = tl.where(n >= kk, cand, thr)
+        thr = tl.where(n == kk, cand - 1, thr)
+        bit -= 1
+        go = (bit >= 0) & (n != kk)
+    return thr
+
+
+@triton.jit
+def _row_select_kernel(
+    scores_ptr, ss_t, C, KK, out_ptr, so_t, tmp_ptr,
+    cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow_ptr, trs, cnt_ptr, cs, max_count, epp,
+    KIND: tl.constexpr, COLUMN_ORDER: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid ``(T,)``: row ``t``'s top ``KK`` (best first, or in column order) to ``out[t]``."""
+    pdl_enter(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
+    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    n, kk = C, KK
+    if KIND == 2:  # a paged row's columns past its count score -inf: scan its entries only
+        n = tl.minimum(count, C).to(tl.int32)
+        kk = tl.minimum(n, KK)
+    out_row = out_ptr + t * so_t
+    i = tl.arange(0, BLOCK_K)
+    if kk > 0:
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n
+        o = _ordered(tl.load(scores_ptr + t * ss_t + cols, mask=inside, other=0.0))
+        # outside the row: 0, below every score's image (-inf's is 0x007FFFFF), never counted
+        ou = tl.where(inside, o.to(tl.uint32, bitcast=True), 0)
+        thr = _threshold_bits(ou, kk)
+        gt = ou > thr
+        eq = ou == thr
+        need = kk - tl.sum(gt.to(tl.int32), 0)
+        eqi = eq.to(tl.int32)
+        sel = gt | (eq & (tl.cumsum(eqi, 0) - eqi < need))
+        seli = sel.to(tl.int32)
+        pos = tl.cumsum(seli, 0) - seli
+        if COLUMN_ORDER:
+            rows = _cand_rows(
+                KIND, cols, sel, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+            )
+            tl.store(out_row + pos, rows, mask=sel)
+        else:
+            tmp_row = tmp_ptr + t * BLOCK_K
+            low = tl.full([BLOCK], _LOW32, tl.int64) - cols.to(tl.int64)  # earlier column: larger
+            tl.store(tmp_row + pos, ((o ^ _SIGN).to(tl.int64) << 32) | low, mask=sel)
+            tl.debug_barrier()  # the picks were written by other threads of this program
+            packed = tl.sort(tl.load(tmp_row + i, mask=i < kk, other=_I64_MIN), descending=True)
+            ok = i < kk
+            picked = _LOW32 - (packed & _LOW32)
+            rows = _cand_rows(
+                KIND, picked, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
+            )
+            tl.store(out_row + i, rows, mask=ok)
+    if KIND == 2:  # the picks past its entries: -inf ones, none (-1), as a full scan gives
+        tl.store(out_row + i, tl.full([BLOCK_K], -1, tl.int64), mask=(i >= kk) & (i < KK))
+
+
+def select_topk_rows(
+    scores: torch.Tensor, k: int, candidates=None, *, column_order: bool = False, warps: int | None = None
+) -> torch.Tensor:
+    """Top-``k`` of each row of ``scores`` ``[T, C]`` fp32 (``C <= ROW_MAX_COLUMNS``), as
+    :func:`deepinfer_cuda_sm100.kernels.indexer.select_topk`: ``[T, min(k, C)]`` int64 pool
+    rows (``candidates``: ``None`` for the columns, explicit rows or a ``PagedIndex``), ``-1``
+    for invalid candidates; best first, or in column order.  ``warps``: the program's warps
+    (default :func:`row_warps`)."""
+    t, c = scores.shape
+    if c > ROW_MAX_COLUMNS:
+        raise ValueError(f"select_topk_rows takes rows of at most {ROW_MAX_COLUMNS} candidates, got {c}")
+    kk = min(int(k), c)
+    out = torch.empty((t, kk), dtype=torch.int64, device=scores.device)
+    if t == 0 or kk == 0:
+        return out
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    kind, _, args = _candidate_args(candidates, scores.device)
+    block_k = pow2(kk)
+    tmp = out if column_order else torch.empty((t, block_k), dtype=torch.int64, device=scores.device)
+    _row_select_kernel[(t,)](scores, scores.stride(0), c, kk, out, out.stride(0), tmp, *args,
+                             KIND=kind, COLUMN_ORDER=column_order, BLOCK=pow2(c), BLOCK_K=block_k,
+                             num_warps=warps or row_warps(c), **pdl_args())  # fmt: skip
+    return out
