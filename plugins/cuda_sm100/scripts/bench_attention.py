@@ -47,7 +47,7 @@ sys.path[:0] = [str(REPO), str(REPO / "plugins" / "cuda_sm100")]
 
 import attention_tilelang  # noqa: E402
 import choice_writers  # noqa: E402
-import indexer_tilelang  # noqa: E402
+import indexer_bench  # noqa: E402
 from graph_timing import gpu_run_header  # noqa: E402
 
 from deepinfer_core.benchmarking.harness import run_main  # noqa: E402
@@ -57,11 +57,9 @@ DEFAULT_OUTPUT = REPO / "benchmarks" / "results" / "bench_attention.json"
 from attention_inputs import (  # noqa: E402
     HEAD_DIM,
     HEADS,
-    INDEX_TOPK,
     PEAK_FLOPS,
     decode_inputs,
     device_peak_bytes,
-    indexer_inputs,
     packed_inputs,
     prefill_inputs,
     roofline_ms,
@@ -286,145 +284,17 @@ def tune_tilelang_splits(args: tuple, timer: Timer) -> list[dict]:
     return out
 
 
-def bench_indexer(a: argparse.Namespace, timer: Timer) -> list[dict]:
-    from deepinfer_cuda_sm100.indexer_select import select_topk_torch
-    from deepinfer_cuda_sm100.kernels import indexer as ki
-    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
-
-    rows = []
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for shape in a.indexer_shapes.split(","):
-        causal = shape.lower().endswith("c")  # e.g. 8192x2048c: a causal prefill chunk
-        t, c = (int(x) for x in shape.lower().rstrip("c").split("x"))
-        inp = indexer_inputs(t, c, torch.bfloat16, g, causal)
-        args = inp["args"]
-        q, w, keys, cand, k, scale = args
-        row = {"op": "indexer_topk", "T": t, "C": c, "k": k, "causal": causal}
-        scores = ki.indexer_scores(q, w, keys, cand, scale)
-        if a.check:
-            got = ki.select_topk(scores, k, cand)
-            want = torch.topk(scores, k, dim=1, sorted=True)
-            rows_want = cand.block_table[cand.token_rows[:, None], want.indices // cand.entries_per_page]
-            rows_want = rows_want * cand.entries_per_page + want.indices % cand.entries_per_page
-            rows_want = rows_want.masked_fill(want.values == float("-inf"), -1)  # unseen entries
-            row["picks_equal_torch_topk_sets"] = bool(
-                torch.equal(got.sort(dim=1).values, rows_want.sort(dim=1).values)
-            )
-        row["ms"] = timer.ms(lambda args=args: ki.indexer_topk(*args))
-        row["score_ms"] = timer.ms(lambda args=args: ki.indexer_scores(*args[:4], args[5]))
-        row["select_ms"] = timer.ms(lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c))
-        row["select_segments"] = ki.plan_select(t, c, INDEX_TOPK, ki.sm_count(scores.device))
-        if row["select_segments"]:  # the threshold path; the one-program radix select beside it
-            row["radix_select_ms"] = timer.ms(
-                lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c, segments=0)
-            )
-        if kr.supports(c):  # short rows: the row selection beside the others
-            row["rows_select_ms"] = timer.ms(lambda s=scores, c=cand: kr.select_topk_rows(s, INDEX_TOPK, c))
-        row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
-        # the exact torch.topk path of the backend (64-bit keys: ties to the earlier column)
-        row["torch_exact_ms"] = timer.ms(lambda s=scores, c=cand: select_topk_torch(s, INDEX_TOPK, c))
-        if a.check:
-            exact = select_topk_torch(scores, k, cand)
-            row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
-            if kr.supports(c):
-                rows_picks = kr.select_topk_rows(scores, k, cand)
-                row["torch_exact_equals_rows"] = bool(torch.equal(exact, rows_picks))
-        row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"], a.peak_bytes)
-        indexer_tilelang.measure(row, args, scores, timer.ms, a.tune)
-        if a.tune:
-            row["tune"] = tune_indexer(args, scores, timer)
-        rows.append(row)
-        print_row(row)
-    return rows
-
-
-def tune_indexer(args: tuple, scores: torch.Tensor, timer: Timer) -> list[dict]:
-    from deepinfer_cuda_sm100.kernels import indexer as ki
-    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
-
-    q, w, keys, cand, k, scale = args
-    out = []
-    for block_c, blocks, warps, sel_block, sel_warps in (
-        (64, 8, 4, 2048, 8),
-        (128, 4, 4, 1024, 4),
-        (128, 4, 8, 4096, 8),
-        (64, 4, 4, 2048, 4),
-        (32, 8, 4, 1024, 8),
-    ):
-        cfg = ki.IndexerConfig(block_c, blocks, warps, sel_block, sel_warps)
-        try:
-            score_ms = timer.ms(lambda cfg=cfg: ki.indexer_scores(q, w, keys, cand, scale, config=cfg))
-            select_ms = timer.ms(lambda cfg=cfg: ki.select_topk(scores, k, cand, config=cfg))
-        except Exception as exc:  # out of resources, ...
-            out.append({"config": list(cfg.__dict__.values()), "error": f"{type(exc).__name__}: {exc}"[:200]})
-            continue
-        out.append({"config": list(cfg.__dict__.values()), "score_ms": score_ms, "select_ms": select_ms})
-        print(f"    tune {cfg}: scores {score_ms:.4f} ms, select {select_ms:.4f} ms")
-    if kr.supports(scores.shape[1]):
-        for warps in (1, 2, 4, 8):  # the row selection's program width
-            ms = timer.ms(lambda w=warps: kr.select_topk_rows(scores, k, cand, warps=w))
-            out.append({"rows_select_warps": warps, "select_ms": ms})
-            print(f"    tune row selection, {warps} warps: select {ms:.4f} ms")
-    g, _ = ki.filter_groups(min(k, scores.shape[1]))
-    segments = 1
-    while segments * g <= scores.shape[1]:  # the threshold path's segments per row (a multiple of G each)
-        ms = timer.ms(lambda n=segments: ki.select_topk(scores, k, cand, segments=n))
-        out.append({"select_segments": segments, "select_ms": ms})
-        print(f"    tune threshold x{segments}: select {ms:.4f} ms")
-        segments *= 2
-    split = kernel_split(lambda: ki.select_topk(scores, k, cand))
-    out.append({"select_kernels_us": split})
-    print("    select by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
-    return out
-
-
-def kernel_split(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
-    """Device microseconds per call of each kernel ``fn`` launches (``torch.profiler`` over
-    ``calls`` plain launches, L2 warm), slowest first."""
-    from profile_step import breakdown
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return dict(breakdown(prof, calls, device=True)[1])
-
-
-def _select_path(r: dict) -> str:
-    rows = f"; rows {r['rows_select_ms']:.4f}" if "rows_select_ms" in r else ""
-    if not r.get("select_segments"):
-        return "radix" + rows
-    return f"threshold x{r['select_segments']}; radix {r['radix_select_ms']:.4f}" + rows
-
-
 def print_row(r: dict) -> None:
-    if r["op"] == "sparse_attention":
-        print(
-            f"attention {r['layer']:3} {r['kv']:5} {r['phase']:7} T {r['batch']:4} ctx {r['context']:6} "
-            f"keys {r['keys']:5}: "
-            f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
-            + attention_tilelang.describe(r)
-            + f"roofline {r['roofline_ms']:8.4f} ms  [{r['plan']}]"
-            + (f"  err {r['max_abs_err']:.2e}" if "max_abs_err" in r else "")
-            + attention_tilelang.errors(r)
-        )
-    else:
-        print(
-            f"indexer T {r['T']:5} C {r['C']:6} k {r['k']}: {r['ms']:8.4f} ms (scores {r['score_ms']:.4f}, "
-            f"select {r['select_ms']:.4f} [{_select_path(r)}] = {r['torch_topk_ms'] / r['select_ms']:.2f}x "
-            f"torch.topk {r['torch_topk_ms']:.4f}; exact torch.topk {r['torch_exact_ms']:.4f})  "
-            f"roofline {r['roofline_ms']:.4f} ms "
-            f"({100 * r['roofline_ms'] / r['ms']:5.1f}%)"
-            + indexer_tilelang.describe(r)
-            + (
-                f"  sets==topk {r['picks_equal_torch_topk_sets']}"
-                if "picks_equal_torch_topk_sets" in r
-                else ""
-            )
-        )
+    """One attention row of the benchmark's table."""
+    print(
+        f"attention {r['layer']:3} {r['kv']:5} {r['phase']:7} T {r['batch']:4} ctx {r['context']:6} "
+        f"keys {r['keys']:5}: "
+        f"triton {r['ms']:8.4f} ms ({100 * r['roofline_ms'] / r['ms']:5.1f}%)  "
+        + attention_tilelang.describe(r)
+        + f"roofline {r['roofline_ms']:8.4f} ms  [{r['plan']}]"
+        + (f"  err {r['max_abs_err']:.2e}" if "max_abs_err" in r else "")
+        + attention_tilelang.errors(r)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.only in (None, "attention"):
         results["attention"] = bench_attention(a, timer)
     if a.only in (None, "indexer"):
-        results["indexer"] = bench_indexer(a, timer)
+        results["indexer"] = indexer_bench.bench_indexer(a, timer)
     if a.write_choices and results.get("attention"):
         print(f"wrote {choice_writers.write_attention_choices(results)}")
     if a.write_choices and results.get("indexer"):
