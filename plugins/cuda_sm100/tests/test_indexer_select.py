@@ -383,6 +383,15 @@ def _long_rows(t: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return s, cand.masked_fill(s == float("-inf"), -1)
 
 
+def _exact_picks(s: torch.Tensor, k: int, cand: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact ``torch.topk`` path's picks of ``s`` (best first), and the same picks in
+    column order."""
+    cols = torch.sort(ordered_keys(s), dim=1, descending=True).indices[:, :k].sort(dim=1).values
+    return select_topk_torch(s, k, cand), torch.where(
+        s.gather(1, cols) == float("-inf"), -1, cand.gather(1, cols)
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(64, 2048), (40, 8192), (33, 1000)])
 def test_gpu_row_selection_equals_the_exact_torch_path(shape):
@@ -395,9 +404,7 @@ def test_gpu_row_selection_equals_the_exact_torch_path(shape):
     t, c = shape
     s, cand = _long_rows(t, c, seed=c)
     for k in (512, 77):
-        want = select_topk_torch(s, k, cand)
-        cols = torch.sort(ordered_keys(s), dim=1, descending=True).indices[:, :k].sort(dim=1).values
-        want_cols = torch.where(s.gather(1, cols) == float("-inf"), -1, cand.gather(1, cols))
+        want, want_cols = _exact_picks(s, k, cand)
         for warps in (None, 1, 2, 4, 8):
             assert torch.equal(kr.select_topk_rows(s, k, cand, warps=warps), want), (shape, k, warps)
             got = kr.select_topk_rows(s, k, cand, column_order=True, warps=warps)
@@ -414,9 +421,7 @@ def test_gpu_threshold_path_equals_the_exact_torch_path(shape):
     t, c = shape
     s, cand = _long_rows(t, c, seed=c)
     for k in (512, 77):
-        want = select_topk_torch(s, k, cand)
-        cols = torch.sort(ordered_keys(s), dim=1, descending=True).indices[:, :k].sort(dim=1).values
-        want_cols = torch.where(s.gather(1, cols) == float("-inf"), -1, cand.gather(1, cols))
+        want, want_cols = _exact_picks(s, k, cand)
         for segments in (None, 1, 7):
             got = ki.select_topk(s, k, cand, segments=segments)
             assert torch.equal(got, want), (shape, k, segments)

@@ -106,6 +106,19 @@ def _paged_scalars(KIND: tl.constexpr, t, trow_ptr, trs, cnt_ptr, cs, max_count)
     return trow, count
 
 
+@triton.jit
+def _row_extent(KIND: tl.constexpr, t, C, KK, trow_ptr, trs, cnt_ptr, cs, max_count):
+    """Row ``t``'s block-table row and entry count (paged candidates), the columns a selection
+    scans ``n`` and its picks ``kk``: a paged row's columns past its count score ``-inf``, so
+    it scans its entries only and picks at most that many."""
+    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
+    n, kk = C, KK
+    if KIND == 2:
+        n = tl.minimum(count, C).to(tl.int32)
+        kk = tl.minimum(n, KK)
+    return trow, count, n, kk
+
+
 # ---------------------------------------------------------------------------------------------
 # scores
 
@@ -384,11 +397,7 @@ def _select_kernel(
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
-    n, kk = C, KK
-    if KIND == 2:  # a paged row's columns past its count score -inf: scan its entries only
-        n = tl.minimum(count, C).to(tl.int32)
-        kk = tl.minimum(n, KK)
+    trow, count, n, kk = _row_extent(KIND, t, C, KK, trow_ptr, trs, cnt_ptr, cs, max_count)
     _select_row(
         scores_ptr + t * ss_t, n, kk, t, out_ptr + t * so_t, tmp_ptr + t * BLOCK_K,
         KIND, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp,
@@ -661,6 +670,15 @@ def plan_select(t: int, c: int, kk: int, sms: int) -> int:
     return max(1, min(cdiv(FILTER_PROGRAMS_PER_SM * sms, t), c // (4 * g)))
 
 
+def selection_buffers(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A selection's ``scores`` with unit column stride, its picks a row ``min(k, C)`` and its
+    ``[T, min(k, C)]`` int64 output."""
+    t, c = scores.shape
+    kk = min(int(k), c)
+    out = torch.empty((t, kk), dtype=torch.int64, device=scores.device)
+    return (scores if scores.stride(1) == 1 else scores.contiguous()), kk, out
+
+
 def select_topk(
     scores: torch.Tensor,
     k: int,
@@ -692,13 +710,10 @@ def select_topk(
       ``capacity`` (default ``CAP`` of :func:`filter_groups`) pass takes the radix select.
       Four launches: group maxima, threshold, filter, sort.
     """
+    scores, kk, out = selection_buffers(scores, k)
     t, c = scores.shape
-    kk = min(int(k), c)
-    out = torch.empty((t, kk), dtype=torch.int64, device=scores.device)
     if t == 0 or kk == 0:
         return out
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
     cfg = config or default_config(16, 16)
     if config is None and not INTERPRETED and c >= 65536:  # long rows: wider steps (exact either way)
         cfg = IndexerConfig(cfg.block_c, cfg.blocks_per_prog, cfg.score_warps, 4096, 8)

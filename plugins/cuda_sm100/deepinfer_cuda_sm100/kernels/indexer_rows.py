@@ -25,7 +25,16 @@ import triton
 import triton.language as tl
 
 from ._common import pow2
-from .indexer import _I64_MIN, _LOW32, _SIGN, _cand_rows, _candidate_args, _ordered, _paged_scalars
+from .indexer import (
+    _I64_MIN,
+    _LOW32,
+    _SIGN,
+    _cand_rows,
+    _candidate_args,
+    _ordered,
+    _row_extent,
+    selection_buffers,
+)
 from .pdl import pdl_args, pdl_enter
 
 ROW_MAX_COLUMNS = 8192
@@ -74,11 +83,7 @@ def _row_select_kernel(
     """Grid ``(T,)``: row ``t``'s top ``KK`` (best first, or in column order) to ``out[t]``."""
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
-    trow, count = _paged_scalars(KIND, t, trow_ptr, trs, cnt_ptr, cs, max_count)
-    n, kk = C, KK
-    if KIND == 2:  # a paged row's columns past its count score -inf: scan its entries only
-        n = tl.minimum(count, C).to(tl.int32)
-        kk = tl.minimum(n, KK)
+    trow, count, n, kk = _row_extent(KIND, t, C, KK, trow_ptr, trs, cnt_ptr, cs, max_count)
     out_row = out_ptr + t * so_t
     i = tl.arange(0, BLOCK_K)
     if kk > 0:
@@ -124,15 +129,14 @@ def select_topk_rows(
     rows (``candidates``: ``None`` for the columns, explicit rows or a ``PagedIndex``), ``-1``
     for invalid candidates; best first, or in column order.  ``warps``: the program's warps
     (default :func:`row_warps`)."""
+    if scores.shape[1] > ROW_MAX_COLUMNS:
+        raise ValueError(
+            f"select_topk_rows takes rows of at most {ROW_MAX_COLUMNS} candidates, got {scores.shape[1]}"
+        )
+    scores, kk, out = selection_buffers(scores, k)
     t, c = scores.shape
-    if c > ROW_MAX_COLUMNS:
-        raise ValueError(f"select_topk_rows takes rows of at most {ROW_MAX_COLUMNS} candidates, got {c}")
-    kk = min(int(k), c)
-    out = torch.empty((t, kk), dtype=torch.int64, device=scores.device)
     if t == 0 or kk == 0:
         return out
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
     kind, _, args = _candidate_args(candidates, scores.device)
     block_k = pow2(kk)
     tmp = out if column_order else torch.empty((t, block_k), dtype=torch.int64, device=scores.device)
