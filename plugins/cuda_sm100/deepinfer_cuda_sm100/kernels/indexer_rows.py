@@ -39,14 +39,17 @@ from .pdl import pdl_args, pdl_enter
 
 ROW_MAX_COLUMNS = 8192
 """Longest row (candidates) this selection takes: its program holds the row in registers."""
-ELEMENTS_PER_THREAD = 16
-"""Scores a thread holds (:func:`row_warps`): enough to keep the per-bit sums mostly inside a
-thread, few enough to stay in registers."""
+WARPS_BY_COLUMNS = ((2048, 4), (4096, 8), (8192, 4))
+"""A row's program width by row length (``(longest power of two, warps)``), measured on an
+H100 with 1, 2, 4 and 8 warps at 8,192 x 2,048, 1,024 x 2,048, 4,096 x 4,096 and 1,024 x 8,192
+candidates (at 8,192 four warps spill a few registers and still beat eight, whose 181 registers
+a thread leave one program an SM); shorter rows take the first."""
 
 
 def row_warps(columns: int) -> int:
-    """Warps of a row's program: :data:`ELEMENTS_PER_THREAD` scores a thread, 1 to 8 warps."""
-    return max(1, min(8, pow2(columns) // (32 * ELEMENTS_PER_THREAD)))
+    """Warps of a row's program (:data:`WARPS_BY_COLUMNS`)."""
+    block = pow2(columns)
+    return next((warps for limit, warps in WARPS_BY_COLUMNS if block <= limit), WARPS_BY_COLUMNS[-1][1])
 
 
 def supports(columns: int) -> bool:
