@@ -3,8 +3,8 @@
 - ``"triton"``: the radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` (one program
   per query row: four histogram passes, then the picks);
 - ``"triton_rows"``: the row selection of :mod:`deepinfer_cuda_sm100.kernels.indexer_rows`
-  for short rows (at most :data:`~deepinfer_cuda_sm100.kernels.indexer_rows.ROW_MAX_COLUMNS`
-  candidates: a small program holds its row in registers and fixes the threshold bit by bit
+  for rows of at most :data:`~deepinfer_cuda_sm100.kernels.indexer_rows.ROW_MAX_COLUMNS`
+  candidates (a program holds its row in registers and fixes the threshold bit by bit
   from counts, no histograms);
 - ``"threshold"``: the same module's threshold path for few long rows (several programs per
   row: strided group maxima of unique 64-bit keys give a threshold, the few keys above it are

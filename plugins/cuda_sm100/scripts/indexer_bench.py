@@ -91,7 +91,7 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
         out.append({"config": list(cfg.__dict__.values()), "score_ms": score_ms, "select_ms": select_ms})
         print(f"    tune {cfg}: scores {score_ms:.4f} ms, select {select_ms:.4f} ms")
     if kr.supports(scores.shape[1]):
-        for warps in (1, 2, 4, 8):  # the row selection's program width
+        for warps in kr.candidate_warps(scores.shape[1]):  # the row selection's program width
             ms = timer.ms(lambda w=warps: kr.select_topk_rows(scores, k, cand, warps=w))
             out.append({"rows_select_warps": warps, "select_ms": ms})
             print(f"    tune row selection, {warps} warps: select {ms:.4f} ms")

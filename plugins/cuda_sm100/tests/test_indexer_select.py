@@ -237,6 +237,18 @@ def rows_problems() -> list[str]:
                     problems.append(
                         f"{name} warps={warps} order={bi}: columns differ from the radix select's"
                     )
+    g = torch.Generator().manual_seed(11)  # long-context decode rows (ties, -inf holes)
+    s, masked = (
+        torch.randint(-40, 40, (2, 16384), generator=g).float(),
+        torch.rand(2, 16384, generator=g) < 0.1,
+    )
+    q, w, keys, cand = _op_inputs(s, masked)
+    for bi in (False, True):
+        with batch_invariant_mode(bi):
+            want = reference(q, w, keys, cand, 512, 1.0)
+        got = kr.select_topk_rows(s.masked_fill(masked, float("-inf")), 512, cand, column_order=bi)
+        if not torch.equal(got, want):
+            problems.append(f"long rows order={bi}: the picks differ from the reference's")
     return problems + [f"paged: {p}" for p in paged_problems(_rows)]
 
 
@@ -345,22 +357,23 @@ def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
 @pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_row_selection_compiles_for_the_gpu(arch, monkeypatch):
-    """The row selection at prefill rows (2,048 and 8,192 candidates, paged and explicit, both
-    orders, its default width and one warp) compiles for ``sm_<arch>`` within a block's
-    shared memory."""
+    """The row selection at prefill rows (2,048 and 8,192 candidates) and its longest rows,
+    paged (both orders, its default width) and explicit (one warp at 2,048), compiles for
+    ``sm_<arch>`` within a block's shared memory."""
     from cuda_sm100_checks import record_launches
     from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
     launches = record_launches(monkeypatch, kr, ["_row_select_kernel"])
-    for c in (2048, kr.ROW_MAX_COLUMNS):
+    for c in (2048, 8192, kr.ROW_MAX_COLUMNS):
         epp = 64
         paged = PagedIndex(
             torch.zeros(4, c // epp, dtype=torch.int64), torch.arange(4), torch.full((4,), c), epp, c
         )
-        for cand, column_order, warps in ((paged, False, None), (paged, True, None), (None, False, 1)):
+        runs = [(paged, False, None), (paged, True, None)] + ([(None, False, 1)] if c == 2048 else [])
+        for cand, column_order, warps in runs:
             kr.select_topk_rows(torch.empty(4, c), 512, cand, column_order=column_order, warps=warps)
     monkeypatch.undo()
-    assert len(launches) == 6
+    assert len(launches) == 7
     for fn, args, kwargs in launches:
         compiled = compile_launch(fn, args, kwargs, arch)
         assert compiled.metadata.shared <= MAX_SHARED, kwargs
@@ -392,11 +405,11 @@ def _exact_picks(s: torch.Tensor, k: int, cand: torch.Tensor) -> tuple[torch.Ten
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(64, 2048), (40, 8192), (33, 1000)])
+@pytest.mark.parametrize("shape", [(64, 2048), (40, 8192), (33, 1000), (128, 16384), (9, 32768)])
 def test_gpu_row_selection_equals_the_exact_torch_path(shape):
-    """The row selection at prefill widths (ties, ``-inf`` holes, all-equal and short rows)
-    equals the exact ``torch.topk`` path, best first and in column order, at every program
-    width, and replays in a CUDA graph."""
+    """The row selection at prefill and long-context decode widths (ties, ``-inf`` holes,
+    all-equal and short rows) equals the exact ``torch.topk`` path, best first and in column
+    order, at its default width and every width worth timing, and replays in a CUDA graph."""
     from cuda_sm100_checks import replayed
     from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
@@ -404,7 +417,7 @@ def test_gpu_row_selection_equals_the_exact_torch_path(shape):
     s, cand = _long_rows(t, c, seed=c)
     for k in (512, 77):
         want, want_cols = _exact_picks(s, k, cand)
-        for warps in (None, 1, 2, 4, 8):
+        for warps in (None, *kr.candidate_warps(c)):
             assert torch.equal(kr.select_topk_rows(s, k, cand, warps=warps), want), (shape, k, warps)
             got = kr.select_topk_rows(s, k, cand, column_order=True, warps=warps)
             assert torch.equal(got, want_cols), (shape, k, warps, "column order")

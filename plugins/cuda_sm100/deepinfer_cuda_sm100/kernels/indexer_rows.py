@@ -1,4 +1,5 @@
-"""``indexer_topk``'s selection for many short rows (prefill): a whole row in one small program's
+"""``indexer_topk``'s selection for rows of up to :data:`ROW_MAX_COLUMNS` candidates (prefill's
+many short rows; long-context decode's rows of 16,384 and 32,768): a whole row in one program's
 registers, its ``k``-th largest score found by a bitwise search of counts.
 
 The radix select of :mod:`deepinfer_cuda_sm100.kernels.indexer` builds four 256-bin histograms
@@ -37,19 +38,30 @@ from .indexer import (
 )
 from .pdl import pdl_args, pdl_enter
 
-ROW_MAX_COLUMNS = 8192
+ROW_MAX_COLUMNS = 32768
 """Longest row (candidates) this selection takes: its program holds the row in registers."""
-WARPS_BY_COLUMNS = ((2048, 4), (4096, 8), (8192, 4))
+WARPS_BY_COLUMNS = ((2048, 4), (4096, 8), (8192, 4), (16384, 16), (32768, 32))
 """A row's program width by row length (``(longest power of two, warps)``), measured on an
 H100 with 1, 2, 4 and 8 warps at 8,192 x 2,048, 1,024 x 2,048, 4,096 x 4,096 and 1,024 x 8,192
 candidates (at 8,192 four warps spill a few registers and still beat eight, whose 181 registers
-a thread leave one program an SM); shorter rows take the first."""
+a thread leave one program an SM); shorter rows take the first.  The decode rows of long
+contexts (16,384 and 32,768 candidates, a program per row and about one row an SM) take 32
+scores a thread, the widths whose search loop compiles for sm_90 without spills (at 16,384
+candidates eight warps spill inside the row's other passes, sixteen less); not yet timed there
+(the shipped table's points that time this path have at most 8,192 candidates)."""
 
 
 def row_warps(columns: int) -> int:
     """Warps of a row's program (:data:`WARPS_BY_COLUMNS`)."""
     block = pow2(columns)
     return next((warps for limit, warps in WARPS_BY_COLUMNS if block <= limit), WARPS_BY_COLUMNS[-1][1])
+
+
+def candidate_warps(columns: int) -> tuple[int, ...]:
+    """The program widths worth timing for rows of ``columns`` candidates (``bench_attention.py
+    --tune`` sweeps them): up to eight warps for prefill rows, eight to 32 for longer rows,
+    whose narrower programs would hold hundreds of scores a thread."""
+    return (1, 2, 4, 8) if pow2(columns) <= 8192 else (8, 16, 32)
 
 
 def supports(columns: int) -> bool:
