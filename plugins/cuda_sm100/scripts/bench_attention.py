@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--indexer-shapes",
-        default="128x16384,128x262144,8192x2048",
+        default="128x16384,128x32768,128x262144,8192x2048",
         help="indexer T x C shapes (comma-separated); a trailing c (8192x2048c) makes a prefill "
         "shape causal: each token sees the entries its position closes",
     )
