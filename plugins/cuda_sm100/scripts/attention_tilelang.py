@@ -79,10 +79,10 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
 
 
 def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
-    """The seesaw kernel (default schedule) with one split and with the other kernel's split
-    plan, beside the split count its own plan
+    """The seesaw kernel (default schedule) at one split, two, four and the other kernel's
+    split plan (those up to that plan's count), beside the split count its own plan
     (:func:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.plan_splits`) takes: what
-    ``UNSPLIT_CTAS`` rests on.  Nothing where the two plans agree on one split."""
+    ``UNSPLIT_CTAS`` and the plan rest on.  Nothing where the other plan takes one split."""
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 
@@ -93,9 +93,9 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
         return []
     planned = tlw.plan_splits(tokens, heads, keys, sms, tla.fp8_geometry(args[1]) is not None)
     out = []
-    plans = (("one split", lambda *shape: 1, 1), ("the other kernel's plan", tla.plan_splits, other))
-    for label, plan, splits in plans:
-        t = ms(lambda plan=plan: tla.launch(*args, tlw._kernel, plan))
+    for splits in sorted({s for s in (1, 2, 4) if s < other} | {other}):
+        label = "the other kernel's plan" if splits == other else "forced"
+        t = ms(lambda splits=splits: tla.launch(*args, tlw._kernel, lambda *shape: splits))
         out.append({"seesaw_splits": splits, "planned": planned, "ms": t})
         print(f"    tune seesaw splits, {label} ({splits}): {t:.4f} ms (its plan: {planned})")
     return out

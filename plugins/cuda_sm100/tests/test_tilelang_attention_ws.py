@@ -194,19 +194,23 @@ def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_the_split_tuning_times_one_split_and_the_other_kernels_plan(monkeypatch, packed):
-    """``bench_attention.py --tune``'s seesaw split rows: one launch with one split, one with
-    the other kernel's two, each beside the count the kernel's own plan takes, and the plan's
-    constants left as they were."""
+@pytest.mark.parametrize(("tokens", "swept"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
+def test_the_split_tuning_times_split_counts_up_to_the_other_kernels_plan(monkeypatch, packed, tokens, swept):
+    """``bench_attention.py --tune``'s seesaw split rows: a launch at each of one, two and four
+    splits below the other kernel's plan (two at 64 tokens, five at 16), and one at that plan,
+    each beside the count the kernel's own plan takes, and the plan's constants left as they
+    were."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import attention_tilelang
 
-    call, launches, combines = _fake_call(monkeypatch, 64, packed)
+    call, launches, combines = _fake_call(monkeypatch, tokens, packed)
     kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
+    planned = tlw.plan_splits(tokens, 64, 640, 132, packed)
     rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
-    assert [r["seesaw_splits"] for r in rows] == [1, 2]
-    assert {r["planned"] for r in rows} == {2 if packed else 1}
-    assert [config[1] for config, _ in launches] == [False, True] and len(combines) == 1
+    assert [r["seesaw_splits"] for r in rows] == swept
+    assert {r["planned"] for r in rows} == {planned}
+    assert [config[1] for config, _ in launches] == [s > 1 for s in swept]
+    assert [args[0].shape[1] for args in combines] == swept[1:]  # the fp32 partials, a split each
     assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
 
 
