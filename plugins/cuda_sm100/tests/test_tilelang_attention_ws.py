@@ -94,6 +94,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert plain[0] == packed[0] == tlw.DEFAULT and len(set(packed)) == len(packed)
     assert {s.lazy_rescale for s in plain} == {False, True} == {s.lazy_rescale for s in packed}
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
+    assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -194,6 +195,52 @@ def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
 
 
 @pytest.mark.parametrize("packed", [False, True])
+def test_merged_splits_launch_one_kernel_into_the_output_and_no_combine(monkeypatch, packed):
+    """With :attr:`Schedule.merge_splits` a split call (16 tokens: five splits) launches the
+    merging kernel once, into the call's own output, and no combine; an unsplit call (256
+    tokens) launches the default schedule's kernel (one compiled kernel for both)."""
+    merging = tlw.Schedule(merge_splits=True)
+    call, launches, combines = _fake_call(monkeypatch, 16, packed)
+    got = tlw.sparse_attention(*call, schedule=merging)
+    ((config, args),) = launches
+    assert config[1] is True and config[-1] == merging and not combines
+    assert any(a is got for a in args) and got.shape == call[0].shape
+    call, launches, combines = _fake_call(monkeypatch, 256, packed)
+    tlw.sparse_attention(*call, schedule=merging)
+    assert [config[-1] for config, _ in launches] == [tlw.DEFAULT] and not combines
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("packed", [False, True])
+def test_merged_splits_count_arrivals_after_fences_and_merge_in_split_order(packed):
+    """Lowered for sm_90 (paged, split): each consumer fences its partials, waits for its
+    warpgroup on an mbarrier, counts its arrival in ``nvalid``'s fourth column by one
+    acquire-release atomic, and the last arrival fences again before reading the partials;
+    no block barrier is added (the producer has exited)."""
+    fp8 = _fp8_geometry() if packed else None
+    src = lowered_sm90(
+        tlw.build_attention_ws(
+            True, True, 64, 512, "bfloat16", fp8, schedule=tlw.Schedule(merge_splits=True)
+        ),
+        tlw.pass_configs(fp8),
+    )
+    base = lowered_sm90(tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8), tlw.pass_configs(fp8))
+    assert "AtomicAdd" not in base and "bar_done" not in base
+    atomics = re.findall(r"AtomicAddRet\(\(&\(nvalid\[(.*?)\]\)\), 1, (\d)\)", src)
+    assert len(atomics) == 2 and all(
+        index.endswith("+ (int64_t)3)") and order == "4" for index, order in atomics
+    )
+    assert src.count("__syncthreads") == base.count("__syncthreads") == 1
+    for g in (0, 1):
+        consumer = src[src.index(f"bar_done[{g}].arrive();") - 400 :]
+        fence, arrive = consumer.index("__threadfence();"), consumer.index(f"bar_done[{g}].arrive();")
+        atomic, last = consumer.index("AtomicAddRet"), consumer.index("__threadfence();", arrive)
+        assert fence < arrive < consumer.index(f"bar_done[{g}].wait(0);") < atomic < last
+        assert last < consumer.index("part + ", atomic)  # the partials are read after the fence
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("tokens", "swept"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
 def test_the_split_tuning_times_split_counts_up_to_the_other_kernels_plan(monkeypatch, packed, tokens, swept):
     """``bench_attention.py --tune``'s seesaw split rows: a launch at each of one, two and four
@@ -270,6 +317,26 @@ def test_gpu_it_replays_in_a_cuda_graph_bitwise():
     for args in _cases()[:3] + _cases("fp8")[:3]:
         eager = tlw.sparse_attention(*args)
         assert torch.equal(replayed(lambda args=args: tlw.sparse_attention(*args)), eager)
+
+
+@pytest.mark.gpu
+def test_gpu_merged_splits_replay_in_a_cuda_graph_bitwise():
+    """The merging variant's arrival counts start from the prologue's zeros at every replay:
+    one captured graph, replayed three times, gives the default schedule's eager bits each
+    time."""
+    _needs_gpu_and_tilelang()
+    merging = tlw.Schedule(merge_splits=True)
+    for args in _cases() + _cases("fp8"):
+        want = tlw.sparse_attention(*args)
+        tlw.sparse_attention(*args, schedule=merging)  # compiled and warm before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tlw.sparse_attention(*args, schedule=merging)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
 
 
 @pytest.mark.gpu

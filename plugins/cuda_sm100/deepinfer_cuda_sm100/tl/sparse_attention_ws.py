@@ -46,16 +46,19 @@ arrival.  Registers: producer 120, consumers 192 (two blocks of words in flight 
 thread, :attr:`Schedule.words_in_flight`).
 
 :class:`Schedule` variants (one block of words in flight, one multiply a value pair, a lazy
-rescale of the output, the output stored from registers) promise the default's bits;
+rescale of the output, the output stored from registers, split calls merged by their last CTA)
+promise the default's bits;
 ``bench_attention.py --tune`` times them, the op runs :data:`DEFAULT`.
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
-merges them.  Its own plan (:func:`plan_splits`) splits plain pools less: from
+merges them (with :attr:`Schedule.merge_splits`, the token's last CTA to arrive does, in the
+same launch).  Its own plan (:func:`plan_splits`) splits plain pools less: from
 :data:`UNSPLIT_CTAS` CTAs on, a call runs unsplit.
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -104,12 +107,20 @@ class Schedule:
             0.0968 at 256 decode tokens, 0.0505 against 0.0547 at 128, 1.0363 against 1.1856
             at an 8,192-token prefill chunk; split calls (64 tokens) write fp32 partials
             either way.
+        merge_splits: split calls: the last CTA half of a token to arrive merges the token's
+            partials itself, in split order with the combine kernel's arithmetic, and writes
+            the output (no combine launch; the output tensor is the call's, not a temporary).
+            Each consumer stores its partials, fences them and counts its arrival in the
+            prologue's fourth ``nvalid`` column, zero for the at most three sources this kernel
+            takes, with one acquire-release atomic; the one that sees every other arrival
+            (``splits x head blocks x 2``) fences again and merges every head block's halves.
     """
 
     words_in_flight: int = 2
     one_multiply: bool = False
     lazy_rescale: bool = False
     staged_store: bool = True
+    merge_splits: bool = False
 
 
 DEFAULT = Schedule()
@@ -315,7 +326,50 @@ def build_attention_ws(
                 out[t, hb * BH + h, c + v] = q_s[h, c + v]
 
     @T.macro
-    def consumer(g, seq, smem, frags, bars, io):
+    def merge(g, seq, frags, io, merging):
+        """:attr:`Schedule.merge_splits`: consumer ``g``'s arrival after storing its partials;
+        the token's last arrival merges them (as :func:`~deepinfer_cuda_sm100.tl.
+        sparse_attention.build_combine`, the same operations in the same order) into ``out``,
+        its fragments reused: ``m`` the maxima, ``l`` the reciprocal denominators, ``m_prev``
+        a split's weights, ``acc_o`` a half of a head block's output."""
+        t, s, hb, n_iter, lo, j_end = seq
+        sinks, scale2, out, part, ml = io
+        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
+        nvalid, bar_done, arrived = merging
+        T.call_extern("handle", "__threadfence")  # this thread's partials are visible GPU-wide
+        T.barrier_arrive(bar_done[g])
+        T.barrier_wait(bar_done[g], 0)  # ... and every one of its warpgroup's
+        if T.get_thread_binding() == g * 128:
+            arrived[g] = T.atomic_add(nvalid[t, 3], 1, memory_order="acq_rel", return_prev=True)
+        T.barrier_arrive(bar_done[g])
+        T.barrier_wait(bar_done[g], 1)
+        if arrived[g] == n_split * (H // BH) * 2 - 1:
+            T.call_extern("handle", "__threadfence")  # every split's partials are seen
+            for hb2 in T.serial(H // BH):
+                for h in T.Parallel(BH):
+                    m[h] = -1e30
+                for sp in T.serial(n_split):
+                    for h in T.Parallel(BH):
+                        m[h] = T.max(m[h], ml[t, sp, hb2 * BH + h, 0])
+                for h in T.Parallel(BH):
+                    l[h] = 0.0
+                for sp in T.serial(n_split):
+                    for h in T.Parallel(BH):
+                        l[h] = l[h] + ml[t, sp, hb2 * BH + h, 1] * T.exp2(ml[t, sp, hb2 * BH + h, 0] - m[h])
+                for h in T.Parallel(BH):
+                    l[h] = 1.0 / l[h]
+                for hf in T.serial(2):
+                    T.fill(acc_o, 0)
+                    for sp in T.serial(n_split):
+                        for h in T.Parallel(BH):
+                            m_prev[h] = T.exp2(ml[t, sp, hb2 * BH + h, 0] - m[h])
+                        for h, d in T.Parallel(BH, HALF):
+                            acc_o[h, d] = acc_o[h, d] + part[t, sp, hb2 * BH + h, hf * HALF + d] * m_prev[h]
+                    for h, d in T.Parallel(BH, HALF):
+                        out[t, hb2 * BH + h, hf * HALF + d] = acc_o[h, d] * l[h]
+
+    @T.macro
+    def consumer(g, seq, smem, frags, bars, io, merging):
         """Consumer ``g`` (its own thread range: TileLang lays its fragments over its 128 threads):
         slot ``g``'s blocks, output values ``g * HALF ..``."""
         t, s, hb, n_iter, lo, j_end = seq
@@ -347,6 +401,8 @@ def build_attention_ws(
                 for h in T.Parallel(BH):
                     ml[t, s, hb * BH + h, 0] = m[h]
                     ml[t, s, hb * BH + h, 1] = l[h]
+            if schedule.merge_splits:
+                merge(g, seq, frags, io, merging)
         else:
             for h in T.Parallel(BH):  # one reciprocal a row, not an IEEE division an output
                 l[h] = 1.0 / l[h]
@@ -507,6 +563,9 @@ def build_attention_ws(
             bar_stats = T.alloc_barrier(arrive_count=[128, 128])
             bar_p = T.alloc_barrier(arrive_count=[128, 128])
             bars = (bar_q, bar_ready, bar_free, bar_stats, bar_p)
+            merging = None
+            if split and schedule.merge_splits:  # each consumer's arrival, then its broadcast
+                merging = (nvalid, T.alloc_barrier(arrive_count=[128, 128]), T.alloc_shared((2,), "int32"))
 
             n0 = nvalid[t, 0]
             n01 = n0 + nvalid[t, 1]
@@ -536,9 +595,9 @@ def build_attention_ws(
                 else:
                     produce_fp8_two(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
             elif tx < 128:
-                consumer(0, seq, smem, frags[0], bars, io)
+                consumer(0, seq, smem, frags[0], bars, io, merging)
             else:
-                consumer(1, seq, smem, frags[1], bars, io)
+                consumer(1, seq, smem, frags[1], bars, io, merging)
 
     if fp8 is None:
 
@@ -683,15 +742,23 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
     kernel's: the Triton prologue, the pools' flat views, the combine; its own split plan,
     :func:`plan_splits`); ``schedule``: a variant of :class:`Schedule` (the op runs
     :data:`DEFAULT`)."""
-    compiled = _kernel if schedule == DEFAULT else functools.partial(_kernel, schedule=schedule)
+    compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
     plan = functools.partial(plan_splits, packed=sa.fp8_geometry(kv_pools) is not None)
-    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan)
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=schedule.merge_splits)
+
+
+def _scheduled(paged: bool, split: bool, *config, schedule: Schedule):
+    """:func:`_kernel` of a :class:`Schedule` variant; unsplit calls drop the split-only option
+    (:attr:`Schedule.merge_splits`), so they share one compiled kernel."""
+    if not split and schedule.merge_splits:
+        schedule = dataclasses.replace(schedule, merge_splits=False)
+    return _kernel(paged, split, *config, schedule)
 
 
 def variants(packed: bool) -> list[Schedule]:
     """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
     the default first: what ``bench_attention.py --tune`` times."""
-    out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False)]
+    out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
     if packed:
         out += [
             Schedule(words_in_flight=1),
