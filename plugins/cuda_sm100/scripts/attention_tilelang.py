@@ -79,10 +79,14 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
 
 
 def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
-    """The seesaw kernel (default schedule) at one split, two, four and the other kernel's
-    split plan (those up to that plan's count), beside the split count its own plan
+    """The seesaw kernel at one split, two, four and the other kernel's split plan (those up
+    to that plan's count), each split count with the combine kernel (the default schedule)
+    and merged by its last CTA (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.
+    merge_splits`), beside the split count its own plan
     (:func:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.plan_splits`) takes: what
     ``UNSPLIT_CTAS`` and the plan rest on.  Nothing where the other plan takes one split."""
+    import functools
+
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 
@@ -92,10 +96,18 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     if other == 1:
         return []
     planned = tlw.plan_splits(tokens, heads, keys, sms, tla.fp8_geometry(args[1]) is not None)
+    merging = functools.partial(tlw._scheduled, schedule=tlw.Schedule(merge_splits=True))
     out = []
     for splits in sorted({s for s in (1, 2, 4) if s < other} | {other}):
         label = "the other kernel's plan" if splits == other else "forced"
-        t = ms(lambda splits=splits: tla.launch(*args, tlw._kernel, lambda *shape: splits))
-        out.append({"seesaw_splits": splits, "planned": planned, "ms": t})
-        print(f"    tune seesaw splits, {label} ({splits}): {t:.4f} ms (its plan: {planned})")
+        for merged in (False, True) if splits > 1 else (False,):
+            kernel = merging if merged else tlw._kernel
+            t = ms(
+                lambda splits=splits, kernel=kernel, merged=merged: tla.launch(
+                    *args, kernel, lambda *shape: splits, merges=merged
+                )
+            )
+            out.append({"seesaw_splits": splits, "merged": merged, "planned": planned, "ms": t})
+            how = "merged in the kernel" if merged else "combined"
+            print(f"    tune seesaw splits, {label} ({splits}, {how}): {t:.4f} ms (its plan: {planned})")
     return out

@@ -241,12 +241,12 @@ def test_merged_splits_count_arrivals_after_fences_and_merge_in_split_order(pack
 
 
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize(("tokens", "swept"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
-def test_the_split_tuning_times_split_counts_up_to_the_other_kernels_plan(monkeypatch, packed, tokens, swept):
+@pytest.mark.parametrize(("tokens", "counts"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
+def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, packed, tokens, counts):
     """``bench_attention.py --tune``'s seesaw split rows: a launch at each of one, two and four
-    splits below the other kernel's plan (two at 64 tokens, five at 16), and one at that plan,
-    each beside the count the kernel's own plan takes, and the plan's constants left as they
-    were."""
+    splits below the other kernel's plan (two at 64 tokens, five at 16) and at that plan, each
+    split count with the combine and merged in the kernel, beside the count the kernel's own
+    plan takes; the plan's constants left as they were."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import attention_tilelang
 
@@ -254,10 +254,14 @@ def test_the_split_tuning_times_split_counts_up_to_the_other_kernels_plan(monkey
     kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
     planned = tlw.plan_splits(tokens, 64, 640, 132, packed)
     rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
-    assert [r["seesaw_splits"] for r in rows] == swept
+    want = [(s, merged) for s in counts for merged in ((False, True) if s > 1 else (False,))]
+    assert [(r["seesaw_splits"], r["merged"]) for r in rows] == want
     assert {r["planned"] for r in rows} == {planned}
-    assert [config[1] for config, _ in launches] == [s > 1 for s in swept]
-    assert [args[0].shape[1] for args in combines] == swept[1:]  # the fp32 partials, a split each
+    schedules = [config[7] if len(config) > 7 else tlw.DEFAULT for config, _ in launches]
+    assert [(config[1], s.merge_splits) for (config, _), s in zip(launches, schedules, strict=True)] == [
+        (s > 1, m) for s, m in want
+    ]
+    assert [args[0].shape[1] for args in combines] == [s for s, m in want if s > 1 and not m]
     assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
 
 
