@@ -22,7 +22,7 @@ and index lists once.
 ``128 x 262144`` (decode: each query its own paged entries) and ``8192 x 2048`` (prefill: one
 request's entries); the fused kernel (scores + selection) and its selection alone against
 ``torch.topk`` on the same scores (and, where the selection takes its threshold path, the
-one-program radix select too; on rows of at most 8,192 candidates, the row selection of
+one-program radix select too; on rows of at most 32,768 candidates, the row selection of
 ``kernels/indexer_rows.py``), and, with TileLang installed, the TileLang scores beside the
 Triton ones (``indexer_tilelang.py``: time, agreement, ``--tune`` their blocks per CTA).
 

@@ -46,7 +46,8 @@ def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
             row["radix_select_ms"] = timer.ms(
                 lambda s=scores, c=cand: ki.select_topk(s, INDEX_TOPK, c, segments=0)
             )
-        if kr.supports(c):  # short rows: the row selection beside the others
+        fits = kr.supports(c)  # rows that fit a program: the row selection beside the others
+        if fits:
             row["rows_select_ms"] = timer.ms(lambda s=scores, c=cand: kr.select_topk_rows(s, INDEX_TOPK, c))
         row["torch_topk_ms"] = timer.ms(lambda s=scores: torch.topk(s, INDEX_TOPK, dim=1, sorted=True))
         # the exact torch.topk path of the backend (64-bit keys: ties to the earlier column)
@@ -54,7 +55,7 @@ def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
         if a.check:
             exact = select_topk_torch(scores, k, cand)
             row["torch_exact_equals_radix"] = bool(torch.equal(exact, ki.select_topk(scores, k, cand)))
-            if kr.supports(c):
+            if fits:
                 rows_picks = kr.select_topk_rows(scores, k, cand)
                 row["torch_exact_equals_rows"] = bool(torch.equal(exact, rows_picks))
         row["roofline_ms"] = roofline_ms(inp["bytes"], inp["flops"], a.peak_bytes)
