@@ -84,7 +84,7 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     and merged by its last CTA (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.
     merge_splits`), beside the split count its own plan
     (:func:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.plan_splits`) takes: what
-    ``UNSPLIT_CTAS`` and the plan rest on.  Nothing where the other plan takes one split."""
+    ``SPLIT_CTAS``, ``FEW_KEYS`` and the plan rest on.  Nothing where the other plan takes one split."""
     import functools
 
     from deepinfer_cuda_sm100.tl import sparse_attention as tla

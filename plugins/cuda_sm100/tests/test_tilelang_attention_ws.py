@@ -149,16 +149,28 @@ def test_the_staged_store_writes_rows_in_16_byte_segments_behind_warpgroup_barri
         assert re.search(r"__sync_thread_partial\(\d+, 128\);\s*$", before)
 
 
-@pytest.mark.parametrize("tokens", [1, 16, 63, 64, 100, 131, 132, 500])
-@pytest.mark.parametrize("keys", [128, 640, 8192])
-def test_plain_pools_run_unsplit_from_64_ctas_on(tokens, keys):
-    """The seesaw kernel's plan: the other kernel's on packed pools and below
-    :data:`UNSPLIT_CTAS` CTAs, one split on plain pools from there on."""
+@pytest.mark.parametrize("tokens", [1, 8, 16, 32, 63, 64, 100, 128, 131, 132, 500])
+@pytest.mark.parametrize("keys", [128, 288, 383, 384, 640, 768, 8192])
+def test_the_plan_caps_the_ctas_and_splits_short_lists_less(tokens, keys):
+    """The seesaw kernel's plan: the other kernel's, capped at :data:`SPLIT_CTAS` CTAs (64 on
+    plain pools, 128 on packed ones; one split from there on); from 16 CTAs on, key lists
+    shorter than :data:`FEW_KEYS` run unsplit on plain pools and to 64 CTAs on packed ones.
+    At V4-Flash's 64 heads and 768 keys: the measured 4 / 2 / 1 splits (plain) and 6 / 4 / 2
+    (packed) at 16 / 32 / 64 tokens; at 288 keys 1 / 1 / 1 and 4 / 2 / 1."""
     for heads in (64, 128):  # one CTA a token and head block of 64
         other = tla.plan_splits(tokens, heads, keys, 132)
-        assert tlw.plan_splits(tokens, heads, keys, 132, packed=True) == other
         ctas = tokens * heads // 64
-        assert tlw.plan_splits(tokens, heads, keys, 132) == (1 if ctas >= tlw.UNSPLIT_CTAS else other)
+        few = keys < tlw.FEW_KEYS and ctas >= 16
+        for packed, cap in ((False, 64), (True, 128)):
+            got = tlw.plan_splits(tokens, heads, keys, 132, packed=packed)
+            if few:
+                cap = 0 if not packed else 64
+            assert got == max(1, min(other, cap // ctas)), (packed, heads)
+            assert got * ctas <= max(cap, ctas) and 1 <= got <= other
+    assert [tlw.plan_splits(t, 64, 768, 132) for t in (16, 32, 64)] == [4, 2, 1]
+    assert [tlw.plan_splits(t, 64, 768, 132, packed=True) for t in (16, 32, 64)] == [6, 4, 2]
+    assert [tlw.plan_splits(t, 64, 288, 132) for t in (16, 32, 64)] == [1, 1, 1]
+    assert [tlw.plan_splits(t, 64, 288, 132, packed=True) for t in (16, 32, 64)] == [4, 2, 1]
 
 
 def _fake_call(monkeypatch, tokens: int, packed: bool = False):
@@ -251,7 +263,7 @@ def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, pa
     import attention_tilelang
 
     call, launches, combines = _fake_call(monkeypatch, tokens, packed)
-    kept = tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS
+    kept = tla.MIN_SPLIT_BLOCKS, dict(tlw.SPLIT_CTAS), tlw.FEW_KEYS
     planned = tlw.plan_splits(tokens, 64, 640, 132, packed)
     rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
     want = [(s, merged) for s in counts for merged in ((False, True) if s > 1 else (False,))]
@@ -262,7 +274,7 @@ def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, pa
         (s > 1, m) for s, m in want
     ]
     assert [args[0].shape[1] for args in combines] == [s for s, m in want if s > 1 and not m]
-    assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.UNSPLIT_CTAS)
+    assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.SPLIT_CTAS, tlw.FEW_KEYS)
 
 
 @pytest.mark.parametrize("tokens", [1, 256])  # split-KV with the combine / direct

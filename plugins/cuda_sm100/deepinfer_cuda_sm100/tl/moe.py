@@ -196,18 +196,42 @@ variant's 403 and 641.  Built with ``nvcc 13 -arch=sm_90a``, no configuration sp
 24-register producer does at ``BLOCK_M`` 64: 40 there).  At ``BLOCK_M`` 16 the four CTAs an SM
 leave ptxas 64 registers a thread at launch, and it serialises the consumer's wgmma
 instructions (C7512, "insufficient register resources": a wait after each of a step's 16),
-as it does the wide variant's at 16 rows; three CTAs an SM (:func:`split_for`: 80 at launch)
-do not.  ``bench_moe.py --ctas-per-sm 16=3`` times that split against this one."""
+as it does the wide variant's at 16 rows; three CTAs an SM (:func:`split_for`: 80 at launch,
+:data:`SPLIT_REGS`'s 32-row split) do not.  ``bench_moe.py --ctas-per-sm 16=3`` times that
+split against this one."""
+
+
+def launch_registers(ctas: int, threads: int = 256) -> int:
+    """Registers a thread that ``ctas`` CTAs of ``threads`` threads an SM get at launch: the
+    65,536 of the register file shared out, rounded down to the 8 a thread they are allotted in
+    (at most 255, rounded likewise)."""
+    return min(65536 // (threads * ctas), 255) // 8 * 8
 
 
 def split_for(ctas: int, producer: int = 24) -> tuple[int, int, int]:
     """The one-warpgroup kernels' register split for ``ctas`` CTAs an SM: ``(ctas, producer,
-    consumer)`` with the consumers' registers the most (a multiple of 8) that ``ctas`` CTAs of a
-    128-thread producer and a 128-thread consumer warpgroup leave (``setmaxnreg``)."""
-    consumer = (65536 // (128 * ctas) - producer) // 8 * 8
+    consumer)``.  ``setmaxnreg`` moves registers within the CTA's own pool (``CTAPOOL`` in the
+    SASS): the consumer warpgroup's increase waits until the producer's decrease has returned
+    them, so the consumer gets at most the launch allotment (:func:`launch_registers`) twice
+    over less the producer's, a multiple of 8 (at most 256); asking for more waits forever."""
+    consumer = min(2 * launch_registers(ctas) - producer, 256) // 8 * 8
     if ctas < 1 or producer < 24 or producer % 8 or consumer < producer:
         raise ValueError(f"no register split of {ctas} CTAs an SM with a {producer}-register producer")
     return ctas, producer, consumer
+
+
+def check_split(split: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``split`` (``(CTAs an SM, producer, consumer)``) if the consumer's ``setmaxnreg``
+    increase can be met from its CTA's pool (:func:`split_for`); otherwise a ``ValueError``
+    naming it, since the kernel would hang at its first increase."""
+    ctas, producer, consumer = split
+    if producer + consumer > 2 * launch_registers(ctas) or consumer % 8 or producer % 8:
+        raise ValueError(
+            f"register split {split} asks for {producer} + {consumer} registers a thread, more than "
+            f"the {2 * launch_registers(ctas)} two warpgroups of a CTA get at {ctas} CTAs an SM "
+            "(or not multiples of 8): the consumers would wait forever; use tl.moe.split_for"
+        )
+    return split
 
 
 PREFILL_BLOCK_M = 128
@@ -484,7 +508,7 @@ def _register_split(block_m: int, consumers: int, split_registers: bool | tuple 
     if consumers != 1:
         cta_min, nreg_prod, nreg_cons = _wide_setup(block_m)
     elif isinstance(split_registers, tuple):
-        cta_min, nreg_prod, nreg_cons = split_registers
+        cta_min, nreg_prod, nreg_cons = check_split(split_registers)
     else:
         cta_min, nreg_prod, nreg_cons = SPLIT_REGS.get(block_m, (1, 0, 0)) if split_registers else (1, 0, 0)
     split = nreg_cons > 0
@@ -893,6 +917,8 @@ def moe_experts(
         raise ValueError(problem)
     if isinstance(split_registers, tuple) and consumers != 1:
         raise ValueError("a register split of its own is for the one-warpgroup kernels (consumers=1)")
+    if isinstance(split_registers, tuple):
+        check_split(split_registers)  # before any launch: an impossible split would hang
     split_registers = split_registers or consumers != 1  # (the wide variant always splits)
     gathered = gathers_rows(t, consumers) if gathered is None else gathered
     plan = launch_plan(t, top_k, experts, d, inter, consumers, block_m)

@@ -53,8 +53,8 @@ promise the default's bits;
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
 merges them (with :attr:`Schedule.merge_splits`, the token's last CTA to arrive does, in the
-same launch).  Its own plan (:func:`plan_splits`) splits plain pools less: from
-:data:`UNSPLIT_CTAS` CTAs on, a call runs unsplit.
+same launch).  Its own plan (:func:`plan_splits`) splits less: to at most :data:`SPLIT_CTAS`
+CTAs, and short key lists less still (:data:`FEW_KEYS`).
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
@@ -114,6 +114,12 @@ class Schedule:
             prologue's fourth ``nvalid`` column, zero for the at most three sources this kernel
             takes, with one acquire-release atomic; the one that sees every other arrival
             (``splits x head blocks x 2``) fences again and merges every head block's halves.
+            Measured on an H100 (``bench_attention.py --tune``, CSA / HCA, 16 / 32 / 64
+            decode tokens, 4k and 64k contexts, plain and FP8 pools): slower at every point
+            and split count, by 0.008-0.015 ms (0.0382 against 0.0263 ms combined at two
+            splits, HCA FP8, 16 tokens, 64k; 0.0485 against 0.0400, CSA FP8, 64 tokens): one
+            CTA half reads all of a token's partials (128 KB a split) after its own work,
+            where the combine kernel spreads them over the whole GPU.
     """
 
     words_in_flight: int = 2
@@ -720,21 +726,41 @@ def supports(q, kv_pools) -> bool | str:
     return True if geometry is None else fp8_supports(geometry, q.shape[2])
 
 
-UNSPLIT_CTAS = 64
-"""Plain pools: from this many CTAs (tokens x head blocks) a call runs unsplit.  Measured on an
-H100 at 64 decode tokens (CSA 4k / HCA 64k): 0.0344 / 0.0351 ms unsplit against 0.0397 /
-0.0390 with two splits, whose fp32 partials and combine add ~65 % to the bytes the keys take;
-packed FP8 pools keep splitting there (0.0438 unsplit against 0.0396: one CTA's producer
-dequantises too slowly for an SM's share of the bandwidth)."""
+SPLIT_CTAS = {False: 64, True: 128}
+"""At most this many CTAs (tokens x head blocks x splits) a call launches split, on plain pools
+(``False``) and packed FP8 pools (``True``); a call of that many CTAs or more runs unsplit.
+Each split adds a token's fp32 partials (128 KB at 64 heads) to the bytes its keys take, so a
+plain pool splits only until about half the SMs are busy; a packed pool's producer dequantises
+too slowly for one CTA to take an SM's share of the bandwidth, so it splits to a full wave.
+Measured on an H100 (``bench_attention.py --tune``, CSA and HCA at 640 valid of 768 keys, 16 /
+32 / 64 decode tokens): plain pools fastest at 4 / 2 / 1 splits (CSA 0.0218 / 0.0261 / 0.0344
+ms, against 0.0221 / 0.0300 at 6 / 4 splits and 0.0400 at 2), packed ones at 6 / 4 / 2
+(0.0229 / 0.0293 / 0.0395; one split at 64: 0.0439)."""
+
+FEW_KEYS = 384
+"""Calls whose widest key list is shorter (``max_keys``) split less from :data:`FEW_KEYS_CTAS`
+CTAs on: plain pools not at all, packed ones to :data:`SPLIT_CTAS` ``[False]``.  Measured on an
+H100 (HCA at a 4k context, 160 valid of 288 keys, 16 / 32 / 64 tokens): plain pools fastest
+unsplit (0.0150 / 0.0161 / 0.0184 ms, against 0.0195 / 0.0198 / 0.0258 at the other kernel's
+5 / 3 / 2 splits), packed ones at 4 / 1 / 1 (0.0166 / 0.0185 / 0.0195, against 0.0182 / 0.0200
+/ 0.0249 at 5 / 3 / 2; two splits at 32 tokens: 0.0195)."""
+
+FEW_KEYS_CTAS = 16
+"""The fewest CTAs at which :data:`FEW_KEYS` applies (measured from 16 tokens on; below, a
+token's few keys spread over more CTAs are unmeasured, and the other kernel's plan stands)."""
 
 
 def plan_splits(tokens: int, heads: int, max_keys: int, sms: int, packed: bool = False) -> int:
     """Splits per (token, head block): the other kernel's plan
-    (:func:`deepinfer_cuda_sm100.tl.sparse_attention.plan_splits`), except one on plain pools
-    from :data:`UNSPLIT_CTAS` CTAs on.  Static shapes only."""
-    if not packed and tokens * (heads // BH) >= UNSPLIT_CTAS:
+    (:func:`deepinfer_cuda_sm100.tl.sparse_attention.plan_splits`) capped at
+    :data:`SPLIT_CTAS` CTAs, and less for short key lists (:data:`FEW_KEYS`).  Static shapes
+    only."""
+    ctas = tokens * (heads // BH)
+    other = sa.plan_splits(tokens, heads, max_keys, sms)
+    few = max_keys < FEW_KEYS and ctas >= FEW_KEYS_CTAS
+    if few and not packed:
         return 1
-    return sa.plan_splits(tokens, heads, max_keys, sms)
+    return max(1, min(other, SPLIT_CTAS[packed and not few] // ctas))
 
 
 def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DEFAULT) -> torch.Tensor:
