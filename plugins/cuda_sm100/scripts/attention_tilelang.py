@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from kernel_times import kernel_split
 
 KERNELS = (("tilelang", "sparse_attention"), ("tilelang_ws", "sparse_attention_ws"))
 """``(row prefix, module of deepinfer_cuda_sm100.tl)`` of each TileLang attention kernel."""
@@ -57,7 +58,10 @@ def errors(row: dict) -> str:
 def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
     """The seesaw kernel's :class:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule`
     variants that apply to the call's pools, each timed and compared bit for bit with the
-    default schedule's output (every variant promises the same bits)."""
+    default schedule's output (every variant promises the same bits), the split counts
+    (:func:`tune_seesaw_splits`), and the op's device time by kernel (prologue, attention,
+    combine; plain launches, so under PDL a kernel's time includes its wait for the one
+    before)."""
     import dataclasses
 
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
@@ -75,7 +79,11 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
         out.append(entry)
         t = entry.get("ms", float("nan"))
         print(f"    tune seesaw {schedule}: {t:.4f} ms, bitwise {entry.get('bitwise')}")
-    return out + tune_seesaw_splits(args, ms)
+    out += tune_seesaw_splits(args, ms)
+    split = kernel_split(lambda: tlw.sparse_attention(*args))
+    out.append({"seesaw_kernels_us": split})
+    print("    seesaw by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
+    return out
 
 
 def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:

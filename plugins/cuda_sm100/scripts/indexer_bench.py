@@ -6,11 +6,11 @@ tiles, the threshold path's segments and the row selection's width swept."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
 import indexer_tilelang
 import torch
 from attention_inputs import INDEX_TOPK, indexer_inputs, roofline_ms
+from kernel_times import kernel_split
 
 
 def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
@@ -107,21 +107,6 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
     out.append({"select_kernels_us": split})
     print("    select by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
     return out
-
-
-def kernel_split(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
-    """Device microseconds per call of each kernel ``fn`` launches (``torch.profiler`` over
-    ``calls`` plain launches, L2 warm), slowest first."""
-    from profile_step import breakdown
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return dict(breakdown(prof, calls, device=True)[1])
 
 
 def _select_path(r: dict) -> str:
