@@ -69,7 +69,8 @@ def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
 
 def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
     """``--tune`` of one indexer row: the Triton tiles, the row selection's warps, the threshold
-    path's segments, and the selection's time by kernel."""
+    path's segments and its sorting programs' widths (each checked bit for bit against the
+    default), and the selection's time by kernel."""
     from deepinfer_cuda_sm100.kernels import indexer as ki
     from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
@@ -103,6 +104,13 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
         out.append({"select_segments": segments, "select_ms": ms})
         print(f"    tune threshold x{segments}: select {ms:.4f} ms")
         segments *= 2
+    want = ki.select_topk(scores, k, cand)
+    for widths in ((4, 8), (8, 8), (16, 16), (32, 32), (16, 32), (32, 16)):  # the sorting programs
+        same = bool(torch.equal(ki.select_topk(scores, k, cand, sort_warps=widths), want))
+        ms = timer.ms(lambda w=widths: ki.select_topk(scores, k, cand, sort_warps=w))
+        out.append({"select_sort_warps": list(widths), "select_ms": ms, "bitwise": same})
+        how = f"{widths[0]} / {widths[1]} warps"
+        print(f"    tune threshold sorts at {how}: select {ms:.4f} ms, bitwise {same}")
     split = kernel_split(lambda: ki.select_topk(scores, k, cand))
     out.append({"select_kernels_us": split})
     print("    select by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))

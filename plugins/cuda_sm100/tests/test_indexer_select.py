@@ -144,16 +144,21 @@ def split_problems() -> list[str]:
             q, w, keys, cand = _op_inputs(s, masked)
             scores = s.masked_fill(masked, float("-inf"))
             # the threshold path with each filter (per-hit atomics: ratio 1; block-counted:
-            # ratio 10**9), with the default capacity and a capacity of k; the radix select
-            runs = [(segments, cap, r) for cap in (None, k) for r in (1, 10**9)] + [(0, None, ratio)]
+            # ratio 10**9), with the default capacity and a capacity of k, and with the sorting
+            # programs at other widths; the radix select
+            runs = [(segments, cap, r, None) for cap in (None, k) for r in (1, 10**9)]
+            runs += [(segments, None, 10**9, (16, 32)), (0, None, ratio, None)]
             for bi in (False, True):
                 with batch_invariant_mode(bi):
                     want = reference(q, w, keys, cand, k, 1.0)
-                for seg, cap, r in runs:
+                for seg, cap, r, widths in runs:
                     ki.FILTER_PER_HIT_RATIO = r
-                    got = ki.select_topk(scores, k, cand, column_order=bi, segments=seg, capacity=cap)
+                    got = ki.select_topk(
+                        scores, k, cand, column_order=bi, segments=seg, capacity=cap, sort_warps=widths
+                    )
                     if not torch.equal(got, want):
-                        problems.append(f"{name} segments={seg} capacity={cap} ratio={r} order={bi}: differs")
+                        where = f"segments={seg} capacity={cap} ratio={r} widths={widths} order={bi}"
+                        problems.append(f"{name} {where}: differs")
     finally:
         ki.FILTER_PER_HIT_RATIO = ratio
     return problems
@@ -309,14 +314,14 @@ _SELECT_KERNELS = (
 )
 
 
-def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch) -> list[tuple]:
-    """``(kernel, args, kwargs)`` of every launch :func:`select_topk` makes for ``call`` (CPU
-    tensors; no kernel runs)."""
+def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch, **kw) -> list[tuple]:
+    """``(kernel, args, kwargs)`` of every launch :func:`select_topk` makes for ``call`` (and
+    its keywords ``kw``; CPU tensors; no kernel runs)."""
     from cuda_sm100_checks import record_launches
     from deepinfer_cuda_sm100.kernels import indexer as ki
 
     launches = record_launches(monkeypatch, ki, _SELECT_KERNELS)
-    ki.select_topk(*call, column_order=column_order)
+    ki.select_topk(*call, column_order=column_order, **kw)
     monkeypatch.undo()
     return launches
 
@@ -325,9 +330,10 @@ def _recorded_select_launches(call: tuple, column_order: bool, monkeypatch) -> l
 @pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
 @pytest.mark.parametrize("arch", [90, 100])
 def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
-    """Decode at long contexts (the threshold path, its radix fallback included, both orders)
-    and prefill rows (the radix select): every kernel compiles for ``sm_<arch>`` and fits in
-    a block's shared memory."""
+    """Decode at long contexts (the threshold path, its radix fallback included, both orders;
+    its sorting programs also at the widest widths the tuning times) and prefill rows (the
+    radix select): every kernel compiles for ``sm_<arch>`` and fits in a block's shared
+    memory."""
     t, c, k = 128, 262144, 512
     scores = torch.empty(t, c)
     epp = 64
@@ -340,8 +346,9 @@ def test_select_kernels_compile_for_the_gpu(arch, monkeypatch):
         ((torch.empty(64, 2048), k, None), False),
     ]
     problems, seen = [], set()
-    for call, column_order in calls:
-        for fn, args, kwargs in _recorded_select_launches(call, column_order, monkeypatch):
+    wide = {"sort_warps": (32, 32)}
+    for call, column_order, kw in [(*c, {}) for c in calls] + [(calls[2][0], False, wide)]:
+        for fn, args, kwargs in _recorded_select_launches(call, column_order, monkeypatch, **kw):
             key = (fn.fn.__name__, tuple(sorted(kwargs.items())))
             if key in seen:  # the same kernel, the same specialisation
                 continue
@@ -437,6 +444,8 @@ def test_gpu_threshold_path_equals_the_exact_torch_path(shape):
         for segments in (None, 1, 7):
             got = ki.select_topk(s, k, cand, segments=segments)
             assert torch.equal(got, want), (shape, k, segments)
+            for widths in ((16, 16), (32, 32)):  # the sorting programs' widths the tuning times
+                assert torch.equal(ki.select_topk(s, k, cand, segments=segments, sort_warps=widths), want)
             got = ki.select_topk(s, k, cand, segments=segments, column_order=True)
             assert torch.equal(got, want_cols), (shape, k, segments, "column order")
         assert torch.equal(replayed(lambda k=k: ki.select_topk(s, k, cand)), want)

@@ -643,6 +643,15 @@ FILTER_PROGRAMS_PER_SM = 8
 per row ``~ FILTER_PROGRAMS_PER_SM * SMs / T``).  Measured on an H200, like
 :data:`FILTER_MIN_COLUMNS`."""
 
+SORT_WARPS = (4, 8)
+"""Program widths ``(threshold, finish)`` of the threshold path's two sorting kernels (one
+program a row each: a sort of the ``G = 2 kk`` group maxima, and of the hits).  Each sort is
+a chain of dependent compare-exchange steps in one program an SM, so wider programs shorten
+it: compiled for sm_90 at k = 512, a thread of the threshold kernel runs 4,168 / 2,368 /
+1,408 / 936 instructions at 4 / 8 / 16 / 32 warps, one of the finish kernel 19,296 / 11,288 /
+6,672 / 4,600 (static counts, both of its sorts).  Any widths give the same picks;
+``bench_attention.py --only indexer --tune`` times them (``sort_warps`` of
+:func:`select_topk`)."""
 
 FILTER_PER_HIT_RATIO = 128
 """Rows of at least this many candidates per pick (hits are sparse: about ``1.2 kk`` in ``C``)
@@ -688,6 +697,7 @@ def select_topk(
     config: IndexerConfig | None = None,
     segments: int | None = None,
     capacity: int | None = None,
+    sort_warps: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Top-``k`` of each row of ``scores`` ``[T, C]`` fp32 (ties to the earlier column).
 
@@ -708,7 +718,8 @@ def select_topk(
       among them (ties and ``-inf`` included: keys are unique).  The keys at or above it
       (about ``1.2 kk`` on random scores) are collected and sorted; a row where more than
       ``capacity`` (default ``CAP`` of :func:`filter_groups`) pass takes the radix select.
-      Four launches: group maxima, threshold, filter, sort.
+      Four launches: group maxima, threshold, filter, sort; ``sort_warps``: the widths of
+      the threshold and sort programs (default :data:`SORT_WARPS`; the same picks at any).
     """
     scores, kk, out = selection_buffers(scores, k)
     t, c = scores.shape
@@ -741,7 +752,8 @@ def select_topk(
     _group_max_kernel[(t, nseg)](
         scores, ss, c, seg, part, nseg, G=g, INTERP=INTERPRETED, num_warps=4, **pdl_args()
     )
-    _threshold_kernel[(t,)](part, nseg, kk, thr, hits, G=g, num_warps=4, **pdl_args())
+    threshold_warps, finish_warps = sort_warps or SORT_WARPS
+    _threshold_kernel[(t,)](part, nseg, kk, thr, hits, G=g, num_warps=threshold_warps, **pdl_args())
     per_hit = c >= FILTER_PER_HIT_RATIO * kk
     _filter_kernel[(t, nseg)](
         scores,
@@ -762,7 +774,7 @@ def select_topk(
     _finish_kernel[(t,)](scores, ss, c, kk, hits, buf, out, out.stride(0), tmp, *args,
                          KIND=kind, COLUMN_ORDER=column_order, CAP=cap, SMALL=small,
                          BLOCK=cfg.sel_block, BLOCK_K=block_k,
-                         INTERP=INTERPRETED, num_warps=8, **pdl_args())  # fmt: skip
+                         INTERP=INTERPRETED, num_warps=finish_warps, **pdl_args())  # fmt: skip
     return out
 
 
