@@ -5,13 +5,23 @@ kernels compiled (not in Triton's CPU interpreter).  Where that is missing they 
 with the reason; ``bash scripts/test_gpu.sh`` runs exactly them (docs/testing.md).  Tests marked
 ``npu`` need an Ascend NPU that the ``ascend950`` backend runs on (the real ``torch_npu``);
 elsewhere they are skipped with the reason; ``bash scripts/test_npu.sh`` runs exactly them.
+
+With ``DEEPINFER_TEST_TIMEOUT_S`` set (``scripts/test_gpu.sh`` sets it), a test still running
+after that many seconds dumps every thread's stack and ends its process: a hung kernel then
+costs one test (under xdist the worker is replaced and the test reported as crashed), not the
+whole run.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 
 import pytest
+
+TIMEOUT_ENV = "DEEPINFER_TEST_TIMEOUT_S"
+"""Seconds a test may run before its process is ended with a stack dump (unset: no limit)."""
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -53,3 +63,50 @@ def _skip_marked(items: list[pytest.Item], marker: str, unavailable) -> None:
     skip = pytest.mark.skip(reason=f"{marker} test: {reason}")
     for item in marked:
         item.add_marker(skip)
+
+
+def _test_timeout() -> float | None:
+    """:data:`TIMEOUT_ENV` in seconds, ``None`` where unset; a ``UsageError`` naming it where it
+    is not a positive number."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise pytest.UsageError(f"{TIMEOUT_ENV}={value!r}: give a number of seconds above 0, or unset it")
+    return seconds
+
+
+_STDERR: list = []
+
+
+def _uncaptured_stderr(config: pytest.Config):
+    """The process's stderr as it was before pytest captured it (the dump must survive the
+    process's end, which a capture file does not); ``sys.stderr`` where nothing captures it."""
+    if not _STDERR:
+        capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
+        saved = getattr(getattr(capture, "err", None), "targetfd_save", None)
+        _STDERR.append(os.fdopen(os.dup(saved), "w") if isinstance(saved, int) else sys.stderr)
+    return _STDERR[0]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Check :data:`TIMEOUT_ENV` before any test runs."""
+    _test_timeout()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Run the test under the :data:`TIMEOUT_ENV` watchdog, where that is set: past the limit,
+    every thread's stack goes to stderr and the process ends (exit status 1)."""
+    seconds = _test_timeout()
+    if seconds is None:
+        return (yield)
+    faulthandler.dump_traceback_later(seconds, exit=True, file=_uncaptured_stderr(item.config))
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()

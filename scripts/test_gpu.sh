@@ -26,4 +26,6 @@ fi
 if "$PYTHON" -c 'import sys; from deepinfer_cuda_sm100.tl import tilelang_problem as p; sys.exit(p() is not None)' 2>/dev/null; then
     "$PYTHON" -m deepinfer_cuda_sm100.tl.precompile --jobs "$WORKERS"
 fi
+# a test still running after this many seconds dumps its stacks and ends its worker (conftest.py)
+export DEEPINFER_TEST_TIMEOUT_S="${DEEPINFER_TEST_TIMEOUT_S:-300}"
 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu -n "$WORKERS" "$@"
