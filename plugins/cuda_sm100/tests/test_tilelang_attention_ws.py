@@ -4,6 +4,7 @@ imports), and on a GPU its result against the reference op and under CUDA-graph 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -95,6 +96,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.lazy_rescale for s in plain} == {False, True} == {s.lazy_rescale for s in packed}
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
+    assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -220,6 +222,53 @@ def test_merged_splits_launch_one_kernel_into_the_output_and_no_combine(monkeypa
     call, launches, combines = _fake_call(monkeypatch, 256, packed)
     tlw.sparse_attention(*call, schedule=merging)
     assert [config[-1] for config, _ in launches] == [tlw.DEFAULT] and not combines
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_pair_cluster_runs_at_two_splits_into_the_output_and_as_the_default_elsewhere(monkeypatch, packed):
+    """With :attr:`Schedule.pair_cluster` a call the plan splits in two (32 tokens on plain pools,
+    64 on packed ones) launches the cluster kernel once, into the call's own output, and no
+    combine; a call of another split count (16 tokens: four or six splits) runs the default
+    schedule with its combine."""
+    pairing = tlw.Schedule(pair_cluster=True)
+    tokens = 64 if packed else 32
+    call, launches, combines = _fake_call(monkeypatch, tokens, packed)
+    assert tlw.plan_splits(tokens, 64, 640, 132, packed) == 2
+    got = tlw.sparse_attention(*call, schedule=pairing)
+    ((config, args),) = launches
+    assert config[1] is True and config[-1] == pairing and not combines
+    assert any(a is got for a in args) and got.shape == call[0].shape
+    call, launches, combines = _fake_call(monkeypatch, 16, packed)
+    assert tlw.plan_splits(16, 64, 640, 132, packed) > 2
+    tlw.sparse_attention(*call, schedule=pairing)
+    ((config, _),) = launches
+    assert len(config) == 7 and config[1] is True and len(combines) == 1  # _kernel's own, no schedule
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_pair_cluster_merges_through_distributed_shared_memory(packed):
+    """Lowered for sm_90 (paged, split): the cluster kernel writes no partials to global memory;
+    each consumer meets both cluster barriers, the sender copying its half and its rows'
+    stats into the peer between them, the owner merging after the second (over the split
+    count, from zeroed values, as the combine kernel does); the default split kernel has no
+    cluster barrier."""
+    fp8 = _fp8_geometry() if packed else None
+    build = functools.partial(tlw.build_attention_ws, True, True, 64, 512, "bfloat16", fp8)
+    src = lowered_sm90(build(schedule=tlw.Schedule(pair_cluster=True)), tlw.pass_configs(fp8))
+    base = lowered_sm90(build(), tlw.pass_configs(fp8))
+    partials = re.compile(r"\(part \+|\bml\[")  # the fp32 partials' and the stats' global writes
+    assert "tl::cluster_sync();" not in base and partials.search(base)
+    assert not partials.search(src)
+    barriers = [m.start() for m in re.finditer(r"tl::cluster_sync\(\);", src)]
+    assert len(barriers) == 4  # two a consumer: consumer 0's, then consumer 1's
+    for g in (0, 1):
+        first, second = barriers[2 * g], barriers[2 * g + 1]
+        copies = re.findall(r"deepinfer_copy_to_peer\([^;]*, (\d)\);", src[first:second])
+        assert copies == [str(g)] * 3  # the stats' two rows and the half, into CTA g
+        merge = src[second : barriers[2] if g == 0 else len(src)]
+        assert merge.count("< S;") == 3 and "deepinfer_load_bits" in merge
 
 
 @pytest.mark.slow
@@ -348,6 +397,29 @@ def test_gpu_merged_splits_replay_in_a_cuda_graph_bitwise():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = tlw.sparse_attention(*args, schedule=merging)
+        for _ in range(3):
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_gpu_a_pair_cluster_gives_the_combined_bits_and_replays_in_a_graph():
+    """At two splits the cluster kernel's output is, bit for bit, the split kernel's with the
+    combine kernel's merge (plain and packed pools, paged and explicit), eagerly and replayed
+    from one captured CUDA graph three times."""
+    import functools
+
+    _needs_gpu_and_tilelang()
+    pairing = functools.partial(tlw._scheduled, schedule=tlw.Schedule(pair_cluster=True))
+    two = lambda *shape: 2  # noqa: E731
+    for args in _cases() + _cases("fp8"):
+        want = tla.launch(*args, tlw._kernel, two)
+        assert torch.equal(tla.launch(*args, pairing, two, merges=True), want)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = tla.launch(*args, pairing, two, merges=True)
         for _ in range(3):
             out.zero_()
             graph.replay()

@@ -71,6 +71,7 @@ from .pdl import prologue
 from .sparse_attention import BH, LOG2E
 from .target import cuda_target
 
+PAIR_BARRIER = 12  # :attr:`Schedule.pair_cluster`: named barriers 12, 13 (consumer 0, 1)
 BNW = 32  # keys a block
 SLOTS = 4  # ring slots: two iterations of the two consumers
 THREADS = 384
@@ -120,6 +121,15 @@ class Schedule:
             splits, HCA FP8, 16 tokens, 64k; 0.0485 against 0.0400, CSA FP8, 64 tokens): one
             CTA half reads all of a token's partials (128 KB a split) after its own work,
             where the combine kernel spreads them over the whole GPU.
+        pair_cluster: calls the plan splits in two: a token's two split CTAs (of a head block)
+            form a thread-block cluster and merge through distributed shared memory, no
+            partials in global memory and no combine launch.  After a cluster barrier (both
+            CTAs past their keys), consumer ``g`` of split ``s != g`` stages its unnormalised
+            half (fp32 bits as bf16 pairs) and its rows' maxima and sums in its CTA's free
+            shared memory and copies them into CTA ``g``'s; after a second barrier consumer
+            ``g`` of split ``g`` merges the two halves as the combine kernel does (the same
+            operations in split order) and writes its half of the output.  Calls of any other
+            split count run as the default.
     """
 
     words_in_flight: int = 2
@@ -127,6 +137,7 @@ class Schedule:
     lazy_rescale: bool = False
     staged_store: bool = True
     merge_splits: bool = False
+    pair_cluster: bool = False
 
 
 DEFAULT = Schedule()
@@ -192,6 +203,44 @@ __device__ __forceinline__ void deepinfer_e4m3x8_store_fused(void* dst, long lon
 }
 """
 """The device function of :attr:`Schedule.one_multiply` (after :data:`FP8_DEVICE_CODE`)."""
+
+PAIR_DEVICE_CODE = r"""
+__device__ __forceinline__ void deepinfer_store_bits(const void* base, int offset, float value) {
+  // a float's bits into shared memory, offset bytes past base
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(base) + offset;
+  asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(__float_as_uint(value)) : "memory");
+}
+
+__device__ __forceinline__ float deepinfer_load_bits(const void* base, int offset) {
+  // deepinfer_store_bits's float back
+  const unsigned addr = (unsigned)__cvta_generic_to_shared(base) + offset;
+  unsigned bits;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bits) : "r"(addr) : "memory");
+  return __uint_as_float(bits);
+}
+
+__device__ __forceinline__ void deepinfer_warpgroup_sync(int id) {
+  // the calling warpgroup's 128 threads at named barrier id
+  asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory");
+}
+
+__device__ __forceinline__ void deepinfer_copy_to_peer(const void* src, int bytes, int thread, int threads,
+                                                       int rank) {
+  // bytes (a multiple of 16) of this CTA's shared memory from src into the same addresses plus
+  // bytes of cluster CTA rank's, 16 bytes a store, the threads' stores interleaved
+  const unsigned from = (unsigned)__cvta_generic_to_shared(src);
+  for (int i = thread * 16; i < bytes; i += threads * 16) {
+    unsigned a, b, c, d, remote;
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(from + i));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
+    asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :: "r"(remote), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+  }
+}
+"""
+"""The device function of :attr:`Schedule.pair_cluster`: a CTA's shared bytes copied into the same
+place a range further on in its cluster peer's (distributed shared memory)."""
 
 
 def build_attention_ws(
@@ -374,6 +423,90 @@ def build_attention_ws(
                     for h, d in T.Parallel(BH, HALF):
                         out[t, hb2 * BH + h, hf * HALF + d] = acc_o[h, d] * l[h]
 
+    def staged_at(first, h, d):
+        """Byte offset in the ring of value ``(h, d)`` of a consumer's half staged from slot
+        ``first`` on: rows of ``HALF`` floats, each row's 16-byte units permuted by its low three
+        bits (the eight rows a warp's store reaches fall in different banks)."""
+        return first * BNW * D * 2 + h * HALF * 4 + T.bitwise_xor(d * 4, T.shift_left(h % 8, 4))
+
+    @T.macro
+    def stage_bits(k_s, first, acc_o, g):
+        """A consumer's ``[64, HALF]`` fp32 half into ring slots ``first``, ``first + 1`` as
+        :func:`staged_at` places it, then the consumer's own barrier.  The device functions take
+        the ring's base, marked read, as the FP8 producer's do (the cluster barriers and this
+        barrier order the accesses)."""
+        for h, d in T.Parallel(BH, HALF):
+            base = T.access_ptr(k_s[0, 0, 0], "r", 1)
+            T.call_extern("handle", "deepinfer_store_bits", base, staged_at(first, h, d), acc_o[h, d])
+        T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
+
+    def loaded(base, offset):
+        """The float ``deepinfer_store_bits`` left ``offset`` bytes past ``base``."""
+        return T.call_extern("float32", "deepinfer_load_bits", base, offset)
+
+    def staged_value(k_s, first, h, d):
+        """The fp32 value :func:`stage_bits` left for ``(h, d)`` from slot ``first`` on."""
+        return loaded(T.access_ptr(k_s[0, 0, 0], "r", 1), staged_at(first, h, d))
+
+    @T.macro
+    def pair_merge(g, seq, smem, frags, io):
+        """:attr:`Schedule.pair_cluster`: consumer ``g``'s half merged with the other split's
+        through distributed shared memory.  Split ``s != g`` sends its half and its rows'
+        maxima and sums to CTA ``g`` (its slots 2, 3 and the stats' row 1); split ``g`` stages
+        its own (slots 0, 1, row 0), then merges both as the combine kernel does: the maxima,
+        the denominators and the weighted sum in split order from zeroed values, one
+        reciprocal a row.  Every shared access here is a device function's (marked read for
+        TileLang's barrier pass); the cluster barriers and the consumer's own order them."""
+        t, s, hb, n_iter, lo, j_end = seq
+        q_s, k_s, p_s, row_max, row_sum = smem
+        sinks, scale2, out, part, ml = io
+        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
+        maxima, sums = T.access_ptr(row_max[0, 0], "r", 1), T.access_ptr(row_sum[0, 0], "r", 1)
+        lane = T.get_thread_binding() - g * 128
+        T.cluster_sync()  # both CTAs past their keys: every slot and the stats rows free
+        if s != g:
+            stage_bits(k_s, 0, acc_o, g)
+            for h in T.Parallel(BH):  # (each row's threads store the same values)
+                T.call_extern("handle", "deepinfer_store_bits", maxima, h * 4, m[h])
+                T.call_extern("handle", "deepinfer_store_bits", sums, h * 4, l[h])
+            T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
+            for stats in (maxima, sums):  # row 0 into the peer's row 1
+                T.call_extern("handle", "deepinfer_copy_to_peer", stats, BH * 4, lane, 128, g)
+            slots = 2 * BNW * D * 2  # ring slots 0 and 1 into the peer's 2 and 3
+            ring = T.access_ptr(k_s[0, 0, 0], "r", 1)
+            T.call_extern("handle", "deepinfer_copy_to_peer", ring, slots, lane, 128, g)
+        T.cluster_sync()  # the other split's half and stats are here
+        if s == g:
+            stage_bits(k_s, 0, acc_o, g)
+            for h in T.Parallel(BH):
+                T.call_extern("handle", "deepinfer_store_bits", maxima, h * 4, m[h])
+                T.call_extern("handle", "deepinfer_store_bits", sums, h * 4, l[h])
+            T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
+            for h in T.Parallel(BH):
+                m[h] = -1e30
+            for sp in T.serial(n_split):  # split sp's values (row 0 / slots 0, 1: split g's)
+                for h in T.Parallel(BH):
+                    r = T.if_then_else(sp == g, 0, 1)
+                    m[h] = T.max(m[h], loaded(maxima, (r * BH + h) * 4))
+            for h in T.Parallel(BH):  # each split's weight: this one's, the other's
+                m_prev[h] = T.exp2(loaded(maxima, h * 4) - m[h])
+                m_peer[h] = T.exp2(loaded(maxima, (BH + h) * 4) - m[h])
+            for h in T.Parallel(BH):
+                l[h] = 0.0
+            for sp in T.serial(n_split):
+                for h in T.Parallel(BH):
+                    r = T.if_then_else(sp == g, 0, 1)
+                    weight = T.if_then_else(sp == g, m_prev[h], m_peer[h])
+                    l[h] = l[h] + loaded(sums, (r * BH + h) * 4) * weight
+            for h in T.Parallel(BH):
+                l[h] = 1.0 / l[h]
+            T.fill(acc_o, 0)
+            for sp in T.serial(n_split):
+                for h, d in T.Parallel(BH, HALF):
+                    weight = T.if_then_else(sp == g, m_prev[h], m_peer[h])
+                    first = T.if_then_else(sp == g, 0, 2)
+                    acc_o[h, d] = acc_o[h, d] + staged_value(k_s, first, h, d) * weight
+
     @T.macro
     def consumer(g, seq, smem, frags, bars, io, merging):
         """Consumer ``g`` (its own thread range: TileLang lays its fragments over its 128 threads):
@@ -400,7 +533,15 @@ def build_attention_ws(
         T.copy(row_sum[1 - g, :], l_i)
         for h in T.Parallel(BH):
             l[h] = l[h] + l_i[h]
-        if split:
+        if split and schedule.pair_cluster:
+            pair_merge(g, seq, smem, frags, io)
+            if s == g:  # l: the reciprocal denominators
+                if schedule.staged_store:
+                    store_staged(g, q_s, acc_o, l, out, t, hb)
+                else:
+                    for h, d in T.Parallel(BH, HALF):
+                        out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] * l[h]
+        elif split:
             for h, d in T.Parallel(BH, HALF):
                 part[t, s, hb * BH + h, g * HALF + d] = acc_o[h, d]
             if g == 0:
@@ -538,11 +679,15 @@ def build_attention_ws(
     def body(q, pool, compact, nvalid, block_table, token_rows, io, bases, strides, pages):
         """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
         8-byte words."""
-        with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
+        cluster = (1, 2, 1) if split and schedule.pair_cluster else None  # a token's two splits
+        with T.Kernel(n_tok, n_split, H // BH, threads=THREADS, cluster_dims=cluster) as (t, s, hb):
             if pdl:
                 start()
+            device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
-                T.import_source(FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else ""))
+                device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
+            if device_code != "":  # (one source a kernel)
+                T.import_source(device_code)
             q_s = T.alloc_shared((BH, D), dtype)
             k_s = T.alloc_shared((SLOTS, BNW, D), dtype)
             p_s = T.alloc_shared((2, BH, BNW), dtype)
@@ -768,16 +913,21 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
     kernel's: the Triton prologue, the pools' flat views, the combine; its own split plan,
     :func:`plan_splits`); ``schedule``: a variant of :class:`Schedule` (the op runs
     :data:`DEFAULT`)."""
-    compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
     plan = functools.partial(plan_splits, packed=sa.fp8_geometry(kv_pools) is not None)
-    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=schedule.merge_splits)
+    if schedule.pair_cluster:  # two splits only; any other count runs as without it
+        splits = plan(q.shape[0], q.shape[1], sa.max_keys(indices), sa.num_sms(q.device))
+        schedule = schedule if splits == 2 else dataclasses.replace(schedule, pair_cluster=False)
+    compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
+    merges = schedule.merge_splits or schedule.pair_cluster
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges)
 
 
 def _scheduled(paged: bool, split: bool, *config, schedule: Schedule):
-    """:func:`_kernel` of a :class:`Schedule` variant; unsplit calls drop the split-only option
-    (:attr:`Schedule.merge_splits`), so they share one compiled kernel."""
-    if not split and schedule.merge_splits:
-        schedule = dataclasses.replace(schedule, merge_splits=False)
+    """:func:`_kernel` of a :class:`Schedule` variant; unsplit calls drop the split-only options
+    (:attr:`Schedule.merge_splits`, :attr:`Schedule.pair_cluster`), so they share one compiled
+    kernel."""
+    if not split and (schedule.merge_splits or schedule.pair_cluster):
+        schedule = dataclasses.replace(schedule, merge_splits=False, pair_cluster=False)
     return _kernel(paged, split, *config, schedule)
 
 
@@ -785,6 +935,7 @@ def variants(packed: bool) -> list[Schedule]:
     """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
     the default first: what ``bench_attention.py --tune`` times."""
     out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
+    out.append(Schedule(pair_cluster=True))
     if packed:
         out += [
             Schedule(words_in_flight=1),
