@@ -226,16 +226,26 @@ __device__ __forceinline__ void deepinfer_warpgroup_sync(int id) {
 
 __device__ __forceinline__ void deepinfer_copy_to_peer(const void* src, int bytes, int thread, int threads,
                                                        int rank) {
-  // bytes (a multiple of 16) of this CTA's shared memory from src into the same addresses plus
-  // bytes of cluster CTA rank's, 16 bytes a store, the threads' stores interleaved
+  // bytes (a multiple of 4) of this CTA's shared memory from src into the same addresses plus
+  // bytes of cluster CTA rank's, the threads' stores interleaved: 16 bytes a store where both
+  // ends are 16-byte aligned, else 4
   const unsigned from = (unsigned)__cvta_generic_to_shared(src);
-  for (int i = thread * 16; i < bytes; i += threads * 16) {
-    unsigned a, b, c, d, remote;
-    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(from + i));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
-    asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};"
-                 :: "r"(remote), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+  if (((from | (unsigned)bytes) & 15u) == 0u) {
+    for (int i = thread * 16; i < bytes; i += threads * 16) {
+      unsigned a, b, c, d, remote;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(from + i));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
+      asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};"
+                   :: "r"(remote), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+    }
+  } else {
+    for (int i = thread * 4; i < bytes; i += threads * 4) {
+      unsigned a, remote;
+      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(a) : "r"(from + i));
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
+      asm volatile("st.shared::cluster.b32 [%0], %1;" :: "r"(remote), "r"(a) : "memory");
+    }
   }
 }
 """
