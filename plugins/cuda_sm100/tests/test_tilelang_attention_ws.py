@@ -302,6 +302,26 @@ def test_merged_splits_count_arrivals_after_fences_and_merge_in_split_order(pack
 
 
 @pytest.mark.parametrize("packed", [False, True])
+def test_the_pair_tuning_times_two_splits_combined_and_in_a_cluster(monkeypatch, packed):
+    """``bench_attention.py --tune``'s pair row: the call at two splits with the combine (one
+    combine launch) and in a cluster (the pair schedule's kernel into the output, no combine),
+    each timed; nothing where the other kernel's plan takes one split (256 tokens)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import attention_tilelang
+
+    call, launches, combines = _fake_call(monkeypatch, 16, packed)
+    (row,) = attention_tilelang.tune_seesaw_pair(call, lambda fn: (fn(), 0.5)[1])
+    assert row["seesaw_pair_cluster"] and row["ms"] == row["combined_ms"] == 0.5
+    assert isinstance(row["bitwise"], bool)
+    kinds = [(config[1], config[-1] if len(config) > 7 else None) for config, _ in launches]
+    pairing = tlw.Schedule(pair_cluster=True)
+    assert set(kinds) == {(True, None), (True, pairing)}  # the default's split kernel, the cluster's
+    assert len(combines) == kinds.count((True, None)) and all(args[0].shape[1] == 2 for args in combines)
+    call, launches, _ = _fake_call(monkeypatch, 256, packed)
+    assert attention_tilelang.tune_seesaw_pair(call, lambda fn: (fn(), 0.5)[1]) == [] and not launches
+
+
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("tokens", "counts"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
 def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, packed, tokens, counts):
     """``bench_attention.py --tune``'s seesaw split rows: a launch at each of one, two and four
