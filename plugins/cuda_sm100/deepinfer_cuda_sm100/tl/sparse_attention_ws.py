@@ -129,7 +129,8 @@ class Schedule:
             shared memory and copies them into CTA ``g``'s; after a second barrier consumer
             ``g`` of split ``g`` merges the two halves as the combine kernel does (the same
             operations in split order) and writes its half of the output.  Calls of any other
-            split count run as the default.
+            split count run as the default (:func:`sparse_attention` sees to it; its kernel,
+            launched directly, must be given exactly two splits).
     """
 
     words_in_flight: int = 2
