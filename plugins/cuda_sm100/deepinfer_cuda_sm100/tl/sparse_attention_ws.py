@@ -125,8 +125,9 @@ class Schedule:
             form a thread-block cluster and merge through distributed shared memory, no
             partials in global memory and no combine launch.  After a cluster barrier (both
             CTAs past their keys), consumer ``g`` of split ``s != g`` stages its unnormalised
-            half (fp32 bits as bf16 pairs) and its rows' maxima and sums in its CTA's free
-            shared memory and copies them into CTA ``g``'s; after a second barrier consumer
+            fp32 half and its rows' maxima and sums in its CTA's free shared memory (ring
+            slots 0 and 1, the stats' first rows) and copies them into CTA ``g``'s (slots 2
+            and 3, the second rows); after a second barrier consumer
             ``g`` of split ``g`` merges the two halves as the combine kernel does (the same
             operations in split order) and writes its half of the output.  Calls of any other
             split count run as the default (:func:`sparse_attention` sees to it; its kernel,
