@@ -15,6 +15,7 @@ whole run.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import sys
 
@@ -80,29 +81,29 @@ def _test_timeout() -> float | None:
     return seconds
 
 
-_STDERR: list = []
+_TIMEOUT = pytest.StashKey["float | None"]()
+"""The run's :data:`TIMEOUT_ENV`, read once by :func:`pytest_configure`."""
 
 
+@functools.cache
 def _uncaptured_stderr(config: pytest.Config):
     """The process's stderr as it was before pytest captured it (the dump must survive the
     process's end, which a capture file does not); ``sys.stderr`` where nothing captures it."""
-    if not _STDERR:
-        capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
-        saved = getattr(getattr(capture, "err", None), "targetfd_save", None)
-        _STDERR.append(os.fdopen(os.dup(saved), "w") if isinstance(saved, int) else sys.stderr)
-    return _STDERR[0]
+    capture = getattr(config.pluginmanager.getplugin("capturemanager"), "_global_capturing", None)
+    saved = getattr(getattr(capture, "err", None), "targetfd_save", None)
+    return os.fdopen(os.dup(saved), "w") if isinstance(saved, int) else sys.stderr
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Check :data:`TIMEOUT_ENV` before any test runs."""
-    _test_timeout()
+    """Read and check :data:`TIMEOUT_ENV` before any test runs."""
+    config.stash[_TIMEOUT] = _test_timeout()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """Run the test under the :data:`TIMEOUT_ENV` watchdog, where that is set: past the limit,
     every thread's stack goes to stderr and the process ends (exit status 1)."""
-    seconds = _test_timeout()
+    seconds = item.config.stash.get(_TIMEOUT, None)
     if seconds is None:
         return (yield)
     faulthandler.dump_traceback_later(seconds, exit=True, file=_uncaptured_stderr(item.config))
