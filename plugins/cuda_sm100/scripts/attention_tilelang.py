@@ -79,7 +79,8 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
         out.append(entry)
         t = entry.get("ms", float("nan"))
         print(f"    tune seesaw {schedule}: {t:.4f} ms, bitwise {entry.get('bitwise')}")
-    out += tune_seesaw_splits(args, ms) + tune_seesaw_pair(args, ms)
+    splits = tune_seesaw_splits(args, ms)
+    out += splits + tune_seesaw_pair(args, ms, splits)
     split = kernel_split(lambda: tlw.sparse_attention(*args))
     out.append({"seesaw_kernels_us": split})
     print("    seesaw by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
@@ -121,24 +122,25 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     return out
 
 
-def tune_seesaw_pair(args: tuple, ms: Callable) -> list[dict]:
-    """The seesaw kernel at two splits with the combine kernel and merged in a two-CTA cluster
-    (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), each timed,
-    the cluster's output compared bit for bit with the combined one.  Nothing where the other
-    kernel's plan takes one split."""
+def tune_seesaw_pair(args: tuple, ms: Callable, splits: list[dict]) -> list[dict]:
+    """The seesaw kernel at two splits merged in a two-CTA cluster
+    (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), timed beside
+    the two splits with the combine kernel that :func:`tune_seesaw_splits` timed (its rows
+    ``splits``), its output compared bit for bit with theirs.  Nothing where those rows are
+    none (the other kernel's plan takes one split)."""
     import functools
 
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 
-    tokens, heads, keys = args[0].shape[0], args[0].shape[1], tla.max_keys(args[2])
-    if tla.plan_splits(tokens, heads, keys, tla.num_sms(args[0].device)) == 1:
+    combined_ms = [r["ms"] for r in splits if r["seesaw_splits"] == 2 and not r["merged"]]
+    if not combined_ms:
         return []
     pairing = functools.partial(tlw._scheduled, schedule=tlw.Schedule(pair_cluster=True))
-    combined = functools.partial(tla.launch, *args, tlw._kernel, lambda *shape: 2)
     paired = functools.partial(tla.launch, *args, pairing, lambda *shape: 2, merges=True)
-    row = {"seesaw_pair_cluster": True, "bitwise": bool(torch.equal(paired(), combined()))}
-    row |= {"combined_ms": ms(combined), "ms": ms(paired)}
+    want = tla.launch(*args, tlw._kernel, lambda *shape: 2)
+    row = {"seesaw_pair_cluster": True, "bitwise": bool(torch.equal(paired(), want))}
+    row |= {"combined_ms": combined_ms[0], "ms": ms(paired)}
     print(
         f"    tune seesaw two splits: combined {row['combined_ms']:.4f} ms, in a cluster "
         f"{row['ms']:.4f} ms, bitwise {row['bitwise']}"

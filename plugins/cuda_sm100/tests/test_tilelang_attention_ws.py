@@ -303,14 +303,18 @@ def test_merged_splits_count_arrivals_after_fences_and_merge_in_split_order(pack
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_the_pair_tuning_times_two_splits_combined_and_in_a_cluster(monkeypatch, packed):
-    """``bench_attention.py --tune``'s pair row: the call at two splits with the combine (one
-    combine launch) and in a cluster (the pair schedule's kernel into the output, no combine),
-    each timed; nothing where the other kernel's plan takes one split (256 tokens)."""
+    """``bench_attention.py --tune``'s pair row: the call in a cluster (the pair schedule's
+    kernel into the output, no combine) timed beside the split rows' two splits with the
+    combine, and checked against one such launch (one combine); nothing where the other
+    kernel's plan takes one split (256 tokens)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import attention_tilelang
 
+    ms = lambda fn: (fn(), 0.5)[1]  # noqa: E731
     call, launches, combines = _fake_call(monkeypatch, 16, packed)
-    (row,) = attention_tilelang.tune_seesaw_pair(call, lambda fn: (fn(), 0.5)[1])
+    splits = attention_tilelang.tune_seesaw_splits(call, ms)
+    launches.clear(), combines.clear()
+    (row,) = attention_tilelang.tune_seesaw_pair(call, ms, splits)
     assert row["seesaw_pair_cluster"] and row["ms"] == row["combined_ms"] == 0.5
     assert isinstance(row["bitwise"], bool)
     kinds = [(config[1], config[-1] if len(config) > 7 else None) for config, _ in launches]
@@ -318,7 +322,8 @@ def test_the_pair_tuning_times_two_splits_combined_and_in_a_cluster(monkeypatch,
     assert set(kinds) == {(True, None), (True, pairing)}  # the default's split kernel, the cluster's
     assert len(combines) == kinds.count((True, None)) and all(args[0].shape[1] == 2 for args in combines)
     call, launches, _ = _fake_call(monkeypatch, 256, packed)
-    assert attention_tilelang.tune_seesaw_pair(call, lambda fn: (fn(), 0.5)[1]) == [] and not launches
+    splits = attention_tilelang.tune_seesaw_splits(call, ms)
+    assert attention_tilelang.tune_seesaw_pair(call, ms, splits) == [] and not launches
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -404,6 +409,19 @@ def test_gpu_it_replays_in_a_cuda_graph_bitwise():
         assert torch.equal(replayed(lambda args=args: tlw.sparse_attention(*args)), eager)
 
 
+def _assert_replays_bitwise(call, want: torch.Tensor, times: int = 3) -> None:
+    """``call`` (warm) captured in one CUDA graph, its output zeroed and the graph replayed
+    ``times`` times, each replay giving ``want``'s bits."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(times):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.gpu
 def test_gpu_merged_splits_replay_in_a_cuda_graph_bitwise():
     """The merging variant's arrival counts start from the prologue's zeros at every replay:
@@ -414,14 +432,7 @@ def test_gpu_merged_splits_replay_in_a_cuda_graph_bitwise():
     for args in _cases() + _cases("fp8"):
         want = tlw.sparse_attention(*args)
         tlw.sparse_attention(*args, schedule=merging)  # compiled and warm before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = tlw.sparse_attention(*args, schedule=merging)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
+        _assert_replays_bitwise(lambda args=args: tlw.sparse_attention(*args, schedule=merging), want)
 
 
 @pytest.mark.gpu
@@ -437,14 +448,7 @@ def test_gpu_a_pair_cluster_gives_the_combined_bits_and_replays_in_a_graph():
     for args in _cases() + _cases("fp8"):
         want = tla.launch(*args, tlw._kernel, two)
         assert torch.equal(tla.launch(*args, pairing, two, merges=True), want)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = tla.launch(*args, pairing, two, merges=True)
-        for _ in range(3):
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want)
+        _assert_replays_bitwise(lambda args=args: tla.launch(*args, pairing, two, merges=True), want)
 
 
 @pytest.mark.gpu
