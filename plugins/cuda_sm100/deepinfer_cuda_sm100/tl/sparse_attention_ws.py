@@ -442,14 +442,18 @@ def build_attention_ws(
         return first * BNW * D * 2 + h * HALF * 4 + T.bitwise_xor(d * 4, T.shift_left(h % 8, 4))
 
     @T.macro
-    def stage_bits(k_s, first, acc_o, g):
-        """A consumer's ``[64, HALF]`` fp32 half into ring slots ``first``, ``first + 1`` as
-        :func:`staged_at` places it, then the consumer's own barrier.  The device functions take
-        the ring's base, marked read, as the FP8 producer's do (the cluster barriers and this
-        barrier order the accesses)."""
+    def stage(k_s, acc_o, m, l, stats, g):
+        """A consumer's ``[64, HALF]`` fp32 half into ring slots 0 and 1 as :func:`staged_at`
+        places it and its rows' maxima and sums into the first rows of the stats (``stats``:
+        their bases), then the consumer's own barrier.  The device functions take the bases,
+        marked read, as the FP8 producer's do (the cluster barriers and this barrier order the
+        accesses; each row's threads store the same stats)."""
         for h, d in T.Parallel(BH, HALF):
             base = T.access_ptr(k_s[0, 0, 0], "r", 1)
-            T.call_extern("handle", "deepinfer_store_bits", base, staged_at(first, h, d), acc_o[h, d])
+            T.call_extern("handle", "deepinfer_store_bits", base, staged_at(0, h, d), acc_o[h, d])
+        for h in T.Parallel(BH):
+            T.call_extern("handle", "deepinfer_store_bits", stats[0], h * 4, m[h])
+            T.call_extern("handle", "deepinfer_store_bits", stats[1], h * 4, l[h])
         T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
 
     def loaded(base, offset):
@@ -457,7 +461,8 @@ def build_attention_ws(
         return T.call_extern("float32", "deepinfer_load_bits", base, offset)
 
     def staged_value(k_s, first, h, d):
-        """The fp32 value :func:`stage_bits` left for ``(h, d)`` from slot ``first`` on."""
+        """The fp32 value :func:`stage` left for ``(h, d)`` from slot ``first`` on (0: this
+        CTA's, 2: the peer's copy)."""
         return loaded(T.access_ptr(k_s[0, 0, 0], "r", 1), staged_at(first, h, d))
 
     @T.macro
@@ -477,11 +482,7 @@ def build_attention_ws(
         lane = T.get_thread_binding() - g * 128
         T.cluster_sync()  # both CTAs past their keys: every slot and the stats rows free
         if s != g:
-            stage_bits(k_s, 0, acc_o, g)
-            for h in T.Parallel(BH):  # (each row's threads store the same values)
-                T.call_extern("handle", "deepinfer_store_bits", maxima, h * 4, m[h])
-                T.call_extern("handle", "deepinfer_store_bits", sums, h * 4, l[h])
-            T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
+            stage(k_s, acc_o, m, l, (maxima, sums), g)
             for stats in (maxima, sums):  # row 0 into the peer's row 1
                 T.call_extern("handle", "deepinfer_copy_to_peer", stats, BH * 4, lane, 128, g)
             slots = 2 * BNW * D * 2  # ring slots 0 and 1 into the peer's 2 and 3
@@ -489,11 +490,7 @@ def build_attention_ws(
             T.call_extern("handle", "deepinfer_copy_to_peer", ring, slots, lane, 128, g)
         T.cluster_sync()  # the other split's half and stats are here
         if s == g:
-            stage_bits(k_s, 0, acc_o, g)
-            for h in T.Parallel(BH):
-                T.call_extern("handle", "deepinfer_store_bits", maxima, h * 4, m[h])
-                T.call_extern("handle", "deepinfer_store_bits", sums, h * 4, l[h])
-            T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
+            stage(k_s, acc_o, m, l, (maxima, sums), g)
             for h in T.Parallel(BH):
                 m[h] = -1e30
             for sp in T.serial(n_split):  # split sp's values (row 0 / slots 0, 1: split g's)
