@@ -47,8 +47,10 @@ candidates (at 8,192 four warps spill a few registers and still beat eight, whos
 a thread leave one program an SM); shorter rows take the first.  The decode rows of long
 contexts (16,384 and 32,768 candidates, a program per row and about one row an SM) take 32
 scores a thread, the widths whose search loop compiles for sm_90 without spills (at 16,384
-candidates eight warps spill inside the row's other passes, sixteen less); not yet timed there
-(the shipped table's points that time this path have at most 8,192 candidates)."""
+candidates eight warps spill inside the row's other passes, sixteen less).  Timed there on an
+H100 (``bench_attention.py --only indexer --tune``, 128 rows, k = 512): 0.0499 ms at 16,384
+candidates and 0.1108 at 32,768 (16 warps: 0.1269, 8: 0.1340), behind the threshold path's
+0.0491 and 0.0664, which the shipped table keeps there."""
 
 
 def row_warps(columns: int) -> int:
