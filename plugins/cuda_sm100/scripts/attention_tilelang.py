@@ -137,7 +137,7 @@ def tune_seesaw_pair(args: tuple, ms: Callable, splits: list[dict]) -> list[dict
     if not combined_ms:
         return []
     pairing = functools.partial(tlw._scheduled, schedule=tlw.Schedule(pair_cluster=True))
-    paired = functools.partial(tla.launch, *args, pairing, lambda *shape: 2, merges=True)
+    paired = functools.partial(tla.launch, *args, pairing, lambda *shape: 2, merges=True, partials=False)
     want = tla.launch(*args, tlw._kernel, lambda *shape: 2)
     row = {"seesaw_pair_cluster": True, "bitwise": bool(torch.equal(paired(), want))}
     row |= {"combined_ms": combined_ms[0], "ms": ms(paired)}

@@ -482,6 +482,7 @@ def launch(
     compiled: Callable[..., Any],
     plan: Callable[..., int] = plan_splits,
     merges: bool = False,
+    partials: bool = True,
 ) -> torch.Tensor:
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
@@ -490,7 +491,9 @@ def launch(
     configuration (``pdl``: with the PDL prologue, where :func:`~deepinfer_cuda_sm100.tl.pdl.
     tl_pdl_enabled` says so; the combine takes the same); ``plan(tokens, heads, max_keys, sms)``
     the kernel's split count (default :func:`plan_splits`); ``merges``: the split kernel merges
-    its partials into the output itself (no combine launch)."""
+    its partials into the output itself (no combine launch); ``partials=False``: it keeps them
+    on chip (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), so
+    the fp32 partial buffers get one token's rows (their shape carries the split count)."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
@@ -507,9 +510,9 @@ def launch(
     s = plan(t, h, max_keys(indices), num_sms(dev))
     direct = s == 1 or merges  # the kernel writes the output
     out = torch.empty_like(q) if direct else torch.empty(1, h, d, dtype=q.dtype, device=dev)
-    if s == 1:
-        part = torch.empty(1, 1, h, d, dtype=torch.float32, device=dev)
-        ml = torch.empty(1, 1, h, 2, dtype=torch.float32, device=dev)
+    if s == 1 or not partials:  # never written; the kernel's grid takes the split count from it
+        part = torch.empty(1, s, h, d, dtype=torch.float32, device=dev)
+        ml = torch.empty(1, s, h, 2, dtype=torch.float32, device=dev)
     else:
         part = torch.empty(t, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(t, s, h, 2, dtype=torch.float32, device=dev)

@@ -928,7 +928,8 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
         schedule = schedule if splits == 2 else dataclasses.replace(schedule, pair_cluster=False)
     compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
     merges = schedule.merge_splits or schedule.pair_cluster
-    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges)
+    keeps = not schedule.pair_cluster  # the cluster merges through shared memory
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges, partials=keeps)
 
 
 def _scheduled(paged: bool, split: bool, *config, schedule: Schedule):
