@@ -49,7 +49,8 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     """The grouped TileLang scores (several tokens of a request a CTA) beside the one-token
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
-    blocks a CTA)."""
+    blocks a CTA) and the default group's time and bits with the keys in the other place
+    (``grouped_other_keys_ms`` / ``_bitwise``; ``grouped_keys_in_registers``: which place)."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 
@@ -64,6 +65,11 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for g in tlg.GROUP_CHOICES
             for b in tli.BLOCK_CHOICES
         }
+        registers = not tlg.KEYS_IN_REGISTERS  # the other place of the keys, timed and bit-checked
+        other = lambda: tlg.indexer_scores(q, w, keys, cand, scale, keys_in_registers=registers)  # noqa: E731
+        row["grouped_keys_in_registers"] = registers
+        row["grouped_other_keys_bitwise"] = bool(torch.equal(other(), one_token))
+        row["grouped_other_keys_ms"] = ms(other)
 
 
 def describe(row: dict) -> str:
@@ -76,6 +82,11 @@ def describe(row: dict) -> str:
         grouped = f"  grouped {row['grouped_score_ms']:.4f} ms (bitwise {row['grouped_bitwise']})"
         if "grouped_tune" in row:
             grouped += f"  grouped tune {row['grouped_tune']}"
+            where = "registers" if row["grouped_keys_in_registers"] else "shared memory"
+            grouped += (
+                f"  grouped keys in {where} {row['grouped_other_keys_ms']:.4f} ms "
+                f"(bitwise {row['grouped_other_keys_bitwise']})"
+            )
     return (
         f"  tilelang scores {row['tilelang_score_ms']:.4f} ms "
         f"(rel err {row['tilelang_score_max_rel_err']:.1e}, "

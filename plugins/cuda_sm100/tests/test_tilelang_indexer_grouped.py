@@ -9,7 +9,9 @@ key gather per block shared by the group's GEMMs and no block barrier inside the
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): over batches whose groups
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
 (0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
-equal the one-token TileLang kernel's bit for bit for both group sizes and every blocks-per-CTA choice, and on
+equal the one-token TileLang kernel's bit for bit for both group sizes, every blocks-per-CTA choice
+and either place of the keys (shared memory or registers: :data:`~deepinfer_cuda_sm100.tl.
+indexer_grouped.KEYS_IN_REGISTERS`), and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -168,6 +170,16 @@ def test_the_group_shares_one_gather_per_block_without_a_barrier_in_its_loop(gro
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_keys_in_registers_take_the_register_operand_wgmma():
+    """With ``keys_in_registers`` the group's GEMMs take the keys from registers (wgmma's
+    register-A form), copied there once per block before the token loop."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, keys_in_registers=True), config)
+    assert "wgmma_ss<" not in src and src.count("wgmma_rs<") == 2
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
@@ -224,9 +236,11 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
         for integer in (True, False):
             q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
             one = tli.indexer_scores(q, w, keys, index, SCALE)
-            for blocks in (1, 2, tli.BLOCKS):
-                got = tlg.indexer_scores(q, w, keys, index, SCALE, blocks=blocks, group=group)
-                assert torch.equal(got, one), f"{lengths} integer={integer} blocks={blocks}"
+            for blocks, regs in ((1, False), (2, False), (tli.BLOCKS, False), (1, True), (tli.BLOCKS, True)):
+                got = tlg.indexer_scores(
+                    q, w, keys, index, SCALE, blocks=blocks, group=group, keys_in_registers=regs
+                )
+                assert torch.equal(got, one), f"{lengths} integer={integer} blocks={blocks} registers={regs}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 

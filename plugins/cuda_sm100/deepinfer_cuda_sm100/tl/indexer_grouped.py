@@ -48,10 +48,22 @@ GROUP = 2
 each at 64 heads x 128) share shared memory with the 64 KB key ring, two CTAs an SM at 2."""
 GROUP_CHOICES = (2, 4)
 """Group sizes a launch may take (each a compiled configuration)."""
+KEYS_IN_REGISTERS = False
+"""Whether a gathered key block is loaded once into registers (wgmma's A operand from registers)
+for all the group's GEMMs, instead of every GEMM reading it from shared memory.  A ``[BN, H]``
+wgmma tile with both operands in shared memory reads 16 bytes of it per 16 multiply-adds
+(``BN`` = 128, ``H`` = 64), the SM's shared-memory bandwidth at its full tensor rate; from
+registers it reads only the queries.  The same products in the same K order either way."""
 
 
 def build_grouped_scores(
-    heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP, pdl: bool = False
+    heads: int,
+    dim: int,
+    dtype: str,
+    blocks: int = BLOCKS,
+    group: int = GROUP,
+    pdl: bool = False,
+    keys_in_registers: bool = KEYS_IN_REGISTERS,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -61,6 +73,7 @@ def build_grouped_scores(
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
+        keys_in_registers: see :data:`KEYS_IN_REGISTERS`.
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
@@ -123,6 +136,7 @@ def build_grouped_scores(
             live_s = T.alloc_shared((G,), "int64", scope="shared")
             acc = T.alloc_fragment((BN, H), acc_t)
             score = T.alloc_fragment((BN,), acc_t)
+            k_f = T.alloc_fragment((BN, D), dtype) if keys_in_registers else None
             nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
@@ -151,11 +165,16 @@ def build_grouped_scores(
                     nb = T.max(
                         T.min(T.Cast("int32", T.ceildiv(T.max(live_s[p] - c0, T.int64(0)), BN)), blocks), 1
                     )
-                    for b in T.Pipelined(nb, order=[0, 1], stage=[0, 1]):
+                    # the gather in stage 0; the copy to registers with the GEMMs in stage 1
+                    order, stage = ([0, 1, 2], [0, 1, 1]) if keys_in_registers else ([0, 1], [0, 1])
+                    for b in T.Pipelined(nb, order=order, stage=stage):
                         gather(k_s, off, flat, b, kst)
+                        if keys_in_registers:
+                            T.copy(k_s, k_f)
                         for j in T.serial(G):
                             if rows_s[j] == rows_s[p]:
-                                T.gemm(k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True)
+                                keys = k_f if keys_in_registers else k_s
+                                T.gemm(keys, q_s[j, :, :], acc, transpose_B=True, clear_accum=True)
                                 for i, h in T.Parallel(BN, H):
                                     acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
                                 T.reduce_sum(acc, score, dim=1)
@@ -190,14 +209,22 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 
 @functools.cache
 @logged_compile("indexer_grouped")
-def _kernel(heads: int, dim: int, dtype: str, blocks: int = BLOCKS, group: int = GROUP, pdl: bool = False):
+def _kernel(
+    heads: int,
+    dim: int,
+    dtype: str,
+    blocks: int = BLOCKS,
+    group: int = GROUP,
+    pdl: bool = False,
+    keys_in_registers: bool = KEYS_IN_REGISTERS,
+):
     """A compiled kernel (TileLang's disk cache keeps it), with the PDL prologue when ``pdl``;
     bounds guards off, as the one-token kernel's (the gathers read the pool through a flat
     view)."""
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl)
+    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl, keys_in_registers)
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
@@ -222,10 +249,12 @@ def indexer_scores(
     *,
     blocks: int | None = None,
     group: int = GROUP,
+    keys_in_registers: bool = KEYS_IN_REGISTERS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
-    (default :func:`plan_blocks`); ``group``: query tokens per CTA."""
+    (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``keys_in_registers``:
+    :data:`KEYS_IN_REGISTERS`."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -236,7 +265,7 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled())
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled(), keys_in_registers)
     epp = int(candidates.entries_per_page)
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
