@@ -5,6 +5,8 @@ takes."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -49,8 +51,8 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     """The grouped TileLang scores (several tokens of a request a CTA) beside the one-token
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
-    blocks a CTA) and the default group's time and bits with the keys in the other place
-    (``grouped_other_keys_ms`` / ``_bitwise``; ``grouped_keys_in_registers``: which place)."""
+    blocks a CTA) and ``grouped_variants``: the default group's time and bits with the keys in
+    shared memory or registers, by one or two warpgroups a CTA."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 
@@ -65,11 +67,13 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for g in tlg.GROUP_CHOICES
             for b in tli.BLOCK_CHOICES
         }
-        registers = not tlg.KEYS_IN_REGISTERS  # the other place of the keys, timed and bit-checked
-        other = lambda: tlg.indexer_scores(q, w, keys, cand, scale, keys_in_registers=registers)  # noqa: E731
-        row["grouped_keys_in_registers"] = registers
-        row["grouped_other_keys_bitwise"] = bool(torch.equal(other(), one_token))
-        row["grouped_other_keys_ms"] = ms(other)
+        row["grouped_variants"] = {}
+        for regs, wgs in itertools.product((False, True), (1, 2)):
+            run = functools.partial(
+                tlg.indexer_scores, q, w, keys, cand, scale, keys_in_registers=regs, warpgroups=wgs
+            )
+            name = f"{'registers' if regs else 'shared'}/{wgs}wg"
+            row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 
 def describe(row: dict) -> str:
@@ -82,11 +86,8 @@ def describe(row: dict) -> str:
         grouped = f"  grouped {row['grouped_score_ms']:.4f} ms (bitwise {row['grouped_bitwise']})"
         if "grouped_tune" in row:
             grouped += f"  grouped tune {row['grouped_tune']}"
-            where = "registers" if row["grouped_keys_in_registers"] else "shared memory"
-            grouped += (
-                f"  grouped keys in {where} {row['grouped_other_keys_ms']:.4f} ms "
-                f"(bitwise {row['grouped_other_keys_bitwise']})"
-            )
+            for name, v in row["grouped_variants"].items():
+                grouped += f"  grouped keys in {name} {v['ms']:.4f} ms (bitwise {v['bitwise']})"
     return (
         f"  tilelang scores {row['tilelang_score_ms']:.4f} ms "
         f"(rel err {row['tilelang_score_max_rel_err']:.1e}, "

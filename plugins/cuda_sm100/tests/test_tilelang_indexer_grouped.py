@@ -10,8 +10,8 @@ key gather per block shared by the group's GEMMs and no block barrier inside the
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
 (0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
 equal the one-token TileLang kernel's bit for bit for both group sizes, every blocks-per-CTA choice
-and either place of the keys (shared memory or registers: :data:`~deepinfer_cuda_sm100.tl.
-indexer_grouped.KEYS_IN_REGISTERS`), and on
+either place of the keys (shared memory or registers: :data:`~deepinfer_cuda_sm100.tl.
+indexer_grouped.KEYS_IN_REGISTERS`) and one or two warpgroups a CTA, and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 
 import pytest
 import torch
@@ -180,6 +181,18 @@ def test_keys_in_registers_take_the_register_operand_wgmma():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_two_warpgroups_split_a_blocks_keys_never_its_heads():
+    """At two warpgroups each takes one 64-row M tile of a block with all of its ``H`` heads
+    (``wgmma`` ``m64n64``), so a row's sum over heads stays in one warpgroup's quad: no
+    exchange of partial sums through shared memory."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, warpgroups=2), config)
+    assert re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src) == [("64", str(H))] * 2
+    assert set(re.findall(r"AllReduce<tl::SumOp, (\d+),", src)) == {"4"}  # within a quad only
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
@@ -220,6 +233,11 @@ def _needs_tilelang():
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
 
 
+VARIANTS = (
+    (1, False, 1), (2, False, 1), (tli.BLOCKS, False, 1), (1, True, 1), (tli.BLOCKS, True, 1),
+    (1, False, 2), (tli.BLOCKS, False, 2), (tli.BLOCKS, True, 2),
+)  # fmt: skip
+"""``(blocks, keys_in_registers, warpgroups)`` of the grouped kernels the GPU test compares."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -236,11 +254,10 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
         for integer in (True, False):
             q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
             one = tli.indexer_scores(q, w, keys, index, SCALE)
-            for blocks, regs in ((1, False), (2, False), (tli.BLOCKS, False), (1, True), (tli.BLOCKS, True)):
-                got = tlg.indexer_scores(
-                    q, w, keys, index, SCALE, blocks=blocks, group=group, keys_in_registers=regs
-                )
-                assert torch.equal(got, one), f"{lengths} integer={integer} blocks={blocks} registers={regs}"
+            for blocks, regs, wgs in VARIANTS:
+                config = {"blocks": blocks, "group": group, "keys_in_registers": regs, "warpgroups": wgs}
+                got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
+                assert torch.equal(got, one), f"{lengths} integer={integer} {blocks=} {regs=} {wgs=}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 

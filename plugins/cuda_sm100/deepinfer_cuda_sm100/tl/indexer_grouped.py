@@ -54,6 +54,10 @@ for all the group's GEMMs, instead of every GEMM reading it from shared memory. 
 wgmma tile with both operands in shared memory reads 16 bytes of it per 16 multiply-adds
 (``BN`` = 128, ``H`` = 64), the SM's shared-memory bandwidth at its full tensor rate; from
 registers it reads only the queries.  The same products in the same K order either way."""
+WARPGROUPS = 1
+"""Warpgroups a CTA: at 2, each takes one 64-row wgmma M tile of a block (half its keys), so an
+SM holding two CTAs (their shared memory allows no more) runs 16 warps instead of 8 to hide
+the GEMM's and the gather's latency; every score is the same tile's, so the same bits."""
 
 
 def build_grouped_scores(
@@ -64,6 +68,7 @@ def build_grouped_scores(
     group: int = GROUP,
     pdl: bool = False,
     keys_in_registers: bool = KEYS_IN_REGISTERS,
+    warpgroups: int = WARPGROUPS,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -73,10 +78,12 @@ def build_grouped_scores(
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
-        keys_in_registers: see :data:`KEYS_IN_REGISTERS`.
+        keys_in_registers: see :data:`KEYS_IN_REGISTERS`; warpgroups: see :data:`WARPGROUPS`.
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     import tilelang.language as T
 
     acc_t = "float32"
@@ -84,6 +91,9 @@ def build_grouped_scores(
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
     start = prologue()
+    # two warpgroups split a block's keys (wgmma's M), never its heads: a row's sum over heads
+    # stays in one quad of threads
+    split = {"policy": T.GemmWarpPolicy.FullRow} if warpgroups == 2 else {}
 
     @T.macro
     def row_offsets(off, page_row, c0, count, pages, block_table):
@@ -125,7 +135,8 @@ def build_grouped_scores(
         epp_magic: T.int32,
         epp_shift: T.int32,
     ):
-        with T.Kernel(T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G), threads=THREADS) as (g, tg):
+        grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
+        with T.Kernel(*grid, threads=THREADS * warpgroups) as (g, tg):
             q_s = T.alloc_shared((G, H, D), dtype)
             w_s = T.alloc_shared((G, H), acc_t)
             k_s = T.alloc_shared((BN, D), dtype)
@@ -174,7 +185,7 @@ def build_grouped_scores(
                         for j in T.serial(G):
                             if rows_s[j] == rows_s[p]:
                                 keys = k_f if keys_in_registers else k_s
-                                T.gemm(keys, q_s[j, :, :], acc, transpose_B=True, clear_accum=True)
+                                T.gemm(keys, q_s[j, :, :], acc, transpose_B=True, clear_accum=True, **split)
                                 for i, h in T.Parallel(BN, H):
                                     acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
                                 T.reduce_sum(acc, score, dim=1)
@@ -217,6 +228,7 @@ def _kernel(
     group: int = GROUP,
     pdl: bool = False,
     keys_in_registers: bool = KEYS_IN_REGISTERS,
+    warpgroups: int = WARPGROUPS,
 ):
     """A compiled kernel (TileLang's disk cache keeps it), with the PDL prologue when ``pdl``;
     bounds guards off, as the one-token kernel's (the gathers read the pool through a flat
@@ -224,7 +236,7 @@ def _kernel(
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl, keys_in_registers)
+    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl, keys_in_registers, warpgroups)
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
@@ -250,11 +262,12 @@ def indexer_scores(
     blocks: int | None = None,
     group: int = GROUP,
     keys_in_registers: bool = KEYS_IN_REGISTERS,
+    warpgroups: int = WARPGROUPS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
     (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``keys_in_registers``:
-    :data:`KEYS_IN_REGISTERS`."""
+    :data:`KEYS_IN_REGISTERS`; ``warpgroups``: :data:`WARPGROUPS`."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -265,7 +278,8 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    kernel = _kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled(), keys_in_registers)
+    config = (blocks, group, tl_pdl_enabled(), keys_in_registers, warpgroups)
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
