@@ -114,7 +114,8 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
     configs = grouped_indexer_configurations(H, D)
-    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, tl_pdl_enabled()) for b in tli.BLOCK_CHOICES]
+    layout = (tl_pdl_enabled(), tlg.KEYS_IN_REGISTERS, tlg.WARPGROUPS)
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
     assert planned <= {c[3] for c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])

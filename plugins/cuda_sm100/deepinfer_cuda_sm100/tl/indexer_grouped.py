@@ -220,23 +220,15 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 
 @functools.cache
 @logged_compile("indexer_grouped")
-def _kernel(
-    heads: int,
-    dim: int,
-    dtype: str,
-    blocks: int = BLOCKS,
-    group: int = GROUP,
-    pdl: bool = False,
-    keys_in_registers: bool = KEYS_IN_REGISTERS,
-    warpgroups: int = WARPGROUPS,
-):
-    """A compiled kernel (TileLang's disk cache keeps it), with the PDL prologue when ``pdl``;
-    bounds guards off, as the one-token kernel's (the gathers read the pool through a flat
-    view)."""
+def _kernel(heads: int, dim: int, dtype: str, *options):
+    """A compiled kernel of :func:`build_grouped_scores` (``options``: its ``blocks``,
+    ``group``, ``pdl``, ``keys_in_registers``, ``warpgroups``, in order; TileLang's disk cache
+    keeps it); bounds guards off, as the one-token kernel's (the gathers read the pool through
+    a flat view)."""
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_grouped_scores(heads, dim, dtype, blocks, group, pdl, keys_in_registers, warpgroups)
+    func = build_grouped_scores(heads, dim, dtype, *options)
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
 
 
