@@ -6,7 +6,6 @@ takes."""
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -51,8 +50,8 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     """The grouped TileLang scores (several tokens of a request a CTA) beside the one-token
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
-    blocks a CTA) and ``grouped_variants``: the default group's time and bits with the keys in
-    shared memory or registers, by one or two warpgroups a CTA."""
+    blocks a CTA) and ``grouped_variants``: the default group's time and bits at one and at two
+    warpgroups a CTA."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 
@@ -68,11 +67,9 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for b in tli.BLOCK_CHOICES
         }
         row["grouped_variants"] = {}
-        for regs, wgs in itertools.product((False, True), (1, 2)):
-            run = functools.partial(
-                tlg.indexer_scores, q, w, keys, cand, scale, keys_in_registers=regs, warpgroups=wgs
-            )
-            name = f"{'registers' if regs else 'shared'}/{wgs}wg"
+        for wgs in (1, 2):
+            run = functools.partial(tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs)
+            name = f"{wgs} warpgroup{'s' if wgs > 1 else ''}"
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 
@@ -87,7 +84,7 @@ def describe(row: dict) -> str:
         if "grouped_tune" in row:
             grouped += f"  grouped tune {row['grouped_tune']}"
             for name, v in row["grouped_variants"].items():
-                grouped += f"  grouped keys in {name} {v['ms']:.4f} ms (bitwise {v['bitwise']})"
+                grouped += f"  grouped at {name} {v['ms']:.4f} ms (bitwise {v['bitwise']})"
     return (
         f"  tilelang scores {row['tilelang_score_ms']:.4f} ms "
         f"(rel err {row['tilelang_score_max_rel_err']:.1e}, "

@@ -10,8 +10,7 @@ key gather per block shared by the group's GEMMs and no block barrier inside the
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
 (0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
 equal the one-token TileLang kernel's bit for bit for both group sizes, every blocks-per-CTA choice
-either place of the keys (shared memory or registers: :data:`~deepinfer_cuda_sm100.tl.
-indexer_grouped.KEYS_IN_REGISTERS`) and one or two warpgroups a CTA, and on
+one or two warpgroups a CTA, and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -114,8 +113,8 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
     configs = grouped_indexer_configurations(H, D)
-    layout = (tl_pdl_enabled(), tlg.KEYS_IN_REGISTERS, tlg.WARPGROUPS)
-    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
+    pdl = tl_pdl_enabled()
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, pdl, tlg.WARPGROUPS) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
     assert planned <= {c[3] for c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])
@@ -173,16 +172,6 @@ def test_the_group_shares_one_gather_per_block_without_a_barrier_in_its_loop(gro
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-def test_keys_in_registers_take_the_register_operand_wgmma():
-    """With ``keys_in_registers`` the group's GEMMs take the keys from registers (wgmma's
-    register-A form), copied there once per block before the token loop."""
-    config = {"tl.disable_safe_memory_legalize": True}
-    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, keys_in_registers=True), config)
-    assert "wgmma_ss<" not in src and src.count("wgmma_rs<") == 2
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 def test_two_warpgroups_split_a_blocks_keys_never_its_heads():
     """At two warpgroups each takes one 64-row M tile of a block with all of its ``H`` heads
     (``wgmma`` ``m64n64``), so a row's sum over heads stays in one warpgroup's quad: no
@@ -234,11 +223,8 @@ def _needs_tilelang():
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
 
 
-VARIANTS = (
-    (1, False, 1), (2, False, 1), (tli.BLOCKS, False, 1), (1, True, 1), (tli.BLOCKS, True, 1),
-    (1, False, 2), (tli.BLOCKS, False, 2), (tli.BLOCKS, True, 2),
-)  # fmt: skip
-"""``(blocks, keys_in_registers, warpgroups)`` of the grouped kernels the GPU test compares."""
+VARIANTS = ((1, 1), (2, 1), (tli.BLOCKS, 1), (1, 2), (2, 2), (tli.BLOCKS, 2))
+"""``(blocks, warpgroups)`` of the grouped kernels the GPU test compares."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -255,10 +241,9 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
         for integer in (True, False):
             q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
             one = tli.indexer_scores(q, w, keys, index, SCALE)
-            for blocks, regs, wgs in VARIANTS:
-                config = {"blocks": blocks, "group": group, "keys_in_registers": regs, "warpgroups": wgs}
-                got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
-                assert torch.equal(got, one), f"{lengths} integer={integer} {blocks=} {regs=} {wgs=}"
+            for blocks, wgs in VARIANTS:
+                got = tlg.indexer_scores(q, w, keys, index, SCALE, blocks=blocks, group=group, warpgroups=wgs)
+                assert torch.equal(got, one), f"{lengths} integer={integer} {blocks=} {wgs=}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 

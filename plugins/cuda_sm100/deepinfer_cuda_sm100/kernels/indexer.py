@@ -643,15 +643,16 @@ FILTER_PROGRAMS_PER_SM = 8
 per row ``~ FILTER_PROGRAMS_PER_SM * SMs / T``).  Measured on an H200, like
 :data:`FILTER_MIN_COLUMNS`."""
 
-SORT_WARPS = (4, 8)
+SORT_WARPS = (16, 32)
 """Program widths ``(threshold, finish)`` of the threshold path's two sorting kernels (one
 program a row each: a sort of the ``G = 2 kk`` group maxima, and of the hits).  Each sort is
 a chain of dependent compare-exchange steps in one program an SM, so wider programs shorten
 it: compiled for sm_90 at k = 512, a thread of the threshold kernel runs 4,168 / 2,368 /
 1,408 / 936 instructions at 4 / 8 / 16 / 32 warps, one of the finish kernel 19,296 / 11,288 /
-6,672 / 4,600 (static counts, both of its sorts).  Any widths give the same picks;
-``bench_attention.py --only indexer --tune`` times them (``sort_warps`` of
-:func:`select_topk`)."""
+6,672 / 4,600 (static counts, both of its sorts).  Any widths give the same picks.  Timed on
+an H100 at 128 x 16,384 (``bench_attention.py --only indexer --tune``, ``sort_warps`` of
+:func:`select_topk`): the selection 0.0384 ms at 16 / 32 warps against 0.0530 at 4 / 8, 0.0484
+at 8 / 8 and 0.0388-0.0389 at the other wide pairs."""
 
 FILTER_PER_HIT_RATIO = 128
 """Rows of at least this many candidates per pick (hits are sparse: about ``1.2 kk`` in ``C``)

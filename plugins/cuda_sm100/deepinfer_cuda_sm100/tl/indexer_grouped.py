@@ -48,16 +48,14 @@ GROUP = 2
 each at 64 heads x 128) share shared memory with the 64 KB key ring, two CTAs an SM at 2."""
 GROUP_CHOICES = (2, 4)
 """Group sizes a launch may take (each a compiled configuration)."""
-KEYS_IN_REGISTERS = False
-"""Whether a gathered key block is loaded once into registers (wgmma's A operand from registers)
-for all the group's GEMMs, instead of every GEMM reading it from shared memory.  A ``[BN, H]``
-wgmma tile with both operands in shared memory reads 16 bytes of it per 16 multiply-adds
-(``BN`` = 128, ``H`` = 64), the SM's shared-memory bandwidth at its full tensor rate; from
-registers it reads only the queries.  The same products in the same K order either way."""
-WARPGROUPS = 1
-"""Warpgroups a CTA: at 2, each takes one 64-row wgmma M tile of a block (half its keys), so an
-SM holding two CTAs (their shared memory allows no more) runs 16 warps instead of 8 to hide
-the GEMM's and the gather's latency; every score is the same tile's, so the same bits."""
+WARPGROUPS = 2
+"""Warpgroups a CTA: at 2, each takes one 64-row wgmma M tile of a block (half its keys) with
+all its heads, so an SM holding two CTAs (their shared memory allows no more) runs 16 warps
+instead of 8 to hide the GEMM's and the gather's latency; every score is the same tile's, so
+the same bits.  Measured on an H100 (``bench_attention.py --only indexer --tune``): 0.861 ms
+against 0.949 at one warpgroup at 8,192 x 2,048, 0.207 against 0.213 at 128 x 16,384.  Taking
+the key block into registers instead (wgmma's register-A form, one copy for the group's
+GEMMs) was slower: 1.47 / 1.36 ms at 8,192 x 2,048 by one / two warpgroups."""
 
 
 def build_grouped_scores(
@@ -67,7 +65,6 @@ def build_grouped_scores(
     blocks: int = BLOCKS,
     group: int = GROUP,
     pdl: bool = False,
-    keys_in_registers: bool = KEYS_IN_REGISTERS,
     warpgroups: int = WARPGROUPS,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
@@ -78,7 +75,7 @@ def build_grouped_scores(
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
-        keys_in_registers: see :data:`KEYS_IN_REGISTERS`; warpgroups: see :data:`WARPGROUPS`.
+        warpgroups: 1 or 2 (see :data:`WARPGROUPS`).
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
@@ -147,7 +144,6 @@ def build_grouped_scores(
             live_s = T.alloc_shared((G,), "int64", scope="shared")
             acc = T.alloc_fragment((BN, H), acc_t)
             score = T.alloc_fragment((BN,), acc_t)
-            k_f = T.alloc_fragment((BN, D), dtype) if keys_in_registers else None
             nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
@@ -176,16 +172,11 @@ def build_grouped_scores(
                     nb = T.max(
                         T.min(T.Cast("int32", T.ceildiv(T.max(live_s[p] - c0, T.int64(0)), BN)), blocks), 1
                     )
-                    # the gather in stage 0; the copy to registers with the GEMMs in stage 1
-                    order, stage = ([0, 1, 2], [0, 1, 1]) if keys_in_registers else ([0, 1], [0, 1])
-                    for b in T.Pipelined(nb, order=order, stage=stage):
+                    for b in T.Pipelined(nb, order=[0, 1], stage=[0, 1]):
                         gather(k_s, off, flat, b, kst)
-                        if keys_in_registers:
-                            T.copy(k_s, k_f)
                         for j in T.serial(G):
                             if rows_s[j] == rows_s[p]:
-                                keys = k_f if keys_in_registers else k_s
-                                T.gemm(keys, q_s[j, :, :], acc, transpose_B=True, clear_accum=True, **split)
+                                T.gemm(k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True, **split)
                                 for i, h in T.Parallel(BN, H):
                                     acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
                                 T.reduce_sum(acc, score, dim=1)
@@ -222,7 +213,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 @logged_compile("indexer_grouped")
 def _kernel(heads: int, dim: int, dtype: str, *options):
     """A compiled kernel of :func:`build_grouped_scores` (``options``: its ``blocks``,
-    ``group``, ``pdl``, ``keys_in_registers``, ``warpgroups``, in order; TileLang's disk cache
+    ``group``, ``pdl``, ``warpgroups``, in order; TileLang's disk cache
     keeps it); bounds guards off, as the one-token kernel's (the gathers read the pool through
     a flat view)."""
     import tilelang
@@ -253,13 +244,12 @@ def indexer_scores(
     *,
     blocks: int | None = None,
     group: int = GROUP,
-    keys_in_registers: bool = KEYS_IN_REGISTERS,
     warpgroups: int = WARPGROUPS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
-    (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``keys_in_registers``:
-    :data:`KEYS_IN_REGISTERS`; ``warpgroups``: :data:`WARPGROUPS`."""
+    (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
+    (:data:`WARPGROUPS`)."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -270,7 +260,7 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    config = (blocks, group, tl_pdl_enabled(), keys_in_registers, warpgroups)
+    config = (blocks, group, tl_pdl_enabled(), warpgroups)
     kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(
