@@ -9,7 +9,9 @@ elsewhere they are skipped with the reason; ``bash scripts/test_npu.sh`` runs ex
 With ``DEEPINFER_TEST_TIMEOUT_S`` set (``scripts/test_gpu.sh`` sets it), a test still running
 after that many seconds dumps every thread's stack and ends its process: a hung kernel then
 costs one test (under xdist the worker is replaced and the test reported as crashed), not the
-whole run.
+whole run.  With ``DEEPINFER_TEST_FAILURE_LOG`` set to a file, each failing test's report is
+appended to it as soon as it fails (by the controlling process under xdist), so a run cut off
+by a time limit still says why each failure it reached failed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import faulthandler
 import functools
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,6 +84,37 @@ def _test_timeout() -> float | None:
     return seconds
 
 
+FAILURE_LOG_ENV = "DEEPINFER_TEST_FAILURE_LOG"
+"""A file each failing test's report is appended to as it fails (unset: none)."""
+
+
+class _FailureLog:
+    """The :data:`FAILURE_LOG_ENV` plugin: appends each failed report (setup, call or
+    teardown) with its node id and its long representation."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.failed:
+            return
+        with self.path.open("a") as log:
+            log.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+def _failure_log() -> Path | None:
+    """:data:`FAILURE_LOG_ENV` as a path, ``None`` where unset; a ``UsageError`` naming it
+    where its folder does not exist."""
+    value = os.environ.get(FAILURE_LOG_ENV, "").strip()
+    if not value:
+        return None
+    path = Path(value)
+    if not path.parent.is_dir():
+        folder = str(path.parent)
+        raise pytest.UsageError(f"{FAILURE_LOG_ENV}={value!r}: its folder {folder!r} does not exist")
+    return path
+
+
 _TIMEOUT = pytest.StashKey["float | None"]()
 """The run's :data:`TIMEOUT_ENV`, read once by :func:`pytest_configure`."""
 
@@ -95,8 +129,12 @@ def _uncaptured_stderr(config: pytest.Config):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Read and check :data:`TIMEOUT_ENV` before any test runs."""
+    """Read and check :data:`TIMEOUT_ENV` and :data:`FAILURE_LOG_ENV` before any test runs;
+    the failure log is written by the process that reports (not by xdist's workers)."""
     config.stash[_TIMEOUT] = _test_timeout()
+    log = _failure_log()
+    if log is not None and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_FailureLog(log), "deepinfer-failure-log")
 
 
 @pytest.hookimpl(wrapper=True)

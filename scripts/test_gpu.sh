@@ -5,6 +5,8 @@
 #
 #   bash scripts/test_gpu.sh              # all gpu tests, spread over GPU_TEST_WORKERS processes
 #   bash scripts/test_gpu.sh -k attention # extra arguments go to pytest
+#   DEEPINFER_TEST_FAILURE_LOG=/tmp/failures.txt bash scripts/test_gpu.sh  # each failure's report
+#                                         # written as it happens (conftest.py)
 #
 # It uses the Python that already has torch with CUDA: PYTHON, else .venv/bin/python where
 # that exists, else python3.  The core and the plugins are installed into it (editable, no
