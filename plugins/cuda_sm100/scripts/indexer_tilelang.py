@@ -51,7 +51,7 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
     blocks a CTA) and ``grouped_variants``: the default group's time and bits at one and at two
-    warpgroups a CTA."""
+    warpgroups a CTA, and at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``)."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 
@@ -67,9 +67,11 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for b in tli.BLOCK_CHOICES
         }
         row["grouped_variants"] = {}
-        for wgs in (1, 2):
-            run = functools.partial(tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs)
-            name = f"{wgs} warpgroup{'s' if wgs > 1 else ''}"
+        for wgs, overlap in ((1, False), (2, False), (2, True)):
+            run = functools.partial(
+                tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs, overlap=overlap
+            )
+            name = f"{wgs} warpgroup{'s' if wgs > 1 else ''}{', overlapped' if overlap else ''}"
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 

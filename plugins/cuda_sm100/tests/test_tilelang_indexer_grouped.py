@@ -113,8 +113,8 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
     configs = grouped_indexer_configurations(H, D)
-    pdl = tl_pdl_enabled()
-    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, pdl, tlg.WARPGROUPS) for b in tli.BLOCK_CHOICES]
+    layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.OVERLAP)
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
     assert planned <= {c[3] for c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])
@@ -183,6 +183,22 @@ def test_two_warpgroups_split_a_blocks_keys_never_its_heads():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_overlap_issues_both_tokens_gemms_before_the_first_wait():
+    """With ``overlap`` a block's two GEMMs (one accumulator a token) are issued back to back,
+    then waited for one at a time (``wait_wgmma(1)`` before token 0's epilogue, ``(0)``
+    before token 1's), in a kernel built for two CTAs an SM; any other group is refused."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, warpgroups=2, overlap=True), config)
+    assert "__launch_bounds__(256, 2)" in src
+    calls = re.findall(r"(wgmma_ss<|wait_wgmma<\d>|AllReduce<)", src)
+    block = ["wgmma_ss<", "wgmma_ss<", "wait_wgmma<1>", "AllReduce<", "wait_wgmma<0>", "AllReduce<"]
+    assert calls == block * 2, calls  # the pipelined loop's block and its last
+    with pytest.raises(ValueError, match="group of 2"):
+        tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
@@ -223,8 +239,10 @@ def _needs_tilelang():
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
 
 
-VARIANTS = ((1, 1), (2, 1), (tli.BLOCKS, 1), (1, 2), (2, 2), (tli.BLOCKS, 2))
-"""``(blocks, warpgroups)`` of the grouped kernels the GPU test compares."""
+VARIANTS = ((1, 1, False), (2, 1, False), (tli.BLOCKS, 1, False), (1, 2, False), (2, 2, False),
+            (tli.BLOCKS, 2, False), (1, 2, True), (tli.BLOCKS, 2, True))  # fmt: skip
+"""``(blocks, warpgroups, overlap)`` of the grouped kernels the GPU test compares (overlap at a
+group of 2 only)."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -241,9 +259,12 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
         for integer in (True, False):
             q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
             one = tli.indexer_scores(q, w, keys, index, SCALE)
-            for blocks, wgs in VARIANTS:
-                got = tlg.indexer_scores(q, w, keys, index, SCALE, blocks=blocks, group=group, warpgroups=wgs)
-                assert torch.equal(got, one), f"{lengths} integer={integer} {blocks=} {wgs=}"
+            for blocks, wgs, overlap in VARIANTS:
+                if overlap and group != 2:
+                    continue
+                config = {"blocks": blocks, "group": group, "warpgroups": wgs, "overlap": overlap}
+                got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
+                assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 

@@ -56,6 +56,13 @@ the same bits.  Measured on an H100 (``bench_attention.py --only indexer --tune`
 against 0.949 at one warpgroup at 8,192 x 2,048, 0.207 against 0.213 at 128 x 16,384.  Taking
 the key block into registers instead (wgmma's register-A form, one copy for the group's
 GEMMs) was slower: 1.47 / 1.36 ms at 8,192 x 2,048 by one / two warpgroups."""
+OVERLAP = False
+"""Whether a block's GEMMs for the group's tokens are all issued before the first epilogue
+(one accumulator a token, each waited for in turn: token 0's epilogue runs while token 1's
+GEMM multiplies) instead of each GEMM waited for before its epilogue.  Tokens of another
+request than the pass's are multiplied too and their products dropped.  The same products
+and epilogue, so the same bits.  A group of 2 only, built for two CTAs an SM (128 registers
+a thread at two warpgroups, no spills, offline for sm_90; four accumulators spill)."""
 
 
 def build_grouped_scores(
@@ -66,6 +73,7 @@ def build_grouped_scores(
     group: int = GROUP,
     pdl: bool = False,
     warpgroups: int = WARPGROUPS,
+    overlap: bool = OVERLAP,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -75,12 +83,14 @@ def build_grouped_scores(
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
-        warpgroups: 1 or 2 (see :data:`WARPGROUPS`).
+        warpgroups: 1 or 2 (see :data:`WARPGROUPS`); overlap: see :data:`OVERLAP`.
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+    if overlap and group != 2:
+        raise ValueError(f"overlap takes a group of 2 tokens (four accumulators spill), got {group}")
     import tilelang.language as T
 
     acc_t = "float32"
@@ -91,6 +101,10 @@ def build_grouped_scores(
     # two warpgroups split a block's keys (wgmma's M), never its heads: a row's sum over heads
     # stays in one quad of threads
     split = {"policy": T.GemmWarpPolicy.FullRow} if warpgroups == 2 else {}
+    # the gather in stage 0, the GEMMs and epilogues in stage 1: with OVERLAP, a token's
+    # issue and finish are seven statements of the loop's body as TileLang counts them
+    body = 1 + (7 * G if overlap else 1)
+    stages = {"order": list(range(body)), "stage": [0] + [1] * (body - 1)}
 
     @T.macro
     def row_offsets(off, page_row, c0, count, pages, block_table):
@@ -115,6 +129,46 @@ def build_grouped_scores(
     def gather(k_s, off, flat, b, kst):
         for i, d in T.Parallel(BN, D):
             k_s[i, d] = flat[T.Cast("int64", T.max(off[b * BN + i], 0)) * kst * 8 + d]
+
+    @T.macro
+    def epilogue(acc, score, w_s, j, scale, scores, token, first, off, base, count):
+        """Token ``j``'s (row ``token`` of ``scores``) logits of a block whose first candidate
+        is ``first`` (its offsets from ``off[base]``) to scores: relu, scale, head weight
+        (rounded), the sum over heads; ``-inf`` at or past ``count`` and where no page is."""
+        for i, h in T.Parallel(BN, H):
+            acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
+        T.reduce_sum(acc, score, dim=1)
+        for i in T.Parallel(BN):
+            c = first + i
+            if c < n_cand:
+                scores[token, c] = T.if_then_else(
+                    (off[base + i] < 0) or (c >= count),
+                    -T.infinity(acc_t),
+                    T.if_then_else(score[i] == 0, T.float32(0), score[i]),
+                )
+
+    @T.macro
+    def issue(k_s, q_s, acc, j):
+        """Token ``j``'s GEMM of the block issued, not waited for."""
+        T.clear(acc)
+        T.wgmma_gemm(k_s, q_s[j, :, :], acc, transpose_B=True, **split)
+
+    @T.macro
+    def finish(acc, j, in_flight, lead, rows_s, cnt_s, score, w_s, scale, scores, t0, g, b, off):
+        """Token ``j``'s GEMM waited for (``in_flight`` later ones may still multiply), then its
+        epilogue where it belongs to the pass's row (``lead``: that row)."""
+        T.wait_wgmma(in_flight)
+        if rows_s[j] == lead:
+            epilogue(acc, score, w_s, j, scale, scores, t0 + j, (g * blocks + b) * BN, off, b * BN, cnt_s[j])
+
+    def overlapped(k_s, q_s, accs, lead, *io):
+        """:data:`OVERLAP`'s block: every token's GEMM issued, then each waited for in turn
+        and its epilogue run while the later ones multiply (plain Python, so the token loop
+        unrolls at trace time: one accumulator a token)."""
+        for j in range(G):
+            issue(k_s, q_s, accs[j], j)
+        for j in range(G):
+            finish(accs[j], j, G - 1 - j, lead, *io)
 
     @T.prim_func
     def indexer_scores_grouped(
@@ -142,11 +196,14 @@ def build_grouped_scores(
             rows_s = T.alloc_shared((G,), "int64", scope="shared")
             cnt_s = T.alloc_shared((G,), "int64", scope="shared")
             live_s = T.alloc_shared((G,), "int64", scope="shared")
-            acc = T.alloc_fragment((BN, H), acc_t)
+            acc = None if overlap else T.alloc_fragment((BN, H), acc_t)
+            accs = [T.alloc_fragment((BN, H), acc_t) for _ in range(G)] if overlap else []
             score = T.alloc_fragment((BN,), acc_t)
             nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
+            if overlap:  # two CTAs an SM, as without: at most 128 registers a thread
+                T.annotate_min_blocks_per_sm(2)
             if pdl:  # every input comes from the kernels before
                 start()
             for j, h, d in T.Parallel(G, H, D):
@@ -172,22 +229,20 @@ def build_grouped_scores(
                     nb = T.max(
                         T.min(T.Cast("int32", T.ceildiv(T.max(live_s[p] - c0, T.int64(0)), BN)), blocks), 1
                     )
-                    for b in T.Pipelined(nb, order=[0, 1], stage=[0, 1]):
+                    for b in T.Pipelined(nb, **stages):
                         gather(k_s, off, flat, b, kst)
-                        for j in T.serial(G):
-                            if rows_s[j] == rows_s[p]:
-                                T.gemm(k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True, **split)
-                                for i, h in T.Parallel(BN, H):
-                                    acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
-                                T.reduce_sum(acc, score, dim=1)
-                                for i in T.Parallel(BN):
-                                    c = (g * blocks + b) * BN + i
-                                    if c < n_cand:
-                                        scores[t0 + j, c] = T.if_then_else(
-                                            (off[b * BN + i] < 0) or (c >= cnt_s[j]),
-                                            -T.infinity(acc_t),
-                                            T.if_then_else(score[i] == 0, T.float32(0), score[i]),
-                                        )
+                        if overlap:  # every token's GEMM issued, then each waited for in turn
+                            frame = (rows_s, cnt_s, score, w_s, scale, scores, t0, g, b, off)
+                            overlapped(k_s, q_s, accs, rows_s[p], *frame)
+                        else:
+                            for j in T.serial(G):
+                                if rows_s[j] == rows_s[p]:
+                                    T.gemm(
+                                        k_s, q_s[j, :, :], acc, transpose_B=True, clear_accum=True, **split
+                                    )
+                                    first = (g * blocks + b) * BN
+                                    io = (scores, t0 + j, first, off, b * BN, cnt_s[j])
+                                    epilogue(acc, score, w_s, j, scale, *io)
                     for b in T.serial(nb, blocks):
                         for j in T.serial(G):
                             if rows_s[j] == rows_s[p]:
@@ -213,7 +268,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 @logged_compile("indexer_grouped")
 def _kernel(heads: int, dim: int, dtype: str, *options):
     """A compiled kernel of :func:`build_grouped_scores` (``options``: its ``blocks``,
-    ``group``, ``pdl``, ``warpgroups``, in order; TileLang's disk cache
+    ``group``, ``pdl``, ``warpgroups``, ``overlap``, in order; TileLang's disk cache
     keeps it); bounds guards off, as the one-token kernel's (the gathers read the pool through
     a flat view)."""
     import tilelang
@@ -245,11 +300,12 @@ def indexer_scores(
     blocks: int | None = None,
     group: int = GROUP,
     warpgroups: int = WARPGROUPS,
+    overlap: bool = OVERLAP,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
     (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
-    (:data:`WARPGROUPS`)."""
+    (:data:`WARPGROUPS`); ``overlap``: :data:`OVERLAP`."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -260,7 +316,7 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    config = (blocks, group, tl_pdl_enabled(), warpgroups)
+    config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
     kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(

@@ -144,13 +144,13 @@ def indexer_configurations(heads: int, dim: int) -> list[tuple]:
 def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
     """``tl.indexer_grouped._kernel`` arguments, as :func:`~deepinfer_cuda_sm100.tl.
     indexer_grouped.indexer_scores` passes them: every blocks-per-CTA choice at the default
-    group size and warpgroups (the ones the dispatcher runs), bfloat16, with the PDL prologue
+    group size, warpgroups and overlap (the ones the dispatcher runs), bfloat16, with the PDL prologue
     where this device takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
-    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, WARPGROUPS
+    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, OVERLAP, WARPGROUPS
 
-    pdl = tl_pdl_enabled()
-    return [(heads, dim, "bfloat16", blocks, GROUP, pdl, WARPGROUPS) for blocks in BLOCK_CHOICES]
+    layout = (tl_pdl_enabled(), WARPGROUPS, OVERLAP)
+    return [(heads, dim, "bfloat16", blocks, GROUP, *layout) for blocks in BLOCK_CHOICES]
 
 
 def _sms(given: int = 0) -> int:
