@@ -424,21 +424,39 @@ def select_path_problems(device: str, shapes_name: str = "SMALL") -> list[str]:
     return problems
 
 
+def _wide_index_lists(g: torch.Generator) -> list[list]:
+    """Index lists the conformance cases lack: one wider than the prologue's block
+    (``kernels.attention.PROLOGUE_BLOCK``: read block after block) beside a paged source, and
+    an empty list before an int32 one."""
+    from deepinfer_cuda_sm100.kernels.attention import PROLOGUE_BLOCK
+
+    from deepinfer_core.ops.attention import PagedIndex
+
+    t = 5
+    wide = torch.randint(-1, 50, (t, PROLOGUE_BLOCK + 300), generator=g)
+    window = torch.randint(-1, 100, (t, 128), generator=g)
+    table = torch.zeros(1, 4, dtype=torch.int64)
+    paged = PagedIndex(table, torch.zeros(t, dtype=torch.int64), torch.tensor([3, -1, 70, 0, 64]), 16, 64)
+    topk = torch.randint(-1, 1000, (t, 512), generator=g).to(torch.int32)
+    return [[wide, paged, window], [torch.empty(t, 0, dtype=torch.int64), topk]]
+
+
 def compaction_problems(device: str) -> list[str]:
     """The prologue's :func:`compact_sources` on every conformance case of ``sparse_attention``
-    against its definition: each source's valid-key count and the explicit lists' valid rows,
-    list after list, each in its order."""
+    and on :func:`_wide_index_lists` against its definition: each source's valid-key count and
+    the explicit lists' valid rows, list after list, each in its order."""
     from deepinfer_cuda_sm100.attention_ops import SMALL, attention_cases
     from deepinfer_cuda_sm100.kernels.attention import compact_sources
 
     from deepinfer_core.ops.attention import PagedIndex
 
     problems = []
-    cases = attention_cases(SMALL)(torch.Generator().manual_seed(0), torch.float32)
-    for n, (args, _) in enumerate(cases):
-        indices = [i if isinstance(i, PagedIndex) else i.to(device) for i in args[2]]
+    g = torch.Generator().manual_seed(0)
+    cases = [args[2] for args, _ in attention_cases(SMALL)(g, torch.float32)] + _wide_index_lists(g)
+    for n, lists in enumerate(cases):
+        indices = [i if isinstance(i, PagedIndex) else i.to(device) for i in lists]
         nvalid, compact = compact_sources(indices)
-        for t in range(args[0].shape[0]):
+        for t in range(nvalid.shape[0]):
             rows, counts = [], []
             for i in indices:
                 if isinstance(i, PagedIndex):
@@ -710,6 +728,29 @@ def _recorded_main_launches(call: tuple, monkeypatch) -> list[tuple[tuple, dict]
     ka.sparse_attention(*call)
     monkeypatch.undo()
     return [(args, kwargs) for kernel, args, kwargs in launches if kernel is main]
+
+
+@slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+def test_the_prologue_reads_every_source_before_its_first_store():
+    """Compiled for sm_90 at V4's lists (a 128-row window, 512 top-k rows, int32 and int64),
+    the prologue's global loads all come before its first global store: one round of load
+    latency a query, where the lists wider than a block take one a source."""
+    import re
+
+    from deepinfer_cuda_sm100.kernels import attention as ka
+
+    t, none = 64, torch.empty(1, dtype=torch.int64)
+    window, topk = torch.zeros(t, 128, dtype=torch.int64), torch.zeros(t, 512, dtype=torch.int32)
+    out = (torch.empty(t, 4, dtype=torch.int32), torch.empty(t, 640, dtype=torch.int32), 640)
+    args = (*out, window, 128, 1, 128, topk, 512, 1, 512, none, 0, 0, 0, none, 0, 0, 0)
+    kinds = {"KIND0": ka.SRC_ROWS, "KIND1": ka.SRC_ROWS, "KIND2": ka.SRC_NONE, "KIND3": ka.SRC_NONE}
+    for one_block in (True, False):
+        kw = {**kinds, "BLOCK_C": 512, "INTERP": False, "ONE_BLOCK": one_block, "num_warps": 4}
+        ptx = compile_launch(ka._prologue_kernel, args, kw, 90).asm["ptx"]
+        memory = re.findall(r"\b(ld\.global|st\.global)", ptx)
+        first_store = memory.index("st.global")
+        assert ("ld.global" not in memory[first_store:]) == one_block, (one_block, memory)
 
 
 @slow

@@ -175,6 +175,34 @@ def _count_source(
 
 
 @triton.jit
+def _preload_source(KIND: tl.constexpr, idx_ptr, s_t, s_c, K, t, BLOCK_C: tl.constexpr):
+    """One source of query ``t`` read ahead of any store: an explicit list's rows as one block
+    (``-1`` past ``K``), a paged source's clamped count, else zero."""
+    if KIND == 1:
+        cols = tl.arange(0, BLOCK_C)
+        out = tl.load(idx_ptr + t * s_t + cols * s_c, mask=cols < K, other=-1)
+    elif KIND == 2:  # paged: idx_ptr = counts, K = max_count
+        out = tl.minimum(tl.maximum(tl.load(idx_ptr + t * s_t), 0), K).to(tl.int32)
+    else:
+        out = tl.zeros((), tl.int32)
+    return out
+
+
+@triton.jit
+def _place_source(KIND: tl.constexpr, loaded, dst_ptr):
+    """A preloaded source's valid keys; an explicit list's valid rows compacted to
+    ``dst_ptr`` (:func:`_compact_block`'s arithmetic from zero)."""
+    if KIND == 1:
+        ok = loaded >= 0
+        oki = ok.to(tl.int32)
+        tl.store(dst_ptr + tl.cumsum(oki, 0) - oki, loaded.to(tl.int32), mask=ok)
+        n = tl.sum(oki, 0)
+    else:
+        n = loaded
+    return n
+
+
+@triton.jit
 def _prologue_kernel(
     nvalid_ptr,
     compact_ptr,
@@ -201,18 +229,32 @@ def _prologue_kernel(
     KIND3: tl.constexpr,
     BLOCK_C: tl.constexpr,
     INTERP: tl.constexpr,
+    ONE_BLOCK: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     row = compact_ptr + t * KE
-    n0 = _count_source(KIND0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
-    e1 = n0 if KIND0 == 1 else 0
-    n1 = _count_source(KIND1, i1, t1, c1, k1, t, row + e1, BLOCK_C, INTERP)
-    e2 = e1 + (n1 if KIND1 == 1 else 0)
-    n2 = _count_source(KIND2, i2, t2, c2, k2, t, row + e2, BLOCK_C, INTERP)
-    e3 = e2 + (n2 if KIND2 == 1 else 0)
-    n3 = _count_source(KIND3, i3, t3, c3, k3, t, row + e3, BLOCK_C, INTERP)
+    if ONE_BLOCK:  # every source read before the first store: one round of load latency
+        l0 = _preload_source(KIND0, i0, t0, c0, k0, t, BLOCK_C)
+        l1 = _preload_source(KIND1, i1, t1, c1, k1, t, BLOCK_C)
+        l2 = _preload_source(KIND2, i2, t2, c2, k2, t, BLOCK_C)
+        l3 = _preload_source(KIND3, i3, t3, c3, k3, t, BLOCK_C)
+        n0 = _place_source(KIND0, l0, row)
+        e1 = n0 if KIND0 == 1 else 0
+        n1 = _place_source(KIND1, l1, row + e1)
+        e2 = e1 + (n1 if KIND1 == 1 else 0)
+        n2 = _place_source(KIND2, l2, row + e2)
+        e3 = e2 + (n2 if KIND2 == 1 else 0)
+        n3 = _place_source(KIND3, l3, row + e3)
+    else:  # a list wider than a block: block after block, source after source
+        n0 = _count_source(KIND0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
+        e1 = n0 if KIND0 == 1 else 0
+        n1 = _count_source(KIND1, i1, t1, c1, k1, t, row + e1, BLOCK_C, INTERP)
+        e2 = e1 + (n1 if KIND1 == 1 else 0)
+        n2 = _count_source(KIND2, i2, t2, c2, k2, t, row + e2, BLOCK_C, INTERP)
+        e3 = e2 + (n2 if KIND2 == 1 else 0)
+        n3 = _count_source(KIND3, i3, t3, c3, k3, t, row + e3, BLOCK_C, INTERP)
     base = nvalid_ptr + t * 4
     tl.store(base, n0)
     tl.store(base + 1, n1)
@@ -917,11 +959,19 @@ def sparse_attention_impl(
     return out
 
 
+PROLOGUE_BLOCK = 1024
+"""The prologue's widest block of a list's rows: where every explicit list fits one (V4's
+window and top-k lists), all sources are read before the first store, so the query's loads
+wait out one latency instead of one a source (stores through ``compact`` could alias the
+lists for the compiler, which then keeps each source's loads behind the stores before it)."""
+
+
 def _prologue(t: int, device: torch.device, kinds: list[int], idx_args: list, ke: int):
     """Launch the prologue: ``(nvalid [T, 4], compact [T, max(ke, 1)])``."""
     nvalid = torch.empty((t, 4), dtype=torch.int32, device=device)
     compact = torch.empty((t, max(ke, 1)), dtype=torch.int32, device=device)
     widest = max([a for a, k in zip(idx_args[3::4], kinds, strict=True) if k == SRC_ROWS] + [1])
+    block_c = min(max(16, pow2(widest)), PROLOGUE_BLOCK)
     _prologue_kernel[(t,)](
         nvalid,
         compact,
@@ -931,8 +981,9 @@ def _prologue(t: int, device: torch.device, kinds: list[int], idx_args: list, ke
         KIND1=kinds[1],
         KIND2=kinds[2],
         KIND3=kinds[3],
-        BLOCK_C=min(max(16, pow2(widest)), 1024),
+        BLOCK_C=block_c,
         INTERP=INTERPRETED,
+        ONE_BLOCK=widest <= block_c,
         num_warps=4,
         **pdl_args(),
     )
