@@ -2,13 +2,14 @@
 speculative verification): the scores of :mod:`deepinfer_cuda_sm100.tl.indexer` with each
 gathered key block serving several tokens.
 
-One CTA (one warpgroup) takes :data:`GROUP` consecutive query tokens and up to ``blocks``
-blocks of :data:`~deepinfer_cuda_sm100.tl.indexer.BN` entries of a
-:class:`~deepinfer_core.ops.attention.PagedIndex`.  Tokens of one request read the same block
-table row, so the CTA resolves that row's entries to pool rows once, gathers each key block
-into shared memory once, and runs the one-token kernel's GEMM and epilogue for every token of
-the row against it: the keys cross L2 once per group instead of once per token (at 8,192
-tokens of one request over 2,048 entries, 4.3 GB of gathers per call with one token a CTA).
+One CTA (:data:`WARPGROUPS` warpgroups, each taking 64 of a block's rows) takes :data:`GROUP`
+consecutive query tokens and up to ``blocks`` blocks of :data:`~deepinfer_cuda_sm100.tl.
+indexer.BN` entries of a :class:`~deepinfer_core.ops.attention.PagedIndex`.  Tokens of one
+request read the same block table row, so the CTA resolves that row's entries to pool rows
+once, gathers each key block into shared memory once, and runs the one-token kernel's GEMM
+and epilogue for every token of the row against it: the keys cross L2 once per group instead
+of once per token (at 8,192 tokens of one request over 2,048 entries, 4.3 GB of gathers per
+call with one token a CTA).
 
 A group that spans requests (a token whose block-table row differs from its predecessor's)
 takes one pass per run of equal rows: each pass gathers its row's keys and scores only the
@@ -19,7 +20,7 @@ not exist), and its blocks past that count are neither gathered nor multiplied, 
 as ``-inf`` (a causal prefill chunk's early tokens see few entries: about half the blocks of a
 chunk that starts a request).
 
-**Bits.**  Each token's product is the one-token kernel's: the same ``[BN, H]`` wgmma tiles
+**Bits.**  Each token's product is the one-token kernel's: the same 64-row wgmma tiles
 over the same gathered rows in the same K order, the same epilogue (relu, scale, head
 weights, the sum over heads within each row's quad), so its scores equal that kernel's bit
 for bit (asserted on the GPU).  Both round the head weight's product before the sum adds it
