@@ -143,9 +143,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 @triton.jit
-def _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C: tl.constexpr):
-    cols = c0 + tl.arange(0, BLOCK_C)
-    r = tl.load(idx_ptr + t * s_t + cols * s_c, mask=cols < K, other=-1)
+def _place_rows(r, dst_ptr, n):
+    """The valid rows (``>= 0``) of the block ``r`` stored in order to ``dst_ptr`` from position
+    ``n``; ``n`` plus their count."""
     ok = r >= 0
     oki = ok.to(tl.int32)
     pos = n + tl.cumsum(oki, 0) - oki
@@ -154,31 +154,20 @@ def _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C: tl.constexp
 
 
 @triton.jit
-def _count_source(
-    KIND: tl.constexpr, idx_ptr, s_t, s_c, K, t, dst_ptr, BLOCK_C: tl.constexpr, INTERP: tl.constexpr
-):
-    """Valid keys of one source for query ``t``; explicit rows are compacted to ``dst_ptr``."""
-    n = tl.zeros((), tl.int32)
-    if KIND == 1:
-        if INTERP:
-            c0 = 0
-            while c0 < K:
-                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
-                c0 += BLOCK_C
-        else:
-            for c0 in range(0, K, BLOCK_C):
-                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
-    elif KIND == 2:  # paged: idx_ptr = counts, K = max_count
-        c = tl.load(idx_ptr + t * s_t)
-        n = tl.minimum(tl.maximum(c, 0), K).to(tl.int32)
-    return n
+def _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C: tl.constexpr):
+    cols = c0 + tl.arange(0, BLOCK_C)
+    r = tl.load(idx_ptr + t * s_t + cols * s_c, mask=cols < K, other=-1)
+    return _place_rows(r, dst_ptr, n)
 
 
 @triton.jit
-def _preload_source(KIND: tl.constexpr, idx_ptr, s_t, s_c, K, t, BLOCK_C: tl.constexpr):
-    """One source of query ``t`` read ahead of any store: an explicit list's rows as one block
-    (``-1`` past ``K``), a paged source's clamped count, else zero."""
-    if KIND == 1:
+def _preload_source(
+    KIND: tl.constexpr, ONE_BLOCK: tl.constexpr, idx_ptr, s_t, s_c, K, t, BLOCK_C: tl.constexpr
+):
+    """What of one source of query ``t`` is read ahead of any store: a paged source's clamped
+    count; with ``ONE_BLOCK``, an explicit list's rows as one block (``-1`` past ``K``); else
+    zero (nothing)."""
+    if KIND == 1 and ONE_BLOCK:
         cols = tl.arange(0, BLOCK_C)
         out = tl.load(idx_ptr + t * s_t + cols * s_c, mask=cols < K, other=-1)
     elif KIND == 2:  # paged: idx_ptr = counts, K = max_count
@@ -189,15 +178,35 @@ def _preload_source(KIND: tl.constexpr, idx_ptr, s_t, s_c, K, t, BLOCK_C: tl.con
 
 
 @triton.jit
-def _place_source(KIND: tl.constexpr, loaded, dst_ptr):
-    """A preloaded source's valid keys; an explicit list's valid rows compacted to
-    ``dst_ptr`` (:func:`_compact_block`'s arithmetic from zero)."""
+def _count_source(
+    KIND: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
+    loaded,
+    idx_ptr,
+    s_t,
+    s_c,
+    K,
+    t,
+    dst_ptr,
+    BLOCK_C: tl.constexpr,
+    INTERP: tl.constexpr,
+):
+    """Valid keys of one source for query ``t`` (``loaded``: its :func:`_preload_source`);
+    explicit rows are compacted to ``dst_ptr``, from the preloaded block with ``ONE_BLOCK``,
+    else read block after block."""
+    n = tl.zeros((), tl.int32)
     if KIND == 1:
-        ok = loaded >= 0
-        oki = ok.to(tl.int32)
-        tl.store(dst_ptr + tl.cumsum(oki, 0) - oki, loaded.to(tl.int32), mask=ok)
-        n = tl.sum(oki, 0)
-    else:
+        if ONE_BLOCK:
+            n = _place_rows(loaded, dst_ptr, n)
+        elif INTERP:
+            c0 = 0
+            while c0 < K:
+                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
+                c0 += BLOCK_C
+        else:
+            for c0 in range(0, K, BLOCK_C):
+                n = _compact_block(idx_ptr, s_t, s_c, K, t, c0, dst_ptr, n, BLOCK_C)
+    elif KIND == 2:
         n = loaded
     return n
 
@@ -235,26 +244,19 @@ def _prologue_kernel(
     pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     row = compact_ptr + t * KE
-    if ONE_BLOCK:  # every source read before the first store: one round of load latency
-        l0 = _preload_source(KIND0, i0, t0, c0, k0, t, BLOCK_C)
-        l1 = _preload_source(KIND1, i1, t1, c1, k1, t, BLOCK_C)
-        l2 = _preload_source(KIND2, i2, t2, c2, k2, t, BLOCK_C)
-        l3 = _preload_source(KIND3, i3, t3, c3, k3, t, BLOCK_C)
-        n0 = _place_source(KIND0, l0, row)
-        e1 = n0 if KIND0 == 1 else 0
-        n1 = _place_source(KIND1, l1, row + e1)
-        e2 = e1 + (n1 if KIND1 == 1 else 0)
-        n2 = _place_source(KIND2, l2, row + e2)
-        e3 = e2 + (n2 if KIND2 == 1 else 0)
-        n3 = _place_source(KIND3, l3, row + e3)
-    else:  # a list wider than a block: block after block, source after source
-        n0 = _count_source(KIND0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
-        e1 = n0 if KIND0 == 1 else 0
-        n1 = _count_source(KIND1, i1, t1, c1, k1, t, row + e1, BLOCK_C, INTERP)
-        e2 = e1 + (n1 if KIND1 == 1 else 0)
-        n2 = _count_source(KIND2, i2, t2, c2, k2, t, row + e2, BLOCK_C, INTERP)
-        e3 = e2 + (n2 if KIND2 == 1 else 0)
-        n3 = _count_source(KIND3, i3, t3, c3, k3, t, row + e3, BLOCK_C, INTERP)
+    # every source read before the first store where each list fits a block (ONE_BLOCK): one
+    # round of load latency; wider lists are read block after block, source after source
+    l0 = _preload_source(KIND0, ONE_BLOCK, i0, t0, c0, k0, t, BLOCK_C)
+    l1 = _preload_source(KIND1, ONE_BLOCK, i1, t1, c1, k1, t, BLOCK_C)
+    l2 = _preload_source(KIND2, ONE_BLOCK, i2, t2, c2, k2, t, BLOCK_C)
+    l3 = _preload_source(KIND3, ONE_BLOCK, i3, t3, c3, k3, t, BLOCK_C)
+    n0 = _count_source(KIND0, ONE_BLOCK, l0, i0, t0, c0, k0, t, row, BLOCK_C, INTERP)
+    e1 = n0 if KIND0 == 1 else 0
+    n1 = _count_source(KIND1, ONE_BLOCK, l1, i1, t1, c1, k1, t, row + e1, BLOCK_C, INTERP)
+    e2 = e1 + (n1 if KIND1 == 1 else 0)
+    n2 = _count_source(KIND2, ONE_BLOCK, l2, i2, t2, c2, k2, t, row + e2, BLOCK_C, INTERP)
+    e3 = e2 + (n2 if KIND2 == 1 else 0)
+    n3 = _count_source(KIND3, ONE_BLOCK, l3, i3, t3, c3, k3, t, row + e3, BLOCK_C, INTERP)
     base = nvalid_ptr + t * 4
     tl.store(base, n0)
     tl.store(base + 1, n1)
