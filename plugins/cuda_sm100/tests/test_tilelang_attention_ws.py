@@ -455,15 +455,22 @@ def test_gpu_a_pair_cluster_gives_the_combined_bits_and_replays_in_a_graph():
 @pytest.mark.gpu
 def test_gpu_packed_pools_equal_their_dequantised_rows_bitwise():
     """The producer's dequantisation is exact (what ``dequantize_fp8_rows`` computes, rounded to
-    bfloat16) and the schedule does not depend on the pools' format: on packed pools the kernel
-    returns, bit for bit, what it returns on the same rows dequantised into plain pools."""
+    bfloat16) and the kernel's schedule does not depend on the pools' format: on packed pools
+    the op returns, bit for bit, what the kernel returns on the same rows dequantised into plain
+    pools under the packed pools' split plan (the plans differ by format, :data:`SPLIT_CTAS`)."""
     _needs_gpu_and_tilelang()
     cases = _cases("fp8")
     assert len(cases) >= 6
+    packed_plan = functools.partial(tlw.plan_splits, packed=True)
+    differing = 0
     for q, pools, indices, sinks, scale in cases:
         plain = [pool.dequantize(torch.bfloat16) for pool in pools]
         got = tlw.sparse_attention(q, pools, indices, sinks, scale)
-        assert torch.equal(got, tlw.sparse_attention(q, plain, indices, sinks, scale))
+        want = tla.launch(q, plain, indices, sinks, scale, tlw._kernel, packed_plan)
+        assert torch.equal(got, want)
+        shape = (q.shape[0], q.shape[1], tla.max_keys(indices), tla.num_sms(q.device))
+        differing += tlw.plan_splits(*shape, packed=True) != tlw.plan_splits(*shape)
+    assert differing  # a case whose own plain plan would split differently
 
 
 @pytest.mark.gpu

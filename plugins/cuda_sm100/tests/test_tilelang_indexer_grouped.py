@@ -108,12 +108,21 @@ def test_cpu_calls_keep_the_triton_scores():
     assert indexer_select.choose_scores(q, w, keys, index) == "triton"
 
 
+def test_only_the_two_token_group_runs_overlapped_by_default():
+    """The overlapped build takes a group of 2 (four accumulators spill): a larger group (what
+    ``--tune`` times) runs plain by default instead of being refused."""
+    assert tlg.overlaps(2) is tlg.OVERLAP
+    assert tlg.overlaps(4) is False
+    with pytest.raises(ValueError, match="overlap takes a group of 2"):
+        tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
+
+
 def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
     configs = grouped_indexer_configurations(H, D)
-    layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.OVERLAP)
+    layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
     assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
     assert planned <= {c[3] for c in configs}

@@ -57,13 +57,22 @@ the same bits.  Measured on an H100 (``bench_attention.py --only indexer --tune`
 against 0.949 at one warpgroup at 8,192 x 2,048, 0.207 against 0.213 at 128 x 16,384.  Taking
 the key block into registers instead (wgmma's register-A form, one copy for the group's
 GEMMs) was slower: 1.47 / 1.36 ms at 8,192 x 2,048 by one / two warpgroups."""
-OVERLAP = False
+OVERLAP = True
 """Whether a block's GEMMs for the group's tokens are all issued before the first epilogue
 (one accumulator a token, each waited for in turn: token 0's epilogue runs while token 1's
 GEMM multiplies) instead of each GEMM waited for before its epilogue.  Tokens of another
 request than the pass's are multiplied too and their products dropped.  The same products
 and epilogue, so the same bits.  A group of 2 only, built for two CTAs an SM (128 registers
-a thread at two warpgroups, no spills, offline for sm_90; four accumulators spill)."""
+a thread at two warpgroups, no spills, offline for sm_90; four accumulators spill).  Measured
+on an H100 (``bench_attention.py --only indexer --tune``, bitwise equal): 0.788 ms against
+0.865 without at 8,192 x 2,048; 0.208 against 0.204 at 128 x 16,384, where the one-token
+kernel (0.196) runs instead."""
+
+
+def overlaps(group: int) -> bool:
+    """Whether a CTA of ``group`` tokens runs overlapped by default: :data:`OVERLAP`, at the
+    group size it takes (2)."""
+    return OVERLAP and group == 2
 
 
 def build_grouped_scores(
@@ -301,12 +310,12 @@ def indexer_scores(
     blocks: int | None = None,
     group: int = GROUP,
     warpgroups: int = WARPGROUPS,
-    overlap: bool = OVERLAP,
+    overlap: bool | None = None,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
     (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
-    (:data:`WARPGROUPS`); ``overlap``: :data:`OVERLAP`."""
+    (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`)."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -317,6 +326,7 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
+    overlap = overlaps(group) if overlap is None else overlap
     config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
     kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)

@@ -147,9 +147,9 @@ def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
     group size, warpgroups and overlap (the ones the dispatcher runs), bfloat16, with the PDL prologue
     where this device takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
-    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, OVERLAP, WARPGROUPS
+    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, WARPGROUPS, overlaps
 
-    layout = (tl_pdl_enabled(), WARPGROUPS, OVERLAP)
+    layout = (tl_pdl_enabled(), WARPGROUPS, overlaps(GROUP))
     return [(heads, dim, "bfloat16", blocks, GROUP, *layout) for blocks in BLOCK_CHOICES]
 
 
