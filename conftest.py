@@ -11,7 +11,9 @@ after that many seconds dumps every thread's stack and ends its process: a hung 
 costs one test (under xdist the worker is replaced and the test reported as crashed), not the
 whole run.  With ``DEEPINFER_TEST_FAILURE_LOG`` set to a file, each failing test's report is
 appended to it as soon as it fails (by the controlling process under xdist), so a run cut off
-by a time limit still says why each failure it reached failed.
+by a time limit still says why each failure it reached failed.  With ``DEEPINFER_TEST_SHARD``
+set to ``K/N``, only every N-th collected test from the K-th on runs (the others deselected),
+so a tier too long for one sitting runs as N commands that together run each test once.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ def npu_unavailable_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the ``gpu`` and ``npu`` tests, naming the reason, where their backend does not run."""
+    """Keep this run's :data:`SHARD_ENV` share of the tests; skip the ``gpu`` and ``npu``
+    tests, naming the reason, where their backend does not run."""
+    _keep_shard(config, items)
     _skip_marked(items, "npu", npu_unavailable_reason)
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
@@ -56,6 +60,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=f"gpu test: {reason}")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+SHARD_ENV = "DEEPINFER_TEST_SHARD"
+"""``K/N`` (1 <= K <= N): the run keeps the collected tests whose position counts K - 1 modulo N
+(every N-th from the K-th, so each file's tests spread over the shards); unset: all of them."""
+
+_SHARD = pytest.StashKey["tuple[int, int] | None"]()
+"""The run's :data:`SHARD_ENV` as ``(K, N)``, read once by :func:`pytest_configure`."""
+
+
+def _test_shard() -> tuple[int, int] | None:
+    """:data:`SHARD_ENV` as ``(K, N)``, ``None`` where unset; a ``UsageError`` naming it where it
+    is not ``K/N`` with 1 <= K <= N."""
+    value = os.environ.get(SHARD_ENV, "").strip()
+    if not value:
+        return None
+    k, _, n = value.partition("/")
+    if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+        raise pytest.UsageError(f"{SHARD_ENV}={value!r}: give K/N with 1 <= K <= N (e.g. 1/2), or unset it")
+    return int(k), int(n)
+
+
+def _keep_shard(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the items outside the run's :data:`SHARD_ENV` share (in place; every xdist
+    worker collects the same items, so each keeps the same share)."""
+    shard = config.stash.get(_SHARD, None)
+    if shard is None:
+        return
+    k, n = shard
+    kept = [item for i, item in enumerate(items) if i % n == k - 1]
+    dropped = [item for i, item in enumerate(items) if i % n != k - 1]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+    items[:] = kept
 
 
 def _skip_marked(items: list[pytest.Item], marker: str, unavailable) -> None:
@@ -129,9 +167,11 @@ def _uncaptured_stderr(config: pytest.Config):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Read and check :data:`TIMEOUT_ENV` and :data:`FAILURE_LOG_ENV` before any test runs;
-    the failure log is written by the process that reports (not by xdist's workers)."""
+    """Read and check :data:`TIMEOUT_ENV`, :data:`SHARD_ENV` and :data:`FAILURE_LOG_ENV` before
+    any test runs; the failure log is written by the process that reports (not by xdist's
+    workers)."""
     config.stash[_TIMEOUT] = _test_timeout()
+    config.stash[_SHARD] = _test_shard()
     log = _failure_log()
     if log is not None and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_FailureLog(log), "deepinfer-failure-log")

@@ -7,6 +7,7 @@
 #   bash scripts/test_gpu.sh -k attention # extra arguments go to pytest
 #   DEEPINFER_TEST_FAILURE_LOG=/tmp/failures.txt bash scripts/test_gpu.sh  # each failure's report
 #                                         # written as it happens (conftest.py)
+#   DEEPINFER_TEST_SHARD=1/2 bash scripts/test_gpu.sh  # every 2nd test from the 1st; 2/2 runs the rest
 #
 # It uses the Python that already has torch with CUDA: PYTHON, else .venv/bin/python where
 # that exists, else python3.  The core and the plugins are installed into it (editable, no

@@ -5,7 +5,9 @@
   bad value is refused before any test runs;
 * the failure log (``DEEPINFER_TEST_FAILURE_LOG``): each failing test's report is appended as
   it fails, a passing test leaves no line, and a log in a folder that does not exist is
-  refused before any test runs."""
+  refused before any test runs;
+* the shards (``DEEPINFER_TEST_SHARD``): the shards of a run together run each test once, and
+  a malformed share is refused before any test runs."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ def _pytest(tmp_path: Path, body: str, **env: str) -> tuple[subprocess.Completed
     base = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("DEEPINFER_TEST_TIMEOUT_S", "DEEPINFER_TEST_FAILURE_LOG")
+        if k not in ("DEEPINFER_TEST_TIMEOUT_S", "DEEPINFER_TEST_FAILURE_LOG", "DEEPINFER_TEST_SHARD")
     }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", str(test)]
     start = time.monotonic()
@@ -87,3 +89,31 @@ def test_a_log_in_a_missing_folder_is_refused_before_any_test_runs(tmp_path):
     assert done.returncode == 4, out[-2000:]  # pytest's usage error
     assert "DEEPINFER_TEST_FAILURE_LOG=" in out and "does not exist" in out, out[-2000:]
     assert "test_fails" not in done.stdout, out[-2000:]
+
+
+SHARDED = "".join(f"\n\ndef test_{i}():\n    print('ran {i}')\n" for i in range(5))
+
+
+def test_the_shards_of_a_run_run_each_test_once(tmp_path):
+    ran = []
+    for k, want in ((1, 3), (2, 2)):
+        done, _ = _pytest(tmp_path, SHARDED, DEEPINFER_TEST_SHARD=f"{k}/2")
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-2000:]
+        assert f"{want} passed, {5 - want} deselected" in done.stdout, out[-2000:]
+        listed = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+             "--collect-only", str(tmp_path / "test_harnessed.py")],
+            cwd=tmp_path, env={**os.environ, "DEEPINFER_TEST_SHARD": f"{k}/2", "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        ran += [line.split("::")[1] for line in listed.stdout.splitlines() if "::" in line]
+    assert sorted(ran) == [f"test_{i}" for i in range(5)], ran
+
+
+def test_a_malformed_shard_is_refused_before_any_test_runs(tmp_path):
+    for value in ("3/2", "0/2", "half"):
+        done, _ = _pytest(tmp_path, LOGGED, DEEPINFER_TEST_SHARD=value)
+        out = done.stdout + done.stderr
+        assert done.returncode == 4, (value, out[-2000:])  # pytest's usage error
+        assert f"DEEPINFER_TEST_SHARD={value!r}" in out and "test_fails" not in done.stdout, out[-2000:]
