@@ -149,7 +149,11 @@ class Schedule:
             prologue clamps it; the producer then reads the rows from shared memory.  The same
             compacted sequence, so the same bits, one launch fewer a call.  Calls the kernel
             cannot take so (:func:`own_lists_fit`) and :attr:`merge_splits` (which counts its
-            arrivals in the prologue's output) run as without it.
+            arrivals in the prologue's output) run as without it.  Bit for bit the default on
+            an H100, and no faster (CSA at 64k context, 32 / 64 tokens: 0.0255 / 0.0342 ms
+            against 0.0255 / 0.0349 on plain pools, 0.0300 / 0.0410 against 0.0301 / 0.0408
+            on FP8 ones): under PDL the kernel is launched while the prologue runs, so the
+            prologue's 3.1 us of device time a call were mostly hidden already; off.
     """
 
     words_in_flight: int = 2
