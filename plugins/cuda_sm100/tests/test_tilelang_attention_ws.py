@@ -18,7 +18,6 @@ from deepinfer_cuda_sm100.tl import sparse_attention as tla
 from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
-from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.kv_format import Fp8KVPool
 
 
@@ -98,7 +97,6 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
-    assert {s.own_lists for s in plain} == {False, True} == {s.own_lists for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -245,64 +243,6 @@ def test_a_pair_cluster_runs_at_two_splits_into_the_output_and_as_the_default_el
     tlw.sparse_attention(*call, schedule=pairing)
     ((config, _),) = launches
     assert len(config) == 7 and config[1] is True and len(combines) == 1  # _kernel's own, no schedule
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_own_lists_launch_the_lists_themselves_and_no_prologue(monkeypatch, packed):
-    """With :attr:`Schedule.own_lists` a call of int64 lists launches the lists kernel once,
-    given each list's own memory with its row stride and width (an absent third list width 0,
-    no paged source: ``max_count`` -1), and no prologue; a call of int32 lists runs the
-    default schedule through the prologue."""
-    own = tlw.Schedule(own_lists=True)
-    call, launches, _ = _fake_call(monkeypatch, 16, packed)
-    prologues = []
-    monkeypatch.setattr(tla, "compact_sources", lambda indices: prologues.append(indices) or (None, None))
-    tlw.sparse_attention(*call, schedule=own)
-    ((config, args),) = launches
-    assert config[-1] == own and not prologues
-    lists = call[2]
-    given = {a.data_ptr() for a in args if isinstance(a, torch.Tensor)}
-    assert {lists[0].data_ptr(), lists[1].data_ptr()} <= given
-    assert args[-7:] == (128, 512, 1, 128, 512, 0, -1)
-    launches.clear()
-    narrow = (call[0], call[1], [i.to(torch.int32) for i in lists], *call[3:])
-    tlw.sparse_attention(*narrow, schedule=own)
-    ((config, _),) = launches
-    assert config[-1] != own and len(prologues) == 1
-
-
-def test_own_lists_fit_names_what_it_refuses():
-    tokens, page = 4, PagedIndex(
-        block_table=torch.zeros(1, 2, dtype=torch.int64), token_rows=torch.zeros(4, dtype=torch.int64),
-        counts=torch.zeros(4, dtype=torch.int64), entries_per_page=64, max_count=128,
-    )  # fmt: skip
-    rows = torch.zeros(tokens, 128, dtype=torch.int64)
-    assert tlw.own_lists_fit([rows, rows, page]) is True and tlw.own_lists_fit([rows]) is True
-    assert "int64" in tlw.own_lists_fit([rows.to(torch.int32)])
-    assert "unit column stride" in tlw.own_lists_fit([torch.zeros(128, tokens, dtype=torch.int64).t()])
-    assert "at most 1024 rows" in tlw.own_lists_fit([torch.zeros(tokens, 1025, dtype=torch.int64)])
-    wide = torch.zeros(tokens, 1024, dtype=torch.int64)
-    assert "at most 2048 explicit rows" in tlw.own_lists_fit([wide, wide, rows])
-    assert "third of three" in tlw.own_lists_fit([rows, page])
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("paged", [False, True])
-def test_own_lists_compact_after_the_pdl_wait_and_the_producer_reads_shared_rows(paged, packed):
-    """Lowered for sm_90: the CTA's compaction runs after the PDL wait and before the
-    warpgroups part, the counts are read after it, and the producer takes its rows from the
-    compaction's shared memory (no prologue arguments)."""
-    fp8 = _fp8_geometry() if packed else None
-    func = tlw.build_attention_ws(paged, True, 64, 512, "bfloat16", fp8, True, tlw.Schedule(own_lists=True))
-    src = lowered_sm90(func, tlw.pass_configs(fp8))
-    body = src[src.index("__global__ void __launch_bounds__") :]
-    wait, compact = body.index("cudaGridDependencySynchronize();"), body.index("deepinfer_compact_lists(")
-    counts = [body.index(f"deepinfer_list_count({i})") for i in range(3)]
-    assert wait < compact < min(counts) and max(counts) < body.index("warpgroup_reg_dealloc<")
-    assert "deepinfer_list_row(" in body and "nvalid" not in body and "compact[" not in body
-    assert "__shared__ int deepinfer_list_rows[2048];" in src
 
 
 @pytest.mark.slow

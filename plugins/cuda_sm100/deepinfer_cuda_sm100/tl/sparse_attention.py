@@ -483,7 +483,6 @@ def launch(
     plan: Callable[..., int] = plan_splits,
     merges: bool = False,
     partials: bool = True,
-    lists: Callable[..., tuple[tuple, tuple]] | None = None,
 ) -> torch.Tensor:
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
@@ -494,21 +493,14 @@ def launch(
     the kernel's split count (default :func:`plan_splits`); ``merges``: the split kernel merges
     its partials into the output itself (no combine launch); ``partials=False``: it keeps them
     on chip (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), so
-    the fp32 partial buffers get one token's rows (their shape carries the split count);
-    ``lists(indices, views)``: the kernel compacts the index lists itself (no prologue launch),
-    and this gives ``(tensors, scalars)`` in place of the prologue's ``(compact, nvalid)`` and
-    the pool views (after them), and after the other scalars."""
+    the fp32 partial buffers get one token's rows (their shape carries the split count)."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
     paged = isinstance(indices[-1], PagedIndex)
     fp8 = fp8_geometry(kv_pools)
+    nvalid, compact = compact_sources(indices)
     views, bases, strides = _flat_views(kv_pools, fp8, q.dtype)
-    if lists is None:
-        nvalid, compact = compact_sources(indices)
-        index_args, index_scalars = (*views, compact, nvalid), ()
-    else:
-        index_args, index_scalars = lists(indices, views)
     if paged:
         pi: PagedIndex = indices[-1]
         bt, rows, epp = index_int64(pi.block_table), index_int64(pi.token_rows), pi.entries_per_page
@@ -528,8 +520,8 @@ def launch(
     kernel = compiled(paged, s > 1, h, d, dtype, fp8, pdl)
     scale2 = float(scale) * LOG2E
     sinks = sinks.float().contiguous()
-    tensors = (q.contiguous(), *index_args, bt, rows, sinks, out, part, ml)
-    kernel(*tensors, *bases, *strides, scale2, epp, *divider(epp), *index_scalars)
+    tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
+    kernel(*tensors, *bases, *strides, scale2, epp, *divider(epp))
     if direct:
         return out
     out = torch.empty_like(q)

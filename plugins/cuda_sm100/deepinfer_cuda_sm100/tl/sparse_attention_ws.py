@@ -60,16 +60,12 @@ CTAs, and short key lists less still (:data:`FEW_KEYS`).
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
 import dataclasses
 import functools
-import types
 from dataclasses import dataclass
 
 import torch
 
-from deepinfer_core.ops.attention import PagedIndex
-
 from . import sparse_attention as sa
 from .compile_log import logged_compile
-from .launch_args import index_int64
 from .page_division import page_and_slot
 from .pdl import prologue
 from .sparse_attention import BH, LOG2E
@@ -85,9 +81,6 @@ FP8_CONSUMER_REGS = 200
 FP8_PRODUCER_REGS = 104  # the words of a block in flight, the dequantisation
 FP8_TWO_BLOCKS_REGS = (120, 192)  # (producer, consumers) with two blocks of words in flight
 FP8_ROW_THREADS = 4  # producer threads a packed row
-LIST_ROWS = 2048  # :attr:`Schedule.own_lists`: the most explicit rows a token (shared memory)
-LIST_WIDTH = 1024  # ... and the widest explicit list
-_SHARED_ROWS = types.SimpleNamespace(shape=(1, LIST_ROWS))  # ... their shape (in the device code)
 
 
 @dataclass(frozen=True)
@@ -141,19 +134,13 @@ class Schedule:
             launched directly, must be given exactly two splits).  Bit for bit the default on
             an H100, but slower wherever the plan takes two splits (0.0297 against 0.0266 ms
             combined, CSA plain, 32 tokens, 64k; 1.03-1.19x on FP8 pools), hence off.
-        own_lists: the kernel compacts the index lists itself, instead of the Triton prologue
-            launched before it: every thread of a CTA loads its token's rows of the explicit
-            lists at once (one round of load latency), and warp ballots place the valid
-            entries in shared memory in the prologue's order (list after list, each in its
-            order), with each list's count, and the paged source's count clamped as the
-            prologue clamps it; the producer then reads the rows from shared memory.  The same
-            compacted sequence, so the same bits, one launch fewer a call.  Calls the kernel
-            cannot take so (:func:`own_lists_fit`) and :attr:`merge_splits` (which counts its
-            arrivals in the prologue's output) run as without it.  Bit for bit the default on
-            an H100, and no faster (CSA at 64k context, 32 / 64 tokens: 0.0255 / 0.0342 ms
-            against 0.0255 / 0.0349 on plain pools, 0.0300 / 0.0410 against 0.0301 / 0.0408
-            on FP8 ones): under PDL the kernel is launched while the prologue runs, so the
-            prologue's 3.1 us of device time a call were mostly hidden already; off.
+
+    A variant in which the kernel compacted its index lists itself (every thread loading its
+    token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
+    launch) was bit for bit the default on an H100 and no faster (CSA at 64k context, 32 / 64
+    tokens: 0.0255 / 0.0342 ms against 0.0255 / 0.0349 on plain pools, 0.0300 / 0.0410 against
+    0.0301 / 0.0408 on FP8 ones): under PDL the kernel is launched while the prologue runs, so
+    the prologue's 3.1 us of device time a call were mostly hidden already.  It was removed.
     """
 
     words_in_flight: int = 2
@@ -162,7 +149,6 @@ class Schedule:
     staged_store: bool = True
     merge_splits: bool = False
     pair_cluster: bool = False
-    own_lists: bool = False
 
 
 DEFAULT = Schedule()
@@ -278,72 +264,6 @@ __device__ __forceinline__ void deepinfer_copy_to_peer(const void* src, int byte
 place a range further on in its cluster peer's (distributed shared memory)."""
 
 
-LISTS_DEVICE_CODE = r"""
-// a token's compacted rows and counts, in static shared memory that TileLang's passes do not see
-__shared__ int deepinfer_list_rows[2048];
-__shared__ int deepinfer_list_counts[4];
-__shared__ int deepinfer_list_scratch[72];
-
-__device__ __forceinline__ void deepinfer_compact_lists(const int64_t* l0, int w0, const int64_t* l1,
-                                                        int w1, const int64_t* l2, int w2,
-                                                        const int64_t* paged_count, int max_paged) {
-  // every thread of the CTA (384, twelve warps): this token's valid entries (>= 0) of the lists
-  // l0, l1, l2 (w0, w1, w2 entries from each pointer) into deepinfer_list_rows, list after
-  // list, each in its order, as int; counts 0: list 0's valid entries, 1: lists 0 and 1's, 2:
-  // all three lists', or, where max_paged >= 0, lists 0 and 1's plus *paged_count clamped to
-  // [0, max_paged]; the scratch holds two chunks' warp counts (one barrier a chunk)
-  constexpr int threads = 384, warps = threads / 32, chunks = (2048 + threads - 1) / threads;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int w01 = w0 + w1, width = w01 + w2;
-  int64_t v[chunks];
-#pragma unroll
-  for (int c = 0; c < chunks; ++c) {  // every load issued before the first is used
-    const int e = c * threads + tid;
-    v[c] = e < w0 ? l0[e] : e < w01 ? l1[e - w0] : e < width ? l2[e - w01] : (int64_t)-1;
-  }
-  int seen[3] = {0, 0, 0};  // valid entries of the chunks so far: all lists', list 0's, lists 0-1's
-#pragma unroll
-  for (int c = 0; c < chunks; ++c) {
-    if (c * threads >= width) break;  // the same for every thread
-    const int e = c * threads + tid;
-    const bool ok = v[c] >= 0;
-    const unsigned all = __ballot_sync(0xffffffffu, ok);
-    const unsigned first = __ballot_sync(0xffffffffu, ok && e < w0);
-    const unsigned two = __ballot_sync(0xffffffffu, ok && e < w01);
-    int* mine = deepinfer_list_scratch + (c & 1) * 3 * warps;
-    if (lane == 0) {
-      mine[warp] = __popc(all);
-      mine[warps + warp] = __popc(first);
-      mine[2 * warps + warp] = __popc(two);
-    }
-    __syncthreads();
-    int before = seen[0];
-    for (int w = 0; w < warps; ++w) {
-      before += w < warp ? mine[w] : 0;
-      seen[0] += mine[w];
-      seen[1] += mine[warps + w];
-      seen[2] += mine[2 * warps + w];
-    }
-    if (ok) deepinfer_list_rows[before + __popc(all & ((1u << lane) - 1u))] = (int)v[c];
-  }
-  if (tid == 0) {
-    int64_t paged = max_paged < 0 ? 0 : *paged_count;
-    paged = paged < 0 ? 0 : paged > (int64_t)max_paged ? (int64_t)max_paged : paged;
-    deepinfer_list_counts[0] = seen[1];
-    deepinfer_list_counts[1] = seen[2];
-    deepinfer_list_counts[2] = max_paged < 0 ? seen[0] : seen[2] + (int)paged;
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ int deepinfer_list_row(int j) { return deepinfer_list_rows[j]; }
-
-__device__ __forceinline__ int deepinfer_list_count(int i) { return deepinfer_list_counts[i]; }
-"""
-"""The device function of :attr:`Schedule.own_lists`: a token's explicit index lists compacted
-by the whole CTA into shared memory, with the counts the Triton prologue writes."""
-
-
 def build_attention_ws(
     paged: bool,
     split: bool,
@@ -390,10 +310,7 @@ def build_attention_ws(
         ke, p_bt = compact.shape[1], block_table.shape[1]
         for k in T.unroll(2 * PASSES, explicit=True):
             j = first + (k // PASSES) * BNW + (k % PASSES) * ROWS_AT_ONCE + p // ROW_THREADS
-            if schedule.own_lists:  # the CTA's compaction, in shared memory
-                compact_rows[k] = T.call_extern("int32", "deepinfer_list_row", T.max(T.min(j, ke - 1), 0))
-            else:
-                compact_rows[k] = compact[t, T.max(T.min(j, ke - 1), 0)]
+            compact_rows[k] = compact[t, T.max(T.min(j, ke - 1), 0)]
             if paged:
                 page, _ = page_and_slot(j - n_expl, *pages)
                 paged_rows[k] = block_table[page_row, T.max(T.min(page, p_bt - 1), 0)]
@@ -777,11 +694,9 @@ def build_attention_ws(
             fetch(odd, flat64, offs[1], quarter)
 
     @T.macro
-    def body(q, pool, index, block_table, token_rows, io, bases, strides, pages):
+    def body(q, pool, compact, nvalid, block_table, token_rows, io, bases, strides, pages):
         """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
-        8-byte words; ``index``: the prologue's ``(compact, nvalid)``, or with
-        :attr:`Schedule.own_lists` the lists' flat views, their row strides and widths, the
-        paged counts and the paged source's ``max_count`` (-1: none)."""
+        8-byte words."""
         cluster = (1, 2, 1) if split and schedule.pair_cluster else None  # a token's two splits
         with T.Kernel(n_tok, n_split, H // BH, threads=THREADS, cluster_dims=cluster) as (t, s, hb):
             if pdl:
@@ -789,8 +704,6 @@ def build_attention_ws(
             device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
-            if schedule.own_lists:
-                device_code += LISTS_DEVICE_CODE
             if device_code != "":  # (one source a kernel)
                 T.import_source(device_code)
             q_s = T.alloc_shared((BH, D), dtype)
@@ -820,25 +733,12 @@ def build_attention_ws(
             bar_p = T.alloc_barrier(arrive_count=[128, 128])
             bars = (bar_q, bar_ready, bar_free, bar_stats, bar_p)
             merging = None
-            if schedule.own_lists:
-                compact, row = _SHARED_ROWS, 0  # :func:`load_rows` reads the device code's rows
-                lists, list_strides, widths, paged_counts, max_paged = index
-                T.call_extern(
-                    "handle", "deepinfer_compact_lists",
-                    T.access_ptr(lists[0][t * list_strides[0]], "r", 1), widths[0],
-                    T.access_ptr(lists[1][t * list_strides[1]], "r", 1), widths[1],
-                    T.access_ptr(lists[2][t * list_strides[2]], "r", 1), widths[2],
-                    T.access_ptr(paged_counts[T.min(t, paged_counts.shape[0] - 1)], "r", 1), max_paged,
-                )  # fmt: skip
-                n0, n01, total = [T.call_extern("int32", "deepinfer_list_count", i) for i in range(3)]
-            else:
-                (compact, nvalid), row = index, t
-                if split and schedule.merge_splits:  # each consumer's arrival, then its broadcast
-                    arrivals = (T.alloc_barrier(arrive_count=[128, 128]), T.alloc_shared((2,), "int32"))
-                    merging = (nvalid, *arrivals)
-                n0 = nvalid[t, 0]
-                n01 = n0 + nvalid[t, 1]
-                total = n01 + nvalid[t, 2]
+            if split and schedule.merge_splits:  # each consumer's arrival, then its broadcast
+                merging = (nvalid, T.alloc_barrier(arrive_count=[128, 128]), T.alloc_shared((2,), "int32"))
+
+            n0 = nvalid[t, 0]
+            n01 = n0 + nvalid[t, 1]
+            total = n01 + nvalid[t, 2]
             n_expl = n01 if paged else total
             nb = T.ceildiv(total, BNW)
             lo = T.min(s * T.ceildiv(nb, n_split), nb)
@@ -853,7 +753,7 @@ def build_attention_ws(
                 T.set_max_nreg(producer_regs, 0)
                 p = tx - 256
                 page_row = T.Cast("int32", token_rows[T.min(t, t2 - 1)]) if paged else 0
-                rows = (row, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, pages, p)
+                rows = (t, page_row, n0, n01, n_expl, j_end, compact, block_table, bases, strides, pages, p)
                 load_rows(raw, lo * BNW, rows)  # iteration 0's rows
                 queries(q_s, q, t, hb, p)
                 T.cp_async_barrier_noinc(bar_q)
@@ -867,10 +767,6 @@ def build_attention_ws(
                 consumer(0, seq, smem, frags[0], bars, io, merging)
             else:
                 consumer(1, seq, smem, frags[1], bars, io, merging)
-
-    if schedule.own_lists:
-        shapes = (n_tok, H, D, dtype, nf, t2, r_bt, p_bt, t_out, t_part, n_split)
-        return _own_lists_kernel(body, fp8 is not None, *shapes)
 
     if fp8 is None:
 
@@ -899,7 +795,7 @@ def build_attention_ws(
         ):
             io, bases, strides = (sinks, scale2, out, part, ml), (base0, base1, base2), (st0, st1, st2)
             pages = (epp, epp_magic, epp_shift)
-            body(q, flat, (compact, nvalid), block_table, token_rows, io, bases, strides, pages)
+            body(q, flat, compact, nvalid, block_table, token_rows, io, bases, strides, pages)
 
         return sparse_attention_decode_ws
 
@@ -930,59 +826,9 @@ def build_attention_ws(
     ):
         io, bases, strides = (sinks, scale2, out, part, ml), (base0, base1, base2), (st0, st1, st2)
         pages = (epp, epp_magic, epp_shift)
-        body(q, flat64, (compact, nvalid), block_table, token_rows, io, bases, strides, pages)
+        body(q, flat64, compact, nvalid, block_table, token_rows, io, bases, strides, pages)
 
     return sparse_attention_decode_ws_fp8
-
-
-def _own_lists_kernel(body, packed: bool, n_tok, H, D, dtype, nf, t2, r_bt, p_bt, t_out, t_part, n_split):
-    """The ``prim_func`` of :attr:`Schedule.own_lists` around :func:`build_attention_ws`'s
-    ``body``: the index lists (flat int64 views, each with its row stride and width), the
-    paged counts and the paged source's ``max_count`` (-1: none) in place of the prologue's
-    ``compact`` and ``nvalid``, after the other kernel's scalars; ``packed``: the packed pools'
-    three flat views in place of the plain one."""
-    import tilelang.language as T
-
-    @T.prim_func
-    def sparse_attention_decode_ws_lists(
-        q: T.Tensor((n_tok, H, D), dtype),
-        flat: T.Tensor((nf,), "float8_e4m3" if packed else dtype),
-        flat16: T.Tensor((T.dynamic("NF2"),), "bfloat16"),
-        flat64: T.Tensor((T.dynamic("NF8"),), "int64"),
-        list0: T.Tensor((T.dynamic("L0"),), "int64"),
-        list1: T.Tensor((T.dynamic("L1"),), "int64"),
-        list2: T.Tensor((T.dynamic("L2"),), "int64"),
-        paged_counts: T.Tensor((T.dynamic("PC"),), "int64"),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        sinks: T.Tensor((H,), "float32"),
-        out: T.Tensor((t_out, H, D), dtype),
-        part: T.Tensor((t_part, n_split, H, D), "float32"),
-        ml: T.Tensor((t_part, n_split, H, 2), "float32"),
-        base0: T.int64,
-        base1: T.int64,
-        base2: T.int64,
-        st0: T.int64,
-        st1: T.int64,
-        st2: T.int64,
-        scale2: T.float32,
-        epp: T.int32,
-        epp_magic: T.int32,
-        epp_shift: T.int32,
-        ls0: T.int64,
-        ls1: T.int64,
-        ls2: T.int64,
-        w0: T.int32,
-        w1: T.int32,
-        w2: T.int32,
-        max_paged: T.int32,
-    ):
-        io, bases, strides = (sinks, scale2, out, part, ml), (base0, base1, base2), (st0, st1, st2)
-        pages = (epp, epp_magic, epp_shift)
-        index = ((list0, list1, list2), (ls0, ls1, ls2), (w0, w1, w2), paged_counts, max_paged)
-        body(q, flat64 if packed else flat, index, block_table, token_rows, io, bases, strides, pages)
-
-    return sparse_attention_decode_ws_lists
 
 
 def registers(fp8: sa.Fp8Geometry | None, schedule: Schedule = DEFAULT) -> tuple[int, int]:
@@ -1089,53 +935,10 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
     if schedule.pair_cluster:  # two splits only; any other count runs as without it
         splits = plan(q.shape[0], q.shape[1], sa.max_keys(indices), sa.num_sms(q.device))
         schedule = schedule if splits == 2 else dataclasses.replace(schedule, pair_cluster=False)
-    if schedule.own_lists and (schedule.merge_splits or own_lists_fit(indices) is not True):
-        schedule = dataclasses.replace(schedule, own_lists=False)
     compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
     merges = schedule.merge_splits or schedule.pair_cluster
     keeps = not schedule.pair_cluster  # the cluster merges through shared memory
-    lists = _list_arguments if schedule.own_lists else None
-    return sa.launch(
-        q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges, partials=keeps, lists=lists
-    )
-
-
-def own_lists_fit(indices) -> bool | str:
-    """``True`` when :attr:`Schedule.own_lists` takes a call's index sources, else why not:
-    int64 row lists (the contract's dtype) of unit column stride, each at most
-    :data:`LIST_WIDTH` wide and :data:`LIST_ROWS` together, and a paged source only third."""
-    paged = [i for i, index in enumerate(indices) if isinstance(index, PagedIndex)]
-    if paged and paged != [2]:
-        return "own_lists: a paged source only as the third of three"
-    explicit = [index for index in indices if not isinstance(index, PagedIndex)]
-    for index in explicit:
-        if index.dtype != torch.int64 or (index.shape[1] > 1 and index.stride(1) != 1):
-            got = f"{index.dtype} of strides {index.stride()}"
-            return f"own_lists: index lists of int64 with unit column stride, got {got}"
-        if index.shape[1] > LIST_WIDTH:
-            return f"own_lists: lists of at most {LIST_WIDTH} rows, got {index.shape[1]}"
-    if sum(index.shape[1] for index in explicit) > LIST_ROWS:
-        return f"own_lists: at most {LIST_ROWS} explicit rows a token"
-    return True
-
-
-def _list_arguments(indices, views) -> tuple[tuple, tuple]:
-    """:func:`~deepinfer_cuda_sm100.tl.sparse_attention.launch`'s ``lists`` for
-    :attr:`Schedule.own_lists`: the pool views (a plain pool's two unused packed views given
-    a placeholder), the lists' flat views (an absent one a placeholder of width 0) and the
-    paged counts; their row strides, widths and the paged source's ``max_count`` (-1: none)."""
-    device = views[0].device
-    none = torch.zeros(1, dtype=torch.int64, device=device)  # never read
-    explicit = [index for index in indices if not isinstance(index, PagedIndex)]
-    explicit += [none.view(1, 1)[:, :0]] * (3 - len(explicit))
-    flats = [torch.as_strided(index, (1,), (1,)) if index.numel() else none for index in explicit]
-    paged = indices[-1] if isinstance(indices[-1], PagedIndex) else None
-    counts = none if paged is None else index_int64(paged.counts)
-    max_paged = -1 if paged is None else int(paged.max_count)
-    pools = views if len(views) == 3 else (*views, none.view(torch.bfloat16), none)
-    strides = tuple(int(index.stride(0)) for index in explicit)
-    widths = tuple(int(index.shape[1]) for index in explicit)
-    return (*pools, *flats, counts), (*strides, *widths, max_paged)
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges, partials=keeps)
 
 
 def _scheduled(paged: bool, split: bool, *config, schedule: Schedule):
@@ -1151,7 +954,7 @@ def variants(packed: bool) -> list[Schedule]:
     """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
     the default first: what ``bench_attention.py --tune`` times."""
     out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
-    out += [Schedule(pair_cluster=True), Schedule(own_lists=True)]
+    out.append(Schedule(pair_cluster=True))
     if packed:
         out += [
             Schedule(words_in_flight=1),
