@@ -134,6 +134,16 @@ class Schedule:
             launched directly, must be given exactly two splits).  Bit for bit the default on
             an H100, but slower wherever the plan takes two splits (0.0297 against 0.0266 ms
             combined, CSA plain, 32 tokens, 64k; 1.03-1.19x on FP8 pools), hence off.
+        l2_prefetch: plain pools: at the top of each iteration, before waiting for its slots,
+            the producer computes its rows' addresses (from the indices loaded an iteration
+            earlier) and prefetches the rows into L2, each of a row's eight threads one
+            128-byte line (``prefetch.global.L2``); the copies into the slots then read L2
+            once the slots are free.  The ring holds two iterations, so the copies of
+            iteration ``i`` start only when the consumers have finished iteration ``i - 2``;
+            the prefetch starts the row's DRAM read about an iteration earlier (an H100 profile
+            of 64-token calls: the consumers wait on full slots, DRAM at 52 % of its peak).
+            The same copies of the same rows, so the same bits.  Packed pools run as without
+            it (their producer already loads its words two blocks ahead).
 
     A variant in which the kernel compacted its index lists itself (every thread loading its
     token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
@@ -149,6 +159,7 @@ class Schedule:
     staged_store: bool = True
     merge_splits: bool = False
     pair_cluster: bool = False
+    l2_prefetch: bool = False
 
 
 DEFAULT = Schedule()
@@ -214,6 +225,15 @@ __device__ __forceinline__ void deepinfer_e4m3x8_store_fused(void* dst, long lon
 }
 """
 """The device function of :attr:`Schedule.one_multiply` (after :data:`FP8_DEVICE_CODE`)."""
+
+PREFETCH_DEVICE_CODE = r"""
+__device__ __forceinline__ void deepinfer_prefetch_l2(const void* line) {
+  // the 128-byte line at this address into L2, no wait (each thread its own address: no
+  // uniform-register loop, as a bulk prefetch of a row per thread would take)
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(line) : "memory");
+}
+"""
+"""The device function of :attr:`Schedule.l2_prefetch`: a 128-byte line into L2."""
 
 PAIR_DEVICE_CODE = r"""
 __device__ __forceinline__ void deepinfer_store_bits(const void* base, int offset, float value) {
@@ -593,13 +613,24 @@ def build_attention_ws(
         """Plain pools: each block's rows by 16-byte ``cp.async`` copies into its slot."""
         bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
         for it in T.serial(n_iter):
+            if schedule.l2_prefetch:  # every row's address first, then their lines into L2
+                for g2 in T.unroll(2, explicit=True):
+                    for r in T.unroll(PASSES, explicit=True):
+                        i = r * ROWS_AT_ONCE + p // ROW_THREADS
+                        offset_of(offs, raw, g2 * PASSES + r, (lo + 2 * it + g2) * BNW + i, rows)
+                line = p % ROW_THREADS * (D // ROW_THREADS)  # the thread's 1/8 of its rows (128 bytes)
+                for k in T.unroll(2 * PASSES, explicit=True):
+                    T.call_extern(
+                        "handle", "deepinfer_prefetch_l2", T.access_ptr(flat[offs[k] * 8 + line], "r", 1)
+                    )
             for g2 in T.unroll(2, explicit=True):
                 slot = (it % 2) * 2 + g2
                 T.barrier_wait(bar_free[slot], (it >> 1) & 1)
                 for r in T.unroll(PASSES, explicit=True):
                     i = r * ROWS_AT_ONCE + p // ROW_THREADS
                     k = g2 * PASSES + r
-                    offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
+                    if not schedule.l2_prefetch:
+                        offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
                     for u in T.unroll(D // (VEC * ROW_THREADS)):
                         c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
                         T.ptx_cp_async(
@@ -704,6 +735,8 @@ def build_attention_ws(
             device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
+            elif schedule.l2_prefetch:
+                device_code += PREFETCH_DEVICE_CODE
             if device_code != "":  # (one source a kernel)
                 T.import_source(device_code)
             q_s = T.alloc_shared((BH, D), dtype)
@@ -955,6 +988,8 @@ def variants(packed: bool) -> list[Schedule]:
     the default first: what ``bench_attention.py --tune`` times."""
     out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
     out.append(Schedule(pair_cluster=True))
+    if not packed:
+        out.append(Schedule(l2_prefetch=True))
     if packed:
         out += [
             Schedule(words_in_flight=1),
