@@ -97,7 +97,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
-    assert {s.l2_prefetch for s in plain} == {False, True} and not any(s.l2_prefetch for s in packed)
+    assert {s.l2_prefetch for s in plain} == {0, 1, 2} and not any(s.l2_prefetch for s in packed)
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -248,22 +248,27 @@ def test_a_pair_cluster_runs_at_two_splits_into_the_output_and_as_the_default_el
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("ahead", [1, 2])
 @pytest.mark.parametrize("paged", [False, True])
-def test_the_l2_prefetch_reads_each_row_ahead_of_its_slot_wait(paged):
+def test_the_l2_prefetch_reads_rows_ahead_of_the_slot_waits(paged, ahead):
     """Lowered for sm_90 (plain pools, split): with :attr:`Schedule.l2_prefetch` each iteration
-    of the producer prefetches its four rows a thread into L2, each thread its own 128-byte line
-    of the row (64 bf16 values times its place among the row's eight threads), before it waits
-    for the iteration's first slot, and copies the same rows after; without it, no prefetch."""
+    of the producer prefetches four rows a thread into L2, each thread its own 128-byte line of
+    a row (64 bf16 values times its place among the row's eight threads), before it waits for
+    the iteration's first slot, and only then computes the addresses its copies take (at 1 the
+    same rows, computed before the prefetch; at 2 the next iteration's rows, from a second set
+    of index loads, so the copies' addresses are computed again after the wait); without it,
+    no prefetch."""
     build = functools.partial(tlw.build_attention_ws, paged, True, 64, 512, "bfloat16", None, True)
-    src = lowered_sm90(build(tlw.Schedule(l2_prefetch=True)), tlw.pass_configs(None))
+    src = lowered_sm90(build(tlw.Schedule(l2_prefetch=ahead)), tlw.pass_configs(None))
     (loop,) = set(loops_containing(src, "deepinfer_prefetch_l2(("))
     line = "((((int64_t)((int)threadIdx.x)) & (int64_t)7) * (int64_t)64)"
     prefetches = [
         loop.index(f"deepinfer_prefetch_l2((&(flat[({line} + (offs[{k}] * (int64_t)8))])));")
         for k in range(4)
     ]
-    assert max(prefetches) < loop.index("bar_free[((it & 1) * 2)].wait(")
-    assert loop.count("deepinfer_prefetch_l2(") == 4 and "offs[0] = " not in loop[loop.index("bar_free[") :]
+    wait = loop.index("bar_free[((it & 1) * 2)].wait(")
+    assert max(prefetches) < wait and loop.count("deepinfer_prefetch_l2(") == 4
+    assert ("offs[0] = " in loop[wait:]) == (ahead == 2)
     assert "deepinfer_prefetch_l2" not in lowered_sm90(build(tlw.DEFAULT), tlw.pass_configs(None))
 
 

@@ -134,16 +134,18 @@ class Schedule:
             launched directly, must be given exactly two splits).  Bit for bit the default on
             an H100, but slower wherever the plan takes two splits (0.0297 against 0.0266 ms
             combined, CSA plain, 32 tokens, 64k; 1.03-1.19x on FP8 pools), hence off.
-        l2_prefetch: plain pools: at the top of each iteration, before waiting for its slots,
-            the producer computes its rows' addresses (from the indices loaded an iteration
-            earlier) and prefetches the rows into L2, each of a row's eight threads one
-            128-byte line (``prefetch.global.L2``); the copies into the slots then read L2
-            once the slots are free.  The ring holds two iterations, so the copies of
-            iteration ``i`` start only when the consumers have finished iteration ``i - 2``;
-            the prefetch starts the row's DRAM read about an iteration earlier (an H100 profile
-            of 64-token calls: the consumers wait on full slots, DRAM at 52 % of its peak).
-            The same copies of the same rows, so the same bits.  Packed pools run as without
-            it (their producer already loads its words two blocks ahead).
+        l2_prefetch: plain pools, iterations ahead the producer prefetches rows into L2, each
+            of a row's eight threads one 128-byte line (``prefetch.global.L2``), at the top of
+            each iteration before it waits for the iteration's slots: 1, that iteration's rows
+            (their addresses from the indices loaded an iteration earlier, as the copies take
+            them); 2, the next iteration's (their indices loaded an iteration earlier still,
+            so the index loads run twice); 0, none (the default).  The ring holds two
+            iterations, so the copies of iteration ``i`` start only when the consumers have
+            finished iteration ``i - 2``; a prefetch starts the rows' DRAM reads one or two
+            iterations earlier and the copies then read L2 (an H100 profile of 64-token calls:
+            the consumers wait on full slots, DRAM at 52 % of its peak).  The same copies of
+            the same rows, so the same bits.  Packed pools run as without it (their producer
+            already loads its words two blocks ahead).
 
     A variant in which the kernel compacted its index lists itself (every thread loading its
     token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
@@ -159,7 +161,7 @@ class Schedule:
     staged_store: bool = True
     merge_splits: bool = False
     pair_cluster: bool = False
-    l2_prefetch: bool = False
+    l2_prefetch: int = 0
 
 
 DEFAULT = Schedule()
@@ -609,27 +611,46 @@ def build_attention_ws(
                 )
 
     @T.macro
+    def prefetch_lines(flat, offs, p):
+        """:attr:`Schedule.l2_prefetch`: the thread's 128-byte line (its place among a row's
+        eight threads) of each of its rows at ``offs`` into L2."""
+        line = p % ROW_THREADS * (D // ROW_THREADS)
+        for k in T.unroll(2 * PASSES, explicit=True):
+            T.call_extern("handle", "deepinfer_prefetch_l2", T.access_ptr(flat[offs[k] * 8 + line], "r", 1))
+
+    @T.macro
     def produce_plain(flat, k_s, raw, offs, bars, n_iter, lo, rows, p):
-        """Plain pools: each block's rows by 16-byte ``cp.async`` copies into its slot."""
+        """Plain pools: each block's rows by 16-byte ``cp.async`` copies into its slot (with
+        :attr:`Schedule.l2_prefetch`, their lines into L2 first)."""
         bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
+        ahead = schedule.l2_prefetch
+        if ahead == 2:  # the next iteration's indices, beside this one's
+            raw2 = (
+                T.alloc_local((2 * PASSES,), "int32"),
+                T.alloc_local((2 * PASSES if paged else 1,), "int64"),
+            )
+            load_rows(raw2, (lo + 2) * BNW, rows)
         for it in T.serial(n_iter):
-            if schedule.l2_prefetch:  # every row's address first, then their lines into L2
+            if ahead == 1:  # this iteration's addresses first, then their lines into L2
                 for g2 in T.unroll(2, explicit=True):
                     for r in T.unroll(PASSES, explicit=True):
                         i = r * ROWS_AT_ONCE + p // ROW_THREADS
                         offset_of(offs, raw, g2 * PASSES + r, (lo + 2 * it + g2) * BNW + i, rows)
-                line = p % ROW_THREADS * (D // ROW_THREADS)  # the thread's 1/8 of its rows (128 bytes)
-                for k in T.unroll(2 * PASSES, explicit=True):
-                    T.call_extern(
-                        "handle", "deepinfer_prefetch_l2", T.access_ptr(flat[offs[k] * 8 + line], "r", 1)
-                    )
+                prefetch_lines(flat, offs, p)
+            elif ahead == 2:  # the next iteration's, and the indices of the one after
+                for g2 in T.unroll(2, explicit=True):
+                    for r in T.unroll(PASSES, explicit=True):
+                        i = r * ROWS_AT_ONCE + p // ROW_THREADS
+                        offset_of(offs, raw2, g2 * PASSES + r, (lo + 2 * it + 2 + g2) * BNW + i, rows)
+                prefetch_lines(flat, offs, p)  # (offs: free until the copies below set it)
+                load_rows(raw2, (lo + 2 * it + 4) * BNW, rows)
             for g2 in T.unroll(2, explicit=True):
                 slot = (it % 2) * 2 + g2
                 T.barrier_wait(bar_free[slot], (it >> 1) & 1)
                 for r in T.unroll(PASSES, explicit=True):
                     i = r * ROWS_AT_ONCE + p // ROW_THREADS
                     k = g2 * PASSES + r
-                    if not schedule.l2_prefetch:
+                    if ahead != 1:  # (at 1 computed above)
                         offset_of(offs, raw, k, (lo + 2 * it + g2) * BNW + i, rows)
                     for u in T.unroll(D // (VEC * ROW_THREADS)):
                         c = (u * ROW_THREADS + p % ROW_THREADS) * VEC
@@ -989,7 +1010,7 @@ def variants(packed: bool) -> list[Schedule]:
     out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
     out.append(Schedule(pair_cluster=True))
     if not packed:
-        out.append(Schedule(l2_prefetch=True))
+        out += [Schedule(l2_prefetch=1), Schedule(l2_prefetch=2)]
     if packed:
         out += [
             Schedule(words_in_flight=1),
