@@ -97,7 +97,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
-    assert {s.l2_prefetch for s in plain} == {0, 1, 2} and not any(s.l2_prefetch for s in packed)
+    assert {s.l2_prefetch for s in plain} == {0, 1, 2} and {s.l2_prefetch for s in packed} == {0, 1}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -270,6 +270,24 @@ def test_the_l2_prefetch_reads_rows_ahead_of_the_slot_waits(paged, ahead):
     assert max(prefetches) < wait and loop.count("deepinfer_prefetch_l2(") == 4
     assert ("offs[0] = " in loop[wait:]) == (ahead == 2)
     assert "deepinfer_prefetch_l2" not in lowered_sm90(build(tlw.DEFAULT), tlw.pass_configs(None))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_the_l2_prefetch_on_packed_pools_reads_the_next_rows_before_the_slot_waits():
+    """Lowered for sm_90 (packed pools, paged, split): with :attr:`Schedule.l2_prefetch` each
+    iteration of the producer prefetches, before its first slot wait, the lines of the two
+    rows whose words it loads after the waits (its own line of each, 16 words a line, and on
+    two of a row's four threads one more)."""
+    fp8 = _fp8_geometry()
+    src = lowered_sm90(
+        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, True, tlw.Schedule(l2_prefetch=1)),
+        tlw.pass_configs(fp8),
+    )
+    (loop,) = set(loops_containing(src, "deepinfer_prefetch_l2(("))
+    wait = loop.index("bar_free[((it & 1) * 2)].wait(")
+    assert loop.count("deepinfer_prefetch_l2(") == 4 and loop.rindex("deepinfer_prefetch_l2(") < wait
+    assert "(((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)16)" in loop
 
 
 @pytest.mark.slow

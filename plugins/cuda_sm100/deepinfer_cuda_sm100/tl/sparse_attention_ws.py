@@ -134,7 +134,7 @@ class Schedule:
             launched directly, must be given exactly two splits).  Bit for bit the default on
             an H100, but slower wherever the plan takes two splits (0.0297 against 0.0266 ms
             combined, CSA plain, 32 tokens, 64k; 1.03-1.19x on FP8 pools), hence off.
-        l2_prefetch: plain pools, iterations ahead the producer prefetches rows into L2, each
+        l2_prefetch: plain pools: iterations ahead the producer prefetches rows into L2, each
             of a row's eight threads one 128-byte line (``prefetch.global.L2``), at the top of
             each iteration before it waits for the iteration's slots: 1, that iteration's rows
             (their addresses from the indices loaded an iteration earlier, as the copies take
@@ -144,8 +144,13 @@ class Schedule:
             finished iteration ``i - 2``; a prefetch starts the rows' DRAM reads one or two
             iterations earlier and the copies then read L2 (an H100 profile of 64-token calls:
             the consumers wait on full slots, DRAM at 52 % of its peak).  The same copies of
-            the same rows, so the same bits.  Packed pools run as without it (their producer
-            already loads its words two blocks ahead).
+            the same rows, so the same bits.  Packed pools with two blocks of words in flight
+            (the default :attr:`words_in_flight`), at 1 or 2 alike: the rows whose words the
+            producer loads after the iteration's slot waits, their lines into L2 before the
+            waits (a row's four threads a line each, two of them a fifth and the scale word's
+            line); with one block in flight, none.  Built for sm_90 without spills except on
+            paged calls: 64 bytes of the producer's stack at 2 ahead on plain pools, 8 on
+            packed ones.
 
     A variant in which the kernel compacted its index lists itself (every thread loading its
     token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
@@ -721,6 +726,16 @@ def build_attention_ws(
             fetch(words, flat64, offs[0], quarter)  # (past the last block: the first row, unused)
 
     @T.macro
+    def prefetch_packed(flat64, offset, quarter):
+        """:attr:`Schedule.l2_prefetch` on packed pools: the lines of the packed row at word
+        ``offset`` into L2, a row's four threads the first four (128 bytes = 16 words each),
+        threads 0 and 1 also the fifth and the scale word's."""
+        T.call_extern("handle", "deepinfer_prefetch_l2", T.access_ptr(flat64[offset + quarter * 16], "r", 1))
+        if quarter < 2:
+            tail = T.if_then_else(quarter == 0, 64, SCALE_WORD)
+            T.call_extern("handle", "deepinfer_prefetch_l2", T.access_ptr(flat64[offset + tail], "r", 1))
+
+    @T.macro
     def produce_fp8_two(flat64, k_s, raw, offs, bars, n_iter, lo, rows, p):
         """:func:`produce_fp8` with two blocks of words in flight a thread
         (:attr:`Schedule.words_in_flight`): a slot's next block is fetched as soon as its
@@ -737,6 +752,9 @@ def build_attention_ws(
         for it in T.serial(n_iter):
             offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
             offset_of(offs, raw, 1, (lo + 2 * it + 3) * BNW + i, rows)
+            if schedule.l2_prefetch:  # the rows fetched after this iteration's slot waits
+                for k in T.unroll(2, explicit=True):
+                    prefetch_packed(flat64, offs[k], quarter)
             load_rows(raw, (lo + 2 * it + 4) * BNW, rows)  # two iterations ahead
             T.barrier_wait(bar_free[(it % 2) * 2], (it >> 1) & 1)
             fill(k_s, (it % 2) * 2, i, even, quarter, bar_ready)
@@ -756,7 +774,7 @@ def build_attention_ws(
             device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
-            elif schedule.l2_prefetch:
+            if schedule.l2_prefetch:
                 device_code += PREFETCH_DEVICE_CODE
             if device_code != "":  # (one source a kernel)
                 T.import_source(device_code)
@@ -1013,6 +1031,7 @@ def variants(packed: bool) -> list[Schedule]:
         out += [Schedule(l2_prefetch=1), Schedule(l2_prefetch=2)]
     if packed:
         out += [
+            Schedule(l2_prefetch=1),
             Schedule(words_in_flight=1),
             Schedule(one_multiply=True),
             Schedule(words_in_flight=1, one_multiply=True, lazy_rescale=True),
