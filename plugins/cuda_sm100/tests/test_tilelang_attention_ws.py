@@ -98,6 +98,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
     assert {s.l2_prefetch for s in plain} == {0, 1, 2} and {s.l2_prefetch for s in packed} == {0, 1}
+    assert {s.next_queries for s in plain} == {False, True} == {s.next_queries for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
     for schedule in packed:
@@ -270,6 +271,25 @@ def test_the_l2_prefetch_reads_rows_ahead_of_the_slot_waits(paged, ahead):
     assert max(prefetches) < wait and loop.count("deepinfer_prefetch_l2(") == 4
     assert ("offs[0] = " in loop[wait:]) == (ahead == 2)
     assert "deepinfer_prefetch_l2" not in lowered_sm90(build(tlw.DEFAULT), tlw.pass_configs(None))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("packed", [False, True])
+def test_next_queries_prefetches_the_next_waves_queries_after_its_own(packed):
+    """Lowered for sm_90 (direct, explicit): with :attr:`Schedule.next_queries` the producer,
+    once its own queries' copies are issued, prefetches four 128-byte lines a thread of the
+    queries of the CTA an SM count (``%nsmid``) later in launch order, where that CTA exists;
+    without it, no prefetch."""
+    fp8 = _fp8_geometry() if packed else None
+    build = functools.partial(tlw.build_attention_ws, False, False, 64, 512, "bfloat16", fp8, True)
+    src = lowered_sm90(build(tlw.Schedule(next_queries=True)), tlw.pass_configs(fp8))
+    body = src[src.index("__global__ void __launch_bounds__") :]
+    arrive, later = body.index("mbarrier_cp_async_arrive_noinc(bar_q"), body.index("deepinfer_sm_count()")
+    prefetches = [m.start() for m in re.finditer(r"deepinfer_prefetch_l2\(\(&\(q\[", body)]
+    assert len(prefetches) == 4 and arrive < later < min(prefetches)
+    assert "mov.u32 %0, %%nsmid;" in src
+    assert "deepinfer_sm_count" not in lowered_sm90(build(tlw.DEFAULT), tlw.pass_configs(fp8))
 
 
 @pytest.mark.slow

@@ -151,6 +151,13 @@ class Schedule:
             line); with one block in flight, none.  Built for sm_90 without spills except on
             paged calls: 64 bytes of the producer's stack at 2 ahead on plain pools, 8 on
             packed ones.
+        next_queries: grids of more than one wave (a prefill chunk, 256 decode tokens): once
+            its own queries are requested, the producer prefetches into L2 the queries of the
+            CTA one wave later in launch order (its linear index plus the SM count,
+            ``%nsmid``; one CTA an SM), 64 KB, four 128-byte lines a thread, so that CTA's
+            query load reads L2 instead of DRAM at its start, where nothing else hides it.  A
+            prefetch only, so the same bits.  Built for sm_90 without spills except 8 bytes of
+            the producer's stack on direct paged calls of packed pools.
 
     A variant in which the kernel compacted its index lists itself (every thread loading its
     token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
@@ -167,6 +174,7 @@ class Schedule:
     merge_splits: bool = False
     pair_cluster: bool = False
     l2_prefetch: int = 0
+    next_queries: bool = False
 
 
 DEFAULT = Schedule()
@@ -240,7 +248,18 @@ __device__ __forceinline__ void deepinfer_prefetch_l2(const void* line) {
   asm volatile("prefetch.global.L2 [%0];" :: "l"(line) : "memory");
 }
 """
-"""The device function of :attr:`Schedule.l2_prefetch`: a 128-byte line into L2."""
+"""The device function of :attr:`Schedule.l2_prefetch` and :attr:`Schedule.next_queries`: a
+128-byte line into L2."""
+
+SM_COUNT_DEVICE_CODE = r"""
+__device__ __forceinline__ int deepinfer_sm_count() {
+  // the SM identifiers (%nsmid): a wave of one-CTA-an-SM launches
+  unsigned n;
+  asm volatile("mov.u32 %0, %%nsmid;" : "=r"(n));
+  return (int)n;
+}
+"""
+"""The device function of :attr:`Schedule.next_queries`: the SM count (``%nsmid``)."""
 
 PAIR_DEVICE_CODE = r"""
 __device__ __forceinline__ void deepinfer_store_bits(const void* base, int offset, float value) {
@@ -616,6 +635,19 @@ def build_attention_ws(
                 )
 
     @T.macro
+    def next_queries(q, t, s, hb, p):
+        """:attr:`Schedule.next_queries`: the queries of the CTA one wave later in launch order
+        (x fastest: token, then split, then head block) into L2, where it exists."""
+        later = t + n_tok * (s + n_split * hb) + T.call_extern("int32", "deepinfer_sm_count")
+        t_next, rest = later % n_tok, later // n_tok
+        hb_next = rest // n_split
+        if hb_next < H // BH:
+            for r in T.unroll(BH * D // 64 // 128, explicit=True):  # 128-byte lines (64 values)
+                line = (r * 128 + p) * 64
+                head, col = hb_next * BH + line // D, line % D
+                T.call_extern("handle", "deepinfer_prefetch_l2", T.access_ptr(q[t_next, head, col], "r", 1))
+
+    @T.macro
     def prefetch_lines(flat, offs, p):
         """:attr:`Schedule.l2_prefetch`: the thread's 128-byte line (its place among a row's
         eight threads) of each of its rows at ``offs`` into L2."""
@@ -774,8 +806,10 @@ def build_attention_ws(
             device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
-            if schedule.l2_prefetch:
+            if schedule.l2_prefetch or schedule.next_queries:
                 device_code += PREFETCH_DEVICE_CODE
+            if schedule.next_queries:
+                device_code += SM_COUNT_DEVICE_CODE
             if device_code != "":  # (one source a kernel)
                 T.import_source(device_code)
             q_s = T.alloc_shared((BH, D), dtype)
@@ -829,6 +863,8 @@ def build_attention_ws(
                 load_rows(raw, lo * BNW, rows)  # iteration 0's rows
                 queries(q_s, q, t, hb, p)
                 T.cp_async_barrier_noinc(bar_q)
+                if schedule.next_queries:
+                    next_queries(q, t, s, hb, p)
                 if fp8 is None:
                     produce_plain(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
                 elif schedule.words_in_flight == 1:
@@ -1027,6 +1063,7 @@ def variants(packed: bool) -> list[Schedule]:
     the default first: what ``bench_attention.py --tune`` times."""
     out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
     out.append(Schedule(pair_cluster=True))
+    out.append(Schedule(next_queries=True))
     if not packed:
         out += [Schedule(l2_prefetch=1), Schedule(l2_prefetch=2)]
     if packed:
