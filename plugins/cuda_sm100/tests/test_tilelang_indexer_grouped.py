@@ -169,10 +169,9 @@ def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apa
 def test_the_group_shares_one_gather_per_block_without_a_barrier_in_its_loop(group):
     """Lowered for sm_90: one loop issues a block's key gathers (``cp.async``), with no block
     barrier inside; the GEMM runs once per token of the group (a loop of ``group`` around one
-    ``wgmma`` sequence over the same key stage)."""
-    src = lowered_sm90(
-        tlg.build_grouped_scores(H, D, "bfloat16", 16, group), {"tl.disable_safe_memory_legalize": True}
-    )
+    ``wgmma`` sequence over the same key stage; the overlapped build has its own test)."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, group, overlap=False), config)
     loops = loops_containing(src, "cp_async_gs")
     assert loops and all("__syncthreads" not in body for body in loops)
     assert f"for (int j = 0; j < {group}; ++j)" in src
@@ -186,7 +185,7 @@ def test_two_warpgroups_split_a_blocks_keys_never_its_heads():
     (``wgmma`` ``m64n64``), so a row's sum over heads stays in one warpgroup's quad: no
     exchange of partial sums through shared memory."""
     config = {"tl.disable_safe_memory_legalize": True}
-    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, warpgroups=2), config)
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, warpgroups=2, overlap=False), config)
     assert re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src) == [("64", str(H))] * 2
     assert set(re.findall(r"AllReduce<tl::SumOp, (\d+),", src)) == {"4"}  # within a quad only
 

@@ -83,7 +83,7 @@ def build_grouped_scores(
     group: int = GROUP,
     pdl: bool = False,
     warpgroups: int = WARPGROUPS,
-    overlap: bool = OVERLAP,
+    overlap: bool | None = None,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -93,10 +93,12 @@ def build_grouped_scores(
         blocks: blocks of ``BN`` entries per CTA; group: query tokens per CTA.
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
-        warpgroups: 1 or 2 (see :data:`WARPGROUPS`); overlap: see :data:`OVERLAP`.
+        warpgroups: 1 or 2 (see :data:`WARPGROUPS`); overlap: see :data:`OVERLAP` (default
+            :func:`overlaps`).
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
+    overlap = overlaps(group) if overlap is None else overlap
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if overlap and group != 2:
