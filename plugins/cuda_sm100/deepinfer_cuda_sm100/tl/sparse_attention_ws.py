@@ -648,6 +648,15 @@ def build_attention_ws(
                 T.call_extern("handle", "deepinfer_prefetch_l2", T.access_ptr(q[t_next, head, col], "r", 1))
 
     @T.macro
+    def addresses(offs, raw, first, rows, p):
+        """The producer's rows of blocks ``first`` and ``first + 1`` (their indices in ``raw``)
+        as flat offsets in ``offs``, all before any copy (:attr:`Schedule.l2_prefetch`)."""
+        for g2 in T.unroll(2, explicit=True):
+            for r in T.unroll(PASSES, explicit=True):
+                i = r * ROWS_AT_ONCE + p // ROW_THREADS
+                offset_of(offs, raw, g2 * PASSES + r, (first + g2) * BNW + i, rows)
+
+    @T.macro
     def prefetch_lines(flat, offs, p):
         """:attr:`Schedule.l2_prefetch`: the thread's 128-byte line (its place among a row's
         eight threads) of each of its rows at ``offs`` into L2."""
@@ -669,16 +678,10 @@ def build_attention_ws(
             load_rows(raw2, (lo + 2) * BNW, rows)
         for it in T.serial(n_iter):
             if ahead == 1:  # this iteration's addresses first, then their lines into L2
-                for g2 in T.unroll(2, explicit=True):
-                    for r in T.unroll(PASSES, explicit=True):
-                        i = r * ROWS_AT_ONCE + p // ROW_THREADS
-                        offset_of(offs, raw, g2 * PASSES + r, (lo + 2 * it + g2) * BNW + i, rows)
+                addresses(offs, raw, lo + 2 * it, rows, p)
                 prefetch_lines(flat, offs, p)
             elif ahead == 2:  # the next iteration's, and the indices of the one after
-                for g2 in T.unroll(2, explicit=True):
-                    for r in T.unroll(PASSES, explicit=True):
-                        i = r * ROWS_AT_ONCE + p // ROW_THREADS
-                        offset_of(offs, raw2, g2 * PASSES + r, (lo + 2 * it + 2 + g2) * BNW + i, rows)
+                addresses(offs, raw2, lo + 2 * it + 2, rows, p)
                 prefetch_lines(flat, offs, p)  # (offs: free until the copies below set it)
                 load_rows(raw2, (lo + 2 * it + 4) * BNW, rows)
             for g2 in T.unroll(2, explicit=True):
