@@ -32,12 +32,6 @@ rows gathered into shared memory, a token a CTA) and ``"tilelang_grouped"``
 serving several tokens of one request; bitwise the former).  TileLang only where it can compile
 here, the call fits it, the engine is not in batch-invariant mode (TileLang and Triton sum over
 heads in different orders) and the table measured it faster.
-
-Where the rows are prefill's (paged, at most 2,048 entries), one more path does both in one
-launch: ``"tilelang_fused"`` (:mod:`deepinfer_cuda_sm100.tl.indexer_fused`: the grouped scores
-kernel picking each row's top entries in the CTA that scored it), run where the table (op
-``"indexer_fused"``, :func:`choose_fused`) measured it faster than ``"split"``, the scores and
-the selection apart as above.  The same picks in the same order.
 """
 
 from __future__ import annotations
@@ -48,7 +42,6 @@ from deepinfer_core.ops.attention import PagedIndex
 from deepinfer_core.ops.modes import batch_invariant_enabled
 from deepinfer_cuda_sm100 import kernel_choice, tl
 from deepinfer_cuda_sm100.tl import indexer as tl_indexer
-from deepinfer_cuda_sm100.tl import indexer_fused as tl_fused
 from deepinfer_cuda_sm100.tl import indexer_grouped as tl_grouped
 from deepinfer_cuda_sm100.tl.launch_args import TL_DTYPES
 
@@ -58,9 +51,6 @@ PATHS = frozenset({"triton", "triton_rows", "threshold", "torch"})
 SCORE_OP = "indexer_scores"
 """The op name of the scoring points in the measured table."""
 SCORE_PATHS = frozenset({"triton", "tilelang", "tilelang_grouped"})
-FUSED_OP = "indexer_fused"
-"""The op name of the points timing the fused launch against the scores and selection apart."""
-FUSED_PATHS = frozenset({"split", "tilelang_fused"})
 
 
 def ordered_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -145,34 +135,9 @@ def scores_of(q, weights, key_pool, candidates, scale) -> torch.Tensor:
     return indexer.indexer_scores(q, weights, key_pool, candidates, scale)
 
 
-def choose_fused(q, weights, key_pool, candidates, k) -> bool:
-    """Whether this call runs the fused launch (see the module docstring): where it can (not in
-    batch-invariant mode, TileLang usable, a call it takes) and the table measured it faster."""
-    if batch_invariant_enabled() or q.device.type != "cuda":
-        return False
-    if tl_fused.supports(q, weights, key_pool, candidates, k) is not True:
-        return False
-    if tl.tilelang_problem() is not None:  # (logged once by choose_scores)
-        return False
-    t, h, d = q.shape
-    arch = kernel_choice.device_arch(q.device)
-    c = int(candidates.max_count)
-    path = kernel_choice.choose(
-        FUSED_OP, "paged", TL_DTYPES[q.dtype], h, d, t, c, arch, FUSED_PATHS, default="split"
-    )
-    return path == "tilelang_fused"
-
-
 def indexer_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
-    """The op: the fused launch where :func:`choose_fused` takes it, else :func:`split_topk`."""
-    if choose_fused(q, weights, key_pool, candidates, k):
-        return tl_fused.indexer_topk(q, weights, key_pool, candidates, k, scale)
-    return split_topk(q, weights, key_pool, candidates, k, scale)
-
-
-def split_topk(q, weights, key_pool, candidates, k, scale) -> torch.Tensor:
-    """The op in two steps: the scores :func:`choose_scores` picks, then the selection
-    :func:`choose_path` picks."""
+    """The op: the scores :func:`choose_scores` picks, then the selection :func:`choose_path`
+    picks."""
     from deepinfer_cuda_sm100.kernels import indexer, indexer_rows
 
     scores = scores_of(q, weights, key_pool, candidates, scale)

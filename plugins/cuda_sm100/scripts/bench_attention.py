@@ -324,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.write_choices and results.get("indexer"):
         print(f"wrote {choice_writers.write_select_choices(results['indexer'])}")
         print(f"wrote {choice_writers.write_score_choices(results['indexer'])}")
-        print(f"wrote {choice_writers.write_fused_choices(results['indexer'])}")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {a.output}")

@@ -139,31 +139,6 @@ def write_score_choices(rows: list[dict]) -> Path | None:
     return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang"))
 
 
-def write_fused_choices(rows: list[dict]) -> Path | None:
-    """The fused indexer launch against the scores and selection apart per ``T x C`` as
-    ``indexer_fused`` points (``tilelang_fused`` / ``split`` ms; paged candidates, bfloat16, 64
-    heads of 128, as measured); a row whose fused picks differed keeps ``split`` only.  ``None``
-    when no row timed the fused launch."""
-    from deepinfer_cuda_sm100.indexer_select import FUSED_OP
-
-    def times(r: dict) -> dict[str, float]:
-        ms = {"split": round(r["split_ms"], 5)}
-        if r["fused_equal"]:
-            ms["tilelang_fused"] = round(r["fused_ms"], 5)
-        return ms
-
-    points = [
-        {"op": FUSED_OP, "kind": "paged", "dtype": "bfloat16", "heads": 64, "head_dim": 128,
-         "tokens": r["T"], "keys": r["C"], "ms": times(r)}
-        for r in rows
-        if "fused_ms" in r and not r.get("causal")  # the table's points are full rows
-    ]  # fmt: skip
-    if not points:
-        return None
-    command = "python plugins/cuda_sm100/scripts/bench_attention.py --only indexer --write-choices"
-    return merge(points, command, GRAPH_FLUSHED, ("triton", "tilelang"))
-
-
 def dense_points(rows: list[dict]) -> list[dict]:
     """``bench_dense_gemv.py``'s rows as ``linear_dense`` points (dicts of
     :class:`~deepinfer_cuda_sm100.kernel_choice.Point`'s fields): per (N x K, M) cuBLAS

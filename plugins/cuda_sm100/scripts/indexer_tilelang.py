@@ -1,7 +1,7 @@
 """The TileLang indexer scores in ``bench_attention.py``'s indexer rows: their time beside the
 Triton scores', their agreement with them, the grouped kernel's time and bits beside the
-one-token kernel's, the fused launch (scores and selection in one kernel) beside the two apart,
-the backend op as dispatched, and (``--tune``) the blocks (and tokens) a CTA takes."""
+one-token kernel's, the backend op as dispatched, and (``--tune``) the blocks (and tokens) a CTA
+takes."""
 
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ def measure(row: dict, args: tuple, triton_scores: torch.Tensor, ms: Callable, t
             for b in tli.BLOCK_CHOICES
         }
     measure_grouped(row, args, got, ms, tune)
-    measure_fused(row, args, ms)
 
 
 def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callable, tune: bool) -> None:
@@ -76,23 +75,6 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 
-def measure_fused(row: dict, args: tuple, ms: Callable) -> None:
-    """The fused launch (:mod:`deepinfer_cuda_sm100.tl.indexer_fused`: the scores and each row's
-    selection in one kernel) beside the scores and the selection apart as the backend would
-    otherwise run them (``indexer_select.split_topk``): ``fused_equal`` (the same picks in the
-    same order), ``fused_ms``, ``split_ms`` (nothing where the fused launch does not take the
-    call)."""
-    from deepinfer_cuda_sm100 import indexer_select
-    from deepinfer_cuda_sm100.tl import indexer_fused as tlf
-
-    q, w, keys, cand, k, scale = args
-    if tlf.supports(q, w, keys, cand, k) is not True:
-        return
-    row["fused_equal"] = bool(torch.equal(tlf.indexer_topk(*args), indexer_select.split_topk(*args)))
-    row["fused_ms"] = ms(lambda: tlf.indexer_topk(*args))
-    row["split_ms"] = ms(lambda: indexer_select.split_topk(*args))
-
-
 def describe(row: dict) -> str:
     """The TileLang part of an indexer row's printed line (empty where it did not run)."""
     if "tilelang_score_ms" not in row:
@@ -105,9 +87,6 @@ def describe(row: dict) -> str:
             grouped += f"  grouped tune {row['grouped_tune']}"
             for name, v in row["grouped_variants"].items():
                 grouped += f"  grouped at {name} {v['ms']:.4f} ms (bitwise {v['bitwise']})"
-    if "fused_ms" in row:
-        apart = f"apart {row['split_ms']:.4f}, equal {row['fused_equal']}"
-        grouped += f"  fused {row['fused_ms']:.4f} ms ({apart})"
     return (
         f"  tilelang scores {row['tilelang_score_ms']:.4f} ms "
         f"(rel err {row['tilelang_score_max_rel_err']:.1e}, "

@@ -25,7 +25,6 @@ import torch
 from cuda_sm100_checks import loops_containing, lowered_sm90
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
-from deepinfer_cuda_sm100.tl import indexer_fused as tlf
 from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
@@ -124,8 +123,7 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice():
 
     configs = grouped_indexer_configurations(H, D)
     layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
-    assert configs[:-1] == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
-    assert configs[-1] == (H, D, "bfloat16", tlf.BLOCKS, 2, *layout, True)  # the fused launch's
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
     assert planned <= {c[3] for c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])
@@ -287,129 +285,3 @@ def test_gpu_grouped_scores_replay_in_a_cuda_graph_bitwise():
     q, w, keys, index = _paged([9, 1, 4, 3], 300, torch.Generator().manual_seed(7), "cuda")
     eager = tlg.indexer_scores(q, w, keys, index, SCALE)
     assert torch.equal(replayed(lambda: tlg.indexer_scores(q, w, keys, index, SCALE)), eager)
-
-
-# ---------------------------------------------------------------------------------------------
-# the fused launch: the grouped scores and each row's selection in one kernel
-
-
-def test_the_fused_launch_refuses_what_it_cannot_run_and_says_why():
-    q, w, keys, index = _paged([3, 2], 40, torch.Generator().manual_seed(0))
-    assert tlf.supports(q, w, keys, index, 512) is True
-    rows = torch.randint(-1, keys.shape[0], (q.shape[0], 10))
-    assert "paged candidates only" in tlf.supports(q, w, keys, rows, 512)
-    long = PagedIndex(index.block_table, index.token_rows, index.counts, EPP, 4096)
-    assert "4096 candidates a row" in tlf.supports(q, w, keys, long, 512)
-    wide = PagedIndex(index.block_table, index.token_rows, index.counts, EPP, 2048)
-    assert "2048 picks a row" in tlf.supports(q, w, keys, wide, 4096)
-    with pytest.raises(ValueError, match="select takes a group of 2 over 16 blocks"):
-        tlg.build_grouped_scores(H, D, "bfloat16", 8, 2, select=True)
-    with pytest.raises(ValueError, match="select takes a group of 2"):
-        tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, select=True)
-
-
-def test_cpu_calls_never_take_the_fused_launch():
-    q, w, keys, index = _paged([4, 4], 40, torch.Generator().manual_seed(1))
-    assert indexer_select.choose_fused(q, w, keys, index, 8) is False
-
-
-def test_the_table_takes_the_fused_launch_only_where_it_beat_the_two_launches(monkeypatch):
-    """``--write-choices`` writes ``indexer_fused`` points from full rows, and a row whose fused
-    picks differed from the two launches' keeps ``split`` only: the table never picks it there."""
-    from cuda_sm100_checks import choice_writers
-
-    writers = choice_writers()
-    merged = []
-    monkeypatch.setattr(writers, "merge", lambda points, *a, **k: merged.extend(points))
-    row = {"T": 8192, "C": 2048, "split_ms": 1.03, "fused_ms": 0.85, "fused_equal": True}
-    rows = [row, {**row, "T": 1024, "fused_equal": False}, {**row, "causal": True}, {"T": 128, "C": 16384}]
-    writers.write_fused_choices(rows)
-    assert [(p["op"], p["tokens"], p["ms"]) for p in merged] == [
-        ("indexer_fused", 8192, {"split": 1.03, "tilelang_fused": 0.85}),
-        ("indexer_fused", 1024, {"split": 1.03}),
-    ]
-    points = tuple(kernel_choice.Point(**p) for p in merged)
-
-    def choose(tokens):
-        return kernel_choice.choose(
-            indexer_select.FUSED_OP, "paged", "bfloat16", H, D, tokens, 2048, "sm90",
-            indexer_select.FUSED_PATHS, points=points, default="split",
-        )  # fmt: skip
-
-    assert choose(8192) == "tilelang_fused"
-    assert choose(1024) == "split"
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
-def test_the_fused_build_selects_after_the_last_score_in_registers_without_spills(tmp_path):
-    """Lowered for sm_90: the selecting build is the scores kernel (two CTAs an SM) ending in one
-    block barrier, then one call of the selection for the group's tokens; built for sm_90a
-    without spills, with the two warpgroups' named barriers besides the block's (three in all)."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
-    config = {"tl.disable_safe_memory_legalize": True}
-    build = tlg.build_grouped_scores(H, D, "bfloat16", tlf.BLOCKS, 2, False, 2, True, True)
-    src = lowered_sm90(build, config)
-    assert "__launch_bounds__(256, 2)" in src
-    body = src[src.index("__launch_bounds__") :]
-    assert body.count("deepinfer_group_topk2(") == 1
-    call = body.index("deepinfer_group_topk2(")
-    assert body[:call].rstrip().endswith("__syncthreads();")  # every score stored before
-    assert "scores[" not in body[call:].split(";", 1)[1]  # and none after
-    path, cubin = tmp_path / "fused.cu", tmp_path / "fused.cubin"
-    path.write_text(src)
-    cmd = [get_nvcc_compiler(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *default_compile_options()]
-    cmd += ["-w", "-Xptxas", "-v", "-o", str(cubin), str(path)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr
-    assert re.search(r"used 3 barriers", done.stderr), done.stderr[-500:]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k", [4, 100, 512])
-def test_gpu_fused_picks_are_the_exact_selection_of_the_grouped_scores(k):
-    """Over batches whose groups span requests, ragged counts (0, past ``max_count``) and, on
-    integer data, many equal scores: the fused launch's picks equal the exact ``torch.topk``
-    path's on the grouped kernel's scores, in the same order, and the two launches' the
-    dispatcher would otherwise run."""
-    _needs_tilelang()
-    from deepinfer_cuda_sm100.indexer_select import select_topk_torch, split_topk
-
-    g = torch.Generator().manual_seed(k)
-    for lengths in BATCHES:
-        for integer in (True, False):
-            for max_count in (300, 2048):
-                q, w, keys, index = _paged(lengths, max_count, g, "cuda", integer)
-                scores = tlg.indexer_scores(q, w, keys, index, SCALE)
-                got = tlf.indexer_topk(q, w, keys, index, k, SCALE)
-                label = f"{lengths} integer={integer} max_count={max_count}"
-                assert torch.equal(got, select_topk_torch(scores, k, index)), label
-                assert torch.equal(got, split_topk(q, w, keys, index, k, SCALE)), label
-
-
-@pytest.mark.gpu
-def test_gpu_the_dispatcher_runs_the_fused_launch_where_the_table_says_and_replays_it(monkeypatch):
-    _needs_tilelang()
-    from cuda_sm100_checks import replayed
-    from deepinfer_cuda_sm100.indexer_select import split_topk
-
-    from deepinfer_core.ops.modes import batch_invariant_mode
-
-    q, w, keys, index = _paged([9, 1, 4, 3], 300, torch.Generator().manual_seed(7), "cuda")
-    ms = {"split": 1.0, "tilelang_fused": 0.5}
-    point = kernel_choice.Point(indexer_select.FUSED_OP, "paged", "bfloat16", H, D, q.shape[0], 300, ms)
-    monkeypatch.setattr(kernel_choice, "load_points", lambda arch: (point,))
-    kernel_choice.forget()
-    try:
-        assert indexer_select.choose_fused(q, w, keys, index, 64)
-        with batch_invariant_mode():  # picks in column order there: the two launches serve
-            assert not indexer_select.choose_fused(q, w, keys, index, 64)
-        want = split_topk(q, w, keys, index, 64, SCALE)
-        assert torch.equal(indexer_select.indexer_topk(q, w, keys, index, 64, SCALE), want)
-        assert torch.equal(replayed(lambda: tlf.indexer_topk(q, w, keys, index, 64, SCALE)), want)
-    finally:
-        kernel_choice.forget()

@@ -37,7 +37,6 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
-from . import group_topk_device
 from .compile_log import logged_compile
 from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
@@ -85,7 +84,6 @@ def build_grouped_scores(
     pdl: bool = False,
     warpgroups: int = WARPGROUPS,
     overlap: bool | None = None,
-    select: bool = False,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -97,10 +95,6 @@ def build_grouped_scores(
             any global access.
         warpgroups: 1 or 2 (see :data:`WARPGROUPS`); overlap: see :data:`OVERLAP` (default
             :func:`overlaps`).
-        select: also pick each token's top entries in the CTA (:func:`indexer_topk`): the
-            ``prim_func`` takes a ``picks`` tensor after ``scores``; a group of 2 whose CTA
-            spans a whole row (``blocks * BN >= C``, at most
-            :data:`~deepinfer_cuda_sm100.tl.group_topk_device.MAX_COLUMNS` candidates).
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
@@ -109,18 +103,12 @@ def build_grouped_scores(
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if overlap and group != 2:
         raise ValueError(f"overlap takes a group of 2 tokens (four accumulators spill), got {group}")
-    if select and (group != 2 or blocks * BN != group_topk_device.MAX_COLUMNS):
-        raise ValueError(
-            f"select takes a group of 2 over {group_topk_device.MAX_COLUMNS // BN} blocks, "
-            f"got group {group}, blocks {blocks}"
-        )
     import tilelang.language as T
 
     acc_t = "float32"
     H, D, G = heads, dim, group
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
-    n_pick = T.dynamic("K")
     start = prologue()
     # two warpgroups split a block's keys (wgmma's M), never its heads: a row's sum over heads
     # stays in one quad of threads
@@ -194,16 +182,24 @@ def build_grouped_scores(
         for j in range(G):
             finish(accs[j], j, G - 1 - j, lead, *io)
 
-    @T.macro
-    def kernel_body(
-        q, w, flat, block_table, token_rows, counts, scores, picks, kst, scale, max_count, division
+    @T.prim_func
+    def indexer_scores_grouped(
+        q: T.Tensor((n_tok, H, D), dtype),
+        w: T.Tensor((n_tok, H), "float32"),
+        flat: T.Tensor((nf,), dtype),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        counts: T.Tensor((t3,), "int64"),
+        scores: T.Tensor((n_tok, n_cand), "float32"),
+        kst: T.int64,
+        scale: T.float32,
+        max_count: T.int32,
+        epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
     ):
-        """The kernel; with ``picks`` (``select``), each token's top picks too."""
-        epp, epp_magic, epp_shift = division
         grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
         with T.Kernel(*grid, threads=THREADS * warpgroups) as (g, tg):
-            if picks is not None:
-                T.import_source(group_topk_device.DEVICE_CODE)
             q_s = T.alloc_shared((G, H, D), dtype)
             w_s = T.alloc_shared((G, H), acc_t)
             k_s = T.alloc_shared((BN, D), dtype)
@@ -266,59 +262,8 @@ def build_grouped_scores(
                                     c = (g * blocks + b) * BN + i
                                     if c < n_cand:
                                         scores[t0 + j, c] = -T.infinity(acc_t)
-            if picks is not None:  # every score of the group's rows stored: select in the CTA
-                T.sync_threads()
-                T.call_extern(
-                    "handle", "deepinfer_group_topk2",
-                    T.access_ptr(scores[0, 0], "r", 1), T.access_ptr(picks[0, 0], "w", 1),
-                    T.access_ptr(block_table[0, 0], "r", 1), t0, n_tok, n_cand, picks.shape[1], p_bt,
-                    epp, rows_s[0], rows_s[1], cnt_s[0], cnt_s[1],
-                )  # fmt: skip
 
-    @T.prim_func
-    def indexer_scores_grouped(
-        q: T.Tensor((n_tok, H, D), dtype),
-        w: T.Tensor((n_tok, H), "float32"),
-        flat: T.Tensor((nf,), dtype),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        counts: T.Tensor((t3,), "int64"),
-        scores: T.Tensor((n_tok, n_cand), "float32"),
-        kst: T.int64,
-        scale: T.float32,
-        max_count: T.int32,
-        epp: T.int32,
-        epp_magic: T.int32,
-        epp_shift: T.int32,
-    ):
-        kernel_body(
-            q, w, flat, block_table, token_rows, counts, scores, None, kst, scale, max_count,
-            (epp, epp_magic, epp_shift),
-        )  # fmt: skip
-
-    @T.prim_func
-    def indexer_topk_grouped(
-        q: T.Tensor((n_tok, H, D), dtype),
-        w: T.Tensor((n_tok, H), "float32"),
-        flat: T.Tensor((nf,), dtype),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        counts: T.Tensor((t3,), "int64"),
-        scores: T.Tensor((n_tok, n_cand), "float32"),
-        picks: T.Tensor((n_tok, n_pick), "int64"),
-        kst: T.int64,
-        scale: T.float32,
-        max_count: T.int32,
-        epp: T.int32,
-        epp_magic: T.int32,
-        epp_shift: T.int32,
-    ):
-        kernel_body(
-            q, w, flat, block_table, token_rows, counts, scores, picks, kst, scale, max_count,
-            (epp, epp_magic, epp_shift),
-        )  # fmt: skip
-
-    return indexer_topk_grouped if select else indexer_scores_grouped
+    return indexer_scores_grouped
 
 
 def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> int:
@@ -335,8 +280,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 @logged_compile("indexer_grouped")
 def _kernel(heads: int, dim: int, dtype: str, *options):
     """A compiled kernel of :func:`build_grouped_scores` (``options``: its ``blocks``,
-    ``group``, ``pdl``, ``warpgroups``, ``overlap`` and ``select``, in order, the last ones
-    optional; TileLang's disk cache
+    ``group``, ``pdl``, ``warpgroups``, ``overlap``, in order; TileLang's disk cache
     keeps it); bounds guards off, as the one-token kernel's (the gathers read the pool through
     a flat view)."""
     import tilelang
@@ -374,29 +318,23 @@ def indexer_scores(
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
     (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
     (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`)."""
-    t, c = q.shape[0], int(candidates.max_count)
+    t, h, d = q.shape
+    c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
     if t == 0 or c == 0:
         return scores
+    flat = torch.as_strided(key_pool, (1,), (1,))
+    kst = key_pool.stride(0) * key_pool.element_size() // 16
+    w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
     overlap = overlaps(group) if overlap is None else overlap
     config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
-    launch(q, weights, key_pool, candidates, scale, scores, config)
-    return scores
-
-
-def launch(q, weights, key_pool, candidates: PagedIndex, scale: float, scores, config: tuple, *picks) -> None:
-    """Run the kernel of ``config`` (:func:`build_grouped_scores`'s options after ``dtype``) on
-    a call :func:`supports` takes, into ``scores`` ``[T, C]`` (and ``picks``, the selecting
-    build's output, where given)."""
-    h, d = q.shape[1:]
-    flat = torch.as_strided(key_pool, (1,), (1,))
-    kst = key_pool.stride(0) * key_pool.element_size() // 16
-    w = weights if weights.dtype == torch.float32 else weights.float()
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
-    _kernel(h, d, TL_DTYPES[q.dtype], *config)(
+    kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
-        index_int64(candidates.token_rows), index_int64(candidates.counts), scores, *picks, kst,
-        float(scale), int(candidates.max_count), epp, *divider(epp),
+        index_int64(candidates.token_rows), index_int64(candidates.counts), scores, kst,
+        float(scale), c, epp, *divider(epp),
     )  # fmt: skip
+    return scores

@@ -145,15 +145,12 @@ def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
     """``tl.indexer_grouped._kernel`` arguments, as :func:`~deepinfer_cuda_sm100.tl.
     indexer_grouped.indexer_scores` passes them: every blocks-per-CTA choice at the default
     group size, warpgroups and overlap (the ones the dispatcher runs), bfloat16, with the PDL prologue
-    where this device takes it; then the selecting build :mod:`~deepinfer_cuda_sm100.tl.
-    indexer_fused` runs."""
-    from deepinfer_cuda_sm100.tl import indexer_fused
+    where this device takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
     from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, WARPGROUPS, overlaps
 
     layout = (tl_pdl_enabled(), WARPGROUPS, overlaps(GROUP))
-    scores = [(heads, dim, "bfloat16", blocks, GROUP, *layout) for blocks in BLOCK_CHOICES]
-    return scores + [(heads, dim, "bfloat16", *indexer_fused.configuration())]
+    return [(heads, dim, "bfloat16", blocks, GROUP, *layout) for blocks in BLOCK_CHOICES]
 
 
 def _sms(given: int = 0) -> int:
