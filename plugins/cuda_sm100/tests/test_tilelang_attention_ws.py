@@ -97,7 +97,8 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
     assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
     assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
-    assert {s.l2_prefetch for s in plain} == {0, 1, 2} and {s.l2_prefetch for s in packed} == {0, 1}
+    assert {s.prefetch(False) for s in plain} == {0, 1, 2} and {s.prefetch(True) for s in packed} == {0, 1}
+    assert tlw.DEFAULT.prefetch(False) == 0 and tlw.DEFAULT.prefetch(True) == 1  # measured on packed pools
     assert {s.next_queries for s in plain} == {False, True} == {s.next_queries for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}

@@ -48,7 +48,8 @@ thread, :attr:`Schedule.words_in_flight`).
 :class:`Schedule` variants (one block of words in flight, one multiply a value pair, a lazy
 rescale of the output, the output stored from registers, split calls merged by their last CTA)
 promise the default's bits;
-``bench_attention.py --tune`` times them, the op runs :data:`DEFAULT`.
+``bench_attention.py --tune`` times them, the op runs :data:`DEFAULT` (on packed pools with
+the rows prefetched into L2 ahead of the producer's slot waits, :attr:`Schedule.l2_prefetch`).
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
@@ -139,7 +140,7 @@ class Schedule:
             each iteration before it waits for the iteration's slots: 1, that iteration's rows
             (their addresses from the indices loaded an iteration earlier, as the copies take
             them); 2, the next iteration's (their indices loaded an iteration earlier still,
-            so the index loads run twice); 0, none (the default).  The ring holds two
+            so the index loads run twice); 0, none.  The ring holds two
             iterations, so the copies of iteration ``i`` start only when the consumers have
             finished iteration ``i - 2``; a prefetch starts the rows' DRAM reads one or two
             iterations earlier and the copies then read L2 (an H100 profile of 64-token calls:
@@ -150,14 +151,23 @@ class Schedule:
             waits (a row's four threads a line each, two of them a fifth and the scale word's
             line); with one block in flight, none.  Built for sm_90 without spills except on
             paged calls: 64 bytes of the producer's stack at 2 ahead on plain pools, 8 on
-            packed ones.
+            packed ones.  ``None`` (the default): 1 on packed pools, 0 on plain ones
+            (:meth:`prefetch`).  Measured on an H100 (``bench_attention.py --tune``, 64k
+            context, 640 keys a token): on packed pools 3.4-5.2 % faster at 64 and 128 tokens
+            (CSA 0.0423 against 0.0438 ms at 64, 0.0460 against 0.0485 at 128; HCA 0.0376
+            against 0.0396 at 64); on plain pools 1 gained nothing (0.0351 against 0.0358 ms,
+            HCA at 64 tokens; 0.0510 against 0.0507, CSA at 128) and 2 was 10-20 % slower:
+            there the copies' addresses are known an iteration ahead already.
         next_queries: grids of more than one wave (a prefill chunk, 256 decode tokens): once
             its own queries are requested, the producer prefetches into L2 the queries of the
             CTA one wave later in launch order (its linear index plus the SM count,
             ``%nsmid``; one CTA an SM), 64 KB, four 128-byte lines a thread, so that CTA's
             query load reads L2 instead of DRAM at its start, where nothing else hides it.  A
             prefetch only, so the same bits.  Built for sm_90 without spills except 8 bytes of
-            the producer's stack on direct paged calls of packed pools.
+            the producer's stack on direct paged calls of packed pools.  Measured on an H100 at
+            64 and 128 decode tokens (64k context): within 4 % of the default either way (CSA
+            plain, 128 tokens: 0.0503 against 0.0507 ms; HCA plain, 64: 0.0374 against
+            0.0358), hence off.
 
     A variant in which the kernel compacted its index lists itself (every thread loading its
     token's rows at once, warp ballots placing the valid ones in shared memory, so no prologue
@@ -173,8 +183,15 @@ class Schedule:
     staged_store: bool = True
     merge_splits: bool = False
     pair_cluster: bool = False
-    l2_prefetch: int = 0
+    l2_prefetch: int | None = None
     next_queries: bool = False
+
+    def prefetch(self, packed: bool) -> int:
+        """:attr:`l2_prefetch` on plain (``packed=False``) or packed pools, its default
+        (``None``) resolved: 1 on packed pools, 0 on plain ones."""
+        if self.l2_prefetch is not None:
+            return self.l2_prefetch
+        return 1 if packed else 0
 
 
 DEFAULT = Schedule()
@@ -340,6 +357,7 @@ def build_attention_ws(
     ROWS_AT_ONCE = 128 // ROW_THREADS  # rows a pass: BNW / ROWS_AT_ONCE passes a block
     PASSES = BNW // ROWS_AT_ONCE
     producer_regs, consumer_regs = registers(fp8, schedule)
+    prefetch = schedule.prefetch(fp8 is not None)  # (a plain value: the macros read it as one)
     if fp8 is not None:
         NOPE_W, ROPE_W = fp8.nope // 8, (D - fp8.nope) // 4  # 8-byte words of a packed row
         WORDS = (NOPE_W + ROPE_W) // FP8_ROW_THREADS  # a thread's data words of a row
@@ -669,7 +687,7 @@ def build_attention_ws(
         """Plain pools: each block's rows by 16-byte ``cp.async`` copies into its slot (with
         :attr:`Schedule.l2_prefetch`, their lines into L2 first)."""
         bar_q, bar_ready, bar_free, bar_stats, bar_p = bars
-        ahead = schedule.l2_prefetch
+        ahead = prefetch
         if ahead == 2:  # the next iteration's indices, beside this one's
             raw2 = (
                 T.alloc_local((2 * PASSES,), "int32"),
@@ -787,7 +805,7 @@ def build_attention_ws(
         for it in T.serial(n_iter):
             offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
             offset_of(offs, raw, 1, (lo + 2 * it + 3) * BNW + i, rows)
-            if schedule.l2_prefetch:  # the rows fetched after this iteration's slot waits
+            if prefetch:  # the rows fetched after this iteration's slot waits
                 for k in T.unroll(2, explicit=True):
                     prefetch_packed(flat64, offs[k], quarter)
             load_rows(raw, (lo + 2 * it + 4) * BNW, rows)  # two iterations ahead
@@ -809,7 +827,7 @@ def build_attention_ws(
             device_code = PAIR_DEVICE_CODE if cluster is not None else ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
-            if schedule.l2_prefetch or schedule.next_queries:
+            if prefetch or schedule.next_queries:
                 device_code += PREFETCH_DEVICE_CODE
             if schedule.next_queries:
                 device_code += SM_COUNT_DEVICE_CODE
@@ -1071,7 +1089,7 @@ def variants(packed: bool) -> list[Schedule]:
         out += [Schedule(l2_prefetch=1), Schedule(l2_prefetch=2)]
     if packed:
         out += [
-            Schedule(l2_prefetch=1),
+            Schedule(l2_prefetch=0),
             Schedule(words_in_flight=1),
             Schedule(one_multiply=True),
             Schedule(words_in_flight=1, one_multiply=True, lazy_rescale=True),
