@@ -151,9 +151,10 @@ class Schedule:
             waits (a row's four threads a line each, two of them a fifth and the scale word's
             line); with one block in flight, none.  Built for sm_90 without spills except on
             paged calls: 64 bytes of the producer's stack at 2 ahead on plain pools, 8 on
-            packed ones.  ``None`` (the default): 1 on packed pools, 0 on plain ones
-            (:meth:`prefetch`).  Measured on an H100 (``bench_attention.py --tune``, 64k
-            context, 640 keys a token): on packed pools 3.4-5.2 % faster at 64 and 128 tokens
+            packed ones.  ``None`` (the default): 1 on packed pools (two blocks of words in
+            flight), 0 on plain ones (:meth:`prefetch`).  Measured on an H100
+            (``bench_attention.py --tune``, 64k context, 640 keys a token): on packed pools
+            3.4-5.2 % faster at 64 and 128 tokens
             (CSA 0.0423 against 0.0438 ms at 64, 0.0460 against 0.0485 at 128; HCA 0.0376
             against 0.0396 at 64); on plain pools 1 gained nothing (0.0351 against 0.0358 ms,
             HCA at 64 tokens; 0.0510 against 0.0507, CSA at 128) and 2 was 10-20 % slower:
@@ -188,10 +189,11 @@ class Schedule:
 
     def prefetch(self, packed: bool) -> int:
         """:attr:`l2_prefetch` on plain (``packed=False``) or packed pools, its default
-        (``None``) resolved: 1 on packed pools, 0 on plain ones."""
+        (``None``) resolved: 1 on packed pools with two blocks of words in flight (where it
+        applies), else 0."""
         if self.l2_prefetch is not None:
             return self.l2_prefetch
-        return 1 if packed else 0
+        return 1 if packed and self.words_in_flight == 2 else 0
 
 
 DEFAULT = Schedule()
