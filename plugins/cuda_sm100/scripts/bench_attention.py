@@ -182,16 +182,17 @@ class Timer:
 # benchmarks
 
 
-def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
+def bench_attention(a: argparse.Namespace, timer: Timer, rows: list[dict], saved=lambda: None) -> list[dict]:
     """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang ones
-    (the two-consumer kernel, and on plain pools the warp-specialised seesaw kernel)."""
+    (the two-consumer kernel, and on plain pools the warp-specialised seesaw kernel): each
+    shape's row appended to ``rows``, then ``saved()`` called (the output file rewritten, so a
+    run cut short keeps the rows it measured)."""
     from deepinfer_cuda_sm100.attention_dispatch import choice_kind
     from deepinfer_cuda_sm100.kernels import attention as ka
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
 
     from deepinfer_core.ops.attention import sparse_attention as reference
 
-    rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [("decode", b) for b in a.batches.split(",") if b] + [
         ("prefill", t) for t in a.prefill.split(",") if t
@@ -234,6 +235,7 @@ def bench_attention(a: argparse.Namespace, timer: Timer) -> list[dict]:
                 if "tilelang_ws_ms" in row:
                     row["tune"] += attention_tilelang.tune_seesaw(args, timer.ms)
             rows.append(row)
+            saved()
             print_row(row)
     return rows
 
@@ -315,17 +317,21 @@ def main(argv: list[str] | None = None) -> int:
         "peak_bytes_per_s": a.peak_bytes,
         "peak_flops": PEAK_FLOPS,
     }
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+
+    def saved() -> None:
+        a.output.write_text(json.dumps(results, indent=2) + "\n")
+
     if a.only in (None, "attention"):
-        results["attention"] = bench_attention(a, timer)
+        bench_attention(a, timer, results.setdefault("attention", []), saved)
     if a.only in (None, "indexer"):
-        results["indexer"] = indexer_bench.bench_indexer(a, timer)
+        indexer_bench.bench_indexer(a, timer, results.setdefault("indexer", []), saved)
     if a.write_choices and results.get("attention"):
         print(f"wrote {choice_writers.write_attention_choices(results)}")
     if a.write_choices and results.get("indexer"):
         print(f"wrote {choice_writers.write_select_choices(results['indexer'])}")
         print(f"wrote {choice_writers.write_score_choices(results['indexer'])}")
-    a.output.parent.mkdir(parents=True, exist_ok=True)
-    a.output.write_text(json.dumps(results, indent=2) + "\n")
+    saved()
     print(f"wrote {a.output}")
     return 0
 

@@ -13,13 +13,13 @@ from attention_inputs import INDEX_TOPK, indexer_inputs, roofline_ms
 from kernel_times import kernel_split
 
 
-def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
-    """The indexer rows of ``a.indexer_shapes``, timed by ``timer`` (``bench_attention.Timer``)."""
+def bench_indexer(a: argparse.Namespace, timer, rows: list[dict], saved=lambda: None) -> list[dict]:
+    """The indexer rows of ``a.indexer_shapes``, timed by ``timer`` (``bench_attention.Timer``):
+    each appended to ``rows``, then ``saved()`` called (a run cut short keeps what it measured)."""
     from deepinfer_cuda_sm100.indexer_select import select_topk_torch
     from deepinfer_cuda_sm100.kernels import indexer as ki
     from deepinfer_cuda_sm100.kernels import indexer_rows as kr
 
-    rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in a.indexer_shapes.split(","):
         causal = shape.lower().endswith("c")  # e.g. 8192x2048c: a causal prefill chunk
@@ -63,6 +63,7 @@ def bench_indexer(a: argparse.Namespace, timer) -> list[dict]:
         if a.tune:
             row["tune"] = tune_indexer(args, scores, timer)
         rows.append(row)
+        saved()
         print_indexer_row(row)
     return rows
 
