@@ -178,8 +178,9 @@ def _rows(scores, k, cand, column_order):
 
 def paged_problems(select=_radix) -> list[str]:
     """``select`` (default: the radix select) over paged candidates whose counts leave rows
-    short (0, fewer than ``k``, ``k``, more, all: a causal chunk) against the reference
-    ``indexer_topk`` on the same exact scores, best first and in column order."""
+    short (0, fewer than ``k``, ``k``, more, all: a causal chunk), one of them missing a page
+    inside its count (its entries score ``-inf`` and are picked as ``-1``), against the
+    reference ``indexer_topk`` on the same exact scores, best first and in column order."""
     from deepinfer_core.ops.attention import PagedIndex
     from deepinfer_core.ops.attention import indexer_topk as reference
     from deepinfer_core.ops.modes import batch_invariant_mode
@@ -197,6 +198,9 @@ def paged_problems(select=_radix) -> list[str]:
         q, w, keys, _ = _op_inputs(s, masked)
         # entry e of token i is pool row i * c + e (the keys' layout): page p of row i is i * c / epp + p
         table = torch.arange(t * c // epp).view(t, c // epp)
+        table[4, 1] = -1  # token 4 (8 entries) without its second page: 4 valid, fewer than k
+        masked[4, epp : 2 * epp] = True  # -inf in the scores, as a kernel gives them; the reference
+        # finds the entries invalid through the table
         cand = PagedIndex(table, torch.arange(t), counts, epp, c)
         scores = s.masked_fill(masked, float("-inf"))
         for bi in (False, True):

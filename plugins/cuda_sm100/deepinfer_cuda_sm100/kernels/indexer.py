@@ -83,7 +83,9 @@ def default_config(h: int, di: int) -> IndexerConfig:
 def _cand_rows(
     KIND: tl.constexpr, cols, ok, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
 ):
-    """Pool rows of candidate columns ``cols`` (``-1`` where invalid or not ``ok``)."""
+    """Pool rows of candidate columns ``cols`` (``-1`` where invalid or not ``ok``; a paged
+    entry whose page the block table does not hold, a negative id, is invalid too, as the
+    reference's negative row)."""
     if KIND == 0:
         r = tl.where(ok, cols.to(tl.int64), -1)
     elif KIND == 1:
@@ -91,7 +93,8 @@ def _cand_rows(
     else:
         v = ok & (cols < count)
         e = tl.where(v, cols, 0).to(tl.int32)
-        r = tl.where(v, paged_row(e, epp, bt_ptr + trow * bt0, bt1, npages, v), -1)
+        r = paged_row(e, epp, bt_ptr + trow * bt0, bt1, npages, v)
+        r = tl.where(v & (r >= 0), r, -1)
     return r
 
 
