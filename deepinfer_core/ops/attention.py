@@ -35,6 +35,10 @@ class PagedIndex:
 
     Entry ``e`` of query ``t`` lives in pool row
     ``block_table[token_rows[t], e // entries_per_page] * entries_per_page + e % entries_per_page``.
+    Every page an entry below its query's count lives in must be allocated (a page id ``>= 0``):
+    the reference reads a negative id's entries as missing keys (negative rows) and the
+    indexer's selections pick them as ``-1``, but the attention kernels read rows without that
+    check.
 
     Attributes:
         block_table: ``[R, P]`` int64 page ids, one row per request.
