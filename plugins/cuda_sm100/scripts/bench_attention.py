@@ -182,7 +182,7 @@ class Timer:
 # benchmarks
 
 
-def bench_attention(a: argparse.Namespace, timer: Timer, rows: list[dict], saved=lambda: None) -> list[dict]:
+def bench_attention(a: argparse.Namespace, timer: Timer, rows: list[dict], saved=lambda: None) -> None:
     """Triton's kernel (the previous default) and, where TileLang is installed, the TileLang ones
     (the two-consumer kernel, and on plain pools the warp-specialised seesaw kernel): each
     shape's row appended to ``rows``, then ``saved()`` called (the output file rewritten, so a
@@ -237,7 +237,6 @@ def bench_attention(a: argparse.Namespace, timer: Timer, rows: list[dict], saved
             rows.append(row)
             saved()
             print_row(row)
-    return rows
 
 
 def tune_attention(args: tuple, timer: Timer) -> list[dict]:

@@ -13,7 +13,7 @@ from attention_inputs import INDEX_TOPK, indexer_inputs, roofline_ms
 from kernel_times import kernel_split
 
 
-def bench_indexer(a: argparse.Namespace, timer, rows: list[dict], saved=lambda: None) -> list[dict]:
+def bench_indexer(a: argparse.Namespace, timer, rows: list[dict], saved=lambda: None) -> None:
     """The indexer rows of ``a.indexer_shapes``, timed by ``timer`` (``bench_attention.Timer``):
     each appended to ``rows``, then ``saved()`` called (a run cut short keeps what it measured)."""
     from deepinfer_cuda_sm100.indexer_select import select_topk_torch
@@ -65,7 +65,6 @@ def bench_indexer(a: argparse.Namespace, timer, rows: list[dict], saved=lambda: 
         rows.append(row)
         saved()
         print_indexer_row(row)
-    return rows
 
 
 def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
