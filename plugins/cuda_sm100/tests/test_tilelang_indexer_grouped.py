@@ -4,13 +4,14 @@ query tokens of one request a CTA) and their place in the dispatch.
 **Here** (no GPU): which calls they refuse (with the reason), the block plan, that the table
 can pick them for paged candidates only, that ``tl.precompile`` compiles the launches the
 dispatcher makes; where TileLang is installed (slow), that the kernel lowers for sm_90 with one
-key gather per block shared by the group's GEMMs and no block barrier inside the gather loop.
+key gather per block shared by the group's GEMMs and no block barrier inside the gather loop, and
+that the warp-specialised kernel lowers to a producer and two consumers and builds without spills.
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): over batches whose groups
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
 (0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
 equal the one-token TileLang kernel's bit for bit for both group sizes, every blocks-per-CTA choice
-one or two warpgroups a CTA, and on
+one or two warpgroups a CTA, the warp-specialised kernel at several ring depths, and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -26,6 +27,7 @@ from cuda_sm100_checks import loops_containing, lowered_sm90
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
 from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
+from deepinfer_cuda_sm100.tl import indexer_grouped_ws as tlws
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
 from deepinfer_core.ops.attention import PagedIndex
@@ -117,17 +119,43 @@ def test_only_the_two_token_group_runs_overlapped_by_default():
         tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
 
 
-def test_precompile_covers_the_dispatched_group_at_every_block_choice():
+@pytest.mark.parametrize("specialized", [False, True])
+def test_precompile_covers_the_dispatched_group_at_every_block_choice(monkeypatch, specialized):
+    """Whichever kernel the dispatcher runs (``SPECIALIZED`` off: the grouped kernel at its
+    default group, warpgroups and overlap; on: the warp-specialised one at its group and ring)."""
     from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
+    monkeypatch.setattr(tlg, "SPECIALIZED", specialized)
     configs = grouped_indexer_configurations(H, D)
-    layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
-    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
+    if specialized:
+        layout = (tlws.GROUP, tl_pdl_enabled(), tlws.SLOTS)
+        assert configs == [("indexer_grouped_ws", (H, D, "bfloat16", b, *layout)) for b in tli.BLOCK_CHOICES]
+    else:
+        layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
+        want = [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
+        assert configs == [("indexer_grouped", c) for c in want]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
-    assert planned <= {c[3] for c in configs}
+    assert planned <= {c[3] for _, c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])
-    assert [c for m, c in jobs(args) if m == "indexer_grouped"] == configs
+    assert [j for j in jobs(args) if j[0].startswith("indexer_grouped")] == configs
+    # a shape the specialised kernel does not take keeps the grouped kernel's configurations
+    assert {m for m, _ in grouped_indexer_configurations(128, D)} == {"indexer_grouped"}
+
+
+def test_the_specialized_kernel_refuses_what_it_cannot_hold_and_says_why():
+    """Four tokens' ``[64, H]`` accumulators fill a consumer's registers: more than 64 heads,
+    another group or ring depth is refused by name, and an explicit call on such queries raises
+    before any launch."""
+    assert tlws.problem(64, 128) is None
+    assert "up to 64" in tlws.problem(128, 128) and "multiple of 64" in tlws.problem(64, 96)
+    with pytest.raises(ValueError, match="group must be one of"):
+        tlws.build_specialized_scores(H, D, "bfloat16", 16, 3)
+    with pytest.raises(ValueError, match="slots must be one of"):
+        tlws.build_specialized_scores(H, D, "bfloat16", 16, 4, slots=5)
+    q, w, keys, index = _paged([4], 40, torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError, match="128 heads"):
+        tlg.indexer_scores(torch.cat([q, q], 1), torch.cat([w, w], 1), keys, index, SCALE, specialized=True)
 
 
 def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apart(monkeypatch):
@@ -161,6 +189,26 @@ def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apa
         {"triton": 2.3, "tilelang": 1.2},
         {"triton": 2.3, "tilelang": 1.2, "tilelang_grouped": 0.5},
     ]
+
+
+def _events(src: str) -> list[str]:
+    """The lowered source's GEMM issues, ``wait_wgmma<n>`` (``wait<n>``), ring-slot releases
+    (``free``) and head sums (``sum``), in order."""
+    names = {"wgmma_ss<": "gemm", "AllReduce<": "sum"}
+    out = []
+    for m in re.finditer(r"wgmma_ss<|wait_wgmma<(\d)>|bar_free\[[^\]]*\]\.arrive\(\)|AllReduce<", src):
+        text = m.group(0)
+        out.append(names.get(text) or (f"wait{m.group(1)}" if m.group(1) else "free"))
+    return out
+
+
+def _nvdisasm() -> str:
+    """Triton's bundled ``nvdisasm``."""
+    import os
+
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
 
 
 @pytest.mark.slow
@@ -207,6 +255,57 @@ def test_overlap_issues_both_tokens_gemms_before_the_first_wait():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+@pytest.mark.parametrize("group", tlws.GROUP_CHOICES)
+def test_the_specialized_kernel_lowers_to_a_producer_ring_and_two_consumers(group):
+    """Lowered for sm_90: one CTA an SM of three warpgroups; the producer drops to its register
+    share and copies the queries and each block by ``cp.async`` landing on mbarriers, the two
+    consumers rise to theirs and each issues every token's ``m64nHk16`` GEMM before waiting
+    for them one at a time (``wait_wgmma<group - 1>`` first), handing the slot back after the
+    last; no loop waits at a block barrier."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlws.build_specialized_scores(H, D, "bfloat16", 16, group), config)
+    assert "__launch_bounds__(384, 1)" in src
+    assert src.count(f"warpgroup_reg_dealloc<{tlws.PRODUCER_REGS}>") == 1
+    assert src.count(f"warpgroup_reg_alloc<{tlws.CONSUMER_REGS}>") == 2
+    assert tlws.PRODUCER_REGS + 2 * tlws.CONSUMER_REGS <= 3 * (65536 // tlws.THREADS // 8 * 8)
+    assert re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src) == [("64", str(H))] * (2 * group)
+    assert src.count("mbarrier_cp_async_arrive_noinc") == 2  # the queries' and the ring's
+    per_consumer = ["free"] * tlws.SLOTS + ["gemm"] * group  # the ring's first phase, the GEMMs
+    for j in range(group):
+        per_consumer += [f"wait{group - 1 - j}", *(["free"] if j == group - 1 else []), "sum"]
+    assert _events(src) == per_consumer * 2
+    for needle in ("cp_async_gs", "wgmma_ss<"):
+        assert loops_containing(src, needle)
+        assert all("__syncthreads" not in body for body in loops_containing(src, needle))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
+@pytest.mark.parametrize("group", tlws.GROUP_CHOICES)
+def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, tmp_path):
+    """Built for sm_90a: no stack frame and no spills at the consumers' share of registers, no
+    FFMA (the head weight's product rounded before the sum, as the other kernels), and every
+    token's GEMM a chain of ``HGMMA.64xHx16`` instructions."""
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    config = {"tl.disable_safe_memory_legalize": True}
+    src, cubin = tmp_path / "ws.cu", tmp_path / "ws.cubin"
+    src.write_text(lowered_sm90(tlws.build_specialized_scores(H, D, "bfloat16", 16, group, True), config))
+    arch = "-gencode=arch=compute_90a,code=sm_90a"
+    cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w", "-Xptxas", "-v"]
+    done = subprocess.run([*cmd, "-o", str(cubin), str(src)], capture_output=True, text=True)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-2000:]
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
+    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True).stdout
+    assert "FMUL" in sass and "FFMA" not in sass
+    assert sass.count(f"HGMMA.64x{H}x16.F32.BF16") == 2 * group * (D // 16)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
@@ -214,13 +313,11 @@ def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     was free to contract the two, the one-token kernel's straight-line epilogue got 64 FFMAs
     and the grouped kernel's (inside its token loop) none, so their scores differed in the last
     bits on real data."""
-    import os
     import subprocess
 
-    import triton
     from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
 
-    disasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    disasm = _nvdisasm()
     config = {"tl.disable_safe_memory_legalize": True}
     kernels = {
         "one": tli.build_scores("paged", H, D, "bfloat16", 1),
@@ -251,6 +348,9 @@ VARIANTS = ((1, 1, False), (2, 1, False), (tli.BLOCKS, 1, False), (1, 2, False),
             (tli.BLOCKS, 2, False), (1, 2, True), (tli.BLOCKS, 2, True))  # fmt: skip
 """``(blocks, warpgroups, overlap)`` of the grouped kernels the GPU test compares (overlap at a
 group of 2 only)."""
+SPECIALIZED_VARIANTS = ((1, 4), (2, 3), (tli.BLOCKS, 4), (tli.BLOCKS, 2))
+"""``(blocks, slots)`` of the warp-specialised kernels the GPU test compares (a ring shorter
+than a CTA's blocks, so its phases wrap)."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -273,6 +373,10 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
                 config = {"blocks": blocks, "group": group, "warpgroups": wgs, "overlap": overlap}
                 got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
                 assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
+            for blocks, slots in SPECIALIZED_VARIANTS:
+                config = {"blocks": blocks, "group": group, "slots": slots, "specialized": True}
+                got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
+                assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 
@@ -283,5 +387,7 @@ def test_gpu_grouped_scores_replay_in_a_cuda_graph_bitwise():
     from cuda_sm100_checks import replayed
 
     q, w, keys, index = _paged([9, 1, 4, 3], 300, torch.Generator().manual_seed(7), "cuda")
-    eager = tlg.indexer_scores(q, w, keys, index, SCALE)
-    assert torch.equal(replayed(lambda: tlg.indexer_scores(q, w, keys, index, SCALE)), eager)
+    for specialized in (False, True):
+        eager = tlg.indexer_scores(q, w, keys, index, SCALE, specialized=specialized)
+        graphed = replayed(lambda s=specialized: tlg.indexer_scores(q, w, keys, index, SCALE, specialized=s))
+        assert torch.equal(graphed, eager), f"specialized={specialized}"

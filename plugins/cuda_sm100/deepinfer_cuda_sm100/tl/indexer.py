@@ -70,6 +70,18 @@ MAX_HEADS = 128
 MAX_DIM = 256
 
 
+def row_count(row, count, p, group: int):
+    """TIR expression: the most entries a token of token ``p``'s block-table row sees, over a
+    group's ``row(j)`` and ``count(j)`` values (the grouped kernels' passes; unrolled at trace
+    time)."""
+    import tilelang.language as T
+
+    out = T.if_then_else(row(0) == row(p), count(0), T.int64(0))
+    for j in range(1, group):
+        out = T.max(out, T.if_then_else(row(j) == row(p), count(j), T.int64(0)))
+    return out
+
+
 def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):
     """The TileLang ``prim_func`` of one static configuration.
 

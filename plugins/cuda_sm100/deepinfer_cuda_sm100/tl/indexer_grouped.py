@@ -37,8 +37,9 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
+from . import indexer_grouped_ws as ws
 from .compile_log import logged_compile
-from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
+from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, row_count
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -67,6 +68,13 @@ a thread at two warpgroups, no spills, offline for sm_90; four accumulators spil
 on an H100 (``bench_attention.py --only indexer --tune``, bitwise equal): 0.788 ms against
 0.865 without at 8,192 x 2,048; 0.208 against 0.204 at 128 x 16,384, where the one-token
 kernel (0.196) runs instead."""
+
+
+SPECIALIZED = False
+"""Whether the grouped scores run warp-specialised (:mod:`deepinfer_cuda_sm100.tl.
+indexer_grouped_ws`: a producer warpgroup gathering the key blocks into a ring, two consumer
+warpgroups each multiplying four tokens' queries) where that kernel takes the shape.  Off until
+measured against the default on a GPU (``bench_attention.py --only indexer --tune``)."""
 
 
 def overlaps(group: int) -> bool:
@@ -128,14 +136,6 @@ def build_grouped_scores(
             e = c0 + i
             row = pool_row(block_table, page_row, e, pages)
             off[i] = T.if_then_else(e < count, T.Cast("int32", row), -1)
-
-    def row_count(row, count, p):
-        """The most entries a token of token ``p``'s row sees, over the group's ``row`` and
-        ``count`` values (an expression unrolled at trace time)."""
-        out = T.if_then_else(row(0) == row(p), count(0), T.int64(0))
-        for j in range(1, G):
-            out = T.max(out, T.if_then_else(row(j) == row(p), count(j), T.int64(0)))
-        return out
 
     @T.macro
     def gather(k_s, off, flat, b, kst):
@@ -230,7 +230,7 @@ def build_grouped_scores(
                 cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
             for j in T.Parallel(G):
                 # the most entries a token of token j's row sees: a pass gathers no further
-                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j)
+                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j, G)
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
@@ -310,15 +310,27 @@ def indexer_scores(
     scale: float,
     *,
     blocks: int | None = None,
-    group: int = GROUP,
+    group: int | None = None,
     warpgroups: int = WARPGROUPS,
     overlap: bool | None = None,
+    specialized: bool | None = None,
+    slots: int = ws.SLOTS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
-    (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
-    (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`)."""
+    (default :func:`plan_blocks`); ``group``: query tokens per CTA (default :data:`GROUP`, or
+    the specialised kernel's :data:`~deepinfer_cuda_sm100.tl.indexer_grouped_ws.GROUP`);
+    ``warpgroups``: 1 or 2 (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default
+    :func:`overlaps`); ``specialized``: run the warp-specialised kernel (default
+    :data:`SPECIALIZED` where it takes the shape; ``True`` on a shape it does not take raises
+    ``ValueError``), whose ring holds ``slots`` key blocks."""
     t, h, d = q.shape
+    if specialized is None:
+        specialized = SPECIALIZED and ws.problem(h, d) is None
+    if specialized and ws.problem(h, d):
+        raise ValueError(f"indexer_scores: {ws.problem(h, d)}")
+    if group is None:
+        group = ws.GROUP if specialized else GROUP
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
     if t == 0 or c == 0:
@@ -328,9 +340,12 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    overlap = overlaps(group) if overlap is None else overlap
-    config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
-    kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
+    if specialized:
+        kernel = ws._kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled(), slots)
+    else:
+        overlap = overlaps(group) if overlap is None else overlap
+        config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
+        kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),
