@@ -70,16 +70,36 @@ MAX_HEADS = 128
 MAX_DIM = 256
 
 
-def row_count(row, count, p, group: int):
-    """TIR expression: the most entries a token of token ``p``'s block-table row sees, over a
-    group's ``row(j)`` and ``count(j)`` values (the grouped kernels' passes; unrolled at trace
-    time)."""
+def group_rows(group: int, n_tok):
+    """A TileLang macro for the grouped kernels' set-up: each of the CTA's ``group`` tokens'
+    block-table row and entry count (``rows_s``, ``cnt_s``: ``-1`` and ``0`` for a token past
+    the batch's ``n_tok``, counts clamped into ``[0, max_count]``), then the most entries a
+    token of its row sees (``live_s``: a pass over that row gathers no further), from the tokens
+    ``t0 ..``.  (``n_tok``, the kernel's dynamic token count, is captured rather than passed:
+    an argument would rename it in the kernel's script, its cache key.)"""
     import tilelang.language as T
 
-    out = T.if_then_else(row(0) == row(p), count(0), T.int64(0))
-    for j in range(1, group):
-        out = T.max(out, T.if_then_else(row(j) == row(p), count(j), T.int64(0)))
-    return out
+    def row_count(rows_s, cnt_s, p):
+        """The most entries over the group's tokens of token ``p``'s row (unrolled at trace
+        time)."""
+        out = T.if_then_else(rows_s[0] == rows_s[p], cnt_s[0], T.int64(0))
+        for j in range(1, group):
+            out = T.max(out, T.if_then_else(rows_s[j] == rows_s[p], cnt_s[j], T.int64(0)))
+        return out
+
+    @T.macro
+    def load(rows_s, cnt_s, live_s, token_rows, counts, t0, max_count):
+        for j in T.Parallel(group):
+            # a token past the end gets row -1: no pass leads with it, none scores it
+            tj = T.min(t0 + j, n_tok - 1)
+            rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
+            cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
+            cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
+        for j in T.Parallel(group):
+            # the most entries a token of token j's row sees: a pass gathers no further
+            live_s[j] = row_count(rows_s, cnt_s, j)
+
+    return load
 
 
 def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):

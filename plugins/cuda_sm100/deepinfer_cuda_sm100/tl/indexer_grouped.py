@@ -39,7 +39,7 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from . import indexer_grouped_ws as ws
 from .compile_log import logged_compile
-from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, row_count
+from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, group_rows
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -118,6 +118,7 @@ def build_grouped_scores(
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
     start = prologue()
+    load_rows = group_rows(G, n_tok)
     # two warpgroups split a block's keys (wgmma's M), never its heads: a row's sum over heads
     # stays in one quad of threads
     split = {"policy": T.GemmWarpPolicy.FullRow} if warpgroups == 2 else {}
@@ -222,15 +223,7 @@ def build_grouped_scores(
                 q_s[j, h, d] = q[T.min(t0 + j, n_tok - 1), h, d]
             for j, h in T.Parallel(G, H):
                 w_s[j, h] = w[T.min(t0 + j, n_tok - 1), h]
-            for j in T.Parallel(G):
-                # a token past the end gets row -1: no pass leads with it, none scores it
-                tj = T.min(t0 + j, n_tok - 1)
-                rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
-                cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
-                cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
-            for j in T.Parallel(G):
-                # the most entries a token of token j's row sees: a pass gathers no further
-                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j, G)
+            load_rows(rows_s, cnt_s, live_s, token_rows, counts, t0, max_count)
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):

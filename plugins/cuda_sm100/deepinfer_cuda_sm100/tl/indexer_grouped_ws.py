@@ -39,7 +39,7 @@ that kernel's bit for bit (asserted on the GPU beside the grouped kernel's varia
 import functools
 
 from .compile_log import logged_compile
-from .indexer import BN, row_count
+from .indexer import BN, group_rows
 from .page_division import page_and_slot, page_of
 from .pdl import prologue
 from .target import cuda_target
@@ -117,6 +117,7 @@ def build_specialized_scores(
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
     start = prologue()
+    load_rows = group_rows(G, n_tok)
     rows_at_once = 128 // ROW_THREADS  # rows a producer pass copies
     passes = BN // rows_at_once  # a thread's rows a block
     chunks = D // (VEC * ROW_THREADS)  # a thread's chunks a row
@@ -300,15 +301,7 @@ def build_specialized_scores(
                 start()
             for j, h in T.Parallel(G, H):
                 w_s[j, h] = w[T.min(t0 + j, n_tok - 1), h]
-            for j in T.Parallel(G):
-                # a token past the end gets row -1: no pass leads with it, none scores it
-                tj = T.min(t0 + j, n_tok - 1)
-                rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
-                cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
-                cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
-            for j in T.Parallel(G):
-                # the most entries a token of token j's row sees: a pass gathers no further
-                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j, G)
+            load_rows(rows_s, cnt_s, live_s, token_rows, counts, t0, max_count)
             pages = (epp, epp_magic, epp_shift)
             ctx = (rows_s, cnt_s, scale, scores, t0, pages, block_table)
             tx = T.get_thread_binding()
