@@ -9,7 +9,7 @@ tokens (4 by default), and:
 - the producer warpgroup (threads 256..383, :data:`PRODUCER_REGS` registers) copies the
   group's queries into shared memory by ``cp.async`` (completing on ``bar_q``), then the
   blocks of :data:`~deepinfer_cuda_sm100.tl.indexer.BN` entries: each thread resolves its
-  rows (eight rows a block, a row's 16-byte chunks spread over eight threads, so a warp's copy
+  eight rows of a block (a row's 16-byte chunks spread over eight threads, so a warp's copy
   covers whole 128-byte lines) to pool rows through the block table, waits for the block's
   slot to be free (``bar_free[slot]``), issues the rows' 16-byte ``cp.async`` copies and marks
   the slot full when they land (``bar_ready[slot]``), :data:`SLOTS` blocks ahead of the
@@ -31,7 +31,7 @@ phases in step.
 
 **Bits.**  Each token's product is a ``wgmma`` ``m64nHk16`` sequence over the same 64 rows and
 the same K order as the one-token kernel's, followed by the same epilogue, so its scores equal
-that kernel's bit for bit (asserted on the GPU beside the grouped kernel's variants).
+that kernel's bit for bit (the GPU test asserts it beside the grouped kernel's variants).
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as
