@@ -102,6 +102,53 @@ def group_rows(group: int, n_tok):
     return load
 
 
+def grouped_scores_func(name: str, heads: int, dim: int, dtype: str, sizes: tuple, body):
+    """The ``prim_func`` ``name`` of a grouped scores kernel (:mod:`~deepinfer_cuda_sm100.tl.
+    indexer_grouped`, :mod:`~deepinfer_cuda_sm100.tl.indexer_grouped_ws`): the launch signature
+    they share (queries, head weights, the flat key pool, a paged index, the scores, the pool's
+    row stride in 16-byte units, the scale, the count bound and the page divider), its kernel the
+    macro ``body`` called with those arguments.  ``sizes``: the builder's dynamic ``(T, C, NF,
+    R, P, T2, T3)``, which its macros capture."""
+    import tilelang.language as T
+
+    H, D = heads, dim
+    n_tok, n_cand, nf, r_bt, p_bt, t2, t3 = sizes
+
+    def func(
+        q: T.Tensor((n_tok, H, D), dtype),
+        w: T.Tensor((n_tok, H), "float32"),
+        flat: T.Tensor((nf,), dtype),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        counts: T.Tensor((t3,), "int64"),
+        scores: T.Tensor((n_tok, n_cand), "float32"),
+        kst: T.int64,
+        scale: T.float32,
+        max_count: T.int32,
+        epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
+    ):
+        body(
+            q,
+            w,
+            flat,
+            block_table,
+            token_rows,
+            counts,
+            scores,
+            kst,
+            scale,
+            max_count,
+            epp,
+            epp_magic,
+            epp_shift,
+        )
+
+    func.__name__ = func.__qualname__ = name
+    return T.prim_func(func)
+
+
 def build_scores(kind: str, heads: int, dim: int, dtype: str, blocks: int = BLOCKS, pdl: bool = False):
     """The TileLang ``prim_func`` of one static configuration.
 

@@ -39,7 +39,7 @@ from deepinfer_core.ops.attention import PagedIndex
 
 from . import indexer_grouped_ws as ws
 from .compile_log import logged_compile
-from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, group_rows
+from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, group_rows, grouped_scores_func
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -183,21 +183,9 @@ def build_grouped_scores(
         for j in range(G):
             finish(accs[j], j, G - 1 - j, lead, *io)
 
-    @T.prim_func
-    def indexer_scores_grouped(
-        q: T.Tensor((n_tok, H, D), dtype),
-        w: T.Tensor((n_tok, H), "float32"),
-        flat: T.Tensor((nf,), dtype),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        counts: T.Tensor((t3,), "int64"),
-        scores: T.Tensor((n_tok, n_cand), "float32"),
-        kst: T.int64,
-        scale: T.float32,
-        max_count: T.int32,
-        epp: T.int32,
-        epp_magic: T.int32,
-        epp_shift: T.int32,
+    @T.macro
+    def kernel(
+        q, w, flat, block_table, token_rows, counts, scores, kst, scale, max_count, epp, epp_magic, epp_shift
     ):
         grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
         with T.Kernel(*grid, threads=THREADS * warpgroups) as (g, tg):
@@ -256,7 +244,9 @@ def build_grouped_scores(
                                     if c < n_cand:
                                         scores[t0 + j, c] = -T.infinity(acc_t)
 
-    return indexer_scores_grouped
+    return grouped_scores_func(
+        "indexer_scores_grouped", H, D, dtype, (n_tok, n_cand, nf, r_bt, p_bt, t2, t3), kernel
+    )
 
 
 def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> int:

@@ -39,7 +39,7 @@ that kernel's bit for bit (the GPU test asserts it beside the grouped kernel's v
 import functools
 
 from .compile_log import logged_compile
-from .indexer import BN, group_rows
+from .indexer import BN, group_rows, grouped_scores_func
 from .page_division import page_and_slot, page_of
 from .pdl import prologue
 from .target import cuda_target
@@ -261,21 +261,9 @@ def build_specialized_scores(
                     produce(k_s, flat, rows, bars, done[0] + b, c0 + b * BN, *source, p)
                 done[0] = done[0] + nb[0]
 
-    @T.prim_func
-    def indexer_scores_grouped_ws(
-        q: T.Tensor((n_tok, H, D), dtype),
-        w: T.Tensor((n_tok, H), "float32"),
-        flat: T.Tensor((nf,), dtype),
-        block_table: T.Tensor((r_bt, p_bt), "int64"),
-        token_rows: T.Tensor((t2,), "int64"),
-        counts: T.Tensor((t3,), "int64"),
-        scores: T.Tensor((n_tok, n_cand), "float32"),
-        kst: T.int64,
-        scale: T.float32,
-        max_count: T.int32,
-        epp: T.int32,
-        epp_magic: T.int32,
-        epp_shift: T.int32,
+    @T.macro
+    def kernel(
+        q, w, flat, block_table, token_rows, counts, scores, kst, scale, max_count, epp, epp_magic, epp_shift
     ):
         grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
         with T.Kernel(*grid, threads=THREADS) as (g, tg):
@@ -313,7 +301,9 @@ def build_specialized_scores(
             else:
                 consumer(1, k_s, q_s, accs1, score1, w_s, bars, bar_q, live_s, counters, g, ctx)
 
-    return indexer_scores_grouped_ws
+    return grouped_scores_func(
+        "indexer_scores_grouped_ws", H, D, dtype, (n_tok, n_cand, nf, r_bt, p_bt, t2, t3), kernel
+    )
 
 
 @functools.cache
