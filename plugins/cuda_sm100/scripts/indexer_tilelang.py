@@ -52,8 +52,8 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
     blocks a CTA) and ``grouped_variants``: the default group's time and bits at one and at two
     warpgroups a CTA, at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``), and the
-    warp-specialised kernel (``tl.indexer_grouped_ws``) at groups of 4 and 2 and ring depths 4
-    and 3, where it takes the shape."""
+    warp-specialised kernel (``tl.indexer_grouped_ws``) at groups of 4 and 2, ring depths 4 to 2
+    and one or two consumer warpgroups a CTA, where it takes the shape."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
     from deepinfer_cuda_sm100.tl import indexer_grouped_ws as tlws
@@ -77,9 +77,10 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for wgs, overlap in ((1, False), (2, False), (2, True))
         }  # fmt: skip
         if tlws.problem(q.shape[1], q.shape[2]) is None:
-            for group, slots in ((4, 4), (4, 3), (2, 4)):
-                name = f"specialized, group {group}, {slots} slots"
-                variants[name] = {"group": group, "slots": slots, "specialized": True}
+            for group, slots, consumers in ((4, 4, 2), (4, 3, 2), (2, 4, 2), (4, 2, 1), (2, 4, 1)):
+                plural = "s" if consumers > 1 else ""
+                name = f"specialized, group {group}, {slots} slots, {consumers} consumer{plural}"
+                variants[name] = {"group": group, "slots": slots, "consumers": consumers, "specialized": True}
         for name, options in variants.items():
             run = functools.partial(tlg.indexer_scores, q, w, keys, cand, scale, **options)
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}

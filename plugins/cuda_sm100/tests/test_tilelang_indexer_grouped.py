@@ -129,7 +129,7 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice(monkeypatc
     monkeypatch.setattr(tlg, "SPECIALIZED", specialized)
     configs = grouped_indexer_configurations(H, D)
     if specialized:
-        layout = (tlws.GROUP, tl_pdl_enabled(), tlws.SLOTS)
+        layout = (tlws.GROUP, tl_pdl_enabled(), tlws.SLOTS, tlws.CONSUMERS)
         assert configs == [("indexer_grouped_ws", (H, D, "bfloat16", b, *layout)) for b in tli.BLOCK_CHOICES]
     else:
         layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
@@ -145,14 +145,20 @@ def test_precompile_covers_the_dispatched_group_at_every_block_choice(monkeypatc
 
 def test_the_specialized_kernel_refuses_what_it_cannot_hold_and_says_why():
     """Four tokens' ``[64, H]`` accumulators fill a consumer's registers: more than 64 heads,
-    another group or ring depth is refused by name, and an explicit call on such queries raises
-    before any launch."""
+    another group, ring depth or consumer count, or a one-consumer CTA too large for two an SM,
+    is refused by name, and an explicit call on such queries raises before any launch."""
     assert tlws.problem(64, 128) is None
     assert "up to 64" in tlws.problem(128, 128) and "multiple of 64" in tlws.problem(64, 96)
     with pytest.raises(ValueError, match="group must be one of"):
         tlws.build_specialized_scores(H, D, "bfloat16", 16, 3)
     with pytest.raises(ValueError, match="slots must be one of"):
         tlws.build_specialized_scores(H, D, "bfloat16", 16, 4, slots=5)
+    with pytest.raises(ValueError, match="consumers must be one of"):
+        tlws.build_specialized_scores(H, D, "bfloat16", 16, 4, consumers=3)
+    # one consumer: two CTAs an SM, so four tokens' queries leave room for two 64-row slots only
+    assert tlws.fit_problem(H, D, 4, 2, 1) is None and tlws.fit_problem(H, D, 2, 4, 1) is None
+    assert "over the 110 KB" in tlws.fit_problem(H, D, 4, 3, 1)
+    assert tlws.fit_problem(H, D, 4, 4, 2) is None
     q, w, keys, index = _paged([4], 40, torch.Generator().manual_seed(2))
     with pytest.raises(ValueError, match="128 heads"):
         tlg.indexer_scores(torch.cat([q, q], 1), torch.cat([w, w], 1), keys, index, SCALE, specialized=True)
@@ -254,27 +260,38 @@ def test_overlap_issues_both_tokens_gemms_before_the_first_wait():
         tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
 
 
+SPECIALIZED_BUILDS = ((4, 4, 2), (2, 4, 2), (4, 2, 1), (2, 4, 1))
+"""``(group, slots, consumers)`` of the warp-specialised builds checked offline."""
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("group", tlws.GROUP_CHOICES)
-def test_the_specialized_kernel_lowers_to_a_producer_ring_and_two_consumers(group):
-    """Lowered for sm_90: one CTA an SM of three warpgroups; the producer drops to its register
-    share and copies the queries and each block by ``cp.async`` landing on mbarriers, the two
-    consumers rise to theirs and each issues every token's ``m64nHk16`` GEMM before waiting
-    for them one at a time (``wait_wgmma<group - 1>`` first), handing the slot back after the
-    last; no loop waits at a block barrier."""
+@pytest.mark.parametrize("group, slots, consumers", SPECIALIZED_BUILDS)
+def test_the_specialized_kernel_lowers_to_a_producer_ring_and_its_consumers(group, slots, consumers):
+    """Lowered for sm_90: one CTA an SM of three warpgroups (one consumer: two CTAs an SM of
+    two); the producer drops to its register share and copies the queries and each block by
+    ``cp.async`` landing on mbarriers, each consumer rises to its share and issues every token's
+    ``m64nHk16`` GEMM before waiting for them one at a time (``wait_wgmma<group - 1>``
+    first), handing the slot back after the last; no loop waits at a block barrier."""
     config = {"tl.disable_safe_memory_legalize": True}
-    src = lowered_sm90(tlws.build_specialized_scores(H, D, "bfloat16", 16, group), config)
-    assert "__launch_bounds__(384, 1)" in src
-    assert src.count(f"warpgroup_reg_dealloc<{tlws.PRODUCER_REGS}>") == 1
-    assert src.count(f"warpgroup_reg_alloc<{tlws.CONSUMER_REGS}>") == 2
-    assert tlws.PRODUCER_REGS + 2 * tlws.CONSUMER_REGS <= 3 * (65536 // tlws.THREADS // 8 * 8)
-    assert re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src) == [("64", str(H))] * (2 * group)
+    src = lowered_sm90(
+        tlws.build_specialized_scores(H, D, "bfloat16", 16, group, False, slots, consumers), config
+    )
+    threads, ctas = 128 * (consumers + 1), 3 - consumers
+    producer, consumer = (
+        (tlws.PRODUCER_REGS, tlws.CONSUMER_REGS) if consumers == 2 else tlws.ONE_CONSUMER_REGS
+    )
+    assert f"__launch_bounds__({threads}, {ctas})" in src
+    assert src.count(f"warpgroup_reg_dealloc<{producer}>") == 1
+    assert src.count(f"warpgroup_reg_alloc<{consumer}>") == consumers
+    assert producer + consumers * consumer <= (consumers + 1) * (65536 // (threads * ctas) // 8 * 8)
+    gemms = re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src)
+    assert gemms == [("64", str(H))] * (consumers * group)
     assert src.count("mbarrier_cp_async_arrive_noinc") == 2  # the queries' and the ring's
-    per_consumer = ["free"] * tlws.SLOTS + ["gemm"] * group  # the ring's first phase, the GEMMs
+    per_consumer = ["free"] * slots + ["gemm"] * group  # the ring's first phase, the GEMMs
     for j in range(group):
         per_consumer += [f"wait{group - 1 - j}", *(["free"] if j == group - 1 else []), "sum"]
-    assert _events(src) == per_consumer * 2
+    assert _events(src) == per_consumer * consumers
     for needle in ("cp_async_gs", "wgmma_ss<"):
         assert loops_containing(src, needle)
         assert all("__syncthreads" not in body for body in loops_containing(src, needle))
@@ -282,8 +299,8 @@ def test_the_specialized_kernel_lowers_to_a_producer_ring_and_two_consumers(grou
 
 @pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
-@pytest.mark.parametrize("group", tlws.GROUP_CHOICES)
-def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, tmp_path):
+@pytest.mark.parametrize("group, slots, consumers", SPECIALIZED_BUILDS)
+def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, slots, consumers, tmp_path):
     """Built for sm_90a: no stack frame and no spills at the consumers' share of registers, no
     FFMA (the head weight's product rounded before the sum, as the other kernels), and every
     token's GEMM a chain of ``HGMMA.64xHx16`` instructions."""
@@ -293,7 +310,8 @@ def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, tmp_pat
 
     config = {"tl.disable_safe_memory_legalize": True}
     src, cubin = tmp_path / "ws.cu", tmp_path / "ws.cubin"
-    src.write_text(lowered_sm90(tlws.build_specialized_scores(H, D, "bfloat16", 16, group, True), config))
+    func = tlws.build_specialized_scores(H, D, "bfloat16", 16, group, True, slots, consumers)
+    src.write_text(lowered_sm90(func, config))
     arch = "-gencode=arch=compute_90a,code=sm_90a"
     cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w", "-Xptxas", "-v"]
     done = subprocess.run([*cmd, "-o", str(cubin), str(src)], capture_output=True, text=True)
@@ -302,7 +320,7 @@ def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, tmp_pat
     assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
     sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True).stdout
     assert "FMUL" in sass and "FFMA" not in sass
-    assert sass.count(f"HGMMA.64x{H}x16.F32.BF16") == 2 * group * (D // 16)
+    assert sass.count(f"HGMMA.64x{H}x16.F32.BF16") == consumers * group * (D // 16)
 
 
 @pytest.mark.slow
@@ -348,9 +366,16 @@ VARIANTS = ((1, 1, False), (2, 1, False), (tli.BLOCKS, 1, False), (1, 2, False),
             (tli.BLOCKS, 2, False), (1, 2, True), (tli.BLOCKS, 2, True))  # fmt: skip
 """``(blocks, warpgroups, overlap)`` of the grouped kernels the GPU test compares (overlap at a
 group of 2 only)."""
-SPECIALIZED_VARIANTS = ((1, 4), (2, 3), (tli.BLOCKS, 4), (tli.BLOCKS, 2))
-"""``(blocks, slots)`` of the warp-specialised kernels the GPU test compares (a ring shorter
-than a CTA's blocks, so its phases wrap)."""
+SPECIALIZED_VARIANTS = (
+    (1, 4, 2),
+    (2, 3, 2),
+    (tli.BLOCKS, 4, 2),
+    (tli.BLOCKS, 2, 2),
+    (1, 2, 1),
+    (tli.BLOCKS, 2, 1),
+)
+"""``(blocks, slots, consumers)`` of the warp-specialised kernels the GPU test compares (a ring
+shorter than a CTA's blocks, so its phases wrap; one consumer warpgroup, two CTAs an SM)."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -373,8 +398,9 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
                 config = {"blocks": blocks, "group": group, "warpgroups": wgs, "overlap": overlap}
                 got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
                 assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
-            for blocks, slots in SPECIALIZED_VARIANTS:
-                config = {"blocks": blocks, "group": group, "slots": slots, "specialized": True}
+            for blocks, slots, consumers in SPECIALIZED_VARIANTS:
+                config = {"blocks": blocks, "group": group, "slots": slots, "consumers": consumers}
+                config["specialized"] = True
                 got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
                 assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
             if integer:  # exact sums: the Triton kernel's scores too

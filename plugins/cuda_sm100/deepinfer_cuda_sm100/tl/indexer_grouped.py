@@ -298,6 +298,7 @@ def indexer_scores(
     overlap: bool | None = None,
     specialized: bool | None = None,
     slots: int = ws.SLOTS,
+    consumers: int = ws.CONSUMERS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
@@ -306,7 +307,8 @@ def indexer_scores(
     ``warpgroups``: 1 or 2 (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default
     :func:`overlaps`); ``specialized``: run the warp-specialised kernel (default
     :data:`SPECIALIZED` where it takes the shape; ``True`` on a shape it does not take raises
-    ``ValueError``), whose ring holds ``slots`` key blocks."""
+    ``ValueError``), whose ring holds ``slots`` key blocks and whose CTAs have ``consumers``
+    consumer warpgroups."""
     t, h, d = q.shape
     if specialized is None:
         specialized = SPECIALIZED and ws.problem(h, d) is None
@@ -324,7 +326,8 @@ def indexer_scores(
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
     if specialized:
-        kernel = ws._kernel(h, d, TL_DTYPES[q.dtype], blocks, group, tl_pdl_enabled(), slots)
+        layout = (group, tl_pdl_enabled(), slots, consumers)
+        kernel = ws._kernel(h, d, TL_DTYPES[q.dtype], blocks, *layout)
     else:
         overlap = overlaps(group) if overlap is None else overlap
         config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)

@@ -45,7 +45,15 @@ from .pdl import prologue
 from .target import cuda_target
 
 THREADS = 384
-"""Two consumer warpgroups and the producer."""
+"""Two consumer warpgroups and the producer (one consumer: 256)."""
+CONSUMERS = 2
+"""Consumer warpgroups a CTA by default: one CTA an SM, a ring block of 128 rows."""
+CONSUMER_CHOICES = (1, 2)
+"""Consumer warpgroups a CTA may have: at 1 a ring block is 64 rows, and two CTAs share an SM
+(each's stages overlap the other's start and end), where its shared memory allows
+(:data:`TWO_CTA_SMEM`)."""
+TWO_CTA_SMEM = 110 * 1024
+"""The most shared memory (queries and ring) of a one-consumer CTA, two of which share an SM."""
 SLOTS = 4
 """Key blocks the ring holds (32 KB each at ``D = 128``): with a group of 4 tokens' queries
 (64 KB), 192 KB of shared memory, one CTA an SM."""
@@ -64,6 +72,9 @@ CONSUMER_REGS = 224
 """A consumer's registers a thread: four tokens' accumulators take 128 at ``H = 64``.  The
 CTA is launched with 168 a thread (64 K over 384 threads, in steps of 8), and ``p + 2 c`` may
 not exceed ``3 x 168``, or a consumer's ``setmaxnreg.inc`` waits forever."""
+ONE_CONSUMER_REGS = (56, 200)
+"""``(producer, consumer)`` registers of a one-consumer CTA, two an SM: launched with 128 a
+thread (64 K over 512 threads), so ``p + c`` may not exceed ``2 x 128``."""
 ROW_THREADS = 8
 """Producer threads a key row: each copies every eighth 16-byte chunk of it."""
 VEC = 8
@@ -82,6 +93,26 @@ def problem(heads: int, dim: int) -> str | None:
     return None
 
 
+def registers(consumers: int) -> tuple[int, int]:
+    """``(producer, consumer)`` registers a thread (``setmaxnreg``) of a CTA of ``consumers``
+    consumer warpgroups."""
+    return (PRODUCER_REGS, CONSUMER_REGS) if consumers == 2 else ONE_CONSUMER_REGS
+
+
+def fit_problem(heads: int, dim: int, group: int, slots: int, consumers: int) -> str | None:
+    """Why a CTA of ``consumers`` consumer warpgroups cannot hold ``group`` tokens' queries and a
+    ring of ``slots`` blocks (one line), or ``None``."""
+    if consumers not in CONSUMER_CHOICES:
+        return f"consumers must be one of {CONSUMER_CHOICES}, got {consumers}"
+    smem = (group * heads + slots * HALF * consumers) * dim * 2
+    if consumers == 1 and smem > TWO_CTA_SMEM:
+        return (
+            f"a one-consumer CTA of {group} tokens and {slots} slots takes {smem // 1024} KB of shared "
+            f"memory, over the {TWO_CTA_SMEM // 1024} KB two CTAs an SM allow"
+        )
+    return None
+
+
 def build_specialized_scores(
     heads: int,
     dim: int,
@@ -90,6 +121,7 @@ def build_specialized_scores(
     group: int = GROUP,
     pdl: bool = False,
     slots: int = SLOTS,
+    consumers: int = CONSUMERS,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only), with the
     grouped kernel's signature (:func:`~deepinfer_cuda_sm100.tl.indexer_grouped.
@@ -102,12 +134,13 @@ def build_specialized_scores(
             :data:`GROUP_CHOICES`); slots: the ring's depth (one of :data:`SLOT_CHOICES`).
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
+        consumers: consumer warpgroups a CTA (one of :data:`CONSUMER_CHOICES`).
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
     if slots not in SLOT_CHOICES:
         raise ValueError(f"slots must be one of {SLOT_CHOICES}, got {slots}")
-    shape = problem(heads, dim)
+    shape = problem(heads, dim) or fit_problem(heads, dim, group, slots, consumers)
     if shape:
         raise ValueError(shape)
     import tilelang.language as T
@@ -118,14 +151,18 @@ def build_specialized_scores(
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
     start = prologue()
     load_rows = group_rows(G, n_tok)
+    span = HALF * consumers  # rows of a ring block (BN at two consumers)
+    ring_blocks = blocks * BN // span  # ring blocks a CTA spans
+    threads = 128 * (consumers + 1)
+    producer_regs, consumer_regs = registers(consumers)
     rows_at_once = 128 // ROW_THREADS  # rows a producer pass copies
-    passes = BN // rows_at_once  # a thread's rows a block
+    passes = span // rows_at_once  # a thread's rows a block
     chunks = D // (VEC * ROW_THREADS)  # a thread's chunks a row
     q_chunks = G * H * D // VEC // 128  # a producer thread's 16-byte chunks of the queries
 
     def live_blocks(live, c0):
-        """The blocks of the CTA holding an entry a token of the pass's row sees."""
-        return T.min(T.Cast("int32", T.ceildiv(T.max(live - c0, T.int64(0)), BN)), blocks)
+        """The ring blocks of the CTA holding an entry a token of the pass's row sees."""
+        return T.min(T.Cast("int32", T.ceildiv(T.max(live - c0, T.int64(0)), span)), ring_blocks)
 
     @T.macro
     def load_queries(q_s, q, t0, p, bar_q):
@@ -220,7 +257,7 @@ def build_specialized_scores(
         """Consumer ``wg``: the passes' blocks, then ``-inf`` past each pass's live blocks."""
         rows_s, scores, t0 = ctx[0], ctx[3], ctx[4]
         done, nb = counters
-        T.set_max_nreg(CONSUMER_REGS, 1)
+        T.set_max_nreg(consumer_regs, 1)
         for slot in T.unroll(slots, explicit=True):
             T.barrier_arrive(bars[0][slot])
         T.barrier_wait(bar_q, 0)
@@ -231,14 +268,14 @@ def build_specialized_scores(
             if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
                 nb[0] = live_blocks(live_s[p], c0)
                 for b in T.serial(nb[0]):
-                    first = c0 + b * BN + wg * HALF
+                    first = c0 + b * span + wg * HALF
                     consume(wg, k_s, q_s, accs, score, w_s, bars, done[0] + b, rows_s[p], first, ctx)
                 done[0] = done[0] + nb[0]
-                for b in T.serial(nb[0], blocks):
+                for b in T.serial(nb[0], ring_blocks):
                     for j in T.serial(G):
                         if rows_s[j] == rows_s[p]:
                             for i in T.Parallel(HALF):
-                                c = c0 + b * BN + wg * HALF + i
+                                c = c0 + b * span + wg * HALF + i
                                 if c < n_cand:
                                     scores[t0 + j, c] = -T.infinity(acc_t)
 
@@ -247,8 +284,8 @@ def build_specialized_scores(
         """The producer: the queries, then every pass's live blocks through the ring."""
         rows_s, live_s = setup
         done, nb = counters
-        T.set_max_nreg(PRODUCER_REGS, 0)
-        p = T.get_thread_binding() - 256
+        T.set_max_nreg(producer_regs, 0)
+        p = T.get_thread_binding() - 128 * consumers
         load_queries(q_s, q, t0, p, bar_q)
         done[0] = 0
         c0 = g * blocks * BN
@@ -258,7 +295,7 @@ def build_specialized_scores(
                 nb[0] = live_blocks(live_s[pp], c0)
                 for b in T.serial(nb[0]):
                     source = (page_row, live_s[pp], pages, block_table, kst)
-                    produce(k_s, flat, rows, bars, done[0] + b, c0 + b * BN, *source, p)
+                    produce(k_s, flat, rows, bars, done[0] + b, c0 + b * span, *source, p)
                 done[0] = done[0] + nb[0]
 
     @T.macro
@@ -266,25 +303,27 @@ def build_specialized_scores(
         q, w, flat, block_table, token_rows, counts, scores, kst, scale, max_count, epp, epp_magic, epp_shift
     ):
         grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
-        with T.Kernel(*grid, threads=THREADS) as (g, tg):
+        with T.Kernel(*grid, threads=threads) as (g, tg):
             q_s = T.alloc_shared((G, H, D), dtype)
             w_s = T.alloc_shared((G, H), acc_t)
-            k_s = T.alloc_shared((slots, BN // HALF, HALF, D), dtype)
+            k_s = T.alloc_shared((slots, consumers, HALF, D), dtype)
             rows_s = T.alloc_shared((G,), "int64", scope="shared")
             cnt_s = T.alloc_shared((G,), "int64", scope="shared")
             live_s = T.alloc_shared((G,), "int64", scope="shared")
             rows = T.alloc_local((passes,), "int32")  # the producer's rows of a block
             accs0 = [T.alloc_fragment((HALF, H), acc_t) for _ in range(G)]
-            accs1 = [T.alloc_fragment((HALF, H), acc_t) for _ in range(G)]
+            accs1 = [T.alloc_fragment((HALF, H), acc_t) for _ in range(G)] if consumers == 2 else []
             score0 = T.alloc_fragment((HALF,), acc_t)
-            score1 = T.alloc_fragment((HALF,), acc_t)
+            score1 = T.alloc_fragment((HALF,), acc_t) if consumers == 2 else None
             # the CTA's blocks before this pass (the ring's phases), the pass's live blocks
             counters = (T.alloc_local((1,), "int32"), T.alloc_local((1,), "int32"))
             bar_q = T.alloc_barrier(arrive_count=128)
             bar_ready = T.alloc_barrier(arrive_count=[128] * slots)
-            bar_free = T.alloc_barrier(arrive_count=[256] * slots)
+            bar_free = T.alloc_barrier(arrive_count=[128 * consumers] * slots)
             bars = (bar_free, bar_ready)
             t0 = tg * G
+            if consumers == 1:  # two CTAs an SM (launched with 128 registers a thread)
+                T.annotate_min_blocks_per_sm(2)
             if pdl:  # every input comes from the kernels before
                 start()
             for j, h in T.Parallel(G, H):
@@ -293,26 +332,39 @@ def build_specialized_scores(
             pages = (epp, epp_magic, epp_shift)
             ctx = (rows_s, cnt_s, scale, scores, t0, pages, block_table)
             tx = T.get_thread_binding()
-            if tx >= 256:
-                source = (pages, block_table, kst)
+            source = (pages, block_table, kst)
+            if consumers == 2:
+                if tx >= 256:
+                    producer(k_s, q_s, q, flat, rows, bars, bar_q, (rows_s, live_s), counters, g, t0, *source)
+                elif tx < 128:
+                    consumer(0, k_s, q_s, accs0, score0, w_s, bars, bar_q, live_s, counters, g, ctx)
+                else:
+                    consumer(1, k_s, q_s, accs1, score1, w_s, bars, bar_q, live_s, counters, g, ctx)
+            elif tx >= 128:  # one consumer, two CTAs an SM
                 producer(k_s, q_s, q, flat, rows, bars, bar_q, (rows_s, live_s), counters, g, t0, *source)
-            elif tx < 128:
-                consumer(0, k_s, q_s, accs0, score0, w_s, bars, bar_q, live_s, counters, g, ctx)
             else:
-                consumer(1, k_s, q_s, accs1, score1, w_s, bars, bar_q, live_s, counters, g, ctx)
+                consumer(0, k_s, q_s, accs0, score0, w_s, bars, bar_q, live_s, counters, g, ctx)
 
-    return grouped_scores_func(
-        "indexer_scores_grouped_ws", H, D, dtype, (n_tok, n_cand, nf, r_bt, p_bt, t2, t3), kernel
-    )
+    sizes = (n_tok, n_cand, nf, r_bt, p_bt, t2, t3)
+    return grouped_scores_func("indexer_scores_grouped_ws", H, D, dtype, sizes, kernel)
 
 
 @functools.cache
 @logged_compile("indexer_grouped_ws")
-def _kernel(heads: int, dim: int, dtype: str, blocks: int, group: int, pdl: bool, slots: int):
+def _kernel(
+    heads: int,
+    dim: int,
+    dtype: str,
+    blocks: int,
+    group: int,
+    pdl: bool,
+    slots: int,
+    consumers: int = CONSUMERS,
+):
     """A compiled kernel of :func:`build_specialized_scores` (TileLang's disk cache keeps it);
     bounds guards off, as the grouped kernel's (the copies read the pool through a flat view)."""
     import tilelang
 
     configs = {"tl.disable_safe_memory_legalize": True}
-    func = build_specialized_scores(heads, dim, dtype, blocks, group, pdl, slots)
+    func = build_specialized_scores(heads, dim, dtype, blocks, group, pdl, slots, consumers)
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)

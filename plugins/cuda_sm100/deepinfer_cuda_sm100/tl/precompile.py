@@ -154,7 +154,7 @@ def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple[str, tupl
 
     pdl = tl_pdl_enabled()
     if SPECIALIZED and ws.problem(heads, dim) is None:
-        specialized = (ws.GROUP, pdl, ws.SLOTS)
+        specialized = (ws.GROUP, pdl, ws.SLOTS, ws.CONSUMERS)
         return [("indexer_grouped_ws", (heads, dim, "bfloat16", b, *specialized)) for b in BLOCK_CHOICES]
     layout = (pdl, WARPGROUPS, overlaps(GROUP))
     return [("indexer_grouped", (heads, dim, "bfloat16", b, GROUP, *layout)) for b in BLOCK_CHOICES]
