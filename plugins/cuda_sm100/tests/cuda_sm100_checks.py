@@ -402,6 +402,34 @@ def lowered_sm90(func, pass_configs: dict | None = None) -> str:
     return _lower_sm90(func, pass_configs).kernel_source
 
 
+def sm90a_cubin(source: str, path) -> str:
+    """Build the generated CUDA ``source`` (written to ``path``) for sm_90a with TileLang's
+    nvcc options into ``path.with_suffix(".cubin")``; returns the compiler's output with
+    ``ptxas -v``'s resource report and its warnings (asserts the build succeeded)."""
+    import subprocess
+
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    path.write_text(source)
+    cmd = [get_nvcc_compiler(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *default_compile_options()]
+    cmd += ["-Xptxas", "-v", "-o", str(path.with_suffix(".cubin")), str(path)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-2000:]
+    return report
+
+
+def sass_of(cubin) -> str:
+    """The SASS of a ``cubin`` file (Triton's bundled ``nvdisasm``)."""
+    import os
+    import subprocess
+
+    import triton
+
+    disasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    return subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True).stdout
+
+
 def pdl_prologue_problem(func, accesses: str, pass_configs: dict | None = None) -> str | None:
     """Why ``func`` (a ``prim_func`` built with the PDL prologue), lowered for sm_90, does not
     wait for the kernel before it (``griddepcontrol.wait``) before its first global access (the

@@ -24,6 +24,7 @@ import logging
 
 import pytest
 import torch
+from cuda_sm100_checks import lowered_sm90, sm90a_cubin
 from deepinfer_cuda_sm100 import gemm_dispatch, kernel_choice
 from deepinfer_cuda_sm100.tl import fp8_gemm as tlg
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -257,14 +258,8 @@ def test_every_precompile_job_binds_to_its_modules_kernel():
 
 def _lower(config: tuple) -> str:
     """The CUDA source of a ``_kernel`` configuration, lowered for sm_90."""
-    import tilelang
-    import tvm
-    from tvm.target import Target
-
-    target = Target({"kind": "cuda", "arch": "sm_90"})
     build = tlg.build_gemm if config[0] == "gemm" else tlg.build_combine
-    with target, tvm.transform.PassContext(config=tlg.PASS_CONFIGS):
-        return tilelang.lower(build(*config[1:]), target=target).kernel_source
+    return lowered_sm90(build(*config[1:]), tlg.PASS_CONFIGS)
 
 
 @pytest.mark.slow
@@ -398,21 +393,10 @@ def test_the_wide_tiles_compile_for_sm90a_without_spills(config, tmp_path):
     ``ptxas`` reports no stack frame and no spills once the consumers hold 240 registers; nor
     does the wide kind at 64 tokens (the probe of ``bench_fp8_gemm.py``)."""
     import re
-    import subprocess
 
     if tilelang_problem() is not None:
         pytest.skip(f"needs TileLang and nvcc: {tilelang_problem()}")
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
-    src = tmp_path / "kernel.cu"
-    src.write_text(_lower(config))
-    arch = "-gencode=arch=compute_90a,code=sm_90a"
-    cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w", "-Xptxas", "-v"]
-    done = subprocess.run(
-        [*cmd, "-o", str(tmp_path / "kernel.cubin"), str(src)], capture_output=True, text=True
-    )
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report[-2000:]
+    report = sm90a_cubin(_lower(config), tmp_path / "kernel.cu")
     assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
 
 

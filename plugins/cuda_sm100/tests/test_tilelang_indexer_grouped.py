@@ -23,7 +23,7 @@ import re
 
 import pytest
 import torch
-from cuda_sm100_checks import loops_containing, lowered_sm90
+from cuda_sm100_checks import loops_containing, lowered_sm90, sass_of, sm90a_cubin
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
 from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
@@ -208,15 +208,6 @@ def _events(src: str) -> list[str]:
     return out
 
 
-def _nvdisasm() -> str:
-    """Triton's bundled ``nvdisasm``."""
-    import os
-
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("group", tlg.GROUP_CHOICES)
@@ -304,21 +295,11 @@ def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, slots, 
     """Built for sm_90a: no stack frame and no spills at the consumers' share of registers, no
     FFMA (the head weight's product rounded before the sum, as the other kernels), and every
     token's GEMM a chain of ``HGMMA.64xHx16`` instructions."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
     config = {"tl.disable_safe_memory_legalize": True}
-    src, cubin = tmp_path / "ws.cu", tmp_path / "ws.cubin"
     func = tlws.build_specialized_scores(H, D, "bfloat16", 16, group, True, slots, consumers)
-    src.write_text(lowered_sm90(func, config))
-    arch = "-gencode=arch=compute_90a,code=sm_90a"
-    cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w", "-Xptxas", "-v"]
-    done = subprocess.run([*cmd, "-o", str(cubin), str(src)], capture_output=True, text=True)
-    report = done.stdout + done.stderr
-    assert done.returncode == 0, report[-2000:]
+    report = sm90a_cubin(lowered_sm90(func, config), tmp_path / "ws.cu")
     assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
-    sass = subprocess.run([_nvdisasm(), "-c", str(cubin)], capture_output=True, text=True).stdout
+    sass = sass_of(tmp_path / "ws.cubin")
     assert "FMUL" in sass and "FFMA" not in sass
     assert sass.count(f"HGMMA.64x{H}x16.F32.BF16") == consumers * group * (D // 16)
 
@@ -331,25 +312,14 @@ def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     was free to contract the two, the one-token kernel's straight-line epilogue got 64 FFMAs
     and the grouped kernel's (inside its token loop) none, so their scores differed in the last
     bits on real data."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
-    disasm = _nvdisasm()
     config = {"tl.disable_safe_memory_legalize": True}
     kernels = {
         "one": tli.build_scores("paged", H, D, "bfloat16", 1),
         "grouped": tlg.build_grouped_scores(H, D, "bfloat16", 1, 2),
     }
     for name, func in kernels.items():
-        src, cubin = tmp_path / f"{name}.cu", tmp_path / f"{name}.cubin"
-        src.write_text(lowered_sm90(func, config))
-        arch = "-gencode=arch=compute_90a,code=sm_90a"
-        cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w"]
-        cmd += ["-o", str(cubin), str(src)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True).stdout
+        sm90a_cubin(lowered_sm90(func, config), tmp_path / f"{name}.cu")
+        sass = sass_of(tmp_path / f"{name}.cubin")
         assert "FMUL" in sass and "FFMA" not in sass, name
 
 

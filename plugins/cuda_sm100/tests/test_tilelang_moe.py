@@ -27,7 +27,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from cuda_sm100_checks import lowered_sm90, pdl_prologue_problem, replayed
+from cuda_sm100_checks import lowered_sm90, pdl_prologue_problem, replayed, sm90a_cubin
 from deepinfer_cuda_sm100 import e2m1_ptx, kernel_choice, moe_dispatch
 from deepinfer_cuda_sm100.tl import moe as tlm
 from deepinfer_cuda_sm100.tl import tilelang_problem
@@ -502,16 +502,7 @@ def test_every_configuration_lowers_for_sm90(kind, consumers):
 
 def _ptxas_report(func, path) -> str:
     """``ptxas -v``'s report of ``func`` (a ``prim_func``) lowered and built for sm_90a."""
-    import subprocess
-
-    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
-
-    path.write_text(lowered_sm90(func, tlm.PASS_CONFIGS))
-    cmd = [get_nvcc_compiler(), "-cubin", "-gencode=arch=compute_90a,code=sm_90a", *default_compile_options()]
-    out = path.with_suffix(".cubin")
-    done = subprocess.run([*cmd, "-Xptxas", "-v", "-o", str(out), str(path)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stderr
+    return sm90a_cubin(lowered_sm90(func, tlm.PASS_CONFIGS), path)
 
 
 @pytest.mark.slow
