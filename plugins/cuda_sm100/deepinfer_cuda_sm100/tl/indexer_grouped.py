@@ -310,10 +310,11 @@ def indexer_scores(
     ``ValueError``), whose ring holds ``slots`` key blocks and whose CTAs have ``consumers``
     consumer warpgroups."""
     t, h, d = q.shape
+    shape = ws.problem(h, d)
     if specialized is None:
-        specialized = SPECIALIZED and ws.problem(h, d) is None
-    if specialized and ws.problem(h, d):
-        raise ValueError(f"indexer_scores: {ws.problem(h, d)}")
+        specialized = SPECIALIZED and shape is None
+    if specialized and shape:
+        raise ValueError(f"indexer_scores: {shape}")
     if group is None:
         group = ws.GROUP if specialized else GROUP
     c = int(candidates.max_count)
