@@ -51,12 +51,9 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
     blocks a CTA) and ``grouped_variants``: the default group's time and bits at one and at two
-    warpgroups a CTA, at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``), and the
-    warp-specialised kernel (``tl.indexer_grouped_ws``) at groups of 4 and 2, ring depths 4 to 2
-    and one or two consumer warpgroups a CTA, where it takes the shape."""
+    warpgroups a CTA, and at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``)."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
-    from deepinfer_cuda_sm100.tl import indexer_grouped_ws as tlws
 
     q, w, keys, cand, k, scale = args
     if tlg.supports(q, w, keys, cand) is not True:
@@ -70,19 +67,11 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for b in tli.BLOCK_CHOICES
         }
         row["grouped_variants"] = {}
-        variants = {
-            f"{wgs} warpgroup{'s' if wgs > 1 else ''}{', overlapped' if overlap else ''}": {
-                "warpgroups": wgs, "overlap": overlap, "specialized": False
-            }
-            for wgs, overlap in ((1, False), (2, False), (2, True))
-        }  # fmt: skip
-        if tlws.problem(q.shape[1], q.shape[2]) is None:
-            for group, slots, consumers in ((4, 4, 2), (4, 3, 2), (2, 4, 2), (4, 2, 1), (2, 4, 1)):
-                plural = "s" if consumers > 1 else ""
-                name = f"specialized, group {group}, {slots} slots, {consumers} consumer{plural}"
-                variants[name] = {"group": group, "slots": slots, "consumers": consumers, "specialized": True}
-        for name, options in variants.items():
-            run = functools.partial(tlg.indexer_scores, q, w, keys, cand, scale, **options)
+        for wgs, overlap in ((1, False), (2, False), (2, True)):
+            run = functools.partial(
+                tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs, overlap=overlap
+            )
+            name = f"{wgs} warpgroup{'s' if wgs > 1 else ''}{', overlapped' if overlap else ''}"
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 

@@ -4,14 +4,13 @@ query tokens of one request a CTA) and their place in the dispatch.
 **Here** (no GPU): which calls they refuse (with the reason), the block plan, that the table
 can pick them for paged candidates only, that ``tl.precompile`` compiles the launches the
 dispatcher makes; where TileLang is installed (slow), that the kernel lowers for sm_90 with one
-key gather per block shared by the group's GEMMs and no block barrier inside the gather loop, and
-that the warp-specialised kernel lowers to a producer and two consumers and builds without spills.
+key gather per block shared by the group's GEMMs and no block barrier inside the gather loop.
 
 **GPU** (marked ``gpu``; skipped where TileLang cannot compile): over batches whose groups
 span requests (requests of 1-9 tokens, a group cut by the end of the batch), ragged entry counts
 (0, past ``max_count``), block tables whose unused pages lie far outside the pool: the scores
 equal the one-token TileLang kernel's bit for bit for both group sizes, every blocks-per-CTA choice
-one or two warpgroups a CTA, the warp-specialised kernel at several ring depths, and on
+one or two warpgroups a CTA, and on
 integer data the Triton kernel's (every sum exact); a captured CUDA graph replays them bitwise.
 """
 
@@ -23,11 +22,10 @@ import re
 
 import pytest
 import torch
-from cuda_sm100_checks import loops_containing, lowered_sm90, sass_of, sm90a_cubin
+from cuda_sm100_checks import loops_containing, lowered_sm90
 from deepinfer_cuda_sm100 import indexer_select, kernel_choice
 from deepinfer_cuda_sm100.tl import indexer as tli
 from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
-from deepinfer_cuda_sm100.tl import indexer_grouped_ws as tlws
 from deepinfer_cuda_sm100.tl import tilelang_problem
 
 from deepinfer_core.ops.attention import PagedIndex
@@ -119,49 +117,17 @@ def test_only_the_two_token_group_runs_overlapped_by_default():
         tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
 
 
-@pytest.mark.parametrize("specialized", [False, True])
-def test_precompile_covers_the_dispatched_group_at_every_block_choice(monkeypatch, specialized):
-    """Whichever kernel the dispatcher runs (``SPECIALIZED`` off: the grouped kernel at its
-    default group, warpgroups and overlap; on: the warp-specialised one at its group and ring)."""
+def test_precompile_covers_the_dispatched_group_at_every_block_choice():
     from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
     from deepinfer_cuda_sm100.tl.precompile import grouped_indexer_configurations, jobs, parse_args
 
-    monkeypatch.setattr(tlg, "SPECIALIZED", specialized)
     configs = grouped_indexer_configurations(H, D)
-    if specialized:
-        layout = (tlws.GROUP, tl_pdl_enabled(), tlws.SLOTS, tlws.CONSUMERS)
-        assert configs == [("indexer_grouped_ws", (H, D, "bfloat16", b, *layout)) for b in tli.BLOCK_CHOICES]
-    else:
-        layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
-        want = [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
-        assert configs == [("indexer_grouped", c) for c in want]
+    layout = (tl_pdl_enabled(), tlg.WARPGROUPS, tlg.overlaps(tlg.GROUP))
+    assert configs == [(H, D, "bfloat16", b, tlg.GROUP, *layout) for b in tli.BLOCK_CHOICES]
     planned = {tlg.plan_blocks(t, c, 132) for t in (5, 512, 8192) for c in (100, 2048, 16384)}
-    assert planned <= {c[3] for _, c in configs}
+    assert planned <= {c[3] for c in configs}
     args = parse_args(["--gemm-shapes", "4096x1024", "--index-heads", str(H), "--index-dim", str(D)])
-    assert [j for j in jobs(args) if j[0].startswith("indexer_grouped")] == configs
-    # a shape the specialised kernel does not take keeps the grouped kernel's configurations
-    assert {m for m, _ in grouped_indexer_configurations(128, D)} == {"indexer_grouped"}
-
-
-def test_the_specialized_kernel_refuses_what_it_cannot_hold_and_says_why():
-    """Four tokens' ``[64, H]`` accumulators fill a consumer's registers: more than 64 heads,
-    another group, ring depth or consumer count, or a one-consumer CTA too large for two an SM,
-    is refused by name, and an explicit call on such queries raises before any launch."""
-    assert tlws.problem(64, 128) is None
-    assert "up to 64" in tlws.problem(128, 128) and "multiple of 64" in tlws.problem(64, 96)
-    with pytest.raises(ValueError, match="group must be one of"):
-        tlws.build_specialized_scores(H, D, "bfloat16", 16, 3)
-    with pytest.raises(ValueError, match="slots must be one of"):
-        tlws.build_specialized_scores(H, D, "bfloat16", 16, 4, slots=5)
-    with pytest.raises(ValueError, match="consumers must be one of"):
-        tlws.build_specialized_scores(H, D, "bfloat16", 16, 4, consumers=3)
-    # one consumer: two CTAs an SM, so four tokens' queries leave room for two 64-row slots only
-    assert tlws.fit_problem(H, D, 4, 2, 1) is None and tlws.fit_problem(H, D, 2, 4, 1) is None
-    assert "over the 110 KB" in tlws.fit_problem(H, D, 4, 3, 1)
-    assert tlws.fit_problem(H, D, 4, 4, 2) is None
-    q, w, keys, index = _paged([4], 40, torch.Generator().manual_seed(2))
-    with pytest.raises(ValueError, match="128 heads"):
-        tlg.indexer_scores(torch.cat([q, q], 1), torch.cat([w, w], 1), keys, index, SCALE, specialized=True)
+    assert [c for m, c in jobs(args) if m == "indexer_grouped"] == configs
 
 
 def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apart(monkeypatch):
@@ -195,17 +161,6 @@ def test_the_benchmark_writes_full_rows_to_the_table_and_times_causal_chunks_apa
         {"triton": 2.3, "tilelang": 1.2},
         {"triton": 2.3, "tilelang": 1.2, "tilelang_grouped": 0.5},
     ]
-
-
-def _events(src: str) -> list[str]:
-    """The lowered source's GEMM issues, ``wait_wgmma<n>`` (``wait<n>``), ring-slot releases
-    (``free``) and head sums (``sum``), in order."""
-    names = {"wgmma_ss<": "gemm", "AllReduce<": "sum"}
-    out = []
-    for m in re.finditer(r"wgmma_ss<|wait_wgmma<(\d)>|bar_free\[[^\]]*\]\.arrive\(\)|AllReduce<", src):
-        text = m.group(0)
-        out.append(names.get(text) or (f"wait{m.group(1)}" if m.group(1) else "free"))
-    return out
 
 
 @pytest.mark.slow
@@ -251,59 +206,6 @@ def test_overlap_issues_both_tokens_gemms_before_the_first_wait():
         tlg.build_grouped_scores(H, D, "bfloat16", 16, 4, overlap=True)
 
 
-SPECIALIZED_BUILDS = ((4, 4, 2), (2, 4, 2), (4, 2, 1), (2, 4, 1))
-"""``(group, slots, consumers)`` of the warp-specialised builds checked offline."""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("group, slots, consumers", SPECIALIZED_BUILDS)
-def test_the_specialized_kernel_lowers_to_a_producer_ring_and_its_consumers(group, slots, consumers):
-    """Lowered for sm_90: one CTA an SM of three warpgroups (one consumer: two CTAs an SM of
-    two); the producer drops to its register share and copies the queries and each block by
-    ``cp.async`` landing on mbarriers, each consumer rises to its share and issues every token's
-    ``m64nHk16`` GEMM before waiting for them one at a time (``wait_wgmma<group - 1>``
-    first), handing the slot back after the last; no loop waits at a block barrier."""
-    config = {"tl.disable_safe_memory_legalize": True}
-    src = lowered_sm90(
-        tlws.build_specialized_scores(H, D, "bfloat16", 16, group, False, slots, consumers), config
-    )
-    threads, ctas = 128 * (consumers + 1), 3 - consumers
-    producer, consumer = (
-        (tlws.PRODUCER_REGS, tlws.CONSUMER_REGS) if consumers == 2 else tlws.ONE_CONSUMER_REGS
-    )
-    assert f"__launch_bounds__({threads}, {ctas})" in src
-    assert src.count(f"warpgroup_reg_dealloc<{producer}>") == 1
-    assert src.count(f"warpgroup_reg_alloc<{consumer}>") == consumers
-    assert producer + consumers * consumer <= (consumers + 1) * (65536 // (threads * ctas) // 8 * 8)
-    gemms = re.findall(r"wgmma_ss<[^>]*kFloat32, (\d+), (\d+), 16,", src)
-    assert gemms == [("64", str(H))] * (consumers * group)
-    assert src.count("mbarrier_cp_async_arrive_noinc") == 2  # the queries' and the ring's
-    per_consumer = ["free"] * slots + ["gemm"] * group  # the ring's first phase, the GEMMs
-    for j in range(group):
-        per_consumer += [f"wait{group - 1 - j}", *(["free"] if j == group - 1 else []), "sum"]
-    assert _events(src) == per_consumer * consumers
-    for needle in ("cp_async_gs", "wgmma_ss<"):
-        assert loops_containing(src, needle)
-        assert all("__syncthreads" not in body for body in loops_containing(src, needle))
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
-@pytest.mark.parametrize("group, slots, consumers", SPECIALIZED_BUILDS)
-def test_the_specialized_kernel_compiles_for_sm90a_without_spills(group, slots, consumers, tmp_path):
-    """Built for sm_90a: no stack frame and no spills at the consumers' share of registers, no
-    FFMA (the head weight's product rounded before the sum, as the other kernels), and every
-    token's GEMM a chain of ``HGMMA.64xHx16`` instructions."""
-    config = {"tl.disable_safe_memory_legalize": True}
-    func = tlws.build_specialized_scores(H, D, "bfloat16", 16, group, True, slots, consumers)
-    report = sm90a_cubin(lowered_sm90(func, config), tmp_path / "ws.cu")
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", report), report
-    sass = sass_of(tmp_path / "ws.cubin")
-    assert "FMUL" in sass and "FFMA" not in sass
-    assert sass.count(f"HGMMA.64x{H}x16.F32.BF16") == consumers * group * (D // 16)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
@@ -312,14 +214,27 @@ def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     was free to contract the two, the one-token kernel's straight-line epilogue got 64 FFMAs
     and the grouped kernel's (inside its token loop) none, so their scores differed in the last
     bits on real data."""
+    import os
+    import subprocess
+
+    import triton
+    from tilelang.contrib.nvcc import default_compile_options, get_nvcc_compiler
+
+    disasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     config = {"tl.disable_safe_memory_legalize": True}
     kernels = {
         "one": tli.build_scores("paged", H, D, "bfloat16", 1),
         "grouped": tlg.build_grouped_scores(H, D, "bfloat16", 1, 2),
     }
     for name, func in kernels.items():
-        sm90a_cubin(lowered_sm90(func, config), tmp_path / f"{name}.cu")
-        sass = sass_of(tmp_path / f"{name}.cubin")
+        src, cubin = tmp_path / f"{name}.cu", tmp_path / f"{name}.cubin"
+        src.write_text(lowered_sm90(func, config))
+        arch = "-gencode=arch=compute_90a,code=sm_90a"
+        cmd = [get_nvcc_compiler(), "-cubin", arch, *default_compile_options(), "-w"]
+        cmd += ["-o", str(cubin), str(src)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        sass = subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True).stdout
         assert "FMUL" in sass and "FFMA" not in sass, name
 
 
@@ -336,16 +251,6 @@ VARIANTS = ((1, 1, False), (2, 1, False), (tli.BLOCKS, 1, False), (1, 2, False),
             (tli.BLOCKS, 2, False), (1, 2, True), (tli.BLOCKS, 2, True))  # fmt: skip
 """``(blocks, warpgroups, overlap)`` of the grouped kernels the GPU test compares (overlap at a
 group of 2 only)."""
-SPECIALIZED_VARIANTS = (
-    (1, 4, 2),
-    (2, 3, 2),
-    (tli.BLOCKS, 4, 2),
-    (tli.BLOCKS, 2, 2),
-    (1, 2, 1),
-    (tli.BLOCKS, 2, 1),
-)
-"""``(blocks, slots, consumers)`` of the warp-specialised kernels the GPU test compares (a ring
-shorter than a CTA's blocks, so its phases wrap; one consumer warpgroup, two CTAs an SM)."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -368,11 +273,6 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
                 config = {"blocks": blocks, "group": group, "warpgroups": wgs, "overlap": overlap}
                 got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
                 assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
-            for blocks, slots, consumers in SPECIALIZED_VARIANTS:
-                config = {"blocks": blocks, "group": group, "slots": slots, "consumers": consumers}
-                config["specialized"] = True
-                got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
-                assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
             if integer:  # exact sums: the Triton kernel's scores too
                 assert torch.equal(one, ki.indexer_scores(q, w, keys, index, SCALE)), f"{lengths}"
 
@@ -383,7 +283,5 @@ def test_gpu_grouped_scores_replay_in_a_cuda_graph_bitwise():
     from cuda_sm100_checks import replayed
 
     q, w, keys, index = _paged([9, 1, 4, 3], 300, torch.Generator().manual_seed(7), "cuda")
-    for specialized in (False, True):
-        eager = tlg.indexer_scores(q, w, keys, index, SCALE, specialized=specialized)
-        graphed = replayed(lambda s=specialized: tlg.indexer_scores(q, w, keys, index, SCALE, specialized=s))
-        assert torch.equal(graphed, eager), f"specialized={specialized}"
+    eager = tlg.indexer_scores(q, w, keys, index, SCALE)
+    assert torch.equal(replayed(lambda: tlg.indexer_scores(q, w, keys, index, SCALE)), eager)

@@ -37,9 +37,8 @@ import torch
 
 from deepinfer_core.ops.attention import PagedIndex
 
-from . import indexer_grouped_ws as ws
 from .compile_log import logged_compile
-from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS, group_rows, grouped_scores_func
+from .indexer import BLOCK_CHOICES, BLOCKS, BN, MIN_CTAS_PER_SM, THREADS
 from .launch_args import TL_DTYPES, index_int64, num_sms
 from .page_division import divider, pool_row
 from .pdl import prologue, tl_pdl_enabled
@@ -68,13 +67,6 @@ a thread at two warpgroups, no spills, offline for sm_90; four accumulators spil
 on an H100 (``bench_attention.py --only indexer --tune``, bitwise equal): 0.788 ms against
 0.865 without at 8,192 x 2,048; 0.208 against 0.204 at 128 x 16,384, where the one-token
 kernel (0.196) runs instead."""
-
-
-SPECIALIZED = False
-"""Whether the grouped scores run warp-specialised (:mod:`deepinfer_cuda_sm100.tl.
-indexer_grouped_ws`: a producer warpgroup gathering the key blocks into a ring, two consumer
-warpgroups each multiplying four tokens' queries) where that kernel takes the shape.  Off until
-measured against the default on a GPU (``bench_attention.py --only indexer --tune``)."""
 
 
 def overlaps(group: int) -> bool:
@@ -118,7 +110,6 @@ def build_grouped_scores(
     n_tok, n_cand, nf = T.dynamic("T"), T.dynamic("C"), T.dynamic("NF")
     r_bt, p_bt, t2, t3 = T.dynamic("R"), T.dynamic("P"), T.dynamic("T2"), T.dynamic("T3")
     start = prologue()
-    load_rows = group_rows(G, n_tok)
     # two warpgroups split a block's keys (wgmma's M), never its heads: a row's sum over heads
     # stays in one quad of threads
     split = {"policy": T.GemmWarpPolicy.FullRow} if warpgroups == 2 else {}
@@ -137,6 +128,14 @@ def build_grouped_scores(
             e = c0 + i
             row = pool_row(block_table, page_row, e, pages)
             off[i] = T.if_then_else(e < count, T.Cast("int32", row), -1)
+
+    def row_count(row, count, p):
+        """The most entries a token of token ``p``'s row sees, over the group's ``row`` and
+        ``count`` values (an expression unrolled at trace time)."""
+        out = T.if_then_else(row(0) == row(p), count(0), T.int64(0))
+        for j in range(1, G):
+            out = T.max(out, T.if_then_else(row(j) == row(p), count(j), T.int64(0)))
+        return out
 
     @T.macro
     def gather(k_s, off, flat, b, kst):
@@ -183,9 +182,21 @@ def build_grouped_scores(
         for j in range(G):
             finish(accs[j], j, G - 1 - j, lead, *io)
 
-    @T.macro
-    def kernel(
-        q, w, flat, block_table, token_rows, counts, scores, kst, scale, max_count, epp, epp_magic, epp_shift
+    @T.prim_func
+    def indexer_scores_grouped(
+        q: T.Tensor((n_tok, H, D), dtype),
+        w: T.Tensor((n_tok, H), "float32"),
+        flat: T.Tensor((nf,), dtype),
+        block_table: T.Tensor((r_bt, p_bt), "int64"),
+        token_rows: T.Tensor((t2,), "int64"),
+        counts: T.Tensor((t3,), "int64"),
+        scores: T.Tensor((n_tok, n_cand), "float32"),
+        kst: T.int64,
+        scale: T.float32,
+        max_count: T.int32,
+        epp: T.int32,
+        epp_magic: T.int32,
+        epp_shift: T.int32,
     ):
         grid = (T.ceildiv(n_cand, BN * blocks), T.ceildiv(n_tok, G))
         with T.Kernel(*grid, threads=THREADS * warpgroups) as (g, tg):
@@ -211,7 +222,15 @@ def build_grouped_scores(
                 q_s[j, h, d] = q[T.min(t0 + j, n_tok - 1), h, d]
             for j, h in T.Parallel(G, H):
                 w_s[j, h] = w[T.min(t0 + j, n_tok - 1), h]
-            load_rows(rows_s, cnt_s, live_s, token_rows, counts, t0, max_count)
+            for j in T.Parallel(G):
+                # a token past the end gets row -1: no pass leads with it, none scores it
+                tj = T.min(t0 + j, n_tok - 1)
+                rows_s[j] = T.if_then_else(t0 + j < n_tok, token_rows[tj], T.int64(-1))
+                cnt = T.min(T.max(counts[tj], T.int64(0)), T.Cast("int64", max_count))
+                cnt_s[j] = T.if_then_else(t0 + j < n_tok, cnt, T.int64(0))
+            for j in T.Parallel(G):
+                # the most entries a token of token j's row sees: a pass gathers no further
+                live_s[j] = row_count(lambda i: rows_s[i], lambda i: cnt_s[i], j)
             for p in T.serial(G):
                 # a pass per run of equal rows: it leads where its row differs from the last
                 if rows_s[p] >= 0 and (p == 0 or rows_s[p] != rows_s[T.max(p - 1, 0)]):
@@ -244,9 +263,7 @@ def build_grouped_scores(
                                     if c < n_cand:
                                         scores[t0 + j, c] = -T.infinity(acc_t)
 
-    return grouped_scores_func(
-        "indexer_scores_grouped", H, D, dtype, (n_tok, n_cand, nf, r_bt, p_bt, t2, t3), kernel
-    )
+    return indexer_scores_grouped
 
 
 def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> int:
@@ -293,30 +310,15 @@ def indexer_scores(
     scale: float,
     *,
     blocks: int | None = None,
-    group: int | None = None,
+    group: int = GROUP,
     warpgroups: int = WARPGROUPS,
     overlap: bool | None = None,
-    specialized: bool | None = None,
-    slots: int = ws.SLOTS,
-    consumers: int = ws.CONSUMERS,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
-    (default :func:`plan_blocks`); ``group``: query tokens per CTA (default :data:`GROUP`, or
-    the specialised kernel's :data:`~deepinfer_cuda_sm100.tl.indexer_grouped_ws.GROUP`);
-    ``warpgroups``: 1 or 2 (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default
-    :func:`overlaps`); ``specialized``: run the warp-specialised kernel (default
-    :data:`SPECIALIZED` where it takes the shape; ``True`` on a shape it does not take raises
-    ``ValueError``), whose ring holds ``slots`` key blocks and whose CTAs have ``consumers``
-    consumer warpgroups."""
+    (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
+    (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`)."""
     t, h, d = q.shape
-    shape = ws.problem(h, d)
-    if specialized is None:
-        specialized = SPECIALIZED and shape is None
-    if specialized and shape:
-        raise ValueError(f"indexer_scores: {shape}")
-    if group is None:
-        group = ws.GROUP if specialized else GROUP
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
     if t == 0 or c == 0:
@@ -326,13 +328,9 @@ def indexer_scores(
     w = weights if weights.dtype == torch.float32 else weights.float()
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
-    if specialized:
-        layout = (group, tl_pdl_enabled(), slots, consumers)
-        kernel = ws._kernel(h, d, TL_DTYPES[q.dtype], blocks, *layout)
-    else:
-        overlap = overlaps(group) if overlap is None else overlap
-        config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
-        kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
+    overlap = overlaps(group) if overlap is None else overlap
+    config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
+    kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(
         q.contiguous(), w.contiguous(), flat, index_int64(candidates.block_table),

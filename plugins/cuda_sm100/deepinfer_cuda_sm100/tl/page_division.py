@@ -49,18 +49,12 @@ def page_and_slot(e, epp, magic, shift):
     return page, e - page * epp
 
 
-def page_of(block_table, page_row, e, pages):
-    """TIR expression of the page holding entry ``e``: ``block_table[page_row, e // epp]``, the
-    page clamped into the table's row (``pages``: the launch's ``(epp, magic, shift)``,
-    :func:`page_and_slot`); negative where the table holds no page."""
-    import tilelang.language as T
-
-    page, _ = page_and_slot(e, *pages)
-    return block_table[page_row, T.max(T.min(page, block_table.shape[1] - 1), 0)]
-
-
 def pool_row(block_table, page_row, e, pages):
     """TIR expression of entry ``e``'s pool row: ``block_table[page_row, e // epp] * epp + e %
-    epp`` (:func:`page_of`; negative exactly where the page is)."""
-    _, slot = page_and_slot(e, *pages)
-    return page_of(block_table, page_row, e, pages) * pages[0] + slot
+    epp``, the page clamped into the table's row (``pages``: the launch's ``(epp, magic,
+    shift)``, :func:`page_and_slot`)."""
+    import tilelang.language as T
+
+    epp = pages[0]
+    page, slot = page_and_slot(e, *pages)
+    return block_table[page_row, T.max(T.min(page, block_table.shape[1] - 1), 0)] * epp + slot

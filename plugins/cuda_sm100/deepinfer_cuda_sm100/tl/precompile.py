@@ -15,8 +15,7 @@ consumer warpgroups), and the FP8
 scale formats, the split sums in the launch) of each ``K x N`` weight and each grouped ``G x K x N``
 projection (``grouped_linear``), and the indexer's scores
 (:mod:`deepinfer_cuda_sm100.tl.indexer`, explicit and paged candidates;
-:mod:`deepinfer_cuda_sm100.tl.indexer_grouped`, several tokens a CTA, or its warp-specialised
-form where the dispatcher runs that), for
+:mod:`deepinfer_cuda_sm100.tl.indexer_grouped`, several tokens a CTA), for
 DeepSeek-V4-Flash's shapes by default (split plans for this machine's GPU, an H100 / H200's
 132 SMs without one).
 Prints each configuration's compile time; exits 1 naming what failed.
@@ -142,22 +141,16 @@ def indexer_configurations(heads: int, dim: int) -> list[tuple]:
     return [(kind, heads, dim, "bfloat16", blocks, pdl) for kind in KINDS for blocks in BLOCK_CHOICES]
 
 
-def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple[str, tuple]]:
-    """``(module, _kernel arguments)`` of the grouped indexer scores, as :func:`~deepinfer_cuda_sm100.
-    tl.indexer_grouped.indexer_scores` passes them by default: every blocks-per-CTA choice at
-    the default group size, warpgroups and overlap (the ones the dispatcher runs), or the
-    warp-specialised kernel's (``tl.indexer_grouped.SPECIALIZED``, where it takes the shape),
-    bfloat16, with the PDL prologue where this device takes it."""
-    from deepinfer_cuda_sm100.tl import indexer_grouped_ws as ws
+def grouped_indexer_configurations(heads: int, dim: int) -> list[tuple]:
+    """``tl.indexer_grouped._kernel`` arguments, as :func:`~deepinfer_cuda_sm100.tl.
+    indexer_grouped.indexer_scores` passes them: every blocks-per-CTA choice at the default
+    group size, warpgroups and overlap (the ones the dispatcher runs), bfloat16, with the PDL prologue
+    where this device takes it."""
     from deepinfer_cuda_sm100.tl.indexer import BLOCK_CHOICES
-    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, SPECIALIZED, WARPGROUPS, overlaps
+    from deepinfer_cuda_sm100.tl.indexer_grouped import GROUP, WARPGROUPS, overlaps
 
-    pdl = tl_pdl_enabled()
-    if SPECIALIZED and ws.problem(heads, dim) is None:
-        specialized = (ws.GROUP, pdl, ws.SLOTS, ws.CONSUMERS)
-        return [("indexer_grouped_ws", (heads, dim, "bfloat16", b, *specialized)) for b in BLOCK_CHOICES]
-    layout = (pdl, WARPGROUPS, overlaps(GROUP))
-    return [("indexer_grouped", (heads, dim, "bfloat16", b, GROUP, *layout)) for b in BLOCK_CHOICES]
+    layout = (tl_pdl_enabled(), WARPGROUPS, overlaps(GROUP))
+    return [(heads, dim, "bfloat16", blocks, GROUP, *layout) for blocks in BLOCK_CHOICES]
 
 
 def _sms(given: int = 0) -> int:
@@ -205,7 +198,7 @@ def jobs(a: argparse.Namespace) -> list[tuple[str, tuple]]:
     out += [("sparse_attention_ws", c) for c in seesaw_configurations(a.heads, a.dim, a.rope_dim)]
     out += [("moe", c) for c in moe_configurations(a.hidden, a.inter)]
     out += [("indexer", c) for c in indexer_configurations(a.index_heads, a.index_dim)]
-    out += grouped_indexer_configurations(a.index_heads, a.index_dim)
+    out += [("indexer_grouped", c) for c in grouped_indexer_configurations(a.index_heads, a.index_dim)]
     gemms = gemm_configurations(a.gemm_shapes, _sms(a.sms), a.grouped_shapes, a.all_splits)
     return out + [("fp8_gemm", c) for c in gemms]
 
