@@ -79,8 +79,7 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
         out.append(entry)
         t = entry.get("ms", float("nan"))
         print(f"    tune seesaw {schedule}: {t:.4f} ms, bitwise {entry.get('bitwise')}")
-    splits = tune_seesaw_splits(args, ms)
-    out += splits + tune_seesaw_pair(args, ms, splits)
+    out += tune_seesaw_splits(args, ms)
     split = kernel_split(lambda: tlw.sparse_attention(*args))
     out.append({"seesaw_kernels_us": split})
     print("    seesaw by kernel: " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))
@@ -89,13 +88,9 @@ def tune_seesaw(args: tuple, ms: Callable) -> list[dict]:
 
 def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     """The seesaw kernel at one split, two, four and the other kernel's split plan (those up
-    to that plan's count), each split count with the combine kernel (the default schedule)
-    and merged by its last CTA (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.
-    merge_splits`), beside the split count its own plan
+    to that plan's count), each with the combine kernel, beside the split count its own plan
     (:func:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.plan_splits`) takes: what
     ``SPLIT_CTAS``, ``FEW_KEYS`` and the plan rest on.  Nothing where the other plan takes one split."""
-    import functools
-
     from deepinfer_cuda_sm100.tl import sparse_attention as tla
     from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
 
@@ -105,44 +100,10 @@ def tune_seesaw_splits(args: tuple, ms: Callable) -> list[dict]:
     if other == 1:
         return []
     planned = tlw.plan_splits(tokens, heads, keys, sms, tla.fp8_geometry(args[1]) is not None)
-    merging = functools.partial(tlw._scheduled, schedule=tlw.Schedule(merge_splits=True))
     out = []
     for splits in sorted({s for s in (1, 2, 4) if s < other} | {other}):
         label = "the other kernel's plan" if splits == other else "forced"
-        for merged in (False, True) if splits > 1 else (False,):
-            kernel = merging if merged else tlw._kernel
-            t = ms(
-                lambda splits=splits, kernel=kernel, merged=merged: tla.launch(
-                    *args, kernel, lambda *shape: splits, merges=merged
-                )
-            )
-            out.append({"seesaw_splits": splits, "merged": merged, "planned": planned, "ms": t})
-            how = "merged in the kernel" if merged else "combined"
-            print(f"    tune seesaw splits, {label} ({splits}, {how}): {t:.4f} ms (its plan: {planned})")
+        t = ms(lambda splits=splits: tla.launch(*args, tlw._kernel, lambda *shape: splits))
+        out.append({"seesaw_splits": splits, "planned": planned, "ms": t})
+        print(f"    tune seesaw splits, {label} ({splits}, combined): {t:.4f} ms (its plan: {planned})")
     return out
-
-
-def tune_seesaw_pair(args: tuple, ms: Callable, splits: list[dict]) -> list[dict]:
-    """The seesaw kernel at two splits merged in a two-CTA cluster
-    (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), timed beside
-    the two splits with the combine kernel that :func:`tune_seesaw_splits` timed (its rows
-    ``splits``), its output compared bit for bit with theirs.  Nothing where those rows are
-    none (the other kernel's plan takes one split)."""
-    import functools
-
-    from deepinfer_cuda_sm100.tl import sparse_attention as tla
-    from deepinfer_cuda_sm100.tl import sparse_attention_ws as tlw
-
-    combined_ms = [r["ms"] for r in splits if r["seesaw_splits"] == 2 and not r["merged"]]
-    if not combined_ms:
-        return []
-    pairing = functools.partial(tlw._scheduled, schedule=tlw.Schedule(pair_cluster=True))
-    paired = functools.partial(tla.launch, *args, pairing, lambda *shape: 2, merges=True, partials=False)
-    want = tla.launch(*args, tlw._kernel, lambda *shape: 2)
-    row = {"seesaw_pair_cluster": True, "bitwise": bool(torch.equal(paired(), want))}
-    row |= {"combined_ms": combined_ms[0], "ms": ms(paired)}
-    print(
-        f"    tune seesaw two splits: combined {row['combined_ms']:.4f} ms, in a cluster "
-        f"{row['ms']:.4f} ms, bitwise {row['bitwise']}"
-    )
-    return [row]

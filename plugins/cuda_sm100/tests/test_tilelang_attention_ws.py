@@ -95,8 +95,6 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert plain[0] == packed[0] == tlw.DEFAULT and len(set(packed)) == len(packed)
     assert {s.lazy_rescale for s in plain} == {False, True} == {s.lazy_rescale for s in packed}
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
-    assert {s.merge_splits for s in plain} == {False, True} == {s.merge_splits for s in packed}
-    assert {s.pair_cluster for s in plain} == {False, True} == {s.pair_cluster for s in packed}
     assert {s.prefetch(False) for s in plain} == {0, 1, 2} and {s.prefetch(True) for s in packed} == {0, 1}
     assert tlw.DEFAULT.prefetch(False) == 0 and tlw.DEFAULT.prefetch(True) == 1  # measured on packed pools
     assert {s.next_queries for s in plain} == {False, True} == {s.next_queries for s in packed}
@@ -211,43 +209,6 @@ def test_a_64_token_call_launches_as_its_kernels_plan_says(monkeypatch, packed):
     assert launches[-1][0][2] is True and len(combines) == int(packed) + 1
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_merged_splits_launch_one_kernel_into_the_output_and_no_combine(monkeypatch, packed):
-    """With :attr:`Schedule.merge_splits` a split call (16 tokens: five splits) launches the
-    merging kernel once, into the call's own output, and no combine; an unsplit call (256
-    tokens) launches the default schedule's kernel (one compiled kernel for both)."""
-    merging = tlw.Schedule(merge_splits=True)
-    call, launches, combines = _fake_call(monkeypatch, 16, packed)
-    got = tlw.sparse_attention(*call, schedule=merging)
-    ((config, args),) = launches
-    assert config[1] is True and config[-1] == merging and not combines
-    assert any(a is got for a in args) and got.shape == call[0].shape
-    call, launches, combines = _fake_call(monkeypatch, 256, packed)
-    tlw.sparse_attention(*call, schedule=merging)
-    assert [config[-1] for config, _ in launches] == [tlw.DEFAULT] and not combines
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_pair_cluster_runs_at_two_splits_into_the_output_and_as_the_default_elsewhere(monkeypatch, packed):
-    """With :attr:`Schedule.pair_cluster` a call the plan splits in two (32 tokens on plain pools,
-    64 on packed ones) launches the cluster kernel once, into the call's own output, and no
-    combine; a call of another split count (16 tokens: four or six splits) runs the default
-    schedule with its combine."""
-    pairing = tlw.Schedule(pair_cluster=True)
-    tokens = 64 if packed else 32
-    call, launches, combines = _fake_call(monkeypatch, tokens, packed)
-    assert tlw.plan_splits(tokens, 64, 640, 132, packed) == 2
-    got = tlw.sparse_attention(*call, schedule=pairing)
-    ((config, args),) = launches
-    assert config[1] is True and config[-1] == pairing and not combines
-    assert any(a is got for a in args) and got.shape == call[0].shape
-    call, launches, combines = _fake_call(monkeypatch, 16, packed)
-    assert tlw.plan_splits(16, 64, 640, 132, packed) > 2
-    tlw.sparse_attention(*call, schedule=pairing)
-    ((config, _),) = launches
-    assert len(config) == 7 and config[1] is True and len(combines) == 1  # _kernel's own, no schedule
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
 @pytest.mark.parametrize("ahead", [1, 2])
@@ -311,94 +272,13 @@ def test_the_l2_prefetch_on_packed_pools_reads_the_next_rows_before_the_slot_wai
     assert "(((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)16)" in loop
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_pair_cluster_merges_through_distributed_shared_memory(packed):
-    """Lowered for sm_90 (paged, split): the cluster kernel writes no partials to global memory;
-    each consumer meets both cluster barriers, the sender copying its half and its rows'
-    stats into the peer between them, the owner merging after the second (over the split
-    count, from zeroed values, as the combine kernel does); the default split kernel has no
-    cluster barrier."""
-    fp8 = _fp8_geometry() if packed else None
-    build = functools.partial(tlw.build_attention_ws, True, True, 64, 512, "bfloat16", fp8)
-    src = lowered_sm90(build(schedule=tlw.Schedule(pair_cluster=True)), tlw.pass_configs(fp8))
-    base = lowered_sm90(build(), tlw.pass_configs(fp8))
-    partials = re.compile(r"\(part \+|\bml\[")  # the fp32 partials' and the stats' global writes
-    assert "tl::cluster_sync();" not in base and partials.search(base)
-    assert not partials.search(src)
-    barriers = [m.start() for m in re.finditer(r"tl::cluster_sync\(\);", src)]
-    assert len(barriers) == 4  # two a consumer: consumer 0's, then consumer 1's
-    for g in (0, 1):
-        first, second = barriers[2 * g], barriers[2 * g + 1]
-        copies = re.findall(r"deepinfer_copy_to_peer\([^;]*, (\d)\);", src[first:second])
-        assert copies == [str(g)] * 3  # the stats' two rows and the half, into CTA g
-        merge = src[second : barriers[2] if g == 0 else len(src)]
-        assert merge.count("< S;") == 3 and "deepinfer_load_bits" in merge
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-@pytest.mark.parametrize("packed", [False, True])
-def test_merged_splits_count_arrivals_after_fences_and_merge_in_split_order(packed):
-    """Lowered for sm_90 (paged, split): each consumer fences its partials, waits for its
-    warpgroup on an mbarrier, counts its arrival in ``nvalid``'s fourth column by one
-    acquire-release atomic, and the last arrival fences again before reading the partials;
-    no block barrier is added (the producer has exited)."""
-    fp8 = _fp8_geometry() if packed else None
-    src = lowered_sm90(
-        tlw.build_attention_ws(
-            True, True, 64, 512, "bfloat16", fp8, schedule=tlw.Schedule(merge_splits=True)
-        ),
-        tlw.pass_configs(fp8),
-    )
-    base = lowered_sm90(tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8), tlw.pass_configs(fp8))
-    assert "AtomicAdd" not in base and "bar_done" not in base
-    atomics = re.findall(r"AtomicAddRet\(\(&\(nvalid\[(.*?)\]\)\), 1, (\d)\)", src)
-    assert len(atomics) == 2 and all(
-        index.endswith("+ (int64_t)3)") and order == "4" for index, order in atomics
-    )
-    assert src.count("__syncthreads") == base.count("__syncthreads") == 1
-    for g in (0, 1):
-        consumer = src[src.index(f"bar_done[{g}].arrive();") - 400 :]
-        fence, arrive = consumer.index("__threadfence();"), consumer.index(f"bar_done[{g}].arrive();")
-        atomic, last = consumer.index("AtomicAddRet"), consumer.index("__threadfence();", arrive)
-        assert fence < arrive < consumer.index(f"bar_done[{g}].wait(0);") < atomic < last
-        assert last < consumer.index("part + ", atomic)  # the partials are read after the fence
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_the_pair_tuning_times_two_splits_combined_and_in_a_cluster(monkeypatch, packed):
-    """``bench_attention.py --tune``'s pair row: the call in a cluster (the pair schedule's
-    kernel into the output, no combine) timed beside the split rows' two splits with the
-    combine, and checked against one such launch (one combine); nothing where the other
-    kernel's plan takes one split (256 tokens)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import attention_tilelang
-
-    ms = lambda fn: (fn(), 0.5)[1]  # noqa: E731
-    call, launches, combines = _fake_call(monkeypatch, 16, packed)
-    splits = attention_tilelang.tune_seesaw_splits(call, ms)
-    launches.clear(), combines.clear()
-    (row,) = attention_tilelang.tune_seesaw_pair(call, ms, splits)
-    assert row["seesaw_pair_cluster"] and row["ms"] == row["combined_ms"] == 0.5
-    assert isinstance(row["bitwise"], bool)
-    kinds = [(config[1], config[-1] if len(config) > 7 else None) for config, _ in launches]
-    pairing = tlw.Schedule(pair_cluster=True)
-    assert set(kinds) == {(True, None), (True, pairing)}  # the default's split kernel, the cluster's
-    assert len(combines) == kinds.count((True, None)) and all(args[0].shape[1] == 2 for args in combines)
-    call, launches, _ = _fake_call(monkeypatch, 256, packed)
-    splits = attention_tilelang.tune_seesaw_splits(call, ms)
-    assert attention_tilelang.tune_seesaw_pair(call, ms, splits) == [] and not launches
-
-
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(("tokens", "counts"), [(64, [1, 2]), (16, [1, 2, 4, 5])])
-def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, packed, tokens, counts):
+def test_the_split_tuning_times_split_counts_with_the_combine(monkeypatch, packed, tokens, counts):
     """``bench_attention.py --tune``'s seesaw split rows: a launch at each of one, two and four
     splits below the other kernel's plan (two at 64 tokens, five at 16) and at that plan, each
-    split count with the combine and merged in the kernel, beside the count the kernel's own
-    plan takes; the plan's constants left as they were."""
+    split count with the combine, beside the count the kernel's own plan takes; the plan's
+    constants left as they were."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     import attention_tilelang
 
@@ -406,14 +286,11 @@ def test_the_split_tuning_times_split_counts_combined_and_merged(monkeypatch, pa
     kept = tla.MIN_SPLIT_BLOCKS, dict(tlw.SPLIT_CTAS), tlw.FEW_KEYS
     planned = tlw.plan_splits(tokens, 64, 640, 132, packed)
     rows = attention_tilelang.tune_seesaw_splits(call, lambda fn: (fn(), 0.5)[1])
-    want = [(s, merged) for s in counts for merged in ((False, True) if s > 1 else (False,))]
-    assert [(r["seesaw_splits"], r["merged"]) for r in rows] == want
+    assert [r["seesaw_splits"] for r in rows] == counts
     assert {r["planned"] for r in rows} == {planned}
-    schedules = [config[7] if len(config) > 7 else tlw.DEFAULT for config, _ in launches]
-    assert [(config[1], s.merge_splits) for (config, _), s in zip(launches, schedules, strict=True)] == [
-        (s > 1, m) for s, m in want
-    ]
-    assert [args[0].shape[1] for args in combines] == [s for s, m in want if s > 1 and not m]
+    assert [config[1] for config, _ in launches] == [s > 1 for s in counts]
+    assert all(len(config) == 7 for config, _ in launches)  # the default schedule's kernel
+    assert [args[0].shape[1] for args in combines] == [s for s in counts if s > 1]
     assert kept == (tla.MIN_SPLIT_BLOCKS, tlw.SPLIT_CTAS, tlw.FEW_KEYS)
 
 
@@ -486,36 +363,6 @@ def _assert_replays_bitwise(call, want: torch.Tensor, times: int = 3) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-
-
-@pytest.mark.gpu
-def test_gpu_merged_splits_replay_in_a_cuda_graph_bitwise():
-    """The merging variant's arrival counts start from the prologue's zeros at every replay:
-    one captured graph, replayed three times, gives the default schedule's eager bits each
-    time."""
-    _needs_gpu_and_tilelang()
-    merging = tlw.Schedule(merge_splits=True)
-    for args in _cases() + _cases("fp8"):
-        want = tlw.sparse_attention(*args)
-        tlw.sparse_attention(*args, schedule=merging)  # compiled and warm before the capture
-        _assert_replays_bitwise(lambda args=args: tlw.sparse_attention(*args, schedule=merging), want)
-
-
-@pytest.mark.gpu
-def test_gpu_a_pair_cluster_gives_the_combined_bits_and_replays_in_a_graph():
-    """At two splits the cluster kernel's output is, bit for bit, the split kernel's with the
-    combine kernel's merge (plain and packed pools, paged and explicit), eagerly and replayed
-    from one captured CUDA graph three times."""
-    import functools
-
-    _needs_gpu_and_tilelang()
-    pairing = functools.partial(tlw._scheduled, schedule=tlw.Schedule(pair_cluster=True))
-    two = lambda *shape: 2  # noqa: E731
-    for args in _cases() + _cases("fp8"):
-        want = tla.launch(*args, tlw._kernel, two)
-        paired = functools.partial(tla.launch, *args, pairing, two, merges=True, partials=False)
-        assert torch.equal(paired(), want)
-        _assert_replays_bitwise(paired, want)
 
 
 @pytest.mark.gpu

@@ -997,10 +997,9 @@ def compact_sources(indices: Sequence[torch.Tensor | PagedIndex]) -> tuple[torch
     ``(nvalid [T, 4] int32, compact [T, KE] int32)``, ``KE`` the explicit lists' total width.
 
     ``nvalid[t, i]``: the rows ``>= 0`` of list ``i``, or ``min(max(counts[t], 0), max_count)``
-    of a :class:`PagedIndex`, zero past the call's sources (the seesaw TileLang kernel's
-    ``merge_splits`` variant counts its CTAs' arrivals in the fourth column of its calls of at
-    most three sources); ``compact[t]`` holds the valid rows of the explicit lists, list
-    after list, each in its order (the rest of the row is unspecified)."""
+    of a :class:`PagedIndex`, zero past the call's sources; ``compact[t]`` holds the valid rows
+    of the explicit lists, list after list, each in its order (the rest of the row is
+    unspecified)."""
     first = indices[0].counts if isinstance(indices[0], PagedIndex) else indices[0]
     placeholder = torch.empty(1, dtype=torch.int64, device=first.device)  # never read
     kinds, idx_args, ke = [], [], 0

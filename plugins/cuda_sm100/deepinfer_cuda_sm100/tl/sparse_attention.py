@@ -481,8 +481,6 @@ def launch(
     scale,
     compiled: Callable[..., Any],
     plan: Callable[..., int] = plan_splits,
-    merges: bool = False,
-    partials: bool = True,
 ) -> torch.Tensor:
     """The host side of a TileLang attention kernel taking this module's kernel arguments (this
     module's and :mod:`~deepinfer_cuda_sm100.tl.sparse_attention_ws`'s): the Triton prologue,
@@ -490,10 +488,7 @@ def launch(
     ``compiled(paged, split, heads, dim, dtype, fp8, pdl)`` is the kernel of the call's static
     configuration (``pdl``: with the PDL prologue, where :func:`~deepinfer_cuda_sm100.tl.pdl.
     tl_pdl_enabled` says so; the combine takes the same); ``plan(tokens, heads, max_keys, sms)``
-    the kernel's split count (default :func:`plan_splits`); ``merges``: the split kernel merges
-    its partials into the output itself (no combine launch); ``partials=False``: it keeps them
-    on chip (:attr:`~deepinfer_cuda_sm100.tl.sparse_attention_ws.Schedule.pair_cluster`), so
-    the fp32 partial buffers get one token's rows (their shape carries the split count)."""
+    the kernel's split count (default :func:`plan_splits`)."""
     t, h, d = q.shape
     dtype = TL_DTYPES[q.dtype]
     dev = q.device
@@ -508,9 +503,8 @@ def launch(
         one = torch.empty(1, dtype=torch.int64, device=dev)
         bt, rows, epp = one.view(1, 1), one, 1
     s = plan(t, h, max_keys(indices), num_sms(dev))
-    direct = s == 1 or merges  # the kernel writes the output
-    out = torch.empty_like(q) if direct else torch.empty(1, h, d, dtype=q.dtype, device=dev)
-    if s == 1 or not partials:  # never written; the kernel's grid takes the split count from it
+    out = torch.empty_like(q) if s == 1 else torch.empty(1, h, d, dtype=q.dtype, device=dev)
+    if s == 1:  # never written; the kernel's grid takes the split count from it
         part = torch.empty(1, s, h, d, dtype=torch.float32, device=dev)
         ml = torch.empty(1, s, h, 2, dtype=torch.float32, device=dev)
     else:
@@ -522,7 +516,7 @@ def launch(
     sinks = sinks.float().contiguous()
     tensors = (q.contiguous(), *views, compact, nvalid, bt, rows, sinks, out, part, ml)
     kernel(*tensors, *bases, *strides, scale2, epp, *divider(epp))
-    if direct:
+    if s == 1:
         return out
     out = torch.empty_like(q)
     _kernel("combine", False, False, h, d, dtype, None, pdl)(part, ml, out)

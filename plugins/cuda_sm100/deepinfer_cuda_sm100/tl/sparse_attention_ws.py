@@ -46,20 +46,18 @@ arrival.  Registers: producer 120, consumers 192 (two blocks of words in flight 
 thread, :attr:`Schedule.words_in_flight`).
 
 :class:`Schedule` variants (one block of words in flight, one multiply a value pair, a lazy
-rescale of the output, the output stored from registers, split calls merged by their last CTA)
-promise the default's bits;
+rescale of the output, the output stored from registers, L2 prefetches) promise the default's
+bits;
 ``bench_attention.py --tune`` times them, the op runs :data:`DEFAULT` (on packed pools with
 the rows prefetched into L2 ahead of the producer's slot waits, :attr:`Schedule.l2_prefetch`).
 
 Split-KV as :mod:`deepinfer_cuda_sm100.tl.sparse_attention`: split ``s`` takes blocks
 ``lo .. hi`` of the sequence and writes fp32 partials ``(acc, m, l)``; the same combine kernel
-merges them (with :attr:`Schedule.merge_splits`, the token's last CTA to arrive does, in the
-same launch).  Its own plan (:func:`plan_splits`) splits less: to at most :data:`SPLIT_CTAS`
+merges them.  Its own plan (:func:`plan_splits`) splits less: to at most :data:`SPLIT_CTAS`
 CTAs, and short key lists less still (:data:`FEW_KEYS`).
 """
 
 # No ``from __future__ import annotations``: TileLang reads the kernels' annotations as objects.
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -72,7 +70,6 @@ from .pdl import prologue
 from .sparse_attention import BH, LOG2E
 from .target import cuda_target
 
-PAIR_BARRIER = 12  # :attr:`Schedule.pair_cluster`: named barriers 12, 13 (consumer 0, 1)
 BNW = 32  # keys a block
 SLOTS = 4  # ring slots: two iterations of the two consumers
 THREADS = 384
@@ -109,32 +106,6 @@ class Schedule:
             0.0968 at 256 decode tokens, 0.0505 against 0.0547 at 128, 1.0363 against 1.1856
             at an 8,192-token prefill chunk; split calls (64 tokens) write fp32 partials
             either way.
-        merge_splits: split calls: the last CTA half of a token to arrive merges the token's
-            partials itself, in split order with the combine kernel's arithmetic, and writes
-            the output (no combine launch; the output tensor is the call's, not a temporary).
-            Each consumer stores its partials, fences them and counts its arrival in the
-            prologue's fourth ``nvalid`` column, zero for the at most three sources this kernel
-            takes, with one acquire-release atomic; the one that sees every other arrival
-            (``splits x head blocks x 2``) fences again and merges every head block's halves.
-            Measured on an H100 (``bench_attention.py --tune``, CSA / HCA, 16 / 32 / 64
-            decode tokens, 4k and 64k contexts, plain and FP8 pools): slower at every point
-            and split count, by 0.008-0.015 ms (0.0382 against 0.0263 ms combined at two
-            splits, HCA FP8, 16 tokens, 64k; 0.0485 against 0.0400, CSA FP8, 64 tokens): one
-            CTA half reads all of a token's partials (128 KB a split) after its own work,
-            where the combine kernel spreads them over the whole GPU.
-        pair_cluster: calls the plan splits in two: a token's two split CTAs (of a head block)
-            form a thread-block cluster and merge through distributed shared memory, no
-            partials in global memory and no combine launch.  After a cluster barrier (both
-            CTAs past their keys), consumer ``g`` of split ``s != g`` stages its unnormalised
-            fp32 half and its rows' maxima and sums in its CTA's free shared memory (ring
-            slots 0 and 1, the stats' first rows) and copies them into CTA ``g``'s (slots 2
-            and 3, the second rows); after a second barrier consumer
-            ``g`` of split ``g`` merges the two halves as the combine kernel does (the same
-            operations in split order) and writes its half of the output.  Calls of any other
-            split count run as the default (:func:`sparse_attention` sees to it; its kernel,
-            launched directly, must be given exactly two splits).  Bit for bit the default on
-            an H100, but slower wherever the plan takes two splits (0.0297 against 0.0266 ms
-            combined, CSA plain, 32 tokens, 64k; 1.03-1.19x on FP8 pools), hence off.
         l2_prefetch: plain pools: iterations ahead the producer prefetches rows into L2, each
             of a row's eight threads one 128-byte line (``prefetch.global.L2``), at the top of
             each iteration before it waits for the iteration's slots: 1, that iteration's rows
@@ -182,8 +153,6 @@ class Schedule:
     one_multiply: bool = False
     lazy_rescale: bool = False
     staged_store: bool = True
-    merge_splits: bool = False
-    pair_cluster: bool = False
     l2_prefetch: int | None = None
     next_queries: bool = False
 
@@ -279,54 +248,6 @@ __device__ __forceinline__ int deepinfer_sm_count() {
 }
 """
 """The device function of :attr:`Schedule.next_queries`: the SM count (``%nsmid``)."""
-
-PAIR_DEVICE_CODE = r"""
-__device__ __forceinline__ void deepinfer_store_bits(const void* base, int offset, float value) {
-  // a float's bits into shared memory, offset bytes past base
-  const unsigned addr = (unsigned)__cvta_generic_to_shared(base) + offset;
-  asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(__float_as_uint(value)) : "memory");
-}
-
-__device__ __forceinline__ float deepinfer_load_bits(const void* base, int offset) {
-  // deepinfer_store_bits's float back
-  const unsigned addr = (unsigned)__cvta_generic_to_shared(base) + offset;
-  unsigned bits;
-  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(bits) : "r"(addr) : "memory");
-  return __uint_as_float(bits);
-}
-
-__device__ __forceinline__ void deepinfer_warpgroup_sync(int id) {
-  // the calling warpgroup's 128 threads at named barrier id
-  asm volatile("bar.sync %0, 128;" :: "r"(id) : "memory");
-}
-
-__device__ __forceinline__ void deepinfer_copy_to_peer(const void* src, int bytes, int thread, int threads,
-                                                       int rank) {
-  // bytes (a multiple of 4) of this CTA's shared memory from src into the same addresses plus
-  // bytes of cluster CTA rank's, the threads' stores interleaved: 16 bytes a store where both
-  // ends are 16-byte aligned, else 4
-  const unsigned from = (unsigned)__cvta_generic_to_shared(src);
-  if (((from | (unsigned)bytes) & 15u) == 0u) {
-    for (int i = thread * 16; i < bytes; i += threads * 16) {
-      unsigned a, b, c, d, remote;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(from + i));
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
-      asm volatile("st.shared::cluster.v4.b32 [%0], {%1, %2, %3, %4};"
-                   :: "r"(remote), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-    }
-  } else {
-    for (int i = thread * 4; i < bytes; i += threads * 4) {
-      unsigned a, remote;
-      asm volatile("ld.shared.b32 %0, [%1];" : "=r"(a) : "r"(from + i));
-      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(from + bytes + i), "r"(rank));
-      asm volatile("st.shared::cluster.b32 [%0], %1;" :: "r"(remote), "r"(a) : "memory");
-    }
-  }
-}
-"""
-"""The device function of :attr:`Schedule.pair_cluster`: a CTA's shared bytes copied into the same
-place a range further on in its cluster peer's (distributed shared memory)."""
 
 
 def build_attention_ws(
@@ -468,131 +389,7 @@ def build_attention_ws(
                 out[t, hb * BH + h, c + v] = q_s[h, c + v]
 
     @T.macro
-    def merge(g, seq, frags, io, merging):
-        """:attr:`Schedule.merge_splits`: consumer ``g``'s arrival after storing its partials;
-        the token's last arrival merges them (as :func:`~deepinfer_cuda_sm100.tl.
-        sparse_attention.build_combine`, the same operations in the same order) into ``out``,
-        its fragments reused: ``m`` the maxima, ``l`` the reciprocal denominators, ``m_prev``
-        a split's weights, ``acc_o`` a half of a head block's output."""
-        t, s, hb, n_iter, lo, j_end = seq
-        sinks, scale2, out, part, ml = io
-        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
-        nvalid, bar_done, arrived = merging
-        T.call_extern("handle", "__threadfence")  # this thread's partials are visible GPU-wide
-        T.barrier_arrive(bar_done[g])
-        T.barrier_wait(bar_done[g], 0)  # ... and every one of its warpgroup's
-        if T.get_thread_binding() == g * 128:
-            arrived[g] = T.atomic_add(nvalid[t, 3], 1, memory_order="acq_rel", return_prev=True)
-        T.barrier_arrive(bar_done[g])
-        T.barrier_wait(bar_done[g], 1)
-        if arrived[g] == n_split * (H // BH) * 2 - 1:
-            T.call_extern("handle", "__threadfence")  # every split's partials are seen
-            for hb2 in T.serial(H // BH):
-                for h in T.Parallel(BH):
-                    m[h] = -1e30
-                for sp in T.serial(n_split):
-                    for h in T.Parallel(BH):
-                        m[h] = T.max(m[h], ml[t, sp, hb2 * BH + h, 0])
-                for h in T.Parallel(BH):
-                    l[h] = 0.0
-                for sp in T.serial(n_split):
-                    for h in T.Parallel(BH):
-                        l[h] = l[h] + ml[t, sp, hb2 * BH + h, 1] * T.exp2(ml[t, sp, hb2 * BH + h, 0] - m[h])
-                for h in T.Parallel(BH):
-                    l[h] = 1.0 / l[h]
-                for hf in T.serial(2):
-                    T.fill(acc_o, 0)
-                    for sp in T.serial(n_split):
-                        for h in T.Parallel(BH):
-                            m_prev[h] = T.exp2(ml[t, sp, hb2 * BH + h, 0] - m[h])
-                        for h, d in T.Parallel(BH, HALF):
-                            acc_o[h, d] = acc_o[h, d] + part[t, sp, hb2 * BH + h, hf * HALF + d] * m_prev[h]
-                    for h, d in T.Parallel(BH, HALF):
-                        out[t, hb2 * BH + h, hf * HALF + d] = acc_o[h, d] * l[h]
-
-    def staged_at(first, h, d):
-        """Byte offset in the ring of value ``(h, d)`` of a consumer's half staged from slot
-        ``first`` on: rows of ``HALF`` floats, each row's 16-byte units permuted by its low three
-        bits (the eight rows a warp's store reaches fall in different banks)."""
-        return first * BNW * D * 2 + h * HALF * 4 + T.bitwise_xor(d * 4, T.shift_left(h % 8, 4))
-
-    @T.macro
-    def stage(k_s, acc_o, m, l, stats, g):
-        """A consumer's ``[64, HALF]`` fp32 half into ring slots 0 and 1 as :func:`staged_at`
-        places it and its rows' maxima and sums into the first rows of the stats (``stats``:
-        their bases), then the consumer's own barrier.  The device functions take the bases,
-        marked read, as the FP8 producer's do (the cluster barriers and this barrier order the
-        accesses; each row's threads store the same stats)."""
-        for h, d in T.Parallel(BH, HALF):
-            base = T.access_ptr(k_s[0, 0, 0], "r", 1)
-            T.call_extern("handle", "deepinfer_store_bits", base, staged_at(0, h, d), acc_o[h, d])
-        for h in T.Parallel(BH):
-            T.call_extern("handle", "deepinfer_store_bits", stats[0], h * 4, m[h])
-            T.call_extern("handle", "deepinfer_store_bits", stats[1], h * 4, l[h])
-        T.call_extern("handle", "deepinfer_warpgroup_sync", PAIR_BARRIER + g)
-
-    def loaded(base, offset):
-        """The float ``deepinfer_store_bits`` left ``offset`` bytes past ``base``."""
-        return T.call_extern("float32", "deepinfer_load_bits", base, offset)
-
-    def staged_value(k_s, first, h, d):
-        """The fp32 value :func:`stage` left for ``(h, d)`` from slot ``first`` on (0: this
-        CTA's, 2: the peer's copy)."""
-        return loaded(T.access_ptr(k_s[0, 0, 0], "r", 1), staged_at(first, h, d))
-
-    @T.macro
-    def pair_merge(g, seq, smem, frags, io):
-        """:attr:`Schedule.pair_cluster`: consumer ``g``'s half merged with the other split's
-        through distributed shared memory.  Split ``s != g`` sends its half and its rows'
-        maxima and sums to CTA ``g`` (its slots 2, 3 and the stats' row 1); split ``g`` stages
-        its own (slots 0, 1, row 0), then merges both as the combine kernel does: the maxima,
-        the denominators and the weighted sum in split order from zeroed values, one
-        reciprocal a row.  Every shared access here is a device function's (marked read for
-        TileLang's barrier pass); the cluster barriers and the consumer's own order them."""
-        t, s, hb, n_iter, lo, j_end = seq
-        q_s, k_s, p_s, row_max, row_sum = smem
-        sinks, scale2, out, part, ml = io
-        acc_o, acc_s, m, m_prev, m_peer, l, l_i = frags
-        maxima, sums = T.access_ptr(row_max[0, 0], "r", 1), T.access_ptr(row_sum[0, 0], "r", 1)
-        lane = T.get_thread_binding() - g * 128
-        T.cluster_sync()  # both CTAs past their keys: every slot and the stats rows free
-        if s != g:
-            stage(k_s, acc_o, m, l, (maxima, sums), g)
-            for stats in (maxima, sums):  # row 0 into the peer's row 1
-                T.call_extern("handle", "deepinfer_copy_to_peer", stats, BH * 4, lane, 128, g)
-            slots = 2 * BNW * D * 2  # ring slots 0 and 1 into the peer's 2 and 3
-            ring = T.access_ptr(k_s[0, 0, 0], "r", 1)
-            T.call_extern("handle", "deepinfer_copy_to_peer", ring, slots, lane, 128, g)
-        T.cluster_sync()  # the other split's half and stats are here
-        if s == g:
-            stage(k_s, acc_o, m, l, (maxima, sums), g)
-            for h in T.Parallel(BH):
-                m[h] = -1e30
-            for sp in T.serial(n_split):  # split sp's values (row 0 / slots 0, 1: split g's)
-                for h in T.Parallel(BH):
-                    r = T.if_then_else(sp == g, 0, 1)
-                    m[h] = T.max(m[h], loaded(maxima, (r * BH + h) * 4))
-            for h in T.Parallel(BH):  # each split's weight: this one's, the other's
-                m_prev[h] = T.exp2(loaded(maxima, h * 4) - m[h])
-                m_peer[h] = T.exp2(loaded(maxima, (BH + h) * 4) - m[h])
-            for h in T.Parallel(BH):
-                l[h] = 0.0
-            for sp in T.serial(n_split):
-                for h in T.Parallel(BH):
-                    r = T.if_then_else(sp == g, 0, 1)
-                    weight = T.if_then_else(sp == g, m_prev[h], m_peer[h])
-                    l[h] = l[h] + loaded(sums, (r * BH + h) * 4) * weight
-            for h in T.Parallel(BH):
-                l[h] = 1.0 / l[h]
-            T.fill(acc_o, 0)
-            for sp in T.serial(n_split):
-                for h, d in T.Parallel(BH, HALF):
-                    weight = T.if_then_else(sp == g, m_prev[h], m_peer[h])
-                    first = T.if_then_else(sp == g, 0, 2)
-                    acc_o[h, d] = acc_o[h, d] + staged_value(k_s, first, h, d) * weight
-
-    @T.macro
-    def consumer(g, seq, smem, frags, bars, io, merging):
+    def consumer(g, seq, smem, frags, bars, io):
         """Consumer ``g`` (its own thread range: TileLang lays its fragments over its 128 threads):
         slot ``g``'s blocks, output values ``g * HALF ..``."""
         t, s, hb, n_iter, lo, j_end = seq
@@ -617,23 +414,13 @@ def build_attention_ws(
         T.copy(row_sum[1 - g, :], l_i)
         for h in T.Parallel(BH):
             l[h] = l[h] + l_i[h]
-        if split and schedule.pair_cluster:
-            pair_merge(g, seq, smem, frags, io)
-            if s == g:  # l: the reciprocal denominators
-                if schedule.staged_store:
-                    store_staged(g, q_s, acc_o, l, out, t, hb)
-                else:
-                    for h, d in T.Parallel(BH, HALF):
-                        out[t, hb * BH + h, g * HALF + d] = acc_o[h, d] * l[h]
-        elif split:
+        if split:
             for h, d in T.Parallel(BH, HALF):
                 part[t, s, hb * BH + h, g * HALF + d] = acc_o[h, d]
             if g == 0:
                 for h in T.Parallel(BH):
                     ml[t, s, hb * BH + h, 0] = m[h]
                     ml[t, s, hb * BH + h, 1] = l[h]
-            if schedule.merge_splits:
-                merge(g, seq, frags, io, merging)
         else:
             for h in T.Parallel(BH):  # one reciprocal a row, not an IEEE division an output
                 l[h] = 1.0 / l[h]
@@ -822,11 +609,10 @@ def build_attention_ws(
     def body(q, pool, compact, nvalid, block_table, token_rows, io, bases, strides, pages):
         """The kernel of both signatures: ``pool`` is the plain flat view or the packed one's
         8-byte words."""
-        cluster = (1, 2, 1) if split and schedule.pair_cluster else None  # a token's two splits
-        with T.Kernel(n_tok, n_split, H // BH, threads=THREADS, cluster_dims=cluster) as (t, s, hb):
+        with T.Kernel(n_tok, n_split, H // BH, threads=THREADS) as (t, s, hb):
             if pdl:
                 start()
-            device_code = PAIR_DEVICE_CODE if cluster is not None else ""
+            device_code = ""
             if fp8 is not None:
                 device_code += FP8_DEVICE_CODE + (FP8_FUSED_CODE if schedule.one_multiply else "")
             if prefetch or schedule.next_queries:
@@ -861,9 +647,6 @@ def build_attention_ws(
             bar_stats = T.alloc_barrier(arrive_count=[128, 128])
             bar_p = T.alloc_barrier(arrive_count=[128, 128])
             bars = (bar_q, bar_ready, bar_free, bar_stats, bar_p)
-            merging = None
-            if split and schedule.merge_splits:  # each consumer's arrival, then its broadcast
-                merging = (nvalid, T.alloc_barrier(arrive_count=[128, 128]), T.alloc_shared((2,), "int32"))
 
             n0 = nvalid[t, 0]
             n01 = n0 + nvalid[t, 1]
@@ -895,9 +678,9 @@ def build_attention_ws(
                 else:
                     produce_fp8_two(pool, k_s, raw, offs, bars, n_iter, lo, rows, p)
             elif tx < 128:
-                consumer(0, seq, smem, frags[0], bars, io, merging)
+                consumer(0, seq, smem, frags[0], bars, io)
             else:
-                consumer(1, seq, smem, frags[1], bars, io, merging)
+                consumer(1, seq, smem, frags[1], bars, io)
 
     if fp8 is None:
 
@@ -1063,30 +846,14 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
     :func:`plan_splits`); ``schedule``: a variant of :class:`Schedule` (the op runs
     :data:`DEFAULT`)."""
     plan = functools.partial(plan_splits, packed=sa.fp8_geometry(kv_pools) is not None)
-    if schedule.pair_cluster:  # two splits only; any other count runs as without it
-        splits = plan(q.shape[0], q.shape[1], sa.max_keys(indices), sa.num_sms(q.device))
-        schedule = schedule if splits == 2 else dataclasses.replace(schedule, pair_cluster=False)
-    compiled = _kernel if schedule == DEFAULT else functools.partial(_scheduled, schedule=schedule)
-    merges = schedule.merge_splits or schedule.pair_cluster
-    keeps = not schedule.pair_cluster  # the cluster merges through shared memory
-    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan, merges=merges, partials=keeps)
-
-
-def _scheduled(paged: bool, split: bool, *config, schedule: Schedule):
-    """:func:`_kernel` of a :class:`Schedule` variant; unsplit calls drop the split-only options
-    (:attr:`Schedule.merge_splits`, :attr:`Schedule.pair_cluster`), so they share one compiled
-    kernel."""
-    if not split and (schedule.merge_splits or schedule.pair_cluster):
-        schedule = dataclasses.replace(schedule, merge_splits=False, pair_cluster=False)
-    return _kernel(paged, split, *config, schedule)
+    compiled = _kernel if schedule == DEFAULT else functools.partial(_kernel, schedule=schedule)
+    return sa.launch(q, kv_pools, indices, sinks, scale, compiled, plan)
 
 
 def variants(packed: bool) -> list[Schedule]:
     """The :class:`Schedule` variants that apply to plain (``packed=False``) or packed pools,
     the default first: what ``bench_attention.py --tune`` times."""
-    out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(merge_splits=True)]
-    out.append(Schedule(pair_cluster=True))
-    out.append(Schedule(next_queries=True))
+    out = [DEFAULT, Schedule(lazy_rescale=True), Schedule(staged_store=False), Schedule(next_queries=True)]
     if not packed:
         out += [Schedule(l2_prefetch=1), Schedule(l2_prefetch=2)]
     if packed:
