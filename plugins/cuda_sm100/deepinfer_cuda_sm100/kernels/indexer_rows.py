@@ -53,6 +53,16 @@ candidates and 0.1108 at 32,768 (16 warps: 0.1269, 8: 0.1340), behind the thresh
 0.0491 and 0.0664, which the shipped table keeps there."""
 
 
+PACKED_SCAN_COLUMNS = tl.constexpr(16384)
+"""Rows up to this long (a power of two) count, in one scan, both the scores above the
+threshold and the ties before each column (16-bit halves of one word); longer rows take two
+scans.  Compiled for sm_90 by Triton 3.6 (paged rows, k = 512, :func:`row_warps`), the one
+scan leaves 3,104 / 6,592 / 4,288 instructions at 2,048 / 8,192 / 16,384 columns against
+3,552 / 8,704 / 6,648, the same registers (96 / 255 / 128; 8 bytes of stack at 8,192 where
+there were none, none at 16,384 where there were 16); at 32,768 columns (32 warps, 64
+registers) it left 800 bytes of stack against 264, so those rows keep the two scans."""
+
+
 def row_warps(columns: int) -> int:
     """Warps of a row's program (:data:`WARPS_BY_COLUMNS`)."""
     block = pow2(columns)
@@ -113,10 +123,20 @@ def _row_select_kernel(
         gt = ou > thr
         eq = ou == thr
         need = kk - tl.sum(gt.to(tl.int32), 0)
-        eqi = eq.to(tl.int32)
-        sel = gt | (eq & (tl.cumsum(eqi, 0) - eqi < need))
-        seli = sel.to(tl.int32)
-        pos = tl.cumsum(seli, 0) - seli
+        if BLOCK <= PACKED_SCAN_COLUMNS:
+            # one scan for both counts before each column (16-bit halves): the ties kept are
+            # the first ``need``, so a pick's place is the scores above the threshold before
+            # it plus the kept ties before it
+            both = gt.to(tl.uint32) | (eq.to(tl.uint32) << 16)
+            before = tl.cumsum(both, 0) - both
+            eq_before = (before >> 16).to(tl.int32)
+            sel = gt | (eq & (eq_before < need))
+            pos = (before & 0xFFFF).to(tl.int32) + tl.minimum(eq_before, need)
+        else:
+            eqi = eq.to(tl.int32)
+            sel = gt | (eq & (tl.cumsum(eqi, 0) - eqi < need))
+            seli = sel.to(tl.int32)
+            pos = tl.cumsum(seli, 0) - seli
         if COLUMN_ORDER:
             rows = _cand_rows(
                 KIND, cols, sel, t, cand_ptr, sc_t, sc_c, bt_ptr, bt0, bt1, npages, trow, count, epp
