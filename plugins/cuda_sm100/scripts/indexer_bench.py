@@ -97,6 +97,13 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
             ms = timer.ms(lambda w=warps: kr.select_topk_rows(scores, k, cand, warps=w))
             out.append({"rows_select_warps": warps, "select_ms": ms})
             print(f"    tune row selection, {warps} warps: select {ms:.4f} ms")
+        cap = kr.capped_registers(scores.shape[1])  # the default width's register cap, where offered
+        if cap is not None:
+            capped = lambda: kr.select_topk_rows(scores, k, cand, registers=cap)  # noqa: E731
+            same = bool(torch.equal(capped(), kr.select_topk_rows(scores, k, cand)))
+            ms = timer.ms(capped)
+            out.append({"rows_select_registers": cap, "select_ms": ms, "bitwise": same})
+            print(f"    tune row selection, at most {cap} registers: select {ms:.4f} ms, bitwise {same}")
     g, _ = ki.filter_groups(min(k, scores.shape[1]))
     segments = 1
     while segments * g <= scores.shape[1]:  # the threshold path's segments per row (a multiple of G each)

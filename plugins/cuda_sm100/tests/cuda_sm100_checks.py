@@ -350,7 +350,7 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     from triton.compiler import ASTSource
 
     names = list(fn.arg_names)
-    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     consts = {k: v for k, v in kwargs.items() if k not in options}
     consts |= constexpr_defaults(fn, {*names[: len(args)], *consts})
     signature, attrs = {}, {}
@@ -417,6 +417,27 @@ def sm90a_cubin(source: str, path) -> str:
     report = done.stdout + done.stderr
     assert done.returncode == 0, report[-2000:]
     return report
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """A compiled kernel's registers and stack bytes a thread and its SASS instructions
+    (``{"REG": .., "STACK": .., "SASS": ..}``), from Triton's bundled ``cuobjdump`` run on its
+    ``cubin`` bytes."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    found = {key: int(value) for key, value in re.findall(r"\b(REG|STACK):(\d+)", usage)}
+    return found | {"SASS": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))}
 
 
 def sass_of(cubin) -> str:

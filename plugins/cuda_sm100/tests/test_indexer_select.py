@@ -390,6 +390,40 @@ def test_row_selection_compiles_for_the_gpu(arch, monkeypatch):
         assert compiled.metadata.shared <= MAX_SHARED, kwargs
 
 
+def test_the_register_cap_is_offered_where_a_thread_holds_few_columns():
+    """:func:`capped_registers` offers the cap where a thread of the row's program holds at
+    most ``CAPPED_COLUMNS`` columns (prefill rows at their default width), else nothing."""
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    assert kr.capped_registers(2048) == kr.capped_registers(1000) == kr.CAPPED_REGISTERS
+    assert kr.capped_registers(2048, warps=1) is None  # 64 columns a thread
+    assert kr.capped_registers(8192) is None and kr.capped_registers(16384) is None
+    assert kr.capped_registers(2048, column_order=True) is None  # its build needs more registers
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compile_problem() is not None, reason=compile_problem() or "")
+def test_the_capped_row_selection_compiles_for_sm90_without_spills(monkeypatch):
+    """Where :func:`capped_registers` offers the cap (paged rows of 2,048 columns, best first),
+    the row selection compiles for sm_90 within it and without stack (spills), in as many
+    instructions as at the compiler's choice, give or take 2 %."""
+    from cuda_sm100_checks import cubin_resources, record_launches
+    from deepinfer_cuda_sm100.kernels import indexer_rows as kr
+
+    c, epp = 2048, 64
+    cap = kr.capped_registers(c)
+    rows = torch.zeros(4, c // epp, dtype=torch.int64)
+    paged = PagedIndex(rows, torch.arange(4), torch.full((4,), c), epp, c)
+    launches = record_launches(monkeypatch, kr, ["_row_select_kernel"])
+    kr.select_topk_rows(torch.empty(4, c), 512, paged)
+    kr.select_topk_rows(torch.empty(4, c), 512, paged, registers=cap)
+    monkeypatch.undo()
+    assert [kwargs.get("maxnreg") for _, _, kwargs in launches] == [None, cap]
+    (free, capped) = [cubin_resources(compile_launch(*launch, 90).asm["cubin"]) for launch in launches]
+    assert capped["STACK"] == free["STACK"] == 0 and capped["REG"] <= cap < free["REG"], (free, capped)
+    assert abs(capped["SASS"] - free["SASS"]) <= 0.02 * free["SASS"], (free, capped)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the shapes the threshold path is for
 
@@ -432,6 +466,9 @@ def test_gpu_row_selection_equals_the_exact_torch_path(shape):
             assert torch.equal(kr.select_topk_rows(s, k, cand, warps=warps), want), (shape, k, warps)
             got = kr.select_topk_rows(s, k, cand, column_order=True, warps=warps)
             assert torch.equal(got, want_cols), (shape, k, warps, "column order")
+        cap = kr.capped_registers(c)
+        if cap is not None:  # the register cap --tune offers: the same picks
+            assert torch.equal(kr.select_topk_rows(s, k, cand, registers=cap), want), (shape, k, cap)
         assert torch.equal(replayed(lambda k=k: kr.select_topk_rows(s, k, cand)), want)
 
 

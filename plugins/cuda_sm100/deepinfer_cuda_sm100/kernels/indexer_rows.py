@@ -69,6 +69,27 @@ def row_warps(columns: int) -> int:
     return next((warps for limit, warps in WARPS_BY_COLUMNS if block <= limit), WARPS_BY_COLUMNS[-1][1])
 
 
+CAPPED_REGISTERS = 72
+"""A register cap (``maxnreg``) for programs that hold at most :data:`CAPPED_COLUMNS` columns a
+thread, offered by :func:`capped_registers` (off by default: ``bench_attention.py --only indexer
+--tune`` times it against the compiler's choice).  Compiled for sm_90 by Triton 3.6 (paged rows
+of 2,048 columns, four warps, k = 512): the same 3,104 instructions without spills at 72
+registers as at the compiler's 96 (80: 3,112; 64 spills 16 bytes), so seven programs share an
+SM instead of five."""
+
+CAPPED_COLUMNS = 16
+"""The most columns a thread at which :data:`CAPPED_REGISTERS` applies."""
+
+
+def capped_registers(columns: int, warps: int | None = None, column_order: bool = False) -> int | None:
+    """:data:`CAPPED_REGISTERS` for a row of ``columns`` at ``warps`` (default
+    :func:`row_warps`) picked best first, where each thread holds at most
+    :data:`CAPPED_COLUMNS` of them, else ``None`` (the compiler's choice; the column-order
+    build takes 133 registers at 2,048 columns and would spill under the cap)."""
+    per_thread = pow2(columns) // (32 * (warps or row_warps(columns)))
+    return CAPPED_REGISTERS if per_thread <= CAPPED_COLUMNS and not column_order else None
+
+
 def candidate_warps(columns: int) -> tuple[int, ...]:
     """The program widths worth timing for rows of ``columns`` candidates (``bench_attention.py
     --tune`` sweeps them): up to eight warps for prefill rows, eight to 32 for longer rows,
@@ -159,13 +180,20 @@ def _row_select_kernel(
 
 
 def select_topk_rows(
-    scores: torch.Tensor, k: int, candidates=None, *, column_order: bool = False, warps: int | None = None
+    scores: torch.Tensor,
+    k: int,
+    candidates=None,
+    *,
+    column_order: bool = False,
+    warps: int | None = None,
+    registers: int | None = None,
 ) -> torch.Tensor:
     """Top-``k`` of each row of ``scores`` ``[T, C]`` fp32 (``C <= ROW_MAX_COLUMNS``), as
     :func:`deepinfer_cuda_sm100.kernels.indexer.select_topk`: ``[T, min(k, C)]`` int64 pool
     rows (``candidates``: ``None`` for the columns, explicit rows or a ``PagedIndex``), ``-1``
     for invalid candidates; best first, or in column order.  ``warps``: the program's warps
-    (default :func:`row_warps`)."""
+    (default :func:`row_warps`); ``registers``: a register cap a thread (``maxnreg``; default
+    ``None``, the compiler's choice; :func:`capped_registers` offers one), the same picks."""
     if scores.shape[1] > ROW_MAX_COLUMNS:
         raise ValueError(
             f"select_topk_rows takes rows of at most {ROW_MAX_COLUMNS} candidates, got {scores.shape[1]}"
@@ -177,7 +205,8 @@ def select_topk_rows(
     kind, _, args = _candidate_args(candidates, scores.device)
     block_k = pow2(kk)
     tmp = out if column_order else torch.empty((t, block_k), dtype=torch.int64, device=scores.device)
+    cap = {} if registers is None else {"maxnreg": int(registers)}
     _row_select_kernel[(t,)](scores, scores.stride(0), c, kk, out, out.stride(0), tmp, *args,
                              KIND=kind, COLUMN_ORDER=column_order, BLOCK=pow2(c), BLOCK_K=block_k,
-                             num_warps=warps or row_warps(c), **pdl_args())  # fmt: skip
+                             num_warps=warps or row_warps(c), **cap, **pdl_args())  # fmt: skip
     return out
