@@ -440,17 +440,6 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return found | {"SASS": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))}
 
 
-def sass_of(cubin) -> str:
-    """The SASS of a ``cubin`` file (Triton's bundled ``nvdisasm``)."""
-    import os
-    import subprocess
-
-    import triton
-
-    disasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    return subprocess.run([disasm, "-c", str(cubin)], capture_output=True, text=True).stdout
-
-
 def pdl_prologue_problem(func, accesses: str, pass_configs: dict | None = None) -> str | None:
     """Why ``func`` (a ``prim_func`` built with the PDL prologue), lowered for sm_90, does not
     wait for the kernel before it (``griddepcontrol.wait``) before its first global access (the
