@@ -95,7 +95,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert plain[0] == packed[0] == tlw.DEFAULT and len(set(packed)) == len(packed)
     assert {s.lazy_rescale for s in plain} == {False, True} == {s.lazy_rescale for s in packed}
     assert {s.staged_store for s in plain} == {False, True} == {s.staged_store for s in packed}
-    assert {s.prefetch(False) for s in plain} == {0, 1, 2} and {s.prefetch(True) for s in packed} == {0, 1}
+    assert {s.prefetch(False) for s in plain} == {0, 1, 2} and {s.prefetch(True) for s in packed} == {0, 1, 2}
     assert tlw.DEFAULT.prefetch(False) == 0 and tlw.DEFAULT.prefetch(True) == 1  # measured on packed pools
     assert {s.next_queries for s in plain} == {False, True} == {s.next_queries for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
@@ -256,19 +256,23 @@ def test_next_queries_prefetches_the_next_waves_queries_after_its_own(packed):
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
-def test_the_l2_prefetch_on_packed_pools_reads_the_next_rows_before_the_slot_waits():
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_the_l2_prefetch_on_packed_pools_reads_rows_before_the_slot_waits(ahead):
     """Lowered for sm_90 (packed pools, paged, split): with :attr:`Schedule.l2_prefetch` each
-    iteration of the producer prefetches, before its first slot wait, the lines of the two
-    rows whose words it loads after the waits (its own line of each, 16 words a line, and on
-    two of a row's four threads one more)."""
+    iteration of the producer prefetches, before its first slot wait, the lines of two rows
+    (its own line of each, 16 words a line, and on two of a row's four threads one more): at
+    1 the rows whose words it loads after the waits; at 2 the next iteration's, from a second
+    set of index loads in the loop, and in the first iteration also its own."""
     fp8 = _fp8_geometry()
     src = lowered_sm90(
-        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, True, tlw.Schedule(l2_prefetch=1)),
+        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", fp8, True, tlw.Schedule(l2_prefetch=ahead)),
         tlw.pass_configs(fp8),
     )
     (loop,) = set(loops_containing(src, "deepinfer_prefetch_l2(("))
     wait = loop.index("bar_free[((it & 1) * 2)].wait(")
-    assert loop.count("deepinfer_prefetch_l2(") == 4 and loop.rindex("deepinfer_prefetch_l2(") < wait
+    assert loop.count("deepinfer_prefetch_l2(") == 4 * ahead and loop.rindex("deepinfer_prefetch_l2(") < wait
+    assert ("if (it == 0)" in loop[:wait]) == (ahead == 2)
+    assert loop.count("= compact[") == 2 * ahead  # the index loads: once, or twice at 2
     assert "(((int64_t)((int)threadIdx.x)) & (int64_t)3) * (int64_t)16)" in loop
 
 

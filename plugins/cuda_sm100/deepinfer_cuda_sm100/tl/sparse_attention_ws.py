@@ -117,13 +117,17 @@ class Schedule:
             iterations earlier and the copies then read L2 (an H100 profile of 64-token calls:
             the consumers wait on full slots, DRAM at 52 % of its peak).  The same copies of
             the same rows, so the same bits.  Packed pools with two blocks of words in flight
-            (the default :attr:`words_in_flight`), at 1 or 2 alike: the rows whose words the
-            producer loads after the iteration's slot waits, their lines into L2 before the
-            waits (a row's four threads a line each, two of them a fifth and the scale word's
-            line); with one block in flight, none.  Built for sm_90 without spills except on
-            paged calls: 64 bytes of the producer's stack at 2 ahead on plain pools, 8 on
-            packed ones.  ``None`` (the default): 1 on packed pools (two blocks of words in
-            flight), 0 on plain ones (:meth:`prefetch`).  Measured on an H100
+            (the default :attr:`words_in_flight`): at 1 the rows whose words the producer
+            loads after the iteration's slot waits, their lines into L2 before the waits (a
+            row's four threads a line each, two of them a fifth and the scale word's line); at
+            2 the next iteration's rows (their indices from a second set of index loads, an
+            iteration earlier still), the first iteration also its own: a block's words are
+            fetched one block's conversion before they are converted, so at 1 that is all the
+            time its DRAM reads get, at 2 an iteration more; with one block in flight, none.
+            Built for sm_90 without spills except on paged calls: 64 bytes of the producer's
+            stack at 2 ahead on plain pools, 8 on packed ones at 1 and 24 at 2.  ``None`` (the
+            default): 1 on packed pools (two blocks of words in flight), 0 on plain ones
+            (:meth:`prefetch`).  Measured on an H100
             (``bench_attention.py --tune``, 64k context, 640 keys a token): on packed pools
             3.4-5.2 % faster at 64 and 128 tokens
             (CSA 0.0423 against 0.0438 ms at 64, 0.0460 against 0.0485 at 128; HCA 0.0376
@@ -591,12 +595,28 @@ def build_attention_ws(
         fetch(even, flat64, offs[0], quarter)
         fetch(odd, flat64, offs[1], quarter)
         load_rows(raw, (lo + 2) * BNW, rows)  # iteration 1's rows
+        if prefetch == 2:  # the rows a prefetch takes an iteration before the fetches: their indices
+            raw2 = (
+                T.alloc_local((2 * PASSES,), "int32"),
+                T.alloc_local((2 * PASSES if paged else 1,), "int64"),
+            )
+            load_rows(raw2, (lo + 4) * BNW, rows)  # iteration 2's rows
         for it in T.serial(n_iter):
-            offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
-            offset_of(offs, raw, 1, (lo + 2 * it + 3) * BNW + i, rows)
-            if prefetch:  # the rows fetched after this iteration's slot waits
+            if prefetch == 2:  # the next iteration's rows into L2, the indices of the one after
+                offset_of(offs, raw2, 0, (lo + 2 * it + 4) * BNW + i, rows)
+                offset_of(offs, raw2, 1, (lo + 2 * it + 5) * BNW + i, rows)
                 for k in T.unroll(2, explicit=True):
                     prefetch_packed(flat64, offs[k], quarter)
+                load_rows(raw2, (lo + 2 * it + 6) * BNW, rows)
+            offset_of(offs, raw, 0, (lo + 2 * it + 2) * BNW + i, rows)
+            offset_of(offs, raw, 1, (lo + 2 * it + 3) * BNW + i, rows)
+            if prefetch == 1:  # the rows fetched after this iteration's slot waits
+                for k in T.unroll(2, explicit=True):
+                    prefetch_packed(flat64, offs[k], quarter)
+            elif prefetch == 2:  # noqa: SIM102 (a Python constant, then a TIR condition)
+                if it == 0:  # (later iterations' rows went into L2 an iteration earlier)
+                    for k in T.unroll(2, explicit=True):
+                        prefetch_packed(flat64, offs[k], quarter)
             load_rows(raw, (lo + 2 * it + 4) * BNW, rows)  # two iterations ahead
             T.barrier_wait(bar_free[(it % 2) * 2], (it >> 1) & 1)
             fill(k_s, (it % 2) * 2, i, even, quarter, bar_ready)
@@ -859,6 +879,7 @@ def variants(packed: bool) -> list[Schedule]:
     if packed:
         out += [
             Schedule(l2_prefetch=0),
+            Schedule(l2_prefetch=2),
             Schedule(words_in_flight=1),
             Schedule(one_multiply=True),
             Schedule(words_in_flight=1, one_multiply=True, lazy_rescale=True),
