@@ -266,6 +266,33 @@ def test_gpu_tilelang_replays_in_a_cuda_graph_bitwise():
         assert torch.equal(replayed(lambda args=args: tla.sparse_attention(*args)), eager)
 
 
+@pytest.mark.gpu
+def test_gpu_combine_from_loads_issued_first_equals_its_loop_bitwise():
+    """The split combine with every split's loads issued before the merge (at most
+    ``UNROLLED_SPLITS`` splits) gives its loop form's bits (``unrolled=0``), at one to two more
+    splits than it unrolls, and both the merge of the partials (a float32 reference)."""
+    if not torch.cuda.is_available() or tilelang_problem() is not None:
+        pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
+    from deepinfer_cuda_sm100.tl.pdl import tl_pdl_enabled
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for splits in range(1, tla.UNROLLED_SPLITS + 3):
+        part = torch.randn(5, splits, 64, 512, device="cuda", generator=g)
+        m = torch.randn(5, splits, 64, device="cuda", generator=g) * 8
+        l = torch.rand(5, splits, 64, device="cuda", generator=g) * 100 + 1  # noqa: E741
+        outs = []
+        for unrolled in (tla.UNROLLED_SPLITS, 0):
+            out = torch.empty(5, 64, 512, dtype=torch.bfloat16, device="cuda")
+            pdl = tl_pdl_enabled()
+            kernel = tla._kernel("combine", False, False, 64, 512, "bfloat16", None, pdl, unrolled)
+            kernel(part, torch.stack([m, l], -1).contiguous(), out)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"{splits} splits"
+        w = torch.exp2(m - m.amax(1, keepdim=True))
+        want = (part * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
+        torch.testing.assert_close(outs[0].float(), want, atol=1e-2, rtol=1e-2)
+
+
 # ---------------------------------------------------------------------------------------------
 # lowering (where TileLang imports, no GPU needed)
 
@@ -318,3 +345,23 @@ def test_the_gather_and_dequantisation_loops_have_no_block_barrier(kv):
         loops += loops_containing(src, "__float22bfloat162_rn")
     assert loops, "no gather loop found in the generated source"
     assert all("__syncthreads" not in body for body in loops), "a block barrier in a gather loop"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_the_combine_loads_every_split_before_it_merges():
+    """Lowered for sm_90: up to ``UNROLLED_SPLITS`` splits, a thread loads every split's
+    ``m``, ``l`` and values (each behind its check of the split count) before it takes the
+    first maximum; more splits take the loop; ``unrolled=0`` has the loop alone."""
+    u = tla.UNROLLED_SPLITS
+    body = lowered_sm90(tla.build_combine(64, 512, "bfloat16"), {})
+    body = body[body.index("__global__ void __launch_bounds__") :]
+    first_max = body.index("mx = max(mx, m_s[0])")
+    assert body.index(f"if (S <= {u})") < body.index("m_s[0] = ml[")
+    for s in range(u):
+        assert body.index(f"if ({s} < S)") < body.index(f"m_s[{s}] = ml[") < first_max
+        assert body.index(f"*(float4*)(p_s + {4 * s}) = *(float4*)(part + ") < first_max
+    assert f"if ({u} < S)" not in body and "} else {" in body[first_max:]
+    assert "< S; ++s" in body[first_max:]  # the loop beyond
+    looped = lowered_sm90(tla.build_combine(64, 512, "bfloat16", unrolled=0), {})
+    assert "m_s[" not in looped and "< S; ++s" in looped

@@ -349,14 +349,34 @@ def build_attention(
     return sparse_attention_decode_fp8
 
 
-def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
+UNROLLED_SPLITS = 8
+"""Split counts up to this one are merged by :func:`build_combine` from loads all issued
+before the first use; more splits take its loop."""
+
+
+def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False, unrolled: int = UNROLLED_SPLITS):
     """The ``prim_func`` merging ``S`` split partials per (token, head), splits in order (with
-    ``pdl``, after waiting for the attention kernel: :func:`deepinfer_cuda_sm100.tl.pdl.prologue`)."""
+    ``pdl``, after waiting for the attention kernel: :func:`deepinfer_cuda_sm100.tl.pdl.prologue`).
+
+    A CTA of 128 threads (64 where ``D`` is an odd multiple of 64) takes one (token, head), a
+    thread ``D / 128`` (``D / 64``) contiguous values of it.  Up to ``unrolled`` splits
+    (:data:`UNROLLED_SPLITS`), a thread loads every split's ``m``, ``l`` and values first,
+    each load behind its check of the split count, so that their latencies overlap; in a loop
+    over a dynamic count the compiler unrolls by four, and two or three splits took one
+    dependent load after another (two memory latencies for the maxima, two more for the
+    values; offline SASS for sm_90).  More splits take the loop.  Both forms compute the same
+    expressions in the same split order, so the same bits (asserted on the GPU)."""
     import tilelang.language as T
 
+    if dim % 64:
+        raise ValueError(f"the combine takes a head dim that is a multiple of 64, got {dim}")
     start = prologue()
 
     H, D = heads, dim
+    threads = 128 if D % 128 == 0 else 64
+    V = D // threads  # values a thread
+    vec = T.vectorized if V & (V - 1) == 0 else T.unroll  # (3 or 5 values: scalar loads)
+    U = max(unrolled, 0)
     n_tok, n_split = T.dynamic("T"), T.dynamic("S")
 
     @T.prim_func
@@ -365,41 +385,75 @@ def build_combine(heads: int, dim: int, dtype: str, pdl: bool = False):
         ml: T.Tensor((n_tok, n_split, H, 2), "float32"),
         out: T.Tensor((n_tok, H, D), dtype),
     ):
-        with T.Kernel(n_tok, H, threads=128) as (t, h):
+        with T.Kernel(n_tok, H, threads=threads) as (t, h):
             if pdl:
                 start()
-            acc = T.alloc_fragment((D,), "float32")
+            tx = T.get_thread_binding()
+            acc = T.alloc_local((V,), "float32")
             mx = T.alloc_var("float32")
             den = T.alloc_var("float32")
+            for v in vec(V):
+                acc[v] = 0.0
             mx = -1e30
-            for s in T.serial(n_split):
-                mx = T.max(mx, ml[t, s, h, 0])
             den = 0.0
-            T.fill(acc, 0)
-            for s in T.serial(n_split):
-                w = T.exp2(ml[t, s, h, 0] - mx)
-                den = den + ml[t, s, h, 1] * w
-                for d in T.Parallel(D):
-                    acc[d] = acc[d] + part[t, s, h, d] * w
+            if n_split <= U:
+                m_s = T.alloc_local((max(U, 1),), "float32")
+                l_s = T.alloc_local((max(U, 1),), "float32")
+                p_s = T.alloc_local((max(U, 1) * V,), "float32")
+                for s in T.unroll(U, explicit=True):
+                    if s < n_split:
+                        m_s[s] = ml[t, s, h, 0]
+                        l_s[s] = ml[t, s, h, 1]
+                        for v in vec(V):
+                            p_s[s * V + v] = part[t, s, h, tx * V + v]
+                for s in T.unroll(U, explicit=True):
+                    if s < n_split:
+                        mx = T.max(mx, m_s[s])
+                for s in T.unroll(U, explicit=True):
+                    if s < n_split:
+                        w = T.exp2(m_s[s] - mx)
+                        den = den + l_s[s] * w
+                        for v in vec(V):
+                            acc[v] = acc[v] + p_s[s * V + v] * w
+            else:
+                for s in T.serial(n_split):
+                    mx = T.max(mx, ml[t, s, h, 0])
+                for s in T.serial(n_split):
+                    w = T.exp2(ml[t, s, h, 0] - mx)
+                    den = den + ml[t, s, h, 1] * w
+                    for v in vec(V):
+                        acc[v] = acc[v] + part[t, s, h, tx * V + v] * w
             den = 1.0 / den  # one reciprocal, not an IEEE division an output
-            for d in T.Parallel(D):
-                out[t, h, d] = acc[d] * den
+            for v in vec(V):
+                out[t, h, tx * V + v] = acc[v] * den
 
     return sparse_attention_combine
 
 
 @functools.cache
 @logged_compile("sparse_attention")
-def _kernel(kind: str, paged: bool, split: bool, heads: int, dim: int, dtype: str, fp8=None, pdl=False):
+def _kernel(
+    kind: str,
+    paged: bool,
+    split: bool,
+    heads: int,
+    dim: int,
+    dtype: str,
+    fp8=None,
+    pdl=False,
+    unrolled: int = UNROLLED_SPLITS,
+):
     """A compiled kernel (TileLang keeps compiled kernels in its disk cache): ``kind``
     ``"attention"`` (:func:`build_attention`'s arguments, ``fp8`` a :class:`Fp8Geometry` or
-    ``None``) or ``"combine"``, with the PDL prologue when ``pdl``.  The attention kernel reads
+    ``None``) or ``"combine"`` (``unrolled``: :func:`build_combine`'s), with the PDL prologue
+    when ``pdl``.  The attention kernel reads
     the pools through one flat address space, beyond the bounds of the tensor it is given:
     TileLang's bounds guards are off for it."""
     import tilelang
 
     if kind == "combine":
-        return tilelang.compile(build_combine(heads, dim, dtype, pdl), out_idx=None, target=cuda_target())
+        func = build_combine(heads, dim, dtype, pdl, unrolled)
+        return tilelang.compile(func, out_idx=None, target=cuda_target())
     func = build_attention(paged, split, heads, dim, dtype, fp8, pdl)
     configs = {"tl.disable_safe_memory_legalize": True}
     return tilelang.compile(func, out_idx=None, target=cuda_target(), pass_configs=configs)
