@@ -14,6 +14,9 @@ appended to it as soon as it fails (by the controlling process under xdist), so 
 by a time limit still says why each failure it reached failed.  With ``DEEPINFER_TEST_SHARD``
 set to ``K/N``, only every N-th collected test from the K-th on runs (the others deselected),
 so a tier too long for one sitting runs as N commands that together run each test once.
+With ``DEEPINFER_TEST_DURATION_LOG`` set to a file, each test's seconds (setup, call and
+teardown together), outcome and node id are appended to it as soon as it ends, so a run cut off
+by a time limit still says which of the tests it reached took the time.
 """
 
 from __future__ import annotations
@@ -140,16 +143,43 @@ class _FailureLog:
             log.write(f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
-def _failure_log() -> Path | None:
-    """:data:`FAILURE_LOG_ENV` as a path, ``None`` where unset; a ``UsageError`` naming it
-    where its folder does not exist."""
-    value = os.environ.get(FAILURE_LOG_ENV, "").strip()
+DURATION_LOG_ENV = "DEEPINFER_TEST_DURATION_LOG"
+"""A file each test's seconds, outcome and node id are appended to as it ends (unset: none)."""
+
+
+class _DurationLog:
+    """The :data:`DURATION_LOG_ENV` plugin: a line ``seconds<TAB>outcome<TAB>node id`` a test,
+    written at its teardown report, its phases' durations summed (the outcome: ``failed``
+    where any phase failed, else ``skipped`` where one skipped, else ``passed``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.open: dict[str, tuple[float, str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        seconds, outcome = self.open.pop(report.nodeid, (0.0, "passed"))
+        seconds += report.duration
+        if report.failed or outcome == "failed":
+            outcome = "failed"
+        elif report.skipped:
+            outcome = "skipped"
+        if report.when != "teardown":
+            self.open[report.nodeid] = (seconds, outcome)
+            return
+        with self.path.open("a") as log:
+            log.write(f"{seconds:.2f}\t{outcome}\t{report.nodeid}\n")
+
+
+def _log_path(env: str) -> Path | None:
+    """The variable ``env`` as a path, ``None`` where unset; a ``UsageError`` naming it where
+    its folder does not exist."""
+    value = os.environ.get(env, "").strip()
     if not value:
         return None
     path = Path(value)
     if not path.parent.is_dir():
         folder = str(path.parent)
-        raise pytest.UsageError(f"{FAILURE_LOG_ENV}={value!r}: its folder {folder!r} does not exist")
+        raise pytest.UsageError(f"{env}={value!r}: its folder {folder!r} does not exist")
     return path
 
 
@@ -167,14 +197,18 @@ def _uncaptured_stderr(config: pytest.Config):
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Read and check :data:`TIMEOUT_ENV`, :data:`SHARD_ENV` and :data:`FAILURE_LOG_ENV` before
-    any test runs; the failure log is written by the process that reports (not by xdist's
-    workers)."""
+    """Read and check :data:`TIMEOUT_ENV`, :data:`SHARD_ENV`, :data:`FAILURE_LOG_ENV` and
+    :data:`DURATION_LOG_ENV` before any test runs; the logs are written by the process that
+    reports (not by xdist's workers)."""
     config.stash[_TIMEOUT] = _test_timeout()
     config.stash[_SHARD] = _test_shard()
-    log = _failure_log()
-    if log is not None and not hasattr(config, "workerinput"):
-        config.pluginmanager.register(_FailureLog(log), "deepinfer-failure-log")
+    failures, durations = _log_path(FAILURE_LOG_ENV), _log_path(DURATION_LOG_ENV)
+    if hasattr(config, "workerinput"):
+        return
+    if failures is not None:
+        config.pluginmanager.register(_FailureLog(failures), "deepinfer-failure-log")
+    if durations is not None:
+        config.pluginmanager.register(_DurationLog(durations), "deepinfer-duration-log")
 
 
 @pytest.hookimpl(wrapper=True)

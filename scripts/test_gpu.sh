@@ -7,6 +7,8 @@
 #   bash scripts/test_gpu.sh -k attention # extra arguments go to pytest
 #   DEEPINFER_TEST_FAILURE_LOG=/tmp/failures.txt bash scripts/test_gpu.sh  # each failure's report
 #                                         # written as it happens (conftest.py)
+#   DEEPINFER_TEST_DURATION_LOG=/tmp/durations.txt bash scripts/test_gpu.sh  # each test's seconds
+#                                         # as it ends (conftest.py)
 #   DEEPINFER_TEST_SHARD=1/2 bash scripts/test_gpu.sh  # every 2nd test from the 1st; 2/2 runs the rest
 #
 # It uses the Python that already has torch with CUDA: PYTHON, else .venv/bin/python where

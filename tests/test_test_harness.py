@@ -6,6 +6,8 @@
 * the failure log (``DEEPINFER_TEST_FAILURE_LOG``): each failing test's report is appended as
   it fails, a passing test leaves no line, and a log in a folder that does not exist is
   refused before any test runs;
+* the duration log (``DEEPINFER_TEST_DURATION_LOG``): each test's seconds, outcome and node id
+  are appended as it ends;
 * the shards (``DEEPINFER_TEST_SHARD``): the shards of a run together run each test once, and
   a malformed share is refused before any test runs."""
 
@@ -38,7 +40,13 @@ def _pytest(tmp_path: Path, body: str, *args: str, **env: str) -> tuple[subproce
     base = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("DEEPINFER_TEST_TIMEOUT_S", "DEEPINFER_TEST_FAILURE_LOG", "DEEPINFER_TEST_SHARD")
+        if k
+        not in (
+            "DEEPINFER_TEST_TIMEOUT_S",
+            "DEEPINFER_TEST_FAILURE_LOG",
+            "DEEPINFER_TEST_DURATION_LOG",
+            "DEEPINFER_TEST_SHARD",
+        )
     }
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", *args, str(test)]
     start = time.monotonic()
@@ -90,6 +98,25 @@ def test_a_log_in_a_missing_folder_is_refused_before_any_test_runs(tmp_path):
     assert done.returncode == 4, out[-2000:]  # pytest's usage error
     assert "DEEPINFER_TEST_FAILURE_LOG=" in out and "does not exist" in out, out[-2000:]
     assert "test_fails" not in done.stdout, out[-2000:]
+
+
+def test_each_test_s_seconds_and_outcome_are_logged_as_it_ends(tmp_path):
+    log = tmp_path / "durations.txt"
+    body = LOGGED + "\n\ndef test_sleeps():\n    import time\n\n    time.sleep(0.3)\n"
+    body += "\n\nimport pytest\n\n\n@pytest.mark.skip(reason='off')\ndef test_skipped():\n    pass\n"
+    done, _ = _pytest(tmp_path, body, DEEPINFER_TEST_DURATION_LOG=str(log))
+    assert done.returncode == 1 and "1 failed, 2 passed, 1 skipped" in done.stdout, done.stdout[-2000:]
+    rows = {line.split("\t")[2]: line.split("\t")[:2] for line in log.read_text().splitlines()}
+    names = ("test_passes", "test_fails", "test_sleeps", "test_skipped")
+    assert set(rows) == {f"test_harnessed.py::{name}" for name in names}, rows
+    outcomes = {name: rows[f"test_harnessed.py::{name}"][1] for name in names}
+    assert outcomes == {
+        "test_passes": "passed",
+        "test_fails": "failed",
+        "test_sleeps": "passed",
+        "test_skipped": "skipped",
+    }
+    assert 0.3 <= float(rows["test_harnessed.py::test_sleeps"][0]) < 30, rows
 
 
 SHARDED = "".join(f"\n\ndef test_{i}():\n    pass\n" for i in range(5))
