@@ -104,6 +104,14 @@ def tune_indexer(args: tuple, scores: torch.Tensor, timer) -> list[dict]:
             ms = timer.ms(capped)
             out.append({"rows_select_registers": cap, "select_ms": ms, "bitwise": same})
             print(f"    tune row selection, at most {cap} registers: select {ms:.4f} ms, bitwise {same}")
+        # the picks in column order (batch-invariant mode's): the same picks without their sort,
+        # what best-first order costs
+        column = lambda: kr.select_topk_rows(scores, k, cand, column_order=True)  # noqa: E731
+        best = kr.select_topk_rows(scores, k, cand)
+        same = bool(torch.equal(column().sort(-1).values, best.sort(-1).values))
+        ms = timer.ms(column)
+        out.append({"rows_select_column_order": True, "select_ms": ms, "same_picks": same})
+        print(f"    tune row selection in column order (no sort): select {ms:.4f} ms, same picks {same}")
     g, _ = ki.filter_groups(min(k, scores.shape[1]))
     segments = 1
     while segments * g <= scores.shape[1]:  # the threshold path's segments per row (a multiple of G each)
