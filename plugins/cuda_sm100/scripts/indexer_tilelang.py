@@ -51,7 +51,8 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
     kernel's ``one_token`` scores: ``grouped_bitwise`` (whether they are equal bit for bit, as
     promised), ``grouped_score_ms``; with ``tune``, ``grouped_tune`` (ms per group size and
     blocks a CTA) and ``grouped_variants``: the default group's time and bits at one and at two
-    warpgroups a CTA, and at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``)."""
+    warpgroups a CTA, at two with the GEMMs overlapped (``tl.indexer_grouped.OVERLAP``), and
+    overlapped with the epilogues' bookkeeping hoisted (``tl.indexer_grouped.HOIST``)."""
     from deepinfer_cuda_sm100.tl import indexer as tli
     from deepinfer_cuda_sm100.tl import indexer_grouped as tlg
 
@@ -67,11 +68,12 @@ def measure_grouped(row: dict, args: tuple, one_token: torch.Tensor, ms: Callabl
             for b in tli.BLOCK_CHOICES
         }
         row["grouped_variants"] = {}
-        for wgs, overlap in ((1, False), (2, False), (2, True)):
+        for wgs, overlap, hoist in ((1, False, False), (2, False, False), (2, True, False), (2, True, True)):
             run = functools.partial(
-                tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs, overlap=overlap
+                tlg.indexer_scores, q, w, keys, cand, scale, warpgroups=wgs, overlap=overlap, hoist=hoist
             )
             name = f"{wgs} warpgroup{'s' if wgs > 1 else ''}{', overlapped' if overlap else ''}"
+            name += ", hoisted" if hoist else ""
             row["grouped_variants"][name] = {"bitwise": bool(torch.equal(run(), one_token)), "ms": ms(run)}
 
 

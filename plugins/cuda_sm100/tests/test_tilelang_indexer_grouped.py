@@ -16,6 +16,7 @@ integer data the Triton kernel's (every sum exact); a captured CUDA graph replay
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import re
@@ -207,6 +208,28 @@ def test_overlap_issues_both_tokens_gemms_before_the_first_wait():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_hoist_reads_the_weights_before_each_wait_and_decides_a_passs_tokens_once():
+    """With ``hoist`` (overlapped kernels) each token's head weights go from shared memory into
+    registers before the wait for its GEMM and its epilogue multiplies by those; which tokens
+    a pass scores is decided once a pass, so no block's epilogue reads the rows; the GEMMs and
+    waits keep their order.  Without overlap, ``hoist`` changes nothing."""
+    config = {"tl.disable_safe_memory_legalize": True}
+    src = lowered_sm90(tlg.build_grouped_scores(H, D, "bfloat16", 16, 2, warpgroups=2, hoist=True), config)
+    loop = min(loops_containing(src, "wait_wgmma<1>"), key=len)  # the pipelined block loop
+    for j, wait in enumerate(("wait_wgmma<1>", "wait_wgmma<0>")):
+        after = loop.index("wgmma_ss<") if j == 0 else loop.index("wait_wgmma<1>")
+        load = loop.index("*(float2*)(w_r + ", after)
+        assert load < loop.index(wait) < loop.index(f"if (live[{j}] != 0)"), j
+    assert "rows_s" not in loop and "w_s)[" not in loop and "* scale), w_r[" in loop
+    calls = re.findall(r"(wgmma_ss<|wait_wgmma<\d>|AllReduce<)", src)
+    block = ["wgmma_ss<", "wgmma_ss<", "wait_wgmma<1>", "AllReduce<", "wait_wgmma<0>", "AllReduce<"]
+    assert calls == block * 2, calls
+    plain = functools.partial(tlg.build_grouped_scores, H, D, "bfloat16", 16, 2, warpgroups=2, overlap=False)
+    assert lowered_sm90(plain(hoist=True), config) == lowered_sm90(plain(), config)
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(tilelang_problem() is not None, reason=f"needs TileLang and nvcc: {tilelang_problem()}")
 def test_neither_kernel_fuses_the_head_weight_into_the_head_sum(tmp_path):
     """Built for sm_90a, neither the one-token nor the grouped kernel has an FFMA: the head
@@ -247,10 +270,12 @@ def _needs_tilelang():
         pytest.skip(f"needs a CUDA GPU and TileLang ({tilelang_problem()})")
 
 
-VARIANTS = ((1, 1, False), (2, 1, False), (tli.BLOCKS, 1, False), (1, 2, False), (2, 2, False),
-            (tli.BLOCKS, 2, False), (1, 2, True), (tli.BLOCKS, 2, True))  # fmt: skip
-"""``(blocks, warpgroups, overlap)`` of the grouped kernels the GPU test compares (overlap at a
-group of 2 only)."""
+VARIANTS = ((1, 1, False, False), (2, 1, False, False), (tli.BLOCKS, 1, False, False),
+            (1, 2, False, False), (2, 2, False, False), (tli.BLOCKS, 2, False, False),
+            (1, 2, True, False), (tli.BLOCKS, 2, True, False), (1, 2, True, True),
+            (tli.BLOCKS, 2, True, True))  # fmt: skip
+"""``(blocks, warpgroups, overlap, hoist)`` of the grouped kernels the GPU test compares (overlap
+and hoist at a group of 2 only)."""
 BATCHES = ([9, 1, 4, 3], [1] * 7, [2048], [5, 2, 6])
 """Request lengths: groups across requests, single-token requests, one long request, an odd
 total (the last group cut short)."""
@@ -267,10 +292,11 @@ def test_gpu_grouped_scores_are_bitwise_the_one_token_kernels(group):
         for integer in (True, False):
             q, w, keys, index = _paged(lengths, 300, g, "cuda", integer)
             one = tli.indexer_scores(q, w, keys, index, SCALE)
-            for blocks, wgs, overlap in VARIANTS:
+            for blocks, wgs, overlap, hoist in VARIANTS:
                 if overlap and group != 2:
                     continue
                 config = {"blocks": blocks, "group": group, "warpgroups": wgs, "overlap": overlap}
+                config["hoist"] = hoist
                 got = tlg.indexer_scores(q, w, keys, index, SCALE, **config)
                 assert torch.equal(got, one), f"{lengths} integer={integer} {config}"
             if integer:  # exact sums: the Triton kernel's scores too

@@ -69,6 +69,19 @@ on an H100 (``bench_attention.py --only indexer --tune``, bitwise equal): 0.788 
 kernel (0.196) runs instead."""
 
 
+HOIST = False
+"""Whether the overlapped kernel (:data:`OVERLAP`) keeps its per-block bookkeeping out of
+shared memory: each pass decides once which of the group's tokens it scores (a register flag a
+token, where every block's epilogue read and compared two 64-bit rows from shared memory, three
+times a token), and each token's head weights are read from shared memory into registers before
+the wait for its GEMM (where the epilogue read them right before each multiply).  An ``ncu``
+profile of the default at 8,192 x 2,048 on an H100 had the row comparison as its hottest
+instruction (5 % of the warp samples, waiting on its two shared loads) and the multiplies by
+the weights next (about 1.3 % each), short-scoreboard waits being 31 % of all samples.  The
+same products, weights and sums, so the same bits.  Built for sm_90 offline; untimed, so off
+(``bench_attention.py --only indexer --tune`` times it)."""
+
+
 def overlaps(group: int) -> bool:
     """Whether a CTA of ``group`` tokens runs overlapped by default: :data:`OVERLAP`, at the
     group size it takes (2)."""
@@ -84,6 +97,7 @@ def build_grouped_scores(
     pdl: bool = False,
     warpgroups: int = WARPGROUPS,
     overlap: bool | None = None,
+    hoist: bool = HOIST,
 ):
     """The TileLang ``prim_func`` of one static configuration (paged candidates only).
 
@@ -94,7 +108,7 @@ def build_grouped_scores(
         pdl: start with the PDL prologue (:func:`deepinfer_cuda_sm100.tl.pdl.prologue`) before
             any global access.
         warpgroups: 1 or 2 (see :data:`WARPGROUPS`); overlap: see :data:`OVERLAP` (default
-            :func:`overlaps`).
+            :func:`overlaps`); hoist: see :data:`HOIST` (overlapped kernels only).
     """
     if group not in GROUP_CHOICES:
         raise ValueError(f"group must be one of {GROUP_CHOICES}, got {group}")
@@ -103,6 +117,7 @@ def build_grouped_scores(
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
     if overlap and group != 2:
         raise ValueError(f"overlap takes a group of 2 tokens (four accumulators spill), got {group}")
+    hoist = hoist and overlap  # (the flags and weights serve the overlapped epilogues)
     import tilelang.language as T
 
     acc_t = "float32"
@@ -143,12 +158,16 @@ def build_grouped_scores(
             k_s[i, d] = flat[T.Cast("int64", T.max(off[b * BN + i], 0)) * kst * 8 + d]
 
     @T.macro
-    def epilogue(acc, score, w_s, j, scale, scores, token, first, off, base, count):
+    def epilogue(acc, score, w_s, j, scale, scores, token, first, off, base, count, w_r=None):
         """Token ``j``'s (row ``token`` of ``scores``) logits of a block whose first candidate
         is ``first`` (its offsets from ``off[base]``) to scores: relu, scale, head weight
-        (rounded), the sum over heads; ``-inf`` at or past ``count`` and where no page is."""
+        (rounded; from the registers ``w_r`` where given, else ``w_s``), the sum over heads;
+        ``-inf`` at or past ``count`` and where no page is."""
         for i, h in T.Parallel(BN, H):
-            acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
+            if w_r is None:
+                acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_s[j, h])
+            else:
+                acc[i, h] = T.ieee_mul(T.max(acc[i, h], 0) * scale, w_r[h])
         T.reduce_sum(acc, score, dim=1)
         for i in T.Parallel(BN):
             c = first + i
@@ -173,14 +192,28 @@ def build_grouped_scores(
         if rows_s[j] == lead:
             epilogue(acc, score, w_s, j, scale, scores, t0 + j, (g * blocks + b) * BN, off, b * BN, cnt_s[j])
 
-    def overlapped(k_s, q_s, accs, lead, *io):
+    @T.macro
+    def finish_hoisted(acc, j, in_flight, live, w_r, cnt_s, score, w_s, scale, scores, t0, g, b, off):
+        """:func:`finish` with :data:`HOIST`: the token's weights into ``w_r`` before the wait,
+        the pass's flag ``live[j]`` instead of the rows' comparison."""
+        T.copy(w_s[j, :], w_r)
+        T.wait_wgmma(in_flight)
+        if live[j] != 0:
+            first = (g * blocks + b) * BN
+            epilogue(acc, score, w_s, j, scale, scores, t0 + j, first, off, b * BN, cnt_s[j], w_r)
+
+    def overlapped(k_s, q_s, accs, lead, *io, live=None, w_r=None):
         """:data:`OVERLAP`'s block: every token's GEMM issued, then each waited for in turn
         and its epilogue run while the later ones multiply (plain Python, so the token loop
-        unrolls at trace time: one accumulator a token)."""
+        unrolls at trace time: one accumulator a token); with :data:`HOIST` the pass's flags
+        ``live`` and the weights' registers ``w_r``."""
         for j in range(G):
             issue(k_s, q_s, accs[j], j)
         for j in range(G):
-            finish(accs[j], j, G - 1 - j, lead, *io)
+            if live is None:
+                finish(accs[j], j, G - 1 - j, lead, *io)
+            else:
+                finish_hoisted(accs[j], j, G - 1 - j, live, w_r, *io[1:])  # (not rows_s)
 
     @T.prim_func
     def indexer_scores_grouped(
@@ -211,6 +244,8 @@ def build_grouped_scores(
             acc = None if overlap else T.alloc_fragment((BN, H), acc_t)
             accs = [T.alloc_fragment((BN, H), acc_t) for _ in range(G)] if overlap else []
             score = T.alloc_fragment((BN,), acc_t)
+            live = T.alloc_local((G,), "int32") if hoist else None  # the pass's tokens (HOIST)
+            w_r = T.alloc_fragment((H,), acc_t) if hoist else None  # a token's weights (HOIST)
             nb = T.alloc_var("int32")  # a pass's live blocks (a loop bound: not a shared load)
             t0 = tg * G
             c0 = g * blocks * BN
@@ -241,11 +276,14 @@ def build_grouped_scores(
                     nb = T.max(
                         T.min(T.Cast("int32", T.ceildiv(T.max(live_s[p] - c0, T.int64(0)), BN)), blocks), 1
                     )
+                    if hoist:  # which tokens the pass scores, decided once
+                        for j in T.unroll(G):
+                            live[j] = T.if_then_else(rows_s[j] == rows_s[p], 1, 0)
                     for b in T.Pipelined(nb, **stages):
                         gather(k_s, off, flat, b, kst)
                         if overlap:  # every token's GEMM issued, then each waited for in turn
                             frame = (rows_s, cnt_s, score, w_s, scale, scores, t0, g, b, off)
-                            overlapped(k_s, q_s, accs, rows_s[p], *frame)
+                            overlapped(k_s, q_s, accs, rows_s[p], *frame, live=live, w_r=w_r)
                         else:
                             for j in T.serial(G):
                                 if rows_s[j] == rows_s[p]:
@@ -280,7 +318,7 @@ def plan_blocks(tokens: int, candidates: int, sms: int, group: int = GROUP) -> i
 @logged_compile("indexer_grouped")
 def _kernel(heads: int, dim: int, dtype: str, *options):
     """A compiled kernel of :func:`build_grouped_scores` (``options``: its ``blocks``,
-    ``group``, ``pdl``, ``warpgroups``, ``overlap``, in order; TileLang's disk cache
+    ``group``, ``pdl``, ``warpgroups``, ``overlap``[, ``hoist``], in order; TileLang's disk cache
     keeps it); bounds guards off, as the one-token kernel's (the gathers read the pool through
     a flat view)."""
     import tilelang
@@ -313,11 +351,13 @@ def indexer_scores(
     group: int = GROUP,
     warpgroups: int = WARPGROUPS,
     overlap: bool | None = None,
+    hoist: bool = HOIST,
 ) -> torch.Tensor:
     """The ``[T, C]`` fp32 scores of a call :func:`supports` takes, bitwise those of
     :func:`deepinfer_cuda_sm100.tl.indexer.indexer_scores`.  ``blocks``: blocks per CTA
     (default :func:`plan_blocks`); ``group``: query tokens per CTA; ``warpgroups``: 1 or 2
-    (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`)."""
+    (:data:`WARPGROUPS`); ``overlap``: see :data:`OVERLAP` (default :func:`overlaps`);
+    ``hoist``: see :data:`HOIST` (the same bits)."""
     t, h, d = q.shape
     c = int(candidates.max_count)
     scores = torch.empty((t, c), dtype=torch.float32, device=q.device)
@@ -329,7 +369,7 @@ def indexer_scores(
     if blocks is None:
         blocks = plan_blocks(t, c, num_sms(q.device), group)
     overlap = overlaps(group) if overlap is None else overlap
-    config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap)
+    config = (blocks, group, tl_pdl_enabled(), warpgroups, overlap) + ((True,) if hoist and overlap else ())
     kernel = _kernel(h, d, TL_DTYPES[q.dtype], *config)
     epp = int(candidates.entries_per_page)
     kernel(
