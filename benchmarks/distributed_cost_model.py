@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     gpu, m = GPUS[args.gpu], v4_flash()
     print(
         f"{m.name}: {m.total_params / 1e9:.1f}B parameters + embedding, {m.active_params / 1e9:.2f}B active "
-        f"per token; GPU {gpu.name}; weights {args.fmt}; KV fp8 (584 B / entry)"
+        f"per token; GPU {gpu.name}; weights {args.fmt}; KV fp8 (592 B / entry)"
     )
     model = {"name": m.name, "params": m.total_params, "active": m.active_params}
     data = {"model": model, "gpu": asdict(gpu), "fmt": asdict(cm.FORMATS[args.fmt]), "decode": {}}

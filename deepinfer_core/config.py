@@ -112,7 +112,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: KVCacheDtype = "auto"
     """Storage of the attention KV caches (window ring, compressed entries): ``auto`` = the model
     ``dtype``; ``fp8`` = packed FP8 rows as FlashMLA's V4 layout (e4m3 nope values with one
-    power-of-two UE8M0 scale per 64, bfloat16 rope values: 584 bytes per 512-wide row), so the
+    power-of-two UE8M0 scale per 64, bfloat16 rope values: 592 bytes per 512-wide row), so the
     same ``kv_cache_memory_gb`` holds more tokens.  The indexer keys and compressor state stay
     in ``dtype``."""
     seed: int = 0

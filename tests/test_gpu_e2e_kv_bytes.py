@@ -34,9 +34,9 @@ def test_smoke_widths_by_hand() -> None:
 
 
 def test_flash_widths_at_128k_by_hand() -> None:
-    """bf16 rows of 512 (1024 B), fp8 rows of 584 B; indexer keys 128 x bf16 in both."""
+    """bf16 rows of 512 (1024 B), fp8 rows of 592 B; indexer keys 128 x bf16 in both."""
     cfg, ctx = _cfg(smoke=False), 131072
-    for kv_dtype, row in (("auto", 1024), ("fp8", 584)):
+    for kv_dtype, row in (("auto", 1024), ("fp8", 592)):
         rows = gm.kv_row_bytes(cfg, kv_dtype, 2)
         assert rows == {"window": row, "ckv": row, "ikv": 256}
         csa = 128 * row + 512 * row + (ctx // 4) * 256

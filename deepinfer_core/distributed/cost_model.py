@@ -41,7 +41,7 @@ FORMATS: dict[str, WeightFormat] = {
     # a production V4 engine: FP8 dense W8A8, MXFP4 experts (ue8m0 scale per 32), FP8 math
     "fp8_mxfp4": WeightFormat("fp8_mxfp4", 1 + FP8_BLOCK_SCALE, 2.0, 2.0, 0.5 + 1 / 32, "fp8", "fp8"),
 }
-KV_ENTRY_BYTES = {"bf16": 1024, "fp8": 584}  # a KV entry of 512 values (FlashMLA FP8 layout)
+KV_ENTRY_BYTES = {"bf16": 1024, "fp8": 592}  # a KV entry of 512 values (FlashMLA FP8 layout)
 INDEX_KEY_BYTES = {"bf16": 256, "fp8": 132}  # an indexer key of 128 values (fp8 + fp32 scale)
 
 

@@ -24,7 +24,7 @@ owning one (V4.1's decoder layers read a source layer's compressed cache).
 A ring or paged spec may set ``kv_format="fp8"`` (with ``rope_dim``, the trailing channels
 ``apply_rope`` rotates): its rows are then stored packed, an
 :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` (e4m3 nope values with one UE8M0 scale per
-64, bfloat16 rope values: FlashMLA's V4 layout, 584 bytes per 512-wide row) instead of a
+64, bfloat16 rope values: FlashMLA's V4 layout, 592 bytes per 512-wide row) instead of a
 tensor in the spec dtype; the model sets it on the caches ``sparse_attention`` reads when the
 engine runs with ``kv_cache_dtype="fp8"``.  The block-scaled formats of DeepSeek-V4.1's release
 (``kv_format`` ``"fp8_ue8m0"``, ``"fp4_e4m3"``, ``"fp4_ue8m0"``: one scale byte per block of 32 /

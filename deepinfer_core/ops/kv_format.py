@@ -25,13 +25,14 @@ bytes                  content                                    V4-Flash (D=51
                        ``D-R`` rounded up to even)
 ``[so, so + G)``       one UE8M0 scale per 64 nope values          ``[576, 583)``
                        (``G = ceil((D-R)/64)``, ``so = ro + 2R``)
-``[so + G, row)``      zero padding to a multiple of 8 bytes       ``[583, 584)``
+``[so + G, row)``      zero padding to a multiple of 16 bytes      ``[583, 592)``
 =====================  =========================================  ======================
 
-so V4-Flash takes 584 bytes per row against 1024 in bfloat16.  Each row's first 576 bytes
-(nope then rope) and its 8 scale bytes are FlashMLA's ``MODEL1_FP8Sparse`` per-token
-payload; FlashMLA groups a page's scale bytes after the page's payloads, whereas here every
-row keeps its own (the window ring is addressed by row, not by page).
+so V4-Flash takes 592 bytes per row against 1024 in bfloat16.  Each row's first 576 bytes
+(nope then rope) and its 8 scale bytes (7 and a zero) are FlashMLA's ``MODEL1_FP8Sparse``
+per-token payload; FlashMLA groups a page's scale bytes after the page's payloads, whereas
+here every row keeps its own (the window ring is addressed by row, not by page), and rows
+start on 16 bytes, so that a kernel can read them in 16-byte vectors (8 more bytes a row).
 
 **Quantisation** (the exact definition; a backend's ``cache_write`` must store the same
 bytes).  For each group ``g`` of up to 64 nope values with ``amax = max |x|`` (fp32), the
@@ -62,8 +63,9 @@ FP8_MAX = 448.0
 """Largest finite ``float8_e4m3fn`` value."""
 SCALE_GROUP = 64
 """Nope values per UE8M0 scale."""
-ROW_ALIGN = 8
-"""Packed rows are padded to a multiple of this many bytes."""
+ROW_ALIGN = 16
+"""Packed rows are padded to a multiple of this many bytes (16: every row of a pool starts on
+16 bytes, the width of a GPU's vector loads)."""
 _E_MIN, _E_MAX = -126, 126  # scale exponents kept: 2**e and 2**-e are normal fp32 numbers
 
 
@@ -93,7 +95,7 @@ def fp8_row_layout(dim: int, rope_dim: int) -> Fp8RowLayout:
 
 
 def fp8_row_bytes(dim: int, rope_dim: int) -> int:
-    """Bytes of one packed row (584 for V4-Flash's ``dim=512, rope_dim=64``)."""
+    """Bytes of one packed row (592 for V4-Flash's ``dim=512, rope_dim=64``)."""
     return fp8_row_layout(dim, rope_dim).row_bytes
 
 

@@ -16,7 +16,7 @@ bytes                    content                                     D = 512 (V4
 ``[P + 128, row)``       one ``float32`` scale per tile of 128       ``[640, 656)``
 =======================  ==========================================  ======================
 
-so a 512-wide row takes 656 bytes (the operator's ``KV_D = 512 + 64*2 + 4*4``) against 584 in
+so a 512-wide row takes 656 bytes (the operator's ``KV_D = 512 + 64*2 + 4*4``) against 592 in
 :class:`~deepinfer_core.ops.kv_format.Fp8KVPool` and 1024 in bfloat16.  Every channel is
 quantised, the rope channels included: the operator's value operand is the 512-wide quantised
 part only (MLA-absorb: ``V`` = the dequantised key without its rope operand), and a model whose

@@ -36,16 +36,16 @@ def _values(seed: int, rows: int, dim: int, dtype: torch.dtype = torch.float32) 
     return x.to(dtype)
 
 
-def test_v4_flash_row_is_584_bytes_laid_out_as_flashmla():
+def test_v4_flash_row_is_592_bytes_laid_out_as_flashmla():
     lay = fp8_row_layout(512, 64)
-    assert fp8_row_bytes(512, 64) == lay.row_bytes == 584  # against 1024 in bfloat16
+    assert fp8_row_bytes(512, 64) == lay.row_bytes == 592  # against 1024 in bfloat16
     assert (lay.nope, lay.rope_offset, lay.scale_offset, lay.groups) == (448, 448, 576, 7)
-    # nope + rope + scales, padded to 8 bytes; the narrow tiny model row (32 = 24 nope + 8 rope)
+    # nope + rope + scales, padded to 16 bytes; the narrow tiny model row (32 = 24 nope + 8 rope)
     assert fp8_row_bytes(32, 8) == 48 and fp8_row_layout(32, 8).groups == 1
     assert fp8_row_layout(33, 8).rope_offset == 26  # bf16 rope values stay 2-byte aligned
-    assert fp8_row_bytes(128, 0) == 128 + 8 and fp8_row_bytes(64, 64) == 128
+    assert fp8_row_bytes(128, 0) == 128 + 16 and fp8_row_bytes(64, 64) == 128
     pool = Fp8KVPool.zeros(5, 512, 64)
-    assert pool.data.shape == (5, 584) and pool.data.dtype == torch.uint8 and pool.shape == (5, 512)
+    assert pool.data.shape == (5, 592) and pool.data.dtype == torch.uint8 and pool.shape == (5, 512)
     assert torch.equal(pool.dequantize(), torch.zeros(5, 512))
     with pytest.raises(ValueError, match="uint8"):
         Fp8KVPool(torch.zeros(5, 583, dtype=torch.uint8), 512, 64)
@@ -54,7 +54,7 @@ def test_v4_flash_row_is_584_bytes_laid_out_as_flashmla():
 def test_packed_bytes_are_e4m3_nope_then_bf16_rope_then_ue8m0_scales():
     x = _values(0, 6, 512)
     packed = quantize_fp8_rows(x, 64)
-    assert packed.shape == (6, 584) and packed.dtype == torch.uint8
+    assert packed.shape == (6, 592) and packed.dtype == torch.uint8
     for r in range(6):
         for grp in range(7):
             chunk = x[r, grp * 64 : (grp + 1) * 64].double()

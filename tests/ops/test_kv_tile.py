@@ -47,7 +47,7 @@ def test_512_wide_row_is_the_operators_656_bytes():
     assert pool.data.shape == (5, 656) and pool.shape == (5, 512)
     assert torch.equal(pool.dequantize(), torch.zeros(5, 512))
     with pytest.raises(ValueError, match=r"uint8 \[N, 656\]"):
-        TileFp8KVPool(torch.zeros(5, 584, dtype=torch.uint8), 512)
+        TileFp8KVPool(torch.zeros(5, 592, dtype=torch.uint8), 512)
 
 
 def test_bytes_are_e4m3_values_then_a_zero_rope_operand_then_float32_power_of_two_scales():

@@ -59,7 +59,7 @@ class RowShapes:
 
 
 V4_FLASH_ROWS = RowShapes(dim=512, rope_dim=64, pool_rows=1024, writes=(1, 64, 256), block_dim=128)
-"""GPU cases: V4-Flash's 584-byte rows; a decode step's rows at batches 1, 64, 256; V4.1's
+"""GPU cases: V4-Flash's 592-byte rows; a decode step's rows at batches 1, 64, 256; V4.1's
 formats at 512 (window records, compressed entries) and 128 (indexer keys)."""
 SMALL_ROWS = RowShapes(dim=192, rope_dim=8, pool_rows=40, writes=(1, 5), block_dim=64)
 """Interpreter cases: three FP8 groups, a narrow rope part; whole blocks of every format."""

@@ -8,7 +8,7 @@ the shared expert's SwiGLU, V4.1's compressor pooling (``compress_pool``: the CS
 windows ``T`` tokens close), greedy sampling's ``argmax_rows`` over ``[T, vocabulary]``
 float32 logits (the reference is ``torch.argmax``; fp32 whatever ``--dtype``, as the sampler
 takes them) and ``cache_write`` of ``T`` rows into a packed FP8 KV pool
-(``kv_cache_dtype="fp8"``; 584-byte rows).  Each implementation is timed with CUDA events
+(``kv_cache_dtype="fp8"``; 592-byte rows).  Each implementation is timed with CUDA events
 two ways: replaying a CUDA graph of ``--calls-per-graph`` back-to-back calls (GPU time per
 call, launch overhead excluded), and eagerly (what a Python loop costs, launches included).
 Prints a table and writes JSON (default ``benchmarks/results/cuda_sm100_small_ops.json`` at

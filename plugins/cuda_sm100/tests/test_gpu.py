@@ -73,7 +73,7 @@ def test_cuda_graph_replay(impls, op):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sparse_attention_reads_fp8_kv_pools(impls, dtype):
-    """``kv_cache_dtype="fp8"`` at V4-Flash shapes (584-byte rows): every case with a packed pool
+    """``kv_cache_dtype="fp8"`` at V4-Flash shapes (592-byte rows): every case with a packed pool
     (all packed as the model stores them, and plain/packed mixes; CSA, HCA, split-KV decode)
     runs the kernel -- ``supports`` takes it -- within the op's tolerance of the reference, and
     a key read alone comes back as exactly the reference's dequantised row."""

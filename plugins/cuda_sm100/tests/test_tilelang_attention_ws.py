@@ -100,6 +100,7 @@ def test_schedule_variants_cover_each_option_and_fit_the_registers():
     assert {s.next_queries for s in plain} == {False, True} == {s.next_queries for s in packed}
     assert all(s.words_in_flight == tlw.DEFAULT.words_in_flight and not s.one_multiply for s in plain)
     assert {s.words_in_flight for s in packed} == {1, 2} and {s.one_multiply for s in packed} == {False, True}
+    assert {s.vector_words for s in packed} == {False, True} and not any(s.vector_words for s in plain)
     for schedule in packed:
         producer, consumer = tlw.registers(_fp8_geometry(), schedule)
         assert producer + 2 * consumer <= 3 * (65536 // tlw.THREADS // 8 * 8)
@@ -181,10 +182,10 @@ def _fake_call(monkeypatch, tokens: int, packed: bool = False):
     record their launches: ``(call, launches, combines)``, a launch as ``(config, args)``."""
     launches, combines = [], []
 
-    def compiled(*config):
+    def compiled(*config, **options):
         if config[0] == "combine":
             return lambda *args: combines.append(args)
-        return lambda *args: launches.append((config, args))
+        return lambda *args: launches.append((config + tuple(options.values()), args))
 
     monkeypatch.setattr(tla, "_kernel", compiled)
     monkeypatch.setattr(tlw, "_kernel", compiled)
@@ -195,6 +196,40 @@ def _fake_call(monkeypatch, tokens: int, packed: bool = False):
     q = torch.randn(tokens, 64, 512).to(torch.bfloat16)
     indices = [torch.zeros(tokens, 128, dtype=torch.int64), torch.zeros(tokens, 512, dtype=torch.int64)]
     return (q, _pools(packed), indices, torch.zeros(64), 0.1), launches, combines
+
+
+def test_vector_words_take_packed_rows_on_16_bytes_and_refuse_others(monkeypatch):
+    """``vector_words`` launches on packed pools whose rows start on 16 bytes (every
+    :class:`Fp8KVPool` row: 592 bytes at V4-Flash's widths) and refuses, naming the rows, a pool
+    whose rows do not (a view one 8-byte word in)."""
+    call, launches, _ = _fake_call(monkeypatch, 64, True)
+    schedule = tlw.Schedule(vector_words=True)
+    tlw.sparse_attention(*call, schedule=schedule)
+    assert launches[-1][0][-1] == schedule
+    q, pools, indices, sinks, scale = call
+    shifted = Fp8KVPool(torch.zeros(9, 600, dtype=torch.uint8)[:, 8:], 512, 64)
+    with pytest.raises(ValueError, match="start on 16 bytes"):
+        tlw.sparse_attention(q, [shifted, *pools[1:]], indices, sinks, scale, schedule=schedule)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tilelang") is None, reason="TileLang is not installed")
+def test_vector_words_fetch_a_rows_words_in_16_byte_loads():
+    """Lowered for sm_90 (packed, paged, split): with ``vector_words`` the producer's word
+    loads of a row are nine 16-byte loads a block of words (chunks ``4k + quarter``, two words
+    each) and the scales' word, where the default has 18 8-byte word loads; each block's
+    conversion is the same 28 nope stores a thread-pair of words and 2 16-byte rope stores."""
+    fp8 = _fp8_geometry()
+    build = functools.partial(tlw.build_attention_ws, True, True, 64, 512, "bfloat16", fp8, True)
+    src = lowered_sm90(build(tlw.Schedule(vector_words=True)), tlw.pass_configs(fp8))
+    (body,) = set(loops_containing(src, "deepinfer_e4m3x8_store(("))
+    assert body.count("deepinfer_load16(") == 2 * 9 and "deepinfer_store8(" not in body
+    assert body.count("deepinfer_e4m3x8_store(") == 28 and body.count("deepinfer_store16(") == 4
+    default = lowered_sm90(build(tlw.DEFAULT), tlw.pass_configs(fp8))
+    assert "deepinfer_load16(" not in default.split("__global__")[-1]
+    with pytest.raises(ValueError, match="64-byte multiples"):
+        tlw.build_attention_ws(True, True, 64, 512, "bfloat16", tla.Fp8Geometry(480, 480, 544, 8), True,
+                               tlw.Schedule(vector_words=True))  # fmt: skip
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -34,7 +34,7 @@ there are (blocks past ``L_t`` are never visited).
 - :data:`KV_PLAIN`: rows ``[N, D]`` in q's dtype (fp32 / bf16 / fp16), loaded as they are;
 - :data:`KV_FP8_V4`: an :class:`~deepinfer_core.ops.kv_format.Fp8KVPool`, FlashMLA's V4 rows
   (``uint8 [N, row_bytes]``: ``D-R`` float8 e4m3 "nope" values, ``R`` bfloat16 rope values, one
-  UE8M0 scale byte per 64 nope values; 584 bytes per row on V4-Flash).  The kernel loads the
+  UE8M0 scale byte per 64 nope values; 592 bytes per row on V4-Flash).  The kernel loads the
   row bytes and dequantises in registers: nope ``= float(e4m3 byte) * 2**(scale byte - 127)``
   (the power of two built from the scale byte's bits), rope ``=`` the bfloat16 bits shifted
   into an fp32, both exact, then converted to q's dtype (exact too, barring underflow) -- the
