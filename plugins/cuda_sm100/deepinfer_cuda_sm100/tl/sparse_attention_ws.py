@@ -106,6 +106,8 @@ class Schedule:
             bytes.  Built for sm_90 offline: 36 16-byte loads and 3 8-byte ones in the
             producer where the default has 57 8-byte ones, the same 168 registers, and no
             stack on paged calls (the default spills 8 bytes there).
+        one_multiply: packed pools: one bf16x2 multiply a value pair where the group's scale
+            allows (scale byte 0..134: 2**(byte - 7) is a bfloat16) instead of two.
         lazy_rescale: a consumer rescales its output rows only where its row maxima grew (a
             factor of exactly 1 otherwise: a warp whose rows all kept their maxima skips it).
         staged_store: unsplit calls: each consumer writes its half of the output into the
@@ -600,7 +602,7 @@ def build_attention_ws(
                     T.access_ptr(k_s[slot, i, (2 * c + h) * 8], "r", 8),
                     words[2 * k + h],
                     words[WORDS],
-                    (FIRST + k) * 8,  # the chunk's scale byte: 64 values a chunk and a group
+                    (FIRST + k) * 8,  # the scale byte: a thread's k-th chunk lies in group k
                 )
         for k in T.unroll(NOPE_W // 8, (NOPE_W + ROPE_W) // 8, explicit=True):
             c = k * FP8_ROW_THREADS + quarter
@@ -612,7 +614,7 @@ def build_attention_ws(
                 words[2 * k + 1],
             )
 
-    fetch_words = fetch_vector if schedule.vector_words else fetch  # (produce_fp8_two's loads)
+    fetch_words = fetch_vector if schedule.vector_words else fetch  # (the producer's word loads)
 
     @T.macro
     def fill(k_s, slot, i, words, quarter, bar_ready):
