@@ -614,15 +614,13 @@ def build_attention_ws(
                 words[2 * k + 1],
             )
 
-    fetch_words = fetch_vector if schedule.vector_words else fetch  # (the producer's word loads)
+    # the producer's word loads and their conversion, by :attr:`Schedule.vector_words`
+    fetch_words, convert_words = (fetch_vector, convert_vector) if schedule.vector_words else (fetch, convert)
 
     @T.macro
     def fill(k_s, slot, i, words, quarter, bar_ready):
         """Dequantise the fetched block into ``slot`` and mark the slot full."""
-        if schedule.vector_words:
-            convert_vector(k_s, slot, i, words, quarter)
-        else:
-            convert(k_s, slot, i, words, quarter)
+        convert_words(k_s, slot, i, words, quarter)
         T.fence_proxy_async()  # the generic-proxy stores visible to the consumers' wgmma
         T.barrier_arrive(bar_ready[slot])
 
@@ -940,8 +938,9 @@ def sparse_attention(q, kv_pools, indices, sinks, scale, schedule: Schedule = DE
     kernel's: the Triton prologue, the pools' flat views, the combine; its own split plan,
     :func:`plan_splits`); ``schedule``: a variant of :class:`Schedule` (the op runs
     :data:`DEFAULT`)."""
-    plan = functools.partial(plan_splits, packed=sa.fp8_geometry(kv_pools) is not None)
-    if schedule.vector_words and sa.fp8_geometry(kv_pools) is not None:
+    packed = sa.fp8_geometry(kv_pools) is not None
+    plan = functools.partial(plan_splits, packed=packed)
+    if schedule.vector_words and packed:
         rows = [(p.data.data_ptr(), p.data.stride(0) * p.data.element_size()) for p in kv_pools]
         if any(start % 16 or stride % 16 for start, stride in rows):
             raise ValueError(
